@@ -1,0 +1,492 @@
+"""The public entry points: ``save``, ``load`` and ``read_metadata``.
+
+Both ``save`` and ``load`` are collective over a process group (a world of one when
+torch.distributed is not initialized). Every rank calls them with its own tree; planning runs
+on the coordinator (rank 0 of the group) and each phase ends in an agreement step, so a failure
+on any rank raises the same error on every rank instead of leaving one waiting.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import msgpack
+import numpy as np
+import torch
+
+from . import dtypes, errors
+from .exchange import (Comm, agree, error_record, exchange, raise_records,
+                       run_collectively)
+from .keys import encode_key, format_path
+from .metadata import (Manifest, TensorEntry, array_path_for, decode_manifest,
+                       encode_manifest)
+from .model import (Holding, ShardedObject, ShardedTensor, _dtensor_leaf, _is_dtensor,
+                    flatten_state, holding_pieces, piece_view)
+from .planner import (LocalPlan, PlanOptions, RankLoadWork, RankSaveWork, TensorLayout,
+                      plan_load, plan_save)
+from .storage import ArraySpec, StorageBackend, get_backend
+
+log = logging.getLogger("shardpoint")
+
+
+@dataclass
+class SaveOptions:
+    """Writer knobs for ``save`` (none of them changes what a reader must understand)."""
+
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    exchange_budget_bytes: int = 256 << 20
+
+
+@dataclass
+class SaveResult:
+    """What a save did, for logs and benchmarks (same on every rank except ``rank_*``)."""
+
+    path: str
+    world_size: int
+    tensors: int
+    unique_bytes: int
+    exchange_bytes: int
+    chunks: int
+    rank_bytes_written: int
+    timings: dict
+
+
+@dataclass
+class LoadReport:
+    """Filled by ``load(..., report=...)``: what ``like`` asked for that the checkpoint lacks
+    (``missing_keys``, only with ``strict=False``) and what it has that was not asked for."""
+
+    missing_keys: list = field(default_factory=list)
+    unexpected_keys: list = field(default_factory=list)
+    rank_bytes_read: int = 0
+    exchange_bytes: int = 0
+    timings: dict = field(default_factory=dict)
+
+
+# -------------------------------------------------------------------------------- helpers
+def _box_view(view: torch.Tensor, base_off: tuple, box_off: tuple, box_shape: tuple):
+    if not box_shape:
+        return view
+    return view[tuple(slice(b - o, b - o + s) for o, b, s in zip(base_off, box_off, box_shape))]
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    return dtypes.torch_to_numpy(t)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with ``t``'s contents: ``t`` itself, or a pinned staging copy."""
+    if t.device.type == "cpu":
+        return t
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    pinned.copy_(t, non_blocking=True)
+    return pinned
+
+
+# -------------------------------------------------------------------------------- save
+def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
+         backend: Optional[StorageBackend] = None,
+         options: Optional[SaveOptions] = None) -> SaveResult:
+    """Save ``state`` (a nested dict/list/tuple) as a checkpoint at ``path``. Collective.
+
+    Leaves: torch tensors and numpy arrays (replicas across ranks), :class:`ShardedTensor`,
+    DTensor, :class:`ShardedObject` and plain values (None, bool, int, float, str, bytes).
+    The checkpoint becomes visible only once every rank has written its part; on any failure
+    every rank raises and nothing is committed (a previous checkpoint at ``path`` survives).
+    """
+    comm, be = Comm(group), get_backend(backend)
+    opts = options or SaveOptions()
+    times: dict = {}
+    t0 = time.perf_counter()
+    path = str(path)
+    flat_box: dict = {}
+
+    def local() -> bytes:
+        flat = flatten_state(state, replica=(comm.rank,))
+        flat_box["flat"] = flat
+        lp = LocalPlan(comm.rank, flat.tree, [t.holding for t in flat.tensors],
+                       [(o.key, o.index, o.count, o.replica, o.value) for o in flat.objects])
+        return lp.to_bytes()
+
+    plan_box: dict = {}
+
+    def decide(payloads: list) -> list:
+        t = time.perf_counter()
+        plans = [LocalPlan.from_bytes(b) for b in payloads]
+        plan = plan_save(plans, opts.plan)
+        times["plan"] = time.perf_counter() - t
+        if be.checkpoint_state(path) == "committed" and not overwrite:
+            raise errors.CheckpointExistsError(f"a checkpoint already exists at {path!r}; pass "
+                                               "overwrite=True to replace it")
+        staging = be.staging_path(path, secrets.token_hex(6))
+        be.begin_save(staging)
+        plan_box["plan"], plan_box["staging"] = plan, staging
+        layouts = {k: [list(v.shape), v.dtype, list(v.chunk_shape)]
+                   for k, v in plan.tensors.items()}
+        out = []
+        for w in plan.ranks:
+            keys = {c.key for c in w.writes} | set(w.create)
+            out.append(msgpack.packb([staging, w.to_bytes(),
+                                      {k: layouts[k] for k in keys}, plan.stats]))
+        return out
+
+    msg = run_collectively(comm, local, decide, errors.InvalidShardingError)
+    staging, work_b, layouts, stats = msgpack.unpackb(msg, strict_map_key=False)
+    work = RankSaveWork.from_bytes(work_b)
+    times["plan_total"] = time.perf_counter() - t0
+
+    err: Optional[BaseException] = None
+    written = 0
+    try:
+        t = time.perf_counter()
+        written = _execute_save(comm, be, flat_box["flat"], work, staging, layouts, opts)
+        times["write"] = time.perf_counter() - t
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it
+        err = e
+        log.error("shardpoint save: rank %d failed: %s", comm.rank, e)
+
+    def commit_local() -> bytes:
+        if err is not None:
+            raise err if isinstance(err, errors.ShardpointError) else errors.SaveFailedError(
+                f"{type(err).__name__}: {err}")
+        return b""
+
+    def commit(_payloads: list) -> list:
+        plan = plan_box["plan"]
+        try:
+            m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
+                                                    v.chunk_shape)
+                                     for k, v in plan.tensors.items()},
+                         plan.objects, save_world_size=comm.size)
+            be.write_manifest(staging, encode_manifest(m))
+            be.commit(staging, path, overwrite=overwrite)
+        except BaseException:
+            be.abort(staging)
+            raise
+        return [b""] * comm.size
+
+    t = time.perf_counter()
+    try:
+        run_collectively(comm, commit_local, commit, errors.SaveFailedError)
+    except errors.ShardpointError:
+        if comm.is_coordinator and "staging" in plan_box:
+            be.abort(plan_box["staging"])
+        raise
+    times["commit"] = time.perf_counter() - t
+    times["total"] = time.perf_counter() - t0
+    return SaveResult(path, comm.size, stats["tensors"], stats["unique_bytes"],
+                      stats["exchange_bytes"], stats["chunks"], written, times)
+
+
+def _execute_save(comm: Comm, be: StorageBackend, flat, work: RankSaveWork, staging: str,
+                  layouts: dict, opts: SaveOptions) -> int:
+    tensors = flat.tensors
+    pieces_cache: dict = {}
+
+    def src_view(hidx: int, pidx: int) -> tuple:
+        lt = tensors[hidx]
+        if hidx not in pieces_cache:
+            pieces_cache[hidx] = holding_pieces(lt.holding)
+        p = pieces_cache[hidx][pidx]
+        return piece_view(lt.data.detach(), p), p.offset
+
+    handles: dict = {}
+
+    def handle(key: str):
+        if key not in handles:
+            shape, dt, chunk = layouts[key]
+            handles[key] = be.open_array_for_write(staging, array_path_for(key),
+                                                   ArraySpec(tuple(shape), dt, tuple(chunk)))
+        return handles[key]
+
+    for key in work.create:
+        handle(key)
+    buffers: list = []
+    for cw in work.writes:
+        if cw.direct is not None:
+            buffers.append(None)
+            continue
+        dt = dtypes.from_name(layouts[cw.key][1]).torch
+        buf = torch.empty(cw.shape, dtype=dt)
+        for hidx, pidx, bo, bs in cw.local:
+            v, off = src_view(hidx, pidx)
+            _box_view(buf, cw.offset, bo, bs).copy_(_box_view(v, off, bo, bs))
+        buffers.append(buf)
+    sends = []
+    for t in work.sends:
+        v, off = src_view(*t.src_ref)
+        sends.append((t.dst, _box_view(v, off, t.box_offset, t.box_shape)))
+    recvs = [(t.src, _box_view(buffers[t.dst_ref[0]], work.writes[t.dst_ref[0]].offset,
+                               t.box_offset, t.box_shape)) for t in work.recvs]
+    exchange(comm, sends, recvs, opts.exchange_budget_bytes)
+    ops, keep, written = [], [], 0
+    for cw, buf in zip(work.writes, buffers):
+        if buf is None:
+            v, off = src_view(*cw.direct)
+            buf = _host(_box_view(v, off, cw.offset, cw.shape))
+        arr = _to_numpy(buf)
+        keep.append(arr)
+        written += arr.nbytes
+        ops.append(be.write(handle(cw.key), cw.offset, arr))
+    be.wait(ops)
+    return written
+
+
+# -------------------------------------------------------------------------------- load
+def read_metadata(path: str, *, backend: Optional[StorageBackend] = None) -> Manifest:
+    """The checkpoint's manifest: tree, keys, shapes, dtypes, chunk grids, format version."""
+    be = get_backend(backend)
+    return decode_manifest(be.read_manifest(str(path)))
+
+
+@dataclass
+class _Target:
+    holding: Holding
+    data: torch.Tensor      # tensor filled in place (full tensor, local piece or flat data)
+
+
+def _collect_targets(like: Any, m: Manifest, strict: bool, report: LoadReport, rank: int):
+    """Walk ``like`` against the manifest: the tensors to fill and a function building the
+    returned tree once they are filled."""
+    targets: list = []
+
+    def missing(what: str) -> None:
+        if strict:
+            raise errors.LayoutMismatchError(
+                f"{what} is not in the checkpoint (pass strict=False to skip it)",
+                spec_id="SP-LOAD-1")
+        report.missing_keys.append(what)
+
+    def tensor_target(key: str, h: Holding, data: torch.Tensor) -> None:
+        e = m.tensors[key]
+        if h.global_shape != e.shape or h.dtype != e.dtype:
+            raise errors.LayoutMismatchError(
+                f"key {key!r}: checkpoint has shape {e.shape} dtype {e.dtype}, the target "
+                f"expects shape {h.global_shape} dtype {h.dtype}", spec_id="SP-LOAD-1")
+        targets.append(_Target(h, data))
+
+    def walk(x: Any, path: tuple) -> Any:
+        if isinstance(x, dict):
+            out = {k: walk(v, path + (k,)) for k, v in x.items()}
+            if type(x) is dict:
+                return out
+            try:
+                return type(x)(out)
+            except TypeError:
+                return out
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            seq = [walk(v, path + (i,)) for i, v in enumerate(x)]
+            return type(x)(seq) if isinstance(x, tuple) else seq
+        key = encode_key(path)
+        where = f"state{format_path(path)}"
+        is_tensor = isinstance(x, (torch.Tensor, np.ndarray, ShardedTensor))
+        if is_tensor and key not in m.tensors:
+            missing(f"tensor {key!r}")
+            return x
+        if isinstance(x, ShardedTensor):
+            d = dtypes.from_torch(x.data.dtype, where)
+            tensor_target(key, Holding(key, d.name, x.global_shape, x.global_offset,
+                                       x.local_shape, x.flattened_range, (0,)), x.data)
+            return x.data
+        if _is_dtensor(x):
+            lt = _dtensor_leaf(x, key, where)
+            tensor_target(key, lt.holding, lt.data)
+            return x
+        if isinstance(x, torch.Tensor):
+            d = dtypes.from_torch(x.dtype, where)
+            shp = tuple(x.shape)
+            tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)), x)
+            return x
+        if isinstance(x, np.ndarray):
+            if not x.flags.writeable:
+                raise errors.LayoutMismatchError(f"{where}: numpy target is read-only")
+            d = dtypes.from_numpy(x.dtype, where)
+            shp = tuple(x.shape)
+            tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)),
+                          dtypes.numpy_to_torch(x))
+            return x
+        if isinstance(x, ShardedObject):
+            if key not in m.objects:
+                missing(f"sharded object {key!r}")
+                return x.value
+            vals = m.objects[key]
+            if len(vals) != x.count:
+                raise errors.LayoutMismatchError(
+                    f"sharded object {key!r}: checkpoint has count {len(vals)}, the target "
+                    f"asks for index {x.index} of count {x.count}", spec_id="SP-OBJ-2")
+            return vals[x.index]
+        stored = _value_at(m.tree, path)
+        if stored is None:
+            missing(f"value {key!r}")
+            return x
+        return stored[0]
+
+    built = walk(like, ())
+    asked = {t.holding.key for t in targets}
+    report.unexpected_keys = sorted(k for k in m.tensors if k not in asked)
+    return targets, built
+
+
+def _value_at(tree: Any, path: tuple) -> Optional[tuple]:
+    node = tree
+    for c in path:
+        if "dict" in node:
+            node = dict((k, v) for k, v in node["dict"]).get(c)
+        elif "list" in node or "tuple" in node:
+            seq = node.get("list", node.get("tuple"))
+            node = seq[c] if isinstance(c, int) and 0 <= c < len(seq) else None
+        else:
+            node = None
+        if node is None:
+            return None
+    return (node["value"],) if "value" in node else None
+
+
+def _full_targets(m: Manifest) -> tuple:
+    """Targets and tree for a load without ``like``: every tensor in full, on CPU."""
+    targets: dict = {}
+    for key, e in m.tensors.items():
+        t = torch.empty(e.shape, dtype=dtypes.from_name(e.dtype).torch)
+        targets[key] = _Target(Holding(key, e.dtype, e.shape, (0,) * len(e.shape), e.shape,
+                                       None, (0,)), t)
+
+    def build(node: Any) -> Any:
+        if "dict" in node:
+            return {k: build(v) for k, v in node["dict"]}
+        if "list" in node:
+            return [build(v) for v in node["list"]]
+        if "tuple" in node:
+            return tuple(build(v) for v in node["tuple"])
+        if "value" in node:
+            return node["value"]
+        if "object" in node:
+            return list(m.objects[node["object"]])
+        t = targets[node["tensor"]].data
+        return dtypes.torch_to_numpy(t) if node.get("origin") == "numpy" else t
+
+    return list(targets.values()), build(m.tree)
+
+
+def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
+         backend: Optional[StorageBackend] = None, report: Optional[LoadReport] = None,
+         exchange_budget_bytes: int = 256 << 20) -> Any:
+    """Load a checkpoint. Collective over ``group``.
+
+    Without ``like``: the whole tree, tensors in full on CPU (numpy arrays come back as numpy;
+    a sharded object comes back as the list of its values). With ``like``: the tensors of
+    ``like`` (plain, :class:`ShardedTensor`, DTensor, numpy) are filled in place from whatever
+    layout the checkpoint was saved in, and the returned tree has the loaded values in
+    place of plain values; a ``ShardedTensor`` leaf becomes its filled ``data`` and a
+    ``ShardedObject`` leaf becomes its stored value. Keys of the checkpoint that ``like`` does
+    not ask for are not read.
+    """
+    comm, be = Comm(group), get_backend(backend)
+    report = report if report is not None else LoadReport()
+    t0 = time.perf_counter()
+    path = str(path)
+    mbytes = b""
+    if comm.is_coordinator:
+        try:
+            mbytes = b"\x00" + be.read_manifest(path)
+        except errors.ShardpointError as e:
+            mbytes = b"\x01" + msgpack.packb([error_record(e, 0)])
+    mbytes = comm.broadcast_bytes(mbytes)
+    if mbytes[:1] == b"\x01":
+        raise_records(msgpack.unpackb(mbytes[1:]))
+    m_box: dict = {}
+    tgt_box: dict = {}
+
+    def local() -> bytes:
+        m = decode_manifest(mbytes[1:])
+        m_box["m"] = m
+        if like is None:
+            targets, built = _full_targets(m)
+        else:
+            targets, built = _collect_targets(like, m, strict, report, comm.rank)
+        tgt_box["t"], tgt_box["built"] = targets, built
+        return msgpack.packb([t.holding.to_wire() for t in targets])
+
+    def decide(payloads: list) -> list:
+        m = decode_manifest(mbytes[1:])
+        layouts = {k: TensorLayout(k, e.shape, e.dtype, e.chunk_shape)
+                   for k, e in m.tensors.items()}
+        reqs = [[Holding.from_wire(w) for w in msgpack.unpackb(p)] for p in payloads]
+        return [w.to_bytes() for w in plan_load(reqs, layouts)]
+
+    work = RankLoadWork.from_bytes(run_collectively(comm, local, decide,
+                                                    errors.LayoutMismatchError))
+    report.timings["plan"] = time.perf_counter() - t0
+    err: Optional[BaseException] = None
+    try:
+        t = time.perf_counter()
+        report.rank_bytes_read, report.exchange_bytes = _execute_load(
+            comm, be, path, m_box["m"], tgt_box["t"], work, exchange_budget_bytes)
+        report.timings["read"] = time.perf_counter() - t
+    except Exception as e:  # noqa: BLE001
+        err = e
+    agree(comm, err, errors.LoadFailedError)
+    report.timings["total"] = time.perf_counter() - t0
+    if report.missing_keys:
+        log.warning("shardpoint load: %d key(s) not in the checkpoint were skipped: %s",
+                    len(report.missing_keys), report.missing_keys[:10])
+    return tgt_box["built"]
+
+
+def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, targets: list,
+                  work: RankLoadWork, budget: int) -> tuple:
+    pieces_cache: dict = {}
+
+    def dst_view(q: int, pi: int) -> tuple:
+        tg = targets[q]
+        if q not in pieces_cache:
+            pieces_cache[q] = holding_pieces(tg.holding)
+        p = pieces_cache[q][pi]
+        return piece_view(tg.data, p), p.offset
+
+    handles: dict = {}
+
+    def handle(key: str):
+        if key not in handles:
+            e = m.tensors[key]
+            handles[key] = be.open_array_for_read(path, e.array, e.spec, key)
+        return handles[key]
+
+    ops, bufs, post = [], [], []
+    nread = 0
+    for op in work.reads:
+        dt = dtypes.from_name(m.tensors[op.key].dtype).torch
+        if op.direct is not None:
+            v, off = dst_view(*op.direct)
+            v = _box_view(v, off, op.offset, op.shape)
+            if v.device.type == "cpu":
+                buf = v
+            else:
+                buf = torch.empty(op.shape, dtype=dt, pin_memory=torch.cuda.is_available())
+                post.append((v, buf))
+            bufs.append(None)
+        else:
+            buf = torch.empty(op.shape, dtype=dt)
+            bufs.append(buf)
+        nread += buf.numel() * buf.element_size()
+        ops.append(be.read_into(handle(op.key), op.offset, _to_numpy(buf)))
+    be.wait(ops)
+    for v, buf in post:
+        v.copy_(buf, non_blocking=True)
+    for op, buf in zip(work.reads, bufs):
+        for q, pi, bo, bs in op.local:
+            v, off = dst_view(q, pi)
+            _box_view(v, off, bo, bs).copy_(_box_view(buf, op.offset, bo, bs))
+    sends = [(t.dst, _box_view(bufs[t.src_ref[0]], work.reads[t.src_ref[0]].offset,
+                               t.box_offset, t.box_shape)) for t in work.sends]
+    recvs = []
+    for t in work.recvs:
+        v, off = dst_view(*t.dst_ref)
+        recvs.append((t.src, _box_view(v, off, t.box_offset, t.box_shape)))
+    exchange(comm, sends, recvs, budget)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    moved = sum(v.numel() * v.element_size() for _, v in sends)
+    return nread, moved

@@ -1,0 +1,59 @@
+"""Every exception shardpoint raises on purpose, in one place.
+
+All derive from :class:`ShardpointError`, so callers can catch the family. Messages name the
+key, what was expected, what was found and, where there is one, the fix. ``spec_id`` carries
+the requirement ID of ``spec/format.md`` that the failure violates, when there is one.
+"""
+from __future__ import annotations
+
+
+class ShardpointError(Exception):
+    """Base class of every error shardpoint raises deliberately."""
+
+    def __init__(self, message: str, *, spec_id: str | None = None) -> None:
+        self.spec_id = spec_id
+        super().__init__(f"[{spec_id}] {message}" if spec_id else message)
+
+
+class CheckpointNotFoundError(ShardpointError, FileNotFoundError):
+    """The path does not exist, or holds nothing that looks like a checkpoint."""
+
+
+class CheckpointExistsError(ShardpointError, FileExistsError):
+    """``save(..., overwrite=False)`` found a committed checkpoint at the target path."""
+
+
+class IncompleteCheckpointError(ShardpointError):
+    """The directory exists but has no manifest: the save never committed (or is still running)."""
+
+
+class CorruptCheckpointError(ShardpointError):
+    """Stored bytes fail a check: checksum mismatch, missing or truncated chunk, bad manifest."""
+
+
+class UnsupportedFormatError(ShardpointError):
+    """The checkpoint uses a format version or a must-understand feature this reader lacks."""
+
+
+class InvalidKeyError(ShardpointError, ValueError):
+    """A tree path cannot be encoded as a key (empty, '.', '..', or escapes the directory)."""
+
+
+class UnsupportedValueError(ShardpointError, TypeError):
+    """A leaf of the state tree is of a type the format cannot store without pickle."""
+
+
+class InvalidShardingError(ShardpointError, ValueError):
+    """The ranks' holdings break the replica or coverage rules (overlap, gap, disagreement)."""
+
+
+class LayoutMismatchError(ShardpointError, ValueError):
+    """What ``like`` asks for does not match the checkpoint (missing key, shape, dtype, count)."""
+
+
+class SaveFailedError(ShardpointError):
+    """Some rank failed while saving; nothing was committed. The message names the rank(s)."""
+
+
+class LoadFailedError(ShardpointError):
+    """Some rank failed while loading; the message names the rank(s) and their errors."""

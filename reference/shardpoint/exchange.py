@@ -1,0 +1,234 @@
+"""The only module that talks to ``torch.distributed``: control messages and region exchange.
+
+Control data (plans, statuses) travels as msgpack bytes in uint8 tensors, never as pickled
+objects. Regions move with ``all_to_all_single`` over packed uint8 buffers, in rounds bounded
+by a per-rank byte budget. Without an initialized process group everything degenerates to a
+world of one, so single-process use needs no setup.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from . import errors
+
+
+class Comm:
+    """A process group seen as ranks 0..size-1; rank 0 is the coordinator."""
+
+    def __init__(self, group: Optional[Any] = None) -> None:
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(group)
+            self.size = dist.get_world_size(group)
+            backend = dist.get_backend(group)
+            self.device = (torch.device("cuda", torch.cuda.current_device())
+                           if "nccl" in str(backend).lower() else torch.device("cpu"))
+        else:
+            if group is not None:
+                raise errors.ShardpointError("a process group was given but torch.distributed "
+                                             "is not initialized")
+            self.rank, self.size, self.device = 0, 1, torch.device("cpu")
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def _u8(self, b: bytes, n: int) -> torch.Tensor:
+        t = torch.zeros(n, dtype=torch.uint8)
+        if b:
+            t[:len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+        return t.to(self.device)
+
+    def _sizes(self, n: int) -> list:
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
+        out = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
+        dist.all_gather(out, t, group=self.group)
+        return [int(x.item()) for x in out]
+
+    def all_gather_bytes(self, b: bytes) -> list:
+        if self.size == 1:
+            return [b]
+        sizes = self._sizes(len(b))
+        m = max(sizes)
+        out = [torch.zeros(m, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        dist.all_gather(out, self._u8(b, m), group=self.group)
+        return [bytes(o[:s].cpu().numpy()) for o, s in zip(out, sizes)]
+
+    def gather_bytes(self, b: bytes) -> Optional[list]:
+        """Every rank's bytes on the coordinator (None elsewhere)."""
+        if self.size == 1:
+            return [b]
+        sizes = self._sizes(len(b))
+        m = max(sizes)
+        if self.is_coordinator:
+            out = [torch.zeros(m, dtype=torch.uint8, device=self.device)
+                   for _ in range(self.size)]
+            dist.gather(self._u8(b, m), out, dst=self._global(0), group=self.group)
+            return [bytes(o[:s].cpu().numpy()) for o, s in zip(out, sizes)]
+        dist.gather(self._u8(b, m), None, dst=self._global(0), group=self.group)
+        return None
+
+    def broadcast_bytes(self, b: Optional[bytes]) -> bytes:
+        if self.size == 1:
+            return b or b""
+        n = torch.tensor([len(b) if self.is_coordinator else 0], dtype=torch.int64,
+                         device=self.device)
+        dist.broadcast(n, src=self._global(0), group=self.group)
+        t = self._u8(b if self.is_coordinator else b"", int(n.item()))
+        dist.broadcast(t, src=self._global(0), group=self.group)
+        return bytes(t.cpu().numpy())
+
+    def scatter_bytes(self, parts: Optional[Sequence[bytes]]) -> bytes:
+        """Part ``i`` of the coordinator's list to rank ``i``."""
+        if self.size == 1:
+            return parts[0]
+        sizes = torch.tensor([len(p) for p in parts] if self.is_coordinator
+                             else [0] * self.size, dtype=torch.int64, device=self.device)
+        dist.broadcast(sizes, src=self._global(0), group=self.group)
+        m = int(sizes.max().item())
+        out = torch.zeros(m, dtype=torch.uint8, device=self.device)
+        ins = [self._u8(p, m) for p in parts] if self.is_coordinator else None
+        dist.scatter(out, ins, src=self._global(0), group=self.group)
+        return bytes(out[:int(sizes[self.rank].item())].cpu().numpy())
+
+    def all_to_all(self, send: list, recv_sizes: list) -> list:
+        """Send ``send[d]`` (1-D uint8 tensor) to rank d; receive ``recv_sizes[s]`` bytes from
+        each rank s. Returns the received buffers, one per source rank."""
+        if self.size == 1:
+            return [send[0]]
+        ins = [s.to(self.device) for s in send]
+        inp = torch.cat(ins) if ins else torch.empty(0, dtype=torch.uint8, device=self.device)
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        dist.all_to_all_single(out, inp, output_split_sizes=list(recv_sizes),
+                               input_split_sizes=[int(s.numel()) for s in send], group=self.group)
+        return list(torch.split(out, list(recv_sizes)))
+
+
+# ---------------------------------------------------------------------- errors across ranks
+def error_record(e: BaseException, rank: int) -> list:
+    cls = type(e).__name__ if isinstance(e, errors.ShardpointError) else "ShardpointError"
+    msg = str(e) if isinstance(e, errors.ShardpointError) else f"{type(e).__name__}: {e}"
+    return [cls, rank, msg, getattr(e, "spec_id", None)]
+
+
+def raise_records(records: list, fallback: type = errors.ShardpointError) -> None:
+    """Raise one error for the failures of some ranks, of the first failure's class."""
+    if not records:
+        return
+    cls_name, rank, msg, sid = records[0]
+    cls = getattr(errors, cls_name, fallback)
+    if not (isinstance(cls, type) and issubclass(cls, errors.ShardpointError)):
+        cls = fallback
+    more = f" (and {len(records) - 1} other rank(s) failed)" if len(records) > 1 else ""
+    text = msg.split("] ", 1)[1] if sid and msg.startswith(f"[{sid}]") else msg
+    prefix = f"rank {rank}: " if len(records) > 1 or rank != 0 else ""
+    raise cls(prefix + text + more, spec_id=sid)
+
+
+def agree(comm: Comm, err: Optional[BaseException], fallback: type) -> None:
+    """Collective: every rank learns of every rank's failure and raises the same error."""
+    rec = [] if err is None else [error_record(err, comm.rank)]
+    recs = [r for b in comm.all_gather_bytes(msgpack.packb(rec)) for r in msgpack.unpackb(b)]
+    if recs:
+        raise_records(recs, fallback)
+    if err is not None:  # pragma: no cover - recs contains it
+        raise err
+
+
+def run_collectively(comm: Comm, local: Callable[[], bytes],
+                     decide: Callable[[list], list], fallback: type) -> bytes:
+    """Gather each rank's ``local()`` bytes to the coordinator, let it ``decide`` one answer
+    per rank, scatter the answers. Any failure, local or in ``decide``, is raised on every
+    rank as the same error, so no rank is left waiting in a collective."""
+    try:
+        mine = msgpack.packb([0, local()])
+    except Exception as e:  # noqa: BLE001 - forwarded to every rank
+        mine = msgpack.packb([1, error_record(e, comm.rank)])
+    got = comm.gather_bytes(mine)
+    parts = None
+    if comm.is_coordinator:
+        items = [msgpack.unpackb(g) for g in got]
+        failed = [rec for status, rec in items if status]
+        if failed:
+            parts = [msgpack.packb([1, failed])] * comm.size
+        else:
+            try:
+                parts = [msgpack.packb([0, p]) for p in decide([b for _, b in items])]
+            except Exception as e:  # noqa: BLE001
+                parts = [msgpack.packb([1, [error_record(e, 0)]])] * comm.size
+    status, payload = msgpack.unpackb(comm.scatter_bytes(parts))
+    if status:
+        raise_records(payload, fallback)
+    return payload
+
+
+def pack_views(views: list) -> torch.Tensor:
+    """Concatenate tensors' bytes (row-major) into one uint8 tensor."""
+    if not views:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat([v.contiguous().reshape(-1).view(torch.uint8) for v in views])
+
+
+def unpack_into(buf: torch.Tensor, dsts: list) -> None:
+    """Fill each destination view, in order, from consecutive bytes of ``buf``."""
+    pos = 0
+    for d in dsts:
+        n = d.numel() * d.element_size()
+        src = buf[pos:pos + n].to(d.device).view(d.dtype).view(d.shape)
+        d.copy_(src)
+        pos += n
+
+
+def exchange(comm: Comm, sends: list, recvs: list, budget: int) -> None:
+    """Move regions: ``sends`` = [(dst, tensor view)], ``recvs`` = [(src, destination view)],
+    both in the plan's global transfer order. Rounds keep each rank's traffic near ``budget``
+    bytes; the round count is agreed collectively so every rank calls the collective as often.
+    """
+    if comm.size == 1:
+        return
+
+    def rounds(items: list) -> list:
+        out, cur, size = [], [], 0
+        for it in items:
+            n = it[1].numel() * it[1].element_size()
+            if cur and size + n > budget:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(it)
+            size += n
+        if cur:
+            out.append(cur)
+        return out
+
+    # Rounds are cut per (src, dst) pair on both sides identically: both sides see the same
+    # sequence of transfers for that pair, in the same order.
+    def by_peer(items: list) -> dict:
+        d: dict = {}
+        for peer, v in items:
+            d.setdefault(peer, []).append((peer, v))
+        return {p: rounds(v) for p, v in d.items()}
+
+    sp, rp = by_peer(sends), by_peer(recvs)
+    mine = max([len(v) for v in sp.values()] + [len(v) for v in rp.values()] + [0])
+    total = torch.tensor([mine], dtype=torch.int64, device=comm.device)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=comm.group)
+    for k in range(int(total.item())):
+        send_bufs, recv_sizes, recv_views = [], [], []
+        for peer in range(comm.size):
+            s = sp.get(peer, [])
+            send_bufs.append(pack_views([v for _, v in s[k]]) if k < len(s)
+                             else torch.empty(0, dtype=torch.uint8))
+            r = rp.get(peer, [])
+            views = [v for _, v in r[k]] if k < len(r) else []
+            recv_views.append(views)
+            recv_sizes.append(sum(v.numel() * v.element_size() for v in views))
+        got = comm.all_to_all(send_bufs, recv_sizes)
+        for buf, views in zip(got, recv_views):
+            unpack_into(buf, views)
