@@ -1,0 +1,1 @@
+"""shardpoint conformance suite: round trips across world sizes, fault cases, adapters."""
