@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -93,9 +93,9 @@ class ShardedObject:
         return f"ShardedObject(index={self.index}, count={self.count}, value={self.value!r})"
 
 
-@dataclass(frozen=True)
-class Holding:
-    """Metadata of one rank's piece of tensor ``key`` (what the planner sees)."""
+class Holding(NamedTuple):
+    """Metadata of one rank's piece of tensor ``key`` (what the planner sees). A named tuple:
+    planning handles millions of them, and they travel as plain msgpack arrays."""
 
     key: str
     dtype: str
@@ -120,7 +120,7 @@ class Holding:
                 list(self.shape), list(self.flat) if self.flat else None, list(self.replica)]
 
     @staticmethod
-    def from_wire(w: list) -> "Holding":
+    def from_wire(w: Sequence) -> "Holding":
         k, d, g, o, s, f, r = w
         return Holding(k, d, tuple(g), tuple(o), tuple(s), tuple(f) if f else None, tuple(r))
 

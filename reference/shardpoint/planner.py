@@ -41,14 +41,16 @@ class LocalPlan:
     objects: list           # [(key, index, count, replica tuple, value)]
 
     def to_bytes(self) -> bytes:
-        return values.pack([self.rank, self.tree, [h.to_wire() for h in self.holdings],
-                            [list(o) for o in self.objects]])
+        hs = msgpack.packb([h.to_wire() for h in self.holdings])
+        return values.pack([self.rank, self.tree, hs, [list(o) for o in self.objects]])
 
     @staticmethod
     def from_bytes(b: bytes) -> "LocalPlan":
         rank, tree, hs, objs = values.unpack(b)
-        return LocalPlan(rank, tree, [Holding.from_wire(h) for h in hs],
-                         [(k, i, c, tuple(r), v) for k, i, c, r, v in objs])
+        # Holdings decode straight into tuples (use_list=False): no per-field conversion.
+        make = Holding._make
+        holdings = [make(w) for w in msgpack.unpackb(hs, use_list=False)]
+        return LocalPlan(rank, tree, holdings, [(k, i, c, tuple(r), v) for k, i, c, r, v in objs])
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,12 @@ def _gcd_grid(shape: tuple, boxes: list) -> tuple:
     return tuple(out)
 
 
+def _max_extent_grid(shape: tuple, boxes: list) -> tuple:
+    """Chunk extent = the largest box extent per dimension: the ceil-div grid of uneven
+    splits (pieces of 4001 and 4000 rows give chunks of 4001 rows; little moves)."""
+    return tuple(max([s[d] for _, s in boxes] or [n]) or 1 for d, n in enumerate(shape))
+
+
 def _held_bytes(shape, chunk, regions) -> tuple:
     """(bytes to move, chunks) if each chunk is written by the rank holding most of it."""
     per_chunk: dict = defaultdict(lambda: defaultdict(int))
@@ -249,22 +257,17 @@ def plan_chunk_grid(shape: tuple, itemsize: int, regions: list, blocks: list,
     if aligned is not None:
         cands.add(aligned)
     cands.add(_split_large(shape, _gcd_grid(shape, boxes), itemsize, opts.max_chunk_bytes))
-    block = _gcd_grid(shape, blocks)
-    cands.add(_split_large(shape, block, itemsize, opts.max_chunk_bytes))
-    per_block = max(1, round(len(boxes) / max(1, _grid_chunks(shape, block))))
-    for k in {per_block, max(1, per_block // 2), per_block * 2}:
-        slab = list(block)
-        for d in range(len(slab)):
-            if slab[d] > 1:
-                want = max(1, -(-slab[d] // k))
-                if block[d] < shape[d]:
-                    want = max(v for v in range(1, slab[d] + 1)
-                               if slab[d] % v == 0 and v <= want) if slab[d] <= 1 << 16 \
-                        else slab[d]
-                slab[d] = want
-                break
-        cands.add(_split_large(shape, tuple(slab), itemsize, opts.max_chunk_bytes))
     cands.add(_split_large(shape, tuple(shape), itemsize, opts.max_chunk_bytes))
+    for base in (_gcd_grid(shape, blocks), _max_extent_grid(shape, blocks)):
+        cands.add(_split_large(shape, base, itemsize, opts.max_chunk_bytes))
+        per_block = max(1, round(len(boxes) / max(1, _grid_chunks(shape, base))))
+        for k in {max(1, per_block // 2)} | {per_block * f for f in (1, 2, 4, 8, 16)}:
+            slab = list(base)
+            for d in range(len(slab)):
+                if slab[d] > 1:
+                    slab[d] = -(-slab[d] // k)
+                    break
+            cands.add(_split_large(shape, tuple(slab), itemsize, opts.max_chunk_bytes))
     best, best_cost = None, None
     for c in sorted(cands):
         n = _grid_chunks(shape, c)

@@ -1,0 +1,157 @@
+"""Planning cost at scale: build the local plans of a simulated Megatron-style job in one
+process and time the coordinator's global save and load planning.
+
+Default: 4,096 ranks = TP 8 x PP 4 x DP 128, 80 layers x 12 params (+ embeddings, ~1,000
+tensors), bf16 weights replicated across DP, fp32 master/exp_avg/exp_avg_sq as distributed-
+optimizer flattened ranges (each stage's parameters concatenated per TP rank, the buffer cut
+into DP equal ranges). Prints planning time, peak memory, gathered-plan and manifest sizes.
+
+    python benchmarks/plan_scale.py                 # the 4,096-rank job
+    python benchmarks/plan_scale.py --dp 8 --layers 8   # quick look
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import time
+import tracemalloc
+
+from shardpoint.metadata import Manifest, TensorEntry, array_path_for, encode_manifest
+from shardpoint.model import Holding
+from shardpoint.planner import LocalPlan, TensorLayout, plan_load, plan_save
+
+
+def layer_params(h: int, tp: int) -> list:
+    """(name, global shape, sharded dim or None) of one transformer layer."""
+    return [
+        ("ln1.w", (h,), None), ("ln1.b", (h,), None),
+        ("qkv.w", (3 * h, h), 0), ("qkv.b", (3 * h,), 0),
+        ("proj.w", (h, h), 1), ("proj.b", (h,), None),
+        ("ln2.w", (h,), None), ("ln2.b", (h,), None),
+        ("fc1.w", (4 * h, h), 0), ("fc1.b", (4 * h,), 0),
+        ("fc2.w", (h, 4 * h), 1), ("fc2.b", (h,), None),
+    ]
+
+
+def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int) -> list:
+    per_stage = layers // pp
+    plans = []
+    stage_params = []
+    for s in range(pp):
+        ps = []
+        if s == 0:
+            ps.append(("embed.w", (vocab, h), 0))
+        for li in range(s * per_stage, (s + 1) * per_stage):
+            ps += [(f"layers.{li}.{n}", shp, d) for n, shp, d in layer_params(h, tp)]
+        if s == pp - 1:
+            ps.append(("final_ln.w", (h,), None))
+        stage_params.append(ps)
+
+    def block(shape, d, t):
+        if d is None:
+            return (0,) * len(shape), shape
+        n = shape[d]
+        lo, hi = t * n // tp, (t + 1) * n // tp
+        off = tuple(lo if i == d else 0 for i in range(len(shape)))
+        shp = tuple(hi - lo if i == d else x for i, x in enumerate(shape))
+        return off, shp
+
+    for rank in range(tp * pp * dp):
+        t, rest = rank % tp, rank // tp
+        d_, s = rest % dp, rest // dp
+        holdings = []
+        ps = stage_params[s]
+        blocks = [block(shp, d, t) for _, shp, d in ps]
+        for (name, shp, d), (off, bshp) in zip(ps, blocks):
+            rep = (d_,) if d is not None else (d_, t)
+            holdings.append(Holding(f"model/{name}", "bfloat16", shp, off, bshp, None, rep))
+        total = sum(math.prod(b) for _, b in blocks)
+        lo, hi = d_ * total // dp, (d_ + 1) * total // dp
+        pos = 0
+        for (name, shp, d), (off, bshp) in zip(ps, blocks):
+            n = math.prod(bshp)
+            a, b = max(lo, pos), min(hi, pos + n)
+            if a < b:
+                for st in ("param", "exp_avg", "exp_avg_sq"):
+                    # replicated (d=None) params: the same range on every TP rank -> replicas
+                    rep = (0,) if d is not None else (t,)
+                    holdings.append(Holding(f"optim/{st}/{name}", "float32", shp, off, bshp,
+                                            (a - pos, b - pos), rep))
+            pos += n
+        tree = {"dict": []}
+        plans.append(LocalPlan(rank, tree, holdings, [("rng", rank, tp * pp * dp, (0,), 0)]))
+    return plans
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--dp", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--vocab", type=int, default=128_000 + 3)
+    ap.add_argument("--no-load", action="store_true", help="skip load planning")
+    ap.add_argument("--trace-memory", action="store_true",
+                    help="peak Python allocations via tracemalloc (slows planning ~3x)")
+    a = ap.parse_args()
+    world = a.tp * a.pp * a.dp
+    t = time.perf_counter()
+    plans = build_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab)
+    build_s = time.perf_counter() - t
+    nh = sum(len(p.holdings) for p in plans)
+    t = time.perf_counter()
+    blobs = [p.to_bytes() for p in plans]
+    enc_s = time.perf_counter() - t
+    gathered = sum(len(b) for b in blobs)
+    del plans
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if a.trace_memory:
+        tracemalloc.start()
+    t = time.perf_counter()
+    decoded = [LocalPlan.from_bytes(b) for b in blobs]
+    dec_s = time.perf_counter() - t
+    t = time.perf_counter()
+    plan = plan_save(decoded)
+    plan_s = time.perf_counter() - t
+    peak = tracemalloc.get_traced_memory()[1] if a.trace_memory else 0
+    tracemalloc.stop()
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    work_bytes = [len(w.to_bytes()) for w in plan.ranks[:64]]
+    m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
+                                            v.chunk_shape) for k, v in plan.tensors.items()},
+                 plan.objects, save_world_size=world)
+    man = encode_manifest(m)
+    st = plan.stats
+    print(f"job: {world} ranks (TP {a.tp} x PP {a.pp} x DP {a.dp}), {st['tensors']} tensors, "
+          f"{nh:,} holdings, {st['unique_bytes'] / 2**30:.1f} GiB unique")
+    print(f"  build local plans (test harness)  {build_s:8.2f} s")
+    print(f"  encode local plans (all ranks)    {enc_s:8.2f} s  ({enc_s / world * 1e3:.2f} ms/rank)")
+    print(f"  gathered local plans              {gathered / 2**20:8.1f} MiB")
+    print(f"  decode on coordinator             {dec_s:8.2f} s")
+    print(f"  plan_save on coordinator          {plan_s:8.2f} s")
+    if a.trace_memory:
+        print(f"  peak traced memory (decode+plan)  {peak / 2**20:8.1f} MiB (timings inflated)")
+    print(f"  max RSS growth during decode+plan {(rss1 - rss0) / 2**10:8.1f} MiB "
+          f"(process max RSS {rss1 / 2**10:.0f} MiB)")
+    print(f"  chunks {st['chunks']:,}, exchange {st['exchange_bytes'] / 2**20:.1f} MiB "
+          f"({st['exchange_bytes'] / max(1, st['unique_bytes']):.4%} of unique), "
+          f"max bytes written by a rank {st['bytes_per_rank_max'] / 2**20:.1f} MiB")
+    print(f"  per-rank work message             {max(work_bytes) / 2**10:8.1f} KiB (max of 64)")
+    print(f"  manifest                          {len(man) / 2**10:8.1f} KiB")
+    if not a.no_load:
+        layouts = {k: TensorLayout(k, v.shape, v.dtype, v.chunk_shape)
+                   for k, v in plan.tensors.items()}
+        # load into the same layout: each rank asks for what it held
+        reqs = [[Holding(h.key, h.dtype, h.global_shape, h.offset, h.shape, h.flat, (0,))
+                 for h in p.holdings] for p in decoded]
+        t = time.perf_counter()
+        works = plan_load(reqs, layouts)
+        load_s = time.perf_counter() - t
+        reads = sum(len(w.reads) for w in works)
+        print(f"  plan_load (same layout)           {load_s:8.2f} s  ({reads:,} reads)")
+
+
+if __name__ == "__main__":
+    main()
