@@ -9,6 +9,7 @@ tensor's chunk grid, elect one writer per chunk, schedule the exchange of misali
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -208,13 +209,13 @@ def _max_extent_grid(shape: tuple, boxes: list) -> tuple:
 
 def _held_bytes(shape, chunk, regions) -> tuple:
     """(bytes to move, chunks) if each chunk is written by the rank holding most of it."""
+    # Approximation: a rank holds one region of a tensor, so "held by a rank" = "held by a
+    # region" (exact for the layouts planned in practice, and only used to rank candidates).
     per_chunk: dict = defaultdict(lambda: defaultdict(int))
-    for boxes, holders in regions:
+    for ri, (boxes, _holders) in enumerate(regions):
         for off, shp in boxes:
             for cidx, n in _chunks_overlapping(shape, chunk, off, shp):
-                d = per_chunk[cidx]
-                for r in holders:
-                    d[r] += n
+                per_chunk[cidx][ri] += n
     total = sum(sum(n for n in d.values()) for d in per_chunk.values())
     moved = 0
     for cidx, d in per_chunk.items():
@@ -225,13 +226,15 @@ def _held_bytes(shape, chunk, regions) -> tuple:
 
 def _chunks_overlapping(shape, chunk, off, shp):
     """Yield (chunk index, overlap elements) for every chunk a box touches."""
-    ranges = [range(o // c, (o + s - 1) // c + 1) for o, s, c in zip(off, shp, chunk)]
-    import itertools
-    for cidx in itertools.product(*ranges):
+    lo = [o // c for o, c in zip(off, chunk)]
+    hi = [(o + s - 1) // c for o, s, c in zip(off, shp, chunk)]
+    if lo == hi:
+        yield tuple(lo), math.prod(shp)
+        return
+    for cidx in itertools.product(*[range(a, b + 1) for a, b in zip(lo, hi)]):
         n = 1
         for i, c, o, s in zip(cidx, chunk, off, shp):
-            lo, hi = max(o, i * c), min(o + s, (i + 1) * c)
-            n *= hi - lo
+            n *= min(o + s, (i + 1) * c) - max(o, i * c)
         yield cidx, n
 
 
@@ -316,27 +319,29 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
                     f"{h0.global_shape} {h0.dtype}, rank {r} has {h.global_shape} {h.dtype}",
                     spec_id="SP-COVER-4")
         shape, itemsize = h0.global_shape, dtypes.from_name(h0.dtype).itemsize
-        groups: dict = defaultdict(list)   # region -> [(rank, hidx, replica)]
-        first: dict = {}                   # region -> a Holding of it
+        groups: dict = {}                  # region -> (a Holding of it, [(rank, hidx, replica)])
         for r, i, h in entries:
-            groups[h.region].append((r, i, h.replica))
-            first.setdefault(h.region, h)
-        region_list = []                   # (pieces, holders)
+            reg = (h[3], h[4], h[5])
+            g = groups.get(reg)
+            if g is None:
+                groups[reg] = g = (h, [])
+            g[1].append((r, i, h[6]))
+        region_list = []                   # (pieces, holders), holders in rank order
         boxes, owners = [], []
         blocks = []
-        for region, holders in groups.items():
-            reps = {}
-            for r, i, rep in holders:
-                if rep in reps:
-                    raise InvalidShardingError(
-                        f"tensor {key!r}: ranks {reps[rep]} and {r} both hold region offset "
-                        f"{region[0]} shape {region[1]}" +
-                        (f" range {region[2]}" if region[2] else "") +
-                        f" with the same replica_id {rep}; replicas need distinct replica ids",
-                        spec_id="SP-REPL-2")
-                reps[rep] = r
-            holders.sort(key=lambda x: (x[2], x[0]))
-            pieces = holding_pieces(first[region])
+        for region, (h, holders) in groups.items():
+            if len(holders) > 1 and len({rep for _, _, rep in holders}) != len(holders):
+                reps: dict = {}
+                for r, i, rep in holders:
+                    if rep in reps:
+                        raise InvalidShardingError(
+                            f"tensor {key!r}: ranks {reps[rep]} and {r} both hold region offset "
+                            f"{region[0]} shape {region[1]}" +
+                            (f" range {region[2]}" if region[2] else "") +
+                            f" with the same replica_id {rep}; replicas need distinct replica "
+                            "ids", spec_id="SP-REPL-2")
+                    reps[rep] = r
+            pieces = holding_pieces(h)
             region_list.append((pieces, holders))
             if math.prod(region[1]):
                 blocks.append((region[0], region[1]))
@@ -369,11 +374,18 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
             coff = tuple(i * c for i, c in zip(cidx, chunk))
             cshp = tuple(min(c, n - o) for c, n, o in zip(chunk, shape, coff))
             cbytes = math.prod(cshp) * itemsize
-            held: dict = defaultdict(int)
-            for ri, pi, (bo, bs) in parts:
-                for r, _, _ in region_list[ri][1]:
-                    held[r] += math.prod(bs)
-            writer = min(held, key=lambda r: (-held[r], assigned[r], r))
+            if len(parts) == 1:
+                # One region covers the chunk: its holders tie; the least loaded one writes
+                # (holders are in rank order, so ties go to the lowest rank).
+                holders = region_list[parts[0][0]][1]
+                writer = holders[0][0] if len(holders) == 1 else \
+                    min((r for r, _, _ in holders), key=assigned.__getitem__)
+            else:
+                held: dict = defaultdict(int)
+                for ri, pi, (bo, bs) in parts:
+                    for r, _, _ in region_list[ri][1]:
+                        held[r] += math.prod(bs)
+                writer = min(held, key=lambda r: (-held[r], assigned[r], r))
             assigned[writer] += cbytes
             work = ranks[writer]
             cw = ChunkWrite(key, coff, cshp)
