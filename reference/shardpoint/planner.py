@@ -495,49 +495,61 @@ def plan_load(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:
     world = len(requests)
     out = [RankLoadWork() for _ in range(world)]
     read_bytes = [0] * world
-    by_key: dict = defaultdict(list)
+    by_key: dict = defaultdict(dict)   # key -> region -> (Holding, [(rank, request)])
     for r, reqs in enumerate(requests):
         for q, h in enumerate(reqs):
-            by_key[h.key].append((r, q, h))
+            g = by_key[h.key].get(h.region)
+            if g is None:
+                by_key[h.key][h.region] = g = (h, [])
+            g[1].append((r, q))
     transfers: list = []
     for key in sorted(by_key):
         lay = layouts[key]
         shape, chunk = lay.shape, lay.chunk_shape
         itemsize = dtypes.from_name(lay.dtype).itemsize
-        per_chunk: dict = defaultdict(list)
-        for r, q, h in by_key[key]:
+        per_chunk: dict = defaultdict(list)    # chunk -> [(group, piece, box)]
+        groups = list(by_key[key].values())
+        for gi, (h, _needers) in enumerate(groups):
             check_request(h, lay)
             for pi, p in enumerate(holding_pieces(h)):
                 if not shape:
-                    per_chunk[()].append((r, q, pi, p, ((), ())))
+                    per_chunk[()].append((gi, pi, ((), ())))
                     continue
                 for cidx, _n in _chunks_overlapping(shape, chunk, p.offset, p.shape):
                     coff = tuple(i * c for i, c in zip(cidx, chunk))
                     cshp = tuple(min(c, n - o) for c, n, o in zip(chunk, shape, coff))
-                    per_chunk[cidx].append((r, q, pi, p, box_intersection(
-                        coff, cshp, p.offset, p.shape)))
+                    per_chunk[cidx].append((gi, pi, box_intersection(coff, cshp,
+                                                                     p.offset, p.shape)))
         for cidx in sorted(per_chunk):
             parts = per_chunk[cidx]
-            need: dict = defaultdict(int)
-            for r, _q, _pi, _p, (bo, bs) in parts:
-                need[r] += math.prod(bs)
-            reader = min(need, key=lambda r: (-need[r], read_bytes[r], r))
-            lo = tuple(min(b[0][d] for *_, b in parts) for d in range(len(shape)))
-            hi = tuple(max(b[0][d] + b[1][d] for *_, b in parts) for d in range(len(shape)))
-            rshape = tuple(h_ - l_ for l_, h_ in zip(lo, hi))
+            if len(parts) == 1:
+                needers = groups[parts[0][0]][1]
+                reader = needers[0][0] if len(needers) == 1 else \
+                    min((r for r, _ in needers), key=read_bytes.__getitem__)
+                lo, rshape = parts[0][2]
+            else:
+                need: dict = defaultdict(int)
+                for gi, _pi, (bo, bs) in parts:
+                    n = math.prod(bs)
+                    for r, _q in groups[gi][1]:
+                        need[r] += n
+                reader = min(need, key=lambda r: (-need[r], read_bytes[r], r))
+                lo = tuple(min(b[0][d] for *_, b in parts) for d in range(len(shape)))
+                hi = tuple(max(b[0][d] + b[1][d] for *_, b in parts) for d in range(len(shape)))
+                rshape = tuple(h_ - l_ for l_, h_ in zip(lo, hi))
             read_bytes[reader] += math.prod(rshape) * itemsize
             work = out[reader]
             op = ReadOp(key, lo, rshape)
             ridx = len(work.reads)
-            if len(parts) == 1 and parts[0][4] == (lo, rshape):
-                r, q, pi, _p, _b = parts[0]
-                op.direct = (q, pi)
+            if len(parts) == 1 and len(groups[parts[0][0]][1]) == 1:
+                op.direct = (groups[parts[0][0]][1][0][1], parts[0][1])
             else:
-                for r, q, pi, _p, (bo, bs) in parts:
-                    if r == reader:
-                        op.local.append((q, pi, bo, bs))
-                    else:
-                        transfers.append(Transfer(reader, r, key, bo, bs, (ridx,), (q, pi)))
+                for gi, pi, (bo, bs) in parts:
+                    for r, q in groups[gi][1]:
+                        if r == reader:
+                            op.local.append((q, pi, bo, bs))
+                        else:
+                            transfers.append(Transfer(reader, r, key, bo, bs, (ridx,), (q, pi)))
             work.reads.append(op)
     for t in transfers:
         out[t.src].sends.append(t)
