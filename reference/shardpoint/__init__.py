@@ -14,12 +14,13 @@ from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptChec
                      IncompleteCheckpointError, InvalidKeyError, InvalidShardingError,
                      LayoutMismatchError, LoadFailedError, SaveFailedError, ShardpointError,
                      UnsupportedFormatError, UnsupportedValueError)
+from .manager import CheckpointManager
 from .metadata import FORMAT_VERSION, Manifest
 from .model import ShardedObject, ShardedTensor
 from .planner import PlanOptions
 
 __all__ = [
-    "save", "load", "read_metadata", "ShardedTensor", "ShardedObject", "SaveOptions",
+    "save", "load", "read_metadata", "CheckpointManager", "ShardedTensor", "ShardedObject", "SaveOptions",
     "SaveResult", "LoadReport", "PlanOptions", "Manifest", "FORMAT_VERSION", "ShardpointError",
     "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
