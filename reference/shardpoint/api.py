@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import torch
 
-from . import dtypes, errors
+from . import dtypes, errors, values
 from .exchange import (Comm, agree, error_record, exchange, raise_records,
                        run_collectively)
 from .keys import encode_key, format_path
@@ -26,7 +26,7 @@ from .metadata import (Manifest, TensorEntry, array_path_for, decode_manifest,
 from .model import (Holding, ShardedObject, ShardedTensor, _dtensor_leaf, _is_dtensor,
                     flatten_state, holding_pieces, piece_view)
 from .planner import (LocalPlan, PlanOptions, RankLoadWork, RankSaveWork, TensorLayout,
-                      plan_load, plan_save)
+                      _plan_objects, plan_load, plan_save)
 from .storage import ArraySpec, StorageBackend, get_backend
 
 log = logging.getLogger("shardpoint")
@@ -38,6 +38,7 @@ class SaveOptions:
 
     plan: PlanOptions = field(default_factory=PlanOptions)
     exchange_budget_bytes: int = 256 << 20
+    cache_plan: bool = True   # reuse the last plan when no rank's structure changed
 
 
 @dataclass
@@ -86,6 +87,58 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return pinned
 
 
+# -------------------------------------------------------------------------------- plan cache
+_PLAN_CACHE: dict = {}   # group key -> (this rank's structure digest, plan on the coordinator)
+
+
+def _group_key(comm: Comm) -> tuple:
+    import torch.distributed as dist
+    if comm.size == 1:
+        return ("single",)
+    return ("group", comm.size, tuple(dist.get_process_group_ranks(comm.group or
+                                                                  dist.group.WORLD)))
+
+
+def _strip_values(tree: Any) -> Any:
+    if "dict" in tree:
+        return {"dict": [[k, _strip_values(v)] for k, v in tree["dict"]]}
+    for kind in ("list", "tuple"):
+        if kind in tree:
+            return {kind: [_strip_values(v) for v in tree[kind]]}
+    return {"value": None} if "value" in tree else tree
+
+
+def _structure_digest(flat) -> bytes:
+    """What the plan depends on: tree shape, holdings, object ids (not plain values)."""
+    import hashlib
+    body = msgpack.packb([_strip_values(flat.tree), [t.holding.to_wire() for t in flat.tensors],
+                          [[o.key, o.index, o.count, list(o.replica)] for o in flat.objects]])
+    return hashlib.sha256(body).digest()
+
+
+def _value_leaves(tree: Any) -> list:
+    from .model import iter_tree_leaves
+    return [[list(p), n["value"]] for p, n in iter_tree_leaves(tree) if "value" in n]
+
+
+def _with_values(tree: Any, per_rank: list) -> Any:
+    """``tree`` with each plain value replaced by the lowest rank's new value at its path."""
+    new: dict = {}
+    for leaves in per_rank:
+        for p, v in leaves:
+            new.setdefault(tuple(p), v)
+
+    def walk(node: Any, path: tuple) -> Any:
+        if "dict" in node:
+            return {"dict": [[k, walk(v, path + (k,))] for k, v in node["dict"]]}
+        for kind in ("list", "tuple"):
+            if kind in node:
+                return {kind: [walk(v, path + (i,)) for i, v in enumerate(node[kind])]}
+        return {"value": new[path]} if "value" in node else node
+
+    return walk(tree, ())
+
+
 # -------------------------------------------------------------------------------- save
 def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
          backend: Optional[StorageBackend] = None,
@@ -103,20 +156,41 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
     t0 = time.perf_counter()
     path = str(path)
     flat_box: dict = {}
-
-    def local() -> bytes:
+    cache_key = _group_key(comm)
+    # Plan cache: when no rank's structure (tree shape, holdings, object ids) changed since
+    # the last save over this group, ranks send only their values and the coordinator
+    # reuses the plan ([SP-GRID-1] holds: the layout depends on structure only).
+    err0: Optional[BaseException] = None
+    try:
         flat = flatten_state(state, replica=(comm.rank,))
         flat_box["flat"] = flat
-        lp = LocalPlan(comm.rank, flat.tree, [t.holding for t in flat.tensors],
-                       [(o.key, o.index, o.count, o.replica, o.value) for o in flat.objects])
-        return lp.to_bytes()
+        struct = _structure_digest(flat)
+    except Exception as e:  # noqa: BLE001 - reported collectively below
+        err0, struct = e, b""
+    hit = err0 is None and opts.cache_plan and _PLAN_CACHE.get(cache_key, (None,))[0] == struct
+    all_hit = comm.all_true(bool(hit))
+
+    def local() -> bytes:
+        if err0 is not None:
+            raise err0
+        f = flat_box["flat"]
+        objs = [(o.key, o.index, o.count, o.replica, o.value) for o in f.objects]
+        if all_hit:
+            return values.pack([_value_leaves(f.tree), [list(o) for o in objs]])
+        return LocalPlan(comm.rank, f.tree, [t.holding for t in f.tensors], objs).to_bytes()
 
     plan_box: dict = {}
 
     def decide(payloads: list) -> list:
         t = time.perf_counter()
-        plans = [LocalPlan.from_bytes(b) for b in payloads]
-        plan = plan_save(plans, opts.plan)
+        if all_hit:
+            plan = _PLAN_CACHE[cache_key][1]
+            got = [values.unpack(b) for b in payloads]
+            plan.tree = _with_values(plan.tree, [v for v, _ in got])
+            plan.objects = _plan_objects([LocalPlan(r, None, [], [tuple(o) for o in objs])
+                                          for r, (_, objs) in enumerate(got)])
+        else:
+            plan = plan_save([LocalPlan.from_bytes(b) for b in payloads], opts.plan)
         times["plan"] = time.perf_counter() - t
         if be.checkpoint_state(path) == "committed" and not overwrite:
             raise errors.CheckpointExistsError(f"a checkpoint already exists at {path!r}; pass "
@@ -133,10 +207,15 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
                                       {k: layouts[k] for k in keys}, plan.stats]))
         return out
 
-    msg = run_collectively(comm, local, decide, errors.InvalidShardingError)
+    try:
+        msg = run_collectively(comm, local, decide, errors.InvalidShardingError)
+    except errors.ShardpointError:
+        _PLAN_CACHE.pop(cache_key, None)
+        raise
     staging, work_b, layouts, stats = msgpack.unpackb(msg, strict_map_key=False)
     work = RankSaveWork.from_bytes(work_b)
     times["plan_total"] = time.perf_counter() - t0
+    times["plan_cached"] = all_hit
 
     err: Optional[BaseException] = None
     written = 0
@@ -172,9 +251,12 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
     try:
         run_collectively(comm, commit_local, commit, errors.SaveFailedError)
     except errors.ShardpointError:
+        _PLAN_CACHE.pop(cache_key, None)
         if comm.is_coordinator and "staging" in plan_box:
             be.abort(plan_box["staging"])
         raise
+    if opts.cache_plan:
+        _PLAN_CACHE[cache_key] = (struct, plan_box.get("plan"))
     times["commit"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t0
     return SaveResult(path, comm.size, stats["tensors"], stats["unique_bytes"],

@@ -52,6 +52,14 @@ class Comm:
         dist.all_gather(out, t, group=self.group)
         return [int(x.item()) for x in out]
 
+    def all_true(self, flag: bool) -> bool:
+        """Collective AND of one flag per rank."""
+        if self.size == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
     def all_gather_bytes(self, b: bytes) -> list:
         if self.size == 1:
             return [b]
