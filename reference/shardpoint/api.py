@@ -259,6 +259,12 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
         _PLAN_CACHE[cache_key] = (struct, plan_box.get("plan"))
     times["commit"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t0
+    if comm.is_coordinator:
+        log.info("shardpoint save %s: %d tensors, %.1f MiB unique, %.1f MiB exchanged, "
+                 "plan %.3fs%s, write %.3fs, commit %.3fs, total %.3fs", path, stats["tensors"],
+                 stats["unique_bytes"] / 2**20, stats["exchange_bytes"] / 2**20,
+                 times["plan_total"], " (cached)" if all_hit else "", times.get("write", 0.0),
+                 times["commit"], times["total"])
     return SaveResult(path, comm.size, stats["tensors"], stats["unique_bytes"],
                       stats["exchange_bytes"], stats["chunks"], written, times)
 
@@ -511,6 +517,11 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
         err = e
     agree(comm, err, errors.LoadFailedError)
     report.timings["total"] = time.perf_counter() - t0
+    if comm.is_coordinator:
+        log.info("shardpoint load %s: rank 0 read %.1f MiB, sent %.1f MiB; plan %.3fs, read "
+                 "%.3fs, total %.3fs", path, report.rank_bytes_read / 2**20,
+                 report.exchange_bytes / 2**20, report.timings["plan"],
+                 report.timings.get("read", 0.0), report.timings["total"])
     if report.missing_keys:
         log.warning("shardpoint load: %d key(s) not in the checkpoint were skipped: %s",
                     len(report.missing_keys), report.missing_keys[:10])
