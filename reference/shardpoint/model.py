@@ -10,6 +10,7 @@ This module does no I/O and never touches a process group.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
@@ -246,11 +247,10 @@ def _dtensor_leaf(t: Any, key: str, what: str) -> LocalTensor:
 
 
 def _is_dtensor(x: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - very old torch
-        return False
-    return isinstance(x, DTensor)
+    # No import here: importing torch.distributed.tensor costs ~1 s, and a DTensor can only
+    # exist once that module has been imported by whoever made it.
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(x, mod.DTensor)
 
 
 def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
