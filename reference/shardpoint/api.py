@@ -164,7 +164,7 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
     try:
         flat = flatten_state(state, replica=(comm.rank,))
         flat_box["flat"] = flat
-        struct = _structure_digest(flat)
+        struct = _structure_digest(flat) + repr(opts.plan).encode()
     except Exception as e:  # noqa: BLE001 - reported collectively below
         err0, struct = e, b""
     hit = err0 is None and opts.cache_plan and _PLAN_CACHE.get(cache_key, (None,))[0] == struct
