@@ -197,8 +197,11 @@ class TensorStoreBackend:
             except ValueError as e:
                 first = first or e
         if first is not None:
-            raise CorruptCheckpointError(f"stored data failed its checks: {first}",
-                                         spec_id="SP-READ-3") from first
+            msg = str(first).split("[tensorstore_spec")[0].strip()
+            missing = "NOT_FOUND" in msg
+            raise CorruptCheckpointError(
+                f"stored data {'is missing' if missing else 'failed its checks'}: {msg}",
+                spec_id="SP-READ-2" if missing else "SP-READ-3") from first
 
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list:
         try:

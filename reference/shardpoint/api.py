@@ -290,25 +290,33 @@ def _execute_save(comm: Comm, be: StorageBackend, flat, work: RankSaveWork, stag
                                                    ArraySpec(tuple(shape), dt, tuple(chunk)))
         return handles[key]
 
-    for key in work.create:
-        handle(key)
+    # Everything local comes first; ranks agree before the exchange so that a rank failing
+    # here (bad array, out of memory) cannot leave its peers waiting in a collective.
+    err: Optional[BaseException] = None
     buffers: list = []
-    for cw in work.writes:
-        if cw.direct is not None:
-            buffers.append(None)
-            continue
-        dt = dtypes.from_name(layouts[cw.key][1]).torch
-        buf = torch.empty(cw.shape, dtype=dt)
-        for hidx, pidx, bo, bs in cw.local:
-            v, off = src_view(hidx, pidx)
-            _box_view(buf, cw.offset, bo, bs).copy_(_box_view(v, off, bo, bs))
-        buffers.append(buf)
-    sends = []
-    for t in work.sends:
-        v, off = src_view(*t.src_ref)
-        sends.append((t.dst, _box_view(v, off, t.box_offset, t.box_shape)))
-    recvs = [(t.src, _box_view(buffers[t.dst_ref[0]], work.writes[t.dst_ref[0]].offset,
-                               t.box_offset, t.box_shape)) for t in work.recvs]
+    sends: list = []
+    recvs: list = []
+    try:
+        for key in work.create:
+            handle(key)
+        for cw in work.writes:
+            if cw.direct is not None:
+                buffers.append(None)
+                continue
+            dt = dtypes.from_name(layouts[cw.key][1]).torch
+            buf = torch.empty(cw.shape, dtype=dt)
+            for hidx, pidx, bo, bs in cw.local:
+                v, off = src_view(hidx, pidx)
+                _box_view(buf, cw.offset, bo, bs).copy_(_box_view(v, off, bo, bs))
+            buffers.append(buf)
+        for t in work.sends:
+            v, off = src_view(*t.src_ref)
+            sends.append((t.dst, _box_view(v, off, t.box_offset, t.box_shape)))
+        recvs += [(t.src, _box_view(buffers[t.dst_ref[0]], work.writes[t.dst_ref[0]].offset,
+                                    t.box_offset, t.box_shape)) for t in work.recvs]
+    except Exception as e:  # noqa: BLE001 - shared with every rank just below
+        err = e
+    agree(comm, err, errors.SaveFailedError)
     exchange(comm, sends, recvs, opts.exchange_budget_bytes)
     ops, keep, written = [], [], 0
     for cw, buf in zip(work.writes, buffers):
@@ -514,6 +522,8 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
             comm, be, path, m_box["m"], tgt_box["t"], work, exchange_budget_bytes)
         report.timings["read"] = time.perf_counter() - t
     except Exception as e:  # noqa: BLE001
+        if getattr(e, "_sp_agreed", False):
+            raise  # every rank raised it already
         err = e
     agree(comm, err, errors.LoadFailedError)
     report.timings["total"] = time.perf_counter() - t0
@@ -547,37 +557,45 @@ def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, target
             handles[key] = be.open_array_for_read(path, e.array, e.spec, key)
         return handles[key]
 
-    ops, bufs, post = [], [], []
+    # Reads and local copies first; ranks agree before the exchange, so a corrupt chunk
+    # seen by one rank is raised everywhere instead of leaving peers in a collective.
+    err: Optional[BaseException] = None
     nread = 0
-    for op in work.reads:
-        dt = dtypes.from_name(m.tensors[op.key].dtype).torch
-        if op.direct is not None:
-            v, off = dst_view(*op.direct)
-            v = _box_view(v, off, op.offset, op.shape)
-            if v.device.type == "cpu":
-                buf = v
+    sends: list = []
+    recvs: list = []
+    try:
+        ops, bufs, post = [], [], []
+        for op in work.reads:
+            dt = dtypes.from_name(m.tensors[op.key].dtype).torch
+            if op.direct is not None:
+                v, off = dst_view(*op.direct)
+                v = _box_view(v, off, op.offset, op.shape)
+                if v.device.type == "cpu":
+                    buf = v
+                else:
+                    buf = torch.empty(op.shape, dtype=dt, pin_memory=torch.cuda.is_available())
+                    post.append((v, buf))
+                bufs.append(None)
             else:
-                buf = torch.empty(op.shape, dtype=dt, pin_memory=torch.cuda.is_available())
-                post.append((v, buf))
-            bufs.append(None)
-        else:
-            buf = torch.empty(op.shape, dtype=dt)
-            bufs.append(buf)
-        nread += buf.numel() * buf.element_size()
-        ops.append(be.read_into(handle(op.key), op.offset, _to_numpy(buf)))
-    be.wait(ops)
-    for v, buf in post:
-        v.copy_(buf, non_blocking=True)
-    for op, buf in zip(work.reads, bufs):
-        for q, pi, bo, bs in op.local:
-            v, off = dst_view(q, pi)
-            _box_view(v, off, bo, bs).copy_(_box_view(buf, op.offset, bo, bs))
-    sends = [(t.dst, _box_view(bufs[t.src_ref[0]], work.reads[t.src_ref[0]].offset,
-                               t.box_offset, t.box_shape)) for t in work.sends]
-    recvs = []
-    for t in work.recvs:
-        v, off = dst_view(*t.dst_ref)
-        recvs.append((t.src, _box_view(v, off, t.box_offset, t.box_shape)))
+                buf = torch.empty(op.shape, dtype=dt)
+                bufs.append(buf)
+            nread += buf.numel() * buf.element_size()
+            ops.append(be.read_into(handle(op.key), op.offset, _to_numpy(buf)))
+        be.wait(ops)
+        for v, buf in post:
+            v.copy_(buf, non_blocking=True)
+        for op, buf in zip(work.reads, bufs):
+            for q, pi, bo, bs in op.local:
+                v, off = dst_view(q, pi)
+                _box_view(v, off, bo, bs).copy_(_box_view(buf, op.offset, bo, bs))
+        sends += [(t.dst, _box_view(bufs[t.src_ref[0]], work.reads[t.src_ref[0]].offset,
+                                   t.box_offset, t.box_shape)) for t in work.sends]
+        for t in work.recvs:
+            v, off = dst_view(*t.dst_ref)
+            recvs.append((t.src, _box_view(v, off, t.box_offset, t.box_shape)))
+    except Exception as e:  # noqa: BLE001 - shared with every rank just below
+        err = e
+    agree(comm, err, errors.LoadFailedError)
     exchange(comm, sends, recvs, budget)
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -121,23 +121,28 @@ class Comm:
 
 # ---------------------------------------------------------------------- errors across ranks
 def error_record(e: BaseException, rank: int) -> list:
+    """A failure as msgpack-ready data; ``agreed`` marks one every rank already raised."""
     cls = type(e).__name__ if isinstance(e, errors.ShardpointError) else "ShardpointError"
     msg = str(e) if isinstance(e, errors.ShardpointError) else f"{type(e).__name__}: {e}"
-    return [cls, rank, msg, getattr(e, "spec_id", None)]
+    return [cls, rank, msg, getattr(e, "spec_id", None), bool(getattr(e, "_sp_agreed", False))]
 
 
 def raise_records(records: list, fallback: type = errors.ShardpointError) -> None:
     """Raise one error for the failures of some ranks, of the first failure's class."""
     if not records:
         return
-    cls_name, rank, msg, sid = records[0]
+    fresh = [r for r in records if not r[4]]
+    cls_name, rank, msg, sid, _ = (fresh or records)[0]
     cls = getattr(errors, cls_name, fallback)
     if not (isinstance(cls, type) and issubclass(cls, errors.ShardpointError)):
         cls = fallback
-    more = f" (and {len(records) - 1} other rank(s) failed)" if len(records) > 1 else ""
     text = msg.split("] ", 1)[1] if sid and msg.startswith(f"[{sid}]") else msg
-    prefix = f"rank {rank}: " if len(records) > 1 or rank != 0 else ""
-    raise cls(prefix + text + more, spec_id=sid)
+    if fresh:
+        more = f" (and {len(fresh) - 1} other rank(s) failed)" if len(fresh) > 1 else ""
+        text = (f"rank {rank}: " if len(fresh) > 1 or rank != 0 else "") + text + more
+    e = cls(text, spec_id=sid)
+    e._sp_agreed = True  # every rank raises this one; later agreement steps pass it through
+    raise e
 
 
 def agree(comm: Comm, err: Optional[BaseException], fallback: type) -> None:
