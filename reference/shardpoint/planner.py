@@ -321,6 +321,8 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
         shape, itemsize = h0.global_shape, dtypes.from_name(h0.dtype).itemsize
         groups: dict = {}                  # region -> (a Holding of it, [(rank, hidx, replica)])
         for r, i, h in entries:
+            if (h[5][1] == h[5][0]) if h[5] else not math.prod(h[4]):
+                continue  # an empty piece covers nothing, wherever it sits
             reg = (h[3], h[4], h[5])
             g = groups.get(reg)
             if g is None:
