@@ -318,11 +318,16 @@ def _execute_save(comm: Comm, be: StorageBackend, flat, work: RankSaveWork, stag
         err = e
     agree(comm, err, errors.SaveFailedError)
     exchange(comm, sends, recvs, opts.exchange_budget_bytes)
-    ops, keep, written = [], [], 0
+    staged = []
     for cw, buf in zip(work.writes, buffers):
         if buf is None:
             v, off = src_view(*cw.direct)
             buf = _host(_box_view(v, off, cw.offset, cw.shape))
+        staged.append(buf)
+    if any(d.data.is_cuda for d in tensors):
+        torch.cuda.synchronize()  # device-to-pinned copies were issued non-blocking
+    ops, keep, written = [], [], 0
+    for cw, buf in zip(work.writes, staged):
         arr = _to_numpy(buf)
         keep.append(arr)
         written += arr.nbytes
