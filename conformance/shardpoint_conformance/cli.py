@@ -1,0 +1,209 @@
+"""``shardpoint conformance ...``: run the suite here, under torchrun, or against an adapter.
+
+``main(argv)`` takes the arguments after the word ``conformance`` and returns an exit code:
+0 when everything passed, 1 when a case failed, 2 on a usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Optional
+
+PROFILE_CASES = {"ci": 16, "large": 320}
+PROFILE_WORLDS = {"ci": [1, 2, 3, 4], "large": [1, 2, 3, 4, 5, 6, 7, 8]}
+
+
+def _ints(s: str) -> list:
+    out = []
+    for part in s.split(","):
+        if "-" in part or ".." in part:
+            a, b = part.replace("..", "-").split("-")
+            out += list(range(int(a), int(b) + 1))
+        elif part:
+            out.append(int(part))
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardpoint conformance",
+                                description="shardpoint conformance suite")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="save/load round trips across world sizes and layouts")
+    r.add_argument("--profile", choices=sorted(PROFILE_CASES), default="ci")
+    r.add_argument("--save-world-sizes", type=_ints, default=None, help="e.g. 1-4 or 1,2,8")
+    r.add_argument("--load-world-sizes", type=_ints, default=None)
+    r.add_argument("--cases", type=int, default=None, help="number of cases")
+    r.add_argument("--seed", type=int, default=None, help="seed of the first case")
+    r.add_argument("--replay", type=int, default=None, metavar="SEED",
+                   help="run the one case drawn from SEED (with the first world sizes given)")
+    r.add_argument("--dir", default=None, help="where checkpoints go (shared FS under torchrun)")
+    r.add_argument("--backend", default=None, choices=["gloo", "nccl"],
+                   help="process-group backend under torchrun (default: nccl with CUDA)")
+    r.add_argument("--keep", action="store_true", help="keep checkpoints of passing cases")
+    r.add_argument("--json", default=None, help="also write the results as JSON here")
+    r.add_argument("--no-vectors", action="store_true", help="skip the golden-vector step")
+    r.add_argument("--print-case", action="store_true", help="print the case JSON and exit")
+    a = sub.add_parser("adapter-test", help="producer x consumer matrix against an adapter")
+    a.add_argument("--adapter", required=True, help="command line of the adapter")
+    a.add_argument("--cases", type=int, default=8)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--dir", default=None)
+    a.add_argument("--json", default=None)
+    a.add_argument("--timeout", type=float, default=120.0, help="seconds per adapter call")
+    v = sub.add_parser("vectors", help="check the golden vectors in spec/vectors/")
+    v.add_argument("--dir", default=None, help="vectors directory (default: the repo's)")
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.cmd == "run":
+        return _run(args)
+    if args.cmd == "adapter-test":
+        from .harness import run_adapter_test
+        return run_adapter_test(args.adapter, cases=args.cases, seed=args.seed,
+                                workdir=args.dir, json_out=args.json, timeout=args.timeout)
+    if args.cmd == "vectors":
+        ok, text = run_vectors(args.dir)
+        print(text)
+        return 0 if ok else 1
+    return 2
+
+
+def run_vectors(directory: Optional[str] = None) -> tuple:
+    """The golden-vector step: delegate to ``shardpoint_conformance.vectors`` if it exists.
+    Returns (ok, text); a missing module or vector folder is a skip, not a failure."""
+    try:
+        from . import vectors
+    except ImportError as e:
+        return True, f"vectors: skipped (shardpoint_conformance.vectors not available: {e})"
+    for name in ("run_vectors", "check_vectors", "check_all", "run"):
+        fn = getattr(vectors, name, None)
+        if callable(fn):
+            break
+    else:
+        return True, "vectors: skipped (vectors module has no run_vectors/check_vectors entry)"
+    try:
+        res = fn(directory) if directory else fn()
+    except Exception as e:  # noqa: BLE001 - a crash is a failure of the step
+        return False, f"vectors: FAILED ({type(e).__name__}: {e})"
+    if isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], bool):
+        return res[0], f"vectors: {'ok' if res[0] else 'FAILED'} {res[1]}"
+    if isinstance(res, list):   # a list of failures / problems
+        bad = [x for x in res if not (isinstance(x, dict) and x.get("ok", False))]
+        return not bad, f"vectors: {len(res) - len(bad)} ok, {len(bad)} failed" + "".join(
+            f"\n  {x}" for x in bad[:20])
+    if isinstance(res, int):
+        return res == 0, f"vectors: exit code {res}"
+    return bool(res) if res is not None else True, f"vectors: {res!r}"
+
+
+def _in_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _run(args) -> int:
+    from . import runner
+    from .strategies import case_plan, generate_case
+    seed = args.seed if args.seed is not None else int(time.time()) % 100_000
+    if _in_torchrun():
+        return _run_torchrun(args, seed)
+    sw = args.save_world_sizes or PROFILE_WORLDS[args.profile]
+    lw = args.load_world_sizes or PROFILE_WORLDS[args.profile]
+    if args.replay is not None:
+        cases = [generate_case(args.replay, sw[0], lw[0], args.profile, case_id="replay")]
+    else:
+        cases = case_plan(seed, args.cases or PROFILE_CASES[args.profile], sw, lw,
+                          args.profile)
+    if args.print_case:
+        print(json.dumps(cases, indent=1))
+        return 0
+    root = args.dir or tempfile.mkdtemp(prefix="shardpoint-conformance-")
+    os.makedirs(root, exist_ok=True)
+    print(f"shardpoint conformance run: {len(cases)} case(s), profile {args.profile}, "
+          f"seed {seed}, save worlds {sw}, load worlds {lw}, dir {root}")
+    t0 = time.perf_counter()
+    rows = runner.run_cases_local(cases, root)
+    ok = runner.passed(rows)
+    print(runner.format_table(rows))
+    vec_ok = True
+    if not args.no_vectors and args.replay is None:
+        vec_ok, text = run_vectors()
+        print(text)
+    print(_summary(rows, time.perf_counter() - t0))
+    _write_json(args.json, rows)
+    if not args.keep:
+        runner.cleanup(root, rows)
+    return 0 if ok and vec_ok else 1
+
+
+def _summary(rows: list, secs: float) -> str:
+    skipped = sum(bool(r.get("skipped")) for r in rows)
+    failed = sum(not r["ok"] and not r.get("skipped") for r in rows)
+    return (f"{sum(r['ok'] for r in rows)}/{len(rows)} case(s) passed, {skipped} skipped "
+            f"(known library bugs), {failed} failed in {secs:.1f}s")
+
+
+def _write_json(path: Optional[str], rows: list) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _run_torchrun(args, seed: int) -> int:
+    import torch
+    import torch.distributed as dist
+    from . import runner
+    from .strategies import case_plan, generate_case
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = "cpu"
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not args.dir and world > 1:
+        if rank == 0:
+            print("under torchrun, --dir must name a directory every rank can reach "
+                  "(a shared file system)", file=sys.stderr)
+        return 2
+    root = args.dir or tempfile.mkdtemp(prefix="shardpoint-conformance-")
+    if args.seed is None and rank == 0:
+        print("note: pass --seed so every rank draws the same cases", file=sys.stderr)
+    dist.init_process_group(backend)
+    try:
+        # Every rank must draw the same cases: take rank 0's seed.
+        box = [seed]
+        dist.broadcast_object_list(box, src=0)
+        seed = box[0]
+        if args.replay is not None:
+            cases = [generate_case(args.replay, world, world, args.profile, case_id="replay")]
+        else:
+            cases = case_plan(seed, args.cases or PROFILE_CASES[args.profile], [world],
+                              [world], args.profile)
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            print(f"shardpoint conformance run under torchrun: world {world}, backend "
+                  f"{backend}, {len(cases)} case(s), seed {seed}, dir {root}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        rows = runner.run_in_job(cases, root, device)
+        ok = runner.passed(rows)
+        if rank == 0:
+            print(runner.format_table(rows))
+            print(_summary(rows, time.perf_counter() - t0))
+            _write_json(args.json, rows)
+            if not args.keep:
+                runner.cleanup(root, rows)
+        dist.barrier()
+        return 0 if ok else 1
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
