@@ -114,8 +114,13 @@ def build_save_state(case: dict, rank: int, world: int, device: str = "cpu") -> 
 
 def save_batch(rank: int, world: int, cases: list, root: str, device: str = "cpu",
                backend: Any = None) -> list:
-    """Save every case of the batch (collective); one result dict per case."""
+    """Save every case of the batch (collective); one result dict per case. With
+    ``SHARDPOINT_CONFORMANCE_KILL`` set, saves go through :class:`.faults.KillingBackend`
+    (a rehearsal: the run must then report the failure)."""
     import shardpoint as sp
+    from .faults import KILL_ENV, KillingBackend
+    if backend is None and os.environ.get(KILL_ENV):
+        backend = KillingBackend()
     out = []
     for case in cases:
         res: dict = {"id": case["id"], "ok": False}

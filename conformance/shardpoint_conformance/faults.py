@@ -1,0 +1,265 @@
+"""Fault cases: ranks killed in the middle of a save, and damaged bytes on disk.
+
+*Kills.* :class:`KillingBackend` wraps the storage backend (passed to ``save`` with
+``backend=``; the library is not touched). When the environment variable
+``SHARDPOINT_CONFORMANCE_KILL="RANK:POINT[:N]"`` is set in a rank, that rank SIGKILLs itself
+(a real ``os.kill``) at POINT:
+
+* ``write:N``          after its N-th chunk write reached the disk,
+* ``before-manifest``  (coordinator) with every chunk written, before the manifest,
+* ``after-manifest``   (coordinator) with the manifest staged, before the commit,
+* ``mid-commit``       (coordinator) between the two renames of an overwriting commit,
+* ``after-commit``     (coordinator) right after the commit.
+
+The rule checked ([SP-COMMIT-*]): the previous checkpoint stays loadable and bitwise intact,
+and the new one is either complete (bitwise) or invisible (not found / incomplete).
+
+*Damage.* A flipped byte in any chunk or shard index, a truncated chunk, a missing chunk, a
+truncated or flipped manifest, a missing manifest: each must raise its documented error,
+never return wrong data.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from typing import Any, Optional
+
+KILL_ENV = "SHARDPOINT_CONFORMANCE_KILL"
+KILL_POINTS = ("write", "before-manifest", "after-manifest", "mid-commit", "after-commit")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillingBackend:
+    """A storage backend that kills its own process at a chosen point (see module doc)."""
+
+    def __init__(self, inner: Any = None, spec: Optional[str] = None) -> None:
+        from shardpoint.storage import get_backend
+        self.inner = get_backend(inner)
+        self.name = self.inner.name
+        spec = spec if spec is not None else os.environ.get(KILL_ENV, "")
+        parts = spec.split(":") if spec else []
+        self.rank = int(parts[0]) if parts else -1
+        self.point = parts[1] if len(parts) > 1 else ""
+        self.n = int(parts[2]) if len(parts) > 2 else 1
+        self.writes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _armed(self, point: str) -> bool:
+        if self.point != point:
+            return False
+        import torch.distributed as dist
+        r = dist.get_rank() if dist.is_initialized() else 0
+        return r == self.rank
+
+    def write(self, handle: Any, offset, data) -> Any:
+        op = self.inner.write(handle, offset, data)
+        self.writes += 1
+        if self._armed("write") and self.writes >= self.n:
+            op.result()          # this chunk is on disk; the rank dies with others pending
+            _die()
+        return op
+
+    def write_manifest(self, root: str, data: bytes) -> None:
+        if self._armed("before-manifest"):
+            _die()
+        self.inner.write_manifest(root, data)
+        if self._armed("after-manifest"):
+            _die()
+
+    def commit(self, staging: str, path: str, *, overwrite: bool) -> None:
+        if self._armed("mid-commit"):
+            real = os.rename
+            calls = []
+
+            def rename(a, b):   # the second rename is the one that publishes the staging
+                if calls:
+                    _die()
+                calls.append((a, b))
+                real(a, b)
+            os.rename = rename
+            try:
+                self.inner.commit(staging, path, overwrite=overwrite)
+            finally:
+                os.rename = real
+        else:
+            self.inner.commit(staging, path, overwrite=overwrite)
+        if self._armed("after-commit"):
+            _die()
+
+
+# -------------------------------------------------------------------------------- kills
+def _save_rank(rank: int, world: int, case: dict, path: str, kill: bool) -> int:
+    import shardpoint as sp
+    from .runner import build_save_state
+    be = KillingBackend() if kill else None
+    sp.save(build_save_state(case, rank, world), path, overwrite=True, backend=be)
+    return be.writes if be else 0
+
+
+def fault_case(world: int, seed: int = 5) -> dict:
+    """A case whose save gives every rank several chunks to write (plain data)."""
+    from shardpoint.keys import encode_key
+    tensors, layouts = [], {}
+    for i in range(2 * world + 2):
+        path = ["layers", i, "w"]
+        key = encode_key(tuple(path))
+        shape = [4 * world, 3 + i % 3]
+        tensors.append({"path": path, "key": key, "dtype": ["float32", "bfloat16", "int64",
+                                                            "float8_e5m2"][i % 4],
+                        "shape": shape})
+        owner = i % world   # one rank per tensor (pipeline style): no exchange needed
+        layouts[key] = {"kind": f"owner r{owner}",
+                        "pieces": [[owner, [0, 0], shape, None, [0]]]}
+    return {"seed": seed, "id": "fault", "profile": "fault", "tensors": tensors,
+            "values": [{"path": ["step"], "value": seed}], "objects": [],
+            "save": {"world": world, "tensors": layouts, "objects": {}},
+            "load": {"world": 1, "like": False, "tensors": {}, "objects": {}}}
+
+
+def check_full(path: str, case: dict) -> list:
+    """Problems loading ``path`` (one process, whole tree) against ``case``'s expected bits."""
+    import shardpoint as sp
+    from .cases import expected_array, get_path
+    from .runner import to_bytes
+    got = sp.load(path)
+    problems = []
+    for t in case["tensors"]:
+        want = expected_array(case["seed"], t["key"], t["dtype"], t["shape"])
+        if to_bytes(get_path(got, t["path"])) != want.tobytes():
+            problems.append(f"{t['key']}: bits differ")
+    for v in case["values"]:
+        if get_path(got, v["path"]) != v["value"]:
+            problems.append(f"value {v['path']}: {get_path(got, v['path'])!r} != {v['value']!r}")
+    return problems
+
+
+def kill_during_save(root: str, world: int, rank: int, point: str, n: int = 1, *,
+                     overwrite: bool = True, pg_timeout: float = 8.0) -> dict:
+    """Save A, then save B with ``rank`` killed at ``point``; judge what is on disk.
+
+    ``overwrite``: B goes to A's path (replacing it); else to a new path next to it.
+    Returns ``{"killed", "state", "ok", "problems"}``; ``state`` names what a reader sees.
+    """
+    import shardpoint as sp
+    from .launch import RankFailure, run_world
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    a = fault_case(world, seed=11)
+    b = dict(a, seed=22, values=[{"path": ["step"], "value": 22}])
+    pa = os.path.join(root, "ckpt")
+    pb = pa if overwrite else os.path.join(root, "ckpt-next")
+    run_world(world, _save_rank, a, pa, False, timeout=120)
+    os.environ[KILL_ENV] = f"{rank}:{point}:{n}"
+    killed = False
+    try:
+        run_world(world, _save_rank, b, pb, True, timeout=60 + 3 * pg_timeout,
+                  pg_timeout=pg_timeout)
+    except RankFailure as e:
+        killed = "code -9" in str(e) or "-9" in str(e)
+        detail = str(e)[:300]
+    else:
+        detail = "save finished (the kill point was never reached)"
+    finally:
+        del os.environ[KILL_ENV]
+    problems = []
+    if not overwrite:
+        try:
+            problems += [f"previous checkpoint: {p}" for p in check_full(pa, a)]
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"previous checkpoint unreadable: {type(e).__name__}: {e}")
+    try:
+        got_a = check_full(pb, a) if overwrite else ["(not the previous)"]
+        if overwrite and not got_a:
+            state = "previous"
+        else:
+            got_b = check_full(pb, b)
+            state = "new" if not got_b else "WRONG DATA"
+            if got_b:
+                problems.append(f"{pb} loads but matches neither checkpoint: {got_b[:3]}")
+    except (sp.CheckpointNotFoundError, sp.IncompleteCheckpointError) as e:
+        state = f"invisible ({type(e).__name__})"
+        if overwrite:
+            problems.append(f"the previous checkpoint at {pb} is gone: {e}")
+    except Exception as e:  # noqa: BLE001
+        state = f"ERROR {type(e).__name__}"
+        problems.append(f"{pb}: {type(e).__name__}: {e}")
+    return {"killed": killed, "state": state, "ok": killed and not problems,
+            "problems": problems, "detail": detail, "point": f"rank {rank} {point}:{n}",
+            "leftovers": sorted(os.listdir(root))}
+
+
+# -------------------------------------------------------------------------------- damage
+def damaged_checkpoints(root: str) -> list:
+    """Write one small checkpoint (plain chunks and sharded chunks with inner-chunk indexes)
+    and derive damaged copies. Returns ``[(name, path, expected spec_id, error class)]``."""
+    import torch
+    import shardpoint as sp
+    from shardpoint_tensorstore import TensorStoreBackend
+    from .harness import chunk_files, flip_byte
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    good = os.path.join(root, "good")
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(16, 8, generator=g), "b": torch.randint(0, 9, (7,)),
+             "h": torch.randn(4, 4, generator=g).to(torch.bfloat16), "step": 3}
+    # Small thresholds: "w" (512 B) becomes a sharded chunk with an index of inner chunks.
+    sp.save(state, good, backend=TensorStoreBackend(shard_above_bytes=256,
+                                                    inner_chunk_bytes=64))
+    out = []
+
+    def copy(name: str) -> str:
+        p = os.path.join(root, name)
+        shutil.copytree(good, p)
+        return p
+
+    for i, f in enumerate(chunk_files(good)):
+        rel = os.path.relpath(f, good)
+        size = os.path.getsize(f)
+        for where, pos in (("first", 0), ("middle", size // 2), ("last", size - 1)):
+            p = copy(f"flip-{i}-{where}")
+            flip_byte(os.path.join(p, rel), pos)
+            out.append((f"flipped {where} byte of {rel}", p, "SP-READ-3",
+                        sp.CorruptCheckpointError))
+        p = copy(f"trunc-{i}")
+        with open(os.path.join(p, rel), "r+b") as fh:
+            fh.truncate(size - 3)
+        out.append((f"truncated {rel}", p, "SP-READ-3", sp.CorruptCheckpointError))
+        p = copy(f"missing-{i}")
+        os.remove(os.path.join(p, rel))
+        out.append((f"missing {rel}", p, "SP-READ-2", sp.CorruptCheckpointError))
+    man = "manifest.msgpack"
+    size = os.path.getsize(os.path.join(good, man))
+    for cut in (0, 1, size // 2, size - 1):
+        p = copy(f"man-trunc-{cut}")
+        with open(os.path.join(p, man), "r+b") as fh:
+            fh.truncate(cut)
+        out.append((f"manifest truncated to {cut} of {size} bytes", p, "SP-MAN-1",
+                    sp.CorruptCheckpointError))
+    p = copy("man-flip")
+    flip_byte(os.path.join(p, man))
+    out.append(("flipped manifest byte", p, "SP-MAN-1", sp.CorruptCheckpointError))
+    p = copy("man-missing")
+    os.remove(os.path.join(p, man))
+    out.append(("manifest missing", p, "SP-COMMIT-3", sp.IncompleteCheckpointError))
+    return out
+
+
+def check_damage(name: str, path: str, spec_id: str, err_type: type) -> Optional[str]:
+    """None if loading ``path`` raises ``err_type`` with ``spec_id``; else the problem."""
+    import shardpoint as sp
+    try:
+        sp.load(path)
+    except err_type as e:
+        if getattr(e, "spec_id", None) != spec_id:
+            return f"{name}: raised {type(e).__name__} with {e.spec_id}, expected {spec_id}"
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"{name}: raised {type(e).__name__}: {e} (expected {err_type.__name__} " \
+               f"[{spec_id}])"
+    return f"{name}: loaded without an error (silent wrong data)"
