@@ -18,7 +18,7 @@ import numpy as np
 
 from .cases import (case_bytes, decode_value, describe_layout, expected_array,
                     first_difference, get_path, object_value, piece_of, rank_pieces,
-                    same_bits, set_path)
+                    set_path)
 
 _MESH: dict = {}
 
