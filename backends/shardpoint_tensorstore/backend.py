@@ -8,9 +8,11 @@ One ``ts.Context`` is shared by all arrays so I/O concurrency is pooled.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import shutil
+import sys
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -93,6 +95,21 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _exchange_dirs(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return rc == 0
 
 
 class TensorStoreBackend:
@@ -259,18 +276,28 @@ class TensorStoreBackend:
         path = os.path.abspath(path)
         if self.fsync:
             self._fsync_tree(staging)
-        old = None
         if os.path.exists(path):
             if not overwrite and self.checkpoint_state(path) == "committed":
                 raise CheckpointExistsError(f"a checkpoint already exists at {path!r}; pass "
                                             "overwrite=True to replace it")
+            if _exchange_dirs(staging, path):
+                # One atomic step: the new checkpoint is at path, the old one at staging.
+                if self.fsync:
+                    _fsync_dir(os.path.dirname(path))
+                shutil.rmtree(staging, ignore_errors=True)
+                return
+            # No atomic exchange here: move the old one aside first; a crash between the two
+            # renames leaves it recoverable as .<name>.shardpoint-old-* ([SP-COMMIT-4]).
             old = staging.replace(".shardpoint-tmp-", ".shardpoint-old-")
             os.rename(path, old)
+            os.rename(staging, path)
+            if self.fsync:
+                _fsync_dir(os.path.dirname(path))
+            shutil.rmtree(old, ignore_errors=True)
+            return
         os.rename(staging, path)
         if self.fsync:
             _fsync_dir(os.path.dirname(path))
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
     def abort(self, staging: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)

@@ -8,7 +8,7 @@
 * ``write:N``          after its N-th chunk write reached the disk,
 * ``before-manifest``  (coordinator) with every chunk written, before the manifest,
 * ``after-manifest``   (coordinator) with the manifest staged, before the commit,
-* ``mid-commit``       (coordinator) between the two renames of an overwriting commit,
+* ``mid-commit``       (coordinator) inside an overwriting commit, once it published,
 * ``after-commit``     (coordinator) right after the commit.
 
 The rule checked ([SP-COMMIT-*]): the previous checkpoint stays loadable and bitwise intact,
@@ -74,19 +74,24 @@ class KillingBackend:
 
     def commit(self, staging: str, path: str, *, overwrite: bool) -> None:
         if self._armed("mid-commit"):
-            real = os.rename
+            # Die inside the commit, after it published something: at the second rename of a
+            # two-rename overwrite, or at the clean-up after an atomic exchange.
+            real_rename, real_rmtree = os.rename, shutil.rmtree
             calls = []
 
-            def rename(a, b):   # the second rename is the one that publishes the staging
+            def rename(a, b):
                 if calls:
                     _die()
                 calls.append((a, b))
-                real(a, b)
-            os.rename = rename
+                real_rename(a, b)
+
+            def rmtree(*a, **k):
+                _die()
+            os.rename, shutil.rmtree = rename, rmtree
             try:
                 self.inner.commit(staging, path, overwrite=overwrite)
             finally:
-                os.rename = real
+                os.rename, shutil.rmtree = real_rename, real_rmtree
         else:
             self.inner.commit(staging, path, overwrite=overwrite)
         if self._armed("after-commit"):

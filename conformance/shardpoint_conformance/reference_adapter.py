@@ -27,8 +27,7 @@ def capabilities() -> dict:
 def write_checkpoint(case_json: str, ckpt_dir: str, rank: int = 0, world: int = 1) -> None:
     """Save the case with shardpoint. With ``world > 1`` (inside a process group) tensors are
     replicas on every rank and rank ``r`` holds index ``r`` of each sharded object (whose count
-    must then equal ``world``). (Sharded tensor writes are covered by ``conformance run``;
-    they are kept out of here because of the exchange bug noted in runner.KNOWN_BUGS.)"""
+    must then equal ``world``). (Sharded tensor writes are covered by ``conformance run``.)"""
     import shardpoint as sp
     from .runner import to_torch
     case, arrays = read_case_files(case_json)

@@ -320,23 +320,6 @@ def run_cases_local(cases: list, root: str, *, timeout_per_case: float = 30.0,
     return [_row(rows[c["id"]]) for c in cases]
 
 
-# Library bugs found by this suite: a failure whose message matches is reported as a skip
-# naming the bug (it stops matching once the bug is fixed). (pattern, reason)
-KNOWN_BUGS = [
-    (re.compile(r"storage_offset\(\) must be divisible by \d+ to view Byte as"),
-     "library bug: reference/shardpoint/exchange.py:197 unpack_into views an odd byte offset "
-     "of the packed uint8 buffer as a wider dtype (exchange messages mixing 1-byte and wider "
-     "dtypes); repro in the conformance report"),
-]
-
-
-def known_bug(error: Optional[str]) -> Optional[str]:
-    for pat, reason in KNOWN_BUGS:
-        if error and pat.search(error):
-            return reason
-    return None
-
-
 def _row(r: dict) -> dict:
     c, s, ld = r["case"], r.get("save", {}), r.get("load")
     ok = s.get("ok", False) and ld is not None and ld.get("ok", False)
@@ -348,8 +331,7 @@ def _row(r: dict) -> dict:
             "bytes": case_bytes(c), "save_s": s.get("time"), "load_s": (ld or {}).get("time"),
             "ok": ok, "phase": None if ok else ("save" if failed is s else "load"),
             "error": None if ok else failed.get("error", "not run"),
-            "spec_id": None if ok else failed.get("spec_id"),
-            "skipped": None if ok else known_bug(failed.get("error"))}
+            "spec_id": None if ok else failed.get("spec_id")}
 
 
 def run_in_job(cases: list, root: str, device: str) -> list:
@@ -373,17 +355,14 @@ def format_table(rows: list) -> str:
             "result"]
     lines = [head]
     for r in rows:
-        res = "ok" if r["ok"] else "SKIP(known bug)" if r.get("skipped") else \
-            f"FAIL({r['phase']}{' ' + r['spec_id'] if r['spec_id'] else ''})"
+        res = "ok" if r["ok"] else f"FAIL({r['phase']}{' ' + r['spec_id'] if r['spec_id'] else ''})"
         lines.append([r["id"], str(r["seed"]), r["save_layout"][:38], r["load_layout"][:38],
                       str(r["bytes"]), _fmt(r["save_s"]), _fmt(r["load_s"]), res])
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
     text = ["  ".join(x[i].ljust(widths[i]) for i in range(len(head))) for x in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
     for r in rows:
-        if r.get("skipped"):
-            text.append(f"\n{r['id']} skipped: {r['skipped']}\n  ({r['error'][:300]})")
-        elif not r["ok"]:
+        if not r["ok"]:
             text.append(f"\n{r['id']} FAILED in {r['phase']}: {r['error']}\n  replay: "
                         f"shardpoint conformance run --replay {r['seed']} --save-world-sizes "
                         f"{r['save_world']} --load-world-sizes {r['load_world']} --profile "
@@ -402,5 +381,5 @@ def cleanup(root: str, rows: list) -> None:
 
 
 def passed(rows: list) -> bool:
-    """Every case passed or hit a known library bug (reported as a skip)."""
-    return all(r["ok"] or r.get("skipped") for r in rows)
+    """Every case passed."""
+    return all(r["ok"] for r in rows)

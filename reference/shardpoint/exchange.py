@@ -194,8 +194,15 @@ def unpack_into(buf: torch.Tensor, dsts: list) -> None:
     pos = 0
     for d in dsts:
         n = d.numel() * d.element_size()
-        src = buf[pos:pos + n].to(d.device).view(d.dtype).view(d.shape)
-        d.copy_(src)
+        raw = buf[pos:pos + n]
+        if (raw.storage_offset() * raw.element_size()) % d.element_size():
+            # Pieces are packed back to back, so a piece after an odd-sized one starts
+            # misaligned for its dtype: go through an aligned temporary.
+            tmp = torch.empty(d.shape, dtype=d.dtype, device=buf.device)
+            tmp.reshape(-1).view(torch.uint8).copy_(raw)
+            d.copy_(tmp)
+        else:
+            d.copy_(raw.to(d.device).view(d.dtype).view(d.shape))
         pos += n
 
 
