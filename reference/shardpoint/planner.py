@@ -238,6 +238,21 @@ def _chunks_overlapping(shape, chunk, off, shp):
         yield cidx, n
 
 
+def _pieces_by_chunk(shape: tuple, chunk: tuple, piece_lists: list) -> dict:
+    """chunk index -> [(list index, piece index, overlap box)] for every piece of every list."""
+    per_chunk: dict = defaultdict(list)
+    for li, pieces in enumerate(piece_lists):
+        for pi, p in enumerate(pieces):
+            if not shape:
+                per_chunk[()].append((li, pi, ((), ())))
+                continue
+            for cidx, _n in _chunks_overlapping(shape, chunk, p.offset, p.shape):
+                coff = tuple(i * c for i, c in zip(cidx, chunk))
+                cshp = tuple(min(c, n - o) for c, n, o in zip(chunk, shape, coff))
+                per_chunk[cidx].append((li, pi, box_intersection(coff, cshp, p.offset, p.shape)))
+    return per_chunk
+
+
 def plan_chunk_grid(shape: tuple, itemsize: int, regions: list, blocks: list,
                     opts: PlanOptions) -> tuple:
     """Choose a regular chunk grid for a tensor ([SP-GRID-1]): the saving layout itself when
@@ -359,18 +374,7 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
         if math.prod(shape) == 0:
             ranks[r0].create.append(key)
             continue
-        # chunk -> [(piece index in region, region index, overlap box)]
-        per_chunk: dict = defaultdict(list)
-        for ri, (pieces, _) in enumerate(region_list):
-            for pi, p in enumerate(pieces):
-                if not shape:
-                    per_chunk[()].append((ri, pi, ((), ())))
-                    continue
-                for cidx, _n in _chunks_overlapping(shape, chunk, p.offset, p.shape):
-                    coff = tuple(i * c for i, c in zip(cidx, chunk))
-                    cshp = tuple(min(c, n - o) for c, n, o in zip(chunk, shape, coff))
-                    per_chunk[cidx].append((ri, pi, box_intersection(coff, cshp,
-                                                                     p.offset, p.shape)))
+        per_chunk = _pieces_by_chunk(shape, chunk, [ps for ps, _ in region_list])
         for cidx in sorted(per_chunk):
             parts = per_chunk[cidx]
             coff = tuple(i * c for i, c in zip(cidx, chunk))
@@ -509,19 +513,10 @@ def plan_load(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:
         lay = layouts[key]
         shape, chunk = lay.shape, lay.chunk_shape
         itemsize = dtypes.from_name(lay.dtype).itemsize
-        per_chunk: dict = defaultdict(list)    # chunk -> [(group, piece, box)]
         groups = list(by_key[key].values())
-        for gi, (h, _needers) in enumerate(groups):
+        for h, _needers in groups:
             check_request(h, lay)
-            for pi, p in enumerate(holding_pieces(h)):
-                if not shape:
-                    per_chunk[()].append((gi, pi, ((), ())))
-                    continue
-                for cidx, _n in _chunks_overlapping(shape, chunk, p.offset, p.shape):
-                    coff = tuple(i * c for i, c in zip(cidx, chunk))
-                    cshp = tuple(min(c, n - o) for c, n, o in zip(chunk, shape, coff))
-                    per_chunk[cidx].append((gi, pi, box_intersection(coff, cshp,
-                                                                     p.offset, p.shape)))
+        per_chunk = _pieces_by_chunk(shape, chunk, [holding_pieces(h) for h, _ in groups])
         for cidx in sorted(per_chunk):
             parts = per_chunk[cidx]
             if len(parts) == 1:
