@@ -1,0 +1,211 @@
+"""Single-process round trips: every dtype, random trees and bits, like=, subsets, overwrite."""
+import math
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import tensorstore as ts
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import shardpoint as sp
+from shardpoint import dtypes
+
+DTYPES = list(dtypes.DTYPES.values())
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def random_bits(d, shape, seed):
+    """A tensor of dtype ``d`` with random *bits* (NaN payloads, -0.0, subnormals)."""
+    n = math.prod(shape) * d.itemsize
+    raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    if d.name == "bool":
+        raw &= 1
+    return dtypes.numpy_to_torch(raw.view(d.numpy).reshape(shape).copy())
+
+
+def same_bits(a, b):
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape \
+            and a.tobytes() == b.tobytes()
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.numel() == 0 or \
+        a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+
+
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
+leaf_values = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1),
+                        st.floats(allow_nan=False), st.text(max_size=8), st.binary(max_size=8))
+keys = st.one_of(st.text(min_size=1, max_size=6).filter(lambda s: s not in (".", "..")),
+                 st.integers(-5, 50))
+
+
+@st.composite
+def trees(draw):
+    def leaf():
+        kind = draw(st.sampled_from(["tensor", "numpy", "value"]))
+        if kind == "value":
+            return draw(leaf_values)
+        d = draw(st.sampled_from(DTYPES))
+        t = random_bits(d, draw(shapes), draw(st.integers(0, 2**32 - 1)))
+        return dtypes.torch_to_numpy(t).copy() if kind == "numpy" else t
+
+    def node(depth):
+        if depth == 0 or draw(st.booleans()):
+            return leaf()
+        kind = draw(st.sampled_from(["dict", "list", "tuple"]))
+        n = draw(st.integers(0, 3))
+        if kind == "dict":
+            return {draw(keys): node(depth - 1) for _ in range(n)}
+        items = [node(depth - 1) for _ in range(n)]
+        return items if kind == "list" else tuple(items)
+
+    return {"root": node(3)}
+
+
+def assert_tree_equal(a, b):
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b)
+        for k in a:
+            assert_tree_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_tree_equal(x, y)
+    elif isinstance(a, (torch.Tensor, np.ndarray)):
+        assert same_bits(a, b), (a, b)
+    else:
+        assert type(a) is type(b) and a == b
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(tree=trees())
+def test_random_trees_round_trip_bitwise(tmp_path_factory, tree):
+    path = str(tmp_path_factory.mktemp("rt") / "ckpt")
+    sp.save(tree, path)
+    assert_tree_equal(tree, sp.load(path))
+
+
+@pytest.mark.slow
+@settings(max_examples=300, **SETTINGS)
+@given(tree=trees())
+def test_random_trees_round_trip_bitwise_long(tmp_path_factory, tree):
+    path = str(tmp_path_factory.mktemp("rt") / "ckpt")
+    sp.save(tree, path)
+    assert_tree_equal(tree, sp.load(path))
+
+
+@pytest.mark.parametrize("d", DTYPES, ids=lambda d: d.name)
+def test_every_dtype_every_bit_pattern(tmp_ckpt, d):
+    n = 1 << (8 * min(d.itemsize, 2))      # every byte/halfword pattern for small dtypes
+    t = random_bits(d, (300,), 1)
+    if d.itemsize <= 2 and d.name != "bool":
+        t = dtypes.numpy_to_torch(np.arange(n, dtype=np.uint16 if d.itemsize == 2 else np.uint8)
+                                  .view(d.numpy).copy())
+    state = {"t": t, "scalar": t.reshape(-1)[0].clone(), "empty": t[:0].reshape(0, 3)[:, :0]}
+    sp.save(state, tmp_ckpt)
+    back = sp.load(tmp_ckpt)
+    for k in state:
+        assert same_bits(state[k], back[k]), k
+
+
+def test_negative_zero_and_nan_payload_survive(tmp_ckpt):
+    bits = torch.tensor([0x7FC00001, 0xFFC12345, 0x80000000, 0x00000001], dtype=torch.int64)
+    t = bits.to(torch.int32).view(torch.float32)
+    sp.save({"t": t}, tmp_ckpt)
+    assert torch.equal(sp.load(tmp_ckpt)["t"].view(torch.int32), bits.to(torch.int32))
+
+
+def test_non_contiguous_views(tmp_ckpt):
+    base = torch.arange(60, dtype=torch.float64).reshape(6, 10)
+    state = {"t": base.t(), "s": base[1:5:2, ::3], "e": base.expand(3, 6, 10)[1]}
+    sp.save(state, tmp_ckpt)
+    back = sp.load(tmp_ckpt)
+    for k, v in state.items():
+        assert torch.equal(back[k], v) and back[k].shape == v.shape
+
+
+def test_like_fills_in_place_and_returns_tree(tmp_ckpt):
+    state = {"w": torch.randn(7, 3), "np": np.arange(5.0), "step": 9, "nested": [torch.ones(2)]}
+    sp.save(state, tmp_ckpt)
+    like = {"w": torch.zeros(7, 3), "np": np.zeros(5), "step": 0, "nested": [torch.zeros(2)]}
+    ptr = like["w"].data_ptr()
+    out = sp.load(tmp_ckpt, like=like)
+    assert out["w"] is like["w"] and like["w"].data_ptr() == ptr
+    assert torch.equal(like["w"], state["w"]) and np.array_equal(like["np"], state["np"])
+    assert out["step"] == 9 and torch.equal(like["nested"][0], torch.ones(2))
+
+
+def test_subset_load_reads_only_what_is_asked(tmp_ckpt):
+    sp.save({"model": {"w": torch.ones(3)}, "optim": {"m": torch.ones(3)}}, tmp_ckpt)
+    rep = sp.LoadReport()
+    out = sp.load(tmp_ckpt, like={"model": {"w": torch.zeros(3)}}, report=rep)
+    assert torch.equal(out["model"]["w"], torch.ones(3))
+    assert rep.unexpected_keys == ["optim/m"] and rep.rank_bytes_read == 12
+
+
+def test_strict_and_non_strict_missing_keys(tmp_ckpt):
+    sp.save({"a": torch.ones(2)}, tmp_ckpt)
+    with pytest.raises(sp.LayoutMismatchError, match="'b'"):
+        sp.load(tmp_ckpt, like={"a": torch.zeros(2), "b": torch.zeros(2)})
+    rep = sp.LoadReport()
+    out = sp.load(tmp_ckpt, like={"a": torch.zeros(2), "b": torch.zeros(2)}, strict=False,
+                  report=rep)
+    assert rep.missing_keys == ["tensor 'b'"] and torch.equal(out["a"], torch.ones(2))
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(3), torch.zeros(2, dtype=torch.float64)])
+def test_shape_or_dtype_mismatch_names_the_key(tmp_ckpt, bad):
+    sp.save({"a": torch.ones(2)}, tmp_ckpt)
+    with pytest.raises(sp.LayoutMismatchError, match="'a'.*shape"):
+        sp.load(tmp_ckpt, like={"a": bad})
+
+
+def test_overwrite(tmp_ckpt):
+    sp.save({"a": torch.ones(2)}, tmp_ckpt)
+    with pytest.raises(sp.CheckpointExistsError):
+        sp.save({"a": torch.zeros(2)}, tmp_ckpt)
+    assert torch.equal(sp.load(tmp_ckpt)["a"], torch.ones(2))
+    sp.save({"b": torch.zeros(2)}, tmp_ckpt, overwrite=True)
+    assert list(sp.load(tmp_ckpt)) == ["b"]
+
+
+def test_sharded_tensor_in_one_process_must_cover(tmp_ckpt):
+    with pytest.raises(sp.InvalidShardingError, match="gap"):
+        sp.save({"w": sp.ShardedTensor(torch.ones(2, 3), (4, 3), (0, 0))}, tmp_ckpt)
+    assert not __import__("os").path.exists(tmp_ckpt)
+    sp.save({"w": sp.ShardedTensor(torch.arange(12.0), (4, 3), (0, 0), local_shape=(4, 3),
+                                   flattened_range=(0, 12))}, tmp_ckpt)
+    assert torch.equal(sp.load(tmp_ckpt)["w"], torch.arange(12.0).reshape(4, 3))
+
+
+def test_sharded_objects_and_values(tmp_ckpt):
+    rng = torch.get_rng_state()
+    sp.save({"rng": sp.ShardedObject({"torch": rng, "pos": (3, 4)}, 0, 1), "cfg": {"lr": 0.1}},
+            tmp_ckpt)
+    back = sp.load(tmp_ckpt)
+    assert torch.equal(back["rng"][0]["torch"], rng) and back["rng"][0]["pos"] == (3, 4)
+    out = sp.load(tmp_ckpt, like={"rng": sp.ShardedObject(None, 0, 1)})
+    assert torch.equal(out["rng"]["torch"], rng)
+    with pytest.raises(sp.LayoutMismatchError, match="count"):
+        sp.load(tmp_ckpt, like={"rng": sp.ShardedObject(None, 0, 2)})
+
+
+def test_plain_tensorstore_opens_saved_tensor(tmp_ckpt):
+    w = torch.randn(33, 17).bfloat16()
+    sp.save({"layer": {"w": w}}, tmp_ckpt)
+    t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
+                 "path": f"{tmp_ckpt}/tensors/layer/w"}}).result()
+    assert t.dtype.name == "bfloat16" and t.shape == (33, 17)
+    assert t.read().result().tobytes() == dtypes.torch_to_numpy(w).tobytes()
+
+
+def test_large_tensor_gets_a_multi_chunk_sharded_array(tmp_ckpt):
+    from shardpoint_tensorstore import TensorStoreBackend
+    be = TensorStoreBackend(shard_above_bytes=1 << 16, inner_chunk_bytes=1 << 12)
+    w = torch.randn(300, 100)
+    opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=40_000))
+    sp.save({"w": w}, tmp_ckpt, backend=be, options=opts)
+    e = sp.read_metadata(tmp_ckpt).tensors["w"]
+    assert e.chunk_shape[0] < 300 and torch.equal(sp.load(tmp_ckpt)["w"], w)
