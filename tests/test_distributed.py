@@ -1,0 +1,289 @@
+"""Real gloo process groups: save on N ranks, load on M ranks in other layouts, bitwise.
+
+Spawning a world costs seconds, so each spawned world runs a whole batch of scenarios.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+from shardpoint_conformance.launch import run_world
+
+SHAPE = (10, 7)
+
+
+def full(name, dtype=torch.float32):
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(SHAPE, generator=g).to(dtype)
+
+
+def same_bits(a, b):
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.numel() == 0 or torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                                         b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def split(n, parts, i):
+    return i * n // parts, (i + 1) * n // parts
+
+
+def ceil_split(n, parts, i):
+    c = -(-n // parts)
+    return min(n, i * c), min(n, (i + 1) * c)       # empty trailing pieces sit at offset n
+
+
+def save_layouts(rank, world):
+    import shardpoint as sp
+    st = {}
+    a, b = split(SHAPE[0], world, rank)
+    st["rows"] = sp.ShardedTensor(full("rows")[a:b].clone(), SHAPE, (a, 0))
+    a, b = ceil_split(SHAPE[1], world, rank)
+    st["cols_ceil"] = sp.ShardedTensor(full("cols_ceil")[:, a:b].clone(), SHAPE, (0, a))
+    a, b = split(70, world, rank)
+    st["flat"] = sp.ShardedTensor(full("flat").reshape(-1)[a:b].clone(), SHAPE, (0, 0),
+                                  local_shape=SHAPE, flattened_range=(a, b))
+    st["rep"] = full("rep", torch.bfloat16)                      # plain tensor: replicas
+    if world % 2 == 0:   # 2-D grid (world/2 x 2) with each cell on one rank
+        r, c = rank // 2, rank % 2
+        ra, rb = split(SHAPE[0], world // 2, r)
+        ca, cb = split(SHAPE[1], 2, c)
+        st["grid"] = sp.ShardedTensor(full("grid")[ra:rb, ca:cb].clone(), SHAPE, (ra, ca))
+    else:
+        st["grid"] = sp.ShardedTensor(full("grid").clone(), SHAPE, (0, 0), replica_id=rank)
+    st["obj"] = sp.ShardedObject({"rank": rank}, rank, world)
+    st["step"] = 42
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+        mesh = init_device_mesh("cpu", (world,))
+        st["dt"] = DTensor.from_local(
+            full("dt")[slice(*ceil_split(SHAPE[0], world, rank))].clone(), mesh, [Shard(0)],
+            run_check=False, shape=torch.Size(SHAPE), stride=(SHAPE[1], 1))
+    else:
+        st["dt"] = full("dt")
+    return st
+
+
+def save_job(rank, world, base):
+    import shardpoint as sp
+    r = sp.save(save_layouts(rank, world), f"{base}/w{world}")
+    return r.exchange_bytes, r.unique_bytes
+
+
+def load_job(rank, world, base, save_worlds):
+    """Load every saved checkpoint in layouts unlike the saving ones; report mismatches."""
+    import shardpoint as sp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
+    bad = []
+    for sw in save_worlds:
+        path = f"{base}/w{sw}"
+        a, b = split(SHAPE[1], world, rank)
+        fa, fb = split(70, world, world - 1 - rank)
+        like = {
+            "rows": sp.ShardedTensor(torch.empty(SHAPE[0], b - a), SHAPE, (0, a)),
+            "cols_ceil": torch.empty(SHAPE),
+            "flat": sp.ShardedTensor(torch.empty(fb - fa), SHAPE, (0, 0), local_shape=SHAPE,
+                                     flattened_range=(fa, fb)),
+            "rep": sp.ShardedTensor(torch.empty(1, SHAPE[1], dtype=torch.bfloat16), SHAPE,
+                                    (rank % SHAPE[0], 0)),
+            "grid": torch.empty(SHAPE),
+            "obj": sp.ShardedObject(None, rank % sw, sw),
+            "step": 0,
+        }
+        ca, cb = ceil_split(SHAPE[1], world, rank)      # DTensor shards like torch.chunk
+        if world == 3:      # a replicated DTensor: every rank gets all of it
+            ca, cb = 0, SHAPE[1]
+        if mesh is not None:
+            like["dt"] = DTensor.from_local(
+                torch.empty(SHAPE[0], cb - ca), mesh, [Replicate() if world == 3 else Shard(1)],
+                run_check=False, shape=torch.Size(SHAPE), stride=(SHAPE[1], 1))
+        out = sp.load(path, like=like)
+        checks = {
+            "rows": (out["rows"], full("rows")[:, a:b]),
+            "cols_ceil": (out["cols_ceil"], full("cols_ceil")),
+            "flat": (out["flat"], full("flat").reshape(-1)[fa:fb]),
+            "rep": (out["rep"], full("rep", torch.bfloat16)[rank % SHAPE[0]:][:1]),
+            "grid": (out["grid"], full("grid")),
+        }
+        if mesh is not None:
+            checks["dt"] = (out["dt"].to_local(), full("dt")[:, ca:cb])
+        for k, (got, want) in checks.items():
+            if not same_bits(got, want):
+                bad.append(f"save {sw} -> load {world}: {k}")
+        if out["obj"] != {"rank": rank % sw} or out["step"] != 42:
+            bad.append(f"save {sw} -> load {world}: objects")
+    return bad
+
+
+def test_save_on_n_load_on_m(tmp_path):
+    base = str(tmp_path)
+    for n in (1, 2, 3, 4):
+        res = run_world(n, save_job, base, timeout=240)
+        exchanged, unique = res[0]
+        sizes = sum(os.path.getsize(os.path.join(d, f))
+                    for d, _, fs in os.walk(f"{base}/w{n}/tensors") for f in fs
+                    if f != "zarr.json")
+        # every byte once (replicas written once); chunk/shard indexes add a few percent
+        assert unique <= sizes <= unique * 1.10 + 4096, (n, sizes, unique)
+    for m in (1, 2, 3, 4):
+        bad = run_world(m, load_job, base, [1, 2, 3, 4], timeout=300)
+        assert not any(bad), bad
+
+
+# ---------------------------------------------------------------------------- Megatron-style
+def megatron_job(rank, world, base):
+    """TP=2 x PP=2 x DP=2: layers per stage, TP-split weights replicated over DP, and the
+    distributed optimizer's flattened fp32 shards split over DP. Save, reload in place."""
+    import shardpoint as sp
+    tp, pp, dp = 2, 2, 2
+    t, d, p = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    names = [f"layers.{2 * p + i}.{w}" for i in range(2) for w in ("qkv", "proj")]
+
+    def block(name):
+        dim = 0 if name.endswith("qkv") else 1
+        n = SHAPE[dim]
+        a, b = split(n, tp, t)
+        off = (a, 0) if dim == 0 else (0, a)
+        shp = (b - a, SHAPE[1]) if dim == 0 else (SHAPE[0], b - a)
+        return off, shp
+
+    def state():
+        model, optim = {}, {}
+        sizes = [math.prod(block(n)[1]) for n in names]
+        total = sum(sizes)
+        lo, hi = split(total, dp, d)
+        pos = 0
+        for n, size in zip(names, sizes):
+            off, shp = block(n)
+            w = full(n)[off[0]:off[0] + shp[0], off[1]:off[1] + shp[1]]
+            model[n] = sp.ShardedTensor(w.clone(), SHAPE, off, replica_id=d)
+            a, b = max(lo, pos), min(hi, pos + size)
+            if a < b:
+                optim[n] = sp.ShardedTensor(full("opt" + n).reshape(-1)[:0].new_tensor(
+                    full("opt" + n)[off[0]:off[0] + shp[0], off[1]:off[1] + shp[1]]
+                    .reshape(-1)[a - pos:b - pos]), SHAPE, off, local_shape=shp,
+                    flattened_range=(a - pos, b - pos))
+            pos += size
+        return {"model": model, "optim": optim, "iteration": 7}
+
+    sp.save(state(), f"{base}/megatron")
+    # load back into zeroed copies of the same layout
+    like = state()
+    for group in ("model", "optim"):
+        for v in like[group].values():
+            v.data.zero_()
+    out = sp.load(f"{base}/megatron", like=like)
+    ref = state()
+    bad = [f"{g}/{k}" for g in ("model", "optim") for k in ref[g]
+           if not torch.equal(out[g][k], ref[g][k].data)]
+    # and a single-process-style full read of everything on every rank
+    allw = sp.load(f"{base}/megatron")
+    bad += [k for k in allw["model"] if not torch.equal(allw["model"][k], full(k))]
+    bad += [k for k in allw["optim"] if not torch.equal(allw["optim"][k], full("opt" + k))]
+    return bad
+
+
+def test_megatron_tp2_pp2_dp2_distributed_optimizer(tmp_path):
+    bad = run_world(8, megatron_job, str(tmp_path), timeout=300)
+    assert not any(bad), bad
+
+
+# ---------------------------------------------------------------------------- failures
+class FailingBackend:
+    """The real backend, except that ``write`` raises on one rank (a real exception in a
+    real process: disk full, permission denied)."""
+
+    def __init__(self, rank):
+        from shardpoint.storage import get_backend
+        self.inner, self.rank = get_backend(), rank
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def write(self, handle, offset, data):
+        import torch.distributed as dist
+        if dist.get_rank() == self.rank:
+            raise OSError("No space left on device (simulated on this rank)")
+        return self.inner.write(handle, offset, data)
+
+
+def failure_job(rank, world, base):
+    import shardpoint as sp
+    import torch.distributed as dist
+    out = {}
+    a, b = split(SHAPE[0], world, rank)
+    good = {"w": sp.ShardedTensor(full("w")[a:b].clone(), SHAPE, (a, 0))}
+    invalid = {
+        "overlap": {"w": sp.ShardedTensor(full("w")[:6].clone(), SHAPE, (0, 0)) if rank == 0
+                    else sp.ShardedTensor(full("w")[4:].clone(), SHAPE, (4, 0), replica_id=rank)},
+        "gap": {"w": sp.ShardedTensor(full("w")[:3].clone(), SHAPE, (0, 0))} if rank == 0
+        else {"w": sp.ShardedTensor(full("w")[5:].clone(), SHAPE, (5, 0), replica_id=rank)},
+        "dup_replica": {"w": sp.ShardedTensor(full("w").clone(), SHAPE, (0, 0), replica_id=0)},
+        "shape": {"w": torch.zeros(3 + (rank == 1))},
+        "dtype": {"w": torch.zeros(3, dtype=torch.float64 if rank == 1 else torch.float32)},
+    }
+    for name, st in invalid.items():
+        try:
+            sp.save(st, f"{base}/{name}")
+            out[name] = "saved"
+        except sp.InvalidShardingError as e:
+            out[name] = f"InvalidShardingError {e.spec_id}"
+        dist.barrier()
+        out[name + "_exists"] = os.path.exists(f"{base}/{name}") or any(
+            n.startswith(f".{name}.") for n in os.listdir(base))
+    # a write failure on rank 1: every rank raises, the previous checkpoint survives
+    sp.save(good, f"{base}/prev")
+    try:
+        sp.save({"w": sp.ShardedTensor(torch.zeros(b - a, SHAPE[1]), SHAPE, (a, 0))},
+                f"{base}/prev", overwrite=True, backend=FailingBackend(1))
+        out["write_fail"] = "saved"
+    except sp.ShardpointError as e:
+        out["write_fail"] = type(e).__name__ + ": " + str(e)
+    dist.barrier()
+    out["prev_intact"] = torch.equal(sp.load(f"{base}/prev")["w"], full("w"))
+    out["staging_left"] = [n for n in os.listdir(base) if "shardpoint-" in n]
+    # sub-groups: two "DP groups" save different keys to different dirs at the same time
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    gi = rank // 2
+    gr = rank % 2
+    ga, gb = split(SHAPE[0], 2, gr)
+    sp.save({f"g{gi}": sp.ShardedTensor(full(f"g{gi}")[ga:gb].clone(), SHAPE, (ga, 0))},
+            f"{base}/sub{gi}", group=groups[gi])
+    dist.barrier()
+    back = sp.load(f"{base}/sub{gi}", like={f"g{gi}": torch.empty(SHAPE)}, group=groups[gi])
+    out["subgroup"] = torch.equal(back[f"g{gi}"], full(f"g{gi}"))
+    return out
+
+
+def test_invalid_layouts_failures_and_subgroups(tmp_path):
+    res = run_world(4, failure_job, str(tmp_path), timeout=300)
+    for r, out in enumerate(res):
+        for name in ("overlap", "gap", "dup_replica", "shape", "dtype"):
+            assert out[name].startswith("InvalidShardingError"), (r, name, out[name])
+            assert out[name + "_exists"] is False, (r, name)
+        assert out["overlap"].endswith("SP-COVER-3") and out["gap"].endswith("SP-COVER-2")
+        assert out["dup_replica"].endswith("SP-REPL-2") and out["shape"].endswith("SP-COVER-4")
+        assert "rank 1" in out["write_fail"] and "No space left" in out["write_fail"], out
+        assert out["prev_intact"] and out["staging_left"] == [] and out["subgroup"]
+
+
+def partial_job(rank, world, path):
+    import shardpoint as sp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+    mesh = init_device_mesh("cpu", (world,))
+    dt = DTensor.from_local(torch.ones(3), mesh, [Partial()], run_check=False)
+    try:
+        sp.save({"p": dt}, path)
+    except sp.UnsupportedValueError as e:
+        return str(e)
+    return "saved"
+
+
+def test_dtensor_partial_is_refused_on_every_rank(tmp_path):
+    res = run_world(2, partial_job, str(tmp_path / "p"), timeout=120)
+    assert all("Partial" in r and "redistribute" in r for r in res), res
