@@ -74,6 +74,21 @@ def _box_view(view: torch.Tensor, base_off: tuple, box_off: tuple, box_shape: tu
     return view[tuple(slice(b - o, b - o + s) for o, b, s in zip(base_off, box_off, box_shape))]
 
 
+class _PieceViews:
+    """``views(i, p)``: the tensor view of piece ``p`` of local holding ``i`` and the piece's
+    global offset; pieces are computed once per holding."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items          # [(Holding, tensor)]
+        self.pieces: dict = {}
+
+    def __call__(self, i: int, p: int) -> tuple:
+        if i not in self.pieces:
+            self.pieces[i] = holding_pieces(self.items[i][0])
+        piece = self.pieces[i][p]
+        return piece_view(self.items[i][1], piece), piece.offset
+
+
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return dtypes.torch_to_numpy(t)
 
@@ -272,14 +287,7 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
 def _execute_save(comm: Comm, be: StorageBackend, flat, work: RankSaveWork, staging: str,
                   layouts: dict, opts: SaveOptions) -> int:
     tensors = flat.tensors
-    pieces_cache: dict = {}
-
-    def src_view(hidx: int, pidx: int) -> tuple:
-        lt = tensors[hidx]
-        if hidx not in pieces_cache:
-            pieces_cache[hidx] = holding_pieces(lt.holding)
-        p = pieces_cache[hidx][pidx]
-        return piece_view(lt.data.detach(), p), p.offset
+    src_view = _PieceViews([(lt.holding, lt.data.detach()) for lt in tensors])
 
     handles: dict = {}
 
@@ -545,14 +553,7 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
 
 def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, targets: list,
                   work: RankLoadWork, budget: int) -> tuple:
-    pieces_cache: dict = {}
-
-    def dst_view(q: int, pi: int) -> tuple:
-        tg = targets[q]
-        if q not in pieces_cache:
-            pieces_cache[q] = holding_pieces(tg.holding)
-        p = pieces_cache[q][pi]
-        return piece_view(tg.data, p), p.offset
+    dst_view = _PieceViews([(tg.holding, tg.data) for tg in targets])
 
     handles: dict = {}
 
