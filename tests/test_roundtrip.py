@@ -79,21 +79,16 @@ def assert_tree_equal(a, b):
         assert type(a) is type(b) and a == b
 
 
-@settings(max_examples=25, **SETTINGS)
-@given(tree=trees())
-def test_random_trees_round_trip_bitwise(tmp_path_factory, tree):
+def round_trip(tmp_path_factory, tree):
     path = str(tmp_path_factory.mktemp("rt") / "ckpt")
     sp.save(tree, path)
     assert_tree_equal(tree, sp.load(path))
 
 
-@pytest.mark.slow
-@settings(max_examples=300, **SETTINGS)
-@given(tree=trees())
-def test_random_trees_round_trip_bitwise_long(tmp_path_factory, tree):
-    path = str(tmp_path_factory.mktemp("rt") / "ckpt")
-    sp.save(tree, path)
-    assert_tree_equal(tree, sp.load(path))
+test_random_trees_round_trip_bitwise = settings(max_examples=25, **SETTINGS)(
+    given(tree=trees())(round_trip))
+test_random_trees_round_trip_bitwise_long = pytest.mark.slow(settings(
+    max_examples=300, **SETTINGS)(given(tree=trees())(round_trip)))
 
 
 @pytest.mark.parametrize("d", DTYPES, ids=lambda d: d.name)

@@ -174,10 +174,10 @@ def _run_torchrun(args, seed: int) -> int:
         print("note: pass --seed so every rank draws the same cases", file=sys.stderr)
     dist.init_process_group(backend)
     try:
-        # Every rank must draw the same cases: take rank 0's seed.
-        box = [seed]
-        dist.broadcast_object_list(box, src=0)
-        seed = box[0]
+        # Every rank must draw the same cases: take rank 0's seed (as msgpack, no pickle).
+        import msgpack
+        from shardpoint.exchange import Comm
+        seed = msgpack.unpackb(Comm().broadcast_bytes(msgpack.packb(seed)))
         if args.replay is not None:
             cases = [generate_case(args.replay, world, world, args.profile, case_id="replay")]
         else:

@@ -341,9 +341,11 @@ def run_in_job(cases: list, root: str, device: str) -> list:
     saved = save_batch(rank, world, cases, root, device)
     ok_ids = {r["id"] for r in saved if r["ok"]}
     loaded = load_batch(rank, world, [c for c in cases if c["id"] in ok_ids], root, device)
-    gathered: list = [None] * world
-    # Test results only (never checkpoint data) travel between ranks here.
-    dist.all_gather_object(gathered, [saved, loaded])
+    # Test results travel as msgpack through the library's own control channel (no pickle).
+    import msgpack
+    from shardpoint.exchange import Comm
+    gathered = [msgpack.unpackb(b, strict_map_key=False)
+                for b in Comm().all_gather_bytes(msgpack.packb([saved, loaded]))]
     saves = _merge([g[0] for g in gathered])
     loads = {r["id"]: r for r in _merge([g[1] for g in gathered])} if loaded else {}
     return [_row({"case": c, "save": s, "load": loads.get(c["id"])})
