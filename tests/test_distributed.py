@@ -5,7 +5,6 @@ Spawning a world costs seconds, so each spawned world runs a whole batch of scen
 import math
 import os
 
-import pytest
 import torch
 
 from shardpoint_conformance.launch import run_world
@@ -139,7 +138,7 @@ def megatron_job(rank, world, base):
     """TP=2 x PP=2 x DP=2: layers per stage, TP-split weights replicated over DP, and the
     distributed optimizer's flattened fp32 shards split over DP. Save, reload in place."""
     import shardpoint as sp
-    tp, pp, dp = 2, 2, 2
+    tp, dp = 2, 2          # and PP = 2: stage p holds layers 2p and 2p+1
     t, d, p = rank % tp, (rank // tp) % dp, rank // (tp * dp)
     names = [f"layers.{2 * p + i}.{w}" for i in range(2) for w in ("qkv", "proj")]
 

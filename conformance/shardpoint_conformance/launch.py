@@ -10,10 +10,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
-import tempfile
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 
 class RankFailure(RuntimeError):

@@ -8,7 +8,6 @@ are the same in both modes. Results are plain dicts; :func:`format_table` prints
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 import traceback

@@ -110,7 +110,6 @@ def _layout(rng: random.Random, shape: list, world: int, saving: bool, dtensor: 
                 pieces.append([r, *_box(shape, {d: (o, s)}), None, [0]])
         return {"kind": f"dtensor {place}", "pieces": pieces}
     kind = rng.choice(kinds)
-    rep = (lambda r: [r]) if saving else (lambda r: [0])
     if kind == "replicated" or (nd == 0 and kind in ("split", "grid", "split-replicas")):
         return {"kind": "replicated", "pieces": [[r, [0] * nd, list(shape), None, None]
                                                  for r in range(world)]}

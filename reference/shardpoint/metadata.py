@@ -11,7 +11,7 @@ import hashlib
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import msgpack
 

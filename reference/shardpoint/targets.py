@@ -1,0 +1,145 @@
+"""What a load fills: the caller's ``like`` tree walked against the manifest.
+
+Produces the list of targets (a holding and the tensor to fill in place) and the tree that
+``load`` returns once they are filled. Pure: no I/O, no process group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from . import dtypes, errors
+from .keys import encode_key, format_path
+from .metadata import Manifest
+from .model import Holding, ShardedObject, ShardedTensor, _dtensor_leaf, _is_dtensor
+
+
+@dataclass
+class Target:
+    holding: Holding
+    data: torch.Tensor      # tensor filled in place (full tensor, local piece or flat data)
+
+
+def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int):
+    """Walk ``like`` against the manifest: the tensors to fill and a function building the
+    returned tree once they are filled."""
+    targets: list = []
+
+    def missing(what: str) -> None:
+        if strict:
+            raise errors.LayoutMismatchError(
+                f"{what} is not in the checkpoint (pass strict=False to skip it)",
+                spec_id="SP-LOAD-1")
+        report.missing_keys.append(what)
+
+    def tensor_target(key: str, h: Holding, data: torch.Tensor) -> None:
+        e = m.tensors[key]
+        if h.global_shape != e.shape or h.dtype != e.dtype:
+            raise errors.LayoutMismatchError(
+                f"key {key!r}: checkpoint has shape {e.shape} dtype {e.dtype}, the target "
+                f"expects shape {h.global_shape} dtype {h.dtype}", spec_id="SP-LOAD-1")
+        targets.append(Target(h, data))
+
+    def walk(x: Any, path: tuple) -> Any:
+        if isinstance(x, dict):
+            out = {k: walk(v, path + (k,)) for k, v in x.items()}
+            if type(x) is dict:
+                return out
+            try:
+                return type(x)(out)
+            except TypeError:
+                return out
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            seq = [walk(v, path + (i,)) for i, v in enumerate(x)]
+            return type(x)(seq) if isinstance(x, tuple) else seq
+        key = encode_key(path)
+        where = f"state{format_path(path)}"
+        is_tensor = isinstance(x, (torch.Tensor, np.ndarray, ShardedTensor))
+        if is_tensor and key not in m.tensors:
+            missing(f"tensor {key!r}")
+            return x
+        if isinstance(x, ShardedTensor):
+            d = dtypes.from_torch(x.data.dtype, where)
+            tensor_target(key, Holding(key, d.name, x.global_shape, x.global_offset,
+                                       x.local_shape, x.flattened_range, (0,)), x.data)
+            return x.data
+        if _is_dtensor(x):
+            lt = _dtensor_leaf(x, key, where)
+            tensor_target(key, lt.holding, lt.data)
+            return x
+        if isinstance(x, torch.Tensor):
+            d = dtypes.from_torch(x.dtype, where)
+            shp = tuple(x.shape)
+            tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)), x)
+            return x
+        if isinstance(x, np.ndarray):
+            if not x.flags.writeable:
+                raise errors.LayoutMismatchError(f"{where}: numpy target is read-only")
+            d = dtypes.from_numpy(x.dtype, where)
+            shp = tuple(x.shape)
+            tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)),
+                          dtypes.numpy_to_torch(x))
+            return x
+        if isinstance(x, ShardedObject):
+            if key not in m.objects:
+                missing(f"sharded object {key!r}")
+                return x.value
+            vals = m.objects[key]
+            if len(vals) != x.count:
+                raise errors.LayoutMismatchError(
+                    f"sharded object {key!r}: checkpoint has count {len(vals)}, the target "
+                    f"asks for index {x.index} of count {x.count}", spec_id="SP-OBJ-2")
+            return vals[x.index]
+        stored = _value_at(m.tree, path)
+        if stored is None:
+            missing(f"value {key!r}")
+            return x
+        return stored[0]
+
+    built = walk(like, ())
+    asked = {t.holding.key for t in targets}
+    report.unexpected_keys = sorted(k for k in m.tensors if k not in asked)
+    return targets, built
+
+
+def _value_at(tree: Any, path: tuple) -> Optional[tuple]:
+    node = tree
+    for c in path:
+        if "dict" in node:
+            node = dict((k, v) for k, v in node["dict"]).get(c)
+        elif "list" in node or "tuple" in node:
+            seq = node.get("list", node.get("tuple"))
+            node = seq[c] if isinstance(c, int) and 0 <= c < len(seq) else None
+        else:
+            node = None
+        if node is None:
+            return None
+    return (node["value"],) if "value" in node else None
+
+
+def full_targets(m: Manifest) -> tuple:
+    """Targets and tree for a load without ``like``: every tensor in full, on CPU."""
+    targets: dict = {}
+    for key, e in m.tensors.items():
+        t = torch.empty(e.shape, dtype=dtypes.from_name(e.dtype).torch)
+        targets[key] = Target(Holding(key, e.dtype, e.shape, (0,) * len(e.shape), e.shape,
+                                       None, (0,)), t)
+
+    def build(node: Any) -> Any:
+        if "dict" in node:
+            return {k: build(v) for k, v in node["dict"]}
+        if "list" in node:
+            return [build(v) for v in node["list"]]
+        if "tuple" in node:
+            return tuple(build(v) for v in node["tuple"])
+        if "value" in node:
+            return node["value"]
+        if "object" in node:
+            return list(m.objects[node["object"]])
+        t = targets[node["tensor"]].data
+        return dtypes.torch_to_numpy(t) if node.get("origin") == "numpy" else t
+
+    return list(targets.values()), build(m.tree)
