@@ -161,3 +161,16 @@ def test_cli_verify_reports_spec_ids_and_inspect_json(tmp_ckpt, capsys):
     assert cli(["verify", "--json", tmp_ckpt]) == 1
     rep = json.loads(capsys.readouterr().out)
     assert [p["spec_id"] for p in rep["problems"]] == ["SP-READ-2"]
+
+
+def test_verify_reports_writer_rules_by_id(tmp_ckpt):
+    from shardpoint.verify import verify_checkpoint
+    z = f"{saved(tmp_ckpt)}/tensors/b/zarr.json"
+    meta = json.load(open(z))
+    meta["fill_value"] = 1.0
+    json.dump(meta, open(z, "w"))
+    os.makedirs(f"{tmp_ckpt}/tensors/stray")
+    json.dump(meta, open(f"{tmp_ckpt}/tensors/stray/zarr.json", "w"))
+    ids = sorted(s for s, _ in verify_checkpoint(tmp_ckpt, strict=True))
+    assert ids == ["SP-ARRAY-3", "SP-LAYOUT-3"]
+    assert [s for s, _ in verify_checkpoint(tmp_ckpt)] == ["SP-ARRAY-3"]

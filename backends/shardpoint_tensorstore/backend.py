@@ -226,6 +226,13 @@ class TensorStoreBackend:
         except CorruptCheckpointError as e:
             return [(e.spec_id or "SP-ARRAY-1", str(e))]
         problems = []
+        meta = h.spec(retain_context=False).to_json().get("metadata", {})
+        if meta.get("chunk_key_encoding", {}).get("name", "default") != "default":
+            problems.append(("SP-ARRAY-3", f"tensor {key!r}: chunk_key_encoding is "
+                             f"{meta['chunk_key_encoding']!r}, not 'default'"))
+        if meta.get("fill_value") != _fill_value(spec.dtype):
+            problems.append(("SP-ARRAY-3", f"tensor {key!r}: fill_value "
+                             f"{meta.get('fill_value')!r} is not {_fill_value(spec.dtype)!r}"))
         shape = tuple(spec.shape)
         chunk = tuple(spec.chunk_shape)
         grid = [math.ceil(n / c) if c else 0 for n, c in zip(shape, chunk)]
