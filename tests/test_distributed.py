@@ -286,3 +286,25 @@ def partial_job(rank, world, path):
 def test_dtensor_partial_is_refused_on_every_rank(tmp_path):
     res = run_world(2, partial_job, str(tmp_path / "p"), timeout=120)
     assert all("Partial" in r and "redistribute" in r for r in res), res
+
+
+def cache_job(rank, world, base):
+    """Three saves with the same structure and new values, then one with a new structure."""
+    import shardpoint as sp
+    flags = []
+    for step in range(4):
+        rows = SHAPE[0] if step < 3 else SHAPE[0] + 2         # structure changes at step 3
+        g = torch.arange(rows * SHAPE[1], dtype=torch.float32).reshape(rows, SHAPE[1]) + step
+        a, b = split(rows, world, rank)
+        st = {"w": sp.ShardedTensor(g[a:b].clone(), g.shape, (a, 0)), "step": step,
+              "rng": sp.ShardedObject([rank, step], rank, world)}
+        flags.append(sp.save(st, f"{base}/s{step}").timings["plan_cached"])
+        back = sp.load(f"{base}/s{step}")
+        assert back["step"] == step and torch.equal(back["w"], g)
+        assert back["rng"] == [[i, step] for i in range(world)]
+    return flags
+
+
+def test_plan_cache_reuses_plans_and_sees_new_values(tmp_path):
+    res = run_world(2, cache_job, str(tmp_path), timeout=180)
+    assert res == [[False, True, True, False]] * 2
