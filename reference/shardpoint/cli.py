@@ -1,7 +1,13 @@
-"""The ``shardpoint`` command line: inspect, verify, demo, conformance."""
+"""The ``shardpoint`` command line: inspect, verify, demo, conformance.
+
+Exit codes: 0 success; 1 the checkpoint is damaged, incomplete or violates the spec (``verify``
+lists each problem by requirement ID); 2 nothing to work on (no such path, bad arguments, the
+conformance suite not installed). Errors print one line on stderr, never a traceback.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from typing import Any, Optional
@@ -9,7 +15,7 @@ from typing import Any, Optional
 from . import errors
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -17,51 +23,115 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def _short(v: Any) -> str:
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
+def _is_array(v: Any) -> bool:
+    return hasattr(v, "dtype") and hasattr(v, "shape") and not isinstance(v, (int, float))
+
+
+def _summary(v: Any, limit: int = 70) -> str:
+    """A one-line description of a value or sharded-object entry (arrays by dtype/shape)."""
+    if _is_array(v):
+        dt = str(v.dtype).replace("torch.", "")
+        return f"{type(v).__module__.split('.')[0]} {dt}[{'x'.join(map(str, v.shape))}]"
+    if isinstance(v, (bytes, bytearray)):
+        return f"bytes[{len(v)}]"
+    if isinstance(v, dict):
+        r = "{" + ", ".join(f"{k!r}: {_summary(x, 30)}" for k, x in v.items()) + "}"
+    elif isinstance(v, (list, tuple)):
+        r = ("[" if isinstance(v, list) else "(") + ", ".join(_summary(x, 30) for x in v)
+        r += "]" if isinstance(v, list) else ")"
+    else:
+        r = repr(v)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def _jsonable(v: Any) -> Any:
+    """Values as JSON: scalars and containers as themselves, bytes and arrays described."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else repr(v)
+    if _is_array(v):
+        return {"$array": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
+    if isinstance(v, (bytes, bytearray)):
+        return {"$bytes": len(v)}
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return repr(v)
+
+
+def _chunks(e) -> int:
+    n = 1
+    for s, c in zip(e.shape, e.chunk_shape):
+        n *= -(-s // c)
+    return n
+
+
+def _tree_rows(m) -> list:
+    """(indented name, kind, shape/value, size, chunk grid, where) for every tree node."""
+    rows = []
+
+    def walk(node: dict, name: str, depth: int) -> None:
+        pad = "  " * depth
+        for kind in ("dict", "list", "tuple"):
+            if kind in node:
+                kids = node[kind] if kind == "dict" else list(enumerate(node[kind]))
+                if name:
+                    rows.append((f"{pad}{name}/", kind if kind != "dict" else "",
+                                 f"{len(kids)} items" if kind != "dict" else "", "", "", ""))
+                for k, child in kids:
+                    walk(child, str(k), depth + (1 if name else 0))
+                return
+        if "tensor" in node:
+            e = m.tensors[node["tensor"]]
+            rows.append((pad + name, e.dtype, "x".join(map(str, e.shape)) or "()",
+                         _fmt_bytes(e.nbytes),
+                         f"{_chunks(e)} x {'x'.join(map(str, e.chunk_shape)) or '()'}", e.array))
+        elif "object" in node:
+            vals = m.objects[node["object"]]
+            rows.append((pad + name, "object", f"{len(vals)} values: {_summary(vals[0], 50)}",
+                         "", "", "(manifest)"))
+        else:
+            rows.append((pad + name, "value", _summary(node.get("value")), "", "",
+                         "(manifest)"))
+
+    walk(m.tree, "", 0)
+    return rows
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     from .api import read_metadata
+    from .keys import encode_key
     from .model import iter_tree_leaves
     m = read_metadata(a.path)
     total = sum(e.nbytes for e in m.tensors.values())
+    chunks = sum(_chunks(e) for e in m.tensors.values())
     if a.json:
         out = {"path": a.path, "format_version": list(m.format_version), "writer": m.writer,
-               "save_world_size": m.save_world_size, "total_bytes": total,
+               "created_unix": m.created_unix, "save_world_size": m.save_world_size,
+               "total_bytes": total, "total_chunks": chunks,
                "tensors": {k: {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
-                               "chunk_shape": list(e.chunk_shape), "bytes": e.nbytes}
-                           for k, e in m.tensors.items()},
-               "objects": {k: {"count": len(v)} for k, v in m.objects.items()},
-               "values": {"/".join(map(str, p)): n["value"] for p, n in iter_tree_leaves(m.tree)
-                          if "value" in n and isinstance(n["value"], (type(None), bool, int,
-                                                                     float, str))}}
+                               "chunk_shape": list(e.chunk_shape), "chunks": _chunks(e),
+                               "bytes": e.nbytes} for k, e in m.tensors.items()},
+               "objects": {k: {"count": len(v), "values": _jsonable(v)}
+                           for k, v in m.objects.items()},
+               "values": {encode_key(p): _jsonable(n["value"])
+                          for p, n in iter_tree_leaves(m.tree) if "value" in n}}
         print(json.dumps(out, indent=2))
         return 0
     print(f"{a.path}: shardpoint format {m.format_version[0]}.{m.format_version[1]}, written by "
-          f"{m.writer} on {m.save_world_size} rank(s)")
-    print(f"{len(m.tensors)} tensors, {_fmt_bytes(total)}; {len(m.objects)} sharded objects")
-    rows = [("key", "dtype", "shape", "size", "chunks", "array")]
-    for path, node in iter_tree_leaves(m.tree):
-        if "tensor" in node:
-            e = m.tensors[node["tensor"]]
-            n = 1
-            for s, c in zip(e.shape, e.chunk_shape):
-                n *= -(-s // c)
-            rows.append((e.key, e.dtype, "x".join(map(str, e.shape)) or "()",
-                         _fmt_bytes(e.nbytes), f"{n} of {list(e.chunk_shape)}", e.array))
-        elif "object" in node:
-            rows.append((node["object"], "object", f"count {len(m.objects[node['object']])}",
-                         "", "", "(manifest)"))
-        else:
-            rows.append(("/".join(map(str, path)), "value", _short(node["value"]), "", "",
-                         "(manifest)"))
+          f"{m.writer or '?'} on {m.save_world_size} rank(s)")
+    rows = [("name", "dtype", "shape / value", "size", "chunks", "array")]
+    rows += _tree_rows(m)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, r in enumerate(rows):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
+    nvals = sum(1 for _p, n in iter_tree_leaves(m.tree) if "value" in n)
+    print(f"total: {len(m.tensors)} tensors, {_fmt_bytes(total)} in {chunks} chunks; "
+          f"{len(m.objects)} sharded objects; {nvals} values")
     return 0
 
 
@@ -71,15 +141,20 @@ def cmd_verify(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
-        what = f"{rep.tensors} tensors ({_fmt_bytes(rep.bytes)}), {rep.objects} sharded objects"
+        what = (f"{rep.tensors} tensors ({_fmt_bytes(rep.bytes)}), {rep.chunks_checked} of "
+                f"{rep.chunks} chunks read and checksummed, {rep.objects} sharded objects")
+        mode = " [strict]" if a.strict else ""
         if rep.ok:
-            print(f"OK: {a.path}: {what}; every chunk read and its checksum verified "
-                  f"({rep.seconds:.2f}s){' [strict]' if a.strict else ''}")
+            v = rep.format_version
+            print(f"OK: {a.path}: shardpoint format {v[0]}.{v[1]}; {what} "
+                  f"({rep.seconds:.2f}s){mode}")
         else:
-            print(f"FAILED: {a.path}: {len(rep.problems)} problem(s) ({what})")
+            print(f"FAILED{mode}: {a.path}: {len(rep.problems)} problem(s), violating "
+                  f"{', '.join(rep.spec_ids)} ({what})")
             for sid, msg in rep.problems:
                 print(f"  [{sid}] {msg}")
-    return 0 if rep.ok else 1
+            print("  (requirement IDs are defined in spec/format.md)")
+    return 0 if rep.ok else (1 if rep.found else 2)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -87,41 +162,71 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(a.dir, keep=a.keep)
 
 
-def main(argv: Optional[list] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "conformance":
-        try:
-            from shardpoint_conformance.cli import main as conf_main
-        except ImportError as e:  # pragma: no cover - installed with the project
-            print(f"shardpoint: the conformance suite is not installed: {e}", file=sys.stderr)
-            return 2
-        return conf_main(argv[1:])
-    p = argparse.ArgumentParser(prog="shardpoint", description="Sharded training checkpoints "
-                                "in a framework-neutral format.")
+def _conformance(argv: list) -> int:
+    try:
+        found = importlib.util.find_spec("shardpoint_conformance.cli") is not None
+    except ImportError:   # the package itself is missing
+        found = False
+    if not found:
+        print("shardpoint conformance: the conformance suite (package shardpoint_conformance) "
+              "is not installed; install the project with `pip install -e .` from a checkout",
+              file=sys.stderr)
+        return 2
+    from shardpoint_conformance.cli import main as conf_main
+    return int(conf_main(argv) or 0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shardpoint", description="Sharded training checkpoints in a framework-neutral "
+        "format.", epilog="exit codes: 0 ok, 1 damaged or invalid checkpoint, 2 not found or "
+        "usage error")
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("inspect", help="show a checkpoint's tree, shapes, dtypes, chunk grids")
+    s = sub.add_parser("inspect", help="show a checkpoint's tree: shapes, dtypes, sizes, chunk "
+                       "grids, array paths, objects and values")
     s.add_argument("path")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_inspect)
-    s = sub.add_parser("verify", help="read every chunk, check checksums and the manifest")
+    s = sub.add_parser("verify", help="read every chunk, check checksums, manifest and arrays "
+                       "against the spec; list every problem by requirement ID")
     s.add_argument("path")
     s.add_argument("--strict", action="store_true",
                    help="also check writer rules (array paths, canonical keys, stray arrays)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="machine-readable report")
     s.set_defaults(fn=cmd_verify)
     s = sub.add_parser("demo", help="distributed end-to-end demo on 4 CPU ranks")
     s.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     s.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     s.set_defaults(fn=cmd_demo)
-    sub.add_parser("conformance", help="the conformance suite (run, adapter-test, vectors)")
-    a = p.parse_args(argv)
+    sub.add_parser("conformance", help="the conformance suite (run, adapter-test, ...); "
+                   "`shardpoint conformance --help` for its options")
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "conformance":
+        return _conformance(argv[1:])
+    try:
+        a = _parser().parse_args(argv)
+    except SystemExit as e:   # --help or a usage error (argparse printed it)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return a.fn(a)
-    except errors.ShardpointError as e:
+    except errors.CheckpointNotFoundError as e:
         print(f"shardpoint {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except errors.ShardpointError as e:
+        print(f"shardpoint {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # output piped into head & co.
         return 0
+    except OSError as e:
+        print(f"shardpoint {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"shardpoint {a.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -3,19 +3,33 @@
 Unlike ``load``, which stops at the first problem, :func:`verify_checkpoint` reports all of
 them as ``(spec_id, message)`` pairs: manifest envelope and schema, key encoding, array paths,
 each array's zarr.json against the manifest, every chunk read with its checksum verified, and
-(``strict``) stray files under ``tensors/``.
+(``strict``) stray arrays and directories under ``tensors/``.
+
+It never raises for a problem of the checkpoint (a missing path is a report line too, under
+[SP-LAYOUT-1]); only a bug of its own would propagate.
+
+Example::
+
+    rep = verify_checkpoint("/ckpt/step_10", strict=True)
+    if not rep.ok:
+        for spec_id, message in rep:
+            print(spec_id, message)
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from . import errors
-from .keys import decode_key, encode_key
-from .metadata import array_path_for, decode_manifest
+from .keys import MAX_KEY_BYTES, decode_key, encode_key
+from .metadata import TENSOR_DIR, array_path_for, decode_manifest
 from .storage import MANIFEST_NAME, StorageBackend, get_backend
+
+# Problems found while opening an array: no chunk of it was read.
+_OPEN_IDS = ("SP-ARRAY-1", "SP-ARRAY-2")
 
 
 @dataclass
@@ -23,64 +37,140 @@ class VerifyReport:
     """Problems found (``(spec_id, message)``) and what was checked. Iterates over problems."""
 
     path: str
+    found: bool = True         # False: no such path (nothing could be checked)
     problems: list = field(default_factory=list)
+    format_version: Optional[tuple] = None
     tensors: int = 0
     bytes: int = 0
     objects: int = 0
+    chunks: int = 0            # chunks the manifest implies
+    chunks_checked: int = 0    # chunks read with their checksums verified (or found damaged)
+    strict: bool = False
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def spec_ids(self) -> list:
+        """The distinct requirement IDs violated, sorted."""
+        return sorted({s for s, _ in self.problems})
+
     def __iter__(self) -> Iterator[tuple]:
         return iter(self.problems)
 
+    def __len__(self) -> int:
+        return len(self.problems)
+
     def to_dict(self) -> dict:
-        return {"path": self.path, "ok": self.ok, "tensors": self.tensors, "bytes": self.bytes,
-                "objects": self.objects, "seconds": round(self.seconds, 3),
+        return {"path": self.path, "ok": self.ok, "found": self.found, "strict": self.strict,
+                "format_version": list(self.format_version) if self.format_version else None,
+                "tensors": self.tensors, "bytes": self.bytes, "objects": self.objects,
+                "chunks": self.chunks, "chunks_checked": self.chunks_checked,
+                "seconds": round(self.seconds, 3), "spec_ids": self.spec_ids,
                 "problems": [{"spec_id": s, "message": m} for s, m in self.problems]}
+
+
+def _chunk_count(shape: tuple, chunk: tuple) -> int:
+    return math.prod(-(-s // c) for s, c in zip(shape, chunk)) if shape else 1
 
 
 def verify_checkpoint(path: str, *, strict: bool = False,
                       backend: Optional[StorageBackend] = None) -> VerifyReport:
-    """Verify the checkpoint at ``path``; never raises for problems found in it."""
+    """Verify the checkpoint at ``path``; never raises for problems found in it.
+
+    ``strict`` adds the writer rules a reader does not need: array paths are ``tensors/<key>``
+    ([SP-LAYOUT-2]), keys are canonical and short enough ([SP-KEY-3], [SP-KEY-4]), nothing
+    under ``tensors/`` that the manifest does not list ([SP-LAYOUT-3]).
+    """
     be = get_backend(backend)
-    rep = VerifyReport(str(path))
+    path = str(path)
+    rep = VerifyReport(path, strict=strict)
     t0 = time.perf_counter()
     try:
-        m = decode_manifest(be.read_manifest(str(path)))
-    except (errors.CheckpointNotFoundError, errors.IncompleteCheckpointError,
-            errors.CorruptCheckpointError, errors.UnsupportedFormatError) as e:
-        rep.problems.append((e.spec_id or type(e).__name__, str(e)))
-        rep.seconds = time.perf_counter() - t0
-        return rep
-    rep.tensors, rep.objects = len(m.tensors), len(m.objects)
-    for key, e in sorted(m.tensors.items()):
-        rep.bytes += e.nbytes
+        m = decode_manifest(be.read_manifest(path))
+    except errors.CheckpointNotFoundError as e:
+        rep.found = False
+        rep.problems.append((e.spec_id or "SP-LAYOUT-1", str(e)))
+    except errors.ShardpointError as e:
+        rep.problems.append((e.spec_id or "SP-MAN-1", str(e)))
+    except OSError as e:   # unreadable manifest (permissions, I/O error)
+        rep.problems.append(("SP-MAN-1", f"cannot read {MANIFEST_NAME}: {e}"))
+    except Exception as e:  # noqa: BLE001 - a decoder gap must still be a report line
+        rep.problems.append(("SP-MAN-2", f"manifest does not decode: {type(e).__name__}: {e}"))
+    else:
+        rep.format_version = tuple(m.format_version)
+        rep.tensors, rep.objects = len(m.tensors), len(m.objects)
+        for key, e in sorted(m.tensors.items()):
+            rep.bytes += e.nbytes
+            n = _chunk_count(e.shape, e.chunk_shape)
+            rep.chunks += n
+            if strict:
+                rep.problems += _writer_rules(key, e.array)
+            found = _verify_array(be, path, e, key)
+            if not any(s in _OPEN_IDS for s, _ in found):
+                rep.chunks_checked += n
+            rep.problems += found
         if strict:
-            try:
-                if encode_key(decode_key(key)) != key:
-                    rep.problems.append(("SP-KEY-3", f"key {key!r} is not in canonical form"))
-            except errors.InvalidKeyError as err:
-                rep.problems.append(("SP-KEY-3", str(err)))
-            if e.array != array_path_for(key):
-                rep.problems.append(("SP-LAYOUT-2", f"tensor {key!r}: array path {e.array!r} "
-                                     f"is not {array_path_for(key)!r}"))
-        rep.problems += be.verify_array(str(path), e.array, e.spec, key)
-    if strict:
-        rep.problems += _stray_arrays(str(path), {e.array for e in m.tensors.values()})
+            rep.problems += _strays(path, {e.array for e in m.tensors.values()})
     rep.seconds = time.perf_counter() - t0
     return rep
 
 
-def _stray_arrays(root: str, known: set) -> list:
-    """zarr.json files under tensors/ that the manifest does not list ([SP-LAYOUT-3])."""
+def _verify_array(be: StorageBackend, root: str, e, key: str) -> list:
+    try:
+        return list(be.verify_array(root, e.array, e.spec, key))
+    except errors.ShardpointError as err:
+        return [(err.spec_id or "SP-READ-3", str(err))]
+    except Exception as err:  # noqa: BLE001 - stored bytes a backend did not anticipate
+        return [("SP-READ-3", f"tensor {key!r}: reading array {e.array!r} failed: "
+                 f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")]
+
+
+def _writer_rules(key: str, array: str) -> list:
     out = []
-    base = os.path.join(root, "tensors")
-    for dirpath, _dirs, files in os.walk(base):
+    if len(key.encode()) > MAX_KEY_BYTES:
+        out.append(("SP-KEY-4", f"key {key[:80]!r}... is longer than {MAX_KEY_BYTES} bytes"))
+    try:
+        if encode_key(decode_key(key)) != key:
+            out.append(("SP-KEY-3", f"key {key!r} is not in canonical form"))
+    except errors.InvalidKeyError as err:
+        out.append((err.spec_id or "SP-KEY-3", str(err)))
+    if array != array_path_for(key):
+        out.append(("SP-LAYOUT-2", f"tensor {key!r}: array path {array!r} is not "
+                    f"{array_path_for(key)!r}"))
+    return out
+
+
+def _strays(root: str, known: set) -> list:
+    """Arrays and other entries under tensors/ that no manifest array accounts for
+    ([SP-LAYOUT-3]). An entry is accounted for when it is a listed array (with everything
+    inside it) or a directory on the way to one."""
+    base = os.path.join(root, TENSOR_DIR)
+    if not os.path.isdir(base):
+        return []
+    parents = set()
+    for a in known:
+        parts = a.split("/")
+        parents.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    out = []
+    for dirpath, dirs, files in os.walk(base):
+        rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        if rel in known:
+            dirs[:] = []          # a listed array: its chunks are checked by verify_array
+            continue
         if "zarr.json" in files:
-            rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
-            if rel not in known:
-                out.append(("SP-LAYOUT-3", f"array {rel!r} is not listed in {MANIFEST_NAME}"))
+            out.append(("SP-LAYOUT-3", f"array {rel!r} is not listed in {MANIFEST_NAME}"))
+            dirs[:] = []
+            continue
+        if rel not in parents and rel != TENSOR_DIR:
+            out.append(("SP-LAYOUT-3", f"directory {rel!r} under {TENSOR_DIR}/ belongs to no "
+                        f"array listed in {MANIFEST_NAME}"))
+            dirs[:] = []
+            continue
+        for f in sorted(files):
+            out.append(("SP-LAYOUT-3", f"file {rel}/{f} under {TENSOR_DIR}/ belongs to no "
+                        f"array listed in {MANIFEST_NAME}"))
+        dirs.sort()
     return out
