@@ -173,7 +173,10 @@ def _conformance(argv: list) -> int:
               file=sys.stderr)
         return 2
     from shardpoint_conformance.cli import main as conf_main
-    return int(conf_main(argv) or 0)
+    try:
+        return int(conf_main(argv) or 0)
+    except SystemExit as e:   # its argparse: --help or a usage error
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -210,7 +213,7 @@ def main(argv: Optional[list] = None) -> int:
     try:
         a = _parser().parse_args(argv)
     except SystemExit as e:   # --help or a usage error (argparse printed it)
-        return e.code if isinstance(e.code, int) else 2
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     try:
         return a.fn(a)
     except errors.CheckpointNotFoundError as e:

@@ -165,8 +165,13 @@ def _strays(root: str, known: set) -> list:
             dirs[:] = []
             continue
         if rel not in parents and rel != TENSOR_DIR:
-            out.append(("SP-LAYOUT-3", f"directory {rel!r} under {TENSOR_DIR}/ belongs to no "
-                        f"array listed in {MANIFEST_NAME}"))
+            arrays = sorted(os.path.relpath(d, root).replace(os.sep, "/")
+                            for d, _s, fs in os.walk(dirpath) if "zarr.json" in fs)
+            out += [("SP-LAYOUT-3", f"array {a!r} is not listed in {MANIFEST_NAME}")
+                    for a in arrays]
+            if not arrays:
+                out.append(("SP-LAYOUT-3", f"directory {rel!r} under {TENSOR_DIR}/ belongs to "
+                            f"no array listed in {MANIFEST_NAME}"))
             dirs[:] = []
             continue
         for f in sorted(files):

@@ -1,0 +1,224 @@
+"""``shardpoint inspect`` / ``verify`` on real checkpoints, sound and damaged: exit codes, spec
+IDs in the output, JSON that parses, one clean error line instead of a traceback."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardpoint as sp
+from shardpoint.cli import main as cli
+from shardpoint.verify import verify_checkpoint
+
+
+def make(path):
+    """A small checkpoint: a multi-chunk sharded-indexed tensor, a 0-d tensor, values, an
+    object, a nested key that needs escaping."""
+    backend = __import__("shardpoint_tensorstore").TensorStoreBackend(
+        shard_above_bytes=128, inner_chunk_bytes=64)     # chunks with shard indexes
+    small = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=256))   # several chunks
+    state = {"model": {"w": torch.arange(256, dtype=torch.float32).reshape(16, 16),
+                       "a b": torch.ones(3, dtype=torch.bfloat16)},
+             "scale": torch.tensor(2.5, dtype=torch.float64),
+             "step": 7, "name": "run-1", "blob": b"\x00\x01",
+             "rng": sp.ShardedObject({"seed": 3, "state": torch.arange(4)}, 0, 1)}
+    sp.save(state, path, backend=backend, options=small)
+    return path
+
+
+def chunk_files(path, key="model/w"):
+    """The chunk files of an array (a 0-d array's single chunk is the file ``c``)."""
+    base = f"{path}/tensors/{key}/c"
+    return sorted(f for f in [base] + glob.glob(base + "/**", recursive=True)
+                  if os.path.isfile(f))
+
+
+def run(capsys, *argv):
+    rc = cli(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_inspect_table_shows_tree_shapes_dtypes_chunks_values(tmp_ckpt, capsys):
+    make(tmp_ckpt)
+    rc, out, err = run(capsys, "inspect", tmp_ckpt)
+    assert rc == 0 and err == ""
+    assert "shardpoint format 1.0" in out
+    lines = out.splitlines()
+    w = next(line for line in lines if line.strip().startswith("w "))
+    assert "float32" in w and "16x16" in w and "1.0 KiB" in w and "tensors/model/w" in w
+    ab = next(line for line in lines if line.strip().startswith("a b "))
+    assert "bfloat16" in ab and "tensors/model/a%20b" in ab
+    assert any(line.startswith("model/") for line in lines)      # a tree, not a flat list
+    assert any("step" in line and "value" in line and " 7 " in line + " " for line in lines)
+    assert any("rng" in line and "object" in line and "'seed': 3" in line for line in lines)
+    assert "total: 3 tensors" in out and "1 sharded objects" in out
+
+
+def test_inspect_json_parses_and_matches_the_manifest(tmp_ckpt, capsys):
+    make(tmp_ckpt)
+    rc, out, _ = run(capsys, "inspect", "--json", tmp_ckpt)
+    assert rc == 0
+    d = json.loads(out)
+    m = sp.read_metadata(tmp_ckpt)
+    assert d["format_version"] == [1, 0]
+    assert set(d["tensors"]) == set(m.tensors) == {"model/w", "model/a%20b", "scale"}
+    w = d["tensors"]["model/w"]
+    assert w["shape"] == [16, 16] and w["dtype"] == "float32" and w["bytes"] == 1024
+    assert w["array"] == "tensors/model/w"
+    assert w["chunk_shape"] == list(m.tensors["model/w"].chunk_shape)
+    assert w["chunks"] == len(chunk_files(tmp_ckpt)) >= 4     # one file per chunk
+    assert d["total_chunks"] == sum(t["chunks"] for t in d["tensors"].values())
+    assert d["tensors"]["scale"]["shape"] == [] and d["tensors"]["scale"]["chunks"] == 1
+    assert d["total_bytes"] == 1024 + 6 + 8
+    assert d["values"] == {"step": 7, "name": "run-1", "blob": {"$bytes": 2}}
+    assert d["objects"]["rng"] == {"count": 1, "values": [
+        {"seed": 3, "state": {"$array": "int64", "shape": [4]}}]}
+
+
+def test_verify_sound_checkpoint(tmp_ckpt, capsys):
+    make(tmp_ckpt)
+    rc, out, _ = run(capsys, "verify", "--strict", tmp_ckpt)
+    assert rc == 0 and out.startswith("OK:")
+    rep = verify_checkpoint(tmp_ckpt, strict=True)
+    assert rep.ok and rep.tensors == 3 and rep.objects == 1
+    assert rep.chunks == rep.chunks_checked >= 3
+    rc, out, _ = run(capsys, "verify", "--json", tmp_ckpt)
+    d = json.loads(out)
+    assert rc == 0 and d["ok"] and d["problems"] == [] and d["bytes"] == 1038
+
+
+def test_flipped_byte_in_a_chunk(tmp_ckpt, capsys):
+    f = chunk_files(make(tmp_ckpt))[0]
+    data = bytearray(open(f, "rb").read())
+    data[len(data) // 3] ^= 0x10
+    open(f, "wb").write(bytes(data))
+    rc, out, err = run(capsys, "verify", tmp_ckpt)
+    assert rc == 1 and "FAILED" in out and "[SP-READ-3]" in out and "model/w" in out
+    assert "Traceback" not in out + err
+
+
+def test_every_damaged_chunk_is_reported_not_just_the_first(tmp_ckpt, capsys):
+    make(tmp_ckpt)
+    files = chunk_files(tmp_ckpt)
+    assert len(files) >= 2
+    os.remove(files[0])
+    os.remove(chunk_files(tmp_ckpt, "model/a%20b")[0])
+    f = chunk_files(tmp_ckpt, "scale")[0]
+    open(f, "r+b").truncate(3)
+    rep = verify_checkpoint(tmp_ckpt)
+    by_key = {(s, next(k for k in ("model/w", "model/a%20b", "scale") if repr(k) in m))
+              for s, m in rep}
+    assert by_key == {("SP-READ-2", "model/w"), ("SP-READ-2", "model/a%20b"),
+                      ("SP-READ-3", "scale")}
+    rc, out, _ = run(capsys, "verify", "--json", tmp_ckpt)
+    d = json.loads(out)
+    assert rc == 1 and d["spec_ids"] == ["SP-READ-2", "SP-READ-3"] and len(d["problems"]) == 3
+
+
+def test_truncated_manifest(tmp_ckpt, capsys):
+    mpath = f"{make(tmp_ckpt)}/manifest.msgpack"
+    data = open(mpath, "rb").read()
+    open(mpath, "wb").write(data[: len(data) // 2])
+    rc, out, err = run(capsys, "verify", tmp_ckpt)
+    assert rc == 1 and "[SP-MAN-1]" in out and "Traceback" not in out + err
+    rc, out, err = run(capsys, "inspect", tmp_ckpt)
+    assert rc == 1 and out == ""
+    assert err.count("\n") == 1 and "CorruptCheckpointError" in err and "SP-MAN-1" in err
+
+
+def test_missing_manifest_and_missing_path(tmp_ckpt, capsys):
+    os.remove(f"{make(tmp_ckpt)}/manifest.msgpack")
+    rc, out, _ = run(capsys, "verify", tmp_ckpt)
+    assert rc == 1 and "[SP-COMMIT-3]" in out
+    rc, out, err = run(capsys, "inspect", tmp_ckpt)
+    assert rc == 1 and err.count("\n") == 1 and "IncompleteCheckpointError" in err
+    rc, out, err = run(capsys, "verify", tmp_ckpt + "-nope")
+    assert rc == 2 and "[SP-LAYOUT-1]" in out and "does not exist" in out
+    rc, out, err = run(capsys, "inspect", tmp_ckpt + "-nope")
+    assert rc == 2 and err.count("\n") == 1 and "CheckpointNotFoundError" in err
+
+
+def test_zarr_json_disagreeing_with_the_manifest(tmp_ckpt, capsys):
+    z = f"{make(tmp_ckpt)}/tensors/scale/zarr.json"
+    meta = json.load(open(z))
+    meta["data_type"] = "float32"
+    json.dump(meta, open(z, "w"))
+    open(f"{tmp_ckpt}/tensors/model/a%20b/zarr.json", "w").write("{not json")
+    rep = verify_checkpoint(tmp_ckpt)
+    assert sorted(s for s, _ in rep) == ["SP-ARRAY-1", "SP-ARRAY-2"]
+    assert rep.chunks_checked == rep.chunks - 2          # those two arrays were not read
+    rc, out, _ = run(capsys, "verify", tmp_ckpt)
+    assert rc == 1 and "[SP-ARRAY-1]" in out and "[SP-ARRAY-2]" in out
+
+
+def test_strict_reports_strays_and_non_canonical_paths(tmp_ckpt, capsys):
+    make(tmp_ckpt)
+    os.makedirs(f"{tmp_ckpt}/tensors/old/w")
+    with open(f"{tmp_ckpt}/tensors/old/w/zarr.json", "w") as f:
+        f.write(open(f"{tmp_ckpt}/tensors/scale/zarr.json").read())
+    os.makedirs(f"{tmp_ckpt}/tensors/junk")
+    open(f"{tmp_ckpt}/tensors/model/notes.txt", "w").write("x")
+    assert verify_checkpoint(tmp_ckpt).ok                  # readers ignore them
+    rep = verify_checkpoint(tmp_ckpt, strict=True)
+    msgs = [m for s, m in rep if s == "SP-LAYOUT-3"]
+    assert len(msgs) == 3 and len(rep.problems) == 3
+    assert any("tensors/old/w" in m for m in msgs) and any("tensors/junk" in m for m in msgs)
+    assert any("notes.txt" in m for m in msgs)
+    rc, out, _ = run(capsys, "verify", "--strict", tmp_ckpt)
+    assert rc == 1 and out.count("[SP-LAYOUT-3]") == 3
+
+
+def test_strict_reports_an_array_outside_tensors_key(tmp_ckpt):
+    import hashlib
+
+    import msgpack
+    make(tmp_ckpt)
+    os.rename(f"{tmp_ckpt}/tensors/scale", f"{tmp_ckpt}/tensors/elsewhere")
+    mpath = f"{tmp_ckpt}/manifest.msgpack"
+    env = msgpack.unpackb(open(mpath, "rb").read())
+    body = msgpack.unpackb(env["body"], strict_map_key=False)
+    body["tensors"]["scale"]["array"] = "tensors/elsewhere"
+    raw = msgpack.packb(body, use_bin_type=True)
+    open(mpath, "wb").write(msgpack.packb({"sha256": hashlib.sha256(raw).digest(),
+                                           "body": raw}))
+    assert verify_checkpoint(tmp_ckpt).ok                  # readers use the recorded path
+    assert [s for s, _ in verify_checkpoint(tmp_ckpt, strict=True)] == ["SP-LAYOUT-2"]
+
+
+def test_usage_errors_and_help(capsys):
+    assert cli(["frobnicate"]) == 2
+    assert cli(["verify"]) == 2
+    assert cli(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "inspect" in out and "verify" in out and "conformance" in out
+
+
+def test_conformance_delegates_or_says_it_is_missing(capsys, monkeypatch):
+    import importlib.util
+    if importlib.util.find_spec("shardpoint_conformance.cli") is not None:
+        assert cli(["conformance", "--help"]) == 0
+        assert "usage" in capsys.readouterr().out.lower()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert cli(["conformance", "run"]) == 2
+    assert "not installed" in capsys.readouterr().err
+
+
+def test_console_script_prints_no_traceback(tmp_ckpt):
+    """The installed entry point, in a real process: one line on stderr, exit 1."""
+    mpath = f"{make(tmp_ckpt)}/manifest.msgpack"
+    open(mpath, "wb").write(b"\x92\x01")
+    r = subprocess.run([sys.executable, "-m", "shardpoint.cli", "inspect", tmp_ckpt],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "[SP-MAN-1]" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\xc1", b"\x80"])
+def test_verify_never_raises_on_garbage_manifests(tmp_ckpt, garbage):
+    open(f"{make(tmp_ckpt)}/manifest.msgpack", "wb").write(garbage)
+    rep = verify_checkpoint(tmp_ckpt, strict=True)
+    assert not rep.ok and rep.spec_ids == ["SP-MAN-1"]
