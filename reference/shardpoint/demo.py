@@ -79,7 +79,7 @@ def training_state(rank: int, world: int, tp: int) -> dict:
 
 def _save_rank(rank: int, world: int, path: str) -> dict:
     import shardpoint as sp
-    r = sp.save(training_state(rank, world, tp=2), path)
+    r = sp.save(training_state(rank, world, tp=2), path, overwrite=True)   # --dir reruns
     return {"written": r.rank_bytes_written, "unique": r.unique_bytes,
             "exchange": r.exchange_bytes, "chunks": r.chunks, "timings": r.timings}
 
@@ -125,15 +125,35 @@ def _load_rank(rank: int, world: int, path: str) -> dict:
 
 
 def _load_full(path: str) -> dict:
+    """One process, no process group: every tensor in full into plain ``like`` tensors."""
     import shardpoint as sp
+    specs = param_specs()
+    like = {"model": {n: torch.empty(s, dtype=dt) for n, s, _, dt in specs},
+            "optim": {st: {n: torch.empty(s) for n, s, _, _ in specs}
+                      for st in ("param", "exp_avg", "exp_avg_sq")},
+            "iteration": 0}
+    rep = sp.LoadReport()
     t = time.perf_counter()
-    like = {"model": {n: torch.empty(s, dtype=dt) for n, s, _, dt in param_specs()}}
-    out = sp.load(path, like=like)
+    out = sp.load(path, like=like, report=rep)
     secs = time.perf_counter() - t
-    bad = [n for n, s, _, dt in param_specs()
-           if not torch.equal(out["model"][n].view(-1).view(torch.uint8),
-                              full_value(n, s, dt).view(-1).view(torch.uint8))]
-    return {"bad": bad, "secs": secs}
+    want = [(("model", n), full_value(n, s, dt)) for n, s, _, dt in specs]
+    want += [(("optim", st, n), full_value(f"{st}/{n}", s, torch.float32))
+             for n, s, _, _ in specs for st in ("param", "exp_avg", "exp_avg_sq")]
+    bad = []
+    for keypath, w in want:
+        got = out
+        for k in keypath:
+            got = got[k]
+        if not torch.equal(got.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)):
+            bad.append("/".join(keypath))
+    if out["iteration"] != 1234:
+        bad.append("iteration")
+    rngs = sp.read_metadata(path).objects["rng"]
+    for r, v in enumerate(rngs):
+        g = torch.Generator().manual_seed(1000 + r)
+        if not (torch.equal(v["torch"], g.get_state()) and v["sampler_offset"] == 4096 * r):
+            bad.append(f"rng[{r}]")
+    return {"bad": bad, "secs": secs, "read": rep.rank_bytes_read, "tensors": len(want)}
 
 
 def _mib(n: int) -> str:
@@ -142,21 +162,29 @@ def _mib(n: int) -> str:
 
 def run_demo(base: Optional[str] = None, *, keep: bool = False) -> int:
     """Run the demo; returns a process exit code (0: every check passed)."""
-    from shardpoint_conformance.launch import run_world
+    import contextlib
+    import io
+
+    from shardpoint_conformance.launch import RankFailure, run_world
 
     from .cli import main as cli_main
     from .verify import verify_checkpoint
     own = base is None
     base = base or tempfile.mkdtemp(prefix="shardpoint-demo-")
     path = os.path.join(base, "step_1234")
-    print(f"shardpoint demo: a TP=2 x DP=2 training state on 4 gloo ranks -> {path}")
+    print(f"shardpoint demo: a TP=2 x DP=2 training state on 4 gloo ranks -> {path}\n"
+          f"   {len(param_specs())} weights (vocab {VOCAB} split unevenly over TP, column- and "
+          "row-parallel, replicated norms), AdamW state as flattened ranges over DP, "
+          "iteration, per-rank RNG objects")
     ok = True
+    steps = []
     try:
         t = time.perf_counter()
         saved = run_world(4, _save_rank, path, timeout=300)
         wall = time.perf_counter() - t
         s0 = saved[0]
         written = sum(r["written"] for r in saved)
+        steps.append(("save, 4 ranks", s0["timings"]["total"], wall))
         print(f"1. save on 4 ranks: {s0['timings']['total']:.2f}s in save() "
               f"({wall:.1f}s with process start-up); plan {s0['timings']['plan_total']:.3f}s, "
               f"write {s0['timings'].get('write', 0):.3f}s, commit {s0['timings']['commit']:.3f}s")
@@ -165,35 +193,47 @@ def run_demo(base: Optional[str] = None, *, keep: bool = False) -> int:
               f"exchanged {_mib(s0['exchange'])}, {s0['chunks']} chunks")
         t = time.perf_counter()
         rep = verify_checkpoint(path, strict=True)
-        print(f"2. verify --strict: {'OK' if rep.ok else 'FAILED'}: every chunk read and "
-              f"checksummed in {time.perf_counter() - t:.2f}s")
+        secs = time.perf_counter() - t
+        steps.append(("verify --strict", secs, secs))
+        print(f"2. verify --strict: {'OK' if rep.ok else 'FAILED'}: {rep.chunks_checked} of "
+              f"{rep.chunks} chunks read and checksummed in {secs:.2f}s")
         ok &= rep.ok
         for sid, msg in rep.problems:
             print(f"   [{sid}] {msg}")
-        print("3. inspect (first lines):")
-        import contextlib
-        import io
+        print(f"3. shardpoint inspect {path} (first lines):")
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            cli_main(["inspect", path])
-        for line in buf.getvalue().splitlines()[:8]:
+            ok &= cli_main(["inspect", path]) == 0
+        lines = buf.getvalue().splitlines()
+        for line in lines[:10] + ["..."] + lines[-1:]:
             print("   " + line)
         t = time.perf_counter()
         loaded = run_world(3, _load_rank, path, timeout=300)
+        wall = time.perf_counter() - t
         bad = sorted({b for r in loaded for b in r["bad"]})
+        steps.append(("load, 3 ranks", max(r["secs"] for r in loaded), wall))
         print(f"4. load on 3 ranks, weights split along the other dim, optimizer state in new "
               f"flattened ranges: {'bitwise equal' if not bad else 'MISMATCH ' + str(bad)}; "
-              f"{max(r['secs'] for r in loaded):.2f}s in load(), read "
-              f"{_mib(sum(r['read'] for r in loaded))} (each region once), exchanged "
+              f"{max(r['secs'] for r in loaded):.2f}s in load() ({wall:.1f}s with start-up), "
+              f"read {_mib(sum(r['read'] for r in loaded))} (each region once), exchanged "
               f"{_mib(sum(r['sent'] for r in loaded))}")
         ok &= not bad
+        t = time.perf_counter()
         full = _load_full(path)
-        print(f"5. load on 1 rank into full plain tensors: "
+        steps.append(("load, 1 rank", full["secs"], time.perf_counter() - t))
+        print(f"5. load on 1 rank into full plain tensors ({full['tensors']} tensors, the "
+              f"iteration, all 4 RNG states): "
               f"{'bitwise equal' if not full['bad'] else 'MISMATCH ' + str(full['bad'])}; "
-              f"{full['secs']:.2f}s")
+              f"{full['secs']:.2f}s in load(), read {_mib(full['read'])}")
         ok &= not full["bad"]
+        print("timings: " + "; ".join(f"{n} {a:.2f}s ({b:.1f}s wall)" for n, a, b in steps))
+    except (RankFailure, OSError, RuntimeError) as e:
+        print(f"demo: a step failed: {type(e).__name__}: {e}")
+        ok = False
     finally:
         if own and not keep:
             shutil.rmtree(base, ignore_errors=True)
+        elif keep or not own:
+            print(f"checkpoint kept at {path}")
     print("demo:", "PASSED" if ok else "FAILED")
     return 0 if ok else 1
