@@ -1,34 +1,63 @@
-"""The README's first screen gives the two commands, and its python examples run."""
+"""The README's first screen gives the two commands, and its python examples run as written."""
 import os
 import re
 import subprocess
 import sys
 
+from shardpoint_conformance.launch import run_world
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
+BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+INSTALL = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
+           "pip install -e '.[test]' && shardpoint demo")
+TEST_CMD = "python -m pytest -q"
+
+
+def run_python(code, cwd):
+    r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
+                       timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    return r
 
 
 def test_first_screen_has_install_demo_and_test_commands():
     first = "\n".join(README.splitlines()[:30])
-    assert "pip install torch==2.13.0" in first and "shardpoint demo" in first
-    assert "python -m pytest -q" in first
+    assert INSTALL in first and TEST_CMD in first
+    assert first.index(INSTALL) < first.index(TEST_CMD)
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
-    assert "python -m pytest -q" in ci  # CI runs exactly the README's test command
+    assert re.search(rf"^{re.escape(TEST_CMD)}\s*$", ci, re.M)   # CI runs exactly this
+    assert os.access(os.path.join(ROOT, ".ci", "run"), os.X_OK)
+
+
+def test_readme_sections():
+    heads = re.findall(r"^## (.+)$", README, re.M)
+    for h in ("Concepts", "Distributed use", "Load semantics", "Errors", "Command line",
+              "On disk", "Conformance suite", "Repository"):
+        assert h in heads, h
 
 
 def test_usage_example_runs(tmp_path):
-    example = re.findall(r"```python\n(.*?)```", README, re.S)[0]
-    r = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    example = BLOCKS[0]
+    assert len(example.strip().splitlines()) <= 12
+    run_python(example, tmp_path)
     assert (tmp_path / "ckpt" / "step_1" / "manifest.msgpack").is_file()
 
 
 def test_tensorstore_example_opens_a_saved_tensor(tmp_path):
-    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
-    usage = blocks[0]
-    ts_block = next(b for b in blocks if "ts.open" in b)
-    code = usage + "\n" + ts_block + "\nassert (t.read().result() == model.weight.detach().numpy()).all()\n"
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    ts_block = next(b for b in BLOCKS if "ts.open" in b)
+    code = (BLOCKS[0] + "\n" + ts_block + "\nassert (t.read().result() == "
+            "model.weight.detach().numpy()).all()\n")
+    run_python(code, tmp_path)
+
+
+def _run_block(rank, world, code, cwd):
+    os.chdir(cwd)
+    exec(compile(code, "README.md", "exec"), {"__name__": "__main__"})
+    return rank
+
+
+def test_distributed_example_runs_on_two_ranks(tmp_path):
+    code = next(b for b in BLOCKS if "init_process_group" in b)
+    assert run_world(2, _run_block, code, str(tmp_path), timeout=240) == [0, 1]
+    assert (tmp_path / "ckpt" / "step_100" / "manifest.msgpack").is_file()
