@@ -29,3 +29,11 @@ def test_ids_are_defined_once():
     ids = re.findall(r"^\s*(?:- )?\[(SP-[A-Z]+-\d+)\]", SPEC, re.M)
     dupes = {i for i in ids if ids.count(i) > 1}
     assert not dupes, dupes
+
+
+def test_ids_named_by_the_vectors_are_defined():
+    import json
+    defined = set(re.findall(r"\[(SP-[A-Z]+-\d+)\]", SPEC))
+    named = {json.loads(p.read_text())["spec_id"]
+             for p in (REPO / "spec" / "vectors" / "invalid").glob("*/expected.json")}
+    assert named and named <= defined, sorted(named - defined)
