@@ -222,3 +222,15 @@ def test_verify_never_raises_on_garbage_manifests(tmp_ckpt, garbage):
     open(f"{make(tmp_ckpt)}/manifest.msgpack", "wb").write(garbage)
     rep = verify_checkpoint(tmp_ckpt, strict=True)
     assert not rep.ok and rep.spec_ids == ["SP-MAN-1"]
+
+
+def test_verify_reads_zarr_json_even_after_a_failed_load_here(tmp_ckpt):
+    """A failed load leaves the default backend's TensorStore metadata cached for this path;
+    verify must not trust it (it uses a context of its own)."""
+    import shutil
+    os.remove(chunk_files(make(tmp_ckpt))[0])
+    with pytest.raises(sp.CorruptCheckpointError):
+        sp.load(tmp_ckpt)
+    shutil.rmtree(tmp_ckpt)
+    os.remove(f"{make(tmp_ckpt)}/tensors/model/w/zarr.json")
+    assert [s for s, _ in verify_checkpoint(tmp_ckpt)] == ["SP-ARRAY-1"]

@@ -84,6 +84,11 @@ def verify_checkpoint(path: str, *, strict: bool = False,
     ([SP-LAYOUT-2]), keys are canonical and short enough ([SP-KEY-3], [SP-KEY-4]), nothing
     under ``tensors/`` that the manifest does not list ([SP-LAYOUT-3]).
     """
+    if backend is None:
+        # A backend of its own (a fresh TensorStore context): the shared default one may hold
+        # metadata cached by earlier reads of this path, and a validator must read zarr.json.
+        from shardpoint_tensorstore import TensorStoreBackend
+        backend = TensorStoreBackend()
     be = get_backend(backend)
     path = str(path)
     rep = VerifyReport(path, strict=strict)
