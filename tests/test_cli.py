@@ -234,3 +234,33 @@ def test_verify_reads_zarr_json_even_after_a_failed_load_here(tmp_ckpt):
     shutil.rmtree(tmp_ckpt)
     os.remove(f"{make(tmp_ckpt)}/tensors/model/w/zarr.json")
     assert [s for s, _ in verify_checkpoint(tmp_ckpt)] == ["SP-ARRAY-1"]
+
+
+def _crc32c(data):
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_absent_inner_chunk_behind_a_valid_shard_index(tmp_ckpt, capsys):
+    """A shard whose index marks an inner chunk absent (checksum of the index still right) is
+    damage [SP-READ-2], never fill values."""
+    import struct
+    f = chunk_files(make(tmp_ckpt))[0]
+    meta = json.load(open(f"{tmp_ckpt}/tensors/model/w/zarr.json"))
+    conf = meta["codecs"][0]["configuration"]
+    assert meta["codecs"][0]["name"] == "sharding_indexed"
+    k = 1
+    for c, i in zip(meta["chunk_grid"]["configuration"]["chunk_shape"], conf["chunk_shape"]):
+        k *= c // i
+    d = bytearray(open(f, "rb").read())
+    idx = d[-(16 * k + 4):-4]
+    assert _crc32c(bytes(idx)) == struct.unpack("<I", d[-4:])[0]
+    idx[:16] = b"\xff" * 16
+    d[-(16 * k + 4):] = bytes(idx) + struct.pack("<I", _crc32c(bytes(idx)))
+    open(f, "wb").write(bytes(d))
+    rc, out, _ = run(capsys, "verify", tmp_ckpt)
+    assert rc == 1 and "[SP-READ-2]" in out and "model/w" in out
