@@ -179,8 +179,10 @@ class TensorStoreBackend:
     def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
                             key: str) -> Any:
         s = self._tspec(root, array_path)
+        # Revalidate cached metadata and data once, at open: a checkpoint replaced in place
+        # (overwrite=True) must never be read through entries cached from the old one.
         s.update({"open": True, "fill_missing_data_reads": False,
-                  "recheck_cached_data": False, "recheck_cached_metadata": False})
+                  "recheck_cached_data": "open", "recheck_cached_metadata": "open"})
         try:
             h = ts.open(s, context=self.context).result()
         except ValueError as e:
