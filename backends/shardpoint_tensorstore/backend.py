@@ -97,6 +97,14 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _remove(p: str) -> None:
+    """Remove what a replacement moved aside: a directory tree, or a file."""
+    if os.path.isdir(p) and not os.path.islink(p):
+        shutil.rmtree(p, ignore_errors=True)
+    elif os.path.lexists(p):
+        os.remove(p)
+
+
 def _exchange_dirs(a: str, b: str) -> bool:
     """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
     if sys.platform != "linux":
@@ -285,15 +293,21 @@ class TensorStoreBackend:
         path = os.path.abspath(path)
         if self.fsync:
             self._fsync_tree(staging)
-        if os.path.exists(path):
+        if os.path.lexists(path):
             if not overwrite and self.checkpoint_state(path) == "committed":
                 raise CheckpointExistsError(f"a checkpoint already exists at {path!r}; pass "
                                             "overwrite=True to replace it")
+            if not overwrite and not (os.path.isdir(path) and not os.listdir(path)):
+                # Not a checkpoint, but not ours to delete either (a user's directory, a
+                # file): replacing it would destroy whatever it holds.
+                raise CheckpointExistsError(f"{path!r} exists and is not an empty directory or "
+                                            "a checkpoint; refusing to replace it (pass "
+                                            "overwrite=True, or choose another path)")
             if _exchange_dirs(staging, path):
                 # One atomic step: the new checkpoint is at path, the old one at staging.
                 if self.fsync:
                     _fsync_dir(os.path.dirname(path))
-                shutil.rmtree(staging, ignore_errors=True)
+                _remove(staging)
                 return
             # No atomic exchange here: move the old one aside first; a crash between the two
             # renames leaves it recoverable as .<name>.shardpoint-old-* ([SP-COMMIT-4]).
@@ -302,7 +316,7 @@ class TensorStoreBackend:
             os.rename(staging, path)
             if self.fsync:
                 _fsync_dir(os.path.dirname(path))
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
             return
         os.rename(staging, path)
         if self.fsync:
