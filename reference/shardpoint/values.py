@@ -35,12 +35,17 @@ def _hint(what: str, v: Any) -> str:
 
 def check_value(v: Any, what: str) -> None:
     """Raise :class:`UnsupportedValueError` unless ``v`` can be encoded by :func:`pack`."""
-    if isinstance(v, bool) or v is None or isinstance(v, (float, str, bytes)):
+    # Exact types: subclasses (IntEnum, StrEnum, numpy's str_/float64, ...) are not what
+    # msgpack stores; numpy scalars take the array route below, other subclasses are refused.
+    if type(v) in (bool, type(None), float, str, bytes):
         return
-    if isinstance(v, int):
+    if type(v) is int:
         if not -(1 << 63) <= v < (1 << 64):
             raise UnsupportedValueError(f"{what} is the integer {v}, outside the 64-bit range "
                                         "msgpack can store; store it as a str", spec_id="SP-VALUE-1")
+        return
+    if isinstance(v, (np.ndarray, np.generic)):
+        dtypes.from_numpy(v.dtype, what)
         return
     if isinstance(v, (list, tuple)):
         for i, x in enumerate(v):
@@ -48,16 +53,13 @@ def check_value(v: Any, what: str) -> None:
         return
     if isinstance(v, dict):
         for k, x in v.items():
-            if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise UnsupportedValueError(f"{what} has dict key {k!r}; only str and int keys "
-                                            "are supported", spec_id="SP-VALUE-1")
+            if type(k) not in (str, int) or (type(k) is int and not -(1 << 63) <= k < (1 << 64)):
+                raise UnsupportedValueError(f"{what} has dict key {k!r}; only str keys and "
+                                            "64-bit int keys are supported", spec_id="SP-VALUE-1")
             check_value(x, f"{what}[{k!r}]")
         return
     if isinstance(v, torch.Tensor):
         dtypes.from_torch(v.dtype, what)
-        return
-    if isinstance(v, (np.ndarray, np.generic)):
-        dtypes.from_numpy(v.dtype, what)
         return
     raise UnsupportedValueError(_hint(what, v), spec_id="SP-VALUE-1")
 
@@ -74,7 +76,7 @@ def _default(v: Any) -> Any:
     if isinstance(v, tuple):
         return msgpack.ExtType(EXT_TUPLE, pack(list(v)))
     if isinstance(v, torch.Tensor):
-        t = v.detach().cpu().contiguous()
+        t = v.detach().cpu().resolve_conj().resolve_neg().contiguous()
         d = dtypes.from_torch(t.dtype)
         a = dtypes.torch_to_numpy(t)
         return msgpack.ExtType(EXT_ARRAY, msgpack.packb(
