@@ -31,13 +31,22 @@ def encode_component(c: Component) -> str:
             spec_id="SP-KEY-1",
         )
     if isinstance(c, int):
+        if not -(1 << 63) <= c < (1 << 64):
+            raise InvalidKeyError(f"integer key {c} is outside the 64-bit range the manifest "
+                                  "can store; use a str key", spec_id="SP-KEY-1")
         return str(c)
     if c in ("", ".", ".."):
         raise InvalidKeyError(
             f"key component {c!r} is not allowed (empty, '.' and '..' could escape or alias "
             "a directory); rename the dict key", spec_id="SP-KEY-2",
         )
-    out = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in c.encode("utf-8"))
+    try:
+        raw = c.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidKeyError(f"key component {c!r} is not valid Unicode text (it holds a lone "
+                              "surrogate) and has no UTF-8 form; rename the dict key",
+                              spec_id="SP-KEY-1") from None
+    out = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
     return "~" + out if _INT_RE.match(out) else out
 
 
