@@ -286,7 +286,10 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
 def _execute_save(comm: Comm, be: StorageBackend, flat, work: RankSaveWork, staging: str,
                   layouts: dict, opts: SaveOptions) -> int:
     tensors = flat.tensors
-    src_view = _PieceViews([(lt.holding, lt.data.detach()) for lt in tensors])
+    # resolve_conj/resolve_neg: a lazily conjugated or negated view has no numpy form; they
+    # copy only tensors carrying those bits.
+    src_view = _PieceViews([(lt.holding, lt.data.detach().resolve_conj().resolve_neg())
+                            for lt in tensors])
 
     handles: dict = {}
 
