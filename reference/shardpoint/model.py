@@ -239,7 +239,7 @@ def _dtensor_leaf(t: Any, key: str, what: str) -> LocalTensor:
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     coord = t.device_mesh.get_coordinate() or []
     rep = tuple(c for c, p in zip(coord, t.placements) if isinstance(p, Replicate)) or (0,)
-    local = t.to_local()
+    local = t.to_local().detach()   # same storage; a DTensor Parameter fills in place too
     d = dtypes.from_torch(local.dtype, what)
     h = Holding(key, d.name, tuple(t.shape), tuple(offset), tuple(shape), None, rep)
     _check_holding(h, local, what)

@@ -52,8 +52,11 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
                 return type(x)(out)
             except TypeError:
                 return out
-        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        if isinstance(x, (list, tuple)):
+            # Walked exactly as save walks them (model.flatten_state): a namedtuple is a tuple.
             seq = [walk(v, path + (i,)) for i, v in enumerate(x)]
+            if hasattr(x, "_fields"):
+                return type(x)(*seq)
             return type(x)(seq) if isinstance(x, tuple) else seq
         key = encode_key(path)
         where = f"state{format_path(path)}"
@@ -64,7 +67,7 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
         if isinstance(x, ShardedTensor):
             d = dtypes.from_torch(x.data.dtype, where)
             tensor_target(key, Holding(key, d.name, x.global_shape, x.global_offset,
-                                       x.local_shape, x.flattened_range, (0,)), x.data)
+                                       x.local_shape, x.flattened_range, (0,)), x.data.detach())
             return x.data
         if _is_dtensor(x):
             lt = _dtensor_leaf(x, key, where)
@@ -73,11 +76,18 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
         if isinstance(x, torch.Tensor):
             d = dtypes.from_torch(x.dtype, where)
             shp = tuple(x.shape)
-            tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)), x)
+            # detach(): same storage, so an nn.Parameter (requires_grad) fills in place too.
+            tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)),
+                          x.detach())
             return x
         if isinstance(x, np.ndarray):
             if not x.flags.writeable:
                 raise errors.LayoutMismatchError(f"{where}: numpy target is read-only")
+            if x.dtype.byteorder == ">":
+                raise errors.LayoutMismatchError(
+                    f"{where}: numpy target has big-endian dtype {x.dtype.str}; it cannot be "
+                    "filled in place (pass a native-endian array, e.g. "
+                    "x.astype(x.dtype.newbyteorder('='))", spec_id="SP-LOAD-1")
             d = dtypes.from_numpy(x.dtype, where)
             shp = tuple(x.shape)
             tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)),
