@@ -174,3 +174,17 @@ def test_verify_reports_writer_rules_by_id(tmp_ckpt):
     ids = sorted(s for s, _ in verify_checkpoint(tmp_ckpt, strict=True))
     assert ids == ["SP-ARRAY-3", "SP-LAYOUT-3"]
     assert [s for s, _ in verify_checkpoint(tmp_ckpt)] == ["SP-ARRAY-3"]
+
+
+@pytest.mark.parametrize("edit, sid", [
+    (lambda b: b["tensors"]["w"].update(dtype=["float32"]), "SP-DTYPE-1"),
+    (lambda b: b["tree"]["dict"].append(b["tree"]["dict"][0]), "SP-MAN-4"),
+    (lambda b: b["tree"]["dict"].append(["v", {"value": [1, 2]}]), "SP-MAN-4"),
+    (lambda b: b["tree"]["dict"].append(["v", {"value": 1, "x": 2}]), "SP-MAN-4"),
+    (lambda b: b.update(save_world_size="4"), "SP-MAN-2"),
+])
+def test_malformed_manifest_bodies_raise_documented_errors(tmp_ckpt, edit, sid):
+    rewrite_manifest(saved(tmp_ckpt), edit)
+    with pytest.raises(sp.ShardpointError) as e:
+        sp.load(tmp_ckpt)
+    assert e.value.spec_id == sid

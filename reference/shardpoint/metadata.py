@@ -164,19 +164,23 @@ def decode_manifest(data: bytes) -> Manifest:
         if not _ints(shape, 0) or not _ints(chunk, 1) or len(chunk) != len(shape):
             raise _bad(f"tensor {key!r}: shape {shape!r} / chunk_shape {chunk!r} invalid "
                        "(non-negative ints; chunk entries >= 1, same rank)", "SP-MAN-3")
-        if dt not in dtypes.DTYPES:
+        if not isinstance(dt, str) or dt not in dtypes.DTYPES:
             raise UnsupportedFormatError(f"tensor {key!r} has dtype {dt!r}, not in the spec's "
                                          "dtype table", spec_id="SP-DTYPE-1")
         check_array_path(e.get("array"), key)
         tensors[key] = TensorEntry(key, e["array"], tuple(shape), dt, tuple(chunk))
     objects = {}
     for key, o in m["objects"].items():
-        if not (isinstance(o, dict) and isinstance(o.get("count"), int)
+        if not (isinstance(o, dict) and type(o.get("count")) is int
                 and isinstance(o.get("values"), list) and o["count"] == len(o["values"])
                 and o["count"] >= 1):
             raise _bad(f"sharded object {key!r}: needs count >= 1 and as many values",
                        "SP-MAN-3")
         objects[key] = o["values"]
+    for f, types in (("writer", (str,)), ("created_unix", (int, float)),
+                     ("save_world_size", (int,))):
+        if f in m and (isinstance(m[f], bool) or not isinstance(m[f], types)):
+            raise _bad(f"field {f!r} has the wrong type ({type(m[f]).__name__})", "SP-MAN-2")
     _check_tree(m["tree"], tensors, objects)
     return Manifest(m["tree"], tensors, objects, tuple(ver), m.get("writer", ""),
                     m.get("created_unix", 0.0), m.get("save_world_size", 1), exts)
@@ -192,10 +196,14 @@ def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
         if "dict" in node:
             if not isinstance(node["dict"], list):
                 raise _bad(f"tree dict at {path!r} must be a list of [key, node]", "SP-MAN-4")
+            seen_keys: set = set()
             for item in node["dict"]:
                 if not (isinstance(item, list) and len(item) == 2
                         and isinstance(item[0], (str, int)) and not isinstance(item[0], bool)):
                     raise _bad(f"tree dict at {path!r} has a malformed entry", "SP-MAN-4")
+                if (type(item[0]), item[0]) in seen_keys:
+                    raise _bad(f"tree dict at {path!r} repeats key {item[0]!r}", "SP-MAN-4")
+                seen_keys.add((type(item[0]), item[0]))
                 walk(item[1], path + (item[0],))
             return
         for kind in ("list", "tuple"):
@@ -205,7 +213,14 @@ def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
                 for i, c in enumerate(node[kind]):
                     walk(c, path + (i,))
                 return
+        if len(node) != 1 and set(node) != {"tensor", "origin"}:
+            raise _bad(f"tree leaf at {path!r} has extra entries {sorted(node)!r}", "SP-MAN-4")
         if "value" in node:
+            v = node["value"]
+            if not (v is None or isinstance(v, (bool, int, float, str, bytes))
+                    or isinstance(v, msgpack.ExtType) or hasattr(v, "dtype")):
+                raise _bad(f"value leaf at {path!r} is a {type(v).__name__}, not a scalar",
+                           "SP-MAN-4")
             return
         for kind, table, seen in (("tensor", tensors, seen_t), ("object", objects, seen_o)):
             if kind in node:
