@@ -74,13 +74,14 @@ def codecs_for(spec: ArraySpec, itemsize: int, shard_above: int, inner_target: i
 
 
 def _has_crc(codecs: list) -> bool:
-    for c in codecs:
-        if c.get("name") == "crc32c":
-            return True
-        if c.get("name") == "sharding_indexed":
-            conf = c.get("configuration", {})
-            return _has_crc(conf.get("codecs", [])) and _has_crc(conf.get("index_codecs", []))
-    return False
+    """Every chunk ends in crc32c: a chain whose last codec is crc32c, or one
+    sharding_indexed codec whose inner and index chains both do ([SP-ARRAY-2])."""
+    if not codecs:
+        return False
+    if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
+        conf = codecs[0].get("configuration", {})
+        return _has_crc(conf.get("codecs", [])) and _has_crc(conf.get("index_codecs", []))
+    return codecs[-1].get("name") == "crc32c"
 
 
 def _region(handle: Any, offset: Sequence[int], shape: Sequence[int]) -> Any:
