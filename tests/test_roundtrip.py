@@ -204,3 +204,118 @@ def test_large_tensor_gets_a_multi_chunk_sharded_array(tmp_ckpt):
     sp.save({"w": w}, tmp_ckpt, backend=be, options=opts)
     e = sp.read_metadata(tmp_ckpt).tensors["w"]
     assert e.chunk_shape[0] < 300 and torch.equal(sp.load(tmp_ckpt)["w"], w)
+
+
+# ------------------------------------------------------------------ regressions and extras
+def test_overwrite_with_another_shape_reads_the_new_checkpoint(tmp_ckpt):
+    """Caches of the old arrays must not serve reads of a checkpoint replaced in place."""
+    from shardpoint_tensorstore import TensorStoreBackend
+    for be in (None, TensorStoreBackend(context={"cache_pool": {"total_bytes_limit": 1 << 24}})):
+        sp.save({"w": torch.ones(3)}, tmp_ckpt, backend=be, overwrite=True)
+        assert torch.equal(sp.load(tmp_ckpt, backend=be)["w"], torch.ones(3))
+        sp.save({"w": torch.full((6,), 5.0)}, tmp_ckpt, overwrite=True, backend=be)
+        assert torch.equal(sp.load(tmp_ckpt, backend=be)["w"], torch.full((6,), 5.0))
+        sp.save({"w": torch.full((4, 3), 2.0)}, tmp_ckpt, overwrite=True, backend=be)
+        assert torch.equal(sp.load(tmp_ckpt, backend=be)["w"], torch.full((4, 3), 2.0))
+
+
+def test_overwrite_false_never_deletes_a_directory_that_is_not_a_checkpoint(tmp_path):
+    import os
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "precious.txt").write_text("keep me")
+    with pytest.raises(sp.CheckpointExistsError):
+        sp.save({"a": torch.ones(1)}, str(d))
+    assert (d / "precious.txt").read_text() == "keep me"
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(sp.CheckpointExistsError):
+        sp.save({"a": torch.ones(1)}, str(f))
+    assert f.read_text() == "x"
+    assert not [n for n in os.listdir(tmp_path) if "shardpoint" in n]   # no staging left
+    e = tmp_path / "empty"
+    e.mkdir()
+    sp.save({"a": torch.ones(1)}, str(e))                               # an empty dir is fine
+    assert torch.equal(sp.load(str(e))["a"], torch.ones(1))
+    sp.save({"a": torch.zeros(1)}, str(f), overwrite=True)              # replacing a file
+    assert torch.equal(sp.load(str(f))["a"], torch.zeros(1))
+    assert not [n for n in os.listdir(tmp_path) if "shardpoint" in n]
+
+
+def test_like_fills_parameters_in_place(tmp_ckpt):
+    lin = torch.nn.Linear(3, 2)
+    sp.save({"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)}, tmp_ckpt)
+    ptr = lin.weight.data_ptr()
+    out = sp.load(tmp_ckpt, like={"w": lin.weight, "b": lin.bias})
+    assert out["w"] is lin.weight and lin.weight.data_ptr() == ptr and lin.weight.requires_grad
+    assert torch.equal(lin.weight.detach(), torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(lin.bias.detach(), torch.ones(2))
+
+
+def test_namedtuples_round_trip_with_like(tmp_ckpt):
+    import collections
+    NT = collections.namedtuple("NT", "a b")
+    sp.save({"n": NT(torch.ones(2), 3)}, tmp_ckpt)
+    out = sp.load(tmp_ckpt, like={"n": NT(torch.zeros(2), 0)})
+    assert type(out["n"]) is NT and out["n"].b == 3 and torch.equal(out["n"].a, torch.ones(2))
+
+
+def test_conjugate_and_negative_views_are_saved_by_value(tmp_ckpt):
+    x = torch.randn(4, dtype=torch.complex128)
+    sp.save({"c": x.conj(), "n": torch._neg_view(torch.arange(3.0))}, tmp_ckpt)
+    back = sp.load(tmp_ckpt)
+    assert torch.equal(back["c"], x.conj().resolve_conj())
+    assert torch.equal(back["n"], -torch.arange(3.0))
+
+
+def test_non_contiguous_like_targets_are_filled_in_place(tmp_ckpt):
+    w = torch.arange(12.0).reshape(4, 3)
+    sp.save({"w": w, "bf": w.bfloat16(), "n": w.numpy().copy()}, tmp_ckpt)
+    base = torch.zeros(3, 4)
+    wide = torch.zeros(4, 6, dtype=torch.bfloat16)
+    nbase = np.zeros((3, 4), np.float32)
+    like = {"w": base.t(), "bf": wide[:, ::2], "n": nbase.T}
+    sp.load(tmp_ckpt, like=like)
+    assert torch.equal(base.t(), w) and torch.equal(wide[:, ::2], w.bfloat16())
+    assert (wide[:, 1::2] == 0).all() and np.array_equal(nbase.T, w.numpy())
+
+
+def test_numpy_comes_back_as_numpy_and_like_numpy_in_place(tmp_ckpt):
+    a = np.arange(6, dtype=np.float16).reshape(2, 3)
+    sp.save({"a": a, "s": np.float64(2.5), "z": np.zeros((0, 2), np.int8)}, tmp_ckpt)
+    back = sp.load(tmp_ckpt)
+    assert type(back["a"]) is np.ndarray and back["a"].dtype == np.float16
+    assert np.array_equal(back["a"], a) and back["z"].shape == (0, 2)
+    assert type(back["s"]) is np.float64 and back["s"] == 2.5
+    tgt = np.zeros((2, 3), np.float16)
+    out = sp.load(tmp_ckpt, like={"a": tgt})
+    assert out["a"] is tgt and np.array_equal(tgt, a)
+    with pytest.raises(sp.LayoutMismatchError, match="big-endian"):
+        sp.load(tmp_ckpt, like={"a": np.zeros((2, 3), ">f2")})
+
+
+def test_strict_false_missing_keys_of_every_kind(tmp_ckpt):
+    sp.save({"a": torch.ones(2)}, tmp_ckpt)
+    rep = sp.LoadReport()
+    like = {"a": torch.zeros(2), "t": torch.zeros(1), "v": 5,
+            "o": sp.ShardedObject(7, 0, 1), "st": sp.ShardedTensor(torch.zeros(2), (4,), (0,))}
+    out = sp.load(tmp_ckpt, like=like, strict=False, report=rep)
+    assert sorted(rep.missing_keys) == sorted(["tensor 't'", "value 'v'", "sharded object 'o'",
+                                               "tensor 'st'"])
+    assert out["v"] == 5 and torch.equal(like["t"], torch.zeros(1))
+    for k in ("t", "v", "o", "st"):
+        with pytest.raises(sp.LayoutMismatchError, match=f"'{k}'"):
+            sp.load(tmp_ckpt, like={"a": torch.zeros(2), k: like[k]})
+
+
+@pytest.mark.parametrize("d", DTYPES, ids=lambda d: d.name)
+def test_sharded_tensor_like_in_one_process_every_dtype(tmp_ckpt, d):
+    t = random_bits(d, (5, 4), 7)
+    sp.save({"w": t}, tmp_ckpt)
+    piece = torch.empty(2, 4, dtype=d.torch)
+    flat = torch.empty(7, dtype=d.torch)
+    out = sp.load(tmp_ckpt, like={"w": sp.ShardedTensor(piece, (5, 4), (3, 0))})
+    assert out["w"] is piece and same_bits(piece, t[3:])
+    sp.load(tmp_ckpt, like={"w": sp.ShardedTensor(flat, (5, 4), (1, 0), local_shape=(4, 4),
+                                                  flattened_range=(5, 12))})
+    assert same_bits(flat, t[1:].reshape(-1)[5:12])
