@@ -188,3 +188,143 @@ def test_malformed_manifest_bodies_raise_documented_errors(tmp_ckpt, edit, sid):
     with pytest.raises(sp.ShardpointError) as e:
         sp.load(tmp_ckpt)
     assert e.value.spec_id == sid
+
+
+# ------------------------------------------------------------------ more damage and refusals
+def write_manifest(path, m):
+    from shardpoint.metadata import encode_manifest
+    with open(f"{path}/manifest.msgpack", "wb") as f:
+        f.write(encode_manifest(m))
+
+
+def test_manifests_built_with_the_encoder_unknown_major_and_must_understand(tmp_ckpt):
+    import dataclasses
+    m = sp.read_metadata(saved(tmp_ckpt))
+    write_manifest(tmp_ckpt, dataclasses.replace(m, format_version=(1, 7)))
+    assert torch.equal(sp.load(tmp_ckpt)["b"], torch.ones(3))       # a newer minor reads
+    for v in ((2, 0), (0, 9)):
+        write_manifest(tmp_ckpt, dataclasses.replace(m, format_version=v))
+        with pytest.raises(sp.UnsupportedFormatError) as e:
+            sp.load(tmp_ckpt)
+        assert e.value.spec_id == "SP-VER-2"
+    write_manifest(tmp_ckpt, dataclasses.replace(m, extensions={"zstd": {"level": 3}}))
+    with pytest.raises(sp.UnsupportedFormatError, match="zstd"):
+        sp.load(tmp_ckpt)
+    write_manifest(tmp_ckpt, dataclasses.replace(
+        m, extensions={"hint": {"must_understand": False, "x": 1}}))
+    assert torch.equal(sp.load(tmp_ckpt)["b"], torch.ones(3))
+
+
+def test_unknown_field_in_a_tensor_entry(tmp_ckpt):
+    rewrite_manifest(saved(tmp_ckpt), lambda b: b["tensors"]["w"].update(quant="int4"))
+    with pytest.raises(sp.UnsupportedFormatError, match="quant") as e:
+        sp.load(tmp_ckpt)
+    assert e.value.spec_id == "SP-VER-3"
+
+
+def test_dtype_outside_the_table_in_a_manifest(tmp_ckpt):
+    rewrite_manifest(saved(tmp_ckpt), lambda b: b["tensors"]["w"].update(dtype="int4"))
+    with pytest.raises(sp.UnsupportedFormatError) as e:
+        sp.load(tmp_ckpt)
+    assert e.value.spec_id == "SP-DTYPE-1" and "'w'" in str(e.value)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda b: b["tensors"].pop("w"),                                        # tree names it
+    lambda b: b["tree"]["dict"].pop(0),                                     # entry not in tree
+    lambda b: b.pop("tensors"),
+    lambda b: b["tensors"]["w"].update(shape=[8, -1]),
+    lambda b: b["tensors"]["w"].update(chunk_shape=[0, 8]),
+    lambda b: b.update(format="safetensors"),
+    lambda b: b["tensors"].update({"../x": b["tensors"]["w"]}),
+])
+def test_malformed_manifest_bodies_are_corrupt(tmp_ckpt, edit):
+    rewrite_manifest(saved(tmp_ckpt), edit)
+    with pytest.raises(sp.CorruptCheckpointError):
+        sp.load(tmp_ckpt)
+
+
+def test_dot_dot_array_path_names_sp_sec_1(tmp_ckpt):
+    rewrite_manifest(saved(tmp_ckpt), lambda b: b["tensors"]["w"].update(array="../x"))
+    with pytest.raises(sp.CorruptCheckpointError, match="SP-SEC-1"):
+        sp.read_metadata(tmp_ckpt)
+
+
+def sharded_save(path):
+    from shardpoint_tensorstore import TensorStoreBackend
+    be = TensorStoreBackend(shard_above_bytes=1 << 10, inner_chunk_bytes=1 << 8)
+    w = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+    sp.save({"w": w}, path, backend=be)
+    return w
+
+
+@pytest.mark.parametrize("damage", ["flip_inner", "truncate", "delete", "flip_index"])
+def test_damage_inside_a_sharded_chunk(tmp_ckpt, damage):
+    sharded_save(tmp_ckpt)
+    meta = json.load(open(f"{tmp_ckpt}/tensors/w/zarr.json"))
+    assert meta["codecs"][0]["name"] == "sharding_indexed"
+    f = chunk_files(tmp_ckpt)[0]
+    data = bytearray(open(f, "rb").read())
+    if damage == "flip_inner":
+        data[3] ^= 0x10
+    elif damage == "flip_index":
+        data[-6] ^= 0x10
+    elif damage == "truncate":
+        data = data[: len(data) - 7]
+    if damage == "delete":
+        os.remove(f)
+    else:
+        open(f, "wb").write(bytes(data))
+    with pytest.raises(sp.CorruptCheckpointError):
+        sp.load(tmp_ckpt)
+    # a partial read that touches the damaged shard fails too; never zeros
+    with pytest.raises(sp.CorruptCheckpointError):
+        sp.load(tmp_ckpt, like={"w": sp.ShardedTensor(torch.empty(1, 16), (64, 16), (0, 0))})
+
+
+def test_deleted_chunk_of_an_all_zero_tensor_is_still_an_error(tmp_ckpt):
+    sp.save({"z": torch.zeros(4, 4)}, tmp_ckpt)
+    files = chunk_files(tmp_ckpt, "z")
+    assert files, "an all-zero chunk is stored, not left to the fill value"
+    os.remove(files[0])
+    with pytest.raises(sp.CorruptCheckpointError):
+        sp.load(tmp_ckpt)
+
+
+def test_missing_manifest_message_and_file_path(tmp_ckpt, tmp_path):
+    os.remove(f"{saved(tmp_ckpt)}/manifest.msgpack")
+    with pytest.raises(sp.IncompleteCheckpointError) as e:
+        sp.read_metadata(tmp_ckpt)
+    assert e.value.spec_id == "SP-COMMIT-3"
+    f = tmp_path / "plainfile"
+    f.write_bytes(b"x")
+    with pytest.raises(sp.CheckpointNotFoundError):
+        sp.load(str(f))
+
+
+def test_leaves_refused_in_nested_containers_name_their_path(tmp_ckpt):
+    with pytest.raises(sp.UnsupportedValueError, match=r"state\['opt'\]\[0\]\['x'\]"):
+        sp.save({"opt": [{"x": {1, 2}}]}, tmp_ckpt)
+    with pytest.raises(sp.UnsupportedValueError, match=r"state\['f'\].*function"):
+        sp.save({"f": lambda: 0}, tmp_ckpt)
+    assert not os.path.exists(tmp_ckpt)
+
+
+@pytest.mark.parametrize("bad", [
+    torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8),
+    torch.ones(2, dtype=torch.float8_e5m2fnuz), np.zeros(2, dtype=np.float128),
+    np.zeros(2, dtype="U3"), np.zeros(2, dtype=[("a", "i4")]),
+])
+def test_dtypes_outside_the_table_are_refused_with_the_path(tmp_ckpt, bad):
+    with pytest.raises(sp.UnsupportedValueError) as e:
+        sp.save({"m": {"q": bad}}, tmp_ckpt)
+    assert e.value.spec_id == "SP-DTYPE-1" and "state['m']['q']" in str(e.value)
+    assert not os.path.exists(tmp_ckpt)
+
+
+def test_big_endian_uint16_is_sensible(tmp_ckpt):
+    a = np.arange(70000, 70010, dtype=np.uint32).astype(">u2")
+    sp.save({"a": a}, tmp_ckpt)
+    assert sp.read_metadata(tmp_ckpt).tensors["a"].dtype == "uint16"
+    back = sp.load(tmp_ckpt)["a"]
+    assert back.dtype == np.uint16 and back.tolist() == a.tolist()
