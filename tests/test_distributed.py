@@ -5,6 +5,7 @@ Spawning a world costs seconds, so each spawned world runs a whole batch of scen
 import math
 import os
 
+import pytest
 import torch
 
 from shardpoint_conformance.launch import run_world
@@ -308,3 +309,102 @@ def cache_job(rank, world, base):
 def test_plan_cache_reuses_plans_and_sees_new_values(tmp_path):
     res = run_world(2, cache_job, str(tmp_path), timeout=180)
     assert res == [[False, True, True, False]] * 2
+
+
+# ---------------------------------------------------------------------------- 2-D DTensor mesh
+def mesh2d_job(rank, world, base):
+    """A 2 x 2 DeviceMesh: Shard(0) x Shard(1), Replicate x Shard(0) and Shard(1) x Replicate
+    saved, then loaded back into other placements on the same mesh, into DTensor
+    Parameters (filled in place), and into a flat 1-D mesh layout."""
+    import shardpoint as sp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (2, 2))
+    shape = (10, 7)
+    placements = {"ss": [Shard(0), Shard(1)], "rs": [Replicate(), Shard(0)],
+                  "sr": [Shard(1), Replicate()]}
+    st = {k: distribute_tensor(full(k), mesh, p) for k, p in placements.items()}
+    r = sp.save(st, f"{base}/mesh")
+    bad = []
+    other = {"ss": [Shard(1), Shard(0)], "rs": [Shard(0), Replicate()], "sr": [Replicate(),
+                                                                               Replicate()]}
+    like = {k: torch.nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, p))
+            for k, p in other.items()}
+    ptrs = {k: v.to_local().data_ptr() for k, v in like.items()}
+    out = sp.load(f"{base}/mesh", like=like)
+    for k, v in out.items():
+        if v is not like[k] or v.to_local().data_ptr() != ptrs[k]:
+            bad.append(f"{k}: not filled in place")
+        if not same_bits(v.full_tensor().detach(), full(k)):
+            bad.append(f"{k}: wrong values")
+    return bad, r.unique_bytes
+
+
+def test_dtensor_2d_mesh_round_trip(tmp_path):
+    res = run_world(4, mesh2d_job, str(tmp_path), timeout=240)
+    assert all(not bad for bad, _ in res), res
+    import shardpoint as sp
+    back = sp.load(str(tmp_path / "mesh"))
+    for k in ("ss", "rs", "sr"):
+        assert same_bits(back[k], full(k)), k
+    sizes = sum(os.path.getsize(os.path.join(d, f))
+                for d, _, fs in os.walk(tmp_path / "mesh" / "tensors") for f in fs
+                if f != "zarr.json")
+    unique = res[0][1]
+    assert unique <= sizes <= unique * 1.10 + 4096     # replicated mesh dims written once
+
+
+# ---------------------------------------------------------------------------- failure, patched
+def patched_failure_job(rank, world, base):
+    """The real backend with its ``write`` patched in this process only, on rank 1: the save
+    raises on every rank, nothing appears, the previous checkpoint stays."""
+    import shardpoint as sp
+    from shardpoint.storage import get_backend
+    import torch.distributed as dist
+    a, b = split(SHAPE[0], world, rank)
+
+    def state(w):
+        st = {"w": sp.ShardedTensor(w[a:b].clone(), SHAPE, (a, 0))}
+        if rank == 1:       # only rank 1 holds it, so rank 1 certainly writes a chunk
+            st["r1"] = sp.ShardedTensor(w.clone(), SHAPE, (0, 0))
+        return st
+
+    sp.save(state(full("w")), f"{base}/ck")
+    be = get_backend()
+    if rank == 1:
+        def broken(handle, offset, data):
+            raise PermissionError(13, "Permission denied (patched on rank 1)")
+        be.write = broken
+    try:
+        sp.save(state(torch.zeros(SHAPE)), f"{base}/ck", overwrite=True)
+        msg = "saved"
+    except sp.ShardpointError as e:
+        msg = f"{type(e).__name__}: {e}"
+    try:
+        sp.save({"x": torch.ones(2)}, f"{base}/new")
+        msg_new = "saved"
+    except sp.ShardpointError as e:
+        msg_new = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return msg, msg_new, torch.equal(sp.load(f"{base}/ck")["w"], full("w")), \
+        sorted(os.listdir(base))
+
+
+def test_write_failure_patched_in_one_rank(tmp_path):
+    res = run_world(3, patched_failure_job, str(tmp_path), timeout=180)
+    for msg, msg_new, intact, listing in res:
+        assert msg.startswith("SaveFailedError") and "rank 1" in msg and "Permission" in msg
+        assert msg_new.startswith("SaveFailedError") or msg_new == "saved"
+        assert intact and listing in (["ck"], ["ck", "new"])
+    # every rank reports the same failure
+    assert len({m for m, *_ in res}) == 1
+
+
+@pytest.mark.slow
+def test_save_on_n_load_on_m_bigger_worlds(tmp_path):
+    base = str(tmp_path)
+    for n in (5, 6, 8):
+        run_world(n, save_job, base, timeout=300)
+    for m in (5, 6, 7, 8):
+        bad = run_world(m, load_job, base, [5, 6, 8], timeout=400)
+        assert not any(bad), bad
