@@ -109,6 +109,17 @@ def _load_rank(rank: int, world: int, path: str) -> dict:
     t = time.perf_counter()
     out = sp.load(path, like=like, report=rep)
     secs = time.perf_counter() - t
+    bad = _mismatches(out, expect)
+    if out["iteration"] != 1234:
+        bad.append("iteration")
+    g = torch.Generator().manual_seed(1000 + rank % 4)
+    if not torch.equal(out["rng"]["torch"], g.get_state()):
+        bad.append("rng")
+    return {"bad": bad, "read": rep.rank_bytes_read, "sent": rep.exchange_bytes, "secs": secs}
+
+
+def _mismatches(out: dict, expect: list) -> list:
+    """Paths (joined with '/') whose loaded tensor differs in any bit from the expected one."""
     bad = []
     for keypath, want in expect:
         got = out
@@ -116,12 +127,7 @@ def _load_rank(rank: int, world: int, path: str) -> dict:
             got = got[k]
         if not torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
             bad.append("/".join(keypath))
-    if out["iteration"] != 1234:
-        bad.append("iteration")
-    g = torch.Generator().manual_seed(1000 + rank % 4)
-    if not torch.equal(out["rng"]["torch"], g.get_state()):
-        bad.append("rng")
-    return {"bad": bad, "read": rep.rank_bytes_read, "sent": rep.exchange_bytes, "secs": secs}
+    return bad
 
 
 def _load_full(path: str) -> dict:
@@ -139,13 +145,7 @@ def _load_full(path: str) -> dict:
     want = [(("model", n), full_value(n, s, dt)) for n, s, _, dt in specs]
     want += [(("optim", st, n), full_value(f"{st}/{n}", s, torch.float32))
              for n, s, _, _ in specs for st in ("param", "exp_avg", "exp_avg_sq")]
-    bad = []
-    for keypath, w in want:
-        got = out
-        for k in keypath:
-            got = got[k]
-        if not torch.equal(got.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)):
-            bad.append("/".join(keypath))
+    bad = _mismatches(out, want)
     if out["iteration"] != 1234:
         bad.append("iteration")
     rngs = sp.read_metadata(path).objects["rng"]
