@@ -416,14 +416,14 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
     for t in transfers:
         ranks[t.src].sends.append(t)
         ranks[t.dst].recvs.append(t)
-    objects = _plan_objects(local_plans)
+    objects = plan_objects(local_plans)
     stats = {"world_size": world, "tensors": len(tensors), "unique_bytes": unique_bytes,
              "exchange_bytes": moved_bytes, "bytes_per_rank_max": max(assigned, default=0),
              "chunks": sum(len(w.writes) for w in ranks)}
     return SavePlan(tree, tensors, objects, ranks, stats)
 
 
-def _plan_objects(local_plans: Sequence[LocalPlan]) -> dict:
+def plan_objects(local_plans: Sequence[LocalPlan]) -> dict:
     by_key: dict = defaultdict(list)
     for lp in local_plans:
         for key, index, count, rep, value in lp.objects:

@@ -1,0 +1,175 @@
+"""``load`` and ``read_metadata``: read a checkpoint into any layout, collectively.
+
+The coordinator reads the manifest once and shares it; each rank states the regions it needs;
+each distinct region is read by one rank and exchanged to the others; the caller's tensors are
+filled in place. A failure on any rank raises the same error on every rank.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import msgpack
+import torch
+
+from . import dtypes, errors
+from .exchange import Comm, agree, error_record, exchange, raise_records, run_collectively
+from .metadata import Manifest, decode_manifest
+from .model import Holding
+from .planner import RankLoadWork, TensorLayout, plan_load
+from .storage import StorageBackend, get_backend
+from .targets import collect_targets, full_targets
+from .views import PieceViews, box_view, to_numpy
+
+log = logging.getLogger("shardpoint")
+
+
+@dataclass
+class LoadReport:
+    """Filled by ``load(..., report=...)``: what ``like`` asked for that the checkpoint lacks
+    (``missing_keys``, only with ``strict=False``) and what it has that was not asked for."""
+
+    missing_keys: list = field(default_factory=list)
+    unexpected_keys: list = field(default_factory=list)
+    rank_bytes_read: int = 0
+    exchange_bytes: int = 0
+    timings: dict = field(default_factory=dict)
+
+
+# -------------------------------------------------------------------------------- load
+def read_metadata(path: str, *, backend: Optional[StorageBackend] = None) -> Manifest:
+    """The checkpoint's manifest: tree, keys, shapes, dtypes, chunk grids, format version."""
+    be = get_backend(backend)
+    return decode_manifest(be.read_manifest(str(path)))
+
+
+def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
+         backend: Optional[StorageBackend] = None, report: Optional[LoadReport] = None,
+         exchange_budget_bytes: int = 256 << 20) -> Any:
+    """Load a checkpoint. Collective over ``group``.
+
+    Without ``like``: the whole tree, tensors in full on CPU (numpy arrays come back as numpy;
+    a sharded object comes back as the list of its values). With ``like``: the tensors of
+    ``like`` (plain, :class:`ShardedTensor`, DTensor, numpy) are filled in place from whatever
+    layout the checkpoint was saved in, and the returned tree has the loaded values in
+    place of plain values; a ``ShardedTensor`` leaf becomes its filled ``data`` and a
+    ``ShardedObject`` leaf becomes its stored value. Keys of the checkpoint that ``like`` does
+    not ask for are not read.
+    """
+    comm, be = Comm(group), get_backend(backend)
+    report = report if report is not None else LoadReport()
+    t0 = time.perf_counter()
+    path = str(path)
+    mbytes = b""
+    if comm.is_coordinator:
+        try:
+            mbytes = b"\x00" + be.read_manifest(path)
+        except errors.ShardpointError as e:
+            mbytes = b"\x01" + msgpack.packb([error_record(e, 0)])
+    mbytes = comm.broadcast_bytes(mbytes)
+    if mbytes[:1] == b"\x01":
+        raise_records(msgpack.unpackb(mbytes[1:]))
+    m_box: dict = {}
+    tgt_box: dict = {}
+
+    def local() -> bytes:
+        m = decode_manifest(mbytes[1:])
+        m_box["m"] = m
+        if like is None:
+            targets, built = full_targets(m)
+        else:
+            targets, built = collect_targets(like, m, strict, report, comm.rank)
+        tgt_box["t"], tgt_box["built"] = targets, built
+        return msgpack.packb([t.holding.to_wire() for t in targets])
+
+    def decide(payloads: list) -> list:
+        m = decode_manifest(mbytes[1:])
+        layouts = {k: TensorLayout(k, e.shape, e.dtype, e.chunk_shape)
+                   for k, e in m.tensors.items()}
+        reqs = [[Holding.from_wire(w) for w in msgpack.unpackb(p)] for p in payloads]
+        return [w.to_bytes() for w in plan_load(reqs, layouts)]
+
+    work = RankLoadWork.from_bytes(run_collectively(comm, local, decide,
+                                                    errors.LayoutMismatchError))
+    report.timings["plan"] = time.perf_counter() - t0
+    err: Optional[BaseException] = None
+    try:
+        t = time.perf_counter()
+        report.rank_bytes_read, report.exchange_bytes = _execute_load(
+            comm, be, path, m_box["m"], tgt_box["t"], work, exchange_budget_bytes)
+        report.timings["read"] = time.perf_counter() - t
+    except Exception as e:  # noqa: BLE001
+        if getattr(e, "_sp_agreed", False):
+            raise  # every rank raised it already
+        err = e
+    agree(comm, err, errors.LoadFailedError)
+    report.timings["total"] = time.perf_counter() - t0
+    if comm.is_coordinator:
+        log.info("shardpoint load %s: rank 0 read %.1f MiB, sent %.1f MiB; plan %.3fs, read "
+                 "%.3fs, total %.3fs", path, report.rank_bytes_read / 2**20,
+                 report.exchange_bytes / 2**20, report.timings["plan"],
+                 report.timings.get("read", 0.0), report.timings["total"])
+    if report.missing_keys:
+        log.warning("shardpoint load: %d key(s) not in the checkpoint were skipped: %s",
+                    len(report.missing_keys), report.missing_keys[:10])
+    return tgt_box["built"]
+
+
+def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, targets: list,
+                  work: RankLoadWork, budget: int) -> tuple:
+    dst_view = PieceViews([(tg.holding, tg.data) for tg in targets])
+
+    handles: dict = {}
+
+    def handle(key: str):
+        if key not in handles:
+            e = m.tensors[key]
+            handles[key] = be.open_array_for_read(path, e.array, e.spec, key)
+        return handles[key]
+
+    # Reads and local copies first; ranks agree before the exchange, so a corrupt chunk
+    # seen by one rank is raised everywhere instead of leaving peers in a collective.
+    err: Optional[BaseException] = None
+    nread = 0
+    sends: list = []
+    recvs: list = []
+    try:
+        ops, bufs, post = [], [], []
+        for op in work.reads:
+            dt = dtypes.from_name(m.tensors[op.key].dtype).torch
+            if op.direct is not None:
+                v, off = dst_view(*op.direct)
+                v = box_view(v, off, op.offset, op.shape)
+                if v.device.type == "cpu":
+                    buf = v
+                else:
+                    buf = torch.empty(op.shape, dtype=dt, pin_memory=torch.cuda.is_available())
+                    post.append((v, buf))
+                bufs.append(None)
+            else:
+                buf = torch.empty(op.shape, dtype=dt)
+                bufs.append(buf)
+            nread += buf.numel() * buf.element_size()
+            ops.append(be.read_into(handle(op.key), op.offset, to_numpy(buf)))
+        be.wait(ops)
+        for v, buf in post:
+            v.copy_(buf, non_blocking=True)
+        for op, buf in zip(work.reads, bufs):
+            for q, pi, bo, bs in op.local:
+                v, off = dst_view(q, pi)
+                box_view(v, off, bo, bs).copy_(box_view(buf, op.offset, bo, bs))
+        sends += [(t.dst, box_view(bufs[t.src_ref[0]], work.reads[t.src_ref[0]].offset,
+                                   t.box_offset, t.box_shape)) for t in work.sends]
+        for t in work.recvs:
+            v, off = dst_view(*t.dst_ref)
+            recvs.append((t.src, box_view(v, off, t.box_offset, t.box_shape)))
+    except Exception as e:  # noqa: BLE001 - shared with every rank just below
+        err = e
+    agree(comm, err, errors.LoadFailedError)
+    exchange(comm, sends, recvs, budget)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    moved = sum(v.numel() * v.element_size() for _, v in sends)
+    return nread, moved

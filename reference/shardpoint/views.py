@@ -1,0 +1,45 @@
+"""Tensor views shared by the save and load pipelines: the box of a piece inside a rank's
+tensor, and host copies. Pure torch; no I/O and no process group."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import dtypes
+from .model import holding_pieces, piece_view
+
+
+def box_view(view: torch.Tensor, base_off: tuple, box_off: tuple, box_shape: tuple):
+    """The part of ``view`` (whose global offset is ``base_off``) covering the global box."""
+    if not box_shape:
+        return view
+    return view[tuple(slice(b - o, b - o + s) for o, b, s in zip(base_off, box_off, box_shape))]
+
+
+class PieceViews:
+    """``views(i, p)``: the tensor view of piece ``p`` of local holding ``i`` and the piece's
+    global offset; pieces are computed once per holding."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items          # [(Holding, tensor)]
+        self.pieces: dict = {}
+
+    def __call__(self, i: int, p: int) -> tuple:
+        if i not in self.pieces:
+            self.pieces[i] = holding_pieces(self.items[i][0])
+        piece = self.pieces[i][p]
+        return piece_view(self.items[i][1], piece), piece.offset
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (bf16/fp8 as their ml_dtypes)."""
+    return dtypes.torch_to_numpy(t)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with ``t``'s contents: ``t`` itself, or a pinned staging copy."""
+    if t.device.type == "cpu":
+        return t
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    pinned.copy_(t, non_blocking=True)
+    return pinned
