@@ -1,0 +1,148 @@
+"""Chunk-grid choice ([SP-GRID-1]): pure geometry on a tensor's regions and chunks.
+
+The saving layout itself when it is a regular grid (no data moves), else the candidate grid
+that moves the fewest bytes. Also the chunk/piece overlap helpers both planners use.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+
+from .coverage import box_intersection, regular_grid_of
+from .plans import PlanOptions
+
+
+def _grid_chunks(shape: tuple, chunk: tuple) -> int:
+    return math.prod(-(-n // c) for n, c in zip(shape, chunk))
+
+
+def _split_large(shape: tuple, chunk: tuple, itemsize: int, max_bytes: int) -> tuple:
+    """Refine ``chunk`` so one chunk is at most ``max_bytes``, keeping every old chunk a union
+    of new ones (split by divisors, or freely along dims the old grid does not cut)."""
+    c = list(chunk)
+    for d in range(len(c)):
+        nbytes = math.prod(c) * itemsize
+        if nbytes <= max_bytes:
+            break
+        want = max(1, (max_bytes // max(1, math.prod(c[d + 1:]) * itemsize)))
+        if c[d] >= shape[d]:
+            c[d] = max(1, min(c[d], want))
+        else:
+            best = 1
+            for q in range(1, int(math.isqrt(c[d])) + 1):
+                if c[d] % q == 0:
+                    for v in (q, c[d] // q):
+                        if best < v <= want:
+                            best = v
+            c[d] = best
+    return tuple(c)
+
+
+def _gcd_grid(shape: tuple, boxes: list) -> tuple:
+    out = []
+    for d, n in enumerate(shape):
+        g = 0
+        for o, s in boxes:
+            g = math.gcd(g, o[d])
+            if o[d] + s[d] < n:
+                g = math.gcd(g, o[d] + s[d])
+        out.append(g or n)
+    return tuple(out)
+
+
+def _max_extent_grid(shape: tuple, boxes: list) -> tuple:
+    """Chunk extent = the largest box extent per dimension: the ceil-div grid of uneven
+    splits (pieces of 4001 and 4000 rows give chunks of 4001 rows; little moves)."""
+    return tuple(max([s[d] for _, s in boxes] or [n]) or 1 for d, n in enumerate(shape))
+
+
+def _held_bytes(shape, chunk, regions) -> tuple:
+    """(bytes to move, chunks) if each chunk is written by the rank holding most of it."""
+    # Approximation: a rank holds one region of a tensor, so "held by a rank" = "held by a
+    # region" (exact for the layouts planned in practice, and only used to rank candidates).
+    per_chunk: dict = defaultdict(lambda: defaultdict(int))
+    for ri, (boxes, _holders) in enumerate(regions):
+        for off, shp in boxes:
+            for cidx, n in _chunks_overlapping(shape, chunk, off, shp):
+                per_chunk[cidx][ri] += n
+    total = sum(sum(n for n in d.values()) for d in per_chunk.values())
+    moved = 0
+    for cidx, d in per_chunk.items():
+        cbytes = math.prod(min(c, n - i * c) for i, c, n in zip(cidx, chunk, shape))
+        moved += cbytes - max(d.values())
+    return moved, total
+
+
+def _chunks_overlapping(shape, chunk, off, shp):
+    """Yield (chunk index, overlap elements) for every chunk a box touches."""
+    lo = [o // c for o, c in zip(off, chunk)]
+    hi = [(o + s - 1) // c for o, s, c in zip(off, shp, chunk)]
+    if lo == hi:
+        yield tuple(lo), math.prod(shp)
+        return
+    for cidx in itertools.product(*[range(a, b + 1) for a, b in zip(lo, hi)]):
+        n = 1
+        for i, c, o, s in zip(cidx, chunk, off, shp):
+            n *= min(o + s, (i + 1) * c) - max(o, i * c)
+        yield cidx, n
+
+
+def pieces_by_chunk(shape: tuple, chunk: tuple, piece_lists: list) -> dict:
+    """chunk index -> [(list index, piece index, overlap box)] for every piece of every list."""
+    per_chunk: dict = defaultdict(list)
+    for li, pieces in enumerate(piece_lists):
+        for pi, p in enumerate(pieces):
+            if not shape:
+                per_chunk[()].append((li, pi, ((), ())))
+                continue
+            for cidx, _n in _chunks_overlapping(shape, chunk, p.offset, p.shape):
+                coff = tuple(i * c for i, c in zip(cidx, chunk))
+                cshp = tuple(min(c, n - o) for c, n, o in zip(chunk, shape, coff))
+                per_chunk[cidx].append((li, pi, box_intersection(coff, cshp, p.offset, p.shape)))
+    return per_chunk
+
+
+def plan_chunk_grid(shape: tuple, itemsize: int, regions: list, blocks: list,
+                    opts: PlanOptions) -> tuple:
+    """Choose a regular chunk grid for a tensor ([SP-GRID-1]): the saving layout itself when
+    it is one (no data moves), else the candidate that moves the fewest bytes, counting
+    ``chunk_overhead_bytes`` per chunk. ``regions``: [(boxes, holder ranks)] per unique
+    region; ``blocks``: the rectangular blocks the holdings come from."""
+    if not shape:
+        return ()
+    if math.prod(shape) == 0:
+        return tuple(max(1, n) for n in shape)
+    boxes = [b for bs, _ in regions for b in bs]
+    aligned = regular_grid_of(shape, boxes)
+    total_bytes = math.prod(shape) * itemsize
+    if aligned is not None:
+        aligned = _split_large(shape, aligned, itemsize, opts.max_chunk_bytes)
+        n = _grid_chunks(shape, aligned)
+        if n == 1 or total_bytes >= n * opts.chunk_overhead_bytes:
+            return aligned
+    cands = set()
+    if aligned is not None:
+        cands.add(aligned)
+    cands.add(_split_large(shape, _gcd_grid(shape, boxes), itemsize, opts.max_chunk_bytes))
+    cands.add(_split_large(shape, tuple(shape), itemsize, opts.max_chunk_bytes))
+    for base in (_gcd_grid(shape, blocks), _max_extent_grid(shape, blocks)):
+        cands.add(_split_large(shape, base, itemsize, opts.max_chunk_bytes))
+        per_block = max(1, round(len(boxes) / max(1, _grid_chunks(shape, base))))
+        for k in {max(1, per_block // 2)} | {per_block * f for f in (1, 2, 4, 8, 16)}:
+            slab = list(base)
+            for d in range(len(slab)):
+                if slab[d] > 1:
+                    slab[d] = -(-slab[d] // k)
+                    break
+            cands.add(_split_large(shape, tuple(slab), itemsize, opts.max_chunk_bytes))
+    best, best_cost = None, None
+    for c in sorted(cands):
+        n = _grid_chunks(shape, c)
+        if n > 4 * len(boxes) + 64 and c != aligned:
+            continue  # finer than the layout itself: many tiny chunks
+        moved, _ = _held_bytes(shape, c, regions)
+        cost = moved * itemsize + n * opts.chunk_overhead_bytes
+        if best_cost is None or cost < best_cost:
+            best, best_cost = c, cost
+    return best
