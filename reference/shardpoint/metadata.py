@@ -8,6 +8,7 @@ spec/format.md and spec/schema/manifest.schema.json. Pure: bytes in, bytes out, 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -18,15 +19,16 @@ import msgpack
 from . import dtypes, values
 from .errors import CorruptCheckpointError, InvalidKeyError, UnsupportedFormatError
 from .keys import decode_key, encode_key
-from .model import iter_tree_leaves
+from .model import ObjectValues, iter_tree_leaves, object_grid
 from .storage import ArraySpec
 
 FORMAT_NAME = "shardpoint"
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (1, 1)
 TENSOR_DIR = "tensors"
 _TOP_FIELDS = {"format", "format_version", "writer", "created_unix", "save_world_size",
                "tree", "tensors", "objects", "extensions"}
 _TENSOR_FIELDS = {"array", "shape", "dtype", "chunk_shape"}
+_OBJECT_FIELDS = {"count", "values", "shape"}
 _PATH_COMPONENT = re.compile(r"[A-Za-z0-9_.~%\-]+\Z")
 
 
@@ -54,7 +56,7 @@ class TensorEntry:
 class Manifest:
     tree: Any
     tensors: dict                      # key -> TensorEntry
-    objects: dict                      # key -> list of values, index order
+    objects: dict                      # key -> ObjectValues (row-major grid order)
     format_version: tuple = FORMAT_VERSION
     writer: str = ""
     created_unix: float = 0.0
@@ -88,12 +90,22 @@ def encode_manifest(m: Manifest) -> bytes:
         "tree": m.tree,
         "tensors": {k: {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
                         "chunk_shape": list(e.chunk_shape)} for k, e in m.tensors.items()},
-        "objects": {k: {"count": len(v), "values": list(v)} for k, v in m.objects.items()},
+        "objects": {k: _object_entry(v) for k, v in m.objects.items()},
         "extensions": m.extensions,
     }
     raw = values.pack(body)
     return msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw},
                          use_bin_type=True)
+
+
+def _object_entry(v: list) -> dict:
+    """A sharded object's manifest entry; ``shape`` only for a grid of 2+ dimensions, so a
+    1-D object reads the same as in format 1.0 ([SP-OBJ-4])."""
+    grid = object_grid(v)
+    entry = {"count": len(v), "values": list(v)}
+    if len(grid) != 1:
+        entry["shape"] = list(grid)
+    return entry
 
 
 def _bad(msg: str, sid: str) -> CorruptCheckpointError:
@@ -176,7 +188,12 @@ def decode_manifest(data: bytes) -> Manifest:
                 and o["count"] >= 1):
             raise _bad(f"sharded object {key!r}: needs count >= 1 and as many values",
                        "SP-MAN-3")
-        objects[key] = o["values"]
+        _unknown(o, _OBJECT_FIELDS, f"sharded object {key!r}")
+        grid = o.get("shape", [o["count"]])
+        if not (_ints(grid, 1) and grid and math.prod(grid) == o["count"]):
+            raise _bad(f"sharded object {key!r}: grid shape {grid!r} must be a non-empty list "
+                       f"of ints >= 1 whose product is count {o['count']}", "SP-OBJ-4")
+        objects[key] = ObjectValues(o["values"], grid)
     for f, types in (("writer", (str,)), ("created_unix", (int, float)),
                      ("save_world_size", (int,))):
         if f in m and (isinstance(m[f], bool) or not isinstance(m[f], types)):
