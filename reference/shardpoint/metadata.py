@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from . import dtypes, values
-from .errors import CorruptCheckpointError, InvalidKeyError, UnsupportedFormatError
+from .errors import (CorruptCheckpointError, InvalidKeyError, UnsupportedFormatError,
+                     UnsupportedValueError)
 from .keys import decode_key, encode_key
 from .model import ObjectValues, iter_tree_leaves, object_grid
 from .storage import ArraySpec
@@ -93,6 +95,11 @@ def encode_manifest(m: Manifest) -> bytes:
         "objects": {k: _object_entry(v) for k, v in m.objects.items()},
         "extensions": m.extensions,
     }
+    deep = values.nesting_depth_error(body)
+    if deep:
+        raise UnsupportedValueError(f"the state nests too deeply to be stored: the manifest "
+                                    f"would exceed {values.MAX_DEPTH} levels at {deep}; "
+                                    "flatten the tree", spec_id="SP-MAN-5")
     raw = values.pack(body)
     return msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw},
                          use_bin_type=True)
@@ -131,13 +138,16 @@ def _unknown(fields: dict, known: set, where: str) -> None:
 def decode_manifest(data: bytes) -> Manifest:
     """Parse and validate manifest bytes; raise the documented error for the first problem."""
     try:
-        env = msgpack.unpackb(data, raw=False, **values.UNPACK_LIMITS)
+        env = msgpack.unpackb(data, raw=False, object_pairs_hook=values.strict_pairs,
+                              **values.UNPACK_LIMITS)
     except Exception as e:
         raise _bad(f"not a msgpack envelope ({type(e).__name__}: {e}); truncated or not a "
                    "shardpoint manifest", "SP-MAN-1") from e
-    if not (isinstance(env, dict) and isinstance(env.get("body"), bytes)
-            and isinstance(env.get("sha256"), bytes)):
-        raise _bad("envelope must be a map with 'sha256' and 'body' byte strings", "SP-MAN-1")
+    if not (isinstance(env, dict) and set(env) == {"sha256", "body"}
+            and isinstance(env["body"], bytes) and isinstance(env["sha256"], bytes)
+            and len(env["sha256"]) == 32):
+        raise _bad("envelope must be a map of exactly 'sha256' (32 bytes) and 'body' (bytes)",
+                   "SP-MAN-1")
     if hashlib.sha256(env["body"]).digest() != env["sha256"]:
         raise _bad("SHA-256 of the body does not match the envelope (corrupted)", "SP-MAN-1")
     try:
@@ -146,6 +156,9 @@ def decode_manifest(data: bytes) -> Manifest:
         raise
     except Exception as e:
         raise _bad(f"body is not valid msgpack: {e}", "SP-MAN-1") from e
+    deep = values.nesting_depth_error(m)
+    if deep:
+        raise _bad(f"body nests deeper than {values.MAX_DEPTH} levels at {deep}", "SP-MAN-5")
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise _bad(f"'format' must be {FORMAT_NAME!r}", "SP-MAN-2")
     ver = m.get("format_version")
@@ -168,7 +181,8 @@ def decode_manifest(data: bytes) -> Manifest:
         try:
             decode_key(key)
         except InvalidKeyError as err:
-            raise _bad(f"tensor key {key!r} is invalid: {err}", "SP-KEY-3") from err
+            raise _bad(f"tensor key {key!r} is invalid: {err}", err.spec_id or "SP-KEY-3") \
+                from err
         if not isinstance(e, dict):
             raise _bad(f"tensor {key!r}: entry must be a map", "SP-MAN-3")
         _unknown(e, _TENSOR_FIELDS, f"tensor {key!r}")
@@ -176,6 +190,10 @@ def decode_manifest(data: bytes) -> Manifest:
         if not _ints(shape, 0) or not _ints(chunk, 1) or len(chunk) != len(shape):
             raise _bad(f"tensor {key!r}: shape {shape!r} / chunk_shape {chunk!r} invalid "
                        "(non-negative ints; chunk entries >= 1, same rank)", "SP-MAN-3")
+        if len(shape) > values.MAX_RANK or any(n >= 1 << 63 for n in shape + chunk):
+            raise _bad(f"tensor {key!r}: {len(shape)} dimensions or a dimension of 2^63 or "
+                       f"more (limits: {values.MAX_RANK} dimensions, each below 2^63)",
+                       "SP-SEC-2")
         if not isinstance(dt, str) or dt not in dtypes.DTYPES:
             raise UnsupportedFormatError(f"tensor {key!r} has dtype {dt!r}, not in the spec's "
                                          "dtype table", spec_id="SP-DTYPE-1")
@@ -183,6 +201,11 @@ def decode_manifest(data: bytes) -> Manifest:
         tensors[key] = TensorEntry(key, e["array"], tuple(shape), dt, tuple(chunk))
     objects = {}
     for key, o in m["objects"].items():
+        try:
+            decode_key(key)
+        except InvalidKeyError as err:
+            raise _bad(f"sharded object key {key!r} is invalid: {err}",
+                       err.spec_id or "SP-KEY-3") from err
         if not (isinstance(o, dict) and type(o.get("count")) is int
                 and isinstance(o.get("values"), list) and o["count"] == len(o["values"])
                 and o["count"] >= 1):
@@ -235,7 +258,7 @@ def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
         if "value" in node:
             v = node["value"]
             if not (v is None or isinstance(v, (bool, int, float, str, bytes))
-                    or isinstance(v, msgpack.ExtType) or hasattr(v, "dtype")):
+                    or isinstance(v, np.generic)):   # ext 1 only as a numpy scalar
                 raise _bad(f"value leaf at {path!r} is a {type(v).__name__}, not a scalar",
                            "SP-MAN-4")
             return
