@@ -66,9 +66,35 @@ class Manifest:
     extensions: dict = field(default_factory=dict)
 
 
+_WINDOWS_RESERVED = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])\Z", re.I)
+_ESCAPE = re.compile(r"%[0-9A-F]{2}")
+MAX_PATH_COMPONENT = 255
+MAX_ARRAY_PATH = 1024
+
+
+def _case_marked(component: str) -> str:
+    """``component`` + ``~<hex mask of its upper-case letters>`` when it has any ([SP-LAYOUT-4])."""
+    letters = [c for c in _ESCAPE.sub("", component) if c.isascii() and c.isalpha()]
+    mask = sum(1 << i for i, c in enumerate(letters) if c.isupper())
+    return f"{component}~{mask:x}" if mask else component
+
+
 def array_path_for(key: str) -> str:
-    """Where a writer puts the array of ``key`` ([SP-LAYOUT-2])."""
-    return f"{TENSOR_DIR}/{key}"
+    """Where a writer puts the array of ``key`` ([SP-LAYOUT-2], [SP-LAYOUT-4]).
+
+    ``tensors/<key>``, with a case mark on components holding upper-case letters (so keys
+    differing only in case stay apart on case-insensitive file systems), or
+    ``tensors/~h/<sha256 of key>`` when a component would be over 255 bytes, end with ``.``
+    or be a reserved Windows name, or the path would exceed 1024 bytes. Computed from the key
+    alone, so every rank derives the same path; readers follow the manifest, never this.
+    """
+    parts = [_case_marked(c) for c in key.split("/")]
+    path = "/".join([TENSOR_DIR] + parts)
+    if len(path) > MAX_ARRAY_PATH or any(
+            len(c) > MAX_PATH_COMPONENT or c.endswith(".")
+            or _WINDOWS_RESERVED.match(c.split(".")[0]) for c in parts):
+        return f"{TENSOR_DIR}/~h/{hashlib.sha256(key.encode()).hexdigest()}"
+    return path
 
 
 def check_array_path(p: Any, key: str) -> None:
