@@ -328,3 +328,23 @@ def test_big_endian_uint16_is_sensible(tmp_ckpt):
     assert sp.read_metadata(tmp_ckpt).tensors["a"].dtype == "uint16"
     back = sp.load(tmp_ckpt)["a"]
     assert back.dtype == np.uint16 and back.tolist() == a.tolist()
+
+
+# ---- spec 1.1: portable array paths ([SP-LAYOUT-4]) ---------------------------------------
+def test_keys_differing_in_case_long_or_reserved_get_distinct_portable_array_paths(tmp_ckpt):
+    from shardpoint.metadata import array_path_for
+    from shardpoint.verify import verify_checkpoint
+    state = {"Encoder": torch.ones(2), "encoder": torch.zeros(2), "con": torch.arange(3),
+             "x" * 300: torch.ones(1), "dot.": torch.ones(1)}
+    sp.save(state, tmp_ckpt)
+    m = sp.read_metadata(tmp_ckpt)
+    paths = [e.array for e in m.tensors.values()]
+    assert len({p.lower() for p in paths}) == len(paths)
+    assert m.tensors["Encoder"].array == "tensors/Encoder~1" == array_path_for("Encoder")
+    assert m.tensors["encoder"].array == "tensors/encoder"
+    for k in ("con", "x" * 300, "dot."):
+        assert m.tensors[k].array.startswith("tensors/~h/")
+    assert all(len(c) <= 255 for p in paths for c in p.split("/"))
+    got = sp.load(tmp_ckpt)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert verify_checkpoint(tmp_ckpt, strict=True).ok

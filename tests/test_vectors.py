@@ -37,7 +37,7 @@ def test_every_vector_reads_as_expected_both_ways():
 def test_required_cases_exist_and_cover_what_they_claim():
     valid = set(os.listdir(ROOT / "valid"))
     assert {"all_dtypes", "nested_tree", "multi_chunk", "empty_and_scalar",
-            "key_escaping"} <= valid
+            "key_escaping", "object_grid"} <= valid
     exp = json.loads((ROOT / "valid" / "all_dtypes" / "expected.json").read_text())
     assert {t["dtype"] for t in exp["tensors"].values()} == set(vectors._DTYPES)
     grid = json.loads((ROOT / "valid/multi_chunk/checkpoint/tensors/grid/zarr.json").read_text())
@@ -153,3 +153,22 @@ def test_subset_and_strict_loads_on_a_vector():
     rep = sp.LoadReport()
     sp.load(ck, {"nope": torch.empty(1)}, strict=False, report=rep)
     assert rep.missing_keys and "nope" in rep.missing_keys[0]
+
+
+def test_object_grid_vector_is_format_1_1_and_loads_cell_by_cell():
+    ck = str(ROOT / "valid" / "object_grid" / "checkpoint")
+    assert sp.read_metadata(ck).format_version == (1, 1)
+    for s in range(2):
+        for t in range(3):
+            got = sp.load(ck, {"rng": sp.ShardedObject(None, (s, t), (2, 3))})
+            assert got["rng"] == {"stage": s, "tp": t, "seed": 10 * s + t}
+    with pytest.raises(sp.LayoutMismatchError) as e:
+        sp.load(ck, {"rng": sp.ShardedObject(None, 0, 6)})
+    assert e.value.spec_id == "SP-OBJ-2" and "(2, 3)" in str(e.value) and "6" in str(e.value)
+    assert sp.load(ck)["rng"][1][2]["seed"] == 12
+
+
+def test_the_1_0_vectors_stay_1_0_checkpoints():
+    for case in ("all_dtypes", "nested_tree", "multi_chunk", "empty_and_scalar",
+                 "key_escaping"):
+        assert sp.read_metadata(str(ROOT / "valid" / case / "checkpoint")).format_version == (1, 0)

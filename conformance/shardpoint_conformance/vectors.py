@@ -76,7 +76,8 @@ def _obj_value(i: int) -> dict:
 
 
 def _cases() -> dict:
-    """Case name -> (state, save kwargs, manifest edit or None)."""
+    """Case name -> (state, save kwargs, manifest edit or None, format version). The 1.0
+    vectors stay 1.0 checkpoints, so every 1.x reader is tested on them ([SP-VER-4])."""
     import torch
     import shardpoint as sp
     from shardpoint import dtypes
@@ -122,22 +123,37 @@ def _cases() -> dict:
     keys = {"a/b c": torch.ones(2), "7": torch.zeros(1), 7: torch.full((1,), 7.0),
             "\u00fcn\u00ef": {"~x": torch.arange(3)}, "-3": {-3: torch.ones(1, dtype=torch.uint8)},
             "50%": torch.tensor([50], dtype=torch.int16), "..x": torch.tensor([True])}
+    def stage_by_tensor(m):
+        # Six ranks, one RNG state per (pipeline stage, tensor rank) on a 2 x 3 grid; a real
+        # 6-rank save writes this manifest (tests/test_object_grid.py saves such grids).
+        from shardpoint.model import ObjectValues
+        m.objects["rng"] = ObjectValues([{"stage": s, "tp": t, "seed": 10 * s + t}
+                                         for s in range(2) for t in range(3)], (2, 3))
+        m.objects["per_stage"] = ObjectValues([(s, "stage") for s in range(2)], (2,))
+        m.save_world_size = 6
+
+    grid = {"rng": sp.ShardedObject(None, (0, 0), (1, 1)),
+            "per_stage": sp.ShardedObject(None, 0, 1),
+            "w": _bits("float32", (2, 3), 300)}
+    v10, v11 = (1, 0), (1, 1)
     return {
-        "all_dtypes": (all_dtypes, {}, None),
-        "nested_tree": (nested, {}, three_ranks),
-        "multi_chunk": (multi, {"backend": backend, "options": multi_opts}, None),
-        "empty_and_scalar": (empty, {}, None),
-        "key_escaping": (keys, {}, None),
+        "all_dtypes": (all_dtypes, {}, None, v10),
+        "nested_tree": (nested, {}, three_ranks, v10),
+        "multi_chunk": (multi, {"backend": backend, "options": multi_opts}, None, v10),
+        "empty_and_scalar": (empty, {}, None, v10),
+        "key_escaping": (keys, {}, None, v10),
+        "object_grid": (grid, {}, stage_by_tensor, v11),
     }
 
 
-def _pin_manifest(path: str, edit=None) -> None:
+def _pin_manifest(path: str, edit=None, version=None) -> None:
     """Make the manifest reproducible: rewrite it through shardpoint.metadata's own
     decode/encode with ``writer`` and ``created_unix`` pinned (and ``edit`` applied)."""
     from shardpoint.metadata import decode_manifest, encode_manifest
     mpath = os.path.join(path, "manifest.msgpack")
     m = decode_manifest(open(mpath, "rb").read())
     m.writer, m.created_unix = PINNED_WRITER, PINNED_TIME
+    m.format_version = version or m.format_version
     if edit is not None:
         edit(m)
     with open(mpath, "wb") as f:
@@ -213,7 +229,7 @@ def _expected(path: str) -> dict:
             if not isinstance(obj, want):
                 raise AssertionError(f"{key}: loaded {type(obj).__name__}, not {want.__name__}")
             a = obj if isinstance(obj, np.ndarray) else dtypes.torch_to_numpy(obj.contiguous())
-            a = np.ascontiguousarray(a)
+            a = np.array(a, order="C")      # not ascontiguousarray: it makes 0-d arrays 1-d
             le = a.astype(a.dtype.newbyteorder("<"), copy=False)
             out["tensors"][key] = {"shape": list(a.shape), "dtype": dtypes.from_numpy(a.dtype).name,
                                    "sha256": hashlib.sha256(le.tobytes()).hexdigest()}
@@ -307,12 +323,12 @@ def generate(root: Optional[str] = None) -> list:
     import shardpoint as sp
     root = Path(root or DEFAULT_ROOT)
     made = []
-    for name, (state, kw, edit) in _cases().items():
+    for name, (state, kw, edit, version) in _cases().items():
         d = root / "valid" / name
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
         sp.save(state, str(d / "checkpoint"), **kw)
-        _pin_manifest(str(d / "checkpoint"), edit)
+        _pin_manifest(str(d / "checkpoint"), edit, version)
         (d / "expected.json").write_text(json.dumps(_expected(str(d / "checkpoint")),
                                                     indent=1, sort_keys=True) + "\n")
         made.append(str(d))
@@ -476,6 +492,14 @@ def _value_json(v):
     return v
 
 
+def _nest(flat: list, grid: list) -> list:
+    """Row-major values -> nested lists along the grid (format.md section 6)."""
+    if len(grid) == 1:
+        return flat
+    step = len(flat) // grid[0]
+    return [_nest(flat[i * step:(i + 1) * step], grid[1:]) for i in range(grid[0])]
+
+
 def _unpack(b: bytes):
     return msgpack.unpackb(b, raw=False, strict_map_key=False,
                            ext_hook=lambda code, data: msgpack.ExtType(code, data))
@@ -526,14 +550,20 @@ def read_independently(path: str) -> dict:
         _check_chunks(arr_dir, e, meta, key)
         t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": arr_dir + "/"},
                      "open": True, "fill_missing_data_reads": False}).result()
-        a = np.ascontiguousarray(t.read().result())
+        a = np.array(t.read().result(), order="C")   # keeps a 0-d array 0-d
         le = a.astype(a.dtype.newbyteorder("<"), copy=False)
         out["tensors"][key] = {"shape": list(a.shape), "dtype": e["dtype"],
                                "sha256": hashlib.sha256(le.tobytes()).hexdigest()}
     for key, o in body["objects"].items():
         if o["count"] != len(o["values"]) or o["count"] < 1:
             raise VectorError("SP-MAN-3", f"{key}: count {o['count']}")
-        out["objects"][key] = [_value_json(v) for v in o["values"]]
+        _must_understand(o, {"count", "values", "shape"}, key)
+        grid = o.get("shape", [o["count"]])
+        if not grid or any(not isinstance(n, int) or n < 1 for n in grid) or \
+                math.prod(grid) != o["count"]:
+            raise VectorError("SP-OBJ-4", f"{key}: grid shape {grid!r}")
+        flat = [_value_json(v) for v in o["values"]]
+        out["objects"][key] = _nest(flat, grid)
     seen = []
 
     def walk(node, path):

@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 from .api import LoadReport, SaveOptions, SaveResult, load, read_metadata, save
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, InvalidKeyError, InvalidShardingError,
-                     LayoutMismatchError, LoadFailedError, SaveFailedError, ShardpointError,
+                     LayoutMismatchError, LoadFailedError, ResourceLimitError, SaveFailedError,
+                     ShardpointError,
                      UnsupportedFormatError, UnsupportedValueError)
 from .manager import CheckpointManager
 from .metadata import FORMAT_VERSION, Manifest
@@ -25,5 +26,5 @@ __all__ = [
     "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
     "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
-    "LoadFailedError",
+    "LoadFailedError", "ResourceLimitError",
 ]

@@ -142,7 +142,7 @@ def _writer_rules(key: str, array: str) -> list:
             out.append(("SP-KEY-3", f"key {key!r} is not in canonical form"))
     except errors.InvalidKeyError as err:
         out.append((err.spec_id or "SP-KEY-3", str(err)))
-    if array != array_path_for(key):
+    if array not in (array_path_for(key), f"{TENSOR_DIR}/{key}"):   # 1.1 path, or 1.0's
         out.append(("SP-LAYOUT-2", f"tensor {key!r}: array path {array!r} is not "
                     f"{array_path_for(key)!r}"))
     return out
