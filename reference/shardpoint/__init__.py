@@ -17,11 +17,12 @@ from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptChec
                      UnsupportedFormatError, UnsupportedValueError)
 from .manager import CheckpointManager
 from .metadata import FORMAT_VERSION, Manifest
-from .model import ShardedObject, ShardedTensor
+from .model import ShardedObject, ShardedPieces, ShardedTensor
 from .planner import PlanOptions
 
 __all__ = [
-    "save", "load", "read_metadata", "CheckpointManager", "ShardedTensor", "ShardedObject", "SaveOptions",
+    "save", "load", "read_metadata", "CheckpointManager", "ShardedTensor", "ShardedPieces",
+    "ShardedObject", "SaveOptions",
     "SaveResult", "LoadReport", "PlanOptions", "Manifest", "FORMAT_VERSION", "ShardpointError",
     "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
