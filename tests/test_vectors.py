@@ -236,3 +236,19 @@ def test_appendix_bit_patterns_match_torch(dtype, value, hexbytes):
     assert f"`{hexbytes}`" in row
     t = torch.tensor([value], dtype=dtypes.from_name(dtype).torch)
     assert t.view(torch.uint8).numpy().tobytes() == bytes.fromhex(hexbytes)
+
+
+def test_array_faults_surface_only_when_read_manifest_faults_at_open():
+    # [SP-ERR-3]: a subset load that does not touch the damaged tensor succeeds ...
+    ck = str(ROOT / "invalid" / "missing_chunk" / "checkpoint")
+    small = torch.empty(5, 3, dtype=torch.uint16)
+    sp.load(ck, {"small": small})
+    ref = sp.load(str(ROOT / "valid" / "multi_chunk" / "checkpoint"), {"small": torch.empty(
+        5, 3, dtype=torch.uint16)})["small"]
+    assert torch.equal(small.view(torch.int16), ref.view(torch.int16))
+    with pytest.raises(sp.CorruptCheckpointError):
+        sp.load(ck, {"grid": torch.empty(37, 11)})
+    # ... while a manifest fault fails whatever the load asks for.
+    with pytest.raises(sp.UnsupportedFormatError) as e:
+        sp.load(str(ROOT / "invalid" / "unknown_dtype" / "checkpoint"), {"iteration": 0})
+    assert e.value.spec_id == "SP-DTYPE-1"
