@@ -452,6 +452,9 @@ def read_independently(path: str) -> dict:
         if any(p in (".", "..") or not _COMPONENT.match(p) for p in parts):
             raise VectorError("SP-SEC-1", f"{key}: unsafe array path {e['array']!r}")
         entries.append((key, e))
+    arrays = sorted(e["array"] + "/" for _, e in entries)
+    if any(b.startswith(a) for a, b in zip(arrays, arrays[1:])):
+        raise VectorError("SP-LAYOUT-2", "two tensors share an array, or one lies in another")
     for key, o in body["objects"].items():
         spec_check_key(key)
         if not (isinstance(o, dict) and type(o.get("count")) is int and o["count"] >= 1

@@ -240,6 +240,11 @@ INVALID = {
         "the first tensor entry (sorted by key) gets array \"../../outside\"",
         lambda p: rewrite_body(p, lambda b: b["tensors"][sorted(b["tensors"])[0]].update(
             array="../../outside"))),
+    "shared_array_path": Damage(
+        "nested_tree", "CorruptCheckpointError", "SP-LAYOUT-2",
+        "tensor entry \"np\" gets the array path of model/layers.0.weight",
+        lambda p: rewrite_body(p, lambda b: b["tensors"]["np"].update(
+            array=b["tensors"]["model/layers.0.weight"]["array"]))),
     "non_canonical_key": Damage(
         "key_escaping", "CorruptCheckpointError", "SP-KEY-3",
         "tensor key \"7\" renamed \"07\" in the tensors table and in its tree leaf",
