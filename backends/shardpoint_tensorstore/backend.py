@@ -23,7 +23,8 @@ from shardpoint.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                SaveFailedError)
 from shardpoint.storage import MANIFEST_NAME, ArraySpec
 
-from .zarr_checks import check_array_files, check_regular_file, check_zarr_json, read_zarr_json
+from .zarr_checks import (check_array_files, check_regular_file, check_zarr_json,
+                          chunk_file_sizes, read_zarr_json)
 
 _BYTES_CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 MAX_MANIFEST_BYTES = 1 << 30
@@ -205,13 +206,12 @@ class TensorStoreBackend:
     def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
                             key: str) -> Any:
         # The spec's own checks first: file kinds, size cap, codecs, fill value, key encoding.
-        try:
-            check_array_files(root, array_path, key)
-        except FileNotFoundError as e:
-            raise CorruptCheckpointError(f"tensor {key!r}: its array {array_path!r} is "
-                                         f"missing: {e}", spec_id="SP-ARRAY-1") from e
+        from shardpoint.dtypes import from_name
         meta = read_zarr_json(root, array_path, key)
         check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
+        if os.path.isdir(os.path.join(root, array_path)):
+            check_array_files(root, array_path, key,
+                              chunk_file_sizes(meta, from_name(spec.dtype).itemsize))
         s = self._tspec(root, array_path)
         # Revalidate cached metadata and data once, at open: a checkpoint replaced in place
         # (overwrite=True) must never be read through entries cached from the old one.

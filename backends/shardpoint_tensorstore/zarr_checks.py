@@ -46,9 +46,23 @@ def check_regular_file(root: str, rel: str, key: str) -> int:
     return st.st_size
 
 
-def check_array_files(root: str, array_path: str, key: str) -> None:
-    """Every entry under the array directory is a real directory or a regular file."""
-    check_regular_file(root, array_path + "/zarr.json", key)
+def chunk_file_sizes(meta: dict, itemsize: int) -> tuple:
+    """(exact size of a plain-chain chunk file or None, least size of a shard file)."""
+    import math
+    chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    codec = meta["codecs"][0]
+    if codec.get("name") != "sharding_indexed":
+        return math.prod(chunk) * itemsize + 4, 0
+    inner = codec["configuration"]["chunk_shape"]
+    return None, 16 * math.prod(c // i for c, i in zip(chunk, inner)) + 4
+
+
+def check_array_files(root: str, array_path: str, key: str, sizes: tuple = (None, 0)) -> None:
+    """Every entry under the array directory is a real directory or a regular file, and
+    every chunk file has a possible size ([SP-SEC-5], [SP-READ-5]); ``sizes`` comes from
+    :func:`chunk_file_sizes`."""
+    exact, least = sizes
+    chunks = os.path.join(root, array_path, "c")
     stack = [os.path.join(root, array_path)]
     while stack:
         with os.scandir(stack.pop()) as it:
@@ -60,6 +74,12 @@ def check_array_files(root: str, array_path: str, key: str) -> None:
                                    "SP-SEC-5")
                 if e.is_dir(follow_symlinks=False):
                     stack.append(e.path)
+                elif e.path == chunks or e.path.startswith(chunks + os.sep):
+                    n = e.stat(follow_symlinks=False).st_size
+                    if (exact is not None and n != exact) or n < least:
+                        raise _corrupt(key, f"chunk file {e.path!r} has {n} bytes, not "
+                                       f"{exact if exact is not None else f'>= {least}'} "
+                                       "(truncated or extra bytes)", "SP-READ-3")
 
 
 def read_zarr_json(root: str, array_path: str, key: str) -> dict:

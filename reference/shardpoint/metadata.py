@@ -247,9 +247,19 @@ def decode_manifest(data: bytes) -> Manifest:
                      ("save_world_size", (int,))):
         if f in m and (isinstance(m[f], bool) or not isinstance(m[f], types)):
             raise _bad(f"field {f!r} has the wrong type ({type(m[f]).__name__})", "SP-MAN-2")
+    _check_distinct_arrays(tensors)
     _check_tree(m["tree"], tensors, objects)
     return Manifest(m["tree"], tensors, objects, tuple(ver), m.get("writer", ""),
                     m.get("created_unix", 0.0), m.get("save_world_size", 1), exts)
+
+
+def _check_distinct_arrays(tensors: dict) -> None:
+    """No two tensors share an array, and none lies inside another's ([SP-LAYOUT-2])."""
+    paths = sorted((e.array + "/", k) for k, e in tensors.items())
+    for (a, ka), (b, kb) in zip(paths, paths[1:]):
+        if b.startswith(a):
+            raise _bad(f"tensors {ka!r} and {kb!r} have array paths {a[:-1]!r} and "
+                       f"{b[:-1]!r}: one array inside or equal to another", "SP-LAYOUT-2")
 
 
 def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:

@@ -142,7 +142,12 @@ def full_targets(m: Manifest) -> tuple:
     """Targets and tree for a load without ``like``: every tensor in full, on CPU."""
     targets: dict = {}
     for key, e in m.tensors.items():
-        t = torch.empty(e.shape, dtype=dtypes.from_name(e.dtype).torch)
+        try:
+            t = torch.empty(e.shape, dtype=dtypes.from_name(e.dtype).torch)
+        except (RuntimeError, MemoryError) as err:
+            raise errors.ResourceLimitError(
+                f"tensor {key!r} of shape {e.shape} ({e.nbytes} bytes) cannot be allocated "
+                f"here ({type(err).__name__}); load part of it with like=") from err
         targets[key] = Target(Holding(key, e.dtype, e.shape, (0,) * len(e.shape), e.shape,
                                        None, (0,)), t)
 
