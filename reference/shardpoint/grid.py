@@ -9,6 +9,8 @@ import itertools
 import math
 from collections import defaultdict
 
+import numpy as np
+
 from .coverage import box_intersection, regular_grid_of
 from .plans import PlanOptions
 
@@ -58,9 +60,20 @@ def _max_extent_grid(shape: tuple, boxes: list) -> tuple:
 
 
 def _held_bytes(shape, chunk, regions) -> tuple:
-    """(bytes to move, chunks) if each chunk is written by the rank holding most of it."""
-    # Approximation: a rank holds one region of a tensor, so "held by a rank" = "held by a
-    # region" (exact for the layouts planned in practice, and only used to rank candidates).
+    """(elements to move, elements held) if each chunk is written by the holder of most of it.
+
+    Approximation: a rank holds one region of a tensor, so "held by a rank" = "held by a
+    region" (exact for the layouts planned in practice, and only used to rank candidates).
+    """
+    pairs = 0
+    for boxes, _ in regions:
+        for off, shp in boxes:
+            n = 1
+            for o, s, c in zip(off, shp, chunk):
+                n *= (o + s - 1) // c - o // c + 1
+            pairs += n
+    if pairs > 64:
+        return _held_bytes_np(shape, chunk, regions)
     per_chunk: dict = defaultdict(lambda: defaultdict(int))
     for ri, (boxes, _holders) in enumerate(regions):
         for off, shp in boxes:
@@ -72,6 +85,42 @@ def _held_bytes(shape, chunk, regions) -> tuple:
         cbytes = math.prod(min(c, n - i * c) for i, c, n in zip(cidx, chunk, shape))
         moved += cbytes - max(d.values())
     return moved, total
+
+
+def _held_bytes_np(shape, chunk, regions) -> tuple:
+    """:func:`_held_bytes` with numpy: every (box, chunk) overlap at once, expanded one
+    dimension at a time, then per chunk the largest per-region sum."""
+    offs = np.array([o for bs, _ in regions for o, _ in bs], np.int64).reshape(-1, len(shape))
+    shps = np.array([s for bs, _ in regions for _, s in bs], np.int64).reshape(-1, len(shape))
+    reg = np.repeat(np.arange(len(regions)), [len(bs) for bs, _ in regions])
+    idx = np.arange(len(offs))
+    lin = np.zeros(len(offs), np.int64)
+    cnt = np.ones(len(offs), np.int64)
+    for d, (n, c) in enumerate(zip(shape, chunk)):
+        o, e = offs[:, d], offs[:, d] + shps[:, d]
+        lo = o // c
+        k = ((e - 1) // c - lo + 1)[idx]
+        rep = np.repeat(np.arange(len(idx)), k)
+        pos = np.arange(len(rep)) - np.repeat(np.cumsum(k) - k, k)
+        idx = idx[rep]
+        ci = lo[idx] + pos
+        ov = np.minimum(e[idx], (ci + 1) * c) - np.maximum(o[idx], ci * c)
+        lin = lin[rep] * (-(-n // c)) + ci
+        cnt = cnt[rep] * ov
+    key = lin * len(regions) + reg[idx]
+    u, inv = np.unique(key, return_inverse=True)
+    sums = np.bincount(inv.reshape(-1), weights=cnt)
+    cid = u // len(regions)
+    starts = np.flatnonzero(np.concatenate([[True], cid[1:] != cid[:-1]]))
+    best = np.maximum.reduceat(sums, starts)
+    cells = cid[starts]
+    ext = np.ones(len(cells), np.int64)
+    for d in range(len(shape) - 1, -1, -1):
+        nc = -(-shape[d] // chunk[d])
+        i = cells % nc
+        cells = cells // nc
+        ext *= np.minimum(chunk[d], shape[d] - i * chunk[d])
+    return int(ext.sum() - best.sum()), int(cnt.sum())
 
 
 def _chunks_overlapping(shape, chunk, off, shp):
