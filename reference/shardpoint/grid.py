@@ -152,6 +152,54 @@ def pieces_by_chunk(shape: tuple, chunk: tuple, piece_lists: list) -> dict:
     return per_chunk
 
 
+def chunk_parts(shape: tuple, chunk: tuple, piece_lists: list) -> list:
+    """Every chunk some piece touches, in chunk order, as ``(chunk offset, chunk shape,
+    [(list index, piece index, box offset, box shape, elements)])``: the pieces' overlaps with
+    the chunk, in piece order. :func:`pieces_by_chunk` with numpy, for tensors of many
+    pieces and chunks."""
+    if not shape:
+        return [((), (), [(li, pi, (), (), 1) for li, ps in enumerate(piece_lists)
+                          for pi, _ in enumerate(ps)])]
+    nd = len(shape)
+    flat = [(li, pi, p) for li, ps in enumerate(piece_lists) for pi, p in enumerate(ps)]
+    if not flat:
+        return []
+    offs = np.array([p.offset for _, _, p in flat], np.int64).reshape(-1, nd)
+    ends = offs + np.array([p.shape for _, _, p in flat], np.int64).reshape(-1, nd)
+    idx = np.arange(len(flat))
+    lin = np.zeros(len(flat), np.int64)
+    los, his = [], []
+    for d, (n, c) in enumerate(zip(shape, chunk)):
+        o, e = offs[:, d], ends[:, d]
+        k = ((e - 1) // c - o // c + 1)[idx]
+        rep = np.repeat(np.arange(len(idx)), k)
+        pos = np.arange(len(rep)) - np.repeat(np.cumsum(k) - k, k)
+        idx = idx[rep]
+        ci = o[idx] // c + pos
+        los = [x[rep] for x in los] + [np.maximum(o[idx], ci * c)]
+        his = [x[rep] for x in his] + [np.minimum(e[idx], (ci + 1) * c)]
+        lin = lin[rep] * (-(-n // c)) + ci
+    order = np.argsort(lin, kind="stable")
+    lin_s = lin[order].tolist()
+    src = idx[order].tolist()
+    lo = np.stack([x[order] for x in los], 1)
+    ext = np.stack([h[order] for h in his], 1) - lo
+    cnt = np.prod(ext, axis=1).tolist()
+    lo_l, ext_l = lo.tolist(), ext.tolist()
+    out: list = []
+    prev = -1
+    parts: list = []
+    for t, cl in enumerate(lin_s):
+        if cl != prev:
+            prev = cl
+            coff = tuple(a // c * c for a, c in zip(lo_l[t], chunk))
+            parts = []
+            out.append((coff, tuple(min(c, n - o) for c, n, o in zip(chunk, shape, coff)), parts))
+        li, pi, _ = flat[src[t]]
+        parts.append((li, pi, tuple(lo_l[t]), tuple(ext_l[t]), cnt[t]))
+    return out
+
+
 def plan_chunk_grid(shape: tuple, itemsize: int, regions: list, blocks: list,
                     opts: PlanOptions) -> tuple:
     """Choose a regular chunk grid for a tensor ([SP-GRID-1]): the saving layout itself when
@@ -185,13 +233,18 @@ def plan_chunk_grid(shape: tuple, itemsize: int, regions: list, blocks: list,
                     slab[d] = -(-slab[d] // k)
                     break
             cands.add(_split_large(shape, tuple(slab), itemsize, opts.max_chunk_bytes))
-    best, best_cost = None, None
-    for c in sorted(cands):
-        n = _grid_chunks(shape, c)
+    # The cheapest candidate wins, the first in sorted order among equals. Candidates are
+    # visited coarsest first, so one whose chunk overhead alone exceeds the best cost so far
+    # is skipped without counting the bytes it would move.
+    best, best_key = None, None
+    ranked = sorted((_grid_chunks(shape, c), i, c) for i, c in enumerate(sorted(cands)))
+    for n, i, c in ranked:
         if n > 4 * len(boxes) + 64 and c != aligned:
             continue  # finer than the layout itself: many tiny chunks
+        if best_key is not None and n * opts.chunk_overhead_bytes > best_key[0]:
+            continue
         moved, _ = _held_bytes(shape, c, regions)
-        cost = moved * itemsize + n * opts.chunk_overhead_bytes
-        if best_cost is None or cost < best_cost:
-            best, best_cost = c, cost
+        key = (moved * itemsize + n * opts.chunk_overhead_bytes, i)
+        if best_key is None or key < best_key:
+            best, best_key = c, key
     return best

@@ -15,13 +15,11 @@ from bisect import bisect_left
 from collections import defaultdict
 from typing import Any, NamedTuple, Sequence
 
-import numpy as np
-
 from . import dtypes
-from .columns import Gathered, Regions, as_columns
+from .columns import Gathered, Regions, as_columns, gc_paused
 from .coverage import check_exact_cover
 from .errors import InvalidShardingError
-from .grid import pieces_by_chunk, plan_chunk_grid
+from .grid import chunk_parts, plan_chunk_grid
 from .load_planner import check_request, plan_load
 from .model import Holding, holding_pieces
 from .plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork, RankSaveWork, ReadOp,
@@ -88,12 +86,8 @@ def _plan_pattern(key: str, dtype: str, shape: tuple, itemsize: int, regions: li
     chunk = plan_chunk_grid(shape, itemsize, grid_regions, blocks, opts)
     chunks = []
     if math.prod(shape):
-        per_chunk = pieces_by_chunk(shape, chunk, pieces)
-        for cidx in sorted(per_chunk):
-            coff = tuple(i * c for i, c in zip(cidx, chunk))
-            cshp = tuple(min(c, n - o) for c, n, o in zip(chunk, shape, coff))
-            parts = [(ri, pi, bo, bs, math.prod(bs)) for ri, pi, (bo, bs) in per_chunk[cidx]]
-            chunks.append((coff, cshp, math.prod(cshp) * itemsize, parts))
+        chunks = [(coff, cshp, math.prod(cshp) * itemsize, parts)
+                  for coff, cshp, parts in chunk_parts(shape, chunk, pieces)]
     return _Pattern(chunk, chunks)
 
 
@@ -105,6 +99,11 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
     chunk the least loaded holder writes (ties to the lowest rank), so the plan is
     deterministic and bytes are balanced across replicas ([SP-REPL-2], [SP-GRID-1]).
     """
+    with gc_paused():
+        return _plan_save(local_plans, opts)
+
+
+def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
     local_plans = sorted(local_plans, key=lambda lp: lp.rank)
     world = len(local_plans)
     tree = local_plans[0].tree
@@ -119,8 +118,8 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
     regions = Regions(gathered)
 
     ranks = [RankSaveWork() for _ in range(world)]
-    assigned = np.zeros(world, np.int64)    # bytes each rank writes
-    sent = np.zeros(world, np.int64)
+    assigned = [0] * world    # bytes each rank writes
+    sent = [0] * world
     tensors: dict = {}
     transfers: list = []
     moved_bytes = 0
@@ -144,15 +143,18 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
         if not math.prod(shape):
             ranks[gathered.first_rank[k]].create.append(key)
             continue
-        hold = [regions.holder_lists(gi) for gi in gis]   # (ranks, hidx, ranks array)
+        hold = [regions.holder_lists(gi) for gi in gis]   # (ranks ascending, hidx)
         for coff, cshp, cbytes, parts in pat.chunks:
             if len(parts) == 1:
                 # One region covers the chunk: its holders tie; the least loaded one writes
-                # (holders are in rank order and argmin takes the first: ties to lowest rank).
+                # (min keeps the first of equals, and holders are in rank order).
                 ri, pi, bo, bs, _n = parts[0]
-                hl, hh, ha = hold[ri]
-                j = 0 if len(hl) == 1 else int(np.argmin(assigned[ha]))
-                writer = hl[j]
+                hl, hh = hold[ri]
+                if len(hl) == 1:
+                    writer, j = hl[0], 0
+                else:
+                    writer = min(hl, key=assigned.__getitem__)
+                    j = bisect_left(hl, writer)
                 assigned[writer] += cbytes
                 ranks[writer].writes.append(
                     ChunkWrite(key, coff, cshp, (hh[j], pi)) if bs == cshp else
@@ -170,12 +172,12 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
             cw = ChunkWrite(key, coff, cshp)
             widx = len(work.writes)
             for ri, pi, bo, bs, n in parts:
-                hl, hh, ha = hold[ri]
+                hl, hh = hold[ri]
                 j = bisect_left(hl, writer)
                 if j < len(hl) and hl[j] == writer:
                     cw.local.append((hh[j], pi, bo, bs))
                     continue
-                j = 0 if len(hl) == 1 else int(np.argmin(sent[ha]))
+                j = 0 if len(hl) == 1 else bisect_left(hl, min(hl, key=sent.__getitem__))
                 nb = n * itemsize
                 sent[hl[j]] += nb
                 moved_bytes += nb
@@ -187,7 +189,7 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
         ranks[t.dst].recvs.append(t)
     objects = plan_objects(local_plans)
     stats = {"world_size": world, "tensors": len(tensors), "unique_bytes": unique_bytes,
-             "exchange_bytes": moved_bytes, "bytes_per_rank_max": int(assigned.max(initial=0)),
+             "exchange_bytes": moved_bytes, "bytes_per_rank_max": max(assigned, default=0),
              "chunks": sum(len(w.writes) for w in ranks)}
     return SavePlan(tree, tensors, objects, ranks, stats)
 
