@@ -140,10 +140,13 @@ class Gathered:
     ``keys[k] = (key, dtype, global_shape)`` for ``k`` in ``gk``; per row ``rank`` and ``hidx``
     (the holding's index on its rank), ``fs``/``fe``, ``off[d]``, ``shp[d]``, ``rep[j]``.
     Raises [SP-COVER-4] when ranks disagree on a tensor's global shape or dtype (checked once
-    per distinct key table, so replicated structure is checked once).
+    per distinct key table, so replicated structure is checked once); with ``agree=False``
+    each distinct ``(key, dtype, global_shape)`` gets its own id instead (load requests,
+    checked against the stored layout by the caller).
     """
 
-    def __init__(self, ranks: Sequence[int], cols: Sequence[HoldingColumns]):
+    def __init__(self, ranks: Sequence[int], cols: Sequence[HoldingColumns],
+                 agree: bool = True):
         keys: list = []
         kid: dict = {}           # key -> global id
         first_rank: list = []
@@ -155,9 +158,9 @@ class Gathered:
             if m is None:
                 m = np.empty(len(c.table), np.int64)
                 for i, t in enumerate(c.table):
-                    k = kid.get(t[0])
+                    k = kid.get(t[0] if agree else t)
                     if k is None:
-                        kid[t[0]] = k = len(keys)
+                        kid[t[0] if agree else t] = k = len(keys)
                         keys.append(t)
                         first_rank.append(r)
                     elif keys[k] != t:
@@ -202,10 +205,11 @@ class Regions:
     ``region[g] = (gk, offset, shape, flat)`` (``offset``/``shape`` cut to the tensor's rank);
     ``holders(g)`` gives the ranks (ascending) and holding indices of region ``g``; ``by_key``
     maps a global key id to its regions in a canonical (sorted) order. Raises [SP-REPL-2] when
-    two holdings of a region are both the main replica (all-zero replica id).
+    two holdings of a region are both the main replica (all-zero replica id), unless
+    ``check_replicas`` is off (load requests carry no replica ids that matter).
     """
 
-    def __init__(self, g: Gathered):
+    def __init__(self, g: Gathered, check_replicas: bool = True):
         fs, fe = g.fs, g.fe
         size = np.ones(g.n, np.int64)
         for s in g.shp:
@@ -236,6 +240,8 @@ class Regions:
         for gi in sorted(range(len(reps)), key=reps.__getitem__):
             by_key.setdefault(self.region[gi][0], []).append(gi)
         self.by_key = by_key
+        if not check_replicas:
+            return
         rep = [pick(c) for c in g.rep]
         main = np.ones(len(cols[0]), bool)
         for c in rep:
