@@ -11,7 +11,8 @@ from __future__ import annotations
 import gc
 import zlib
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from operator import itemgetter
+from typing import Callable, Iterator, Optional, Sequence
 
 import msgpack
 import numpy as np
@@ -59,6 +60,12 @@ class HoldingColumns(Sequence):
         if self._table is None:
             self._table = decode_table(self.table_bytes)
         return self._table
+
+    def raw_table(self) -> list:
+        """The table as ``[[key, dtype, [global shape]]]`` (wire form, no conversion)."""
+        if self.table_bytes is not None:
+            return msgpack.unpackb(zlib.decompress(self.table_bytes))
+        return [[k, d, list(g)] for k, d, g in self.table]
 
     def __len__(self) -> int:
         return len(self.cols[0])
@@ -134,20 +141,27 @@ def as_columns(hs: Sequence[Holding]) -> HoldingColumns:
     return hs if isinstance(hs, HoldingColumns) else HoldingColumns.from_holdings(hs)
 
 
+def _disagree(e0: tuple, e: tuple, r0: int, r: int) -> None:
+    raise InvalidShardingError(
+        f"tensor {e[0]!r}: ranks disagree on global shape/dtype: rank {r0} has {e0[2]} "
+        f"{e0[1]}, rank {r} has {e[2]} {e[1]}", spec_id="SP-COVER-4")
+
+
 class Gathered:
     """Every rank's holdings as one set of int64 columns, keyed by global tensor ids.
 
     ``keys[k] = (key, dtype, global_shape)`` for ``k`` in ``gk``; per row ``rank`` and ``hidx``
     (the holding's index on its rank), ``fs``/``fe``, ``off[d]``, ``shp[d]``, ``rep[j]``.
     Raises [SP-COVER-4] when ranks disagree on a tensor's global shape or dtype (checked once
-    per distinct key table, so replicated structure is checked once); with ``agree=False``
-    each distinct ``(key, dtype, global_shape)`` gets its own id instead (load requests,
-    checked against the stored layout by the caller).
+    per distinct key table, so replicated structure is checked once); a caller may pass its
+    own ``disagree(first entry, entry, first rank, rank)`` to raise another error.
     """
 
     def __init__(self, ranks: Sequence[int], cols: Sequence[HoldingColumns],
-                 agree: bool = True):
-        keys: list = []
+                 disagree: Optional[Callable] = None):
+        disagree = disagree or _disagree
+        keys: list = []          # [(key, dtype, global shape)] by global id
+        raw: list = []           # the same entries in wire form, for cheap comparison
         kid: dict = {}           # key -> global id
         first_rank: list = []
         table_cache: dict = {}   # table bytes -> global ids of its rows
@@ -156,20 +170,23 @@ class Gathered:
             tb = c.table_bytes
             m = table_cache.get(tb) if tb is not None else None
             if m is None:
-                m = np.empty(len(c.table), np.int64)
-                for i, t in enumerate(c.table):
-                    k = kid.get(t[0] if agree else t)
-                    if k is None:
-                        kid[t[0] if agree else t] = k = len(keys)
-                        keys.append(t)
-                        first_rank.append(r)
-                    elif keys[k] != t:
-                        k0 = keys[k]
-                        raise InvalidShardingError(
-                            f"tensor {t[0]!r}: ranks disagree on global shape/dtype: rank "
-                            f"{first_rank[k]} has {k0[2]} {k0[1]}, rank {r} has {t[2]} {t[1]}",
-                            spec_id="SP-COVER-4")
-                    m[i] = k
+                entries = c.raw_table()
+                ids = list(map(kid.get, map(itemgetter(0), entries)))
+                for i, k in enumerate(ids):
+                    if k is None:   # a key seen for the first time (or twice in this table)
+                        e = entries[i]
+                        k = kid.get(e[0])
+                        if k is None:
+                            kid[e[0]] = k = len(keys)
+                            keys.append((e[0], e[1], tuple(e[2])))
+                            raw.append(e)
+                            first_rank.append(r)
+                        ids[i] = k
+                if list(map(raw.__getitem__, ids)) != entries:
+                    i = next(i for i, k in enumerate(ids) if raw[k] != entries[i])
+                    k0, e = keys[ids[i]], entries[i]
+                    disagree(k0, (e[0], e[1], tuple(e[2])), first_rank[ids[i]], r)
+                m = np.array(ids, np.int64)
                 if tb is not None:
                     table_cache[tb] = m
             maps.append(m)
@@ -295,11 +312,9 @@ def _group_rows(cols: list) -> tuple:
     hs = h[order]
     brk = np.flatnonzero(hs[1:] != hs[:-1]) + 1
     starts = np.concatenate([[0], brk, [n]])
-    gid = np.zeros(n, np.int64)
-    gid[brk] = 1
-    gid = np.cumsum(gid)
-    first = order[starts[:-1]][gid]
-    if all(np.array_equal(c[order], c[first]) for c in cols):
+    inner = np.ones(n - 1, bool)     # neighbours in sorted order that share a bucket
+    inner[brk - 1] = False
+    if not any(np.any((cs[1:] != cs[:-1]) & inner) for cs in (c[order] for c in cols)):
         return order, starts
     order = np.lexsort(cols[::-1])
     same = np.ones(n - 1, bool)

@@ -10,9 +10,12 @@ the plan itself.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from functools import partial
 from itertools import repeat
 from typing import Sequence
+
+import numpy as np
 
 from . import dtypes
 from .columns import Gathered, Regions, as_columns, gc_paused
@@ -44,12 +47,18 @@ def _plan_load(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:
     world = len(requests)
     out = [RankLoadWork() for _ in range(world)]
     read_bytes = [0] * world
-    gathered = Gathered(range(world), [as_columns(rq) for rq in requests], agree=False)
-    regions = Regions(gathered, check_replicas=False)
+    def check(e0: tuple, e: tuple, _r0: int, _r: int) -> None:
+        for key, dtype, shape in (e0, e):
+            check_request(Holding(key, dtype, shape, (), (), None, (0,)), layouts[key])
+
+    gathered = Gathered(range(world), [as_columns(rq) for rq in requests], check)
     entries = gathered.keys
-    for k, (key, dtype, shape) in enumerate(entries):
-        check_request(Holding(key, dtype, shape, (), (), None, (0,)), layouts[key])
+    for e in entries:
+        check(e, e, 0, 0)
+    regions = Regions(gathered, check_replicas=False)
     patterns: dict = {}
+    recvs: list = []        # every transfer, in plan order
+    recv_dst: list = []     # its destination
     for k in sorted(range(len(entries)), key=lambda i: entries[i][0]):
         key, dtype, shape = entries[k]
         lay = layouts[key]
@@ -63,6 +72,7 @@ def _plan_load(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:
                       for o, s, f in regs]
             chunks = patterns[pkey] = chunk_parts(shape, chunk, pieces)
         need = [regions.holder_lists(gi) for gi in gis]    # (ranks ascending, requests)
+        refs: dict = {}
         for coff, cshp, parts in chunks:
             if len(parts) == 1:
                 ri, pi, lo, rshape, n = parts[0]
@@ -90,20 +100,27 @@ def _plan_load(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:
                 continue
             for ri, pi, bo, bs, _n in parts:
                 rl, ql = need[ri]
-                if len(rl) == 1:
-                    if rl[0] == reader:
-                        op.local.append((ql[0], pi, bo, bs))
-                    else:
-                        t = _transfer((reader, rl[0], key, bo, bs, src_ref, (ql[0], pi)))
-                        work.sends.append(t)
-                        out[rl[0]].recvs.append(t)
-                    continue
-                op.local.extend((q, pi, bo, bs) for r, q in zip(rl, ql) if r == reader)
+                j0, j1 = bisect_left(rl, reader), bisect_right(rl, reader)
+                if j1 > j0:
+                    op.local.extend((q, pi, bo, bs) for q in ql[j0:j1])
+                    if len(rl) == j1 - j0:
+                        continue
+                    rl, ql = rl[:j0] + rl[j1:], ql[:j0] + ql[j1:]
+                # (request, piece) refs repeat across ranks of one layout: share them, so a
+                # million transfers do not bring a million more objects for the GC to scan.
+                drefs = map(refs.setdefault, zip(ql, repeat(pi)), zip(ql, repeat(pi)))
                 ts = list(map(_transfer, zip(repeat(reader), rl, repeat(key), repeat(bo),
-                                             repeat(bs), repeat(src_ref),
-                                             zip(ql, repeat(pi)))))
-                for t in ts:
-                    if t.dst != reader:
-                        work.sends.append(t)
-                        out[t.dst].recvs.append(t)
+                                             repeat(bs), repeat(src_ref), drefs)))
+                work.sends.extend(ts)
+                recvs.extend(ts)
+                recv_dst.extend(rl)
+    # Each rank receives in plan order: one stable sort by destination instead of an append
+    # per transfer.
+    order = np.argsort(np.array(recv_dst, np.int64), kind="stable").tolist()
+    ordered = list(map(recvs.__getitem__, order))
+    counts = np.bincount(np.array(recv_dst, np.int64), minlength=world).tolist()
+    pos = 0
+    for w, c in zip(out, counts):
+        w.recvs = ordered[pos:pos + c]
+        pos += c
     return out
