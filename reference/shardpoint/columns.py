@@ -242,6 +242,7 @@ class Regions:
         order, starts = _group_rows(cols)
         first = order[starts[:-1]]
         self.start = starts
+        self._rank_l = self._hidx_l = None
         self.start_l = starts.tolist()
         self.hold_rank = pick(g.rank)[order]
         self.hold_hidx = pick(g.hidx)[order]
@@ -287,8 +288,10 @@ class Regions:
 
     def holder_lists(self, gi: int) -> tuple:
         """(ranks, holding indices) of region ``gi`` as lists."""
+        if self._rank_l is None:
+            self._rank_l, self._hidx_l = self.hold_rank.tolist(), self.hold_hidx.tolist()
         a, b = self.start_l[gi], self.start_l[gi + 1]
-        return self.hold_rank[a:b].tolist(), self.hold_hidx[a:b].tolist()
+        return self._rank_l[a:b], self._hidx_l[a:b]
 
 
 _MIX = np.uint64(0xBF58476D1CE4E5B9)

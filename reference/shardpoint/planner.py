@@ -210,12 +210,14 @@ def plan_objects(local_plans: Sequence[LocalPlan]) -> dict:
         chosen: dict = {}
         seen: dict = {}
         for r, i, _, rep, v in sorted(entries, key=lambda e: (e[1], e[3], e[0])):
-            if (i, rep) in seen:
-                raise InvalidShardingError(f"sharded object {key!r}: ranks {seen[(i, rep)]} "
-                                           f"and {r} both hold index {i} with replica_id "
-                                           f"{rep}", spec_id="SP-REPL-2")
-            seen[(i, rep)] = r
-            chosen.setdefault(i, v)
+            if not any(rep):   # the main replica; non-main ones may share an id ([SP-REPL-2])
+                if i in seen:
+                    raise InvalidShardingError(
+                        f"sharded object {key!r}: ranks {seen[i]} and {r} both hold index {i} "
+                        f"as the main replica (replica_id {rep}); give every other holder a "
+                        "non-zero replica_id", spec_id="SP-REPL-2")
+                seen[i] = r
+            chosen.setdefault(i, v)   # the main replica's value when there is one
         missing = [i for i in range(count) if i not in chosen]
         if missing:
             raise InvalidShardingError(f"sharded object {key!r}: no rank holds index(es) "
