@@ -239,7 +239,7 @@ class Regions:
 
         cols = [pick(g.gk)] + [pick(c) for c in g.off] + [pick(c) for c in g.shp] + \
             [pick(fs), pick(fe)]
-        order, starts = _group_rows(cols)
+        order, starts = group_rows(cols)
         first = order[starts[:-1]]
         self.start = starts
         self._rank_l = self._hidx_l = None
@@ -297,7 +297,7 @@ class Regions:
 _MIX = np.uint64(0xBF58476D1CE4E5B9)
 
 
-def _group_rows(cols: list) -> tuple:
+def group_rows(cols: list) -> tuple:
     """Group equal rows of the columns ``cols``: ``(order, starts)`` such that
     ``order[starts[i]:starts[i + 1]]`` are the rows of group ``i`` in their original order.
     Exact: rows are bucketed by a 64-bit hash, then checked against the bucket's first row
