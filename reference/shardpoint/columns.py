@@ -219,9 +219,10 @@ class Gathered:
 class Regions:
     """The distinct non-empty regions of every tensor and who holds each.
 
-    ``region[g] = (gk, offset, shape, flat)`` (``offset``/``shape`` cut to the tensor's rank);
+    ``region(g) = (gk, offset, shape, flat)`` (``offset``/``shape`` cut to the tensor's rank);
     ``holders(g)`` gives the ranks (ascending) and holding indices of region ``g``; ``by_key``
-    maps a global key id to its regions in a canonical (sorted) order. Raises [SP-REPL-2] when
+    maps a global key id to its regions in a canonical (sorted) order and a signature (bytes)
+    equal for keys with equal regions. Raises [SP-REPL-2] when
     two holdings of a region are both the main replica (all-zero replica id), unless
     ``check_replicas`` is off (load requests carry no replica ids that matter).
     """
@@ -246,18 +247,21 @@ class Regions:
         self.start_l = starts.tolist()
         self.hold_rank = pick(g.rank)[order]
         self.hold_hidx = pick(g.hidx)[order]
-        D = len(g.off)
-        reps = np.column_stack([c[first] for c in cols]).tolist() if len(first) else []
-        self.region = []
-        for row in reps:
-            k = row[0]
-            nd = len(g.keys[k][2])
-            f = None if row[1 + 2 * D] < 0 else (row[1 + 2 * D], row[2 + 2 * D])
-            self.region.append((k, tuple(row[1:1 + nd]), tuple(row[1 + D:1 + D + nd]), f))
-        by_key: dict = {}
-        for gi in sorted(range(len(reps)), key=reps.__getitem__):
-            by_key.setdefault(self.region[gi][0], []).append(gi)
-        self.by_key = by_key
+        self._keys, self._D = g.keys, len(g.off)
+        rows = np.column_stack([c[first] for c in cols]) if len(first) else \
+            np.zeros((0, len(cols)), np.int64)
+        self._rows = rows
+        # regions of each key in canonical (lexicographic) order, and a signature of them
+        # (their rows' bytes): tensors with equal shape and signature share a plan pattern
+        canon = np.lexsort(rows.T[::-1]) if len(rows) else np.zeros(0, np.int64)
+        ks = rows[canon, 0]
+        cut = np.flatnonzero(ks[1:] != ks[:-1]) + 1
+        bounds = [0] + cut.tolist() + [len(canon)]
+        canon_l = canon.tolist()
+        self.by_key = {}
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                self.by_key[int(ks[a])] = (canon_l[a:b], rows[canon[a:b], 1:].tobytes())
         if not check_replicas:
             return
         rep = [pick(c) for c in g.rep]
@@ -269,11 +273,11 @@ class Regions:
             np.zeros(0, np.int64)
         dup = np.flatnonzero(nmain > 1)
         if len(dup):
-            gi = min(dup.tolist(), key=lambda i: (g.keys[reps[i][0]][0], reps[i]))
+            gi = min(dup.tolist(), key=lambda i: (g.keys[rows[i, 0]][0], rows[i].tolist()))
             rows = order[starts[gi]:starts[gi + 1]]
             rows = rows[main[rows]]
             mains = [(int(pick(g.rank)[j]), tuple(int(c[j]) for c in rep)) for j in rows]
-            k, o, s, f = self.region[gi]
+            k, o, s, f = self.region(gi)
             who = ", ".join(f"rank {r}" for r, _ in mains[:4]) + \
                 (f" and {len(mains) - 4} more" if len(mains) > 4 else "")
             raise InvalidShardingError(
@@ -281,6 +285,13 @@ class Regions:
                 (f" range {f}" if f else "") + " as the main replica (all-zero replica_id); "
                 "a region has at most one main replica: give the other holders a non-zero "
                 "replica_id (they may share one)", spec_id="SP-REPL-2")
+
+    def region(self, gi: int) -> tuple:
+        """Region ``gi`` as ``(key id, offset, shape, flat or None)``."""
+        row, D = self._rows[gi].tolist(), self._D
+        nd = len(self._keys[row[0]][2])
+        f = None if row[1 + 2 * D] < 0 else (row[1 + 2 * D], row[2 + 2 * D])
+        return row[0], tuple(row[1:1 + nd]), tuple(row[1 + D:1 + D + nd]), f
 
     def holders(self, gi: int) -> tuple:
         a, b = self.start[gi], self.start[gi + 1]

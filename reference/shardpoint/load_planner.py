@@ -63,11 +63,11 @@ def _plan_load(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:
         key, dtype, shape = entries[k]
         lay = layouts[key]
         chunk, itemsize = lay.chunk_shape, dtypes.from_name(lay.dtype).itemsize
-        gis = regions.by_key.get(k, [])
-        regs = tuple(regions.region[gi][1:] for gi in gis)
-        pkey = (shape, chunk, regs)
+        gis, sig = regions.by_key.get(k, ([], b""))
+        pkey = (shape, chunk, sig)
         chunks = patterns.get(pkey)
         if chunks is None:
+            regs = [regions.region(gi)[1:] for gi in gis]
             pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,)))
                       for o, s, f in regs]
             chunks = patterns[pkey] = chunk_parts(shape, chunk, pieces)

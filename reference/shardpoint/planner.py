@@ -130,11 +130,11 @@ def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
     for k in sorted(range(len(keys)), key=lambda i: keys[i][0]):
         key, dtype, shape = keys[k]
         itemsize = dtypes.from_name(dtype).itemsize
-        gis = regions.by_key.get(k, [])
-        regs = [regions.region[gi][1:] for gi in gis]
-        pkey = (shape, itemsize, tuple(regs))
+        gis, sig = regions.by_key.get(k, ([], b""))
+        pkey = (shape, itemsize, sig)
         pat = patterns.get(pkey)
         if pat is None:
+            regs = [regions.region(gi)[1:] for gi in gis]
             pat = patterns[pkey] = _plan_pattern(
                 key, dtype, shape, itemsize, regs,
                 lambda ri: regions.holders(gis[ri])[0].tolist(), opts)
