@@ -93,7 +93,9 @@ def test_numpy_chunk_geometry_matches_the_plain_loops():
         moved = sum(math.prod(min(c, m - i * c) for i, c, m in zip(cidx, chunk, shape)) -
                     max(d.values()) for cidx, d in per.items())
         held = sum(sum(d.values()) for d in per.values())
-        assert grid._held_bytes_np(shape, chunk, regions) == (moved, held)
+        chunk2 = tuple(rng.randint(1, x) for x in shape)
+        assert grid._moved_many(shape, [chunk, chunk2], regions)[0] == moved
+        assert held == math.prod(shape)
         old = grid.pieces_by_chunk(shape, chunk, pieces)
         new = grid.chunk_parts(shape, chunk, pieces)
         assert [c[0] for c in new] == [tuple(i * c for i, c in zip(cidx, chunk))

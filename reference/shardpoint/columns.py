@@ -202,7 +202,7 @@ class Gathered:
         def column(j_of, fill):
             parts = [c.cols[j_of(c)] if j_of(c) is not None else np.full(len(c), fill)
                      for c in cols]
-            return np.concatenate(parts).astype(np.int64, copy=False) if parts else \
+            return np.concatenate(parts, dtype=np.int64, casting="safe") if parts else \
                 np.zeros(0, np.int64)
 
         self.gk = np.concatenate([m[c.cols[0]] for m, c in zip(maps, cols)]) if cols else \

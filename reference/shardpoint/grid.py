@@ -59,68 +59,49 @@ def _max_extent_grid(shape: tuple, boxes: list) -> tuple:
     return tuple(max([s[d] for _, s in boxes] or [n]) or 1 for d, n in enumerate(shape))
 
 
-def _held_bytes(shape, chunk, regions) -> tuple:
-    """(elements to move, elements held) if each chunk is written by the holder of most of it.
+def _moved_many(shape: tuple, cands: list, regions: list) -> list:
+    """Elements each candidate grid would move if each chunk were written by the region
+    holding most of it, for all candidates at once: every (candidate, box, chunk) overlap
+    expanded one dimension at a time, then per chunk the largest per-region sum.
 
     Approximation: a rank holds one region of a tensor, so "held by a rank" = "held by a
     region" (exact for the layouts planned in practice, and only used to rank candidates).
     """
-    pairs = 0
-    for boxes, _ in regions:
-        for off, shp in boxes:
-            n = 1
-            for o, s, c in zip(off, shp, chunk):
-                n *= (o + s - 1) // c - o // c + 1
-            pairs += n
-    if pairs > 64:
-        return _held_bytes_np(shape, chunk, regions)
-    per_chunk: dict = defaultdict(lambda: defaultdict(int))
-    for ri, (boxes, _holders) in enumerate(regions):
-        for off, shp in boxes:
-            for cidx, n in _chunks_overlapping(shape, chunk, off, shp):
-                per_chunk[cidx][ri] += n
-    total = sum(sum(n for n in d.values()) for d in per_chunk.values())
-    moved = 0
-    for cidx, d in per_chunk.items():
-        cbytes = math.prod(min(c, n - i * c) for i, c, n in zip(cidx, chunk, shape))
-        moved += cbytes - max(d.values())
-    return moved, total
-
-
-def _held_bytes_np(shape, chunk, regions) -> tuple:
-    """:func:`_held_bytes` with numpy: every (box, chunk) overlap at once, expanded one
-    dimension at a time, then per chunk the largest per-region sum."""
-    offs = np.array([o for bs, _ in regions for o, _ in bs], np.int64).reshape(-1, len(shape))
-    shps = np.array([s for bs, _ in regions for _, s in bs], np.int64).reshape(-1, len(shape))
+    nd = len(shape)
+    offs = np.array([o for bs, _ in regions for o, _ in bs], np.int64).reshape(-1, nd)
+    ends = offs + np.array([s for bs, _ in regions for _, s in bs], np.int64).reshape(-1, nd)
     reg = np.repeat(np.arange(len(regions)), [len(bs) for bs, _ in regions])
-    idx = np.arange(len(offs))
-    lin = np.zeros(len(offs), np.int64)
-    cnt = np.ones(len(offs), np.int64)
-    for d, (n, c) in enumerate(zip(shape, chunk)):
-        o, e = offs[:, d], offs[:, d] + shps[:, d]
+    C, B, R = len(cands), len(offs), max(1, len(regions))
+    ch = np.array(cands, np.int64).reshape(C, nd)
+    nc = -(-np.array(shape, np.int64) // ch)
+    maxn = int(np.prod(nc, axis=1).max())
+    cand = np.repeat(np.arange(C), B)
+    box = np.tile(np.arange(B), C)
+    lin = np.zeros(C * B, np.int64)
+    cnt = np.ones(C * B, np.int64)
+    for d in range(nd):
+        c, o, e = ch[cand, d], offs[box, d], ends[box, d]
         lo = o // c
-        k = ((e - 1) // c - lo + 1)[idx]
-        rep = np.repeat(np.arange(len(idx)), k)
+        k = (e - 1) // c - lo + 1
+        rep = np.repeat(np.arange(len(k)), k)
         pos = np.arange(len(rep)) - np.repeat(np.cumsum(k) - k, k)
-        idx = idx[rep]
-        ci = lo[idx] + pos
-        ov = np.minimum(e[idx], (ci + 1) * c) - np.maximum(o[idx], ci * c)
-        lin = lin[rep] * (-(-n // c)) + ci
-        cnt = cnt[rep] * ov
-    key = lin * len(regions) + reg[idx]
-    u, inv = np.unique(key, return_inverse=True)
+        cand, box, c = cand[rep], box[rep], c[rep]
+        ci = lo[rep] + pos
+        cnt = cnt[rep] * (np.minimum(e[rep], (ci + 1) * c) - np.maximum(o[rep], ci * c))
+        lin = lin[rep] * nc[cand, d] + ci
+    u, inv = np.unique((cand * maxn + lin) * R + reg[box], return_inverse=True)
     sums = np.bincount(inv.reshape(-1), weights=cnt)
-    cid = u // len(regions)
-    starts = np.flatnonzero(np.concatenate([[True], cid[1:] != cid[:-1]]))
+    cells = u // R
+    starts = np.flatnonzero(np.concatenate([[True], cells[1:] != cells[:-1]]))
     best = np.maximum.reduceat(sums, starts)
-    cells = cid[starts]
+    cells = cells[starts]
+    which, rest = cells // maxn, cells % maxn
     ext = np.ones(len(cells), np.int64)
-    for d in range(len(shape) - 1, -1, -1):
-        nc = -(-shape[d] // chunk[d])
-        i = cells % nc
-        cells = cells // nc
-        ext *= np.minimum(chunk[d], shape[d] - i * chunk[d])
-    return int(ext.sum() - best.sum()), int(cnt.sum())
+    for d in range(nd - 1, -1, -1):
+        i = rest % nc[which, d]
+        rest = rest // nc[which, d]
+        ext *= np.minimum(ch[which, d], shape[d] - i * ch[which, d])
+    return [int(round(x)) for x in np.bincount(which, weights=ext - best, minlength=C)]
 
 
 def _chunks_overlapping(shape, chunk, off, shp):
@@ -233,18 +214,12 @@ def plan_chunk_grid(shape: tuple, itemsize: int, regions: list, blocks: list,
                     slab[d] = -(-slab[d] // k)
                     break
             cands.add(_split_large(shape, tuple(slab), itemsize, opts.max_chunk_bytes))
-    # The cheapest candidate wins, the first in sorted order among equals. Candidates are
-    # visited coarsest first, so one whose chunk overhead alone exceeds the best cost so far
-    # is skipped without counting the bytes it would move.
-    best, best_key = None, None
-    ranked = sorted((_grid_chunks(shape, c), i, c) for i, c in enumerate(sorted(cands)))
-    for n, i, c in ranked:
-        if n > 4 * len(boxes) + 64 and c != aligned:
-            continue  # finer than the layout itself: many tiny chunks
-        if best_key is not None and n * opts.chunk_overhead_bytes > best_key[0]:
-            continue
-        moved, _ = _held_bytes(shape, c, regions)
-        key = (moved * itemsize + n * opts.chunk_overhead_bytes, i)
-        if best_key is None or key < best_key:
-            best, best_key = c, key
+    # The cheapest candidate wins, the first in sorted order among equals; all candidates'
+    # moved bytes are counted in one vectorised pass.
+    ranked = [c for c in sorted(cands)
+              if _grid_chunks(shape, c) <= 4 * len(boxes) + 64 or c == aligned]
+    moved = _moved_many(shape, ranked, regions)
+    costs = [m * itemsize + _grid_chunks(shape, c) * opts.chunk_overhead_bytes
+             for m, c in zip(moved, ranked)]
+    best = ranked[costs.index(min(costs))]
     return best

@@ -59,7 +59,7 @@ class TensorLayout:
         return math.prod(self.shape) * dtypes.from_name(self.dtype).itemsize
 
 
-@dataclass
+@dataclass(slots=True)
 class ChunkWrite:
     """One chunk a rank writes. ``direct``: (holding, piece) whose view covers the chunk, so it
     is written straight from the caller's tensor; else the chunk is assembled in a buffer from
@@ -131,7 +131,7 @@ class SavePlan:
     stats: dict = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class ReadOp:
     """A region one rank reads from storage: straight into a request's view (``direct`` =
     (request, piece)) or into a buffer that ``local`` copies and sends then draw from."""
