@@ -264,3 +264,13 @@ def test_absent_inner_chunk_behind_a_valid_shard_index(tmp_ckpt, capsys):
     open(f, "wb").write(bytes(d))
     rc, out, _ = run(capsys, "verify", tmp_ckpt)
     assert rc == 1 and "[SP-READ-2]" in out and "model/w" in out
+
+
+def test_python_dash_m_shardpoint_is_the_console_script(tmp_ckpt, capsys):
+    """``python -m shardpoint`` in a real process prints exactly what the CLI prints."""
+    make(tmp_ckpt)
+    r = subprocess.run([sys.executable, "-m", "shardpoint", "inspect", tmp_ckpt, "--json"],
+                       capture_output=True, text=True, timeout=120)
+    rc, out, _ = run(capsys, "inspect", tmp_ckpt, "--json")
+    assert r.returncode == rc == 0, r.stderr
+    assert r.stdout == out and "model/w" in json.loads(out)["tensors"]

@@ -78,3 +78,8 @@ class SaveFailedError(ShardpointError):
 
 class LoadFailedError(ShardpointError):
     """Some rank failed while loading; the message names the rank(s) and their errors."""
+
+
+class ConversionError(ShardpointError):
+    """A checkpoint of another format cannot be converted: unknown or ambiguous format, an entry
+    that would need unrestricted unpickling, a dtype or key the target cannot hold."""

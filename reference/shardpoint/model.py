@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import dtypes, values
+from .coverage import box_intersection
 from .errors import InvalidShardingError, UnsupportedValueError
 from .keys import encode_component, encode_key, format_path
 
@@ -288,6 +289,87 @@ def _check_holding(h: Holding, data: torch.Tensor, what: str) -> None:
                                        f"{tuple(data.shape)}", spec_id="SP-HOLD-3")
 
 
+class ShardedPieces:
+    """Several pieces of one global tensor held by this rank: one leaf, one key.
+
+    Megatron keys tensors by name, not by tree position, so one rank often holds many pieces
+    of one global tensor: a pipeline stage's layers of a layer-stacked weight, several MoE
+    experts, FSDP2 x TP strided rows, a multi-chunk DCP shard plan. Each piece is a
+    :class:`ShardedTensor` (with its own offset, flattened range and ``replica_id``); all must
+    agree on global shape and dtype, and no two may overlap. For ``load(like=...)`` each
+    piece's ``data`` is filled in place and the leaf comes back as the list of those tensors.
+    """
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: Sequence[ShardedTensor]) -> None:
+        self.pieces = list(pieces)
+        bad = [i for i, p in enumerate(self.pieces) if not isinstance(p, ShardedTensor)]
+        if bad:
+            raise InvalidShardingError(f"ShardedPieces takes ShardedTensor pieces; piece "
+                                       f"{bad[0]} is a {type(self.pieces[bad[0]]).__name__}",
+                                       spec_id="SP-HOLD-1")
+        if not self.pieces:
+            raise InvalidShardingError("ShardedPieces needs at least one piece (a rank that "
+                                       "holds none of a tensor leaves its key out)",
+                                       spec_id="SP-HOLD-1")
+
+    def __iter__(self) -> Iterator[ShardedTensor]:
+        return iter(self.pieces)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def __repr__(self) -> str:
+        return f"ShardedPieces({self.pieces!r})"
+
+
+def sharded_holding(x: ShardedTensor, key: str, what: str,
+                    replica: Optional[tuple] = None) -> Holding:
+    """The checked :class:`Holding` of a :class:`ShardedTensor` leaf (``replica`` overrides
+    its ``replica_id``, as load targets do)."""
+    d = dtypes.from_torch(x.data.dtype, what)
+    h = Holding(key, d.name, x.global_shape, x.global_offset, x.local_shape,
+                x.flattened_range, x.replica_id if replica is None else replica)
+    _check_holding(h, x.data, what)
+    return h
+
+
+def pieces_holdings(x: ShardedPieces, key: str, what: str,
+                    replica: Optional[tuple] = None) -> list:
+    """The checked holdings of a :class:`ShardedPieces` leaf, in piece order. Raises
+    :class:`InvalidShardingError` naming the key when the pieces disagree on global shape or
+    dtype ([SP-COVER-4]) or two of them overlap ([SP-COVER-3])."""
+    hs = [sharded_holding(p, key, f"{what} piece {i}", replica) for i, p in enumerate(x)]
+    h0 = hs[0]
+    for i, h in enumerate(hs[1:], 1):
+        if (h.global_shape, h.dtype) != (h0.global_shape, h0.dtype):
+            raise InvalidShardingError(
+                f"{what} (key {key!r}): piece 0 has global shape {h0.global_shape} dtype "
+                f"{h0.dtype}, piece {i} has {h.global_shape} {h.dtype}; every piece of one "
+                "tensor must agree", spec_id="SP-COVER-4")
+    boxes = [(p.offset, p.shape, i) for i, h in enumerate(hs) for p in holding_pieces(h)]
+    boxes.sort(key=lambda b: b[0][:1])
+    active: list = []      # sweep along dimension 0: boxes still open at this offset
+    for off, shp, i in boxes:
+        lo = off[0] if off else 0
+        active = [b for b in active if (b[0][0] + b[1][0] if b[0] else 1) > lo]
+        for o2, s2, j in active:
+            if j != i and box_intersection(off, shp, o2, s2) is not None:
+                a, b = sorted((i, j))
+                raise InvalidShardingError(
+                    f"{what} (key {key!r}): pieces {a} and {b} overlap (offset "
+                    f"{hs[a].offset} shape {hs[a].shape}{_flat_text(hs[a])} and offset "
+                    f"{hs[b].offset} shape {hs[b].shape}{_flat_text(hs[b])}); pieces of one "
+                    "tensor on one rank must be disjoint", spec_id="SP-COVER-3")
+        active.append((off, shp, i))
+    return hs
+
+
+def _flat_text(h: Holding) -> str:
+    return f" range {h.flat}" if h.flat else ""
+
+
 def _dtensor_leaf(t: Any, key: str, what: str) -> LocalTensor:
     from torch.distributed.tensor import Partial, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -333,11 +415,11 @@ def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
             return {kind: [walk(v, path + (i,)) for i, v in enumerate(x)]}
         key = encode_key(path)
         if isinstance(x, ShardedTensor):
-            d = dtypes.from_torch(x.data.dtype, what)
-            h = Holding(key, d.name, x.global_shape, x.global_offset, x.local_shape,
-                        x.flattened_range, x.replica_id)
-            _check_holding(h, x.data, what)
-            tensors.append(LocalTensor(h, x.data))
+            tensors.append(LocalTensor(sharded_holding(x, key, what), x.data))
+            return {"tensor": key}
+        if isinstance(x, ShardedPieces):
+            for h, p in zip(pieces_holdings(x, key, what), x):
+                tensors.append(LocalTensor(h, p.data))
             return {"tensor": key}
         if _is_dtensor(x):
             tensors.append(_dtensor_leaf(x, key, what))

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from . import dtypes, errors
+from .model import ShardedPieces, pieces_holdings, sharded_holding
 from .keys import encode_key, format_path
 from .metadata import Manifest
 from .model import (Holding, ObjectValues, ShardedObject, ShardedTensor, _dtensor_leaf,
@@ -61,15 +62,17 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
             return type(x)(seq) if isinstance(x, tuple) else seq
         key = encode_key(path)
         where = f"state{format_path(path)}"
-        is_tensor = isinstance(x, (torch.Tensor, np.ndarray, ShardedTensor))
+        is_tensor = isinstance(x, (torch.Tensor, np.ndarray, ShardedTensor, ShardedPieces))
         if is_tensor and key not in m.tensors:
             missing(f"tensor {key!r}")
             return x
         if isinstance(x, ShardedTensor):
-            d = dtypes.from_torch(x.data.dtype, where)
-            tensor_target(key, Holding(key, d.name, x.global_shape, x.global_offset,
-                                       x.local_shape, x.flattened_range, (0,)), x.data.detach())
+            tensor_target(key, sharded_holding(x, key, where, (0,)), x.data.detach())
             return x.data
+        if isinstance(x, ShardedPieces):
+            for h, p in zip(pieces_holdings(x, key, where, (0,)), x):
+                tensor_target(key, h, p.data.detach())
+            return [p.data for p in x]
         if _is_dtensor(x):
             lt = _dtensor_leaf(x, key, where)
             tensor_target(key, lt.holding, lt.data)
