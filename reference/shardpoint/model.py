@@ -75,24 +75,83 @@ class ShardedTensor:
                 f"replica_id={self.replica_id}, dtype={self.data.dtype})")
 
 
-class ShardedObject:
-    """A per-rank value (RNG state, data-loader position): entry ``index`` of ``count``.
+GridIndex = Union[int, Sequence[int]]
 
-    Every index in ``range(count)`` must be saved by some rank; equal indices on several ranks
-    are replicas and need different ``replica_id``. Values follow the rules of object leaves.
+
+def _norm_grid(x: GridIndex, what: str) -> tuple:
+    t = (x,) if isinstance(x, int) and not isinstance(x, bool) else tuple(x)
+    if not t or any(isinstance(i, bool) or not isinstance(i, int) for i in t):
+        raise InvalidShardingError(f"ShardedObject {what} {x!r} must be an int or a non-empty "
+                                   "tuple of ints", spec_id="SP-OBJ-1")
+    return t
+
+
+class ShardedObject:
+    """A per-rank value (RNG state, data-loader position): entry ``index`` of a grid ``count``.
+
+    ``index`` and ``count`` are ints (a 1-D grid of ``count`` entries) or equal-length tuples
+    (a grid of shape ``count``, as Megatron's ``global_offset``/``global_shape``, e.g. per
+    (pipeline stage, tensor rank)). Every grid cell must be saved by some rank; equal indices
+    on several ranks are replicas (only one may be the main replica, ``replica_id`` 0).
+    Values follow the rules of object leaves. A checkpoint stores the grid shape, and a load
+    asking for another grid fails ([SP-OBJ-2]).
     """
 
-    __slots__ = ("value", "index", "count", "replica_id")
+    __slots__ = ("value", "index", "count", "replica_id", "grid_index", "grid_shape")
 
-    def __init__(self, value: Any, index: int, count: int, *, replica_id: ReplicaId = 0) -> None:
-        self.value, self.index, self.count = value, int(index), int(count)
+    def __init__(self, value: Any, index: GridIndex, count: GridIndex, *,
+                 replica_id: ReplicaId = 0) -> None:
+        self.value = value
+        self.grid_index = _norm_grid(index, "index")
+        self.grid_shape = _norm_grid(count, "count")
+        # Keep the caller's form: an int stays an int (the 1-D case of the grid).
+        self.index = self.grid_index[0] if isinstance(index, int) else self.grid_index
+        self.count = self.grid_shape[0] if isinstance(count, int) else self.grid_shape
         self.replica_id = _norm_replica(replica_id)
-        if not 0 <= self.index < self.count:
-            raise InvalidShardingError(f"ShardedObject index {index} is outside range(count="
-                                       f"{count})", spec_id="SP-OBJ-1")
+        if len(self.grid_index) != len(self.grid_shape) or not all(
+                0 <= i < n for i, n in zip(self.grid_index, self.grid_shape)):
+            raise InvalidShardingError(f"ShardedObject index {index} is outside the grid "
+                                       f"count={count} (same number of dimensions, 0 <= "
+                                       "index < count in each)", spec_id="SP-OBJ-1")
+
+    @property
+    def flat_index(self) -> int:
+        """Position of this entry in the row-major order of the grid (how values are stored)."""
+        return grid_flat_index(self.grid_index, self.grid_shape)
 
     def __repr__(self) -> str:
         return f"ShardedObject(index={self.index}, count={self.count}, value={self.value!r})"
+
+
+def grid_flat_index(index: Sequence[int], shape: Sequence[int]) -> int:
+    """Row-major position of grid cell ``index`` in a grid of ``shape``."""
+    flat = 0
+    for i, n in zip(index, shape):
+        flat = flat * n + i
+    return flat
+
+
+class ObjectValues(list):
+    """The values of a sharded object in row-major grid order, with the grid's ``shape``
+    (``(len(values),)`` for the 1-D grid every 1.0 checkpoint has)."""
+
+    def __init__(self, values: Sequence = (), shape: Optional[Sequence[int]] = None) -> None:
+        super().__init__(values)
+        self.shape = tuple(shape) if shape is not None else (len(self),)
+
+    def nested(self) -> list:
+        """The values as nested lists following the grid (a flat list for a 1-D grid)."""
+        def build(flat: list, shape: tuple) -> list:
+            if len(shape) == 1:
+                return list(flat)
+            step = len(flat) // shape[0]
+            return [build(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+        return build(list(self), self.shape)
+
+
+def object_grid(values: Sequence) -> tuple:
+    """Grid shape of a sharded object's stored values (a plain list is a 1-D grid)."""
+    return getattr(values, "shape", (len(values),))
 
 
 class Holding(NamedTuple):
@@ -190,8 +249,8 @@ class LocalTensor:
 @dataclass
 class LocalObject:
     key: str
-    index: int
-    count: int
+    index: tuple             # grid index
+    count: tuple             # grid shape
     replica: tuple
     value: Any
 
@@ -379,7 +438,7 @@ def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
             return {"tensor": key, "origin": "numpy"}
         if isinstance(x, ShardedObject):
             values.check_value(x.value, what)
-            objects.append(LocalObject(key, x.index, x.count, x.replica_id, x.value))
+            objects.append(LocalObject(key, x.grid_index, x.grid_shape, x.replica_id, x.value))
             return {"object": key}
         if isinstance(x, values.SCALARS) or isinstance(x, np.generic):
             values.check_value(x, what)
