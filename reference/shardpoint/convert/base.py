@@ -76,9 +76,13 @@ class Source:
         raise NotImplementedError
 
     def read_rows(self, t: TensorInfo, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of dim 0 (the whole tensor for 0-d). Override to read less."""
-        x = self.read(t)
-        return x if not t.shape else x[start:stop]
+        """Rows ``start:stop`` of dim 0 (the whole tensor for 0-d). Override to read less;
+        this default reads the whole tensor once and keeps it until another is asked for."""
+        last = self.__dict__.get("_last_read")
+        if last is None or last[0] != t.path:
+            self.__dict__["_last_read"] = None
+            last = self.__dict__["_last_read"] = (t.path, self.read(t))
+        return last[1] if not t.shape else last[1][start:stop]
 
     def close(self) -> None:
         pass
@@ -92,6 +96,15 @@ class Source:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+
+def row_blocks(t: TensorInfo, block_bytes: int = 4 << 20) -> list:
+    """``(start, stop)`` bands of dim 0 of about ``block_bytes`` each (one band for 0-d)."""
+    if not t.shape:
+        return [(0, 0)]
+    row = max(1, math.prod(t.shape[1:]) * t.itemsize)
+    step = max(1, block_bytes // row)
+    return [(lo, min(t.shape[0], lo + step)) for lo in range(0, t.shape[0], step)] or [(0, 0)]
 
 
 def check_dtype(dt: torch.dtype, what: str) -> str:
