@@ -230,6 +230,8 @@ def test_errors_name_the_key_and_reason(tmp_path):
 MEM_SCRIPT = r"""
 import sys
 from shardpoint.convert import convert
+from shardpoint.convert.base import limit_heap_growth
+assert limit_heap_growth()                               # what the CLI does
 src, out = sys.argv[1], sys.argv[2]
 convert(src + "/tiny", out + "/warm.safetensors")        # imports and pools warmed up
 convert(src + "/tiny", out + "/warm_dcp", to="dcp")
@@ -265,7 +267,8 @@ def test_conversion_memory_stays_bounded(tmp_path):
     to_st, to_dcp, from_dcp = map(int, r.stdout.split())
     print(f"peak RSS growth over a {n * mib} MiB checkpoint: to safetensors {to_st} MiB, "
           f"to DCP {to_dcp} MiB, DCP to shardpoint {from_dcp} MiB")
-    half = n * mib // 2
-    assert to_st < half and to_dcp < half and from_dcp < half, (to_st, to_dcp, from_dcp)
+    # Each bound is independent of n: a few tensors, DCP's 64 MiB batch, TensorStore buffers.
+    assert to_st < 4 * mib and to_dcp < 4 * mib and from_dcp < 64 + 4 * mib, \
+        (to_st, to_dcp, from_dcp)
     back = sp.open(str(tmp_path / "big_sp"))
     assert float(back["layer23"][5:7].to_torch()[0]) == 23.0

