@@ -170,15 +170,23 @@ def test_safetensors_file_and_hf_directory(tmp_path):
             len(shard) == 1
         with safe_open(out / fn, "pt") as f:
             assert f.metadata() == {"format": "pt"}
-    try:
-        from transformers.modeling_utils import load_sharded_checkpoint  # noqa: F401
-    except ImportError:
-        return   # transformers' sharded loader: only when already installed
-    from safetensors.torch import load_file as lf
-    merged = {}
-    for fn in files:
-        merged.update(lf(out / fn))
-    assert set(merged) == set(tensors)
+
+
+def test_transformers_sharded_loader_reads_the_output(tmp_path):
+    """Only where transformers is already installed (it is not a test dependency)."""
+    tmu = pytest.importorskip("transformers.modeling_utils")
+
+    def model():
+        m = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 8))
+        return m.to(torch.bfloat16)
+    src = model()
+    sp.save(src.state_dict(), str(tmp_path / "sp"))
+    convert(str(tmp_path / "sp"), str(tmp_path / "hf"), to="safetensors",
+            max_shard_size="1KB")
+    dst = model()
+    tmu.load_sharded_checkpoint(dst, str(tmp_path / "hf"), strict=True)
+    for k, v in src.state_dict().items():
+        assert same_bits(dst.state_dict()[k], v), k
 
 
 # ------------------------------------------------------------------------------- Megatron
