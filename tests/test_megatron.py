@@ -2,12 +2,13 @@
 ``shardpoint.integrations.megatron`` on real gloo ranks, across TP/PP/DP changes, bitwise.
 
 The state dicts are built with megatron-core's ``ShardedTensor.from_rank_offsets``,
-``ShardedTensor`` (the 0.16 distributed optimizer's bucket-space tensors), ``ShardedObject`` and
-``LocalNonpersistentObject``: layer-stacked weights (``prepend_axis_num``; a pipeline stage
-holds several layers of one key), MoE experts (several per rank), TP row/column splits,
-TP-replicated layernorms, a tensor every rank holds with Megatron's fully-parallel replica ids
-(0 for the main holder, 1 for all others), distributed-optimizer ``flattened_range`` pieces
-split over DP, a (PP, TP) grid of RNG states and a DP grid of data-loader states.
+``ShardedTensor`` (the 0.16 distributed optimizer's bucket-space tensors),
+``ShardedTensorFactory``, ``ShardedObject`` and ``LocalNonpersistentObject``: layer-stacked
+weights (``prepend_axis_num``; a pipeline stage holds several layers of one key), MoE experts
+(several per rank), TP row/column splits, TP-replicated layernorms, a SwiGLU factory (two
+pieces of one key per rank), a tensor every rank holds with Megatron's fully-parallel replica
+ids (0 for the main holder, 1 for all others), distributed-optimizer ``flattened_range``
+pieces split over DP, a (PP, TP) grid of RNG states and a DP grid of data-loader states.
 """
 import importlib.util
 import re
@@ -38,7 +39,9 @@ MODEL = {   # key -> (global shape, dtype)
     "decoder.layers.input_layernorm.weight": ((L, H), torch.float32),
     "decoder.layers.mlp.experts.linear_fc1.weight": ((L, E, FFN, H), torch.bfloat16),
     "decoder.final_layernorm.weight": ((H,), torch.float32),
+    "output_layer.linear_fc1.weight": ((2 * FFN, H), torch.bfloat16),   # via a factory
 }
+FACTORY = "output_layer.linear_fc1.weight"
 OPTIMIZED = ["embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_qkv.weight",
              "decoder.layers.self_attention.linear_proj.weight",
              "decoder.layers.mlp.experts.linear_fc1.weight"]
@@ -117,6 +120,8 @@ def sharded_state_dict(tp, pp, dp, rank, *, load=False, objects=("rng", "loader"
     for name, key, x, offsets, prepend, rep in pieces:
         model[name] = ShardedTensor.from_rank_offsets(key, data(x), *offsets, replica_id=rep,
                                                       prepend_axis_num=prepend)
+    if p == pp - 1:
+        model[FACTORY] = swiglu_factory(data(factory_local(tp, t)), tp, t, (0, 0, d))
     # distributed optimizer (fully_sharded_model_space, megatron-core <= 0.15): the DP group
     # splits the concatenated local blocks into DP ranges; each rank's part of each block is a
     # flattened_range piece. (0.16 refuses to construct these, so they are set as its
@@ -156,6 +161,30 @@ def sharded_state_dict(tp, pp, dp, rank, *, load=False, objects=("rng", "loader"
                                           {"consumed": 100 + d}, (dp,), (d,),
                                           replica_id=(p, t))
     return ssd
+
+
+def factory_local(tp, t):
+    """A SwiGLU fc1 weight as Megatron keeps it on TP rank ``t``: its rows of W stacked on
+    its rows of V (globally all of W, then all of V)."""
+    g = expected_full(FACTORY)
+    a, b = split(FFN, tp, t)
+    return torch.cat([g[a:b], g[FFN + a:FFN + b]])
+
+
+def swiglu_factory(local, tp, t, replica_id):
+    """megatron-core's ShardedTensorFactory, built as its apply_swiglu_sharded_factory does:
+    two pieces of one key per rank (fragments t and tp + t of 2 * tp), merged back by cat."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def build(key, x, rep, flattened_range):
+        w, v = torch.chunk(x, 2, dim=0)
+        return [ShardedTensor.from_rank_offsets(key, w, (0, t, 2 * tp), replica_id=rep),
+                ShardedTensor.from_rank_offsets(key, v, (0, tp + t, 2 * tp), replica_id=rep)]
+
+    def merge(sub):
+        return torch.cat(sub)
+
+    return ShardedTensorFactory(FACTORY, local, build, merge, replica_id)
 
 
 def _block_of(key, offsets, prepend, local_shape):
@@ -214,8 +243,10 @@ def check_loaded(ssd, out, tp, pp, dp, rank):
             if not same_bits(st.data, want):
                 bad.append(f"tp{tp}pp{pp}dp{dp} rank {rank}: {name} ({st.key})")
     for name, st in ssd["model"].items():
-        sub = out["model"][name]
-        if sub is not st.data:
+        if name == FACTORY:   # merged by the factory's merge_fn from its filled pieces
+            if not same_bits(out["model"][name], factory_local(tp, rank % tp)):
+                bad.append(f"tp{tp}pp{pp}dp{dp} rank {rank}: factory {name}")
+        elif out["model"][name] is not st.data:
             bad.append(f"{name}: the returned tensor is not the caller's (not filled in place)")
     if out["iteration"] != 700 or out["checkpoint_version"] != 3.0:
         bad.append(f"common values: {out['iteration']} {out['checkpoint_version']}")
