@@ -124,21 +124,6 @@ def _exchange_dirs(a: str, b: str) -> bool:
     return rc == 0
 
 
-class _BoolCheck:
-    """A read of bool elements: stored bytes other than 0x00/0x01 are damage ([SP-READ-5]),
-    never reinterpreted as ``True``."""
-
-    def __init__(self, fut: Any, out: np.ndarray) -> None:
-        self.fut, self.out = fut, out
-
-    def result(self) -> Any:
-        r = self.fut.result()
-        if self.out.size and self.out.view(np.uint8).max() > 1:
-            raise CorruptCheckpointError("a bool chunk holds a byte other than 0x00 or 0x01",
-                                         spec_id="SP-READ-3")
-        return r
-
-
 class TensorStoreBackend:
     """The default :class:`shardpoint.storage.StorageBackend` (file kvstore, Zarr v3)."""
 
@@ -240,8 +225,9 @@ class TensorStoreBackend:
         return h
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
-        fut = ts.array(out, copy=False, write=True).write(_region(handle, offset, out.shape))
-        return _BoolCheck(fut, out) if out.dtype == np.bool_ else fut
+        # TensorStore itself refuses bool bytes other than 0/1 ("Invalid bool value"), so a
+        # damaged bool chunk fails here as SP-READ-3, never reads as True ([SP-READ-5]).
+        return ts.array(out, copy=False, write=True).write(_region(handle, offset, out.shape))
 
     def wait(self, ops: Sequence[Any]) -> None:
         first: Optional[BaseException] = None
