@@ -11,6 +11,7 @@ ids (0 for the main holder, 1 for all others), distributed-optimizer ``flattened
 pieces split over DP, a (PP, TP) grid of RNG states and a DP grid of data-loader states.
 """
 import importlib.util
+import os
 import re
 
 import pytest
@@ -286,6 +287,28 @@ def megatron_job(rank, world, base):
     except sp.LayoutMismatchError as e:
         info["grid_error"] = str(e)
 
+    # mistakes are named by Megatron key before any write: mapping errors on the rank that
+    # makes them, overlapping pieces of one rank when the (collective) save plans
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from shardpoint.integrations.megatron import megatron_tree
+    w = torch.ones(2, 3)
+    cases = {
+        "tensor_and_object": {"a": ShardedTensor.from_rank_offsets("k", w),
+                              "b": ShardedObject("k", 1, (1,), (0,))},
+        "object_twice": {"a": ShardedObject("o", 1, (2,), (0,)),
+                         "b": ShardedObject("o", 2, (2,), (1,))},
+        "no_data": {"a": ShardedTensor.from_rank_offsets("k", w).without_data()},
+        "overlap": {"a": ShardedTensor.from_rank_offsets("k", w, (0, 0, 2)),
+                    "b": ShardedTensor.from_rank_offsets("k", w, (0, 0, 2))},
+    }
+    for name, case in cases.items():
+        try:
+            megatron_tree(case) if name != "overlap" else save_megatron(case, f"{base}/x")
+            info[name] = "accepted"
+        except sp.ShardpointError as e:
+            info[name] = f"{type(e).__name__}: {e}"
+    info["overlap_written"] = os.path.exists(f"{base}/x")
+
     # B: TP1 x PP2 x DP2 saved (flattened ranges really split over DP)
     save_megatron(sharded_state_dict(1, 2, 2, rank), f"{base}/b")
     # ... loaded as TP1 x PP2 on 2 ranks: two 2-rank groups load it independently; the RNG
@@ -312,6 +335,12 @@ def test_megatron_core_round_trip_across_tp_pp_dp(tmp_path):
     assert all(not bad for bad, _ in res), [b for b, _ in res]
     for rank, (_, info) in enumerate(res):
         assert info["left_out"] == ["sharded_state_dict['optimizer']['padding']"]
+        assert info["tensor_and_object"].startswith("InvalidShardingError")
+        assert "'k' names both" in info["tensor_and_object"]
+        assert "ShardedObject 'o' twice" in info["object_twice"]
+        assert info["no_data"].startswith("UnsupportedValueError") and "'k'" in info["no_data"]
+        assert "SP-COVER-3" in info["overlap"] and "sharded/k" in info["overlap"]
+        assert not info["overlap_written"]
         err = info["grid_error"]
         assert "SP-OBJ-2" in err and "sharded/dataloader_state" in err, err
         assert re.search(r"count[^0-9]*1\b.*count[^0-9]*2\b", err), err
