@@ -142,8 +142,9 @@ def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False) -> Megatro
     """Map a megatron-core ``sharded_state_dict`` to a shardpoint state tree (see the module
     docstring). ``for_load=True`` makes load targets: ShardedTensors without data get a new
     tensor to fill. Raises :class:`~shardpoint.InvalidShardingError` naming the Megatron key
-    when one rank's pieces of a key disagree or overlap, or a key names both a tensor and an
-    object."""
+    when a key names both a tensor and an object or a rank holds one object key twice;
+    pieces of one key that disagree or overlap are refused, by key, when the tree is saved or
+    loaded."""
     classes = _megatron_classes()
     out = MegatronTree(sharded_state_dict, {})
     tensors: dict = {}     # key -> [shardpoint pieces]
