@@ -83,9 +83,26 @@ def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int) -> lis
                     holdings.append(Holding(f"optim/{st}/{name}", "float32", shp, off, bshp,
                                             (a - pos, b - pos), rep))
             pos += n
-        tree = {"dict": []}
-        plans.append(LocalPlan(rank, tree, holdings, [("rng", rank, tp * pp * dp, (0,), 0)]))
+        plans.append(LocalPlan(rank, tree_of([h.key for h in holdings] + ["rng"]), holdings,
+                               [("rng", rank, tp * pp * dp, (0,), 0)]))
     return plans
+
+
+def tree_of(keys: list) -> dict:
+    """The tree a rank's state flattens to: nested dicts down to its tensor and object
+    leaves (``model/layers.0.qkv.w`` under ``model``), as ``flatten_state`` builds it."""
+    root: dict = {}
+    for key in keys:
+        node = root
+        *path, leaf = key.split("/")
+        for c in path:
+            node = node.setdefault(c, {})
+        node[leaf] = {"object": key} if key == "rng" else {"tensor": key}
+
+    def wire(d: dict) -> dict:
+        return {"dict": [[k, v if "tensor" in v or "object" in v else wire(v)]
+                         for k, v in d.items()]}
+    return wire(root)
 
 
 def _median(xs: list) -> str:
