@@ -38,7 +38,8 @@ def layer_params(h: int, tp: int) -> list:
     ]
 
 
-def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int) -> list:
+def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
+              trees: bool = True) -> list:
     per_stage = layers // pp
     plans = []
     stage_params = []
@@ -83,8 +84,8 @@ def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int) -> lis
                     holdings.append(Holding(f"optim/{st}/{name}", "float32", shp, off, bshp,
                                             (a - pos, b - pos), rep))
             pos += n
-        plans.append(LocalPlan(rank, tree_of([h.key for h in holdings] + ["rng"]), holdings,
-                               [("rng", rank, tp * pp * dp, (0,), 0)]))
+        tree = tree_of([h.key for h in holdings] + ["rng"]) if trees else {"dict": []}
+        plans.append(LocalPlan(rank, tree, holdings, [("rng", rank, tp * pp * dp, (0,), 0)]))
     return plans
 
 
@@ -119,10 +120,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128_000 + 3)
     ap.add_argument("--repeat", type=int, default=5, help="timed runs (medians reported)")
     ap.add_argument("--no-load", action="store_true", help="skip load planning")
+    ap.add_argument("--no-trees", action="store_true",
+                    help="send empty trees (the job as measured before trees were simulated)")
     a = ap.parse_args()
     world = a.tp * a.pp * a.dp
     t = time.perf_counter()
-    plans = build_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab)
+    plans = build_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab, not a.no_trees)
     build_s = time.perf_counter() - t
     nh = sum(len(p.holdings) for p in plans)
     t = time.perf_counter()
@@ -166,8 +169,9 @@ def main() -> None:
     st = plan.stats
     med = statistics.median
     print(f"job: {world} ranks (TP {a.tp} x PP {a.pp} x DP {a.dp}), {st['tensors']} tensors, "
-          f"{nh:,} holdings, {st['unique_bytes'] / 2**30:.1f} GiB unique; medians of "
-          f"{a.repeat} runs (min-max)")
+          f"{nh:,} holdings, {st['unique_bytes'] / 2**30:.1f} GiB unique, "
+          f"{'empty trees' if a.no_trees else 'full trees'}; medians of {a.repeat} runs "
+          "(min-max)")
     print(f"  build local plans (test harness)  {build_s:8.2f} s")
     print(f"  encode local plans (all ranks)    {enc_s:8.2f} s  ({enc_s / world * 1e3:.2f} ms/rank)")
     print(f"  gathered local plans              {gathered / 1e6:8.1f} MB   "
