@@ -291,4 +291,5 @@ def _execute_save(comm: Comm, be: StorageBackend, flat, work: RankSaveWork, stag
         written += arr.nbytes
         ops.append(be.write(handle(cw.key), cw.offset, arr))
     be.wait(ops)
+    be.flush(staging)
     return written
