@@ -12,6 +12,7 @@ import ctypes
 import errno
 import math
 import os
+import re
 import shutil
 import sys
 import threading
@@ -24,7 +25,7 @@ import tensorstore as ts
 from shardpoint.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                CorruptCheckpointError, IncompleteCheckpointError,
                                SaveFailedError)
-from shardpoint.storage import MANIFEST_NAME, ArraySpec
+from shardpoint.storage import MANIFEST_NAME, ArraySpec, Leftover
 
 from .zarr_checks import (check_array_files, check_regular_file, check_zarr_json,
                           chunk_file_sizes, read_zarr_json)
@@ -113,6 +114,18 @@ def _remove(p: str) -> None:
 
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.shardpoint-(?P<kind>tmp|old)-(?P<token>[0-9a-zA-Z]+)$")
+
+
+def _newest_mtime(root: str) -> float:
+    newest = os.lstat(root).st_mtime
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            try:
+                newest = max(newest, os.lstat(os.path.join(d, n)).st_mtime)
+            except FileNotFoundError:   # removed while we looked
+                pass
+    return newest
 
 
 def _renameat2(a: str, b: str, flags: int) -> Optional[int]:
@@ -445,6 +458,41 @@ class TensorStoreBackend:
             raise OSError(rc, os.strerror(rc), path)
         if self.fsync:
             _fsync_dir(os.path.dirname(path))
+
+    # -- leftovers of crashed saves ([SP-COMMIT-6]) ----------------------------------------
+    def list_leftovers(self, directory: str) -> list:
+        out = []
+        directory = os.path.abspath(directory)
+        for n in sorted(os.listdir(directory)):
+            m = _LEFTOVER.match(n)
+            p = os.path.join(directory, n)
+            if m is None or os.path.islink(p) or not os.path.isdir(p):
+                continue
+            out.append(Leftover(p, os.path.join(directory, m["name"]), m["kind"], m["token"],
+                                os.path.isfile(os.path.join(p, MANIFEST_NAME)),
+                                _newest_mtime(p)))
+        return out
+
+    def restore_leftover(self, leftover: str, path: str) -> None:
+        rc = _renameat2(leftover, path, _RENAME_NOREPLACE)
+        if rc is None:
+            if os.path.lexists(path):
+                rc = errno.EEXIST
+            else:
+                os.rename(leftover, path)
+                rc = 0
+        if rc in (errno.EEXIST, errno.ENOTEMPTY):
+            raise CheckpointExistsError(f"cannot restore {leftover!r}: {path!r} appeared "
+                                        "meanwhile; nothing was moved")
+        if rc != 0:
+            raise OSError(rc, os.strerror(rc), path)
+        if self.fsync:
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+    def remove_leftover(self, leftover: str) -> None:
+        shutil.rmtree(leftover)
+        if self.fsync:
+            _fsync_dir(os.path.dirname(os.path.abspath(leftover)))
 
     def abort(self, staging: str) -> None:
         with self._lock:

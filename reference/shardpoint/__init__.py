@@ -23,6 +23,7 @@ from .manager import CheckpointManager
 from .metadata import FORMAT_VERSION, Manifest
 from .model import ShardedObject, ShardedPieces, ShardedTensor
 from .planner import PlanOptions
+from .recovery import RecoveryAction, recover
 
 __all__ = [
     "save", "load", "read_metadata", "open", "Checkpoint", "TensorView", "CheckpointManager",
@@ -31,5 +32,5 @@ __all__ = [
     "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
     "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
-    "LoadFailedError", "ResourceLimitError", "ConversionError",
+    "LoadFailedError", "ResourceLimitError", "ConversionError", "recover", "RecoveryAction",
 ]

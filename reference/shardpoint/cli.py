@@ -1,4 +1,4 @@
-"""The ``shardpoint`` command line: inspect, verify, convert, diff, demo, conformance.
+"""The ``shardpoint`` command line: inspect, verify, recover, convert, diff, demo, conformance.
 
 Exit codes: 0 success; 1 the checkpoint is damaged, incomplete or violates the spec (``verify``
 lists each problem by requirement ID); 2 nothing to work on (no such path, bad arguments, the
@@ -153,6 +153,21 @@ def cmd_verify(a: argparse.Namespace) -> int:
     return 0 if rep.ok else (1 if rep.found else 2)
 
 
+def cmd_recover(a: argparse.Namespace) -> int:
+    from .recovery import recover
+    acts = recover(a.path, dry_run=a.dry_run, min_age_s=a.min_age)
+    if a.json:
+        print(json.dumps([x.to_dict() for x in acts], indent=2))
+    else:
+        verb = {"remove": "removed", "restore": "restored", "skip": "skipped"}
+        for x in acts:
+            v = ("would " + x.action) if a.dry_run and x.action != "skip" else verb[x.action]
+            print(f"{v}: {x.path} ({x.reason})")
+        if not acts:
+            print(f"nothing to recover at {a.path}")
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
     return run_demo(a.dir, keep=a.keep)
@@ -195,6 +210,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="also check writer rules (array paths, canonical keys, stray arrays)")
     s.add_argument("--json", action="store_true", help="machine-readable report")
     s.set_defaults(fn=cmd_verify)
+    s = sub.add_parser("recover", help="clean up after crashed saves (SP-COMMIT-6): remove "
+                       "staging leftovers, restore a previous checkpoint a crash moved aside; "
+                       "never while a save to PATH may be running")
+    s.add_argument("path", help="a checkpoint path, or the directory holding checkpoints")
+    s.add_argument("--dry-run", action="store_true", help="only say what would be done")
+    s.add_argument("--min-age", type=float, default=900.0, metavar="SECONDS",
+                   help="skip leftovers modified more recently than this (default 900)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(fn=cmd_recover)
     s = sub.add_parser("demo", help="distributed end-to-end demo on 4 CPU ranks")
     s.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     s.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")

@@ -40,6 +40,21 @@ class ArraySpec:
     chunk_shape: tuple
 
 
+@dataclass(frozen=True)
+class Leftover:
+    """A hidden directory a save left beside its target ``<name>`` ([SP-COMMIT-6]): ``kind``
+    is 'tmp' (staging, or a checkpoint an exchange replaced) or 'old' (the previous checkpoint
+    of a non-atomic replacement). ``newest_mtime`` is the latest modification time of anything
+    in it (a hint that a save may still be writing it)."""
+
+    path: str
+    target: str
+    kind: str
+    token: str
+    has_manifest: bool
+    newest_mtime: float
+
+
 @runtime_checkable
 class StorageBackend(Protocol):
     """A checkpoint store. Methods raise :mod:`shardpoint.errors` types, never raw I/O errors."""
@@ -94,6 +109,15 @@ class StorageBackend(Protocol):
 
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list:
         """Read every chunk; return a list of (spec_id, message) problems (empty if fine)."""
+
+    def list_leftovers(self, directory: str) -> list:
+        """The :class:`Leftover` staging/old directories of saves directly in ``directory``."""
+
+    def restore_leftover(self, leftover: str, path: str) -> None:
+        """Move a leftover back to ``path``; fails (CheckpointExistsError) if ``path`` exists."""
+
+    def remove_leftover(self, leftover: str) -> None:
+        """Delete a leftover directory and everything in it."""
 
 
 _DEFAULT: Optional[StorageBackend] = None

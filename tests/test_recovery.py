@@ -1,0 +1,77 @@
+"""[SP-COMMIT-6] recovery of crashed saves' leftovers, on the directory states a crash leaves."""
+import json
+import os
+import shutil
+import time
+
+import torch
+
+import shardpoint as sp
+from shardpoint.cli import main as cli_main
+
+
+def _age(root, seconds=3600):
+    """Make ``root`` look untouched for ``seconds`` (a crash long ago)."""
+    t = time.time() - seconds
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            os.utime(os.path.join(d, n), (t, t), follow_symlinks=False)
+    os.utime(root, (t, t))
+
+
+def _ckpt(path, who):
+    sp.save({"w": torch.full((8,), float(who)), "who": who}, str(path))
+    return str(path)
+
+
+def test_crash_between_the_two_renames_restores_the_previous_checkpoint(tmp_path):
+    """Non-atomic replacement died after moving the old one aside: '-old-' goes back to <name>,
+    the never-committed '-tmp-' (complete, with manifest) is removed. Dry run changes nothing."""
+    old = tmp_path / ".ckpt.shardpoint-old-ab12"
+    new = tmp_path / ".ckpt.shardpoint-tmp-ab12"
+    os.rename(_ckpt(tmp_path / "a", 1), old)
+    os.rename(_ckpt(tmp_path / "b", 2), new)
+    _age(old), _age(new)
+    target = str(tmp_path / "ckpt")
+    acts = sp.recover(target, dry_run=True)
+    assert {(os.path.basename(a.path), a.action, a.done) for a in acts} == {
+        (old.name, "restore", False), (new.name, "remove", False)}
+    assert sorted(os.listdir(tmp_path)) == sorted([old.name, new.name])
+    acts = sp.recover(target)
+    assert all(a.done for a in acts)
+    assert os.listdir(tmp_path) == ["ckpt"]
+    back = sp.load(target)
+    assert back["who"] == 1 and torch.equal(back["w"], torch.full((8,), 1.0))
+
+
+def test_parent_scan_keeps_committed_checkpoints_and_recent_saves(tmp_path):
+    """Scanning the parent: a superseded '-old-' and a crashed partial '-tmp-' go; a '-tmp-'
+    written moments ago (maybe a running save) and every committed checkpoint stay."""
+    ckpt = _ckpt(tmp_path / "step_1", 1)
+    os.rename(_ckpt(tmp_path / "x", 0), tmp_path / ".step_1.shardpoint-old-01")
+    crashed = tmp_path / ".step_2.shardpoint-tmp-02"
+    shutil.copytree(ckpt, crashed)
+    os.remove(crashed / "manifest.msgpack")      # died before the manifest
+    running = tmp_path / ".step_3.shardpoint-tmp-03"
+    os.makedirs(running / "tensors")
+    _age(tmp_path / ".step_1.shardpoint-old-01"), _age(crashed)
+    acts = {os.path.basename(a.path): a for a in sp.recover(str(tmp_path), min_age_s=600)}
+    assert acts[".step_1.shardpoint-old-01"].action == "remove"
+    assert acts[crashed.name].action == "remove"
+    assert acts[running.name].action == "skip" and "may still" in acts[running.name].reason
+    assert sorted(os.listdir(tmp_path)) == sorted(["step_1", running.name])
+    assert sp.load(ckpt)["who"] == 1
+
+
+def test_old_leftover_beside_a_directory_without_manifest_is_left_alone(tmp_path, capsys):
+    """<name> exists but holds no manifest: [SP-COMMIT-6] does not say; nothing is touched.
+    Also the CLI's --json output and exit code."""
+    old = tmp_path / ".c.shardpoint-old-0f"
+    os.rename(_ckpt(tmp_path / "a", 1), old)
+    os.makedirs(tmp_path / "c" / "junk")
+    _age(old)
+    assert cli_main(["recover", str(tmp_path / "c"), "--json"]) == 0
+    acts = json.loads(capsys.readouterr().out)
+    assert [(a["kind"], a["action"], a["done"]) for a in acts] == [("old", "skip", False)]
+    assert sorted(os.listdir(tmp_path)) == sorted(["c", old.name])
+    assert sp.load(str(old))["who"] == 1
