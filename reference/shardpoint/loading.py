@@ -51,7 +51,8 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
     """Load a checkpoint. Collective over ``group``.
 
     Without ``like``: the whole tree, tensors in full on CPU (numpy arrays come back as numpy;
-    a sharded object comes back as the list of its values). With ``like``: the tensors of
+    a sharded object comes back as the list of its values, nested lists along its grid when
+    the grid has 2+ dimensions). With ``like``: the tensors of
     ``like`` (plain, :class:`ShardedTensor`, DTensor, numpy) are filled in place from whatever
     layout the checkpoint was saved in, and the returned tree has the loaded values in
     place of plain values; a ``ShardedTensor`` leaf becomes its filled ``data`` and a

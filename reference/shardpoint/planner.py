@@ -19,7 +19,7 @@ from .coverage import check_exact_cover
 from .errors import InvalidShardingError
 from .grid import pieces_by_chunk, plan_chunk_grid
 from .load_planner import check_request, plan_load
-from .model import holding_pieces
+from .model import ObjectValues, grid_flat_index, holding_pieces
 from .plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork, RankSaveWork, ReadOp,
                     SavePlan, TensorLayout, Transfer)
 
@@ -178,30 +178,61 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
 
 
 def plan_objects(local_plans: Sequence[LocalPlan]) -> dict:
+    """Check the ranks' sharded-object entries and pick one value per grid cell.
+
+    Entries are ``(key, grid index, grid shape, replica id, value)``; ints count as 1-D grids.
+    Returns key -> :class:`ObjectValues` in row-major grid order. Raises
+    :class:`InvalidShardingError` naming the key and ranks when ranks disagree on the grid
+    ([SP-OBJ-2]), an index lies outside it ([SP-OBJ-1]), two ranks hold the *main* replica
+    (all-zero replica id) of one cell ([SP-REPL-2]; non-main replicas may share an id, as
+    Megatron gives every non-main holder id 1), or a cell has no holder ([SP-OBJ-3]).
+    """
     by_key: dict = defaultdict(list)
     for lp in local_plans:
         for key, index, count, rep, value in lp.objects:
-            by_key[key].append((lp.rank, index, count, rep, value))
+            index = (index,) if isinstance(index, int) else tuple(index)
+            count = (count,) if isinstance(count, int) else tuple(count)
+            by_key[key].append((lp.rank, index, count, tuple(rep), value))
     out = {}
     for key in sorted(by_key):
         entries = by_key[key]
-        counts = {c for _, _, c, _, _ in entries}
-        if len(counts) != 1:
-            raise InvalidShardingError(f"sharded object {key!r}: ranks disagree on count "
-                                       f"({sorted(counts)})", spec_id="SP-OBJ-2")
-        count = counts.pop()
+        grids = {c for _, _, c, _, _ in entries}
+        if len(grids) != 1:
+            who = {c: sorted(r for r, _, c2, _, _ in entries if c2 == c) for c in grids}
+            raise InvalidShardingError(f"sharded object {key!r}: ranks disagree on the grid "
+                                       f"(count): " + "; ".join(
+                                           f"{list(c) if len(c) > 1 else c[0]} on ranks "
+                                           f"{r[:8]}" for c, r in sorted(who.items())),
+                                       spec_id="SP-OBJ-2")
+        grid = grids.pop()
         chosen: dict = {}
-        seen: dict = {}
+        mains: dict = {}
         for r, i, _, rep, v in sorted(entries, key=lambda e: (e[1], e[3], e[0])):
-            if (i, rep) in seen:
-                raise InvalidShardingError(f"sharded object {key!r}: ranks {seen[(i, rep)]} "
-                                           f"and {r} both hold index {i} with replica_id "
-                                           f"{rep}", spec_id="SP-REPL-2")
-            seen[(i, rep)] = r
-            chosen.setdefault(i, v)
-        missing = [i for i in range(count) if i not in chosen]
+            if len(i) != len(grid) or not all(0 <= a < n for a, n in zip(i, grid)):
+                raise InvalidShardingError(f"sharded object {key!r}: rank {r} holds index "
+                                           f"{i} outside the grid {grid}", spec_id="SP-OBJ-1")
+            if not any(rep):
+                if i in mains:
+                    raise InvalidShardingError(
+                        f"sharded object {key!r}: ranks {mains[i]} and {r} both hold index "
+                        f"{i if len(i) > 1 else i[0]} as the main replica (replica_id {rep}); "
+                        "give every other holder a non-zero replica_id", spec_id="SP-REPL-2")
+                mains[i] = r
+            chosen.setdefault(grid_flat_index(i, grid), v)   # main replica first, if any
+        total = math.prod(grid)
+        missing = [i for i in range(total) if i not in chosen]
         if missing:
+            cells = [_unflatten(i, grid) for i in missing[:8]]
             raise InvalidShardingError(f"sharded object {key!r}: no rank holds index(es) "
-                                       f"{missing[:8]} of count {count}", spec_id="SP-OBJ-3")
-        out[key] = [chosen[i] for i in range(count)]
+                                       f"{cells} of count {grid if len(grid) > 1 else total}",
+                                       spec_id="SP-OBJ-3")
+        out[key] = ObjectValues([chosen[i] for i in range(total)], grid)
     return out
+
+
+def _unflatten(flat: int, shape: tuple):
+    idx = []
+    for n in reversed(shape):
+        flat, r = divmod(flat, n)
+        idx.append(r)
+    return tuple(reversed(idx)) if len(shape) > 1 else idx[0]
