@@ -4,7 +4,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .errors import CorruptCheckpointError, UnsupportedValueError
+from .errors import UnsupportedFormatError, UnsupportedValueError
 
 BY_NAME = {
     "bool": np.dtype(np.bool_), "int8": np.dtype(np.int8), "int16": np.dtype(np.int16),
@@ -32,8 +32,9 @@ def name_of(dtype, where: str) -> str:
 
 
 def numpy_of(name, where: str) -> np.dtype:
-    """The numpy dtype of a stored dtype name; readers reject others [SP-DTYPE-1]."""
+    """The numpy dtype of a stored dtype name; readers reject others as *unsupported*
+    [SP-DTYPE-1] [SP-ERR-1]."""
     if not isinstance(name, str) or name not in BY_NAME:
-        raise CorruptCheckpointError(f"{where}: dtype {name!r} is not in the format's dtype "
+        raise UnsupportedFormatError(f"{where}: dtype {name!r} is not in the format's dtype "
                                      "table", spec_id="SP-DTYPE-1")
     return BY_NAME[name]

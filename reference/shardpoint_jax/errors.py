@@ -52,3 +52,11 @@ class LayoutMismatchError(ShardpointError, ValueError):
 
 class SaveFailedError(ShardpointError):
     """Another process of a collective save failed; nothing was committed."""
+
+
+class ResourceLimitError(ShardpointError, MemoryError):
+    """A well-formed checkpoint asks for more than this reader will allocate."""
+
+
+class InvalidRequestError(ShardpointError, ValueError):
+    """The request itself is wrong (a region outside the array, a bad argument)."""

@@ -1,6 +1,7 @@
 """Tree-path keys (spec/format.md section 2): encode a path, check a stored key's form."""
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Sequence, Union
 
@@ -11,7 +12,7 @@ SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012345678
 INTEGER = re.compile(r"-?[0-9]+")
 CANONICAL_INT = re.compile(r"-?[1-9][0-9]*|0")
 MAX_KEY_BYTES = 4096
-INT64 = (-(2 ** 63), 2 ** 63 - 1)
+INT64 = (-(2 ** 63), 2 ** 64 - 1)   # the msgpack int range (1.1)
 
 
 def encode_component(c: Component) -> str:
@@ -21,7 +22,7 @@ def encode_component(c: Component) -> str:
                               "use str or int keys", spec_id="SP-KEY-1")
     if isinstance(c, int):
         if not INT64[0] <= c <= INT64[1]:
-            raise InvalidKeyError(f"integer key {c} is outside the signed 64-bit range",
+            raise InvalidKeyError(f"integer key {c} is outside -2^63 .. 2^64-1",
                                   spec_id="SP-KEY-1")
         return str(c)
     if c in ("", ".", ".."):
@@ -51,6 +52,9 @@ def encode_key(path: Sequence[Component]) -> str:
 def decode_component(text: str) -> Component:
     """The component a canonical encoded component stands for [SP-KEY-3]."""
     if CANONICAL_INT.fullmatch(text):
+        if not INT64[0] <= int(text) <= INT64[1]:
+            raise InvalidKeyError(f"integer key component {text} is outside -2^63 .. 2^64-1",
+                                  spec_id="SP-KEY-3")
         return int(text)
     body = text[1:] if text.startswith("~") else text
     if text.startswith("~") and not INTEGER.fullmatch(body):
@@ -78,3 +82,25 @@ def decode_component(text: str) -> Component:
         raise InvalidKeyError(f"key component {text!r} is not in canonical form",
                               spec_id="SP-KEY-3")
     return s
+
+
+RESERVED = {"CON", "PRN", "AUX", "NUL"} | {f"{p}{i}" for p in ("COM", "LPT") for i in range(10)}
+ESCAPE = re.compile(r"%[0-9A-F]{2}")
+
+
+def case_suffixed(component: str) -> str:
+    """``Encoder`` -> ``Encoder~1``: a mask of which letters (outside ``%XX``) are upper case."""
+    letters = [ch for ch in ESCAPE.sub("", component) if ch.isascii() and ch.isalpha()]
+    mask = sum(1 << i for i, ch in enumerate(letters) if ch.isupper())
+    return f"{component}~{mask:x}" if mask else component
+
+
+def array_path(key: str) -> str:
+    """The portable array path of tensor ``key`` [SP-LAYOUT-4]."""
+    parts = [case_suffixed(c) for c in key.split("/")]
+    path = "tensors/" + "/".join(parts)
+    if len(path.encode()) > 1024 or any(
+            len(c.encode()) > 255 or c.endswith(".") or c.split(".")[0].upper() in RESERVED
+            for c in parts):
+        return "tensors/~h/" + hashlib.sha256(key.encode()).hexdigest()
+    return path

@@ -13,7 +13,7 @@ import numpy as np
 from .dtypes import numpy_of
 from .errors import LayoutMismatchError
 from .manifest import object_grid, resolve
-from .storage import open_for_read, read_manifest, read_region
+from .storage import StoredArray, read_manifest
 from .tree import ShardedObject, walk
 
 
@@ -42,13 +42,15 @@ class Checkpoint:
             from .keys import encode_key
             self.leaves[encode_key(path)] = node
 
-    def store(self, key: str):
+    def array(self, key: str) -> StoredArray:
         if key not in self._stores:
-            self._stores[key] = open_for_read(self.path, key, self.body["tensors"][key])
+            self._stores[key] = StoredArray(self.path, key, self.body["tensors"][key])
         return self._stores[key]
 
-    def read(self, key: str, offset, shape) -> np.ndarray:
-        return read_region(self.store(key), key, offset, shape)
+    def read(self, key: str, offset, shape, out=None) -> np.ndarray:
+        """Elements ``offset``..``offset + shape`` of tensor ``key`` (only the chunks they
+        touch are read)."""
+        return self.array(key).read(offset, shape, out)
 
     def object_values(self, key: str) -> list:
         return resolve(self.body["objects"][key]["values"], key)
@@ -151,7 +153,7 @@ def load_array(ck: Checkpoint, key: str, leaf: Any) -> Any:
                                   f"{t['shape']}", spec_id="SP-LOAD-1")
     if isinstance(leaf, np.ndarray):
         if leaf.flags.c_contiguous and leaf.flags.writeable:
-            return read_region(ck.store(key), key, [0] * leaf.ndim, leaf.shape, out=leaf)
+            return ck.read(key, [0] * leaf.ndim, leaf.shape, out=leaf)
         leaf[...] = ck.read(key, [0] * leaf.ndim, leaf.shape)
         return leaf
     sharding: Optional[jax.sharding.Sharding] = getattr(leaf, "sharding", None)

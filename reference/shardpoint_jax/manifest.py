@@ -11,9 +11,10 @@ from typing import Any
 import msgpack
 
 from .dtypes import numpy_of
-from .errors import CorruptCheckpointError, UnsupportedFormatError
+from .errors import CorruptCheckpointError, UnsupportedFormatError, UnsupportedValueError
 from .keys import decode_component, encode_component
-from .values import LIMITS, ext_hook, is_scalar_value, pack, unpack
+from .errors import InvalidKeyError
+from .values import LIMITS, depth, is_scalar_value, pack, unpack
 
 FORMAT_VERSION = (1, 1)
 WRITER = "shardpoint-jax/0.1.0"
@@ -35,6 +36,9 @@ def encode_manifest(tree: dict, tensors: dict, objects: dict, world: int) -> byt
     body = {"format": "shardpoint", "format_version": list(FORMAT_VERSION), "writer": WRITER,
             "created_unix": time.time(), "save_world_size": world, "tree": tree,
             "tensors": tensors, "objects": objects}
+    if depth(body) > MAX_DEPTH:
+        raise UnsupportedValueError(f"the tree nests deeper than the format's {MAX_DEPTH} "
+                                    "levels (about 80 dicts)", spec_id="SP-MAN-5")
     raw = pack(body)
     data = msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw},
                          use_bin_type=True)
@@ -45,14 +49,18 @@ def encode_manifest(tree: dict, tensors: dict, objects: dict, world: int) -> byt
 
 
 # -------------------------------------------------------------------------------- reading
+MAX_DEPTH = 256
+
+
 def decode_manifest(data: bytes) -> dict:
-    """Check the envelope and the body; returns the body [SP-MAN-1..4] [SP-VER-2] [SP-VER-3]."""
+    """Check the envelope and the body, in the order of [SP-ERR-2]; returns the body with
+    values decoded [SP-MAN-1..5] [SP-VER-2] [SP-VER-3]."""
     try:
         env = msgpack.unpackb(data, raw=False, strict_map_key=False, **LIMITS)
     except Exception as e:  # noqa: BLE001 - any decoding failure is damage
         raise corrupt(f"manifest envelope does not decode ({type(e).__name__}: {e})",
                       "SP-MAN-1") from None
-    if (not isinstance(env, dict) or set(env) != {"sha256", "body"}
+    if (not isinstance(env, dict) or set(env) != {"sha256", "body"} or len(env) != 2
             or not isinstance(env["sha256"], bytes) or not isinstance(env["body"], bytes)
             or len(env["sha256"]) != 32):
         raise corrupt("manifest envelope must be a map of exactly 'sha256' (bin 32) and "
@@ -60,39 +68,20 @@ def decode_manifest(data: bytes) -> dict:
     if hashlib.sha256(env["body"]).digest() != env["sha256"]:
         raise corrupt("manifest body does not match its SHA-256 (damaged file)", "SP-MAN-1")
     try:
-        body = msgpack.unpackb(env["body"], raw=False, strict_map_key=False,
-                               ext_hook=_lazy_ext, **LIMITS)
+        body = unpack(env["body"])
     except CorruptCheckpointError:
         raise
     except Exception as e:  # noqa: BLE001
         raise corrupt(f"manifest body does not decode ({type(e).__name__}: {e})",
                       "SP-MAN-1") from None
+    if depth(body) > MAX_DEPTH:
+        raise corrupt(f"manifest body nests deeper than {MAX_DEPTH} levels", "SP-MAN-5")
     check_body(body)
     return body
 
 
-class LazyExt:
-    """An ext value kept undecoded until known not to sit inside an ignorable field."""
-
-    def __init__(self, code: int, payload: bytes) -> None:
-        self.code, self.payload = code, payload
-
-
-def _lazy_ext(code: int, payload: bytes) -> Any:
-    return LazyExt(code, payload)
-
-
 def resolve(v: Any, where: str) -> Any:
-    """Decode the ext values inside ``v`` (values and object entries) [SP-VALUE-2]."""
-    if isinstance(v, LazyExt):
-        return ext_hook(v.code, v.payload)
-    if isinstance(v, list):
-        return [resolve(x, where) for x in v]
-    if isinstance(v, dict):
-        for k in v:
-            if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise corrupt(f"{where}: map key {k!r} must be str or int", "SP-VALUE-2")
-        return {k: resolve(x, where) for k, x in v.items()}
+    """Object values are decoded with the body; kept for callers that want a hook."""
     return v
 
 
@@ -114,9 +103,6 @@ def check_body(body: Any) -> None:
     if ver[0] != FORMAT_VERSION[0]:
         raise UnsupportedFormatError(f"checkpoint format {ver[0]}.{ver[1]}; this reader "
                                      f"implements {FORMAT_VERSION[0]}.x", spec_id="SP-VER-2")
-    for f in ("tree", "tensors", "objects"):
-        if not isinstance(body.get(f), dict):
-            raise corrupt(f"manifest field {f!r} is missing or not a map", "SP-MAN-2")
     types = {"writer": (str,), "created_unix": (float, int), "save_world_size": (int,),
              "extensions": (dict,)}
     for f, v in body.items():
@@ -129,8 +115,12 @@ def check_body(body: Any) -> None:
             _ignorable(f, v, "manifest")
     for name, ext in body.get("extensions", {}).items():
         _ignorable(name, ext, "extensions")
+    for f in ("tree", "tensors", "objects"):
+        if not isinstance(body.get(f), dict):
+            raise corrupt(f"manifest field {f!r} is missing or not a map", "SP-MAN-2")
     for key, t in body["tensors"].items():
         _check_tensor(key, t)
+    _check_paths_distinct(body["tensors"])
     for key, o in body["objects"].items():
         _check_object(key, o)
     _check_tree(body)
@@ -140,20 +130,29 @@ def _ints(v: Any, least: int) -> bool:
     return isinstance(v, list) and all(type(x) is int and x >= least for x in v)
 
 
+def _check_paths_distinct(tensors: dict) -> None:
+    """[SP-LAYOUT-2]: array paths distinct, none inside another's directory."""
+    paths = sorted(t["array"] for t in tensors.values())
+    for a, b in zip(paths, paths[1:]):
+        if a == b or b.startswith(a + "/"):
+            raise corrupt(f"array paths {a!r} and {b!r} would share files", "SP-LAYOUT-2")
+
+
 def _check_tensor(key: Any, t: Any) -> None:
     if not isinstance(key, str) or not isinstance(t, dict):
         raise corrupt(f"tensor entry {key!r} is not a map under a str key", "SP-MAN-3")
+    decode_key_checked(key)
     missing = TENSOR_FIELDS - set(t)
     if missing:
         raise corrupt(f"tensor {key!r}: missing {sorted(missing)}", "SP-MAN-3")
     for f, v in t.items():
         if f not in TENSOR_FIELDS:
             _ignorable(f, v, f"tensor {key!r}")
-    numpy_of(t["dtype"], f"tensor {key!r}")
     if not _ints(t["shape"], 0) or not _ints(t["chunk_shape"], 1) or \
             len(t["shape"]) != len(t["chunk_shape"]):
         raise corrupt(f"tensor {key!r}: shape {t['shape']!r} / chunk_shape "
                       f"{t['chunk_shape']!r} malformed", "SP-MAN-3")
+    numpy_of(t["dtype"], f"tensor {key!r}")
     check_array_path(key, t["array"])
 
 
@@ -172,6 +171,7 @@ def object_grid(key: str, o: dict) -> tuple:
 def _check_object(key: Any, o: Any) -> None:
     if not isinstance(key, str) or not isinstance(o, dict) or not {"count", "values"} <= set(o):
         raise corrupt(f"object entry {key!r} needs 'count' and 'values'", "SP-MAN-3")
+    decode_key_checked(key)
     for f, v in o.items():
         if f not in OBJECT_FIELDS:
             _ignorable(f, v, f"object {key!r}")
@@ -217,20 +217,13 @@ def _check_tree(body: dict) -> None:
             for i, x in enumerate(v):
                 walk(x, path + [i])
         elif kind == "value":
-            if not (isinstance(v, LazyExt) or is_scalar_value(v)):
-                raise corrupt(f"value leaf at {path} is not a scalar", "SP-MAN-4")
-            if isinstance(v, LazyExt):
-                val = ext_hook(v.code, v.payload)
-                if not hasattr(val, "dtype") or getattr(val, "shape", None) != ():
-                    raise corrupt(f"value leaf at {path}: only numpy scalars may be ext "
-                                  "values", "SP-MAN-4")
-                node["value"] = val
+            if not is_scalar_value(v):
+                raise corrupt(f"value leaf at {path} is not a scalar (only numpy scalars may "
+                              "be ext values)", "SP-MAN-4")
         else:
             table, seen = ((body["tensors"], seen_t) if kind == "tensor"
                            else (body["objects"], seen_o))
-            key = "/".join(encode_component(c) for c in path) if path else ""
-            for c in (key.split("/") if key else []):
-                decode_component(c)
+            key = tree_key(path)
             if v != key or v not in table or v in seen:
                 raise corrupt(f"{kind} leaf at {path} names {v!r}; expected its own key "
                               f"{key!r}, listed once in {kind}s", "SP-MAN-4")
@@ -242,16 +235,29 @@ def _check_tree(body: dict) -> None:
     for table, seen, kind in ((body["tensors"], seen_t, "tensor"),
                               (body["objects"], seen_o, "object")):
         for k in table:
-            decode_key_checked(k)
             if k not in seen:
                 raise corrupt(f"{kind} {k!r} is not in the tree", "SP-MAN-4")
 
 
 def decode_key_checked(key: str) -> list:
-    """The path of a stored key, refusing non-canonical ones [SP-KEY-3]."""
-    if not key:
-        raise corrupt("empty key", "SP-KEY-3")
-    return [decode_component(c) for c in key.split("/")]
+    """The path of a stored key: [SP-KEY-2] before [SP-KEY-3], both *corrupt*."""
+    parts = key.split("/")
+    if any(c in ("", ".", "..") for c in parts):
+        raise corrupt(f"key {key!r} has an empty, '.' or '..' component", "SP-KEY-2")
+    if len(key.encode()) > 4096:
+        raise corrupt(f"key {key[:60]!r}... exceeds 4096 bytes", "SP-KEY-4")
+    try:
+        return [decode_component(c) for c in parts]
+    except InvalidKeyError as e:
+        raise corrupt(str(e).split("] ", 1)[-1], e.spec_id or "SP-KEY-3") from None
 
 
-__all__ = ["encode_manifest", "decode_manifest", "resolve", "object_grid", "unpack"]
+def tree_key(path: list) -> str:
+    """The key of a tree path, stored dict keys being untrusted [SP-KEY-1] [SP-KEY-2]."""
+    try:
+        return "/".join(encode_component(c) for c in path)
+    except InvalidKeyError as e:
+        raise corrupt(f"tree path {path}: {str(e).split('] ', 1)[-1]}",
+                      e.spec_id or "SP-KEY-2") from None
+
+

@@ -17,6 +17,7 @@ from . import errors as E
 from .comm import Comm
 from .dtypes import name_of
 from .grid import chunk_shape, local_chunk_shape
+from .keys import array_path
 from .manifest import encode_manifest
 from .storage import MANIFEST, create_array, fsync_dir, fsync_tree, open_for_write, write_region
 from .tree import ShardedObject, is_array, tree_node
@@ -230,11 +231,12 @@ def save(path: str, tree: Any, *, overwrite: bool = False) -> None:
 
 def prepare(path: str, plan: dict, overwrite: bool) -> dict:
     """Process 0: refuse a taken path, create the staging directory and every array."""
-    if os.path.lexists(path):
-        if not overwrite:
-            raise E.CheckpointExistsError(f"{path!r} exists; pass overwrite=True to replace it")
+    if os.path.lexists(path):                     # [SP-COMMIT-5]
+        empty_dir = os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
         is_ckpt = os.path.isfile(os.path.join(path, MANIFEST))
-        if not is_ckpt and not (os.path.isdir(path) and not os.listdir(path)):
+        if not overwrite and not empty_dir:
+            raise E.CheckpointExistsError(f"{path!r} exists; pass overwrite=True to replace it")
+        if not is_ckpt and not empty_dir:
             raise E.CheckpointExistsError(f"{path!r} exists and is not a checkpoint; "
                                           "refusing to replace it")
     parent, name = os.path.split(path)
@@ -244,7 +246,7 @@ def prepare(path: str, plan: dict, overwrite: bool) -> dict:
     os.makedirs(staging)
     entries = {}
     for key, t in plan["tensors"].items():
-        array = f"tensors/{key}"
+        array = array_path(key)
         create_array(staging, array, t["shape"], t["dtype"], t["chunk"])
         entries[key] = {"array": array, "shape": t["shape"], "dtype": t["dtype"],
                         "chunk_shape": t["chunk"]}
@@ -286,11 +288,40 @@ def commit(path: str, decision: dict) -> None:
     os.rename(tmp, os.path.join(staging, MANIFEST))
     fsync_dir(staging)
     parent, name = os.path.split(path)
-    old = None
-    if os.path.lexists(path):
-        old = os.path.join(parent, f".{name}.shardpoint-old-{decision['token']}")
-        os.rename(path, old)
+    if not os.path.lexists(path):
+        if not rename2(staging, path, RENAME_NOREPLACE):
+            os.rename(staging, path)
+        fsync_dir(parent)
+        return
+    if rename2(staging, path, RENAME_EXCHANGE):     # [SP-COMMIT-4]: one atomic exchange;
+        fsync_dir(parent)                           # the old one now has the staging name
+        shutil.rmtree(staging)                      # [SP-COMMIT-6]
+        return
+    old = os.path.join(parent, f".{name}.shardpoint-old-{decision['token']}")
+    os.rename(path, old)                            # never deleted before the new one is in
     os.rename(staging, path)
     fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
+    shutil.rmtree(old)
+
+
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def rename2(src: str, dst: str, flags: int) -> bool:
+    """Linux ``renameat2``; False where the system lacks it (then the caller falls back)."""
+    import ctypes
+    import errno
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    if err == errno.EEXIST:
+        raise E.CheckpointExistsError(f"{dst!r} appeared while saving; another save to the "
+                                      "same path committed first", spec_id="SP-COMMIT-5")
+    raise OSError(err, os.strerror(err), dst)

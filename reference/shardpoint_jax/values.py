@@ -87,22 +87,29 @@ def pack(v: Any) -> bytes:
 def ext_hook(code: int, payload: bytes) -> Any:
     """Decode ext 1/2; anything else, or a malformed array, is corrupt [SP-VALUE-2]."""
     if code == EXT_TUPLE:
-        items = unpack(payload)
+        try:
+            items = unpack(payload)
+        except CorruptCheckpointError:
+            raise
+        except Exception:  # noqa: BLE001
+            raise CorruptCheckpointError("tuple extension payload is not one msgpack array",
+                                         spec_id="SP-VALUE-2") from None
         if not isinstance(items, list):
             raise CorruptCheckpointError("tuple extension payload is not an array",
                                          spec_id="SP-VALUE-2")
         return tuple(items)
     if code != EXT_ARRAY:
-        raise CorruptCheckpointError(f"unknown msgpack extension type {code}",
-                                     spec_id="SP-VALUE-2")
+        raise CorruptCheckpointError(f"unknown msgpack extension type {code}", spec_id="SP-MAN-5")
     try:
         dtype, shape, data, origin = unpack(payload)
+    except CorruptCheckpointError:
+        raise
     except (ValueError, TypeError):
         raise CorruptCheckpointError("array extension payload is not a 4-element array",
                                      spec_id="SP-VALUE-2") from None
     if (dtype not in BY_NAME or not isinstance(shape, list) or origin not in ORIGINS
-            or not all(type(n) is int and n >= 0 for n in shape)
-            or not isinstance(data, bytes)):
+            or not all(type(n) is int and n >= 0 for n in shape) or len(shape) > 64
+            or not isinstance(data, bytes) or (origin == "numpy-scalar" and shape != [])):
         raise CorruptCheckpointError(f"malformed array extension (dtype {dtype!r}, shape "
                                      f"{shape!r}, origin {origin!r})", spec_id="SP-VALUE-2")
     dt = BY_NAME[dtype]
@@ -111,12 +118,43 @@ def ext_hook(code: int, payload: bytes) -> Any:
                                      f"of {dtype} needs {math.prod(shape) * dt.itemsize}",
                                      spec_id="SP-VALUE-2")
     a = np.frombuffer(data, dt).copy().reshape(shape)
+    if dtype == "bool" and a.view(np.uint8).max(initial=0) > 1:
+        raise CorruptCheckpointError("bool array value holds a byte other than 0x00/0x01",
+                                     spec_id="SP-VALUE-2")
     if origin == "numpy-scalar" and shape == []:
         return a[()]
     return a
 
 
+def pairs_hook(pairs: list) -> dict:
+    """Maps: str or int keys only, none repeated [SP-MAN-5]."""
+    out: dict = {}
+    for k, v in pairs:
+        if type(k) not in (str, int):
+            raise CorruptCheckpointError(f"map key {k!r} of type {type(k).__name__}; map keys are "
+                                  "str or int", spec_id="SP-MAN-5")
+        if k in out:
+            raise CorruptCheckpointError(f"map key {k!r} repeated", spec_id="SP-MAN-5")
+        out[k] = v
+    return out
+
+
 def unpack(data: bytes) -> Any:
-    """Decode msgpack with the format's caps; map keys may be str or int."""
+    """Decode exactly one msgpack object with the format's caps and rules [SP-MAN-5]."""
     return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook,
-                           use_list=True, **LIMITS)
+                           object_pairs_hook=pairs_hook, use_list=True, **LIMITS)
+
+
+def depth(v: Any) -> int:
+    """Nesting levels of a decoded value: maps, arrays and tuples add one, arrays of ext 1
+    are leaves [SP-MAN-5]."""
+    best, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, dict):
+            best = max(best, d)
+            stack.extend((y, d + 1) for y in x.values())
+        elif isinstance(x, (list, tuple)):
+            best = max(best, d)
+            stack.extend((y, d + 1) for y in x)
+    return best
