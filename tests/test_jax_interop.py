@@ -138,11 +138,11 @@ def test_torch_to_jax_to_torch_bitwise(tmp_path):
     for i, k in enumerate(keys):
         np.save(tmp_path / "exp" / f"{i}.npy", expected[k])
 
-    assert run_world(4, torch_save, str(tmp_path / "torch"), timeout=120) == [0, 1, 2, 3]
+    assert run_world(4, torch_save, str(tmp_path / "torch"), timeout=300) == [0, 1, 2, 3]
     code = (JAX_STEP.replace("EXP", repr(str(tmp_path / "exp"))).replace("KEYS", repr(keys))
             .replace("NAMES", repr(names)).replace("CKPT", repr(str(tmp_path / "torch")))
             .replace("OUT", repr(str(tmp_path / "jax"))))
-    outs = run_processes(code, 2, 4, timeout=120)
+    outs = run_processes(code, 2, 4, timeout=300)
     checked = [json.loads(o.strip().splitlines()[-1])["checked"] for o in outs]
     assert checked == [len(keys) * 4] * 2     # every addressable shard of every tensor
 
@@ -152,7 +152,7 @@ def test_torch_to_jax_to_torch_bitwise(tmp_path):
         after[f"model/{n}"] = w - np.float32(0.5) * m
         after[f"optim/state/{i}/exp_avg"] = m * np.float32(0.5)
         after[f"optim/state/{i}/step"] = expected[f"optim/state/{i}/step"] + np.float32(1)
-    results = run_world(3, torch_load, str(tmp_path / "jax"), timeout=120)
+    results = run_world(3, torch_load, str(tmp_path / "jax"), timeout=300)
     for out, iteration in results:
         assert iteration == 2
         assert set(out) == set(keys)

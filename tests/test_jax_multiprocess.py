@@ -61,7 +61,7 @@ print(json.dumps({"pid": pid, "shards": shards, "rng": got["rng"].value["pid"],
 
 
 def _run(code, n, devices, path, **kw):
-    outs = run_processes(code.replace("PATH", repr(str(path))), n, devices, timeout=90, **kw)
+    outs = run_processes(code.replace("PATH", repr(str(path))), n, devices, timeout=300, **kw)
     return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 

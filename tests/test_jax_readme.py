@@ -21,14 +21,14 @@ BLOCKS = re.findall(r"```python\n(.*?)```", JAX, re.S)
 
 def test_single_process_example_runs(tmp_path):
     r = subprocess.run([sys.executable, "-c", BLOCKS[0]], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120, stdin=subprocess.DEVNULL,
+                       text=True, timeout=300, stdin=subprocess.DEVNULL,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "ckpt" / "jax_1" / "manifest.msgpack").is_file()
 
 
 def test_multi_process_example_runs_on_two_processes(tmp_path):
-    run_processes(BLOCKS[1], 2, 4, cwd=str(tmp_path), timeout=120)
+    run_processes(BLOCKS[1], 2, 4, cwd=str(tmp_path), timeout=300)
     assert (tmp_path / "ckpt" / "jax_mp" / "manifest.msgpack").is_file()
     import shardpoint_jax as spj
     assert spj.load(str(tmp_path / "ckpt" / "jax_mp"))["rng"] == [{"seed": 0}, {"seed": 1}]
