@@ -16,7 +16,7 @@ ADAPTER = f"{shlex.quote(sys.executable)} -m shardpoint_jax.adapter"
 
 
 def test_adapter_matrix_passes_every_pair(tmp_path):
-    rep = harness.run_matrix(ADAPTER, cases=2, seed=5, workdir=str(tmp_path),
+    rep = harness.run_matrix(ADAPTER, cases=1, seed=5, workdir=str(tmp_path),
                              log=lambda *_: None)
     assert rep["ok"], harness.format_report(rep)
     assert rep["capabilities"]["name"] == "shardpoint-jax"
