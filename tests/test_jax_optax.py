@@ -45,6 +45,7 @@ print(json.dumps({"types": same_types, "shards": n,
 """
 
 
+@pytest.mark.slow
 def test_optax_state_restores_into_another_mesh(tmp_path):
     out = run_processes(CODE.replace("PATH", repr(str(tmp_path / "ck"))), 1, 4, timeout=300)
     res = json.loads(out[0].strip().splitlines()[-1])
