@@ -143,3 +143,16 @@ def test_big_chunks_become_shards_and_partial_reads_touch_inner_chunks(tmp_path)
     assert same(ck.read("big", [130, 5], [3, 7]), a[130:133, 5:12])
     shardpoint = pytest.importorskip("shardpoint")    # the reference reads the shards too
     assert np.asarray(shardpoint.load(str(tmp_path / "c"))["big"]).tobytes() == a.tobytes()
+
+
+def test_written_from_the_spec_alone_no_torch_no_reference():
+    """The second implementation must not share code with the first (issue 11)."""
+    import subprocess
+    import sys
+    code = ("import sys, shardpoint_jax, shardpoint_jax.adapter; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'shardpoint', 'shardpoint_tensorstore', 'shardpoint_conformance')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stdout + r.stderr
