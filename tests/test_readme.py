@@ -33,7 +33,8 @@ def test_first_screen_has_install_demo_and_test_commands():
 def test_readme_sections():
     heads = re.findall(r"^## (.+)$", README, re.M)
     for h in ("Concepts", "Distributed use", "Load semantics", "Errors", "Command line",
-              "On disk", "Conformance suite", "Repository"):
+              "Coming from DCP / Megatron / Hugging Face", "On disk", "Conformance suite",
+              "Repository"):
         assert h in heads, h
 
 
@@ -61,3 +62,10 @@ def test_distributed_example_runs_on_two_ranks(tmp_path):
     code = next(b for b in BLOCKS if "init_process_group" in b)
     assert run_world(2, _run_block, code, str(tmp_path), timeout=240) == [0, 1]
     assert (tmp_path / "ckpt" / "step_100" / "manifest.msgpack").is_file()
+
+
+def test_lazy_open_and_convert_example_runs(tmp_path):
+    block = next(b for b in BLOCKS if "sp.open(" in b)
+    run_python(BLOCKS[0] + "\n" + block, tmp_path)
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert (tmp_path / "ckpt" / "from_hf" / "manifest.msgpack").is_file()

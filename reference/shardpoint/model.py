@@ -41,7 +41,8 @@ class ShardedTensor:
     element sits at ``global_offset`` in the global tensor of shape ``global_shape``. With
     ``flattened_range=(start, stop)`` (or a ``slice``), ``data`` is 1-D and holds only elements
     ``start:stop`` of the block's row-major flattening. Pieces of one key on different ranks with
-    equal regions are replicas and must carry different ``replica_id`` (0 = main replica).
+    equal regions are replicas; at most one of them may be the main replica (``replica_id`` all
+    zeros), the others may share any non-zero id (Megatron gives them all 1).
     """
 
     __slots__ = ("data", "global_shape", "global_offset", "local_shape", "flattened_range",
@@ -307,12 +308,10 @@ class ShardedPieces:
         bad = [i for i, p in enumerate(self.pieces) if not isinstance(p, ShardedTensor)]
         if bad:
             raise InvalidShardingError(f"ShardedPieces takes ShardedTensor pieces; piece "
-                                       f"{bad[0]} is a {type(self.pieces[bad[0]]).__name__}",
-                                       spec_id="SP-HOLD-1")
+                                       f"{bad[0]} is a {type(self.pieces[bad[0]]).__name__}")
         if not self.pieces:
             raise InvalidShardingError("ShardedPieces needs at least one piece (a rank that "
-                                       "holds none of a tensor leaves its key out)",
-                                       spec_id="SP-HOLD-1")
+                                       "holds none of a tensor leaves its key out)")
 
     def __iter__(self) -> Iterator[ShardedTensor]:
         return iter(self.pieces)

@@ -11,15 +11,17 @@ misaligned pieces) -> ``SavePlan`` holding one ``RankSaveWork`` per rank. Loads 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from . import dtypes
+from .columns import Gathered, Regions, as_columns, gc_paused
 from .coverage import check_exact_cover
 from .errors import InvalidShardingError
-from .grid import pieces_by_chunk, plan_chunk_grid
+from .grid import chunk_parts, plan_chunk_grid
 from .load_planner import check_request, plan_load
-from .model import ObjectValues, grid_flat_index, holding_pieces
+from .model import Holding, ObjectValues, grid_flat_index, holding_pieces
 from .plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork, RankSaveWork, ReadOp,
                     SavePlan, TensorLayout, Transfer)
 
@@ -31,44 +33,110 @@ __all__ = ["ChunkWrite", "LocalPlan", "PlanOptions", "RankLoadWork", "RankSaveWo
 # ------------------------------------------------------------------------------- tree merge
 def merge_trees(a: Any, b: Any, where: str = "state") -> Any:
     """Union of two ranks' tree structures; containers must agree in kind ([SP-TREE-1])."""
-    ka, kb = next(iter(a)), next(iter(b))
-    if ka != kb:
-        raise InvalidShardingError(f"{where} is a {ka} on one rank and a {kb} on another",
-                                   spec_id="SP-TREE-1")
-    if ka == "dict":
-        out = {k: v for k, v in a["dict"]}
-        order = [k for k, _ in a["dict"]]
-        for k, v in b["dict"]:
-            if k in out:
-                out[k] = merge_trees(out[k], v, f"{where}[{k!r}]")
-            else:
-                out[k] = v
-                order.append(k)
-        return {"dict": [[k, out[k]] for k in order]}
-    if ka in ("list", "tuple"):
-        la, lb = a[ka], b[ka]
-        merged = [merge_trees(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(la, lb))]
-        return {ka: merged + la[len(lb):] + lb[len(la):]}
-    return a  # leaves: same path, same kind; the lower rank's plain value wins
+    return merge_many([a, b], where)
+
+
+def merge_many(trees: Sequence[Any], where: str = "state") -> Any:
+    """Union of many ranks' trees (in rank order) in one pass over their nodes; containers
+    must agree in kind ([SP-TREE-1]); a leaf takes the lowest rank's value."""
+    kinds = [next(iter(t)) for t in trees]
+    for k in kinds[1:]:
+        if k != kinds[0]:
+            raise InvalidShardingError(f"{where} is a {kinds[0]} on one rank and a {k} on "
+                                       "another", spec_id="SP-TREE-1")
+    kind = kinds[0]
+    if kind == "dict":
+        children: dict = {}     # key -> its subtrees, in rank order (dicts keep first order)
+        for t in trees:
+            for k, v in t["dict"]:
+                lst = children.get(k)
+                if lst is None:
+                    children[k] = [v]
+                else:
+                    lst.append(v)
+        return {"dict": [[k, vs[0] if len(vs) == 1 else merge_many(vs, f"{where}[{k!r}]")]
+                         for k, vs in children.items()]}
+    if kind in ("list", "tuple"):
+        n = max(len(t[kind]) for t in trees)
+        cols = [[t[kind][i] for t in trees if i < len(t[kind])] for i in range(n)]
+        return {kind: [vs[0] if len(vs) == 1 else merge_many(vs, f"{where}[{i}]")
+                       for i, vs in enumerate(cols)]}
+    return trees[0]  # leaves: same path, same kind; the lowest rank's plain value wins
+
+
+def _merged_tree(local_plans: Sequence[LocalPlan]) -> Any:
+    """The checkpoint's tree: each distinct tree decoded and merged once (DP replicas send
+    identical trees; encoded ones are told apart by their bytes before any decoding)."""
+    distinct: list = []
+    seen: set = set()
+    for lp in local_plans:
+        if lp.tree is None and lp.tree_bytes is not None:
+            if lp.tree_bytes in seen:
+                continue
+            seen.add(lp.tree_bytes)
+            distinct.append(lp.decoded_tree())
+        elif not distinct or not (lp.tree is distinct[-1] or lp.tree == distinct[-1]):
+            distinct.append(lp.tree)
+    return merge_many(distinct)
 
 
 # ------------------------------------------------------------------------------- save plan
-def _describe(holders: list) -> str:
-    return "rank " + "/".join(f"{r} (replica_id {rep})" for r, _, rep in holders[:4]) + \
-        (f" and {len(holders) - 4} more" if len(holders) > 4 else "")
+def _describe(ranks: Sequence[int]) -> str:
+    ranks = list(ranks)
+    return "rank " + "/".join(str(r) for r in ranks[:4]) + \
+        (f" and {len(ranks) - 4} more" if len(ranks) > 4 else "")
+
+
+class _Pattern(NamedTuple):
+    """What a tensor's plan needs that depends on its shape and regions only, so tensors of
+    identical structure (the layers of a model) share it: the chunk grid and, per chunk,
+    ``(offset, shape, bytes, parts)`` with parts ``(region, piece, box_offset, box_shape,
+    elements)``."""
+
+    chunk: tuple
+    chunks: list
+
+
+def _plan_pattern(key: str, dtype: str, shape: tuple, itemsize: int, regions: list,
+                  holder_ranks, opts: PlanOptions) -> _Pattern:
+    """Coverage check ([SP-COVER-1..3]) and chunk grid ([SP-GRID-1]) of one tensor."""
+    pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,))) for o, s, f in regions]
+    boxes, owner = [], []
+    for ri, ps in enumerate(pieces):
+        for p in ps:
+            boxes.append((p.offset, p.shape))
+            owner.append(ri)
+    check_exact_cover(shape, boxes, lambda i: _describe(holder_ranks(owner[i])), key)
+    blocks = [(o, s) for o, s, _ in regions if math.prod(s)]
+    grid_regions = [([(p.offset, p.shape) for p in ps], ()) for ps in pieces]
+    chunk = plan_chunk_grid(shape, itemsize, grid_regions, blocks, opts)
+    chunks = []
+    if math.prod(shape):
+        chunks = [(coff, cshp, math.prod(cshp) * itemsize, parts)
+                  for coff, cshp, parts in chunk_parts(shape, chunk, pieces)]
+    return _Pattern(chunk, chunks)
 
 
 def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions()) -> SavePlan:
-    """The global save plan, or :class:`InvalidShardingError` naming key, ranks and regions."""
-    world = len(local_plans)
-    tree = local_plans[0].tree
-    for lp in local_plans[1:]:
-        tree = merge_trees(tree, lp.tree)
+    """The global save plan, or :class:`InvalidShardingError` naming key, ranks and regions.
 
-    by_key: dict = defaultdict(list)   # key -> [(rank, hidx, Holding)]
-    for lp in local_plans:
-        for i, h in enumerate(lp.holdings):
-            by_key[h.key].append((lp.rank, i, h))
+    Holdings are grouped into distinct regions with vectorised passes (:mod:`.columns`), and
+    tensors of identical shape and regions share one coverage check and grid choice; per
+    chunk the least loaded holder writes (ties to the lowest rank), so the plan is
+    deterministic and bytes are balanced across replicas ([SP-REPL-2], [SP-GRID-1]).
+    """
+    with gc_paused():
+        return _plan_save(local_plans, opts)
+
+
+def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
+    local_plans = sorted(local_plans, key=lambda lp: lp.rank)
+    world = len(local_plans)
+    tree = _merged_tree(local_plans)
+
+    gathered = Gathered([lp.rank for lp in local_plans],
+                        [as_columns(lp.holdings) for lp in local_plans])
+    regions = Regions(gathered)
 
     ranks = [RankSaveWork() for _ in range(world)]
     assigned = [0] * world    # bytes each rank writes
@@ -77,94 +145,64 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
     transfers: list = []
     moved_bytes = 0
     unique_bytes = 0
+    patterns: dict = {}
+    keys = gathered.keys
 
-    for key in sorted(by_key):
-        entries = by_key[key]
-        r0, _, h0 = entries[0]
-        for r, _, h in entries:
-            if h.global_shape != h0.global_shape or h.dtype != h0.dtype:
-                raise InvalidShardingError(
-                    f"tensor {key!r}: ranks disagree on global shape/dtype: rank {r0} has "
-                    f"{h0.global_shape} {h0.dtype}, rank {r} has {h.global_shape} {h.dtype}",
-                    spec_id="SP-COVER-4")
-        shape, itemsize = h0.global_shape, dtypes.from_name(h0.dtype).itemsize
-        groups: dict = {}                  # region -> (a Holding of it, [(rank, hidx, replica)])
-        for r, i, h in entries:
-            if (h[5][1] == h[5][0]) if h[5] else not math.prod(h[4]):
-                continue  # an empty piece covers nothing, wherever it sits
-            reg = (h[3], h[4], h[5])
-            g = groups.get(reg)
-            if g is None:
-                groups[reg] = g = (h, [])
-            g[1].append((r, i, h[6]))
-        region_list = []                   # (pieces, holders), holders in rank order
-        boxes, owners = [], []
-        blocks = []
-        for region, (h, holders) in groups.items():
-            if len(holders) > 1 and len({rep for _, _, rep in holders}) != len(holders):
-                reps: dict = {}
-                for r, i, rep in holders:
-                    if rep in reps:
-                        raise InvalidShardingError(
-                            f"tensor {key!r}: ranks {reps[rep]} and {r} both hold region offset "
-                            f"{region[0]} shape {region[1]}" +
-                            (f" range {region[2]}" if region[2] else "") +
-                            f" with the same replica_id {rep}; replicas need distinct replica "
-                            "ids", spec_id="SP-REPL-2")
-                    reps[rep] = r
-            pieces = holding_pieces(h)
-            region_list.append((pieces, holders))
-            if math.prod(region[1]):
-                blocks.append((region[0], region[1]))
-            for p in pieces:
-                boxes.append((p.offset, p.shape))
-                owners.append(holders)
-        check_exact_cover(shape, boxes, lambda i: _describe(owners[i]), key)
-        grid_regions = [([(p.offset, p.shape) for p in ps], [r for r, _, _ in hs])
-                        for ps, hs in region_list]
-        chunk = plan_chunk_grid(shape, itemsize, grid_regions, blocks, opts)
-        tensors[key] = TensorLayout(key, shape, h0.dtype, chunk)
+    for k in sorted(range(len(keys)), key=lambda i: keys[i][0]):
+        key, dtype, shape = keys[k]
+        itemsize = dtypes.from_name(dtype).itemsize
+        gis, sig = regions.by_key.get(k, ([], b""))
+        pkey = (shape, itemsize, sig)
+        pat = patterns.get(pkey)
+        if pat is None:
+            regs = [regions.region(gi)[1:] for gi in gis]
+            pat = patterns[pkey] = _plan_pattern(
+                key, dtype, shape, itemsize, regs,
+                lambda ri: regions.holders(gis[ri])[0].tolist(), opts)
+        tensors[key] = TensorLayout(key, shape, dtype, pat.chunk)
         unique_bytes += math.prod(shape) * itemsize
-        if math.prod(shape) == 0:
-            ranks[r0].create.append(key)
+        if not math.prod(shape):
+            ranks[gathered.first_rank[k]].create.append(key)
             continue
-        per_chunk = pieces_by_chunk(shape, chunk, [ps for ps, _ in region_list])
-        for cidx in sorted(per_chunk):
-            parts = per_chunk[cidx]
-            coff = tuple(i * c for i, c in zip(cidx, chunk))
-            cshp = tuple(min(c, n - o) for c, n, o in zip(chunk, shape, coff))
-            cbytes = math.prod(cshp) * itemsize
+        hold = [regions.holder_lists(gi) for gi in gis]   # (ranks ascending, hidx)
+        for coff, cshp, cbytes, parts in pat.chunks:
             if len(parts) == 1:
                 # One region covers the chunk: its holders tie; the least loaded one writes
-                # (holders are in rank order, so ties go to the lowest rank).
-                holders = region_list[parts[0][0]][1]
-                writer = holders[0][0] if len(holders) == 1 else \
-                    min((r for r, _, _ in holders), key=assigned.__getitem__)
-            else:
-                held: dict = defaultdict(int)
-                for ri, pi, (bo, bs) in parts:
-                    for r, _, _ in region_list[ri][1]:
-                        held[r] += math.prod(bs)
-                writer = min(held, key=lambda r: (-held[r], assigned[r], r))
+                # (min keeps the first of equals, and holders are in rank order).
+                ri, pi, bo, bs, _n = parts[0]
+                hl, hh = hold[ri]
+                if len(hl) == 1:
+                    writer, j = hl[0], 0
+                else:
+                    writer = min(hl, key=assigned.__getitem__)
+                    j = bisect_left(hl, writer)
+                assigned[writer] += cbytes
+                ranks[writer].writes.append(
+                    ChunkWrite(key, coff, cshp, (hh[j], pi)) if bs == cshp else
+                    ChunkWrite(key, coff, cshp, None, [(hh[j], pi, bo, bs)]))
+                continue
+            held: dict = {}
+            for ri, _pi, _bo, _bs, n in parts:
+                for r in hold[ri][0]:
+                    held[r] = held.get(r, 0) + n
+            top = max(held.values())
+            cand = [r for r, v in held.items() if v == top]
+            writer = cand[0] if len(cand) == 1 else min(cand, key=lambda r: (assigned[r], r))
             assigned[writer] += cbytes
             work = ranks[writer]
             cw = ChunkWrite(key, coff, cshp)
             widx = len(work.writes)
-            for ri, pi, (bo, bs) in parts:
-                holders = region_list[ri][1]
-                mine = [(r, i) for r, i, _ in holders if r == writer]
-                if mine:
-                    _, hidx = mine[0]
-                    if bs == cshp and len(parts) == 1:
-                        cw.direct = (hidx, pi)
-                    else:
-                        cw.local.append((hidx, pi, bo, bs))
+            for ri, pi, bo, bs, n in parts:
+                hl, hh = hold[ri]
+                j = bisect_left(hl, writer)
+                if j < len(hl) and hl[j] == writer:
+                    cw.local.append((hh[j], pi, bo, bs))
                     continue
-                src, hidx, _ = min(holders, key=lambda x: (sent[x[0]], x[0]))
-                nb = math.prod(bs) * itemsize
-                sent[src] += nb
+                j = 0 if len(hl) == 1 else bisect_left(hl, min(hl, key=sent.__getitem__))
+                nb = n * itemsize
+                sent[hl[j]] += nb
                 moved_bytes += nb
-                transfers.append(Transfer(src, writer, key, bo, bs, (hidx, pi), (widx,)))
+                transfers.append(Transfer(hl[j], writer, key, bo, bs, (hh[j], pi), (widx,)))
             work.writes.append(cw)
 
     for t in transfers:

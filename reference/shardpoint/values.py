@@ -46,22 +46,40 @@ def strict_pairs(pairs: list) -> dict:
     return d
 
 
-def nesting_depth_error(v: Any, limit: int = MAX_DEPTH) -> str:
-    """Path of the first map/list/tuple nested deeper than ``limit`` levels in ``v``, or ''."""
-    stack = [(v, 1, ())]
+def _max_depth(v: Any, stop: int) -> int:
+    """Levels of maps/lists/tuples in ``v`` (``v`` itself is level 1), counting up to ``stop``."""
+    stack = [(v, 1)]
+    pop, push = stack.pop, stack.append
+    deepest = 0
     while stack:
-        x, depth, path = stack.pop()
-        if isinstance(x, dict):
-            items = x.items()
-        elif isinstance(x, (list, tuple)):
-            items = enumerate(x)
-        else:
-            continue
-        if depth > limit:
-            return "".join(f"[{c!r}]" for c in path[:12]) + ("..." if len(path) > 12 else "")
-        stack.extend((c, depth + 1, path + (k,)) for k, c in items
-                     if isinstance(c, (dict, list, tuple)))
-    return ""
+        x, depth = pop()
+        if depth > deepest:
+            deepest = depth
+            if depth >= stop:
+                break
+        for c in (x.values() if type(x) is dict else x):
+            t = type(c)
+            if t is dict or t is list or t is tuple:
+                push((c, depth + 1))
+    return deepest
+
+
+def nesting_depth_error(v: Any, limit: int = MAX_DEPTH) -> str:
+    """Path of a map/list/tuple nested deeper than ``limit`` levels in ``v``, or ''.
+
+    One pass over containers only (scalars are never pushed); the path for the message is
+    rebuilt only on failure."""
+    if _max_depth(v, limit + 1) <= limit:
+        return ""
+    path: list = []
+    x, need = v, limit + 1
+    while need > 1:   # follow a branch that still goes deep enough
+        kids = x.items() if isinstance(x, dict) else enumerate(x)
+        k, x = next((k, c) for k, c in kids if isinstance(c, (dict, list, tuple))
+                    and _max_depth(c, need - 1) >= need - 1)
+        path.append(k)
+        need -= 1
+    return "".join(f"[{c!r}]" for c in path[:12]) + ("..." if len(path) > 12 else "")
 
 
 def _hint(what: str, v: Any) -> str:
