@@ -1,0 +1,173 @@
+"""load(): read a checkpoint into a pytree (spec/format.md sections 10, 11). Each process
+reads only the regions its addressable devices need, from any saved layout, straight into
+the shard buffers (TensorStore with crc32c checks and strict missing-chunk reads)."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from .dtypes import numpy_of
+from .errors import LayoutMismatchError
+from .manifest import object_grid, resolve
+from .storage import StoredArray, read_manifest
+from .tree import ShardedObject, walk
+
+
+
+class Checkpoint:
+    """A checked manifest and lazily opened arrays of one checkpoint directory."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.body = read_manifest(self.path)
+        self.leaves: dict = {}
+        self._index(self.body["tree"], [])
+        self._stores: dict = {}
+
+    def _index(self, node: dict, path: list) -> None:
+        kind = next(iter(node))
+        if kind == "dict":
+            for k, n in node["dict"]:
+                self._index(n, path + [k])
+        elif kind in ("list", "tuple"):
+            for i, n in enumerate(node[kind]):
+                self._index(n, path + [i])
+        elif kind in ("tensor", "object"):
+            self.leaves[node[kind]] = node
+        else:
+            from .keys import encode_key
+            self.leaves[encode_key(path)] = node
+
+    def array(self, key: str) -> StoredArray:
+        if key not in self._stores:
+            self._stores[key] = StoredArray(self.path, key, self.body["tensors"][key])
+        return self._stores[key]
+
+    def read(self, key: str, offset, shape, out=None) -> np.ndarray:
+        """Elements ``offset``..``offset + shape`` of tensor ``key`` (only the chunks they
+        touch are read)."""
+        return self.array(key).read(offset, shape, out)
+
+    def object_values(self, key: str) -> list:
+        return resolve(self.body["objects"][key]["values"], key)
+
+    # ---------------------------------------------------------------- whole tree
+    def whole(self, node: dict) -> Any:
+        kind = next(iter(node))
+        if kind == "dict":
+            return {k: self.whole(n) for k, n in node["dict"]}
+        if kind == "list":
+            return [self.whole(n) for n in node["list"]]
+        if kind == "tuple":
+            return tuple(self.whole(n) for n in node["tuple"])
+        if kind == "value":
+            return node["value"]
+        key = node[kind]
+        if kind == "object":
+            vals = self.object_values(key)
+            grid = object_grid(key, self.body["objects"][key])
+            return vals if len(grid) == 1 else nest(vals, grid)
+        t = self.body["tensors"][key]
+        data = self.read(key, [0] * len(t["shape"]), t["shape"])
+        if node.get("origin") == "numpy" or not exact_in_jax(data.dtype):
+            return data      # 64-bit dtypes without jax_enable_x64 stay numpy: never narrowed
+        return jax.device_put(data)
+
+
+def exact_in_jax(dtype) -> bool:
+    """Whether JAX keeps ``dtype`` as is (64-bit types need ``jax_enable_x64``)."""
+    return jax.dtypes.canonicalize_dtype(dtype) == np.dtype(dtype)
+
+
+def nest(vals: list, grid: tuple) -> list:
+    """Row-major values as nested lists along the grid (outer list = first dimension)."""
+    if len(grid) == 1:
+        return list(vals)
+    step = math.prod(grid[1:])
+    return [nest(vals[i * step:(i + 1) * step], grid[1:]) for i in range(grid[0])]
+
+
+def load(path: str, target: Any = None, *, strict: bool = True) -> Any:
+    """Load the checkpoint at ``path``. Without ``target``: the whole tree (jax.Arrays on the
+    default device, numpy arrays where numpy saved them, values, objects as lists of all their
+    values). With ``target``: a pytree whose leaves say what to read and where: a
+    ``jax.ShapeDtypeStruct`` (with ``sharding=``) or a jax.Array gives a new jax.Array with that
+    sharding, a numpy array is filled in place, a ``ShardedObject(None, index, shape)`` gets its
+    cell's value, any other leaf is a placeholder for a value. Keys the target does not name are
+    not read. With ``strict=False`` keys the checkpoint lacks keep the target's leaf."""
+    ck = Checkpoint(path)
+    if target is None:
+        return ck.whole(ck.body["tree"])
+    return walk(target, lambda p, key, leaf: load_leaf(ck, key, leaf, strict))
+
+
+def load_leaf(ck: Checkpoint, key: str, leaf: Any, strict: bool) -> Any:
+    node = ck.leaves.get(key)
+    if node is None:
+        if strict:
+            raise LayoutMismatchError(f"{key!r} is not in the checkpoint; load with "
+                                      "strict=False to skip it", spec_id="SP-LOAD-1")
+        return leaf
+    kind = next(iter(node))
+    if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
+        _expect(kind, "tensor", key)
+        return load_array(ck, key, leaf)
+    if isinstance(leaf, ShardedObject):
+        _expect(kind, "object", key)
+        grid = object_grid(key, ck.body["objects"][key])
+        if grid != leaf.grid:
+            raise LayoutMismatchError(f"sharded object {key!r}: asked for grid {leaf.grid}, "
+                                      f"the checkpoint stores grid {grid}", spec_id="SP-OBJ-2")
+        leaf.check(key)
+        flat = int(np.ravel_multi_index(leaf.cell, grid))
+        return ShardedObject(ck.object_values(key)[flat], leaf.index, leaf.shape,
+                             leaf.replica_id)
+    if kind == "value":
+        return node["value"]
+    if kind == "object":
+        return ck.whole(node)
+    raise LayoutMismatchError(f"{key!r} is a {kind} in the checkpoint; ask for it with a "
+                              "jax.ShapeDtypeStruct or an array", spec_id="SP-LOAD-1")
+
+
+def _expect(kind: str, want: str, key: str) -> None:
+    if kind != want:
+        raise LayoutMismatchError(f"{key!r}: asked for a {want}, the checkpoint holds a {kind}",
+                                  spec_id="SP-LOAD-1")
+
+
+def load_array(ck: Checkpoint, key: str, leaf: Any) -> Any:
+    t = ck.body["tensors"][key]
+    dtype = numpy_of(t["dtype"], key)
+    if not isinstance(leaf, np.ndarray) and not exact_in_jax(dtype):
+        raise LayoutMismatchError(f"tensor {key!r} is {t['dtype']}, which JAX narrows without "
+                                  "jax_enable_x64; enable it or load into a numpy array",
+                                  spec_id="SP-DTYPE-1")
+    if tuple(leaf.shape) != tuple(t["shape"]) or np.dtype(leaf.dtype) != dtype:
+        raise LayoutMismatchError(f"tensor {key!r}: asked for {np.dtype(leaf.dtype)} "
+                                  f"{list(leaf.shape)}, the checkpoint holds {t['dtype']} "
+                                  f"{t['shape']}", spec_id="SP-LOAD-1")
+    if isinstance(leaf, np.ndarray):
+        if leaf.flags.c_contiguous and leaf.flags.writeable:
+            return ck.read(key, [0] * leaf.ndim, leaf.shape, out=leaf)
+        leaf[...] = ck.read(key, [0] * leaf.ndim, leaf.shape)
+        return leaf
+    sharding: Optional[jax.sharding.Sharding] = getattr(leaf, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    cache: dict = {}
+
+    def region(index: tuple) -> np.ndarray:
+        off = [s.start or 0 for s in index]
+        shp = [(n if s.stop is None else s.stop) - o
+               for s, o, n in zip(index, off, t["shape"])]
+        k = (tuple(off), tuple(shp))
+        if k not in cache:          # replicated devices of this process share one read
+            cache[k] = ck.read(key, off, shp)
+        return cache[k]
+
+    return jax.make_array_from_callback(tuple(t["shape"]), sharding, region)

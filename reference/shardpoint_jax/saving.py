@@ -1,0 +1,327 @@
+"""save(): the collective pipeline (spec/format.md sections 8, 9). Every process states its
+local plan (metadata only, msgpack); process 0 merges and checks them, picks grids, creates
+the staging directory and the arrays; each process writes the chunks of its replica-0 shards;
+when all are durable, process 0 writes the manifest and renames the staging directory."""
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import errors as E
+from .comm import Comm
+from .dtypes import name_of
+from .grid import chunk_shape, local_chunk_shape
+from .keys import array_path
+from .manifest import encode_manifest
+from .storage import MANIFEST, create_array, fsync_dir, fsync_tree, open_for_write, write_region
+from .tree import ShardedObject, is_array, tree_node
+from .values import check_value, is_scalar_value, pack, unpack
+
+
+def is_global(a: Any) -> bool:
+    """A jax.Array laid out over the job (written shard by shard); others are local copies."""
+    return isinstance(a, jax.Array) and (jax.process_count() == 1
+                                         or not a.is_fully_addressable)
+
+
+def blocks_of(a: jax.Array) -> list:
+    """Every device's block of ``a`` as (start, stop) per dimension."""
+    return [[(s.start or 0, a.shape[d] if s.stop is None else s.stop)
+             for d, s in enumerate(idx)] for idx in a.sharding.devices_indices_map(a.shape).values()]
+
+
+class LocalPlan:
+    """What this process holds: its tree node, tensors, objects and arrays to write."""
+
+    def __init__(self, tree: Any) -> None:
+        self.arrays: dict = {}
+        self.tensors: dict = {}
+        self.objects: dict = {}
+        self.node = tree_node(tree, self._leaf)
+
+    def _leaf(self, path: tuple, key: str, v: Any) -> dict:
+        if isinstance(v, ShardedObject):
+            v.check(key)
+            check_value(v.value, key, nested=True)
+            rep = [v.replica_id] if isinstance(v.replica_id, int) else list(v.replica_id)
+            self.objects[key] = [list(v.cell), list(v.grid), rep, v.value]
+            return {"object": key}
+        if is_array(v):
+            dt = name_of(v.dtype, key)
+            glob = is_global(v)
+            chunk = (chunk_shape(key, v.shape, blocks_of(v)) if glob
+                     else local_chunk_shape(v.shape, np.dtype(v.dtype).itemsize))
+            self.arrays[key] = v
+            self.tensors[key] = {"shape": list(v.shape), "dtype": dt, "global": glob,
+                                 "chunk": chunk}
+            return {"tensor": key} if isinstance(v, jax.Array) else \
+                {"tensor": key, "origin": "numpy"}
+        if is_scalar_value(v):
+            check_value(v, key, nested=False)
+            return {"value": v}
+        check_value(v, key, nested=False)   # raises, naming the key
+        raise AssertionError("unreachable")
+
+    def encode(self) -> bytes:
+        return pack({"tree": self.node, "tensors": self.tensors, "objects": self.objects})
+
+
+# -------------------------------------------------------------------------------- merging
+def merge_nodes(a: dict, b: dict, path: list) -> dict:
+    """Union of two processes' trees [SP-TREE-1]; value leaves keep the lower process's."""
+    ka, kb = next(iter(a)), next(iter(b))
+    if ka != kb:
+        raise E.InvalidShardingError(f"tree at {path}: a {ka} on one process, a {kb} on "
+                                     "another", spec_id="SP-TREE-1")
+    if ka == "dict":
+        out = {k: n for k, n in a["dict"]}
+        order = [k for k, _ in a["dict"]]
+        for k, n in b["dict"]:
+            if k in out:
+                out[k] = merge_nodes(out[k], n, path + [k])
+            else:
+                out[k] = n
+                order.append(k)
+        return {"dict": [[k, out[k]] for k in order]}
+    if ka in ("list", "tuple"):
+        xs, ys = a[ka], b[ka]
+        merged = [merge_nodes(x, y, path + [i]) for i, (x, y) in enumerate(zip(xs, ys))]
+        return {ka: merged + (xs[len(ys):] if len(xs) > len(ys) else ys[len(xs):])}
+    return a
+
+
+def plan_global(plans: list, world: int) -> dict:
+    """Checks and decisions of process 0 on every process's local plan [SP-PLAN-1]."""
+    node = plans[0]["tree"]
+    for p in plans[1:]:
+        node = merge_nodes(node, p["tree"], [])
+    tensors: dict = {}
+    writers: dict = {}
+    for rank, p in enumerate(plans):
+        for key, t in p["tensors"].items():
+            if key not in tensors:
+                tensors[key], writers[key] = t, rank
+                continue
+            first = tensors[key]
+            if (first["shape"], first["dtype"], first["global"]) != \
+                    (t["shape"], t["dtype"], t["global"]):
+                raise E.InvalidShardingError(
+                    f"tensor {key!r}: process {writers[key]} holds {first['dtype']} "
+                    f"{first['shape']}, process {rank} {t['dtype']} {t['shape']} (global "
+                    f"{first['global']} vs {t['global']})", spec_id="SP-COVER-4")
+    objects = plan_objects(plans)
+    return {"tree": node, "tensors": tensors, "writers": writers, "objects": objects}
+
+
+def plan_objects(plans: list) -> dict:
+    """Pick one entry per grid cell [SP-OBJ-1..3] [SP-REPL-2]."""
+    entries: dict = {}
+    for rank, p in enumerate(plans):
+        for key, (cell, grid, rep, value) in p["objects"].items():
+            entries.setdefault(key, []).append((rank, tuple(cell), tuple(grid), rep, value))
+    out = {}
+    for key, es in entries.items():
+        grids = {g for _, _, g, _, _ in es}
+        if len(grids) > 1:
+            raise E.InvalidShardingError(f"sharded object {key!r}: processes disagree on the "
+                                         f"grid: {sorted(grids)}", spec_id="SP-OBJ-2")
+        grid = grids.pop()
+        cells: dict = {}
+        for rank, cell, _, rep, value in es:
+            cells.setdefault(cell, []).append((rank, rep, value))
+        values = []
+        for flat in range(math.prod(grid)):
+            cell = tuple(int(i) for i in np.unravel_index(flat, grid))
+            held = cells.get(cell)
+            if not held:
+                raise E.InvalidShardingError(f"sharded object {key!r}: no process holds cell "
+                                             f"{cell} of grid {grid}", spec_id="SP-OBJ-3")
+            mains = [h for h in held if not any(h[1])]
+            if len(mains) > 1:
+                raise E.InvalidShardingError(
+                    f"sharded object {key!r}: cell {cell} has main entries (replica id 0) on "
+                    f"processes {[h[0] for h in mains]}; give the others replica id 1",
+                    spec_id="SP-REPL-2")
+            values.append(min(held, key=lambda h: (tuple(h[1]), h[0]))[2])
+        entry = {"count": len(values), "values": values}
+        if len(grid) > 1:
+            entry["shape"] = list(grid)    # [SP-OBJ-4]: omitted for a 1-D grid
+        out[key] = entry
+    return out
+
+
+# -------------------------------------------------------------------------------- errors
+def error_info(e: BaseException) -> list:
+    cls = type(e).__name__ if isinstance(e, E.ShardpointError) else "SaveFailedError"
+    msg = str(e) if isinstance(e, E.ShardpointError) else f"{type(e).__name__}: {e}"
+    return [cls, getattr(e, "spec_id", None), msg]
+
+
+def raise_info(info: list, where: str) -> None:
+    cls, sid, msg = info
+    klass = getattr(E, cls, E.SaveFailedError)
+    err = klass(msg, spec_id=None)
+    err.spec_id = sid
+    raise err
+
+
+# -------------------------------------------------------------------------------- save
+def save(path: str, tree: Any, *, overwrite: bool = False) -> None:
+    """Save ``tree`` (a pytree of jax.Arrays, numpy arrays, ShardedObjects and values) at
+    ``path``. Collective: every process of the job calls it with its own tree."""
+    path = os.path.abspath(os.fspath(path))
+    comm = Comm("save")
+    plan, err = None, None
+    try:
+        plan = LocalPlan(tree)
+        mine = plan.encode()
+    except Exception as e:  # noqa: BLE001 - reported to every process
+        err, mine = e, pack({"error": error_info(e)})
+    gathered = comm.gather("plan", mine)
+    decision: dict = {}
+    if comm.rank == 0:
+        try:
+            plans = [unpack(b) for b in gathered]
+            bad = [p["error"] for p in plans if "error" in p]
+            if bad:
+                decision = {"error": bad[0]}
+            else:
+                decision = prepare(path, plan_global(plans, comm.world), overwrite)
+                decision["world"] = comm.world
+        except Exception as e:  # noqa: BLE001
+            decision = {"error": error_info(e)}
+        packed = pack({k: v for k, v in decision.items() if k != "manifest"})
+        comm.broadcast("decision", packed)
+    else:
+        decision = unpack(comm.broadcast("decision"))
+    if "error" in decision:
+        if err is not None:
+            raise err
+        raise_info(decision["error"], "plan")
+    status = b""
+    try:
+        write_local(decision, plan, comm.rank)
+    except Exception as e:  # noqa: BLE001
+        err, status = e, pack(error_info(e))
+    statuses = comm.gather("written", status)
+    outcome = b""
+    if comm.rank == 0:
+        failed = [unpack(s) for s in statuses if s]
+        try:
+            if failed:
+                raise_info(failed[0], "write")
+            commit(path, decision)
+        except Exception as e:  # noqa: BLE001
+            shutil.rmtree(decision["staging"], ignore_errors=True)
+            outcome = pack(error_info(e))
+        comm.broadcast("commit", outcome)
+    else:
+        outcome = comm.broadcast("commit")
+    if outcome:
+        if err is not None:
+            raise err
+        raise_info(unpack(outcome), "commit")
+
+
+def prepare(path: str, plan: dict, overwrite: bool) -> dict:
+    """Process 0: refuse a taken path, create the staging directory and every array."""
+    if os.path.lexists(path):                     # [SP-COMMIT-5]
+        empty_dir = os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
+        is_ckpt = os.path.isfile(os.path.join(path, MANIFEST))
+        if not overwrite and not empty_dir:
+            raise E.CheckpointExistsError(f"{path!r} exists; pass overwrite=True to replace it")
+        if not is_ckpt and not empty_dir:
+            raise E.CheckpointExistsError(f"{path!r} exists and is not a checkpoint; "
+                                          "refusing to replace it")
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    token = secrets.token_hex(8)
+    staging = os.path.join(parent, f".{name}.shardpoint-tmp-{token}")
+    os.makedirs(staging)
+    entries = {}
+    for key, t in plan["tensors"].items():
+        array = array_path(key)
+        create_array(staging, array, t["shape"], t["dtype"], t["chunk"])
+        entries[key] = {"array": array, "shape": t["shape"], "dtype": t["dtype"],
+                        "chunk_shape": t["chunk"]}
+    return {"staging": staging, "token": token, "tree": plan["tree"], "tensors": entries,
+            "global": {k: t["global"] for k, t in plan["tensors"].items()},
+            "writers": plan["writers"], "objects": plan["objects"]}
+
+
+def write_local(decision: dict, plan: LocalPlan, rank: int) -> None:
+    """Write this process's chunks: replica-0 shards of global arrays, local arrays it was
+    elected for [SP-GRID-1] [SP-REPL-1]."""
+    staging = decision["staging"]
+    for key, a in plan.arrays.items():
+        array = decision["tensors"][key]["array"]
+        if decision["global"][key]:
+            mine = [s for s in a.addressable_shards if s.replica_id == 0]
+            if not mine or a.size == 0:
+                continue
+            store = open_for_write(staging, array)
+            for s in mine:
+                off = [sl.start or 0 for sl in s.index]
+                write_region(store, off, np.asarray(s.data))
+        elif decision["writers"][key] == rank and a.size:
+            write_region(open_for_write(staging, array), [0] * a.ndim, np.asarray(a))
+
+
+def commit(path: str, decision: dict) -> None:
+    """Process 0, after every process wrote durably: manifest last, then the atomic rename
+    (the old checkpoint moved aside first, never deleted before) [SP-COMMIT-1..4]."""
+    staging = decision["staging"]
+    fsync_tree(staging)
+    data = encode_manifest(decision["tree"], decision["tensors"], decision["objects"],
+                           decision["world"])
+    tmp = os.path.join(staging, MANIFEST + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(staging, MANIFEST))
+    fsync_dir(staging)
+    parent, name = os.path.split(path)
+    if not os.path.lexists(path):
+        if not rename2(staging, path, RENAME_NOREPLACE):
+            os.rename(staging, path)
+        fsync_dir(parent)
+        return
+    if rename2(staging, path, RENAME_EXCHANGE):     # [SP-COMMIT-4]: one atomic exchange;
+        fsync_dir(parent)                           # the old one now has the staging name
+        shutil.rmtree(staging)                      # [SP-COMMIT-6]
+        return
+    old = os.path.join(parent, f".{name}.shardpoint-old-{decision['token']}")
+    os.rename(path, old)                            # never deleted before the new one is in
+    os.rename(staging, path)
+    fsync_dir(parent)
+    shutil.rmtree(old)
+
+
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def rename2(src: str, dst: str, flags: int) -> bool:
+    """Linux ``renameat2``; False where the system lacks it (then the caller falls back)."""
+    import ctypes
+    import errno
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    if err == errno.EEXIST:
+        raise E.CheckpointExistsError(f"{dst!r} appeared while saving; another save to the "
+                                      "same path committed first", spec_id="SP-COMMIT-5")
+    raise OSError(err, os.strerror(err), dst)

@@ -1,0 +1,104 @@
+"""shardpoint_jax across real JAX processes (jax.distributed, gloo CPU collectives, several
+host devices each): replica-0 shards written once, sharded objects on 1-D and 2-D grids,
+loads into other meshes and partitionings reading only their own regions, and a failing
+process failing the save everywhere while the previous checkpoint stays."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("jax", reason="shardpoint_jax needs jax (pip install -e '.[jax]')")
+
+from shardpoint_jax.launch import run_processes  # noqa: E402
+
+COMMON = """
+import json, sys
+import numpy as np, jax, ml_dtypes
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import shardpoint_jax as sj
+pid, n = jax.process_index(), jax.process_count()
+def full(shape, dt, seed):
+    dt = np.dtype(dt)
+    raw = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * dt.itemsize,
+                                               dtype=np.uint8)
+    return raw.view(dt).reshape(shape)
+W = full((8, 24), ml_dtypes.bfloat16, 1)
+M = full((8, 24), np.float32, 2)
+V = full((24,), np.int64, 3)
+def put(a, mesh, spec):
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, P(*spec)),
+                                        lambda i: a[i])
+def check(arr, a):
+    for s in arr.addressable_shards:
+        assert np.asarray(s.data).tobytes() == a[s.index].tobytes(), s.index
+    return len(arr.addressable_shards)
+"""
+
+SAVE_LOAD = COMMON + """
+path = sys.argv[-1] if False else PATH
+devs = np.array(jax.devices())
+m22 = Mesh(devs.reshape(2, -1), ("dp", "tp"))
+tree = {"model": {"w": put(W, m22, ("dp", "tp")), "v": put(V, m22, ("tp",))},
+        "opt": {"m": put(M, m22, (None, "tp")), "count": jax.device_put(np.int32(5))},
+        "np": np.arange(6, dtype=np.float16), "step": 11,
+        "rng": sj.ShardedObject({"pid": pid}, pid, n),
+        "grid": sj.ShardedObject(f"cell{pid}", (0, pid), (1, n))}
+sj.save(PATH, tree)
+other = Mesh(devs[::-1].reshape(-1), ("x",))
+tgt = {"model": {"w": jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=NamedSharding(other, P(None, "x"))),
+                 "v": jax.ShapeDtypeStruct(V.shape, V.dtype, sharding=NamedSharding(other, P()))},
+       "opt": {"m": jax.ShapeDtypeStruct(M.shape, M.dtype, sharding=NamedSharding(other, P("x")))},
+       "np": np.zeros(6, np.float16), "step": 0,
+       "rng": sj.ShardedObject(None, n - 1 - pid, n),
+       "grid": sj.ShardedObject(None, (0, pid), (1, n))}
+got = sj.load(PATH, tgt)
+shards = check(got["model"]["w"], W) + check(got["model"]["v"], V) + check(got["opt"]["m"], M)
+assert got["np"].tobytes() == np.arange(6, dtype=np.float16).tobytes() and got["step"] == 11
+print(json.dumps({"pid": pid, "shards": shards, "rng": got["rng"].value["pid"],
+                  "grid": got["grid"].value}))
+"""
+
+
+def _run(code, n, devices, path, **kw):
+    outs = run_processes(code.replace("PATH", repr(str(path))), n, devices, timeout=300, **kw)
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
+@pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.slow), 4])
+def test_two_processes_save_and_reload_into_another_mesh(tmp_path, devices):
+    res = _run(SAVE_LOAD, 2, devices, tmp_path / "ck")
+    assert [r["rng"] for r in res] == [1, 0]          # cell n-1-pid, held by the other one
+    assert [r["grid"] for r in res] == ["cell0", "cell1"]
+    assert all(r["shards"] == 3 * devices for r in res)
+    ck = tmp_path / "ck" / "tensors"
+    # The saving layout is the chunk grid: w split 2 x devices, one file per block.
+    zw = json.loads((ck / "model" / "w" / "zarr.json").read_text())
+    assert zw["chunk_grid"]["configuration"]["chunk_shape"] == [4, 24 // devices]
+    assert len(list((ck / "model" / "w" / "c").rglob("*"))) == 2 + 2 * devices
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+FAIL = COMMON + """
+import os
+devs = np.array(jax.devices())
+mesh = Mesh(devs, ("x",))
+sj.save(PATH, {"w": put(M, mesh, ("x",))})
+bad = {"w": put(W, mesh, ("x",)), "extra": object() if pid == 1 else 1}
+try:
+    sj.save(PATH, bad, overwrite=True)
+    out = "saved"
+except sj.ShardpointError as e:
+    out = f"{type(e).__name__}: {e}"
+got = sj.load(PATH, {"w": jax.ShapeDtypeStruct(M.shape, M.dtype, sharding=NamedSharding(mesh, P("x")))})
+check(got["w"], M)
+print(json.dumps({"pid": pid, "out": out, "left": sorted(os.listdir(os.path.dirname(PATH)))}))
+"""
+
+
+def test_a_failing_process_fails_the_save_everywhere_and_keeps_the_previous(tmp_path):
+    res = _run(FAIL, 2, 2, tmp_path / "ck")
+    for r in res:
+        assert r["out"].startswith("UnsupportedValueError") and "extra" in r["out"], r
+        assert "SP-VALUE-1" in r["out"]
+        assert r["left"] == ["ck"]

@@ -1,0 +1,34 @@
+"""The README's JAX examples run as written: one process, and every process of a 2-process
+job with 4 CPU devices each."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jax", reason="shardpoint_jax needs jax (pip install -e '.[jax]')")
+
+from shardpoint_jax.launch import run_processes  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md")).read()
+JAX = README[README.index("\n## JAX\n"):README.index("\n## Benchmarks\n")]
+BLOCKS = re.findall(r"```python\n(.*?)```", JAX, re.S)
+
+
+def test_single_process_example_runs(tmp_path):
+    r = subprocess.run([sys.executable, "-c", BLOCKS[0]], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, stdin=subprocess.DEVNULL,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "ckpt" / "jax_1" / "manifest.msgpack").is_file()
+
+
+def test_multi_process_example_runs_on_two_processes(tmp_path):
+    run_processes(BLOCKS[1], 2, 4, cwd=str(tmp_path), timeout=300)
+    assert (tmp_path / "ckpt" / "jax_mp" / "manifest.msgpack").is_file()
+    import shardpoint_jax as spj
+    assert spj.load(str(tmp_path / "ckpt" / "jax_mp"))["rng"] == [{"seed": 0}, {"seed": 1}]
