@@ -45,6 +45,24 @@ def test_case_set_draws_every_dtype_and_layout_kind():
             "pieces-strided", "pieces-flat-contig", "pieces-flat-strided"} <= got_k
 
 
+def test_case_set_draws_object_grids_with_shared_replicas():
+    """Spec 1.1 object grids reach every world pair: 2-D and 3-D shapes, list indexes, cells
+    shared by data-parallel replicas with non-zero replica ids; int indexes stay drawn too."""
+    dims, shared, ints = set(), False, False
+    for s in range(200):
+        c = generate_case(s, 4, 3, "ci")
+        for o in c["objects"]:
+            entries = c["save"]["objects"][o["key"]]
+            if "shape" not in o:
+                ints |= all(isinstance(e[1], int) for e in entries)
+                continue
+            dims.add(len(o["shape"]))
+            assert all(isinstance(e[1], list) and len(e[1]) == len(o["shape"])
+                       for e in entries + c["load"]["objects"][o["key"]])
+            shared |= o["count"] < 4 and max(e[2][0] for e in entries) > 0
+    assert dims == {2, 3} and shared and ints
+
+
 # -------------------------------------------------------------------------------- runner
 def test_run_ci_profile_over_world_sizes_1_to_4(tmp_path, capsys):
     out = tmp_path / "rows.json"

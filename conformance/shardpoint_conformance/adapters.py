@@ -8,7 +8,8 @@ implements three sub-commands. It runs as one process (world size 1).
 
         {"name": "shardpoint-jax", "version": "0.1",
          "dtypes": ["bool", "int8", ..., "float8_e5m2"],       # spec dtype names it handles
-         "features": ["values", "objects", "partial_read", "zero_size", "scalar"]}
+         "features": ["values", "objects", "partial_read", "zero_size", "scalar",
+                      "object_grid"]}
 
     Tensors of other dtypes and parts of a case needing a missing feature are left out of the
     cases given to that adapter, and the report says so (a skip with a reason, not a failure).
@@ -43,7 +44,10 @@ The case file (``CASE.json``, version 1)::
   ``<c8``/``<c16`` for complex). Read outputs follow the same convention.
 * values: JSON, with bytes tagged as ``{"$b64": "<base64>"}``; lists and dicts are plain
   values (dicts with str keys). ``objects``: sharded objects; entry ``i`` of ``values`` is
-  index ``i`` of ``count = len(values)``.
+  index ``i`` of ``count = len(values)``. Optional ``"shape"`` (only given to adapters listing
+  the ``object_grid`` feature; spec 1.1 [SP-OBJ-1..4]): the object is a grid of that shape
+  (product ``len(values)``), entry ``i`` of ``values`` is cell number ``i`` in row-major order,
+  and ``read`` reports the values in that same flat order.
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ import numpy as np
 
 from .cases import NUMPY_DTYPES, RAW_BITS, SPEC_DTYPES
 
-FEATURES = ["values", "objects", "partial_read", "zero_size", "scalar"]
+FEATURES = ["values", "objects", "partial_read", "zero_size", "scalar", "object_grid"]
 SPEC_ID = re.compile(r"\[(SP-[A-Z]+-\d+)\]")
 
 

@@ -12,7 +12,7 @@ Case layout (all fields plain JSON)::
      "tensors": [{"path": ["model", 0, "w"], "key": "model/0/w", "dtype": "bfloat16",
                   "shape": [5, 3]}],
      "values":  [{"path": ["step"], "value": 12}],          # bytes as {"$b64": "..."}
-     "objects": [{"path": ["rng"], "key": "rng", "count": 4}],
+     "objects": [{"path": ["rng"], "key": "rng", "count": 4}],   # optional "shape": [2, 2]
      "save": {"world": 4, "tensors": {KEY: LAYOUT}, "objects": {KEY: [[rank, index, replica]]}},
      "load": {"world": 2, "like": true, "tensors": {KEY: LAYOUT}, "objects": {KEY: [[rank, index]]}}}
 
@@ -23,7 +23,9 @@ Case layout (all fields plain JSON)::
 treats as a replica across ranks. A rank has at most one piece per key, except in layouts
 whose kind starts with ``pieces``: there a rank may hold several (disjoint) pieces of the key,
 passed to the library as one leaf of several pieces (``sp.ShardedPieces``), and a rank with
-none leaves the key out.
+none leaves the key out. A sharded object may be a multi-dimensional grid (spec 1.1,
+[SP-OBJ-1..4]): its entry then has ``"shape"`` (product ``count``) and its indexes are lists
+of ints, one per dimension; without ``"shape"`` indexes are ints (the 1-D case, as before).
 """
 from __future__ import annotations
 
@@ -94,11 +96,53 @@ def first_difference(got: np.ndarray, want: np.ndarray) -> str:
             f"got bytes {g[i].tobytes().hex()} expected {w[i].tobytes().hex()}")
 
 
-def object_value(seed: int, key: str, index: int) -> Any:
-    """The value a sharded object holds at ``index`` (JSON-tagged, see :func:`decode_value`)."""
-    h = zlib.crc32(f"{seed}:{key}:{index}".encode())
+def object_value(seed: int, key: str, index: Any) -> Any:
+    """The value a sharded object holds at ``index`` (an int, or a list/tuple of ints for a
+    grid cell; JSON-tagged, see :func:`decode_value`)."""
+    if isinstance(index, (list, tuple)):
+        index = [int(i) for i in index]
+        h = zlib.crc32(f"{seed}:{key}:{index}".encode())
+        times = sum(index) % 3
+    else:
+        h = zlib.crc32(f"{seed}:{key}:{index}".encode())
+        times = index % 3
     return {"index": index, "h": h, "blob": {"$b64": base64.b64encode(
-        h.to_bytes(4, "little") * (index % 3)).decode()}, "f": h / 7.0}
+        h.to_bytes(4, "little") * times).decode()}, "f": h / 7.0}
+
+
+def object_grid(o: dict) -> Any:
+    """What ``sp.ShardedObject`` takes as count: the int ``count``, or the tuple ``shape`` of a
+    grid when the case gives one (an object entry's optional ``"shape"``, product ``count``)."""
+    return tuple(o["shape"]) if o.get("shape") else o["count"]
+
+
+def object_index(idx: Any) -> Any:
+    """A case's object index (an int, or a list for a grid cell) as ``sp.ShardedObject`` takes
+    it."""
+    return tuple(idx) if isinstance(idx, list) else idx
+
+
+def grid_cell(i: int, shape: Any) -> Any:
+    """Cell number ``i`` of a grid in row-major order: ``i`` itself for an int count (1-D),
+    else the list of its components."""
+    if not isinstance(shape, (list, tuple)):
+        return i
+    return [int(c) for c in np.unravel_index(i, tuple(shape))]
+
+
+def grid_values(seed: int, key: str, grid: Any) -> list:
+    """Every value of a sharded object, as a full load hands them back ([SP-OBJ-4]): a list
+    for a 1-D grid, nested lists (outer = first dimension) for two or more dimensions."""
+    if not isinstance(grid, (list, tuple)) or len(grid) == 1:
+        n = grid if not isinstance(grid, (list, tuple)) else grid[0]
+        return [decode_value(object_value(seed, key, i if not isinstance(grid, (list, tuple))
+                                          else [i])) for i in range(n)]
+
+    def level(prefix: list, dims: tuple) -> list:
+        if not dims:
+            return decode_value(object_value(seed, key, prefix))
+        return [level(prefix + [i], dims[1:]) for i in range(dims[0])]
+    return level([], tuple(grid))
 
 
 # -------------------------------------------------------------------------------- values
@@ -197,6 +241,20 @@ def check_case(case: dict) -> None:
             np.add.at(cover.reshape(-1), ids, 1)
         if cover.size and not (cover == 1).all():
             raise ValueError(f"save {key}: pieces do not cover the tensor exactly once")
+    for o in case["objects"]:
+        grid = o.get("shape") or [o["count"]]
+        if math.prod(grid) != o["count"] or any(n < 1 for n in grid):
+            raise ValueError(f"object {o['key']}: shape {grid} does not have {o['count']} cells")
+        held = set()
+        for side in ("save", "load"):
+            for entry in case[side]["objects"].get(o["key"], []):
+                idx = entry[1] if isinstance(entry[1], list) else [entry[1]]
+                if len(idx) != len(grid) or not all(0 <= i < n for i, n in zip(idx, grid)):
+                    raise ValueError(f"{side} object {o['key']}: index {entry[1]} not in {grid}")
+                if side == "save":
+                    held.add(tuple(idx))
+        if case["save"]["objects"].get(o["key"]) and len(held) != o["count"]:
+            raise ValueError(f"save object {o['key']}: {len(held)} of {o['count']} cells held")
 
 
 def as_json_case(case: dict) -> dict:

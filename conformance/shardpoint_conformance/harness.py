@@ -23,7 +23,7 @@ import traceback
 from typing import Optional
 
 from .adapters import (SPEC_ID, CommandAdapter, load_npy, region_of, write_case_files)
-from .cases import (decode_value, expected_array, first_difference, object_value,
+from .cases import (decode_value, expected_array, first_difference, grid_cell, object_value,
                     piece_of, same_bits)
 from .strategies import generate_case
 
@@ -64,9 +64,14 @@ def make_case(seed: int, index: int, caps: dict, objects_count: int) -> tuple:
         notes.append("values: not supported by the adapter")
     objects = []
     if "objects" in feats:
-        objects = [{"path": o["path"], "key": o["key"],
-                    "values": [object_value(base["seed"], o["key"], i)
-                               for i in range(objects_count)]} for o in base["objects"]]
+        for o in base["objects"]:
+            e = {"path": o["path"], "key": o["key"]}
+            grid: object = objects_count
+            if o.get("shape") and "object_grid" in feats:   # a 2-D grid of the same cells
+                grid = e["shape"] = rng.choice([[1, objects_count], [objects_count, 1]])
+            e["values"] = [object_value(base["seed"], o["key"], grid_cell(i, grid))
+                           for i in range(objects_count)]
+            objects.append(e)
     elif base["objects"]:
         notes.append("objects: not supported by the adapter")
     case = {"version": 1, "id": base["id"], "seed": base["seed"], "tensors": tensors,

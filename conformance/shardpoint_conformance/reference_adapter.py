@@ -15,7 +15,8 @@ import os
 import sys
 
 from .adapters import FEATURES, read_case_files, region_of, save_npy
-from .cases import SPEC_DTYPES, decode_value, encode_value, get_path, set_path
+from .cases import (SPEC_DTYPES, decode_value, encode_value, get_path, grid_cell, object_index,
+                    set_path)
 
 
 def capabilities() -> dict:
@@ -26,8 +27,8 @@ def capabilities() -> dict:
 
 def write_checkpoint(case_json: str, ckpt_dir: str, rank: int = 0, world: int = 1) -> None:
     """Save the case with shardpoint. With ``world > 1`` (inside a process group) tensors are
-    replicas on every rank and rank ``r`` holds index ``r`` of each sharded object (whose count
-    must then equal ``world``). (Sharded tensor writes are covered by ``conformance run``.)"""
+    replicas on every rank and rank ``r`` holds cell number ``r`` (row-major) of each sharded object
+    (whose count must then equal ``world``). (Sharded tensor writes are covered by ``conformance run``.)"""
     import shardpoint as sp
     from .runner import to_torch
     case, arrays = read_case_files(case_json)
@@ -41,7 +42,9 @@ def write_checkpoint(case_json: str, ckpt_dir: str, rank: int = 0, world: int = 
         if count != world:
             raise ValueError(f"object {o['key']!r} has count {count}; a world of {world} "
                              "writes count == world")
-        set_path(st, o["path"], sp.ShardedObject(decode_value(o["values"][rank]), rank, count))
+        grid = _grid(o)
+        set_path(st, o["path"], sp.ShardedObject(decode_value(o["values"][rank]),
+                                                 object_index(grid_cell(rank, grid)), grid))
     sp.save(st, ckpt_dir)
 
 
@@ -67,7 +70,8 @@ def read_checkpoint(ckpt_dir: str, case_json: str, out_dir: str) -> None:
     for v in case["values"]:
         set_path(like, v["path"], _shape_like(decode_value(v["value"])))
     for o in case["objects"]:
-        set_path(like, o["path"], sp.ShardedObject(None, 0, len(o["values"])))
+        set_path(like, o["path"], sp.ShardedObject(None, object_index(grid_cell(0, _grid(o))),
+                                                   _grid(o)))
     got = sp.load(ckpt_dir, like=like)
     objs = []
     for o in case["objects"]:
@@ -75,7 +79,8 @@ def read_checkpoint(ckpt_dir: str, case_json: str, out_dir: str) -> None:
         vals = [encode_value(get_path(got, o["path"]))]
         for i in range(1, len(o["values"])):
             one: dict = {}
-            set_path(one, o["path"], sp.ShardedObject(None, i, len(o["values"])))
+            set_path(one, o["path"], sp.ShardedObject(
+                None, object_index(grid_cell(i, _grid(o))), _grid(o)))
             vals.append(encode_value(get_path(sp.load(ckpt_dir, like=one), o["path"])))
         objs.append(vals)
     os.makedirs(out_dir, exist_ok=True)
@@ -85,6 +90,11 @@ def read_checkpoint(ckpt_dir: str, case_json: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "values.json"), "w") as f:
         json.dump({"values": [encode_value(get_path(got, v["path"])) for v in case["values"]],
                    "objects": objs}, f)
+
+
+def _grid(o: dict):
+    """An adapter case object's grid: its ``shape`` as a tuple, else ``len(values)``."""
+    return tuple(o["shape"]) if o.get("shape") else len(o["values"])
 
 
 def _shape_like(v):

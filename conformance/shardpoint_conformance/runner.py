@@ -16,8 +16,8 @@ from typing import Any, Optional
 import numpy as np
 
 from .cases import (case_bytes, decode_value, describe_layout, expected_array,
-                    first_difference, get_path, is_pieces, object_value, piece_of,
-                    rank_pieces, set_path)
+                    first_difference, get_path, grid_values, is_pieces, object_grid,
+                    object_index, object_value, piece_of, rank_pieces, set_path)
 
 _MESH: dict = {}
 
@@ -110,7 +110,8 @@ def build_save_state(case: dict, rank: int, world: int, device: str = "cpu") -> 
         for r, idx, rep in case["save"]["objects"].get(o["key"], []):
             if r == rank:
                 val = decode_value(object_value(case["seed"], o["key"], idx))
-                set_path(st, o["path"], sp.ShardedObject(val, idx, o["count"],
+                set_path(st, o["path"], sp.ShardedObject(val, object_index(idx),
+                                                         object_grid(o),
                                                          replica_id=tuple(rep)))
     return st
 
@@ -237,7 +238,8 @@ def _build_like(case: dict, rank: int, world: int, device: str) -> tuple:
     for o in case["objects"]:
         for r, idx in case["load"]["objects"].get(o["key"], []):
             if r == rank:
-                set_path(like, o["path"], sp.ShardedObject(None, idx, o["count"]))
+                set_path(like, o["path"], sp.ShardedObject(None, object_index(idx),
+                                                           object_grid(o)))
     return like, targets
 
 
@@ -268,8 +270,7 @@ def _compare(case: dict, rank: int, got: Any, targets: list) -> list:
             want = expected_array(case["seed"], t["key"], t["dtype"], t["shape"])
             _check(t["key"], to_bytes(get_path(got, t["path"])), want, problems)
         for o in case["objects"]:
-            want = [decode_value(object_value(case["seed"], o["key"], i))
-                    for i in range(o["count"])]
+            want = grid_values(case["seed"], o["key"], object_grid(o))
             if get_path(got, o["path"]) != want:
                 problems.append(f"object {o['key']}: {get_path(got, o['path'])!r} != {want!r}")
     for v in case["values"]:

@@ -23,7 +23,7 @@ from typing import Optional
 
 from shardpoint.keys import encode_key
 
-from .cases import SPEC_DTYPES, encode_value
+from .cases import SPEC_DTYPES, encode_value, grid_cell
 
 PROFILES = {
     # tensors per case, max elements per tensor, probability of a DTensor layout
@@ -214,6 +214,18 @@ def _plain_value(rng: random.Random, depth: int = 0):
                                                            for _ in range(rng.randint(0, 9)))])
 
 
+def _object_grid(rng: random.Random, count: int) -> Optional[list]:
+    """Half the time, a grid of two or three dimensions with ``count`` cells (e.g. (stage,
+    tensor rank), trailing or leading 1s included); else None (a 1-D object, int indexes)."""
+    if rng.random() < 0.5:
+        return None
+    a = rng.choice([f for f in range(1, count + 1) if count % f == 0])
+    grid = [a, count // a]
+    if rng.random() < 0.3:
+        grid.insert(rng.randrange(3), 1)
+    return grid
+
+
 def generate_case(seed: int, save_world: int, load_world: int, profile: str = "ci",
                   *, case_id: Optional[str] = None) -> dict:
     """One case, a pure function of its arguments (see :mod:`.cases` for the layout)."""
@@ -242,11 +254,19 @@ def generate_case(seed: int, save_world: int, load_world: int, profile: str = "c
         key = encode_key(("rng",))
         per = rng.choice([f for f in range(1, save_world + 1) if save_world % f == 0])
         count = save_world // per   # ``per`` ranks share each index, as replicas
-        objects.append({"path": ["rng"], "key": key, "count": count})
+        obj = {"path": ["rng"], "key": key, "count": count}
         megatron_ids = rng.random() < 0.5     # 0 for one holder of an index, 1 for the rest
-        save_objs[key] = [[r, r % count, [min(r // count, 1) if megatron_ids else r // count]]
+        # A separate stream, so cases drawn before grids existed replay unchanged.
+        grid = _object_grid(random.Random(f"shardpoint-conformance-grid:{seed}:{save_world}:"
+                                          f"{load_world}:{profile}"), count)
+        if grid is not None:
+            obj["shape"] = grid
+        objects.append(obj)
+        save_objs[key] = [[r, grid_cell(r % count, grid or count),
+                           [min(r // count, 1) if megatron_ids else r // count]]
                           for r in range(save_world)]
-        load_objs[key] = [[r, (r + 1) % count] for r in range(load_world)]
+        load_objs[key] = [[r, grid_cell((r + 1) % count, grid or count)]
+                          for r in range(load_world)]
     dt = prof["dtensor"]
     save = {"world": save_world, "objects": save_objs,
             "tensors": {t["key"]: _layout(rng, t["shape"], save_world, True, dt)
