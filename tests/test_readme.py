@@ -61,3 +61,12 @@ def test_distributed_example_runs_on_two_ranks(tmp_path):
     code = next(b for b in BLOCKS if "init_process_group" in b)
     assert run_world(2, _run_block, code, str(tmp_path), timeout=240) == [0, 1]
     assert (tmp_path / "ckpt" / "step_100" / "manifest.msgpack").is_file()
+
+
+def test_training_loops_section_runs_and_resumes(tmp_path):
+    assert "Training loops" in re.findall(r"^## (.+)$", README, re.M)
+    code = next(b for b in BLOCKS if "CheckpointManager" in b)
+    run_python(code, tmp_path)
+    run_python(code + "\nassert mgr.latest_step() == 8, mgr.all_steps()\n", tmp_path)  # resumed
+    steps = sorted(os.listdir(tmp_path / "ckpt"))
+    assert "step_00000008" in steps and 2 <= len(steps) <= 3   # 2 newest (+ the best one)
