@@ -198,3 +198,20 @@ def test_sigkill_mid_save_keeps_the_last_checkpoint_and_restarts_clean(tmp_path)
             assert out["step"] == s and torch.equal(out["w"], torch.full((64, 64), float(s)))
             assert mgr.metrics(s) == {"loss": 1.0 / s}
         assert len(mgr.all_steps()) <= 3     # at most one extra: the kill fell before retention
+
+
+@pytest.mark.skipif(not hasattr(sp.api, "AsyncSave"), reason="sp.save has no async_save yet")
+def test_async_saves_retain_after_commit_and_wait_on_close(tmp_path):
+    w = torch.zeros(256, 256)
+    with CheckpointManager(tmp_path, max_to_keep=1, async_save=True) as mgr:
+        for step in (1, 2, 3):
+            w.fill_(float(step))
+            h = mgr.save(step, {"w": w, "step": step}, metrics={"loss": float(step)})
+            w.fill_(-1.0)                   # the training goes on mutating the state
+            assert isinstance(h, sp.api.AsyncSave)
+        h.wait()
+    # closed: the last save committed, retention applied after it, values as at save()
+    assert mgr.all_steps() == [3] and mgr.metrics(3) == {"loss": 3.0}
+    out = mgr.load()
+    assert out["step"] == 3 and torch.equal(out["w"], torch.full((256, 256), 3.0))
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003"]
