@@ -4,7 +4,9 @@ process and time the coordinator's global save and load planning.
 Default: 4,096 ranks = TP 8 x PP 4 x DP 128, 80 layers x 12 params (+ embeddings, ~1,000
 tensors), bf16 weights replicated across DP, fp32 master/exp_avg/exp_avg_sq as distributed-
 optimizer flattened ranges (each stage's parameters concatenated per TP rank, the buffer cut
-into DP equal ranges). Prints planning time, peak memory, gathered-plan and manifest sizes.
+into DP equal ranges). Times what the coordinator does: decode the gathered local plans and
+plan the save; decode the gathered load requests and plan the load (medians of --repeat runs),
+and prints gathered bytes, peak memory and manifest size with ratios to the targets.
 
     python benchmarks/plan_scale.py                 # the 4,096-rank job
     python benchmarks/plan_scale.py --dp 8 --layers 8   # quick look
@@ -12,11 +14,13 @@ into DP equal ranges). Prints planning time, peak memory, gathered-plan and mani
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import resource
+import statistics
 import time
-import tracemalloc
 
+from shardpoint.columns import HoldingColumns
 from shardpoint.metadata import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.model import Holding
 from shardpoint.planner import LocalPlan, TensorLayout, plan_load, plan_save
@@ -84,6 +88,10 @@ def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int) -> lis
     return plans
 
 
+def _median(xs: list) -> str:
+    return f"{statistics.median(xs):7.3f} s ({min(xs):.3f}-{max(xs):.3f})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", type=int, default=8)
@@ -92,9 +100,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--hidden", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=128_000 + 3)
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs (medians reported)")
     ap.add_argument("--no-load", action="store_true", help="skip load planning")
-    ap.add_argument("--trace-memory", action="store_true",
-                    help="peak Python allocations via tracemalloc (slows planning ~3x)")
     a = ap.parse_args()
     world = a.tp * a.pp * a.dp
     t = time.perf_counter()
@@ -102,21 +109,37 @@ def main() -> None:
     build_s = time.perf_counter() - t
     nh = sum(len(p.holdings) for p in plans)
     t = time.perf_counter()
-    blobs = [p.to_bytes() for p in plans]
+    blobs = [p.to_bytes() for p in plans]     # what each rank sends (saving.py's local())
     enc_s = time.perf_counter() - t
     gathered = sum(len(b) for b in blobs)
+    # load into the same layout: each rank asks for what it held, sent as loading.py does
+    reqs_b = [HoldingColumns.from_holdings(
+        [Holding(h.key, h.dtype, h.global_shape, h.offset, h.shape, h.flat, (0,))
+         for h in p.holdings]).to_wire() for p in plans]
     del plans
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if a.trace_memory:
-        tracemalloc.start()
-    t = time.perf_counter()
-    decoded = [LocalPlan.from_bytes(b) for b in blobs]
-    dec_s = time.perf_counter() - t
-    t = time.perf_counter()
-    plan = plan_save(decoded)
-    plan_s = time.perf_counter() - t
-    peak = tracemalloc.get_traced_memory()[1] if a.trace_memory else 0
-    tracemalloc.stop()
+    dec, pl, tot, lds = [], [], [], []
+    for _ in range(a.repeat):
+        gc.collect()
+        t0 = time.perf_counter()
+        decoded = [LocalPlan.from_bytes(b) for b in blobs]     # saving.py's decide()
+        t1 = time.perf_counter()
+        plan = plan_save(decoded)
+        t2 = time.perf_counter()
+        dec.append(t1 - t0)
+        pl.append(t2 - t1)
+        tot.append(t2 - t0)
+        if not a.no_load:
+            layouts = {k: TensorLayout(k, v.shape, v.dtype, v.chunk_shape)
+                       for k, v in plan.tensors.items()}
+            del decoded
+            gc.collect()
+            t0 = time.perf_counter()
+            works = plan_load([HoldingColumns.from_wire(b) for b in reqs_b], layouts)
+            lds.append(time.perf_counter() - t0)
+            reads = sum(len(w.reads) for w in works)
+            sends = sum(len(w.sends) for w in works)
+            del works
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     work_bytes = [len(w.to_bytes()) for w in plan.ranks[:64]]
     m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
@@ -124,33 +147,28 @@ def main() -> None:
                  plan.objects, save_world_size=world)
     man = encode_manifest(m)
     st = plan.stats
+    med = statistics.median
     print(f"job: {world} ranks (TP {a.tp} x PP {a.pp} x DP {a.dp}), {st['tensors']} tensors, "
-          f"{nh:,} holdings, {st['unique_bytes'] / 2**30:.1f} GiB unique")
+          f"{nh:,} holdings, {st['unique_bytes'] / 2**30:.1f} GiB unique; medians of "
+          f"{a.repeat} runs (min-max)")
     print(f"  build local plans (test harness)  {build_s:8.2f} s")
     print(f"  encode local plans (all ranks)    {enc_s:8.2f} s  ({enc_s / world * 1e3:.2f} ms/rank)")
-    print(f"  gathered local plans              {gathered / 2**20:8.1f} MiB")
-    print(f"  decode on coordinator             {dec_s:8.2f} s")
-    print(f"  plan_save on coordinator          {plan_s:8.2f} s")
-    if a.trace_memory:
-        print(f"  peak traced memory (decode+plan)  {peak / 2**20:8.1f} MiB (timings inflated)")
-    print(f"  max RSS growth during decode+plan {(rss1 - rss0) / 2**10:8.1f} MiB "
+    print(f"  gathered local plans              {gathered / 1e6:8.1f} MB   "
+          f"({gathered / 50e6:.2f}x the 50 MB target)")
+    print(f"  decode on coordinator           {_median(dec)}")
+    print(f"  plan_save on coordinator        {_median(pl)}")
+    print(f"  save plan end to end            {_median(tot)}  "
+          f"({med(tot) / 1.0:.2f}x the 1.0 s target)")
+    if lds:
+        print(f"  load plan (decode + plan_load)  {_median(lds)}  "
+              f"({med(lds) / 1.0:.2f}x the 1.0 s target; {reads:,} reads, {sends:,} transfers)")
+    print(f"  max RSS growth during planning    {(rss1 - rss0) / 2**10:8.1f} MiB "
           f"(process max RSS {rss1 / 2**10:.0f} MiB)")
     print(f"  chunks {st['chunks']:,}, exchange {st['exchange_bytes'] / 2**20:.1f} MiB "
           f"({st['exchange_bytes'] / max(1, st['unique_bytes']):.4%} of unique), "
           f"max bytes written by a rank {st['bytes_per_rank_max'] / 2**20:.1f} MiB")
     print(f"  per-rank work message             {max(work_bytes) / 2**10:8.1f} KiB (max of 64)")
     print(f"  manifest                          {len(man) / 2**10:8.1f} KiB")
-    if not a.no_load:
-        layouts = {k: TensorLayout(k, v.shape, v.dtype, v.chunk_shape)
-                   for k, v in plan.tensors.items()}
-        # load into the same layout: each rank asks for what it held
-        reqs = [[Holding(h.key, h.dtype, h.global_shape, h.offset, h.shape, h.flat, (0,))
-                 for h in p.holdings] for p in decoded]
-        t = time.perf_counter()
-        works = plan_load(reqs, layouts)
-        load_s = time.perf_counter() - t
-        reads = sum(len(w.reads) for w in works)
-        print(f"  plan_load (same layout)           {load_s:8.2f} s  ({reads:,} reads)")
 
 
 if __name__ == "__main__":

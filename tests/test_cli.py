@@ -46,7 +46,7 @@ def test_inspect_table_shows_tree_shapes_dtypes_chunks_values(tmp_ckpt, capsys):
     make(tmp_ckpt)
     rc, out, err = run(capsys, "inspect", tmp_ckpt)
     assert rc == 0 and err == ""
-    assert "shardpoint format 1.0" in out
+    assert "shardpoint format %d.%d" % sp.FORMAT_VERSION in out
     lines = out.splitlines()
     w = next(line for line in lines if line.strip().startswith("w "))
     assert "float32" in w and "16x16" in w and "1.0 KiB" in w and "tensors/model/w" in w
@@ -64,7 +64,7 @@ def test_inspect_json_parses_and_matches_the_manifest(tmp_ckpt, capsys):
     assert rc == 0
     d = json.loads(out)
     m = sp.read_metadata(tmp_ckpt)
-    assert d["format_version"] == [1, 0]
+    assert d["format_version"] == list(sp.FORMAT_VERSION)
     assert set(d["tensors"]) == set(m.tensors) == {"model/w", "model/a%20b", "scale"}
     w = d["tensors"]["model/w"]
     assert w["shape"] == [16, 16] and w["dtype"] == "float32" and w["bytes"] == 1024
@@ -264,3 +264,13 @@ def test_absent_inner_chunk_behind_a_valid_shard_index(tmp_ckpt, capsys):
     open(f, "wb").write(bytes(d))
     rc, out, _ = run(capsys, "verify", tmp_ckpt)
     assert rc == 1 and "[SP-READ-2]" in out and "model/w" in out
+
+
+def test_python_dash_m_shardpoint_is_the_console_script(tmp_ckpt, capsys):
+    """``python -m shardpoint`` in a real process prints exactly what the CLI prints."""
+    make(tmp_ckpt)
+    r = subprocess.run([sys.executable, "-m", "shardpoint", "inspect", tmp_ckpt, "--json"],
+                       capture_output=True, text=True, timeout=120)
+    rc, out, _ = run(capsys, "inspect", tmp_ckpt, "--json")
+    assert r.returncode == rc == 0, r.stderr
+    assert r.stdout == out and "model/w" in json.loads(out)["tensors"]

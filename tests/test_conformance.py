@@ -41,7 +41,8 @@ def test_case_set_draws_every_dtype_and_layout_kind():
         got_k |= {v["kind"].split(" ")[0] for v in c["save"]["tensors"].values()}
     assert got_d == set(SPEC_DTYPES)
     assert {"replicated", "owner", "split-even", "split-ceil", "split-uneven", "grid", "flat",
-            "composed", "split-replicas"} <= got_k
+            "composed", "split-replicas", "megatron-replicas", "pieces-contig",
+            "pieces-strided", "pieces-flat-contig", "pieces-flat-strided"} <= got_k
 
 
 # -------------------------------------------------------------------------------- runner

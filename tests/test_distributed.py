@@ -54,6 +54,7 @@ def save_layouts(rank, world):
         st["grid"] = sp.ShardedTensor(full("grid").clone(), SHAPE, (0, 0), replica_id=rank)
     st["obj"] = sp.ShardedObject({"rank": rank}, rank, world)
     st["step"] = 42
+    st.update(pieces_layouts(rank, world, saving=True))
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
@@ -64,6 +65,82 @@ def save_layouts(rank, world):
     else:
         st["dt"] = full("dt")
     return st
+
+
+STACK, EXPERTS, STRIDED = (6, 5, 4), (8, 3, 4), (12, 6)
+
+
+def stacked(key, shape):
+    g = torch.Generator().manual_seed(sum(map(ord, key)))
+    return torch.randn(shape, generator=g).to(torch.bfloat16)
+
+
+def pieces_layouts(rank, world, saving):
+    """Several pieces of one tensor on one rank (``sp.ShardedPieces``), saved in one
+    arrangement and loaded in another: a pipeline stage's layers of a layer-stacked weight
+    (contiguous layers saved, round-robin layers loaded), MoE experts (round-robin saved,
+    contiguous blocks loaded), FSDP2 x TP strided row bands (loaded as one column piece),
+    and several flattened ranges of one block (loaded as row blocks)."""
+    import shardpoint as sp
+
+    def st(key, shape, idx, offset, **kw):
+        full_t = stacked(key, shape)
+        data = full_t[idx].clone() if "flattened_range" not in kw else \
+            full_t.reshape(-1)[slice(*kw["flattened_range"])].clone()
+        if not saving:
+            data = torch.full_like(data, -3)
+        return sp.ShardedTensor(data, shape, offset, **kw)
+
+    def pieces(items):
+        return sp.ShardedPieces(items) if items else None
+
+    out = {}
+    if saving:
+        a, b = split(STACK[0], world, rank)
+        layers = range(a, b)
+        ex = range(rank, EXPERTS[0], world)
+    else:
+        layers = range(rank, STACK[0], world)
+        ea, eb = split(EXPERTS[0], world, rank)
+        ex = [(ea, eb)] if eb > ea else []
+    out["stack"] = pieces([st("stack", STACK, slice(g, g + 1), (g, 0, 0)) for g in layers])
+    if saving:
+        out["experts"] = pieces([st("experts", EXPERTS, slice(e, e + 1), (e, 0, 0))
+                                 for e in ex])
+    else:
+        out["experts"] = pieces([st("experts", EXPERTS, slice(a, b), (a, 0, 0)) for a, b in ex]
+                                + [st("experts", EXPERTS, slice(0, 0), (EXPERTS[0], 0, 0))])
+    if saving:   # bands i and i + world of 2 * world row bands (a TP block split by FSDP)
+        bands = [split(STRIDED[0], 2 * world, i) for i in (rank, rank + world)]
+        out["strided"] = pieces([st("strided", STRIDED, slice(a, b), (a, 0)) for a, b in bands])
+        k = 3 * world
+        rs = [split(70, k, i) for i in range(rank, k, world)]
+        out["flatpieces"] = pieces([st("flatpieces", SHAPE, None, (0, 0), local_shape=SHAPE,
+                                       flattened_range=r) for r in rs])
+    else:
+        a, b = split(STRIDED[1], world, rank)
+        out["strided"] = pieces([st("strided", STRIDED, (slice(None), slice(a, b)), (0, a))])
+        rows = [split(SHAPE[0], 2 * world, i) for i in (2 * rank + 1, 2 * rank)]
+        out["flatpieces"] = pieces([st("flatpieces", SHAPE, slice(a, b), (a, 0))
+                                    for a, b in rows])
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def check_pieces(out, like, world, tag):
+    """Each loaded piece holds its part of the global tensor, filled in place."""
+    bad = []
+    for key, leaf in like.items():
+        if not isinstance(leaf, __import__("shardpoint").ShardedPieces):
+            continue
+        shape = {"stack": STACK, "experts": EXPERTS, "strided": STRIDED}.get(key, SHAPE)
+        full_t = stacked(key, shape)
+        if len(out[key]) != len(leaf) or any(t is not p.data for t, p in zip(out[key], leaf)):
+            bad.append(f"{tag}: {key}: not the caller's tensors")
+        for p in leaf:
+            want = full_t[tuple(slice(o, o + n) for o, n in zip(p.global_offset, p.local_shape))]
+            if not same_bits(p.data, want):
+                bad.append(f"{tag}: {key} piece at {p.global_offset}")
+    return bad
 
 
 def save_job(rank, world, base):
@@ -94,6 +171,7 @@ def load_job(rank, world, base, save_worlds):
             "obj": sp.ShardedObject(None, rank % sw, sw),
             "step": 0,
         }
+        like.update(pieces_layouts(rank, world, saving=False))
         ca, cb = ceil_split(SHAPE[1], world, rank)      # DTensor shards like torch.chunk
         if world == 3:      # a replicated DTensor: every rank gets all of it
             ca, cb = 0, SHAPE[1]
@@ -116,6 +194,7 @@ def load_job(rank, world, base, save_worlds):
                 bad.append(f"save {sw} -> load {world}: {k}")
         if out["obj"] != {"rank": rank % sw} or out["step"] != 42:
             bad.append(f"save {sw} -> load {world}: objects")
+        bad += check_pieces(out, like, world, f"save {sw} -> load {world}")
     return bad
 
 

@@ -328,3 +328,131 @@ def test_big_endian_uint16_is_sensible(tmp_ckpt):
     assert sp.read_metadata(tmp_ckpt).tensors["a"].dtype == "uint16"
     back = sp.load(tmp_ckpt)["a"]
     assert back.dtype == np.uint16 and back.tolist() == a.tolist()
+
+
+# ---- spec 1.1: portable array paths ([SP-LAYOUT-4]) ---------------------------------------
+def test_keys_differing_in_case_long_or_reserved_get_distinct_portable_array_paths(tmp_ckpt):
+    from shardpoint.metadata import array_path_for
+    from shardpoint.verify import verify_checkpoint
+    state = {"Encoder": torch.ones(2), "encoder": torch.zeros(2), "con": torch.arange(3),
+             "x" * 300: torch.ones(1), "dot.": torch.ones(1)}
+    sp.save(state, tmp_ckpt)
+    m = sp.read_metadata(tmp_ckpt)
+    paths = [e.array for e in m.tensors.values()]
+    assert len({p.lower() for p in paths}) == len(paths)
+    assert m.tensors["Encoder"].array == "tensors/Encoder~1" == array_path_for("Encoder")
+    assert m.tensors["encoder"].array == "tensors/encoder"
+    for k in ("con", "x" * 300, "dot."):
+        assert m.tensors[k].array.startswith("tensors/~h/")
+    assert all(len(c) <= 255 for p in paths for c in p.split("/"))
+    got = sp.load(tmp_ckpt)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert verify_checkpoint(tmp_ckpt, strict=True).ok
+
+
+# ---- spec 1.1: files, sizes, depth ([SP-SEC-5], [SP-SEC-2], [SP-MAN-5]) -------------------
+def _load_in_thread(path):
+    import threading
+    box = {}
+
+    def run():
+        try:
+            box["out"] = sp.load(path)
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            box["err"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the load blocked"
+    return box.get("err")
+
+
+def test_a_fifo_in_place_of_a_chunk_is_refused_without_blocking(tmp_ckpt):
+    sp.save({"w": torch.ones(4)}, tmp_ckpt)
+    chunk = glob.glob(f"{tmp_ckpt}/tensors/w/c/*")[0]
+    os.remove(chunk)
+    os.mkfifo(chunk)
+    err = _load_in_thread(tmp_ckpt)
+    assert isinstance(err, sp.CorruptCheckpointError) and err.spec_id == "SP-SEC-5"
+    assert "FIFO" in str(err) or "special" in str(err)
+
+
+def test_symlinks_inside_a_checkpoint_are_refused(tmp_ckpt, tmp_path):
+    sp.save({"w": torch.ones(4)}, tmp_ckpt)
+    chunk = glob.glob(f"{tmp_ckpt}/tensors/w/c/*")[0]
+    outside = tmp_path / "outside"
+    outside.write_bytes(open(chunk, "rb").read())
+    os.remove(chunk)
+    os.symlink(outside, chunk)
+    err = _load_in_thread(tmp_ckpt)
+    assert isinstance(err, sp.CorruptCheckpointError) and err.spec_id == "SP-SEC-5"
+    m = f"{tmp_ckpt}/manifest.msgpack"
+    os.rename(m, tmp_path / "m")
+    os.symlink(tmp_path / "m", m)
+    with pytest.raises(sp.CorruptCheckpointError) as e:
+        sp.read_metadata(tmp_ckpt)
+    assert e.value.spec_id == "SP-SEC-5"
+
+
+def test_a_symlinked_checkpoint_root_is_fine(tmp_ckpt, tmp_path):
+    sp.save({"w": torch.ones(4)}, tmp_ckpt)
+    os.symlink(tmp_ckpt, tmp_path / "alias")
+    assert torch.equal(sp.load(str(tmp_path / "alias"))["w"], torch.ones(4))
+
+
+def test_oversized_manifest_and_zarr_json_are_refused_before_reading(tmp_ckpt):
+    sp.save({"w": torch.ones(4)}, tmp_ckpt)
+    z = f"{tmp_ckpt}/tensors/w/zarr.json"
+    meta = json.load(open(z))
+    meta["attributes"] = {"pad": "x" * (1 << 20)}
+    json.dump(meta, open(z, "w"))
+    with pytest.raises(sp.CorruptCheckpointError) as e:
+        sp.load(tmp_ckpt)
+    assert e.value.spec_id == "SP-SEC-2" and "zarr.json" in str(e.value)
+    with open(f"{tmp_ckpt}/manifest.msgpack", "r+b") as f:
+        f.truncate((1 << 30) + 1)                  # sparse: nothing is written
+    with pytest.raises(sp.CorruptCheckpointError) as e:
+        sp.read_metadata(tmp_ckpt)
+    assert e.value.spec_id == "SP-SEC-2"
+
+
+def test_writers_refuse_a_tree_deeper_than_the_format_allows(tmp_ckpt):
+    deep = torch.ones(1)
+    for _ in range(90):
+        deep = {"d": deep}
+    with pytest.raises(sp.ShardpointError) as e:
+        sp.save(deep, tmp_ckpt)
+    assert e.value.spec_id == "SP-MAN-5" and not os.path.exists(tmp_ckpt)
+    ok = 1
+    for _ in range(80):
+        ok = {"d": ok}
+    sp.save(ok, tmp_ckpt)
+    assert sp.read_metadata(tmp_ckpt).tree
+
+
+def test_rank_limit_and_unallocatable_tensors(tmp_ckpt):
+    from shardpoint.metadata import decode_manifest, encode_manifest
+    sp.save({"w": torch.ones(4)}, tmp_ckpt)
+    mpath = f"{tmp_ckpt}/manifest.msgpack"
+    m = decode_manifest(open(mpath, "rb").read())
+    e = m.tensors["w"]
+    e.shape, e.chunk_shape = (1,) * 65, (1,) * 65
+    open(mpath, "wb").write(encode_manifest(m))
+    with pytest.raises(sp.CorruptCheckpointError) as err:
+        sp.read_metadata(tmp_ckpt)
+    assert err.value.spec_id == "SP-SEC-2"
+    e.shape, e.chunk_shape = (1 << 50, 1 << 10), (1, 1)
+    open(mpath, "wb").write(encode_manifest(m))
+    with pytest.raises(sp.ResourceLimitError, match="'w'") as err:
+        sp.load(tmp_ckpt)
+    assert err.value.category == "resource-limit"
+
+
+@pytest.mark.parametrize("cls, category", [
+    (sp.CorruptCheckpointError, "corrupt"), (sp.IncompleteCheckpointError, "incomplete"),
+    (sp.UnsupportedFormatError, "unsupported"), (sp.LayoutMismatchError, "layout-mismatch"),
+    (sp.ResourceLimitError, "resource-limit"), (sp.InvalidShardingError, "caller-error")])
+def test_every_error_class_names_its_spec_category(cls, category):
+    assert cls.category == category
+    spec = open(os.path.join(os.path.dirname(__file__), "..", "spec", "format.md")).read()
+    assert f"*{category.replace('-', ' ')}*" in spec

@@ -93,13 +93,17 @@ def jobs(draw, max_world=64):
         mode = draw(st.sampled_from(["even", "uneven", "ceil"]))
         dtype = draw(st.sampled_from(sorted(DTYPES)))
         lay = make_layout(shape, world, kind, mode, rng)
-        # replica ids must be unique per region: renumber duplicates created by "multi"
+        # at most one main replica (id 0) per region ([SP-REPL-2]): number the holders of a
+        # region 0, 1, 2..., or Megatron's way (0 for the first, 1 for every other), or give
+        # them all one non-zero id (no main at all)
+        style = draw(st.sampled_from(["distinct", "megatron", "no_main"]))
         seen = {}
         fixed = []
         for r, off, shp, flat, rep in lay:
             reg = (off, shp, flat)
-            seen[reg] = seen.get(reg, -1) + 1
-            fixed.append((r, off, shp, flat, (seen[reg],)))
+            seen[reg] = n = seen.get(reg, -1) + 1
+            rid = {"distinct": n, "megatron": min(n, 1), "no_main": 2}[style]
+            fixed.append((r, off, shp, flat, (rid,)))
         tensors[f"t{t}"] = (shape, dtype, fixed)
     return world, tensors, rng
 
@@ -348,6 +352,37 @@ def test_invalid_tensor_layouts_raise_naming_the_key(case, sid):
         assert "rank" in str(e.value) and "0" in str(e.value) and "1" in str(e.value)
 
 
+def test_megatron_replica_ids_main_zero_others_share_one():
+    """[SP-REPL-2] (1.1): non-main replicas may share an id; the writer election stays
+    byte-balanced and deterministic (ties to the lowest rank), whatever the ids."""
+    shape = (16, 4)
+    per_rank = [[H((0, 0), (16, 4), rep=0 if r == 0 else 1, shape=shape)] for r in range(4)]
+    plans = plans_of(*per_rank)
+    opts = PlanOptions(chunk_overhead_bytes=0, max_chunk_bytes=64)   # 4 chunks of 4 rows
+    plan = plan_save(plans, opts)
+    writers = [r for r, w in enumerate(plan.ranks) for _ in w.writes]
+    assert sorted(writers) == [0, 1, 2, 3]          # one chunk each: balanced
+    assert [len(w.writes) for w in plan_save(plans, opts).ranks] == [1, 1, 1, 1]
+    assert [(cw.offset, r) for r, w in enumerate(plan.ranks) for cw in w.writes] == \
+        [(cw.offset, r) for r, w in enumerate(plan_save(plans, opts).ranks) for cw in w.writes]
+    # the same with no main replica at all, and with two ranks sharing a non-zero tuple id
+    for ids in ([3, 3, 3, 3], [(0, 0), (0, 1), (0, 1), (2, 5)]):
+        per_rank = [[Holding("w", "float32", shape, (0, 0), shape, None,
+                             i if isinstance(i, tuple) else (i,))] for i in ids]
+        assert plan_save(plans_of(*per_rank), opts).stats["chunks"] == 4
+
+
+def test_two_main_replicas_name_key_ranks_region_and_fix():
+    per_rank = ([H((0, 0), (4, 4))], [H((4, 0), (4, 4), rep=1)], [H((4, 0), (4, 4), rep=1)],
+                [H((4, 0), (4, 4))], [H((4, 0), (4, 4), flat=None)])
+    with pytest.raises(InvalidShardingError) as e:
+        plan_save(plans_of(*per_rank))
+    msg = str(e.value)
+    assert e.value.spec_id == "SP-REPL-2" and "'w'" in msg
+    assert "rank 3" in msg and "rank 4" in msg and "rank 1" not in msg
+    assert "(4, 0)" in msg and "main replica" in msg and "non-zero replica_id" in msg
+
+
 def test_empty_pieces_anywhere_cover_nothing_and_never_shadow():
     # DTensor puts an empty shard at offset = dim, Megatron at the sum of earlier sizes;
     # an empty piece in the middle with the same offset as a real one must not hide it.
@@ -376,6 +411,10 @@ def test_sharded_object_replicas_and_values():
             2: [("rng", 0, 2, (1,), "a2")], 3: [("rng", 1, 2, (1,), "b2")]}
     plan = plan_save(plans_of([], [], [], [], objects=objs))
     assert plan.objects == {"rng": ["a", "b"]}
+    # Megatron: non-main holders share id 1; the main entry's value is stored
+    objs = {0: [("rng", 0, 1, (1,), "x")], 1: [("rng", 0, 1, (1,), "y")],
+            2: [("rng", 0, 1, (0,), "main")], 3: [("rng", 0, 1, (1,), "z")]}
+    assert plan_save(plans_of([], [], [], [], objects=objs)).objects == {"rng": ["main"]}
 
 
 def test_wire_forms_round_trip():

@@ -37,7 +37,7 @@ def test_every_vector_reads_as_expected_both_ways():
 def test_required_cases_exist_and_cover_what_they_claim():
     valid = set(os.listdir(ROOT / "valid"))
     assert {"all_dtypes", "nested_tree", "multi_chunk", "empty_and_scalar",
-            "key_escaping"} <= valid
+            "key_escaping", "object_grid", "edge_chunks", "newer_minor"} <= valid
     exp = json.loads((ROOT / "valid" / "all_dtypes" / "expected.json").read_text())
     assert {t["dtype"] for t in exp["tensors"].values()} == set(vectors._DTYPES)
     grid = json.loads((ROOT / "valid/multi_chunk/checkpoint/tensors/grid/zarr.json").read_text())
@@ -153,3 +153,102 @@ def test_subset_and_strict_loads_on_a_vector():
     rep = sp.LoadReport()
     sp.load(ck, {"nope": torch.empty(1)}, strict=False, report=rep)
     assert rep.missing_keys and "nope" in rep.missing_keys[0]
+
+
+def test_object_grid_vector_is_format_1_1_and_loads_cell_by_cell():
+    ck = str(ROOT / "valid" / "object_grid" / "checkpoint")
+    assert sp.read_metadata(ck).format_version == (1, 1)
+    for s in range(2):
+        for t in range(3):
+            got = sp.load(ck, {"rng": sp.ShardedObject(None, (s, t), (2, 3))})
+            assert got["rng"] == {"stage": s, "tp": t, "seed": 10 * s + t}
+    with pytest.raises(sp.LayoutMismatchError) as e:
+        sp.load(ck, {"rng": sp.ShardedObject(None, 0, 6)})
+    assert e.value.spec_id == "SP-OBJ-2" and "(2, 3)" in str(e.value) and "6" in str(e.value)
+    assert sp.load(ck)["rng"][1][2]["seed"] == 12
+
+
+def test_the_1_0_vectors_stay_1_0_checkpoints():
+    for case in ("all_dtypes", "nested_tree", "multi_chunk", "empty_and_scalar",
+                 "key_escaping"):
+        assert sp.read_metadata(str(ROOT / "valid" / case / "checkpoint")).format_version == (1, 0)
+
+
+# ---- spec 1.1: what the vectors and the spec text promise ------------------------------
+SPEC = ROOT.parent
+
+
+def test_every_invalid_vector_documents_its_damage_and_is_listed():
+    listing = (ROOT / "README.md").read_text()
+    for d in sorted((ROOT / "invalid").iterdir()):
+        exp = json.loads((d / "expected.json").read_text())
+        assert len(exp["damage"]) > 15 and exp["base"] in os.listdir(ROOT / "valid")
+        assert f"| `{d.name}` | `{exp['base']}` |" in listing
+    for sid in ("SP-MAN-5", "SP-KEY-2", "SP-KEY-3", "SP-DTYPE-1", "SP-ARRAY-1", "SP-ARRAY-3",
+                "SP-VALUE-2", "SP-MAN-4", "SP-OBJ-4", "SP-MAN-1", "SP-READ-3"):
+        assert f"| {sid} |" in listing, sid
+
+
+def test_valid_vectors_exercise_what_readers_must_accept():
+    from shardpoint_conformance.vector_damage import _body
+    b = _body(str(ROOT / "valid" / "newer_minor" / "checkpoint"))
+    assert b["format_version"] == [1, 2] and b["later_field"]["must_understand"] is False
+    raw = (ROOT / "valid/newer_minor/checkpoint/manifest.msgpack").read_bytes()
+    assert b"\xca" in raw                                   # float 32 in the body
+    z = json.loads((ROOT / "valid/newer_minor/checkpoint/tensors/u8/zarr.json").read_text())
+    assert z["codecs"][0] == {"name": "bytes"} and z["vendor.extension"]["must_understand"] is False
+    shard = (ROOT / "valid/edge_chunks/checkpoint/tensors/sharded/c/1/1").read_bytes()
+    entries = [int.from_bytes(shard[len(shard) - 68 + 8 * i:][:8], "little") for i in range(8)]
+    assert entries[2:] == [(1 << 64) - 1] * 6 and entries[1] == 2 * 4 * 4 + 4
+    assert len(list((ROOT / "valid/edge_chunks/checkpoint/tensors/plain/c").rglob("*"))) == 12
+
+
+def test_spec_is_self_contained():
+    for p in SPEC.glob("*.md"):
+        text = p.read_text()
+        for bad in ("conformance/", "reference/", "tests/", ".py", "shardpoint verify",
+                    "python -m"):
+            assert bad not in text, f"{p.name} points into code: {bad!r}"
+
+
+def test_crc32c_check_value_in_the_spec():
+    assert vectors.crc32c(b"123456789") == 0xE3069283
+    assert "0xE3069283" in (SPEC / "format.md").read_text()
+
+
+BIT_PATTERNS = [   # (dtype, value, bytes as format.md Appendix A spells them)
+    ("bool", True, "01"), ("int16", -2, "fe ff"), ("uint32", 1, "01 00 00 00"),
+    ("float16", 1.0, "00 3c"), ("float16", -0.0, "00 80"), ("bfloat16", 1.0, "80 3f"),
+    ("bfloat16", -2.0, "00 c0"), ("bfloat16", float("nan"), "c0 7f"),
+    ("float32", 1.0, "00 00 80 3f"), ("float64", 1.0, "00 00 00 00 00 00 f0 3f"),
+    ("complex64", 1 + 2j, "00 00 80 3f 00 00 00 40"), ("float8_e4m3fn", 1.0, "38"),
+    ("float8_e4m3fn", 448.0, "7e"), ("float8_e4m3fn", float("nan"), "7f"),
+    ("float8_e4m3fn", -0.0, "80"), ("float8_e5m2", 1.0, "3c"), ("float8_e5m2", 57344.0, "7b"),
+    ("float8_e5m2", float("inf"), "7c"),
+]
+
+
+@pytest.mark.parametrize("dtype, value, hexbytes", BIT_PATTERNS)
+def test_appendix_bit_patterns_match_torch(dtype, value, hexbytes):
+    from shardpoint import dtypes
+    text = (SPEC / "format.md").read_text().split("## Appendix A")[1]
+    row = next(line for line in text.splitlines() if line.startswith(f"| {dtype} |"))
+    assert f"`{hexbytes}`" in row
+    t = torch.tensor([value], dtype=dtypes.from_name(dtype).torch)
+    assert t.view(torch.uint8).numpy().tobytes() == bytes.fromhex(hexbytes)
+
+
+def test_array_faults_surface_only_when_read_manifest_faults_at_open():
+    # [SP-ERR-3]: a subset load that does not touch the damaged tensor succeeds ...
+    ck = str(ROOT / "invalid" / "missing_chunk" / "checkpoint")
+    small = torch.empty(5, 3, dtype=torch.uint16)
+    sp.load(ck, {"small": small})
+    ref = sp.load(str(ROOT / "valid" / "multi_chunk" / "checkpoint"), {"small": torch.empty(
+        5, 3, dtype=torch.uint16)})["small"]
+    assert torch.equal(small.view(torch.int16), ref.view(torch.int16))
+    with pytest.raises(sp.CorruptCheckpointError):
+        sp.load(ck, {"grid": torch.empty(37, 11)})
+    # ... while a manifest fault fails whatever the load asks for.
+    with pytest.raises(sp.UnsupportedFormatError) as e:
+        sp.load(str(ROOT / "invalid" / "unknown_dtype" / "checkpoint"), {"iteration": 0})
+    assert e.value.spec_id == "SP-DTYPE-1"

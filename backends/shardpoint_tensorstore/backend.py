@@ -23,6 +23,9 @@ from shardpoint.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                SaveFailedError)
 from shardpoint.storage import MANIFEST_NAME, ArraySpec
 
+from .zarr_checks import (check_array_files, check_regular_file, check_zarr_json,
+                          chunk_file_sizes, read_zarr_json)
+
 _BYTES_CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 MAX_MANIFEST_BYTES = 1 << 30
 
@@ -144,7 +147,7 @@ class TensorStoreBackend:
 
     # -- checkpoint directories ---------------------------------------------------------
     def checkpoint_state(self, path: str) -> str:
-        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        if os.path.lexists(os.path.join(path, MANIFEST_NAME)):
             return "committed"
         return "incomplete" if os.path.exists(path) else "missing"
 
@@ -187,6 +190,13 @@ class TensorStoreBackend:
 
     def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
                             key: str) -> Any:
+        # The spec's own checks first: file kinds, size cap, codecs, fill value, key encoding.
+        from shardpoint.dtypes import from_name
+        meta = read_zarr_json(root, array_path, key)
+        check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
+        if os.path.isdir(os.path.join(root, array_path)):
+            check_array_files(root, array_path, key,
+                              chunk_file_sizes(meta, from_name(spec.dtype).itemsize))
         s = self._tspec(root, array_path)
         # Revalidate cached metadata and data once, at open: a checkpoint replaced in place
         # (overwrite=True) must never be read through entries cached from the old one.
@@ -215,6 +225,8 @@ class TensorStoreBackend:
         return h
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
+        # TensorStore itself refuses bool bytes other than 0/1 ("Invalid bool value"), so a
+        # damaged bool chunk fails here as SP-READ-3, never reads as True ([SP-READ-5]).
         return ts.array(out, copy=False, write=True).write(_region(handle, offset, out.shape))
 
     def wait(self, ops: Sequence[Any]) -> None:
@@ -279,12 +291,16 @@ class TensorStoreBackend:
                 f"{path!r} has no {MANIFEST_NAME}: the save that made it never committed "
                 "(crashed or still running); it is not a checkpoint", spec_id="SP-COMMIT-3")
         mpath = os.path.join(path, MANIFEST_NAME)
-        size = os.path.getsize(mpath)
+        try:
+            size = check_regular_file(path, MANIFEST_NAME, "<manifest>")
+        except FileNotFoundError as e:
+            raise IncompleteCheckpointError(f"{path!r} has no {MANIFEST_NAME}",
+                                            spec_id="SP-COMMIT-3") from e
         if size > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"manifest of {path!r} is {size} bytes, over the "
                                          f"{MAX_MANIFEST_BYTES}-byte cap", spec_id="SP-SEC-2")
         with open(mpath, "rb") as f:
-            return f.read()
+            return f.read(MAX_MANIFEST_BYTES + 1)
 
     def _fsync_tree(self, root: str) -> None:
         for dirpath, _dirs, _files in os.walk(root):

@@ -20,7 +20,10 @@ Case layout (all fields plain JSON)::
 
 ``flat`` is ``[start, stop]`` (a flattened range of the block ``offset``/``shape``) or null;
 ``replica`` is a list of ints, or null for a plain (unsharded) tensor leaf, which the library
-treats as a replica across ranks. A rank has at most one piece per key.
+treats as a replica across ranks. A rank has at most one piece per key, except in layouts
+whose kind starts with ``pieces``: there a rank may hold several (disjoint) pieces of the key,
+passed to the library as one leaf of several pieces (``sp.ShardedPieces``), and a rank with
+none leaves the key out.
 """
 from __future__ import annotations
 
@@ -143,6 +146,11 @@ def rank_pieces(layout: dict, rank: int) -> list:
     return [p for p in layout["pieces"] if p[0] == rank]
 
 
+def is_pieces(layout: dict) -> bool:
+    """Whether a rank may hold several pieces of the key (one ``ShardedPieces`` leaf)."""
+    return layout["kind"].startswith("pieces")
+
+
 def describe_layout(side: dict) -> str:
     """A short text for the report table: world size and the layout kinds used."""
     kinds = sorted({v["kind"].split(" ")[0] for v in side["tensors"].values()})
@@ -162,7 +170,9 @@ def check_case(case: dict) -> None:
         for key, lay in case[side]["tensors"].items():
             shape = ents[key]["shape"]
             ranks = [p[0] for p in lay["pieces"]]
-            if len(ranks) != len(set(ranks)) or any(not 0 <= r < world for r in ranks):
+            several = is_pieces(lay)
+            if (not several and len(ranks) != len(set(ranks))) or \
+                    any(not 0 <= r < world for r in ranks):
                 raise ValueError(f"{side} {key}: bad ranks {ranks}")
             for _r, off, shp, flat, _rep in lay["pieces"]:
                 if len(off) != len(shape) or any(o + s > n or o < 0 or s < 0

@@ -211,12 +211,9 @@ def run_matrix(adapter_cmd: str, *, cases: int = 6, seed: int = 0,
             cells["reference→reference"] = _judge(m["ref_case"], m["arrays"], f"{d}/out-rr",
                                                   _ref_read(ref_ckpt, m["ref_json"],
                                                             f"{d}/out-rr"))
-            os.makedirs(f"{d}/out-ra", exist_ok=True)
-            r = adapter.read(ref_ckpt, m["ref_json"], f"{d}/out-ra")
-            cells["reference→adapter"] = _judge(
-                m["ref_case"], m["arrays"], f"{d}/out-ra",
-                _cell("ok") if r.ok else _cell("fail", "adapter reader: " + r.brief(),
-                                               r.spec_ids))
+            cells["reference→adapter"] = _adapter_read_cell(adapter, ref_ckpt, m["ref_json"],
+                                                            m["ref_case"], m["arrays"],
+                                                            f"{d}/out-ra")
             bad = f"{d}/corrupt-ckpt"
             shutil.copytree(ref_ckpt, bad)
             files = chunk_files(os.path.join(bad, "tensors", "anchor"))  # read in full
@@ -243,16 +240,22 @@ def run_matrix(adapter_cmd: str, *, cases: int = 6, seed: int = 0,
             elif note and cell["status"] == "ok":
                 cell["detail"] = note
             cells["adapter→reference"] = cell
-            os.makedirs(f"{d}/out-aa", exist_ok=True)
-            r = adapter.read(adp_ckpt, m["adp_json"], f"{d}/out-aa")
-            cells["adapter→adapter"] = _judge(
-                m["adp_case"], m["arrays"], f"{d}/out-aa",
-                _cell("ok") if r.ok else _cell("fail", "adapter reader: " + r.brief(),
-                                               r.spec_ids))
+            cells["adapter→adapter"] = _adapter_read_cell(adapter, adp_ckpt, m["adp_json"],
+                                                          m["adp_case"], m["arrays"],
+                                                          f"{d}/out-aa")
         rows.append({"id": m["id"], "seed": m["ref_case"]["seed"], "notes": m["notes"],
                      "tensors": len(m["ref_case"]["tensors"]), "cells": cells})
     return {"adapter": adapter_cmd, "capabilities": caps, "dir": root, "rows": rows,
             "ok": all(c["status"] != "fail" for r in rows for c in r["cells"].values())}
+
+
+def _adapter_read_cell(adapter, ckpt: str, case_json: str, case: dict, arrays: dict,
+                       out: str) -> dict:
+    """The adapter reads ``ckpt`` into ``out``; the cell judges what it wrote."""
+    os.makedirs(out, exist_ok=True)
+    r = adapter.read(ckpt, case_json, out)
+    return _judge(case, arrays, out, _cell("ok") if r.ok else
+                  _cell("fail", "adapter reader: " + r.brief(), r.spec_ids))
 
 
 def format_report(rep: dict) -> str:

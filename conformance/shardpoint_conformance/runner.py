@@ -16,8 +16,8 @@ from typing import Any, Optional
 import numpy as np
 
 from .cases import (case_bytes, decode_value, describe_layout, expected_array,
-                    first_difference, get_path, object_value, piece_of, rank_pieces,
-                    set_path)
+                    first_difference, get_path, is_pieces, object_value, piece_of,
+                    rank_pieces, set_path)
 
 _MESH: dict = {}
 
@@ -88,6 +88,7 @@ def build_save_state(case: dict, rank: int, world: int, device: str = "cpu") -> 
     for t in case["tensors"]:
         lay = case["save"]["tensors"][t["key"]]
         full = expected_array(case["seed"], t["key"], t["dtype"], t["shape"])
+        several = []
         for _r, off, shp, flat, rep in rank_pieces(lay, rank):
             if lay["kind"].startswith("dtensor"):
                 leaf = _dtensor(to_torch(piece_of(full, off, shp, None), device), lay["kind"],
@@ -99,7 +100,10 @@ def build_save_state(case: dict, rank: int, world: int, device: str = "cpu") -> 
                                         t["shape"], off, local_shape=shp,
                                         flattened_range=tuple(flat) if flat else None,
                                         replica_id=tuple(rep))
+            several.append(leaf)
             set_path(st, t["path"], leaf)
+        if is_pieces(lay) and several:
+            set_path(st, t["path"], sp.ShardedPieces(several))
     for v in case["values"]:
         set_path(st, v["path"], decode_value(v["value"]))
     for o in case["objects"]:
@@ -211,6 +215,7 @@ def _build_like(case: dict, rank: int, world: int, device: str) -> tuple:
     for t in case["tensors"]:
         lay = case["load"]["tensors"][t["key"]]
         full = expected_array(case["seed"], t["key"], t["dtype"], t["shape"])
+        several = []
         for _r, off, shp, flat, rep in rank_pieces(lay, rank):
             want = piece_of(full, off, shp, flat)
             data = to_torch(_not(want), device)
@@ -223,7 +228,10 @@ def _build_like(case: dict, rank: int, world: int, device: str) -> tuple:
                                         flattened_range=tuple(flat) if flat else None)
             targets.append((f"{t['key']}@{off}+{shp}{'/' + str(flat) if flat else ''}",
                             leaf, want))
+            several.append(leaf)
             set_path(like, t["path"], leaf)
+        if is_pieces(lay) and several:
+            set_path(like, t["path"], sp.ShardedPieces(several))
     for v in case["values"]:
         set_path(like, v["path"], _placeholder(decode_value(v["value"])))
     for o in case["objects"]:

@@ -9,6 +9,9 @@ Saving layouts: replicated plain tensors, a single owner (a pipeline stage), eve
 (``torch.chunk``, DTensor: empty last pieces at offset = dim size) / uneven splits (Megatron:
 empty pieces at the sum of earlier sizes), 2-D grids with replicas, flattened ranges (ZeRO),
 composed TP x PP x DP groups (DP replicating or ZeRO-flattening the TP block), and DTensor.
+Several pieces of one tensor per rank (layer-stacked weights of a pipeline stage, MoE
+experts, strided rows, several flattened ranges) and Megatron's replica ids (0 for one holder
+of a region, 1 for every other) are drawn too.
 Loading layouts draw independently from the same kinds (without replica ids) plus "skip"
 (a subset load) and whole-tree loads without ``like``.
 """
@@ -91,11 +94,11 @@ def _box(shape, dim_cuts: dict) -> tuple:
 
 def _layout(rng: random.Random, shape: list, world: int, saving: bool, dtensor: float) -> dict:
     nd = len(shape)
-    kinds = ["replicated", "owner", "split", "flat", "composed"]
+    kinds = ["replicated", "owner", "split", "flat", "composed", "pieces"]
     if nd >= 2:
         kinds.append("grid")
     if saving:
-        kinds.append("split-replicas")
+        kinds += ["split-replicas", "megatron-replicas"]
     else:
         kinds += ["skip", "owner"]
     if nd >= 1 and rng.random() < dtensor:
@@ -110,7 +113,8 @@ def _layout(rng: random.Random, shape: list, world: int, saving: bool, dtensor: 
                 pieces.append([r, *_box(shape, {d: (o, s)}), None, [0]])
         return {"kind": f"dtensor {place}", "pieces": pieces}
     kind = rng.choice(kinds)
-    if kind == "replicated" or (nd == 0 and kind in ("split", "grid", "split-replicas")):
+    if kind == "replicated" or (nd == 0 and kind in ("split", "grid", "split-replicas",
+                                                     "megatron-replicas")):
         return {"kind": "replicated", "pieces": [[r, [0] * nd, list(shape), None, None]
                                                  for r in range(world)]}
     if kind == "skip":
@@ -130,6 +134,16 @@ def _layout(rng: random.Random, shape: list, world: int, saving: bool, dtensor: 
         return {"kind": f"split-replicas k{k} d{d}",
                 "pieces": [[r, *_box(shape, {d: cuts[r % k]}), None, [r // k]]
                            for r in range(world)]}
+    if kind == "megatron-replicas":
+        # Megatron's fully-parallel replica ids: 0 for one holder of a region, 1 for all others
+        k = rng.choice([f for f in range(1, world + 1) if world % f == 0])
+        d = rng.randrange(nd)
+        cuts = _cuts(rng, shape[d], k, rng.choice(["even", "ceil", "uneven"]))
+        return {"kind": f"megatron-replicas k{k} d{d}",
+                "pieces": [[r, *_box(shape, {d: cuts[r % k]}), None, [0 if r < k else 1]]
+                           for r in range(world)]}
+    if kind == "pieces":
+        return _pieces_layout(rng, shape, world)
     if kind == "grid":
         a, b, c = rng.choice(_factorizations(world, 3))
         d0, d1 = rng.sample(range(nd), 2)
@@ -168,6 +182,24 @@ def _layout(rng: random.Random, shape: list, world: int, saving: bool, dtensor: 
         pieces.append([r, off, shp, flat, replica])
     return {"kind": f"composed tp{tp}xpp{pp}xdp{dp}{'-zero' if zero else ''}",
             "pieces": pieces}
+
+
+def _pieces_layout(rng: random.Random, shape: list, world: int) -> dict:
+    """Several pieces of one tensor per rank (one ``ShardedPieces`` leaf): ``k >= world``
+    slabs of a dimension, or ranges of the flattening, dealt to the ranks contiguously (a
+    pipeline stage's layers) or round-robin (MoE experts, FSDP2 x TP strided rows)."""
+    nd = len(shape)
+    k = world * rng.choice([1, 2, 3])
+    deal = rng.choice(["contig", "strided"])
+    owner = [i * world // k if deal == "contig" else i % world for i in range(k)]
+    if nd == 0 or rng.random() < 0.3:
+        rs = _flat_ranges(rng, math.prod(shape), k)
+        pieces = [[owner[i], [0] * nd, list(shape), list(rs[i]), [0]] for i in range(k)]
+        return {"kind": f"pieces-flat-{deal} k{k}", "pieces": pieces}
+    d = rng.randrange(nd)
+    cuts = _cuts(rng, shape[d], k, rng.choice(["even", "ceil", "uneven"]))
+    pieces = [[owner[i], *_box(shape, {d: cuts[i]}), None, [0]] for i in range(k)]
+    return {"kind": f"pieces-{deal} k{k} d{d}", "pieces": pieces}
 
 
 def _plain_value(rng: random.Random, depth: int = 0):
@@ -211,7 +243,9 @@ def generate_case(seed: int, save_world: int, load_world: int, profile: str = "c
         per = rng.choice([f for f in range(1, save_world + 1) if save_world % f == 0])
         count = save_world // per   # ``per`` ranks share each index, as replicas
         objects.append({"path": ["rng"], "key": key, "count": count})
-        save_objs[key] = [[r, r % count, [r // count]] for r in range(save_world)]
+        megatron_ids = rng.random() < 0.5     # 0 for one holder of an index, 1 for the rest
+        save_objs[key] = [[r, r % count, [min(r // count, 1) if megatron_ids else r // count]]
+                          for r in range(save_world)]
         load_objs[key] = [[r, (r + 1) % count] for r in range(load_world)]
     dt = prof["dtensor"]
     save = {"world": save_world, "objects": save_objs,

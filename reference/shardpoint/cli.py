@@ -1,8 +1,10 @@
-"""The ``shardpoint`` command line: inspect, verify, demo, conformance.
+"""The ``shardpoint`` command line: inspect, verify, convert, diff, demo, conformance.
 
 Exit codes: 0 success; 1 the checkpoint is damaged, incomplete or violates the spec (``verify``
 lists each problem by requirement ID); 2 nothing to work on (no such path, bad arguments, the
-conformance suite not installed). Errors print one line on stderr, never a traceback.
+conformance suite not installed); ``diff`` exits 1 when the checkpoints differ and 2 on any
+error. Errors print one line on stderr, never a traceback. Long commands draw a progress bar
+on stderr when it is a terminal (never under ``--json`` or in a pipe).
 """
 from __future__ import annotations
 
@@ -12,15 +14,9 @@ import json
 import sys
 from typing import Any, Optional
 
-from . import errors
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+from . import cli_tools, errors, progress
+from .textfmt import fit_table, width
+from .textfmt import fmt_bytes as _fmt_bytes
 
 
 def _is_array(v: Any) -> bool:
@@ -90,7 +86,7 @@ def _tree_rows(m) -> list:
                          f"{_chunks(e)} x {'x'.join(map(str, e.chunk_shape)) or '()'}", e.array))
         elif "object" in node:
             vals = m.objects[node["object"]]
-            rows.append((pad + name, "object", f"{len(vals)} values: {_summary(vals[0], 50)}",
+            rows.append((pad + name, "object", f"[{len(vals)}] {_summary(vals[0], 50)}",
                          "", "", "(manifest)"))
         else:
             rows.append((pad + name, "value", _summary(node.get("value")), "", "",
@@ -104,6 +100,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from .api import read_metadata
     from .keys import encode_key
     from .model import iter_tree_leaves
+    if a.values is not None:
+        return cli_tools.cmd_values(a)
     m = read_metadata(a.path)
     total = sum(e.nbytes for e in m.tensors.values())
     chunks = sum(_chunks(e) for e in m.tensors.values())
@@ -124,11 +122,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           f"{m.writer or '?'} on {m.save_world_size} rank(s)")
     rows = [("name", "dtype", "shape / value", "size", "chunks", "array")]
     rows += _tree_rows(m)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for i, r in enumerate(rows):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    for line in fit_table(rows, width(), shrink=(2, 0, 5, 4), keep_end=(5,)):
+        print(line)
     nvals = sum(1 for _p, n in iter_tree_leaves(m.tree) if "value" in n)
     print(f"total: {len(m.tensors)} tensors, {_fmt_bytes(total)} in {chunks} chunks; "
           f"{len(m.objects)} sharded objects; {nvals} values")
@@ -137,7 +132,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 def cmd_verify(a: argparse.Namespace) -> int:
     from .verify import verify_checkpoint
-    rep = verify_checkpoint(a.path, strict=a.strict)
+    with progress.bar("verify", None, progress.wanted(a.json)) as adv:
+        rep = verify_checkpoint(a.path, strict=a.strict, progress=adv)
     if a.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -189,6 +185,8 @@ def _parser() -> argparse.ArgumentParser:
                        "grids, array paths, objects and values")
     s.add_argument("path")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--values", metavar="KEY", default=None, help="print one entry's values "
+                   "(KEY[10:20, :4] reads only that block of a tensor)")
     s.set_defaults(fn=cmd_inspect)
     s = sub.add_parser("verify", help="read every chunk, check checksums, manifest and arrays "
                        "against the spec; list every problem by requirement ID")
@@ -202,6 +200,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     s.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     s.set_defaults(fn=cmd_demo)
+    cli_tools.add_commands(sub)
     sub.add_parser("conformance", help="the conformance suite (run, adapter-test, ...); "
                    "`shardpoint conformance --help` for its options")
     return p

@@ -2,13 +2,17 @@
 
 All derive from :class:`ShardpointError`, so callers can catch the family. Messages name the
 key, what was expected, what was found and, where there is one, the fix. ``spec_id`` carries
-the requirement ID of ``spec/format.md`` that the failure violates, when there is one.
+the requirement ID of ``spec/`` that the failure violates, when there is one, and
+``category`` the spec's failure category (format.md section 10: ``corrupt``, ``incomplete``,
+``unsupported``, ``layout-mismatch``, ``resource-limit``, ``caller-error``).
 """
 from __future__ import annotations
 
 
 class ShardpointError(Exception):
     """Base class of every error shardpoint raises deliberately."""
+
+    category = "caller-error"
 
     def __init__(self, message: str, *, spec_id: str | None = None) -> None:
         self.spec_id = spec_id
@@ -18,6 +22,8 @@ class ShardpointError(Exception):
 class CheckpointNotFoundError(ShardpointError, FileNotFoundError):
     """The path does not exist, or holds nothing that looks like a checkpoint."""
 
+    category = "incomplete"
+
 
 class CheckpointExistsError(ShardpointError, FileExistsError):
     """``save(..., overwrite=False)`` found a committed checkpoint at the target path."""
@@ -26,13 +32,26 @@ class CheckpointExistsError(ShardpointError, FileExistsError):
 class IncompleteCheckpointError(ShardpointError):
     """The directory exists but has no manifest: the save never committed (or is still running)."""
 
+    category = "incomplete"
+
 
 class CorruptCheckpointError(ShardpointError):
     """Stored bytes fail a check: checksum mismatch, missing or truncated chunk, bad manifest."""
 
+    category = "corrupt"
+
 
 class UnsupportedFormatError(ShardpointError):
     """The checkpoint uses a format version or a must-understand feature this reader lacks."""
+
+    category = "unsupported"
+
+
+class ResourceLimitError(ShardpointError, MemoryError):
+    """A well-formed checkpoint asks for more than this reader will allocate (a tensor larger
+    than the memory at hand); load a subset or a shard of it with ``like`` instead."""
+
+    category = "resource-limit"
 
 
 class InvalidKeyError(ShardpointError, ValueError):
@@ -50,6 +69,8 @@ class InvalidShardingError(ShardpointError, ValueError):
 class LayoutMismatchError(ShardpointError, ValueError):
     """What ``like`` asks for does not match the checkpoint (missing key, shape, dtype, count)."""
 
+    category = "layout-mismatch"
+
 
 class SaveFailedError(ShardpointError):
     """Some rank failed while saving; nothing was committed. The message names the rank(s)."""
@@ -57,3 +78,8 @@ class SaveFailedError(ShardpointError):
 
 class LoadFailedError(ShardpointError):
     """Some rank failed while loading; the message names the rank(s) and their errors."""
+
+
+class ConversionError(ShardpointError):
+    """A checkpoint of another format cannot be converted: unknown or ambiguous format, an entry
+    that would need unrestricted unpickling, a dtype or key the target cannot hold."""

@@ -51,10 +51,18 @@ def encode_component(c: Component) -> str:
 
 
 def decode_component(s: str) -> Component:
-    """Inverse of :func:`encode_component`; raises :class:`InvalidKeyError` on malformed text."""
-    if _INT_RE.match(s):
-        if s != str(int(s)):
-            raise InvalidKeyError(f"integer component {s!r} is not canonical", spec_id="SP-KEY-3")
+    """Inverse of :func:`encode_component`; raises :class:`InvalidKeyError` on malformed text.
+
+    Readers enforce the writers' rules too: ``""``, ``.`` and ``..`` are refused
+    ([SP-KEY-2]) and an integer must be canonical and within the msgpack range ([SP-KEY-3]).
+    """
+    if s in ("", ".", ".."):
+        raise InvalidKeyError(f"key component {s!r} is not allowed (empty, '.' and '..')",
+                              spec_id="SP-KEY-2")
+    if _INT_RE.match(s):   # a full match: the pattern ends with \Z
+        if s != str(int(s)) or not -(1 << 63) <= int(s) < (1 << 64):
+            raise InvalidKeyError(f"integer component {s!r} is not canonical or is outside "
+                                  "-2^63 .. 2^64-1", spec_id="SP-KEY-3")
         return int(s)
     body = s[1:] if s.startswith("~") else s
     if not _ENCODED_STR_RE.match(body) or (s.startswith("~") and not _INT_RE.match(body)):

@@ -15,9 +15,9 @@ import msgpack
 import torch
 
 from . import dtypes, errors
+from .columns import HoldingColumns
 from .exchange import Comm, agree, error_record, exchange, raise_records, run_collectively
 from .metadata import Manifest, decode_manifest
-from .model import Holding
 from .planner import RankLoadWork, TensorLayout, plan_load
 from .storage import StorageBackend, get_backend
 from .targets import collect_targets, full_targets
@@ -51,7 +51,8 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
     """Load a checkpoint. Collective over ``group``.
 
     Without ``like``: the whole tree, tensors in full on CPU (numpy arrays come back as numpy;
-    a sharded object comes back as the list of its values). With ``like``: the tensors of
+    a sharded object comes back as the list of its values, nested lists along its grid when
+    the grid has 2+ dimensions). With ``like``: the tensors of
     ``like`` (plain, :class:`ShardedTensor`, DTensor, numpy) are filled in place from whatever
     layout the checkpoint was saved in, and the returned tree has the loaded values in
     place of plain values; a ``ShardedTensor`` leaf becomes its filled ``data`` and a
@@ -82,13 +83,13 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
         else:
             targets, built = collect_targets(like, m, strict, report, comm.rank)
         tgt_box["t"], tgt_box["built"] = targets, built
-        return msgpack.packb([t.holding.to_wire() for t in targets])
+        return HoldingColumns.from_holdings([t.holding for t in targets]).to_wire()
 
     def decide(payloads: list) -> list:
         m = decode_manifest(mbytes[1:])
         layouts = {k: TensorLayout(k, e.shape, e.dtype, e.chunk_shape)
                    for k, e in m.tensors.items()}
-        reqs = [[Holding.from_wire(w) for w in msgpack.unpackb(p)] for p in payloads]
+        reqs = [HoldingColumns.from_wire(p) for p in payloads]
         return [w.to_bytes() for w in plan_load(reqs, layouts)]
 
     work = RankLoadWork.from_bytes(run_collectively(comm, local, decide,

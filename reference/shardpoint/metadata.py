@@ -8,25 +8,29 @@ spec/format.md and spec/schema/manifest.schema.json. Pure: bytes in, bytes out, 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from . import dtypes, values
-from .errors import CorruptCheckpointError, InvalidKeyError, UnsupportedFormatError
+from .errors import (CorruptCheckpointError, InvalidKeyError, UnsupportedFormatError,
+                     UnsupportedValueError)
 from .keys import decode_key, encode_key
-from .model import iter_tree_leaves
+from .model import ObjectValues, iter_tree_leaves, object_grid
 from .storage import ArraySpec
 
 FORMAT_NAME = "shardpoint"
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (1, 1)
 TENSOR_DIR = "tensors"
 _TOP_FIELDS = {"format", "format_version", "writer", "created_unix", "save_world_size",
                "tree", "tensors", "objects", "extensions"}
 _TENSOR_FIELDS = {"array", "shape", "dtype", "chunk_shape"}
+_OBJECT_FIELDS = {"count", "values", "shape"}
 _PATH_COMPONENT = re.compile(r"[A-Za-z0-9_.~%\-]+\Z")
 
 
@@ -54,7 +58,7 @@ class TensorEntry:
 class Manifest:
     tree: Any
     tensors: dict                      # key -> TensorEntry
-    objects: dict                      # key -> list of values, index order
+    objects: dict                      # key -> ObjectValues (row-major grid order)
     format_version: tuple = FORMAT_VERSION
     writer: str = ""
     created_unix: float = 0.0
@@ -62,9 +66,35 @@ class Manifest:
     extensions: dict = field(default_factory=dict)
 
 
+_WINDOWS_RESERVED = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])\Z", re.I)
+_ESCAPE = re.compile(r"%[0-9A-F]{2}")
+MAX_PATH_COMPONENT = 255
+MAX_ARRAY_PATH = 1024
+
+
+def _case_marked(component: str) -> str:
+    """``component`` + ``~<hex mask of its upper-case letters>`` when it has any ([SP-LAYOUT-4])."""
+    letters = [c for c in _ESCAPE.sub("", component) if c.isascii() and c.isalpha()]
+    mask = sum(1 << i for i, c in enumerate(letters) if c.isupper())
+    return f"{component}~{mask:x}" if mask else component
+
+
 def array_path_for(key: str) -> str:
-    """Where a writer puts the array of ``key`` ([SP-LAYOUT-2])."""
-    return f"{TENSOR_DIR}/{key}"
+    """Where a writer puts the array of ``key`` ([SP-LAYOUT-2], [SP-LAYOUT-4]).
+
+    ``tensors/<key>``, with a case mark on components holding upper-case letters (so keys
+    differing only in case stay apart on case-insensitive file systems), or
+    ``tensors/~h/<sha256 of key>`` when a component would be over 255 bytes, end with ``.``
+    or be a reserved Windows name, or the path would exceed 1024 bytes. Computed from the key
+    alone, so every rank derives the same path; readers follow the manifest, never this.
+    """
+    parts = [_case_marked(c) for c in key.split("/")]
+    path = "/".join([TENSOR_DIR] + parts)
+    if len(path) > MAX_ARRAY_PATH or any(
+            len(c) > MAX_PATH_COMPONENT or c.endswith(".")
+            or _WINDOWS_RESERVED.match(c.split(".")[0]) for c in parts):
+        return f"{TENSOR_DIR}/~h/{hashlib.sha256(key.encode()).hexdigest()}"
+    return path
 
 
 def check_array_path(p: Any, key: str) -> None:
@@ -88,12 +118,27 @@ def encode_manifest(m: Manifest) -> bytes:
         "tree": m.tree,
         "tensors": {k: {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
                         "chunk_shape": list(e.chunk_shape)} for k, e in m.tensors.items()},
-        "objects": {k: {"count": len(v), "values": list(v)} for k, v in m.objects.items()},
+        "objects": {k: _object_entry(v) for k, v in m.objects.items()},
         "extensions": m.extensions,
     }
+    deep = values.nesting_depth_error(body)
+    if deep:
+        raise UnsupportedValueError(f"the state nests too deeply to be stored: the manifest "
+                                    f"would exceed {values.MAX_DEPTH} levels at {deep}; "
+                                    "flatten the tree", spec_id="SP-MAN-5")
     raw = values.pack(body)
     return msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw},
                          use_bin_type=True)
+
+
+def _object_entry(v: list) -> dict:
+    """A sharded object's manifest entry; ``shape`` only for a grid of 2+ dimensions, so a
+    1-D object reads the same as in format 1.0 ([SP-OBJ-4])."""
+    grid = object_grid(v)
+    entry = {"count": len(v), "values": list(v)}
+    if len(grid) != 1:
+        entry["shape"] = list(grid)
+    return entry
 
 
 def _bad(msg: str, sid: str) -> CorruptCheckpointError:
@@ -119,13 +164,16 @@ def _unknown(fields: dict, known: set, where: str) -> None:
 def decode_manifest(data: bytes) -> Manifest:
     """Parse and validate manifest bytes; raise the documented error for the first problem."""
     try:
-        env = msgpack.unpackb(data, raw=False, **values.UNPACK_LIMITS)
+        env = msgpack.unpackb(data, raw=False, object_pairs_hook=values.strict_pairs,
+                              **values.UNPACK_LIMITS)
     except Exception as e:
         raise _bad(f"not a msgpack envelope ({type(e).__name__}: {e}); truncated or not a "
                    "shardpoint manifest", "SP-MAN-1") from e
-    if not (isinstance(env, dict) and isinstance(env.get("body"), bytes)
-            and isinstance(env.get("sha256"), bytes)):
-        raise _bad("envelope must be a map with 'sha256' and 'body' byte strings", "SP-MAN-1")
+    if not (isinstance(env, dict) and set(env) == {"sha256", "body"}
+            and isinstance(env["body"], bytes) and isinstance(env["sha256"], bytes)
+            and len(env["sha256"]) == 32):
+        raise _bad("envelope must be a map of exactly 'sha256' (32 bytes) and 'body' (bytes)",
+                   "SP-MAN-1")
     if hashlib.sha256(env["body"]).digest() != env["sha256"]:
         raise _bad("SHA-256 of the body does not match the envelope (corrupted)", "SP-MAN-1")
     try:
@@ -134,6 +182,9 @@ def decode_manifest(data: bytes) -> Manifest:
         raise
     except Exception as e:
         raise _bad(f"body is not valid msgpack: {e}", "SP-MAN-1") from e
+    deep = values.nesting_depth_error(m)
+    if deep:
+        raise _bad(f"body nests deeper than {values.MAX_DEPTH} levels at {deep}", "SP-MAN-5")
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise _bad(f"'format' must be {FORMAT_NAME!r}", "SP-MAN-2")
     ver = m.get("format_version")
@@ -156,7 +207,8 @@ def decode_manifest(data: bytes) -> Manifest:
         try:
             decode_key(key)
         except InvalidKeyError as err:
-            raise _bad(f"tensor key {key!r} is invalid: {err}", "SP-KEY-3") from err
+            raise _bad(f"tensor key {key!r} is invalid: {err}", err.spec_id or "SP-KEY-3") \
+                from err
         if not isinstance(e, dict):
             raise _bad(f"tensor {key!r}: entry must be a map", "SP-MAN-3")
         _unknown(e, _TENSOR_FIELDS, f"tensor {key!r}")
@@ -164,6 +216,10 @@ def decode_manifest(data: bytes) -> Manifest:
         if not _ints(shape, 0) or not _ints(chunk, 1) or len(chunk) != len(shape):
             raise _bad(f"tensor {key!r}: shape {shape!r} / chunk_shape {chunk!r} invalid "
                        "(non-negative ints; chunk entries >= 1, same rank)", "SP-MAN-3")
+        if len(shape) > values.MAX_RANK or any(n >= 1 << 63 for n in shape + chunk):
+            raise _bad(f"tensor {key!r}: {len(shape)} dimensions or a dimension of 2^63 or "
+                       f"more (limits: {values.MAX_RANK} dimensions, each below 2^63)",
+                       "SP-SEC-2")
         if not isinstance(dt, str) or dt not in dtypes.DTYPES:
             raise UnsupportedFormatError(f"tensor {key!r} has dtype {dt!r}, not in the spec's "
                                          "dtype table", spec_id="SP-DTYPE-1")
@@ -171,19 +227,39 @@ def decode_manifest(data: bytes) -> Manifest:
         tensors[key] = TensorEntry(key, e["array"], tuple(shape), dt, tuple(chunk))
     objects = {}
     for key, o in m["objects"].items():
+        try:
+            decode_key(key)
+        except InvalidKeyError as err:
+            raise _bad(f"sharded object key {key!r} is invalid: {err}",
+                       err.spec_id or "SP-KEY-3") from err
         if not (isinstance(o, dict) and type(o.get("count")) is int
                 and isinstance(o.get("values"), list) and o["count"] == len(o["values"])
                 and o["count"] >= 1):
             raise _bad(f"sharded object {key!r}: needs count >= 1 and as many values",
                        "SP-MAN-3")
-        objects[key] = o["values"]
+        _unknown(o, _OBJECT_FIELDS, f"sharded object {key!r}")
+        grid = o.get("shape", [o["count"]])
+        if not (_ints(grid, 1) and grid and math.prod(grid) == o["count"]):
+            raise _bad(f"sharded object {key!r}: grid shape {grid!r} must be a non-empty list "
+                       f"of ints >= 1 whose product is count {o['count']}", "SP-OBJ-4")
+        objects[key] = ObjectValues(o["values"], grid)
     for f, types in (("writer", (str,)), ("created_unix", (int, float)),
                      ("save_world_size", (int,))):
         if f in m and (isinstance(m[f], bool) or not isinstance(m[f], types)):
             raise _bad(f"field {f!r} has the wrong type ({type(m[f]).__name__})", "SP-MAN-2")
+    _check_distinct_arrays(tensors)
     _check_tree(m["tree"], tensors, objects)
     return Manifest(m["tree"], tensors, objects, tuple(ver), m.get("writer", ""),
                     m.get("created_unix", 0.0), m.get("save_world_size", 1), exts)
+
+
+def _check_distinct_arrays(tensors: dict) -> None:
+    """No two tensors share an array, and none lies inside another's ([SP-LAYOUT-2])."""
+    paths = sorted((e.array + "/", k) for k, e in tensors.items())
+    for (a, ka), (b, kb) in zip(paths, paths[1:]):
+        if b.startswith(a):
+            raise _bad(f"tensors {ka!r} and {kb!r} have array paths {a[:-1]!r} and "
+                       f"{b[:-1]!r}: one array inside or equal to another", "SP-LAYOUT-2")
 
 
 def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
@@ -218,7 +294,7 @@ def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
         if "value" in node:
             v = node["value"]
             if not (v is None or isinstance(v, (bool, int, float, str, bytes))
-                    or isinstance(v, msgpack.ExtType) or hasattr(v, "dtype")):
+                    or isinstance(v, np.generic)):   # ext 1 only as a numpy scalar
                 raise _bad(f"value leaf at {path!r} is a {type(v).__name__}, not a scalar",
                            "SP-MAN-4")
             return

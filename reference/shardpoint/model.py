@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import dtypes, values
+from .coverage import box_intersection
 from .errors import InvalidShardingError, UnsupportedValueError
 from .keys import encode_component, encode_key, format_path
 
@@ -40,7 +41,8 @@ class ShardedTensor:
     element sits at ``global_offset`` in the global tensor of shape ``global_shape``. With
     ``flattened_range=(start, stop)`` (or a ``slice``), ``data`` is 1-D and holds only elements
     ``start:stop`` of the block's row-major flattening. Pieces of one key on different ranks with
-    equal regions are replicas and must carry different ``replica_id`` (0 = main replica).
+    equal regions are replicas; at most one of them may be the main replica (``replica_id`` all
+    zeros), the others may share any non-zero id (Megatron gives them all 1).
     """
 
     __slots__ = ("data", "global_shape", "global_offset", "local_shape", "flattened_range",
@@ -74,24 +76,83 @@ class ShardedTensor:
                 f"replica_id={self.replica_id}, dtype={self.data.dtype})")
 
 
-class ShardedObject:
-    """A per-rank value (RNG state, data-loader position): entry ``index`` of ``count``.
+GridIndex = Union[int, Sequence[int]]
 
-    Every index in ``range(count)`` must be saved by some rank; equal indices on several ranks
-    are replicas and need different ``replica_id``. Values follow the rules of object leaves.
+
+def _norm_grid(x: GridIndex, what: str) -> tuple:
+    t = (x,) if isinstance(x, int) and not isinstance(x, bool) else tuple(x)
+    if not t or any(isinstance(i, bool) or not isinstance(i, int) for i in t):
+        raise InvalidShardingError(f"ShardedObject {what} {x!r} must be an int or a non-empty "
+                                   "tuple of ints", spec_id="SP-OBJ-1")
+    return t
+
+
+class ShardedObject:
+    """A per-rank value (RNG state, data-loader position): entry ``index`` of a grid ``count``.
+
+    ``index`` and ``count`` are ints (a 1-D grid of ``count`` entries) or equal-length tuples
+    (a grid of shape ``count``, as Megatron's ``global_offset``/``global_shape``, e.g. per
+    (pipeline stage, tensor rank)). Every grid cell must be saved by some rank; equal indices
+    on several ranks are replicas (only one may be the main replica, ``replica_id`` 0).
+    Values follow the rules of object leaves. A checkpoint stores the grid shape, and a load
+    asking for another grid fails ([SP-OBJ-2]).
     """
 
-    __slots__ = ("value", "index", "count", "replica_id")
+    __slots__ = ("value", "index", "count", "replica_id", "grid_index", "grid_shape")
 
-    def __init__(self, value: Any, index: int, count: int, *, replica_id: ReplicaId = 0) -> None:
-        self.value, self.index, self.count = value, int(index), int(count)
+    def __init__(self, value: Any, index: GridIndex, count: GridIndex, *,
+                 replica_id: ReplicaId = 0) -> None:
+        self.value = value
+        self.grid_index = _norm_grid(index, "index")
+        self.grid_shape = _norm_grid(count, "count")
+        # Keep the caller's form: an int stays an int (the 1-D case of the grid).
+        self.index = self.grid_index[0] if isinstance(index, int) else self.grid_index
+        self.count = self.grid_shape[0] if isinstance(count, int) else self.grid_shape
         self.replica_id = _norm_replica(replica_id)
-        if not 0 <= self.index < self.count:
-            raise InvalidShardingError(f"ShardedObject index {index} is outside range(count="
-                                       f"{count})", spec_id="SP-OBJ-1")
+        if len(self.grid_index) != len(self.grid_shape) or not all(
+                0 <= i < n for i, n in zip(self.grid_index, self.grid_shape)):
+            raise InvalidShardingError(f"ShardedObject index {index} is outside the grid "
+                                       f"count={count} (same number of dimensions, 0 <= "
+                                       "index < count in each)", spec_id="SP-OBJ-1")
+
+    @property
+    def flat_index(self) -> int:
+        """Position of this entry in the row-major order of the grid (how values are stored)."""
+        return grid_flat_index(self.grid_index, self.grid_shape)
 
     def __repr__(self) -> str:
         return f"ShardedObject(index={self.index}, count={self.count}, value={self.value!r})"
+
+
+def grid_flat_index(index: Sequence[int], shape: Sequence[int]) -> int:
+    """Row-major position of grid cell ``index`` in a grid of ``shape``."""
+    flat = 0
+    for i, n in zip(index, shape):
+        flat = flat * n + i
+    return flat
+
+
+class ObjectValues(list):
+    """The values of a sharded object in row-major grid order, with the grid's ``shape``
+    (``(len(values),)`` for the 1-D grid every 1.0 checkpoint has)."""
+
+    def __init__(self, values: Sequence = (), shape: Optional[Sequence[int]] = None) -> None:
+        super().__init__(values)
+        self.shape = tuple(shape) if shape is not None else (len(self),)
+
+    def nested(self) -> list:
+        """The values as nested lists following the grid (a flat list for a 1-D grid)."""
+        def build(flat: list, shape: tuple) -> list:
+            if len(shape) == 1:
+                return list(flat)
+            step = len(flat) // shape[0]
+            return [build(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+        return build(list(self), self.shape)
+
+
+def object_grid(values: Sequence) -> tuple:
+    """Grid shape of a sharded object's stored values (a plain list is a 1-D grid)."""
+    return getattr(values, "shape", (len(values),))
 
 
 class Holding(NamedTuple):
@@ -189,8 +250,8 @@ class LocalTensor:
 @dataclass
 class LocalObject:
     key: str
-    index: int
-    count: int
+    index: tuple             # grid index
+    count: tuple             # grid shape
     replica: tuple
     value: Any
 
@@ -227,6 +288,87 @@ def _check_holding(h: Holding, data: torch.Tensor, what: str) -> None:
             raise InvalidShardingError(f"{what}: with flattened_range {h.flat} data must be "
                                        f"1-D with {b - a} elements, got shape "
                                        f"{tuple(data.shape)}", spec_id="SP-HOLD-3")
+
+
+class ShardedPieces:
+    """Several pieces of one global tensor held by this rank: one leaf, one key.
+
+    Megatron keys tensors by name, not by tree position, so one rank often holds many pieces
+    of one global tensor: a pipeline stage's layers of a layer-stacked weight, several MoE
+    experts, FSDP2 x TP strided rows, a multi-chunk DCP shard plan. Each piece is a
+    :class:`ShardedTensor` (with its own offset, flattened range and ``replica_id``); all must
+    agree on global shape and dtype, and no two may overlap. For ``load(like=...)`` each
+    piece's ``data`` is filled in place and the leaf comes back as the list of those tensors.
+    """
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: Sequence[ShardedTensor]) -> None:
+        self.pieces = list(pieces)
+        bad = [i for i, p in enumerate(self.pieces) if not isinstance(p, ShardedTensor)]
+        if bad:
+            raise InvalidShardingError(f"ShardedPieces takes ShardedTensor pieces; piece "
+                                       f"{bad[0]} is a {type(self.pieces[bad[0]]).__name__}",
+                                       spec_id="SP-HOLD-1")
+        if not self.pieces:
+            raise InvalidShardingError("ShardedPieces needs at least one piece (a rank that "
+                                       "holds none of a tensor leaves its key out)",
+                                       spec_id="SP-HOLD-1")
+
+    def __iter__(self) -> Iterator[ShardedTensor]:
+        return iter(self.pieces)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def __repr__(self) -> str:
+        return f"ShardedPieces({self.pieces!r})"
+
+
+def sharded_holding(x: ShardedTensor, key: str, what: str,
+                    replica: Optional[tuple] = None) -> Holding:
+    """The checked :class:`Holding` of a :class:`ShardedTensor` leaf (``replica`` overrides
+    its ``replica_id``, as load targets do)."""
+    d = dtypes.from_torch(x.data.dtype, what)
+    h = Holding(key, d.name, x.global_shape, x.global_offset, x.local_shape,
+                x.flattened_range, x.replica_id if replica is None else replica)
+    _check_holding(h, x.data, what)
+    return h
+
+
+def pieces_holdings(x: ShardedPieces, key: str, what: str,
+                    replica: Optional[tuple] = None) -> list:
+    """The checked holdings of a :class:`ShardedPieces` leaf, in piece order. Raises
+    :class:`InvalidShardingError` naming the key when the pieces disagree on global shape or
+    dtype ([SP-COVER-4]) or two of them overlap ([SP-COVER-3])."""
+    hs = [sharded_holding(p, key, f"{what} piece {i}", replica) for i, p in enumerate(x)]
+    h0 = hs[0]
+    for i, h in enumerate(hs[1:], 1):
+        if (h.global_shape, h.dtype) != (h0.global_shape, h0.dtype):
+            raise InvalidShardingError(
+                f"{what} (key {key!r}): piece 0 has global shape {h0.global_shape} dtype "
+                f"{h0.dtype}, piece {i} has {h.global_shape} {h.dtype}; every piece of one "
+                "tensor must agree", spec_id="SP-COVER-4")
+    boxes = [(p.offset, p.shape, i) for i, h in enumerate(hs) for p in holding_pieces(h)]
+    boxes.sort(key=lambda b: b[0][:1])
+    active: list = []      # sweep along dimension 0: boxes still open at this offset
+    for off, shp, i in boxes:
+        lo = off[0] if off else 0
+        active = [b for b in active if (b[0][0] + b[1][0] if b[0] else 1) > lo]
+        for o2, s2, j in active:
+            if j != i and box_intersection(off, shp, o2, s2) is not None:
+                a, b = sorted((i, j))
+                raise InvalidShardingError(
+                    f"{what} (key {key!r}): pieces {a} and {b} overlap (offset "
+                    f"{hs[a].offset} shape {hs[a].shape}{_flat_text(hs[a])} and offset "
+                    f"{hs[b].offset} shape {hs[b].shape}{_flat_text(hs[b])}); pieces of one "
+                    "tensor on one rank must be disjoint", spec_id="SP-COVER-3")
+        active.append((off, shp, i))
+    return hs
+
+
+def _flat_text(h: Holding) -> str:
+    return f" range {h.flat}" if h.flat else ""
 
 
 def _dtensor_leaf(t: Any, key: str, what: str) -> LocalTensor:
@@ -274,11 +416,11 @@ def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
             return {kind: [walk(v, path + (i,)) for i, v in enumerate(x)]}
         key = encode_key(path)
         if isinstance(x, ShardedTensor):
-            d = dtypes.from_torch(x.data.dtype, what)
-            h = Holding(key, d.name, x.global_shape, x.global_offset, x.local_shape,
-                        x.flattened_range, x.replica_id)
-            _check_holding(h, x.data, what)
-            tensors.append(LocalTensor(h, x.data))
+            tensors.append(LocalTensor(sharded_holding(x, key, what), x.data))
+            return {"tensor": key}
+        if isinstance(x, ShardedPieces):
+            for h, p in zip(pieces_holdings(x, key, what), x):
+                tensors.append(LocalTensor(h, p.data))
             return {"tensor": key}
         if _is_dtensor(x):
             tensors.append(_dtensor_leaf(x, key, what))
@@ -297,7 +439,7 @@ def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
             return {"tensor": key, "origin": "numpy"}
         if isinstance(x, ShardedObject):
             values.check_value(x.value, what)
-            objects.append(LocalObject(key, x.index, x.count, x.replica_id, x.value))
+            objects.append(LocalObject(key, x.grid_index, x.grid_shape, x.replica_id, x.value))
             return {"object": key}
         if isinstance(x, values.SCALARS) or isinstance(x, np.generic):
             values.check_value(x, what)

@@ -11,15 +11,17 @@ misaligned pieces) -> ``SavePlan`` holding one ``RankSaveWork`` per rank. Loads 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from . import dtypes
+from .columns import Gathered, Regions, as_columns, gc_paused
 from .coverage import check_exact_cover
 from .errors import InvalidShardingError
-from .grid import pieces_by_chunk, plan_chunk_grid
+from .grid import chunk_parts, plan_chunk_grid
 from .load_planner import check_request, plan_load
-from .model import holding_pieces
+from .model import Holding, ObjectValues, grid_flat_index, holding_pieces
 from .plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork, RankSaveWork, ReadOp,
                     SavePlan, TensorLayout, Transfer)
 
@@ -53,22 +55,67 @@ def merge_trees(a: Any, b: Any, where: str = "state") -> Any:
 
 
 # ------------------------------------------------------------------------------- save plan
-def _describe(holders: list) -> str:
-    return "rank " + "/".join(f"{r} (replica_id {rep})" for r, _, rep in holders[:4]) + \
-        (f" and {len(holders) - 4} more" if len(holders) > 4 else "")
+def _describe(ranks: Sequence[int]) -> str:
+    ranks = list(ranks)
+    return "rank " + "/".join(str(r) for r in ranks[:4]) + \
+        (f" and {len(ranks) - 4} more" if len(ranks) > 4 else "")
+
+
+class _Pattern(NamedTuple):
+    """What a tensor's plan needs that depends on its shape and regions only, so tensors of
+    identical structure (the layers of a model) share it: the chunk grid and, per chunk,
+    ``(offset, shape, bytes, parts)`` with parts ``(region, piece, box_offset, box_shape,
+    elements)``."""
+
+    chunk: tuple
+    chunks: list
+
+
+def _plan_pattern(key: str, dtype: str, shape: tuple, itemsize: int, regions: list,
+                  holder_ranks, opts: PlanOptions) -> _Pattern:
+    """Coverage check ([SP-COVER-1..3]) and chunk grid ([SP-GRID-1]) of one tensor."""
+    pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,))) for o, s, f in regions]
+    boxes, owner = [], []
+    for ri, ps in enumerate(pieces):
+        for p in ps:
+            boxes.append((p.offset, p.shape))
+            owner.append(ri)
+    check_exact_cover(shape, boxes, lambda i: _describe(holder_ranks(owner[i])), key)
+    blocks = [(o, s) for o, s, _ in regions if math.prod(s)]
+    grid_regions = [([(p.offset, p.shape) for p in ps], ()) for ps in pieces]
+    chunk = plan_chunk_grid(shape, itemsize, grid_regions, blocks, opts)
+    chunks = []
+    if math.prod(shape):
+        chunks = [(coff, cshp, math.prod(cshp) * itemsize, parts)
+                  for coff, cshp, parts in chunk_parts(shape, chunk, pieces)]
+    return _Pattern(chunk, chunks)
 
 
 def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions()) -> SavePlan:
-    """The global save plan, or :class:`InvalidShardingError` naming key, ranks and regions."""
+    """The global save plan, or :class:`InvalidShardingError` naming key, ranks and regions.
+
+    Holdings are grouped into distinct regions with vectorised passes (:mod:`.columns`), and
+    tensors of identical shape and regions share one coverage check and grid choice; per
+    chunk the least loaded holder writes (ties to the lowest rank), so the plan is
+    deterministic and bytes are balanced across replicas ([SP-REPL-2], [SP-GRID-1]).
+    """
+    with gc_paused():
+        return _plan_save(local_plans, opts)
+
+
+def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
+    local_plans = sorted(local_plans, key=lambda lp: lp.rank)
     world = len(local_plans)
     tree = local_plans[0].tree
+    prev = tree
     for lp in local_plans[1:]:
-        tree = merge_trees(tree, lp.tree)
+        if lp.tree is not prev and lp.tree != prev:   # equal trees merge to the same union
+            tree = merge_trees(tree, lp.tree)
+            prev = lp.tree
 
-    by_key: dict = defaultdict(list)   # key -> [(rank, hidx, Holding)]
-    for lp in local_plans:
-        for i, h in enumerate(lp.holdings):
-            by_key[h.key].append((lp.rank, i, h))
+    gathered = Gathered([lp.rank for lp in local_plans],
+                        [as_columns(lp.holdings) for lp in local_plans])
+    regions = Regions(gathered)
 
     ranks = [RankSaveWork() for _ in range(world)]
     assigned = [0] * world    # bytes each rank writes
@@ -77,94 +124,64 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
     transfers: list = []
     moved_bytes = 0
     unique_bytes = 0
+    patterns: dict = {}
+    keys = gathered.keys
 
-    for key in sorted(by_key):
-        entries = by_key[key]
-        r0, _, h0 = entries[0]
-        for r, _, h in entries:
-            if h.global_shape != h0.global_shape or h.dtype != h0.dtype:
-                raise InvalidShardingError(
-                    f"tensor {key!r}: ranks disagree on global shape/dtype: rank {r0} has "
-                    f"{h0.global_shape} {h0.dtype}, rank {r} has {h.global_shape} {h.dtype}",
-                    spec_id="SP-COVER-4")
-        shape, itemsize = h0.global_shape, dtypes.from_name(h0.dtype).itemsize
-        groups: dict = {}                  # region -> (a Holding of it, [(rank, hidx, replica)])
-        for r, i, h in entries:
-            if (h[5][1] == h[5][0]) if h[5] else not math.prod(h[4]):
-                continue  # an empty piece covers nothing, wherever it sits
-            reg = (h[3], h[4], h[5])
-            g = groups.get(reg)
-            if g is None:
-                groups[reg] = g = (h, [])
-            g[1].append((r, i, h[6]))
-        region_list = []                   # (pieces, holders), holders in rank order
-        boxes, owners = [], []
-        blocks = []
-        for region, (h, holders) in groups.items():
-            if len(holders) > 1 and len({rep for _, _, rep in holders}) != len(holders):
-                reps: dict = {}
-                for r, i, rep in holders:
-                    if rep in reps:
-                        raise InvalidShardingError(
-                            f"tensor {key!r}: ranks {reps[rep]} and {r} both hold region offset "
-                            f"{region[0]} shape {region[1]}" +
-                            (f" range {region[2]}" if region[2] else "") +
-                            f" with the same replica_id {rep}; replicas need distinct replica "
-                            "ids", spec_id="SP-REPL-2")
-                    reps[rep] = r
-            pieces = holding_pieces(h)
-            region_list.append((pieces, holders))
-            if math.prod(region[1]):
-                blocks.append((region[0], region[1]))
-            for p in pieces:
-                boxes.append((p.offset, p.shape))
-                owners.append(holders)
-        check_exact_cover(shape, boxes, lambda i: _describe(owners[i]), key)
-        grid_regions = [([(p.offset, p.shape) for p in ps], [r for r, _, _ in hs])
-                        for ps, hs in region_list]
-        chunk = plan_chunk_grid(shape, itemsize, grid_regions, blocks, opts)
-        tensors[key] = TensorLayout(key, shape, h0.dtype, chunk)
+    for k in sorted(range(len(keys)), key=lambda i: keys[i][0]):
+        key, dtype, shape = keys[k]
+        itemsize = dtypes.from_name(dtype).itemsize
+        gis, sig = regions.by_key.get(k, ([], b""))
+        pkey = (shape, itemsize, sig)
+        pat = patterns.get(pkey)
+        if pat is None:
+            regs = [regions.region(gi)[1:] for gi in gis]
+            pat = patterns[pkey] = _plan_pattern(
+                key, dtype, shape, itemsize, regs,
+                lambda ri: regions.holders(gis[ri])[0].tolist(), opts)
+        tensors[key] = TensorLayout(key, shape, dtype, pat.chunk)
         unique_bytes += math.prod(shape) * itemsize
-        if math.prod(shape) == 0:
-            ranks[r0].create.append(key)
+        if not math.prod(shape):
+            ranks[gathered.first_rank[k]].create.append(key)
             continue
-        per_chunk = pieces_by_chunk(shape, chunk, [ps for ps, _ in region_list])
-        for cidx in sorted(per_chunk):
-            parts = per_chunk[cidx]
-            coff = tuple(i * c for i, c in zip(cidx, chunk))
-            cshp = tuple(min(c, n - o) for c, n, o in zip(chunk, shape, coff))
-            cbytes = math.prod(cshp) * itemsize
+        hold = [regions.holder_lists(gi) for gi in gis]   # (ranks ascending, hidx)
+        for coff, cshp, cbytes, parts in pat.chunks:
             if len(parts) == 1:
                 # One region covers the chunk: its holders tie; the least loaded one writes
-                # (holders are in rank order, so ties go to the lowest rank).
-                holders = region_list[parts[0][0]][1]
-                writer = holders[0][0] if len(holders) == 1 else \
-                    min((r for r, _, _ in holders), key=assigned.__getitem__)
-            else:
-                held: dict = defaultdict(int)
-                for ri, pi, (bo, bs) in parts:
-                    for r, _, _ in region_list[ri][1]:
-                        held[r] += math.prod(bs)
-                writer = min(held, key=lambda r: (-held[r], assigned[r], r))
+                # (min keeps the first of equals, and holders are in rank order).
+                ri, pi, bo, bs, _n = parts[0]
+                hl, hh = hold[ri]
+                if len(hl) == 1:
+                    writer, j = hl[0], 0
+                else:
+                    writer = min(hl, key=assigned.__getitem__)
+                    j = bisect_left(hl, writer)
+                assigned[writer] += cbytes
+                ranks[writer].writes.append(
+                    ChunkWrite(key, coff, cshp, (hh[j], pi)) if bs == cshp else
+                    ChunkWrite(key, coff, cshp, None, [(hh[j], pi, bo, bs)]))
+                continue
+            held: dict = {}
+            for ri, _pi, _bo, _bs, n in parts:
+                for r in hold[ri][0]:
+                    held[r] = held.get(r, 0) + n
+            top = max(held.values())
+            cand = [r for r, v in held.items() if v == top]
+            writer = cand[0] if len(cand) == 1 else min(cand, key=lambda r: (assigned[r], r))
             assigned[writer] += cbytes
             work = ranks[writer]
             cw = ChunkWrite(key, coff, cshp)
             widx = len(work.writes)
-            for ri, pi, (bo, bs) in parts:
-                holders = region_list[ri][1]
-                mine = [(r, i) for r, i, _ in holders if r == writer]
-                if mine:
-                    _, hidx = mine[0]
-                    if bs == cshp and len(parts) == 1:
-                        cw.direct = (hidx, pi)
-                    else:
-                        cw.local.append((hidx, pi, bo, bs))
+            for ri, pi, bo, bs, n in parts:
+                hl, hh = hold[ri]
+                j = bisect_left(hl, writer)
+                if j < len(hl) and hl[j] == writer:
+                    cw.local.append((hh[j], pi, bo, bs))
                     continue
-                src, hidx, _ = min(holders, key=lambda x: (sent[x[0]], x[0]))
-                nb = math.prod(bs) * itemsize
-                sent[src] += nb
+                j = 0 if len(hl) == 1 else bisect_left(hl, min(hl, key=sent.__getitem__))
+                nb = n * itemsize
+                sent[hl[j]] += nb
                 moved_bytes += nb
-                transfers.append(Transfer(src, writer, key, bo, bs, (hidx, pi), (widx,)))
+                transfers.append(Transfer(hl[j], writer, key, bo, bs, (hh[j], pi), (widx,)))
             work.writes.append(cw)
 
     for t in transfers:
@@ -178,30 +195,61 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
 
 
 def plan_objects(local_plans: Sequence[LocalPlan]) -> dict:
+    """Check the ranks' sharded-object entries and pick one value per grid cell.
+
+    Entries are ``(key, grid index, grid shape, replica id, value)``; ints count as 1-D grids.
+    Returns key -> :class:`ObjectValues` in row-major grid order. Raises
+    :class:`InvalidShardingError` naming the key and ranks when ranks disagree on the grid
+    ([SP-OBJ-2]), an index lies outside it ([SP-OBJ-1]), two ranks hold the *main* replica
+    (all-zero replica id) of one cell ([SP-REPL-2]; non-main replicas may share an id, as
+    Megatron gives every non-main holder id 1), or a cell has no holder ([SP-OBJ-3]).
+    """
     by_key: dict = defaultdict(list)
     for lp in local_plans:
         for key, index, count, rep, value in lp.objects:
-            by_key[key].append((lp.rank, index, count, rep, value))
+            index = (index,) if isinstance(index, int) else tuple(index)
+            count = (count,) if isinstance(count, int) else tuple(count)
+            by_key[key].append((lp.rank, index, count, tuple(rep), value))
     out = {}
     for key in sorted(by_key):
         entries = by_key[key]
-        counts = {c for _, _, c, _, _ in entries}
-        if len(counts) != 1:
-            raise InvalidShardingError(f"sharded object {key!r}: ranks disagree on count "
-                                       f"({sorted(counts)})", spec_id="SP-OBJ-2")
-        count = counts.pop()
+        grids = {c for _, _, c, _, _ in entries}
+        if len(grids) != 1:
+            who = {c: sorted(r for r, _, c2, _, _ in entries if c2 == c) for c in grids}
+            raise InvalidShardingError(f"sharded object {key!r}: ranks disagree on the grid "
+                                       f"(count): " + "; ".join(
+                                           f"{list(c) if len(c) > 1 else c[0]} on ranks "
+                                           f"{r[:8]}" for c, r in sorted(who.items())),
+                                       spec_id="SP-OBJ-2")
+        grid = grids.pop()
         chosen: dict = {}
-        seen: dict = {}
+        mains: dict = {}
         for r, i, _, rep, v in sorted(entries, key=lambda e: (e[1], e[3], e[0])):
-            if (i, rep) in seen:
-                raise InvalidShardingError(f"sharded object {key!r}: ranks {seen[(i, rep)]} "
-                                           f"and {r} both hold index {i} with replica_id "
-                                           f"{rep}", spec_id="SP-REPL-2")
-            seen[(i, rep)] = r
-            chosen.setdefault(i, v)
-        missing = [i for i in range(count) if i not in chosen]
+            if len(i) != len(grid) or not all(0 <= a < n for a, n in zip(i, grid)):
+                raise InvalidShardingError(f"sharded object {key!r}: rank {r} holds index "
+                                           f"{i} outside the grid {grid}", spec_id="SP-OBJ-1")
+            if not any(rep):
+                if i in mains:
+                    raise InvalidShardingError(
+                        f"sharded object {key!r}: ranks {mains[i]} and {r} both hold index "
+                        f"{i if len(i) > 1 else i[0]} as the main replica (replica_id {rep}); "
+                        "give every other holder a non-zero replica_id", spec_id="SP-REPL-2")
+                mains[i] = r
+            chosen.setdefault(grid_flat_index(i, grid), v)   # main replica first, if any
+        total = math.prod(grid)
+        missing = [i for i in range(total) if i not in chosen]
         if missing:
+            cells = [_unflatten(i, grid) for i in missing[:8]]
             raise InvalidShardingError(f"sharded object {key!r}: no rank holds index(es) "
-                                       f"{missing[:8]} of count {count}", spec_id="SP-OBJ-3")
-        out[key] = [chosen[i] for i in range(count)]
+                                       f"{cells} of count {grid if len(grid) > 1 else total}",
+                                       spec_id="SP-OBJ-3")
+        out[key] = ObjectValues([chosen[i] for i in range(total)], grid)
     return out
+
+
+def _unflatten(flat: int, shape: tuple):
+    idx = []
+    for n in reversed(shape):
+        flat, r = divmod(flat, n)
+        idx.append(r)
+    return tuple(reversed(idx)) if len(shape) > 1 else idx[0]

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import msgpack
 
 from . import dtypes, values
+from .columns import HoldingColumns, as_columns
 from .model import Holding
 
 
@@ -30,20 +31,20 @@ class LocalPlan:
 
     rank: int
     tree: Any
-    holdings: list          # [Holding], index = holding index on that rank
+    holdings: Sequence[Holding]   # index = holding index on that rank (a list, or columns)
     objects: list           # [(key, index, count, replica tuple, value)]
 
     def to_bytes(self) -> bytes:
-        hs = msgpack.packb([h.to_wire() for h in self.holdings])
+        """Holdings travel as compressed columns (:class:`HoldingColumns`): a 4,096-rank job
+        gathers ~1M holdings, which the coordinator decodes without a Python object each."""
+        hs = as_columns(self.holdings).to_wire()
         return values.pack([self.rank, self.tree, hs, [list(o) for o in self.objects]])
 
     @staticmethod
     def from_bytes(b: bytes) -> "LocalPlan":
         rank, tree, hs, objs = values.unpack(b)
-        # Holdings decode straight into tuples (use_list=False): no per-field conversion.
-        make = Holding._make
-        holdings = [make(w) for w in msgpack.unpackb(hs, use_list=False)]
-        return LocalPlan(rank, tree, holdings, [(k, i, c, tuple(r), v) for k, i, c, r, v in objs])
+        return LocalPlan(rank, tree, HoldingColumns.from_wire(hs),
+                         [(k, i, c, tuple(r), v) for k, i, c, r, v in objs])
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class TensorLayout:
         return math.prod(self.shape) * dtypes.from_name(self.dtype).itemsize
 
 
-@dataclass
+@dataclass(slots=True)
 class ChunkWrite:
     """One chunk a rank writes. ``direct``: (holding, piece) whose view covers the chunk, so it
     is written straight from the caller's tensor; else the chunk is assembled in a buffer from
@@ -71,10 +72,10 @@ class ChunkWrite:
     local: list = field(default_factory=list)
 
 
-@dataclass
-class Transfer:
+class Transfer(NamedTuple):
     """``box`` of ``key`` moves from rank ``src`` to rank ``dst``; ``src_ref`` and ``dst_ref``
-    name the source view and the destination buffer on each side."""
+    name the source view and the destination buffer on each side. A named tuple: a load
+    of a large job plans about a million of them."""
 
     src: int
     dst: int
@@ -130,7 +131,7 @@ class SavePlan:
     stats: dict = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class ReadOp:
     """A region one rank reads from storage: straight into a request's view (``direct`` =
     (request, piece)) or into a buffer that ``local`` copies and sends then draw from."""

@@ -12,9 +12,11 @@ import numpy as np
 import torch
 
 from . import dtypes, errors
+from .model import ShardedPieces, pieces_holdings, sharded_holding
 from .keys import encode_key, format_path
 from .metadata import Manifest
-from .model import Holding, ShardedObject, ShardedTensor, _dtensor_leaf, _is_dtensor
+from .model import (Holding, ObjectValues, ShardedObject, ShardedTensor, _dtensor_leaf,
+                    _is_dtensor, object_grid)
 
 
 @dataclass
@@ -60,15 +62,17 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
             return type(x)(seq) if isinstance(x, tuple) else seq
         key = encode_key(path)
         where = f"state{format_path(path)}"
-        is_tensor = isinstance(x, (torch.Tensor, np.ndarray, ShardedTensor))
+        is_tensor = isinstance(x, (torch.Tensor, np.ndarray, ShardedTensor, ShardedPieces))
         if is_tensor and key not in m.tensors:
             missing(f"tensor {key!r}")
             return x
         if isinstance(x, ShardedTensor):
-            d = dtypes.from_torch(x.data.dtype, where)
-            tensor_target(key, Holding(key, d.name, x.global_shape, x.global_offset,
-                                       x.local_shape, x.flattened_range, (0,)), x.data.detach())
+            tensor_target(key, sharded_holding(x, key, where, (0,)), x.data.detach())
             return x.data
+        if isinstance(x, ShardedPieces):
+            for h, p in zip(pieces_holdings(x, key, where, (0,)), x):
+                tensor_target(key, h, p.data.detach())
+            return [p.data for p in x]
         if _is_dtensor(x):
             lt = _dtensor_leaf(x, key, where)
             tensor_target(key, lt.holding, lt.data)
@@ -98,11 +102,15 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
                 missing(f"sharded object {key!r}")
                 return x.value
             vals = m.objects[key]
-            if len(vals) != x.count:
+            stored = object_grid(vals)
+            if stored != x.grid_shape:
+                def show(g: tuple) -> str:
+                    return str(g[0]) if len(g) == 1 else str(g)
                 raise errors.LayoutMismatchError(
-                    f"sharded object {key!r}: checkpoint has count {len(vals)}, the target "
-                    f"asks for index {x.index} of count {x.count}", spec_id="SP-OBJ-2")
-            return vals[x.index]
+                    f"sharded object {key!r}: checkpoint has count (grid) {show(stored)}, the "
+                    f"target asks for index {x.index} of count (grid) {show(x.grid_shape)}; "
+                    "load with the grid it was saved with", spec_id="SP-OBJ-2")
+            return vals[x.flat_index]
         stored = _value_at(m.tree, path)
         if stored is None:
             missing(f"value {key!r}")
@@ -134,7 +142,12 @@ def full_targets(m: Manifest) -> tuple:
     """Targets and tree for a load without ``like``: every tensor in full, on CPU."""
     targets: dict = {}
     for key, e in m.tensors.items():
-        t = torch.empty(e.shape, dtype=dtypes.from_name(e.dtype).torch)
+        try:
+            t = torch.empty(e.shape, dtype=dtypes.from_name(e.dtype).torch)
+        except (RuntimeError, MemoryError) as err:
+            raise errors.ResourceLimitError(
+                f"tensor {key!r} of shape {e.shape} ({e.nbytes} bytes) cannot be allocated "
+                f"here ({type(err).__name__}); load part of it with like=") from err
         targets[key] = Target(Holding(key, e.dtype, e.shape, (0,) * len(e.shape), e.shape,
                                        None, (0,)), t)
 
@@ -148,7 +161,8 @@ def full_targets(m: Manifest) -> tuple:
         if "value" in node:
             return node["value"]
         if "object" in node:
-            return list(m.objects[node["object"]])
+            vals = m.objects[node["object"]]
+            return ObjectValues(vals, object_grid(vals)).nested()
         t = targets[node["tensor"]].data
         return dtypes.torch_to_numpy(t) if node.get("origin") == "numpy" else t
 

@@ -24,6 +24,62 @@ SCALARS = (type(None), bool, int, float, str, bytes)
 # Caps applied when unpacking untrusted bytes ([SP-SEC-2]).
 UNPACK_LIMITS = dict(max_bin_len=1 << 31, max_str_len=1 << 28, max_array_len=1 << 28,
                      max_map_len=1 << 28, max_ext_len=1 << 31)
+# Deepest nesting of maps, arrays and tuples in a manifest body, the body itself being level 1
+# ([SP-MAN-5]); every msgpack library can pack and unpack this, and a tree 80 dicts deep fits.
+MAX_DEPTH = 256
+
+
+def strict_pairs(pairs: list) -> dict:
+    """Map hook of the decoder: keys are str or int, each at most once ([SP-MAN-5])."""
+    try:
+        d = dict(pairs)
+    except TypeError:
+        d = None
+    if d is None or any(type(k) is not str and type(k) is not int for k in d):
+        bad = next(k for k, _ in pairs if type(k) is not str and type(k) is not int)
+        raise CorruptCheckpointError(f"msgpack map key {bad!r} ({type(bad).__name__}) is "
+                                     "neither str nor int", spec_id="SP-MAN-5")
+    if len(d) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise CorruptCheckpointError(f"msgpack map repeats key {dup!r}", spec_id="SP-MAN-5")
+    return d
+
+
+def _max_depth(v: Any, stop: int) -> int:
+    """Levels of maps/lists/tuples in ``v`` (``v`` itself is level 1), counting up to ``stop``."""
+    stack = [(v, 1)]
+    pop, push = stack.pop, stack.append
+    deepest = 0
+    while stack:
+        x, depth = pop()
+        if depth > deepest:
+            deepest = depth
+            if depth >= stop:
+                break
+        for c in (x.values() if type(x) is dict else x):
+            t = type(c)
+            if t is dict or t is list or t is tuple:
+                push((c, depth + 1))
+    return deepest
+
+
+def nesting_depth_error(v: Any, limit: int = MAX_DEPTH) -> str:
+    """Path of a map/list/tuple nested deeper than ``limit`` levels in ``v``, or ''.
+
+    One pass over containers only (scalars are never pushed); the path for the message is
+    rebuilt only on failure."""
+    if _max_depth(v, limit + 1) <= limit:
+        return ""
+    path: list = []
+    x, need = v, limit + 1
+    while need > 1:   # follow a branch that still goes deep enough
+        kids = x.items() if isinstance(x, dict) else enumerate(x)
+        k, x = next((k, c) for k, c in kids if isinstance(c, (dict, list, tuple))
+                    and _max_depth(c, need - 1) >= need - 1)
+        path.append(k)
+        need -= 1
+    return "".join(f"[{c!r}]" for c in path[:12]) + ("..." if len(path) > 12 else "")
 
 
 def _hint(what: str, v: Any) -> str:
@@ -95,12 +151,25 @@ def pack(v: Any) -> bytes:
 
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_TUPLE:
-        return tuple(unpack(data))
+        items = unpack(data)
+        if not isinstance(items, list):
+            raise CorruptCheckpointError("ext 2 (tuple) payload is not a msgpack array",
+                                         spec_id="SP-VALUE-2")
+        return tuple(items)
     if code == EXT_ARRAY:
         try:
             name, shape, raw, origin = msgpack.unpackb(data, raw=False, **UNPACK_LIMITS)
             d = dtypes.from_name(name)
+            if not (isinstance(raw, bytes) and isinstance(shape, list) and all(
+                    type(n) is int and n >= 0 for n in shape) and len(shape) <= MAX_RANK
+                    and len(raw) == _prod(shape) * d.itemsize):
+                raise ValueError(f"shape {shape!r} does not match {len(raw)} data bytes")
+            if origin not in ("torch", "numpy", "numpy-scalar") or (
+                    origin == "numpy-scalar" and shape != []):
+                raise ValueError(f"origin {origin!r} (numpy-scalar needs shape [])")
             a = np.frombuffer(raw, dtype=d.numpy.newbyteorder("<")).astype(d.numpy).reshape(shape)
+            if name == "bool" and a.view(np.uint8).max(initial=0) > 1:
+                raise ValueError("bool bytes other than 0x00 and 0x01")
         except Exception as e:
             raise CorruptCheckpointError(f"malformed array value: {e}", spec_id="SP-VALUE-2") from e
         if origin == "torch":
@@ -109,7 +178,23 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise CorruptCheckpointError(f"unknown msgpack extension type {code}", spec_id="SP-VALUE-2")
 
 
+def _prod(shape: list) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+MAX_RANK = 64   # dimensions of a tensor or array value ([SP-SEC-2])
+
+
 def unpack(data: bytes) -> Any:
-    """Decode bytes written by :func:`pack`, with size caps; never executes code."""
-    return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook,
-                           **UNPACK_LIMITS)
+    """Decode bytes written by :func:`pack`, with size caps, the decoding rules of
+    [SP-MAN-5] (str/int map keys, no repeated keys) and nothing after the one object;
+    never executes code. Nesting depth is checked by the caller (:func:`nesting_depth_error`)."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook,
+                               object_pairs_hook=strict_pairs, **UNPACK_LIMITS)
+    except RecursionError as e:
+        raise CorruptCheckpointError("values nest deeper than the format allows",
+                                     spec_id="SP-MAN-5") from e

@@ -21,7 +21,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from . import errors
 from .keys import MAX_KEY_BYTES, decode_key, encode_key
@@ -77,12 +77,14 @@ def _chunk_count(shape: tuple, chunk: tuple) -> int:
 
 
 def verify_checkpoint(path: str, *, strict: bool = False,
-                      backend: Optional[StorageBackend] = None) -> VerifyReport:
+                      backend: Optional[StorageBackend] = None,
+                      progress: Optional[Callable[[int], None]] = None) -> VerifyReport:
     """Verify the checkpoint at ``path``; never raises for problems found in it.
 
     ``strict`` adds the writer rules a reader does not need: array paths are ``tensors/<key>``
     ([SP-LAYOUT-2]), keys are canonical and short enough ([SP-KEY-3], [SP-KEY-4]), nothing
-    under ``tensors/`` that the manifest does not list ([SP-LAYOUT-3]).
+    under ``tensors/`` that the manifest does not list ([SP-LAYOUT-3]). ``progress(nbytes)``
+    is called after each tensor is checked, and once with the total first (``set_total``).
     """
     if backend is None:
         # A backend of its own (a fresh TensorStore context): the shared default one may hold
@@ -107,6 +109,8 @@ def verify_checkpoint(path: str, *, strict: bool = False,
     else:
         rep.format_version = tuple(m.format_version)
         rep.tensors, rep.objects = len(m.tensors), len(m.objects)
+        if progress is not None and hasattr(progress, "set_total"):
+            progress.set_total(sum(e.nbytes for e in m.tensors.values()))
         for key, e in sorted(m.tensors.items()):
             rep.bytes += e.nbytes
             n = _chunk_count(e.shape, e.chunk_shape)
@@ -117,6 +121,8 @@ def verify_checkpoint(path: str, *, strict: bool = False,
             if not any(s in _OPEN_IDS for s, _ in found):
                 rep.chunks_checked += n
             rep.problems += found
+            if progress is not None:
+                progress(e.nbytes)
         if strict:
             rep.problems += _strays(path, {e.array for e in m.tensors.values()})
     rep.seconds = time.perf_counter() - t0
@@ -142,7 +148,7 @@ def _writer_rules(key: str, array: str) -> list:
             out.append(("SP-KEY-3", f"key {key!r} is not in canonical form"))
     except errors.InvalidKeyError as err:
         out.append((err.spec_id or "SP-KEY-3", str(err)))
-    if array != array_path_for(key):
+    if array not in (array_path_for(key), f"{TENSOR_DIR}/{key}"):   # 1.1 path, or 1.0's
         out.append(("SP-LAYOUT-2", f"tensor {key!r}: array path {array!r} is not "
                     f"{array_path_for(key)!r}"))
     return out

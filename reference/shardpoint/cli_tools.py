@@ -1,0 +1,175 @@
+"""The ``convert`` and ``diff`` commands and ``inspect --values``: the command-line faces of
+:mod:`shardpoint.convert`, :mod:`shardpoint.diff` and :mod:`shardpoint.lazy`."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from . import errors, progress
+from .textfmt import fmt_bytes
+
+
+def add_commands(sub: Any) -> None:
+    """Register ``convert`` and ``diff`` on the ``shardpoint`` sub-command parser."""
+    from .convert import SOURCES, TARGETS
+    s = sub.add_parser("convert", help="convert from DCP, Megatron torch_dist, torch.save or "
+                       "safetensors to shardpoint, or from shardpoint to DCP or safetensors")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--from", dest="from_", choices=SOURCES, help="source format (default: "
+                   "detected)")
+    s.add_argument("--to", choices=TARGETS, help="target format (default: safetensors for a "
+                   ".safetensors path, else shardpoint)")
+    s.add_argument("--max-shard-size", default=None, help="safetensors: split into shards "
+                   "of at most this size (e.g. 5GB, 2GiB) with model.safetensors.index.json")
+    s.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    s.add_argument("--skip-common", action="store_true", help="Megatron: convert the sharded "
+                   "state even when common.pt needs more than weights_only unpickling")
+    s.add_argument("--json", action="store_true", help="machine-readable report")
+    s.set_defaults(fn=cmd_convert)
+    s = sub.add_parser("diff", help="compare two checkpoints key by key and chunk by chunk "
+                       "(exit 0 equal, 1 different, 2 error)")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: "
+                   "bitwise comparison)")
+    s.add_argument("--rtol", type=float, default=None, help="relative tolerance")
+    s.add_argument("--from-a", choices=SOURCES, default=None)
+    s.add_argument("--from-b", choices=SOURCES, default=None)
+    s.add_argument("--json", action="store_true", help="machine-readable report")
+    s.set_defaults(fn=cmd_diff)
+
+
+def cmd_convert(a: argparse.Namespace) -> int:
+    from .convert import convert
+    with progress.bar("convert", None, progress.wanted(a.json)) as adv:
+        rep = convert(a.src, a.dst, from_=a.from_, to=a.to, overwrite=a.overwrite,
+                      max_shard_size=a.max_shard_size, skip_common=a.skip_common,
+                      progress=adv, on_open=lambda s: adv.set_total(s.total_bytes))
+    if a.json:
+        print(json.dumps(rep.to_dict(), indent=2))
+        return 0
+    print(f"converted {rep.src} ({rep.src_format}) -> {rep.dst} ({rep.dst_format}): "
+          f"{rep.tensors} tensors ({fmt_bytes(rep.bytes)}), {rep.values} values, "
+          f"{rep.objects} sharded objects in {rep.seconds:.2f}s")
+    if rep.skipped:
+        print(f"not converted ({len(rep.skipped)}):")
+        for k, r in rep.skipped:
+            print(f"  {k}: {r}")
+    return 0
+
+
+def cmd_diff(a: argparse.Namespace) -> int:
+    from .diff import diff_checkpoints
+    try:
+        with progress.bar("diff", None, progress.wanted(a.json)) as adv:
+            def opened(sa: Any, sb: Any) -> None:
+                adv.set_total(sum(t.nbytes for t in sa.tensors
+                                  if t.path in {u.path for u in sb.tensors}))
+            rep = diff_checkpoints(a.a, a.b, atol=a.atol, rtol=a.rtol, from_a=a.from_a,
+                                   from_b=a.from_b, progress=adv, on_open=opened)
+    except (errors.ShardpointError, OSError) as e:
+        print(f"shardpoint diff: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(rep.to_dict(), indent=2))
+        return 0 if rep.equal else 1
+    how = "bitwise" if rep.exact else f"atol={rep.atol:g}, rtol={rep.rtol:g}"
+    for k in rep.only_a:
+        print(f"only in A: {k}")
+    for k in rep.only_b:
+        print(f"only in B: {k}")
+    for k, w in rep.mismatched:
+        print(f"differs:   {k}: {w}")
+    for k, x, y in rep.values:
+        print(f"differs:   {k}: {x} vs {y}")
+    for t in rep.tensors:
+        m = "" if t.max_abs_diff is None else f", max |a-b| {t.max_abs_diff:.6g}"
+        print(f"differs:   {t.key}: {t.differing} of {t.elements} elements, first at "
+              f"[{', '.join(map(str, t.first_index))}]{m}")
+    verdict = "equal" if rep.equal else "DIFFERENT"
+    print(f"{verdict} ({how}): {rep.compared_tensors} tensors ({fmt_bytes(rep.compared_bytes)})"
+          f" compared; {len(rep.only_a)} only in A, {len(rep.only_b)} only in B")
+    return 0 if rep.equal else 1
+
+
+_SLICE = re.compile(r"^(?P<key>.*?)\[(?P<idx>[-0-9:, .]*)\]$")
+_PREVIEW_BYTES = 64 << 20
+
+
+def _parse_index(s: str) -> tuple:
+    out = []
+    for part in s.split(","):
+        part = part.strip()
+        if part in ("...", "…"):
+            out.append(Ellipsis)
+        elif ":" in part:
+            bits = [int(b) if b.strip() else None for b in part.split(":")]
+            if len(bits) > 3:
+                raise ValueError(part)
+            out.append(slice(*bits))
+        else:
+            out.append(int(part))
+    return tuple(out)
+
+
+def cmd_values(a: argparse.Namespace) -> int:
+    """``inspect PATH --values KEY`` (``KEY[10:20, :4]`` reads only that block)."""
+    import torch
+
+    from .lazy import TensorView, open
+    with open(a.path) as ckpt:
+        key, idx = a.values, None
+        m = _SLICE.match(key)
+        if m and key not in ckpt and m["key"] in ckpt:
+            try:
+                key, idx = m["key"], _parse_index(m["idx"])
+            except ValueError:
+                raise errors.LayoutMismatchError(f"{a.values!r}: the index must be ints and "
+                                                 "slices like [10:20, :4]") from None
+        if key not in ckpt:
+            raise errors.LayoutMismatchError(f"{key!r} is not a key of {a.path!r}; "
+                                             "`shardpoint inspect` lists them")
+        v = ckpt[key]
+        if not isinstance(v, TensorView):
+            print(json.dumps({"key": key, "value": _jsonable(v)}, indent=2) if a.json
+                  else f"{key} = {v!r}")
+            return 0
+        note = ""
+        if idx is not None:
+            try:
+                v = v[idx]
+            except (IndexError, TypeError) as e:
+                raise errors.LayoutMismatchError(f"{a.values!r}: {e}") from None
+        elif v.nbytes > _PREVIEW_BYTES:
+            v = v[tuple(slice(0, 4) for _ in v.shape)]
+            note = (f" (first {list(v.shape)} of {fmt_bytes(ckpt[key].nbytes)}; give a slice, "
+                    f"e.g. {key}[0:8])")
+        t = v.to_torch()
+        if a.json:
+            vals = t.to(torch.float64) if t.dtype in (torch.bfloat16, torch.float8_e4m3fn,
+                                                       torch.float8_e5m2) else t
+            print(json.dumps({"key": key, "dtype": v.entry.dtype, "shape": list(v.shape),
+                              "values": _jsonable(vals.tolist())}, indent=2))
+            return 0
+        torch.set_printoptions(linewidth=80)
+        print(f"{key}: {v.entry.dtype}[{'x'.join(map(str, v.shape))}]{note}")
+        print(t)
+    return 0
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not (v == v and abs(v) != float("inf")):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (bytes, bytearray)):
+        return {"$bytes": len(v)}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)

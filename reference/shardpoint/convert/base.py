@@ -1,0 +1,160 @@
+"""What every format module of :mod:`shardpoint.convert` provides: a :class:`Source` that lists
+tensors (path, shape, dtype) and reads them one at a time, and sinks that pull from a source.
+
+Tensors are identified by their *tree path* (a tuple of str/int components): shardpoint keys
+are ``encode_key(path)``, flat formats (safetensors, Megatron) use one-component paths so
+their names are kept as they are. Memory stays bounded because a sink asks for one tensor
+(or one block of rows) at a time and lets it go before the next.
+"""
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from .. import dtypes
+from ..errors import CheckpointExistsError, ConversionError
+from ..keys import encode_key
+
+Progress = Optional[Callable[[int], None]]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a source: where it sits in the tree, its global shape and dtype."""
+
+    path: tuple
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def key(self) -> str:
+        return key_of(self.path)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+def key_of(path: tuple) -> str:
+    """The shardpoint key of a path (for messages and diff output); falls back to repr."""
+    try:
+        return encode_key(path)
+    except Exception:  # noqa: BLE001 - only used for display
+        return repr(path)
+
+
+def flat_name(path: tuple) -> str:
+    """The name a flat format (safetensors, DCP FQN) gives a path: components joined by '.'."""
+    return ".".join(str(c) for c in path)
+
+
+@dataclass
+class Source:
+    """A readable checkpoint of some format. Subclasses fill the lists and implement
+    :meth:`read`; :meth:`read_rows` defaults to slicing the whole tensor."""
+
+    path: str
+    format: str = ""
+    tensors: list = field(default_factory=list)     # [TensorInfo], in the source's order
+    values: dict = field(default_factory=dict)      # path -> plain value
+    objects: dict = field(default_factory=dict)     # path -> [value per index]
+    skipped: list = field(default_factory=list)     # [(key, reason)] entries not convertible
+
+    def read(self, t: TensorInfo) -> torch.Tensor:
+        """The whole tensor, on CPU, contiguous, in its own dtype."""
+        raise NotImplementedError
+
+    def read_rows(self, t: TensorInfo, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of dim 0 (the whole tensor for 0-d). Override to read less."""
+        x = self.read(t)
+        return x if not t.shape else x[start:stop]
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def check_dtype(dt: torch.dtype, what: str) -> str:
+    """The spec dtype name of a torch dtype, or a ConversionError naming the entry."""
+    try:
+        return dtypes.from_torch(dt, what).name
+    except Exception as e:  # noqa: BLE001 - re-raised with the conversion's wording
+        raise ConversionError(f"{what}: {e}") from None
+
+
+def nest(items: Iterator[tuple], what: str = "tree") -> dict:
+    """Nested dicts from ``(path, leaf)`` pairs: ``(("a", "b"), x)`` -> ``{"a": {"b": x}}``.
+    A path under another leaf, or two leaves at one path, is a ConversionError."""
+    root: dict = {}
+    leaves: set = set()
+    for path, leaf in items:
+        node = root
+        for i in range(len(path) - 1):
+            if path[:i + 1] in leaves:
+                raise ConversionError(f"{what}: {key_of(path)!r} lies under "
+                                      f"{key_of(path[:i + 1])!r}, which is a leaf")
+            node = node.setdefault(path[i], {})
+        if path in leaves or path[-1] in node:
+            raise ConversionError(f"{what}: two entries map to {key_of(path)!r}")
+        leaves.add(path)
+        node[path[-1]] = leaf
+    return root
+
+
+@contextmanager
+def staged_output(dst: str, overwrite: bool, *, is_dir: bool) -> Iterator[str]:
+    """A hidden sibling to write into, renamed onto ``dst`` when the block succeeds (removed
+    when it fails), so a half-written conversion is never at ``dst``."""
+    dst = os.path.abspath(dst)
+    if os.path.lexists(dst) and not overwrite:
+        raise CheckpointExistsError(f"{dst!r} exists; pass overwrite=True (--overwrite) to "
+                                    "replace it")
+    parent, name = os.path.split(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{name}.shardpoint-tmp-{secrets.token_hex(6)}")
+    if is_dir:
+        os.makedirs(tmp)
+    try:
+        yield tmp
+        if os.path.lexists(dst):
+            old = tmp.replace("-tmp-", "-old-")
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            _remove(old)
+        else:
+            os.rename(tmp, dst)
+        fd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(p: str) -> None:
+    if os.path.isdir(p) and not os.path.islink(p):
+        shutil.rmtree(p, ignore_errors=True)
+    elif os.path.lexists(p):
+        os.remove(p)

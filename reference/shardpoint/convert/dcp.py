@@ -1,0 +1,177 @@
+"""PyTorch Distributed Checkpoint (DCP) directories as a conversion source and sink.
+
+Everything goes through ``torch.distributed.checkpoint`` itself: its ``FileSystemReader``
+reads the metadata (DCP's own ``.metadata`` is a pickle that DCP loads: convert only DCP
+checkpoints you trust), and tensors are read with ``dcp.load(..., no_dist=True)`` into
+preallocated global tensors, a bounded batch of keys at a time, whatever world size saved
+them. Bytes entries (``torch.save`` of a non-tensor object) are decoded with
+``weights_only=True`` only; what that refuses is reported, never unpickled.
+
+Writing uses ``dcp.save(..., no_dist=True)`` on a state dict of zero-stride placeholders
+(shape and dtype only, no memory) with a planner that reads each tensor from the source when
+DCP's writer asks for it, so one tensor is in memory at a time.
+"""
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from ..errors import ConversionError
+from .base import Progress, Source, TensorInfo, flat_name, key_of, nest, staged_output
+
+FORMAT = "dcp"
+
+
+def is_dcp(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+class Unreadable:
+    """A bytes entry that ``weights_only`` refused, with the reason."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _load_planner():
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class SafeBytesLoadPlanner(DefaultLoadPlanner):
+        """DCP's planner, decoding bytes entries with ``weights_only=True`` only."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                v = torch.load(value, weights_only=True, map_location="cpu")
+            except Exception as e:  # noqa: BLE001 - recorded as the entry's reason
+                msg = [ln.strip() for ln in str(e).splitlines() if "Unsupported global" in ln]
+                v = Unreadable("needs pickle beyond torch.load(weights_only=True): "
+                                + (msg[0] if msg else f"{type(e).__name__}: {e}"))
+            self.original_state_dict[read_item.dest_index.fqn] = v
+
+    return SafeBytesLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def dcp_load(path: str, state: dict) -> None:
+    """``dcp.load`` of a flat ``{fqn: preallocated tensor or None}``, in this process only."""
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_load_planner(),
+                     no_dist=True)
+        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures
+            raise ConversionError(f"dcp.load from {path!r} failed for keys "
+                                  f"{sorted(state)[:5]}: {str(e).strip()[:500]}") from None
+
+
+class DCPSource(Source):
+    """A DCP checkpoint directory (``.metadata`` + ``*.distcp``), any saving world size."""
+
+    def __init__(self, path: str, *, batch_bytes: int = 256 << 20) -> None:
+        super().__init__(str(path), FORMAT)
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import (BytesStorageMetadata,
+                                                           TensorStorageMetadata)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                md = FileSystemReader(self.path).read_metadata()
+            except Exception as e:  # noqa: BLE001
+                raise ConversionError(f"{self.path!r}: DCP cannot read its .metadata: "
+                                      f"{type(e).__name__}: {e}") from None
+        pd = md.planner_data if isinstance(md.planner_data, dict) else {}
+        self.batch_bytes = batch_bytes
+        self._fqn: dict = {}
+        self._cache: dict = {}
+        byte_keys = []
+        for fqn, m in md.state_dict_metadata.items():
+            path_ = tuple(pd.get(fqn) or (fqn,))
+            if isinstance(m, TensorStorageMetadata):
+                t = TensorInfo(path_, tuple(m.size), m.properties.dtype)
+                self.tensors.append(t)
+                self._fqn[t.path] = fqn
+            elif isinstance(m, BytesStorageMetadata):
+                byte_keys.append((fqn, path_))
+            else:
+                self.skipped.append((key_of(path_), f"DCP entry of kind {type(m).__name__}"))
+        if byte_keys:
+            state = {fqn: None for fqn, _ in byte_keys}
+            dcp_load(self.path, state)
+            for fqn, p in byte_keys:
+                self.add_bytes_entry(fqn, p, state[fqn])
+
+    def add_bytes_entry(self, fqn: str, path: tuple, v: Any) -> None:
+        """A decoded bytes entry becomes a value, or a skipped line with its reason."""
+        if isinstance(v, Unreadable):
+            self.skipped.append((key_of(path), v.reason))
+        else:
+            self.values[path] = v
+
+    def read(self, t: TensorInfo) -> torch.Tensor:
+        if t.path not in self._cache:
+            self._cache.clear()
+            i = self.tensors.index(t)
+            batch, size = [], 0
+            for u in self.tensors[i:]:
+                if u.path not in self._fqn:
+                    continue
+                if batch and size + u.nbytes > self.batch_bytes:
+                    break
+                batch.append(u)
+                size += u.nbytes
+            state = {self._fqn[u.path]: torch.empty(u.shape, dtype=u.dtype) for u in batch}
+            dcp_load(self.path, state)
+            self._cache = {u.path: state[self._fqn[u.path]] for u in batch}
+        return self._cache.pop(t.path)
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
+def write_dcp(src: Source, dst: str, *, overwrite: bool = False, progress: Progress = None,
+              thread_count: int = 1) -> list:
+    """Write ``src`` as a DCP checkpoint (one rank's files) that ``dcp.load`` reads back into
+    the same nested state dict. Values are stored as DCP bytes entries; sharded objects as the
+    list of their values. Returns ``[(key, reason)]`` for what could not be written."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    by_fqn: dict = {}
+    leaves = []
+    for t in src.tensors:
+        by_fqn[flat_name(t.path)] = t
+        leaves.append((t.path, torch.empty((), dtype=t.dtype).expand(t.shape)))
+    leaves += list(src.values.items()) + [(p, list(v)) for p, v in src.objects.items()]
+    if len({flat_name(p) for p, _ in leaves}) != len(leaves):
+        raise ConversionError(f"{src.path!r}: two keys have the same DCP name once joined by "
+                              "'.'; rename one")
+    state = nest(leaves, f"converting {src.path!r} to DCP")
+
+    class StreamingSavePlanner(DefaultSavePlanner):
+        def lookup_object(self, index: Any) -> Any:
+            t = by_fqn.get(index.fqn)
+            if t is None:
+                return super().lookup_object(index)
+            data = src.read(t)
+            if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
+                raise ConversionError(f"tensor {t.key!r}: the source read {data.dtype}"
+                                      f"{list(data.shape)}, its metadata says {t.dtype}"
+                                      f"{list(t.shape)}")
+            if progress:
+                progress(t.nbytes)
+            return data
+
+    with staged_output(dst, overwrite, is_dir=True) as tmp:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=thread_count,
+                                                                single_file_per_rank=True),
+                     planner=StreamingSavePlanner(), no_dist=True)
+    return []
+
+
+__all__ = ["DCPSource", "write_dcp", "is_dcp", "dcp_load"]

@@ -1,0 +1,170 @@
+"""The planner's scaling machinery: columnar local plans, exact grouping of holdings into
+regions, the numpy chunk geometry, and a small version of benchmarks/plan_scale.py's
+Megatron-style job (TP x PP x DP, distributed-optimizer ranges) planned and executed on numpy.
+
+Each fast path is checked against the plain one it replaces, on random inputs.
+"""
+import importlib.util
+import math
+import pathlib
+import random
+
+import numpy as np
+import pytest
+
+from shardpoint import InvalidShardingError, LayoutMismatchError, columns, grid
+from shardpoint.columns import HoldingColumns, group_rows
+from shardpoint.model import Holding, holding_pieces
+from shardpoint.planner import LocalPlan, PlanOptions, TensorLayout, plan_load, plan_save
+
+from test_planner import check_exchange_symmetry, execute_load, execute_save
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def random_holdings(rng, n):
+    out = []
+    for i in range(n):
+        nd = rng.randint(0, 3)
+        g = tuple(rng.choice([0, 1, 7, 3 * 2**31]) if rng.random() < 0.1 else rng.randint(1, 9)
+                  for _ in range(nd))
+        off = tuple(rng.randint(0, x) for x in g)
+        shp = tuple(rng.randint(0, x - o) for x, o in zip(g, off))
+        flat = None
+        if rng.random() < 0.4 and nd:
+            a = rng.randint(0, math.prod(shp))
+            flat = (a, rng.randint(a, math.prod(shp)))
+        rep = tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 3)))
+        out.append(Holding(f"k{rng.randint(0, 5)}/é.{i % 3}", rng.choice(["float32", "bfloat16"]),
+                           g, off, shp, flat, rep))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_columns_wire_round_trip(seed):
+    rng = random.Random(seed)
+    hs = random_holdings(rng, rng.choice([0, 1, 40]))
+    cols = HoldingColumns.from_holdings(hs)
+    assert list(cols) == hs
+    back = HoldingColumns.from_wire(cols.to_wire())
+    assert back == hs and len(back) == len(hs) and back[1:3] == hs[1:3]
+    lp = LocalPlan(3, {"dict": []}, hs, [("rng", 0, 1, (0,), b"x")])
+    again = LocalPlan.from_bytes(lp.to_bytes())
+    assert again.rank == 3 and list(again.holdings) == hs and again.objects == lp.objects
+
+
+def test_group_rows_is_exact_even_when_every_hash_collides(monkeypatch):
+    rng = np.random.default_rng(0)
+    cols = [rng.integers(0, 3, 500) for _ in range(3)]
+    expect = {}
+    for i, row in enumerate(zip(*[c.tolist() for c in cols])):
+        expect.setdefault(row, []).append(i)
+
+    def groups():
+        order, starts = group_rows(cols)
+        return sorted(order[a:b].tolist() for a, b in zip(starts[:-1], starts[1:]))
+
+    assert groups() == sorted(expect.values())
+    monkeypatch.setattr(columns, "_MIX", np.uint64(0))    # all rows hash alike: exact fallback
+    assert groups() == sorted(expect.values())
+
+
+def flat_regions(rng, shape):
+    n = math.prod(shape)
+    cuts = sorted(rng.randint(0, n) for _ in range(rng.randint(0, 6)))
+    b = [0] + cuts + [n]
+    return [holding_pieces(Holding("k", "float32", shape, (0,) * len(shape), shape, (a, c), (0,)))
+            for a, c in zip(b[:-1], b[1:]) if c > a]
+
+
+def test_numpy_chunk_geometry_matches_the_plain_loops():
+    rng = random.Random(1)
+    for _ in range(400):
+        shape = tuple(rng.randint(1, 12) for _ in range(rng.randint(1, 3)))
+        pieces = flat_regions(rng, shape)
+        chunk = tuple(rng.randint(1, x) for x in shape)
+        regions = [([(p.offset, p.shape) for p in ps], ()) for ps in pieces]
+        per = {}
+        for ri, (boxes, _) in enumerate(regions):
+            for off, shp in boxes:
+                for cidx, n in grid._chunks_overlapping(shape, chunk, off, shp):
+                    per.setdefault(cidx, {}).setdefault(ri, 0)
+                    per[cidx][ri] += n
+        moved = sum(math.prod(min(c, m - i * c) for i, c, m in zip(cidx, chunk, shape)) -
+                    max(d.values()) for cidx, d in per.items())
+        held = sum(sum(d.values()) for d in per.values())
+        chunk2 = tuple(rng.randint(1, x) for x in shape)
+        assert grid._moved_many(shape, [chunk, chunk2], regions)[0] == moved
+        assert held == math.prod(shape)
+        old = grid.pieces_by_chunk(shape, chunk, pieces)
+        new = grid.chunk_parts(shape, chunk, pieces)
+        assert [c[0] for c in new] == [tuple(i * c for i, c in zip(cidx, chunk))
+                                       for cidx in sorted(old)]
+        for (coff, cshp, parts), cidx in zip(new, sorted(old)):
+            assert [(li, pi, bo, bs) for li, pi, bo, bs, _ in parts] == \
+                [(li, pi, bo, bs) for li, pi, (bo, bs) in old[cidx]]
+            assert all(n == math.prod(bs) for *_, bs, n in parts)
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("plan_scale", ROOT / "benchmarks/plan_scale.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def ids(shape, key):
+    base = (sum(map(ord, key)) % 97 + 1) << 40
+    return (np.arange(math.prod(shape), dtype=np.int64) + base).reshape(shape)
+
+
+def data_of(h):
+    blk = ids(h.global_shape, h.key)[tuple(slice(o, o + s) for o, s in zip(h.offset, h.shape))]
+    return blk.reshape(-1)[h.flat[0]:h.flat[1]].copy() if h.flat else blk.copy()
+
+
+@pytest.mark.parametrize("megatron_ids", [False, True])
+def test_small_megatron_style_job_through_the_wire_is_bitwise_exact(megatron_ids):
+    """benchmarks/plan_scale.py's job at TP 2 x PP 2 x DP 3 (uneven embedding split, flattened
+    optimizer ranges across layer boundaries, replicated norms), sent through the wire form;
+    with ``megatron_ids`` every non-main replica carries id 1, as Megatron writes them."""
+    bench = load_benchmark()
+    plans = bench.build_job(2, 2, 3, 4, 6, 13)
+    if megatron_ids:
+        plans = [LocalPlan(p.rank, p.tree, [h._replace(replica=(0,) if not any(h.replica)
+                                                       else (1,)) for h in p.holdings],
+                           p.objects) for p in plans]
+    decoded = [LocalPlan.from_bytes(p.to_bytes()) for p in plans]
+    plan = plan_save(decoded, PlanOptions(chunk_overhead_bytes=64))
+    check_exchange_symmetry(plan.ranks)
+    datas = [[data_of(h) for h in p.holdings] for p in plans]
+    store, count = execute_save(plans, datas, plan)
+    for key, lay in plan.tensors.items():
+        assert (count[key] == 1).all(), key
+        assert np.array_equal(store[key], ids(lay.shape, key)), key
+    assert plan.stats["exchange_bytes"] > 0
+    # load into the same layout, requests through the wire as loading.py sends them
+    reqs = [HoldingColumns.from_wire(HoldingColumns.from_holdings(
+        [h._replace(replica=(0,)) for h in p.holdings]).to_wire()) for p in plans]
+    works = plan_load(reqs, plan.tensors)
+    check_exchange_symmetry(works)
+    reqs = [list(r) for r in reqs]
+    outs, got, readcount = execute_load(store, plan.tensors, reqs, works)
+    assert all(c.max(initial=0) <= 1 for c in readcount.values())
+    for r, rq in enumerate(reqs):
+        for q, h in enumerate(rq):
+            assert (got[r][q] == 1).all() and np.array_equal(outs[r][q], data_of(h))
+
+
+def test_errors_from_the_columnar_path_name_key_and_ranks():
+    shape = (8, 4)
+    good = Holding("w", "float32", shape, (0, 0), shape, None, (0,))
+    with pytest.raises(InvalidShardingError) as e:
+        plan_save([LocalPlan(0, {"dict": []}, [good], []),
+                   LocalPlan(1, {"dict": []}, [good._replace(dtype="bfloat16",
+                                                            replica=(1,))], [])])
+    assert e.value.spec_id == "SP-COVER-4" and "rank 0" in str(e.value) and \
+        "rank 1" in str(e.value) and "'w'" in str(e.value)
+    lay = {"w": TensorLayout("w", shape, "float32", (4, 4))}
+    with pytest.raises(LayoutMismatchError, match="'w'"):
+        plan_load([[good], [good._replace(global_shape=(9, 4))]], lay)
