@@ -126,15 +126,17 @@ _PEAK = textwrap.dedent("""
 def test_meta_device_load_holds_one_copy(tmp_path, src_dtype):
     """A 128 MiB fp32 model built on meta and loaded (same dtype, or cast from bf16) in a
     fresh process: its peak memory grows by one copy plus the reader's transient buffers, never
-    two copies (loose bound: 1.8x; naive init-then-load is 2x and more)."""
+    two copies (loose bound: 1.5x; naive init-then-load is 2x and more). One malloc arena:
+    with glibc's default of one per thread, chunk buffers freed by TensorStore's threads stay
+    in RSS (1.4x-1.8x here), which measures the allocator, not what the load holds."""
     src = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False, dtype=src_dtype)
                                 for _ in range(8)])
     sp.save({"model": src.state_dict()}, tmp_path / "ck")
     del src
     r = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / "ck"), str(tmp_path / "w")],
                        capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"})
     assert r.returncode == 0, r.stderr
     nbytes, grew = map(int, r.stdout.split())
     assert nbytes == 8 * 2048 * 2048 * 4
-    assert grew < 1.8 * nbytes, grew / nbytes     # measured here: 1.4x-1.7x
+    assert grew < 1.5 * nbytes, grew / nbytes     # measured here: 1.15x
