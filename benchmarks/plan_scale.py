@@ -38,7 +38,8 @@ def layer_params(h: int, tp: int) -> list:
     ]
 
 
-def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int) -> list:
+def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
+              trees: bool = True) -> list:
     per_stage = layers // pp
     plans = []
     stage_params = []
@@ -83,9 +84,26 @@ def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int) -> lis
                     holdings.append(Holding(f"optim/{st}/{name}", "float32", shp, off, bshp,
                                             (a - pos, b - pos), rep))
             pos += n
-        tree = {"dict": []}
+        tree = tree_of([h.key for h in holdings] + ["rng"]) if trees else {"dict": []}
         plans.append(LocalPlan(rank, tree, holdings, [("rng", rank, tp * pp * dp, (0,), 0)]))
     return plans
+
+
+def tree_of(keys: list) -> dict:
+    """The tree a rank's state flattens to: nested dicts down to its tensor and object
+    leaves (``model/layers.0.qkv.w`` under ``model``), as ``flatten_state`` builds it."""
+    root: dict = {}
+    for key in keys:
+        node = root
+        *path, leaf = key.split("/")
+        for c in path:
+            node = node.setdefault(c, {})
+        node[leaf] = {"object": key} if key == "rng" else {"tensor": key}
+
+    def wire(d: dict) -> dict:
+        return {"dict": [[k, v if "tensor" in v or "object" in v else wire(v)]
+                         for k, v in d.items()]}
+    return wire(root)
 
 
 def _median(xs: list) -> str:
@@ -102,10 +120,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128_000 + 3)
     ap.add_argument("--repeat", type=int, default=5, help="timed runs (medians reported)")
     ap.add_argument("--no-load", action="store_true", help="skip load planning")
+    ap.add_argument("--no-trees", action="store_true",
+                    help="send empty trees (the job as measured before trees were simulated)")
     a = ap.parse_args()
     world = a.tp * a.pp * a.dp
     t = time.perf_counter()
-    plans = build_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab)
+    plans = build_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab, not a.no_trees)
     build_s = time.perf_counter() - t
     nh = sum(len(p.holdings) for p in plans)
     t = time.perf_counter()
@@ -149,8 +169,9 @@ def main() -> None:
     st = plan.stats
     med = statistics.median
     print(f"job: {world} ranks (TP {a.tp} x PP {a.pp} x DP {a.dp}), {st['tensors']} tensors, "
-          f"{nh:,} holdings, {st['unique_bytes'] / 2**30:.1f} GiB unique; medians of "
-          f"{a.repeat} runs (min-max)")
+          f"{nh:,} holdings, {st['unique_bytes'] / 2**30:.1f} GiB unique, "
+          f"{'empty trees' if a.no_trees else 'full trees'}; medians of {a.repeat} runs "
+          "(min-max)")
     print(f"  build local plans (test harness)  {build_s:8.2f} s")
     print(f"  encode local plans (all ranks)    {enc_s:8.2f} s  ({enc_s / world * 1e3:.2f} ms/rank)")
     print(f"  gathered local plans              {gathered / 1e6:8.1f} MB   "

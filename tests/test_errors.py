@@ -456,3 +456,18 @@ def test_every_error_class_names_its_spec_category(cls, category):
     assert cls.category == category
     spec = open(os.path.join(os.path.dirname(__file__), "..", "spec", "format.md")).read()
     assert f"*{category.replace('-', ' ')}*" in spec
+
+
+def test_replacing_leaves_no_staging_or_old_directory_behind(tmp_ckpt):
+    # [SP-COMMIT-6]: after the exchange the previous checkpoint sits under the -tmp- name
+    # until the writer deletes it; nothing of either name may be left after a save returns.
+    sp.save({"w": torch.zeros(2)}, tmp_ckpt)
+    sp.save({"w": torch.ones(3)}, tmp_ckpt, overwrite=True)
+    parent, name = os.path.split(tmp_ckpt)
+    assert [n for n in os.listdir(parent) if n.startswith(f".{name}.shardpoint-")] == []
+    assert torch.equal(sp.load(tmp_ckpt)["w"], torch.ones(3))
+    os.makedirs(f"{tmp_ckpt}2")
+    open(f"{tmp_ckpt}2/user_file", "w").write("x")
+    with pytest.raises(sp.CheckpointExistsError):     # [SP-COMMIT-5]: never without consent
+        sp.save({"w": torch.zeros(2)}, f"{tmp_ckpt}2")
+    assert os.listdir(f"{tmp_ckpt}2") == ["user_file"]

@@ -2,14 +2,16 @@
 ``shardpoint.integrations.megatron`` on real gloo ranks, across TP/PP/DP changes, bitwise.
 
 The state dicts are built with megatron-core's ``ShardedTensor.from_rank_offsets``,
-``ShardedTensor`` (the 0.16 distributed optimizer's bucket-space tensors), ``ShardedObject`` and
-``LocalNonpersistentObject``: layer-stacked weights (``prepend_axis_num``; a pipeline stage
-holds several layers of one key), MoE experts (several per rank), TP row/column splits,
-TP-replicated layernorms, a tensor every rank holds with Megatron's fully-parallel replica ids
-(0 for the main holder, 1 for all others), distributed-optimizer ``flattened_range`` pieces
-split over DP, a (PP, TP) grid of RNG states and a DP grid of data-loader states.
+``ShardedTensor`` (the 0.16 distributed optimizer's bucket-space tensors),
+``ShardedTensorFactory``, ``ShardedObject`` and ``LocalNonpersistentObject``: layer-stacked
+weights (``prepend_axis_num``; a pipeline stage holds several layers of one key), MoE experts
+(several per rank), TP row/column splits, TP-replicated layernorms, a SwiGLU factory (two
+pieces of one key per rank), a tensor every rank holds with Megatron's fully-parallel replica
+ids (0 for the main holder, 1 for all others), distributed-optimizer ``flattened_range``
+pieces split over DP, a (PP, TP) grid of RNG states and a DP grid of data-loader states.
 """
 import importlib.util
+import os
 import re
 
 import pytest
@@ -38,7 +40,9 @@ MODEL = {   # key -> (global shape, dtype)
     "decoder.layers.input_layernorm.weight": ((L, H), torch.float32),
     "decoder.layers.mlp.experts.linear_fc1.weight": ((L, E, FFN, H), torch.bfloat16),
     "decoder.final_layernorm.weight": ((H,), torch.float32),
+    "output_layer.linear_fc1.weight": ((2 * FFN, H), torch.bfloat16),   # via a factory
 }
+FACTORY = "output_layer.linear_fc1.weight"
 OPTIMIZED = ["embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_qkv.weight",
              "decoder.layers.self_attention.linear_proj.weight",
              "decoder.layers.mlp.experts.linear_fc1.weight"]
@@ -117,6 +121,8 @@ def sharded_state_dict(tp, pp, dp, rank, *, load=False, objects=("rng", "loader"
     for name, key, x, offsets, prepend, rep in pieces:
         model[name] = ShardedTensor.from_rank_offsets(key, data(x), *offsets, replica_id=rep,
                                                       prepend_axis_num=prepend)
+    if p == pp - 1:
+        model[FACTORY] = swiglu_factory(data(factory_local(tp, t)), tp, t, (0, 0, d))
     # distributed optimizer (fully_sharded_model_space, megatron-core <= 0.15): the DP group
     # splits the concatenated local blocks into DP ranges; each rank's part of each block is a
     # flattened_range piece. (0.16 refuses to construct these, so they are set as its
@@ -156,6 +162,30 @@ def sharded_state_dict(tp, pp, dp, rank, *, load=False, objects=("rng", "loader"
                                           {"consumed": 100 + d}, (dp,), (d,),
                                           replica_id=(p, t))
     return ssd
+
+
+def factory_local(tp, t):
+    """A SwiGLU fc1 weight as Megatron keeps it on TP rank ``t``: its rows of W stacked on
+    its rows of V (globally all of W, then all of V)."""
+    g = expected_full(FACTORY)
+    a, b = split(FFN, tp, t)
+    return torch.cat([g[a:b], g[FFN + a:FFN + b]])
+
+
+def swiglu_factory(local, tp, t, replica_id):
+    """megatron-core's ShardedTensorFactory, built as its apply_swiglu_sharded_factory does:
+    two pieces of one key per rank (fragments t and tp + t of 2 * tp), merged back by cat."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def build(key, x, rep, flattened_range):
+        w, v = torch.chunk(x, 2, dim=0)
+        return [ShardedTensor.from_rank_offsets(key, w, (0, t, 2 * tp), replica_id=rep),
+                ShardedTensor.from_rank_offsets(key, v, (0, tp + t, 2 * tp), replica_id=rep)]
+
+    def merge(sub):
+        return torch.cat(sub)
+
+    return ShardedTensorFactory(FACTORY, local, build, merge, replica_id)
 
 
 def _block_of(key, offsets, prepend, local_shape):
@@ -214,8 +244,10 @@ def check_loaded(ssd, out, tp, pp, dp, rank):
             if not same_bits(st.data, want):
                 bad.append(f"tp{tp}pp{pp}dp{dp} rank {rank}: {name} ({st.key})")
     for name, st in ssd["model"].items():
-        sub = out["model"][name]
-        if sub is not st.data:
+        if name == FACTORY:   # merged by the factory's merge_fn from its filled pieces
+            if not same_bits(out["model"][name], factory_local(tp, rank % tp)):
+                bad.append(f"tp{tp}pp{pp}dp{dp} rank {rank}: factory {name}")
+        elif out["model"][name] is not st.data:
             bad.append(f"{name}: the returned tensor is not the caller's (not filled in place)")
     if out["iteration"] != 700 or out["checkpoint_version"] != 3.0:
         bad.append(f"common values: {out['iteration']} {out['checkpoint_version']}")
@@ -255,6 +287,28 @@ def megatron_job(rank, world, base):
     except sp.LayoutMismatchError as e:
         info["grid_error"] = str(e)
 
+    # mistakes are named by Megatron key before any write: mapping errors on the rank that
+    # makes them, overlapping pieces of one rank when the (collective) save plans
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from shardpoint.integrations.megatron import megatron_tree
+    w = torch.ones(2, 3)
+    cases = {
+        "tensor_and_object": {"a": ShardedTensor.from_rank_offsets("k", w),
+                              "b": ShardedObject("k", 1, (1,), (0,))},
+        "object_twice": {"a": ShardedObject("o", 1, (2,), (0,)),
+                         "b": ShardedObject("o", 2, (2,), (1,))},
+        "no_data": {"a": ShardedTensor.from_rank_offsets("k", w).without_data()},
+        "overlap": {"a": ShardedTensor.from_rank_offsets("k", w, (0, 0, 2)),
+                    "b": ShardedTensor.from_rank_offsets("k", w, (0, 0, 2))},
+    }
+    for name, case in cases.items():
+        try:
+            megatron_tree(case) if name != "overlap" else save_megatron(case, f"{base}/x")
+            info[name] = "accepted"
+        except sp.ShardpointError as e:
+            info[name] = f"{type(e).__name__}: {e}"
+    info["overlap_written"] = os.path.exists(f"{base}/x")
+
     # B: TP1 x PP2 x DP2 saved (flattened ranges really split over DP)
     save_megatron(sharded_state_dict(1, 2, 2, rank), f"{base}/b")
     # ... loaded as TP1 x PP2 on 2 ranks: two 2-rank groups load it independently; the RNG
@@ -281,6 +335,12 @@ def test_megatron_core_round_trip_across_tp_pp_dp(tmp_path):
     assert all(not bad for bad, _ in res), [b for b, _ in res]
     for rank, (_, info) in enumerate(res):
         assert info["left_out"] == ["sharded_state_dict['optimizer']['padding']"]
+        assert info["tensor_and_object"].startswith("InvalidShardingError")
+        assert "'k' names both" in info["tensor_and_object"]
+        assert "ShardedObject 'o' twice" in info["object_twice"]
+        assert info["no_data"].startswith("UnsupportedValueError") and "'k'" in info["no_data"]
+        assert "SP-COVER-3" in info["overlap"] and "sharded/k" in info["overlap"]
+        assert not info["overlap_written"]
         err = info["grid_error"]
         assert "SP-OBJ-2" in err and "sharded/dataloader_state" in err, err
         assert re.search(r"count[^0-9]*1\b.*count[^0-9]*2\b", err), err

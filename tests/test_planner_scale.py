@@ -48,9 +48,33 @@ def test_columns_wire_round_trip(seed):
     assert list(cols) == hs
     back = HoldingColumns.from_wire(cols.to_wire())
     assert back == hs and len(back) == len(hs) and back[1:3] == hs[1:3]
-    lp = LocalPlan(3, {"dict": []}, hs, [("rng", 0, 1, (0,), b"x")])
+    tree = {"dict": [["a", {"list": [{"tensor": "a/0"}, {"value": (1, b"2")}]}]]}
+    lp = LocalPlan(3, tree, hs, [("rng", 0, 1, (0,), b"x")])
     again = LocalPlan.from_bytes(lp.to_bytes())
     assert again.rank == 3 and list(again.holdings) == hs and again.objects == lp.objects
+    assert again.tree is None and again.decoded_tree() == tree
+    assert LocalPlan.from_bytes(again.to_bytes()).decoded_tree() == tree
+
+
+def test_trees_merge_in_one_pass_like_pairwise_and_refuse_kind_conflicts():
+    from shardpoint.planner import merge_many, merge_trees
+
+    def t(**kw):
+        return {"dict": [[k, v] for k, v in kw.items()]}
+    trees = [t(a=t(x={"tensor": "a/x"}), l={"list": [{"value": 1}]}),
+             t(b={"value": 2}, a=t(y={"tensor": "a/y"})),
+             t(l={"list": [{"value": 9}, {"value": 3}]}, a=t(x={"tensor": "a/x"}))]
+    pairwise = merge_trees(merge_trees(trees[0], trees[1]), trees[2])
+    assert merge_many(trees) == pairwise
+    assert [k for k, _ in pairwise["dict"]] == ["a", "l", "b"]
+    assert pairwise["dict"][1][1] == {"list": [{"value": 1}, {"value": 3}]}
+    with pytest.raises(InvalidShardingError, match=r"state\['a'\] is a dict .* list") as e:
+        merge_many([trees[0], t(a={"list": []})])
+    assert e.value.spec_id == "SP-TREE-1"
+    # distinct encoded trees are decoded once; equal ones skip merging
+    plans = [LocalPlan.from_bytes(LocalPlan(r, trees[r % 3], [], []).to_bytes())
+             for r in range(6)]
+    assert plan_save(plans).tree == pairwise
 
 
 def test_group_rows_is_exact_even_when_every_hash_collides(monkeypatch):

@@ -33,7 +33,8 @@ def test_first_screen_has_install_demo_and_test_commands():
 def test_readme_sections():
     heads = re.findall(r"^## (.+)$", README, re.M)
     for h in ("Concepts", "Distributed use", "Load semantics", "Errors", "Command line",
-              "On disk", "Conformance suite", "Repository"):
+              "Coming from DCP / Megatron / Hugging Face", "On disk", "Conformance suite",
+              "Repository"):
         assert h in heads, h
 
 
@@ -70,3 +71,10 @@ def test_training_loops_section_runs_and_resumes(tmp_path):
     run_python(code + "\nassert mgr.latest_step() == 8, mgr.all_steps()\n", tmp_path)  # resumed
     steps = sorted(os.listdir(tmp_path / "ckpt"))
     assert "step_00000008" in steps and 2 <= len(steps) <= 3   # 2 newest (+ the best one)
+
+
+def test_lazy_open_and_convert_example_runs(tmp_path):
+    block = next(b for b in BLOCKS if "sp.open(" in b)
+    run_python(BLOCKS[0] + "\n" + block, tmp_path)
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert (tmp_path / "ckpt" / "from_hf" / "manifest.msgpack").is_file()

@@ -63,6 +63,9 @@ def _mutations(b):
     yield "missing tree", lambda x: x.pop("tree")
     yield "leaf at the root", lambda x: x.update(tree={"value": 1})
     yield "object without values", lambda x: x["objects"].update(o={"count": 1})
+    yield "object grid shape empty", lambda x: x["objects"]["rng"].update(shape=[])
+    yield "object grid dimension 0", lambda x: x["objects"]["rng"].update(shape=[3, 0])
+    yield "unknown object field", lambda x: x["objects"]["rng"].update(note=1)
     yield "unknown node kind", lambda x: x["tree"]["dict"].append(["z", {"set": []}])
     yield "list inside a value node", lambda x: x["tree"]["dict"].append(["z", {"value": [1]}])
     yield "bad tensor origin", lambda x: x["tree"]["dict"].append(
@@ -82,4 +85,7 @@ def test_schema_accepts_what_the_spec_allows():
     b = body("nested_tree")
     b["later_minor_field"] = {"must_understand": False, "x": 1}
     b["extensions"]["vendor.note"] = {"must_understand": False}
+    b["objects"]["rng"]["shape"] = [3, 1]                     # a 1.1 object grid
+    b["objects"]["rng"]["later"] = {"must_understand": False}
+    b["created_unix"] = 1790000000                           # a number, int or float
     jsonschema.Draft202012Validator(SCHEMA).validate(b)

@@ -8,6 +8,7 @@ symlinks or special files (a FIFO would block a read forever), and size-capped m
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from typing import Any
@@ -34,7 +35,7 @@ def check_regular_file(root: str, rel: str, key: str) -> int:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            raise
+            raise                      # the caller knows which rule a missing file breaks
         except OSError as e:
             raise _corrupt(key, f"cannot stat {path!r}: {e}", "SP-SEC-5") from e
         want = stat.S_ISREG if i == len(parts) - 1 else stat.S_ISDIR
@@ -48,7 +49,6 @@ def check_regular_file(root: str, rel: str, key: str) -> int:
 
 def chunk_file_sizes(meta: dict, itemsize: int) -> tuple:
     """(exact size of a plain-chain chunk file or None, least size of a shard file)."""
-    import math
     chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
     codec = meta["codecs"][0]
     if codec.get("name") != "sharding_indexed":
@@ -119,7 +119,6 @@ def _plain_chain(codecs: Any, dtype: str, index: bool = False) -> bool:
 
 
 def _is_zero(v: Any) -> bool:
-    import math
     return (type(v) in (int, float) and v == 0 and math.copysign(1.0, v) > 0)
 
 

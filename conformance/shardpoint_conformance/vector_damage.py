@@ -37,7 +37,7 @@ def _seal(path: str, raw_body: bytes, extra: dict | None = None) -> None:
         f.write(msgpack.packb(env, use_bin_type=True))
 
 
-def _body(path: str) -> dict:
+def read_body(path: str) -> dict:
     env = msgpack.unpackb(open(_manifest(path), "rb").read())
     return msgpack.unpackb(env["body"], strict_map_key=False,
                            ext_hook=lambda code, data: msgpack.ExtType(code, data))
@@ -45,7 +45,7 @@ def _body(path: str) -> dict:
 
 def rewrite_body(path: str, edit) -> None:
     """Apply ``edit`` to the decoded body and re-seal the envelope (a valid SHA-256)."""
-    body = _body(path)
+    body = read_body(path)
     edit(body)
     _seal(path, msgpack.packb(body, use_bin_type=True))
 
@@ -92,7 +92,7 @@ def _p(path, parts):
 
 
 def _dup_key_body(path: str) -> None:
-    body = _body(path)
+    body = read_body(path)
     raw = msgpack.packb(body, use_bin_type=True)
     # A map header one larger, then the whole body's entries plus "objects" once more.
     n = len(body)

@@ -31,7 +31,6 @@ from .vector_damage import INVALID
 
 __all__ = ["DTYPES", "INVALID", "VectorError", "check_vectors", "crc32c", "generate",
            "read_independently"]
-_DTYPES = DTYPES   # the name the tests used before the split
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "spec" / "vectors"
 PINNED_WRITER = "shardpoint-py/vectors"

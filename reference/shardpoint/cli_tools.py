@@ -45,6 +45,8 @@ def add_commands(sub: Any) -> None:
 
 def cmd_convert(a: argparse.Namespace) -> int:
     from .convert import convert
+    from .convert.base import limit_heap_growth
+    limit_heap_growth()
     with progress.bar("convert", None, progress.wanted(a.json)) as adv:
         rep = convert(a.src, a.dst, from_=a.from_, to=a.to, overwrite=a.overwrite,
                       max_shard_size=a.max_shard_size, skip_common=a.skip_common,
@@ -63,7 +65,9 @@ def cmd_convert(a: argparse.Namespace) -> int:
 
 
 def cmd_diff(a: argparse.Namespace) -> int:
+    from .convert.base import limit_heap_growth
     from .diff import diff_checkpoints
+    limit_heap_growth()
     try:
         with progress.bar("diff", None, progress.wanted(a.json)) as adv:
             def opened(sa: Any, sb: Any) -> None:

@@ -95,13 +95,13 @@ def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
 
 
 def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple:
-    """(|a - b| in float64, |b|, both NaN) for a numeric block, flattened."""
+    """(|a - b| in float64, |b|, equal or both NaN) for a numeric block, flattened."""
     wide = torch.complex128 if a.is_complex() else torch.float64
     x, y = a.reshape(-1).to(wide), b.reshape(-1).to(wide)
     d = (x - y).abs()
-    nan_both = torch.isnan(x) & torch.isnan(y)
-    d[(x == y) | nan_both] = 0.0
-    return d, y.abs(), nan_both
+    same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+    d[same] = 0.0
+    return d, y.abs(), same
 
 
 def compare_tensor(sa: Source, ta: TensorInfo, sb: Source, tb: TensorInfo, *, exact: bool,
@@ -121,8 +121,8 @@ def compare_tensor(sa: Source, ta: TensorInfo, sb: Source, tb: TensorInfo, *, ex
             if exact:
                 bad = _bits_differ(a, b)
             else:
-                d, babs, _ = _abs_diff(a, b)
-                bad = (~(d <= atol + rtol * babs)).numpy()
+                d, babs, same = _abs_diff(a, b)
+                bad = (~((d <= atol + rtol * babs) | same)).numpy()
             nbad = int(bad.sum())
             if nbad:
                 differing += nbad

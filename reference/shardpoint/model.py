@@ -308,12 +308,10 @@ class ShardedPieces:
         bad = [i for i, p in enumerate(self.pieces) if not isinstance(p, ShardedTensor)]
         if bad:
             raise InvalidShardingError(f"ShardedPieces takes ShardedTensor pieces; piece "
-                                       f"{bad[0]} is a {type(self.pieces[bad[0]]).__name__}",
-                                       spec_id="SP-HOLD-1")
+                                       f"{bad[0]} is a {type(self.pieces[bad[0]]).__name__}")
         if not self.pieces:
             raise InvalidShardingError("ShardedPieces needs at least one piece (a rank that "
-                                       "holds none of a tensor leaves its key out)",
-                                       spec_id="SP-HOLD-1")
+                                       "holds none of a tensor leaves its key out)")
 
     def __iter__(self) -> Iterator[ShardedTensor]:
         return iter(self.pieces)

@@ -33,25 +33,51 @@ __all__ = ["ChunkWrite", "LocalPlan", "PlanOptions", "RankLoadWork", "RankSaveWo
 # ------------------------------------------------------------------------------- tree merge
 def merge_trees(a: Any, b: Any, where: str = "state") -> Any:
     """Union of two ranks' tree structures; containers must agree in kind ([SP-TREE-1])."""
-    ka, kb = next(iter(a)), next(iter(b))
-    if ka != kb:
-        raise InvalidShardingError(f"{where} is a {ka} on one rank and a {kb} on another",
-                                   spec_id="SP-TREE-1")
-    if ka == "dict":
-        out = {k: v for k, v in a["dict"]}
-        order = [k for k, _ in a["dict"]]
-        for k, v in b["dict"]:
-            if k in out:
-                out[k] = merge_trees(out[k], v, f"{where}[{k!r}]")
-            else:
-                out[k] = v
-                order.append(k)
-        return {"dict": [[k, out[k]] for k in order]}
-    if ka in ("list", "tuple"):
-        la, lb = a[ka], b[ka]
-        merged = [merge_trees(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(la, lb))]
-        return {ka: merged + la[len(lb):] + lb[len(la):]}
-    return a  # leaves: same path, same kind; the lower rank's plain value wins
+    return merge_many([a, b], where)
+
+
+def merge_many(trees: Sequence[Any], where: str = "state") -> Any:
+    """Union of many ranks' trees (in rank order) in one pass over their nodes; containers
+    must agree in kind ([SP-TREE-1]); a leaf takes the lowest rank's value."""
+    kinds = [next(iter(t)) for t in trees]
+    for k in kinds[1:]:
+        if k != kinds[0]:
+            raise InvalidShardingError(f"{where} is a {kinds[0]} on one rank and a {k} on "
+                                       "another", spec_id="SP-TREE-1")
+    kind = kinds[0]
+    if kind == "dict":
+        children: dict = {}     # key -> its subtrees, in rank order (dicts keep first order)
+        for t in trees:
+            for k, v in t["dict"]:
+                lst = children.get(k)
+                if lst is None:
+                    children[k] = [v]
+                else:
+                    lst.append(v)
+        return {"dict": [[k, vs[0] if len(vs) == 1 else merge_many(vs, f"{where}[{k!r}]")]
+                         for k, vs in children.items()]}
+    if kind in ("list", "tuple"):
+        n = max(len(t[kind]) for t in trees)
+        cols = [[t[kind][i] for t in trees if i < len(t[kind])] for i in range(n)]
+        return {kind: [vs[0] if len(vs) == 1 else merge_many(vs, f"{where}[{i}]")
+                       for i, vs in enumerate(cols)]}
+    return trees[0]  # leaves: same path, same kind; the lowest rank's plain value wins
+
+
+def _merged_tree(local_plans: Sequence[LocalPlan]) -> Any:
+    """The checkpoint's tree: each distinct tree decoded and merged once (DP replicas send
+    identical trees; encoded ones are told apart by their bytes before any decoding)."""
+    distinct: list = []
+    seen: set = set()
+    for lp in local_plans:
+        if lp.tree is None and lp.tree_bytes is not None:
+            if lp.tree_bytes in seen:
+                continue
+            seen.add(lp.tree_bytes)
+            distinct.append(lp.decoded_tree())
+        elif not distinct or not (lp.tree is distinct[-1] or lp.tree == distinct[-1]):
+            distinct.append(lp.tree)
+    return merge_many(distinct)
 
 
 # ------------------------------------------------------------------------------- save plan
@@ -106,12 +132,7 @@ def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions(
 def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
     local_plans = sorted(local_plans, key=lambda lp: lp.rank)
     world = len(local_plans)
-    tree = local_plans[0].tree
-    prev = tree
-    for lp in local_plans[1:]:
-        if lp.tree is not prev and lp.tree != prev:   # equal trees merge to the same union
-            tree = merge_trees(tree, lp.tree)
-            prev = lp.tree
+    tree = _merged_tree(local_plans)
 
     gathered = Gathered([lp.rank for lp in local_plans],
                         [as_columns(lp.holdings) for lp in local_plans])

@@ -6,6 +6,7 @@ them encode to msgpack, never pickle. No logic beyond the wire forms lives here.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -27,24 +28,36 @@ class PlanOptions:
 # -------------------------------------------------------------------------------- wire forms
 @dataclass
 class LocalPlan:
-    """What one rank tells the coordinator before a save: metadata only, never tensor data."""
+    """What one rank tells the coordinator before a save: metadata only, never tensor data.
+
+    Decoded from bytes, ``tree`` is None and the tree stays in ``tree_bytes`` until
+    :meth:`decoded_tree`: ranks of one data-parallel group send identical trees, and the
+    coordinator decodes each distinct one once."""
 
     rank: int
     tree: Any
     holdings: Sequence[Holding]   # index = holding index on that rank (a list, or columns)
     objects: list           # [(key, index, count, replica tuple, value)]
+    tree_bytes: Optional[bytes] = field(default=None, repr=False, compare=False)
 
     def to_bytes(self) -> bytes:
-        """Holdings travel as compressed columns (:class:`HoldingColumns`): a 4,096-rank job
-        gathers ~1M holdings, which the coordinator decodes without a Python object each."""
+        """The tree (compressed msgpack) and the holdings as compressed columns
+        (:class:`HoldingColumns`): a 4,096-rank job gathers ~1M holdings, which the
+        coordinator decodes without a Python object each."""
+        tb = self.tree_bytes if self.tree is None else zlib.compress(values.pack(self.tree), 1)
         hs = as_columns(self.holdings).to_wire()
-        return values.pack([self.rank, self.tree, hs, [list(o) for o in self.objects]])
+        return values.pack([self.rank, tb, hs, [list(o) for o in self.objects]])
 
     @staticmethod
     def from_bytes(b: bytes) -> "LocalPlan":
-        rank, tree, hs, objs = values.unpack(b)
-        return LocalPlan(rank, tree, HoldingColumns.from_wire(hs),
-                         [(k, i, c, tuple(r), v) for k, i, c, r, v in objs])
+        rank, tb, hs, objs = values.unpack(b)
+        return LocalPlan(rank, None, HoldingColumns.from_wire(hs),
+                         [(k, i, c, tuple(r), v) for k, i, c, r, v in objs], tree_bytes=tb)
+
+    def decoded_tree(self) -> Any:
+        if self.tree is None and self.tree_bytes is not None:
+            return values.unpack(zlib.decompress(self.tree_bytes))
+        return self.tree
 
 
 @dataclass(frozen=True)

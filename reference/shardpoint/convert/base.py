@@ -76,9 +76,13 @@ class Source:
         raise NotImplementedError
 
     def read_rows(self, t: TensorInfo, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of dim 0 (the whole tensor for 0-d). Override to read less."""
-        x = self.read(t)
-        return x if not t.shape else x[start:stop]
+        """Rows ``start:stop`` of dim 0 (the whole tensor for 0-d). Override to read less;
+        this default reads the whole tensor once and keeps it until another is asked for."""
+        last = self.__dict__.get("_last_read")
+        if last is None or last[0] != t.path:
+            self.__dict__["_last_read"] = None
+            last = self.__dict__["_last_read"] = (t.path, self.read(t))
+        return last[1] if not t.shape else last[1][start:stop]
 
     def close(self) -> None:
         pass
@@ -92,6 +96,31 @@ class Source:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+
+def row_blocks(t: TensorInfo, block_bytes: int = 4 << 20) -> list:
+    """``(start, stop)`` bands of dim 0 of about ``block_bytes`` each (one band for 0-d)."""
+    if not t.shape:
+        return [(0, 0)]
+    row = max(1, math.prod(t.shape[1:]) * t.itemsize)
+    step = max(1, block_bytes // row)
+    return [(lo, min(t.shape[0], lo + step)) for lo in range(0, t.shape[0], step)] or [(0, 0)]
+
+
+def limit_heap_growth(threshold: int = 1 << 20) -> bool:
+    """Serve allocations above ``threshold`` from fresh mappings returned on free (glibc
+    ``mallopt(M_MMAP_THRESHOLD)``). glibc otherwise raises that threshold each time a big
+    block is freed, so tensor-sized buffers freed one after another stay on the heap and a
+    streaming conversion's RSS creeps up with the checkpoint's size (measured: DCP -> shardpoint
+    of 24 x 16 MiB, 195 MiB growth without, 99 MiB with). Process-wide, so the CLI calls it
+    and library users may. Returns False where it does not apply (not glibc)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, int(threshold)))     # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
 
 
 def check_dtype(dt: torch.dtype, what: str) -> str:

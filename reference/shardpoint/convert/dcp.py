@@ -71,7 +71,7 @@ def dcp_load(path: str, state: dict) -> None:
 class DCPSource(Source):
     """A DCP checkpoint directory (``.metadata`` + ``*.distcp``), any saving world size."""
 
-    def __init__(self, path: str, *, batch_bytes: int = 256 << 20) -> None:
+    def __init__(self, path: str, *, batch_bytes: int = 64 << 20) -> None:
         super().__init__(str(path), FORMAT)
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import (BytesStorageMetadata,
@@ -168,8 +168,11 @@ def write_dcp(src: Source, dst: str, *, overwrite: bool = False, progress: Progr
     with staged_output(dst, overwrite, is_dir=True) as tmp:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            # One file per tensor: DCP's writer keeps every tensor of a file alive until the
+            # file is done (torch 2.13, filesystem.py tensor_dict), so one file per rank would
+            # hold the whole checkpoint in memory.
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=thread_count,
-                                                                single_file_per_rank=True),
+                                                                single_file_per_rank=False),
                      planner=StreamingSavePlanner(), no_dist=True)
     return []
 

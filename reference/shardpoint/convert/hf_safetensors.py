@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ConversionError
 from ..views import to_numpy
-from .base import Progress, Source, TensorInfo, flat_name, key_of, staged_output
+from .base import Progress, Source, TensorInfo, flat_name, key_of, row_blocks, staged_output
 
 FORMAT = "safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -173,16 +173,18 @@ def _write_file(fn: str, src: Source, items: list, progress: Progress) -> None:
     with open(fn, "wb") as f:
         f.write(_header(items))
         for name, t in items:
-            data = src.read(t)
-            if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
-                raise ConversionError(f"tensor {name!r}: the source read {data.dtype}"
-                                      f"{list(data.shape)}, its metadata says {t.dtype}"
-                                      f"{list(t.shape)}")
-            if data.numel():
-                f.write(memoryview(to_numpy(data.contiguous()).reshape(-1).view(np.uint8)))
-            del data
-            if progress:
-                progress(t.nbytes)
+            for lo, hi in row_blocks(t):
+                data = src.read_rows(t, lo, hi)
+                want = ((hi - lo,) + tuple(t.shape[1:])) if t.shape else ()
+                if tuple(data.shape) != want or data.dtype != t.dtype:
+                    raise ConversionError(f"tensor {name!r}: the source read {data.dtype}"
+                                          f"{list(data.shape)} for rows {lo}:{hi}, its "
+                                          f"metadata says {t.dtype}{list(t.shape)}")
+                if data.numel():
+                    f.write(memoryview(to_numpy(data.contiguous()).reshape(-1).view(np.uint8)))
+                if progress:
+                    progress(data.numel() * data.element_size())
+                del data
         f.flush()
         os.fsync(f.fileno())
 

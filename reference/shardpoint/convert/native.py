@@ -14,11 +14,10 @@ import numpy as np
 import torch
 
 from .. import dtypes, values
-from ..errors import ConversionError, UnsupportedValueError
+from ..errors import ConversionError, InvalidKeyError, UnsupportedValueError
 from ..grid import plan_chunk_grid
-from ..keys import encode_key
+from ..keys import encode_component, encode_key
 from ..metadata import Manifest, TensorEntry, array_path_for, decode_manifest, encode_manifest
-from ..model import iter_tree_leaves
 from ..plans import PlanOptions
 from ..storage import ArraySpec, StorageBackend, get_backend
 from ..views import to_numpy
@@ -36,7 +35,7 @@ class ShardpointSource(Source):
         self.manifest = decode_manifest(self.backend.read_manifest(self.path))
         self._handles: dict = {}
         self._entries: dict = {}
-        for path, node in iter_tree_leaves(self.manifest.tree):
+        for path, node in _leaves(self.manifest.tree, ()):
             if "tensor" in node:
                 e = self.manifest.tensors[node["tensor"]]
                 t = TensorInfo(tuple(path), tuple(e.shape), dtypes.from_name(e.dtype).torch)
@@ -69,6 +68,50 @@ class ShardpointSource(Source):
         self._handles.clear()
 
 
+def _plain(node: dict) -> Any:
+    """The value a subtree of value leaves stands for, or raise KeyError if it holds more."""
+    if "value" in node:
+        return node["value"]
+    if "dict" in node:
+        return {k: _plain(v) for k, v in node["dict"]}
+    if "list" in node:
+        return [_plain(v) for v in node["list"]]
+    if "tuple" in node:
+        return tuple(_plain(v) for v in node["tuple"])
+    raise KeyError("tensor or object")
+
+
+def _leaves(node: dict, path: tuple):
+    """Leaves of a manifest tree, with lists and tuples of plain values given back as one
+    value (as DCP and ``torch.save`` hold them)."""
+    if path and ("list" in node or "tuple" in node):
+        try:
+            yield path, {"value": _plain(node)}
+            return
+        except KeyError:
+            pass
+    if "dict" in node:
+        for k, v in node["dict"]:
+            yield from _leaves(v, path + (k,))
+    elif "list" in node or "tuple" in node:
+        for i, v in enumerate(node.get("list", node.get("tuple"))):
+            yield from _leaves(v, path + (i,))
+    else:
+        yield path, node
+
+
+def value_node(v: Any) -> dict:
+    """The tree node of a value: containers as tree nodes (as ``save`` lays them out),
+    scalars and arrays as value leaves."""
+    if isinstance(v, dict):
+        for k in v:
+            encode_component(k)
+        return {"dict": [[k, value_node(x)] for k, x in v.items()]}
+    if isinstance(v, (list, tuple)):
+        return {"list" if isinstance(v, list) else "tuple": [value_node(x) for x in v]}
+    return {"value": v}
+
+
 class _Leaf:
     def __init__(self, node: dict) -> None:
         self.node = node
@@ -93,10 +136,9 @@ def write_shardpoint(src: Source, dst: str, *, overwrite: bool = False,
     for p, v in src.values.items():
         try:
             values.check_value(v, f"value {key_of(p)!r}")
-        except UnsupportedValueError as e:
+            leaves.append((p, _Leaf(value_node(v))))
+        except (UnsupportedValueError, InvalidKeyError) as e:
             skipped.append((key_of(p), str(e)))
-            continue
-        leaves.append((p, _Leaf({"value": v})))
     objects = {}
     for p, vs in src.objects.items():
         try:
@@ -135,24 +177,35 @@ def _write_tensor(be: StorageBackend, staging: str, src: Source, t: TensorInfo,
     key = t.key
     entry = TensorEntry(key, array_path_for(key), shape, name, tuple(chunk))
     h = be.open_array_for_write(staging, entry.array, ArraySpec(shape, name, tuple(chunk)))
-    data = src.read(t)
-    if tuple(data.shape) != shape or data.dtype != t.dtype:
-        raise ConversionError(f"tensor {key!r}: the source read {data.dtype}{list(data.shape)}"
-                              f", its metadata says {t.dtype}{list(shape)}")
-    arr = to_numpy(data.contiguous())
     if not shape:
-        be.wait([be.write(h, (), arr)])
-    elif arr.size:
-        grid = [math.ceil(n / c) for n, c in zip(shape, chunk)]
-        ops = []
-        for idx in np.ndindex(*grid):
-            off = tuple(i * c for i, c in zip(idx, chunk))
-            box = tuple(slice(o, min(o + c, n)) for o, c, n in zip(off, chunk, shape))
-            ops.append(be.write(h, off, arr[box]))
-        be.wait(ops)
+        data = src.read(t)
+        _check_read(t, data, ())
+        be.wait([be.write(h, (), to_numpy(data.contiguous()))])
+    elif math.prod(shape):
+        # One band of chunk rows in memory at a time.
+        grid = [math.ceil(n / c) for n, c in zip(shape[1:], chunk[1:])]
+        for lo in range(0, shape[0], chunk[0]):
+            hi = min(shape[0], lo + chunk[0])
+            data = src.read_rows(t, lo, hi)
+            _check_read(t, data, (hi - lo,) + shape[1:])
+            arr = to_numpy(data.contiguous())
+            ops = []
+            for idx in np.ndindex(*grid):
+                off = tuple(i * c for i, c in zip(idx, chunk[1:]))
+                box = (slice(None),) + tuple(slice(o, min(o + c, n))
+                                             for o, c, n in zip(off, chunk[1:], shape[1:]))
+                ops.append(be.write(h, (lo,) + off, arr[box]))
+            be.wait(ops)
+            del data, arr, ops
     if progress:
         progress(t.nbytes)
     return entry
+
+
+def _check_read(t: TensorInfo, data: torch.Tensor, want: tuple) -> None:
+    if tuple(data.shape) != tuple(want) or data.dtype != t.dtype:
+        raise ConversionError(f"tensor {t.key!r}: the source read {data.dtype}"
+                              f"{list(data.shape)}, expected {t.dtype}{list(want)}")
 
 
 def is_shardpoint(path: str) -> bool:

@@ -94,13 +94,7 @@ def _object(so: Any, value: Any) -> ShardedObject:
     if len(shape) <= 1:       # Megatron's 1-element grid (or a 0-d one: a single cell)
         return ShardedObject(value, offset[0] if offset else 0, shape[0] if shape else 1,
                              replica_id=so.replica_id)
-    try:
-        return ShardedObject(value, offset, shape, replica_id=so.replica_id)
-    except TypeError:
-        raise errors.UnsupportedValueError(
-            f"Megatron ShardedObject {so.key!r} lies on the grid global_shape={shape}; "
-            "multi-dimensional object grids need shardpoint's format 1.1 object grids, "
-            "which this installation lacks", spec_id="SP-OBJ-1") from None
+    return ShardedObject(value, offset, shape, replica_id=so.replica_id)
 
 
 @dataclass
@@ -148,8 +142,9 @@ def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False) -> Megatro
     """Map a megatron-core ``sharded_state_dict`` to a shardpoint state tree (see the module
     docstring). ``for_load=True`` makes load targets: ShardedTensors without data get a new
     tensor to fill. Raises :class:`~shardpoint.InvalidShardingError` naming the Megatron key
-    when one rank's pieces of a key disagree or overlap, or a key names both a tensor and an
-    object."""
+    when a key names both a tensor and an object or a rank holds one object key twice;
+    pieces of one key that disagree or overlap are refused, by key, when the tree is saved or
+    loaded."""
     classes = _megatron_classes()
     out = MegatronTree(sharded_state_dict, {})
     tensors: dict = {}     # key -> [shardpoint pieces]
@@ -171,7 +166,7 @@ def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False) -> Megatro
         if so.key in objects:
             raise errors.InvalidShardingError(
                 f"{_where(path)}: this rank holds Megatron ShardedObject {so.key!r} twice; "
-                "a rank holds one cell of an object's grid", spec_id="SP-OBJ-1")
+                "a rank holds one cell of an object's grid")
         objects[so.key] = _object(so, None if for_load else so.data)
 
     def walk(x: Any, path: tuple) -> Any:
@@ -202,7 +197,7 @@ def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False) -> Megatro
     both = sorted(set(tensors) & set(objects))
     if both:
         raise errors.InvalidShardingError(f"Megatron key {both[0]!r} names both a "
-                                          "ShardedTensor and a ShardedObject", spec_id="SP-KEY-1")
+                                          "ShardedTensor and a ShardedObject; rename one")
     sharded: dict = {k: v[0] if len(v) == 1 else ShardedPieces(v) for k, v in tensors.items()}
     sharded.update(objects)
     out.tree = {SHARDED: sharded, COMMON: common if common is not _DROP else None}
