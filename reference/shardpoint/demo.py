@@ -86,6 +86,7 @@ def _launch(name: str, world: int, tp: int, root: str, kill_after: Optional[int]
                 _, step, loss, saved = msg
                 print(f"  [{name}] step {step:2d}  loss {loss:.6f}"
                       + ("  checkpoint saved" if saved else ""), flush=True)
+                # an observer's manager only reads: it never cleans the job's staging
                 if kill_after and step >= kill_after and (
                         CheckpointManager(root).latest_step() or 0) > 0:
                     for p in procs:

@@ -14,8 +14,11 @@ the newest complete step is never deleted. Deletion renames a step to a hidden s
 first, so a crash mid-delete leaves a leftover, never a half step.
 
 Collective like ``save``: every rank of ``group`` calls ``save``/``load``/``wait``/``close``;
-only the coordinator creates, renames or deletes directories. ``latest_step``, ``all_steps``,
-``best_step`` and ``metrics`` only read and may be called on any rank.
+only the coordinator creates, renames or deletes directories, and only inside ``save`` and
+``load`` (the job owning ``root`` resumes or saves; nothing of its own is in flight then).
+``latest_step``, ``all_steps``, ``best_step`` and ``metrics`` only read and may be called on
+any rank, or by an observer (an evaluation job) while training runs: constructing a manager
+never touches the directory, so an observer cannot disturb a save in progress.
 
     with sp.CheckpointManager("/ckpt", max_to_keep=3, async_save=True) as mgr:
         start = mgr.latest_step() or 0
@@ -76,8 +79,6 @@ class CheckpointManager:
         self._comm = Comm(group)
         self._pending: Any = None          # the in-flight async save, if any
         self._metrics: dict = {}           # step -> metrics dict (cache of the manifests)
-        if self._comm.is_coordinator:
-            self._clean_leftovers()
 
     # ---------------------------------------------------------------- reading (any rank)
     def path(self, step: int) -> str:
@@ -163,6 +164,8 @@ class CheckpointManager:
         Collective; ``load_options`` go to :func:`shardpoint.load` (``strict``, ``report``...).
         The manager's metrics are not part of the returned tree."""
         self.wait()
+        if self._comm.is_coordinator:
+            self._clean_leftovers()
         if step is None:
             latest = self.latest_step() if self._comm.is_coordinator else None
             got = self._comm.broadcast_bytes(b"" if latest is None else str(latest).encode())
