@@ -11,6 +11,9 @@
 * ``mid-commit``       (coordinator) inside an overwriting commit, once it published,
 * ``after-commit``     (coordinator) right after the commit.
 
+With ``async_save=True`` the new save runs asynchronously: the kill then happens in the
+background thread that writes and commits, after the call returned to the caller.
+
 The rule checked ([SP-COMMIT-*]): the previous checkpoint stays loadable and bitwise intact,
 and the new one is either complete (bitwise) or invisible (not found / incomplete).
 
@@ -99,11 +102,15 @@ class KillingBackend:
 
 
 # -------------------------------------------------------------------------------- kills
-def _save_rank(rank: int, world: int, case: dict, path: str, kill: bool) -> int:
+def _save_rank(rank: int, world: int, case: dict, path: str, kill: bool,
+               async_save: bool = False) -> int:
     import shardpoint as sp
     from .runner import build_save_state
     be = KillingBackend() if kill else None
-    sp.save(build_save_state(case, rank, world), path, overwrite=True, backend=be)
+    out = sp.save(build_save_state(case, rank, world), path, overwrite=True, backend=be,
+                  async_save=async_save)
+    if async_save:
+        out.wait()
     return be.writes if be else 0
 
 
@@ -145,10 +152,12 @@ def check_full(path: str, case: dict) -> list:
 
 
 def kill_during_save(root: str, world: int, rank: int, point: str, n: int = 1, *,
-                     overwrite: bool = True, pg_timeout: float = 8.0) -> dict:
+                     overwrite: bool = True, pg_timeout: float = 8.0,
+                     async_save: bool = False) -> dict:
     """Save A, then save B with ``rank`` killed at ``point``; judge what is on disk.
 
     ``overwrite``: B goes to A's path (replacing it); else to a new path next to it.
+    ``async_save``: B is an async save, so the kill lands in its background thread.
     Returns ``{"killed", "state", "ok", "problems"}``; ``state`` names what a reader sees.
     """
     import shardpoint as sp
@@ -163,7 +172,7 @@ def kill_during_save(root: str, world: int, rank: int, point: str, n: int = 1, *
     os.environ[KILL_ENV] = f"{rank}:{point}:{n}"
     killed = False
     try:
-        run_world(world, _save_rank, b, pb, True, timeout=60 + 3 * pg_timeout,
+        run_world(world, _save_rank, b, pb, True, async_save, timeout=60 + 3 * pg_timeout,
                   pg_timeout=pg_timeout)
     except RankFailure as e:
         killed = "code -9" in str(e) or "-9" in str(e)
@@ -195,7 +204,7 @@ def kill_during_save(root: str, world: int, rank: int, point: str, n: int = 1, *
         state = f"ERROR {type(e).__name__}"
         problems.append(f"{pb}: {type(e).__name__}: {e}")
     return {"killed": killed, "state": state, "ok": killed and not problems,
-            "problems": problems, "detail": detail, "point": f"rank {rank} {point}:{n}",
+            "problems": problems, "detail": detail, "point": f"rank {rank} {point}:{n}" + (" (async)" if async_save else ""),
             "leftovers": sorted(os.listdir(root))}
 
 

@@ -11,7 +11,8 @@ Quick use::
 """
 __version__ = "0.1.0"
 
-from .api import LoadReport, SaveOptions, SaveResult, load, read_metadata, save
+from .api import (AsyncSave, LoadReport, SaveOptions, SaveResult, load, read_metadata,
+                  save)
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, InvalidKeyError, InvalidShardingError,
                      LayoutMismatchError, LoadFailedError, ResourceLimitError, SaveFailedError,
@@ -25,8 +26,8 @@ from .planner import PlanOptions
 
 __all__ = [
     "save", "load", "read_metadata", "open", "Checkpoint", "TensorView", "CheckpointManager",
-    "ShardedTensor", "ShardedPieces", "ShardedObject", "SaveOptions",
-    "SaveResult", "LoadReport", "PlanOptions", "Manifest", "FORMAT_VERSION", "ShardpointError",
+    "ShardedTensor", "ShardedPieces", "ShardedObject", "SaveOptions", "SaveResult", "AsyncSave",
+    "LoadReport", "PlanOptions", "Manifest", "FORMAT_VERSION", "ShardpointError",
     "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
     "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",

@@ -119,6 +119,41 @@ class Comm:
         return list(torch.split(out, list(recv_sizes)))
 
 
+def group_key(comm: Comm) -> tuple:
+    """A key naming ``comm``'s group by its global ranks (stable across calls)."""
+    if comm.size == 1:
+        return ("single",)
+    return ("group", comm.size,
+            tuple(dist.get_process_group_ranks(comm.group or dist.group.WORLD)))
+
+
+_SIDE: dict = {}
+
+
+def side_comm(comm: Comm) -> Comm:
+    """A gloo group over the same ranks as ``comm``, for an async save's background part, so
+    its collectives never interleave with the training job's on ``comm``. Created once per
+    group, collectively: every rank of ``comm`` calls this at the same point."""
+    if comm.size == 1:
+        return comm
+    key = group_key(comm)
+    if key not in _SIDE:
+        _SIDE[key] = Comm(dist.new_group(list(key[2]), backend="gloo",
+                                         timeout=_timeout_of(comm.group),
+                                         use_local_synchronization=True))
+    return _SIDE[key]
+
+
+def _timeout_of(group: Any) -> Any:
+    """The collective timeout of ``group`` (so a dead peer fails the background save as soon
+    as it would fail the job's own collectives); None (torch's default) when unknown."""
+    try:   # torch keeps it only on the backend's options
+        pg = group or dist.group.WORLD
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - an NCCL-only group, another torch: use the default
+        return None
+
+
 # ---------------------------------------------------------------------- errors across ranks
 def error_record(e: BaseException, rank: int) -> list:
     """A failure as msgpack-ready data; ``agreed`` marks one every rank already raised."""

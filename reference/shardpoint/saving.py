@@ -16,12 +16,14 @@ import msgpack
 import torch
 
 from . import dtypes, errors, values
-from .exchange import Comm, agree, exchange, run_collectively
+from .async_save import AsyncSave, group_saves
+from .exchange import Comm, agree, exchange, group_key, run_collectively, side_comm
 from .metadata import Manifest, TensorEntry, array_path_for, encode_manifest
 from .model import flatten_state
 from .planner import LocalPlan, PlanOptions, RankSaveWork, plan_objects, plan_save
 from .storage import ArraySpec, StorageBackend, get_backend
-from .views import PieceViews, box_view, host_copy, to_numpy
+from .staging import StagingPool, copy_into, stream_device_writes
+from .views import PieceViews, box_view, to_numpy
 
 log = logging.getLogger("shardpoint")
 
@@ -33,6 +35,7 @@ class SaveOptions:
     plan: PlanOptions = field(default_factory=PlanOptions)
     exchange_budget_bytes: int = 256 << 20
     cache_plan: bool = True   # reuse the last plan when no rank's structure changed
+    device_staging_bytes: int = 256 << 20   # pinned bytes in flight for CUDA tensors (sync)
 
 
 @dataclass
@@ -51,14 +54,6 @@ class SaveResult:
 
 # -------------------------------------------------------------------------------- plan cache
 _PLAN_CACHE: dict = {}   # group key -> (this rank's structure digest, plan on the coordinator)
-
-
-def _group_key(comm: Comm) -> tuple:
-    import torch.distributed as dist
-    if comm.size == 1:
-        return ("single",)
-    return ("group", comm.size, tuple(dist.get_process_group_ranks(comm.group or
-                                                                  dist.group.WORLD)))
 
 
 def _strip_values(tree: Any) -> Any:
@@ -101,65 +96,95 @@ def _with_values(tree: Any, per_rank: list) -> Any:
     return walk(tree, ())
 
 
-# -------------------------------------------------------------------------------- save
-def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
-         backend: Optional[StorageBackend] = None,
-         options: Optional[SaveOptions] = None) -> SaveResult:
-    """Save ``state`` (a nested dict/list/tuple) as a checkpoint at ``path``. Collective.
+# -------------------------------------------------------------------------------- one save
+class SaveJob:
+    """One save's state (its flat tree, plan, staging path, buffers, timings), one method per
+    phase: :meth:`plan` -> :meth:`stage` -> :meth:`write` -> :meth:`commit`.
 
-    Leaves: torch tensors and numpy arrays (replicas across ranks), :class:`ShardedTensor`,
-    DTensor, :class:`ShardedObject` and plain values (None, bool, int, float, str, bytes).
-    The checkpoint becomes visible only once every rank has written its part; on any failure
-    every rank raises and nothing is committed (a previous checkpoint at ``path`` survives).
+    Each phase ends in an agreement step or records its failure for the next one, so a
+    failure on any rank raises the same error on every rank. An async save runs ``write`` and
+    ``commit`` in a background thread, on a gloo group of their own (``comm`` argument).
     """
-    comm, be = Comm(group), get_backend(backend)
-    opts = options or SaveOptions()
-    times: dict = {}
-    t0 = time.perf_counter()
-    path = str(path)
-    flat_box: dict = {}
-    cache_key = _group_key(comm)
-    # Plan cache: when no rank's structure (tree shape, holdings, object ids) changed since
-    # the last save over this group, ranks send only their values and the coordinator
-    # reuses the plan ([SP-GRID-1] holds: the layout depends on structure only).
-    err0: Optional[BaseException] = None
-    try:
-        flat = flatten_state(state, replica=(comm.rank,))
-        flat_box["flat"] = flat
-        struct = _structure_digest(flat) + repr(opts.plan).encode()
-    except Exception as e:  # noqa: BLE001 - reported collectively below
-        err0, struct = e, b""
-    hit = err0 is None and opts.cache_plan and _PLAN_CACHE.get(cache_key, (None,))[0] == struct
-    all_hit = comm.all_true(bool(hit))
 
-    def local() -> bytes:
-        if err0 is not None:
-            raise err0
-        f = flat_box["flat"]
-        objs = [(o.key, o.index, o.count, o.replica, o.value) for o in f.objects]
-        if all_hit:
-            return values.pack([_value_leaves(f.tree), [list(o) for o in objs]])
-        return LocalPlan(comm.rank, f.tree, [t.holding for t in f.tensors], objs).to_bytes()
+    def __init__(self, state: Any, path: str, comm: Comm, be: StorageBackend,
+                 opts: SaveOptions, overwrite: bool) -> None:
+        self.state, self.path, self.comm, self.be = state, str(path), comm, be
+        self.opts, self.overwrite = opts, overwrite
+        self.t0 = time.perf_counter()
+        self.times: dict = {}
+        self.cache_key = group_key(comm)
+        self.flat: Any = None
+        self.struct = b""
+        self.plan_hit = False
+        self.global_plan: Any = None     # the SavePlan, on the coordinator only
+        self.staging = ""
+        self.work: Optional[RankSaveWork] = None
+        self.layouts: dict = {}
+        self.stats: dict = {}
+        self.sources: list = []          # per chunk write: the tensor to write (host or device)
+        self.sends: list = []            # [(dst rank, tensor)]
+        self.recvs: list = []            # [(src rank, destination view)]
+        self.staging_bytes = 0
+        self.written = 0
+        self.error: Optional[BaseException] = None   # a local failure, shared at commit
+        self._handles: dict = {}
 
-    plan_box: dict = {}
+    # ---------------------------------------------------------------------- phase 1: plan
+    def plan(self) -> None:
+        """Local plans up, the global plan decided on the coordinator (or the cached one
+        reused when no rank's structure changed), this rank's work back down."""
+        err0: Optional[BaseException] = None
+        try:
+            self.flat = flatten_state(self.state, replica=(self.comm.rank,))
+            self.struct = _structure_digest(self.flat) + repr(self.opts.plan).encode()
+        except Exception as e:  # noqa: BLE001 - reported collectively below
+            err0 = e
+        # Plan cache: when no rank's structure (tree shape, holdings, object ids) changed
+        # since the last save over this group, ranks send only their values and the
+        # coordinator reuses the plan ([SP-GRID-1] holds: the layout depends on structure).
+        hit = (err0 is None and self.opts.cache_plan
+               and _PLAN_CACHE.get(self.cache_key, (None,))[0] == self.struct)
+        self.plan_hit = self.comm.all_true(bool(hit))
 
-    def decide(payloads: list) -> list:
+        def local() -> bytes:
+            if err0 is not None:
+                raise err0
+            f = self.flat
+            objs = [(o.key, o.index, o.count, o.replica, o.value) for o in f.objects]
+            if self.plan_hit:
+                return values.pack([_value_leaves(f.tree), [list(o) for o in objs]])
+            return LocalPlan(self.comm.rank, f.tree, [t.holding for t in f.tensors],
+                             objs).to_bytes()
+
+        try:
+            msg = run_collectively(self.comm, local, self._decide, errors.InvalidShardingError)
+        except errors.ShardpointError:
+            _PLAN_CACHE.pop(self.cache_key, None)
+            raise
+        self.staging, work_b, self.layouts, self.stats = msgpack.unpackb(
+            msg, strict_map_key=False)
+        self.work = RankSaveWork.from_bytes(work_b)
+        self.times["plan_total"] = time.perf_counter() - self.t0
+        self.times["plan_cached"] = self.plan_hit
+
+    def _decide(self, payloads: list) -> list:
+        """Coordinator: the global plan, the staging directory, one work item per rank."""
         t = time.perf_counter()
-        if all_hit:
-            plan = _PLAN_CACHE[cache_key][1]
+        if self.plan_hit:
+            plan = _PLAN_CACHE[self.cache_key][1]
             got = [values.unpack(b) for b in payloads]
             plan.tree = _with_values(plan.tree, [v for v, _ in got])
             plan.objects = plan_objects([LocalPlan(r, None, [], [tuple(o) for o in objs])
-                                          for r, (_, objs) in enumerate(got)])
+                                         for r, (_, objs) in enumerate(got)])
         else:
-            plan = plan_save([LocalPlan.from_bytes(b) for b in payloads], opts.plan)
-        times["plan"] = time.perf_counter() - t
-        if be.checkpoint_state(path) == "committed" and not overwrite:
-            raise errors.CheckpointExistsError(f"a checkpoint already exists at {path!r}; pass "
-                                               "overwrite=True to replace it")
-        staging = be.staging_path(path, secrets.token_hex(6))
-        be.begin_save(staging)
-        plan_box["plan"], plan_box["staging"] = plan, staging
+            plan = plan_save([LocalPlan.from_bytes(b) for b in payloads], self.opts.plan)
+        self.times["plan"] = time.perf_counter() - t
+        if self.be.checkpoint_state(self.path) == "committed" and not self.overwrite:
+            raise errors.CheckpointExistsError(f"a checkpoint already exists at {self.path!r}; "
+                                               "pass overwrite=True to replace it")
+        staging = self.be.staging_path(self.path, secrets.token_hex(6))
+        self.be.begin_save(staging)
+        self.global_plan = plan
         layouts = {k: [list(v.shape), v.dtype, list(v.chunk_shape)]
                    for k, v in plan.tensors.items()}
         out = []
@@ -169,126 +194,217 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
                                       {k: layouts[k] for k in keys}, plan.stats]))
         return out
 
-    try:
-        msg = run_collectively(comm, local, decide, errors.InvalidShardingError)
-    except errors.ShardpointError:
-        _PLAN_CACHE.pop(cache_key, None)
-        raise
-    staging, work_b, layouts, stats = msgpack.unpackb(msg, strict_map_key=False)
-    work = RankSaveWork.from_bytes(work_b)
-    times["plan_total"] = time.perf_counter() - t0
-    times["plan_cached"] = all_hit
-
-    err: Optional[BaseException] = None
-    written = 0
-    try:
+    # ---------------------------------------------------------------------- phase 2: stage
+    def stage(self, pool: Optional[StagingPool] = None) -> None:
+        """Name what this rank writes and sends. Sync (``pool`` None): chunks covered by one
+        piece are written straight from the caller's tensors, the others are assembled in
+        buffers. Async: every byte this rank needs later is copied into ``pool``, so the
+        caller may change its tensors once this returns. Ranks agree before going on."""
         t = time.perf_counter()
-        written = _execute_save(comm, be, flat_box["flat"], work, staging, layouts, opts)
-        times["write"] = time.perf_counter() - t
-    except Exception as e:  # noqa: BLE001 - every rank must learn of it
-        err = e
-        log.error("shardpoint save: rank %d failed: %s", comm.rank, e)
+        err: Optional[BaseException] = None
+        try:
+            if pool is None:
+                self._name_sources()
+            else:
+                self._copy_to_pool(pool)
+        except Exception as e:  # noqa: BLE001 - shared with every rank just below
+            err = e
+        try:
+            agree(self.comm, err, errors.SaveFailedError)
+        except errors.ShardpointError as e:
+            self.error = e
+        self.times["stage"] = time.perf_counter() - t
 
-    def commit_local() -> bytes:
-        if err is not None:
-            raise err if isinstance(err, errors.ShardpointError) else errors.SaveFailedError(
-                f"{type(err).__name__}: {err}")
-        return b""
+    def _views(self) -> PieceViews:
+        # resolve_conj/resolve_neg: a lazily conjugated or negated view has no numpy form;
+        # they copy only tensors carrying those bits.
+        return PieceViews([(lt.holding, lt.data.detach().resolve_conj().resolve_neg())
+                           for lt in self.flat.tensors])
 
-    def commit(_payloads: list) -> list:
-        plan = plan_box["plan"]
+    def _chunk_dtype(self, key: str) -> torch.dtype:
+        return dtypes.from_name(self.layouts[key][1]).torch
+
+    def _name_sources(self) -> None:
+        work, src = self.work, self._views()
+        for key in work.create:
+            self._handle(key)
+        for cw in work.writes:
+            if cw.direct is not None:
+                v, off = src(*cw.direct)
+                self.sources.append(box_view(v, off, cw.offset, cw.shape))
+                continue
+            buf = torch.empty(cw.shape, dtype=self._chunk_dtype(cw.key))
+            for hidx, pidx, bo, bs in cw.local:
+                v, off = src(hidx, pidx)
+                box_view(buf, cw.offset, bo, bs).copy_(box_view(v, off, bo, bs))
+            self.sources.append(buf)
+        for tr in work.sends:
+            v, off = src(*tr.src_ref)
+            self.sends.append((tr.dst, box_view(v, off, tr.box_offset, tr.box_shape)))
+        self._name_recvs()
+
+    def _copy_to_pool(self, pool: StagingPool) -> None:
+        work, src = self.work, self._views()
+        for key in work.create:
+            self._handle(key)
+        send_views = []
+        for tr in work.sends:
+            v, off = src(*tr.src_ref)
+            send_views.append(box_view(v, off, tr.box_offset, tr.box_shape))
+        requests = [(tuple(cw.shape), self._chunk_dtype(cw.key)) for cw in work.writes]
+        requests += [(tuple(v.shape), v.dtype) for v in send_views]
+        bufs, alloc = pool.take(requests)
+        self.times["staging_alloc"] = alloc
+        self.staging_bytes = pool.nbytes
+        self.sources = bufs[:len(work.writes)]
+        pairs = []
+        for cw, buf in zip(work.writes, self.sources):
+            if cw.direct is not None:
+                v, off = src(*cw.direct)
+                pairs.append((buf, box_view(v, off, cw.offset, cw.shape)))
+            for hidx, pidx, bo, bs in cw.local:
+                v, off = src(hidx, pidx)
+                pairs.append((box_view(buf, cw.offset, bo, bs), box_view(v, off, bo, bs)))
+        pairs += list(zip(bufs[len(work.writes):], send_views))
+        copy_into(pairs)
+        self.sends = [(tr.dst, b) for tr, b in zip(work.sends, bufs[len(work.writes):])]
+        self._name_recvs()
+
+    def _name_recvs(self) -> None:
+        w = self.work
+        self.recvs = [(tr.src, box_view(self.sources[tr.dst_ref[0]],
+                                        w.writes[tr.dst_ref[0]].offset, tr.box_offset,
+                                        tr.box_shape)) for tr in w.recvs]
+
+    def _handle(self, key: str) -> Any:
+        if key not in self._handles:
+            shape, dt, chunk = self.layouts[key]
+            self._handles[key] = self.be.open_array_for_write(
+                self.staging, array_path_for(key), ArraySpec(tuple(shape), dt, tuple(chunk)))
+        return self._handles[key]
+
+    # ---------------------------------------------------------------------- phase 3: write
+    def write(self, comm: Comm) -> None:
+        """Exchange misaligned pieces, write every chunk, make them durable (``flush``).
+        A local failure is kept for :meth:`commit`, which every rank reaches."""
+        if self.error is not None:
+            return
+        t = time.perf_counter()
+        try:
+            exchange(comm, self.sends, self.recvs, self.opts.exchange_budget_bytes)
+            self.sends = self.recvs = []
+            self.times["exchange"] = time.perf_counter() - t
+            ops, device = [], []
+            for cw, buf in zip(self.work.writes, self.sources):
+                if buf.device.type != "cpu":
+                    device.append((buf, cw))
+                    continue
+                ops.append((self.be.write(self._handle(cw.key), cw.offset, to_numpy(buf)), buf))
+                self.written += buf.numel() * buf.element_size()
+            if device:   # CUDA tensors (sync save): bounded pinned staging, overlapped
+                ops += stream_device_writes(
+                    device, lambda host, cw: self.be.write(self._handle(cw.key), cw.offset,
+                                                           to_numpy(host)),
+                    lambda op: self.be.wait([op]), self.opts.device_staging_bytes)
+                self.written += sum(b.numel() * b.element_size() for b, _ in device)
+            self.be.wait([op for op, _ in ops])
+            self.times["write"] = time.perf_counter() - t
+            t = time.perf_counter()
+            self.be.flush(self.staging)
+            self.times["flush"] = time.perf_counter() - t
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it
+            self.error = e
+            log.error("shardpoint save: rank %d failed: %s", comm.rank, e)
+        finally:
+            self.sources = []
+
+    # ---------------------------------------------------------------------- phase 4: commit
+    def commit(self, comm: Comm) -> SaveResult:
+        """Every rank reports; if all succeeded the coordinator writes the manifest and
+        renames the staging directory into place, else it removes it and all ranks raise."""
+        t = time.perf_counter()
+
+        def report() -> bytes:
+            e = self.error
+            if e is not None:
+                raise e if isinstance(e, errors.ShardpointError) else errors.SaveFailedError(
+                    f"{type(e).__name__}: {e}")
+            return b""
+
+        try:
+            run_collectively(comm, report, self._publish, errors.SaveFailedError)
+        except errors.ShardpointError:
+            _PLAN_CACHE.pop(self.cache_key, None)
+            if comm.is_coordinator and self.staging:
+                self.be.abort(self.staging)
+            raise
+        if self.opts.cache_plan:
+            _PLAN_CACHE[self.cache_key] = (self.struct, self.global_plan)
+        self.times["commit"] = time.perf_counter() - t
+        self.times["total"] = time.perf_counter() - self.t0
+        self.times["staging_bytes"] = self.staging_bytes
+        st = self.stats
+        if comm.is_coordinator:
+            log.info("shardpoint save %s: %d tensors, %.1f MiB unique, %.1f MiB exchanged, "
+                     "plan %.3fs%s, write %.3fs, commit %.3fs, total %.3fs", self.path,
+                     st["tensors"], st["unique_bytes"] / 2**20, st["exchange_bytes"] / 2**20,
+                     self.times["plan_total"], " (cached)" if self.plan_hit else "",
+                     self.times.get("write", 0.0), self.times["commit"], self.times["total"])
+        return SaveResult(self.path, comm.size, st["tensors"], st["unique_bytes"],
+                          st["exchange_bytes"], st["chunks"], self.written, self.times)
+
+    def _publish(self, _payloads: list) -> list:
+        """Coordinator, every rank having succeeded: manifest last, then the rename."""
+        plan = self.global_plan
         try:
             m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
                                                     v.chunk_shape)
                                      for k, v in plan.tensors.items()},
-                         plan.objects, save_world_size=comm.size)
-            be.write_manifest(staging, encode_manifest(m))
-            be.commit(staging, path, overwrite=overwrite)
+                         plan.objects, save_world_size=self.comm.size)
+            self.be.write_manifest(self.staging, encode_manifest(m))
+            self.be.commit(self.staging, self.path, overwrite=self.overwrite)
         except BaseException:
-            be.abort(staging)
+            self.be.abort(self.staging)
             raise
-        return [b""] * comm.size
-
-    t = time.perf_counter()
-    try:
-        run_collectively(comm, commit_local, commit, errors.SaveFailedError)
-    except errors.ShardpointError:
-        _PLAN_CACHE.pop(cache_key, None)
-        if comm.is_coordinator and "staging" in plan_box:
-            be.abort(plan_box["staging"])
-        raise
-    if opts.cache_plan:
-        _PLAN_CACHE[cache_key] = (struct, plan_box.get("plan"))
-    times["commit"] = time.perf_counter() - t
-    times["total"] = time.perf_counter() - t0
-    if comm.is_coordinator:
-        log.info("shardpoint save %s: %d tensors, %.1f MiB unique, %.1f MiB exchanged, "
-                 "plan %.3fs%s, write %.3fs, commit %.3fs, total %.3fs", path, stats["tensors"],
-                 stats["unique_bytes"] / 2**20, stats["exchange_bytes"] / 2**20,
-                 times["plan_total"], " (cached)" if all_hit else "", times.get("write", 0.0),
-                 times["commit"], times["total"])
-    return SaveResult(path, comm.size, stats["tensors"], stats["unique_bytes"],
-                      stats["exchange_bytes"], stats["chunks"], written, times)
+        return [b""] * self.comm.size
 
 
-def _execute_save(comm: Comm, be: StorageBackend, flat, work: RankSaveWork, staging: str,
-                  layouts: dict, opts: SaveOptions) -> int:
-    tensors = flat.tensors
-    # resolve_conj/resolve_neg: a lazily conjugated or negated view has no numpy form; they
-    # copy only tensors carrying those bits.
-    src_view = PieceViews([(lt.holding, lt.data.detach().resolve_conj().resolve_neg())
-                            for lt in tensors])
+# -------------------------------------------------------------------------------- save
+def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
+         backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
+         async_save: bool = False) -> "SaveResult | AsyncSave":
+    """Save ``state`` (a nested dict/list/tuple) as a checkpoint at ``path``. Collective.
 
-    handles: dict = {}
+    Leaves: torch tensors and numpy arrays (replicas across ranks), :class:`ShardedTensor`,
+    DTensor, :class:`ShardedObject` and plain values (None, bool, int, float, str, bytes).
+    The checkpoint becomes visible only once every rank has written its part; on any failure
+    every rank raises and nothing is committed (a previous checkpoint at ``path`` survives).
 
-    def handle(key: str):
-        if key not in handles:
-            shape, dt, chunk = layouts[key]
-            handles[key] = be.open_array_for_write(staging, array_path_for(key),
-                                                   ArraySpec(tuple(shape), dt, tuple(chunk)))
-        return handles[key]
+    ``async_save=True`` returns an :class:`AsyncSave` as soon as the state is copied into a
+    reusable host pool (the caller may then change its tensors); writes and the commit run
+    in the background on a gloo group of their own. Any save on the same group first waits
+    for the previous async one and re-raises its error if ``wait`` never did.
+    """
+    comm = Comm(group)
+    saves = group_saves(group_key(comm))
+    saves.settle()
+    job = SaveJob(state, path, comm, get_backend(backend), options or SaveOptions(), overwrite)
+    job.plan()
+    if not async_save:
+        job.stage()
+        job.write(comm)
+        return job.commit(comm)
+    job.stage(saves.pool)
+    if job.error is not None:
+        job.commit(comm)          # raises the staging failure on every rank, removes staging
+    side = side_comm(comm)
+    job.times["blocking"] = time.perf_counter() - job.t0
 
-    # Everything local comes first; ranks agree before the exchange so that a rank failing
-    # here (bad array, out of memory) cannot leave its peers waiting in a collective.
-    err: Optional[BaseException] = None
-    buffers: list = []
-    sends: list = []
-    recvs: list = []
-    try:
-        for key in work.create:
-            handle(key)
-        for cw in work.writes:
-            if cw.direct is not None:
-                buffers.append(None)
-                continue
-            dt = dtypes.from_name(layouts[cw.key][1]).torch
-            buf = torch.empty(cw.shape, dtype=dt)
-            for hidx, pidx, bo, bs in cw.local:
-                v, off = src_view(hidx, pidx)
-                box_view(buf, cw.offset, bo, bs).copy_(box_view(v, off, bo, bs))
-            buffers.append(buf)
-        for t in work.sends:
-            v, off = src_view(*t.src_ref)
-            sends.append((t.dst, box_view(v, off, t.box_offset, t.box_shape)))
-        recvs += [(t.src, box_view(buffers[t.dst_ref[0]], work.writes[t.dst_ref[0]].offset,
-                                    t.box_offset, t.box_shape)) for t in work.recvs]
-    except Exception as e:  # noqa: BLE001 - shared with every rank just below
-        err = e
-    agree(comm, err, errors.SaveFailedError)
-    exchange(comm, sends, recvs, opts.exchange_budget_bytes)
-    staged = []
-    for cw, buf in zip(work.writes, buffers):
-        if buf is None:
-            v, off = src_view(*cw.direct)
-            buf = host_copy(box_view(v, off, cw.offset, cw.shape))
-        staged.append(buf)
-    if any(d.data.is_cuda for d in tensors):
-        torch.cuda.synchronize()  # device-to-pinned copies were issued non-blocking
-    ops, keep, written = [], [], 0
-    for cw, buf in zip(work.writes, staged):
-        arr = to_numpy(buf)
-        keep.append(arr)
-        written += arr.nbytes
-        ops.append(be.write(handle(cw.key), cw.offset, arr))
-    be.wait(ops)
-    return written
+    def background() -> SaveResult:
+        t = time.perf_counter()
+        job.write(side)
+        res = job.commit(side)
+        res.timings["background"] = time.perf_counter() - t
+        return res
+
+    return saves.start(background, job.staging_bytes)

@@ -7,7 +7,8 @@ framework can reuse them. The default backend is TensorStore on Zarr v3
 
 Call order during ``save`` (C = coordinator rank only, W = every rank that writes chunks):
   C ``staging_path`` -> C ``begin_save`` -> W ``open_array_for_write`` + ``write`` (+ ``wait``)
-  -> barrier -> C ``write_manifest`` -> C ``commit`` (or C ``abort`` if any rank failed).
+  -> W ``flush`` (what this rank wrote is durable) -> barrier -> C ``write_manifest`` -> C
+  ``commit`` (or C ``abort`` if any rank failed).
 During ``load`` (R = every rank that reads): C or R ``read_manifest`` -> R
 ``open_array_for_read`` + ``read_into`` (+ ``wait``).
 
@@ -17,7 +18,7 @@ Example::
     tmp = b.staging_path("/ckpt/step_10", token="a1b2")
     b.begin_save(tmp)
     h = b.open_array_for_write(tmp, "tensors/w", ArraySpec((4, 4), "float32", (2, 4)))
-    b.wait([b.write(h, (0, 0), np.ones((2, 4), np.float32))])
+    b.wait([b.write(h, (0, 0), np.ones((2, 4), np.float32))]); b.flush(tmp)
     b.write_manifest(tmp, manifest_bytes); b.commit(tmp, "/ckpt/step_10", overwrite=False)
 """
 from __future__ import annotations
@@ -73,6 +74,11 @@ class StorageBackend(Protocol):
 
     def wait(self, ops: Sequence[Any]) -> None:
         """Wait for ops; raises CorruptCheckpointError on checksum or missing-data failures."""
+
+    def flush(self, root: str) -> None:
+        """Make every file this process wrote under ``root`` durable (data and directory
+        entries). Writer ranks, after ``wait`` and before reporting success: the manifest
+        follows only once every rank has flushed ([SP-COMMIT-1])."""
 
     def write_manifest(self, root: str, data: bytes) -> None:
         """Write the manifest bytes, durably. Coordinator only, after every rank finished."""
