@@ -64,6 +64,15 @@ def test_distributed_example_runs_on_two_ranks(tmp_path):
     assert (tmp_path / "ckpt" / "step_100" / "manifest.msgpack").is_file()
 
 
+def test_training_loops_section_runs_and_resumes(tmp_path):
+    assert "Training loops" in re.findall(r"^## (.+)$", README, re.M)
+    code = next(b for b in BLOCKS if "CheckpointManager" in b)
+    run_python(code, tmp_path)
+    run_python(code + "\nassert mgr.latest_step() == 8, mgr.all_steps()\n", tmp_path)  # resumed
+    steps = sorted(os.listdir(tmp_path / "ckpt"))
+    assert "step_00000008" in steps and 2 <= len(steps) <= 3   # 2 newest (+ the best one)
+
+
 def test_lazy_open_and_convert_example_runs(tmp_path):
     block = next(b for b in BLOCKS if "sp.open(" in b)
     run_python(BLOCKS[0] + "\n" + block, tmp_path)

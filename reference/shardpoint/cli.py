@@ -219,9 +219,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="skip leftovers modified more recently than this (default 900)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_recover)
-    s = sub.add_parser("demo", help="distributed end-to-end demo on 4 CPU ranks")
+    s = sub.add_parser("demo", help="train a tiny GPT on 4 CPU ranks (TP=2 x DP=2), SIGKILL it "
+                       "after a checkpoint, resume on 4, 2 and 1 ranks and check exactness")
     s.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    s.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
+    s.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     s.set_defaults(fn=cmd_demo)
     cli_tools.add_commands(sub)
     sub.add_parser("conformance", help="the conformance suite (run, adapter-test, ...); "
