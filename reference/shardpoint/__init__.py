@@ -9,7 +9,7 @@ Quick use::
 """
 __version__ = "0.1.0"
 
-from .api import LoadReport, SaveOptions, SaveResult, load, read_metadata, save
+from .api import LoadOptions, LoadReport, SaveOptions, SaveResult, load, read_metadata, save
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, InvalidKeyError, InvalidShardingError,
                      LayoutMismatchError, LoadFailedError, SaveFailedError, ShardpointError,
@@ -21,7 +21,7 @@ from .planner import PlanOptions
 
 __all__ = [
     "save", "load", "read_metadata", "CheckpointManager", "ShardedTensor", "ShardedObject", "SaveOptions",
-    "SaveResult", "LoadReport", "PlanOptions", "Manifest", "FORMAT_VERSION", "ShardpointError",
+    "SaveResult", "LoadReport", "LoadOptions", "PlanOptions", "Manifest", "FORMAT_VERSION", "ShardpointError",
     "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
     "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",

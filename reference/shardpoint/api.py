@@ -6,7 +6,9 @@ torch.distributed is not initialized). Their pipelines live in :mod:`.saving` an
 """
 from __future__ import annotations
 
+from .load_planner import LoadOptions
 from .loading import LoadReport, load, read_metadata
 from .saving import SaveOptions, SaveResult, save
 
-__all__ = ["save", "load", "read_metadata", "SaveOptions", "SaveResult", "LoadReport"]
+__all__ = ["save", "load", "read_metadata", "SaveOptions", "SaveResult", "LoadReport",
+           "LoadOptions"]
