@@ -1,8 +1,8 @@
 """``load`` and ``read_metadata``: read a checkpoint into any layout, collectively.
 
-The coordinator reads the manifest once and shares it; each rank states the regions it needs;
-each distinct region is read by one rank and exchanged to the others; the caller's tensors are
-filled in place. A failure on any rank raises the same error on every rank.
+The coordinator reads the manifest once and shares it; each rank states the regions it needs
+(and its host); a cost model picks how they are read (once and exchanged, or by every rank
+directly, see :mod:`.load_planner`); the caller's tensors are filled in place. A failure on any rank raises the same error on every rank.
 """
 from __future__ import annotations
 
