@@ -94,3 +94,25 @@ def test_damage_falls_back_and_raises(tmp_ckpt, how):
         with pytest.raises(sp.CorruptCheckpointError) as ei:
             sp.load(tmp_ckpt, like=like, backend=BE)
         assert ei.value.spec_id in ("SP-READ-2", "SP-READ-3")
+
+
+def _load_in_child(path, q):
+    like = {"a": torch.empty(37, 29)}
+    sp.load(path, like=like, backend=BE)
+    q.put(float(like["a"].sum()))
+
+
+def test_a_forked_child_reads_with_a_pool_of_its_own(tmp_ckpt):
+    import multiprocessing as mp
+    st = _state()
+    sp.save(st, tmp_ckpt, backend=BE)
+    sp.load(tmp_ckpt, like={"a": torch.empty(37, 29)}, backend=BE)   # parent's pool exists
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_load_in_child, args=(tmp_ckpt, q))
+    p.start()
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+        pytest.fail("the forked child hung reading through the inherited pool")
+    assert q.get(timeout=5) == pytest.approx(float(st["a"].sum()))

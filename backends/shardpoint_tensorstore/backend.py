@@ -175,14 +175,17 @@ class TensorStoreBackend:
         self.read_threads = read_threads
         self.direct_reads = direct_reads
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool_pid = 0
         self._pool_lock = threading.Lock()
 
     def _submit(self, fn: Any, *args: Any) -> Future:
-        if self._pool is None:
+        # A forked child inherits the pool object but not its threads: start a new one.
+        if self._pool is None or self._pool_pid != os.getpid():
             with self._pool_lock:
-                if self._pool is None:
+                if self._pool is None or self._pool_pid != os.getpid():
                     self._pool = ThreadPoolExecutor(self.read_threads,
                                                     thread_name_prefix="shardpoint-read")
+                    self._pool_pid = os.getpid()
         return self._pool.submit(fn, *args)
 
     def __repr__(self) -> str:
