@@ -16,7 +16,7 @@ import re
 import shutil
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -24,11 +24,13 @@ import tensorstore as ts
 
 from shardpoint.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                CorruptCheckpointError, IncompleteCheckpointError,
-                               SaveFailedError)
+                               SaveFailedError, ShardpointError)
 from shardpoint.storage import MANIFEST_NAME, ArraySpec, Leftover
 
 from .zarr_checks import (check_array_files, check_regular_file, check_zarr_json,
                           chunk_file_sizes, read_zarr_json)
+
+from .direct import DirectLayout, DirectReader, parse_layout
 
 _BYTES_CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 MAX_MANIFEST_BYTES = 1 << 30
@@ -95,6 +97,38 @@ def _region(handle: Any, offset: Sequence[int], shape: Sequence[int]) -> Any:
     if not shape:
         return handle
     return handle[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def _metadata_problems(shape: Any, meta: dict, spec: ArraySpec) -> list:
+    """Where a zarr.json disagrees with the manifest's entry ([SP-ARRAY-2])."""
+    problems = []
+    if tuple(shape) != tuple(spec.shape):
+        problems.append(f"shape {tuple(shape)} != manifest {tuple(spec.shape)}")
+    if meta.get("data_type") != spec.dtype:
+        problems.append(f"data_type {meta.get('data_type')!r} != manifest {spec.dtype!r}")
+    grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+    if grid is not None and tuple(grid) != tuple(spec.chunk_shape):
+        problems.append(f"chunk_shape {tuple(grid)} != manifest {tuple(spec.chunk_shape)}")
+    if not _has_crc(meta.get("codecs", [])):
+        problems.append("codec chain has no crc32c")
+    return problems
+
+
+class _DirectHandle:
+    """A stored array read with direct chunk reads; TensorStore is opened only if a chunk
+    needs the fallback (then it raises the documented error for what is wrong)."""
+
+    def __init__(self, layout: DirectLayout, open_ts: Any) -> None:
+        self.layout = layout
+        self._open_ts = open_ts
+        self._ts: Any = None
+        self._lock = threading.Lock()
+
+    def tensorstore(self) -> Any:
+        with self._lock:
+            if self._ts is None:
+                self._ts = self._open_ts()
+            return self._ts
 
 
 def _fsync_dir(path: str) -> None:
@@ -218,7 +252,8 @@ class TensorStoreBackend:
 
     def __init__(self, *, context: Optional[dict] = None, shard_above_bytes: int = 8 << 20,
                  inner_chunk_bytes: int = 2 << 20, fsync: bool = True,
-                 sync_method: str = "auto") -> None:
+                 sync_method: str = "auto", read_threads: int = 8,
+                 direct_reads: bool = True) -> None:
         if sync_method not in ("auto", "syncfs", "fsync"):
             raise ValueError(f"sync_method must be 'auto', 'syncfs' or 'fsync', not "
                              f"{sync_method!r}")
@@ -232,6 +267,21 @@ class TensorStoreBackend:
         self.sync_method = sync_method
         self._lock = threading.Lock()
         self._written: dict = {}     # staging root -> array directories this process wrote
+        self.read_threads = read_threads
+        self.direct_reads = direct_reads
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool_pid = 0
+        self._pool_lock = threading.Lock()
+
+    def _submit(self, fn: Any, *args: Any) -> Future:
+        # A forked child inherits the pool object but not its threads: start a new one.
+        if self._pool is None or self._pool_pid != os.getpid():
+            with self._pool_lock:
+                if self._pool is None or self._pool_pid != os.getpid():
+                    self._pool = ThreadPoolExecutor(self.read_threads,
+                                                    thread_name_prefix="shardpoint-read")
+                    self._pool_pid = os.getpid()
+        return self._pool.submit(fn, *args)
 
     def __repr__(self) -> str:
         return f"TensorStoreBackend(context={self.context.spec.to_json()})"
@@ -300,15 +350,8 @@ class TensorStoreBackend:
         return _region(handle, offset, data.shape).write(
             data, can_reference_source_data_indefinitely=True)
 
-    def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
-                            key: str) -> Any:
-        # The spec's own checks first: file kinds, size cap, codecs, fill value, key encoding.
-        from shardpoint.dtypes import from_name
-        meta = read_zarr_json(root, array_path, key)
-        check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
-        if os.path.isdir(os.path.join(root, array_path)):
-            check_array_files(root, array_path, key,
-                              chunk_file_sizes(meta, from_name(spec.dtype).itemsize))
+    def _open_ts_for_read(self, root: str, array_path: str, spec: ArraySpec,
+                          key: str) -> Any:
         s = self._tspec(root, array_path)
         # Revalidate cached metadata and data once, at open: a checkpoint replaced in place
         # (overwrite=True) must never be read through entries cached from the old one.
@@ -320,34 +363,67 @@ class TensorStoreBackend:
             raise CorruptCheckpointError(f"tensor {key!r}: cannot open its array "
                                          f"{array_path!r}: {e}", spec_id="SP-ARRAY-1") from e
         meta = h.spec(retain_context=False).to_json().get("metadata", {})
-        problems = []
-        if tuple(h.domain.shape) != tuple(spec.shape):
-            problems.append(f"shape {tuple(h.domain.shape)} != manifest {tuple(spec.shape)}")
-        if meta.get("data_type") != spec.dtype:
-            problems.append(f"data_type {meta.get('data_type')!r} != manifest {spec.dtype!r}")
-        grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
-        if grid is not None and tuple(grid) != tuple(spec.chunk_shape):
-            problems.append(f"chunk_shape {tuple(grid)} != manifest {tuple(spec.chunk_shape)}")
-        if not _has_crc(meta.get("codecs", [])):
-            problems.append("codec chain has no crc32c")
+        self._check_metadata(h.domain.shape, meta, spec, key, array_path)
+        return h
+
+    @staticmethod
+    def _check_metadata(shape: Any, meta: dict, spec: ArraySpec, key: str,
+                        array_path: str) -> None:
+        problems = _metadata_problems(shape, meta, spec)
         if problems:
             raise CorruptCheckpointError(f"tensor {key!r}: zarr.json of {array_path!r} "
                                          f"disagrees with the manifest: {'; '.join(problems)}",
                                          spec_id="SP-ARRAY-2")
-        return h
+
+    def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
+                            key: str) -> Any:
+        """Cheap when the array is in this backend's own layout: zarr.json is parsed and
+        checked here, chunks are read directly; otherwise a full TensorStore open. The spec's
+        own checks come first either way: file kinds, size caps, codecs, fill value."""
+        from shardpoint.dtypes import DTYPES, from_name
+        meta = read_zarr_json(root, array_path, key)
+        check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
+        apath = os.path.join(root, array_path)
+        if os.path.isdir(apath):
+            check_array_files(root, array_path, key,
+                              chunk_file_sizes(meta, from_name(spec.dtype).itemsize))
+        # bool stays on TensorStore, which refuses bytes other than 0/1 ([SP-READ-5]).
+        if self.direct_reads and spec.dtype in DTYPES and spec.dtype != "bool":
+            layout = parse_layout(meta, apath, DTYPES[spec.dtype].numpy)
+            if layout is not None and meta.get("data_type") in DTYPES:
+                self._check_metadata(layout.shape, meta, spec, key, array_path)
+                return _DirectHandle(layout, lambda: self._open_ts_for_read(
+                    root, array_path, spec, key))
+        return self._open_ts_for_read(root, array_path, spec, key)
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
         # TensorStore itself refuses bool bytes other than 0/1 ("Invalid bool value"), so a
         # damaged bool chunk fails here as SP-READ-3, never reads as True ([SP-READ-5]).
+        if isinstance(handle, _DirectHandle):
+            def fallback(off: Sequence[int], view: np.ndarray) -> None:
+                h = handle.tensorstore()
+                ts.array(view, copy=False, write=True).write(
+                    _region(h, off, view.shape)).result()
+            return DirectReader(handle.layout, self._submit, fallback).read(tuple(offset), out)
         return ts.array(out, copy=False, write=True).write(_region(handle, offset, out.shape))
 
     def wait(self, ops: Sequence[Any]) -> None:
         first: Optional[BaseException] = None
-        for op in ops:
+        todo = list(ops)
+        while todo:
+            op = todo.pop()
+            if isinstance(op, list):
+                todo.extend(op)
+                continue
             try:
-                op.result()
-            except ValueError as e:
+                more = op.result()
+            except Exception as e:  # noqa: BLE001 - every op is waited for before raising
                 first = first or e
+                continue
+            if isinstance(more, list):
+                todo.extend(more)
+        if first is not None and not isinstance(first, ValueError):
+            raise first
         if first is not None:
             msg = str(first).split("[tensorstore_spec")[0].strip()
             missing = "NOT_FOUND" in msg
@@ -357,8 +433,9 @@ class TensorStoreBackend:
 
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list:
         try:
-            h = self.open_array_for_read(root, array_path, spec, key)
-        except CorruptCheckpointError as e:
+            self.open_array_for_read(root, array_path, spec, key)   # the spec's file checks
+            h = self._open_ts_for_read(root, array_path, spec, key)
+        except ShardpointError as e:
             return [(e.spec_id or "SP-ARRAY-1", str(e))]
         problems = []
         meta = h.spec(retain_context=False).to_json().get("metadata", {})

@@ -11,8 +11,8 @@ Quick use::
 """
 __version__ = "0.1.0"
 
-from .api import (AsyncSave, LoadReport, SaveOptions, SaveResult, load, read_metadata,
-                  save)
+from .api import (AsyncSave, LoadOptions, LoadReport, SaveOptions, SaveResult, load,
+                  read_metadata, save)
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, InvalidKeyError, InvalidShardingError,
                      LayoutMismatchError, LoadFailedError, ResourceLimitError, SaveFailedError,
@@ -28,7 +28,7 @@ from .recovery import RecoveryAction, recover
 __all__ = [
     "save", "load", "read_metadata", "open", "Checkpoint", "TensorView", "CheckpointManager",
     "ShardedTensor", "ShardedPieces", "ShardedObject", "SaveOptions", "SaveResult", "AsyncSave",
-    "LoadReport", "PlanOptions", "Manifest", "FORMAT_VERSION", "ShardpointError",
+    "LoadReport", "LoadOptions", "PlanOptions", "Manifest", "FORMAT_VERSION", "ShardpointError",
     "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
     "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",

@@ -6,9 +6,10 @@ torch.distributed is not initialized). Their pipelines live in :mod:`.saving` an
 """
 from __future__ import annotations
 
+from .load_planner import LoadOptions
 from .loading import LoadReport, load, read_metadata
 from .async_save import AsyncSave
 from .saving import SaveOptions, SaveResult, save
 
 __all__ = ["save", "load", "read_metadata", "SaveOptions", "SaveResult", "AsyncSave",
-           "LoadReport"]
+           "LoadReport", "LoadOptions"]

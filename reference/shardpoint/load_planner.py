@@ -1,26 +1,33 @@
 """Load planning: which rank reads which region, and who sends what to whom ([SP-LOAD-2]).
 
 Pure: requests (holdings per rank) and the stored layouts in, one ``RankLoadWork`` per rank
-out. Each needed region is read from storage by exactly one rank and exchanged to the others.
+out. Two strategies, chosen by a cost model (:func:`choose_strategy`):
+
+- ``dedup``: each needed region is read from storage by exactly one rank and exchanged to the
+  others. Wins across hosts when the exchange is fast compared with storage.
+- ``direct``: every rank reads what it needs itself (whole stored chunks, narrowed). Wins when
+  ranks share a host (its page cache serves the repeats) or the exchange is slow.
+
 Requests are grouped into distinct regions with vectorised passes (:mod:`.columns`), and
 tensors with the same shape, chunk grid and requested regions share their chunk geometry, so
-the cost grows with distinct structure; what remains per chunk and per transfer is building
-the plan itself.
+the dedup plan's cost grows with distinct structure.
 """
 from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
+from collections import defaultdict
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from . import dtypes
 from .columns import Gathered, Regions, as_columns, gc_paused
 from .errors import LayoutMismatchError
-from .grid import chunk_parts
+from .grid import chunk_parts, pieces_by_chunk
 from .model import Holding, holding_pieces
 from .plans import RankLoadWork, ReadOp, TensorLayout, Transfer
 
@@ -33,6 +40,118 @@ def check_request(h: Holding, layout: TensorLayout) -> None:
         raise LayoutMismatchError(
             f"key {h.key!r}: checkpoint has shape {layout.shape} dtype {layout.dtype}, the "
             f"target expects shape {h.global_shape} dtype {h.dtype}", spec_id="SP-LOAD-1")
+
+
+STRATEGIES = ("auto", "dedup", "direct")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a load reads. ``strategy``: "auto" (cost model), "dedup" or "direct".
+    ``storage_gbps``: read bandwidth of one host's storage; ``exchange_gbps``: bytes one rank
+    receives per second over the process group (None: 1.0 on gloo, 20.0 on NCCL)."""
+
+    strategy: str = "auto"
+    storage_gbps: float = 2.0
+    exchange_gbps: Optional[float] = None
+    exchange_budget_bytes: int = 256 << 20
+    host_id: Optional[str] = None    # None: this machine's hostname
+
+
+@dataclass
+class LoadCosts:
+    """The cost model's inputs and estimates (seconds), kept in the load report."""
+
+    hosts: int
+    dedup_read_bytes: int          # distinct needed bytes, read once in all
+    exchange_bytes_max: int        # the most one rank receives under dedup
+    direct_host_bytes_max: int     # the most one host reads from storage under direct
+    dedup_s: float
+    direct_s: float
+    strategy: str = "dedup"
+    notes: dict = field(default_factory=dict)
+
+
+def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes: Sequence[int],
+                    direct_host_bytes: dict, storage_gbps: float, exchange_gbps: float,
+                    strategy: str = "auto") -> LoadCosts:
+    """Pick dedup or direct for one load. Dedup reads every distinct byte once, spread over
+    the hosts, then each rank waits for what it receives; direct lets every host read, once
+    from storage (its page cache serves its other ranks), everything its ranks need, chunks
+    rounded up. Ties go to direct (no exchange, no extra buffers)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"load strategy {strategy!r}: expected one of {STRATEGIES}")
+    if storage_gbps <= 0 or exchange_gbps <= 0:
+        raise ValueError("storage_gbps and exchange_gbps must be positive")
+    n_hosts = max(1, len(set(hosts)))
+    x_max = max(exchange_bytes, default=0)
+    h_max = max(direct_host_bytes.values(), default=0)
+    dedup_s = dedup_read_bytes / (n_hosts * storage_gbps * 1e9) + x_max / (exchange_gbps * 1e9)
+    direct_s = h_max / (storage_gbps * 1e9)
+    pick = strategy if strategy != "auto" else ("direct" if direct_s <= dedup_s else "dedup")
+    return LoadCosts(n_hosts, dedup_read_bytes, x_max, h_max, dedup_s, direct_s, pick)
+
+
+def _direct_bytes(h: Holding, lay: TensorLayout, itemsize: int) -> dict:
+    """(chunk index -> bytes) a rank reads for ``h`` directly: the rows of each chunk it
+    touches, whole in every other dimension (inner chunks split the first dimension)."""
+    out: dict = {}
+    per = pieces_by_chunk(lay.shape, lay.chunk_shape, [holding_pieces(h)])
+    for cidx, parts in per.items():
+        if not lay.shape:
+            out[cidx] = itemsize
+            continue
+        rows = sum(bs[0] for _, _, (_bo, bs) in parts)
+        cfull = [min(c, n - i * c) for c, n, i in zip(lay.chunk_shape, lay.shape, cidx)]
+        out[cidx] = max(out.get(cidx, 0), min(rows, cfull[0]) * math.prod(cfull[1:]) * itemsize)
+    return out
+
+
+def plan_load_direct(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:
+    """Per-rank load work where every rank reads each needed box itself, straight into its
+    destination, one read per (piece, chunk); nothing is exchanged."""
+    out = [RankLoadWork() for _ in requests]
+    for r, reqs in enumerate(requests):
+        for q, h in enumerate(reqs):
+            lay = layouts[h.key]
+            check_request(h, lay)
+            per = pieces_by_chunk(lay.shape, lay.chunk_shape, [holding_pieces(h)])
+            for cidx in sorted(per):
+                for _li, pi, (bo, bs) in per[cidx]:
+                    out[r].reads.append(ReadOp(h.key, bo, bs, direct=(q, pi)))
+    return out
+
+
+def plan_load_auto(requests: Sequence[Sequence[Holding]], layouts: dict, hosts: Sequence[str],
+                   opts: LoadOptions, exchange_gbps: float) -> tuple:
+    """(per-rank work, LoadCosts): the dedup plan's exchange and the direct plan's per-host
+    reads priced by :func:`choose_strategy`, the cheaper one returned."""
+    if opts.strategy == "direct":
+        works = plan_load_direct(requests, layouts)
+        return works, LoadCosts(len(set(hosts)), 0, 0, 0, 0.0, 0.0, "direct")
+    dedup = plan_load(requests, layouts)
+    if opts.strategy == "dedup" or len(requests) == 1:
+        return dedup, LoadCosts(len(set(hosts)), 0, 0, 0, 0.0, 0.0, "dedup")
+    recv = [0] * len(requests)
+    read = 0
+    for w in dedup:
+        for op in w.reads:
+            read += math.prod(op.shape) * dtypes.from_name(layouts[op.key].dtype).itemsize
+        for t in w.recvs:
+            recv[t.dst] += math.prod(t.box_shape) * dtypes.from_name(
+                layouts[t.key].dtype).itemsize
+    per_host: dict = defaultdict(dict)      # host -> (key, chunk) -> bytes
+    for r, reqs in enumerate(requests):
+        hb = per_host[hosts[r]]
+        for h in reqs:
+            lay = layouts[h.key]
+            for cidx, n in _direct_bytes(h, lay, dtypes.from_name(lay.dtype).itemsize).items():
+                hb[(h.key, cidx)] = max(hb.get((h.key, cidx), 0), n)
+    costs = choose_strategy(hosts, read, recv, {k: sum(v.values()) for k, v in per_host.items()},
+                            opts.storage_gbps, exchange_gbps)
+    if costs.strategy == "direct":
+        return plan_load_direct(requests, layouts), costs
+    return dedup, costs
 
 
 def plan_load(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:

@@ -1,12 +1,13 @@
 """``load`` and ``read_metadata``: read a checkpoint into any layout, collectively.
 
-The coordinator reads the manifest once and shares it; each rank states the regions it needs;
-each distinct region is read by one rank and exchanged to the others; the caller's tensors are
-filled in place. A failure on any rank raises the same error on every rank.
+The coordinator reads the manifest once and shares it; each rank states the regions it needs
+(and its host); a cost model picks how they are read (once and exchanged, or by every rank
+directly, see :mod:`.load_planner`); the caller's tensors are filled in place. A failure on any rank raises the same error on every rank.
 """
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -18,7 +19,8 @@ from . import dtypes, errors
 from .columns import HoldingColumns
 from .exchange import Comm, agree, error_record, exchange, raise_records, run_collectively
 from .metadata import Manifest, decode_manifest
-from .planner import RankLoadWork, TensorLayout, plan_load
+from .load_planner import LoadOptions, plan_load_auto
+from .planner import RankLoadWork, TensorLayout
 from .storage import StorageBackend, get_backend
 from .targets import collect_targets, full_targets
 from .views import PieceViews, box_view, to_numpy
@@ -36,6 +38,8 @@ class LoadReport:
     rank_bytes_read: int = 0
     exchange_bytes: int = 0
     timings: dict = field(default_factory=dict)
+    strategy: str = ""              # "dedup" or "direct", as the cost model chose
+    costs: dict = field(default_factory=dict)   # the cost model's inputs and estimates
 
 
 # -------------------------------------------------------------------------------- load
@@ -47,7 +51,8 @@ def read_metadata(path: str, *, backend: Optional[StorageBackend] = None) -> Man
 
 def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
          backend: Optional[StorageBackend] = None, report: Optional[LoadReport] = None,
-         exchange_budget_bytes: int = 256 << 20) -> Any:
+         exchange_budget_bytes: Optional[int] = None,
+         options: Optional[LoadOptions] = None) -> Any:
     """Load a checkpoint. Collective over ``group``.
 
     Without ``like``: the whole tree, tensors in full on CPU (numpy arrays come back as numpy;
@@ -57,8 +62,11 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
     layout the checkpoint was saved in, and the returned tree has the loaded values in
     place of plain values; a ``ShardedTensor`` leaf becomes its filled ``data`` and a
     ``ShardedObject`` leaf becomes its stored value. Keys of the checkpoint that ``like`` does
-    not ask for are not read.
+    not ask for are not read. ``options`` (:class:`LoadOptions`) picks how regions are read:
+    once and exchanged, or by every rank directly, by a cost model by default.
     """
+    opts = options or LoadOptions()
+    budget = exchange_budget_bytes or opts.exchange_budget_bytes
     comm, be = Comm(group), get_backend(backend)
     report = report if report is not None else LoadReport()
     t0 = time.perf_counter()
@@ -83,23 +91,31 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
         else:
             targets, built = collect_targets(like, m, strict, report, comm.rank)
         tgt_box["t"], tgt_box["built"] = targets, built
-        return HoldingColumns.from_holdings([t.holding for t in targets]).to_wire()
+        host = opts.host_id or socket.gethostname()
+        cols = HoldingColumns.from_holdings([t.holding for t in targets])
+        return msgpack.packb([host, cols.to_wire()])
 
     def decide(payloads: list) -> list:
         m = decode_manifest(mbytes[1:])
         layouts = {k: TensorLayout(k, e.shape, e.dtype, e.chunk_shape)
                    for k, e in m.tensors.items()}
-        reqs = [HoldingColumns.from_wire(p) for p in payloads]
-        return [w.to_bytes() for w in plan_load(reqs, layouts)]
+        got = [msgpack.unpackb(p) for p in payloads]
+        reqs = [HoldingColumns.from_wire(w) for _, w in got]
+        xg = opts.exchange_gbps or (20.0 if comm.device.type == "cuda" else 1.0)
+        works, costs = plan_load_auto(reqs, layouts, [h for h, _ in got], opts, xg)
+        c = {k: v for k, v in vars(costs).items() if k != "notes"}
+        return [msgpack.packb([c, w.to_bytes()]) for w in works]
 
-    work = RankLoadWork.from_bytes(run_collectively(comm, local, decide,
-                                                    errors.LayoutMismatchError))
+    costs, wbytes = msgpack.unpackb(run_collectively(comm, local, decide,
+                                                     errors.LayoutMismatchError))
+    work = RankLoadWork.from_bytes(wbytes)
+    report.strategy, report.costs = costs["strategy"], costs
     report.timings["plan"] = time.perf_counter() - t0
     err: Optional[BaseException] = None
     try:
         t = time.perf_counter()
         report.rank_bytes_read, report.exchange_bytes = _execute_load(
-            comm, be, path, m_box["m"], tgt_box["t"], work, exchange_budget_bytes)
+            comm, be, path, m_box["m"], tgt_box["t"], work, budget, report.timings)
         report.timings["read"] = time.perf_counter() - t
     except Exception as e:  # noqa: BLE001
         if getattr(e, "_sp_agreed", False):
@@ -108,8 +124,8 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
     agree(comm, err, errors.LoadFailedError)
     report.timings["total"] = time.perf_counter() - t0
     if comm.is_coordinator:
-        log.info("shardpoint load %s: rank 0 read %.1f MiB, sent %.1f MiB; plan %.3fs, read "
-                 "%.3fs, total %.3fs", path, report.rank_bytes_read / 2**20,
+        log.info("shardpoint load %s (%s): rank 0 read %.1f MiB, sent %.1f MiB; plan %.3fs, "
+                 "read %.3fs, total %.3fs", path, report.strategy, report.rank_bytes_read / 2**20,
                  report.exchange_bytes / 2**20, report.timings["plan"],
                  report.timings.get("read", 0.0), report.timings["total"])
     if report.missing_keys:
@@ -119,7 +135,7 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
 
 
 def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, targets: list,
-                  work: RankLoadWork, budget: int) -> tuple:
+                  work: RankLoadWork, budget: int, timings: dict) -> tuple:
     dst_view = PieceViews([(tg.holding, tg.data) for tg in targets])
 
     handles: dict = {}
@@ -169,7 +185,9 @@ def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, target
     except Exception as e:  # noqa: BLE001 - shared with every rank just below
         err = e
     agree(comm, err, errors.LoadFailedError)
+    t = time.perf_counter()
     exchange(comm, sends, recvs, budget)
+    timings["exchange"] = time.perf_counter() - t
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     moved = sum(v.numel() * v.element_size() for _, v in sends)

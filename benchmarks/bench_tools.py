@@ -1,0 +1,213 @@
+"""The benchmark's pieces: states, cache dropping, peak-memory sampling, and one save/load
+step per tool (raw file I/O, shardpoint, DCP, torch.save, safetensors). Each step returns its
+seconds (and, for async saves, the blocking part); ``bench.py`` interleaves and tabulates."""
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+import shardpoint as sp
+
+HAS_ASYNC = "async_save" in inspect.signature(sp.save).parameters
+
+
+# ---------------------------------------------------------------------------------- states
+def mixed_state(scale: float = 1.0, seed: int = 0) -> dict:
+    """Transformer-like, ~1.2 GB at scale 1 in 149 tensors from 4 KiB to 125 MiB: an fp32
+    embedding, a bf16 head, 8 layers of bf16 weights with fp32 norms, fp32 Adam moments."""
+    g = torch.Generator().manual_seed(seed)
+    h, v = max(8, int(1024 * scale)), max(16, int(32000 * scale))
+    p = {"embed": ((v, h), torch.float32), "lm_head": ((v, h), torch.bfloat16),
+         "final_norm": ((h,), torch.float32)}
+    for i in range(8):
+        p.update({f"l{i}.qkv": ((3 * h, h), torch.bfloat16), f"l{i}.o": ((h, h), torch.bfloat16),
+                  f"l{i}.up": ((4 * h, h), torch.bfloat16),
+                  f"l{i}.down": ((h, 4 * h), torch.bfloat16),
+                  f"l{i}.n1": ((h,), torch.float32), f"l{i}.n2": ((h,), torch.float32)})
+    st = {"model": {}, "optim": {}}
+    for k, (shape, dt) in p.items():
+        st["model"][k] = torch.randn(shape, generator=g).to(dt)
+        if k not in ("embed", "lm_head"):
+            st["optim"][k] = {"m": torch.randn(shape, generator=g),
+                              "v": torch.randn(shape, generator=g)}
+    return st
+
+
+def uniform_state(n: int = 32, mib: float = 32, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    cols = 1024 if mib >= 1 else 64
+    rows = max(1, int(mib * 2**20) // 4 // cols)
+    return {f"w{i}": torch.randn(rows, cols, generator=g) for i in range(n)}
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def empty_like_tree(tree):
+    if isinstance(tree, dict):
+        return {k: empty_like_tree(v) for k, v in tree.items()}
+    return torch.empty_like(tree)
+
+
+def nbytes(tree: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in flat(tree).values())
+
+
+# ------------------------------------------------------------------------ cache and memory
+def drop_caches() -> bool:
+    """Write back and drop the page cache (root only); False when that is not allowed."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every 2 ms."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss())
+        self.extra = self.peak - self.base
+
+
+def count_files(path: str) -> int:
+    if os.path.isfile(path):
+        return 1
+    return sum(len(fs) for _, _, fs in os.walk(path))
+
+
+def rm(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------- the tools
+def raw_write(state: dict, path: str) -> None:
+    """The write limit: every tensor's bytes into one file, then one fsync."""
+    with open(path, "wb") as f:
+        for t in flat(state).values():
+            f.write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def raw_read(bufs: list, path: str, threads: int = 4, piece: int = 16 << 20) -> None:
+    """The read limit: ``threads`` threads of preadv into preallocated buffers."""
+    fd = os.open(path, os.O_RDONLY)
+    jobs, off = [], 0
+    for b in bufs:
+        mv = b.view(torch.uint8).reshape(-1).numpy()
+        for s in range(0, mv.size, piece):
+            jobs.append((mv[s:s + piece], off + s))
+        off += mv.size
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda j: os.preadv(fd, [j[0]], j[1]), jobs))
+    finally:
+        os.close(fd)
+
+
+def sp_save(state: dict, path: str) -> None:
+    sp.save(state, path, overwrite=True)
+
+
+def sp_async_save(state: dict, path: str) -> tuple:
+    """(blocking seconds, total seconds) of ``sp.save(..., async_save=True)``."""
+    t = time.perf_counter()
+    h = sp.save(state, path, overwrite=True, async_save=True)
+    blocking = time.perf_counter() - t
+    h.result()
+    return blocking, time.perf_counter() - t
+
+
+def sp_load(like: dict, path: str) -> None:
+    sp.load(path, like=like)
+
+
+def _dcp_writer(path: str, threads: int):
+    from torch.distributed.checkpoint import FileSystemWriter
+    return FileSystemWriter(path, thread_count=threads, sync_files=True)
+
+
+def dcp_save(state: dict, path: str, threads: int) -> None:
+    import torch.distributed.checkpoint as dcp
+    dcp.save(state, storage_writer=_dcp_writer(path, threads))
+
+
+def dcp_async_save(state: dict, path: str, threads: int) -> tuple:
+    import torch.distributed.checkpoint as dcp
+    t = time.perf_counter()
+    fut = dcp.async_save(state, storage_writer=_dcp_writer(path, threads))
+    blocking = time.perf_counter() - t
+    fut.result()
+    return blocking, time.perf_counter() - t
+
+
+def dcp_load(like: dict, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    dcp.load(like, storage_reader=FileSystemReader(path))
+
+
+def torch_save(state: dict, path: str) -> None:
+    torch.save(state, path)
+    fsync_path(path)
+
+
+def torch_load(path: str) -> None:
+    torch.load(path, weights_only=True)
+
+
+def st_save(flat_state: dict, path: str) -> None:
+    from safetensors.torch import save_file
+    save_file(flat_state, path)
+    fsync_path(path)
+
+
+def st_load(path: str) -> None:
+    from safetensors.torch import load_file
+    load_file(path)
