@@ -231,10 +231,7 @@ class DirectReader:
         lay = self.lay
         origin = tuple(i * c for i, c in zip(cidx, lay.chunk))
         ok = False
-        try:
-            fd = os.open(_chunk_file(lay, cidx), os.O_RDONLY)
-        except OSError:
-            fd = None
+        fd = _open_or_none(_chunk_file(lay, cidx))
         if fd is not None:
             try:
                 ok = self._read_box(fd, 0, origin, lay.chunk, offset, out)
@@ -252,10 +249,7 @@ class DirectReader:
         per = tuple(c // i for c, i in zip(lay.chunk, lay.inner))
         n_inner = math.prod(per)
         index = None
-        try:
-            fd = os.open(_chunk_file(lay, cidx), os.O_RDONLY)
-        except OSError:
-            fd = None
+        fd = _open_or_none(_chunk_file(lay, cidx))
         if fd is not None:
             try:
                 size = os.fstat(fd).st_size
@@ -330,3 +324,12 @@ class DirectReader:
                 ok = False
         if not ok:
             self._box_fallback(iorigin, self.lay.inner, offset, out)
+
+
+def _open_or_none(path: str) -> Optional[int]:
+    """A read-only descriptor, or None when the file cannot be opened (TensorStore then
+    reads that chunk and raises the spec's error)."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
