@@ -471,3 +471,17 @@ def test_replacing_leaves_no_staging_or_old_directory_behind(tmp_ckpt):
     with pytest.raises(sp.CheckpointExistsError):     # [SP-COMMIT-5]: never without consent
         sp.save({"w": torch.zeros(2)}, f"{tmp_ckpt}2")
     assert os.listdir(f"{tmp_ckpt}2") == ["user_file"]
+
+
+@pytest.mark.parametrize("bad", [-1, True, (), (0, -2), "a", 1.0])
+def test_replica_id_is_checked_when_assigned_after_construction(bad):
+    """Megatron-style code sets ``replica_id`` after building the piece: a bad one must fail
+    there with the documented error, not as a TypeError deep inside a save."""
+    st = sp.ShardedTensor(torch.zeros(2), (4,), (0,))
+    so = sp.ShardedObject({"a": 1}, 0, 2)
+    for x in (st, so):
+        with pytest.raises(sp.InvalidShardingError, match="replica_id"):
+            x.replica_id = bad
+    st.replica_id = (1, 0)
+    so.replica_id = 3
+    assert st.replica_id == (1, 0) and so.replica_id == (3,)

@@ -27,7 +27,10 @@ ReplicaId = Union[int, Sequence[int]]
 
 
 def _norm_replica(r: ReplicaId) -> tuple:
-    t = (r,) if isinstance(r, int) else tuple(r)
+    try:
+        t = (r,) if isinstance(r, int) else tuple(r)
+    except TypeError:
+        t = ()
     if not t or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in t):
         raise InvalidShardingError(f"replica_id {r!r} must be a non-negative int or a non-empty "
                                    "tuple of them", spec_id="SP-REPL-1")
@@ -46,7 +49,7 @@ class ShardedTensor:
     """
 
     __slots__ = ("data", "global_shape", "global_offset", "local_shape", "flattened_range",
-                 "replica_id")
+                 "_replica_id")
 
     def __init__(self, data: torch.Tensor, global_shape: Sequence[int],
                  global_offset: Sequence[int], *, local_shape: Optional[Sequence[int]] = None,
@@ -67,7 +70,17 @@ class ShardedTensor:
             flattened_range = (flattened_range.start or 0, flattened_range.stop)
         self.flattened_range = (None if flattened_range is None
                                 else (int(flattened_range[0]), int(flattened_range[1])))
-        self.replica_id = _norm_replica(replica_id)
+        self.replica_id = replica_id
+
+    @property
+    def replica_id(self) -> tuple:
+        """Which replica of its region this piece is: a tuple of non-negative ints, all zeros
+        for the main replica. Checked on assignment too ([SP-REPL-1])."""
+        return self._replica_id
+
+    @replica_id.setter
+    def replica_id(self, r: ReplicaId) -> None:
+        self._replica_id = _norm_replica(r)
 
     def __repr__(self) -> str:
         fr = f", flattened_range={self.flattened_range}" if self.flattened_range else ""
@@ -98,7 +111,7 @@ class ShardedObject:
     asking for another grid fails ([SP-OBJ-2]).
     """
 
-    __slots__ = ("value", "index", "count", "replica_id", "grid_index", "grid_shape")
+    __slots__ = ("value", "index", "count", "_replica_id", "grid_index", "grid_shape")
 
     def __init__(self, value: Any, index: GridIndex, count: GridIndex, *,
                  replica_id: ReplicaId = 0) -> None:
@@ -108,12 +121,22 @@ class ShardedObject:
         # Keep the caller's form: an int stays an int (the 1-D case of the grid).
         self.index = self.grid_index[0] if isinstance(index, int) else self.grid_index
         self.count = self.grid_shape[0] if isinstance(count, int) else self.grid_shape
-        self.replica_id = _norm_replica(replica_id)
+        self.replica_id = replica_id
         if len(self.grid_index) != len(self.grid_shape) or not all(
                 0 <= i < n for i, n in zip(self.grid_index, self.grid_shape)):
             raise InvalidShardingError(f"ShardedObject index {index} is outside the grid "
                                        f"count={count} (same number of dimensions, 0 <= "
                                        "index < count in each)", spec_id="SP-OBJ-1")
+
+    @property
+    def replica_id(self) -> tuple:
+        """Which replica of its region this piece is: a tuple of non-negative ints, all zeros
+        for the main replica. Checked on assignment too ([SP-REPL-1])."""
+        return self._replica_id
+
+    @replica_id.setter
+    def replica_id(self, r: ReplicaId) -> None:
+        self._replica_id = _norm_replica(r)
 
     @property
     def flat_index(self) -> int:
