@@ -111,6 +111,20 @@ def async_job(rank, world, base):
         out["next_err"] = "saved"
     except sp.ShardpointError as e:
         out["next_err"] = f"{type(e).__name__}: {e}"
+    # 6. rank 0 waited for a failed save, rank 1 did not: the next save raises on both ranks
+    #    (were only rank 1 to raise, rank 0 would go on into the save's collectives alone)
+    h6 = sp.save(state(rank, world, 6.5), f"{base}/a", overwrite=True, async_save=True,
+                 backend=FailOnRank(1))
+    if rank == 0:
+        try:
+            h6.wait(timeout=60)
+        except sp.ShardpointError:
+            pass
+    try:
+        sp.save(state(rank, world, 7.5), f"{base}/d")
+        out["mixed_err"] = "saved"
+    except sp.ShardpointError as e:
+        out["mixed_err"] = f"{type(e).__name__}: {e}"
     dist.barrier()
     out["prev_intact"] = torch.equal(sp.load(f"{base}/a")["rows"], full("rows") * 2.0)
     out["d_missing"] = not os.path.exists(f"{base}/d")
@@ -144,6 +158,7 @@ def test_async_save_round_trip_mutation_errors_and_ordering(tmp_path):
         assert out["wait_err"].startswith("SaveFailedError") and "rank 1" in out["wait_err"]
         assert "No space left" in out["wait_err"], out
         assert out["next_err"].startswith("SaveFailedError") and "rank 1" in out["next_err"]
+        assert out["mixed_err"].startswith("SaveFailedError") and "rank 1" in out["mixed_err"]
         assert out["prev_intact"] and out["d_missing"] and out["after"], out
         assert out["timeout_type"] == "TimeoutError", out
         assert out["leftovers"] == [], out

@@ -3,7 +3,7 @@
 A save with ``async_save=True`` blocks only while it plans and stages the state into host
 buffers; the rest (exchange, writes, durable commit) runs in a background thread here. At most
 one background save runs per process group: a new save first waits for the previous one, and
-re-raises its error if nobody has seen it yet.
+re-raises its error on every rank if any rank has not seen it yet.
 """
 from __future__ import annotations
 
@@ -57,18 +57,22 @@ class GroupSaves:
         self.pending: Optional[AsyncSave] = None
         self.pool = StagingPool()
 
-    def settle(self) -> None:
+    def settle(self, agree: Callable[[Optional[BaseException]], None]) -> None:
         """Wait for the previous background save; re-raise its error unless ``wait`` already
-        handed it to the caller."""
+        handed it to the caller. ``agree`` is a collective that raises on every rank when any
+        rank passes an error: ranks that called ``wait`` and ranks that did not must make the
+        same choice, or some would go on into the next save's collectives alone."""
         prev, self.pending = self.pending, None
         if prev is None:
             return
+        unseen: Optional[BaseException] = None
         try:
             prev._future.result()
-        except BaseException:
+        except BaseException as e:  # noqa: BLE001 - handed to agree
             if not prev._seen:
                 prev._seen = True
-                raise
+                unseen = e
+        agree(unseen)
 
     def start(self, fn: Callable[[], Any], staging_bytes: int) -> AsyncSave:
         """Run ``fn`` in a background thread; its result or error goes to the handle."""

@@ -383,11 +383,12 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
     ``async_save=True`` returns an :class:`AsyncSave` as soon as the state is copied into a
     reusable host pool (the caller may then change its tensors); writes and the commit run
     in the background on a gloo group of their own. Any save on the same group first waits
-    for the previous async one and re-raises its error if ``wait`` never did.
+    for the previous async one and re-raises its error on every rank if ``wait`` did not hand
+    it over on some rank.
     """
     comm = Comm(group)
     saves = group_saves(group_key(comm))
-    saves.settle()
+    saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))
     job = SaveJob(state, path, comm, get_backend(backend), options or SaveOptions(), overwrite)
     job.plan()
     if not async_save:
