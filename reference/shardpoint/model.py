@@ -37,7 +37,24 @@ def _norm_replica(r: ReplicaId) -> tuple:
     return t
 
 
-class ShardedTensor:
+class _Replicated:
+    """The ``replica_id`` of a saved piece, validated whenever it is set: Megatron-style code
+    assigns it after construction."""
+
+    __slots__ = ("_replica_id",)
+
+    @property
+    def replica_id(self) -> tuple:
+        """Which replica of its region this piece is: a tuple of non-negative ints, all zeros
+        for the main replica. Checked on assignment too ([SP-REPL-1])."""
+        return self._replica_id
+
+    @replica_id.setter
+    def replica_id(self, r: ReplicaId) -> None:
+        self._replica_id = _norm_replica(r)
+
+
+class ShardedTensor(_Replicated):
     """A rank's piece of a global tensor.
 
     ``data`` holds the block of shape ``local_shape`` (default ``data.shape``) whose first
@@ -48,8 +65,7 @@ class ShardedTensor:
     zeros), the others may share any non-zero id (Megatron gives them all 1).
     """
 
-    __slots__ = ("data", "global_shape", "global_offset", "local_shape", "flattened_range",
-                 "_replica_id")
+    __slots__ = ("data", "global_shape", "global_offset", "local_shape", "flattened_range")
 
     def __init__(self, data: torch.Tensor, global_shape: Sequence[int],
                  global_offset: Sequence[int], *, local_shape: Optional[Sequence[int]] = None,
@@ -72,16 +88,6 @@ class ShardedTensor:
                                 else (int(flattened_range[0]), int(flattened_range[1])))
         self.replica_id = replica_id
 
-    @property
-    def replica_id(self) -> tuple:
-        """Which replica of its region this piece is: a tuple of non-negative ints, all zeros
-        for the main replica. Checked on assignment too ([SP-REPL-1])."""
-        return self._replica_id
-
-    @replica_id.setter
-    def replica_id(self, r: ReplicaId) -> None:
-        self._replica_id = _norm_replica(r)
-
     def __repr__(self) -> str:
         fr = f", flattened_range={self.flattened_range}" if self.flattened_range else ""
         return (f"ShardedTensor(global_shape={self.global_shape}, global_offset="
@@ -100,7 +106,7 @@ def _norm_grid(x: GridIndex, what: str) -> tuple:
     return t
 
 
-class ShardedObject:
+class ShardedObject(_Replicated):
     """A per-rank value (RNG state, data-loader position): entry ``index`` of a grid ``count``.
 
     ``index`` and ``count`` are ints (a 1-D grid of ``count`` entries) or equal-length tuples
@@ -111,7 +117,7 @@ class ShardedObject:
     asking for another grid fails ([SP-OBJ-2]).
     """
 
-    __slots__ = ("value", "index", "count", "_replica_id", "grid_index", "grid_shape")
+    __slots__ = ("value", "index", "count", "grid_index", "grid_shape")
 
     def __init__(self, value: Any, index: GridIndex, count: GridIndex, *,
                  replica_id: ReplicaId = 0) -> None:
@@ -127,16 +133,6 @@ class ShardedObject:
             raise InvalidShardingError(f"ShardedObject index {index} is outside the grid "
                                        f"count={count} (same number of dimensions, 0 <= "
                                        "index < count in each)", spec_id="SP-OBJ-1")
-
-    @property
-    def replica_id(self) -> tuple:
-        """Which replica of its region this piece is: a tuple of non-negative ints, all zeros
-        for the main replica. Checked on assignment too ([SP-REPL-1])."""
-        return self._replica_id
-
-    @replica_id.setter
-    def replica_id(self, r: ReplicaId) -> None:
-        self._replica_id = _norm_replica(r)
 
     @property
     def flat_index(self) -> int:
