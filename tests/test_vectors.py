@@ -283,3 +283,11 @@ def test_a_target_leaf_of_another_kind_fails_in_both_modes():
     assert sp.load(ck, {"model": 5}, strict=False, report=rep) == {"model": 5}
     assert rep.missing_keys == ["value 'model'"]                    # an inner node: missing
 
+
+
+def test_a_region_outside_the_tensor_is_a_caller_error_reported_as_hold_1():
+    ck = str(ROOT / "valid" / "multi_chunk" / "checkpoint")               # [SP-LOAD-3]
+    rows_4_5 = sp.ShardedTensor(torch.empty(2, 3, dtype=torch.uint16), (5, 3), (4, 0))
+    with pytest.raises(ValueError) as e:
+        sp.load(ck, {"small": rows_4_5})
+    assert e.value.spec_id == "SP-HOLD-1"
