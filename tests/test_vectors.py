@@ -261,6 +261,8 @@ def test_portable_paths_vector_pins_the_array_path_rule():
     body = read_body(str(ROOT / "valid" / "portable_paths" / "checkpoint"))
     paths = {k: e["array"] for k, e in body["tensors"].items()}
     assert all(array_path_for(k) == a for k, a in paths.items())
+    from shardpoint_conformance.independent_reader import spec_array_path   # spec-only
+    assert all(spec_array_path(k) == a for k, a in paths.items())
     assert paths["Encoder"] == "tensors/Encoder~1" and paths["aBC"] == "tensors/aBC~6"
     assert paths["%C3%BCnA"] == "tensors/%C3%BCnA~2"         # letters outside %XX only
     assert paths["CON"] == "tensors/CON~7" and paths["12"] == "tensors/12"

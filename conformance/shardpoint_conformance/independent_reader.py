@@ -114,6 +114,25 @@ def spec_check_key(key) -> None:
             raise VectorError("SP-KEY-3", f"component {s!r} is not canonical")
 
 
+_RESERVED = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])\Z", re.I)
+_LETTERS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+def spec_array_path(key: str) -> str:
+    """The array path a 1.1 writer gives tensor ``key`` ([SP-LAYOUT-4], format.md section 3):
+    readers never need it; it checks the writers' paths in the vectors."""
+    parts = []
+    for c in key.split("/"):
+        letters = [ch for ch in re.sub(r"%[0-9A-F]{2}", "", c) if ch in _LETTERS]
+        mask = sum(1 << i for i, ch in enumerate(letters) if ch.isupper())
+        parts.append(f"{c}~{mask:x}" if mask else c)
+    path = "tensors/" + "/".join(parts)
+    if len(path.encode()) > 1024 or any(len(p.encode()) > 255 or p.endswith(".")
+                                        or _RESERVED.match(p.split(".")[0]) for p in parts):
+        return "tensors/~h/" + hashlib.sha256(key.encode()).hexdigest()
+    return path
+
+
 # ------------------------------------------------------------- msgpack (format.md s.4, s.6)
 def _pairs(pairs):
     keys = [k for k, _ in pairs]
