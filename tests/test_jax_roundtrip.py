@@ -56,8 +56,9 @@ def test_64_bit_dtypes_without_x64_stay_numpy_and_are_never_narrowed(tmp_path):
     sj.save(tmp_path / "c", {"d": a})
     back = sj.load(tmp_path / "c")["d"]
     assert isinstance(back, np.ndarray) and same(back, a)
-    with pytest.raises(sj.LayoutMismatchError, match="jax_enable_x64"):
+    with pytest.raises(sj.LayoutMismatchError, match="jax_enable_x64") as e:
         sj.load(tmp_path / "c", {"d": jax.ShapeDtypeStruct((4,), np.float64)})
+    assert e.value.spec_id == "SP-DTYPE-2"
 
 
 def test_values_objects_and_containers(tmp_path):
@@ -110,6 +111,19 @@ def test_overwrite_and_refusals(tmp_path):
     sj.save(tmp_path / "c", {"a": np.zeros(3)}, overwrite=True)
     assert same(sj.load(tmp_path / "c")["a"], np.zeros(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]   # no staging or old left
+    # [SP-COMMIT-5]: without consent a file or a user's directory is refused, with it replaced
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "precious.txt").write_text("keep")
+    for p in ("f", "mine"):
+        with pytest.raises(sj.CheckpointExistsError):
+            sj.save(tmp_path / p, {"a": np.ones(1)})
+    assert (tmp_path / "f").read_text() == "x"
+    assert (tmp_path / "mine" / "precious.txt").read_text() == "keep"
+    for p in ("f", "mine"):
+        sj.save(tmp_path / p, {"a": np.full(2, 5.0)}, overwrite=True)
+        assert same(sj.load(tmp_path / p)["a"], np.full(2, 5.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "f", "mine"]
     with pytest.raises(sj.UnsupportedValueError, match="obj"):
         sj.save(tmp_path / "d", {"obj": object()})
     with pytest.raises(sj.InvalidKeyError):

@@ -114,3 +114,34 @@ def test_invalid_vector_is_refused_with_its_id(case):
         sj.load(os.path.join(ROOT, "invalid", case, "checkpoint"))
     assert type(ei.value).__name__ == exp["error"], ei.value
     assert ei.value.spec_id == exp["spec_id"], ei.value
+
+
+# ---- 1.1 clarifications (spec/CHANGELOG.md) ----------------------------------------------
+def test_this_writer_computes_the_array_paths_the_portable_paths_vector_holds():
+    import msgpack
+    from shardpoint_jax.keys import array_path
+    raw = open(os.path.join(ROOT, "valid", "portable_paths", "checkpoint", "manifest.msgpack"),
+               "rb").read()
+    body = msgpack.unpackb(msgpack.unpackb(raw)["body"], strict_map_key=False)
+    paths = {k: e["array"] for k, e in body["tensors"].items()}
+    assert len(paths) == 11 and all(array_path(k) == a for k, a in paths.items())
+    assert paths["%C3%BCnA"] == "tensors/%C3%BCnA~2" and paths["CON"] == "tensors/CON~7"
+
+
+def test_a_target_leaf_of_another_kind_fails_in_both_modes():
+    ck = os.path.join(ROOT, "valid", "nested_tree", "checkpoint")
+    for strict in (True, False):                                    # [SP-LOAD-3]
+        for tgt in ({"rng": 0}, {"iteration": jax.ShapeDtypeStruct((1,), np.int32)},
+                    {"np": sj.ShardedObject(None, 0, 1)}):
+            with pytest.raises(sj.LayoutMismatchError) as e:
+                sj.load(ck, tgt, strict=strict)
+            assert e.value.spec_id == "SP-LOAD-1"
+    assert sj.load(ck, {"model": 5}, strict=False) == {"model": 5}  # an inner node: missing
+
+
+def test_a_region_outside_the_tensor_is_a_caller_error_reported_as_hold_1():
+    from shardpoint_jax.loading import Checkpoint
+    ck = Checkpoint(os.path.join(ROOT, "valid", "multi_chunk", "checkpoint"))
+    with pytest.raises(sj.InvalidRequestError) as e:
+        ck.read("small", [4, 0], [2, 3])                            # rows 4..5 of 5
+    assert e.value.spec_id == "SP-HOLD-1" and isinstance(e.value, ValueError)

@@ -252,3 +252,44 @@ def test_array_faults_surface_only_when_read_manifest_faults_at_open():
     with pytest.raises(sp.UnsupportedFormatError) as e:
         sp.load(str(ROOT / "invalid" / "unknown_dtype" / "checkpoint"), {"iteration": 0})
     assert e.value.spec_id == "SP-DTYPE-1"
+
+
+# ---- 1.1 clarifications (spec/CHANGELOG.md) ----------------------------------------------
+def test_portable_paths_vector_pins_the_array_path_rule():
+    from shardpoint.metadata import array_path_for
+    from shardpoint_conformance.vector_damage import read_body
+    body = read_body(str(ROOT / "valid" / "portable_paths" / "checkpoint"))
+    paths = {k: e["array"] for k, e in body["tensors"].items()}
+    assert all(array_path_for(k) == a for k, a in paths.items())
+    from shardpoint_conformance.independent_reader import spec_array_path   # spec-only
+    assert all(spec_array_path(k) == a for k, a in paths.items())
+    assert paths["Encoder"] == "tensors/Encoder~1" and paths["aBC"] == "tensors/aBC~6"
+    assert paths["%C3%BCnA"] == "tensors/%C3%BCnA~2"         # letters outside %XX only
+    assert paths["CON"] == "tensors/CON~7" and paths["12"] == "tensors/12"
+    for k in ("con", "Con.txt", "nul.x", "a."):
+        assert paths[k].startswith("tensors/~h/"), k
+    fits, over = (next(k for k in paths if k.startswith(f"long/{w}/")) for w in ("fits", "over"))
+    assert len(paths[fits]) == 1024 and paths[fits] == "tensors/" + fits
+    assert len(over) < 1024 and paths[over].startswith("tensors/~h/")   # tensors/ counts
+
+
+def test_a_target_leaf_of_another_kind_fails_in_both_modes():
+    ck = str(ROOT / "valid" / "nested_tree" / "checkpoint")
+    for strict in (True, False):                                    # [SP-LOAD-3]
+        for like in ({"rng": 0}, {"iteration": torch.empty(1)},
+                     {"np": sp.ShardedObject(None, 0, 1)}):
+            with pytest.raises(sp.LayoutMismatchError) as e:
+                sp.load(ck, like, strict=strict)
+            assert e.value.spec_id == "SP-LOAD-1" and "holds a" in str(e.value)
+    rep = sp.LoadReport()
+    assert sp.load(ck, {"model": 5}, strict=False, report=rep) == {"model": 5}
+    assert rep.missing_keys == ["value 'model'"]                    # an inner node: missing
+
+
+
+def test_a_region_outside_the_tensor_is_a_caller_error_reported_as_hold_1():
+    ck = str(ROOT / "valid" / "multi_chunk" / "checkpoint")               # [SP-LOAD-3]
+    rows_4_5 = sp.ShardedTensor(torch.empty(2, 3, dtype=torch.uint16), (5, 3), (4, 0))
+    with pytest.raises(ValueError) as e:
+        sp.load(ck, {"small": rows_4_5})
+    assert e.value.spec_id == "SP-HOLD-1"

@@ -114,6 +114,25 @@ def spec_check_key(key) -> None:
             raise VectorError("SP-KEY-3", f"component {s!r} is not canonical")
 
 
+_RESERVED = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])\Z", re.I)
+_LETTERS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+def spec_array_path(key: str) -> str:
+    """The array path a 1.1 writer gives tensor ``key`` ([SP-LAYOUT-4], format.md section 3):
+    readers never need it; it checks the writers' paths in the vectors."""
+    parts = []
+    for c in key.split("/"):
+        letters = [ch for ch in re.sub(r"%[0-9A-F]{2}", "", c) if ch in _LETTERS]
+        mask = sum(1 << i for i, ch in enumerate(letters) if ch.isupper())
+        parts.append(f"{c}~{mask:x}" if mask else c)
+    path = "tensors/" + "/".join(parts)
+    if len(path.encode()) > 1024 or any(len(p.encode()) > 255 or p.endswith(".")
+                                        or _RESERVED.match(p.split(".")[0]) for p in parts):
+        return "tensors/~h/" + hashlib.sha256(key.encode()).hexdigest()
+    return path
+
+
 # ------------------------------------------------------------- msgpack (format.md s.4, s.6)
 def _pairs(pairs):
     keys = [k for k, _ in pairs]
@@ -130,9 +149,24 @@ def _unpack(b: bytes):
                            ext_hook=lambda code, data: msgpack.ExtType(code, data))
 
 
+def _ext2_items(v: msgpack.ExtType):
+    """The items of an ext 2 tuple; a payload that is not one msgpack array is [SP-VALUE-2]."""
+    try:
+        items = _unpack(v.data)
+    except VectorError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any malformation is this rule
+        raise VectorError("SP-VALUE-2", f"ext 2 payload: {e}") from e
+    if not isinstance(items, list):
+        raise VectorError("SP-VALUE-2", "ext 2 payload is not an array")
+    return items
+
+
 def _depth(v, level=1) -> int:
+    """Nesting level of the deepest container; an ext 2 tuple and its payload's array are
+    one level together, ext 1 payloads are leaves ([SP-MAN-5])."""
     if isinstance(v, msgpack.ExtType) and v.code == 2:
-        return _depth(_unpack(v.data), level)
+        return _depth(_ext2_items(v), level)
     if isinstance(v, dict):
         return max([level] + [_depth(x, level + 1) for x in v.values()])
     if isinstance(v, list):
@@ -144,10 +178,7 @@ def value_json(v):
     """A decoded msgpack value -> its JSON form in expected.json (format.md section 6)."""
     if isinstance(v, msgpack.ExtType):
         if v.code == 2:
-            items = _unpack(v.data)
-            if not isinstance(items, list):
-                raise VectorError("SP-VALUE-2", "ext 2 payload is not an array")
-            return {"$tuple": [value_json(x) for x in items]}
+            return {"$tuple": [value_json(x) for x in _ext2_items(v)]}
         if v.code == 1:
             try:
                 dtype, shape, raw, origin = msgpack.unpackb(v.data, raw=False)
@@ -360,6 +391,7 @@ def _manifest(path: str) -> dict:
         deep = True
     if deep:
         raise VectorError("SP-MAN-5", "body nests too deeply")
+    value_json(body)   # every ext payload, ignorable fields included, is checked [SP-VALUE-2]
     if not isinstance(body, dict) or body.get("format") != "shardpoint" or \
             not isinstance(body.get("format_version"), list):
         raise VectorError("SP-MAN-2", "not a shardpoint manifest")

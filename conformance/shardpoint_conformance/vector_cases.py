@@ -122,6 +122,9 @@ def cases() -> dict:
     newer = {"u8": bits("uint8", (2, 3), 500), "f32": bits("float32", (2, 2), 501),
              "pos": sp.ShardedObject((3, "epoch", 0.5), 0, 1), "lr": 1.5, "np32": np.float32(2.5)}
     v10, v11 = (1, 0), (1, 1)
+    paths = {k: torch.tensor([i], dtype=torch.int8) for i, k in enumerate(PORTABLE_KEYS)}
+    paths["long"] = _long_tree()
+    limits = {"w": bits("float32", (2,), 600), "step": 3}
     return {
         "all_dtypes": (all_dtypes, {}, None, v10, None),
         "nested_tree": (nested, {}, three_ranks, v10, None),
@@ -131,7 +134,46 @@ def cases() -> dict:
         "object_grid": (grid, {}, stage_by_tensor, v11, None),
         "edge_chunks": (None, {"write": write_edge_chunks}, None, v11, None),
         "newer_minor": (newer, {}, None, v11, _newer_minor_files),
+        "portable_paths": (paths, {}, None, v11, None),
+        "at_the_limits": (limits, {}, None, v11, _at_the_limits),
     }
+
+
+# Keys whose array paths pin [SP-LAYOUT-4]: case marks counting letters outside %XX escapes
+# ("\u00fcnA" is the component %C3%BCnA, letters n and A: mask 2), reserved names compared
+# after the case mark ("CON" -> CON~7 stays, "con" and "Con.txt" fall back to ~h/), a
+# trailing dot, an integer component.
+PORTABLE_KEYS = ("Encoder", "aBC", "\u00fcnA", "CON", "con", "Con.txt", "nul.x", "a.", 12)
+
+
+def _long_tree() -> dict:
+    """Two keys whose paths straddle the 1024-byte limit: ``tensors/`` + key is exactly 1024
+    bytes for ``long/fits/...`` (kept) and 1025 for ``long/over/...`` (hashed), though both
+    keys alone are under 1024 bytes."""
+    import torch
+
+    def chain(total: int) -> dict:       # components of <= 250 lower-case letters
+        parts, left = [], total
+        while left > 251:
+            parts.append("p" * 250)
+            left -= 251
+        parts.append("q" * left)
+        node: object = torch.tensor([total], dtype=torch.int16)
+        for c in reversed(parts):
+            node = {c: node}
+        return node
+
+    prefix = len("tensors/long/fits/")   # "over" has the same length
+    return {"fits": chain(1024 - prefix), "over": chain(1025 - prefix)}
+
+
+def _at_the_limits(path: str) -> None:
+    """at_the_limits: what a reader must accept at the edges of the 1.1 rules: a body with
+    ``created_unix`` as a msgpack int ([SP-MAN-2]) and an ignorable field nesting exactly 256
+    levels, its outer 5 containers ext 2 tuples counting one level each ([SP-MAN-5])."""
+    from .vector_damage import deep_with_tuples, rewrite_body
+    rewrite_body(path, lambda b: b.update(created_unix=1_790_000_000,
+                                          later=deep_with_tuples(254)))
 
 
 def _zarr_spellings(path: str) -> None:

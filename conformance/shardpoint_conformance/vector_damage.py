@@ -122,6 +122,27 @@ def _bad_array_value(b: dict) -> None:
         1, msgpack.packb([dtype, shape, raw[:-1], origin], use_bin_type=True))
 
 
+def _unknown_ext(b: dict) -> None:
+    b["objects"]["rng"]["values"][0]["later"] = msgpack.ExtType(5, b"\x00")
+
+
+def _short_array(b: dict) -> None:
+    bad = msgpack.ExtType(1, msgpack.packb(["uint8", [4], b"\x00" * 3, "numpy"],
+                                           use_bin_type=True))
+    b["later"] = {"must_understand": False, "value": bad}
+
+
+def deep_with_tuples(levels: int, tuples: int = 5):
+    """An ignorable field whose ``payload`` nests ``levels`` containers (the field's map is
+    level 2 of the body, so the innermost container sits at level ``levels + 2``), the outer
+    ``tuples`` of them ext 2 tuples, each counting one level ([SP-MAN-5])."""
+    v: object = []
+    for i in range(levels - 1):
+        v = msgpack.ExtType(2, msgpack.packb([v], use_bin_type=True)) \
+            if i >= levels - 1 - tuples else [v]
+    return {"must_understand": False, "payload": v}
+
+
 def _rename_tensor(old: str, new: str):
     def edit(b):
         b["tensors"][new] = b["tensors"].pop(old)
@@ -261,6 +282,26 @@ INVALID = {
         "nested_tree", "CorruptCheckpointError", "SP-VALUE-2",
         "object rng value 0's \"state\" (ext 1 uint8 [16]) loses the last data byte",
         lambda p: rewrite_body(p, _bad_array_value)),
+    "unknown_ext_type": Damage(
+        "nested_tree", "CorruptCheckpointError", "SP-VALUE-2",
+        "object rng value 0 gets the entry \"later\": ext type 5 with payload 00 (an "
+        "extension type the format does not define); envelope re-sealed",
+        lambda p: rewrite_body(p, _unknown_ext)),
+    "ext_in_ignorable_field": Damage(
+        "nested_tree", "CorruptCheckpointError", "SP-VALUE-2",
+        "body gets an ignorable field {\"must_understand\": false, \"value\": ext 1 "
+        "[\"uint8\", [4], 3 bytes, \"numpy\"]} (one data byte short); envelope re-sealed",
+        lambda p: rewrite_body(p, _short_array)),
+    "too_deep_tuples": Damage(
+        "nested_tree", "CorruptCheckpointError", "SP-MAN-5",
+        "body gets an ignorable field whose \"payload\" nests 255 containers, the outer 5 "
+        "of them ext 2 tuples (innermost at level 257, each tuple one level); envelope "
+        "re-sealed",
+        lambda p: rewrite_body(p, lambda b: b.update(later=deep_with_tuples(255)))),
+    "int_fill_value_float": Damage(
+        "multi_chunk", "CorruptCheckpointError", "SP-ARRAY-3",
+        "tensors/small/zarr.json (uint16): fill_value 0.0 (a JSON float) instead of 0",
+        lambda p: _zarr(p, "small", lambda m: m.update(fill_value=0.0))),
     "bad_object_grid": Damage(
         "object_grid", "CorruptCheckpointError", "SP-OBJ-4",
         "object rng's grid \"shape\" [2, 3] set to [4, 2] (product 8, count 6)",

@@ -37,6 +37,17 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
                 spec_id="SP-LOAD-1")
         report.missing_keys.append(what)
 
+    def absent(what: str, path: tuple, want: str) -> None:
+        """A target leaf the checkpoint has no ``want`` for: a leaf of another kind at its
+        path fails in both modes ([SP-LOAD-3]); nothing there (or an inner node) is missing."""
+        node = _node_at(m.tree, path) or {}
+        kind = next((k for k in ("tensor", "object", "value") if k in node), want)
+        if kind != want:
+            raise errors.LayoutMismatchError(
+                f"{what}: the checkpoint holds a {kind} at this key, the target asks for a "
+                f"{want}; ask for it as a {kind}", spec_id="SP-LOAD-1")
+        missing(what)
+
     def tensor_target(key: str, h: Holding, data: torch.Tensor) -> None:
         e = m.tensors[key]
         if h.global_shape != e.shape or h.dtype != e.dtype:
@@ -64,7 +75,7 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
         where = f"state{format_path(path)}"
         is_tensor = isinstance(x, (torch.Tensor, np.ndarray, ShardedTensor, ShardedPieces))
         if is_tensor and key not in m.tensors:
-            missing(f"tensor {key!r}")
+            absent(f"tensor {key!r}", path, "tensor")
             return x
         if isinstance(x, ShardedTensor):
             tensor_target(key, sharded_holding(x, key, where, (0,)), x.data.detach())
@@ -99,7 +110,7 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
             return x
         if isinstance(x, ShardedObject):
             if key not in m.objects:
-                missing(f"sharded object {key!r}")
+                absent(f"sharded object {key!r}", path, "object")
                 return x.value
             vals = m.objects[key]
             stored = object_grid(vals)
@@ -113,7 +124,7 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
             return vals[x.flat_index]
         stored = _value_at(m.tree, path)
         if stored is None:
-            missing(f"value {key!r}")
+            absent(f"value {key!r}", path, "value")
             return x
         return stored[0]
 
@@ -124,6 +135,12 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
 
 
 def _value_at(tree: Any, path: tuple) -> Optional[tuple]:
+    node = _node_at(tree, path)
+    return (node["value"],) if node is not None and "value" in node else None
+
+
+def _node_at(tree: Any, path: tuple) -> Optional[dict]:
+    """The manifest tree node at ``path``, or None."""
     node = tree
     for c in path:
         if "dict" in node:
@@ -135,7 +152,7 @@ def _value_at(tree: Any, path: tuple) -> Optional[tuple]:
             node = None
         if node is None:
             return None
-    return (node["value"],) if "value" in node else None
+    return node
 
 
 def full_targets(m: Manifest) -> tuple:

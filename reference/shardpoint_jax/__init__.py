@@ -3,8 +3,8 @@
 ``save(path, pytree, *, overwrite=False)`` and ``load(path, target=None)``; every process of
 a multi-process job calls both. Imports neither torch nor the PyTorch reference."""
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                     IncompleteCheckpointError, InvalidKeyError, InvalidShardingError,
-                     LayoutMismatchError, SaveFailedError, ShardpointError,
+                     IncompleteCheckpointError, InvalidKeyError, InvalidRequestError,
+                     InvalidShardingError, LayoutMismatchError, SaveFailedError, ShardpointError,
                      UnsupportedFormatError, UnsupportedValueError)
 from .loading import load
 from .saving import save
@@ -13,5 +13,5 @@ from .tree import ShardedObject
 __version__ = "0.1.0"
 __all__ = ["save", "load", "ShardedObject", "ShardpointError", "CheckpointExistsError",
            "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
-           "InvalidKeyError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
+           "InvalidKeyError", "InvalidRequestError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
            "UnsupportedFormatError", "UnsupportedValueError"]

@@ -128,10 +128,10 @@ def load_leaf(ck: Checkpoint, key: str, leaf: Any, strict: bool) -> Any:
                              leaf.replica_id)
     if kind == "value":
         return node["value"]
-    if kind == "object":
-        return ck.whole(node)
-    raise LayoutMismatchError(f"{key!r} is a {kind} in the checkpoint; ask for it with a "
-                              "jax.ShapeDtypeStruct or an array", spec_id="SP-LOAD-1")
+    hint = ("a ShardedObject(None, index, grid)" if kind == "object" else
+            "a jax.ShapeDtypeStruct or an array")
+    raise LayoutMismatchError(f"{key!r} is a {kind} in the checkpoint, the target asks for a "
+                              f"value; ask for it with {hint} [SP-LOAD-3]", spec_id="SP-LOAD-1")
 
 
 def _expect(kind: str, want: str, key: str) -> None:
@@ -146,7 +146,7 @@ def load_array(ck: Checkpoint, key: str, leaf: Any) -> Any:
     if not isinstance(leaf, np.ndarray) and not exact_in_jax(dtype):
         raise LayoutMismatchError(f"tensor {key!r} is {t['dtype']}, which JAX narrows without "
                                   "jax_enable_x64; enable it or load into a numpy array",
-                                  spec_id="SP-DTYPE-1")
+                                  spec_id="SP-DTYPE-2")
     if tuple(leaf.shape) != tuple(t["shape"]) or np.dtype(leaf.dtype) != dtype:
         raise LayoutMismatchError(f"tensor {key!r}: asked for {np.dtype(leaf.dtype)} "
                                   f"{list(leaf.shape)}, the checkpoint holds {t['dtype']} "

@@ -234,11 +234,11 @@ def prepare(path: str, plan: dict, overwrite: bool) -> dict:
     if os.path.lexists(path):                     # [SP-COMMIT-5]
         empty_dir = os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
         is_ckpt = os.path.isfile(os.path.join(path, MANIFEST))
-        if not overwrite and not empty_dir:
-            raise E.CheckpointExistsError(f"{path!r} exists; pass overwrite=True to replace it")
-        if not is_ckpt and not empty_dir:
-            raise E.CheckpointExistsError(f"{path!r} exists and is not a checkpoint; "
-                                          "refusing to replace it")
+        if not overwrite and not empty_dir:       # consent replaces anything, even a file
+            what = "a checkpoint" if is_ckpt else "something that is not a checkpoint"
+            raise E.CheckpointExistsError(f"{path!r} holds {what}; pass overwrite=True to "
+                                          "replace it, or choose another path",
+                                          spec_id="SP-COMMIT-5")
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     token = secrets.token_hex(8)
@@ -295,13 +295,22 @@ def commit(path: str, decision: dict) -> None:
         return
     if rename2(staging, path, RENAME_EXCHANGE):     # [SP-COMMIT-4]: one atomic exchange;
         fsync_dir(parent)                           # the old one now has the staging name
-        shutil.rmtree(staging)                      # [SP-COMMIT-6]
+        remove(staging)                             # [SP-COMMIT-6]
         return
     old = os.path.join(parent, f".{name}.shardpoint-old-{decision['token']}")
     os.rename(path, old)                            # never deleted before the new one is in
     os.rename(staging, path)
     fsync_dir(parent)
-    shutil.rmtree(old)
+    remove(old)
+
+
+def remove(p: str) -> None:
+    """Delete what a replacement displaced: a directory tree, or a file or link
+    ([SP-COMMIT-5]: with consent a save replaces whatever was at the path)."""
+    if os.path.isdir(p) and not os.path.islink(p):
+        shutil.rmtree(p)
+    else:
+        os.remove(p)
 
 
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2

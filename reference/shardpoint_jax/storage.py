@@ -324,7 +324,7 @@ class StoredArray:
         if len(offset) != len(self.shape) or len(shape) != len(self.shape) or any(
                 o < 0 or n < 0 or o + n > d for o, n, d in zip(offset, shape, self.shape)):
             raise InvalidRequestError(f"tensor {key!r}: region {list(offset)}+{list(shape)} "
-                                      f"is outside {self.shape}")
+                                      f"is outside {self.shape}", spec_id="SP-HOLD-1")
         if out is None:
             out = np.empty(tuple(shape), self.store.dtype.numpy_dtype)
         if math.prod(shape) == 0:

@@ -99,7 +99,8 @@ def ext_hook(code: int, payload: bytes) -> Any:
                                          spec_id="SP-VALUE-2")
         return tuple(items)
     if code != EXT_ARRAY:
-        raise CorruptCheckpointError(f"unknown msgpack extension type {code}", spec_id="SP-MAN-5")
+        raise CorruptCheckpointError(f"unknown msgpack extension type {code}; the format "
+                                     "defines 1 (array) and 2 (tuple)", spec_id="SP-VALUE-2")
     try:
         dtype, shape, data, origin = unpack(payload)
     except CorruptCheckpointError:
