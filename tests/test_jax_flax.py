@@ -188,3 +188,9 @@ def test_flax_struct_and_nnx_rng_state(tmp_path):
     spj.save(str(tmp_path / "params"), {"model": nnx.state(net, nnx.Param)})
     assert sorted(flat(spj.load(str(tmp_path / "params")))) == [
         "model/lin/bias/value", "model/lin/kernel/value"]
+    key_like = jax.ShapeDtypeStruct((2, 3), jax.random.key(0).dtype)
+    with pytest.raises(UnsupportedValueError, match=r"model/lin/kernel/value.*key_data"):
+        spj.load(str(tmp_path / "params"), {"model": {"lin": {"kernel": {"value": key_like}}}})
+    pure = nnx.to_pure_dict(nnx.state(net, nnx.Param))       # no "/value": torch-style names
+    spj.save(str(tmp_path / "pure"), {"model": pure})
+    assert sorted(flat(spj.load(str(tmp_path / "pure")))) == ["model/lin/bias", "model/lin/kernel"]
