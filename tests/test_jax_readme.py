@@ -1,5 +1,5 @@
-"""The README's JAX examples run as written: one process, and every process of a 2-process
-job with 4 CPU devices each."""
+"""The README's JAX examples run as written: one process, every process of a 2-process job
+with 4 CPU devices each, and the Flax example on 4 CPU devices."""
 from __future__ import annotations
 
 import os
@@ -32,3 +32,13 @@ def test_multi_process_example_runs_on_two_processes(tmp_path):
     assert (tmp_path / "ckpt" / "jax_mp" / "manifest.msgpack").is_file()
     import shardpoint_jax as spj
     assert spj.load(str(tmp_path / "ckpt" / "jax_mp"))["rng"] == [{"seed": 0}, {"seed": 1}]
+
+
+def test_flax_example_runs_on_four_devices(tmp_path):
+    pytest.importorskip("flax", reason="the Flax example needs flax (pip install -e '.[jax-test]')")
+    pytest.importorskip("optax", reason="the Flax example needs optax")
+    run_processes(BLOCKS[2], 1, 4, cwd=str(tmp_path), timeout=300)
+    import shardpoint_jax as spj
+    got = spj.load(str(tmp_path / "ckpt" / "flax"))
+    assert got["model"]["kernel"]["value"].shape == (8, 16)
+    assert int(got["opt"]["step"]["value"]) == 0

@@ -21,9 +21,22 @@ FILL = {n: (False if n == "bool" else [0.0, 0.0] if n.startswith("complex")
             else 0 if n.startswith(("int", "uint")) else 0.0) for n in BY_NAME}
 
 
+def numpy_dtype(dtype, where: str) -> np.dtype:
+    """``dtype`` as a numpy dtype; JAX's extended dtypes (typed PRNG keys such as flax nnx's
+    ``RngKey``, ``key<fry>``) have none and are refused with the way to save them."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise UnsupportedValueError(
+            f"{where}: dtype {dtype} is not in the format's dtype table ({', '.join(BY_NAME)});"
+            " a typed PRNG key array is stored as its raw bits: save jax.random.key_data(k) and"
+            " rebuild it with jax.random.wrap_key_data, or leave the RNG state out (flax nnx:"
+            " nnx.state(model, nnx.Param))", spec_id="SP-DTYPE-1") from None
+
+
 def name_of(dtype, where: str) -> str:
     """The spec name of a numpy/jax dtype; writers refuse the others [SP-DTYPE-1]."""
-    dt = np.dtype(dtype)
+    dt = numpy_dtype(dtype, where)
     for n, d in BY_NAME.items():
         if d == dt:
             return n

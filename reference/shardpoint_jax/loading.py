@@ -10,7 +10,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from .dtypes import numpy_of
+from .dtypes import numpy_dtype, numpy_of
 from .errors import LayoutMismatchError
 from .manifest import object_grid, resolve
 from .storage import StoredArray, read_manifest
@@ -147,8 +147,8 @@ def load_array(ck: Checkpoint, key: str, leaf: Any) -> Any:
         raise LayoutMismatchError(f"tensor {key!r} is {t['dtype']}, which JAX narrows without "
                                   "jax_enable_x64; enable it or load into a numpy array",
                                   spec_id="SP-DTYPE-2")
-    if tuple(leaf.shape) != tuple(t["shape"]) or np.dtype(leaf.dtype) != dtype:
-        raise LayoutMismatchError(f"tensor {key!r}: asked for {np.dtype(leaf.dtype)} "
+    if tuple(leaf.shape) != tuple(t["shape"]) or numpy_dtype(leaf.dtype, key) != dtype:
+        raise LayoutMismatchError(f"tensor {key!r}: asked for {leaf.dtype} "
                                   f"{list(leaf.shape)}, the checkpoint holds {t['dtype']} "
                                   f"{t['shape']}", spec_id="SP-LOAD-1")
     if isinstance(leaf, np.ndarray):
