@@ -131,13 +131,13 @@ class SafetensorsSource(Source):
         self._open.clear()
 
 
-def parse_size(s: Any) -> int:
+def parse_size(s: Any, what: str = "max shard size") -> int:
     """'5GB' (10**9), '2GiB' (2**30), '500MB', '100KiB' or a plain int of bytes."""
     if isinstance(s, int):
         return s
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(s), re.I)
     if not m:
-        raise ConversionError(f"max shard size {s!r} is not a size like 5GB, 2GiB or 500MB")
+        raise ConversionError(f"{what} {s!r} is not a size like 5GB, 2GiB or 500MB")
     unit = (m.group(2) or "B").upper()
     mult = 1
     if unit != "B":

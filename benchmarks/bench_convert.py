@@ -1,0 +1,102 @@
+"""Conversion with one process against several: ``convert(SRC, DST, procs=N)``.
+
+    python benchmarks/bench_convert.py                 # ~1 GB, procs 1 and 2, 3 runs
+    python benchmarks/bench_convert.py --scale 0.3 --runs 1 --procs 1 2 4
+
+The source is the transformer-like mixed state of ``bench_tools`` (fp32 embedding, bf16
+head and layers, fp32 Adam moments), written by its own libraries as a Hugging Face directory
+of safetensors shards (2 GB shards, as ``save_pretrained`` cuts them) and as a one-process DCP
+checkpoint. Each timed step converts one source to a shardpoint checkpoint (fsync'd, committed)
+with the page cache dropped first (root only: the output says when it cannot); runs are
+interleaved (every source and process count in turn, run by run); the table gives medians
+with min-max and each count's ratio to one process from the same runs. The time counted is
+``convert``'s own, and for N > 1 includes starting the workers (spawn, importing torch).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import bench_tools as bt  # noqa: E402
+
+
+def write_sources(root: str, scale: float) -> tuple:
+    """The mixed state as an HF safetensors directory and as a DCP checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    flat = bt.flat(bt.mixed_state(scale))
+    hf = os.path.join(root, "hf")
+    os.makedirs(hf)
+    shards, cur, size = [], {}, 0
+    for k, v in flat.items():
+        n = v.numel() * v.element_size()
+        if cur and size + n > 2_000_000_000:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = v
+        size += n
+    shards.append(cur)
+    wm = {}
+    for i, part in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(part, os.path.join(hf, fn), metadata={"format": "pt"})
+        wm.update({k: fn for k in part})
+    import json
+    with open(os.path.join(hf, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": bt.nbytes(flat)}, "weight_map": wm}, f)
+    dcp_dir = os.path.join(root, "dcp")
+    dcp.save(flat, checkpoint_id=dcp_dir, no_dist=True)
+    return {"safetensors": hf, "dcp": dcp_dir}, bt.nbytes(flat), len(flat)
+
+
+def main(argv: list = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=float, default=0.85, help="source size (0.85: ~1 GB)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--procs", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    a = ap.parse_args(argv)
+    from shardpoint.convert import convert
+    from shardpoint.convert.base import limit_heap_growth
+    limit_heap_growth()
+    with tempfile.TemporaryDirectory(dir=a.dir) as root:
+        srcs, total, n = write_sources(root, a.scale)
+        dropped = bt.drop_caches()
+        times: dict = {}
+        for _ in range(a.runs):
+            for fmt, src in srcs.items():
+                for p in a.procs:
+                    dst = os.path.join(root, f"out_{fmt}_{p}")
+                    bt.rm(dst)
+                    bt.drop_caches()
+                    t = time.perf_counter()
+                    convert(src, dst, procs=p)
+                    times.setdefault((fmt, p), []).append(time.perf_counter() - t)
+                    bt.rm(dst)
+        print(f"convert to shardpoint: {total / 1e9:.2f} GB in {n} tensors, "
+              f"{a.runs} interleaved runs, {os.cpu_count()} CPUs, load average "
+              f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, page cache: "
+              f"{'dropped before each step' if dropped else 'NOT dropped (not root)'}")
+        print(f"{'source':<12} {'procs':>5} {'median s':>9} {'min-max s':>13} {'GB/s':>6} "
+              f"{'speedup':>9}")
+        for fmt in srcs:
+            base = times.get((fmt, 1))
+            for p in a.procs:
+                ts = times[(fmt, p)]
+                med = statistics.median(ts)
+                ratio = "" if not base else \
+                    f"{statistics.median(b / t for b, t in zip(base, ts)):.2f}x"
+                print(f"{fmt:<12} {p:>5} {med:>9.2f} {min(ts):>6.2f}-{max(ts):<6.2f} "
+                      f"{total / 1e9 / med:>6.2f} {ratio:>9}")
+
+
+if __name__ == "__main__":
+    main()
