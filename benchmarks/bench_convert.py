@@ -1,6 +1,6 @@
 """Conversion with one process against several: ``convert(SRC, DST, procs=N)``.
 
-    python benchmarks/bench_convert.py                 # ~1 GB, procs 1 and 2, 3 runs
+    python benchmarks/bench_convert.py                 # ~1.0 GB, procs 1 and 2, 3 runs
     python benchmarks/bench_convert.py --scale 0.3 --runs 1 --procs 1 2 4
 
 The source is the transformer-like mixed state of ``bench_tools`` (fp32 embedding, bf16
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,10 +60,13 @@ def write_sources(root: str, scale: float) -> tuple:
 
 def main(argv: list = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scale", type=float, default=0.85, help="source size (0.85: ~1 GB)")
+    ap.add_argument("--scale", type=float, default=0.91, help="source size (0.91: ~1.0 GB)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--procs", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--cli", action="store_true", help="time `python -m shardpoint convert` "
+                    "in a fresh process per step (interpreter, imports and, for N > 1, the "
+                    "fork server's start included) instead of the library call")
     a = ap.parse_args(argv)
     from shardpoint.convert import convert
     from shardpoint.convert.base import limit_heap_growth
@@ -78,9 +82,17 @@ def main(argv: list = None) -> None:
                     bt.rm(dst)
                     bt.drop_caches()
                     t = time.perf_counter()
-                    convert(src, dst, procs=p)
+                    if a.cli:
+                        subprocess.run([sys.executable, "-m", "shardpoint", "convert", src, dst,
+                                        "--procs", str(p)], check=True, stdout=subprocess.DEVNULL)
+                    else:
+                        convert(src, dst, procs=p)
                     times.setdefault((fmt, p), []).append(time.perf_counter() - t)
                     bt.rm(dst)
+        how = "CLI, fresh process per step" if a.cli else "library call in one process (the " \
+            "fork server starts in the first procs > 1 step, later ones reuse it)"
+        print(f"{how}; per-step seconds: " + ", ".join(
+            f"{f}/{p}: " + " ".join(f"{x:.1f}" for x in ts) for (f, p), ts in times.items()))
         print(f"convert to shardpoint: {total / 1e9:.2f} GB in {n} tensors, "
               f"{a.runs} interleaved runs, {os.cpu_count()} CPUs, load average "
               f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, page cache: "

@@ -12,8 +12,9 @@ import torch
 
 import shardpoint as sp
 from shardpoint.cli import main as cli
-from shardpoint.convert import convert
-from shardpoint.convert.base import TensorInfo
+from shardpoint.convert import convert, open_source
+from shardpoint.convert.base import TensorInfo, key_of
+from shardpoint.convert.native import tensor_entry
 from shardpoint.convert.parallel import WorkItem, plan_shares
 from shardpoint_conformance.launch import run_world
 from test_convert import full, same_bits
@@ -41,6 +42,17 @@ def files_of(root):
 
 def no_leftovers(parent):
     return [n for n in os.listdir(parent) if ".shardpoint-" in n] == []
+
+
+def split_keys(src, procs):
+    """Keys whose rows the conversion shares among several workers (what the test covers)."""
+    with open_source(src) as s:
+        steps = {t.path: tensor_entry(t, SMALL_CHUNKS).chunk_shape[0] for t in s.tensors
+                 if t.shape}
+        shares = plan_shares(s.tensors, procs, steps)
+        rows = {t.path: t.shape[0] if t.shape else 0 for t in s.tensors}
+    return {key_of(i.path) for items in shares for i in items
+            if (i.start, i.stop) != (0, rows[i.path])}
 
 
 # ------------------------------------------------------------------------------- planning
@@ -80,7 +92,7 @@ def test_plan_shares_covers_every_row_once_balanced_by_bytes():
 # ------------------------------------------------------------------------------- DCP source
 def expected():
     return {"emb": full("pemb", (40, 8), torch.bfloat16),            # Shard(0)
-            "proj": full("pproj", (32, 12), torch.float8_e4m3fn),    # Shard(1)
+            "proj": full("pproj", (80, 12), torch.float8_e4m3fn),    # Shard(1)
             "e5": full("pe5", (30, 4), torch.float8_e5m2),           # plain, replicated
             "norm": full("pnorm", (6,), torch.float32),
             "scalar": full("pscalar", (), torch.float64)}
@@ -104,13 +116,14 @@ def dcp_job(rank, world, path):
     return rank
 
 
-def test_dcp_two_ranks_with_two_procs_equals_one_proc(tmp_path, capsys):
+def test_dcp_two_ranks_with_three_procs_equals_one_proc(tmp_path, capsys):
     src = str(tmp_path / "dcp")
     assert run_world(2, dcp_job, src, timeout=120) == [0, 1]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     convert(src, one, max_chunk_bytes=SMALL_CHUNKS)
-    rep = convert(src, two, procs=2, max_chunk_bytes=SMALL_CHUNKS)
-    assert rep.procs == 2 and rep.skipped == [] and rep.tensors == 5
+    rep = convert(src, two, procs=3, max_chunk_bytes=SMALL_CHUNKS)
+    assert rep.procs == 3 and rep.skipped == [] and rep.tensors == 5
+    assert split_keys(src, 3) == {"model/emb", "model/proj"}          # bf16 and fp8 by rows
     a, b = files_of(one), files_of(two)
     assert sorted(a) == sorted(b) and len(a) > 20
     assert [k for k in a if a[k] != b[k]] == []               # byte for byte, chunk by chunk
@@ -141,7 +154,8 @@ DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float32,
 
 def test_hf_directory_with_procs_equals_one_proc_both_ways(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
-    tensors = {f"model.layers.{i}.w": full(f"hp{i}", (24 + i, 6), dt)
+    rows = (200, 300, 40, 27, 28, 29, 30)
+    tensors = {f"model.layers.{i}.w": full(f"hp{i}", (rows[i], 6), dt)
                for i, dt in enumerate(DTYPES)}
     tensors["model.scalar"] = full("hps", (), torch.float32)
     tensors["model.empty"] = torch.empty((0, 3), dtype=torch.bfloat16)
@@ -157,9 +171,10 @@ def test_hf_directory_with_procs_equals_one_proc_both_ways(tmp_path, capsys):
 
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     convert(str(hf), one, max_chunk_bytes=SMALL_CHUNKS)
-    assert cli(["convert", str(hf), two, "--procs", "2", "--max-chunk-size",
+    assert split_keys(str(hf), 4) == {"model.layers.0.w", "model.layers.1.w"}  # bf16, fp8
+    assert cli(["convert", str(hf), two, "--procs", "4", "--max-chunk-size",
                 f"{SMALL_CHUNKS}B", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["procs"] == 2
+    assert json.loads(capsys.readouterr().out)["procs"] == 4
     a, c = files_of(one), files_of(two)
     assert sorted(a) == sorted(c) and [k for k in a if a[k] != c[k]] == []
     assert cli(["diff", one, two]) == 0
@@ -168,8 +183,8 @@ def test_hf_directory_with_procs_equals_one_proc_both_ways(tmp_path, capsys):
 
     # Back to a sharded Hugging Face directory with two workers: the same files as with one.
     out1, out2 = tmp_path / "out1", tmp_path / "out2"
-    convert(one, str(out1), to="safetensors", max_shard_size="700B")
-    convert(one, str(out2), to="safetensors", max_shard_size="700B", procs=2)
+    convert(one, str(out1), to="safetensors", max_shard_size="2KB")
+    convert(one, str(out2), to="safetensors", max_shard_size="2KB", procs=3)
     f1, f2 = files_of(str(out1)), files_of(str(out2))
     assert len(f1) > 3 and sorted(f1) == sorted(f2) and [k for k in f1 if f1[k] != f2[k]] == []
     index = json.loads(f2["model.safetensors.index.json"])
@@ -177,6 +192,20 @@ def test_hf_directory_with_procs_equals_one_proc_both_ways(tmp_path, capsys):
         for k, v in load_file(out2 / fn).items():
             assert same_bits(v, tensors[k]), k
     capsys.readouterr()
+
+
+def test_torch_save_source_with_procs(tmp_path):
+    state = {"model": {f"w{i}": full(f"tp{i}", (64, 5), dt) for i, dt in enumerate(DTYPES)},
+             "step": 9}
+    torch.save(state, tmp_path / "ckpt.pt")
+    convert(str(tmp_path / "ckpt.pt"), str(tmp_path / "one"), max_chunk_bytes=SMALL_CHUNKS)
+    convert(str(tmp_path / "ckpt.pt"), str(tmp_path / "two"), procs=3,
+            max_chunk_bytes=SMALL_CHUNKS)
+    a, b = files_of(str(tmp_path / "one")), files_of(str(tmp_path / "two"))
+    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
+    got = sp.load(str(tmp_path / "two"))
+    assert got["step"] == 9 and all(same_bits(got["model"][k], v)
+                                    for k, v in state["model"].items())
 
 
 # ------------------------------------------------------------------------------- refusals
@@ -195,8 +224,8 @@ def test_refusals(tmp_path, capsys):
 
 def test_a_worker_stuck_on_its_read_is_stopped(tmp_path):
     """A worker blocked in a read (here: its DCP data file is a FIFO nobody writes) reports
-    nothing; after ``worker_timeout`` seconds the conversion stops it and fails, naming the
-    key, instead of hanging; nothing appears at the destination."""
+    nothing; ``worker_timeout`` seconds after it started on its tensor the conversion stops it
+    and fails, naming the key, instead of hanging; nothing appears at the destination."""
     import torch.distributed.checkpoint as dcp
     src = tmp_path / "dcp"
     dcp.save({"w": full("stuck", (8, 4), torch.bfloat16)}, checkpoint_id=str(src), no_dist=True)

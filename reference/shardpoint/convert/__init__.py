@@ -26,8 +26,8 @@ from .dcp import DCPSource, is_dcp, write_dcp
 from .hf_safetensors import SafetensorsSource, is_safetensors, write_safetensors
 from .megatron import MegatronSource, is_megatron
 from .native import ShardpointSource, is_shardpoint, write_shardpoint
-from .parallel import (WORKER_TIMEOUT_S, SourceSpec, write_safetensors_parallel,
-                       write_shardpoint_parallel)
+from .parallel import (WORKER_TIMEOUT_S, SourceSpec, start_workers_early,
+                       write_safetensors_parallel, write_shardpoint_parallel)
 from .torchsave import TorchSaveSource, is_torch_save
 
 SOURCES = ("shardpoint", "dcp", "megatron", "torch", "safetensors")
@@ -164,6 +164,8 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
     ``worker_timeout`` seconds fails the conversion, and nothing appears at ``dst``.
     ``max_chunk_bytes`` bounds a shardpoint target's chunks (and so the unit of work)."""
     t0 = time.perf_counter()
+    if isinstance(procs, int) and procs > 1 and to != "dcp" and backend is None:
+        start_workers_early()
     with open_source(src, from_, skip_common=skip_common, backend=backend) as s:
         fmt = to or target_format(dst, s.format)
         if os.path.abspath(str(src)) == os.path.abspath(str(dst)):

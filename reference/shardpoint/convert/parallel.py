@@ -42,6 +42,10 @@ WORKER_TIMEOUT_S = 600.0
 """Default seconds a worker may stay silent (no band of rows written) before the conversion
 is stopped: generous for a slow band, short enough that a hung worker never stalls a job."""
 
+STARTUP_TIMEOUT_S = 180.0
+"""Seconds a worker may take to start and open the source before its first report (the fork
+server imports torch first: seconds on a busy machine)."""
+
 
 @dataclass(frozen=True)
 class WorkItem:
@@ -184,6 +188,14 @@ _SINKS = {"shardpoint": _ShardpointSink, "safetensors": _SafetensorsSink}
 
 
 # ------------------------------------------------------------------------------ coordinator
+def start_workers_early() -> None:
+    """Start the fork server now (it imports torch and the readers in the background), so
+    that its start overlaps the coordinator opening the source and laying out the target."""
+    import multiprocessing.forkserver
+    worker_context()
+    multiprocessing.forkserver.ensure_running()
+
+
 def worker_context() -> Any:
     """The multiprocessing context workers start from: a fork server that has imported this
     module (torch, the source readers, the backend) once, so each worker is a fork of a clean,
@@ -203,7 +215,8 @@ _WORKER_MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "shardpo
 def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progress,
                 timeout: float) -> None:
     """Run one worker per non-empty share and wait for all of them; the first failure, death
-    or ``timeout`` seconds of silence from a worker stops them all and raises."""
+    or ``timeout`` seconds of silence from a worker (``STARTUP_TIMEOUT_S`` at least before its
+    first report) stops them all and raises."""
     ctx = worker_context()
     q = ctx.Queue()
     procs = {}
@@ -243,9 +256,12 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
                         f"conversion worker {wid} exited with code {code} while converting "
                         f"{_what(current.get(wid))} without reporting why (killed for memory? "
                         "try fewer --procs); nothing was written to the destination")
-                if now - heard[wid] > timeout:
+                # Before its first report a worker may still be starting (forking, opening
+                # the source): it gets at least STARTUP_TIMEOUT_S for that.
+                limit = timeout if wid in current else max(timeout, STARTUP_TIMEOUT_S)
+                if now - heard[wid] > limit:
                     raise ConversionError(
-                        f"conversion worker {wid} reported nothing for {timeout:g}s while "
+                        f"conversion worker {wid} reported nothing for {limit:g}s while "
                         f"converting {_what(current.get(wid))}; stopped (raise timeout= for "
                         "slow storage); nothing was written to the destination")
     finally:
@@ -332,5 +348,6 @@ def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs
     return plan.skipped
 
 
-__all__ = ["plan_shares", "run_workers", "write_shardpoint_parallel",
-           "write_safetensors_parallel", "SourceSpec", "WorkItem", "WORKER_TIMEOUT_S"]
+__all__ = ["plan_shares", "run_workers", "start_workers_early", "write_shardpoint_parallel",
+           "write_safetensors_parallel", "SourceSpec", "WorkItem", "WORKER_TIMEOUT_S",
+           "STARTUP_TIMEOUT_S"]
