@@ -9,7 +9,8 @@ of safetensors shards (2 GB shards, as ``save_pretrained`` cuts them) and as a o
 checkpoint. Each timed step converts one source to a shardpoint checkpoint (fsync'd, committed)
 with the page cache dropped first (root only: the output says when it cannot); runs are
 interleaved (every source and process count in turn, run by run); the table gives medians
-with min-max and each count's ratio to one process from the same runs. The time counted is
+with min-max and each count's speedup over one process (time with 1 / time with N, run by
+run: the median and the range). The time counted is
 ``convert``'s own, and for N > 1 includes starting the workers (spawn, importing torch).
 """
 from __future__ import annotations
@@ -98,16 +99,17 @@ def main(argv: list = None) -> None:
               f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, page cache: "
               f"{'dropped before each step' if dropped else 'NOT dropped (not root)'}")
         print(f"{'source':<12} {'procs':>5} {'median s':>9} {'min-max s':>13} {'GB/s':>6} "
-              f"{'speedup':>9}")
+              f"{'speedup (per-run range)':>24}")
         for fmt in srcs:
             base = times.get((fmt, 1))
             for p in a.procs:
                 ts = times[(fmt, p)]
                 med = statistics.median(ts)
-                ratio = "" if not base else \
-                    f"{statistics.median(b / t for b, t in zip(base, ts)):.2f}x"
+                rs = [b / t for b, t in zip(base or [], ts)]
+                ratio = "" if not rs else \
+                    f"{statistics.median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})"
                 print(f"{fmt:<12} {p:>5} {med:>9.2f} {min(ts):>6.2f}-{max(ts):<6.2f} "
-                      f"{total / 1e9 / med:>6.2f} {ratio:>9}")
+                      f"{total / 1e9 / med:>6.2f} {ratio:>24}")
 
 
 if __name__ == "__main__":

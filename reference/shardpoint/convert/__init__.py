@@ -125,6 +125,10 @@ def write(src: Source, dst: str, fmt: str, *, overwrite: bool = False,
         raise ConversionError(f"unknown target format {fmt!r}; one of {', '.join(TARGETS)}")
     if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
         raise ConversionError(f"procs (--procs) must be a whole number >= 1, not {procs!r}")
+    if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int) \
+            or max_chunk_bytes < 1:
+        raise ConversionError(f"max_chunk_bytes (--max-chunk-size) must be a positive number "
+                              f"of bytes, not {max_chunk_bytes!r}")
     if procs > 1:
         if fmt == "dcp":
             raise ConversionError("procs (--procs) > 1 applies to shardpoint and safetensors "
