@@ -236,3 +236,25 @@ def test_a_worker_stuck_on_its_read_is_stopped(tmp_path):
                        r"converting tensor 'w'"):
         convert(str(src), str(tmp_path / "out"), procs=2, worker_timeout=2)
     assert not os.path.exists(tmp_path / "out") and no_leftovers(tmp_path)
+
+
+# ------------------------------------------------------------------------------- memory
+@pytest.mark.slow
+def test_worker_memory_stays_bounded(tmp_path):
+    """Each worker's peak RSS growth while converting a 384 MiB checkpoint (24 tensors of
+    16 MiB) stays within the bounds the one-process test holds (a few tensors; DCP's 64 MiB
+    read batch), whatever the checkpoint's size."""
+    n, mib = 24, 16
+    sp.save({f"layer{i}": torch.full((mib << 18,), float(i)) for i in range(n)},
+            str(tmp_path / "big"))
+    convert(str(tmp_path / "big"), str(tmp_path / "big_dcp"), to="dcp")
+    to_st = convert(str(tmp_path / "big"), str(tmp_path / "st"), to="safetensors", procs=2)
+    from_dcp = convert(str(tmp_path / "big_dcp"), str(tmp_path / "sp"), procs=2)
+    st_mib = [b >> 20 for b in to_st.worker_peak_bytes]
+    dcp_mib = [b >> 20 for b in from_dcp.worker_peak_bytes]
+    print(f"worker peak RSS growth over a {n * mib} MiB checkpoint: to safetensors {st_mib} "
+          f"MiB, DCP to shardpoint {dcp_mib} MiB")
+    assert len(st_mib) == 2 and len(dcp_mib) == 2
+    assert max(st_mib) < 4 * mib and max(dcp_mib) < 64 + 4 * mib, (st_mib, dcp_mib)
+    with sp.open(str(tmp_path / "sp")) as ck:
+        assert float(ck["layer23"][5:7].to_torch()[0]) == 23.0

@@ -49,6 +49,7 @@ class ConvertReport:
     skipped: list = field(default_factory=list)
     seconds: float = 0.0
     procs: int = 1
+    worker_peak_bytes: list = field(default_factory=list)   # per worker, when procs > 1
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -115,10 +116,12 @@ def target_format(dst: str, src_format: str) -> str:
 def write(src: Source, dst: str, fmt: str, *, overwrite: bool = False,
           max_shard_size: Any = None, progress: Progress = None, backend: Any = None,
           procs: int = 1, max_chunk_bytes: int = 256 << 20,
-          worker_timeout: float = WORKER_TIMEOUT_S, skip_common: bool = False) -> list:
+          worker_timeout: float = WORKER_TIMEOUT_S, skip_common: bool = False,
+          worker_peaks: Optional[list] = None) -> list:
     """Write an open source as ``fmt``; returns ``[(key, reason)]`` not written. With
     ``procs`` > 1, that many worker processes each open the source again and write their
-    share (shardpoint and safetensors targets; see :mod:`shardpoint.convert.parallel`)."""
+    share (shardpoint and safetensors targets; see :mod:`shardpoint.convert.parallel`);
+    ``worker_peaks`` then receives each worker's peak memory growth in bytes."""
     if max_shard_size is not None and fmt != "safetensors":
         raise ConversionError("max_shard_size (--max-shard-size) applies to safetensors only")
     if fmt not in TARGETS:
@@ -141,10 +144,11 @@ def write(src: Source, dst: str, fmt: str, *, overwrite: bool = False,
         if fmt == "shardpoint":
             return write_shardpoint_parallel(src, dst, spec, procs=procs, overwrite=overwrite,
                                              progress=progress, max_chunk_bytes=max_chunk_bytes,
-                                             timeout=worker_timeout)
+                                             timeout=worker_timeout, worker_peaks=worker_peaks)
         return write_safetensors_parallel(src, dst, spec, procs=procs,
                                           max_shard_size=max_shard_size, overwrite=overwrite,
-                                          progress=progress, timeout=worker_timeout)
+                                          progress=progress, timeout=worker_timeout,
+                                          worker_peaks=worker_peaks)
     if fmt == "shardpoint":
         return write_shardpoint(src, dst, overwrite=overwrite, backend=backend,
                                 progress=progress, max_chunk_bytes=max_chunk_bytes)
@@ -181,7 +185,7 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
         rep.skipped += write(s, dst, fmt, overwrite=overwrite, max_shard_size=max_shard_size,
                              progress=progress, backend=backend, procs=procs,
                              max_chunk_bytes=max_chunk_bytes, worker_timeout=worker_timeout,
-                             skip_common=skip_common)
+                             skip_common=skip_common, worker_peaks=rep.worker_peak_bytes)
     rep.seconds = time.perf_counter() - t0
     return rep
 

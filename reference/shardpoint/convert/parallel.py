@@ -111,6 +111,7 @@ def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> N
         torch.set_num_threads(1)
         limit_heap_growth()
         with _open_for_worker(spec) as src:
+            base = _reset_peak_rss()
             by_path = {t.path: t for t in src.tensors}
             missing = [i.path for i in items if i.path not in by_path]
             if missing:
@@ -137,10 +138,33 @@ def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> N
                 sink.write(src, t, it.start, it.stop, progress)
             key = None
             sink.finish()
-        q.put(("done", wid))
+        q.put(("done", wid, _peak_rss() - base))
     except BaseException as e:  # noqa: BLE001 - reported to the coordinator, named by key
         q.put(("error", wid, key, type(e).__name__, str(e).strip()[:2000],
                traceback.format_exc(limit=-3)))
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(ln for ln in f if ln.startswith(field)).split()[1])
+
+
+def _reset_peak_rss() -> int:
+    """Reset the peak resident size to now (Linux ``clear_refs``); the current RSS in bytes
+    (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmRSS:") * 1024
+    except (OSError, StopIteration):
+        return 0
+
+
+def _peak_rss() -> int:
+    try:
+        return _status_kib("VmHWM:") * 1024
+    except (OSError, StopIteration):
+        return 0
 
 
 class _ShardpointSink:
@@ -213,10 +237,11 @@ _WORKER_MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "shardpo
 
 
 def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progress,
-                timeout: float) -> None:
+                timeout: float) -> list:
     """Run one worker per non-empty share and wait for all of them; the first failure, death
     or ``timeout`` seconds of silence from a worker (``STARTUP_TIMEOUT_S`` at least before its
-    first report) stops them all and raises."""
+    first report) stops them all and raises. Returns each worker's peak memory growth while
+    converting (bytes above its resident size once the source was open)."""
     ctx = worker_context()
     q = ctx.Queue()
     procs = {}
@@ -226,6 +251,7 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
                                      name=f"shardpoint-convert-{wid}", daemon=True)
     heard = {wid: time.monotonic() for wid in procs}
     current: dict = {}
+    peaks: dict = {}
     running = set(procs)
     try:
         for p in procs.values():
@@ -246,6 +272,7 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
                     current[wid] = msg[2]
                 elif kind == "done":
                     running.discard(wid)
+                    peaks[wid] = msg[2]
                 elif kind == "error":
                     raise _worker_error(wid, *msg[2:])
                 continue
@@ -273,6 +300,7 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
                 p.join(timeout=10)
         q.close()
         q.join_thread()
+    return [peaks[w] for w in sorted(peaks)]
 
 
 def _what(key: Optional[str]) -> str:
@@ -293,10 +321,11 @@ def _worker_error(wid: int, key: Optional[str], name: str, message: str, tb: str
 def write_shardpoint_parallel(src: Source, dst: str, spec: SourceSpec, *, procs: int,
                               overwrite: bool = False, progress: Progress = None,
                               max_chunk_bytes: int = 256 << 20,
-                              timeout: float = WORKER_TIMEOUT_S) -> list:
+                              timeout: float = WORKER_TIMEOUT_S,
+                              worker_peaks: Optional[list] = None) -> list:
     """:func:`~shardpoint.convert.native.write_shardpoint` with ``procs`` worker processes:
     the same checkpoint, committed once by this process (arrays durable, manifest last,
-    rename)."""
+    rename). ``worker_peaks`` receives each worker's peak memory growth in bytes."""
     be = get_backend()
     check_target(be, dst, overwrite)
     tree, objects, skipped = shardpoint_tree(src)
@@ -310,18 +339,21 @@ def write_shardpoint_parallel(src: Source, dst: str, spec: SourceSpec, *, procs:
         for e in entries.values():
             open_entry(be, staging, e)        # metadata once, before any worker opens it
         be.flush(staging)
-        run_workers(spec, ("shardpoint", staging, entries), shares, progress, timeout)
+        peaks = run_workers(spec, ("shardpoint", staging, entries), shares, progress, timeout)
         commit_shardpoint(be, staging, dst, tree, entries, objects, overwrite=overwrite)
     except BaseException:
         be.abort(staging)
         raise
+    if worker_peaks is not None:
+        worker_peaks += peaks
     return skipped
 
 
 def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs: int,
                                max_shard_size: Any = None, overwrite: bool = False,
                                progress: Progress = None,
-                               timeout: float = WORKER_TIMEOUT_S) -> list:
+                               timeout: float = WORKER_TIMEOUT_S,
+                               worker_peaks: Optional[list] = None) -> list:
     """:func:`~shardpoint.convert.hf_safetensors.write_safetensors` with ``procs`` workers:
     this process writes each file's header and sizes it, workers fill their tensors' bytes at
     known offsets and fsync, then the index and the rename as with one process."""
@@ -339,7 +371,9 @@ def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs
                 os.fsync(f.fileno())
             places.update({t.key: (path, name, offsets[name]) for name, t in items})
         shares = plan_shares(src.tensors, procs, {})
-        run_workers(spec, ("safetensors", places), shares, progress, timeout)
+        peaks = run_workers(spec, ("safetensors", places), shares, progress, timeout)
+        if worker_peaks is not None:
+            worker_peaks.extend(peaks)
         if plan.index is not None:
             write_index(root, plan.index)
 
