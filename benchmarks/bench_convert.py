@@ -11,7 +11,11 @@ with the page cache dropped first (root only: the output says when it cannot); r
 interleaved (every source and process count in turn, run by run); the table gives medians
 with min-max and each count's speedup over one process (time with 1 / time with N, run by
 run: the median and the range). The time counted is
-``convert``'s own, and for N > 1 includes starting the workers (spawn, importing torch).
+``convert``'s own, and for N > 1 includes starting the workers (the fork server imports
+torch once per process; library mode starts it before the timed steps and says how long
+that took). "peak RSS+" (library mode) is the peak resident-memory growth of the converting
+process (N = 1) or of the largest worker (N > 1); it counts the pages of memory-mapped sources
+(safetensors, ``torch.save``) that were read, which are page cache the kernel can reclaim.
 """
 from __future__ import annotations
 
@@ -59,6 +63,22 @@ def write_sources(root: str, scale: float) -> tuple:
     return {"safetensors": hf, "dcp": dcp_dir}, bt.nbytes(flat), len(flat)
 
 
+def reset_peak_rss() -> int:
+    """Reset this process's peak RSS to now (``clear_refs``); the current RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS:")
+
+
+def peak_rss() -> int:
+    return _status("VmHWM:")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(ln for ln in f if ln.startswith(field)).split()[1]) * 1024
+
+
 def main(argv: list = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=0.91, help="source size (0.91: ~1.0 GB)")
@@ -74,24 +94,38 @@ def main(argv: list = None) -> None:
     limit_heap_growth()
     with tempfile.TemporaryDirectory(dir=a.dir) as root:
         srcs, total, n = write_sources(root, a.scale)
+        warm = ""
+        if not a.cli and max(a.procs) > 1:
+            # Library mode measures conversion with a running fork server; its start (once
+            # per process: importing torch and the readers) is timed here on its own.
+            import shardpoint as sp
+            sp.save({"t": torch.ones(4)}, os.path.join(root, "tiny"))
+            t = time.perf_counter()
+            convert(os.path.join(root, "tiny"), os.path.join(root, "tiny.safetensors"),
+                    procs=max(a.procs))
+            warm = f"; fork server start + a tiny conversion: {time.perf_counter() - t:.1f} s"
         dropped = bt.drop_caches()
         times: dict = {}
+        peaks: dict = {}     # (source, procs) -> workers' peak RSS growth (library mode)
         for _ in range(a.runs):
             for fmt, src in srcs.items():
                 for p in a.procs:
                     dst = os.path.join(root, f"out_{fmt}_{p}")
                     bt.rm(dst)
                     bt.drop_caches()
+                    base_rss = reset_peak_rss()
                     t = time.perf_counter()
                     if a.cli:
                         subprocess.run([sys.executable, "-m", "shardpoint", "convert", src, dst,
                                         "--procs", str(p)], check=True, stdout=subprocess.DEVNULL)
                     else:
-                        convert(src, dst, procs=p)
+                        rep = convert(src, dst, procs=p)
+                        peaks.setdefault((fmt, p), []).extend(
+                            rep.worker_peak_bytes if p > 1 else [peak_rss() - base_rss])
                     times.setdefault((fmt, p), []).append(time.perf_counter() - t)
                     bt.rm(dst)
-        how = "CLI, fresh process per step" if a.cli else "library call in one process (the " \
-            "fork server starts in the first procs > 1 step, later ones reuse it)"
+        how = ("CLI, fresh process per step" if a.cli
+               else "library call, fork server running" + warm)
         print(f"{how}; per-step seconds: " + ", ".join(
             f"{f}/{p}: " + " ".join(f"{x:.1f}" for x in ts) for (f, p), ts in times.items()))
         print(f"convert to shardpoint: {total / 1e9:.2f} GB in {n} tensors, "
@@ -99,7 +133,7 @@ def main(argv: list = None) -> None:
               f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, page cache: "
               f"{'dropped before each step' if dropped else 'NOT dropped (not root)'}")
         print(f"{'source':<12} {'procs':>5} {'median s':>9} {'min-max s':>13} {'GB/s':>6} "
-              f"{'speedup (per-run range)':>24}")
+              f"{'speedup (per-run range)':>24} {'peak RSS+':>10}")
         for fmt in srcs:
             base = times.get((fmt, 1))
             for p in a.procs:
@@ -108,8 +142,10 @@ def main(argv: list = None) -> None:
                 rs = [b / t for b, t in zip(base or [], ts)]
                 ratio = "" if not rs else \
                     f"{statistics.median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})"
+                pk = peaks.get((fmt, p))
+                mem = f"{max(pk) / 2**20:.0f} MiB" if pk else ""
                 print(f"{fmt:<12} {p:>5} {med:>9.2f} {min(ts):>6.2f}-{max(ts):<6.2f} "
-                      f"{total / 1e9 / med:>6.2f} {ratio:>24}")
+                      f"{total / 1e9 / med:>6.2f} {ratio:>24} {mem:>10}")
 
 
 if __name__ == "__main__":

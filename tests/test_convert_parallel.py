@@ -208,6 +208,27 @@ def test_torch_save_source_with_procs(tmp_path):
                                     for k, v in state["model"].items())
 
 
+def test_megatron_source_with_procs(tmp_path):
+    """Megatron torch_dist: DCP tensors, sharded objects and a tensor in common.pt."""
+    import torch.distributed.checkpoint as dcp
+    path = tmp_path / "iter_0000010"
+    state = {"decoder.qkv.weight": full("mq", (48, 4), torch.bfloat16),
+             "decoder.fc.weight": full("mf", (40, 4), torch.float8_e4m3fn),
+             "rng_state/shard_0_2": [1, 7], "rng_state/shard_1_2": [2, 7]}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    torch.save({"iteration": 10, "ema": full("me", (30, 2), torch.float32)},
+               path / "common.pt")
+    convert(str(path), str(tmp_path / "one"), max_chunk_bytes=SMALL_CHUNKS)
+    convert(str(path), str(tmp_path / "two"), procs=3, max_chunk_bytes=SMALL_CHUNKS)
+    a, b = files_of(str(tmp_path / "one")), files_of(str(tmp_path / "two"))
+    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
+    with sp.open(str(tmp_path / "two")) as ck:
+        assert same_bits(ck["decoder.fc.weight"].to_torch(), state["decoder.fc.weight"])
+        assert ck["iteration"] == 10 and ck["rng_state"] == [[1, 7], [2, 7]]
+        assert ck["ema"].to_torch().shape == (30, 2)
+
+
 # ------------------------------------------------------------------------------- refusals
 def test_refusals(tmp_path, capsys):
     sp.save({"w": full("rw", (16, 4), torch.bfloat16), "v": 1}, str(tmp_path / "c"))

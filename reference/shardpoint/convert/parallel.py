@@ -358,9 +358,8 @@ def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs
     this process writes each file's header and sizes it, workers fill their tensors' bytes at
     known offsets and fsync, then the index and the rename as with one process."""
     plan = plan_files(src, dst, max_shard_size)
-    places: dict = {}
-
-    def build(root: str) -> None:
+    places: dict = {}     # key -> (file, name in it, where its data starts)
+    with staged_output(dst, overwrite, is_dir=plan.is_dir) as root:
         for fn, items in plan.files:
             header, offsets = file_layout(items)
             path = root if fn is None else os.path.join(root, fn)
@@ -370,15 +369,12 @@ def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs
                 f.flush()
                 os.fsync(f.fileno())
             places.update({t.key: (path, name, offsets[name]) for name, t in items})
-        shares = plan_shares(src.tensors, procs, {})
-        peaks = run_workers(spec, ("safetensors", places), shares, progress, timeout)
-        if worker_peaks is not None:
-            worker_peaks.extend(peaks)
+        peaks = run_workers(spec, ("safetensors", places), plan_shares(src.tensors, procs, {}),
+                            progress, timeout)
         if plan.index is not None:
             write_index(root, plan.index)
-
-    with staged_output(dst, overwrite, is_dir=plan.is_dir) as tmp:
-        build(tmp)
+    if worker_peaks is not None:
+        worker_peaks += peaks
     return plan.skipped
 
 
