@@ -15,7 +15,7 @@ from shardpoint.cli import main as cli
 from shardpoint.convert import convert, open_source
 from shardpoint.convert.base import TensorInfo, key_of
 from shardpoint.convert.native import tensor_entry
-from shardpoint.convert.parallel import WorkItem, plan_shares
+from shardpoint.convert.parallel import WorkItem, plan_shares, start_workers_early
 from shardpoint_conformance.launch import run_world
 from test_convert import full, same_bits
 
@@ -118,6 +118,7 @@ def dcp_job(rank, world, path):
 
 def test_dcp_two_ranks_with_three_procs_equals_one_proc(tmp_path, capsys):
     src = str(tmp_path / "dcp")
+    start_workers_early()          # the fork server imports torch while the ranks save
     assert run_world(2, dcp_job, src, timeout=120) == [0, 1]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     convert(src, one, max_chunk_bytes=SMALL_CHUNKS)

@@ -124,7 +124,6 @@ class DCPSource(Source):
                                       f"{type(e).__name__}: {e}") from None
         pd = md.planner_data if isinstance(md.planner_data, dict) else {}
         self.batch_bytes = batch_bytes
-        self.metadata = md
         self.windows: dict = {}      # path -> (start, stop): the only rows to read of it
         self._fqn: dict = {}
         self._cache: dict = {}
