@@ -25,6 +25,12 @@ def add_commands(sub: Any) -> None:
                    ".safetensors path, else shardpoint)")
     s.add_argument("--max-shard-size", default=None, help="safetensors: split into shards "
                    "of at most this size (e.g. 5GB, 2GiB) with model.safetensors.index.json")
+    s.add_argument("--procs", type=int, default=1, metavar="N", help="convert with N worker "
+                   "processes, each reading its share of the source (shardpoint and "
+                   "safetensors output; DCP output is written by one process); the result is "
+                   "the same bytes as with 1")
+    s.add_argument("--max-chunk-size", default="256MiB", help="shardpoint output: chunks of "
+                   "at most this size (e.g. 64MiB; also the unit of work shared by --procs)")
     s.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     s.add_argument("--skip-common", action="store_true", help="Megatron: convert the sharded "
                    "state even when common.pt needs more than weights_only unpickling")
@@ -46,17 +52,21 @@ def add_commands(sub: Any) -> None:
 def cmd_convert(a: argparse.Namespace) -> int:
     from .convert import convert
     from .convert.base import limit_heap_growth
+    from .convert.hf_safetensors import parse_size
     limit_heap_growth()
     with progress.bar("convert", None, progress.wanted(a.json)) as adv:
         rep = convert(a.src, a.dst, from_=a.from_, to=a.to, overwrite=a.overwrite,
                       max_shard_size=a.max_shard_size, skip_common=a.skip_common,
+                      procs=a.procs, max_chunk_bytes=parse_size(a.max_chunk_size,
+                                                                 "--max-chunk-size"),
                       progress=adv, on_open=lambda s: adv.set_total(s.total_bytes))
     if a.json:
         print(json.dumps(rep.to_dict(), indent=2))
         return 0
     print(f"converted {rep.src} ({rep.src_format}) -> {rep.dst} ({rep.dst_format}): "
           f"{rep.tensors} tensors ({fmt_bytes(rep.bytes)}), {rep.values} values, "
-          f"{rep.objects} sharded objects in {rep.seconds:.2f}s")
+          f"{rep.objects} sharded objects in {rep.seconds:.2f}s"
+          + (f" with {rep.procs} processes" if rep.procs > 1 else ""))
     if rep.skipped:
         print(f"not converted ({len(rep.skipped)}):")
         for k, r in rep.skipped:

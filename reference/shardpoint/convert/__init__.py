@@ -26,6 +26,8 @@ from .dcp import DCPSource, is_dcp, write_dcp
 from .hf_safetensors import SafetensorsSource, is_safetensors, write_safetensors
 from .megatron import MegatronSource, is_megatron
 from .native import ShardpointSource, is_shardpoint, write_shardpoint
+from .parallel import (WORKER_TIMEOUT_S, SourceSpec, start_workers_early,
+                       write_safetensors_parallel, write_shardpoint_parallel)
 from .torchsave import TorchSaveSource, is_torch_save
 
 SOURCES = ("shardpoint", "dcp", "megatron", "torch", "safetensors")
@@ -46,6 +48,8 @@ class ConvertReport:
     objects: int = 0
     skipped: list = field(default_factory=list)
     seconds: float = 0.0
+    procs: int = 1
+    worker_peak_bytes: list = field(default_factory=list)   # per worker, when procs > 1
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -79,17 +83,18 @@ def detect_format(path: str) -> str:
 
 
 def open_source(path: str, fmt: Optional[str] = None, *, skip_common: bool = False,
-                backend: Any = None) -> Source:
-    """A :class:`Source` reading ``path`` as ``fmt`` (detected when None)."""
+                backend: Any = None, tensors_only: bool = False) -> Source:
+    """A :class:`Source` reading ``path`` as ``fmt`` (detected when None). ``tensors_only``
+    skips decoding DCP bytes entries (a conversion worker needs the tensors only)."""
     fmt = fmt or detect_format(path)
     if not os.path.exists(str(path)):
         raise CheckpointNotFoundError(f"no such file or directory: {str(path)!r}")
     if fmt == "shardpoint":
         return ShardpointSource(path, backend)
     if fmt == "dcp":
-        return DCPSource(path)
+        return DCPSource(path, read_bytes=not tensors_only)
     if fmt == "megatron":
-        return MegatronSource(path, skip_common=skip_common)
+        return MegatronSource(path, skip_common=skip_common, read_bytes=not tensors_only)
     if fmt == "torch":
         return TorchSaveSource(path)
     if fmt == "safetensors":
@@ -109,28 +114,66 @@ def target_format(dst: str, src_format: str) -> str:
 
 
 def write(src: Source, dst: str, fmt: str, *, overwrite: bool = False,
-          max_shard_size: Any = None, progress: Progress = None, backend: Any = None) -> list:
-    """Write an open source as ``fmt``; returns ``[(key, reason)]`` not written."""
+          max_shard_size: Any = None, progress: Progress = None, backend: Any = None,
+          procs: int = 1, max_chunk_bytes: int = 256 << 20,
+          worker_timeout: float = WORKER_TIMEOUT_S, skip_common: bool = False,
+          worker_peaks: Optional[list] = None) -> list:
+    """Write an open source as ``fmt``; returns ``[(key, reason)]`` not written. With
+    ``procs`` > 1, that many worker processes each open the source again and write their
+    share (shardpoint and safetensors targets; see :mod:`shardpoint.convert.parallel`);
+    ``worker_peaks`` then receives each worker's peak memory growth in bytes."""
     if max_shard_size is not None and fmt != "safetensors":
         raise ConversionError("max_shard_size (--max-shard-size) applies to safetensors only")
+    if fmt not in TARGETS:
+        raise ConversionError(f"unknown target format {fmt!r}; one of {', '.join(TARGETS)}")
+    if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
+        raise ConversionError(f"procs (--procs) must be a whole number >= 1, not {procs!r}")
+    if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int) \
+            or max_chunk_bytes < 1:
+        raise ConversionError(f"max_chunk_bytes (--max-chunk-size) must be a positive number "
+                              f"of bytes, not {max_chunk_bytes!r}")
+    if procs > 1:
+        if fmt == "dcp":
+            raise ConversionError("procs (--procs) > 1 applies to shardpoint and safetensors "
+                                  "output; DCP output is written by one process (drop --procs)")
+        if backend is not None:
+            raise ConversionError("procs (--procs) > 1 writes with the default storage "
+                                  "backend in every worker; a backend= object cannot be "
+                                  "shared with worker processes (drop one of the two)")
+        spec = SourceSpec(src.path, src.format, skip_common)
+        if fmt == "shardpoint":
+            return write_shardpoint_parallel(src, dst, spec, procs=procs, overwrite=overwrite,
+                                             progress=progress, max_chunk_bytes=max_chunk_bytes,
+                                             timeout=worker_timeout, worker_peaks=worker_peaks)
+        return write_safetensors_parallel(src, dst, spec, procs=procs,
+                                          max_shard_size=max_shard_size, overwrite=overwrite,
+                                          progress=progress, timeout=worker_timeout,
+                                          worker_peaks=worker_peaks)
     if fmt == "shardpoint":
         return write_shardpoint(src, dst, overwrite=overwrite, backend=backend,
-                                progress=progress)
+                                progress=progress, max_chunk_bytes=max_chunk_bytes)
     if fmt == "dcp":
         return write_dcp(src, dst, overwrite=overwrite, progress=progress)
-    if fmt == "safetensors":
-        return write_safetensors(src, dst, max_shard_size=max_shard_size, overwrite=overwrite,
-                                 progress=progress)
-    raise ConversionError(f"unknown target format {fmt!r}; one of {', '.join(TARGETS)}")
+    return write_safetensors(src, dst, max_shard_size=max_shard_size, overwrite=overwrite,
+                             progress=progress)
 
 
 def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str] = None,
             overwrite: bool = False, max_shard_size: Any = None, skip_common: bool = False,
-            progress: Progress = None, on_open: Any = None, backend: Any = None
-            ) -> ConvertReport:
+            progress: Progress = None, on_open: Any = None, backend: Any = None,
+            procs: int = 1, max_chunk_bytes: int = 256 << 20,
+            worker_timeout: float = WORKER_TIMEOUT_S) -> ConvertReport:
     """Convert the checkpoint at ``src`` into ``dst``. ``on_open(source)`` is called once
-    the source is open (the CLI sizes its progress bar there)."""
+    the source is open (the CLI sizes its progress bar there).
+
+    ``procs`` > 1 converts with that many worker processes, shared out by bytes (big tensors
+    by bands of rows), each reading only its share; the result is byte for byte what one
+    process writes, committed once. A worker that fails, dies or reports nothing for
+    ``worker_timeout`` seconds fails the conversion, and nothing appears at ``dst``.
+    ``max_chunk_bytes`` bounds a shardpoint target's chunks (and so the unit of work)."""
     t0 = time.perf_counter()
+    if isinstance(procs, int) and procs > 1 and to != "dcp" and backend is None:
+        start_workers_early()
     with open_source(src, from_, skip_common=skip_common, backend=backend) as s:
         fmt = to or target_format(dst, s.format)
         if os.path.abspath(str(src)) == os.path.abspath(str(dst)):
@@ -138,9 +181,11 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
         if on_open:
             on_open(s)
         rep = ConvertReport(str(src), str(dst), s.format, fmt, len(s.tensors), s.total_bytes,
-                            len(s.values), len(s.objects), list(s.skipped))
+                            len(s.values), len(s.objects), list(s.skipped), procs=procs)
         rep.skipped += write(s, dst, fmt, overwrite=overwrite, max_shard_size=max_shard_size,
-                             progress=progress, backend=backend)
+                             progress=progress, backend=backend, procs=procs,
+                             max_chunk_bytes=max_chunk_bytes, worker_timeout=worker_timeout,
+                             skip_common=skip_common, worker_peaks=rep.worker_peak_bytes)
     rep.seconds = time.perf_counter() - t0
     return rep
 

@@ -165,6 +165,8 @@ def staged_output(dst: str, overwrite: bool, *, is_dir: bool) -> Iterator[str]:
         os.makedirs(tmp)
     try:
         yield tmp
+        if is_dir:
+            fsync_dir(tmp)        # the entries of the files written into it
         if os.path.lexists(dst):
             old = tmp.replace("-tmp-", "-old-")
             os.rename(dst, old)
@@ -172,14 +174,19 @@ def staged_output(dst: str, overwrite: bool, *, is_dir: bool) -> Iterator[str]:
             _remove(old)
         else:
             os.rename(tmp, dst)
-        fd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(parent)
     except BaseException:
         _remove(tmp)
         raise
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory, so the entries created in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(p: str) -> None:

@@ -13,6 +13,7 @@ DCP's writer asks for it, so one tensor is in memory at a time.
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import warnings
@@ -37,8 +38,13 @@ class Unreadable:
         self.reason = reason
 
 
-def _load_planner():
+@functools.lru_cache(maxsize=None)
+def _planner_classes() -> tuple:
+    """DCP's planner classes for reading a source (built on first use: DCP imports late)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     class SafeBytesLoadPlanner(DefaultLoadPlanner):
         """DCP's planner, decoding bytes entries with ``weights_only=True`` only."""
@@ -52,26 +58,59 @@ def _load_planner():
                                 + (msg[0] if msg else f"{type(e).__name__}: {e}"))
             self.original_state_dict[read_item.dest_index.fqn] = v
 
-    return SafeBytesLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    class RowsLoadPlanner(SafeBytesLoadPlanner):
+        """A load plan for bands of rows: ``state[fqn]`` holds rows ``starts[fqn]`` onwards of
+        the saved tensor; DCP resolves only the saved chunks overlapping those rows."""
+
+        def __init__(self, starts: dict) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.starts = starts
+
+        def create_local_plan(self) -> LoadPlan:
+            reads = []
+            for fqn, rows in self.state_dict.items():
+                off = (self.starts[fqn],) + (0,) * (rows.dim() - 1)
+                chunk = ChunkStorageMetadata(offsets=torch.Size(off), sizes=rows.size())
+                reads += create_read_items_for_chunk_list(
+                    fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+            self.plan = LoadPlan(reads)
+            return self.plan
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            return self.state_dict[index.fqn]      # the rows; read items carry offsets in it
+
+    return SafeBytesLoadPlanner, RowsLoadPlanner
 
 
-def dcp_load(path: str, state: dict) -> None:
+def _load_planner() -> Any:
+    return _planner_classes()[0](flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def dcp_load(path: str, state: dict, planner: Any = None) -> None:
     """``dcp.load`` of a flat ``{fqn: preallocated tensor or None}``, in this process only."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_load_planner(),
-                     no_dist=True)
-        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path),
+                     planner=planner or _load_planner(), no_dist=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - per-rank failures
+            if isinstance(e, CheckpointException):     # its str() is whole tracebacks
+                why = "; ".join(f"{type(x).__name__}: {x}".strip()
+                                for x, _ in e.failures.values())
+            else:
+                why = str(e).strip()[:500]
             raise ConversionError(f"dcp.load from {path!r} failed for keys "
-                                  f"{sorted(state)[:5]}: {str(e).strip()[:500]}") from None
+                                  f"{sorted(state)[:5]}: {why} (a missing, truncated or "
+                                  "unreadable .distcp file?)") from None
 
 
 class DCPSource(Source):
     """A DCP checkpoint directory (``.metadata`` + ``*.distcp``), any saving world size."""
 
-    def __init__(self, path: str, *, batch_bytes: int = 64 << 20) -> None:
+    def __init__(self, path: str, *, batch_bytes: int = 64 << 20,
+                 read_bytes: bool = True) -> None:
         super().__init__(str(path), FORMAT)
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import (BytesStorageMetadata,
@@ -85,6 +124,7 @@ class DCPSource(Source):
                                       f"{type(e).__name__}: {e}") from None
         pd = md.planner_data if isinstance(md.planner_data, dict) else {}
         self.batch_bytes = batch_bytes
+        self.windows: dict = {}      # path -> (start, stop): the only rows to read of it
         self._fqn: dict = {}
         self._cache: dict = {}
         byte_keys = []
@@ -98,7 +138,7 @@ class DCPSource(Source):
                 byte_keys.append((fqn, path_))
             else:
                 self.skipped.append((key_of(path_), f"DCP entry of kind {type(m).__name__}"))
-        if byte_keys:
+        if byte_keys and read_bytes:
             state = {fqn: None for fqn, _ in byte_keys}
             dcp_load(self.path, state)
             for fqn, p in byte_keys:
@@ -128,8 +168,27 @@ class DCPSource(Source):
             self._cache = {u.path: state[self._fqn[u.path]] for u in batch}
         return self._cache.pop(t.path)
 
+    def read_rows(self, t: TensorInfo, start: int, stop: int) -> torch.Tensor:
+        """With a window set for ``t`` (a worker of a multi-process conversion converts only
+        those rows), DCP reads just the window, once; else the whole tensor, as in ``read``."""
+        win = self.windows.get(t.path)
+        if win is None or t.path not in self._fqn or not t.shape:
+            return super().read_rows(t, start, stop)
+        last = self.__dict__.get("_last_read")
+        if last is None or last[0] != (t.path, win):
+            self.__dict__["_last_read"] = None
+            rows = torch.empty((win[1] - win[0],) + tuple(t.shape[1:]), dtype=t.dtype)
+            fqn = self._fqn[t.path]
+            dcp_load(self.path, {fqn: rows}, _planner_classes()[1]({fqn: win[0]}))
+            last = self.__dict__["_last_read"] = ((t.path, win), rows)
+        if not win[0] <= start <= stop <= win[1]:
+            raise ConversionError(f"tensor {t.key!r}: rows {start}:{stop} asked for outside "
+                                  f"the window {win[0]}:{win[1]} this process reads")
+        return last[1][start - win[0]:stop - win[0]]
+
     def close(self) -> None:
         self._cache.clear()
+        self.__dict__.pop("_last_read", None)
 
 
 def write_dcp(src: Source, dst: str, *, overwrite: bool = False, progress: Progress = None,

@@ -10,9 +10,11 @@ are laid out as Hugging Face's ``save_pretrained`` writes them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -129,13 +131,13 @@ class SafetensorsSource(Source):
         self._open.clear()
 
 
-def parse_size(s: Any) -> int:
+def parse_size(s: Any, what: str = "max shard size") -> int:
     """'5GB' (10**9), '2GiB' (2**30), '500MB', '100KiB' or a plain int of bytes."""
     if isinstance(s, int):
         return s
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(s), re.I)
     if not m:
-        raise ConversionError(f"max shard size {s!r} is not a size like 5GB, 2GiB or 500MB")
+        raise ConversionError(f"{what} {s!r} is not a size like 5GB, 2GiB or 500MB")
     unit = (m.group(2) or "B").upper()
     mult = 1
     if unit != "B":
@@ -157,7 +159,9 @@ def _shards(tensors: list, max_size: Optional[int]) -> list:
     return shards
 
 
-def _header(items: list) -> bytes:
+def file_layout(items: list) -> tuple:
+    """The header bytes of a safetensors file of ``items`` ``[(name, TensorInfo)]`` and where
+    each tensor's data starts in the file (the same bytes whoever writes them)."""
     hdr: dict = {"__metadata__": {"format": "pt"}}
     off = 0
     for name, t in items:
@@ -166,35 +170,58 @@ def _header(items: list) -> bytes:
         off += t.nbytes
     raw = json.dumps(hdr, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+    raw = struct.pack("<Q", len(raw)) + raw
+    return raw, {name: len(raw) + hdr[name]["data_offsets"][0] for name, _ in items}
+
+
+def write_rows_at(f: Any, src: Source, name: str, t: TensorInfo, start: int, stop: int,
+                  offset: int, progress: Progress) -> None:
+    """Write rows ``start:stop`` of ``t`` into the open file ``f``, whose data for ``t``
+    starts at ``offset``, a block of rows at a time."""
+    row = math.prod(t.shape[1:]) * t.itemsize if t.shape else t.nbytes
+    f.seek(offset + start * row)
+    for lo, hi in row_blocks(t):
+        lo, hi = max(lo, start), min(hi, stop) if t.shape else hi
+        if t.shape and lo >= hi:
+            continue
+        data = src.read_rows(t, lo, hi)
+        want = ((hi - lo,) + tuple(t.shape[1:])) if t.shape else ()
+        if tuple(data.shape) != want or data.dtype != t.dtype:
+            raise ConversionError(f"tensor {name!r}: the source read {data.dtype}"
+                                  f"{list(data.shape)} for rows {lo}:{hi}, its "
+                                  f"metadata says {t.dtype}{list(t.shape)}")
+        if data.numel():
+            f.write(memoryview(to_numpy(data.contiguous()).reshape(-1).view(np.uint8)))
+        if progress:
+            progress(data.numel() * data.element_size())
+        del data
 
 
 def _write_file(fn: str, src: Source, items: list, progress: Progress) -> None:
+    header, offsets = file_layout(items)
     with open(fn, "wb") as f:
-        f.write(_header(items))
+        f.write(header)
         for name, t in items:
-            for lo, hi in row_blocks(t):
-                data = src.read_rows(t, lo, hi)
-                want = ((hi - lo,) + tuple(t.shape[1:])) if t.shape else ()
-                if tuple(data.shape) != want or data.dtype != t.dtype:
-                    raise ConversionError(f"tensor {name!r}: the source read {data.dtype}"
-                                          f"{list(data.shape)} for rows {lo}:{hi}, its "
-                                          f"metadata says {t.dtype}{list(t.shape)}")
-                if data.numel():
-                    f.write(memoryview(to_numpy(data.contiguous()).reshape(-1).view(np.uint8)))
-                if progress:
-                    progress(data.numel() * data.element_size())
-                del data
+            write_rows_at(f, src, name, t, 0, t.shape[0] if t.shape else 0, offsets[name],
+                          progress)
         f.flush()
         os.fsync(f.fileno())
 
 
-def write_safetensors(src: Source, dst: str, *, max_shard_size: Any = None,
-                      overwrite: bool = False, progress: Progress = None) -> list:
-    """Write ``src`` as one safetensors file (``dst`` ending in ``.safetensors``) or a
-    Hugging Face directory (``model.safetensors``, or shards plus
-    ``model.safetensors.index.json`` when ``max_shard_size`` splits it). Values and objects
-    have no place in safetensors: they are returned as ``[(key, reason)]``."""
+@dataclass
+class FilesPlan:
+    """The files a safetensors conversion writes: ``[(name, [(tensor name, TensorInfo)])]``
+    (name None: ``dst`` is the one file), the index (None for one file), and what is not
+    written ``[(key, reason)]``."""
+
+    files: list
+    index: Optional[dict]
+    is_dir: bool
+    skipped: list
+
+
+def plan_files(src: Source, dst: str, max_shard_size: Any = None) -> FilesPlan:
+    """Lay ``src`` out as Hugging Face does (see :func:`write_safetensors`). No I/O."""
     names: dict = {}
     for t in src.tensors:
         name = flat_name(t.path)
@@ -216,24 +243,39 @@ def write_safetensors(src: Source, dst: str, *, max_shard_size: Any = None,
         if len(shards) > 1:
             raise ConversionError(f"{len(shards)} shards of at most {max_shard_size} do not "
                                   f"fit the single file {dst!r}; give a directory instead")
-        with staged_output(dst, overwrite, is_dir=False) as tmp:
-            _write_file(tmp, src, items, progress)
-        return skipped
-    with staged_output(dst, overwrite, is_dir=True) as tmp:
-        if len(shards) == 1:
-            _write_file(os.path.join(tmp, SINGLE_NAME), src, items, progress)
-        else:
-            n = len(shards)
-            wm = {}
-            for i, shard in enumerate(shards):
-                fn = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                part = [(by_t[id(t)], t) for t in shard]
-                _write_file(os.path.join(tmp, fn), src, part, progress)
-                wm.update({name: fn for name, _ in part})
-            index = {"metadata": {"total_size": sum(t.nbytes for _, t in items)},
-                     "weight_map": dict(sorted(wm.items()))}
-            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-    return skipped
+        return FilesPlan([(None, items)], None, False, skipped)
+    if len(shards) == 1:
+        return FilesPlan([(SINGLE_NAME, items)], None, True, skipped)
+    n = len(shards)
+    files, wm = [], {}
+    for i, shard in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        part = [(by_t[id(t)], t) for t in shard]
+        files.append((fn, part))
+        wm.update({name: fn for name, _ in part})
+    index = {"metadata": {"total_size": sum(t.nbytes for _, t in items)},
+             "weight_map": dict(sorted(wm.items()))}
+    return FilesPlan(files, index, True, skipped)
+
+
+def write_index(root: str, index: dict) -> None:
+    """``model.safetensors.index.json`` in ``root``, durably."""
+    with open(os.path.join(root, INDEX_NAME), "w") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_safetensors(src: Source, dst: str, *, max_shard_size: Any = None,
+                      overwrite: bool = False, progress: Progress = None) -> list:
+    """Write ``src`` as one safetensors file (``dst`` ending in ``.safetensors``) or a
+    Hugging Face directory (``model.safetensors``, or shards plus
+    ``model.safetensors.index.json`` when ``max_shard_size`` splits it). Values and objects
+    have no place in safetensors: they are returned as ``[(key, reason)]``."""
+    plan = plan_files(src, dst, max_shard_size)
+    with staged_output(dst, overwrite, is_dir=plan.is_dir) as tmp:
+        for fn, items in plan.files:
+            _write_file(tmp if fn is None else os.path.join(tmp, fn), src, items, progress)
+        if plan.index is not None:
+            write_index(tmp, plan.index)
+    return plan.skipped

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from .. import dtypes, values
-from ..errors import ConversionError, InvalidKeyError, UnsupportedValueError
+from ..errors import (CheckpointExistsError, ConversionError, InvalidKeyError,
+                      UnsupportedValueError)
 from ..grid import plan_chunk_grid
 from ..keys import encode_component, encode_key
 from ..metadata import Manifest, TensorEntry, array_path_for, decode_manifest, encode_manifest
@@ -123,12 +124,9 @@ def _tree_of(nested: dict) -> dict:
                      for k, v in nested.items()]}
 
 
-def write_shardpoint(src: Source, dst: str, *, overwrite: bool = False,
-                     backend: Optional[StorageBackend] = None, progress: Progress = None,
-                     max_chunk_bytes: int = 256 << 20) -> list:
-    """Write ``src`` as a shardpoint checkpoint at ``dst``, one tensor in memory at a time.
-    Returns ``[(key, reason)]`` for the values that could not be stored."""
-    be = get_backend(backend)
+def shardpoint_tree(src: Source) -> tuple:
+    """The manifest tree and sharded objects of ``src`` (tensors as leaves keyed by their
+    path), and ``[(key, reason)]`` for the values that cannot be stored. No I/O."""
     skipped: list = []
     leaves: list = []
     for t in src.tensors:
@@ -151,41 +149,77 @@ def write_shardpoint(src: Source, dst: str, *, overwrite: bool = False,
         leaves.append((p, _Leaf({"object": encode_key(p)})))
     if not leaves:
         raise ConversionError(f"{src.path!r} ({src.format}) holds nothing that can be stored")
-    tree = _tree_of(nest(leaves, f"converting {src.path!r}"))
+    return _tree_of(nest(leaves, f"converting {src.path!r}")), objects, skipped
+
+
+def tensor_entry(t: TensorInfo, max_chunk_bytes: int) -> TensorEntry:
+    """The manifest entry of a converted tensor: its whole shape, chunked into bands of rows
+    of at most ``max_chunk_bytes`` (the same grid whichever process writes it)."""
+    name = dtypes.from_torch(t.dtype, f"tensor {t.key!r}").name
+    shape = tuple(t.shape)
+    whole = ((0,) * len(shape), shape)
+    chunk = plan_chunk_grid(shape, t.itemsize, [([whole], [0])], [whole],
+                            PlanOptions(max_chunk_bytes=max_chunk_bytes))
+    return TensorEntry(t.key, array_path_for(t.key), shape, name, tuple(chunk))
+
+
+def open_entry(be: StorageBackend, staging: str, e: TensorEntry) -> Any:
+    """Create (or open, when another process created it) the array of ``e`` under staging."""
+    return be.open_array_for_write(staging, e.array, ArraySpec(e.shape, e.dtype, e.chunk_shape))
+
+
+def check_target(be: StorageBackend, dst: str, overwrite: bool) -> None:
+    """Refuse an existing checkpoint at ``dst`` before any work (commit would refuse it last)."""
+    if not overwrite and be.checkpoint_state(dst) == "committed":
+        raise CheckpointExistsError(f"a checkpoint already exists at {dst!r}; pass "
+                                    "overwrite=True (--overwrite) to replace it")
+
+
+def write_shardpoint(src: Source, dst: str, *, overwrite: bool = False,
+                     backend: Optional[StorageBackend] = None, progress: Progress = None,
+                     max_chunk_bytes: int = 256 << 20) -> list:
+    """Write ``src`` as a shardpoint checkpoint at ``dst``, one tensor in memory at a time.
+    Returns ``[(key, reason)]`` for the values that could not be stored."""
+    be = get_backend(backend)
+    check_target(be, dst, overwrite)
+    tree, objects, skipped = shardpoint_tree(src)
     staging = be.staging_path(dst, secrets.token_hex(6))
     be.begin_save(staging)
     try:
         entries = {}
         for t in src.tensors:
-            entries[t.key] = _write_tensor(be, staging, src, t, max_chunk_bytes, progress)
-        m = Manifest(tree, entries, objects, save_world_size=1)
-        be.write_manifest(staging, encode_manifest(m))
-        be.commit(staging, dst, overwrite=overwrite)
+            e = entries[t.key] = tensor_entry(t, max_chunk_bytes)
+            write_rows(be, open_entry(be, staging, e), src, t, e, 0,
+                       t.shape[0] if t.shape else 0, progress)
+        be.flush(staging)
+        commit_shardpoint(be, staging, dst, tree, entries, objects, overwrite=overwrite)
     except BaseException:
         be.abort(staging)
         raise
     return skipped
 
 
-def _write_tensor(be: StorageBackend, staging: str, src: Source, t: TensorInfo,
-                  max_chunk_bytes: int, progress: Progress) -> TensorEntry:
-    name = dtypes.from_torch(t.dtype, f"tensor {t.key!r}").name
-    shape = tuple(t.shape)
-    whole = ((0,) * len(shape), shape)
-    chunk = plan_chunk_grid(shape, t.itemsize, [([whole], [0])], [whole],
-                            PlanOptions(max_chunk_bytes=max_chunk_bytes))
-    key = t.key
-    entry = TensorEntry(key, array_path_for(key), shape, name, tuple(chunk))
-    h = be.open_array_for_write(staging, entry.array, ArraySpec(shape, name, tuple(chunk)))
+def commit_shardpoint(be: StorageBackend, staging: str, dst: str, tree: dict, entries: dict,
+                      objects: dict, *, overwrite: bool) -> None:
+    """Every array under ``staging`` is durable: the manifest last, then the rename."""
+    m = Manifest(tree, entries, objects, save_world_size=1)
+    be.write_manifest(staging, encode_manifest(m))
+    be.commit(staging, dst, overwrite=overwrite)
+
+
+def write_rows(be: StorageBackend, h: Any, src: Source, t: TensorInfo, e: TensorEntry,
+               start: int, stop: int, progress: Progress) -> None:
+    """Write rows ``start:stop`` of ``t`` (whole bands of chunk rows, or up to the end) into
+    the array ``h``, one band of chunk rows in memory at a time (a 0-d tensor: all of it)."""
+    shape, chunk = tuple(t.shape), e.chunk_shape
     if not shape:
         data = src.read(t)
         _check_read(t, data, ())
         be.wait([be.write(h, (), to_numpy(data.contiguous()))])
     elif math.prod(shape):
-        # One band of chunk rows in memory at a time.
         grid = [math.ceil(n / c) for n, c in zip(shape[1:], chunk[1:])]
-        for lo in range(0, shape[0], chunk[0]):
-            hi = min(shape[0], lo + chunk[0])
+        for lo in range(start, stop, chunk[0]):
+            hi = min(stop, lo + chunk[0])
             data = src.read_rows(t, lo, hi)
             _check_read(t, data, (hi - lo,) + shape[1:])
             arr = to_numpy(data.contiguous())
@@ -196,10 +230,12 @@ def _write_tensor(be: StorageBackend, staging: str, src: Source, t: TensorInfo,
                                              for o, c, n in zip(off, chunk[1:], shape[1:]))
                 ops.append(be.write(h, (lo,) + off, arr[box]))
             be.wait(ops)
+            if progress:
+                progress(data.numel() * data.element_size())
             del data, arr, ops
+        return
     if progress:
         progress(t.nbytes)
-    return entry
 
 
 def _check_read(t: TensorInfo, data: torch.Tensor, want: tuple) -> None:
