@@ -402,9 +402,9 @@ class TensorStoreBackend:
 
     def write(self, handle: Any, offset: Sequence[int], data: np.ndarray) -> Any:
         if isinstance(handle, _WriteHandle):
-            ops = handle.writer.write(offset, data)
-            if ops is not None:
-                return ops
+            op = handle.writer.write(offset, data)
+            if op is not None:
+                return op
             handle = handle.tensorstore()
         return _region(handle, offset, data.shape).write(
             data, can_reference_source_data_indefinitely=True)

@@ -177,6 +177,24 @@ def _pwritev_all(fd: int, bufs: list, pos: int) -> int:
     return total
 
 
+class WriteOp:
+    """One chunk's write (its tasks' futures); ``result()`` waits for every task and raises
+    the first failure, like the TensorStore future it stands in for."""
+
+    def __init__(self, futures: list) -> None:
+        self.futures = futures
+
+    def result(self) -> None:
+        first: Optional[BaseException] = None
+        for f in self.futures:
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 - every task is waited for before raising
+                first = first or e
+        if first is not None:
+            raise first
+
+
 class DirectWriter:
     """Writes whole chunks of one array as tasks on ``submit``; see the module docstring."""
 
@@ -196,8 +214,8 @@ class DirectWriter:
                 self._dirs.add(parent)
         return os.path.join(parent, str(cidx[-1]))
 
-    def write(self, offset: Sequence[int], data: np.ndarray) -> Optional[list]:
-        """Futures writing ``data`` (exactly one chunk, clipped to the tensor) at ``offset``,
+    def write(self, offset: Sequence[int], data: np.ndarray) -> Optional[WriteOp]:
+        """The op writing ``data`` (exactly one chunk, clipped to the tensor) at ``offset``,
         or None when the write is not one whole chunk of the right dtype size."""
         lay = self.lay
         offset = tuple(int(o) for o in offset)
@@ -212,8 +230,9 @@ class DirectWriter:
         cidx = tuple(o // c for o, c in zip(offset, lay.chunk))
         path = self._chunk_path(cidx)
         if lay.inner is None:
-            return [self.submit(_write_units, path, [(0, data, lay.chunk, lay.itemsize)])]
-        return self._shard(path, offset, data)
+            return WriteOp([self.submit(_write_units, path,
+                                        [(0, data, lay.chunk, lay.itemsize)])])
+        return WriteOp(self._shard(path, offset, data))
 
     def _shard(self, path: str, origin: tuple, data: np.ndarray) -> list:
         lay = self.lay
