@@ -289,7 +289,7 @@ class TensorStoreBackend:
                  inner_chunk_bytes: int = 2 << 20, fsync: bool = True,
                  sync_method: str = "auto", read_threads: int = 8,
                  direct_reads: bool = True, direct_writes: bool = True,
-                 write_threads: int = 8) -> None:
+                 write_threads: int = 16) -> None:
         if sync_method not in ("auto", "syncfs", "fsync"):
             raise ValueError(f"sync_method must be 'auto', 'syncfs' or 'fsync', not "
                              f"{sync_method!r}")
@@ -383,7 +383,8 @@ class TensorStoreBackend:
         except OSError as e:
             raise SaveFailedError(f"cannot create array {array_path!r} under {root}: "
                                   f"{e}") from e
-        return _WriteHandle(DirectWriter(lay, self._write_pool.submit), open_ts)
+        return _WriteHandle(DirectWriter(lay, self._write_pool.submit, self.fsync),
+                            open_ts)
 
     def flush(self, root: str) -> None:
         """Make every array this process wrote under ``root`` durable: one ``syncfs`` of the

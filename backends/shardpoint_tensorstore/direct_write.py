@@ -198,8 +198,8 @@ class WriteOp:
 class DirectWriter:
     """Writes whole chunks of one array as tasks on ``submit``; see the module docstring."""
 
-    def __init__(self, lay: WriteLayout, submit: Callable) -> None:
-        self.lay, self.submit = lay, submit
+    def __init__(self, lay: WriteLayout, submit: Callable, early_writeback: bool = True) -> None:
+        self.lay, self.submit, self.early = lay, submit, early_writeback
         self._dirs: set = set()          # chunk directories made so far
         self._dirs_lock = threading.Lock()
 
@@ -231,7 +231,7 @@ class DirectWriter:
         path = self._chunk_path(cidx)
         if lay.inner is None:
             return WriteOp([self.submit(_write_units, path,
-                                        [(0, data, lay.chunk, lay.itemsize)])])
+                                        [(0, data, lay.chunk, lay.itemsize)], self.early)])
         return WriteOp(self._shard(path, offset, data))
 
     def _shard(self, path: str, origin: tuple, data: np.ndarray) -> list:
@@ -255,13 +255,13 @@ class DirectWriter:
         ib = index.reshape(-1).view(np.uint8)
         idx_buf = [ib, np.frombuffer(crc32c.crc32c(ib).to_bytes(4, "little"), np.uint8)]
         runs[-1].append((pos, idx_buf, None, 0))
-        return [self.submit(_write_units, path, run) for run in runs if run]
+        return [self.submit(_write_units, path, run, self.early) for run in runs if run]
 
 
-def _write_units(path: str, units: list) -> None:
+def _write_units(path: str, units: list, early: bool) -> None:
     """One task: encode ``units`` = [(file position, data, chunk shape, itemsize)] (or
     pre-encoded buffers with chunk shape None), write them with one ``pwritev`` per run of
-    adjacent units, and start their writeback."""
+    adjacent units, and (``early``) start their writeback."""
     bufs: list = []
     start = units[0][0]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
@@ -269,17 +269,18 @@ def _write_units(path: str, units: list) -> None:
         for pos, data, cshape, itemsize in units:
             enc = data if cshape is None else _encode(data, cshape, itemsize)
             if bufs and pos != start + sum(b.nbytes for b in bufs):
-                _flush_run(fd, bufs, start)
+                _flush_run(fd, bufs, start, early)
                 bufs, start = [], pos
             bufs.extend(enc)
-        _flush_run(fd, bufs, start)
+        _flush_run(fd, bufs, start, early)
     finally:
         os.close(fd)
 
 
-def _flush_run(fd: int, bufs: list, start: int) -> None:
+def _flush_run(fd: int, bufs: list, start: int, early: bool) -> None:
     want = sum(b.nbytes for b in bufs)
     got = _pwritev_all(fd, bufs, start)
     if got != want:
         raise OSError(f"short write: {got} of {want} bytes")
-    start_writeback(fd, start, want)
+    if early:
+        start_writeback(fd, start, want)
