@@ -270,17 +270,26 @@ def fsync_trees(roots: Sequence[str], stop: str, threads: int = 16) -> int:
 class TensorStoreBackend:
     """The default :class:`shardpoint.storage.StorageBackend` (file kvstore, Zarr v3).
 
-    Durability: chunks are written with TensorStore's ``file_io_sync`` off, then ``flush``
-    syncs everything a rank wrote at once, before the rank reports success (so the manifest
-    still follows durable chunks, [SP-COMMIT-1]). ``sync_method='auto'`` (the default) uses one
-    ``syncfs(2)`` of the file system where Linux has it, else ``'fsync'``: an fsync of every
-    file and directory the rank wrote, from 16 threads. Measured here (ext4 on a virtual disk,
-    2 shared cores, mixed state of 1.16 GB in 157 tensors, cold cache, medians of 5 with
-    min-max, one interleaved run): raw one-file write+fsync 3.30 s (2.10-5.56); per-file fsync
-    as TensorStore does by default 4.75 s (3.79-6.76, 1.44x raw); ``syncfs`` 3.81 s
-    (3.71-6.78, 1.16x); parallel fsync 4.19 s (3.93-5.54, 1.27x). ``syncfs`` also flushes
-    other dirty data of the same file system: on a busy shared one, prefer ``'fsync'``.
-    ``fsync=False`` skips all syncing (tests, scratch data; not crash-safe).
+    Writes: whole chunks of the backend's own codec chains are written directly
+    (:mod:`.direct_write`: ``pwritev`` from ``write_threads`` threads, byte for byte what
+    TensorStore writes, each file's writeback started as soon as it is written); anything
+    else goes through TensorStore with ``file_io_sync`` off. ``direct_writes=False`` writes
+    everything through TensorStore. Durability: ``flush`` syncs everything a rank wrote at
+    once, before the rank reports success (so the manifest still follows durable chunks,
+    [SP-COMMIT-1]). ``sync_method='auto'`` (the default) uses one ``syncfs(2)`` of the file
+    system where Linux has it, else ``'fsync'``: an fsync of every file and directory the rank
+    wrote, from 16 threads. ``syncfs`` also flushes other dirty data of the same file system:
+    on a busy shared one, prefer ``'fsync'``. ``fsync=False`` skips all syncing (tests,
+    scratch data; not crash-safe).
+
+    Measured (ext4 on a virtual disk, 2 cores shared with other jobs, cold cache, medians of 5,
+    one interleaved run of ``benchmarks/bench.py --ts-writes``), sync save against the best
+    raw write (one file, 16 threads of pwrite with early writeback, + fsync) and DCP at its
+    best ``thread_count``: mixed state (1.2 GB, 149 tensors) 2.36 s = 1.04x raw, 0.89x DCP,
+    through TensorStore's writer 2.83 s = 1.25x raw; uniform state (1.07 GB, 32 tensors)
+    2.31 s = 1.10x raw, 1.08x DCP, through TensorStore's writer 3.08 s = 1.47x raw. Earlier
+    (1.16 GB, 157 tensors, TensorStore writes): per-file fsync as TensorStore does by default
+    1.44x a one-file write + fsync, ``syncfs`` 1.16x, parallel fsync 1.27x.
     """
 
     name = "tensorstore-zarr3"
