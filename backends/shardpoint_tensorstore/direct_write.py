@@ -102,8 +102,9 @@ def stored_codecs(codecs: list, itemsize: int) -> list:
 def write_layout(path: str, shape: Sequence[int], chunk: Sequence[int], codecs: list,
                  itemsize: int) -> Optional[WriteLayout]:
     """The layout for an array with the backend's own codec chain, or None (then TensorStore
-    writes it): big-endian hosts and anything but plain/sharded plain chains."""
-    if sys.byteorder != "little":
+    writes it): big-endian hosts, systems without ``pwritev``, and anything but plain/sharded
+    plain chains."""
+    if sys.byteorder != "little" or not hasattr(os, "pwritev"):
         return None
     if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
         inner = tuple(codecs[0]["configuration"]["chunk_shape"])
