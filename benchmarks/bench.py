@@ -2,12 +2,16 @@
 
     python benchmarks/bench.py              # full: ~1.2 GB mixed + 1 GiB uniform state, 3 runs
     python benchmarks/bench.py --quick      # tiny sizes, one run (the test suite's smoke test)
+    python benchmarks/bench.py --saves-only --ts-writes --repeat 5   # saves, before vs after
 
-In one run on one machine: raw write (one file + fsync) and raw read (4 threads of preadv
-into preallocated buffers) as the limits; shardpoint sync save, async save (blocking part and
-total), load and resharded load (1 process, and 2-4 gloo ranks); PyTorch DCP at its best
-settings (``FileSystemWriter(thread_count=best of 1/2/4/8, sync_files=True)``, and
-``dcp.async_save``) and DCP load; ``torch.save``/``torch.load``; safetensors. Every save is
+In one run on one machine: the limits, raw write (one file + fsync; the best of 1-16
+threads of ``pwrite``, with and without early writeback) and raw read (the best of 1-16
+threads of ``preadv`` into preallocated buffers); shardpoint sync save, async save (blocking
+part and total), load and resharded load (1 process, and 2-4 gloo ranks); PyTorch DCP at its
+best settings (``FileSystemWriter(thread_count=best of 1/2/4/8/16, sync_files=True)``, every
+setting run in every round; ``dcp.async_save`` with the setting that won one timed trial) and
+DCP load; ``torch.save``/``torch.load``; safetensors. A limit or a peer run at several
+settings is the one with the lowest median, and the table says which won. Every save is
 fsync'd; the page cache is dropped before every timed step (root only: the output says so
 when it cannot); tools are interleaved run by run; the table gives medians with min-max,
 peak extra memory, files per checkpoint, and ratios to raw and to DCP from the same run.
@@ -62,8 +66,9 @@ def step(res: Results, row: str, fn, drop: bool, *args):
         res.add(row, dt, m.extra)
 
 
-def tune_dcp_threads(state, base: str, drop: bool, candidates=(1, 2, 4, 8)) -> int:
-    """DCP's best ``thread_count`` on this machine: one timed sync save each."""
+def tune_dcp_threads(state, base: str, drop: bool, candidates=(1, 2, 4, 8, 16)) -> int:
+    """DCP's ``thread_count`` for its async save (one timed sync save each; the sync row
+    itself is the best of every candidate, run by run)."""
     best, best_t = 1, float("inf")
     for k in candidates:
         p = f"{base}/dcp-tune{k}"
@@ -78,53 +83,92 @@ def tune_dcp_threads(state, base: str, drop: bool, candidates=(1, 2, 4, 8)) -> i
     return best
 
 
-def bench_state(name: str, state: dict, base: str, repeat: int, drop: bool) -> tuple:
+# Each limit and each peer at its best: every setting runs in every round, and the one with
+# the lowest median is the reference (the table prints which one won).
+RAW_WRITES = [(1, False), (1, True), (4, True), (8, True), (16, True), (8, False)]
+RAW_READS = [1, 4, 8, 16]
+DCP_THREADS = [1, 2, 4, 8, 16]
+
+
+def raw_write_row(t: int, early: bool) -> str:
+    return f"raw write ({t} thread{'s' if t > 1 else ''}, 1 file + fsync" + \
+        (", early writeback)" if early else ")")
+
+
+def raw_read_row(t: int) -> str:
+    return f"raw read ({t} thread{'s' if t > 1 else ''} preadv)"
+
+
+def dcp_row(t: int) -> str:
+    return f"DCP save (thread_count={t}, sync_files)"
+
+
+def best(res: "Results", rows: list) -> tuple:
+    """(row, median) of the fastest of ``rows``."""
+    meds = [(res.med(r), r) for r in rows if res.med(r) is not None]
+    m, r = min(meds)
+    return r, m
+
+
+def bench_state(name: str, state: dict, base: str, repeat: int, drop: bool,
+                ts_writes: bool = False, loads: bool = True) -> tuple:
     res = Results()
     fl = bt.flat(state)
     k = tune_dcp_threads(fl, base, drop) if repeat > 1 or drop else 2
     bufs = [torch.empty_like(t) for t in fl.values()]
     like = bt.empty_like_tree(state)
     dlike = {k_: torch.empty_like(v) for k_, v in fl.items()}
-    paths = {"raw": f"{base}/raw.bin", "sp": f"{base}/sp", "spa": f"{base}/spa",
-             "dcp": f"{base}/dcp", "dcpa": f"{base}/dcpa", "torch": f"{base}/t.pt",
+    paths = {"raw": f"{base}/raw.bin", "sp": f"{base}/sp", "spts": f"{base}/spts",
+             "spa": f"{base}/spa", "dcpa": f"{base}/dcpa", "torch": f"{base}/t.pt",
              "st": f"{base}/s.safetensors"}
-    saves = [("raw write (1 file + fsync)", bt.raw_write, state, "raw"),
-             ("shardpoint save", bt.sp_save, state, "sp"),
-             ("shardpoint async save", bt.sp_async_save if bt.HAS_ASYNC else None, state, "spa"),
-             (f"DCP save (thread_count={k}, sync_files)", lambda s, p: bt.dcp_save(s, p, k),
-              fl, "dcp"),
-             (f"DCP async_save (thread_count={k})", lambda s, p: bt.dcp_async_save(s, p, k),
-              fl, "dcpa"),
-             ("torch.save (+fsync)", bt.torch_save, fl, "torch"),
-             ("safetensors save (+fsync)", bt.st_save, fl, "st")]
-    loads = [("raw read (4 threads preadv)", lambda: bt.raw_read(bufs, paths["raw"])),
-             ("shardpoint load", lambda: bt.sp_load(like, paths["sp"])),
-             ("DCP load", lambda: bt.dcp_load(dlike, paths["dcp"])),
-             ("torch.load", lambda: bt.torch_load(paths["torch"])),
-             ("safetensors load", lambda: bt.st_load(paths["st"]))]
+    paths.update({f"dcp{t}": f"{base}/dcp{t}" for t in DCP_THREADS})
+    saves = [(raw_write_row(t, e), lambda s, p, t=t, e=e: bt.raw_write(s, p, t, e), state,
+              "raw") for t, e in RAW_WRITES]
+    saves += [("shardpoint save", bt.sp_save, state, "sp")]
+    if ts_writes:
+        from shardpoint_tensorstore import TensorStoreBackend
+        be = TensorStoreBackend(direct_writes=False)
+        saves += [("shardpoint save, TensorStore writes (before)",
+                   lambda s, p: bt.sp_save(s, p, be), state, "spts")]
+    saves += [("shardpoint async save", bt.sp_async_save if bt.HAS_ASYNC else None, state,
+               "spa")]
+    saves += [(dcp_row(t), lambda s, p, t=t: bt.dcp_save(s, p, t), fl, f"dcp{t}")
+              for t in DCP_THREADS]
+    saves += [(f"DCP async_save (thread_count={k})", lambda s, p: bt.dcp_async_save(s, p, k),
+               fl, "dcpa"),
+              ("torch.save (+fsync)", bt.torch_save, fl, "torch"),
+              ("safetensors save (+fsync)", bt.st_save, fl, "st")]
+    load_steps = [(raw_read_row(t), lambda t=t: bt.raw_read(bufs, paths["raw"], t))
+                  for t in RAW_READS]
+    load_steps += [("shardpoint load", lambda: bt.sp_load(like, paths["sp"])),
+                   ("DCP load", lambda: bt.dcp_load(dlike, paths[f"dcp{DCP_THREADS[-1]}"])),
+                   ("torch.load", lambda: bt.torch_load(paths["torch"])),
+                   ("safetensors load", lambda: bt.st_load(paths["st"]))]
     for _ in range(repeat):
         for p in paths.values():
             bt.rm(p)
         for row, fn, st, key in saves:
             if fn is not None:
+                bt.rm(paths[key])
                 step(res, row, fn, drop, st, paths[key])
                 res.files[row] = bt.count_files(paths[key])
-        for row, fn in loads:
-            step(res, row, fn, drop)
-        assert all(torch.equal(a, b) for a, b in zip(bt.flat(like).values(), fl.values()))
+        if loads:
+            for row, fn in load_steps:
+                step(res, row, fn, drop)
+            assert all(torch.equal(a, b) for a, b in zip(bt.flat(like).values(), fl.values()))
     for p in paths.values():
         bt.rm(p)
     return res, k
 
 
-def fmt_row(res: Results, row: str, ref: dict) -> str:
+def fmt_row(res: Results, row: str, ref: dict, mark: str = "") -> str:
     """One table line: median, min-max, ratios to ``ref['raw']`` and ``ref['dcp']``."""
     v = res.t.get(row)
     if not v:
         return f"| {row} | n/a | | | | | |"
     med = statistics.median(v)
     mem = res.mem.get(row)
-    cells = [row, f"{med:.3f}", f"{min(v):.3f}-{max(v):.3f}",
+    cells = [row + mark, f"{med:.3f}", f"{min(v):.3f}-{max(v):.3f}",
              f"{med / ref['raw']:.2f}x" if ref.get("raw") else "",
              f"{med / ref['dcp']:.2f}x" if ref.get("dcp") else "",
              f"{statistics.median(mem) / 2**20:.0f} MiB" if mem else "",
@@ -134,27 +178,42 @@ def fmt_row(res: Results, row: str, ref: dict) -> str:
 
 def print_state_table(title: str, res: Results, size: int, k: int) -> None:
     print(f"\n### {title}: {size / 1e9:.3f} GB\n")
-    print("| step | median s | min-max s | x raw | x DCP | peak extra mem | files |")
+    raw_rows = [raw_write_row(t, e) for t, e in RAW_WRITES]
+    read_rows = [raw_read_row(t) for t in RAW_READS]
+    dcp_rows = [dcp_row(t) for t in DCP_THREADS]
+    raw_best, raw_w = best(res, raw_rows)
+    dcp_best, dcp_s = best(res, dcp_rows)
+    have_reads = any(res.med(r) is not None for r in read_rows)
+    read_best, raw_r = best(res, read_rows) if have_reads else ("", None)
+    print(f"references (lowest median of each family, marked *): write limit = {raw_best}; "
+          f"DCP = {dcp_best}" + (f"; read limit = {read_best}" if have_reads else ""))
+    print("\n| step | median s | min-max s | x raw | x DCP | peak extra mem | files |")
     print("|---|---|---|---|---|---|---|")
-    raw_w, raw_r = res.med("raw write (1 file + fsync)"), res.med("raw read (4 threads preadv)")
-    dcp_s = res.med(f"DCP save (thread_count={k}, sync_files)")
     dcp_ab = res.med(f"DCP async_save (thread_count={k}) (blocking)")
     dcp_l = res.med("DCP load")
-    save_rows = ["raw write (1 file + fsync)", "shardpoint save"]
+    star = {raw_best: " *", dcp_best: " *", read_best: " *"}
+    for row in raw_rows:
+        print(fmt_row(res, row, {"raw": raw_w}, star.get(row, "")))
+    save_rows = ["shardpoint save", "shardpoint save, TensorStore writes (before)"]
     if bt.HAS_ASYNC:
         save_rows += ["shardpoint async save (blocking)", "shardpoint async save (total)"]
     for row in save_rows:
-        ref = {"raw": raw_w, "dcp": dcp_ab if "blocking" in row else dcp_s}
-        print(fmt_row(res, row, ref))
+        if row in res.t:
+            ref = {"raw": raw_w, "dcp": dcp_ab if "blocking" in row else dcp_s}
+            print(fmt_row(res, row, ref))
     if not bt.HAS_ASYNC:
         print("| shardpoint async save | n/a (no async_save) | | | | | |")
-    for row in [f"DCP save (thread_count={k}, sync_files)",
-                f"DCP async_save (thread_count={k}) (blocking)",
+    for row in dcp_rows:
+        print(fmt_row(res, row, {"raw": raw_w, "dcp": dcp_s}, star.get(row, "")))
+    for row in [f"DCP async_save (thread_count={k}) (blocking)",
                 f"DCP async_save (thread_count={k}) (total)",
                 "torch.save (+fsync)", "safetensors save (+fsync)"]:
         print(fmt_row(res, row, {"raw": raw_w}))
-    for row in ["raw read (4 threads preadv)", "shardpoint load", "DCP load", "torch.load",
-                "safetensors load"]:
+    if not have_reads:
+        return
+    for row in read_rows:
+        print(fmt_row(res, row, {"raw": raw_r}, star.get(row, "")))
+    for row in ["shardpoint load", "DCP load", "torch.load", "safetensors load"]:
         print(fmt_row(res, row, {"raw": raw_r, "dcp": dcp_l if row == "shardpoint load" else None}))
 
 
@@ -203,6 +262,11 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=None, help="runs per step (default 3)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     ap.add_argument("--no-reshard", action="store_true", help="skip the multi-process part")
+    ap.add_argument("--saves-only", action="store_true", help="time saves only (no loads)")
+    ap.add_argument("--states", default="mixed,uniform", help="which states (mixed,uniform)")
+    ap.add_argument("--ts-writes", action="store_true",
+                    help="also time shardpoint's save through TensorStore's own writer (the "
+                         "write path before direct chunk writes), interleaved with the rest")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -222,12 +286,16 @@ def main(argv=None) -> None:
                    bt.mixed_state(1 / 32 if a.quick else 1.0)),
                   ("uniform (fp32)", bt.uniform_state(4, 1 / 16) if a.quick
                    else bt.uniform_state(32, 32))]
+        wanted = a.states.split(",")
         for title, state in states:
+            if title.split(" ")[0] not in wanted:
+                continue
             n = len(bt.flat(state))
-            res, k = bench_state(title, state, base, repeat, drop)
+            res, k = bench_state(title, state, base, repeat, drop, a.ts_writes,
+                                 not a.saves_only)
             print_state_table(f"{title}, {n} tensors", res, bt.nbytes(state), k)
             del state
-        if not a.no_reshard:
+        if not (a.no_reshard or a.saves_only):
             bench_reshard(base, a.quick, repeat, drop)
     finally:
         bt.rm(base)

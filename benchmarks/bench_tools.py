@@ -126,24 +126,54 @@ def fsync_path(path: str) -> None:
 
 
 # ------------------------------------------------------------------------------- the tools
-def raw_write(state: dict, path: str) -> None:
-    """The write limit: every tensor's bytes into one file, then one fsync."""
-    with open(path, "wb") as f:
-        for t in flat(state).values():
-            f.write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
+def _pieces(bufs: list, piece: int) -> list:
+    """(uint8 view, file offset) pieces of at most ``piece`` bytes, the tensors back to back."""
+    jobs, off = [], 0
+    for b in bufs:
+        mv = b.contiguous().reshape(-1).view(torch.uint8).numpy()
+        for s in range(0, mv.size, piece):
+            jobs.append((mv[s:s + piece], off + s))
+        off += mv.size
+    return jobs
+
+
+def raw_write(state: dict, path: str, threads: int = 1, early: bool = False,
+              piece: int = 16 << 20) -> None:
+    """The write limit: every tensor's bytes into one file, then one fsync. One thread of
+    plain writes, or ``threads`` threads of ``pwrite`` in ``piece``-byte pieces; ``early``
+    starts each piece's writeback right after it (``sync_file_range``), as shardpoint's
+    writer does, so the disk works while memory is still being copied."""
+    if threads == 1 and not early:
+        with open(path, "wb") as f:
+            for t in flat(state).values():
+                f.write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
+        return
+    from shardpoint_tensorstore.direct_write import start_writeback
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        def one(job):
+            mv, off = job
+            os.pwrite(fd, mv, off)
+            if early:
+                start_writeback(fd, off, mv.size)
+        jobs = _pieces(list(flat(state).values()), piece)
+        if threads == 1:
+            for j in jobs:
+                one(j)
+        else:
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(one, jobs))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def raw_read(bufs: list, path: str, threads: int = 4, piece: int = 16 << 20) -> None:
     """The read limit: ``threads`` threads of preadv into preallocated buffers."""
     fd = os.open(path, os.O_RDONLY)
-    jobs, off = [], 0
-    for b in bufs:
-        mv = b.view(torch.uint8).reshape(-1).numpy()
-        for s in range(0, mv.size, piece):
-            jobs.append((mv[s:s + piece], off + s))
-        off += mv.size
+    jobs = _pieces(bufs, piece)
     try:
         with ThreadPoolExecutor(threads) as ex:
             list(ex.map(lambda j: os.preadv(fd, [j[0]], j[1]), jobs))
@@ -151,8 +181,8 @@ def raw_read(bufs: list, path: str, threads: int = 4, piece: int = 16 << 20) -> 
         os.close(fd)
 
 
-def sp_save(state: dict, path: str) -> None:
-    sp.save(state, path, overwrite=True)
+def sp_save(state: dict, path: str, backend=None) -> None:
+    sp.save(state, path, overwrite=True, backend=backend)
 
 
 def sp_async_save(state: dict, path: str) -> tuple:

@@ -1,0 +1,145 @@
+"""Direct chunk writes (the backend's save fast path): every file is byte for byte what
+TensorStore writes for the same save, in every dtype, for plain and sharded chunks, edge
+chunks, 0-d and empty tensors and non-contiguous sources; the spec-only reader reads them;
+a write that is not one whole chunk goes through TensorStore."""
+import hashlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import shardpoint as sp
+from shardpoint.dtypes import DTYPES
+from shardpoint.storage import ArraySpec
+from shardpoint_conformance.independent_reader import read_independently
+from shardpoint_tensorstore import TensorStoreBackend
+
+KW = dict(shard_above_bytes=4096, inner_chunk_bytes=1024)
+DIRECT = TensorStoreBackend(**KW)
+VIA_TS = TensorStoreBackend(direct_writes=False, **KW)
+SMALL = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=1500))   # many chunks, ragged edges
+
+
+def _random(dtype: torch.dtype, shape: tuple, g: torch.Generator) -> torch.Tensor:
+    """Random bytes of ``dtype`` (NaNs and all; bool as 0/1, the only valid bool bytes)."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _state(dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(7)
+    return {"edge": _random(dtype, (37, 29), g),          # edge chunks in both dimensions
+            "shard": _random(dtype, (130, 48), g),        # sharded, last shard partly absent
+            "cube": _random(dtype, (5, 7, 9), g),
+            "vec": _random(dtype, (1001,), g),
+            "cols": _random(dtype, (29, 37), g).t(),      # a non-contiguous source
+            "scalar": _random(dtype, (), g),
+            "empty": _random(dtype, (0, 4), g)}
+
+
+def _files(root: str) -> dict:
+    out = {}
+    for d, _dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = fh.read()
+    return out
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+@pytest.mark.parametrize("opts", [None, SMALL], ids=["default", "small-chunks"])
+def test_files_equal_tensorstores_bytes(tmp_path, name, opts):
+    st = _state(DTYPES[name].torch)
+    sp.save(st, str(tmp_path / "direct"), backend=DIRECT, options=opts)
+    sp.save(st, str(tmp_path / "ts"), backend=VIA_TS, options=opts)
+    mine, theirs = _files(str(tmp_path / "direct")), _files(str(tmp_path / "ts"))
+    # The manifest is the coordinator's (it records when it was written), not the writer's.
+    assert mine.pop("manifest.msgpack") and theirs.pop("manifest.msgpack")
+    assert sorted(mine) == sorted(theirs)
+    different = [p for p in mine if mine[p] != theirs[p]]
+    assert not different, f"{name}: files differ from TensorStore's: {different[:5]}"
+    if opts is None and DTYPES[name].itemsize > 1:
+        assert any("sharding_indexed" in str(v) for p, v in mine.items()
+                   if p.endswith("zarr.json")), "no sharded array was exercised"
+    got = read_independently(str(tmp_path / "direct"))["tensors"]
+    for key, t in st.items():
+        assert got[key]["sha256"] == _sha(t), key
+
+
+def test_round_trip_through_the_library(tmp_ckpt):
+    st = _state(torch.bfloat16) | {"f8": _random(torch.float8_e4m3fn, (33, 65),
+                                                 torch.Generator().manual_seed(1))}
+    sp.save(st, tmp_ckpt, backend=DIRECT)
+    back = sp.load(tmp_ckpt)
+    assert all(torch.equal(back[k].reshape(-1).view(torch.uint8),
+                           st[k].contiguous().reshape(-1).view(torch.uint8))
+               for k in st)
+
+
+def test_whole_chunks_never_touch_tensorstore(tmp_path):
+    root = str(tmp_path)
+    h = DIRECT.open_array_for_write(root, "a", ArraySpec((10, 3), "float32", (4, 3)))
+    x = np.arange(30, dtype=np.float32).reshape(10, 3)
+    for op in [DIRECT.write(h, (o, 0), x[o:o + 4]) for o in (0, 4, 8)]:
+        op.result()      # an op like TensorStore's future (the fault injector waits on one)
+    assert type(h).__name__ == "_WriteHandle" and h._ts is None
+    assert sorted(os.listdir(os.path.join(root, "a", "c"))) == ["0", "1", "2"]
+
+
+def test_a_write_that_is_not_one_chunk_goes_through_tensorstore(tmp_path):
+    root = str(tmp_path / "s")
+    os.makedirs(root)
+    x = np.arange(30, dtype=np.float32).reshape(10, 3)
+    h = DIRECT.open_array_for_write(root, "a", ArraySpec((10, 3), "float32", (4, 3)))
+    DIRECT.wait([DIRECT.write(h, (0, 0), x[0:8]),       # two chunks at once
+                 DIRECT.write(h, (8, 0), x[8:10, :2]),  # part of a chunk...
+                 DIRECT.write(h, (8, 2), x[8:10, 2:])])  # ...and the rest of it
+    assert h._ts is not None
+    DIRECT.flush(root)
+    r = DIRECT.open_array_for_read(root, "a", ArraySpec((10, 3), "float32", (4, 3)), "a")
+    out = np.zeros_like(x)
+    DIRECT.wait([DIRECT.read_into(r, (0, 0), out)])
+    assert np.array_equal(out, x)
+
+
+def test_a_failed_write_fails_the_save_and_commits_nothing(tmp_path):
+    """A directory where a chunk file must go: the writer thread's OSError reaches the caller
+    as a SaveFailedError, the staging directory is removed and nothing is committed."""
+    target = str(tmp_path / "ck")
+
+    class Blocked(TensorStoreBackend):
+        def open_array_for_write(self, root, array_path, spec):
+            h = super().open_array_for_write(root, array_path, spec)
+            os.makedirs(os.path.join(root, array_path, "c", "0", "0"))
+            return h
+
+    with pytest.raises(sp.errors.SaveFailedError, match="IsADirectoryError"):
+        sp.save({"w": torch.ones(4, 4)}, target, backend=Blocked())
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("shape,chunk", [((13, 3), (8, 3)),      # last shard: absent inner chunks
+                                         ((13, 5), (8, 4)),      # shards clipped in both dims
+                                         ((9, 2, 5), (4, 2, 4))])
+def test_edge_shards_equal_tensorstores_bytes(tmp_path, shape, chunk):
+    small = dict(shard_above_bytes=16, inner_chunk_bytes=8)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    for be, name in ((TensorStoreBackend(**small), "direct"),
+                     (TensorStoreBackend(direct_writes=False, **small), "ts")):
+        h = be.open_array_for_write(str(tmp_path), name, ArraySpec(shape, "float32", chunk))
+        ops = []
+        for idx in np.ndindex(*[-(-n // c) for n, c in zip(shape, chunk)]):
+            off = tuple(i * c for i, c in zip(idx, chunk))
+            ops.append(be.write(h, off, x[tuple(slice(o, o + c) for o, c in zip(off, chunk))]))
+        be.wait(ops)
+    mine, theirs = _files(str(tmp_path / "direct")), _files(str(tmp_path / "ts"))
+    assert "sharding_indexed" in mine["zarr.json"].decode()
+    assert mine == theirs
