@@ -58,6 +58,7 @@ def _load_cols(rank, world, path):
     want = {f"t{i}": _full(i)[:, a:b] for i in range(3)}
     want["b"] = _full(9).to(torch.bfloat16)[:, a:b]
     for label, opts in (("shm", LoadOptions()),
+                        ("rounds", LoadOptions(shm_round_bytes=512)),
                         ("group", LoadOptions("dedup", shm_exchange=False)),
                         ("two hosts", LoadOptions("dedup", host_id="a" if rank < 2 else "b",
                                                   exchange_gbps=50.0))):
@@ -66,7 +67,8 @@ def _load_cols(rank, world, path):
         exact = all(torch.equal(got[k].view(torch.uint8), w.contiguous().view(torch.uint8))
                     for k, w in want.items())
         out.append((label, rep.strategy, exact, rep.timings.get("shm_bytes", 0),
-                    rep.timings.get("group_bytes", 0), _my_segments()))
+                    rep.timings.get("group_bytes", 0), _my_segments(),
+                    rep.timings.get("shm_rounds", 0)))
     return out
 
 
@@ -75,13 +77,15 @@ def test_column_load_through_shared_memory_is_exact_and_leaves_nothing(tmp_path)
     res = run_world(3, _load_cols, str(tmp_path / "rows"), timeout=180)
     for rank, rows in enumerate(res):
         by = {r[0]: r[1:] for r in rows}
-        for label, (strategy, exact, shm_b, group_b, left) in by.items():
+        for label, (strategy, exact, shm_b, group_b, left, _rounds) in by.items():
             assert strategy == "dedup", (rank, label, strategy)
             assert exact, (rank, label)
             assert left == [], (rank, label, left)
         # one host: every received byte comes through shared memory, none over the group
         assert by["shm"][2] > 0 and by["shm"][3] == 0, (rank, by["shm"])
         assert by["group"][2] == 0 and by["group"][3] > 0, (rank, by["group"])
+        # one region per round when rounds are smaller than a region: several rounds
+        assert by["rounds"][2] == by["shm"][2] and by["rounds"][5] > by["shm"][5] == 1, by
     # hosts a, a, b: ranks 0 and 1 share memory between them; rank 2, alone on its host,
     # copies nothing from shared memory, and the bytes between hosts go over the group.
     two = [{r[0]: r[1:] for r in rows}["two hosts"] for rows in res]

@@ -1,29 +1,34 @@
-"""A load's exchange between ranks of one host through shared memory instead of the group.
+"""A dedup load's exchange between ranks of one host through shared memory, not the group.
 
 Under the ``dedup`` load strategy each needed region is read by one rank and sent to the
-others. Ranks on one host need not ship those bytes over the process group (gloo moves them
-at well under 0.1 GB/s here): each reader places the regions it sends in a segment of its own
-under ``/dev/shm``, reads and checks them there (the storage backend verifies every chunk's
-crc32c before the read completes), and, once every rank has reported its reads intact, the
-other ranks of the host map that segment and copy their boxes out at memory speed. Pairs of
-ranks on different hosts, and any pair whose segment cannot be created or mapped, use the
-group exchange (:func:`.exchange.exchange`) as before.
+others. Ranks on one host need not ship those bytes over the process group (gloo moved them
+at 0.03-0.08 GB/s per rank on the 2-core test machine): each reader stages the regions it
+sends in a small segment of its own under ``/dev/shm``, where the storage backend reads and
+checks them (every chunk's crc32c is verified before its read completes); once every rank
+has reported its reads intact, the other ranks of the host copy their boxes straight out of
+that segment into their tensors. The segment is two halves used in turn, round by round, so
+a load stages at most ``2 x round_bytes`` per rank however big it is, and fresh pages (each
+one faulted and zeroed by the kernel, the main cost of a copy on a virtual machine) are paid
+for once. Pairs of ranks on different hosts, and any pair that cannot map a segment, use the
+group exchange (:func:`.exchange.exchange`) after the rounds.
 
-Order, every step collective over the load's group (each wait bounded by its timeout):
+Collective steps, all over the load's group (each wait bounded by the group's timeout):
 
-1. :meth:`HostExchange.begin`: every rank creates its segment (``O_CREAT | O_EXCL``, mode
-   0600, a random name, all of it allocated up front so a full ``/dev/shm`` fails here with
-   ``ENOSPC`` rather than later with ``SIGBUS``) and all ranks gather ``[host, name]``.
-2. The caller reads into :meth:`HostExchange.buffer` views, then agrees with every rank that
-   all reads succeeded (a corrupt chunk raises everywhere before anyone uses its bytes).
-3. :meth:`HostExchange.run`: each rank maps the segments it receives from, all ranks gather
-   which mappings failed (those pairs fall back to the group) and, that gather being a
-   barrier, every owner unlinks its segment (the mappings keep the memory until the last
-   one closes); then the group exchange for what remains, then the copies out.
+1. ``begin``: every rank lays out the regions it sends (round, slot), creates its segment
+   (``O_CREAT | O_EXCL``, mode 0600, a random name, allocated up front so a full
+   ``/dev/shm`` fails here with ``ENOSPC`` instead of a ``SIGBUS`` later), and all gather
+   ``[host, name, rounds]``; each rank maps the same-host segments it receives from, and all
+   gather which mappings failed. After that gather nobody opens a segment again, so every
+   owner unlinks its own: the memory lives on only in the mappings, and a killed rank leaves
+   nothing in ``/dev/shm`` (except between creation and that gather).
+2. Round ``k`` (the same count on every rank): readers read round ``k``'s regions into half
+   ``k % 2``; all agree the reads are intact (a corrupt chunk raises the same error on every
+   rank here, before anyone uses its bytes); receivers copy round ``k`` out. Half ``k % 2``
+   is written again in round ``k + 2`` only, after the agreement of round ``k + 1``, which
+   every rank enters once done copying round ``k``: one collective per round.
+3. The group exchange for the pairs that did not share memory.
 
-A segment is unlinked on every path out of :meth:`HostExchange.close` too; only a process
-killed between steps 1 and 3 can leave one behind (``/dev/shm/shardpoint-<pid>-<token>``).
-Segments carry raw tensor bytes and a msgpack table of where each region sits; no pickle.
+Segments hold raw tensor bytes and a msgpack table of where each region sits; no pickle.
 """
 from __future__ import annotations
 
@@ -34,20 +39,23 @@ import re
 import secrets
 import sys
 import time
-from typing import Callable, Optional, Sequence
+import warnings
+from collections import defaultdict
+from typing import Any, Callable, Optional, Sequence
 
 import msgpack
 import torch
 
 from . import errors
-from .exchange import Comm, exchange
+from .exchange import Comm, agree, exchange
 from .prefault import populate_write
-from .views import box_view
+from .views import box_view, to_numpy
 
 SHM_DIR = "/dev/shm"
+ROUND_BYTES = 32 << 20
 _NAME = re.compile(r"^shardpoint-[0-9]+-[0-9a-f]{32}$")
 _ALIGN = 64
-_HEADER_MAX = 64 << 20
+_BIG = 2**62     # stands for any slot offset when sizing the header
 
 
 def shm_supported() -> bool:
@@ -59,20 +67,29 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-class Segment:
-    """A shared-memory file of one rank: ``[u64 header length][msgpack header][data]``, the
-    header mapping each region (a read index) to its byte offset, global offset and shape."""
+def plan_rounds(sizes: Sequence[int], round_bytes: int) -> tuple:
+    """Regions (byte sizes, in read order) packed into rounds of at most ``half`` bytes each,
+    ``half = max(largest region, min(round_bytes, total))``: ``(half, [(round, slot)])``."""
+    total = sum(_align(n) for n in sizes)
+    half = max([_align(n) for n in sizes] + [min(round_bytes, total)])
+    out, k, pos = [], 0, 0
+    for n in sizes:
+        if pos and pos + _align(n) > half:
+            k, pos = k + 1, 0
+        out.append((k, pos))
+        pos += _align(n)
+    return half, out
 
-    def __init__(self, regions: Sequence[tuple]) -> None:
-        """``regions``: ``(read index, global offset, shape, itemsize)`` of each region."""
-        table, pos = [], 0
-        for i, off, shape, itemsize in regions:
-            table.append([i, pos, list(off), list(shape)])
-            pos += _align(math.prod(shape) * itemsize)
+
+class Segment:
+    """This rank's shared-memory file: ``[u64 header length][msgpack header][half 0][half
+    1]``; the header maps each region (read index) to ``[round, slot, offset, shape]``."""
+
+    def __init__(self, table: list, half: int) -> None:
         header = msgpack.packb(table)
+        self.half = half
         self.data_start = _align(8 + len(header))
-        self.size = self.data_start + pos
-        self.offsets = {i: self.data_start + p for i, p, _o, _s in table}
+        self.size = self.data_start + 2 * half
         self.name = f"shardpoint-{os.getpid()}-{secrets.token_hex(16)}"
         self.path = os.path.join(SHM_DIR, self.name)
         self.map: Optional[mmap.mmap] = None
@@ -89,10 +106,10 @@ class Segment:
         self.map[:8] = len(header).to_bytes(8, "little")
         self.map[8:8 + len(header)] = header
 
-    def view(self, i: int, nbytes: int) -> torch.Tensor:
-        """The uint8 tensor over region ``i``'s bytes."""
+    def view(self, k: int, slot: int, nbytes: int) -> torch.Tensor:
+        """The uint8 tensor over ``nbytes`` at ``slot`` of round ``k``'s half."""
         return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes,
-                                offset=self.offsets[i])
+                                offset=self.data_start + (k % 2) * self.half + slot)
 
     def unlink(self) -> None:
         try:
@@ -102,151 +119,252 @@ class Segment:
 
 
 class PeerSegment:
-    """Another rank's segment, mapped copy-on-write (never written: the owner's file stays
-    intact whatever happens here), with its region table."""
+    """Another rank's segment, mapped read-only (the owner's bytes stay as it verified them
+    whatever happens here), and its region table."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: Any) -> None:
         if not isinstance(name, str) or not _NAME.match(name):
             raise errors.LoadFailedError(f"peer shared-memory segment name {name!r} is not "
                                          "one shardpoint creates")
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            size = os.fstat(fd).st_size
-            self.map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+            self.size = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
         n = int.from_bytes(self.map[:8], "little")
-        if n > min(_HEADER_MAX, size - 8):
+        if n > self.size - 8:
             raise errors.LoadFailedError(f"shared-memory segment {name}: header of {n} bytes "
-                                         f"in a {size}-byte segment")
-        self.table = {i: (p, tuple(o), tuple(s)) for i, p, o, s in
+                                         f"in a {self.size}-byte segment")
+        self.table = {i: (k, s, tuple(o), tuple(sh)) for i, k, s, o, sh in
                       msgpack.unpackb(self.map[8:8 + n], strict_map_key=False)}
         self.data_start = _align(8 + n)
-        self.size = size
+        self.half = (self.size - self.data_start) // 2
+
+    def round_of(self, i: int) -> int:
+        return self.table[i][0]
 
     def box(self, i: int, dtype: torch.dtype, box_off: tuple, box_shape: tuple) -> torch.Tensor:
-        """The view of region ``i`` covering the global box."""
-        p, off, shape = self.table[i]
-        item = torch.empty((), dtype=dtype).element_size()
-        n = math.prod(shape) * item
-        start = self.data_start + p
-        if start + n > self.size:
-            raise errors.LoadFailedError(f"shared-memory region {i} ends at {start + n}, past "
-                                         f"the segment's {self.size} bytes")
-        t = torch.frombuffer(self.map, dtype=torch.uint8, count=n, offset=start)
+        """The view of region ``i`` (in its round's half) covering the global box."""
+        k, slot, off, shape = self.table[i]
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if slot + n > self.half:
+            raise errors.LoadFailedError(f"shared-memory region {i} ends at {slot + n}, past "
+                                         f"the segment's {self.half}-byte half")
+        with warnings.catch_warnings():   # read-only on purpose: it is only copied from
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(self.map, dtype=torch.uint8, count=n,
+                                 offset=self.data_start + (k % 2) * self.half + slot)
         return box_view(t.view(dtype).view(shape), off, box_off, box_shape)
 
 
 class HostExchange:
-    """One load's exchange; see the module docstring for the order of the collective steps."""
+    """Step 1 of the module docstring, and what the rounds need to know afterwards."""
 
-    def __init__(self, comm: Comm, host: str, use_shm: bool) -> None:
-        self.comm, self.host, self.use_shm = comm, host, use_shm and shm_supported()
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
         self.seg: Optional[Segment] = None
-        self.peers: list = []            # per rank: [host, segment name or None]
-        self.shm_error: Optional[str] = None
-        self.stats: dict = {}
+        self.slots: dict = {}        # read index -> (round, slot)
+        self.rounds = 0
+        self.peers: dict = {}        # same-host rank I receive from -> PeerSegment
+        self.to_shm: set = set()     # ranks that copy from my segment
+        self.notes: list = []        # why shared memory was not used somewhere
 
     @classmethod
-    def begin(cls, comm: Comm, host: str, regions: Sequence[tuple],
-              use_shm: bool = True) -> "HostExchange":
-        """Step 1, collective: create this rank's segment for ``regions`` (``(read index,
-        global offset, shape, itemsize)`` of each read that is sent to another rank) and
-        learn every rank's host and segment. A segment that cannot be created is reported,
-        not raised: that rank's regions then go through the group."""
-        hx = cls(comm, host, use_shm)
-        name = None
-        if hx.use_shm and regions:
-            try:
-                hx.seg = Segment(regions)
-                name = hx.seg.name
-            except OSError as e:
-                hx.shm_error = f"{type(e).__name__}: {e}"
+    def begin(cls, comm: Comm, host: str, regions: Sequence[tuple], recv_from: set,
+              use_shm: bool, round_bytes: int = ROUND_BYTES) -> "HostExchange":
+        """Collective. ``regions``: ``(read index, global offset, shape, nbytes)`` of each read
+        this rank sends, in read order; ``recv_from``: the ranks it receives from."""
+        hx = cls(comm)
         try:
-            got = comm.all_gather_bytes(msgpack.packb([host, name]))
-            hx.peers = [msgpack.unpackb(g) for g in got]
+            hx._begin(host, regions, recv_from, use_shm and shm_supported(), round_bytes)
         except BaseException:
             hx.close()
             raise
         return hx
 
-    def buffer(self, i: int, shape: tuple, dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """A tensor in this rank's segment for read ``i``, or None when it has no place
-        there (a read only used locally, or no segment)."""
-        if self.seg is None or i not in self.seg.offsets:
-            return None
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return self.seg.view(i, n).view(dtype).view(shape)
-
-    def _same_host(self, r: int) -> bool:
-        return r != self.comm.rank and self.peers[r][0] == self.host
-
-    def run(self, sends: Sequence[tuple], recvs: Sequence[tuple], budget: int,
-            dtype_of: Callable[[str], torch.dtype]) -> None:
-        """Step 3, collective, after every rank's reads were agreed intact. ``sends``:
-        ``[(Transfer, source view)]``, ``recvs``: ``[(Transfer, destination view)]``, each in
-        plan order. Same-host pairs copy from the sender's segment; the rest use the group."""
+    def _begin(self, host: str, regions: Sequence[tuple], recv_from: set, use_shm: bool,
+               round_bytes: int) -> None:
         comm = self.comm
-        t0 = time.perf_counter()
-        mapped: dict = {}
-        failed: list = []
-        err: Optional[BaseException] = None
-        if self.use_shm:
-            for src in sorted({t.src for t, _ in recvs if self._same_host(t.src)}):
-                name = self.peers[src][1]
-                if name is None:
-                    failed.append(src)
-                    continue
-                try:
-                    mapped[src] = PeerSegment(name)
-                except Exception as e:  # noqa: BLE001
-                    # Not mappable (another machine after all, a damaged table): the pair
-                    # goes through the group, which both sides learn from the gather below.
-                    failed.append(src)
-                    self.shm_error = f"{type(e).__name__}: {e}"
-        else:
-            failed = sorted({t.src for t, _ in recvs if self._same_host(t.src)})
-        shm_recv = [(t, v) for t, v in recvs if t.src in mapped]
-        gloo_recv = [(t.src, v) for t, v in recvs if t.src not in mapped]
-        # The gather is the barrier after which no one opens a segment: owners unlink now.
-        got = comm.all_gather_bytes(msgpack.packb([failed, bool(gloo_recv)]))
+        name, my_rounds = None, 0
+        if use_shm and regions:
+            half, where = plan_rounds([n for *_, n in regions], round_bytes)
+            self.slots = {r[0]: w for r, w in zip(regions, where)}
+            my_rounds = where[-1][0] + 1
+            table = [[i, k, s, list(o), list(sh)] for (i, o, sh, _n), (k, s) in
+                     zip(regions, where)]
+            try:
+                self.seg = Segment(table, half)
+                name = self.seg.name
+            except OSError as e:
+                self.notes.append(f"cannot create a segment: {e}")
+                self.slots = {}
+                my_rounds = 0
+        got = [msgpack.unpackb(g) for g in comm.all_gather_bytes(
+            msgpack.packb([host, name, my_rounds]))]
+        self.rounds = max(r for _h, _n, r in got)
+        failed = []
+        for src in sorted(recv_from):
+            h, n, _r = got[src]
+            if src == comm.rank or h != host:
+                continue
+            if not use_shm or n is None:
+                failed.append(src)
+                continue
+            try:
+                self.peers[src] = PeerSegment(n)
+            except Exception as e:  # noqa: BLE001 - that pair goes through the group instead
+                failed.append(src)
+                self.notes.append(f"cannot map rank {src}'s segment: {e}")
+        fails = [msgpack.unpackb(g) for g in comm.all_gather_bytes(msgpack.packb(failed))]
+        # Nobody opens a segment after this gather: the mappings keep the memory alive.
         if self.seg is not None:
             self.seg.unlink()
-        fails = [msgpack.unpackb(g) for g in got]
-        to_peer_fails = {d for d, (f, _) in enumerate(fails) if comm.rank in f}
-        gloo_send = [(t.dst, v) for t, v in sends
-                     if not (self._peer_has_shm(t.dst) and t.dst not in to_peer_fails)]
-        if any(g for _, g in fails):
-            exchange(comm, gloo_send, gloo_recv, budget)
-        t1 = time.perf_counter()
-        moved = 0
-        if err is None:
-            try:
-                for _t, dst in shm_recv:
-                    populate_write(dst)
-                self.stats["populate_s"] = time.perf_counter() - t1
-                c0 = time.thread_time()
-                for t, dst in shm_recv:
-                    src = mapped[t.src].box(t.src_ref[0], dtype_of(t.key), t.box_offset,
-                                            t.box_shape)
-                    dst.copy_(src)
-                    moved += dst.numel() * dst.element_size()
-            except Exception as e:  # noqa: BLE001 - raised below, after the maps are closed
-                err = e
-        mapped.clear()
-        self.stats["copy_cpu_s"] = time.thread_time() - c0 if err is None else 0.0
-        self.stats.update({"shm_bytes": moved, "group_bytes": sum(v.numel() * v.element_size()
-                                                             for _, v in gloo_recv),
-                      "group_s": t1 - t0, "copy_s": time.perf_counter() - t1})
-        if err is not None:
-            raise err
-
-    def _peer_has_shm(self, r: int) -> bool:
-        """Whether rank ``r`` reads from this rank's segment rather than the group."""
-        return self._same_host(r) and self.seg is not None
+        self.to_shm = {d for d, (h, _n, _r) in enumerate(got) if h == host and d != comm.rank
+                       and self.seg is not None and comm.rank not in fails[d]}
 
     def close(self) -> None:
-        """Unlink this rank's segment (idempotent); its memory goes with the last mapping."""
+        """Unlink this rank's segment if still linked, drop the mappings (idempotent)."""
         if self.seg is not None:
             self.seg.unlink()
-            self.seg = None
+        self.peers = {}
+
+
+def execute_dedup_load(comm: Comm, be: Any, work: Any, budget: int, timings: dict,
+                       dst_view: Callable, handle: Callable, dtype_of: Callable, host: str,
+                       use_shm: bool, round_bytes: int = ROUND_BYTES) -> tuple:
+    """Collective: read this rank's share of a dedup load plan (``RankLoadWork``), copy its
+    own parts, and exchange the rest (module docstring). Returns ``(bytes read, bytes
+    sent)``; ``timings`` gains the phases and the bytes moved through shared memory."""
+    t0 = time.perf_counter()
+    reads = work.reads
+    size = [math.prod(op.shape) * torch.empty((), dtype=dtype_of(op.key)).element_size()
+            for op in reads]
+    sent_to: dict = defaultdict(set)
+    for t in work.sends:
+        sent_to[t.src_ref[0]].add(t.dst)
+    hx = HostExchange.begin(comm, host, [(i, reads[i].offset, reads[i].shape, size[i])
+                                         for i in sorted(sent_to)],
+                            {t.src for t in work.recvs}, use_shm, round_bytes)
+    try:
+        return _run(comm, be, work, budget, timings, dst_view, handle, dtype_of, hx, size,
+                    sent_to, t0)
+    finally:
+        hx.close()
+
+
+def _run(comm: Comm, be: Any, work: Any, budget: int, timings: dict, dst_view: Callable,
+         handle: Callable, dtype_of: Callable, hx: HostExchange, size: list, sent_to: dict,
+         t0: float) -> tuple:
+    reads = work.reads
+    t_begin = time.perf_counter()
+    staged: dict = defaultdict(list)    # round -> read indexes read into the segment
+    mixed: dict = defaultdict(list)     # round -> read indexes copied into it from private
+    bufs: list = [None] * len(reads)
+    err: Optional[BaseException] = None
+    nread = 0
+
+    def local_copies(i: int) -> None:
+        for q, pi, bo, bs in reads[i].local:
+            v, off = dst_view(q, pi)
+            box_view(v, off, bo, bs).copy_(box_view(bufs[i], reads[i].offset, bo, bs))
+
+    try:
+        ops, post = [], []
+        for i, op in enumerate(reads):
+            dt = dtype_of(op.key)
+            if op.direct is not None:
+                v, off = dst_view(*op.direct)
+                v = box_view(v, off, op.offset, op.shape)
+                if v.device.type != "cpu":
+                    buf = torch.empty(op.shape, dtype=dt, pin_memory=torch.cuda.is_available())
+                    post.append((v, buf))
+                    v = buf
+                ops.append(be.read_into(handle(op.key), op.offset, to_numpy(v)))
+                nread += size[i]
+                continue
+            shm_dsts = sent_to.get(i, set()) & hx.to_shm
+            if i in hx.slots and shm_dsts and shm_dsts == sent_to[i]:
+                staged[hx.slots[i][0]].append(i)
+                continue
+            bufs[i] = torch.empty(op.shape, dtype=dt)
+            if i in hx.slots and shm_dsts:
+                mixed[hx.slots[i][0]].append(i)
+            ops.append(be.read_into(handle(op.key), op.offset, to_numpy(bufs[i])))
+            nread += size[i]
+        be.wait(ops)
+        for v, buf in post:
+            v.copy_(buf, non_blocking=True)
+        for i in range(len(reads)):
+            if bufs[i] is not None:
+                local_copies(i)
+    except Exception as e:  # noqa: BLE001 - shared with every rank at the next agreement
+        err = e
+    timings["storage"] = time.perf_counter() - t_begin
+
+    shm_recv: dict = defaultdict(list)  # round -> [(Transfer, destination view)]
+    group_recv: list = []
+    try:
+        for t in work.recvs:
+            v, off = dst_view(*t.dst_ref)
+            dst = box_view(v, off, t.box_offset, t.box_shape)
+            if t.src in hx.peers:
+                shm_recv[hx.peers[t.src].round_of(t.src_ref[0])].append((t, dst))
+                populate_write(dst)
+            else:
+                group_recv.append((t.src, dst))
+    except Exception as e:  # noqa: BLE001
+        err = err or e
+    moved = t_read = t_copy = t_wait = 0.0
+    for k in range(max(hx.rounds, 1)):
+        t = time.perf_counter()
+        if err is None and hx.seg is not None:
+            try:
+                ops = []
+                for i in staged.get(k, ()):
+                    r, s = hx.slots[i]
+                    bufs[i] = hx.seg.view(r, s, size[i]).view(dtype_of(reads[i].key)).view(
+                        reads[i].shape)
+                    ops.append(be.read_into(handle(reads[i].key), reads[i].offset,
+                                            to_numpy(bufs[i])))
+                    nread += size[i]
+                be.wait(ops)
+                for i in mixed.get(k, ()):
+                    r, s = hx.slots[i]
+                    hx.seg.view(r, s, size[i]).copy_(bufs[i].reshape(-1).view(torch.uint8))
+                for i in staged.get(k, ()):
+                    local_copies(i)
+            except Exception as e:  # noqa: BLE001
+                err = e
+        t_read += time.perf_counter() - t
+        t = time.perf_counter()
+        agree(comm, err, errors.LoadFailedError)   # every rank's round k is intact
+        t_wait += time.perf_counter() - t
+        t = time.perf_counter()
+        try:
+            for tr, dst in shm_recv.get(k, ()):
+                dst.copy_(hx.peers[tr.src].box(tr.src_ref[0], dtype_of(tr.key), tr.box_offset,
+                                               tr.box_shape))
+                moved += dst.numel() * dst.element_size()
+        except Exception as e:  # noqa: BLE001 - raised at the next agreement, or below
+            err = e
+        t_copy += time.perf_counter() - t
+    t = time.perf_counter()
+    # An error here can only come from the last round's copies (earlier ones were raised at
+    # an agreement): the buffers are intact, so this rank still does its part of the exchange.
+    sends = [(t_.dst, box_view(bufs[t_.src_ref[0]], reads[t_.src_ref[0]].offset, t_.box_offset,
+                               t_.box_shape)) for t_ in work.sends if t_.dst not in hx.to_shm]
+    exchange(comm, sends, group_recv, budget)
+    timings.update({"shm_rounds": hx.rounds, "shm_bytes": moved, "shm_read_s": t_read,
+                    "shm_wait_s": t_wait, "shm_copy_s": t_copy,
+                    "group_bytes": sum(v.numel() * v.element_size() for _, v in group_recv),
+                    "group_s": time.perf_counter() - t, "setup_s": t_begin - t0})
+    timings["exchange"] = t_copy + timings["group_s"]     # moving bytes, not waiting
+    if hx.notes:
+        timings["shm_notes"] = "; ".join(hx.notes)
+    if err is not None:
+        raise err
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return nread, sum(math.prod(t_.box_shape) * torch.empty((), dtype=dtype_of(t_.key))
+                      .element_size() for t_ in work.sends)

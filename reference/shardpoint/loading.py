@@ -18,7 +18,7 @@ import torch
 from . import dtypes, errors
 from .columns import HoldingColumns
 from .exchange import Comm, agree, error_record, exchange, raise_records, run_collectively
-from .host_exchange import HostExchange
+from .host_exchange import execute_dedup_load
 from .metadata import Manifest, decode_manifest
 from .load_planner import LoadOptions, plan_load_auto
 from .planner import RankLoadWork, TensorLayout
@@ -117,8 +117,7 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
         t = time.perf_counter()
         report.rank_bytes_read, report.exchange_bytes = _execute_load(
             comm, be, path, m_box["m"], tgt_box["t"], work, budget, report.timings,
-            opts.host_id or socket.gethostname(), opts.shm_exchange,
-            costs["strategy"] == "dedup")
+            opts, costs["strategy"] == "dedup")
         report.timings["read"] = time.perf_counter() - t
     except Exception as e:  # noqa: BLE001
         if getattr(e, "_sp_agreed", False):
@@ -138,15 +137,9 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
 
 
 def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, targets: list,
-                  work: RankLoadWork, budget: int, timings: dict, host: str,
-                  shm_exchange: bool, exchanging: bool) -> tuple:
-    """Read this rank's regions, copy its own parts, and exchange the rest with its peers
-    (same-host peers through shared memory, see :mod:`.host_exchange`). ``exchanging`` is
-    the same on every rank (the plan's strategy is dedup): the exchange is collective."""
+                  work: RankLoadWork, budget: int, timings: dict, opts: LoadOptions,
+                  exchanging: bool) -> tuple:
     dst_view = PieceViews([(tg.holding, tg.data) for tg in targets])
-
-    def dtype_of(key: str) -> torch.dtype:
-        return dtypes.from_name(m.tensors[key].dtype).torch
 
     handles: dict = {}
 
@@ -156,36 +149,21 @@ def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, target
             handles[key] = be.open_array_for_read(path, e.array, e.spec, key)
         return handles[key]
 
-    hx = None
-    if exchanging and comm.size > 1:
-        sent = sorted({t.src_ref[0] for t in work.sends})
-        hx = HostExchange.begin(comm, host, [
-            (i, work.reads[i].offset, work.reads[i].shape,
-             dtypes.from_name(m.tensors[work.reads[i].key].dtype).itemsize) for i in sent],
-            use_shm=shm_exchange)
-    try:
-        return _read_and_exchange(comm, be, work, budget, timings, dst_view, handle,
-                                  dtype_of, hx, exchanging)
-    finally:
-        if hx is not None:
-            hx.close()
-
-
-def _read_and_exchange(comm: Comm, be: StorageBackend, work: RankLoadWork, budget: int,
-                       timings: dict, dst_view: PieceViews, handle: Any, dtype_of: Any,
-                       hx: Optional[HostExchange], exchanging: bool) -> tuple:
+    if exchanging and comm.size > 1:   # the same on every rank: the plan's strategy is global
+        return execute_dedup_load(
+            comm, be, work, budget, timings, dst_view, handle,
+            lambda key: dtypes.from_name(m.tensors[key].dtype).torch,
+            opts.host_id or socket.gethostname(), opts.shm_exchange, opts.shm_round_bytes)
     # Reads and local copies first; ranks agree before the exchange, so a corrupt chunk
-    # seen by one rank is raised everywhere instead of leaving peers in a collective (and
-    # before any peer maps this rank's shared-memory segment).
+    # seen by one rank is raised everywhere instead of leaving peers in a collective.
     err: Optional[BaseException] = None
-    t0 = time.perf_counter()
     nread = 0
     sends: list = []
     recvs: list = []
     try:
         ops, bufs, post = [], [], []
-        for i, op in enumerate(work.reads):
-            dt = dtype_of(op.key)
+        for op in work.reads:
+            dt = dtypes.from_name(m.tensors[op.key].dtype).torch
             if op.direct is not None:
                 v, off = dst_view(*op.direct)
                 v = box_view(v, off, op.offset, op.shape)
@@ -196,37 +174,27 @@ def _read_and_exchange(comm: Comm, be: StorageBackend, work: RankLoadWork, budge
                     post.append((v, buf))
                 bufs.append(None)
             else:
-                buf = hx.buffer(i, op.shape, dt) if hx is not None else None
-                if buf is None:
-                    buf = torch.empty(op.shape, dtype=dt)
+                buf = torch.empty(op.shape, dtype=dt)
                 bufs.append(buf)
             nread += buf.numel() * buf.element_size()
             ops.append(be.read_into(handle(op.key), op.offset, to_numpy(buf)))
         be.wait(ops)
-        timings["storage"] = time.perf_counter() - t0
         for v, buf in post:
             v.copy_(buf, non_blocking=True)
         for op, buf in zip(work.reads, bufs):
             for q, pi, bo, bs in op.local:
                 v, off = dst_view(q, pi)
                 box_view(v, off, bo, bs).copy_(box_view(buf, op.offset, bo, bs))
-        sends += [(t, box_view(bufs[t.src_ref[0]], work.reads[t.src_ref[0]].offset,
-                               t.box_offset, t.box_shape)) for t in work.sends]
+        sends += [(t.dst, box_view(bufs[t.src_ref[0]], work.reads[t.src_ref[0]].offset,
+                                   t.box_offset, t.box_shape)) for t in work.sends]
         for t in work.recvs:
             v, off = dst_view(*t.dst_ref)
-            recvs.append((t, box_view(v, off, t.box_offset, t.box_shape)))
+            recvs.append((t.src, box_view(v, off, t.box_offset, t.box_shape)))
     except Exception as e:  # noqa: BLE001 - shared with every rank just below
         err = e
-    t = time.perf_counter()
-    timings["local"] = t - t0
     agree(comm, err, errors.LoadFailedError)
     t = time.perf_counter()
-    timings["agree"] = t - t0 - timings["local"]
-    if hx is not None:
-        hx.run(sends, recvs, budget, dtype_of)
-        timings.update(hx.stats)
-    elif exchanging and comm.size > 1:
-        exchange(comm, [(t.dst, v) for t, v in sends], [(t.src, v) for t, v in recvs], budget)
+    exchange(comm, sends, recvs, budget)
     timings["exchange"] = time.perf_counter() - t
     if torch.cuda.is_available():
         torch.cuda.synchronize()
