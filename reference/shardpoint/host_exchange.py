@@ -302,6 +302,7 @@ def _run(comm: Comm, be: Any, work: Any, budget: int, timings: dict, dst_view: C
         err = e
     timings["storage"] = time.perf_counter() - t_begin
 
+    t_pop = time.perf_counter()
     shm_recv: dict = defaultdict(list)  # round -> [(Transfer, destination view)]
     group_recv: list = []
     try:
@@ -315,20 +316,40 @@ def _run(comm: Comm, be: Any, work: Any, budget: int, timings: dict, dst_view: C
                 group_recv.append((t.src, dst))
     except Exception as e:  # noqa: BLE001
         err = err or e
+    timings["populate_s"] = time.perf_counter() - t_pop
+    prefetch = getattr(be, "prefetch", None)
+    t = time.perf_counter()
+    if prefetch is not None and err is None:
+        try:   # the disk reads ahead while the rounds proceed
+            for k in sorted(staged)[1:]:
+                for i in staged[k]:
+                    prefetch(handle(reads[i].key), reads[i].offset, reads[i].shape)
+        except Exception:  # noqa: BLE001 - a hint; the reads themselves report any problem
+            pass
+    timings["prefetch_s"] = time.perf_counter() - t
+
+    def issue(k: int) -> list:
+        ops = []
+        for i in staged.get(k, ()):
+            r, s = hx.slots[i]
+            bufs[i] = hx.seg.view(r, s, size[i]).view(dtype_of(reads[i].key)).view(
+                reads[i].shape)
+            ops.append(be.read_into(handle(reads[i].key), reads[i].offset, to_numpy(bufs[i])))
+        return ops
+
     moved = t_read = t_copy = t_wait = 0.0
+    pending: list = []
+    if err is None and hx.seg is not None:
+        try:
+            pending = issue(0)
+        except Exception as e:  # noqa: BLE001
+            err = e
     for k in range(max(hx.rounds, 1)):
         t = time.perf_counter()
         if err is None and hx.seg is not None:
             try:
-                ops = []
-                for i in staged.get(k, ()):
-                    r, s = hx.slots[i]
-                    bufs[i] = hx.seg.view(r, s, size[i]).view(dtype_of(reads[i].key)).view(
-                        reads[i].shape)
-                    ops.append(be.read_into(handle(reads[i].key), reads[i].offset,
-                                            to_numpy(bufs[i])))
-                    nread += size[i]
-                be.wait(ops)
+                be.wait(pending)
+                nread += sum(size[i] for i in staged.get(k, ()))
                 for i in mixed.get(k, ()):
                     r, s = hx.slots[i]
                     hx.seg.view(r, s, size[i]).copy_(bufs[i].reshape(-1).view(torch.uint8))
@@ -336,11 +357,18 @@ def _run(comm: Comm, be: Any, work: Any, budget: int, timings: dict, dst_view: C
                     local_copies(i)
             except Exception as e:  # noqa: BLE001
                 err = e
+        pending = []
         t_read += time.perf_counter() - t
         t = time.perf_counter()
         agree(comm, err, errors.LoadFailedError)   # every rank's round k is intact
         t_wait += time.perf_counter() - t
         t = time.perf_counter()
+        # Every peer finished copying round k - 1 before this agreement: its half is free.
+        if k + 1 < hx.rounds and hx.seg is not None:
+            try:
+                pending = issue(k + 1)
+            except Exception as e:  # noqa: BLE001 - raised at the next agreement
+                err = e
         try:
             for tr, dst in shm_recv.get(k, ()):
                 dst.copy_(hx.peers[tr.src].box(tr.src_ref[0], dtype_of(tr.key), tr.box_offset,
