@@ -108,6 +108,8 @@ class Segment:
 
     def view(self, k: int, slot: int, nbytes: int) -> torch.Tensor:
         """The uint8 tensor over ``nbytes`` at ``slot`` of round ``k``'s half."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes,
                                 offset=self.data_start + (k % 2) * self.half + slot)
 
@@ -151,6 +153,8 @@ class PeerSegment:
         if slot + n > self.half:
             raise errors.LoadFailedError(f"shared-memory region {i} ends at {slot + n}, past "
                                          f"the segment's {self.half}-byte half")
+        if n == 0:
+            return box_view(torch.empty(shape, dtype=dtype), off, box_off, box_shape)
         with warnings.catch_warnings():   # read-only on purpose: it is only copied from
             warnings.simplefilter("ignore", UserWarning)
             t = torch.frombuffer(self.map, dtype=torch.uint8, count=n,
