@@ -89,8 +89,12 @@ def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes:
     With per-rank figures (optional, each a list over ranks) the model also prices what
     passes through each rank's memory at ``memory_gbps``: under dedup the bytes it reads
     (``dedup_rank_bytes``) and those it copies from same-host peers' shared memory
-    (``shm_bytes``, not in ``exchange_bytes``); under direct the whole stored chunks it
-    reads, checks and narrows (``direct_rank_bytes``)."""
+    (``shm_bytes``, not in ``exchange_bytes``), after the reads (the copies wait for every
+    rank's reads to be agreed intact); under direct the whole stored chunks it reads, checks
+    and narrows (``direct_rank_bytes``), which overlaps the storage reads (no rank waits for
+    another). Measured on one 2-core host, 4 ranks loading by columns a checkpoint saved by
+    rows (512 MiB, cold, 3 interleaved runs): direct 1.17 s, dedup through shared memory
+    1.26 s, dedup over gloo 2.6 s; 3 ranks: 1.13 s and 1.08 s."""
     if strategy not in STRATEGIES:
         raise ValueError(f"load strategy {strategy!r}: expected one of {STRATEGIES}")
     if storage_gbps <= 0 or exchange_gbps <= 0 or memory_gbps <= 0:
@@ -104,7 +108,7 @@ def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes:
                default=0.0)
     dedup_s = (dedup_read_bytes / (n_hosts * storage_gbps * 1e9) + wait
                + max(dedup_rank_bytes, default=0) / mem)
-    direct_s = h_max / (storage_gbps * 1e9) + max(direct_rank_bytes, default=0) / mem
+    direct_s = max(h_max / (storage_gbps * 1e9), max(direct_rank_bytes, default=0) / mem)
     pick = strategy if strategy != "auto" else ("direct" if direct_s <= dedup_s else "dedup")
     return LoadCosts(n_hosts, dedup_read_bytes, x_max, h_max, dedup_s, direct_s, pick,
                      shm_bytes_max=max(shm, default=0))
