@@ -149,3 +149,24 @@ def test_cost_model_one_host():
             for r in range(4)]
     assert plan_load_auto(rows, lay, hosts, LoadOptions(storage_gbps=20.0),
                           1.0)[1].strategy == "direct"
+
+
+def test_rounds_pack_regions_in_order_and_fit_the_largest():
+    from shardpoint.host_exchange import plan_rounds
+    half, where = plan_rounds([100, 100, 100, 300, 64], 256)
+    assert half == 320                     # the largest region, aligned to 64 bytes
+    assert where == [(0, 0), (0, 128), (1, 0), (2, 0), (3, 0)]
+    assert plan_rounds([10, 10], 1 << 20) == (128, [(0, 0), (0, 64)])
+
+
+def test_prefetch_names_only_the_chunk_files_a_box_covers_whole():
+    import numpy as np
+    from shardpoint_tensorstore.direct import DirectLayout, whole_chunk_files
+    lay = DirectLayout("/a", (10, 6), (4, 3), None, 4, np.dtype("f4"))
+
+    def names(off, shape):
+        return [f[len("/a/c/"):] for f in whole_chunk_files(lay, off, shape)]
+    assert names((0, 0), (10, 6)) == ["0/0", "0/1", "1/0", "1/1", "2/0", "2/1"]  # edge: whole
+    assert names((0, 0), (8, 3)) == ["0/0", "1/0"]
+    assert names((2, 0), (8, 6)) == ["1/0", "1/1", "2/0", "2/1"]
+    assert names((0, 1), (4, 5)) == ["0/1"]
