@@ -138,3 +138,33 @@ def single_process(base, n, rows, cols, repeat, drop):
             res.setdefault(name, []).append(time.perf_counter() - t)
             assert torch.equal(like["w0"], _full(0, rows, cols)), name
     return res
+
+
+def main(argv=None) -> None:
+    """Only the resharded-load table of ``bench.py`` (one command, same steps and table)."""
+    import argparse
+    import os
+    import sys
+    import tempfile
+    import warnings
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench
+    import bench_tools as bt
+    ap = argparse.ArgumentParser(description="shardpoint resharded-load benchmark")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one run")
+    ap.add_argument("--repeat", type=int, default=None, help="runs per step (default 3)")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    a = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    repeat = a.repeat or (1 if a.quick else 3)
+    base = tempfile.mkdtemp(prefix="sp-bench-reshard-", dir=a.dir)
+    drop = not a.quick and bt.drop_caches()
+    print(f"page cache: {'dropped before every timed step' if drop else 'NOT dropped'}")
+    try:
+        bench.bench_reshard(base, a.quick, repeat, drop)
+    finally:
+        bt.rm(base)
+
+
+if __name__ == "__main__":
+    main()

@@ -30,7 +30,7 @@ from shardpoint.storage import MANIFEST_NAME, ArraySpec, Leftover
 from .zarr_checks import (check_array_files, check_regular_file, check_zarr_json,
                           chunk_file_sizes, read_zarr_json)
 
-from .direct import DirectLayout, DirectReader, parse_layout
+from .direct import DirectLayout, DirectReader, parse_layout, whole_chunk_files
 from .direct_write import (DirectWriter, WritePool, stored_codecs, write_layout,
                            zarr_json_bytes)
 
@@ -267,6 +267,20 @@ def fsync_trees(roots: Sequence[str], stop: str, threads: int = 16) -> int:
     return len(ordered)
 
 
+def _will_need(files: Sequence[str]) -> None:
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue    # the read reports it
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 class TensorStoreBackend:
     """The default :class:`shardpoint.storage.StorageBackend` (file kvstore, Zarr v3).
 
@@ -464,6 +478,15 @@ class TensorStoreBackend:
                 return _DirectHandle(layout, lambda: self._open_ts_for_read(
                     root, array_path, spec, key))
         return self._open_ts_for_read(root, array_path, spec, key)
+
+    def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
+        """A hint, nothing read here: start reading the chunk files a later ``read_into`` of
+        this box will read whole (``posix_fadvise(WILLNEED)``), so reads issued in rounds
+        find them in the page cache instead of leaving the disk idle between rounds."""
+        if not isinstance(handle, _DirectHandle) or not hasattr(os, "posix_fadvise"):
+            return
+        # fadvise can block while it queues the reads: one pool task, the caller goes on.
+        self._submit(_will_need, whole_chunk_files(handle.layout, offset, shape))
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
         # TensorStore itself refuses bool bytes other than 0/1 ("Invalid bool value"), so a

@@ -115,6 +115,18 @@ def _chunk_file(lay: DirectLayout, idx: tuple) -> str:
     return os.path.join(lay.path, "c", *map(str, idx)) if idx else os.path.join(lay.path, "c")
 
 
+def whole_chunk_files(lay: DirectLayout, offset: Sequence[int], shape: Sequence[int]) -> list:
+    """The files of the stored chunks that the box ``[offset, offset + shape)`` covers whole
+    (chunks clipped by the array's edge count as whole)."""
+    out = []
+    lo = [-(-o // c) for o, c in zip(offset, lay.chunk)]
+    hi = [min(-(-n // c), (o + s) // c if o + s < n else -(-n // c))
+          for o, s, c, n in zip(offset, shape, lay.chunk, lay.shape)]
+    for idx in np.ndindex(*[max(0, h - l_) for l_, h in zip(lo, hi)]) if lay.shape else [()]:
+        out.append(_chunk_file(lay, tuple(i + l_ for i, l_ in zip(idx, lo))))
+    return out
+
+
 def _sub(a: np.ndarray, lo: tuple, hi: tuple, base: tuple) -> np.ndarray:
     """The view of ``a`` (whose first element sits at global ``base``) covering [lo, hi)."""
     if not lo:

@@ -56,6 +56,9 @@ class LoadOptions:
     exchange_gbps: Optional[float] = None
     exchange_budget_bytes: int = 256 << 20
     host_id: Optional[str] = None    # None: this machine's hostname
+    shm_exchange: bool = True        # dedup: same-host ranks share reads via /dev/shm
+    shm_round_bytes: int = 32 << 20  # ... staged in rounds of this many bytes per rank
+    memory_gbps: float = 2.0         # one rank's rate through memory: copy, crc32c, faults
 
 
 @dataclass
@@ -70,26 +73,45 @@ class LoadCosts:
     direct_s: float
     strategy: str = "dedup"
     notes: dict = field(default_factory=dict)
+    shm_bytes_max: int = 0         # the most one rank copies from same-host peers under dedup
 
 
 def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes: Sequence[int],
                     direct_host_bytes: dict, storage_gbps: float, exchange_gbps: float,
-                    strategy: str = "auto") -> LoadCosts:
+                    strategy: str = "auto", *, shm_bytes: Sequence[int] = (),
+                    dedup_rank_bytes: Sequence[int] = (), direct_rank_bytes: Sequence[int] = (),
+                    memory_gbps: float = 2.0) -> LoadCosts:
     """Pick dedup or direct for one load. Dedup reads every distinct byte once, spread over
     the hosts, then each rank waits for what it receives; direct lets every host read, once
     from storage (its page cache serves its other ranks), everything its ranks need, chunks
-    rounded up. Ties go to direct (no exchange, no extra buffers)."""
+    rounded up. Ties go to direct (no exchange, no extra buffers).
+
+    With per-rank figures (optional, each a list over ranks) the model also prices what
+    passes through each rank's memory at ``memory_gbps``: under dedup the bytes it reads
+    (``dedup_rank_bytes``) and those it copies from same-host peers' shared memory
+    (``shm_bytes``, not in ``exchange_bytes``), after the reads (the copies wait for every
+    rank's reads to be agreed intact); under direct the whole stored chunks it reads, checks
+    and narrows (``direct_rank_bytes``), which overlaps the storage reads (no rank waits for
+    another). Measured on one 2-core host, 4 ranks loading by columns a checkpoint saved by
+    rows (512 MiB, cold, 3 interleaved runs): direct 1.17 s, dedup through shared memory
+    1.26 s, dedup over gloo 2.6 s; 3 ranks: 1.13 s and 1.08 s."""
     if strategy not in STRATEGIES:
         raise ValueError(f"load strategy {strategy!r}: expected one of {STRATEGIES}")
-    if storage_gbps <= 0 or exchange_gbps <= 0:
-        raise ValueError("storage_gbps and exchange_gbps must be positive")
+    if storage_gbps <= 0 or exchange_gbps <= 0 or memory_gbps <= 0:
+        raise ValueError("storage_gbps, exchange_gbps and memory_gbps must be positive")
     n_hosts = max(1, len(set(hosts)))
     x_max = max(exchange_bytes, default=0)
     h_max = max(direct_host_bytes.values(), default=0)
-    dedup_s = dedup_read_bytes / (n_hosts * storage_gbps * 1e9) + x_max / (exchange_gbps * 1e9)
-    direct_s = h_max / (storage_gbps * 1e9)
+    mem = memory_gbps * 1e9
+    shm = list(shm_bytes) or [0] * len(exchange_bytes)
+    wait = max((x / (exchange_gbps * 1e9) + m / mem for x, m in zip(exchange_bytes, shm)),
+               default=0.0)
+    dedup_s = (dedup_read_bytes / (n_hosts * storage_gbps * 1e9) + wait
+               + max(dedup_rank_bytes, default=0) / mem)
+    direct_s = max(h_max / (storage_gbps * 1e9), max(direct_rank_bytes, default=0) / mem)
     pick = strategy if strategy != "auto" else ("direct" if direct_s <= dedup_s else "dedup")
-    return LoadCosts(n_hosts, dedup_read_bytes, x_max, h_max, dedup_s, direct_s, pick)
+    return LoadCosts(n_hosts, dedup_read_bytes, x_max, h_max, dedup_s, direct_s, pick,
+                     shm_bytes_max=max(shm, default=0))
 
 
 def _direct_bytes(h: Holding, lay: TensorLayout, itemsize: int) -> dict:
@@ -132,23 +154,29 @@ def plan_load_auto(requests: Sequence[Sequence[Holding]], layouts: dict, hosts: 
     dedup = plan_load(requests, layouts)
     if opts.strategy == "dedup" or len(requests) == 1:
         return dedup, LoadCosts(len(set(hosts)), 0, 0, 0, 0.0, 0.0, "dedup")
-    recv = [0] * len(requests)
-    read = 0
-    for w in dedup:
+    world = len(requests)
+    recv, shm, rank_read = [0] * world, [0] * world, [0] * world
+    for r, w in enumerate(dedup):
         for op in w.reads:
-            read += math.prod(op.shape) * dtypes.from_name(layouts[op.key].dtype).itemsize
+            rank_read[r] += math.prod(op.shape) * dtypes.from_name(layouts[op.key].dtype).itemsize
         for t in w.recvs:
-            recv[t.dst] += math.prod(t.box_shape) * dtypes.from_name(
-                layouts[t.key].dtype).itemsize
+            n = math.prod(t.box_shape) * dtypes.from_name(layouts[t.key].dtype).itemsize
+            # Same-host pairs go through shared memory (see host_exchange), the rest the group.
+            (shm if opts.shm_exchange and hosts[t.src] == hosts[t.dst] else recv)[t.dst] += n
     per_host: dict = defaultdict(dict)      # host -> (key, chunk) -> bytes
+    direct_rank = [0] * world
     for r, reqs in enumerate(requests):
         hb = per_host[hosts[r]]
         for h in reqs:
             lay = layouts[h.key]
             for cidx, n in _direct_bytes(h, lay, dtypes.from_name(lay.dtype).itemsize).items():
                 hb[(h.key, cidx)] = max(hb.get((h.key, cidx), 0), n)
-    costs = choose_strategy(hosts, read, recv, {k: sum(v.values()) for k, v in per_host.items()},
-                            opts.storage_gbps, exchange_gbps)
+                direct_rank[r] += n
+    costs = choose_strategy(hosts, sum(rank_read), recv,
+                            {k: sum(v.values()) for k, v in per_host.items()},
+                            opts.storage_gbps, exchange_gbps, shm_bytes=shm,
+                            dedup_rank_bytes=rank_read, direct_rank_bytes=direct_rank,
+                            memory_gbps=opts.memory_gbps)
     if costs.strategy == "direct":
         return plan_load_direct(requests, layouts), costs
     return dedup, costs

@@ -18,6 +18,7 @@ import torch
 from . import dtypes, errors
 from .columns import HoldingColumns
 from .exchange import Comm, agree, error_record, exchange, raise_records, run_collectively
+from .host_exchange import execute_dedup_load
 from .metadata import Manifest, decode_manifest
 from .load_planner import LoadOptions, plan_load_auto
 from .planner import RankLoadWork, TensorLayout
@@ -115,7 +116,8 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
     try:
         t = time.perf_counter()
         report.rank_bytes_read, report.exchange_bytes = _execute_load(
-            comm, be, path, m_box["m"], tgt_box["t"], work, budget, report.timings)
+            comm, be, path, m_box["m"], tgt_box["t"], work, budget, report.timings,
+            opts, costs["strategy"] == "dedup")
         report.timings["read"] = time.perf_counter() - t
     except Exception as e:  # noqa: BLE001
         if getattr(e, "_sp_agreed", False):
@@ -135,7 +137,8 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
 
 
 def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, targets: list,
-                  work: RankLoadWork, budget: int, timings: dict) -> tuple:
+                  work: RankLoadWork, budget: int, timings: dict, opts: LoadOptions,
+                  exchanging: bool) -> tuple:
     dst_view = PieceViews([(tg.holding, tg.data) for tg in targets])
 
     handles: dict = {}
@@ -146,6 +149,11 @@ def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, target
             handles[key] = be.open_array_for_read(path, e.array, e.spec, key)
         return handles[key]
 
+    if exchanging and comm.size > 1:   # the same on every rank: the plan's strategy is global
+        return execute_dedup_load(
+            comm, be, work, budget, timings, dst_view, handle,
+            lambda key: dtypes.from_name(m.tensors[key].dtype).torch,
+            opts.host_id or socket.gethostname(), opts.shm_exchange, opts.shm_round_bytes)
     # Reads and local copies first; ranks agree before the exchange, so a corrupt chunk
     # seen by one rank is raised everywhere instead of leaving peers in a collective.
     err: Optional[BaseException] = None
