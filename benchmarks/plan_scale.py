@@ -21,6 +21,7 @@ import statistics
 import time
 
 from shardpoint.columns import HoldingColumns
+from shardpoint.load_planner import encode_works
 from shardpoint.metadata import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.model import Holding
 from shardpoint.planner import LocalPlan, TensorLayout, plan_load, plan_save
@@ -138,7 +139,7 @@ def main() -> None:
          for h in p.holdings]).to_wire() for p in plans]
     del plans
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    dec, pl, tot, lds = [], [], [], []
+    dec, pl, tot, lds, lenc = [], [], [], [], []
     for _ in range(a.repeat):
         gc.collect()
         t0 = time.perf_counter()
@@ -157,9 +158,13 @@ def main() -> None:
             t0 = time.perf_counter()
             works = plan_load([HoldingColumns.from_wire(b) for b in reqs_b], layouts)
             lds.append(time.perf_counter() - t0)
-            reads = sum(len(w.reads) for w in works)
-            sends = sum(len(w.sends) for w in works)
-            del works
+            t0 = time.perf_counter()
+            wire = encode_works(works, layouts)     # loading.py's decide() sends these
+            lenc.append(time.perf_counter() - t0)
+            reads = sum(len(w.read_rows) for w in works)
+            sends = sum(len(w.send_rows) for w in works)
+            wmax = max(map(len, wire))
+            del works, wire
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     work_bytes = [len(w.to_bytes()) for w in plan.ranks[:64]]
     m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
@@ -183,6 +188,8 @@ def main() -> None:
     if lds:
         print(f"  load plan (decode + plan_load)  {_median(lds)}  "
               f"({med(lds) / 1.0:.2f}x the 1.0 s target; {reads:,} reads, {sends:,} transfers)")
+        print(f"  encode per-rank load work       {_median(lenc)}  "
+              f"(all ranks; largest {wmax / 2**10:.1f} KiB)")
     print(f"  max RSS growth during planning    {(rss1 - rss0) / 2**10:8.1f} MiB "
           f"(process max RSS {rss1 / 2**10:.0f} MiB)")
     print(f"  chunks {st['chunks']:,}, exchange {st['exchange_bytes'] / 2**20:.1f} MiB "

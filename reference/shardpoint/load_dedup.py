@@ -1,0 +1,288 @@
+"""The read-dedup load plan ([SP-LOAD-2]) computed on integer arrays.
+
+A 4,096-rank load of a data-parallel job moves about a million (region, receiver) pairs, each
+the same few numbers. They are planned as arrays: one row per chunk read, per part of a chunk
+(its overlap with one requested region), and per (part, holder) pair, from which each rank's
+:class:`~.plans.RankLoadWork` is cut on demand. Python loops run per distinct geometry
+(tensors of equal shape, chunk grid and requested regions share it), never per transfer.
+Pure: no I/O.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import numpy as np
+
+from .columns import Regions
+from .grid import chunk_part_arrays
+from .model import Holding, holding_pieces
+from .plans import RankLoadWork, encode_load_work, narrowest_int
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _rank_dtype(world: int):
+    # ranks as int16 when they fit: numpy's stable sort is a radix sort for 16-bit keys
+    return np.int16 if world < 2 ** 15 else np.int64
+
+
+def _stable_order(keys: np.ndarray, world: int) -> tuple:
+    """(order, starts): rows sorted by ``keys`` (ranks), stable; rank r's rows are
+    ``order[starts[r]:starts[r + 1]]``."""
+    order = np.argsort(keys.astype(_rank_dtype(world)), kind="stable")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=world))])
+    return order, starts
+
+
+class LoadWorks(Sequence):
+    """Every rank's load work, planned as arrays; ``works[r]`` cuts rank ``r``'s
+    :class:`RankLoadWork` (cached). ``read_bytes``: bytes read from storage in all;
+    ``recv_bytes[r]``: bytes rank ``r`` receives."""
+
+    def __init__(self, world: int, keys: list, ndims: list, D: int, a: dict):
+        self.world, self.keys, self.ndims, self.D, self.a = world, keys, ndims, D, a
+        self._cache: dict = {}
+        self.read_bytes = int(a["read_bytes"])
+        self.recv_bytes = a["recv_bytes"].tolist()
+
+    def __len__(self) -> int:
+        return self.world
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self[i] for i in range(*r.indices(self.world))]
+        if r < 0:
+            r += self.world
+        if not 0 <= r < self.world:
+            raise IndexError(r)
+        w = self._cache.get(r)
+        if w is None:
+            w = self._cache[r] = self._cut(r)
+        return w
+
+    def __iter__(self):
+        return (self[r] for r in range(self.world))
+
+    def encode_all(self, layouts: dict) -> list:
+        """Every rank's :meth:`RankLoadWork.to_bytes` message, built in one pass over the
+        plan's arrays (a rank's rows are a slice of each table sorted by rank)."""
+        a = self.a
+        pos = {k: i for i, k in enumerate(sorted(layouts))}
+        kmap = np.array([pos[k] for k in self.keys] or [0], np.int64)
+        ch = a["read_order"]
+        reads = [kmap[a["c_key"][ch]], a["c_dq"][ch], a["c_dp"][ch], a["c_lo"][ch],
+                 a["c_shp"][ch]]
+        lsel = a["l_order"]
+        lp = a["l_part"][lsel]
+        locs = [a["c_ridx"][a["p_chunk"][lp]], a["l_q"][lsel], a["p_pi"][lp], a["p_bo"][lp],
+                a["p_bs"][lp]]
+        tabs = [(reads, a["read_starts"]), (locs, a["l_starts"]),
+                (self._transfer_cols(a["s_order"], kmap), a["s_starts"]),
+                (self._transfer_cols(a["v_order"], kmap), a["v_starts"])]
+        packed = []
+        for cols, starts in tabs:
+            lo = min((int(c.min()) for c in cols if c.size), default=0)
+            hi = max((int(c.max()) for c in cols if c.size), default=0)
+            t = narrowest_int(lo, hi)
+            n = len(cols[0])
+            w = sum(1 if c.ndim == 1 else c.shape[1] for c in cols)
+            out = np.empty((n, w), t)
+            j = 0
+            for c in cols:
+                k = 1 if c.ndim == 1 else c.shape[1]
+                out[:, j:j + k] = c.reshape(n, k)
+                j += k
+            buf = memoryview(out.reshape(-1).view(np.uint8))
+            rb = w * out.itemsize
+            st = (starts * rb).tolist()
+            rows = np.diff(starts).tolist()
+            packed.append([(t, m, w, buf[x:y]) for m, x, y in zip(rows, st[:-1], st[1:])])
+        return [encode_load_work(r, self.D, [list(p[r]) for p in packed])
+                for r in range(self.world)]
+
+    def _transfer_cols(self, sel: np.ndarray, kmap: np.ndarray) -> list:
+        a = self.a
+        p = a["t_part"][sel]
+        c = a["p_chunk"][p]
+        return [a["c_reader"][c], a["t_dst"][sel], kmap[a["c_key"][c]], a["c_ridx"][c],
+                a["t_q"][sel], a["p_pi"][p], a["p_bo"][p], a["p_bs"][p]]
+
+    def _cut(self, r: int) -> RankLoadWork:
+        a = self.a
+        ch = a["read_order"][a["read_starts"][r]:a["read_starts"][r + 1]]
+        reads = np.column_stack([a["c_key"][ch], a["c_dq"][ch], a["c_dp"][ch],
+                                 a["c_lo"][ch], a["c_shp"][ch]])
+        lp = a["l_part"][a["l_order"][a["l_starts"][r]:a["l_starts"][r + 1]]]
+        lq = a["l_q"][a["l_order"][a["l_starts"][r]:a["l_starts"][r + 1]]]
+        locs = np.column_stack([a["c_ridx"][a["p_chunk"][lp]], lq, a["p_pi"][lp],
+                                a["p_bo"][lp], a["p_bs"][lp]])
+
+        def transfers(sel):
+            p, c = a["t_part"][sel], a["p_chunk"][a["t_part"][sel]]
+            return np.column_stack([a["c_reader"][c], a["t_dst"][sel], a["c_key"][c],
+                                    a["c_ridx"][c], a["t_q"][sel], a["p_pi"][p],
+                                    a["p_bo"][p], a["p_bs"][p]])
+        sends = transfers(a["s_order"][a["s_starts"][r]:a["s_starts"][r + 1]])
+        recvs = transfers(a["v_order"][a["v_starts"][r]:a["v_starts"][r + 1]])
+        return RankLoadWork(r, self.keys, self.ndims, self.D, reads, locs, sends, recvs)
+
+
+def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
+                     itemsizes: list) -> LoadWorks:
+    """The dedup plan of the requests grouped in ``regions`` (keys ``entries``).
+
+    Per chunk one reader among the ranks that need most of it: for a chunk inside one
+    requested region, its holders take turns, biggest chunks first, per set of holders (so
+    data-parallel replicas share the reads evenly); otherwise the candidates take turns by
+    chunk number. A chunk needed by one request only is read straight into it.
+    """
+    D = max((len(e[2]) for e in entries), default=0)
+    keys = [e[0] for e in entries]
+    ndims = [len(e[2]) for e in entries]
+    patterns: dict = {}
+    users: dict = defaultdict(list)     # pattern -> [(key position, key id, region ids)]
+    nchunks = []
+    for pos, k in enumerate(sorted(range(len(entries)), key=lambda i: entries[i][0])):
+        key, dtype, shape = entries[k]
+        chunk = layouts[key].chunk_shape
+        gis, sig = regions.by_key.get(k, ([], b""))
+        if not gis:
+            nchunks.append(0)
+            continue
+        pkey = (shape, chunk, sig)
+        pat = patterns.get(pkey)
+        if pat is None:
+            pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,)))
+                      for o, s, f in (regions.region(gi)[1:] for gi in gis)]
+            pat = patterns[pkey] = _pad(chunk_part_arrays(shape, chunk, pieces), D)
+        users[pkey].append((pos, k, gis))
+        nchunks.append(len(pat[6]))
+    base = np.concatenate([[0], np.cumsum(np.array(nchunks, np.int64))])
+    NC = int(base[-1])
+
+    # parts (one row per chunk x requested region overlap) and chunks, over all keys
+    P = {n: [] for n in ("chunk", "gi", "pi", "bo", "bs", "cnt")}
+    c_key = np.zeros(NC, np.int64)
+    for pkey, us in users.items():
+        pc, li, pi, lo, ext, cnt, coff, _cshp = patterns[pkey]
+        K, C = len(us), len(coff)
+        b = base[[u[0] for u in us]]
+        G = np.array([u[2] for u in us], np.int64).reshape(K, -1)
+        P["chunk"].append((b[:, None] + pc[None, :]).ravel())
+        P["gi"].append(G[:, li].ravel())
+        P["pi"].append(np.tile(pi, K))
+        P["bo"].append(np.tile(lo, (K, 1)))
+        P["bs"].append(np.tile(ext, (K, 1)))
+        P["cnt"].append(np.tile(cnt, K))
+        c_key[(b[:, None] + np.arange(C)[None, :]).ravel()] = \
+            np.repeat(np.array([u[1] for u in us], np.int64), C)
+    cat = {n: (np.concatenate(v) if v else np.zeros((0, D) if n in ("bo", "bs") else 0,
+                                                    np.int64)) for n, v in P.items()}
+    order = np.argsort(cat["chunk"], kind="stable")        # plan order: chunk, then part
+    p_chunk, p_gi, p_pi = cat["chunk"][order], cat["gi"][order], cat["pi"][order]
+    p_bo, p_bs, p_cnt = cat["bo"][order], cat["bs"][order], cat["cnt"][order]
+    NP = len(p_chunk)
+    nparts = np.bincount(p_chunk, minlength=NC)
+    first = np.cumsum(nparts) - nparts
+    item = np.array(itemsizes, np.int64)
+
+    # read boxes: the parts' bounding box (the part itself for a one-part chunk)
+    if NC:
+        c_lo = np.minimum.reduceat(p_bo, first, axis=0)
+        c_shp = np.maximum.reduceat(p_bo + p_bs, first, axis=0) - c_lo
+    else:
+        c_lo = c_shp = np.zeros((0, D), np.int64)
+    c_bytes = np.prod(c_shp, axis=1) * item[c_key]
+
+    start = np.asarray(regions.start, np.int64)
+    hold_rank, hold_hidx = regions.hold_rank, regions.hold_hidx
+    nh = np.diff(start)
+    reader = np.zeros(NC, np.int64)
+    one = nparts == 1
+    g1 = p_gi[first[one]] if NC else np.zeros(0, np.int64)
+    ids1 = np.flatnonzero(one)
+    # one-part chunks: the region's holders take turns per holder set, biggest first
+    hsig = np.add.reduceat((hold_rank.astype(np.uint64) + np.uint64(1)) * _MIX, start[:-1]) \
+        if len(nh) else np.zeros(0, np.uint64)
+    n1 = nh[g1]
+    s1 = hsig[g1] ^ n1.astype(np.uint64)
+    o1 = np.lexsort((ids1, -c_bytes[ids1], s1))
+    s_sorted = s1[o1]
+    brk = np.concatenate([[True], s_sorted[1:] != s_sorted[:-1]]) if len(o1) else \
+        np.zeros(0, bool)
+    grp_start = np.maximum.accumulate(np.where(brk, np.arange(len(o1)), 0))
+    seq = np.empty(len(o1), np.int64)
+    seq[o1] = np.arange(len(o1)) - grp_start
+    turn = (seq + (s1 % np.maximum(n1, 1).astype(np.uint64)).astype(np.int64)) % np.maximum(n1, 1)
+    reader[ids1] = hold_rank[start[g1] + turn]
+    # several parts: the ranks that need most of the chunk take turns by chunk number
+    many = np.flatnonzero(~one & (nparts > 0))
+    if len(many):
+        pm = np.flatnonzero(~one[p_chunk])
+        e_part, e_entry = _expand(pm, start[p_gi[pm]], nh[p_gi[pm]])
+        ck = p_chunk[e_part] * world + hold_rank[e_entry]
+        u, inv = np.unique(ck, return_inverse=True)
+        want = np.bincount(inv.ravel(), weights=p_cnt[e_part])
+        uc, ur = u // world, u % world
+        cb = np.flatnonzero(np.concatenate([[True], uc[1:] != uc[:-1]]))
+        top = np.maximum.reduceat(want, cb)
+        gid = np.cumsum(np.concatenate([[True], uc[1:] != uc[:-1]])) - 1
+        cand = want == top[gid]
+        ncand = np.add.reduceat(cand.astype(np.int64), cb)
+        pick = uc[cb] % ncand                       # the pick-th candidate of each chunk
+        cidx = np.cumsum(cand) - 1 - (np.cumsum(cand) - cand.astype(np.int64))[cb][gid]
+        sel = cand & (cidx == pick[gid])
+        reader[uc[sel]] = ur[sel]
+
+    read_order, read_starts = _stable_order(reader, world)
+    c_ridx = np.empty(NC, np.int64)
+    c_ridx[read_order] = np.arange(NC) - read_starts[reader[read_order]]
+    direct = np.zeros(NC, bool)
+    direct[ids1[n1 == 1]] = True
+    c_dq = np.full(NC, -1, np.int64)
+    c_dp = np.full(NC, -1, np.int64)
+    dch = np.flatnonzero(direct)
+    c_dq[dch] = hold_hidx[start[p_gi[first[dch]]]]
+    c_dp[dch] = p_pi[first[dch]]
+
+    # (part, holder) pairs of the chunks not read straight into their one request
+    px = np.flatnonzero(~direct[p_chunk]) if NP else np.zeros(0, np.int64)
+    e_part, e_entry = _expand(px, start[p_gi[px]], nh[p_gi[px]])
+    e_rank = hold_rank[e_entry]
+    e_reader = reader[p_chunk[e_part]]
+    loc = e_rank == e_reader
+    l_part, l_q = e_part[loc], hold_hidx[e_entry[loc]]
+    l_order, l_starts = _stable_order(e_reader[loc], world)
+    t = ~loc
+    t_part, t_dst, t_q, t_src = e_part[t], e_rank[t], hold_hidx[e_entry[t]], e_reader[t]
+    s_order, s_starts = _stable_order(t_src, world)
+    v_order, v_starts = _stable_order(t_dst, world)
+    t_bytes = np.prod(p_bs[t_part], axis=1) * item[c_key[p_chunk[t_part]]]
+    recv_bytes = np.bincount(t_dst, weights=t_bytes, minlength=world).astype(np.int64)
+    a = dict(c_key=c_key, c_lo=c_lo, c_shp=c_shp, c_dq=c_dq, c_dp=c_dp, c_reader=reader,
+             c_ridx=c_ridx, read_order=read_order, read_starts=read_starts,
+             p_chunk=p_chunk, p_pi=p_pi, p_bo=p_bo, p_bs=p_bs,
+             l_part=l_part, l_q=l_q, l_order=l_order, l_starts=l_starts,
+             t_part=t_part, t_dst=t_dst, t_q=t_q, s_order=s_order, s_starts=s_starts,
+             v_order=v_order, v_starts=v_starts, recv_bytes=recv_bytes,
+             read_bytes=int(c_bytes.sum()))
+    return LoadWorks(world, keys, ndims, D, a)
+
+
+def _pad(arrs: tuple, D: int) -> tuple:
+    """Pad a pattern's boxes to ``D`` dimensions (offsets with 0, shapes with 1)."""
+    pc, li, pi, lo, ext, cnt, coff, cshp = arrs
+    n, nd = lo.shape
+    if nd < D:
+        lo = np.hstack([lo, np.zeros((n, D - nd), np.int64)])
+        ext = np.hstack([ext, np.ones((n, D - nd), np.int64)])
+    return pc, li, pi, lo, ext, cnt, coff, cshp
+
+
+def _expand(rows: np.ndarray, first: np.ndarray, count: np.ndarray) -> tuple:
+    """Each row repeated ``count`` times, with ``first, first + 1, ...`` beside it."""
+    e_row = np.repeat(rows, count)
+    cum = np.cumsum(count) - count
+    e_pos = np.arange(len(e_row)) - np.repeat(cum, count) + np.repeat(first, count)
+    return e_row, e_pos
