@@ -9,18 +9,15 @@ Pure: no I/O.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Sequence
 
 import numpy as np
 
+from .chunk_table import build_parts, elect, expand
 from .columns import Regions
 from .grid import chunk_part_arrays
 from .model import Holding, holding_pieces
 from .plans import RankLoadWork, encode_load_work, narrowest_int
-
-_MIX = np.uint64(0x9E3779B97F4A7C15)
-
 
 def _rank_dtype(world: int):
     # ranks as int16 when they fit: numpy's stable sort is a radix sort for 16-bit keys
@@ -140,53 +137,25 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
     D = max((len(e[2]) for e in entries), default=0)
     keys = [e[0] for e in entries]
     ndims = [len(e[2]) for e in entries]
-    patterns: dict = {}
-    users: dict = defaultdict(list)     # pattern -> [(key position, key id, region ids)]
-    nchunks = []
-    for pos, k in enumerate(sorted(range(len(entries)), key=lambda i: entries[i][0])):
+    order = [(k, regions.by_key[k][0]) for k in sorted(range(len(entries)),
+                                                       key=lambda i: entries[i][0])
+             if k in regions.by_key]
+
+    def pattern(k: int, gis: list) -> tuple:
         key, dtype, shape = entries[k]
         chunk = layouts[key].chunk_shape
-        gis, sig = regions.by_key.get(k, ([], b""))
-        if not gis:
-            nchunks.append(0)
-            continue
-        pkey = (shape, chunk, sig)
-        pat = patterns.get(pkey)
-        if pat is None:
+
+        def make():
             pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,)))
                       for o, s, f in (regions.region(gi)[1:] for gi in gis)]
-            pat = patterns[pkey] = _pad(chunk_part_arrays(shape, chunk, pieces), D)
-        users[pkey].append((pos, k, gis))
-        nchunks.append(len(pat[6]))
-    base = np.concatenate([[0], np.cumsum(np.array(nchunks, np.int64))])
-    NC = int(base[-1])
+            return chunk_part_arrays(shape, chunk, pieces)
+        return (shape, chunk, regions.by_key[k][1]), make
 
-    # parts (one row per chunk x requested region overlap) and chunks, over all keys
-    P = {n: [] for n in ("chunk", "gi", "pi", "bo", "bs", "cnt")}
-    c_key = np.zeros(NC, np.int64)
-    for pkey, us in users.items():
-        pc, li, pi, lo, ext, cnt, coff, _cshp = patterns[pkey]
-        K, C = len(us), len(coff)
-        b = base[[u[0] for u in us]]
-        G = np.array([u[2] for u in us], np.int64).reshape(K, -1)
-        P["chunk"].append((b[:, None] + pc[None, :]).ravel())
-        P["gi"].append(G[:, li].ravel())
-        P["pi"].append(np.tile(pi, K))
-        P["bo"].append(np.tile(lo, (K, 1)))
-        P["bs"].append(np.tile(ext, (K, 1)))
-        P["cnt"].append(np.tile(cnt, K))
-        c_key[(b[:, None] + np.arange(C)[None, :]).ravel()] = \
-            np.repeat(np.array([u[1] for u in us], np.int64), C)
-    cat = {n: (np.concatenate(v) if v else np.zeros((0, D) if n in ("bo", "bs") else 0,
-                                                    np.int64)) for n, v in P.items()}
-    order = np.argsort(cat["chunk"], kind="stable")        # plan order: chunk, then part
-    p_chunk, p_gi, p_pi = cat["chunk"][order], cat["gi"][order], cat["pi"][order]
-    p_bo, p_bs, p_cnt = cat["bo"][order], cat["bs"][order], cat["cnt"][order]
-    NP = len(p_chunk)
-    nparts = np.bincount(p_chunk, minlength=NC)
-    first = np.cumsum(nparts) - nparts
+    t = build_parts(order, D, pattern)
+    NC, NP = len(t.c_key), len(t.p_chunk)
+    c_key, p_chunk, p_gi, p_pi, p_bo, p_bs, first = \
+        t.c_key, t.p_chunk, t.p_gi, t.p_pi, t.p_bo, t.p_bs, t.first
     item = np.array(itemsizes, np.int64)
-
     # read boxes: the parts' bounding box (the part itself for a one-part chunk)
     if NC:
         c_lo = np.minimum.reduceat(p_bo, first, axis=0)
@@ -194,46 +163,13 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
     else:
         c_lo = c_shp = np.zeros((0, D), np.int64)
     c_bytes = np.prod(c_shp, axis=1) * item[c_key]
-
+    reader, entry = elect(t, regions, world, c_bytes)
     start = np.asarray(regions.start, np.int64)
     hold_rank, hold_hidx = regions.hold_rank, regions.hold_hidx
     nh = np.diff(start)
-    reader = np.zeros(NC, np.int64)
-    one = nparts == 1
-    g1 = p_gi[first[one]] if NC else np.zeros(0, np.int64)
+    one = t.nparts == 1
     ids1 = np.flatnonzero(one)
-    # one-part chunks: the region's holders take turns per holder set, biggest first
-    hsig = np.add.reduceat((hold_rank.astype(np.uint64) + np.uint64(1)) * _MIX, start[:-1]) \
-        if len(nh) else np.zeros(0, np.uint64)
-    n1 = nh[g1]
-    s1 = hsig[g1] ^ n1.astype(np.uint64)
-    o1 = np.lexsort((ids1, -c_bytes[ids1], s1))
-    s_sorted = s1[o1]
-    brk = np.concatenate([[True], s_sorted[1:] != s_sorted[:-1]]) if len(o1) else \
-        np.zeros(0, bool)
-    grp_start = np.maximum.accumulate(np.where(brk, np.arange(len(o1)), 0))
-    seq = np.empty(len(o1), np.int64)
-    seq[o1] = np.arange(len(o1)) - grp_start
-    turn = (seq + (s1 % np.maximum(n1, 1).astype(np.uint64)).astype(np.int64)) % np.maximum(n1, 1)
-    reader[ids1] = hold_rank[start[g1] + turn]
-    # several parts: the ranks that need most of the chunk take turns by chunk number
-    many = np.flatnonzero(~one & (nparts > 0))
-    if len(many):
-        pm = np.flatnonzero(~one[p_chunk])
-        e_part, e_entry = _expand(pm, start[p_gi[pm]], nh[p_gi[pm]])
-        ck = p_chunk[e_part] * world + hold_rank[e_entry]
-        u, inv = np.unique(ck, return_inverse=True)
-        want = np.bincount(inv.ravel(), weights=p_cnt[e_part])
-        uc, ur = u // world, u % world
-        cb = np.flatnonzero(np.concatenate([[True], uc[1:] != uc[:-1]]))
-        top = np.maximum.reduceat(want, cb)
-        gid = np.cumsum(np.concatenate([[True], uc[1:] != uc[:-1]])) - 1
-        cand = want == top[gid]
-        ncand = np.add.reduceat(cand.astype(np.int64), cb)
-        pick = uc[cb] % ncand                       # the pick-th candidate of each chunk
-        cidx = np.cumsum(cand) - 1 - (np.cumsum(cand) - cand.astype(np.int64))[cb][gid]
-        sel = cand & (cidx == pick[gid])
-        reader[uc[sel]] = ur[sel]
+    n1 = nh[p_gi[first[ids1]]]
 
     read_order, read_starts = _stable_order(reader, world)
     c_ridx = np.empty(NC, np.int64)
@@ -248,7 +184,7 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
 
     # (part, holder) pairs of the chunks not read straight into their one request
     px = np.flatnonzero(~direct[p_chunk]) if NP else np.zeros(0, np.int64)
-    e_part, e_entry = _expand(px, start[p_gi[px]], nh[p_gi[px]])
+    e_part, e_entry = expand(px, start[p_gi[px]], nh[p_gi[px]])
     e_rank = hold_rank[e_entry]
     e_reader = reader[p_chunk[e_part]]
     loc = e_rank == e_reader
@@ -268,21 +204,3 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
              v_order=v_order, v_starts=v_starts, recv_bytes=recv_bytes,
              read_bytes=int(c_bytes.sum()))
     return LoadWorks(world, keys, ndims, D, a)
-
-
-def _pad(arrs: tuple, D: int) -> tuple:
-    """Pad a pattern's boxes to ``D`` dimensions (offsets with 0, shapes with 1)."""
-    pc, li, pi, lo, ext, cnt, coff, cshp = arrs
-    n, nd = lo.shape
-    if nd < D:
-        lo = np.hstack([lo, np.zeros((n, D - nd), np.int64)])
-        ext = np.hstack([ext, np.ones((n, D - nd), np.int64)])
-    return pc, li, pi, lo, ext, cnt, coff, cshp
-
-
-def _expand(rows: np.ndarray, first: np.ndarray, count: np.ndarray) -> tuple:
-    """Each row repeated ``count`` times, with ``first, first + 1, ...`` beside it."""
-    e_row = np.repeat(rows, count)
-    cum = np.cumsum(count) - count
-    e_pos = np.arange(len(e_row)) - np.repeat(cum, count) + np.repeat(first, count)
-    return e_row, e_pos
