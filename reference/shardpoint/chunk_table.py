@@ -104,10 +104,10 @@ def elect(t: Parts, regions: Regions, world: int, c_bytes: np.ndarray) -> tuple:
     """One rank per chunk among those holding most of it: ``(rank, entry)`` per chunk,
     ``entry`` the chosen holder row of a one-part chunk's region (-1 otherwise).
 
-    A one-part chunk goes to its region's holders in turn, biggest chunks first, counted
-    per set of holders (data-parallel replicas share the work evenly; the turn starts at a
-    point derived from the set, so overlapping sets do not all start on one rank); a chunk
-    of several parts goes in turn, by chunk number, to the ranks holding most of it.
+    A chunk of several parts goes, in turn by chunk number, to one of the ranks holding most
+    of it; a chunk with one holder to that holder. Then the chunks of replicated regions are
+    dealt to their holders (there and back, like cards), biggest first, per set of holders,
+    the least busy holder first: data-parallel replicas share the work evenly.
     """
     NC = len(t.c_key)
     start = np.asarray(regions.start, np.int64)
@@ -116,22 +116,6 @@ def elect(t: Parts, regions: Regions, world: int, c_bytes: np.ndarray) -> tuple:
     rank = np.zeros(NC, np.int64)
     entry = np.full(NC, -1, np.int64)
     one = t.nparts == 1
-    ids1 = np.flatnonzero(one)
-    g1 = t.p_gi[t.first[ids1]]
-    hsig = np.add.reduceat((hold_rank.astype(np.uint64) + np.uint64(1)) * _MIX, start[:-1]) \
-        if len(nh) else np.zeros(0, np.uint64)
-    n1 = nh[g1]
-    s1 = hsig[g1] ^ n1.astype(np.uint64)
-    o1 = np.lexsort((ids1, -c_bytes[ids1], s1))
-    ss = s1[o1]
-    brk = np.concatenate([[True], ss[1:] != ss[:-1]]) if len(o1) else np.zeros(0, bool)
-    grp = np.maximum.accumulate(np.where(brk, np.arange(len(o1)), 0))
-    seq = np.empty(len(o1), np.int64)
-    seq[o1] = np.arange(len(o1)) - grp
-    n1c = np.maximum(n1, 1)
-    turn = (seq + (s1 % n1c.astype(np.uint64)).astype(np.int64)) % n1c
-    entry[ids1] = start[g1] + turn
-    rank[ids1] = hold_rank[entry[ids1]]
     many = ~one & (t.nparts > 0)
     if many.any():
         pm = np.flatnonzero(many[t.p_chunk])
@@ -149,4 +133,38 @@ def elect(t: Parts, regions: Regions, world: int, c_bytes: np.ndarray) -> tuple:
         pick = uc[cb] % np.add.reduceat(ci, cb)
         sel = cand & (pos == pick[gid])
         rank[uc[sel]] = ur[sel]
+    ids1 = np.flatnonzero(one)
+    g1 = t.p_gi[t.first[ids1]]
+    n1 = nh[g1]
+    solo = n1 == 1
+    entry[ids1[solo]] = start[g1[solo]]
+    rank[ids1[solo]] = hold_rank[start[g1[solo]]]
+    # what each rank has to do already, so the shared chunks go to the least busy first
+    forced = many.copy()
+    forced[ids1[solo]] = True
+    busy = np.bincount(rank[forced], weights=c_bytes[forced], minlength=world)
+    ids1, g1, n1 = ids1[~solo], g1[~solo], n1[~solo]
+    hsig = np.add.reduceat((hold_rank.astype(np.uint64) + np.uint64(1)) * _MIX, start[:-1]) \
+        if len(nh) else np.zeros(0, np.uint64)
+    s1 = hsig[g1] ^ n1.astype(np.uint64)
+    o1 = np.lexsort((ids1, -c_bytes[ids1], s1))
+    ss = s1[o1]
+    brk = np.concatenate([[True], ss[1:] != ss[:-1]]) if len(o1) else np.zeros(0, bool)
+    grp = np.maximum.accumulate(np.where(brk, np.arange(len(o1)), 0))
+    seq = np.empty(len(o1), np.int64)
+    seq[o1] = np.arange(len(o1)) - grp
+    lap, at = np.divmod(seq, np.maximum(n1, 1))
+    at = np.where(lap % 2 == 1, n1 - 1 - at, at)     # snake order: every other lap reversed
+    # per holder set, its positions ordered by how busy their rank is (ties: a rotation
+    # derived from the set, so overlapping sets do not all start on one rank)
+    turn = np.empty(len(ids1), np.int64)
+    for a, b in zip(np.flatnonzero(brk).tolist(), np.flatnonzero(brk).tolist()[1:] + [len(o1)]):
+        members = o1[a:b]
+        g, n = int(g1[members[0]]), int(n1[members[0]])
+        ranks_g = hold_rank[start[g]:start[g] + n]
+        rot = (np.arange(n) - int(ss[a] % np.uint64(n))) % n
+        perm = np.lexsort((rot, busy[ranks_g]))
+        turn[members] = perm[at[members]]
+    entry[ids1] = start[g1] + turn
+    rank[ids1] = hold_rank[entry[ids1]]
     return rank, entry

@@ -218,30 +218,39 @@ def _plan_writes(t, regions: Regions, keys: list, items: list, world: int,
         pat_nd.setdefault(j, nd_of[k])
     tups = {j: ([tuple(r[:nd]) for r in pat_off[j].tolist()],
                 [tuple(r[:nd]) for r in t.patterns[j][7].tolist()]) for j, nd in pat_nd.items()}
-    dq = np.where(direct, hold_hidx[np.maximum(entry, 0)], -1).tolist()
-    dp = np.where(direct, t.p_pi[t.first], -1).tolist()
-    cws = []
-    for k, j, i, w, q, p in zip(t.c_key.tolist(), t.c_pat.tolist(), t.c_idx.tolist(),
-                                writer.tolist(), dq, dp):
-        offs, shps = tups[j]
-        cw = ChunkWrite(names[k], offs[i], shps[i], (q, p) if q >= 0 else None)
-        ranks[w].writes.append(cw)
-        cws.append(cw)
-
     def boxes(parts):
         nds = [nd_of[k] for k in t.c_key[t.p_chunk[parts]].tolist()]
         return [(tuple(o[:n]), tuple(s[:n])) for o, s, n in
                 zip(t.p_bo[parts].tolist(), t.p_bs[parts].tolist(), nds)]
+    local: dict = {}
     for c, q, p, (bo, bs) in zip(t.p_chunk[loc_part].tolist(), hold_hidx[loc_entry].tolist(),
                                  t.p_pi[loc_part].tolist(), boxes(loc_part)):
-        cws[c].local.append((q, p, bo, bs))
-    for c, src, q, p, (bo, bs) in zip(t.p_chunk[sent].tolist(), hold_rank[s_entry].tolist(),
-                                      hold_hidx[s_entry].tolist(), t.p_pi[sent].tolist(),
-                                      boxes(sent)):
-        w = int(writer[c])
-        tr = Transfer(src, w, cws[c].key, bo, bs, (q, p), (int(widx[c]),))
-        ranks[src].sends.append(tr)
-        ranks[w].recvs.append(tr)
+        lst = local.get(c)
+        if lst is None:
+            local[c] = [(q, p, bo, bs)]
+        else:
+            lst.append((q, p, bo, bs))
+    dq = hold_hidx[np.maximum(entry, 0)]
+    ds = np.flatnonzero(direct).tolist()
+    dset = dict(zip(ds, zip(dq[ds].tolist(), t.p_pi[t.first[ds]].tolist())))
+    rows = zip(range(NC), t.c_key.tolist(), t.c_pat.tolist(), t.c_idx.tolist())
+    cws = [ChunkWrite(names[k], tups[j][0][i], tups[j][1][i], dset.get(c), local.get(c, ()))
+           for c, k, j, i in rows]
+    byw = list(map(cws.__getitem__, ow.tolist()))
+    ends = np.cumsum(cnt).tolist()
+    for w, a, b in zip(ranks, [0] + ends[:-1], ends):
+        w.writes = byw[a:b]
+    sends: list = [[] for _ in range(world)]
+    recvs: list = [[] for _ in range(world)]
+    sc = t.p_chunk[sent]
+    for c, w, wi, src, q, p, (bo, bs) in zip(
+            sc.tolist(), writer[sc].tolist(), widx[sc].tolist(), hold_rank[s_entry].tolist(),
+            hold_hidx[s_entry].tolist(), t.p_pi[sent].tolist(), boxes(sent)):
+        tr = Transfer(src, w, cws[c].key, bo, bs, (q, p), (wi,))
+        sends[src].append(tr)
+        recvs[w].append(tr)
+    for w, sd, rv in zip(ranks, sends, recvs):
+        w.sends, w.recvs = sd, rv
     return assigned.tolist(), int(s_bytes.sum())
 
 
