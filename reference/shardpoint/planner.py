@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from itertools import repeat
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -173,12 +174,10 @@ def _plan_writes(t, regions: Regions, keys: list, items: list, world: int,
     """Elect each chunk's writer and fill ``ranks`` with its writes and transfers, in plan
     order; returns (bytes each rank writes, bytes moved)."""
     NC = len(t.c_key)
-    pat_off = [np.asarray(p[6]) for p in t.patterns]
+    pat_off = [p[6] for p in t.patterns]
     base = np.cumsum([0] + [len(o) for o in pat_off[:-1]]).astype(np.int64)
-    cat_off = np.concatenate(pat_off) if pat_off else np.zeros((0, t.D), np.int64)
-    cat_shp = np.concatenate([p[7] for p in t.patterns]) if pat_off else cat_off
-    cix = base[t.c_pat] + t.c_idx if NC else np.zeros(0, np.int64)
-    c_shp = cat_shp[cix]
+    c_shp = np.concatenate([p[7] for p in t.patterns])[base[t.c_pat] + t.c_idx] if NC else \
+        np.zeros((0, t.D), np.int64)
     item = np.array(items or [1], np.int64)
     c_bytes = np.prod(c_shp, axis=1) * item[t.c_key]
     writer, entry = elect(t, regions, world, c_bytes)
@@ -213,11 +212,15 @@ def _plan_writes(t, regions: Regions, keys: list, items: list, world: int,
     # objects: one ChunkWrite per chunk (offsets shared per pattern), one Transfer per send
     nd_of = [len(e[2]) for e in keys]
     names = [e[0] for e in keys]
-    pat_nd: dict = {}
-    for k, j in zip(t.c_key.tolist(), t.c_pat.tolist()):
-        pat_nd.setdefault(j, nd_of[k])
-    tups = {j: ([tuple(r[:nd]) for r in pat_off[j].tolist()],
-                [tuple(r[:nd]) for r in t.patterns[j][7].tolist()]) for j, nd in pat_nd.items()}
+    pats, at = np.unique(t.c_pat, return_index=True)
+    pat_nd = dict(zip(pats.tolist(), [nd_of[k] for k in t.c_key[at].tolist()]))
+    offs: list = []
+    shps: list = []
+    for j, (o, sh) in enumerate(zip(pat_off, [p[7] for p in t.patterns])):
+        nd = pat_nd.get(j, 0)
+        offs += [tuple(r[:nd]) for r in o.tolist()]
+        shps += [tuple(r[:nd]) for r in sh.tolist()]
+
     def boxes(parts):
         nds = [nd_of[k] for k in t.c_key[t.p_chunk[parts]].tolist()]
         return [(tuple(o[:n]), tuple(s[:n])) for o, s, n in
@@ -233,20 +236,22 @@ def _plan_writes(t, regions: Regions, keys: list, items: list, world: int,
     dq = hold_hidx[np.maximum(entry, 0)]
     ds = np.flatnonzero(direct).tolist()
     dset = dict(zip(ds, zip(dq[ds].tolist(), t.p_pi[t.first[ds]].tolist())))
-    rows = zip(range(NC), t.c_key.tolist(), t.c_pat.tolist(), t.c_idx.tolist())
-    cws = [ChunkWrite(names[k], tups[j][0][i], tups[j][1][i], dset.get(c), local.get(c, ()))
-           for c, k, j, i in rows]
-    byw = list(map(cws.__getitem__, ow.tolist()))
+    # in each writer's order (plan order per writer), built at C speed
+    ol = ow.tolist()
+    cix = (base[t.c_pat] + t.c_idx)[ow].tolist()
+    byw = list(map(ChunkWrite._make, zip(
+        map(names.__getitem__, t.c_key[ow].tolist()), map(offs.__getitem__, cix),
+        map(shps.__getitem__, cix), map(dset.get, ol), map(local.get, ol, repeat(())))))
     ends = np.cumsum(cnt).tolist()
     for w, a, b in zip(ranks, [0] + ends[:-1], ends):
         w.writes = byw[a:b]
     sends: list = [[] for _ in range(world)]
     recvs: list = [[] for _ in range(world)]
     sc = t.p_chunk[sent]
-    for c, w, wi, src, q, p, (bo, bs) in zip(
-            sc.tolist(), writer[sc].tolist(), widx[sc].tolist(), hold_rank[s_entry].tolist(),
+    for ck, w, wi, src, q, p, (bo, bs) in zip(
+            t.c_key[sc].tolist(), writer[sc].tolist(), widx[sc].tolist(), hold_rank[s_entry].tolist(),
             hold_hidx[s_entry].tolist(), t.p_pi[sent].tolist(), boxes(sent)):
-        tr = Transfer(src, w, cws[c].key, bo, bs, (q, p), (wi,))
+        tr = Transfer(src, w, names[ck], bo, bs, (q, p), (wi,))
         sends[src].append(tr)
         recvs[w].append(tr)
     for w, sd, rv in zip(ranks, sends, recvs):

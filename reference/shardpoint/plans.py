@@ -73,12 +73,11 @@ class TensorLayout:
         return math.prod(self.shape) * dtypes.from_name(self.dtype).itemsize
 
 
-@dataclass(slots=True)
-class ChunkWrite:
+class ChunkWrite(NamedTuple):
     """One chunk a rank writes. ``direct``: (holding, piece) whose view covers the chunk, so it
     is written straight from the caller's tensor; else the chunk is assembled in a buffer from
-    ``local`` copies ``(holding, piece, box_offset, box_shape)`` and received transfers
-    (an empty tuple when there are none: a large plan has ~10^5 chunks)."""
+    ``local`` copies ``(holding, piece, box_offset, box_shape)`` and received transfers. A
+    named tuple: a large job plans ~10^5 of them."""
 
     key: str
     offset: tuple
