@@ -225,3 +225,26 @@ def reference_plan_save(local_plans, opts=PlanOptions()):
     return tensors, ranks, stats
 
 
+
+
+def reference_direct_host_bytes(requests, layouts, hosts):
+    """host -> bytes under the direct strategy, one holding at a time (the old cost model)."""
+    from collections import defaultdict
+    from shardpoint.grid import pieces_by_chunk
+    per_host: dict = defaultdict(dict)
+    for r, reqs in enumerate(requests):
+        hb = per_host[hosts[r]]
+        for h in reqs:
+            lay = layouts[h.key]
+            itemsize = dtypes.from_name(lay.dtype).itemsize
+            per = pieces_by_chunk(lay.shape, lay.chunk_shape, [holding_pieces(h)])
+            for cidx, parts in per.items():
+                if not lay.shape:
+                    n = itemsize
+                else:
+                    rows = sum(bs[0] for _, _, (_bo, bs) in parts)
+                    cfull = [min(c, n - i * c) for c, n, i in
+                             zip(lay.chunk_shape, lay.shape, cidx)]
+                    n = min(rows, cfull[0]) * math.prod(cfull[1:]) * itemsize
+                hb[(h.key, cidx)] = max(hb.get((h.key, cidx), 0), n)
+    return {k: sum(v.values()) for k, v in per_host.items()}

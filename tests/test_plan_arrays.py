@@ -17,7 +17,8 @@ from shardpoint.model import Holding
 from shardpoint.planner import PlanOptions, RankLoadWork, TensorLayout, plan_save
 from shardpoint.plans import Transfer
 
-from planner_reference import reference_plan_load, reference_plan_save
+from planner_reference import (reference_direct_host_bytes, reference_plan_load,
+                               reference_plan_save)
 from test_planner import (SET, check_exchange_symmetry, jobs, local_plans, requests_for)
 
 
@@ -65,6 +66,11 @@ def test_load_tables_deliver_what_the_object_planner_delivered(job, load_world):
     assert new.recv_bytes == recv_bytes(new)
     assert new.read_bytes == sum(math.prod(op.shape) * _itemsize(plan.tensors[op.key].dtype)
                                  for w in old for op in w.reads)
+    # the direct strategy's per-host bytes, from the tables, as the per-holding loop had them
+    hosts = [f"h{rng.randrange(3)}" for _ in range(load_world)]
+    got = new.direct_host_bytes(hosts)
+    want = reference_direct_host_bytes(reqs, plan.tensors, hosts)
+    assert {h: b for h, b in got.items() if b} == {h: b for h, b in want.items() if b}
     # every rank's message, encoded in one pass, decodes to the rank's own tables
     wires = encode_works(new, plan.tensors)
     for r, (w, b) in enumerate(zip(new, wires)):

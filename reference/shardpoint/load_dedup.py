@@ -105,6 +105,35 @@ class LoadWorks(Sequence):
         return [a["c_reader"][c], a["t_dst"][sel], kmap[a["c_key"][c]], a["c_ridx"][c],
                 a["t_q"][sel], a["p_pi"][p], a["p_bo"][p], a["p_bs"][p]]
 
+    def direct_host_bytes(self, hosts: Sequence[str]) -> dict:
+        """host -> bytes its ranks would read if every rank read for itself (the ``direct``
+        strategy): per chunk, the most any one request of the host needs of it, in whole
+        rows of the chunk (inner chunks split the first dimension)."""
+        a = self.a
+        hid: dict = {}
+        host_of = np.array([hid.setdefault(h, len(hid)) for h in hosts], np.int64)
+        p_chunk, p_gi = a["p_chunk"], a["p_gi"]
+        if not len(p_chunk):
+            return {h: 0 for h in hid}
+        rows = a["p_bs"][:, 0] if self.D else np.ones(len(p_chunk), np.int64)
+        # rows of a chunk one request of region g needs: its pieces' rows in that chunk
+        u, inv = np.unique(p_chunk * (len(a["start"]) - 1) + p_gi, return_inverse=True)
+        need = np.bincount(inv.ravel(), weights=rows).astype(np.int64)
+        c, g = u // (len(a["start"]) - 1), u % (len(a["start"]) - 1)
+        full = a["c_full"][c]
+        per = np.ones(len(c), np.int64) if not self.D else \
+            np.minimum(need, full[:, 0]) * np.prod(full[:, 1:], axis=1)
+        per = per * a["c_item"][c]
+        start, nh = a["start"], np.diff(a["start"])
+        e_grp, e_entry = expand(np.arange(len(c)), start[g], nh[g])
+        key = host_of[a["hold_rank"][e_entry]] * len(self.a["c_key"]) + c[e_grp]
+        o = np.argsort(key, kind="stable")
+        ks = key[o]
+        cut = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
+        best = np.maximum.reduceat(per[e_grp][o], cut)
+        tot = np.bincount(ks[cut] // len(self.a["c_key"]), weights=best, minlength=len(hid))
+        return {h: int(tot[i]) for h, i in hid.items()}
+
     def _cut(self, r: int) -> RankLoadWork:
         a = self.a
         ch = a["read_order"][a["read_starts"][r]:a["read_starts"][r + 1]]
@@ -190,8 +219,8 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
     loc = e_rank == e_reader
     l_part, l_q = e_part[loc], hold_hidx[e_entry[loc]]
     l_order, l_starts = _stable_order(e_reader[loc], world)
-    t = ~loc
-    t_part, t_dst, t_q, t_src = e_part[t], e_rank[t], hold_hidx[e_entry[t]], e_reader[t]
+    x = ~loc
+    t_part, t_dst, t_q, t_src = e_part[x], e_rank[x], hold_hidx[e_entry[x]], e_reader[x]
     s_order, s_starts = _stable_order(t_src, world)
     v_order, v_starts = _stable_order(t_dst, world)
     t_bytes = np.prod(p_bs[t_part], axis=1) * item[c_key[p_chunk[t_part]]]
@@ -202,5 +231,9 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
              l_part=l_part, l_q=l_q, l_order=l_order, l_starts=l_starts,
              t_part=t_part, t_dst=t_dst, t_q=t_q, s_order=s_order, s_starts=s_starts,
              v_order=v_order, v_starts=v_starts, recv_bytes=recv_bytes,
+             p_gi=p_gi, start=start, hold_rank=hold_rank, c_item=item[c_key],
+             c_full=(np.concatenate([p[7] for p in t.patterns])[
+                 np.cumsum([0] + [len(p[7]) for p in t.patterns[:-1]]).astype(np.int64)[t.c_pat]
+                 + t.c_idx] if NC else np.zeros((0, D), np.int64)),
              read_bytes=int(c_bytes.sum()))
     return LoadWorks(world, keys, ndims, D, a)

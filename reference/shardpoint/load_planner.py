@@ -14,8 +14,6 @@ the dedup plan's cost grows with distinct structure.
 """
 from __future__ import annotations
 
-import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -86,21 +84,6 @@ def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes:
     return LoadCosts(n_hosts, dedup_read_bytes, x_max, h_max, dedup_s, direct_s, pick)
 
 
-def _direct_bytes(h: Holding, lay: TensorLayout, itemsize: int) -> dict:
-    """(chunk index -> bytes) a rank reads for ``h`` directly: the rows of each chunk it
-    touches, whole in every other dimension (inner chunks split the first dimension)."""
-    out: dict = {}
-    per = pieces_by_chunk(lay.shape, lay.chunk_shape, [holding_pieces(h)])
-    for cidx, parts in per.items():
-        if not lay.shape:
-            out[cidx] = itemsize
-            continue
-        rows = sum(bs[0] for _, _, (_bo, bs) in parts)
-        cfull = [min(c, n - i * c) for c, n, i in zip(lay.chunk_shape, lay.shape, cidx)]
-        out[cidx] = max(out.get(cidx, 0), min(rows, cfull[0]) * math.prod(cfull[1:]) * itemsize)
-    return out
-
-
 def plan_load_direct(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:
     """Per-rank load work where every rank reads each needed box itself, straight into its
     destination, one read per (piece, chunk); nothing is exchanged."""
@@ -129,14 +112,8 @@ def plan_load_auto(requests: Sequence[Sequence[Holding]], layouts: dict, hosts: 
     if opts.strategy == "dedup" or len(requests) == 1:
         return dedup, LoadCosts(len(set(hosts)), 0, 0, 0, 0.0, 0.0, "dedup")
     recv, read = dedup.recv_bytes, dedup.read_bytes
-    per_host: dict = defaultdict(dict)      # host -> (key, chunk) -> bytes
-    for r, reqs in enumerate(requests):
-        hb = per_host[hosts[r]]
-        for h in reqs:
-            lay = layouts[h.key]
-            for cidx, n in _direct_bytes(h, lay, dtypes.from_name(lay.dtype).itemsize).items():
-                hb[(h.key, cidx)] = max(hb.get((h.key, cidx), 0), n)
-    costs = choose_strategy(hosts, read, recv, {k: sum(v.values()) for k, v in per_host.items()},
+    per_host = dedup.direct_host_bytes(hosts)
+    costs = choose_strategy(hosts, read, recv, per_host,
                             opts.storage_gbps, exchange_gbps)
     if costs.strategy == "direct":
         return plan_load_direct(requests, layouts), costs
