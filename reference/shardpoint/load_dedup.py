@@ -158,10 +158,10 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
                      itemsizes: list) -> LoadWorks:
     """The dedup plan of the requests grouped in ``regions`` (keys ``entries``).
 
-    Per chunk one reader among the ranks that need most of it: for a chunk inside one
-    requested region, its holders take turns, biggest chunks first, per set of holders (so
-    data-parallel replicas share the reads evenly); otherwise the candidates take turns by
-    chunk number. A chunk needed by one request only is read straight into it.
+    Per chunk one reader among the ranks that need most of it (:func:`~.chunk_table.elect`:
+    data-parallel replicas share the reads evenly). The reader reads the box spanning the
+    chunk's requested parts, copies what its own requests need and sends the rest; a chunk
+    needed by one request only is read straight into it.
     """
     D = max((len(e[2]) for e in entries), default=0)
     keys = [e[0] for e in entries]
@@ -192,7 +192,7 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
     else:
         c_lo = c_shp = np.zeros((0, D), np.int64)
     c_bytes = np.prod(c_shp, axis=1) * item[c_key]
-    reader, entry = elect(t, regions, world, c_bytes)
+    reader, _ = elect(t, regions, world, c_bytes)
     start = np.asarray(regions.start, np.int64)
     hold_rank, hold_hidx = regions.hold_rank, regions.hold_hidx
     nh = np.diff(start)
