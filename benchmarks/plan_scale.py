@@ -5,8 +5,10 @@ Default: 4,096 ranks = TP 8 x PP 4 x DP 128, 80 layers x 12 params (+ embeddings
 tensors), bf16 weights replicated across DP, fp32 master/exp_avg/exp_avg_sq as distributed-
 optimizer flattened ranges (each stage's parameters concatenated per TP rank, the buffer cut
 into DP equal ranges). Times what the coordinator does: decode the gathered local plans and
-plan the save; decode the gathered load requests and plan the load (medians of --repeat runs),
-and prints gathered bytes, peak memory and manifest size with ratios to the targets.
+plan the save; decode the gathered load requests and plan the load, alone (``plan_load``) and as
+``load()`` runs it (``plan_load_auto``: the cost model prices dedup against direct reads), then
+encode every rank's load work (medians of --repeat runs), and prints gathered bytes, peak
+memory and manifest size with ratios to the targets.
 
     python benchmarks/plan_scale.py                 # the 4,096-rank job
     python benchmarks/plan_scale.py --dp 8 --layers 8   # quick look
@@ -21,6 +23,7 @@ import statistics
 import time
 
 from shardpoint.columns import HoldingColumns
+from shardpoint.load_planner import LoadOptions, encode_works, plan_load_auto
 from shardpoint.metadata import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.model import Holding
 from shardpoint.planner import LocalPlan, TensorLayout, plan_load, plan_save
@@ -138,7 +141,8 @@ def main() -> None:
          for h in p.holdings]).to_wire() for p in plans]
     del plans
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    dec, pl, tot, lds = [], [], [], []
+    dec, pl, tot, lds, lenc, auto = [], [], [], [], [], []
+    hosts = [f"host{r // 8}" for r in range(world)]   # 8 ranks per host
     for _ in range(a.repeat):
         gc.collect()
         t0 = time.perf_counter()
@@ -157,9 +161,19 @@ def main() -> None:
             t0 = time.perf_counter()
             works = plan_load([HoldingColumns.from_wire(b) for b in reqs_b], layouts)
             lds.append(time.perf_counter() - t0)
-            reads = sum(len(w.reads) for w in works)
-            sends = sum(len(w.sends) for w in works)
             del works
+            gc.collect()
+            t0 = time.perf_counter()     # what load() runs: the cost model picks a strategy
+            works, costs = plan_load_auto([HoldingColumns.from_wire(b) for b in reqs_b],
+                                          layouts, hosts, LoadOptions(), 1.0)
+            auto.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            wire = encode_works(works, layouts)     # loading.py's decide() sends these
+            lenc.append(time.perf_counter() - t0)
+            reads = sum(len(w.read_rows) for w in works)
+            sends = sum(len(w.send_rows) for w in works)
+            wmax = max(map(len, wire))
+            del works, wire
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     work_bytes = [len(w.to_bytes()) for w in plan.ranks[:64]]
     m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
@@ -183,6 +197,11 @@ def main() -> None:
     if lds:
         print(f"  load plan (decode + plan_load)  {_median(lds)}  "
               f"({med(lds) / 1.0:.2f}x the 1.0 s target; {reads:,} reads, {sends:,} transfers)")
+        print(f"  load plan as load() runs it     {_median(auto)}  "
+              f"({med(auto) / 1.0:.2f}x the 1.0 s target; plan_load_auto, 8 ranks per host, "
+              f"picked {costs.strategy})")
+        print(f"  encode per-rank load work       {_median(lenc)}  "
+              f"(all ranks; largest {wmax / 2**10:.1f} KiB)")
     print(f"  max RSS growth during planning    {(rss1 - rss0) / 2**10:8.1f} MiB "
           f"(process max RSS {rss1 / 2**10:.0f} MiB)")
     print(f"  chunks {st['chunks']:,}, exchange {st['exchange_bytes'] / 2**20:.1f} MiB "

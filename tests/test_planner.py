@@ -434,9 +434,10 @@ def test_wire_forms_round_trip():
               [tuple(x) for x in c.local]) for c in w.writes]
         assert b.sends == w.sends and b.recvs == w.recvs
     reqs = [[Holding("t0", "bfloat16", (7, 3), (0, 0), (7, 3), None, (0,))]] * 2
-    for w in plan_load(reqs, {"t0": TensorLayout("t0", (7, 3), "bfloat16", (3, 3))}):
-        b = RankLoadWork.from_bytes(w.to_bytes())
-        assert b.sends == w.sends and b.recvs == w.recvs and len(b.reads) == len(w.reads)
+    lay = {"t0": TensorLayout("t0", (7, 3), "bfloat16", (3, 3))}
+    for w in plan_load(reqs, lay):
+        b = RankLoadWork.from_bytes(w.to_bytes(lay), lay)
+        assert b.sends == w.sends and b.recvs == w.recvs and b.reads == w.reads
 
 
 # ------------------------------------------------------------------------------ load plans

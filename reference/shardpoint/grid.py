@@ -133,18 +133,21 @@ def pieces_by_chunk(shape: tuple, chunk: tuple, piece_lists: list) -> dict:
     return per_chunk
 
 
-def chunk_parts(shape: tuple, chunk: tuple, piece_lists: list) -> list:
-    """Every chunk some piece touches, in chunk order, as ``(chunk offset, chunk shape,
-    [(list index, piece index, box offset, box shape, elements)])``: the pieces' overlaps with
-    the chunk, in piece order. :func:`pieces_by_chunk` with numpy, for tensors of many
-    pieces and chunks."""
-    if not shape:
-        return [((), (), [(li, pi, (), (), 1) for li, ps in enumerate(piece_lists)
-                          for pi, _ in enumerate(ps)])]
+def chunk_part_arrays(shape: tuple, chunk: tuple, piece_lists: list) -> tuple:
+    """The overlaps of pieces with chunks as arrays, in chunk order then piece order:
+    ``(part chunk, list index, piece index, box offset, box shape, elements, chunk offset,
+    chunk shape)``; ``part chunk`` numbers the touched chunks 0.. in chunk order and the
+    last two arrays have one row per touched chunk. A 0-d tensor is one chunk."""
     nd = len(shape)
     flat = [(li, pi, p) for li, ps in enumerate(piece_lists) for pi, p in enumerate(ps)]
-    if not flat:
-        return []
+    li_a = np.array([f[0] for f in flat], np.int64)
+    pi_a = np.array([f[1] for f in flat], np.int64)
+    if not shape or not flat:
+        n = len(flat)
+        nc = 1 if n and not shape else 0
+        z = np.zeros((n, nd), np.int64)
+        return (np.zeros(n, np.int64), li_a, pi_a, z, z, np.ones(n, np.int64),
+                np.zeros((nc, nd), np.int64), np.zeros((nc, nd), np.int64))
     offs = np.array([p.offset for _, _, p in flat], np.int64).reshape(-1, nd)
     ends = offs + np.array([p.shape for _, _, p in flat], np.int64).reshape(-1, nd)
     idx = np.arange(len(flat))
@@ -161,23 +164,31 @@ def chunk_parts(shape: tuple, chunk: tuple, piece_lists: list) -> list:
         his = [x[rep] for x in his] + [np.minimum(e[idx], (ci + 1) * c)]
         lin = lin[rep] * (-(-n // c)) + ci
     order = np.argsort(lin, kind="stable")
-    lin_s = lin[order].tolist()
-    src = idx[order].tolist()
+    lin_s = lin[order]
+    src = idx[order]
     lo = np.stack([x[order] for x in los], 1)
     ext = np.stack([h[order] for h in his], 1) - lo
-    cnt = np.prod(ext, axis=1).tolist()
-    lo_l, ext_l = lo.tolist(), ext.tolist()
-    out: list = []
-    prev = -1
-    parts: list = []
-    for t, cl in enumerate(lin_s):
-        if cl != prev:
-            prev = cl
-            coff = tuple(a // c * c for a, c in zip(lo_l[t], chunk))
-            parts = []
-            out.append((coff, tuple(min(c, n - o) for c, n, o in zip(chunk, shape, coff)), parts))
-        li, pi, _ = flat[src[t]]
-        parts.append((li, pi, tuple(lo_l[t]), tuple(ext_l[t]), cnt[t]))
+    new = np.concatenate([[True], lin_s[1:] != lin_s[:-1]])
+    part_chunk = np.cumsum(new) - 1
+    ch = np.array(chunk, np.int64)
+    coff = lo[new] // ch * ch
+    cshp = np.minimum(ch, np.array(shape, np.int64) - coff)
+    return part_chunk, li_a[src], pi_a[src], lo, ext, np.prod(ext, axis=1), coff, cshp
+
+
+def chunk_parts(shape: tuple, chunk: tuple, piece_lists: list) -> list:
+    """Every chunk some piece touches, in chunk order, as ``(chunk offset, chunk shape,
+    [(list index, piece index, box offset, box shape, elements)])``: the pieces' overlaps with
+    the chunk, in piece order. :func:`pieces_by_chunk` with numpy, for tensors of many
+    pieces and chunks."""
+    if not shape:
+        return [((), (), [(li, pi, (), (), 1) for li, ps in enumerate(piece_lists)
+                          for pi, _ in enumerate(ps)])]
+    pc, li, pi, lo, ext, cnt, coff, cshp = chunk_part_arrays(shape, chunk, piece_lists)
+    out = [(tuple(o), tuple(s), []) for o, s in zip(coff.tolist(), cshp.tolist())]
+    for c, a, b, o, s, n in zip(pc.tolist(), li.tolist(), pi.tolist(), lo.tolist(),
+                                ext.tolist(), cnt.tolist()):
+        out[c][2].append((a, b, tuple(o), tuple(s), n))
     return out
 
 

@@ -14,24 +14,16 @@ the dedup plan's cost grows with distinct structure.
 """
 from __future__ import annotations
 
-import math
-from bisect import bisect_left, bisect_right
-from collections import defaultdict
 from dataclasses import dataclass, field
-from functools import partial
-from itertools import repeat
 from typing import Optional, Sequence
-
-import numpy as np
 
 from . import dtypes
 from .columns import Gathered, Regions, as_columns, gc_paused
 from .errors import LayoutMismatchError
-from .grid import chunk_parts, pieces_by_chunk
+from .grid import pieces_by_chunk
+from .load_dedup import LoadWorks, plan_load_arrays
 from .model import Holding, holding_pieces
-from .plans import RankLoadWork, ReadOp, TensorLayout, Transfer
-
-_transfer = partial(tuple.__new__, Transfer)   # Transfer from a 7-tuple, at C speed
+from .plans import RankLoadWork, ReadOp, TensorLayout
 
 
 def check_request(h: Holding, layout: TensorLayout) -> None:
@@ -114,33 +106,20 @@ def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes:
                      shm_bytes_max=max(shm, default=0))
 
 
-def _direct_bytes(h: Holding, lay: TensorLayout, itemsize: int) -> dict:
-    """(chunk index -> bytes) a rank reads for ``h`` directly: the rows of each chunk it
-    touches, whole in every other dimension (inner chunks split the first dimension)."""
-    out: dict = {}
-    per = pieces_by_chunk(lay.shape, lay.chunk_shape, [holding_pieces(h)])
-    for cidx, parts in per.items():
-        if not lay.shape:
-            out[cidx] = itemsize
-            continue
-        rows = sum(bs[0] for _, _, (_bo, bs) in parts)
-        cfull = [min(c, n - i * c) for c, n, i in zip(lay.chunk_shape, lay.shape, cidx)]
-        out[cidx] = max(out.get(cidx, 0), min(rows, cfull[0]) * math.prod(cfull[1:]) * itemsize)
-    return out
-
-
 def plan_load_direct(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:
     """Per-rank load work where every rank reads each needed box itself, straight into its
     destination, one read per (piece, chunk); nothing is exchanged."""
-    out = [RankLoadWork() for _ in requests]
+    out = []
     for r, reqs in enumerate(requests):
+        reads = []
         for q, h in enumerate(reqs):
             lay = layouts[h.key]
             check_request(h, lay)
             per = pieces_by_chunk(lay.shape, lay.chunk_shape, [holding_pieces(h)])
             for cidx in sorted(per):
                 for _li, pi, (bo, bs) in per[cidx]:
-                    out[r].reads.append(ReadOp(h.key, bo, bs, direct=(q, pi)))
+                    reads.append(ReadOp(h.key, bo, bs, direct=(q, pi)))
+        out.append(RankLoadWork.from_ops(r, reads))
     return out
 
 
@@ -154,120 +133,40 @@ def plan_load_auto(requests: Sequence[Sequence[Holding]], layouts: dict, hosts: 
     dedup = plan_load(requests, layouts)
     if opts.strategy == "dedup" or len(requests) == 1:
         return dedup, LoadCosts(len(set(hosts)), 0, 0, 0, 0.0, 0.0, "dedup")
-    world = len(requests)
-    recv, shm, rank_read = [0] * world, [0] * world, [0] * world
-    for r, w in enumerate(dedup):
-        for op in w.reads:
-            rank_read[r] += math.prod(op.shape) * dtypes.from_name(layouts[op.key].dtype).itemsize
-        for t in w.recvs:
-            n = math.prod(t.box_shape) * dtypes.from_name(layouts[t.key].dtype).itemsize
-            # Same-host pairs go through shared memory (see host_exchange), the rest the group.
-            (shm if opts.shm_exchange and hosts[t.src] == hosts[t.dst] else recv)[t.dst] += n
-    per_host: dict = defaultdict(dict)      # host -> (key, chunk) -> bytes
-    direct_rank = [0] * world
-    for r, reqs in enumerate(requests):
-        hb = per_host[hosts[r]]
-        for h in reqs:
-            lay = layouts[h.key]
-            for cidx, n in _direct_bytes(h, lay, dtypes.from_name(lay.dtype).itemsize).items():
-                hb[(h.key, cidx)] = max(hb.get((h.key, cidx), 0), n)
-                direct_rank[r] += n
-    costs = choose_strategy(hosts, sum(rank_read), recv,
-                            {k: sum(v.values()) for k, v in per_host.items()},
+    read, recv, shm = dedup.rank_traffic(hosts, opts.shm_exchange)
+    costs = choose_strategy(hosts, dedup.read_bytes, recv, dedup.direct_host_bytes(hosts),
                             opts.storage_gbps, exchange_gbps, shm_bytes=shm,
-                            dedup_rank_bytes=rank_read, direct_rank_bytes=direct_rank,
+                            dedup_rank_bytes=read, direct_rank_bytes=dedup.direct_rank_bytes(),
                             memory_gbps=opts.memory_gbps)
     if costs.strategy == "direct":
         return plan_load_direct(requests, layouts), costs
     return dedup, costs
 
 
-def plan_load(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:
+def encode_works(works: Sequence[RankLoadWork], layouts: dict) -> list:
+    """Each rank's work message (:meth:`RankLoadWork.to_bytes`); a dedup plan encodes all
+    ranks in one vectorised pass."""
+    if isinstance(works, LoadWorks):
+        return works.encode_all(layouts)
+    return [w.to_bytes(layouts) for w in works]
+
+
+def plan_load(requests: Sequence[Sequence[Holding]], layouts: dict) -> LoadWorks:
     """Per-rank load work: each needed region is read from storage by exactly one rank
     (read dedup, balanced), then sent to every other rank that needs it ([SP-LOAD-2]).
-    ``requests[r]``: rank ``r``'s holdings (a list, or :class:`~.columns.HoldingColumns`)."""
+    ``requests[r]``: rank ``r``'s holdings (a list, or :class:`~.columns.HoldingColumns`).
+    Returns a sequence of :class:`RankLoadWork`, planned as arrays (:mod:`.load_dedup`)."""
     with gc_paused():
-        return _plan_load(requests, layouts)
+        world = len(requests)
 
+        def check(e0: tuple, e: tuple, _r0: int, _r: int) -> None:
+            for key, dtype, shape in (e0, e):
+                check_request(Holding(key, dtype, shape, (), (), None, (0,)), layouts[key])
 
-def _plan_load(requests: Sequence[Sequence[Holding]], layouts: dict) -> list:
-    world = len(requests)
-    out = [RankLoadWork() for _ in range(world)]
-    read_bytes = [0] * world
-    def check(e0: tuple, e: tuple, _r0: int, _r: int) -> None:
-        for key, dtype, shape in (e0, e):
-            check_request(Holding(key, dtype, shape, (), (), None, (0,)), layouts[key])
-
-    gathered = Gathered(range(world), [as_columns(rq) for rq in requests], check)
-    entries = gathered.keys
-    for e in entries:
-        check(e, e, 0, 0)
-    regions = Regions(gathered, check_replicas=False)
-    patterns: dict = {}
-    recvs: list = []        # every transfer, in plan order
-    recv_dst: list = []     # its destination
-    for k in sorted(range(len(entries)), key=lambda i: entries[i][0]):
-        key, dtype, shape = entries[k]
-        lay = layouts[key]
-        chunk, itemsize = lay.chunk_shape, dtypes.from_name(lay.dtype).itemsize
-        gis, sig = regions.by_key.get(k, ([], b""))
-        pkey = (shape, chunk, sig)
-        chunks = patterns.get(pkey)
-        if chunks is None:
-            regs = [regions.region(gi)[1:] for gi in gis]
-            pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,)))
-                      for o, s, f in regs]
-            chunks = patterns[pkey] = chunk_parts(shape, chunk, pieces)
-        need = [regions.holder_lists(gi) for gi in gis]    # (ranks ascending, requests)
-        refs: dict = {}
-        for coff, cshp, parts in chunks:
-            if len(parts) == 1:
-                ri, pi, lo, rshape, n = parts[0]
-                rl, ql = need[ri]
-                reader = rl[0] if len(rl) == 1 else min(rl, key=read_bytes.__getitem__)
-            else:
-                want: dict = {}
-                for ri, _pi, _bo, _bs, n in parts:
-                    for r in need[ri][0]:
-                        want[r] = want.get(r, 0) + n
-                top = max(want.values())
-                cand = [r for r, v in want.items() if v == top]
-                reader = cand[0] if len(cand) == 1 else \
-                    min(cand, key=lambda r: (read_bytes[r], r))
-                nd = len(shape)
-                lo = tuple(min(p[2][d] for p in parts) for d in range(nd))
-                rshape = tuple(max(p[2][d] + p[3][d] for p in parts) - lo[d] for d in range(nd))
-            read_bytes[reader] += math.prod(rshape) * itemsize
-            work = out[reader]
-            op = ReadOp(key, lo, rshape)
-            src_ref = (len(work.reads),)
-            work.reads.append(op)
-            if len(parts) == 1 and len(need[parts[0][0]][0]) == 1:
-                op.direct = (need[parts[0][0]][1][0], parts[0][1])
-                continue
-            for ri, pi, bo, bs, _n in parts:
-                rl, ql = need[ri]
-                j0, j1 = bisect_left(rl, reader), bisect_right(rl, reader)
-                if j1 > j0:
-                    op.local.extend((q, pi, bo, bs) for q in ql[j0:j1])
-                    if len(rl) == j1 - j0:
-                        continue
-                    rl, ql = rl[:j0] + rl[j1:], ql[:j0] + ql[j1:]
-                # (request, piece) refs repeat across ranks of one layout: share them, so a
-                # million transfers do not bring a million more objects for the GC to scan.
-                drefs = map(refs.setdefault, zip(ql, repeat(pi)), zip(ql, repeat(pi)))
-                ts = list(map(_transfer, zip(repeat(reader), rl, repeat(key), repeat(bo),
-                                             repeat(bs), repeat(src_ref), drefs)))
-                work.sends.extend(ts)
-                recvs.extend(ts)
-                recv_dst.extend(rl)
-    # Each rank receives in plan order: one stable sort by destination instead of an append
-    # per transfer.
-    order = np.argsort(np.array(recv_dst, np.int64), kind="stable").tolist()
-    ordered = list(map(recvs.__getitem__, order))
-    counts = np.bincount(np.array(recv_dst, np.int64), minlength=world).tolist()
-    pos = 0
-    for w, c in zip(out, counts):
-        w.recvs = ordered[pos:pos + c]
-        pos += c
-    return out
+        gathered = Gathered(range(world), [as_columns(rq) for rq in requests], check)
+        entries = gathered.keys
+        for e in entries:
+            check(e, e, 0, 0)
+        regions = Regions(gathered, check_replicas=False)
+        items = [dtypes.from_name(layouts[e[0]].dtype).itemsize for e in entries]
+        return plan_load_arrays(world, entries, regions, layouts, items)

@@ -20,7 +20,7 @@ from .columns import HoldingColumns
 from .exchange import Comm, agree, error_record, exchange, raise_records, run_collectively
 from .host_exchange import execute_dedup_load
 from .metadata import Manifest, decode_manifest
-from .load_planner import LoadOptions, plan_load_auto
+from .load_planner import LoadOptions, encode_works, plan_load_auto
 from .planner import RankLoadWork, TensorLayout
 from .storage import StorageBackend, get_backend
 from .targets import collect_targets, full_targets
@@ -105,11 +105,11 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
         xg = opts.exchange_gbps or (20.0 if comm.device.type == "cuda" else 1.0)
         works, costs = plan_load_auto(reqs, layouts, [h for h, _ in got], opts, xg)
         c = {k: v for k, v in vars(costs).items() if k != "notes"}
-        return [msgpack.packb([c, w.to_bytes()]) for w in works]
+        return [msgpack.packb([c, w]) for w in encode_works(works, layouts)]
 
     costs, wbytes = msgpack.unpackb(run_collectively(comm, local, decide,
                                                      errors.LayoutMismatchError))
-    work = RankLoadWork.from_bytes(wbytes)
+    work = RankLoadWork.from_bytes(wbytes, m_box["m"].tensors)
     report.strategy, report.costs = costs["strategy"], costs
     report.timings["plan"] = time.perf_counter() - t0
     err: Optional[BaseException] = None

@@ -11,15 +11,18 @@ misaligned pieces) -> ``SavePlan`` holding one ``RankSaveWork`` per rank. Loads 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections import defaultdict
+from itertools import repeat
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
+
 from . import dtypes
+from .chunk_table import build_parts, elect, expand
 from .columns import Gathered, Regions, as_columns, gc_paused
 from .coverage import check_exact_cover
 from .errors import InvalidShardingError
-from .grid import chunk_parts, plan_chunk_grid
+from .grid import chunk_part_arrays, plan_chunk_grid
 from .load_planner import check_request, plan_load
 from .model import Holding, ObjectValues, grid_flat_index, holding_pieces
 from .plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork, RankSaveWork, ReadOp,
@@ -89,12 +92,11 @@ def _describe(ranks: Sequence[int]) -> str:
 
 class _Pattern(NamedTuple):
     """What a tensor's plan needs that depends on its shape and regions only, so tensors of
-    identical structure (the layers of a model) share it: the chunk grid and, per chunk,
-    ``(offset, shape, bytes, parts)`` with parts ``(region, piece, box_offset, box_shape,
-    elements)``."""
+    identical structure (the layers of a model) share it: the chunk grid and the chunks'
+    parts (:func:`~.grid.chunk_part_arrays`)."""
 
     chunk: tuple
-    chunks: list
+    parts: tuple
 
 
 def _plan_pattern(key: str, dtype: str, shape: tuple, itemsize: int, regions: list,
@@ -110,20 +112,17 @@ def _plan_pattern(key: str, dtype: str, shape: tuple, itemsize: int, regions: li
     blocks = [(o, s) for o, s, _ in regions if math.prod(s)]
     grid_regions = [([(p.offset, p.shape) for p in ps], ()) for ps in pieces]
     chunk = plan_chunk_grid(shape, itemsize, grid_regions, blocks, opts)
-    chunks = []
-    if math.prod(shape):
-        chunks = [(coff, cshp, math.prod(cshp) * itemsize, parts)
-                  for coff, cshp, parts in chunk_parts(shape, chunk, pieces)]
-    return _Pattern(chunk, chunks)
+    return _Pattern(chunk, chunk_part_arrays(shape, chunk, pieces) if math.prod(shape) else None)
 
 
 def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions()) -> SavePlan:
     """The global save plan, or :class:`InvalidShardingError` naming key, ranks and regions.
 
     Holdings are grouped into distinct regions with vectorised passes (:mod:`.columns`), and
-    tensors of identical shape and regions share one coverage check and grid choice; per
-    chunk the least loaded holder writes (ties to the lowest rank), so the plan is
-    deterministic and bytes are balanced across replicas ([SP-REPL-2], [SP-GRID-1]).
+    tensors of identical shape and regions share one coverage check and grid choice; each
+    chunk's writer is elected on arrays (:func:`~.chunk_table.elect`: the holders of a chunk
+    take turns, biggest chunks first), so the plan is deterministic, bytes are balanced across
+    replicas ([SP-REPL-2], [SP-GRID-1]) and its cost grows with distinct structure.
     """
     with gc_paused():
         return _plan_save(local_plans, opts)
@@ -133,86 +132,131 @@ def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
     local_plans = sorted(local_plans, key=lambda lp: lp.rank)
     world = len(local_plans)
     tree = _merged_tree(local_plans)
-
     gathered = Gathered([lp.rank for lp in local_plans],
                         [as_columns(lp.holdings) for lp in local_plans])
     regions = Regions(gathered)
-
     ranks = [RankSaveWork() for _ in range(world)]
-    assigned = [0] * world    # bytes each rank writes
-    sent = [0] * world
-    tensors: dict = {}
-    transfers: list = []
-    moved_bytes = 0
-    unique_bytes = 0
-    patterns: dict = {}
     keys = gathered.keys
-
+    D = max((len(e[2]) for e in keys), default=0)
+    items = [dtypes.from_name(d).itemsize for _, d, _ in keys]
+    tensors: dict = {}
+    patterns: dict = {}
+    pkeys: dict = {}
+    order = []
+    unique_bytes = 0
     for k in sorted(range(len(keys)), key=lambda i: keys[i][0]):
         key, dtype, shape = keys[k]
-        itemsize = dtypes.from_name(dtype).itemsize
         gis, sig = regions.by_key.get(k, ([], b""))
-        pkey = (shape, itemsize, sig)
+        pkey = pkeys[k] = (shape, items[k], sig)
         pat = patterns.get(pkey)
         if pat is None:
             regs = [regions.region(gi)[1:] for gi in gis]
             pat = patterns[pkey] = _plan_pattern(
-                key, dtype, shape, itemsize, regs,
+                key, dtype, shape, items[k], regs,
                 lambda ri: regions.holders(gis[ri])[0].tolist(), opts)
         tensors[key] = TensorLayout(key, shape, dtype, pat.chunk)
-        unique_bytes += math.prod(shape) * itemsize
+        unique_bytes += math.prod(shape) * items[k]
         if not math.prod(shape):
             ranks[gathered.first_rank[k]].create.append(key)
-            continue
-        hold = [regions.holder_lists(gi) for gi in gis]   # (ranks ascending, hidx)
-        for coff, cshp, cbytes, parts in pat.chunks:
-            if len(parts) == 1:
-                # One region covers the chunk: its holders tie; the least loaded one writes
-                # (min keeps the first of equals, and holders are in rank order).
-                ri, pi, bo, bs, _n = parts[0]
-                hl, hh = hold[ri]
-                if len(hl) == 1:
-                    writer, j = hl[0], 0
-                else:
-                    writer = min(hl, key=assigned.__getitem__)
-                    j = bisect_left(hl, writer)
-                assigned[writer] += cbytes
-                ranks[writer].writes.append(
-                    ChunkWrite(key, coff, cshp, (hh[j], pi)) if bs == cshp else
-                    ChunkWrite(key, coff, cshp, None, [(hh[j], pi, bo, bs)]))
-                continue
-            held: dict = {}
-            for ri, _pi, _bo, _bs, n in parts:
-                for r in hold[ri][0]:
-                    held[r] = held.get(r, 0) + n
-            top = max(held.values())
-            cand = [r for r, v in held.items() if v == top]
-            writer = cand[0] if len(cand) == 1 else min(cand, key=lambda r: (assigned[r], r))
-            assigned[writer] += cbytes
-            work = ranks[writer]
-            cw = ChunkWrite(key, coff, cshp)
-            widx = len(work.writes)
-            for ri, pi, bo, bs, n in parts:
-                hl, hh = hold[ri]
-                j = bisect_left(hl, writer)
-                if j < len(hl) and hl[j] == writer:
-                    cw.local.append((hh[j], pi, bo, bs))
-                    continue
-                j = 0 if len(hl) == 1 else bisect_left(hl, min(hl, key=sent.__getitem__))
-                nb = n * itemsize
-                sent[hl[j]] += nb
-                moved_bytes += nb
-                transfers.append(Transfer(hl[j], writer, key, bo, bs, (hh[j], pi), (widx,)))
-            work.writes.append(cw)
-
-    for t in transfers:
-        ranks[t.src].sends.append(t)
-        ranks[t.dst].recvs.append(t)
+        else:
+            order.append((k, gis))
+    t = build_parts(order, D, lambda k, _g: (pkeys[k], lambda: patterns[pkeys[k]].parts))
+    assigned, moved_bytes = _plan_writes(t, regions, keys, items, world, ranks)
     objects = plan_objects(local_plans)
     stats = {"world_size": world, "tensors": len(tensors), "unique_bytes": unique_bytes,
              "exchange_bytes": moved_bytes, "bytes_per_rank_max": max(assigned, default=0),
-             "chunks": sum(len(w.writes) for w in ranks)}
+             "chunks": len(t.c_key)}
     return SavePlan(tree, tensors, objects, ranks, stats)
+
+
+def _plan_writes(t, regions: Regions, keys: list, items: list, world: int,
+                 ranks: list) -> tuple:
+    """Elect each chunk's writer and fill ``ranks`` with its writes and transfers, in plan
+    order; returns (bytes each rank writes, bytes moved)."""
+    NC = len(t.c_key)
+    pat_off = [p[6] for p in t.patterns]
+    base = np.cumsum([0] + [len(o) for o in pat_off[:-1]]).astype(np.int64)
+    c_shp = np.concatenate([p[7] for p in t.patterns])[base[t.c_pat] + t.c_idx] if NC else \
+        np.zeros((0, t.D), np.int64)
+    item = np.array(items or [1], np.int64)
+    c_bytes = np.prod(c_shp, axis=1) * item[t.c_key]
+    writer, entry = elect(t, regions, world, c_bytes)
+    assigned = np.bincount(writer, weights=c_bytes, minlength=world).astype(np.int64)
+    start = np.asarray(regions.start, np.int64)
+    hold_rank, hold_hidx = regions.hold_rank, regions.hold_hidx
+    nh = np.diff(start)
+    one = t.nparts == 1
+    fp = t.first[one]
+    direct = np.zeros(NC, bool)
+    direct[one] = (t.p_bs[fp] == c_shp[one]).all(axis=1)
+    # parts written from the writer's own holding (local), and parts others send
+    many = np.flatnonzero(~one[t.p_chunk])
+    e_part, e_entry = expand(many, start[t.p_gi[many]], nh[t.p_gi[many]])
+    mine = hold_rank[e_entry] == writer[t.p_chunk[e_part]]
+    lp, first_i = np.unique(e_part[mine], return_index=True)
+    l_entry = e_entry[mine][first_i]
+    loc_part = np.concatenate([t.first[one & ~direct], lp])
+    loc_entry = np.concatenate([entry[one & ~direct], l_entry])
+    srt = np.argsort(loc_part, kind="stable")
+    loc_part, loc_entry = loc_part[srt], loc_entry[srt]
+    sent = np.setdiff1d(many, lp, assume_unique=True)
+    g = t.p_gi[sent]
+    s_entry = start[g] + (t.p_chunk[sent] + sent) % nh[g]
+    s_bytes = np.prod(t.p_bs[sent], axis=1) * item[t.c_key[t.p_chunk[sent]]]
+    # a chunk's index in its writer's list: writes are appended in plan order
+    ow = np.argsort(writer, kind="stable")
+    cnt = np.bincount(writer, minlength=world)
+    widx = np.empty(NC, np.int64)
+    widx[ow] = np.arange(NC) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+
+    # objects: one ChunkWrite per chunk (offsets shared per pattern), one Transfer per send
+    nd_of = [len(e[2]) for e in keys]
+    names = [e[0] for e in keys]
+    pats, at = np.unique(t.c_pat, return_index=True)
+    pat_nd = dict(zip(pats.tolist(), [nd_of[k] for k in t.c_key[at].tolist()]))
+    offs: list = []
+    shps: list = []
+    for j, (o, sh) in enumerate(zip(pat_off, [p[7] for p in t.patterns])):
+        nd = pat_nd.get(j, 0)
+        offs += [tuple(r[:nd]) for r in o.tolist()]
+        shps += [tuple(r[:nd]) for r in sh.tolist()]
+
+    def boxes(parts):
+        nds = [nd_of[k] for k in t.c_key[t.p_chunk[parts]].tolist()]
+        return [(tuple(o[:n]), tuple(s[:n])) for o, s, n in
+                zip(t.p_bo[parts].tolist(), t.p_bs[parts].tolist(), nds)]
+    local: dict = {}
+    for c, q, p, (bo, bs) in zip(t.p_chunk[loc_part].tolist(), hold_hidx[loc_entry].tolist(),
+                                 t.p_pi[loc_part].tolist(), boxes(loc_part)):
+        lst = local.get(c)
+        if lst is None:
+            local[c] = [(q, p, bo, bs)]
+        else:
+            lst.append((q, p, bo, bs))
+    dq = hold_hidx[np.maximum(entry, 0)]
+    ds = np.flatnonzero(direct).tolist()
+    dset = dict(zip(ds, zip(dq[ds].tolist(), t.p_pi[t.first[ds]].tolist())))
+    # in each writer's order (plan order per writer), built at C speed
+    ol = ow.tolist()
+    cix = (base[t.c_pat] + t.c_idx)[ow].tolist()
+    byw = list(map(ChunkWrite._make, zip(
+        map(names.__getitem__, t.c_key[ow].tolist()), map(offs.__getitem__, cix),
+        map(shps.__getitem__, cix), map(dset.get, ol), map(local.get, ol, repeat(())))))
+    ends = np.cumsum(cnt).tolist()
+    for w, a, b in zip(ranks, [0] + ends[:-1], ends):
+        w.writes = byw[a:b]
+    sends: list = [[] for _ in range(world)]
+    recvs: list = [[] for _ in range(world)]
+    sc = t.p_chunk[sent]
+    for ck, w, wi, src, q, p, (bo, bs) in zip(
+            t.c_key[sc].tolist(), writer[sc].tolist(), widx[sc].tolist(), hold_rank[s_entry].tolist(),
+            hold_hidx[s_entry].tolist(), t.p_pi[sent].tolist(), boxes(sent)):
+        tr = Transfer(src, w, names[ck], bo, bs, (q, p), (wi,))
+        sends[src].append(tr)
+        recvs[w].append(tr)
+    for w, sd, rv in zip(ranks, sends, recvs):
+        w.sends, w.recvs = sd, rv
+    return assigned.tolist(), int(s_bytes.sum())
 
 
 def plan_objects(local_plans: Sequence[LocalPlan]) -> dict:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Sequence
 
 import msgpack
+import numpy as np
 
 from . import dtypes, values
 from .columns import HoldingColumns, as_columns
@@ -72,17 +73,17 @@ class TensorLayout:
         return math.prod(self.shape) * dtypes.from_name(self.dtype).itemsize
 
 
-@dataclass(slots=True)
-class ChunkWrite:
+class ChunkWrite(NamedTuple):
     """One chunk a rank writes. ``direct``: (holding, piece) whose view covers the chunk, so it
     is written straight from the caller's tensor; else the chunk is assembled in a buffer from
-    ``local`` copies ``(holding, piece, box_offset, box_shape)`` and received transfers."""
+    ``local`` copies ``(holding, piece, box_offset, box_shape)`` and received transfers. A
+    named tuple: a large job plans ~10^5 of them."""
 
     key: str
     offset: tuple
     shape: tuple
     direct: Optional[tuple] = None
-    local: list = field(default_factory=list)
+    local: Sequence = ()
 
 
 class Transfer(NamedTuple):
@@ -156,22 +157,146 @@ class ReadOp:
     local: list = field(default_factory=list)   # [(request, piece, box_offset, box_shape)]
 
 
-@dataclass
 class RankLoadWork:
-    reads: list = field(default_factory=list)
-    sends: list = field(default_factory=list)
-    recvs: list = field(default_factory=list)
+    """One rank's load work as integer tables (one row per read, local copy or transfer), so
+    the coordinator plans a million transfers with numpy instead of a million objects; the
+    rank turns its own few rows into :class:`ReadOp` / :class:`Transfer` on first use
+    (:attr:`reads`, :attr:`sends`, :attr:`recvs`).
 
-    def to_bytes(self) -> bytes:
-        return msgpack.packb([
-            [[r.key, r.offset, r.shape, r.direct, r.local] for r in self.reads],
-            [_t_wire(t) for t in self.sends], [_t_wire(t) for t in self.recvs]])
+    ``keys``/``ndims``: the key table the rows index. ``D``: padded dimensions (offsets pad
+    with 0, shapes with 1). Rows: ``read_rows`` ``[key, direct request, direct piece,
+    offset*D, shape*D]`` (direct -1: read into a buffer); ``local_rows`` ``[read, request,
+    piece, box offset*D, box shape*D]``; ``send_rows``/``recv_rows`` ``[src, dst, key, read on
+    src, request on dst, piece, box offset*D, box shape*D]``, in exchange order.
+    """
+
+    __slots__ = ("rank", "keys", "ndims", "D", "read_rows", "local_rows", "send_rows",
+                 "recv_rows", "_ops")
+
+    def __init__(self, rank: int = 0, keys: Sequence[str] = (), ndims: Sequence[int] = (),
+                 D: int = 0, read_rows=None, local_rows=None, send_rows=None, recv_rows=None):
+        self.rank, self.keys, self.ndims, self.D = rank, keys, ndims, D
+        self.read_rows = _rows(read_rows, 3 + 2 * D)
+        self.local_rows = _rows(local_rows, 3 + 2 * D)
+        self.send_rows = _rows(send_rows, 6 + 2 * D)
+        self.recv_rows = _rows(recv_rows, 6 + 2 * D)
+        self._ops = None
 
     @staticmethod
-    def from_bytes(b: bytes) -> "RankLoadWork":
-        rs, ss, vs = msgpack.unpackb(b, strict_map_key=False)
-        tup = _tuplify
-        return RankLoadWork(
-            [ReadOp(k, tup(o), tup(s), tup(d) if d else None,
-                    [(q, p, tup(bo), tup(bs)) for q, p, bo, bs in loc]) for k, o, s, d, loc in rs],
-            [_t_unwire(t) for t in ss], [_t_unwire(t) for t in vs])
+    def from_ops(rank: int, reads: Sequence[ReadOp], sends: Sequence[Transfer] = (),
+                 recvs: Sequence[Transfer] = ()) -> "RankLoadWork":
+        """The tables of a rank's reads and transfers given as objects."""
+        kid: dict = {}
+        nds: list = []
+        for k, nd in [(op.key, len(op.offset)) for op in reads] + \
+                [(t.key, len(t.box_offset)) for t in (*sends, *recvs)]:
+            if k not in kid:
+                kid[k] = len(nds)
+                nds.append(nd)
+        D = max(nds, default=0)
+
+        def box(o, s):
+            return [*o, *(0,) * (D - len(o)), *s, *(1,) * (D - len(s))]
+        rr = [[kid[op.key], *(op.direct or (-1, -1)), *box(op.offset, op.shape)]
+              for op in reads]
+        lr = [[i, q, p, *box(bo, bs)] for i, op in enumerate(reads) for q, p, bo, bs in op.local]
+
+        def trows(ts):
+            return [[t.src, t.dst, kid[t.key], t.src_ref[0], *t.dst_ref,
+                     *box(t.box_offset, t.box_shape)] for t in ts]
+        return RankLoadWork(rank, list(kid), nds, D, rr, lr, trows(sends), trows(recvs))
+
+    def _materialize(self) -> tuple:
+        if self._ops is None:
+            keys, nds, D = self.keys, self.ndims, self.D
+            reads = []
+            for k, dq, dp, *b in self.read_rows.tolist():
+                nd = nds[k]
+                reads.append(ReadOp(keys[k], tuple(b[:nd]), tuple(b[D:D + nd]),
+                                    None if dq < 0 else (dq, dp)))
+            for i, q, p, *b in self.local_rows.tolist():
+                nd = len(reads[i].offset)
+                reads[i].local.append((q, p, tuple(b[:nd]), tuple(b[D:D + nd])))
+
+            def transfers(rows):
+                out = []
+                for s, d, k, ri, q, p, *b in rows.tolist():
+                    nd = nds[k]
+                    out.append(Transfer(s, d, keys[k], tuple(b[:nd]), tuple(b[D:D + nd]),
+                                        (ri,), (q, p)))
+                return out
+            self._ops = (reads, transfers(self.send_rows), transfers(self.recv_rows))
+        return self._ops
+
+    @property
+    def reads(self) -> list:
+        """[:class:`ReadOp`] in read order (built once from the rows)."""
+        return self._materialize()[0]
+
+    @property
+    def sends(self) -> list:
+        """[:class:`Transfer`] this rank sends, in exchange order."""
+        return self._materialize()[1]
+
+    @property
+    def recvs(self) -> list:
+        """[:class:`Transfer`] this rank receives, in exchange order."""
+        return self._materialize()[2]
+
+    def to_bytes(self, layouts: dict) -> bytes:
+        """The tables, keys as positions in ``sorted(layouts)`` (the manifest's keys, which
+        every rank has), each table in its narrowest integer type."""
+        pos = {k: i for i, k in enumerate(sorted(layouts))}
+        kmap = np.array([pos[k] for k in self.keys] or [0], np.int64)
+        tables = []
+        for t, j in ((self.read_rows, 0), (self.local_rows, None), (self.send_rows, 2),
+                     (self.recv_rows, 2)):
+            if j is not None and len(t):
+                t = t.copy()
+                t[:, j] = kmap[t[:, j]]
+            tables.append(pack_ints(t))
+        return encode_load_work(self.rank, self.D, tables)
+
+    @staticmethod
+    def from_bytes(b: bytes, layouts: dict) -> "RankLoadWork":
+        """Decode :meth:`to_bytes`; ``layouts``: key -> anything with ``.shape`` (the
+        manifest's tensors)."""
+        tag, rank, D, tables = msgpack.unpackb(b)
+        if tag != LOAD_WORK_TAG:
+            raise ValueError(f"not a load work message (tag {tag!r})")
+        keys = sorted(layouts)
+        return RankLoadWork(rank, keys, [len(layouts[k].shape) for k in keys], D,
+                            *[unpack_ints(t) for t in tables])
+
+
+def encode_load_work(rank: int, D: int, tables: list) -> bytes:
+    """The wire form of one rank's load work: its four tables as :func:`pack_ints` gives."""
+    return msgpack.packb([LOAD_WORK_TAG, rank, D, tables])
+
+
+LOAD_WORK_TAG = "loadwork1"
+
+
+def _rows(a, width: int) -> np.ndarray:
+    if a is None or len(a) == 0:
+        return np.zeros((0, width), np.int64)
+    return np.asarray(a, np.int64).reshape(-1, width)
+
+
+_INT_RANGES = [(t, int(np.iinfo(t).min), int(np.iinfo(t).max))
+               for t in ("<i1", "<i2", "<i4", "<i8")]
+
+
+def narrowest_int(lo: int, hi: int) -> str:
+    return next(t for t, a, b in _INT_RANGES if a <= lo and hi <= b)
+
+
+def pack_ints(a: np.ndarray) -> list:
+    """A 2-D integer table as ``[dtype, rows, columns, bytes]`` in the narrowest type."""
+    t = narrowest_int(*((int(a.min()), int(a.max())) if a.size else (0, 0)))
+    return [t, a.shape[0], a.shape[1], np.ascontiguousarray(a, t).tobytes()]
+
+
+def unpack_ints(w: list) -> np.ndarray:
+    t, n, m, b = w
+    return np.frombuffer(b, t, n * m).astype(np.int64).reshape(n, m)
