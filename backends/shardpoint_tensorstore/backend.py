@@ -8,13 +8,10 @@ One ``ts.Context`` is shared by all arrays so I/O concurrency is pooled.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import math
 import os
-import re
 import shutil
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
@@ -30,6 +27,8 @@ from shardpoint.storage import MANIFEST_NAME, ArraySpec, Leftover
 from .zarr_checks import (check_array_files, check_regular_file, check_zarr_json,
                           chunk_file_sizes, read_zarr_json)
 
+from .durable import (LEFTOVER_NAME, RENAME_NOREPLACE, exchange_dirs, fsync_dir,
+                      fsync_trees, newest_mtime, remove_path, renameat2, syncfs, will_need)
 from .direct import DirectLayout, DirectReader, parse_layout, whole_chunk_files
 from .direct_write import (DirectWriter, WritePool, stored_codecs, write_layout,
                            zarr_json_bytes)
@@ -116,12 +115,11 @@ def _metadata_problems(shape: Any, meta: dict, spec: ArraySpec) -> list:
     return problems
 
 
-class _WriteHandle:
-    """An array being written with direct chunk writes; TensorStore opens it (on the
-    zarr.json written here) only if a write is not one whole chunk."""
+class _LazyTS:
+    """An array handle whose TensorStore is opened only on first need (a write that is not
+    one whole chunk, a chunk that needs the fallback reader), once, from any thread."""
 
-    def __init__(self, writer: DirectWriter, open_ts: Any) -> None:
-        self.writer = writer
+    def __init__(self, open_ts: Any) -> None:
         self._open_ts = open_ts
         self._ts: Any = None
         self._lock = threading.Lock()
@@ -131,6 +129,14 @@ class _WriteHandle:
             if self._ts is None:
                 self._ts = self._open_ts()
             return self._ts
+
+
+class _WriteHandle(_LazyTS):
+    """An array being written with direct chunk writes (on the zarr.json written here)."""
+
+    def __init__(self, writer: DirectWriter, open_ts: Any) -> None:
+        super().__init__(open_ts)
+        self.writer = writer
 
 
 def _create_zarr_json(apath: str, data: bytes) -> None:
@@ -149,136 +155,13 @@ def _create_zarr_json(apath: str, data: bytes) -> None:
         os.close(fd)
 
 
-class _DirectHandle:
-    """A stored array read with direct chunk reads; TensorStore is opened only if a chunk
-    needs the fallback (then it raises the documented error for what is wrong)."""
+class _DirectHandle(_LazyTS):
+    """A stored array read with direct chunk reads; if TensorStore is opened for the
+    fallback, it raises the documented error for what is wrong."""
 
     def __init__(self, layout: DirectLayout, open_ts: Any) -> None:
+        super().__init__(open_ts)
         self.layout = layout
-        self._open_ts = open_ts
-        self._ts: Any = None
-        self._lock = threading.Lock()
-
-    def tensorstore(self) -> Any:
-        with self._lock:
-            if self._ts is None:
-                self._ts = self._open_ts()
-            return self._ts
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(p: str) -> None:
-    """Remove what a replacement moved aside: a directory tree, or a file."""
-    if os.path.isdir(p) and not os.path.islink(p):
-        shutil.rmtree(p, ignore_errors=True)
-    elif os.path.lexists(p):
-        os.remove(p)
-
-
-_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.shardpoint-(?P<kind>tmp|old)-(?P<token>[0-9a-zA-Z]+)$")
-
-
-def _newest_mtime(root: str) -> float:
-    newest = os.lstat(root).st_mtime
-    for d, dirs, files in os.walk(root):
-        for n in dirs + files:
-            try:
-                newest = max(newest, os.lstat(os.path.join(d, n)).st_mtime)
-            except FileNotFoundError:   # removed while we looked
-                pass
-    return newest
-
-
-def _renameat2(a: str, b: str, flags: int) -> Optional[int]:
-    """Linux ``renameat2(a, b, flags)``: 0 on success, the errno on failure, None where the
-    call does not exist (another OS, an old libc) or the file system does not support it."""
-    if sys.platform != "linux":
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    at_fdcwd = -100
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) == 0:
-        return 0
-    err = ctypes.get_errno()
-    return None if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP) else err
-
-
-def _exchange_dirs(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
-    return _renameat2(a, b, _RENAME_EXCHANGE) == 0
-
-
-def _syncfs(path: str) -> bool:
-    """``syncfs(2)`` on the file system holding ``path``; False where it does not exist."""
-    if sys.platform != "linux":
-        return False
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if fn(fd) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"syncfs failed: {os.strerror(e)}", path)
-    finally:
-        os.close(fd)
-    return True
-
-
-def _fsync_path(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:   # a peer's lock file renamed away meanwhile: not ours
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_trees(roots: Sequence[str], stop: str, threads: int = 16) -> int:
-    """fsync every file and directory under each of ``roots`` and every directory from them
-    up to ``stop``, from a thread pool (fsyncs of different files proceed in parallel).
-    Returns how many paths were synced."""
-    paths: set = set()
-    for root in roots:
-        for dirpath, _dirs, files in os.walk(root):
-            paths.add(dirpath)
-            paths.update(os.path.join(dirpath, f) for f in files)
-        d = root
-        while len(d) > len(stop) and d.startswith(stop):
-            d = os.path.dirname(d)
-            paths.add(d)
-    ordered = sorted(paths, key=lambda p: -p.count(os.sep))   # files before their parents
-    with ThreadPoolExecutor(max(1, min(threads, len(ordered)))) as pool:
-        list(pool.map(_fsync_path, ordered))
-    return len(ordered)
-
-
-def _will_need(files: Sequence[str]) -> None:
-    for f in files:
-        try:
-            fd = os.open(f, os.O_RDONLY)
-        except OSError:
-            continue    # the read reports it
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
 
 class TensorStoreBackend:
@@ -418,7 +301,7 @@ class TensorStoreBackend:
         if not self.fsync or not dirs:
             return
         try:
-            if self.sync_method in ("auto", "syncfs") and _syncfs(root):
+            if self.sync_method in ("auto", "syncfs") and syncfs(root):
                 return
             fsync_trees(dirs, os.path.abspath(root))
         except OSError as e:
@@ -486,7 +369,7 @@ class TensorStoreBackend:
         if not isinstance(handle, _DirectHandle) or not hasattr(os, "posix_fadvise"):
             return
         # fadvise can block while it queues the reads: one pool task, the caller goes on.
-        self._submit(_will_need, whole_chunk_files(handle.layout, offset, shape))
+        self._submit(will_need, whole_chunk_files(handle.layout, offset, shape))
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
         # TensorStore itself refuses bool bytes other than 0/1 ("Invalid bool value"), so a
@@ -561,7 +444,7 @@ class TensorStoreBackend:
                 os.fsync(f.fileno())
         os.replace(tmp, os.path.join(root, MANIFEST_NAME))
         if self.fsync:
-            _fsync_dir(root)
+            fsync_dir(root)
 
     def read_manifest(self, path: str) -> bytes:
         state = self.checkpoint_state(path)
@@ -599,11 +482,11 @@ class TensorStoreBackend:
                 raise CheckpointExistsError(f"{path!r} exists and is not an empty directory or "
                                             "a checkpoint; refusing to replace it (pass "
                                             "overwrite=True, or choose another path)")
-            if _exchange_dirs(staging, path):
+            if exchange_dirs(staging, path):
                 # One atomic step: the new checkpoint is at path, the old one at staging.
                 if self.fsync:
-                    _fsync_dir(os.path.dirname(path))
-                _remove(staging)
+                    fsync_dir(os.path.dirname(path))
+                remove_path(staging)
                 return
             # No atomic exchange here: move the old one aside first; a crash between the two
             # renames leaves it recoverable as .<name>.shardpoint-old-* ([SP-COMMIT-4]).
@@ -611,12 +494,12 @@ class TensorStoreBackend:
             os.rename(path, old)
             os.rename(staging, path)
             if self.fsync:
-                _fsync_dir(os.path.dirname(path))
-            _remove(old)
+                fsync_dir(os.path.dirname(path))
+            remove_path(old)
             return
         # A fresh path: RENAME_NOREPLACE where the OS has it, so that of two saves racing to
         # one new path the second fails instead of replacing the first.
-        rc = _renameat2(staging, path, _RENAME_NOREPLACE)
+        rc = renameat2(staging, path, RENAME_NOREPLACE)
         if rc is None:
             os.rename(staging, path)
         elif rc in (errno.EEXIST, errno.ENOTEMPTY):
@@ -626,24 +509,24 @@ class TensorStoreBackend:
         elif rc != 0:
             raise OSError(rc, os.strerror(rc), path)
         if self.fsync:
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
 
     # -- leftovers of crashed saves ([SP-COMMIT-6]) ----------------------------------------
     def list_leftovers(self, directory: str) -> list:
         out = []
         directory = os.path.abspath(directory)
         for n in sorted(os.listdir(directory)):
-            m = _LEFTOVER.match(n)
+            m = LEFTOVER_NAME.match(n)
             p = os.path.join(directory, n)
             if m is None or os.path.islink(p) or not os.path.isdir(p):
                 continue
             out.append(Leftover(p, os.path.join(directory, m["name"]), m["kind"], m["token"],
                                 os.path.isfile(os.path.join(p, MANIFEST_NAME)),
-                                _newest_mtime(p)))
+                                newest_mtime(p)))
         return out
 
     def restore_leftover(self, leftover: str, path: str) -> None:
-        rc = _renameat2(leftover, path, _RENAME_NOREPLACE)
+        rc = renameat2(leftover, path, RENAME_NOREPLACE)
         if rc is None:
             if os.path.lexists(path):
                 rc = errno.EEXIST
@@ -656,12 +539,12 @@ class TensorStoreBackend:
         if rc != 0:
             raise OSError(rc, os.strerror(rc), path)
         if self.fsync:
-            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def remove_leftover(self, leftover: str) -> None:
         shutil.rmtree(leftover)
         if self.fsync:
-            _fsync_dir(os.path.dirname(os.path.abspath(leftover)))
+            fsync_dir(os.path.dirname(os.path.abspath(leftover)))
 
     def abort(self, staging: str) -> None:
         with self._lock:

@@ -1,0 +1,134 @@
+"""File-system primitives of a durable commit: fsync of files and directories (one by one,
+in parallel, or one ``syncfs``), atomic renames (``renameat2`` NOREPLACE / EXCHANGE), and the
+names of leftovers a crashed save or replacement leaves beside a checkpoint ([SP-COMMIT-6]).
+No TensorStore here: only ``os`` and, for the Linux-only calls, libc through ctypes.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Sequence
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory, so the entries created in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_path(p: str) -> None:
+    """Remove what a replacement moved aside: a directory tree, or a file."""
+    if os.path.isdir(p) and not os.path.islink(p):
+        shutil.rmtree(p, ignore_errors=True)
+    elif os.path.lexists(p):
+        os.remove(p)
+
+
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+LEFTOVER_NAME = re.compile(r"^\.(?P<name>.+)\.shardpoint-(?P<kind>tmp|old)-(?P<token>[0-9a-zA-Z]+)$")
+
+
+def newest_mtime(root: str) -> float:
+    """The newest modification time of ``root`` and anything below it."""
+    newest = os.lstat(root).st_mtime
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            try:
+                newest = max(newest, os.lstat(os.path.join(d, n)).st_mtime)
+            except FileNotFoundError:   # removed while we looked
+                pass
+    return newest
+
+
+def renameat2(a: str, b: str, flags: int) -> Optional[int]:
+    """Linux ``renameat2(a, b, flags)``: 0 on success, the errno on failure, None where the
+    call does not exist (another OS, an old libc) or the file system does not support it."""
+    if sys.platform != "linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    at_fdcwd = -100
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) == 0:
+        return 0
+    err = ctypes.get_errno()
+    return None if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP) else err
+
+
+def exchange_dirs(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    return renameat2(a, b, RENAME_EXCHANGE) == 0
+
+
+def syncfs(path: str) -> bool:
+    """``syncfs(2)`` on the file system holding ``path``; False where it does not exist."""
+    if sys.platform != "linux":
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if fn(fd) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"syncfs failed: {os.strerror(e)}", path)
+    finally:
+        os.close(fd)
+    return True
+
+
+def fsync_path(path: str) -> None:
+    """fsync one file or directory; one that vanished meanwhile is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:   # a peer's lock file renamed away meanwhile: not ours
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_trees(roots: Sequence[str], stop: str, threads: int = 16) -> int:
+    """fsync every file and directory under each of ``roots`` and every directory from them
+    up to ``stop``, from a thread pool (fsyncs of different files proceed in parallel).
+    Returns how many paths were synced."""
+    paths: set = set()
+    for root in roots:
+        for dirpath, _dirs, files in os.walk(root):
+            paths.add(dirpath)
+            paths.update(os.path.join(dirpath, f) for f in files)
+        d = root
+        while len(d) > len(stop) and d.startswith(stop):
+            d = os.path.dirname(d)
+            paths.add(d)
+    ordered = sorted(paths, key=lambda p: -p.count(os.sep))   # files before their parents
+    with ThreadPoolExecutor(max(1, min(threads, len(ordered)))) as pool:
+        list(pool.map(fsync_path, ordered))
+    return len(ordered)
+
+
+def will_need(files: Sequence[str]) -> None:
+    """Ask the kernel to read ``files`` ahead (``POSIX_FADV_WILLNEED``); best effort."""
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue    # the read reports it
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
