@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import shardpoint as sp
+from shardpoint.fsutil import fsync_dir, remove_path
 
 HAS_ASYNC = "async_save" in inspect.signature(sp.save).parameters
 
@@ -110,19 +110,8 @@ def count_files(path: str) -> int:
     return sum(len(fs) for _, _, fs in os.walk(path))
 
 
-def rm(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.exists(path):
-        os.remove(path)
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+rm = remove_path
+fsync_path = fsync_dir
 
 
 # ------------------------------------------------------------------------------- the tools

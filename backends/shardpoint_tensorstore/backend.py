@@ -27,8 +27,10 @@ from shardpoint.storage import MANIFEST_NAME, ArraySpec, Leftover
 from .zarr_checks import (check_array_files, check_regular_file, check_zarr_json,
                           chunk_file_sizes, read_zarr_json)
 
-from .durable import (LEFTOVER_NAME, RENAME_NOREPLACE, exchange_dirs, fsync_dir,
-                      fsync_trees, newest_mtime, remove_path, renameat2, syncfs, will_need)
+from shardpoint.fsutil import fsync_dir, remove_path
+
+from .durable import (LEFTOVER_NAME, RENAME_NOREPLACE, exchange_dirs, fsync_trees,
+                      newest_mtime, renameat2, syncfs, will_need)
 from .direct import DirectLayout, DirectReader, parse_layout, whole_chunk_files
 from .direct_write import (DirectWriter, WritePool, stored_codecs, write_layout,
                            zarr_json_bytes)

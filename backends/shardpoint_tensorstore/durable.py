@@ -9,27 +9,9 @@ import ctypes
 import errno
 import os
 import re
-import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory, so the entries created in it survive a crash."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove_path(p: str) -> None:
-    """Remove what a replacement moved aside: a directory tree, or a file."""
-    if os.path.isdir(p) and not os.path.islink(p):
-        shutil.rmtree(p, ignore_errors=True)
-    elif os.path.lexists(p):
-        os.remove(p)
 
 
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2

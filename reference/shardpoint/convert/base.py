@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -20,6 +19,7 @@ import torch
 
 from .. import dtypes
 from ..errors import CheckpointExistsError, ConversionError
+from ..fsutil import fsync_dir, remove_path
 from ..keys import encode_key
 
 Progress = Optional[Callable[[int], None]]
@@ -171,26 +171,10 @@ def staged_output(dst: str, overwrite: bool, *, is_dir: bool) -> Iterator[str]:
             old = tmp.replace("-tmp-", "-old-")
             os.rename(dst, old)
             os.rename(tmp, dst)
-            _remove(old)
+            remove_path(old)
         else:
             os.rename(tmp, dst)
         fsync_dir(parent)
     except BaseException:
-        _remove(tmp)
+        remove_path(tmp)
         raise
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory, so the entries created in it survive a crash."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(p: str) -> None:
-    if os.path.isdir(p) and not os.path.islink(p):
-        shutil.rmtree(p, ignore_errors=True)
-    elif os.path.lexists(p):
-        os.remove(p)
