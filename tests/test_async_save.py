@@ -49,23 +49,6 @@ class SlowFlush:
         self.inner.flush(root)
 
 
-class FailOnRank:
-    """The real backend; ``write`` raises in one rank's process (a full disk)."""
-
-    def __init__(self, rank):
-        from shardpoint.storage import get_backend
-        self.inner, self.rank = get_backend(), rank
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def write(self, handle, offset, data):
-        import torch.distributed as dist
-        if dist.get_rank() == self.rank:
-            raise OSError(28, "No space left on device (simulated on this rank)")
-        return self.inner.write(handle, offset, data)
-
-
 def async_job(rank, world, base):
     import shardpoint as sp
     import torch.distributed as dist
@@ -97,7 +80,7 @@ def async_job(rank, world, base):
     out["b"] = torch.equal(sp.load(f"{base}/b")["rows"], full("rows") * 3.0)
     # 4. a write failing on rank 1 in the background: wait() raises on every rank
     h4 = sp.save(state(rank, world, 5.0), f"{base}/a", overwrite=True, async_save=True,
-                 backend=FailOnRank(1))
+                 backend=faults.FailingWrites(1))
     try:
         h4.wait(timeout=60)
         out["wait_err"] = "saved"
@@ -105,7 +88,7 @@ def async_job(rank, world, base):
         out["wait_err"] = f"{type(e).__name__}: {e}"
     # 5. ... and an error nobody waited for comes out of the next save, once
     sp.save(state(rank, world, 6.0), f"{base}/a", overwrite=True, async_save=True,
-            backend=FailOnRank(1))
+            backend=faults.FailingWrites(1))
     try:
         sp.save(state(rank, world, 7.0), f"{base}/d")
         out["next_err"] = "saved"
@@ -114,7 +97,7 @@ def async_job(rank, world, base):
     # 6. rank 0 waited for a failed save, rank 1 did not: the next save raises on both ranks
     #    (were only rank 1 to raise, rank 0 would go on into the save's collectives alone)
     h6 = sp.save(state(rank, world, 6.5), f"{base}/a", overwrite=True, async_save=True,
-                 backend=FailOnRank(1))
+                 backend=faults.FailingWrites(1))
     if rank == 0:
         try:
             h6.wait(timeout=60)

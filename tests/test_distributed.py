@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from shardpoint_conformance import faults
 from shardpoint_conformance.launch import run_world
 
 SHAPE = (10, 7)
@@ -272,24 +273,6 @@ def test_megatron_tp2_pp2_dp2_distributed_optimizer(tmp_path):
 
 
 # ---------------------------------------------------------------------------- failures
-class FailingBackend:
-    """The real backend, except that ``write`` raises on one rank (a real exception in a
-    real process: disk full, permission denied)."""
-
-    def __init__(self, rank):
-        from shardpoint.storage import get_backend
-        self.inner, self.rank = get_backend(), rank
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def write(self, handle, offset, data):
-        import torch.distributed as dist
-        if dist.get_rank() == self.rank:
-            raise OSError("No space left on device (simulated on this rank)")
-        return self.inner.write(handle, offset, data)
-
-
 def failure_job(rank, world, base):
     import shardpoint as sp
     import torch.distributed as dist
@@ -318,7 +301,7 @@ def failure_job(rank, world, base):
     sp.save(good, f"{base}/prev")
     try:
         sp.save({"w": sp.ShardedTensor(torch.zeros(b - a, SHAPE[1]), SHAPE, (a, 0))},
-                f"{base}/prev", overwrite=True, backend=FailingBackend(1))
+                f"{base}/prev", overwrite=True, backend=faults.FailingWrites(1))
         out["write_fail"] = "saved"
     except sp.ShardpointError as e:
         out["write_fail"] = type(e).__name__ + ": " + str(e)

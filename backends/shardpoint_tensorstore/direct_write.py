@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 import crc32c
 import numpy as np
 
+from .durable import libc_function
+
 _IOV_MAX = 1024
 _ABSENT = 2**64 - 1
 RUN_BYTES = 16 << 20          # adjacent inner chunks written by one task, up to this many bytes
@@ -43,15 +45,8 @@ def zarr_json_bytes(meta: dict) -> bytes:
 
 
 def _load_sync_file_range() -> Optional[Callable]:
-    if sys.platform != "linux":
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+    return libc_function("sync_file_range",
+                         [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 
 _SFR = _load_sync_file_range()

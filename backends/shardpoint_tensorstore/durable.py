@@ -11,7 +11,7 @@ import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
@@ -30,17 +30,27 @@ def newest_mtime(root: str) -> float:
     return newest
 
 
-def renameat2(a: str, b: str, flags: int) -> Optional[int]:
-    """Linux ``renameat2(a, b, flags)``: 0 on success, the errno on failure, None where the
-    call does not exist (another OS, an old libc) or the file system does not support it."""
+def libc_function(name: str, argtypes: list, restype: Any = ctypes.c_int) -> Optional[Any]:
+    """The Linux libc function ``name`` (errno kept for ``ctypes.get_errno``), or None on
+    another OS or a libc without it."""
     if sys.platform != "linux":
         return None
     try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def renameat2(a: str, b: str, flags: int) -> Optional[int]:
+    """Linux ``renameat2(a, b, flags)``: 0 on success, the errno on failure, None where the
+    call does not exist (another OS, an old libc) or the file system does not support it."""
+    fn = libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                                     ctypes.c_char_p, ctypes.c_uint])
+    if fn is None:
+        return None
     at_fdcwd = -100
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) == 0:
         return 0
     err = ctypes.get_errno()
@@ -54,11 +64,8 @@ def exchange_dirs(a: str, b: str) -> bool:
 
 def syncfs(path: str) -> bool:
     """``syncfs(2)`` on the file system holding ``path``; False where it does not exist."""
-    if sys.platform != "linux":
-        return False
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
+    fn = libc_function("syncfs", [ctypes.c_int])
+    if fn is None:
         return False
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -32,6 +32,24 @@ KILL_ENV = "SHARDPOINT_CONFORMANCE_KILL"
 KILL_POINTS = ("write", "before-manifest", "after-manifest", "mid-commit", "after-commit")
 
 
+class FailingWrites:
+    """The real storage backend, except that ``write`` raises ``OSError(ENOSPC)`` in the
+    process of rank ``rank`` (a full disk: a real exception in a real process)."""
+
+    def __init__(self, rank: int) -> None:
+        from shardpoint.storage import get_backend
+        self.inner, self.rank = get_backend(), rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def write(self, handle: Any, offset: Any, data: Any) -> Any:
+        import torch.distributed as dist
+        if dist.get_rank() == self.rank:
+            raise OSError(28, "No space left on device (simulated on this rank)")
+        return self.inner.write(handle, offset, data)
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
