@@ -82,7 +82,8 @@ class StorageBackend(Protocol):
 
     def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
                             key: str) -> Any:
-        """Open a stored array, checking its zarr.json against ``spec``. Reader ranks."""
+        """Open a stored array, checking its zarr.json against ``spec``. Reader ranks; called
+        from several threads at once (a load opens its arrays ahead of its reads)."""
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
         """Start reading the region of ``out.shape`` at ``offset`` into ``out``."""
