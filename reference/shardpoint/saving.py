@@ -20,6 +20,7 @@ from .async_save import AsyncSave, group_saves
 from .exchange import Comm, agree, exchange, group_key, run_collectively, side_comm
 from .metadata import Manifest, TensorEntry, array_path_for, encode_manifest
 from .model import flatten_state
+from .open_ahead import OpenAhead
 from .planner import LocalPlan, PlanOptions, RankSaveWork, plan_objects, plan_save
 from .storage import ArraySpec, StorageBackend, get_backend
 from .staging import StagingPool, copy_into, stream_device_writes
@@ -226,8 +227,7 @@ class SaveJob:
 
     def _name_sources(self) -> None:
         work, src = self.work, self._views()
-        for key in work.create:
-            self._handle(key)
+        self._create_arrays()
         for cw in work.writes:
             if cw.direct is not None:
                 v, off = src(*cw.direct)
@@ -245,8 +245,7 @@ class SaveJob:
 
     def _copy_to_pool(self, pool: StagingPool) -> None:
         work, src = self.work, self._views()
-        for key in work.create:
-            self._handle(key)
+        self._create_arrays()
         send_views = []
         for tr in work.sends:
             v, off = src(*tr.src_ref)
@@ -276,6 +275,14 @@ class SaveJob:
                                         w.writes[tr.dst_ref[0]].offset, tr.box_offset,
                                         tr.box_shape)) for tr in w.recvs]
 
+    def _create_arrays(self) -> None:
+        """Create the arrays this rank owns (their zarr.json, [SP-COMMIT-8]) from a few
+        threads. Done while staging, before the ranks agree, so no rank writes a chunk into
+        an array that does not exist yet."""
+        with OpenAhead(self._handle, self.work.create) as opened:
+            for key in self.work.create:
+                opened(key)
+
     def _handle(self, key: str) -> Any:
         if key not in self._handles:
             shape, dt, chunk = self.layouts[key]
@@ -290,6 +297,7 @@ class SaveJob:
         if self.error is not None:
             return
         t = time.perf_counter()
+        opened = OpenAhead(self._handle, [cw.key for cw in self.work.writes])
         try:
             exchange(comm, self.sends, self.recvs, self.opts.exchange_budget_bytes)
             self.sends = self.recvs = []
@@ -299,11 +307,11 @@ class SaveJob:
                 if buf.device.type != "cpu":
                     device.append((buf, cw))
                     continue
-                ops.append((self.be.write(self._handle(cw.key), cw.offset, to_numpy(buf)), buf))
+                ops.append((self.be.write(opened(cw.key), cw.offset, to_numpy(buf)), buf))
                 self.written += buf.numel() * buf.element_size()
             if device:   # CUDA tensors (sync save): bounded pinned staging, overlapped
                 ops += stream_device_writes(
-                    device, lambda host, cw: self.be.write(self._handle(cw.key), cw.offset,
+                    device, lambda host, cw: self.be.write(opened(cw.key), cw.offset,
                                                            to_numpy(host)),
                     lambda op: self.be.wait([op]), self.opts.device_staging_bytes)
                 self.written += sum(b.numel() * b.element_size() for b, _ in device)
@@ -316,6 +324,7 @@ class SaveJob:
             self.error = e
             log.error("shardpoint save: rank %d failed: %s", comm.rank, e)
         finally:
+            opened.close()
             self.sources = []
 
     # ---------------------------------------------------------------------- phase 4: commit
