@@ -6,7 +6,9 @@
 
 In one run on one machine: the limits, raw write (one file + fsync; the best of 1-16
 threads of ``pwrite``, with and without early writeback) and raw read (the best of 1-16
-threads of ``preadv`` into preallocated buffers); shardpoint sync save, async save (blocking
+threads of ``preadv`` into preallocated buffers); the floor of shardpoint's layout (its own
+files, same paths and sizes, written and read raw: what the file system costs before any
+checksum, plan or metadata of ours); shardpoint sync save, async save (blocking
 part and total), load and resharded load (1 process, and 2-4 gloo ranks); PyTorch DCP at its
 best settings (``FileSystemWriter(thread_count=best of 1/2/4/8/16, sync_files=True)``, every
 setting run in every round; ``dcp.async_save`` with the setting that won one timed trial) and
@@ -88,6 +90,10 @@ def tune_dcp_threads(state, base: str, drop: bool, candidates=(1, 2, 4, 8, 16)) 
 RAW_WRITES = [(1, False), (1, True), (4, True), (8, True), (16, True), (8, False)]
 RAW_READS = [1, 4, 8, 16]
 DCP_THREADS = [1, 2, 4, 8, 16]
+# The floor of a file-per-chunk layout: shardpoint's own files written/read with no
+# checksums, planning or metadata (not a reference for the ratios, which stay to raw).
+FILES_WRITE = "floor: shardpoint's files, raw (16 threads, early writeback, syncfs)"
+FILES_READS = [1, 8]
 
 
 def raw_write_row(t: int, early: bool) -> str:
@@ -97,6 +103,10 @@ def raw_write_row(t: int, early: bool) -> str:
 
 def raw_read_row(t: int) -> str:
     return f"raw read ({t} thread{'s' if t > 1 else ''} preadv)"
+
+
+def files_read_row(t: int) -> str:
+    return f"floor: shardpoint's files, raw read ({t} thread{'s' if t > 1 else ''} preadv)"
 
 
 def dcp_row(t: int) -> str:
@@ -120,11 +130,17 @@ def bench_state(name: str, state: dict, base: str, repeat: int, drop: bool,
     dlike = {k_: torch.empty_like(v) for k_, v in fl.items()}
     paths = {"raw": f"{base}/raw.bin", "sp": f"{base}/sp", "spts": f"{base}/spts",
              "spa": f"{base}/spa", "dcpa": f"{base}/dcpa", "torch": f"{base}/t.pt",
-             "st": f"{base}/s.safetensors"}
+             "st": f"{base}/s.safetensors", "rawf": f"{base}/rawf"}
     paths.update({f"dcp{t}": f"{base}/dcp{t}" for t in DCP_THREADS})
     saves = [(raw_write_row(t, e), lambda s, p, t=t, e=e: bt.raw_write(s, p, t, e), state,
               "raw") for t, e in RAW_WRITES]
     saves += [("shardpoint save", bt.sp_save, state, "sp")]
+    layout: list = []     # shardpoint's files, from its first save
+
+    def files_write(st, p):
+        layout[:] = layout or bt.file_layout(paths["sp"])
+        return bt.raw_write_files(st, layout, p)
+    saves += [(FILES_WRITE, files_write, state, "rawf")]
     if ts_writes:
         from shardpoint_tensorstore import TensorStoreBackend
         be = TensorStoreBackend(direct_writes=False)
@@ -140,6 +156,8 @@ def bench_state(name: str, state: dict, base: str, repeat: int, drop: bool,
               ("safetensors save (+fsync)", bt.st_save, fl, "st")]
     load_steps = [(raw_read_row(t), lambda t=t: bt.raw_read(bufs, paths["raw"], t))
                   for t in RAW_READS]
+    load_steps += [(files_read_row(t), lambda t=t: bt.raw_read_files(
+        bufs, layout or bt.file_layout(paths["sp"]), paths["sp"], t)) for t in FILES_READS]
     load_steps += [("shardpoint load", lambda: bt.sp_load(like, paths["sp"])),
                    ("DCP load", lambda: bt.dcp_load(dlike, paths[f"dcp{DCP_THREADS[-1]}"])),
                    ("torch.load", lambda: bt.torch_load(paths["torch"])),
@@ -194,7 +212,7 @@ def print_state_table(title: str, res: Results, size: int, k: int) -> None:
     star = {raw_best: " *", dcp_best: " *", read_best: " *"}
     for row in raw_rows:
         print(fmt_row(res, row, {"raw": raw_w}, star.get(row, "")))
-    save_rows = ["shardpoint save", "shardpoint save, TensorStore writes (before)"]
+    save_rows = [FILES_WRITE, "shardpoint save", "shardpoint save, TensorStore writes (before)"]
     if bt.HAS_ASYNC:
         save_rows += ["shardpoint async save (blocking)", "shardpoint async save (total)"]
     for row in save_rows:
@@ -211,7 +229,7 @@ def print_state_table(title: str, res: Results, size: int, k: int) -> None:
         print(fmt_row(res, row, {"raw": raw_w}))
     if not have_reads:
         return
-    for row in read_rows:
+    for row in read_rows + [files_read_row(t) for t in FILES_READS]:
         print(fmt_row(res, row, {"raw": raw_r}, star.get(row, "")))
     for row in ["shardpoint load", "DCP load", "torch.load", "safetensors load"]:
         print(fmt_row(res, row, {"raw": raw_r, "dcp": dcp_l if row == "shardpoint load" else None}))

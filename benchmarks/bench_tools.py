@@ -170,6 +170,74 @@ def raw_read(bufs: list, path: str, threads: int = 4, piece: int = 16 << 20) -> 
         os.close(fd)
 
 
+# ------------------------------------------------- the floor of a file-per-chunk layout
+def file_layout(root: str) -> list:
+    """``[(relative path, size)]`` of every regular file under ``root``, sorted."""
+    out = []
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            p = os.path.join(d, f)
+            out.append((os.path.relpath(p, root), os.path.getsize(p)))
+    return sorted(out)
+
+
+def _file_pieces(bufs: list, layout: list) -> list:
+    """Per file of ``layout``, its bytes as views into ``bufs`` taken back to back (a file
+    may span tensors; the bytes wrap around when the files hold more than the tensors)."""
+    views = [b.contiguous().reshape(-1).view(torch.uint8).numpy() for b in bufs]
+    views = [v for v in views if v.size]
+    out, i, pos = [], 0, 0
+    for _, size in layout:
+        pieces = []
+        while size:
+            n = min(size, views[i].size - pos)
+            pieces.append(views[i][pos:pos + n])
+            size, pos = size - n, pos + n
+            if pos == views[i].size:
+                i, pos = (i + 1) % len(views), 0
+        out.append(pieces)
+    return out
+
+
+def raw_write_files(state: dict, layout: list, root: str, threads: int = 16) -> None:
+    """The floor of shardpoint's layout: the same files (paths and sizes, the state's bytes)
+    written from ``threads`` threads with early writeback, then one ``syncfs``. No
+    checksums, planning or metadata encoding: what is left is the file system's cost."""
+    from shardpoint_tensorstore.direct_write import start_writeback
+    from shardpoint_tensorstore.durable import syncfs
+
+    def one(job):
+        rel, pieces = job
+        p = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            n = os.pwritev(fd, pieces, 0) if pieces else 0
+            start_writeback(fd, 0, n)
+        finally:
+            os.close(fd)
+    os.makedirs(root, exist_ok=True)
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, zip([r for r, _ in layout], _file_pieces(list(flat(state).values()),
+                                                                   layout))))
+    if not syncfs(root):
+        os.sync()
+
+
+def raw_read_files(bufs: list, layout: list, root: str, threads: int = 8) -> None:
+    """The read floor of shardpoint's layout: every file of the checkpoint read whole with
+    ``preadv`` into preallocated buffers from ``threads`` threads; no checksums, no plan."""
+    def one(job):
+        rel, pieces = job
+        fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+        try:
+            os.preadv(fd, pieces, 0)
+        finally:
+            os.close(fd)
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, zip([r for r, _ in layout], _file_pieces(bufs, layout))))
+
+
 def sp_save(state: dict, path: str, backend=None) -> None:
     sp.save(state, path, overwrite=True, backend=backend)
 
