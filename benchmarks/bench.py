@@ -14,7 +14,8 @@ best settings (``FileSystemWriter(thread_count=best of 1/2/4/8/16, sync_files=Tr
 setting run in every round; ``dcp.async_save`` with the setting that won one timed trial) and
 DCP load; ``torch.save``/``torch.load``; safetensors. A limit or a peer run at several
 settings is the one with the lowest median, and the table says which won. Every save is
-fsync'd; the page cache is dropped before every timed step (root only: the output says so
+fsync'd; every tool first runs once untimed on a tiny state (imports, thread pools: costs a
+process pays once, not per checkpoint); the page cache is dropped before every timed step (root only: the output says so
 when it cannot); tools are interleaved run by run; the table gives medians with min-max,
 peak extra memory, files per checkpoint, and ratios to raw and to DCP from the same run.
 """
@@ -305,6 +306,8 @@ def main(argv=None) -> None:
                   ("uniform (fp32)", bt.uniform_state(4, 1 / 16) if a.quick
                    else bt.uniform_state(32, 32))]
         wanted = a.states.split(",")
+        if not a.quick:     # one untimed round of every tool on a tiny state: imports, thread
+            bench_state("warm-up", bt.mixed_state(1 / 32), base, 1, False)   # pools, caches
         for title, state in states:
             if title.split(" ")[0] not in wanted:
                 continue
