@@ -238,6 +238,13 @@ def raw_read_files(bufs: list, layout: list, root: str, threads: int = 8) -> Non
         list(ex.map(one, zip([r for r, _ in layout], _file_pieces(bufs, layout))))
 
 
+def copy_into(bufs: list, flat_state: dict) -> None:
+    """A plain copy of the state into buffers already touched (what an async save's
+    blocking part cannot do without)."""
+    for b, t in zip(bufs, flat_state.values()):
+        b.copy_(t)
+
+
 def sp_save(state: dict, path: str, backend=None) -> None:
     sp.save(state, path, overwrite=True, backend=backend)
 
