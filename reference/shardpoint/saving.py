@@ -129,6 +129,7 @@ class SaveJob:
         self.written = 0
         self.error: Optional[BaseException] = None   # a local failure, shared at commit
         self._handles: dict = {}
+        self._created = False            # the arrays this rank owns exist (and ranks agreed)
 
     # ---------------------------------------------------------------------- phase 1: plan
     def plan(self) -> None:
@@ -197,10 +198,11 @@ class SaveJob:
 
     # ---------------------------------------------------------------------- phase 2: stage
     def stage(self, pool: Optional[StagingPool] = None) -> None:
-        """Name what this rank writes and sends. Sync (``pool`` None): chunks covered by one
-        piece are written straight from the caller's tensors, the others are assembled in
-        buffers. Async: every byte this rank needs later is copied into ``pool``, so the
-        caller may change its tensors once this returns. Ranks agree before going on."""
+        """Name what this rank writes and sends. Sync (``pool`` None): the arrays this rank
+        owns are created, chunks covered by one piece are written straight from the caller's
+        tensors, the others are assembled in buffers. Async: every byte this rank needs later
+        is copied into ``pool``, so the caller may change its tensors once this returns (the
+        arrays are created later, in the background). Ranks agree before going on."""
         t = time.perf_counter()
         err: Optional[BaseException] = None
         try:
@@ -245,7 +247,6 @@ class SaveJob:
 
     def _copy_to_pool(self, pool: StagingPool) -> None:
         work, src = self.work, self._views()
-        self._create_arrays()
         send_views = []
         for tr in work.sends:
             v, off = src(*tr.src_ref)
@@ -282,6 +283,7 @@ class SaveJob:
         with OpenAhead(self._handle, self.work.create) as opened:
             for key in self.work.create:
                 opened(key)
+        self._created = True
 
     def _handle(self, key: str) -> Any:
         if key not in self._handles:
@@ -297,8 +299,18 @@ class SaveJob:
         if self.error is not None:
             return
         t = time.perf_counter()
-        opened = OpenAhead(self._handle, [cw.key for cw in self.work.writes])
+        opened: Optional[OpenAhead] = None
         try:
+            if not self._created:
+                # An async save creates its arrays here, off the caller's time; the ranks
+                # agree before any of them opens another rank's array to write a chunk.
+                err: Optional[BaseException] = None
+                try:
+                    self._create_arrays()
+                except Exception as e:  # noqa: BLE001 - shared with every rank just below
+                    err = e
+                agree(comm, err, errors.SaveFailedError)
+            opened = OpenAhead(self._handle, [cw.key for cw in self.work.writes])
             exchange(comm, self.sends, self.recvs, self.opts.exchange_budget_bytes)
             self.sends = self.recvs = []
             self.times["exchange"] = time.perf_counter() - t
@@ -324,7 +336,8 @@ class SaveJob:
             self.error = e
             log.error("shardpoint save: rank %d failed: %s", comm.rank, e)
         finally:
-            opened.close()
+            if opened is not None:
+                opened.close()
             self.sources = []
 
     # ---------------------------------------------------------------------- phase 4: commit
