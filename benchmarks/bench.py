@@ -210,7 +210,7 @@ def print_state_table(title: str, res: Results, size: int, k: int) -> None:
     read_best, raw_r = best(res, read_rows) if have_reads else ("", None)
     print(f"references (lowest median of each family, marked *): write limit = {raw_best}; "
           f"DCP = {dcp_best}" + (f"; read limit = {read_best}" if have_reads else ""))
-    print("\n| step | median s | min-max s | x raw | x DCP | peak extra mem | files |")
+    print("\n| step | median s | min-max s | x raw | x DCP | peak extra mem | files / dirs |")
     print("|---|---|---|---|---|---|---|")
     dcp_ab = res.med(f"DCP async_save (thread_count={k}) (blocking)")
     dcp_l = res.med("DCP load")

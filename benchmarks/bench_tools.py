@@ -104,10 +104,14 @@ class PeakRSS:
         self.extra = self.peak - self.base
 
 
-def count_files(path: str) -> int:
+def count_files(path: str) -> str:
+    """'files / directories' a checkpoint at ``path`` holds (its own directory included)."""
     if os.path.isfile(path):
-        return 1
-    return sum(len(fs) for _, _, fs in os.walk(path))
+        return "1 / 0"
+    if not os.path.isdir(path):
+        return ""
+    walk = list(os.walk(path))
+    return f"{sum(len(fs) for _, _, fs in walk)} / {len(walk)}"
 
 
 rm = remove_path
