@@ -4,6 +4,9 @@ result is the same bytes as one process writes, from sources written by their ow
 ``safetensors`` package), bf16 and fp8 included; a failing or silent worker fails the whole
 conversion with the key named and leaves nothing at the destination."""
 import json
+import subprocess
+import sys
+import time
 import os
 
 import msgpack
@@ -280,3 +283,47 @@ def test_worker_memory_stays_bounded(tmp_path):
     assert max(st_mib) < 4 * mib and max(dcp_mib) < 64 + 4 * mib, (st_mib, dcp_mib)
     with sp.open(str(tmp_path / "sp")) as ck:
         assert float(ck["layer23"][5:7].to_torch()[0]) == 23.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_a_worker_dies_with_its_parent(tmp_path):
+    """A conversion worker's parent is the fork server, which exits with the coordinator; a
+    worker that called die_with_parent() is killed then, instead of writing on alone."""
+    pidfile = tmp_path / "child"
+    script = f"""
+import os, sys, time
+sys.path[:0] = {sys.path!r}
+from shardpoint.convert.base import die_with_parent
+if os.fork() == 0:
+    ok = die_with_parent()
+    open({str(pidfile)!r} + ".tmp", "w").write(f"{{os.getpid()}} {{int(ok)}}")
+    os.rename({str(pidfile)!r} + ".tmp", {str(pidfile)!r})
+    time.sleep(120)
+    os._exit(0)
+time.sleep(120)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        for _ in range(600):
+            if pidfile.exists():
+                break
+            time.sleep(0.05)
+        pid, ok = map(int, pidfile.read_text().split())
+        assert ok == 1 and _alive(pid)
+    finally:
+        parent.kill()
+        parent.wait(30)
+    for _ in range(200):
+        if not _alive(pid):
+            break
+        time.sleep(0.05)
+    assert not _alive(pid), "the worker outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody has reaped yet counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -123,6 +123,26 @@ def limit_heap_growth(threshold: int = 1 << 20) -> bool:
         return False
 
 
+def die_with_parent() -> bool:
+    """Have the kernel kill this process when its parent dies (Linux
+    ``prctl(PR_SET_PDEATHSIG, SIGKILL)``). A conversion worker's parent is the fork server,
+    which exits when the coordinator does: a killed ``convert --procs`` then leaves no worker
+    writing into its staging behind it. Returns False where it does not apply."""
+    import ctypes
+    import signal
+    import sys
+    if sys.platform != "linux":
+        return False
+    parent = os.getppid()
+    try:
+        ok = ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+    if ok and os.getppid() != parent:     # the parent died before the call took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ok
+
+
 def check_dtype(dt: torch.dtype, what: str) -> str:
     """The spec dtype name of a torch dtype, or a ConversionError naming the entry."""
     try:

@@ -33,7 +33,8 @@ from typing import Any, Optional
 from .. import errors
 from ..errors import ConversionError
 from ..storage import get_backend
-from .base import Progress, Source, TensorInfo, key_of, limit_heap_growth, staged_output
+from .base import (Progress, Source, TensorInfo, die_with_parent, key_of, limit_heap_growth,
+                   staged_output)
 from .hf_safetensors import file_layout, plan_files, write_index, write_rows_at
 from .native import (check_target, commit_shardpoint, open_entry, shardpoint_tree,
                      tensor_entry, write_rows)
@@ -105,6 +106,7 @@ def _open_for_worker(spec: SourceSpec) -> Source:
 def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> None:
     """One worker: open the source, write each item of its share, make it durable, report."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    die_with_parent()
     key = None
     try:
         import torch
