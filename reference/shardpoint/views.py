@@ -36,6 +36,24 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return dtypes.torch_to_numpy(t)
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` (same dtype and shape); between CPU tensors one numpy copy on this
+    thread. torch spreads a strided copy over its intra-op threads, which on a host with more
+    ranks than cores spin against each other: a 6 MiB column-stripe copy measured 0.26 GB/s
+    with torch's 2 threads and 12.9 GB/s with one, on the 2-core test machine."""
+    if dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype:
+        dst.copy_(src)
+        return
+    a, b = to_numpy(dst), to_numpy(src)
+    u = _UINT.get(a.itemsize)
+    if u is not None:   # bytes, not values: no dtype-specific (ml_dtypes) copy loop
+        a, b = a.view(u), b.view(u)
+    np.copyto(a, b)
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor with ``t``'s contents: ``t`` itself, or a pinned staging copy."""
     if t.device.type == "cpu":
