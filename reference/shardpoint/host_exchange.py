@@ -297,7 +297,7 @@ class ReadAhead:
         """Reads ``0..i`` are under way: start those within the window after them."""
         if self.prefetch is None or not self.reads:
             return
-        limit = self.end[min(max(i, 0), len(self.end) - 1)] + self.window
+        limit = (self.end[min(i, len(self.end) - 1)] if i >= 0 else 0) + self.window
         try:
             while self.next < len(self.reads) and self.end[self.next] <= limit:
                 op = self.reads[self.next]
