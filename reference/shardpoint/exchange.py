@@ -184,7 +184,11 @@ def raise_records(records: list, fallback: type = errors.ShardpointError) -> Non
 
 
 def agree(comm: Comm, err: Optional[BaseException], fallback: type) -> None:
-    """Collective: every rank learns of every rank's failure and raises the same error."""
+    """Collective: every rank learns of every rank's failure and raises the same error.
+    One small all-reduce when every rank succeeded (a dedup load agrees once per round);
+    the records are gathered only when some rank failed."""
+    if comm.all_true(err is None):
+        return
     rec = [] if err is None else [error_record(err, comm.rank)]
     recs = [r for b in comm.all_gather_bytes(msgpack.packb(rec)) for r in msgpack.unpackb(b)]
     if recs:
