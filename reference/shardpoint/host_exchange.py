@@ -18,9 +18,11 @@ Collective steps, all over the load's group (each wait bounded by the group's ti
    (``O_CREAT | O_EXCL``, mode 0600, a random name, allocated up front so a full
    ``/dev/shm`` fails here with ``ENOSPC`` instead of a ``SIGBUS`` later), and all gather
    ``[host, name, rounds]``; each rank maps the same-host segments it receives from, and all
-   gather which mappings failed. After that gather nobody opens a segment again, so every
-   owner unlinks its own: the memory lives on only in the mappings, and a killed rank leaves
-   nothing in ``/dev/shm`` (except between creation and that gather).
+   learn which mappings failed (one flag when none did). After that nobody opens a segment
+   again, so every owner unlinks its own: the memory lives on only in the mappings, and a
+   killed rank leaves nothing in ``/dev/shm`` (except between creation and that step).
+   Before all this each rank has asked the disk to read ahead (:class:`ReadAhead`), and round
+   0's reads start before the receiving pages are faulted in.
 2. Round ``k`` (the same count on every rank): readers read round ``k``'s regions into half
    ``k % 2``; all agree the reads are intact (a corrupt chunk raises the same error on every
    rank here, before anyone uses its bytes); receivers copy round ``k`` out. Half ``k % 2``
@@ -232,8 +234,11 @@ class HostExchange:
             except Exception as e:  # noqa: BLE001 - that pair goes through the group instead
                 failed.append(src)
                 self.notes.append(f"cannot map rank {src}'s segment: {e}")
-        fails = [msgpack.unpackb(g) for g in comm.all_gather_bytes(msgpack.packb(failed))]
-        # Nobody opens a segment after this gather: the mappings keep the memory alive.
+        if comm.all_true(not failed):   # the usual case: one flag, not a gather
+            fails: list = [[]] * comm.size
+        else:
+            fails = [msgpack.unpackb(g) for g in comm.all_gather_bytes(msgpack.packb(failed))]
+        # Nobody opens a segment after this step: the mappings keep the memory alive.
         if self.seg is not None:
             self.seg.unlink()
         self.to_shm = {d for d, (h, _n, _r) in enumerate(got) if h == host and d != comm.rank
