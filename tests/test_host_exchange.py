@@ -214,3 +214,27 @@ def test_read_ahead_keeps_a_window_ahead_in_read_order():
     ahead.upto(1)
     ahead.upto(5)
     assert be.asked == list(range(6))                 # each read once, in order
+
+
+def test_pack_and_unpack_strided_views_of_mixed_dtypes_bitwise():
+    """The group exchange packs views back to back (a bf16 piece after an odd-sized uint8 one
+    starts misaligned) and unpacks them into strided destinations."""
+    from shardpoint.exchange import pack_views, unpack_into
+    g = torch.Generator().manual_seed(5)
+
+    def rand(shape, dtype):
+        n = torch.empty((), dtype=dtype).element_size()
+        return torch.randint(0, 256, (*shape[:-1], shape[-1] * n), dtype=torch.uint8,
+                             generator=g).view(dtype)
+    srcs = [rand((5, 7), torch.uint8)[:, 1:4], rand((6, 9), torch.bfloat16)[1:5, ::2],
+            rand((4, 4), torch.complex128)[:, 1:3], rand((3, 8), torch.float64)[:, 2:7],
+            rand((2, 3), torch.float8_e5m2), rand((0, 4), torch.float32)]
+    buf = pack_views(srcs)
+    assert torch.equal(buf, torch.cat([s.contiguous().reshape(-1).view(torch.uint8)
+                                       for s in srcs]))
+    outs = [torch.zeros(s.shape[0] + 1, s.shape[1] + 2, dtype=s.dtype) for s in srcs]
+    unpack_into(buf, [o[1:, 2:] for o in outs])
+    for s, o in zip(srcs, outs):
+        assert torch.equal(o[1:, 2:].contiguous().view(torch.uint8),
+                           s.contiguous().view(torch.uint8))
+        assert not o[:1].view(torch.uint8).any() and not o[:, :2].view(torch.uint8).any()

@@ -54,6 +54,23 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     np.copyto(a, b)
 
 
+def copy_with_bytes(t: torch.Tensor, raw: torch.Tensor, into_bytes: bool) -> bool:
+    """Copy CPU tensor ``t`` (any strides) into the uint8 tensor ``raw`` holding its row-major
+    bytes (``into_bytes``), or back out of it, with one numpy copy on this thread (see
+    :func:`copy_into`); ``raw`` need not be aligned for ``t``'s dtype. False, nothing done,
+    where that does not apply (a device tensor, a 16-byte dtype)."""
+    u = _UINT.get(t.element_size())
+    if u is None or t.device.type != "cpu" or raw.device.type != "cpu":
+        return False
+    typed = raw.numpy().view(u).reshape(t.shape)   # numpy allows unaligned views
+    a = to_numpy(t).view(u)
+    if into_bytes:
+        np.copyto(typed, a)
+    else:
+        np.copyto(a, typed)
+    return True
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor with ``t``'s contents: ``t`` itself, or a pinned staging copy."""
     if t.device.type == "cpu":
