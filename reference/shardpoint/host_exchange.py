@@ -418,13 +418,13 @@ def _run(comm: Comm, be: Any, work: Any, budget: int, timings: dict, dst_view: C
         t = time.perf_counter()
         agree(comm, err, errors.LoadFailedError)   # every rank's round k is intact
         t_wait += time.perf_counter() - t
-        t = time.perf_counter()
         # Every peer finished copying round k - 1 before this agreement: its half is free.
         if k + 1 < hx.rounds and hx.seg is not None:
             try:
                 pending = issue(k + 1)
             except Exception as e:  # noqa: BLE001 - raised at the next agreement
                 err = e
+        t = time.perf_counter()
         try:
             for tr, dst in shm_recv.get(k, ()):
                 copy_into(dst, hx.peers[tr.src].box(tr.src_ref[0], dtype_of(tr.key),
