@@ -4,6 +4,7 @@ group, or both (ranks declared on two hosts); a corrupt chunk fails every rank, 
 those that never read it; no segment outlives a load, on success or failure."""
 import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -137,18 +138,22 @@ def test_cost_model_one_host():
     reqs = [[Holding("w", "float32", (64, 64), (0, 16 * r), (64, 16), None, (0,))]
             for r in range(4)]
     hosts = ["h"] * 4
-    assert plan_load_auto(reqs, lay, hosts, LoadOptions(), 1.0)[1].strategy == "direct"
-    _, fast = plan_load_auto(reqs, lay, hosts, LoadOptions(storage_gbps=20.0), 1.0)
+    opts = LoadOptions(host_cores=4)
+    assert plan_load_auto(reqs, lay, hosts, opts, 1.0)[1].strategy == "direct"
+    _, fast = plan_load_auto(reqs, lay, hosts, replace(opts, storage_gbps=20.0), 1.0)
     assert fast.strategy == "dedup" and fast.shm_bytes_max > 0 and fast.exchange_bytes_max == 0
+    # ranks outnumbering cores: re-reading every chunk on each rank costs more than sharing
+    _, crowded = plan_load_auto(reqs, lay, hosts, replace(opts, host_cores=1), 1.0)
+    assert crowded.strategy == "dedup"
     # gloo moved 0.03-0.08 GB/s per rank on this 2-core machine
-    _, off = plan_load_auto(reqs, lay, hosts, LoadOptions(storage_gbps=20.0,
-                                                          shm_exchange=False), 0.1)
+    _, off = plan_load_auto(reqs, lay, hosts, replace(opts, storage_gbps=20.0,
+                                                      shm_exchange=False), 0.1)
     assert off.strategy == "direct" and off.shm_bytes_max == 0
     # Same layout as saved: nothing to share, each rank reads its own chunk directly.
     rows = [[Holding("w", "float32", (64, 64), (16 * r, 0), (16, 64), None, (0,))]
             for r in range(4)]
-    assert plan_load_auto(rows, lay, hosts, LoadOptions(storage_gbps=20.0),
-                          1.0)[1].strategy == "direct"
+    for o in (replace(opts, storage_gbps=20.0), replace(opts, host_cores=1)):
+        assert plan_load_auto(rows, lay, hosts, o, 1.0)[1].strategy == "direct"
 
 
 def test_rounds_pack_regions_in_order_and_fit_the_largest():
@@ -170,3 +175,66 @@ def test_prefetch_names_only_the_chunk_files_a_box_covers_whole():
     assert names((0, 0), (8, 3)) == ["0/0", "1/0"]
     assert names((2, 0), (8, 6)) == ["1/0", "1/1", "2/0", "2/1"]
     assert names((0, 1), (4, 5)) == ["0/1"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.complex128,
+                                   torch.bool, torch.float32])
+def test_copy_into_moves_strided_boxes_bitwise(dtype):
+    from shardpoint.views import copy_into
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(0, 256, (24, 40 * torch.empty((), dtype=dtype).element_size()),
+                        dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw % 2
+    src = raw.view(dtype)                     # any bit pattern, NaNs included
+    dst = torch.zeros(30, 17, dtype=dtype)
+    copy_into(dst[3:27, 2:15], src[:, 5:18])  # strided on both sides
+    assert torch.equal(dst[3:27, 2:15].view(torch.uint8), src[:, 5:18].contiguous()
+                       .view(torch.uint8))
+    assert not dst[:3].view(torch.uint8).any() and not dst[:, :2].view(torch.uint8).any()
+
+
+def test_read_ahead_keeps_a_window_ahead_in_read_order():
+    from shardpoint.host_exchange import ReadAhead
+
+    class Recording:   # the backend's prefetch is a hint with no visible effect: record it
+        def __init__(self):
+            self.asked = []
+
+        def prefetch(self, handle, offset, shape):
+            self.asked.append(offset[0])
+    reads = [type("Op", (), {"key": "w", "offset": (i,), "shape": (1,)}) for i in range(6)]
+    be, opened = Recording(), []
+    ahead = ReadAhead(be, lambda k: opened.append(k), reads, [10] * 6, 20)
+    assert opened == ["w"] * 6 and be.asked == []     # arrays opened before any data
+    ahead.upto(-1)
+    assert be.asked == [0, 1]                         # the first window
+    ahead.upto(1)
+    assert be.asked == [0, 1, 2, 3]
+    ahead.upto(1)
+    ahead.upto(5)
+    assert be.asked == list(range(6))                 # each read once, in order
+
+
+def test_pack_and_unpack_strided_views_of_mixed_dtypes_bitwise():
+    """The group exchange packs views back to back (a bf16 piece after an odd-sized uint8 one
+    starts misaligned) and unpacks them into strided destinations."""
+    from shardpoint.exchange import pack_views, unpack_into
+    g = torch.Generator().manual_seed(5)
+
+    def rand(shape, dtype):
+        n = torch.empty((), dtype=dtype).element_size()
+        return torch.randint(0, 256, (*shape[:-1], shape[-1] * n), dtype=torch.uint8,
+                             generator=g).view(dtype)
+    srcs = [rand((5, 7), torch.uint8)[:, 1:4], rand((6, 9), torch.bfloat16)[1:5, ::2],
+            rand((4, 4), torch.complex128)[:, 1:3], rand((3, 8), torch.float64)[:, 2:7],
+            rand((2, 3), torch.float8_e5m2), rand((0, 4), torch.float32)]
+    buf = pack_views(srcs)
+    assert torch.equal(buf, torch.cat([s.contiguous().reshape(-1).view(torch.uint8)
+                                       for s in srcs]))
+    outs = [torch.zeros(s.shape[0] + 1, s.shape[1] + 2, dtype=s.dtype) for s in srcs]
+    unpack_into(buf, [o[1:, 2:] for o in outs])
+    for s, o in zip(srcs, outs):
+        assert torch.equal(o[1:, 2:].contiguous().view(torch.uint8),
+                           s.contiguous().view(torch.uint8))
+        assert not o[:1].view(torch.uint8).any() and not o[:, :2].view(torch.uint8).any()

@@ -36,6 +36,19 @@ def test_choice_is_the_cheaper_estimate_and_monotone(args, data):
         assert choose_strategy(hosts, read, recv, per_host, sg, xg, forced).strategy == forced
 
 
+def test_ranks_sharing_cores_price_memory_work_accordingly():
+    # 4 ranks of one host, 512 MiB by columns: direct makes each rank check all of it
+    m, tot = 1 << 20, 512 << 20
+    args = (["h"] * 4, tot, [0] * 4, {"h": tot}, 2.0, 1.0)
+    kw = dict(shm_bytes=[96 * m] * 4, dedup_rank_bytes=[128 * m] * 4,
+              direct_rank_bytes=[tot] * 4)
+    roomy = choose_strategy(*args, **kw, host_cores=16)
+    crowded = choose_strategy(*args, **kw, host_cores=2)
+    assert (roomy.strategy, crowded.strategy) == ("direct", "dedup")
+    assert crowded.direct_s == pytest.approx(2 * roomy.direct_s)
+    assert choose_strategy(*args, **kw).strategy == roomy.strategy   # cores unknown
+
+
 def test_one_host_reads_directly_and_many_hosts_with_a_fast_exchange_dedup():
     one = choose_strategy(["h"] * 4, 100, [75] * 4, {"h": 100}, 2.0, 1.0)
     assert one.strategy == "direct"
@@ -105,15 +118,19 @@ def _rows_then_cols(rank, world, path):
     _save_rows(rank, world, path)
     bad = []
     a, b = rank * SHAPE[1] // world, (rank + 1) * SHAPE[1] // world
-    for strategy, host in (("auto", None), ("dedup", None), ("direct", None),
-                           ("auto", f"host{rank}")):
+    # auto on one host with a core per rank, forced, on three "hosts", and on one host
+    # whose ranks outnumber its cores (they share the memory work: one read each wins)
+    for strategy, host, cores in (("auto", None, 64), ("dedup", None, None),
+                                  ("direct", None, None), ("auto", f"host{rank}", None),
+                                  ("auto", None, 1)):
         like = {f"t{i}": sp.ShardedTensor(torch.empty(SHAPE[0], b - a), SHAPE, (0, a))
                 for i in range(3)}
         like["b"] = sp.ShardedTensor(torch.empty(SHAPE[0], b - a, dtype=torch.bfloat16),
                                      SHAPE, (0, a))
         rep = sp.LoadReport()
         out = sp.load(path, like=like, report=rep,
-                      options=sp.LoadOptions(strategy, host_id=host, exchange_gbps=50.0))
+                      options=sp.LoadOptions(strategy, host_id=host, exchange_gbps=50.0,
+                                             host_cores=cores))
         want = {f"t{i}": _full(i)[:, a:b] for i in range(3)}
         want["b"] = _full(9).to(torch.bfloat16)[:, a:b]
         for k, w in want.items():
@@ -127,7 +144,7 @@ def test_column_loads_of_a_row_checkpoint_are_exact_under_every_strategy(tmp_pat
     res = run_world(3, _rows_then_cols, str(tmp_path / "rows"), timeout=180)
     for rank_res in res:
         assert [r for r in rank_res if len(r) == 3] == [], rank_res
-        # one host: auto reads directly; three "hosts" with a fast exchange: dedup
-        assert [r[2] for r in rank_res] == ["direct", "dedup", "direct", "dedup"], rank_res
+        assert [r[2] for r in rank_res] == ["direct", "dedup", "direct", "dedup", "dedup"], \
+            rank_res
     sent = [[r[3] for r in rank_res] for rank_res in res]
-    assert [sum(x) > 0 for x in zip(*sent)] == [False, True, False, True], sent
+    assert [sum(x) > 0 for x in zip(*sent)] == [False, True, False, True, True], sent

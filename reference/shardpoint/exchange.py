@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import errors
+from .views import copy_with_bytes
 
 
 class Comm:
@@ -184,7 +185,11 @@ def raise_records(records: list, fallback: type = errors.ShardpointError) -> Non
 
 
 def agree(comm: Comm, err: Optional[BaseException], fallback: type) -> None:
-    """Collective: every rank learns of every rank's failure and raises the same error."""
+    """Collective: every rank learns of every rank's failure and raises the same error.
+    One small all-reduce when every rank succeeded (a dedup load agrees once per round);
+    the records are gathered only when some rank failed."""
+    if comm.all_true(err is None):
+        return
     rec = [] if err is None else [error_record(err, comm.rank)]
     recs = [r for b in comm.all_gather_bytes(msgpack.packb(rec)) for r in msgpack.unpackb(b)]
     if recs:
@@ -221,9 +226,19 @@ def run_collectively(comm: Comm, local: Callable[[], bytes],
 
 
 def pack_views(views: list) -> torch.Tensor:
-    """Concatenate tensors' bytes (row-major) into one uint8 tensor."""
+    """Concatenate tensors' bytes (row-major) into one uint8 tensor (CPU views: one copy
+    each, on this thread)."""
     if not views:
         return torch.empty(0, dtype=torch.uint8)
+    if all(v.device.type == "cpu" for v in views):
+        out = torch.empty(sum(v.numel() * v.element_size() for v in views), dtype=torch.uint8)
+        pos = 0
+        for v in views:
+            n = v.numel() * v.element_size()
+            if not copy_with_bytes(v, out[pos:pos + n], True):
+                out[pos:pos + n] = v.contiguous().reshape(-1).view(torch.uint8)
+            pos += n
+        return out
     return torch.cat([v.contiguous().reshape(-1).view(torch.uint8) for v in views])
 
 
@@ -233,7 +248,9 @@ def unpack_into(buf: torch.Tensor, dsts: list) -> None:
     for d in dsts:
         n = d.numel() * d.element_size()
         raw = buf[pos:pos + n]
-        if (raw.storage_offset() * raw.element_size()) % d.element_size():
+        if copy_with_bytes(d, raw, False):
+            pass
+        elif (raw.storage_offset() * raw.element_size()) % d.element_size():
             # Pieces are packed back to back, so a piece after an odd-sized one starts
             # misaligned for its dtype: go through an aligned temporary.
             tmp = torch.empty(d.shape, dtype=d.dtype, device=buf.device)
