@@ -150,7 +150,7 @@ def bench_state(name: str, state: dict, base: str, repeat: int, drop: bool,
         be = TensorStoreBackend(direct_writes=False)
         saves += [("shardpoint save, TensorStore writes (before)",
                    lambda s, p: bt.sp_save(s, p, be), state, "spts")]
-    saves += [(COPY, lambda s, p: bt.copy_into(bufs, s), fl, "copy")]
+    saves += [(COPY, lambda s, p: bt.copy_state(bufs, s), fl, "copy")]
     saves += [("shardpoint async save", bt.sp_async_save if bt.HAS_ASYNC else None, state,
                "spa")]
     saves += [(dcp_row(t), lambda s, p, t=t: bt.dcp_save(s, p, t), fl, f"dcp{t}")

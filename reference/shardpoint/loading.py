@@ -25,7 +25,7 @@ from .load_planner import LoadOptions, encode_works, plan_load_auto
 from .planner import RankLoadWork, TensorLayout
 from .storage import StorageBackend, get_backend
 from .targets import collect_targets, full_targets
-from .views import PieceViews, box_view, to_numpy
+from .views import PieceViews, box_view, copy_into, to_numpy
 
 log = logging.getLogger("shardpoint")
 
@@ -188,7 +188,7 @@ def _execute_reads(comm: Comm, be: StorageBackend, work: RankLoadWork, budget: i
         for op, buf in zip(work.reads, bufs):
             for q, pi, bo, bs in op.local:
                 v, off = dst_view(q, pi)
-                box_view(v, off, bo, bs).copy_(box_view(buf, op.offset, bo, bs))
+                copy_into(box_view(v, off, bo, bs), box_view(buf, op.offset, bo, bs))
         sends += [(t.dst, box_view(bufs[t.src_ref[0]], work.reads[t.src_ref[0]].offset,
                                    t.box_offset, t.box_shape)) for t in work.sends]
         for t in work.recvs:

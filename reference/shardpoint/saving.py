@@ -23,8 +23,8 @@ from .model import flatten_state
 from .open_ahead import OpenAhead
 from .planner import LocalPlan, PlanOptions, RankSaveWork, plan_objects, plan_save
 from .storage import ArraySpec, StorageBackend, get_backend
-from .staging import StagingPool, copy_into, stream_device_writes
-from .views import PieceViews, box_view, to_numpy
+from .staging import StagingPool, copy_pairs, stream_device_writes
+from .views import PieceViews, box_view, copy_into, to_numpy
 
 log = logging.getLogger("shardpoint")
 
@@ -238,7 +238,7 @@ class SaveJob:
             buf = torch.empty(cw.shape, dtype=self._chunk_dtype(cw.key))
             for hidx, pidx, bo, bs in cw.local:
                 v, off = src(hidx, pidx)
-                box_view(buf, cw.offset, bo, bs).copy_(box_view(v, off, bo, bs))
+                copy_into(box_view(buf, cw.offset, bo, bs), box_view(v, off, bo, bs))
             self.sources.append(buf)
         for tr in work.sends:
             v, off = src(*tr.src_ref)
@@ -266,7 +266,7 @@ class SaveJob:
                 v, off = src(hidx, pidx)
                 pairs.append((box_view(buf, cw.offset, bo, bs), box_view(v, off, bo, bs)))
         pairs += list(zip(bufs[len(work.writes):], send_views))
-        copy_into(pairs)
+        copy_pairs(pairs)
         self.sends = [(tr.dst, b) for tr, b in zip(work.sends, bufs[len(work.writes):])]
         self._name_recvs()
 
