@@ -41,7 +41,18 @@ def merge_trees(a: Any, b: Any, where: str = "state") -> Any:
 
 def merge_many(trees: Sequence[Any], where: str = "state") -> Any:
     """Union of many ranks' trees (in rank order) in one pass over their nodes; containers
-    must agree in kind ([SP-TREE-1]); a leaf takes the lowest rank's value."""
+    must agree in kind ([SP-TREE-1]); a leaf takes the lowest rank's value.
+
+    Runs of equal subtrees (data-parallel replicas: the model's branch of every rank of a
+    stage) are merged once: the equality test runs in C, the merge in Python."""
+    uniq = [trees[0]]
+    for t in trees[1:]:
+        last = uniq[-1]
+        if t is not last and t != last:
+            uniq.append(t)
+    if len(uniq) == 1:
+        return uniq[0]
+    trees = uniq
     kinds = [next(iter(t)) for t in trees]
     for k in kinds[1:]:
         if k != kinds[0]:
@@ -209,52 +220,56 @@ def _plan_writes(t, regions: Regions, keys: list, items: list, world: int,
     widx = np.empty(NC, np.int64)
     widx[ow] = np.arange(NC) - np.repeat(np.cumsum(cnt) - cnt, cnt)
 
-    # objects: one ChunkWrite per chunk (offsets shared per pattern), one Transfer per send
+    # objects: one ChunkWrite per chunk, one Transfer per send. Their boxes are tuples made
+    # once per pattern (the layers of a model repeat them), and each object is built by
+    # tuple.__new__ under map(): no Python frame per object (~10^5 of them)
     nd_of = [len(e[2]) for e in keys]
     names = [e[0] for e in keys]
     pats, at = np.unique(t.c_pat, return_index=True)
     pat_nd = dict(zip(pats.tolist(), [nd_of[k] for k in t.c_key[at].tolist()]))
     offs: list = []
     shps: list = []
-    for j, (o, sh) in enumerate(zip(pat_off, [p[7] for p in t.patterns])):
+    pbo: list = []
+    pbs: list = []
+    for j, p in enumerate(t.patterns):
         nd = pat_nd.get(j, 0)
-        offs += [tuple(r[:nd]) for r in o.tolist()]
-        shps += [tuple(r[:nd]) for r in sh.tolist()]
-
-    def boxes(parts):
-        nds = [nd_of[k] for k in t.c_key[t.p_chunk[parts]].tolist()]
-        return [(tuple(o[:n]), tuple(s[:n])) for o, s, n in
-                zip(t.p_bo[parts].tolist(), t.p_bs[parts].tolist(), nds)]
-    local: dict = {}
-    for c, q, p, (bo, bs) in zip(t.p_chunk[loc_part].tolist(), hold_hidx[loc_entry].tolist(),
-                                 t.p_pi[loc_part].tolist(), boxes(loc_part)):
-        lst = local.get(c)
-        if lst is None:
-            local[c] = [(q, p, bo, bs)]
-        else:
-            lst.append((q, p, bo, bs))
+        for src, dst in ((p[6], offs), (p[7], shps), (p[3], pbo), (p[4], pbs)):
+            dst += [tuple(r[:nd]) for r in src.tolist()]
+    # local copies, grouped by chunk (loc_part is in plan order, so a chunk's are adjacent)
+    lsrc = t.p_src[loc_part].tolist()
+    loc = list(map(tuple.__add__, zip(hold_hidx[loc_entry].tolist(), t.p_pi[loc_part].tolist()),
+                   zip(map(pbo.__getitem__, lsrc), map(pbs.__getitem__, lsrc))))
+    lc = t.p_chunk[loc_part]
+    cut = (np.flatnonzero(lc[1:] != lc[:-1]) + 1).tolist() if len(lc) else []
+    local = dict(zip(lc[[0] + cut].tolist() if len(lc) else [],
+                     map(loc.__getitem__, map(slice, [0] + cut, cut + [len(lc)]))))
     dq = hold_hidx[np.maximum(entry, 0)]
     ds = np.flatnonzero(direct).tolist()
     dset = dict(zip(ds, zip(dq[ds].tolist(), t.p_pi[t.first[ds]].tolist())))
-    # in each writer's order (plan order per writer), built at C speed
+    # in each writer's order (plan order per writer)
     ol = ow.tolist()
     cix = (base[t.c_pat] + t.c_idx)[ow].tolist()
-    byw = list(map(ChunkWrite._make, zip(
+    byw = list(map(tuple.__new__, repeat(ChunkWrite), zip(
         map(names.__getitem__, t.c_key[ow].tolist()), map(offs.__getitem__, cix),
         map(shps.__getitem__, cix), map(dset.get, ol), map(local.get, ol, repeat(())))))
     ends = np.cumsum(cnt).tolist()
     for w, a, b in zip(ranks, [0] + ends[:-1], ends):
         w.writes = byw[a:b]
-    sends: list = [[] for _ in range(world)]
-    recvs: list = [[] for _ in range(world)]
     sc = t.p_chunk[sent]
-    for ck, w, wi, src, q, p, (bo, bs) in zip(
-            t.c_key[sc].tolist(), writer[sc].tolist(), widx[sc].tolist(), hold_rank[s_entry].tolist(),
-            hold_hidx[s_entry].tolist(), t.p_pi[sent].tolist(), boxes(sent)):
-        tr = Transfer(src, w, names[ck], bo, bs, (q, p), (wi,))
-        sends[src].append(tr)
-        recvs[w].append(tr)
-    for w, sd, rv in zip(ranks, sends, recvs):
+    ssrc = t.p_src[sent].tolist()
+    src_r, dst_r = hold_rank[s_entry], writer[sc]
+    trs = list(map(tuple.__new__, repeat(Transfer), zip(
+        src_r.tolist(), dst_r.tolist(), map(names.__getitem__, t.c_key[sc].tolist()),
+        map(pbo.__getitem__, ssrc), map(pbs.__getitem__, ssrc),
+        zip(hold_hidx[s_entry].tolist(), t.p_pi[sent].tolist()), zip(widx[sc].tolist()))))
+
+    def per_rank(of: np.ndarray) -> list:
+        """The transfers split by ``of`` (their rank on one side), each list in plan order."""
+        o = np.argsort(of, kind="stable").tolist()
+        srt = list(map(trs.__getitem__, o))
+        e = np.cumsum(np.bincount(of, minlength=world)).tolist()
+        return list(map(srt.__getitem__, map(slice, [0] + e[:-1], e)))
+    for w, sd, rv in zip(ranks, per_rank(src_r), per_rank(dst_r)):
         w.sends, w.recvs = sd, rv
     return assigned.tolist(), int(s_bytes.sum())
 

@@ -57,7 +57,7 @@ class LocalPlan:
 
     def decoded_tree(self) -> Any:
         if self.tree is None and self.tree_bytes is not None:
-            return values.unpack(zlib.decompress(self.tree_bytes))
+            return values.unpack_gathered(zlib.decompress(self.tree_bytes))
         return self.tree
 
 
