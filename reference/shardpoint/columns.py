@@ -11,7 +11,8 @@ from __future__ import annotations
 import gc
 import zlib
 from contextlib import contextmanager
-from operator import itemgetter
+from itertools import compress, count, repeat
+from operator import is_, itemgetter
 from typing import Callable, Iterator, Optional, Sequence
 
 import msgpack
@@ -180,16 +181,16 @@ class Gathered:
             if m is None:
                 entries = c.raw_table()
                 ids = list(map(kid.get, map(itemgetter(0), entries)))
-                for i, k in enumerate(ids):
-                    if k is None:   # a key seen for the first time (or twice in this table)
-                        e = entries[i]
-                        k = kid.get(e[0])
-                        if k is None:
-                            kid[e[0]] = k = len(keys)
-                            keys.append((e[0], e[1], tuple(e[2])))
-                            raw.append(e)
-                            first_rank.append(r)
-                        ids[i] = k
+                # keys seen for the first time (or twice in this table), found at C speed
+                for i in compress(count(), map(is_, ids, repeat(None))):
+                    e = entries[i]
+                    k = kid.get(e[0])
+                    if k is None:
+                        kid[e[0]] = k = len(keys)
+                        keys.append((e[0], e[1], tuple(e[2])))
+                        raw.append(e)
+                        first_rank.append(r)
+                    ids[i] = k
                 if list(map(raw.__getitem__, ids)) != entries:
                     i = next(i for i, k in enumerate(ids) if raw[k] != entries[i])
                     k0, e = keys[ids[i]], entries[i]
@@ -207,20 +208,37 @@ class Gathered:
         self.rank = np.repeat(np.asarray(list(ranks), np.int64), lens)
         self.hidx = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
 
-        def column(j_of, fill):
-            parts = [c.cols[j_of(c)] if j_of(c) is not None else np.full(len(c), fill)
-                     for c in cols]
+        where: dict = {}     # id of a distinct map -> its base in ``allmaps``
+        distinct = []
+        total = 0
+        for m in maps:
+            if id(m) not in where:
+                where[id(m)] = total
+                total += len(m)
+                distinct.append(m)
+        base = np.array([where[id(m)] for m in maps], np.int64)
+        allmaps = np.concatenate(distinct) if distinct else np.zeros(0, np.int64)
+        same = all(c.D == D and c.R == R for c in cols)
+        colsets = [c.cols for c in cols]
+
+        def column(j: int, j_of, fill):
+            if same:     # every rank sent the same columns: one concatenation, no Python per rank
+                parts = [cs[j] for cs in colsets]
+            else:
+                parts = [c.cols[j_of(c)] if j_of(c) is not None else np.full(len(c), fill)
+                         for c in cols]
             return np.concatenate(parts, dtype=np.int64, casting="safe") if parts else \
                 np.zeros(0, np.int64)
 
-        self.gk = np.concatenate([m[c.cols[0]] for m, c in zip(maps, cols)]) if cols else \
-            np.zeros(0, np.int64)
-        self.fs = column(lambda c: 2, -1)
-        self.fe = column(lambda c: 3, -1)
-        self.off = [column(lambda c, d=d: 4 + d if d < c.D else None, 0) for d in range(D)]
-        self.shp = [column(lambda c, d=d: 4 + c.D + d if d < c.D else None, 1)
+        # global key id = the row's rank's map, read at (map's base + local key index)
+        self.gk = allmaps[column(0, lambda c: 0, 0) + np.repeat(base, lens)]
+        self.fs = column(2, lambda c: 2, -1)
+        self.fe = column(3, lambda c: 3, -1)
+        self.off = [column(4 + d, lambda c, d=d: 4 + d if d < c.D else None, 0)
                     for d in range(D)]
-        self.rep = [column(lambda c, j=j: 4 + 2 * c.D + j if j < c.R else None, 0)
+        self.shp = [column(4 + D + d, lambda c, d=d: 4 + c.D + d if d < c.D else None, 1)
+                    for d in range(D)]
+        self.rep = [column(4 + 2 * D + j, lambda c, j=j: 4 + 2 * c.D + j if j < c.R else None, 0)
                     for j in range(R)]
 
 
