@@ -9,8 +9,10 @@ import math
 import pathlib
 import random
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from shardpoint import InvalidShardingError, LayoutMismatchError, columns, grid
 from shardpoint.columns import HoldingColumns, group_rows
@@ -192,3 +194,86 @@ def test_errors_from_the_columnar_path_name_key_and_ranks():
     lay = {"w": TensorLayout("w", shape, "float32", (4, 4))}
     with pytest.raises(LayoutMismatchError, match="'w'"):
         plan_load([[good], [good._replace(global_shape=(9, 4))]], lay)
+
+
+# ------------------------------------------------- pieces cut on arrays, quick coverage test
+_dims = st.lists(st.integers(0, 5), min_size=0, max_size=4)
+
+
+@st.composite
+def _regions(draw):
+    nd = draw(st.integers(0, 4))
+    out = []
+    for _ in range(draw(st.integers(0, 6))):
+        shp = tuple(draw(st.integers(0, 5)) for _ in range(nd))
+        off = tuple(draw(st.integers(0, 7)) for _ in range(nd))
+        n, flat = math.prod(shp), None
+        if n and draw(st.booleans()):
+            a = draw(st.integers(0, n))
+            flat = (a, draw(st.integers(a, n)))
+        out.append((off, shp, flat))
+    return nd, out
+
+
+@settings(max_examples=300, deadline=None)
+@given(_regions())
+def test_region_pieces_on_arrays_are_the_holding_pieces(case):
+    nd, regions = case
+    pa = grid.region_pieces(nd, regions)
+    got = list(zip(pa.li.tolist(), pa.pi.tolist(), map(tuple, pa.offs.tolist()),
+                   map(tuple, pa.shps.tolist())))
+    want = [(i, j, p.offset, p.shape) for i, (o, s, f) in enumerate(regions)
+            for j, p in enumerate(holding_pieces(Holding("k", "float32", (9,) * nd, o, s, f,
+                                                         (0,))))]
+    assert got == want
+
+
+@st.composite
+def _tilings(draw):
+    """Regions of a tensor: grid blocks cut into flat ranges, then maybe spoiled (a range
+    dropped, moved or duplicated, a block shifted)."""
+    shape = tuple(draw(st.integers(1, 6)) for _ in range(draw(st.integers(0, 3))))
+    chunk = tuple(draw(st.integers(1, n)) for n in shape)
+    regions = []
+    for cidx in np.ndindex(*[-(-n // c) for n, c in zip(shape, chunk)]):
+        off = tuple(i * c for i, c in zip(cidx, chunk))
+        shp = tuple(min(c, n - o) for c, n, o in zip(chunk, shape, off))
+        n = math.prod(shp)
+        if draw(st.booleans()):
+            regions.append((off, shp, None))
+            continue
+        cuts = sorted(set(draw(st.lists(st.integers(1, max(1, n - 1)), max_size=3))) - {n})
+        b = [0] + cuts + [n]
+        regions += [(off, shp, (x, y)) for x, y in zip(b[:-1], b[1:]) if y > x]
+    spoil = draw(st.integers(0, 4))
+    if spoil == 1 and len(regions) > 1:
+        regions.pop(draw(st.integers(0, len(regions) - 1)))
+    elif spoil == 2 and regions:
+        o, s, f = regions[-1]
+        if f and f[1] - f[0] > 1:
+            regions[-1] = (o, s, (f[0], f[1] - 1))
+    elif spoil == 3 and shape and regions:
+        o, s, f = regions[0]
+        regions[0] = ((o[0] + 1,) + o[1:], s, f)
+    elif spoil == 4 and regions:
+        o, s, f = regions[-1]
+        regions.append((o, s, (0, 1) if f else (0, math.prod(s))))
+    return shape, list(dict.fromkeys(regions)), spoil
+
+
+@settings(max_examples=300, deadline=None)
+@given(_tilings())
+def test_quick_cover_test_passes_only_what_the_full_check_passes(case):
+    from shardpoint.coverage import check_exact_cover, regions_tile
+    shape, regions, spoil = case
+    boxes = [(p.offset, p.shape) for o, s, f in regions
+             for p in holding_pieces(Holding("k", "float32", shape, o, s, f, (0,)))]
+    try:
+        check_exact_cover(shape, boxes, lambda i: f"box {i}", "k")
+        ok = True
+    except InvalidShardingError:
+        ok = False
+    quick = regions_tile(shape, regions)
+    assert ok or not quick      # it never passes what the full check refuses
+    if spoil == 0:              # and it does pass a grid of blocks cut into ranges
+        assert quick and ok

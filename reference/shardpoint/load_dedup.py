@@ -15,8 +15,7 @@ import numpy as np
 
 from .chunk_table import build_parts, elect, expand
 from .columns import Regions
-from .grid import chunk_part_arrays
-from .model import Holding, holding_pieces
+from .grid import chunk_part_arrays, region_pieces
 from .plans import RankLoadWork, encode_load_work, narrowest_int
 
 def _rank_dtype(world: int):
@@ -200,8 +199,7 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
         chunk = layouts[key].chunk_shape
 
         def make():
-            pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,)))
-                      for o, s, f in (regions.region(gi)[1:] for gi in gis)]
+            pieces = region_pieces(len(shape), [regions.region(gi)[1:] for gi in gis])
             return chunk_part_arrays(shape, chunk, pieces)
         return (shape, chunk, regions.by_key[k][1]), make
 

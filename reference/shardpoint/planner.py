@@ -20,11 +20,11 @@ import numpy as np
 from . import dtypes
 from .chunk_table import build_parts, elect, expand
 from .columns import Gathered, Regions, as_columns, gc_paused
-from .coverage import check_exact_cover
+from .coverage import check_exact_cover, regions_tile
 from .errors import InvalidShardingError
-from .grid import chunk_part_arrays, plan_chunk_grid
+from .grid import chunk_part_arrays, plan_chunk_grid, region_pieces
 from .load_planner import check_request, plan_load
-from .model import Holding, ObjectValues, grid_flat_index, holding_pieces
+from .model import ObjectValues, grid_flat_index
 from .plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork, RankSaveWork, ReadOp,
                     SavePlan, TensorLayout, Transfer)
 
@@ -112,18 +112,17 @@ class _Pattern(NamedTuple):
 
 def _plan_pattern(key: str, dtype: str, shape: tuple, itemsize: int, regions: list,
                   holder_ranks, opts: PlanOptions) -> _Pattern:
-    """Coverage check ([SP-COVER-1..3]) and chunk grid ([SP-GRID-1]) of one tensor."""
-    pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,))) for o, s, f in regions]
-    boxes, owner = [], []
-    for ri, ps in enumerate(pieces):
-        for p in ps:
-            boxes.append((p.offset, p.shape))
-            owner.append(ri)
-    check_exact_cover(shape, boxes, lambda i: _describe(holder_ranks(owner[i])), key)
+    """Coverage check ([SP-COVER-1..3]) and chunk grid ([SP-GRID-1]) of one tensor. The
+    regions' pieces are cut on arrays (:func:`~.grid.region_pieces`); the full coverage check
+    runs on them only when the quick one (:func:`~.coverage.regions_tile`) does not pass."""
+    pa = region_pieces(len(shape), regions)
+    if not regions_tile(shape, regions):
+        boxes = list(zip(map(tuple, pa.offs.tolist()), map(tuple, pa.shps.tolist())))
+        owner = pa.li.tolist()
+        check_exact_cover(shape, boxes, lambda i: _describe(holder_ranks(owner[i])), key)
     blocks = [(o, s) for o, s, _ in regions if math.prod(s)]
-    grid_regions = [([(p.offset, p.shape) for p in ps], ()) for ps in pieces]
-    chunk = plan_chunk_grid(shape, itemsize, grid_regions, blocks, opts)
-    return _Pattern(chunk, chunk_part_arrays(shape, chunk, pieces) if math.prod(shape) else None)
+    chunk = plan_chunk_grid(shape, itemsize, pa, blocks, opts)
+    return _Pattern(chunk, chunk_part_arrays(shape, chunk, pa) if math.prod(shape) else None)
 
 
 def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions()) -> SavePlan:
