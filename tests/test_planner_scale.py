@@ -77,6 +77,16 @@ def test_trees_merge_in_one_pass_like_pairwise_and_refuse_kind_conflicts():
     plans = [LocalPlan.from_bytes(LocalPlan(r, trees[r % 3], [], []).to_bytes())
              for r in range(6)]
     assert plan_save(plans).tree == pairwise
+    # trees go up branch by branch; a rank with one branch sends its tree whole (mixed forms)
+    one = t(a=t(z={"tensor": "a/z"}))
+    for extra in ([], [one]):
+        got = plan_save([LocalPlan.from_bytes(LocalPlan(r, tr, [], []).to_bytes())
+                         for r, tr in enumerate(trees + extra)]).tree
+        assert got == merge_many(trees + extra)
+    with pytest.raises(InvalidShardingError, match=r"state\['l'\] is a list .* dict") as e:
+        plan_save([LocalPlan.from_bytes(LocalPlan(r, tr, [], []).to_bytes())
+                   for r, tr in enumerate([trees[0], t(l=t(q={"value": 1}), b={"value": 2})])])
+    assert e.value.spec_id == "SP-TREE-1"
 
 
 def test_group_rows_is_exact_even_when_every_hash_collides(monkeypatch):

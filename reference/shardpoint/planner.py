@@ -26,7 +26,7 @@ from .grid import chunk_part_arrays, plan_chunk_grid, region_pieces
 from .load_planner import check_request, plan_load
 from .model import ObjectValues, grid_flat_index
 from .plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork, RankSaveWork, ReadOp,
-                    SavePlan, TensorLayout, Transfer)
+                    SavePlan, TensorLayout, Transfer, tree_wire_parts, unpack_branch)
 
 __all__ = ["ChunkWrite", "LocalPlan", "PlanOptions", "RankLoadWork", "RankSaveWork", "ReadOp",
            "SavePlan", "TensorLayout", "Transfer", "check_request", "merge_trees",
@@ -79,15 +79,36 @@ def merge_many(trees: Sequence[Any], where: str = "state") -> Any:
 
 
 def _merged_tree(local_plans: Sequence[LocalPlan]) -> Any:
-    """The checkpoint's tree: each distinct tree decoded and merged once (DP replicas send
-    identical trees; encoded ones are told apart by their bytes before any decoding)."""
+    """The checkpoint's tree: each distinct tree, or each distinct top-level branch when the
+    ranks sent their trees split (:func:`~.plans.pack_tree`), decoded and merged once (DP
+    replicas send identical ones; encoded ones are told apart by their bytes before any
+    decoding)."""
+    wires: dict = {}        # distinct wire forms, in rank order
+    for lp in local_plans:
+        if lp.tree is not None or lp.tree_bytes is None:
+            break
+        w = lp.tree_bytes
+        parts = tree_wire_parts(w)
+        if parts is None:
+            break
+        wires.setdefault(tuple(map(tuple, parts)), parts)
+    else:
+        if wires:       # every rank sent its branches one by one: merge branch by branch
+            branches: dict = {}     # key -> {branch bytes: None}, both in rank order
+            for parts in wires.values():
+                for k, b in parts:
+                    branches.setdefault(k, {}).setdefault(b, None)
+            return {"dict": [[k, merge_many([unpack_branch(b) for b in bs], f"state[{k!r}]")]
+                             for k, bs in branches.items()]}
     distinct: list = []
     seen: set = set()
     for lp in local_plans:
         if lp.tree is None and lp.tree_bytes is not None:
-            if lp.tree_bytes in seen:
+            parts = tree_wire_parts(lp.tree_bytes)
+            key = lp.tree_bytes if parts is None else tuple(map(tuple, parts))
+            if key in seen:
                 continue
-            seen.add(lp.tree_bytes)
+            seen.add(key)
             distinct.append(lp.decoded_tree())
         elif not distinct or not (lp.tree is distinct[-1] or lp.tree == distinct[-1]):
             distinct.append(lp.tree)
