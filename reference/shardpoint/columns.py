@@ -346,7 +346,7 @@ def group_rows(cols: list) -> tuple:
     h = np.full(n, 0x9E3779B97F4A7C15, np.uint64)
     with np.errstate(over="ignore"):
         for col in cols:
-            h ^= col.astype(np.uint64)
+            h ^= col.view(np.uint64) if col.dtype == np.int64 else col.astype(np.uint64)
             h *= _MIX
             h ^= h >> np.uint64(29)
     # sort (hash, row) pairs packed in one uint64, hash in the high bits: a plain sort of
@@ -359,9 +359,12 @@ def group_rows(cols: list) -> tuple:
     hs = packed >> np.uint64(b)
     brk = np.flatnonzero(hs[1:] != hs[:-1]) + 1
     starts = np.concatenate([[0], brk, [n]])
-    inner = np.ones(n - 1, bool)     # neighbours in sorted order that share a bucket
-    inner[brk - 1] = False
-    if not any(np.any((cs[1:] != cs[:-1]) & inner) for cs in (c[order] for c in cols)):
+    # every row equal to its bucket's first row? (read from the small table of first rows,
+    # which stays in cache, rather than gathering each column in sorted order)
+    gid = np.empty(n, np.int32 if len(starts) < 2 ** 31 else np.int64)
+    gid[order] = np.repeat(np.arange(len(starts) - 1, dtype=gid.dtype), np.diff(starts))
+    first = order[starts[:-1]]
+    if not any((c != c[first][gid]).any() for c in cols):
         return order, starts
     order = np.lexsort(cols[::-1])
     same = np.ones(n - 1, bool)
