@@ -21,7 +21,7 @@ import numpy as np
 from .errors import InvalidShardingError
 from .model import Holding
 
-WIRE_TAG = "cols1"
+WIRE_TAG = "cols2"
 
 
 @contextmanager
@@ -54,6 +54,13 @@ class HoldingColumns(Sequence):
     ``fs``/``fe`` (flattened range, ``-1`` when rectangular), then ``D`` offset columns
     (padded with 0 past a tensor's rank), ``D`` shape columns (padded with 1) and ``R``
     replica-id columns (padded with 0).
+
+    Wire form (msgpack, :meth:`to_wire`): ``["cols2", rows, D, R, table segments, column
+    types, body]``. The table is cut into segments where the key's first component changes
+    (``model/...``, ``optim/...``), each ``zlib(msgpack([[key, dtype, [global shape]]]))``:
+    data-parallel ranks share the model's segment byte for byte, so the coordinator decodes
+    each distinct segment once. ``body``: the columns one after another, each in its type
+    (the narrowest little-endian integer holding it, ``"<i1"`` .. ``"<i8"``).
     """
 
     __slots__ = ("_table", "cols", "D", "R", "table_bytes")
@@ -73,7 +80,7 @@ class HoldingColumns(Sequence):
     def raw_table(self) -> list:
         """The table as ``[[key, dtype, [global shape]]]`` (wire form, no conversion)."""
         if self.table_bytes is not None:
-            return msgpack.unpackb(zlib.decompress(self.table_bytes))
+            return [e for b in self.table_bytes for e in decode_segment(b)]
         return [[k, d, list(g)] for k, d, g in self.table]
 
     def __len__(self) -> int:
@@ -118,8 +125,17 @@ class HoldingColumns(Sequence):
         return HoldingColumns(table, list(m), D, R)
 
     def to_wire(self) -> bytes:
-        """The key table (zlib) once, then each column in the narrowest integer type."""
-        table = zlib.compress(msgpack.packb([[k, d, list(g)] for k, d, g in self.table]), 1)
+        """The key table (zlib, in segments) once, then each column in the narrowest integer
+        type (see the class docstring)."""
+        segs: list = []
+        top = None
+        for k, d, g in self.table:
+            t = k.split("/", 1)[0]
+            if not segs or t != top:
+                segs.append([])
+                top = t
+            segs[-1].append([k, d, list(g)])
+        table = [zlib.compress(msgpack.packb(sg), 1) for sg in segs]
         kinds, body = [], []
         for c in self.cols:
             lo, hi = (int(c.min()), int(c.max())) if len(c) else (0, 0)
@@ -142,8 +158,13 @@ class HoldingColumns(Sequence):
         return HoldingColumns(None, cols, D, R, table_bytes=table_b)
 
 
-def decode_table(b: bytes) -> list:
-    return [(k, d, tuple(g)) for k, d, g in msgpack.unpackb(zlib.decompress(b))]
+def decode_segment(b: bytes) -> list:
+    """One table segment of the wire form: ``[[key, dtype, [global shape]]]``."""
+    return msgpack.unpackb(zlib.decompress(b))
+
+
+def decode_table(segments: list) -> list:
+    return [(k, d, tuple(g)) for b in segments for k, d, g in decode_segment(b)]
 
 
 def as_columns(hs: Sequence[Holding]) -> HoldingColumns:
@@ -173,31 +194,44 @@ class Gathered:
         raw: list = []           # the same entries in wire form, for cheap comparison
         kid: dict = {}           # key -> global id
         first_rank: list = []
-        table_cache: dict = {}   # table bytes -> global ids of its rows
+        seg_cache: dict = {}     # table segment bytes -> global ids of its rows
+        table_cache: dict = {}   # a rank's segments -> global ids of its table's rows
         maps = []
+
+        def ids_of(entries: list, r: int) -> np.ndarray:
+            """Global ids of a table's (or segment's) entries, new keys numbered in order."""
+            ids = list(map(kid.get, map(itemgetter(0), entries)))
+            # keys seen for the first time (or twice in this table), found at C speed
+            for i in compress(count(), map(is_, ids, repeat(None))):
+                e = entries[i]
+                k = kid.get(e[0])
+                if k is None:
+                    kid[e[0]] = k = len(keys)
+                    keys.append((e[0], e[1], tuple(e[2])))
+                    raw.append(e)
+                    first_rank.append(r)
+                ids[i] = k
+            if list(map(raw.__getitem__, ids)) != entries:
+                i = next(i for i, k in enumerate(ids) if raw[k] != entries[i])
+                k0, e = keys[ids[i]], entries[i]
+                disagree(k0, (e[0], e[1], tuple(e[2])), first_rank[ids[i]], r)
+            return np.array(ids, np.int64)
+
         for r, c in zip(ranks, cols):
             tb = c.table_bytes
-            m = table_cache.get(tb) if tb is not None else None
+            if tb is None:          # columns built in this process
+                maps.append(ids_of(c.raw_table(), r))
+                continue
+            tk = tuple(tb)
+            m = table_cache.get(tk)
             if m is None:
-                entries = c.raw_table()
-                ids = list(map(kid.get, map(itemgetter(0), entries)))
-                # keys seen for the first time (or twice in this table), found at C speed
-                for i in compress(count(), map(is_, ids, repeat(None))):
-                    e = entries[i]
-                    k = kid.get(e[0])
-                    if k is None:
-                        kid[e[0]] = k = len(keys)
-                        keys.append((e[0], e[1], tuple(e[2])))
-                        raw.append(e)
-                        first_rank.append(r)
-                    ids[i] = k
-                if list(map(raw.__getitem__, ids)) != entries:
-                    i = next(i for i, k in enumerate(ids) if raw[k] != entries[i])
-                    k0, e = keys[ids[i]], entries[i]
-                    disagree(k0, (e[0], e[1], tuple(e[2])), first_rank[ids[i]], r)
-                m = np.array(ids, np.int64)
-                if tb is not None:
-                    table_cache[tb] = m
+                parts = []
+                for sb in tb:
+                    sm = seg_cache.get(sb)
+                    if sm is None:
+                        sm = seg_cache[sb] = ids_of(decode_segment(sb), r)
+                    parts.append(sm)
+                m = table_cache[tk] = np.concatenate(parts) if parts else np.zeros(0, np.int64)
             maps.append(m)
         self.keys, self.key_ids, self.first_rank = keys, kid, first_rank
         D = max((c.D for c in cols), default=0)
