@@ -313,6 +313,82 @@ def chunk_part_arrays(shape: tuple, chunk: tuple, piece_lists) -> tuple:
     return part_chunk, li_a[src], pi_a[src], lo, ext, np.prod(ext, axis=1), coff, cshp
 
 
+def region_pieces_many(specs: Sequence[tuple]) -> list:
+    """:func:`region_pieces` of many tensors, ``specs`` ``[(nd, regions)]``, in one numpy
+    pass per number of dimensions (a plan has ~10^2 distinct tensor geometries; one pass
+    each cost more in numpy calls than in work)."""
+    out: list = [None] * len(specs)
+    by_nd: dict = {}
+    for i, (nd, regs) in enumerate(specs):
+        by_nd.setdefault(nd, []).append(i)
+    for nd, ids in by_nd.items():
+        allregs = [r for i in ids for r in specs[i][1]]
+        pa = region_pieces(nd, allregs)
+        base = np.cumsum([0] + [len(specs[i][1]) for i in ids])
+        cut = np.searchsorted(pa.li, base).tolist()
+        for j, i in enumerate(ids):
+            a, b = cut[j], cut[j + 1]
+            out[i] = PieceArrays(pa.li[a:b] - base[j], pa.pi[a:b], pa.offs[a:b], pa.shps[a:b])
+    return out
+
+
+def chunk_part_arrays_many(items: Sequence[tuple]) -> list:
+    """:func:`chunk_part_arrays` of many tensors, ``items`` ``[(shape, chunk, pieces)]``
+    (pieces as :class:`PieceArrays`), in one numpy pass per number of dimensions."""
+    out: list = [None] * len(items)
+    by_nd: dict = {}
+    for i, (shape, _, pa) in enumerate(items):
+        if shape and len(pa.li):
+            by_nd.setdefault(len(shape), []).append(i)
+        else:
+            out[i] = chunk_part_arrays(shape, items[i][1], pa)
+    for nd, ids in by_nd.items():
+        sizes = [len(items[i][2].li) for i in ids]
+        P = len(ids)
+        pat0 = np.repeat(np.arange(P), sizes)
+        offs = np.concatenate([items[i][2].offs for i in ids])
+        ends = offs + np.concatenate([items[i][2].shps for i in ids])
+        li_a = np.concatenate([items[i][2].li for i in ids])
+        pi_a = np.concatenate([items[i][2].pi for i in ids])
+        ch = np.array([items[i][1] for i in ids], np.int64).reshape(P, nd)
+        nn = np.array([items[i][0] for i in ids], np.int64).reshape(P, nd)
+        ncd = -(-nn // ch)
+        idx = np.arange(len(pat0))
+        lin = np.zeros(len(pat0), np.int64)
+        los: list = []
+        his: list = []
+        for d in range(nd):
+            o, e, cd = offs[:, d], ends[:, d], ch[pat0, d]
+            k = ((e - 1) // cd - o // cd + 1)[idx]
+            rep = np.repeat(np.arange(len(idx)), k)
+            pos = np.arange(len(rep)) - np.repeat(np.cumsum(k) - k, k)
+            idx = idx[rep]
+            cc = cd[idx]
+            ci = o[idx] // cc + pos
+            los = [x[rep] for x in los] + [np.maximum(o[idx], ci * cc)]
+            his = [x[rep] for x in his] + [np.minimum(e[idx], (ci + 1) * cc)]
+            lin = lin[rep] * ncd[pat0[idx], d] + ci
+        pat = pat0[idx]
+        order = np.lexsort((lin, pat))
+        lin_s, pat_s, src = lin[order], pat[order], idx[order]
+        lo = np.stack([x[order] for x in los], 1)
+        ext = np.stack([h[order] for h in his], 1) - lo
+        new = np.concatenate([[True], (lin_s[1:] != lin_s[:-1]) | (pat_s[1:] != pat_s[:-1])])
+        part_chunk = np.cumsum(new) - 1
+        cpat = pat_s[new]
+        coff = lo[new] // ch[cpat] * ch[cpat]
+        cshp = np.minimum(ch[cpat], nn[cpat] - coff)
+        cnt = np.prod(ext, axis=1)
+        li_s, pi_s = li_a[src], pi_a[src]
+        rcut = np.searchsorted(pat_s, np.arange(P + 1)).tolist()
+        ccut = np.searchsorted(cpat, np.arange(P + 1)).tolist()
+        for j, i in enumerate(ids):
+            a, b, ca, cb = rcut[j], rcut[j + 1], ccut[j], ccut[j + 1]
+            out[i] = (part_chunk[a:b] - ca, li_s[a:b], pi_s[a:b], lo[a:b], ext[a:b],
+                      cnt[a:b], coff[ca:cb], cshp[ca:cb])
+    return out
+
+
 def chunk_parts(shape: tuple, chunk: tuple, piece_lists: list) -> list:
     """Every chunk some piece touches, in chunk order, as ``(chunk offset, chunk shape,
     [(list index, piece index, box offset, box shape, elements)])``: the pieces' overlaps with

@@ -15,7 +15,7 @@ import numpy as np
 
 from .chunk_table import build_parts, elect, expand
 from .columns import Regions
-from .grid import chunk_part_arrays, region_pieces
+from .grid import chunk_part_arrays_many, region_pieces_many
 from .plans import RankLoadWork, encode_load_work, narrowest_int
 
 def _rank_dtype(world: int):
@@ -213,16 +213,17 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
                                                        key=lambda i: entries[i][0])
              if k in regions.by_key]
 
-    def pattern(k: int, gis: list) -> tuple:
-        key, dtype, shape = entries[k]
-        chunk = layouts[key].chunk_shape
-
-        def make():
-            pieces = region_pieces(len(shape), [regions.region(gi)[1:] for gi in gis])
-            return chunk_part_arrays(shape, chunk, pieces)
-        return (shape, chunk, regions.by_key[k][1]), make
-
-    t = build_parts(order, D, pattern)
+    # chunk geometry of each distinct (shape, chunk grid, requested regions), all at once
+    pkey = {k: (entries[k][2], layouts[entries[k][0]].chunk_shape, regions.by_key[k][1])
+            for k, _ in order}
+    first: dict = {}
+    for k, gis in order:
+        first.setdefault(pkey[k], (k, gis))
+    specs = [(len(entries[k][2]), [regions.region(gi)[1:] for gi in gis])
+             for k, gis in first.values()]
+    geo = dict(zip(first, chunk_part_arrays_many(
+        [(pk[0], pk[1], pa) for pk, pa in zip(first, region_pieces_many(specs))])))
+    t = build_parts(order, D, lambda k, _gis: (pkey[k], lambda: geo[pkey[k]]))
     NC, NP = len(t.c_key), len(t.p_chunk)
     c_key, p_chunk, p_gi, p_pi, p_bo, p_bs, first = \
         t.c_key, t.p_chunk, t.p_gi, t.p_pi, t.p_bo, t.p_bs, t.first

@@ -22,7 +22,7 @@ from .chunk_table import build_parts, elect, expand
 from .columns import Gathered, Regions, as_columns, gc_paused
 from .coverage import check_exact_cover, regions_tile
 from .errors import InvalidShardingError
-from .grid import chunk_part_arrays, plan_chunk_grid, region_pieces
+from .grid import chunk_part_arrays_many, plan_chunk_grid, region_pieces_many
 from .load_planner import check_request, plan_load
 from .model import ObjectValues, grid_flat_index
 from .plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork, RankSaveWork, ReadOp,
@@ -131,19 +131,32 @@ class _Pattern(NamedTuple):
     parts: tuple
 
 
-def _plan_pattern(key: str, dtype: str, shape: tuple, itemsize: int, regions: list,
-                  holder_ranks, opts: PlanOptions) -> _Pattern:
-    """Coverage check ([SP-COVER-1..3]) and chunk grid ([SP-GRID-1]) of one tensor. The
-    regions' pieces are cut on arrays (:func:`~.grid.region_pieces`); the full coverage check
-    runs on them only when the quick one (:func:`~.coverage.regions_tile`) does not pass."""
-    pa = region_pieces(len(shape), regions)
-    if not regions_tile(shape, regions):
-        boxes = list(zip(map(tuple, pa.offs.tolist()), map(tuple, pa.shps.tolist())))
-        owner = pa.li.tolist()
-        check_exact_cover(shape, boxes, lambda i: _describe(holder_ranks(owner[i])), key)
-    blocks = [(o, s) for o, s, _ in regions if math.prod(s)]
-    chunk = plan_chunk_grid(shape, itemsize, pa, blocks, opts)
-    return _Pattern(chunk, chunk_part_arrays(shape, chunk, pa) if math.prod(shape) else None)
+def _plan_patterns(first: dict, keys: list, items: list, regions: Regions,
+                   opts: PlanOptions) -> dict:
+    """Coverage check ([SP-COVER-1..3]), chunk grid ([SP-GRID-1]) and chunk parts of each
+    distinct tensor geometry (``first``: pattern key -> (key id, region ids) of its first
+    tensor, in plan order). Pieces and parts are cut for all geometries at once
+    (:func:`~.grid.region_pieces_many`, :func:`~.grid.chunk_part_arrays_many`); the full
+    coverage check runs only where the quick one (:func:`~.coverage.regions_tile`) does not
+    pass; the grid is chosen per geometry."""
+    specs = [(len(keys[k][2]), [regions.region(gi)[1:] for gi in gis])
+             for k, gis in first.values()]
+    pieces = region_pieces_many(specs)
+    chunks = []
+    for (k, gis), (_, regs), pa in zip(first.values(), specs, pieces):
+        key, _, shape = keys[k]
+        if not regions_tile(shape, regs):
+            boxes = list(zip(map(tuple, pa.offs.tolist()), map(tuple, pa.shps.tolist())))
+            owner = pa.li.tolist()
+            check_exact_cover(shape, boxes, lambda i, gis=gis, owner=owner: _describe(
+                regions.holders(gis[owner[i]])[0].tolist()), key)
+        blocks = [(o, s) for o, s, _ in regs if math.prod(s)]
+        chunks.append(plan_chunk_grid(shape, items[k], pa, blocks, opts))
+    shapes = [keys[k][2] for k, _ in first.values()]
+    live = [i for i, shape in enumerate(shapes) if math.prod(shape)]
+    parts = dict(zip(live, chunk_part_arrays_many([(shapes[i], chunks[i], pieces[i])
+                                                   for i in live])))
+    return {pk: _Pattern(chunks[i], parts.get(i)) for i, pk in enumerate(first)}
 
 
 def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions()) -> SavePlan:
@@ -171,21 +184,21 @@ def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
     D = max((len(e[2]) for e in keys), default=0)
     items = [dtypes.from_name(d).itemsize for _, d, _ in keys]
     tensors: dict = {}
-    patterns: dict = {}
     pkeys: dict = {}
+    first: dict = {}        # pattern key -> (key id, region ids) of its first tensor
     order = []
     unique_bytes = 0
-    for k in sorted(range(len(keys)), key=lambda i: keys[i][0]):
-        key, dtype, shape = keys[k]
+    plan_order = sorted(range(len(keys)), key=lambda i: keys[i][0])
+    for k in plan_order:
         gis, sig = regions.by_key.get(k, ([], b""))
-        pkey = pkeys[k] = (shape, items[k], sig)
-        pat = patterns.get(pkey)
-        if pat is None:
-            regs = [regions.region(gi)[1:] for gi in gis]
-            pat = patterns[pkey] = _plan_pattern(
-                key, dtype, shape, items[k], regs,
-                lambda ri: regions.holders(gis[ri])[0].tolist(), opts)
-        tensors[key] = TensorLayout(key, shape, dtype, pat.chunk)
+        pkeys[k] = pk = (keys[k][2], items[k], sig)
+        if pk not in first:
+            first[pk] = (k, gis)
+    patterns = _plan_patterns(first, keys, items, regions, opts)
+    for k in plan_order:
+        key, dtype, shape = keys[k]
+        gis = regions.by_key.get(k, ([], b""))[0]
+        tensors[key] = TensorLayout(key, shape, dtype, patterns[pkeys[k]].chunk)
         unique_bytes += math.prod(shape) * items[k]
         if not math.prod(shape):
             ranks[gathered.first_rank[k]].create.append(key)
