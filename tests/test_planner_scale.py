@@ -287,3 +287,21 @@ def test_quick_cover_test_passes_only_what_the_full_check_passes(case):
     assert ok or not quick      # it never passes what the full check refuses
     if spoil == 0:              # and it does pass a grid of blocks cut into ranges
         assert quick and ok
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_regions(), min_size=1, max_size=5), st.randoms(use_true_random=False))
+def test_pieces_and_parts_of_many_geometries_at_once_equal_one_at_a_time(cases, rnd):
+    specs, items = [], []
+    for nd, regions in cases:
+        shape = tuple(max([o + s for o, s, _ in ((r[0][d], r[1][d], 0) for r in regions)]
+                          + [1]) for d in range(nd))
+        specs.append((nd, regions))
+        items.append((shape, tuple(rnd.randint(1, n) for n in shape)))
+    many = grid.region_pieces_many(specs)
+    for (nd, regions), pa in zip(specs, many):
+        assert all(np.array_equal(a, b) for a, b in zip(grid.region_pieces(nd, regions), pa))
+    parts = grid.chunk_part_arrays_many([(s, c, pa) for (s, c), pa in zip(items, many)])
+    for (shape, chunk), pa, got in zip(items, many, parts):
+        want = grid.chunk_part_arrays(shape, chunk, pa)
+        assert all(np.array_equal(a, b) and a.shape == b.shape for a, b in zip(want, got))

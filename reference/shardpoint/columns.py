@@ -318,10 +318,12 @@ class Regions:
         cut = np.flatnonzero(ks[1:] != ks[:-1]) + 1
         bounds = [0] + cut.tolist() + [len(canon)]
         canon_l = canon.tolist()
-        self.by_key = {}
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if b > a:
-                self.by_key[int(ks[a])] = (canon_l[a:b], rows[canon[a:b], 1:].tobytes())
+        sig = rows[canon, 1:].tobytes()
+        w = (rows.shape[1] - 1) * rows.itemsize
+        lo, hi = bounds[:-1], bounds[1:]
+        self.by_key = dict(zip(ks[lo].tolist() if len(canon) else [], zip(
+            map(canon_l.__getitem__, map(slice, lo, hi)),
+            map(sig.__getitem__, map(slice, [a * w for a in lo], [b * w for b in hi])))))
         if not check_replicas:
             return
         rep = [pick(c) for c in g.rep]
