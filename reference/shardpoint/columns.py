@@ -183,8 +183,8 @@ class Gathered:
     ``keys[k] = (key, dtype, global_shape)`` for ``k`` in ``gk``; per row ``rank`` and ``hidx``
     (the holding's index on its rank), ``fs``/``fe``, ``off[d]``, ``shp[d]``, ``rep[j]``.
     Raises [SP-COVER-4] when ranks disagree on a tensor's global shape or dtype (checked once
-    per distinct key table, so replicated structure is checked once); a caller may pass its
-    own ``disagree(first entry, entry, first rank, rank)`` to raise another error.
+    per distinct key table segment, so replicated structure is checked once); a caller may
+    pass its own ``disagree(first entry, entry, first rank, rank)`` to raise another error.
     """
 
     def __init__(self, ranks: Sequence[int], cols: Sequence[HoldingColumns],

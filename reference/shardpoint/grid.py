@@ -1,7 +1,8 @@
 """Chunk-grid choice ([SP-GRID-1]): pure geometry on a tensor's regions and chunks.
 
 The saving layout itself when it is a regular grid (no data moves), else the candidate grid
-that moves the fewest bytes. Also the chunk/piece overlap helpers both planners use.
+that moves the fewest bytes. Also the chunk/piece overlap helpers both planners use; those
+work on arrays (:class:`PieceArrays`), for every distinct tensor geometry of a plan at once.
 """
 from __future__ import annotations
 
@@ -185,14 +186,6 @@ class PieceArrays(NamedTuple):
             np.array([o for bs, _ in regions for o, _ in bs], np.int64).reshape(-1, nd),
             np.array([s for bs, _ in regions for _, s in bs], np.int64).reshape(-1, nd))
 
-    def boxes(self) -> list:
-        """Per list, its boxes ``[(offset, shape)]`` as tuples."""
-        out: list = [[] for _ in range(int(self.li.max()) + 1 if len(self.li) else 0)]
-        for i, o, s in zip(self.li.tolist(), map(tuple, self.offs.tolist()),
-                           map(tuple, self.shps.tolist())):
-            out[i].append((o, s))
-        return out
-
 
 def region_pieces(nd: int, regions: Sequence) -> PieceArrays:
     """The pieces :func:`~.model.holding_pieces` gives for each of ``regions`` (``(offset,
@@ -223,8 +216,9 @@ def region_pieces(nd: int, regions: Sequence) -> PieceArrays:
     strides = np.ones((R, nd), np.int64)
     for d in range(nd - 2, -1, -1):
         strides[:, d] = strides[:, d + 1] * shp[:, d + 1]
-    if len(reg) and (strides[reg] == 0).any():     # an empty block with a range: the plain
-        return PieceArrays.of_lists(nd, [holding_pieces_of(nd, r) for r in regions])  # error
+    if len(reg) and (strides[reg] == 0).any():
+        # a range over a block with an empty dimension: the plain loop, which refuses it
+        return PieceArrays.of_lists(nd, [holding_pieces_of(nd, r) for r in regions])
     for d in range(nd):
         row = strides[reg, d]
         r0, c0 = np.divmod(a, row)
@@ -265,6 +259,7 @@ def region_pieces(nd: int, regions: Sequence) -> PieceArrays:
 
 
 def holding_pieces_of(nd: int, region: tuple) -> list:
+    """:func:`~.model.holding_pieces` of a region ``(offset, shape, flat or None)``."""
     o, s, f = region
     return holding_pieces(Holding("", "float32", (0,) * nd, tuple(o), tuple(s), f, (0,)))
 
