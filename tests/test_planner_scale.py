@@ -201,6 +201,16 @@ def test_errors_from_the_columnar_path_name_key_and_ranks():
                                                             replica=(1,))], [])])
     assert e.value.spec_id == "SP-COVER-4" and "rank 0" in str(e.value) and \
         "rank 1" in str(e.value) and "'w'" in str(e.value)
+    # through the wire: key tables in segments (model/..., optim/...), one shared, one not
+    m = Holding("model/w", "float32", shape, (0, 0), shape, None, (0,))
+    o = Holding("optim/w", "float32", shape, (0, 0), shape, None, (0,))
+    wire = [LocalPlan(0, {"dict": []}, [m, o], []),
+            LocalPlan(1, {"dict": []}, [m._replace(replica=(1,)),
+                                        o._replace(global_shape=(8, 5), replica=(1,))], [])]
+    with pytest.raises(InvalidShardingError) as e:
+        plan_save([LocalPlan.from_bytes(lp.to_bytes()) for lp in wire])
+    assert e.value.spec_id == "SP-COVER-4" and "'optim/w'" in str(e.value) and \
+        "rank 0" in str(e.value) and "rank 1" in str(e.value)
     lay = {"w": TensorLayout("w", shape, "float32", (4, 4))}
     with pytest.raises(LayoutMismatchError, match="'w'"):
         plan_load([[good], [good._replace(global_shape=(9, 4))]], lay)
