@@ -7,8 +7,11 @@ optimizer flattened ranges (each stage's parameters concatenated per TP rank, th
 into DP equal ranges). Times what the coordinator does: decode the gathered local plans and
 plan the save; decode the gathered load requests and plan the load, alone (``plan_load``) and as
 ``load()`` runs it (``plan_load_auto``: the cost model prices dedup against direct reads), then
-encode every rank's load work (medians of --repeat runs), and prints gathered bytes, peak
-memory and manifest size with ratios to the targets.
+encode every rank's load work (medians of --repeat runs, min-max), and prints gathered bytes,
+peak memory of each planning step (one extra untimed run under ``tracemalloc``, which sees
+numpy's buffers too) and manifest size with ratios to the targets. ``--json`` writes every
+timed sample, for interleaved A/B runs against another checkout (the script only uses APIs
+both sides have).
 
     python benchmarks/plan_scale.py                 # the 4,096-rank job
     python benchmarks/plan_scale.py --dp 8 --layers 8   # quick look
@@ -17,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import resource
 import statistics
 import time
+import tracemalloc
 
 from shardpoint.columns import HoldingColumns
 from shardpoint.load_planner import LoadOptions, encode_works, plan_load_auto
@@ -125,6 +130,8 @@ def main() -> None:
     ap.add_argument("--no-load", action="store_true", help="skip load planning")
     ap.add_argument("--no-trees", action="store_true",
                     help="send empty trees (the job as measured before trees were simulated)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
+    ap.add_argument("--json", help="write the timed samples and sizes to this file")
     a = ap.parse_args()
     world = a.tp * a.pp * a.dp
     t = time.perf_counter()
@@ -175,6 +182,25 @@ def main() -> None:
             wmax = max(map(len, wire))
             del works, wire
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = {}
+    if not a.no_memory:     # untimed: tracemalloc slows allocation down
+        gc.collect()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        kept = plan_save([LocalPlan.from_bytes(b) for b in blobs])
+        peak["save"] = tracemalloc.get_traced_memory()[1] - base
+        if not a.no_load:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            w_, _ = plan_load_auto([HoldingColumns.from_wire(b) for b in reqs_b], layouts,
+                                   hosts, LoadOptions(), 1.0)
+            peak["load"] = tracemalloc.get_traced_memory()[1] - base
+            del w_
+        tracemalloc.stop()
+        del kept
+    t0 = time.perf_counter()
+    save_msgs = sum(len(w.to_bytes()) for w in plan.ranks)   # saving.py's decide() sends these
+    save_enc = time.perf_counter() - t0
     work_bytes = [len(w.to_bytes()) for w in plan.ranks[:64]]
     m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
                                             v.chunk_shape) for k, v in plan.tensors.items()},
@@ -202,13 +228,26 @@ def main() -> None:
               f"picked {costs.strategy})")
         print(f"  encode per-rank load work       {_median(lenc)}  "
               f"(all ranks; largest {wmax / 2**10:.1f} KiB)")
+    print(f"  encode per-rank save work         {save_enc:8.3f} s  (all ranks, one run; "
+          f"{save_msgs / 1e6:.1f} MB)")
+    if peak:
+        print(f"  planning peak memory (traced)     {peak['save'] / 2**20:8.1f} MiB save "
+              f"(decode + plan_save, plan kept)" +
+              (f", {peak['load'] / 2**20:.1f} MiB load (plan_load_auto)" if "load" in peak
+               else ""))
     print(f"  max RSS growth during planning    {(rss1 - rss0) / 2**10:8.1f} MiB "
-          f"(process max RSS {rss1 / 2**10:.0f} MiB)")
+          f"(process max RSS {rss1 / 2**10:.0f} MiB, reached while building the job)")
     print(f"  chunks {st['chunks']:,}, exchange {st['exchange_bytes'] / 2**20:.1f} MiB "
           f"({st['exchange_bytes'] / max(1, st['unique_bytes']):.4%} of unique), "
           f"max bytes written by a rank {st['bytes_per_rank_max'] / 2**20:.1f} MiB")
     print(f"  per-rank work message             {max(work_bytes) / 2**10:8.1f} KiB (max of 64)")
     print(f"  manifest                          {len(man) / 2**10:8.1f} KiB")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"world": world, "gathered_bytes": gathered, "decode_s": dec,
+                       "plan_save_s": pl, "save_total_s": tot, "plan_load_s": lds,
+                       "plan_load_auto_s": auto, "encode_load_s": lenc,
+                       "encode_save_s": save_enc, "peak_bytes": peak}, f)
 
 
 if __name__ == "__main__":

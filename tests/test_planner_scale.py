@@ -9,8 +9,10 @@ import math
 import pathlib
 import random
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from shardpoint import InvalidShardingError, LayoutMismatchError, columns, grid
 from shardpoint.columns import HoldingColumns, group_rows
@@ -75,6 +77,16 @@ def test_trees_merge_in_one_pass_like_pairwise_and_refuse_kind_conflicts():
     plans = [LocalPlan.from_bytes(LocalPlan(r, trees[r % 3], [], []).to_bytes())
              for r in range(6)]
     assert plan_save(plans).tree == pairwise
+    # trees go up branch by branch; a rank with one branch sends its tree whole (mixed forms)
+    one = t(a=t(z={"tensor": "a/z"}))
+    for extra in ([], [one]):
+        got = plan_save([LocalPlan.from_bytes(LocalPlan(r, tr, [], []).to_bytes())
+                         for r, tr in enumerate(trees + extra)]).tree
+        assert got == merge_many(trees + extra)
+    with pytest.raises(InvalidShardingError, match=r"state\['l'\] is a list .* dict") as e:
+        plan_save([LocalPlan.from_bytes(LocalPlan(r, tr, [], []).to_bytes())
+                   for r, tr in enumerate([trees[0], t(l=t(q={"value": 1}), b={"value": 2})])])
+    assert e.value.spec_id == "SP-TREE-1"
 
 
 def test_group_rows_is_exact_even_when_every_hash_collides(monkeypatch):
@@ -189,6 +201,117 @@ def test_errors_from_the_columnar_path_name_key_and_ranks():
                                                             replica=(1,))], [])])
     assert e.value.spec_id == "SP-COVER-4" and "rank 0" in str(e.value) and \
         "rank 1" in str(e.value) and "'w'" in str(e.value)
+    # through the wire: key tables in segments (model/..., optim/...), one shared, one not
+    m = Holding("model/w", "float32", shape, (0, 0), shape, None, (0,))
+    o = Holding("optim/w", "float32", shape, (0, 0), shape, None, (0,))
+    wire = [LocalPlan(0, {"dict": []}, [m, o], []),
+            LocalPlan(1, {"dict": []}, [m._replace(replica=(1,)),
+                                        o._replace(global_shape=(8, 5), replica=(1,))], [])]
+    with pytest.raises(InvalidShardingError) as e:
+        plan_save([LocalPlan.from_bytes(lp.to_bytes()) for lp in wire])
+    assert e.value.spec_id == "SP-COVER-4" and "'optim/w'" in str(e.value) and \
+        "rank 0" in str(e.value) and "rank 1" in str(e.value)
     lay = {"w": TensorLayout("w", shape, "float32", (4, 4))}
     with pytest.raises(LayoutMismatchError, match="'w'"):
         plan_load([[good], [good._replace(global_shape=(9, 4))]], lay)
+
+
+# ------------------------------------------------- pieces cut on arrays, quick coverage test
+_dims = st.lists(st.integers(0, 5), min_size=0, max_size=4)
+
+
+@st.composite
+def _regions(draw):
+    nd = draw(st.integers(0, 4))
+    out = []
+    for _ in range(draw(st.integers(0, 6))):
+        shp = tuple(draw(st.integers(0, 5)) for _ in range(nd))
+        off = tuple(draw(st.integers(0, 7)) for _ in range(nd))
+        n, flat = math.prod(shp), None
+        if n and draw(st.booleans()):
+            a = draw(st.integers(0, n))
+            flat = (a, draw(st.integers(a, n)))
+        out.append((off, shp, flat))
+    return nd, out
+
+
+@settings(max_examples=300, deadline=None)
+@given(_regions())
+def test_region_pieces_on_arrays_are_the_holding_pieces(case):
+    nd, regions = case
+    pa = grid.region_pieces(nd, regions)
+    got = list(zip(pa.li.tolist(), pa.pi.tolist(), map(tuple, pa.offs.tolist()),
+                   map(tuple, pa.shps.tolist())))
+    want = [(i, j, p.offset, p.shape) for i, (o, s, f) in enumerate(regions)
+            for j, p in enumerate(holding_pieces(Holding("k", "float32", (9,) * nd, o, s, f,
+                                                         (0,))))]
+    assert got == want
+
+
+@st.composite
+def _tilings(draw):
+    """Regions of a tensor: grid blocks cut into flat ranges, then maybe spoiled (a range
+    dropped, moved or duplicated, a block shifted)."""
+    shape = tuple(draw(st.integers(1, 6)) for _ in range(draw(st.integers(0, 3))))
+    chunk = tuple(draw(st.integers(1, n)) for n in shape)
+    regions = []
+    for cidx in np.ndindex(*[-(-n // c) for n, c in zip(shape, chunk)]):
+        off = tuple(i * c for i, c in zip(cidx, chunk))
+        shp = tuple(min(c, n - o) for c, n, o in zip(chunk, shape, off))
+        n = math.prod(shp)
+        if draw(st.booleans()):
+            regions.append((off, shp, None))
+            continue
+        cuts = sorted(set(draw(st.lists(st.integers(1, max(1, n - 1)), max_size=3))) - {n})
+        b = [0] + cuts + [n]
+        regions += [(off, shp, (x, y)) for x, y in zip(b[:-1], b[1:]) if y > x]
+    spoil = draw(st.integers(0, 4))
+    if spoil == 1 and len(regions) > 1:
+        regions.pop(draw(st.integers(0, len(regions) - 1)))
+    elif spoil == 2 and regions:
+        o, s, f = regions[-1]
+        if f and f[1] - f[0] > 1:
+            regions[-1] = (o, s, (f[0], f[1] - 1))
+    elif spoil == 3 and shape and regions:
+        o, s, f = regions[0]
+        regions[0] = ((o[0] + 1,) + o[1:], s, f)
+    elif spoil == 4 and regions:
+        o, s, f = regions[-1]
+        regions.append((o, s, (0, 1) if f else (0, math.prod(s))))
+    return shape, list(dict.fromkeys(regions)), spoil
+
+
+@settings(max_examples=300, deadline=None)
+@given(_tilings())
+def test_quick_cover_test_passes_only_what_the_full_check_passes(case):
+    from shardpoint.coverage import check_exact_cover, regions_tile
+    shape, regions, spoil = case
+    boxes = [(p.offset, p.shape) for o, s, f in regions
+             for p in holding_pieces(Holding("k", "float32", shape, o, s, f, (0,)))]
+    try:
+        check_exact_cover(shape, boxes, lambda i: f"box {i}", "k")
+        ok = True
+    except InvalidShardingError:
+        ok = False
+    quick = regions_tile(shape, regions)
+    assert ok or not quick      # it never passes what the full check refuses
+    if spoil == 0:              # and it does pass a grid of blocks cut into ranges
+        assert quick and ok
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_regions(), min_size=1, max_size=5), st.randoms(use_true_random=False))
+def test_pieces_and_parts_of_many_geometries_at_once_equal_one_at_a_time(cases, rnd):
+    specs, items = [], []
+    for nd, regions in cases:
+        shape = tuple(max([o + s for o, s, _ in ((r[0][d], r[1][d], 0) for r in regions)]
+                          + [1]) for d in range(nd))
+        specs.append((nd, regions))
+        items.append((shape, tuple(rnd.randint(1, n) for n in shape)))
+    many = grid.region_pieces_many(specs)
+    for (nd, regions), pa in zip(specs, many):
+        assert all(np.array_equal(a, b) for a, b in zip(grid.region_pieces(nd, regions), pa))
+    parts = grid.chunk_part_arrays_many([(s, c, pa) for (s, c), pa in zip(items, many)])
+    for (shape, chunk), pa, got in zip(items, many, parts):
+        want = grid.chunk_part_arrays(shape, chunk, pa)
+        assert all(np.array_equal(a, b) and a.shape == b.shape for a, b in zip(want, got))

@@ -21,7 +21,8 @@ class Parts(NamedTuple):
     """Chunk rows (``c_*``, ``NC`` of them, in plan order) and part rows (``p_*``, grouped by
     chunk, in plan order); boxes padded to ``D`` dimensions (offsets 0, shapes 1).
     ``c_pat``/``c_idx``: the chunk's pattern and its index there; ``first``/``nparts``: the
-    chunk's part rows."""
+    chunk's part rows; ``p_src``: the part's row in its pattern's part arrays, numbered
+    across patterns (pattern ``j``'s rows first), so per-pattern tables index it."""
 
     D: int
     c_key: np.ndarray
@@ -35,6 +36,7 @@ class Parts(NamedTuple):
     p_bo: np.ndarray
     p_bs: np.ndarray
     p_cnt: np.ndarray
+    p_src: np.ndarray
     patterns: list
 
 
@@ -63,7 +65,8 @@ def build_parts(order: Sequence[tuple], D: int, pattern: Callable) -> Parts:
         nchunks.append(len(pat_list[j][6]))
     base = np.concatenate([[0], np.cumsum(np.array(nchunks, np.int64))]).astype(np.int64)
     NC = int(base[-1])
-    cols: dict = {n: [] for n in ("chunk", "gi", "pi", "bo", "bs", "cnt")}
+    cols: dict = {n: [] for n in ("chunk", "gi", "pi", "bo", "bs", "cnt", "src")}
+    pbase = np.cumsum([0] + [len(p[0]) for p in pat_list]).tolist()
     c_key = np.zeros(NC, np.int64)
     c_pat = np.zeros(NC, np.int64)
     c_idx = np.zeros(NC, np.int64)
@@ -78,6 +81,7 @@ def build_parts(order: Sequence[tuple], D: int, pattern: Callable) -> Parts:
         cols["bo"].append(np.tile(lo, (K, 1)))
         cols["bs"].append(np.tile(ext, (K, 1)))
         cols["cnt"].append(np.tile(cnt, K))
+        cols["src"].append(np.tile(np.arange(pbase[j], pbase[j + 1], dtype=np.int64), K))
         ids = (b[:, None] + np.arange(C)[None, :]).ravel()
         c_key[ids] = np.repeat(np.array([u[1] for u in us], np.int64), C)
         c_pat[ids] = j
@@ -89,7 +93,7 @@ def build_parts(order: Sequence[tuple], D: int, pattern: Callable) -> Parts:
     nparts = np.bincount(p_chunk, minlength=NC).astype(np.int64)
     return Parts(D, c_key, c_pat, c_idx, np.cumsum(nparts) - nparts, nparts, p_chunk,
                  cat["gi"][o], cat["pi"][o], cat["bo"][o], cat["bs"][o], cat["cnt"][o],
-                 pat_list)
+                 cat["src"][o], pat_list)
 
 
 def expand(rows: np.ndarray, first: np.ndarray, count: np.ndarray) -> tuple:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import gc
 import zlib
 from contextlib import contextmanager
-from operator import itemgetter
+from itertools import compress, count, repeat
+from operator import is_, itemgetter
 from typing import Callable, Iterator, Optional, Sequence
 
 import msgpack
@@ -20,20 +21,28 @@ import numpy as np
 from .errors import InvalidShardingError
 from .model import Holding
 
-WIRE_TAG = "cols1"
+WIRE_TAG = "cols2"
 
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector: planning a large job allocates ~10^5 acyclic
     objects, and the collections they trigger cost more than the planning itself (measured:
-    0.7 s of 1.9 s for the 4,096-rank job). Restores the previous state."""
+    0.7 s of 1.9 s for the 4,096-rank job). Restores the previous state.
+
+    On the way out the objects made meanwhile are moved to the oldest generation at once
+    (``gc.freeze()`` + ``gc.unfreeze()``, when nothing else is frozen): the plan outlives the
+    call, and the young collection that re-enabling would trigger walked every one of them
+    (0.15 s for that job) only to promote them there."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was:
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
@@ -45,6 +54,13 @@ class HoldingColumns(Sequence):
     ``fs``/``fe`` (flattened range, ``-1`` when rectangular), then ``D`` offset columns
     (padded with 0 past a tensor's rank), ``D`` shape columns (padded with 1) and ``R``
     replica-id columns (padded with 0).
+
+    Wire form (msgpack, :meth:`to_wire`): ``["cols2", rows, D, R, table segments, column
+    types, body]``. The table is cut into segments where the key's first component changes
+    (``model/...``, ``optim/...``), each ``zlib(msgpack([[key, dtype, [global shape]]]))``:
+    data-parallel ranks share the model's segment byte for byte, so the coordinator decodes
+    each distinct segment once. ``body``: the columns one after another, each in its type
+    (the narrowest little-endian integer holding it, ``"<i1"`` .. ``"<i8"``).
     """
 
     __slots__ = ("_table", "cols", "D", "R", "table_bytes")
@@ -64,7 +80,7 @@ class HoldingColumns(Sequence):
     def raw_table(self) -> list:
         """The table as ``[[key, dtype, [global shape]]]`` (wire form, no conversion)."""
         if self.table_bytes is not None:
-            return msgpack.unpackb(zlib.decompress(self.table_bytes))
+            return [e for b in self.table_bytes for e in decode_segment(b)]
         return [[k, d, list(g)] for k, d, g in self.table]
 
     def __len__(self) -> int:
@@ -109,8 +125,17 @@ class HoldingColumns(Sequence):
         return HoldingColumns(table, list(m), D, R)
 
     def to_wire(self) -> bytes:
-        """The key table (zlib) once, then each column in the narrowest integer type."""
-        table = zlib.compress(msgpack.packb([[k, d, list(g)] for k, d, g in self.table]), 1)
+        """The key table (zlib, in segments) once, then each column in the narrowest integer
+        type (see the class docstring)."""
+        segs: list = []
+        top = None
+        for k, d, g in self.table:
+            t = k.split("/", 1)[0]
+            if not segs or t != top:
+                segs.append([])
+                top = t
+            segs[-1].append([k, d, list(g)])
+        table = [zlib.compress(msgpack.packb(sg), 1) for sg in segs]
         kinds, body = [], []
         for c in self.cols:
             lo, hi = (int(c.min()), int(c.max())) if len(c) else (0, 0)
@@ -133,8 +158,13 @@ class HoldingColumns(Sequence):
         return HoldingColumns(None, cols, D, R, table_bytes=table_b)
 
 
-def decode_table(b: bytes) -> list:
-    return [(k, d, tuple(g)) for k, d, g in msgpack.unpackb(zlib.decompress(b))]
+def decode_segment(b: bytes) -> list:
+    """One table segment of the wire form: ``[[key, dtype, [global shape]]]``."""
+    return msgpack.unpackb(zlib.decompress(b))
+
+
+def decode_table(segments: list) -> list:
+    return [(k, d, tuple(g)) for b in segments for k, d, g in decode_segment(b)]
 
 
 def as_columns(hs: Sequence[Holding]) -> HoldingColumns:
@@ -153,8 +183,8 @@ class Gathered:
     ``keys[k] = (key, dtype, global_shape)`` for ``k`` in ``gk``; per row ``rank`` and ``hidx``
     (the holding's index on its rank), ``fs``/``fe``, ``off[d]``, ``shp[d]``, ``rep[j]``.
     Raises [SP-COVER-4] when ranks disagree on a tensor's global shape or dtype (checked once
-    per distinct key table, so replicated structure is checked once); a caller may pass its
-    own ``disagree(first entry, entry, first rank, rank)`` to raise another error.
+    per distinct key table segment, so replicated structure is checked once); a caller may
+    pass its own ``disagree(first entry, entry, first rank, rank)`` to raise another error.
     """
 
     def __init__(self, ranks: Sequence[int], cols: Sequence[HoldingColumns],
@@ -164,31 +194,44 @@ class Gathered:
         raw: list = []           # the same entries in wire form, for cheap comparison
         kid: dict = {}           # key -> global id
         first_rank: list = []
-        table_cache: dict = {}   # table bytes -> global ids of its rows
+        seg_cache: dict = {}     # table segment bytes -> global ids of its rows
+        table_cache: dict = {}   # a rank's segments -> global ids of its table's rows
         maps = []
+
+        def ids_of(entries: list, r: int) -> np.ndarray:
+            """Global ids of a table's (or segment's) entries, new keys numbered in order."""
+            ids = list(map(kid.get, map(itemgetter(0), entries)))
+            # keys seen for the first time (or twice in this table), found at C speed
+            for i in compress(count(), map(is_, ids, repeat(None))):
+                e = entries[i]
+                k = kid.get(e[0])
+                if k is None:
+                    kid[e[0]] = k = len(keys)
+                    keys.append((e[0], e[1], tuple(e[2])))
+                    raw.append(e)
+                    first_rank.append(r)
+                ids[i] = k
+            if list(map(raw.__getitem__, ids)) != entries:
+                i = next(i for i, k in enumerate(ids) if raw[k] != entries[i])
+                k0, e = keys[ids[i]], entries[i]
+                disagree(k0, (e[0], e[1], tuple(e[2])), first_rank[ids[i]], r)
+            return np.array(ids, np.int64)
+
         for r, c in zip(ranks, cols):
             tb = c.table_bytes
-            m = table_cache.get(tb) if tb is not None else None
+            if tb is None:          # columns built in this process
+                maps.append(ids_of(c.raw_table(), r))
+                continue
+            tk = tuple(tb)
+            m = table_cache.get(tk)
             if m is None:
-                entries = c.raw_table()
-                ids = list(map(kid.get, map(itemgetter(0), entries)))
-                for i, k in enumerate(ids):
-                    if k is None:   # a key seen for the first time (or twice in this table)
-                        e = entries[i]
-                        k = kid.get(e[0])
-                        if k is None:
-                            kid[e[0]] = k = len(keys)
-                            keys.append((e[0], e[1], tuple(e[2])))
-                            raw.append(e)
-                            first_rank.append(r)
-                        ids[i] = k
-                if list(map(raw.__getitem__, ids)) != entries:
-                    i = next(i for i, k in enumerate(ids) if raw[k] != entries[i])
-                    k0, e = keys[ids[i]], entries[i]
-                    disagree(k0, (e[0], e[1], tuple(e[2])), first_rank[ids[i]], r)
-                m = np.array(ids, np.int64)
-                if tb is not None:
-                    table_cache[tb] = m
+                parts = []
+                for sb in tb:
+                    sm = seg_cache.get(sb)
+                    if sm is None:
+                        sm = seg_cache[sb] = ids_of(decode_segment(sb), r)
+                    parts.append(sm)
+                m = table_cache[tk] = np.concatenate(parts) if parts else np.zeros(0, np.int64)
             maps.append(m)
         self.keys, self.key_ids, self.first_rank = keys, kid, first_rank
         D = max((c.D for c in cols), default=0)
@@ -199,20 +242,37 @@ class Gathered:
         self.rank = np.repeat(np.asarray(list(ranks), np.int64), lens)
         self.hidx = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
 
-        def column(j_of, fill):
-            parts = [c.cols[j_of(c)] if j_of(c) is not None else np.full(len(c), fill)
-                     for c in cols]
+        where: dict = {}     # id of a distinct map -> its base in ``allmaps``
+        distinct = []
+        total = 0
+        for m in maps:
+            if id(m) not in where:
+                where[id(m)] = total
+                total += len(m)
+                distinct.append(m)
+        base = np.array([where[id(m)] for m in maps], np.int64)
+        allmaps = np.concatenate(distinct) if distinct else np.zeros(0, np.int64)
+        same = all(c.D == D and c.R == R for c in cols)
+        colsets = [c.cols for c in cols]
+
+        def column(j: int, j_of, fill):
+            if same:     # every rank sent the same columns: one concatenation, no Python per rank
+                parts = [cs[j] for cs in colsets]
+            else:
+                parts = [c.cols[j_of(c)] if j_of(c) is not None else np.full(len(c), fill)
+                         for c in cols]
             return np.concatenate(parts, dtype=np.int64, casting="safe") if parts else \
                 np.zeros(0, np.int64)
 
-        self.gk = np.concatenate([m[c.cols[0]] for m, c in zip(maps, cols)]) if cols else \
-            np.zeros(0, np.int64)
-        self.fs = column(lambda c: 2, -1)
-        self.fe = column(lambda c: 3, -1)
-        self.off = [column(lambda c, d=d: 4 + d if d < c.D else None, 0) for d in range(D)]
-        self.shp = [column(lambda c, d=d: 4 + c.D + d if d < c.D else None, 1)
+        # global key id = the row's rank's map, read at (map's base + local key index)
+        self.gk = allmaps[column(0, lambda c: 0, 0) + np.repeat(base, lens)]
+        self.fs = column(2, lambda c: 2, -1)
+        self.fe = column(3, lambda c: 3, -1)
+        self.off = [column(4 + d, lambda c, d=d: 4 + d if d < c.D else None, 0)
                     for d in range(D)]
-        self.rep = [column(lambda c, j=j: 4 + 2 * c.D + j if j < c.R else None, 0)
+        self.shp = [column(4 + D + d, lambda c, d=d: 4 + c.D + d if d < c.D else None, 1)
+                    for d in range(D)]
+        self.rep = [column(4 + 2 * D + j, lambda c, j=j: 4 + 2 * c.D + j if j < c.R else None, 0)
                     for j in range(R)]
 
 
@@ -258,10 +318,12 @@ class Regions:
         cut = np.flatnonzero(ks[1:] != ks[:-1]) + 1
         bounds = [0] + cut.tolist() + [len(canon)]
         canon_l = canon.tolist()
-        self.by_key = {}
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if b > a:
-                self.by_key[int(ks[a])] = (canon_l[a:b], rows[canon[a:b], 1:].tobytes())
+        sig = rows[canon, 1:].tobytes()
+        w = (rows.shape[1] - 1) * rows.itemsize
+        lo, hi = bounds[:-1], bounds[1:]
+        self.by_key = dict(zip(ks[lo].tolist() if len(canon) else [], zip(
+            map(canon_l.__getitem__, map(slice, lo, hi)),
+            map(sig.__getitem__, map(slice, [a * w for a in lo], [b * w for b in hi])))))
         if not check_replicas:
             return
         rep = [pick(c) for c in g.rep]
@@ -311,24 +373,34 @@ _MIX = np.uint64(0xBF58476D1CE4E5B9)
 def group_rows(cols: list) -> tuple:
     """Group equal rows of the columns ``cols``: ``(order, starts)`` such that
     ``order[starts[i]:starts[i + 1]]`` are the rows of group ``i`` in their original order.
-    Exact: rows are bucketed by a 64-bit hash, then checked against the bucket's first row
-    (an exact lexicographic sort takes over on a collision)."""
+    Exact: rows are bucketed by a hash (64 bits less those of the row number), then checked
+    against their neighbours in the bucket (an exact lexicographic sort takes over on a
+    collision)."""
     n = len(cols[0])
     if not n:
         return np.zeros(0, np.int64), np.zeros(1, np.int64)
     h = np.full(n, 0x9E3779B97F4A7C15, np.uint64)
     with np.errstate(over="ignore"):
         for col in cols:
-            h ^= col.astype(np.uint64)
+            h ^= col.view(np.uint64) if col.dtype == np.int64 else col.astype(np.uint64)
             h *= _MIX
             h ^= h >> np.uint64(29)
-    order = np.argsort(h, kind="stable")
-    hs = h[order]
+    # sort (hash, row) pairs packed in one uint64, hash in the high bits: a plain sort of
+    # distinct integers is 4x faster than a stable argsort and keeps each group's rows in order
+    b = max(1, (n - 1).bit_length())
+    packed = (h >> np.uint64(b)) << np.uint64(b)
+    packed |= np.arange(n, dtype=np.uint64)
+    packed.sort()
+    order = (packed & np.uint64((1 << b) - 1)).astype(np.int64)
+    hs = packed >> np.uint64(b)
     brk = np.flatnonzero(hs[1:] != hs[:-1]) + 1
     starts = np.concatenate([[0], brk, [n]])
-    inner = np.ones(n - 1, bool)     # neighbours in sorted order that share a bucket
-    inner[brk - 1] = False
-    if not any(np.any((cs[1:] != cs[:-1]) & inner) for cs in (c[order] for c in cols)):
+    # every row equal to its bucket's first row? (read from the small table of first rows,
+    # which stays in cache, rather than gathering each column in sorted order)
+    gid = np.empty(n, np.int32 if len(starts) < 2 ** 31 else np.int64)
+    gid[order] = np.repeat(np.arange(len(starts) - 1, dtype=gid.dtype), np.diff(starts))
+    first = order[starts[:-1]]
+    if not any((c != c[first][gid]).any() for c in cols):
         return order, starts
     order = np.lexsort(cols[::-1])
     same = np.ones(n - 1, bool)

@@ -45,6 +45,29 @@ def regular_grid_of(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[tupl
     return tuple(chunk)
 
 
+def regions_tile(shape: Sequence[int], regions: Sequence[tuple]) -> bool:
+    """A quick sufficient test that distinct non-empty ``regions`` (``(offset, shape, flat or
+    None)``) tile ``shape`` exactly once: their blocks are all the cells of one regular grid,
+    and within each block the flattened ranges (a rectangular region: the whole block) follow
+    one another from 0 to the block's size. False means "not shown": the full check
+    (:func:`check_exact_cover` on the pieces) then decides and names the fault."""
+    ranges: dict = {}
+    for o, s, f in regions:
+        ranges.setdefault((tuple(o), tuple(s)), []).append(tuple(f) if f else (0, math.prod(s)))
+    grid = regular_grid_of(shape, list(ranges))
+    if grid is None or math.prod(-(-n // c) for n, c in zip(shape, grid)) != len(ranges):
+        return False
+    for (_, s), rs in ranges.items():
+        end = 0
+        for a, b in sorted(rs):
+            if a != end:
+                return False
+            end = b
+        if end != math.prod(s):
+            return False
+    return True
+
+
 def check_exact_cover(shape: Sequence[int], boxes: Sequence[Box],
                       describe: Callable[[int], str], key: str) -> None:
     """Raise :class:`InvalidShardingError` unless the non-empty ``boxes`` tile ``shape`` once.

@@ -15,8 +15,7 @@ import numpy as np
 
 from .chunk_table import build_parts, elect, expand
 from .columns import Regions
-from .grid import chunk_part_arrays
-from .model import Holding, holding_pieces
+from .grid import chunk_part_arrays_many, region_pieces_many
 from .plans import RankLoadWork, encode_load_work, narrowest_int
 
 def _rank_dtype(world: int):
@@ -40,6 +39,7 @@ class LoadWorks(Sequence):
     def __init__(self, world: int, keys: list, ndims: list, D: int, a: dict):
         self.world, self.keys, self.ndims, self.D, self.a = world, keys, ndims, D, a
         self._cache: dict = {}
+        self._pairs = None
         self.read_bytes = int(a["read_bytes"])
         self.recv_bytes = a["recv_bytes"].tolist()
 
@@ -133,31 +133,49 @@ class LoadWorks(Sequence):
         local = np.bincount(a["t_dst"][same], weights=tb[same], minlength=self.world)
         return ([int(x) for x in read], [int(x) for x in cross], [int(x) for x in local])
 
+    def _direct_pairs(self) -> tuple:
+        """Per (chunk, requested region, holder): the chunk, the bytes a direct read of it
+        costs that holder, and the holder's rank. Computed once, shared by the per-host and
+        per-rank figures."""
+        if self._pairs is None:
+            a = self.a
+            p_chunk, p_gi = a["p_chunk"], a["p_gi"]
+            G = len(a["start"]) - 1
+            rows = a["p_bs"][:, 0] if self.D else np.ones(len(p_chunk), np.int64)
+            # rows of a chunk one request of region g needs: its pieces' rows in that chunk
+            u, inv = np.unique(p_chunk * G + p_gi, return_inverse=True)
+            need = np.bincount(inv.ravel(), weights=rows).astype(np.int64)
+            c, g = u // G, u % G
+            full = a["c_full"][c]
+            per = np.ones(len(c), np.int64) if not self.D else \
+                np.minimum(need, full[:, 0]) * np.prod(full[:, 1:], axis=1)
+            per = per * a["c_item"][c]
+            start, nh = a["start"], np.diff(a["start"])
+            e_grp, e_entry = expand(np.arange(len(c)), start[g], nh[g])
+            self._pairs = (c[e_grp], per[e_grp], a["hold_rank"][e_entry])
+        return self._pairs
+
     def _direct_bytes_by(self, group_of: np.ndarray, n_groups: int) -> np.ndarray:
         """Direct-read bytes summed per group of ranks (``group_of[rank]``): per chunk, the
         most any one request within the group needs of it (the group shares its reads)."""
-        a = self.a
-        p_chunk, p_gi = a["p_chunk"], a["p_gi"]
-        if not len(p_chunk):
+        if not len(self.a["p_chunk"]):
             return np.zeros(n_groups, np.int64)
-        rows = a["p_bs"][:, 0] if self.D else np.ones(len(p_chunk), np.int64)
-        # rows of a chunk one request of region g needs: its pieces' rows in that chunk
-        u, inv = np.unique(p_chunk * (len(a["start"]) - 1) + p_gi, return_inverse=True)
-        need = np.bincount(inv.ravel(), weights=rows).astype(np.int64)
-        c, g = u // (len(a["start"]) - 1), u % (len(a["start"]) - 1)
-        full = a["c_full"][c]
-        per = np.ones(len(c), np.int64) if not self.D else \
-            np.minimum(need, full[:, 0]) * np.prod(full[:, 1:], axis=1)
-        per = per * a["c_item"][c]
-        start, nh = a["start"], np.diff(a["start"])
-        e_grp, e_entry = expand(np.arange(len(c)), start[g], nh[g])
-        key = group_of[a["hold_rank"][e_entry]] * len(self.a["c_key"]) + c[e_grp]
-        o = np.argsort(key, kind="stable")
-        ks = key[o]
+        ec, ep, er = self._direct_pairs()
+        NC = len(self.a["c_key"])
+        key = group_of[er] * NC + ec
+        n = len(key)
+        nb = max(1, (n - 1).bit_length())
+        if int(key.max(initial=0)).bit_length() + nb <= 63:
+            # sort (key, row) packed in one integer: a plain sort, 4x a stable argsort
+            packed = (key << nb) | np.arange(n, dtype=np.int64)
+            packed.sort()
+            ks, o = packed >> nb, packed & ((1 << nb) - 1)
+        else:
+            o = np.argsort(key, kind="stable")
+            ks = key[o]
         cut = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
-        best = np.maximum.reduceat(per[e_grp][o], cut)
-        return np.bincount(ks[cut] // len(self.a["c_key"]), weights=best,
-                           minlength=n_groups).astype(np.int64)
+        best = np.maximum.reduceat(ep[o], cut)
+        return np.bincount(ks[cut] // NC, weights=best, minlength=n_groups).astype(np.int64)
 
     def _cut(self, r: int) -> RankLoadWork:
         a = self.a
@@ -195,17 +213,17 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
                                                        key=lambda i: entries[i][0])
              if k in regions.by_key]
 
-    def pattern(k: int, gis: list) -> tuple:
-        key, dtype, shape = entries[k]
-        chunk = layouts[key].chunk_shape
-
-        def make():
-            pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,)))
-                      for o, s, f in (regions.region(gi)[1:] for gi in gis)]
-            return chunk_part_arrays(shape, chunk, pieces)
-        return (shape, chunk, regions.by_key[k][1]), make
-
-    t = build_parts(order, D, pattern)
+    # chunk geometry of each distinct (shape, chunk grid, requested regions), all at once
+    pkey = {k: (entries[k][2], layouts[entries[k][0]].chunk_shape, regions.by_key[k][1])
+            for k, _ in order}
+    first: dict = {}
+    for k, gis in order:
+        first.setdefault(pkey[k], (k, gis))
+    specs = [(len(entries[k][2]), [regions.region(gi)[1:] for gi in gis])
+             for k, gis in first.values()]
+    geo = dict(zip(first, chunk_part_arrays_many(
+        [(pk[0], pk[1], pa) for pk, pa in zip(first, region_pieces_many(specs))])))
+    t = build_parts(order, D, lambda k, _gis: (pkey[k], lambda: geo[pkey[k]]))
     NC, NP = len(t.c_key), len(t.p_chunk)
     c_key, p_chunk, p_gi, p_pi, p_bo, p_bs, first = \
         t.c_key, t.p_chunk, t.p_gi, t.p_pi, t.p_bo, t.p_bs, t.first

@@ -20,13 +20,13 @@ import numpy as np
 from . import dtypes
 from .chunk_table import build_parts, elect, expand
 from .columns import Gathered, Regions, as_columns, gc_paused
-from .coverage import check_exact_cover
+from .coverage import check_exact_cover, regions_tile
 from .errors import InvalidShardingError
-from .grid import chunk_part_arrays, plan_chunk_grid
+from .grid import chunk_part_arrays_many, plan_chunk_grid, region_pieces_many
 from .load_planner import check_request, plan_load
-from .model import Holding, ObjectValues, grid_flat_index, holding_pieces
+from .model import ObjectValues, grid_flat_index
 from .plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork, RankSaveWork, ReadOp,
-                    SavePlan, TensorLayout, Transfer)
+                    SavePlan, TensorLayout, Transfer, tree_wire_parts, unpack_branch)
 
 __all__ = ["ChunkWrite", "LocalPlan", "PlanOptions", "RankLoadWork", "RankSaveWork", "ReadOp",
            "SavePlan", "TensorLayout", "Transfer", "check_request", "merge_trees",
@@ -41,7 +41,18 @@ def merge_trees(a: Any, b: Any, where: str = "state") -> Any:
 
 def merge_many(trees: Sequence[Any], where: str = "state") -> Any:
     """Union of many ranks' trees (in rank order) in one pass over their nodes; containers
-    must agree in kind ([SP-TREE-1]); a leaf takes the lowest rank's value."""
+    must agree in kind ([SP-TREE-1]); a leaf takes the lowest rank's value.
+
+    Runs of equal subtrees (data-parallel replicas: the model's branch of every rank of a
+    stage) are merged once: the equality test runs in C, the merge in Python."""
+    uniq = [trees[0]]
+    for t in trees[1:]:
+        last = uniq[-1]
+        if t is not last and t != last:
+            uniq.append(t)
+    if len(uniq) == 1:
+        return uniq[0]
+    trees = uniq
     kinds = [next(iter(t)) for t in trees]
     for k in kinds[1:]:
         if k != kinds[0]:
@@ -68,15 +79,36 @@ def merge_many(trees: Sequence[Any], where: str = "state") -> Any:
 
 
 def _merged_tree(local_plans: Sequence[LocalPlan]) -> Any:
-    """The checkpoint's tree: each distinct tree decoded and merged once (DP replicas send
-    identical trees; encoded ones are told apart by their bytes before any decoding)."""
+    """The checkpoint's tree: each distinct tree, or each distinct top-level branch when the
+    ranks sent their trees split (:func:`~.plans.pack_tree`), decoded and merged once (DP
+    replicas send identical ones; encoded ones are told apart by their bytes before any
+    decoding)."""
+    wires: dict = {}        # distinct wire forms, in rank order
+    for lp in local_plans:
+        if lp.tree is not None or lp.tree_bytes is None:
+            break
+        w = lp.tree_bytes
+        parts = tree_wire_parts(w)
+        if parts is None:
+            break
+        wires.setdefault(tuple(map(tuple, parts)), parts)
+    else:
+        if wires:       # every rank sent its branches one by one: merge branch by branch
+            branches: dict = {}     # key -> {branch bytes: None}, both in rank order
+            for parts in wires.values():
+                for k, b in parts:
+                    branches.setdefault(k, {}).setdefault(b, None)
+            return {"dict": [[k, merge_many([unpack_branch(b) for b in bs], f"state[{k!r}]")]
+                             for k, bs in branches.items()]}
     distinct: list = []
     seen: set = set()
     for lp in local_plans:
         if lp.tree is None and lp.tree_bytes is not None:
-            if lp.tree_bytes in seen:
+            parts = tree_wire_parts(lp.tree_bytes)
+            key = lp.tree_bytes if parts is None else tuple(map(tuple, parts))
+            if key in seen:
                 continue
-            seen.add(lp.tree_bytes)
+            seen.add(key)
             distinct.append(lp.decoded_tree())
         elif not distinct or not (lp.tree is distinct[-1] or lp.tree == distinct[-1]):
             distinct.append(lp.tree)
@@ -99,20 +131,32 @@ class _Pattern(NamedTuple):
     parts: tuple
 
 
-def _plan_pattern(key: str, dtype: str, shape: tuple, itemsize: int, regions: list,
-                  holder_ranks, opts: PlanOptions) -> _Pattern:
-    """Coverage check ([SP-COVER-1..3]) and chunk grid ([SP-GRID-1]) of one tensor."""
-    pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,))) for o, s, f in regions]
-    boxes, owner = [], []
-    for ri, ps in enumerate(pieces):
-        for p in ps:
-            boxes.append((p.offset, p.shape))
-            owner.append(ri)
-    check_exact_cover(shape, boxes, lambda i: _describe(holder_ranks(owner[i])), key)
-    blocks = [(o, s) for o, s, _ in regions if math.prod(s)]
-    grid_regions = [([(p.offset, p.shape) for p in ps], ()) for ps in pieces]
-    chunk = plan_chunk_grid(shape, itemsize, grid_regions, blocks, opts)
-    return _Pattern(chunk, chunk_part_arrays(shape, chunk, pieces) if math.prod(shape) else None)
+def _plan_patterns(first: dict, keys: list, items: list, regions: Regions,
+                   opts: PlanOptions) -> dict:
+    """Coverage check ([SP-COVER-1..3]), chunk grid ([SP-GRID-1]) and chunk parts of each
+    distinct tensor geometry (``first``: pattern key -> (key id, region ids) of its first
+    tensor, in plan order). Pieces and parts are cut for all geometries at once
+    (:func:`~.grid.region_pieces_many`, :func:`~.grid.chunk_part_arrays_many`); the full
+    coverage check runs only where the quick one (:func:`~.coverage.regions_tile`) does not
+    pass; the grid is chosen per geometry."""
+    specs = [(len(keys[k][2]), [regions.region(gi)[1:] for gi in gis])
+             for k, gis in first.values()]
+    pieces = region_pieces_many(specs)
+    chunks = []
+    for (k, gis), (_, regs), pa in zip(first.values(), specs, pieces):
+        key, _, shape = keys[k]
+        if not regions_tile(shape, regs):
+            boxes = list(zip(map(tuple, pa.offs.tolist()), map(tuple, pa.shps.tolist())))
+            owner = pa.li.tolist()
+            check_exact_cover(shape, boxes, lambda i, gis=gis, owner=owner: _describe(
+                regions.holders(gis[owner[i]])[0].tolist()), key)
+        blocks = [(o, s) for o, s, _ in regs if math.prod(s)]
+        chunks.append(plan_chunk_grid(shape, items[k], pa, blocks, opts))
+    shapes = [keys[k][2] for k, _ in first.values()]
+    live = [i for i, shape in enumerate(shapes) if math.prod(shape)]
+    parts = dict(zip(live, chunk_part_arrays_many([(shapes[i], chunks[i], pieces[i])
+                                                   for i in live])))
+    return {pk: _Pattern(chunks[i], parts.get(i)) for i, pk in enumerate(first)}
 
 
 def plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions = PlanOptions()) -> SavePlan:
@@ -140,21 +184,21 @@ def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
     D = max((len(e[2]) for e in keys), default=0)
     items = [dtypes.from_name(d).itemsize for _, d, _ in keys]
     tensors: dict = {}
-    patterns: dict = {}
     pkeys: dict = {}
+    first: dict = {}        # pattern key -> (key id, region ids) of its first tensor
     order = []
     unique_bytes = 0
-    for k in sorted(range(len(keys)), key=lambda i: keys[i][0]):
-        key, dtype, shape = keys[k]
+    plan_order = sorted(range(len(keys)), key=lambda i: keys[i][0])
+    for k in plan_order:
         gis, sig = regions.by_key.get(k, ([], b""))
-        pkey = pkeys[k] = (shape, items[k], sig)
-        pat = patterns.get(pkey)
-        if pat is None:
-            regs = [regions.region(gi)[1:] for gi in gis]
-            pat = patterns[pkey] = _plan_pattern(
-                key, dtype, shape, items[k], regs,
-                lambda ri: regions.holders(gis[ri])[0].tolist(), opts)
-        tensors[key] = TensorLayout(key, shape, dtype, pat.chunk)
+        pkeys[k] = pk = (keys[k][2], items[k], sig)
+        if pk not in first:
+            first[pk] = (k, gis)
+    patterns = _plan_patterns(first, keys, items, regions, opts)
+    for k in plan_order:
+        key, dtype, shape = keys[k]
+        gis = regions.by_key.get(k, ([], b""))[0]
+        tensors[key] = TensorLayout(key, shape, dtype, patterns[pkeys[k]].chunk)
         unique_bytes += math.prod(shape) * items[k]
         if not math.prod(shape):
             ranks[gathered.first_rank[k]].create.append(key)
@@ -209,52 +253,56 @@ def _plan_writes(t, regions: Regions, keys: list, items: list, world: int,
     widx = np.empty(NC, np.int64)
     widx[ow] = np.arange(NC) - np.repeat(np.cumsum(cnt) - cnt, cnt)
 
-    # objects: one ChunkWrite per chunk (offsets shared per pattern), one Transfer per send
+    # objects: one ChunkWrite per chunk, one Transfer per send. Their boxes are tuples made
+    # once per pattern (the layers of a model repeat them), and each object is built by
+    # tuple.__new__ under map(): no Python frame per object (~10^5 of them)
     nd_of = [len(e[2]) for e in keys]
     names = [e[0] for e in keys]
     pats, at = np.unique(t.c_pat, return_index=True)
     pat_nd = dict(zip(pats.tolist(), [nd_of[k] for k in t.c_key[at].tolist()]))
     offs: list = []
     shps: list = []
-    for j, (o, sh) in enumerate(zip(pat_off, [p[7] for p in t.patterns])):
+    pbo: list = []
+    pbs: list = []
+    for j, p in enumerate(t.patterns):
         nd = pat_nd.get(j, 0)
-        offs += [tuple(r[:nd]) for r in o.tolist()]
-        shps += [tuple(r[:nd]) for r in sh.tolist()]
-
-    def boxes(parts):
-        nds = [nd_of[k] for k in t.c_key[t.p_chunk[parts]].tolist()]
-        return [(tuple(o[:n]), tuple(s[:n])) for o, s, n in
-                zip(t.p_bo[parts].tolist(), t.p_bs[parts].tolist(), nds)]
-    local: dict = {}
-    for c, q, p, (bo, bs) in zip(t.p_chunk[loc_part].tolist(), hold_hidx[loc_entry].tolist(),
-                                 t.p_pi[loc_part].tolist(), boxes(loc_part)):
-        lst = local.get(c)
-        if lst is None:
-            local[c] = [(q, p, bo, bs)]
-        else:
-            lst.append((q, p, bo, bs))
+        for src, dst in ((p[6], offs), (p[7], shps), (p[3], pbo), (p[4], pbs)):
+            dst += [tuple(r[:nd]) for r in src.tolist()]
+    # local copies, grouped by chunk (loc_part is in plan order, so a chunk's are adjacent)
+    lsrc = t.p_src[loc_part].tolist()
+    loc = list(map(tuple.__add__, zip(hold_hidx[loc_entry].tolist(), t.p_pi[loc_part].tolist()),
+                   zip(map(pbo.__getitem__, lsrc), map(pbs.__getitem__, lsrc))))
+    lc = t.p_chunk[loc_part]
+    cut = (np.flatnonzero(lc[1:] != lc[:-1]) + 1).tolist() if len(lc) else []
+    local = dict(zip(lc[[0] + cut].tolist() if len(lc) else [],
+                     map(loc.__getitem__, map(slice, [0] + cut, cut + [len(lc)]))))
     dq = hold_hidx[np.maximum(entry, 0)]
     ds = np.flatnonzero(direct).tolist()
     dset = dict(zip(ds, zip(dq[ds].tolist(), t.p_pi[t.first[ds]].tolist())))
-    # in each writer's order (plan order per writer), built at C speed
+    # in each writer's order (plan order per writer)
     ol = ow.tolist()
     cix = (base[t.c_pat] + t.c_idx)[ow].tolist()
-    byw = list(map(ChunkWrite._make, zip(
+    byw = list(map(tuple.__new__, repeat(ChunkWrite), zip(
         map(names.__getitem__, t.c_key[ow].tolist()), map(offs.__getitem__, cix),
         map(shps.__getitem__, cix), map(dset.get, ol), map(local.get, ol, repeat(())))))
     ends = np.cumsum(cnt).tolist()
     for w, a, b in zip(ranks, [0] + ends[:-1], ends):
         w.writes = byw[a:b]
-    sends: list = [[] for _ in range(world)]
-    recvs: list = [[] for _ in range(world)]
     sc = t.p_chunk[sent]
-    for ck, w, wi, src, q, p, (bo, bs) in zip(
-            t.c_key[sc].tolist(), writer[sc].tolist(), widx[sc].tolist(), hold_rank[s_entry].tolist(),
-            hold_hidx[s_entry].tolist(), t.p_pi[sent].tolist(), boxes(sent)):
-        tr = Transfer(src, w, names[ck], bo, bs, (q, p), (wi,))
-        sends[src].append(tr)
-        recvs[w].append(tr)
-    for w, sd, rv in zip(ranks, sends, recvs):
+    ssrc = t.p_src[sent].tolist()
+    src_r, dst_r = hold_rank[s_entry], writer[sc]
+    trs = list(map(tuple.__new__, repeat(Transfer), zip(
+        src_r.tolist(), dst_r.tolist(), map(names.__getitem__, t.c_key[sc].tolist()),
+        map(pbo.__getitem__, ssrc), map(pbs.__getitem__, ssrc),
+        zip(hold_hidx[s_entry].tolist(), t.p_pi[sent].tolist()), zip(widx[sc].tolist()))))
+
+    def per_rank(of: np.ndarray) -> list:
+        """The transfers split by ``of`` (their rank on one side), each list in plan order."""
+        o = np.argsort(of, kind="stable").tolist()
+        srt = list(map(trs.__getitem__, o))
+        e = np.cumsum(np.bincount(of, minlength=world)).tolist()
+        return list(map(srt.__getitem__, map(slice, [0] + e[:-1], e)))
+    for w, sd, rv in zip(ranks, per_rank(src_r), per_rank(dst_r)):
         w.sends, w.recvs = sd, rv
     return assigned.tolist(), int(s_bytes.sum())
 

@@ -27,25 +27,63 @@ class PlanOptions:
 
 
 # -------------------------------------------------------------------------------- wire forms
+TREE_SPLIT = "split1"
+
+
+def pack_tree(tree: Any) -> Any:
+    """A rank's tree on the wire: ``zlib(msgpack(tree))``, or, for a dict of several
+    branches, ``[TREE_SPLIT, [[key, zlib(msgpack(branch))], ...]]``: each top-level branch
+    compressed alone, so the coordinator decodes each distinct branch once (every rank of a
+    pipeline stage sends the same model branch; only the optimizer's differs)."""
+    if isinstance(tree, dict) and len(tree) == 1 and len(tree.get("dict") or ()) > 1:
+        return [TREE_SPLIT, [[k, zlib.compress(values.pack(v), 1)] for k, v in tree["dict"]]]
+    return zlib.compress(values.pack(tree), 1)
+
+
+def unpack_branch(b: bytes) -> Any:
+    """A tree (or a branch of one) that :func:`pack_tree` compressed."""
+    return values.unpack_gathered(zlib.decompress(b))
+
+
+def tree_wire_parts(w: Any) -> Optional[list]:
+    """``[[key, branch bytes], ...]`` of a split tree wire form, None for a whole tree."""
+    if isinstance(w, (bytes, bytearray)):
+        return None
+    if not (isinstance(w, (list, tuple)) and len(w) == 2 and w[0] == TREE_SPLIT):
+        raise ValueError(f"not a tree wire form (tag {w[0] if w else w!r})")
+    return w[1]
+
+
+def unpack_tree(w: Any) -> Any:
+    """The tree of a :func:`pack_tree` wire form."""
+    parts = tree_wire_parts(w)
+    if parts is None:
+        return unpack_branch(w)
+    return {"dict": [[k, unpack_branch(b)] for k, b in parts]}
+
+
 @dataclass
 class LocalPlan:
     """What one rank tells the coordinator before a save: metadata only, never tensor data.
 
-    Decoded from bytes, ``tree`` is None and the tree stays in ``tree_bytes`` until
-    :meth:`decoded_tree`: ranks of one data-parallel group send identical trees, and the
-    coordinator decodes each distinct one once."""
+    Wire form (msgpack, :meth:`to_bytes`): ``[rank, tree, holdings, objects]``, ``tree`` as
+    :func:`pack_tree` gives, ``holdings`` as :meth:`HoldingColumns.to_wire` gives, ``objects``
+    ``[[key, index, count, replica id, value]]``. Decoded from bytes, ``tree`` is None and
+    the wire form stays in ``tree_bytes`` until :meth:`decoded_tree`: ranks of one
+    data-parallel group send identical trees (or branches), and the coordinator decodes each
+    distinct one once."""
 
     rank: int
     tree: Any
     holdings: Sequence[Holding]   # index = holding index on that rank (a list, or columns)
     objects: list           # [(key, index, count, replica tuple, value)]
-    tree_bytes: Optional[bytes] = field(default=None, repr=False, compare=False)
+    tree_bytes: Any = field(default=None, repr=False, compare=False)   # wire form of tree
 
     def to_bytes(self) -> bytes:
         """The tree (compressed msgpack) and the holdings as compressed columns
         (:class:`HoldingColumns`): a 4,096-rank job gathers ~1M holdings, which the
         coordinator decodes without a Python object each."""
-        tb = self.tree_bytes if self.tree is None else zlib.compress(values.pack(self.tree), 1)
+        tb = self.tree_bytes if self.tree is None else pack_tree(self.tree)
         hs = as_columns(self.holdings).to_wire()
         return values.pack([self.rank, tb, hs, [list(o) for o in self.objects]])
 
@@ -57,7 +95,7 @@ class LocalPlan:
 
     def decoded_tree(self) -> Any:
         if self.tree is None and self.tree_bytes is not None:
-            return values.unpack(zlib.decompress(self.tree_bytes))
+            return unpack_tree(self.tree_bytes)
         return self.tree
 
 
