@@ -277,7 +277,8 @@ def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> None:
                  dcp=statistics.median(r["dcp rows"]))
             line(f"{w} ranks, rows (same layout): DCP", r["dcp rows"])
         dc = statistics.median(r["dcp cols"])
-        line(f"{w} ranks, by columns: shardpoint (auto)", r["sp cols"], same_ref, dc)
+        chose = "/".join(sorted(set(r.get("auto chose", []))))
+        line(f"{w} ranks, by columns: shardpoint (auto: {chose})", r["sp cols"], same_ref, dc)
         line(f"{w} ranks, by columns: shardpoint (dedup + exchange)", r["sp cols dedup"],
              same_ref, dc)
         line(f"{w} ranks, by columns: DCP", r["dcp cols"], same_ref)

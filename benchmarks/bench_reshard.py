@@ -111,6 +111,8 @@ def load_job(rank, world, base, n, rows, cols, repeat, drop, same_layout):
         for name, fn in steps:
             t, rep = _timed(fn, drop, rank)
             res.setdefault(name, []).append(t)
+            if name == "sp cols":
+                res.setdefault("auto chose", []).append(rep.strategy)
             if name == "sp cols dedup":
                 xt = rep.timings.get("exchange", 0.0)
                 rate = rep.exchange_bytes / xt / 1e9 if xt else 0.0

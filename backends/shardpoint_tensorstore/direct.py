@@ -28,7 +28,8 @@ _KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_
          "fill_value", "codecs", "attributes", "dimension_names"}
 _IOV_MAX = 1024
 _EMPTY = 2**64 - 1
-RUN_BYTES = 16 << 20     # adjacent inner chunks read together, up to this many bytes
+RUN_BYTES = 64 << 20     # adjacent inner chunks read together, up to this many bytes: a
+# whole 32 MiB shard in one preadv read 1.15x its file read raw, in 16 MiB runs 1.44x (cold)
 
 
 @dataclass(frozen=True)
