@@ -19,9 +19,9 @@ from . import dtypes, errors
 from .columns import HoldingColumns
 from .exchange import Comm, agree, error_record, exchange, raise_records, run_collectively
 from .host_exchange import execute_dedup_load
+from .load_planner import LoadOptions, encode_works, plan_load_auto
 from .metadata import Manifest, decode_manifest
 from .open_ahead import OpenAhead
-from .load_planner import LoadOptions, encode_works, plan_load_auto
 from .planner import RankLoadWork, TensorLayout
 from .storage import StorageBackend, get_backend
 from .targets import collect_targets, full_targets
@@ -141,6 +141,7 @@ def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, target
                   work: RankLoadWork, budget: int, timings: dict, opts: LoadOptions,
                   exchanging: bool) -> tuple:
     dst_view = PieceViews([(tg.holding, tg.data) for tg in targets])
+
     def open_array(key: str) -> Any:
         e = m.tensors[key]
         return be.open_array_for_read(path, e.array, e.spec, key)
