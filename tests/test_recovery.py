@@ -75,3 +75,61 @@ def test_old_leftover_beside_a_directory_without_manifest_is_left_alone(tmp_path
     assert [(a["kind"], a["action"], a["done"]) for a in acts] == [("old", "skip", False)]
     assert sorted(os.listdir(tmp_path)) == sorted(["c", old.name])
     assert sp.load(str(old))["who"] == 1
+
+
+_RUNNING_SAVE = """
+import sys, time, threading
+import torch, shardpoint as sp
+from shardpoint.storage import get_backend
+
+be = get_backend()
+class Stalled:
+    # The real backend; writes wait until the test kills this process (a save in progress).
+    def __getattr__(self, name):
+        return getattr(be, name)
+    def write(self, handle, offset, data):
+        print("writing", flush=True)
+        time.sleep(600)
+sp.save({"w": torch.ones(4)}, sys.argv[1], backend=Stalled())
+"""
+
+
+def test_a_running_save_is_never_recovered_however_old_its_files(tmp_path):
+    """[SP-COMMIT-6]: a real save, stalled in its writes in another process, holds the lock on
+    its staging directory: recovery skips it even with min_age_s=0 and files aged an hour.
+    Once that process is killed (SIGKILL), the lock is gone and the leftover is removed."""
+    import subprocess
+    import sys
+    target = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", _RUNNING_SAVE, str(target)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        (staging,) = [p for p in tmp_path.iterdir() if ".shardpoint-tmp-" in p.name]
+        _age(staging)
+        (act,) = sp.recover(str(target), min_age_s=0)
+        assert act.action == "skip" and "holds its lock" in act.reason and not act.done
+        assert staging.is_dir()
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    (act,) = sp.recover(str(target), min_age_s=0)
+    assert act.action == "remove" and act.done
+    assert not staging.exists() and not target.exists()
+
+
+def test_a_finished_or_failed_save_leaves_no_lock_behind(tmp_path):
+    """The lock is dropped at commit and at abort: a later save to the same path in this
+    process, and recovery's probe, find nothing held."""
+    from shardpoint_tensorstore.durable import dir_locked
+    from shardpoint.storage import get_backend
+    path = _ckpt(tmp_path / "ckpt", 1)
+    assert dir_locked(path) is False
+    be = get_backend()
+    staging = be.staging_path(str(tmp_path / "other"), "ab12")
+    be.begin_save(staging)
+    assert dir_locked(staging) is True      # another open file: the probe conflicts
+    be.abort(staging)
+    assert not os.path.exists(staging) and not be._save_locks
+    _ckpt(tmp_path / "ckpt2", 2)
+    assert not be._save_locks

@@ -29,8 +29,8 @@ from .zarr_checks import (check_array_files, check_regular_file, check_zarr_json
 
 from shardpoint.fsutil import fsync_dir, remove_path
 
-from .durable import (LEFTOVER_NAME, RENAME_NOREPLACE, exchange_dirs, fsync_trees,
-                      newest_mtime, renameat2, syncfs, will_need)
+from .durable import (LEFTOVER_NAME, RENAME_NOREPLACE, dir_locked, exchange_dirs,
+                      fsync_trees, lock_dir, newest_mtime, renameat2, syncfs, will_need)
 from .direct import DirectLayout, DirectReader, parse_layout, whole_chunk_files
 from .direct_write import (DirectWriter, WritePool, stored_codecs, write_layout,
                            zarr_json_bytes)
@@ -211,6 +211,7 @@ class TensorStoreBackend:
         self.sync_method = sync_method
         self._lock = threading.Lock()
         self._written: dict = {}     # staging root -> array directories this process wrote
+        self._save_locks: dict = {}  # staging root -> descriptor holding its lock_dir
         self.read_threads = read_threads
         self.direct_reads = direct_reads
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -250,6 +251,16 @@ class TensorStoreBackend:
         parent = os.path.dirname(staging)
         os.makedirs(parent, exist_ok=True)
         os.makedirs(staging, exist_ok=False)
+        fd = lock_dir(staging)
+        if fd is not None:
+            with self._lock:
+                self._save_locks[os.path.abspath(staging)] = fd
+
+    def _unlock(self, staging: str) -> None:
+        with self._lock:
+            fd = self._save_locks.pop(os.path.abspath(staging), None)
+        if fd is not None:
+            os.close(fd)
 
     # -- arrays ---------------------------------------------------------------------------
     def _tspec(self, root: str, array_path: str) -> dict:
@@ -471,6 +482,12 @@ class TensorStoreBackend:
             return f.read(MAX_MANIFEST_BYTES + 1)
 
     def commit(self, staging: str, path: str, *, overwrite: bool) -> None:
+        try:
+            self._commit(staging, path, overwrite)
+        finally:
+            self._unlock(staging)     # the lock moved with the directory; drop it now
+
+    def _commit(self, staging: str, path: str, overwrite: bool) -> None:
         # Every rank's ``flush`` and ``write_manifest`` made the staging tree durable: only
         # the renames below remain, each followed by an fsync of the parent directory.
         path = os.path.abspath(path)
@@ -524,7 +541,7 @@ class TensorStoreBackend:
                 continue
             out.append(Leftover(p, os.path.join(directory, m["name"]), m["kind"], m["token"],
                                 os.path.isfile(os.path.join(p, MANIFEST_NAME)),
-                                newest_mtime(p)))
+                                newest_mtime(p), dir_locked(p)))
         return out
 
     def restore_leftover(self, leftover: str, path: str) -> None:
@@ -552,3 +569,4 @@ class TensorStoreBackend:
         with self._lock:
             self._written.pop(os.path.abspath(staging), None)
         shutil.rmtree(staging, ignore_errors=True)
+        self._unlock(staging)

@@ -121,3 +121,42 @@ def will_need(files: Sequence[str]) -> None:
             pass
         finally:
             os.close(fd)
+
+
+# ------------------------------------------ a running save's mark ([SP-COMMIT-6] note)
+def lock_dir(path: str) -> Optional[int]:
+    """Take an exclusive ``flock`` on the directory ``path`` and return its descriptor (the
+    lock lives until it is closed or the process dies), or None where the file system has no
+    ``flock``. A save holds it on its staging directory, so recovery can tell a running save
+    from a crashed one on the same host, however long the save has been quiet."""
+    import fcntl
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def dir_locked(path: str) -> Optional[bool]:
+    """True when a live process holds :func:`lock_dir` on ``path`` (a save is running), False
+    when no one does, None when the file system cannot tell (no ``flock``, or the lock may
+    be local to another host: then only the age of the files hints)."""
+    import fcntl
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)   # closing drops our probe lock
+    return False

@@ -212,7 +212,7 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_verify)
     s = sub.add_parser("recover", help="clean up after crashed saves (SP-COMMIT-6): remove "
                        "staging leftovers, restore a previous checkpoint a crash moved aside; "
-                       "never while a save to PATH may be running")
+                       "skips saves running on this host (they hold a lock) and recent files")
     s.add_argument("path", help="a checkpoint path, or the directory holding checkpoints")
     s.add_argument("--dry-run", action="store_true", help="only say what would be done")
     s.add_argument("--min-age", type=float, default=900.0, metavar="SECONDS",

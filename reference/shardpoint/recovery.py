@@ -7,9 +7,12 @@ to ``<name>`` when ``<name>`` is missing, or removes it when ``<name>`` holds a 
 It never touches ``<name>`` itself when it exists.
 
 The format gives no marker telling a crashed save's leftovers from those of a save still
-running (the spec says only "never while a save to that path may be running"). So as a
-safeguard this skips any leftover that anything inside was modified less than ``min_age_s``
-ago; pass ``min_age_s=0`` when no save can be running.
+running (the spec says only "never while a save to that path may be running"). Two
+safeguards: a save holds an advisory lock (``flock``) on its staging directory until it
+commits or aborts, and the lock dies with its process, so a leftover whose lock is held is a
+running save on this host and is always skipped; and, since a lock taken on another host may
+be invisible here, any leftover modified less than ``min_age_s`` ago is skipped too (pass
+``min_age_s=0`` when no save can be running).
 
 Example::
 
@@ -62,6 +65,9 @@ def _leftovers(be: StorageBackend, path: str) -> list:
 
 def _decide(be: StorageBackend, lo: Leftover, olds: Counter, now: float,
             min_age_s: float) -> tuple:
+    if lo.in_use:
+        return "skip", ("a save running on this host holds its lock: it is being written, "
+                        "not left over")
     age = now - lo.newest_mtime
     if age < min_age_s:
         return "skip", (f"modified {age:.0f}s ago (under {min_age_s:.0f}s): a save may still "

@@ -45,7 +45,9 @@ class Leftover:
     """A hidden directory a save left beside its target ``<name>`` ([SP-COMMIT-6]): ``kind``
     is 'tmp' (staging, or a checkpoint an exchange replaced) or 'old' (the previous checkpoint
     of a non-atomic replacement). ``newest_mtime`` is the latest modification time of anything
-    in it (a hint that a save may still be writing it)."""
+    in it (a hint that a save may still be writing it); ``in_use`` is True when a running save
+    on this host holds the directory's lock, False when none does, None when the backend or
+    file system cannot tell."""
 
     path: str
     target: str
@@ -53,6 +55,7 @@ class Leftover:
     token: str
     has_manifest: bool
     newest_mtime: float
+    in_use: Optional[bool] = None
 
 
 @runtime_checkable
