@@ -129,34 +129,32 @@ def lock_dir(path: str) -> Optional[int]:
     lock lives until it is closed or the process dies), or None where the file system has no
     ``flock``. A save holds it on its staging directory, so recovery can tell a running save
     from a crashed one on the same host, however long the save has been quiet."""
-    import fcntl
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+    fd = _flock_dir(path, exclusive=True)
+    return fd if type(fd) is int else None
 
 
 def dir_locked(path: str) -> Optional[bool]:
     """True when a live process holds :func:`lock_dir` on ``path`` (a save is running), False
     when no one does, None when the file system cannot tell (no ``flock``, or the lock may
     be local to another host: then only the age of the files hints)."""
+    fd = _flock_dir(path, exclusive=False)
+    if type(fd) is int:
+        os.close(fd)   # closing drops our probe lock
+        return False
+    return fd
+
+
+def _flock_dir(path: str, exclusive: bool) -> "int | bool | None":
+    """A descriptor of directory ``path`` holding a non-blocking ``flock``; True when another
+    open file holds a conflicting one; None when the directory or ``flock`` is unavailable."""
     import fcntl
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return None
-    finally:
-        os.close(fd)   # closing drops our probe lock
-    return False
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        return True if isinstance(e, BlockingIOError) else None
+    return fd
