@@ -147,7 +147,7 @@ def check_pieces(out, like, world, tag):
 def save_job(rank, world, base):
     import shardpoint as sp
     r = sp.save(save_layouts(rank, world), f"{base}/w{world}")
-    return r.exchange_bytes, r.unique_bytes
+    return r.exchange_bytes, r.unique_bytes, r.files, r.rank_chunk_files
 
 
 def load_job(rank, world, base, save_worlds):
@@ -203,7 +203,11 @@ def test_save_on_n_load_on_m(tmp_path):
     base = str(tmp_path)
     for n in (1, 2, 3, 4):
         res = run_world(n, save_job, base, timeout=240)
-        exchanged, unique = res[0]
+        exchanged, unique, files, _ = res[0]
+        names = [f for _, _, fs in os.walk(f"{base}/w{n}") for f in fs]
+        chunk_files = len(names) - names.count("zarr.json") - names.count("manifest.msgpack")
+        # the save reports the files there; each chunk file has one writing rank
+        assert files == len(names) and sum(r[3] for r in res) == chunk_files, (n, files, res)
         sizes = sum(os.path.getsize(os.path.join(d, f))
                     for d, _, fs in os.walk(f"{base}/w{n}/tensors") for f in fs
                     if f != "zarr.json")

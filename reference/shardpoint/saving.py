@@ -41,7 +41,11 @@ class SaveOptions:
 
 @dataclass
 class SaveResult:
-    """What a save did, for logs and benchmarks (same on every rank except ``rank_*``)."""
+    """What a save did, for logs and benchmarks (same on every rank except ``rank_*``).
+    ``chunks`` counts chunk files (a shard is one file); the checkpoint holds ``files`` files
+    in all (chunk files, a ``zarr.json`` per tensor, the manifest); ``rank_chunk_files`` of
+    the chunk files are this rank's (each ``zarr.json`` comes from whichever rank creates
+    the array first)."""
 
     path: str
     world_size: int
@@ -51,6 +55,8 @@ class SaveResult:
     chunks: int
     rank_bytes_written: int
     timings: dict
+    files: int = 0
+    rank_chunk_files: int = 0
 
 
 # -------------------------------------------------------------------------------- plan cache
@@ -373,7 +379,9 @@ class SaveJob:
                      self.times["plan_total"], " (cached)" if self.plan_hit else "",
                      self.times.get("write", 0.0), self.times["commit"], self.times["total"])
         return SaveResult(self.path, comm.size, st["tensors"], st["unique_bytes"],
-                          st["exchange_bytes"], st["chunks"], self.written, self.times)
+                          st["exchange_bytes"], st["chunks"], self.written, self.times,
+                          files=st["chunks"] + st["tensors"] + 1,
+                          rank_chunk_files=len(self.work.writes))
 
     def _publish(self, _payloads: list) -> list:
         """Coordinator, every rank having succeeded: manifest last, then the rename."""
