@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import bench_reshard as rs  # noqa: E402
+import bench_targets as tg  # noqa: E402
 import bench_tools as bt  # noqa: E402
 from shardpoint_conformance.launch import run_world  # noqa: E402
 
@@ -199,6 +200,21 @@ def fmt_row(res: Results, row: str, ref: dict, mark: str = "") -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def state_run(name: str, res: Results, size: int) -> "tg.StateRun":
+    """What the targets table needs of one state's results."""
+    reads = [r for r in map(raw_read_row, RAW_READS) if res.med(r) is not None]
+    return tg.StateRun(
+        name, size, best(res, [raw_write_row(t, e) for t, e in RAW_WRITES])[1],
+        best(res, reads)[1] if reads else None, best(res, list(map(dcp_row, DCP_THREADS)))[1],
+        res.med, lambda row: statistics.median(res.mem[row]) if res.mem.get(row) else None)
+
+
+TARGET_ROWS = {"save": "shardpoint save", "load": "shardpoint load", "DCP load": "DCP load",
+               "async blocking": "shardpoint async save (blocking)",
+               "async total": "shardpoint async save (total)", "copy": COPY,
+               "floor write": FILES_WRITE, "floor reads": [files_read_row(t) for t in FILES_READS]}
+
+
 def print_state_table(title: str, res: Results, size: int, k: int) -> None:
     print(f"\n### {title}: {size / 1e9:.3f} GB\n")
     raw_rows = [raw_write_row(t, e) for t, e in RAW_WRITES]
@@ -247,7 +263,9 @@ def print_state_table(title: str, res: Results, size: int, k: int) -> None:
           "async save's blocking part cannot do without), not to the write limit.")
 
 
-def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> None:
+def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> dict:
+    """Prints the resharded-load table; returns ``{ranks: {"cols", "same", "dcp"}}`` medians
+    (shardpoint as ``auto`` picks, its same-layout load, DCP) for the targets table."""
     n, rows, cols = (4, 64, 32) if quick else (16, 8192, 1024)
     save_world, load_worlds = (2, (2,)) if quick else (4, (4, 3, 2))
     base = f"{base}/reshard"
@@ -268,6 +286,7 @@ def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> None:
     line("1 process, whole tensors: shardpoint", one["sp full"], dcp=d1)
     line("1 process, whole tensors: DCP", one["dcp full"])
     same_ref = None
+    out: dict = {}
     for w in load_worlds:
         r = first if w == save_world else run_world(
             w, rs.load_job, base, n, rows, cols, repeat, drop, False, timeout=900)[0]
@@ -282,9 +301,11 @@ def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> None:
         line(f"{w} ranks, by columns: shardpoint (dedup + exchange)", r["sp cols dedup"],
              same_ref, dc)
         line(f"{w} ranks, by columns: DCP", r["dcp cols"], same_ref)
+        out[w] = {"cols": statistics.median(r["sp cols"]), "same": same_ref, "dcp": dc}
         x = r["exchange GB/s per rank"]
         print(f"| {w} ranks: exchange rate (dedup), GB/s per rank | {statistics.median(x):.2f}"
               f" | {min(x):.2f}-{max(x):.2f} | | |")
+    return out
 
 
 def main(argv=None) -> None:
@@ -320,6 +341,7 @@ def main(argv=None) -> None:
         wanted = a.states.split(",")
         if not a.quick:     # one untimed round of every tool on a tiny state: imports, thread
             bench_state("warm-up", bt.mixed_state(1 / 32), base, 1, False)   # pools, caches
+        runs, reshard = [], {}
         for title, state in states:
             if title.split(" ")[0] not in wanted:
                 continue
@@ -327,9 +349,12 @@ def main(argv=None) -> None:
             res, k = bench_state(title, state, base, repeat, drop, a.ts_writes,
                                  not a.saves_only)
             print_state_table(f"{title}, {n} tensors", res, bt.nbytes(state), k)
+            runs.append(state_run(title.split(" ")[0], res, bt.nbytes(state)))
             del state
         if not (a.no_reshard or a.saves_only):
-            bench_reshard(base, a.quick, repeat, drop)
+            reshard = bench_reshard(base, a.quick, repeat, drop)
+        tg.print_targets(runs, TARGET_ROWS, reshard, "--quick: tiny states, warm cache, one "
+                         "run: these verdicts mean nothing" if a.quick else "")
     finally:
         bt.rm(base)
 

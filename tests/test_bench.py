@@ -28,3 +28,36 @@ def test_quick_benchmark_prints_every_table(capsys, tmp_path):
     assert floor.split("|")[-2] == save.split("|")[-2] != " "
     assert "page cache: NOT dropped (--quick)" in out
     assert os.listdir(tmp_path) == []       # everything it wrote is removed
+    # the targets table: every target, one verdict per state, the reshard targets
+    targets = out.split("### Targets (issue 7)")[1].splitlines()
+    body = [ln for ln in targets if ln.startswith("| ") and not ln.startswith("| target")]
+    assert len(body) == 8 + 1                        # 8 per-state targets, 1 reshard world
+    for ln in body[:8]:
+        assert len([c for c in ln.split("|")[2:-1] if " met" in c or c == " n/a "]) == 2, ln
+
+
+def test_targets_table_says_met_or_not_with_the_floor_beside_it(capsys):
+    """The verdicts follow the ratios (at most / at least), and the floor is shown."""
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_targets as tg
+    finally:
+        sys.path.remove(BENCH)
+    med = {"save": 1.05, "floor w": 1.0, "load": 1.5, "floor r": 1.2, "DCP load": 3.1,
+           "blk": 0.12, "copy": 0.1, "total": 1.3}.get
+    names = {"save": "save", "load": "load", "DCP load": "DCP load", "async blocking": "blk",
+             "async total": "total", "copy": "copy", "floor write": "floor w",
+             "floor reads": ["floor r"]}
+    run = tg.StateRun("s", 1000, 1.0, 1.0, 1.1, med, {"save": 50.0, "load": 200.0}.get)
+    rows = dict(tg.state_rows([run], names))
+    assert rows["sync save <= 1.10x the raw write"] == ["1.05x met (its files raw: 1.00x)"]
+    assert rows["sync save >= 1.5x faster than DCP at its best"][0].startswith("1.05x NOT met")
+    assert rows["cold load <= 1.15x the raw read"] == ["1.50x NOT met (its files raw: 1.20x)"]
+    assert rows["cold load >= 1.5x faster than DCP"] == ["2.07x met"]
+    assert rows["async save blocks <= 1.25x a copy into reused buffers"] == ["1.20x met"]
+    assert rows["async save total <= 1.2x the sync save"] == ["1.24x NOT met"]
+    assert rows["sync save peak extra memory <= 0.10x the state"] == ["0.05x met"]
+    assert rows["load peak extra memory <= 0.10x the state (no full copy)"] == ["0.20x NOT met"]
+    tg.print_targets([run], names, {4: {"cols": 1.2, "same": 1.0, "dcp": 2.4}})
+    out = capsys.readouterr().out
+    assert "| resharded load, 4 ranks by columns" in out and "1.20x met; 2.00x met" in out
