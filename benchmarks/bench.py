@@ -204,9 +204,10 @@ def state_run(name: str, res: Results, size: int) -> "tg.StateRun":
     """What the targets table needs of one state's results."""
     reads = [r for r in map(raw_read_row, RAW_READS) if res.med(r) is not None]
     return tg.StateRun(
-        name, size, best(res, [raw_write_row(t, e) for t, e in RAW_WRITES])[1],
-        best(res, reads)[1] if reads else None, best(res, list(map(dcp_row, DCP_THREADS)))[1],
-        res.med, lambda row: statistics.median(res.mem[row]) if res.mem.get(row) else None)
+        name, size, best(res, [raw_write_row(t, e) for t, e in RAW_WRITES])[0],
+        best(res, reads)[0] if reads else None, best(res, list(map(dcp_row, DCP_THREADS)))[0],
+        lambda row: res.t.get(row, []),
+        lambda row: statistics.median(res.mem[row]) if res.mem.get(row) else None)
 
 
 TARGET_ROWS = {"save": "shardpoint save", "load": "shardpoint load", "DCP load": "DCP load",
@@ -264,8 +265,9 @@ def print_state_table(title: str, res: Results, size: int, k: int) -> None:
 
 
 def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> dict:
-    """Prints the resharded-load table; returns ``{ranks: {"cols", "same", "dcp"}}`` medians
-    (shardpoint as ``auto`` picks, its same-layout load, DCP) for the targets table."""
+    """Prints the resharded-load table; returns, for the targets table, per world the seconds
+    per round of shardpoint as ``auto`` picks ("cols"), its same-layout load ("same") and
+    DCP ("dcp"), "paired" when the same-layout load ran in the same rounds."""
     n, rows, cols = (4, 64, 32) if quick else (16, 8192, 1024)
     save_world, load_worlds = (2, (2,)) if quick else (4, (4, 3, 2))
     base = f"{base}/reshard"
@@ -285,13 +287,13 @@ def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> dict:
     d1 = statistics.median(one["dcp full"])
     line("1 process, whole tensors: shardpoint", one["sp full"], dcp=d1)
     line("1 process, whole tensors: DCP", one["dcp full"])
-    same_ref = None
+    same_ref, same_runs = None, []
     out: dict = {}
     for w in load_worlds:
         r = first if w == save_world else run_world(
             w, rs.load_job, base, n, rows, cols, repeat, drop, False, timeout=900)[0]
         if "sp rows" in r:
-            same_ref = statistics.median(r["sp rows"])
+            same_ref, same_runs = statistics.median(r["sp rows"]), r["sp rows"]
             line(f"{w} ranks, rows (same layout): shardpoint", r["sp rows"],
                  dcp=statistics.median(r["dcp rows"]))
             line(f"{w} ranks, rows (same layout): DCP", r["dcp rows"])
@@ -301,7 +303,8 @@ def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> dict:
         line(f"{w} ranks, by columns: shardpoint (dedup + exchange)", r["sp cols dedup"],
              same_ref, dc)
         line(f"{w} ranks, by columns: DCP", r["dcp cols"], same_ref)
-        out[w] = {"cols": statistics.median(r["sp cols"]), "same": same_ref, "dcp": dc}
+        out[w] = {"cols": r["sp cols"], "same": same_runs, "dcp": r["dcp cols"],
+                  "paired": "sp rows" in r}
         x = r["exchange GB/s per rank"]
         print(f"| {w} ranks: exchange rate (dedup), GB/s per rank | {statistics.median(x):.2f}"
               f" | {min(x):.2f}-{max(x):.2f} | | |")

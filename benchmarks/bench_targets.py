@@ -1,27 +1,39 @@
 """The targets of issue 7, checked against one benchmark run: each target's measured ratio,
 whether it is met, and beside it the floor that bounds it (the same files written or read
-raw), so a target missed for a physical reason reads as such in the same table."""
+raw), so a target missed for a physical reason reads as such in the same table.
+
+Time ratios are medians of per-round ratios: tools run interleaved, one step each per round,
+so a ratio taken within a round cancels the disk's drift between rounds (it moves up to 2x
+on this machine), which a ratio of two medians does not."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 
 @dataclass
 class StateRun:
-    """What :func:`targets_table` needs of one state's run (medians in seconds, bytes)."""
+    """What :func:`print_targets` needs of one state's run: the rows that won the raw write,
+    raw read and DCP save families, seconds per round of any row, median peak extra bytes."""
 
     name: str
     size: int
-    raw_write: float
-    raw_read: Optional[float]
-    dcp_save: float
-    med: Callable[[str], Optional[float]]
+    raw_write: str
+    raw_read: Optional[str]
+    dcp_save: str
+    series: Callable[[str], list]
     mem: Callable[[str], Optional[float]]
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
+
+
+def per_round(a: list, b: list) -> Optional[float]:
+    """The median over rounds of ``a[i] / b[i]`` (None when either row did not run)."""
+    pairs = [x / y for x, y in zip(a, b) if y]
+    return statistics.median(pairs) if pairs and len(a) == len(b) else None
 
 
 def _cell(value: Optional[float], limit: float, at_most: bool, context: str = "") -> str:
@@ -40,29 +52,31 @@ def state_rows(runs: list, names: dict) -> list:
     def per_state(fn: Callable[[StateRun], str]) -> list:
         return [fn(r) for r in runs]
 
-    def floor_read(r: StateRun) -> Optional[float]:
-        got = [r.med(n) for n in names["floor reads"] if r.med(n) is not None]
-        return min(got) if got else None
+    def x(r: StateRun, a: Optional[str], b: Optional[str]) -> Optional[float]:
+        return per_round(r.series(a), r.series(b)) if a and b else None
+
+    def floor_read(r: StateRun) -> Optional[str]:
+        got = [(statistics.median(r.series(n)), n) for n in names["floor reads"]
+               if r.series(n)]
+        return min(got)[1] if got else None
 
     def floor(v: Optional[float]) -> str:
         return f"its files raw: {v:.2f}x" if v is not None else ""
 
     rows.append(("sync save <= 1.10x the raw write", per_state(lambda r: _cell(
-        _ratio(r.med(names["save"]), r.raw_write), 1.10, True,
-        floor(_ratio(r.med(names["floor write"]), r.raw_write))))))
+        x(r, names["save"], r.raw_write), 1.10, True,
+        floor(x(r, names["floor write"], r.raw_write))))))
     rows.append(("sync save >= 1.5x faster than DCP at its best", per_state(lambda r: _cell(
-        _ratio(r.dcp_save, r.med(names["save"])), 1.5, False,
-        f"DCP {r.dcp_save / r.raw_write:.2f}x the raw write"))))
+        x(r, r.dcp_save, names["save"]), 1.5, False,
+        f"DCP {x(r, r.dcp_save, r.raw_write):.2f}x the raw write"))))
     rows.append(("cold load <= 1.15x the raw read", per_state(lambda r: _cell(
-        _ratio(r.med(names["load"]), r.raw_read), 1.15, True,
-        floor(_ratio(floor_read(r), r.raw_read))))))
+        x(r, names["load"], r.raw_read), 1.15, True, floor(x(r, floor_read(r), r.raw_read))))))
     rows.append(("cold load >= 1.5x faster than DCP", per_state(lambda r: _cell(
-        _ratio(r.med(names["DCP load"]), r.med(names["load"])), 1.5, False))))
+        x(r, names["DCP load"], names["load"]), 1.5, False))))
     rows.append(("async save blocks <= 1.25x a copy into reused buffers", per_state(
-        lambda r: _cell(_ratio(r.med(names["async blocking"]), r.med(names["copy"])), 1.25,
-                        True))))
+        lambda r: _cell(x(r, names["async blocking"], names["copy"]), 1.25, True))))
     rows.append(("async save total <= 1.2x the sync save", per_state(lambda r: _cell(
-        _ratio(r.med(names["async total"]), r.med(names["save"])), 1.2, True))))
+        x(r, names["async total"], names["save"]), 1.2, True))))
     rows.append(("sync save peak extra memory <= 0.10x the state", per_state(lambda r: _cell(
         _ratio(r.mem(names["save"]), r.size), 0.10, True))))
     rows.append(("load peak extra memory <= 0.10x the state (no full copy)", per_state(
@@ -72,7 +86,9 @@ def state_rows(runs: list, names: dict) -> list:
 
 def print_targets(runs: list, names: dict, reshard: dict, note: str = "") -> None:
     """The markdown table of targets for the states in ``runs`` and the resharded loads in
-    ``reshard`` (``{ranks: {"cols": s, "same": s, "dcp": s}}``, medians)."""
+    ``reshard`` (``{ranks: {"cols": [s], "same": [s], "dcp": [s], "paired": bool}}``,
+    seconds per round; ``paired`` when "same" ran in the same rounds as "cols", else the
+    ratio to it is one of medians)."""
     if not runs and not reshard:
         return
     print("\n### Targets (issue 7), from this run\n" + (f"\n{note}\n" if note else ""))
@@ -81,8 +97,12 @@ def print_targets(runs: list, names: dict, reshard: dict, note: str = "") -> Non
     for target, cells in state_rows(runs, names):
         print(f"| {target} | " + " | ".join(cells) + " |")
     for w, r in sorted(reshard.items(), reverse=True):
-        cells = [_cell(_ratio(r["cols"], r["same"]), 1.25, True),
-                 _cell(_ratio(r["dcp"], r["cols"]), 1.5, False)]
+        same = per_round(r["cols"], r["same"]) if r["paired"] else _ratio(
+            statistics.median(r["cols"]), statistics.median(r["same"]))
+        cells = [_cell(same, 1.25, True),
+                 _cell(per_round(r["dcp"], r["cols"]), 1.5, False)]
         print(f"| resharded load, {w} ranks by columns: <= 1.25x the same-layout load; "
               f">= 1.5x faster than DCP | {cells[0]}; {cells[1]} |" + " |" * (len(runs) - 1))
-    print("\nPlanning at 4,096 ranks has its own targets: `python benchmarks/plan_scale.py`.")
+    print("\nRatios are medians of per-round ratios (each round runs every tool once, "
+          "interleaved). Planning at 4,096 ranks has its own targets: "
+          "`python benchmarks/plan_scale.py`.")
