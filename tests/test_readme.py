@@ -78,3 +78,8 @@ def test_lazy_open_and_convert_example_runs(tmp_path):
     run_python(BLOCKS[0] + "\n" + block, tmp_path)
     assert (tmp_path / "export" / "model.safetensors").is_file()
     assert (tmp_path / "ckpt" / "from_hf" / "manifest.msgpack").is_file()
+
+
+def test_tuning_example_runs(tmp_path):
+    """The I/O tuning block: a configured backend and load options, a real round trip."""
+    run_python(next(b for b in BLOCKS if "TensorStoreBackend(" in b), tmp_path)
