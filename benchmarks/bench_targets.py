@@ -63,12 +63,15 @@ def state_rows(runs: list, names: dict) -> list:
     def floor(v: Optional[float]) -> str:
         return f"its files raw: {v:.2f}x" if v is not None else ""
 
+    def _times_raw(who: str, v: Optional[float]) -> str:
+        return f"{who} {v:.2f}x the raw write" if v is not None else ""
+
     rows.append(("sync save <= 1.10x the raw write", per_state(lambda r: _cell(
         x(r, names["save"], r.raw_write), 1.10, True,
         floor(x(r, names["floor write"], r.raw_write))))))
     rows.append(("sync save >= 1.5x faster than DCP at its best", per_state(lambda r: _cell(
         x(r, r.dcp_save, names["save"]), 1.5, False,
-        f"DCP {x(r, r.dcp_save, r.raw_write):.2f}x the raw write"))))
+        _times_raw("DCP", x(r, r.dcp_save, r.raw_write))))))
     rows.append(("cold load <= 1.15x the raw read", per_state(lambda r: _cell(
         x(r, names["load"], r.raw_read), 1.15, True, floor(x(r, floor_read(r), r.raw_read))))))
     rows.append(("cold load >= 1.5x faster than DCP", per_state(lambda r: _cell(

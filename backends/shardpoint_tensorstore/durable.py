@@ -129,32 +129,31 @@ def lock_dir(path: str) -> Optional[int]:
     lock lives until it is closed or the process dies), or None where the file system has no
     ``flock``. A save holds it on its staging directory, so recovery can tell a running save
     from a crashed one on the same host, however long the save has been quiet."""
-    fd = _flock_dir(path, exclusive=True)
-    return fd if type(fd) is int else None
+    return _flock_dir(path, exclusive=True)[0]
 
 
 def dir_locked(path: str) -> Optional[bool]:
     """True when a live process holds :func:`lock_dir` on ``path`` (a save is running), False
     when no one does, None when the file system cannot tell (no ``flock``, or the lock may
     be local to another host: then only the age of the files hints)."""
-    fd = _flock_dir(path, exclusive=False)
-    if type(fd) is int:
+    fd, held = _flock_dir(path, exclusive=False)
+    if fd is not None:
         os.close(fd)   # closing drops our probe lock
         return False
-    return fd
+    return True if held else None
 
 
-def _flock_dir(path: str, exclusive: bool) -> "int | bool | None":
-    """A descriptor of directory ``path`` holding a non-blocking ``flock``; True when another
-    open file holds a conflicting one; None when the directory or ``flock`` is unavailable."""
+def _flock_dir(path: str, exclusive: bool) -> tuple:
+    """``(descriptor holding a non-blocking flock on directory path, or None; whether
+    another open file holds a conflicting lock)``."""
     import fcntl
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
-        return None
+        return None, False
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)
-        return True if isinstance(e, BlockingIOError) else None
-    return fd
+        return None, isinstance(e, BlockingIOError)
+    return fd, False
