@@ -1,6 +1,8 @@
 """Resharded loads on real gloo ranks: tensors saved by ``save_world`` ranks split by rows,
 loaded by the same layout (the reference) and by columns, shardpoint and DCP interleaved, the
-page cache dropped by rank 0 before every timed step. Run through ``run_world``."""
+page cache dropped by rank 0 before every timed step. Loads fill existing tensors (as a job
+loads into its model; the same as ``bench.py``'s loads), and the check of what each loaded
+runs after its timed part. Run through ``run_world``."""
 from __future__ import annotations
 
 import time
@@ -66,50 +68,51 @@ def save_and_load_job(rank, world, base, n, rows, cols, repeat, drop):
 
 def load_job(rank, world, base, n, rows, cols, repeat, drop, same_layout):
     """Timings (seconds, per repeat) of each load kind on this world; rank 0's list is the
-    one reported (every step ends in a barrier, so it is the slowest rank's time)."""
+    one reported (every step ends in a barrier, so it is the slowest rank's time).
+
+    Every load fills tensors that already exist, as a job loads into its model: each tool
+    has its own destination per layout, allocated once and zeroed before every step (so a
+    step that loaded nothing fails its check), and checked after the timed part."""
     import torch.distributed.checkpoint as dcp
     mesh = _mesh(world)
     ra, rb = _split(rows, world, rank)
     ca, cb = _split(cols, world, rank)
     res: dict = {}
     want = [_full(i, rows, cols) for i in range(n)]
+    shape = {0: (rb - ra, cols), 1: (rows, cb - ca)}
+    offset = {0: (ra, 0), 1: (0, ca)}
+    part = {0: (slice(ra, rb), slice(None)), 1: (slice(None), slice(ca, cb))}
 
-    def sp_load(dim, strategy="auto"):
+    def sp_step(dim, strategy="auto"):
+        dst = [torch.zeros(shape[dim]) for _ in range(n)]
+        like = {f"w{i}": sp.ShardedTensor(t, (rows, cols), offset[dim]) for i, t in enumerate(dst)}
+
         def run():
-            if dim == 0:
-                like = {f"w{i}": sp.ShardedTensor(torch.empty(rb - ra, cols), (rows, cols),
-                                                  (ra, 0)) for i in range(n)}
-            else:
-                like = {f"w{i}": sp.ShardedTensor(torch.empty(rows, cb - ca), (rows, cols),
-                                                  (0, ca)) for i in range(n)}
             rep = sp.LoadReport()
-            out = sp.load(f"{base}/sp", like=like, report=rep,
-                          options=sp.LoadOptions(strategy=strategy))
-            sl = (slice(ra, rb), slice(None)) if dim == 0 else (slice(None), slice(ca, cb))
-            assert all(torch.equal(out[f"w{i}"], want[i][sl]) for i in range(n)), "mismatch"
+            sp.load(f"{base}/sp", like=like, report=rep,
+                    options=sp.LoadOptions(strategy=strategy))
             return rep
-        return run
+        return dst, run, dim
 
-    def dcp_load(dim):
-        def run():
-            shape = (rb - ra, cols) if dim == 0 else (rows, cb - ca)
-            like = {f"w{i}": _dtensor(torch.empty(shape), mesh, dim, rows, cols)
-                    for i in range(n)}
-            dcp.load(like, checkpoint_id=f"{base}/dcp")
-            sl = (slice(ra, rb), slice(None)) if dim == 0 else (slice(None), slice(ca, cb))
-            assert all(torch.equal(like[f"w{i}"].to_local(), want[i][sl]) for i in range(n))
-        return run
+    def dcp_step(dim):
+        dst = [torch.zeros(shape[dim]) for _ in range(n)]
+        like = {f"w{i}": _dtensor(t, mesh, dim, rows, cols) for i, t in enumerate(dst)}
+        return dst, lambda: dcp.load(like, checkpoint_id=f"{base}/dcp"), dim
 
     steps = []
     if same_layout:
-        steps += [("sp rows", sp_load(0)), ("dcp rows", dcp_load(0))]
-    steps += [("sp cols", sp_load(1)), ("dcp cols", dcp_load(1)),
-              ("sp cols dedup", sp_load(1, "dedup"))]
-    for name, fn in steps if drop else []:   # warm up: group setup, first-call costs
-        _timed(fn, False, rank)
-    for _ in range(repeat):
-        for name, fn in steps:
-            t, rep = _timed(fn, drop, rank)
+        steps += [("sp rows", sp_step(0)), ("dcp rows", dcp_step(0))]
+    steps += [("sp cols", sp_step(1)), ("dcp cols", dcp_step(1)),
+              ("sp cols dedup", sp_step(1, "dedup"))]
+    rounds = ([False] if drop else []) + [True] * repeat   # warm up: group setup, first calls
+    for timed in rounds:
+        for name, (dst, fn, dim) in steps:
+            for t_ in dst:
+                t_.zero_()
+            t, rep = _timed(fn, drop and timed, rank)
+            assert all(torch.equal(dst[i], want[i][part[dim]]) for i in range(n)), name
+            if not timed:
+                continue
             res.setdefault(name, []).append(t)
             if name == "sp cols":
                 res.setdefault("auto chose", []).append(rep.strategy)
@@ -124,21 +127,26 @@ def load_job(rank, world, base, n, rows, cols, repeat, drop, same_layout):
 
 
 def single_process(base, n, rows, cols, repeat, drop):
-    """A world of one loading the whole tensors of the row-split checkpoints."""
+    """A world of one loading the whole tensors of the row-split checkpoints, each tool into
+    its own existing tensors (zeroed before every step, checked after the timed part)."""
     import torch.distributed.checkpoint as dcp
     res: dict = {}
-    for _ in range(repeat):
-        for name in ("sp full", "dcp full"):
-            like = {f"w{i}": torch.empty(rows, cols) for i in range(n)}
-            if drop:
+    want = [_full(i, rows, cols) for i in range(n)]
+    dst = {name: {f"w{i}": torch.zeros(rows, cols) for i in range(n)}
+           for name in ("sp full", "dcp full")}
+    load = {"sp full": lambda like: sp.load(f"{base}/sp", like=like),
+            "dcp full": lambda like: dcp.load(like, checkpoint_id=f"{base}/dcp", no_dist=True)}
+    for timed in ([False] if drop else []) + [True] * repeat:
+        for name, like in dst.items():
+            for t_ in like.values():
+                t_.zero_()
+            if drop and timed:
                 drop_caches()
             t = time.perf_counter()
-            if name == "sp full":
-                sp.load(f"{base}/sp", like=like)
-            else:
-                dcp.load(like, checkpoint_id=f"{base}/dcp", no_dist=True)
-            res.setdefault(name, []).append(time.perf_counter() - t)
-            assert torch.equal(like["w0"], _full(0, rows, cols)), name
+            load[name](like)
+            if timed:
+                res.setdefault(name, []).append(time.perf_counter() - t)
+            assert all(torch.equal(like[f"w{i}"], want[i]) for i in range(n)), name
     return res
 
 
