@@ -292,6 +292,8 @@ def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> dict:
     for w in load_worlds:
         r = first if w == save_world else run_world(
             w, rs.load_job, base, n, rows, cols, repeat, drop, False, timeout=900)[0]
+        line(f"{w} ranks' world: floor, the checkpoint's files read raw by one rank "
+             f"({rs.RAW_THREADS} threads preadv)", r["raw files"])
         if "sp rows" in r:
             same_ref, same_runs = statistics.median(r["sp rows"]), r["sp rows"]
             line(f"{w} ranks, rows (same layout): shardpoint", r["sp rows"],
@@ -304,7 +306,7 @@ def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> dict:
              same_ref, dc)
         line(f"{w} ranks, by columns: DCP", r["dcp cols"], same_ref)
         out[w] = {"cols": r["sp cols"], "same": same_runs, "dcp": r["dcp cols"],
-                  "paired": "sp rows" in r}
+                  "raw": r["raw files"], "paired": "sp rows" in r}
         x = r["exchange GB/s per rank"]
         print(f"| {w} ranks: exchange rate (dedup), GB/s per rank | {statistics.median(x):.2f}"
               f" | {min(x):.2f}-{max(x):.2f} | | |")

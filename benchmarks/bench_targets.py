@@ -89,9 +89,10 @@ def state_rows(runs: list, names: dict) -> list:
 
 def print_targets(runs: list, names: dict, reshard: dict, note: str = "") -> None:
     """The markdown table of targets for the states in ``runs`` and the resharded loads in
-    ``reshard`` (``{ranks: {"cols": [s], "same": [s], "dcp": [s], "paired": bool}}``,
-    seconds per round; ``paired`` when "same" ran in the same rounds as "cols", else the
-    ratio to it is one of medians)."""
+    ``reshard`` (``{ranks: {"cols": [s], "same": [s], "dcp": [s], "raw": [s], "paired":
+    bool}}``, seconds per round; "raw" reads the checkpoint's files raw in the same rounds
+    (optional); ``paired`` when "same" ran in the same rounds as "cols", else the ratio to it
+    is one of medians)."""
     if not runs and not reshard:
         return
     print("\n### Targets (issue 7), from this run\n" + (f"\n{note}\n" if note else ""))
@@ -102,8 +103,10 @@ def print_targets(runs: list, names: dict, reshard: dict, note: str = "") -> Non
     for w, r in sorted(reshard.items(), reverse=True):
         same = per_round(r["cols"], r["same"]) if r["paired"] else _ratio(
             statistics.median(r["cols"]), statistics.median(r["same"]))
+        dcp_raw = per_round(r["dcp"], r["raw"]) if r.get("raw") else None
         cells = [_cell(same, 1.25, True),
-                 _cell(per_round(r["dcp"], r["cols"]), 1.5, False)]
+                 _cell(per_round(r["dcp"], r["cols"]), 1.5, False,
+                       f"DCP {dcp_raw:.2f}x its files raw" if dcp_raw else "")]
         print(f"| resharded load, {w} ranks by columns: <= 1.25x the same-layout load; "
               f">= 1.5x faster than DCP | {cells[0]}; {cells[1]} |" + " |" * (len(runs) - 1))
     print("\nRatios are medians of per-round ratios (each round runs every tool once, "
