@@ -133,3 +133,37 @@ def test_a_finished_or_failed_save_leaves_no_lock_behind(tmp_path):
     assert not os.path.exists(staging) and not be._save_locks
     _ckpt(tmp_path / "ckpt2", 2)
     assert not be._save_locks
+
+
+def test_a_process_forked_during_a_save_does_not_keep_its_lock(tmp_path):
+    """A child forked while a save holds its staging lock (a DataLoader worker started beside
+    an async save) drops its copy of the descriptor: once the save ends, the directory is
+    free although the child still lives."""
+    from shardpoint_tensorstore.durable import dir_locked
+    from shardpoint.storage import get_backend
+    be = get_backend()
+    staging = be.staging_path(str(tmp_path / "ckpt"), "fork1")
+    be.begin_save(staging)
+    r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                      # the child: say it runs, wait, report its lock count
+        try:
+            os.close(w)
+            os.write(ready_w, b"1")
+            os.read(r, 1)
+        finally:
+            os._exit(len(be._save_locks))
+    try:
+        os.close(r)
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"1"          # the child is past its fork hooks
+        os.close(ready_r)
+        assert dir_locked(staging) is True          # the parent's save still holds it
+        be._save_locks.release(staging)              # the save ends (commit or abort)
+        assert dir_locked(staging) is False         # the living child holds nothing
+    finally:
+        os.close(w)                                 # lets the child exit
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0   # nothing left in the child's table
+    be.abort(staging)

@@ -29,8 +29,8 @@ from .zarr_checks import (check_array_files, check_regular_file, check_zarr_json
 
 from shardpoint.fsutil import fsync_dir, remove_path
 
-from .durable import (LEFTOVER_NAME, RENAME_NOREPLACE, dir_locked, exchange_dirs,
-                      fsync_trees, lock_dir, newest_mtime, renameat2, syncfs, will_need)
+from .durable import (LEFTOVER_NAME, RENAME_NOREPLACE, DirLocks, dir_locked, exchange_dirs,
+                      fsync_trees, newest_mtime, renameat2, syncfs, will_need)
 from .direct import DirectLayout, DirectReader, parse_layout, whole_chunk_files
 from .direct_write import (DirectWriter, WritePool, stored_codecs, write_layout,
                            zarr_json_bytes)
@@ -211,7 +211,7 @@ class TensorStoreBackend:
         self.sync_method = sync_method
         self._lock = threading.Lock()
         self._written: dict = {}     # staging root -> array directories this process wrote
-        self._save_locks: dict = {}  # staging root -> descriptor holding its lock_dir
+        self._save_locks = DirLocks()  # the staging directories this process saves into
         self.read_threads = read_threads
         self.direct_reads = direct_reads
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -251,16 +251,7 @@ class TensorStoreBackend:
         parent = os.path.dirname(staging)
         os.makedirs(parent, exist_ok=True)
         os.makedirs(staging, exist_ok=False)
-        fd = lock_dir(staging)
-        if fd is not None:
-            with self._lock:
-                self._save_locks[os.path.abspath(staging)] = fd
-
-    def _unlock(self, staging: str) -> None:
-        with self._lock:
-            fd = self._save_locks.pop(os.path.abspath(staging), None)
-        if fd is not None:
-            os.close(fd)
+        self._save_locks.take(staging)
 
     # -- arrays ---------------------------------------------------------------------------
     def _tspec(self, root: str, array_path: str) -> dict:
@@ -485,7 +476,7 @@ class TensorStoreBackend:
         try:
             self._commit(staging, path, overwrite)
         finally:
-            self._unlock(staging)     # the lock moved with the directory; drop it now
+            self._save_locks.release(staging)     # the lock moved with the directory; drop it now
 
     def _commit(self, staging: str, path: str, overwrite: bool) -> None:
         # Every rank's ``flush`` and ``write_manifest`` made the staging tree durable: only
@@ -569,4 +560,4 @@ class TensorStoreBackend:
         with self._lock:
             self._written.pop(os.path.abspath(staging), None)
         shutil.rmtree(staging, ignore_errors=True)
-        self._unlock(staging)
+        self._save_locks.release(staging)

@@ -10,6 +10,8 @@ import errno
 import os
 import re
 import sys
+import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -130,6 +132,53 @@ def lock_dir(path: str) -> Optional[int]:
     ``flock``. A save holds it on its staging directory, so recovery can tell a running save
     from a crashed one on the same host, however long the save has been quiet."""
     return _flock_dir(path, exclusive=True)[0]
+
+
+class DirLocks:
+    """The :func:`lock_dir` locks one process holds, by directory. A process forked while a
+    save runs (a DataLoader worker started beside an async save) shares each lock's open
+    file, and a ``flock`` lasts until every descriptor of it is closed, so the staging
+    directory, and later the checkpoint it became, would stay locked while that child lives.
+    The child therefore closes its copies at once (never ``LOCK_UN``, which would release the
+    parent's lock too): the lock stays the parent's alone."""
+
+    def __init__(self) -> None:
+        self._fds: dict = {}
+        self._mutex = threading.Lock()
+        _EVERY.add(self)
+
+    def take(self, path: str) -> bool:
+        """Lock ``path`` for this process; False where the file system has no ``flock``."""
+        fd = lock_dir(path)
+        if fd is None:
+            return False
+        with self._mutex:
+            self._fds[os.path.abspath(path)] = fd
+        return True
+
+    def release(self, path: str) -> None:
+        """Drop the lock on ``path`` if this process holds it (idempotent)."""
+        with self._mutex:
+            fd = self._fds.pop(os.path.abspath(path), None)
+        if fd is not None:
+            os.close(fd)
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def _forget_after_fork(self) -> None:
+        self._mutex = threading.Lock()    # another thread may have held it at the fork
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = {}
+
+
+_EVERY: "weakref.WeakSet[DirLocks]" = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [d._forget_after_fork() for d in list(_EVERY)])
 
 
 def dir_locked(path: str) -> Optional[bool]:
