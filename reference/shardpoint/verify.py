@@ -125,8 +125,15 @@ def verify_checkpoint(path: str, *, strict: bool = False,
                 progress(e.nbytes)
         if strict:
             rep.problems += _strays(path, {e.array for e in m.tensors.values()})
+    rep.problems = [(sid, _without_id(sid, msg)) for sid, msg in rep.problems]
     rep.seconds = time.perf_counter() - t0
     return rep
+
+
+def _without_id(sid: str, msg: str) -> str:
+    """``msg`` without a leading ``[sid]`` (a ShardpointError's text carries it): the report
+    pairs each message with its ID already, and printing both showed it twice."""
+    return msg[len(sid) + 3:] if msg.startswith(f"[{sid}] ") else msg
 
 
 def _verify_array(be: StorageBackend, root: str, e, key: str) -> list:
