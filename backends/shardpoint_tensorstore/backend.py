@@ -249,8 +249,14 @@ class TensorStoreBackend:
 
     def begin_save(self, staging: str) -> None:
         parent = os.path.dirname(staging)
-        os.makedirs(parent, exist_ok=True)
-        os.makedirs(staging, exist_ok=False)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            os.makedirs(staging, exist_ok=False)
+        except OSError as e:   # a parent that is a file, no permission, a full disk
+            raise SaveFailedError(
+                f"cannot create the save's directory {staging!r}: {e.strerror} "
+                f"({e.filename!r}); every parent of the checkpoint path must be a writable "
+                "directory") from e
         self._save_locks.take(staging)
 
     # -- arrays ---------------------------------------------------------------------------
@@ -455,8 +461,14 @@ class TensorStoreBackend:
         if state == "missing":
             raise CheckpointNotFoundError(f"no checkpoint at {path!r}: the path does not exist")
         if state == "incomplete":
-            if not os.path.isdir(path):
-                raise CheckpointNotFoundError(f"{path!r} is a file, not a checkpoint directory")
+            # Imported only on this error path: detecting other formats needs convert's
+            # modules, which a load of a sound checkpoint never uses.
+            from shardpoint.convert import foreign_format_hint
+            other = foreign_format_hint(path)
+            if not os.path.isdir(path) or other:
+                what = "a file" if not os.path.isdir(path) else "a directory"
+                raise CheckpointNotFoundError(f"{path!r} is {what}, not a shardpoint "
+                                              f"checkpoint{other}")
             raise IncompleteCheckpointError(
                 f"{path!r} has no {MANIFEST_NAME}: the save that made it never committed "
                 "(crashed or still running); it is not a checkpoint", spec_id="SP-COMMIT-3")

@@ -82,6 +82,24 @@ def detect_format(path: str) -> str:
                           "(metadata.json), safetensors or torch.save file; pass --from")
 
 
+_NAMES = {"dcp": "PyTorch DCP", "megatron": "Megatron torch_dist", "torch": "torch.save",
+          "safetensors": "safetensors"}
+
+
+def foreign_format_hint(path: str) -> str:
+    """For a path that is not a shardpoint checkpoint: ``" (it is a DCP checkpoint: ...)"``
+    naming the format it does hold and the command converting it, or ``""``. Cheap (file
+    names and a few header bytes), for error messages of readers given the wrong path."""
+    try:
+        fmt = detect_format(path)
+    except (OSError, ConversionError):
+        return ""
+    if fmt == "shardpoint":
+        return ""
+    return (f" (it holds a {_NAMES[fmt]} checkpoint: convert it with "
+            f"`shardpoint convert {path} DST` or shardpoint.convert.convert)")
+
+
 def open_source(path: str, fmt: Optional[str] = None, *, skip_common: bool = False,
                 backend: Any = None, tensors_only: bool = False) -> Source:
     """A :class:`Source` reading ``path`` as ``fmt`` (detected when None). ``tensors_only``
@@ -190,5 +208,5 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
     return rep
 
 
-__all__ = ["convert", "detect_format", "open_source", "write", "ConvertReport", "Source",
+__all__ = ["convert", "detect_format", "foreign_format_hint", "open_source", "write", "ConvertReport", "Source",
            "TensorInfo", "SOURCES", "TARGETS"]
