@@ -5,6 +5,7 @@ Produces the list of targets (a holding and the tensor to fill in place) and the
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,11 +31,11 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
     returned tree once they are filled."""
     targets: list = []
 
-    def missing(what: str) -> None:
+    def missing(what: str, path: tuple = ()) -> None:
         if strict:
             raise errors.LayoutMismatchError(
-                f"{what} is not in the checkpoint (pass strict=False to skip it)",
-                spec_id="SP-LOAD-1")
+                f"{what} is not in the checkpoint{_missing_hint(m, path)} (pass strict=False "
+                "to skip it)", spec_id="SP-LOAD-1")
         report.missing_keys.append(what)
 
     def absent(what: str, path: tuple, want: str) -> None:
@@ -46,14 +47,19 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
             raise errors.LayoutMismatchError(
                 f"{what}: the checkpoint holds a {kind} at this key, the target asks for a "
                 f"{want}; ask for it as a {kind}", spec_id="SP-LOAD-1")
-        missing(what)
+        missing(what, path)
 
     def tensor_target(key: str, h: Holding, data: torch.Tensor) -> None:
         e = m.tensors[key]
         if h.global_shape != e.shape or h.dtype != e.dtype:
+            fix = ("like gives a tensor's global shape: a rank's piece as "
+                   "sp.ShardedTensor(piece, global_shape, global_offset)"
+                   if h.global_shape != e.shape else
+                   f"load into a {e.dtype} tensor and cast it (load bytes are never "
+                   "converted; shardpoint.state.load_model casts model weights)")
             raise errors.LayoutMismatchError(
                 f"key {key!r}: checkpoint has shape {e.shape} dtype {e.dtype}, the target "
-                f"expects shape {h.global_shape} dtype {h.dtype}", spec_id="SP-LOAD-1")
+                f"expects shape {h.global_shape} dtype {h.dtype}; {fix}", spec_id="SP-LOAD-1")
         targets.append(Target(h, data))
 
     def walk(x: Any, path: tuple) -> Any:
@@ -132,6 +138,23 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
     asked = {t.holding.key for t in targets}
     report.unexpected_keys = sorted(k for k in m.tensors if k not in asked)
     return targets, built
+
+
+def _missing_hint(m: Manifest, path: tuple) -> str:
+    """Why a key ``like`` asks for is absent, for the error: the checkpoint holds a subtree
+    there, or keys with similar names (a ``module.`` / ``_orig_mod.`` prefix, a typo)."""
+    node = _node_at(m.tree, path) if path else None
+    if node is not None and any(k in node for k in ("dict", "list", "tuple")):
+        below = [k for k in m.tensors if k.startswith(encode_key(path) + "/")][:3]
+        return (f": the checkpoint has a subtree there (e.g. {', '.join(map(repr, below))}); "
+                "give like a tree for it") if below else ": the checkpoint has a subtree there"
+    key = encode_key(path) if path else ""
+    near = difflib.get_close_matches(key, list(m.tensors), n=3, cutoff=0.6) if key else []
+    if not near and key:
+        tail = key.rsplit("/", 1)[-1]
+        near = [k for k in m.tensors if k.endswith(tail) or tail.endswith(k.rsplit("/", 1)[-1])
+                ][:3]
+    return f"; similar keys in it: {', '.join(map(repr, near))}" if near else ""
 
 
 def _value_at(tree: Any, path: tuple) -> Optional[tuple]:
