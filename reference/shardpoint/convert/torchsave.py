@@ -38,6 +38,16 @@ def load_weights_only(path: str, what: str) -> Any:
             reason = str(e).split("\n\n")[0] if "Weights only load failed" in str(e) else \
                 f"{type(e).__name__}: {e}"
             first = [ln for ln in str(e).splitlines() if "Unsupported global" in ln]
+            if not first and not zipfile.is_zipfile(path) or "zip archive" in str(e):
+                # Not a refusal of some object: the bytes are not a torch.save file at all
+                # (torch.save writes a zip archive; random bytes reach the legacy unpickler).
+                detail = [ln.strip() for ln in str(e).split("\n\n") if ln.strip()]
+                detail = detail[1] if "WeightsUnpickler" in str(e) and len(detail) > 1 \
+                    else str(e).split(". ")[0]
+                raise ConversionError(
+                    f"{what} is not a readable torch.save file ({detail}): damaged, truncated "
+                    "or another format; --from names the format when detection guessed it "
+                    "from the file name") from None
             raise ConversionError(
                 f"{what} cannot be loaded with torch.load(weights_only=True), and loading it "
                 f"otherwise would execute pickled code: {(first or [reason])[0].strip()}; "
