@@ -146,7 +146,8 @@ class CheckpointManager:
                     "rename it")
             state = {**state, METRICS_KEY: dict(metrics)}
         if self._comm.is_coordinator:
-            os.makedirs(self.root, exist_ok=True)
+            # No makedirs here: save creates the root inside its collective plan step, so a
+            # root it cannot create fails every rank instead of this one while the others wait.
             self._clean_leftovers()
         self._metrics.pop(step, None)
         kw: dict = {"group": self.group, "overwrite": force}
