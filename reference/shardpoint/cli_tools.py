@@ -6,19 +6,35 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from typing import Any
 
 from . import errors, progress
 from .textfmt import fmt_bytes
 
 
+def add_command(sub: Any, name: str, help: str, examples: str = "") -> argparse.ArgumentParser:
+    """A sub-command whose own ``--help`` repeats its one-line summary and shows examples
+    (``examples``: one command per line, ``#`` comments kept)."""
+    return sub.add_parser(
+        name, help=help, description=textwrap.fill(help[0].upper() + help[1:] + "."),
+        epilog="examples:\n" + textwrap.indent(textwrap.dedent(examples).strip(), "  ")
+        if examples else None, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def add_commands(sub: Any) -> None:
     """Register ``convert`` and ``diff`` on the ``shardpoint`` sub-command parser."""
     from .convert import SOURCES, TARGETS
-    s = sub.add_parser("convert", help="convert from DCP, Megatron torch_dist, torch.save or "
-                       "safetensors to shardpoint, or from shardpoint to DCP or safetensors")
-    s.add_argument("src")
-    s.add_argument("dst")
+    s = add_command(sub, "convert", "convert from DCP, Megatron torch_dist, torch.save or "
+                    "safetensors to shardpoint, or from shardpoint to DCP or safetensors", """
+        shardpoint convert outputs/checkpoint/step-1000 ckpt/step_1000   # DCP, any world size
+        shardpoint convert iter_0001000 ckpt/megatron          # Megatron torch_dist
+        shardpoint convert model.pt ckpt/from_pt               # torch.save (weights_only)
+        shardpoint convert Llama-3-8B/ ckpt/llama              # HF safetensors directory
+        shardpoint convert ckpt/llama out/ --to safetensors --max-shard-size 5GB
+        shardpoint convert ckpt/step_1000 dcp_again/ --to dcp""")
+    s.add_argument("src", help="the checkpoint to read (a directory or a file)")
+    s.add_argument("dst", help="where to write it (must not exist unless --overwrite)")
     s.add_argument("--from", dest="from_", choices=SOURCES, help="source format (default: "
                    "detected)")
     s.add_argument("--to", choices=TARGETS, help="target format (default: safetensors for a "
@@ -36,15 +52,20 @@ def add_commands(sub: Any) -> None:
                    "state even when common.pt needs more than weights_only unpickling")
     s.add_argument("--json", action="store_true", help="machine-readable report")
     s.set_defaults(fn=cmd_convert)
-    s = sub.add_parser("diff", help="compare two checkpoints key by key and chunk by chunk "
-                       "(exit 0 equal, 1 different, 2 error)")
-    s.add_argument("a")
-    s.add_argument("b")
+    s = add_command(sub, "diff", "compare two checkpoints key by key and chunk by chunk "
+                    "(exit 0 equal, 1 different, 2 error)", """
+        shardpoint diff ckpt/step_100 ckpt/step_200            # bitwise
+        shardpoint diff ckpt/llama Llama-3-8B/ --atol 1e-6     # any two readable formats
+        shardpoint diff ckpt/a ckpt/b --json""")
+    s.add_argument("a", help="a checkpoint of any readable format (detected)")
+    s.add_argument("b", help="the checkpoint to compare it with")
     s.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: "
                    "bitwise comparison)")
     s.add_argument("--rtol", type=float, default=None, help="relative tolerance")
-    s.add_argument("--from-a", choices=SOURCES, default=None)
-    s.add_argument("--from-b", choices=SOURCES, default=None)
+    s.add_argument("--from-a", choices=SOURCES, default=None,
+                   help="format of A (default: detected)")
+    s.add_argument("--from-b", choices=SOURCES, default=None,
+                   help="format of B (default: detected)")
     s.add_argument("--json", action="store_true", help="machine-readable report")
     s.set_defaults(fn=cmd_diff)
 
@@ -110,7 +131,7 @@ def cmd_diff(a: argparse.Namespace) -> int:
     return 0 if rep.equal else 1
 
 
-_SLICE = re.compile(r"^(?P<key>.*?)\[(?P<idx>[-0-9:, .]*)\]$")
+_SLICE = re.compile(r"^(?P<key>.*?)\[(?P<idx>[^\[\]]*)\]$")
 _PREVIEW_BYTES = 64 << 20
 
 
