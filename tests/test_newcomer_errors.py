@@ -1,0 +1,119 @@
+"""What a first-time user hits with a wrong path, a wrong ``like`` or a damaged file: one
+documented error naming the key or path and the fix, a clean CLI line, no hang."""
+import os
+
+import pytest
+import torch
+
+import shardpoint as sp
+from shardpoint.cli import main as cli
+from shardpoint.verify import verify_checkpoint
+from shardpoint_conformance.launch import run_world
+
+
+def small(path):
+    sp.save({"model": {"layers.0.weight": torch.arange(64.0).reshape(8, 8),
+                       "layers.0.bias": torch.ones(8)}, "step": 3}, path)
+    return path
+
+
+def run(capsys, *argv):
+    rc = cli(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_verify_prints_each_requirement_id_once(tmp_path, capsys):
+    p = small(str(tmp_path / "ck"))
+    chunk = next(os.path.join(d, f) for d, _, fs in os.walk(f"{p}/tensors/model/layers.0.weight")
+                 for f in fs if f != "zarr.json")
+    os.truncate(chunk, 10)
+    rc, out, _ = run(capsys, "verify", p)
+    assert rc == 1 and "[SP-READ-3]" in out and "[SP-READ-3] [SP-READ-3]" not in out
+    assert all(not m.startswith("[") for _, m in verify_checkpoint(p))
+
+
+def test_another_format_is_named_with_the_convert_command(tmp_path, capsys):
+    """A DCP directory or a torch.save file given to inspect/load is not 'a save that never
+    committed': the error says what it is and how to convert it."""
+    import torch.distributed.checkpoint as dcp
+    d = str(tmp_path / "dcp")
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=d, no_dist=True)
+    pt = str(tmp_path / "m.pt")
+    torch.save({"w": torch.ones(2)}, pt)
+    for path, what in ((d, "PyTorch DCP"), (pt, "torch.save")):
+        rc, out, err = run(capsys, "inspect", path)
+        assert rc == 2 and err.count("\n") == 1, err
+        assert what in err and f"shardpoint convert {path} DST" in err, err
+        with pytest.raises(sp.CheckpointNotFoundError, match="convert"):
+            sp.load(path)
+    os.makedirs(tmp_path / "crashed" / "tensors")       # a save that never committed stays so
+    with pytest.raises(sp.IncompleteCheckpointError):
+        sp.load(str(tmp_path / "crashed"))
+
+
+def test_values_with_a_bad_index_says_so_not_unknown_key(tmp_path, capsys):
+    p = small(str(tmp_path / "ck"))
+    rc, _, err = run(capsys, "inspect", p, "--values", "model/layers.0.bias[abc]")
+    assert rc == 1 and "index must be ints and slices" in err and "not a key" not in err
+    rc, out, _ = run(capsys, "inspect", p, "--values", "model/layers.0.bias[1:3]")
+    assert rc == 0 and "tensor([1., 1.])" in out
+
+
+def test_like_errors_name_similar_keys_subtrees_and_the_fix(tmp_path):
+    p = small(str(tmp_path / "ck"))
+    w = torch.zeros(8, 8)
+    with pytest.raises(sp.LayoutMismatchError, match=r"similar keys in it: 'model/layers\.0"
+                       r"\.weight'") as e:    # a DDP 'module.' prefix
+        sp.load(p, like={"model": {"module.layers.0.weight": w}})
+    assert "module.layers.0.weight" in str(e.value)
+    with pytest.raises(sp.LayoutMismatchError, match="has a subtree there .*'model/layers"):
+        sp.load(p, like={"model": w})
+    with pytest.raises(sp.LayoutMismatchError, match="load into a float32 tensor and cast"):
+        sp.load(p, like={"model": {"layers.0.weight": w.double()}})
+    with pytest.raises(sp.LayoutMismatchError, match=r"sp\.ShardedTensor\(piece, global_shape"):
+        sp.load(p, like={"model": {"layers.0.weight": torch.zeros(4, 8)}})
+
+
+def test_damaged_torch_save_file_is_not_blamed_on_pickled_objects(tmp_path, capsys):
+    pt = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(4)}, str(pt))
+    pt.write_bytes(pt.read_bytes()[:200])                # truncated
+    (tmp_path / "g.pt").write_bytes(b"\x46\x00garbage" * 10)
+    for f in (pt, tmp_path / "g.pt"):
+        rc, _, err = run(capsys, "convert", str(f), str(tmp_path / "out"))
+        assert rc == 1 and "is not a readable torch.save file" in err, err
+        assert "execute pickled code" not in err
+
+
+def test_save_under_a_file_is_a_save_failed_error(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(sp.SaveFailedError, match="must be a writable directory"):
+        sp.save({"w": torch.ones(2)}, str(tmp_path / "f" / "ck"))
+
+
+def _manager_under_a_file(rank, world, root):
+    with sp.CheckpointManager(root) as mgr:
+        try:
+            mgr.save(1, {"w": torch.ones(2)})
+        except sp.SaveFailedError as e:
+            return type(e).__name__
+    return "saved"
+
+
+def test_manager_root_it_cannot_create_fails_every_rank(tmp_path):
+    """Rank 0 used to create the root alone before the collective save: its OSError left the
+    other ranks waiting in the save's first collective."""
+    (tmp_path / "f").write_text("x")
+    got = run_world(2, _manager_under_a_file, str(tmp_path / "f" / "ckpt"), timeout=90,
+                    pg_timeout=30)
+    assert got == ["SaveFailedError", "SaveFailedError"]
+
+
+def test_every_subcommand_help_has_a_description_and_examples(capsys):
+    for cmd in ("inspect", "verify", "recover", "convert", "diff"):
+        assert cli([cmd, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "examples:" in out and f"shardpoint {cmd} " in out.split("examples:")[1], cmd
+        pos = out.split("positional arguments:")[1].split("options:")[0]
+        assert all(len(ln.split()) > 1 for ln in pos.strip().splitlines()), (cmd, pos)
