@@ -284,7 +284,25 @@ class Flattened:
     objects: list   # [LocalObject]
 
 
+def check_tensor_data(data: torch.Tensor, what: str, *, target: bool = False) -> None:
+    """A tensor whose bytes can be saved (or, ``target``, filled in place): strided, with
+    storage. A meta tensor has no data and a sparse one no strided storage; both used to fail
+    deep inside the copy with a bare NotImplementedError."""
+    if data.layout is not torch.strided:
+        raise UnsupportedValueError(
+            f"{what} is a {str(data.layout).replace('torch.', '')} tensor; the format stores "
+            "dense tensors: pass t.to_dense() (or save its indices and values)")
+    if data.is_meta:
+        fix = ("nothing can be filled in place: pass a real tensor (torch.empty_like(t, "
+               "device='cpu')), or shardpoint.state.load_model(path, model), which "
+               "materializes a meta model" if target else
+               "it has no data to save: materialize it first (module.to_empty(device=...) and "
+               "initialize or load it)")
+        raise UnsupportedValueError(f"{what} is on the meta device; {fix}")
+
+
 def _check_holding(h: Holding, data: torch.Tensor, what: str) -> None:
+    check_tensor_data(data, what)
     g, o, s = h.global_shape, h.offset, h.shape
     if not (len(g) == len(o) == len(s)):
         raise InvalidShardingError(f"{what}: global_shape {g}, global_offset {o} and local "
@@ -444,6 +462,7 @@ def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
             return {"tensor": key}
         if isinstance(x, torch.Tensor):
             d = dtypes.from_torch(x.dtype, what)
+            check_tensor_data(x, what)
             shape = tuple(x.shape)
             tensors.append(LocalTensor(Holding(key, d.name, shape, (0,) * len(shape), shape,
                                                None, replica), x))

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import dtypes, errors
-from .model import ShardedPieces, pieces_holdings, sharded_holding
+from .model import ShardedPieces, check_tensor_data, pieces_holdings, sharded_holding
 from .keys import encode_key, format_path
 from .metadata import Manifest
 from .model import (Holding, ObjectValues, ShardedObject, ShardedTensor, _dtensor_leaf,
@@ -84,9 +84,12 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
             absent(f"tensor {key!r}", path, "tensor")
             return x
         if isinstance(x, ShardedTensor):
+            check_tensor_data(x.data, where, target=True)
             tensor_target(key, sharded_holding(x, key, where, (0,)), x.data.detach())
             return x.data
         if isinstance(x, ShardedPieces):
+            for p in x:
+                check_tensor_data(p.data, where, target=True)
             for h, p in zip(pieces_holdings(x, key, where, (0,)), x):
                 tensor_target(key, h, p.data.detach())
             return [p.data for p in x]
@@ -96,6 +99,7 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
             return x
         if isinstance(x, torch.Tensor):
             d = dtypes.from_torch(x.dtype, where)
+            check_tensor_data(x, where, target=True)
             shp = tuple(x.shape)
             # detach(): same storage, so an nn.Parameter (requires_grad) fills in place too.
             tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)),
