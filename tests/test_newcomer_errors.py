@@ -117,3 +117,29 @@ def test_every_subcommand_help_has_a_description_and_examples(capsys):
         assert "examples:" in out and f"shardpoint {cmd} " in out.split("examples:")[1], cmd
         pos = out.split("positional arguments:")[1].split("options:")[0]
         assert all(len(ln.split()) > 1 for ln in pos.strip().splitlines()), (cmd, pos)
+
+
+def test_meta_and_sparse_tensors_are_refused_by_name(tmp_path):
+    """They used to fail inside the copy (a bare NotImplementedError wrapped as
+    SaveFailedError / ShardpointError), and a meta tensor in like= was silently left unfilled."""
+    p = str(tmp_path / "ck")
+    with pytest.raises(sp.UnsupportedValueError, match=r"state\['w'\] is on the meta device"):
+        sp.save({"w": torch.empty(2, device="meta")}, p)
+    with pytest.raises(sp.UnsupportedValueError, match=r"state\['w'\] is a sparse_coo .*to_dense"):
+        sp.save({"w": torch.eye(2).to_sparse()}, p)
+    sp.save({"w": torch.ones(2)}, p)
+    with pytest.raises(sp.UnsupportedValueError, match="meta device; nothing can be filled"):
+        sp.load(p, like={"w": torch.empty(2, device="meta")})
+    with pytest.raises(sp.UnsupportedValueError, match="meta device"):
+        sp.load(p, like={"w": sp.ShardedTensor(torch.empty(1, device="meta"), (2,), (0,))})
+
+
+def test_manager_says_force_and_refuses_negative_steps(tmp_path):
+    mgr = sp.CheckpointManager(str(tmp_path / "run"))
+    mgr.save(1, {"w": torch.ones(2)})
+    with pytest.raises(sp.CheckpointExistsError, match="step 1 is already saved.*force=True"):
+        mgr.save(1, {"w": torch.ones(2)})
+    for bad in (-1, 2.5):
+        with pytest.raises(sp.InvalidKeyError, match="not a step number"):
+            mgr.save(bad, {"w": torch.ones(2)})
+    assert mgr.all_steps() == [1]

@@ -32,6 +32,7 @@ never touches the directory, so an observer cannot disturb a save in progress.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import re
 import secrets
@@ -83,7 +84,15 @@ class CheckpointManager:
     # ---------------------------------------------------------------- reading (any rank)
     def path(self, step: int) -> str:
         """The directory of ``step`` (it may not exist)."""
-        return os.path.join(self.root, f"step_{int(step):08d}")
+        try:
+            n = operator.index(step)
+        except TypeError:
+            n = -1
+        if n < 0 or isinstance(step, bool):
+            # A negative step would name 'step_-0000001', which all_steps() never lists.
+            raise errors.InvalidKeyError(f"step {step!r} is not a step number: steps are ints "
+                                         ">= 0 (the directory is step_%08d)")
+        return os.path.join(self.root, f"step_{n:08d}")
 
     def all_steps(self) -> list:
         """Committed steps, oldest first (incomplete ones are ignored)."""
@@ -153,7 +162,12 @@ class CheckpointManager:
         kw: dict = {"group": self.group, "overwrite": force}
         if self.async_save:
             kw["async_save"] = True
-        result = api.save(state, self.path(step), **kw)
+        try:
+            result = api.save(state, self.path(step), **kw)
+        except errors.CheckpointExistsError as e:   # raised on every rank alike
+            raise errors.CheckpointExistsError(
+                f"step {step} is already saved at {self.path(step)!r}; pass force=True to "
+                "replace it") from e
         if self.async_save:
             self._pending = result
         else:
