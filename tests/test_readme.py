@@ -83,3 +83,31 @@ def test_lazy_open_and_convert_example_runs(tmp_path):
 def test_tuning_example_runs(tmp_path):
     """The I/O tuning block: a configured backend and load options, a real round trip."""
     run_python(next(b for b in BLOCKS if "TensorStoreBackend(" in b), tmp_path)
+
+
+def test_async_loop_example_runs(tmp_path):
+    """Training goes on during async saves; leaving the manager's block waits for the last."""
+    block = next(b for b in BLOCKS if "async_save=True)" in b and "CheckpointManager" in b)
+    run_python(block, tmp_path)
+    assert sorted(os.listdir(tmp_path / "ckpt" / "run")) == ["step_00000004", "step_00000006"]
+
+
+def test_errors_example_resumes_from_the_newest_sound_step(tmp_path, monkeypatch, capsys):
+    """A damaged newest step raises CorruptCheckpointError; the loop falls back to the one
+    before it. (In this process: it needs no process group, and that saves a torch import.)"""
+    import torch
+
+    import shardpoint as sp
+    mgr = sp.CheckpointManager(str(tmp_path / "ckpt"))
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((64,), float(step)), "step": step})
+    chunk = tmp_path / "ckpt" / "step_00000002" / "tensors" / "w" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[3] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    block = next(b for b in BLOCKS if "except sp.CorruptCheckpointError" in b)
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "__main__"}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert scope["state"]["step"] == 1
+    assert "step 2 is damaged (SP-READ-3)" in capsys.readouterr().out
