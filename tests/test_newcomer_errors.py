@@ -90,6 +90,10 @@ def test_save_under_a_file_is_a_save_failed_error(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(sp.SaveFailedError, match="must be a writable directory"):
         sp.save({"w": torch.ones(2)}, str(tmp_path / "f" / "ck"))
+    from shardpoint.convert import convert
+    sp.save({"w": torch.ones(2)}, str(tmp_path / "ck"))
+    with pytest.raises(sp.ConversionError, match="must be a writable directory"):
+        convert(str(tmp_path / "ck"), str(tmp_path / "f" / "m.safetensors"))
 
 
 def _manager_under_a_file(rank, world, root):

@@ -179,10 +179,15 @@ def staged_output(dst: str, overwrite: bool, *, is_dir: bool) -> Iterator[str]:
         raise CheckpointExistsError(f"{dst!r} exists; pass overwrite=True (--overwrite) to "
                                     "replace it")
     parent, name = os.path.split(dst)
-    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{name}.shardpoint-tmp-{secrets.token_hex(6)}")
-    if is_dir:
-        os.makedirs(tmp)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        if is_dir:
+            os.makedirs(tmp)
+    except OSError as e:   # a parent that is a file, no permission
+        raise ConversionError(f"cannot write the conversion beside {dst!r}: {e.strerror} "
+                              f"({e.filename!r}); every parent of the destination must be a "
+                              "writable directory") from e
     try:
         yield tmp
         if is_dir:
