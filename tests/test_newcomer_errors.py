@@ -105,9 +105,16 @@ def _manager_under_a_file(rank, world, root):
     return "saved"
 
 
+def test_manager_root_it_cannot_create_is_a_save_failed_error(tmp_path):
+    """Rank 0 used to create the root alone, before the collective save: a bare OSError here,
+    and on 2+ ranks the others left waiting in the save (the test below)."""
+    (tmp_path / "f").write_text("x")
+    assert _manager_under_a_file(0, 1, str(tmp_path / "f" / "ckpt")) == "SaveFailedError"
+
+
+@pytest.mark.slow
 def test_manager_root_it_cannot_create_fails_every_rank(tmp_path):
-    """Rank 0 used to create the root alone before the collective save: its OSError left the
-    other ranks waiting in the save's first collective."""
+    """The same on 2 gloo ranks: every rank raises it, none waits for the other."""
     (tmp_path / "f").write_text("x")
     got = run_world(2, _manager_under_a_file, str(tmp_path / "f" / "ckpt"), timeout=90,
                     pg_timeout=30)
@@ -147,3 +154,22 @@ def test_manager_says_force_and_refuses_negative_steps(tmp_path):
         with pytest.raises(sp.InvalidKeyError, match="not a step number"):
             mgr.save(bad, {"w": torch.ones(2)})
     assert mgr.all_steps() == [1]
+
+
+def test_options_and_swapped_arguments_are_refused_before_any_io(tmp_path):
+    p = str(tmp_path / "ck")
+    with pytest.raises(sp.InvalidKeyError, match="arguments swapped"):
+        sp.save(p, {"w": torch.ones(2)})            # shardpoint_jax's order
+    assert not os.path.exists(p)
+    sp.save({"w": torch.ones(2)}, p)
+    with pytest.raises(sp.InvalidKeyError, match="arguments swapped"):
+        sp.load(p, like=p)
+    with pytest.raises(sp.InvalidOptionError, match="strategy is one of auto, dedup, direct"):
+        sp.LoadOptions(strategy="fast")               # was accepted, and loaded somehow
+    with pytest.raises(sp.InvalidOptionError, match=r"storage_gbps=0\)"):
+        sp.LoadOptions(storage_gbps=0)
+    with pytest.raises(ValueError, match="best_mode"):  # still a ValueError for old callers
+        sp.CheckpointManager(str(tmp_path / "run"), best_metric="loss", best_mode="maximum")
+    mgr = sp.CheckpointManager(str(tmp_path / "run"))
+    with pytest.raises(sp.UnsupportedValueError, match="metrics must be a dict"):
+        mgr.save(1, {"w": torch.ones(2)}, metrics=0.5)

@@ -17,7 +17,7 @@ from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptChec
                      IncompleteCheckpointError, InvalidKeyError, InvalidShardingError,
                      LayoutMismatchError, LoadFailedError, ResourceLimitError, SaveFailedError,
                      ShardpointError, UnsupportedFormatError, UnsupportedValueError,
-                     ConversionError)
+                     ConversionError, InvalidOptionError)
 from .lazy import Checkpoint, TensorView, open  # noqa: A004 - sp.open, like zarr.open
 from .manager import CheckpointManager
 from .metadata import FORMAT_VERSION, Manifest
@@ -32,5 +32,5 @@ __all__ = [
     "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
     "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
-    "LoadFailedError", "ResourceLimitError", "ConversionError", "recover", "RecoveryAction",
+    "LoadFailedError", "ResourceLimitError", "ConversionError", "InvalidOptionError", "recover", "RecoveryAction",
 ]

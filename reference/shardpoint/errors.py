@@ -83,3 +83,8 @@ class LoadFailedError(ShardpointError):
 class ConversionError(ShardpointError):
     """A checkpoint of another format cannot be converted: unknown or ambiguous format, an entry
     that would need unrestricted unpickling, a dtype or key the target cannot hold."""
+
+
+class InvalidOptionError(ShardpointError, ValueError):
+    """An argument or option is outside what it accepts (an unknown load strategy, a count or
+    rate that must be positive, a ``best_mode`` other than min/max); raised before any I/O."""

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from . import dtypes
 from .columns import Gathered, Regions, as_columns, gc_paused
-from .errors import LayoutMismatchError
+from .errors import InvalidOptionError, LayoutMismatchError
 from .grid import pieces_by_chunk
 from .load_dedup import LoadWorks, plan_load_arrays
 from .model import Holding, holding_pieces
@@ -54,6 +54,18 @@ class LoadOptions:
     shm_round_bytes: int = 16 << 20  # ... staged in rounds of this many bytes per rank
     memory_gbps: float = 2.0         # one rank's rate through memory: copy, crc32c, faults
     host_cores: Optional[int] = None  # cores per host; None: the coordinator's usable cores
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise InvalidOptionError(f"LoadOptions(strategy={self.strategy!r}): the strategy "
+                                     f"is one of {', '.join(STRATEGIES)}")
+        for name, optional in (("storage_gbps", False), ("memory_gbps", False),
+                               ("exchange_budget_bytes", False), ("shm_round_bytes", False),
+                               ("exchange_gbps", True), ("host_cores", True)):
+            v = getattr(self, name)
+            if not ((v is None and optional) or (isinstance(v, (int, float)) and v > 0)):
+                raise InvalidOptionError(f"LoadOptions({name}={v!r}): it must be a positive "
+                                         "number" + (" or None" if optional else ""))
 
 
 @dataclass

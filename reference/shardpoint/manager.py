@@ -64,18 +64,21 @@ class CheckpointManager:
         for name, v in (("max_to_keep", max_to_keep), ("keep_every", keep_every),
                         ("keep_best", keep_best)):
             if v is not None and (type(v) is not int or v < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+                raise errors.InvalidOptionError(
+                    f"{name} must be a positive int or None, got {v!r}")
         if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+            raise errors.InvalidOptionError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
         if keep_best is not None and best_metric is None:
-            raise ValueError("keep_best needs best_metric (the metric name to rank steps by)")
+            raise errors.InvalidOptionError(
+                "keep_best needs best_metric (the metric name to rank steps by)")
         self.root = os.path.abspath(str(root))
         self.max_to_keep, self.keep_every = max_to_keep, keep_every
         self.best_metric, self.best_mode = best_metric, best_mode
         self.keep_best = keep_best if keep_best is not None else (1 if best_metric else None)
         if async_save and not hasattr(api, "AsyncSave"):
-            raise ValueError("async_save=True needs a shardpoint whose save() supports "
-                             "async_save (sp.AsyncSave); this one saves synchronously only")
+            raise errors.InvalidOptionError(
+                "async_save=True needs a shardpoint whose save() supports async_save "
+                "(sp.AsyncSave); this one saves synchronously only")
         self.async_save, self.group = async_save, group
         self._comm = Comm(group)
         self._pending: Any = None          # the in-flight async save, if any
@@ -145,6 +148,10 @@ class CheckpointManager:
         """
         self.wait()   # the previous save commits (or raises) before this one starts
         if metrics is not None:
+            if not isinstance(metrics, dict):
+                raise errors.UnsupportedValueError(
+                    f"metrics must be a dict of name -> number (e.g. {{'loss': 0.31}}), got a "
+                    f"{type(metrics).__name__}")
             if not isinstance(state, dict):
                 raise errors.UnsupportedValueError(
                     f"metrics need a dict state (they are stored under its {METRICS_KEY!r} "

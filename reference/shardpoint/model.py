@@ -10,6 +10,7 @@ This module does no I/O and never touches a process group.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
@@ -19,7 +20,7 @@ import torch
 
 from . import dtypes, values
 from .coverage import box_intersection
-from .errors import InvalidShardingError, UnsupportedValueError
+from .errors import InvalidKeyError, InvalidShardingError, UnsupportedValueError
 from .keys import encode_component, encode_key, format_path
 
 Shape = tuple  # tuple[int, ...]
@@ -430,6 +431,16 @@ def _is_dtensor(x: Any) -> bool:
     return mod is not None and isinstance(x, mod.DTensor)
 
 
+def check_root(tree: Any, call: str) -> None:
+    """A path where the tree belongs (``save("ckpt/1", state)``; shardpoint_jax takes
+    ``save(path, tree)``) gets an error saying the arguments look swapped, not only that the
+    root of a tree cannot be a leaf."""
+    if isinstance(tree, (str, os.PathLike)):
+        raise InvalidKeyError(f"the tree passed to {call} is a path ({str(tree)!r}), not a "
+                              f"tree; arguments swapped? {call} (shardpoint_jax puts the "
+                              "path first)", spec_id="SP-KEY-2")
+
+
 def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
     """Take a state tree apart into its msgpack-ready structure and its leaves.
 
@@ -437,6 +448,7 @@ def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
     of a group, and each rank passes its own rank). Raises :class:`UnsupportedValueError`
     naming the path of the first leaf that cannot be stored.
     """
+    check_root(state, "save(state, path)")
     tensors: list = []
     objects: list = []
 

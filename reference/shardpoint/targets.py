@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from . import dtypes, errors
-from .model import ShardedPieces, check_tensor_data, pieces_holdings, sharded_holding
+from .model import (ShardedPieces, check_root, check_tensor_data, pieces_holdings,
+                    sharded_holding)
 from .keys import encode_key, format_path
 from .metadata import Manifest
 from .model import (Holding, ObjectValues, ShardedObject, ShardedTensor, _dtensor_leaf,
@@ -29,6 +30,7 @@ class Target:
 def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int):
     """Walk ``like`` against the manifest: the tensors to fill and a function building the
     returned tree once they are filled."""
+    check_root(like, "load(path, like=tree)")
     targets: list = []
 
     def missing(what: str, path: tuple = ()) -> None:
