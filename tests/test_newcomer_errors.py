@@ -173,3 +173,12 @@ def test_options_and_swapped_arguments_are_refused_before_any_io(tmp_path):
     mgr = sp.CheckpointManager(str(tmp_path / "run"))
     with pytest.raises(sp.UnsupportedValueError, match="metrics must be a dict"):
         mgr.save(1, {"w": torch.ones(2)}, metrics=0.5)
+
+
+def test_conformance_run_refuses_world_size_zero_with_a_usage_line(capsys):
+    """World size 0 used to reach the case generator: IndexError traceback."""
+    for argv in (["--replay", "1", "--save-world-sizes", "0", "--load-world-sizes", "1"],
+                 ["--save-world-sizes", "abc"], ["--cases", "0"]):
+        assert cli(["conformance", "run", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "error: argument" in err and "Traceback" not in err, err

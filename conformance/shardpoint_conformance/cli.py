@@ -18,14 +18,30 @@ PROFILE_WORLDS = {"ci": [1, 2, 3, 4], "large": [1, 2, 3, 4, 5, 6, 7, 8]}
 
 
 def _ints(s: str) -> list:
+    """World sizes: ``1-4``, ``1,2,8`` or a mix; each >= 1 (argparse prints the refusal)."""
     out = []
-    for part in s.split(","):
-        if "-" in part or ".." in part:
-            a, b = part.replace("..", "-").split("-")
-            out += list(range(int(a), int(b) + 1))
-        elif part:
-            out.append(int(part))
+    try:
+        for part in s.split(","):
+            if "-" in part or ".." in part:
+                a, b = part.replace("..", "-").split("-")
+                out += list(range(int(a), int(b) + 1))
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: give world sizes as 1-4 or 1,2,8") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: world sizes are integers >= 1")
     return out
+
+
+def _positive(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: give an integer >= 1")
+    return n
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,8 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="save/load round trips across world sizes and layouts")
     r.add_argument("--profile", choices=sorted(PROFILE_CASES), default="ci")
     r.add_argument("--save-world-sizes", type=_ints, default=None, help="e.g. 1-4 or 1,2,8")
-    r.add_argument("--load-world-sizes", type=_ints, default=None)
-    r.add_argument("--cases", type=int, default=None, help="number of cases")
+    r.add_argument("--load-world-sizes", type=_ints, default=None, help="e.g. 1-3")
+    r.add_argument("--cases", type=_positive, default=None, help="number of cases")
     r.add_argument("--seed", type=int, default=None, help="seed of the first case")
     r.add_argument("--replay", type=int, default=None, metavar="SEED",
                    help="run the one case drawn from SEED (with the first world sizes given)")
@@ -49,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--print-case", action="store_true", help="print the case JSON and exit")
     a = sub.add_parser("adapter-test", help="producer x consumer matrix against an adapter")
     a.add_argument("--adapter", required=True, help="command line of the adapter")
-    a.add_argument("--cases", type=int, default=8)
+    a.add_argument("--cases", type=_positive, default=8)
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--dir", default=None)
     a.add_argument("--json", default=None)
