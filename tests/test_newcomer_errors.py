@@ -182,3 +182,17 @@ def test_conformance_run_refuses_world_size_zero_with_a_usage_line(capsys):
         assert cli(["conformance", "run", *argv]) == 2
         err = capsys.readouterr().err
         assert "error: argument" in err and "Traceback" not in err, err
+
+
+def test_safetensors_source_without_the_package_names_the_install(tmp_path, monkeypatch,
+                                                                   capsys):
+    """safetensors is an optional dependency (the 'convert' extra); without it the CLI printed
+    a ModuleNotFoundError traceback. (The package is installed here: hide it from import.)"""
+    import sys
+    from shardpoint.convert import convert
+    p = str(tmp_path / "ck")
+    sp.save({"w": torch.ones(2)}, p)
+    convert(p, str(tmp_path / "m.safetensors"))
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    rc, _, err = run(capsys, "convert", str(tmp_path / "m.safetensors"), str(tmp_path / "b"))
+    assert rc == 1 and "needs the safetensors package" in err and "Traceback" not in err, err

@@ -84,7 +84,11 @@ class SafetensorsSource(Source):
     """One safetensors file, or a directory of shards (with or without an index)."""
 
     def __init__(self, path: str) -> None:
-        from safetensors import safe_open
+        try:   # an optional dependency: only reading safetensors needs it
+            from safetensors import safe_open
+        except ImportError:
+            raise ConversionError(f"reading {str(path)!r} needs the safetensors package: pip "
+                                  "install safetensors (or shardpoint[convert])") from None
         super().__init__(str(path), FORMAT)
         files, wm = _files_of(self.path)
         self._open: dict = {}
