@@ -47,6 +47,11 @@ def test_another_format_is_named_with_the_convert_command(tmp_path, capsys):
         assert what in err and f"shardpoint convert {path} DST" in err, err
         with pytest.raises(sp.CheckpointNotFoundError, match="convert"):
             sp.load(path)
+    ck = small(str(tmp_path / "ck"))                     # its manifest or one of its arrays
+    with pytest.raises(sp.CheckpointNotFoundError, match="the checkpoint is its directory"):
+        sp.load(f"{ck}/manifest.msgpack")
+    with pytest.raises(sp.CheckpointNotFoundError, match="one tensor's Zarr array"):
+        sp.load(f"{ck}/tensors/model/layers.0.bias")
     os.makedirs(tmp_path / "crashed" / "tensors")       # a save that never committed stays so
     with pytest.raises(sp.IncompleteCheckpointError):
         sp.load(str(tmp_path / "crashed"))

@@ -166,6 +166,19 @@ class _DirectHandle(_LazyTS):
         self.layout = layout
 
 
+def _not_a_checkpoint_hint(path: str) -> str:
+    """What a path given for a checkpoint holds instead, for the error: another format (with
+    the command converting it), a checkpoint's manifest or one of its arrays, or ``""``."""
+    if os.path.basename(os.path.normpath(path)) == MANIFEST_NAME:
+        return f" (the checkpoint is its directory, {os.path.dirname(path) or '.'!r})"
+    if os.path.isfile(os.path.join(path, "zarr.json")):
+        return " (it is one tensor's Zarr array; the checkpoint is the directory holding tensors/)"
+    # Imported only on this error path: detecting other formats needs convert's modules,
+    # which a load of a sound checkpoint never uses.
+    from shardpoint.convert import foreign_format_hint
+    return foreign_format_hint(path)
+
+
 class TensorStoreBackend:
     """The default :class:`shardpoint.storage.StorageBackend` (file kvstore, Zarr v3).
 
@@ -461,10 +474,7 @@ class TensorStoreBackend:
         if state == "missing":
             raise CheckpointNotFoundError(f"no checkpoint at {path!r}: the path does not exist")
         if state == "incomplete":
-            # Imported only on this error path: detecting other formats needs convert's
-            # modules, which a load of a sound checkpoint never uses.
-            from shardpoint.convert import foreign_format_hint
-            other = foreign_format_hint(path)
+            other = _not_a_checkpoint_hint(path)
             if not os.path.isdir(path) or other:
                 what = "a file" if not os.path.isdir(path) else "a directory"
                 raise CheckpointNotFoundError(f"{path!r} is {what}, not a shardpoint "
