@@ -18,7 +18,7 @@ from .model import (ShardedPieces, check_root, check_tensor_data, pieces_holding
 from .keys import encode_key, format_path
 from .metadata import Manifest
 from .model import (Holding, ObjectValues, ShardedObject, ShardedTensor, _dtensor_leaf,
-                    _is_dtensor, object_grid)
+                    _is_dtensor, iter_tree_leaves, object_grid)
 
 
 @dataclass
@@ -155,11 +155,11 @@ def _missing_hint(m: Manifest, path: tuple) -> str:
         return (f": the checkpoint has a subtree there (e.g. {', '.join(map(repr, below))}); "
                 "give like a tree for it") if below else ": the checkpoint has a subtree there"
     key = encode_key(path) if path else ""
-    near = difflib.get_close_matches(key, list(m.tensors), n=3, cutoff=0.6) if key else []
+    keys = [encode_key(p) for p, _ in iter_tree_leaves(m.tree)] if key else []
+    near = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
     if not near and key:
         tail = key.rsplit("/", 1)[-1]
-        near = [k for k in m.tensors if k.endswith(tail) or tail.endswith(k.rsplit("/", 1)[-1])
-                ][:3]
+        near = [k for k in keys if k.endswith(tail) or tail.endswith(k.rsplit("/", 1)[-1])][:3]
     return f"; similar keys in it: {', '.join(map(repr, near))}" if near else ""
 
 
