@@ -201,3 +201,14 @@ def test_safetensors_source_without_the_package_names_the_install(tmp_path, monk
     monkeypatch.setitem(sys.modules, "safetensors", None)
     rc, _, err = run(capsys, "convert", str(tmp_path / "m.safetensors"), str(tmp_path / "b"))
     assert rc == 1 and "needs the safetensors package" in err and "Traceback" not in err, err
+
+
+def test_objects_with_state_get_the_call_that_makes_them_plain(tmp_path):
+    """DCP users put a model or optimizer (Stateful) in the dict: the error names .state_dict()."""
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    p = str(tmp_path / "ck")
+    for obj, fix in ((m, r"\.state_dict\(\)"), (opt, r"\.state_dict\(\)"),
+                     (torch.Generator(), r"\.get_state\(\)"), (torch.device("cpu"), "str()")):
+        with pytest.raises(sp.UnsupportedValueError, match=fix):
+            sp.save({"x": obj}, p)

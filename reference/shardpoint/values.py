@@ -84,9 +84,17 @@ def nesting_depth_error(v: Any, limit: int = MAX_DEPTH) -> str:
 
 def _hint(what: str, v: Any) -> str:
     t = type(v).__name__
-    return (f"{what} holds a {t}, which the format cannot store without pickle; convert it "
-            f"to plain data first (e.g. vars(ns) for an argparse.Namespace, .state_dict() for "
-            f"a module, a tensor for array-like data)")
+    head = f"{what} holds a {t}, which the format cannot store without pickle; "
+    if callable(getattr(v, "state_dict", None)):   # a module, optimizer, scheduler, Stateful
+        return head + ("save its .state_dict() and pass what load returns to "
+                       "load_state_dict() (objects are not called for you, as DCP's Stateful "
+                       "are; for a model and optimizer see shardpoint.state)")
+    if callable(getattr(v, "get_state", None)) and callable(getattr(v, "set_state", None)):
+        return head + "save its .get_state() (a tensor) and set_state() it back after the load"
+    if type(v).__module__ == "torch" and t in ("device", "dtype", "layout"):
+        return head + f"store str() of it (e.g. {str(v)!r})"
+    return head + ("convert it to plain data first (e.g. vars(ns) for an argparse.Namespace, "
+                   "dataclasses.asdict(x) for a dataclass, a tensor for array-like data)")
 
 
 def check_value(v: Any, what: str) -> None:
