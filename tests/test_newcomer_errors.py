@@ -63,6 +63,10 @@ def test_values_with_a_bad_index_says_so_not_unknown_key(tmp_path, capsys):
     assert rc == 1 and "index must be ints and slices" in err and "not a key" not in err
     rc, out, _ = run(capsys, "inspect", p, "--values", "model/layers.0.bias[1:3]")
     assert rc == 0 and "tensor([1., 1.])" in out
+    rc, _, err = run(capsys, "inspect", p, "--values", "model/layers.0.bais")
+    assert rc == 1 and "similar keys: 'model/layers.0.bias'" in err, err
+    with sp.open(p) as ckpt, pytest.raises(KeyError, match="similar keys: .'step'"):
+        ckpt["stepp"]
 
 
 def test_like_errors_name_similar_keys_subtrees_and_the_fix(tmp_path):

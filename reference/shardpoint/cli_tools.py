@@ -10,6 +10,7 @@ import textwrap
 from typing import Any
 
 from . import errors, progress
+from .keys import similar_keys
 from .textfmt import fmt_bytes
 
 
@@ -166,8 +167,11 @@ def cmd_values(a: argparse.Namespace) -> int:
                 raise errors.LayoutMismatchError(f"{a.values!r}: the index must be ints and "
                                                  "slices like [10:20, :4]") from None
         if key not in ckpt:
-            raise errors.LayoutMismatchError(f"{key!r} is not a key of {a.path!r}; "
-                                             "`shardpoint inspect` lists them")
+            near = similar_keys(key, ckpt.keys())
+            raise errors.LayoutMismatchError(
+                f"{key!r} is not a key of {a.path!r}; "
+                + (f"similar keys: {', '.join(map(repr, near))}; " if near else "")
+                + "`shardpoint inspect` lists them")
         v = ckpt[key]
         if not isinstance(v, TensorView):
             print(json.dumps({"key": key, "value": _jsonable(v)}, indent=2) if a.json

@@ -9,8 +9,9 @@ See spec/format.md, section "Keys" ([SP-KEY-1] .. [SP-KEY-5]).
 """
 from __future__ import annotations
 
+import difflib
 import re
-from typing import Sequence, Union
+from typing import Iterable, Sequence, Union
 
 from .errors import InvalidKeyError
 
@@ -110,3 +111,14 @@ def decode_key(key: str) -> tuple:
 def format_path(path: Sequence[Component]) -> str:
     """Human-readable path for error messages, e.g. ``optim['state'][0]['exp_avg']``."""
     return "".join(f"[{c!r}]" for c in path) or "<root>"
+
+
+def similar_keys(key: str, keys: Iterable[str], n: int = 3) -> list:
+    """Keys close to ``key``, for "not in the checkpoint" errors: a typo, or a name with or
+    without a prefix (DDP's ``module.``, torch.compile's ``_orig_mod.``)."""
+    keys = list(keys)
+    near = difflib.get_close_matches(key, keys, n=n, cutoff=0.6)
+    if not near:
+        tail = key.rsplit("/", 1)[-1]
+        near = [k for k in keys if k.endswith(tail) or tail.endswith(k.rsplit("/", 1)[-1])][:n]
+    return near

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import dtypes
-from .keys import decode_key, encode_key
+from .keys import decode_key, encode_key, similar_keys
 from .metadata import Manifest, TensorEntry, decode_manifest
 from .model import iter_tree_leaves
 from .storage import StorageBackend, get_backend
@@ -154,8 +154,10 @@ class Checkpoint:
         node = self._leaves.get(k)
         if node is None:
             near = [x for x in self._leaves if x.startswith(k.rstrip("/") + "/")][:5]
+            like = [] if near else similar_keys(k, self._leaves)
             raise KeyError(f"{k!r} is not a key of {self.path!r}"
-                           + (f"; keys under it: {near}" if near else ""))
+                           + (f"; keys under it: {near}" if near else "")
+                           + (f"; similar keys: {like}" if like else ""))
         if "tensor" in node:
             return TensorView(self, self.manifest.tensors[node["tensor"]])
         if "object" in node:

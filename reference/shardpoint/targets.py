@@ -5,7 +5,6 @@ Produces the list of targets (a holding and the tensor to fill in place) and the
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -15,7 +14,7 @@ import torch
 from . import dtypes, errors
 from .model import (ShardedPieces, check_root, check_tensor_data, pieces_holdings,
                     sharded_holding)
-from .keys import encode_key, format_path
+from .keys import encode_key, format_path, similar_keys
 from .metadata import Manifest
 from .model import (Holding, ObjectValues, ShardedObject, ShardedTensor, _dtensor_leaf,
                     _is_dtensor, iter_tree_leaves, object_grid)
@@ -154,12 +153,8 @@ def _missing_hint(m: Manifest, path: tuple) -> str:
         below = [k for k in m.tensors if k.startswith(encode_key(path) + "/")][:3]
         return (f": the checkpoint has a subtree there (e.g. {', '.join(map(repr, below))}); "
                 "give like a tree for it") if below else ": the checkpoint has a subtree there"
-    key = encode_key(path) if path else ""
-    keys = [encode_key(p) for p, _ in iter_tree_leaves(m.tree)] if key else []
-    near = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
-    if not near and key:
-        tail = key.rsplit("/", 1)[-1]
-        near = [k for k in keys if k.endswith(tail) or tail.endswith(k.rsplit("/", 1)[-1])][:3]
+    near = similar_keys(encode_key(path), (encode_key(p) for p, _ in iter_tree_leaves(m.tree))
+                        ) if path else []
     return f"; similar keys in it: {', '.join(map(repr, near))}" if near else ""
 
 
