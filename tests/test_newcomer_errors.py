@@ -216,3 +216,11 @@ def test_objects_with_state_get_the_call_that_makes_them_plain(tmp_path):
                      (torch.Generator(), r"\.get_state\(\)"), (torch.device("cpu"), "str()")):
         with pytest.raises(sp.UnsupportedValueError, match=fix):
             sp.save({"x": obj}, p)
+
+
+def test_diff_refuses_a_negative_or_nan_tolerance(tmp_path, capsys):
+    p = small(str(tmp_path / "ck"))
+    for tol in ("-1", "nan", "x"):
+        assert cli(["diff", p, p, "--atol", tol]) == 2
+        assert "a tolerance is a finite number >= 0" in capsys.readouterr().err
+    assert cli(["diff", p, p, "--atol", "0.5"]) == 0

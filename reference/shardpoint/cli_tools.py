@@ -23,6 +23,17 @@ def add_command(sub: Any, name: str, help: str, examples: str = "") -> argparse.
         if examples else None, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def _tolerance(s: str) -> float:
+    """A finite number >= 0 (a negative or NaN tolerance made every tensor differ)."""
+    try:
+        v = float(s)
+    except ValueError:
+        v = float("nan")
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{s!r}: a tolerance is a finite number >= 0")
+    return v
+
+
 def add_commands(sub: Any) -> None:
     """Register ``convert`` and ``diff`` on the ``shardpoint`` sub-command parser."""
     from .convert import SOURCES, TARGETS
@@ -60,9 +71,9 @@ def add_commands(sub: Any) -> None:
         shardpoint diff ckpt/a ckpt/b --json""")
     s.add_argument("a", help="a checkpoint of any readable format (detected)")
     s.add_argument("b", help="the checkpoint to compare it with")
-    s.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: "
-                   "bitwise comparison)")
-    s.add_argument("--rtol", type=float, default=None, help="relative tolerance")
+    s.add_argument("--atol", type=_tolerance, default=None, help="absolute tolerance "
+                   "(default: bitwise comparison)")
+    s.add_argument("--rtol", type=_tolerance, default=None, help="relative tolerance")
     s.add_argument("--from-a", choices=SOURCES, default=None,
                    help="format of A (default: detected)")
     s.add_argument("--from-b", choices=SOURCES, default=None,
