@@ -224,3 +224,16 @@ def test_diff_refuses_a_negative_or_nan_tolerance(tmp_path, capsys):
         assert cli(["diff", p, p, "--atol", tol]) == 2
         assert "a tolerance is a finite number >= 0" in capsys.readouterr().err
     assert cli(["diff", p, p, "--atol", "0.5"]) == 0
+
+
+def test_jax_save_and_load_with_the_pytorch_argument_order_say_so(tmp_path):
+    """shardpoint_jax takes (path, tree), the PyTorch reference (state, path): swapped
+    arguments raised a bare TypeError from os.fspath."""
+    np = pytest.importorskip("numpy")
+    spj = pytest.importorskip("shardpoint_jax")
+    p = str(tmp_path / "j")
+    with pytest.raises(spj.InvalidRequestError, match="arguments swapped"):
+        spj.save({"w": np.ones(2)}, p)
+    spj.save(p, {"w": np.ones(2)})
+    with pytest.raises(spj.InvalidRequestError, match="arguments swapped"):
+        spj.load({"w": np.zeros(2)}, p)

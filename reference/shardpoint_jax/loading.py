@@ -4,7 +4,6 @@ the shard buffers (TensorStore with crc32c checks and strict missing-chunk reads
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Optional
 
 import jax
@@ -13,7 +12,7 @@ import numpy as np
 from .dtypes import numpy_dtype, numpy_of
 from .errors import LayoutMismatchError
 from .manifest import object_grid, resolve
-from .storage import StoredArray, read_manifest
+from .storage import StoredArray, checkpoint_path, read_manifest
 from .tree import ShardedObject, walk
 
 
@@ -22,7 +21,7 @@ class Checkpoint:
     """A checked manifest and lazily opened arrays of one checkpoint directory."""
 
     def __init__(self, path: str) -> None:
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = checkpoint_path(path, "load(path, target)")
         self.body = read_manifest(self.path)
         self.leaves: dict = {}
         self._index(self.body["tree"], [])

@@ -19,7 +19,8 @@ from .dtypes import name_of
 from .grid import chunk_shape, local_chunk_shape
 from .keys import array_path
 from .manifest import encode_manifest
-from .storage import MANIFEST, create_array, fsync_dir, fsync_tree, open_for_write, write_region
+from .storage import (MANIFEST, checkpoint_path, create_array, fsync_dir, fsync_tree,
+                      open_for_write, write_region)
 from .tree import ShardedObject, is_array, tree_node
 from .values import check_value, is_scalar_value, pack, unpack
 
@@ -175,7 +176,7 @@ def raise_info(info: list, where: str) -> None:
 def save(path: str, tree: Any, *, overwrite: bool = False) -> None:
     """Save ``tree`` (a pytree of jax.Arrays, numpy arrays, ShardedObjects and values) at
     ``path``. Collective: every process of the job calls it with its own tree."""
-    path = os.path.abspath(os.fspath(path))
+    path = checkpoint_path(path, "save(path, tree)")
     comm = Comm("save")
     plan, err = None, None
     try:

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import stat
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -31,6 +31,16 @@ def context() -> ts.Context:
 
 
 # -------------------------------------------------------------------------------- manifest
+def checkpoint_path(path: Any, call: str) -> str:
+    """``path`` made absolute, or InvalidRequestError when it is not a path (a tree passed
+    where the path goes: the PyTorch reference takes ``save(state, path)``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidRequestError(f"{call}: the path is a {type(path).__name__}, not a str or "
+                                  "os.PathLike; arguments swapped? (shardpoint_jax takes the "
+                                  "path first; the PyTorch shardpoint.save takes (state, path))")
+    return os.path.abspath(os.fspath(path))
+
+
 def read_manifest(path: str) -> dict:
     """The checked manifest body of the checkpoint at ``path`` [SP-COMMIT-3] [SP-SEC-2]."""
     if not os.path.exists(path):
