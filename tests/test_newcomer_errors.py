@@ -237,3 +237,8 @@ def test_jax_save_and_load_with_the_pytorch_argument_order_say_so(tmp_path):
     spj.save(p, {"w": np.ones(2)})
     with pytest.raises(spj.InvalidRequestError, match="arguments swapped"):
         spj.load({"w": np.zeros(2)}, p)
+    import torch.distributed.checkpoint as dcp
+    d = str(tmp_path / "dcp")
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=d, no_dist=True)
+    with pytest.raises(spj.IncompleteCheckpointError, match="PyTorch DCP checkpoint"):
+        spj.load(d)

@@ -41,6 +41,18 @@ def checkpoint_path(path: Any, call: str) -> str:
     return os.path.abspath(os.fspath(path))
 
 
+def _other_format(path: str) -> str:
+    """What a directory without a manifest holds, by its file names, for the error."""
+    names = set(os.listdir(path))
+    if ".metadata" in names:
+        return ("it holds a PyTorch DCP checkpoint: `shardpoint convert` makes a shardpoint "
+                "one of it")
+    if names & {"_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt"}:
+        return ("it looks like an Orbax checkpoint: restore it with Orbax and save the tree "
+                "with shardpoint_jax.save")
+    return "a save that crashed or is still running"
+
+
 def read_manifest(path: str) -> dict:
     """The checked manifest body of the checkpoint at ``path`` [SP-COMMIT-3] [SP-SEC-2]."""
     if not os.path.exists(path):
@@ -50,8 +62,8 @@ def read_manifest(path: str) -> dict:
         raise IncompleteCheckpointError(f"{path!r} is not a directory: not a checkpoint",
                                         spec_id="SP-COMMIT-3")
     st = check_file(path, MANIFEST, "manifest", IncompleteCheckpointError(
-        f"{path!r} has no {MANIFEST}: not a checkpoint (a save that crashed or is still "
-        "running)", spec_id="SP-COMMIT-3"))
+        f"{path!r} has no {MANIFEST}: not a checkpoint ({_other_format(path)})",
+        spec_id="SP-COMMIT-3"))
     size = st.st_size
     if size > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{mpath!r} is {size} bytes, over the 1 GiB limit",
