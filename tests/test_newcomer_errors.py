@@ -242,3 +242,13 @@ def test_jax_save_and_load_with_the_pytorch_argument_order_say_so(tmp_path):
     dcp.save({"w": torch.ones(2)}, checkpoint_id=d, no_dist=True)
     with pytest.raises(spj.IncompleteCheckpointError, match="PyTorch DCP checkpoint"):
         spj.load(d)
+
+
+def test_adapter_test_with_a_broken_adapter_is_one_line(capsys):
+    """An adapter that cannot start or prints no capabilities JSON: a usage-level failure
+    naming it (it was an AttributeError traceback for non-object JSON)."""
+    import sys
+    for adapter in ("nonexistent-adapter-xyz", f"{sys.executable} -c 'print(1)'"):
+        assert cli(["conformance", "adapter-test", "--adapter", adapter, "--cases", "1"]) == 2
+        out, err = capsys.readouterr()
+        assert "adapter-test could not run" in err and "Traceback" not in out + err, err

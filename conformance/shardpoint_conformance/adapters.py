@@ -89,6 +89,10 @@ def load_npy(path: str, dtype: str) -> np.ndarray:
     return from_npy_array(np.load(path, allow_pickle=False), dtype)
 
 
+class AdapterError(RuntimeError):
+    """The adapter under test cannot be run or breaks the protocol before any case runs."""
+
+
 @dataclass
 class CallResult:
     ok: bool
@@ -127,8 +131,15 @@ class CommandAdapter:
     def capabilities(self) -> dict:
         r = self._call("capabilities")
         if not r.ok:
-            raise RuntimeError(f"adapter capabilities failed: {r.brief()}")
-        caps = json.loads(r.stdout)
+            raise AdapterError(f"adapter capabilities failed: {r.brief()}")
+        try:
+            caps = json.loads(r.stdout)
+        except ValueError:
+            caps = None
+        if not isinstance(caps, dict):
+            raise AdapterError(f"{self.command!r} capabilities printed {r.stdout[:200]!r}, not "
+                               'a JSON object like {"name": ..., "dtypes": [...], '
+                               '"features": [...]}')
         caps.setdefault("name", self.command)
         caps["dtypes"] = [d for d in caps.get("dtypes", []) if d in SPEC_DTYPES]
         caps["features"] = list(caps.get("features", []))

@@ -17,12 +17,14 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 import traceback
 from typing import Optional
 
-from .adapters import (SPEC_ID, CommandAdapter, load_npy, region_of, write_case_files)
+from .adapters import (SPEC_ID, AdapterError, CommandAdapter, load_npy, region_of,
+                       write_case_files)
 from .cases import (decode_value, expected_array, first_difference, grid_cell, object_value,
                     piece_of, same_bits)
 from .strategies import generate_case
@@ -302,6 +304,9 @@ def run_adapter_test(adapter_cmd: str, *, cases: int = 6, seed: int = 0,
     try:
         rep = run_matrix(adapter_cmd, cases=cases, seed=seed, workdir=workdir,
                          timeout=timeout)
+    except AdapterError as e:   # the adapter's own fault: one line, no traceback of ours
+        print(f"adapter-test could not run: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # noqa: BLE001
         print(f"adapter-test could not run: {type(e).__name__}: {e}\n"
               f"{traceback.format_exc()}")
