@@ -252,3 +252,32 @@ def test_adapter_test_with_a_broken_adapter_is_one_line(capsys):
         assert cli(["conformance", "adapter-test", "--adapter", adapter, "--cases", "1"]) == 2
         out, err = capsys.readouterr()
         assert "adapter-test could not run" in err and "Traceback" not in out + err, err
+
+
+def _different_paths(rank, world, base):
+    got = []
+    try:     # a per-rank name (a timestamp, the rank) where one shared path belongs
+        sp.save({"w": torch.ones(2)}, os.path.join(base, f"ck{rank}"))
+    except sp.InvalidOptionError as e:
+        got.append(str(e))
+    saved = sorted(os.listdir(base))
+    sp.save({"w": torch.full((2,), 1.0)}, os.path.join(base, "a"))
+    sp.save({"w": torch.full((2,), 2.0)}, os.path.join(base, "b"))
+    like = {"w": torch.zeros(2)}
+    try:
+        sp.load(os.path.join(base, "ab"[rank]), like=like)
+    except sp.InvalidOptionError as e:
+        got.append(str(e))
+    return got, saved, like["w"].tolist()
+
+
+def test_ranks_given_different_paths_fail_together(tmp_path):
+    """Before, a save wrote the coordinator's path alone without a word, and a load read each
+    rank's tensors from its own path under the coordinator's manifest: two checkpoints of one
+    layout mixed silently. Now every rank raises, naming the paths, before any write."""
+    got = run_world(2, _different_paths, str(tmp_path), timeout=90, pg_timeout=30)
+    for errs, saved, loaded in got:
+        assert len(errs) == 2, errs
+        assert "different checkpoint paths" in errs[0] and "ck0" in errs[0] and "ck1" in errs[0]
+        assert "'" + str(tmp_path / "a") + "'" in errs[1] and str(tmp_path / "b") in errs[1]
+        assert saved == [] and loaded == [0.0, 0.0]     # nothing written, nothing filled

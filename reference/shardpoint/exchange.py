@@ -199,24 +199,35 @@ def agree(comm: Comm, err: Optional[BaseException], fallback: type) -> None:
 
 
 def run_collectively(comm: Comm, local: Callable[[], bytes],
-                     decide: Callable[[list], list], fallback: type) -> bytes:
+                     decide: Callable[[list], list], fallback: type,
+                     same: Optional[tuple] = None) -> bytes:
     """Gather each rank's ``local()`` bytes to the coordinator, let it ``decide`` one answer
     per rank, scatter the answers. Any failure, local or in ``decide``, is raised on every
-    rank as the same error, so no rank is left waiting in a collective."""
+    rank as the same error, so no rank is left waiting in a collective. ``same``: ``(what,
+    value)`` every rank must pass alike (the checkpoint path): a rank passing another value
+    fails every rank with :class:`~.errors.InvalidOptionError`, before ``decide``."""
+    mine_same = same[1] if same is not None else None
     try:
-        mine = msgpack.packb([0, local()])
+        mine = msgpack.packb([0, local(), mine_same])
     except Exception as e:  # noqa: BLE001 - forwarded to every rank
-        mine = msgpack.packb([1, error_record(e, comm.rank)])
+        mine = msgpack.packb([1, error_record(e, comm.rank), mine_same])
     got = comm.gather_bytes(mine)
     parts = None
     if comm.is_coordinator:
         items = [msgpack.unpackb(g) for g in got]
-        failed = [rec for status, rec in items if status]
+        failed = [rec for status, rec, _ in items if status]
+        differ = [(r, v) for r, (_, _, v) in enumerate(items) if v != mine_same]
+        if differ and same is not None:
+            shown = ", ".join(f"rank {r}: {v!r}" for r, v in differ[:3])
+            failed = [error_record(errors.InvalidOptionError(
+                f"the ranks were given different {same[0]}s: rank {comm.rank}: {mine_same!r}, "
+                f"{shown}" + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+                + f"; every rank of the group must pass the same {same[0]}"), comm.rank)]
         if failed:
             parts = [msgpack.packb([1, failed])] * comm.size
         else:
             try:
-                parts = [msgpack.packb([0, p]) for p in decide([b for _, b in items])]
+                parts = [msgpack.packb([0, p]) for p in decide([b for _, b, _ in items])]
             except Exception as e:  # noqa: BLE001
                 parts = [msgpack.packb([1, [error_record(e, 0)]])] * comm.size
     status, payload = msgpack.unpackb(comm.scatter_bytes(parts))

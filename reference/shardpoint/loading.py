@@ -7,6 +7,7 @@ directly, see :mod:`.load_planner`); the caller's tensors are filled in place. A
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -108,8 +109,9 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
         c = {k: v for k, v in vars(costs).items() if k != "notes"}
         return [msgpack.packb([c, w]) for w in encode_works(works, layouts)]
 
-    costs, wbytes = msgpack.unpackb(run_collectively(comm, local, decide,
-                                                     errors.LayoutMismatchError))
+    costs, wbytes = msgpack.unpackb(run_collectively(
+        comm, local, decide, errors.LayoutMismatchError,
+        same=("checkpoint path", os.path.normpath(path))))
     work = RankLoadWork.from_bytes(wbytes, m_box["m"].tensors)
     report.strategy, report.costs = costs["strategy"], costs
     report.timings["plan"] = time.perf_counter() - t0

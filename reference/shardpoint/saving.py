@@ -7,6 +7,7 @@ every rank instead of leaving one waiting.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -165,7 +166,8 @@ class SaveJob:
                              objs).to_bytes()
 
         try:
-            msg = run_collectively(self.comm, local, self._decide, errors.InvalidShardingError)
+            msg = run_collectively(self.comm, local, self._decide, errors.InvalidShardingError,
+                                   same=("checkpoint path", os.path.normpath(self.path)))
         except errors.ShardpointError:
             _PLAN_CACHE.pop(self.cache_key, None)
             raise
