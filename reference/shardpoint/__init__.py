@@ -32,5 +32,6 @@ __all__ = [
     "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
     "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
-    "LoadFailedError", "ResourceLimitError", "ConversionError", "InvalidOptionError", "recover", "RecoveryAction",
+    "LoadFailedError", "ResourceLimitError", "ConversionError", "InvalidOptionError",
+    "recover", "RecoveryAction",
 ]

@@ -208,5 +208,5 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
     return rep
 
 
-__all__ = ["convert", "detect_format", "foreign_format_hint", "open_source", "write", "ConvertReport", "Source",
-           "TensorInfo", "SOURCES", "TARGETS"]
+__all__ = ["convert", "detect_format", "foreign_format_hint", "open_source", "write",
+           "ConvertReport", "Source", "TensorInfo", "SOURCES", "TARGETS"]
