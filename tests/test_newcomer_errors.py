@@ -281,3 +281,20 @@ def test_ranks_given_different_paths_fail_together(tmp_path):
         assert "different checkpoint paths" in errs[0] and "ck0" in errs[0] and "ck1" in errs[0]
         assert "'" + str(tmp_path / "a") + "'" in errs[1] and str(tmp_path / "b") in errs[1]
         assert saved == [] and loaded == [0.0, 0.0]     # nothing written, nothing filled
+
+
+def test_a_directory_the_commit_would_refuse_is_refused_before_any_write(tmp_path):
+    """Saving into a directory that is neither empty nor a checkpoint (a DCP directory, a
+    user's folder) was refused only at commit, after every byte was written; an async save
+    returned a handle and failed later. Now the plan step refuses it, on the calling thread,
+    and the directory is left as it was."""
+    import torch.distributed.checkpoint as dcp
+    d = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(d), no_dist=True)
+    before = sorted(os.listdir(d))
+    for async_save in (False, True):
+        with pytest.raises(sp.CheckpointExistsError, match="not an empty directory.*DCP"):
+            sp.save({"w": torch.ones(4)}, str(d), async_save=async_save)
+    assert sorted(os.listdir(d)) == before and sorted(os.listdir(tmp_path)) == ["dcp"]
+    sp.save({"w": torch.ones(4)}, str(d), overwrite=True)      # replacing it stays possible
+    assert torch.equal(sp.load(str(d))["w"], torch.ones(4))

@@ -255,6 +255,20 @@ class TensorStoreBackend:
             return "committed"
         return "incomplete" if os.path.exists(path) else "missing"
 
+    def check_target(self, path: str, overwrite: bool) -> None:
+        if overwrite or not os.path.lexists(path):
+            return
+        if self.checkpoint_state(path) == "committed":
+            raise CheckpointExistsError(f"a checkpoint already exists at {path!r}; pass "
+                                        "overwrite=True to replace it")
+        if not (os.path.isdir(path) and not os.listdir(path)):
+            # Not a checkpoint, but not ours to delete either (a user's directory, a file):
+            # replacing it would destroy whatever it holds.
+            raise CheckpointExistsError(f"{path!r} exists and is not an empty directory or a "
+                                        "checkpoint; refusing to replace it (pass "
+                                        "overwrite=True, or choose another path)"
+                                        + _not_a_checkpoint_hint(path))
+
     def staging_path(self, path: str, token: str) -> str:
         path = os.path.abspath(path)
         parent, name = os.path.split(path.rstrip(os.sep))
@@ -505,15 +519,7 @@ class TensorStoreBackend:
         # the renames below remain, each followed by an fsync of the parent directory.
         path = os.path.abspath(path)
         if os.path.lexists(path):
-            if not overwrite and self.checkpoint_state(path) == "committed":
-                raise CheckpointExistsError(f"a checkpoint already exists at {path!r}; pass "
-                                            "overwrite=True to replace it")
-            if not overwrite and not (os.path.isdir(path) and not os.listdir(path)):
-                # Not a checkpoint, but not ours to delete either (a user's directory, a
-                # file): replacing it would destroy whatever it holds.
-                raise CheckpointExistsError(f"{path!r} exists and is not an empty directory or "
-                                            "a checkpoint; refusing to replace it (pass "
-                                            "overwrite=True, or choose another path)")
+            self.check_target(path, overwrite)   # again: another process may have been quicker
             if exchange_dirs(staging, path):
                 # One atomic step: the new checkpoint is at path, the old one at staging.
                 if self.fsync:

@@ -189,9 +189,7 @@ class SaveJob:
         else:
             plan = plan_save([LocalPlan.from_bytes(b) for b in payloads], self.opts.plan)
         self.times["plan"] = time.perf_counter() - t
-        if self.be.checkpoint_state(self.path) == "committed" and not self.overwrite:
-            raise errors.CheckpointExistsError(f"a checkpoint already exists at {self.path!r}; "
-                                               "pass overwrite=True to replace it")
+        self.be.check_target(self.path, self.overwrite)   # before anything is written
         staging = self.be.staging_path(self.path, secrets.token_hex(6))
         self.be.begin_save(staging)
         self.global_plan = plan

@@ -70,6 +70,11 @@ class StorageBackend(Protocol):
     def checkpoint_state(self, path: str) -> str:
         """'missing', 'incomplete' (exists without manifest) or 'committed'. Any rank."""
 
+    def check_target(self, path: str, overwrite: bool) -> None:
+        """Raise :class:`~.errors.CheckpointExistsError` where a commit to ``path`` would be
+        refused (a checkpoint there without ``overwrite``; anything but an empty directory,
+        which is not ours to replace). Coordinator, before any write, and again at commit."""
+
     def staging_path(self, path: str, token: str) -> str:
         """Where a save of ``path`` writes before it commits (hidden, unique per ``token``)."""
 

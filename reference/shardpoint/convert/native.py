@@ -169,10 +169,11 @@ def open_entry(be: StorageBackend, staging: str, e: TensorEntry) -> Any:
 
 
 def check_target(be: StorageBackend, dst: str, overwrite: bool) -> None:
-    """Refuse an existing checkpoint at ``dst`` before any work (commit would refuse it last)."""
-    if not overwrite and be.checkpoint_state(dst) == "committed":
-        raise CheckpointExistsError(f"a checkpoint already exists at {dst!r}; pass "
-                                    "overwrite=True (--overwrite) to replace it")
+    """Refuse what the commit would refuse at ``dst`` before any work (it would do so last)."""
+    try:
+        be.check_target(dst, overwrite)
+    except CheckpointExistsError as e:
+        raise CheckpointExistsError(f"{e} (--overwrite on the command line)") from e
 
 
 def write_shardpoint(src: Source, dst: str, *, overwrite: bool = False,
