@@ -298,3 +298,22 @@ def test_a_directory_the_commit_would_refuse_is_refused_before_any_write(tmp_pat
     assert sorted(os.listdir(d)) == before and sorted(os.listdir(tmp_path)) == ["dcp"]
     sp.save({"w": torch.ones(4)}, str(d), overwrite=True)      # replacing it stays possible
     assert torch.equal(sp.load(str(d))["w"], torch.ones(4))
+
+
+def _one_rank_bad_step(rank, world, root):
+    got = []
+    with sp.CheckpointManager(root) as mgr:
+        for call in (lambda s: mgr.save(s, {"w": torch.ones(2)}), lambda s: mgr.load(s)):
+            try:
+                call(-1 if rank == 1 else 1)
+            except sp.ShardpointError as e:
+                got.append(type(e).__name__)
+    return got
+
+
+def test_a_bad_step_on_one_rank_fails_every_rank_not_a_wait(tmp_path):
+    """The manager checked its arguments on each rank before the collective save, so the
+    rank with the bad step raised alone and the others waited for it until the group's
+    timeout; now they agree first and all raise."""
+    got = run_world(2, _one_rank_bad_step, str(tmp_path / "ck"), timeout=60, pg_timeout=20)
+    assert got == [["InvalidKeyError", "InvalidKeyError"]] * 2

@@ -40,7 +40,7 @@ import shutil
 from typing import Any, Optional
 
 from . import api, errors
-from .exchange import Comm
+from .exchange import Comm, agree
 from .model import iter_tree_leaves
 from .storage import MANIFEST_NAME
 
@@ -147,6 +147,37 @@ class CheckpointManager:
         Returns the ``SaveResult`` (an ``AsyncSave`` handle with ``async_save=True``).
         """
         self.wait()   # the previous save commits (or raises) before this one starts
+        err: Optional[BaseException] = None
+        try:
+            path, state = self.path(step), self._with_metrics(state, metrics)
+        except errors.ShardpointError as e:
+            err = e
+        # One rank's bad step or metrics fails every rank here, instead of that rank alone
+        # while the others wait in the save's first collective.
+        agree(self._comm, err, errors.InvalidOptionError)
+        if self._comm.is_coordinator:
+            # No makedirs here: save creates the root inside its collective plan step, so a
+            # root it cannot create fails every rank instead of this one while the others wait.
+            self._clean_leftovers()
+        self._metrics.pop(step, None)
+        kw: dict = {"group": self.group, "overwrite": force}
+        if self.async_save:
+            kw["async_save"] = True
+        try:
+            result = api.save(state, path, **kw)
+        except errors.CheckpointExistsError as e:   # raised on every rank alike
+            raise errors.CheckpointExistsError(
+                f"step {step} is already saved at {path!r}; pass force=True to "
+                "replace it") from e
+        if self.async_save:
+            self._pending = result
+        else:
+            self._after_commit()
+        return result
+
+    @staticmethod
+    def _with_metrics(state: Any, metrics: Optional[dict]) -> Any:
+        """``state`` with ``metrics`` under the reserved key, or the reason it cannot be."""
         if metrics is not None:
             if not isinstance(metrics, dict):
                 raise errors.UnsupportedValueError(
@@ -161,25 +192,7 @@ class CheckpointManager:
                     f"state key {METRICS_KEY!r} is reserved for the manager's metrics; "
                     "rename it")
             state = {**state, METRICS_KEY: dict(metrics)}
-        if self._comm.is_coordinator:
-            # No makedirs here: save creates the root inside its collective plan step, so a
-            # root it cannot create fails every rank instead of this one while the others wait.
-            self._clean_leftovers()
-        self._metrics.pop(step, None)
-        kw: dict = {"group": self.group, "overwrite": force}
-        if self.async_save:
-            kw["async_save"] = True
-        try:
-            result = api.save(state, self.path(step), **kw)
-        except errors.CheckpointExistsError as e:   # raised on every rank alike
-            raise errors.CheckpointExistsError(
-                f"step {step} is already saved at {self.path(step)!r}; pass force=True to "
-                "replace it") from e
-        if self.async_save:
-            self._pending = result
-        else:
-            self._after_commit()
-        return result
+        return state
 
     def load(self, step: Optional[int] = None, like: Any = None, **load_options: Any) -> Any:
         """Load ``step`` (default: the latest committed one, as the coordinator sees it).
@@ -195,7 +208,13 @@ class CheckpointManager:
                 raise errors.CheckpointNotFoundError(
                     f"no committed checkpoint under {self.root!r} (nothing to resume from)")
             step = int(got)
-        out = api.load(self.path(step), like=like, group=self.group, **load_options)
+        err: Optional[BaseException] = None
+        try:
+            path = self.path(step)
+        except errors.ShardpointError as e:
+            err = e
+        agree(self._comm, err, errors.InvalidOptionError)   # as in save
+        out = api.load(path, like=like, group=self.group, **load_options)
         if like is None and isinstance(out, dict):
             out.pop(METRICS_KEY, None)
         return out
