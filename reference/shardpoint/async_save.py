@@ -34,7 +34,8 @@ class AsyncSave:
         try:
             out = self._future.result(timeout)
         except TimeoutError:
-            raise
+            raise TimeoutError(f"the async save is still writing after {timeout} s; it keeps "
+                               "running: wait() again, or check done()") from None
         except BaseException:
             self._seen = True
             raise
