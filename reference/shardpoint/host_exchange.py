@@ -55,10 +55,15 @@ from .prefault import populate_write
 from .views import box_view, copy_into, to_numpy
 
 SHM_DIR = "/dev/shm"
-# 16 MiB rounds: less shared memory to allocate and map per rank than 32 MiB (each page
-# costs ~2 us to fault on a virtual machine) and a finer pipeline; interleaved runs of 4
-# ranks loading 512 MiB by columns: median 0.93 s against 1.02 s for 32 MiB.
-ROUND_BYTES = 16 << 20
+# 8 MiB rounds (a segment of 2 x 8 MiB per rank): each page of a segment costs its owner
+# time to allocate, zero and map and every peer time to map, and on a host with more ranks
+# than cores that CPU is the load's limit (perf: the segments' lifecycle took ~19% of all
+# samples of 4 ranks loading 512 MiB by columns with 16 MiB rounds, as much as the reads).
+# Interleaved on the quiet 2-core machine, 5 cold loads per run, 8 vs 16 MiB: 4 ranks all
+# ranks' CPU 0.71/0.68/0.67 vs 0.83/0.74/0.70 s per load, x the same-layout load 1.16x
+# (median of 3 runs) vs 1.26x; 3 ranks 0.58 vs 0.65 s (2 runs each). Earlier, 16 MiB beat
+# 32 MiB (0.93 vs 1.02 s, 4 ranks).
+ROUND_BYTES = 8 << 20
 _NAME = re.compile(r"^shardpoint-[0-9]+-[0-9a-f]{32}$")
 _ALIGN = 64
 _BIG = 2**62     # stands for any slot offset when sizing the header

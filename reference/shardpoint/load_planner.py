@@ -51,7 +51,7 @@ class LoadOptions:
     exchange_budget_bytes: int = 256 << 20
     host_id: Optional[str] = None    # None: this machine's hostname
     shm_exchange: bool = True        # dedup: same-host ranks share reads via /dev/shm
-    shm_round_bytes: int = 16 << 20  # ... staged in rounds of this many bytes per rank
+    shm_round_bytes: int = 8 << 20   # ... staged in rounds of this many bytes per rank
     memory_gbps: float = 2.0         # one rank's rate through memory: copy, crc32c, faults
     host_cores: Optional[int] = None  # cores per host; None: the coordinator's usable cores
 
