@@ -181,7 +181,8 @@ def main(argv=None) -> None:
     drop = not a.quick and bt.drop_caches()
     print(f"page cache: {'dropped before every timed step' if drop else 'NOT dropped'}")
     try:
-        bench.bench_reshard(base, a.quick, repeat, drop)
+        reshard = bench.bench_reshard(base, a.quick, repeat, drop)
+        bench.tg.print_targets([], {}, reshard)
     finally:
         bt.rm(base)
 

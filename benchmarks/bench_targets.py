@@ -97,8 +97,8 @@ def print_targets(runs: list, names: dict, reshard: dict, note: str = "") -> Non
         return
     print("\n### Targets (issue 7), from this run\n" + (f"\n{note}\n" if note else ""))
     print("| target | " + " | ".join(r.name for r in runs) + " |")
-    print("|---|" + "---|" * len(runs))
-    for target, cells in state_rows(runs, names):
+    print("|---|" + "---|" * max(1, len(runs)))
+    for target, cells in state_rows(runs, names) if runs else []:
         print(f"| {target} | " + " | ".join(cells) + " |")
     for w, r in sorted(reshard.items(), reverse=True):
         same = per_round(r["cols"], r["same"]) if r["paired"] else _ratio(
