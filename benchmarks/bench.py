@@ -295,8 +295,8 @@ def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> dict:
     for w in load_worlds:
         r = first if w == save_world else run_world(
             w, rs.load_job, base, n, rows, cols, repeat, drop, False, timeout=900)[0]
-        line(f"{w} ranks' world: floor, the checkpoint's files read raw by one rank "
-             f"({rs.RAW_THREADS} threads preadv)", r["raw files"])
+        line(f"{w} ranks: the checkpoint's files read raw, a share per rank "
+             f"({rs.RAW_THREADS} threads preadv each)", r["raw files"])
         if "sp rows" in r:
             same_ref, same_runs = statistics.median(r["sp rows"]), r["sp rows"]
             line(f"{w} ranks, rows (same layout): shardpoint", r["sp rows"],

@@ -104,7 +104,8 @@ def print_targets(runs: list, names: dict, reshard: dict, note: str = "") -> Non
         same = per_round(r["cols"], r["same"]) if r["paired"] else _ratio(
             statistics.median(r["cols"]), statistics.median(r["same"]))
         dcp_raw = per_round(r["dcp"], r["raw"]) if r.get("raw") else None
-        cells = [_cell(same, 1.25, True),
+        ours_raw = per_round(r["cols"], r["raw"]) if r.get("raw") else None
+        cells = [_cell(same, 1.25, True, f"{ours_raw:.2f}x its files raw" if ours_raw else ""),
                  _cell(per_round(r["dcp"], r["cols"]), 1.5, False,
                        f"DCP {dcp_raw:.2f}x its files raw" if dcp_raw else "")]
         print(f"| resharded load, {w} ranks by columns: <= 1.25x the same-layout load; "

@@ -28,7 +28,7 @@ def test_quick_benchmark_prints_every_table(capsys, tmp_path):
     assert floor.split("|")[-2] == save.split("|")[-2] != " "
     assert "page cache: NOT dropped (--quick)" in out
     assert os.listdir(tmp_path) == []       # everything it wrote is removed
-    assert "ranks' world: floor, the checkpoint's files read raw" in out
+    assert "ranks: the checkpoint's files read raw, a share per rank" in out
     # the targets table: every target, one verdict per state, the reshard targets
     targets = out.split("### Targets (issue 7)")[1].splitlines()
     body = [ln for ln in targets if ln.startswith("| ") and not ln.startswith("| target")]
@@ -69,6 +69,6 @@ def test_targets_table_says_met_or_not_with_the_floor_beside_it(capsys):
                                     3: {"cols": [3.0], "same": [1.0, 2.0], "dcp": [3.0],
                                         "paired": False}})
     out = capsys.readouterr().out
-    assert "| resharded load, 4 ranks by columns" in out and "1.35x NOT met; 2.00x met (DCP 1.35x its files raw)" in out
+    assert "| resharded load, 4 ranks by columns" in out and "1.35x NOT met (0.68x its files raw); 2.00x met (DCP 1.35x its files raw)" in out
     assert "| resharded load, 3 ranks by columns" in out and "2.00x NOT met; 1.00x NOT met" \
         in out
