@@ -317,3 +317,22 @@ def test_a_bad_step_on_one_rank_fails_every_rank_not_a_wait(tmp_path):
     timeout; now they agree first and all raise."""
     got = run_world(2, _one_rank_bad_step, str(tmp_path / "ck"), timeout=60, pg_timeout=20)
     assert got == [["InvalidKeyError", "InvalidKeyError"]] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])   # direct reads; TensorStore's
+def test_a_damaged_or_missing_chunk_names_its_tensor(tmp_path, dtype):
+    """The chunk's file path alone (tensors/<encoded key>/c/...) left the user to decode the
+    key; the error now starts with it, for either read path."""
+    p = str(tmp_path / "ck")
+    sp.save({"model": {"w": torch.ones(8, 8, dtype=dtype), "b": torch.ones(8)}}, p)
+    chunk = next(os.path.join(d, f) for d, _, fs in os.walk(f"{p}/tensors/model/w")
+                 for f in fs if f != "zarr.json")
+    raw = bytearray(open(chunk, "rb").read())
+    raw[1] ^= 0x40
+    open(chunk, "wb").write(raw)
+    like = {"model": {"w": torch.zeros(8, 8, dtype=dtype), "b": torch.zeros(8)}}
+    with pytest.raises(sp.CorruptCheckpointError, match=r"^\[SP-READ-3\] tensor 'model/w': "):
+        sp.load(p, like=like)
+    os.remove(chunk)
+    with pytest.raises(sp.CorruptCheckpointError, match=r"^\[SP-READ-2\] tensor 'model/w': "):
+        sp.load(p, like=like)

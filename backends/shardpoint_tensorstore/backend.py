@@ -161,9 +161,24 @@ class _DirectHandle(_LazyTS):
     """A stored array read with direct chunk reads; if TensorStore is opened for the
     fallback, it raises the documented error for what is wrong."""
 
-    def __init__(self, layout: DirectLayout, open_ts: Any) -> None:
+    def __init__(self, layout: DirectLayout, open_ts: Any, key: str) -> None:
         super().__init__(open_ts)
-        self.layout = layout
+        self.layout, self.key = layout, key
+
+
+class _TSHandle:
+    """A stored array read through TensorStore alone (bool, or a layout not this backend's)."""
+
+    def __init__(self, h: Any, key: str) -> None:
+        self.ts, self.key = h, key
+
+
+class _KeyedRead:
+    """A read in flight and the tensor it reads, so :meth:`TensorStoreBackend.wait` can name
+    the key in the error."""
+
+    def __init__(self, op: Any, key: str) -> None:
+        self.op, self.key = op, key
 
 
 def _not_a_checkpoint_hint(path: str) -> str:
@@ -396,8 +411,8 @@ class TensorStoreBackend:
             if layout is not None and meta.get("data_type") in DTYPES:
                 self._check_metadata(layout.shape, meta, spec, key, array_path)
                 return _DirectHandle(layout, lambda: self._open_ts_for_read(
-                    root, array_path, spec, key))
-        return self._open_ts_for_read(root, array_path, spec, key)
+                    root, array_path, spec, key), key)
+        return _TSHandle(self._open_ts_for_read(root, array_path, spec, key), key)
 
     def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
         """A hint, nothing read here: start reading the chunk files a later ``read_into`` of
@@ -416,32 +431,38 @@ class TensorStoreBackend:
                 h = handle.tensorstore()
                 ts.array(view, copy=False, write=True).write(
                     _region(h, off, view.shape)).result()
-            return DirectReader(handle.layout, self._submit, fallback).read(tuple(offset), out)
-        return ts.array(out, copy=False, write=True).write(_region(handle, offset, out.shape))
+            return _KeyedRead(DirectReader(handle.layout, self._submit, fallback).read(
+                tuple(offset), out), handle.key)
+        return _KeyedRead(ts.array(out, copy=False, write=True).write(
+            _region(handle.ts, offset, out.shape)), handle.key)
 
     def wait(self, ops: Sequence[Any]) -> None:
-        first: Optional[BaseException] = None
-        todo = list(ops)
+        first: Optional[tuple] = None      # (error, key of the tensor read, or None)
+        todo: list = [(op, None) for op in ops]
         while todo:
-            op = todo.pop()
+            op, key = todo.pop()
+            if isinstance(op, _KeyedRead):
+                todo.append((op.op, op.key))
+                continue
             if isinstance(op, list):
-                todo.extend(op)
+                todo.extend((o, key) for o in op)
                 continue
             try:
                 more = op.result()
             except Exception as e:  # noqa: BLE001 - every op is waited for before raising
-                first = first or e
+                first = first or (e, key)
                 continue
             if isinstance(more, list):
-                todo.extend(more)
-        if first is not None and not isinstance(first, ValueError):
-            raise first
+                todo.extend((m, key) for m in more)
+        if first is not None and not isinstance(first[0], ValueError):
+            raise first[0]
         if first is not None:
-            msg = str(first).split("[tensorstore_spec")[0].strip()
+            msg = str(first[0]).split("[tensorstore_spec")[0].strip()
             missing = "NOT_FOUND" in msg
             raise CorruptCheckpointError(
-                f"stored data {'is missing' if missing else 'failed its checks'}: {msg}",
-                spec_id="SP-READ-2" if missing else "SP-READ-3") from first
+                (f"tensor {first[1]!r}: " if first[1] is not None else "")
+                + f"stored data {'is missing' if missing else 'failed its checks'}: {msg}",
+                spec_id="SP-READ-2" if missing else "SP-READ-3") from first[0]
 
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list:
         try:
