@@ -3,6 +3,7 @@ TensorStore writes for the same save, in every dtype, for plain and sharded chun
 chunks, 0-d and empty tensors and non-contiguous sources; the spec-only reader reads them;
 a write that is not one whole chunk goes through TensorStore."""
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -143,3 +144,43 @@ def test_edge_shards_equal_tensorstores_bytes(tmp_path, shape, chunk):
     mine, theirs = _files(str(tmp_path / "direct")), _files(str(tmp_path / "ts"))
     assert "sharding_indexed" in mine["zarr.json"].decode()
     assert mine == theirs
+
+
+def test_big_inner_chunks_start_on_4k_boundaries_and_every_reader_follows_the_index(tmp_path):
+    """Inner chunks of 256 KiB and more are padded to 4 KiB boundaries (the spec allows gaps
+    between inner chunks), so a read keeps the destination's alignment; the direct reader,
+    TensorStore and the spec-only reader all read the padded shards bit for bit, whole and
+    by column stripes."""
+    import crc32c
+    g = torch.Generator().manual_seed(3)
+    st = {"w": _random(torch.float32, (2048, 2048), g),     # 16 MiB: a shard of 2 MiB chunks
+          "h": _random(torch.bfloat16, (4096, 1500), g)}    # inner chunks not 4 KiB multiples
+    path = str(tmp_path / "ck")
+    sp.save(st, path)
+    m = sp.read_metadata(path)
+    for key in st:
+        f = os.path.join(path, m.tensors[key].array, "c", "0", "0")
+        raw = open(f, "rb").read()
+        with open(os.path.join(path, m.tensors[key].array, "zarr.json")) as fh:
+            meta = json.load(fh)
+        inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+        per = [c // i for c, i in zip(meta["chunk_grid"]["configuration"]["chunk_shape"], inner)]
+        count = int(np.prod(per))
+        index = np.frombuffer(raw[-4 - 16 * count:-4], "<u8").reshape(count, 2)
+        assert crc32c.crc32c(raw[-4 - 16 * count:-4]) == int.from_bytes(raw[-4:], "little")
+        present = index[index[:, 0] != 2**64 - 1]
+        assert len(present) > 1 and all(int(o) % 4096 == 0 for o, _ in present), key
+        ends = sorted(int(o + b) for o, b in present)
+        starts = sorted(int(o) for o, _ in present)
+        gaps = [raw[e:s] for e, s in zip(ends, starts[1:])]
+        assert any(gaps) and all(gp == bytes(len(gp)) for gp in gaps), key   # zero padding
+    got = read_independently(path)["tensors"]
+    assert all(got[k]["sha256"] == _sha(t) for k, t in st.items())
+    for be in (None, TensorStoreBackend(direct_reads=False)):
+        whole = sp.load(path, backend=be)
+        assert all(torch.equal(whole[k].view(torch.uint8), t.view(torch.uint8))
+                   for k, t in st.items())
+        stripe = {"w": sp.ShardedTensor(torch.zeros(2048, 700), (2048, 2048), (0, 1000))}
+        sp.load(path, like=stripe, backend=be, strict=False)
+        assert torch.equal(stripe["w"].data.view(torch.int32),
+                           st["w"][:, 1000:1700].contiguous().view(torch.int32))

@@ -35,6 +35,12 @@ from .durable import libc_function
 _IOV_MAX = 1024
 _ABSENT = 2**64 - 1
 RUN_BYTES = 16 << 20          # adjacent inner chunks written by one task, up to this many bytes
+# Inner chunks of 256 KiB and more start on 4 KiB boundaries (at most 1.6% of padding): with
+# the 4-byte CRC after each one, back to back they sit 4*i bytes off their destination's
+# alignment, and reading 32 shards of 16 x 2 MiB so took 0.156 s warm against 0.102 s aligned.
+INNER_ALIGN = 4096
+_ZEROS = np.zeros(INNER_ALIGN, np.uint8)
+_ZEROS.flags.writeable = False
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -235,19 +241,26 @@ class DirectWriter:
         inner = lay.inner
         per = tuple(c // i for c, i in zip(lay.chunk, inner))
         inner_bytes = math.prod(inner) * lay.itemsize + 4
+        # Each inner chunk starts on a 4 KiB boundary (the spec allows gaps): its bytes then
+        # keep their destination's alignment, which the page-cache copies need to run fast.
+        gap = -inner_bytes % INNER_ALIGN if inner_bytes >= 64 * INNER_ALIGN else 0
         index = np.full((math.prod(per), 2), _ABSENT, dtype="<u8")
         runs: list = [[]]
-        pos = 0
+        pos = run_bytes = 0
         for n, ii in enumerate(np.ndindex(*per)):
             lo = tuple(i * k for i, k in zip(ii, inner))
             if any(o + x >= s for o, x, s in zip(origin, lo, lay.shape)):
                 continue        # wholly outside the tensor: absent, as TensorStore leaves it
             index[n] = (pos, inner_bytes)
             sub = data[tuple(slice(x, x + k) for x, k in zip(lo, inner))]
-            if runs[-1] and len(runs[-1]) * inner_bytes >= RUN_BYTES:
+            if runs[-1] and run_bytes >= RUN_BYTES:
                 runs.append([])
+                run_bytes = 0
             runs[-1].append((pos, sub, inner, lay.itemsize))
-            pos += inner_bytes
+            if gap:
+                runs[-1].append((pos + inner_bytes, [_ZEROS[:gap]], None, 0))
+            pos += inner_bytes + gap
+            run_bytes += inner_bytes + gap
         ib = index.reshape(-1).view(np.uint8)
         idx_buf = [ib, np.frombuffer(crc32c.crc32c(ib).to_bytes(4, "little"), np.uint8)]
         runs[-1].append((pos, idx_buf, None, 0))
