@@ -217,7 +217,7 @@ def run_collectively(comm: Comm, local: Callable[[], bytes],
         items = [msgpack.unpackb(g) for g in got]
         failed = [rec for status, rec, _ in items if status]
         differ = [(r, v) for r, (_, _, v) in enumerate(items) if v != mine_same]
-        if differ and same is not None:
+        if differ:   # a path mismatch is the cause of whatever else failed: report it alone
             shown = ", ".join(f"rank {r}: {v!r}" for r, v in differ[:3])
             failed = [error_record(errors.InvalidOptionError(
                 f"the ranks were given different {same[0]}s: rank {comm.rank}: {mine_same!r}, "

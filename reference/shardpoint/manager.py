@@ -147,14 +147,7 @@ class CheckpointManager:
         Returns the ``SaveResult`` (an ``AsyncSave`` handle with ``async_save=True``).
         """
         self.wait()   # the previous save commits (or raises) before this one starts
-        err: Optional[BaseException] = None
-        try:
-            path, state = self.path(step), self._with_metrics(state, metrics)
-        except errors.ShardpointError as e:
-            err = e
-        # One rank's bad step or metrics fails every rank here, instead of that rank alone
-        # while the others wait in the save's first collective.
-        agree(self._comm, err, errors.InvalidOptionError)
+        path, state = self._agreed(lambda: (self.path(step), self._with_metrics(state, metrics)))
         if self._comm.is_coordinator:
             # No makedirs here: save creates the root inside its collective plan step, so a
             # root it cannot create fails every rank instead of this one while the others wait.
@@ -174,6 +167,19 @@ class CheckpointManager:
         else:
             self._after_commit()
         return result
+
+    def _agreed(self, check: Any) -> Any:
+        """``check()``'s result once every rank's check passed: one rank's bad step or metrics
+        fails every rank here (one small all-reduce), instead of that rank alone while the
+        others wait in the save's or load's first collective."""
+        err: Optional[BaseException] = None
+        out = None
+        try:
+            out = check()
+        except errors.ShardpointError as e:
+            err = e
+        agree(self._comm, err, errors.InvalidOptionError)
+        return out
 
     @staticmethod
     def _with_metrics(state: Any, metrics: Optional[dict]) -> Any:
@@ -208,13 +214,8 @@ class CheckpointManager:
                 raise errors.CheckpointNotFoundError(
                     f"no committed checkpoint under {self.root!r} (nothing to resume from)")
             step = int(got)
-        err: Optional[BaseException] = None
-        try:
-            path = self.path(step)
-        except errors.ShardpointError as e:
-            err = e
-        agree(self._comm, err, errors.InvalidOptionError)   # as in save
-        out = api.load(path, like=like, group=self.group, **load_options)
+        out = api.load(self._agreed(lambda: self.path(step)), like=like, group=self.group,
+                       **load_options)
         if like is None and isinstance(out, dict):
             out.pop(METRICS_KEY, None)
         return out
