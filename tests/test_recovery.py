@@ -167,3 +167,15 @@ def test_a_process_forked_during_a_save_does_not_keep_its_lock(tmp_path):
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0   # nothing left in the child's table
     be.abort(staging)
+
+
+def test_a_negative_or_nan_min_age_is_refused_not_taken_as_zero(tmp_path, capsys):
+    """`--min-age -5` was accepted and acted as 0: it would remove a save running elsewhere."""
+    import pytest
+    p = _ckpt(tmp_path / "ck", 1)
+    for bad in ("-5", "nan", "inf"):
+        assert cli_main(["recover", p, "--min-age", bad]) == 2
+        assert "an age is a finite number >= 0" in capsys.readouterr().err
+        with pytest.raises(sp.InvalidOptionError, match="min_age_s"):
+            sp.recover(p, min_age_s=float(bad))
+    assert cli_main(["recover", p, "--min-age", "0"]) == 0

@@ -225,7 +225,8 @@ def _parser() -> argparse.ArgumentParser:
         shardpoint recover ckpt/step_100 --min-age 0   # no save is running anywhere""")
     s.add_argument("path", help="a checkpoint path, or the directory holding checkpoints")
     s.add_argument("--dry-run", action="store_true", help="only say what would be done")
-    s.add_argument("--min-age", type=float, default=900.0, metavar="SECONDS",
+    s.add_argument("--min-age", type=cli_tools.non_negative("an age"), default=900.0,
+                   metavar="SECONDS",
                    help="skip leftovers modified more recently than this (default 900)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_recover)

@@ -7,7 +7,7 @@ import json
 import re
 import sys
 import textwrap
-from typing import Any
+from typing import Any, Callable
 
 from . import errors, progress
 from .keys import similar_keys
@@ -23,15 +23,18 @@ def add_command(sub: Any, name: str, help: str, examples: str = "") -> argparse.
         if examples else None, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def _tolerance(s: str) -> float:
-    """A finite number >= 0 (a negative or NaN tolerance made every tensor differ)."""
-    try:
-        v = float(s)
-    except ValueError:
-        v = float("nan")
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{s!r}: a tolerance is a finite number >= 0")
-    return v
+def non_negative(what: str) -> Callable[[str], float]:
+    """An argparse type for a finite number >= 0 called ``what`` (a negative or NaN tolerance
+    made every tensor differ; a negative age was taken as 0)."""
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            v = float("nan")
+        if not 0 <= v < float("inf"):
+            raise argparse.ArgumentTypeError(f"{s!r}: {what} is a finite number >= 0")
+        return v
+    return parse
 
 
 def add_commands(sub: Any) -> None:
@@ -71,9 +74,9 @@ def add_commands(sub: Any) -> None:
         shardpoint diff ckpt/a ckpt/b --json""")
     s.add_argument("a", help="a checkpoint of any readable format (detected)")
     s.add_argument("b", help="the checkpoint to compare it with")
-    s.add_argument("--atol", type=_tolerance, default=None, help="absolute tolerance "
+    s.add_argument("--atol", type=non_negative("a tolerance"), default=None, help="absolute tolerance "
                    "(default: bitwise comparison)")
-    s.add_argument("--rtol", type=_tolerance, default=None, help="relative tolerance")
+    s.add_argument("--rtol", type=non_negative("a tolerance"), default=None, help="relative tolerance")
     s.add_argument("--from-a", choices=SOURCES, default=None,
                    help="format of A (default: detected)")
     s.add_argument("--from-b", choices=SOURCES, default=None,

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, InvalidOptionError
 from .storage import Leftover, StorageBackend, get_backend
 
 DEFAULT_MIN_AGE_S = 900.0
@@ -95,6 +95,9 @@ def recover(path_or_parent: str, *, dry_run: bool = False,
     """Apply [SP-COMMIT-6] to leftovers beside checkpoint ``path_or_parent`` (or in it, when it
     is the directory holding checkpoints); returns one :class:`RecoveryAction` per leftover.
     Never run it while a save to one of those paths may be running."""
+    if not 0 <= min_age_s < float("inf"):
+        raise InvalidOptionError(f"min_age_s={min_age_s!r}: an age is a finite number of "
+                                 "seconds >= 0 (0 when no save can be running)")
     be = get_backend(backend)
     path = os.path.abspath(path_or_parent)
     if not os.path.lexists(path) and not os.path.isdir(os.path.dirname(path)):
