@@ -1,4 +1,5 @@
 """TensorStore (Zarr v3) storage backend for shardpoint: the high-throughput default."""
-from .backend import TensorStoreBackend, codecs_for
+from .backend import TensorStoreBackend
+from .chunk_layout import codecs_for
 
 __all__ = ["TensorStoreBackend", "codecs_for"]

@@ -24,8 +24,9 @@ from shardpoint.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                SaveFailedError, ShardpointError)
 from shardpoint.storage import MANIFEST_NAME, ArraySpec, Leftover
 
+from .chunk_layout import codecs_for, fill_value
 from .zarr_checks import (check_array_files, check_regular_file, check_zarr_json,
-                          chunk_file_sizes, read_zarr_json)
+                          chunk_file_sizes, metadata_problems, read_zarr_json)
 
 from shardpoint.fsutil import fsync_dir, remove_path
 
@@ -35,86 +36,13 @@ from .direct import DirectLayout, DirectReader, parse_layout, whole_chunk_files
 from .direct_write import (DirectWriter, WritePool, stored_codecs, write_layout,
                            zarr_json_bytes)
 
-_BYTES_CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 MAX_MANIFEST_BYTES = 1 << 30
-
-
-def _fill_value(dtype: str) -> Any:
-    if dtype == "bool":
-        return False
-    if dtype.startswith("complex"):
-        return [0.0, 0.0]
-    if dtype.startswith(("float", "bfloat")):
-        return 0.0
-    return 0
-
-
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    best = 1
-    i = 1
-    while i * i <= n:
-        if n % i == 0:
-            for d in (i, n // i):
-                if d <= limit and d > best:
-                    best = d
-        i += 1
-    return best
-
-
-def inner_chunk_shape(chunk: Sequence[int], itemsize: int, target: int) -> tuple:
-    """Inner chunks of a shard: divisors of ``chunk``, split from the first dimension on,
-    until one inner chunk is at most ``target`` bytes (or every dimension is split to 1)."""
-    inner = list(chunk)
-    for d in range(len(inner)):
-        rest = math.prod(inner[d + 1:]) * itemsize
-        if rest * inner[d] <= target:
-            break
-        inner[d] = _largest_divisor_at_most(inner[d], max(1, target // max(rest, 1)))
-    return tuple(inner)
-
-
-def codecs_for(spec: ArraySpec, itemsize: int, shard_above: int, inner_target: int) -> list:
-    """The codec chain the writer uses: bytes+crc32c, or sharding_indexed for large chunks."""
-    nbytes = math.prod(spec.chunk_shape) * itemsize
-    if spec.chunk_shape and nbytes > shard_above:
-        inner = inner_chunk_shape(spec.chunk_shape, itemsize, inner_target)
-        if inner != tuple(spec.chunk_shape):
-            return [{"name": "sharding_indexed", "configuration": {
-                "chunk_shape": list(inner), "codecs": _BYTES_CRC,
-                "index_codecs": _BYTES_CRC, "index_location": "end"}}]
-    return _BYTES_CRC
-
-
-def _has_crc(codecs: list) -> bool:
-    """Every chunk ends in crc32c: a chain whose last codec is crc32c, or one
-    sharding_indexed codec whose inner and index chains both do ([SP-ARRAY-2])."""
-    if not codecs:
-        return False
-    if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
-        conf = codecs[0].get("configuration", {})
-        return _has_crc(conf.get("codecs", [])) and _has_crc(conf.get("index_codecs", []))
-    return codecs[-1].get("name") == "crc32c"
 
 
 def _region(handle: Any, offset: Sequence[int], shape: Sequence[int]) -> Any:
     if not shape:
         return handle
     return handle[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-
-
-def _metadata_problems(shape: Any, meta: dict, spec: ArraySpec) -> list:
-    """Where a zarr.json disagrees with the manifest's entry ([SP-ARRAY-2])."""
-    problems = []
-    if tuple(shape) != tuple(spec.shape):
-        problems.append(f"shape {tuple(shape)} != manifest {tuple(spec.shape)}")
-    if meta.get("data_type") != spec.dtype:
-        problems.append(f"data_type {meta.get('data_type')!r} != manifest {spec.dtype!r}")
-    grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
-    if grid is not None and tuple(grid) != tuple(spec.chunk_shape):
-        problems.append(f"chunk_shape {tuple(grid)} != manifest {tuple(spec.chunk_shape)}")
-    if not _has_crc(meta.get("codecs", [])):
-        problems.append("codec chain has no crc32c")
-    return problems
 
 
 class _LazyTS:
@@ -316,7 +244,7 @@ class TensorStoreBackend:
                 "chunk_grid": {"name": "regular",
                                "configuration": {"chunk_shape": list(spec.chunk_shape)}},
                 "chunk_key_encoding": {"name": "default"},
-                "fill_value": _fill_value(spec.dtype), "codecs": codecs}
+                "fill_value": fill_value(spec.dtype), "codecs": codecs}
         s = self._tspec(root, array_path)
         s.update({"metadata": meta, "create": True, "open": True,
                   "store_data_equal_to_fill_value": True})
@@ -387,7 +315,7 @@ class TensorStoreBackend:
     @staticmethod
     def _check_metadata(shape: Any, meta: dict, spec: ArraySpec, key: str,
                         array_path: str) -> None:
-        problems = _metadata_problems(shape, meta, spec)
+        problems = metadata_problems(shape, meta, spec)
         if problems:
             raise CorruptCheckpointError(f"tensor {key!r}: zarr.json of {array_path!r} "
                                          f"disagrees with the manifest: {'; '.join(problems)}",
@@ -475,9 +403,9 @@ class TensorStoreBackend:
         if meta.get("chunk_key_encoding", {}).get("name", "default") != "default":
             problems.append(("SP-ARRAY-3", f"tensor {key!r}: chunk_key_encoding is "
                              f"{meta['chunk_key_encoding']!r}, not 'default'"))
-        if meta.get("fill_value") != _fill_value(spec.dtype):
+        if meta.get("fill_value") != fill_value(spec.dtype):
             problems.append(("SP-ARRAY-3", f"tensor {key!r}: fill_value "
-                             f"{meta.get('fill_value')!r} is not {_fill_value(spec.dtype)!r}"))
+                             f"{meta.get('fill_value')!r} is not {fill_value(spec.dtype)!r}"))
         shape = tuple(spec.shape)
         chunk = tuple(spec.chunk_shape)
         grid = [math.ceil(n / c) if c else 0 for n, c in zip(shape, chunk)]

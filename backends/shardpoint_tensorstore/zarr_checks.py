@@ -14,6 +14,7 @@ import stat
 from typing import Any
 
 from shardpoint.errors import CorruptCheckpointError, UnsupportedFormatError
+from shardpoint.storage import ArraySpec
 
 MAX_ZARR_JSON_BYTES = 1 << 20
 ONE_BYTE = {"bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2"}
@@ -201,3 +202,29 @@ def check_zarr_json(meta: dict, shape: tuple, dtype: str, chunk: tuple, key: str
         ok = type(fill) is int and fill == 0
     if not ok:
         raise _corrupt(key, f"fill_value {fill!r} is not +0/false for {dtype}", "SP-ARRAY-3")
+
+
+def has_crc(codecs: list) -> bool:
+    """Every chunk ends in crc32c: a chain whose last codec is crc32c, or one
+    sharding_indexed codec whose inner and index chains both do ([SP-ARRAY-2])."""
+    if not codecs:
+        return False
+    if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
+        conf = codecs[0].get("configuration", {})
+        return has_crc(conf.get("codecs", [])) and has_crc(conf.get("index_codecs", []))
+    return codecs[-1].get("name") == "crc32c"
+
+
+def metadata_problems(shape: Any, meta: dict, spec: ArraySpec) -> list:
+    """Where a zarr.json disagrees with the manifest's entry ([SP-ARRAY-2])."""
+    problems = []
+    if tuple(shape) != tuple(spec.shape):
+        problems.append(f"shape {tuple(shape)} != manifest {tuple(spec.shape)}")
+    if meta.get("data_type") != spec.dtype:
+        problems.append(f"data_type {meta.get('data_type')!r} != manifest {spec.dtype!r}")
+    grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+    if grid is not None and tuple(grid) != tuple(spec.chunk_shape):
+        problems.append(f"chunk_shape {tuple(grid)} != manifest {tuple(spec.chunk_shape)}")
+    if not has_crc(meta.get("codecs", [])):
+        problems.append("codec chain has no crc32c")
+    return problems
