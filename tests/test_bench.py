@@ -72,3 +72,26 @@ def test_targets_table_says_met_or_not_with_the_floor_beside_it(capsys):
     assert "| resharded load, 4 ranks by columns" in out and "1.35x NOT met (0.68x its files raw); 2.00x met (DCP 1.35x its files raw)" in out
     assert "| resharded load, 3 ranks by columns" in out and "2.00x NOT met; 1.00x NOT met" \
         in out
+
+
+def test_quick_jax_benchmark_runs_both_tools_and_checks_what_they_loaded(capsys, tmp_path):
+    """benchmarks/bench_jax.py --quick: shardpoint_jax against Orbax, every table printed
+    (each load is compared bit for bit with what was saved, or the run stops)."""
+    import pytest
+    pytest.importorskip("orbax.checkpoint", reason="the JAX benchmark's peer: pip install "
+                        "-e '.[jax,jax-test]'")
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_jax
+        bench_jax.main(["--quick", "--dir", str(tmp_path)])
+    finally:
+        sys.path.remove(BENCH)
+    out = capsys.readouterr().out
+    for state in ("### mixed", "### uniform"):
+        table = out.split(state)[1].split("###")[0]
+        for row in ("| save | raw |", "| save | shardpoint_jax |", "| save | orbax (ocdbt)",
+                    "| load | shardpoint_jax |", "| load | orbax (no ocdbt)",
+                    "shardpoint_jax vs best Orbax"):
+            assert row in table, (state, row)
+    assert "page cache: NOT dropped (--quick)" in out
+    assert os.listdir(tmp_path) == []

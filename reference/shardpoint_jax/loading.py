@@ -12,9 +12,12 @@ import numpy as np
 from .dtypes import numpy_dtype, numpy_of
 from .errors import LayoutMismatchError
 from .manifest import object_grid, resolve
-from .storage import StoredArray, checkpoint_path, read_manifest
+from .storage import PendingRead, StoredArray, checkpoint_path, read_manifest
 from .tree import ShardedObject, walk
 
+# Bytes of reads started ahead of the one being handed to JAX: enough to keep TensorStore's
+# I/O threads and the disk busy, bounded so a load never holds much more than its result.
+READ_AHEAD_BYTES = 256 << 20
 
 
 class Checkpoint:
@@ -26,6 +29,7 @@ class Checkpoint:
         self.leaves: dict = {}
         self._index(self.body["tree"], [])
         self._stores: dict = {}
+        self.ahead: Optional[ReadAhead] = None
 
     def _index(self, node: dict, path: list) -> None:
         kind = next(iter(node))
@@ -48,7 +52,10 @@ class Checkpoint:
 
     def read(self, key: str, offset, shape, out=None) -> np.ndarray:
         """Elements ``offset``..``offset + shape`` of tensor ``key`` (only the chunks they
-        touch are read)."""
+        touch are read): a read started ahead if there is one, else read now."""
+        pending = self.ahead.take(key, offset, shape, out) if self.ahead else None
+        if pending is not None:
+            return pending.result()
         return self.array(key).read(offset, shape, out)
 
     def object_values(self, key: str) -> list:
@@ -77,6 +84,113 @@ class Checkpoint:
         return jax.device_put(data)
 
 
+class ReadAhead:
+    """The regions a load will ask for, in order, read ahead of their use a window of bytes
+    at a time, so the disk works on the next regions while one is handed to JAX (one read
+    after another left the disk idle in between)."""
+
+    def __init__(self, ck: Checkpoint, regions: list, window: int) -> None:
+        self.ck, self.regions, self.window = ck, regions, window
+        self.pos: dict = {}
+        for i, (key, off, shp, _out) in enumerate(regions):
+            self.pos.setdefault((key, tuple(off), tuple(shp)), i)
+        self.started: dict = {}
+        self.next = self.inflight = 0
+
+    def take(self, key: str, offset, shape, out) -> Optional[PendingRead]:
+        """The read of this region if it was planned (started now at the latest) into the
+        same buffer; None otherwise."""
+        k = (key, tuple(offset), tuple(shape))
+        i = self.pos.get(k)
+        if i is None or self.regions[i][3] is not out:
+            return None
+        self._start(i)
+        del self.pos[k]
+        pending = self.started.pop(k, None)
+        if pending is not None:
+            self.inflight -= pending.nbytes
+        return pending
+
+    def _start(self, upto: int) -> None:
+        while self.next < len(self.regions) and (self.next <= upto or
+                                                 self.inflight < self.window):
+            key, off, shp, out = self.regions[self.next]
+            self.next += 1
+            k = (key, tuple(off), tuple(shp))
+            if k in self.started or k not in self.pos:
+                continue
+            try:
+                pending = self.ck.array(key).start_read(off, shp, out)
+            except Exception:  # noqa: BLE001 - the read itself raises it, in its turn
+                continue
+            self.started[k] = pending
+            self.inflight += pending.nbytes
+
+    def drain(self) -> None:
+        """Wait for every started read (a load that failed must not leave reads filling
+        buffers); their errors were or would be raised by the reads themselves."""
+        for pending in self.started.values():
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001
+                pass
+        self.started = {}
+
+
+def region_of(index: tuple, shape) -> tuple:
+    """``(offset, shape)`` of a shard's index (a tuple of slices) in an array of ``shape``."""
+    off = [s.start or 0 for s in index]
+    return off, [(n if s.stop is None else s.stop) - o for s, o, n in zip(index, off, shape)]
+
+
+def planned_regions(ck: Checkpoint, target: Any) -> list:
+    """``(key, offset, shape, out)`` of every region ``load`` will read for ``target`` (the
+    whole tree when None), in the order it will ask; leaves it will refuse are left out."""
+    regions: list = []
+    tensors = ck.body["tensors"]
+    if target is None:
+        for key, node in ck.leaves.items():
+            if "tensor" in node:
+                regions.append((key, [0] * len(tensors[key]["shape"]),
+                                list(tensors[key]["shape"]), None))
+        return regions
+
+    def visit(_path: tuple, key: str, leaf: Any) -> Any:
+        t = tensors.get(key)
+        if t is None or "tensor" not in ck.leaves.get(key, {}) or not isinstance(
+                leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
+            return leaf
+        try:
+            dtype = numpy_of(t["dtype"], key)
+            if tuple(leaf.shape) != tuple(t["shape"]) or numpy_dtype(leaf.dtype, key) != dtype:
+                return leaf
+        except Exception:  # noqa: BLE001 - load_array raises it
+            return leaf
+        if isinstance(leaf, np.ndarray):
+            into = leaf if leaf.flags.c_contiguous and leaf.flags.writeable else None
+            regions.append((key, [0] * leaf.ndim, list(leaf.shape), into))
+            return leaf
+        if not exact_in_jax(dtype):
+            return leaf
+        for index in _indices(leaf, t["shape"]):
+            regions.append((key, *region_of(index, t["shape"]), None))
+        return leaf
+
+    walk(target, visit)
+    return regions
+
+
+def _indices(leaf: Any, shape) -> list:
+    """The distinct shard indices of ``leaf``'s sharding on this process's devices."""
+    sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+        jax.local_devices()[0])
+    seen: dict = {}
+    for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
+        off, shp = region_of(index, shape)
+        seen.setdefault((tuple(off), tuple(shp)), index)
+    return list(seen.values())
+
+
 def exact_in_jax(dtype) -> bool:
     """Whether JAX keeps ``dtype`` as is (64-bit types need ``jax_enable_x64``)."""
     return jax.dtypes.canonicalize_dtype(dtype) == np.dtype(dtype)
@@ -99,9 +213,13 @@ def load(path: str, target: Any = None, *, strict: bool = True) -> Any:
     cell's value, any other leaf is a placeholder for a value. Keys the target does not name are
     not read. With ``strict=False`` keys the checkpoint lacks keep the target's leaf."""
     ck = Checkpoint(path)
-    if target is None:
-        return ck.whole(ck.body["tree"])
-    return walk(target, lambda p, key, leaf: load_leaf(ck, key, leaf, strict))
+    ck.ahead = ReadAhead(ck, planned_regions(ck, target), READ_AHEAD_BYTES)
+    try:
+        if target is None:
+            return ck.whole(ck.body["tree"])
+        return walk(target, lambda p, key, leaf: load_leaf(ck, key, leaf, strict))
+    finally:
+        ck.ahead.drain()
 
 
 def load_leaf(ck: Checkpoint, key: str, leaf: Any, strict: bool) -> Any:
@@ -161,9 +279,7 @@ def load_array(ck: Checkpoint, key: str, leaf: Any) -> Any:
     cache: dict = {}
 
     def region(index: tuple) -> np.ndarray:
-        off = [s.start or 0 for s in index]
-        shp = [(n if s.stop is None else s.stop) - o
-               for s, o, n in zip(index, off, t["shape"])]
+        off, shp = region_of(index, t["shape"])
         k = (tuple(off), tuple(shp))
         if k not in cache:          # replicated devices of this process share one read
             cache[k] = ck.read(key, off, shp)

@@ -19,8 +19,8 @@ from .dtypes import name_of
 from .grid import chunk_shape, local_chunk_shape
 from .keys import array_path
 from .manifest import encode_manifest
-from .storage import (MANIFEST, checkpoint_path, create_array, fsync_dir, fsync_tree,
-                      open_for_write, write_region)
+from .storage import (MANIFEST, checkpoint_path, chunk_files, create_arrays, fsync_dir,
+                      make_durable, open_for_write, write_region)
 from .tree import ShardedObject, is_array, tree_node
 from .values import check_value, is_scalar_value, pack, unpack
 
@@ -245,12 +245,10 @@ def prepare(path: str, plan: dict, overwrite: bool) -> dict:
     token = secrets.token_hex(8)
     staging = os.path.join(parent, f".{name}.shardpoint-tmp-{token}")
     os.makedirs(staging)
-    entries = {}
-    for key, t in plan["tensors"].items():
-        array = array_path(key)
-        create_array(staging, array, t["shape"], t["dtype"], t["chunk"])
-        entries[key] = {"array": array, "shape": t["shape"], "dtype": t["dtype"],
-                        "chunk_shape": t["chunk"]}
+    entries = {key: {"array": array_path(key), "shape": t["shape"], "dtype": t["dtype"],
+                     "chunk_shape": t["chunk"]} for key, t in plan["tensors"].items()}
+    create_arrays(staging, [(e["array"], e["shape"], e["dtype"], e["chunk_shape"])
+                            for e in entries.values()])
     return {"staging": staging, "token": token, "tree": plan["tree"], "tensors": entries,
             "global": {k: t["global"] for k, t in plan["tensors"].items()},
             "writers": plan["writers"], "objects": plan["objects"]}
@@ -258,27 +256,41 @@ def prepare(path: str, plan: dict, overwrite: bool) -> dict:
 
 def write_local(decision: dict, plan: LocalPlan, rank: int) -> None:
     """Write this process's chunks: replica-0 shards of global arrays, local arrays it was
-    elected for [SP-GRID-1] [SP-REPL-1]."""
+    elected for [SP-GRID-1] [SP-REPL-1]. Every write is started before any is waited for,
+    then what was written is made durable at once [SP-COMMIT-1]."""
     staging = decision["staging"]
+    writes = []
     for key, a in plan.arrays.items():
-        array = decision["tensors"][key]["array"]
+        entry = decision["tensors"][key]
         if decision["global"][key]:
             mine = [s for s in a.addressable_shards if s.replica_id == 0]
-            if not mine or a.size == 0:
-                continue
-            store = open_for_write(staging, array)
-            for s in mine:
-                off = [sl.start or 0 for sl in s.index]
-                write_region(store, off, np.asarray(s.data))
-        elif decision["writers"][key] == rank and a.size:
-            write_region(open_for_write(staging, array), [0] * a.ndim, np.asarray(a))
+            regions = [([sl.start or 0 for sl in s.index], s.data) for s in mine]
+        else:
+            regions = [([0] * a.ndim, a)] if decision["writers"][key] == rank else []
+        if not regions or a.size == 0:
+            continue
+        store = open_for_write(staging, entry["array"])
+        for off, data in regions:
+            host = np.asarray(data)
+            writes.append((write_region(store, off, host), chunk_files(
+                staging, entry["array"], off, host.shape, entry["chunk_shape"])))
+    first = None
+    for w, _files in writes:   # every write is waited for before an error is raised: none
+        try:                   # may still be writing into a staging directory being removed
+            if w is not None:
+                w.result()
+        except Exception as e:  # noqa: BLE001
+            first = first or e
+    if first is not None:
+        raise first
+    make_durable(staging, [f for _w, files in writes for f in files])
 
 
 def commit(path: str, decision: dict) -> None:
     """Process 0, after every process wrote durably: manifest last, then the atomic rename
     (the old checkpoint moved aside first, never deleted before) [SP-COMMIT-1..4]."""
     staging = decision["staging"]
-    fsync_tree(staging)
+    make_durable(staging)
     data = encode_manifest(decision["tree"], decision["tensors"], decision["objects"],
                            decision["world"])
     tmp = os.path.join(staging, MANIFEST + ".tmp")

@@ -2,11 +2,14 @@
 create and write arrays, validate zarr.json against the manifest, read regions strictly."""
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import math
 import os
 import stat
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -24,9 +27,12 @@ _CONTEXT = None
 
 
 def context() -> ts.Context:
+    """One context for every array: pooled I/O, no cache, and no fsync per file written
+    (``file_io_sync``): each process makes its writes durable at once when all are written
+    (:func:`make_durable`), instead of TensorStore syncing file by file."""
     global _CONTEXT
     if _CONTEXT is None:
-        _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+        _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
     return _CONTEXT
 
 
@@ -110,10 +116,13 @@ def _spec(root: str, array: str) -> dict:
                                            "path": os.path.join(root, array) + "/"}}
 
 
-def create_array(root: str, array: str, shape, dtype: str, chunk) -> None:
-    """Write the array's zarr.json (no chunks yet)."""
-    spec = dict(_spec(root, array), metadata=array_metadata(shape, dtype, chunk), create=True)
-    ts.open(spec, context=context()).result()
+def create_arrays(root: str, arrays: list) -> None:
+    """Write each array's zarr.json (no chunks yet); ``arrays``: ``(array path, shape,
+    dtype, chunk)``. All are created at once, then waited for."""
+    futs = [ts.open(dict(_spec(root, array), metadata=array_metadata(shape, dtype, chunk),
+                         create=True), context=context()) for array, shape, dtype, chunk in arrays]
+    for f in futs:
+        f.result()
 
 
 def open_for_write(root: str, array: str) -> ts.TensorStore:
@@ -121,12 +130,22 @@ def open_for_write(root: str, array: str) -> ts.TensorStore:
     return ts.open(spec, context=context()).result()   # [SP-ARRAY-4]
 
 
-def write_region(store: ts.TensorStore, offset: Sequence[int], data: np.ndarray) -> None:
-    """Write ``data`` at ``offset``; the region covers whole chunks (one writer each)."""
+def write_region(store: ts.TensorStore, offset: Sequence[int], data: np.ndarray) -> Any:
+    """Start writing ``data`` at ``offset`` (the region covers whole chunks, one writer
+    each); the returned future is done once it is written (not yet durable), or None."""
     if data.size == 0:
-        return
+        return None
     region = tuple(slice(o, o + n) for o, n in zip(offset, data.shape))
-    store[region].write(data).result() if region else store.write(data).result()
+    return store[region].write(data) if region else store.write(data)
+
+
+def chunk_files(root: str, array: str, offset: Sequence[int], shape: Sequence[int],
+                chunk: Sequence[int]) -> list:
+    """The chunk files (shards included) a region of whole chunks is stored in."""
+    if not shape:
+        return [os.path.join(root, array, "c")]
+    ranges = [range(o // c, -(-(o + n) // c)) for o, n, c in zip(offset, shape, chunk)]
+    return [os.path.join(root, array, "c", *map(str, idx)) for idx in itertools.product(*ranges)]
 
 
 MAX_ZARR_JSON = 2 ** 20
@@ -342,6 +361,12 @@ class StoredArray:
     def read(self, offset: Sequence[int], shape: Sequence[int],
              out: Optional[np.ndarray] = None) -> np.ndarray:
         """The stored elements of a region, crc32c checked [SP-READ-1..3] [SP-READ-5]."""
+        return self.start_read(offset, shape, out).result()
+
+    def start_read(self, offset: Sequence[int], shape: Sequence[int],
+                   out: Optional[np.ndarray] = None) -> "PendingRead":
+        """Check the region's chunk files and start reading it into ``out`` (a new array when
+        None); the returned read's ``result()`` waits and applies the remaining checks."""
         key = self.key
         if len(offset) != len(self.shape) or len(shape) != len(self.shape) or any(
                 o < 0 or n < 0 or o + n > d for o, n, d in zip(offset, shape, self.shape)):
@@ -350,7 +375,7 @@ class StoredArray:
         if out is None:
             out = np.empty(tuple(shape), self.store.dtype.numpy_dtype)
         if math.prod(shape) == 0:
-            return out
+            return PendingRead(self, offset, shape, out, None)
         ranges = [range(o // c, (o + n - 1) // c + 1)
                   for o, n, c in zip(offset, shape, self.chunk)]
         for idx in itertools.product(*ranges):
@@ -359,31 +384,92 @@ class StoredArray:
                 self._checked.add(idx)
         region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
         view = self.store[region].translate_to[(0,) * len(region)] if region else self.store
+        fut = ts.array(out, copy=False, write=True).write(view)   # straight into out
+        return PendingRead(self, offset, shape, out, fut)
+
+
+class PendingRead:
+    """A region being read into its buffer by :meth:`StoredArray.start_read`."""
+
+    def __init__(self, array: StoredArray, offset: Sequence[int], shape: Sequence[int],
+                 out: np.ndarray, fut: Any) -> None:
+        self.array, self.offset, self.shape, self.out, self.fut = array, offset, shape, out, fut
+        self.nbytes = out.nbytes
+
+    def result(self) -> np.ndarray:
+        """The region's elements once read and checked (raises the corruption found)."""
+        if self.fut is None:
+            return self.out
+        key = self.array.key
         try:
-            ts.array(out, copy=False, write=True).write(view).result()   # straight into out
+            self.fut.result()
         except Exception as e:  # noqa: BLE001
             text = str(e)
             missing = "NOT_FOUND" in text or "missing" in text.lower()
-            raise bad(key, f"stored data of region {list(offset)}+{list(shape)} "
+            raise bad(key, f"stored data of region {list(self.offset)}+{list(self.shape)} "
                       f"{'is missing' if missing else 'is damaged'}: {text[:300]}",
                       "SP-READ-2" if missing else "SP-READ-3") from None
-        if self.entry["dtype"] == "bool" and out.view(np.uint8).max(initial=0) > 1:
+        finally:
+            self.fut = None
+        if self.array.entry["dtype"] == "bool" and self.out.view(np.uint8).max(initial=0) > 1:
             raise bad(key, "a bool element byte is neither 0x00 nor 0x01", "SP-READ-3")
-        return out
+        return self.out
 
 
 # -------------------------------------------------------------------------------- durability
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def syncfs(path: str) -> bool:
+    """Linux ``syncfs(2)`` of the file system holding ``path``: every file written there is
+    durable when it returns True; False where the call does not exist."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if fn(fd) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"syncfs failed: {os.strerror(e)}", path)
+    finally:
+        os.close(fd)
+    return True
+
+
+def fsync_files(paths: Sequence[str], threads: int = 8) -> None:
+    """fsync each of ``paths``, several at once: one fsync after another leaves the disk idle
+    between them."""
+    with ThreadPoolExecutor(min(threads, max(1, len(paths)))) as ex:
+        list(ex.map(_fsync, paths))
+
+
+def make_durable(root: str, files: Optional[Sequence[str]] = None) -> None:
+    """Make what this process wrote under ``root`` durable [SP-COMMIT-1]: one ``syncfs``
+    where Linux has it (its own writes, whatever their number: 0.75x the time of parallel
+    fsyncs for a 149-array tree of 38 MB here, 0.93x at 1.2 GB), else an fsync of each of
+    ``files`` (every file and directory under ``root`` when None)."""
+    if syncfs(root):
+        return
+    if files is None:
+        fsync_tree(root)
+    else:
+        fsync_files(files)
+
+
 def fsync_tree(root: str) -> None:
-    """fsync every file and directory under ``root`` (TensorStore syncs files; we sync again
-    to be independent of its settings) [SP-COMMIT-1]."""
-    for d, _dirs, files in os.walk(root, topdown=False):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(d)
+    """fsync every file under ``root`` (those already synced cost little), then every
+    directory: the tree is durable once this returns [SP-COMMIT-1]."""
+    walked = list(os.walk(root, topdown=False))
+    fsync_files([os.path.join(d, f) for d, _dirs, files in walked for f in files])
+    fsync_files([d for d, _dirs, _files in walked])
 
 
 def fsync_dir(d: str) -> None:

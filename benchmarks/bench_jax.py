@@ -1,0 +1,207 @@
+"""shardpoint_jax against Orbax on the same JAX trees, one process, in one run.
+
+    python benchmarks/bench_jax.py                # ~1.2 GB mixed + 1 GiB uniform, 5 rounds
+    python benchmarks/bench_jax.py --quick        # tiny trees, one round (a smoke test)
+
+Each round runs, interleaved and in turn: the raw write (every leaf's bytes into one file,
+one fsync) and raw read (4 threads of ``preadv`` into preallocated buffers) of the same
+bytes; ``shardpoint_jax.save`` / ``load``; Orbax's ``StandardCheckpointer`` save (waited
+for with ``wait_until_finished``) and ``restore``, with OCDBT (its default) and without, the
+better median counting. The page cache is dropped before every timed step (root only: the
+output says when it cannot). Every save is followed by ``os.sync()`` inside its timing:
+shardpoint_jax syncs what it wrote, Orbax's TensorStore writes sync its data files but not
+all its metadata, and a checkpoint counts once it is on disk. Loads build new jax.Arrays
+from an abstract tree (``jax.ShapeDtypeStruct`` with a sharding), the same for both. The
+table gives medians with min-max and per-round ratios (the disk here moves up to 2x between
+runs; only ratios from one run count).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import bench_tools as bt  # noqa: E402
+
+
+def jax_tree(state: dict) -> dict:
+    """The torch benchmark state as jax.Arrays (bf16 through ml_dtypes, bit for bit)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    def one(t: torch.Tensor):
+        if t.dtype == torch.bfloat16:
+            return jnp.asarray(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+        return jnp.asarray(t.numpy())
+    return {k: jax_tree(v) if isinstance(v, dict) else one(v) for k, v in state.items()}
+
+
+def leaves(tree: dict) -> list:
+    import jax
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def raw_write(arrays: list, path: str) -> None:
+    with open(path, "wb") as f:
+        for a in arrays:
+            f.write(a.reshape(-1).view(np.uint8).data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def raw_read(bufs: list, path: str, threads: int = 4, piece: int = 16 << 20) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    jobs, off = [], 0
+    for b in bufs:
+        for s in range(0, b.size, piece):
+            jobs.append((b[s:s + piece], off + s))
+        off += b.size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda j: os.preadv(fd, [j[0]], j[1]), jobs))
+    finally:
+        os.close(fd)
+
+
+class Tools:
+    """The steps of one round, each a callable timed by the caller."""
+
+    def __init__(self, tree: dict, base: str, drop: bool) -> None:
+        import jax
+        import orbax.checkpoint as ocp
+        self.jax, self.ocp, self.tree, self.base, self.drop = jax, ocp, tree, base, drop
+        self.abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+        self.arrays = leaves(tree)
+        self.bufs = [np.empty(a.nbytes, np.uint8) for a in self.arrays]
+        self.orbax = {"orbax (ocdbt)": ocp.StandardCheckpointer(),
+                      "orbax (no ocdbt)": ocp.Checkpointer(
+                          ocp.StandardCheckpointHandler(use_ocdbt=False))}
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.base, name.replace(" ", "_").replace("(", "").replace(")", ""))
+
+    def save(self, name: str) -> None:
+        p = self.path(name)
+        shutil.rmtree(p, ignore_errors=True)
+        if os.path.exists(p + ".bin"):
+            os.unlink(p + ".bin")
+        if self.drop:
+            bt.drop_caches()
+        t = time.perf_counter()
+        if name == "raw":
+            raw_write(self.arrays, p + ".bin")
+        elif name == "shardpoint_jax":
+            import shardpoint_jax as spj
+            spj.save(p, self.tree)
+        else:
+            ck = self.orbax[name]
+            ck.save(p, self.tree)
+            if hasattr(ck, "wait_until_finished"):
+                ck.wait_until_finished()
+        os.sync()
+        return time.perf_counter() - t
+
+    def load(self, name: str) -> float:
+        p = self.path(name)
+        if self.drop:
+            bt.drop_caches()
+        t = time.perf_counter()
+        if name == "raw":
+            raw_read(self.bufs, p + ".bin")
+            out = None
+        elif name == "shardpoint_jax":
+            import shardpoint_jax as spj
+            out = spj.load(p, self.abstract)
+        else:
+            out = self.orbax[name].restore(p, self.abstract)
+        self.jax.block_until_ready(out)
+        dt = time.perf_counter() - t
+        if out is not None:   # checked after the timed part: bit for bit
+            for a, b in zip(self.arrays, leaves(out)):
+                if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+                    raise SystemExit(f"{name}: a loaded leaf differs from the saved one")
+        return dt
+
+
+TOOLS = ("raw", "shardpoint_jax", "orbax (ocdbt)", "orbax (no ocdbt)")
+
+
+def run_state(title: str, tree: dict, base: str, rounds: int, drop: bool,
+              show: bool = True) -> None:
+    tools = Tools(tree, base, drop)
+    t: dict = {}
+    for _ in range(rounds):
+        for name in TOOLS:
+            t.setdefault(("save", name), []).append(tools.save(name))
+        for name in TOOLS:
+            t.setdefault(("load", name), []).append(tools.load(name))
+    size = sum(a.nbytes for a in tools.arrays)
+    if not show:
+        return
+    print(f"\n### {title}: {size / 1e9:.2f} GB in {len(tools.arrays)} arrays, "
+          f"{rounds} round(s)\n")
+    print("| step | tool | median s | min-max | x raw (per round) | GB/s | files / dirs |")
+    print("|---|---|---|---|---|---|---|")
+    for op in ("save", "load"):
+        orbax_best = min(("orbax (ocdbt)", "orbax (no ocdbt)"),
+                         key=lambda n: statistics.median(t[(op, n)]))
+        for name in TOOLS:
+            v = t[(op, name)]
+            ratio = statistics.median([a / b for a, b in zip(v, t[(op, "raw")])])
+            files = "" if name == "raw" else bt.count_files(tools.path(name))
+            mark = " (best Orbax)" if name == orbax_best else ""
+            print(f"| {op} | {name}{mark} | {statistics.median(v):.3f} | {min(v):.3f}-"
+                  f"{max(v):.3f} | {ratio:.2f}x | {size / statistics.median(v) / 1e9:.2f} | "
+                  f"{files} |")
+        ours, best = t[(op, "shardpoint_jax")], t[(op, orbax_best)]
+        r = statistics.median([b / a for a, b in zip(ours, best)])
+        print(f"| {op} | **shardpoint_jax vs best Orbax** | | | {r:.2f}x faster (per round) "
+              "| | |")
+
+
+def main(argv: Optional[list] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny trees, one round, warm cache (a smoke test)")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds (default 5)")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    a = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.ERROR)   # Orbax logs every save at WARNING
+    import jax
+    import orbax.checkpoint as ocp
+    base = tempfile.mkdtemp(prefix="spjbench-", dir=a.dir)
+    try:
+        drop = not a.quick and bt.drop_caches()
+        print(f"{platform.node()} | {os.cpu_count()} cores | jax {jax.__version__} | "
+              f"orbax-checkpoint {getattr(ocp, '__version__', '?')} | page cache: "
+              f"{'dropped before every timed step' if drop else 'NOT dropped'}"
+              f"{' (--quick)' if a.quick else '' if drop else ' (not root): cold steps are warm'}")
+        rounds = 1 if a.quick else a.repeat
+        run_state("warm-up", jax_tree(bt.mixed_state(1 / 64)), base, 1, False, show=False)
+        scale = 1 / 32 if a.quick else 1.0
+        run_state("mixed (transformer-like, fp32 + bf16)", jax_tree(bt.mixed_state(scale)),
+                  base, rounds, drop)
+        run_state("uniform (fp32)", jax_tree(bt.uniform_state(
+            8 if a.quick else 32, 1 if a.quick else 32)), base, rounds, drop)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""shardpoint_jax loads read regions ahead of their use, a window of bytes at a time: the
+result is the same whatever the window, numpy targets are still filled in place, and a
+damaged chunk read ahead is reported for its own tensor, with no read left running."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax", reason="shardpoint_jax needs jax (pip install -e '.[jax]')")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import shardpoint_jax as sj  # noqa: E402
+from shardpoint_jax import loading  # noqa: E402
+
+
+def tree():
+    rng = np.random.default_rng(3)
+    return {f"w{i}": jnp.asarray(rng.standard_normal((64, 32), np.float32)) for i in range(6)} | {
+        "np": rng.integers(0, 9, (16, 8), np.int32), "bf": jnp.arange(40, dtype=jnp.bfloat16)}
+
+
+def abstract(t):
+    dev = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("x",)), P())
+    return {k: np.zeros_like(v) if isinstance(v, np.ndarray) else
+            jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dev) for k, v in t.items()}
+
+
+@pytest.mark.parametrize("window", [1, 10_000, 1 << 40])
+def test_any_window_loads_the_same_bits_and_fills_numpy_in_place(tmp_path, monkeypatch, window):
+    t = tree()
+    sj.save(str(tmp_path / "ck"), t)
+    monkeypatch.setattr(loading, "READ_AHEAD_BYTES", window)
+    tgt = abstract(t)
+    out = sj.load(str(tmp_path / "ck"), tgt)
+    assert out["np"] is tgt["np"]                        # filled in place, not replaced
+    for k, v in t.items():
+        assert np.asarray(out[k]).tobytes() == np.asarray(v).tobytes(), k
+    whole = sj.load(str(tmp_path / "ck"))
+    assert all(np.asarray(whole[k]).tobytes() == np.asarray(v).tobytes() for k, v in t.items())
+
+
+def test_a_damaged_chunk_read_ahead_names_its_own_tensor(tmp_path, monkeypatch):
+    t = tree()
+    p = str(tmp_path / "ck")
+    sj.save(p, t)
+    chunk = os.path.join(p, "tensors", "w4", "c", "0", "0")
+    with open(chunk, "r+b") as f:                        # same size, one flipped byte
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    started = []
+    real = loading.ReadAhead._start
+
+    def spy(self, upto):
+        real(self, upto)
+        started.append(set(self.started))
+    monkeypatch.setattr(loading.ReadAhead, "_start", spy)
+    monkeypatch.setattr(loading, "READ_AHEAD_BYTES", 1 << 40)
+    with pytest.raises(sj.CorruptCheckpointError, match="'w4'"):
+        sj.load(p, abstract(t))
+    assert any(("w4", (0, 0), (64, 32)) in s for s in started)   # w4 was read ahead
+    drained = []
+    real_drain = loading.ReadAhead.drain
+    monkeypatch.setattr(loading.ReadAhead, "drain",
+                        lambda self: (real_drain(self), drained.append(dict(self.started))))
+    with pytest.raises(sj.CorruptCheckpointError):
+        sj.load(p, abstract(t))
+    assert drained == [{}]                               # nothing left reading
