@@ -8,7 +8,8 @@ import math
 import os
 import secrets
 import shutil
-from typing import Any
+from collections import deque
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -254,36 +255,67 @@ def prepare(path: str, plan: dict, overwrite: bool) -> dict:
             "writers": plan["writers"], "objects": plan["objects"]}
 
 
+# Bytes of writes in flight (each holds its encoded chunks, and for arrays on an accelerator
+# a host copy): enough to keep the disk busy, bounded so a save adds little memory.
+WRITE_AHEAD_BYTES = 64 << 20
+
+
+class Writes:
+    """Writes in flight, at most ``window`` bytes of them (the oldest is waited for before
+    more start); every one is waited for before an error is raised, so none may still be
+    writing into a staging directory that is being removed."""
+
+    def __init__(self, window: int) -> None:
+        self.window, self.queue, self.inflight = window, deque(), 0
+        self.error: Optional[BaseException] = None
+
+    def add(self, fut: Any, nbytes: int) -> None:
+        self.queue.append((fut, nbytes))
+        self.inflight += nbytes
+        while self.inflight > self.window and len(self.queue) > 1:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        fut, nbytes = self.queue.popleft()
+        self.inflight -= nbytes
+        try:
+            if fut is not None:
+                fut.result()
+        except Exception as e:  # noqa: BLE001 - the first one is raised by the caller
+            self.error = self.error or e
+
+    def drain(self) -> None:
+        while self.queue:
+            self._wait_oldest()
+
+
 def write_local(decision: dict, plan: LocalPlan, rank: int) -> None:
     """Write this process's chunks: replica-0 shards of global arrays, local arrays it was
-    elected for [SP-GRID-1] [SP-REPL-1]. Every write is started before any is waited for,
-    then what was written is made durable at once [SP-COMMIT-1]."""
+    elected for [SP-GRID-1] [SP-REPL-1]. Writes run several at once (:class:`Writes`); then
+    what was written is made durable at once [SP-COMMIT-1]."""
     staging = decision["staging"]
-    writes = []
-    for key, a in plan.arrays.items():
-        entry = decision["tensors"][key]
-        if decision["global"][key]:
-            mine = [s for s in a.addressable_shards if s.replica_id == 0]
-            regions = [([sl.start or 0 for sl in s.index], s.data) for s in mine]
-        else:
-            regions = [([0] * a.ndim, a)] if decision["writers"][key] == rank else []
-        if not regions or a.size == 0:
-            continue
-        store = open_for_write(staging, entry["array"])
-        for off, data in regions:
-            host = np.asarray(data)
-            writes.append((write_region(store, off, host), chunk_files(
-                staging, entry["array"], off, host.shape, entry["chunk_shape"])))
-    first = None
-    for w, _files in writes:   # every write is waited for before an error is raised: none
-        try:                   # may still be writing into a staging directory being removed
-            if w is not None:
-                w.result()
-        except Exception as e:  # noqa: BLE001
-            first = first or e
-    if first is not None:
-        raise first
-    make_durable(staging, [f for _w, files in writes for f in files])
+    writes, files = Writes(WRITE_AHEAD_BYTES), []
+    try:
+        for key, a in plan.arrays.items():
+            entry = decision["tensors"][key]
+            if decision["global"][key]:
+                mine = [s for s in a.addressable_shards if s.replica_id == 0]
+                regions = [([sl.start or 0 for sl in s.index], s.data) for s in mine]
+            else:
+                regions = [([0] * a.ndim, a)] if decision["writers"][key] == rank else []
+            if not regions or a.size == 0 or writes.error is not None:
+                continue
+            store = open_for_write(staging, entry["array"])
+            for off, data in regions:
+                host = np.asarray(data)
+                writes.add(write_region(store, off, host), host.nbytes)
+                files += chunk_files(staging, entry["array"], off, host.shape,
+                                     entry["chunk_shape"])
+    finally:
+        writes.drain()
+    if writes.error is not None:
+        raise writes.error
+    make_durable(staging, files)
 
 
 def commit(path: str, decision: dict) -> None:
