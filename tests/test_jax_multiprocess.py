@@ -102,3 +102,23 @@ def test_a_failing_process_fails_the_save_everywhere_and_keeps_the_previous(tmp_
         assert r["out"].startswith("UnsupportedValueError") and "extra" in r["out"], r
         assert "SP-VALUE-1" in r["out"]
         assert r["left"] == ["ck"]
+
+
+ASYNC = COMMON + """
+devs = np.array(jax.devices())
+mesh = Mesh(devs.reshape(2, -1), ("dp", "tp"))
+tree = {"w": put(W, mesh, ("dp", "tp")), "m": put(M, mesh, (None, "tp"))}
+h = sj.save(PATH, tree, async_save=True)
+for a in tree.values():
+    a.delete()                                 # the caller's buffers are gone at once
+path = h.result(timeout=120)                   # written and committed in the background
+other = Mesh(devs[::-1].reshape(-1), ("x",))
+got = sj.load(path, {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(other, P("x")))
+                     for k, a in (("w", W), ("m", M))})
+print(json.dumps({"pid": pid, "shards": check(got["w"], W) + check(got["m"], M)}))
+"""
+
+
+def test_an_asynchronous_save_commits_across_processes_after_the_arrays_are_gone(tmp_path):
+    res = _run(ASYNC, 2, 2, tmp_path / "ck")
+    assert sorted(r["pid"] for r in res) == [0, 1] and all(r["shards"] == 4 for r in res)

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from . import errors as E
+from .async_save import POOL, AsyncSave, wait_for_previous
 from .comm import Comm
 from .dtypes import name_of
 from .grid import chunk_shape, local_chunk_shape
@@ -174,11 +175,39 @@ def raise_info(info: list, where: str) -> None:
 
 
 # -------------------------------------------------------------------------------- save
-def save(path: str, tree: Any, *, overwrite: bool = False) -> None:
+def save(path: str, tree: Any, *, overwrite: bool = False,
+         async_save: bool = False) -> Optional[AsyncSave]:
     """Save ``tree`` (a pytree of jax.Arrays, numpy arrays, ShardedObjects and values) at
-    ``path``. Collective: every process of the job calls it with its own tree."""
+    ``path``. Collective: every process of the job calls it with its own tree.
+
+    With ``async_save=True`` the call returns once the plan is agreed and this process holds
+    data nobody can change (:mod:`.async_save`: CPU JAX arrays held as they are, numpy leaves
+    copied to a reused pool), so the arrays may be changed, deleted or donated right away;
+    the writes and the commit run in the background and the returned :class:`AsyncSave`
+    says when the checkpoint is in. Any
+    save first waits for the previous asynchronous one and raises its error if nobody saw
+    it yet."""
+    wait_for_previous()
     path = checkpoint_path(path, "save(path, tree)")
     comm = Comm("save")
+    plan, decision = agree_plan(comm, path, tree, overwrite)
+    regions: list = []
+    err: Optional[BaseException] = None
+    try:
+        regions = local_regions(decision, plan, comm.rank)
+        if async_save:
+            regions = POOL.stage(regions)
+    except Exception as e:  # noqa: BLE001 - reported to every process at the write step
+        err = e
+    if not async_save:
+        write_and_commit(comm, path, decision, regions, err)
+        return None
+    return AsyncSave(lambda: write_and_commit(comm, path, decision, regions, err), path)
+
+
+def agree_plan(comm: Comm, path: str, tree: Any, overwrite: bool) -> tuple:
+    """Every process's plan to process 0, which checks and merges them, creates the staging
+    directory and the arrays, and sends back its decision: ``(local plan, decision)``."""
     plan, err = None, None
     try:
         plan = LocalPlan(tree)
@@ -206,11 +235,39 @@ def save(path: str, tree: Any, *, overwrite: bool = False) -> None:
         if err is not None:
             raise err
         raise_info(decision["error"], "plan")
+    return plan, decision
+
+
+def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
+                     err: Optional[BaseException]) -> None:
+    """Process 0 creates the arrays and tells the others; each writes its regions and reports
+    to process 0, which commits once every process is durable. Raises what failed anywhere."""
+    if comm.rank == 0:
+        ready = b""
+        try:
+            create_arrays(decision["staging"], [(e["array"], e["shape"], e["dtype"],
+                                                 e["chunk_shape"])
+                                                for e in decision["tensors"].values()])
+        except Exception as e:  # noqa: BLE001 - TensorStore's errors are ValueErrors
+            e = E.SaveFailedError(f"creating the arrays under {decision['staging']!r} "
+                                  f"failed: {_short(e)}")
+            err, ready = err or e, pack(error_info(e))
+        comm.broadcast("arrays", ready)
+    else:
+        ready = comm.broadcast("arrays")
+        if ready and err is None:
+            try:
+                raise_info(unpack(ready), "arrays")
+            except E.ShardpointError as e:
+                err = e
     status = b""
-    try:
-        write_local(decision, plan, comm.rank)
-    except Exception as e:  # noqa: BLE001
-        err, status = e, pack(error_info(e))
+    if err is None:
+        try:
+            write_regions(decision["staging"], regions)
+        except Exception as e:  # noqa: BLE001
+            err = e
+    if err is not None:
+        status = pack(error_info(err))
     statuses = comm.gather("written", status)
     outcome = b""
     if comm.rank == 0:
@@ -232,7 +289,8 @@ def save(path: str, tree: Any, *, overwrite: bool = False) -> None:
 
 
 def prepare(path: str, plan: dict, overwrite: bool) -> dict:
-    """Process 0: refuse a taken path, create the staging directory and every array."""
+    """Process 0: refuse a taken path, create the staging directory (its arrays come in
+    :func:`write_and_commit`, after an asynchronous save has returned)."""
     if os.path.lexists(path):                     # [SP-COMMIT-5]
         empty_dir = os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
         is_ckpt = os.path.isfile(os.path.join(path, MANIFEST))
@@ -248,8 +306,6 @@ def prepare(path: str, plan: dict, overwrite: bool) -> dict:
     os.makedirs(staging)
     entries = {key: {"array": array_path(key), "shape": t["shape"], "dtype": t["dtype"],
                      "chunk_shape": t["chunk"]} for key, t in plan["tensors"].items()}
-    create_arrays(staging, [(e["array"], e["shape"], e["dtype"], e["chunk_shape"])
-                            for e in entries.values()])
     return {"staging": staging, "token": token, "tree": plan["tree"], "tensors": entries,
             "global": {k: t["global"] for k, t in plan["tensors"].items()},
             "writers": plan["writers"], "objects": plan["objects"]}
@@ -267,55 +323,75 @@ class Writes:
 
     def __init__(self, window: int) -> None:
         self.window, self.queue, self.inflight = window, deque(), 0
-        self.error: Optional[BaseException] = None
+        self.error: Optional[tuple] = None      # (key, exception) of the first failure
 
-    def add(self, fut: Any, nbytes: int) -> None:
-        self.queue.append((fut, nbytes))
+    def add(self, fut: Any, nbytes: int, key: str) -> None:
+        self.queue.append((fut, nbytes, key))
         self.inflight += nbytes
         while self.inflight > self.window and len(self.queue) > 1:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:
-        fut, nbytes = self.queue.popleft()
+        fut, nbytes, key = self.queue.popleft()
         self.inflight -= nbytes
         try:
             if fut is not None:
                 fut.result()
         except Exception as e:  # noqa: BLE001 - the first one is raised by the caller
-            self.error = self.error or e
+            self.error = self.error or (key, e)
 
     def drain(self) -> None:
         while self.queue:
             self._wait_oldest()
 
 
-def write_local(decision: dict, plan: LocalPlan, rank: int) -> None:
-    """Write this process's chunks: replica-0 shards of global arrays, local arrays it was
-    elected for [SP-GRID-1] [SP-REPL-1]. Writes run several at once (:class:`Writes`); then
-    what was written is made durable at once [SP-COMMIT-1]."""
-    staging = decision["staging"]
-    writes, files = Writes(WRITE_AHEAD_BYTES), []
+def local_regions(decision: dict, plan: LocalPlan, rank: int) -> list:
+    """What this process writes, ``(key, array path, chunk shape, offset, data)``: replica-0 shards
+    of global arrays, local arrays it was elected for [SP-GRID-1] [SP-REPL-1]."""
+    out = []
+    for key, a in plan.arrays.items():
+        entry = decision["tensors"][key]
+        if a.size == 0:
+            continue
+        if decision["global"][key]:
+            out += [(key, entry["array"], entry["chunk_shape"],
+                     [sl.start or 0 for sl in s.index], s.data)
+                    for s in a.addressable_shards if s.replica_id == 0]
+        elif decision["writers"][key] == rank:
+            out.append((key, entry["array"], entry["chunk_shape"], [0] * a.ndim, a))
+    return out
+
+
+def write_regions(staging: str, regions: list) -> None:
+    """Write ``regions`` (:func:`local_regions`), several at once (:class:`Writes`), then make
+    what was written durable at once [SP-COMMIT-1]."""
+    writes, files, stores = Writes(WRITE_AHEAD_BYTES), [], {}
     try:
-        for key, a in plan.arrays.items():
-            entry = decision["tensors"][key]
-            if decision["global"][key]:
-                mine = [s for s in a.addressable_shards if s.replica_id == 0]
-                regions = [([sl.start or 0 for sl in s.index], s.data) for s in mine]
-            else:
-                regions = [([0] * a.ndim, a)] if decision["writers"][key] == rank else []
-            if not regions or a.size == 0 or writes.error is not None:
-                continue
-            store = open_for_write(staging, entry["array"])
-            for off, data in regions:
-                host = np.asarray(data)
-                writes.add(write_region(store, off, host), host.nbytes)
-                files += chunk_files(staging, entry["array"], off, host.shape,
-                                     entry["chunk_shape"])
+        for key, array, chunk, off, data in regions:
+            if writes.error is not None:
+                break
+            if array not in stores:
+                stores[array] = open_for_write(staging, array)
+            host = np.asarray(data)
+            writes.add(write_region(stores[array], off, host), host.nbytes, key)
+            files += chunk_files(staging, array, off, host.shape, chunk)
     finally:
         writes.drain()
     if writes.error is not None:
-        raise writes.error
-    make_durable(staging, files)
+        key, e = writes.error
+        raise E.SaveFailedError(f"tensor {key!r}: writing its chunks under {staging!r} failed: "
+                                f"{_short(e)}") from None
+    try:
+        make_durable(staging, files)
+    except OSError as e:
+        raise E.SaveFailedError(f"making the chunks written under {staging!r} durable failed: "
+                                f"{e}") from None
+
+
+def _short(e: BaseException) -> str:
+    """A storage error in a line: TensorStore's own text, less its status prefix."""
+    text = str(e).replace("RESOURCE_EXHAUSTED: ", "").replace("INTERNAL: ", "")
+    return text if len(text) < 400 else text[:400] + "..."
 
 
 def commit(path: str, decision: dict) -> None:
