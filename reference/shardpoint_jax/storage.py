@@ -54,8 +54,9 @@ def _other_format(path: str) -> str:
         return ("it holds a PyTorch DCP checkpoint: `shardpoint convert` makes a shardpoint "
                 "one of it")
     if names & {"_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt"}:
-        return ("it looks like an Orbax checkpoint: restore it with Orbax and save the tree "
-                "with shardpoint_jax.save")
+        return (f"it holds an Orbax checkpoint: `shardpoint convert {path} DST` makes a "
+                "shardpoint one of it (or restore it with Orbax and save the tree with "
+                "shardpoint_jax.save)")
     return "a save that crashed or is still running"
 
 

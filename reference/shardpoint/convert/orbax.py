@@ -79,8 +79,9 @@ def _import_orbax() -> Any:
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:
-        raise ConversionError(f"reading an Orbax checkpoint needs the orbax-checkpoint package "
-                              f"(and JAX): pip install orbax-checkpoint ({e})") from None
+        raise ConversionError(f"reading an Orbax checkpoint needs the orbax-checkpoint "
+                              "package (and JAX): pip install orbax-checkpoint, or "
+                              f"shardpoint[orbax] ({e})") from None
     return ocp
 
 
