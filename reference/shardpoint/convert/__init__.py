@@ -106,7 +106,9 @@ def foreign_format_hint(path: str) -> str:
         return (f" (it is an Orbax CheckpointManager directory: convert one of its steps "
                 f"with `shardpoint convert {latest_step(path)} DST` or "
                 "shardpoint.convert.convert)")
-    return (f" (it holds a {_NAMES[fmt]} checkpoint: convert it with "
+    name = _NAMES[fmt]
+    article = "an" if name[0] in "AEIOU" else "a"
+    return (f" (it holds {article} {name} checkpoint: convert it with "
             f"`shardpoint convert {path} DST` or shardpoint.convert.convert)")
 
 

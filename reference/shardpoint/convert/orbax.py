@@ -53,6 +53,15 @@ def _steps(path: str) -> list:
     return sorted(out)
 
 
+def _json_files(d: str) -> list:
+    """The data files of a JSON item directory (not Orbax's commit marker)."""
+    try:
+        return sorted(n for n in os.listdir(d) if os.path.isfile(os.path.join(d, n))
+                      and n != "commit_success.txt" and not n.startswith((".", "_")))
+    except OSError:
+        return []
+
+
 def orbax_layout(path: str) -> Optional[str]:
     """``"tree"`` (a PyTree/Standard checkpoint), ``"step"`` (a CheckpointManager step of
     items), ``"root"`` (a CheckpointManager directory of steps) or None. File names only."""
@@ -147,7 +156,7 @@ class OrbaxSource(Source):
             handler = str(handlers.get(name) or "")
             if orbax_layout(d) == "tree":
                 self._add_tree(prefix, d)
-            elif "Json" in handler or (not handler and _isfile(d, "metadata")):
+            elif "Json" in handler or (not handler and len(_json_files(d)) == 1):
                 self._add_json(prefix, d)
             else:
                 self.skipped.append((key_of((name,)), f"Orbax item {name!r} was saved by "
@@ -155,14 +164,18 @@ class OrbaxSource(Source):
                                      "PyTree/Standard and JSON items"))
 
     def _add_json(self, prefix: tuple, d: str) -> None:
+        """A JSON item (``JsonSave``; the file is named ``metadata``, or after the item as
+        the manager's ``metrics`` is), read by Orbax's ``JsonCheckpointHandler``."""
         from etils import epath
+        files = _json_files(d)
+        if len(files) != 1:
+            raise ConversionError(f"Orbax JSON item {d!r} holds {len(files)} data files "
+                                  f"{files[:5]}, not one")
         try:
-            v = self._ocp.JsonCheckpointHandler().restore(epath.Path(d))
+            v = self._ocp.JsonCheckpointHandler(filename=files[0]).restore(epath.Path(d))
         except Exception as e:  # noqa: BLE001 - the handler's own errors, reported
             raise ConversionError(f"Orbax JSON item {d!r} is not readable: {_why(e)}") from None
-        if not prefix:
-            prefix = (os.path.basename(d),)
-        self.values[prefix] = v
+        self.values[prefix or (os.path.basename(d),)] = v
 
     def _add_tree(self, prefix: tuple, d: str) -> None:
         from etils import epath
@@ -172,8 +185,9 @@ class OrbaxSource(Source):
             md = ocp.PyTreeCheckpointHandler().metadata(item)
             ocdbt = bool(self._th.is_ocdbt_checkpoint(item))
         except Exception as e:  # noqa: BLE001 - Orbax's own parse errors
-            raise ConversionError(f"{d!r}: Orbax cannot read its tree metadata ({TREE_FILE}): "
-                                  f"{_why(e)}") from None
+            raise ConversionError(f"{d!r}: Orbax cannot read the checkpoint's metadata (the "
+                                  f"tree in {TREE_FILE}, each array's shape and dtype): "
+                                  f"{_why(e)}; damaged or incomplete?") from None
         if _isfile(d, LEGACY_AGGREGATE):
             self.skipped.append((key_of(prefix) if prefix else "(root)",
                                  f"{os.path.join(d, LEGACY_AGGREGATE)!r}: leaves saved with "
@@ -213,7 +227,8 @@ class OrbaxSource(Source):
     def _read_strings(self, item: Any, strings: list) -> None:
         """Strings through Orbax's ``StringHandler`` (``_strings.json``), in one call."""
         from orbax.checkpoint._src.asyncio_utils import run_sync
-        infos = [self._th.ParamInfo(name=name, parent_dir=item, keypath=path)
+        ctx = self._context(False)
+        infos = [self._th.ParamInfo(name=name, parent_dir=item, keypath=path, ts_context=ctx)
                  for path, name in strings]
         try:
             got = run_sync(self._th.StringHandler().deserialize(infos))
@@ -239,6 +254,7 @@ class OrbaxSource(Source):
         self._store = None
         info = self._th.ParamInfo(name=a.name, parent_dir=epath.Path(a.item),
                                   is_ocdbt_checkpoint=a.ocdbt, use_zarr3=a.zarr3,
+                                  ts_context=self._context(a.ocdbt),
                                   raise_array_data_missing_error=True)
         try:
             spec = self._th.get_json_tspec_read(info, use_ocdbt=a.ocdbt)
