@@ -101,6 +101,8 @@ def test_standard_checkpoint_of_flax_and_optax_state_converts_bit_for_bit(tmp_pa
     for path, a in want.items():
         assert same_bits(at(got, path), a), path
     assert got["step"] == 1000 and got["lr"] == 3e-4                   # Python scalars: values
+    rc, out, err = cli_run(capsys, "diff", src, str(tmp_path / "ck"))   # Orbax read directly
+    assert rc == 0, out + err
     assert at(got, ("opt_state", 1)) is None                           # optax EmptyState
 
     # shardpoint_jax reads the same bits: jax.Arrays where JAX holds the dtype exactly,
@@ -161,6 +163,8 @@ def test_checkpoint_manager_steps_items_and_root(tmp_path, capsys):
         convert(root, str(tmp_path / "x"))
     with pytest.raises(sp.CheckpointNotFoundError, match=re.escape(f"convert {step2} DST")):
         sp.load(root)
+    with pytest.raises(spj.IncompleteCheckpointError, match=re.escape(f"convert {step2} DST")):
+        spj.load(root)
     rc, _, err = cli_run(capsys, "convert", step2, str(tmp_path / "ck"), "--from", "orbax")
     assert rc == 0, err
     got = sp.load(str(tmp_path / "ck"))
@@ -263,7 +267,6 @@ def test_arrays_sharded_over_four_cpu_devices(tmp_path):
     check_sharded(src, str(tmp_path / "ck"))
 
 
-@pytest.mark.slow
 def test_checkpoint_saved_by_two_jax_processes_converts_with_two_workers(tmp_path):
     src = str(tmp_path / "orbax")
     out = run_processes(SHARDED.replace("PATH", repr(src)), 2, 2, timeout=240)
