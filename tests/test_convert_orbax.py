@@ -187,13 +187,15 @@ class CountingSource(OrbaxSource):
         return super().read_band(t, lo, hi)
 
 
-def test_big_array_is_read_in_bands_of_chunk_rows_and_arrives_whole(tmp_path):
+@pytest.mark.parametrize("zarr3", [False, True])
+def test_big_array_is_read_in_bands_of_chunk_rows_and_arrives_whole(tmp_path, zarr3):
+    """Orbax's chunks of 64 KiB (Zarr v2: 64 x 256 rows; Zarr v3: 128 x 128 inner chunks of
+    one shard), converted into 128 KiB chunks: the source reads 128 rows at a time."""
     big = np.random.default_rng(1).standard_normal((1024, 256)).astype(np.float32)  # 1 MiB
     src = str(tmp_path / "orbax")
-    ck = ocp.StandardCheckpointer()
-    ck.save(src, {"big": jnp.asarray(big), "small": jnp.ones(3)},
-            save_args={"big": ocp.SaveArgs(chunk_byte_size=64 << 10), "small": ocp.SaveArgs()})
-    ck.wait_until_finished()
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=zarr3)).save(
+        src, {"big": jnp.asarray(big), "small": jnp.ones(3)},
+        save_args={"big": ocp.SaveArgs(chunk_byte_size=64 << 10), "small": ocp.SaveArgs()})
     with CountingSource(src) as s:
         write(s, str(tmp_path / "ck"), "shardpoint", max_chunk_bytes=128 << 10)
         bands = [b for b in s.bands if b[0] == "big"]
