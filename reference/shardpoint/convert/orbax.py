@@ -8,10 +8,16 @@ Everything goes through Orbax and TensorStore themselves: Orbax's metadata API g
 (``type_handlers.get_json_tspec_read``, what its own restore opens) and TensorStore reads
 windows of rows of it, a band of whole storage chunks at a time, so memory stays bounded by
 the block asked for plus one band of Orbax's chunks (a chunk is stored compressed and is
-decoded whole in any case). Nothing restores the whole tree. Python scalars Orbax stores as
-0-d arrays become shardpoint values (as Orbax's ``ScalarHandler`` restores them); strings
-(``_strings.json``) and JSON items are read with Orbax's own handlers. What shardpoint cannot
-hold (a dtype outside its table, an item of another kind) is reported in ``skipped``.
+decoded whole in any case). Nothing restores the whole tree. Measured on 4 x 64 MiB float32
+arrays (one run): peak memory growth 62 MiB converting with Orbax chunks of 8 MiB, 203 MiB
+with Orbax's default of one chunk per array (per device shard), against 463-479 MiB for
+Orbax's own restore of the tree.
+
+Python scalars Orbax stores as 0-d arrays become shardpoint values (as Orbax's
+``ScalarHandler`` restores them); strings (``_strings.json``) and JSON items are read with
+Orbax's own handlers. What shardpoint cannot hold (a dtype outside its table, an item of
+another kind) is reported in ``skipped``. Orbax records a namedtuple as a dict of its fields,
+so an optax state's keys name them (``opt_state/0/mu``).
 
 Orbax (and with it JAX) is imported only when an Orbax source is opened.
 """
@@ -192,7 +198,7 @@ class OrbaxSource(Source):
             self.skipped.append((key_of(prefix) if prefix else "(root)",
                                  f"{os.path.join(d, LEGACY_AGGREGATE)!r}: leaves saved with "
                                  "Orbax's removed aggregate=True option (msgpack) are not "
-                                 "converted; restore and re-save them with Orbax >= 0.5"))
+                                 "converted; restore the tree with Orbax and save it again"))
         zarr3 = bool(getattr(md, "use_zarr3", False))
         strings = []
         for path, leaf in _walk(md.tree, prefix):
