@@ -19,7 +19,7 @@ ocp = pytest.importorskip("orbax.checkpoint", reason="needs orbax-checkpoint "
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
-import optax  # noqa: E402
+optax = pytest.importorskip("optax", reason="the Flax/optax-shaped tree needs optax")
 
 import shardpoint as sp  # noqa: E402
 import shardpoint_jax as spj  # noqa: E402
