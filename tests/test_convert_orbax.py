@@ -136,6 +136,9 @@ def test_pytree_checkpointer_strings_none_and_unsupported_dtypes_are_reported(tm
     assert got["cfg"] == {"layers": 2, "eps": 1e-6} and got["empty"] == {}
     assert same_bits(got["w"], np.arange(6.0, dtype=np.float32).reshape(2, 3))
     assert "packed" not in got
+    # a target that holds no values says so for each of them, as for every other source
+    rep = convert(src, str(tmp_path / "m.safetensors"))
+    assert {"name", "flag", "none", "cfg/eps", "packed"} <= {k for k, _ in rep.skipped}, rep.skipped
 
     # inspect / load / verify given the Orbax directory name the convert command
     for cmd in ("inspect", "verify"):
