@@ -136,6 +136,10 @@ def test_pytree_checkpointer_strings_none_and_unsupported_dtypes_are_reported(tm
     assert got["cfg"] == {"layers": 2, "eps": 1e-6} and got["empty"] == {}
     assert same_bits(got["w"], np.arange(6.0, dtype=np.float32).reshape(2, 3))
     assert "packed" not in got
+    # a checkpoint of one array (no tree): under the key "array" (shardpoint's root is a dict)
+    ocp.PyTreeCheckpointer().save(str(tmp_path / "one"), jnp.arange(3, dtype=jnp.int16))
+    convert(str(tmp_path / "one"), str(tmp_path / "ck1"))
+    assert same_bits(sp.load(str(tmp_path / "ck1"))["array"], np.arange(3, dtype=np.int16))
     # a target that holds no values says so for each of them, as for every other source
     rep = convert(src, str(tmp_path / "m.safetensors"))
     assert {"name", "flag", "none", "cfg/eps", "packed"} <= {k for k, _ in rep.skipped}, rep.skipped

@@ -202,7 +202,8 @@ class OrbaxSource(Source):
         zarr3 = bool(getattr(md, "use_zarr3", False))
         strings = []
         for path, leaf in _walk(md.tree, prefix):
-            self._add_leaf(path, leaf, str(item), ocdbt, zarr3, strings)
+            # a tree that is one leaf (``save(path, array)``): shardpoint's root is a dict
+            self._add_leaf(path or ("array",), leaf, str(item), ocdbt, zarr3, strings)
         if strings:
             self._read_strings(item, strings)
 
