@@ -28,6 +28,7 @@ from shardpoint.convert import convert, detect_format, write  # noqa: E402
 from shardpoint.convert.orbax import OrbaxSource  # noqa: E402
 from shardpoint.dtypes import torch_to_numpy  # noqa: E402
 from shardpoint_jax.launch import run_processes  # noqa: E402
+from google.protobuf import struct_pb2  # noqa: E402  (orbax-checkpoint requires protobuf)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,11 +159,13 @@ def test_pytree_checkpointer_strings_none_and_unsupported_dtypes_are_reported(tm
 def test_checkpoint_manager_steps_items_and_root(tmp_path, capsys):
     params = {"w": jnp.arange(12, dtype=jnp.bfloat16).reshape(3, 4)}
     root = str(tmp_path / "run")
-    with ocp.CheckpointManager(root, item_names=("state", "metrics")) as mgr:
+    cfg = struct_pb2.Struct()
+    cfg.update({"layers": 2})
+    with ocp.CheckpointManager(root, item_names=("state", "metrics", "cfg")) as mgr:
         for step in (1, 2):
             mgr.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave({"params": params, "step": step}),
-                metrics=ocp.args.JsonSave({"loss": 0.25 * step})))
+                metrics=ocp.args.JsonSave({"loss": 0.25 * step}), cfg=ocp.args.ProtoSave(cfg)))
         mgr.wait_until_finished()
     step2 = os.path.join(root, "2")
     # the manager's root: detected, and the error names the newest step to convert
@@ -172,10 +175,11 @@ def test_checkpoint_manager_steps_items_and_root(tmp_path, capsys):
         sp.load(root)
     with pytest.raises(spj.IncompleteCheckpointError, match=re.escape(f"convert {step2} DST")):
         spj.load(root)
-    rc, _, err = cli_run(capsys, "convert", step2, str(tmp_path / "ck"), "--from", "orbax")
+    rc, out, err = cli_run(capsys, "convert", step2, str(tmp_path / "ck"), "--from", "orbax")
     assert rc == 0, err
+    assert "cfg: Orbax item 'cfg' was saved by" in out and "ProtoCheckpointHandler" in out, out
     got = sp.load(str(tmp_path / "ck"))
-    assert got["metrics"] == {"loss": 0.5} and got["state"]["step"] == 2
+    assert got["metrics"] == {"loss": 0.5} and got["state"]["step"] == 2 and "cfg" not in got
     assert same_bits(got["state"]["params"]["w"], np.asarray(params["w"]))
 
     # one unnamed item (default/): its tree at the root, as Orbax restores it
