@@ -280,6 +280,7 @@ def test_arrays_sharded_over_four_cpu_devices(tmp_path):
     check_sharded(src, str(tmp_path / "ck"))
 
 
+@pytest.mark.slow      # two JAX processes, then two conversion workers: 7 s idle, 25 s loaded
 def test_checkpoint_saved_by_two_jax_processes_converts_with_two_workers(tmp_path):
     src = str(tmp_path / "orbax")
     out = run_processes(SHARDED.replace("PATH", repr(src)), 2, 2, timeout=240)
