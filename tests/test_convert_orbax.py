@@ -236,6 +236,10 @@ def test_damaged_orbax_checkpoint_is_a_conversion_error_naming_the_array(tmp_pat
     os.truncate(data, 1000)
     with pytest.raises(sp.ConversionError, match=r"Orbax array 'layer/w'.*damaged"):
         convert(ocdbt, str(tmp_path / "out2"))
+    unfinished = str(tmp_path / "ocdbt.orbax-checkpoint-tmp-1234")   # a save cut short
+    os.rename(ocdbt, unfinished)
+    with pytest.raises(sp.ConversionError, match="did not finish"):
+        convert(unfinished, str(tmp_path / "out4"))
     with open(os.path.join(plain, "_METADATA"), "w") as f:
         f.write("{not json")
     with pytest.raises(sp.ConversionError, match="Orbax cannot read .*_METADATA"):

@@ -38,7 +38,8 @@ from .base import Source, TensorInfo, key_of
 FORMAT = "orbax"
 TREE_FILE = "_METADATA"                  # a PyTree checkpoint's tree metadata
 STEP_FILE = "_CHECKPOINT_METADATA"       # a checkpoint's (or a manager step's) metadata
-LEGACY_AGGREGATE = "checkpoint"          # msgpack of leaves saved with aggregate=True (< 0.5)
+LEGACY_AGGREGATE = "checkpoint"          # msgpack of leaves saved with aggregate=True
+TMP_MARK = ".orbax-checkpoint-tmp"       # in the name of a save not yet committed
 
 
 def _isfile(path: str, name: str) -> bool:
@@ -122,6 +123,10 @@ class OrbaxSource(Source):
         if layout is None:
             raise ConversionError(f"{self.path!r} is not an Orbax checkpoint (no {TREE_FILE}, "
                                   f"{STEP_FILE} or manifest.ocdbt)")
+        if TMP_MARK in os.path.basename(os.path.normpath(self.path)):
+            raise ConversionError(f"{self.path!r} is an Orbax save that did not finish (Orbax "
+                                  "renames it when the save commits); convert a committed "
+                                  "checkpoint")
         if layout == "root":
             steps = _steps(self.path)
             raise ConversionError(
