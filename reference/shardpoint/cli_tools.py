@@ -40,12 +40,14 @@ def non_negative(what: str) -> Callable[[str], float]:
 def add_commands(sub: Any) -> None:
     """Register ``convert`` and ``diff`` on the ``shardpoint`` sub-command parser."""
     from .convert import SOURCES, TARGETS
-    s = add_command(sub, "convert", "convert from DCP, Megatron torch_dist, torch.save or "
-                    "safetensors to shardpoint, or from shardpoint to DCP or safetensors", """
+    s = add_command(sub, "convert", "convert from DCP, Megatron torch_dist, torch.save, "
+                    "safetensors or Orbax to shardpoint, or from shardpoint to DCP or "
+                    "safetensors", """
         shardpoint convert outputs/checkpoint/step-1000 ckpt/step_1000   # DCP, any world size
         shardpoint convert iter_0001000 ckpt/megatron          # Megatron torch_dist
         shardpoint convert model.pt ckpt/from_pt               # torch.save (weights_only)
         shardpoint convert Llama-3-8B/ ckpt/llama              # HF safetensors directory
+        shardpoint convert orbax_ckpts/1000 ckpt/jax           # Orbax (a CheckpointManager step)
         shardpoint convert ckpt/llama out/ --to safetensors --max-shard-size 5GB
         shardpoint convert ckpt/step_1000 dcp_again/ --to dcp""")
     s.add_argument("src", help="the checkpoint to read (a directory or a file)")

@@ -54,8 +54,15 @@ def _other_format(path: str) -> str:
         return ("it holds a PyTorch DCP checkpoint: `shardpoint convert` makes a shardpoint "
                 "one of it")
     if names & {"_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt"}:
-        return ("it looks like an Orbax checkpoint: restore it with Orbax and save the tree "
-                "with shardpoint_jax.save")
+        return (f"it holds an Orbax checkpoint: `shardpoint convert {path} DST` makes a "
+                "shardpoint one of it (or restore it with Orbax and save the tree with "
+                "shardpoint_jax.save)")
+    steps = sorted((int(n), n) for n in names if n.isdigit()
+                   and os.path.isfile(os.path.join(path, n, "_CHECKPOINT_METADATA")))
+    if steps:
+        return ("it is an Orbax CheckpointManager directory: `shardpoint convert "
+                f"{os.path.join(path, steps[-1][1])} DST` makes a shardpoint checkpoint of its "
+                "newest step")
     return "a save that crashed or is still running"
 
 

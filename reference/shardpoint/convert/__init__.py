@@ -1,14 +1,16 @@
 """Convert checkpoints between shardpoint and the formats people already have.
 
 Sources: shardpoint, DCP (any saving world size), Megatron ``torch_dist``, ``torch.save``
-files, safetensors (one file or a Hugging Face directory of shards). Targets: shardpoint,
-DCP, safetensors. Conversion streams one tensor at a time (bounded memory), keeps every dtype
+files, safetensors (one file or a Hugging Face directory of shards), Orbax (a PyTree/Standard
+checkpoint or a ``CheckpointManager`` step directory; needs ``orbax-checkpoint``, imported
+only then). Targets: shardpoint, DCP, safetensors. Conversion streams one tensor at a time (bounded memory), keeps every dtype
 bit for bit and reports what the target cannot hold instead of dropping it silently.
 
 Example::
 
     from shardpoint.convert import convert
     rep = convert("hf_model/", "ckpt/hf")              # safetensors -> shardpoint
+    convert("orbax_ckpts/1000", "ckpt/jax")            # an Orbax step -> shardpoint
     convert("ckpt/hf", "out/", to="safetensors", max_shard_size="2GB")
     for key, reason in rep.skipped:
         print(key, reason)
@@ -26,11 +28,12 @@ from .dcp import DCPSource, is_dcp, write_dcp
 from .hf_safetensors import SafetensorsSource, is_safetensors, write_safetensors
 from .megatron import MegatronSource, is_megatron
 from .native import ShardpointSource, is_shardpoint, write_shardpoint
+from .orbax import OrbaxSource, is_orbax, latest_step, orbax_layout
 from .parallel import (WORKER_TIMEOUT_S, SourceSpec, start_workers_early,
                        write_safetensors_parallel, write_shardpoint_parallel)
 from .torchsave import TorchSaveSource, is_torch_save
 
-SOURCES = ("shardpoint", "dcp", "megatron", "torch", "safetensors")
+SOURCES = ("shardpoint", "dcp", "megatron", "torch", "safetensors", "orbax")
 TARGETS = ("shardpoint", "dcp", "safetensors")
 
 
@@ -70,6 +73,8 @@ def detect_format(path: str) -> str:
             return "megatron"
         if is_dcp(path):
             return "dcp"
+        if is_orbax(path):
+            return "orbax"
         if is_safetensors(path):
             return "safetensors"
     else:
@@ -79,11 +84,12 @@ def detect_format(path: str) -> str:
             return "torch"
     raise ConversionError(f"cannot tell the format of {path!r}: not a shardpoint checkpoint "
                           "(manifest.msgpack), DCP (.metadata), Megatron torch_dist "
-                          "(metadata.json), safetensors or torch.save file; pass --from")
+                          "(metadata.json), Orbax (_METADATA, _CHECKPOINT_METADATA), "
+                          "safetensors or torch.save file; pass --from")
 
 
 _NAMES = {"dcp": "PyTorch DCP", "megatron": "Megatron torch_dist", "torch": "torch.save",
-          "safetensors": "safetensors"}
+          "safetensors": "safetensors", "orbax": "Orbax"}
 
 
 def foreign_format_hint(path: str) -> str:
@@ -96,7 +102,13 @@ def foreign_format_hint(path: str) -> str:
         return ""
     if fmt == "shardpoint":
         return ""
-    return (f" (it holds a {_NAMES[fmt]} checkpoint: convert it with "
+    if fmt == "orbax" and orbax_layout(path) == "root":
+        return (f" (it is an Orbax CheckpointManager directory: convert one of its steps "
+                f"with `shardpoint convert {latest_step(path)} DST` or "
+                "shardpoint.convert.convert)")
+    name = _NAMES[fmt]
+    article = "an" if name[0] in "AEIOU" else "a"
+    return (f" (it holds {article} {name} checkpoint: convert it with "
             f"`shardpoint convert {path} DST` or shardpoint.convert.convert)")
 
 
@@ -117,6 +129,8 @@ def open_source(path: str, fmt: Optional[str] = None, *, skip_common: bool = Fal
         return TorchSaveSource(path)
     if fmt == "safetensors":
         return SafetensorsSource(path)
+    if fmt == "orbax":
+        return OrbaxSource(path)
     raise ConversionError(f"unknown source format {fmt!r}; one of {', '.join(SOURCES)}")
 
 
