@@ -19,8 +19,13 @@ JAX = README[README.index("\n## JAX\n"):README.index("\n## Benchmarks\n")]
 BLOCKS = re.findall(r"```python\n(.*?)```", JAX, re.S)
 
 
+def block(marker):
+    """The README's JAX example that contains ``marker``."""
+    return next(b for b in BLOCKS if marker in b)
+
+
 def test_single_process_example_runs(tmp_path):
-    r = subprocess.run([sys.executable, "-c", BLOCKS[0]], cwd=tmp_path, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", block("jax_1")], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300, stdin=subprocess.DEVNULL,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stderr
@@ -28,7 +33,7 @@ def test_single_process_example_runs(tmp_path):
 
 
 def test_multi_process_example_runs_on_two_processes(tmp_path):
-    run_processes(BLOCKS[1], 2, 4, cwd=str(tmp_path), timeout=300)
+    run_processes(block("jax_mp"), 2, 4, cwd=str(tmp_path), timeout=300)
     assert (tmp_path / "ckpt" / "jax_mp" / "manifest.msgpack").is_file()
     import shardpoint_jax as spj
     assert spj.load(str(tmp_path / "ckpt" / "jax_mp"))["rng"] == [{"seed": 0}, {"seed": 1}]
@@ -37,8 +42,18 @@ def test_multi_process_example_runs_on_two_processes(tmp_path):
 def test_flax_example_runs_on_four_devices(tmp_path):
     pytest.importorskip("flax", reason="the Flax example needs flax (pip install -e '.[jax-test]')")
     pytest.importorskip("optax", reason="the Flax example needs optax")
-    run_processes(BLOCKS[2], 1, 4, cwd=str(tmp_path), timeout=300)
+    run_processes(block("nnx"), 1, 4, cwd=str(tmp_path), timeout=300)
     import shardpoint_jax as spj
     got = spj.load(str(tmp_path / "ckpt" / "flax"))
     assert got["model"]["kernel"]["value"].shape == (8, 16)
     assert int(got["opt"]["step"]["value"]) == 0
+
+
+def test_async_save_example_runs(tmp_path):
+    r = subprocess.run([sys.executable, "-c", block("async_save=True")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr
+    import shardpoint_jax as spj
+    got = spj.load(str(tmp_path / "ckpt" / "jax_async"))
+    assert got["step"] == 1 and float(got["w"].sum()) == 1024 * 1024   # the values at the call
