@@ -91,6 +91,11 @@ class ReadAhead:
 
     def __init__(self, ck: Checkpoint, regions: list, window: int) -> None:
         self.ck, self.regions, self.window = ck, regions, window
+        for key in dict.fromkeys(r[0] for r in regions):
+            try:   # every array opening before any data read: it would wait behind them
+                ck.array(key)
+            except Exception:  # noqa: BLE001 - raised again where that array is read
+                pass
         self.pos: dict = {}
         for i, (key, off, shp, _out) in enumerate(regions):
             self.pos.setdefault((key, tuple(off), tuple(shp)), i)

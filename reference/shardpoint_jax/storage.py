@@ -325,10 +325,17 @@ class StoredArray:
         self._checked: set = set()
         spec = dict(_spec(root, entry["array"]), open=True, fill_missing_data_reads=False,
                     recheck_cached_metadata=True, recheck_cached_data=True)
-        try:
-            self.store = ts.open(spec, context=context()).result()
-        except Exception as e:  # noqa: BLE001 - TensorStore's errors are ValueErrors with text
-            raise bad(key, f"array does not open: {e}", "SP-ARRAY-1") from None
+        self._opening = ts.open(spec, context=context())   # waited for at first use
+        self._store: Optional[ts.TensorStore] = None
+
+    @property
+    def store(self) -> ts.TensorStore:
+        if self._store is None:
+            try:
+                self._store = self._opening.result()
+            except Exception as e:  # noqa: BLE001 - TensorStore's errors are ValueErrors
+                raise bad(self.key, f"array does not open: {e}", "SP-ARRAY-1") from None
+        return self._store
 
     def _check_chunk(self, idx: tuple) -> None:
         rel = self.entry["array"] + "/c" + "".join(f"/{i}" for i in idx)
