@@ -309,6 +309,18 @@ def check_zarr_json(root: str, key: str, entry: dict) -> dict:
     return meta
 
 
+def aligned_empty(shape: tuple, dtype: Any, align: int = 64) -> np.ndarray:
+    """``np.empty`` whose data starts on a 64-byte boundary: JAX on the CPU then takes it as
+    an array's buffer without copying it (it copies a less aligned one, which took 0.27-0.73
+    s for the 1.2 GB benchmark tree here). Nothing else keeps a reference to a read buffer,
+    so the array it becomes is the only owner."""
+    dt = np.dtype(dtype)
+    n = math.prod(shape) * dt.itemsize
+    raw = np.empty(n + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + n].view(dt).reshape(shape)
+
+
 class StoredArray:
     """One tensor's array, opened strictly: zarr.json checked against the manifest, missing
     chunks are errors, never fill values [SP-READ-2]; every chunk file a read touches is
@@ -387,7 +399,7 @@ class StoredArray:
             raise InvalidRequestError(f"tensor {key!r}: region {list(offset)}+{list(shape)} "
                                       f"is outside {self.shape}", spec_id="SP-HOLD-1")
         if out is None:
-            out = np.empty(tuple(shape), self.store.dtype.numpy_dtype)
+            out = aligned_empty(tuple(shape), self.store.dtype.numpy_dtype)
         if math.prod(shape) == 0:
             return PendingRead(self, offset, shape, out, None)
         ranges = [range(o // c, (o + n - 1) // c + 1)
