@@ -71,3 +71,45 @@ def test_a_damaged_chunk_read_ahead_names_its_own_tensor(tmp_path, monkeypatch):
     with pytest.raises(sj.CorruptCheckpointError):
         sj.load(p, abstract(t))
     assert drained == [{}]                               # nothing left reading
+
+
+def test_whole_chunk_reads_from_the_files_match_tensorstore_and_catch_damage(tmp_path,
+                                                                            monkeypatch):
+    """Regions of whole chunks (or whole inner chunks of a shard) are read from the chunk
+    files directly; they must give TensorStore's bytes exactly: edge chunks padded in the
+    file, shards of inner chunks, 0-d arrays, bf16; regions cutting chunks use TensorStore."""
+    from shardpoint_jax import direct
+    from shardpoint_jax.loading import Checkpoint
+    rng = np.random.default_rng(5)
+    big = rng.standard_normal((700, 1000), np.float32)     # 2.8 MB: a shard of 35-row cells
+    t = {"big": big, "odd": rng.integers(0, 255, (37, 11), np.uint8),
+         "bf": jnp.asarray(rng.standard_normal((5, 3), np.float32)).astype(jnp.bfloat16),
+         "s": jnp.asarray(3.5, jnp.float32)}
+    p = str(tmp_path / "ck")
+    sj.save(p, t)
+    regions = [("big", [0, 0], [700, 1000]), ("big", [35, 0], [70, 1000]),
+               ("big", [630, 0], [70, 1000]), ("big", [3, 5], [100, 7]),
+               ("odd", [0, 0], [37, 11]), ("bf", [0, 0], [5, 3]), ("s", [], [])]
+    got = {}
+    for use in (True, False):
+        monkeypatch.setattr(direct, "available", lambda use=use: use)
+        ck = Checkpoint(p)
+        got[use] = [ck.read(k, o, s).tobytes() for k, o, s in regions]
+    assert got[True] == got[False]
+    assert got[True][1] == big[35:105].tobytes() and got[True][2] == big[630:].tobytes()
+    calls = []
+    real = direct.read_region
+    monkeypatch.setattr(direct, "read_region", lambda *a: (calls.append(a[5]), real(*a)))
+    monkeypatch.setattr(direct, "available", lambda: True)
+    ck = Checkpoint(p)
+    ck.read("big", [35, 0], [70, 1000])
+    ck.read("big", [3, 5], [100, 7])                     # cuts inner chunks: TensorStore
+    assert calls == [[35, 0]]
+    shard = os.path.join(p, "tensors", "big", "c", "0", "0")
+    with open(shard, "r+b") as f:                          # one byte of inner chunk 1
+        f.seek(35 * 1000 * 4 + 4 + 10)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(sj.CorruptCheckpointError, match=r"'big'.*inner chunk \[1, 0\].*CRC"):
+        Checkpoint(p).read("big", [35, 0], [35, 1000])
