@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 pytest.importorskip("jax", reason="shardpoint_jax needs jax (pip install -e '.[jax]')")
 
@@ -36,6 +41,127 @@ def _steps_on_disk(root) -> list:
 
 def _names(*steps) -> list:
     return [f"step_{s:08d}" for s in steps]
+
+
+def model_keep(steps: dict, max_to_keep, keep_every, keep_best, mode) -> set:
+    """The retention rule, written out plainly: ``steps`` maps step -> loss (or None)."""
+    order = sorted(steps)
+    keep = {order[-1]} | set(order if max_to_keep is None else order[-max_to_keep:])
+    keep |= {s for s in order if keep_every and s % keep_every == 0}
+    if keep_best:
+        sign = 1 if mode == "min" else -1
+        scored = sorted((s for s in order if steps[s] is not None),
+                        key=lambda s: (sign * steps[s], -s))
+        keep |= set(scored[:keep_best])
+    return keep
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Saves, overwrites, crashes leaving what they leave, restarts and loads, against a
+    trivially correct model of what must be committed on disk."""
+
+    @initialize(max_to_keep=st.sampled_from([None, 1, 2]), keep_every=st.sampled_from([None, 3]),
+                best=st.sampled_from([None, ("min", None), ("max", 2)]))
+    def setup(self, max_to_keep, keep_every, best):
+        self.root = tempfile.mkdtemp(prefix="spj-mgr-")
+        mode, keep_best = best or ("min", None)
+        self.kw = dict(max_to_keep=max_to_keep, keep_every=keep_every, best_mode=mode,
+                       best_metric="loss" if best else None, keep_best=keep_best)
+        self.keep_best = (keep_best or 1) if best else None
+        self.mgr = spj.CheckpointManager(self.root, **self.kw)
+        self.disk: dict = {}      # step -> (value, loss): what must be committed
+        self.next_step = 1
+        self.moved_aside = None   # a step hidden by a crashed overwrite, until put back
+
+    def teardown(self):
+        shutil.rmtree(getattr(self, "root", "/nonexistent"), ignore_errors=True)
+
+    def _saved(self):
+        keep = model_keep({s: v[1] for s, v in self.disk.items()}, self.kw["max_to_keep"],
+                          self.kw["keep_every"], self.keep_best, self.kw["best_mode"])
+        self.disk = {s: v for s, v in self.disk.items() if s in keep}
+        self.moved_aside = None
+        assert _steps_on_disk(self.root) == _names(*sorted(self.disk))   # all cleaned
+
+    @rule(value=st.integers(-100, 100), loss=st.one_of(st.none(), st.integers(0, 5)),
+          skip=st.integers(1, 3))
+    def save(self, value, loss, skip):
+        step = self.next_step + skip - 1
+        self.next_step = step + 1
+        metrics = None if loss is None else {"loss": float(loss)}
+        self.mgr.save(step, {"w": jnp.full((3,), value, jnp.int32), "step": step},
+                      metrics=metrics)
+        self.disk[step] = (value, None if loss is None else float(loss))
+        self._saved()
+
+    @precondition(lambda self: self.disk)
+    @rule(value=st.integers(-100, 100))
+    def overwrite_latest(self, value):
+        step = max(self.disk)
+        with pytest.raises(spj.CheckpointExistsError):
+            self.mgr.save(step, {"w": jnp.zeros(3, jnp.int32), "step": step})
+        self.mgr.save(step, {"w": jnp.full((3,), value, jnp.int32), "step": step}, force=True)
+        self.disk[step] = (value, None)
+        self._saved()
+
+    @rule(kind=st.sampled_from(["staging", "half_step", "half_delete", "mid_overwrite"]),
+          data=st.data())
+    def crash_and_restart(self, kind, data):
+        """Leave what a process killed at that point leaves, then start a new manager."""
+        nxt = os.path.join(self.root, f"step_{self.next_step:08d}")
+        hidden = os.path.join(self.root, f".step_{self.next_step:08d}.shardpoint-tmp-1a2b3c")
+        if kind == "staging":             # killed while writing chunks
+            os.makedirs(os.path.join(hidden, "tensors", "w", "c"), exist_ok=True)
+            open(os.path.join(hidden, "tensors", "w", "zarr.json"), "w").close()
+        elif kind == "half_step":         # files but no manifest: never committed
+            os.makedirs(os.path.join(nxt, "tensors", "w"), exist_ok=True)
+        visible = sorted(s for s in self.disk if s != self.moved_aside)
+        if kind == "half_delete" and visible:          # killed during retention's rmtree
+            victim = data.draw(st.sampled_from(visible))
+            os.rename(self.mgr.path(victim), os.path.join(
+                self.root, f".step_{victim:08d}.shardpoint-tmp-dead01"))
+            del self.disk[victim]
+        elif kind == "mid_overwrite" and visible and self.moved_aside is None:
+            victim = data.draw(st.sampled_from(visible))   # between the commit's renames
+            os.rename(self.mgr.path(victim), os.path.join(
+                self.root, f".step_{victim:08d}.shardpoint-old-beef02"))
+            self.moved_aside = victim
+            os.makedirs(os.path.join(self.root, f".step_{victim:08d}.shardpoint-tmp-beef02",
+                                     "tensors"), exist_ok=True)
+        self.mgr = spj.CheckpointManager(self.root, **self.kw)
+
+    @rule()
+    def load_latest(self):
+        if not self.disk:
+            with pytest.raises(spj.CheckpointNotFoundError):
+                self.mgr.load()
+            return
+        latest = max(self.disk)
+        out = self.mgr.load()
+        assert sorted(out) == ["step", "w"] and out["step"] == latest
+        assert np.asarray(out["w"]).tolist() == [self.disk[latest][0]] * 3
+        self.moved_aside = None
+        assert _steps_on_disk(self.root) == _names(*sorted(self.disk))
+
+    @invariant()
+    def disk_matches_model(self):
+        if not hasattr(self, "mgr"):
+            return
+        visible = sorted(s for s in self.disk if s != self.moved_aside)
+        assert self.mgr.all_steps() == visible
+        assert self.mgr.latest_step() == (visible[-1] if visible else None)
+        for s in visible:
+            assert self.mgr.metrics(s).get("loss") == self.disk[s][1]
+        if self.kw["best_metric"]:
+            sign = 1 if self.kw["best_mode"] == "min" else -1
+            scored = [s for s in visible if self.disk[s][1] is not None]
+            want = min(scored, key=lambda s: (sign * self.disk[s][1], -s)) if scored else None
+            assert self.mgr.best_step() == want
+
+
+ManagerMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=10,
+                                            deadline=None)
+TestManagerStateful = ManagerMachine.TestCase
 
 
 def test_arguments_are_checked(tmp_path):
@@ -128,7 +254,6 @@ def test_force_overwrites_and_refusal_keeps_the_step(tmp_path):
 def _crash_copy(src: str, dst: str, manifest: bool) -> None:
     """A real checkpoint's files under ``dst``, as a crash leaves them (with or without the
     manifest, which a save writes last)."""
-    import shutil
     shutil.copytree(src, dst)
     if not manifest:
         os.remove(os.path.join(dst, "manifest.msgpack"))
