@@ -18,6 +18,15 @@ process 0 creates, renames or deletes directories, and what it decides (a refuse
 latest step, a failed clean-up) reaches every process, which raise the same error.
 ``latest_step``, ``all_steps``, ``best_step`` and ``metrics`` only read, on any process or in
 an observer job; constructing a manager never touches the directory.
+
+    with spj.CheckpointManager("/ckpt", max_to_keep=3, async_save=True) as mgr:
+        start = mgr.latest_step() or 0
+        if start:
+            state = mgr.load(target=abstract_state)      # jax.ShapeDtypeStructs, shardings
+        for step in range(start + 1, steps + 1):
+            ...
+            if step % 100 == 0:
+                mgr.save(step, state, metrics={"loss": loss})
 """
 from __future__ import annotations
 
