@@ -57,3 +57,22 @@ def test_async_save_example_runs(tmp_path):
     import shardpoint_jax as spj
     got = spj.load(str(tmp_path / "ckpt" / "jax_async"))
     assert got["step"] == 1 and float(got["w"].sum()) == 1024 * 1024   # the values at the call
+
+
+def test_checkpoint_manager_example_runs_and_resumes(tmp_path):
+    code = block("spj.CheckpointManager(")
+    for _run in range(2):                    # the second run resumes from the first one's step 6
+        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, stdin=subprocess.DEVNULL,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        assert r.returncode == 0, r.stderr
+    import numpy as np
+    import shardpoint_jax as spj
+    mgr = spj.CheckpointManager(str(tmp_path / "ckpt" / "jax_run"))
+    assert mgr.all_steps() == [10, 12]       # the best (lowest loss) is the newest here
+    got = mgr.load()
+    want = np.linspace(-1.0, 1.0, 16, dtype=np.float32)
+    for _ in range(12):
+        want = want * np.float32(0.9)
+    assert got["step"] == 12 and np.allclose(np.asarray(got["params"]["w"]), want)
+    assert mgr.metrics(12)["loss"] == float(np.abs(np.asarray(got["params"]["w"])).mean())

@@ -1,18 +1,21 @@
 """shardpoint_jax: the shardpoint checkpoint format (spec/) for JAX, written from the spec.
 
 ``save(path, pytree, *, overwrite=False, async_save=False)`` and ``load(path, target=None)``;
-every process of a multi-process job calls both. Imports neither torch nor the PyTorch reference."""
+every process of a multi-process job calls both. ``CheckpointManager(root, ...)`` keeps
+numbered steps with retention and resume, in the PyTorch reference's directory layout.
+Imports neither torch nor the PyTorch reference."""
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, InvalidKeyError, InvalidRequestError,
                      InvalidShardingError, LayoutMismatchError, SaveFailedError, ShardpointError,
                      UnsupportedFormatError, UnsupportedValueError)
 from .async_save import AsyncSave
 from .loading import load
+from .manager import CheckpointManager
 from .saving import save
 from .tree import ShardedObject
 
 __version__ = "0.1.0"
-__all__ = ["save", "load", "AsyncSave", "ShardedObject", "ShardpointError", "CheckpointExistsError",
-           "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
+__all__ = ["save", "load", "AsyncSave", "CheckpointManager", "ShardedObject", "ShardpointError",
+           "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
            "InvalidKeyError", "InvalidRequestError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
            "UnsupportedFormatError", "UnsupportedValueError"]

@@ -1,0 +1,362 @@
+"""A checkpoint manager for JAX training loops: numbered steps, metrics, retention, resume.
+
+A layer over :func:`shardpoint_jax.save` / :func:`shardpoint_jax.load`, with the directory
+rules of the PyTorch reference's manager, so one root can be written by either and read by
+the other: one directory per step (``<root>/step_00000042``); only committed checkpoints (with
+a manifest) count; metrics are plain values inside each step's checkpoint under the reserved
+top-level key ``"__metrics__"``. Leftovers of a crash (hidden ``.step_N.shardpoint-tmp-*``
+staging directories, step directories without a manifest) are ignored and cleaned by the next
+save or load; a ``.step_N.shardpoint-old-*`` directory left by a crash in the middle of an
+overwrite is put back when its step is missing, else removed.
+
+Retention, applied after a save commits: keep the ``max_to_keep`` newest steps (None: all),
+every step divisible by ``keep_every``, and the ``keep_best`` best steps by ``best_metric``;
+the newest committed step is never deleted. Deletion renames a step to a hidden name first.
+
+Collective: every process calls ``save``/``load``/``wait``/``close`` in the same order; only
+process 0 creates, renames or deletes directories, and what it decides (a refused step, the
+latest step, a failed clean-up) reaches every process, which raise the same error.
+``latest_step``, ``all_steps``, ``best_step`` and ``metrics`` only read, on any process or in
+an observer job; constructing a manager never touches the directory.
+
+    with spj.CheckpointManager("/ckpt", max_to_keep=3, async_save=True) as mgr:
+        start = mgr.latest_step() or 0
+        if start:
+            state = mgr.load(target=abstract_state)      # jax.ShapeDtypeStructs, shardings
+        for step in range(start + 1, steps + 1):
+            ...
+            if step % 100 == 0:
+                mgr.save(step, state, metrics={"loss": loss})
+"""
+from __future__ import annotations
+
+import math
+import operator
+import os
+import re
+import secrets
+import shutil
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from . import errors as E
+from .async_save import AsyncSave
+from .comm import Comm
+from .loading import load as spj_load
+from .saving import error_info, raise_info
+from .saving import save as spj_save
+from .storage import MANIFEST, read_manifest
+from .values import pack, unpack
+
+METRICS_KEY = "__metrics__"
+STEP_NAME = re.compile(r"step_(\d+)\Z")
+HIDDEN_NAME = re.compile(r"\.(step_\d+)\.shardpoint-(tmp|old)-.+\Z")
+
+
+class CheckpointManager:
+    """Numbered checkpoints under ``root`` with retention, best-k tracking and resume.
+
+    ``async_save=True`` makes :meth:`save` return once ``spj.save(..., async_save=True)`` has
+    (the writes and the commit run in the background); retention of older steps runs once
+    that save has committed, at the next :meth:`save`, :meth:`wait` or :meth:`close`.
+    """
+
+    def __init__(self, root: str, *, max_to_keep: Optional[int] = None,
+                 keep_every: Optional[int] = None, best_metric: Optional[str] = None,
+                 best_mode: str = "min", keep_best: Optional[int] = None,
+                 async_save: bool = False) -> None:
+        for name, v in (("max_to_keep", max_to_keep), ("keep_every", keep_every),
+                        ("keep_best", keep_best)):
+            if v is not None and (type(v) is not int or v < 1):
+                raise E.InvalidRequestError(f"{name} must be a positive int or None, got {v!r}")
+        if best_mode not in ("min", "max"):
+            raise E.InvalidRequestError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if keep_best is not None and best_metric is None:
+            raise E.InvalidRequestError(
+                "keep_best needs best_metric (the metric name to rank steps by)")
+        if best_metric is not None and not isinstance(best_metric, str):
+            raise E.InvalidRequestError(f"best_metric must be a str, got {best_metric!r}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.max_to_keep, self.keep_every = max_to_keep, keep_every
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.keep_best = keep_best if keep_best is not None else (1 if best_metric else None)
+        self.async_save = bool(async_save)
+        self._pending: Optional[AsyncSave] = None
+        self._metrics: dict = {}           # step -> metrics (a cache of the manifests)
+
+    # ---------------------------------------------------------------- reading (any process)
+    def path(self, step: int) -> str:
+        """The directory of ``step`` (it may not exist)."""
+        return os.path.join(self.root, f"step_{_step_number(step):08d}")
+
+    def all_steps(self) -> list:
+        """Committed steps, oldest first (incomplete ones are ignored)."""
+        if not os.path.isdir(self.root):
+            return []
+        out = []
+        for name in os.listdir(self.root):
+            m = STEP_NAME.match(name)
+            if m and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step, or None."""
+        s = self.all_steps()
+        return s[-1] if s else None
+
+    def metrics(self, step: int) -> dict:
+        """The metrics saved with ``step`` (empty when none were given); reads the manifest
+        only."""
+        if step not in self._metrics:
+            tree = dict(read_manifest(self.path(step))["tree"].get("dict", []))
+            node = tree.get(METRICS_KEY, {})
+            self._metrics[step] = {k: n["value"] for k, n in node.get("dict", [])
+                                   if isinstance(n, dict) and "value" in n}
+        return dict(self._metrics[step])
+
+    def best_step(self) -> Optional[int]:
+        """The committed step with the best ``best_metric`` (newest on ties), or None."""
+        ranked = self._ranked(self.all_steps())
+        return ranked[0] if ranked else None
+
+    def _ranked(self, steps: list) -> list:
+        """Steps carrying a finite ``best_metric``, best first (newer first on ties)."""
+        if self.best_metric is None:
+            return []
+        scored = []
+        for s in steps:
+            v = self.metrics(s).get(self.best_metric)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                scored.append((v if self.best_mode == "min" else -v, -s))
+        return [-s for _, s in sorted(scored)]
+
+    def retained(self, steps: list) -> set:
+        """Which of the committed ``steps`` retention keeps (pure; the rule in one place)."""
+        if not steps:
+            return set()
+        keep = {max(steps)}
+        keep |= set(sorted(steps)[-self.max_to_keep:]) if self.max_to_keep else set(steps)
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        if self.keep_best:
+            keep |= set(self._ranked(steps)[:self.keep_best])
+        return keep
+
+    # ---------------------------------------------------------------- collective
+    def save(self, step: int, tree: Any, *, metrics: Optional[dict] = None,
+             force: bool = False) -> Optional[AsyncSave]:
+        """Save ``tree`` as ``step`` (every process calls it); then apply retention.
+
+        ``metrics`` (str -> number or str) are stored in the checkpoint itself. ``force=True``
+        replaces a committed checkpoint of the same step (else CheckpointExistsError on every
+        process). Returns None, or the :class:`AsyncSave` handle with ``async_save=True``.
+        """
+        self.wait()     # the previous save commits (and its retention runs) first
+        n, err = None, None
+        try:
+            n = _step_number(step)
+            tree = with_metrics(tree, metrics)
+        except E.ShardpointError as e:
+            err = e
+        self._agreed("manager-save", n, err, lambda n: self._clean_leftovers())
+        path = self.path(n)
+        self._metrics.pop(n, None)
+        try:
+            handle = spj_save(path, tree, overwrite=bool(force), async_save=self.async_save)
+        except E.CheckpointExistsError as e:    # decided by process 0, raised everywhere
+            raise E.CheckpointExistsError(f"step {n} is already saved at {path!r}; pass "
+                                          "force=True to replace it",
+                                          spec_id="SP-COMMIT-5") from e
+        if handle is None:
+            self._after_commit()
+        else:
+            self._pending = handle
+        return handle
+
+    def load(self, step: Optional[int] = None, target: Any = None, *,
+             strict: bool = True) -> Any:
+        """Load ``step`` (default: the latest committed one, as process 0 sees it) through
+        :func:`shardpoint_jax.load` (``target``, ``strict`` as there). Every process calls it.
+        The metrics are not returned unless ``target`` names ``"__metrics__"``."""
+        self.wait()
+        want, err = None, None
+        try:
+            want = None if step is None else _step_number(step)
+        except E.ShardpointError as e:
+            err = e
+
+        def decide(want: Optional[int]) -> int:
+            self._clean_leftovers()
+            have = self.all_steps()
+            if want is None and not have:
+                raise E.CheckpointNotFoundError(f"no committed checkpoint under {self.root!r} "
+                                                "(nothing to resume from)")
+            if want is not None and want not in have:
+                raise E.CheckpointNotFoundError(f"step {want} is not a committed checkpoint "
+                                                f"under {self.root!r}; committed steps: {have}")
+            return want if want is not None else have[-1]
+
+        n = self._agreed("manager-load", want, err, decide)
+        out = spj_load(self.path(n), target, strict=strict)
+        if target is None and isinstance(out, dict):
+            out.pop(METRICS_KEY, None)
+        return out
+
+    def wait(self) -> None:
+        """Wait for an in-flight asynchronous save (raising its error), then apply retention.
+        Every process calls it."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+            self._after_commit()
+
+    def close(self) -> None:
+        """Wait for the last save; the manager may still be used for reading afterwards."""
+        self.wait()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:   # the original error wins; still try not to leave a save behind
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _agreed(self, what: str, step: Optional[int], err: Optional[BaseException],
+                decide: Callable[[Optional[int]], Any]) -> Any:
+        """Every process's ``step`` (or the error its arguments gave) to process 0, which
+        checks they agree and returns ``decide(step)`` to all: its result, or the same error
+        raised on every process (never one failing while the others wait in the save)."""
+        comm = Comm(what)
+        got = comm.gather("args", pack({"error": error_info(err)} if err is not None
+                                       else {"step": step}))
+        if comm.rank == 0:
+            try:
+                infos = [unpack(b) for b in got]
+                bad = [i["error"] for i in infos if "error" in i]
+                if bad:
+                    raise_info(bad[0], what)
+                steps = [i["step"] for i in infos]
+                if len(set(steps)) > 1:
+                    raise E.InvalidRequestError(
+                        f"processes passed different steps {steps}; every process of the job "
+                        "must save or load the same step")
+                outcome = {"ok": decide(steps[0])}
+            except Exception as e:  # noqa: BLE001 - a storage error too: every process raises
+                outcome = {"error": error_info(e)}
+            comm.broadcast("outcome", pack(outcome))
+        else:
+            outcome = unpack(comm.broadcast("outcome"))
+        if "error" in outcome:
+            if err is not None:
+                raise err
+            raise_info(outcome["error"], what)
+        return outcome["ok"]
+
+    # ---------------------------------------------------------------- process 0 only
+    def _after_commit(self) -> None:
+        """Retention on process 0, its outcome on every process: the other processes return
+        once the old steps are gone, and a failure is raised everywhere."""
+        comm = Comm("manager-retain")
+        if comm.rank == 0:
+            outcome = b""
+            try:
+                self._retain()
+            except Exception as e:  # noqa: BLE001
+                outcome = pack(error_info(e))
+            comm.broadcast("retained", outcome)
+        else:
+            outcome = comm.broadcast("retained")
+            self._metrics.clear()
+        if outcome:
+            raise_info(unpack(outcome), "retention")
+
+    def _retain(self) -> None:
+        steps = self.all_steps()
+        keep = self.retained(steps)
+        for s in steps:
+            if s not in keep:
+                self._remove(self.path(s))
+                self._metrics.pop(s, None)
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        # Hide first (one atomic rename), then delete: a crash mid-delete leaves a hidden
+        # leftover that the next manager cleans, never a half-deleted step.
+        parent, name = os.path.split(path)
+        hidden = os.path.join(parent, f".{name}.shardpoint-tmp-{secrets.token_hex(6)}")
+        try:
+            os.rename(path, hidden)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(hidden, ignore_errors=True)
+
+    def _clean_leftovers(self) -> None:
+        """Remove what crashed saves left; restore a step whose overwrite crashed midway."""
+        if not os.path.isdir(self.root):
+            return
+        for name in sorted(os.listdir(self.root)):
+            full = os.path.join(self.root, name)
+            m = HIDDEN_NAME.match(name)
+            if m:
+                step_path = os.path.join(self.root, m.group(1))
+                if (m.group(2) == "old" and os.path.isfile(os.path.join(full, MANIFEST))
+                        and not os.path.isfile(os.path.join(step_path, MANIFEST))):
+                    if os.path.lexists(step_path):
+                        self._remove(step_path)
+                    os.rename(full, step_path)     # the overwrite never completed: put back
+                else:
+                    shutil.rmtree(full, ignore_errors=True)
+            elif (STEP_NAME.match(name) and os.path.isdir(full)
+                  and not os.path.isfile(os.path.join(full, MANIFEST))):
+                self._remove(full)
+
+
+def _step_number(step: Any) -> int:
+    try:
+        n = operator.index(step)
+    except TypeError:
+        n = -1
+    if n < 0 or isinstance(step, bool):
+        # A negative step would name 'step_-0000001', which all_steps() never lists.
+        raise E.InvalidKeyError(f"step {step!r} is not a step number: steps are ints >= 0 "
+                                "(the directory is step_%08d)")
+    return int(n)
+
+
+def with_metrics(tree: Any, metrics: Optional[dict]) -> Any:
+    """``tree`` with ``metrics`` under the reserved key as plain values (a 0-d array or
+    numpy scalar becomes a Python number), or the reason it cannot be."""
+    if metrics is None:
+        return tree
+    if not isinstance(metrics, dict):
+        raise E.UnsupportedValueError(f"metrics must be a dict of name -> number (e.g. "
+                                      f"{{'loss': 0.31}}), got a {type(metrics).__name__}")
+    if not isinstance(tree, dict):
+        raise E.UnsupportedValueError(
+            f"metrics need a dict tree (they are stored under its {METRICS_KEY!r} key), got "
+            f"a {type(tree).__name__}; wrap it: {{'state': tree}}")
+    if METRICS_KEY in tree:
+        raise E.UnsupportedValueError(f"tree key {METRICS_KEY!r} is reserved for the "
+                                      "manager's metrics; rename it")
+    plain = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise E.UnsupportedValueError(f"metric name {k!r} must be a str")
+        if isinstance(v, (jax.Array, np.ndarray, np.generic)):
+            if np.ndim(v) != 0:
+                raise E.UnsupportedValueError(f"metric {k!r} has shape {np.shape(v)}; a "
+                                              "metric is one number (or str)")
+            v = np.asarray(v).item()
+        if v is not None and not isinstance(v, (bool, int, float, str)):
+            raise E.UnsupportedValueError(f"metric {k!r} is a {type(v).__name__}; a metric "
+                                          "is a number, a str or None")
+        plain[k] = v
+    return {**tree, METRICS_KEY: plain}
