@@ -13,6 +13,7 @@ for it, and raises its error if nobody saw that error yet.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook must come before ours
 import sys
 import threading
 from typing import Callable, Optional
@@ -89,11 +90,6 @@ class AsyncSave:
                 self._finished.set()
         self._thread = threading.Thread(target=body, name="shardpoint-jax-save", daemon=True)
         _PENDING = self
-        # Registered again at each save: exit hooks run last-registered first, so this one
-        # runs before any registered since (jax.distributed's shutdown, which the commit's
-        # messages between processes need).
-        atexit.unregister(_finish_at_exit)
-        atexit.register(_finish_at_exit)
         self._thread.start()
 
     def __repr__(self) -> str:
@@ -136,7 +132,12 @@ def wait_for_previous() -> None:
 
 
 def _finish_at_exit() -> None:
-    """A script that ends right after an asynchronous save still commits it."""
+    """A script that ends right after an asynchronous save still commits it.
+
+    A ``threading`` exit hook, as ``concurrent.futures`` registers its own (they run in
+    reverse order, so this one first): the background write submits to thread pools, which
+    refuse new work once their hook ran, and it must also finish before ``atexit`` hooks
+    such as ``jax.distributed``'s shutdown, which the commit's messages need."""
     prev = _PENDING
     if prev is not None and not prev.done():
         print(f"shardpoint_jax: waiting for the save to {prev.path!r} to finish before exit",
@@ -148,3 +149,9 @@ def _finish_at_exit() -> None:
     if prev is not None and prev._error is not None and not prev._seen:
         print(f"shardpoint_jax: the asynchronous save to {prev.path!r} failed: {prev._error}",
               file=sys.stderr)
+
+
+try:
+    threading._register_atexit(_finish_at_exit)
+except (AttributeError, RuntimeError):   # another Python: the next best place
+    atexit.register(_finish_at_exit)

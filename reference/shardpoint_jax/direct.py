@@ -1,4 +1,5 @@
-"""Reading whole stored chunks straight from their files (spec/format.md section 7).
+"""Reading and writing whole stored chunks straight from and to their files (spec/format.md
+section 7).
 
 A chunk file of this format is the chunk's little-endian bytes (padded to the full chunk
 shape at the array's edges) followed by their CRC-32C; a shard is inner chunks of that form
@@ -9,6 +10,11 @@ benchmark tree from the page cache in 1.3-2.8 s where the files read in 0.25 s. 
 cut through chunks (a load into another sharding) still go through TensorStore. The callers
 have checked every chunk file's kind and size and every shard index entry
 (:meth:`.storage.StoredArray.start_read`) before anything here runs.
+
+A save writes whole chunks only (each chunk has one writer, [SP-GRID-1]): each file is
+written with one ``pwritev`` of the chunk's own memory where it is contiguous (a shard's
+inner chunks split its leading dimensions, so they are), each unit's CRC after it and a
+shard's index at the end; the arrays' ``zarr.json`` were written before.
 """
 from __future__ import annotations
 
@@ -116,3 +122,84 @@ def _unit(fd: int, pos: int, origin: list, unit: Sequence[int], array: Sequence[
         raise damaged(f"{what}: its bytes fail their CRC-32C", "SP-READ-3")
     if not direct:
         np.copyto(dst, data.view(dtype).reshape(unit)[tuple(slice(0, v) for v in valid)])
+
+
+_IOV_MAX = 1024
+
+
+def write_region(root: str, array: str, shape: Sequence[int], chunk: Sequence[int],
+                 inner: Optional[Sequence[int]], offset: Sequence[int],
+                 data: np.ndarray) -> list:
+    """Write ``data`` (the region at ``offset``: whole chunks) as its chunk files; returns
+    their paths. Chunks clipped by the array's edge are stored padded with zeros."""
+    stop = [o + n for o, n in zip(offset, data.shape)]
+    paths = []
+    for idx in itertools.product(*[range(o // c, -(-e // c))
+                                   for o, e, c in zip(offset, stop, chunk)]):
+        origin = [i * c for i, c in zip(idx, chunk)]
+        valid = [min(c, d - g) for c, d, g in zip(chunk, shape, origin)]
+        part = data[tuple(slice(g - o, g - o + v) for g, o, v in zip(origin, offset, valid))
+                    + (Ellipsis,)]
+        if valid != list(chunk):
+            full = np.zeros(tuple(chunk), data.dtype)
+            full[tuple(slice(0, v) for v in valid) + (Ellipsis,)] = part
+            part = full
+        path = os.path.join(root, array, "c", *map(str, idx))
+        _write_chunk(path, np.ascontiguousarray(part), inner, valid)
+        paths.append(path)
+    return paths
+
+
+def _write_chunk(path: str, data: np.ndarray, inner: Optional[Sequence[int]],
+                 valid: Sequence[int]) -> None:
+    bufs: list = []
+    if inner is None:
+        raw = data.reshape(-1).view(np.uint8)
+        bufs += [raw, _crc_bytes(raw)]
+    else:
+        per = [c // i for c, i in zip(data.shape, inner)]
+        index, pos = [], 0
+        for cell in itertools.product(*[range(p) for p in per]):
+            if any(c * i >= v for c, i, v in zip(cell, inner, valid)):
+                index += [ABSENT, ABSENT]     # wholly outside the array: not stored
+                continue
+            box = tuple(slice(c * i, (c + 1) * i) for c, i in zip(cell, inner))
+            raw = np.ascontiguousarray(data[box]).reshape(-1).view(np.uint8)
+            bufs += [raw, _crc_bytes(raw)]
+            index += [pos, raw.nbytes + 4]
+            pos += raw.nbytes + 4
+        idx = np.asarray(index, "<u8").view(np.uint8)
+        bufs += [idx, _crc_bytes(idx)]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                 0o644)
+    try:
+        pos = 0
+        for i in range(0, len(bufs), _IOV_MAX):
+            group = bufs[i:i + _IOV_MAX]
+            want = sum(b.nbytes for b in group)
+            if _pwritev_all(fd, group, pos) != want:
+                raise OSError(f"short write of {path}")
+            pos += want
+    finally:
+        os.close(fd)
+
+
+def _crc_bytes(raw: np.ndarray) -> np.ndarray:
+    return np.frombuffer(_crc32c.crc32c(raw).to_bytes(4, "little"), np.uint8)
+
+
+def _pwritev_all(fd: int, bufs: list, pos: int) -> int:
+    total = 0
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        n = os.pwritev(fd, views, pos)
+        if n == 0:
+            break
+        total, pos = total + n, pos + n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total

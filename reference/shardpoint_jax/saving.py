@@ -21,8 +21,9 @@ from .dtypes import name_of
 from .grid import chunk_shape, local_chunk_shape
 from .keys import array_path
 from .manifest import encode_manifest
+from . import direct
 from .storage import (MANIFEST, checkpoint_path, chunk_files, create_arrays, fsync_dir,
-                      make_durable, open_for_write, write_region)
+                      make_durable, open_for_write, shard_inner, write_region)
 from .tree import ShardedObject, is_array, tree_node
 from .values import check_value, is_scalar_value, pack, unpack
 
@@ -263,7 +264,7 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
     status = b""
     if err is None:
         try:
-            write_regions(decision["staging"], regions)
+            write_regions(decision["staging"], regions, decision["tensors"])
         except Exception as e:  # noqa: BLE001
             err = e
     if err is not None:
@@ -362,18 +363,26 @@ def local_regions(decision: dict, plan: LocalPlan, rank: int) -> list:
     return out
 
 
-def write_regions(staging: str, regions: list) -> None:
-    """Write ``regions`` (:func:`local_regions`), several at once (:class:`Writes`), then make
-    what was written durable at once [SP-COMMIT-1]."""
+def write_regions(staging: str, regions: list, tensors: dict) -> None:
+    """Write ``regions`` (:func:`local_regions`; ``tensors``: the decision's entries), several
+    at once (:class:`Writes`): straight to the chunk files (:mod:`.direct`), or through
+    TensorStore where crc32c is missing; then make what was written durable at once
+    [SP-COMMIT-1]."""
     writes, files, stores = Writes(WRITE_AHEAD_BYTES), [], {}
     try:
         for key, array, chunk, off, data in regions:
             if writes.error is not None:
                 break
-            if array not in stores:
-                stores[array] = open_for_write(staging, array)
             host = np.asarray(data)
-            writes.add(write_region(stores[array], off, host), host.nbytes, key)
+            if direct.available():
+                t = tensors[key]
+                writes.add(direct.submit(direct.write_region, staging, array, t["shape"],
+                                         chunk, shard_inner(t["shape"], t["dtype"], chunk),
+                                         off, host), host.nbytes, key)
+            else:
+                if array not in stores:
+                    stores[array] = open_for_write(staging, array)
+                writes.add(write_region(stores[array], off, host), host.nbytes, key)
             files += chunk_files(staging, array, off, host.shape, chunk)
     finally:
         writes.drain()

@@ -103,17 +103,25 @@ def inner_chunk(chunk: Sequence[int], itemsize: int) -> list:
     return inner
 
 
-def array_metadata(shape: Sequence[int], dtype: str, chunk: Sequence[int]) -> dict:
-    """zarr.json metadata of a tensor: regular grid, bytes + crc32c, inside one
-    sharding_indexed codec for big chunks [SP-ARRAY-2] [SP-ARRAY-3]."""
-    codecs = CHUNK_CODECS
+def shard_inner(shape: Sequence[int], dtype: str, chunk: Sequence[int]) -> Optional[list]:
+    """The inner chunk shape when chunks of this array are stored as shards, else None."""
     itemsize = numpy_of(dtype, "array").itemsize
     if chunk and math.prod(shape) and math.prod(chunk) * itemsize > SHARD_ABOVE:
         inner = inner_chunk(chunk, itemsize)
         if inner != list(chunk):
-            codecs = [{"name": "sharding_indexed", "configuration": {
-                "chunk_shape": inner, "codecs": CHUNK_CODECS, "index_codecs": CHUNK_CODECS,
-                "index_location": "end"}}]
+            return inner
+    return None
+
+
+def array_metadata(shape: Sequence[int], dtype: str, chunk: Sequence[int]) -> dict:
+    """zarr.json metadata of a tensor: regular grid, bytes + crc32c, inside one
+    sharding_indexed codec for big chunks [SP-ARRAY-2] [SP-ARRAY-3]."""
+    codecs = CHUNK_CODECS
+    inner = shard_inner(shape, dtype, chunk)
+    if inner is not None:
+        codecs = [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": inner, "codecs": CHUNK_CODECS, "index_codecs": CHUNK_CODECS,
+            "index_location": "end"}}]
     return {"shape": list(shape), "data_type": dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
             "chunk_key_encoding": {"name": "default"}, "fill_value": FILL[dtype],
