@@ -34,6 +34,26 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def makedirs_below(root: str, path: str) -> None:
+    """``mkdir -p path`` for a ``path`` inside the directory ``root``, never re-creating
+    ``root`` itself: a save's writer thread still running after the save was cut short and
+    its staging directory removed then fails (FileNotFoundError) instead of bringing the
+    directory back as debris. Each level is made relative to its parent's descriptor."""
+    rel = os.path.relpath(path, root)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in ([] if rel == os.curdir else rel.split(os.sep)):
+            try:
+                os.mkdir(part, dir_fd=fd)
+            except FileExistsError:
+                pass
+            sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+    finally:
+        os.close(fd)
+
+
 def remove_path(p: str) -> None:
     """Remove ``p`` whatever it is: a directory tree (not followed through a symlink), a file
     or a link; nothing if it is gone."""
