@@ -71,4 +71,4 @@ def os_error_text(e: BaseException) -> str:
         return f"{type(e).__name__}: {e}"
     where = f" ({e.filename!r})" if e.filename else ""
     fix = _FIXES.get(e.errno, "fix the cause and try again")
-    return f"{e.strerror}{where}; {fix}"
+    return f"{type(e).__name__}: {e.strerror}{where}; {fix}"
