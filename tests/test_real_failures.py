@@ -361,6 +361,41 @@ def test_async_save_still_writing_at_exit(tmp_path, small_disk, fits):
         assert small_disk.entries() == []
 
 
+# ---------------------------------------------------------------------- changed under a reader
+_OVERWRITE_LOOP = """
+import sys, torch, shardpoint as sp
+for k in range(1, 13):
+    sp.save({f"t{i:02d}": torch.full((1 << 16,), float(k)) for i in range(48)}, sys.argv[1],
+            overwrite=True)
+"""
+
+
+def test_a_load_overlapping_an_overwrite_fails_instead_of_mixing_two_checkpoints(big_disk):
+    """Another process saves over the checkpoint (overwrite=True) again and again while this
+    one loads it: every load returns one checkpoint whole, or fails with LoadFailedError
+    saying it was replaced. Before, chunk files opened after the commit's rename came from the
+    new checkpoint and the load returned tensors of two steps without a word."""
+    a = os.path.join(big_disk.path, "a")
+    sp.save({f"t{i:02d}": torch.zeros(1 << 16) for i in range(48)}, a)
+    saver = subprocess.Popen([sys.executable, "-c", _OVERWRITE_LOOP, a])
+    whole = replaced = 0
+    try:
+        while saver.poll() is None:
+            try:
+                got = sp.load(a)
+            except sp.LoadFailedError as e:
+                assert "was replaced" in str(e) and a in str(e), e
+                replaced += 1
+                continue
+            steps = {float(t[0]) for t in got.values()} | {float(t[-1]) for t in got.values()}
+            assert len(steps) == 1, f"one load returned tensors of steps {sorted(steps)}"
+            whole += 1
+    finally:
+        saver.kill()
+        saver.wait()
+    assert saver.returncode == 0 and whole > 0 and replaced > 0, (whole, replaced)
+
+
 # ---------------------------------------------------------------------- a rank dies
 class _DieOnRead:
     """The real backend; rank 1 dies (``os._exit``) on its first chunk read."""

@@ -459,6 +459,17 @@ class TensorStoreBackend:
         with open(mpath, "rb") as f:
             return f.read(MAX_MANIFEST_BYTES + 1)
 
+    def checkpoint_identity(self, path: str) -> Optional[list]:
+        """Which commit of ``path`` is there now: its manifest's inode, modification time and
+        size (a commit renames a whole new directory into place, so each commit has its own
+        manifest file); None when there is none. ``load`` compares it before and after its
+        reads. Host-independent fields only: ranks on several hosts compare them."""
+        try:
+            st = os.stat(os.path.join(path, MANIFEST_NAME))
+        except OSError:
+            return None
+        return [st.st_ino, st.st_mtime_ns, st.st_size]
+
     def commit(self, staging: str, path: str, *, overwrite: bool) -> None:
         try:
             self._commit(staging, path, overwrite)
