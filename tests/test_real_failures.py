@@ -434,7 +434,7 @@ def _rank_dies(rank, world, root, what):
         f.write(out)
 
 
-@pytest.mark.parametrize("what", ["load", "save", "async"])
+@pytest.mark.parametrize("what", ["load", pytest.param("save", marks=pytest.mark.slow), "async"])
 def test_a_rank_that_dies_fails_the_others_with_rank_lost(tmp_path, what):
     """Rank 1 of a real gloo pair dies (os._exit in a load's read, SIGKILL after a save's first
     chunk write, sync or async): rank 0 raises RankLostError (a LoadFailedError and a

@@ -243,7 +243,7 @@ def write_dcp(src: Source, dst: str, *, overwrite: bool = False, progress: Progr
                     raise next(x for x in causes if isinstance(x, ShardpointError)) from e
                 # DCP's writer turns a full disk into "unexpected pos" RuntimeErrors: the free
                 # space (the partial files are still there) tells what happened.
-                free = shutil.disk_usage(tmp).free
+                free = shutil.disk_usage(os.path.dirname(tmp)).free
                 full = (f"; the file system holding {dst!r} has {free} bytes free, under the "
                         f"{src.total_bytes} the tensors need: free space on it or write "
                         "elsewhere") if free < src.total_bytes else ""
