@@ -21,7 +21,8 @@ log = logging.getLogger("shardpoint")
 
 class AsyncSave:
     """A save running in the background. ``wait``/``result`` return its ``SaveResult`` or
-    raise its error (on every rank the same); ``staging_bytes`` is the host pool it holds."""
+    raise its error (on every rank the same); ``staging_bytes`` is the host pool it holds,
+    ``path`` the checkpoint it writes."""
 
     def __init__(self, future: Future, staging_bytes: int, path: str = "") -> None:
         self._future = future
