@@ -396,6 +396,22 @@ def test_a_load_overlapping_an_overwrite_fails_instead_of_mixing_two_checkpoints
     assert saver.returncode == 0 and whole > 0 and replaced > 0, (whole, replaced)
 
 
+def test_a_lazy_view_of_a_replaced_checkpoint_fails_instead_of_reading_the_new_one(tmp_path):
+    """``sp.open`` reads its manifest once: a tensor read after another save replaced the
+    checkpoint raises LoadFailedError (it returned the new checkpoint's bytes under the old
+    manifest, e.g. a value of step 1 beside a tensor of step 2)."""
+    a = str(tmp_path / "a")
+    sp.save({"w": torch.zeros(100), "step": 1}, a)
+    with sp.open(a) as ckpt:
+        assert torch.equal(ckpt["w"].to_torch(), torch.zeros(100))
+        sp.save({"w": torch.ones(100), "step": 2}, a, overwrite=True)
+        assert ckpt["step"] == 1
+        with pytest.raises(sp.LoadFailedError, match="was replaced"):
+            ckpt["w"].to_torch()
+    with sp.open(a) as ckpt:
+        assert ckpt["step"] == 2 and torch.equal(ckpt["w"].to_torch(), torch.ones(100))
+
+
 # ---------------------------------------------------------------------- a rank dies
 class _DieOnRead:
     """The real backend; rank 1 dies (``os._exit``) on its first chunk read."""
