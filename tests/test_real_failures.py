@@ -46,33 +46,40 @@ class Disk:
         return sorted(n for n in os.listdir(self.path) if n != "fill")
 
 
-def _mount(path, size: str) -> Disk:
-    os.makedirs(path, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-    return Disk(str(path))
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size)`` mounts a tmpfs of ``size`` (e.g. "32m") in ``tmp_path`` and returns its
+    :class:`Disk`; the test is skipped, with the reason, where mounting is refused (not root),
+    and everything mounted is unmounted afterwards."""
+    mounted = []
+
+    def mount(size: str) -> Disk:
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+        mounted.append(str(path))
+        return Disk(str(path))
+
+    try:
+        yield mount
+    finally:
+        for path in mounted:
+            subprocess.run(["umount", "-l", path], capture_output=True)
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A 32 MiB tmpfs, always unmounted afterwards."""
-    d = _mount(tmp_path / "disk", "32m")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", d.path], capture_output=True)
+def small_disk(tmpfs):
+    """A 32 MiB tmpfs."""
+    return tmpfs("32m")
 
 
 @pytest.fixture
-def big_disk(tmp_path):
-    """A 512 MiB tmpfs (fast, and off the shared disk), always unmounted afterwards."""
-    d = _mount(tmp_path / "disk", "512m")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", d.path], capture_output=True)
+def big_disk(tmpfs):
+    """A 512 MiB tmpfs (fast, and off the shared disk)."""
+    return tmpfs("512m")
 
 
 def small_state(v: float = 1.0) -> dict:
@@ -341,11 +348,12 @@ print("returned", flush=True)    # the script ends here: the save is still writi
 
 
 @pytest.mark.parametrize("fits", [True, False])
-def test_async_save_still_writing_at_exit(tmp_path, small_disk, fits):
+def test_async_save_still_writing_at_exit(tmpfs, fits):
     """A script that ends right after an async save: the exit hook commits it (it failed with
     'cannot schedule new futures after interpreter shutdown': the hook ran after the thread
     pools stopped taking work). One that cannot commit says so on stderr, naming its path."""
-    path = str(tmp_path / "b") if fits else os.path.join(small_disk.path, "b")
+    disk = tmpfs("128m" if fits else "32m")
+    path = os.path.join(disk.path, "b")
     r = subprocess.run([sys.executable, "-c", _ASYNC_THEN_EXIT, path], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "returned", r.stderr
@@ -358,13 +366,13 @@ def test_async_save_still_writing_at_exit(tmp_path, small_disk, fits):
     else:
         assert f"the async save to {path!r} still running at exit failed" in r.stderr, r.stderr
         full_disk_message(r.stderr, path)
-        assert small_disk.entries() == []
+    assert disk.entries() == (["b"] if fits else [])
 
 
 # ---------------------------------------------------------------------- changed under a reader
 _OVERWRITE_LOOP = """
 import sys, torch, shardpoint as sp
-for k in range(1, 13):
+for k in range(1, 9):
     sp.save({f"t{i:02d}": torch.full((1 << 16,), float(k)) for i in range(48)}, sys.argv[1],
             overwrite=True)
 """
