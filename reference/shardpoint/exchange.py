@@ -155,9 +155,9 @@ def side_comm(comm: Comm) -> Comm:
         # A strict subgroup synchronizes only its members (the other ranks are not saving);
         # the whole world takes torch's ordinary path, where every rank calls new_group.
         sub = comm.size < dist.get_world_size()
-        _SIDE[key] = Comm(dist.new_group(list(key[2]), backend="gloo",
-                                         timeout=_timeout_of(comm.group),
-                                         use_local_synchronization=sub))
+        _SIDE[key] = Comm(comm._run("new_group", dist.new_group, list(key[2]),
+                                    backend="gloo", timeout=_timeout_of(comm.group),
+                                    use_local_synchronization=sub))
     return _SIDE[key]
 
 
