@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -28,7 +29,7 @@ from .chunk_layout import codecs_for, fill_value
 from .zarr_checks import (check_array_files, check_regular_file, check_zarr_json,
                           chunk_file_sizes, metadata_problems, read_zarr_json)
 
-from shardpoint.fsutil import fsync_dir, remove_path
+from shardpoint.fsutil import fsync_dir, makedirs_below, remove_path
 
 from .durable import (LEFTOVER_NAME, RENAME_NOREPLACE, DirLocks, dir_locked, exchange_dirs,
                       fsync_trees, newest_mtime, renameat2, syncfs, will_need)
@@ -69,10 +70,11 @@ class _WriteHandle(_LazyTS):
         self.writer = writer
 
 
-def _create_zarr_json(apath: str, data: bytes) -> None:
+def _create_zarr_json(root: str, apath: str, data: bytes) -> None:
     """Write ``apath/zarr.json`` unless it exists (another rank writing chunks of the same
-    array created it, with the same bytes: both derive it from the manifest's layout)."""
-    os.makedirs(apath, exist_ok=True)
+    array created it, with the same bytes: both derive it from the manifest's layout).
+    ``root`` (the staging directory) must exist: it is never re-created here."""
+    makedirs_below(root, apath)
     try:
         fd = os.open(os.path.join(apath, "zarr.json"),
                      os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
@@ -265,7 +267,7 @@ class TensorStoreBackend:
             return open_ts()
         stored = dict(meta, codecs=stored_codecs(codecs, itemsize))
         try:
-            _create_zarr_json(apath, zarr_json_bytes(stored))
+            _create_zarr_json(root, apath, zarr_json_bytes(stored))
         except OSError as e:
             raise SaveFailedError(f"cannot create array {array_path!r} under {root}: "
                                   f"{e}") from e
@@ -457,6 +459,17 @@ class TensorStoreBackend:
         with open(mpath, "rb") as f:
             return f.read(MAX_MANIFEST_BYTES + 1)
 
+    def checkpoint_identity(self, path: str) -> Optional[list]:
+        """Which commit of ``path`` is there now: its manifest's inode, modification time and
+        size (a commit renames a whole new directory into place, so each commit has its own
+        manifest file); None when there is none. ``load`` compares it before and after its
+        reads. Host-independent fields only: ranks on several hosts compare them."""
+        try:
+            st = os.stat(os.path.join(path, MANIFEST_NAME))
+        except OSError:
+            return None
+        return [st.st_ino, st.st_mtime_ns, st.st_size]
+
     def commit(self, staging: str, path: str, *, overwrite: bool) -> None:
         try:
             self._commit(staging, path, overwrite)
@@ -536,5 +549,12 @@ class TensorStoreBackend:
     def abort(self, staging: str) -> None:
         with self._lock:
             self._written.pop(os.path.abspath(staging), None)
-        shutil.rmtree(staging, ignore_errors=True)
+        # A save cut short (an interrupt) may still have a thread finishing a file in the
+        # tree: what it creates while rmtree runs leaves a directory behind, so look again
+        # (nothing re-creates the staging directory itself once it is gone).
+        for _ in range(3):
+            shutil.rmtree(staging, ignore_errors=True)
+            if not os.path.lexists(staging):
+                break
+            time.sleep(0.05)
         self._save_locks.release(staging)

@@ -273,17 +273,22 @@ def _write_units(path: str, units: list, early: bool) -> None:
     adjacent units, and (``early``) start their writeback."""
     bufs: list = []
     start = units[0][0]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
-        for pos, data, cshape, itemsize in units:
-            enc = data if cshape is None else _encode(data, cshape, itemsize)
-            if bufs and pos != start + sum(b.nbytes for b in bufs):
-                _flush_run(fd, bufs, start, early)
-                bufs, start = [], pos
-            bufs.extend(enc)
-        _flush_run(fd, bufs, start, early)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            for pos, data, cshape, itemsize in units:
+                enc = data if cshape is None else _encode(data, cshape, itemsize)
+                if bufs and pos != start + sum(b.nbytes for b in bufs):
+                    _flush_run(fd, bufs, start, early)
+                    bufs, start = [], pos
+                bufs.extend(enc)
+            _flush_run(fd, bufs, start, early)
+        finally:
+            os.close(fd)
+    except OSError as e:   # pwritev names no file: a full disk's error then names none
+        if e.filename is not None or e.strerror is None:
+            raise
+        raise OSError(e.errno, e.strerror, path) from e
 
 
 def _flush_run(fd: int, bufs: list, start: int, early: bool) -> None:

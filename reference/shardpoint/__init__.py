@@ -17,7 +17,7 @@ from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptChec
                      IncompleteCheckpointError, InvalidKeyError, InvalidShardingError,
                      LayoutMismatchError, LoadFailedError, ResourceLimitError, SaveFailedError,
                      ShardpointError, UnsupportedFormatError, UnsupportedValueError,
-                     ConversionError, InvalidOptionError)
+                     ConversionError, InvalidOptionError, RankLostError)
 from .lazy import Checkpoint, TensorView, open  # noqa: A004 - sp.open, like zarr.open
 from .manager import CheckpointManager
 from .metadata import FORMAT_VERSION, Manifest
@@ -32,6 +32,7 @@ __all__ = [
     "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
     "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
-    "LoadFailedError", "ResourceLimitError", "ConversionError", "InvalidOptionError",
+    "LoadFailedError", "RankLostError", "ResourceLimitError", "ConversionError",
+    "InvalidOptionError",
     "recover", "RecoveryAction",
 ]

@@ -8,21 +8,33 @@ re-raises its error on every rank if any rank has not seen it yet.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread   # noqa: F401 - its exit hook must be registered before ours
+import logging
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 from .staging import StagingPool
 
+log = logging.getLogger("shardpoint")
+
 
 class AsyncSave:
     """A save running in the background. ``wait``/``result`` return its ``SaveResult`` or
-    raise its error (on every rank the same); ``staging_bytes`` is the host pool it holds."""
+    raise its error (on every rank the same); ``staging_bytes`` is the host pool it holds,
+    ``path`` the checkpoint it writes."""
 
-    def __init__(self, future: Future, staging_bytes: int) -> None:
+    def __init__(self, future: Future, staging_bytes: int, path: str = "") -> None:
         self._future = future
         self._seen = False
         self.staging_bytes = staging_bytes
+        self.path = path
+
+    @property
+    def reported(self) -> bool:
+        """True once ``wait``/``result`` handed the outcome (result or error) to the caller,
+        so whoever waits next knows not to raise the same error a second time."""
+        return self._seen
 
     def done(self) -> bool:
         """True once the background part finished (committed or failed)."""
@@ -75,7 +87,7 @@ class GroupSaves:
                 unseen = e
         agree(unseen)
 
-    def start(self, fn: Callable[[], Any], staging_bytes: int) -> AsyncSave:
+    def start(self, fn: Callable[[], Any], staging_bytes: int, path: str = "") -> AsyncSave:
         """Run ``fn`` in a background thread; its result or error goes to the handle."""
         fut: Future = Future()
 
@@ -87,22 +99,36 @@ class GroupSaves:
 
         fut.set_running_or_notify_cancel()
         threading.Thread(target=run, name="shardpoint-async-save", daemon=True).start()
-        self.pending = AsyncSave(fut, staging_bytes)
+        self.pending = AsyncSave(fut, staging_bytes, path)
         return self.pending
 
 
 _GROUPS: dict = {}
 
 
-@atexit.register
 def _finish_pending() -> None:
-    """A script that ends right after an async save still commits it (errors were logged)."""
+    """A script that ends right after an async save still commits it; a save that fails
+    then is logged with its path, since no one is left to raise to.
+
+    Registered with ``threading``'s exit hooks (where ``concurrent.futures`` registers its
+    own; they run in reverse order) so it runs before the thread pools the background write
+    submits to refuse new work ("cannot schedule new futures after interpreter shutdown"):
+    as a plain ``atexit`` hook it ran after that, and a save still writing at exit failed."""
     for g in list(_GROUPS.values()):
         if g.pending is not None:
             try:
                 g.pending._future.result()
-            except BaseException:  # noqa: BLE001 - nobody left to raise to
-                pass
+            except BaseException as e:  # noqa: BLE001 - nobody left to raise to
+                if not g.pending._seen:
+                    log.error("shardpoint: the async save to %r still running at exit "
+                              "failed; nothing was committed there: %s",
+                              g.pending.path, e)
+
+
+try:   # Python >= 3.9; the same hook list concurrent.futures uses for its pools
+    threading._register_atexit(_finish_pending)
+except (AttributeError, RuntimeError):   # pragma: no cover - another Python
+    atexit.register(_finish_pending)
 
 
 def group_saves(key: tuple) -> GroupSaves:

@@ -162,10 +162,13 @@ def cmd_recover(a: argparse.Namespace) -> int:
         verb = {"remove": "removed", "restore": "restored", "skip": "skipped"}
         for x in acts:
             v = ("would " + x.action) if a.dry_run and x.action != "skip" else verb[x.action]
+            if not a.dry_run and x.action != "skip" and not x.done:
+                v = f"could not {x.action}"
             print(f"{v}: {x.path} ({x.reason})")
         if not acts:
             print(f"nothing to recover at {a.path}")
-    return 0
+    failed = not a.dry_run and any(x.action != "skip" and not x.done for x in acts)
+    return 1 if failed else 0
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -220,7 +223,8 @@ def _parser() -> argparse.ArgumentParser:
     s = cli_tools.add_command(sub, "recover", "clean up after crashed saves (SP-COMMIT-6): "
                               "remove staging leftovers, restore a previous checkpoint a crash "
                               "moved aside; skips saves running on this host (they hold a "
-                              "lock) and recent files", """
+                              "lock) and recent files (exit 1 when a removal or restore "
+                              "failed)", """
         shardpoint recover ckpt/ --dry-run          # what would be removed or restored
         shardpoint recover ckpt/step_100 --min-age 0   # no save is running anywhere""")
     s.add_argument("path", help="a checkpoint path, or the directory holding checkpoints")

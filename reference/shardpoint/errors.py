@@ -80,6 +80,12 @@ class LoadFailedError(ShardpointError):
     """Some rank failed while loading; the message names the rank(s) and their errors."""
 
 
+class RankLostError(SaveFailedError, LoadFailedError):
+    """A collective over the process group failed on this rank: another rank died, was killed,
+    hung past the group's timeout, or its connection broke. Raised by ``save`` (nothing was
+    committed) and ``load`` alike, so it is both a SaveFailedError and a LoadFailedError."""
+
+
 class ConversionError(ShardpointError):
     """A checkpoint of another format cannot be converted: unknown or ambiguous format, an entry
     that would need unrestricted unpickling, a dtype or key the target cannot hold."""

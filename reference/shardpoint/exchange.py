@@ -7,6 +7,7 @@ world of one, so single-process use needs no setup.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional, Sequence
 
 import msgpack
@@ -41,6 +42,15 @@ class Comm:
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
+    def _run(self, what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, a torch.distributed collective; a failure of the group
+        (gloo and NCCL raise a bare RuntimeError naming a socket, or a timeout) becomes
+        :class:`~.errors.RankLostError` saying what happened and what to do."""
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            raise rank_lost(self, what, e) from e
+
     def _u8(self, b: bytes, n: int) -> torch.Tensor:
         t = torch.zeros(n, dtype=torch.uint8)
         if b:
@@ -50,7 +60,7 @@ class Comm:
     def _sizes(self, n: int) -> list:
         t = torch.tensor([n], dtype=torch.int64, device=self.device)
         out = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        dist.all_gather(out, t, group=self.group)
+        self._run("all_gather", dist.all_gather, out, t, group=self.group)
         return [int(x.item()) for x in out]
 
     def all_true(self, flag: bool) -> bool:
@@ -58,7 +68,7 @@ class Comm:
         if self.size == 1:
             return flag
         t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        self._run("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
     def all_gather_bytes(self, b: bytes) -> list:
@@ -67,7 +77,7 @@ class Comm:
         sizes = self._sizes(len(b))
         m = max(sizes)
         out = [torch.zeros(m, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
-        dist.all_gather(out, self._u8(b, m), group=self.group)
+        self._run("all_gather", dist.all_gather, out, self._u8(b, m), group=self.group)
         return [bytes(o[:s].cpu().numpy()) for o, s in zip(out, sizes)]
 
     def gather_bytes(self, b: bytes) -> Optional[list]:
@@ -79,9 +89,11 @@ class Comm:
         if self.is_coordinator:
             out = [torch.zeros(m, dtype=torch.uint8, device=self.device)
                    for _ in range(self.size)]
-            dist.gather(self._u8(b, m), out, dst=self._global(0), group=self.group)
+            self._run("gather", dist.gather, self._u8(b, m), out, dst=self._global(0),
+                      group=self.group)
             return [bytes(o[:s].cpu().numpy()) for o, s in zip(out, sizes)]
-        dist.gather(self._u8(b, m), None, dst=self._global(0), group=self.group)
+        self._run("gather", dist.gather, self._u8(b, m), None, dst=self._global(0),
+                  group=self.group)
         return None
 
     def broadcast_bytes(self, b: Optional[bytes]) -> bytes:
@@ -89,9 +101,9 @@ class Comm:
             return b or b""
         n = torch.tensor([len(b) if self.is_coordinator else 0], dtype=torch.int64,
                          device=self.device)
-        dist.broadcast(n, src=self._global(0), group=self.group)
+        self._run("broadcast", dist.broadcast, n, src=self._global(0), group=self.group)
         t = self._u8(b if self.is_coordinator else b"", int(n.item()))
-        dist.broadcast(t, src=self._global(0), group=self.group)
+        self._run("broadcast", dist.broadcast, t, src=self._global(0), group=self.group)
         return bytes(t.cpu().numpy())
 
     def scatter_bytes(self, parts: Optional[Sequence[bytes]]) -> bytes:
@@ -100,11 +112,11 @@ class Comm:
             return parts[0]
         sizes = torch.tensor([len(p) for p in parts] if self.is_coordinator
                              else [0] * self.size, dtype=torch.int64, device=self.device)
-        dist.broadcast(sizes, src=self._global(0), group=self.group)
+        self._run("broadcast", dist.broadcast, sizes, src=self._global(0), group=self.group)
         m = int(sizes.max().item())
         out = torch.zeros(m, dtype=torch.uint8, device=self.device)
         ins = [self._u8(p, m) for p in parts] if self.is_coordinator else None
-        dist.scatter(out, ins, src=self._global(0), group=self.group)
+        self._run("scatter", dist.scatter, out, ins, src=self._global(0), group=self.group)
         return bytes(out[:int(sizes[self.rank].item())].cpu().numpy())
 
     def all_to_all(self, send: list, recv_sizes: list) -> list:
@@ -115,8 +127,9 @@ class Comm:
         ins = [s.to(self.device) for s in send]
         inp = torch.cat(ins) if ins else torch.empty(0, dtype=torch.uint8, device=self.device)
         out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(out, inp, output_split_sizes=list(recv_sizes),
-                               input_split_sizes=[int(s.numel()) for s in send], group=self.group)
+        self._run("all_to_all", dist.all_to_all_single, out, inp,
+                  output_split_sizes=list(recv_sizes),
+                  input_split_sizes=[int(s.numel()) for s in send], group=self.group)
         return list(torch.split(out, list(recv_sizes)))
 
 
@@ -142,9 +155,9 @@ def side_comm(comm: Comm) -> Comm:
         # A strict subgroup synchronizes only its members (the other ranks are not saving);
         # the whole world takes torch's ordinary path, where every rank calls new_group.
         sub = comm.size < dist.get_world_size()
-        _SIDE[key] = Comm(dist.new_group(list(key[2]), backend="gloo",
-                                         timeout=_timeout_of(comm.group),
-                                         use_local_synchronization=sub))
+        _SIDE[key] = Comm(comm._run("new_group", dist.new_group, list(key[2]),
+                                    backend="gloo", timeout=_timeout_of(comm.group),
+                                    use_local_synchronization=sub))
     return _SIDE[key]
 
 
@@ -156,6 +169,20 @@ def _timeout_of(group: Any) -> Any:
         return pg._get_backend(torch.device("cpu")).options._timeout
     except Exception:  # noqa: BLE001 - an NCCL-only group, another torch: use the default
         return None
+
+
+def rank_lost(comm: Comm, op: str, e: BaseException) -> errors.RankLostError:
+    """The error for a collective that failed under ``comm``: the backend's own words without
+    its source path and boilerplate, the group's timeout, and what to do."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0].rstrip(".")
+    timeout = _timeout_of(comm.group)
+    return errors.RankLostError(
+        f"rank {comm.rank} of {comm.size}: the {op} collective failed ({text}): another rank "
+        "of the group died, was killed or hung"
+        + (f" past the group's timeout ({timeout.total_seconds():g} s)" if timeout else "")
+        + "; its own log says why. A save cut short so commits nothing: restart every rank "
+        "and resume from the last committed checkpoint")
 
 
 # ---------------------------------------------------------------------- errors across ranks
@@ -304,7 +331,7 @@ def exchange(comm: Comm, sends: list, recvs: list, budget: int) -> None:
     sp, rp = by_peer(sends), by_peer(recvs)
     mine = max([len(v) for v in sp.values()] + [len(v) for v in rp.values()] + [0])
     total = torch.tensor([mine], dtype=torch.int64, device=comm.device)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=comm.group)
+    comm._run("all_reduce", dist.all_reduce, total, op=dist.ReduceOp.MAX, group=comm.group)
     for k in range(int(total.item())):
         send_bufs, recv_sizes, recv_views = [], [], []
         for peer in range(comm.size):

@@ -1,9 +1,27 @@
-"""Two POSIX helpers every writer of a durable directory needs (the converters here, the
-storage backends, the benchmarks): fsync a path, and remove a tree or a file."""
+"""POSIX helpers every writer of a durable directory needs (the converters here, the
+storage backends, the benchmarks): fsync a path, remove a tree or a file, and say what to do
+about the ``OSError`` a write got."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+
+_FIXES = {
+    errno.ENOSPC: "the file system is full: free space on it (delete old checkpoints; "
+                  "`shardpoint recover DIR` removes what crashed saves left) or save elsewhere",
+    errno.EDQUOT: "the disk quota is used up: free space under the quota, raise it, or save "
+                  "elsewhere",
+    errno.EROFS: "the file system is mounted read-only: remount it read-write or save "
+                 "elsewhere",
+    errno.EACCES: "permission denied: make the directory writable for this user or save "
+                  "elsewhere",
+    errno.EPERM: "operation not permitted: make the directory writable for this user or save "
+                 "elsewhere",
+    errno.EFBIG: "a file grew past the file system's or the process's size limit (ulimit -f): "
+                 "raise the limit or save elsewhere",
+    errno.EIO: "the device reported an I/O error: check the disk (dmesg) before saving again",
+}
 
 
 def fsync_dir(path: str) -> None:
@@ -16,6 +34,26 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def makedirs_below(root: str, path: str) -> None:
+    """``mkdir -p path`` for a ``path`` inside the directory ``root``, never re-creating
+    ``root`` itself: a save's writer thread still running after the save was cut short and
+    its staging directory removed then fails (FileNotFoundError) instead of bringing the
+    directory back as debris. Each level is made relative to its parent's descriptor."""
+    rel = os.path.relpath(path, root)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in ([] if rel == os.curdir else rel.split(os.sep)):
+            try:
+                os.mkdir(part, dir_fd=fd)
+            except FileExistsError:
+                pass
+            sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+    finally:
+        os.close(fd)
+
+
 def remove_path(p: str) -> None:
     """Remove ``p`` whatever it is: a directory tree (not followed through a symlink), a file
     or a link; nothing if it is gone."""
@@ -23,3 +61,14 @@ def remove_path(p: str) -> None:
         shutil.rmtree(p, ignore_errors=True)
     elif os.path.lexists(p):
         os.remove(p)
+
+
+def os_error_text(e: BaseException) -> str:
+    """``e`` for an error message: its cause (strerror and the file it names) and, for an
+    ``OSError`` a writer can do something about (a full disk, a quota, a read-only or
+    write-protected directory), what to do; other errors as ``Type: message``."""
+    if not isinstance(e, OSError) or e.strerror is None:
+        return f"{type(e).__name__}: {e}"
+    where = f" ({e.filename!r})" if e.filename else ""
+    fix = _FIXES.get(e.errno, "fix the cause and try again")
+    return f"{type(e).__name__}: {e.strerror}{where}; {fix}"

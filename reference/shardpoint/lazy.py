@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import dtypes
+from .errors import LoadFailedError
 from .keys import decode_key, encode_key, similar_keys
 from .metadata import Manifest, TensorEntry, decode_manifest
 from .model import iter_tree_leaves
@@ -125,6 +126,8 @@ class Checkpoint:
     def __init__(self, path: str, backend: Optional[StorageBackend] = None) -> None:
         self.path = str(path)
         self._be = get_backend(backend)
+        self._identity = getattr(self._be, "checkpoint_identity", None)
+        self._ident = self._identity(self.path) if self._identity else None   # see load()
         self.manifest: Manifest = decode_manifest(self._be.read_manifest(self.path))
         self._leaves = {encode_key(p): n for p, n in iter_tree_leaves(self.manifest.tree)}
         self._handles: dict = {}
@@ -171,6 +174,11 @@ class Checkpoint:
             self._handles[e.key] = self._be.open_array_for_read(self.path, e.array, e.spec,
                                                                 e.key)
         self._be.wait([self._be.read_into(self._handles[e.key], offset, to_numpy(out))])
+        if self._ident is not None and self._identity(self.path) != self._ident:
+            raise LoadFailedError(
+                f"the checkpoint at {self.path!r} was replaced (or removed) by another save "
+                f"since it was opened, so {e.key!r} read now would not belong to the manifest "
+                "read then: open it again")
 
     def close(self) -> None:
         self._handles.clear()

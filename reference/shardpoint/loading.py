@@ -74,15 +74,21 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
     report = report if report is not None else LoadReport()
     t0 = time.perf_counter()
     path = str(path)
+    identity = getattr(be, "checkpoint_identity", None)
     mbytes = b""
     if comm.is_coordinator:
         try:
-            mbytes = b"\x00" + be.read_manifest(path)
+            # Taken before the manifest is read and checked again after the last read: a save
+            # replacing the checkpoint (overwrite=True) in between is seen, whenever it lands.
+            ident = identity(path) if identity else None
+            mbytes = b"\x00" + msgpack.packb([ident, be.read_manifest(path)])
         except errors.ShardpointError as e:
             mbytes = b"\x01" + msgpack.packb([error_record(e, 0)])
     mbytes = comm.broadcast_bytes(mbytes)
     if mbytes[:1] == b"\x01":
         raise_records(msgpack.unpackb(mbytes[1:]))
+    ident, mbytes = msgpack.unpackb(mbytes[1:])
+    mbytes = b"\x00" + mbytes
     m_box: dict = {}
     tgt_box: dict = {}
 
@@ -122,6 +128,12 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
             comm, be, path, m_box["m"], tgt_box["t"], work, budget, report.timings,
             opts, costs["strategy"] == "dedup")
         report.timings["read"] = time.perf_counter() - t
+        if ident is not None and identity(path) != ident:
+            raise errors.LoadFailedError(
+                f"the checkpoint at {path!r} was replaced (or removed) by another save while "
+                "this load read it, so what was read may mix two checkpoints; nothing was "
+                "returned. Load again, and do not save over a checkpoint (overwrite=True, a "
+                "manager's force=True or retention) while another job loads it")
     except Exception as e:  # noqa: BLE001
         if getattr(e, "_sp_agreed", False):
             raise  # every rank raised it already

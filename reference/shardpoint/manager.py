@@ -31,6 +31,7 @@ never touches the directory, so an observer cannot disturb a save in progress.
 """
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import os
@@ -44,6 +45,7 @@ from .exchange import Comm, agree
 from .model import iter_tree_leaves
 from .storage import MANIFEST_NAME
 
+log = logging.getLogger("shardpoint")
 METRICS_KEY = "__metrics__"
 _STEP = re.compile(r"step_(\d+)\Z")
 _HIDDEN = re.compile(r"\.(step_\d+)\.shardpoint-(tmp|old)-.+\Z")
@@ -221,10 +223,22 @@ class CheckpointManager:
         return out
 
     def wait(self) -> None:
-        """Wait for an in-flight async save (re-raising its error), then apply retention."""
+        """Wait for an in-flight async save, then apply retention. Its error is raised, on
+        every rank, unless every rank already had it from the handle's own ``wait()``: a job
+        that caught it there goes on, and its next ``save`` runs instead of failing again."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is None:
+            return
+        reported = pending.reported
+        failed, unseen = False, None
+        try:
             pending.wait()
+        except Exception as e:  # noqa: BLE001 - shared with every rank just below
+            failed, unseen = True, (None if reported else e)
+        # Collective, as in ``save``'s own settling: a rank that saw the error and one that
+        # did not must both raise, or both go on.
+        agree(self._comm, unseen, errors.SaveFailedError)
+        if not failed:
             self._after_commit()
 
     def close(self) -> None:
@@ -283,19 +297,28 @@ class CheckpointManager:
         """Remove what crashed saves left; restore a step whose overwrite crashed midway."""
         if not os.path.isdir(self.root):
             return
-        names = sorted(os.listdir(self.root))
-        for name in names:
-            full = os.path.join(self.root, name)
-            m = _HIDDEN.match(name)
-            if m:
-                step_path = os.path.join(self.root, m.group(1))
-                if (m.group(2) == "old" and os.path.isfile(os.path.join(full, MANIFEST_NAME))
-                        and not os.path.isfile(os.path.join(step_path, MANIFEST_NAME))):
-                    if os.path.lexists(step_path):
-                        self._remove(step_path)
-                    os.rename(full, step_path)    # the overwrite never completed: put it back
-                else:
-                    shutil.rmtree(full, ignore_errors=True)
-            elif (_STEP.match(name) and os.path.isdir(full)
-                  and not os.path.isfile(os.path.join(full, MANIFEST_NAME))):
-                self._remove(full)
+        for name in sorted(os.listdir(self.root)):
+            try:
+                self._clean_one(name)
+            except OSError as e:
+                # A read-only file system (a load of a mounted archive) or a directory this
+                # user may not change: the load goes on, a save reports its own error.
+                log.warning("shardpoint: cannot clean up %r under %r (%s); left as it is",
+                            name, self.root, e.strerror or e)
+
+    def _clean_one(self, name: str) -> None:
+        """Clean one entry of ``root`` (see :meth:`_clean_leftovers`)."""
+        full = os.path.join(self.root, name)
+        m = _HIDDEN.match(name)
+        if m:
+            step_path = os.path.join(self.root, m.group(1))
+            if (m.group(2) == "old" and os.path.isfile(os.path.join(full, MANIFEST_NAME))
+                    and not os.path.isfile(os.path.join(step_path, MANIFEST_NAME))):
+                if os.path.lexists(step_path):
+                    self._remove(step_path)
+                os.rename(full, step_path)    # the overwrite never completed: put it back
+            else:
+                shutil.rmtree(full, ignore_errors=True)
+        elif (_STEP.match(name) and os.path.isdir(full)
+              and not os.path.isfile(os.path.join(full, MANIFEST_NAME))):
+            self._remove(full)

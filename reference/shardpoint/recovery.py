@@ -27,7 +27,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .errors import CheckpointNotFoundError, InvalidOptionError
+from .errors import CheckpointNotFoundError, InvalidOptionError, ShardpointError
+from .fsutil import os_error_text
 from .storage import Leftover, StorageBackend, get_backend
 
 DEFAULT_MIN_AGE_S = 900.0
@@ -36,7 +37,8 @@ DEFAULT_MIN_AGE_S = 900.0
 @dataclass(frozen=True)
 class RecoveryAction:
     """What recovery did (or, under ``dry_run``, would do) with one leftover directory:
-    ``action`` is 'remove', 'restore' (renamed back to ``target``) or 'skip'."""
+    ``action`` is 'remove', 'restore' (renamed back to ``target``) or 'skip'; ``done`` is
+    False for a 'remove' or 'restore' that failed (``reason`` then says why and what to do)."""
 
     path: str
     target: str
@@ -108,10 +110,15 @@ def recover(path_or_parent: str, *, dry_run: bool = False,
     now, out = time.time(), []
     for lo in los:
         action, reason = _decide(be, lo, olds, now, min_age_s)
-        if not dry_run and action == "remove":
-            be.remove_leftover(lo.path)
-        elif not dry_run and action == "restore":
-            be.restore_leftover(lo.path, lo.target)
-        out.append(RecoveryAction(lo.path, lo.target, lo.kind, action, reason,
-                                  done=not dry_run and action != "skip"))
+        done = not dry_run and action != "skip"
+        try:
+            if done and action == "remove":
+                be.remove_leftover(lo.path)
+            elif done and action == "restore":
+                be.restore_leftover(lo.path, lo.target)
+        except OSError as e:   # a read-only file system, no permission: say so, go on
+            if isinstance(e, ShardpointError):
+                raise
+            done, reason = False, f"{reason}; FAILED: {os_error_text(e)}"
+        out.append(RecoveryAction(lo.path, lo.target, lo.kind, action, reason, done=done))
     return out

@@ -19,6 +19,7 @@ import torch
 from . import dtypes, errors, values
 from .async_save import AsyncSave, group_saves
 from .exchange import Comm, agree, exchange, group_key, run_collectively, side_comm
+from .fsutil import os_error_text
 from .metadata import Manifest, TensorEntry, array_path_for, encode_manifest
 from .model import flatten_state
 from .open_ahead import OpenAhead
@@ -192,6 +193,7 @@ class SaveJob:
         self.be.check_target(self.path, self.overwrite)   # before anything is written
         staging = self.be.staging_path(self.path, secrets.token_hex(6))
         self.be.begin_save(staging)
+        self.staging = staging    # known to :meth:`abandon` before the ranks hear of it
         self.global_plan = plan
         layouts = {k: [list(v.shape), v.dtype, list(v.chunk_shape)]
                    for k, v in plan.tensors.items()}
@@ -339,12 +341,20 @@ class SaveJob:
             self.be.flush(self.staging)
             self.times["flush"] = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            self.error = e
+            self.error = e if isinstance(e, errors.ShardpointError) else self.write_failed(e)
             log.error("shardpoint save: rank %d failed: %s", comm.rank, e)
         finally:
             if opened is not None:
                 opened.close()
             self.sources = []
+
+    def write_failed(self, e: BaseException) -> errors.SaveFailedError:
+        """A failed write as the documented error: the checkpoint, the cause (a full disk
+        names the file it could not write) and what to do about it."""
+        return errors.SaveFailedError(
+            f"cannot write checkpoint {self.path!r} (into its staging directory "
+            f"{self.staging!r}): {os_error_text(e)}. Nothing was committed: a previous "
+            "checkpoint at that path is untouched, and the partial files are removed")
 
     # ---------------------------------------------------------------------- phase 4: commit
     def commit(self, comm: Comm) -> SaveResult:
@@ -383,6 +393,14 @@ class SaveJob:
                           files=st["chunks"] + st["tensors"] + 1,
                           rank_chunk_files=len(self.work.writes))
 
+    def abandon(self) -> None:
+        """After an interrupt (KeyboardInterrupt, SystemExit, an exception a signal handler
+        raised) cut a phase short: the coordinator removes the staging directory and drops
+        its lock, as a failed save does, instead of leaving a whole checkpoint's worth of
+        partial files behind for ``recover`` (and the lock held while the process lives)."""
+        if self.comm.is_coordinator and self.staging:
+            self.be.abort(self.staging)
+
     def _publish(self, _payloads: list) -> list:
         """Coordinator, every rank having succeeded: manifest last, then the rename."""
         plan = self.global_plan
@@ -393,8 +411,13 @@ class SaveJob:
                          plan.objects, save_world_size=self.comm.size)
             self.be.write_manifest(self.staging, encode_manifest(m))
             self.be.commit(self.staging, self.path, overwrite=self.overwrite)
-        except BaseException:
+        except BaseException as e:
             self.be.abort(self.staging)
+            if isinstance(e, OSError) and not isinstance(e, errors.ShardpointError):
+                # the manifest's own write found the disk full
+                raise errors.SaveFailedError(
+                    f"cannot commit checkpoint {self.path!r}: {os_error_text(e)}. Nothing "
+                    "was committed; the staged files are removed") from e
             raise
         return [b""] * self.comm.size
 
@@ -420,15 +443,19 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
     saves = group_saves(group_key(comm))
     saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))
     job = SaveJob(state, path, comm, get_backend(backend), options or SaveOptions(), overwrite)
-    job.plan()
-    if not async_save:
-        job.stage()
-        job.write(comm)
-        return job.commit(comm)
-    job.stage(saves.pool)
-    if job.error is not None:
-        job.commit(comm)          # raises the staging failure on every rank, removes staging
-    side = side_comm(comm)
+    try:
+        job.plan()
+        if not async_save:
+            job.stage()
+            job.write(comm)
+            return job.commit(comm)
+        job.stage(saves.pool)
+        if job.error is not None:
+            job.commit(comm)      # raises the staging failure on every rank, removes staging
+        side = side_comm(comm)
+    except BaseException:
+        job.abandon()
+        raise
     job.times["blocking"] = time.perf_counter() - job.t0
 
     def background() -> SaveResult:
@@ -438,4 +465,4 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
         res.timings["background"] = time.perf_counter() - t
         return res
 
-    return saves.start(background, job.staging_bytes)
+    return saves.start(background, job.staging_bytes, job.path)

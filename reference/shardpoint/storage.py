@@ -10,7 +10,10 @@ Call order during ``save`` (C = coordinator rank only, W = every rank that write
   -> W ``flush`` (what this rank wrote is durable) -> barrier -> C ``write_manifest`` -> C
   ``commit`` (or C ``abort`` if any rank failed).
 During ``load`` (R = every rank that reads): C or R ``read_manifest`` -> R
-``open_array_for_read`` + ``read_into`` (+ ``wait``).
+``open_array_for_read`` + ``read_into`` (+ ``wait``). Optional: ``checkpoint_identity(path)``
+(C before ``read_manifest``, R after its last read), a value that changes whenever another
+commit replaces ``path``; where a backend has it, a load that overlapped such a replacement
+fails instead of returning tensors of two checkpoints.
 
 Example::
 

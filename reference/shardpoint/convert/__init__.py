@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import CheckpointNotFoundError, ConversionError
+from ..errors import CheckpointNotFoundError, ConversionError, ShardpointError
+from ..fsutil import os_error_text
 from .base import Progress, Source, TensorInfo
 from .dcp import DCPSource, is_dcp, write_dcp
 from .hf_safetensors import SafetensorsSource, is_safetensors, write_safetensors
@@ -214,10 +215,18 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
             on_open(s)
         rep = ConvertReport(str(src), str(dst), s.format, fmt, len(s.tensors), s.total_bytes,
                             len(s.values), len(s.objects), list(s.skipped), procs=procs)
-        rep.skipped += write(s, dst, fmt, overwrite=overwrite, max_shard_size=max_shard_size,
-                             progress=progress, backend=backend, procs=procs,
-                             max_chunk_bytes=max_chunk_bytes, worker_timeout=worker_timeout,
-                             skip_common=skip_common, worker_peaks=rep.worker_peak_bytes)
+        try:
+            rep.skipped += write(s, dst, fmt, overwrite=overwrite,
+                                 max_shard_size=max_shard_size, progress=progress,
+                                 backend=backend, procs=procs, max_chunk_bytes=max_chunk_bytes,
+                                 worker_timeout=worker_timeout, skip_common=skip_common,
+                                 worker_peaks=rep.worker_peak_bytes)
+        except OSError as e:   # a full disk, a read-only one; not our own (also OSError) errors
+            if isinstance(e, ShardpointError):
+                raise
+            raise ConversionError(f"converting {str(src)!r} to {str(dst)!r} failed: "
+                                  f"{os_error_text(e)}; nothing was written at "
+                                  f"{str(dst)!r}") from e
     rep.seconds = time.perf_counter() - t0
     return rep
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 import functools
 import io
 import os
+import shutil
 import warnings
 from typing import Any
 
 import torch
 
-from ..errors import ConversionError
+from ..errors import ConversionError, ShardpointError
+from ..fsutil import os_error_text
 from .base import Progress, Source, TensorInfo, flat_name, key_of, nest, staged_output
 
 FORMAT = "dcp"
@@ -224,15 +226,31 @@ def write_dcp(src: Source, dst: str, *, overwrite: bool = False, progress: Progr
                 progress(t.nbytes)
             return data
 
+    from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
     with staged_output(dst, overwrite, is_dir=True) as tmp:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # One file per tensor: DCP's writer keeps every tensor of a file alive until the
             # file is done (torch 2.13, filesystem.py tensor_dict), so one file per rank would
             # hold the whole checkpoint in memory.
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=thread_count,
-                                                                single_file_per_rank=False),
-                     planner=StreamingSavePlanner(), no_dist=True)
+            try:
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(
+                    tmp, thread_count=thread_count, single_file_per_rank=False),
+                    planner=StreamingSavePlanner(), no_dist=True)
+            except CheckpointException as e:   # its str() names only the failed ranks
+                causes = [x for x, _ in e.failures.values()]
+                if any(isinstance(x, ShardpointError) for x in causes):
+                    raise next(x for x in causes if isinstance(x, ShardpointError)) from e
+                # DCP's writer turns a full disk into "unexpected pos" RuntimeErrors: the free
+                # space (the partial files are still there) tells what happened.
+                free = shutil.disk_usage(os.path.dirname(tmp)).free
+                full = (f"; the file system holding {dst!r} has {free} bytes free, under the "
+                        f"{src.total_bytes} the tensors need: free space on it or write "
+                        "elsewhere") if free < src.total_bytes else ""
+                raise ConversionError(
+                    f"writing DCP checkpoint {dst!r} failed: "
+                    + "; ".join(os_error_text(x) for x in causes) + full
+                    + f"; nothing was written at {dst!r}") from e
     return []
 
 

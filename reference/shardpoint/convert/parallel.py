@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from .. import errors
 from ..errors import ConversionError
+from ..fsutil import os_error_text
 from ..storage import get_backend
 from .base import (Progress, Source, TensorInfo, die_with_parent, key_of, limit_heap_growth,
                    staged_output)
@@ -142,6 +143,11 @@ def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> N
             sink.finish()
         q.put(("done", wid, _peak_rss() - base))
     except BaseException as e:  # noqa: BLE001 - reported to the coordinator, named by key
+        if isinstance(e, OSError) and not isinstance(e, errors.ShardpointError):
+            # A full or read-only disk: the cause and its fix, not a traceback.
+            q.put(("error", wid, key, "ConversionError", os_error_text(e) + "; nothing was "
+                   "written to the destination", ""))
+            return
         q.put(("error", wid, key, type(e).__name__, str(e).strip()[:2000],
                traceback.format_exc(limit=-3)))
 
