@@ -89,7 +89,7 @@ def test_quick_jax_benchmark_runs_both_tools_and_checks_what_they_loaded(capsys,
     out = capsys.readouterr().out
     for state in ("### mixed", "### uniform"):
         table = out.split(state)[1].split("###")[0]
-        for row in ("| save | raw |", "| save | shardpoint_jax |", "| save | orbax (ocdbt)",
+        for row in ("| save | raw write (1 thread)", "| save | shardpoint_jax |", "| save | orbax (ocdbt)",
                     "| load | shardpoint_jax |", "| load | orbax (no ocdbt)",
                     "shardpoint_jax vs best Orbax", "| async blocking | shardpoint_jax |",
                     "| async total | orbax (ocdbt) |"):
