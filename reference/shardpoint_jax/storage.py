@@ -1,5 +1,7 @@
-"""Files and Zarr v3 arrays through TensorStore (spec/format.md sections 3, 7, 9, 10):
-create and write arrays, validate zarr.json against the manifest, read regions strictly."""
+"""Files and Zarr v3 arrays (spec/format.md sections 3, 7, 9, 10): create arrays, validate
+zarr.json against the manifest, check chunk files and read regions strictly. TensorStore
+creates the arrays and reads regions that cut through chunks; whole chunks are read and
+written directly (:mod:`.direct`)."""
 from __future__ import annotations
 
 import ctypes
