@@ -57,11 +57,13 @@ def submit(fn: Callable, *args) -> Future:
     return _POOL.submit(fn, *args)
 
 
-def _preadv_all(fd: int, bufs: list, pos: int) -> int:
+def _all(op: Callable, fd: int, bufs: list, pos: int) -> int:
+    """``os.preadv`` or ``os.pwritev`` (``op``) of all of ``bufs`` from ``pos``, resumed
+    after short transfers; the bytes moved (fewer only at the end of a file being read)."""
     total = 0
     views = [memoryview(b).cast("B") for b in bufs]
     while views:
-        n = os.preadv(fd, views, pos)
+        n = op(fd, views, pos)
         if n == 0:
             break
         total, pos = total + n, pos + n
@@ -119,7 +121,7 @@ def _unit(fd: int, pos: int, origin: list, unit: Sequence[int], array: Sequence[
     crc = np.empty(4, np.uint8)
     direct = valid == list(unit) and dst.flags.c_contiguous
     data = dst.reshape(-1).view(np.uint8) if direct else np.empty(nbytes, np.uint8)
-    got = _preadv_all(fd, [data, crc], pos)
+    got = _all(os.preadv, fd, [data, crc], pos)
     if got != nbytes + 4 or _crc32c.crc32c(data) != int.from_bytes(crc.tobytes(), "little"):
         raise damaged(f"{what}: its bytes fail their CRC-32C", "SP-READ-3")
     if not direct:
@@ -180,7 +182,7 @@ def _write_chunk(path: str, data: np.ndarray, inner: Optional[Sequence[int]],
         for i in range(0, len(bufs), _IOV_MAX):
             group = bufs[i:i + _IOV_MAX]
             want = sum(b.nbytes for b in group)
-            if _pwritev_all(fd, group, pos) != want:
+            if _all(os.pwritev, fd, group, pos) != want:
                 raise OSError(f"short write of {path}")
             pos += want
         if EARLY_WRITEBACK:
@@ -213,19 +215,3 @@ def _start_writeback(fd: int, nbytes: int) -> None:
 
 def _crc_bytes(raw: np.ndarray) -> np.ndarray:
     return np.frombuffer(_crc32c.crc32c(raw).to_bytes(4, "little"), np.uint8)
-
-
-def _pwritev_all(fd: int, bufs: list, pos: int) -> int:
-    total = 0
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        n = os.pwritev(fd, views, pos)
-        if n == 0:
-            break
-        total, pos = total + n, pos + n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return total
