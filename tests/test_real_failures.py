@@ -134,6 +134,24 @@ def test_full_disk_sync_save_names_file_and_fix_and_keeps_the_previous(small_dis
     assert same(sp.load(os.path.join(d.path, "c")), small_state(2.0))
 
 
+def test_full_disk_while_creating_arrays_gets_the_same_message(tmpfs):
+    """The disk may fill while the arrays' zarr.json files are created, before any chunk:
+    sync and async saves give the same SaveFailedError (the checkpoint, the file, the fix)
+    as a full disk at a chunk write; it was the backend's bare 'cannot create array' (seen
+    in CI, where timing moved the point at which a 32 MiB disk filled)."""
+    d = tmpfs("64k")
+    many = {f"t{i}": torch.zeros(4) for i in range(200)}     # 200 zarr.json files
+    target = os.path.join(d.path, "b")
+    for kw in ({}, {"async_save": True}):
+        with pytest.raises(sp.SaveFailedError) as ei:
+            h = sp.save(many, target, **kw)
+            if kw:
+                h.wait(timeout=60)
+        full_disk_message(str(ei.value), target)
+        assert "/zarr.json" in str(ei.value)               # the file that did not fit
+        assert d.entries() == []
+
+
 def test_full_disk_at_the_manifest_is_a_save_failure_too(small_disk):
     """Leave the disk a page or four short: every chunk may fit and the manifest not. Each
     outcome is the documented SaveFailedError (it was the base ShardpointError with a bare

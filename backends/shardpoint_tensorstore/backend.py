@@ -80,9 +80,14 @@ def _create_zarr_json(root: str, apath: str, data: bytes) -> None:
                      os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     except FileExistsError:
         return
+    path = os.path.join(apath, "zarr.json")
     try:
         if os.write(fd, data) != len(data):
-            raise OSError(f"short write of {apath}/zarr.json")
+            raise OSError(errno.EIO, "short write", path)
+    except OSError as e:
+        if e.filename is None and e.strerror:   # name the file (a full disk's ENOSPC does not)
+            raise OSError(e.errno, e.strerror, path) from e
+        raise
     finally:
         os.close(fd)
 

@@ -288,9 +288,12 @@ class SaveJob:
         """Create the arrays this rank owns (their zarr.json, [SP-COMMIT-8]) from a few
         threads. Done while staging, before the ranks agree, so no rank writes a chunk into
         an array that does not exist yet."""
-        with OpenAhead(self._handle, self.work.create) as opened:
-            for key in self.work.create:
-                opened(key)
+        try:
+            with OpenAhead(self._handle, self.work.create) as opened:
+                for key in self.work.create:
+                    opened(key)
+        except Exception as e:  # noqa: BLE001 - raised again as the documented error
+            raise self.write_error(e) from e
         self._created = True
 
     def _handle(self, key: str) -> Any:
@@ -341,12 +344,20 @@ class SaveJob:
             self.be.flush(self.staging)
             self.times["flush"] = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            self.error = e if isinstance(e, errors.ShardpointError) else self.write_failed(e)
-            log.error("shardpoint save: rank %d failed: %s", comm.rank, e)
+            self.error = self.write_error(e)
+            log.error("shardpoint save: rank %d failed: %s", comm.rank, self.error)
         finally:
             if opened is not None:
                 opened.close()
             self.sources = []
+
+    def write_error(self, e: BaseException) -> errors.ShardpointError:
+        """``e``, raised while creating arrays or writing chunks, as the error to report: a
+        storage failure (the backend's own error carrying an ``OSError``, or the ``OSError``
+        itself) becomes :meth:`write_failed`, whichever step a full disk happened to hit."""
+        if isinstance(e, errors.SaveFailedError) and isinstance(e.__cause__, OSError):
+            return self.write_failed(e.__cause__)
+        return e if isinstance(e, errors.ShardpointError) else self.write_failed(e)
 
     def write_failed(self, e: BaseException) -> errors.SaveFailedError:
         """A failed write as the documented error: the checkpoint, the cause (a full disk
