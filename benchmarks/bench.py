@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import bench_reshard as rs  # noqa: E402
 import bench_targets as tg  # noqa: E402
 import bench_tools as bt  # noqa: E402
-from shardpoint_conformance.launch import run_world  # noqa: E402
+from shardpoint_testing.launch import run_world  # noqa: E402
 
 
 class Results:
@@ -150,7 +150,7 @@ def bench_state(name: str, state: dict, base: str, repeat: int, drop: bool,
         return bt.raw_write_files(st, layout, p)
     saves += [(FILES_WRITE, files_write, state, "rawf")]
     if ts_writes:
-        from shardpoint_tensorstore import TensorStoreBackend
+        from shardpoint_core.zarr import TensorStoreBackend
         be = TensorStoreBackend(direct_writes=False)
         saves += [("shardpoint save, TensorStore writes (before)",
                    lambda s, p: bt.sp_save(s, p, be), state, "spts")]

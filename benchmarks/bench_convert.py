@@ -89,8 +89,8 @@ def main(argv: list = None) -> None:
                     "in a fresh process per step (interpreter, imports and, for N > 1, the "
                     "fork server's start included) instead of the library call")
     a = ap.parse_args(argv)
-    from shardpoint.convert import convert
-    from shardpoint.convert.base import limit_heap_growth
+    from shardpoint.tools.convert import convert
+    from shardpoint.tools.convert.base import limit_heap_growth
     limit_heap_growth()
     with tempfile.TemporaryDirectory(dir=a.dir) as root:
         srcs, total, n = write_sources(root, a.scale)

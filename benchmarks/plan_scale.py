@@ -27,11 +27,11 @@ import statistics
 import time
 import tracemalloc
 
-from shardpoint.columns import HoldingColumns
-from shardpoint.load_planner import LoadOptions, encode_works, plan_load_auto
-from shardpoint.metadata import Manifest, TensorEntry, array_path_for, encode_manifest
-from shardpoint.model import Holding
-from shardpoint.planner import LocalPlan, TensorLayout, plan_load, plan_save
+from shardpoint.planning.columns import HoldingColumns
+from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_load_auto
+from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
+from shardpoint.tree.model import Holding
+from shardpoint.planning.planner import LocalPlan, TensorLayout, plan_load, plan_save
 
 
 def layer_params(h: int, tp: int) -> list:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import shardpoint as sp
-from shardpoint import state as sps
+from shardpoint.api import state as sps
 
 
 def main():

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import shardpoint as sp
-from shardpoint import state as sps
+from shardpoint.api import state as sps
 
 TP, PP, BLOCKS, H, LR, MOM = 2, 2, 4, 16, 0.02, 0.9
 

@@ -9,7 +9,7 @@ import tempfile
 import torch
 
 import shardpoint as sp
-from shardpoint import state as sps
+from shardpoint.api import state as sps
 
 VOCAB, DIM, SEQ = 64, 32, 16
 

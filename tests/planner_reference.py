@@ -10,13 +10,13 @@ from itertools import repeat
 
 import numpy as np
 
-from shardpoint import dtypes
-from shardpoint.columns import Gathered, Regions, as_columns
-from shardpoint.coverage import check_exact_cover
-from shardpoint.grid import chunk_parts, plan_chunk_grid
-from shardpoint.load_planner import check_request
-from shardpoint.model import Holding, holding_pieces
-from shardpoint.plans import ChunkWrite, PlanOptions, ReadOp, TensorLayout, Transfer
+from shardpoint.tree import dtypes
+from shardpoint.planning.columns import Gathered, Regions, as_columns
+from shardpoint_core.coverage import check_exact_cover
+from shardpoint.planning.grid import chunk_parts, plan_chunk_grid
+from shardpoint.planning.load_planner import check_request
+from shardpoint.tree.model import Holding, holding_pieces
+from shardpoint.planning.plans import ChunkWrite, PlanOptions, ReadOp, TensorLayout, Transfer
 
 
 @dataclass
@@ -230,7 +230,7 @@ def reference_plan_save(local_plans, opts=PlanOptions()):
 def reference_direct_host_bytes(requests, layouts, hosts):
     """host -> bytes under the direct strategy, one holding at a time (the old cost model)."""
     from collections import defaultdict
-    from shardpoint.grid import pieces_by_chunk
+    from shardpoint.planning.grid import pieces_by_chunk
     per_host: dict = defaultdict(dict)
     for r, reqs in enumerate(requests):
         hb = per_host[hosts[r]]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardpoint_conformance import faults
-from shardpoint_conformance.launch import run_world
+from shardpoint_testing.launch import run_world
 
 SHAPE = (12, 5)
 
@@ -38,7 +38,7 @@ class SlowFlush:
     """The real backend; ``flush`` takes a second longer (a slow disk)."""
 
     def __init__(self):
-        from shardpoint.storage import get_backend
+        from shardpoint_core.storage import get_backend
         self.inner = get_backend()
 
     def __getattr__(self, name):
@@ -158,7 +158,7 @@ def test_sigkill_during_background_write_keeps_previous_and_hides_new(tmp_path):
 def test_stream_device_writes_bounds_bytes_in_flight():
     """The bounded staging loop (CPU tensors stand in for device ones): never more than the
     budget (or one item) staged at once, and every item written once, in order."""
-    from shardpoint.staging import stream_device_writes
+    from shardpoint.api.staging import stream_device_writes
     sizes = [10, 300, 40, 40, 40, 500, 8, 8]
     items = [(torch.full((n,), i, dtype=torch.uint8), i) for i, n in enumerate(sizes)]
     live, peak, written = {}, [0], []

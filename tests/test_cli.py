@@ -10,14 +10,14 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.cli import main as cli
-from shardpoint.verify import verify_checkpoint
+from shardpoint.tools.cli import main as cli
+from shardpoint_core.verify import verify_checkpoint
 
 
 def make(path):
     """A small checkpoint: a multi-chunk sharded-indexed tensor, a 0-d tensor, values, an
     object, a nested key that needs escaping."""
-    backend = __import__("shardpoint_tensorstore").TensorStoreBackend(
+    backend = __import__("shardpoint_core.zarr", fromlist=["_"]).TensorStoreBackend(
         shard_above_bytes=128, inner_chunk_bytes=64)     # chunks with shard indexes
     small = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=256))   # several chunks
     state = {"model": {"w": torch.arange(256, dtype=torch.float32).reshape(16, 16),
@@ -211,7 +211,7 @@ def test_console_script_prints_no_traceback(tmp_ckpt):
     """The installed entry point, in a real process: one line on stderr, exit 1."""
     mpath = f"{make(tmp_ckpt)}/manifest.msgpack"
     open(mpath, "wb").write(b"\x92\x01")
-    r = subprocess.run([sys.executable, "-m", "shardpoint.cli", "inspect", tmp_ckpt],
+    r = subprocess.run([sys.executable, "-m", "shardpoint.tools.cli", "inspect", tmp_ckpt],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "[SP-MAN-1]" in r.stderr, r.stderr

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.cli import main as cli
-from shardpoint.convert import convert, detect_format
-from shardpoint_conformance.launch import run_world
+from shardpoint.tools.cli import main as cli
+from shardpoint.tools.convert import convert, detect_format
+from shardpoint_testing.launch import run_world
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
           torch.bool, torch.float16)
@@ -237,8 +237,8 @@ def test_errors_name_the_key_and_reason(tmp_path):
 # ------------------------------------------------------------------------------- memory
 MEM_SCRIPT = r"""
 import sys
-from shardpoint.convert import convert
-from shardpoint.convert.base import limit_heap_growth
+from shardpoint.tools.convert import convert
+from shardpoint.tools.convert.base import limit_heap_growth
 assert limit_heap_growth()                               # what the CLI does
 src, out = sys.argv[1], sys.argv[2]
 convert(src + "/tiny", out + "/warm.safetensors")        # imports and pools warmed up

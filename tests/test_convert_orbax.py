@@ -23,10 +23,10 @@ optax = pytest.importorskip("optax", reason="the Flax/optax-shaped tree needs op
 
 import shardpoint as sp  # noqa: E402
 import shardpoint_jax as spj  # noqa: E402
-from shardpoint.cli import main as cli  # noqa: E402
-from shardpoint.convert import convert, detect_format, write  # noqa: E402
-from shardpoint.convert.orbax import OrbaxSource  # noqa: E402
-from shardpoint.dtypes import torch_to_numpy  # noqa: E402
+from shardpoint.tools.cli import main as cli  # noqa: E402
+from shardpoint.tools.convert import convert, detect_format, write  # noqa: E402
+from shardpoint.tools.convert.orbax import OrbaxSource  # noqa: E402
+from shardpoint.tree.dtypes import torch_to_numpy  # noqa: E402
 from shardpoint_jax.launch import run_processes  # noqa: E402
 from google.protobuf import struct_pb2  # noqa: E402  (orbax-checkpoint requires protobuf)
 
@@ -296,13 +296,13 @@ def test_checkpoint_saved_by_two_jax_processes_converts_with_two_workers(tmp_pat
 def test_importing_shardpoint_and_detecting_orbax_does_not_import_jax(tmp_path):
     src = str(tmp_path / "orbax")
     ocp.PyTreeCheckpointer().save(src, {"w": jnp.ones(2)})
-    code = ("import sys, shardpoint, shardpoint.cli, shardpoint.convert as c\n"
+    code = ("import sys, shardpoint, shardpoint.tools.cli, shardpoint.tools.convert as c\n"
             f"assert c.detect_format({src!r}) == 'orbax'\n"
             "assert c.foreign_format_hint(%r)\n" % src +
             "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'orbax', 'flax')]\n"
             "assert not bad, bad\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        os.path.join(ROOT, d) for d in ("reference", "backends", "conformance")))
+        os.path.join(ROOT, d) for d in ("core", "reference", "testing", "conformance")))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

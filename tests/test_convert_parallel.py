@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.cli import main as cli
-from shardpoint.convert import convert, open_source
-from shardpoint.convert.base import TensorInfo, key_of
-from shardpoint.convert.native import tensor_entry
-from shardpoint.convert.parallel import WorkItem, plan_shares, start_workers_early
-from shardpoint_conformance.launch import run_world
+from shardpoint.tools.cli import main as cli
+from shardpoint.tools.convert import convert, open_source
+from shardpoint.tools.convert.base import TensorInfo, key_of
+from shardpoint.tools.convert.native import tensor_entry
+from shardpoint.tools.convert.parallel import WorkItem, plan_shares, start_workers_early
+from shardpoint_testing.launch import run_world
 from test_convert import full, same_bits
 
 SMALL_CHUNKS = 64     # bytes: tensors of a few hundred bytes get many chunk rows to share out
@@ -293,7 +293,7 @@ def test_a_worker_dies_with_its_parent(tmp_path):
     script = f"""
 import os, sys, time
 sys.path[:0] = {sys.path!r}
-from shardpoint.convert.base import die_with_parent
+from shardpoint.tools.convert.base import die_with_parent
 if os.fork() == 0:
     ok = die_with_parent()
     open({str(pidfile)!r} + ".tmp", "w").write(f"{{os.getpid()}} {{int(ok)}}")

@@ -5,12 +5,12 @@ import sys
 
 import torch
 
-from shardpoint import demo_train
-from shardpoint.manager import CheckpointManager
+from shardpoint.tools import demo_train
+from shardpoint.api.manager import CheckpointManager
 
 
 def test_demo_kills_and_resumes_exactly(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "shardpoint.cli", "demo", "--dir", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "shardpoint.tools.cli", "demo", "--dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     text = r.stdout + r.stderr
     assert r.returncode == 0, text

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.cli import main as cli
-from shardpoint.diff import diff_checkpoints
+from shardpoint.tools.cli import main as cli
+from shardpoint.tools.diff import diff_checkpoints
 
 
 def run(capsys, *argv):
@@ -27,7 +27,7 @@ def test_diff_finds_one_flipped_bit_in_100_mb(tmp_path, capsys):
     a = torch.randn(5000, 5000, generator=g)                   # 100 MB of float32
     b = a.clone()
     b.view(torch.int32)[3217, 1234] ^= 1                       # lowest mantissa bit
-    from shardpoint_tensorstore import TensorStoreBackend
+    from shardpoint_core.zarr import TensorStoreBackend
     fast = TensorStoreBackend(fsync=False)                    # durability is not under test
     sp.save({"w": a, "step": 1}, str(tmp_path / "a"), backend=fast)
     sp.save({"w": b, "step": 1}, str(tmp_path / "b"), backend=fast)
@@ -133,7 +133,7 @@ def test_inspect_values(chunked, capsys):
 
 # ------------------------------------------------------------------------------- progress
 def _cmd(src, dst):
-    return [sys.executable, "-m", "shardpoint.cli", "convert", src, dst]
+    return [sys.executable, "-m", "shardpoint.tools.cli", "convert", src, dst]
 
 
 def _under_pty(cmd, env):

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.metadata import decode_manifest
-from shardpoint.storage import ArraySpec
-from shardpoint.views import to_numpy
-from shardpoint_tensorstore import TensorStoreBackend
+from shardpoint_core.manifest import decode_manifest
+from shardpoint_core.storage import ArraySpec
+from shardpoint.tree.views import to_numpy
+from shardpoint_core.zarr import TensorStoreBackend
 
 BE = TensorStoreBackend(shard_above_bytes=4096, inner_chunk_bytes=1024)
 FAST = TensorStoreBackend(direct_reads=False)

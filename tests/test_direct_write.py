@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.dtypes import DTYPES
-from shardpoint.storage import ArraySpec
+from shardpoint.tree.dtypes import DTYPES
+from shardpoint_core.storage import ArraySpec
 from shardpoint_conformance.independent_reader import read_independently
-from shardpoint_tensorstore import TensorStoreBackend
+from shardpoint_core.zarr import TensorStoreBackend
 
 KW = dict(shard_above_bytes=4096, inner_chunk_bytes=1024)
 DIRECT = TensorStoreBackend(**KW)

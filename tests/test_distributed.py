@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardpoint_conformance import faults
-from shardpoint_conformance.launch import run_world
+from shardpoint_testing.launch import run_world
 
 SHAPE = (10, 7)
 
@@ -425,7 +425,7 @@ def patched_failure_job(rank, world, base):
     """The real backend with its ``write`` patched in this process only, on rank 1: the save
     raises on every rank, nothing appears, the previous checkpoint stays."""
     import shardpoint as sp
-    from shardpoint.storage import get_backend
+    from shardpoint_core.storage import get_backend
     import torch.distributed as dist
     a, b = split(SHAPE[0], world, rank)
 

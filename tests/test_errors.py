@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.cli import main as cli
-from shardpoint.metadata import decode_manifest
+from shardpoint.tools.cli import main as cli
+from shardpoint_core.manifest import decode_manifest
 
 STATE = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(3)}
 
@@ -164,7 +164,7 @@ def test_cli_verify_reports_spec_ids_and_inspect_json(tmp_ckpt, capsys):
 
 
 def test_verify_reports_writer_rules_by_id(tmp_ckpt):
-    from shardpoint.verify import verify_checkpoint
+    from shardpoint_core.verify import verify_checkpoint
     z = f"{saved(tmp_ckpt)}/tensors/b/zarr.json"
     meta = json.load(open(z))
     meta["fill_value"] = 1.0
@@ -192,7 +192,7 @@ def test_malformed_manifest_bodies_raise_documented_errors(tmp_ckpt, edit, sid):
 
 # ------------------------------------------------------------------ more damage and refusals
 def write_manifest(path, m):
-    from shardpoint.metadata import encode_manifest
+    from shardpoint_core.manifest import encode_manifest
     with open(f"{path}/manifest.msgpack", "wb") as f:
         f.write(encode_manifest(m))
 
@@ -251,7 +251,7 @@ def test_dot_dot_array_path_names_sp_sec_1(tmp_ckpt):
 
 
 def sharded_save(path):
-    from shardpoint_tensorstore import TensorStoreBackend
+    from shardpoint_core.zarr import TensorStoreBackend
     be = TensorStoreBackend(shard_above_bytes=1 << 10, inner_chunk_bytes=1 << 8)
     w = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
     sp.save({"w": w}, path, backend=be)
@@ -332,8 +332,8 @@ def test_big_endian_uint16_is_sensible(tmp_ckpt):
 
 # ---- spec 1.1: portable array paths ([SP-LAYOUT-4]) ---------------------------------------
 def test_keys_differing_in_case_long_or_reserved_get_distinct_portable_array_paths(tmp_ckpt):
-    from shardpoint.metadata import array_path_for
-    from shardpoint.verify import verify_checkpoint
+    from shardpoint_core.manifest import array_path_for
+    from shardpoint_core.verify import verify_checkpoint
     state = {"Encoder": torch.ones(2), "encoder": torch.zeros(2), "con": torch.arange(3),
              "x" * 300: torch.ones(1), "dot.": torch.ones(1)}
     sp.save(state, tmp_ckpt)
@@ -431,7 +431,7 @@ def test_writers_refuse_a_tree_deeper_than_the_format_allows(tmp_ckpt):
 
 
 def test_rank_limit_and_unallocatable_tensors(tmp_ckpt):
-    from shardpoint.metadata import decode_manifest, encode_manifest
+    from shardpoint_core.manifest import decode_manifest, encode_manifest
     sp.save({"w": torch.ones(4)}, tmp_ckpt)
     mpath = f"{tmp_ckpt}/manifest.msgpack"
     m = decode_manifest(open(mpath, "rb").read())

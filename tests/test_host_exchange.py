@@ -1,4 +1,4 @@
-"""Resharded loads through the intra-host shared-memory exchange (shardpoint.host_exchange):
+"""Resharded loads through the intra-host shared-memory exchange (shardpoint.exchange.host):
 real gloo ranks load a row-saved checkpoint by columns, bitwise, through shared memory, the
 group, or both (ranks declared on two hosts); a corrupt chunk fails every rank, including
 those that never read it; no segment outlives a load, on success or failure."""
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.host_exchange import shm_supported
-from shardpoint.load_planner import LoadOptions, plan_load_auto
-from shardpoint.model import Holding
-from shardpoint.planner import TensorLayout
-from shardpoint_conformance.launch import run_world
+from shardpoint.exchange.host import shm_supported
+from shardpoint.planning.load_planner import LoadOptions, plan_load_auto
+from shardpoint.tree.model import Holding
+from shardpoint.planning.planner import TensorLayout
+from shardpoint_testing.launch import run_world
 
 SHAPE = (48, 20)
 CHUNK_ROWS = 16        # saved by 3 ranks by rows: one chunk file per rank
@@ -157,7 +157,7 @@ def test_cost_model_one_host():
 
 
 def test_rounds_pack_regions_in_order_and_fit_the_largest():
-    from shardpoint.host_exchange import plan_rounds
+    from shardpoint.exchange.host import plan_rounds
     half, where = plan_rounds([100, 100, 100, 300, 64], 256)
     assert half == 320                     # the largest region, aligned to 64 bytes
     assert where == [(0, 0), (0, 128), (1, 0), (2, 0), (3, 0)]
@@ -166,7 +166,7 @@ def test_rounds_pack_regions_in_order_and_fit_the_largest():
 
 def test_prefetch_names_only_the_chunk_files_a_box_covers_whole():
     import numpy as np
-    from shardpoint_tensorstore.direct import DirectLayout, whole_chunk_files
+    from shardpoint_core.zarr.direct_read import DirectLayout, whole_chunk_files
     lay = DirectLayout("/a", (10, 6), (4, 3), None, 4, np.dtype("f4"))
 
     def names(off, shape):
@@ -180,7 +180,7 @@ def test_prefetch_names_only_the_chunk_files_a_box_covers_whole():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.complex128,
                                    torch.bool, torch.float32])
 def test_copy_into_moves_strided_boxes_bitwise(dtype):
-    from shardpoint.views import copy_into
+    from shardpoint.tree.views import copy_into
     g = torch.Generator().manual_seed(3)
     raw = torch.randint(0, 256, (24, 40 * torch.empty((), dtype=dtype).element_size()),
                         dtype=torch.uint8, generator=g)
@@ -195,7 +195,7 @@ def test_copy_into_moves_strided_boxes_bitwise(dtype):
 
 
 def test_read_ahead_keeps_a_window_ahead_in_read_order():
-    from shardpoint.host_exchange import ReadAhead
+    from shardpoint.exchange.host import ReadAhead
 
     class Recording:   # the backend's prefetch is a hint with no visible effect: record it
         def __init__(self):
@@ -219,7 +219,7 @@ def test_read_ahead_keeps_a_window_ahead_in_read_order():
 def test_pack_and_unpack_strided_views_of_mixed_dtypes_bitwise():
     """The group exchange packs views back to back (a bf16 piece after an odd-sized uint8 one
     starts misaligned) and unpacks them into strided destinations."""
-    from shardpoint.exchange import pack_views, unpack_into
+    from shardpoint.exchange.comm import pack_views, unpack_into
     g = torch.Generator().manual_seed(5)
 
     def rand(shape, dtype):

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("jax", reason="shardpoint_jax needs jax (pip install -e '.[jax]')")
 torch = pytest.importorskip("torch")
 
-from shardpoint_conformance.launch import run_world  # noqa: E402
+from shardpoint_testing.launch import run_world  # noqa: E402
 from shardpoint_jax.keys import array_path  # noqa: E402
 from shardpoint_jax.launch import run_processes  # noqa: E402
 
@@ -98,7 +98,7 @@ def test_torch_to_jax_to_torch_bitwise(tmp_path):
 
 def test_array_paths_agree_with_the_reference():
     """[SP-LAYOUT-4] computed independently on both sides."""
-    from shardpoint.metadata import array_path_for
+    from shardpoint_core.manifest import array_path_for
     keys = ["model/Encoder/W", "aBC/x%2Fy", "CON.txt/a", "com3", "x/y.", "a" * 300,
             "/".join(["seg"] * 300), "ok/~7/-3", "Ü%C3%BC/Z"]
     for k in keys:

@@ -165,7 +165,7 @@ def test_written_from_the_spec_alone_no_torch_no_reference():
     import sys
     code = ("import sys, shardpoint_jax, shardpoint_jax.adapter; "
             "bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'shardpoint', 'shardpoint_tensorstore', 'shardpoint_conformance')]; "
+            "('torch', 'shardpoint', 'shardpoint_core.zarr', 'shardpoint_conformance')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})

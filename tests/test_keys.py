@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 
 import shardpoint as sp
-from shardpoint.keys import MAX_KEY_BYTES, decode_component, decode_key, encode_component, encode_key
+from shardpoint_core.keys import (MAX_KEY_BYTES, decode_component, decode_key, encode_component,
+                                  encode_key)
 
 TRICKY = ["0", "-1", "-0", "007", "~", "~1", "%", "%25", "/", "a/b", "//", "...", ".a", "a.",
           "é", "ü/n", "\x00", " ", "日本", "🙂", "a%2Fb", "+1", "1e3", "CON", "zarr.json", "c"]

@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 
 import shardpoint as sp
-from shardpoint.load_planner import (LoadOptions, choose_strategy, plan_load_auto,
-                                     plan_load_direct)
-from shardpoint.model import holding_pieces
-from shardpoint_conformance.launch import run_world
+from shardpoint.planning.load_planner import (LoadOptions, choose_strategy, plan_load_auto,
+                                              plan_load_direct)
+from shardpoint.tree.model import holding_pieces
+from shardpoint_testing.launch import run_world
 from test_planner import (SET, data_for, execute_load, ids, jobs, requests_for, save_and_check,
                           sl)
 
@@ -89,7 +89,7 @@ def test_every_strategy_delivers_exactly(job, load_world, strategy, n_hosts, xg)
 
 def test_direct_plan_reads_only_what_each_rank_asks():
     from test_planner import H
-    from shardpoint.planner import TensorLayout
+    from shardpoint.planning.planner import TensorLayout
     lay = {"w": TensorLayout("w", (8, 4), "float32", (2, 4))}
     works = plan_load_direct([[H((0, 1), (8, 1))], [H((0, 2), (8, 2))]], lay)
     assert [len(w.reads) for w in works] == [4, 4]

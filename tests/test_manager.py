@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import shardpoint as sp
-from shardpoint.manager import METRICS_KEY, CheckpointManager
+from shardpoint.api.manager import METRICS_KEY, CheckpointManager
 
 
 def model_keep(steps: dict, max_to_keep, keep_every, keep_best, mode) -> set:

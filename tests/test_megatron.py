@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from shardpoint_conformance.launch import run_world
+from shardpoint_testing.launch import run_world
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None or
                                 importlib.util.find_spec("megatron.core") is None,
@@ -346,7 +346,7 @@ def test_megatron_core_round_trip_across_tp_pp_dp(tmp_path):
         assert re.search(r"count[^0-9]*1\b.*count[^0-9]*2\b", err), err
     # every saved tensor, read whole in this process without megatron-core, is the global one
     import shardpoint as sp
-    from shardpoint.verify import verify_checkpoint
+    from shardpoint_core.verify import verify_checkpoint
     for name, (tp, pp) in (("a", (2, 2)), ("b", (1, 2))):
         path = str(tmp_path / name)
         assert verify_checkpoint(path, strict=True).ok

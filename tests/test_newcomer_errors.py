@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.cli import main as cli
-from shardpoint.verify import verify_checkpoint
-from shardpoint_conformance.launch import run_world
+from shardpoint.tools.cli import main as cli
+from shardpoint_core.verify import verify_checkpoint
+from shardpoint_testing.launch import run_world
 
 
 def small(path):
@@ -99,7 +99,7 @@ def test_save_under_a_file_is_a_save_failed_error(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(sp.SaveFailedError, match="must be a writable directory"):
         sp.save({"w": torch.ones(2)}, str(tmp_path / "f" / "ck"))
-    from shardpoint.convert import convert
+    from shardpoint.tools.convert import convert
     sp.save({"w": torch.ones(2)}, str(tmp_path / "ck"))
     with pytest.raises(sp.ConversionError, match="must be a writable directory"):
         convert(str(tmp_path / "ck"), str(tmp_path / "f" / "m.safetensors"))
@@ -198,7 +198,7 @@ def test_safetensors_source_without_the_package_names_the_install(tmp_path, monk
     """safetensors is an optional dependency (the 'convert' extra); without it the CLI printed
     a ModuleNotFoundError traceback. (The package is installed here: hide it from import.)"""
     import sys
-    from shardpoint.convert import convert
+    from shardpoint.tools.convert import convert
     p = str(tmp_path / "ck")
     sp.save({"w": torch.ones(2)}, p)
     convert(p, str(tmp_path / "m.safetensors"))

@@ -9,9 +9,9 @@ import msgpack
 import pytest
 
 import shardpoint as sp
-from shardpoint.metadata import decode_manifest, encode_manifest
-from shardpoint.planner import LocalPlan, plan_objects
-from shardpoint_conformance.launch import run_world
+from shardpoint_core.manifest import decode_manifest, encode_manifest
+from shardpoint.planning.planner import LocalPlan, plan_objects
+from shardpoint_testing.launch import run_world
 
 
 def lp(rank, *objs):

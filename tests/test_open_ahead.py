@@ -3,8 +3,8 @@ import threading
 
 import pytest
 
-from shardpoint.errors import CorruptCheckpointError
-from shardpoint.open_ahead import OpenAhead
+from shardpoint_core.errors import CorruptCheckpointError
+from shardpoint.api.open_ahead import OpenAhead
 
 
 def test_every_key_opened_once_ahead_of_use_and_results_by_key():

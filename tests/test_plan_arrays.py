@@ -12,10 +12,10 @@ from collections import Counter
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from shardpoint.load_planner import encode_works, plan_load, plan_load_direct
-from shardpoint.model import Holding
-from shardpoint.planner import PlanOptions, RankLoadWork, TensorLayout, plan_save
-from shardpoint.plans import Transfer
+from shardpoint.planning.load_planner import encode_works, plan_load, plan_load_direct
+from shardpoint.tree.model import Holding
+from shardpoint.planning.planner import PlanOptions, RankLoadWork, TensorLayout, plan_save
+from shardpoint.planning.plans import Transfer
 
 from planner_reference import (reference_direct_host_bytes, reference_plan_load,
                                reference_plan_save)
@@ -83,7 +83,7 @@ def test_load_tables_deliver_what_the_object_planner_delivered(job, load_world):
 
 
 def _itemsize(name: str) -> int:
-    from shardpoint import dtypes
+    from shardpoint.tree import dtypes
     return dtypes.from_name(name).itemsize
 
 
@@ -117,7 +117,7 @@ def test_replicated_chunks_are_dealt_evenly_and_busy_ranks_last():
     tensor alone: every replica writes two chunks, except that the busy one writes fewer."""
     H = Holding
     plans = []
-    from shardpoint.planner import LocalPlan
+    from shardpoint.planning.planner import LocalPlan
     for r in range(8):
         hs = [H("w", "float32", (16, 4), (0, 0), (16, 4), None, (r,))]
         if r == 3:

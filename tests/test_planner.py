@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from shardpoint import InvalidShardingError, LayoutMismatchError
-from shardpoint.dtypes import DTYPES
-from shardpoint.model import Holding, holding_pieces
-from shardpoint.planner import LocalPlan, PlanOptions, TensorLayout, plan_load, plan_save
+from shardpoint.tree.dtypes import DTYPES
+from shardpoint.tree.model import Holding, holding_pieces
+from shardpoint.planning.planner import LocalPlan, PlanOptions, TensorLayout, plan_load, plan_save
 
 SET = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -426,7 +426,7 @@ def test_wire_forms_round_trip():
         back = LocalPlan.from_bytes(lp.to_bytes())
         assert back.holdings == lp.holdings and back.decoded_tree() == lp.tree
     plan = plan_save(plans)
-    from shardpoint.planner import RankSaveWork, RankLoadWork
+    from shardpoint.planning.planner import RankSaveWork, RankLoadWork
     for w in plan.ranks:
         b = RankSaveWork.from_bytes(w.to_bytes())
         assert [(c.key, c.offset, c.shape, c.direct, c.local) for c in b.writes] == \

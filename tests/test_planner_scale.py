@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from shardpoint import InvalidShardingError, LayoutMismatchError, columns, grid
-from shardpoint.columns import HoldingColumns, group_rows
-from shardpoint.model import Holding, holding_pieces
-from shardpoint.planner import LocalPlan, PlanOptions, TensorLayout, plan_load, plan_save
+from shardpoint import InvalidShardingError, LayoutMismatchError
+from shardpoint.planning import columns
+from shardpoint.planning import grid
+from shardpoint.planning.columns import HoldingColumns, group_rows
+from shardpoint.tree.model import Holding, holding_pieces
+from shardpoint.planning.planner import LocalPlan, PlanOptions, TensorLayout, plan_load, plan_save
 
 from test_planner import check_exchange_symmetry, execute_load, execute_save
 
@@ -59,7 +61,7 @@ def test_columns_wire_round_trip(seed):
 
 
 def test_trees_merge_in_one_pass_like_pairwise_and_refuse_kind_conflicts():
-    from shardpoint.planner import merge_many, merge_trees
+    from shardpoint.planning.planner import merge_many, merge_trees
 
     def t(**kw):
         return {"dict": [[k, v] for k, v in kw.items()]}
@@ -284,7 +286,7 @@ def _tilings(draw):
 @settings(max_examples=300, deadline=None)
 @given(_tilings())
 def test_quick_cover_test_passes_only_what_the_full_check_passes(case):
-    from shardpoint.coverage import check_exact_cover, regions_tile
+    from shardpoint_core.coverage import check_exact_cover, regions_tile
     shape, regions, spoil = case
     boxes = [(p.offset, p.shape) for o, s, f in regions
              for p in holding_pieces(Holding("k", "float32", shape, o, s, f, (0,)))]

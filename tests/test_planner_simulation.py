@@ -7,8 +7,8 @@ import math
 import random
 
 import numpy as np
-from shardpoint.model import Holding, holding_pieces
-from shardpoint.planner import LocalPlan, plan_save, plan_load, TensorLayout, PlanOptions
+from shardpoint.tree.model import Holding, holding_pieces
+from shardpoint.planning.planner import LocalPlan, plan_save, plan_load, TensorLayout, PlanOptions
 
 def box_slices(base_off, off, shp):
     return tuple(slice(o - b, o - b + s) for b, o, s in zip(base_off, off, shp))

@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-from shardpoint_conformance.launch import run_world
+from shardpoint_testing.launch import run_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()

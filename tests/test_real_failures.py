@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.cli import main as cli_main
+from shardpoint.tools.cli import main as cli_main
 from shardpoint_conformance import faults
-from shardpoint_conformance.launch import RankFailure, run_world
+from shardpoint_testing.launch import RankFailure, run_world
 
 MiB = 1 << 20
 
@@ -233,7 +233,7 @@ def test_convert_into_a_full_disk_is_a_conversion_error(small_disk, tmp_path, to
     checked), nothing at the destination, the space back (they raised a bare OSError and
     DCP's CheckpointException)."""
     from safetensors.torch import save_file
-    from shardpoint.convert import convert
+    from shardpoint.tools.convert import convert
     if to == "shardpoint":
         src = str(tmp_path / "m.safetensors")
         save_file(big_state(), src)
@@ -443,7 +443,7 @@ class _DieOnRead:
     """The real backend; rank 1 dies (``os._exit``) on its first chunk read."""
 
     def __init__(self):
-        from shardpoint.storage import get_backend
+        from shardpoint_core.storage import get_backend
         self.inner = get_backend()
 
     def __getattr__(self, name):

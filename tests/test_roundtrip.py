@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import shardpoint as sp
-from shardpoint import dtypes
+from shardpoint.tree import dtypes
 
 DTYPES = list(dtypes.DTYPES.values())
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -197,7 +197,7 @@ def test_plain_tensorstore_opens_saved_tensor(tmp_ckpt):
 
 
 def test_large_tensor_gets_a_multi_chunk_sharded_array(tmp_ckpt):
-    from shardpoint_tensorstore import TensorStoreBackend
+    from shardpoint_core.zarr import TensorStoreBackend
     be = TensorStoreBackend(shard_above_bytes=1 << 16, inner_chunk_bytes=1 << 12)
     w = torch.randn(300, 100)
     opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=40_000))
@@ -209,7 +209,7 @@ def test_large_tensor_gets_a_multi_chunk_sharded_array(tmp_ckpt):
 # ------------------------------------------------------------------ regressions and extras
 def test_overwrite_with_another_shape_reads_the_new_checkpoint(tmp_ckpt):
     """Caches of the old arrays must not serve reads of a checkpoint replaced in place."""
-    from shardpoint_tensorstore import TensorStoreBackend
+    from shardpoint_core.zarr import TensorStoreBackend
     for be in (None, TensorStoreBackend(context={"cache_pool": {"total_bytes_limit": 1 << 24}})):
         sp.save({"w": torch.ones(3)}, tmp_ckpt, backend=be, overwrite=True)
         assert torch.equal(sp.load(tmp_ckpt, backend=be)["w"], torch.ones(3))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint import state as sps
+from shardpoint.api import state as sps
 
 
 class Net(torch.nn.Module):
@@ -107,7 +107,7 @@ def test_cast_on_load_and_compiled_prefix(tmp_path):
 
 _PEAK = textwrap.dedent("""
     import os, resource, sys, torch, shardpoint as sp
-    from shardpoint import state as sps
+    from shardpoint.api import state as sps
     def build(dtype, device, n=2048):
         with torch.device(device):
             return torch.nn.Sequential(*[torch.nn.Linear(n, n, bias=False, dtype=dtype)

@@ -16,7 +16,8 @@ import torch
 from hypothesis import given, settings
 
 import shardpoint as sp
-from shardpoint import dtypes, values
+from shardpoint.tree import dtypes
+from shardpoint.tree import values
 
 
 def same(a, b):

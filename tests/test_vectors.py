@@ -230,7 +230,7 @@ BIT_PATTERNS = [   # (dtype, value, bytes as format.md Appendix A spells them)
 
 @pytest.mark.parametrize("dtype, value, hexbytes", BIT_PATTERNS)
 def test_appendix_bit_patterns_match_torch(dtype, value, hexbytes):
-    from shardpoint import dtypes
+    from shardpoint.tree import dtypes
     text = (SPEC / "format.md").read_text().split("## Appendix A")[1]
     row = next(line for line in text.splitlines() if line.startswith(f"| {dtype} |"))
     assert f"`{hexbytes}`" in row
@@ -256,7 +256,7 @@ def test_array_faults_surface_only_when_read_manifest_faults_at_open():
 
 # ---- 1.1 clarifications (spec/CHANGELOG.md) ----------------------------------------------
 def test_portable_paths_vector_pins_the_array_path_rule():
-    from shardpoint.metadata import array_path_for
+    from shardpoint_core.manifest import array_path_for
     from shardpoint_conformance.vector_damage import read_body
     body = read_body(str(ROOT / "valid" / "portable_paths" / "checkpoint"))
     paths = {k: e["array"] for k, e in body["tensors"].items()}

@@ -62,7 +62,7 @@ from typing import Optional
 
 import numpy as np
 
-from .cases import NUMPY_DTYPES, RAW_BITS, SPEC_DTYPES
+from shardpoint_conformance.cases import NUMPY_DTYPES, RAW_BITS, SPEC_DTYPES
 
 FEATURES = ["values", "objects", "partial_read", "zero_size", "scalar", "object_grid"]
 SPEC_ID = re.compile(r"\[(SP-[A-Z]+-\d+)\]")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
-from . import reference_adapter
-from .harness import chunk_files, flip_byte
+from shardpoint_conformance import reference_adapter
+from shardpoint_conformance.harness import chunk_files, flip_byte
 
 MODES = ("delete-chunk", "flip-byte", "truncate-manifest")
 

@@ -80,7 +80,7 @@ def main(argv: Optional[list] = None) -> int:
     if args.cmd == "run":
         return _run(args)
     if args.cmd == "adapter-test":
-        from .harness import run_adapter_test
+        from shardpoint_conformance.harness import run_adapter_test
         return run_adapter_test(args.adapter, cases=args.cases, seed=args.seed,
                                 workdir=args.dir, json_out=args.json, timeout=args.timeout)
     if args.cmd == "vectors":
@@ -94,7 +94,7 @@ def run_vectors(directory: Optional[str] = None) -> tuple:
     """The golden-vector step: delegate to ``shardpoint_conformance.vectors`` if it exists.
     Returns (ok, text); a missing module or vector folder is a skip, not a failure."""
     try:
-        from . import vectors
+        from shardpoint_conformance import vectors
     except ImportError as e:
         return True, f"vectors: skipped (shardpoint_conformance.vectors not available: {e})"
     for name in ("run_vectors", "check_vectors", "check_all", "run"):
@@ -123,8 +123,8 @@ def _in_torchrun() -> bool:
 
 
 def _run(args) -> int:
-    from . import runner
-    from .strategies import case_plan, generate_case
+    from shardpoint_conformance import runner
+    from shardpoint_conformance.strategies import case_plan, generate_case
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000
     if _in_torchrun():
         return _run_torchrun(args, seed)
@@ -171,8 +171,8 @@ def _write_json(path: Optional[str], rows: list) -> None:
 def _run_torchrun(args, seed: int) -> int:
     import torch
     import torch.distributed as dist
-    from . import runner
-    from .strategies import case_plan, generate_case
+    from shardpoint_conformance import runner
+    from shardpoint_conformance.strategies import case_plan, generate_case
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = "cpu"
@@ -192,7 +192,7 @@ def _run_torchrun(args, seed: int) -> int:
     try:
         # Every rank must draw the same cases: take rank 0's seed (as msgpack, no pickle).
         import msgpack
-        from shardpoint.exchange import Comm
+        from shardpoint.exchange.comm import Comm
         seed = msgpack.unpackb(Comm().broadcast_bytes(msgpack.packb(seed)))
         if args.replay is not None:
             cases = [generate_case(args.replay, world, world, args.profile, case_id="replay")]

@@ -37,7 +37,7 @@ class FailingWrites:
     process of rank ``rank`` (a full disk: a real exception in a real process)."""
 
     def __init__(self, rank: int) -> None:
-        from shardpoint.storage import get_backend
+        from shardpoint_core.storage import get_backend
         self.inner, self.rank = get_backend(), rank
 
     def __getattr__(self, name: str) -> Any:
@@ -58,7 +58,7 @@ class KillingBackend:
     """A storage backend that kills its own process at a chosen point (see module doc)."""
 
     def __init__(self, inner: Any = None, spec: Optional[str] = None) -> None:
-        from shardpoint.storage import get_backend
+        from shardpoint_core.storage import get_backend
         self.inner = get_backend(inner)
         self.name = self.inner.name
         spec = spec if spec is not None else os.environ.get(KILL_ENV, "")
@@ -123,7 +123,7 @@ class KillingBackend:
 def _save_rank(rank: int, world: int, case: dict, path: str, kill: bool,
                async_save: bool = False) -> int:
     import shardpoint as sp
-    from .runner import build_save_state
+    from shardpoint_conformance.runner import build_save_state
     be = KillingBackend() if kill else None
     out = sp.save(build_save_state(case, rank, world), path, overwrite=True, backend=be,
                   async_save=async_save)
@@ -134,7 +134,7 @@ def _save_rank(rank: int, world: int, case: dict, path: str, kill: bool,
 
 def fault_case(world: int, seed: int = 5) -> dict:
     """A case whose save gives every rank several chunks to write (plain data)."""
-    from shardpoint.keys import encode_key
+    from shardpoint_core.keys import encode_key
     tensors, layouts = [], {}
     for i in range(2 * world + 2):
         path = ["layers", i, "w"]
@@ -155,8 +155,8 @@ def fault_case(world: int, seed: int = 5) -> dict:
 def check_full(path: str, case: dict) -> list:
     """Problems loading ``path`` (one process, whole tree) against ``case``'s expected bits."""
     import shardpoint as sp
-    from .cases import expected_array, get_path
-    from .runner import to_bytes
+    from shardpoint_conformance.cases import expected_array, get_path
+    from shardpoint_conformance.runner import to_bytes
     got = sp.load(path)
     problems = []
     for t in case["tensors"]:
@@ -179,7 +179,7 @@ def kill_during_save(root: str, world: int, rank: int, point: str, n: int = 1, *
     Returns ``{"killed", "state", "ok", "problems"}``; ``state`` names what a reader sees.
     """
     import shardpoint as sp
-    from .launch import RankFailure, run_world
+    from shardpoint_testing.launch import RankFailure, run_world
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
     a = fault_case(world, seed=11)
@@ -232,8 +232,8 @@ def damaged_checkpoints(root: str) -> list:
     and derive damaged copies. Returns ``[(name, path, expected spec_id, error class)]``."""
     import torch
     import shardpoint as sp
-    from shardpoint_tensorstore import TensorStoreBackend
-    from .harness import chunk_files, flip_byte
+    from shardpoint_core.zarr import TensorStoreBackend
+    from shardpoint_conformance.harness import chunk_files, flip_byte
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
     good = os.path.join(root, "good")

@@ -3,7 +3,7 @@
 For each case (drawn like the round-trip cases, world size 1 for the adapter):
 
 * reference -> adapter: the reference writes (a spawned world of 2), the adapter reads;
-* adapter -> reference: the adapter writes, the spec validator (``shardpoint.verify``) checks
+* adapter -> reference: the adapter writes, the spec validator (``shardpoint_core.verify``) checks
   the directory, the reference reads;
 * adapter -> adapter, and reference -> reference (a check of the harness itself);
 * corrupt -> adapter: a reference checkpoint with one flipped chunk byte; the adapter's
@@ -23,11 +23,11 @@ import time
 import traceback
 from typing import Optional
 
-from .adapters import (SPEC_ID, AdapterError, CommandAdapter, load_npy, region_of,
-                       write_case_files)
-from .cases import (decode_value, expected_array, first_difference, grid_cell, object_value,
-                    piece_of, same_bits)
-from .strategies import generate_case
+from shardpoint_conformance.adapters import (SPEC_ID, AdapterError, CommandAdapter, load_npy,
+                                             region_of, write_case_files)
+from shardpoint_conformance.cases import (decode_value, expected_array, first_difference,
+                                          grid_cell, object_value, piece_of, same_bits)
+from shardpoint_conformance.strategies import generate_case
 
 PAIRS = ["reference→reference", "reference→adapter", "adapter→reference",
          "adapter→adapter", "corrupt→adapter"]
@@ -115,9 +115,9 @@ def compare_output(case: dict, arrays: dict, out_dir: str) -> list:
 def validate(ckpt: str) -> tuple:
     """(problems, note): the spec validator's findings on a directory, if it is installed."""
     try:
-        from shardpoint.verify import verify_checkpoint
+        from shardpoint_core.verify import verify_checkpoint
     except ImportError:
-        return [], "validator not available (shardpoint.verify)"
+        return [], "validator not available (shardpoint_core.verify)"
     try:
         return [(str(s), str(m)) for s, m in verify_checkpoint(ckpt, strict=True)], ""
     except Exception as e:  # noqa: BLE001 - a validator crash is a finding too
@@ -149,7 +149,7 @@ def _cell(status: str, detail: str = "", spec_ids: Optional[list] = None) -> dic
 
 
 def _ref_read(ckpt: str, case_json: str, out: str) -> dict:
-    from .reference_adapter import read_checkpoint
+    from shardpoint_conformance.reference_adapter import read_checkpoint
     try:
         read_checkpoint(ckpt, case_json, out)
     except Exception as e:  # noqa: BLE001
@@ -160,7 +160,7 @@ def _ref_read(ckpt: str, case_json: str, out: str) -> dict:
 
 
 def _ref_write_batch(rank: int, world: int, jobs: list) -> list:
-    from .reference_adapter import write_checkpoint
+    from shardpoint_conformance.reference_adapter import write_checkpoint
     out = []
     for case_json, ckpt in jobs:
         try:
@@ -182,7 +182,7 @@ def _judge(case: dict, arrays: dict, out: str, read_cell: dict) -> dict:
 def run_matrix(adapter_cmd: str, *, cases: int = 6, seed: int = 0,
                workdir: Optional[str] = None, timeout: float = 120.0, log=print) -> dict:
     """Run every pair on ``cases`` cases; returns a JSON-ready report."""
-    from .launch import RankFailure, run_world
+    from shardpoint_testing.launch import RankFailure, run_world
     adapter = CommandAdapter(adapter_cmd, timeout)
     caps = adapter.capabilities()
     root = workdir or tempfile.mkdtemp(prefix="shardpoint-adapter-test-")

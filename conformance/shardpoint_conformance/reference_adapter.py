@@ -14,9 +14,9 @@ import json
 import os
 import sys
 
-from .adapters import FEATURES, read_case_files, region_of, save_npy
-from .cases import (SPEC_DTYPES, decode_value, encode_value, get_path, grid_cell, object_index,
-                    set_path)
+from shardpoint_conformance.adapters import FEATURES, read_case_files, region_of, save_npy
+from shardpoint_conformance.cases import (SPEC_DTYPES, decode_value, encode_value, get_path,
+                                          grid_cell, object_index, set_path)
 
 
 def capabilities() -> dict:
@@ -30,7 +30,7 @@ def write_checkpoint(case_json: str, ckpt_dir: str, rank: int = 0, world: int = 
     replicas on every rank and rank ``r`` holds cell number ``r`` (row-major) of each sharded object
     (whose count must then equal ``world``). (Sharded tensor writes are covered by ``conformance run``.)"""
     import shardpoint as sp
-    from .runner import to_torch
+    from shardpoint_conformance.runner import to_torch
     case, arrays = read_case_files(case_json)
     st: dict = {}
     for t in case["tensors"]:
@@ -54,10 +54,10 @@ def read_checkpoint(ckpt_dir: str, case_json: str, out_dir: str) -> None:
     import torch
 
     import shardpoint as sp
-    from shardpoint.dtypes import from_name
+    from shardpoint.tree.dtypes import from_name
 
-    from .cases import NUMPY_DTYPES
-    from .runner import to_bytes
+    from shardpoint_conformance.cases import NUMPY_DTYPES
+    from shardpoint_conformance.runner import to_bytes
     with open(case_json) as f:
         case = json.load(f)
     like: dict = {}

@@ -15,9 +15,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .cases import (case_bytes, decode_value, describe_layout, expected_array,
-                    first_difference, get_path, grid_values, is_pieces, object_grid,
-                    object_index, object_value, piece_of, rank_pieces, set_path)
+from shardpoint_conformance.cases import (case_bytes, decode_value, describe_layout,
+                                          expected_array, first_difference, get_path, grid_values,
+                                          is_pieces, object_grid, object_index, object_value,
+                                          piece_of, rank_pieces, set_path)
 
 _MESH: dict = {}
 
@@ -26,7 +27,7 @@ _MESH: dict = {}
 def to_torch(a: np.ndarray, device: str = "cpu"):
     """numpy (ml_dtypes included) -> torch tensor with the same bits, via raw bytes."""
     import torch
-    from shardpoint.dtypes import from_numpy
+    from shardpoint.tree.dtypes import from_numpy
     tdt = from_numpy(a.dtype).torch
     if a.size == 0:
         return torch.empty(a.shape, dtype=tdt, device=device)
@@ -122,7 +123,7 @@ def save_batch(rank: int, world: int, cases: list, root: str, device: str = "cpu
     ``SHARDPOINT_CONFORMANCE_KILL`` set, saves go through :class:`.faults.KillingBackend`
     (a rehearsal: the run must then report the failure)."""
     import shardpoint as sp
-    from .faults import KILL_ENV, KillingBackend
+    from shardpoint_conformance.faults import KILL_ENV, KillingBackend
     if backend is None and os.environ.get(KILL_ENV):
         backend = KillingBackend()
     out = []
@@ -155,7 +156,7 @@ def save_batch(rank: int, world: int, cases: list, root: str, device: str = "cpu
 def _validate(path: str) -> dict:
     """Run the spec validator on a written checkpoint when the library ships one."""
     try:
-        from shardpoint.verify import verify_checkpoint
+        from shardpoint_core.verify import verify_checkpoint
     except ImportError:
         return {"validated": None}
     problems = list(verify_checkpoint(path, strict=True))
@@ -299,7 +300,7 @@ def _merge(rank_results: list) -> list:
 
 
 def _run_batch(world: int, fn, batch: list, root: str, timeout: float) -> list:
-    from .launch import RankFailure, run_world
+    from shardpoint_testing.launch import RankFailure, run_world
     try:
         return _merge(run_world(world, fn, batch, root, timeout=timeout, pg_timeout=60))
     except RankFailure as e:
@@ -351,7 +352,7 @@ def run_in_job(cases: list, root: str, device: str) -> list:
     loaded = load_batch(rank, world, [c for c in cases if c["id"] in ok_ids], root, device)
     # Test results travel as msgpack through the library's own control channel (no pickle).
     import msgpack
-    from shardpoint.exchange import Comm
+    from shardpoint.exchange.comm import Comm
     gathered = [msgpack.unpackb(b, strict_map_key=False)
                 for b in Comm().all_gather_bytes(msgpack.packb([saved, loaded]))]
     saves = _merge([g[0] for g in gathered])

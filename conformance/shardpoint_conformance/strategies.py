@@ -21,9 +21,9 @@ import math
 import random
 from typing import Optional
 
-from shardpoint.keys import encode_key
+from shardpoint_core.keys import encode_key
 
-from .cases import SPEC_DTYPES, encode_value, grid_cell
+from shardpoint_conformance.cases import SPEC_DTYPES, encode_value, grid_cell
 
 PROFILES = {
     # tensors per case, max elements per tensor, probability of a DTensor layout

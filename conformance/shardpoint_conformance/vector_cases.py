@@ -38,7 +38,7 @@ def _specials(name: str, bits: int) -> list:
 def bits(dtype_name: str, shape: tuple, seed: int, specials: bool = False):
     """A tensor of random bits from ``seed`` (bool: 0/1), optionally starting with the
     dtype's special bit patterns; built from little-endian bytes, never from values."""
-    from shardpoint import dtypes
+    from shardpoint.tree import dtypes
     d = dtypes.from_name(dtype_name)
     n = int(np.prod(shape, dtype=np.int64)) * d.itemsize
     raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
@@ -64,8 +64,8 @@ def cases() -> dict:
     vectors stay 1.0 checkpoints, so every 1.x reader is tested on them ([SP-VER-4])."""
     import torch
     import shardpoint as sp
-    from shardpoint import dtypes
-    from shardpoint_tensorstore import TensorStoreBackend
+    from shardpoint.tree import dtypes
+    from shardpoint_core.zarr import TensorStoreBackend
     all_dtypes = {name: bits(name, (3, 5), i, specials=True)
                   for i, name in enumerate(dtypes.DTYPES)}
     nested = {
@@ -110,7 +110,7 @@ def cases() -> dict:
     def stage_by_tensor(m):
         # Six ranks, one RNG state per (pipeline stage, tensor rank) on a 2 x 3 grid; a real
         # 6-rank save writes this manifest (tests/test_object_grid.py saves such grids).
-        from shardpoint.model import ObjectValues
+        from shardpoint.tree.model import ObjectValues
         m.objects["rng"] = ObjectValues([{"stage": s, "tp": t, "seed": 10 * s + t}
                                          for s in range(2) for t in range(3)], (2, 3))
         m.objects["per_stage"] = ObjectValues([(s, "stage") for s in range(2)], (2,))
@@ -171,7 +171,7 @@ def _at_the_limits(path: str) -> None:
     """at_the_limits: what a reader must accept at the edges of the 1.1 rules: a body with
     ``created_unix`` as a msgpack int ([SP-MAN-2]) and an ignorable field nesting exactly 256
     levels, its outer 5 containers ext 2 tuples counting one level each ([SP-MAN-5])."""
-    from .vector_damage import deep_with_tuples, rewrite_body
+    from shardpoint_conformance.vector_damage import deep_with_tuples, rewrite_body
     rewrite_body(path, lambda b: b.update(created_unix=1_790_000_000,
                                           later=deep_with_tuples(254)))
 
@@ -223,11 +223,11 @@ def write_edge_chunks(path: str) -> None:
     chunks (edge chunks in both dimensions, no sharding) and ``sharded`` in 8x4 shards of
     2x4 inner chunks (the last shard row holds a present edge inner chunk and absent inner
     chunks wholly outside the tensor, [SP-ARRAY-4])."""
-    from shardpoint.metadata import Manifest, TensorEntry, array_path_for, encode_manifest
-    from shardpoint.storage import ArraySpec
-    from shardpoint_tensorstore import TensorStoreBackend
+    from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
+    from shardpoint_core.storage import ArraySpec
+    from shardpoint_core.zarr import TensorStoreBackend
     be = TensorStoreBackend(shard_above_bytes=64, inner_chunk_bytes=32)
-    from shardpoint import dtypes
+    from shardpoint.tree import dtypes
     plain = dtypes.torch_to_numpy(bits("int16", (10, 7), 400))
     sharded = dtypes.torch_to_numpy(bits("float32", (10, 7), 401))
     os.makedirs(path)

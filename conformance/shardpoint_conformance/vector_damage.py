@@ -15,7 +15,7 @@ from typing import Callable
 
 import msgpack
 
-from .independent_reader import crc32c
+from shardpoint_conformance.independent_reader import crc32c
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from typing import Optional
 
 import numpy as np
 
-from .independent_reader import (DTYPES, VectorError, array_json, crc32c, float_json,
-                                 read_independently)
-from .vector_cases import cases
-from .vector_damage import INVALID
+from shardpoint_conformance.independent_reader import (DTYPES, VectorError, array_json, crc32c,
+                                                       float_json, read_independently)
+from shardpoint_conformance.vector_cases import cases
+from shardpoint_conformance.vector_damage import INVALID
 
 __all__ = ["DTYPES", "INVALID", "VectorError", "check_vectors", "crc32c", "generate",
            "read_independently"]
@@ -38,9 +38,9 @@ PINNED_TIME = 1_790_000_000.0
 
 
 def _pin_manifest(path: str, edit=None, version=None) -> None:
-    """Make the manifest reproducible: rewrite it through shardpoint.metadata's own
+    """Make the manifest reproducible: rewrite it through shardpoint_core.manifest's own
     decode/encode with ``writer`` and ``created_unix`` pinned (and ``edit`` applied)."""
-    from shardpoint.metadata import decode_manifest, encode_manifest
+    from shardpoint_core.manifest import decode_manifest, encode_manifest
     mpath = os.path.join(path, "manifest.msgpack")
     m = decode_manifest(open(mpath, "rb").read())
     m.writer, m.created_unix = PINNED_WRITER, PINNED_TIME
@@ -55,7 +55,7 @@ def _pin_manifest(path: str, edit=None, version=None) -> None:
 def _jsonable(v):
     """A value as loaded by shardpoint -> its JSON form in expected.json."""
     import torch
-    from shardpoint import dtypes
+    from shardpoint.tree import dtypes
     if isinstance(v, bytes):
         return {"$hex": v.hex()}
     if isinstance(v, tuple):
@@ -81,8 +81,8 @@ def _expected(path: str) -> dict:
     SHA-256 of the little-endian bytes; ``values`` and ``objects``: key -> JSON form."""
     import torch
     import shardpoint as sp
-    from shardpoint import dtypes
-    from shardpoint.keys import encode_key
+    from shardpoint.tree import dtypes
+    from shardpoint_core.keys import encode_key
     m = sp.read_metadata(path)
     state = sp.load(path)
     out = {"format_version": list(m.format_version), "tensors": {}, "values": {},
@@ -175,7 +175,7 @@ def check_vectors(root: Optional[str] = None) -> tuple:
     compared with expected.json; invalid ones refused by both readers with the documented
     error class (shardpoint.load) and requirement ID (both)."""
     import shardpoint as sp
-    from shardpoint import errors
+    from shardpoint_core import errors
     root = Path(root or DEFAULT_ROOT)
     lines, ok = [], True
     valid = sorted((root / "valid").iterdir()) if (root / "valid").is_dir() else []

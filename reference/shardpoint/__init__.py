@@ -8,22 +8,68 @@ Quick use::
     sp.load("/ckpt/step_10", like={"model": model.state_dict()})   # in place, any sharding
     with sp.open("/ckpt/step_10") as ckpt:            # lazy, read-only: one slice of one tensor
         block = ckpt["model/w"][10:20, :4].to_torch()
-"""
-__version__ = "0.1.0"
 
-from .api import (AsyncSave, LoadOptions, LoadReport, SaveOptions, SaveResult, load,
-                  read_metadata, save)
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                     IncompleteCheckpointError, InvalidKeyError, InvalidShardingError,
-                     LayoutMismatchError, LoadFailedError, ResourceLimitError, SaveFailedError,
-                     ShardpointError, UnsupportedFormatError, UnsupportedValueError,
-                     ConversionError, InvalidOptionError, RankLostError)
-from .lazy import Checkpoint, TensorView, open  # noqa: A004 - sp.open, like zarr.open
-from .manager import CheckpointManager
-from .metadata import FORMAT_VERSION, Manifest
-from .model import ShardedObject, ShardedPieces, ShardedTensor
-from .planner import PlanOptions
-from .recovery import RecoveryAction, recover
+The package's layers, bottom to top: ``tree`` (leaves, dtypes, targets), ``planning`` (pure),
+``exchange`` (torch.distributed), ``api`` (save, load, open, managers), ``integrations`` and
+``tools`` (CLI, convert, diff, demo); all on :mod:`shardpoint_core`. Names below are imported
+on first use, so ``import shardpoint`` alone (the CLI's ``inspect`` and ``verify``) does not
+import torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from shardpoint_core import __version__
+from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundError,
+                                    ConversionError, CorruptCheckpointError,
+                                    IncompleteCheckpointError, InvalidKeyError,
+                                    InvalidOptionError, InvalidShardingError,
+                                    LayoutMismatchError, LoadFailedError, RankLostError,
+                                    ResourceLimitError, SaveFailedError, ShardpointError,
+                                    UnsupportedFormatError, UnsupportedValueError)
+from shardpoint_core.hints import register_path_hint
+from shardpoint_core.manifest import FORMAT_VERSION, Manifest
+from shardpoint_core.recovery import RecoveryAction, recover
+
+_LAZY = {
+    "shardpoint.api": ["AsyncSave", "LoadOptions", "LoadReport", "SaveOptions", "SaveResult",
+                       "load", "read_metadata", "save"],
+    "shardpoint.api.lazy": ["Checkpoint", "TensorView", "open"],
+    "shardpoint.api.manager": ["CheckpointManager"],
+    "shardpoint.tree.model": ["ShardedObject", "ShardedPieces", "ShardedTensor"],
+    "shardpoint.planning.planner": ["PlanOptions"],
+}
+_WHERE = {name: mod for mod, names in _LAZY.items() for name in names}
+# Modules the README names by their short paths (sp.state, sp.convert, sp.verify, sp.errors).
+_MODULES = {"state": "shardpoint.api.state", "convert": "shardpoint.convert",
+            "verify": "shardpoint_core.verify", "errors": "shardpoint_core.errors"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+        globals()[name] = value
+        return value
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'shardpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_WHERE) | set(_MODULES))
+
+
+def _foreign_format_hint(path: str) -> str:
+    # On error paths only: telling other formats apart needs the converters' modules.
+    from shardpoint.tools.convert import foreign_format_hint
+    return foreign_format_hint(path)
+
+
+register_path_hint(_foreign_format_hint)
 
 __all__ = [
     "save", "load", "read_metadata", "open", "Checkpoint", "TensorView", "CheckpointManager",

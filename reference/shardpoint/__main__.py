@@ -1,7 +1,7 @@
 """``python -m shardpoint ...``: the same command line as the ``shardpoint`` console script."""
 import sys
 
-from .cli import main
+from shardpoint.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,15 +4,16 @@
 every process of a multi-process job calls both. ``CheckpointManager(root, ...)`` keeps
 numbered steps with retention and resume, in the PyTorch reference's directory layout.
 Imports neither torch nor the PyTorch reference."""
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                     IncompleteCheckpointError, InvalidKeyError, InvalidRequestError,
-                     InvalidShardingError, LayoutMismatchError, SaveFailedError, ShardpointError,
-                     UnsupportedFormatError, UnsupportedValueError)
-from .async_save import AsyncSave
-from .loading import load
-from .manager import CheckpointManager
-from .saving import save
-from .tree import ShardedObject
+from shardpoint_jax.errors import (CheckpointExistsError, CheckpointNotFoundError,
+                                   CorruptCheckpointError, IncompleteCheckpointError,
+                                   InvalidKeyError, InvalidRequestError, InvalidShardingError,
+                                   LayoutMismatchError, SaveFailedError, ShardpointError,
+                                   UnsupportedFormatError, UnsupportedValueError)
+from shardpoint_jax.async_save import AsyncSave
+from shardpoint_jax.loading import load
+from shardpoint_jax.manager import CheckpointManager
+from shardpoint_jax.saving import save
+from shardpoint_jax.tree import ShardedObject
 
 __version__ = "0.1.0"
 __all__ = ["save", "load", "AsyncSave", "CheckpointManager", "ShardedObject", "ShardpointError",

@@ -24,10 +24,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)   # 64-bit dtypes stay 64-bit
 
-from . import __version__, load, save  # noqa: E402
-from .dtypes import BY_NAME  # noqa: E402
-from .loading import Checkpoint  # noqa: E402
-from .tree import ShardedObject  # noqa: E402
+from shardpoint_jax import __version__, load, save  # noqa: E402
+from shardpoint_jax.dtypes import BY_NAME  # noqa: E402
+from shardpoint_jax.loading import Checkpoint  # noqa: E402
+from shardpoint_jax.tree import ShardedObject  # noqa: E402
 
 FEATURES = ["values", "objects", "partial_read", "zero_size", "scalar"]
 RAW_BITS = {"bfloat16": np.dtype("<u2"), "float8_e4m3fn": np.dtype("u1"),

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .errors import SaveFailedError
+from shardpoint_jax.errors import SaveFailedError
 
 _ALIGN = 64
 

@@ -10,7 +10,7 @@ import os
 
 import jax
 
-from .errors import SaveFailedError
+from shardpoint_jax.errors import SaveFailedError
 
 _CALLS = itertools.count()
 

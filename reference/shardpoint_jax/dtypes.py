@@ -4,7 +4,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .errors import UnsupportedFormatError, UnsupportedValueError
+from shardpoint_jax.errors import UnsupportedFormatError, UnsupportedValueError
 
 BY_NAME = {
     "bool": np.dtype(np.bool_), "int8": np.dtype(np.int8), "int16": np.dtype(np.int16),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .errors import InvalidShardingError
+from shardpoint_jax.errors import InvalidShardingError
 
 LOCAL_CHUNK_BYTES = 64 << 20
 

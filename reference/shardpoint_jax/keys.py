@@ -5,7 +5,7 @@ import hashlib
 import re
 from typing import Sequence, Union
 
-from .errors import InvalidKeyError
+from shardpoint_jax.errors import InvalidKeyError
 
 Component = Union[str, int]
 SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")

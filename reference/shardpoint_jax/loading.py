@@ -9,11 +9,11 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from .dtypes import numpy_dtype, numpy_of
-from .errors import LayoutMismatchError
-from .manifest import object_grid, resolve
-from .storage import PendingRead, StoredArray, checkpoint_path, read_manifest
-from .tree import ShardedObject, walk
+from shardpoint_jax.dtypes import numpy_dtype, numpy_of
+from shardpoint_jax.errors import LayoutMismatchError
+from shardpoint_jax.manifest import object_grid, resolve
+from shardpoint_jax.storage import PendingRead, StoredArray, checkpoint_path, read_manifest
+from shardpoint_jax.tree import ShardedObject, walk
 
 # Bytes of reads started ahead of the one being handed to JAX: enough to keep TensorStore's
 # I/O threads and the disk busy, bounded so a load never holds much more than its result.
@@ -42,7 +42,7 @@ class Checkpoint:
         elif kind in ("tensor", "object"):
             self.leaves[node[kind]] = node
         else:
-            from .keys import encode_key
+            from shardpoint_jax.keys import encode_key
             self.leaves[encode_key(path)] = node
 
     def array(self, key: str) -> StoredArray:

@@ -41,14 +41,14 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from . import errors as E
-from .async_save import AsyncSave
-from .comm import Comm
-from .loading import load as spj_load
-from .saving import error_info, raise_info
-from .saving import save as spj_save
-from .storage import MANIFEST, read_manifest
-from .values import pack, unpack
+from shardpoint_jax import errors as E
+from shardpoint_jax.async_save import AsyncSave
+from shardpoint_jax.comm import Comm
+from shardpoint_jax.loading import load as spj_load
+from shardpoint_jax.saving import error_info, raise_info
+from shardpoint_jax.saving import save as spj_save
+from shardpoint_jax.storage import MANIFEST, read_manifest
+from shardpoint_jax.values import pack, unpack
 
 METRICS_KEY = "__metrics__"
 STEP_NAME = re.compile(r"step_(\d+)\Z")

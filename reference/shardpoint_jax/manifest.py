@@ -10,11 +10,12 @@ from typing import Any
 
 import msgpack
 
-from .dtypes import numpy_of
-from .errors import CorruptCheckpointError, UnsupportedFormatError, UnsupportedValueError
-from .keys import decode_component, encode_component
-from .errors import InvalidKeyError
-from .values import LIMITS, depth, is_scalar_value, pack, unpack
+from shardpoint_jax.dtypes import numpy_of
+from shardpoint_jax.errors import (CorruptCheckpointError, UnsupportedFormatError,
+                                   UnsupportedValueError)
+from shardpoint_jax.keys import decode_component, encode_component
+from shardpoint_jax.errors import InvalidKeyError
+from shardpoint_jax.values import LIMITS, depth, is_scalar_value, pack, unpack
 
 FORMAT_VERSION = (1, 1)
 WRITER = "shardpoint-jax/0.1.0"

@@ -14,18 +14,19 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from . import errors as E
-from .async_save import POOL, AsyncSave, wait_for_previous
-from .comm import Comm
-from .dtypes import name_of
-from .grid import chunk_shape, local_chunk_shape
-from .keys import array_path
-from .manifest import encode_manifest
-from . import direct
-from .storage import (MANIFEST, checkpoint_path, chunk_files, create_arrays, fsync_dir,
-                      make_durable, open_for_write, shard_inner, write_region)
-from .tree import ShardedObject, is_array, tree_node
-from .values import check_value, is_scalar_value, pack, unpack
+from shardpoint_jax import errors as E
+from shardpoint_jax.async_save import POOL, AsyncSave, wait_for_previous
+from shardpoint_jax.comm import Comm
+from shardpoint_jax.dtypes import name_of
+from shardpoint_jax.grid import chunk_shape, local_chunk_shape
+from shardpoint_jax.keys import array_path
+from shardpoint_jax.manifest import encode_manifest
+from shardpoint_jax import direct
+from shardpoint_jax.storage import (MANIFEST, checkpoint_path, chunk_files, create_arrays,
+                                    fsync_dir, make_durable, open_for_write, shard_inner,
+                                    write_region)
+from shardpoint_jax.tree import ShardedObject, is_array, tree_node
+from shardpoint_jax.values import check_value, is_scalar_value, pack, unpack
 
 
 def is_global(a: Any) -> bool:

@@ -17,12 +17,13 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import tensorstore as ts
 
-from . import direct
-from .direct import whole_units
-from .dtypes import FILL, numpy_of
-from .errors import (CheckpointNotFoundError, CorruptCheckpointError,
-                     IncompleteCheckpointError, InvalidRequestError, UnsupportedFormatError)
-from .manifest import MAX_MANIFEST_BYTES, decode_manifest
+from shardpoint_jax import direct
+from shardpoint_jax.direct import whole_units
+from shardpoint_jax.dtypes import FILL, numpy_of
+from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
+                                   IncompleteCheckpointError, InvalidRequestError,
+                                   UnsupportedFormatError)
+from shardpoint_jax.manifest import MAX_MANIFEST_BYTES, decode_manifest
 
 MANIFEST = "manifest.msgpack"
 CHUNK_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]

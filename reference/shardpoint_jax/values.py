@@ -8,8 +8,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .dtypes import BY_NAME, name_of
-from .errors import CorruptCheckpointError, UnsupportedValueError
+from shardpoint_jax.dtypes import BY_NAME, name_of
+from shardpoint_jax.errors import CorruptCheckpointError, UnsupportedValueError
 
 EXT_ARRAY, EXT_TUPLE = 1, 2
 ORIGINS = ("torch", "numpy", "numpy-scalar")

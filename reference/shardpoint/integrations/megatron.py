@@ -39,10 +39,10 @@ from typing import Any, Optional
 
 import torch
 
-from .. import errors
-from ..loading import LoadReport, load
-from ..model import ShardedObject, ShardedPieces, ShardedTensor
-from ..saving import SaveResult, save
+from shardpoint_core import errors
+from shardpoint.api.loading import LoadReport, load
+from shardpoint.tree.model import ShardedObject, ShardedPieces, ShardedTensor
+from shardpoint.api.saving import SaveResult, save
 
 log = logging.getLogger("shardpoint")
 

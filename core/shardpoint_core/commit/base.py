@@ -1,0 +1,52 @@
+"""The committer seam: the one place that publishes, replaces and removes checkpoints.
+
+Everything that makes a checkpoint visible, replaces one or deletes one goes through a
+committer: saves (both front ends, sync and async), converters, ``recover``, and both
+managers' retention and cleanup. Nothing else renames or deletes checkpoint paths. There is
+one committer per kind of store: rename on POSIX file systems (a staging directory renamed
+into place, [SP-COMMIT-4..6]), and a manifest-written-last protocol for object stores, which
+have no rename.
+
+Call order of a save (C = coordinator only): C ``check_target`` -> C ``begin`` -> every rank
+writes below the staging location and makes it durable -> C ``publish`` (or C ``abort`` when
+any rank failed). Retention: C ``remove``. Recovery: C ``leftovers`` -> ``restore`` /
+``discard``.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Committer(Protocol):
+    """Publishes checkpoints in one store. Methods raise :mod:`shardpoint_core.errors` types."""
+
+    def state(self, target: str) -> str:
+        """'missing', 'incomplete' (something there, no committed manifest) or 'committed'."""
+
+    def check_target(self, target: str, overwrite: bool) -> None:
+        """Raise ``CheckpointExistsError`` where publishing to ``target`` would be refused:
+        a checkpoint there without ``overwrite``, or anything that is not a checkpoint."""
+
+    def begin(self, target: str, token: str) -> str:
+        """Create and lock the staging location of a save of ``target``; returns it."""
+
+    def publish(self, staging: str, target: str, *, overwrite: bool) -> None:
+        """Make the durable staged checkpoint visible at ``target`` in one atomic step: a
+        crash leaves the previous checkpoint or the new one, never a mix."""
+
+    def abort(self, staging: str) -> None:
+        """Remove what a failed save staged; never touches its target."""
+
+    def remove(self, target: str) -> None:
+        """Delete the committed checkpoint ``target`` (retention), refusing anything that is
+        not one and anything a live save holds."""
+
+    def leftovers(self, directory: str) -> list:
+        """What crashed saves and replacements left in ``directory`` ([SP-COMMIT-6])."""
+
+    def restore(self, leftover: str, target: str) -> None:
+        """Move a leftover checkpoint back to ``target``; never replaces anything."""
+
+    def discard(self, leftover: str) -> None:
+        """Delete a leftover that no live save holds."""

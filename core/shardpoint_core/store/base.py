@@ -1,0 +1,88 @@
+"""The byte store seam: what the format needs from a place that holds bytes.
+
+A store knows keys and bytes, never tensors, Zarr or manifests: the Zarr layer
+(:mod:`shardpoint_core.zarr`) and the committer (:mod:`shardpoint_core.commit`) sit above it,
+so a new store (local files, memory, an object store) implements these few methods and
+inherits the whole format. Keys are relative ``/``-separated paths below the store's root
+(``tensors/model/w/c/0/0``); a key never starts with ``/`` and has no ``.`` or ``..``
+component. Stores raise :class:`FileNotFoundError` for a missing key and ``OSError`` (with
+``errno`` where there is one) for other I/O failures; the layers above turn those into the
+documented :mod:`shardpoint_core.errors`.
+
+Call order in a save (any rank that writes): ``put`` ... then ``make_durable`` once; the
+committer then publishes. In a load: ``get``/``get_range``/``read_into`` from any thread.
+``list`` and ``delete`` are the committer's and recovery's (coordinator only).
+
+Example::
+
+    store = MemoryStore()
+    store.put("a/b", [b"hello ", b"world"])     # vectored: the pieces are concatenated
+    assert store.get_range("a/b", 6, 5) == b"world"
+    assert [i.key for i in store.list("a/")] == ["a/b"]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional, Protocol, Sequence, Union, runtime_checkable
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+@dataclass(frozen=True)
+class StoreCapabilities:
+    """What a store can do beyond the basic methods; the layers above choose their protocol
+    from these (``supports_*`` in the house style), and tests skip with these as reasons."""
+
+    atomic_rename: bool = False      # directories rename atomically (POSIX): commit by rename
+    conditional_put: bool = False    # put(..., if_absent=True) is atomic on the server
+    ranged_get: bool = True          # get_range reads only the bytes asked for
+    local_path: bool = False         # keys are files below a local directory (fast paths)
+    durable_put: bool = False        # a put is durable when it returns (object stores)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: its key, size in bytes, modification time (seconds since the
+    epoch) and an opaque version tag (inode+mtime on files, the ETag on object stores)."""
+
+    key: str
+    size: int
+    mtime: float
+    version: str = ""
+
+
+@runtime_checkable
+class ByteStore(Protocol):
+    """Bytes under keys below one root. Thread-safe: a load reads from many threads."""
+
+    url: str
+    capabilities: StoreCapabilities
+
+    def get(self, key: str) -> bytes:
+        """The whole object at ``key``."""
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from ``start``; fewer only where the object ends."""
+
+    def read_into(self, key: str, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``key`` from ``start`` (exactly ``len(out)``;
+        ``EOFError`` where the object is shorter): a load lands bytes in its own buffers."""
+
+    def put(self, key: str, data: Union[Buffer, Sequence[Buffer]], *,
+            if_absent: bool = False) -> None:
+        """Store ``data`` (one buffer, or several written as one object, in order) at ``key``.
+        ``if_absent``: fail with ``FileExistsError`` where ``key`` exists (atomic where
+        ``capabilities.conditional_put``). Buffers must not change until this returns."""
+
+    def head(self, key: str) -> Optional[ObjectInfo]:
+        """The object's :class:`ObjectInfo`, or None where there is none."""
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, in key order."""
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Remove these objects; keys already gone are not an error."""
+
+    def make_durable(self, keys: Optional[Iterable[str]] = None) -> None:
+        """Everything this process put (or ``keys``) survives a crash once this returns:
+        fsync/syncfs on files, nothing to do where ``capabilities.durable_put``."""

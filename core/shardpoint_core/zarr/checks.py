@@ -1,0 +1,230 @@
+"""Read-side checks of an array's files before TensorStore touches them (spec/format.md
+section 7, spec/security.md [SP-SEC-5]).
+
+TensorStore opens any valid Zarr v3 array and follows symlinks; a checkpoint reader must be
+stricter: only the codec chains, chunk key encodings and fill values of the spec, no
+symlinks or special files (a FIFO would block a read forever), and size-capped metadata.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from typing import Any
+
+from shardpoint_core.errors import CorruptCheckpointError, UnsupportedFormatError
+from shardpoint_core.storage import ArraySpec
+
+MAX_ZARR_JSON_BYTES = 1 << 20
+ONE_BYTE = {"bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2"}
+_KNOWN = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+          "fill_value", "codecs", "attributes", "dimension_names", "storage_transformers"}
+
+
+def _corrupt(key: str, msg: str, sid: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"tensor {key!r}: {msg}", spec_id=sid)
+
+
+def check_regular_file(root: str, rel: str, key: str) -> int:
+    """``lstat`` every component of ``root/rel`` below ``root``: real directories and a
+    regular file, never a symlink, FIFO, socket or device ([SP-SEC-5]). Returns the size."""
+    path = root
+    parts = rel.split("/")
+    for i, part in enumerate(parts):
+        path = os.path.join(path, part)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise                      # the caller knows which rule a missing file breaks
+        except OSError as e:
+            raise _corrupt(key, f"cannot stat {path!r}: {e}", "SP-SEC-5") from e
+        want = stat.S_ISREG if i == len(parts) - 1 else stat.S_ISDIR
+        if not want(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else (
+                "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file/directory")
+            raise _corrupt(key, f"{path!r} is {kind}; a checkpoint holds only regular files "
+                           "and directories", "SP-SEC-5")
+    return st.st_size
+
+
+def chunk_file_sizes(meta: dict, itemsize: int) -> tuple:
+    """(exact size of a plain-chain chunk file or None, least size of a shard file)."""
+    chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    codec = meta["codecs"][0]
+    if codec.get("name") != "sharding_indexed":
+        return math.prod(chunk) * itemsize + 4, 0
+    inner = codec["configuration"]["chunk_shape"]
+    return None, 16 * math.prod(c // i for c, i in zip(chunk, inner)) + 4
+
+
+def check_array_files(root: str, array_path: str, key: str, sizes: tuple = (None, 0)) -> None:
+    """Every entry under the array directory is a real directory or a regular file, and
+    every chunk file has a possible size ([SP-SEC-5], [SP-READ-5]); ``sizes`` comes from
+    :func:`chunk_file_sizes`."""
+    exact, least = sizes
+    chunks = os.path.join(root, array_path, "c")
+    stack = [os.path.join(root, array_path)]
+    while stack:
+        with os.scandir(stack.pop()) as it:
+            for e in it:
+                if e.is_symlink() or not (e.is_dir(follow_symlinks=False)
+                                          or e.is_file(follow_symlinks=False)):
+                    raise _corrupt(key, f"{e.path!r} is a symlink or special file; a "
+                                   "checkpoint holds only regular files and directories",
+                                   "SP-SEC-5")
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                elif e.path == chunks or e.path.startswith(chunks + os.sep):
+                    n = e.stat(follow_symlinks=False).st_size
+                    if (exact is not None and n != exact) or n < least:
+                        raise _corrupt(key, f"chunk file {e.path!r} has {n} bytes, not "
+                                       f"{exact if exact is not None else f'>= {least}'} "
+                                       "(truncated or extra bytes)", "SP-READ-3")
+
+
+def read_zarr_json(root: str, array_path: str, key: str) -> dict:
+    """Load ``zarr.json`` with the size cap and the file checks ([SP-ARRAY-1], [SP-SEC-2])."""
+    try:
+        size = check_regular_file(root, array_path + "/zarr.json", key)
+    except FileNotFoundError as e:
+        raise _corrupt(key, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1") from e
+    if size > MAX_ZARR_JSON_BYTES:
+        raise _corrupt(key, f"zarr.json is {size} bytes, over the {MAX_ZARR_JSON_BYTES}-byte "
+                       "cap", "SP-SEC-2")
+    with open(os.path.join(root, array_path, "zarr.json"), "rb") as f:
+        raw = f.read(MAX_ZARR_JSON_BYTES + 1)
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise _corrupt(key, f"zarr.json is not JSON: {e}", "SP-ARRAY-1") from e
+    if not (isinstance(meta, dict) and meta.get("zarr_format") == 3
+            and meta.get("node_type") == "array"):
+        raise _corrupt(key, "zarr.json is not a Zarr v3 array", "SP-ARRAY-1")
+    return meta
+
+
+def _plain_chain(codecs: Any, dtype: str, index: bool = False) -> bool:
+    if not (isinstance(codecs, list) and len(codecs) == 2 and all(
+            isinstance(c, dict) for c in codecs)):
+        return False
+    b, c = codecs
+    crc_ok = c.get("name") == "crc32c" and set(c) <= {"name", "configuration"} and \
+        c.get("configuration", {}) == {}
+    if b.get("name") != "bytes" or not set(b) <= {"name", "configuration"}:
+        return False
+    conf = b.get("configuration")
+    endian_ok = conf == {"endian": "little"} or (
+        not index and dtype in ONE_BYTE and (conf is None or conf == {}))
+    return crc_ok and endian_ok
+
+
+def _is_zero(v: Any) -> bool:
+    return (type(v) in (int, float) and v == 0 and math.copysign(1.0, v) > 0)
+
+
+def check_zarr_json(meta: dict, shape: tuple, dtype: str, chunk: tuple, key: str) -> None:
+    """``zarr.json`` against the manifest entry and the spec ([SP-ARRAY-2/3/5])."""
+    for k, v in meta.items():
+        if k in _KNOWN:
+            continue
+        if isinstance(v, dict) and v.get("must_understand") is False:
+            continue
+        cls = UnsupportedFormatError if isinstance(v, dict) else CorruptCheckpointError
+        raise cls(f"tensor {key!r}: zarr.json field {k!r} is not understood (and not marked "
+                  "must_understand: false)", spec_id="SP-ARRAY-5")
+    if meta.get("storage_transformers", []) != []:
+        raise UnsupportedFormatError(f"tensor {key!r}: zarr.json has storage transformers",
+                                     spec_id="SP-ARRAY-5")
+    dims = meta.get("dimension_names")
+    if dims is not None and not (isinstance(dims, list) and len(dims) == len(shape) and all(
+            d is None or isinstance(d, str) for d in dims)):
+        raise _corrupt(key, f"zarr.json dimension_names {dims!r} malformed", "SP-ARRAY-5")
+    if not isinstance(meta.get("attributes", {}), dict):
+        raise _corrupt(key, "zarr.json attributes is not an object", "SP-ARRAY-5")
+    want_grid = {"name": "regular", "configuration": {"chunk_shape": list(chunk)}}
+    problems = []
+    if meta.get("shape") != list(shape):
+        problems.append(f"shape {meta.get('shape')!r} != manifest {list(shape)}")
+    if meta.get("data_type") != dtype:
+        problems.append(f"data_type {meta.get('data_type')!r} != manifest {dtype!r}")
+    if meta.get("chunk_grid") != want_grid:
+        problems.append(f"chunk_grid {meta.get('chunk_grid')!r} != {want_grid}")
+    codecs = meta.get("codecs")
+    if not _plain_chain(codecs, dtype):
+        sh = codecs[0] if isinstance(codecs, list) and len(codecs) == 1 else None
+        conf = sh.get("configuration") if isinstance(sh, dict) else None
+        if not (isinstance(sh, dict) and sh.get("name") == "sharding_indexed"
+                and isinstance(conf, dict)):
+            names = [c.get("name") if isinstance(c, dict) else c for c in codecs] \
+                if isinstance(codecs, list) else codecs
+            if isinstance(names, list) and names and all(
+                    n in ("bytes", "crc32c", "sharding_indexed") for n in names):
+                problems.append(f"codec chain {names} is not one the spec allows (bytes "
+                                "then crc32c, each chunk and shard index ending in crc32c)")
+            else:
+                raise UnsupportedFormatError(f"tensor {key!r}: codec chain {names} uses a "
+                                             "codec format 1.x does not define",
+                                             spec_id="SP-ARRAY-1")
+        else:
+            inner = conf.get("chunk_shape")
+            nested = any(isinstance(c, dict) and c.get("name") == "sharding_indexed"
+                         for c in conf.get("codecs") or [])
+            if nested:
+                raise UnsupportedFormatError(f"tensor {key!r}: nested sharding is outside "
+                                             "format 1.x", spec_id="SP-ARRAY-1")
+            if not (set(conf) <= {"chunk_shape", "codecs", "index_codecs", "index_location"}
+                    and isinstance(inner, list) and len(inner) == len(chunk)
+                    and all(type(i) is int and i >= 1 and c % i == 0
+                            for i, c in zip(inner, chunk))
+                    and _plain_chain(conf.get("codecs"), dtype)
+                    and _plain_chain(conf.get("index_codecs"), dtype, index=True)
+                    and conf.get("index_location", "end") == "end"):
+                problems.append(f"sharding_indexed configuration {conf!r} is not one the "
+                                "spec allows")
+    if problems:
+        raise _corrupt(key, "zarr.json disagrees with the manifest or the spec: "
+                       + "; ".join(problems), "SP-ARRAY-2")
+    cke = meta.get("chunk_key_encoding")
+    if not (isinstance(cke, dict) and cke.get("name") == "default"
+            and set(cke) <= {"name", "configuration"}
+            and cke.get("configuration", {}) in ({}, {"separator": "/"})):
+        raise _corrupt(key, f"chunk_key_encoding {cke!r} is not default with '/'",
+                       "SP-ARRAY-3")
+    fill = meta.get("fill_value")
+    if dtype == "bool":
+        ok = fill is False
+    elif dtype.startswith("complex"):
+        ok = isinstance(fill, list) and len(fill) == 2 and all(_is_zero(x) for x in fill)
+    elif "float" in dtype:
+        ok = _is_zero(fill)
+    else:
+        ok = type(fill) is int and fill == 0
+    if not ok:
+        raise _corrupt(key, f"fill_value {fill!r} is not +0/false for {dtype}", "SP-ARRAY-3")
+
+
+def has_crc(codecs: list) -> bool:
+    """Every chunk ends in crc32c: a chain whose last codec is crc32c, or one
+    sharding_indexed codec whose inner and index chains both do ([SP-ARRAY-2])."""
+    if not codecs:
+        return False
+    if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
+        conf = codecs[0].get("configuration", {})
+        return has_crc(conf.get("codecs", [])) and has_crc(conf.get("index_codecs", []))
+    return codecs[-1].get("name") == "crc32c"
+
+
+def metadata_problems(shape: Any, meta: dict, spec: ArraySpec) -> list:
+    """Where a zarr.json disagrees with the manifest's entry ([SP-ARRAY-2])."""
+    problems = []
+    if tuple(shape) != tuple(spec.shape):
+        problems.append(f"shape {tuple(shape)} != manifest {tuple(spec.shape)}")
+    if meta.get("data_type") != spec.dtype:
+        problems.append(f"data_type {meta.get('data_type')!r} != manifest {spec.dtype!r}")
+    grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+    if grid is not None and tuple(grid) != tuple(spec.chunk_shape):
+        problems.append(f"chunk_shape {tuple(grid)} != manifest {tuple(spec.chunk_shape)}")
+    if not has_crc(meta.get("codecs", [])):
+        problems.append("codec chain has no crc32c")
+    return problems

@@ -1,0 +1,138 @@
+"""The handle of an asynchronous save and the per-group bookkeeping behind it.
+
+A save with ``async_save=True`` blocks only while it plans and stages the state into host
+buffers; the rest (exchange, writes, durable commit) runs in a background thread here. At most
+one background save runs per process group: a new save first waits for the previous one, and
+re-raises its error on every rank if any rank has not seen it yet.
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures.thread   # noqa: F401 - its exit hook must be registered before ours
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
+
+from shardpoint.api.staging import StagingPool
+
+log = logging.getLogger("shardpoint")
+
+
+class AsyncSave:
+    """A save running in the background. ``wait``/``result`` return its ``SaveResult`` or
+    raise its error (on every rank the same); ``staging_bytes`` is the host pool it holds,
+    ``path`` the checkpoint it writes."""
+
+    def __init__(self, future: Future, staging_bytes: int, path: str = "") -> None:
+        self._future = future
+        self._seen = False
+        self.staging_bytes = staging_bytes
+        self.path = path
+
+    @property
+    def reported(self) -> bool:
+        """True once ``wait``/``result`` handed the outcome (result or error) to the caller,
+        so whoever waits next knows not to raise the same error a second time."""
+        return self._seen
+
+    def done(self) -> bool:
+        """True once the background part finished (committed or failed)."""
+        return self._future.done()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """The ``SaveResult``, once committed; re-raises the save's error. Raises
+        ``TimeoutError`` if ``timeout`` seconds pass first (the save keeps running)."""
+        try:
+            out = self._future.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"the async save is still writing after {timeout} s; it keeps "
+                               "running: wait() again, or check done()") from None
+        except BaseException:
+            self._seen = True
+            raise
+        self._seen = True
+        return out
+
+    def result(self) -> Any:
+        """Same as :meth:`wait` with no timeout."""
+        return self.wait()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"AsyncSave({state}, staging_bytes={self.staging_bytes})"
+
+
+class GroupSaves:
+    """What one process group keeps between async saves: the pending save and its pool."""
+
+    def __init__(self) -> None:
+        self.pending: Optional[AsyncSave] = None
+        self.pool = StagingPool()
+
+    def settle(self, agree: Callable[[Optional[BaseException]], None]) -> None:
+        """Wait for the previous background save; re-raise its error unless ``wait`` already
+        handed it to the caller. ``agree`` is a collective that raises on every rank when any
+        rank passes an error: ranks that called ``wait`` and ranks that did not must make the
+        same choice, or some would go on into the next save's collectives alone."""
+        prev, self.pending = self.pending, None
+        if prev is None:
+            return
+        unseen: Optional[BaseException] = None
+        try:
+            prev._future.result()
+        except BaseException as e:  # noqa: BLE001 - handed to agree
+            if not prev._seen:
+                prev._seen = True
+                unseen = e
+        agree(unseen)
+
+    def start(self, fn: Callable[[], Any], staging_bytes: int, path: str = "") -> AsyncSave:
+        """Run ``fn`` in a background thread; its result or error goes to the handle."""
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - delivered through the handle
+                fut.set_exception(e)
+
+        fut.set_running_or_notify_cancel()
+        threading.Thread(target=run, name="shardpoint-async-save", daemon=True).start()
+        self.pending = AsyncSave(fut, staging_bytes, path)
+        return self.pending
+
+
+_GROUPS: dict = {}
+
+
+def _finish_pending() -> None:
+    """A script that ends right after an async save still commits it; a save that fails
+    then is logged with its path, since no one is left to raise to.
+
+    Registered with ``threading``'s exit hooks (where ``concurrent.futures`` registers its
+    own; they run in reverse order) so it runs before the thread pools the background write
+    submits to refuse new work ("cannot schedule new futures after interpreter shutdown"):
+    as a plain ``atexit`` hook it ran after that, and a save still writing at exit failed."""
+    for g in list(_GROUPS.values()):
+        if g.pending is not None:
+            try:
+                g.pending._future.result()
+            except BaseException as e:  # noqa: BLE001 - nobody left to raise to
+                if not g.pending._seen:
+                    log.error("shardpoint: the async save to %r still running at exit "
+                              "failed; nothing was committed there: %s",
+                              g.pending.path, e)
+
+
+try:   # Python >= 3.9; the same hook list concurrent.futures uses for its pools
+    threading._register_atexit(_finish_pending)
+except (AttributeError, RuntimeError):   # pragma: no cover - another Python
+    atexit.register(_finish_pending)
+
+
+def group_saves(key: tuple) -> GroupSaves:
+    """The bookkeeping of the group with ``key`` (created on first use)."""
+    if key not in _GROUPS:
+        _GROUPS[key] = GroupSaves()
+    return _GROUPS[key]

@@ -1,0 +1,325 @@
+"""A thin checkpoint manager for training loops: numbered steps, metrics, retention, resume.
+
+A layer over :func:`shardpoint.save` / :func:`shardpoint.load` and nothing more. One directory
+per step (``<root>/step_00000042``, so names sort by step); only committed checkpoints (with a
+manifest) count. Metrics live inside each step's checkpoint (plain values under the reserved
+top-level key ``"__metrics__"``), so they can never disagree with it. Leftovers of a crash
+(hidden ``.<step>.shardpoint-tmp-*`` staging directories, step directories without a manifest)
+are ignored and cleaned; a ``.<step>.shardpoint-old-*`` directory left by a crash in the middle
+of an overwrite is put back when its step is missing, else removed.
+
+Retention, applied after a save commits: keep the ``max_to_keep`` newest steps (None: all),
+every step divisible by ``keep_every``, and the ``keep_best`` best steps by ``best_metric``;
+the newest complete step is never deleted. Deletion renames a step to a hidden staging name
+first, so a crash mid-delete leaves a leftover, never a half step.
+
+Collective like ``save``: every rank of ``group`` calls ``save``/``load``/``wait``/``close``;
+only the coordinator creates, renames or deletes directories, and only inside ``save`` and
+``load`` (the job owning ``root`` resumes or saves; nothing of its own is in flight then).
+``latest_step``, ``all_steps``, ``best_step`` and ``metrics`` only read and may be called on
+any rank, or by an observer (an evaluation job) while training runs: constructing a manager
+never touches the directory, so an observer cannot disturb a save in progress.
+
+    with sp.CheckpointManager("/ckpt", max_to_keep=3, async_save=True) as mgr:
+        start = mgr.latest_step() or 0
+        if start:
+            state = mgr.load(like=state)
+        for step in range(start + 1, steps + 1):
+            ...
+            if step % 100 == 0:
+                mgr.save(step, state, metrics={"loss": loss})
+"""
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import os
+import re
+import secrets
+import shutil
+from typing import Any, Optional
+
+from shardpoint import api
+from shardpoint_core import errors
+from shardpoint.exchange.comm import Comm, agree
+from shardpoint.tree.model import iter_tree_leaves
+from shardpoint_core.storage import MANIFEST_NAME
+
+log = logging.getLogger("shardpoint")
+METRICS_KEY = "__metrics__"
+_STEP = re.compile(r"step_(\d+)\Z")
+_HIDDEN = re.compile(r"\.(step_\d+)\.shardpoint-(tmp|old)-.+\Z")
+
+
+class CheckpointManager:
+    """Numbered checkpoints under ``root`` with retention, best-k tracking and resume.
+
+    ``async_save=True`` makes :meth:`save` return once the state is staged (the writes and the
+    commit run in the background, see ``sp.save(..., async_save=True)``); retention of older
+    steps runs once that save has committed, and :meth:`wait` / :meth:`close` wait for it.
+    """
+
+    def __init__(self, root: str, *, max_to_keep: Optional[int] = None,
+                 keep_every: Optional[int] = None, best_metric: Optional[str] = None,
+                 best_mode: str = "min", keep_best: Optional[int] = None,
+                 async_save: bool = False, group: Any = None) -> None:
+        for name, v in (("max_to_keep", max_to_keep), ("keep_every", keep_every),
+                        ("keep_best", keep_best)):
+            if v is not None and (type(v) is not int or v < 1):
+                raise errors.InvalidOptionError(
+                    f"{name} must be a positive int or None, got {v!r}")
+        if best_mode not in ("min", "max"):
+            raise errors.InvalidOptionError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if keep_best is not None and best_metric is None:
+            raise errors.InvalidOptionError(
+                "keep_best needs best_metric (the metric name to rank steps by)")
+        self.root = os.path.abspath(str(root))
+        self.max_to_keep, self.keep_every = max_to_keep, keep_every
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.keep_best = keep_best if keep_best is not None else (1 if best_metric else None)
+        if async_save and not hasattr(api, "AsyncSave"):
+            raise errors.InvalidOptionError(
+                "async_save=True needs a shardpoint whose save() supports async_save "
+                "(sp.AsyncSave); this one saves synchronously only")
+        self.async_save, self.group = async_save, group
+        self._comm = Comm(group)
+        self._pending: Any = None          # the in-flight async save, if any
+        self._metrics: dict = {}           # step -> metrics dict (cache of the manifests)
+
+    # ---------------------------------------------------------------- reading (any rank)
+    def path(self, step: int) -> str:
+        """The directory of ``step`` (it may not exist)."""
+        try:
+            n = operator.index(step)
+        except TypeError:
+            n = -1
+        if n < 0 or isinstance(step, bool):
+            # A negative step would name 'step_-0000001', which all_steps() never lists.
+            raise errors.InvalidKeyError(f"step {step!r} is not a step number: steps are ints "
+                                         ">= 0 (the directory is step_%08d)")
+        return os.path.join(self.root, f"step_{n:08d}")
+
+    def all_steps(self) -> list:
+        """Committed steps, oldest first (incomplete ones are ignored)."""
+        if not os.path.isdir(self.root):
+            return []
+        out = []
+        for name in os.listdir(self.root):
+            m = _STEP.match(name)
+            if m and os.path.isfile(os.path.join(self.root, name, MANIFEST_NAME)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step, or None."""
+        s = self.all_steps()
+        return s[-1] if s else None
+
+    def metrics(self, step: int) -> dict:
+        """The metrics saved with ``step`` (empty when none were given)."""
+        if step not in self._metrics:
+            m = api.read_metadata(self.path(step))
+            self._metrics[step] = {p[1]: n["value"] for p, n in iter_tree_leaves(m.tree)
+                                   if len(p) == 2 and p[0] == METRICS_KEY and "value" in n}
+        return dict(self._metrics[step])
+
+    def best_step(self) -> Optional[int]:
+        """The committed step with the best ``best_metric`` (newest on ties), or None."""
+        ranked = self._ranked(self.all_steps())
+        return ranked[0] if ranked else None
+
+    def _ranked(self, steps: list) -> list:
+        """Steps carrying a finite ``best_metric``, best first (newer first on ties)."""
+        if self.best_metric is None:
+            return []
+        scored = []
+        for s in steps:
+            v = self.metrics(s).get(self.best_metric)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                scored.append((v if self.best_mode == "min" else -v, -s))
+        return [-s for _, s in sorted(scored)]
+
+    # ---------------------------------------------------------------- collective
+    def save(self, step: int, state: Any, *, metrics: Optional[dict] = None,
+             force: bool = False) -> Any:
+        """Save ``state`` as ``step`` (collective); then apply retention.
+
+        ``metrics`` (str -> number) are stored in the checkpoint itself. ``force=True``
+        replaces an existing checkpoint of the same step (else CheckpointExistsError).
+        Returns the ``SaveResult`` (an ``AsyncSave`` handle with ``async_save=True``).
+        """
+        self.wait()   # the previous save commits (or raises) before this one starts
+        path, state = self._agreed(lambda: (self.path(step), self._with_metrics(state, metrics)))
+        if self._comm.is_coordinator:
+            # No makedirs here: save creates the root inside its collective plan step, so a
+            # root it cannot create fails every rank instead of this one while the others wait.
+            self._clean_leftovers()
+        self._metrics.pop(step, None)
+        kw: dict = {"group": self.group, "overwrite": force}
+        if self.async_save:
+            kw["async_save"] = True
+        try:
+            result = api.save(state, path, **kw)
+        except errors.CheckpointExistsError as e:   # raised on every rank alike
+            raise errors.CheckpointExistsError(
+                f"step {step} is already saved at {path!r}; pass force=True to "
+                "replace it") from e
+        if self.async_save:
+            self._pending = result
+        else:
+            self._after_commit()
+        return result
+
+    def _agreed(self, check: Any) -> Any:
+        """``check()``'s result once every rank's check passed: one rank's bad step or metrics
+        fails every rank here (one small all-reduce), instead of that rank alone while the
+        others wait in the save's or load's first collective."""
+        err: Optional[BaseException] = None
+        out = None
+        try:
+            out = check()
+        except errors.ShardpointError as e:
+            err = e
+        agree(self._comm, err, errors.InvalidOptionError)
+        return out
+
+    @staticmethod
+    def _with_metrics(state: Any, metrics: Optional[dict]) -> Any:
+        """``state`` with ``metrics`` under the reserved key, or the reason it cannot be."""
+        if metrics is not None:
+            if not isinstance(metrics, dict):
+                raise errors.UnsupportedValueError(
+                    f"metrics must be a dict of name -> number (e.g. {{'loss': 0.31}}), got a "
+                    f"{type(metrics).__name__}")
+            if not isinstance(state, dict):
+                raise errors.UnsupportedValueError(
+                    f"metrics need a dict state (they are stored under its {METRICS_KEY!r} "
+                    f"key), got a {type(state).__name__}; wrap it: {{'state': state}}")
+            if METRICS_KEY in state:
+                raise errors.UnsupportedValueError(
+                    f"state key {METRICS_KEY!r} is reserved for the manager's metrics; "
+                    "rename it")
+            state = {**state, METRICS_KEY: dict(metrics)}
+        return state
+
+    def load(self, step: Optional[int] = None, like: Any = None, **load_options: Any) -> Any:
+        """Load ``step`` (default: the latest committed one, as the coordinator sees it).
+        Collective; ``load_options`` go to :func:`shardpoint.load` (``strict``, ``report``...).
+        The manager's metrics are not part of the returned tree."""
+        self.wait()
+        if self._comm.is_coordinator:
+            self._clean_leftovers()
+        if step is None:
+            latest = self.latest_step() if self._comm.is_coordinator else None
+            got = self._comm.broadcast_bytes(b"" if latest is None else str(latest).encode())
+            if not got:
+                raise errors.CheckpointNotFoundError(
+                    f"no committed checkpoint under {self.root!r} (nothing to resume from)")
+            step = int(got)
+        out = api.load(self._agreed(lambda: self.path(step)), like=like, group=self.group,
+                       **load_options)
+        if like is None and isinstance(out, dict):
+            out.pop(METRICS_KEY, None)
+        return out
+
+    def wait(self) -> None:
+        """Wait for an in-flight async save, then apply retention. Its error is raised, on
+        every rank, unless every rank already had it from the handle's own ``wait()``: a job
+        that caught it there goes on, and its next ``save`` runs instead of failing again."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        reported = pending.reported
+        failed, unseen = False, None
+        try:
+            pending.wait()
+        except Exception as e:  # noqa: BLE001 - shared with every rank just below
+            failed, unseen = True, (None if reported else e)
+        # Collective, as in ``save``'s own settling: a rank that saw the error and one that
+        # did not must both raise, or both go on.
+        agree(self._comm, unseen, errors.SaveFailedError)
+        if not failed:
+            self._after_commit()
+
+    def close(self) -> None:
+        """Wait for the last save; the manager may still be used for reading afterwards."""
+        self.wait()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:   # do not mask the original error; still try not to leave a save behind
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - the original exception wins
+                pass
+
+    # ---------------------------------------------------------------- coordinator only
+    def _after_commit(self) -> None:
+        if self._comm.is_coordinator:
+            self._retain()
+
+    def retained(self, steps: list) -> set:
+        """Which of the committed ``steps`` retention keeps (pure; the rule in one place)."""
+        if not steps:
+            return set()
+        keep = {max(steps)}
+        keep |= set(sorted(steps)[-self.max_to_keep:]) if self.max_to_keep else set(steps)
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        if self.keep_best:
+            keep |= set(self._ranked(steps)[:self.keep_best])
+        return keep
+
+    def _retain(self) -> None:
+        steps = self.all_steps()
+        keep = self.retained(steps)
+        for s in steps:
+            if s not in keep:
+                self._remove(self.path(s))
+                self._metrics.pop(s, None)
+
+    def _remove(self, path: str) -> None:
+        # Hide first (one atomic rename), then delete: a crash mid-delete leaves a hidden
+        # leftover that the next manager cleans, never a half-deleted step.
+        parent, name = os.path.split(path)
+        hidden = os.path.join(parent, f".{name}.shardpoint-tmp-{secrets.token_hex(6)}")
+        try:
+            os.rename(path, hidden)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(hidden, ignore_errors=True)
+
+    def _clean_leftovers(self) -> None:
+        """Remove what crashed saves left; restore a step whose overwrite crashed midway."""
+        if not os.path.isdir(self.root):
+            return
+        for name in sorted(os.listdir(self.root)):
+            try:
+                self._clean_one(name)
+            except OSError as e:
+                # A read-only file system (a load of a mounted archive) or a directory this
+                # user may not change: the load goes on, a save reports its own error.
+                log.warning("shardpoint: cannot clean up %r under %r (%s); left as it is",
+                            name, self.root, e.strerror or e)
+
+    def _clean_one(self, name: str) -> None:
+        """Clean one entry of ``root`` (see :meth:`_clean_leftovers`)."""
+        full = os.path.join(self.root, name)
+        m = _HIDDEN.match(name)
+        if m:
+            step_path = os.path.join(self.root, m.group(1))
+            if (m.group(2) == "old" and os.path.isfile(os.path.join(full, MANIFEST_NAME))
+                    and not os.path.isfile(os.path.join(step_path, MANIFEST_NAME))):
+                if os.path.lexists(step_path):
+                    self._remove(step_path)
+                os.rename(full, step_path)    # the overwrite never completed: put it back
+            else:
+                shutil.rmtree(full, ignore_errors=True)
+        elif (_STEP.match(name) and os.path.isdir(full)
+              and not os.path.isfile(os.path.join(full, MANIFEST_NAME))):
+            self._remove(full)

@@ -1,0 +1,482 @@
+"""``save``: a collective save of a state tree, from local plans to the committed manifest.
+
+Every rank calls it with its own tree; planning runs on the coordinator (rank 0 of the group)
+and each phase ends in an agreement step, so a failure on any rank raises the same error on
+every rank instead of leaving one waiting.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import msgpack
+import torch
+
+from shardpoint.tree import dtypes
+from shardpoint_core import errors
+from shardpoint.tree import values
+from shardpoint.api.async_save import AsyncSave, group_saves
+from shardpoint.exchange.comm import Comm, agree, exchange, group_key, run_collectively, side_comm
+from shardpoint_core.fsutil import os_error_text
+from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
+from shardpoint.tree.model import flatten_state
+from shardpoint.api.open_ahead import OpenAhead
+from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, plan_objects,
+                                         plan_save)
+from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
+from shardpoint.api.staging import StagingPool, copy_pairs, stream_device_writes
+from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
+
+log = logging.getLogger("shardpoint")
+
+
+@dataclass
+class SaveOptions:
+    """Writer knobs for ``save`` (none of them changes what a reader must understand)."""
+
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    exchange_budget_bytes: int = 256 << 20
+    cache_plan: bool = True   # reuse the last plan when no rank's structure changed
+    device_staging_bytes: int = 256 << 20   # pinned bytes in flight for CUDA tensors (sync)
+
+
+@dataclass
+class SaveResult:
+    """What a save did, for logs and benchmarks (same on every rank except ``rank_*``).
+    ``chunks`` counts chunk files (a shard is one file); the checkpoint holds ``files`` files
+    in all (chunk files, a ``zarr.json`` per tensor, the manifest); ``rank_chunk_files`` of
+    the chunk files are this rank's (each ``zarr.json`` comes from whichever rank creates
+    the array first)."""
+
+    path: str
+    world_size: int
+    tensors: int
+    unique_bytes: int
+    exchange_bytes: int
+    chunks: int
+    rank_bytes_written: int
+    timings: dict
+    files: int = 0
+    rank_chunk_files: int = 0
+
+
+# -------------------------------------------------------------------------------- plan cache
+_PLAN_CACHE: dict = {}   # group key -> (this rank's structure digest, plan on the coordinator)
+
+
+def _strip_values(tree: Any) -> Any:
+    if "dict" in tree:
+        return {"dict": [[k, _strip_values(v)] for k, v in tree["dict"]]}
+    for kind in ("list", "tuple"):
+        if kind in tree:
+            return {kind: [_strip_values(v) for v in tree[kind]]}
+    return {"value": None} if "value" in tree else tree
+
+
+def _structure_digest(flat) -> bytes:
+    """What the plan depends on: tree shape, holdings, object ids (not plain values)."""
+    import hashlib
+    body = msgpack.packb([_strip_values(flat.tree), [t.holding.to_wire() for t in flat.tensors],
+                          [[o.key, o.index, o.count, list(o.replica)] for o in flat.objects]])
+    return hashlib.sha256(body).digest()
+
+
+def _value_leaves(tree: Any) -> list:
+    from shardpoint.tree.model import iter_tree_leaves
+    return [[list(p), n["value"]] for p, n in iter_tree_leaves(tree) if "value" in n]
+
+
+def _with_values(tree: Any, per_rank: list) -> Any:
+    """``tree`` with each plain value replaced by the lowest rank's new value at its path."""
+    new: dict = {}
+    for leaves in per_rank:
+        for p, v in leaves:
+            new.setdefault(tuple(p), v)
+
+    def walk(node: Any, path: tuple) -> Any:
+        if "dict" in node:
+            return {"dict": [[k, walk(v, path + (k,))] for k, v in node["dict"]]}
+        for kind in ("list", "tuple"):
+            if kind in node:
+                return {kind: [walk(v, path + (i,)) for i, v in enumerate(node[kind])]}
+        return {"value": new[path]} if "value" in node else node
+
+    return walk(tree, ())
+
+
+# -------------------------------------------------------------------------------- one save
+class SaveJob:
+    """One save's state (its flat tree, plan, staging path, buffers, timings), one method per
+    phase: :meth:`plan` -> :meth:`stage` -> :meth:`write` -> :meth:`commit`.
+
+    Each phase ends in an agreement step or records its failure for the next one, so a
+    failure on any rank raises the same error on every rank. An async save runs ``write`` and
+    ``commit`` in a background thread, on a gloo group of their own (``comm`` argument).
+    """
+
+    def __init__(self, state: Any, path: str, comm: Comm, be: StorageBackend,
+                 opts: SaveOptions, overwrite: bool) -> None:
+        self.state, self.path, self.comm, self.be = state, str(path), comm, be
+        self.opts, self.overwrite = opts, overwrite
+        self.t0 = time.perf_counter()
+        self.times: dict = {}
+        self.cache_key = group_key(comm)
+        self.flat: Any = None
+        self.struct = b""
+        self.plan_hit = False
+        self.global_plan: Any = None     # the SavePlan, on the coordinator only
+        self.staging = ""
+        self.work: Optional[RankSaveWork] = None
+        self.layouts: dict = {}
+        self.stats: dict = {}
+        self.sources: list = []          # per chunk write: the tensor to write (host or device)
+        self.sends: list = []            # [(dst rank, tensor)]
+        self.recvs: list = []            # [(src rank, destination view)]
+        self.staging_bytes = 0
+        self.written = 0
+        self.error: Optional[BaseException] = None   # a local failure, shared at commit
+        self._handles: dict = {}
+        self._created = False            # the arrays this rank owns exist (and ranks agreed)
+
+    # ---------------------------------------------------------------------- phase 1: plan
+    def plan(self) -> None:
+        """Local plans up, the global plan decided on the coordinator (or the cached one
+        reused when no rank's structure changed), this rank's work back down."""
+        err0: Optional[BaseException] = None
+        try:
+            self.flat = flatten_state(self.state, replica=(self.comm.rank,))
+            self.struct = _structure_digest(self.flat) + repr(self.opts.plan).encode()
+        except Exception as e:  # noqa: BLE001 - reported collectively below
+            err0 = e
+        # Plan cache: when no rank's structure (tree shape, holdings, object ids) changed
+        # since the last save over this group, ranks send only their values and the
+        # coordinator reuses the plan ([SP-GRID-1] holds: the layout depends on structure).
+        hit = (err0 is None and self.opts.cache_plan
+               and _PLAN_CACHE.get(self.cache_key, (None,))[0] == self.struct)
+        self.plan_hit = self.comm.all_true(bool(hit))
+
+        def local() -> bytes:
+            if err0 is not None:
+                raise err0
+            f = self.flat
+            objs = [(o.key, o.index, o.count, o.replica, o.value) for o in f.objects]
+            if self.plan_hit:
+                return values.pack([_value_leaves(f.tree), [list(o) for o in objs]])
+            return LocalPlan(self.comm.rank, f.tree, [t.holding for t in f.tensors],
+                             objs).to_bytes()
+
+        try:
+            msg = run_collectively(self.comm, local, self._decide, errors.InvalidShardingError,
+                                   same=("checkpoint path", os.path.normpath(self.path)))
+        except errors.ShardpointError:
+            _PLAN_CACHE.pop(self.cache_key, None)
+            raise
+        self.staging, work_b, self.layouts, self.stats = msgpack.unpackb(
+            msg, strict_map_key=False)
+        self.work = RankSaveWork.from_bytes(work_b)
+        self.times["plan_total"] = time.perf_counter() - self.t0
+        self.times["plan_cached"] = self.plan_hit
+
+    def _decide(self, payloads: list) -> list:
+        """Coordinator: the global plan, the staging directory, one work item per rank."""
+        t = time.perf_counter()
+        if self.plan_hit:
+            plan = _PLAN_CACHE[self.cache_key][1]
+            got = [values.unpack(b) for b in payloads]
+            plan.tree = _with_values(plan.tree, [v for v, _ in got])
+            plan.objects = plan_objects([LocalPlan(r, None, [], [tuple(o) for o in objs])
+                                         for r, (_, objs) in enumerate(got)])
+        else:
+            plan = plan_save([LocalPlan.from_bytes(b) for b in payloads], self.opts.plan)
+        self.times["plan"] = time.perf_counter() - t
+        self.be.check_target(self.path, self.overwrite)   # before anything is written
+        staging = self.be.staging_path(self.path, secrets.token_hex(6))
+        self.be.begin_save(staging)
+        self.staging = staging    # known to :meth:`abandon` before the ranks hear of it
+        self.global_plan = plan
+        layouts = {k: [list(v.shape), v.dtype, list(v.chunk_shape)]
+                   for k, v in plan.tensors.items()}
+        out = []
+        for w in plan.ranks:
+            keys = {c.key for c in w.writes} | set(w.create)
+            out.append(msgpack.packb([staging, w.to_bytes(),
+                                      {k: layouts[k] for k in keys}, plan.stats]))
+        return out
+
+    # ---------------------------------------------------------------------- phase 2: stage
+    def stage(self, pool: Optional[StagingPool] = None) -> None:
+        """Name what this rank writes and sends. Sync (``pool`` None): the arrays this rank
+        owns are created, chunks covered by one piece are written straight from the caller's
+        tensors, the others are assembled in buffers. Async: every byte this rank needs later
+        is copied into ``pool``, so the caller may change its tensors once this returns (the
+        arrays are created later, in the background). Ranks agree before going on."""
+        t = time.perf_counter()
+        err: Optional[BaseException] = None
+        try:
+            if pool is None:
+                self._name_sources()
+            else:
+                self._copy_to_pool(pool)
+        except Exception as e:  # noqa: BLE001 - shared with every rank just below
+            err = e
+        try:
+            agree(self.comm, err, errors.SaveFailedError)
+        except errors.ShardpointError as e:
+            self.error = e
+        self.times["stage"] = time.perf_counter() - t
+
+    def _views(self) -> PieceViews:
+        # resolve_conj/resolve_neg: a lazily conjugated or negated view has no numpy form;
+        # they copy only tensors carrying those bits.
+        return PieceViews([(lt.holding, lt.data.detach().resolve_conj().resolve_neg())
+                           for lt in self.flat.tensors])
+
+    def _chunk_dtype(self, key: str) -> torch.dtype:
+        return dtypes.from_name(self.layouts[key][1]).torch
+
+    def _name_sources(self) -> None:
+        work, src = self.work, self._views()
+        self._create_arrays()
+        for cw in work.writes:
+            if cw.direct is not None:
+                v, off = src(*cw.direct)
+                self.sources.append(box_view(v, off, cw.offset, cw.shape))
+                continue
+            buf = torch.empty(cw.shape, dtype=self._chunk_dtype(cw.key))
+            for hidx, pidx, bo, bs in cw.local:
+                v, off = src(hidx, pidx)
+                copy_into(box_view(buf, cw.offset, bo, bs), box_view(v, off, bo, bs))
+            self.sources.append(buf)
+        for tr in work.sends:
+            v, off = src(*tr.src_ref)
+            self.sends.append((tr.dst, box_view(v, off, tr.box_offset, tr.box_shape)))
+        self._name_recvs()
+
+    def _copy_to_pool(self, pool: StagingPool) -> None:
+        work, src = self.work, self._views()
+        send_views = []
+        for tr in work.sends:
+            v, off = src(*tr.src_ref)
+            send_views.append(box_view(v, off, tr.box_offset, tr.box_shape))
+        requests = [(tuple(cw.shape), self._chunk_dtype(cw.key)) for cw in work.writes]
+        requests += [(tuple(v.shape), v.dtype) for v in send_views]
+        bufs, alloc = pool.take(requests)
+        self.times["staging_alloc"] = alloc
+        self.staging_bytes = pool.nbytes
+        self.sources = bufs[:len(work.writes)]
+        pairs = []
+        for cw, buf in zip(work.writes, self.sources):
+            if cw.direct is not None:
+                v, off = src(*cw.direct)
+                pairs.append((buf, box_view(v, off, cw.offset, cw.shape)))
+            for hidx, pidx, bo, bs in cw.local:
+                v, off = src(hidx, pidx)
+                pairs.append((box_view(buf, cw.offset, bo, bs), box_view(v, off, bo, bs)))
+        pairs += list(zip(bufs[len(work.writes):], send_views))
+        copy_pairs(pairs)
+        self.sends = [(tr.dst, b) for tr, b in zip(work.sends, bufs[len(work.writes):])]
+        self._name_recvs()
+
+    def _name_recvs(self) -> None:
+        w = self.work
+        self.recvs = [(tr.src, box_view(self.sources[tr.dst_ref[0]],
+                                        w.writes[tr.dst_ref[0]].offset, tr.box_offset,
+                                        tr.box_shape)) for tr in w.recvs]
+
+    def _create_arrays(self) -> None:
+        """Create the arrays this rank owns (their zarr.json, [SP-COMMIT-8]) from a few
+        threads. Done while staging, before the ranks agree, so no rank writes a chunk into
+        an array that does not exist yet."""
+        try:
+            with OpenAhead(self._handle, self.work.create) as opened:
+                for key in self.work.create:
+                    opened(key)
+        except Exception as e:  # noqa: BLE001 - raised again as the documented error
+            raise self.write_error(e) from e
+        self._created = True
+
+    def _handle(self, key: str) -> Any:
+        if key not in self._handles:
+            shape, dt, chunk = self.layouts[key]
+            self._handles[key] = self.be.open_array_for_write(
+                self.staging, array_path_for(key), ArraySpec(tuple(shape), dt, tuple(chunk)))
+        return self._handles[key]
+
+    # ---------------------------------------------------------------------- phase 3: write
+    def write(self, comm: Comm) -> None:
+        """Exchange misaligned pieces, write every chunk, make them durable (``flush``).
+        A local failure is kept for :meth:`commit`, which every rank reaches."""
+        if self.error is not None:
+            return
+        t = time.perf_counter()
+        opened: Optional[OpenAhead] = None
+        try:
+            if not self._created:
+                # An async save creates its arrays here, off the caller's time; the ranks
+                # agree before any of them opens another rank's array to write a chunk.
+                err: Optional[BaseException] = None
+                try:
+                    self._create_arrays()
+                except Exception as e:  # noqa: BLE001 - shared with every rank just below
+                    err = e
+                agree(comm, err, errors.SaveFailedError)
+            opened = OpenAhead(self._handle, [cw.key for cw in self.work.writes])
+            exchange(comm, self.sends, self.recvs, self.opts.exchange_budget_bytes)
+            self.sends = self.recvs = []
+            self.times["exchange"] = time.perf_counter() - t
+            ops, device = [], []
+            for cw, buf in zip(self.work.writes, self.sources):
+                if buf.device.type != "cpu":
+                    device.append((buf, cw))
+                    continue
+                ops.append((self.be.write(opened(cw.key), cw.offset, to_numpy(buf)), buf))
+                self.written += buf.numel() * buf.element_size()
+            if device:   # CUDA tensors (sync save): bounded pinned staging, overlapped
+                ops += stream_device_writes(
+                    device, lambda host, cw: self.be.write(opened(cw.key), cw.offset,
+                                                           to_numpy(host)),
+                    lambda op: self.be.wait([op]), self.opts.device_staging_bytes)
+                self.written += sum(b.numel() * b.element_size() for b, _ in device)
+            self.be.wait([op for op, _ in ops])
+            self.times["write"] = time.perf_counter() - t
+            t = time.perf_counter()
+            self.be.flush(self.staging)
+            self.times["flush"] = time.perf_counter() - t
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it
+            self.error = self.write_error(e)
+            log.error("shardpoint save: rank %d failed: %s", comm.rank, self.error)
+        finally:
+            if opened is not None:
+                opened.close()
+            self.sources = []
+
+    def write_error(self, e: BaseException) -> errors.ShardpointError:
+        """``e``, raised while creating arrays or writing chunks, as the error to report: a
+        storage failure (the backend's own error carrying an ``OSError``, or the ``OSError``
+        itself) becomes :meth:`write_failed`, whichever step a full disk happened to hit."""
+        if isinstance(e, errors.SaveFailedError) and isinstance(e.__cause__, OSError):
+            return self.write_failed(e.__cause__)
+        return e if isinstance(e, errors.ShardpointError) else self.write_failed(e)
+
+    def write_failed(self, e: BaseException) -> errors.SaveFailedError:
+        """A failed write as the documented error: the checkpoint, the cause (a full disk
+        names the file it could not write) and what to do about it."""
+        return errors.SaveFailedError(
+            f"cannot write checkpoint {self.path!r} (into its staging directory "
+            f"{self.staging!r}): {os_error_text(e)}. Nothing was committed: a previous "
+            "checkpoint at that path is untouched, and the partial files are removed")
+
+    # ---------------------------------------------------------------------- phase 4: commit
+    def commit(self, comm: Comm) -> SaveResult:
+        """Every rank reports; if all succeeded the coordinator writes the manifest and
+        renames the staging directory into place, else it removes it and all ranks raise."""
+        t = time.perf_counter()
+
+        def report() -> bytes:
+            e = self.error
+            if e is not None:
+                raise e if isinstance(e, errors.ShardpointError) else errors.SaveFailedError(
+                    f"{type(e).__name__}: {e}")
+            return b""
+
+        try:
+            run_collectively(comm, report, self._publish, errors.SaveFailedError)
+        except errors.ShardpointError:
+            _PLAN_CACHE.pop(self.cache_key, None)
+            if comm.is_coordinator and self.staging:
+                self.be.abort(self.staging)
+            raise
+        if self.opts.cache_plan:
+            _PLAN_CACHE[self.cache_key] = (self.struct, self.global_plan)
+        self.times["commit"] = time.perf_counter() - t
+        self.times["total"] = time.perf_counter() - self.t0
+        self.times["staging_bytes"] = self.staging_bytes
+        st = self.stats
+        if comm.is_coordinator:
+            log.info("shardpoint save %s: %d tensors, %.1f MiB unique, %.1f MiB exchanged, "
+                     "plan %.3fs%s, write %.3fs, commit %.3fs, total %.3fs", self.path,
+                     st["tensors"], st["unique_bytes"] / 2**20, st["exchange_bytes"] / 2**20,
+                     self.times["plan_total"], " (cached)" if self.plan_hit else "",
+                     self.times.get("write", 0.0), self.times["commit"], self.times["total"])
+        return SaveResult(self.path, comm.size, st["tensors"], st["unique_bytes"],
+                          st["exchange_bytes"], st["chunks"], self.written, self.times,
+                          files=st["chunks"] + st["tensors"] + 1,
+                          rank_chunk_files=len(self.work.writes))
+
+    def abandon(self) -> None:
+        """After an interrupt (KeyboardInterrupt, SystemExit, an exception a signal handler
+        raised) cut a phase short: the coordinator removes the staging directory and drops
+        its lock, as a failed save does, instead of leaving a whole checkpoint's worth of
+        partial files behind for ``recover`` (and the lock held while the process lives)."""
+        if self.comm.is_coordinator and self.staging:
+            self.be.abort(self.staging)
+
+    def _publish(self, _payloads: list) -> list:
+        """Coordinator, every rank having succeeded: manifest last, then the rename."""
+        plan = self.global_plan
+        try:
+            m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
+                                                    v.chunk_shape)
+                                     for k, v in plan.tensors.items()},
+                         plan.objects, save_world_size=self.comm.size)
+            self.be.write_manifest(self.staging, encode_manifest(m))
+            self.be.commit(self.staging, self.path, overwrite=self.overwrite)
+        except BaseException as e:
+            self.be.abort(self.staging)
+            if isinstance(e, OSError) and not isinstance(e, errors.ShardpointError):
+                # the manifest's own write found the disk full
+                raise errors.SaveFailedError(
+                    f"cannot commit checkpoint {self.path!r}: {os_error_text(e)}. Nothing "
+                    "was committed; the staged files are removed") from e
+            raise
+        return [b""] * self.comm.size
+
+
+# -------------------------------------------------------------------------------- save
+def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
+         backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
+         async_save: bool = False) -> "SaveResult | AsyncSave":
+    """Save ``state`` (a nested dict/list/tuple) as a checkpoint at ``path``. Collective.
+
+    Leaves: torch tensors and numpy arrays (replicas across ranks), :class:`ShardedTensor`,
+    DTensor, :class:`ShardedObject` and plain values (None, bool, int, float, str, bytes).
+    The checkpoint becomes visible only once every rank has written its part; on any failure
+    every rank raises and nothing is committed (a previous checkpoint at ``path`` survives).
+
+    ``async_save=True`` returns an :class:`AsyncSave` as soon as the state is copied into a
+    reusable host pool (the caller may then change its tensors); writes and the commit run
+    in the background on a gloo group of their own. Any save on the same group first waits
+    for the previous async one and re-raises its error on every rank if ``wait`` did not hand
+    it over on some rank.
+    """
+    comm = Comm(group)
+    saves = group_saves(group_key(comm))
+    saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))
+    job = SaveJob(state, path, comm, get_backend(backend), options or SaveOptions(), overwrite)
+    try:
+        job.plan()
+        if not async_save:
+            job.stage()
+            job.write(comm)
+            return job.commit(comm)
+        job.stage(saves.pool)
+        if job.error is not None:
+            job.commit(comm)      # raises the staging failure on every rank, removes staging
+        side = side_comm(comm)
+    except BaseException:
+        job.abandon()
+        raise
+    job.times["blocking"] = time.perf_counter() - job.t0
+
+    def background() -> SaveResult:
+        t = time.perf_counter()
+        job.write(side)
+        res = job.commit(side)
+        res.timings["background"] = time.perf_counter() - t
+        return res
+
+    return saves.start(background, job.staging_bytes, job.path)

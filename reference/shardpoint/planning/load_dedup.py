@@ -1,0 +1,282 @@
+"""The read-dedup load plan ([SP-LOAD-2]) computed on integer arrays.
+
+A 4,096-rank load of a data-parallel job moves about a million (region, receiver) pairs, each
+the same few numbers. They are planned as arrays: one row per chunk read, per part of a chunk
+(its overlap with one requested region), and per (part, holder) pair, from which each rank's
+:class:`~.plans.RankLoadWork` is cut on demand. Python loops run per distinct geometry
+(tensors of equal shape, chunk grid and requested regions share it), never per transfer.
+Pure: no I/O.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from shardpoint.planning.chunk_table import build_parts, elect, expand
+from shardpoint.planning.columns import Regions
+from shardpoint.planning.grid import chunk_part_arrays_many, region_pieces_many
+from shardpoint.planning.plans import RankLoadWork, encode_load_work, narrowest_int
+
+def _rank_dtype(world: int):
+    # ranks as int16 when they fit: numpy's stable sort is a radix sort for 16-bit keys
+    return np.int16 if world < 2 ** 15 else np.int64
+
+
+def _stable_order(keys: np.ndarray, world: int) -> tuple:
+    """(order, starts): rows sorted by ``keys`` (ranks), stable; rank r's rows are
+    ``order[starts[r]:starts[r + 1]]``."""
+    order = np.argsort(keys.astype(_rank_dtype(world)), kind="stable")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=world))])
+    return order, starts
+
+
+class LoadWorks(Sequence):
+    """Every rank's load work, planned as arrays; ``works[r]`` cuts rank ``r``'s
+    :class:`RankLoadWork` (cached). ``read_bytes``: bytes read from storage in all;
+    ``recv_bytes[r]``: bytes rank ``r`` receives."""
+
+    def __init__(self, world: int, keys: list, ndims: list, D: int, a: dict):
+        self.world, self.keys, self.ndims, self.D, self.a = world, keys, ndims, D, a
+        self._cache: dict = {}
+        self._pairs = None
+        self.read_bytes = int(a["read_bytes"])
+        self.recv_bytes = a["recv_bytes"].tolist()
+
+    def __len__(self) -> int:
+        return self.world
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self[i] for i in range(*r.indices(self.world))]
+        if r < 0:
+            r += self.world
+        if not 0 <= r < self.world:
+            raise IndexError(r)
+        w = self._cache.get(r)
+        if w is None:
+            w = self._cache[r] = self._cut(r)
+        return w
+
+    def __iter__(self):
+        return (self[r] for r in range(self.world))
+
+    def encode_all(self, layouts: dict) -> list:
+        """Every rank's :meth:`RankLoadWork.to_bytes` message, built in one pass over the
+        plan's arrays (a rank's rows are a slice of each table sorted by rank)."""
+        a = self.a
+        pos = {k: i for i, k in enumerate(sorted(layouts))}
+        kmap = np.array([pos[k] for k in self.keys] or [0], np.int64)
+        ch = a["read_order"]
+        reads = [kmap[a["c_key"][ch]], a["c_dq"][ch], a["c_dp"][ch], a["c_lo"][ch],
+                 a["c_shp"][ch]]
+        lsel = a["l_order"]
+        lp = a["l_part"][lsel]
+        locs = [a["c_ridx"][a["p_chunk"][lp]], a["l_q"][lsel], a["p_pi"][lp], a["p_bo"][lp],
+                a["p_bs"][lp]]
+        tabs = [(reads, a["read_starts"]), (locs, a["l_starts"]),
+                (self._transfer_cols(a["s_order"], kmap), a["s_starts"]),
+                (self._transfer_cols(a["v_order"], kmap), a["v_starts"])]
+        packed = []
+        for cols, starts in tabs:
+            lo = min((int(c.min()) for c in cols if c.size), default=0)
+            hi = max((int(c.max()) for c in cols if c.size), default=0)
+            t = narrowest_int(lo, hi)
+            n = len(cols[0])
+            w = sum(1 if c.ndim == 1 else c.shape[1] for c in cols)
+            out = np.empty((n, w), t)
+            j = 0
+            for c in cols:
+                k = 1 if c.ndim == 1 else c.shape[1]
+                out[:, j:j + k] = c.reshape(n, k)
+                j += k
+            buf = memoryview(out.reshape(-1).view(np.uint8))
+            rb = w * out.itemsize
+            st = (starts * rb).tolist()
+            rows = np.diff(starts).tolist()
+            packed.append([(t, m, w, buf[x:y]) for m, x, y in zip(rows, st[:-1], st[1:])])
+        return [encode_load_work(r, self.D, [list(p[r]) for p in packed])
+                for r in range(self.world)]
+
+    def _transfer_cols(self, sel: np.ndarray, kmap: np.ndarray) -> list:
+        a = self.a
+        p = a["t_part"][sel]
+        c = a["p_chunk"][p]
+        return [a["c_reader"][c], a["t_dst"][sel], kmap[a["c_key"][c]], a["c_ridx"][c],
+                a["t_q"][sel], a["p_pi"][p], a["p_bo"][p], a["p_bs"][p]]
+
+    def direct_host_bytes(self, hosts: Sequence[str]) -> dict:
+        """host -> bytes its ranks would read if every rank read for itself (the ``direct``
+        strategy): per chunk, the most any one request of the host needs of it, in whole
+        rows of the chunk (inner chunks split the first dimension)."""
+        hid: dict = {}
+        host_of = np.array([hid.setdefault(h, len(hid)) for h in hosts], np.int64)
+        tot = self._direct_bytes_by(host_of, len(hid))
+        return {h: int(tot[i]) for h, i in hid.items()}
+
+    def direct_rank_bytes(self) -> list:
+        """Per rank, the stored bytes it would read, check and narrow under ``direct``."""
+        return self._direct_bytes_by(np.arange(self.world, dtype=np.int64), self.world).tolist()
+
+    def rank_traffic(self, hosts: Sequence[str], shm: bool) -> tuple:
+        """Per rank under this (dedup) plan: bytes read from storage, bytes received from
+        ranks on other hosts (or all, without ``shm``), bytes copied from same-host peers'
+        shared memory (see host_exchange)."""
+        a = self.a
+        read = np.bincount(a["c_reader"], weights=a["c_bytes"], minlength=self.world)
+        hid: dict = {}
+        host_of = np.array([hid.setdefault(h, len(hid)) for h in hosts], np.int64)
+        src = a["c_reader"][a["p_chunk"][a["t_part"]]]
+        same = (host_of[src] == host_of[a["t_dst"]]) if shm else np.zeros(len(src), bool)
+        tb = a["t_bytes"]
+        cross = np.bincount(a["t_dst"][~same], weights=tb[~same], minlength=self.world)
+        local = np.bincount(a["t_dst"][same], weights=tb[same], minlength=self.world)
+        return ([int(x) for x in read], [int(x) for x in cross], [int(x) for x in local])
+
+    def _direct_pairs(self) -> tuple:
+        """Per (chunk, requested region, holder): the chunk, the bytes a direct read of it
+        costs that holder, and the holder's rank. Computed once, shared by the per-host and
+        per-rank figures."""
+        if self._pairs is None:
+            a = self.a
+            p_chunk, p_gi = a["p_chunk"], a["p_gi"]
+            G = len(a["start"]) - 1
+            rows = a["p_bs"][:, 0] if self.D else np.ones(len(p_chunk), np.int64)
+            # rows of a chunk one request of region g needs: its pieces' rows in that chunk
+            u, inv = np.unique(p_chunk * G + p_gi, return_inverse=True)
+            need = np.bincount(inv.ravel(), weights=rows).astype(np.int64)
+            c, g = u // G, u % G
+            full = a["c_full"][c]
+            per = np.ones(len(c), np.int64) if not self.D else \
+                np.minimum(need, full[:, 0]) * np.prod(full[:, 1:], axis=1)
+            per = per * a["c_item"][c]
+            start, nh = a["start"], np.diff(a["start"])
+            e_grp, e_entry = expand(np.arange(len(c)), start[g], nh[g])
+            self._pairs = (c[e_grp], per[e_grp], a["hold_rank"][e_entry])
+        return self._pairs
+
+    def _direct_bytes_by(self, group_of: np.ndarray, n_groups: int) -> np.ndarray:
+        """Direct-read bytes summed per group of ranks (``group_of[rank]``): per chunk, the
+        most any one request within the group needs of it (the group shares its reads)."""
+        if not len(self.a["p_chunk"]):
+            return np.zeros(n_groups, np.int64)
+        ec, ep, er = self._direct_pairs()
+        NC = len(self.a["c_key"])
+        key = group_of[er] * NC + ec
+        n = len(key)
+        nb = max(1, (n - 1).bit_length())
+        if int(key.max(initial=0)).bit_length() + nb <= 63:
+            # sort (key, row) packed in one integer: a plain sort, 4x a stable argsort
+            packed = (key << nb) | np.arange(n, dtype=np.int64)
+            packed.sort()
+            ks, o = packed >> nb, packed & ((1 << nb) - 1)
+        else:
+            o = np.argsort(key, kind="stable")
+            ks = key[o]
+        cut = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
+        best = np.maximum.reduceat(ep[o], cut)
+        return np.bincount(ks[cut] // NC, weights=best, minlength=n_groups).astype(np.int64)
+
+    def _cut(self, r: int) -> RankLoadWork:
+        a = self.a
+        ch = a["read_order"][a["read_starts"][r]:a["read_starts"][r + 1]]
+        reads = np.column_stack([a["c_key"][ch], a["c_dq"][ch], a["c_dp"][ch],
+                                 a["c_lo"][ch], a["c_shp"][ch]])
+        lp = a["l_part"][a["l_order"][a["l_starts"][r]:a["l_starts"][r + 1]]]
+        lq = a["l_q"][a["l_order"][a["l_starts"][r]:a["l_starts"][r + 1]]]
+        locs = np.column_stack([a["c_ridx"][a["p_chunk"][lp]], lq, a["p_pi"][lp],
+                                a["p_bo"][lp], a["p_bs"][lp]])
+
+        def transfers(sel):
+            p, c = a["t_part"][sel], a["p_chunk"][a["t_part"][sel]]
+            return np.column_stack([a["c_reader"][c], a["t_dst"][sel], a["c_key"][c],
+                                    a["c_ridx"][c], a["t_q"][sel], a["p_pi"][p],
+                                    a["p_bo"][p], a["p_bs"][p]])
+        sends = transfers(a["s_order"][a["s_starts"][r]:a["s_starts"][r + 1]])
+        recvs = transfers(a["v_order"][a["v_starts"][r]:a["v_starts"][r + 1]])
+        return RankLoadWork(r, self.keys, self.ndims, self.D, reads, locs, sends, recvs)
+
+
+def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
+                     itemsizes: list) -> LoadWorks:
+    """The dedup plan of the requests grouped in ``regions`` (keys ``entries``).
+
+    Per chunk one reader among the ranks that need most of it (:func:`~.chunk_table.elect`:
+    data-parallel replicas share the reads evenly). The reader reads the box spanning the
+    chunk's requested parts, copies what its own requests need and sends the rest; a chunk
+    needed by one request only is read straight into it.
+    """
+    D = max((len(e[2]) for e in entries), default=0)
+    keys = [e[0] for e in entries]
+    ndims = [len(e[2]) for e in entries]
+    order = [(k, regions.by_key[k][0]) for k in sorted(range(len(entries)),
+                                                       key=lambda i: entries[i][0])
+             if k in regions.by_key]
+
+    # chunk geometry of each distinct (shape, chunk grid, requested regions), all at once
+    pkey = {k: (entries[k][2], layouts[entries[k][0]].chunk_shape, regions.by_key[k][1])
+            for k, _ in order}
+    first: dict = {}
+    for k, gis in order:
+        first.setdefault(pkey[k], (k, gis))
+    specs = [(len(entries[k][2]), [regions.region(gi)[1:] for gi in gis])
+             for k, gis in first.values()]
+    geo = dict(zip(first, chunk_part_arrays_many(
+        [(pk[0], pk[1], pa) for pk, pa in zip(first, region_pieces_many(specs))])))
+    t = build_parts(order, D, lambda k, _gis: (pkey[k], lambda: geo[pkey[k]]))
+    NC, NP = len(t.c_key), len(t.p_chunk)
+    c_key, p_chunk, p_gi, p_pi, p_bo, p_bs, first = \
+        t.c_key, t.p_chunk, t.p_gi, t.p_pi, t.p_bo, t.p_bs, t.first
+    item = np.array(itemsizes, np.int64)
+    # read boxes: the parts' bounding box (the part itself for a one-part chunk)
+    if NC:
+        c_lo = np.minimum.reduceat(p_bo, first, axis=0)
+        c_shp = np.maximum.reduceat(p_bo + p_bs, first, axis=0) - c_lo
+    else:
+        c_lo = c_shp = np.zeros((0, D), np.int64)
+    c_bytes = np.prod(c_shp, axis=1) * item[c_key]
+    reader, _ = elect(t, regions, world, c_bytes)
+    start = np.asarray(regions.start, np.int64)
+    hold_rank, hold_hidx = regions.hold_rank, regions.hold_hidx
+    nh = np.diff(start)
+    one = t.nparts == 1
+    ids1 = np.flatnonzero(one)
+    n1 = nh[p_gi[first[ids1]]]
+
+    read_order, read_starts = _stable_order(reader, world)
+    c_ridx = np.empty(NC, np.int64)
+    c_ridx[read_order] = np.arange(NC) - read_starts[reader[read_order]]
+    direct = np.zeros(NC, bool)
+    direct[ids1[n1 == 1]] = True
+    c_dq = np.full(NC, -1, np.int64)
+    c_dp = np.full(NC, -1, np.int64)
+    dch = np.flatnonzero(direct)
+    c_dq[dch] = hold_hidx[start[p_gi[first[dch]]]]
+    c_dp[dch] = p_pi[first[dch]]
+
+    # (part, holder) pairs of the chunks not read straight into their one request
+    px = np.flatnonzero(~direct[p_chunk]) if NP else np.zeros(0, np.int64)
+    e_part, e_entry = expand(px, start[p_gi[px]], nh[p_gi[px]])
+    e_rank = hold_rank[e_entry]
+    e_reader = reader[p_chunk[e_part]]
+    loc = e_rank == e_reader
+    l_part, l_q = e_part[loc], hold_hidx[e_entry[loc]]
+    l_order, l_starts = _stable_order(e_reader[loc], world)
+    x = ~loc
+    t_part, t_dst, t_q, t_src = e_part[x], e_rank[x], hold_hidx[e_entry[x]], e_reader[x]
+    s_order, s_starts = _stable_order(t_src, world)
+    v_order, v_starts = _stable_order(t_dst, world)
+    t_bytes = np.prod(p_bs[t_part], axis=1) * item[c_key[p_chunk[t_part]]]
+    recv_bytes = np.bincount(t_dst, weights=t_bytes, minlength=world).astype(np.int64)
+    a = dict(c_key=c_key, c_lo=c_lo, c_shp=c_shp, c_dq=c_dq, c_dp=c_dp, c_reader=reader,
+             c_ridx=c_ridx, read_order=read_order, read_starts=read_starts,
+             p_chunk=p_chunk, p_pi=p_pi, p_bo=p_bo, p_bs=p_bs,
+             l_part=l_part, l_q=l_q, l_order=l_order, l_starts=l_starts,
+             t_part=t_part, t_dst=t_dst, t_q=t_q, s_order=s_order, s_starts=s_starts,
+             v_order=v_order, v_starts=v_starts, recv_bytes=recv_bytes,
+             p_gi=p_gi, start=start, hold_rank=hold_rank, c_item=item[c_key],
+             c_full=(np.concatenate([p[7] for p in t.patterns])[
+                 np.cumsum([0] + [len(p[7]) for p in t.patterns[:-1]]).astype(np.int64)[t.c_pat]
+                 + t.c_idx] if NC else np.zeros((0, D), np.int64)),
+             read_bytes=int(c_bytes.sum()), c_bytes=c_bytes, t_bytes=t_bytes)
+    return LoadWorks(world, keys, ndims, D, a)

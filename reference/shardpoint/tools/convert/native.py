@@ -1,0 +1,253 @@
+"""shardpoint checkpoints as a conversion source and sink.
+
+The sink writes through the storage backend array by array (chunk by chunk from one tensor
+at a time) into a staging location, then writes the manifest and commits with the backend's
+own protocol: the converted checkpoint appears complete or not at all.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from shardpoint.tree import dtypes
+from shardpoint.tree import values
+from shardpoint_core.errors import (CheckpointExistsError, ConversionError, InvalidKeyError,
+                                    UnsupportedValueError)
+from shardpoint.planning.grid import plan_chunk_grid
+from shardpoint_core.keys import encode_component, encode_key
+from shardpoint_core.manifest import (Manifest, TensorEntry, array_path_for, decode_manifest,
+                                      encode_manifest)
+from shardpoint.planning.plans import PlanOptions
+from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
+from shardpoint.tree.views import to_numpy
+from shardpoint.tools.convert.base import Progress, Source, TensorInfo, key_of, nest
+
+FORMAT = "shardpoint"
+
+
+class ShardpointSource(Source):
+    """Reads a committed shardpoint checkpoint; rows are read straight from the chunks."""
+
+    def __init__(self, path: str, backend: Optional[StorageBackend] = None) -> None:
+        super().__init__(str(path), FORMAT)
+        self.backend = get_backend(backend)
+        self.manifest = decode_manifest(self.backend.read_manifest(self.path))
+        self._handles: dict = {}
+        self._entries: dict = {}
+        for path, node in _leaves(self.manifest.tree, ()):
+            if "tensor" in node:
+                e = self.manifest.tensors[node["tensor"]]
+                t = TensorInfo(tuple(path), tuple(e.shape), dtypes.from_name(e.dtype).torch)
+                self.tensors.append(t)
+                self._entries[t.path] = e
+            elif "object" in node:
+                self.objects[tuple(path)] = list(self.manifest.objects[node["object"]])
+            else:
+                self.values[tuple(path)] = node.get("value")
+
+    def _handle(self, t: TensorInfo) -> Any:
+        if t.path not in self._handles:
+            e = self._entries[t.path]
+            self._handles[t.path] = self.backend.open_array_for_read(self.path, e.array,
+                                                                     e.spec, e.key)
+        return self._handles[t.path]
+
+    def read_rows(self, t: TensorInfo, start: int, stop: int) -> torch.Tensor:
+        shape = (stop - start,) + tuple(t.shape[1:]) if t.shape else ()
+        out = torch.empty(shape, dtype=t.dtype)
+        if out.numel():
+            off = (start,) + (0,) * (len(shape) - 1) if shape else ()
+            self.backend.wait([self.backend.read_into(self._handle(t), off, to_numpy(out))])
+        return out
+
+    def read(self, t: TensorInfo) -> torch.Tensor:
+        return self.read_rows(t, 0, t.shape[0] if t.shape else 0)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _plain(node: dict) -> Any:
+    """The value a subtree of value leaves stands for, or raise KeyError if it holds more."""
+    if "value" in node:
+        return node["value"]
+    if "dict" in node:
+        return {k: _plain(v) for k, v in node["dict"]}
+    if "list" in node:
+        return [_plain(v) for v in node["list"]]
+    if "tuple" in node:
+        return tuple(_plain(v) for v in node["tuple"])
+    raise KeyError("tensor or object")
+
+
+def _leaves(node: dict, path: tuple):
+    """Leaves of a manifest tree, with lists and tuples of plain values given back as one
+    value (as DCP and ``torch.save`` hold them)."""
+    if path and ("list" in node or "tuple" in node):
+        try:
+            yield path, {"value": _plain(node)}
+            return
+        except KeyError:
+            pass
+    if "dict" in node:
+        for k, v in node["dict"]:
+            yield from _leaves(v, path + (k,))
+    elif "list" in node or "tuple" in node:
+        for i, v in enumerate(node.get("list", node.get("tuple"))):
+            yield from _leaves(v, path + (i,))
+    else:
+        yield path, node
+
+
+def value_node(v: Any) -> dict:
+    """The tree node of a value: containers as tree nodes (as ``save`` lays them out),
+    scalars and arrays as value leaves."""
+    if isinstance(v, dict):
+        for k in v:
+            encode_component(k)
+        return {"dict": [[k, value_node(x)] for k, x in v.items()]}
+    if isinstance(v, (list, tuple)):
+        return {"list" if isinstance(v, list) else "tuple": [value_node(x) for x in v]}
+    return {"value": v}
+
+
+class _Leaf:
+    def __init__(self, node: dict) -> None:
+        self.node = node
+
+
+def _tree_of(nested: dict) -> dict:
+    """The manifest tree (``{"dict": [[k, node], ...]}``) of nested dicts of leaves."""
+    return {"dict": [[k, v.node if isinstance(v, _Leaf) else _tree_of(v)]
+                     for k, v in nested.items()]}
+
+
+def shardpoint_tree(src: Source) -> tuple:
+    """The manifest tree and sharded objects of ``src`` (tensors as leaves keyed by their
+    path), and ``[(key, reason)]`` for the values that cannot be stored. No I/O."""
+    skipped: list = []
+    leaves: list = []
+    for t in src.tensors:
+        leaves.append((t.path, _Leaf({"tensor": encode_key(t.path)})))
+    for p, v in src.values.items():
+        try:
+            values.check_value(v, f"value {key_of(p)!r}")
+            leaves.append((p, _Leaf(value_node(v))))
+        except (UnsupportedValueError, InvalidKeyError) as e:
+            skipped.append((key_of(p), str(e)))
+    objects = {}
+    for p, vs in src.objects.items():
+        try:
+            for i, v in enumerate(vs):
+                values.check_value(v, f"object {key_of(p)!r}[{i}]")
+        except UnsupportedValueError as e:
+            skipped.append((key_of(p), str(e)))
+            continue
+        objects[encode_key(p)] = list(vs)
+        leaves.append((p, _Leaf({"object": encode_key(p)})))
+    if not leaves:
+        raise ConversionError(f"{src.path!r} ({src.format}) holds nothing that can be stored")
+    return _tree_of(nest(leaves, f"converting {src.path!r}")), objects, skipped
+
+
+def tensor_entry(t: TensorInfo, max_chunk_bytes: int) -> TensorEntry:
+    """The manifest entry of a converted tensor: its whole shape, chunked into bands of rows
+    of at most ``max_chunk_bytes`` (the same grid whichever process writes it)."""
+    name = dtypes.from_torch(t.dtype, f"tensor {t.key!r}").name
+    shape = tuple(t.shape)
+    whole = ((0,) * len(shape), shape)
+    chunk = plan_chunk_grid(shape, t.itemsize, [([whole], [0])], [whole],
+                            PlanOptions(max_chunk_bytes=max_chunk_bytes))
+    return TensorEntry(t.key, array_path_for(t.key), shape, name, tuple(chunk))
+
+
+def open_entry(be: StorageBackend, staging: str, e: TensorEntry) -> Any:
+    """Create (or open, when another process created it) the array of ``e`` under staging."""
+    return be.open_array_for_write(staging, e.array, ArraySpec(e.shape, e.dtype, e.chunk_shape))
+
+
+def check_target(be: StorageBackend, dst: str, overwrite: bool) -> None:
+    """Refuse what the commit would refuse at ``dst`` before any work (it would do so last)."""
+    try:
+        be.check_target(dst, overwrite)
+    except CheckpointExistsError as e:
+        raise CheckpointExistsError(f"{e} (--overwrite on the command line)") from e
+
+
+def write_shardpoint(src: Source, dst: str, *, overwrite: bool = False,
+                     backend: Optional[StorageBackend] = None, progress: Progress = None,
+                     max_chunk_bytes: int = 256 << 20) -> list:
+    """Write ``src`` as a shardpoint checkpoint at ``dst``, one tensor in memory at a time.
+    Returns ``[(key, reason)]`` for the values that could not be stored."""
+    be = get_backend(backend)
+    check_target(be, dst, overwrite)
+    tree, objects, skipped = shardpoint_tree(src)
+    staging = be.staging_path(dst, secrets.token_hex(6))
+    be.begin_save(staging)
+    try:
+        entries = {}
+        for t in src.tensors:
+            e = entries[t.key] = tensor_entry(t, max_chunk_bytes)
+            write_rows(be, open_entry(be, staging, e), src, t, e, 0,
+                       t.shape[0] if t.shape else 0, progress)
+        be.flush(staging)
+        commit_shardpoint(be, staging, dst, tree, entries, objects, overwrite=overwrite)
+    except BaseException:
+        be.abort(staging)
+        raise
+    return skipped
+
+
+def commit_shardpoint(be: StorageBackend, staging: str, dst: str, tree: dict, entries: dict,
+                      objects: dict, *, overwrite: bool) -> None:
+    """Every array under ``staging`` is durable: the manifest last, then the rename."""
+    m = Manifest(tree, entries, objects, save_world_size=1)
+    be.write_manifest(staging, encode_manifest(m))
+    be.commit(staging, dst, overwrite=overwrite)
+
+
+def write_rows(be: StorageBackend, h: Any, src: Source, t: TensorInfo, e: TensorEntry,
+               start: int, stop: int, progress: Progress) -> None:
+    """Write rows ``start:stop`` of ``t`` (whole bands of chunk rows, or up to the end) into
+    the array ``h``, one band of chunk rows in memory at a time (a 0-d tensor: all of it)."""
+    shape, chunk = tuple(t.shape), e.chunk_shape
+    if not shape:
+        data = src.read(t)
+        _check_read(t, data, ())
+        be.wait([be.write(h, (), to_numpy(data.contiguous()))])
+    elif math.prod(shape):
+        grid = [math.ceil(n / c) for n, c in zip(shape[1:], chunk[1:])]
+        for lo in range(start, stop, chunk[0]):
+            hi = min(stop, lo + chunk[0])
+            data = src.read_rows(t, lo, hi)
+            _check_read(t, data, (hi - lo,) + shape[1:])
+            arr = to_numpy(data.contiguous())
+            ops = []
+            for idx in np.ndindex(*grid):
+                off = tuple(i * c for i, c in zip(idx, chunk[1:]))
+                box = (slice(None),) + tuple(slice(o, min(o + c, n))
+                                             for o, c, n in zip(off, chunk[1:], shape[1:]))
+                ops.append(be.write(h, (lo,) + off, arr[box]))
+            be.wait(ops)
+            if progress:
+                progress(data.numel() * data.element_size())
+            del data, arr, ops
+        return
+    if progress:
+        progress(t.nbytes)
+
+
+def _check_read(t: TensorInfo, data: torch.Tensor, want: tuple) -> None:
+    if tuple(data.shape) != tuple(want) or data.dtype != t.dtype:
+        raise ConversionError(f"tensor {t.key!r}: the source read {data.dtype}"
+                              f"{list(data.shape)}, expected {t.dtype}{list(want)}")
+
+
+def is_shardpoint(path: str) -> bool:
+    import os
+    return os.path.isfile(os.path.join(path, "manifest.msgpack"))
+
