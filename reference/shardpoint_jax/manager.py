@@ -34,13 +34,13 @@ import math
 import operator
 import os
 import re
-import secrets
-import shutil
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 
+from shardpoint_core.commit.cleanup import clean_leftovers
+from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.comm import Comm
@@ -52,7 +52,6 @@ from shardpoint_jax.values import pack, unpack
 
 METRICS_KEY = "__metrics__"
 STEP_NAME = re.compile(r"step_(\d+)\Z")
-HIDDEN_NAME = re.compile(r"\.(step_\d+)\.shardpoint-(tmp|old)-.+\Z")
 
 
 class CheckpointManager:
@@ -85,6 +84,7 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self._pending: Optional[AsyncSave] = None
         self._metrics: dict = {}           # step -> metrics (a cache of the manifests)
+        self._committer = PosixCommitter()
 
     # ---------------------------------------------------------------- reading (any process)
     def path(self, step: int) -> str:
@@ -286,37 +286,15 @@ class CheckpointManager:
                 self._remove(self.path(s))
                 self._metrics.pop(s, None)
 
-    @staticmethod
-    def _remove(path: str) -> None:
-        # Hide first (one atomic rename), then delete: a crash mid-delete leaves a hidden
-        # leftover that the next manager cleans, never a half-deleted step.
-        parent, name = os.path.split(path)
-        hidden = os.path.join(parent, f".{name}.shardpoint-tmp-{secrets.token_hex(6)}")
-        try:
-            os.rename(path, hidden)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(hidden, ignore_errors=True)
+    def _remove(self, path: str) -> None:
+        # Through the committer: locked, hidden by one atomic rename, then deleted, so a
+        # reader gets 'no checkpoint', never half a step; a step a live save holds stays.
+        self._committer.remove(path)
 
     def _clean_leftovers(self) -> None:
-        """Remove what crashed saves left; restore a step whose overwrite crashed midway."""
-        if not os.path.isdir(self.root):
-            return
-        for name in sorted(os.listdir(self.root)):
-            full = os.path.join(self.root, name)
-            m = HIDDEN_NAME.match(name)
-            if m:
-                step_path = os.path.join(self.root, m.group(1))
-                if (m.group(2) == "old" and os.path.isfile(os.path.join(full, MANIFEST))
-                        and not os.path.isfile(os.path.join(step_path, MANIFEST))):
-                    if os.path.lexists(step_path):
-                        self._remove(step_path)
-                    os.rename(full, step_path)     # the overwrite never completed: put back
-                else:
-                    shutil.rmtree(full, ignore_errors=True)
-            elif (STEP_NAME.match(name) and os.path.isdir(full)
-                  and not os.path.isfile(os.path.join(full, MANIFEST))):
-                self._remove(full)
+        """Remove what crashed saves left; restore a step whose overwrite crashed midway;
+        never what a live save holds (:func:`shardpoint_core.commit.cleanup.clean_leftovers`)."""
+        clean_leftovers(self._committer, self.root, lambda n: STEP_NAME.match(n) is not None)
 
 
 def _step_number(step: Any) -> int:

@@ -31,25 +31,22 @@ never touches the directory, so an observer cannot disturb a save in progress.
 """
 from __future__ import annotations
 
-import logging
 import math
 import operator
 import os
 import re
-import secrets
-import shutil
 from typing import Any, Optional
 
 from shardpoint import api
 from shardpoint_core import errors
 from shardpoint.exchange.comm import Comm, agree
 from shardpoint.tree.model import iter_tree_leaves
+from shardpoint_core.commit.cleanup import clean_leftovers
+from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.storage import MANIFEST_NAME
 
-log = logging.getLogger("shardpoint")
 METRICS_KEY = "__metrics__"
 _STEP = re.compile(r"step_(\d+)\Z")
-_HIDDEN = re.compile(r"\.(step_\d+)\.shardpoint-(tmp|old)-.+\Z")
 
 
 class CheckpointManager:
@@ -86,6 +83,7 @@ class CheckpointManager:
         self._comm = Comm(group)
         self._pending: Any = None          # the in-flight async save, if any
         self._metrics: dict = {}           # step -> metrics dict (cache of the manifests)
+        self._committer = PosixCommitter()
 
     # ---------------------------------------------------------------- reading (any rank)
     def path(self, step: int) -> str:
@@ -284,42 +282,11 @@ class CheckpointManager:
                 self._metrics.pop(s, None)
 
     def _remove(self, path: str) -> None:
-        # Hide first (one atomic rename), then delete: a crash mid-delete leaves a hidden
-        # leftover that the next manager cleans, never a half-deleted step.
-        parent, name = os.path.split(path)
-        hidden = os.path.join(parent, f".{name}.shardpoint-tmp-{secrets.token_hex(6)}")
-        try:
-            os.rename(path, hidden)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(hidden, ignore_errors=True)
+        # Through the committer: locked, hidden by one atomic rename, then deleted, so a
+        # reader gets 'no checkpoint', never half a step; a step a live save holds stays.
+        self._committer.remove(path)
 
     def _clean_leftovers(self) -> None:
-        """Remove what crashed saves left; restore a step whose overwrite crashed midway."""
-        if not os.path.isdir(self.root):
-            return
-        for name in sorted(os.listdir(self.root)):
-            try:
-                self._clean_one(name)
-            except OSError as e:
-                # A read-only file system (a load of a mounted archive) or a directory this
-                # user may not change: the load goes on, a save reports its own error.
-                log.warning("shardpoint: cannot clean up %r under %r (%s); left as it is",
-                            name, self.root, e.strerror or e)
-
-    def _clean_one(self, name: str) -> None:
-        """Clean one entry of ``root`` (see :meth:`_clean_leftovers`)."""
-        full = os.path.join(self.root, name)
-        m = _HIDDEN.match(name)
-        if m:
-            step_path = os.path.join(self.root, m.group(1))
-            if (m.group(2) == "old" and os.path.isfile(os.path.join(full, MANIFEST_NAME))
-                    and not os.path.isfile(os.path.join(step_path, MANIFEST_NAME))):
-                if os.path.lexists(step_path):
-                    self._remove(step_path)
-                os.rename(full, step_path)    # the overwrite never completed: put it back
-            else:
-                shutil.rmtree(full, ignore_errors=True)
-        elif (_STEP.match(name) and os.path.isdir(full)
-              and not os.path.isfile(os.path.join(full, MANIFEST_NAME))):
-            self._remove(full)
+        """Remove what crashed saves left; restore a step whose overwrite crashed midway;
+        never what a live save holds (:func:`shardpoint_core.commit.cleanup.clean_leftovers`)."""
+        clean_leftovers(self._committer, self.root, lambda n: _STEP.match(n) is not None)
