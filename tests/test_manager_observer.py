@@ -141,3 +141,44 @@ def test_torch_manager_observer_never_destroys_a_save(tmp_path):
 def test_jax_manager_observer_never_destroys_a_save(tmp_path):
     pytest.importorskip("jax")
     _run(tmp_path, JAX_TRAINER, JAX_OBSERVER)
+
+
+def test_a_step_removed_under_a_torch_load_fails_it_cleanly(tmp_path):
+    """Retention removes the step between the load's manifest read and its chunk reads (the
+    window the observer test hits by chance): the load raises a ShardpointError."""
+    import torch
+    import shardpoint as sp
+    from shardpoint_core.commit.posix import PosixCommitter
+    from shardpoint_core.zarr import TensorStoreBackend
+
+    class RemovedAfterManifest(TensorStoreBackend):
+        def read_manifest(self, path):
+            data = super().read_manifest(path)
+            assert PosixCommitter().remove(path)
+            return data
+
+    path = str(tmp_path / "step_00000001")
+    sp.save({"w": torch.ones(64), "b": torch.zeros(3, 5)}, path)
+    with pytest.raises(sp.ShardpointError):
+        sp.load(path, backend=RemovedAfterManifest())
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_step_removed_under_a_jax_load_fails_it_cleanly(tmp_path, monkeypatch):
+    spj = pytest.importorskip("shardpoint_jax")
+    import numpy as np
+    import shardpoint_jax.loading as loading
+    from shardpoint_core.commit.posix import PosixCommitter
+
+    def read_then_remove(path):
+        body = real(path)
+        assert PosixCommitter().remove(path)
+        return body
+
+    path = str(tmp_path / "step_00000001")
+    spj.save(path, {"w": np.ones(64), "b": np.zeros((3, 5))})
+    real = loading.read_manifest
+    monkeypatch.setattr(loading, "read_manifest", read_then_remove)
+    with pytest.raises(spj.errors.ShardpointError):
+        spj.load(path)
+    assert os.listdir(tmp_path) == []
