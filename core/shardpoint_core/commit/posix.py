@@ -178,8 +178,8 @@ class PosixCommitter:
                 if self._locks.holds(staging):
                     return
                 self._locks.release(staging)    # deleted under us before we locked it
-            elif dir_locked(staging) is None:   # no flock here: the age guards it
-                return
+            elif os.path.isdir(staging) and dir_locked(staging) is None:
+                return                          # no flock on this file system: age guards it
             time.sleep(0.005)   # a clean-up is deleting it: let it finish, then again
         raise SaveFailedError(f"cannot hold the staging directory {staging!r}: another "
                               "process kept deleting it")
