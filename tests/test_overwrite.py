@@ -114,3 +114,22 @@ def test_convert_never_deletes_its_source(tmp_path):
     with pytest.raises(CheckpointExistsError):
         convert(str(src / "model.safetensors"), str(other), overwrite=True)
     assert (other / "mine.txt").read_text() == "keep"
+
+
+def test_convert_cli_overwrite_and_overwrite_any(tmp_path, capsys):
+    """``--overwrite`` replaces a checkpoint only; ``--overwrite-any`` a user's directory
+    too; a destination holding the source is refused either way (exit status != 0)."""
+    from safetensors.torch import save_file
+    from shardpoint.tools.cli import main as cli
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": torch.ones(3)}, str(src / "model.safetensors"))
+    d = _user_dir(tmp_path)
+    st = str(src / "model.safetensors")
+    assert cli(["convert", st, str(d), "--overwrite"]) != 0
+    assert os.listdir(d) == ["notes.txt"]
+    assert cli(["convert", st, str(src), "--overwrite-any"]) != 0
+    assert os.listdir(src) == ["model.safetensors"]
+    assert cli(["convert", st, str(d), "--overwrite-any"]) == 0
+    assert torch.equal(sp.load(str(d))["w"], torch.ones(3))
+    capsys.readouterr()
