@@ -2,7 +2,7 @@
 
 Walks the AST of every module of core/, reference/, conformance/ and testing/ and fails on a
 call to ``os.rename``, ``os.replace``, ``shutil.rmtree``, ``os.unlink``, ``os.remove``,
-``os.rmdir`` or ``renameat2`` outside ``core/shardpoint_core/commit/``, except the short
+``os.rmdir``, ``renameat2`` or a path object's ``unlink``/``rmdir``/``rename`` outside ``core/shardpoint_core/commit/``, except the short
 allowlist below, each entry a caller's own scratch file with the reason. A new such call
 fails the test (shown on a temporary copy of the tree).
 """
@@ -18,10 +18,14 @@ COMMITTER = Path("core/shardpoint_core/commit")
 FORBIDDEN = {("os", "rename"), ("os", "replace"), ("os", "unlink"), ("os", "remove"),
              ("os", "rmdir"), ("shutil", "rmtree"), ("os", "renames"), ("os", "removedirs")}
 
+PATH_METHODS = {"unlink", "rmdir", "rename", "rmtree"}   # str.replace is too common to flag
+
 # (file, function called): why it is not a checkpoint path.
 ALLOWED = {
     ("reference/shardpoint/exchange/host.py", "os.unlink"):
         "the host exchange's own shared-memory segment file, never a checkpoint",
+    ("reference/shardpoint/exchange/host.py", ".unlink"):
+        "the same segment file, through the segment's own unlink()",
     ("reference/shardpoint/tools/demo.py", "shutil.rmtree"):
         "the demo's own temporary directory (made by tempfile.mkdtemp)",
     ("conformance/shardpoint_conformance/faults.py", "shutil.rmtree"):
@@ -68,6 +72,8 @@ def calls_outside_committer(root: Path) -> list:
                 elif (isinstance(fn, ast.Name) and fn.id == "renameat2") or (
                         isinstance(fn, ast.Attribute) and fn.attr == "renameat2"):
                     name = "renameat2"
+                elif isinstance(fn, ast.Attribute) and fn.attr in PATH_METHODS:
+                    name = f".{fn.attr}"       # pathlib.Path.unlink() and the like
                 if name:
                     found.append((str(rel), name, node.lineno))
     return found
@@ -91,7 +97,8 @@ def test_a_new_call_is_caught(tmp_path):
         shutil.copytree(ROOT / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "reference" / "shardpoint" / "api" / "sneaky.py").write_text(
         "import shutil\nfrom os import rename as mv\n\n"
-        "def prune(p):\n    shutil.rmtree(p)\n    mv(p, p + '.x')\n")
+        "def prune(p):\n    shutil.rmtree(p)\n    mv(p, p + '.x')\n    p.unlink()\n")
     got = violations(tmp_path)
     assert ("reference/shardpoint/api/sneaky.py", "shutil.rmtree", 5) in got
     assert ("reference/shardpoint/api/sneaky.py", "os.rename", 6) in got
+    assert ("reference/shardpoint/api/sneaky.py", ".unlink", 7) in got
