@@ -127,6 +127,8 @@ def test_convert_cli_overwrite_and_overwrite_any(tmp_path, capsys):
     d = _user_dir(tmp_path)
     st = str(src / "model.safetensors")
     assert cli(["convert", st, str(d), "--overwrite"]) != 0
+    err = capsys.readouterr().err
+    assert "--overwrite-any" in err and "overwrite=True" not in err
     assert os.listdir(d) == ["notes.txt"]
     assert cli(["convert", st, str(src), "--overwrite-any"]) != 0
     assert os.listdir(src) == ["model.safetensors"]

@@ -171,6 +171,18 @@ def nest(items: Iterator[tuple], what: str = "tree") -> dict:
     return root
 
 
+def with_cli_flag(e: CheckpointExistsError) -> CheckpointExistsError:
+    """``e`` naming the command-line spelling of the consent it mentions, if any."""
+    text = str(e)
+    if "overwrite='any'" in text:
+        text += " (--overwrite-any on the command line)"
+    elif "overwrite=True" in text:
+        text += " (--overwrite on the command line)"
+    out = CheckpointExistsError(text)
+    out.spec_id = e.spec_id
+    return out
+
+
 @contextmanager
 def staged_output(dst: str, overwrite: Any, *, is_dir: bool,
                   is_output: Callable[[str], bool], protect: Sequence[str] = ()
@@ -185,7 +197,7 @@ def staged_output(dst: str, overwrite: Any, *, is_dir: bool,
     try:
         c.check_target(dst, overwrite, protect, is_output)
     except CheckpointExistsError as e:
-        raise CheckpointExistsError(f"{e} (--overwrite on the command line)") from e
+        raise with_cli_flag(e) from e
     token = secrets.token_hex(6)
     try:
         if is_dir:

@@ -25,7 +25,8 @@ from shardpoint.planning.plans import PlanOptions
 from shardpoint_core.commit.posix import check_not_containing
 from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
 from shardpoint.tree.views import to_numpy
-from shardpoint.tools.convert.base import Progress, Source, TensorInfo, key_of, nest
+from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, key_of, nest,
+                                           with_cli_flag)
 
 FORMAT = "shardpoint"
 
@@ -179,7 +180,7 @@ def check_target(be: StorageBackend, dst: str, overwrite: Any,
         check_not_containing(dst, protect)
         be.check_target(dst, overwrite)
     except CheckpointExistsError as e:
-        raise CheckpointExistsError(f"{e} (--overwrite on the command line)") from e
+        raise with_cli_flag(e) from e
 
 
 def write_shardpoint(src: Source, dst: str, *, overwrite: bool = False,
