@@ -68,6 +68,16 @@ def check_not_containing(target: str, protect: Sequence[str]) -> None:
                 "delete it. Choose a destination outside the input", spec_id="SP-COMMIT-5")
 
 
+def _ignore(*_: object) -> None:
+    pass
+
+
+def _raise_unless_gone(_fn: object, _path: str, info: tuple) -> None:
+    """rmtree's error handler: what vanished meanwhile (another remover) is fine."""
+    if not isinstance(info[1], FileNotFoundError):
+        raise info[1]
+
+
 class PosixCommitter:
     """Commit by rename on a POSIX file system (see the module docstring for the lock rule).
 
@@ -340,7 +350,7 @@ class PosixCommitter:
         if not self._try_lock(leftover):
             return False
         try:
-            self._delete_tree(leftover)
+            self._delete_tree(leftover, strict=True)
         finally:
             self._locks.release(leftover)
         return True
@@ -353,11 +363,13 @@ class PosixCommitter:
             return True
         return dir_locked(path) is None and os.path.lexists(path)
 
-    def _delete_tree(self, path: str) -> None:
-        """Delete the directory tree ``path`` (ours: locked or just renamed by us)."""
+    def _delete_tree(self, path: str, strict: bool = False) -> None:
+        """Delete the directory tree ``path`` (ours: locked or just renamed by us). Errors
+        (a read-only file system) raise with ``strict``; else what stays is a leftover that a
+        later clean-up removes."""
         if os.path.islink(path) or not os.path.isdir(path):
             if os.path.lexists(path):
                 os.remove(path)
         else:
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, onerror=_raise_unless_gone if strict else _ignore)
         self._sync_dir(os.path.dirname(os.path.abspath(path)))
