@@ -9,6 +9,7 @@ fails the test (shown on a temporary copy of the tree).
 from __future__ import annotations
 
 import ast
+import functools
 import shutil
 from pathlib import Path
 
@@ -45,6 +46,7 @@ ALLOWED = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def calls_outside_committer(root: Path) -> list:
     """``(file, 'mod.func', line)`` for each forbidden call under ``root``'s sources."""
     found = []
