@@ -228,17 +228,20 @@ class PosixCommitter:
         parent = os.path.dirname(target)
         if os.path.lexists(target):
             self.check_target(target, overwrite, protect, is_output)   # again: a race
-            if exchange_dirs(staging, target):
-                # The new checkpoint is at target, the old one under the staging name, still
-                # locked by us (the lock moved with our directory's inode): delete it.
-                self._sync_dir(parent)
-                self._delete_tree(staging)
-                return
-            token = parse_leftover(os.path.basename(staging))[2]
-            old = os.path.join(parent, leftover_name(os.path.basename(target), "old", token))
-            self._locks.take(target)        # a clean-up never restores it from under us
+            # Lock the checkpoint being replaced, so no clean-up deletes or restores it from
+            # under us while it sits under a hidden name (the lock moves with its inode).
+            self._locks.take(target)
             try:
-                os.rename(target, old)
+                if exchange_dirs(staging, target):
+                    # One atomic step: the new checkpoint at target, the old one under the
+                    # staging name, locked by us: delete it [SP-COMMIT-6].
+                    self._sync_dir(parent)
+                    self._delete_tree(staging)
+                    return
+                token = parse_leftover(os.path.basename(staging))[2]
+                old = os.path.join(parent, leftover_name(os.path.basename(target), "old",
+                                                         token))
+                os.rename(target, old)      # never deleted before the new one is in
                 os.rename(staging, target)
                 self._sync_dir(parent)
                 self._delete_tree(old)
