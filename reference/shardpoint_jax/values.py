@@ -15,7 +15,7 @@ from shardpoint_jax.dtypes import name_of
 
 
 def _to_numpy(v: jax.Array) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(v))
+    return np.array(v, order="C")   # (np.ascontiguousarray would make a 0-d array 1-d)
 
 
 register_array_type(jax.Array, "numpy", to_numpy=_to_numpy, from_numpy=lambda a: a,
