@@ -152,3 +152,16 @@ def test_the_writer_refuses_a_manifest_over_the_cap(tmp_path, monkeypatch):
         spj.save(str(tmp_path / "ck"), {"blob": b"\0" * 8192})
     assert e.value.spec_id == "SP-SEC-2"
     assert os.listdir(tmp_path) == [] or not os.path.exists(tmp_path / "ck")
+
+
+def test_an_error_another_process_reported_is_raised_as_the_cores_class():
+    from shardpoint_jax.saving import error_info, raise_info
+    for err in (core_errors.RankLostError("rank 1 lost"),
+                core_errors.CorruptCheckpointError("bad", spec_id="SP-READ-3")):
+        with pytest.raises(type(err)) as e:
+            raise_info(error_info(err), "write")
+        assert str(e.value) == str(err) and e.value.spec_id == err.spec_id
+    for name in ("OSError", "os", "Manifest"):      # not an error class of the core
+        with pytest.raises(spj.SaveFailedError) as e:
+            raise_info([name, None, "boom"], "write")
+        assert type(e.value) is spj.SaveFailedError

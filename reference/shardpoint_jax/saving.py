@@ -14,6 +14,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from shardpoint_core import errors as core_errors
 from shardpoint_core.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
                                       encode_manifest)
 from shardpoint_jax import direct
@@ -174,8 +175,12 @@ def error_info(e: BaseException) -> list:
 
 
 def raise_info(info: list, where: str) -> None:
+    """Raise on this process the error another one reported (:func:`error_info`): the core's
+    class of that name, so every class the core has (and gains) passes; else SaveFailedError."""
     cls, sid, msg = info
-    klass = getattr(E, cls, E.SaveFailedError)
+    klass = getattr(core_errors, cls, None)
+    if not (isinstance(klass, type) and issubclass(klass, E.ShardpointError)):
+        klass = E.SaveFailedError
     err = klass(msg, spec_id=None)
     err.spec_id = sid
     raise err
