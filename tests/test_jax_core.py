@@ -97,6 +97,10 @@ def long_tree_path(b):           # the tree path's own rule, not [SP-KEY-2]
     b["tree"]["dict"].append(["x" * 5000, {"object": "o"}])
 
 
+def empty_key_of_a_value(b):    # a value leaf's path is a key too; both copies missed it
+    b["tree"]["dict"].append(["", {"value": 2}])
+
+
 def rank_65(b):
     b["tensors"]["w"]["shape"] = b["tensors"]["w"]["chunk_shape"] = [1] * 65
 
@@ -110,6 +114,7 @@ def rank_65(b):
     (dot_dot_after_bad_escape, spj.CorruptCheckpointError, "SP-KEY-2"),
     (tuple_trailing_bytes, spj.CorruptCheckpointError, "SP-VALUE-2"),
     (long_tree_path, spj.CorruptCheckpointError, "SP-KEY-4"),
+    (empty_key_of_a_value, spj.CorruptCheckpointError, "SP-KEY-2"),
     (rank_65, spj.CorruptCheckpointError, "SP-SEC-2"),
 ], ids=lambda x: getattr(x, "__name__", str(x)))
 def test_a_rule_the_copies_disagreed_on_is_the_specs(base, tmp_path, change, cls, sid):

@@ -345,6 +345,11 @@ def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
                     walk(c, path + (i,))
                 return
         if "value" in node:
+            try:   # a value's path is a key too ([SP-KEY-2]: "wherever a key appears")
+                encode_key(path)
+            except InvalidKeyError as e:
+                raise _bad(f"tree path {path!r} cannot be a key: {e}",
+                           e.spec_id or "SP-KEY-2") from e
             v = node["value"]
             if not (v is None or isinstance(v, (bool, int, float, str, bytes))
                     or isinstance(v, np.generic)):   # ext 1 only as a numpy scalar
