@@ -117,7 +117,7 @@ class CheckpointManager:
         """The metrics saved with ``step`` (empty when none were given); reads the manifest
         only."""
         if step not in self._metrics:
-            tree = dict(read_manifest(self.path(step))["tree"].get("dict", []))
+            tree = dict(read_manifest(self.path(step)).tree.get("dict", []))
             node = tree.get(METRICS_KEY, {})
             self._metrics[step] = {k: n["value"] for k, n in node.get("dict", [])
                                    if isinstance(n, dict) and "value" in n}

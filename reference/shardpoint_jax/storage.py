@@ -23,7 +23,7 @@ from shardpoint_jax.dtypes import FILL, numpy_of
 from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                    IncompleteCheckpointError, InvalidRequestError,
                                    UnsupportedFormatError)
-from shardpoint_jax.manifest import MAX_MANIFEST_BYTES, decode_manifest
+from shardpoint_core.manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
 
 MANIFEST = "manifest.msgpack"
 CHUNK_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
@@ -71,8 +71,8 @@ def _other_format(path: str) -> str:
     return "a save that crashed or is still running"
 
 
-def read_manifest(path: str) -> dict:
-    """The checked manifest body of the checkpoint at ``path`` [SP-COMMIT-3] [SP-SEC-2]."""
+def read_manifest(path: str) -> Manifest:
+    """The checked manifest of the checkpoint at ``path`` [SP-COMMIT-3] [SP-SEC-2]."""
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path!r}", spec_id="SP-COMMIT-3")
     mpath = os.path.join(path, MANIFEST)
