@@ -254,7 +254,10 @@ def _sp_load_three(rank, world, root):
     return True
 
 
+@pytest.mark.slow
 def test_two_ranks_dcp_cases_then_sp_load_on_three_and_jax(tmp_path):
+    """Slow (2-rank then 3-rank worlds and a JAX process); the default suite runs DCP on
+    2 gloo ranks in tests/test_crossover.py."""
     done = run_world(2, _two_rank_cases, str(tmp_path), timeout=300)
     assert done[0] == done[1] == ["rowwise->colwise", "enumerable", "fsdp2", "tp+async",
                                   "sp.save->dcp.load"]
@@ -276,3 +279,16 @@ np.save(sys.argv[2], w)
     assert r.returncode == 0, r.stderr
     import numpy as np
     assert np.array_equal(np.load(tmp_path / "w.npy"), _full("w", (5, 6)).numpy())
+
+
+def test_readme_example_runs(tmp_path):
+    """The README's drop-in example for this incumbent runs as written."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    sec = readme[readme.index("\n## Drop-in:"):readme.index("\n## Coming from DCP")]
+    block = next(b for b in re.findall(r"```python\n(.*?)```", sec, re.S) if "ShardpointWriter" in b)
+    r = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert any(f == "manifest.msgpack" for _r, _d, fs in os.walk(tmp_path) for f in fs)

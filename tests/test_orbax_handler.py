@@ -76,7 +76,11 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_orbax_checkpointer_async_and_manager_write_shardpoint(tmp_path):
+    """Slow (an 8-device JAX process, three Orbax entry points); the default suite restores
+    into a (2, 4) mesh in tests/test_crossover.py and runs the README's CheckpointManager
+    example."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env,
