@@ -287,7 +287,8 @@ def test_readme_example_runs(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     readme = open(os.path.join(root, "README.md")).read()
     sec = readme[readme.index("\n## Drop-in:"):readme.index("\n## Coming from DCP")]
-    block = next(b for b in re.findall(r"```python\n(.*?)```", sec, re.S) if "ShardpointWriter" in b)
+    blocks = re.findall(r"```python\n(.*?)```", sec, re.S)
+    block = next(b for b in blocks if "ShardpointWriter" in b)
     r = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -54,6 +54,7 @@ from shardpoint_core import errors
 from shardpoint_core.manifest import Manifest, read_metadata
 from shardpoint.api.loading import load
 from shardpoint.api.saving import SaveOptions, SaveResult, save
+from shardpoint.exchange.comm import Comm
 from shardpoint.tree.dtypes import from_name
 from shardpoint.tree.model import ShardedPieces, ShardedTensor
 
@@ -178,8 +179,19 @@ class ShardpointWriter(StorageWriter):
         return _nest(leaves, f"DCP save to {self.path}")
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        tree = self.plan_tree(plan, planner)
-        res = save(tree, self.path, group=self._group(), overwrite=self.overwrite,
+        group = self._group()
+        err: Optional[BaseException] = None
+        try:
+            tree = self.plan_tree(plan, planner)
+        except Exception as e:  # noqa: BLE001 - agreed with the other ranks first
+            err = e
+        # Every rank learns of a rank that could not map its plan, instead of waiting for it
+        # inside the collective save.
+        if not Comm(group).all_true(err is None):
+            raise err if err is not None else errors.SaveFailedError(
+                f"DCP save to {self.path}: another rank could not map its DCP plan to a "
+                "shardpoint tree (its error names the item); nothing was written")
+        res = save(tree, self.path, group=group, overwrite=self.overwrite,
                    options=self.options)
         self.last_result = res
         out = [WriteResult(index=item.index, size_in_bytes=_nbytes(item), storage_data=None)

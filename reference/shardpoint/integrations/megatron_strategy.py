@@ -33,7 +33,6 @@ import os
 from pathlib import Path
 from typing import Any, Union
 
-import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import (CheckpointingException, ShardedObject,
                                                       ShardedTensor as MShardedTensor)
