@@ -4,6 +4,10 @@ from shardpoint_core.store.base import ByteStore, ObjectInfo, StoreCapabilities
 from shardpoint_core.store.files import FileStore
 from shardpoint_core.store.keys import check_key
 from shardpoint_core.store.memory import MemoryStore
+from shardpoint_core.store.registry import (check_path, is_local, local_path, open_store,
+                                            register_store, registered_schemes,
+                                            unregister_store)
 
 __all__ = ["ByteStore", "FileStore", "MemoryStore", "ObjectInfo", "StoreCapabilities",
-           "check_key"]
+           "check_key", "check_path", "is_local", "local_path", "open_store", "register_store",
+           "registered_schemes", "unregister_store"]
