@@ -9,8 +9,9 @@ What is handled is exactly what the spec allows (spec/format.md section 7, check
 default chunk key encoding ``c/i/j``, fill value zero. Files are byte for byte what TensorStore
 writes for the same array (tests/test_store_zarr.py pins it, and TensorStore reads ours).
 
-Reader rules: a missing chunk or inner chunk is [SP-READ-2], a checksum, size or index
-mismatch [SP-READ-3], bool bytes other than 0/1 [SP-READ-5]; nothing is allocated before the
+Reader rules: a missing chunk or inner chunk is [SP-READ-2]; a checksum mismatch and the
+rules of [SP-READ-5] (sizes, index entries, bool bytes other than 0/1) are reported as
+[SP-READ-3], as [SP-ERR-2] says; nothing is allocated before the
 object's size, from the store, agrees with what zarr.json (checked against the manifest)
 says. Chunks have one writer each ([SP-COVER]); a region write covering part of a chunk reads,
 changes and rewrites that chunk, so two writers of one chunk must not overlap in time.
@@ -179,7 +180,7 @@ def decode_chunk(buf: np.ndarray, layout: ArrayLayout, cshape: tuple, key: str,
     if crc32c.crc32c(buf[:n]) != int.from_bytes(buf[n:].tobytes(), "little"):
         raise _bad(key, where, "crc32c mismatch", "SP-READ-3")
     if layout.dtype == "bool" and n and int(buf[:n].max()) > 1:
-        raise _bad(key, where, "a bool byte other than 0 or 1", "SP-READ-5")
+        raise _bad(key, where, "a bool byte other than 0 or 1 ([SP-READ-5])", "SP-READ-3")
     return buf[:n].view(layout.np_dtype).reshape(cshape)
 
 
@@ -233,12 +234,16 @@ def read_shard_index(store: ByteStore, ckey: str, layout: ArrayLayout, key: str,
         raise _bad(key, ckey, "shard index crc32c mismatch", "SP-READ-3")
     index = raw[:isz].view("<u8").reshape(n, 2)
     nb, _gap = inner_stride(layout)
-    present = index[:, 0] != ABSENT
+    absent = (index[:, 0] == ABSENT) & (index[:, 1] == ABSENT)
+    if np.any((index[:, 0] == ABSENT) != (index[:, 1] == ABSENT)):
+        raise _bad(key, ckey, "shard index entry with exactly one half 2^64-1 ([SP-READ-5])",
+                   "SP-READ-3")
+    present = ~absent
     last = size - isz - 4 - nb        # the last offset a whole inner chunk can start at
     beyond = present if last < 0 else index[:, 0] > np.uint64(last)
     if np.any(present & ((index[:, 1] != nb) | beyond)):
-        raise _bad(key, ckey, "shard index points outside the file or at a chunk of the "
-                   "wrong size", "SP-READ-3")
+        raise _bad(key, ckey, "shard index points past the index or at an inner chunk of "
+                   "the wrong size ([SP-READ-5])", "SP-READ-3")
     return index
 
 
