@@ -17,7 +17,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import tensorstore as ts
 
+from shardpoint_core.store.files import FileStore
 from shardpoint_core.store.registry import local_path
+from shardpoint_core.zarr.array import ArrayLayout, read_region
 from shardpoint_jax import direct
 from shardpoint_jax.direct import whole_units
 from shardpoint_jax.dtypes import FILL, numpy_of
@@ -338,7 +340,9 @@ def aligned_empty(shape: tuple, dtype: Any, align: int = 64) -> np.ndarray:
 class StoredArray:
     """One tensor's array, opened strictly: zarr.json checked against the manifest, missing
     chunks are errors, never fill values [SP-READ-2]; every chunk file a read touches is
-    checked (kind, size, shard index) before TensorStore reads it [SP-SEC-5] [SP-READ-5]."""
+    checked (kind, size, shard index) before it is read [SP-SEC-5] [SP-READ-5]. Regions of
+    whole chunks are read by :mod:`.direct`, others by the core's Zarr layer over a
+    :class:`~shardpoint_core.store.files.FileStore` (no TensorStore)."""
 
     def __init__(self, root: str, key: str, entry: dict) -> None:
         self.root, self.key, self.entry = root, key, entry
@@ -349,19 +353,9 @@ class StoredArray:
         self.inner = (codec["configuration"]["chunk_shape"]
                       if codec.get("name") == "sharding_indexed" else None)
         self._checked: set = set()
-        spec = dict(_spec(root, entry["array"]), open=True, fill_missing_data_reads=False,
-                    recheck_cached_metadata=True, recheck_cached_data=True)
-        self._opening = ts.open(spec, context=context())   # waited for at first use
-        self._store: Optional[ts.TensorStore] = None
-
-    @property
-    def store(self) -> ts.TensorStore:
-        if self._store is None:
-            try:
-                self._store = self._opening.result()
-            except Exception as e:  # noqa: BLE001 - TensorStore's errors are ValueErrors
-                raise bad(self.key, f"array does not open: {e}", "SP-ARRAY-1") from None
-        return self._store
+        self.np_dtype = numpy_of(entry["dtype"], key)
+        self.layout = ArrayLayout.from_meta(meta)
+        self._files = FileStore(root, fsync=False)
 
     def _check_chunk(self, idx: tuple) -> None:
         rel = self.entry["array"] + "/c" + "".join(f"/{i}" for i in idx)
@@ -413,7 +407,7 @@ class StoredArray:
             raise InvalidRequestError(f"tensor {key!r}: region {list(offset)}+{list(shape)} "
                                       f"is outside {self.shape}", spec_id="SP-HOLD-1")
         if out is None:
-            out = aligned_empty(tuple(shape), self.store.dtype.numpy_dtype)
+            out = aligned_empty(tuple(shape), self.np_dtype)
         if math.prod(shape) == 0:
             return PendingRead(self, offset, shape, out, None)
         ranges = [range(o // c, (o + n - 1) // c + 1)
@@ -428,9 +422,9 @@ class StoredArray:
                                 self.inner, out.dtype, offset, out,
                                 lambda what, sid: bad(key, what, sid))
             return PendingRead(self, offset, shape, out, fut)
-        region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-        view = self.store[region].translate_to[(0,) * len(region)] if region else self.store
-        fut = ts.array(out, copy=False, write=True).write(view)   # straight into out
+        # A region cutting through chunks: the core's Zarr layer, inner chunks by ranged reads.
+        fut = direct.submit(read_region, self._files, self.entry["array"], self.layout,
+                            tuple(offset), out, key)
         return PendingRead(self, offset, shape, out, fut)
 
     def _chunk_path(self, idx: tuple) -> str:
