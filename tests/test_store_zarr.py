@@ -225,3 +225,41 @@ def test_write_chunk_is_one_vectored_put():
     lay = ArrayLayout.create((4, 4), "float32", (2, 4))
     write_chunk(s, "w", lay, (1, 0), np.full((2, 4), 2.0, np.float32))
     assert [i.key for i in s.list()] == ["w/c/1/0"] and s.head("w/c/1/0").size == 36
+
+
+_NO_TS = r'''
+import sys
+sys.modules["tensorstore"] = None          # any import of it now fails
+import numpy as np, shardpoint as sp
+from shardpoint_core.dtypes import DTYPES
+from shardpoint_core.verify import verify_checkpoint
+from shardpoint_core.zarr import TensorStoreBackend
+be = TensorStoreBackend(shard_above_bytes=4096, inner_chunk_bytes=1024)
+rng = np.random.default_rng(1)
+state = {n: (rng.integers(0, 2, (70, 33)).astype(bool) if n == "bool" else
+             rng.integers(0, 256, 70 * 33 * np.dtype(d.numpy).itemsize, dtype=np.uint8)
+             .view(d.numpy).reshape(70, 33)) for n, d in DTYPES.items()}
+sp.save(state, "ck", backend=be)
+back = sp.load("ck", backend=be)
+assert all(back[k].tobytes() == v.tobytes() for k, v in state.items())
+assert sp.open("ck", backend=be)["float32"][5:60, 3:31].to_numpy().tobytes() == \
+    state["float32"][5:60, 3:31].tobytes()
+assert verify_checkpoint("ck").ok
+try:
+    TensorStoreBackend(direct_reads=False).read_manifest  # constructing needs no TensorStore
+    sp.load("ck", backend=TensorStoreBackend(direct_reads=False))
+    raise SystemExit("loaded through TensorStore without it")
+except sp.InvalidOptionError as e:
+    assert "shardpoint[tensorstore]" in str(e)
+print("ok")
+'''
+
+
+def test_save_load_open_verify_without_tensorstore(tmp_path):
+    """TensorStore is optional: with its import failing, every dtype saves, loads (whole and
+    through chunks), opens lazily and verifies; the cross-check paths say how to get it."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _NO_TS], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

@@ -52,7 +52,13 @@ from shardpoint_core.store.files import FileStore
 
 def _ts() -> Any:
     """TensorStore, imported only where it is used (the cross-check paths)."""
-    import tensorstore
+    try:
+        import tensorstore
+    except ImportError as e:
+        from shardpoint_core.errors import InvalidOptionError
+        raise InvalidOptionError("TensorStoreBackend(direct_reads=False / direct_writes="
+                                 "False) and big-endian hosts need TensorStore: pip install "
+                                 "'shardpoint[tensorstore]'") from e
     return tensorstore
 
 MAX_MANIFEST_BYTES = 1 << 30
@@ -304,8 +310,9 @@ class TensorStoreBackend:
             self._written.setdefault(os.path.abspath(root), set()).add(apath)
 
         def open_ts() -> Any:
+            tsm = _ts()
             try:
-                return _ts().open(s, context=self.context).result()
+                return tsm.open(s, context=self.context).result()
             except ValueError as e:
                 raise SaveFailedError(f"cannot create array {array_path!r} under {root}: "
                                       f"{e}") from e
@@ -355,8 +362,9 @@ class TensorStoreBackend:
         # (overwrite=True) must never be read through entries cached from the old one.
         s.update({"open": True, "fill_missing_data_reads": False,
                   "recheck_cached_data": "open", "recheck_cached_metadata": "open"})
+        tsm = _ts()          # a missing TensorStore is a missing dependency, not corruption
         try:
-            h = _ts().open(s, context=self.context).result()
+            h = tsm.open(s, context=self.context).result()
         except ValueError as e:
             raise CorruptCheckpointError(f"tensor {key!r}: cannot open its array "
                                          f"{array_path!r}: {e}", spec_id="SP-ARRAY-1") from e
