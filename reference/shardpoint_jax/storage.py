@@ -1,7 +1,8 @@
 """Files and Zarr v3 arrays (spec/format.md sections 3, 7, 9, 10): create arrays, validate
-zarr.json against the manifest, check chunk files and read regions strictly. TensorStore
-creates the arrays and reads regions that cut through chunks; whole chunks are read and
-written directly (:mod:`.direct`)."""
+zarr.json against the manifest, check chunk files and read regions strictly. Whole chunks
+are read and written directly (:mod:`.direct`); zarr.json and regions that cut through chunks
+go through the core's Zarr layer (:mod:`shardpoint_core.zarr.array`). TensorStore is used only
+to write where crc32c is not installed."""
 from __future__ import annotations
 
 import ctypes
@@ -15,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import tensorstore as ts
 
 from shardpoint_core.store.files import FileStore
 from shardpoint_core.store.registry import local_path
-from shardpoint_core.zarr.array import ArrayLayout, read_region
+from shardpoint_core.zarr.array import ArrayLayout, read_region, write_array_meta
+from shardpoint_core.zarr.direct_write import stored_codecs
 from shardpoint_jax import direct
 from shardpoint_jax.direct import whole_units
 from shardpoint_jax.dtypes import FILL, numpy_of
@@ -39,6 +40,7 @@ def context() -> ts.Context:
     (``file_io_sync``): each process makes its writes durable at once when all are written
     (:func:`make_durable`), instead of TensorStore syncing file by file."""
     global _CONTEXT
+    import tensorstore as ts     # only the writes without crc32c (below) still use it
     if _CONTEXT is None:
         _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
     return _CONTEXT
@@ -140,16 +142,19 @@ def _spec(root: str, array: str) -> dict:
 
 
 def create_arrays(root: str, arrays: list) -> None:
-    """Write each array's zarr.json (no chunks yet); ``arrays``: ``(array path, shape,
-    dtype, chunk)``. All are created at once, then waited for."""
-    futs = [ts.open(dict(_spec(root, array), metadata=array_metadata(shape, dtype, chunk),
-                         create=True), context=context()) for array, shape, dtype, chunk in arrays]
-    for f in futs:
-        f.result()
+    """Write each array's zarr.json (no chunks yet) with the core's Zarr layer, byte for byte
+    what TensorStore writes for the same metadata; ``arrays``: ``(array path, shape, dtype,
+    chunk)``."""
+    files = FileStore(root, fsync=False)
+    for array, shape, dtype, chunk in arrays:
+        meta = array_metadata(shape, dtype, chunk)
+        meta["codecs"] = stored_codecs(meta["codecs"], numpy_of(dtype, array).itemsize)
+        write_array_meta(files, array, ArrayLayout.from_meta(meta))
 
 
 def open_for_write(root: str, array: str) -> ts.TensorStore:
     spec = dict(_spec(root, array), open=True, store_data_equal_to_fill_value=True)
+    import tensorstore as ts
     return ts.open(spec, context=context()).result()   # [SP-ARRAY-4]
 
 
