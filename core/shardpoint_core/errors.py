@@ -111,3 +111,10 @@ class StoreNotFoundError(ShardpointError, FileNotFoundError):
     """The store's container does not exist (an S3 bucket). The message names it."""
 
     category = "incomplete"
+
+
+class UnsupportedStoreError(ShardpointError, ValueError):
+    """A checkpoint path names a store this process cannot use: a URL scheme no store is
+    registered for (``register_store`` adds one), or a store the operation does not support.
+    The message names the scheme and the registered ones. Raised before any I/O: a URL is
+    never taken for a local path."""

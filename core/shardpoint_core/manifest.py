@@ -364,4 +364,6 @@ def tree_leaves(m: Manifest):
 def read_metadata(path: str, *, backend: Any = None) -> Manifest:
     """The checkpoint's manifest: tree, keys, shapes, dtypes, chunk grids, format version."""
     from shardpoint_core.storage import get_backend
-    return decode_manifest(get_backend(backend).read_manifest(str(path)))
+    from shardpoint_core.store.registry import local_path
+    return decode_manifest(get_backend(backend).read_manifest(str(local_path(path,
+                                                                        "read_metadata"))))

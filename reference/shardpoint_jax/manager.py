@@ -49,6 +49,7 @@ from shardpoint_jax.saving import error_info, raise_info
 from shardpoint_jax.saving import save as spj_save
 from shardpoint_jax.storage import MANIFEST, read_manifest
 from shardpoint_jax.values import pack, unpack
+from shardpoint_core.store.registry import local_path
 
 METRICS_KEY = "__metrics__"
 STEP_NAME = re.compile(r"step_(\d+)\Z")
@@ -78,7 +79,7 @@ class CheckpointManager:
                 "keep_best needs best_metric (the metric name to rank steps by)")
         if best_metric is not None and not isinstance(best_metric, str):
             raise E.InvalidRequestError(f"best_metric must be a str, got {best_metric!r}")
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = os.path.abspath(local_path(os.fspath(root), "CheckpointManager"))
         self.max_to_keep, self.keep_every = max_to_keep, keep_every
         self.best_metric, self.best_mode = best_metric, best_mode
         self.keep_best = keep_best if keep_best is not None else (1 if best_metric else None)

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import tensorstore as ts
 
+from shardpoint_core.store.registry import local_path
 from shardpoint_jax import direct
 from shardpoint_jax.direct import whole_units
 from shardpoint_jax.dtypes import FILL, numpy_of
@@ -49,7 +50,7 @@ def checkpoint_path(path: Any, call: str) -> str:
         raise InvalidRequestError(f"{call}: the path is a {type(path).__name__}, not a str or "
                                   "os.PathLike; arguments swapped? (shardpoint_jax takes the "
                                   "path first; the PyTorch shardpoint.save takes (state, path))")
-    return os.path.abspath(os.fspath(path))
+    return os.path.abspath(local_path(path, call))
 
 
 def _other_format(path: str) -> str:

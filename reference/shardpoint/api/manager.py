@@ -45,6 +45,7 @@ from shardpoint_core import errors
 from shardpoint.exchange.comm import Comm, agree
 from shardpoint.tree.model import iter_tree_leaves
 from shardpoint_core.storage import MANIFEST_NAME
+from shardpoint_core.store.registry import local_path
 
 log = logging.getLogger("shardpoint")
 METRICS_KEY = "__metrics__"
@@ -74,7 +75,7 @@ class CheckpointManager:
         if keep_best is not None and best_metric is None:
             raise errors.InvalidOptionError(
                 "keep_best needs best_metric (the metric name to rank steps by)")
-        self.root = os.path.abspath(str(root))
+        self.root = os.path.abspath(local_path(str(root), "CheckpointManager"))
         self.max_to_keep, self.keep_every = max_to_keep, keep_every
         self.best_metric, self.best_mode = best_metric, best_mode
         self.keep_best = keep_best if keep_best is not None else (1 if best_metric else None)
