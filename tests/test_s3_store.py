@@ -176,3 +176,14 @@ def test_core_imports_no_s3_client_until_used():
             "assert 'boto3' not in sys.modules and 'botocore' not in sys.modules; "
             "s.S3Store.from_url('s3://b/p'); assert 'boto3' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+from shardpoint_core.store.testing import StoreTests  # noqa: E402
+
+
+class TestS3StoreContract(StoreTests):
+    """The shipped store contract (shardpoint_core.store.testing), on the real server."""
+
+    @pytest.fixture
+    def store(self, s3_env):
+        return S3Store.from_url(s3_env.url(s3_env.fresh_prefix("contract")))

@@ -86,6 +86,7 @@ class ObjectStoreCommitter:
     def __init__(self, store) -> None:
         self.store = store
         self.conditional = bool(store.capabilities.conditional_put)
+        self.replace_if_match = bool(getattr(store.capabilities, "conditional_replace", False))
 
     # -- what is at a target ------------------------------------------------------------
     def _manifest_key(self, target: str) -> str:
@@ -165,8 +166,10 @@ class ObjectStoreCommitter:
                 self.store.put(key, marker)
             elif old is None:
                 self.store.put(key, marker, if_absent=True)
-            else:
+            elif self.replace_if_match:
                 self.store.put(key, marker, if_match=old[1])
+            else:                        # no If-Match: a replacement race is the caller's
+                self.store.put(key, marker)
         except FileExistsError as e:
             raise CheckpointExistsError(
                 f"{self._url(target)}: another save committed or replaced the checkpoint there "

@@ -145,7 +145,8 @@ class S3Store:
         self.options = options or S3Options()
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self.capabilities = StoreCapabilities(
-            conditional_put=self.options.conditional_writes, ranged_get=True, durable_put=True)
+            conditional_put=self.options.conditional_writes, ranged_get=True, durable_put=True,
+            conditional_replace=self.options.conditional_writes)
         self._client = _client
         self._lock = threading.Lock()
         self._pool: Optional[ThreadPoolExecutor] = None
