@@ -187,3 +187,7 @@ class TestS3StoreContract(StoreTests):
     @pytest.fixture
     def store(self, s3_env):
         return S3Store.from_url(s3_env.url(s3_env.fresh_prefix("contract")))
+
+    @pytest.mark.slow          # hundreds of requests: seconds on moto, more on a busy machine
+    def test_threads(self, store):
+        super().test_threads(store)
