@@ -21,6 +21,7 @@ Example::
 """
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -240,6 +241,9 @@ def resolve(path: Any, backend: Any, call: str) -> Tuple[str, Any]:
     default backend, or the URL of a registered store with the object-store backend; a
     scheme nobody registered is refused before any I/O (UnsupportedStoreError)."""
     from shardpoint_core.store.registry import check_path, is_local, local_path
+    if not isinstance(path, (str, bytes, os.PathLike)):    # the caller's own check says so
+        from shardpoint_core.storage import get_backend
+        return path, get_backend(backend)
     if is_local(path) or backend is not None:
         return str(local_path(path, call)) if is_local(path) else str(path), \
             backend_for(path, backend)
