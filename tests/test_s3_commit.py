@@ -163,11 +163,12 @@ def test_foreign_objects_are_never_replaced(store, committer):
 def test_remove_deletes_the_marker_first_and_keeps_live_saves(store, committer):
     committer.publish(stage(store, committer, "d", "one"), "d", overwrite=False)
     live = stage(store, committer, "d", "live")
-    committer.remove("d")
+    assert committer.remove("d") is True
     assert committer.state("d") == "incomplete"
     assert all(k.startswith(live.split("/")[-1]) for k in keys(store, "d"))
-    with pytest.raises(CheckpointNotFoundError):
+    with pytest.raises(CheckpointNotFoundError):      # not a checkpoint: refused
         committer.remove("d")
+    assert committer.remove("never-there") is False   # gone already: nothing to do
 
 
 def test_missing_staged_manifest_commits_nothing(store, committer):

@@ -219,17 +219,21 @@ class ObjectStoreCommitter:
         self.store.delete([i.key for i in self.store.list(_join(staging) + "/")])
 
     # -- retention and recovery -----------------------------------------------------------
-    def remove(self, target: str) -> None:
+    def remove(self, target: str) -> bool:
         """Delete a committed checkpoint: the marker first (the target is then not a
         checkpoint for any reader), then the objects it named. Live saves' prefixes are not
         named by it and stay."""
         key = self._manifest_key(target)
         old = self._read_with_version(key)
         if old is None:
-            raise CheckpointNotFoundError(f"{self._url(target)} is not a committed checkpoint; "
-                                          "nothing removed", spec_id="SP-COMMIT-3")
+            if self.state(target) == "incomplete":
+                raise CheckpointNotFoundError(f"{self._url(target)} is not a committed "
+                                              "checkpoint; nothing removed",
+                                              spec_id="SP-COMMIT-3")
+            return False            # gone already
         self.store.delete([key])
         self._delete_arrays(target, old[0])
+        return True
 
     def leftovers(self, directory: str) -> list:
         """Save prefixes below ``directory`` that no committed marker names: crashed saves,
@@ -270,13 +274,13 @@ class ObjectStoreCommitter:
         except Exception:   # noqa: BLE001 - an unreadable marker: treat every prefix as named
             return {"*"}
 
-    def restore(self, leftover: str, target: str) -> None:
+    def restore(self, leftover: str, target: str) -> bool:
         """Object stores have nothing to restore: a replaced checkpoint's marker is gone the
         moment the new one lands, and the previous one is never moved aside."""
         raise InvalidOptionError(f"{leftover!r}: nothing to restore on an object store; a "
                                  "save prefix that no marker names is removed by discard()")
 
-    def discard(self, leftover: str) -> None:
+    def discard(self, leftover: str) -> bool:
         """Delete an unreferenced save prefix (never one a marker names). The caller (recovery)
         decides it is not a running save ([SP-COMMIT-15])."""
         target, _, name = _join(leftover).rpartition("/")
@@ -288,3 +292,4 @@ class ObjectStoreCommitter:
                                         f"checkpoint {self._url(target)}; not removed",
                                         spec_id="SP-COMMIT-15")
         self.abort(leftover)
+        return True

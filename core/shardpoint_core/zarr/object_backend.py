@@ -49,6 +49,58 @@ class _Array:
         self.store, self.path, self.layout, self.key = store, path, layout, key
 
 
+class UrlCommitter:
+    """The :class:`~shardpoint_core.commit.base.Committer` of an :class:`ObjectStoreBackend`,
+    on URLs: each call goes to the :class:`ObjectStoreCommitter` of the URL's bucket."""
+
+    name = "object-store-marker"
+
+    def __init__(self, backend: "ObjectStoreBackend") -> None:
+        self._be = backend
+
+    def _at(self, url: str) -> Tuple[ObjectStoreCommitter, str]:
+        store, key = self._be.locate(url)
+        return ObjectStoreCommitter(store), key
+
+    def state(self, target: str) -> str:
+        c, k = self._at(target)
+        return c.state(k)
+
+    def check_target(self, target: str, overwrite: Any) -> None:
+        c, k = self._at(target)
+        c.check_target(k, bool(overwrite))
+
+    def begin(self, target: str, token: str) -> str:
+        c, k = self._at(target)
+        return self._be._url(target, c.begin(k, token))
+
+    def publish(self, staging: str, target: str, *, overwrite: Any) -> None:
+        c, k = self._at(target)
+        c.publish(self._be.locate(staging)[1], k, overwrite=bool(overwrite))
+
+    def abort(self, staging: str) -> None:
+        c, k = self._at(staging)
+        c.abort(k)
+
+    def remove(self, target: str) -> bool:
+        c, k = self._at(target)
+        return c.remove(k)
+
+    def leftovers(self, directory: str) -> list:
+        from dataclasses import replace
+        c, k = self._at(directory)
+        return [replace(lo, path=self._be._url(directory, lo.path),
+                        target=self._be._url(directory, lo.target)) for lo in c.leftovers(k)]
+
+    def restore(self, leftover: str, target: str) -> bool:
+        c, k = self._at(leftover)
+        return c.restore(k, target)
+
+    def discard(self, leftover: str) -> bool:
+        c, k = self._at(leftover)
+        return c.discard(k)
+
+
 class ObjectStoreBackend:
     """A :class:`~shardpoint_core.storage.StorageBackend` for URL paths on object stores."""
 
@@ -61,6 +113,7 @@ class ObjectStoreBackend:
         self._stores: Dict[str, Any] = {}
         self._lock = threading.Lock()
         self._pool: Optional[ThreadPoolExecutor] = None
+        self.committer = UrlCommitter(self)      # publishes, replaces, removes (9.1)
 
     # -- URLs -----------------------------------------------------------------------------
     def locate(self, url: str) -> Tuple[Any, str]:
@@ -101,9 +154,9 @@ class ObjectStoreBackend:
         c, key = self._committer(path)
         return c.state(key)
 
-    def check_target(self, path: str, overwrite: bool) -> None:
+    def check_target(self, path: str, overwrite: Any) -> None:
         c, key = self._committer(path)
-        c.check_target(key, overwrite)
+        c.check_target(key, bool(overwrite))
 
     def staging_path(self, path: str, token: str) -> str:
         c, key = self._committer(path)
@@ -142,10 +195,10 @@ class ObjectStoreBackend:
         store, key = self.locate(root)
         store.put(f"{key}/{MANIFEST_NAME}", data)
 
-    def commit(self, staging: str, path: str, *, overwrite: bool) -> None:
+    def commit(self, staging: str, path: str, *, overwrite: Any) -> None:
         c, key = self._committer(path)
         _, skey = self.locate(staging)
-        c.publish(skey, key, overwrite=overwrite)
+        c.publish(skey, key, overwrite=bool(overwrite))
 
     def abort(self, staging: str) -> None:
         store, key = self.locate(staging)
@@ -204,18 +257,13 @@ class ObjectStoreBackend:
 
     # -- recovery -------------------------------------------------------------------------
     def list_leftovers(self, directory: str) -> list:
-        c, key = self._committer(directory)
-        from dataclasses import replace
-        return [replace(lo, path=self._url(directory, lo.path),
-                        target=self._url(directory, lo.target)) for lo in c.leftovers(key)]
+        return self.committer.leftovers(directory)
 
     def restore_leftover(self, leftover: str, path: str) -> None:
-        c, key = self._committer(leftover)
-        c.restore(key, path)
+        self.committer.restore(leftover, path)
 
     def remove_leftover(self, leftover: str) -> None:
-        c, key = self._committer(leftover)
-        c.discard(key)
+        self.committer.discard(leftover)
 
 
 _DEFAULT: Optional[ObjectStoreBackend] = None
