@@ -142,3 +142,21 @@ def test_missing_and_damaged_objects_are_documented_errors(s3_env):
         sp.load(url)
     with pytest.raises(sp.CheckpointNotFoundError):
         sp.load(s3_env.url(s3_env.fresh_prefix("nothing")))
+
+
+def test_save_and_load_through_throttling_and_5xx(s3_env, monkeypatch):
+    """Every third request answered 503 SlowDown or 500 by a proxy on loopback: the save
+    and the load retry with backoff and the round trip is still bitwise."""
+    from shardpoint_testing.s3 import FaultProxy
+    from shardpoint_core.zarr.object_backend import ObjectStoreBackend
+    rule = (lambda method, path, n: (503 if n % 6 == 0 else 500) if n % 3 == 0 else None)
+    with FaultProxy(s3_env, rule) as proxy:
+        for k, v in proxy.env().items():
+            monkeypatch.setenv(k, v)
+        be = ObjectStoreBackend()            # a fresh client, through the proxy
+        url = s3_env.url(s3_env.fresh_prefix("faults") + "/ck")
+        state = {"w": full("w"), "b": full("b", torch.bfloat16), "step": 3}
+        sp.save(state, url, backend=be)
+        out = sp.load(url, backend=be)
+        assert same_bits(out["w"], state["w"]) and same_bits(out["b"], state["b"])
+        assert proxy.injected >= 3
