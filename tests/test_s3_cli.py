@@ -51,3 +51,17 @@ def test_cli_on_s3(s3_env, tmp_path, capsys, monkeypatch):
     assert main(["convert", str(out), f"{root}/c"]) == 1
     assert "UnsupportedStoreError" in capsys.readouterr().err
     assert not list(tmp_path.glob("s3*"))                              # never a local 's3:'
+
+
+@pytest.mark.slow       # two spawned worlds (~40 s on a busy 2-core machine)
+def test_conformance_run_on_s3(s3_env, capsys):
+    """``shardpoint conformance run --store s3://...``: random cases saved by 2 gloo ranks
+    and loaded by 1 in another layout, on the object store, checked bit for bit."""
+    from shardpoint_conformance.cli import main as conformance
+    root = s3_env.url(s3_env.fresh_prefix("conformance"))
+    rc = conformance(["run", "--store", root, "--cases", "2", "--seed", "3",
+                      "--save-world-sizes", "2", "--load-world-sizes", "1", "--no-vectors"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "2/2 case(s) passed" in out
+    assert not [o for o in S3Store.from_url(root).list() if o.key.endswith("manifest.msgpack")]
