@@ -35,7 +35,8 @@ from shardpoint_core.errors import (CheckpointNotFoundError, CorruptCheckpointEr
                                     ShardpointError)
 from shardpoint_core.storage import MANIFEST_NAME, ArraySpec
 from shardpoint_core.store.registry import open_store, split_url
-from shardpoint_core.zarr.array import (ArrayLayout, _box, _chunks_of, chunk_key,
+from shardpoint_core.zarr.array import (MAX_ZARR_JSON_BYTES, ArrayLayout, _box, _chunks_of,
+                                        chunk_key,
                                         decode_chunk, read_array_meta, read_chunk,
                                         read_region, write_array_meta, write_region)
 
@@ -49,6 +50,31 @@ class _Array:
 
     def __init__(self, store, path: str, layout: ArrayLayout, key: str) -> None:
         self.store, self.path, self.layout, self.key = store, path, layout, key
+
+
+class _OneGet:
+    """A view of a store for reading one small object (zarr.json) in one request: ``head``
+    is answered by a ranged GET of at most ``cap + 1`` bytes, and reads come from those
+    bytes, so a HEAD then a GET (two round trips per array on an object store) become one."""
+
+    def __init__(self, store, cap: int) -> None:
+        self._store, self._cap = store, cap
+        self._data: Dict[str, bytes] = {}
+        self.url = store.url
+
+    def head(self, key: str):
+        from shardpoint_core.store.base import ObjectInfo
+        try:
+            data = self._data[key] = self._store.get_range(key, 0, self._cap + 1)
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(key, len(data), 0.0)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        data = self._data.get(key)
+        if data is None:
+            return self._store.get_range(key, start, length)
+        return data[start:start + length]
 
 
 def _read_plain(h: _Array, offset: tuple, out: np.ndarray) -> None:
@@ -125,6 +151,7 @@ class ObjectStoreBackend:
     """A :class:`~shardpoint_core.storage.StorageBackend` for URL paths on object stores."""
 
     name = "object-store"
+    open_concurrency = 32    # arrays opened at once ahead of reads (one GET each)
 
     def __init__(self, concurrency: int = 32) -> None:
         if concurrency < 1:
@@ -269,7 +296,8 @@ class ObjectStoreBackend:
                             key: str) -> _Array:
         store, k = self.locate(root)
         path = f"{k}/{array_path}" if k else array_path
-        return _Array(store, path, read_array_meta(store, path, spec, key), key)
+        meta = read_array_meta(_OneGet(store, MAX_ZARR_JSON_BYTES), path, spec, key)
+        return _Array(store, path, meta, key)
 
     def read_into(self, handle: _Array, offset: Sequence[int], out: np.ndarray) -> Future:
         if handle.layout.inner is None:

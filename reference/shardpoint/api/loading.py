@@ -158,7 +158,8 @@ def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, target
         e = m.tensors[key]
         return be.open_array_for_read(path, e.array, e.spec, key)
 
-    with OpenAhead(open_array, [op.key for op in work.reads]) as handle:
+    with OpenAhead(open_array, [op.key for op in work.reads],
+                   getattr(be, "open_concurrency", None)) as handle:   # object stores: more
         return _execute_reads(comm, be, work, budget, timings, opts, exchanging, m, dst_view,
                               handle)
 
