@@ -20,3 +20,23 @@ def pytest_collection_modifyitems(config, items):
 def tmp_ckpt(tmp_path):
     """A checkpoint path that does not exist yet, inside a fresh temporary directory."""
     return str(tmp_path / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One real S3-compatible server (moto's, on loopback) for the whole session; tests share
+    its bucket and keep apart by ``s3_server.fresh_prefix()``."""
+    from shardpoint_testing.s3 import S3Server
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The standard AWS environment pointing at the session's server (children inherit it)."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE",
+              "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    return s3_server

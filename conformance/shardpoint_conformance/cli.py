@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--replay", type=int, default=None, metavar="SEED",
                    help="run the one case drawn from SEED (with the first world sizes given)")
     r.add_argument("--dir", default=None, help="where checkpoints go (shared FS under torchrun)")
+    r.add_argument("--store", default=None, metavar="URL",
+                   help="save and load the cases on an object store instead (s3://bucket/"
+                        "prefix; endpoint and credentials from the AWS environment)")
     r.add_argument("--backend", default=None, choices=["gloo", "nccl"],
                    help="process-group backend under torchrun (default: nccl with CUDA)")
     r.add_argument("--keep", action="store_true", help="keep checkpoints of passing cases")
@@ -138,8 +141,9 @@ def _run(args) -> int:
     if args.print_case:
         print(json.dumps(cases, indent=1))
         return 0
-    root = args.dir or tempfile.mkdtemp(prefix="shardpoint-conformance-")
-    os.makedirs(root, exist_ok=True)
+    root = args.store or args.dir or tempfile.mkdtemp(prefix="shardpoint-conformance-")
+    if not args.store:
+        os.makedirs(root, exist_ok=True)
     print(f"shardpoint conformance run: {len(cases)} case(s), profile {args.profile}, "
           f"seed {seed}, save worlds {sw}, load worlds {lw}, dir {root}")
     t0 = time.perf_counter()
@@ -180,12 +184,12 @@ def _run_torchrun(args, seed: int) -> int:
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
-    if not args.dir and world > 1:
+    if not args.dir and not args.store and world > 1:
         if rank == 0:
             print("under torchrun, --dir must name a directory every rank can reach "
                   "(a shared file system)", file=sys.stderr)
         return 2
-    root = args.dir or tempfile.mkdtemp(prefix="shardpoint-conformance-")
+    root = args.store or args.dir or tempfile.mkdtemp(prefix="shardpoint-conformance-")
     if args.seed is None and rank == 0:
         print("note: pass --seed so every rank draws the same cases", file=sys.stderr)
     dist.init_process_group(backend)
@@ -199,7 +203,7 @@ def _run_torchrun(args, seed: int) -> int:
         else:
             cases = case_plan(seed, args.cases or PROFILE_CASES[args.profile], [world],
                               [world], args.profile)
-        if rank == 0:
+        if rank == 0 and not args.store:
             os.makedirs(root, exist_ok=True)
             print(f"shardpoint conformance run under torchrun: world {world}, backend "
                   f"{backend}, {len(cases)} case(s), seed {seed}, dir {root}")

@@ -386,6 +386,13 @@ def _fmt(x: Optional[float]) -> str:
 
 
 def cleanup(root: str, rows: list) -> None:
+    if "://" in root:      # an object store (--store): the committer removes what passed
+        from shardpoint_core.zarr.object_backend import backend_for
+        committer = backend_for(root).committer
+        for r in rows:
+            if r["ok"]:
+                committer.remove(f"{root.rstrip('/')}/{r['id']}")
+        return
     for r in rows:
         if r["ok"]:
             shutil.rmtree(os.path.join(root, r["id"]), ignore_errors=True)

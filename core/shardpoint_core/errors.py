@@ -96,6 +96,23 @@ class InvalidOptionError(ShardpointError, ValueError):
     rate that must be positive, a ``best_mode`` other than min/max); raised before any I/O."""
 
 
+class StoreUnavailableError(ShardpointError, ConnectionError):
+    """The store cannot be reached: the endpoint refuses or times out, or keeps answering with
+    throttling or server errors after every retry. The message names the endpoint."""
+
+
+class StoreAccessDeniedError(ShardpointError, PermissionError):
+    """The store refuses the credentials (unknown key, bad signature, expired token) or they
+    lack a permission, or none were found. The message names the bucket, the endpoint and where
+    credentials are looked up."""
+
+
+class StoreNotFoundError(ShardpointError, FileNotFoundError):
+    """The store's container does not exist (an S3 bucket). The message names it."""
+
+    category = "incomplete"
+
+
 class UnsupportedStoreError(ShardpointError, ValueError):
     """A checkpoint path names a store this process cannot use: a URL scheme no store is
     registered for (``register_store`` adds one), or a store the operation does not support.

@@ -388,7 +388,6 @@ def tree_leaves(m: Manifest):
 
 def read_metadata(path: str, *, backend: Any = None) -> Manifest:
     """The checkpoint's manifest: tree, keys, shapes, dtypes, chunk grids, format version."""
-    from shardpoint_core.storage import get_backend
-    from shardpoint_core.store.registry import local_path
-    return decode_manifest(get_backend(backend).read_manifest(str(local_path(path,
-                                                                        "read_metadata"))))
+    from shardpoint_core.zarr.object_backend import resolve
+    path, be = resolve(path, backend, "read_metadata")
+    return decode_manifest(be.read_manifest(path))

@@ -84,6 +84,9 @@ def _decide(be: PosixCommitter, lo: Leftover, olds: Counter, now: float,
     if age < min_age_s:
         return "skip", (f"modified {age:.0f}s ago (under {min_age_s:.0f}s): a save may still "
                         "be writing it; rerun with a smaller min age once no save is running")
+    if lo.kind == "tmp" and "://" in lo.path:
+        return "remove", "a save prefix that no manifest names: a save that crashed, failed " \
+                         "or lost, or a replaced checkpoint's data [SP-COMMIT-15]"
     if lo.kind == "tmp":
         what = "a replaced checkpoint" if lo.has_manifest else "a save that never committed"
         return "remove", f"staging directory of {what} [SP-COMMIT-6 a]"
@@ -110,12 +113,22 @@ def recover(path_or_parent: str, *, dry_run: bool = False,
     if not 0 <= min_age_s < float("inf"):
         raise InvalidOptionError(f"min_age_s={min_age_s!r}: an age is a finite number of "
                                  "seconds >= 0 (0 when no save can be running)")
+    from shardpoint_core.store.registry import is_local
+    if not is_local(path_or_parent):          # s3://...: leftovers are unnamed save prefixes
+        from shardpoint_core.zarr.object_backend import resolve
+        path, obe = resolve(path_or_parent, backend, "recover")
+        be = committer_of(obe)
+        return _apply(be, be.leftovers(path), dry_run, min_age_s)
     be = committer_of(backend)
     path = os.path.abspath(local_path(path_or_parent, "recover"))
     if not os.path.lexists(path) and not os.path.isdir(os.path.dirname(path)):
         raise CheckpointNotFoundError(f"no such path {path_or_parent!r} (nor its parent "
                                       "directory): nothing to recover")
-    los = _leftovers(be, path)
+    return _apply(be, _leftovers(be, path), dry_run, min_age_s)
+
+
+def _apply(be: StorageBackend, los: list, dry_run: bool, min_age_s: float) -> list:
+    """Decide and (unless ``dry_run``) act on each leftover."""
     olds = Counter(lo.target for lo in los if lo.kind == "old")
     now, out = time.time(), []
     for lo in los:

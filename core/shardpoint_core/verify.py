@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -87,13 +88,18 @@ def verify_checkpoint(path: str, *, strict: bool = False,
     under ``tensors/`` that the manifest does not list ([SP-LAYOUT-3]). ``progress(nbytes)``
     is called after each tensor is checked, and once with the total first (``set_total``).
     """
+    from shardpoint_core.store.registry import is_local
+    from shardpoint_core.zarr.object_backend import resolve
+    url = not is_local(path)
+    if url:
+        path, backend = resolve(path, backend, "verify")   # s3://...: the object backend
     if backend is None:
         # A backend of its own (a fresh TensorStore context): the shared default one may hold
         # metadata cached by earlier reads of this path, and a validator must read zarr.json.
         from shardpoint_core.zarr import TensorStoreBackend
         backend = TensorStoreBackend()
     be = get_backend(backend)
-    path = str(local_path(path, "verify"))
+    path = str(path) if url else str(local_path(path, "verify"))
     rep = VerifyReport(path, strict=strict)
     t0 = time.perf_counter()
     try:
@@ -147,6 +153,9 @@ def _verify_array(be: StorageBackend, root: str, e, key: str) -> list:
                  f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")]
 
 
+_SAVE_DIR = re.compile(r"save-[0-9a-f]{8,64}")
+
+
 def _writer_rules(key: str, array: str) -> list:
     out = []
     if len(key.encode()) > MAX_KEY_BYTES:
@@ -156,6 +165,9 @@ def _writer_rules(key: str, array: str) -> list:
             out.append(("SP-KEY-3", f"key {key!r} is not in canonical form"))
     except errors.InvalidKeyError as err:
         out.append((err.spec_id or "SP-KEY-3", str(err)))
+    save_dir, _, below = array.partition("/")
+    if _SAVE_DIR.fullmatch(save_dir):      # object stores: below the save prefix [SP-COMMIT-11]
+        array = below
     if array not in (array_path_for(key), f"{TENSOR_DIR}/{key}"):   # 1.1 path, or 1.0's
         out.append(("SP-LAYOUT-2", f"tensor {key!r}: array path {array!r} is not "
                     f"{array_path_for(key)!r}"))
@@ -167,7 +179,7 @@ def _strays(root: str, known: set) -> list:
     ([SP-LAYOUT-3]). An entry is accounted for when it is a listed array (with everything
     inside it) or a directory on the way to one."""
     base = os.path.join(root, TENSOR_DIR)
-    if not os.path.isdir(base):
+    if "://" in root or not os.path.isdir(base):    # object stores: recover finds leftovers
         return []
     parents = set()
     for a in known:

@@ -38,6 +38,7 @@ class StoreCapabilities:
     ranged_get: bool = True          # get_range reads only the bytes asked for
     local_path: bool = False         # keys are files below a local directory (fast paths)
     durable_put: bool = False        # a put is durable when it returns (object stores)
+    conditional_replace: bool = False  # put(..., if_match=version) is atomic (S3 If-Match)
 
 
 @dataclass(frozen=True)

@@ -142,4 +142,10 @@ def _memory_store(url: str) -> ByteStore:
     return MemoryStore.named(name, prefix=prefix)
 
 
+def _s3_store(url: str) -> ByteStore:
+    from shardpoint_core.store.s3 import S3Store     # boto3 is imported on first request
+    return S3Store.from_url(url)
+
+
 register_store("memory", _memory_store)
+register_store("s3", _s3_store)

@@ -43,6 +43,7 @@ from shardpoint import api
 from shardpoint_core import errors
 from shardpoint.exchange.comm import Comm, agree
 from shardpoint.tree.model import iter_tree_leaves
+from shardpoint_core.store.registry import local_path
 from shardpoint_core.commit.cleanup import clean_leftovers
 from shardpoint_core.policy import (Retention, check_metric, parse_step, policy_from_options,
                                     ranked, retained, step_name)

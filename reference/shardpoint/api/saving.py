@@ -29,7 +29,7 @@ from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, plan_objects,
                                          plan_save)
 from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
-from shardpoint_core.store.registry import local_path
+from shardpoint_core.zarr.object_backend import resolve
 from shardpoint.api.staging import StagingPool, copy_pairs, stream_device_writes
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
 
@@ -459,7 +459,7 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = 
     ``overwrite="any"`` also a directory that is not a checkpoint, deleting what it holds.
     Never replaced: a file, a directory of checkpoints (a CheckpointManager's root).
     """
-    path = local_path(path, "save")     # s3://... is never a local directory 's3:'
+    path, backend = resolve(path, backend, "save")   # s3://... is never a local dir 's3:'
     check_overwrite(overwrite)
     comm = Comm(group)
     saves = group_saves(group_key(comm))

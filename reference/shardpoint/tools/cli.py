@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from shardpoint.tools import cli_tools
 from shardpoint_core import errors
-from shardpoint_core.store.registry import local_path
+from shardpoint_core.store.registry import check_path, is_local, local_path
 from shardpoint.tools import progress
 from shardpoint.tools.textfmt import fit_table, width
 from shardpoint.tools.textfmt import fmt_bytes as _fmt_bytes
@@ -250,6 +250,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _PATH_ARGS = ("path", "src", "dst", "a", "b", "dir")
+# commands that take s3://... checkpoints too (convert: as its source; writing converted
+# checkpoints to an object store is not supported yet and refused, never written locally)
+_URL_COMMANDS = ("inspect", "verify", "recover", "diff", "convert")
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -262,8 +265,12 @@ def main(argv: Optional[list] = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     try:
         for name in _PATH_ARGS:        # a URL nobody registered is never a local path
-            if isinstance(getattr(a, name, None), str):
-                setattr(a, name, local_path(getattr(a, name), f"shardpoint {a.cmd}"))
+            v = getattr(a, name, None)
+            if isinstance(v, str) and (is_local(v) or a.cmd not in _URL_COMMANDS
+                                       or (a.cmd, name) == ("convert", "dst")):
+                setattr(a, name, local_path(v, f"shardpoint {a.cmd}"))
+            elif isinstance(v, str):
+                check_path(v, f"shardpoint {a.cmd}")      # s3://...: kept as a URL
         return a.fn(a)
     except errors.CheckpointNotFoundError as e:
         print(f"shardpoint {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)

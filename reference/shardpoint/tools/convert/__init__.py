@@ -66,6 +66,8 @@ class ConvertReport:
 def detect_format(path: str) -> str:
     """The source format of ``path`` (one of :data:`SOURCES`), or a clear error."""
     path = str(path)
+    if "://" in path and not path.startswith("file://"):
+        return "shardpoint"         # object stores (s3://) hold shardpoint checkpoints only
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"no such file or directory: {path!r}")
     if os.path.isdir(path):
@@ -117,6 +119,8 @@ def open_source(path: str, fmt: Optional[str] = None, *, skip_common: bool = Fal
     """A :class:`Source` reading ``path`` as ``fmt`` (detected when None). ``tensors_only``
     skips decoding DCP bytes entries (a conversion worker needs the tensors only)."""
     fmt = fmt or detect_format(path)
+    if fmt == "shardpoint" and "://" in str(path):
+        return ShardpointSource(path, backend)     # s3://...: the reader says what is missing
     if not os.path.exists(str(path)):
         raise CheckpointNotFoundError(f"no such file or directory: {str(path)!r}")
     if fmt == "shardpoint":
@@ -208,6 +212,8 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
     is not such an output, a directory of checkpoints and a ``dst`` holding ``src`` are never
     replaced."""
     t0 = time.perf_counter()
+    from shardpoint_core.store.registry import local_path
+    dst = local_path(dst, "convert")   # s3://... output: refused, never a local dir 's3:'
     if isinstance(procs, int) and procs > 1 and to != "dcp" and backend is None:
         start_workers_early()
     with open_source(src, from_, skip_common=skip_common, backend=backend) as s:

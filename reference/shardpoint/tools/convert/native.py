@@ -15,6 +15,7 @@ import torch
 
 from shardpoint.tree import dtypes
 from shardpoint.tree import values
+from shardpoint_core.zarr.object_backend import backend_for
 from shardpoint_core.errors import (CheckpointExistsError, ConversionError, InvalidKeyError,
                                     UnsupportedValueError)
 from shardpoint.planning.grid import plan_chunk_grid
@@ -36,7 +37,7 @@ class ShardpointSource(Source):
 
     def __init__(self, path: str, backend: Optional[StorageBackend] = None) -> None:
         super().__init__(str(path), FORMAT)
-        self.backend = get_backend(backend)
+        self.backend = backend_for(self.path, backend)      # s3://...: the object backend
         self.manifest = decode_manifest(self.backend.read_manifest(self.path))
         self._handles: dict = {}
         self._entries: dict = {}

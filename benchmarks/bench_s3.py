@@ -1,0 +1,253 @@
+"""S3 save/load benchmark: shardpoint against the server's raw PUT/GET limit and PyTorch DCP
+through fsspec/s3fs, same run, same server.
+
+    python benchmarks/bench_s3.py                      # mixed (scale 0.25) + uniform 16 x 4 MiB
+    python benchmarks/bench_s3.py --scale 1 --uniform 32x32 --repeat 5
+    python benchmarks/bench_s3.py --endpoint http://host:9000 --bucket b   # a server of yours
+
+The server is moto's standalone S3 server on loopback, started here (or ``--endpoint``): an
+in-memory Python server, so the figures measure what a client gets from *this* server, not
+from AWS; the raw limit row says what that is. Rows, interleaved run by run (medians, min-max):
+- raw: the objects of shardpoint's own checkpoint (same count, same sizes), PUT and then GET
+  with boto3 at the same concurrency as shardpoint (``--concurrency``): the server's limit
+  for this workload;
+- shardpoint: ``sp.save(state, "s3://...", overwrite=True)`` and ``sp.load`` of the whole
+  state; requests per checkpoint and bytes moved are counted on the client;
+- DCP: ``dcp.save`` with ``FsspecWriter`` (s3fs) at its best ``thread_count`` of 1/4/8/16
+  (each run in every round) and ``dcp.load`` with ``FsspecReader``, in a child process. s3fs
+  needs an aiobotocore whose botocore pin clashes with boto3's, so it is imported from
+  ``--s3fs-path`` (``pip install --target DIR s3fs``), a directory of its own; without one the
+  DCP rows are skipped and the table says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import bench_tools as bt  # noqa: E402
+
+DCP_CHILD = r"""
+import json, os, sys, time
+sys.path.insert(0, os.environ["S3FS_PATH"])
+import torch, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+sys.path.insert(0, os.environ["BENCH_DIR"])
+import bench_tools as bt
+spec = json.loads(sys.argv[1])
+state = bt.mixed_state(spec["scale"]) if spec["state"] == "mixed" else \
+    bt.uniform_state(spec["n"], spec["mib"])
+flat = bt.flat(state)
+out = {}
+warm = spec["url"] + "-warm"
+dcp.save({"x": torch.zeros(4)}, storage_writer=FsspecWriter(warm, thread_count=1,
+                                                            sync_files=False))
+for t in spec["threads"]:
+    url = f"{spec['url']}-t{t}"
+    t0 = time.perf_counter()
+    dcp.save(flat, storage_writer=FsspecWriter(url, thread_count=t, sync_files=False))
+    out[f"save_t{t}"] = time.perf_counter() - t0
+like = {k: torch.empty_like(v) for k, v in flat.items()}
+t0 = time.perf_counter()
+dcp.load(like, storage_reader=FsspecReader(f"{spec['url']}-t{spec['threads'][-1]}"))
+out["load"] = time.perf_counter() - t0
+assert all(torch.equal(like[k], flat[k]) for k in flat)
+print(json.dumps(out))
+"""
+
+
+class Counter:
+    """Requests and payload bytes a boto3 client sent and received (botocore events)."""
+
+    def __init__(self, client) -> None:
+        self.requests = 0
+        self.sent = 0
+        self.received = 0
+        self._lock = threading.Lock()
+        client.meta.events.register("before-send.s3.*", self._send)
+        client.meta.events.register("after-call.s3.GetObject", self._got)
+
+    def _send(self, request, **kw):
+        body = request.body
+        n = len(body) if isinstance(body, (bytes, bytearray)) else int(
+            request.headers.get("Content-Length", 0) or 0)
+        with self._lock:
+            self.requests += 1
+            self.sent += n if request.method == "PUT" else 0
+
+    def _got(self, http_response, parsed, **kw):
+        with self._lock:
+            self.received += int(parsed.get("ContentLength", 0) or 0)
+
+    def snap(self):
+        with self._lock:
+            return self.requests, self.sent, self.received
+
+
+def med(v):
+    return statistics.median(v) if v else None
+
+
+def fmt(v, nbytes):
+    if not v:
+        return "-"
+    m = med(v)
+    return f"{m:7.3f} s ({min(v):.3f}-{max(v):.3f})  {nbytes / m / 2**20:7.1f} MiB/s"
+
+
+def raw_round(client, bucket: str, prefix: str, sizes: list, conc: int) -> tuple:
+    """PUT then GET objects of ``sizes`` with ``conc`` threads: the server's limit."""
+    blobs = {n: os.urandom(n) for n in set(sizes)}
+    keys = [f"{prefix}/raw-{uuid.uuid4().hex[:8]}/{i}" for i in range(len(sizes))]
+    with ThreadPoolExecutor(conc) as ex:
+        t0 = time.perf_counter()
+        list(ex.map(lambda kn: client.put_object(Bucket=bucket, Key=kn[0], Body=blobs[kn[1]]),
+                    zip(keys, sizes)))
+        put = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        list(ex.map(lambda k: client.get_object(Bucket=bucket, Key=k)["Body"].read(), keys))
+        get = time.perf_counter() - t0
+    for i in range(0, len(keys), 1000):
+        client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k}
+                                                                 for k in keys[i:i + 1000]]})
+    return put, get
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", type=float, default=0.25, help="mixed state scale (1: ~1.2 GB)")
+    ap.add_argument("--uniform", default="16x4", help="N x MiB tensors of the uniform state")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=32, help="requests in flight")
+    ap.add_argument("--threads", default="1,4,8,16", help="DCP thread_count settings")
+    ap.add_argument("--s3fs-path", default=os.environ.get("S3FS_PATH", "/tmp/s3_20_s3fs"))
+    ap.add_argument("--endpoint", default=None)
+    ap.add_argument("--bucket", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+
+    server = None
+    if a.endpoint is None:
+        from shardpoint_testing.s3 import S3Server
+        server = S3Server().start()
+        os.environ.update(server.env())
+        bucket = server.bucket
+    else:
+        os.environ["AWS_ENDPOINT_URL"] = a.endpoint
+        bucket = a.bucket
+    import shardpoint as sp
+    from shardpoint_core.zarr.object_backend import ObjectStoreBackend, backend_for
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    be = backend_for(f"s3://{bucket}/x")
+    assert isinstance(be, ObjectStoreBackend)
+    be.concurrency = a.concurrency
+    store, _ = be.locate(f"s3://{bucket}/x")
+    counter = Counter(store.client)
+    import boto3
+    from botocore.config import Config
+    raw_client = boto3.client("s3", config=Config(max_pool_connections=a.concurrency,
+                                                  retries={"mode": "standard"}))
+    n, mib = (float(x) for x in a.uniform.split("x"))
+    states = [("mixed", {"scale": a.scale}, bt.mixed_state(a.scale)),
+              ("uniform", {"n": int(n), "mib": mib}, bt.uniform_state(int(n), mib))]
+    threads = [int(t) for t in a.threads.split(",")]
+    dcp_ok = os.path.isdir(os.path.join(a.s3fs_path, "s3fs"))
+    sp.save({"x": torch.zeros(4)}, f"s3://{bucket}/{run}/warm")     # imports, pools: once
+    sp.load(f"s3://{bucket}/{run}/warm")
+    results = {}
+    for name, spec, state in states:
+        nbytes = sum(v.numel() * v.element_size() for v in bt.flat(state).values())
+        url = f"s3://{bucket}/{run}/{name}"
+        r = results[name] = {"bytes": nbytes, "raw_put": [], "raw_get": [], "save": [],
+                             "load": [], "dcp_load": [], **{f"dcp_save_t{t}": [] for t in threads}}
+        for i in range(a.repeat):
+            c0 = counter.snap()
+            t0 = time.perf_counter()
+            sp.save(state, url, overwrite=True)
+            r["save"].append(time.perf_counter() - t0)
+            c1 = counter.snap()
+            t0 = time.perf_counter()
+            back = sp.load(url)
+            r["load"].append(time.perf_counter() - t0)
+            c2 = counter.snap()
+            assert all(torch.equal(x, y) for x, y in zip(bt.flat(back).values(),
+                                                         bt.flat(state).values()))
+            del back
+            r["save_requests"], r["save_bytes"] = c1[0] - c0[0], c1[1] - c0[1]
+            r["load_requests"], r["load_bytes"] = c2[0] - c1[0], c2[2] - c1[2]
+            prefix = url[len(f"s3://{bucket}/"):]
+            sizes = [o.size for o in store.list(prefix + "/") if "/c/" in o.key]
+            r["objects"] = len(sizes)
+            put, get = raw_round(raw_client, bucket, f"{run}/{name}-raw", sizes, a.concurrency)
+            r["raw_put"].append(put)
+            r["raw_get"].append(get)
+            r["raw_bytes"] = sum(sizes)
+            if dcp_ok:
+                env = dict(os.environ, S3FS_PATH=a.s3fs_path,
+                           BENCH_DIR=os.path.dirname(os.path.abspath(__file__)))
+                child = {"state": name, "url": f"s3://{bucket}/{run}/dcp-{name}-{i}",
+                         "threads": threads, "scale": a.scale, "n": int(n), "mib": mib}
+                p = subprocess.run([sys.executable, "-c", DCP_CHILD, json.dumps(child)],
+                                   capture_output=True, text=True, env=env, timeout=1800)
+                if p.returncode != 0:
+                    print(f"DCP failed: {p.stderr[-2000:]}", file=sys.stderr)
+                    dcp_ok = False
+                else:
+                    d = json.loads(p.stdout.strip().splitlines()[-1])
+                    for t in threads:
+                        r[f"dcp_save_t{t}"].append(d[f"save_t{t}"])
+                    r["dcp_load"].append(d["load"])
+        best_t = min(threads, key=lambda t: med(r[f"dcp_save_t{t}"]) or float("inf"))
+        r["dcp_save"], r["dcp_best_threads"] = r[f"dcp_save_t{best_t}"], best_t
+    if server is not None:
+        server.stop()
+
+    print(f"\nS3 benchmark: moto {_moto_version()} on loopback, {os.cpu_count()} cores, "
+          f"concurrency {a.concurrency}, {a.repeat} interleaved rounds; median (min-max)")
+    for name, r in results.items():
+        b = r["bytes"]
+        print(f"\n{name}: {b / 2**20:.1f} MiB in {r['objects']} chunk objects")
+        print(f"  raw PUT (limit)   {fmt(r['raw_put'], r['raw_bytes'])}")
+        print(f"  shardpoint save   {fmt(r['save'], b)}   {r['save_requests']} requests, "
+              f"{r['save_bytes'] / 2**20:.1f} MiB sent")
+        if r["dcp_save"]:
+            print(f"  DCP save (t={r['dcp_best_threads']:<2})  {fmt(r['dcp_save'], b)}")
+        print(f"  raw GET (limit)   {fmt(r['raw_get'], r['raw_bytes'])}")
+        print(f"  shardpoint load   {fmt(r['load'], b)}   {r['load_requests']} requests, "
+              f"{r['load_bytes'] / 2**20:.1f} MiB received")
+        if r["dcp_load"]:
+            print(f"  DCP load          {fmt(r['dcp_load'], b)}")
+        ratio = lambda x, y: (med(x) and med(y)) and med(x) / med(y)   # noqa: E731
+        print(f"  save: {ratio(r['raw_put'], r['save']):.2f}x the raw limit"
+              + (f", {ratio(r['dcp_save'], r['save']):.2f}x DCP's speed" if r["dcp_save"]
+                 else ", DCP not run (no s3fs at --s3fs-path)"))
+        print(f"  load: {ratio(r['raw_get'], r['load']):.2f}x the raw limit"
+              + (f", {ratio(r['dcp_load'], r['load']):.2f}x DCP's speed" if r["dcp_load"]
+                 else ""))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def _moto_version() -> str:
+    try:
+        import moto
+        return moto.__version__
+    except Exception:   # noqa: BLE001 - an external server
+        return "(external endpoint)"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""A real S3-compatible server on loopback for tests, benchmarks and the cluster helper.
+
+:class:`S3Server` starts moto's standalone server (``python -m moto.server``, from the
+``moto[server]`` package) as a child process on ``127.0.0.1`` and a free port, creates a
+bucket, and stops the process on :meth:`S3Server.stop`. Its :meth:`env` is the standard AWS
+environment (``AWS_ENDPOINT_URL``, keys, region) that the S3 store reads, so a child process
+(a gloo rank, the CLI) finds the server the same way a job finds real S3.
+
+:class:`FaultProxy` sits between a client and the server (also on loopback) and answers
+chosen requests itself with ``503 SlowDown`` or ``500 InternalError``, or drops the
+connection, so tests see the throttling and server errors a real object store gives.
+
+Example::
+
+    with S3Server() as s3:
+        os.environ.update(s3.env())
+        sp.save(state, s3.url("run/step_1"))
+"""
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Dict, Optional
+
+ACCESS_KEY = "testing"
+SECRET_KEY = "testing"
+REGION = "us-east-1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """moto's S3 server in a child process on loopback, with one bucket (``bucket``)."""
+
+    def __init__(self, bucket: str = "shardpoint-test", *, auth: bool = False,
+                 start_timeout_s: float = 60.0) -> None:
+        self.bucket = bucket
+        self.auth = auth
+        self._keys = (ACCESS_KEY, SECRET_KEY)
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._start_timeout_s = start_timeout_s
+        self._proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> "S3Server":
+        """Start the server, wait until it answers, create the bucket."""
+        env = dict(os.environ, MOTO_ALLOW_NONEXISTENT_REGION="true")
+        if self.auth:   # moto checks signatures and IAM after the first 3 requests
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + self._start_timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {self._proc.returncode} on start")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto server did not listen on {self.endpoint} within "
+                                       f"{self._start_timeout_s} s")
+                time.sleep(0.05)
+        if self.auth:
+            iam = self._boto("iam")
+            iam.create_user(UserName="shardpoint")
+            iam.put_user_policy(UserName="shardpoint", PolicyName="all", PolicyDocument=(
+                '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", '
+                '"Action": "*", "Resource": "*"}]}'))
+            k = iam.create_access_key(UserName="shardpoint")["AccessKey"]
+            self._keys = (k["AccessKeyId"], k["SecretAccessKey"])
+        self.make_bucket(self.bucket)
+        return self
+
+    def credentials(self) -> Dict[str, str]:
+        """Keys the server accepts, as :class:`~shardpoint_core.store.s3.S3Options` fields."""
+        return {"access_key_id": self._keys[0], "secret_access_key": self._keys[1],
+                "region": REGION}
+
+    def _boto(self, service: str):
+        import boto3
+        from botocore.config import Config
+        return boto3.client(service, endpoint_url=self.endpoint, aws_access_key_id=self._keys[0],
+                            aws_secret_access_key=self._keys[1], region_name=REGION,
+                            config=Config(retries={"max_attempts": 2}))
+
+    def client(self):
+        """A boto3 S3 client for this server (for test set-up and inspection)."""
+        return self._boto("s3")
+
+    def make_bucket(self, name: str) -> None:
+        """Create bucket ``name`` (tests that need a bucket of their own)."""
+        self.client().create_bucket(Bucket=name)
+
+    def fresh_prefix(self, name: str = "t") -> str:
+        """A prefix no other test uses: tests share one server and one bucket."""
+        return f"{name}-{uuid.uuid4().hex[:12]}"
+
+    def url(self, key: str = "") -> str:
+        """``s3://<bucket>/<key>``."""
+        return f"s3://{self.bucket}/{key}".rstrip("/")
+
+    def env(self, endpoint: Optional[str] = None) -> Dict[str, str]:
+        """The standard AWS environment that points clients at this server."""
+        return {"AWS_ENDPOINT_URL": endpoint or self.endpoint,
+                "AWS_ACCESS_KEY_ID": self._keys[0], "AWS_SECRET_ACCESS_KEY": self._keys[1],
+                "AWS_REGION": REGION,
+                "AWS_DEFAULT_REGION": REGION}
+
+    def stop(self) -> None:
+        """Stop the server process (its objects are gone with it)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+        self._proc = None
+
+    def __enter__(self) -> "S3Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# A fault rule sees (method, path, request number) and returns None (forward the request),
+# or an HTTP status to answer with (503: SlowDown, 500: InternalError), or 0 to drop the
+# connection without an answer.
+FaultRule = Callable[[str, str, int], Optional[int]]
+
+_FAULT_BODY = {
+    503: b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
+         b"</Error>",
+    500: b"<Error><Code>InternalError</Code><Message>We encountered an internal error."
+         b"</Message></Error>",
+}
+
+
+class FaultProxy:
+    """An HTTP proxy on loopback in front of an :class:`S3Server` that injects faults.
+
+    ``rule`` decides per request; :attr:`injected` counts the faults answered. Every other
+    request is forwarded unchanged (method, path, headers, body) and its answer relayed.
+    """
+
+    def __init__(self, upstream: S3Server, rule: FaultRule) -> None:
+        self.upstream = upstream
+        self.rule = rule
+        self.injected = 0
+        self.requests = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:   # quiet
+                pass
+
+            def _handle(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                with proxy._lock:
+                    proxy.requests += 1
+                    number = proxy.requests
+                fault = proxy.rule(self.command, self.path, number)
+                if fault is not None:
+                    with proxy._lock:
+                        proxy.injected += 1
+                    if fault == 0:
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
+                    payload = _FAULT_BODY.get(fault, b"<Error><Code>Fault</Code></Error>")
+                    self.send_response(fault)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("connection", "keep-alive")}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("connection", "transfer-encoding", "content-length",
+                                         "keep-alive", "server", "date"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def env(self) -> Dict[str, str]:
+        """The AWS environment pointing clients at the proxy instead of the server."""
+        return self.upstream.env(self.endpoint)
+
+    def __enter__(self) -> "FaultProxy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
