@@ -49,7 +49,6 @@ from shardpoint_core.policy import (Retention, check_metric, parse_step, policy_
                                     ranked, retained, step_name)
 from shardpoint_core.recovery import committer_of
 from shardpoint_core.storage import MANIFEST_NAME, StorageBackend
-from shardpoint_core.store.registry import local_path
 
 METRICS_KEY = "__metrics__"
 
