@@ -201,7 +201,8 @@ def decode_manifest(data: bytes) -> Manifest:
         env = msgpack.unpackb(data, raw=False, object_pairs_hook=values.strict_pairs,
                               **values.UNPACK_LIMITS)
     except Exception as e:
-        raise _bad(f"not a msgpack envelope ({type(e).__name__}: {e}); truncated or not a "
+        raise _bad(f"not a msgpack envelope ({type(e).__name__}: {e or 'no detail'}); "
+                   "truncated, nested too deeply or not a "
                    "shardpoint manifest", "SP-MAN-1") from e
     if not (isinstance(env, dict) and set(env) == {"sha256", "body"}
             and isinstance(env["body"], bytes) and isinstance(env["sha256"], bytes)
@@ -215,7 +216,8 @@ def decode_manifest(data: bytes) -> Manifest:
     except CorruptCheckpointError:
         raise
     except Exception as e:
-        raise _bad(f"body is not valid msgpack: {e}", "SP-MAN-1") from e
+        raise _bad(f"body is not valid msgpack ({type(e).__name__}: {e or 'no detail'})",
+                   "SP-MAN-1") from e
     deep = values.nesting_depth_error(m)
     if deep:
         raise _bad(f"body nests deeper than {values.MAX_DEPTH} levels at {deep}", "SP-MAN-5")

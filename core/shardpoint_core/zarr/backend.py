@@ -27,8 +27,10 @@ from shardpoint_core.hints import path_hint
 from shardpoint_core.storage import MANIFEST_NAME, ArraySpec, Leftover
 
 from shardpoint_core.zarr.layout import codecs_for, fill_value
-from shardpoint_core.zarr.checks import (check_array_files, check_regular_file, check_zarr_json,
-                                         chunk_file_sizes, metadata_problems, read_zarr_json)
+from shardpoint_core.zarr.checks import (check_array_files, check_backed_bytes,
+                                         check_regular_file, check_shard_files,
+                                         check_zarr_json, chunk_file_sizes, metadata_problems,
+                                         read_zarr_json)
 
 from shardpoint_core.fsutil import fsync_dir, makedirs_below, remove_path
 
@@ -337,9 +339,11 @@ class TensorStoreBackend:
         meta = read_zarr_json(root, array_path, key)
         check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
         apath = os.path.join(root, array_path)
-        if os.path.isdir(apath):
-            check_array_files(root, array_path, key,
-                              chunk_file_sizes(meta, from_name(spec.dtype).itemsize))
+        itemsize = from_name(spec.dtype).itemsize
+        found = check_array_files(root, array_path, key, chunk_file_sizes(meta, itemsize)) \
+            if os.path.isdir(apath) else (0, 0)
+        check_backed_bytes(key, array_path, tuple(spec.shape), tuple(spec.chunk_shape),
+                           itemsize, found)
         # bool stays on TensorStore, which refuses bytes other than 0/1 ([SP-READ-5]).
         if self.direct_reads and spec.dtype in DTYPES and spec.dtype != "bool":
             layout = parse_layout(meta, apath, DTYPES[spec.dtype].numpy)
@@ -366,7 +370,7 @@ class TensorStoreBackend:
                 h = handle.tensorstore()
                 ts.array(view, copy=False, write=True).write(
                     _region(h, off, view.shape)).result()
-            return _KeyedRead(DirectReader(handle.layout, self._submit, fallback).read(
+            return _KeyedRead(DirectReader(handle.layout, self._submit, fallback, handle.key).read(
                 tuple(offset), out), handle.key)
         return _KeyedRead(ts.array(out, copy=False, write=True).write(
             _region(handle.ts, offset, out.shape)), handle.key)
@@ -402,6 +406,7 @@ class TensorStoreBackend:
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list:
         try:
             self.open_array_for_read(root, array_path, spec, key)   # the spec's file checks
+            check_shard_files(root, array_path, read_zarr_json(root, array_path, key), key)
             h = self._open_ts_for_read(root, array_path, spec, key)
         except ShardpointError as e:
             return [(e.spec_id or "SP-ARRAY-1", str(e))]
