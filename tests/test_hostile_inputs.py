@@ -165,3 +165,27 @@ def test_memory_bomb_in_a_1_gib_cgroup(tmp_ckpt):
     r = hostile.run_bounded(code, memory_bytes=1 << 30, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert r.stdout.split("\n")[:2] == ["load SP-READ-6", "verify ['SP-READ-6']"]
+
+
+# ------------------------------------------------------------------ targets that alias
+@pytest.mark.parametrize("make", [
+    lambda: torch.zeros(3).expand(2, 3),
+    lambda: torch.zeros(6).as_strided((2, 3), (1, 1)),
+    lambda: torch.from_numpy(__import__("numpy").lib.stride_tricks.as_strided(
+        __import__("numpy").zeros(3, "float32"), (2, 3), (0, 4))),
+], ids=["expand", "as_strided", "numpy-stride-0"])
+def test_target_whose_elements_share_memory_is_refused(tmp_ckpt, make):
+    sp.save({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, tmp_ckpt)
+    with pytest.raises(sp.LayoutMismatchError) as e:
+        sp.load(tmp_ckpt, like={"w": make()})
+    assert "'w'" in str(e.value) and "share memory" in str(e.value)
+
+
+def test_transposed_and_strided_targets_still_fill(tmp_ckpt):
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    sp.save({"w": w, "v": w[:, ::2].contiguous()}, tmp_ckpt)
+    t = torch.empty(4, 3).t()
+    big = torch.zeros(3, 4)
+    out = sp.load(tmp_ckpt, like={"w": t, "v": big[:, ::2]})
+    assert torch.equal(t, w) and torch.equal(big[:, ::2], w[:, ::2])
+    assert out["w"] is t

@@ -152,7 +152,10 @@ def _segments(sub: np.ndarray) -> Optional[list]:
     count = math.prod(sub.shape[:k])
     if count > 4 * _IOV_MAX or expect < (64 << 10) and count > 8:
         return None
-    segs = [sub[i].reshape(-1).view(np.uint8) for i in np.ndindex(*sub.shape[:k])]
+    # sub[i + (...,)]: with every index given, sub[i] alone is a numpy scalar (a copy), and
+    # a read into it vanished (a column-strided target came back as zeros, no error).
+    segs = [sub[i + (Ellipsis,)].reshape(-1).view(np.uint8)
+            for i in np.ndindex(*sub.shape[:k])]
     # reshape copies when it cannot view; a copy would swallow the data, so refuse it.
     return None if any(s.flags.owndata for s in segs) else segs
 
