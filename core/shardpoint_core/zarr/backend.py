@@ -131,6 +131,39 @@ def _not_a_checkpoint_hint(path: str) -> str:
     return path_hint(path)
 
 
+def _refuse_non_checkpoint(path: str) -> None:
+    """A directory without a manifest that is not a save cut short (it has no ``tensors/``
+    and no array): a manager's root or another parent of checkpoints (say so, list the
+    newest), an empty directory, or any other directory (``/etc``). Raises
+    :class:`CheckpointNotFoundError` ("no checkpoint", exit 2 in the CLI); returns for a
+    directory that looks like an uncommitted save ([SP-COMMIT-3])."""
+    if not os.path.isdir(path) or os.path.isdir(os.path.join(path, "tensors")):
+        return
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    if _not_a_checkpoint_hint(path):
+        return                       # another format: the caller's hint names it
+    found = []
+    for n in names:
+        mp = os.path.join(path, n, MANIFEST_NAME)
+        try:
+            found.append((os.stat(mp).st_mtime, n))
+        except OSError:
+            continue
+    if found:
+        newest = [n for _t, n in sorted(found, reverse=True)[:3]]
+        raise CheckpointNotFoundError(
+            f"{path!r} is not a checkpoint but a directory of {len(found)} checkpoint(s) (a "
+            f"CheckpointManager's root or a parent of checkpoints); the newest: "
+            + ", ".join(repr(os.path.join(path, n)) for n in newest)
+            + "; pass one of them (or use CheckpointManager(root).latest_step())")
+    what = "an empty directory" if not names else "a directory without a manifest.msgpack"
+    raise CheckpointNotFoundError(f"no checkpoint at {path!r}: it is {what} and holds no "
+                                  "shardpoint checkpoint")
+
+
 class TensorStoreBackend:
     """The default :class:`shardpoint_core.storage.StorageBackend` (file kvstore, Zarr v3).
 
@@ -435,11 +468,17 @@ class TensorStoreBackend:
     # -- manifest and commit ----------------------------------------------------------
     def write_manifest(self, root: str, data: bytes) -> None:
         tmp = os.path.join(root, MANIFEST_NAME + ".partial")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+        except OSError as e:
+            if e.filename is not None or e.errno is None:
+                raise
+            # write(2) and fsync(2) name no file: a full disk said only "No space left".
+            raise OSError(e.errno, e.strerror, tmp) from e
         os.replace(tmp, os.path.join(root, MANIFEST_NAME))
         if self.fsync:
             fsync_dir(root)
@@ -449,6 +488,7 @@ class TensorStoreBackend:
         if state == "missing":
             raise CheckpointNotFoundError(f"no checkpoint at {path!r}: the path does not exist")
         if state == "incomplete":
+            _refuse_non_checkpoint(path)
             other = _not_a_checkpoint_hint(path)
             if not os.path.isdir(path) or other:
                 what = "a file" if not os.path.isdir(path) else "a directory"

@@ -20,7 +20,8 @@ from shardpoint.tree import dtypes
 from shardpoint_core import errors
 from shardpoint.tree import values
 from shardpoint.api.async_save import AsyncSave, group_saves
-from shardpoint.exchange.comm import Comm, agree, exchange, group_key, run_collectively, side_comm
+from shardpoint.exchange.comm import (AFTER_SAVE, Comm, after_commit, agree, exchange, group_key,
+                                      run_collectively, side_comm)
 from shardpoint_core.fsutil import os_error_text
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.tree.model import flatten_state
@@ -383,6 +384,7 @@ class SaveJob:
                     f"{type(e).__name__}: {e}")
             return b""
 
+        comm.after_failure = after_commit(self.path)
         try:
             run_collectively(comm, report, self._publish, errors.SaveFailedError)
         except errors.ShardpointError:
@@ -454,6 +456,7 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
     it over on some rank.
     """
     comm = Comm(group)
+    comm.after_failure = AFTER_SAVE
     saves = group_saves(group_key(comm))
     saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))
     job = SaveJob(state, path, comm, get_backend(backend), options or SaveOptions(), overwrite)

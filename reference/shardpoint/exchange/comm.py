@@ -23,6 +23,9 @@ class Comm:
 
     def __init__(self, group: Optional[Any] = None) -> None:
         self.group = group
+        # What a RankLostError tells the user to do; the caller sets it for what it runs
+        # (a save before its commit, the commit, a load), so the advice fits what was lost.
+        self.after_failure = AFTER_UNKNOWN
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
@@ -171,6 +174,23 @@ def _timeout_of(group: Any) -> Any:
         return None
 
 
+AFTER_UNKNOWN = ("restart every rank; a save cut short before its commit commits nothing and "
+                 "committed checkpoints are left as they were")
+AFTER_SAVE = ("the save was cut short before its commit, so it commits nothing: restart every "
+              "rank and resume from the last committed checkpoint")
+AFTER_LOAD = ("the load returned nothing and changed nothing on storage: restart every rank "
+              "and load again")
+
+
+def after_commit(path: str) -> str:
+    """The advice for a failure while the ranks agree on a save's commit: the coordinator
+    may already have renamed it into place."""
+    return (f"it failed while the ranks agreed on the commit, so the checkpoint {path!r} may "
+            f"or may not be committed (`shardpoint verify {path}` tells; a previous "
+            "checkpoint there is intact if it was not): restart every rank and resume from "
+            "the newest committed checkpoint")
+
+
 def rank_lost(comm: Comm, op: str, e: BaseException) -> errors.RankLostError:
     """The error for a collective that failed under ``comm``: the backend's own words without
     its source path and boilerplate, the group's timeout, and what to do."""
@@ -181,8 +201,7 @@ def rank_lost(comm: Comm, op: str, e: BaseException) -> errors.RankLostError:
         f"rank {comm.rank} of {comm.size}: the {op} collective failed ({text}): another rank "
         "of the group died, was killed or hung"
         + (f" past the group's timeout ({timeout.total_seconds():g} s)" if timeout else "")
-        + "; its own log says why. A save cut short so commits nothing: restart every rank "
-        "and resume from the last committed checkpoint")
+        + f"; its own log says why. {comm.after_failure[0].upper()}{comm.after_failure[1:]}")
 
 
 # ---------------------------------------------------------------------- errors across ranks
