@@ -336,3 +336,36 @@ def test_a_damaged_or_missing_chunk_names_its_tensor(tmp_path, dtype):
     os.remove(chunk)
     with pytest.raises(sp.CorruptCheckpointError, match=r"^\[SP-READ-2\] tensor 'model/w': "):
         sp.load(p, like=like)
+
+
+def _disagreeing_arguments(rank, world, base):
+    got = []
+    sp.save({"w": torch.ones(2)}, os.path.join(base, "a"))
+    before = os.stat(os.path.join(base, "a", "manifest.msgpack")).st_ino
+    for kwargs in ({"overwrite": rank == 1},
+                   {"overwrite": True, "options": sp.SaveOptions(plan=sp.PlanOptions(
+                       max_chunk_bytes=(1 << 20) * (rank + 1)))}):
+        try:
+            sp.save({"w": torch.full((2,), 5.0)}, os.path.join(base, "a"), **kwargs)
+            got.append("saved")
+        except sp.InvalidOptionError as e:
+            got.append(str(e))
+    try:       # a per-rank value saved as a plain one
+        sp.save({"w": torch.ones(2), "pos": 100 + rank}, os.path.join(base, "b"))
+        got.append("saved")
+    except sp.InvalidShardingError as e:
+        got.append(f"{e.spec_id} {e}")
+    after = os.stat(os.path.join(base, "a", "manifest.msgpack")).st_ino
+    return got, before == after, sorted(os.listdir(base))
+
+
+def test_ranks_passing_different_overwrite_options_or_values_fail_together(tmp_path):
+    """Before, rank 0's overwrite flag and options decided silently, and a plain value that
+    differed per rank kept rank 0's; now every rank raises, naming the argument or the key,
+    before anything is written (issue 21)."""
+    got = run_world(2, _disagreeing_arguments, str(tmp_path), timeout=120, pg_timeout=30)
+    for errs, untouched, listing in got:
+        assert "different overwrite flags" in errs[0] and "False" in errs[0], errs
+        assert "different SaveOptions.plans" in errs[1], errs
+        assert errs[2].startswith("SP-REPL-1") and "'pos'" in errs[2] and "100" in errs[2]
+        assert untouched and listing == ["a"]

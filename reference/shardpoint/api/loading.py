@@ -115,7 +115,11 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
 
     costs, wbytes = msgpack.unpackb(run_collectively(
         comm, local, decide, errors.LayoutMismatchError,
-        same=("checkpoint path", os.path.normpath(path))))
+        same=[("checkpoint path", os.path.normpath(path)),
+              ("LoadOptions.strategy", opts.strategy),
+              ("exchange budget", int(budget)),
+              ("LoadOptions.shm_exchange", bool(opts.shm_exchange)),
+              ("LoadOptions.shm_round_bytes", int(opts.shm_round_bytes))]))
     work = RankLoadWork.from_bytes(wbytes, m_box["m"].tensors)
     report.strategy, report.costs = costs["strategy"], costs
     report.timings["plan"] = time.perf_counter() - t0

@@ -26,7 +26,8 @@ from shardpoint_core.fsutil import os_error_text
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.tree.model import flatten_state
 from shardpoint.api.open_ahead import OpenAhead
-from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, plan_objects,
+from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, check_values_agree,
+                                         plan_objects,
                                          plan_save)
 from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
 from shardpoint.api.staging import StagingPool, copy_pairs, stream_device_writes
@@ -94,9 +95,14 @@ def _value_leaves(tree: Any) -> list:
 def _with_values(tree: Any, per_rank: list) -> Any:
     """``tree`` with each plain value replaced by the lowest rank's new value at its path."""
     new: dict = {}
+    seen: dict = {}
     for leaves in per_rank:
         for p, v in leaves:
             new.setdefault(tuple(p), v)
+            seen.setdefault(tuple(p), []).append(v)
+    for p, vs in seen.items():
+        if len(vs) > 1:
+            check_values_agree(vs, "state" + "".join(f"[{k!r}]" for k in p))
 
     def walk(node: Any, path: tuple) -> Any:
         if "dict" in node:
@@ -123,6 +129,7 @@ class SaveJob:
                  opts: SaveOptions, overwrite: bool) -> None:
         self.state, self.path, self.comm, self.be = state, str(path), comm, be
         self.opts, self.overwrite = opts, overwrite
+        self.async_save = False
         self.t0 = time.perf_counter()
         self.times: dict = {}
         self.cache_key = group_key(comm)
@@ -172,7 +179,7 @@ class SaveJob:
 
         try:
             msg = run_collectively(self.comm, local, self._decide, errors.InvalidShardingError,
-                                   same=("checkpoint path", os.path.normpath(self.path)))
+                                   same=self.collective_arguments())
         except errors.ShardpointError:
             _PLAN_CACHE.pop(self.cache_key, None)
             raise
@@ -355,6 +362,16 @@ class SaveJob:
                 opened.close()
             self.sources = []
 
+    def collective_arguments(self) -> list:
+        """What every rank of a save must pass alike, agreed in the plan before any byte is
+        written: a rank saving with another ``overwrite``, ``async_save`` or plan options
+        than its peers would replace, or chunk, what the others do not expect."""
+        return [("checkpoint path", os.path.normpath(self.path)),
+                ("overwrite flag", bool(self.overwrite)),
+                ("async_save flag", bool(self.async_save)),
+                ("SaveOptions.plan", repr(self.opts.plan)),
+                ("SaveOptions.exchange_budget_bytes", int(self.opts.exchange_budget_bytes))]
+
     def write_error(self, e: BaseException) -> errors.ShardpointError:
         """``e``, raised while creating arrays or writing chunks, as the error to report: a
         storage failure (the backend's own error carrying an ``OSError``, or the ``OSError``
@@ -460,6 +477,7 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
     saves = group_saves(group_key(comm))
     saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))
     job = SaveJob(state, path, comm, get_backend(backend), options or SaveOptions(), overwrite)
+    job.async_save = async_save
     try:
         job.plan()
         if not async_save:

@@ -246,13 +246,16 @@ def agree(comm: Comm, err: Optional[BaseException], fallback: type) -> None:
 
 def run_collectively(comm: Comm, local: Callable[[], bytes],
                      decide: Callable[[list], list], fallback: type,
-                     same: Optional[tuple] = None) -> bytes:
+                     same: Any = None) -> bytes:
     """Gather each rank's ``local()`` bytes to the coordinator, let it ``decide`` one answer
     per rank, scatter the answers. Any failure, local or in ``decide``, is raised on every
     rank as the same error, so no rank is left waiting in a collective. ``same``: ``(what,
-    value)`` every rank must pass alike (the checkpoint path): a rank passing another value
-    fails every rank with :class:`~.errors.InvalidOptionError`, before ``decide``."""
-    mine_same = same[1] if same is not None else None
+    value)``, or a list of them, that every rank must pass alike (the checkpoint path, the
+    ``overwrite`` flag, the options): a rank passing another value fails every rank with
+    :class:`~.errors.InvalidOptionError` naming the argument and the ranks, before
+    ``decide``. Values are compared as msgpack data (str, numbers, bools, lists)."""
+    pairs = [] if same is None else [same] if isinstance(same, tuple) else list(same)
+    mine_same = [v for _w, v in pairs]
     try:
         mine = msgpack.packb([0, local(), mine_same])
     except Exception as e:  # noqa: BLE001 - forwarded to every rank
@@ -262,13 +265,18 @@ def run_collectively(comm: Comm, local: Callable[[], bytes],
     if comm.is_coordinator:
         items = [msgpack.unpackb(g) for g in got]
         failed = [rec for status, rec, _ in items if status]
-        differ = [(r, v) for r, (_, _, v) in enumerate(items) if v != mine_same]
-        if differ:   # a path mismatch is the cause of whatever else failed: report it alone
-            shown = ", ".join(f"rank {r}: {v!r}" for r, v in differ[:3])
-            failed = [error_record(errors.InvalidOptionError(
-                f"the ranks were given different {same[0]}s: rank {comm.rank}: {mine_same!r}, "
-                f"{shown}" + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-                + f"; every rank of the group must pass the same {same[0]}"), comm.rank)]
+        mine_same = msgpack.unpackb(msgpack.packb(mine_same))   # compared as the others are
+        for i, (what, _v) in enumerate(pairs):
+            differ = [(r, v[i]) for r, (_, _, v) in enumerate(items) if v[i] != mine_same[i]]
+            if differ:   # a mismatch is the cause of whatever else failed: report it alone
+                shown = ", ".join(f"rank {r}: {v!r}" for r, v in differ[:3])
+                failed = [error_record(errors.InvalidOptionError(
+                    f"the ranks were given different {what}s: rank {comm.rank}: "
+                    f"{mine_same[i]!r}, {shown}"
+                    + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+                    + f"; every rank of the group must pass the same {what} (a collective "
+                    "call's arguments are agreed before anything is written)"), comm.rank)]
+                break
         if failed:
             parts = [msgpack.packb([1, failed])] * comm.size
         else:
