@@ -189,3 +189,14 @@ def test_transposed_and_strided_targets_still_fill(tmp_ckpt):
     out = sp.load(tmp_ckpt, like={"w": t, "v": big[:, ::2]})
     assert torch.equal(t, w) and torch.equal(big[:, ::2], w[:, ::2])
     assert out["w"] is t
+
+
+@pytest.mark.parametrize("body", [1.5, True, None, "x", 7])
+def test_a_manifest_body_that_is_a_scalar_is_refused_by_rule(body):
+    """Found by the fuzzer: a sealed body of one float raised TypeError from the depth check."""
+    import hashlib
+    raw = msgpack.packb(body)
+    data = msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw})
+    with pytest.raises(sp.CorruptCheckpointError) as e:
+        decode_manifest(data)
+    assert e.value.spec_id == "SP-MAN-2"

@@ -80,6 +80,8 @@ def strict_pairs(pairs: list) -> dict:
 
 def _max_depth(v: Any, stop: int) -> int:
     """Levels of maps/lists/tuples in ``v`` (``v`` itself is level 1), counting up to ``stop``."""
+    if type(v) not in (dict, list, tuple):
+        return 1          # a scalar (a manifest body that is not a map)
     stack = [(v, 1)]
     pop, push = stack.pop, stack.append
     deepest = 0
