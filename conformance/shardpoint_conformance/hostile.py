@@ -83,9 +83,9 @@ def memory_bomb(root: str, *, entries: int = 2048, inner_elems: int = 1 << 19,
                 alias: bool = True) -> int:
     """A checkpoint of one float32 tensor ``w`` of ``entries * inner_elems`` elements (4 GiB
     by default) stored as one shard holding ONE inner chunk, with every index entry pointing
-    at it (``alias``; else each entry gets its own offset past the end of the data). The
-    files take ``inner_elems * 4`` bytes plus the index (2.1 MB by default). Returns the
-    declared size in bytes."""
+    at it (``alias``; else a sound shard: every inner chunk stored, each entry its own). The
+    aliasing files take ``inner_elems * 4`` bytes plus the index (2.1 MB by default).
+    Returns the declared size in bytes."""
     n = entries * inner_elems
     arr = os.path.join(root, "tensors", "w")
     os.makedirs(os.path.join(arr, "c"))
@@ -105,7 +105,8 @@ def memory_bomb(root: str, *, entries: int = 2048, inner_elems: int = 1 << 19,
     index = b"".join((0 if alias else i * len(inner)).to_bytes(8, "little")
                      + len(inner).to_bytes(8, "little") for i in range(entries))
     with open(os.path.join(arr, "c", "0"), "wb") as f:
-        f.write(inner + index + crc32c.crc32c(index).to_bytes(4, "little"))
+        f.write(inner * (1 if alias else entries) + index
+                + crc32c.crc32c(index).to_bytes(4, "little"))
     body = {"format": "shardpoint", "format_version": [1, 1], "writer": "hostile",
             "created_unix": 0, "save_world_size": 1,
             "tree": {"dict": [["w", {"tensor": "w"}]]},

@@ -120,10 +120,10 @@ EMPTY_ENTRY = 2**64 - 1
 
 
 def check_shard_index(index: Any, data_end: int, key: str, where: str) -> None:
-    """A shard index (``n x 2`` little-endian uint64: offset, nbytes) by [SP-READ-7]: every
-    present entry lies inside the shard's data (``offset + nbytes <= data_end``, the file
-    size less the index) and no two present entries overlap or alias, so each stored byte
-    backs at most one inner chunk. Absent entries are both ``2^64-1``; a half-absent one is
+    """A shard index (``n x 2`` little-endian uint64: offset, nbytes): every present entry
+    lies inside the shard's data (``offset + nbytes <= data_end``, the file size less the
+    index, [SP-READ-5] as [SP-READ-3]) and no two present entries overlap or alias
+    ([SP-READ-7]), so each stored byte backs at most one inner chunk. Absent entries are both ``2^64-1``; a half-absent one is
     damage ([SP-READ-3]). One sort, no per-entry Python loop."""
     idx = np.asarray(index, dtype=np.uint64).reshape(-1, 2)
     off, nb = idx[:, 0], idx[:, 1]
@@ -142,7 +142,7 @@ def check_shard_index(index: Any, data_end: int, key: str, where: str) -> None:
         i = int(np.flatnonzero(bad)[0])
         raise _corrupt(key, f"{where}: shard index entry (offset {int(off[i])}, nbytes "
                        f"{int(nb[i])}) reaches past the shard's data ({data_end} bytes)",
-                       "SP-READ-7")
+                       "SP-READ-3")
     order = np.argsort(off, kind="stable")
     o, n = off[order], nb[order]
     clash = o[1:] < o[:-1] + n[:-1]
@@ -222,6 +222,13 @@ def json_depth(raw: bytes) -> int:
     return int(np.cumsum(step).max(initial=0))
 
 
+def _json_int(token: str) -> Any:
+    """JSON integers as ints, except ``-0``: read as negative zero (a float), which no
+    fill value accepts ([SP-ARRAY-3]: parsers disagree on what ``-0`` is)."""
+    v = int(token)
+    return -0.0 if v == 0 and token.startswith("-") else v
+
+
 class _RepeatedName(ValueError):
     pass
 
@@ -251,7 +258,7 @@ def parse_zarr_json(raw: bytes, key: str, where: str = "zarr.json") -> Any:
     except UnicodeDecodeError as e:
         raise _corrupt(key, f"{where} is not UTF-8: {e}", "SP-ARRAY-6") from e
     try:
-        return json.loads(text, object_pairs_hook=_unique_pairs)
+        return json.loads(text, object_pairs_hook=_unique_pairs, parse_int=_json_int)
     except _RepeatedName as e:
         raise _corrupt(key, f"{where}: {e}", "SP-ARRAY-6") from e
     except (ValueError, RecursionError) as e:
