@@ -369,3 +369,28 @@ def test_ranks_passing_different_overwrite_options_or_values_fail_together(tmp_p
         assert "different SaveOptions.plans" in errs[1], errs
         assert errs[2].startswith("SP-REPL-1") and "'pos'" in errs[2] and "100" in errs[2]
         assert untouched and listing == ["a"]
+
+
+def _diverged_replicas(rank, world, base):
+    got = []
+    st = {"w": torch.full((4, 3), 1.0 + (rank == 1) * 1e-7),          # diverged DP rank
+          "ok": sp.ShardedTensor(torch.ones(2, 3), (4, 3), (2 * rank, 0))}
+    try:
+        sp.save(st, os.path.join(base, "a"),
+                options=sp.SaveOptions(check_replicas=True))
+        got.append("saved")
+    except sp.InvalidShardingError as e:
+        got.append(f"{e.spec_id} {e}")
+    same = {"w": torch.full((4, 3), 1.0), "ok": st["ok"]}
+    r = sp.save(same, os.path.join(base, "b"), options=sp.SaveOptions(check_replicas=True))
+    got.append(r.timings.get("replica_check") is not None)
+    return got, sorted(os.listdir(base))
+
+
+def test_replica_check_refuses_diverged_replicas(tmp_path):
+    """Replicas with different values were accepted and one kept silently; with
+    check_replicas the save fails on every rank, naming the key and region (issue 21)."""
+    got = run_world(2, _diverged_replicas, str(tmp_path), timeout=120, pg_timeout=30)
+    for (err, timed), listing in got:
+        assert err.startswith("SP-REPL-1") and "'w'" in err and "differ" in err, err
+        assert timed and listing == ["b"]

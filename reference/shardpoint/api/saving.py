@@ -29,6 +29,7 @@ from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, check_values_agree,
                                          plan_objects,
                                          plan_save)
+from shardpoint.api.replicas import check_replicas
 from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
 from shardpoint.api.staging import StagingPool, copy_pairs, stream_device_writes
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
@@ -44,6 +45,9 @@ class SaveOptions:
     exchange_budget_bytes: int = 256 << 20
     cache_plan: bool = True   # reuse the last plan when no rank's structure changed
     device_staging_bytes: int = 256 << 20   # pinned bytes in flight for CUDA tensors (sync)
+    # crc32c every holding and refuse replicas whose data differ ([SP-REPL-1]); one pass over
+    # the state and one gather per save (see shardpoint.api.replicas and its benchmark)
+    check_replicas: bool = False
 
 
 @dataclass
@@ -186,6 +190,10 @@ class SaveJob:
         self.staging, work_b, self.layouts, self.stats = msgpack.unpackb(
             msg, strict_map_key=False)
         self.work = RankSaveWork.from_bytes(work_b)
+        if self.opts.check_replicas:    # after the plan: its errors (layout) come first
+            t = time.perf_counter()
+            check_replicas(self.comm, self.flat.tensors)
+            self.times["replica_check"] = time.perf_counter() - t
         self.times["plan_total"] = time.perf_counter() - self.t0
         self.times["plan_cached"] = self.plan_hit
 
@@ -370,7 +378,8 @@ class SaveJob:
                 ("overwrite flag", bool(self.overwrite)),
                 ("async_save flag", bool(self.async_save)),
                 ("SaveOptions.plan", repr(self.opts.plan)),
-                ("SaveOptions.exchange_budget_bytes", int(self.opts.exchange_budget_bytes))]
+                ("SaveOptions.exchange_budget_bytes", int(self.opts.exchange_budget_bytes)),
+                ("SaveOptions.check_replicas", bool(self.opts.check_replicas))]
 
     def write_error(self, e: BaseException) -> errors.ShardpointError:
         """``e``, raised while creating arrays or writing chunks, as the error to report: a
