@@ -3,6 +3,7 @@ array ``[dtype, shape, data, origin]``, ext type 2 a tuple. No pickle, ever [SP-
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import msgpack
@@ -87,22 +88,15 @@ def pack(v: Any) -> bytes:
 def ext_hook(code: int, payload: bytes) -> Any:
     """Decode ext 1/2; anything else, or a malformed array, is corrupt [SP-VALUE-2]."""
     if code == EXT_TUPLE:
-        try:
-            items = unpack(payload)
-        except CorruptCheckpointError:
-            raise
-        except Exception:  # noqa: BLE001
-            raise CorruptCheckpointError("tuple extension payload is not one msgpack array",
-                                         spec_id="SP-VALUE-2") from None
-        if not isinstance(items, list):
-            raise CorruptCheckpointError("tuple extension payload is not an array",
-                                         spec_id="SP-VALUE-2")
-        return tuple(items)
+        # Decoded later, from a loop (_resolve): decoding it here re-entered the C decoder
+        # once per level, and 300 nested tuples overflowed the stack (SIGSEGV) [SP-MAN-5].
+        _SEEN.n = getattr(_SEEN, "n", 0) + 1
+        return _Tuple(payload)
     if code != EXT_ARRAY:
         raise CorruptCheckpointError(f"unknown msgpack extension type {code}; the format "
                                      "defines 1 (array) and 2 (tuple)", spec_id="SP-VALUE-2")
     try:
-        dtype, shape, data, origin = unpack(payload)
+        dtype, shape, data, origin = _decode(payload)
     except CorruptCheckpointError:
         raise
     except (ValueError, TypeError):
@@ -140,10 +134,76 @@ def pairs_hook(pairs: list) -> dict:
     return out
 
 
+class _Tuple:
+    """An ext 2 payload not decoded yet (see :func:`_resolve`)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+MAX_DEPTH = 256
+_SEEN = threading.local()     # ext 2 payloads the hook saw in this thread's current decode
+
+
+def _decode(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook,
+                               object_pairs_hook=pairs_hook, use_list=True, **LIMITS)
+    except msgpack.StackError:
+        raise CorruptCheckpointError(f"msgpack nests deeper than the decoder allows (the "
+                                     f"format allows {MAX_DEPTH} levels)",
+                                     spec_id="SP-MAN-5") from None
+
+
+def _tuple_items(t: _Tuple) -> list:
+    try:
+        items = _decode(t.data)
+    except CorruptCheckpointError:
+        raise
+    except Exception:  # noqa: BLE001
+        raise CorruptCheckpointError("tuple extension payload is not one msgpack array",
+                                     spec_id="SP-VALUE-2") from None
+    if not isinstance(items, list):
+        raise CorruptCheckpointError("tuple extension payload is not an array",
+                                     spec_id="SP-VALUE-2")
+    return items
+
+
+def _resolve(v: Any) -> Any:
+    """``v`` with every :class:`_Tuple` decoded, by an explicit stack; a level past
+    :data:`MAX_DEPTH` is refused as soon as it appears [SP-MAN-5]."""
+    holder = [v]
+    stack = [(holder, iter(range(1)), 0, None, None)]
+    while stack:
+        c, slots, d, parent, slot = stack[-1]
+        for k in slots:
+            x = c[k]
+            if type(x) is _Tuple or type(x) in (list, dict):
+                if d + 1 > MAX_DEPTH:
+                    raise CorruptCheckpointError(f"values nest deeper than {MAX_DEPTH} levels",
+                                                 spec_id="SP-MAN-5")
+                if type(x) is _Tuple:
+                    items = _tuple_items(x)
+                    stack.append((items, iter(range(len(items))), d + 1, c, k))
+                else:
+                    stack.append((x, iter(list(x) if type(x) is dict else range(len(x))),
+                                  d + 1, None, None))
+                break
+        else:
+            stack.pop()
+            if parent is not None:
+                parent[slot] = tuple(c)
+    return holder[0]
+
+
 def unpack(data: bytes) -> Any:
-    """Decode exactly one msgpack object with the format's caps and rules [SP-MAN-5]."""
-    return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook,
-                           object_pairs_hook=pairs_hook, use_list=True, **LIMITS)
+    """Decode exactly one msgpack object with the format's caps and rules [SP-MAN-5];
+    nested tuples are decoded from a loop, never by recursion in the C decoder."""
+    _SEEN.n = 0
+    v = _decode(data)
+    return _resolve(v) if _SEEN.n else v
 
 
 def depth(v: Any) -> int:
