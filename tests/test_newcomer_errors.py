@@ -60,11 +60,12 @@ def test_another_format_is_named_with_the_convert_command(tmp_path, capsys):
 def test_values_with_a_bad_index_says_so_not_unknown_key(tmp_path, capsys):
     p = small(str(tmp_path / "ck"))
     rc, _, err = run(capsys, "inspect", p, "--values", "model/layers.0.bias[abc]")
-    assert rc == 1 and "index must be ints and slices" in err and "not a key" not in err
+    # a usage error, like a missing key: exit 2 (issue 21), not 1 ("damaged checkpoint")
+    assert rc == 2 and "index must be ints and slices" in err and "not a key" not in err
     rc, out, _ = run(capsys, "inspect", p, "--values", "model/layers.0.bias[1:3]")
     assert rc == 0 and "tensor([1., 1.])" in out
     rc, _, err = run(capsys, "inspect", p, "--values", "model/layers.0.bais")
-    assert rc == 1 and "similar keys: 'model/layers.0.bias'" in err, err
+    assert rc == 2 and "similar keys: 'model/layers.0.bias'" in err, err
     with sp.open(p) as ckpt, pytest.raises(KeyError, match="similar keys: .'step'"):
         ckpt["stepp"]
 
