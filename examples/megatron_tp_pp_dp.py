@@ -17,6 +17,17 @@ import shardpoint as sp
 from shardpoint.api import state as sps
 
 TP, PP, BLOCKS, H, LR, MOM = 2, 2, 4, 16, 0.02, 0.9
+BATCH = 8                     # samples per step, split evenly over the DP ranks
+
+
+def world_problem(world):
+    """Why this example cannot run on ``world`` ranks ('' when it can): TP x PP x DP ranks,
+    with DP dividing the batch (other sizes hung or crashed in the pipeline's send/recv)."""
+    if world % (TP * PP) or BATCH % (world // (TP * PP) or 1) or world < TP * PP:
+        ok = ", ".join(str(TP * PP * dp) for dp in range(1, BATCH + 1) if BATCH % dp == 0)
+        return (f"this example runs on TP x PP x DP = {TP} x {PP} x DP ranks with DP dividing "
+                f"the batch of {BATCH}: {ok} ranks, not {world}")
+    return ""
 
 
 def groups(rank, world):
@@ -38,6 +49,11 @@ def groups(rank, world):
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if world_problem(world):                 # every rank sees the same world: all stop
+        if rank == 0:
+            print(world_problem(world), file=sys.stderr)
+        dist.destroy_process_group()
+        sys.exit(2)
     root, steps = sys.argv[1], int(sys.argv[2])
     t, p, d, dp, g = groups(rank, world)
     per_stage = BLOCKS // PP
@@ -70,11 +86,11 @@ def main():
         if rank == 0:
             print(f"resumed at step {step} with TP={TP} PP={PP} DP={dp}")
     data = torch.Generator().manual_seed(0)
-    x_all, y_all = torch.randn(8, H, generator=data), torch.randn(8, H, generator=data)
+    x_all, y_all = torch.randn(BATCH, H, generator=data), torch.randn(BATCH, H, generator=data)
     while step < steps:
         step += 1
-        part = slice(d * 8 // dp, (d + 1) * 8 // dp)
-        x = x_all[part] if p == 0 else torch.empty(8 // dp, H)
+        part = slice(d * BATCH // dp, (d + 1) * BATCH // dp)
+        x = x_all[part] if p == 0 else torch.empty(BATCH // dp, H)
         if p > 0:
             dist.recv(x, src=rank - TP)                      # activations from the stage before
         x.requires_grad_(p > 0)
@@ -142,4 +158,7 @@ class Copy(torch.autograd.Function):
 
 if __name__ == "__main__":
     from launch_local import run_local
-    run_local(main, int(sys.argv[3]) if len(sys.argv) > 3 else TP * PP * 2)
+    ranks = int(sys.argv[3]) if len(sys.argv) > 3 else TP * PP * 2
+    if world_problem(ranks):                 # before forking anything
+        sys.exit(world_problem(ranks))
+    run_local(main, ranks)

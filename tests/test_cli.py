@@ -274,3 +274,95 @@ def test_python_dash_m_shardpoint_is_the_console_script(tmp_ckpt, capsys):
     rc, out, _ = run(capsys, "inspect", tmp_ckpt, "--json")
     assert r.returncode == rc == 0, r.stderr
     assert r.stdout == out and "model/w" in json.loads(out)["tensors"]
+
+
+# ---------------------------------------------------------------- issue 21: careless users
+@pytest.mark.parametrize("kind", ["empty", "manager-root", "parent", "etc"])
+def test_a_directory_that_is_not_a_checkpoint_says_so_exit_2(tmp_path, capsys, kind):
+    path = str(tmp_path / "d")
+    os.makedirs(path)
+    if kind == "manager-root":
+        with sp.CheckpointManager(path) as m:
+            for step in (1, 2, 3):
+                m.save(step, {"w": torch.ones(2)})
+    elif kind == "parent":
+        for name in ("run_a", "run_b"):
+            sp.save({"w": torch.ones(2)}, os.path.join(path, name))
+        os.utime(os.path.join(path, "run_a", "manifest.msgpack"), (1, 1))
+    elif kind == "etc":
+        path = "/etc"
+    for cmd in ("inspect", "verify"):
+        rc, out, err = run(capsys, cmd, path)
+        assert rc == 2, (cmd, out, err)
+        text = out + err
+        assert "SP-COMMIT-3" not in text and "never committed" not in text
+        if kind == "manager-root":
+            assert "directory of 3 checkpoint(s)" in text and "step_00000003" in text
+            assert text.index("step_00000003") < text.index("step_00000001")
+        elif kind == "parent":
+            assert "directory of 2 checkpoint(s)" in text
+            assert text.index("run_b") < text.index("run_a")
+        else:
+            assert "no checkpoint at" in text
+    with pytest.raises(sp.CheckpointNotFoundError):
+        sp.load(path)
+
+
+def test_an_uncommitted_save_is_still_reported_as_one(tmp_ckpt, capsys):
+    os.remove(f"{make(tmp_ckpt)}/manifest.msgpack")
+    rc, out, _ = run(capsys, "verify", tmp_ckpt)
+    assert rc == 1 and "[SP-COMMIT-3]" in out
+
+
+def test_recover_a_typo_fails(tmp_path, capsys):
+    rc, out, err = run(capsys, "recover", str(tmp_path / "chekpoints"))
+    assert rc == 2 and "does not exist" in err and "nothing to recover" not in out
+
+
+def test_inspect_values_of_a_missing_key_and_convert_procs_0_exit_2(tmp_ckpt, capsys):
+    make(tmp_ckpt)
+    rc, _, err = run(capsys, "inspect", tmp_ckpt, "--values", "model/nope")
+    assert rc == 2 and "'model/nope' is not a key" in err
+    rc, _, err = run(capsys, "convert", tmp_ckpt, tmp_ckpt + "-out", "--to", "safetensors",
+                     "--procs", "0")
+    assert rc == 2 and "--procs" in err and not os.path.exists(tmp_ckpt + "-out")
+
+
+def test_inspect_never_cuts_key_names(tmp_ckpt):
+    state = {"optimizer": {"state": {f"model.layers.{i}.mlp.up_proj.weight.{n}": torch.ones(2)
+                                     for i in (1, 11) for n in ("exp_avg", "exp_avg_sq")}}}
+    sp.save(state, tmp_ckpt)
+    for cols in ("80", "40"):
+        r = subprocess.run([sys.executable, "-m", "shardpoint", "inspect", tmp_ckpt],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "COLUMNS": cols})
+        assert r.returncode == 0, r.stderr
+        for i in (1, 11):
+            for n in ("exp_avg", "exp_avg_sq"):
+                assert f"model.layers.{i}.mlp.up_proj.weight.{n}" in r.stdout, r.stdout
+
+
+def test_version(capsys):
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0 and out.startswith("shardpoint ") and "format 1.1" in out
+
+
+def test_diff_never_unpickles_dcp_metadata_without_trust(tmp_path, capsys):
+    """DCP's .metadata is a pickle: one that writes a marker file when loaded must not run."""
+    import pickle
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    marker = tmp_path / "pwned"
+
+    class Boom:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+    (dcp / ".metadata").write_bytes(pickle.dumps(Boom()))
+    other = str(tmp_path / "sp")
+    sp.save({"w": torch.ones(2)}, other)
+    rc, _, err = run(capsys, "diff", str(dcp), other)
+    assert rc == 2 and "--trust-pickle" in err and not marker.exists()
+    rc, _, err = run(capsys, "diff", other, str(dcp))
+    assert rc == 2 and not marker.exists()
+    rc, _, err = run(capsys, "diff", str(dcp), other, "--trust-pickle")   # the opt-in reads it
+    assert marker.exists() and rc == 2 and "not DCP's Metadata" in err

@@ -128,7 +128,7 @@ def test_inspect_values(chunked, capsys):
     rc, out, _ = run(capsys, "inspect", path, "--values", "step")
     assert rc == 0 and out.strip() == "step = 9"
     rc, _, err = run(capsys, "inspect", path, "--values", "nope")
-    assert rc == 1 and "'nope' is not a key" in err
+    assert rc == 2 and "'nope' is not a key" in err   # a usage error (issue 21)
 
 
 # ------------------------------------------------------------------------------- progress

@@ -485,3 +485,23 @@ def test_replica_id_is_checked_when_assigned_after_construction(bad):
     st.replica_id = (1, 0)
     so.replica_id = 3
     assert st.replica_id == (1, 0) and so.replica_id == (3,)
+
+
+def test_full_disk_while_writing_the_manifest_names_the_file(tmp_path):
+    """ENOSPC from write(2)/fsync(2) names no file; the error must (issue 21)."""
+    import subprocess
+    from shardpoint_core.zarr import TensorStoreBackend
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        with pytest.raises(OSError) as e:
+            TensorStoreBackend().write_manifest(str(disk), bytes(1 << 20))
+        assert e.value.errno == 28 and e.value.filename == f"{disk}/manifest.msgpack.partial"
+        from shardpoint_core.fsutil import os_error_text
+        assert "manifest.msgpack.partial" in os_error_text(e.value)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -47,3 +47,15 @@ def test_nanochat_style_loop(tmp_path):
     out = run("nanochat_style.py", tmp_path)
     assert "resumed at step 4" in out and "generated:" in out
     assert sp.CheckpointManager(tmp_path).all_steps() == [6, 8]
+
+
+def test_megatron_example_refuses_a_world_it_cannot_run_up_front(tmp_path):
+    """12 ranks crashed in gloo (192 vs 128) and 6 hung: the batch of 8 needs DP | 8."""
+    for ranks in (12, 6, 3):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "examples",
+                                                         "megatron_tp_pp_dp.py"),
+                            str(tmp_path), "2", str(ranks)], capture_output=True, text=True,
+                           timeout=120, stdin=subprocess.DEVNULL)
+        assert r.returncode != 0 and f"not {ranks}" in r.stderr, r.stderr
+        assert "4, 8, 16, 32" in r.stderr
+    assert not os.listdir(tmp_path)

@@ -60,11 +60,12 @@ def test_another_format_is_named_with_the_convert_command(tmp_path, capsys):
 def test_values_with_a_bad_index_says_so_not_unknown_key(tmp_path, capsys):
     p = small(str(tmp_path / "ck"))
     rc, _, err = run(capsys, "inspect", p, "--values", "model/layers.0.bias[abc]")
-    assert rc == 1 and "index must be ints and slices" in err and "not a key" not in err
+    # a usage error, like a missing key: exit 2 (issue 21), not 1 ("damaged checkpoint")
+    assert rc == 2 and "index must be ints and slices" in err and "not a key" not in err
     rc, out, _ = run(capsys, "inspect", p, "--values", "model/layers.0.bias[1:3]")
     assert rc == 0 and "tensor([1., 1.])" in out
     rc, _, err = run(capsys, "inspect", p, "--values", "model/layers.0.bais")
-    assert rc == 1 and "similar keys: 'model/layers.0.bias'" in err, err
+    assert rc == 2 and "similar keys: 'model/layers.0.bias'" in err, err
     with sp.open(p) as ckpt, pytest.raises(KeyError, match="similar keys: .'step'"):
         ckpt["stepp"]
 
@@ -338,3 +339,61 @@ def test_a_damaged_or_missing_chunk_names_its_tensor(tmp_path, dtype):
     os.remove(chunk)
     with pytest.raises(sp.CorruptCheckpointError, match=r"^\[SP-READ-2\] tensor 'model/w': "):
         sp.load(p, like=like)
+
+
+def _disagreeing_arguments(rank, world, base):
+    got = []
+    sp.save({"w": torch.ones(2)}, os.path.join(base, "a"))
+    before = os.stat(os.path.join(base, "a", "manifest.msgpack")).st_ino
+    for kwargs in ({"overwrite": rank == 1},
+                   {"overwrite": True, "options": sp.SaveOptions(plan=sp.PlanOptions(
+                       max_chunk_bytes=(1 << 20) * (rank + 1)))}):
+        try:
+            sp.save({"w": torch.full((2,), 5.0)}, os.path.join(base, "a"), **kwargs)
+            got.append("saved")
+        except sp.InvalidOptionError as e:
+            got.append(str(e))
+    try:       # a per-rank value saved as a plain one
+        sp.save({"w": torch.ones(2), "pos": 100 + rank}, os.path.join(base, "b"))
+        got.append("saved")
+    except sp.InvalidShardingError as e:
+        got.append(f"{e.spec_id} {e}")
+    after = os.stat(os.path.join(base, "a", "manifest.msgpack")).st_ino
+    return got, before == after, sorted(os.listdir(base))
+
+
+def test_ranks_passing_different_overwrite_options_or_values_fail_together(tmp_path):
+    """Before, rank 0's overwrite flag and options decided silently, and a plain value that
+    differed per rank kept rank 0's; now every rank raises, naming the argument or the key,
+    before anything is written (issue 21)."""
+    got = run_world(2, _disagreeing_arguments, str(tmp_path), timeout=120, pg_timeout=30)
+    for errs, untouched, listing in got:
+        assert "different overwrite flags" in errs[0] and "False" in errs[0], errs
+        assert "different SaveOptions.plans" in errs[1], errs
+        assert errs[2].startswith("SP-REPL-1") and "'pos'" in errs[2] and "100" in errs[2]
+        assert untouched and listing == ["a"]
+
+
+def _diverged_replicas(rank, world, base):
+    got = []
+    st = {"w": torch.full((4, 3), 1.0 + (rank == 1) * 1e-7),          # diverged DP rank
+          "ok": sp.ShardedTensor(torch.ones(2, 3), (4, 3), (2 * rank, 0))}
+    try:
+        sp.save(st, os.path.join(base, "a"),
+                options=sp.SaveOptions(check_replicas=True))
+        got.append("saved")
+    except sp.InvalidShardingError as e:
+        got.append(f"{e.spec_id} {e}")
+    same = {"w": torch.full((4, 3), 1.0), "ok": st["ok"]}
+    r = sp.save(same, os.path.join(base, "b"), options=sp.SaveOptions(check_replicas=True))
+    got.append(r.timings.get("replica_check") is not None)
+    return got, sorted(os.listdir(base))
+
+
+def test_replica_check_refuses_diverged_replicas(tmp_path):
+    """Replicas with different values were accepted and one kept silently; with
+    check_replicas the save fails on every rank, naming the key and region (issue 21)."""
+    got = run_world(2, _diverged_replicas, str(tmp_path), timeout=120, pg_timeout=30)
+    for (err, timed), listing in got:
+        assert err.startswith("SP-REPL-1") and "'w'" in err and "differ" in err, err
+        assert timed and listing == ["b"]

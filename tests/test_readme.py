@@ -116,3 +116,9 @@ def test_errors_example_resumes_from_the_newest_sound_step(tmp_path, monkeypatch
     exec(compile(block, "README.md", "exec"), scope)
     assert scope["state"]["step"] == 1
     assert "step 2 is damaged (SP-READ-3)" in capsys.readouterr().out
+
+
+def test_distributed_example_destroys_its_process_group():
+    """Without it gloo's teardown aborted about 1 exit in 20 (issue 21)."""
+    code = next(b for b in BLOCKS if "init_process_group" in b)
+    assert code.rstrip().splitlines()[-1].startswith("dist.destroy_process_group()")

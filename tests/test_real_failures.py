@@ -490,6 +490,8 @@ def test_a_rank_that_dies_fails_the_others_with_rank_lost(tmp_path, what):
     got = (tmp_path / "rank0.txt").read_text()
     assert got.startswith("RankLostError: rank 0 of 2: the ") and "another rank" in got, got
     assert "restart every rank" in got, got
+    if what == "load":   # a load loses nothing: it must not speak of a save cut short
+        assert "save" not in got and "load again" in got, got
     cls = sp.LoadFailedError if what == "load" else sp.SaveFailedError
     assert issubclass(sp.RankLostError, cls)
     assert sorted(os.listdir(tmp_path)) == ["a", "rank0.txt"]

@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--timeout", type=float, default=120.0, help="seconds per adapter call")
     v = sub.add_parser("vectors", help="check the golden vectors in spec/vectors/")
     v.add_argument("--dir", default=None, help="vectors directory (default: the repo's)")
+    from shardpoint_conformance.fuzz import add_parser as add_fuzz
+    add_fuzz(sub)
     return p
 
 
@@ -86,6 +88,9 @@ def main(argv: Optional[list] = None) -> int:
         from shardpoint_conformance.harness import run_adapter_test
         return run_adapter_test(args.adapter, cases=args.cases, seed=args.seed,
                                 workdir=args.dir, json_out=args.json, timeout=args.timeout)
+    if args.cmd == "fuzz":
+        from shardpoint_conformance.fuzz import main_args
+        return main_args(args)
     if args.cmd == "vectors":
         ok, text = run_vectors(args.dir)
         print(text)

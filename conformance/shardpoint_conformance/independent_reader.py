@@ -165,6 +165,8 @@ def _ext2_items(v: msgpack.ExtType):
 def _depth(v, level=1) -> int:
     """Nesting level of the deepest container; an ext 2 tuple and its payload's array are
     one level together, ext 1 payloads are leaves ([SP-MAN-5])."""
+    if level > MAX_DEPTH:          # stop at the first level too deep (1.2: bounded work)
+        return level
     if isinstance(v, msgpack.ExtType) and v.code == 2:
         return _depth(_ext2_items(v), level)
     if isinstance(v, dict):
@@ -246,6 +248,57 @@ def _plain(codecs, dtype: str, index: bool = False) -> bool:
                                             and conf in (None, {}))
 
 
+def _json_depth(text: str) -> int:
+    """Deepest nesting of objects/arrays in JSON text, strings skipped, no recursion."""
+    depth = deepest = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+class _Repeated(Exception):
+    pass
+
+
+def _no_repeats(pairs):
+    if len({k for k, _ in pairs}) != len(pairs):
+        raise _Repeated("an object repeats a name")
+    return dict(pairs)
+
+
+def _zarr_json(raw: bytes, key: str) -> dict:
+    """zarr.json by [SP-ARRAY-6] (1.2): UTF-8, <= 32 levels, no repeated names; a zero
+    spelled with a minus sign is kept apart so no fill value accepts it ([SP-ARRAY-3])."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise VectorError("SP-ARRAY-6", f"{key}: zarr.json is not UTF-8") from err
+    if _json_depth(text) > 32:
+        raise VectorError("SP-ARRAY-6", f"{key}: zarr.json nests deeper than 32 levels")
+    try:
+        return json.loads(text, object_pairs_hook=_no_repeats,
+                          parse_int=lambda t: -0.0 if t.startswith("-") and int(t) == 0
+                          else int(t))
+    except _Repeated as err:
+        raise VectorError("SP-ARRAY-6", f"{key}: zarr.json: {err}") from err
+    except ValueError as err:
+        raise VectorError("SP-ARRAY-1", f"{key}: zarr.json is not JSON ({err})") from err
+
+
 def _zero(v) -> bool:
     return type(v) in (int, float) and v == 0 and math.copysign(1.0, v) > 0
 
@@ -255,9 +308,10 @@ def _check_zarr(root: str, array: str, e: dict, key: str) -> dict:
     try:
         if _regular(root, rel) > 1 << 20:
             raise VectorError("SP-SEC-2", f"{key}: zarr.json over 1 MiB")
-        meta = json.loads(_read(root, rel, 1 << 20))
-    except (OSError, ValueError) as err:
+        raw = _read(root, rel, 1 << 20)
+    except OSError as err:
         raise VectorError("SP-ARRAY-1", f"{key}: no readable zarr.json ({err})") from err
+    meta = _zarr_json(raw, key)
     if not (isinstance(meta, dict) and meta.get("zarr_format") == 3
             and meta.get("node_type") == "array"):
         raise VectorError("SP-ARRAY-1", f"{key}: not a Zarr v3 array")
@@ -324,6 +378,21 @@ def _check_chunks(root: str, array: str, e: dict, meta: dict, key: str) -> None:
     sh = meta["codecs"][0]
     inner = sh["configuration"]["chunk_shape"] if sh["name"] == "sharding_indexed" else None
     is_bool = e["dtype"] == "bool"
+    stored = 0
+    n_inner = math.prod(c // i for c, i in zip(chunk, inner)) if inner else 0
+    for idx in np.ndindex(*grid):     # [SP-READ-6] (1.2): bytes present, before any read
+        name = "/".join(["c"] + [str(i) for i in idx])
+        try:
+            nbytes = _regular(root, f"{array}/{name}")
+        except FileNotFoundError:
+            raise VectorError("SP-READ-2", f"{key}: chunk {name} is missing") from None
+        if (inner is None and nbytes != math.prod(chunk) * size + 4) or (
+                inner is not None and nbytes < 16 * n_inner + 4):   # sizes first ([SP-ERR-2])
+            raise VectorError("SP-READ-3", f"{key}: chunk {name} has {nbytes} bytes")
+        stored += nbytes
+    if stored < math.prod(shape) * size:
+        raise VectorError("SP-READ-6", f"{key}: declares {math.prod(shape) * size} bytes, "
+                          f"its chunk files hold {stored}")
     for idx in np.ndindex(*grid):
         name = "/".join(["c"] + [str(i) for i in idx])
         try:
@@ -347,6 +416,13 @@ def _check_chunks(root: str, array: str, e: dict, meta: dict, key: str) -> None:
             raise VectorError("SP-READ-3", f"{key}: shard {name} index fails its crc32c")
         start = [i * c for i, c in zip(idx, chunk)]
         want = math.prod(inner) * size + 4
+        spans = sorted((int.from_bytes(index[16 * j:16 * j + 8], "little"),
+                        int.from_bytes(index[16 * j + 8:16 * j + 16], "little"))
+                       for j in range(n))
+        spans = [(o, b) for o, b in spans if (o, b) != ((1 << 64) - 1, (1 << 64) - 1)]
+        for (o1, b1), (o2, _b2) in zip(spans, spans[1:]):
+            if o1 + b1 > o2 and o1 + b1 <= lo and o2 + _b2 <= lo:   # [SP-READ-7] (1.2)
+                raise VectorError("SP-READ-7", f"{key}: shard {name} index entries overlap")
         for j, sub in enumerate(np.ndindex(*per)):
             off, nb = (int.from_bytes(index[16 * j + k:16 * j + k + 8], "little") for k in (0, 8))
             inside = all(s + q * i < dim for s, q, i, dim in zip(start, sub, inner, shape))
@@ -383,6 +459,8 @@ def _manifest(path: str) -> dict:
         body = _unpack(env["body"])
     except VectorError:
         raise
+    except msgpack.StackError as err:   # the decoder's own nesting limit (1.2)
+        raise VectorError("SP-MAN-5", "body nests deeper than the decoder allows") from err
     except Exception as err:  # noqa: BLE001
         raise VectorError("SP-MAN-1", f"body does not decode: {err}") from err
     try:

@@ -209,7 +209,10 @@ def decode_manifest(data: bytes) -> Manifest:
         env = msgpack.unpackb(data, raw=False, object_pairs_hook=values.strict_pairs,
                               **values.UNPACK_LIMITS)
     except Exception as e:
-        raise _bad(f"not a msgpack envelope ({type(e).__name__}: {e}); truncated or not a "
+        if "exceeds max_" in str(e):
+            raise _bad(f"a length exceeds the decoding caps ({e})", "SP-SEC-2") from e
+        raise _bad(f"not a msgpack envelope ({type(e).__name__}: {e or 'no detail'}); "
+                   "truncated, nested too deeply or not a "
                    "shardpoint manifest", "SP-MAN-1") from e
     if not (isinstance(env, dict) and set(env) == {"sha256", "body"}
             and isinstance(env["body"], bytes) and isinstance(env["sha256"], bytes)
@@ -223,7 +226,10 @@ def decode_manifest(data: bytes) -> Manifest:
     except CorruptCheckpointError:
         raise
     except Exception as e:
-        raise _bad(f"body is not valid msgpack: {e}", "SP-MAN-1") from e
+        if "exceeds max_" in str(e):
+            raise _bad(f"a length exceeds the decoding caps ({e})", "SP-SEC-2") from e
+        raise _bad(f"body is not valid msgpack ({type(e).__name__}: {e or 'no detail'})",
+                   "SP-MAN-1") from e
     deep = values.nesting_depth_error(m)
     if deep:
         raise _bad(f"body nests deeper than {values.MAX_DEPTH} levels at {deep}", "SP-MAN-5")
@@ -273,6 +279,11 @@ def decode_manifest(data: bytes) -> Manifest:
         if not isinstance(dt, str) or dt not in dtypes.DTYPES:
             raise UnsupportedFormatError(f"tensor {key!r} has dtype {dt!r}, not in the spec's "
                                          "dtype table", spec_id="SP-DTYPE-1")
+        size = dtypes.from_name(dt).itemsize
+        if math.prod(shape) * size >= 1 << 63 or math.prod(chunk) * size >= 1 << 63:
+            raise _bad(f"tensor {key!r}: shape {shape} / chunk_shape {chunk} of {dt} hold "
+                       "2^63 bytes or more (1.2: a tensor's and a chunk's byte size are "
+                       "below 2^63)", "SP-SEC-2")
         check_array_path(e.get("array"), key)
         tensors[key] = TensorEntry(key, e["array"], tuple(shape), dt, tuple(chunk))
     objects = {}

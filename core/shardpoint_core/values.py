@@ -11,7 +11,7 @@ come back as numpy arrays.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import msgpack
 import numpy as np
@@ -80,6 +80,8 @@ def strict_pairs(pairs: list) -> dict:
 
 def _max_depth(v: Any, stop: int) -> int:
     """Levels of maps/lists/tuples in ``v`` (``v`` itself is level 1), counting up to ``stop``."""
+    if type(v) not in (dict, list, tuple):
+        return 1          # a scalar (a manifest body that is not a map)
     stack = [(v, 1)]
     pop, push = stack.pop, stack.append
     deepest = 0
@@ -190,20 +192,21 @@ def pack(v: Any) -> bytes:
     return msgpack.packb(v, default=_default, strict_types=True, use_bin_type=True)
 
 
+class _Tuple:
+    """An ext 2 (tuple) payload not decoded yet. Decoding it inside the ext hook would
+    re-enter the C decoder once per level and a few hundred nested tuples overflow the C
+    stack (SIGSEGV) before any depth check runs; :func:`_resolve` decodes these afterwards
+    from a loop, one level at a time, and stops at :data:`MAX_DEPTH` ([SP-MAN-5])."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_TUPLE:
-        try:
-            items = unpack(data)
-        except CorruptCheckpointError:
-            raise
-        except Exception as e:   # trailing bytes, truncation: the payload, not the body
-            raise CorruptCheckpointError(f"ext 2 (tuple) payload is not exactly one msgpack "
-                                         f"array ({type(e).__name__}: {e})",
-                                         spec_id="SP-VALUE-2") from e
-        if not isinstance(items, list):
-            raise CorruptCheckpointError("ext 2 (tuple) payload is not a msgpack array",
-                                         spec_id="SP-VALUE-2")
-        return tuple(items)
+        return _Tuple(data)
     if code == EXT_ARRAY:
         try:
             name, shape, raw, origin = msgpack.unpackb(data, raw=False, **UNPACK_LIMITS)
@@ -236,16 +239,74 @@ def _prod(shape: list) -> int:
 MAX_RANK = 64   # dimensions of a tensor or array value ([SP-SEC-2])
 
 
+def _decode_one(data: bytes, hooked: bool, seen: Optional[list] = None) -> Any:
+    """One msgpack object, its tuples left as :class:`_Tuple`; msgpack's own errors (its
+    nesting limit raises a StackError with no text) become [SP-MAN-5]/[SP-MAN-1] errors."""
+    def hook(code: int, payload: bytes) -> Any:
+        v = _ext_hook(code, payload)
+        if seen is not None and type(v) is _Tuple:
+            seen.append(1)
+        return v
+    kw = dict(raw=False, strict_map_key=False, ext_hook=hook, **UNPACK_LIMITS)
+    if hooked:
+        kw["object_pairs_hook"] = strict_pairs
+    try:
+        return msgpack.unpackb(data, **kw)
+    except (msgpack.StackError, RecursionError) as e:
+        raise CorruptCheckpointError(f"msgpack nests deeper than the decoder's limit (the "
+                                     f"format allows {MAX_DEPTH} levels)",
+                                     spec_id="SP-MAN-5") from e
+
+
+def _resolve(v: Any, hooked: bool) -> Any:
+    """``v`` with every :class:`_Tuple` decoded into a tuple, without recursion: an explicit
+    stack of (container, slots left, depth); a tuple's items are resolved before the tuple
+    is built. Raises [SP-MAN-5] as soon as a level deeper than :data:`MAX_DEPTH` appears."""
+    holder = [v]
+    stack = [(holder, iter(range(1)), 0, None, None)]
+    while stack:
+        c, slots, depth, parent, slot = stack[-1]
+        for k in slots:
+            x = c[k]
+            t = type(x)
+            if t is _Tuple:
+                if depth + 1 > MAX_DEPTH:
+                    raise CorruptCheckpointError(f"values nest deeper than {MAX_DEPTH} levels "
+                                                 "(tuples inside tuples)", spec_id="SP-MAN-5")
+                items = _decode_one(x.data, hooked)
+                if not isinstance(items, list):
+                    raise CorruptCheckpointError("ext 2 (tuple) payload is not a msgpack "
+                                                 "array", spec_id="SP-VALUE-2")
+                stack.append((items, iter(range(len(items))), depth + 1, c, k))
+                break
+            if t is list or t is dict:
+                if depth + 1 > MAX_DEPTH:
+                    raise CorruptCheckpointError(f"values nest deeper than {MAX_DEPTH} levels",
+                                                 spec_id="SP-MAN-5")
+                stack.append((x, iter(list(x) if t is dict else range(len(x))), depth + 1,
+                              None, None))
+                break
+        else:
+            stack.pop()
+            if parent is not None:
+                parent[slot] = tuple(c)
+    return holder[0]
+
+
+def _unpack(data: bytes, hooked: bool) -> Any:
+    seen: list = []
+    v = _decode_one(data, hooked, seen)
+    if seen:
+        v = _resolve(v, hooked)
+    return v
+
+
 def unpack(data: bytes) -> Any:
     """Decode bytes written by :func:`pack`, with size caps, the decoding rules of
     [SP-MAN-5] (str/int map keys, no repeated keys) and nothing after the one object;
-    never executes code. Nesting depth is checked by the caller (:func:`nesting_depth_error`)."""
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook,
-                               object_pairs_hook=strict_pairs, **UNPACK_LIMITS)
-    except RecursionError as e:
-        raise CorruptCheckpointError("values nest deeper than the format allows",
-                                     spec_id="SP-MAN-5") from e
+    never executes code, never recurses once per nested tuple. Nesting depth of maps and
+    lists is checked by the caller (:func:`nesting_depth_error`)."""
+    return _unpack(data, True)
 
 
 def unpack_gathered(data: bytes) -> Any:
@@ -253,9 +314,4 @@ def unpack_gathered(data: bytes) -> Any:
     tree): the same extension types and size caps, without the per-map hook of
     :func:`unpack`. The sender packed a tree it had checked ([SP-MAN-5] holds by
     construction), and the coordinator decodes ~10^5 small maps per save (3x faster)."""
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook,
-                               **UNPACK_LIMITS)
-    except RecursionError as e:
-        raise CorruptCheckpointError("values nest deeper than the format allows",
-                                     spec_id="SP-MAN-5") from e
+    return _unpack(data, False)

@@ -58,7 +58,8 @@ def _entry(fn, rank, world, port, args, q, pg_timeout, env):
         try:
             q.put((rank, True, fn(rank, world, *args)))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():   # the function may have destroyed it itself
+                dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 

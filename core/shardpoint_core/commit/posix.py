@@ -204,11 +204,17 @@ class PosixCommitter:
         """Write the manifest into ``staging`` durably (under a temporary name, renamed):
         the last file of a save, after every rank's files are durable ([SP-COMMIT-1])."""
         tmp = os.path.join(staging, MANIFEST_NAME + ".partial")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+        except OSError as e:
+            if e.filename is not None or e.errno is None:
+                raise
+            # write(2) and fsync(2) name no file: a full disk said only "No space left".
+            raise OSError(e.errno, e.strerror, tmp) from e
         os.replace(tmp, os.path.join(staging, MANIFEST_NAME))
         self._sync_dir(staging)
 

@@ -32,8 +32,10 @@ from shardpoint_core.hints import path_hint
 from shardpoint_core.storage import MANIFEST_NAME, ArraySpec
 
 from shardpoint_core.zarr.layout import codecs_for, fill_value
-from shardpoint_core.zarr.checks import (check_array_files, check_regular_file, check_zarr_json,
-                                         chunk_file_sizes, metadata_problems, read_zarr_json)
+from shardpoint_core.zarr.checks import (check_array_files, check_backed_bytes,
+                                         check_regular_file, check_shard_files,
+                                         check_zarr_json, chunk_file_sizes, metadata_problems,
+                                         read_zarr_json)
 
 from shardpoint_core.fsutil import makedirs_below
 
@@ -165,6 +167,39 @@ def _not_a_checkpoint_hint(path: str) -> str:
     if os.path.isfile(os.path.join(path, "zarr.json")):
         return " (it is one tensor's Zarr array; the checkpoint is the directory holding tensors/)"
     return path_hint(path)
+
+
+def _refuse_non_checkpoint(path: str) -> None:
+    """A directory without a manifest that is not a save cut short (it has no ``tensors/``
+    and no array): a manager's root or another parent of checkpoints (say so, list the
+    newest), an empty directory, or any other directory (``/etc``). Raises
+    :class:`CheckpointNotFoundError` ("no checkpoint", exit 2 in the CLI); returns for a
+    directory that looks like an uncommitted save ([SP-COMMIT-3])."""
+    if not os.path.isdir(path) or os.path.isdir(os.path.join(path, "tensors")):
+        return
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    if _not_a_checkpoint_hint(path):
+        return                       # another format: the caller's hint names it
+    found = []
+    for n in names:
+        mp = os.path.join(path, n, MANIFEST_NAME)
+        try:
+            found.append((os.stat(mp).st_mtime, n))
+        except OSError:
+            continue
+    if found:
+        newest = [n for _t, n in sorted(found, reverse=True)[:3]]
+        raise CheckpointNotFoundError(
+            f"{path!r} is not a checkpoint but a directory of {len(found)} checkpoint(s) (a "
+            f"CheckpointManager's root or a parent of checkpoints); the newest: "
+            + ", ".join(repr(os.path.join(path, n)) for n in newest)
+            + "; pass one of them (or use CheckpointManager(root).latest_step())")
+    what = "an empty directory" if not names else "a directory without a manifest.msgpack"
+    raise CheckpointNotFoundError(f"no checkpoint at {path!r}: it is {what} and holds no "
+                                  "shardpoint checkpoint")
 
 
 class TensorStoreBackend:
@@ -363,9 +398,11 @@ class TensorStoreBackend:
         meta = read_zarr_json(root, array_path, key)
         check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
         apath = os.path.join(root, array_path)
-        if os.path.isdir(apath):
-            check_array_files(root, array_path, key,
-                              chunk_file_sizes(meta, from_name(spec.dtype).itemsize))
+        itemsize = from_name(spec.dtype).itemsize
+        found = check_array_files(root, array_path, key, chunk_file_sizes(meta, itemsize)) \
+            if os.path.isdir(apath) else (0, 0)
+        check_backed_bytes(key, array_path, tuple(spec.shape), tuple(spec.chunk_shape),
+                           itemsize, found)
         if self.direct_reads and spec.dtype in DTYPES and sys.byteorder == "little":
             array = ArrayLayout.from_meta(meta)
             store = FileStore(root, fsync=False)
@@ -396,7 +433,8 @@ class TensorStoreBackend:
             def fallback(off: Sequence[int], view: np.ndarray) -> None:
                 read_region(handle.store, handle.array_path, handle.array, off, view,
                             handle.key)
-            return _KeyedRead(DirectReader(handle.layout, self._submit, fallback).read(
+            return _KeyedRead(DirectReader(handle.layout, self._submit, fallback,
+                                           handle.key).read(
                 tuple(offset), out), handle.key)
         if isinstance(handle, _LayerHandle):
             return _KeyedRead(self._submit(read_region, handle.store, handle.array_path,
@@ -436,6 +474,7 @@ class TensorStoreBackend:
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list:
         try:
             handle = self.open_array_for_read(root, array_path, spec, key)  # the file checks
+            check_shard_files(root, array_path, read_zarr_json(root, array_path, key), key)
         except ShardpointError as e:
             return [(e.spec_id or "SP-ARRAY-1", str(e))]
         if isinstance(handle, (_DirectHandle, _LayerHandle)):
@@ -490,6 +529,7 @@ class TensorStoreBackend:
         if state == "missing":
             raise CheckpointNotFoundError(f"no checkpoint at {path!r}: the path does not exist")
         if state == "incomplete":
+            _refuse_non_checkpoint(path)
             other = _not_a_checkpoint_hint(path)
             if not os.path.isdir(path) or other:
                 what = "a file" if not os.path.isdir(path) else "a directory"

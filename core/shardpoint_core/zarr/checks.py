@@ -10,13 +10,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from typing import Any
+
+import numpy as np
 
 from shardpoint_core.errors import CorruptCheckpointError, UnsupportedFormatError
 from shardpoint_core.storage import ArraySpec
 
 MAX_ZARR_JSON_BYTES = 1 << 20
+# Deepest nesting of JSON objects and arrays in a zarr.json, the document itself being level 1
+# ([SP-ARRAY-6]); the spec's own documents need 7 levels.
+MAX_ZARR_JSON_DEPTH = 32
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 ONE_BYTE = {"bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2"}
 _KNOWN = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
           "fill_value", "codecs", "attributes", "dimension_names", "storage_transformers"}
@@ -58,13 +65,16 @@ def chunk_file_sizes(meta: dict, itemsize: int) -> tuple:
     return None, 16 * math.prod(c // i for c, i in zip(chunk, inner)) + 4
 
 
-def check_array_files(root: str, array_path: str, key: str, sizes: tuple = (None, 0)) -> None:
+def check_array_files(root: str, array_path: str, key: str,
+                      sizes: tuple = (None, 0)) -> tuple:
     """Every entry under the array directory is a real directory or a regular file, and
     every chunk file has a possible size ([SP-SEC-5], [SP-READ-5]); ``sizes`` comes from
-    :func:`chunk_file_sizes`."""
+    :func:`chunk_file_sizes`. Returns ``(chunk files, their bytes together)`` for
+    :func:`check_backed_bytes`."""
     exact, least = sizes
     chunks = os.path.join(root, array_path, "c")
     stack = [os.path.join(root, array_path)]
+    total = files = 0
     while stack:
         with os.scandir(stack.pop()) as it:
             for e in it:
@@ -81,6 +91,109 @@ def check_array_files(root: str, array_path: str, key: str, sizes: tuple = (None
                         raise _corrupt(key, f"chunk file {e.path!r} has {n} bytes, not "
                                        f"{exact if exact is not None else f'>= {least}'} "
                                        "(truncated or extra bytes)", "SP-READ-3")
+                    total += n
+                    files += 1
+    return files, total
+
+
+def check_backed_bytes(key: str, array_path: str, shape: tuple, chunk: tuple, itemsize: int,
+                       found: tuple) -> None:
+    """A tensor may not declare more data than its chunk files hold ([SP-READ-6]): every
+    element is stored once, in a whole chunk, so a valid array's chunk files hold at least
+    ``prod(shape) * itemsize`` bytes. Checked before a reader allocates for the tensor, so a
+    small checkpoint cannot make it allocate gigabytes. ``found`` is what
+    :func:`check_array_files` returns; with fewer chunk files than the grid has, the missing
+    ones fail the reads that need them instead ([SP-READ-2])."""
+    files, stored = found
+    declared = math.prod(shape) * itemsize
+    expected = math.prod(-(-n // c) for n, c in zip(shape, chunk))
+    if files < expected:
+        # Missing chunks fail the read that needs them ([SP-READ-2], [SP-ERR-3]: a partial
+        # read of present chunks may succeed); what is present is bounded per shard by
+        # [SP-READ-7] and per plain chunk by its exact size.
+        return
+    if declared > stored:
+        raise _corrupt(key, f"declares {declared} bytes of data but the chunk files of "
+                       f"{array_path!r} hold {stored} bytes in all; data cannot back it "
+                       "(truncated, or a hostile checkpoint)", "SP-READ-6")
+
+
+EMPTY_ENTRY = 2**64 - 1
+
+
+def check_shard_index(index: Any, data_end: int, key: str, where: str) -> None:
+    """A shard index (``n x 2`` little-endian uint64: offset, nbytes): every present entry
+    lies inside the shard's data (``offset + nbytes <= data_end``, the file size less the
+    index, [SP-READ-5] as [SP-READ-3]) and no two present entries overlap or alias
+    ([SP-READ-7]), so each stored byte backs at most one inner chunk. Absent entries are both ``2^64-1``; a half-absent one is
+    damage ([SP-READ-3]). One sort, no per-entry Python loop."""
+    idx = np.asarray(index, dtype=np.uint64).reshape(-1, 2)
+    off, nb = idx[:, 0], idx[:, 1]
+    absent = (off == EMPTY_ENTRY) & (nb == EMPTY_ENTRY)
+    half = (off == EMPTY_ENTRY) ^ (nb == EMPTY_ENTRY)
+    if half.any():
+        i = int(np.flatnonzero(half)[0])
+        raise _corrupt(key, f"{where}: shard index entry {i} is half absent "
+                       f"({int(off[i])}, {int(nb[i])})", "SP-READ-3")
+    off, nb = off[~absent], nb[~absent]
+    if not off.size:
+        return
+    limit = np.uint64(data_end)
+    bad = (off > limit) | (nb > limit) | (off > limit - np.minimum(nb, limit))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise _corrupt(key, f"{where}: shard index entry (offset {int(off[i])}, nbytes "
+                       f"{int(nb[i])}) reaches past the shard's data ({data_end} bytes)",
+                       "SP-READ-3")
+    order = np.argsort(off, kind="stable")
+    o, n = off[order], nb[order]
+    clash = o[1:] < o[:-1] + n[:-1]
+    if clash.any():
+        i = int(np.flatnonzero(clash)[0])
+        raise _corrupt(key, f"{where}: shard index entries overlap or alias (offset "
+                       f"{int(o[i])} + {int(n[i])} bytes reaches {int(o[i + 1])}, where "
+                       "another inner chunk starts); each stored byte backs one inner chunk",
+                       "SP-READ-7")
+
+
+def read_shard_index(path: str, n_inner: int, key: str) -> np.ndarray:
+    """The checked index of the shard file at ``path`` (crc32c, then
+    :func:`check_shard_index`); raises the documented error for a damaged one."""
+    import crc32c
+    isz = 16 * n_inner
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < isz + 4:
+            raise _corrupt(key, f"shard {path!r} has {size} bytes, too few for its "
+                           f"{n_inner}-entry index", "SP-READ-3")
+        f.seek(size - isz - 4)
+        raw = f.read(isz + 4)
+    if len(raw) != isz + 4 or crc32c.crc32c(raw[:isz]) != int.from_bytes(raw[isz:], "little"):
+        raise _corrupt(key, f"shard {path!r}: index checksum mismatch", "SP-READ-3")
+    index = np.frombuffer(raw[:isz], "<u8").reshape(n_inner, 2)
+    check_shard_index(index, size - isz - 4, key, f"shard {path!r}")
+    return index
+
+
+def check_shard_files(root: str, array_path: str, meta: dict, key: str) -> int:
+    """:func:`read_shard_index` on every shard file of a sharded array (nothing for a plain
+    chain); returns how many were checked. Reads 16 bytes per inner chunk per shard."""
+    codec = meta["codecs"][0]
+    if codec.get("name") != "sharding_indexed":
+        return 0
+    chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    inner = codec["configuration"]["chunk_shape"]
+    n_inner = math.prod(c // i for c, i in zip(chunk, inner))
+    base = os.path.join(root, array_path, "c")
+    count = 0
+    if os.path.isfile(base):
+        read_shard_index(base, n_inner, key)
+        return 1
+    for dirpath, _dirs, files in os.walk(base):
+        for f in sorted(files):
+            read_shard_index(os.path.join(dirpath, f), n_inner, key)
+            count += 1
+    return count
 
 
 def read_zarr_json(root: str, array_path: str, key: str) -> dict:
@@ -94,14 +207,64 @@ def read_zarr_json(root: str, array_path: str, key: str) -> dict:
                        "cap", "SP-SEC-2")
     with open(os.path.join(root, array_path, "zarr.json"), "rb") as f:
         raw = f.read(MAX_ZARR_JSON_BYTES + 1)
-    try:
-        meta = json.loads(raw)
-    except ValueError as e:
-        raise _corrupt(key, f"zarr.json is not JSON: {e}", "SP-ARRAY-1") from e
+    meta = parse_zarr_json(raw, key, f"{array_path}/zarr.json")
     if not (isinstance(meta, dict) and meta.get("zarr_format") == 3
             and meta.get("node_type") == "array"):
         raise _corrupt(key, "zarr.json is not a Zarr v3 array", "SP-ARRAY-1")
     return meta
+
+
+def json_depth(raw: bytes) -> int:
+    """Deepest nesting of objects and arrays in JSON text (the document is level 1), found
+    without parsing or recursion: strings are blanked, then brackets counted."""
+    bare = _JSON_STRING.sub(b'""', raw)
+    b = np.frombuffer(bare, np.uint8)
+    step = (np.isin(b, (0x5B, 0x7B)).astype(np.int64)
+            - np.isin(b, (0x5D, 0x7D)).astype(np.int64))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _json_int(token: str) -> Any:
+    """JSON integers as ints, except ``-0``: read as negative zero (a float), which no
+    fill value accepts ([SP-ARRAY-3]: parsers disagree on what ``-0`` is)."""
+    v = int(token)
+    return -0.0 if v == 0 and token.startswith("-") else v
+
+
+class _RepeatedName(ValueError):
+    pass
+
+
+def _unique_pairs(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _RepeatedName(f"an object repeats the name {dup!r}")
+    return d
+
+
+def parse_zarr_json(raw: bytes, key: str, where: str = "zarr.json") -> Any:
+    """Parse zarr.json bytes by the reader rules of [SP-ARRAY-6]: UTF-8 JSON, no object
+    repeating a name, at most :data:`MAX_ZARR_JSON_DEPTH` levels (checked before the
+    recursive C parser runs, so a deep document is an error, never a RecursionError)."""
+    if len(raw) > MAX_ZARR_JSON_BYTES:
+        raise _corrupt(key, f"{where} is {len(raw)} bytes, over the {MAX_ZARR_JSON_BYTES}-byte "
+                       "cap", "SP-SEC-2")
+    depth = json_depth(raw)
+    if depth > MAX_ZARR_JSON_DEPTH:
+        raise _corrupt(key, f"{where} nests {depth} levels of objects/arrays, over the "
+                       f"{MAX_ZARR_JSON_DEPTH}-level limit", "SP-ARRAY-6")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _corrupt(key, f"{where} is not UTF-8: {e}", "SP-ARRAY-6") from e
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs, parse_int=_json_int)
+    except _RepeatedName as e:
+        raise _corrupt(key, f"{where}: {e}", "SP-ARRAY-6") from e
+    except (ValueError, RecursionError) as e:
+        raise _corrupt(key, f"{where} is not JSON: {e}", "SP-ARRAY-1") from e
 
 
 def _plain_chain(codecs: Any, dtype: str, index: bool = False) -> bool:

@@ -14,7 +14,6 @@ decides what is corrupt, it only proves what is intact.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -25,6 +24,9 @@ import crc32c
 import numpy as np
 
 from shardpoint_core.store.files import preadv_all
+from shardpoint_core.errors import ShardpointError
+from shardpoint_core.zarr.checks import (MAX_ZARR_JSON_BYTES, check_shard_index,
+                                         parse_zarr_json)
 
 _KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
          "fill_value", "codecs", "attributes", "dimension_names"}
@@ -110,8 +112,8 @@ def read_zarr_json(path: str) -> Any:
     """The parsed zarr.json of the array at ``path``, or None if it cannot be read or parsed."""
     try:
         with open(os.path.join(path, "zarr.json"), "rb") as f:
-            return json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
+            return parse_zarr_json(f.read(MAX_ZARR_JSON_BYTES + 1), "?")
+    except (OSError, ShardpointError):
         return None
 
 
@@ -151,7 +153,10 @@ def _segments(sub: np.ndarray) -> Optional[list]:
     count = math.prod(sub.shape[:k])
     if count > 4 * _IOV_MAX or expect < (64 << 10) and count > 8:
         return None
-    segs = [sub[i].reshape(-1).view(np.uint8) for i in np.ndindex(*sub.shape[:k])]
+    # sub[i + (...,)]: with every index given, sub[i] alone is a numpy scalar (a copy), and
+    # a read into it vanished (a column-strided target came back as zeros, no error).
+    segs = [sub[i + (Ellipsis,)].reshape(-1).view(np.uint8)
+            for i in np.ndindex(*sub.shape[:k])]
     # reshape copies when it cannot view; a copy would swallow the data, so refuse it.
     return None if any(s.flags.owndata for s in segs) else segs
 
@@ -168,8 +173,9 @@ class DirectReader:
     returns either None (done) or a list of further futures (a shard's inner chunks).
     ``fallback(offset, out_view)`` reads a box with TensorStore, blocking."""
 
-    def __init__(self, lay: DirectLayout, submit: Callable, fallback: Callable) -> None:
-        self.lay, self.submit, self.fallback = lay, submit, fallback
+    def __init__(self, lay: DirectLayout, submit: Callable, fallback: Callable,
+                 key: str = "?") -> None:
+        self.lay, self.submit, self.fallback, self.key = lay, submit, fallback, key
 
     def read(self, offset: Sequence[int], out: np.ndarray) -> list:
         lay = self.lay
@@ -263,6 +269,8 @@ class DirectReader:
                 if len(raw) == isz + 4 and crc32c.crc32c(raw[:isz]) == \
                         int.from_bytes(raw[isz:], "little"):
                     index = np.frombuffer(raw[:isz], "<u8").reshape(n_inner, 2)
+                    check_shard_index(index, size - isz - 4, self.key,
+                                      f"shard {_chunk_file(lay, cidx)!r}")   # [SP-READ-7]
             except OSError:
                 index = None
             finally:

@@ -19,7 +19,8 @@ import torch
 from shardpoint.tree import dtypes
 from shardpoint_core import errors
 from shardpoint.planning.columns import HoldingColumns
-from shardpoint.exchange.comm import (Comm, agree, error_record, exchange, raise_records,
+from shardpoint.exchange.comm import (AFTER_LOAD, Comm, agree, error_record, exchange,
+                                      raise_records,
                                       run_collectively)
 from shardpoint.exchange.host import execute_dedup_load
 from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_load_auto
@@ -69,6 +70,7 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
     opts = options or LoadOptions()
     budget = exchange_budget_bytes or opts.exchange_budget_bytes
     comm, be = Comm(group), get_backend(backend)
+    comm.after_failure = AFTER_LOAD
     report = report if report is not None else LoadReport()
     t0 = time.perf_counter()
     path = str(path)
@@ -115,7 +117,11 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
 
     costs, wbytes = msgpack.unpackb(run_collectively(
         comm, local, decide, errors.LayoutMismatchError,
-        same=("checkpoint path", os.path.normpath(path))))
+        same=[("checkpoint path", os.path.normpath(path)),
+              ("LoadOptions.strategy", opts.strategy),
+              ("exchange budget", int(budget)),
+              ("LoadOptions.shm_exchange", bool(opts.shm_exchange)),
+              ("LoadOptions.shm_round_bytes", int(opts.shm_round_bytes))]))
     work = RankLoadWork.from_bytes(wbytes, m_box["m"].tensors)
     report.strategy, report.costs = costs["strategy"], costs
     report.timings["plan"] = time.perf_counter() - t0

@@ -21,13 +21,16 @@ from shardpoint_core import errors
 from shardpoint_core.commit.posix import check_overwrite
 from shardpoint.tree import values
 from shardpoint.api.async_save import AsyncSave, group_saves
-from shardpoint.exchange.comm import Comm, agree, exchange, group_key, run_collectively, side_comm
+from shardpoint.exchange.comm import (AFTER_SAVE, Comm, after_commit, agree, exchange, group_key,
+                                      run_collectively, side_comm)
 from shardpoint_core.fsutil import os_error_text
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.tree.model import flatten_state
 from shardpoint.api.open_ahead import OpenAhead
-from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, plan_objects,
+from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, check_values_agree,
+                                         plan_objects,
                                          plan_save)
+from shardpoint.api.replicas import check_replicas
 from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
 from shardpoint_core.zarr.object_backend import resolve
 from shardpoint.api.staging import StagingPool, copy_pairs, stream_device_writes
@@ -44,6 +47,9 @@ class SaveOptions:
     exchange_budget_bytes: int = 256 << 20
     cache_plan: bool = True   # reuse the last plan when no rank's structure changed
     device_staging_bytes: int = 256 << 20   # pinned bytes in flight for CUDA tensors (sync)
+    # crc32c every holding and refuse replicas whose data differ ([SP-REPL-1]); one pass over
+    # the state and one gather per save (see shardpoint.api.replicas and its benchmark)
+    check_replicas: bool = False
 
 
 @dataclass
@@ -95,9 +101,14 @@ def _value_leaves(tree: Any) -> list:
 def _with_values(tree: Any, per_rank: list) -> Any:
     """``tree`` with each plain value replaced by the lowest rank's new value at its path."""
     new: dict = {}
+    seen: dict = {}
     for leaves in per_rank:
         for p, v in leaves:
             new.setdefault(tuple(p), v)
+            seen.setdefault(tuple(p), []).append(v)
+    for p, vs in seen.items():
+        if len(vs) > 1:
+            check_values_agree(vs, "state" + "".join(f"[{k!r}]" for k in p))
 
     def walk(node: Any, path: tuple) -> Any:
         if "dict" in node:
@@ -124,6 +135,7 @@ class SaveJob:
                  opts: SaveOptions, overwrite: bool) -> None:
         self.state, self.path, self.comm, self.be = state, str(path), comm, be
         self.opts, self.overwrite = opts, overwrite
+        self.async_save = False
         self.t0 = time.perf_counter()
         self.times: dict = {}
         self.cache_key = group_key(comm)
@@ -173,13 +185,17 @@ class SaveJob:
 
         try:
             msg = run_collectively(self.comm, local, self._decide, errors.InvalidShardingError,
-                                   same=("checkpoint path", os.path.normpath(self.path)))
+                                   same=self.collective_arguments())
         except errors.ShardpointError:
             _PLAN_CACHE.pop(self.cache_key, None)
             raise
         self.staging, work_b, self.layouts, self.stats = msgpack.unpackb(
             msg, strict_map_key=False)
         self.work = RankSaveWork.from_bytes(work_b)
+        if self.opts.check_replicas:    # after the plan: its errors (layout) come first
+            t = time.perf_counter()
+            check_replicas(self.comm, self.flat.tensors)
+            self.times["replica_check"] = time.perf_counter() - t
         self.times["plan_total"] = time.perf_counter() - self.t0
         self.times["plan_cached"] = self.plan_hit
 
@@ -356,6 +372,17 @@ class SaveJob:
                 opened.close()
             self.sources = []
 
+    def collective_arguments(self) -> list:
+        """What every rank of a save must pass alike, agreed in the plan before any byte is
+        written: a rank saving with another ``overwrite``, ``async_save`` or plan options
+        than its peers would replace, or chunk, what the others do not expect."""
+        return [("checkpoint path", os.path.normpath(self.path)),
+                ("overwrite flag", bool(self.overwrite)),
+                ("async_save flag", bool(self.async_save)),
+                ("SaveOptions.plan", repr(self.opts.plan)),
+                ("SaveOptions.exchange_budget_bytes", int(self.opts.exchange_budget_bytes)),
+                ("SaveOptions.check_replicas", bool(self.opts.check_replicas))]
+
     def write_error(self, e: BaseException) -> errors.ShardpointError:
         """``e``, raised while creating arrays or writing chunks, as the error to report: a
         storage failure (the backend's own error carrying an ``OSError``, or the ``OSError``
@@ -385,6 +412,7 @@ class SaveJob:
                     f"{type(e).__name__}: {e}")
             return b""
 
+        comm.after_failure = after_commit(self.path)
         try:
             run_collectively(comm, report, self._publish, errors.SaveFailedError)
         except errors.ShardpointError:
@@ -462,9 +490,11 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = 
     path, backend = resolve(path, backend, "save")   # s3://... is never a local dir 's3:'
     check_overwrite(overwrite)
     comm = Comm(group)
+    comm.after_failure = AFTER_SAVE
     saves = group_saves(group_key(comm))
     saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))
     job = SaveJob(state, path, comm, get_backend(backend), options or SaveOptions(), overwrite)
+    job.async_save = async_save
     try:
         job.plan()
         if not async_save:

@@ -23,6 +23,9 @@ class Comm:
 
     def __init__(self, group: Optional[Any] = None) -> None:
         self.group = group
+        # What a RankLostError tells the user to do; the caller sets it for what it runs
+        # (a save before its commit, the commit, a load), so the advice fits what was lost.
+        self.after_failure = AFTER_UNKNOWN
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
@@ -171,6 +174,23 @@ def _timeout_of(group: Any) -> Any:
         return None
 
 
+AFTER_UNKNOWN = ("restart every rank; a save cut short before its commit commits nothing and "
+                 "committed checkpoints are left as they were")
+AFTER_SAVE = ("the save was cut short before its commit, so it commits nothing: restart every "
+              "rank and resume from the last committed checkpoint")
+AFTER_LOAD = ("the load returned nothing and changed nothing on storage: restart every rank "
+              "and load again")
+
+
+def after_commit(path: str) -> str:
+    """The advice for a failure while the ranks agree on a save's commit: the coordinator
+    may already have renamed it into place."""
+    return (f"it failed while the ranks agreed on the commit, so the checkpoint {path!r} may "
+            f"or may not be committed (`shardpoint verify {path}` tells; a previous "
+            "checkpoint there is intact if it was not): restart every rank and resume from "
+            "the newest committed checkpoint")
+
+
 def rank_lost(comm: Comm, op: str, e: BaseException) -> errors.RankLostError:
     """The error for a collective that failed under ``comm``: the backend's own words without
     its source path and boilerplate, the group's timeout, and what to do."""
@@ -181,8 +201,7 @@ def rank_lost(comm: Comm, op: str, e: BaseException) -> errors.RankLostError:
         f"rank {comm.rank} of {comm.size}: the {op} collective failed ({text}): another rank "
         "of the group died, was killed or hung"
         + (f" past the group's timeout ({timeout.total_seconds():g} s)" if timeout else "")
-        + "; its own log says why. A save cut short so commits nothing: restart every rank "
-        "and resume from the last committed checkpoint")
+        + f"; its own log says why. {comm.after_failure[0].upper()}{comm.after_failure[1:]}")
 
 
 # ---------------------------------------------------------------------- errors across ranks
@@ -227,13 +246,16 @@ def agree(comm: Comm, err: Optional[BaseException], fallback: type) -> None:
 
 def run_collectively(comm: Comm, local: Callable[[], bytes],
                      decide: Callable[[list], list], fallback: type,
-                     same: Optional[tuple] = None) -> bytes:
+                     same: Any = None) -> bytes:
     """Gather each rank's ``local()`` bytes to the coordinator, let it ``decide`` one answer
     per rank, scatter the answers. Any failure, local or in ``decide``, is raised on every
     rank as the same error, so no rank is left waiting in a collective. ``same``: ``(what,
-    value)`` every rank must pass alike (the checkpoint path): a rank passing another value
-    fails every rank with :class:`~.errors.InvalidOptionError`, before ``decide``."""
-    mine_same = same[1] if same is not None else None
+    value)``, or a list of them, that every rank must pass alike (the checkpoint path, the
+    ``overwrite`` flag, the options): a rank passing another value fails every rank with
+    :class:`~.errors.InvalidOptionError` naming the argument and the ranks, before
+    ``decide``. Values are compared as msgpack data (str, numbers, bools, lists)."""
+    pairs = [] if same is None else [same] if isinstance(same, tuple) else list(same)
+    mine_same = [v for _w, v in pairs]
     try:
         mine = msgpack.packb([0, local(), mine_same])
     except Exception as e:  # noqa: BLE001 - forwarded to every rank
@@ -243,13 +265,18 @@ def run_collectively(comm: Comm, local: Callable[[], bytes],
     if comm.is_coordinator:
         items = [msgpack.unpackb(g) for g in got]
         failed = [rec for status, rec, _ in items if status]
-        differ = [(r, v) for r, (_, _, v) in enumerate(items) if v != mine_same]
-        if differ:   # a path mismatch is the cause of whatever else failed: report it alone
-            shown = ", ".join(f"rank {r}: {v!r}" for r, v in differ[:3])
-            failed = [error_record(errors.InvalidOptionError(
-                f"the ranks were given different {same[0]}s: rank {comm.rank}: {mine_same!r}, "
-                f"{shown}" + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-                + f"; every rank of the group must pass the same {same[0]}"), comm.rank)]
+        mine_same = msgpack.unpackb(msgpack.packb(mine_same))   # compared as the others are
+        for i, (what, _v) in enumerate(pairs):
+            differ = [(r, v[i]) for r, (_, _, v) in enumerate(items) if v[i] != mine_same[i]]
+            if differ:   # a mismatch is the cause of whatever else failed: report it alone
+                shown = ", ".join(f"rank {r}: {v!r}" for r, v in differ[:3])
+                failed = [error_record(errors.InvalidOptionError(
+                    f"the ranks were given different {what}s: rank {comm.rank}: "
+                    f"{mine_same[i]!r}, {shown}"
+                    + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+                    + f"; every rank of the group must pass the same {what} (a collective "
+                    "call's arguments are agreed before anything is written)"), comm.rank)]
+                break
         if failed:
             parts = [msgpack.packb([1, failed])] * comm.size
         else:

@@ -76,7 +76,31 @@ def merge_many(trees: Sequence[Any], where: str = "state") -> Any:
         cols = [[t[kind][i] for t in trees if i < len(t[kind])] for i in range(n)]
         return {kind: [vs[0] if len(vs) == 1 else merge_many(vs, f"{where}[{i}]")
                        for i, vs in enumerate(cols)]}
-    return trees[0]  # leaves: same path, same kind; the lowest rank's plain value wins
+    if kind == "value":
+        check_values_agree([t["value"] for t in trees], where)
+    return trees[0]  # leaves: same path, same kind (equal values, checked above)
+
+
+_EXACT = (int, str, bytes, bool, type(None))   # types whose == is bitwise equality
+
+
+def check_values_agree(vals: Sequence[Any], where: str) -> None:
+    """A plain value is held by every rank that has it, like a replica: the ranks MUST agree
+    ([SP-REPL-1]); one rank's value kept silently hid, e.g., per-rank data-loader positions
+    saved as a plain int. Compared by their msgpack bytes (so NaN equals NaN, 1 differs
+    from 1.0 and True)."""
+    first = vals[0]
+    if type(first) in _EXACT and all(type(v) is type(first) and v == first for v in vals):
+        return     # the common case, without encoding anything
+    from shardpoint_core.values import pack
+    forms = [pack(v) for v in vals]
+    if len(set(forms)) > 1:
+        shown = ", ".join(repr(v)[:40] for v in vals[:3])
+        raise InvalidShardingError(
+            f"{where} is a plain value that differs between ranks ({shown}); the checkpoint "
+            "would keep one rank's silently. Save a per-rank value as "
+            "sp.ShardedObject(value, rank, world_size), or make it equal on every rank",
+            spec_id="SP-REPL-1")
 
 
 def _merged_tree(local_plans: Sequence[LocalPlan]) -> Any:

@@ -104,7 +104,11 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from shardpoint_core.keys import encode_key
     from shardpoint_core.manifest import iter_tree_leaves
     if a.values is not None:
-        return cli_tools.cmd_values(a)
+        try:
+            return cli_tools.cmd_values(a)
+        except errors.LayoutMismatchError as e:   # no such key: nothing to work on
+            print(f"shardpoint inspect: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
     m = read_metadata(a.path)
     total = sum(e.nbytes for e in m.tensors.values())
     chunks = sum(_chunks(e) for e in m.tensors.values())
@@ -125,7 +129,11 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           f"{m.writer or '?'} on {m.save_world_size} rank(s)")
     rows = [("name", "dtype", "shape / value", "size", "chunks", "array")]
     rows += _tree_rows(m)
-    for line in fit_table(rows, width(), shrink=(2, 0, 5, 4), keep_end=(5,)):
+    # Key names are never cut (two keys cut to the same 'e...' told nothing, and grep found
+    # nothing in a pipe): on a terminal the other columns shrink and long names wrap; piped,
+    # nothing is cut at all.
+    total = width() if sys.stdout.isatty() else 1 << 30
+    for line in fit_table(rows, total, shrink=(2, 5, 4), keep_end=(5,)):
         print(line)
     nvals = sum(1 for _p, n in iter_tree_leaves(m.tree) if "value" in n)
     print(f"total: {len(m.tensors)} tensors, {_fmt_bytes(total)} in {chunks} chunks; "
@@ -157,7 +165,11 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_recover(a: argparse.Namespace) -> int:
+    import os
+
     from shardpoint_core.recovery import recover
+    if not os.path.lexists(a.path):   # a typo is not "nothing to recover"
+        raise errors.CheckpointNotFoundError(f"{a.path!r} does not exist")
     acts = recover(a.path, dry_run=a.dry_run, min_age_s=a.min_age)
     if a.json:
         print(json.dumps([x.to_dict() for x in acts], indent=2))
@@ -201,6 +213,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="shardpoint", description="Sharded training checkpoints in a framework-neutral "
         "format.", epilog="exit codes: 0 ok, 1 damaged or invalid checkpoint, 2 not found or "
         "usage error")
+    from shardpoint_core import __version__
+    from shardpoint_core.manifest import FORMAT_VERSION
+    p.add_argument("--version", action="version", version=f"shardpoint {__version__} (writes "
+                   f"format {FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}, reads 1.x; spec 1.2)")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = cli_tools.add_command(sub, "inspect", "show a checkpoint's tree: shapes, dtypes, "
                               "sizes, chunk grids, array paths, objects and values", """

@@ -38,6 +38,20 @@ def non_negative(what: str) -> Callable[[str], float]:
     return parse
 
 
+def positive_int(what: str) -> Callable[[str], int]:
+    """An argparse type for an integer >= 1 called ``what`` (``--procs 0`` was a runtime
+    error, exit 1, instead of a usage error, exit 2)."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            v = 0
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{s!r}: {what} is an integer >= 1")
+        return v
+    return parse
+
+
 def add_commands(sub: Any) -> None:
     """Register ``convert`` and ``diff`` on the ``shardpoint`` sub-command parser."""
     from shardpoint.tools.formats import SOURCES, TARGETS
@@ -59,7 +73,7 @@ def add_commands(sub: Any) -> None:
                    ".safetensors path, else shardpoint)")
     s.add_argument("--max-shard-size", default=None, help="safetensors: split into shards "
                    "of at most this size (e.g. 5GB, 2GiB) with model.safetensors.index.json")
-    s.add_argument("--procs", type=int, default=1, metavar="N", help="convert with N worker "
+    s.add_argument("--procs", type=positive_int("a process count"), default=1, metavar="N", help="convert with N worker "
                    "processes, each reading its share of the source (shardpoint and "
                    "safetensors output; DCP output is written by one process); the result is "
                    "the same bytes as with 1")
@@ -88,6 +102,9 @@ def add_commands(sub: Any) -> None:
                    help="format of A (default: detected)")
     s.add_argument("--from-b", choices=SOURCES, default=None,
                    help="format of B (default: detected)")
+    s.add_argument("--trust-pickle", action="store_true", help="allow DCP and Megatron "
+                   "sides, whose .metadata is read by unpickling it (code in it runs): only "
+                   "for checkpoints you trust")
     s.add_argument("--json", action="store_true", help="machine-readable report")
     s.set_defaults(fn=cmd_diff)
 
@@ -128,7 +145,8 @@ def cmd_diff(a: argparse.Namespace) -> int:
                 adv.set_total(sum(t.nbytes for t in sa.tensors
                                   if t.path in {u.path for u in sb.tensors}))
             rep = diff_checkpoints(a.a, a.b, atol=a.atol, rtol=a.rtol, from_a=a.from_a,
-                                   from_b=a.from_b, progress=adv, on_open=opened)
+                                   from_b=a.from_b, progress=adv, on_open=opened,
+                                   trust_pickle=a.trust_pickle)
     except (errors.ShardpointError, OSError) as e:
         print(f"shardpoint diff: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

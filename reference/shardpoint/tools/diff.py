@@ -187,10 +187,13 @@ def diff_sources(sa: Source, sb: Source, *, atol: Optional[float] = None,
 def diff_checkpoints(a: str, b: str, *, atol: Optional[float] = None,
                      rtol: Optional[float] = None, from_a: Optional[str] = None,
                      from_b: Optional[str] = None, progress: Optional[Callable] = None,
-                     on_open: Optional[Callable] = None) -> DiffReport:
+                     on_open: Optional[Callable] = None,
+                     trust_pickle: bool = False) -> DiffReport:
     """Compare the checkpoints at ``a`` and ``b`` (shardpoint or any format ``convert``
-    reads). ``on_open(sa, sb)`` is called once both are open."""
-    with open_source(a, from_a) as sa, open_source(b, from_b) as sb:
+    reads). ``on_open(sa, sb)`` is called once both are open. A DCP or Megatron side needs
+    ``trust_pickle=True``: their metadata is read by unpickling it."""
+    with open_source(a, from_a, trust_pickle=trust_pickle) as sa, \
+            open_source(b, from_b, trust_pickle=trust_pickle) as sb:
         if on_open:
             on_open(sa, sb)
         return diff_sources(sa, sb, atol=atol, rtol=rtol, progress=progress)

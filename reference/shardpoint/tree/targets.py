@@ -52,6 +52,7 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
         missing(what, path)
 
     def tensor_target(key: str, h: Holding, data: torch.Tensor) -> None:
+        _check_no_self_overlap(data, key)
         e = m.tensors[key]
         if h.global_shape != e.shape or h.dtype != e.dtype:
             fix = ("like gives a tensor's global shape: a rank's piece as "
@@ -144,6 +145,31 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
     asked = {t.holding.key for t in targets}
     report.unexpected_keys = sorted(k for k in m.tensors if k not in asked)
     return targets, built
+
+
+def has_self_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (an ``expand``ed, stride-0 view, or
+    strides that interleave). Conservative: dimensions of size > 1 sorted by stride, each
+    stride must step past everything the smaller ones reach, which every layout made by
+    slicing, transposing or permuting a tensor does."""
+    dims = sorted(((abs(st), s) for s, st in zip(t.shape, t.stride()) if s > 1))
+    reach = 1
+    for stride, size in dims:
+        if stride < reach:
+            return True
+        reach = stride * (size - 1) + reach
+    return False
+
+
+def _check_no_self_overlap(data: torch.Tensor, key: str) -> None:
+    """A target whose elements share memory cannot hold distinct values: filling it in place
+    would leave the last write in every aliased element, silently wrong."""
+    if data.numel() > 1 and has_self_overlap(data):
+        raise errors.LayoutMismatchError(
+            f"key {key!r}: the target tensor has elements that share memory (shape "
+            f"{tuple(data.shape)}, strides {tuple(data.stride())}: an expand()ed or "
+            "as_strided view), so it cannot be filled in place; pass a tensor with its own "
+            "memory, e.g. t.contiguous() or torch.empty(shape)", spec_id="SP-LOAD-1")
 
 
 def _missing_hint(m: Manifest, path: tuple) -> str:

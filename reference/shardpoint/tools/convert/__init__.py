@@ -114,15 +114,27 @@ def foreign_format_hint(path: str) -> str:
             f"`shardpoint convert {path} DST` or shardpoint.convert.convert)")
 
 
+PICKLED_METADATA = ("dcp", "megatron")   # formats whose metadata only unpickling reads
+
+
 def open_source(path: str, fmt: Optional[str] = None, *, skip_common: bool = False,
-                backend: Any = None, tensors_only: bool = False) -> Source:
+                backend: Any = None, tensors_only: bool = False,
+                trust_pickle: bool = True) -> Source:
     """A :class:`Source` reading ``path`` as ``fmt`` (detected when None). ``tensors_only``
-    skips decoding DCP bytes entries (a conversion worker needs the tensors only)."""
+    skips decoding DCP bytes entries (a conversion worker needs the tensors only).
+    ``trust_pickle=False`` refuses DCP and Megatron sources, whose ``.metadata`` DCP reads
+    by unpickling it (code in it runs): a caller that was not told so must opt in."""
     fmt = fmt or detect_format(path)
     if fmt == "shardpoint" and "://" in str(path):
         return ShardpointSource(path, backend)     # s3://...: the reader says what is missing
     if not os.path.exists(str(path)):
         raise CheckpointNotFoundError(f"no such file or directory: {str(path)!r}")
+    if fmt in PICKLED_METADATA and not trust_pickle:
+        raise ConversionError(
+            f"{str(path)!r} is a {fmt} checkpoint: its .metadata is a pickle, which DCP reads "
+            "by unpickling it (code in it would run); nothing was read. Pass --trust-pickle "
+            "(trust_pickle=True) if you trust where it came from, or convert it first "
+            "(`shardpoint convert`, which documents the same trust)")
     if fmt == "shardpoint":
         return ShardpointSource(path, backend)
     if fmt == "dcp":

@@ -132,6 +132,9 @@ class DCPSource(Source):
             except Exception as e:  # noqa: BLE001
                 raise ConversionError(f"{self.path!r}: DCP cannot read its .metadata: "
                                       f"{type(e).__name__}: {e}") from None
+        if not hasattr(md, "state_dict_metadata"):
+            raise ConversionError(f"{self.path!r}: its .metadata unpickles to a "
+                                  f"{type(md).__name__}, not DCP's Metadata")
         pd = md.planner_data if isinstance(md.planner_data, dict) else {}
         self.batch_bytes = batch_bytes
         self.windows: dict = {}      # path -> (start, stop): the only rows to read of it
