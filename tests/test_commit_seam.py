@@ -48,12 +48,16 @@ ALLOWED = {
         "the deliberately broken adapter damages its own output (it must fail the suite)",
     ("conformance/shardpoint_conformance/vector_damage.py", "os.remove"):
         "damages a temporary copy of a vector on purpose (the invalid case it builds)",
-    # (merge of store19 and commit19, s3_20) the byte store's own delete: the layer below the
-    # committer, which the committers call; it removes the keys it is given, nothing else
-    ("core/shardpoint_core/store/files.py", "os.unlink"):
-        "FileStore.delete: the byte store the committer calls, keys given by its caller",
-    ("core/shardpoint_core/store/files.py", "os.rmdir"):
-        "FileStore.delete: empty parent directories of the keys it deleted",
+    ("conformance/shardpoint_conformance/fuzz.py", "shutil.rmtree"):
+        "the fuzzer's own mutated copies and its own work directory (mkdtemp)",
+    ("conformance/shardpoint_conformance/fuzz.py", "os.rmdir"):
+        "the memory cgroup the fuzzer itself created for its reader process",
+    ("conformance/shardpoint_conformance/hostile.py", "os.rmdir"):
+        "the memory cgroup it created for one bounded read",
+    ("conformance/shardpoint_conformance/vector_damage_12.py", "shutil.rmtree"):
+        "empties a temporary copy of a vector it builds an invalid case from",
+    ("conformance/shardpoint_conformance/vector_damage_12.py", "os.remove"):
+        "the same temporary copy's files",
 }
 
 

@@ -253,7 +253,8 @@ def _one_rank_out_of_space(rank, world, root):
     """Rank 1 holds all of a 48 MiB tensor, rank 0 an empty piece of it: only rank 1 writes
     chunks, and they do not fit."""
     rows = 12 if rank == 1 else 0
-    st = {"w": sp.ShardedTensor(torch.ones(rows, MiB), (12, MiB), (0, 0)), "r": rank}
+    st = {"w": sp.ShardedTensor(torch.ones(rows, MiB), (12, MiB), (0, 0)),
+          "r": sp.ShardedObject(rank, rank, world)}   # a per-rank value (plain ones must agree)
     sp.save({"w": sp.ShardedTensor(torch.full((rows, 8), 2.0), (12, 8), (0, 0))},
             f"{root}/a")
     try:

@@ -273,7 +273,14 @@ def _resolve(v: Any, hooked: bool) -> Any:
                 if depth + 1 > MAX_DEPTH:
                     raise CorruptCheckpointError(f"values nest deeper than {MAX_DEPTH} levels "
                                                  "(tuples inside tuples)", spec_id="SP-MAN-5")
-                items = _decode_one(x.data, hooked)
+                try:
+                    items = _decode_one(x.data, hooked)
+                except CorruptCheckpointError:
+                    raise
+                except Exception as e:  # trailing bytes, truncation: the payload's fault
+                    raise CorruptCheckpointError(
+                        f"ext 2 (tuple) payload is not exactly one msgpack array "
+                        f"({type(e).__name__}: {e})", spec_id="SP-VALUE-2") from e
                 if not isinstance(items, list):
                     raise CorruptCheckpointError("ext 2 (tuple) payload is not a msgpack "
                                                  "array", spec_id="SP-VALUE-2")

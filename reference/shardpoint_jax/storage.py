@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import json
 import math
 import os
 import stat
@@ -19,6 +18,7 @@ import numpy as np
 
 from shardpoint_core.store.files import FileStore
 from shardpoint_core.store.registry import local_path
+from shardpoint_core.zarr.checks import parse_zarr_json
 from shardpoint_core.zarr.array import ArrayLayout, read_region, write_array_meta
 from shardpoint_core.zarr.direct_write import stored_codecs
 from shardpoint_jax import direct
@@ -282,10 +282,10 @@ def check_zarr_json(root: str, key: str, entry: dict) -> dict:
         raise bad(key, f"{rel} is {st.st_size} bytes, over 2^20", "SP-ARRAY-1")
     try:
         with open(os.path.join(root, rel), "rb") as f:
-            meta = json.loads(f.read(MAX_ZARR_JSON + 1))
-    except (OSError, ValueError) as e:
-        raise bad(key, f"{rel} does not open as JSON ({type(e).__name__})",
-                  "SP-ARRAY-1") from None
+            raw = f.read(MAX_ZARR_JSON + 1)
+    except OSError as e:
+        raise bad(key, f"{rel} does not open ({type(e).__name__})", "SP-ARRAY-1") from None
+    meta = parse_zarr_json(raw, key, rel)      # the core's reader rules [SP-ARRAY-6]
     if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or \
             meta.get("node_type") != "array":
         raise bad(key, "not a Zarr v3 array", "SP-ARRAY-1")
