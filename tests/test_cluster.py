@@ -182,3 +182,21 @@ def test_a_lost_host_fails_every_survivor_within_the_group_timeout(tmp_path, wha
     if what == "load":
         assert torch.equal(sp.load(str(tmp_path / "ck"))["t0"],
                            torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS))
+
+
+def test_cost_model_prices_host_links_and_the_storage_total():
+    """4 ranks on 2 hosts each need all 1 GB; dedup reads it once and sends each host the
+    half it did not read, direct reads it on both hosts. A storage system that serves
+    little in total makes dedup the cheaper; fast storage behind slow host links makes
+    direct the cheaper (dedup's reads and receipts both pass each host's link)."""
+    from shardpoint.planning.load_planner import choose_strategy
+    G = 10**9
+    hosts = ["a", "a", "b", "b"]
+    args = (hosts, G, [G // 2] * 4, {"a": G, "b": G}, 10.0, 100.0)
+    kw = dict(dedup_rank_bytes=[G // 4] * 4, direct_rank_bytes=[G] * 4, memory_gbps=100.0)
+    tight = choose_strategy(*args, **kw, storage_total_gbps=0.5, link_gbps=10.0)
+    assert tight.strategy == "dedup", tight
+    slow_links = choose_strategy(*args, **kw, link_gbps=1.0)
+    assert slow_links.strategy == "direct", slow_links
+    assert slow_links.direct_s == pytest.approx(1.0)     # each host reads 1 GB over 1 GB/s
+    assert slow_links.dedup_s == pytest.approx(0.5 + 1.0)   # half read, then 2 x 0.5 received
