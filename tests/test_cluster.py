@@ -200,3 +200,28 @@ def test_cost_model_prices_host_links_and_the_storage_total():
     assert slow_links.strategy == "direct", slow_links
     assert slow_links.direct_s == pytest.approx(1.0)     # each host reads 1 GB over 1 GB/s
     assert slow_links.dedup_s == pytest.approx(0.5 + 1.0)   # half read, then 2 x 0.5 received
+
+
+@pytest.mark.slow
+def test_conformance_run_on_two_hosts(tmp_path, capsys):
+    """``shardpoint conformance run --hosts 2 --ranks-per-host 2``: the cases save and load
+    across two hosts' namespaces over shaped links and pass; the cluster is gone after."""
+    from shardpoint_conformance import cli
+    before = _netns()
+    out = tmp_path / "rows.json"
+    rc = cli.main(["run", "--hosts", "2", "--ranks-per-host", "2", "--link-mbit", "1000",
+                   "--cases", "3", "--seed", "23", "--dir", str(tmp_path / "c"),
+                   "--json", str(out), "--no-vectors"])
+    text = capsys.readouterr().out
+    rows = __import__("json").loads(out.read_text())
+    assert rc == 0 and len(rows) == 3 and all(r["ok"] for r in rows), text
+    assert {(r["save_world"], r["load_world"]) for r in rows} == {(4, 4)}
+    assert "2 host(s) x 2 rank(s)" in text and "1000 Mbit/s" in text
+    assert _netns() == before
+
+
+def test_conformance_run_hosts_refuses_other_world_sizes(capsys):
+    from shardpoint_conformance import cli
+    rc = cli.main(["run", "--hosts", "2", "--ranks-per-host", "2", "--save-world-sizes", "3",
+                   "--no-vectors"])
+    assert rc == 2 and "worlds of 4" in capsys.readouterr().err

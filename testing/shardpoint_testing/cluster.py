@@ -208,8 +208,16 @@ class Cluster:
         _sh("ip", "-n", self.switch, "link", "set", f"{self.tag}h{host}b", "up")
 
     def kill_host(self, host: int) -> None:
-        """SIGKILL every process running on ``host`` (a machine that died)."""
-        for p in self._procs.get(host, []):
+        """SIGKILL every process running on ``host`` at once (a machine that died), then
+        reap them."""
+        procs = self._procs.get(host, [])
+        for p in procs:
+            try:
+                if (p.poll() is None) if isinstance(p, subprocess.Popen) else p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            except (OSError, ValueError, AssertionError):
+                pass
+        for p in procs:
             _kill(p)
 
     def popen_host(self, host: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
