@@ -138,6 +138,9 @@ def main() -> None:
                     help="send empty trees (the job as measured before trees were simulated)")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
     ap.add_argument("--json", help="write the timed samples and sizes to this file")
+    ap.add_argument("--bytes-only", action="store_true",
+                    help="build and encode the local plans, print what the coordinator "
+                         "gathers, and stop (no planning)")
     a = ap.parse_args()
     world = a.tp * a.pp * a.dp
     build_s = enc_s = 0.0
@@ -159,6 +162,13 @@ def main() -> None:
         t = time.perf_counter()
     gathered = sum(len(b) for b in blobs)
     gathered_max = max(map(len, blobs))
+    if a.bytes_only:
+        print(f"job: {world} ranks (TP {a.tp} x PP {a.pp} x DP {a.dp}), {nh:,} holdings; "
+              f"build {build_s:.1f} s, encode {enc_s / world * 1e3:.2f} ms/rank; gathered "
+              f"local plans {gathered / 1e6:.1f} MB ({gathered / 50e6:.2f}x the 50 MB target; "
+              f"largest {gathered_max / 2**10:.1f} KiB, {world * gathered_max / 1e6:.1f} MB "
+              "padded to it)")
+        return
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     dec, pl, tot, lds, lenc, auto = [], [], [], [], [], []
     hosts = [f"host{r // 8}" for r in range(world)]   # 8 ranks per host

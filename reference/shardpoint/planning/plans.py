@@ -15,7 +15,7 @@ import numpy as np
 
 from shardpoint.tree import dtypes
 from shardpoint.tree import values
-from shardpoint.planning.columns import HoldingColumns, as_columns
+from shardpoint.planning.columns import PLAN_ZLIB_LEVEL, HoldingColumns, as_columns
 from shardpoint.tree.model import Holding
 
 
@@ -37,8 +37,9 @@ def pack_tree(tree: Any) -> Any:
     compressed alone, so the coordinator decodes each distinct branch once (every rank of a
     pipeline stage sends the same model branch; only the optimizer's differs)."""
     if isinstance(tree, dict) and len(tree) == 1 and len(tree.get("dict") or ()) > 1:
-        return [TREE_SPLIT, [[k, zlib.compress(values.pack(v), 1)] for k, v in tree["dict"]]]
-    return zlib.compress(values.pack(tree), 1)
+        return [TREE_SPLIT, [[k, zlib.compress(values.pack(v), PLAN_ZLIB_LEVEL)]
+                           for k, v in tree["dict"]]]
+    return zlib.compress(values.pack(tree), PLAN_ZLIB_LEVEL)
 
 
 def unpack_branch(b: bytes) -> Any:
