@@ -151,7 +151,7 @@ def main() -> None:
         t1 = time.perf_counter()
         build_s += t1 - t
         nh += len(p.holdings)
-        blobs.append(p.to_bytes())      # what each rank sends (saving.py's local())
+        blobs.append(p.to_bytes(world))     # what each rank sends (saving.py's local())
         t = time.perf_counter()
         enc_s += t - t1
         # load into the same layout: each rank asks for what it held, sent as loading.py does

@@ -21,12 +21,20 @@ import numpy as np
 from shardpoint_core.errors import InvalidShardingError
 from shardpoint.tree.model import Holding
 
-WIRE_TAG = "cols3"     # "cols2": the same with the body uncompressed (still read)
-# zlib level of what a rank sends up (key tables, tree branches, holding columns): 9 makes
-# them ~25% smaller than 1 for ~1 ms more a rank, paid in parallel; inflating costs the same.
-# Measured on the simulated 16,384-rank job (one rank in 257): 3.45 KiB a rank at level 1
-# (56.6 MB gathered), 2.8 KiB at 9 (46 MB)
+WIRE_TAG = "cols2"
+ZIP_TAG = "cols3"      # the same with the body compressed (jobs of COMPRESS_FROM_WORLD ranks)
+# zlib level of what a rank sends up (key tables, tree branches, compressed bodies): 9 makes
+# them ~25% smaller than 1 for ~1 ms more a rank, paid in parallel; inflating costs the same,
+# and tables and branches are inflated once per distinct content. Measured on the simulated
+# 16,384-rank job (one rank in 257): 3.45 KiB a rank at level 1, 2.8 KiB at 9
 PLAN_ZLIB_LEVEL = 9
+# From this many ranks on, ranks compress their columns' body too: it shrinks ~8x (a rank's
+# rows repeat: the optimizer's states share their ranges), which takes the simulated
+# 16,384-rank job from 135 to 45 MB gathered, but every body is inflated at the coordinator
+# (measured here, interleaved, at 4,096 ranks: 0.85 ms a rank against 0.27 ms for the plain
+# body, on a loaded machine), so below this size, where the gather is small anyway (34 MB at
+# 4,096 ranks), the body goes plain.
+COMPRESS_FROM_WORLD = 8192
 
 
 @contextmanager
@@ -60,16 +68,13 @@ class HoldingColumns(Sequence):
     (padded with 0 past a tensor's rank), ``D`` shape columns (padded with 1) and ``R``
     replica-id columns (padded with 0).
 
-    Wire form (msgpack, :meth:`to_wire`): ``["cols3", rows, D, R, table segments, column
-    types, zlib(body)]``. The table is cut into segments where the key's first component changes
+    Wire form (msgpack, :meth:`to_wire`): ``["cols2", rows, D, R, table segments, column
+    types, body]``. The table is cut into segments where the key's first component changes
     (``model/...``, ``optim/...``), each ``zlib(msgpack([[key, dtype, [global shape]]]))``:
     data-parallel ranks share the model's segment byte for byte, so the coordinator decodes
     each distinct segment once. ``body``: the columns one after another, each in its type
-    (the narrowest little-endian integer holding it, ``"<i1"`` .. ``"<i8"``), compressed
-    with zlib (:data:`PLAN_ZLIB_LEVEL`): a rank's rows repeat (the optimizer's states share
-    their ranges, the pieces of a layer their offsets), so the body shrinks ~8x (6.2 to 0.7 KiB a rank in the
-    simulated Megatron job) and 16,384 ranks gather ~85 MB less at the coordinator, for
-    ~5 us of inflate a rank there. ``"cols2"`` (the body uncompressed) is still read.
+    (the narrowest little-endian integer holding it, ``"<i1"`` .. ``"<i8"``). ``"cols3"``: the
+    same with ``zlib(body)``, sent by the ranks of large jobs (:data:`COMPRESS_FROM_WORLD`).
     """
 
     __slots__ = ("_table", "cols", "D", "R", "table_bytes")
@@ -133,9 +138,10 @@ class HoldingColumns(Sequence):
         m = np.array(rows, np.int64).reshape(len(hs), 4 + 2 * D + R).T
         return HoldingColumns(table, list(m), D, R)
 
-    def to_wire(self) -> bytes:
+    def to_wire(self, compress: bool = False) -> bytes:
         """The key table (zlib, in segments) once, then each column in the narrowest integer
-        type (see the class docstring)."""
+        type (see the class docstring); ``compress``: the body zlib-compressed (``"cols3"``,
+        for jobs of :data:`COMPRESS_FROM_WORLD` ranks or more)."""
         segs: list = []
         top = None
         for k, d, g in self.table:
@@ -152,15 +158,18 @@ class HoldingColumns(Sequence):
                      if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max)
             kinds.append(t)
             body.append(np.ascontiguousarray(c, t).tobytes())
-        return msgpack.packb([WIRE_TAG, len(self), self.D, self.R, table, kinds,
-                              zlib.compress(b"".join(body), PLAN_ZLIB_LEVEL)])
+        body = b"".join(body)
+        if compress:
+            return msgpack.packb([ZIP_TAG, len(self), self.D, self.R, table, kinds,
+                                  zlib.compress(body, PLAN_ZLIB_LEVEL)])
+        return msgpack.packb([WIRE_TAG, len(self), self.D, self.R, table, kinds, body])
 
     @staticmethod
     def from_wire(b: bytes) -> "HoldingColumns":
         tag, n, D, R, table_b, kinds, body = msgpack.unpackb(b)
-        if tag == WIRE_TAG:
+        if tag == ZIP_TAG:
             body = zlib.decompress(body)
-        elif tag != "cols2":
+        elif tag != WIRE_TAG:
             raise ValueError(f"not a columnar holdings message (tag {tag!r})")
         cols, pos = [], 0
         for t in kinds:

@@ -15,7 +15,8 @@ import numpy as np
 
 from shardpoint.tree import dtypes
 from shardpoint.tree import values
-from shardpoint.planning.columns import PLAN_ZLIB_LEVEL, HoldingColumns, as_columns
+from shardpoint.planning.columns import (COMPRESS_FROM_WORLD, PLAN_ZLIB_LEVEL, HoldingColumns,
+                                         as_columns)
 from shardpoint.tree.model import Holding
 
 
@@ -81,12 +82,13 @@ class LocalPlan:
     objects: list           # [(key, index, count, replica tuple, value)]
     tree_bytes: Any = field(default=None, repr=False, compare=False)   # wire form of tree
 
-    def to_bytes(self) -> bytes:
-        """The tree (compressed msgpack) and the holdings as compressed columns
+    def to_bytes(self, world: int = 1) -> bytes:
+        """The tree (compressed msgpack) and the holdings as columns
         (:class:`HoldingColumns`): a 4,096-rank job gathers ~1M holdings, which the
-        coordinator decodes without a Python object each."""
+        coordinator decodes without a Python object each. ``world``: the job's size; from
+        :data:`~.columns.COMPRESS_FROM_WORLD` ranks on the columns go compressed too."""
         tb = self.tree_bytes if self.tree is None else pack_tree(self.tree)
-        hs = as_columns(self.holdings).to_wire()
+        hs = as_columns(self.holdings).to_wire(compress=world >= COMPRESS_FROM_WORLD)
         return values.pack([self.rank, tb, hs, [list(o) for o in self.objects]])
 
     @staticmethod
