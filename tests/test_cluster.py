@@ -158,6 +158,7 @@ def _strike(c: cl.Cluster, what: str, how: str, root: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("what,how", [("save", "kill"), ("save", "cut"), ("async", "kill"),
+                                      ("async", "cut"),
                                       ("load", "cut"), ("load", "kill")])
 def test_a_lost_host_fails_every_survivor_within_the_group_timeout(tmp_path, what, how):
     """Host 1 of 2 (2 ranks each) is killed or cut off while every rank writes (a save, an
@@ -225,3 +226,27 @@ def test_conformance_run_hosts_refuses_other_world_sizes(capsys):
     rc = cli.main(["run", "--hosts", "2", "--ranks-per-host", "2", "--save-world-sizes", "3",
                    "--no-vectors"])
     assert rc == 2 and "worlds of 4" in capsys.readouterr().err
+
+
+def test_a_server_on_the_storage_host_is_reached_from_a_host():
+    """The storage host's hook: a server started there (here a plain HTTP server over the
+    shared directory, standing in for the object store) answers a host at STORAGE_ADDR."""
+    import sys
+    with cl.Cluster(2, 1, cl.Link(mbit=100)) as c:
+        c.popen_storage([sys.executable, "-m", "http.server", "8000", "--bind", cl.STORAGE_ADDR,
+                         "--directory", c.shared_dir], stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+        with open(f"{c.shared_dir}/blob", "wb") as f:
+            f.write(b"x" * (1 << 20))
+        code = ("import socket, time, urllib.request\n"
+                "for _ in range(100):\n"
+                "    try:\n"
+                f"        n = len(urllib.request.urlopen('http://{cl.STORAGE_ADDR}:8000/blob')"
+                ".read())\n"
+                "        break\n"
+                "    except OSError:\n"
+                "        time.sleep(0.2)\n"
+                "print(socket.gethostname(), n)")
+        out = c.popen_host(1, [sys.executable, "-c", code], stdout=subprocess.PIPE,
+                           text=True).communicate(timeout=120)[0]
+    assert out.split() == [c.hostnames[1], str(1 << 20)], out

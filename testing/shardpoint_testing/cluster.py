@@ -7,8 +7,9 @@
   cluster: ``socket.gethostname()``, the torchrun variables (``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``) and gloo bound to the host's interface
   (``GLOO_SOCKET_IFNAME=eth0``);
-- a storage host (``10.23.0.250``) for a server that stands in for remote storage (the
-  S3-compatible server of the object-store work runs there: :meth:`Cluster.popen_storage`);
+- a storage host (``10.23.0.250``) for a server that stands in for remote storage, reached
+  over its own shaped link: :meth:`Cluster.popen_storage` starts one there (the hook for the
+  S3-compatible server of the object-store work, whose fixture is not on this branch yet);
 - a switch namespace holding a bridge; every host's link is a veth pair, shaped in both
   directions with ``tc tbf`` (rate; latency stays the veth's), so all of a host's traffic,
   exchange and storage, shares its link as it would share a NIC;
