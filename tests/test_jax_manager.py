@@ -67,7 +67,7 @@ class ManagerMachine(RuleBasedStateMachine):
         mode, keep_best = best or ("min", None)
         self.kw = dict(max_to_keep=max_to_keep, keep_every=keep_every, best_mode=mode,
                        best_metric="loss" if best else None, keep_best=keep_best)
-        self.keep_best = (keep_best or 1) if best else None
+        self.keep_best = keep_best if best else None   # best_metric alone keeps none extra
         self.mgr = spj.CheckpointManager(self.root, **self.kw)
         self.disk: dict = {}      # step -> (value, loss): what must be committed
         self.next_step = 1
@@ -207,7 +207,8 @@ def test_keep_best_by_metric(tmp_path, mode):
     assert mgr.all_steps() == want
     assert mgr.best_step() == {"min": 2, "max": 4}[mode]
     default = spj.CheckpointManager(tmp_path, best_metric="loss", best_mode=mode)
-    assert default.keep_best == 1                    # best_metric alone keeps the best one
+    assert default.keep_best is None                 # best_metric alone only ranks (issue 21)
+    assert default.retained([1, 2, 4, 5, 6]) == {1, 2, 4, 5, 6}
 
 
 def test_resume_latest_with_a_target_and_metrics_round_trip(tmp_path):
@@ -442,7 +443,7 @@ def test_two_processes_save_retain_and_load(tmp_path):
     assert res[0]["after"] == res[1]["after"] == [[1], [1, 2], [2, 3], [2, 3, 4], [2, 4, 5]]
     for r in res:   # process 0 decided, every process raised the same error
         assert (r["exists"], r["differ"], r["bad"]) == \
-            ("CheckpointExistsError", "InvalidRequestError", "InvalidKeyError")
+            ("CheckpointExistsError", "InvalidOptionError", "InvalidKeyError")
         assert r["final"] == [2, 4, 6, 7] and r["step"] == 7 and r["ok"]
         assert r["best"] == 4     # 5 was best, but the async manager ranks no metric
     assert _steps_on_disk(root) == _names(2, 4, 6, 7)

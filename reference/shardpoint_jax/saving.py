@@ -7,26 +7,29 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import shutil
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import numpy as np
 
+from shardpoint_core import errors as core_errors
+from shardpoint_core.commit.posix import PosixCommitter
+from shardpoint_core.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
+                                      encode_manifest)
+from shardpoint_jax import direct
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import POOL, AsyncSave, wait_for_previous
 from shardpoint_jax.comm import Comm
 from shardpoint_jax.dtypes import name_of
 from shardpoint_jax.grid import chunk_shape, local_chunk_shape
-from shardpoint_jax.keys import array_path
-from shardpoint_jax.manifest import encode_manifest
-from shardpoint_jax import direct
-from shardpoint_jax.storage import (MANIFEST, checkpoint_path, chunk_files, create_arrays,
-                                    fsync_dir, make_durable, open_for_write, shard_inner,
+from shardpoint_jax.storage import (checkpoint_path, chunk_files, create_arrays,
+                                    make_durable, open_for_write, shard_inner,
                                     write_region)
 from shardpoint_jax.tree import ShardedObject, is_array, tree_node
 from shardpoint_jax.values import check_value, is_scalar_value, pack, unpack
+
+WRITER = "shardpoint-jax/0.1.0"
 
 
 def is_global(a: Any) -> bool:
@@ -53,11 +56,13 @@ class LocalPlan:
     def _leaf(self, path: tuple, key: str, v: Any) -> dict:
         if isinstance(v, ShardedObject):
             v.check(key)
-            check_value(v.value, key, nested=True)
+            check_value(v.value, key)
             rep = [v.replica_id] if isinstance(v.replica_id, int) else list(v.replica_id)
             self.objects[key] = [list(v.cell), list(v.grid), rep, v.value]
             return {"object": key}
         if is_array(v):
+            if isinstance(v, np.ndarray) and v.dtype.byteorder == ">":
+                v = v.astype(v.dtype.newbyteorder("<"))   # the format is little-endian
             dt = name_of(v.dtype, key)
             glob = is_global(v)
             chunk = (chunk_shape(key, v.shape, blocks_of(v)) if glob
@@ -67,11 +72,12 @@ class LocalPlan:
                                  "chunk": chunk}
             return {"tensor": key} if isinstance(v, jax.Array) else \
                 {"tensor": key, "origin": "numpy"}
-        if is_scalar_value(v):
-            check_value(v, key, nested=False)
-            return {"value": v}
-        check_value(v, key, nested=False)   # raises, naming the key
-        raise AssertionError("unreachable")
+        check_value(v, key)      # refuses what msgpack cannot carry, naming the key
+        if not is_scalar_value(v):
+            raise E.UnsupportedValueError(f"{key}: a {type(v).__name__} is not a value "
+                                          "leaf; store numbers, str, bytes or None",
+                                          spec_id="SP-VALUE-1")
+        return {"value": v}
 
     def encode(self) -> bytes:
         return pack({"tree": self.node, "tensors": self.tensors, "objects": self.objects})
@@ -163,21 +169,26 @@ def plan_objects(plans: list) -> dict:
 
 # -------------------------------------------------------------------------------- errors
 def error_info(e: BaseException) -> list:
-    cls = type(e).__name__ if isinstance(e, E.ShardpointError) else "SaveFailedError"
-    msg = str(e) if isinstance(e, E.ShardpointError) else f"{type(e).__name__}: {e}"
+    ours = isinstance(e, E.ShardpointError)   # the core's classes (the committer's too)
+    cls = type(e).__name__ if ours else "SaveFailedError"
+    msg = str(e) if ours else f"{type(e).__name__}: {e}"
     return [cls, getattr(e, "spec_id", None), msg]
 
 
 def raise_info(info: list, where: str) -> None:
+    """Raise on this process the error another one reported (:func:`error_info`): the core's
+    class of that name, so every class the core has (and gains) passes; else SaveFailedError."""
     cls, sid, msg = info
-    klass = getattr(E, cls, E.SaveFailedError)
+    klass = getattr(core_errors, cls, None)
+    if not (isinstance(klass, type) and issubclass(klass, E.ShardpointError)):
+        klass = E.SaveFailedError
     err = klass(msg, spec_id=None)
     err.spec_id = sid
     raise err
 
 
 # -------------------------------------------------------------------------------- save
-def save(path: str, tree: Any, *, overwrite: bool = False,
+def save(path: str, tree: Any, *, overwrite: Union[bool, str] = False,
          async_save: bool = False) -> Optional[AsyncSave]:
     """Save ``tree`` (a pytree of jax.Arrays, numpy arrays, ShardedObjects and values) at
     ``path``. Collective: every process of the job calls it with its own tree.
@@ -189,6 +200,10 @@ def save(path: str, tree: Any, *, overwrite: bool = False,
     says when the checkpoint is in. Any
     save first waits for the previous asynchronous one and raises its error if nobody saw
     it yet."""
+    if not (overwrite is False or overwrite is True or overwrite == "any"):
+        raise E.InvalidRequestError(f"overwrite={overwrite!r}: pass False, True (replace a "
+                                    "committed checkpoint or an empty directory) or 'any' "
+                                    "(also a directory that is not a checkpoint)")
     wait_for_previous()
     path = checkpoint_path(path, "save(path, tree)")
     comm = Comm("save")
@@ -279,7 +294,7 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
                 raise_info(failed[0], "write")
             commit(path, decision)
         except Exception as e:  # noqa: BLE001
-            shutil.rmtree(decision["staging"], ignore_errors=True)
+            COMMITTER.abort(decision["staging"])
             outcome = pack(error_info(e))
         comm.broadcast("commit", outcome)
     else:
@@ -293,24 +308,19 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
 def prepare(path: str, plan: dict, overwrite: bool) -> dict:
     """Process 0: refuse a taken path, create the staging directory (its arrays come in
     :func:`write_and_commit`, after an asynchronous save has returned)."""
-    if os.path.lexists(path):                     # [SP-COMMIT-5]
-        empty_dir = os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
-        is_ckpt = os.path.isfile(os.path.join(path, MANIFEST))
-        if not overwrite and not empty_dir:       # consent replaces anything, even a file
-            what = "a checkpoint" if is_ckpt else "something that is not a checkpoint"
-            raise E.CheckpointExistsError(f"{path!r} holds {what}; pass overwrite=True to "
-                                          "replace it, or choose another path",
-                                          spec_id="SP-COMMIT-5")
-    parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
+    COMMITTER.check_target(path, overwrite)        # [SP-COMMIT-5]
     token = secrets.token_hex(8)
-    staging = os.path.join(parent, f".{name}.shardpoint-tmp-{token}")
-    os.makedirs(staging)
-    entries = {key: {"array": array_path(key), "shape": t["shape"], "dtype": t["dtype"],
+    staging = COMMITTER.begin(path, token)         # created and locked [SP-COMMIT-6]
+    entries = {key: {"array": array_path_for(key), "shape": t["shape"], "dtype": t["dtype"],
                      "chunk_shape": t["chunk"]} for key, t in plan["tensors"].items()}
-    return {"staging": staging, "token": token, "tree": plan["tree"], "tensors": entries,
+    return {"staging": staging, "token": token, "overwrite": overwrite,
+            "tree": plan["tree"], "tensors": entries,
             "global": {k: t["global"] for k, t in plan["tensors"].items()},
             "writers": plan["writers"], "objects": plan["objects"]}
+
+
+# Publishes, replaces and removes checkpoints; holds the locks of this process's saves.
+COMMITTER = PosixCommitter()
 
 
 # Bytes of writes in flight (each holds its encoded chunks, and for arrays on an accelerator
@@ -404,64 +414,21 @@ def _short(e: BaseException) -> str:
     return text if len(text) < 400 else text[:400] + "..."
 
 
+def manifest_of(decision: dict) -> Manifest:
+    """The core's manifest of a save that process 0 decided (:func:`prepare`)."""
+    tensors = {k: TensorEntry(k, e["array"], tuple(e["shape"]), e["dtype"],
+                              tuple(e["chunk_shape"])) for k, e in decision["tensors"].items()}
+    objects = {k: ObjectValues(o["values"], o.get("shape")) for k, o in
+               decision["objects"].items()}
+    return Manifest(decision["tree"], tensors, objects, writer=WRITER,
+                    save_world_size=decision["world"])
+
+
 def commit(path: str, decision: dict) -> None:
     """Process 0, after every process wrote durably: manifest last, then the atomic rename
     (the old checkpoint moved aside first, never deleted before) [SP-COMMIT-1..4]."""
     staging = decision["staging"]
     make_durable(staging)
-    data = encode_manifest(decision["tree"], decision["tensors"], decision["objects"],
-                           decision["world"])
-    tmp = os.path.join(staging, MANIFEST + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, os.path.join(staging, MANIFEST))
-    fsync_dir(staging)
-    parent, name = os.path.split(path)
-    if not os.path.lexists(path):
-        if not rename2(staging, path, RENAME_NOREPLACE):
-            os.rename(staging, path)
-        fsync_dir(parent)
-        return
-    if rename2(staging, path, RENAME_EXCHANGE):     # [SP-COMMIT-4]: one atomic exchange;
-        fsync_dir(parent)                           # the old one now has the staging name
-        remove(staging)                             # [SP-COMMIT-6]
-        return
-    old = os.path.join(parent, f".{name}.shardpoint-old-{decision['token']}")
-    os.rename(path, old)                            # never deleted before the new one is in
-    os.rename(staging, path)
-    fsync_dir(parent)
-    remove(old)
-
-
-def remove(p: str) -> None:
-    """Delete what a replacement displaced: a directory tree, or a file or link
-    ([SP-COMMIT-5]: with consent a save replaces whatever was at the path)."""
-    if os.path.isdir(p) and not os.path.islink(p):
-        shutil.rmtree(p)
-    else:
-        os.remove(p)
-
-
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
-
-
-def rename2(src: str, dst: str, flags: int) -> bool:
-    """Linux ``renameat2``; False where the system lacks it (then the caller falls back)."""
-    import ctypes
-    import errno
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    at_fdcwd = -100
-    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    if err == errno.EEXIST:
-        raise E.CheckpointExistsError(f"{dst!r} appeared while saving; another save to the "
-                                      "same path committed first", spec_id="SP-COMMIT-5")
-    raise OSError(err, os.strerror(err), dst)
+    data = encode_manifest(manifest_of(decision))
+    COMMITTER.write_manifest(staging, data)
+    COMMITTER.publish(staging, path, overwrite=decision["overwrite"])

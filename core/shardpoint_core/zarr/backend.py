@@ -1,44 +1,62 @@
-"""Checkpoints on a local or shared file system, tensors as Zarr v3 arrays via TensorStore.
+"""Checkpoints on a local or shared file system, tensors as Zarr v3 arrays.
+
+Reads and writes go through this project's own code: whole chunks by the direct paths
+(``pwritev``/``preadv``), everything else (a write of part of a chunk, a chunk the direct
+reader could not prove intact, bool arrays, verification) through the Zarr layer over a
+:class:`~shardpoint_core.store.files.FileStore` (:mod:`.array`), which raises the spec's
+errors. TensorStore is needed only with ``direct_reads=False`` / ``direct_writes=False`` (the
+cross-check: the same files through TensorStore) and on big-endian hosts.
 
 Every chunk and shard index carries a crc32c codec; arrays are written with
 ``store_data_equal_to_fill_value`` (an all-zero chunk is still a stored chunk) and read with
 ``fill_missing_data_reads: false`` (a missing chunk is an error, never silent zeros). Writes
 reference the caller's buffer without copying; reads land directly in the caller's buffer.
-One ``ts.Context`` is shared by all arrays so I/O concurrency is pooled.
+Where TensorStore is used, one ``ts.Context`` is shared by all arrays.
 """
 from __future__ import annotations
 
 import errno
 import math
 import os
-import shutil
+import sys
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import tensorstore as ts
 
-from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundError,
+from shardpoint_core.errors import (CheckpointNotFoundError,
                                     CorruptCheckpointError, IncompleteCheckpointError,
                                     SaveFailedError, ShardpointError)
 from shardpoint_core.hints import path_hint
-from shardpoint_core.storage import MANIFEST_NAME, ArraySpec, Leftover
+from shardpoint_core.storage import MANIFEST_NAME, ArraySpec
 
 from shardpoint_core.zarr.layout import codecs_for, fill_value
 from shardpoint_core.zarr.checks import (check_array_files, check_regular_file, check_zarr_json,
                                          chunk_file_sizes, metadata_problems, read_zarr_json)
 
-from shardpoint_core.fsutil import fsync_dir, makedirs_below, remove_path
+from shardpoint_core.fsutil import makedirs_below
 
-from shardpoint_core.commit.durable import (LEFTOVER_NAME, RENAME_NOREPLACE, DirLocks, dir_locked,
-                                            exchange_dirs, fsync_trees, newest_mtime, renameat2,
-                                            syncfs, will_need)
+from shardpoint_core.commit.durable import fsync_trees, syncfs, will_need
+from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.zarr.direct_read import (DirectLayout, DirectReader, parse_layout,
                                               whole_chunk_files)
 from shardpoint_core.zarr.direct_write import (DirectWriter, WritePool, stored_codecs,
                                                write_layout, zarr_json_bytes)
+from shardpoint_core.zarr.array import ArrayLayout, read_region, write_region
+from shardpoint_core.store.files import FileStore
+
+
+def _ts() -> Any:
+    """TensorStore, imported only where it is used (the cross-check paths)."""
+    try:
+        import tensorstore
+    except ImportError as e:
+        from shardpoint_core.errors import InvalidOptionError
+        raise InvalidOptionError("TensorStoreBackend(direct_reads=False / direct_writes="
+                                 "False) and big-endian hosts need TensorStore: pip install "
+                                 "'shardpoint[tensorstore]'") from e
+    return tensorstore
 
 MAX_MANIFEST_BYTES = 1 << 30
 
@@ -66,11 +84,21 @@ class _LazyTS:
 
 
 class _WriteHandle(_LazyTS):
-    """An array being written with direct chunk writes (on the zarr.json written here)."""
+    """An array being written with direct chunk writes (on the zarr.json written here); a
+    write of anything but one whole chunk goes through the Zarr layer over ``store``."""
 
-    def __init__(self, writer: DirectWriter, open_ts: Any) -> None:
+    def __init__(self, writer: DirectWriter, open_ts: Any, store: FileStore, array_path: str,
+                 layout: ArrayLayout) -> None:
         super().__init__(open_ts)
         self.writer = writer
+        self.store, self.array_path, self.layout = store, array_path, layout
+        self.partial = threading.Lock()   # writes of parts of chunks read, change, rewrite
+
+    def write_part(self, offset: tuple, data: np.ndarray) -> None:
+        """A write that is not one whole chunk, one at a time per array: two parts of one
+        chunk written at once must not lose each other's bytes."""
+        with self.partial:
+            write_region(self.store, self.array_path, self.layout, offset, data)
 
 
 def _create_zarr_json(root: str, apath: str, data: bytes) -> None:
@@ -96,12 +124,22 @@ def _create_zarr_json(root: str, apath: str, data: bytes) -> None:
 
 
 class _DirectHandle(_LazyTS):
-    """A stored array read with direct chunk reads; if TensorStore is opened for the
-    fallback, it raises the documented error for what is wrong."""
+    """A stored array read with direct chunk reads; a chunk they cannot prove intact is read
+    again by the Zarr layer (``store``, ``array``), which raises the spec's error."""
 
-    def __init__(self, layout: DirectLayout, open_ts: Any, key: str) -> None:
+    def __init__(self, layout: DirectLayout, open_ts: Any, key: str, store: FileStore,
+                 array_path: str, array: ArrayLayout) -> None:
         super().__init__(open_ts)
         self.layout, self.key = layout, key
+        self.store, self.array_path, self.array = store, array_path, array
+
+
+class _LayerHandle:
+    """A stored array read by the Zarr layer alone (bool: it refuses bytes other than 0/1,
+    [SP-READ-5]; a layout the direct reader does not take)."""
+
+    def __init__(self, store: FileStore, array_path: str, array: ArrayLayout, key: str) -> None:
+        self.store, self.array_path, self.array, self.key = store, array_path, array, key
 
 
 class _TSHandle:
@@ -167,14 +205,15 @@ class TensorStoreBackend:
         spec = dict(context or {})
         # Chunks are written without a per-file fsync; ``flush`` makes them durable at once.
         spec.setdefault("file_io_sync", False)
-        self.context = ts.Context(spec)
+        self._context_spec = spec
+        self._context: Any = None
         self.shard_above_bytes = shard_above_bytes
         self.inner_chunk_bytes = inner_chunk_bytes
         self.fsync = fsync
         self.sync_method = sync_method
         self._lock = threading.Lock()
         self._written: dict = {}     # staging root -> array directories this process wrote
-        self._save_locks = DirLocks()  # the staging directories this process saves into
+        self.committer = PosixCommitter(fsync=fsync)   # publishes, replaces, removes
         self.read_threads = read_threads
         self.direct_reads = direct_reads
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -193,48 +232,32 @@ class TensorStoreBackend:
                     self._pool_pid = os.getpid()
         return self._pool.submit(fn, *args)
 
+    @property
+    def context(self) -> Any:
+        """The ``ts.Context`` shared by this backend's TensorStore opens (made on first use)."""
+        with self._lock:
+            if self._context is None:
+                self._context = _ts().Context(self._context_spec)
+            return self._context
+
     def __repr__(self) -> str:
-        return f"TensorStoreBackend(context={self.context.spec.to_json()})"
+        return f"TensorStoreBackend(context={self._context_spec})"
 
     def supports_concurrent_writers(self) -> bool:
         return True
 
-    # -- checkpoint directories ---------------------------------------------------------
+    # -- checkpoint directories: the committer's ------------------------------------------
     def checkpoint_state(self, path: str) -> str:
-        if os.path.lexists(os.path.join(path, MANIFEST_NAME)):
-            return "committed"
-        return "incomplete" if os.path.exists(path) else "missing"
+        return self.committer.state(path)
 
-    def check_target(self, path: str, overwrite: bool) -> None:
-        if overwrite or not os.path.lexists(path):
-            return
-        if self.checkpoint_state(path) == "committed":
-            raise CheckpointExistsError(f"a checkpoint already exists at {path!r}; pass "
-                                        "overwrite=True to replace it")
-        if not (os.path.isdir(path) and not os.listdir(path)):
-            # Not a checkpoint, but not ours to delete either (a user's directory, a file):
-            # replacing it would destroy whatever it holds.
-            raise CheckpointExistsError(f"{path!r} exists and is not an empty directory or a "
-                                        "checkpoint; refusing to replace it (pass "
-                                        "overwrite=True, or choose another path)"
-                                        + _not_a_checkpoint_hint(path))
+    def check_target(self, path: str, overwrite: Any) -> None:
+        self.committer.check_target(path, overwrite)
 
     def staging_path(self, path: str, token: str) -> str:
-        path = os.path.abspath(path)
-        parent, name = os.path.split(path.rstrip(os.sep))
-        return os.path.join(parent, f".{name}.shardpoint-tmp-{token}")
+        return self.committer.staging_for(path, token)
 
     def begin_save(self, staging: str) -> None:
-        parent = os.path.dirname(staging)
-        try:
-            os.makedirs(parent, exist_ok=True)
-            os.makedirs(staging, exist_ok=False)
-        except OSError as e:   # a parent that is a file, no permission, a full disk
-            raise SaveFailedError(
-                f"cannot create the save's directory {staging!r}: {e.strerror} "
-                f"({e.filename!r}); every parent of the checkpoint path must be a writable "
-                "directory") from e
-        self._save_locks.take(staging)
+        self.committer.create_staging(staging)
 
     # -- arrays ---------------------------------------------------------------------------
     def _tspec(self, root: str, array_path: str) -> dict:
@@ -260,8 +283,9 @@ class TensorStoreBackend:
             self._written.setdefault(os.path.abspath(root), set()).add(apath)
 
         def open_ts() -> Any:
+            tsm = _ts()
             try:
-                return ts.open(s, context=self.context).result()
+                return tsm.open(s, context=self.context).result()
             except ValueError as e:
                 raise SaveFailedError(f"cannot create array {array_path!r} under {root}: "
                                       f"{e}") from e
@@ -277,7 +301,8 @@ class TensorStoreBackend:
             raise SaveFailedError(f"cannot create array {array_path!r} under {root}: "
                                   f"{e}") from e
         return _WriteHandle(DirectWriter(lay, self._write_pool.submit, self.fsync),
-                            open_ts)
+                            open_ts, FileStore(root, fsync=False), array_path,
+                            ArrayLayout.from_meta(stored))
 
     def flush(self, root: str) -> None:
         """Make every array this process wrote under ``root`` durable: one ``syncfs`` of the
@@ -299,7 +324,7 @@ class TensorStoreBackend:
             op = handle.writer.write(offset, data)
             if op is not None:
                 return op
-            handle = handle.tensorstore()
+            return self._write_pool.submit(handle.write_part, tuple(offset), data)
         return _region(handle, offset, data.shape).write(
             data, can_reference_source_data_indefinitely=True)
 
@@ -310,8 +335,9 @@ class TensorStoreBackend:
         # (overwrite=True) must never be read through entries cached from the old one.
         s.update({"open": True, "fill_missing_data_reads": False,
                   "recheck_cached_data": "open", "recheck_cached_metadata": "open"})
+        tsm = _ts()          # a missing TensorStore is a missing dependency, not corruption
         try:
-            h = ts.open(s, context=self.context).result()
+            h = tsm.open(s, context=self.context).result()
         except ValueError as e:
             raise CorruptCheckpointError(f"tensor {key!r}: cannot open its array "
                                          f"{array_path!r}: {e}", spec_id="SP-ARRAY-1") from e
@@ -330,9 +356,9 @@ class TensorStoreBackend:
 
     def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
                             key: str) -> Any:
-        """Cheap when the array is in this backend's own layout: zarr.json is parsed and
-        checked here, chunks are read directly; otherwise a full TensorStore open. The spec's
-        own checks come first either way: file kinds, size caps, codecs, fill value."""
+        """Cheap: zarr.json is parsed and checked here (file kinds, size caps, codecs, fill
+        value), chunks are read directly, and what the direct reader does not take by the
+        Zarr layer; a TensorStore open only with ``direct_reads=False`` (the cross-check)."""
         from shardpoint_core.dtypes import DTYPES, from_name
         meta = read_zarr_json(root, array_path, key)
         check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
@@ -340,13 +366,17 @@ class TensorStoreBackend:
         if os.path.isdir(apath):
             check_array_files(root, array_path, key,
                               chunk_file_sizes(meta, from_name(spec.dtype).itemsize))
-        # bool stays on TensorStore, which refuses bytes other than 0/1 ([SP-READ-5]).
-        if self.direct_reads and spec.dtype in DTYPES and spec.dtype != "bool":
-            layout = parse_layout(meta, apath, DTYPES[spec.dtype].numpy)
-            if layout is not None and meta.get("data_type") in DTYPES:
+        if self.direct_reads and spec.dtype in DTYPES and sys.byteorder == "little":
+            array = ArrayLayout.from_meta(meta)
+            store = FileStore(root, fsync=False)
+            # bool goes to the Zarr layer, which refuses bytes other than 0/1 ([SP-READ-5]).
+            layout = parse_layout(meta, apath, DTYPES[spec.dtype].numpy) \
+                if spec.dtype != "bool" else None
+            if layout is not None:
                 self._check_metadata(layout.shape, meta, spec, key, array_path)
                 return _DirectHandle(layout, lambda: self._open_ts_for_read(
-                    root, array_path, spec, key), key)
+                    root, array_path, spec, key), key, store, array_path, array)
+            return _LayerHandle(store, array_path, array, key)
         return _TSHandle(self._open_ts_for_read(root, array_path, spec, key), key)
 
     def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
@@ -359,16 +389,20 @@ class TensorStoreBackend:
         self._submit(will_need, whole_chunk_files(handle.layout, offset, shape))
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
-        # TensorStore itself refuses bool bytes other than 0/1 ("Invalid bool value"), so a
-        # damaged bool chunk fails here as SP-READ-3, never reads as True ([SP-READ-5]).
+        # A chunk the direct reader cannot prove intact is read again by the Zarr layer,
+        # which raises the spec's error for it (a damaged bool chunk fails as SP-READ-3,
+        # never reads as True, [SP-READ-5]).
         if isinstance(handle, _DirectHandle):
             def fallback(off: Sequence[int], view: np.ndarray) -> None:
-                h = handle.tensorstore()
-                ts.array(view, copy=False, write=True).write(
-                    _region(h, off, view.shape)).result()
+                read_region(handle.store, handle.array_path, handle.array, off, view,
+                            handle.key)
             return _KeyedRead(DirectReader(handle.layout, self._submit, fallback).read(
                 tuple(offset), out), handle.key)
-        return _KeyedRead(ts.array(out, copy=False, write=True).write(
+        if isinstance(handle, _LayerHandle):
+            return _KeyedRead(self._submit(read_region, handle.store, handle.array_path,
+                                           handle.array, tuple(offset), out, handle.key),
+                              handle.key)
+        return _KeyedRead(_ts().array(out, copy=False, write=True).write(
             _region(handle.ts, offset, out.shape)), handle.key)
 
     def wait(self, ops: Sequence[Any]) -> None:
@@ -401,7 +435,12 @@ class TensorStoreBackend:
 
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list:
         try:
-            self.open_array_for_read(root, array_path, spec, key)   # the spec's file checks
+            handle = self.open_array_for_read(root, array_path, spec, key)  # the file checks
+        except ShardpointError as e:
+            return [(e.spec_id or "SP-ARRAY-1", str(e))]
+        if isinstance(handle, (_DirectHandle, _LayerHandle)):
+            return self._verify_chunks(handle, spec, key)
+        try:
             h = self._open_ts_for_read(root, array_path, spec, key)
         except ShardpointError as e:
             return [(e.spec_id or "SP-ARRAY-1", str(e))]
@@ -427,17 +466,24 @@ class TensorStoreBackend:
                 problems.append((sid, f"tensor {key!r} chunk {list(idx)}: {msg}"))
         return problems
 
+    @staticmethod
+    def _verify_chunks(handle: Any, spec: ArraySpec, key: str) -> list:
+        """Every chunk read by the Zarr layer; one problem per damaged chunk."""
+        problems = []
+        lay = handle.array
+        for idx in np.ndindex(*lay.grid()) if lay.shape else [()]:
+            off = tuple(i * c for i, c in zip(idx, lay.chunk))
+            sh = tuple(min(c, n - o) for c, n, o in zip(lay.chunk, lay.shape, off))
+            try:
+                read_region(handle.store, handle.array_path, lay, off,
+                            np.empty(sh, lay.np_dtype), key)
+            except CorruptCheckpointError as e:
+                problems.append((e.spec_id or "SP-READ-3", f"chunk {list(idx)}: {e}"))
+        return problems
+
     # -- manifest and commit ----------------------------------------------------------
     def write_manifest(self, root: str, data: bytes) -> None:
-        tmp = os.path.join(root, MANIFEST_NAME + ".partial")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(root, MANIFEST_NAME))
-        if self.fsync:
-            fsync_dir(root)
+        self.committer.write_manifest(root, data)
 
     def read_manifest(self, path: str) -> bytes:
         state = self.checkpoint_state(path)
@@ -475,91 +521,20 @@ class TensorStoreBackend:
             return None
         return [st.st_ino, st.st_mtime_ns, st.st_size]
 
-    def commit(self, staging: str, path: str, *, overwrite: bool) -> None:
-        try:
-            self._commit(staging, path, overwrite)
-        finally:
-            self._save_locks.release(staging)     # the lock moved with the directory; drop it now
+    def commit(self, staging: str, path: str, *, overwrite: Any) -> None:
+        self.committer.publish(staging, path, overwrite=overwrite)
 
-    def _commit(self, staging: str, path: str, overwrite: bool) -> None:
-        # Every rank's ``flush`` and ``write_manifest`` made the staging tree durable: only
-        # the renames below remain, each followed by an fsync of the parent directory.
-        path = os.path.abspath(path)
-        if os.path.lexists(path):
-            self.check_target(path, overwrite)   # again: another process may have been quicker
-            if exchange_dirs(staging, path):
-                # One atomic step: the new checkpoint is at path, the old one at staging.
-                if self.fsync:
-                    fsync_dir(os.path.dirname(path))
-                remove_path(staging)
-                return
-            # No atomic exchange here: move the old one aside first; a crash between the two
-            # renames leaves it recoverable as .<name>.shardpoint-old-* ([SP-COMMIT-4]).
-            old = staging.replace(".shardpoint-tmp-", ".shardpoint-old-")
-            os.rename(path, old)
-            os.rename(staging, path)
-            if self.fsync:
-                fsync_dir(os.path.dirname(path))
-            remove_path(old)
-            return
-        # A fresh path: RENAME_NOREPLACE where the OS has it, so that of two saves racing to
-        # one new path the second fails instead of replacing the first.
-        rc = renameat2(staging, path, RENAME_NOREPLACE)
-        if rc is None:
-            os.rename(staging, path)
-        elif rc in (errno.EEXIST, errno.ENOTEMPTY):
-            raise CheckpointExistsError(f"another save committed {path!r} while this one was "
-                                        "writing; this save was discarded (save to another "
-                                        "path, or pass overwrite=True to replace it)")
-        elif rc != 0:
-            raise OSError(rc, os.strerror(rc), path)
-        if self.fsync:
-            fsync_dir(os.path.dirname(path))
-
-    # -- leftovers of crashed saves ([SP-COMMIT-6]) ----------------------------------------
+    # -- leftovers of crashed saves ([SP-COMMIT-6]): the committer's ---------------------
     def list_leftovers(self, directory: str) -> list:
-        out = []
-        directory = os.path.abspath(directory)
-        for n in sorted(os.listdir(directory)):
-            m = LEFTOVER_NAME.match(n)
-            p = os.path.join(directory, n)
-            if m is None or os.path.islink(p) or not os.path.isdir(p):
-                continue
-            out.append(Leftover(p, os.path.join(directory, m["name"]), m["kind"], m["token"],
-                                os.path.isfile(os.path.join(p, MANIFEST_NAME)),
-                                newest_mtime(p), dir_locked(p)))
-        return out
+        return self.committer.leftovers(directory)
 
-    def restore_leftover(self, leftover: str, path: str) -> None:
-        rc = renameat2(leftover, path, RENAME_NOREPLACE)
-        if rc is None:
-            if os.path.lexists(path):
-                rc = errno.EEXIST
-            else:
-                os.rename(leftover, path)
-                rc = 0
-        if rc in (errno.EEXIST, errno.ENOTEMPTY):
-            raise CheckpointExistsError(f"cannot restore {leftover!r}: {path!r} appeared "
-                                        "meanwhile; nothing was moved")
-        if rc != 0:
-            raise OSError(rc, os.strerror(rc), path)
-        if self.fsync:
-            fsync_dir(os.path.dirname(os.path.abspath(path)))
+    def restore_leftover(self, leftover: str, path: str) -> bool:
+        return self.committer.restore(leftover, path)
 
-    def remove_leftover(self, leftover: str) -> None:
-        shutil.rmtree(leftover)
-        if self.fsync:
-            fsync_dir(os.path.dirname(os.path.abspath(leftover)))
+    def remove_leftover(self, leftover: str) -> bool:
+        return self.committer.discard(leftover)
 
     def abort(self, staging: str) -> None:
         with self._lock:
             self._written.pop(os.path.abspath(staging), None)
-        # A save cut short (an interrupt) may still have a thread finishing a file in the
-        # tree: what it creates while rmtree runs leaves a directory behind, so look again
-        # (nothing re-creates the staging directory itself once it is gone).
-        for _ in range(3):
-            shutil.rmtree(staging, ignore_errors=True)
-            if not os.path.lexists(staging):
-                break
-            time.sleep(0.05)
-        self._save_locks.release(staging)
+        self.committer.abort(staging)

@@ -27,6 +27,7 @@ from shardpoint_core.manifest import read_metadata, Manifest, decode_manifest
 from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import RankLoadWork, TensorLayout
 from shardpoint_core.storage import StorageBackend, get_backend
+from shardpoint_core.store.registry import local_path
 from shardpoint.tree.targets import collect_targets, full_targets
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
 
@@ -73,6 +74,7 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
     not ask for are not read. ``options`` (:class:`LoadOptions`) picks how regions are read:
     once and exchanged, or by every rank directly, by a cost model by default.
     """
+    path = local_path(path, "load")
     opts = options or LoadOptions()
     budget = exchange_budget_bytes or opts.exchange_budget_bytes
     comm, be = Comm(group), get_backend(backend)

@@ -18,6 +18,7 @@ import torch
 
 from shardpoint.tree import dtypes
 from shardpoint_core import errors
+from shardpoint_core.commit.posix import check_overwrite
 from shardpoint.tree import values
 from shardpoint.api.async_save import AsyncSave, group_saves
 from shardpoint.exchange.comm import Comm, agree, exchange, group_key, run_collectively, side_comm
@@ -28,6 +29,7 @@ from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, plan_objects,
                                          plan_save)
 from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
+from shardpoint_core.store.registry import local_path
 from shardpoint.api.staging import StagingPool, copy_pairs, stream_device_writes
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
 
@@ -437,7 +439,7 @@ class SaveJob:
 
 
 # -------------------------------------------------------------------------------- save
-def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
+def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
          backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
          async_save: bool = False) -> "SaveResult | AsyncSave":
     """Save ``state`` (a nested dict/list/tuple) as a checkpoint at ``path``. Collective.
@@ -452,7 +454,13 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
     in the background on a gloo group of their own. Any save on the same group first waits
     for the previous async one and re-raises its error on every rank if ``wait`` did not hand
     it over on some rank.
+
+    ``overwrite=True`` replaces a committed checkpoint (or an empty directory) at ``path``;
+    ``overwrite="any"`` also a directory that is not a checkpoint, deleting what it holds.
+    Never replaced: a file, a directory of checkpoints (a CheckpointManager's root).
     """
+    path = local_path(path, "save")     # s3://... is never a local directory 's3:'
+    check_overwrite(overwrite)
     comm = Comm(group)
     saves = group_saves(group_key(comm))
     saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))
