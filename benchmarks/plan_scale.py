@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import math
 import resource
@@ -146,12 +147,15 @@ def main() -> None:
     build_s = enc_s = 0.0
     nh = 0
     blobs, reqs_b = [], []
+    sized = "world" in inspect.signature(LocalPlan.to_bytes).parameters
     t = time.perf_counter()
     for p in iter_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab, not a.no_trees):
         t1 = time.perf_counter()
         build_s += t1 - t
         nh += len(p.holdings)
-        blobs.append(p.to_bytes(world))     # what each rank sends (saving.py's local())
+        # what each rank sends (saving.py's local()); a checkout before the world-size
+        # argument (interleaved A/B runs) sends what it always sent
+        blobs.append(p.to_bytes(world) if sized else p.to_bytes())
         t = time.perf_counter()
         enc_s += t - t1
         # load into the same layout: each rank asks for what it held, sent as loading.py does
