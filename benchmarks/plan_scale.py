@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import math
 import resource
@@ -48,8 +49,15 @@ def layer_params(h: int, tp: int) -> list:
 
 def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
               trees: bool = True) -> list:
+    """Every rank's :class:`LocalPlan` of the simulated job."""
+    return list(iter_job(tp, pp, dp, layers, h, vocab, trees))
+
+
+def iter_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
+             trees: bool = True):
+    """The ranks' local plans one at a time (a 65,536-rank job's plans as objects would not
+    fit in memory; their wire forms do)."""
     per_stage = layers // pp
-    plans = []
     stage_params = []
     for s in range(pp):
         ps = []
@@ -93,8 +101,7 @@ def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
                                             (a - pos, b - pos), rep))
             pos += n
         tree = tree_of([h.key for h in holdings] + ["rng"]) if trees else {"dict": []}
-        plans.append(LocalPlan(rank, tree, holdings, [("rng", rank, tp * pp * dp, (0,), 0)]))
-    return plans
+        yield LocalPlan(rank, tree, holdings, [("rng", rank, tp * pp * dp, (0,), 0)])
 
 
 def tree_of(keys: list) -> dict:
@@ -132,21 +139,40 @@ def main() -> None:
                     help="send empty trees (the job as measured before trees were simulated)")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
     ap.add_argument("--json", help="write the timed samples and sizes to this file")
+    ap.add_argument("--bytes-only", action="store_true",
+                    help="build and encode the local plans, print what the coordinator "
+                         "gathers, and stop (no planning)")
     a = ap.parse_args()
     world = a.tp * a.pp * a.dp
+    build_s = enc_s = 0.0
+    nh = 0
+    blobs, reqs_b = [], []
+    sized = "world" in inspect.signature(LocalPlan.to_bytes).parameters
     t = time.perf_counter()
-    plans = build_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab, not a.no_trees)
-    build_s = time.perf_counter() - t
-    nh = sum(len(p.holdings) for p in plans)
-    t = time.perf_counter()
-    blobs = [p.to_bytes() for p in plans]     # what each rank sends (saving.py's local())
-    enc_s = time.perf_counter() - t
+    for p in iter_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab, not a.no_trees):
+        t1 = time.perf_counter()
+        build_s += t1 - t
+        nh += len(p.holdings)
+        # what each rank sends (saving.py's local()); a checkout before the world-size
+        # argument (interleaved A/B runs) sends what it always sent
+        blobs.append(p.to_bytes(world) if sized else p.to_bytes())
+        t = time.perf_counter()
+        enc_s += t - t1
+        # load into the same layout: each rank asks for what it held, sent as loading.py does
+        if not a.no_load:
+            reqs_b.append(HoldingColumns.from_holdings(
+                [Holding(h.key, h.dtype, h.global_shape, h.offset, h.shape, h.flat, (0,))
+                 for h in p.holdings]).to_wire())
+        t = time.perf_counter()
     gathered = sum(len(b) for b in blobs)
-    # load into the same layout: each rank asks for what it held, sent as loading.py does
-    reqs_b = [HoldingColumns.from_holdings(
-        [Holding(h.key, h.dtype, h.global_shape, h.offset, h.shape, h.flat, (0,))
-         for h in p.holdings]).to_wire() for p in plans]
-    del plans
+    gathered_max = max(map(len, blobs))
+    if a.bytes_only:
+        print(f"job: {world} ranks (TP {a.tp} x PP {a.pp} x DP {a.dp}), {nh:,} holdings; "
+              f"build {build_s:.1f} s, encode {enc_s / world * 1e3:.2f} ms/rank; gathered "
+              f"local plans {gathered / 1e6:.1f} MB ({gathered / 50e6:.2f}x the 50 MB target; "
+              f"largest {gathered_max / 2**10:.1f} KiB, {world * gathered_max / 1e6:.1f} MB "
+              "padded to it)")
+        return
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     dec, pl, tot, lds, lenc, auto = [], [], [], [], [], []
     hosts = [f"host{r // 8}" for r in range(world)]   # 8 ranks per host
@@ -215,7 +241,8 @@ def main() -> None:
     print(f"  build local plans (test harness)  {build_s:8.2f} s")
     print(f"  encode local plans (all ranks)    {enc_s:8.2f} s  ({enc_s / world * 1e3:.2f} ms/rank)")
     print(f"  gathered local plans              {gathered / 1e6:8.1f} MB   "
-          f"({gathered / 50e6:.2f}x the 50 MB target)")
+          f"({gathered / 50e6:.2f}x the 50 MB target; largest {gathered_max / 2**10:.1f} KiB, "
+          f"{world * gathered_max / 1e6:.1f} MB padded to it)")
     print(f"  decode on coordinator           {_median(dec)}")
     print(f"  plan_save on coordinator        {_median(pl)}")
     print(f"  save plan end to end            {_median(tot)}  "
@@ -244,7 +271,8 @@ def main() -> None:
     print(f"  manifest                          {len(man) / 2**10:8.1f} KiB")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"world": world, "gathered_bytes": gathered, "decode_s": dec,
+            json.dump({"world": world, "gathered_bytes": gathered,
+                       "gathered_max_bytes": gathered_max, "decode_s": dec,
                        "plan_save_s": pl, "save_total_s": tot, "plan_load_s": lds,
                        "plan_load_auto_s": auto, "encode_load_s": lenc,
                        "encode_save_s": save_enc, "peak_bytes": peak}, f)

@@ -57,6 +57,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--replay", type=int, default=None, metavar="SEED",
                    help="run the one case drawn from SEED (with the first world sizes given)")
     r.add_argument("--dir", default=None, help="where checkpoints go (shared FS under torchrun)")
+    r.add_argument("--hosts", type=_positive, default=None,
+                   help="run on a test cluster of this machine: this many hosts (network "
+                        "namespaces; needs root). On a real cluster, launch this command "
+                        "with torchrun or srun instead (see the README)")
+    r.add_argument("--ranks-per-host", type=_positive, default=1,
+                   help="ranks on each host of --hosts (the world is hosts x ranks)")
+    r.add_argument("--link-mbit", type=float, default=None,
+                   help="with --hosts: shape each host's link to this many Mbit/s")
     r.add_argument("--store", default=None, metavar="URL",
                    help="save and load the cases on an object store instead (s3://bucket/"
                         "prefix; endpoint and credentials from the AWS environment)")
@@ -136,6 +144,21 @@ def _run(args) -> int:
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000
     if _in_torchrun():
         return _run_torchrun(args, seed)
+    if args.hosts:
+        from shardpoint_testing.cluster import unavailable_reason
+        why = unavailable_reason()
+        if why:
+            print(f"shardpoint conformance run --hosts: {why}", file=sys.stderr)
+            return 2
+        world = args.hosts * args.ranks_per_host
+        if (args.save_world_sizes or args.load_world_sizes) and \
+                {*(args.save_world_sizes or [world]), *(args.load_world_sizes or [world])} \
+                != {world}:
+            print(f"--hosts {args.hosts} --ranks-per-host {args.ranks_per_host} runs worlds "
+                  f"of {world}: leave out --save-world-sizes/--load-world-sizes",
+                  file=sys.stderr)
+            return 2
+        args.save_world_sizes = args.load_world_sizes = [world]
     sw = args.save_world_sizes or PROFILE_WORLDS[args.profile]
     lw = args.load_world_sizes or PROFILE_WORLDS[args.profile]
     if args.replay is not None:
@@ -152,7 +175,16 @@ def _run(args) -> int:
     print(f"shardpoint conformance run: {len(cases)} case(s), profile {args.profile}, "
           f"seed {seed}, save worlds {sw}, load worlds {lw}, dir {root}")
     t0 = time.perf_counter()
-    rows = runner.run_cases_local(cases, root)
+    if args.hosts and args.store:
+        print("shardpoint conformance run: --hosts runs on a shared directory (--dir); an "
+              "object store on the test cluster's storage host is not wired yet",
+              file=sys.stderr)
+        return 2
+    if args.hosts:
+        rows = runner.run_cases_cluster(cases, root, args.hosts, args.ranks_per_host,
+                                        link_mbit=args.link_mbit)
+    else:
+        rows = runner.run_cases_local(cases, root)
     ok = runner.passed(rows)
     print(runner.format_table(rows))
     vec_ok = True

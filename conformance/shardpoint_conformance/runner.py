@@ -299,23 +299,32 @@ def _merge(rank_results: list) -> list:
     return merged
 
 
-def _run_batch(world: int, fn, batch: list, root: str, timeout: float) -> list:
+def _run_batch(world: int, fn, batch: list, root: str, timeout: float,
+               launch=None) -> list:
+    """``fn`` on a world of ``world`` ranks: spawned here (``launch`` None) or by ``launch``
+    (``launch(fn, *args, timeout=, pg_timeout=)``, e.g. a test cluster's ``run``)."""
     from shardpoint_testing.launch import RankFailure, run_world
     try:
-        return _merge(run_world(world, fn, batch, root, timeout=timeout, pg_timeout=60))
+        if launch is None:
+            out = run_world(world, fn, batch, root, timeout=timeout, pg_timeout=60)
+        else:
+            out = launch(fn, batch, root, timeout=timeout, pg_timeout=60)
+        return _merge(out)
     except RankFailure as e:
         return [{"id": c["id"], "ok": False, "error": f"world of {world} failed: {e}"[:3000]}
                 for c in batch]
 
 
 def run_cases_local(cases: list, root: str, *, timeout_per_case: float = 30.0,
-                    log=print) -> list:
-    """Save and load ``cases`` in spawned gloo worlds, one world per size and phase."""
+                    log=print, launch=None) -> list:
+    """Save and load ``cases`` in spawned gloo worlds, one world per size and phase
+    (``launch``: run each world another way, e.g. on a test cluster's hosts)."""
     rows = {c["id"]: {"case": c} for c in cases}
     for w in sorted({c["save"]["world"] for c in cases}):
         batch = [c for c in cases if c["save"]["world"] == w]
         t0 = time.perf_counter()
-        for r in _run_batch(w, save_batch, batch, root, 60 + timeout_per_case * len(batch)):
+        for r in _run_batch(w, save_batch, batch, root, 60 + timeout_per_case * len(batch),
+                            launch):
             rows[r["id"]]["save"] = r
         log(f"  saved {len(batch)} case(s) in a world of {w} ({time.perf_counter() - t0:.1f}s)")
     for w in sorted({c["load"]["world"] for c in cases}):
@@ -323,10 +332,25 @@ def run_cases_local(cases: list, root: str, *, timeout_per_case: float = 30.0,
         if not batch:
             continue
         t0 = time.perf_counter()
-        for r in _run_batch(w, load_batch, batch, root, 60 + timeout_per_case * len(batch)):
+        for r in _run_batch(w, load_batch, batch, root, 60 + timeout_per_case * len(batch),
+                            launch):
             rows[r["id"]]["load"] = r
         log(f"  loaded {len(batch)} case(s) in a world of {w} ({time.perf_counter() - t0:.1f}s)")
     return [_row(rows[c["id"]]) for c in cases]
+
+
+def run_cases_cluster(cases: list, root: str, hosts: int, ranks_per_host: int, *,
+                      link_mbit: Optional[float] = None, timeout_per_case: float = 30.0,
+                      log=print) -> list:
+    """Save and load ``cases`` (all of world ``hosts x ranks_per_host``) on a test cluster
+    of this machine (:mod:`shardpoint_testing.cluster`: hosts as network namespaces, links
+    shaped to ``link_mbit``, ``root`` the shared directory). Needs root."""
+    from shardpoint_testing.cluster import Cluster, Link
+    with Cluster(hosts, ranks_per_host, Link(mbit=link_mbit), shared_dir=root) as c:
+        log(f"  test cluster: {hosts} host(s) x {ranks_per_host} rank(s) as network "
+            f"namespaces, links {f'{link_mbit:g} Mbit/s' if link_mbit else 'unshaped'}")
+        return run_cases_local(cases, root, timeout_per_case=timeout_per_case, log=log,
+                               launch=c.run)
 
 
 def _row(r: dict) -> dict:

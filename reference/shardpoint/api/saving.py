@@ -181,7 +181,7 @@ class SaveJob:
             if self.plan_hit:
                 return values.pack([_value_leaves(f.tree), [list(o) for o in objs]])
             return LocalPlan(self.comm.rank, f.tree, [t.holding for t in f.tensors],
-                             objs).to_bytes()
+                             objs).to_bytes(self.comm.size)
 
         try:
             msg = run_collectively(self.comm, local, self._decide, errors.InvalidShardingError,

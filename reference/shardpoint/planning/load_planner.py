@@ -43,7 +43,11 @@ STRATEGIES = ("auto", "dedup", "direct")
 class LoadOptions:
     """How a load reads. ``strategy``: "auto" (cost model), "dedup" or "direct".
     ``storage_gbps``: read bandwidth of one host's storage; ``exchange_gbps``: bytes one rank
-    receives per second over the process group (None: 1.0 on gloo, 20.0 on NCCL)."""
+    receives per second over the process group (None: 1.0 on gloo, 20.0 on NCCL);
+    ``link_gbps``: one host's network link, inbound, shared by its ranks' exchange and, with
+    remote storage, its reads (None: not a limit); ``storage_total_gbps``: what the storage
+    system serves to all hosts together (a file server's or object store's link; None: it
+    grows with the hosts). Bandwidths are in GB/s (10^9 bytes)."""
 
     strategy: str = "auto"
     storage_gbps: float = 2.0
@@ -54,6 +58,8 @@ class LoadOptions:
     shm_round_bytes: int = 8 << 20   # ... staged in rounds of this many bytes per rank
     memory_gbps: float = 2.0         # one rank's rate through memory: copy, crc32c, faults
     host_cores: Optional[int] = None  # cores per host; None: the coordinator's usable cores
+    link_gbps: Optional[float] = None          # one host's link (inbound); None: no limit
+    storage_total_gbps: Optional[float] = None  # all hosts' reads together; None: no limit
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -61,7 +67,8 @@ class LoadOptions:
                                      f"is one of {', '.join(STRATEGIES)}")
         for name, optional in (("storage_gbps", False), ("memory_gbps", False),
                                ("exchange_budget_bytes", False), ("shm_round_bytes", False),
-                               ("exchange_gbps", True), ("host_cores", True)):
+                               ("exchange_gbps", True), ("host_cores", True),
+                               ("link_gbps", True), ("storage_total_gbps", True)):
             v = getattr(self, name)
             if not ((v is None and optional) or (isinstance(v, (int, float)) and v > 0)):
                 raise InvalidOptionError(f"LoadOptions({name}={v!r}): it must be a positive "
@@ -87,7 +94,9 @@ def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes:
                     direct_host_bytes: dict, storage_gbps: float, exchange_gbps: float,
                     strategy: str = "auto", *, shm_bytes: Sequence[int] = (),
                     dedup_rank_bytes: Sequence[int] = (), direct_rank_bytes: Sequence[int] = (),
-                    memory_gbps: float = 2.0, host_cores: int = 0) -> LoadCosts:
+                    memory_gbps: float = 2.0, host_cores: int = 0,
+                    link_gbps: Optional[float] = None,
+                    storage_total_gbps: Optional[float] = None) -> LoadCosts:
     """Pick dedup or direct for one load. Dedup reads every distinct byte once, spread over
     the hosts, then each rank waits for what it receives; direct lets every host read, once
     from storage (its page cache serves its other ranks), everything its ranks need, chunks
@@ -102,7 +111,13 @@ def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes:
     another). Dedup's reads overlap its storage time (the disk reads ahead of the rounds),
     so it costs the larger of the two, plus the copies. Ranks of one host beyond its
     ``host_cores`` (0: unknown) share cores, so their memory work takes proportionally
-    longer. Measured on one 2-core host, 4 ranks loading by columns a checkpoint saved by
+    longer. Where hosts reach storage and each other over links (``link_gbps``: a host's
+    inbound link; ``storage_total_gbps``: the storage system's own limit), the reads each
+    host makes and the bytes its ranks receive from other hosts pass its link: dedup's reads
+    are bounded by the busiest host's link and the storage total, its exchange by the
+    busiest host's cross-host receipts; direct's reads by the busiest host's link and the
+    sum over hosts against the storage total (every host reads what its ranks need).
+    Measured on one 2-core host, 4 ranks loading by columns a checkpoint saved by
     rows (512 MiB, cold, 5 interleaved runs): CPU seconds over all ranks per load 1.05
     direct, 0.88 dedup through shared memory, 0.41 for the same-layout load; wall time
     tracks them on a host this short of cores."""
@@ -120,9 +135,23 @@ def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes:
     shm = list(shm_bytes) or [0] * len(exchange_bytes)
     wait = max((x / (exchange_gbps * 1e9) + m * s for x, m, s in zip(exchange_bytes, shm, mem)),
                default=0.0)
-    dedup_s = max(dedup_read_bytes / (n_hosts * storage_gbps * 1e9),
+    inf = float("inf")
+    link = (link_gbps or inf) * 1e9
+    total = (storage_total_gbps or inf) * 1e9
+
+    def by_host(per_rank: Sequence[int]) -> dict:
+        out: dict = {}
+        for h, b in zip(hosts, per_rank):
+            out[h] = out.get(h, 0) + b
+        return out
+    dedup_host_read = max(by_host(dedup_rank_bytes).values(), default=0)
+    cross_in = max(by_host(exchange_bytes).values(), default=0)
+    wait = max(wait, cross_in / link)
+    dedup_s = max(dedup_read_bytes / (n_hosts * storage_gbps * 1e9), dedup_read_bytes / total,
+                  dedup_host_read / link,
                   max((b * s for b, s in zip(dedup_rank_bytes, mem)), default=0.0)) + wait
-    direct_s = max(h_max / (storage_gbps * 1e9),
+    direct_s = max(h_max / (storage_gbps * 1e9), h_max / link,
+                   sum(direct_host_bytes.values()) / total,
                    max((b * s for b, s in zip(direct_rank_bytes, mem)), default=0.0))
     pick = strategy if strategy != "auto" else ("direct" if direct_s <= dedup_s else "dedup")
     return LoadCosts(n_hosts, dedup_read_bytes, x_max, h_max, dedup_s, direct_s, pick,
@@ -169,7 +198,9 @@ def plan_load_auto(requests: Sequence[Sequence[Holding]], layouts: dict, hosts: 
                             opts.storage_gbps, exchange_gbps, shm_bytes=shm,
                             dedup_rank_bytes=read, direct_rank_bytes=dedup.direct_rank_bytes(),
                             memory_gbps=opts.memory_gbps,
-                            host_cores=opts.host_cores or usable_cores())
+                            host_cores=opts.host_cores or usable_cores(),
+                            link_gbps=opts.link_gbps,
+                            storage_total_gbps=opts.storage_total_gbps)
     if costs.strategy == "direct":
         return plan_load_direct(requests, layouts), costs
     return dedup, costs

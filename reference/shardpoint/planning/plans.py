@@ -15,7 +15,8 @@ import numpy as np
 
 from shardpoint.tree import dtypes
 from shardpoint.tree import values
-from shardpoint.planning.columns import HoldingColumns, as_columns
+from shardpoint.planning.columns import (COMPRESS_FROM_WORLD, PLAN_ZLIB_LEVEL, HoldingColumns,
+                                         as_columns)
 from shardpoint.tree.model import Holding
 
 
@@ -37,8 +38,9 @@ def pack_tree(tree: Any) -> Any:
     compressed alone, so the coordinator decodes each distinct branch once (every rank of a
     pipeline stage sends the same model branch; only the optimizer's differs)."""
     if isinstance(tree, dict) and len(tree) == 1 and len(tree.get("dict") or ()) > 1:
-        return [TREE_SPLIT, [[k, zlib.compress(values.pack(v), 1)] for k, v in tree["dict"]]]
-    return zlib.compress(values.pack(tree), 1)
+        return [TREE_SPLIT, [[k, zlib.compress(values.pack(v), PLAN_ZLIB_LEVEL)]
+                           for k, v in tree["dict"]]]
+    return zlib.compress(values.pack(tree), PLAN_ZLIB_LEVEL)
 
 
 def unpack_branch(b: bytes) -> Any:
@@ -80,12 +82,13 @@ class LocalPlan:
     objects: list           # [(key, index, count, replica tuple, value)]
     tree_bytes: Any = field(default=None, repr=False, compare=False)   # wire form of tree
 
-    def to_bytes(self) -> bytes:
-        """The tree (compressed msgpack) and the holdings as compressed columns
+    def to_bytes(self, world: int = 1) -> bytes:
+        """The tree (compressed msgpack) and the holdings as columns
         (:class:`HoldingColumns`): a 4,096-rank job gathers ~1M holdings, which the
-        coordinator decodes without a Python object each."""
+        coordinator decodes without a Python object each. ``world``: the job's size; from
+        :data:`~.columns.COMPRESS_FROM_WORLD` ranks on the columns go compressed too."""
         tb = self.tree_bytes if self.tree is None else pack_tree(self.tree)
-        hs = as_columns(self.holdings).to_wire()
+        hs = as_columns(self.holdings).to_wire(compress=world >= COMPRESS_FROM_WORLD)
         return values.pack([self.rank, tb, hs, [list(o) for o in self.objects]])
 
     @staticmethod

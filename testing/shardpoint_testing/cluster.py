@@ -1,0 +1,378 @@
+"""A cluster on one machine: hosts as network namespaces joined by shaped links.
+
+``Cluster(hosts=H, ranks_per_host=R, link=Link(mbit=1000))`` builds, as root:
+
+- one network namespace per host (``10.23.0.<h+1>``), each host's ranks running in it under a
+  hostname of its own (a UTS namespace), so they learn their host the way they do on a real
+  cluster: ``socket.gethostname()``, the torchrun variables (``LOCAL_RANK``,
+  ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``) and gloo bound to the host's interface
+  (``GLOO_SOCKET_IFNAME=eth0``);
+- a storage host (``10.23.0.250``) for a server that stands in for remote storage, reached
+  over its own shaped link: :meth:`Cluster.popen_storage` starts one there (the hook for the
+  S3-compatible server of the object-store work, whose fixture is not on this branch yet);
+- a switch namespace holding a bridge; every host's link is a veth pair, shaped in both
+  directions with ``tc tbf`` (rate; latency stays the veth's), so all of a host's traffic,
+  exchange and storage, shares its link as it would share a NIC;
+- a shared directory (``shared_dir``) standing in for a parallel file system.
+
+What it models: per-host network bandwidth, hosts that cannot reach each other
+over loopback or shared memory by name, a host whose processes die or whose link is cut.
+What it does not: the hosts share this machine's CPUs, memory and page cache, and file-system
+I/O to ``shared_dir`` does not cross the links (it goes to the local disk at local speed, and a
+second host reading a file finds it in the one page cache); only a storage server running on
+the storage host is reached over shaped links. Namespaces cannot separate page caches, and
+link latency is not shaped (no ``netem`` in this kernel).
+
+Traffic goes only to addresses inside the namespaces this harness creates. Everything it
+creates (namespaces, links, processes, the shared directory it made) is removed on exit, also
+after a failure or an interrupt; it never deletes what it did not create.
+:func:`unavailable_reason` says why a machine cannot host one (not root, no ``ip``/``tc``).
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+from shardpoint_testing.launch import RankFailure
+
+SUBNET = "10.23.0"
+STORAGE_ADDR = f"{SUBNET}.250"
+MASTER_PORT = 29523
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWUTS = 0x04000000
+_LIVE: list = []        # clusters not yet closed, torn down at interpreter exit
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why a cluster cannot be built here (None when it can): it needs root (network
+    namespaces, veth pairs, ``tc``) and the ``ip`` and ``tc`` tools."""
+    if os.name != "posix" or not hasattr(os, "geteuid"):
+        return "the test cluster needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "the test cluster needs root (ip netns, veth pairs, tc); run the tests as root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the test cluster needs the {tool!r} tool (iproute2)"
+    return None
+
+
+@dataclass(frozen=True)
+class Link:
+    """One host's link: ``mbit`` per direction (None: unshaped), shaped with ``tc tbf`` on
+    both ends of the host's veth pair. Latency is not shaped: ``netem`` is not in this
+    machine's kernel (the links add ~0.05 ms of veth and bridge)."""
+
+    mbit: Optional[float] = None
+
+    def tbf(self) -> list:
+        """The ``tc qdisc ... tbf`` arguments: a burst of 10 ms at the rate (at least 64 KiB,
+        so a rate's first packets are not refused), a queue of 100 ms."""
+        burst = max(64 << 10, int(self.mbit * 1e6 / 8 * 0.01))
+        return ["tbf", "rate", f"{self.mbit}mbit", "burst", str(burst), "latency", "100ms"]
+
+
+def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), check=check, capture_output=True, text=True)
+
+
+class Cluster:
+    """H hosts x R ranks in network namespaces; see the module docstring. Use as a context
+    manager (or call :meth:`close`): ``with Cluster(2, 2) as c: c.run(fn, arg)``."""
+
+    def __init__(self, hosts: int = 2, ranks_per_host: int = 1, link: Link = Link(),
+                 storage_link: Optional[Link] = None, shared_dir: Optional[str] = None,
+                 links: Optional[Sequence[Link]] = None):
+        why = unavailable_reason()
+        if why:
+            raise RuntimeError(why)
+        if not 1 <= hosts <= 200 or ranks_per_host < 1:
+            raise ValueError(f"hosts must be 1..200 and ranks_per_host >= 1, got {hosts}, "
+                             f"{ranks_per_host}")
+        self.hosts, self.ranks_per_host = hosts, ranks_per_host
+        self.links = list(links) if links is not None else [link] * hosts
+        if len(self.links) != hosts:
+            raise ValueError(f"{len(self.links)} links for {hosts} hosts")
+        self.storage_link = storage_link or link
+        self.tag = "sp" + secrets.token_hex(3)
+        self.switch = f"{self.tag}x"
+        self.storage = f"{self.tag}s"
+        self.host_ns = [f"{self.tag}h{h}" for h in range(hosts)]
+        self.hostnames = [f"node{h}-{self.tag}" for h in range(hosts)]
+        self._made_dir = shared_dir is None
+        self.shared_dir = shared_dir or tempfile.mkdtemp(prefix=f"{self.tag}-shared-")
+        self._created: list = []       # namespaces made, in order
+        self._procs: dict = {}         # host index (-1: storage) -> [Popen or Process]
+        self._closed = False
+        _LIVE.append(self)
+        _exit_on_sigterm()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ building and teardown
+    def _ns(self, name: str) -> None:
+        _sh("ip", "netns", "add", name)
+        self._created.append(name)
+        _sh("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _veth(self, ns: str, idx: str, addr: str, link: Link) -> None:
+        a, b = f"{self.tag}{idx}a", f"{self.tag}{idx}b"
+        _sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+        _sh("ip", "link", "set", a, "netns", ns)
+        _sh("ip", "link", "set", b, "netns", self.switch)
+        _sh("ip", "-n", ns, "link", "set", a, "name", "eth0")
+        _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        _sh("ip", "-n", self.switch, "link", "set", b, "master", "br0")
+        _sh("ip", "-n", self.switch, "link", "set", b, "up")
+        self._shape(ns, "eth0", link)
+        self._shape(self.switch, b, link)
+
+    @staticmethod
+    def _shape(ns: str, dev: str, link: Link) -> None:
+        if link.mbit:
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root",
+                *link.tbf())
+
+    def _build(self) -> None:
+        self._ns(self.switch)
+        _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for h, ns in enumerate(self.host_ns):
+            self._ns(ns)
+            self._veth(ns, f"h{h}", self.addr(h), self.links[h])
+        self._ns(self.storage)
+        self._veth(self.storage, "s", STORAGE_ADDR, self.storage_link)
+
+    def close(self) -> None:
+        """Kill what the cluster started, delete its namespaces (their links go with them)
+        and the shared directory it made. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for procs in self._procs.values():
+            for p in procs:
+                _kill(p)
+        for ns in reversed(self._created):
+            # processes left in a namespace are ours (only we enter it): end them by id
+            out = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+            for pid in out:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _sh("ip", "netns", "del", ns, check=False)
+        if self._made_dir:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------ topology
+    def addr(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    @property
+    def world(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+    def host_of(self, rank: int) -> int:
+        return rank // self.ranks_per_host
+
+    def cut_link(self, host: int) -> None:
+        """Take ``host``'s link down at the switch (a pulled cable: no reset reaches either
+        side, so the peers notice only by their timeouts)."""
+        _sh("ip", "-n", self.switch, "link", "set", f"{self.tag}h{host}b", "down")
+
+    def restore_link(self, host: int) -> None:
+        _sh("ip", "-n", self.switch, "link", "set", f"{self.tag}h{host}b", "up")
+
+    def kill_host(self, host: int) -> None:
+        """SIGKILL every process running on ``host`` at once (a machine that died), then
+        reap them."""
+        procs = self._procs.get(host, [])
+        for p in procs:
+            try:
+                if (p.poll() is None) if isinstance(p, subprocess.Popen) else p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            except (OSError, ValueError, AssertionError):
+                pass
+        for p in procs:
+            _kill(p)
+
+    def popen_host(self, host: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
+        """Run ``argv`` on a host (its namespace and hostname); killed at close. ``host`` -1
+        is the storage host."""
+        ns = self.storage if host < 0 else self.host_ns[host]
+        name = f"storage-{self.tag}" if host < 0 else self.hostnames[host]
+        p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+                              f'hostname "$0" && exec "$@"', name, *argv], **kw)
+        self._procs.setdefault(host, []).append(p)
+        return p
+
+    def popen_storage(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
+        """Run a storage server (the S3-compatible server) on the storage host, reachable
+        from every host at :data:`STORAGE_ADDR` over the storage link."""
+        return self.popen_host(-1, argv, **kw)
+
+    def rank_env(self, rank: int) -> dict:
+        """The environment a rank gets, as torchrun sets it on a real cluster."""
+        h = self.host_of(rank)
+        return {"MASTER_ADDR": self.addr(0), "MASTER_PORT": str(MASTER_PORT),
+                "RANK": str(rank), "WORLD_SIZE": str(self.world),
+                "LOCAL_RANK": str(rank % self.ranks_per_host),
+                "LOCAL_WORLD_SIZE": str(self.ranks_per_host), "GROUP_RANK": str(h), "GROUP_WORLD_SIZE": str(self.hosts),
+                "NODE_RANK": str(h), "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+
+    # ---------------------------------------------------------------------------- running
+    def start(self, fn: Callable, *args: Any, pg_timeout: float = 60.0) -> "ClusterJob":
+        """Start ``fn(rank, world, *args)`` on every rank (a gloo group over the links);
+        returns the running job (:meth:`ClusterJob.wait`)."""
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = []
+        for r in range(self.world):
+            h = self.host_of(r)
+            p = ctx.Process(target=_entry, args=(self.host_ns[h], self.hostnames[h],
+                                                 self.rank_env(r), fn, r, self.world, args,
+                                                 q, pg_timeout), daemon=True)
+            p.start()
+            self._procs.setdefault(h, []).append(p)
+            procs.append(p)
+        return ClusterJob(self, procs, q)
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 120.0,
+            pg_timeout: float = 60.0) -> list:
+        """``[fn(0, world, *args), ...]`` from every rank of the cluster; raises
+        :class:`~shardpoint_testing.launch.RankFailure` when a rank fails or time runs out."""
+        return self.start(fn, *args, pg_timeout=pg_timeout).wait(timeout)
+
+
+class ClusterJob:
+    """Ranks running on a cluster: :meth:`wait` for them (each rank's result or error)."""
+
+    def __init__(self, cluster: Cluster, procs: list, q: Any):
+        self.cluster, self.procs, self.q = cluster, procs, q
+        self.results: dict = {}
+        self.errors: dict = {}
+        self.finished_at: dict = {}    # rank -> time.monotonic() its outcome arrived
+
+    def poll(self, timeout: float = 0.2) -> None:
+        """Collect outcomes that arrived (and ranks whose process died) within ``timeout``."""
+        try:
+            rank, ok, val = self.q.get(timeout=timeout)
+            (self.results if ok else self.errors)[rank] = val
+            self.finished_at[rank] = time.monotonic()
+        except queue_mod.Empty:
+            pass
+        for r, p in enumerate(self.procs):
+            if p.exitcode not in (None, 0) and r not in self.results and r not in self.errors:
+                self.errors[r] = f"process exited with code {p.exitcode}"
+                self.finished_at[r] = time.monotonic()
+
+    def outcomes(self, timeout: float) -> tuple:
+        """``(results, errors)`` by rank once every rank finished, or when ``timeout`` runs
+        out (ranks still running are then killed and listed under ``errors`` as hung)."""
+        deadline = time.monotonic() + timeout
+        while len(self.results) + len(self.errors) < len(self.procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for r, p in enumerate(self.procs):
+                    if r not in self.results and r not in self.errors:
+                        self.errors[r] = f"hung: still running after {timeout:.0f} s"
+                        _kill(p)
+                break
+            self.poll(min(left, 0.2))
+        for p in self.procs:
+            p.join(timeout=5)
+            _kill(p)
+        return self.results, self.errors
+
+    def wait(self, timeout: float = 120.0) -> list:
+        results, errors = self.outcomes(timeout)
+        if errors:
+            raise RankFailure("; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+        return [results[r] for r in range(len(self.procs))]
+
+
+def _kill(p: Any) -> None:
+    try:
+        if isinstance(p, subprocess.Popen):
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        elif p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+    except (OSError, ValueError, subprocess.TimeoutExpired, AssertionError):
+        pass
+
+
+def enter_host(netns: str, hostname: str) -> None:
+    """Move this (single-threaded) process into ``netns`` under a UTS namespace of its own
+    named ``hostname``: from here on it sees the host's interface and name only."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {netns} failed")
+    finally:
+        os.close(fd)
+    if libc.unshare(_CLONE_NEWUTS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) failed")
+    socket.sethostname(hostname)
+
+
+def _entry(netns, hostname, env, fn, rank, world, args, q, pg_timeout):
+    try:
+        enter_host(netns, hostname)
+        os.environ.update(env)
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout))
+        try:
+            q.put((rank, True, fn(rank, world, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _exit_on_sigterm() -> None:
+    """A SIGTERM (``timeout``, a CI runner) ends the process through ``SystemExit``, so the
+    clusters are torn down by their ``with`` blocks and the exit hook; a handler the program
+    set itself is left alone."""
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+    except ValueError:      # not the main thread
+        pass
+
+
+@atexit.register
+def _close_all() -> None:
+    for c in list(_LIVE):
+        c.close()

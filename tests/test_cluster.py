@@ -1,0 +1,252 @@
+"""Save and load across hosts of a test cluster: hosts as network namespaces with shaped
+links (``shardpoint_testing.cluster``), real gloo processes, real files in a shared directory.
+
+Checked: ranks learn their host as on a real cluster (hostname, torchrun's variables), a
+checkpoint saved by rows on 2 hosts x 2 ranks loads by columns bit for bit with the cost
+model seeing 2 hosts, and a host that dies or whose link is cut in the middle of a save, an
+async save's background phase or a load fails every surviving rank with ``RankLostError``
+within the group's timeout, with nothing half-written visible and ``recover`` cleaning up.
+Everything the cluster created is gone afterwards. Skipped with the reason when not root.
+"""
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+import shardpoint as sp
+from shardpoint_testing import cluster as cl
+from shardpoint_testing.launch import RankFailure
+
+pytestmark = pytest.mark.skipif(cl.unavailable_reason() is not None,
+                                reason=cl.unavailable_reason() or "")
+
+ROWS, COLS = 64, 96
+
+
+def _netns() -> set:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _by_rows(rank: int, world: int) -> sp.ShardedTensor:
+    n = ROWS // world
+    full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    return sp.ShardedTensor(full[rank * n:(rank + 1) * n].clone(), (ROWS, COLS), (rank * n, 0))
+
+
+def _round_trip(rank, world, root):
+    from shardpoint.exchange.topology import host_identity
+    state = {"w": _by_rows(rank, world), "b": torch.full((8,), 3.0, dtype=torch.bfloat16),
+             "step": 7}
+    sp.save(state, f"{root}/ck")
+    n = COLS // world
+    like = {"w": sp.ShardedTensor(torch.zeros(ROWS, n), (ROWS, COLS), (0, rank * n)),
+            "b": torch.zeros(8, dtype=torch.bfloat16), "step": 0}
+    report = sp.LoadReport()
+    out = sp.load(f"{root}/ck", like=like, report=report)
+    full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    ok = torch.equal(out["w"], full[:, rank * n:(rank + 1) * n]) and out["step"] == 7 and \
+        torch.equal(out["b"], torch.full((8,), 3.0, dtype=torch.bfloat16))
+    return host_identity(), ok, report.costs.get("hosts"), report.choice()
+
+
+def test_save_on_two_hosts_loads_by_columns_and_leaves_nothing_behind():
+    """2 hosts x 2 ranks over 1 Gbit/s links: the ranks see two hosts (hostnames and the
+    cost model), the columns come back bit for bit, and the namespaces are gone after."""
+    before = _netns()
+    with cl.Cluster(2, 2, cl.Link(mbit=1000)) as c:
+        ours = set(c.host_ns) | {c.switch, c.storage}
+        assert ours <= _netns()
+        got = c.run(_round_trip, c.shared_dir, timeout=240, pg_timeout=60)
+        shared = c.shared_dir
+    hosts = [g[0] for g in got]
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts
+    assert all(g[1] for g in got), got
+    assert got[0][2] == 2, got[0]
+    assert got[0][3].split()[0] in ("dedup", "direct") and "on 2 hosts" in got[0][3], got[0]
+    assert _netns() == before and not (ours & _netns())
+    assert not os.path.exists(shared)
+
+
+def test_host_identity_follows_the_launchers(monkeypatch):
+    """SLURM's node name first, then the hostname qualified by torchrun's node rank on a
+    multi-node run; an explicit ``host_id`` always wins."""
+    import socket
+    from shardpoint.exchange.topology import host_identity
+    name = socket.gethostname()
+    assert host_identity(environ={}) == name
+    assert host_identity(environ={"GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1"}) == name
+    assert host_identity(environ={"GROUP_RANK": "3", "GROUP_WORLD_SIZE": "4"}) == \
+        f"{name}#node3"
+    assert host_identity(environ={"SLURMD_NODENAME": "gpu017", "GROUP_RANK": "3",
+                                  "GROUP_WORLD_SIZE": "4"}) == "gpu017"
+    assert host_identity("mine", environ={"SLURMD_NODENAME": "gpu017"}) == "mine"
+
+
+def test_cluster_is_removed_after_a_failure_inside():
+    before = _netns()
+    with pytest.raises(ZeroDivisionError):
+        with cl.Cluster(2, 1) as c:
+            shared = c.shared_dir
+            1 / 0
+    assert _netns() == before and not os.path.exists(shared)
+
+
+# ---------------------------------------------------------------------------- failures
+PG_TIMEOUT = 10.0      # the group's timeout: the bound the docs state for a lost peer
+MARGIN = 30.0          # process scheduling on a loaded 2-core machine
+
+
+class _SlowWrites:
+    """The real backend; each write first leaves a marker and waits, so the test can strike
+    while every rank is in the middle of its writes."""
+
+    def __init__(self, root: str, rank: int) -> None:
+        from shardpoint_core.storage import get_backend
+        self.inner, self.root, self.rank = get_backend(), root, rank
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def write(self, handle, offset, data):
+        open(f"{self.root}/writing.{self.rank}", "w").close()
+        time.sleep(0.3)
+        return self.inner.write(handle, offset, data)
+
+    def read_into(self, handle, offset, out):
+        open(f"{self.root}/reading.{self.rank}", "w").close()
+        time.sleep(0.3)
+        return self.inner.read_into(handle, offset, out)
+
+
+def _fail_job(rank, world, root, what):
+    state = {f"t{i}": _by_rows(rank, world) for i in range(6)}
+    if what == "load":
+        sp.save(state, f"{root}/ck")
+    be = _SlowWrites(root, rank)
+    t0 = time.monotonic()
+    try:
+        if what == "load":
+            n = COLS // world
+            like = {k: sp.ShardedTensor(torch.zeros(ROWS, n), (ROWS, COLS), (0, rank * n))
+                    for k in state}
+            sp.load(f"{root}/ck", like=like, backend=be,
+                    options=sp.LoadOptions(strategy="dedup"))
+        else:
+            sp.save(state, f"{root}/new", backend=be, async_save=what == "async")
+            sp.save({}, f"{root}/after")    # an async save's error surfaces here at the latest
+        out = "no error"
+    except BaseException as e:  # noqa: BLE001 - the outcome is the test's subject
+        out = f"{type(e).__name__}: {e}"
+    return out, time.monotonic() - t0
+
+
+def _strike(c: cl.Cluster, what: str, how: str, root: str) -> dict:
+    job = c.start(_fail_job, root, what, pg_timeout=PG_TIMEOUT)
+    marker = "reading" if what == "load" else "writing"
+    deadline = time.monotonic() + 180
+    while not all(os.path.exists(f"{root}/{marker}.{r}") for r in range(c.world)):
+        assert time.monotonic() < deadline, "the ranks never started their I/O"
+        job.poll(0.1)
+    struck = time.monotonic()
+    (c.kill_host if how == "kill" else c.cut_link)(1)
+    results, errors = job.outcomes(PG_TIMEOUT + MARGIN + 60)
+    return {"struck": struck, "results": results, "errors": errors, "job": job}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what,how", [("save", "kill"), ("save", "cut"), ("async", "kill"),
+                                      ("async", "cut"),
+                                      ("load", "cut"), ("load", "kill")])
+def test_a_lost_host_fails_every_survivor_within_the_group_timeout(tmp_path, what, how):
+    """Host 1 of 2 (2 ranks each) is killed or cut off while every rank writes (a save, an
+    async save's background phase) or reads (a load): each surviving rank raises
+    RankLostError within the group's timeout (plus scheduling slack), no new checkpoint is
+    visible, and ``recover`` leaves the directory with nothing of the failed save."""
+    with cl.Cluster(2, 2, cl.Link(mbit=1000), shared_dir=str(tmp_path)) as c:
+        out = _strike(c, what, how, str(tmp_path))
+    survivors = [0, 1] if how == "kill" else [0, 1, 2, 3]
+    for r in survivors:
+        assert r in out["results"], (r, out["errors"])
+        msg, _took = out["results"][r]
+        assert msg.startswith(("RankLostError", "SaveFailedError", "LoadFailedError")), msg
+        assert "RankLostError" in msg or "rank" in msg, msg
+        took = out["job"].finished_at[r] - out["struck"]
+        assert took < PG_TIMEOUT + MARGIN, (r, took, msg)
+    if how == "kill":
+        assert set(out["errors"]) == {2, 3}, out["errors"]
+    sp.recover(str(tmp_path), min_age_s=0)
+    left = sorted(n for n in os.listdir(tmp_path) if not n.startswith(("writing", "reading")))
+    assert left == (["ck"] if what == "load" else []), left
+    if what == "load":
+        assert torch.equal(sp.load(str(tmp_path / "ck"))["t0"],
+                           torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS))
+
+
+def test_cost_model_prices_host_links_and_the_storage_total():
+    """4 ranks on 2 hosts each need all 1 GB; dedup reads it once and sends each host the
+    half it did not read, direct reads it on both hosts. A storage system that serves
+    little in total makes dedup the cheaper; fast storage behind slow host links makes
+    direct the cheaper (dedup's reads and receipts both pass each host's link)."""
+    from shardpoint.planning.load_planner import choose_strategy
+    G = 10**9
+    hosts = ["a", "a", "b", "b"]
+    args = (hosts, G, [G // 2] * 4, {"a": G, "b": G}, 10.0, 100.0)
+    kw = dict(dedup_rank_bytes=[G // 4] * 4, direct_rank_bytes=[G] * 4, memory_gbps=100.0)
+    tight = choose_strategy(*args, **kw, storage_total_gbps=0.5, link_gbps=10.0)
+    assert tight.strategy == "dedup", tight
+    slow_links = choose_strategy(*args, **kw, link_gbps=1.0)
+    assert slow_links.strategy == "direct", slow_links
+    assert slow_links.direct_s == pytest.approx(1.0)     # each host reads 1 GB over 1 GB/s
+    assert slow_links.dedup_s == pytest.approx(0.5 + 1.0)   # half read, then 2 x 0.5 received
+
+
+@pytest.mark.slow
+def test_conformance_run_on_two_hosts(tmp_path, capsys):
+    """``shardpoint conformance run --hosts 2 --ranks-per-host 2``: the cases save and load
+    across two hosts' namespaces over shaped links and pass; the cluster is gone after."""
+    from shardpoint_conformance import cli
+    before = _netns()
+    out = tmp_path / "rows.json"
+    rc = cli.main(["run", "--hosts", "2", "--ranks-per-host", "2", "--link-mbit", "1000",
+                   "--cases", "3", "--seed", "23", "--dir", str(tmp_path / "c"),
+                   "--json", str(out), "--no-vectors"])
+    text = capsys.readouterr().out
+    rows = __import__("json").loads(out.read_text())
+    assert rc == 0 and len(rows) == 3 and all(r["ok"] for r in rows), text
+    assert {(r["save_world"], r["load_world"]) for r in rows} == {(4, 4)}
+    assert "2 host(s) x 2 rank(s)" in text and "1000 Mbit/s" in text
+    assert _netns() == before
+
+
+def test_conformance_run_hosts_refuses_other_world_sizes(capsys):
+    from shardpoint_conformance import cli
+    rc = cli.main(["run", "--hosts", "2", "--ranks-per-host", "2", "--save-world-sizes", "3",
+                   "--no-vectors"])
+    assert rc == 2 and "worlds of 4" in capsys.readouterr().err
+
+
+def test_a_server_on_the_storage_host_is_reached_from_a_host():
+    """The storage host's hook: a server started there (here a plain HTTP server over the
+    shared directory, standing in for the object store) answers a host at STORAGE_ADDR."""
+    import sys
+    with cl.Cluster(2, 1, cl.Link(mbit=100)) as c:
+        c.popen_storage([sys.executable, "-m", "http.server", "8000", "--bind", cl.STORAGE_ADDR,
+                         "--directory", c.shared_dir], stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+        with open(f"{c.shared_dir}/blob", "wb") as f:
+            f.write(b"x" * (1 << 20))
+        code = ("import socket, time, urllib.request\n"
+                "for _ in range(100):\n"
+                "    try:\n"
+                f"        n = len(urllib.request.urlopen('http://{cl.STORAGE_ADDR}:8000/blob')"
+                ".read())\n"
+                "        break\n"
+                "    except OSError:\n"
+                "        time.sleep(0.2)\n"
+                "print(socket.gethostname(), n)")
+        out = c.popen_host(1, [sys.executable, "-c", code], stdout=subprocess.PIPE,
+                           text=True).communicate(timeout=120)[0]
+    assert out.split() == [c.hostnames[1], str(1 << 20)], out
