@@ -5,12 +5,10 @@ go through the core's Zarr layer (:mod:`shardpoint_core.zarr.array`). TensorStor
 to write where crc32c is not installed."""
 from __future__ import annotations
 
-import ctypes
 import itertools
 import math
 import os
 import stat
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -18,6 +16,7 @@ import numpy as np
 
 from shardpoint_core.store.files import FileStore
 from shardpoint_core.store.registry import local_path
+from shardpoint_core.commit.durable import syncfs
 from shardpoint_core.zarr.checks import parse_zarr_json
 from shardpoint_core.zarr.array import ArrayLayout, read_region, write_array_meta
 from shardpoint_core.zarr.direct_write import stored_codecs
@@ -473,25 +472,6 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def syncfs(path: str) -> bool:
-    """Linux ``syncfs(2)`` of the file system holding ``path``: every file written there is
-    durable when it returns True; False where the call does not exist."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (AttributeError, OSError):
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if fn(fd) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"syncfs failed: {os.strerror(e)}", path)
-    finally:
-        os.close(fd)
-    return True
 
 
 def fsync_files(paths: Sequence[str], threads: int = 8) -> None:
