@@ -97,15 +97,19 @@ def _with_values(tree: Any, per_rank: list) -> Any:
         for p, v in leaves:
             new.setdefault(tuple(p), v)
 
-    def walk(node: Any, path: tuple) -> Any:
-        if "dict" in node:
-            return {"dict": [[k, walk(v, path + (k,))] for k, v in node["dict"]]}
-        for kind in ("list", "tuple"):
-            if kind in node:
-                return {kind: [walk(v, path + (i,)) for i, v in enumerate(node[kind])]}
-        return {"value": new[path]} if "value" in node else node
+    return _replace_values(tree, (), new)
 
-    return walk(tree, ())
+
+def _replace_values(node: Any, path: tuple, new: dict) -> Any:
+    """``node`` with its value leaves taken from ``new`` by path (module level: a recursive
+    closure is a reference cycle)."""
+    if "dict" in node:
+        return {"dict": [[k, _replace_values(v, path + (k,), new)] for k, v in node["dict"]]}
+    for kind in ("list", "tuple"):
+        if kind in node:
+            return {kind: [_replace_values(v, path + (i,), new)
+                           for i, v in enumerate(node[kind])]}
+    return {"value": new[path]} if "value" in node else node
 
 
 # -------------------------------------------------------------------------------- one save

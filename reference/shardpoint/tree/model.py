@@ -428,54 +428,63 @@ def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
     naming the path of the first leaf that cannot be stored.
     """
     check_root(state, "save(state, path)")
-    tensors: list = []
-    objects: list = []
+    f = _Flattener(replica)
+    tree = f.walk(state, ())
+    return Flattened(tree, f.tensors, f.objects)
 
-    def walk(x: Any, path: tuple) -> Any:
+
+class _Flattener:
+    """The walk of :func:`flatten_state` (an object, not a recursive closure: a closure that
+    calls itself is a reference cycle, and it kept every tensor it saw until the cyclic
+    collector ran)."""
+
+    def __init__(self, replica: tuple) -> None:
+        self.replica = replica
+        self.tensors: list = []
+        self.objects: list = []
+
+    def walk(self, x: Any, path: tuple) -> Any:
         what = f"state{format_path(path)}"
         if isinstance(x, dict):
             for k in x:
                 encode_component(k)
-            return {"dict": [[k, walk(v, path + (k,))] for k, v in x.items()]}
+            return {"dict": [[k, self.walk(v, path + (k,))] for k, v in x.items()]}
         if isinstance(x, (list, tuple)):
             kind = "list" if isinstance(x, list) else "tuple"
-            return {kind: [walk(v, path + (i,)) for i, v in enumerate(x)]}
+            return {kind: [self.walk(v, path + (i,)) for i, v in enumerate(x)]}
         key = encode_key(path)
         if isinstance(x, ShardedTensor):
-            tensors.append(LocalTensor(sharded_holding(x, key, what), x.data))
+            self.tensors.append(LocalTensor(sharded_holding(x, key, what), x.data))
             return {"tensor": key}
         if isinstance(x, ShardedPieces):
             for h, p in zip(pieces_holdings(x, key, what), x):
-                tensors.append(LocalTensor(h, p.data))
+                self.tensors.append(LocalTensor(h, p.data))
             return {"tensor": key}
         if _is_dtensor(x):
-            tensors.append(_dtensor_leaf(x, key, what))
+            self.tensors.append(_dtensor_leaf(x, key, what))
             return {"tensor": key}
         if isinstance(x, torch.Tensor):
             d = dtypes.from_torch(x.dtype, what)
             check_tensor_data(x, what)
             shape = tuple(x.shape)
-            tensors.append(LocalTensor(Holding(key, d.name, shape, (0,) * len(shape), shape,
-                                               None, replica), x))
+            self.tensors.append(LocalTensor(Holding(key, d.name, shape, (0,) * len(shape), shape,
+                                               None, self.replica), x))
             return {"tensor": key}
         if isinstance(x, np.ndarray):
             d = dtypes.from_numpy(x.dtype, what)
             shape = tuple(x.shape)
-            tensors.append(LocalTensor(Holding(key, d.name, shape, (0,) * len(shape), shape,
-                                               None, replica), _np_tensor(x), "numpy"))
+            self.tensors.append(LocalTensor(Holding(key, d.name, shape, (0,) * len(shape), shape,
+                                               None, self.replica), _np_tensor(x), "numpy"))
             return {"tensor": key, "origin": "numpy"}
         if isinstance(x, ShardedObject):
             values.check_value(x.value, what)
-            objects.append(LocalObject(key, x.grid_index, x.grid_shape, x.replica_id, x.value))
+            self.objects.append(LocalObject(key, x.grid_index, x.grid_shape, x.replica_id, x.value))
             return {"object": key}
         if isinstance(x, values.SCALARS) or isinstance(x, np.generic):
             values.check_value(x, what)
             return {"value": x}
         values.check_value(x, what)  # raises with a conversion hint
         raise AssertionError("unreachable")
-
-    tree = walk(state, ())
-    return Flattened(tree, tensors, objects)
 
 
 def _np_tensor(a: np.ndarray) -> torch.Tensor:

@@ -31,28 +31,41 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
     """Walk ``like`` against the manifest: the tensors to fill and a function building the
     returned tree once they are filled."""
     check_root(like, "load(path, like=tree)")
-    targets: list = []
+    c = _Collector(m, strict, report)
+    built = c.walk(like, ())
+    asked = {t.holding.key for t in c.targets}
+    report.unexpected_keys = sorted(k for k in m.tensors if k not in asked)
+    return c.targets, built
 
-    def missing(what: str, path: tuple = ()) -> None:
-        if strict:
+
+class _Collector:
+    """The walk of :func:`collect_targets` (an object, not recursive closures: those are
+    reference cycles that kept the targets alive until the cyclic collector ran)."""
+
+    def __init__(self, m: Manifest, strict: bool, report: Any) -> None:
+        self.m, self.strict, self.report = m, strict, report
+        self.targets: list = []
+
+    def missing(self, what: str, path: tuple = ()) -> None:
+        if self.strict:
             raise errors.LayoutMismatchError(
-                f"{what} is not in the checkpoint{_missing_hint(m, path)} (pass strict=False "
+                f"{what} is not in the checkpoint{_missing_hint(self.m, path)} (pass strict=False "
                 "to skip it)", spec_id="SP-LOAD-1")
-        report.missing_keys.append(what)
+        self.report.missing_keys.append(what)
 
-    def absent(what: str, path: tuple, want: str) -> None:
+    def absent(self, what: str, path: tuple, want: str) -> None:
         """A target leaf the checkpoint has no ``want`` for: a leaf of another kind at its
         path fails in both modes ([SP-LOAD-3]); nothing there (or an inner node) is missing."""
-        node = _node_at(m.tree, path) or {}
+        node = _node_at(self.m.tree, path) or {}
         kind = next((k for k in ("tensor", "object", "value") if k in node), want)
         if kind != want:
             raise errors.LayoutMismatchError(
                 f"{what}: the checkpoint holds a {kind} at this key, the target asks for a "
                 f"{want}; ask for it as a {kind}", spec_id="SP-LOAD-1")
-        missing(what, path)
+        self.missing(what, path)
 
-    def tensor_target(key: str, h: Holding, data: torch.Tensor) -> None:
-        e = m.tensors[key]
+    def tensor_target(self, key: str, h: Holding, data: torch.Tensor) -> None:
+        e = self.m.tensors[key]
         if h.global_shape != e.shape or h.dtype != e.dtype:
             fix = ("like gives a tensor's global shape: a rank's piece as "
                    "sp.ShardedTensor(piece, global_shape, global_offset)"
@@ -62,11 +75,11 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
             raise errors.LayoutMismatchError(
                 f"key {key!r}: checkpoint has shape {e.shape} dtype {e.dtype}, the target "
                 f"expects shape {h.global_shape} dtype {h.dtype}; {fix}", spec_id="SP-LOAD-1")
-        targets.append(Target(h, data))
+        self.targets.append(Target(h, data))
 
-    def walk(x: Any, path: tuple) -> Any:
+    def walk(self, x: Any, path: tuple) -> Any:
         if isinstance(x, dict):
-            out = {k: walk(v, path + (k,)) for k, v in x.items()}
+            out = {k: self.walk(v, path + (k,)) for k, v in x.items()}
             if type(x) is dict:
                 return out
             try:
@@ -75,36 +88,36 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
                 return out
         if isinstance(x, (list, tuple)):
             # Walked exactly as save walks them (model.flatten_state): a namedtuple is a tuple.
-            seq = [walk(v, path + (i,)) for i, v in enumerate(x)]
+            seq = [self.walk(v, path + (i,)) for i, v in enumerate(x)]
             if hasattr(x, "_fields"):
                 return type(x)(*seq)
             return type(x)(seq) if isinstance(x, tuple) else seq
         key = encode_key(path)
         where = f"state{format_path(path)}"
         is_tensor = isinstance(x, (torch.Tensor, np.ndarray, ShardedTensor, ShardedPieces))
-        if is_tensor and key not in m.tensors:
-            absent(f"tensor {key!r}", path, "tensor")
+        if is_tensor and key not in self.m.tensors:
+            self.absent(f"tensor {key!r}", path, "tensor")
             return x
         if isinstance(x, ShardedTensor):
             check_tensor_data(x.data, where, target=True)
-            tensor_target(key, sharded_holding(x, key, where, (0,)), x.data.detach())
+            self.tensor_target(key, sharded_holding(x, key, where, (0,)), x.data.detach())
             return x.data
         if isinstance(x, ShardedPieces):
             for p in x:
                 check_tensor_data(p.data, where, target=True)
             for h, p in zip(pieces_holdings(x, key, where, (0,)), x):
-                tensor_target(key, h, p.data.detach())
+                self.tensor_target(key, h, p.data.detach())
             return [p.data for p in x]
         if _is_dtensor(x):
             lt = _dtensor_leaf(x, key, where)
-            tensor_target(key, lt.holding, lt.data)
+            self.tensor_target(key, lt.holding, lt.data)
             return x
         if isinstance(x, torch.Tensor):
             d = dtypes.from_torch(x.dtype, where)
             check_tensor_data(x, where, target=True)
             shp = tuple(x.shape)
             # detach(): same storage, so an nn.Parameter (requires_grad) fills in place too.
-            tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)),
+            self.tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)),
                           x.detach())
             return x
         if isinstance(x, np.ndarray):
@@ -117,14 +130,14 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
                     "x.astype(x.dtype.newbyteorder('='))", spec_id="SP-LOAD-1")
             d = dtypes.from_numpy(x.dtype, where)
             shp = tuple(x.shape)
-            tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)),
+            self.tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)),
                           dtypes.numpy_to_torch(x))
             return x
         if isinstance(x, ShardedObject):
-            if key not in m.objects:
-                absent(f"sharded object {key!r}", path, "object")
+            if key not in self.m.objects:
+                self.absent(f"sharded object {key!r}", path, "object")
                 return x.value
-            vals = m.objects[key]
+            vals = self.m.objects[key]
             stored = object_grid(vals)
             if stored != x.grid_shape:
                 def show(g: tuple) -> str:
@@ -134,16 +147,11 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
                     f"target asks for index {x.index} of count (grid) {show(x.grid_shape)}; "
                     "load with the grid it was saved with", spec_id="SP-OBJ-2")
             return vals[x.flat_index]
-        stored = _value_at(m.tree, path)
+        stored = _value_at(self.m.tree, path)
         if stored is None:
-            absent(f"value {key!r}", path, "value")
+            self.absent(f"value {key!r}", path, "value")
             return x
         return stored[0]
-
-    built = walk(like, ())
-    asked = {t.holding.key for t in targets}
-    report.unexpected_keys = sorted(k for k in m.tensors if k not in asked)
-    return targets, built
 
 
 def _missing_hint(m: Manifest, path: tuple) -> str:
@@ -193,19 +201,21 @@ def full_targets(m: Manifest) -> tuple:
         targets[key] = Target(Holding(key, e.dtype, e.shape, (0,) * len(e.shape), e.shape,
                                        None, (0,)), t)
 
-    def build(node: Any) -> Any:
-        if "dict" in node:
-            return {k: build(v) for k, v in node["dict"]}
-        if "list" in node:
-            return [build(v) for v in node["list"]]
-        if "tuple" in node:
-            return tuple(build(v) for v in node["tuple"])
-        if "value" in node:
-            return node["value"]
-        if "object" in node:
-            vals = m.objects[node["object"]]
-            return ObjectValues(vals, object_grid(vals)).nested()
-        t = targets[node["tensor"]].data
-        return dtypes.torch_to_numpy(t) if node.get("origin") == "numpy" else t
+    return list(targets.values()), _build_full(m.tree, m, targets)
 
-    return list(targets.values()), build(m.tree)
+
+def _build_full(node: Any, m: Manifest, targets: dict) -> Any:
+    """The tree a load without ``like`` returns (module level: no closure cycle)."""
+    if "dict" in node:
+        return {k: _build_full(v, m, targets) for k, v in node["dict"]}
+    if "list" in node:
+        return [_build_full(v, m, targets) for v in node["list"]]
+    if "tuple" in node:
+        return tuple(_build_full(v, m, targets) for v in node["tuple"])
+    if "value" in node:
+        return node["value"]
+    if "object" in node:
+        vals = m.objects[node["object"]]
+        return ObjectValues(vals, object_grid(vals)).nested()
+    t = targets[node["tensor"]].data
+    return dtypes.torch_to_numpy(t) if node.get("origin") == "numpy" else t
