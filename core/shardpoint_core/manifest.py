@@ -21,6 +21,7 @@ from shardpoint_core import dtypes, values
 from shardpoint_core.errors import (CorruptCheckpointError, InvalidKeyError,
                                     UnsupportedFormatError, UnsupportedValueError)
 from shardpoint_core.keys import decode_key, encode_key
+from shardpoint_core.statetree import typed_tree
 from shardpoint_core.storage import ArraySpec
 
 class ObjectValues(list):
@@ -101,6 +102,13 @@ class Manifest:
     created_unix: float = 0.0
     save_world_size: int = 1
     extensions: dict = field(default_factory=dict)
+
+    @property
+    def state_tree(self) -> Any:
+        """The tree of the saved state: nested dicts, lists and tuples whose leaves are
+        :class:`~shardpoint_core.statetree.TensorLeaf`, ``ObjectLeaf`` and ``ValueLeaf``
+        (``tree`` is the same tree in its wire encoding, [SP-MAN-4])."""
+        return typed_tree(self.tree, self.tensors, self.objects)
 
 
 _WINDOWS_RESERVED = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])\Z", re.I)

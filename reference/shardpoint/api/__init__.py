@@ -2,8 +2,9 @@
 
 ``save`` and ``load`` are thin wrappers over the default :class:`Checkpointer`, which owns
 the plan cache, the async save queue and side groups per process group. Both are collective
-over a process group (a world of one when torch.distributed is not initialized). Their pipelines live in :mod:`.saving` and
-:mod:`.loading`; this module is the stable import path for users and the manager.
+over a process group (a world of one when torch.distributed is not initialized). Their
+pipelines (:class:`SaveJob`, :class:`LoadJob`) live in :mod:`.saving` and :mod:`.loading`;
+this module is the stable import path for users and the manager.
 """
 from __future__ import annotations
 

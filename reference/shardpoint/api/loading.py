@@ -1,8 +1,9 @@
-"""``load`` and ``read_metadata``: read a checkpoint into any layout, collectively.
+"""``load``: read a checkpoint into any layout, collectively (:class:`LoadJob`).
 
 The coordinator reads the manifest once and shares it; each rank states the regions it needs
 (and its host); a cost model picks how they are read (once and exchanged, or by every rank
-directly, see :mod:`.load_planner`); the caller's tensors are filled in place. A failure on any rank raises the same error on every rank.
+directly, see :mod:`.load_planner`); the caller's tensors are filled in place. A failure on
+any rank raises the same error on every rank. The result is a :class:`LoadResult`.
 """
 from __future__ import annotations
 

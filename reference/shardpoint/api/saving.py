@@ -23,7 +23,7 @@ from shardpoint.api.async_save import AsyncSave
 from shardpoint.exchange.comm import Comm, agree, exchange, run_collectively
 from shardpoint_core.fsutil import os_error_text
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
-from shardpoint.tree.model import flatten_state
+from shardpoint.tree.flatten import flatten_state
 from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, plan_objects,
                                          plan_save)
