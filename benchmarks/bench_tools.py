@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 import shardpoint as sp
-from shardpoint_core.fsutil import fsync_dir, remove_path
+from shardpoint_core.fsutil import fsync_dir
 
 HAS_ASYNC = "async_save" in inspect.signature(sp.save).parameters
 
@@ -115,7 +116,14 @@ def count_files(path: str) -> str:
     return f"{sum(len(fs) for _, _, fs in walk)} / {len(walk)}"
 
 
-rm = remove_path
+def rm(p: str) -> None:
+    """Remove the benchmark's own scratch output ``p`` (a tree, a file or nothing)."""
+    if os.path.isdir(p) and not os.path.islink(p):
+        shutil.rmtree(p, ignore_errors=True)
+    elif os.path.lexists(p):
+        os.remove(p)
+
+
 fsync_path = fsync_dir
 
 

@@ -67,7 +67,7 @@ class ManagerMachine(RuleBasedStateMachine):
         mode, keep_best = best or ("min", None)
         self.kw = dict(max_to_keep=max_to_keep, keep_every=keep_every, best_mode=mode,
                        best_metric="loss" if best else None, keep_best=keep_best)
-        self.keep_best = (keep_best or 1) if best else None
+        self.keep_best = keep_best if best else None   # best_metric alone keeps none extra
         self.mgr = spj.CheckpointManager(self.root, **self.kw)
         self.disk: dict = {}      # step -> (value, loss): what must be committed
         self.next_step = 1
@@ -207,7 +207,8 @@ def test_keep_best_by_metric(tmp_path, mode):
     assert mgr.all_steps() == want
     assert mgr.best_step() == {"min": 2, "max": 4}[mode]
     default = spj.CheckpointManager(tmp_path, best_metric="loss", best_mode=mode)
-    assert default.keep_best == 1                    # best_metric alone keeps the best one
+    assert default.keep_best is None                 # best_metric alone only ranks (issue 21)
+    assert default.retained([1, 2, 4, 5, 6]) == {1, 2, 4, 5, 6}
 
 
 def test_resume_latest_with_a_target_and_metrics_round_trip(tmp_path):

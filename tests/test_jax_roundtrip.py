@@ -120,9 +120,15 @@ def test_overwrite_and_refusals(tmp_path):
             sj.save(tmp_path / p, {"a": np.ones(1)})
     assert (tmp_path / "f").read_text() == "x"
     assert (tmp_path / "mine" / "precious.txt").read_text() == "keep"
-    for p in ("f", "mine"):
-        sj.save(tmp_path / p, {"a": np.full(2, 5.0)}, overwrite=True)
-        assert same(sj.load(tmp_path / p)["a"], np.full(2, 5.0))
+    # overwrite=True replaces checkpoints only (issue 21); 'any' a user's directory; never a file
+    for ow in (True, "any"):
+        with pytest.raises(sj.CheckpointExistsError):
+            sj.save(tmp_path / "f", {"a": np.ones(1)}, overwrite=ow)
+    with pytest.raises(sj.CheckpointExistsError):
+        sj.save(tmp_path / "mine", {"a": np.ones(1)}, overwrite=True)
+    assert (tmp_path / "mine" / "precious.txt").read_text() == "keep"
+    sj.save(tmp_path / "mine", {"a": np.full(2, 5.0)}, overwrite="any")
+    assert same(sj.load(tmp_path / "mine")["a"], np.full(2, 5.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "f", "mine"]
     with pytest.raises(sj.UnsupportedValueError, match="obj"):
         sj.save(tmp_path / "d", {"obj": object()})

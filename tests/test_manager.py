@@ -41,7 +41,7 @@ class ManagerMachine(RuleBasedStateMachine):
         mode, keep_best = best or ("min", None)
         self.kw = dict(max_to_keep=max_to_keep, keep_every=keep_every, best_mode=mode,
                        best_metric="loss" if best else None, keep_best=keep_best)
-        self.keep_best = (keep_best or 1) if best else None
+        self.keep_best = keep_best if best else None   # best_metric alone keeps none extra
         self.mgr = CheckpointManager(self.root, **self.kw)
         self.disk: dict = {}      # step -> (value, loss): what must be committed on disk
         self.next_step = 1

@@ -293,10 +293,12 @@ def test_a_directory_the_commit_would_refuse_is_refused_before_any_write(tmp_pat
     dcp.save({"w": torch.ones(4)}, checkpoint_id=str(d), no_dist=True)
     before = sorted(os.listdir(d))
     for async_save in (False, True):
-        with pytest.raises(sp.CheckpointExistsError, match="not an empty directory.*DCP"):
+        with pytest.raises(sp.CheckpointExistsError, match="not a checkpoint.*DCP"):
             sp.save({"w": torch.ones(4)}, str(d), async_save=async_save)
     assert sorted(os.listdir(d)) == before and sorted(os.listdir(tmp_path)) == ["dcp"]
-    sp.save({"w": torch.ones(4)}, str(d), overwrite=True)      # replacing it stays possible
+    with pytest.raises(sp.CheckpointExistsError, match="overwrite='any'"):
+        sp.save({"w": torch.ones(4)}, str(d), overwrite=True)  # True: checkpoints only
+    sp.save({"w": torch.ones(4)}, str(d), overwrite="any")     # replacing it stays possible
     assert torch.equal(sp.load(str(d))["w"], torch.ones(4))
 
 

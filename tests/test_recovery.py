@@ -130,9 +130,9 @@ def test_a_finished_or_failed_save_leaves_no_lock_behind(tmp_path):
     be.begin_save(staging)
     assert dir_locked(staging) is True      # another open file: the probe conflicts
     be.abort(staging)
-    assert not os.path.exists(staging) and not be._save_locks
+    assert not os.path.exists(staging) and not be.committer._locks
     _ckpt(tmp_path / "ckpt2", 2)
-    assert not be._save_locks
+    assert not be.committer._locks
 
 
 def test_a_process_forked_during_a_save_does_not_keep_its_lock(tmp_path):
@@ -153,14 +153,14 @@ def test_a_process_forked_during_a_save_does_not_keep_its_lock(tmp_path):
             os.write(ready_w, b"1")
             os.read(r, 1)
         finally:
-            os._exit(len(be._save_locks))
+            os._exit(len(be.committer._locks))
     try:
         os.close(r)
         os.close(ready_w)
         assert os.read(ready_r, 1) == b"1"          # the child is past its fork hooks
         os.close(ready_r)
         assert dir_locked(staging) is True          # the parent's save still holds it
-        be._save_locks.release(staging)              # the save ends (commit or abort)
+        be.committer._locks.release(staging)              # the save ends (commit or abort)
         assert dir_locked(staging) is False         # the living child holds nothing
     finally:
         os.close(w)                                 # lets the child exit

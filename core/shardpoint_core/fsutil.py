@@ -1,11 +1,11 @@
 """POSIX helpers every writer of a durable directory needs (the converters here, the
-storage backends, the benchmarks): fsync a path, remove a tree or a file, and say what to do
-about the ``OSError`` a write got."""
+storage backends, the benchmarks): fsync a path, make directories below a root, and say what
+to do about the ``OSError`` a write got. Removing and renaming checkpoint paths is the
+committer's alone (:mod:`shardpoint_core.commit`)."""
 from __future__ import annotations
 
 import errno
 import os
-import shutil
 
 _FIXES = {
     errno.ENOSPC: "the file system is full: free space on it (delete old checkpoints; "
@@ -52,15 +52,6 @@ def makedirs_below(root: str, path: str) -> None:
             fd = sub
     finally:
         os.close(fd)
-
-
-def remove_path(p: str) -> None:
-    """Remove ``p`` whatever it is: a directory tree (not followed through a symlink), a file
-    or a link; nothing if it is gone."""
-    if os.path.isdir(p) and not os.path.islink(p):
-        shutil.rmtree(p, ignore_errors=True)
-    elif os.path.lexists(p):
-        os.remove(p)
 
 
 def os_error_text(e: BaseException) -> str:

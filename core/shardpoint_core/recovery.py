@@ -29,7 +29,9 @@ from typing import Optional
 
 from shardpoint_core.errors import CheckpointNotFoundError, InvalidOptionError, ShardpointError
 from shardpoint_core.fsutil import os_error_text
-from shardpoint_core.storage import Leftover, StorageBackend, get_backend
+from shardpoint_core.commit.leftovers import Leftover
+from shardpoint_core.commit.posix import PosixCommitter
+from shardpoint_core.storage import StorageBackend
 
 DEFAULT_MIN_AGE_S = 900.0
 
@@ -51,21 +53,28 @@ class RecoveryAction:
         return asdict(self)
 
 
-def _leftovers(be: StorageBackend, path: str) -> list:
+def committer_of(backend: Optional[StorageBackend] = None) -> PosixCommitter:
+    """The committer that publishes and removes checkpoints of ``backend`` (the default
+    backend's when None): its own where it has one, else a POSIX one."""
+    c = getattr(backend, "committer", None)
+    return c if c is not None else PosixCommitter()
+
+
+def _leftovers(be: PosixCommitter, path: str) -> list:
     """Leftovers inside ``path`` (a parent directory) and those of target ``path`` itself."""
     found = {}
     if os.path.isdir(path):
-        for lo in be.list_leftovers(path):
+        for lo in be.leftovers(path):
             found[lo.path] = lo
     parent = os.path.dirname(path.rstrip(os.sep)) or "."
     if os.path.isdir(parent):
-        for lo in be.list_leftovers(parent):
+        for lo in be.leftovers(parent):
             if lo.target == path.rstrip(os.sep):
                 found[lo.path] = lo
     return sorted(found.values(), key=lambda lo: (lo.target, lo.kind != "tmp", lo.path))
 
 
-def _decide(be: StorageBackend, lo: Leftover, olds: Counter, now: float,
+def _decide(be: PosixCommitter, lo: Leftover, olds: Counter, now: float,
             min_age_s: float) -> tuple:
     if lo.in_use:
         return "skip", ("a save running on this host holds its lock: it is being written, "
@@ -77,7 +86,7 @@ def _decide(be: StorageBackend, lo: Leftover, olds: Counter, now: float,
     if lo.kind == "tmp":
         what = "a replaced checkpoint" if lo.has_manifest else "a save that never committed"
         return "remove", f"staging directory of {what} [SP-COMMIT-6 a]"
-    state = be.checkpoint_state(lo.target)
+    state = be.state(lo.target)
     if state == "committed":
         return "remove", "the replacement committed: this previous checkpoint is superseded " \
                          "[SP-COMMIT-6 b]"
@@ -100,7 +109,7 @@ def recover(path_or_parent: str, *, dry_run: bool = False,
     if not 0 <= min_age_s < float("inf"):
         raise InvalidOptionError(f"min_age_s={min_age_s!r}: an age is a finite number of "
                                  "seconds >= 0 (0 when no save can be running)")
-    be = get_backend(backend)
+    be = committer_of(backend)
     path = os.path.abspath(path_or_parent)
     if not os.path.lexists(path) and not os.path.isdir(os.path.dirname(path)):
         raise CheckpointNotFoundError(f"no such path {path_or_parent!r} (nor its parent "
@@ -113,9 +122,12 @@ def recover(path_or_parent: str, *, dry_run: bool = False,
         done = not dry_run and action != "skip"
         try:
             if done and action == "remove":
-                be.remove_leftover(lo.path)
+                done = be.discard(lo.path)
             elif done and action == "restore":
-                be.restore_leftover(lo.path, lo.target)
+                done = be.restore(lo.path, lo.target)
+            if not dry_run and action != "skip" and not done:
+                action, reason = "skip", ("a save took its lock meanwhile: it is being "
+                                          "written, not left over")
         except OSError as e:   # a read-only file system, no permission: say so, go on
             if isinstance(e, ShardpointError):
                 raise

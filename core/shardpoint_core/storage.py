@@ -31,6 +31,8 @@ from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from shardpoint_core.commit.leftovers import Leftover  # noqa: F401 - its home moved
+
 MANIFEST_NAME = "manifest.msgpack"
 
 
@@ -41,24 +43,6 @@ class ArraySpec:
     shape: tuple
     dtype: str
     chunk_shape: tuple
-
-
-@dataclass(frozen=True)
-class Leftover:
-    """A hidden directory a save left beside its target ``<name>`` ([SP-COMMIT-6]): ``kind``
-    is 'tmp' (staging, or a checkpoint an exchange replaced) or 'old' (the previous checkpoint
-    of a non-atomic replacement). ``newest_mtime`` is the latest modification time of anything
-    in it (a hint that a save may still be writing it); ``in_use`` is True when a running save
-    on this host holds the directory's lock, False when none does, None when the backend or
-    file system cannot tell."""
-
-    path: str
-    target: str
-    kind: str
-    token: str
-    has_manifest: bool
-    newest_mtime: float
-    in_use: Optional[bool] = None
 
 
 @runtime_checkable

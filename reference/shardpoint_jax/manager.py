@@ -9,9 +9,12 @@ staging directories, step directories without a manifest) are ignored and cleane
 save or load; a ``.step_N.shardpoint-old-*`` directory left by a crash in the middle of an
 overwrite is put back when its step is missing, else removed.
 
-Retention, applied after a save commits: keep the ``max_to_keep`` newest steps (None: all),
-every step divisible by ``keep_every``, and the ``keep_best`` best steps by ``best_metric``;
-the newest committed step is never deleted. Deletion renames a step to a hidden name first.
+Retention, applied after a save commits, is the torch manager's, from
+:mod:`shardpoint_core.policy`: ``retention=`` a policy (``AnyOf(LatestN(3), BestN(2,
+"loss"))``), or the shortcuts ``max_to_keep`` (None: all), ``keep_every`` and ``keep_best``
+(``best_metric`` alone only ranks steps for :meth:`best_step`); the newest committed step is
+never deleted. Deletion and clean-up go through the committer's lock rule: an observer's
+manager never deletes what a live save holds.
 
 Collective: every process calls ``save``/``load``/``wait``/``close`` in the same order; only
 process 0 creates, renames or deletes directories, and what it decides (a refused step, the
@@ -30,17 +33,17 @@ an observer job; constructing a manager never touches the directory.
 """
 from __future__ import annotations
 
-import math
-import operator
 import os
-import re
-import secrets
-import shutil
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 
+from shardpoint_core.commit.cleanup import clean_leftovers
+from shardpoint_core.commit.posix import PosixCommitter
+from shardpoint_core.errors import ShardpointError as CoreError
+from shardpoint_core.policy import (Retention, check_metric, parse_step, policy_from_options,
+                                    ranked, retained, step_number)
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.comm import Comm
@@ -51,8 +54,6 @@ from shardpoint_jax.storage import MANIFEST, read_manifest
 from shardpoint_jax.values import pack, unpack
 
 METRICS_KEY = "__metrics__"
-STEP_NAME = re.compile(r"step_(\d+)\Z")
-HIDDEN_NAME = re.compile(r"\.(step_\d+)\.shardpoint-(tmp|old)-.+\Z")
 
 
 class CheckpointManager:
@@ -66,25 +67,30 @@ class CheckpointManager:
     def __init__(self, root: str, *, max_to_keep: Optional[int] = None,
                  keep_every: Optional[int] = None, best_metric: Optional[str] = None,
                  best_mode: str = "min", keep_best: Optional[int] = None,
-                 async_save: bool = False) -> None:
-        for name, v in (("max_to_keep", max_to_keep), ("keep_every", keep_every),
-                        ("keep_best", keep_best)):
-            if v is not None and (type(v) is not int or v < 1):
-                raise E.InvalidRequestError(f"{name} must be a positive int or None, got {v!r}")
-        if best_mode not in ("min", "max"):
-            raise E.InvalidRequestError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        if keep_best is not None and best_metric is None:
-            raise E.InvalidRequestError(
-                "keep_best needs best_metric (the metric name to rank steps by)")
-        if best_metric is not None and not isinstance(best_metric, str):
-            raise E.InvalidRequestError(f"best_metric must be a str, got {best_metric!r}")
+                 retention: Optional[Retention] = None, async_save: bool = False) -> None:
+        try:
+            if retention is not None:
+                if not isinstance(retention, Retention):
+                    raise E.InvalidRequestError(
+                        f"retention must be a policy of shardpoint_core.policy (LatestN, "
+                        f"EveryNSteps, BestN, AnyOf), got {retention!r}")
+                if (max_to_keep, keep_every, keep_best) != (None, None, None):
+                    raise E.InvalidRequestError(
+                        "pass retention= or max_to_keep/keep_every/keep_best, not both "
+                        "(combine them with AnyOf(LatestN(n), EveryNSteps(k), BestN(b, m)))")
+            self.retention = retention or policy_from_options(max_to_keep, keep_every,
+                                                              best_metric, best_mode, keep_best)
+            if best_metric is not None:
+                check_metric(best_metric, best_mode)
+        except CoreError as e:      # the core's InvalidOptionError, in this package's terms
+            raise E.InvalidRequestError(str(e)) from None
         self.root = os.path.abspath(os.fspath(root))
-        self.max_to_keep, self.keep_every = max_to_keep, keep_every
+        self.max_to_keep, self.keep_every, self.keep_best = max_to_keep, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
-        self.keep_best = keep_best if keep_best is not None else (1 if best_metric else None)
         self.async_save = bool(async_save)
         self._pending: Optional[AsyncSave] = None
         self._metrics: dict = {}           # step -> metrics (a cache of the manifests)
+        self._committer = PosixCommitter()
 
     # ---------------------------------------------------------------- reading (any process)
     def path(self, step: int) -> str:
@@ -97,9 +103,9 @@ class CheckpointManager:
             return []
         out = []
         for name in os.listdir(self.root):
-            m = STEP_NAME.match(name)
-            if m and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
-                out.append(int(m.group(1)))
+            n = parse_step(name)
+            if n is not None and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
+                out.append(n)
         return sorted(out)
 
     def latest_step(self) -> Optional[int]:
@@ -126,24 +132,12 @@ class CheckpointManager:
         """Steps carrying a finite ``best_metric``, best first (newer first on ties)."""
         if self.best_metric is None:
             return []
-        scored = []
-        for s in steps:
-            v = self.metrics(s).get(self.best_metric)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                scored.append((v if self.best_mode == "min" else -v, -s))
-        return [-s for _, s in sorted(scored)]
+        return ranked(steps, self.metrics, self.best_metric, self.best_mode)
 
     def retained(self, steps: list) -> set:
-        """Which of the committed ``steps`` retention keeps (pure; the rule in one place)."""
-        if not steps:
-            return set()
-        keep = {max(steps)}
-        keep |= set(sorted(steps)[-self.max_to_keep:]) if self.max_to_keep else set(steps)
-        if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        if self.keep_best:
-            keep |= set(self._ranked(steps)[:self.keep_best])
-        return keep
+        """Which of the committed ``steps`` retention keeps (pure; the rule in one place:
+        :func:`shardpoint_core.policy.retained`)."""
+        return retained(self.retention, steps, self.metrics)
 
     # ---------------------------------------------------------------- collective
     def save(self, step: int, tree: Any, *, metrics: Optional[dict] = None,
@@ -286,49 +280,22 @@ class CheckpointManager:
                 self._remove(self.path(s))
                 self._metrics.pop(s, None)
 
-    @staticmethod
-    def _remove(path: str) -> None:
-        # Hide first (one atomic rename), then delete: a crash mid-delete leaves a hidden
-        # leftover that the next manager cleans, never a half-deleted step.
-        parent, name = os.path.split(path)
-        hidden = os.path.join(parent, f".{name}.shardpoint-tmp-{secrets.token_hex(6)}")
-        try:
-            os.rename(path, hidden)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(hidden, ignore_errors=True)
+    def _remove(self, path: str) -> None:
+        # Through the committer: locked, hidden by one atomic rename, then deleted, so a
+        # reader gets 'no checkpoint', never half a step; a step a live save holds stays.
+        self._committer.remove(path)
 
     def _clean_leftovers(self) -> None:
-        """Remove what crashed saves left; restore a step whose overwrite crashed midway."""
-        if not os.path.isdir(self.root):
-            return
-        for name in sorted(os.listdir(self.root)):
-            full = os.path.join(self.root, name)
-            m = HIDDEN_NAME.match(name)
-            if m:
-                step_path = os.path.join(self.root, m.group(1))
-                if (m.group(2) == "old" and os.path.isfile(os.path.join(full, MANIFEST))
-                        and not os.path.isfile(os.path.join(step_path, MANIFEST))):
-                    if os.path.lexists(step_path):
-                        self._remove(step_path)
-                    os.rename(full, step_path)     # the overwrite never completed: put back
-                else:
-                    shutil.rmtree(full, ignore_errors=True)
-            elif (STEP_NAME.match(name) and os.path.isdir(full)
-                  and not os.path.isfile(os.path.join(full, MANIFEST))):
-                self._remove(full)
+        """Remove what crashed saves left; restore a step whose overwrite crashed midway;
+        never what a live save holds (:func:`shardpoint_core.commit.cleanup.clean_leftovers`)."""
+        clean_leftovers(self._committer, self.root, lambda n: parse_step(n) is not None)
 
 
 def _step_number(step: Any) -> int:
     try:
-        n = operator.index(step)
-    except TypeError:
-        n = -1
-    if n < 0 or isinstance(step, bool):
-        # A negative step would name 'step_-0000001', which all_steps() never lists.
-        raise E.InvalidKeyError(f"step {step!r} is not a step number: steps are ints >= 0 "
-                                "(the directory is step_%08d)")
-    return int(n)
+        return step_number(step)
+    except CoreError as e:
+        raise E.InvalidKeyError(str(e)) from None
 
 
 def with_metrics(tree: Any, metrics: Optional[dict]) -> Any:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import shutil
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import numpy as np
 
+from shardpoint_core.commit.posix import PosixCommitter
+from shardpoint_core.errors import ShardpointError as CoreError
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import POOL, AsyncSave, wait_for_previous
 from shardpoint_jax.comm import Comm
@@ -22,8 +23,8 @@ from shardpoint_jax.grid import chunk_shape, local_chunk_shape
 from shardpoint_jax.keys import array_path
 from shardpoint_jax.manifest import encode_manifest
 from shardpoint_jax import direct
-from shardpoint_jax.storage import (MANIFEST, checkpoint_path, chunk_files, create_arrays,
-                                    fsync_dir, make_durable, open_for_write, shard_inner,
+from shardpoint_jax.storage import (checkpoint_path, chunk_files, create_arrays,
+                                    make_durable, open_for_write, shard_inner,
                                     write_region)
 from shardpoint_jax.tree import ShardedObject, is_array, tree_node
 from shardpoint_jax.values import check_value, is_scalar_value, pack, unpack
@@ -163,8 +164,9 @@ def plan_objects(plans: list) -> dict:
 
 # -------------------------------------------------------------------------------- errors
 def error_info(e: BaseException) -> list:
-    cls = type(e).__name__ if isinstance(e, E.ShardpointError) else "SaveFailedError"
-    msg = str(e) if isinstance(e, E.ShardpointError) else f"{type(e).__name__}: {e}"
+    ours = isinstance(e, (E.ShardpointError, CoreError))   # the committer raises the core's
+    cls = type(e).__name__ if ours else "SaveFailedError"
+    msg = str(e) if ours else f"{type(e).__name__}: {e}"
     return [cls, getattr(e, "spec_id", None), msg]
 
 
@@ -177,7 +179,7 @@ def raise_info(info: list, where: str) -> None:
 
 
 # -------------------------------------------------------------------------------- save
-def save(path: str, tree: Any, *, overwrite: bool = False,
+def save(path: str, tree: Any, *, overwrite: Union[bool, str] = False,
          async_save: bool = False) -> Optional[AsyncSave]:
     """Save ``tree`` (a pytree of jax.Arrays, numpy arrays, ShardedObjects and values) at
     ``path``. Collective: every process of the job calls it with its own tree.
@@ -189,6 +191,10 @@ def save(path: str, tree: Any, *, overwrite: bool = False,
     says when the checkpoint is in. Any
     save first waits for the previous asynchronous one and raises its error if nobody saw
     it yet."""
+    if not (overwrite is False or overwrite is True or overwrite == "any"):
+        raise E.InvalidRequestError(f"overwrite={overwrite!r}: pass False, True (replace a "
+                                    "committed checkpoint or an empty directory) or 'any' "
+                                    "(also a directory that is not a checkpoint)")
     wait_for_previous()
     path = checkpoint_path(path, "save(path, tree)")
     comm = Comm("save")
@@ -279,7 +285,7 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
                 raise_info(failed[0], "write")
             commit(path, decision)
         except Exception as e:  # noqa: BLE001
-            shutil.rmtree(decision["staging"], ignore_errors=True)
+            COMMITTER.abort(decision["staging"])
             outcome = pack(error_info(e))
         comm.broadcast("commit", outcome)
     else:
@@ -293,24 +299,19 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
 def prepare(path: str, plan: dict, overwrite: bool) -> dict:
     """Process 0: refuse a taken path, create the staging directory (its arrays come in
     :func:`write_and_commit`, after an asynchronous save has returned)."""
-    if os.path.lexists(path):                     # [SP-COMMIT-5]
-        empty_dir = os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
-        is_ckpt = os.path.isfile(os.path.join(path, MANIFEST))
-        if not overwrite and not empty_dir:       # consent replaces anything, even a file
-            what = "a checkpoint" if is_ckpt else "something that is not a checkpoint"
-            raise E.CheckpointExistsError(f"{path!r} holds {what}; pass overwrite=True to "
-                                          "replace it, or choose another path",
-                                          spec_id="SP-COMMIT-5")
-    parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
+    COMMITTER.check_target(path, overwrite)        # [SP-COMMIT-5]
     token = secrets.token_hex(8)
-    staging = os.path.join(parent, f".{name}.shardpoint-tmp-{token}")
-    os.makedirs(staging)
+    staging = COMMITTER.begin(path, token)         # created and locked [SP-COMMIT-6]
     entries = {key: {"array": array_path(key), "shape": t["shape"], "dtype": t["dtype"],
                      "chunk_shape": t["chunk"]} for key, t in plan["tensors"].items()}
-    return {"staging": staging, "token": token, "tree": plan["tree"], "tensors": entries,
+    return {"staging": staging, "token": token, "overwrite": overwrite,
+            "tree": plan["tree"], "tensors": entries,
             "global": {k: t["global"] for k, t in plan["tensors"].items()},
             "writers": plan["writers"], "objects": plan["objects"]}
+
+
+# Publishes, replaces and removes checkpoints; holds the locks of this process's saves.
+COMMITTER = PosixCommitter()
 
 
 # Bytes of writes in flight (each holds its encoded chunks, and for arrays on an accelerator
@@ -411,57 +412,5 @@ def commit(path: str, decision: dict) -> None:
     make_durable(staging)
     data = encode_manifest(decision["tree"], decision["tensors"], decision["objects"],
                            decision["world"])
-    tmp = os.path.join(staging, MANIFEST + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, os.path.join(staging, MANIFEST))
-    fsync_dir(staging)
-    parent, name = os.path.split(path)
-    if not os.path.lexists(path):
-        if not rename2(staging, path, RENAME_NOREPLACE):
-            os.rename(staging, path)
-        fsync_dir(parent)
-        return
-    if rename2(staging, path, RENAME_EXCHANGE):     # [SP-COMMIT-4]: one atomic exchange;
-        fsync_dir(parent)                           # the old one now has the staging name
-        remove(staging)                             # [SP-COMMIT-6]
-        return
-    old = os.path.join(parent, f".{name}.shardpoint-old-{decision['token']}")
-    os.rename(path, old)                            # never deleted before the new one is in
-    os.rename(staging, path)
-    fsync_dir(parent)
-    remove(old)
-
-
-def remove(p: str) -> None:
-    """Delete what a replacement displaced: a directory tree, or a file or link
-    ([SP-COMMIT-5]: with consent a save replaces whatever was at the path)."""
-    if os.path.isdir(p) and not os.path.islink(p):
-        shutil.rmtree(p)
-    else:
-        os.remove(p)
-
-
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
-
-
-def rename2(src: str, dst: str, flags: int) -> bool:
-    """Linux ``renameat2``; False where the system lacks it (then the caller falls back)."""
-    import ctypes
-    import errno
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    at_fdcwd = -100
-    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    if err == errno.EEXIST:
-        raise E.CheckpointExistsError(f"{dst!r} appeared while saving; another save to the "
-                                      "same path committed first", spec_id="SP-COMMIT-5")
-    raise OSError(err, os.strerror(err), dst)
+    COMMITTER.write_manifest(staging, data)
+    COMMITTER.publish(staging, path, overwrite=decision["overwrite"])

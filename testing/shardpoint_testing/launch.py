@@ -1,9 +1,14 @@
 """Run a function on N real processes joined in a gloo process group, with a hard timeout.
 
-Used by the tests and by ``shardpoint conformance run``: each rank runs ``fn(rank, world,
-*args)``; results (picklable, test-side only, never checkpoint data) come back per rank. A
-rank that raises fails the run with its traceback; a run that exceeds ``timeout`` is killed,
-so a hung collective can never stall the caller.
+Used by the tests, the demo and ``shardpoint conformance run``: each rank runs ``fn(rank,
+world, *args)``; results (picklable, test-side only, never checkpoint data) come back per
+rank. A rank that raises fails the run with its traceback; a run that exceeds ``timeout`` is
+killed, so a hung collective can never stall the caller.
+
+Ranks are forked from a fork server that has imported torch and shardpoint once (the
+``forkserver`` start method with a preload), not started from a fresh interpreter each:
+importing torch costs each spawned rank about as much CPU as a small test's work. Each rank
+gets the caller's environment as it is at the call (the server's is from its start).
 """
 from __future__ import annotations
 
@@ -25,7 +30,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, args, q, pg_timeout):
+# Imported once by the fork server; every rank forked from it starts with them loaded.
+PRELOAD = ["torch", "torch.distributed", "numpy", "shardpoint.api", "shardpoint.tree.model",
+           "shardpoint.exchange.comm"]
+_CTX: Any = None
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _CTX = ctx
+    return _CTX
+
+
+def _entry(fn, rank, world, port, args, q, pg_timeout, env):
+    os.environ.clear()
+    os.environ.update(env)
     import torch.distributed as dist
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
@@ -44,10 +66,11 @@ def _entry(fn, rank, world, port, args, q, pg_timeout):
 def run_world(world: int, fn: Callable, *args: Any, timeout: float = 120.0,
               pg_timeout: float = 60.0) -> list:
     """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` from real processes."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, q, pg_timeout),
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, q, pg_timeout, env),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()

@@ -11,6 +11,10 @@ Call order of a save (C = coordinator only): C ``check_target`` -> C ``begin`` -
 writes below the staging location and makes it durable -> C ``publish`` (or C ``abort`` when
 any rank failed). Retention: C ``remove``. Recovery: C ``leftovers`` -> ``restore`` /
 ``discard``.
+
+The lock rule: whoever creates, replaces or deletes a location holds its lock meanwhile, and
+``remove``/``restore``/``discard`` leave alone what another process holds. Implementations:
+:class:`shardpoint_core.commit.posix.PosixCommitter` (``flock`` on the directory).
 """
 from __future__ import annotations
 
@@ -24,29 +28,32 @@ class Committer(Protocol):
     def state(self, target: str) -> str:
         """'missing', 'incomplete' (something there, no committed manifest) or 'committed'."""
 
-    def check_target(self, target: str, overwrite: bool) -> None:
-        """Raise ``CheckpointExistsError`` where publishing to ``target`` would be refused:
-        a checkpoint there without ``overwrite``, or anything that is not a checkpoint."""
+    def check_target(self, target: str, overwrite: "bool | str") -> None:
+        """Raise ``CheckpointExistsError`` where publishing to ``target`` would be refused
+        ([SP-COMMIT-5]): a checkpoint there without ``overwrite``; a non-checkpoint without
+        ``overwrite="any"``; a file or a directory of checkpoints whatever ``overwrite``."""
 
     def begin(self, target: str, token: str) -> str:
         """Create and lock the staging location of a save of ``target``; returns it."""
 
-    def publish(self, staging: str, target: str, *, overwrite: bool) -> None:
+    def publish(self, staging: str, target: str, *, overwrite: "bool | str") -> None:
         """Make the durable staged checkpoint visible at ``target`` in one atomic step: a
         crash leaves the previous checkpoint or the new one, never a mix."""
 
     def abort(self, staging: str) -> None:
         """Remove what a failed save staged; never touches its target."""
 
-    def remove(self, target: str) -> None:
+    def remove(self, target: str) -> bool:
         """Delete the committed checkpoint ``target`` (retention), refusing anything that is
-        not one and anything a live save holds."""
+        not one; False, touching nothing, where it is gone or a live save holds it."""
 
     def leftovers(self, directory: str) -> list:
         """What crashed saves and replacements left in ``directory`` ([SP-COMMIT-6])."""
 
-    def restore(self, leftover: str, target: str) -> None:
-        """Move a leftover checkpoint back to ``target``; never replaces anything."""
+    def restore(self, leftover: str, target: str) -> bool:
+        """Move a leftover checkpoint back to ``target``; never replaces anything; False,
+        touching nothing, where a live save holds it."""
 
-    def discard(self, leftover: str) -> None:
-        """Delete a leftover that no live save holds."""
+    def discard(self, leftover: str) -> bool:
+        """Delete a leftover that no live save holds; False, touching nothing, where one
+        does."""

@@ -1,6 +1,6 @@
 """File-system primitives of a durable commit: fsync of files and directories (one by one,
-in parallel, or one ``syncfs``), atomic renames (``renameat2`` NOREPLACE / EXCHANGE), and the
-names of leftovers a crashed save or replacement leaves beside a checkpoint ([SP-COMMIT-6]).
+in parallel, or one ``syncfs``), atomic renames (``renameat2`` NOREPLACE / EXCHANGE) and the
+directory locks of the lock rule (:mod:`.posix`). Leftover names live in :mod:`.leftovers`.
 No TensorStore here: only ``os`` and, for the Linux-only calls, libc through ctypes.
 """
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import re
 import sys
 import threading
 import weakref
@@ -17,7 +16,6 @@ from typing import Any, Optional, Sequence
 
 
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
-LEFTOVER_NAME = re.compile(r"^\.(?P<name>.+)\.shardpoint-(?P<kind>tmp|old)-(?P<token>[0-9a-zA-Z]+)$")
 
 
 def newest_mtime(root: str) -> float:
@@ -162,6 +160,18 @@ class DirLocks:
             fd = self._fds.pop(os.path.abspath(path), None)
         if fd is not None:
             os.close(fd)
+
+    def holds(self, path: str) -> bool:
+        """True when this process holds the lock on the directory now at ``path`` (the same
+        inode: a directory deleted and made again under that name is another one)."""
+        with self._mutex:
+            fd = self._fds.get(os.path.abspath(path))
+        if fd is None:
+            return False
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(path))
+        except OSError:
+            return False
 
     def __len__(self) -> int:
         return len(self._fds)

@@ -11,30 +11,27 @@ from __future__ import annotations
 import errno
 import math
 import os
-import shutil
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorstore as ts
 
-from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundError,
+from shardpoint_core.errors import (CheckpointNotFoundError,
                                     CorruptCheckpointError, IncompleteCheckpointError,
                                     SaveFailedError, ShardpointError)
 from shardpoint_core.hints import path_hint
-from shardpoint_core.storage import MANIFEST_NAME, ArraySpec, Leftover
+from shardpoint_core.storage import MANIFEST_NAME, ArraySpec
 
 from shardpoint_core.zarr.layout import codecs_for, fill_value
 from shardpoint_core.zarr.checks import (check_array_files, check_regular_file, check_zarr_json,
                                          chunk_file_sizes, metadata_problems, read_zarr_json)
 
-from shardpoint_core.fsutil import fsync_dir, makedirs_below, remove_path
+from shardpoint_core.fsutil import makedirs_below
 
-from shardpoint_core.commit.durable import (LEFTOVER_NAME, RENAME_NOREPLACE, DirLocks, dir_locked,
-                                            exchange_dirs, fsync_trees, newest_mtime, renameat2,
-                                            syncfs, will_need)
+from shardpoint_core.commit.durable import fsync_trees, syncfs, will_need
+from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.zarr.direct_read import (DirectLayout, DirectReader, parse_layout,
                                               whole_chunk_files)
 from shardpoint_core.zarr.direct_write import (DirectWriter, WritePool, stored_codecs,
@@ -174,7 +171,7 @@ class TensorStoreBackend:
         self.sync_method = sync_method
         self._lock = threading.Lock()
         self._written: dict = {}     # staging root -> array directories this process wrote
-        self._save_locks = DirLocks()  # the staging directories this process saves into
+        self.committer = PosixCommitter(fsync=fsync)   # publishes, replaces, removes
         self.read_threads = read_threads
         self.direct_reads = direct_reads
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -199,42 +196,18 @@ class TensorStoreBackend:
     def supports_concurrent_writers(self) -> bool:
         return True
 
-    # -- checkpoint directories ---------------------------------------------------------
+    # -- checkpoint directories: the committer's ------------------------------------------
     def checkpoint_state(self, path: str) -> str:
-        if os.path.lexists(os.path.join(path, MANIFEST_NAME)):
-            return "committed"
-        return "incomplete" if os.path.exists(path) else "missing"
+        return self.committer.state(path)
 
-    def check_target(self, path: str, overwrite: bool) -> None:
-        if overwrite or not os.path.lexists(path):
-            return
-        if self.checkpoint_state(path) == "committed":
-            raise CheckpointExistsError(f"a checkpoint already exists at {path!r}; pass "
-                                        "overwrite=True to replace it")
-        if not (os.path.isdir(path) and not os.listdir(path)):
-            # Not a checkpoint, but not ours to delete either (a user's directory, a file):
-            # replacing it would destroy whatever it holds.
-            raise CheckpointExistsError(f"{path!r} exists and is not an empty directory or a "
-                                        "checkpoint; refusing to replace it (pass "
-                                        "overwrite=True, or choose another path)"
-                                        + _not_a_checkpoint_hint(path))
+    def check_target(self, path: str, overwrite: Any) -> None:
+        self.committer.check_target(path, overwrite)
 
     def staging_path(self, path: str, token: str) -> str:
-        path = os.path.abspath(path)
-        parent, name = os.path.split(path.rstrip(os.sep))
-        return os.path.join(parent, f".{name}.shardpoint-tmp-{token}")
+        return self.committer.staging_for(path, token)
 
     def begin_save(self, staging: str) -> None:
-        parent = os.path.dirname(staging)
-        try:
-            os.makedirs(parent, exist_ok=True)
-            os.makedirs(staging, exist_ok=False)
-        except OSError as e:   # a parent that is a file, no permission, a full disk
-            raise SaveFailedError(
-                f"cannot create the save's directory {staging!r}: {e.strerror} "
-                f"({e.filename!r}); every parent of the checkpoint path must be a writable "
-                "directory") from e
-        self._save_locks.take(staging)
+        self.committer.create_staging(staging)
 
     # -- arrays ---------------------------------------------------------------------------
     def _tspec(self, root: str, array_path: str) -> dict:
@@ -429,15 +402,7 @@ class TensorStoreBackend:
 
     # -- manifest and commit ----------------------------------------------------------
     def write_manifest(self, root: str, data: bytes) -> None:
-        tmp = os.path.join(root, MANIFEST_NAME + ".partial")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(root, MANIFEST_NAME))
-        if self.fsync:
-            fsync_dir(root)
+        self.committer.write_manifest(root, data)
 
     def read_manifest(self, path: str) -> bytes:
         state = self.checkpoint_state(path)
@@ -475,91 +440,20 @@ class TensorStoreBackend:
             return None
         return [st.st_ino, st.st_mtime_ns, st.st_size]
 
-    def commit(self, staging: str, path: str, *, overwrite: bool) -> None:
-        try:
-            self._commit(staging, path, overwrite)
-        finally:
-            self._save_locks.release(staging)     # the lock moved with the directory; drop it now
+    def commit(self, staging: str, path: str, *, overwrite: Any) -> None:
+        self.committer.publish(staging, path, overwrite=overwrite)
 
-    def _commit(self, staging: str, path: str, overwrite: bool) -> None:
-        # Every rank's ``flush`` and ``write_manifest`` made the staging tree durable: only
-        # the renames below remain, each followed by an fsync of the parent directory.
-        path = os.path.abspath(path)
-        if os.path.lexists(path):
-            self.check_target(path, overwrite)   # again: another process may have been quicker
-            if exchange_dirs(staging, path):
-                # One atomic step: the new checkpoint is at path, the old one at staging.
-                if self.fsync:
-                    fsync_dir(os.path.dirname(path))
-                remove_path(staging)
-                return
-            # No atomic exchange here: move the old one aside first; a crash between the two
-            # renames leaves it recoverable as .<name>.shardpoint-old-* ([SP-COMMIT-4]).
-            old = staging.replace(".shardpoint-tmp-", ".shardpoint-old-")
-            os.rename(path, old)
-            os.rename(staging, path)
-            if self.fsync:
-                fsync_dir(os.path.dirname(path))
-            remove_path(old)
-            return
-        # A fresh path: RENAME_NOREPLACE where the OS has it, so that of two saves racing to
-        # one new path the second fails instead of replacing the first.
-        rc = renameat2(staging, path, RENAME_NOREPLACE)
-        if rc is None:
-            os.rename(staging, path)
-        elif rc in (errno.EEXIST, errno.ENOTEMPTY):
-            raise CheckpointExistsError(f"another save committed {path!r} while this one was "
-                                        "writing; this save was discarded (save to another "
-                                        "path, or pass overwrite=True to replace it)")
-        elif rc != 0:
-            raise OSError(rc, os.strerror(rc), path)
-        if self.fsync:
-            fsync_dir(os.path.dirname(path))
-
-    # -- leftovers of crashed saves ([SP-COMMIT-6]) ----------------------------------------
+    # -- leftovers of crashed saves ([SP-COMMIT-6]): the committer's ---------------------
     def list_leftovers(self, directory: str) -> list:
-        out = []
-        directory = os.path.abspath(directory)
-        for n in sorted(os.listdir(directory)):
-            m = LEFTOVER_NAME.match(n)
-            p = os.path.join(directory, n)
-            if m is None or os.path.islink(p) or not os.path.isdir(p):
-                continue
-            out.append(Leftover(p, os.path.join(directory, m["name"]), m["kind"], m["token"],
-                                os.path.isfile(os.path.join(p, MANIFEST_NAME)),
-                                newest_mtime(p), dir_locked(p)))
-        return out
+        return self.committer.leftovers(directory)
 
-    def restore_leftover(self, leftover: str, path: str) -> None:
-        rc = renameat2(leftover, path, RENAME_NOREPLACE)
-        if rc is None:
-            if os.path.lexists(path):
-                rc = errno.EEXIST
-            else:
-                os.rename(leftover, path)
-                rc = 0
-        if rc in (errno.EEXIST, errno.ENOTEMPTY):
-            raise CheckpointExistsError(f"cannot restore {leftover!r}: {path!r} appeared "
-                                        "meanwhile; nothing was moved")
-        if rc != 0:
-            raise OSError(rc, os.strerror(rc), path)
-        if self.fsync:
-            fsync_dir(os.path.dirname(os.path.abspath(path)))
+    def restore_leftover(self, leftover: str, path: str) -> bool:
+        return self.committer.restore(leftover, path)
 
-    def remove_leftover(self, leftover: str) -> None:
-        shutil.rmtree(leftover)
-        if self.fsync:
-            fsync_dir(os.path.dirname(os.path.abspath(leftover)))
+    def remove_leftover(self, leftover: str) -> bool:
+        return self.committer.discard(leftover)
 
     def abort(self, staging: str) -> None:
         with self._lock:
             self._written.pop(os.path.abspath(staging), None)
-        # A save cut short (an interrupt) may still have a thread finishing a file in the
-        # tree: what it creates while rmtree runs leaves a directory behind, so look again
-        # (nothing re-creates the staging directory itself once it is gone).
-        for _ in range(3):
-            shutil.rmtree(staging, ignore_errors=True)
-            if not os.path.lexists(staging):
-                break
-            time.sleep(0.05)
-        self._save_locks.release(staging)
+        self.committer.abort(staging)

@@ -65,7 +65,8 @@ class Checkpointer:
             self._groups[key] = GroupState()
         return self._groups[key]
 
-    def save(self, state: Any, path: str, *, group: Any = None, overwrite: bool = False,
+    def save(self, state: Any, path: str, *, group: Any = None,
+             overwrite: "bool | str" = False,
              options: Optional[SaveOptions] = None, async_save: bool = False,
              backend: Optional[StorageBackend] = None) -> "SaveResult | AsyncSave":
         """Save ``state`` at ``path`` (see :func:`shardpoint.save`): a :class:`SaveResult`,

@@ -8,17 +8,22 @@ top-level key ``"__metrics__"``), so they can never disagree with it. Leftovers 
 are ignored and cleaned; a ``.<step>.shardpoint-old-*`` directory left by a crash in the middle
 of an overwrite is put back when its step is missing, else removed.
 
-Retention, applied after a save commits: keep the ``max_to_keep`` newest steps (None: all),
-every step divisible by ``keep_every``, and the ``keep_best`` best steps by ``best_metric``;
-the newest complete step is never deleted. Deletion renames a step to a hidden staging name
-first, so a crash mid-delete leaves a leftover, never a half step.
+Retention, applied after a save commits, is a policy of :mod:`shardpoint_core.policy`
+(``retention=AnyOf(LatestN(3), EveryNSteps(1000), BestN(2, "loss"))``), or the shortcuts
+``max_to_keep`` (the newest N; None: all), ``keep_every`` and ``keep_best`` (the best N by
+``best_metric``; ``best_metric`` alone only ranks steps for :meth:`best_step`). The newest
+complete step is never deleted. Deletion goes through the committer: the step is locked,
+hidden by one rename, then deleted, so a crash mid-delete leaves a leftover, never a half
+step, and a process reading it meanwhile gets an error, never tensors of two steps.
 
 Collective like ``save``: every rank of ``group`` calls ``save``/``load``/``wait``/``close``;
 only the coordinator creates, renames or deletes directories, and only inside ``save`` and
 ``load`` (the job owning ``root`` resumes or saves; nothing of its own is in flight then).
 ``latest_step``, ``all_steps``, ``best_step`` and ``metrics`` only read and may be called on
 any rank, or by an observer (an evaluation job) while training runs: constructing a manager
-never touches the directory, so an observer cannot disturb a save in progress.
+never touches the directory, and the clean-up of its ``save``/``load`` skips whatever a live
+save holds (the committer's lock rule), so an observer cannot disturb a save in progress.
+``backend``, ``save_options`` and ``load_options`` go to every save and load.
 
     with sp.CheckpointManager("/ckpt", max_to_keep=3, async_save=True) as mgr:
         start = mgr.latest_step() or 0
@@ -31,25 +36,20 @@ never touches the directory, so an observer cannot disturb a save in progress.
 """
 from __future__ import annotations
 
-import logging
-import math
-import operator
 import os
-import re
-import secrets
-import shutil
 from typing import Any, Optional
 
 from shardpoint import api
 from shardpoint_core import errors
 from shardpoint.exchange.comm import Comm, agree
 from shardpoint.tree.model import iter_tree_leaves
-from shardpoint_core.storage import MANIFEST_NAME
+from shardpoint_core.commit.cleanup import clean_leftovers
+from shardpoint_core.policy import (Retention, check_metric, parse_step, policy_from_options,
+                                    ranked, retained, step_name)
+from shardpoint_core.recovery import committer_of
+from shardpoint_core.storage import MANIFEST_NAME, StorageBackend
 
-log = logging.getLogger("shardpoint")
 METRICS_KEY = "__metrics__"
-_STEP = re.compile(r"step_(\d+)\Z")
-_HIDDEN = re.compile(r"\.(step_\d+)\.shardpoint-(tmp|old)-.+\Z")
 
 
 class CheckpointManager:
@@ -63,42 +63,41 @@ class CheckpointManager:
     def __init__(self, root: str, *, max_to_keep: Optional[int] = None,
                  keep_every: Optional[int] = None, best_metric: Optional[str] = None,
                  best_mode: str = "min", keep_best: Optional[int] = None,
-                 async_save: bool = False, group: Any = None) -> None:
-        for name, v in (("max_to_keep", max_to_keep), ("keep_every", keep_every),
-                        ("keep_best", keep_best)):
-            if v is not None and (type(v) is not int or v < 1):
+                 retention: Optional[Retention] = None, async_save: bool = False,
+                 group: Any = None, backend: Optional[StorageBackend] = None,
+                 save_options: Optional[Any] = None,
+                 load_options: Optional[Any] = None) -> None:
+        if retention is not None:
+            if not isinstance(retention, Retention):
                 raise errors.InvalidOptionError(
-                    f"{name} must be a positive int or None, got {v!r}")
-        if best_mode not in ("min", "max"):
-            raise errors.InvalidOptionError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        if keep_best is not None and best_metric is None:
-            raise errors.InvalidOptionError(
-                "keep_best needs best_metric (the metric name to rank steps by)")
+                    f"retention must be a policy of shardpoint_core.policy (LatestN, "
+                    f"EveryNSteps, BestN, AnyOf), got {retention!r}")
+            if (max_to_keep, keep_every, keep_best) != (None, None, None):
+                raise errors.InvalidOptionError(
+                    "pass retention= or max_to_keep/keep_every/keep_best, not both (combine "
+                    "them with AnyOf(LatestN(n), EveryNSteps(k), BestN(b, metric)))")
+        self.retention = retention or policy_from_options(max_to_keep, keep_every,
+                                                          best_metric, best_mode, keep_best)
+        if best_metric is not None:
+            check_metric(best_metric, best_mode)
         self.root = os.path.abspath(str(root))
-        self.max_to_keep, self.keep_every = max_to_keep, keep_every
+        self.max_to_keep, self.keep_every, self.keep_best = max_to_keep, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
-        self.keep_best = keep_best if keep_best is not None else (1 if best_metric else None)
         if async_save and not hasattr(api, "AsyncSave"):
             raise errors.InvalidOptionError(
                 "async_save=True needs a shardpoint whose save() supports async_save "
                 "(sp.AsyncSave); this one saves synchronously only")
         self.async_save, self.group = async_save, group
+        self.backend, self.save_options, self.load_options = backend, save_options, load_options
         self._comm = Comm(group)
         self._pending: Any = None          # the in-flight async save, if any
         self._metrics: dict = {}           # step -> metrics dict (cache of the manifests)
+        self._committer = committer_of(backend)
 
     # ---------------------------------------------------------------- reading (any rank)
     def path(self, step: int) -> str:
         """The directory of ``step`` (it may not exist)."""
-        try:
-            n = operator.index(step)
-        except TypeError:
-            n = -1
-        if n < 0 or isinstance(step, bool):
-            # A negative step would name 'step_-0000001', which all_steps() never lists.
-            raise errors.InvalidKeyError(f"step {step!r} is not a step number: steps are ints "
-                                         ">= 0 (the directory is step_%08d)")
-        return os.path.join(self.root, f"step_{n:08d}")
+        return os.path.join(self.root, step_name(step))
 
     def all_steps(self) -> list:
         """Committed steps, oldest first (incomplete ones are ignored)."""
@@ -106,9 +105,9 @@ class CheckpointManager:
             return []
         out = []
         for name in os.listdir(self.root):
-            m = _STEP.match(name)
-            if m and os.path.isfile(os.path.join(self.root, name, MANIFEST_NAME)):
-                out.append(int(m.group(1)))
+            n = parse_step(name)
+            if n is not None and os.path.isfile(os.path.join(self.root, name, MANIFEST_NAME)):
+                out.append(n)
         return sorted(out)
 
     def latest_step(self) -> Optional[int]:
@@ -133,12 +132,7 @@ class CheckpointManager:
         """Steps carrying a finite ``best_metric``, best first (newer first on ties)."""
         if self.best_metric is None:
             return []
-        scored = []
-        for s in steps:
-            v = self.metrics(s).get(self.best_metric)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                scored.append((v if self.best_mode == "min" else -v, -s))
-        return [-s for _, s in sorted(scored)]
+        return ranked(steps, self.metrics, self.best_metric, self.best_mode)
 
     # ---------------------------------------------------------------- collective
     def save(self, step: int, state: Any, *, metrics: Optional[dict] = None,
@@ -156,7 +150,8 @@ class CheckpointManager:
             # root it cannot create fails every rank instead of this one while the others wait.
             self._clean_leftovers()
         self._metrics.pop(step, None)
-        kw: dict = {"group": self.group, "overwrite": force}
+        kw: dict = {"group": self.group, "overwrite": force, "backend": self.backend,
+                    "options": self.save_options}
         if self.async_save:
             kw["async_save"] = True
         try:
@@ -217,8 +212,8 @@ class CheckpointManager:
                 raise errors.CheckpointNotFoundError(
                     f"no committed checkpoint under {self.root!r} (nothing to resume from)")
             step = int(got)
-        out = api.load(self._agreed(lambda: self.path(step)), like=like, group=self.group,
-                       **load_options)
+        kw = {"backend": self.backend, "options": self.load_options, **load_options}
+        out = api.load(self._agreed(lambda: self.path(step)), like=like, group=self.group, **kw)
         if like is None and isinstance(out, dict):
             out.pop(METRICS_KEY, None)
         return out
@@ -264,16 +259,9 @@ class CheckpointManager:
             self._retain()
 
     def retained(self, steps: list) -> set:
-        """Which of the committed ``steps`` retention keeps (pure; the rule in one place)."""
-        if not steps:
-            return set()
-        keep = {max(steps)}
-        keep |= set(sorted(steps)[-self.max_to_keep:]) if self.max_to_keep else set(steps)
-        if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        if self.keep_best:
-            keep |= set(self._ranked(steps)[:self.keep_best])
-        return keep
+        """Which of the committed ``steps`` retention keeps (pure; the rule in one place:
+        :func:`shardpoint_core.policy.retained`)."""
+        return retained(self.retention, steps, self.metrics)
 
     def _retain(self) -> None:
         steps = self.all_steps()
@@ -284,42 +272,11 @@ class CheckpointManager:
                 self._metrics.pop(s, None)
 
     def _remove(self, path: str) -> None:
-        # Hide first (one atomic rename), then delete: a crash mid-delete leaves a hidden
-        # leftover that the next manager cleans, never a half-deleted step.
-        parent, name = os.path.split(path)
-        hidden = os.path.join(parent, f".{name}.shardpoint-tmp-{secrets.token_hex(6)}")
-        try:
-            os.rename(path, hidden)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(hidden, ignore_errors=True)
+        # Through the committer: locked, hidden by one atomic rename, then deleted, so a
+        # reader gets 'no checkpoint', never half a step; a step a live save holds stays.
+        self._committer.remove(path)
 
     def _clean_leftovers(self) -> None:
-        """Remove what crashed saves left; restore a step whose overwrite crashed midway."""
-        if not os.path.isdir(self.root):
-            return
-        for name in sorted(os.listdir(self.root)):
-            try:
-                self._clean_one(name)
-            except OSError as e:
-                # A read-only file system (a load of a mounted archive) or a directory this
-                # user may not change: the load goes on, a save reports its own error.
-                log.warning("shardpoint: cannot clean up %r under %r (%s); left as it is",
-                            name, self.root, e.strerror or e)
-
-    def _clean_one(self, name: str) -> None:
-        """Clean one entry of ``root`` (see :meth:`_clean_leftovers`)."""
-        full = os.path.join(self.root, name)
-        m = _HIDDEN.match(name)
-        if m:
-            step_path = os.path.join(self.root, m.group(1))
-            if (m.group(2) == "old" and os.path.isfile(os.path.join(full, MANIFEST_NAME))
-                    and not os.path.isfile(os.path.join(step_path, MANIFEST_NAME))):
-                if os.path.lexists(step_path):
-                    self._remove(step_path)
-                os.rename(full, step_path)    # the overwrite never completed: put it back
-            else:
-                shutil.rmtree(full, ignore_errors=True)
-        elif (_STEP.match(name) and os.path.isdir(full)
-              and not os.path.isfile(os.path.join(full, MANIFEST_NAME))):
-            self._remove(full)
+        """Remove what crashed saves left; restore a step whose overwrite crashed midway;
+        never what a live save holds (:func:`shardpoint_core.commit.cleanup.clean_leftovers`)."""
+        clean_leftovers(self._committer, self.root, lambda n: parse_step(n) is not None)

@@ -18,6 +18,7 @@ import torch
 
 from shardpoint.tree import dtypes
 from shardpoint_core import errors
+from shardpoint_core.commit.posix import check_overwrite
 from shardpoint.tree import values
 from shardpoint.api.async_save import AsyncSave
 from shardpoint.exchange.comm import Comm, agree, exchange, run_collectively
@@ -438,10 +439,12 @@ class SaveJob:
 
 # -------------------------------------------------------------------------------- save
 def run_save(state: Any, path: str, comm: Comm, be: StorageBackend, opts: SaveOptions,
-             overwrite: bool, group: Any, async_save: bool) -> "SaveResult | AsyncSave":
+             overwrite: "bool | str", group: Any, async_save: bool
+             ) -> "SaveResult | AsyncSave":
     """One save, phase by phase, with ``group`` (the checkpointer's state for ``comm``'s
     process group: plan cache, pending async save and its pool, side group). What
     :meth:`Checkpointer.save` runs."""
+    check_overwrite(overwrite)
     saves = group.saves
     saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))
     job = SaveJob(state, path, comm, be, opts, overwrite, group)
@@ -470,7 +473,7 @@ def run_save(state: Any, path: str, comm: Comm, be: StorageBackend, opts: SaveOp
     return saves.start(background, job.staging_bytes, job.path)
 
 
-def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
+def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
          backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
          async_save: bool = False) -> "SaveResult | AsyncSave":
     """Save ``state`` (a nested dict/list/tuple) as a checkpoint at ``path``. Collective.
@@ -485,6 +488,10 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: bool = False,
     in the background on a gloo group of their own. Any save on the same group first waits
     for the previous async one and re-raises its error on every rank if ``wait`` did not hand
     it over on some rank.
+
+    ``overwrite=True`` replaces a committed checkpoint (or an empty directory) at ``path``;
+    ``overwrite="any"`` also a directory that is not a checkpoint, deleting what it holds.
+    Never replaced: a file, a directory of checkpoints (a CheckpointManager's root).
 
     A thin wrapper over the default :class:`~shardpoint.Checkpointer` (which keeps the plan
     cache, the pending async save and its host pool per process group).

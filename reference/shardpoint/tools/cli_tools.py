@@ -65,7 +65,11 @@ def add_commands(sub: Any) -> None:
                    "the same bytes as with 1")
     s.add_argument("--max-chunk-size", default="256MiB", help="shardpoint output: chunks of "
                    "at most this size (e.g. 64MiB; also the unit of work shared by --procs)")
-    s.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    s.add_argument("--overwrite", action="store_true", help="replace DST if it is a finished "
+                   "output of the target format (a checkpoint) or an empty directory")
+    s.add_argument("--overwrite-any", action="store_true", help="also replace a DST directory "
+                   "that is not one, deleting what it holds (never a file, a directory of "
+                   "checkpoints or one holding SRC)")
     s.add_argument("--skip-common", action="store_true", help="Megatron: convert the sharded "
                    "state even when common.pt needs more than weights_only unpickling")
     s.add_argument("--json", action="store_true", help="machine-readable report")
@@ -94,7 +98,8 @@ def cmd_convert(a: argparse.Namespace) -> int:
     from shardpoint.tools.convert.hf_safetensors import parse_size
     limit_heap_growth()
     with progress.bar("convert", None, progress.wanted(a.json)) as adv:
-        rep = convert(a.src, a.dst, from_=a.from_, to=a.to, overwrite=a.overwrite,
+        rep = convert(a.src, a.dst, from_=a.from_, to=a.to,
+                      overwrite="any" if a.overwrite_any else a.overwrite,
                       max_shard_size=a.max_shard_size, skip_common=a.skip_common,
                       procs=a.procs, max_chunk_bytes=parse_size(a.max_chunk_size,
                                                                  "--max-chunk-size"),

@@ -2,7 +2,7 @@
 
 One :class:`LeafHandler` per kind (tensor, ndarray, ShardedTensor, ShardedPieces, DTensor,
 ShardedObject, value), looked up by :func:`handler_for` in the order they were registered.
-Flattening for save (:func:`shardpoint.tree.model.flatten_state`) and load targets
+Flattening for save (:func:`shardpoint.tree.flatten.flatten_state`) and load targets
 (:func:`shardpoint.tree.targets.collect_targets`) walk the containers and hand every leaf to
 its handler, so a new kind of leaf is one handler here and one :func:`register_leaf` call,
 not an ``isinstance`` branch in each walker. Pure: no I/O, no process group.

@@ -89,7 +89,7 @@ class _Collector:
             except TypeError:
                 return out
         if isinstance(x, (list, tuple)):
-            # Walked exactly as save walks them (model.flatten_state): a namedtuple is a tuple.
+            # Walked exactly as save walks them (flatten.flatten_state): a namedtuple is a tuple.
             seq = [self.walk(v, path + (i,)) for i, v in enumerate(x)]
             if hasattr(x, "_fields"):
                 return type(x)(*seq)

@@ -145,7 +145,7 @@ def target_format(dst: str, src_format: str) -> str:
     return "shardpoint"
 
 
-def write(src: Source, dst: str, fmt: str, *, overwrite: bool = False,
+def write(src: Source, dst: str, fmt: str, *, overwrite: Any = False,
           max_shard_size: Any = None, progress: Progress = None, backend: Any = None,
           procs: int = 1, max_chunk_bytes: int = 256 << 20,
           worker_timeout: float = WORKER_TIMEOUT_S, skip_common: bool = False,
@@ -191,7 +191,7 @@ def write(src: Source, dst: str, fmt: str, *, overwrite: bool = False,
 
 
 def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str] = None,
-            overwrite: bool = False, max_shard_size: Any = None, skip_common: bool = False,
+            overwrite: Any = False, max_shard_size: Any = None, skip_common: bool = False,
             progress: Progress = None, on_open: Any = None, backend: Any = None,
             procs: int = 1, max_chunk_bytes: int = 256 << 20,
             worker_timeout: float = WORKER_TIMEOUT_S) -> ConvertReport:
@@ -202,7 +202,11 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
     by bands of rows), each reading only its share; the result is byte for byte what one
     process writes, committed once. A worker that fails, dies or reports nothing for
     ``worker_timeout`` seconds fails the conversion, and nothing appears at ``dst``.
-    ``max_chunk_bytes`` bounds a shardpoint target's chunks (and so the unit of work)."""
+    ``max_chunk_bytes`` bounds a shardpoint target's chunks (and so the unit of work).
+    ``overwrite=True`` replaces a finished output of the target format at ``dst`` (or an
+    empty directory); ``"any"`` also another directory, deleting what it holds; a file that
+    is not such an output, a directory of checkpoints and a ``dst`` holding ``src`` are never
+    replaced."""
     t0 = time.perf_counter()
     if isinstance(procs, int) and procs > 1 and to != "dcp" and backend is None:
         start_workers_early()

@@ -13,13 +13,14 @@ import os
 import secrets
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from shardpoint.tree import dtypes
-from shardpoint_core.errors import CheckpointExistsError, ConversionError
-from shardpoint_core.fsutil import fsync_dir, remove_path
+from shardpoint_core.commit.posix import PosixCommitter
+from shardpoint_core.errors import CheckpointExistsError, ConversionError, SaveFailedError
+from shardpoint_core.fsutil import fsync_dir
 from shardpoint_core.keys import encode_key
 
 Progress = Optional[Callable[[int], None]]
@@ -170,36 +171,48 @@ def nest(items: Iterator[tuple], what: str = "tree") -> dict:
     return root
 
 
+def with_cli_flag(e: CheckpointExistsError) -> CheckpointExistsError:
+    """``e`` naming the command-line spelling of the consent it mentions, if any."""
+    text = str(e)
+    if "overwrite='any'" in text:
+        text += " (--overwrite-any on the command line)"
+    elif "overwrite=True" in text:
+        text += " (--overwrite on the command line)"
+    out = CheckpointExistsError(text)
+    out.spec_id = e.spec_id
+    return out
+
+
 @contextmanager
-def staged_output(dst: str, overwrite: bool, *, is_dir: bool) -> Iterator[str]:
-    """A hidden sibling to write into, renamed onto ``dst`` when the block succeeds (removed
-    when it fails), so a half-written conversion is never at ``dst``."""
+def staged_output(dst: str, overwrite: Any, *, is_dir: bool,
+                  is_output: Callable[[str], bool], protect: Sequence[str] = ()
+                  ) -> Iterator[str]:
+    """A hidden sibling to write into, published at ``dst`` by the committer when the block
+    succeeds (removed when it fails), so a half-written conversion is never at ``dst``.
+    ``is_output(path)``: whether what is at ``dst`` is a finished output of this format, the
+    only thing ``overwrite=True`` replaces; nothing that holds a path of ``protect`` (the
+    source) is ever replaced ([SP-COMMIT-5])."""
     dst = os.path.abspath(dst)
-    if os.path.lexists(dst) and not overwrite:
-        raise CheckpointExistsError(f"{dst!r} exists; pass overwrite=True (--overwrite) to "
-                                    "replace it")
-    parent, name = os.path.split(dst)
-    tmp = os.path.join(parent, f".{name}.shardpoint-tmp-{secrets.token_hex(6)}")
+    c = PosixCommitter()
     try:
-        os.makedirs(parent, exist_ok=True)
+        c.check_target(dst, overwrite, protect, is_output)
+    except CheckpointExistsError as e:
+        raise with_cli_flag(e) from e
+    token = secrets.token_hex(6)
+    try:
         if is_dir:
-            os.makedirs(tmp)
-    except OSError as e:   # a parent that is a file, no permission
-        raise ConversionError(f"cannot write the conversion beside {dst!r}: {e.strerror} "
-                              f"({e.filename!r}); every parent of the destination must be a "
-                              "writable directory") from e
+            tmp = c.begin(dst, token)
+        else:
+            tmp = c.staging_for(dst, token)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+    except (OSError, SaveFailedError) as e:   # a parent that is a file, no permission
+        raise ConversionError(f"cannot write the conversion beside {dst!r}: {e}; every "
+                              "parent of the destination must be a writable directory") from e
     try:
         yield tmp
         if is_dir:
             fsync_dir(tmp)        # the entries of the files written into it
-        if os.path.lexists(dst):
-            old = tmp.replace("-tmp-", "-old-")
-            os.rename(dst, old)
-            os.rename(tmp, dst)
-            remove_path(old)
-        else:
-            os.rename(tmp, dst)
-        fsync_dir(parent)
+        c.publish(tmp, dst, overwrite=overwrite, protect=protect, is_output=is_output)
     except BaseException:
-        remove_path(tmp)
+        c.abort(tmp)
         raise

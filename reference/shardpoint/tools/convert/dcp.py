@@ -30,6 +30,13 @@ from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, flat_na
 FORMAT = "dcp"
 
 
+def is_dcp_output(path: str) -> bool:
+    """Whether ``path`` is a DCP checkpoint directory (its ``.metadata`` file): the only
+    thing ``overwrite=True`` replaces here."""
+    return (os.path.isdir(path) and not os.path.islink(path)
+            and os.path.isfile(os.path.join(path, ".metadata")))
+
+
 def is_dcp(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
@@ -228,7 +235,8 @@ def write_dcp(src: Source, dst: str, *, overwrite: bool = False, progress: Progr
             return data
 
     from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
-    with staged_output(dst, overwrite, is_dir=True) as tmp:
+    with staged_output(dst, overwrite, is_dir=True, is_output=is_dcp_output,
+                       protect=(src.path,)) as tmp:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # One file per tensor: DCP's writer keeps every tensor of a file alive until the

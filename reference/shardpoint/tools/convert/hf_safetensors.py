@@ -27,6 +27,18 @@ from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, flat_na
 
 FORMAT = "safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+
+
+def is_safetensors_output(path: str) -> bool:
+    """Whether ``path`` is what this module writes (the only thing ``overwrite=True``
+    replaces): a ``.safetensors`` file, or a directory holding only safetensors files and
+    their index."""
+    if os.path.islink(path):
+        return False
+    if os.path.isfile(path):
+        return path.endswith(".safetensors")
+    names = os.listdir(path) if os.path.isdir(path) else []
+    return bool(names) and all(n.endswith(".safetensors") or n == INDEX_NAME for n in names)
 SINGLE_NAME = "model.safetensors"
 
 # safetensors dtype names <-> torch dtypes (the package's own table, restricted to the spec's)
@@ -278,7 +290,8 @@ def write_safetensors(src: Source, dst: str, *, max_shard_size: Any = None,
     ``model.safetensors.index.json`` when ``max_shard_size`` splits it). Values and objects
     have no place in safetensors: they are returned as ``[(key, reason)]``."""
     plan = plan_files(src, dst, max_shard_size)
-    with staged_output(dst, overwrite, is_dir=plan.is_dir) as tmp:
+    with staged_output(dst, overwrite, is_dir=plan.is_dir, is_output=is_safetensors_output,
+                       protect=(src.path,)) as tmp:
         for fn, items in plan.files:
             _write_file(tmp if fn is None else os.path.join(tmp, fn), src, items, progress)
         if plan.index is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,10 +22,12 @@ from shardpoint_core.keys import encode_component, encode_key
 from shardpoint_core.manifest import (Manifest, TensorEntry, array_path_for, decode_manifest,
                                       encode_manifest)
 from shardpoint.planning.plans import PlanOptions
+from shardpoint_core.commit.posix import check_not_containing
 from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
 from shardpoint.tree.views import to_numpy
 from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf
-from shardpoint.tools.convert.base import Progress, Source, TensorInfo, key_of, nest
+from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, key_of, nest,
+                                           with_cli_flag)
 
 FORMAT = "shardpoint"
 
@@ -170,12 +172,15 @@ def open_entry(be: StorageBackend, staging: str, e: TensorEntry) -> Any:
     return be.open_array_for_write(staging, e.array, ArraySpec(e.shape, e.dtype, e.chunk_shape))
 
 
-def check_target(be: StorageBackend, dst: str, overwrite: bool) -> None:
-    """Refuse what the commit would refuse at ``dst`` before any work (it would do so last)."""
+def check_target(be: StorageBackend, dst: str, overwrite: Any,
+                 protect: Sequence[str] = ()) -> None:
+    """Refuse what the commit would refuse at ``dst`` before any work (it would do so last),
+    and a ``dst`` holding one of ``protect`` (the source: replacing it would delete it)."""
     try:
+        check_not_containing(dst, protect)
         be.check_target(dst, overwrite)
     except CheckpointExistsError as e:
-        raise CheckpointExistsError(f"{e} (--overwrite on the command line)") from e
+        raise with_cli_flag(e) from e
 
 
 def write_shardpoint(src: Source, dst: str, *, overwrite: bool = False,
@@ -184,7 +189,7 @@ def write_shardpoint(src: Source, dst: str, *, overwrite: bool = False,
     """Write ``src`` as a shardpoint checkpoint at ``dst``, one tensor in memory at a time.
     Returns ``[(key, reason)]`` for the values that could not be stored."""
     be = get_backend(backend)
-    check_target(be, dst, overwrite)
+    check_target(be, dst, overwrite, protect=(src.path,))
     tree, objects, skipped = shardpoint_tree(src)
     staging = be.staging_path(dst, secrets.token_hex(6))
     be.begin_save(staging)

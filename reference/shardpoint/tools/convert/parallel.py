@@ -36,7 +36,8 @@ from shardpoint_core.fsutil import os_error_text
 from shardpoint_core.storage import get_backend
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, die_with_parent, key_of,
                                            limit_heap_growth, staged_output)
-from shardpoint.tools.convert.hf_safetensors import (file_layout, plan_files, write_index,
+from shardpoint.tools.convert.hf_safetensors import (file_layout, is_safetensors_output, plan_files,
+                                                     write_index,
                                                      write_rows_at)
 from shardpoint.tools.convert.native import (check_target, commit_shardpoint, open_entry,
                                              shardpoint_tree, tensor_entry, write_rows)
@@ -336,7 +337,7 @@ def write_shardpoint_parallel(src: Source, dst: str, spec: SourceSpec, *, procs:
     the same checkpoint, committed once by this process (arrays durable, manifest last,
     rename). ``worker_peaks`` receives each worker's peak memory growth in bytes."""
     be = get_backend()
-    check_target(be, dst, overwrite)
+    check_target(be, dst, overwrite, protect=(src.path,))
     tree, objects, skipped = shardpoint_tree(src)
     entries = {t.key: tensor_entry(t, max_chunk_bytes) for t in src.tensors}
     shares = plan_shares(src.tensors, procs,
@@ -368,7 +369,8 @@ def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs
     known offsets and fsync, then the index and the rename as with one process."""
     plan = plan_files(src, dst, max_shard_size)
     places: dict = {}     # key -> (file, name in it, where its data starts)
-    with staged_output(dst, overwrite, is_dir=plan.is_dir) as root:
+    with staged_output(dst, overwrite, is_dir=plan.is_dir, is_output=is_safetensors_output,
+                       protect=(src.path,)) as root:
         for fn, items in plan.files:
             header, offsets = file_layout(items)
             path = root if fn is None else os.path.join(root, fn)

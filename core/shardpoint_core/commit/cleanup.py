@@ -1,0 +1,70 @@
+"""A manager's clean-up of its root under the lock rule: what crashed saves of its steps left.
+
+Both managers call :func:`clean_leftovers` before a save and a load. It applies
+[SP-COMMIT-6] to the leftovers of the names the manager owns, through the committer, and
+skips whatever a live save holds (its lock), or, where the file system cannot tell, whatever
+was modified less than ``min_age_s`` ago: a manager built by an evaluation job beside the
+training job never deletes a save in progress.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+from shardpoint_core.commit.posix import MANIFEST_NAME, PosixCommitter
+from shardpoint_core.commit.durable import dir_locked, newest_mtime
+
+log = logging.getLogger("shardpoint")
+DEFAULT_MIN_AGE_S = 900.0
+
+
+def clean_leftovers(committer: PosixCommitter, root: str, owns: Callable[[str], bool],
+                    min_age_s: float = DEFAULT_MIN_AGE_S) -> list:
+    """Remove the leftovers of crashed saves of names ``owns`` accepts in ``root``, restore
+    an ``-old-`` checkpoint whose replacement crashed midway, and remove a directory of such
+    a name that has no manifest; returns the paths acted on. OS errors (a read-only file
+    system) are logged and skipped: the caller's save or load reports its own."""
+    done: list = []
+    if not os.path.isdir(root):
+        return done
+    now = time.time()
+
+    def idle(in_use, path: str) -> bool:
+        if in_use is not None:
+            return not in_use
+        try:
+            return now - newest_mtime(path) >= min_age_s
+        except FileNotFoundError:
+            return False
+
+    for lo in committer.leftovers(root):
+        if not owns(os.path.basename(lo.target)) or not idle(lo.in_use, lo.path):
+            continue
+        try:
+            if (lo.kind == "old" and lo.has_manifest
+                    and committer.state(lo.target) != "committed"):
+                if os.path.lexists(lo.target) and not committer.discard(lo.target):
+                    continue
+                ok = committer.restore(lo.path, lo.target)
+            else:
+                ok = committer.discard(lo.path)
+        except OSError as e:
+            log.warning("shardpoint: cannot clean up %r (%s); left as it is", lo.path,
+                        getattr(e, "strerror", None) or e)
+            continue
+        if ok:
+            done.append(lo.path)
+    for name in sorted(os.listdir(root)):
+        full = os.path.join(root, name)
+        if (owns(name) and os.path.isdir(full) and not os.path.islink(full)
+                and not os.path.lexists(os.path.join(full, MANIFEST_NAME))
+                and idle(dir_locked(full), full)):
+            try:
+                if committer.discard(full):
+                    done.append(full)
+            except OSError as e:
+                log.warning("shardpoint: cannot clean up %r (%s); left as it is", full,
+                            getattr(e, "strerror", None) or e)
+    return done

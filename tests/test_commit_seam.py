@@ -1,0 +1,106 @@
+"""Everything that renames or deletes checkpoint paths goes through the committer.
+
+Walks the AST of every module of core/, reference/, conformance/ and testing/ and fails on a
+call to ``os.rename``, ``os.replace``, ``shutil.rmtree``, ``os.unlink``, ``os.remove``,
+``os.rmdir``, ``renameat2`` or a path object's ``unlink``/``rmdir``/``rename`` outside ``core/shardpoint_core/commit/``, except the short
+allowlist below, each entry a caller's own scratch file with the reason. A new such call
+fails the test (shown on a temporary copy of the tree).
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ["core", "reference", "testing", "conformance"]
+COMMITTER = Path("core/shardpoint_core/commit")
+FORBIDDEN = {("os", "rename"), ("os", "replace"), ("os", "unlink"), ("os", "remove"),
+             ("os", "rmdir"), ("shutil", "rmtree"), ("os", "renames"), ("os", "removedirs")}
+
+PATH_METHODS = {"unlink", "rmdir", "rename", "rmtree"}   # str.replace is too common to flag
+
+# (file, function called): why it is not a checkpoint path.
+ALLOWED = {
+    ("reference/shardpoint/exchange/host.py", "os.unlink"):
+        "the host exchange's own shared-memory segment file, never a checkpoint",
+    ("reference/shardpoint/exchange/host.py", ".unlink"):
+        "the same segment file, through the segment's own unlink()",
+    ("reference/shardpoint/tools/demo.py", "shutil.rmtree"):
+        "the demo's own temporary directory (made by tempfile.mkdtemp)",
+    ("conformance/shardpoint_conformance/faults.py", "shutil.rmtree"):
+        "the fault cases' own scratch roots under the suite's temporary directory",
+    ("conformance/shardpoint_conformance/faults.py", "os.remove"):
+        "damages a scratch checkpoint the case itself wrote, on purpose (a missing chunk)",
+    ("conformance/shardpoint_conformance/harness.py", "shutil.rmtree"):
+        "the harness's own per-case scratch directory",
+    ("conformance/shardpoint_conformance/runner.py", "shutil.rmtree"):
+        "the runner's own per-case scratch directory",
+    ("conformance/shardpoint_conformance/vectors.py", "shutil.rmtree"):
+        "a temporary copy of a test vector, made by the suite",
+    ("conformance/shardpoint_conformance/broken_adapter.py", "os.remove"):
+        "the deliberately broken adapter damages its own output (it must fail the suite)",
+    ("conformance/shardpoint_conformance/vector_damage.py", "os.remove"):
+        "damages a temporary copy of a vector on purpose (the invalid case it builds)",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def calls_outside_committer(root: Path) -> list:
+    """``(file, 'mod.func', line)`` for each forbidden call under ``root``'s sources."""
+    found = []
+    for d in SOURCES:
+        for f in sorted((root / d).rglob("*.py")):
+            rel = f.relative_to(root)
+            if COMMITTER in rel.parents:
+                continue
+            tree = ast.parse(f.read_text(), str(rel))
+            aliases = {}     # a name bound by 'from os import rename' -> 'os.rename'
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module in ("os", "shutil"):
+                    for a in node.names:
+                        if (node.module, a.name) in FORBIDDEN:
+                            aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Call):
+                    continue
+                fn, name = node.func, None
+                if (isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name)
+                        and (fn.value.id, fn.attr) in FORBIDDEN):
+                    name = f"{fn.value.id}.{fn.attr}"
+                elif isinstance(fn, ast.Name) and fn.id in aliases:
+                    name = aliases[fn.id]
+                elif (isinstance(fn, ast.Name) and fn.id == "renameat2") or (
+                        isinstance(fn, ast.Attribute) and fn.attr == "renameat2"):
+                    name = "renameat2"
+                elif isinstance(fn, ast.Attribute) and fn.attr in PATH_METHODS:
+                    name = f".{fn.attr}"       # pathlib.Path.unlink() and the like
+                if name:
+                    found.append((str(rel), name, node.lineno))
+    return found
+
+
+def violations(root: Path) -> list:
+    return [c for c in calls_outside_committer(root) if (c[0], c[1]) not in ALLOWED]
+
+
+def test_only_the_committer_renames_or_deletes_checkpoint_paths():
+    assert violations(ROOT) == []
+
+
+def test_every_allowlist_entry_is_still_needed():
+    used = {(f, n) for f, n, _ in calls_outside_committer(ROOT)}
+    assert set(ALLOWED) <= used, set(ALLOWED) - used
+
+
+def test_a_new_call_is_caught(tmp_path):
+    for d in SOURCES:
+        shutil.copytree(ROOT / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "reference" / "shardpoint" / "api" / "sneaky.py").write_text(
+        "import shutil\nfrom os import rename as mv\n\n"
+        "def prune(p):\n    shutil.rmtree(p)\n    mv(p, p + '.x')\n    p.unlink()\n")
+    got = violations(tmp_path)
+    assert ("reference/shardpoint/api/sneaky.py", "shutil.rmtree", 5) in got
+    assert ("reference/shardpoint/api/sneaky.py", "os.rename", 6) in got
+    assert ("reference/shardpoint/api/sneaky.py", ".unlink", 7) in got
