@@ -23,6 +23,11 @@ PATH_METHODS = {"unlink", "rmdir", "rename", "rmtree"}   # str.replace is too co
 
 # (file, function called): why it is not a checkpoint path.
 ALLOWED = {
+    ("core/shardpoint_core/store/files.py", "os.unlink"):
+        "FileStore.delete, the byte store's primitive: the committers call it (object-store "
+        "protocol), never anything else on a checkpoint path",
+    ("core/shardpoint_core/store/files.py", "os.rmdir"):
+        "FileStore.delete pruning the directories its own delete emptied",
     ("reference/shardpoint/exchange/host.py", "os.unlink"):
         "the host exchange's own shared-memory segment file, never a checkpoint",
     ("reference/shardpoint/exchange/host.py", ".unlink"):

@@ -1,7 +1,7 @@
 """Direct chunk writes (the backend's save fast path): every file is byte for byte what
 TensorStore writes for the same save, in every dtype, for plain and sharded chunks, edge
 chunks, 0-d and empty tensors and non-contiguous sources; the spec-only reader reads them;
-a write that is not one whole chunk goes through TensorStore."""
+a write that is not one whole chunk goes through the Zarr layer (shardpoint_core.zarr.array)."""
 import hashlib
 import json
 import os
@@ -95,15 +95,15 @@ def test_whole_chunks_never_touch_tensorstore(tmp_path):
     assert sorted(os.listdir(os.path.join(root, "a", "c"))) == ["0", "1", "2"]
 
 
-def test_a_write_that_is_not_one_chunk_goes_through_tensorstore(tmp_path):
+def test_a_write_that_is_not_one_chunk_goes_through_the_zarr_layer(tmp_path):
     root = str(tmp_path / "s")
     os.makedirs(root)
     x = np.arange(30, dtype=np.float32).reshape(10, 3)
     h = DIRECT.open_array_for_write(root, "a", ArraySpec((10, 3), "float32", (4, 3)))
     DIRECT.wait([DIRECT.write(h, (0, 0), x[0:8]),       # two chunks at once
                  DIRECT.write(h, (8, 0), x[8:10, :2]),  # part of a chunk...
-                 DIRECT.write(h, (8, 2), x[8:10, 2:])])  # ...and the rest of it
-    assert h._ts is not None
+                 DIRECT.write(h, (8, 2), x[8:10, 2:])])  # ...and the rest of it, at once
+    assert h._ts is None                               # TensorStore never opened
     DIRECT.flush(root)
     r = DIRECT.open_array_for_read(root, "a", ArraySpec((10, 3), "float32", (4, 3)), "a")
     out = np.zeros_like(x)

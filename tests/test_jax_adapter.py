@@ -1,4 +1,4 @@
-"""The conformance adapter matrix with shardpoint_jax as the second implementation:
+"""The conformance adapter matrix with shardpoint_jax as the adapter under test:
 reference -> JAX, JAX -> reference (checked by the spec validator too), JAX -> JAX and a
 corrupted reference checkpoint -> JAX, every tensor compared bit for bit."""
 from __future__ import annotations

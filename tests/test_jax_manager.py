@@ -443,7 +443,7 @@ def test_two_processes_save_retain_and_load(tmp_path):
     assert res[0]["after"] == res[1]["after"] == [[1], [1, 2], [2, 3], [2, 3, 4], [2, 4, 5]]
     for r in res:   # process 0 decided, every process raised the same error
         assert (r["exists"], r["differ"], r["bad"]) == \
-            ("CheckpointExistsError", "InvalidRequestError", "InvalidKeyError")
+            ("CheckpointExistsError", "InvalidOptionError", "InvalidKeyError")
         assert r["final"] == [2, 4, 6, 7] and r["step"] == 7 and r["ok"]
         assert r["best"] == 4     # 5 was best, but the async manager ranks no metric
     assert _steps_on_disk(root) == _names(2, 4, 6, 7)

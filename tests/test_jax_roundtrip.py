@@ -165,14 +165,18 @@ def test_big_chunks_become_shards_and_partial_reads_touch_inner_chunks(tmp_path)
     assert np.asarray(shardpoint.load(str(tmp_path / "c"))["big"]).tobytes() == a.tobytes()
 
 
-def test_written_from_the_spec_alone_no_torch_no_reference():
-    """The second implementation must not share code with the first (issue 11)."""
+def test_a_front_end_on_the_core_alone_no_torch_no_torch_front_end():
+    """shardpoint_jax builds on shardpoint_core only (issue 19): importing it and its adapter
+    imports neither torch, the torch front end nor the conformance suite, and it does use the
+    core (its copies of the core's modules are gone)."""
     import subprocess
     import sys
     code = ("import sys, shardpoint_jax, shardpoint_jax.adapter; "
             "bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'shardpoint', 'shardpoint_core.zarr', 'shardpoint_conformance')]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+            "('torch', 'shardpoint', 'shardpoint_conformance')]; "
+            "core = [m for m in ('shardpoint_core.manifest', 'shardpoint_core.coverage') "
+            "if m not in sys.modules]; "
+            "print(bad, core); sys.exit(1 if bad or core else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stdout + r.stderr

@@ -90,6 +90,11 @@ def test_tuning_example_runs(tmp_path):
     run_python(next(b for b in BLOCKS if "TensorStoreBackend(" in b), tmp_path)
 
 
+def test_stores_example_runs(tmp_path):
+    run_python(next(b for b in BLOCKS if "gopher://" in b), tmp_path)
+    assert os.listdir(tmp_path) == ["ckpt"]          # gopher:// made no local directory
+
+
 def test_async_loop_example_runs(tmp_path):
     """Training goes on during async saves; leaving the manager's block waits for the last."""
     block = next(b for b in BLOCKS if "async_save=True)" in b and "CheckpointManager" in b)

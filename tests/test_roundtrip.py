@@ -237,8 +237,10 @@ def test_overwrite_false_never_deletes_a_directory_that_is_not_a_checkpoint(tmp_
     e.mkdir()
     sp.save({"a": torch.ones(1)}, str(e))                               # an empty dir is fine
     assert torch.equal(sp.load(str(e))["a"], torch.ones(1))
-    sp.save({"a": torch.zeros(1)}, str(f), overwrite=True)              # replacing a file
-    assert torch.equal(sp.load(str(f))["a"], torch.zeros(1))
+    for how in (True, "any"):                      # a plain file is never replaced (issue 21)
+        with pytest.raises(sp.CheckpointExistsError, match="is a file, not a checkpoint"):
+            sp.save({"a": torch.zeros(1)}, str(f), overwrite=how)
+    assert f.read_text() == "x"
     assert not [n for n in os.listdir(tmp_path) if "shardpoint" in n]
 
 

@@ -94,3 +94,10 @@ class ConversionError(ShardpointError):
 class InvalidOptionError(ShardpointError, ValueError):
     """An argument or option is outside what it accepts (an unknown load strategy, a count or
     rate that must be positive, a ``best_mode`` other than min/max); raised before any I/O."""
+
+
+class UnsupportedStoreError(ShardpointError, ValueError):
+    """A checkpoint path names a store this process cannot use: a URL scheme no store is
+    registered for (``register_store`` adds one), or a store the operation does not support.
+    The message names the scheme and the registered ones. Raised before any I/O: a URL is
+    never taken for a local path."""

@@ -102,10 +102,15 @@ def decode_key(key: str) -> tuple:
     """Decode a key read from a manifest, validating it strictly ([SP-KEY-3])."""
     if not isinstance(key, str) or not key:
         raise InvalidKeyError(f"key {key!r} is not a non-empty string", spec_id="SP-KEY-3")
+    parts = key.split("/")
+    bad = next((p for p in parts if p in ("", ".", "..")), None)
+    if bad is not None:   # [SP-ERR-2]: [SP-KEY-2] before [SP-KEY-3], whichever comes first
+        raise InvalidKeyError(f"key {key[:80]!r} has the component {bad!r} (empty, '.' and "
+                              "'..' are not allowed)", spec_id="SP-KEY-2")
     if len(key.encode()) > MAX_KEY_BYTES:
         raise InvalidKeyError(f"key {key[:80]}... is longer than {MAX_KEY_BYTES} bytes",
                               spec_id="SP-KEY-4")
-    return tuple(decode_component(p) for p in key.split("/"))
+    return tuple(decode_component(p) for p in parts)
 
 
 def format_path(path: Sequence[Component]) -> str:

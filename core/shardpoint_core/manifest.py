@@ -70,6 +70,9 @@ _TOP_FIELDS = {"format", "format_version", "writer", "created_unix", "save_world
 _TENSOR_FIELDS = {"array", "shape", "dtype", "chunk_shape"}
 _OBJECT_FIELDS = {"count", "values", "shape"}
 _PATH_COMPONENT = re.compile(r"[A-Za-z0-9_.~%\-]+\Z")
+_TREE_KINDS = {"dict", "list", "tuple", "tensor", "object", "value"}
+TENSOR_ORIGINS = ("torch", "numpy")   # the closed set of a tensor leaf's origin ([SP-MAN-6])
+MAX_MANIFEST_BYTES = 1 << 30          # manifest.msgpack's size cap ([SP-SEC-2])
 
 
 @dataclass
@@ -172,8 +175,13 @@ def encode_manifest(m: Manifest) -> bytes:
                                     f"would exceed {values.MAX_DEPTH} levels at {deep}; "
                                     "flatten the tree", spec_id="SP-MAN-5")
     raw = values.pack(body)
-    return msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw},
+    data = msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw},
                          use_bin_type=True)
+    if len(data) > MAX_MANIFEST_BYTES:   # no reader would open it
+        raise UnsupportedValueError(f"the manifest would be {len(data)} bytes, over the "
+                                    f"{MAX_MANIFEST_BYTES}-byte cap; store big values as "
+                                    "arrays (tensors) instead", spec_id="SP-SEC-2")
+    return data
 
 
 def _object_entry(v: list) -> dict:
@@ -247,6 +255,11 @@ def decode_manifest(data: bytes) -> Manifest:
     if not isinstance(exts, dict):
         raise _bad("'extensions' must be a map", "SP-MAN-2")
     _unknown(exts, set(), "extensions")
+    for f, types in (("writer", (str,)), ("created_unix", (int, float)),
+                     ("save_world_size", (int,))):
+        if f in m and (isinstance(m[f], bool) or not isinstance(m[f], types)
+                       or (f == "save_world_size" and m[f] < 1)):
+            raise _bad(f"field {f!r} has the wrong type or value ({m[f]!r})", "SP-MAN-2")
     tensors = {}
     for key, e in m["tensors"].items():
         try:
@@ -256,6 +269,9 @@ def decode_manifest(data: bytes) -> Manifest:
                 from err
         if not isinstance(e, dict):
             raise _bad(f"tensor {key!r}: entry must be a map", "SP-MAN-3")
+        missing = sorted(_TENSOR_FIELDS - set(e))
+        if missing:
+            raise _bad(f"tensor {key!r}: entry lacks {missing}", "SP-MAN-3")
         _unknown(e, _TENSOR_FIELDS, f"tensor {key!r}")
         shape, chunk, dt = e.get("shape"), e.get("chunk_shape"), e.get("dtype")
         if not _ints(shape, 0) or not _ints(chunk, 1) or len(chunk) != len(shape):
@@ -288,10 +304,6 @@ def decode_manifest(data: bytes) -> Manifest:
             raise _bad(f"sharded object {key!r}: grid shape {grid!r} must be a non-empty list "
                        f"of ints >= 1 whose product is count {o['count']}", "SP-OBJ-4")
         objects[key] = ObjectValues(o["values"], grid)
-    for f, types in (("writer", (str,)), ("created_unix", (int, float)),
-                     ("save_world_size", (int,))):
-        if f in m and (isinstance(m[f], bool) or not isinstance(m[f], types)):
-            raise _bad(f"field {f!r} has the wrong type ({type(m[f]).__name__})", "SP-MAN-2")
     _check_distinct_arrays(tensors)
     _check_tree(m["tree"], tensors, objects)
     return Manifest(m["tree"], tensors, objects, tuple(ver), m.get("writer", ""),
@@ -313,6 +325,15 @@ def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: se
     check leaves no reference cycle behind)."""
     if not isinstance(node, dict) or len(node) < 1:
         raise _bad(f"tree node at {path!r} is not a map", "SP-MAN-4")
+    kinds = _TREE_KINDS.intersection(node)
+    extra = set(node) - kinds - ({"origin"} if kinds == {"tensor"} else set())
+    if len(kinds) != 1 or extra:
+        raise _bad(f"tree node at {path!r} has entries {sorted(map(str, node))!r}; a node "
+                   "is exactly one of dict, list, tuple, tensor (with an optional origin), "
+                   "object, value", "SP-MAN-4")
+    if "origin" in node and node["origin"] not in TENSOR_ORIGINS:
+        raise _bad(f"tensor leaf at {path!r} has origin {node['origin']!r}; the origins "
+                   f"are {', '.join(TENSOR_ORIGINS)} or none", "SP-MAN-4")
     if "dict" in node:
         if not isinstance(node["dict"], list):
             raise _bad(f"tree dict at {path!r} must be a list of [key, node]", "SP-MAN-4")
@@ -333,9 +354,12 @@ def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: se
             for i, c in enumerate(node[kind]):
                 _check_node(c, path + (i,), tensors, objects, seen_t, seen_o)
             return
-    if len(node) != 1 and set(node) != {"tensor", "origin"}:
-        raise _bad(f"tree leaf at {path!r} has extra entries {sorted(node)!r}", "SP-MAN-4")
     if "value" in node:
+        try:   # a value's path is a key too ([SP-KEY-2]: "wherever a key appears")
+            encode_key(path)
+        except InvalidKeyError as e:
+            raise _bad(f"tree path {path!r} cannot be a key: {e}",
+                       e.spec_id or "SP-KEY-2") from e
         v = node["value"]
         if not (v is None or isinstance(v, (bool, int, float, str, bytes))
                 or isinstance(v, np.generic)):   # ext 1 only as a numpy scalar
@@ -347,7 +371,8 @@ def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: se
             try:
                 want = encode_key(path)
             except InvalidKeyError as e:
-                raise _bad(f"tree path {path!r} cannot be a key: {e}", "SP-KEY-2") from e
+                raise _bad(f"tree path {path!r} cannot be a key: {e}",
+                           e.spec_id or "SP-KEY-2") from e
             if node[kind] != want or want not in table:
                 raise _bad(f"tree leaf at {want!r} refers to {kind} {node[kind]!r}, which "
                            f"is not the {kind} entry for its path", "SP-MAN-4")
@@ -379,4 +404,6 @@ def tree_leaves(m: Manifest):
 def read_metadata(path: str, *, backend: Any = None) -> Manifest:
     """The checkpoint's manifest: tree, keys, shapes, dtypes, chunk grids, format version."""
     from shardpoint_core.storage import get_backend
-    return decode_manifest(get_backend(backend).read_manifest(str(path)))
+    from shardpoint_core.store.registry import local_path
+    return decode_manifest(get_backend(backend).read_manifest(str(local_path(path,
+                                                                        "read_metadata"))))

@@ -32,6 +32,7 @@ from shardpoint_core.fsutil import os_error_text
 from shardpoint_core.commit.leftovers import Leftover
 from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.storage import StorageBackend
+from shardpoint_core.store.registry import local_path
 
 DEFAULT_MIN_AGE_S = 900.0
 
@@ -110,7 +111,7 @@ def recover(path_or_parent: str, *, dry_run: bool = False,
         raise InvalidOptionError(f"min_age_s={min_age_s!r}: an age is a finite number of "
                                  "seconds >= 0 (0 when no save can be running)")
     be = committer_of(backend)
-    path = os.path.abspath(path_or_parent)
+    path = os.path.abspath(local_path(path_or_parent, "recover"))
     if not os.path.lexists(path) and not os.path.isdir(os.path.dirname(path)):
         raise CheckpointNotFoundError(f"no such path {path_or_parent!r} (nor its parent "
                                       "directory): nothing to recover")

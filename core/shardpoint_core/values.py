@@ -192,7 +192,14 @@ def pack(v: Any) -> bytes:
 
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_TUPLE:
-        items = unpack(data)
+        try:
+            items = unpack(data)
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:   # trailing bytes, truncation: the payload, not the body
+            raise CorruptCheckpointError(f"ext 2 (tuple) payload is not exactly one msgpack "
+                                         f"array ({type(e).__name__}: {e})",
+                                         spec_id="SP-VALUE-2") from e
         if not isinstance(items, list):
             raise CorruptCheckpointError("ext 2 (tuple) payload is not a msgpack array",
                                          spec_id="SP-VALUE-2")

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Optional
 from shardpoint_core import errors
 from shardpoint_core.keys import MAX_KEY_BYTES, decode_key, encode_key
 from shardpoint_core.manifest import TENSOR_DIR, array_path_for, decode_manifest
+from shardpoint_core.store.registry import local_path
 from shardpoint_core.storage import MANIFEST_NAME, StorageBackend, get_backend
 
 # Problems found while opening an array: no chunk of it was read.
@@ -92,7 +93,7 @@ def verify_checkpoint(path: str, *, strict: bool = False,
         from shardpoint_core.zarr import TensorStoreBackend
         backend = TensorStoreBackend()
     be = get_backend(backend)
-    path = str(path)
+    path = str(local_path(path, "verify"))
     rep = VerifyReport(path, strict=strict)
     t0 = time.perf_counter()
     try:

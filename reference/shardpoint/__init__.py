@@ -27,10 +27,12 @@ from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundErr
                                     InvalidOptionError, InvalidShardingError,
                                     LayoutMismatchError, LoadFailedError, RankLostError,
                                     ResourceLimitError, SaveFailedError, ShardpointError,
-                                    UnsupportedFormatError, UnsupportedValueError)
+                                    UnsupportedFormatError, UnsupportedStoreError,
+                                    UnsupportedValueError)
 from shardpoint_core.hints import register_path_hint
 from shardpoint_core.manifest import FORMAT_VERSION, Manifest
 from shardpoint_core.recovery import RecoveryAction, recover
+from shardpoint_core.store.registry import register_store
 
 _LAZY = {
     "shardpoint.api": ["AsyncSave", "Checkpointer", "LoadOptions", "LoadReport", "LoadResult",
@@ -80,6 +82,6 @@ __all__ = [
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
     "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
     "LoadFailedError", "RankLostError", "ResourceLimitError", "ConversionError",
-    "InvalidOptionError",
+    "InvalidOptionError", "UnsupportedStoreError", "register_store",
     "recover", "RecoveryAction",
 ]

@@ -1,13 +1,15 @@
-"""shardpoint_jax: the shardpoint checkpoint format (spec/) for JAX, written from the spec.
+"""shardpoint_jax: the JAX front end of shardpoint, on the framework-neutral core
+(``shardpoint_core``: errors, keys, dtypes, values, the manifest codec, coverage rules).
 
 ``save(path, pytree, *, overwrite=False, async_save=False)`` and ``load(path, target=None)``;
 every process of a multi-process job calls both. ``CheckpointManager(root, ...)`` keeps
-numbered steps with retention and resume, in the PyTorch reference's directory layout.
-Imports neither torch nor the PyTorch reference."""
+numbered steps with retention and resume, in the PyTorch front end's directory layout.
+Imports neither torch nor the PyTorch front end (``shardpoint``)."""
 from shardpoint_jax.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                    CorruptCheckpointError, IncompleteCheckpointError,
-                                   InvalidKeyError, InvalidRequestError, InvalidShardingError,
-                                   LayoutMismatchError, SaveFailedError, ShardpointError,
+                                   InvalidKeyError, InvalidOptionError, InvalidRequestError,
+                                   InvalidShardingError, LayoutMismatchError,
+                                   ResourceLimitError, SaveFailedError, ShardpointError,
                                    UnsupportedFormatError, UnsupportedValueError)
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.loading import load
@@ -18,5 +20,6 @@ from shardpoint_jax.tree import ShardedObject
 __version__ = "0.1.0"
 __all__ = ["save", "load", "AsyncSave", "CheckpointManager", "ShardedObject", "ShardpointError",
            "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
-           "InvalidKeyError", "InvalidRequestError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
-           "UnsupportedFormatError", "UnsupportedValueError"]
+           "InvalidKeyError", "InvalidOptionError", "InvalidRequestError", "InvalidShardingError",
+           "LayoutMismatchError", "ResourceLimitError", "SaveFailedError", "UnsupportedFormatError",
+           "UnsupportedValueError"]

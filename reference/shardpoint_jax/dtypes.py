@@ -1,24 +1,16 @@
-"""The dtype table (spec/format.md section 5) as numpy dtypes, through ml_dtypes."""
+"""The core's dtype table (:mod:`shardpoint_core.dtypes`) as JAX sees it: JAX's extended
+dtypes (typed PRNG keys) are refused with the way to save them, and spec names map to the
+numpy (ml_dtypes) dtypes that JAX arrays carry."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-from shardpoint_jax.errors import UnsupportedFormatError, UnsupportedValueError
+from shardpoint_core import dtypes as core_dtypes
+from shardpoint_core.errors import UnsupportedFormatError, UnsupportedValueError
+from shardpoint_core.zarr.layout import fill_value
 
-BY_NAME = {
-    "bool": np.dtype(np.bool_), "int8": np.dtype(np.int8), "int16": np.dtype(np.int16),
-    "int32": np.dtype(np.int32), "int64": np.dtype(np.int64), "uint8": np.dtype(np.uint8),
-    "uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32),
-    "uint64": np.dtype(np.uint64), "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64), "complex64": np.dtype(np.complex64),
-    "complex128": np.dtype(np.complex128),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
-}
-FILL = {n: (False if n == "bool" else [0.0, 0.0] if n.startswith("complex")
-            else 0 if n.startswith(("int", "uint")) else 0.0) for n in BY_NAME}
+BY_NAME = {name: d.numpy for name, d in core_dtypes.DTYPES.items()}
+FILL = {name: fill_value(name) for name in BY_NAME}
 
 
 def numpy_dtype(dtype, where: str) -> np.dtype:
@@ -35,13 +27,8 @@ def numpy_dtype(dtype, where: str) -> np.dtype:
 
 
 def name_of(dtype, where: str) -> str:
-    """The spec name of a numpy/jax dtype; writers refuse the others [SP-DTYPE-1]."""
-    dt = numpy_dtype(dtype, where)
-    for n, d in BY_NAME.items():
-        if d == dt:
-            return n
-    raise UnsupportedValueError(f"{where}: dtype {dt} is not in the format's dtype table "
-                                f"({', '.join(BY_NAME)}); cast it first", spec_id="SP-DTYPE-1")
+    """The spec name of a numpy/JAX dtype; writers refuse the others [SP-DTYPE-1]."""
+    return core_dtypes.from_numpy(numpy_dtype(dtype, where), where).name
 
 
 def numpy_of(name, where: str) -> np.dtype:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from shardpoint_jax.errors import InvalidShardingError
+from shardpoint_core.coverage import check_exact_cover
 
 LOCAL_CHUNK_BYTES = 64 << 20
 
@@ -28,20 +28,15 @@ def dim_chunk(n: int, spans: Sequence[tuple]) -> int:
 
 def chunk_shape(key: str, shape: Sequence[int], blocks: Sequence[Sequence[tuple]]) -> list:
     """Chunk shape for ``shape`` saved as ``blocks`` (each a list of (start, stop) per dim).
-    Raises if distinct blocks overlap [SP-COVER-3]."""
+    Raises unless the distinct non-empty blocks tile ``shape`` exactly once: the core's
+    coverage rules ([SP-COVER-2] a gap, [SP-COVER-3] an overlap)."""
     if not shape:
         return []
     if math.prod(shape) == 0:
         return [max(1, n) for n in shape]
     distinct = sorted({tuple(b) for b in blocks if all(e > s for s, e in b)})
-    for i, a in enumerate(distinct):
-        for b in distinct[i + 1:]:
-            if all(max(x[0], y[0]) < min(x[1], y[1]) for x, y in zip(a, b)):
-                raise InvalidShardingError(f"tensor {key!r}: blocks {a} and {b} overlap",
-                                           spec_id="SP-COVER-3")
-    if sum(math.prod(e - s for s, e in b) for b in distinct) != math.prod(shape):
-        raise InvalidShardingError(f"tensor {key!r}: blocks {distinct} do not cover "
-                                   f"{list(shape)}", spec_id="SP-COVER-2")
+    boxes = [(tuple(s for s, _ in b), tuple(e - s for s, e in b)) for b in distinct]
+    check_exact_cover(shape, boxes, lambda i: f"device block {list(distinct[i])}", key)
     return [dim_chunk(n, [b[d] for b in distinct]) for d, n in enumerate(shape)]
 
 

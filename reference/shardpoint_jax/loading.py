@@ -3,15 +3,15 @@ reads only the regions its addressable devices need, from any saved layout, stra
 the shard buffers (TensorStore with crc32c checks and strict missing-chunk reads)."""
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import jax
 import numpy as np
 
+from shardpoint_core.errors import LayoutMismatchError
+from shardpoint_core.keys import encode_key
+from shardpoint_core.manifest import Manifest, TensorEntry
 from shardpoint_jax.dtypes import numpy_dtype, numpy_of
-from shardpoint_jax.errors import LayoutMismatchError
-from shardpoint_jax.manifest import object_grid, resolve
 from shardpoint_jax.storage import PendingRead, StoredArray, checkpoint_path, read_manifest
 from shardpoint_jax.tree import ShardedObject, walk
 
@@ -20,19 +20,31 @@ from shardpoint_jax.tree import ShardedObject, walk
 READ_AHEAD_BYTES = 256 << 20
 
 
+def node_kind(node: dict) -> str:
+    """The kind of a checked tree node (a tensor leaf may carry ``origin`` too, first or not)."""
+    return next(k for k in node if k != "origin")
+
+
+def entry_of(t: TensorEntry) -> dict:
+    """A manifest tensor entry as :class:`~shardpoint_jax.storage.StoredArray` takes it."""
+    return {"array": t.array, "shape": list(t.shape), "dtype": t.dtype,
+            "chunk_shape": list(t.chunk_shape)}
+
+
 class Checkpoint:
-    """A checked manifest and lazily opened arrays of one checkpoint directory."""
+    """A checked manifest (the core's :class:`~shardpoint_core.manifest.Manifest`) and lazily
+    opened arrays of one checkpoint directory."""
 
     def __init__(self, path: str) -> None:
         self.path = checkpoint_path(path, "load(path, target)")
-        self.body = read_manifest(self.path)
+        self.manifest: Manifest = read_manifest(self.path)
         self.leaves: dict = {}
-        self._index(self.body["tree"], [])
+        self._index(self.manifest.tree, [])
         self._stores: dict = {}
         self.ahead: Optional[ReadAhead] = None
 
     def _index(self, node: dict, path: list) -> None:
-        kind = next(iter(node))
+        kind = node_kind(node)
         if kind == "dict":
             for k, n in node["dict"]:
                 self._index(n, path + [k])
@@ -42,12 +54,12 @@ class Checkpoint:
         elif kind in ("tensor", "object"):
             self.leaves[node[kind]] = node
         else:
-            from shardpoint_jax.keys import encode_key
             self.leaves[encode_key(path)] = node
 
     def array(self, key: str) -> StoredArray:
         if key not in self._stores:
-            self._stores[key] = StoredArray(self.path, key, self.body["tensors"][key])
+            self._stores[key] = StoredArray(self.path, key,
+                                            entry_of(self.manifest.tensors[key]))
         return self._stores[key]
 
     def read(self, key: str, offset, shape, out=None) -> np.ndarray:
@@ -59,11 +71,12 @@ class Checkpoint:
         return self.array(key).read(offset, shape, out)
 
     def object_values(self, key: str) -> list:
-        return resolve(self.body["objects"][key]["values"], key)
+        """Every value of sharded object ``key``, in row-major order of its grid."""
+        return list(self.manifest.objects[key])
 
     # ---------------------------------------------------------------- whole tree
     def whole(self, node: dict) -> Any:
-        kind = next(iter(node))
+        kind = node_kind(node)
         if kind == "dict":
             return {k: self.whole(n) for k, n in node["dict"]}
         if kind == "list":
@@ -74,11 +87,9 @@ class Checkpoint:
             return node["value"]
         key = node[kind]
         if kind == "object":
-            vals = self.object_values(key)
-            grid = object_grid(key, self.body["objects"][key])
-            return vals if len(grid) == 1 else nest(vals, grid)
-        t = self.body["tensors"][key]
-        data = self.read(key, [0] * len(t["shape"]), t["shape"])
+            return self.manifest.objects[key].nested()   # [SP-OBJ-4]: nested for 2+ dims
+        t = self.manifest.tensors[key]
+        data = self.read(key, [0] * len(t.shape), t.shape)
         if node.get("origin") == "numpy" or not exact_in_jax(data.dtype):
             return data      # 64-bit dtypes without jax_enable_x64 stay numpy: never narrowed
         return jax.device_put(data)
@@ -152,12 +163,12 @@ def planned_regions(ck: Checkpoint, target: Any) -> list:
     """``(key, offset, shape, out)`` of every region ``load`` will read for ``target`` (the
     whole tree when None), in the order it will ask; leaves it will refuse are left out."""
     regions: list = []
-    tensors = ck.body["tensors"]
+    tensors = ck.manifest.tensors
     if target is None:
         for key, node in ck.leaves.items():
             if "tensor" in node:
-                regions.append((key, [0] * len(tensors[key]["shape"]),
-                                list(tensors[key]["shape"]), None))
+                regions.append((key, [0] * len(tensors[key].shape), list(tensors[key].shape),
+                                None))
         return regions
 
     def visit(_path: tuple, key: str, leaf: Any) -> Any:
@@ -166,8 +177,8 @@ def planned_regions(ck: Checkpoint, target: Any) -> list:
                 leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
             return leaf
         try:
-            dtype = numpy_of(t["dtype"], key)
-            if tuple(leaf.shape) != tuple(t["shape"]) or numpy_dtype(leaf.dtype, key) != dtype:
+            dtype = numpy_of(t.dtype, key)
+            if tuple(leaf.shape) != t.shape or numpy_dtype(leaf.dtype, key) != dtype:
                 return leaf
         except Exception:  # noqa: BLE001 - load_array raises it
             return leaf
@@ -177,8 +188,8 @@ def planned_regions(ck: Checkpoint, target: Any) -> list:
             return leaf
         if not exact_in_jax(dtype):
             return leaf
-        for index in _indices(leaf, t["shape"]):
-            regions.append((key, *region_of(index, t["shape"]), None))
+        for index in _indices(leaf, t.shape):
+            regions.append((key, *region_of(index, t.shape), None))
         return leaf
 
     walk(target, visit)
@@ -201,14 +212,6 @@ def exact_in_jax(dtype) -> bool:
     return jax.dtypes.canonicalize_dtype(dtype) == np.dtype(dtype)
 
 
-def nest(vals: list, grid: tuple) -> list:
-    """Row-major values as nested lists along the grid (outer list = first dimension)."""
-    if len(grid) == 1:
-        return list(vals)
-    step = math.prod(grid[1:])
-    return [nest(vals[i * step:(i + 1) * step], grid[1:]) for i in range(grid[0])]
-
-
 def load(path: str, target: Any = None, *, strict: bool = True) -> Any:
     """Load the checkpoint at ``path``. Without ``target``: the whole tree (jax.Arrays on the
     default device, numpy arrays where numpy saved them, values, objects as lists of all their
@@ -221,7 +224,7 @@ def load(path: str, target: Any = None, *, strict: bool = True) -> Any:
     ck.ahead = ReadAhead(ck, planned_regions(ck, target), READ_AHEAD_BYTES)
     try:
         if target is None:
-            return ck.whole(ck.body["tree"])
+            return ck.whole(ck.manifest.tree)
         return walk(target, lambda p, key, leaf: load_leaf(ck, key, leaf, strict))
     finally:
         ck.ahead.drain()
@@ -234,13 +237,13 @@ def load_leaf(ck: Checkpoint, key: str, leaf: Any, strict: bool) -> Any:
             raise LayoutMismatchError(f"{key!r} is not in the checkpoint; load with "
                                       "strict=False to skip it", spec_id="SP-LOAD-1")
         return leaf
-    kind = next(iter(node))
+    kind = node_kind(node)
     if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
         _expect(kind, "tensor", key)
         return load_array(ck, key, leaf)
     if isinstance(leaf, ShardedObject):
         _expect(kind, "object", key)
-        grid = object_grid(key, ck.body["objects"][key])
+        grid = ck.manifest.objects[key].shape
         if grid != leaf.grid:
             raise LayoutMismatchError(f"sharded object {key!r}: asked for grid {leaf.grid}, "
                                       f"the checkpoint stores grid {grid}", spec_id="SP-OBJ-2")
@@ -263,16 +266,16 @@ def _expect(kind: str, want: str, key: str) -> None:
 
 
 def load_array(ck: Checkpoint, key: str, leaf: Any) -> Any:
-    t = ck.body["tensors"][key]
-    dtype = numpy_of(t["dtype"], key)
+    t = ck.manifest.tensors[key]
+    dtype = numpy_of(t.dtype, key)
     if not isinstance(leaf, np.ndarray) and not exact_in_jax(dtype):
-        raise LayoutMismatchError(f"tensor {key!r} is {t['dtype']}, which JAX narrows without "
+        raise LayoutMismatchError(f"tensor {key!r} is {t.dtype}, which JAX narrows without "
                                   "jax_enable_x64; enable it or load into a numpy array",
                                   spec_id="SP-DTYPE-2")
-    if tuple(leaf.shape) != tuple(t["shape"]) or numpy_dtype(leaf.dtype, key) != dtype:
+    if tuple(leaf.shape) != t.shape or numpy_dtype(leaf.dtype, key) != dtype:
         raise LayoutMismatchError(f"tensor {key!r}: asked for {leaf.dtype} "
-                                  f"{list(leaf.shape)}, the checkpoint holds {t['dtype']} "
-                                  f"{t['shape']}", spec_id="SP-LOAD-1")
+                                  f"{list(leaf.shape)}, the checkpoint holds {t.dtype} "
+                                  f"{list(t.shape)}", spec_id="SP-LOAD-1")
     if isinstance(leaf, np.ndarray):
         if leaf.flags.c_contiguous and leaf.flags.writeable:
             return ck.read(key, [0] * leaf.ndim, leaf.shape, out=leaf)
@@ -284,10 +287,10 @@ def load_array(ck: Checkpoint, key: str, leaf: Any) -> Any:
     cache: dict = {}
 
     def region(index: tuple) -> np.ndarray:
-        off, shp = region_of(index, t["shape"])
+        off, shp = region_of(index, t.shape)
         k = (tuple(off), tuple(shp))
         if k not in cache:          # replicated devices of this process share one read
             cache[k] = ck.read(key, off, shp)
         return cache[k]
 
-    return jax.make_array_from_callback(tuple(t["shape"]), sharding, region)
+    return jax.make_array_from_callback(t.shape, sharding, region)

@@ -52,6 +52,7 @@ from shardpoint_jax.saving import error_info, raise_info
 from shardpoint_jax.saving import save as spj_save
 from shardpoint_jax.storage import MANIFEST, read_manifest
 from shardpoint_jax.values import pack, unpack
+from shardpoint_core.store.registry import local_path
 
 METRICS_KEY = "__metrics__"
 
@@ -84,7 +85,7 @@ class CheckpointManager:
                 check_metric(best_metric, best_mode)
         except CoreError as e:      # the core's InvalidOptionError, in this package's terms
             raise E.InvalidRequestError(str(e)) from None
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = os.path.abspath(local_path(os.fspath(root), "CheckpointManager"))
         self.max_to_keep, self.keep_every, self.keep_best = max_to_keep, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = bool(async_save)
@@ -117,7 +118,7 @@ class CheckpointManager:
         """The metrics saved with ``step`` (empty when none were given); reads the manifest
         only."""
         if step not in self._metrics:
-            tree = dict(read_manifest(self.path(step))["tree"].get("dict", []))
+            tree = dict(read_manifest(self.path(step)).tree.get("dict", []))
             node = tree.get(METRICS_KEY, {})
             self._metrics[step] = {k: n["value"] for k, n in node.get("dict", [])
                                    if isinstance(n, dict) and "value" in n}

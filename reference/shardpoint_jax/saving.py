@@ -13,21 +13,23 @@ from typing import Any, Optional, Union
 import jax
 import numpy as np
 
+from shardpoint_core import errors as core_errors
 from shardpoint_core.commit.posix import PosixCommitter
-from shardpoint_core.errors import ShardpointError as CoreError
+from shardpoint_core.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
+                                      encode_manifest)
+from shardpoint_jax import direct
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import POOL, AsyncSave, wait_for_previous
 from shardpoint_jax.comm import Comm
 from shardpoint_jax.dtypes import name_of
 from shardpoint_jax.grid import chunk_shape, local_chunk_shape
-from shardpoint_jax.keys import array_path
-from shardpoint_jax.manifest import encode_manifest
-from shardpoint_jax import direct
 from shardpoint_jax.storage import (checkpoint_path, chunk_files, create_arrays,
                                     make_durable, open_for_write, shard_inner,
                                     write_region)
 from shardpoint_jax.tree import ShardedObject, is_array, tree_node
 from shardpoint_jax.values import check_value, is_scalar_value, pack, unpack
+
+WRITER = "shardpoint-jax/0.1.0"
 
 
 def is_global(a: Any) -> bool:
@@ -54,11 +56,13 @@ class LocalPlan:
     def _leaf(self, path: tuple, key: str, v: Any) -> dict:
         if isinstance(v, ShardedObject):
             v.check(key)
-            check_value(v.value, key, nested=True)
+            check_value(v.value, key)
             rep = [v.replica_id] if isinstance(v.replica_id, int) else list(v.replica_id)
             self.objects[key] = [list(v.cell), list(v.grid), rep, v.value]
             return {"object": key}
         if is_array(v):
+            if isinstance(v, np.ndarray) and v.dtype.byteorder == ">":
+                v = v.astype(v.dtype.newbyteorder("<"))   # the format is little-endian
             dt = name_of(v.dtype, key)
             glob = is_global(v)
             chunk = (chunk_shape(key, v.shape, blocks_of(v)) if glob
@@ -68,11 +72,12 @@ class LocalPlan:
                                  "chunk": chunk}
             return {"tensor": key} if isinstance(v, jax.Array) else \
                 {"tensor": key, "origin": "numpy"}
-        if is_scalar_value(v):
-            check_value(v, key, nested=False)
-            return {"value": v}
-        check_value(v, key, nested=False)   # raises, naming the key
-        raise AssertionError("unreachable")
+        check_value(v, key)      # refuses what msgpack cannot carry, naming the key
+        if not is_scalar_value(v):
+            raise E.UnsupportedValueError(f"{key}: a {type(v).__name__} is not a value "
+                                          "leaf; store numbers, str, bytes or None",
+                                          spec_id="SP-VALUE-1")
+        return {"value": v}
 
     def encode(self) -> bytes:
         return pack({"tree": self.node, "tensors": self.tensors, "objects": self.objects})
@@ -164,15 +169,19 @@ def plan_objects(plans: list) -> dict:
 
 # -------------------------------------------------------------------------------- errors
 def error_info(e: BaseException) -> list:
-    ours = isinstance(e, (E.ShardpointError, CoreError))   # the committer raises the core's
+    ours = isinstance(e, E.ShardpointError)   # the core's classes (the committer's too)
     cls = type(e).__name__ if ours else "SaveFailedError"
     msg = str(e) if ours else f"{type(e).__name__}: {e}"
     return [cls, getattr(e, "spec_id", None), msg]
 
 
 def raise_info(info: list, where: str) -> None:
+    """Raise on this process the error another one reported (:func:`error_info`): the core's
+    class of that name, so every class the core has (and gains) passes; else SaveFailedError."""
     cls, sid, msg = info
-    klass = getattr(E, cls, E.SaveFailedError)
+    klass = getattr(core_errors, cls, None)
+    if not (isinstance(klass, type) and issubclass(klass, E.ShardpointError)):
+        klass = E.SaveFailedError
     err = klass(msg, spec_id=None)
     err.spec_id = sid
     raise err
@@ -302,7 +311,7 @@ def prepare(path: str, plan: dict, overwrite: bool) -> dict:
     COMMITTER.check_target(path, overwrite)        # [SP-COMMIT-5]
     token = secrets.token_hex(8)
     staging = COMMITTER.begin(path, token)         # created and locked [SP-COMMIT-6]
-    entries = {key: {"array": array_path(key), "shape": t["shape"], "dtype": t["dtype"],
+    entries = {key: {"array": array_path_for(key), "shape": t["shape"], "dtype": t["dtype"],
                      "chunk_shape": t["chunk"]} for key, t in plan["tensors"].items()}
     return {"staging": staging, "token": token, "overwrite": overwrite,
             "tree": plan["tree"], "tensors": entries,
@@ -405,12 +414,21 @@ def _short(e: BaseException) -> str:
     return text if len(text) < 400 else text[:400] + "..."
 
 
+def manifest_of(decision: dict) -> Manifest:
+    """The core's manifest of a save that process 0 decided (:func:`prepare`)."""
+    tensors = {k: TensorEntry(k, e["array"], tuple(e["shape"]), e["dtype"],
+                              tuple(e["chunk_shape"])) for k, e in decision["tensors"].items()}
+    objects = {k: ObjectValues(o["values"], o.get("shape")) for k, o in
+               decision["objects"].items()}
+    return Manifest(decision["tree"], tensors, objects, writer=WRITER,
+                    save_world_size=decision["world"])
+
+
 def commit(path: str, decision: dict) -> None:
     """Process 0, after every process wrote durably: manifest last, then the atomic rename
     (the old checkpoint moved aside first, never deleted before) [SP-COMMIT-1..4]."""
     staging = decision["staging"]
     make_durable(staging)
-    data = encode_manifest(decision["tree"], decision["tensors"], decision["objects"],
-                           decision["world"])
+    data = encode_manifest(manifest_of(decision))
     COMMITTER.write_manifest(staging, data)
     COMMITTER.publish(staging, path, overwrite=decision["overwrite"])

@@ -1,7 +1,8 @@
 """Files and Zarr v3 arrays (spec/format.md sections 3, 7, 9, 10): create arrays, validate
-zarr.json against the manifest, check chunk files and read regions strictly. TensorStore
-creates the arrays and reads regions that cut through chunks; whole chunks are read and
-written directly (:mod:`.direct`)."""
+zarr.json against the manifest, check chunk files and read regions strictly. Whole chunks
+are read and written directly (:mod:`.direct`); zarr.json and regions that cut through chunks
+go through the core's Zarr layer (:mod:`shardpoint_core.zarr.array`). TensorStore is used only
+to write where crc32c is not installed."""
 from __future__ import annotations
 
 import ctypes
@@ -15,15 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import tensorstore as ts
 
+from shardpoint_core.store.files import FileStore
+from shardpoint_core.store.registry import local_path
+from shardpoint_core.zarr.array import ArrayLayout, read_region, write_array_meta
+from shardpoint_core.zarr.direct_write import stored_codecs
 from shardpoint_jax import direct
 from shardpoint_jax.direct import whole_units
 from shardpoint_jax.dtypes import FILL, numpy_of
 from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                    IncompleteCheckpointError, InvalidRequestError,
                                    UnsupportedFormatError)
-from shardpoint_jax.manifest import MAX_MANIFEST_BYTES, decode_manifest
+from shardpoint_core.manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
 
 MANIFEST = "manifest.msgpack"
 CHUNK_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
@@ -36,6 +40,7 @@ def context() -> ts.Context:
     (``file_io_sync``): each process makes its writes durable at once when all are written
     (:func:`make_durable`), instead of TensorStore syncing file by file."""
     global _CONTEXT
+    import tensorstore as ts     # only the writes without crc32c (below) still use it
     if _CONTEXT is None:
         _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
     return _CONTEXT
@@ -49,7 +54,7 @@ def checkpoint_path(path: Any, call: str) -> str:
         raise InvalidRequestError(f"{call}: the path is a {type(path).__name__}, not a str or "
                                   "os.PathLike; arguments swapped? (shardpoint_jax takes the "
                                   "path first; the PyTorch shardpoint.save takes (state, path))")
-    return os.path.abspath(os.fspath(path))
+    return os.path.abspath(local_path(path, call))
 
 
 def _other_format(path: str) -> str:
@@ -71,8 +76,8 @@ def _other_format(path: str) -> str:
     return "a save that crashed or is still running"
 
 
-def read_manifest(path: str) -> dict:
-    """The checked manifest body of the checkpoint at ``path`` [SP-COMMIT-3] [SP-SEC-2]."""
+def read_manifest(path: str) -> Manifest:
+    """The checked manifest of the checkpoint at ``path`` [SP-COMMIT-3] [SP-SEC-2]."""
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path!r}", spec_id="SP-COMMIT-3")
     mpath = os.path.join(path, MANIFEST)
@@ -137,16 +142,19 @@ def _spec(root: str, array: str) -> dict:
 
 
 def create_arrays(root: str, arrays: list) -> None:
-    """Write each array's zarr.json (no chunks yet); ``arrays``: ``(array path, shape,
-    dtype, chunk)``. All are created at once, then waited for."""
-    futs = [ts.open(dict(_spec(root, array), metadata=array_metadata(shape, dtype, chunk),
-                         create=True), context=context()) for array, shape, dtype, chunk in arrays]
-    for f in futs:
-        f.result()
+    """Write each array's zarr.json (no chunks yet) with the core's Zarr layer, byte for byte
+    what TensorStore writes for the same metadata; ``arrays``: ``(array path, shape, dtype,
+    chunk)``."""
+    files = FileStore(root, fsync=False)
+    for array, shape, dtype, chunk in arrays:
+        meta = array_metadata(shape, dtype, chunk)
+        meta["codecs"] = stored_codecs(meta["codecs"], numpy_of(dtype, array).itemsize)
+        write_array_meta(files, array, ArrayLayout.from_meta(meta))
 
 
 def open_for_write(root: str, array: str) -> ts.TensorStore:
     spec = dict(_spec(root, array), open=True, store_data_equal_to_fill_value=True)
+    import tensorstore as ts
     return ts.open(spec, context=context()).result()   # [SP-ARRAY-4]
 
 
@@ -337,7 +345,9 @@ def aligned_empty(shape: tuple, dtype: Any, align: int = 64) -> np.ndarray:
 class StoredArray:
     """One tensor's array, opened strictly: zarr.json checked against the manifest, missing
     chunks are errors, never fill values [SP-READ-2]; every chunk file a read touches is
-    checked (kind, size, shard index) before TensorStore reads it [SP-SEC-5] [SP-READ-5]."""
+    checked (kind, size, shard index) before it is read [SP-SEC-5] [SP-READ-5]. Regions of
+    whole chunks are read by :mod:`.direct`, others by the core's Zarr layer over a
+    :class:`~shardpoint_core.store.files.FileStore` (no TensorStore)."""
 
     def __init__(self, root: str, key: str, entry: dict) -> None:
         self.root, self.key, self.entry = root, key, entry
@@ -348,19 +358,9 @@ class StoredArray:
         self.inner = (codec["configuration"]["chunk_shape"]
                       if codec.get("name") == "sharding_indexed" else None)
         self._checked: set = set()
-        spec = dict(_spec(root, entry["array"]), open=True, fill_missing_data_reads=False,
-                    recheck_cached_metadata=True, recheck_cached_data=True)
-        self._opening = ts.open(spec, context=context())   # waited for at first use
-        self._store: Optional[ts.TensorStore] = None
-
-    @property
-    def store(self) -> ts.TensorStore:
-        if self._store is None:
-            try:
-                self._store = self._opening.result()
-            except Exception as e:  # noqa: BLE001 - TensorStore's errors are ValueErrors
-                raise bad(self.key, f"array does not open: {e}", "SP-ARRAY-1") from None
-        return self._store
+        self.np_dtype = numpy_of(entry["dtype"], key)
+        self.layout = ArrayLayout.from_meta(meta)
+        self._files = FileStore(root, fsync=False)
 
     def _check_chunk(self, idx: tuple) -> None:
         rel = self.entry["array"] + "/c" + "".join(f"/{i}" for i in idx)
@@ -412,7 +412,7 @@ class StoredArray:
             raise InvalidRequestError(f"tensor {key!r}: region {list(offset)}+{list(shape)} "
                                       f"is outside {self.shape}", spec_id="SP-HOLD-1")
         if out is None:
-            out = aligned_empty(tuple(shape), self.store.dtype.numpy_dtype)
+            out = aligned_empty(tuple(shape), self.np_dtype)
         if math.prod(shape) == 0:
             return PendingRead(self, offset, shape, out, None)
         ranges = [range(o // c, (o + n - 1) // c + 1)
@@ -427,9 +427,9 @@ class StoredArray:
                                 self.inner, out.dtype, offset, out,
                                 lambda what, sid: bad(key, what, sid))
             return PendingRead(self, offset, shape, out, fut)
-        region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-        view = self.store[region].translate_to[(0,) * len(region)] if region else self.store
-        fut = ts.array(out, copy=False, write=True).write(view)   # straight into out
+        # A region cutting through chunks: the core's Zarr layer, inner chunks by ranged reads.
+        fut = direct.submit(read_region, self._files, self.entry["array"], self.layout,
+                            tuple(offset), out, key)
         return PendingRead(self, offset, shape, out, fut)
 
     def _chunk_path(self, idx: tuple) -> str:

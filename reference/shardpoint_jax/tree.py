@@ -10,8 +10,8 @@ from typing import Any, Callable, Optional, Tuple, Union
 import jax
 import numpy as np
 
-from shardpoint_jax.errors import InvalidShardingError, UnsupportedValueError
-from shardpoint_jax.keys import encode_key
+from shardpoint_core.errors import InvalidShardingError, UnsupportedValueError
+from shardpoint_core.keys import encode_key
 
 Index = Tuple[int, ...]
 

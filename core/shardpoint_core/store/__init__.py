@@ -1,4 +1,13 @@
-"""Byte stores: the seam beneath the format (see :mod:`.base`)."""
+"""Byte stores: the seam beneath the format (see :mod:`.base`): local files, memory, and the
+stores registered by URL scheme (:mod:`.registry`)."""
 from shardpoint_core.store.base import ByteStore, ObjectInfo, StoreCapabilities
+from shardpoint_core.store.files import FileStore
+from shardpoint_core.store.keys import check_key
+from shardpoint_core.store.memory import MemoryStore
+from shardpoint_core.store.registry import (check_path, is_local, local_path, open_store,
+                                            register_store, registered_schemes,
+                                            unregister_store)
 
-__all__ = ["ByteStore", "ObjectInfo", "StoreCapabilities"]
+__all__ = ["ByteStore", "FileStore", "MemoryStore", "ObjectInfo", "StoreCapabilities",
+           "check_key", "check_path", "is_local", "local_path", "open_store", "register_store",
+           "registered_schemes", "unregister_store"]

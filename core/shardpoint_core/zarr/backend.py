@@ -1,22 +1,29 @@
-"""Checkpoints on a local or shared file system, tensors as Zarr v3 arrays via TensorStore.
+"""Checkpoints on a local or shared file system, tensors as Zarr v3 arrays.
+
+Reads and writes go through this project's own code: whole chunks by the direct paths
+(``pwritev``/``preadv``), everything else (a write of part of a chunk, a chunk the direct
+reader could not prove intact, bool arrays, verification) through the Zarr layer over a
+:class:`~shardpoint_core.store.files.FileStore` (:mod:`.array`), which raises the spec's
+errors. TensorStore is needed only with ``direct_reads=False`` / ``direct_writes=False`` (the
+cross-check: the same files through TensorStore) and on big-endian hosts.
 
 Every chunk and shard index carries a crc32c codec; arrays are written with
 ``store_data_equal_to_fill_value`` (an all-zero chunk is still a stored chunk) and read with
 ``fill_missing_data_reads: false`` (a missing chunk is an error, never silent zeros). Writes
 reference the caller's buffer without copying; reads land directly in the caller's buffer.
-One ``ts.Context`` is shared by all arrays so I/O concurrency is pooled.
+Where TensorStore is used, one ``ts.Context`` is shared by all arrays.
 """
 from __future__ import annotations
 
 import errno
 import math
 import os
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import tensorstore as ts
 
 from shardpoint_core.errors import (CheckpointNotFoundError,
                                     CorruptCheckpointError, IncompleteCheckpointError,
@@ -36,6 +43,20 @@ from shardpoint_core.zarr.direct_read import (DirectLayout, DirectReader, parse_
                                               whole_chunk_files)
 from shardpoint_core.zarr.direct_write import (DirectWriter, WritePool, stored_codecs,
                                                write_layout, zarr_json_bytes)
+from shardpoint_core.zarr.array import ArrayLayout, read_region, write_region
+from shardpoint_core.store.files import FileStore
+
+
+def _ts() -> Any:
+    """TensorStore, imported only where it is used (the cross-check paths)."""
+    try:
+        import tensorstore
+    except ImportError as e:
+        from shardpoint_core.errors import InvalidOptionError
+        raise InvalidOptionError("TensorStoreBackend(direct_reads=False / direct_writes="
+                                 "False) and big-endian hosts need TensorStore: pip install "
+                                 "'shardpoint[tensorstore]'") from e
+    return tensorstore
 
 MAX_MANIFEST_BYTES = 1 << 30
 
@@ -63,11 +84,21 @@ class _LazyTS:
 
 
 class _WriteHandle(_LazyTS):
-    """An array being written with direct chunk writes (on the zarr.json written here)."""
+    """An array being written with direct chunk writes (on the zarr.json written here); a
+    write of anything but one whole chunk goes through the Zarr layer over ``store``."""
 
-    def __init__(self, writer: DirectWriter, open_ts: Any) -> None:
+    def __init__(self, writer: DirectWriter, open_ts: Any, store: FileStore, array_path: str,
+                 layout: ArrayLayout) -> None:
         super().__init__(open_ts)
         self.writer = writer
+        self.store, self.array_path, self.layout = store, array_path, layout
+        self.partial = threading.Lock()   # writes of parts of chunks read, change, rewrite
+
+    def write_part(self, offset: tuple, data: np.ndarray) -> None:
+        """A write that is not one whole chunk, one at a time per array: two parts of one
+        chunk written at once must not lose each other's bytes."""
+        with self.partial:
+            write_region(self.store, self.array_path, self.layout, offset, data)
 
 
 def _create_zarr_json(root: str, apath: str, data: bytes) -> None:
@@ -93,12 +124,22 @@ def _create_zarr_json(root: str, apath: str, data: bytes) -> None:
 
 
 class _DirectHandle(_LazyTS):
-    """A stored array read with direct chunk reads; if TensorStore is opened for the
-    fallback, it raises the documented error for what is wrong."""
+    """A stored array read with direct chunk reads; a chunk they cannot prove intact is read
+    again by the Zarr layer (``store``, ``array``), which raises the spec's error."""
 
-    def __init__(self, layout: DirectLayout, open_ts: Any, key: str) -> None:
+    def __init__(self, layout: DirectLayout, open_ts: Any, key: str, store: FileStore,
+                 array_path: str, array: ArrayLayout) -> None:
         super().__init__(open_ts)
         self.layout, self.key = layout, key
+        self.store, self.array_path, self.array = store, array_path, array
+
+
+class _LayerHandle:
+    """A stored array read by the Zarr layer alone (bool: it refuses bytes other than 0/1,
+    [SP-READ-5]; a layout the direct reader does not take)."""
+
+    def __init__(self, store: FileStore, array_path: str, array: ArrayLayout, key: str) -> None:
+        self.store, self.array_path, self.array, self.key = store, array_path, array, key
 
 
 class _TSHandle:
@@ -164,7 +205,8 @@ class TensorStoreBackend:
         spec = dict(context or {})
         # Chunks are written without a per-file fsync; ``flush`` makes them durable at once.
         spec.setdefault("file_io_sync", False)
-        self.context = ts.Context(spec)
+        self._context_spec = spec
+        self._context: Any = None
         self.shard_above_bytes = shard_above_bytes
         self.inner_chunk_bytes = inner_chunk_bytes
         self.fsync = fsync
@@ -190,8 +232,16 @@ class TensorStoreBackend:
                     self._pool_pid = os.getpid()
         return self._pool.submit(fn, *args)
 
+    @property
+    def context(self) -> Any:
+        """The ``ts.Context`` shared by this backend's TensorStore opens (made on first use)."""
+        with self._lock:
+            if self._context is None:
+                self._context = _ts().Context(self._context_spec)
+            return self._context
+
     def __repr__(self) -> str:
-        return f"TensorStoreBackend(context={self.context.spec.to_json()})"
+        return f"TensorStoreBackend(context={self._context_spec})"
 
     def supports_concurrent_writers(self) -> bool:
         return True
@@ -233,8 +283,9 @@ class TensorStoreBackend:
             self._written.setdefault(os.path.abspath(root), set()).add(apath)
 
         def open_ts() -> Any:
+            tsm = _ts()
             try:
-                return ts.open(s, context=self.context).result()
+                return tsm.open(s, context=self.context).result()
             except ValueError as e:
                 raise SaveFailedError(f"cannot create array {array_path!r} under {root}: "
                                       f"{e}") from e
@@ -250,7 +301,8 @@ class TensorStoreBackend:
             raise SaveFailedError(f"cannot create array {array_path!r} under {root}: "
                                   f"{e}") from e
         return _WriteHandle(DirectWriter(lay, self._write_pool.submit, self.fsync),
-                            open_ts)
+                            open_ts, FileStore(root, fsync=False), array_path,
+                            ArrayLayout.from_meta(stored))
 
     def flush(self, root: str) -> None:
         """Make every array this process wrote under ``root`` durable: one ``syncfs`` of the
@@ -272,7 +324,7 @@ class TensorStoreBackend:
             op = handle.writer.write(offset, data)
             if op is not None:
                 return op
-            handle = handle.tensorstore()
+            return self._write_pool.submit(handle.write_part, tuple(offset), data)
         return _region(handle, offset, data.shape).write(
             data, can_reference_source_data_indefinitely=True)
 
@@ -283,8 +335,9 @@ class TensorStoreBackend:
         # (overwrite=True) must never be read through entries cached from the old one.
         s.update({"open": True, "fill_missing_data_reads": False,
                   "recheck_cached_data": "open", "recheck_cached_metadata": "open"})
+        tsm = _ts()          # a missing TensorStore is a missing dependency, not corruption
         try:
-            h = ts.open(s, context=self.context).result()
+            h = tsm.open(s, context=self.context).result()
         except ValueError as e:
             raise CorruptCheckpointError(f"tensor {key!r}: cannot open its array "
                                          f"{array_path!r}: {e}", spec_id="SP-ARRAY-1") from e
@@ -303,9 +356,9 @@ class TensorStoreBackend:
 
     def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
                             key: str) -> Any:
-        """Cheap when the array is in this backend's own layout: zarr.json is parsed and
-        checked here, chunks are read directly; otherwise a full TensorStore open. The spec's
-        own checks come first either way: file kinds, size caps, codecs, fill value."""
+        """Cheap: zarr.json is parsed and checked here (file kinds, size caps, codecs, fill
+        value), chunks are read directly, and what the direct reader does not take by the
+        Zarr layer; a TensorStore open only with ``direct_reads=False`` (the cross-check)."""
         from shardpoint_core.dtypes import DTYPES, from_name
         meta = read_zarr_json(root, array_path, key)
         check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
@@ -313,13 +366,17 @@ class TensorStoreBackend:
         if os.path.isdir(apath):
             check_array_files(root, array_path, key,
                               chunk_file_sizes(meta, from_name(spec.dtype).itemsize))
-        # bool stays on TensorStore, which refuses bytes other than 0/1 ([SP-READ-5]).
-        if self.direct_reads and spec.dtype in DTYPES and spec.dtype != "bool":
-            layout = parse_layout(meta, apath, DTYPES[spec.dtype].numpy)
-            if layout is not None and meta.get("data_type") in DTYPES:
+        if self.direct_reads and spec.dtype in DTYPES and sys.byteorder == "little":
+            array = ArrayLayout.from_meta(meta)
+            store = FileStore(root, fsync=False)
+            # bool goes to the Zarr layer, which refuses bytes other than 0/1 ([SP-READ-5]).
+            layout = parse_layout(meta, apath, DTYPES[spec.dtype].numpy) \
+                if spec.dtype != "bool" else None
+            if layout is not None:
                 self._check_metadata(layout.shape, meta, spec, key, array_path)
                 return _DirectHandle(layout, lambda: self._open_ts_for_read(
-                    root, array_path, spec, key), key)
+                    root, array_path, spec, key), key, store, array_path, array)
+            return _LayerHandle(store, array_path, array, key)
         return _TSHandle(self._open_ts_for_read(root, array_path, spec, key), key)
 
     def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
@@ -332,16 +389,20 @@ class TensorStoreBackend:
         self._submit(will_need, whole_chunk_files(handle.layout, offset, shape))
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
-        # TensorStore itself refuses bool bytes other than 0/1 ("Invalid bool value"), so a
-        # damaged bool chunk fails here as SP-READ-3, never reads as True ([SP-READ-5]).
+        # A chunk the direct reader cannot prove intact is read again by the Zarr layer,
+        # which raises the spec's error for it (a damaged bool chunk fails as SP-READ-3,
+        # never reads as True, [SP-READ-5]).
         if isinstance(handle, _DirectHandle):
             def fallback(off: Sequence[int], view: np.ndarray) -> None:
-                h = handle.tensorstore()
-                ts.array(view, copy=False, write=True).write(
-                    _region(h, off, view.shape)).result()
+                read_region(handle.store, handle.array_path, handle.array, off, view,
+                            handle.key)
             return _KeyedRead(DirectReader(handle.layout, self._submit, fallback).read(
                 tuple(offset), out), handle.key)
-        return _KeyedRead(ts.array(out, copy=False, write=True).write(
+        if isinstance(handle, _LayerHandle):
+            return _KeyedRead(self._submit(read_region, handle.store, handle.array_path,
+                                           handle.array, tuple(offset), out, handle.key),
+                              handle.key)
+        return _KeyedRead(_ts().array(out, copy=False, write=True).write(
             _region(handle.ts, offset, out.shape)), handle.key)
 
     def wait(self, ops: Sequence[Any]) -> None:
@@ -374,7 +435,12 @@ class TensorStoreBackend:
 
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list:
         try:
-            self.open_array_for_read(root, array_path, spec, key)   # the spec's file checks
+            handle = self.open_array_for_read(root, array_path, spec, key)  # the file checks
+        except ShardpointError as e:
+            return [(e.spec_id or "SP-ARRAY-1", str(e))]
+        if isinstance(handle, (_DirectHandle, _LayerHandle)):
+            return self._verify_chunks(handle, spec, key)
+        try:
             h = self._open_ts_for_read(root, array_path, spec, key)
         except ShardpointError as e:
             return [(e.spec_id or "SP-ARRAY-1", str(e))]
@@ -398,6 +464,21 @@ class TensorStoreBackend:
                 msg = str(e).split("[tensorstore_spec")[0].strip()
                 sid = "SP-READ-2" if "NOT_FOUND" in msg else "SP-READ-3"
                 problems.append((sid, f"tensor {key!r} chunk {list(idx)}: {msg}"))
+        return problems
+
+    @staticmethod
+    def _verify_chunks(handle: Any, spec: ArraySpec, key: str) -> list:
+        """Every chunk read by the Zarr layer; one problem per damaged chunk."""
+        problems = []
+        lay = handle.array
+        for idx in np.ndindex(*lay.grid()) if lay.shape else [()]:
+            off = tuple(i * c for i, c in zip(idx, lay.chunk))
+            sh = tuple(min(c, n - o) for c, n, o in zip(lay.chunk, lay.shape, off))
+            try:
+                read_region(handle.store, handle.array_path, lay, off,
+                            np.empty(sh, lay.np_dtype), key)
+            except CorruptCheckpointError as e:
+                problems.append((e.spec_id or "SP-READ-3", f"chunk {list(idx)}: {e}"))
         return problems
 
     # -- manifest and commit ----------------------------------------------------------

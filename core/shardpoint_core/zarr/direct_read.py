@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 import crc32c
 import numpy as np
 
+from shardpoint_core.store.files import preadv_all
+
 _KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
          "fill_value", "codecs", "attributes", "dimension_names"}
 _IOV_MAX = 1024
@@ -154,18 +156,6 @@ def _segments(sub: np.ndarray) -> Optional[list]:
     return None if any(s.flags.owndata for s in segs) else segs
 
 
-def _preadv_all(fd: int, bufs: list, pos: int) -> int:
-    n = 0
-    for i in range(0, len(bufs), _IOV_MAX):
-        part = bufs[i:i + _IOV_MAX]
-        want = sum(b.nbytes for b in part)
-        got = os.preadv(fd, part, pos + n)
-        n += got
-        if got != want:
-            break
-    return n
-
-
 def _crc(bufs: list) -> int:
     c = 0
     for b in bufs:
@@ -220,7 +210,7 @@ class DirectReader:
         nbytes = math.prod(cshape) * lay.itemsize
         bufs = self._direct_bufs(origin, cshape, offset, out)
         if bufs is not None:
-            if _preadv_all(fd, bufs, pos) != nbytes + 4:
+            if preadv_all(fd, bufs, pos) != nbytes + 4:
                 return False
             return _crc(bufs[:-1]) == int.from_bytes(bufs[-1].tobytes(), "little")
         valid = tuple(min(c, n - o) for c, n, o in zip(cshape, lay.shape, origin))
@@ -228,7 +218,7 @@ class DirectReader:
         bhi = tuple(min(o + v, q + s) for o, v, q, s in zip(origin, valid, offset, out.shape))
         dst = _sub(out, blo, bhi, offset)
         buf = np.empty(nbytes + 4, np.uint8)
-        if _preadv_all(fd, [buf], pos) != nbytes + 4:
+        if preadv_all(fd, [buf], pos) != nbytes + 4:
             return False
         if crc32c.crc32c(buf[:nbytes]) != int.from_bytes(buf[nbytes:].tobytes(), "little"):
             return False
@@ -318,7 +308,7 @@ class DirectReader:
             try:
                 fd = os.open(_chunk_file(self.lay, cidx), os.O_RDONLY)
                 try:
-                    got = _preadv_all(fd, iov, run[0][0])
+                    got = preadv_all(fd, iov, run[0][0])
                 finally:
                     os.close(fd)
             except OSError:

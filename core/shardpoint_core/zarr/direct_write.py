@@ -17,7 +17,6 @@ and the caller writes through TensorStore.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -30,9 +29,9 @@ from typing import Any, Callable, Optional, Sequence
 import crc32c
 import numpy as np
 
-from shardpoint_core.commit.durable import libc_function
+from shardpoint_core.store.files import (  # noqa: F401 - start_writeback re-exported
+    pwritev_all, start_writeback)
 
-_IOV_MAX = 1024
 _ABSENT = 2**64 - 1
 RUN_BYTES = 16 << 20          # adjacent inner chunks written by one task, up to this many bytes
 # Inner chunks of 256 KiB and more start on 4 KiB boundaries (at most 1.6% of padding): with
@@ -41,29 +40,12 @@ RUN_BYTES = 16 << 20          # adjacent inner chunks written by one task, up to
 INNER_ALIGN = 4096
 _ZEROS = np.zeros(INNER_ALIGN, np.uint8)
 _ZEROS.flags.writeable = False
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 def zarr_json_bytes(meta: dict) -> bytes:
     """``zarr.json`` as TensorStore writes it: compact JSON, keys sorted."""
     return json.dumps({"zarr_format": 3, "node_type": "array", **meta}, sort_keys=True,
                       separators=(",", ":")).encode()
-
-
-def _load_sync_file_range() -> Optional[Callable]:
-    return libc_function("sync_file_range",
-                         [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
-
-
-_SFR = _load_sync_file_range()
-
-
-def start_writeback(fd: int, pos: int, nbytes: int) -> None:
-    """Ask the kernel to start writing ``[pos, pos + nbytes)`` of ``fd`` to disk now, without
-    waiting for it (Linux ``sync_file_range``); elsewhere, and on failure, nothing: the sync at
-    the end of the save still makes every byte durable. This only moves work earlier."""
-    if _SFR is not None:
-        _SFR(fd, pos, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 @dataclass(frozen=True)
@@ -156,25 +138,6 @@ def _encode(sub: np.ndarray, cshape: tuple, itemsize: int) -> list:
     for b in bufs:
         c = crc32c.crc32c(b, c)
     return bufs + [np.frombuffer(c.to_bytes(4, "little"), np.uint8)]
-
-
-def _pwritev_all(fd: int, bufs: list, pos: int) -> int:
-    """Write all of ``bufs`` at ``pos`` (several calls when short or over IOV_MAX)."""
-    views = [memoryview(b).cast("B") for b in bufs if b.nbytes]
-    total = 0
-    while views:
-        part = views[:_IOV_MAX]
-        n = os.pwritev(fd, part, pos + total)
-        if n <= 0:
-            break
-        total += n
-        while part and n >= part[0].nbytes:
-            n -= part[0].nbytes
-            part.pop(0)
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-    return total
 
 
 class WriteOp:
@@ -291,7 +254,7 @@ def _write_units(path: str, units: list, early: bool) -> None:
 
 def _flush_run(fd: int, bufs: list, start: int, early: bool) -> None:
     want = sum(b.nbytes for b in bufs)
-    got = _pwritev_all(fd, bufs, start)
+    got = pwritev_all(fd, bufs, start)
     if got != want:
         raise OSError(f"short write: {got} of {want} bytes")
     if early:

@@ -28,6 +28,7 @@ from shardpoint_core.keys import decode_key, encode_key, similar_keys
 from shardpoint_core.manifest import Manifest, TensorEntry, decode_manifest
 from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, iter_leaves
 from shardpoint_core.storage import StorageBackend, get_backend
+from shardpoint_core.store.registry import local_path
 from shardpoint.tree.views import to_numpy
 
 
@@ -124,7 +125,7 @@ class Checkpoint:
     """A read-only handle on one committed checkpoint (see :func:`open`)."""
 
     def __init__(self, path: str, backend: Optional[StorageBackend] = None) -> None:
-        self.path = str(path)
+        self.path = str(local_path(path, "open"))
         self._be = get_backend(backend)
         self._identity = getattr(self._be, "checkpoint_identity", None)
         self._ident = self._identity(self.path) if self._identity else None   # see load()

@@ -28,6 +28,7 @@ from shardpoint_core.manifest import read_metadata, Manifest, decode_manifest  #
 from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import RankLoadWork, TensorLayout
 from shardpoint_core.storage import StorageBackend
+from shardpoint_core.store.registry import local_path
 from shardpoint.tree.targets import collect_targets, full_targets
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
 
@@ -246,7 +247,7 @@ class LoadJob:
 def run_load(path: str, like: Any, comm: Comm, be: StorageBackend, strict: bool,
              opts: LoadOptions, budget: Optional[int] = None) -> LoadResult:
     """One load, phase by phase (what :meth:`Checkpointer.load` runs)."""
-    job = LoadJob(path, like, comm, be, strict, opts)
+    job = LoadJob(local_path(path, "load"), like, comm, be, strict, opts)
     job.read_manifest()
     job.plan()
     job.read(budget or opts.exchange_budget_bytes)

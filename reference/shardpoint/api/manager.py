@@ -48,6 +48,7 @@ from shardpoint_core.policy import (Retention, check_metric, parse_step, policy_
                                     ranked, retained, step_name)
 from shardpoint_core.recovery import committer_of
 from shardpoint_core.storage import MANIFEST_NAME, StorageBackend
+from shardpoint_core.store.registry import local_path
 
 METRICS_KEY = "__metrics__"
 
@@ -80,7 +81,7 @@ class CheckpointManager:
                                                           best_metric, best_mode, keep_best)
         if best_metric is not None:
             check_metric(best_metric, best_mode)
-        self.root = os.path.abspath(str(root))
+        self.root = os.path.abspath(local_path(str(root), "CheckpointManager"))
         self.max_to_keep, self.keep_every, self.keep_best = max_to_keep, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         if async_save and not hasattr(api, "AsyncSave"):

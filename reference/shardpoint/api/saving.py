@@ -29,6 +29,7 @@ from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, plan_objects,
                                          plan_save)
 from shardpoint_core.storage import ArraySpec, StorageBackend
+from shardpoint_core.store.registry import local_path
 from shardpoint.api.staging import StagingPool, copy_pairs, stream_device_writes
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
 
@@ -444,6 +445,7 @@ def run_save(state: Any, path: str, comm: Comm, be: StorageBackend, opts: SaveOp
     """One save, phase by phase, with ``group`` (the checkpointer's state for ``comm``'s
     process group: plan cache, pending async save and its pool, side group). What
     :meth:`Checkpointer.save` runs."""
+    path = local_path(path, "save")     # s3://... is never a local directory 's3:'
     check_overwrite(overwrite)
     saves = group.saves
     saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))

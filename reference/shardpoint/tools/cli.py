@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from shardpoint.tools import cli_tools
 from shardpoint_core import errors
+from shardpoint_core.store.registry import local_path
 from shardpoint.tools import progress
 from shardpoint.tools.textfmt import fit_table, width
 from shardpoint.tools.textfmt import fmt_bytes as _fmt_bytes
@@ -247,6 +248,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_PATH_ARGS = ("path", "src", "dst", "a", "b", "dir")
+
+
 def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "conformance":
@@ -256,6 +260,9 @@ def main(argv: Optional[list] = None) -> int:
     except SystemExit as e:   # --help or a usage error (argparse printed it)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     try:
+        for name in _PATH_ARGS:        # a URL nobody registered is never a local path
+            if isinstance(getattr(a, name, None), str):
+                setattr(a, name, local_path(getattr(a, name), f"shardpoint {a.cmd}"))
         return a.fn(a)
     except errors.CheckpointNotFoundError as e:
         print(f"shardpoint {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)

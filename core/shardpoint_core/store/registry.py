@@ -1,0 +1,145 @@
+"""Stores chosen from a checkpoint's path: plain paths and ``file://`` are local files,
+``memory://name/...`` a process-wide memory store, and any other scheme whatever was
+registered for it (``register_store("s3", factory)``: object stores plug in here).
+
+A path with a scheme nobody registered is refused (:class:`UnsupportedStoreError`, naming the
+scheme and the registered ones), never taken for a local path: before this, ``save(state,
+"s3://bucket/x")`` wrote a local directory ``s3:``.
+
+Example::
+
+    register_store("mystore", lambda url: MyStore(url))
+    store = open_store("mystore://bucket/run/step_5")     # a MyStore rooted there
+    local_path("file:///ckpt/step_5", "load")             # '/ckpt/step_5'
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from shardpoint_core.errors import UnsupportedStoreError
+from shardpoint_core.store.base import ByteStore
+
+StoreFactory = Callable[[str], ByteStore]
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_LOCK = threading.Lock()
+_FACTORIES: Dict[str, StoreFactory] = {}
+
+
+def split_url(path: Any) -> Tuple[Optional[str], str]:
+    """(scheme in lower case, the rest after ``://``) of a URL; (None, path) for a plain path
+    (also an ``os.PathLike``). Only ``scheme://`` makes a URL: ``a:b`` is a file name."""
+    p = os.fspath(path)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    m = _SCHEME.match(p)
+    if m is None:
+        return None, p
+    return m.group(1).lower(), p[m.end():]
+
+
+def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False) -> None:
+    """Make ``scheme://...`` paths open ``factory(url)`` (a store rooted at ``url``).
+    Registering a scheme twice is an error unless ``replace`` (two plugins fighting over
+    one scheme should not go unnoticed)."""
+    s = scheme.lower()
+    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", s):
+        raise ValueError(f"{scheme!r} is not a URL scheme (a letter, then letters, digits, "
+                         "'+', '-' or '.')")
+    if s == "file":
+        raise ValueError("'file' is built in: plain paths and file:// are local files")
+    with _LOCK:
+        if s in _FACTORIES and not replace and _FACTORIES[s] is not factory:
+            raise ValueError(f"a store is already registered for {s}://; pass replace=True "
+                             "to replace it")
+        _FACTORIES[s] = factory
+
+
+def unregister_store(scheme: str) -> None:
+    """Forget the store of ``scheme`` (tests; a plugin being unloaded)."""
+    with _LOCK:
+        _FACTORIES.pop(scheme.lower(), None)
+
+
+def registered_schemes() -> List[str]:
+    """Every scheme a path may use here, ``file`` included, sorted."""
+    with _LOCK:
+        return sorted({"file", *_FACTORIES})
+
+
+def _file_path(rest: str, url: str) -> str:
+    if rest.startswith("localhost/"):
+        rest = rest[len("localhost"):]
+    if not rest.startswith("/"):
+        raise UnsupportedStoreError(f"{url!r}: a file:// URL names an absolute path "
+                                    "(file:///dir/ckpt); use a plain path for a relative one")
+    return rest
+
+
+def _unknown(scheme: str, url: str, call: str) -> UnsupportedStoreError:
+    return UnsupportedStoreError(
+        f"{call}: {url!r} names the store scheme {scheme + '://'!r}, for which no store is "
+        f"registered (registered: {', '.join(s + '://' for s in registered_schemes())}); a "
+        "URL is never taken for a local path. Register one with shardpoint_core.store."
+        "register_store, or give a local path")
+
+
+def open_store(url: Any, call: str = "open_store") -> ByteStore:
+    """The store rooted at ``url`` (a plain path or ``file://``: a :class:`FileStore`)."""
+    scheme, rest = split_url(url)
+    if scheme is None or scheme == "file":
+        from shardpoint_core.store.files import FileStore
+        return FileStore(rest if scheme is None else _file_path(rest, os.fspath(url)))
+    with _LOCK:
+        factory = _FACTORIES.get(scheme)
+    if factory is None:
+        raise _unknown(scheme, os.fspath(url), call)
+    return factory(os.fspath(url))
+
+
+def check_path(path: Any, call: str) -> None:
+    """Refuse (:class:`UnsupportedStoreError`) a path whose scheme nobody registered."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return
+    scheme, _rest = split_url(path)
+    if scheme is not None and scheme != "file":
+        with _LOCK:
+            known = scheme in _FACTORIES
+        if not known:
+            raise _unknown(scheme, os.fspath(path), call)
+
+
+def is_local(path: Any) -> bool:
+    """True for plain paths and ``file://`` URLs."""
+    return split_url(path)[0] in (None, "file")
+
+
+def local_path(path: Any, call: str) -> str:
+    """The local file system path of ``path`` (plain, or ``file://``), for operations that
+    work on local files only; any other scheme is refused with :class:`UnsupportedStoreError`
+    (one nobody registered, or a registered one ``call`` does not support yet)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return path          # not a path at all: the caller's own check says so
+    scheme, rest = split_url(path)
+    if scheme is None:
+        return rest
+    if scheme == "file":
+        return _file_path(rest, os.fspath(path))
+    check_path(path, call)
+    raise UnsupportedStoreError(
+        f"{call}: {os.fspath(path)!r} is on the {scheme}:// store, and {call} works on local "
+        "files (plain paths, file://) only")
+
+
+def _memory_store(url: str) -> ByteStore:
+    from shardpoint_core.store.memory import MemoryStore
+    _s, rest = split_url(url)
+    name, _sep, prefix = rest.partition("/")
+    if not name:
+        raise UnsupportedStoreError(f"{url!r}: a memory store URL is memory://NAME/PATH")
+    return MemoryStore.named(name, prefix=prefix)
+
+
+register_store("memory", _memory_store)

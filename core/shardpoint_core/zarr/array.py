@@ -1,0 +1,376 @@
+"""The Zarr v3 array layer over a byte store: zarr.json, chunk keys, whole-chunk encode and
+decode with crc32c, shard indexes, and region reads and writes that cut through chunks, all in
+our own code over :class:`~shardpoint_core.store.base.ByteStore` (files, memory, object
+stores), so TensorStore is not needed to read or write a checkpoint.
+
+What is handled is exactly what the spec allows (spec/format.md section 7, checked by
+:func:`~.checks.check_zarr_json`): the chain ``bytes`` (little-endian) + ``crc32c``, or one
+``sharding_indexed`` of such chains with its index (also ending in crc32c) at the end, the
+default chunk key encoding ``c/i/j``, fill value zero. Files are byte for byte what TensorStore
+writes for the same array (tests/test_store_zarr.py pins it, and TensorStore reads ours).
+
+Reader rules: a missing chunk or inner chunk is [SP-READ-2]; a checksum mismatch and the
+rules of [SP-READ-5] (sizes, index entries, bool bytes other than 0/1) are reported as
+[SP-READ-3], as [SP-ERR-2] says; nothing is allocated before the
+object's size, from the store, agrees with what zarr.json (checked against the manifest)
+says. Chunks have one writer each ([SP-COVER]); a region write covering part of a chunk reads,
+changes and rewrites that chunk, so two writers of one chunk must not overlap in time.
+
+Example::
+
+    lay = ArrayLayout.create((4, 6), "float32", (2, 3))
+    write_array_meta(store, "tensors/w", lay)
+    write_region(store, "tensors/w", lay, (0, 0), np.ones((4, 6), np.float32))
+    out = np.empty((3, 4), np.float32)
+    read_region(store, "tensors/w", read_array_meta(store, "tensors/w", spec, "w"),
+                (1, 1), out, "w")
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import crc32c
+import numpy as np
+
+from shardpoint_core.dtypes import DTYPES
+from shardpoint_core.errors import CorruptCheckpointError
+from shardpoint_core.storage import ArraySpec
+from shardpoint_core.store.base import ByteStore
+from shardpoint_core.zarr.checks import check_zarr_json
+from shardpoint_core.zarr.direct_write import INNER_ALIGN, stored_codecs, zarr_json_bytes
+from shardpoint_core.zarr.layout import codecs_for, fill_value
+
+MAX_ZARR_JSON_BYTES = 1 << 20
+ABSENT = 2**64 - 1
+_ZEROS = np.zeros(INNER_ALIGN, np.uint8)
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """Shape, dtype, chunk grid and (when chunks are shards) inner chunk shape of an array:
+    all the layer needs to place bytes. ``codecs`` is the chain as zarr.json stores it."""
+
+    shape: tuple
+    dtype: str
+    chunk: tuple
+    inner: Optional[tuple]
+    codecs: list
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(DTYPES[self.dtype].numpy)
+
+    @property
+    def itemsize(self) -> int:
+        return self.np_dtype.itemsize
+
+    @classmethod
+    def create(cls, shape: Sequence[int], dtype: str, chunk: Sequence[int], *,
+               shard_above_bytes: int = 8 << 20,
+               inner_chunk_bytes: int = 2 << 20) -> "ArrayLayout":
+        """The layout a writer chooses (the backend's codec chain, :func:`codecs_for`)."""
+        spec = ArraySpec(tuple(shape), dtype, tuple(chunk))
+        itemsize = DTYPES[dtype].itemsize
+        codecs = codecs_for(spec, itemsize, shard_above_bytes, inner_chunk_bytes)
+        return cls.from_meta({"shape": list(shape), "data_type": dtype,
+                              "codecs": stored_codecs(codecs, itemsize),
+                              "chunk_grid": {"name": "regular",
+                                             "configuration": {"chunk_shape": list(chunk)}}})
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "ArrayLayout":
+        """The layout of a zarr.json already checked by :func:`check_zarr_json`."""
+        codecs = meta["codecs"]
+        inner = None
+        if codecs[0].get("name") == "sharding_indexed":
+            inner = tuple(codecs[0]["configuration"]["chunk_shape"])
+        return cls(tuple(meta["shape"]), meta["data_type"],
+                   tuple(meta["chunk_grid"]["configuration"]["chunk_shape"]), inner, codecs)
+
+    def zarr_json(self) -> bytes:
+        """zarr.json as TensorStore writes it (compact, keys sorted)."""
+        return zarr_json_bytes({
+            "shape": list(self.shape), "data_type": self.dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk)}},
+            "chunk_key_encoding": {"name": "default"}, "fill_value": fill_value(self.dtype),
+            "codecs": self.codecs})
+
+    def grid(self) -> tuple:
+        """Chunks per dimension."""
+        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk))
+
+
+def chunk_key(array_path: str, cidx: Sequence[int]) -> str:
+    """The store key of chunk ``cidx`` (default encoding, '/' separator; ``c`` for 0-d)."""
+    return "/".join([array_path, "c", *map(str, cidx)])
+
+
+def _bad(key: str, where: str, msg: str, sid: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"tensor {key!r}: {where}: {msg}", spec_id=sid)
+
+
+# -------------------------------------------------------------------------- zarr.json
+def write_array_meta(store: ByteStore, array_path: str, layout: ArrayLayout) -> None:
+    """Write ``array_path/zarr.json`` unless one is there (another writer of the same array
+    wrote the same bytes: both derive them from the manifest's layout)."""
+    try:
+        store.put(f"{array_path}/zarr.json", layout.zarr_json(), if_absent=True)
+    except FileExistsError:
+        pass
+
+
+def read_array_meta(store: ByteStore, array_path: str, spec: ArraySpec,
+                    key: str) -> ArrayLayout:
+    """Read and check ``array_path/zarr.json`` against the manifest's ``spec`` and the spec's
+    rules ([SP-ARRAY-1/2/3/5], the size cap of [SP-SEC-2])."""
+    jkey = f"{array_path}/zarr.json"
+    info = store.head(jkey)
+    if info is None:
+        raise _bad(key, store.url, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1")
+    if info.size > MAX_ZARR_JSON_BYTES:
+        raise _bad(key, jkey, f"zarr.json is {info.size} bytes, over the "
+                   f"{MAX_ZARR_JSON_BYTES}-byte cap", "SP-SEC-2")
+    raw = store.get_range(jkey, 0, MAX_ZARR_JSON_BYTES + 1)
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise _bad(key, jkey, f"zarr.json is not JSON: {e}", "SP-ARRAY-1") from e
+    if not (isinstance(meta, dict) and meta.get("zarr_format") == 3
+            and meta.get("node_type") == "array"):
+        raise _bad(key, jkey, "zarr.json is not a Zarr v3 array", "SP-ARRAY-1")
+    check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
+    return ArrayLayout.from_meta(meta)
+
+
+# -------------------------------------------------------------------------- encoding
+def _bytes_of(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def encode_chunk(sub: np.ndarray, cshape: tuple, itemsize: int) -> List[np.ndarray]:
+    """The buffers of one stored (inner) chunk of shape ``cshape`` whose part inside the
+    tensor is ``sub`` (its leading corner): element bytes padded with zeros (the fill value)
+    to the whole chunk, then the 4 CRC-32C bytes. No copy where ``sub`` is contiguous and
+    clipped in its first dimension at most."""
+    full = math.prod(cshape) * itemsize
+    if tuple(sub.shape[1:]) == tuple(cshape[1:]):
+        bufs = [_bytes_of(sub)] if sub.size else []
+        if full - sub.size * itemsize:
+            bufs.append(np.zeros(full - sub.size * itemsize, np.uint8))
+    else:
+        scratch = np.zeros(cshape, sub.dtype)
+        scratch[tuple(slice(0, n) for n in sub.shape)] = sub
+        bufs = [scratch.reshape(-1).view(np.uint8)]
+    c = 0
+    for b in bufs:
+        c = crc32c.crc32c(b, c)
+    return bufs + [np.frombuffer(c.to_bytes(4, "little"), np.uint8)]
+
+
+def decode_chunk(buf: np.ndarray, layout: ArrayLayout, cshape: tuple, key: str,
+                 where: str) -> np.ndarray:
+    """The array of shape ``cshape`` stored in ``buf`` (data + 4 CRC bytes), checked."""
+    n = math.prod(cshape) * layout.itemsize
+    if buf.nbytes != n + 4:
+        raise _bad(key, where, f"{buf.nbytes} bytes stored, a chunk of {list(cshape)} "
+                   f"{layout.dtype} is {n + 4} with its checksum", "SP-READ-3")
+    if crc32c.crc32c(buf[:n]) != int.from_bytes(buf[n:].tobytes(), "little"):
+        raise _bad(key, where, "crc32c mismatch", "SP-READ-3")
+    if layout.dtype == "bool" and n and int(buf[:n].max()) > 1:
+        raise _bad(key, where, "a bool byte other than 0 or 1 ([SP-READ-5])", "SP-READ-3")
+    return buf[:n].view(layout.np_dtype).reshape(cshape)
+
+
+def _per(layout: ArrayLayout) -> tuple:
+    return tuple(c // i for c, i in zip(layout.chunk, layout.inner))
+
+
+def inner_stride(layout: ArrayLayout) -> Tuple[int, int]:
+    """(bytes of one stored inner chunk with its CRC, padding after it): inner chunks of
+    256 KiB and more start on 4 KiB boundaries (the spec allows gaps), so their bytes keep a
+    destination's page alignment."""
+    nb = math.prod(layout.inner) * layout.itemsize + 4
+    return nb, (-nb % INNER_ALIGN if nb >= 64 * INNER_ALIGN else 0)
+
+
+def encode_shard(data: np.ndarray, origin: tuple, layout: ArrayLayout) -> List[np.ndarray]:
+    """The buffers of one whole shard file whose part inside the tensor is ``data``: inner
+    chunks in C order (those wholly outside the tensor absent, as TensorStore leaves them),
+    each padded as :func:`inner_stride` says, then the index and its CRC."""
+    per = _per(layout)
+    nb, gap = inner_stride(layout)
+    index = np.full((math.prod(per), 2), ABSENT, dtype="<u8")
+    bufs: list = []
+    pos = 0
+    for n, ii in enumerate(np.ndindex(*per)):
+        lo = tuple(i * k for i, k in zip(ii, layout.inner))
+        if any(o + x >= s for o, x, s in zip(origin, lo, layout.shape)):
+            continue
+        index[n] = (pos, nb)
+        bufs += encode_chunk(data[tuple(slice(x, x + k) for x, k in zip(lo, layout.inner))],
+                             layout.inner, layout.itemsize)
+        if gap:
+            bufs.append(_ZEROS[:gap])
+        pos += nb + gap
+    ib = index.reshape(-1).view(np.uint8)
+    return bufs + [ib, np.frombuffer(crc32c.crc32c(ib).to_bytes(4, "little"), np.uint8)]
+
+
+def read_shard_index(store: ByteStore, ckey: str, layout: ArrayLayout, key: str,
+                     size: int) -> np.ndarray:
+    """The (offset, nbytes) rows of a shard of ``size`` bytes, checked: its CRC, and every
+    present inner chunk inside the file with the inner chunk's exact size ([SP-READ-3])."""
+    n = math.prod(_per(layout))
+    isz = n * 16
+    if size < isz + 4:
+        raise _bad(key, ckey, f"shard of {size} bytes is shorter than its index "
+                   f"({isz + 4} bytes)", "SP-READ-3")
+    raw = np.frombuffer(store.get_range(ckey, size - isz - 4, isz + 4), np.uint8)
+    if raw.nbytes != isz + 4 or \
+            crc32c.crc32c(raw[:isz]) != int.from_bytes(raw[isz:].tobytes(), "little"):
+        raise _bad(key, ckey, "shard index crc32c mismatch", "SP-READ-3")
+    index = raw[:isz].view("<u8").reshape(n, 2)
+    nb, _gap = inner_stride(layout)
+    absent = (index[:, 0] == ABSENT) & (index[:, 1] == ABSENT)
+    if np.any((index[:, 0] == ABSENT) != (index[:, 1] == ABSENT)):
+        raise _bad(key, ckey, "shard index entry with exactly one half 2^64-1 ([SP-READ-5])",
+                   "SP-READ-3")
+    present = ~absent
+    last = size - isz - 4 - nb        # the last offset a whole inner chunk can start at
+    beyond = present if last < 0 else index[:, 0] > np.uint64(last)
+    if np.any(present & ((index[:, 1] != nb) | beyond)):
+        raise _bad(key, ckey, "shard index points past the index or at an inner chunk of "
+                   "the wrong size ([SP-READ-5])", "SP-READ-3")
+    return index
+
+
+# -------------------------------------------------------------------------- regions
+def _box(offset: Sequence[int], shape: Sequence[int], lo: tuple, hi: tuple) -> tuple:
+    """The index of box [lo, hi) in an array at ``offset`` (a view even for 0-d arrays)."""
+    return tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset)) + (Ellipsis,)
+
+
+def _chunks_of(layout: ArrayLayout, offset: Sequence[int],
+               shape: Sequence[int]) -> Iterator[tuple]:
+    """(chunk index, its origin, the overlap's lo and hi) of every chunk the region meets."""
+    if any(s == 0 for s in shape):
+        return
+    lo = [o // c for o, c in zip(offset, layout.chunk)]
+    hi = [-(-(o + s) // c) for o, s, c in zip(offset, shape, layout.chunk)]
+    for rel in np.ndindex(*[h - l_ for l_, h in zip(lo, hi)]):
+        cidx = tuple(r + l_ for r, l_ in zip(rel, lo))
+        origin = tuple(i * c for i, c in zip(cidx, layout.chunk))
+        blo = tuple(max(g, o) for g, o in zip(origin, offset))
+        bhi = tuple(min(g + c, o + s, n) for g, c, o, s, n in
+                    zip(origin, layout.chunk, offset, shape, layout.shape))
+        yield cidx, origin, blo, bhi
+
+
+def _check_region(layout: ArrayLayout, offset: Sequence[int], shape: Sequence[int]) -> None:
+    if len(offset) != len(layout.shape) or len(shape) != len(layout.shape) or any(
+            o < 0 or s < 0 or o + s > n for o, s, n in zip(offset, shape, layout.shape)):
+        raise ValueError(f"region at {list(offset)} of shape {list(shape)} is outside the "
+                         f"array of shape {list(layout.shape)}")
+
+
+def write_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tuple,
+                data: np.ndarray) -> None:
+    """Write chunk ``cidx`` whole: ``data`` is its part inside the tensor (one ``put`` of
+    the buffers, no joined copy)."""
+    origin = tuple(i * c for i, c in zip(cidx, layout.chunk))
+    if layout.inner is None:
+        bufs = encode_chunk(data, layout.chunk, layout.itemsize)
+    else:
+        bufs = encode_shard(data, origin, layout)
+    store.put(chunk_key(array_path, cidx), bufs)
+
+
+def read_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tuple,
+               key: str) -> np.ndarray:
+    """Chunk ``cidx``'s part inside the tensor, checked (a copy the caller owns)."""
+    origin = tuple(i * c for i, c in zip(cidx, layout.chunk))
+    valid = tuple(min(c, n - o) for c, n, o in zip(layout.chunk, layout.shape, origin))
+    out = np.empty(valid, layout.np_dtype)
+    read_region(store, array_path, layout, origin, out, key)
+    return out
+
+
+def write_region(store: ByteStore, array_path: str, layout: ArrayLayout,
+                 offset: Sequence[int], data: np.ndarray, key: str = "") -> None:
+    """Write ``data`` at ``offset``. Whole chunks are encoded straight from ``data``; a chunk
+    covered in part is read (zeros where it does not exist yet), changed and rewritten."""
+    offset = tuple(int(o) for o in offset)
+    _check_region(layout, offset, data.shape)
+    for cidx, origin, blo, bhi in _chunks_of(layout, offset, data.shape):
+        valid = tuple(min(c, n - o) for c, n, o in zip(layout.chunk, layout.shape, origin))
+        part = data[_box(offset, data.shape, blo, bhi)]
+        if tuple(part.shape) != valid:
+            ckey = chunk_key(array_path, cidx)
+            whole = read_chunk(store, array_path, layout, cidx, key or array_path) \
+                if store.head(ckey) is not None else np.zeros(valid, layout.np_dtype)
+            whole[_box(origin, valid, blo, bhi)] = part
+            part = whole
+        write_chunk(store, array_path, layout, cidx, part)
+
+
+def _missing(key: str, ckey: str) -> CorruptCheckpointError:
+    return _bad(key, ckey, "stored chunk is missing", "SP-READ-2")
+
+
+def read_region(store: ByteStore, array_path: str, layout: ArrayLayout,
+                offset: Sequence[int], out: np.ndarray, key: str) -> None:
+    """Fill ``out`` with the region at ``offset``: plain chunks read whole, shards by their
+    index and then only the inner chunks the region meets (ranged reads)."""
+    offset = tuple(int(o) for o in offset)
+    _check_region(layout, offset, out.shape)
+    for cidx, origin, blo, bhi in _chunks_of(layout, offset, out.shape):
+        ckey = chunk_key(array_path, cidx)
+        info = store.head(ckey)
+        if info is None:
+            raise _missing(key, ckey)
+        dst = out[_box(offset, out.shape, blo, bhi)]
+        if layout.inner is None:
+            n = math.prod(layout.chunk) * layout.itemsize + 4
+            if info.size != n:
+                raise _bad(key, ckey, f"{info.size} bytes stored, a chunk is {n} with its "
+                           "checksum", "SP-READ-3")
+            buf = np.empty(n, np.uint8)
+            _fill(store, ckey, 0, buf, key)
+            full = decode_chunk(buf, layout, layout.chunk, key, ckey)
+            dst[...] = full[_box(origin, layout.chunk, blo, bhi)]
+        else:
+            _read_shard(store, ckey, layout, info.size, origin, blo, bhi, dst, key)
+
+
+def _fill(store: ByteStore, ckey: str, start: int, buf: np.ndarray, key: str) -> None:
+    try:
+        store.read_into(ckey, start, memoryview(buf))
+    except FileNotFoundError as e:
+        raise _missing(key, ckey) from e
+    except EOFError as e:
+        raise _bad(key, ckey, f"truncated: {e}", "SP-READ-3") from e
+
+
+def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, size: int, origin: tuple,
+                blo: tuple, bhi: tuple, dst: np.ndarray, key: str) -> None:
+    index = read_shard_index(store, ckey, layout, key, size)
+    per = _per(layout)
+    nb, _gap = inner_stride(layout)
+    lo = [(b - o) // i for b, o, i in zip(blo, origin, layout.inner)]
+    hi = [-(-(e - o) // i) for e, o, i in zip(bhi, origin, layout.inner)]
+    for rel in np.ndindex(*[h - l_ for l_, h in zip(lo, hi)]):
+        ii = tuple(r + l_ for r, l_ in zip(rel, lo))
+        pos, _n = (int(x) for x in index[np.ravel_multi_index(ii, per)])
+        where = f"{ckey} inner chunk {list(ii)}"
+        if pos == ABSENT:
+            raise _bad(key, where, "stored inner chunk is missing", "SP-READ-2")
+        buf = np.empty(nb, np.uint8)
+        _fill(store, ckey, pos, buf, key)
+        full = decode_chunk(buf, layout, layout.inner, key, where)
+        ilo = tuple(o + i * k for o, i, k in zip(origin, ii, layout.inner))
+        sl = tuple(max(a, b) for a, b in zip(ilo, blo))
+        sh = tuple(min(a + k, b) for a, k, b in zip(ilo, layout.inner, bhi))
+        dst[_box(blo, dst.shape, sl, sh)] = full[_box(ilo, layout.inner, sl, sh)]

@@ -1,0 +1,375 @@
+"""shardpoint as storage for ``torch.distributed.checkpoint`` (DCP): one changed argument.
+
+    import torch.distributed.checkpoint as dcp
+    from shardpoint.dcp import ShardpointReader, ShardpointWriter
+    dcp.save(state_dict, storage_writer=ShardpointWriter("/ckpt/step_100"))
+    dcp.load(state_dict, storage_reader=ShardpointReader("/ckpt/step_100"))
+
+DCP's planners decide *what* each rank writes and reads (flattening, dedup of replicas, DTensor
+and ShardedTensor chunks, resharding); these classes decide *where*: the checkpoint is a
+shardpoint checkpoint, written by :func:`shardpoint.save` and read by :func:`shardpoint.load`,
+so it passes ``shardpoint verify --strict``, loads with ``sp.load`` at any world size and with
+``shardpoint_jax``. DCP's pickled ``.metadata`` file is never written or read: the reader builds
+DCP's :class:`Metadata` from the shardpoint manifest, so it reads any shardpoint checkpoint,
+whoever wrote it.
+
+How DCP's items map:
+
+- A tensor item (``TENSOR``: a replicated tensor kept on one rank by DCP's dedup; ``SHARD``: a
+  DTensor or ShardedTensor chunk) becomes a :class:`~shardpoint.ShardedTensor` at the chunk's
+  offsets in the global tensor; several chunks of one FQN on one rank become one
+  :class:`~shardpoint.ShardedPieces` leaf.
+- A ``BYTE_IO`` item (anything that is not a tensor) is stored as a shardpoint *value*, taken
+  from the planner's state dict before DCP pickles it: ints, floats, str, bytes, None, lists of
+  them; an ``io.BytesIO`` is stored as its bytes. Any other object is refused with
+  :class:`~shardpoint.UnsupportedValueError` (shardpoint never stores pickles). On load the
+  value is handed back through the planner's ``load_bytes``, so it lands where DCP puts it.
+- Keys: the tree path of each FQN (DCP's flatten mappings: ``{"model": {"layer.0.w": t}}`` is
+  ``model/layer.0.w``); reading, a shardpoint key path joined by ``.`` is the FQN, following
+  DCP's own traversal (a list holding no tensor is one value).
+
+``save`` and ``load`` are collective inside ``write_data`` and ``read_data``, which DCP calls on
+every rank; the checkpoint is committed (complete, durable, then visible) before
+``write_data`` returns, so DCP's ``finish`` has nothing left to do. ``no_dist=True`` saves and
+loads in one process. Pass ``group=`` when DCP is given a ``process_group`` other than the
+default one.
+"""
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan,
+                                                  SavePlanner, WriteItemType)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from shardpoint_core import errors
+from shardpoint_core.manifest import Manifest, read_metadata
+from shardpoint.api.loading import load
+from shardpoint.api.saving import SaveOptions, SaveResult, save
+from shardpoint.exchange.comm import Comm
+from shardpoint.tree.dtypes import from_name
+from shardpoint.tree.model import ShardedPieces, ShardedTensor
+
+_SOLO: dict = {}
+
+
+def _solo_group() -> Any:
+    """A process group of this rank alone (for ``no_dist`` use inside a running world)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    rank = dist.get_rank()
+    if rank not in _SOLO:
+        _SOLO[rank] = dist.new_group([rank], use_local_synchronization=True)
+    return _SOLO[rank]
+
+
+def _nest(leaves: dict, where: str) -> dict:
+    """``{path tuple: leaf}`` as nested dicts (list indexes become int keys, which shardpoint
+    keys exactly as list positions)."""
+    root: dict = {}
+    for path, leaf in leaves.items():
+        node = root
+        for c in path[:-1]:
+            nxt = node.setdefault(c, {})
+            if not isinstance(nxt, dict):
+                raise errors.InvalidKeyError(f"{where}: {path!r} lies under a leaf at {c!r}")
+            node = nxt
+        if path[-1] in node:
+            raise errors.InvalidKeyError(f"{where}: two items map to the tree path {path!r}")
+        node[path[-1]] = leaf
+    return root
+
+
+class ShardpointWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that writes a shardpoint checkpoint at ``path``.
+
+    Call order (DCP's): ``reset`` and ``set_up_storage_writer`` on every rank, the plan hooks
+    (pass-through), ``write_data`` on every rank (collective: one :func:`shardpoint.save`),
+    ``finish`` on the coordinator (nothing: the save already committed). The keyword
+    arguments of DCP's ``FileSystemWriter`` are accepted so that it can be swapped in;
+    ``thread_count``, ``single_file_per_rank``, ``sync_files`` and ``per_thread_copy_ahead``
+    do not change what is written (shardpoint picks its own I/O parallelism and always makes
+    the checkpoint durable before it is visible). ``overwrite=True`` (DCP's default) replaces
+    an existing checkpoint at ``path`` atomically.
+    """
+
+    def __init__(self, path: "str | os.PathLike", *, group: Any = None, overwrite: bool = True,
+                 options: Optional[SaveOptions] = None, thread_count: int = 1,
+                 single_file_per_rank: bool = True, sync_files: bool = True,
+                 per_thread_copy_ahead: int = 10_000_000) -> None:
+        super().__init__()
+        self.path = str(path)
+        self.group = group
+        self.overwrite = overwrite
+        self.options = options
+        self.thread_count = thread_count
+        self.use_collectives = True
+        self.is_coordinator = False
+        self.last_result: Optional[SaveResult] = None
+
+    def reset(self, checkpoint_id: "str | os.PathLike | None" = None) -> None:
+        if checkpoint_id is not None:
+            self.path = str(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list) -> list:
+        return plans
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike") -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def _group(self) -> Any:
+        return self.group if self.use_collectives else _solo_group()
+
+    def _value(self, planner: SavePlanner, item: Any) -> Any:
+        lookup = getattr(planner, "lookup_object", None)
+        if lookup is None:
+            raise errors.UnsupportedValueError(
+                f"DCP item {item.index.fqn!r}: the planner {type(planner).__name__} only hands "
+                "out pickled bytes for non-tensor objects and shardpoint stores no pickles; use "
+                "DefaultSavePlanner (or a subclass) or make the object a tensor or plain value")
+        obj = lookup(item.index)
+        return obj.getvalue() if isinstance(obj, io.BytesIO) else obj
+
+    def plan_tree(self, plan: SavePlan, planner: SavePlanner) -> dict:
+        """This rank's shardpoint state tree for DCP's final ``plan`` (pure, no I/O)."""
+        mappings = getattr(planner, "mappings", None) or {}
+        leaves: dict = {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            path = tuple(mappings.get(fqn, (fqn,)))
+            if item.type == WriteItemType.BYTE_IO:
+                leaves[path] = self._value(planner, item)
+                continue
+            data = planner.resolve_data(item)
+            td = item.tensor_data
+            if item.type == WriteItemType.TENSOR and len(td.size) == data.dim() and \
+                    tuple(td.size) == tuple(data.shape):
+                piece: Any = data.detach()
+            else:
+                piece = ShardedTensor(data.detach(), tuple(td.size), tuple(td.chunk.offsets))
+            leaves.setdefault(path, []).append(piece)
+        for path, v in leaves.items():
+            if isinstance(v, list) and v and all(isinstance(p, (torch.Tensor, ShardedTensor))
+                                                 for p in v):
+                if len(v) == 1:
+                    leaves[path] = v[0]
+                else:
+                    leaves[path] = ShardedPieces([p if isinstance(p, ShardedTensor) else
+                                                  ShardedTensor(p, tuple(p.shape),
+                                                                (0,) * p.dim()) for p in v])
+        return _nest(leaves, f"DCP save to {self.path}")
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        group = self._group()
+        err: Optional[BaseException] = None
+        try:
+            tree = self.plan_tree(plan, planner)
+        except Exception as e:  # noqa: BLE001 - agreed with the other ranks first
+            err = e
+        # Every rank learns of a rank that could not map its plan, instead of waiting for it
+        # inside the collective save.
+        if not Comm(group).all_true(err is None):
+            raise err if err is not None else errors.SaveFailedError(
+                f"DCP save to {self.path}: another rank could not map its DCP plan to a "
+                "shardpoint tree (its error names the item); nothing was written")
+        res = save(tree, self.path, group=group, overwrite=self.overwrite,
+                   options=self.options)
+        self.last_result = res
+        out = [WriteResult(index=item.index, size_in_bytes=_nbytes(item), storage_data=None)
+               for item in plan.items]
+        fut: Future = Future()
+        fut.set_result(out)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list) -> None:
+        """Nothing: ``write_data`` committed the checkpoint; DCP's metadata is not written."""
+
+
+def _nbytes(item: Any) -> int:
+    td = item.tensor_data
+    if td is None:
+        return 0
+    n = 1
+    for s in td.chunk.sizes:
+        n *= int(s)
+    return n * torch.tensor([], dtype=td.properties.dtype).element_size()
+
+
+# ------------------------------------------------------------------------------- reading
+def _value_of(node: dict) -> Any:
+    if "value" in node:
+        return node["value"]
+    if "list" in node:
+        return [_value_of(v) for v in node["list"]]
+    if "tuple" in node:
+        return tuple(_value_of(v) for v in node["tuple"])
+    raise KeyError(node)
+
+
+def _holds_no_array(node: dict) -> bool:
+    if "value" in node:
+        return True
+    if "list" in node or "tuple" in node:
+        return all("list" in v or "tuple" in v or "value" in v for v in
+                   node.get("list", node.get("tuple"))) and \
+            all(_holds_no_array(v) for v in node.get("list", node.get("tuple")))
+    return False
+
+
+def plan_dcp_entries(m: Manifest) -> dict:
+    """``{fqn: (path, ("tensor", key) | ("value", value))}`` for a shardpoint manifest, by
+    DCP's traversal: dicts are walked, a list or tuple holding no tensor is one value, sharded
+    objects (per-rank values) have no DCP equivalent and are left out. Pure."""
+    out: dict = {}
+
+    def walk(node: dict, path: tuple) -> None:
+        if "dict" in node:
+            for k, v in node["dict"]:
+                walk(v, path + (k,))
+        elif "list" in node or "tuple" in node:
+            if path and _holds_no_array(node):
+                add(path, ("value", _value_of(node)))
+            else:
+                for i, v in enumerate(node.get("list", node.get("tuple"))):
+                    walk(v, path + (i,))
+        elif "tensor" in node:
+            add(path, ("tensor", node["tensor"]))
+        elif "value" in node:
+            add(path, ("value", node["value"]))
+
+    def add(path: tuple, entry: tuple) -> None:
+        fqn = ".".join(str(c) for c in path)
+        if fqn in out:
+            raise errors.LayoutMismatchError(
+                f"shardpoint keys {'/'.join(map(str, out[fqn][0]))!r} and "
+                f"{'/'.join(map(str, path))!r} both read as DCP FQN {fqn!r}; load them with "
+                "shardpoint.load instead")
+        out[fqn] = (tuple(str(c) if isinstance(c, str) else c for c in path), entry)
+
+    walk(m.tree, ())
+    return out
+
+
+class ShardpointReader(StorageReader):
+    """A DCP ``StorageReader`` for any shardpoint checkpoint at ``path``.
+
+    Call order (DCP's): ``reset``, ``read_metadata`` (DCP's :class:`Metadata` built from the
+    manifest: one chunk per tensor spanning it, so DCP asks for exactly the regions each rank's
+    state dict holds), ``set_up_storage_reader`` on every rank, the plan hooks (pass-through),
+    ``read_data`` on every rank (collective: one :func:`shardpoint.load` filling every
+    requested region in place, read once and exchanged where that is cheaper).
+    ``thread_count`` is accepted for ``FileSystemReader`` compatibility.
+    """
+
+    def __init__(self, path: "str | os.PathLike", *, group: Any = None,
+                 thread_count: int = 1) -> None:
+        super().__init__()
+        self.path = str(path)
+        self.group = group
+        self.use_collectives = True
+        self._entries: Optional[dict] = None
+
+    def reset(self, checkpoint_id: "str | os.PathLike | None" = None) -> None:
+        if checkpoint_id is not None:
+            self.path = str(checkpoint_id)
+        self._entries = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike") -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        m = read_metadata(self.path)
+        entries = plan_dcp_entries(m)
+        md: dict = {}
+        for fqn, (_path, (kind, ref)) in entries.items():
+            if kind == "value":
+                md[fqn] = BytesStorageMetadata()
+                continue
+            t = m.tensors[ref]
+            shape = torch.Size(t.shape)
+            md[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=from_name(t.dtype).torch), size=shape,
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)),
+                                             sizes=shape)])
+        entries = {f: (p, e if e[0] == "value" else (e[0], e[1], tuple(m.tensors[e[1]].shape)))
+                   for f, (p, e) in entries.items()}
+        self._entries = entries
+        return Metadata(state_dict_metadata=md,
+                        planner_data={f: p for f, (p, _e) in entries.items()},
+                        storage_data={f: e for f, (_p, e) in entries.items()},
+                        storage_meta=StorageMeta(checkpoint_id=self.path))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        self.use_collectives = kwargs.get("use_collectives", True)
+        if isinstance(metadata.storage_data, dict):
+            self._entries = {f: (metadata.planner_data[f], e)
+                             for f, e in metadata.storage_data.items()}
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list) -> list:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        if self._entries is None:
+            self.read_metadata()
+        entries = self._entries
+        targets: dict = {}     # path -> [ShardedTensor]
+        fills: list = []       # (item, target, buffer)
+        for item in plan.items:
+            path, entry = entries[item.storage_index.fqn]
+            if item.type == LoadItemType.BYTE_IO:
+                self._load_value(item, planner, entry[1])
+                continue
+            gshape = entry[2]
+            target = planner.resolve_tensor(item).detach()
+            base = tuple(item.storage_index.offset or (0,) * len(item.storage_offsets))
+            offs = tuple(int(b) + int(o) for b, o in zip(base, item.storage_offsets))
+            buf = target if target.is_contiguous() else torch.empty(
+                tuple(item.lengths), dtype=target.dtype)
+            targets.setdefault(path, []).append(ShardedTensor(buf, gshape, offs))
+            fills.append((item, target, buf))
+        like = _nest({p: v[0] if len(v) == 1 else ShardedPieces(v) for p, v in targets.items()},
+                     f"DCP load from {self.path}")
+        load(self.path, like=like, group=self.group if self.use_collectives else _solo_group())
+        for item, target, buf in fills:
+            if buf is not target:
+                target.copy_(buf)
+            planner.commit_tensor(item, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _load_value(self, item: Any, planner: LoadPlanner, value: Any) -> None:
+        lookup = getattr(planner, "state_dict", None)
+        if isinstance(lookup, dict) and isinstance(lookup.get(item.dest_index.fqn), io.BytesIO):
+            value = io.BytesIO(value)
+        buf = io.BytesIO()
+        torch.save(value, buf)      # our own plain value, for DCP's load_bytes (torch.load)
+        buf.seek(0)
+        planner.load_bytes(item, buf)
+
+
+__all__ = ["ShardpointReader", "ShardpointWriter", "plan_dcp_entries"]

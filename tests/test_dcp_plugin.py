@@ -1,0 +1,295 @@
+"""``torch.distributed.checkpoint`` with shardpoint storage: ``dcp.save``/``dcp.async_save``/
+``dcp.load`` with ``ShardpointWriter``/``ShardpointReader`` in place of DCP's file system
+classes, on real gloo ranks and in one process (``no_dist``).
+
+The cases follow what DCP's own CPU tests of its file-system storage exercise: uneven and
+enumerable (ShardedTensor) shard layouts, loading row-wise into column-wise, ``BytesIO`` and
+``Stateful`` entries, nested dicts, DTensor state from FSDP2 and from tensor parallelism,
+thread counts, ``no_dist``; and what makes them shardpoint checkpoints: ``shardpoint verify
+--strict`` passes, no DCP ``.metadata`` pickle exists, ``sp.load`` reads them at other world
+sizes, ``shardpoint_jax`` reads them, and the reader loads checkpoints written by ``sp.save``.
+One 2-rank world runs all distributed cases, to keep the time down.
+"""
+import io
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from shardpoint_testing.launch import run_world
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+
+def _no_pickle_metadata(path):
+    found = [os.path.join(r, f) for r, _d, fs in os.walk(path) for f in fs
+             if f.endswith(".metadata") or f.endswith(".distcp") or f.endswith(".pt")]
+    assert found == [], found
+
+
+def _verify_strict(path):
+    r = subprocess.run([sys.executable, "-m", "shardpoint", "verify", "--strict", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
+
+
+class Counter:
+    """A DCP ``Stateful``: DCP calls ``state_dict`` before saving, ``load_state_dict`` after."""
+
+    def __init__(self, n=0):
+        self.n = n
+        self.seen = torch.full((3,), n, dtype=torch.int32)
+
+    def state_dict(self):
+        return {"n": self.n, "seen": self.seen}
+
+    def load_state_dict(self, sd):
+        self.n = sd["n"]
+        self.seen.copy_(sd["seen"])
+
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+          torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _all_dtypes():
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for dt in DTYPES:
+        raw = torch.randint(0, 256, (3, 5), generator=g, dtype=torch.uint8)
+        n = torch.tensor([], dtype=dt).element_size()
+        out[str(dt).split(".")[1]] = raw.repeat(1, n).view(dt) if dt != torch.bool else raw > 9
+    return out
+
+
+def test_no_dist_round_trip_every_dtype_values_bytesio_stateful(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    import shardpoint as sp
+    from shardpoint.dcp import ShardpointReader, ShardpointWriter
+    path = tmp_path / "c"
+    state = {"model": {"layer.0.weight": torch.randn(4, 3), "dtypes": _all_dtypes()},
+             "step": 7, "tags": [1, 2, "a"], "blob": io.BytesIO(b"\x00raw"),
+             "counter": Counter(4), "nested": {"a": {"b": {"c": torch.ones(2, 2)}}},
+             "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4)}
+    dcp.save(state, storage_writer=ShardpointWriter(path, thread_count=4), no_dist=True)
+    _no_pickle_metadata(path)
+    _verify_strict(path)
+    back = sp.load(str(path))          # plain shardpoint: the tree under DCP's paths
+    assert back["step"] == 7 and back["tags"] == [1, 2, "a"] and back["blob"] == b"\x00raw"
+    assert back["counter"]["n"] == 4
+    assert torch.equal(back["model"]["layer.0.weight"], state["model"]["layer.0.weight"])
+
+    like = {"model": {"layer.0.weight": torch.zeros(4, 3),
+                      "dtypes": {k: torch.zeros_like(v) for k, v in _all_dtypes().items()}},
+            "step": 0, "tags": None, "blob": io.BytesIO(), "counter": Counter(0),
+            "nested": {"a": {"b": {"c": torch.zeros(2, 2)}}}, "scalar": torch.tensor(0.0),
+            "empty": torch.ones(0, 4)}
+    dcp.load(like, storage_reader=ShardpointReader(path), no_dist=True)
+    for k, v in _all_dtypes().items():    # bitwise: compare the bytes
+        assert torch.equal(like["model"]["dtypes"][k].view(torch.uint8) if v.dtype != torch.bool
+                           else like["model"]["dtypes"][k], v.view(torch.uint8)
+                           if v.dtype != torch.bool else v), k
+    assert torch.equal(like["model"]["layer.0.weight"], state["model"]["layer.0.weight"])
+    assert like["step"] == 7 and like["tags"] == [1, 2, "a"]
+    assert like["blob"].getvalue() == b"\x00raw" and like["counter"].n == 4
+    assert torch.equal(like["counter"].seen, torch.full((3,), 4, dtype=torch.int32))
+    assert torch.equal(like["nested"]["a"]["b"]["c"], torch.ones(2, 2))
+    assert like["scalar"].item() == 3.5
+
+
+def test_reader_loads_a_checkpoint_written_by_sp_save(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    import shardpoint as sp
+    from shardpoint.dcp import ShardpointReader
+    w = torch.arange(24.0).reshape(6, 4)
+    sp.save({"model": {"w": w, "layers": [torch.ones(3), torch.zeros(2)]}, "step": 11,
+             "rng": sp.ShardedObject(5, 0, 1)}, str(tmp_path / "c"))
+    like = {"model": {"w": torch.zeros(6, 4), "layers": [torch.zeros(3), torch.ones(2)]},
+            "step": 0}
+    dcp.load(like, storage_reader=ShardpointReader(tmp_path / "c"), no_dist=True)
+    assert torch.equal(like["model"]["w"], w) and like["step"] == 11
+    assert torch.equal(like["model"]["layers"][0], torch.ones(3))
+    # a DCP state dict keyed as a model's (no nesting) asks for what it holds only
+    part = {"model": {"w": torch.zeros(6, 4)}}
+    dcp.load(part, checkpoint_id=str(tmp_path / "c"), storage_reader=ShardpointReader("x"),
+             no_dist=True)
+    assert torch.equal(part["model"]["w"], w)
+
+
+def test_unsupported_object_is_refused_with_shardpoint_error(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from shardpoint.dcp import ShardpointWriter
+    with pytest.raises(CheckpointException, match="UnsupportedValueError|not a supported"):
+        dcp.save({"w": torch.ones(2), "obj": {1, 2}},
+                 storage_writer=ShardpointWriter(tmp_path / "c"), no_dist=True)
+    assert not (tmp_path / "c").exists()
+
+
+# ------------------------------------------------------------------ one 2-rank world
+def _full(name, shape, dtype=torch.float32):
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _two_rank_cases(rank, world, root):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard as DShard, distribute_tensor, DTensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from shardpoint.dcp import ShardpointReader, ShardpointWriter
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (world,))
+    done = []
+
+    # 1. uneven DTensor rows (5 over 2) -> load column-wise; a nested dict; values
+    w = _full("w", (5, 6))
+    path = os.path.join(root, "rows")
+    state = {"model": {"w": distribute_tensor(w, mesh, [DShard(0)])}, "step": 3}
+    dcp.save(state, storage_writer=ShardpointWriter(path, thread_count=2))
+    cols = {"model": {"w": distribute_tensor(torch.zeros(5, 6), mesh, [DShard(1)])}, "step": 0}
+    dcp.load(cols, storage_reader=ShardpointReader(path))
+    assert torch.equal(cols["model"]["w"].full_tensor(), w) and cols["step"] == 3
+    assert cols["model"]["w"].to_local().shape == (5, 3)
+    done.append("rowwise->colwise")
+
+    # 2. enumerable uneven shards (legacy ShardedTensor, 2 rows on rank 0, 3 on rank 1)
+    #    loaded into a replicated plain tensor
+    e = _full("e", (5, 4))
+    rows = [(0, 2), (2, 5)]
+    md = [ShardMetadata([a, 0], [b - a, 4], f"rank:{r}/cpu") for r, (a, b) in enumerate(rows)]
+    a, b = rows[rank]
+    st = init_from_local_shards([Shard(e[a:b].clone(), md[rank])], [5, 4])
+    path = os.path.join(root, "enum")
+    dcp.save({"e": st}, storage_writer=ShardpointWriter(path))
+    plain = {"e": torch.zeros(5, 4)}
+    dcp.load(plain, storage_reader=ShardpointReader(path))
+    assert torch.equal(plain["e"], e)
+    done.append("enumerable")
+
+    # 3. FSDP2 model + optimizer state through DCP's state_dict helpers, Stateful entry
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    path = os.path.join(root, "fsdp")
+    dcp.save({"model": msd, "optim": osd}, storage_writer=ShardpointWriter(path))
+    ref = {k: v.full_tensor().clone() for k, v in msd.items()}
+    torch.manual_seed(1)
+    model2 = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    fully_shard(model2, mesh=mesh)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    model2(torch.randn(4, 5)).sum().backward()
+    opt2.step()
+    msd2, osd2 = get_state_dict(model2, opt2)
+    target = {"model": msd2, "optim": osd2}
+    dcp.load(target, storage_reader=ShardpointReader(path))
+    set_state_dict(model2, opt2, model_state_dict=target["model"],
+                   optim_state_dict=target["optim"])
+    for k, v in get_state_dict(model2, opt2)[0].items():
+        assert torch.equal(v.full_tensor(), ref[k]), k
+    o1 = get_state_dict(model, opt)[1]["state"]
+    o2 = get_state_dict(model2, opt2)[1]["state"]
+    for k in o1:
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(o1[k][s].full_tensor(), o2[k][s].full_tensor()), (k, s)
+    done.append("fsdp2")
+
+    # 4. tensor parallel (colwise + rowwise Linear), async_save, loaded back with a fresh model
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(4, 6)
+            self.down = torch.nn.Linear(6, 4)
+
+    torch.manual_seed(2)
+    tp = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    path = os.path.join(root, "tp")
+    fut = dcp.async_save({"model": tp.state_dict()}, storage_writer=ShardpointWriter(path))
+    fut.result()
+    want = {k: v.full_tensor() for k, v in tp.state_dict().items()}
+    torch.manual_seed(3)
+    tp2 = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    sd2 = {"model": tp2.state_dict()}
+    dcp.load(sd2, storage_reader=ShardpointReader(path))
+    for k, v in sd2["model"].items():
+        assert isinstance(v, DTensor) and torch.equal(v.full_tensor(), want[k]), k
+    done.append("tp+async")
+
+    # 5. a checkpoint written by sp.save on these ranks, read through DCP into DTensors
+    import shardpoint as sp
+    h = _full("h", (4, 6), torch.bfloat16)
+    path = os.path.join(root, "native")
+    sp.save({"h": sp.ShardedTensor(h[:, 3 * rank:3 * rank + 3].clone(), (4, 6), (0, 3 * rank)),
+             "it": 9}, path)
+    into = {"h": distribute_tensor(torch.zeros(4, 6, dtype=torch.bfloat16), mesh, [DShard(0)]),
+            "it": 0}
+    dcp.load(into, storage_reader=ShardpointReader(path))
+    assert torch.equal(into["h"].full_tensor(), h) and into["it"] == 9
+    done.append("sp.save->dcp.load")
+    dist.barrier()
+    return done
+
+
+def _sp_load_three(rank, world, root):
+    import shardpoint as sp
+    w = _full("w", (5, 6))
+    a, b = rank * 2, min(5, rank * 2 + 2)
+    like = {"model": {"w": sp.ShardedTensor(torch.empty(b - a, 6), (5, 6), (a, 0))}}
+    out = sp.load(os.path.join(root, "rows"), like=like)
+    assert torch.equal(out["model"]["w"], w[a:b])
+    return True
+
+
+@pytest.mark.slow
+def test_two_ranks_dcp_cases_then_sp_load_on_three_and_jax(tmp_path):
+    """Slow (2-rank then 3-rank worlds and a JAX process); the default suite runs DCP on
+    2 gloo ranks in tests/test_crossover.py."""
+    done = run_world(2, _two_rank_cases, str(tmp_path), timeout=300)
+    assert done[0] == done[1] == ["rowwise->colwise", "enumerable", "fsdp2", "tp+async",
+                                  "sp.save->dcp.load"]
+    for name in ("rows", "enum", "fsdp", "tp"):
+        _no_pickle_metadata(tmp_path / name)
+    _verify_strict(tmp_path / "rows")
+    _verify_strict(tmp_path / "fsdp")
+    assert run_world(3, _sp_load_three, str(tmp_path), timeout=120) == [True] * 3
+    jax_load = r"""
+import sys, numpy as np, shardpoint_jax as spj
+out = spj.load(sys.argv[1])
+w = np.asarray(out["model"]["w"])
+assert w.shape == (5, 6) and out["step"] == 3
+np.save(sys.argv[2], w)
+"""
+    r = subprocess.run([sys.executable, "-c", jax_load, str(tmp_path / "rows"),
+                        str(tmp_path / "w.npy")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr
+    import numpy as np
+    assert np.array_equal(np.load(tmp_path / "w.npy"), _full("w", (5, 6)).numpy())
+
+
+def test_readme_example_runs(tmp_path):
+    """The README's drop-in example for this incumbent runs as written."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    sec = readme[readme.index("\n## Drop-in:"):readme.index("\n## Coming from DCP")]
+    blocks = re.findall(r"```python\n(.*?)```", sec, re.S)
+    block = next(b for b in blocks if "ShardpointWriter" in b)
+    r = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert any(f == "manifest.msgpack" for _r, _d, fs in os.walk(tmp_path) for f in fs)
