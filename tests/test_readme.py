@@ -80,6 +80,11 @@ def test_lazy_open_and_convert_example_runs(tmp_path):
     assert (tmp_path / "ckpt" / "from_hf" / "manifest.msgpack").is_file()
 
 
+def test_checkpointer_example_runs(tmp_path):
+    r = run_python(next(b for b in BLOCKS if "sp.Checkpointer()" in b), tmp_path)
+    assert "(4, 4) float32 (4, 4)" in r.stdout
+
+
 def test_tuning_example_runs(tmp_path):
     """The I/O tuning block: a configured backend and load options, a real round trip."""
     run_python(next(b for b in BLOCKS if "TensorStoreBackend(" in b), tmp_path)

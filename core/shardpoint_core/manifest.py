@@ -21,6 +21,7 @@ from shardpoint_core import dtypes, values
 from shardpoint_core.errors import (CorruptCheckpointError, InvalidKeyError,
                                     UnsupportedFormatError, UnsupportedValueError)
 from shardpoint_core.keys import decode_key, encode_key
+from shardpoint_core.statetree import typed_tree
 from shardpoint_core.storage import ArraySpec
 
 class ObjectValues(list):
@@ -33,12 +34,15 @@ class ObjectValues(list):
 
     def nested(self) -> list:
         """The values as nested lists following the grid (a flat list for a 1-D grid)."""
-        def build(flat: list, shape: tuple) -> list:
-            if len(shape) == 1:
-                return list(flat)
-            step = len(flat) // shape[0]
-            return [build(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
-        return build(list(self), self.shape)
+        return _nest(list(self), self.shape)
+
+
+def _nest(flat: list, shape: tuple) -> list:
+    """``flat`` as nested lists of ``shape`` (module level, not a closure: no cycle)."""
+    if len(shape) == 1:
+        return list(flat)
+    step = len(flat) // shape[0]
+    return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 def object_grid(values: Sequence) -> tuple:
@@ -101,6 +105,13 @@ class Manifest:
     created_unix: float = 0.0
     save_world_size: int = 1
     extensions: dict = field(default_factory=dict)
+
+    @property
+    def state_tree(self) -> Any:
+        """The tree of the saved state: nested dicts, lists and tuples whose leaves are
+        :class:`~shardpoint_core.statetree.TensorLeaf`, ``ObjectLeaf`` and ``ValueLeaf``
+        (``tree`` is the same tree in its wire encoding, [SP-MAN-4])."""
+        return typed_tree(self.tree, self.tensors, self.objects)
 
 
 _WINDOWS_RESERVED = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])\Z", re.I)
@@ -319,71 +330,75 @@ def _check_distinct_arrays(tensors: dict) -> None:
                        f"{b[:-1]!r}: one array inside or equal to another", "SP-LAYOUT-2")
 
 
+def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: set,
+                seen_o: set) -> None:
+    """One tree node for :func:`_check_tree` (a module-level function, not a closure, so a
+    check leaves no reference cycle behind)."""
+    if not isinstance(node, dict) or len(node) < 1:
+        raise _bad(f"tree node at {path!r} is not a map", "SP-MAN-4")
+    kinds = _TREE_KINDS.intersection(node)
+    extra = set(node) - kinds - ({"origin"} if kinds == {"tensor"} else set())
+    if len(kinds) != 1 or extra:
+        raise _bad(f"tree node at {path!r} has entries {sorted(map(str, node))!r}; a node "
+                   "is exactly one of dict, list, tuple, tensor (with an optional origin), "
+                   "object, value", "SP-MAN-4")
+    if "origin" in node and node["origin"] not in TENSOR_ORIGINS:
+        raise _bad(f"tensor leaf at {path!r} has origin {node['origin']!r}; the origins "
+                   f"are {', '.join(TENSOR_ORIGINS)} or none", "SP-MAN-4")
+    if "dict" in node:
+        if not isinstance(node["dict"], list):
+            raise _bad(f"tree dict at {path!r} must be a list of [key, node]", "SP-MAN-4")
+        seen_keys: set = set()
+        for item in node["dict"]:
+            if not (isinstance(item, list) and len(item) == 2
+                    and isinstance(item[0], (str, int)) and not isinstance(item[0], bool)):
+                raise _bad(f"tree dict at {path!r} has a malformed entry", "SP-MAN-4")
+            if (type(item[0]), item[0]) in seen_keys:
+                raise _bad(f"tree dict at {path!r} repeats key {item[0]!r}", "SP-MAN-4")
+            seen_keys.add((type(item[0]), item[0]))
+            _check_node(item[1], path + (item[0],), tensors, objects, seen_t, seen_o)
+        return
+    for kind in ("list", "tuple"):
+        if kind in node:
+            if not isinstance(node[kind], list):
+                raise _bad(f"tree {kind} at {path!r} must be a list", "SP-MAN-4")
+            for i, c in enumerate(node[kind]):
+                _check_node(c, path + (i,), tensors, objects, seen_t, seen_o)
+            return
+    if "value" in node:
+        try:   # a value's path is a key too ([SP-KEY-2]: "wherever a key appears")
+            encode_key(path)
+        except InvalidKeyError as e:
+            raise _bad(f"tree path {path!r} cannot be a key: {e}",
+                       e.spec_id or "SP-KEY-2") from e
+        v = node["value"]
+        if not (v is None or isinstance(v, (bool, int, float, str, bytes))
+                or isinstance(v, np.generic)):   # ext 1 only as a numpy scalar
+            raise _bad(f"value leaf at {path!r} is a {type(v).__name__}, not a scalar",
+                       "SP-MAN-4")
+        return
+    for kind, table, seen in (("tensor", tensors, seen_t), ("object", objects, seen_o)):
+        if kind in node:
+            try:
+                want = encode_key(path)
+            except InvalidKeyError as e:
+                raise _bad(f"tree path {path!r} cannot be a key: {e}",
+                           e.spec_id or "SP-KEY-2") from e
+            if node[kind] != want or want not in table:
+                raise _bad(f"tree leaf at {want!r} refers to {kind} {node[kind]!r}, which "
+                           f"is not the {kind} entry for its path", "SP-MAN-4")
+            if want in seen:
+                raise _bad(f"{kind} {want!r} appears twice in the tree", "SP-MAN-4")
+            seen.add(want)
+            return
+    raise _bad(f"tree node at {path!r} has unknown kind {sorted(node)!r}", "SP-MAN-4")
+
+
 def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
     """Every leaf names its own path's key, and every tensor/object is in the tree once."""
     seen_t, seen_o = set(), set()
 
-    def walk(node: Any, path: tuple) -> None:
-        if not isinstance(node, dict) or len(node) < 1:
-            raise _bad(f"tree node at {path!r} is not a map", "SP-MAN-4")
-        kinds = _TREE_KINDS.intersection(node)
-        extra = set(node) - kinds - ({"origin"} if kinds == {"tensor"} else set())
-        if len(kinds) != 1 or extra:
-            raise _bad(f"tree node at {path!r} has entries {sorted(map(str, node))!r}; a node "
-                       "is exactly one of dict, list, tuple, tensor (with an optional origin), "
-                       "object, value", "SP-MAN-4")
-        if "origin" in node and node["origin"] not in TENSOR_ORIGINS:
-            raise _bad(f"tensor leaf at {path!r} has origin {node['origin']!r}; the origins "
-                       f"are {', '.join(TENSOR_ORIGINS)} or none", "SP-MAN-4")
-        if "dict" in node:
-            if not isinstance(node["dict"], list):
-                raise _bad(f"tree dict at {path!r} must be a list of [key, node]", "SP-MAN-4")
-            seen_keys: set = set()
-            for item in node["dict"]:
-                if not (isinstance(item, list) and len(item) == 2
-                        and isinstance(item[0], (str, int)) and not isinstance(item[0], bool)):
-                    raise _bad(f"tree dict at {path!r} has a malformed entry", "SP-MAN-4")
-                if (type(item[0]), item[0]) in seen_keys:
-                    raise _bad(f"tree dict at {path!r} repeats key {item[0]!r}", "SP-MAN-4")
-                seen_keys.add((type(item[0]), item[0]))
-                walk(item[1], path + (item[0],))
-            return
-        for kind in ("list", "tuple"):
-            if kind in node:
-                if not isinstance(node[kind], list):
-                    raise _bad(f"tree {kind} at {path!r} must be a list", "SP-MAN-4")
-                for i, c in enumerate(node[kind]):
-                    walk(c, path + (i,))
-                return
-        if "value" in node:
-            try:   # a value's path is a key too ([SP-KEY-2]: "wherever a key appears")
-                encode_key(path)
-            except InvalidKeyError as e:
-                raise _bad(f"tree path {path!r} cannot be a key: {e}",
-                           e.spec_id or "SP-KEY-2") from e
-            v = node["value"]
-            if not (v is None or isinstance(v, (bool, int, float, str, bytes))
-                    or isinstance(v, np.generic)):   # ext 1 only as a numpy scalar
-                raise _bad(f"value leaf at {path!r} is a {type(v).__name__}, not a scalar",
-                           "SP-MAN-4")
-            return
-        for kind, table, seen in (("tensor", tensors, seen_t), ("object", objects, seen_o)):
-            if kind in node:
-                try:
-                    want = encode_key(path)
-                except InvalidKeyError as e:
-                    raise _bad(f"tree path {path!r} cannot be a key: {e}",
-                               e.spec_id or "SP-KEY-2") from e
-                if node[kind] != want or want not in table:
-                    raise _bad(f"tree leaf at {want!r} refers to {kind} {node[kind]!r}, which "
-                               f"is not the {kind} entry for its path", "SP-MAN-4")
-                if want in seen:
-                    raise _bad(f"{kind} {want!r} appears twice in the tree", "SP-MAN-4")
-                seen.add(want)
-                return
-        raise _bad(f"tree node at {path!r} has unknown kind {sorted(node)!r}", "SP-MAN-4")
-
-    walk(tree, ())
+    _check_node(tree, (), tensors, objects, seen_t, seen_o)
     if "dict" not in tree and "list" not in tree and "tuple" not in tree:
         raise _bad("the tree root must be a dict, list or tuple", "SP-MAN-4")
     for kind, table, seen in (("tensor", tensors, seen_t), ("object", objects, seen_o)):

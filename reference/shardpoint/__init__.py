@@ -35,8 +35,8 @@ from shardpoint_core.recovery import RecoveryAction, recover
 from shardpoint_core.store.registry import register_store
 
 _LAZY = {
-    "shardpoint.api": ["AsyncSave", "LoadOptions", "LoadReport", "SaveOptions", "SaveResult",
-                       "load", "read_metadata", "save"],
+    "shardpoint.api": ["AsyncSave", "Checkpointer", "LoadOptions", "LoadReport", "LoadResult",
+                       "SaveOptions", "SaveResult", "load", "read_metadata", "save"],
     "shardpoint.api.lazy": ["Checkpoint", "TensorView", "open"],
     "shardpoint.api.manager": ["CheckpointManager"],
     "shardpoint.tree.model": ["ShardedObject", "ShardedPieces", "ShardedTensor"],
@@ -75,6 +75,7 @@ register_path_hint(_foreign_format_hint)
 
 __all__ = [
     "save", "load", "read_metadata", "open", "Checkpoint", "TensorView", "CheckpointManager",
+    "Checkpointer", "LoadResult",
     "ShardedTensor", "ShardedPieces", "ShardedObject", "SaveOptions", "SaveResult", "AsyncSave",
     "LoadReport", "LoadOptions", "PlanOptions", "Manifest", "FORMAT_VERSION", "ShardpointError",
     "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",

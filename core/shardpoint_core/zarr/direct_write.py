@@ -63,23 +63,21 @@ def stored_codecs(codecs: list, itemsize: int) -> list:
     """``codecs`` as TensorStore stores them in zarr.json: a one-byte dtype's ``bytes`` codec
     loses its ``endian`` (meaningless for one byte), ``index_location: end`` (the default) is
     dropped; the index's own chain keeps ``endian`` (uint64)."""
-    def chain(cs: list, size: int) -> list:
-        out = []
-        for c in cs:
-            if c.get("name") == "bytes" and size == 1:
-                out.append({"name": "bytes"})
-            elif c.get("name") == "sharding_indexed":
-                conf = c["configuration"]
-                new = {"chunk_shape": list(conf["chunk_shape"]),
-                       "codecs": chain(conf["codecs"], size),
-                       "index_codecs": chain(conf["index_codecs"], 8)}
-                if conf.get("index_location", "end") != "end":
-                    new["index_location"] = conf["index_location"]
-                out.append({"name": "sharding_indexed", "configuration": new})
-            else:
-                out.append(c)
-        return out
-    return chain(codecs, itemsize)
+    out = []
+    for c in codecs:
+        if c.get("name") == "bytes" and itemsize == 1:
+            out.append({"name": "bytes"})
+        elif c.get("name") == "sharding_indexed":
+            conf = c["configuration"]
+            new = {"chunk_shape": list(conf["chunk_shape"]),
+                   "codecs": stored_codecs(conf["codecs"], itemsize),
+                   "index_codecs": stored_codecs(conf["index_codecs"], 8)}
+            if conf.get("index_location", "end") != "end":
+                new["index_location"] = conf["index_location"]
+            out.append({"name": "sharding_indexed", "configuration": new})
+        else:
+            out.append(c)
+    return out
 
 
 def write_layout(path: str, shape: Sequence[int], chunk: Sequence[int], codecs: list,

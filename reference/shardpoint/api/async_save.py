@@ -49,10 +49,14 @@ class AsyncSave:
             raise TimeoutError(f"the async save is still writing after {timeout} s; it keeps "
                                "running: wait() again, or check done()") from None
         except BaseException:
-            self._seen = True
+            self._mark_seen()
             raise
-        self._seen = True
+        self._mark_seen()
         return out
+
+    def _mark_seen(self) -> None:
+        self._seen = True
+        _RUNNING.discard(self)   # its error reached the caller: the exit hook need not wait
 
     def result(self) -> Any:
         """Same as :meth:`wait` with no timeout."""
@@ -64,7 +68,8 @@ class AsyncSave:
 
 
 class GroupSaves:
-    """What one process group keeps between async saves: the pending save and its pool."""
+    """What a checkpointer keeps per process group between async saves: the pending save
+    and its host pool."""
 
     def __init__(self) -> None:
         self.pending: Optional[AsyncSave] = None
@@ -83,27 +88,32 @@ class GroupSaves:
             prev._future.result()
         except BaseException as e:  # noqa: BLE001 - handed to agree
             if not prev._seen:
-                prev._seen = True
+                prev._mark_seen()
                 unseen = e
         agree(unseen)
 
     def start(self, fn: Callable[[], Any], staging_bytes: int, path: str = "") -> AsyncSave:
         """Run ``fn`` in a background thread; its result or error goes to the handle."""
         fut: Future = Future()
+        handle = AsyncSave(fut, staging_bytes, path)
 
         def run() -> None:
             try:
                 fut.set_result(fn())
+                _RUNNING.discard(handle)
             except BaseException as e:  # noqa: BLE001 - delivered through the handle
                 fut.set_exception(e)
 
         fut.set_running_or_notify_cancel()
+        _RUNNING.add(handle)
         threading.Thread(target=run, name="shardpoint-async-save", daemon=True).start()
-        self.pending = AsyncSave(fut, staging_bytes, path)
-        return self.pending
+        self.pending = handle
+        return handle
 
 
-_GROUPS: dict = {}
+# Async saves not yet finished (or failed and not yet reported), whichever checkpointer
+# started them: the exit hook below waits for them.
+_RUNNING: set = set()
 
 
 def _finish_pending() -> None:
@@ -114,25 +124,16 @@ def _finish_pending() -> None:
     own; they run in reverse order) so it runs before the thread pools the background write
     submits to refuse new work ("cannot schedule new futures after interpreter shutdown"):
     as a plain ``atexit`` hook it ran after that, and a save still writing at exit failed."""
-    for g in list(_GROUPS.values()):
-        if g.pending is not None:
-            try:
-                g.pending._future.result()
-            except BaseException as e:  # noqa: BLE001 - nobody left to raise to
-                if not g.pending._seen:
-                    log.error("shardpoint: the async save to %r still running at exit "
-                              "failed; nothing was committed there: %s",
-                              g.pending.path, e)
+    for h in list(_RUNNING):
+        try:
+            h._future.result()
+        except BaseException as e:  # noqa: BLE001 - nobody left to raise to
+            if not h._seen:
+                log.error("shardpoint: the async save to %r still running at exit failed; "
+                          "nothing was committed there: %s", h.path, e)
 
 
 try:   # Python >= 3.9; the same hook list concurrent.futures uses for its pools
     threading._register_atexit(_finish_pending)
 except (AttributeError, RuntimeError):   # pragma: no cover - another Python
     atexit.register(_finish_pending)
-
-
-def group_saves(key: tuple) -> GroupSaves:
-    """The bookkeeping of the group with ``key`` (created on first use)."""
-    if key not in _GROUPS:
-        _GROUPS[key] = GroupSaves()
-    return _GROUPS[key]

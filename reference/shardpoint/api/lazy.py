@@ -26,7 +26,7 @@ from shardpoint.tree import dtypes
 from shardpoint_core.errors import LoadFailedError
 from shardpoint_core.keys import decode_key, encode_key, similar_keys
 from shardpoint_core.manifest import Manifest, TensorEntry, decode_manifest
-from shardpoint.tree.model import iter_tree_leaves
+from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, iter_leaves
 from shardpoint_core.storage import StorageBackend, get_backend
 from shardpoint_core.zarr.object_backend import resolve
 from shardpoint.tree.views import to_numpy
@@ -129,7 +129,8 @@ class Checkpoint:
         self._identity = getattr(self._be, "checkpoint_identity", None)
         self._ident = self._identity(self.path) if self._identity else None   # see load()
         self.manifest: Manifest = decode_manifest(self._be.read_manifest(self.path))
-        self._leaves = {encode_key(p): n for p, n in iter_tree_leaves(self.manifest.tree)}
+        self.tree = self.manifest.state_tree   # nested dicts/lists/tuples, typed leaves
+        self._leaves = {encode_key(p): leaf for p, leaf in iter_leaves(self.tree)}
         self._handles: dict = {}
 
     def keys(self) -> list:
@@ -137,7 +138,7 @@ class Checkpoint:
         return list(self._leaves)
 
     def tensor_keys(self) -> list:
-        return [k for k, n in self._leaves.items() if "tensor" in n]
+        return [k for k, leaf in self._leaves.items() if isinstance(leaf, TensorLeaf)]
 
     def __iter__(self):
         return iter(self._leaves)
@@ -161,11 +162,11 @@ class Checkpoint:
             raise KeyError(f"{k!r} is not a key of {self.path!r}"
                            + (f"; keys under it: {near}" if near else "")
                            + (f"; similar keys: {like}" if like else ""))
-        if "tensor" in node:
-            return TensorView(self, self.manifest.tensors[node["tensor"]])
-        if "object" in node:
-            return list(self.manifest.objects[node["object"]])
-        return node.get("value")
+        if isinstance(node, TensorLeaf):
+            return TensorView(self, node.entry)
+        if isinstance(node, ObjectLeaf):
+            return list(node.values)
+        return node.value
 
     def read_box(self, e: TensorEntry, offset: tuple, out: torch.Tensor) -> None:
         """Fill ``out`` with the box of ``e`` at ``offset`` (reads the chunks it touches)."""

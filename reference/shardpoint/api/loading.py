@@ -1,15 +1,16 @@
-"""``load`` and ``read_metadata``: read a checkpoint into any layout, collectively.
+"""``load``: read a checkpoint into any layout, collectively (:class:`LoadJob`).
 
 The coordinator reads the manifest once and shares it; each rank states the regions it needs
 (and its host); a cost model picks how they are read (once and exchanged, or by every rank
-directly, see :mod:`.load_planner`); the caller's tensors are filled in place. A failure on any rank raises the same error on every rank.
+directly, see :mod:`.load_planner`); the caller's tensors are filled in place. A failure on
+any rank raises the same error on every rank. The result is a :class:`LoadResult`.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import msgpack
@@ -24,10 +25,10 @@ from shardpoint.exchange.comm import (AFTER_LOAD, Comm, agree, error_record, exc
 from shardpoint.exchange.host import execute_dedup_load
 from shardpoint.exchange.topology import host_identity
 from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_load_auto
-from shardpoint_core.manifest import read_metadata, Manifest, decode_manifest
+from shardpoint_core.manifest import read_metadata, Manifest, decode_manifest  # noqa: F401
 from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import RankLoadWork, TensorLayout
-from shardpoint_core.storage import StorageBackend, get_backend
+from shardpoint_core.storage import StorageBackend
 from shardpoint_core.zarr.object_backend import resolve
 from shardpoint.tree.targets import collect_targets, full_targets
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
@@ -36,10 +37,18 @@ log = logging.getLogger("shardpoint")
 
 
 @dataclass
-class LoadReport:
-    """Filled by ``load(..., report=...)``: what ``like`` asked for that the checkpoint lacks
-    (``missing_keys``, only with ``strict=False``) and what it has that was not asked for."""
+class LoadResult:
+    """What a load did, for the caller, logs and benchmarks: the loaded ``tree`` (what
+    ``sp.load`` returns), what ``like`` asked for that the checkpoint lacks
+    (``missing_keys``, only with ``strict=False``) and what the checkpoint has that was not
+    asked for (``unexpected_keys``), the bytes this rank read and sent, the read strategy the
+    cost model chose (``"dedup"`` or ``"direct"``) with its inputs and estimates, and
+    ``timings`` in seconds (``plan``, ``read``, ``exchange``, ``total``). Every field has a
+    default, so ``sp.load(..., report=sp.LoadResult())`` can hand one in to be filled."""
 
+    tree: Any = None
+    path: str = ""
+    world_size: int = 1
     missing_keys: list = field(default_factory=list)
     unexpected_keys: list = field(default_factory=list)
     rank_bytes_read: int = 0
@@ -58,12 +67,218 @@ class LoadReport:
                 f"(estimated dedup {c['dedup_s']:.3g} s, direct {c['direct_s']:.3g} s)")
 
 
+LoadReport = LoadResult   # the name ``load(..., report=sp.LoadReport())`` has always taken
+
+
+# -------------------------------------------------------------------------------- one load
+class LoadJob:
+    """One load's state (manifest, targets, this rank's work, timings), one method per phase,
+    mirroring :class:`~shardpoint.api.saving.SaveJob`: :meth:`read_manifest` ->
+    :meth:`plan` -> :meth:`read` -> :meth:`result`. Collective over ``comm``; a failure on
+    any rank raises the same error on every rank."""
+
+    def __init__(self, path: str, like: Any, comm: Comm, be: StorageBackend, strict: bool,
+                 opts: LoadOptions) -> None:
+        self.path, self.like, self.comm, self.be = str(path), like, comm, be
+        self.strict, self.opts = strict, opts
+        self.out = LoadResult(path=self.path, world_size=comm.size)
+        self.t0 = time.perf_counter()
+        self._identity = getattr(be, "checkpoint_identity", None)
+        self.ident: Any = None
+        self.mbytes = b""
+        self.m: Optional[Manifest] = None
+        self.targets: list = []
+        self.built: Any = None
+        self.work: Optional[RankLoadWork] = None
+        self.costs: dict = {}
+        self.budget = opts.exchange_budget_bytes
+
+    # ---------------------------------------------------------------------- phase 1
+    def read_manifest(self) -> None:
+        """The coordinator reads the manifest once and shares its bytes (or its error)."""
+        comm, mbytes = self.comm, b""
+        if comm.is_coordinator:
+            try:
+                # Taken before the manifest is read and checked again after the last read: a
+                # save replacing the checkpoint (overwrite=True) in between is seen.
+                ident = self._identity(self.path) if self._identity else None
+                mbytes = b"\x00" + msgpack.packb([ident, self.be.read_manifest(self.path)])
+            except errors.ShardpointError as e:
+                mbytes = b"\x01" + msgpack.packb([error_record(e, 0)])
+        mbytes = comm.broadcast_bytes(mbytes)
+        if mbytes[:1] == b"\x01":
+            raise_records(msgpack.unpackb(mbytes[1:]))
+        self.ident, self.mbytes = msgpack.unpackb(mbytes[1:])
+
+    # ---------------------------------------------------------------------- phase 2
+    def plan(self) -> None:
+        """Each rank states the regions it needs; the coordinator's cost model picks how they
+        are read and hands each rank its work."""
+        costs, wbytes = msgpack.unpackb(run_collectively(
+            self.comm, self._local, self._decide, errors.LayoutMismatchError,
+            same=[("checkpoint path", os.path.normpath(self.path)),
+                  ("LoadOptions.strategy", self.opts.strategy),
+                  ("exchange budget", int(self.budget)),
+                  ("LoadOptions.shm_exchange", bool(self.opts.shm_exchange)),
+                  ("LoadOptions.shm_round_bytes", int(self.opts.shm_round_bytes))]))
+        self.work = RankLoadWork.from_bytes(wbytes, self.m.tensors)
+        self.costs = costs
+        self.out.strategy, self.out.costs = costs["strategy"], costs
+        self.out.timings["plan"] = time.perf_counter() - self.t0
+
+    def _local(self) -> bytes:
+        self.m = m = decode_manifest(self.mbytes)
+        if self.like is None:
+            self.targets, self.built = full_targets(m)
+        else:
+            self.targets, self.built = collect_targets(self.like, m, self.strict, self.out,
+                                                       self.comm.rank)
+        host = host_identity(self.opts.host_id)
+        cols = HoldingColumns.from_holdings([t.holding for t in self.targets])
+        return msgpack.packb([host, cols.to_wire()])
+
+    def _decide(self, payloads: list) -> list:
+        m = self.m if self.m is not None else decode_manifest(self.mbytes)
+        layouts = {k: TensorLayout(k, e.shape, e.dtype, e.chunk_shape)
+                   for k, e in m.tensors.items()}
+        got = [msgpack.unpackb(p) for p in payloads]
+        reqs = [HoldingColumns.from_wire(w) for _, w in got]
+        xg = self.opts.exchange_gbps or (20.0 if self.comm.device.type == "cuda" else 1.0)
+        works, costs = plan_load_auto(reqs, layouts, [h for h, _ in got], self.opts, xg)
+        c = {k: v for k, v in vars(costs).items() if k != "notes"}
+        return [msgpack.packb([c, w]) for w in encode_works(works, layouts)]
+
+    # ---------------------------------------------------------------------- phase 3
+    def read(self, budget: int) -> None:
+        """Read this rank's regions (and exchange them, by the plan's strategy) into the
+        targets; ranks agree on the outcome."""
+        err: Optional[BaseException] = None
+        try:
+            t = time.perf_counter()
+            self.out.rank_bytes_read, self.out.exchange_bytes = self._execute(budget)
+            self.out.timings["read"] = time.perf_counter() - t
+            if self.ident is not None and self._identity(self.path) != self.ident:
+                raise errors.LoadFailedError(
+                    f"the checkpoint at {self.path!r} was replaced (or removed) by another "
+                    "save while this load read it, so what was read may mix two checkpoints; "
+                    "nothing was returned. Load again, and do not save over a checkpoint "
+                    "(overwrite=True, a manager's force=True or retention) while another job "
+                    "loads it")
+        except Exception as e:  # noqa: BLE001
+            if getattr(e, "_sp_agreed", False):
+                raise  # every rank raised it already
+            err = e
+        agree(self.comm, err, errors.LoadFailedError)
+
+    def _execute(self, budget: int) -> tuple:
+        m = self.m
+        dst_view = PieceViews([(tg.holding, tg.data) for tg in self.targets])
+
+        def open_array(key: str) -> Any:
+            e = m.tensors[key]
+            return self.be.open_array_for_read(self.path, e.array, e.spec, key)
+
+        with OpenAhead(open_array, [op.key for op in self.work.reads],
+                       getattr(self.be, "open_concurrency", None)) as handle:  # object stores
+            if self.costs["strategy"] == "dedup" and self.comm.size > 1:
+                # the same on every rank: the plan's strategy is global
+                return execute_dedup_load(
+                    self.comm, self.be, self.work, budget, self.out.timings, dst_view,
+                    handle, self._dtype_of, host_identity(self.opts.host_id),
+                    self.opts.shm_exchange, self.opts.shm_round_bytes)
+            return self._read_direct(budget, dst_view, handle)
+
+    def _dtype_of(self, key: str) -> torch.dtype:
+        return dtypes.from_name(self.m.tensors[key].dtype).torch
+
+    def _read_direct(self, budget: int, dst_view: PieceViews, handle: OpenAhead) -> tuple:
+        """Every rank reads what it needs (or its share, then exchanges the rest). Reads and
+        local copies first; ranks agree before the exchange, so a corrupt chunk seen by one
+        rank is raised everywhere instead of leaving peers in a collective."""
+        comm, be, work = self.comm, self.be, self.work
+        err: Optional[BaseException] = None
+        nread = 0
+        sends: list = []
+        recvs: list = []
+        try:
+            ops, bufs, post = [], [], []
+            for op in work.reads:
+                dt = self._dtype_of(op.key)
+                if op.direct is not None:
+                    v, off = dst_view(*op.direct)
+                    v = box_view(v, off, op.offset, op.shape)
+                    if v.device.type == "cpu":
+                        buf = v
+                    else:
+                        buf = torch.empty(op.shape, dtype=dt,
+                                          pin_memory=torch.cuda.is_available())
+                        post.append((v, buf))
+                    bufs.append(None)
+                else:
+                    buf = torch.empty(op.shape, dtype=dt)
+                    bufs.append(buf)
+                nread += buf.numel() * buf.element_size()
+                ops.append(be.read_into(handle(op.key), op.offset, to_numpy(buf)))
+            be.wait(ops)
+            for v, buf in post:
+                v.copy_(buf, non_blocking=True)
+            for op, buf in zip(work.reads, bufs):
+                for q, pi, bo, bs in op.local:
+                    v, off = dst_view(q, pi)
+                    copy_into(box_view(v, off, bo, bs), box_view(buf, op.offset, bo, bs))
+            sends += [(t.dst, box_view(bufs[t.src_ref[0]], work.reads[t.src_ref[0]].offset,
+                                       t.box_offset, t.box_shape)) for t in work.sends]
+            for t in work.recvs:
+                v, off = dst_view(*t.dst_ref)
+                recvs.append((t.src, box_view(v, off, t.box_offset, t.box_shape)))
+        except Exception as e:  # noqa: BLE001 - shared with every rank just below
+            err = e
+        agree(comm, err, errors.LoadFailedError)
+        t = time.perf_counter()
+        exchange(comm, sends, recvs, budget)
+        self.out.timings["exchange"] = time.perf_counter() - t
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        moved = sum(v.numel() * v.element_size() for _, v in sends)
+        return nread, moved
+
+    # ---------------------------------------------------------------------- phase 4
+    def result(self) -> LoadResult:
+        """The typed result, its tree filled; drops the job's references to the targets."""
+        out = self.out
+        out.timings["total"] = time.perf_counter() - self.t0
+        out.tree = self.built
+        if self.comm.is_coordinator:
+            log.info("shardpoint load %s (%s): rank 0 read %.1f MiB, sent %.1f MiB; plan "
+                     "%.3fs, read %.3fs, total %.3fs", self.path, out.choice(),
+                     out.rank_bytes_read / 2**20, out.exchange_bytes / 2**20,
+                     out.timings["plan"], out.timings.get("read", 0.0), out.timings["total"])
+        if out.missing_keys:
+            log.warning("shardpoint load: %d key(s) not in the checkpoint were skipped: %s",
+                        len(out.missing_keys), out.missing_keys[:10])
+        self.targets, self.built, self.like = [], None, None
+        return out
+
+
+def run_load(path: str, like: Any, comm: Comm, be: Optional[StorageBackend], strict: bool,
+             opts: LoadOptions, budget: Optional[int] = None) -> LoadResult:
+    """One load, phase by phase (what :meth:`Checkpointer.load` runs)."""
+    path, be = resolve(path, be, "load")     # s3://... is never a local directory 's3:'
+    comm.after_failure = AFTER_LOAD
+    job = LoadJob(path, like, comm, be, strict, opts)
+    job.budget = budget or opts.exchange_budget_bytes
+    job.read_manifest()
+    job.plan()
+    job.read(job.budget)
+    return job.result()
+
+
 # -------------------------------------------------------------------------------- load
 def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
-         backend: Optional[StorageBackend] = None, report: Optional[LoadReport] = None,
+         backend: Optional[StorageBackend] = None, report: Optional[LoadResult] = None,
          exchange_budget_bytes: Optional[int] = None,
          options: Optional[LoadOptions] = None) -> Any:
-    """Load a checkpoint. Collective over ``group``.
+    """Load a checkpoint and return its tree. Collective over ``group``.
 
     Without ``like``: the whole tree, tensors in full on CPU (numpy arrays come back as numpy;
     a sharded object comes back as the list of its values, nested lists along its grid when
@@ -74,162 +289,16 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
     ``ShardedObject`` leaf becomes its stored value. Keys of the checkpoint that ``like`` does
     not ask for are not read. ``options`` (:class:`LoadOptions`) picks how regions are read:
     once and exchanged, or by every rank directly, by a cost model by default.
+
+    ``report``: a :class:`LoadResult` to fill with what the load did (missing and unexpected
+    keys, bytes, strategy, timings). :meth:`shardpoint.Checkpointer.load` returns that
+    result instead of the tree. This is a thin wrapper over the default checkpointer.
     """
-    path, backend = resolve(path, backend, "load")
-    opts = options or LoadOptions()
-    budget = exchange_budget_bytes or opts.exchange_budget_bytes
-    comm, be = Comm(group), get_backend(backend)
-    comm.after_failure = AFTER_LOAD
-    report = report if report is not None else LoadReport()
-    t0 = time.perf_counter()
-    path = str(path)
-    identity = getattr(be, "checkpoint_identity", None)
-    mbytes = b""
-    if comm.is_coordinator:
-        try:
-            # Taken before the manifest is read and checked again after the last read: a save
-            # replacing the checkpoint (overwrite=True) in between is seen, whenever it lands.
-            ident = identity(path) if identity else None
-            mbytes = b"\x00" + msgpack.packb([ident, be.read_manifest(path)])
-        except errors.ShardpointError as e:
-            mbytes = b"\x01" + msgpack.packb([error_record(e, 0)])
-    mbytes = comm.broadcast_bytes(mbytes)
-    if mbytes[:1] == b"\x01":
-        raise_records(msgpack.unpackb(mbytes[1:]))
-    ident, mbytes = msgpack.unpackb(mbytes[1:])
-    mbytes = b"\x00" + mbytes
-    m_box: dict = {}
-    tgt_box: dict = {}
-
-    def local() -> bytes:
-        m = decode_manifest(mbytes[1:])
-        m_box["m"] = m
-        if like is None:
-            targets, built = full_targets(m)
-        else:
-            targets, built = collect_targets(like, m, strict, report, comm.rank)
-        tgt_box["t"], tgt_box["built"] = targets, built
-        host = host_identity(opts.host_id)
-        cols = HoldingColumns.from_holdings([t.holding for t in targets])
-        return msgpack.packb([host, cols.to_wire()])
-
-    def decide(payloads: list) -> list:
-        m = m_box["m"] if "m" in m_box else decode_manifest(mbytes[1:])  # local() ran here
-        layouts = {k: TensorLayout(k, e.shape, e.dtype, e.chunk_shape)
-                   for k, e in m.tensors.items()}
-        got = [msgpack.unpackb(p) for p in payloads]
-        reqs = [HoldingColumns.from_wire(w) for _, w in got]
-        xg = opts.exchange_gbps or (20.0 if comm.device.type == "cuda" else 1.0)
-        works, costs = plan_load_auto(reqs, layouts, [h for h, _ in got], opts, xg)
-        c = {k: v for k, v in vars(costs).items() if k != "notes"}
-        return [msgpack.packb([c, w]) for w in encode_works(works, layouts)]
-
-    costs, wbytes = msgpack.unpackb(run_collectively(
-        comm, local, decide, errors.LayoutMismatchError,
-        same=[("checkpoint path", os.path.normpath(path)),
-              ("LoadOptions.strategy", opts.strategy),
-              ("exchange budget", int(budget)),
-              ("LoadOptions.shm_exchange", bool(opts.shm_exchange)),
-              ("LoadOptions.shm_round_bytes", int(opts.shm_round_bytes))]))
-    work = RankLoadWork.from_bytes(wbytes, m_box["m"].tensors)
-    report.strategy, report.costs = costs["strategy"], costs
-    report.timings["plan"] = time.perf_counter() - t0
-    err: Optional[BaseException] = None
-    try:
-        t = time.perf_counter()
-        report.rank_bytes_read, report.exchange_bytes = _execute_load(
-            comm, be, path, m_box["m"], tgt_box["t"], work, budget, report.timings,
-            opts, costs["strategy"] == "dedup")
-        report.timings["read"] = time.perf_counter() - t
-        if ident is not None and identity(path) != ident:
-            raise errors.LoadFailedError(
-                f"the checkpoint at {path!r} was replaced (or removed) by another save while "
-                "this load read it, so what was read may mix two checkpoints; nothing was "
-                "returned. Load again, and do not save over a checkpoint (overwrite=True, a "
-                "manager's force=True or retention) while another job loads it")
-    except Exception as e:  # noqa: BLE001
-        if getattr(e, "_sp_agreed", False):
-            raise  # every rank raised it already
-        err = e
-    agree(comm, err, errors.LoadFailedError)
-    report.timings["total"] = time.perf_counter() - t0
-    if comm.is_coordinator:
-        log.info("shardpoint load %s (%s): rank 0 read %.1f MiB, sent %.1f MiB; plan %.3fs, "
-                 "read %.3fs, total %.3fs", path, report.choice(), report.rank_bytes_read / 2**20,
-                 report.exchange_bytes / 2**20, report.timings["plan"],
-                 report.timings.get("read", 0.0), report.timings["total"])
-    if report.missing_keys:
-        log.warning("shardpoint load: %d key(s) not in the checkpoint were skipped: %s",
-                    len(report.missing_keys), report.missing_keys[:10])
-    return tgt_box["built"]
-
-
-def _execute_load(comm: Comm, be: StorageBackend, path: str, m: Manifest, targets: list,
-                  work: RankLoadWork, budget: int, timings: dict, opts: LoadOptions,
-                  exchanging: bool) -> tuple:
-    dst_view = PieceViews([(tg.holding, tg.data) for tg in targets])
-
-    def open_array(key: str) -> Any:
-        e = m.tensors[key]
-        return be.open_array_for_read(path, e.array, e.spec, key)
-
-    with OpenAhead(open_array, [op.key for op in work.reads],
-                   getattr(be, "open_concurrency", None)) as handle:   # object stores: more
-        return _execute_reads(comm, be, work, budget, timings, opts, exchanging, m, dst_view,
-                              handle)
-
-
-def _execute_reads(comm: Comm, be: StorageBackend, work: RankLoadWork, budget: int,
-                   timings: dict, opts: LoadOptions, exchanging: bool, m: Manifest,
-                   dst_view: PieceViews, handle: OpenAhead) -> tuple:
-    if exchanging and comm.size > 1:   # the same on every rank: the plan's strategy is global
-        return execute_dedup_load(
-            comm, be, work, budget, timings, dst_view, handle,
-            lambda key: dtypes.from_name(m.tensors[key].dtype).torch,
-            host_identity(opts.host_id), opts.shm_exchange, opts.shm_round_bytes)
-    # Reads and local copies first; ranks agree before the exchange, so a corrupt chunk
-    # seen by one rank is raised everywhere instead of leaving peers in a collective.
-    err: Optional[BaseException] = None
-    nread = 0
-    sends: list = []
-    recvs: list = []
-    try:
-        ops, bufs, post = [], [], []
-        for op in work.reads:
-            dt = dtypes.from_name(m.tensors[op.key].dtype).torch
-            if op.direct is not None:
-                v, off = dst_view(*op.direct)
-                v = box_view(v, off, op.offset, op.shape)
-                if v.device.type == "cpu":
-                    buf = v
-                else:
-                    buf = torch.empty(op.shape, dtype=dt, pin_memory=torch.cuda.is_available())
-                    post.append((v, buf))
-                bufs.append(None)
-            else:
-                buf = torch.empty(op.shape, dtype=dt)
-                bufs.append(buf)
-            nread += buf.numel() * buf.element_size()
-            ops.append(be.read_into(handle(op.key), op.offset, to_numpy(buf)))
-        be.wait(ops)
-        for v, buf in post:
-            v.copy_(buf, non_blocking=True)
-        for op, buf in zip(work.reads, bufs):
-            for q, pi, bo, bs in op.local:
-                v, off = dst_view(q, pi)
-                copy_into(box_view(v, off, bo, bs), box_view(buf, op.offset, bo, bs))
-        sends += [(t.dst, box_view(bufs[t.src_ref[0]], work.reads[t.src_ref[0]].offset,
-                                   t.box_offset, t.box_shape)) for t in work.sends]
-        for t in work.recvs:
-            v, off = dst_view(*t.dst_ref)
-            recvs.append((t.src, box_view(v, off, t.box_offset, t.box_shape)))
-    except Exception as e:  # noqa: BLE001 - shared with every rank just below
-        err = e
-    agree(comm, err, errors.LoadFailedError)
-    t = time.perf_counter()
-    exchange(comm, sends, recvs, budget)
-    timings["exchange"] = time.perf_counter() - t
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    moved = sum(v.numel() * v.element_size() for _, v in sends)
-    return nread, moved
+    from shardpoint.api.checkpointer import default_checkpointer
+    res = default_checkpointer().load(path, like, group=group, strict=strict, options=options,
+                                      exchange_budget_bytes=exchange_budget_bytes,
+                                      backend=backend)
+    if report is not None:
+        for f in fields(LoadResult):
+            setattr(report, f.name, getattr(res, f.name))
+    return res.tree

@@ -20,18 +20,18 @@ from shardpoint.tree import dtypes
 from shardpoint_core import errors
 from shardpoint_core.commit.posix import check_overwrite
 from shardpoint.tree import values
-from shardpoint.api.async_save import AsyncSave, group_saves
-from shardpoint.exchange.comm import (AFTER_SAVE, Comm, after_commit, agree, exchange, group_key,
-                                      run_collectively, side_comm)
+from shardpoint.api.async_save import AsyncSave
+from shardpoint.api.replicas import check_replicas
+from shardpoint.exchange.comm import (AFTER_SAVE, Comm, after_commit, agree, exchange,
+                                      run_collectively)
 from shardpoint_core.fsutil import os_error_text
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
-from shardpoint.tree.model import flatten_state
+from shardpoint.tree.flatten import flatten_state
 from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, check_values_agree,
                                          plan_objects,
                                          plan_save)
-from shardpoint.api.replicas import check_replicas
-from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
+from shardpoint_core.storage import ArraySpec, StorageBackend
 from shardpoint_core.zarr.object_backend import resolve
 from shardpoint.api.staging import StagingPool, copy_pairs, stream_device_writes
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
@@ -72,10 +72,6 @@ class SaveResult:
     rank_chunk_files: int = 0
 
 
-# -------------------------------------------------------------------------------- plan cache
-_PLAN_CACHE: dict = {}   # group key -> (this rank's structure digest, plan on the coordinator)
-
-
 def _strip_values(tree: Any) -> Any:
     if "dict" in tree:
         return {"dict": [[k, _strip_values(v)] for k, v in tree["dict"]]}
@@ -110,15 +106,19 @@ def _with_values(tree: Any, per_rank: list) -> Any:
         if len(vs) > 1:
             check_values_agree(vs, "state" + "".join(f"[{k!r}]" for k in p))
 
-    def walk(node: Any, path: tuple) -> Any:
-        if "dict" in node:
-            return {"dict": [[k, walk(v, path + (k,))] for k, v in node["dict"]]}
-        for kind in ("list", "tuple"):
-            if kind in node:
-                return {kind: [walk(v, path + (i,)) for i, v in enumerate(node[kind])]}
-        return {"value": new[path]} if "value" in node else node
+    return _replace_values(tree, (), new)
 
-    return walk(tree, ())
+
+def _replace_values(node: Any, path: tuple, new: dict) -> Any:
+    """``node`` with its value leaves taken from ``new`` by path (module level: a recursive
+    closure is a reference cycle)."""
+    if "dict" in node:
+        return {"dict": [[k, _replace_values(v, path + (k,), new)] for k, v in node["dict"]]}
+    for kind in ("list", "tuple"):
+        if kind in node:
+            return {kind: [_replace_values(v, path + (i,), new)
+                           for i, v in enumerate(node[kind])]}
+    return {"value": new[path]} if "value" in node else node
 
 
 # -------------------------------------------------------------------------------- one save
@@ -132,13 +132,13 @@ class SaveJob:
     """
 
     def __init__(self, state: Any, path: str, comm: Comm, be: StorageBackend,
-                 opts: SaveOptions, overwrite: bool) -> None:
+                 opts: SaveOptions, overwrite: bool, group: Any) -> None:
         self.state, self.path, self.comm, self.be = state, str(path), comm, be
         self.opts, self.overwrite = opts, overwrite
+        self.group = group      # the checkpointer's GroupState: plan cache, async saves
         self.async_save = False
         self.t0 = time.perf_counter()
         self.times: dict = {}
-        self.cache_key = group_key(comm)
         self.flat: Any = None
         self.struct = b""
         self.plan_hit = False
@@ -170,7 +170,7 @@ class SaveJob:
         # since the last save over this group, ranks send only their values and the
         # coordinator reuses the plan ([SP-GRID-1] holds: the layout depends on structure).
         hit = (err0 is None and self.opts.cache_plan
-               and _PLAN_CACHE.get(self.cache_key, (None,))[0] == self.struct)
+               and (self.group.plan or (None,))[0] == self.struct)
         self.plan_hit = self.comm.all_true(bool(hit))
 
         def local() -> bytes:
@@ -187,7 +187,7 @@ class SaveJob:
             msg = run_collectively(self.comm, local, self._decide, errors.InvalidShardingError,
                                    same=self.collective_arguments())
         except errors.ShardpointError:
-            _PLAN_CACHE.pop(self.cache_key, None)
+            self.group.plan = None
             raise
         self.staging, work_b, self.layouts, self.stats = msgpack.unpackb(
             msg, strict_map_key=False)
@@ -203,7 +203,7 @@ class SaveJob:
         """Coordinator: the global plan, the staging directory, one work item per rank."""
         t = time.perf_counter()
         if self.plan_hit:
-            plan = _PLAN_CACHE[self.cache_key][1]
+            plan = self.group.plan[1]
             got = [values.unpack(b) for b in payloads]
             plan.tree = _with_values(plan.tree, [v for v, _ in got])
             plan.objects = plan_objects([LocalPlan(r, None, [], [tuple(o) for o in objs])
@@ -416,12 +416,12 @@ class SaveJob:
         try:
             run_collectively(comm, report, self._publish, errors.SaveFailedError)
         except errors.ShardpointError:
-            _PLAN_CACHE.pop(self.cache_key, None)
+            self.group.plan = None
             if comm.is_coordinator and self.staging:
                 self.be.abort(self.staging)
             raise
         if self.opts.cache_plan:
-            _PLAN_CACHE[self.cache_key] = (self.struct, self.global_plan)
+            self.group.plan = (self.struct, self.global_plan)
         self.times["commit"] = time.perf_counter() - t
         self.times["total"] = time.perf_counter() - self.t0
         self.times["staging_bytes"] = self.staging_bytes
@@ -467,6 +467,44 @@ class SaveJob:
 
 
 # -------------------------------------------------------------------------------- save
+def run_save(state: Any, path: str, comm: Comm, be: Optional[StorageBackend],
+             opts: SaveOptions, overwrite: "bool | str", group: Any, async_save: bool
+             ) -> "SaveResult | AsyncSave":
+    """One save, phase by phase, with ``group`` (the checkpointer's state for ``comm``'s
+    process group: plan cache, pending async save and its pool, side group). What
+    :meth:`Checkpointer.save` runs."""
+    path, be = resolve(path, be, "save")   # s3://... is never a local directory 's3:'
+    check_overwrite(overwrite)
+    comm.after_failure = AFTER_SAVE
+    saves = group.saves
+    saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))
+    job = SaveJob(state, path, comm, be, opts, overwrite, group)
+    job.async_save = async_save
+    try:
+        job.plan()
+        if not async_save:
+            job.stage()
+            job.write(comm)
+            return job.commit(comm)
+        job.stage(saves.pool)
+        if job.error is not None:
+            job.commit(comm)      # raises the staging failure on every rank, removes staging
+        side = group.side_comm(comm)
+    except BaseException:
+        job.abandon()
+        raise
+    job.times["blocking"] = time.perf_counter() - job.t0
+
+    def background() -> SaveResult:
+        t = time.perf_counter()
+        job.write(side)
+        res = job.commit(side)
+        res.timings["background"] = time.perf_counter() - t
+        return res
+
+    return saves.start(background, job.staging_bytes, job.path)
+
+
 def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
          backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
          async_save: bool = False) -> "SaveResult | AsyncSave":
@@ -486,35 +524,11 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = 
     ``overwrite=True`` replaces a committed checkpoint (or an empty directory) at ``path``;
     ``overwrite="any"`` also a directory that is not a checkpoint, deleting what it holds.
     Never replaced: a file, a directory of checkpoints (a CheckpointManager's root).
+
+    A thin wrapper over the default :class:`~shardpoint.Checkpointer` (which keeps the plan
+    cache, the pending async save and its host pool per process group).
     """
-    path, backend = resolve(path, backend, "save")   # s3://... is never a local dir 's3:'
-    check_overwrite(overwrite)
-    comm = Comm(group)
-    comm.after_failure = AFTER_SAVE
-    saves = group_saves(group_key(comm))
-    saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))
-    job = SaveJob(state, path, comm, get_backend(backend), options or SaveOptions(), overwrite)
-    job.async_save = async_save
-    try:
-        job.plan()
-        if not async_save:
-            job.stage()
-            job.write(comm)
-            return job.commit(comm)
-        job.stage(saves.pool)
-        if job.error is not None:
-            job.commit(comm)      # raises the staging failure on every rank, removes staging
-        side = side_comm(comm)
-    except BaseException:
-        job.abandon()
-        raise
-    job.times["blocking"] = time.perf_counter() - job.t0
-
-    def background() -> SaveResult:
-        t = time.perf_counter()
-        job.write(side)
-        res = job.commit(side)
-        res.timings["background"] = time.perf_counter() - t
-        return res
-
-    return saves.start(background, job.staging_bytes, job.path)
+    from shardpoint.api.checkpointer import default_checkpointer
+    return default_checkpointer().save(state, path, group=group, overwrite=overwrite,
+                                       options=options, async_save=async_save,
+                                       backend=backend)

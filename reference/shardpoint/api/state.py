@@ -35,7 +35,8 @@ from shardpoint import api
 from shardpoint_core import errors
 from shardpoint_core.keys import encode_key
 from shardpoint_core.manifest import Manifest
-from shardpoint.tree.model import ShardedObject, ShardedTensor, iter_tree_leaves
+from shardpoint_core.statetree import TensorLeaf
+from shardpoint.tree.model import ShardedObject, ShardedTensor
 
 COMPILED_PREFIX = "_orig_mod."
 LOAD_BATCH_BYTES = 16 << 20     # bytes one load_model step reads at once
@@ -153,8 +154,10 @@ def load_model(path: str, model: torch.nn.Module, *, key: str = "model",
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         model.to_empty(device="cpu")
     m = api.read_metadata(path)
-    stored = {p[1]: m.tensors[n["tensor"]] for p, n in iter_tree_leaves(m.tree)
-              if len(p) == 2 and p[0] == key and "tensor" in n}
+    tree = m.state_tree
+    sub = tree.get(key) if isinstance(tree, dict) else None
+    stored = ({name: leaf.entry for name, leaf in sub.items() if isinstance(leaf, TensorLeaf)}
+              if isinstance(sub, dict) else {})
     by_plain = {(_strip({k: 0}, strip_prefix).popitem()[0]): k for k in stored}
     report = report if report is not None else api.LoadReport()
     todo: list = []

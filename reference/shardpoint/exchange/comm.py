@@ -144,24 +144,19 @@ def group_key(comm: Comm) -> tuple:
             tuple(dist.get_process_group_ranks(comm.group or dist.group.WORLD)))
 
 
-_SIDE: dict = {}
-
-
-def side_comm(comm: Comm) -> Comm:
-    """A gloo group over the same ranks as ``comm``, for an async save's background part, so
-    its collectives never interleave with the training job's on ``comm``. Created once per
-    group, collectively: every rank of ``comm`` calls this at the same point."""
+def new_side_comm(comm: Comm) -> Comm:
+    """A new gloo group over the same ranks as ``comm``, for an async save's background part,
+    so its collectives never interleave with the training job's on ``comm``. Collective:
+    every rank of ``comm`` calls this at the same point (a checkpointer makes one per group
+    and keeps it)."""
     if comm.size == 1:
         return comm
     key = group_key(comm)
-    if key not in _SIDE:
-        # A strict subgroup synchronizes only its members (the other ranks are not saving);
-        # the whole world takes torch's ordinary path, where every rank calls new_group.
-        sub = comm.size < dist.get_world_size()
-        _SIDE[key] = Comm(comm._run("new_group", dist.new_group, list(key[2]),
-                                    backend="gloo", timeout=_timeout_of(comm.group),
-                                    use_local_synchronization=sub))
-    return _SIDE[key]
+    # A strict subgroup synchronizes only its members (the other ranks are not saving);
+    # the whole world takes torch's ordinary path, where every rank calls new_group.
+    sub = comm.size < dist.get_world_size()
+    return Comm(comm._run("new_group", dist.new_group, list(key[2]), backend="gloo",
+                          timeout=_timeout_of(comm.group), use_local_synchronization=sub))
 
 
 def _timeout_of(group: Any) -> Any:

@@ -69,40 +69,39 @@ def _chunks(e) -> int:
 
 def _tree_rows(m) -> list:
     """(indented name, kind, shape/value, size, chunk grid, where) for every tree node."""
-    rows = []
-
-    def walk(node: dict, name: str, depth: int) -> None:
-        pad = "  " * depth
-        for kind in ("dict", "list", "tuple"):
-            if kind in node:
-                kids = node[kind] if kind == "dict" else list(enumerate(node[kind]))
-                if name:
-                    rows.append((f"{pad}{name}/", kind if kind != "dict" else "",
-                                 f"{len(kids)} items" if kind != "dict" else "", "", "", ""))
-                for k, child in kids:
-                    walk(child, str(k), depth + (1 if name else 0))
-                return
-        if "tensor" in node:
-            e = m.tensors[node["tensor"]]
-            rows.append((pad + name, e.dtype, "x".join(map(str, e.shape)) or "()",
-                         _fmt_bytes(e.nbytes),
-                         f"{_chunks(e)} x {'x'.join(map(str, e.chunk_shape)) or '()'}", e.array))
-        elif "object" in node:
-            vals = m.objects[node["object"]]
-            rows.append((pad + name, "object", f"[{len(vals)}] {_summary(vals[0], 50)}",
-                         "", "", "(manifest)"))
-        else:
-            rows.append((pad + name, "value", _summary(node.get("value")), "", "",
-                         "(manifest)"))
-
-    walk(m.tree, "", 0)
+    rows: list = []
+    _add_rows(rows, m.state_tree, "", 0)
     return rows
+
+
+def _add_rows(rows: list, node: Any, name: str, depth: int) -> None:
+    """Rows for ``node`` of the typed tree (module level: a recursive closure is a cycle)."""
+    from shardpoint_core.statetree import ObjectLeaf, TensorLeaf
+    pad = "  " * depth
+    if isinstance(node, (dict, list, tuple)):
+        kind = {dict: "", list: "list", tuple: "tuple"}[type(node)]
+        kids = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
+        if name:
+            rows.append((f"{pad}{name}/", kind, f"{len(kids)} items" if kind else "", "", "",
+                         ""))
+        for k, child in kids:
+            _add_rows(rows, child, str(k), depth + (1 if name else 0))
+    elif isinstance(node, TensorLeaf):
+        e = node.entry
+        rows.append((pad + name, e.dtype, "x".join(map(str, e.shape)) or "()",
+                     _fmt_bytes(e.nbytes),
+                     f"{_chunks(e)} x {'x'.join(map(str, e.chunk_shape)) or '()'}", e.array))
+    elif isinstance(node, ObjectLeaf):
+        vals = node.values
+        rows.append((pad + name, "object", f"[{len(vals)}] {_summary(vals[0], 50)}",
+                     "", "", "(manifest)"))
+    else:
+        rows.append((pad + name, "value", _summary(node.value), "", "", "(manifest)"))
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     from shardpoint_core.manifest import read_metadata
-    from shardpoint_core.keys import encode_key
-    from shardpoint_core.manifest import iter_tree_leaves
+    from shardpoint_core.statetree import ValueLeaf, iter_leaves
     if a.values is not None:
         try:
             return cli_tools.cmd_values(a)
@@ -121,8 +120,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                                "bytes": e.nbytes} for k, e in m.tensors.items()},
                "objects": {k: {"count": len(v), "values": _jsonable(v)}
                            for k, v in m.objects.items()},
-               "values": {encode_key(p): _jsonable(n["value"])
-                          for p, n in iter_tree_leaves(m.tree) if "value" in n}}
+               "values": {v.key: _jsonable(v.value) for _p, v in iter_leaves(m.state_tree)
+                          if isinstance(v, ValueLeaf)}}
         print(json.dumps(out, indent=2))
         return 0
     print(f"{a.path}: shardpoint format {m.format_version[0]}.{m.format_version[1]}, written by "
@@ -135,7 +134,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     total = width() if sys.stdout.isatty() else 1 << 30
     for line in fit_table(rows, total, shrink=(2, 5, 4), keep_end=(5,)):
         print(line)
-    nvals = sum(1 for _p, n in iter_tree_leaves(m.tree) if "value" in n)
+    nvals = sum(1 for _p, v in iter_leaves(m.state_tree) if isinstance(v, ValueLeaf))
     print(f"total: {len(m.tensors)} tensors, {_fmt_bytes(total)} in {chunks} chunks; "
           f"{len(m.objects)} sharded objects; {nvals} values")
     return 0

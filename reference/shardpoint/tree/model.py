@@ -20,10 +20,8 @@ import torch
 
 from shardpoint.tree import dtypes
 from shardpoint_core.manifest import ObjectValues, iter_tree_leaves, object_grid  # noqa: F401
-from shardpoint.tree import values
 from shardpoint_core.coverage import box_intersection
 from shardpoint_core.errors import InvalidKeyError, InvalidShardingError, UnsupportedValueError
-from shardpoint_core.keys import encode_component, encode_key, format_path
 
 Shape = tuple  # tuple[int, ...]
 ReplicaId = Union[int, Sequence[int]]
@@ -418,64 +416,6 @@ def check_root(tree: Any, call: str) -> None:
         raise InvalidKeyError(f"the tree passed to {call} is a path ({str(tree)!r}), not a "
                               f"tree; arguments swapped? {call} (shardpoint_jax puts the "
                               "path first)", spec_id="SP-KEY-2")
-
-
-def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
-    """Take a state tree apart into its msgpack-ready structure and its leaves.
-
-    ``replica`` is the replica id given to plain tensors (they are replicas across the ranks
-    of a group, and each rank passes its own rank). Raises :class:`UnsupportedValueError`
-    naming the path of the first leaf that cannot be stored.
-    """
-    check_root(state, "save(state, path)")
-    tensors: list = []
-    objects: list = []
-
-    def walk(x: Any, path: tuple) -> Any:
-        what = f"state{format_path(path)}"
-        if isinstance(x, dict):
-            for k in x:
-                encode_component(k)
-            return {"dict": [[k, walk(v, path + (k,))] for k, v in x.items()]}
-        if isinstance(x, (list, tuple)):
-            kind = "list" if isinstance(x, list) else "tuple"
-            return {kind: [walk(v, path + (i,)) for i, v in enumerate(x)]}
-        key = encode_key(path)
-        if isinstance(x, ShardedTensor):
-            tensors.append(LocalTensor(sharded_holding(x, key, what), x.data))
-            return {"tensor": key}
-        if isinstance(x, ShardedPieces):
-            for h, p in zip(pieces_holdings(x, key, what), x):
-                tensors.append(LocalTensor(h, p.data))
-            return {"tensor": key}
-        if _is_dtensor(x):
-            tensors.append(_dtensor_leaf(x, key, what))
-            return {"tensor": key}
-        if isinstance(x, torch.Tensor):
-            d = dtypes.from_torch(x.dtype, what)
-            check_tensor_data(x, what)
-            shape = tuple(x.shape)
-            tensors.append(LocalTensor(Holding(key, d.name, shape, (0,) * len(shape), shape,
-                                               None, replica), x))
-            return {"tensor": key}
-        if isinstance(x, np.ndarray):
-            d = dtypes.from_numpy(x.dtype, what)
-            shape = tuple(x.shape)
-            tensors.append(LocalTensor(Holding(key, d.name, shape, (0,) * len(shape), shape,
-                                               None, replica), _np_tensor(x), "numpy"))
-            return {"tensor": key, "origin": "numpy"}
-        if isinstance(x, ShardedObject):
-            values.check_value(x.value, what)
-            objects.append(LocalObject(key, x.grid_index, x.grid_shape, x.replica_id, x.value))
-            return {"object": key}
-        if isinstance(x, values.SCALARS) or isinstance(x, np.generic):
-            values.check_value(x, what)
-            return {"value": x}
-        values.check_value(x, what)  # raises with a conversion hint
-        raise AssertionError("unreachable")
-
-    tree = walk(state, ())
-    return Flattened(tree, tensors, objects)
 
 
 def _np_tensor(a: np.ndarray) -> torch.Tensor:

@@ -8,17 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from shardpoint.tree import dtypes
+from shardpoint.tree.leaves import handler_for
+from shardpoint.tree.model import Holding, check_root
 from shardpoint_core import errors
-from shardpoint.tree.model import (ShardedPieces, check_root, check_tensor_data, pieces_holdings,
-                                   sharded_holding)
 from shardpoint_core.keys import encode_key, format_path, similar_keys
-from shardpoint_core.manifest import Manifest
-from shardpoint.tree.model import (Holding, ObjectValues, ShardedObject, ShardedTensor,
-                                   _dtensor_leaf, _is_dtensor, iter_tree_leaves, object_grid)
+from shardpoint_core.manifest import Manifest, iter_tree_leaves
+from shardpoint_core.statetree import ObjectLeaf, ValueLeaf, iter_leaves
 
 
 @dataclass
@@ -31,29 +29,46 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
     """Walk ``like`` against the manifest: the tensors to fill and a function building the
     returned tree once they are filled."""
     check_root(like, "load(path, like=tree)")
-    targets: list = []
+    c = _Collector(m, strict, report)
+    built = c.walk(like, ())
+    asked = {t.holding.key for t in c.targets}
+    report.unexpected_keys = sorted(k for k in m.tensors if k not in asked)
+    return c.targets, built
 
-    def missing(what: str, path: tuple = ()) -> None:
-        if strict:
+
+class _Collector:
+    """The walk of :func:`collect_targets`: containers here, each leaf to its handler
+    (:mod:`.leaves`), which calls back :meth:`tensor_target`. An object, not recursive
+    closures: those are reference cycles that kept the targets alive until the cyclic
+    collector ran."""
+
+    def __init__(self, m: Manifest, strict: bool, report: Any) -> None:
+        self.m, self.strict, self.report = m, strict, report
+        self.targets: list = []
+        self.values = {v.key: v.value for _p, v in iter_leaves(m.state_tree)
+                       if isinstance(v, ValueLeaf)}
+
+    def missing(self, what: str, path: tuple = ()) -> None:
+        if self.strict:
             raise errors.LayoutMismatchError(
-                f"{what} is not in the checkpoint{_missing_hint(m, path)} (pass strict=False "
+                f"{what} is not in the checkpoint{_missing_hint(self.m, path)} (pass strict=False "
                 "to skip it)", spec_id="SP-LOAD-1")
-        report.missing_keys.append(what)
+        self.report.missing_keys.append(what)
 
-    def absent(what: str, path: tuple, want: str) -> None:
+    def absent(self, what: str, path: tuple, want: str) -> None:
         """A target leaf the checkpoint has no ``want`` for: a leaf of another kind at its
         path fails in both modes ([SP-LOAD-3]); nothing there (or an inner node) is missing."""
-        node = _node_at(m.tree, path) or {}
+        node = _node_at(self.m.tree, path) or {}
         kind = next((k for k in ("tensor", "object", "value") if k in node), want)
         if kind != want:
             raise errors.LayoutMismatchError(
                 f"{what}: the checkpoint holds a {kind} at this key, the target asks for a "
                 f"{want}; ask for it as a {kind}", spec_id="SP-LOAD-1")
-        missing(what, path)
+        self.missing(what, path)
 
-    def tensor_target(key: str, h: Holding, data: torch.Tensor) -> None:
+    def tensor_target(self, key: str, h: Holding, data: torch.Tensor) -> None:
         _check_no_self_overlap(data, key)
-        e = m.tensors[key]
+        e = self.m.tensors[key]
         if h.global_shape != e.shape or h.dtype != e.dtype:
             fix = ("like gives a tensor's global shape: a rank's piece as "
                    "sp.ShardedTensor(piece, global_shape, global_offset)"
@@ -63,11 +78,11 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
             raise errors.LayoutMismatchError(
                 f"key {key!r}: checkpoint has shape {e.shape} dtype {e.dtype}, the target "
                 f"expects shape {h.global_shape} dtype {h.dtype}; {fix}", spec_id="SP-LOAD-1")
-        targets.append(Target(h, data))
+        self.targets.append(Target(h, data))
 
-    def walk(x: Any, path: tuple) -> Any:
+    def walk(self, x: Any, path: tuple) -> Any:
         if isinstance(x, dict):
-            out = {k: walk(v, path + (k,)) for k, v in x.items()}
+            out = {k: self.walk(v, path + (k,)) for k, v in x.items()}
             if type(x) is dict:
                 return out
             try:
@@ -75,76 +90,29 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
             except TypeError:
                 return out
         if isinstance(x, (list, tuple)):
-            # Walked exactly as save walks them (model.flatten_state): a namedtuple is a tuple.
-            seq = [walk(v, path + (i,)) for i, v in enumerate(x)]
+            # Walked exactly as save walks them (flatten.flatten_state): a namedtuple is a tuple.
+            seq = [self.walk(v, path + (i,)) for i, v in enumerate(x)]
             if hasattr(x, "_fields"):
                 return type(x)(*seq)
             return type(x)(seq) if isinstance(x, tuple) else seq
         key = encode_key(path)
-        where = f"state{format_path(path)}"
-        is_tensor = isinstance(x, (torch.Tensor, np.ndarray, ShardedTensor, ShardedPieces))
-        if is_tensor and key not in m.tensors:
-            absent(f"tensor {key!r}", path, "tensor")
-            return x
-        if isinstance(x, ShardedTensor):
-            check_tensor_data(x.data, where, target=True)
-            tensor_target(key, sharded_holding(x, key, where, (0,)), x.data.detach())
-            return x.data
-        if isinstance(x, ShardedPieces):
-            for p in x:
-                check_tensor_data(p.data, where, target=True)
-            for h, p in zip(pieces_holdings(x, key, where, (0,)), x):
-                tensor_target(key, h, p.data.detach())
-            return [p.data for p in x]
-        if _is_dtensor(x):
-            lt = _dtensor_leaf(x, key, where)
-            tensor_target(key, lt.holding, lt.data)
-            return x
-        if isinstance(x, torch.Tensor):
-            d = dtypes.from_torch(x.dtype, where)
-            check_tensor_data(x, where, target=True)
-            shp = tuple(x.shape)
-            # detach(): same storage, so an nn.Parameter (requires_grad) fills in place too.
-            tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)),
-                          x.detach())
-            return x
-        if isinstance(x, np.ndarray):
-            if not x.flags.writeable:
-                raise errors.LayoutMismatchError(f"{where}: numpy target is read-only")
-            if x.dtype.byteorder == ">":
-                raise errors.LayoutMismatchError(
-                    f"{where}: numpy target has big-endian dtype {x.dtype.str}; it cannot be "
-                    "filled in place (pass a native-endian array, e.g. "
-                    "x.astype(x.dtype.newbyteorder('='))", spec_id="SP-LOAD-1")
-            d = dtypes.from_numpy(x.dtype, where)
-            shp = tuple(x.shape)
-            tensor_target(key, Holding(key, d.name, shp, (0,) * len(shp), shp, None, (0,)),
-                          dtypes.numpy_to_torch(x))
-            return x
-        if isinstance(x, ShardedObject):
-            if key not in m.objects:
-                absent(f"sharded object {key!r}", path, "object")
-                return x.value
-            vals = m.objects[key]
-            stored = object_grid(vals)
-            if stored != x.grid_shape:
-                def show(g: tuple) -> str:
-                    return str(g[0]) if len(g) == 1 else str(g)
-                raise errors.LayoutMismatchError(
-                    f"sharded object {key!r}: checkpoint has count (grid) {show(stored)}, the "
-                    f"target asks for index {x.index} of count (grid) {show(x.grid_shape)}; "
-                    "load with the grid it was saved with", spec_id="SP-OBJ-2")
-            return vals[x.flat_index]
-        stored = _value_at(m.tree, path)
-        if stored is None:
-            absent(f"value {key!r}", path, "value")
-            return x
-        return stored[0]
+        h = handler_for(x)
+        if not self.has(h.kind, key):
+            self.absent(f"{_NOUN[h.kind]} {key!r}", path, h.kind)
+            return h.unfilled(x)
+        return h.target(x, key, f"state{format_path(path)}", self)
 
-    built = walk(like, ())
-    asked = {t.holding.key for t in targets}
-    report.unexpected_keys = sorted(k for k in m.tensors if k not in asked)
-    return targets, built
+    def has(self, kind: str, key: str) -> bool:
+        """Whether the checkpoint holds a leaf of ``kind`` at ``key``."""
+        table = {"tensor": self.m.tensors, "object": self.m.objects}.get(kind, self.values)
+        return key in table
+
+    def stored_value(self, key: str) -> Any:
+        """The plain value the checkpoint holds at ``key`` (see :meth:`has`)."""
+        return self.values[key]
+
+
+_NOUN = {"tensor": "tensor", "object": "sharded object", "value": "value"}
 
 
 def has_self_overlap(t: torch.Tensor) -> bool:
@@ -219,19 +187,21 @@ def full_targets(m: Manifest) -> tuple:
         targets[key] = Target(Holding(key, e.dtype, e.shape, (0,) * len(e.shape), e.shape,
                                        None, (0,)), t)
 
-    def build(node: Any) -> Any:
-        if "dict" in node:
-            return {k: build(v) for k, v in node["dict"]}
-        if "list" in node:
-            return [build(v) for v in node["list"]]
-        if "tuple" in node:
-            return tuple(build(v) for v in node["tuple"])
-        if "value" in node:
-            return node["value"]
-        if "object" in node:
-            vals = m.objects[node["object"]]
-            return ObjectValues(vals, object_grid(vals)).nested()
-        t = targets[node["tensor"]].data
-        return dtypes.torch_to_numpy(t) if node.get("origin") == "numpy" else t
+    return list(targets.values()), _build_full(m.state_tree, targets)
 
-    return list(targets.values()), build(m.tree)
+
+def _build_full(node: Any, targets: dict) -> Any:
+    """The tree a load without ``like`` returns, from the typed tree (module level: a
+    recursive closure is a reference cycle)."""
+    if isinstance(node, dict):
+        return {k: _build_full(v, targets) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_build_full(v, targets) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_build_full(v, targets) for v in node)
+    if isinstance(node, ValueLeaf):
+        return node.value
+    if isinstance(node, ObjectLeaf):
+        return node.nested()
+    t = targets[node.key].data
+    return dtypes.torch_to_numpy(t) if node.origin == "numpy" else t

@@ -26,6 +26,7 @@ from shardpoint.planning.plans import PlanOptions
 from shardpoint_core.commit.posix import check_not_containing
 from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
 from shardpoint.tree.views import to_numpy
+from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, key_of, nest,
                                            with_cli_flag)
 
@@ -41,16 +42,16 @@ class ShardpointSource(Source):
         self.manifest = decode_manifest(self.backend.read_manifest(self.path))
         self._handles: dict = {}
         self._entries: dict = {}
-        for path, node in _leaves(self.manifest.tree, ()):
-            if "tensor" in node:
-                e = self.manifest.tensors[node["tensor"]]
+        for path, leaf in _leaves(self.manifest.state_tree, ()):
+            if isinstance(leaf, TensorLeaf):
+                e = leaf.entry
                 t = TensorInfo(tuple(path), tuple(e.shape), dtypes.from_name(e.dtype).torch)
                 self.tensors.append(t)
                 self._entries[t.path] = e
-            elif "object" in node:
-                self.objects[tuple(path)] = list(self.manifest.objects[node["object"]])
+            elif isinstance(leaf, ObjectLeaf):
+                self.objects[tuple(path)] = list(leaf.values)
             else:
-                self.values[tuple(path)] = node.get("value")
+                self.values[tuple(path)] = leaf
 
     def _handle(self, t: TensorInfo) -> Any:
         if t.path not in self._handles:
@@ -74,36 +75,35 @@ class ShardpointSource(Source):
         self._handles.clear()
 
 
-def _plain(node: dict) -> Any:
-    """The value a subtree of value leaves stands for, or raise KeyError if it holds more."""
-    if "value" in node:
-        return node["value"]
-    if "dict" in node:
-        return {k: _plain(v) for k, v in node["dict"]}
-    if "list" in node:
-        return [_plain(v) for v in node["list"]]
-    if "tuple" in node:
-        return tuple(_plain(v) for v in node["tuple"])
+def _plain(node: Any) -> Any:
+    """The value a subtree of value leaves (typed tree) stands for, or raise KeyError if it
+    holds more."""
+    if isinstance(node, ValueLeaf):
+        return node.value
+    if isinstance(node, dict):
+        return {k: _plain(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_plain(v) for v in node)
     raise KeyError("tensor or object")
 
 
-def _leaves(node: dict, path: tuple):
-    """Leaves of a manifest tree, with lists and tuples of plain values given back as one
-    value (as DCP and ``torch.save`` hold them)."""
-    if path and ("list" in node or "tuple" in node):
+def _leaves(node: Any, path: tuple):
+    """Leaves of the typed tree, values as plain values, with lists and tuples of plain
+    values given back as one value (as DCP and ``torch.save`` hold them)."""
+    if path and isinstance(node, (list, tuple)):
         try:
-            yield path, {"value": _plain(node)}
+            yield path, _plain(node)
             return
         except KeyError:
             pass
-    if "dict" in node:
-        for k, v in node["dict"]:
+    if isinstance(node, dict):
+        for k, v in node.items():
             yield from _leaves(v, path + (k,))
-    elif "list" in node or "tuple" in node:
-        for i, v in enumerate(node.get("list", node.get("tuple"))):
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
             yield from _leaves(v, path + (i,))
     else:
-        yield path, node
+        yield path, (node.value if isinstance(node, ValueLeaf) else node)
 
 
 def value_node(v: Any) -> dict:

@@ -1,0 +1,143 @@
+"""The checkpointer: one object owning what persists between saves and loads.
+
+A :class:`Checkpointer` holds the store (the storage backend), default save and load options,
+and per process group: the last save plan (reused while the state's structure does not
+change), the pending async save with its reusable host staging pool, and the gloo side group
+async saves commit on. ``sp.save`` / ``sp.load`` are thin wrappers over a default one, so a
+script that never makes one behaves as before; a program that saves two unrelated states (a
+model and an EMA copy, two stores) makes one checkpointer per state, and their caches and
+async queues do not interfere.
+
+    ckpt = sp.Checkpointer()
+    res = ckpt.save(state, "/ckpt/step_10")          # SaveResult (timings, bytes, files)
+    out = ckpt.load("/ckpt/step_10", like=state)     # LoadResult: out.tree, out.timings
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from shardpoint.api.async_save import AsyncSave, GroupSaves
+from shardpoint.api.loading import LoadResult, run_load
+from shardpoint.api.saving import SaveOptions, SaveResult, run_save
+from shardpoint.exchange.comm import Comm, group_key, new_side_comm
+from shardpoint.planning.load_planner import LoadOptions
+from shardpoint_core.manifest import Manifest, read_metadata
+from shardpoint_core.storage import StorageBackend, get_backend
+
+
+class GroupState:
+    """What a checkpointer keeps for one process group between calls."""
+
+    def __init__(self) -> None:
+        self.plan: Optional[tuple] = None   # (this rank's structure digest, coordinator's plan)
+        self.saves = GroupSaves()           # the pending async save and its host pool
+        self.side: Optional[Comm] = None    # gloo group for async saves' background part
+
+    def side_comm(self, comm: Comm) -> Comm:
+        """The side group over ``comm``'s ranks, made collectively on first use."""
+        if self.side is None:
+            self.side = new_side_comm(comm)
+        return self.side
+
+
+class Checkpointer:
+    """Saves and loads checkpoints on one store with default options; see the module
+    docstring. Collective calls (``save``, ``load``) take the process ``group`` per call
+    (the whole world by default) and keep their caches per group."""
+
+    def __init__(self, *, backend: Optional[StorageBackend] = None,
+                 save_options: Optional[SaveOptions] = None,
+                 load_options: Optional[LoadOptions] = None) -> None:
+        self._backend = backend
+        self.save_options = save_options or SaveOptions()
+        self.load_options = load_options or LoadOptions()
+        self._groups: dict = {}
+
+    @property
+    def backend(self) -> StorageBackend:
+        """The store this checkpointer reads and writes (the default file store unless one
+        was given)."""
+        return get_backend(self._backend)
+
+    def _group(self, comm: Comm) -> GroupState:
+        key = group_key(comm)
+        if key not in self._groups:
+            self._groups[key] = GroupState()
+        return self._groups[key]
+
+    def save(self, state: Any, path: str, *, group: Any = None,
+             overwrite: "bool | str" = False,
+             options: Optional[SaveOptions] = None, async_save: bool = False,
+             backend: Optional[StorageBackend] = None) -> "SaveResult | AsyncSave":
+        """Save ``state`` at ``path`` (see :func:`shardpoint.save`): a :class:`SaveResult`,
+        or with ``async_save=True`` an :class:`AsyncSave` whose ``wait()`` gives it.
+        ``backend`` overrides this checkpointer's store for this call."""
+        comm = Comm(group)
+        return run_save(state, path, comm, backend or self._backend,
+                        options or self.save_options, overwrite, self._group(comm),
+                        async_save)
+
+    def load(self, path: str, like: Any = None, *, group: Any = None, strict: bool = True,
+             options: Optional[LoadOptions] = None,
+             exchange_budget_bytes: Optional[int] = None,
+             backend: Optional[StorageBackend] = None) -> LoadResult:
+        """Load the checkpoint at ``path`` (see :func:`shardpoint.load`) and return a
+        :class:`LoadResult`: the loaded ``tree``, missing and unexpected keys, bytes read and
+        exchanged, the read strategy and ``timings``."""
+        comm = Comm(group)
+        return run_load(path, like, comm, backend or self._backend, strict,
+                        options or self.load_options, exchange_budget_bytes)
+
+    def read_metadata(self, path: str) -> Manifest:
+        """The checkpoint's manifest (see :func:`shardpoint.read_metadata`)."""
+        return read_metadata(path, backend=self._backend)
+
+    def open(self, path: str) -> Any:
+        """A lazy read-only handle on one checkpoint (see :func:`shardpoint.open`)."""
+        from shardpoint.api.lazy import Checkpoint
+        return Checkpoint(path, self._backend)
+
+    def wait(self) -> None:
+        """Wait for every pending async save this checkpointer started; raises the first
+        error not yet handed to the caller (local: no collective)."""
+        first: Optional[BaseException] = None
+        for g in self._groups.values():
+            prev = g.saves.pending
+            if prev is None or prev.reported:
+                continue
+            try:
+                prev.wait()
+            except BaseException as e:  # noqa: BLE001 - raised below, once
+                first = first or e
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        """Wait for pending async saves, then drop the caches and host pools."""
+        try:
+            self.wait()
+        finally:
+            self._groups.clear()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        pending = sum(1 for g in self._groups.values()
+                      if g.saves.pending is not None and not g.saves.pending.done())
+        return (f"Checkpointer(backend={type(self.backend).__name__}, groups="
+                f"{len(self._groups)}, pending_async_saves={pending})")
+
+
+_DEFAULT: Optional[Checkpointer] = None
+
+
+def default_checkpointer() -> Checkpointer:
+    """The process's default checkpointer, which ``sp.save`` and ``sp.load`` use."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Checkpointer()
+    return _DEFAULT
