@@ -54,6 +54,8 @@ ALLOWED = {
         "the memory cgroup the fuzzer itself created for its reader process",
     ("conformance/shardpoint_conformance/hostile.py", "os.rmdir"):
         "the memory cgroup it created for one bounded read",
+    ("testing/shardpoint_testing/cluster.py", "shutil.rmtree"):
+        "the shared directory the test cluster itself made (mkdtemp), at teardown",
     ("conformance/shardpoint_conformance/vector_damage_12.py", "shutil.rmtree"):
         "empties a temporary copy of a vector it builds an invalid case from",
     ("conformance/shardpoint_conformance/vector_damage_12.py", "os.remove"):

@@ -10,14 +10,14 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import shardpoint_jax as spj  # noqa: E402
-from shardpoint_jax import storage  # noqa: E402
+from shardpoint_jax import storage
+from shardpoint_jax.loading import entry_of  # noqa: E402
 
 
 def _saved(tmp_path, a):
     path = str(tmp_path / "ck")
     spj.save(path, {"w": a})
-    body = storage.read_manifest(path)
-    return path, body["tensors"]["w"]
+    return path, entry_of(storage.read_manifest(path).tensors["w"])
 
 
 @pytest.mark.parametrize("shape", [(300, 70), (1100, 300)], ids=["plain", "sharded"])
@@ -63,7 +63,8 @@ def test_jax_save_and_load_without_tensorstore(tmp_path):
         "spj.save('ck', {'w': jnp.asarray(a), 'b': np.array([True, False])})\n"
         "out = spj.load('ck')\n"
         "assert np.array_equal(np.asarray(out['w']), a) and list(out['b']) == [True, False]\n"
-        "e = storage.read_manifest('ck')['tensors']['w']\n"
+        "from shardpoint_jax.loading import entry_of\n"
+        "e = entry_of(storage.read_manifest('ck').tensors['w'])\n"
         "assert np.array_equal(storage.StoredArray('ck', 'w', e).read((3, 5), (700, 9)),"
         " a[3:703, 5:14])\n"
         "print('ok')\n")

@@ -67,7 +67,7 @@ def test_trees_merge_in_one_pass_like_pairwise_and_refuse_kind_conflicts():
         return {"dict": [[k, v] for k, v in kw.items()]}
     trees = [t(a=t(x={"tensor": "a/x"}), l={"list": [{"value": 1}]}),
              t(b={"value": 2}, a=t(y={"tensor": "a/y"})),
-             t(l={"list": [{"value": 9}, {"value": 3}]}, a=t(x={"tensor": "a/x"}))]
+             t(l={"list": [{"value": 1}, {"value": 3}]}, a=t(x={"tensor": "a/x"}))]
     pairwise = merge_trees(merge_trees(trees[0], trees[1]), trees[2])
     assert merge_many(trees) == pairwise
     assert [k for k, _ in pairwise["dict"]] == ["a", "l", "b"]
@@ -75,6 +75,9 @@ def test_trees_merge_in_one_pass_like_pairwise_and_refuse_kind_conflicts():
     with pytest.raises(InvalidShardingError, match=r"state\['a'\] is a dict .* list") as e:
         merge_many([trees[0], t(a={"list": []})])
     assert e.value.spec_id == "SP-TREE-1"
+    with pytest.raises(InvalidShardingError, match=r"differs between ranks") as e:   # plain
+        merge_many([trees[0], t(l={"list": [{"value": 9}]})])    # values agree or are refused
+    assert e.value.spec_id == "SP-REPL-1"
     # distinct encoded trees are decoded once; equal ones skip merging
     plans = [LocalPlan.from_bytes(LocalPlan(r, trees[r % 3], [], []).to_bytes())
              for r in range(6)]

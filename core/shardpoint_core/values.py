@@ -11,7 +11,9 @@ come back as numpy arrays.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator, Optional
 
 import msgpack
 import numpy as np
@@ -32,16 +34,31 @@ class _ArrayType:
 
 _ARRAY_TYPES: list = []
 _FROM_ORIGIN: dict = {}
+# False inside numpy_values(): a front end that wants numpy (JAX) decodes in a process where
+# another front end (torch) registered a decoder for its origin.
+_NATIVE: ContextVar = ContextVar("shardpoint_native_values", default=True)
 
 
-def register_array_type(cls: type, origin: str, *, to_numpy: Any, from_numpy: Any,
-                        check: Any) -> None:
+def register_array_type(cls: type, origin: str, *, to_numpy: Any, check: Any,
+                        from_numpy: Any = None) -> None:
     """Store values of ``cls`` as ext 1 arrays of ``origin`` (one of :data:`ORIGINS`):
     ``check(v, what)`` refuses an unsupported one, ``to_numpy(v)`` gives its C-contiguous
-    host array, ``from_numpy(a)`` turns a decoded array of that origin back into ``cls``."""
+    host array, ``from_numpy(a)`` (optional) turns a decoded array of that origin back into
+    ``cls`` (outside :func:`numpy_values`)."""
     assert origin in ORIGINS
     _ARRAY_TYPES.append(_ArrayType(cls, origin, to_numpy, from_numpy, check))
-    _FROM_ORIGIN[origin] = from_numpy
+    if from_numpy is not None:
+        _FROM_ORIGIN[origin] = from_numpy
+
+
+@contextmanager
+def numpy_values() -> Iterator[None]:
+    """Decode ext 1 arrays as numpy arrays, whatever decoders front ends registered."""
+    token = _NATIVE.set(False)
+    try:
+        yield
+    finally:
+        _NATIVE.reset(token)
 
 
 def _array_type(v: Any) -> Any:
@@ -223,7 +240,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
                 raise ValueError("bool bytes other than 0x00 and 0x01")
         except Exception as e:
             raise CorruptCheckpointError(f"malformed array value: {e}", spec_id="SP-VALUE-2") from e
-        if origin in _FROM_ORIGIN:
+        if origin in _FROM_ORIGIN and _NATIVE.get():
             return _FROM_ORIGIN[origin](a)
         return a[()] if origin == "numpy-scalar" else a
     raise CorruptCheckpointError(f"unknown msgpack extension type {code}", spec_id="SP-VALUE-2")

@@ -27,6 +27,7 @@ from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointErr
                                    IncompleteCheckpointError, InvalidRequestError,
                                    UnsupportedFormatError)
 from shardpoint_core.manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
+from shardpoint_core.values import numpy_values
 
 MANIFEST = "manifest.msgpack"
 CHUNK_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
@@ -91,7 +92,8 @@ def read_manifest(path: str) -> Manifest:
         raise CorruptCheckpointError(f"{mpath!r} is {size} bytes, over the 1 GiB limit",
                                      spec_id="SP-SEC-2")
     with open(mpath, "rb") as f:
-        return decode_manifest(f.read(MAX_MANIFEST_BYTES + 1))
+        with numpy_values():     # a torch front end in this process decodes to torch
+            return decode_manifest(f.read(MAX_MANIFEST_BYTES + 1))
 
 
 # -------------------------------------------------------------------------------- arrays

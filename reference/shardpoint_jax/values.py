@@ -18,7 +18,7 @@ def _to_numpy(v: jax.Array) -> np.ndarray:
     return np.array(v, order="C")   # (np.ascontiguousarray would make a 0-d array 1-d)
 
 
-register_array_type(jax.Array, "numpy", to_numpy=_to_numpy, from_numpy=lambda a: a,
+register_array_type(jax.Array, "numpy", to_numpy=_to_numpy,
                     check=lambda v, what: name_of(v.dtype, what))
 
 

@@ -167,7 +167,9 @@ def cmd_recover(a: argparse.Namespace) -> int:
     import os
 
     from shardpoint_core.recovery import recover
-    if not os.path.lexists(a.path):   # a typo is not "nothing to recover"
+    from shardpoint_core.store.registry import is_local, local_path
+    # A typo is not "nothing to recover" (an object store has no directories to look for).
+    if is_local(a.path) and not os.path.lexists(local_path(a.path, "recover")):
         raise errors.CheckpointNotFoundError(f"{a.path!r} does not exist")
     acts = recover(a.path, dry_run=a.dry_run, min_age_s=a.min_age)
     if a.json:
