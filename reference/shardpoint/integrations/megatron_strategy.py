@@ -201,10 +201,12 @@ class ShardpointCommonLoadStrategy(LoadCommonStrategy):
         return self._torch.load_sharded_metadata(checkpoint_dir)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
-        pass
+        # The common state is read from common/ or by Megatron's own loader, whatever the
+        # sharded backend: that loader decides.
+        self._torch.check_backend_compatibility(loaded_backend)
 
     def check_version_compatibility(self, loaded_version: int) -> None:
-        pass
+        self._torch.check_version_compatibility(loaded_version)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
