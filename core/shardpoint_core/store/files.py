@@ -43,15 +43,16 @@ def start_writeback(fd: int, pos: int, nbytes: int) -> None:
         _SFR(fd, pos, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def pwritev_all(fd: int, bufs: Sequence[Buffer], pos: int) -> int:
-    """Write all of ``bufs`` at ``pos``: several ``pwritev`` calls when one is short or the
-    buffers are more than IOV_MAX. Returns the bytes written."""
+def _vectored(call: Callable, fd: int, bufs: Sequence[Buffer], pos: int) -> int:
+    """``call`` (``os.pwritev`` or ``os.preadv``) over all of ``bufs`` from ``pos``, resumed
+    after short transfers and in parts of at most IOV_MAX buffers; returns the bytes moved,
+    fewer only where the file ends (reads) or the call moves nothing."""
     views = [memoryview(b).cast("B") for b in bufs]
     views = [v for v in views if v.nbytes]
     total = 0
     while views:
         part = views[:IOV_MAX]
-        n = os.pwritev(fd, part, pos + total)
+        n = call(fd, part, pos + total)
         if n <= 0:
             break
         total += n
@@ -62,27 +63,16 @@ def pwritev_all(fd: int, bufs: Sequence[Buffer], pos: int) -> int:
         if n:
             views[0] = views[0][n:]
     return total
+
+
+def pwritev_all(fd: int, bufs: Sequence[Buffer], pos: int) -> int:
+    """Write all of ``bufs`` at ``pos``; returns the bytes written."""
+    return _vectored(os.pwritev, fd, bufs, pos)
 
 
 def preadv_all(fd: int, bufs: Sequence[Buffer], pos: int) -> int:
-    """Fill ``bufs`` from ``pos`` (resumed after short reads); returns the bytes read, fewer
-    only where the file ends."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    views = [v for v in views if v.nbytes]
-    total = 0
-    while views:
-        part = views[:IOV_MAX]
-        n = os.preadv(fd, part, pos + total)
-        if n <= 0:
-            break
-        total += n
-        while part and n >= part[0].nbytes:
-            n -= part[0].nbytes
-            part.pop(0)
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-    return total
+    """Fill ``bufs`` from ``pos``; returns the bytes read, fewer only where the file ends."""
+    return _vectored(os.preadv, fd, bufs, pos)
 
 
 def _as_bufs(data: Union[Buffer, Sequence[Buffer]]) -> List[Buffer]:

@@ -40,7 +40,8 @@ from shardpoint_core.errors import CorruptCheckpointError
 from shardpoint_core.storage import ArraySpec
 from shardpoint_core.store.base import ByteStore
 from shardpoint_core.zarr.checks import check_zarr_json
-from shardpoint_core.zarr.direct_write import INNER_ALIGN, stored_codecs, zarr_json_bytes
+from shardpoint_core.zarr.direct_write import (INNER_ALIGN, encode_chunk, stored_codecs,
+                                               zarr_json_bytes)
 from shardpoint_core.zarr.layout import codecs_for, fill_value
 
 MAX_ZARR_JSON_BYTES = 1 << 20
@@ -146,30 +147,6 @@ def read_array_meta(store: ByteStore, array_path: str, spec: ArraySpec,
 
 
 # -------------------------------------------------------------------------- encoding
-def _bytes_of(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
-
-def encode_chunk(sub: np.ndarray, cshape: tuple, itemsize: int) -> List[np.ndarray]:
-    """The buffers of one stored (inner) chunk of shape ``cshape`` whose part inside the
-    tensor is ``sub`` (its leading corner): element bytes padded with zeros (the fill value)
-    to the whole chunk, then the 4 CRC-32C bytes. No copy where ``sub`` is contiguous and
-    clipped in its first dimension at most."""
-    full = math.prod(cshape) * itemsize
-    if tuple(sub.shape[1:]) == tuple(cshape[1:]):
-        bufs = [_bytes_of(sub)] if sub.size else []
-        if full - sub.size * itemsize:
-            bufs.append(np.zeros(full - sub.size * itemsize, np.uint8))
-    else:
-        scratch = np.zeros(cshape, sub.dtype)
-        scratch[tuple(slice(0, n) for n in sub.shape)] = sub
-        bufs = [scratch.reshape(-1).view(np.uint8)]
-    c = 0
-    for b in bufs:
-        c = crc32c.crc32c(b, c)
-    return bufs + [np.frombuffer(c.to_bytes(4, "little"), np.uint8)]
-
-
 def decode_chunk(buf: np.ndarray, layout: ArrayLayout, cshape: tuple, key: str,
                  where: str) -> np.ndarray:
     """The array of shape ``cshape`` stored in ``buf`` (data + 4 CRC bytes), checked."""

@@ -120,10 +120,11 @@ def _contiguous_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
-def _encode(sub: np.ndarray, cshape: tuple, itemsize: int) -> list:
+def encode_chunk(sub: np.ndarray, cshape: tuple, itemsize: int) -> list:
     """The buffers of one stored (inner) chunk of shape ``cshape`` whose part inside the
-    tensor is ``sub``: element bytes padded with zeros (the fill value) to the full chunk,
-    then the 4 CRC-32C bytes."""
+    tensor is ``sub`` (its leading corner): element bytes padded with zeros (the fill value)
+    to the full chunk, then the 4 CRC-32C bytes. No copy where ``sub`` is contiguous and
+    clipped in its first dimension at most. Shared by the direct writer and the Zarr layer."""
     full = math.prod(cshape) * itemsize
     if sub.shape[1:] == cshape[1:]:
         bufs = [_contiguous_bytes(sub)] if sub.size else []
@@ -238,7 +239,7 @@ def _write_units(path: str, units: list, early: bool) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
             for pos, data, cshape, itemsize in units:
-                enc = data if cshape is None else _encode(data, cshape, itemsize)
+                enc = data if cshape is None else encode_chunk(data, cshape, itemsize)
                 if bufs and pos != start + sum(b.nbytes for b in bufs):
                     _flush_run(fd, bufs, start, early)
                     bufs, start = [], pos
