@@ -109,7 +109,7 @@ def cases() -> dict:
             "50%": torch.tensor([50], dtype=torch.int16), "..x": torch.tensor([True])}
     def stage_by_tensor(m):
         # Six ranks, one RNG state per (pipeline stage, tensor rank) on a 2 x 3 grid; a real
-        # 6-rank save writes this manifest (tests/test_object_grid.py saves such grids).
+        # 6-rank save writes this manifest (tests/planning/test_object_grid.py saves such grids).
         from shardpoint.tree.model import ObjectValues
         m.objects["rng"] = ObjectValues([{"stage": s, "tp": t, "seed": 10 * s + t}
                                          for s in range(2) for t in range(3)], (2, 3))

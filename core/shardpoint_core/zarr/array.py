@@ -7,7 +7,7 @@ What is handled is exactly what the spec allows (spec/format.md section 7, check
 :func:`~.checks.check_zarr_json`): the chain ``bytes`` (little-endian) + ``crc32c``, or one
 ``sharding_indexed`` of such chains with its index (also ending in crc32c) at the end, the
 default chunk key encoding ``c/i/j``, fill value zero. Files are byte for byte what TensorStore
-writes for the same array (tests/test_store_zarr.py pins it, and TensorStore reads ours).
+writes for the same array (tests/core/test_store_zarr.py pins it, and TensorStore reads ours).
 
 Reader rules: a missing chunk or inner chunk is [SP-READ-2]; a checksum mismatch and the
 rules of [SP-READ-5] (sizes, index entries, bool bytes other than 0/1) are reported as

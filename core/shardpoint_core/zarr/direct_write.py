@@ -1,5 +1,5 @@
 """Direct chunk writes: chunk files written with ``pwritev`` from a thread pool, byte for byte
-what TensorStore writes for the same array (pinned by tests/test_direct_write.py).
+what TensorStore writes for the same array (pinned by tests/core/test_direct_write.py).
 
 TensorStore's file kvstore writes each chunk to a temporary file and renames it into place,
 encodes through buffers of its own and runs on its own executor; on the 2-core machine this

@@ -13,7 +13,7 @@ import functools
 import shutil
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ["core", "reference", "testing", "conformance"]
 COMMITTER = Path("core/shardpoint_core/commit")
 FORBIDDEN = {("os", "rename"), ("os", "replace"), ("os", "unlink"), ("os", "remove"),

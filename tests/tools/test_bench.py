@@ -3,7 +3,7 @@ no timing is asserted."""
 import os
 import sys
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 
 
 def test_quick_benchmark_prints_every_table(capsys, tmp_path):

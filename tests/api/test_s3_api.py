@@ -78,7 +78,7 @@ def test_two_ranks_save_reshard_load_and_a_rank_killed_mid_save(s3_env):
     assert same_bits(out["bf16"], full("bf0", torch.bfloat16))
     assert out["obj"] == [{"rank": 0, "gen": 0}, {"rank": 1, "gen": 0}] and out["step"] == 0
     # the coordinator outlived rank 1, learnt of the failure and removed the save's prefix
-    # (a dead coordinator leaves it to recovery: tests/test_s3_commit.py kills one)
+    # (a dead coordinator leaves it to recovery: tests/core/test_s3_commit.py kills one)
     from shardpoint_core.zarr.object_backend import ObjectStoreBackend
     assert ObjectStoreBackend().list_leftovers(url) == []
     assert all(not k.key.startswith("save-") or k.key.split("/")[0] == _named(url)

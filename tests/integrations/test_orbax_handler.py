@@ -79,7 +79,7 @@ print("OK")
 @pytest.mark.slow
 def test_orbax_checkpointer_async_and_manager_write_shardpoint(tmp_path):
     """Slow (an 8-device JAX process, three Orbax entry points); the default suite restores
-    into a (2, 4) mesh in tests/test_crossover.py and runs the README's CheckpointManager
+    into a (2, 4) mesh in tests/integrations/test_crossover.py and runs the README's CheckpointManager
     example."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
@@ -101,7 +101,7 @@ def test_orbax_checkpointer_async_and_manager_write_shardpoint(tmp_path):
 def test_readme_example_runs(tmp_path):
     """The README's drop-in example for this incumbent runs as written."""
     import re
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     readme = open(os.path.join(root, "README.md")).read()
     sec = readme[readme.index("\n## Drop-in:"):readme.index("\n## Coming from DCP")]
     blocks = re.findall(r"```python\n(.*?)```", sec, re.S)

@@ -1,5 +1,5 @@
 """The array planners (load work as integer tables, writers elected with numpy) against the
-planners they replaced (tests/planner_reference.py): on random jobs they must read, write,
+planners they replaced (tests/planning/planner_reference.py): on random jobs they must read, write,
 deliver and move exactly the same things; only which replica does the work may differ.
 Pure: no processes, no storage (the real multi-rank loads through the tables run in
 test_distributed.py and test_load_strategy.py)."""

@@ -30,7 +30,7 @@ from shardpoint.tree.dtypes import torch_to_numpy  # noqa: E402
 from shardpoint_jax.launch import run_processes  # noqa: E402
 from google.protobuf import struct_pb2  # noqa: E402  (orbax-checkpoint requires protobuf)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def flax_optax_state():

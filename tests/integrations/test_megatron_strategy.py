@@ -6,7 +6,7 @@ with the common state in a shardpoint checkpoint instead of ``common.pt``. The s
 dicts are test_megatron's (layer-stacked weights, MoE experts, a SwiGLU factory, 0.16
 bucket-space optimizer buffers, RNG and data-loader object grids; the flattened ranges
 megatron-core 0.16's own save refuses are left out). Slow (4 ranks, three saves): the
-default suite covers the backend through tests/test_crossover.py and the README example."""
+default suite covers the backend through tests/integrations/test_crossover.py and the README example."""
 import importlib.util
 import os
 import subprocess
@@ -129,7 +129,7 @@ def test_megatron_dist_checkpointing_with_shardpoint_backend(tmp_path):
 def test_readme_example_runs(tmp_path):
     """The README's drop-in example for this incumbent runs as written."""
     import re
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     readme = open(os.path.join(root, "README.md")).read()
     sec = readme[readme.index("\n## Drop-in:"):readme.index("\n## Coming from DCP")]
     blocks = re.findall(r"```python\n(.*?)```", sec, re.S)

@@ -12,7 +12,7 @@ import jsonschema
 import msgpack
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "spec"
+ROOT = Path(__file__).resolve().parents[2] / "spec"
 SCHEMA = json.loads((ROOT / "schema" / "manifest.schema.json").read_text())
 VALID = sorted(os.listdir(ROOT / "vectors" / "valid"))
 

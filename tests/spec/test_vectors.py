@@ -13,7 +13,7 @@ import torch
 import shardpoint as sp
 from shardpoint_conformance import vectors
 
-ROOT = Path(__file__).resolve().parents[1] / "spec" / "vectors"
+ROOT = Path(__file__).resolve().parents[2] / "spec" / "vectors"
 
 
 def _files(d):

@@ -1,4 +1,4 @@
-"""The PyTorch side of tests/test_jax_interop.py, in a module of its own so that the spawned
+"""The PyTorch side of tests/jax/test_jax_interop.py, in a module of its own so that the spawned
 torch ranks import neither jax nor pytest (they only need torch and the reference)."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The planners as they were before planning moved to arrays (commit d1cbe93): greedy, one
 Python object per transfer. Kept as the model the array planners are checked against
-(tests/test_plan_arrays.py); not used by the library."""
+(tests/planning/test_plan_arrays.py); not used by the library."""
 from __future__ import annotations
 
 import math

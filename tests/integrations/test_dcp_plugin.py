@@ -257,7 +257,7 @@ def _sp_load_three(rank, world, root):
 @pytest.mark.slow
 def test_two_ranks_dcp_cases_then_sp_load_on_three_and_jax(tmp_path):
     """Slow (2-rank then 3-rank worlds and a JAX process); the default suite runs DCP on
-    2 gloo ranks in tests/test_crossover.py."""
+    2 gloo ranks in tests/integrations/test_crossover.py."""
     done = run_world(2, _two_rank_cases, str(tmp_path), timeout=300)
     assert done[0] == done[1] == ["rowwise->colwise", "enumerable", "fsdp2", "tp+async",
                                   "sp.save->dcp.load"]
@@ -284,7 +284,7 @@ np.save(sys.argv[2], w)
 def test_readme_example_runs(tmp_path):
     """The README's drop-in example for this incumbent runs as written."""
     import re
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     readme = open(os.path.join(root, "README.md")).read()
     sec = readme[readme.index("\n## Drop-in:"):readme.index("\n## Coming from DCP")]
     blocks = re.findall(r"```python\n(.*?)```", sec, re.S)

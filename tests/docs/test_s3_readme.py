@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = open(os.path.join(ROOT, "README.md")).read()
 
 

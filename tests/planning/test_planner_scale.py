@@ -23,7 +23,7 @@ from shardpoint.planning.planner import LocalPlan, PlanOptions, TensorLayout, pl
 
 from test_planner import check_exchange_symmetry, execute_load, execute_save
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def random_holdings(rng, n):

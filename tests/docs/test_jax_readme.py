@@ -13,7 +13,7 @@ pytest.importorskip("jax", reason="shardpoint_jax needs jax (pip install -e '.[j
 
 from shardpoint_jax.launch import run_processes  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = open(os.path.join(ROOT, "README.md")).read()
 JAX = README[README.index("\n## JAX\n"):README.index("\n## Benchmarks\n")]
 BLOCKS = re.findall(r"```python\n(.*?)```", JAX, re.S)

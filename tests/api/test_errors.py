@@ -454,7 +454,7 @@ def test_rank_limit_and_unallocatable_tensors(tmp_ckpt):
     (sp.ResourceLimitError, "resource-limit"), (sp.InvalidShardingError, "caller-error")])
 def test_every_error_class_names_its_spec_category(cls, category):
     assert cls.category == category
-    spec = open(os.path.join(os.path.dirname(__file__), "..", "spec", "format.md")).read()
+    spec = open(os.path.join(os.path.dirname(__file__), "..", "..", "spec", "format.md")).read()
     assert f"*{category.replace('-', ' ')}*" in spec
 
 

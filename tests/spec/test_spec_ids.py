@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPEC = "\n".join(p.read_text() for p in (REPO / "spec").glob("*.md"))
 ID = re.compile(r"SP-[A-Z]+-\d+")
 

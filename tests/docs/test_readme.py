@@ -6,7 +6,7 @@ import sys
 
 from shardpoint_testing.launch import run_world
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = open(os.path.join(ROOT, "README.md")).read()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
 INSTALL = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "

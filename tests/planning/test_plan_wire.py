@@ -8,7 +8,7 @@ import msgpack
 from shardpoint.planning.columns import COMPRESS_FROM_WORLD, HoldingColumns
 from shardpoint.planning.planner import LocalPlan, plan_save
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks"))
 import plan_scale as bench  # noqa: E402
 
 
