@@ -65,6 +65,11 @@ class ByteStore(Protocol):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes of ``key`` from ``start``; fewer only where the object ends."""
 
+    # Optional (the Zarr layer falls back to ``head`` + ``get_range`` without it):
+    # ``get_suffix(key, length) -> (bytes, size)``: the last ``length`` bytes of ``key``
+    # (all of it where shorter) and the object's size, in one request where the store
+    # can (S3's ``Range: bytes=-N``): a shard's index without a HEAD first.
+
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``key`` from ``start`` (exactly ``len(out)``;
         ``EOFError`` where the object is shorter): a load lands bytes in its own buffers."""

@@ -97,6 +97,11 @@ class MemoryStore:
             raise ValueError(f"bad range start={start} length={length}")
         return self._entry(key)[0][start:start + length]
 
+    def get_suffix(self, key: str, length: int) -> Tuple[bytes, int]:
+        """(the last ``length`` bytes of ``key``, or all of it where shorter; its size)."""
+        data = self._entry(key)[0]
+        return data[max(0, len(data) - length):], len(data)
+
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
         data = self._entry(key)[0]

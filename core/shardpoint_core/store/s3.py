@@ -31,7 +31,7 @@ import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
 from shardpoint_core.errors import (InvalidOptionError, StoreAccessDeniedError,
@@ -265,6 +265,16 @@ class S3Store:
         except Exception as e:  # noqa: BLE001 - mapped below
             raise self._error(e, key, "ranged GET") from e
         return self._read_body(r, key)
+
+    def get_suffix(self, key: str, length: int) -> Tuple[bytes, int]:
+        """(the last ``length`` bytes of ``key``, all of it where shorter; the object's
+        size): one GET with a suffix range (``bytes=-N``), the size from ``Content-Range``,
+        so a shard's index is read without a HEAD first."""
+        r = self._call(self.client.get_object, key, "suffix GET",
+                       Key=self._p + _check_key(key), Range=f"bytes=-{max(1, length)}")
+        data = self._read_body(r, key)
+        total = str(r.get("ContentRange", "")).rpartition("/")[2]
+        return data, int(total) if total.isdigit() else len(data)
 
     def _read_body(self, r: dict, key: str) -> bytes:
         from botocore.exceptions import BotoCoreError

@@ -46,6 +46,7 @@ from shardpoint_core.zarr.layout import codecs_for, fill_value
 
 MAX_ZARR_JSON_BYTES = 1 << 20
 ABSENT = 2**64 - 1
+MAX_SPAN_BYTES = 16 << 20   # one ranged read of back-to-back inner chunks at most
 _ZEROS = np.zeros(INNER_ALIGN, np.uint8)
 
 
@@ -128,13 +129,14 @@ def read_array_meta(store: ByteStore, array_path: str, spec: ArraySpec,
     """Read and check ``array_path/zarr.json`` against the manifest's ``spec`` and the spec's
     rules ([SP-ARRAY-1/2/3/5], the size cap of [SP-SEC-2])."""
     jkey = f"{array_path}/zarr.json"
-    info = store.head(jkey)
-    if info is None:
-        raise _bad(key, store.url, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1")
-    if info.size > MAX_ZARR_JSON_BYTES:
-        raise _bad(key, jkey, f"zarr.json is {info.size} bytes, over the "
-                   f"{MAX_ZARR_JSON_BYTES}-byte cap", "SP-SEC-2")
-    raw = store.get_range(jkey, 0, MAX_ZARR_JSON_BYTES + 1)
+    try:        # one request: at most one byte over the cap, so a bigger one is seen
+        raw = store.get_range(jkey, 0, MAX_ZARR_JSON_BYTES + 1)
+    except FileNotFoundError as e:
+        raise _bad(key, store.url, f"array {array_path!r} has no zarr.json",
+                   "SP-ARRAY-1") from e
+    if len(raw) > MAX_ZARR_JSON_BYTES:
+        raise _bad(key, jkey, f"zarr.json is over the {MAX_ZARR_JSON_BYTES}-byte cap",
+                   "SP-SEC-2")
     try:
         meta = json.loads(raw)
     except ValueError as e:
@@ -196,16 +198,33 @@ def encode_shard(data: np.ndarray, origin: tuple, layout: ArrayLayout) -> List[n
     return bufs + [ib, np.frombuffer(crc32c.crc32c(ib).to_bytes(4, "little"), np.uint8)]
 
 
-def read_shard_index(store: ByteStore, ckey: str, layout: ArrayLayout, key: str,
-                     size: int) -> np.ndarray:
-    """The (offset, nbytes) rows of a shard of ``size`` bytes, checked: its CRC, and every
-    present inner chunk inside the file with the inner chunk's exact size ([SP-READ-3])."""
+def _tail(store: ByteStore, ckey: str, n: int) -> Tuple[bytes, int]:
+    """(the last ``n`` bytes of ``ckey``, its size): one request where the store has
+    ``get_suffix`` (S3: a suffix range), else a ``head`` and a ranged read."""
+    suffix = getattr(store, "get_suffix", None)
+    if suffix is not None:
+        return suffix(ckey, n)
+    info = store.head(ckey)
+    if info is None:
+        raise FileNotFoundError(2, "no such object", ckey)
+    return store.get_range(ckey, max(0, info.size - n), n), info.size
+
+
+def read_shard_index(store: ByteStore, ckey: str, layout: ArrayLayout,
+                     key: str) -> Tuple[np.ndarray, int]:
+    """(the (offset, nbytes) rows of shard ``ckey``, the shard's size), checked: its CRC,
+    and every present inner chunk inside the file with the inner chunk's exact size
+    ([SP-READ-3]). One request on a store with ``get_suffix`` (no HEAD first)."""
     n = math.prod(_per(layout))
     isz = n * 16
+    try:
+        tail, size = _tail(store, ckey, isz + 4)
+    except FileNotFoundError as e:
+        raise _missing(key, ckey) from e
     if size < isz + 4:
         raise _bad(key, ckey, f"shard of {size} bytes is shorter than its index "
                    f"({isz + 4} bytes)", "SP-READ-3")
-    raw = np.frombuffer(store.get_range(ckey, size - isz - 4, isz + 4), np.uint8)
+    raw = np.frombuffer(tail, np.uint8)
     if raw.nbytes != isz + 4 or \
             crc32c.crc32c(raw[:isz]) != int.from_bytes(raw[isz:].tobytes(), "little"):
         raise _bad(key, ckey, "shard index crc32c mismatch", "SP-READ-3")
@@ -221,7 +240,7 @@ def read_shard_index(store: ByteStore, ckey: str, layout: ArrayLayout, key: str,
     if np.any(present & ((index[:, 1] != nb) | beyond)):
         raise _bad(key, ckey, "shard index points past the index or at an inner chunk of "
                    "the wrong size ([SP-READ-5])", "SP-READ-3")
-    return index
+    return index, size
 
 
 # -------------------------------------------------------------------------- regions
@@ -285,9 +304,12 @@ def write_region(store: ByteStore, array_path: str, layout: ArrayLayout,
         valid = tuple(min(c, n - o) for c, n, o in zip(layout.chunk, layout.shape, origin))
         part = data[_box(offset, data.shape, blo, bhi)]
         if tuple(part.shape) != valid:
-            ckey = chunk_key(array_path, cidx)
-            whole = read_chunk(store, array_path, layout, cidx, key or array_path) \
-                if store.head(ckey) is not None else np.zeros(valid, layout.np_dtype)
+            try:
+                whole = read_chunk(store, array_path, layout, cidx, key or array_path)
+            except CorruptCheckpointError as e:      # not written yet: zeros
+                if e.spec_id != "SP-READ-2" or not _chunk_absent(store, array_path, cidx):
+                    raise
+                whole = np.zeros(valid, layout.np_dtype)
             whole[_box(origin, valid, blo, bhi)] = part
             part = whole
         write_chunk(store, array_path, layout, cidx, part)
@@ -297,29 +319,31 @@ def _missing(key: str, ckey: str) -> CorruptCheckpointError:
     return _bad(key, ckey, "stored chunk is missing", "SP-READ-2")
 
 
+def _chunk_absent(store: ByteStore, array_path: str, cidx: tuple) -> bool:
+    return store.head(chunk_key(array_path, cidx)) is None
+
+
 def read_region(store: ByteStore, array_path: str, layout: ArrayLayout,
                 offset: Sequence[int], out: np.ndarray, key: str) -> None:
-    """Fill ``out`` with the region at ``offset``: plain chunks read whole, shards by their
-    index and then only the inner chunks the region meets (ranged reads)."""
+    """Fill ``out`` with the region at ``offset``: plain chunks read whole (one read each,
+    no HEAD first: it asks for one byte more than a chunk holds, so a wrong size is seen
+    without reading or allocating more than that), shards by their index (read from the
+    end) and then only the inner chunks the region meets, contiguous ones in one read."""
     offset = tuple(int(o) for o in offset)
     _check_region(layout, offset, out.shape)
     for cidx, origin, blo, bhi in _chunks_of(layout, offset, out.shape):
         ckey = chunk_key(array_path, cidx)
-        info = store.head(ckey)
-        if info is None:
-            raise _missing(key, ckey)
         dst = out[_box(offset, out.shape, blo, bhi)]
         if layout.inner is None:
             n = math.prod(layout.chunk) * layout.itemsize + 4
-            if info.size != n:
-                raise _bad(key, ckey, f"{info.size} bytes stored, a chunk is {n} with its "
-                           "checksum", "SP-READ-3")
-            buf = np.empty(n, np.uint8)
-            _fill(store, ckey, 0, buf, key)
-            full = decode_chunk(buf, layout, layout.chunk, key, ckey)
+            try:
+                raw = store.get_range(ckey, 0, n + 1)
+            except FileNotFoundError as e:
+                raise _missing(key, ckey) from e
+            full = decode_chunk(np.frombuffer(raw, np.uint8), layout, layout.chunk, key, ckey)
             dst[...] = full[_box(origin, layout.chunk, blo, bhi)]
         else:
-            _read_shard(store, ckey, layout, info.size, origin, blo, bhi, dst, key)
+            _read_shard(store, ckey, layout, origin, blo, bhi, dst, key)
 
 
 def _fill(store: ByteStore, ckey: str, start: int, buf: np.ndarray, key: str) -> None:
@@ -331,23 +355,46 @@ def _fill(store: ByteStore, ckey: str, start: int, buf: np.ndarray, key: str) ->
         raise _bad(key, ckey, f"truncated: {e}", "SP-READ-3") from e
 
 
-def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, size: int, origin: tuple,
+def _spans(wanted: List[tuple], stride: int) -> Iterator[List[tuple]]:
+    """Runs of ``(pos, inner index)`` (sorted by pos) that lie back to back in the file,
+    each at most :data:`MAX_SPAN_BYTES`: one ranged read each instead of one per inner
+    chunk (requests, not bytes, are what an object store charges for)."""
+    run: List[tuple] = []
+    for w in wanted:
+        if run and (w[0] != run[-1][0] + stride
+                    or w[0] + stride - run[0][0] > MAX_SPAN_BYTES):
+            yield run
+            run = []
+        run.append(w)
+    if run:
+        yield run
+
+
+def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple,
                 blo: tuple, bhi: tuple, dst: np.ndarray, key: str) -> None:
-    index = read_shard_index(store, ckey, layout, key, size)
+    index, _size = read_shard_index(store, ckey, layout, key)
     per = _per(layout)
-    nb, _gap = inner_stride(layout)
+    nb, gap = inner_stride(layout)
     lo = [(b - o) // i for b, o, i in zip(blo, origin, layout.inner)]
     hi = [-(-(e - o) // i) for e, o, i in zip(bhi, origin, layout.inner)]
+    wanted = []
     for rel in np.ndindex(*[h - l_ for l_, h in zip(lo, hi)]):
         ii = tuple(r + l_ for r, l_ in zip(rel, lo))
-        pos, _n = (int(x) for x in index[np.ravel_multi_index(ii, per)])
-        where = f"{ckey} inner chunk {list(ii)}"
+        pos = int(index[np.ravel_multi_index(ii, per)][0])
         if pos == ABSENT:
-            raise _bad(key, where, "stored inner chunk is missing", "SP-READ-2")
-        buf = np.empty(nb, np.uint8)
-        _fill(store, ckey, pos, buf, key)
-        full = decode_chunk(buf, layout, layout.inner, key, where)
-        ilo = tuple(o + i * k for o, i, k in zip(origin, ii, layout.inner))
-        sl = tuple(max(a, b) for a, b in zip(ilo, blo))
-        sh = tuple(min(a + k, b) for a, k, b in zip(ilo, layout.inner, bhi))
-        dst[_box(blo, dst.shape, sl, sh)] = full[_box(ilo, layout.inner, sl, sh)]
+            raise _bad(key, f"{ckey} inner chunk {list(ii)}", "stored inner chunk is missing",
+                       "SP-READ-2")
+        wanted.append((pos, ii))
+    wanted.sort()
+    for run in _spans(wanted, nb + gap):
+        start = run[0][0]
+        buf = np.empty(run[-1][0] + nb - start, np.uint8)
+        _fill(store, ckey, start, buf, key)
+        for pos, ii in run:
+            where = f"{ckey} inner chunk {list(ii)}"
+            full = decode_chunk(buf[pos - start:pos - start + nb], layout, layout.inner, key,
+                                where)
+            ilo = tuple(o + i * k for o, i, k in zip(origin, ii, layout.inner))
+            sl = tuple(max(a, b) for a, b in zip(ilo, blo))
+            sh = tuple(min(a + k, b) for a, k, b in zip(ilo, layout.inner, bhi))
+            dst[_box(blo, dst.shape, sl, sh)] = full[_box(ilo, layout.inner, sl, sh)]
