@@ -1,5 +1,6 @@
-"""TensorStore (Zarr v3) storage backend for shardpoint: the high-throughput default."""
-from shardpoint_core.zarr.backend import TensorStoreBackend
+"""The Zarr v3 format layer over a byte store (:class:`ZarrBackend`); ``TensorStoreBackend``
+is its older name, kept for users and the README."""
+from shardpoint_core.zarr.backend import TensorStoreBackend, ZarrBackend
 from shardpoint_core.zarr.layout import codecs_for
 
-__all__ = ["TensorStoreBackend", "codecs_for"]
+__all__ = ["TensorStoreBackend", "ZarrBackend", "codecs_for"]

@@ -1,0 +1,119 @@
+"""The committers of :class:`~shardpoint_core.zarr.backend.ZarrBackend`, on its paths: a
+local path goes to the POSIX committer (atomic rename of a staging directory, format.md 9),
+a URL to the object-store committer of its bucket (a marker object, format.md 9.1). Both
+implement :class:`~shardpoint_core.commit.base.Committer`; these only route each call."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Tuple
+
+from shardpoint_core.commit.object_store import ObjectStoreCommitter
+from shardpoint_core.commit.posix import PosixCommitter
+from shardpoint_core.store.registry import is_local, split_url
+
+
+def url_of(url: str, key: str) -> str:
+    """The URL of ``key`` in the bucket of ``url`` (``s3://bucket/key``)."""
+    scheme, rest = split_url(url)
+    return f"{scheme}://{rest.partition('/')[0]}/{key}"
+
+
+class UrlCommitter:
+    """The object-store committer on URLs: each call goes to the
+    :class:`ObjectStoreCommitter` of the URL's bucket (``locate(url)`` -> store, key)."""
+
+    name = "object-store-marker"
+
+    def __init__(self, locate: Callable[[str], Tuple[Any, str]]) -> None:
+        self._locate = locate
+
+    def _at(self, url: str) -> Tuple[ObjectStoreCommitter, str]:
+        store, key = self._locate(url)
+        return ObjectStoreCommitter(store), key
+
+    def state(self, target: str) -> str:
+        c, k = self._at(target)
+        return c.state(k)
+
+    def check_target(self, target: str, overwrite: Any) -> None:
+        c, k = self._at(target)
+        c.check_target(k, bool(overwrite))
+
+    def begin(self, target: str, token: str) -> str:
+        c, k = self._at(target)
+        return url_of(target, c.begin(k, token))
+
+    def publish(self, staging: str, target: str, *, overwrite: Any) -> None:
+        c, k = self._at(target)
+        c.publish(self._locate(staging)[1], k, overwrite=bool(overwrite))
+
+    def abort(self, staging: str) -> None:
+        c, k = self._at(staging)
+        c.abort(k)
+
+    def remove(self, target: str) -> bool:
+        c, k = self._at(target)
+        return c.remove(k)
+
+    def leftovers(self, directory: str) -> list:
+        c, k = self._at(directory)
+        return [replace(lo, path=url_of(directory, lo.path),
+                        target=url_of(directory, lo.target)) for lo in c.leftovers(k)]
+
+    def restore(self, leftover: str, target: str) -> bool:
+        c, k = self._at(leftover)
+        return c.restore(k, target)
+
+    def discard(self, leftover: str) -> bool:
+        c, k = self._at(leftover)
+        return c.discard(k)
+
+
+class PathCommitter:
+    """Routes each call by its path: local paths to ``posix``, URLs to ``urls``. What only
+    the POSIX committer has (``staging_for``, ``create_staging``, ``holds_checkpoints``...)
+    is the POSIX committer's."""
+
+    def __init__(self, posix: PosixCommitter, urls: UrlCommitter) -> None:
+        self.posix, self.urls = posix, urls
+
+    @property
+    def name(self) -> str:
+        return self.posix.name
+
+    def __repr__(self) -> str:
+        return f"PathCommitter({self.posix!r}, {self.urls.name})"
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.posix, attr)
+
+    def of(self, path: str) -> Any:
+        """The committer of ``path``."""
+        return self.posix if is_local(path) else self.urls
+
+    def state(self, target: str) -> str:
+        return self.of(target).state(target)
+
+    def check_target(self, target: str, overwrite: Any, *args: Any, **kw: Any) -> None:
+        self.of(target).check_target(target, overwrite, *args, **kw)
+
+    def begin(self, target: str, token: str) -> str:
+        return self.of(target).begin(target, token)
+
+    def publish(self, staging: str, target: str, *, overwrite: Any, **kw: Any) -> None:
+        self.of(target).publish(staging, target, overwrite=overwrite, **kw)
+
+    def abort(self, staging: str) -> None:
+        self.of(staging).abort(staging)
+
+    def remove(self, target: str) -> bool:
+        return self.of(target).remove(target)
+
+    def leftovers(self, directory: str) -> list:
+        return self.of(directory).leftovers(directory)
+
+    def restore(self, leftover: str, target: str) -> bool:
+        return self.of(leftover).restore(leftover, target)
+
+    def discard(self, leftover: str) -> bool:
+        return self.of(leftover).discard(leftover)
