@@ -8,9 +8,11 @@ through fsspec/s3fs, same run, same server.
 The server is moto's standalone S3 server on loopback, started here (or ``--endpoint``): an
 in-memory Python server, so the figures measure what a client gets from *this* server, not
 from AWS; the raw limit row says what that is. Rows, interleaved run by run (medians, min-max):
-- raw: the objects of shardpoint's own checkpoint (same count, same sizes), PUT and then GET
-  with boto3 at the same concurrency as shardpoint (``--concurrency``): the server's limit
-  for this workload;
+- raw: the objects of shardpoint's own checkpoint (same count, same sizes: its chunk objects,
+  zarr.json and manifest objects), PUT and then GET with boto3 at the same concurrency as
+  shardpoint (``--concurrency``): the server's limit for this checkpoint; and "raw, chunks
+  only": the chunk objects alone (one per tensor here), what a format with no per-array
+  metadata objects would need;
 - shardpoint: ``sp.save(state, "s3://...", overwrite=True)`` and ``sp.load`` of the whole
   state; requests per checkpoint and bytes moved are counted on the client;
 - DCP: ``dcp.save`` with ``FsspecWriter`` (s3fs) at its best ``thread_count`` of 1/4/8/16
@@ -148,10 +150,9 @@ def main(argv=None) -> None:
         os.environ["AWS_ENDPOINT_URL"] = a.endpoint
         bucket = a.bucket
     import shardpoint as sp
-    from shardpoint_core.zarr.object_backend import ObjectStoreBackend, backend_for
+    from shardpoint_core.zarr.object_backend import backend_for
     run = f"bench-{uuid.uuid4().hex[:8]}"
     be = backend_for(f"s3://{bucket}/x")
-    assert isinstance(be, ObjectStoreBackend)
     be.concurrency = a.concurrency
     store, _ = be.locate(f"s3://{bucket}/x")
     counter = Counter(store.client)
@@ -171,6 +172,7 @@ def main(argv=None) -> None:
         nbytes = sum(v.numel() * v.element_size() for v in bt.flat(state).values())
         url = f"s3://{bucket}/{run}/{name}"
         r = results[name] = {"bytes": nbytes, "raw_put": [], "raw_get": [], "save": [],
+                             "rawc_put": [], "rawc_get": [],
                              "load": [], "dcp_load": [], **{f"dcp_save_t{t}": [] for t in threads}}
         for i in range(a.repeat):
             c0 = counter.snap()
@@ -188,12 +190,18 @@ def main(argv=None) -> None:
             r["save_requests"], r["save_bytes"] = c1[0] - c0[0], c1[1] - c0[1]
             r["load_requests"], r["load_bytes"] = c2[0] - c1[0], c2[2] - c1[2]
             prefix = url[len(f"s3://{bucket}/"):]
-            sizes = [o.size for o in store.list(prefix + "/") if "/c/" in o.key]
-            r["objects"] = len(sizes)
-            put, get = raw_round(raw_client, bucket, f"{run}/{name}-raw", sizes, a.concurrency)
+            every = [o for o in store.list(prefix + "/")]
+            sizes = [o.size for o in every if "/c/" in o.key]
+            r["objects"], r["all_objects"] = len(sizes), len(every)
+            put, get = raw_round(raw_client, bucket, f"{run}/{name}-raw", [o.size for o in every],
+                                 a.concurrency)
             r["raw_put"].append(put)
             r["raw_get"].append(get)
-            r["raw_bytes"] = sum(sizes)
+            r["raw_bytes"] = sum(o.size for o in every)
+            put, get = raw_round(raw_client, bucket, f"{run}/{name}-rawc", sizes, a.concurrency)
+            r["rawc_put"].append(put)
+            r["rawc_get"].append(get)
+            r["rawc_bytes"] = sum(sizes)
             if dcp_ok:
                 env = dict(os.environ, S3FS_PATH=a.s3fs_path,
                            BENCH_DIR=os.path.dirname(os.path.abspath(__file__)))
@@ -218,22 +226,27 @@ def main(argv=None) -> None:
           f"concurrency {a.concurrency}, {a.repeat} interleaved rounds; median (min-max)")
     for name, r in results.items():
         b = r["bytes"]
-        print(f"\n{name}: {b / 2**20:.1f} MiB in {r['objects']} chunk objects")
+        print(f"\n{name}: {b / 2**20:.1f} MiB in {r['objects']} chunk objects, "
+              f"{r['all_objects']} objects in all")
         print(f"  raw PUT (limit)   {fmt(r['raw_put'], r['raw_bytes'])}")
+        print(f"  raw PUT (chunks)  {fmt(r['rawc_put'], r['rawc_bytes'])}")
         print(f"  shardpoint save   {fmt(r['save'], b)}   {r['save_requests']} requests, "
               f"{r['save_bytes'] / 2**20:.1f} MiB sent")
         if r["dcp_save"]:
             print(f"  DCP save (t={r['dcp_best_threads']:<2})  {fmt(r['dcp_save'], b)}")
         print(f"  raw GET (limit)   {fmt(r['raw_get'], r['raw_bytes'])}")
+        print(f"  raw GET (chunks)  {fmt(r['rawc_get'], r['rawc_bytes'])}")
         print(f"  shardpoint load   {fmt(r['load'], b)}   {r['load_requests']} requests, "
               f"{r['load_bytes'] / 2**20:.1f} MiB received")
         if r["dcp_load"]:
             print(f"  DCP load          {fmt(r['dcp_load'], b)}")
         ratio = lambda x, y: (med(x) and med(y)) and med(x) / med(y)   # noqa: E731
-        print(f"  save: {ratio(r['raw_put'], r['save']):.2f}x the raw limit"
+        print(f"  save: {ratio(r['raw_put'], r['save']):.2f}x the raw limit "
+              f"({ratio(r['rawc_put'], r['save']):.2f}x chunks only)"
               + (f", {ratio(r['dcp_save'], r['save']):.2f}x DCP's speed" if r["dcp_save"]
                  else ", DCP not run (no s3fs at --s3fs-path)"))
-        print(f"  load: {ratio(r['raw_get'], r['load']):.2f}x the raw limit"
+        print(f"  load: {ratio(r['raw_get'], r['load']):.2f}x the raw limit "
+              f"({ratio(r['rawc_get'], r['load']):.2f}x chunks only)"
               + (f", {ratio(r['dcp_load'], r['load']):.2f}x DCP's speed" if r["dcp_load"]
                  else ""))
     if a.json:

@@ -186,6 +186,41 @@ def test_shard_index_rules():
         _fails(s, lay, out, sid)
 
 
+class _Counted:
+    """A store's protocol only (no ``get_suffix``), counting the calls that reach it."""
+
+    def __init__(self, store):
+        self.s, self.calls = store, []
+        self.url, self.capabilities = store.url, store.capabilities
+
+    def __getattr__(self, name):
+        if name not in ("get", "get_range", "read_into", "put", "head", "list", "delete"):
+            raise AttributeError(name)
+
+        def call(*a, **kw):
+            self.calls.append((name, a[0]))
+            return getattr(self.s, name)(*a, **kw)
+        return call
+
+
+def test_shard_reads_coalesce_inner_chunks_with_or_without_get_suffix():
+    """A region of a shard is read by its index and one read per run of back-to-back inner
+    chunks it meets; a store with ``get_suffix`` (memory, files, S3) answers the index in one
+    call, one without it by a ``head`` and a ranged read."""
+    lay = ArrayLayout.create((64, 16), "float32", (64, 16), shard_above_bytes=1024,
+                             inner_chunk_bytes=256)            # 16 inner chunks of 4 rows
+    x = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    mem = MemoryStore()
+    write_region(mem, "w", lay, (0, 0), x)
+    for store, index_calls in ((_Counted(mem), [("head", "w/c/0/0"), ("get_range", "w/c/0/0")]),
+                               (mem, None)):
+        out = np.empty((10, 16), np.float32)
+        read_region(store, "w", lay, (6, 0), out, "w")          # rows 6-15: inner chunks 1-3
+        assert np.array_equal(out, x[6:16])
+        if index_calls is not None:
+            assert store.calls == index_calls + [("read_into", "w/c/0/0")]
+
+
 def test_bool_bytes_other_than_0_1_refused_as_read_3():
     s = MemoryStore()
     lay = ArrayLayout.create((4,), "bool", (4,))

@@ -62,12 +62,15 @@ MAX_MANIFEST_BYTES = local.MAX_MANIFEST_BYTES
 
 class _Array:
     """An array the Zarr layer reads or writes: its store, key below the store's root,
-    layout, and the tensor's key (for errors)."""
+    layout, and the tensor's key (for errors). ``root``: the save it is written in, while
+    its zarr.json is still to be written by this process."""
 
-    __slots__ = ("store", "path", "layout", "key")
+    __slots__ = ("store", "path", "layout", "key", "root")
 
-    def __init__(self, store: Any, path: str, layout: ArrayLayout, key: str) -> None:
+    def __init__(self, store: Any, path: str, layout: ArrayLayout, key: str,
+                 root: Optional[str] = None) -> None:
         self.store, self.path, self.layout, self.key = store, path, layout, key
+        self.root = root
 
 
 class _WriteHandle(LazyTS):
@@ -137,6 +140,9 @@ class ZarrBackend:
         self.read_threads, self.direct_reads, self.direct_writes = \
             read_threads, direct_reads, direct_writes
         self.concurrency = concurrency
+        # arrays opened at once ahead of reads (the load's OpenAhead): one GET of zarr.json
+        # each on an object store, so as many as requests in flight
+        self.open_concurrency = concurrency
         self.ts = TensorStoreCheck(context)
         self._lock = threading.Lock()
         self._written: Dict[str, Tuple[FileStore, set]] = {}  # local root -> arrays written
@@ -212,12 +218,10 @@ class ZarrBackend:
         store, prefix = self.locate(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
-            # If-None-Match: one writer wins [SP-COMMIT-8]; in flight with the chunks (an
-            # object store needs no zarr.json before a chunk object), flush() waits for it.
-            fut = self._remote.submit(write_array_meta, store, path, lay)
-            with self._lock:
-                self._meta.setdefault(root, []).append(fut)
-            return _Array(store, path, lay, array_path)
+            arr = _Array(store, path, lay, array_path, root)
+            if 0 in lay.shape:          # no chunk, so no writer of chunk 0: every opener
+                self._write_meta(arr)
+            return arr
         apath = store.path(path)
         with self._lock:
             self._written.setdefault(store.root, (store, set()))[1].add(path)
@@ -244,9 +248,24 @@ class ZarrBackend:
                 return op
             return self._write_pool.submit(handle.write_part, tuple(offset), data)
         if isinstance(handle, _Array):
+            if handle.root is not None and not any(offset):
+                self._write_meta(handle)
             return self._remote.submit(write_region, handle.store, handle.path,
                                        handle.layout, tuple(offset), data, handle.key)
         return self.ts.write(handle, offset, data)
+
+    def _write_meta(self, arr: _Array) -> None:
+        """zarr.json of an array on an object store, by the writer of its chunk 0 alone (the
+        region at the origin: each chunk has one writer, [SP-COVER]), so N ranks writing
+        one array send one PUT, not N. If-None-Match all the same: one writer wins
+        [SP-COMMIT-8]. In flight with the chunks (an object store needs no zarr.json before
+        a chunk object); ``flush`` waits for it."""
+        with self._lock:
+            root, arr.root = arr.root, None
+            if root is None:
+                return
+            self._meta.setdefault(root, []).append(
+                self._remote.submit(write_array_meta, arr.store, arr.path, arr.layout))
 
     def flush(self, root: str) -> None:
         """What this process wrote under ``root`` survives a crash once this returns: the

@@ -6,7 +6,7 @@ encodes through buffers of its own and runs on its own executor; on the 2-core m
 project measures on, that made the write phase as long as the disk's own time. Here each
 chunk (or run of adjacent inner chunks of a shard) is one ``pwritev`` of the caller's memory
 plus its CRC-32C, and ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts the disk writeback
-right after, so the one ``syncfs`` at the end of a save (``TensorStoreBackend.flush``) finds
+right after, so the one ``syncfs`` at the end of a save (``ZarrBackend.flush``) finds
 little left to write: the save overlaps memory copies with disk writes, which a write-then-
 fsync cannot.
 
