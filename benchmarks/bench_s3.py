@@ -13,7 +13,9 @@ from AWS; the raw limit row says what that is. Rows, interleaved run by run (med
   shardpoint (``--concurrency``): the server's limit for this checkpoint; and "raw, chunks
   only": the chunk objects alone (one per tensor here), what a format with no per-array
   metadata objects would need;
-- shardpoint: ``sp.save(state, "s3://...", overwrite=True)`` and ``sp.load`` of the whole
+- shardpoint: ``sp.save(state, "s3://...")`` to a fresh path each round (as DCP and the raw
+  rows write fresh keys; ``overwrite=True`` would add the deletion of the old checkpoint,
+  one LIST and a DELETE per 1,000 objects after the commit) and ``sp.load`` of the whole
   state; requests per checkpoint and bytes moved are counted on the client;
 - DCP: ``dcp.save`` with ``FsspecWriter`` (s3fs) at its best ``thread_count`` of 1/4/8/16
   (each run in every round) and ``dcp.load`` with ``FsspecReader``, in a child process. s3fs
@@ -150,10 +152,9 @@ def main(argv=None) -> None:
         os.environ["AWS_ENDPOINT_URL"] = a.endpoint
         bucket = a.bucket
     import shardpoint as sp
-    from shardpoint_core.zarr.object_backend import backend_for
+    from shardpoint_core.zarr import ZarrBackend
     run = f"bench-{uuid.uuid4().hex[:8]}"
-    be = backend_for(f"s3://{bucket}/x")
-    be.concurrency = a.concurrency
+    be = ZarrBackend(concurrency=a.concurrency)
     store, _ = be.locate(f"s3://{bucket}/x")
     counter = Counter(store.client)
     import boto3
@@ -165,23 +166,24 @@ def main(argv=None) -> None:
               ("uniform", {"n": int(n), "mib": mib}, bt.uniform_state(int(n), mib))]
     threads = [int(t) for t in a.threads.split(",")]
     dcp_ok = os.path.isdir(os.path.join(a.s3fs_path, "s3fs"))
-    sp.save({"x": torch.zeros(4)}, f"s3://{bucket}/{run}/warm")     # imports, pools: once
-    sp.load(f"s3://{bucket}/{run}/warm")
+    sp.save({"x": torch.zeros(4)}, f"s3://{bucket}/{run}/warm", backend=be)   # imports, pools
+    sp.load(f"s3://{bucket}/{run}/warm", backend=be)
     results = {}
     for name, spec, state in states:
         nbytes = sum(v.numel() * v.element_size() for v in bt.flat(state).values())
-        url = f"s3://{bucket}/{run}/{name}"
+        base = f"s3://{bucket}/{run}/{name}"
         r = results[name] = {"bytes": nbytes, "raw_put": [], "raw_get": [], "save": [],
                              "rawc_put": [], "rawc_get": [],
                              "load": [], "dcp_load": [], **{f"dcp_save_t{t}": [] for t in threads}}
         for i in range(a.repeat):
             c0 = counter.snap()
             t0 = time.perf_counter()
-            sp.save(state, url, overwrite=True)
+            url = f"{base}-{i}"       # a fresh path, as DCP's and the raw rows' are
+            sp.save(state, url, backend=be)
             r["save"].append(time.perf_counter() - t0)
             c1 = counter.snap()
             t0 = time.perf_counter()
-            back = sp.load(url)
+            back = sp.load(url, backend=be)
             r["load"].append(time.perf_counter() - t0)
             c2 = counter.snap()
             assert all(torch.equal(x, y) for x, y in zip(bt.flat(back).values(),
@@ -202,6 +204,7 @@ def main(argv=None) -> None:
             r["rawc_put"].append(put)
             r["rawc_get"].append(get)
             r["rawc_bytes"] = sum(sizes)
+            be.committer.remove(url)  # untimed: an overwrite would also delete the old one
             if dcp_ok:
                 env = dict(os.environ, S3FS_PATH=a.s3fs_path,
                            BENCH_DIR=os.path.dirname(os.path.abspath(__file__)))

@@ -93,6 +93,16 @@ def test_file_store_make_durable_without_fsync_is_free(tmp_path):
     assert s.get("a") == b"1"
 
 
+def test_file_store_make_durable_below_syncs_the_trees_and_their_parents(tmp_path):
+    """What a fast path wrote itself below a key (an array's chunk files) is fsync'd, with
+    every directory up to the root: here 2 files, their 3 directories, ``t`` and the root."""
+    s = FileStore(str(tmp_path), sync_method="fsync")
+    s.put("t/a/c/0", b"x")
+    s.put("t/a/c/1/0", b"y")
+    assert s.make_durable_below(["t/a"]) == 2 + 3 + 2
+    assert FileStore(str(tmp_path), fsync=False).make_durable_below(["t/a"]) == 0
+
+
 def test_file_store_full_disk_names_the_file(tmp_path):
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")

@@ -262,17 +262,18 @@ class FileStore:
                     self._dirs.discard(d)
                     d = os.path.dirname(d)
 
-    def make_durable_below(self, prefixes: Iterable[str]) -> None:
+    def make_durable_below(self, prefixes: Iterable[str]) -> int:
         """Every file and directory below these keys (directories a fast path wrote into
         itself, such as an array's chunk files), and the directories up to the root, survive
         a crash: one ``syncfs`` of the file system where allowed (``sync_method``), else an
-        fsync of each of them from 16 threads. Nothing when ``fsync`` is off."""
+        fsync of each of them from 16 threads. Nothing when ``fsync`` is off. Returns how
+        many paths were fsync'd (0 after a ``syncfs``)."""
         dirs = sorted(self.path(k) for k in prefixes)
         if not self.fsync or not dirs:
-            return
+            return 0
         if self.sync_method in ("auto", "syncfs") and syncfs(self.root):
-            return
-        fsync_trees(dirs, self.root)
+            return 0
+        return fsync_trees(dirs, self.root)
 
     def make_durable(self, keys: Optional[Iterable[str]] = None) -> None:
         """What this store put (or the files of ``keys``) and the directories holding them
