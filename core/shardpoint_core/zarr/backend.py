@@ -73,6 +73,29 @@ class _Array:
         self.root = root
 
 
+class _ObjectArray:
+    """An array on an object store opened for reading: its zarr.json is read and checked by
+    the first read (or verify) that needs it, inside that read's task on the I/O pool, so
+    an open costs nothing and as many zarr.json GETs are in flight as reads (the load opens
+    arrays ahead from a few threads only, as it does on files)."""
+
+    def __init__(self, store: Any, path: str, spec: ArraySpec, key: str) -> None:
+        self.store, self.path, self.spec, self.key = store, path, spec, key
+        self._layout: Optional[ArrayLayout] = None
+        self._lock = threading.Lock()
+
+    @property
+    def layout(self) -> ArrayLayout:
+        with self._lock:
+            if self._layout is None:
+                self._layout = read_array_meta(self.store, self.path, self.spec, self.key)
+            return self._layout
+
+
+def _read_object(arr: _ObjectArray, offset: tuple, out: np.ndarray) -> None:
+    read_region(arr.store, arr.path, arr.layout, offset, out, arr.key)
+
+
 class _WriteHandle(LazyTS):
     """An array on local files written by direct whole-chunk writes; a write of anything but
     one whole chunk goes through the Zarr layer (``arr``), one at a time per array: two parts
@@ -140,9 +163,6 @@ class ZarrBackend:
         self.read_threads, self.direct_reads, self.direct_writes = \
             read_threads, direct_reads, direct_writes
         self.concurrency = concurrency
-        # arrays opened at once ahead of reads (the load's OpenAhead): one GET of zarr.json
-        # each on an object store, so as many as requests in flight
-        self.open_concurrency = concurrency
         self.ts = TensorStoreCheck(context)
         self._lock = threading.Lock()
         self._written: Dict[str, Tuple[FileStore, set]] = {}  # local root -> arrays written
@@ -342,7 +362,7 @@ class ZarrBackend:
         store, prefix = self.locate(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
-            return _Array(store, path, read_array_meta(store, path, spec, key), key)
+            return _ObjectArray(store, path, spec, key)
         from shardpoint_core.dtypes import DTYPES, from_name
         meta = read_zarr_json(root, array_path, key)
         check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
@@ -383,6 +403,9 @@ class ZarrBackend:
                 read_region(arr.store, arr.path, arr.layout, off, view, arr.key)
             return _KeyedRead(DirectReader(handle.layout, self._reads.submit, fallback,
                                            arr.key).read(tuple(offset), out), arr.key)
+        if isinstance(handle, _ObjectArray):
+            return _KeyedRead(self._remote.submit(_read_object, handle, tuple(offset), out),
+                              handle.key)
         if isinstance(handle, _Array):
             pool = self._reads if handle.store.capabilities.local_path else self._remote
             return _KeyedRead(pool.submit(read_region, handle.store, handle.path,
@@ -427,6 +450,8 @@ class ZarrBackend:
             handle = self.open_array_for_read(root, array_path, spec, key)
             if is_local(root):
                 check_shard_files(root, array_path, read_zarr_json(root, array_path, key), key)
+            else:
+                _ = handle.layout       # zarr.json read and checked now
         except ShardpointError as e:
             return [(e.spec_id or "SP-ARRAY-1", str(e))]
         if isinstance(handle, TSHandle):
