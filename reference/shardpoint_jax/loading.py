@@ -1,6 +1,7 @@
 """load(): read a checkpoint into a pytree (spec/format.md sections 10, 11). Each process
 reads only the regions its addressable devices need, from any saved layout, straight into
-the shard buffers (TensorStore with crc32c checks and strict missing-chunk reads)."""
+the shard buffers, from a local directory or any registered store (``s3://``, ``memory://``),
+by the core's reader rules (:mod:`.storage`)."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -15,8 +16,8 @@ from shardpoint_jax.dtypes import numpy_dtype, numpy_of
 from shardpoint_jax.storage import PendingRead, StoredArray, checkpoint_path, read_manifest
 from shardpoint_jax.tree import ShardedObject, walk
 
-# Bytes of reads started ahead of the one being handed to JAX: enough to keep TensorStore's
-# I/O threads and the disk busy, bounded so a load never holds much more than its result.
+# Bytes of reads started ahead of the one being handed to JAX: enough to keep the I/O
+# threads and the disk busy, bounded so a load never holds much more than its result.
 READ_AHEAD_BYTES = 256 << 20
 
 

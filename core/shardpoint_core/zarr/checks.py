@@ -391,3 +391,24 @@ def metadata_problems(shape: Any, meta: dict, spec: ArraySpec) -> list:
     if not has_crc(meta.get("codecs", [])):
         problems.append("codec chain has no crc32c")
     return problems
+
+
+def check_array_objects(store: Any, array_path: str, key: str,
+                        sizes: tuple = (None, 0)) -> tuple:
+    """:func:`check_array_files` for a store without files (object stores, memory): one
+    listing of the array's chunk objects, each of a possible size ([SP-READ-5] as
+    [SP-READ-3]). Returns ``(chunk objects, their bytes together)`` for
+    :func:`check_backed_bytes` ([SP-READ-6])."""
+    exact, least = sizes
+    total = count = 0
+    base = f"{array_path}/c"
+    for info in store.list(base):
+        if info.key != base and not info.key.startswith(base + "/"):
+            continue
+        if (exact is not None and info.size != exact) or info.size < least:
+            raise _corrupt(key, f"chunk object {info.key!r} has {info.size} bytes, not "
+                           f"{exact if exact is not None else f'>= {least}'} (truncated or "
+                           "extra bytes)", "SP-READ-3")
+        total += info.size
+        count += 1
+    return count, total
