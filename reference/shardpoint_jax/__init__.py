@@ -2,15 +2,19 @@
 (``shardpoint_core``: errors, keys, dtypes, values, the manifest codec, coverage rules).
 
 ``save(path, pytree, *, overwrite=False, async_save=False)`` and ``load(path, target=None)``;
-every process of a multi-process job calls both. ``CheckpointManager(root, ...)`` keeps
-numbered steps with retention and resume, in the PyTorch front end's directory layout.
+every process of a multi-process job calls both; a path is local (plain or ``file://``) or the
+URL of a registered store (``s3://bucket/run/step_5``, ``memory://name/...``).
+``CheckpointManager(root, ...)`` keeps numbered steps with retention and resume, in the
+PyTorch front end's layout.
 Imports neither torch nor the PyTorch front end (``shardpoint``)."""
 from shardpoint_jax.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                    CorruptCheckpointError, IncompleteCheckpointError,
                                    InvalidKeyError, InvalidOptionError, InvalidRequestError,
                                    InvalidShardingError, LayoutMismatchError,
                                    ResourceLimitError, SaveFailedError, ShardpointError,
-                                   UnsupportedFormatError, UnsupportedValueError)
+                                   StoreAccessDeniedError, StoreNotFoundError,
+                                   StoreUnavailableError, UnsupportedFormatError,
+                                   UnsupportedStoreError, UnsupportedValueError)
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.loading import load
 from shardpoint_jax.manager import CheckpointManager
@@ -21,5 +25,6 @@ __version__ = "0.1.0"
 __all__ = ["save", "load", "AsyncSave", "CheckpointManager", "ShardedObject", "ShardpointError",
            "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
            "InvalidKeyError", "InvalidOptionError", "InvalidRequestError", "InvalidShardingError",
-           "LayoutMismatchError", "ResourceLimitError", "SaveFailedError", "UnsupportedFormatError",
-           "UnsupportedValueError"]
+           "LayoutMismatchError", "ResourceLimitError", "SaveFailedError", "StoreAccessDeniedError",
+           "StoreNotFoundError", "StoreUnavailableError", "UnsupportedFormatError",
+           "UnsupportedStoreError", "UnsupportedValueError"]

@@ -96,12 +96,16 @@ def locate(location: str) -> Tuple[Any, str]:
     scheme, rest = split_url(location)
     bucket, _, key = rest.partition("/")
     root = f"{scheme}://{bucket}"
+    # The environment names the endpoint and credentials: a store opened under others is
+    # not reused (a test, or a job, that points AWS_ENDPOINT_URL elsewhere).
+    ident = (root, *(os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                                                   "AWS_PROFILE", "AWS_REGION")))
     with _STORES_LOCK:
-        store = _STORES.get(root)
+        store = _STORES.get(ident)
     if store is None:
         store = open_store(root, "shardpoint_jax")
         with _STORES_LOCK:
-            store = _STORES.setdefault(root, store)
+            store = _STORES.setdefault(ident, store)
     return store, key.strip("/")
 
 
