@@ -13,7 +13,9 @@ from shardpoint_core.errors import LayoutMismatchError
 from shardpoint_core.keys import encode_key
 from shardpoint_core.manifest import Manifest, TensorEntry
 from shardpoint_jax.dtypes import numpy_dtype, numpy_of
-from shardpoint_jax.storage import PendingRead, StoredArray, checkpoint_path, read_manifest
+from shardpoint_core.store.registry import is_local
+from shardpoint_jax.storage import (OBJECTS, PendingRead, StoredArray, checkpoint_path,
+                                    read_manifest)
 from shardpoint_jax.tree import ShardedObject, walk
 
 # Bytes of reads started ahead of the one being handed to JAX: enough to keep the I/O
@@ -34,7 +36,7 @@ def entry_of(t: TensorEntry) -> dict:
 
 class Checkpoint:
     """A checked manifest (the core's :class:`~shardpoint_core.manifest.Manifest`) and lazily
-    opened arrays of one checkpoint directory."""
+    opened arrays of one checkpoint (a directory, or a prefix on an object store)."""
 
     def __init__(self, path: str) -> None:
         self.path = checkpoint_path(path, "load(path, target)")
@@ -103,11 +105,21 @@ class ReadAhead:
 
     def __init__(self, ck: Checkpoint, regions: list, window: int) -> None:
         self.ck, self.regions, self.window = ck, regions, window
-        for key in dict.fromkeys(r[0] for r in regions):
-            try:   # every array opening before any data read: it would wait behind them
-                ck.array(key)
-            except Exception:  # noqa: BLE001 - raised again where that array is read
-                pass
+        keys = list(dict.fromkeys(r[0] for r in regions))
+        if is_local(ck.path):
+            for key in keys:
+                try:   # every array opening before any data read: it would wait behind them
+                    ck.array(key)
+                except Exception:  # noqa: BLE001 - raised again where that array is read
+                    pass
+        else:          # on an object store each opening is requests: several in flight
+            opened = [OBJECTS.submit(StoredArray, ck.path, k,
+                                     entry_of(ck.manifest.tensors[k])) for k in keys]
+            for key, fut in zip(keys, opened):
+                try:
+                    ck._stores[key] = fut.result()
+                except Exception:  # noqa: BLE001 - raised again where that array is read
+                    pass
         self.pos: dict = {}
         for i, (key, off, shp, _out) in enumerate(regions):
             self.pos.setdefault((key, tuple(off), tuple(shp)), i)

@@ -2,10 +2,12 @@
 
 A layer over :func:`shardpoint_jax.save` / :func:`shardpoint_jax.load`, with the directory
 rules of the PyTorch reference's manager, so one root can be written by either and read by
-the other: one directory per step (``<root>/step_00000042``); only committed checkpoints (with
+the other: one directory per step (``<root>/step_00000042``; on an object store, ``root`` a
+URL such as ``s3://bucket/run``, one prefix per step); only committed checkpoints (with
 a manifest) count; metrics are plain values inside each step's checkpoint under the reserved
 top-level key ``"__metrics__"``. Leftovers of a crash (hidden ``.step_N.shardpoint-tmp-*``
-staging directories, step directories without a manifest) are ignored and cleaned by the next
+staging directories, step directories without a manifest; on object stores, save prefixes
+no manifest names, once ``leftover_min_age_s`` old) are ignored and cleaned by the next
 save or load; a ``.step_N.shardpoint-old-*`` directory left by a crash in the middle of an
 overwrite is put back when its step is missing, else removed.
 

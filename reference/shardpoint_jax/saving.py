@@ -191,7 +191,8 @@ def raise_info(info: list, where: str) -> None:
 def save(path: str, tree: Any, *, overwrite: Union[bool, str] = False,
          async_save: bool = False) -> Optional[AsyncSave]:
     """Save ``tree`` (a pytree of jax.Arrays, numpy arrays, ShardedObjects and values) at
-    ``path``. Collective: every process of the job calls it with its own tree.
+    ``path``: a local path, or the URL of a registered store (``s3://bucket/run/step_5``,
+    ``memory://name/ck``). Collective: every process of the job calls it with its own tree.
 
     With ``async_save=True`` the call returns once the plan is agreed and this process holds
     data nobody can change (:mod:`.async_save`: CPU JAX arrays held as they are, numpy leaves

@@ -24,6 +24,7 @@ MAX_ZARR_JSON_BYTES = 1 << 20
 # ([SP-ARRAY-6]); the spec's own documents need 7 levels.
 MAX_ZARR_JSON_DEPTH = 32
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKET = re.compile(rb"[\[\]{}]")
 ONE_BYTE = {"bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2"}
 _KNOWN = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
           "fill_value", "codecs", "attributes", "dimension_names", "storage_transformers"}
@@ -218,6 +219,12 @@ def json_depth(raw: bytes) -> int:
     """Deepest nesting of objects and arrays in JSON text (the document is level 1), found
     without parsing or recursion: strings are blanked, then brackets counted."""
     bare = _JSON_STRING.sub(b'""', raw)
+    if len(bare) <= 1 << 14:    # a usual zarr.json: a dozen brackets, no numpy overhead
+        depth = deepest = 0
+        for m in _BRACKET.finditer(bare):
+            depth += 1 if m.group() in (b"[", b"{") else -1
+            deepest = max(deepest, depth)
+        return deepest
     b = np.frombuffer(bare, np.uint8)
     step = (np.isin(b, (0x5B, 0x7B)).astype(np.int64)
             - np.isin(b, (0x5D, 0x7D)).astype(np.int64))
