@@ -5,6 +5,8 @@ front end and back, the JAX CheckpointManager's retention and clean-up on S3, an
 of a path no store serves."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -134,3 +136,29 @@ def test_s3_manager_retention_and_leftovers(s3_env):
     # step 3 is not retained any more, but the newest is never removed
     with pytest.raises(sj.CheckpointExistsError):
         mgr.save(5, {"x": np.zeros((4, 4), np.float32)})
+
+
+VECTORS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "spec", "vectors", "invalid")
+
+
+@pytest.mark.parametrize("case", ["aliased_shard_index", "declares_more_than_stored",
+                                  "bad_checksum", "missing_inner_chunk", "truncated_chunk",
+                                  "zarr_json_repeated_name", "bad_zarr_json"])
+def test_invalid_vectors_on_an_object_store_fail_as_on_files(case):
+    """The reader rules hold on a store without files too: the vector's objects uploaded to
+    ``memory://`` are refused with the class and rule of spec/vectors/invalid."""
+    import json
+    base = os.path.join(VECTORS, case, "checkpoint")
+    url = f"memory://jax-vectors/{case}"
+    store, key = storage.locate(url)
+    for d, _dirs, files in os.walk(base):
+        for f in files:
+            rel = os.path.relpath(os.path.join(d, f), base).replace(os.sep, "/")
+            with open(os.path.join(d, f), "rb") as fh:
+                store.put(f"{key}/{rel}", fh.read())
+    with open(os.path.join(VECTORS, case, "expected.json")) as f:
+        exp = json.load(f)
+    with pytest.raises(sj.ShardpointError) as e:
+        sj.load(url)
+    assert (type(e.value).__name__, e.value.spec_id) == (exp["error"], exp["spec_id"]), e.value
