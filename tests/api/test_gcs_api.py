@@ -35,10 +35,12 @@ def test_save_load_open_round_trip_on_gcs(gcs_env):
 
 
 def test_manager_on_gcs(gcs_env):
+    """Async saves, retention after each commit, metrics and resume on gs://."""
     root = gcs_env.url(gcs_env.fresh_prefix("mgr"))
-    with sp.CheckpointManager(root, max_to_keep=2) as mgr:
+    with sp.CheckpointManager(root, max_to_keep=2, async_save=True) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, state(step), metrics={"loss": 1.0 / step})
+        mgr.wait()                                  # the last save commits, then retention
         assert mgr.all_steps() == [2, 3] and mgr.metrics(3) == {"loss": 1.0 / 3}
     assert GcsStore.from_url(root).list_children() == ["step_00000002", "step_00000003"]
     assert same_bits(sp.CheckpointManager(root).load()["w"], state(3)["w"])
