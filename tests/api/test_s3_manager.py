@@ -92,7 +92,7 @@ def test_a_step_removed_under_a_load_fails_it_cleanly(s3_env):
 
     root = s3_env.url(s3_env.fresh_prefix("rm"))
     sp.CheckpointManager(root).save(1, state(1))
-    with pytest.raises(sp.ShardpointError):
+    with pytest.raises(sp.LoadFailedError, match="removed by another job"):
         sp.load(f"{root}/step_00000001", backend=RemovedAfterManifest())
     assert step_prefixes(root) == []
 
