@@ -55,6 +55,12 @@ def test_steps_retention_best_and_resume_on_s3(s3_env):
     assert all(verify_checkpoint(again.path(s)).ok for s in again.all_steps())
 
 
+def test_a_local_backend_with_an_s3_root_is_refused(s3_env):
+    from shardpoint_core.zarr import TensorStoreBackend
+    with pytest.raises(sp.InvalidOptionError, match="object store"):
+        sp.CheckpointManager(s3_env.url("run"), backend=TensorStoreBackend())
+
+
 def test_an_observer_leaves_live_saves_and_named_prefixes_alone(s3_env):
     """A save prefix that no marker names may be a save still running: an observer's manager
     leaves it while it is recent ([SP-COMMIT-15]); once old, the clean-up removes it, and

@@ -58,6 +58,12 @@ class StepRoot:
             if backend is None:
                 from shardpoint_core.zarr.object_backend import backend_for
                 backend = backend_for(self.root)
+            elif not callable(getattr(backend, "locate", None)) and committer is None:
+                from shardpoint_core.errors import InvalidOptionError
+                raise InvalidOptionError(
+                    f"{call}: {self.root!r} is on an object store, and backend="
+                    f"{type(backend).__name__} works on local paths; drop backend= (the "
+                    "object-store backend is used) or pass an ObjectStoreBackend")
             self.backend = backend
             committer = committer or backend.committer
         self.committer = committer
