@@ -26,26 +26,22 @@ def test_every_block_of_the_section_is_run_here():
     assert all(len(b.strip().splitlines()) <= 6 for b in BLOCKS)
 
 
-@pytest.mark.parametrize("which", [0, 1])
-def test_readme_s3_examples_run(s3_env, tmp_path, which):
+def test_readme_object_store_examples_run(s3_env, gcs_env, tmp_path):
+    """The three blocks in one fresh process (one torch import): S3 on moto, gs:// on the
+    emulator; each bucket name is the only change."""
     pytest.importorskip("boto3")
-    block = BLOCKS[which]
-    assert "s3://my-bucket/" in block
-    prefix = s3_env.fresh_prefix("readme")
-    run(block.replace("s3://my-bucket/", f"s3://{s3_env.bucket}/{prefix}/"), tmp_path)
+    assert "s3://my-bucket/" in BLOCKS[0] and "s3://my-bucket/" in BLOCKS[1]
+    assert "gs://my-bucket/" in BLOCKS[2]
+    s3p, gsp = s3_env.fresh_prefix("readme"), gcs_env.fresh_prefix("readme")
+    code = "\n".join(b.replace("s3://my-bucket/", f"s3://{s3_env.bucket}/{s3p}/{i}/")
+                     for i, b in enumerate(BLOCKS[:2]))      # each block a bucket of its own
+    code += "\n" + BLOCKS[2].replace("gs://my-bucket/", f"gs://{gcs_env.bucket}/{gsp}/")
+    run(code, tmp_path)
     keys = [o["Key"] for o in s3_env.client().list_objects_v2(
-        Bucket=s3_env.bucket, Prefix=prefix)["Contents"]]
-    want = "run/step_7" if which == 0 else "run/step_00000003"
-    assert f"{prefix}/{want}/manifest.msgpack" in keys
+        Bucket=s3_env.bucket, Prefix=s3p)["Contents"]]
+    assert f"{s3p}/0/run/step_7/manifest.msgpack" in keys
+    assert f"{s3p}/1/run/step_00000003/manifest.msgpack" in keys
     assert not any("step_00000001" in k for k in keys)       # retention removed step 1
-    assert os.listdir(tmp_path) == []                       # nothing written locally
-
-
-def test_readme_gcs_example_runs(gcs_env, tmp_path):
-    block = BLOCKS[2]
-    assert "gs://my-bucket/" in block
-    prefix = gcs_env.fresh_prefix("readme")
-    run(block.replace("gs://my-bucket/", f"gs://{gcs_env.bucket}/{prefix}/"), tmp_path)
     from shardpoint_core.store.gcs import GcsStore
-    assert GcsStore.from_url(gcs_env.url(prefix)).head("run/step_1/manifest.msgpack")
-    assert os.listdir(tmp_path) == []
+    assert GcsStore.from_url(gcs_env.url(gsp)).head("run/step_1/manifest.msgpack")
+    assert os.listdir(tmp_path) == []                        # nothing written locally
