@@ -229,7 +229,10 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
     ``overwrite=True`` replaces a finished output of the target format at ``dst`` (or an
     empty directory); ``"any"`` also another directory, deleting what it holds; a file that
     is not such an output, a directory of checkpoints and a ``dst`` holding ``src`` are never
-    replaced."""
+    replaced. An object-store ``dst`` (``s3://``, ``gs://``) takes shardpoint output, written
+    and published like ``sp.save`` (format.md 9.1): ``overwrite`` replaces a committed
+    checkpoint only, never objects that are not one ([SP-COMMIT-13]); ``backend`` then serves
+    the source only."""
     t0 = time.perf_counter()
     from shardpoint_core.store.registry import check_path, is_local, local_path
     if is_local(dst):
@@ -245,14 +248,13 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
             raise ConversionError("source and destination are the same path")
         if on_open:
             on_open(s)
-        if not is_local(dst) and str(src).rstrip("/") == dst.rstrip("/"):
-            raise ConversionError("source and destination are the same path")
         rep = ConvertReport(str(src), str(dst), s.format, fmt, len(s.tensors), s.total_bytes,
                             len(s.values), len(s.objects), list(s.skipped), procs=procs)
         try:
             rep.skipped += write(s, dst, fmt, overwrite=overwrite,
                                  max_shard_size=max_shard_size, progress=progress,
-                                 backend=backend if is_local(dst) else None, procs=procs, max_chunk_bytes=max_chunk_bytes,
+                                 backend=backend if is_local(dst) else None,  # URL: its own
+                                 procs=procs, max_chunk_bytes=max_chunk_bytes,
                                  worker_timeout=worker_timeout, skip_common=skip_common,
                                  worker_peaks=rep.worker_peak_bytes)
         except OSError as e:   # a full disk, a read-only one; not our own (also OSError) errors
