@@ -52,3 +52,11 @@ def test_steps_on_an_object_store():
 def test_unregistered_scheme_refused():
     with pytest.raises(UnsupportedStoreError):
         StepRoot("nostore://b/run")
+
+
+def test_local_root_with_its_own_committer(tmp_path):
+    from shardpoint_core.commit.posix import PosixCommitter
+    c = PosixCommitter()
+    root = StepRoot(str(tmp_path / "run"), local_committer=c)
+    assert root.committer is c and root.all_steps() == [] and root.clean_leftovers() == []
+    assert root.path(3) == str(tmp_path / "run" / "step_00000003")

@@ -40,14 +40,20 @@ from shardpoint_core.store.registry import check_path, is_local, local_path
 class StepRoot:
     """The steps below ``root`` (a local directory or an object-store URL). ``backend``: the
     storage backend saves and loads use (its committer removes steps); None picks the
-    default one for the root's kind. ``committer`` overrides the committer (the JAX front end
-    passes its own POSIX one)."""
+    default one for the root's kind. ``local_committer``: the committer of a local root
+    when not the backend's (the JAX front end passes its own ``PosixCommitter``); an
+    object-store root always uses its backend's.
 
-    def __init__(self, root: Any, *, backend: Any = None, committer: Any = None,
+    The JAX manager on an object store: ``StepRoot(root, local_committer=PosixCommitter())``
+    serves both kinds of root; ``path``/``all_steps``/``remove``/``clean_leftovers`` are all a
+    manager needs of its root besides saving and loading."""
+
+    def __init__(self, root: Any, *, backend: Any = None, local_committer: Any = None,
                  call: str = "CheckpointManager") -> None:
         self.local = is_local(root)
         if self.local:
             self.root = os.path.abspath(local_path(os.fspath(root), call))
+            committer = local_committer
             if committer is None:
                 from shardpoint_core.recovery import committer_of
                 committer = committer_of(backend)
@@ -58,14 +64,14 @@ class StepRoot:
             if backend is None:
                 from shardpoint_core.zarr.object_backend import backend_for
                 backend = backend_for(self.root)
-            elif not callable(getattr(backend, "locate", None)) and committer is None:
+            elif not callable(getattr(backend, "locate", None)):
                 from shardpoint_core.errors import InvalidOptionError
                 raise InvalidOptionError(
                     f"{call}: {self.root!r} is on an object store, and backend="
                     f"{type(backend).__name__} works on local paths; drop backend= (the "
                     "object-store backend is used) or pass an ObjectStoreBackend")
             self.backend = backend
-            committer = committer or backend.committer
+            committer = backend.committer
         self.committer = committer
 
     # -- reading (any process) ------------------------------------------------------------
