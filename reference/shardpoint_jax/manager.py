@@ -35,17 +35,16 @@ an observer job; constructing a manager never touches the directory.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 
-from shardpoint_core.commit.cleanup import (DEFAULT_MIN_AGE_S, clean_leftovers,
-                                            clean_object_leftovers)
+from shardpoint_core.commit.cleanup import DEFAULT_MIN_AGE_S
+from shardpoint_core.commit.steps import StepRoot
 from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.errors import ShardpointError as CoreError
-from shardpoint_core.policy import (Retention, check_metric, parse_step, policy_from_options,
+from shardpoint_core.policy import (Retention, check_metric, policy_from_options,
                                     ranked, retained, step_number)
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import AsyncSave
@@ -53,10 +52,8 @@ from shardpoint_jax.comm import Comm
 from shardpoint_jax.loading import load as spj_load
 from shardpoint_jax.saving import error_info, raise_info
 from shardpoint_jax.saving import save as spj_save
-from shardpoint_jax.storage import (MANIFEST, checkpoint_path, committer_at, join, locate,
-                                    read_manifest)
+from shardpoint_jax.storage import checkpoint_path, read_manifest
 from shardpoint_jax.values import pack, unpack
-from shardpoint_core.store.registry import is_local
 
 METRICS_KEY = "__metrics__"
 
@@ -90,13 +87,15 @@ class CheckpointManager:
         except CoreError as e:      # the core's InvalidOptionError, in this package's terms
             raise E.InvalidRequestError(str(e)) from None
         self.root = checkpoint_path(root, "CheckpointManager(root)")   # a path or a URL
-        self.local = is_local(self.root)
+        # Step paths, committed steps, removal and clean-up: the core's, shared with the torch
+        # manager; a local root through this manager's own POSIX committer (its lock rule).
         self.max_to_keep, self.keep_every, self.keep_best = max_to_keep, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = bool(async_save)
         self._pending: Optional[AsyncSave] = None
         self._metrics: dict = {}           # step -> metrics (a cache of the manifests)
-        self._committer = PosixCommitter()
+        self._steps = StepRoot(self.root, local_committer=PosixCommitter(),
+                               call="CheckpointManager(root)")
 
     # Leftovers of crashed saves younger than this are left alone: on an object store nothing
     # tells a crashed save from a running one ([SP-COMMIT-15]); on files, where no lock says.
@@ -105,29 +104,11 @@ class CheckpointManager:
     # ---------------------------------------------------------------- reading (any process)
     def path(self, step: int) -> str:
         """The location of ``step`` (it may not exist): a directory, or a URL."""
-        name = f"step_{_step_number(step):08d}"
-        return os.path.join(self.root, name) if self.local else f"{self.root}/{name}"
+        return self._steps.path(_step_number(step))
 
     def all_steps(self) -> list:
         """Committed steps, oldest first (incomplete ones are ignored)."""
-        if not self.local:
-            store, key = locate(self.root)
-            prefix = join(key) + "/" if join(key) else ""
-            out = set()
-            for info in store.list(prefix):      # <root>/step_N/manifest.msgpack: committed
-                name, _, rest = info.key[len(prefix):].partition("/")
-                n = parse_step(name)
-                if n is not None and rest == MANIFEST:
-                    out.add(n)
-            return sorted(out)
-        if not os.path.isdir(self.root):
-            return []
-        out = []
-        for name in os.listdir(self.root):
-            n = parse_step(name)
-            if n is not None and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
-                out.append(n)
-        return sorted(out)
+        return self._steps.all_steps()
 
     def latest_step(self) -> Optional[int]:
         """The newest committed step, or None."""
@@ -298,28 +279,19 @@ class CheckpointManager:
         keep = self.retained(steps)
         for s in steps:
             if s not in keep:
-                self._remove(self.path(s))
+                self._remove(s)
                 self._metrics.pop(s, None)
 
-    def _remove(self, path: str) -> None:
-        # Through the committer: on files locked, hidden by one atomic rename, then deleted;
-        # on object stores the marker deleted first, then the objects it named: either way a
-        # reader gets 'no checkpoint', never half a step; a step a live save holds stays.
-        if self.local:
-            self._committer.remove(path)
-        else:
-            committer, key = committer_at(path)
-            committer.remove(key)
+    def _remove(self, step: int) -> None:
+        # Through the committer (StepRoot.remove): a reader gets 'no checkpoint', never half
+        # a step; on files a step a live save holds stays.
+        self._steps.remove(step)
 
     def _clean_leftovers(self) -> None:
         """Remove what crashed saves left; restore a step whose overwrite crashed midway;
-        never what a live save holds (:mod:`shardpoint_core.commit.cleanup`)."""
-        owns = lambda n: parse_step(n) is not None   # noqa: E731
-        if self.local:
-            clean_leftovers(self._committer, self.root, owns, self.leftover_min_age_s)
-        else:
-            committer, key = committer_at(self.root)
-            clean_object_leftovers(committer, key, owns, self.leftover_min_age_s)
+        never what a live save holds (:meth:`shardpoint_core.commit.steps.StepRoot.
+        clean_leftovers`: the lock rule on files, the minimum age on object stores)."""
+        self._steps.clean_leftovers(self.leftover_min_age_s)
 
 
 def _step_number(step: Any) -> int:

@@ -68,30 +68,3 @@ def clean_leftovers(committer: PosixCommitter, root: str, owns: Callable[[str], 
                 log.warning("shardpoint: cannot clean up %r (%s); left as it is", full,
                             getattr(e, "strerror", None) or e)
     return done
-
-
-def clean_object_leftovers(committer, root: str, owns: Callable[[str], bool],
-                           min_age_s: float = DEFAULT_MIN_AGE_S) -> list:
-    """:func:`clean_leftovers` for an object store (``committer``: an
-    :class:`~shardpoint_core.commit.object_store.ObjectStoreCommitter`, ``root`` a key):
-    discard the save prefixes below ``root`` that no marker names, of targets whose name
-    ``owns`` accepts, whose newest object is at least ``min_age_s`` old. A store cannot tell
-    a crashed save from a running one ([SP-COMMIT-15]); the age is what keeps a live save
-    of another job safe. Store errors are logged and skipped, as on files."""
-    done: list = []
-    now = time.time()
-    try:
-        found = committer.leftovers(root)
-    except OSError as e:
-        log.warning("shardpoint: cannot list leftovers under %r (%s)", root, e)
-        return done
-    for lo in found:
-        name = lo.target.rstrip("/").rpartition("/")[2]
-        if not owns(name) or now - lo.newest_mtime < min_age_s:
-            continue
-        try:
-            if committer.discard(lo.path):
-                done.append(lo.path)
-        except OSError as e:
-            log.warning("shardpoint: cannot clean up %r (%s); left as it is", lo.path, e)
-    return done
