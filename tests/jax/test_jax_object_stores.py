@@ -162,3 +162,20 @@ def test_invalid_vectors_on_an_object_store_fail_as_on_files(case):
     with pytest.raises(sj.ShardpointError) as e:
         sj.load(url)
     assert (type(e.value).__name__, e.value.spec_id) == (exp["error"], exp["spec_id"]), e.value
+
+
+@pytest.mark.slow          # two JAX processes with 2 devices each: ~20 s on a loaded machine
+def test_two_processes_save_and_reload_on_s3(s3_env):
+    """Process 0 decides the save prefix and sends it as a URL; both write their blocks below
+    it, process 0 puts the marker; both load into another mesh from the store."""
+    import json
+    from shardpoint_jax.launch import run_processes
+    from test_jax_multiprocess import SAVE_LOAD
+    url = s3_env.url(s3_env.fresh_prefix("jaxmp") + "/step_1")
+    outs = run_processes(SAVE_LOAD.replace("PATH", repr(url)), 2, 2, timeout=300)
+    res = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    assert [r["rng"] for r in res] == [1, 0] and [r["grid"] for r in res] == ["cell0", "cell1"]
+    keys = _keys(url)
+    assert keys.count("manifest.msgpack") == 1
+    assert len({k.split("/")[0] for k in keys if k.startswith("save-")}) == 1
+    assert sum("/tensors/model/w/c/" in k for k in keys) == 4      # 2 x 2 blocks, once each
