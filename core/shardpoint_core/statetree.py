@@ -1,17 +1,20 @@
 """The checkpoint's tree as users see it: nested dicts, lists and tuples with typed leaves.
 
+``read_metadata(path).tree`` (``Manifest.tree``) is this tree: the state that was saved, its
+containers as they were (dict keys str or int, lists, tuples, empty ones included) and each
+leaf a :class:`TensorLeaf`, :class:`ObjectLeaf` or :class:`ValueLeaf` (``leaf.kind`` says
+which). :func:`iter_leaves` walks it, :func:`node_at` looks a path up.
+
 The manifest stores the tree in its wire encoding (``{"dict": [[k, node]]}``, ``{"list":
-[...]}``, leaves ``{"tensor": key}`` / ``{"object": key}`` / ``{"value": v}``, [SP-MAN-4]);
-:func:`typed_tree` (``Manifest.state_tree``) turns it into the tree of the state that was
-saved, each leaf a :class:`TensorLeaf`, :class:`ObjectLeaf` or :class:`ValueLeaf`, and
-:func:`wire_tree` back.
-Readers (lazy open, the CLI, converters, loads without ``like``) walk this tree instead of
-the encoding. Pure: no I/O; neither torch nor JAX.
+[...]}``, leaves ``{"tensor": key}`` / ``{"object": key}`` / ``{"value": v}``, [SP-MAN-4];
+``Manifest.wire_tree``): :func:`typed_tree` turns it into the typed tree and
+:func:`wire_tree` back. Only writers, the codec and the planner (which merges the ranks'
+trees) handle the encoding. Pure: no I/O; neither torch nor JAX.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, ClassVar, Iterator, Optional, Sequence, Union
 
 from shardpoint_core.keys import encode_key
 
@@ -24,6 +27,7 @@ class TensorLeaf:
 
     entry: Any            # the manifest's TensorEntry
     origin: str = "torch"
+    kind: ClassVar[str] = "tensor"
 
     @property
     def key(self) -> str:
@@ -48,6 +52,7 @@ class ObjectLeaf:
 
     key: str
     values: Sequence      # the manifest's ObjectValues
+    kind: ClassVar[str] = "object"
 
     @property
     def grid(self) -> tuple:
@@ -64,6 +69,7 @@ class ValueLeaf:
 
     key: str
     value: Any
+    kind: ClassVar[str] = "value"
 
 
 Leaf = Union[TensorLeaf, ObjectLeaf, ValueLeaf]
@@ -88,7 +94,7 @@ def typed_tree(wire: dict, tensors: dict, objects: dict, path: tuple = ()) -> An
 
 
 def wire_tree(tree: Any) -> dict:
-    """The wire encoding of a typed tree (the inverse of :func:`state_tree`'s tree)."""
+    """The wire encoding of a typed tree (the inverse of :func:`typed_tree`)."""
     if isinstance(tree, dict):
         return {"dict": [[k, wire_tree(v)] for k, v in tree.items()]}
     if isinstance(tree, list):
@@ -113,3 +119,20 @@ def iter_leaves(tree: Any, path: tuple = ()) -> Iterator[tuple]:
             yield from iter_leaves(v, path + (i,))
     else:
         yield path, tree
+
+
+def node_at(tree: Any, path: Sequence) -> Optional[Any]:
+    """The node of a typed tree at ``path`` (dict keys and list/tuple indices): a container
+    or a leaf, or None when the tree has nothing there."""
+    node = tree
+    for c in path:
+        if isinstance(node, dict):
+            node = node.get(c)
+        elif (isinstance(node, (list, tuple)) and isinstance(c, int)
+              and not isinstance(c, bool) and 0 <= c < len(node)):
+            node = node[c]
+        else:
+            return None
+        if node is None:
+            return None
+    return node

@@ -2,7 +2,9 @@
 (``shardpoint_core``: errors, keys, dtypes, values, the manifest codec, coverage rules).
 
 ``save(path, pytree, *, overwrite=False, async_save=False)`` and ``load(path, target=None)``;
-every process of a multi-process job calls both. ``CheckpointManager(root, ...)`` keeps
+every process of a multi-process job calls both. ``read_metadata(path).tree`` is the saved
+tree with typed leaves (``TensorLeaf``, ``ObjectLeaf``, ``ValueLeaf``; walk it with
+``iter_leaves``). ``CheckpointManager(root, ...)`` keeps
 numbered steps with retention and resume, in the PyTorch front end's directory layout.
 Imports neither torch nor the PyTorch front end (``shardpoint``)."""
 from shardpoint_jax.errors import (CheckpointExistsError, CheckpointNotFoundError,
@@ -16,10 +18,13 @@ from shardpoint_jax.loading import load
 from shardpoint_jax.manager import CheckpointManager
 from shardpoint_jax.saving import save
 from shardpoint_jax.tree import ShardedObject
+from shardpoint_jax.storage import read_manifest as read_metadata
+from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves, node_at
 
 __version__ = "0.1.0"
 __all__ = ["save", "load", "AsyncSave", "CheckpointManager", "ShardedObject", "ShardpointError",
            "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
            "InvalidKeyError", "InvalidOptionError", "InvalidRequestError", "InvalidShardingError",
            "LayoutMismatchError", "ResourceLimitError", "SaveFailedError", "UnsupportedFormatError",
-           "UnsupportedValueError"]
+           "UnsupportedValueError", "read_metadata", "TensorLeaf", "ObjectLeaf", "ValueLeaf",
+           "iter_leaves", "node_at"]

@@ -42,9 +42,9 @@ from typing import Any, Optional
 from shardpoint import api
 from shardpoint_core import errors
 from shardpoint.exchange.comm import Comm, agree
-from shardpoint.tree.model import iter_tree_leaves
 from shardpoint_core.store.registry import local_path
 from shardpoint_core.commit.cleanup import clean_leftovers
+from shardpoint_core.statetree import ValueLeaf, node_at
 from shardpoint_core.policy import (Retention, check_metric, parse_step, policy_from_options,
                                     ranked, retained, step_name)
 from shardpoint_core.recovery import committer_of
@@ -119,9 +119,9 @@ class CheckpointManager:
     def metrics(self, step: int) -> dict:
         """The metrics saved with ``step`` (empty when none were given)."""
         if step not in self._metrics:
-            m = api.read_metadata(self.path(step))
-            self._metrics[step] = {p[1]: n["value"] for p, n in iter_tree_leaves(m.tree)
-                                   if len(p) == 2 and p[0] == METRICS_KEY and "value" in n}
+            node = node_at(api.read_metadata(self.path(step)).tree, (METRICS_KEY,))
+            self._metrics[step] = {k: n.value for k, n in node.items()
+                                   if isinstance(n, ValueLeaf)} if isinstance(node, dict) else {}
         return dict(self._metrics[step])
 
     def best_step(self) -> Optional[int]:
