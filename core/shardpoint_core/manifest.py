@@ -425,7 +425,8 @@ def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
 
 
 def read_metadata(path: str, *, backend: Any = None) -> Manifest:
-    """The checkpoint's manifest: tree, keys, shapes, dtypes, chunk grids, format version."""
+    """The checkpoint's manifest, no tensor bytes read: ``.tree`` (the saved tree, typed
+    leaves: :mod:`shardpoint_core.statetree`), keys, shapes, dtypes, chunk grids, version."""
     from shardpoint_core.zarr.object_backend import resolve
     path, be = resolve(path, backend, "read_metadata")
     return decode_manifest(be.read_manifest(path))

@@ -22,11 +22,13 @@ from shardpoint_core.keys import encode_key
 @dataclass(frozen=True)
 class TensorLeaf:
     """A tensor of the checkpoint: its manifest entry (shape, dtype, chunk grid, array
-    path) and what it was saved from (``origin``: ``"torch"``, or ``"numpy"`` for a numpy
-    array, which a load without ``like`` hands back as numpy)."""
+    path) and what it was saved from, as the manifest says ([SP-MAN-6]): ``origin`` None for
+    the saving framework's own tensor type (a torch.Tensor from ``shardpoint``, a jax.Array
+    from ``shardpoint_jax``), ``"numpy"`` for a numpy array (a load without ``like`` hands it
+    back as numpy), ``"torch"`` for a torch tensor saved by another framework."""
 
     entry: Any            # the manifest's TensorEntry
-    origin: str = "torch"
+    origin: Optional[str] = None
     kind: ClassVar[str] = "tensor"
 
     @property
@@ -87,7 +89,7 @@ def typed_tree(wire: dict, tensors: dict, objects: dict, path: tuple = ()) -> An
         return tuple(typed_tree(v, tensors, objects, path + (i,))
                      for i, v in enumerate(wire["tuple"]))
     if "tensor" in wire:
-        return TensorLeaf(tensors[wire["tensor"]], wire.get("origin", "torch"))
+        return TensorLeaf(tensors[wire["tensor"]], wire.get("origin"))
     if "object" in wire:
         return ObjectLeaf(wire["object"], objects[wire["object"]])
     return ValueLeaf(encode_key(path), wire["value"])
@@ -102,7 +104,7 @@ def wire_tree(tree: Any) -> dict:
     if isinstance(tree, tuple):
         return {"tuple": [wire_tree(v) for v in tree]}
     if isinstance(tree, TensorLeaf):
-        return ({"tensor": tree.key, "origin": tree.origin} if tree.origin != "torch"
+        return ({"tensor": tree.key, "origin": tree.origin} if tree.origin is not None
                 else {"tensor": tree.key})
     if isinstance(tree, ObjectLeaf):
         return {"object": tree.key}

@@ -35,7 +35,7 @@ KEYS = st.one_of(st.integers(-3, 40),
                  st.text("abAB_.~%-/ 09\u00fc", min_size=1, max_size=4).filter(_key_ok))
 VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1),
                    st.floats(allow_nan=False), st.text(max_size=4), st.binary(max_size=4))
-LEAVES = st.one_of(st.sampled_from([("tensor", None), ("tensor", "numpy")]),
+LEAVES = st.one_of(st.sampled_from([("tensor", None), ("tensor", "numpy"), ("tensor", "torch")]),
                    st.integers(1, 3).map(lambda n: ("object", n)),
                    VALUES.map(lambda v: ("value", v)))
 
@@ -96,13 +96,15 @@ def test_typed_tree_is_built_once_and_follows_a_new_wire_tree():
     assert "_typed" not in repr(m) and m == Manifest(m.wire_tree, {"w": e}, {})
 
 
-def test_an_explicit_torch_origin_reads_as_the_default():
-    """[SP-MAN-6]: ``origin`` absent and ``"torch"`` mean the same; the writers omit it."""
-    e = TensorEntry("w", "tensors/w", (1,), "uint8", (1,))
-    m = decode_manifest(encode_manifest(
-        Manifest({"dict": [["w", {"tensor": "w", "origin": "torch"}]]}, {"w": e}, {})))
-    assert m.tree["w"].origin == "torch"
-    assert wire_tree(m.tree) == {"dict": [["w", {"tensor": "w"}]]}
+def test_origin_is_what_the_manifest_says():
+    """[SP-MAN-6]: absent (the saving framework's own tensor type), "torch" and "numpy" are
+    three different hints; the typed tree keeps each."""
+    es = {k: TensorEntry(k, f"tensors/{k}", (1,), "uint8", (1,)) for k in "abc"}
+    wire = {"dict": [["a", {"tensor": "a"}], ["b", {"tensor": "b", "origin": "torch"}],
+                     ["c", {"tensor": "c", "origin": "numpy"}]]}
+    m = decode_manifest(encode_manifest(Manifest(wire, es, {})))
+    assert [m.tree[k].origin for k in "abc"] == [None, "torch", "numpy"]
+    assert wire_tree(m.tree) == wire
 
 
 def test_node_at_finds_containers_and_leaves_and_nothing_else():

@@ -25,7 +25,7 @@ def test_metadata_tree_is_the_saved_tree_with_typed_leaves(tmp_ckpt):
     w, n = t["model"]["w"], t["model"]["n"]
     assert isinstance(w, TensorLeaf) and (w.key, w.shape, w.dtype) == ("model/w", (2, 3),
                                                                        "float32")
-    assert w.origin == "torch" and n.origin == "numpy" and n.dtype == "int16"
+    assert w.origin is None and n.origin == "numpy" and n.dtype == "int16"   # [SP-MAN-6]
     assert w.nbytes == 24 and w.entry is m.tensors["model/w"]
     assert isinstance(t["sched"], list) and isinstance(t["sched"][1], tuple)
     assert t["sched"][1][1] == ValueLeaf("sched/1/1", "x")
@@ -67,9 +67,9 @@ def _expected_skeleton(x, path=()):
     if isinstance(x, sp.ShardedPieces):
         x = x.pieces[0]
     if isinstance(x, sp.ShardedTensor):
-        return ("tensor", tuple(x.global_shape), dtypes.from_torch(x.data.dtype).name, "torch")
+        return ("tensor", tuple(x.global_shape), dtypes.from_torch(x.data.dtype).name, None)
     if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), dtypes.from_torch(x.dtype).name, "torch")
+        return ("tensor", tuple(x.shape), dtypes.from_torch(x.dtype).name, None)
     if isinstance(x, np.ndarray):
         return ("tensor", x.shape, dtypes.from_numpy(x.dtype).name, "numpy")
     if isinstance(x, sp.ShardedObject):
