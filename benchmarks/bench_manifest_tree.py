@@ -6,10 +6,12 @@ values, encodes it once, then times, interleaved over ``--repeat`` rounds: decod
 (``decode_manifest``, what ``read_metadata`` does after the read), decoding it and building
 its typed tree (``Manifest.state_tree``, an alias of ``tree`` since the typed tree became
 public), and walking every leaf of that tree (``iter_leaves``). Medians (min-max). Uses only
-APIs that exist before and after the switch, so it runs against either checkout:
+APIs that exist before and after the switch, so it runs against either checkout (interleave
+processes of the two for an A/B); ``--clock cpu`` times this process's CPU seconds, steadier
+than wall time on a shared machine:
 
     PYTHONPATH=core python benchmarks/bench_manifest_tree.py
-    PYTHONPATH=core python benchmarks/bench_manifest_tree.py --keys 400000
+    PYTHONPATH=core python benchmarks/bench_manifest_tree.py --keys 400000 --clock cpu
 """
 from __future__ import annotations
 
@@ -51,7 +53,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--keys", type=int, default=100_000)
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     a = ap.parse_args()
+    clock = time.perf_counter if a.clock == "wall" else time.process_time
     data = build(a.keys)
     steps = {
         "decode_manifest": lambda: decode_manifest(data),
@@ -63,11 +67,11 @@ def main() -> None:
     for _ in range(a.repeat):          # interleaved rounds
         for name, f in steps.items():
             gc.collect()
-            t0 = time.perf_counter()
+            t0 = clock()
             f()
-            times[name].append(time.perf_counter() - t0)
-    print(f"manifest of {a.keys:,} tensors + 16 values: {len(data) / 1e6:.1f} MB; medians of "
-          f"{a.repeat} interleaved rounds (min-max)")
+            times[name].append(clock() - t0)
+    print(f"manifest of {a.keys:,} tensors + 16 values: {len(data) / 1e6:.1f} MB; {a.clock} "
+          f"seconds, medians of {a.repeat} interleaved rounds (min-max)")
     for name, xs in times.items():
         print(f"  {name:22s} {statistics.median(xs):7.3f} s ({min(xs):.3f}-{max(xs):.3f})")
 
