@@ -4,8 +4,9 @@
 ``save(path, pytree, *, overwrite=False, async_save=False)`` and ``load(path, target=None)``;
 every process of a multi-process job calls both; a path is local (plain or ``file://``) or the
 URL of a registered store (``s3://bucket/run/step_5``, ``memory://name/...``).
-``CheckpointManager(root, ...)`` keeps numbered steps with retention and resume, in the
-PyTorch front end's layout.
+``read_metadata(path).tree`` is the saved tree with typed leaves (``TensorLeaf``,
+``ObjectLeaf``, ``ValueLeaf``; walk it with ``iter_leaves``). ``CheckpointManager(root, ...)``
+keeps numbered steps with retention and resume, in the PyTorch front end's layout.
 Imports neither torch nor the PyTorch front end (``shardpoint``)."""
 from shardpoint_jax.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                    CorruptCheckpointError, IncompleteCheckpointError,
@@ -20,6 +21,8 @@ from shardpoint_jax.loading import load
 from shardpoint_jax.manager import CheckpointManager
 from shardpoint_jax.saving import save
 from shardpoint_jax.tree import ShardedObject
+from shardpoint_jax.storage import read_manifest as read_metadata
+from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves, node_at
 
 __version__ = "0.1.0"
 __all__ = ["save", "load", "AsyncSave", "CheckpointManager", "ShardedObject", "ShardpointError",
@@ -27,4 +30,5 @@ __all__ = ["save", "load", "AsyncSave", "CheckpointManager", "ShardedObject", "S
            "InvalidKeyError", "InvalidOptionError", "InvalidRequestError", "InvalidShardingError",
            "LayoutMismatchError", "ResourceLimitError", "SaveFailedError", "StoreAccessDeniedError",
            "StoreNotFoundError", "StoreUnavailableError", "UnsupportedFormatError",
-           "UnsupportedStoreError", "UnsupportedValueError"]
+           "UnsupportedStoreError", "UnsupportedValueError", "read_metadata", "TensorLeaf",
+           "ObjectLeaf", "ValueLeaf", "iter_leaves", "node_at"]

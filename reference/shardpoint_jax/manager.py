@@ -46,6 +46,7 @@ from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.errors import ShardpointError as CoreError
 from shardpoint_core.policy import (Retention, check_metric, policy_from_options,
                                     ranked, retained, step_number)
+from shardpoint_core.statetree import ValueLeaf, node_at
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.comm import Comm
@@ -119,10 +120,9 @@ class CheckpointManager:
         """The metrics saved with ``step`` (empty when none were given); reads the manifest
         only."""
         if step not in self._metrics:
-            tree = dict(read_manifest(self.path(step)).tree.get("dict", []))
-            node = tree.get(METRICS_KEY, {})
-            self._metrics[step] = {k: n["value"] for k, n in node.get("dict", [])
-                                   if isinstance(n, dict) and "value" in n}
+            node = node_at(read_manifest(self.path(step)).tree, (METRICS_KEY,))
+            self._metrics[step] = {k: n.value for k, n in node.items()
+                                   if isinstance(n, ValueLeaf)} if isinstance(node, dict) else {}
         return dict(self._metrics[step])
 
     def best_step(self) -> Optional[int]:

@@ -116,7 +116,7 @@ def test_of_two_commits_to_one_target_one_wins(strict_env):
     def stage(token, label):
         staging = plain.begin("ck", token)
         store.put(f"{staging}/tensors/w/c/0", label.encode())
-        m = Manifest(tree={"dict": [["w", {"tensor": "w"}]]}, objects={},
+        m = Manifest(wire_tree={"dict": [["w", {"tensor": "w"}]]}, objects={},
                      tensors={"w": TensorEntry("w", "tensors/w", (1,), "uint8", (1,))})
         store.put(f"{staging}/manifest.msgpack", encode_manifest(m))
         return staging

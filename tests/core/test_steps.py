@@ -21,7 +21,7 @@ def commit_step(store, step, token):
     staging = c.begin(target, token)
     store.put(f"{staging}/tensors/w/zarr.json", b"{}")
     store.put(f"{staging}/tensors/w/c/0", b"x")
-    m = Manifest(tree={"dict": [["w", {"tensor": "w"}]]}, objects={},
+    m = Manifest(wire_tree={"dict": [["w", {"tensor": "w"}]]}, objects={},
                  tensors={"w": TensorEntry("w", "tensors/w", (1,), "uint8", (1,))})
     store.put(f"{staging}/manifest.msgpack", encode_manifest(m))
     c.publish(staging, target, overwrite=False)

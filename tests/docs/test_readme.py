@@ -85,6 +85,14 @@ def test_checkpointer_example_runs(tmp_path):
     assert "(4, 4) float32 (4, 4)" in r.stdout
 
 
+def test_read_metadata_example_walks_the_typed_tree(tmp_path):
+    r = run_python(next(b for b in BLOCKS if 'read_metadata("ckpt/meta").tree' in b), tmp_path)
+    lines = r.stdout.splitlines()
+    assert lines[0] == "model/w (2, 3) float32 (2, 3) numpy"
+    assert lines[1:] == ["model/w tensor", "model/n tensor", "sched/0 value", "sched/1/0 value",
+                         "sched/1/1 value", "rng object", "step value"]
+
+
 def test_tuning_example_runs(tmp_path):
     """The I/O tuning block: a configured backend and load options, a real round trip."""
     run_python(next(b for b in BLOCKS if "TensorStoreBackend(" in b), tmp_path)

@@ -47,9 +47,9 @@ from typing import Any, Optional
 from shardpoint import api
 from shardpoint_core import errors
 from shardpoint.exchange.comm import Comm, agree
-from shardpoint.tree.model import iter_tree_leaves
 from shardpoint_core.commit.steps import StepRoot
 from shardpoint_core.policy import Retention, check_metric, policy_from_options, ranked, retained
+from shardpoint_core.statetree import ValueLeaf, node_at
 from shardpoint_core.storage import StorageBackend
 
 METRICS_KEY = "__metrics__"
@@ -115,9 +115,9 @@ class CheckpointManager:
     def metrics(self, step: int) -> dict:
         """The metrics saved with ``step`` (empty when none were given)."""
         if step not in self._metrics:
-            m = api.read_metadata(self.path(step))
-            self._metrics[step] = {p[1]: n["value"] for p, n in iter_tree_leaves(m.tree)
-                                   if len(p) == 2 and p[0] == METRICS_KEY and "value" in n}
+            node = node_at(api.read_metadata(self.path(step)).tree, (METRICS_KEY,))
+            self._metrics[step] = {k: n.value for k, n in node.items()
+                                   if isinstance(n, ValueLeaf)} if isinstance(node, dict) else {}
         return dict(self._metrics[step])
 
     def best_step(self) -> Optional[int]:

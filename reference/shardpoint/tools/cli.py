@@ -70,7 +70,7 @@ def _chunks(e) -> int:
 def _tree_rows(m) -> list:
     """(indented name, kind, shape/value, size, chunk grid, where) for every tree node."""
     rows: list = []
-    _add_rows(rows, m.state_tree, "", 0)
+    _add_rows(rows, m.tree, "", 0)
     return rows
 
 
@@ -120,7 +120,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                                "bytes": e.nbytes} for k, e in m.tensors.items()},
                "objects": {k: {"count": len(v), "values": _jsonable(v)}
                            for k, v in m.objects.items()},
-               "values": {v.key: _jsonable(v.value) for _p, v in iter_leaves(m.state_tree)
+               "values": {v.key: _jsonable(v.value) for _p, v in iter_leaves(m.tree)
                           if isinstance(v, ValueLeaf)}}
         print(json.dumps(out, indent=2))
         return 0
@@ -134,7 +134,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     total = width() if sys.stdout.isatty() else 1 << 30
     for line in fit_table(rows, total, shrink=(2, 5, 4), keep_end=(5,)):
         print(line)
-    nvals = sum(1 for _p, v in iter_leaves(m.state_tree) if isinstance(v, ValueLeaf))
+    nvals = sum(1 for _p, v in iter_leaves(m.tree) if isinstance(v, ValueLeaf))
     print(f"total: {len(m.tensors)} tensors, {_fmt_bytes(total)} in {chunks} chunks; "
           f"{len(m.objects)} sharded objects; {nvals} values")
     return 0

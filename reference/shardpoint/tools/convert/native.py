@@ -43,7 +43,7 @@ class ShardpointSource(Source):
         self.manifest = decode_manifest(self.backend.read_manifest(self.path))
         self._handles: dict = {}
         self._entries: dict = {}
-        for path, leaf in _leaves(self.manifest.state_tree, ()):
+        for path, leaf in _leaves(self.manifest.tree, ()):
             if isinstance(leaf, TensorLeaf):
                 e = leaf.entry
                 t = TensorInfo(tuple(path), tuple(e.shape), dtypes.from_name(e.dtype).torch)
