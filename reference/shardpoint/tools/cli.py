@@ -267,8 +267,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _PATH_ARGS = ("path", "src", "dst", "a", "b", "dir")
-# commands that take s3://... checkpoints too (convert: as its source; writing converted
-# checkpoints to an object store is not supported yet and refused, never written locally)
+# commands that take s3://... checkpoints too (convert: as its source, and as its destination
+# for shardpoint output, published by the object-store commit like sp.save)
 _URL_COMMANDS = ("inspect", "verify", "recover", "diff", "convert")
 
 
@@ -283,8 +283,7 @@ def main(argv: Optional[list] = None) -> int:
     try:
         for name in _PATH_ARGS:        # a URL nobody registered is never a local path
             v = getattr(a, name, None)
-            if isinstance(v, str) and (is_local(v) or a.cmd not in _URL_COMMANDS
-                                       or (a.cmd, name) == ("convert", "dst")):
+            if isinstance(v, str) and (is_local(v) or a.cmd not in _URL_COMMANDS):
                 setattr(a, name, local_path(v, f"shardpoint {a.cmd}"))
             elif isinstance(v, str):
                 check_path(v, f"shardpoint {a.cmd}")      # s3://...: kept as a URL
