@@ -40,3 +40,23 @@ def s3_env(s3_server, monkeypatch):
               "AWS_SHARED_CREDENTIALS_FILE"):
         monkeypatch.delenv(k, raising=False)
     return s3_server
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """One local GCS emulator (gcp-storage-emulator, on loopback) for the whole session; tests
+    share its bucket and keep apart by ``gcs_server.fresh_prefix()``. Skips where the emulator
+    or the client (the ``gcs`` extra) is not installed."""
+    pytest.importorskip("gcp_storage_emulator")
+    pytest.importorskip("google.cloud.storage")
+    from shardpoint_testing.gcs import GcsServer
+    with GcsServer() as server:
+        yield server
+
+
+@pytest.fixture
+def gcs_env(gcs_server, monkeypatch):
+    """The environment pointing gs:// stores at the session's emulator (children inherit it)."""
+    for k, v in gcs_server.env().items():
+        monkeypatch.setenv(k, v)
+    return gcs_server

@@ -45,7 +45,7 @@ print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     path = line.strip()
     out = {}
-    for name, fn in (("read_metadata", lambda: sp.read_metadata(path)),
+    for name, fn in (("read_metadata", lambda: sp.read_metadata(path).tree),
                      ("load", lambda: sp.load(path)),
                      ("verify", lambda: verify_checkpoint(path).spec_ids)):
         try:

@@ -83,27 +83,27 @@ def _expected(path: str) -> dict:
     import shardpoint as sp
     from shardpoint.tree import dtypes
     from shardpoint_core.keys import encode_key
+    from shardpoint_core.statetree import ObjectLeaf, TensorLeaf
     m = sp.read_metadata(path)
     state = sp.load(path)
     out = {"format_version": list(m.format_version), "tensors": {}, "values": {},
            "objects": {}}
 
-    def walk(node, obj, path):
+    def walk(node, obj, path):    # node: the typed tree (Manifest.tree)
         for kind, typ in (("dict", dict), ("list", list), ("tuple", tuple)):
-            if kind in node:
+            if type(node) is typ:
                 if type(obj) is not typ:
                     raise AssertionError(f"{path}: loaded {type(obj).__name__}, tree has {kind}")
-                items = node[kind]
                 if kind == "dict":
-                    if list(obj) != [k for k, _ in items]:
-                        raise AssertionError(f"{path}: keys {list(obj)} != {items}")
-                    return {kind: [[k, walk(n, obj[k], path + (k,))] for k, n in items]}
-                if len(obj) != len(items):
-                    raise AssertionError(f"{path}: length {len(obj)} != {len(items)}")
-                return {kind: [walk(n, obj[i], path + (i,)) for i, n in enumerate(items)]}
+                    if list(obj) != list(node):
+                        raise AssertionError(f"{path}: keys {list(obj)} != {list(node)}")
+                    return {kind: [[k, walk(n, obj[k], path + (k,))] for k, n in node.items()]}
+                if len(obj) != len(node):
+                    raise AssertionError(f"{path}: length {len(obj)} != {len(node)}")
+                return {kind: [walk(n, obj[i], path + (i,)) for i, n in enumerate(node)]}
         key = encode_key(path)
-        if "tensor" in node:
-            want = np.ndarray if node.get("origin") == "numpy" else torch.Tensor
+        if isinstance(node, TensorLeaf):
+            want = np.ndarray if node.origin == "numpy" else torch.Tensor
             if not isinstance(obj, want):
                 raise AssertionError(f"{key}: loaded {type(obj).__name__}, not {want.__name__}")
             a = obj if isinstance(obj, np.ndarray) else dtypes.torch_to_numpy(obj.contiguous())
@@ -112,7 +112,7 @@ def _expected(path: str) -> dict:
             out["tensors"][key] = {"shape": list(a.shape), "dtype": dtypes.from_numpy(a.dtype).name,
                                    "sha256": hashlib.sha256(le.tobytes()).hexdigest()}
             return {"tensor": key}
-        if "object" in node:
+        if isinstance(node, ObjectLeaf):
             out["objects"][key] = [_jsonable(v) for v in obj]
             return {"object": key}
         out["values"][key] = _jsonable(obj)

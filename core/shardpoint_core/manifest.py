@@ -51,7 +51,8 @@ def object_grid(values: Sequence) -> tuple:
 
 
 def iter_tree_leaves(tree: Any, path: tuple = ()) -> Iterator[tuple]:
-    """Yield ``(path, node)`` for every leaf node of a structure built by :func:`flatten_state`."""
+    """Yield ``(path, node)`` for every leaf node of a tree in its wire encoding (a plan's,
+    or ``Manifest.wire_tree``); readers of a checkpoint walk ``Manifest.tree`` instead."""
     if "dict" in tree:
         for k, v in tree["dict"]:
             yield from iter_tree_leaves(v, path + (k,))
@@ -97,7 +98,11 @@ class TensorEntry:
 
 @dataclass
 class Manifest:
-    tree: Any
+    """A decoded manifest. ``tree`` is the saved state's tree as users see it (typed leaves,
+    :mod:`shardpoint_core.statetree`); ``wire_tree`` is the same tree in its wire encoding
+    (``{"dict": [[k, node]]}``, [SP-MAN-4]), what writers build and the codec stores."""
+
+    wire_tree: Any                     # the tree in its wire encoding ([SP-MAN-4])
     tensors: dict                      # key -> TensorEntry
     objects: dict                      # key -> ObjectValues (row-major grid order)
     format_version: tuple = FORMAT_VERSION
@@ -105,13 +110,25 @@ class Manifest:
     created_unix: float = 0.0
     save_world_size: int = 1
     extensions: dict = field(default_factory=dict)
+    _typed: Any = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def tree(self) -> Any:
+        """The tree of the saved state: nested dicts, lists and tuples whose leaves are
+        :class:`~shardpoint_core.statetree.TensorLeaf`, ``ObjectLeaf`` and ``ValueLeaf``;
+        walk it with :func:`~shardpoint_core.statetree.iter_leaves`. Built from
+        ``wire_tree`` on first use and kept (decoding stays one pass), rebuilt if
+        ``wire_tree`` is replaced."""
+        cached = self._typed
+        if cached is None or cached[0] is not self.wire_tree:
+            cached = self._typed = (self.wire_tree,
+                                    typed_tree(self.wire_tree, self.tensors, self.objects))
+        return cached[1]
 
     @property
     def state_tree(self) -> Any:
-        """The tree of the saved state: nested dicts, lists and tuples whose leaves are
-        :class:`~shardpoint_core.statetree.TensorLeaf`, ``ObjectLeaf`` and ``ValueLeaf``
-        (``tree`` is the same tree in its wire encoding, [SP-MAN-4])."""
-        return typed_tree(self.tree, self.tensors, self.objects)
+        """Alias of :attr:`tree` (its name before the typed tree became ``tree``)."""
+        return self.tree
 
 
 _WINDOWS_RESERVED = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])\Z", re.I)
@@ -163,7 +180,7 @@ def encode_manifest(m: Manifest) -> bytes:
         "writer": m.writer or f"shardpoint-py/{__version__}",
         "created_unix": m.created_unix or time.time(),
         "save_world_size": m.save_world_size,
-        "tree": m.tree,
+        "tree": m.wire_tree,
         "tensors": {k: {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
                         "chunk_shape": list(e.chunk_shape)} for k, e in m.tensors.items()},
         "objects": {k: _object_entry(v) for k, v in m.objects.items()},
@@ -407,13 +424,9 @@ def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
             raise _bad(f"{kind} entries {sorted(extra)[:5]} are not in the tree", "SP-MAN-4")
 
 
-def tree_leaves(m: Manifest):
-    """``(path, node)`` for every leaf of the manifest's tree."""
-    return iter_tree_leaves(m.tree)
-
-
 def read_metadata(path: str, *, backend: Any = None) -> Manifest:
-    """The checkpoint's manifest: tree, keys, shapes, dtypes, chunk grids, format version."""
+    """The checkpoint's manifest, no tensor bytes read: ``.tree`` (the saved tree, typed
+    leaves: :mod:`shardpoint_core.statetree`), keys, shapes, dtypes, chunk grids, version."""
     from shardpoint_core.zarr.object_backend import resolve
     path, be = resolve(path, backend, "read_metadata")
     return decode_manifest(be.read_manifest(path))

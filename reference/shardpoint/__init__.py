@@ -41,6 +41,8 @@ _LAZY = {
     "shardpoint.api.manager": ["CheckpointManager"],
     "shardpoint.tree.model": ["ShardedObject", "ShardedPieces", "ShardedTensor"],
     "shardpoint.planning.planner": ["PlanOptions"],
+    "shardpoint_core.statetree": ["TensorLeaf", "ObjectLeaf", "ValueLeaf", "iter_leaves",
+                                  "node_at"],
 }
 _WHERE = {name: mod for mod, names in _LAZY.items() for name in names}
 # Modules the README names by their short paths (sp.state, sp.convert, sp.verify, sp.errors).
@@ -83,5 +85,6 @@ __all__ = [
     "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
     "LoadFailedError", "RankLostError", "ResourceLimitError", "ConversionError",
     "InvalidOptionError", "UnsupportedStoreError", "register_store",
-    "recover", "RecoveryAction",
+    "recover", "RecoveryAction", "TensorLeaf", "ObjectLeaf", "ValueLeaf", "iter_leaves",
+    "node_at",
 ]

@@ -10,7 +10,9 @@ from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundErr
                                     InvalidOptionError, InvalidShardingError,
                                     LayoutMismatchError, LoadFailedError, RankLostError,
                                     ResourceLimitError, SaveFailedError, ShardpointError,
-                                    UnsupportedFormatError, UnsupportedValueError)
+                                    StoreAccessDeniedError, StoreNotFoundError,
+                                    StoreUnavailableError, UnsupportedFormatError,
+                                    UnsupportedStoreError, UnsupportedValueError)
 
 # The caller-error class of shardpoint_jax's first releases (a region outside an array, a bad
 # argument): the core's InvalidOptionError under its old name, so code catching it still does.
@@ -20,5 +22,6 @@ __all__ = ["ShardpointError", "CheckpointExistsError", "CheckpointNotFoundError"
            "ConversionError", "CorruptCheckpointError", "IncompleteCheckpointError",
            "InvalidKeyError", "InvalidOptionError", "InvalidRequestError",
            "InvalidShardingError", "LayoutMismatchError", "LoadFailedError", "RankLostError",
-           "ResourceLimitError", "SaveFailedError", "UnsupportedFormatError",
-           "UnsupportedValueError"]
+           "ResourceLimitError", "SaveFailedError", "StoreAccessDeniedError",
+           "StoreNotFoundError", "StoreUnavailableError", "UnsupportedFormatError",
+           "UnsupportedStoreError", "UnsupportedValueError"]

@@ -1,6 +1,7 @@
 """load(): read a checkpoint into a pytree (spec/format.md sections 10, 11). Each process
 reads only the regions its addressable devices need, from any saved layout, straight into
-the shard buffers (TensorStore with crc32c checks and strict missing-chunk reads)."""
+the shard buffers, from a local directory or any registered store (``s3://``, ``memory://``),
+by the core's reader rules (:mod:`.storage`)."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -9,20 +10,17 @@ import jax
 import numpy as np
 
 from shardpoint_core.errors import LayoutMismatchError
-from shardpoint_core.keys import encode_key
 from shardpoint_core.manifest import Manifest, TensorEntry
+from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves
 from shardpoint_jax.dtypes import numpy_dtype, numpy_of
-from shardpoint_jax.storage import PendingRead, StoredArray, checkpoint_path, read_manifest
+from shardpoint_core.store.registry import is_local
+from shardpoint_jax.storage import (OBJECTS, PendingRead, StoredArray, checkpoint_path,
+                                    read_manifest)
 from shardpoint_jax.tree import ShardedObject, walk
 
-# Bytes of reads started ahead of the one being handed to JAX: enough to keep TensorStore's
-# I/O threads and the disk busy, bounded so a load never holds much more than its result.
+# Bytes of reads started ahead of the one being handed to JAX: enough to keep the I/O
+# threads and the disk busy, bounded so a load never holds much more than its result.
 READ_AHEAD_BYTES = 256 << 20
-
-
-def node_kind(node: dict) -> str:
-    """The kind of a checked tree node (a tensor leaf may carry ``origin`` too, first or not)."""
-    return next(k for k in node if k != "origin")
 
 
 def entry_of(t: TensorEntry) -> dict:
@@ -33,28 +31,15 @@ def entry_of(t: TensorEntry) -> dict:
 
 class Checkpoint:
     """A checked manifest (the core's :class:`~shardpoint_core.manifest.Manifest`) and lazily
-    opened arrays of one checkpoint directory."""
+    opened arrays of one checkpoint (a directory, or a prefix on an object store)."""
 
     def __init__(self, path: str) -> None:
         self.path = checkpoint_path(path, "load(path, target)")
         self.manifest: Manifest = read_manifest(self.path)
-        self.leaves: dict = {}
-        self._index(self.manifest.tree, [])
+        # key -> TensorLeaf / ObjectLeaf / ValueLeaf of the typed tree
+        self.leaves: dict = {leaf.key: leaf for _p, leaf in iter_leaves(self.manifest.tree)}
         self._stores: dict = {}
         self.ahead: Optional[ReadAhead] = None
-
-    def _index(self, node: dict, path: list) -> None:
-        kind = node_kind(node)
-        if kind == "dict":
-            for k, n in node["dict"]:
-                self._index(n, path + [k])
-        elif kind in ("list", "tuple"):
-            for i, n in enumerate(node[kind]):
-                self._index(n, path + [i])
-        elif kind in ("tensor", "object"):
-            self.leaves[node[kind]] = node
-        else:
-            self.leaves[encode_key(path)] = node
 
     def array(self, key: str) -> StoredArray:
         if key not in self._stores:
@@ -75,22 +60,21 @@ class Checkpoint:
         return list(self.manifest.objects[key])
 
     # ---------------------------------------------------------------- whole tree
-    def whole(self, node: dict) -> Any:
-        kind = node_kind(node)
-        if kind == "dict":
-            return {k: self.whole(n) for k, n in node["dict"]}
-        if kind == "list":
-            return [self.whole(n) for n in node["list"]]
-        if kind == "tuple":
-            return tuple(self.whole(n) for n in node["tuple"])
-        if kind == "value":
-            return node["value"]
-        key = node[kind]
-        if kind == "object":
-            return self.manifest.objects[key].nested()   # [SP-OBJ-4]: nested for 2+ dims
-        t = self.manifest.tensors[key]
-        data = self.read(key, [0] * len(t.shape), t.shape)
-        if node.get("origin") == "numpy" or not exact_in_jax(data.dtype):
+    def whole(self, node: Any) -> Any:
+        """The typed tree ``node`` (``manifest.tree`` or part of it) with its leaves read."""
+        if isinstance(node, dict):
+            return {k: self.whole(n) for k, n in node.items()}
+        if isinstance(node, list):
+            return [self.whole(n) for n in node]
+        if isinstance(node, tuple):
+            return tuple(self.whole(n) for n in node)
+        if isinstance(node, ValueLeaf):
+            return node.value
+        if isinstance(node, ObjectLeaf):
+            return node.nested()   # [SP-OBJ-4]: nested for 2+ dims
+        t = node.entry
+        data = self.read(t.key, [0] * len(t.shape), t.shape)
+        if node.origin == "numpy" or not exact_in_jax(data.dtype):
             return data      # 64-bit dtypes without jax_enable_x64 stay numpy: never narrowed
         return jax.device_put(data)
 
@@ -102,11 +86,21 @@ class ReadAhead:
 
     def __init__(self, ck: Checkpoint, regions: list, window: int) -> None:
         self.ck, self.regions, self.window = ck, regions, window
-        for key in dict.fromkeys(r[0] for r in regions):
-            try:   # every array opening before any data read: it would wait behind them
-                ck.array(key)
-            except Exception:  # noqa: BLE001 - raised again where that array is read
-                pass
+        keys = list(dict.fromkeys(r[0] for r in regions))
+        if is_local(ck.path):
+            for key in keys:
+                try:   # every array opening before any data read: it would wait behind them
+                    ck.array(key)
+                except Exception:  # noqa: BLE001 - raised again where that array is read
+                    pass
+        else:          # on an object store each opening is requests: several in flight
+            opened = [OBJECTS.submit(StoredArray, ck.path, k,
+                                     entry_of(ck.manifest.tensors[k])) for k in keys]
+            for key, fut in zip(keys, opened):
+                try:
+                    ck._stores[key] = fut.result()
+                except Exception:  # noqa: BLE001 - raised again where that array is read
+                    pass
         self.pos: dict = {}
         for i, (key, off, shp, _out) in enumerate(regions):
             self.pos.setdefault((key, tuple(off), tuple(shp)), i)
@@ -166,14 +160,14 @@ def planned_regions(ck: Checkpoint, target: Any) -> list:
     tensors = ck.manifest.tensors
     if target is None:
         for key, node in ck.leaves.items():
-            if "tensor" in node:
+            if isinstance(node, TensorLeaf):
                 regions.append((key, [0] * len(tensors[key].shape), list(tensors[key].shape),
                                 None))
         return regions
 
     def visit(_path: tuple, key: str, leaf: Any) -> Any:
         t = tensors.get(key)
-        if t is None or "tensor" not in ck.leaves.get(key, {}) or not isinstance(
+        if t is None or not isinstance(ck.leaves.get(key), TensorLeaf) or not isinstance(
                 leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
             return leaf
         try:
@@ -237,7 +231,7 @@ def load_leaf(ck: Checkpoint, key: str, leaf: Any, strict: bool) -> Any:
             raise LayoutMismatchError(f"{key!r} is not in the checkpoint; load with "
                                       "strict=False to skip it", spec_id="SP-LOAD-1")
         return leaf
-    kind = node_kind(node)
+    kind = node.kind
     if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
         _expect(kind, "tensor", key)
         return load_array(ck, key, leaf)
@@ -252,7 +246,7 @@ def load_leaf(ck: Checkpoint, key: str, leaf: Any, strict: bool) -> Any:
         return ShardedObject(ck.object_values(key)[flat], leaf.index, leaf.shape,
                              leaf.replica_id)
     if kind == "value":
-        return node["value"]
+        return node.value
     hint = ("a ShardedObject(None, index, grid)" if kind == "object" else
             "a jax.ShapeDtypeStruct or an array")
     raise LayoutMismatchError(f"{key!r} is a {kind} in the checkpoint, the target asks for a "

@@ -2,10 +2,12 @@
 
 A layer over :func:`shardpoint_jax.save` / :func:`shardpoint_jax.load`, with the directory
 rules of the PyTorch reference's manager, so one root can be written by either and read by
-the other: one directory per step (``<root>/step_00000042``); only committed checkpoints (with
+the other: one directory per step (``<root>/step_00000042``; on an object store, ``root`` a
+URL such as ``s3://bucket/run``, one prefix per step); only committed checkpoints (with
 a manifest) count; metrics are plain values inside each step's checkpoint under the reserved
 top-level key ``"__metrics__"``. Leftovers of a crash (hidden ``.step_N.shardpoint-tmp-*``
-staging directories, step directories without a manifest) are ignored and cleaned by the next
+staging directories, step directories without a manifest; on object stores, save prefixes
+no manifest names, once ``leftover_min_age_s`` old) are ignored and cleaned by the next
 save or load; a ``.step_N.shardpoint-old-*`` directory left by a crash in the middle of an
 overwrite is put back when its step is missing, else removed.
 
@@ -33,26 +35,26 @@ an observer job; constructing a manager never touches the directory.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 
-from shardpoint_core.commit.cleanup import clean_leftovers
+from shardpoint_core.commit.cleanup import DEFAULT_MIN_AGE_S
+from shardpoint_core.commit.steps import StepRoot
 from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.errors import ShardpointError as CoreError
-from shardpoint_core.policy import (Retention, check_metric, parse_step, policy_from_options,
+from shardpoint_core.policy import (Retention, check_metric, policy_from_options,
                                     ranked, retained, step_number)
+from shardpoint_core.statetree import ValueLeaf, node_at
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.comm import Comm
 from shardpoint_jax.loading import load as spj_load
 from shardpoint_jax.saving import error_info, raise_info
 from shardpoint_jax.saving import save as spj_save
-from shardpoint_jax.storage import MANIFEST, read_manifest
+from shardpoint_jax.storage import checkpoint_path, read_manifest
 from shardpoint_jax.values import pack, unpack
-from shardpoint_core.store.registry import local_path
 
 METRICS_KEY = "__metrics__"
 
@@ -85,29 +87,29 @@ class CheckpointManager:
                 check_metric(best_metric, best_mode)
         except CoreError as e:      # the core's InvalidOptionError, in this package's terms
             raise E.InvalidRequestError(str(e)) from None
-        self.root = os.path.abspath(local_path(os.fspath(root), "CheckpointManager"))
+        self.root = checkpoint_path(root, "CheckpointManager(root)")   # a path or a URL
+        # Step paths, committed steps, removal and clean-up: the core's, shared with the torch
+        # manager; a local root through this manager's own POSIX committer (its lock rule).
         self.max_to_keep, self.keep_every, self.keep_best = max_to_keep, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = bool(async_save)
         self._pending: Optional[AsyncSave] = None
         self._metrics: dict = {}           # step -> metrics (a cache of the manifests)
-        self._committer = PosixCommitter()
+        self._steps = StepRoot(self.root, local_committer=PosixCommitter(),
+                               call="CheckpointManager(root)")
+
+    # Leftovers of crashed saves younger than this are left alone: on an object store nothing
+    # tells a crashed save from a running one ([SP-COMMIT-15]); on files, where no lock says.
+    leftover_min_age_s = DEFAULT_MIN_AGE_S
 
     # ---------------------------------------------------------------- reading (any process)
     def path(self, step: int) -> str:
-        """The directory of ``step`` (it may not exist)."""
-        return os.path.join(self.root, f"step_{_step_number(step):08d}")
+        """The location of ``step`` (it may not exist): a directory, or a URL."""
+        return self._steps.path(_step_number(step))
 
     def all_steps(self) -> list:
         """Committed steps, oldest first (incomplete ones are ignored)."""
-        if not os.path.isdir(self.root):
-            return []
-        out = []
-        for name in os.listdir(self.root):
-            n = parse_step(name)
-            if n is not None and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
-                out.append(n)
-        return sorted(out)
+        return self._steps.all_steps()
 
     def latest_step(self) -> Optional[int]:
         """The newest committed step, or None."""
@@ -118,10 +120,9 @@ class CheckpointManager:
         """The metrics saved with ``step`` (empty when none were given); reads the manifest
         only."""
         if step not in self._metrics:
-            tree = dict(read_manifest(self.path(step)).tree.get("dict", []))
-            node = tree.get(METRICS_KEY, {})
-            self._metrics[step] = {k: n["value"] for k, n in node.get("dict", [])
-                                   if isinstance(n, dict) and "value" in n}
+            node = node_at(read_manifest(self.path(step)).tree, (METRICS_KEY,))
+            self._metrics[step] = {k: n.value for k, n in node.items()
+                                   if isinstance(n, ValueLeaf)} if isinstance(node, dict) else {}
         return dict(self._metrics[step])
 
     def best_step(self) -> Optional[int]:
@@ -278,18 +279,19 @@ class CheckpointManager:
         keep = self.retained(steps)
         for s in steps:
             if s not in keep:
-                self._remove(self.path(s))
+                self._remove(s)
                 self._metrics.pop(s, None)
 
-    def _remove(self, path: str) -> None:
-        # Through the committer: locked, hidden by one atomic rename, then deleted, so a
-        # reader gets 'no checkpoint', never half a step; a step a live save holds stays.
-        self._committer.remove(path)
+    def _remove(self, step: int) -> None:
+        # Through the committer (StepRoot.remove): a reader gets 'no checkpoint', never half
+        # a step; on files a step a live save holds stays.
+        self._steps.remove(step)
 
     def _clean_leftovers(self) -> None:
         """Remove what crashed saves left; restore a step whose overwrite crashed midway;
-        never what a live save holds (:func:`shardpoint_core.commit.cleanup.clean_leftovers`)."""
-        clean_leftovers(self._committer, self.root, lambda n: parse_step(n) is not None)
+        never what a live save holds (:meth:`shardpoint_core.commit.steps.StepRoot.
+        clean_leftovers`: the lock rule on files, the minimum age on object stores)."""
+        self._steps.clean_leftovers(self.leftover_min_age_s)
 
 
 def _step_number(step: Any) -> int:

@@ -1,7 +1,8 @@
 """save(): the collective pipeline (spec/format.md sections 8, 9). Every process states its
 local plan (metadata only, msgpack); process 0 merges and checks them, picks grids, creates
-the staging directory and the arrays; each process writes the chunks of its replica-0 shards;
-when all are durable, process 0 writes the manifest and renames the staging directory."""
+the staging location and the arrays; each process writes the chunks of its replica-0 shards;
+when all are durable, process 0 writes the manifest and the core's committer publishes it
+(a rename on files, the manifest as commit marker on object stores, format.md 9 and 9.1)."""
 from __future__ import annotations
 
 import math
@@ -14,18 +15,17 @@ import jax
 import numpy as np
 
 from shardpoint_core import errors as core_errors
-from shardpoint_core.commit.posix import PosixCommitter
+from shardpoint_core.store.registry import is_local
 from shardpoint_core.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
                                       encode_manifest)
-from shardpoint_jax import direct
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import POOL, AsyncSave, wait_for_previous
 from shardpoint_jax.comm import Comm
 from shardpoint_jax.dtypes import name_of
 from shardpoint_jax.grid import chunk_shape, local_chunk_shape
-from shardpoint_jax.storage import (checkpoint_path, chunk_files, create_arrays,
-                                    make_durable, open_for_write, shard_inner,
-                                    write_region)
+from shardpoint_jax.storage import (ArrayWriter, checkpoint_path, committer_at,
+                                    create_arrays, make_durable, url_of,
+                                    write_manifest)
 from shardpoint_jax.tree import ShardedObject, is_array, tree_node
 from shardpoint_jax.values import check_value, is_scalar_value, pack, unpack
 
@@ -191,7 +191,8 @@ def raise_info(info: list, where: str) -> None:
 def save(path: str, tree: Any, *, overwrite: Union[bool, str] = False,
          async_save: bool = False) -> Optional[AsyncSave]:
     """Save ``tree`` (a pytree of jax.Arrays, numpy arrays, ShardedObjects and values) at
-    ``path``. Collective: every process of the job calls it with its own tree.
+    ``path``: a local path, or the URL of a registered store (``s3://bucket/run/step_5``,
+    ``memory://name/ck``). Collective: every process of the job calls it with its own tree.
 
     With ``async_save=True`` the call returns once the plan is agreed and this process holds
     data nobody can change (:mod:`.async_save`: CPU JAX arrays held as they are, numpy leaves
@@ -265,7 +266,7 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
             create_arrays(decision["staging"], [(e["array"], e["shape"], e["dtype"],
                                                  e["chunk_shape"])
                                                 for e in decision["tensors"].values()])
-        except Exception as e:  # noqa: BLE001 - TensorStore's errors are ValueErrors
+        except Exception as e:  # noqa: BLE001 - reported to every process
             e = E.SaveFailedError(f"creating the arrays under {decision['staging']!r} "
                                   f"failed: {_short(e)}")
             err, ready = err or e, pack(error_info(e))
@@ -294,7 +295,8 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
                 raise_info(failed[0], "write")
             commit(path, decision)
         except Exception as e:  # noqa: BLE001
-            COMMITTER.abort(decision["staging"])
+            committer, staging = committer_at(decision["staging"])
+            committer.abort(staging)
             outcome = pack(error_info(e))
         comm.broadcast("commit", outcome)
     else:
@@ -308,19 +310,18 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
 def prepare(path: str, plan: dict, overwrite: bool) -> dict:
     """Process 0: refuse a taken path, create the staging directory (its arrays come in
     :func:`write_and_commit`, after an asynchronous save has returned)."""
-    COMMITTER.check_target(path, overwrite)        # [SP-COMMIT-5]
+    committer, target = committer_at(path)
+    committer.check_target(target, overwrite)      # [SP-COMMIT-5] [SP-COMMIT-13]
     token = secrets.token_hex(8)
-    staging = COMMITTER.begin(path, token)         # created and locked [SP-COMMIT-6]
+    staging = committer.begin(target, token)       # created and locked [SP-COMMIT-6, 11]
+    if not is_local(path):                         # a key of the bucket's store
+        staging = url_of(path, staging)
     entries = {key: {"array": array_path_for(key), "shape": t["shape"], "dtype": t["dtype"],
                      "chunk_shape": t["chunk"]} for key, t in plan["tensors"].items()}
     return {"staging": staging, "token": token, "overwrite": overwrite,
             "tree": plan["tree"], "tensors": entries,
             "global": {k: t["global"] for k, t in plan["tensors"].items()},
             "writers": plan["writers"], "objects": plan["objects"]}
-
-
-# Publishes, replaces and removes checkpoints; holds the locks of this process's saves.
-COMMITTER = PosixCommitter()
 
 
 # Bytes of writes in flight (each holds its encoded chunks, and for arrays on an accelerator
@@ -376,40 +377,36 @@ def local_regions(decision: dict, plan: LocalPlan, rank: int) -> list:
 
 def write_regions(staging: str, regions: list, tensors: dict) -> None:
     """Write ``regions`` (:func:`local_regions`; ``tensors``: the decision's entries), several
-    at once (:class:`Writes`): straight to the chunk files (:mod:`.direct`), or through
-    TensorStore where crc32c is missing; then make what was written durable at once
-    [SP-COMMIT-1]."""
-    writes, files, stores = Writes(WRITE_AHEAD_BYTES), [], {}
+    at once (:class:`Writes`), through :class:`~.storage.ArrayWriter`; then make what was
+    written durable at once [SP-COMMIT-1]."""
+    writes, writers = Writes(WRITE_AHEAD_BYTES), {}
     try:
-        for key, array, chunk, off, data in regions:
+        for key, array, _chunk, off, data in regions:
             if writes.error is not None:
                 break
             host = np.asarray(data)
-            if direct.available():
-                t = tensors[key]
-                writes.add(direct.submit(direct.write_region, staging, array, t["shape"],
-                                         chunk, shard_inner(t["shape"], t["dtype"], chunk),
-                                         off, host), host.nbytes, key)
-            else:
-                if array not in stores:
-                    stores[array] = open_for_write(staging, array)
-                writes.add(write_region(stores[array], off, host), host.nbytes, key)
-            files += chunk_files(staging, array, off, host.shape, chunk)
+            if array not in writers:
+                writers[array] = ArrayWriter(staging, array, tensors[key])
+            writes.add(writers[array].write(off, host), host.nbytes, key)
+    except Exception as e:  # noqa: BLE001 - reported as this tensor's write failure
+        writes.error = writes.error or (key, e)
     finally:
         writes.drain()
     if writes.error is not None:
         key, e = writes.error
+        if isinstance(e, E.ShardpointError):
+            raise e
         raise E.SaveFailedError(f"tensor {key!r}: writing its chunks under {staging!r} failed: "
                                 f"{_short(e)}") from None
     try:
-        make_durable(staging, files)
+        make_durable(staging)
     except OSError as e:
         raise E.SaveFailedError(f"making the chunks written under {staging!r} durable failed: "
                                 f"{e}") from None
 
 
 def _short(e: BaseException) -> str:
-    """A storage error in a line: TensorStore's own text, less its status prefix."""
+    """A storage error in a line, less any status prefix."""
     text = str(e).replace("RESOURCE_EXHAUSTED: ", "").replace("INTERNAL: ", "")
     return text if len(text) < 400 else text[:400] + "..."
 
@@ -425,10 +422,12 @@ def manifest_of(decision: dict) -> Manifest:
 
 
 def commit(path: str, decision: dict) -> None:
-    """Process 0, after every process wrote durably: manifest last, then the atomic rename
-    (the old checkpoint moved aside first, never deleted before) [SP-COMMIT-1..4]."""
+    """Process 0, after every process wrote durably: the manifest last, then the committer
+    publishes it: the atomic rename on files (the old checkpoint moved aside first, never
+    deleted before) [SP-COMMIT-1..4], the conditional PUT of the marker on object stores
+    [SP-COMMIT-10..12]."""
     staging = decision["staging"]
     make_durable(staging)
-    data = encode_manifest(manifest_of(decision))
-    COMMITTER.write_manifest(staging, data)
-    COMMITTER.publish(staging, path, overwrite=decision["overwrite"])
+    write_manifest(staging, encode_manifest(manifest_of(decision)))
+    committer, target = committer_at(path)
+    committer.publish(committer_at(staging)[1], target, overwrite=decision["overwrite"])

@@ -9,6 +9,8 @@ Ranks are forked from a fork server that has imported torch and shardpoint once 
 ``forkserver`` start method with a preload), not started from a fresh interpreter each:
 importing torch costs each spawned rank about as much CPU as a small test's work. Each rank
 gets the caller's environment as it is at the call (the server's is from its start).
+``run_script`` / ``run_code`` run a script (the examples, the README's blocks) the same way,
+as one process with no process group, its output captured.
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Imported once by the fork server; every rank forked from it starts with them loaded.
+# Imported once by the fork server; every rank forked from it starts with them loaded
+# (``_preload`` adds DTensor, the device mesh, DCP and Megatron-core: seconds per rank).
 PRELOAD = ["torch", "torch.distributed", "numpy", "shardpoint.api", "shardpoint.tree.model",
-           "shardpoint.exchange.comm"]
+           "shardpoint.exchange.comm", "shardpoint_testing._preload"]
 _CTX: Any = None
 
 
@@ -105,3 +108,84 @@ def run_world(world: int, fn: Callable, *args: Any, timeout: float = 120.0,
     if errors:
         raise RankFailure("; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
     return [results[r] for r in range(world)]
+
+
+class ScriptResult:
+    """What ``run_script`` saw: the exit code and the script's whole stdout and stderr (its
+    own forked processes' output included)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+    def __repr__(self) -> str:
+        return f"ScriptResult(returncode={self.returncode}, stderr={self.stderr[-2000:]!r})"
+
+
+def _script_entry(path, code_, argv, cwd, env, out_path, err_path):
+    import atexit
+    import runpy
+    import sys
+    import threading
+    for fd, name in ((1, out_path), (2, err_path)):
+        f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    code: Any = 0
+    try:
+        if path is not None:           # a script file, as `python path argv...` runs it
+            sys.argv = [path, *argv]
+            sys.path.insert(0, os.path.dirname(path))
+            runpy.run_path(path, run_name="__main__")
+        else:                          # a block of code, as `python -c code argv...` runs it
+            sys.argv = ["-c", *argv]
+            exec(compile(code_, "<string>", "exec"), {"__name__": "__main__"})
+        threading._shutdown()          # what interpreter exit does: join threads, atexit
+        atexit._run_exitfuncs()
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # noqa: BLE001 - reported like the interpreter does
+        traceback.print_exc()
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def run_script(path: str, *argv: Any, cwd: str = ".", env: dict | None = None,
+               timeout: float = 240.0) -> ScriptResult:
+    """Run the script at ``path`` as ``__main__`` in a fresh process forked from the fork
+    server, as ``python path argv...`` would (its folder first on ``sys.path``, threads joined
+    and ``atexit`` run at the end), without paying for the torch import each time: no process
+    group, its own working directory and environment (default: this process's), stdout and
+    stderr captured, killed after ``timeout`` seconds."""
+    return _run_forked(os.path.abspath(path), None, argv, cwd, env, timeout)
+
+
+def run_code(code: str, *argv: Any, cwd: str = ".", env: dict | None = None,
+             timeout: float = 240.0) -> ScriptResult:
+    """``run_script`` for a block of code, as ``python -c code argv...`` runs it."""
+    return _run_forked(None, code, argv, cwd, env, timeout)
+
+
+def _run_forked(path, code, argv, cwd, env, timeout) -> ScriptResult:
+    import tempfile
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="shardpoint-script-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        p = ctx.Process(target=_script_entry,
+                        args=(path, code, [str(a) for a in argv], os.path.abspath(cwd),
+                              dict(os.environ if env is None else env), out, err))
+        p.start()
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            raise RankFailure(f"{path or 'code'} timed out after {timeout:.0f}s")
+        with open(out, errors="replace") as f, open(err, errors="replace") as g:
+            return ScriptResult(p.exitcode, f.read(), g.read())

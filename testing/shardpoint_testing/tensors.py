@@ -2,19 +2,22 @@
 conformance suite (one definition instead of a copy per test file)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import numpy as np
 
-
-def seed_of(name: str) -> int:
-    """A stable seed from a name (the same on every rank and every run)."""
-    return sum(map(ord, name))
+Seed = Union[str, int]
 
 
-def random_bits(name: str, shape: Sequence[int], dtype: Any = None) -> Any:
+def seed_of(name: Seed) -> int:
+    """A stable seed from a name (the same on every rank and every run); an int is itself."""
+    return name if isinstance(name, int) else sum(map(ord, name))
+
+
+def random_bits(name: Seed, shape: Sequence[int], dtype: Any = None) -> Any:
     """A torch tensor of ``dtype`` whose bytes are random (NaN payloads, -0.0, subnormals
-    and all), the same for the same ``name``: round trips must keep every bit."""
+    and all; bool as 0/1, its only valid bytes), the same for the same ``name`` or seed:
+    round trips must keep every bit."""
     import torch
     dtype = dtype or torch.float32
     g = torch.Generator().manual_seed(seed_of(name))
@@ -25,11 +28,31 @@ def random_bits(name: str, shape: Sequence[int], dtype: Any = None) -> Any:
     return raw.view(dtype).reshape(tuple(shape))
 
 
-def seeded_randn(name: str, shape: Sequence[int], dtype: Any = None) -> Any:
+def random_array(name: Seed, shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """``random_bits`` for torch-free tests: a numpy array of ``dtype`` (any numpy dtype,
+    ml_dtypes' bfloat16 and float8 included) with random bytes, bool as 0/1."""
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng(seed_of(name))
+    if dtype == np.bool_:
+        return rng.integers(0, 2, tuple(shape)).astype(bool)
+    raw = rng.integers(0, 256, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+                       dtype=np.uint8)
+    return raw.view(dtype).reshape(tuple(shape))
+
+
+def seeded_randn(name: Seed, shape: Sequence[int], dtype: Any = None) -> Any:
     """Normal values (then cast to ``dtype``), the same for the same ``name``."""
     import torch
     g = torch.Generator().manual_seed(seed_of(name))
     return torch.randn(tuple(shape), generator=g).to(dtype or torch.float32)
+
+
+def counting(shape: Sequence[int], i: int = 0, dtype: Any = None) -> Any:
+    """``arange * (i + 1) - 7``: distinct, exactly representable values per element, so a
+    misplaced element (or tensor ``i`` read for tensor ``j``) shows in any comparison."""
+    import torch
+    n = int(np.prod(shape, dtype=np.int64))
+    return (torch.arange(n, dtype=dtype or torch.float32).reshape(tuple(shape)) * (i + 1) - 7)
 
 
 def as_bytes(x: Any) -> tuple:

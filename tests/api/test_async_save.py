@@ -9,17 +9,13 @@ import torch
 
 from shardpoint_conformance import faults
 from shardpoint_testing.launch import run_world
+from shardpoint_testing.tensors import same_bits, seeded_randn
 
 SHAPE = (12, 5)
 
 
 def full(name, dtype=torch.float32):
-    g = torch.Generator().manual_seed(sum(map(ord, name)))
-    return torch.randn(SHAPE, generator=g).to(dtype)
-
-
-def bits(t):
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    return seeded_randn(name, SHAPE, dtype)
 
 
 def state(rank, world, scale=1.0):
@@ -63,7 +59,7 @@ def async_job(rank, world, base):
     r = h.wait(timeout=60)
     out["first_alloc"] = "staging_alloc" in r.timings and r.timings["staging_bytes"] > 0
     back = sp.load(f"{base}/a")
-    out["bitwise"] = all(torch.equal(bits(back[k]), bits(full(k, back[k].dtype)))
+    out["bitwise"] = all(same_bits(back[k], full(k, back[k].dtype))
                          for k in ("rows", "flat", "rep"))
     out["values"] = back["step"]
     # 2. same structure again: the pool is reused, nothing allocated

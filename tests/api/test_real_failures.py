@@ -20,6 +20,7 @@ import shardpoint as sp
 from shardpoint.tools.cli import main as cli_main
 from shardpoint_conformance import faults
 from shardpoint_testing.launch import RankFailure, run_world
+from shardpoint_testing.tensors import same_bits
 
 MiB = 1 << 20
 
@@ -99,9 +100,7 @@ def same(a: dict, b: dict) -> bool:
     for k, x in a.items():
         y = b[k]
         if isinstance(x, torch.Tensor):
-            if not (isinstance(y, torch.Tensor) and (x.dtype, x.shape) == (y.dtype, y.shape)
-                    and torch.equal(x.reshape(-1).view(torch.uint8),
-                                    y.reshape(-1).view(torch.uint8))):
+            if not (isinstance(y, torch.Tensor) and same_bits(x, y)):
                 return False
         elif x != y:
             return False
@@ -391,6 +390,7 @@ def test_async_save_still_writing_at_exit(tmpfs, fits):
 # ---------------------------------------------------------------------- changed under a reader
 _OVERWRITE_LOOP = """
 import sys, torch, shardpoint as sp
+print("ready", flush=True)       # torch imported: the overwrites start now
 for k in range(1, 9):
     sp.save({f"t{i:02d}": torch.full((1 << 16,), float(k)) for i in range(48)}, sys.argv[1],
             overwrite=True)
@@ -404,9 +404,11 @@ def test_a_load_overlapping_an_overwrite_fails_instead_of_mixing_two_checkpoints
     new checkpoint and the load returned tensors of two steps without a word."""
     a = os.path.join(big_disk.path, "a")
     sp.save({f"t{i:02d}": torch.zeros(1 << 16) for i in range(48)}, a)
-    saver = subprocess.Popen([sys.executable, "-c", _OVERWRITE_LOOP, a])
+    saver = subprocess.Popen([sys.executable, "-c", _OVERWRITE_LOOP, a], stdout=subprocess.PIPE,
+                             text=True)
     whole = replaced = 0
     try:
+        assert saver.stdout.readline() == "ready\n"   # no loads while it imports torch
         while saver.poll() is None:
             try:
                 got = sp.load(a)

@@ -1,5 +1,4 @@
 """Single-process round trips: every dtype, random trees and bits, like=, subsets, overwrite."""
-import math
 
 import hypothesis.strategies as st
 import numpy as np
@@ -10,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 
 import shardpoint as sp
 from shardpoint.tree import dtypes
+from shardpoint_testing.tensors import random_bits as shared_random_bits, same_bits
 
 DTYPES = list(dtypes.DTYPES.values())
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -17,21 +17,7 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scope
 
 def random_bits(d, shape, seed):
     """A tensor of dtype ``d`` with random *bits* (NaN payloads, -0.0, subnormals)."""
-    n = math.prod(shape) * d.itemsize
-    raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-    if d.name == "bool":
-        raw &= 1
-    return dtypes.numpy_to_torch(raw.view(d.numpy).reshape(shape).copy())
-
-
-def same_bits(a, b):
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape \
-            and a.tobytes() == b.tobytes()
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return a.numel() == 0 or \
-        a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+    return shared_random_bits(seed, shape, d.torch)
 
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)

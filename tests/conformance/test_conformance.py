@@ -97,10 +97,15 @@ def test_vectors_step_checks_every_golden_vector():
 
 
 # -------------------------------------------------------------------------------- adapters
-def test_adapter_test_passes_with_the_reference_adapter(tmp_path):
-    rep = harness.run_matrix(reference_adapter_command(), cases=2, seed=3,
+@pytest.mark.parametrize("cases", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_adapter_test_passes_with_the_reference_adapter(tmp_path, cases):
+    """Each case costs the adapter four fresh interpreters (torch imports): one by default
+    (the reference itself is checked on many more by ``conformance run``), three with
+    --runslow."""
+    rep = harness.run_matrix(reference_adapter_command(), cases=cases, seed=3,
                              workdir=str(tmp_path), log=lambda *_: None)
     assert rep["ok"], harness.format_report(rep)
+    assert len(rep["rows"]) == cases
     for row in rep["rows"]:
         assert set(row["cells"]) == set(harness.PAIRS)
         assert row["cells"]["corrupt→adapter"]["spec_ids"] == ["SP-READ-3"]

@@ -14,6 +14,7 @@ import shardpoint as sp
 from shardpoint.tree.dtypes import DTYPES
 from shardpoint_core.storage import ArraySpec
 from shardpoint_conformance.independent_reader import read_independently
+from shardpoint_testing.tensors import random_bits, same_bits
 from shardpoint_core.zarr import TensorStoreBackend
 
 KW = dict(shard_above_bytes=4096, inner_chunk_bytes=1024)
@@ -22,23 +23,14 @@ VIA_TS = TensorStoreBackend(direct_writes=False, **KW)
 SMALL = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=1500))   # many chunks, ragged edges
 
 
-def _random(dtype: torch.dtype, shape: tuple, g: torch.Generator) -> torch.Tensor:
-    """Random bytes of ``dtype`` (NaNs and all; bool as 0/1, the only valid bool bytes)."""
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).view(dtype).reshape(shape)
-
-
 def _state(dtype: torch.dtype) -> dict:
-    g = torch.Generator().manual_seed(7)
-    return {"edge": _random(dtype, (37, 29), g),          # edge chunks in both dimensions
-            "shard": _random(dtype, (130, 48), g),        # sharded, last shard partly absent
-            "cube": _random(dtype, (5, 7, 9), g),
-            "vec": _random(dtype, (1001,), g),
-            "cols": _random(dtype, (29, 37), g).t(),      # a non-contiguous source
-            "scalar": _random(dtype, (), g),
-            "empty": _random(dtype, (0, 4), g)}
+    return {"edge": random_bits("edge", (37, 29), dtype),          # edge chunks in both dimensions
+            "shard": random_bits("shard", (130, 48), dtype),        # sharded, last shard partly absent
+            "cube": random_bits("cube", (5, 7, 9), dtype),
+            "vec": random_bits("vec", (1001,), dtype),
+            "cols": random_bits("cols", (29, 37), dtype).t(),      # a non-contiguous source
+            "scalar": random_bits("scalar", (), dtype),
+            "empty": random_bits("empty", (0, 4), dtype)}
 
 
 def _files(root: str) -> dict:
@@ -76,13 +68,10 @@ def test_files_equal_tensorstores_bytes(tmp_path, name, opts):
 
 
 def test_round_trip_through_the_library(tmp_ckpt):
-    st = _state(torch.bfloat16) | {"f8": _random(torch.float8_e4m3fn, (33, 65),
-                                                 torch.Generator().manual_seed(1))}
+    st = _state(torch.bfloat16) | {"f8": random_bits("f8", (33, 65), torch.float8_e4m3fn)}
     sp.save(st, tmp_ckpt, backend=DIRECT)
     back = sp.load(tmp_ckpt)
-    assert all(torch.equal(back[k].reshape(-1).view(torch.uint8),
-                           st[k].contiguous().reshape(-1).view(torch.uint8))
-               for k in st)
+    assert all(same_bits(back[k], st[k]) for k in st)
 
 
 def test_whole_chunks_never_touch_tensorstore(tmp_path):
@@ -152,9 +141,8 @@ def test_big_inner_chunks_start_on_4k_boundaries_and_every_reader_follows_the_in
     TensorStore and the spec-only reader all read the padded shards bit for bit, whole and
     by column stripes."""
     import crc32c
-    g = torch.Generator().manual_seed(3)
-    st = {"w": _random(torch.float32, (2048, 2048), g),     # 16 MiB: a shard of 2 MiB chunks
-          "h": _random(torch.bfloat16, (4096, 1500), g)}    # inner chunks not 4 KiB multiples
+    st = {"w": random_bits("w", (2048, 2048)),                # 16 MiB: a shard of 2 MiB chunks
+          "h": random_bits("h", (4096, 1500), torch.bfloat16)}  # inner chunks not 4 KiB multiples
     path = str(tmp_path / "ck")
     sp.save(st, path)
     m = sp.read_metadata(path)

@@ -37,7 +37,7 @@ def stage(store, committer, target, label, *, token=None, tensors=KEYS):
         for c in range(2):
             store.put(f"{staging}/tensors/{k}/c/{c}", f"{label}:{k}:{c}".encode())
     tree = {"dict": [[k, {"tensor": k}] for k in tensors]}
-    m = Manifest(tree=tree, tensors={k: TensorEntry(k, f"tensors/{k}", (2,), "uint8", (1,))
+    m = Manifest(wire_tree=tree, tensors={k: TensorEntry(k, f"tensors/{k}", (2,), "uint8", (1,))
                                      for k in tensors}, objects={})
     store.put(f"{staging}/manifest.msgpack", encode_manifest(m))
     return staging

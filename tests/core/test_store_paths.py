@@ -1,7 +1,7 @@
 """Stores chosen from the path: plain paths and file:// are local files, memory://name a
 memory store, other schemes whatever was registered; a scheme nobody registered is refused
 by every entry point (sp.save sync and async, sp.load, sp.open, both managers,
-shardpoint_jax, the CLI) before any I/O, and never becomes a local directory 'gs:'."""
+shardpoint_jax, the CLI) before any I/O, and never becomes a local directory 'nostore:'."""
 from __future__ import annotations
 
 import os
@@ -16,13 +16,13 @@ from shardpoint_core.store import (FileStore, MemoryStore, check_path, is_local,
 from shardpoint_core.store.registry import split_url
 from shardpoint_testing.launch import run_world
 
-URL = "gs://bucket/run/step_5"
+URL = "nostore://bucket/run/step_5"     # a scheme nobody registers
 
 
-def _refused(excinfo, scheme="gs://"):
+def _refused(excinfo, scheme="nostore://"):
     msg = str(excinfo.value)
     assert isinstance(excinfo.value, ShardpointError)
-    assert repr(scheme) in msg and "registered: file://, memory://, s3://" in msg, msg
+    assert repr(scheme) in msg and "registered: file://, gs://, memory://, s3://" in msg, msg
 
 
 def test_split_url():
@@ -100,12 +100,12 @@ def test_torch_entry_points_refuse(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     state = {"w": np.arange(4, dtype=np.float32)}
     for call in (lambda: sp.save(state, URL), lambda: sp.load(URL), lambda: sp.open(URL),
-                 lambda: sp.read_metadata(URL), lambda: sp.CheckpointManager("gs://b/run"),
+                 lambda: sp.read_metadata(URL), lambda: sp.CheckpointManager("nostore://b/run"),
                  lambda: sp.recover(URL), lambda: sp.verify.verify_checkpoint(URL)):
         with pytest.raises(sp.UnsupportedStoreError) as e:
             call()
         _refused(e)
-    assert os.listdir(tmp_path) == []                    # no local 'gs:' directory
+    assert os.listdir(tmp_path) == []                    # no local 'nostore:' directory
     sp.save(state, f"file://{tmp_path}/ck")              # file:// is a local path
     assert np.array_equal(sp.load(str(tmp_path / "ck"))["w"], state["w"])
     assert np.array_equal(sp.load(f"file://{tmp_path}/ck")["w"], state["w"])
@@ -128,7 +128,7 @@ def _save_s3_two_ranks(rank, world, cwd):
 def test_two_rank_save_to_unregistered_scheme_writes_nothing(tmp_path):
     res = run_world(2, _save_s3_two_ranks, str(tmp_path), timeout=120)
     for per_rank in res:
-        assert len(per_rank) == 2 and all("'gs://'" in m for m in per_rank), per_rank
+        assert len(per_rank) == 2 and all("'nostore://'" in m for m in per_rank), per_rank
     assert os.listdir(tmp_path) == []
 
 
@@ -137,7 +137,7 @@ def test_jax_entry_points_refuse(tmp_path, monkeypatch):
     import shardpoint_jax as spj
     monkeypatch.chdir(tmp_path)
     for call in (lambda: spj.save(URL, {"w": np.zeros(2, np.float32)}), lambda: spj.load(URL),
-                 lambda: spj.CheckpointManager("gs://b/run")):
+                 lambda: spj.CheckpointManager("nostore://b/run")):
         with pytest.raises(UnsupportedStoreError) as e:
             call()
         _refused(e)
@@ -151,5 +151,5 @@ def test_cli_refuses(argv, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert "UnsupportedStoreError" in err and "'gs://'" in err and "registered" in err, err
+    assert "UnsupportedStoreError" in err and "'nostore://'" in err and "registered" in err, err
     assert os.listdir(tmp_path) == []

@@ -13,6 +13,7 @@ import tensorstore as ts
 from hypothesis import given, settings, strategies as st
 
 from shardpoint_core.dtypes import DTYPES
+from shardpoint_testing.tensors import random_array, same_bits
 from shardpoint_core.errors import CorruptCheckpointError, UnsupportedFormatError
 from shardpoint_core.storage import ArraySpec
 from shardpoint_core.store import FileStore, MemoryStore
@@ -22,14 +23,6 @@ from shardpoint_core.zarr.array import (ArrayLayout, chunk_key, read_array_meta,
 KW = dict(shard_above_bytes=4096, inner_chunk_bytes=1024)
 CASES = {"edge": ((37, 29), (10, 8)), "shard": ((130, 48), (128, 48)),
          "cube": ((5, 7, 9), (2, 7, 4)), "scalar": ((), ()), "empty": ((0, 4), (1, 4))}
-
-
-def _random(dtype: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
-    npd = np.dtype(DTYPES[dtype].numpy)
-    if dtype == "bool":
-        return rng.integers(0, 2, shape).astype(bool)
-    raw = rng.integers(0, 256, int(np.prod(shape)) * npd.itemsize, dtype=np.uint8)
-    return raw.view(npd).reshape(shape)
 
 
 def _files(root: str) -> dict:
@@ -46,16 +39,11 @@ def _ts_spec(path: str) -> dict:
     return {"driver": "zarr3", "kvstore": {"driver": "file", "path": path + "/"}}
 
 
-def _bits(a: np.ndarray) -> bytes:
-    return np.ascontiguousarray(a).tobytes()
-
-
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_bytes_equal_tensorstores_and_tensorstore_reads_ours(tmp_path, dtype):
-    rng = np.random.default_rng(3)
     ours, theirs = FileStore(str(tmp_path / "ours"), create=True), str(tmp_path / "ts")
     for name, (shape, chunk) in CASES.items():
-        a = _random(dtype, shape, rng)
+        a = random_array(f"{dtype}-{name}", shape, DTYPES[dtype].numpy)
         lay = ArrayLayout.create(shape, dtype, chunk, **KW)
         write_array_meta(ours, name, lay)
         write_region(ours, name, lay, (0,) * len(shape), a)
@@ -66,11 +54,11 @@ def test_bytes_equal_tensorstores_and_tensorstore_reads_ours(tmp_path, dtype):
         t.write(a).result()
         back = ts.open({**_ts_spec(f"{ours.root}/{name}"), "open": True,
                         "fill_missing_data_reads": False}).result().read().result()
-        assert _bits(back) == _bits(a), name
+        assert same_bits(back, a), name
         got = np.empty(shape, a.dtype)
         read_region(ours, name, read_array_meta(ours, name, ArraySpec(shape, dtype, chunk),
                                                 name), (0,) * len(shape), got, name)
-        assert _bits(got) == _bits(a), name
+        assert same_bits(got, a), name
     assert ArrayLayout.create((130, 48), dtype, (128, 48), **KW).inner is not None
     assert _files(ours.root) == _files(theirs)
 

@@ -6,14 +6,20 @@ import subprocess
 import sys
 
 import shardpoint as sp
+from shardpoint_testing.launch import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run(script, *args):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *map(str, args)],
-                       capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+def run(script, *args, fresh=False):
+    """``python examples/<script> args...``: forked from the launcher's fork server (torch
+    already imported; the script forks its ranks itself), or in a fresh interpreter."""
+    path, env = os.path.join(ROOT, "examples", script), {**os.environ, "OMP_NUM_THREADS": "1"}
+    if fresh:
+        r = subprocess.run([sys.executable, path, *map(str, args)], capture_output=True,
+                           text=True, timeout=240, stdin=subprocess.DEVNULL, env=env)
+    else:
+        r = run_script(path, *args, env=env, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -44,7 +50,7 @@ def test_fsdp2_loop_resumes_on_one_rank(tmp_path):
 
 
 def test_nanochat_style_loop(tmp_path):
-    out = run("nanochat_style.py", tmp_path)
+    out = run("nanochat_style.py", tmp_path, fresh=True)     # one as a user starts it
     assert "resumed at step 4" in out and "generated:" in out
     assert sp.CheckpointManager(tmp_path).all_steps() == [6, 8]
 
@@ -52,10 +58,8 @@ def test_nanochat_style_loop(tmp_path):
 def test_megatron_example_refuses_a_world_it_cannot_run_up_front(tmp_path):
     """12 ranks crashed in gloo (192 vs 128) and 6 hung: the batch of 8 needs DP | 8."""
     for ranks in (12, 6, 3):
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "examples",
-                                                         "megatron_tp_pp_dp.py"),
-                            str(tmp_path), "2", str(ranks)], capture_output=True, text=True,
-                           timeout=120, stdin=subprocess.DEVNULL)
+        r = run_script(os.path.join(ROOT, "examples", "megatron_tp_pp_dp.py"), tmp_path, 2,
+                       ranks, timeout=120)
         assert r.returncode != 0 and f"not {ranks}" in r.stderr, r.stderr
         assert "4, 8, 16, 32" in r.stderr
     assert not os.listdir(tmp_path)

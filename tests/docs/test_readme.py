@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-from shardpoint_testing.launch import run_world
+from shardpoint_testing.launch import run_code, run_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = open(os.path.join(ROOT, "README.md")).read()
@@ -15,8 +15,10 @@ TEST_CMD = "python -m pytest -q"
 
 
 def run_python(code, cwd):
-    r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
-                       timeout=300, stdin=subprocess.DEVNULL)
+    """The block as ``python -c`` runs it, in a process forked from the launcher's fork server
+    (torch already imported: a fresh interpreter's import is most of a small block's cost).
+    The first example runs in a real fresh interpreter (``test_usage_example_runs``)."""
+    r = run_code(code, cwd=cwd, timeout=300)
     assert r.returncode == 0, r.stderr
     return r
 
@@ -41,7 +43,9 @@ def test_readme_sections():
 def test_usage_example_runs(tmp_path):
     example = BLOCKS[0]
     assert len(example.strip().splitlines()) <= 12
-    run_python(example, tmp_path)
+    r = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, stdin=subprocess.DEVNULL)   # as a newcomer
+    assert r.returncode == 0, r.stderr
     assert (tmp_path / "ckpt" / "step_1" / "manifest.msgpack").is_file()
 
 
@@ -83,6 +87,14 @@ def test_lazy_open_and_convert_example_runs(tmp_path):
 def test_checkpointer_example_runs(tmp_path):
     r = run_python(next(b for b in BLOCKS if "sp.Checkpointer()" in b), tmp_path)
     assert "(4, 4) float32 (4, 4)" in r.stdout
+
+
+def test_read_metadata_example_walks_the_typed_tree(tmp_path):
+    r = run_python(next(b for b in BLOCKS if 'read_metadata("ckpt/meta").tree' in b), tmp_path)
+    lines = r.stdout.splitlines()
+    assert lines[0] == "model/w (2, 3) float32 (2, 3) numpy"
+    assert lines[1:] == ["model/w tensor", "model/n tensor", "sched/0 value", "sched/1/0 value",
+                         "sched/1/1 value", "rng object", "step value"]
 
 
 def test_tuning_example_runs(tmp_path):

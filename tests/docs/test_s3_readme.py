@@ -1,5 +1,7 @@
-"""The README's S3 example runs as written against the local S3 server (the bucket name is
-the only change), in a fresh process that finds the server through the AWS environment."""
+"""The README's object-store examples run as written against the local servers (the bucket
+name is the only change), each in a fresh process that finds its server through the standard
+environment: the S3 save/load and manager examples on moto, the gs:// one on the GCS
+emulator."""
 import os
 import re
 import subprocess
@@ -7,23 +9,39 @@ import sys
 
 import pytest
 
-pytest.importorskip("boto3")
-pytest.importorskip("moto")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = open(os.path.join(ROOT, "README.md")).read()
+SECTION = README.split("## Object stores (S3)", 1)[1].split("\n## ", 1)[0]
+BLOCKS = re.findall(r"```python\n(.*?)```", SECTION, re.S)
 
 
-def test_readme_s3_example_runs(s3_env, tmp_path):
-    section = README.split("## Object stores (S3)", 1)[1].split("\n## ", 1)[0]
-    block = re.findall(r"```python\n(.*?)```", section, re.S)[0]
-    assert len(block.strip().splitlines()) <= 6 and "s3://my-bucket/" in block
-    prefix = s3_env.fresh_prefix("readme")
-    code = block.replace("s3://my-bucket/", f"s3://{s3_env.bucket}/{prefix}/")
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+def run(code, cwd):
+    r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
                        text=True, timeout=300, stdin=subprocess.DEVNULL, env=os.environ.copy())
     assert r.returncode == 0, r.stderr
+
+
+def test_every_block_of_the_section_is_run_here():
+    assert len(BLOCKS) == 3
+    assert all(len(b.strip().splitlines()) <= 6 for b in BLOCKS)
+
+
+def test_readme_object_store_examples_run(s3_env, gcs_env, tmp_path):
+    """The three blocks in one fresh process (one torch import): S3 on moto, gs:// on the
+    emulator; each bucket name is the only change."""
+    pytest.importorskip("boto3")
+    assert "s3://my-bucket/" in BLOCKS[0] and "s3://my-bucket/" in BLOCKS[1]
+    assert "gs://my-bucket/" in BLOCKS[2]
+    s3p, gsp = s3_env.fresh_prefix("readme"), gcs_env.fresh_prefix("readme")
+    code = "\n".join(b.replace("s3://my-bucket/", f"s3://{s3_env.bucket}/{s3p}/{i}/")
+                     for i, b in enumerate(BLOCKS[:2]))      # each block a bucket of its own
+    code += "\n" + BLOCKS[2].replace("gs://my-bucket/", f"gs://{gcs_env.bucket}/{gsp}/")
+    run(code, tmp_path)
     keys = [o["Key"] for o in s3_env.client().list_objects_v2(
-        Bucket=s3_env.bucket, Prefix=prefix)["Contents"]]
-    assert f"{prefix}/run/step_7/manifest.msgpack" in keys
-    assert os.listdir(tmp_path) == []                       # nothing written locally
+        Bucket=s3_env.bucket, Prefix=s3p)["Contents"]]
+    assert f"{s3p}/0/run/step_7/manifest.msgpack" in keys
+    assert f"{s3p}/1/run/step_00000003/manifest.msgpack" in keys
+    assert not any("step_00000001" in k for k in keys)       # retention removed step 1
+    from shardpoint_core.store.gcs import GcsStore
+    assert GcsStore.from_url(gcs_env.url(gsp)).head("run/step_1/manifest.msgpack")
+    assert os.listdir(tmp_path) == []                        # nothing written locally

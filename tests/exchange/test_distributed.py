@@ -10,20 +10,13 @@ import torch
 
 from shardpoint_conformance import faults
 from shardpoint_testing.launch import run_world
+from shardpoint_testing.tensors import same_bits, seeded_randn
 
 SHAPE = (10, 7)
 
 
 def full(name, dtype=torch.float32):
-    g = torch.Generator().manual_seed(sum(map(ord, name)))
-    return torch.randn(SHAPE, generator=g).to(dtype)
-
-
-def same_bits(a, b):
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return a.numel() == 0 or torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                                         b.contiguous().reshape(-1).view(torch.uint8))
+    return seeded_randn(name, SHAPE, dtype)
 
 
 def split(n, parts, i):
@@ -72,8 +65,7 @@ STACK, EXPERTS, STRIDED = (6, 5, 4), (8, 3, 4), (12, 6)
 
 
 def stacked(key, shape):
-    g = torch.Generator().manual_seed(sum(map(ord, key)))
-    return torch.randn(shape, generator=g).to(torch.bfloat16)
+    return seeded_randn(key, shape, torch.bfloat16)
 
 
 def pieces_layouts(rank, world, saving):

@@ -11,6 +11,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint.exchange.host import shm_supported
+from shardpoint_testing.tensors import counting, same_bits
 from shardpoint.planning.load_planner import LoadOptions, plan_load_auto
 from shardpoint.tree.model import Holding
 from shardpoint.planning.planner import TensorLayout
@@ -21,7 +22,7 @@ CHUNK_ROWS = 16        # saved by 3 ranks by rows: one chunk file per rank
 
 
 def _full(i):
-    return torch.arange(SHAPE[0] * SHAPE[1], dtype=torch.float32).reshape(SHAPE) * (i + 1) - 7
+    return counting(SHAPE, i)
 
 
 def _save_rows(rank, path):
@@ -65,8 +66,7 @@ def _load_cols(rank, world, path):
                                                   exchange_gbps=50.0))):
         rep = sp.LoadReport()
         got = sp.load(path, like=_like(rank, world), report=rep, options=opts)
-        exact = all(torch.equal(got[k].view(torch.uint8), w.contiguous().view(torch.uint8))
-                    for k, w in want.items())
+        exact = all(same_bits(got[k], w) for k, w in want.items())
         out.append((label, rep.strategy, exact, rep.timings.get("shm_bytes", 0),
                     rep.timings.get("group_bytes", 0), _my_segments(),
                     rep.timings.get("shm_rounds", 0)))

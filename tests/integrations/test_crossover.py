@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shardpoint_testing.launch import run_world
+from shardpoint_testing.tensors import same_bits, seeded_randn
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None or
                                 importlib.util.find_spec("orbax") is None,
@@ -22,14 +23,7 @@ W, E = "decoder.linear.weight", "embedding.weight"
 
 
 def _full():
-    g = torch.Generator().manual_seed(5)
-    return {W: torch.randn(6, 8, generator=g).to(torch.bfloat16),
-            E: torch.randn(4, 12, generator=g)}
-
-
-def _bits(t):
-    t = t.contiguous()
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+    return {W: seeded_randn(W, (6, 8), torch.bfloat16), E: seeded_randn(E, (4, 12))}
 
 
 def _dcp_save(rank, world, root):
@@ -63,8 +57,8 @@ def _megatron_load_then_save(rank, world, root):
                                                 (0, rank, world)),
            "e": ShardedTensor.from_rank_offsets(E, torch.zeros(4, 4), (1, rank, world))}
     out = dist_checkpointing.load(ssd, os.path.join(root, "dcp"))
-    ok = (torch.equal(_bits(out["w"]), _bits(f[W][2 * rank:2 * rank + 2])) and
-          torch.equal(_bits(out["e"]), _bits(f[E][:, 4 * rank:4 * rank + 4])))
+    ok = (same_bits(out["w"], f[W][2 * rank:2 * rank + 2]) and
+          same_bits(out["e"], f[E][:, 4 * rank:4 * rank + 4]))
     meg = os.path.join(root, "meg")
     if rank == 0:
         os.makedirs(meg)
@@ -103,7 +97,7 @@ def test_dcp_to_megatron_to_orbax_and_back(tmp_path):
     assert run_world(3, _megatron_load_then_save, str(tmp_path), timeout=180) == [True] * 3
     f = _full()
     import numpy as np
-    np.save(tmp_path / "w.npy", _bits(f[W]).numpy())
+    np.save(tmp_path / "w.npy", f[W].view(torch.int16).numpy())
     np.save(tmp_path / "e.npy", f[E].numpy())
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
@@ -119,5 +113,4 @@ def test_dcp_to_megatron_to_orbax_and_back(tmp_path):
         warnings.simplefilter("ignore")
         dcp.load(like, storage_reader=ShardpointReader(tmp_path / "orb" / "shardpoint"),
                  no_dist=True)
-    assert torch.equal(_bits(like["sharded"][W]), _bits(f[W]))
-    assert torch.equal(_bits(like["sharded"][E]), _bits(f[E]))
+    assert same_bits(like["sharded"][W], f[W]) and same_bits(like["sharded"][E], f[E])

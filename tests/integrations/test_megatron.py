@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from shardpoint_testing.launch import run_world
+from shardpoint_testing.tensors import same_bits, seeded_randn
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None or
                                 importlib.util.find_spec("megatron.core") is None,
@@ -28,8 +29,8 @@ L, H, QKV, FFN, E, V, P = 4, 8, 12, 4, 4, 16, 6     # layers, hidden, ..., exper
 
 
 def full(key, shape, dtype):
-    g = torch.Generator().manual_seed(sum(ord(c) * (i + 1) for i, c in enumerate(key)))
-    return torch.randn(shape, generator=g).to(dtype)
+    # position-weighted seed: keys that are anagrams ("q.k" / "k.q") get different tensors
+    return seeded_randn(sum(ord(c) * (i + 1) for i, c in enumerate(key)), shape, dtype)
 
 
 MODEL = {   # key -> (global shape, dtype)
@@ -216,12 +217,6 @@ def rng_value(p, t):
     return {"random_rng_state": (3, tuple(range(p, p + 5)), None),
             "np_rng_state": ("MT19937", np.arange(4, dtype=np.uint32) + t, 1, 0, 0.0),
             "torch_rng_state": torch.arange(6, dtype=torch.uint8) + 10 * p + t}
-
-
-def same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and (
-        a.numel() == 0 or torch.equal(a.contiguous().view(-1).view(torch.uint8),
-                                      b.contiguous().view(-1).view(torch.uint8)))
 
 
 def check_loaded(ssd, out, tp, pp, dp, rank):

@@ -138,3 +138,24 @@ def test_readme_example_runs(tmp_path):
                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert any(f == "manifest.msgpack" for _r, _d, fs in os.walk(tmp_path) for f in fs)
+
+
+def test_sharded_metadata_is_read_from_the_typed_tree(tmp_path):
+    """``load_tensors_metadata`` / ``load_sharded_metadata`` (what Megatron asks before a
+    load): every tensor and object grid under ``sharded/``, nothing outside it, no bytes."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    import shardpoint as sp
+    from shardpoint.integrations.megatron import SHARDED
+    from shardpoint.integrations.megatron_strategy import ShardpointLoadStrategy
+    sp.save({SHARDED: {"dec.w": torch.ones(3, 2, dtype=torch.bfloat16),
+                       "rng": sp.ShardedObject(1, (0, 0), (1, 1)), "n": 4},
+             "other": torch.zeros(1)}, str(tmp_path / "shardpoint"))
+    meta = ShardpointLoadStrategy().load_sharded_metadata(tmp_path)
+    assert sorted(meta) == ["dec.w", "rng"]
+    w, rng = meta["dec.w"], meta["rng"]
+    assert isinstance(w, ShardedTensor) and w.data is None and w.dtype == torch.bfloat16
+    assert (w.key, w.global_shape, w.local_shape) == ("dec.w", (3, 2), (3, 2))
+    assert isinstance(rng, ShardedObject) and rng.global_shape == (1, 1)
+    assert sorted(ShardpointLoadStrategy().load_tensors_metadata(tmp_path)) == ["dec.w"]

@@ -170,3 +170,21 @@ def test_an_error_another_process_reported_is_raised_as_the_cores_class():
         with pytest.raises(spj.SaveFailedError) as e:
             raise_info([name, None, "boom"], "write")
         assert type(e.value) is spj.SaveFailedError
+
+
+def test_read_metadata_gives_the_typed_tree(tmp_path):
+    """``spj.read_metadata(path).tree``: the saved pytree with the core's typed leaves; a
+    jax.Array leaf has no origin (the saving framework's own type, [SP-MAN-6])."""
+    path = str(tmp_path / "ck")
+    spj.save(path, {"w": jnp.ones((2, 3)), "n": np.arange(4, dtype=np.int8),
+                    "o": spj.ShardedObject({"seed": 3}, 0, 1), "sched": (1, [None])})
+    t = spj.read_metadata(path).tree
+    assert isinstance(t["w"], spj.TensorLeaf) and (t["w"].shape, t["w"].dtype) == ((2, 3),
+                                                                                  "float32")
+    assert t["w"].origin is None and t["n"].origin == "numpy"
+    assert isinstance(t["o"], spj.ObjectLeaf) and t["o"].nested() == [{"seed": 3}]
+    assert t["sched"] == (spj.ValueLeaf("sched/0", 1), [spj.ValueLeaf("sched/1/0", None)])
+    assert [(p, leaf.kind) for p, leaf in spj.iter_leaves(t)] == [
+        (("w",), "tensor"), (("n",), "tensor"), (("o",), "object"), (("sched", 0), "value"),
+        (("sched", 1, 0), "value")]
+    assert spj.node_at(t, ("sched", 1)) == [spj.ValueLeaf("sched/1/0", None)]

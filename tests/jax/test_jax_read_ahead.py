@@ -73,15 +73,16 @@ def test_a_damaged_chunk_read_ahead_names_its_own_tensor(tmp_path, monkeypatch):
     assert drained == [{}]                               # nothing left reading
 
 
-def test_whole_chunk_reads_from_the_files_match_tensorstore_and_catch_damage(tmp_path,
-                                                                            monkeypatch):
-    """Regions of whole chunks (or whole inner chunks of a shard) are read from the chunk
-    files directly; they must give TensorStore's bytes exactly: edge chunks padded in the
-    file, shards of inner chunks, 0-d arrays, bf16; regions cutting chunks use TensorStore."""
-    from shardpoint_jax import direct
+def test_direct_reads_from_the_files_match_the_zarr_layer_and_catch_damage(tmp_path,
+                                                                          monkeypatch):
+    """Local regions are read by the core's direct reader (preadv into the destination);
+    they must give the Zarr layer's bytes exactly: edge chunks padded in the file, shards of
+    inner chunks, regions cutting inner chunks, 0-d arrays, bf16. An intact checkpoint never
+    needs the Zarr layer; a damaged inner chunk goes to it, which names the rule."""
+    from shardpoint_jax import storage
     from shardpoint_jax.loading import Checkpoint
     rng = np.random.default_rng(5)
-    big = rng.standard_normal((700, 1000), np.float32)     # 2.8 MB: a shard of 35-row cells
+    big = rng.standard_normal((700, 1000), np.float32)     # 2.8 MB: a shard of inner chunks
     t = {"big": big, "odd": rng.integers(0, 255, (37, 11), np.uint8),
          "bf": jnp.asarray(rng.standard_normal((5, 3), np.float32)).astype(jnp.bfloat16),
          "s": jnp.asarray(3.5, jnp.float32)}
@@ -90,26 +91,33 @@ def test_whole_chunk_reads_from_the_files_match_tensorstore_and_catch_damage(tmp
     regions = [("big", [0, 0], [700, 1000]), ("big", [35, 0], [70, 1000]),
                ("big", [630, 0], [70, 1000]), ("big", [3, 5], [100, 7]),
                ("odd", [0, 0], [37, 11]), ("bf", [0, 0], [5, 3]), ("s", [], [])]
-    got = {}
-    for use in (True, False):
-        monkeypatch.setattr(direct, "available", lambda use=use: use)
-        ck = Checkpoint(p)
-        got[use] = [ck.read(k, o, s).tobytes() for k, o, s in regions]
-    assert got[True] == got[False]
-    assert got[True][1] == big[35:105].tobytes() and got[True][2] == big[630:].tobytes()
     calls = []
-    real = direct.read_region
-    monkeypatch.setattr(direct, "read_region", lambda *a: (calls.append(a[5]), real(*a)))
-    monkeypatch.setattr(direct, "available", lambda: True)
-    ck = Checkpoint(p)
-    ck.read("big", [35, 0], [70, 1000])
-    ck.read("big", [3, 5], [100, 7])                     # cuts inner chunks: TensorStore
-    assert calls == [[35, 0]]
+    real = storage.StoredArray._fallback
+    monkeypatch.setattr(storage.StoredArray, "_fallback",
+                        lambda self, off, view: (calls.append(list(off)),
+                                                 real(self, off, view)))
+    got = {}
+    for direct in (True, False):
+        ck = Checkpoint(p)
+        for k in t:
+            assert ck.array(k).direct is not None, k
+            if not direct:
+                ck.array(k).direct = None       # the Zarr layer over the FileStore
+        got[direct] = [ck.read(k, o, s).tobytes() for k, o, s in regions]
+    assert got[True] == got[False] and calls == []
+    assert got[True][1] == big[35:105].tobytes() and got[True][2] == big[630:].tobytes()
+    assert got[True][3] == big[3:103, 5:12].tobytes()
+    rows = Checkpoint(p).array("big").inner[0]
     shard = os.path.join(p, "tensors", "big", "c", "0", "0")
     with open(shard, "r+b") as f:                          # one byte of inner chunk 1
-        f.seek(35 * 1000 * 4 + 4 + 10)
+        n = -(-700 // rows)
+        f.seek(-(16 * n + 4), 2)
+        pos = int(np.frombuffer(f.read(16 * n), "<u8").reshape(n, 2)[1, 0])
+        f.seek(pos + 10)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 1]))
-    with pytest.raises(sj.CorruptCheckpointError, match=r"'big'.*inner chunk \[1, 0\].*CRC"):
-        Checkpoint(p).read("big", [35, 0], [35, 1000])
+    with pytest.raises(sj.CorruptCheckpointError, match=r"'big'.*inner chunk \[1, 0\].*crc32c"
+                       ) as e:
+        Checkpoint(p).read("big", [rows, 0], [rows, 1000])
+    assert e.value.spec_id == "SP-READ-3" and calls == [[rows, 0]]

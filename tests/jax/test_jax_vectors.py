@@ -18,14 +18,7 @@ import shardpoint_jax as sj  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "spec",
                     "vectors")
 VALID = sorted(os.listdir(os.path.join(ROOT, "valid")))
-# Spec 1.2 reader rules shardpoint_jax does not implement yet (its shard index and
-# bytes-present checks: its reader does not call the core's zarr/checks.py for those):
-# expected failures until it does, strict so that each one is noticed the day it passes.
-# The reference and the independent reader follow them (tests/spec/test_vectors.py).
-NOT_YET_1_2 = {"aliased_shard_index", "declares_more_than_stored"}
-INVALID = [pytest.param(c, marks=pytest.mark.xfail(
-    strict=True, reason="spec 1.2 reader rule not implemented in shardpoint_jax yet"))
-    if c in NOT_YET_1_2 else c for c in sorted(os.listdir(os.path.join(ROOT, "invalid")))]
+INVALID = sorted(os.listdir(os.path.join(ROOT, "invalid")))
 
 
 def json_form(v):

@@ -14,26 +14,13 @@ import shardpoint as sp
 from shardpoint.tools.cli import main as cli
 from shardpoint.tools.convert import convert, detect_format
 from shardpoint_testing.launch import run_world
+from shardpoint_testing.tensors import random_bits, same_bits
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
           torch.bool, torch.float16)
 
 
-def full(name, shape, dtype=torch.float32):
-    """Deterministic contents of any dtype, as random bits (NaN payloads and all)."""
-    g = torch.Generator().manual_seed(sum(map(ord, name)))
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-    if dtype == torch.bool:
-        return (raw % 2).bool().reshape(shape)
-    return raw.view(dtype).reshape(shape)
-
-
-def same_bits(a, b):
-    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-        return False
-    return a.numel() == 0 or torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                                         b.contiguous().reshape(-1).view(torch.uint8))
+full = random_bits     # deterministic contents of any dtype (NaN payloads and all)
 
 
 # ------------------------------------------------------------------------------- DCP, 2 ranks

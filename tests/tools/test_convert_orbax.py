@@ -28,6 +28,7 @@ from shardpoint.tools.convert import convert, detect_format, write  # noqa: E402
 from shardpoint.tools.convert.orbax import OrbaxSource  # noqa: E402
 from shardpoint.tree.dtypes import torch_to_numpy  # noqa: E402
 from shardpoint_jax.launch import run_processes  # noqa: E402
+from shardpoint_testing.tensors import same_bits  # noqa: E402
 from google.protobuf import struct_pb2  # noqa: E402  (orbax-checkpoint requires protobuf)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,11 +72,6 @@ def at(tree, path):
     for c in path:
         tree = getattr(tree, c) if isinstance(c, str) and isinstance(tree, tuple) else tree[c]
     return tree
-
-
-def same_bits(got: torch.Tensor, want: np.ndarray) -> bool:
-    g = torch_to_numpy(got.contiguous())
-    return g.dtype == want.dtype and g.shape == want.shape and g.tobytes() == want.tobytes()
 
 
 def cli_run(capsys, *argv):

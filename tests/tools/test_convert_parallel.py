@@ -20,7 +20,7 @@ from shardpoint.tools.convert.base import TensorInfo, key_of
 from shardpoint.tools.convert.native import tensor_entry
 from shardpoint.tools.convert.parallel import WorkItem, plan_shares, start_workers_early
 from shardpoint_testing.launch import run_world
-from test_convert import full, same_bits
+from shardpoint_testing.tensors import random_bits as full, same_bits
 
 SMALL_CHUNKS = 64     # bytes: tensors of a few hundred bytes get many chunk rows to share out
 

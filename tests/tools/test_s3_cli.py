@@ -1,6 +1,6 @@
 """The CLI on s3:// checkpoints against a real S3 server: inspect, verify (strict too), diff,
 recover (a crashed save's prefix removed, the committed one kept), convert from S3 to a local
-file, and convert to S3 refused with a clear error instead of writing a local 's3:' folder."""
+file and from a local file to S3; a scheme nobody registered refused, never a local folder."""
 import json
 import uuid
 
@@ -48,9 +48,14 @@ def test_cli_on_s3(s3_env, tmp_path, capsys, monkeypatch):
     assert main(["convert", "--to", "safetensors", a, str(out)]) == 0      # S3 -> local
     assert out.exists()
     capsys.readouterr()
-    assert main(["convert", str(out), f"{root}/c"]) == 1
+    assert main(["convert", str(out), f"{root}/c"]) == 0                 # local -> S3
+    assert main(["verify", f"{root}/c"]) == 0
+    capsys.readouterr()
+    assert main(["convert", "--to", "safetensors", a, f"{root}/d.safetensors"]) == 1
+    assert "shardpoint output only" in capsys.readouterr().err
+    assert main(["convert", str(out), "nostore://b/c"]) == 1
     assert "UnsupportedStoreError" in capsys.readouterr().err
-    assert not list(tmp_path.glob("s3*"))                              # never a local 's3:'
+    assert not list(tmp_path.glob("s3*")) and not list(tmp_path.glob("nostore*"))
 
 
 @pytest.mark.slow       # two spawned worlds (~40 s on a busy 2-core machine)

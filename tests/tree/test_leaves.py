@@ -1,5 +1,5 @@
 """One typed state tree: leaf handlers (one per kind of leaf, used by save and by load
-targets) and the typed tree readers see (``Manifest.state_tree``, ``sp.open(...).tree``)."""
+targets) and the typed tree readers see (``Manifest.tree``, ``sp.open(...).tree``)."""
 import numpy as np
 import pytest
 import torch
@@ -16,15 +16,16 @@ def _state() -> dict:
             "empty": {}}
 
 
-def test_state_tree_is_the_saved_tree_with_typed_leaves(tmp_ckpt):
+def test_metadata_tree_is_the_saved_tree_with_typed_leaves(tmp_ckpt):
     sp.save(_state(), tmp_ckpt)
     m = sp.read_metadata(tmp_ckpt)
-    t = m.state_tree
+    t = m.tree
+    assert m.state_tree is t and m.tree is t     # built once; state_tree is an alias
     assert set(t) == {"model", "sched", "rng", "empty"} and t["empty"] == {}
     w, n = t["model"]["w"], t["model"]["n"]
     assert isinstance(w, TensorLeaf) and (w.key, w.shape, w.dtype) == ("model/w", (2, 3),
                                                                        "float32")
-    assert w.origin == "torch" and n.origin == "numpy" and n.dtype == "int16"
+    assert w.origin is None and n.origin == "numpy" and n.dtype == "int16"   # [SP-MAN-6]
     assert w.nbytes == 24 and w.entry is m.tensors["model/w"]
     assert isinstance(t["sched"], list) and isinstance(t["sched"][1], tuple)
     assert t["sched"][1][1] == ValueLeaf("sched/1/1", "x")
@@ -32,7 +33,72 @@ def test_state_tree_is_the_saved_tree_with_typed_leaves(tmp_ckpt):
     assert isinstance(t["rng"], ObjectLeaf) and t["rng"].grid == (1,)
     assert t["rng"].nested() == [{"seed": 7}]
     assert [k for k, _ in iter_leaves(t)][:2] == [("model", "w"), ("model", "n")]
-    assert wire_tree(t) == m.tree            # the manifest's encoding, given back
+    assert wire_tree(t) == m.wire_tree       # the manifest's encoding, given back
+
+
+def _every_kind() -> dict:
+    """A state with a leaf of every kind a one-process save takes (DTensor aside: it needs a
+    mesh) and every kind of container, empty ones and int keys included."""
+    rows = torch.arange(24.0).view(4, 6)
+    return {
+        "t": torch.ones(2, 3, dtype=torch.bfloat16), "np": np.arange(5, dtype=np.uint16),
+        "st": sp.ShardedTensor(rows, (4, 6), (0, 0)),
+        "flat": sp.ShardedTensor(torch.arange(12), (3, 4), (0, 0), local_shape=(3, 4),
+                                 flattened_range=(0, 12)),
+        "pieces": sp.ShardedPieces([sp.ShardedTensor(rows[:1], (4, 6), (0, 0)),
+                                    sp.ShardedTensor(rows[1:], (4, 6), (1, 0))]),
+        "obj": sp.ShardedObject({"seed": 1}, 0, 1),
+        "grid": sp.ShardedObject((1, "a"), (0, 0), (1, 1)),
+        7: {0: "int keys", "7": b"bytes"},
+        "values": [None, True, -3, 2.5, float("inf"), "s", b"\x00", np.float32(1.5)],
+        "tup": (torch.zeros(1), (1, ("deep",)), [sp.ShardedObject(3, 0, 1)]),
+        "empty": {"d": {}, "l": [], "t": ()},
+    }
+
+
+def _expected_skeleton(x, path=()):
+    """What the typed tree must be for the saved ``x``: containers as they are, a leaf as
+    (kind, shape, dtype) / (kind, grid) / (kind, value)."""
+    from shardpoint.tree import dtypes
+    if isinstance(x, dict):
+        return {k: _expected_skeleton(v, path + (k,)) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_expected_skeleton(v, path + (i,)) for i, v in enumerate(x))
+    if isinstance(x, sp.ShardedPieces):
+        x = x.pieces[0]
+    if isinstance(x, sp.ShardedTensor):
+        return ("tensor", tuple(x.global_shape), dtypes.from_torch(x.data.dtype).name, None)
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), dtypes.from_torch(x.dtype).name, None)
+    if isinstance(x, np.ndarray):
+        return ("tensor", x.shape, dtypes.from_numpy(x.dtype).name, "numpy")
+    if isinstance(x, sp.ShardedObject):
+        return ("object", tuple(x.grid_shape), [x.value])
+    return ("value", x)
+
+
+def _typed_skeleton(t):
+    if isinstance(t, dict):
+        return {k: _typed_skeleton(v) for k, v in t.items()}
+    if isinstance(t, (list, tuple)):
+        return type(t)(_typed_skeleton(v) for v in t)
+    if isinstance(t, TensorLeaf):
+        return ("tensor", t.shape, t.dtype, t.origin)
+    if isinstance(t, ObjectLeaf):
+        return ("object", t.grid, list(t.values))
+    return ("value", t.value)
+
+
+def test_metadata_tree_of_every_leaf_kind_is_what_was_saved(tmp_ckpt):
+    state = _every_kind()
+    sp.save(state, tmp_ckpt)
+    m = sp.read_metadata(tmp_ckpt)
+    assert _typed_skeleton(m.tree) == _expected_skeleton(state)
+    assert list(m.tree) == list(state) and list(m.tree[7]) == [0, "7"]   # order and key types
+    keys = [leaf.key for _p, leaf in sp.iter_leaves(m.tree)]
+    assert keys[:4] == ["t", "np", "st", "flat"] and "7/~7" in keys and len(keys) == 21
+    assert sp.node_at(m.tree, ("tup", 1, 1, 0)) == sp.ValueLeaf("tup/1/1/0", "deep")
+    assert sp.node_at(m.tree, ("empty", "t")) == () and sp.node_at(m.tree, ("nope",)) is None
 
 
 def test_open_hands_the_typed_tree(tmp_ckpt):

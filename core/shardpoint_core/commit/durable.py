@@ -30,16 +30,28 @@ def newest_mtime(root: str) -> float:
     return newest
 
 
+_LIBC: Optional[Any] = None
+_FUNCTIONS: dict = {}
+
+
 def libc_function(name: str, argtypes: list, restype: Any = ctypes.c_int) -> Optional[Any]:
     """The Linux libc function ``name`` (errno kept for ``ctypes.get_errno``), or None on
-    another OS or a libc without it."""
+    another OS or a libc without it. Looked up once per name: the library is opened once
+    per process, not per call (renameat2 and syncfs run on every commit)."""
+    global _LIBC
     if sys.platform != "linux":
         return None
+    if name in _FUNCTIONS:
+        return _FUNCTIONS[name]
     try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        fn = _LIBC[name]        # a fresh function object: its argtypes are this caller's
     except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = argtypes, restype
+        fn = None
+    if fn is not None:
+        fn.argtypes, fn.restype = argtypes, restype
+    _FUNCTIONS[name] = fn
     return fn
 
 

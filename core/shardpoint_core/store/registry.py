@@ -1,5 +1,6 @@
 """Stores chosen from a checkpoint's path: plain paths and ``file://`` are local files,
-``memory://name/...`` a process-wide memory store, and any other scheme whatever was
+``memory://name/...`` a process-wide memory store, ``s3://`` and ``gs://`` the object stores
+(:mod:`.s3`, :mod:`.gcs`), and any other scheme whatever was
 registered for it (``register_store("s3", factory)``: object stores plug in here).
 
 A path with a scheme nobody registered is refused (:class:`UnsupportedStoreError`, naming the
@@ -147,5 +148,11 @@ def _s3_store(url: str) -> ByteStore:
     return S3Store.from_url(url)
 
 
+def _gcs_store(url: str) -> ByteStore:
+    from shardpoint_core.store.gcs import GcsStore   # google-cloud-storage: on first request
+    return GcsStore.from_url(url)
+
+
 register_store("memory", _memory_store)
 register_store("s3", _s3_store)
+register_store("gs", _gcs_store)

@@ -39,7 +39,7 @@ from shardpoint_core.dtypes import DTYPES
 from shardpoint_core.errors import CorruptCheckpointError
 from shardpoint_core.storage import ArraySpec
 from shardpoint_core.store.base import ByteStore
-from shardpoint_core.zarr.checks import check_zarr_json
+from shardpoint_core.zarr.checks import check_shard_index, check_zarr_json
 from shardpoint_core.zarr.direct_write import (INNER_ALIGN, encode_chunk, stored_codecs,
                                                zarr_json_bytes)
 from shardpoint_core.zarr.layout import codecs_for, fill_value
@@ -240,6 +240,7 @@ def read_shard_index(store: ByteStore, ckey: str, layout: ArrayLayout,
     if np.any(present & ((index[:, 1] != nb) | beyond)):
         raise _bad(key, ckey, "shard index points past the index or at an inner chunk of "
                    "the wrong size ([SP-READ-5])", "SP-READ-3")
+    check_shard_index(index, size - isz - 4, key, ckey)     # overlaps, aliases [SP-READ-7]
     return index, size
 
 

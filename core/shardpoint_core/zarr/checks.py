@@ -24,6 +24,7 @@ MAX_ZARR_JSON_BYTES = 1 << 20
 # ([SP-ARRAY-6]); the spec's own documents need 7 levels.
 MAX_ZARR_JSON_DEPTH = 32
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKET = re.compile(rb"[\[\]{}]")
 ONE_BYTE = {"bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2"}
 _KNOWN = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
           "fill_value", "codecs", "attributes", "dimension_names", "storage_transformers"}
@@ -218,6 +219,12 @@ def json_depth(raw: bytes) -> int:
     """Deepest nesting of objects and arrays in JSON text (the document is level 1), found
     without parsing or recursion: strings are blanked, then brackets counted."""
     bare = _JSON_STRING.sub(b'""', raw)
+    if len(bare) <= 1 << 14:    # a usual zarr.json: a dozen brackets, no numpy overhead
+        depth = deepest = 0
+        for m in _BRACKET.finditer(bare):
+            depth += 1 if m.group() in (b"[", b"{") else -1
+            deepest = max(deepest, depth)
+        return deepest
     b = np.frombuffer(bare, np.uint8)
     step = (np.isin(b, (0x5B, 0x7B)).astype(np.int64)
             - np.isin(b, (0x5D, 0x7D)).astype(np.int64))
@@ -391,3 +398,24 @@ def metadata_problems(shape: Any, meta: dict, spec: ArraySpec) -> list:
     if not has_crc(meta.get("codecs", [])):
         problems.append("codec chain has no crc32c")
     return problems
+
+
+def check_array_objects(store: Any, array_path: str, key: str,
+                        sizes: tuple = (None, 0)) -> tuple:
+    """:func:`check_array_files` for a store without files (object stores, memory): one
+    listing of the array's chunk objects, each of a possible size ([SP-READ-5] as
+    [SP-READ-3]). Returns ``(chunk objects, their bytes together)`` for
+    :func:`check_backed_bytes` ([SP-READ-6])."""
+    exact, least = sizes
+    total = count = 0
+    base = f"{array_path}/c"
+    for info in store.list(base):
+        if info.key != base and not info.key.startswith(base + "/"):
+            continue
+        if (exact is not None and info.size != exact) or info.size < least:
+            raise _corrupt(key, f"chunk object {info.key!r} has {info.size} bytes, not "
+                           f"{exact if exact is not None else f'>= {least}'} (truncated or "
+                           "extra bytes)", "SP-READ-3")
+        total += info.size
+        count += 1
+    return count, total

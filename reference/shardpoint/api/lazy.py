@@ -129,7 +129,7 @@ class Checkpoint:
         self._identity = getattr(self._be, "checkpoint_identity", None)
         self._ident = self._identity(self.path) if self._identity else None   # see load()
         self.manifest: Manifest = decode_manifest(self._be.read_manifest(self.path))
-        self.tree = self.manifest.state_tree   # nested dicts/lists/tuples, typed leaves
+        self.tree = self.manifest.tree   # nested dicts/lists/tuples, typed leaves
         self._leaves = {encode_key(p): leaf for p, leaf in iter_leaves(self.tree)}
         self._handles: dict = {}
 

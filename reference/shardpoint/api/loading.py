@@ -165,10 +165,33 @@ class LoadJob:
                     "(overwrite=True, a manager's force=True or retention) while another job "
                     "loads it")
         except Exception as e:  # noqa: BLE001
-            if getattr(e, "_sp_agreed", False):
-                raise  # every rank raised it already
-            err = e
+            if getattr(e, "_sp_agreed", False):    # every rank raised it already
+                new = self._removed_meanwhile(e)
+                if new is e:
+                    raise
+                new._sp_agreed = True               # type: ignore[attr-defined]
+                raise new from e
+            err = self._removed_meanwhile(e)
         agree(self.comm, err, errors.LoadFailedError)
+
+    def _removed_meanwhile(self, e: BaseException) -> BaseException:
+        """``e``, or, where a missing array or chunk is explained by the checkpoint having been
+        replaced or removed since its manifest was read (a manager's retention, another job's
+        overwrite), a LoadFailedError that says so ([SP-COMMIT-14]), ``e`` as its cause."""
+        if not (isinstance(e, errors.CorruptCheckpointError) and self.ident is not None):
+            return e
+        try:
+            now = self._identity(self.path)
+        except Exception:  # noqa: BLE001 - the original error stands
+            return e
+        if now == self.ident:
+            return e
+        err = errors.LoadFailedError(
+            f"the checkpoint at {self.path!r} was "
+            f"{'removed' if now is None else 'replaced'} by another job while this load read "
+            f"it (retention or an overwrite), so its data went missing mid-read ({e}); "
+            "nothing was returned. Load again (a manager's load() picks the newest step)")
+        return err
 
     def _execute(self, budget: int) -> tuple:
         m = self.m

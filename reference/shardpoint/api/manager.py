@@ -25,6 +25,12 @@ never touches the directory, and the clean-up of its ``save``/``load`` skips wha
 save holds (the committer's lock rule), so an observer cannot disturb a save in progress.
 ``backend``, ``save_options`` and ``load_options`` go to every save and load.
 
+``root`` may be an object-store prefix (``s3://bucket/run``, ``gs://bucket/run``): steps are
+``<root>/step_00000042`` prefixes committed by their manifest (format.md 9.1); retention
+deletes a step's marker first, then its objects; the clean-up removes save prefixes that no
+marker names only once they are 15 minutes old ([SP-COMMIT-15]), since nothing on the store
+tells a running save from a dead one (:class:`shardpoint_core.commit.steps.StepRoot`).
+
     with sp.CheckpointManager("/ckpt", max_to_keep=3, async_save=True) as mgr:
         start = mgr.latest_step() or 0
         if start:
@@ -36,19 +42,15 @@ save holds (the committer's lock rule), so an observer cannot disturb a save in 
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from shardpoint import api
 from shardpoint_core import errors
 from shardpoint.exchange.comm import Comm, agree
-from shardpoint.tree.model import iter_tree_leaves
-from shardpoint_core.store.registry import local_path
-from shardpoint_core.commit.cleanup import clean_leftovers
-from shardpoint_core.policy import (Retention, check_metric, parse_step, policy_from_options,
-                                    ranked, retained, step_name)
-from shardpoint_core.recovery import committer_of
-from shardpoint_core.storage import MANIFEST_NAME, StorageBackend
+from shardpoint_core.commit.steps import StepRoot
+from shardpoint_core.policy import Retention, check_metric, policy_from_options, ranked, retained
+from shardpoint_core.statetree import ValueLeaf, node_at
+from shardpoint_core.storage import StorageBackend
 
 METRICS_KEY = "__metrics__"
 
@@ -81,7 +83,8 @@ class CheckpointManager:
                                                           best_metric, best_mode, keep_best)
         if best_metric is not None:
             check_metric(best_metric, best_mode)
-        self.root = os.path.abspath(local_path(str(root), "CheckpointManager"))
+        self._steps = StepRoot(root, backend=backend)   # local directory or s3://, gs://
+        self.root = self._steps.root
         self.max_to_keep, self.keep_every, self.keep_best = max_to_keep, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         if async_save and not hasattr(api, "AsyncSave"):
@@ -93,23 +96,16 @@ class CheckpointManager:
         self._comm = Comm(group)
         self._pending: Any = None          # the in-flight async save, if any
         self._metrics: dict = {}           # step -> metrics dict (cache of the manifests)
-        self._committer = committer_of(backend)
+        self._committer = self._steps.committer
 
     # ---------------------------------------------------------------- reading (any rank)
     def path(self, step: int) -> str:
-        """The directory of ``step`` (it may not exist)."""
-        return os.path.join(self.root, step_name(step))
+        """The directory (or object-store URL) of ``step`` (it may not exist)."""
+        return self._steps.path(step)
 
     def all_steps(self) -> list:
         """Committed steps, oldest first (incomplete ones are ignored)."""
-        if not os.path.isdir(self.root):
-            return []
-        out = []
-        for name in os.listdir(self.root):
-            n = parse_step(name)
-            if n is not None and os.path.isfile(os.path.join(self.root, name, MANIFEST_NAME)):
-                out.append(n)
-        return sorted(out)
+        return self._steps.all_steps()
 
     def latest_step(self) -> Optional[int]:
         """The newest committed step, or None."""
@@ -119,9 +115,9 @@ class CheckpointManager:
     def metrics(self, step: int) -> dict:
         """The metrics saved with ``step`` (empty when none were given)."""
         if step not in self._metrics:
-            m = api.read_metadata(self.path(step))
-            self._metrics[step] = {p[1]: n["value"] for p, n in iter_tree_leaves(m.tree)
-                                   if len(p) == 2 and p[0] == METRICS_KEY and "value" in n}
+            node = node_at(api.read_metadata(self.path(step)).tree, (METRICS_KEY,))
+            self._metrics[step] = {k: n.value for k, n in node.items()
+                                   if isinstance(n, ValueLeaf)} if isinstance(node, dict) else {}
         return dict(self._metrics[step])
 
     def best_step(self) -> Optional[int]:
@@ -269,15 +265,14 @@ class CheckpointManager:
         keep = self.retained(steps)
         for s in steps:
             if s not in keep:
-                self._remove(self.path(s))
+                # Through the committer: on files locked, hidden by one atomic rename, then
+                # deleted; on object stores the marker first, then its objects. A reader gets
+                # an error, never half a step; a step a live save holds stays.
+                self._steps.remove(s)
                 self._metrics.pop(s, None)
-
-    def _remove(self, path: str) -> None:
-        # Through the committer: locked, hidden by one atomic rename, then deleted, so a
-        # reader gets 'no checkpoint', never half a step; a step a live save holds stays.
-        self._committer.remove(path)
 
     def _clean_leftovers(self) -> None:
         """Remove what crashed saves left; restore a step whose overwrite crashed midway;
-        never what a live save holds (:func:`shardpoint_core.commit.cleanup.clean_leftovers`)."""
-        clean_leftovers(self._committer, self.root, lambda n: parse_step(n) is not None)
+        never what a live save holds (:meth:`shardpoint_core.commit.steps.StepRoot.
+        clean_leftovers`: the lock rule on files, a minimum age on object stores)."""
+        self._steps.clean_leftovers()

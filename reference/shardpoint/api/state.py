@@ -154,7 +154,7 @@ def load_model(path: str, model: torch.nn.Module, *, key: str = "model",
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         model.to_empty(device="cpu")
     m = api.read_metadata(path)
-    tree = m.state_tree
+    tree = m.tree
     sub = tree.get(key) if isinstance(tree, dict) else None
     stored = ({name: leaf.entry for name, leaf in sub.items() if isinstance(leaf, TensorLeaf)}
               if isinstance(sub, dict) else {})

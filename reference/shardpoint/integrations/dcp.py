@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from shardpoint_core import errors
 from shardpoint_core.manifest import Manifest, read_metadata
+from shardpoint_core.statetree import TensorLeaf, ValueLeaf
 from shardpoint.api.loading import load
 from shardpoint.api.saving import SaveOptions, SaveResult, save
 from shardpoint.exchange.comm import Comm
@@ -215,23 +216,21 @@ def _nbytes(item: Any) -> int:
 
 
 # ------------------------------------------------------------------------------- reading
-def _value_of(node: dict) -> Any:
-    if "value" in node:
-        return node["value"]
-    if "list" in node:
-        return [_value_of(v) for v in node["list"]]
-    if "tuple" in node:
-        return tuple(_value_of(v) for v in node["tuple"])
+def _value_of(node: Any) -> Any:
+    if isinstance(node, ValueLeaf):
+        return node.value
+    if isinstance(node, list):
+        return [_value_of(v) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_value_of(v) for v in node)
     raise KeyError(node)
 
 
-def _holds_no_array(node: dict) -> bool:
-    if "value" in node:
+def _holds_no_array(node: Any) -> bool:
+    if isinstance(node, ValueLeaf):
         return True
-    if "list" in node or "tuple" in node:
-        return all("list" in v or "tuple" in v or "value" in v for v in
-                   node.get("list", node.get("tuple"))) and \
-            all(_holds_no_array(v) for v in node.get("list", node.get("tuple")))
+    if isinstance(node, (list, tuple)):
+        return all(_holds_no_array(v) for v in node)
     return False
 
 
@@ -241,20 +240,20 @@ def plan_dcp_entries(m: Manifest) -> dict:
     objects (per-rank values) have no DCP equivalent and are left out. Pure."""
     out: dict = {}
 
-    def walk(node: dict, path: tuple) -> None:
-        if "dict" in node:
-            for k, v in node["dict"]:
+    def walk(node: Any, path: tuple) -> None:   # the typed tree (Manifest.tree)
+        if isinstance(node, dict):
+            for k, v in node.items():
                 walk(v, path + (k,))
-        elif "list" in node or "tuple" in node:
+        elif isinstance(node, (list, tuple)):
             if path and _holds_no_array(node):
                 add(path, ("value", _value_of(node)))
             else:
-                for i, v in enumerate(node.get("list", node.get("tuple"))):
+                for i, v in enumerate(node):
                     walk(v, path + (i,))
-        elif "tensor" in node:
-            add(path, ("tensor", node["tensor"]))
-        elif "value" in node:
-            add(path, ("value", node["value"]))
+        elif isinstance(node, TensorLeaf):
+            add(path, ("tensor", node.key))
+        elif isinstance(node, ValueLeaf):
+            add(path, ("value", node.value))
 
     def add(path: tuple, entry: tuple) -> None:
         fqn = ".".join(str(c) for c in path)

@@ -46,7 +46,8 @@ from megatron.core.dist_checkpointing.strategies.base import (AsyncSaveShardedSt
 from megatron.core.dist_checkpointing.strategies.common import (TorchCommonLoadStrategy,
                                                                 TorchCommonSaveStrategy)
 
-from shardpoint_core.manifest import read_metadata, tree_leaves
+from shardpoint_core.manifest import read_metadata
+from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, iter_leaves
 from shardpoint.api.loading import load
 from shardpoint.api.saving import SaveOptions, save
 from shardpoint.integrations.megatron import SHARDED, megatron_tree
@@ -132,9 +133,9 @@ class ShardpointLoadStrategy(LoadShardedStrategy):
         """``{key: ShardedTensor}`` without data: each tensor's global shape and dtype."""
         m = read_metadata(sharded_path(checkpoint_dir))
         out = {}
-        for path, node in tree_leaves(m):
-            if len(path) == 2 and path[0] == SHARDED and "tensor" in node:
-                e = m.tensors[node["tensor"]]
+        for path, node in iter_leaves(m.tree):
+            if len(path) == 2 and path[0] == SHARDED and isinstance(node, TensorLeaf):
+                e = node.entry
                 n = len(e.shape)
                 out[path[1]] = MShardedTensor(
                     key=path[1], data=None, dtype=from_name(e.dtype).torch,
@@ -146,10 +147,9 @@ class ShardpointLoadStrategy(LoadShardedStrategy):
         """Tensors as :meth:`load_tensors_metadata`, and each sharded object's grid."""
         out = self.load_tensors_metadata(checkpoint_dir)
         m = read_metadata(sharded_path(checkpoint_dir))
-        for path, node in tree_leaves(m):
-            if len(path) == 2 and path[0] == SHARDED and "object" in node:
-                shape = tuple(getattr(m.objects[node["object"]], "shape",
-                                      (len(m.objects[node["object"]]),)))
+        for path, node in iter_leaves(m.tree):
+            if len(path) == 2 and path[0] == SHARDED and isinstance(node, ObjectLeaf):
+                shape = tuple(node.grid)
                 out[path[1]] = ShardedObject(path[1], None, shape, (0,) * len(shape))
         return out
 

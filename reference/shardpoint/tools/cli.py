@@ -70,7 +70,7 @@ def _chunks(e) -> int:
 def _tree_rows(m) -> list:
     """(indented name, kind, shape/value, size, chunk grid, where) for every tree node."""
     rows: list = []
-    _add_rows(rows, m.state_tree, "", 0)
+    _add_rows(rows, m.tree, "", 0)
     return rows
 
 
@@ -120,7 +120,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                                "bytes": e.nbytes} for k, e in m.tensors.items()},
                "objects": {k: {"count": len(v), "values": _jsonable(v)}
                            for k, v in m.objects.items()},
-               "values": {v.key: _jsonable(v.value) for _p, v in iter_leaves(m.state_tree)
+               "values": {v.key: _jsonable(v.value) for _p, v in iter_leaves(m.tree)
                           if isinstance(v, ValueLeaf)}}
         print(json.dumps(out, indent=2))
         return 0
@@ -134,7 +134,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     total = width() if sys.stdout.isatty() else 1 << 30
     for line in fit_table(rows, total, shrink=(2, 5, 4), keep_end=(5,)):
         print(line)
-    nvals = sum(1 for _p, v in iter_leaves(m.state_tree) if isinstance(v, ValueLeaf))
+    nvals = sum(1 for _p, v in iter_leaves(m.tree) if isinstance(v, ValueLeaf))
     print(f"total: {len(m.tensors)} tensors, {_fmt_bytes(total)} in {chunks} chunks; "
           f"{len(m.objects)} sharded objects; {nvals} values")
     return 0
@@ -267,8 +267,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _PATH_ARGS = ("path", "src", "dst", "a", "b", "dir")
-# commands that take s3://... checkpoints too (convert: as its source; writing converted
-# checkpoints to an object store is not supported yet and refused, never written locally)
+# commands that take s3://... checkpoints too (convert: as its source, and as its destination
+# for shardpoint output, published by the object-store commit like sp.save)
 _URL_COMMANDS = ("inspect", "verify", "recover", "diff", "convert")
 
 
@@ -283,8 +283,7 @@ def main(argv: Optional[list] = None) -> int:
     try:
         for name in _PATH_ARGS:        # a URL nobody registered is never a local path
             v = getattr(a, name, None)
-            if isinstance(v, str) and (is_local(v) or a.cmd not in _URL_COMMANDS
-                                       or (a.cmd, name) == ("convert", "dst")):
+            if isinstance(v, str) and (is_local(v) or a.cmd not in _URL_COMMANDS):
                 setattr(a, name, local_path(v, f"shardpoint {a.cmd}"))
             elif isinstance(v, str):
                 check_path(v, f"shardpoint {a.cmd}")      # s3://...: kept as a URL

@@ -6,7 +6,7 @@ Produces the list of targets (a holding and the tensor to fill in place) and the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -15,8 +15,8 @@ from shardpoint.tree.leaves import handler_for
 from shardpoint.tree.model import Holding, check_root
 from shardpoint_core import errors
 from shardpoint_core.keys import encode_key, format_path, similar_keys
-from shardpoint_core.manifest import Manifest, iter_tree_leaves
-from shardpoint_core.statetree import ObjectLeaf, ValueLeaf, iter_leaves
+from shardpoint_core.manifest import Manifest
+from shardpoint_core.statetree import ObjectLeaf, ValueLeaf, iter_leaves, node_at
 
 
 @dataclass
@@ -45,7 +45,7 @@ class _Collector:
     def __init__(self, m: Manifest, strict: bool, report: Any) -> None:
         self.m, self.strict, self.report = m, strict, report
         self.targets: list = []
-        self.values = {v.key: v.value for _p, v in iter_leaves(m.state_tree)
+        self.values = {v.key: v.value for _p, v in iter_leaves(m.tree)
                        if isinstance(v, ValueLeaf)}
 
     def missing(self, what: str, path: tuple = ()) -> None:
@@ -58,8 +58,7 @@ class _Collector:
     def absent(self, what: str, path: tuple, want: str) -> None:
         """A target leaf the checkpoint has no ``want`` for: a leaf of another kind at its
         path fails in both modes ([SP-LOAD-3]); nothing there (or an inner node) is missing."""
-        node = _node_at(self.m.tree, path) or {}
-        kind = next((k for k in ("tensor", "object", "value") if k in node), want)
+        kind = getattr(node_at(self.m.tree, path), "kind", want)   # a leaf's, else want
         if kind != want:
             raise errors.LayoutMismatchError(
                 f"{what}: the checkpoint holds a {kind} at this key, the target asks for a "
@@ -143,35 +142,14 @@ def _check_no_self_overlap(data: torch.Tensor, key: str) -> None:
 def _missing_hint(m: Manifest, path: tuple) -> str:
     """Why a key ``like`` asks for is absent, for the error: the checkpoint holds a subtree
     there, or keys with similar names (a ``module.`` / ``_orig_mod.`` prefix, a typo)."""
-    node = _node_at(m.tree, path) if path else None
-    if node is not None and any(k in node for k in ("dict", "list", "tuple")):
+    node = node_at(m.tree, path) if path else None
+    if isinstance(node, (dict, list, tuple)):
         below = [k for k in m.tensors if k.startswith(encode_key(path) + "/")][:3]
         return (f": the checkpoint has a subtree there (e.g. {', '.join(map(repr, below))}); "
                 "give like a tree for it") if below else ": the checkpoint has a subtree there"
-    near = similar_keys(encode_key(path), (encode_key(p) for p, _ in iter_tree_leaves(m.tree))
+    near = similar_keys(encode_key(path), (encode_key(p) for p, _ in iter_leaves(m.tree))
                         ) if path else []
     return f"; similar keys in it: {', '.join(map(repr, near))}" if near else ""
-
-
-def _value_at(tree: Any, path: tuple) -> Optional[tuple]:
-    node = _node_at(tree, path)
-    return (node["value"],) if node is not None and "value" in node else None
-
-
-def _node_at(tree: Any, path: tuple) -> Optional[dict]:
-    """The manifest tree node at ``path``, or None."""
-    node = tree
-    for c in path:
-        if "dict" in node:
-            node = dict((k, v) for k, v in node["dict"]).get(c)
-        elif "list" in node or "tuple" in node:
-            seq = node.get("list", node.get("tuple"))
-            node = seq[c] if isinstance(c, int) and 0 <= c < len(seq) else None
-        else:
-            node = None
-        if node is None:
-            return None
-    return node
 
 
 def full_targets(m: Manifest) -> tuple:
@@ -187,7 +165,7 @@ def full_targets(m: Manifest) -> tuple:
         targets[key] = Target(Holding(key, e.dtype, e.shape, (0,) * len(e.shape), e.shape,
                                        None, (0,)), t)
 
-    return list(targets.values()), _build_full(m.state_tree, targets)
+    return list(targets.values()), _build_full(m.tree, targets)
 
 
 def _build_full(node: Any, targets: dict) -> Any:

@@ -170,6 +170,13 @@ def write(src: Source, dst: str, fmt: str, *, overwrite: Any = False,
     ``procs`` > 1, that many worker processes each open the source again and write their
     share (shardpoint and safetensors targets; see :mod:`shardpoint.tools.convert.parallel`);
     ``worker_peaks`` then receives each worker's peak memory growth in bytes."""
+    from shardpoint_core.store.registry import is_local, local_path
+    if not is_local(dst) and fmt != "shardpoint":
+        raise ConversionError(f"{str(dst)!r} is on an object store, which takes shardpoint "
+                              f"output only (a save through the object-store commit, format.md"
+                              f" 9.1); convert to {fmt} into a local path")
+    if fmt != "shardpoint":
+        dst = local_path(dst, "convert")
     if max_shard_size is not None and fmt != "safetensors":
         raise ConversionError("max_shard_size (--max-shard-size) applies to safetensors only")
     if fmt not in TARGETS:
@@ -222,10 +229,17 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
     ``overwrite=True`` replaces a finished output of the target format at ``dst`` (or an
     empty directory); ``"any"`` also another directory, deleting what it holds; a file that
     is not such an output, a directory of checkpoints and a ``dst`` holding ``src`` are never
-    replaced."""
+    replaced. An object-store ``dst`` (``s3://``, ``gs://``) takes shardpoint output, written
+    and published like ``sp.save`` (format.md 9.1): ``overwrite`` replaces a committed
+    checkpoint only, never objects that are not one ([SP-COMMIT-13]); ``backend`` then serves
+    the source only."""
     t0 = time.perf_counter()
-    from shardpoint_core.store.registry import local_path
-    dst = local_path(dst, "convert")   # s3://... output: refused, never a local dir 's3:'
+    from shardpoint_core.store.registry import check_path, is_local, local_path
+    if is_local(dst):
+        dst = local_path(dst, "convert")
+    else:         # s3://...: shardpoint output through the object-store commit (write())
+        check_path(dst, "convert")     # a scheme nobody registered: refused, never a local dir
+        dst = str(dst)
     if isinstance(procs, int) and procs > 1 and to != "dcp" and backend is None:
         start_workers_early()
     with open_source(src, from_, skip_common=skip_common, backend=backend) as s:
@@ -239,7 +253,8 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
         try:
             rep.skipped += write(s, dst, fmt, overwrite=overwrite,
                                  max_shard_size=max_shard_size, progress=progress,
-                                 backend=backend, procs=procs, max_chunk_bytes=max_chunk_bytes,
+                                 backend=backend if is_local(dst) else None,  # URL: its own
+                                 procs=procs, max_chunk_bytes=max_chunk_bytes,
                                  worker_timeout=worker_timeout, skip_common=skip_common,
                                  worker_peaks=rep.worker_peak_bytes)
         except OSError as e:   # a full disk, a read-only one; not our own (also OSError) errors

@@ -24,7 +24,8 @@ from shardpoint_core.manifest import (Manifest, TensorEntry, array_path_for, dec
                                       encode_manifest)
 from shardpoint.planning.plans import PlanOptions
 from shardpoint_core.commit.posix import check_not_containing
-from shardpoint_core.storage import ArraySpec, StorageBackend, get_backend
+from shardpoint_core.store.registry import is_local
+from shardpoint_core.storage import ArraySpec, StorageBackend
 from shardpoint.tree.views import to_numpy
 from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, key_of, nest,
@@ -42,7 +43,7 @@ class ShardpointSource(Source):
         self.manifest = decode_manifest(self.backend.read_manifest(self.path))
         self._handles: dict = {}
         self._entries: dict = {}
-        for path, leaf in _leaves(self.manifest.state_tree, ()):
+        for path, leaf in _leaves(self.manifest.tree, ()):
             if isinstance(leaf, TensorLeaf):
                 e = leaf.entry
                 t = TensorInfo(tuple(path), tuple(e.shape), dtypes.from_name(e.dtype).torch)
@@ -178,7 +179,16 @@ def check_target(be: StorageBackend, dst: str, overwrite: Any,
     """Refuse what the commit would refuse at ``dst`` before any work (it would do so last),
     and a ``dst`` holding one of ``protect`` (the source: replacing it would delete it)."""
     try:
-        check_not_containing(dst, protect)
+        if is_local(dst):
+            check_not_containing(dst, protect)
+        else:                   # an object-store prefix: the source is it or lies below it
+            d = str(dst).rstrip("/")
+            for p in protect:
+                if str(p).rstrip("/") == d or str(p).startswith(d + "/"):
+                    raise CheckpointExistsError(
+                        f"{dst!r} holds {p!r}, the input of this command; writing there "
+                        "would delete it. Choose a destination outside the input",
+                        spec_id="SP-COMMIT-5")
         be.check_target(dst, overwrite)
     except CheckpointExistsError as e:
         raise with_cli_flag(e) from e
@@ -189,7 +199,7 @@ def write_shardpoint(src: Source, dst: str, *, overwrite: bool = False,
                      max_chunk_bytes: int = 256 << 20) -> list:
     """Write ``src`` as a shardpoint checkpoint at ``dst``, one tensor in memory at a time.
     Returns ``[(key, reason)]`` for the values that could not be stored."""
-    be = get_backend(backend)
+    be = backend_for(dst, backend)     # a local path's default, or an object store's
     check_target(be, dst, overwrite, protect=(src.path,))
     tree, objects, skipped = shardpoint_tree(src)
     staging = be.staging_path(dst, secrets.token_hex(6))

@@ -33,7 +33,7 @@ from typing import Any, Optional
 from shardpoint_core import errors
 from shardpoint_core.errors import ConversionError
 from shardpoint_core.fsutil import os_error_text
-from shardpoint_core.storage import get_backend
+from shardpoint_core.zarr.object_backend import backend_for
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, die_with_parent, key_of,
                                            limit_heap_growth, staged_output)
 from shardpoint.tools.convert.hf_safetensors import (file_layout, is_safetensors_output, plan_files,
@@ -182,7 +182,7 @@ class _ShardpointSink:
 
     def __init__(self, staging: str, entries: dict) -> None:
         self.staging, self.entries = staging, entries
-        self.be = get_backend()
+        self.be = backend_for(staging)      # local default, or the object store's
         self.handles: dict = {}
 
     def write(self, src: Source, t: TensorInfo, start: int, stop: int, progress: Progress
@@ -336,7 +336,7 @@ def write_shardpoint_parallel(src: Source, dst: str, spec: SourceSpec, *, procs:
     """:func:`~shardpoint.tools.convert.native.write_shardpoint` with ``procs`` worker processes:
     the same checkpoint, committed once by this process (arrays durable, manifest last,
     rename). ``worker_peaks`` receives each worker's peak memory growth in bytes."""
-    be = get_backend()
+    be = backend_for(dst)
     check_target(be, dst, overwrite, protect=(src.path,))
     tree, objects, skipped = shardpoint_tree(src)
     entries = {t.key: tensor_entry(t, max_chunk_bytes) for t in src.tensors}

@@ -1,0 +1,140 @@
+"""A manager's root of numbered steps, on any store: what both managers do to it, in one place.
+
+``shardpoint.CheckpointManager`` and ``shardpoint_jax.CheckpointManager`` keep one checkpoint
+per step below a root (``<root>/step_00000042``, :mod:`shardpoint_core.policy` names them).
+A root is a local directory (plain path or ``file://``) or a prefix on an object store
+(``s3://bucket/run``, ``gs://bucket/run``). :class:`StepRoot` gives a manager, whatever the
+root: the path of a step, the committed steps (those with a manifest, [SP-COMMIT-3]), the
+removal of one (retention: through the committer, [SP-COMMIT-14] on object stores) and the
+clean-up of what crashed saves left, under the rule that a manager built by an observer never
+deletes what a live save holds:
+
+- on local files, the committer's lock rule ([SP-COMMIT-6],
+  :func:`shardpoint_core.commit.cleanup.clean_leftovers`);
+- on object stores, where nothing tells a running save from a dead one, a save prefix that
+  no marker names is removed only once its newest object is older than ``min_age_s``
+  ([SP-COMMIT-15]; 15 minutes by default, as ``recover``). A save prefix a marker names is
+  never a leftover, and retention deletes only what a marker names, so neither touches a
+  save in progress.
+
+Example::
+
+    steps = StepRoot("s3://bucket/run")          # or "/ckpt/run"
+    steps.path(5)                                # 's3://bucket/run/step_00000005'
+    for s in steps.all_steps()[:-3]:
+        steps.remove(s)
+    steps.clean_leftovers()
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, List, Optional
+
+from shardpoint_core.commit.cleanup import DEFAULT_MIN_AGE_S, clean_leftovers
+from shardpoint_core.policy import parse_step, step_name
+from shardpoint_core.storage import MANIFEST_NAME
+from shardpoint_core.store.registry import check_path, is_local, local_path
+
+
+class StepRoot:
+    """The steps below ``root`` (a local directory or an object-store URL). ``backend``: the
+    storage backend saves and loads use (its committer removes steps); None picks the
+    default one for the root's kind. ``local_committer``: the committer of a local root
+    when not the backend's (the JAX front end passes its own ``PosixCommitter``); an
+    object-store root always uses its backend's.
+
+    The JAX manager on an object store: ``StepRoot(root, local_committer=PosixCommitter())``
+    serves both kinds of root; ``path``/``all_steps``/``remove``/``clean_leftovers`` are all a
+    manager needs of its root besides saving and loading."""
+
+    def __init__(self, root: Any, *, backend: Any = None, local_committer: Any = None,
+                 call: str = "CheckpointManager") -> None:
+        self.local = is_local(root)
+        if self.local:
+            self.root = os.path.abspath(local_path(os.fspath(root), call))
+            committer = local_committer
+            if committer is None:
+                from shardpoint_core.recovery import committer_of
+                committer = committer_of(backend)
+            self.backend = backend
+        else:
+            check_path(root, call)       # a scheme nobody registered: refused here
+            self.root = os.fspath(root).rstrip("/")
+            if backend is None:
+                from shardpoint_core.zarr.object_backend import backend_for
+                backend = backend_for(self.root)
+            elif not callable(getattr(backend, "locate", None)):
+                from shardpoint_core.errors import InvalidOptionError
+                raise InvalidOptionError(
+                    f"{call}: {self.root!r} is on an object store, and backend="
+                    f"{type(backend).__name__} works on local paths; drop backend= (the "
+                    "object-store backend is used) or pass an ObjectStoreBackend")
+            self.backend = backend
+            committer = backend.committer
+        self.committer = committer
+
+    # -- reading (any process) ------------------------------------------------------------
+    def path(self, step: int) -> str:
+        """The path (or URL) of ``step``; it may not exist."""
+        return (os.path.join(self.root, step_name(step)) if self.local
+                else f"{self.root}/{step_name(step)}")
+
+    def all_steps(self) -> List[int]:
+        """Committed steps, oldest first: a step counts once its manifest is there."""
+        if self.local:
+            if not os.path.isdir(self.root):
+                return []
+            return sorted(n for n in map(parse_step, os.listdir(self.root)) if n is not None
+                          and os.path.isfile(os.path.join(self.root, step_name(n),
+                                                          MANIFEST_NAME)))
+        store, key = self.backend.locate(self.root)
+        prefix = f"{key}/" if key else ""
+        out = set()
+        for name in _children(store, prefix):
+            n = parse_step(name)
+            if n is not None and store.head(f"{prefix}{name}/{MANIFEST_NAME}") is not None:
+                out.add(n)
+        return sorted(out)
+
+    # -- changing it (the coordinator of the job that owns the root) -----------------------
+    def remove(self, step: int) -> bool:
+        """Delete committed ``step`` through the committer (retention): on files locked,
+        hidden by one rename, then deleted; on object stores the marker first, then the
+        objects it named. False where it is gone (or, on files, a live save holds it)."""
+        return self.committer.remove(self.path(step))
+
+    def clean_leftovers(self, min_age_s: float = DEFAULT_MIN_AGE_S,
+                        now: Optional[float] = None) -> list:
+        """Remove what crashed saves of steps left below the root, never what a live save
+        holds (module docstring); returns the paths (URLs) acted on."""
+        owns = _owns_step
+        if self.local:
+            return clean_leftovers(self.committer, self.root, owns, min_age_s)
+        now = time.time() if now is None else now
+        done = []
+        for lo in self.committer.leftovers(self.root):
+            if not owns(lo.target.rpartition("/")[2]) or now - lo.newest_mtime < min_age_s:
+                continue
+            if self.committer.discard(lo.path):
+                done.append(lo.path)
+        return done
+
+
+def _owns_step(name: str) -> bool:
+    return parse_step(name) is not None
+
+
+def _children(store: Any, prefix: str) -> List[str]:
+    """The names one level below ``prefix`` (``step_00000005`` for ``run/step_00000005/..``):
+    one delimited listing where the store offers it (``list_children``), else from the full
+    listing."""
+    fast = getattr(store, "list_children", None)
+    if fast is not None:
+        return list(fast(prefix))
+    names: dict = {}
+    for info in store.list(prefix):
+        head, sep, _ = info.key[len(prefix):].partition("/")
+        if sep:
+            names[head] = None
+    return list(names)

@@ -1,0 +1,181 @@
+"""shardpoint_jax on object stores through the core's store registry and the object-store
+committer (spec section 9.1): ``memory://`` and ``s3://`` (moto's real server, ``s3_env``)
+for save (sync and async) and load, a checkpoint written by JAX on S3 read by the PyTorch
+front end and back, the JAX CheckpointManager's retention and clean-up on S3, and the errors
+of a path no store serves."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax", reason="shardpoint_jax needs jax (pip install -e '.[jax]')")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import shardpoint_jax as sj  # noqa: E402
+from shardpoint_jax import storage  # noqa: E402
+
+
+def _tree(gen: int = 0, rows: int = 700) -> dict:
+    rng = np.random.default_rng(gen)
+    return {"w": jnp.asarray(rng.standard_normal((rows, 1000), np.float32)),  # 700: a shard
+            "b": jnp.asarray(rng.standard_normal((33,), np.float32)).astype(jnp.bfloat16),
+            "mask": np.array([True, False, True]),
+            "i": np.arange(12, dtype=np.int64).reshape(3, 4),
+            "s": jnp.asarray(2.5, jnp.float32), "step": gen, "name": "run"}
+
+
+def _same(a, b) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        if isinstance(a[k], (np.ndarray, jax.Array)):
+            x, y = np.asarray(a[k]), np.asarray(b[k])
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), k
+        else:
+            assert a[k] == b[k], k
+
+
+def _keys(url: str) -> list:
+    store, key = storage.locate(url)
+    return [i.key[len(key) + 1:] for i in store.list(key + "/")]
+
+
+def test_memory_store_save_load_async_overwrite_and_partial_reads():
+    url = "memory://jax-objects/run/step_1"
+    sj.save(url, _tree(0))
+    _same(sj.load(url), _tree(0))
+    with pytest.raises(sj.CheckpointExistsError):
+        sj.save(url, _tree(1))
+    sj.save(url, _tree(1), overwrite=True, async_save=True).wait()
+    _same(sj.load(url), _tree(1))
+    keys = _keys(url)
+    assert keys.count("manifest.msgpack") == 1
+    assert len({k.split("/")[0] for k in keys if k.startswith("save-")}) == 1   # old deleted
+    rows = jax.ShapeDtypeStruct((700, 1000), np.float32)
+    assert np.asarray(sj.load(url, {"w": rows})["w"]).tobytes() == \
+        np.asarray(_tree(1)["w"]).tobytes()
+
+
+def test_paths_no_store_serves_are_refused_before_any_io(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(sj.UnsupportedStoreError, match="nosuch://"):
+        sj.save("nosuch://bucket/ck", {"a": np.zeros(3)})
+    with pytest.raises(sj.UnsupportedStoreError):
+        sj.load("nosuch://bucket/ck")
+    with pytest.raises(sj.UnsupportedStoreError):
+        sj.CheckpointManager("nosuch://bucket/run")
+    assert list(tmp_path.iterdir()) == []          # no local directory named 'nosuch:'
+    with pytest.raises(sj.CheckpointNotFoundError):
+        sj.load("memory://jax-objects/never/saved")
+
+
+def test_damaged_and_missing_objects_name_the_rule():
+    url = "memory://jax-objects/damage/ck"
+    sj.save(url, {"w": np.arange(300 * 70, dtype=np.float32).reshape(300, 70),
+                  "v": np.ones((5, 5), np.float32)})
+    store, key = storage.locate(url)
+    names = _keys(url)
+    w = next(k for k in names if "/tensors/w/c/" in k)
+    v = next(k for k in names if "/tensors/v/c" in k)
+    data = bytearray(store.get(f"{key}/{w}"))
+    data[3] ^= 0x40
+    store.put(f"{key}/{w}", bytes(data))
+    with pytest.raises(sj.CorruptCheckpointError) as e:
+        sj.load(url, {"w": np.zeros((300, 70), np.float32)})
+    assert e.value.spec_id == "SP-READ-3" and "'w'" in str(e.value)
+    store.delete([f"{key}/{v}"])
+    with pytest.raises(sj.CorruptCheckpointError) as e:
+        sj.load(url, {"v": np.zeros((5, 5), np.float32)})
+    assert e.value.spec_id == "SP-READ-2" and "'v'" in str(e.value)
+
+
+def test_s3_jax_save_read_by_torch_and_back(s3_env):
+    torch = pytest.importorskip("torch")
+    import shardpoint as sp
+    from shardpoint_testing.tensors import same_bits
+    url = s3_env.url(s3_env.fresh_prefix("jax") + "/step_1")
+    tree = _tree(3, rows=16)          # shards on an object store: the memory:// tests
+    sj.save(url, tree)
+    got = sp.load(url)
+    assert got["w"].numpy().tobytes() == np.asarray(tree["w"]).tobytes()
+    assert got["b"].dtype == torch.bfloat16 and \
+        got["b"].view(torch.int16).numpy().tobytes() == np.asarray(tree["b"]).tobytes()
+    assert got["mask"].tolist() == [True, False, True] and got["step"] == 3
+    # the PyTorch front end replaces it on S3; JAX reads that, async save on top
+    got["w"] = got["w"] * 2
+    sp.save(got, url, overwrite=True)
+    back = sj.load(url)
+    assert np.asarray(back["w"]).tobytes() == (np.asarray(tree["w"]) * 2).tobytes()
+    assert np.asarray(back["b"]).tobytes() == np.asarray(tree["b"]).tobytes()
+    sj.save(url, back, overwrite=True, async_save=True).wait()
+    assert same_bits(sp.load(url)["i"], torch.arange(12, dtype=torch.int64).reshape(3, 4))
+
+
+def test_s3_manager_retention_and_leftovers(s3_env):
+    root = s3_env.url(s3_env.fresh_prefix("jaxmgr") + "/run")
+    with sj.CheckpointManager(root, max_to_keep=2, async_save=True) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"x": np.full((4, 4), step, np.float32)}, metrics={"loss": step})
+    mgr = sj.CheckpointManager(root, max_to_keep=2)
+    assert mgr.all_steps() == [2, 3] and mgr.metrics(3) == {"loss": 3}
+    assert not any(k.startswith("step_00000001/") for k in _keys(root))   # objects gone too
+    assert np.asarray(mgr.load()["x"]).tolist() == np.full((4, 4), 3).tolist()
+    # a save that crashed before its marker: an unreferenced save prefix, left alone while it
+    # may still be running, removed by the next save once old enough ([SP-COMMIT-15])
+    store, key = storage.locate(root)
+    crashed = f"{key}/step_00000004/save-{'ab' * 8}/tensors/x/c/0/0"
+    store.put(crashed, b"partial")
+    mgr.save(5, {"x": np.zeros((4, 4), np.float32)})
+    assert store.head(crashed) is not None and mgr.all_steps() == [3, 5]
+    mgr.leftover_min_age_s = 0.0
+    with pytest.raises(sj.CheckpointNotFoundError):
+        mgr.load(4)
+    assert store.head(crashed) is None
+    # step 3 is not retained any more, but the newest is never removed
+    with pytest.raises(sj.CheckpointExistsError):
+        mgr.save(5, {"x": np.zeros((4, 4), np.float32)})
+
+
+VECTORS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "spec", "vectors", "invalid")
+
+
+@pytest.mark.parametrize("case", ["aliased_shard_index", "declares_more_than_stored",
+                                  "bad_checksum", "missing_inner_chunk", "truncated_chunk",
+                                  "zarr_json_repeated_name", "bad_zarr_json"])
+def test_invalid_vectors_on_an_object_store_fail_as_on_files(case):
+    """The reader rules hold on a store without files too: the vector's objects uploaded to
+    ``memory://`` are refused with the class and rule of spec/vectors/invalid."""
+    import json
+    base = os.path.join(VECTORS, case, "checkpoint")
+    url = f"memory://jax-vectors/{case}"
+    store, key = storage.locate(url)
+    for d, _dirs, files in os.walk(base):
+        for f in files:
+            rel = os.path.relpath(os.path.join(d, f), base).replace(os.sep, "/")
+            with open(os.path.join(d, f), "rb") as fh:
+                store.put(f"{key}/{rel}", fh.read())
+    with open(os.path.join(VECTORS, case, "expected.json")) as f:
+        exp = json.load(f)
+    with pytest.raises(sj.ShardpointError) as e:
+        sj.load(url)
+    assert (type(e.value).__name__, e.value.spec_id) == (exp["error"], exp["spec_id"]), e.value
+
+
+@pytest.mark.slow          # two JAX processes with 2 devices each: ~20 s on a loaded machine
+def test_two_processes_save_and_reload_on_s3(s3_env):
+    """Process 0 decides the save prefix and sends it as a URL; both write their blocks below
+    it, process 0 puts the marker; both load into another mesh from the store."""
+    import json
+    from shardpoint_jax.launch import run_processes
+    from test_jax_multiprocess import SAVE_LOAD
+    url = s3_env.url(s3_env.fresh_prefix("jaxmp") + "/step_1")
+    outs = run_processes(SAVE_LOAD.replace("PATH", repr(url)), 2, 2, timeout=300)
+    res = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    assert [r["rng"] for r in res] == [1, 0] and [r["grid"] for r in res] == ["cell0", "cell1"]
+    keys = _keys(url)
+    assert keys.count("manifest.msgpack") == 1
+    assert len({k.split("/")[0] for k in keys if k.startswith("save-")}) == 1
+    assert sum("/tensors/model/w/c/" in k for k in keys) == 4      # 2 x 2 blocks, once each
