@@ -55,10 +55,15 @@ def test_steps_retention_best_and_resume_on_s3(s3_env):
     assert all(verify_checkpoint(again.path(s)).ok for s in again.all_steps())
 
 
-def test_a_local_backend_with_an_s3_root_is_refused(s3_env):
+def test_the_file_systems_backend_serves_an_s3_root_too(s3_env):
+    """One backend over any byte store (issue 19): ``TensorStoreBackend`` (ZarrBackend's
+    older name, the one users pass) saves and loads on an s3:// root as well."""
     from shardpoint_core.zarr import TensorStoreBackend
-    with pytest.raises(sp.InvalidOptionError, match="object store"):
-        sp.CheckpointManager(s3_env.url("run"), backend=TensorStoreBackend())
+    mgr = sp.CheckpointManager(s3_env.url(s3_env.fresh_prefix("one")),
+                               backend=TensorStoreBackend())
+    mgr.save(1, state(1))
+    out = mgr.load()
+    assert torch.equal(out["w"], state(1)["w"]) and out["step"] == 1
 
 
 def test_an_observer_leaves_live_saves_and_named_prefixes_alone(s3_env):
