@@ -271,6 +271,7 @@ def main() -> None:
             reads = sum(len(w.read_rows) for w in works)
             sends = sum(len(w.send_rows) for w in works)
             wmax = max(map(len, wire))
+            wsum = sum(map(len, wire))
             del works, wire
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak = {}
@@ -290,7 +291,8 @@ def main() -> None:
         tracemalloc.stop()
         del kept
     t0 = clock()
-    save_msgs = sum(len(w.to_bytes()) for w in plan.ranks)   # saving.py's decide() sends these
+    save_lens = [len(w.to_bytes()) for w in plan.ranks]     # saving.py's decide() sends these
+    save_msgs = sum(save_lens)
     save_enc = clock() - t0
     work_bytes = [len(w.to_bytes()) for w in plan.ranks[:64]]
     m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
@@ -315,9 +317,11 @@ def main() -> None:
               f"({med(auto) / 1.0:.2f}x the 1.0 s target; plan_load_auto, 8 ranks per host, "
               f"picked {costs.strategy})")
         print(f"  encode per-rank load work       {_median(lenc)}  "
-              f"(all ranks; largest {wmax / 2**10:.1f} KiB)")
+              f"(all ranks; {wsum / 1e6:.1f} MB sent by the coordinator, largest "
+              f"{wmax / 2**10:.1f} KiB)")
     print(f"  encode per-rank save work         {save_enc:8.3f} s  (all ranks, one run; "
-          f"{save_msgs / 1e6:.1f} MB)")
+          f"{save_msgs / 1e6:.1f} MB sent by the coordinator, largest "
+          f"{max(save_lens) / 2**10:.1f} KiB)")
     if peak:
         print(f"  planning peak memory (traced)     {peak['save'] / 2**20:8.1f} MiB save "
               f"(decode + plan_save, plan kept)" +

@@ -146,17 +146,28 @@ class Comm:
         return bytes(t.cpu().numpy())
 
     def scatter_bytes(self, parts: Optional[Sequence[bytes]]) -> bytes:
-        """Part ``i`` of the coordinator's list to rank ``i``."""
+        """Part ``i`` of the coordinator's list to rank ``i`` (sizes broadcast, then each
+        part alone, point to point)."""
         if self.size == 1:
             return parts[0]
         sizes = torch.tensor([len(p) for p in parts] if self.is_coordinator
                              else [0] * self.size, dtype=torch.int64, device=self.device)
         self._run("broadcast", dist.broadcast, sizes, src=self._global(0), group=self.group)
-        m = int(sizes.max().item())
-        out = torch.zeros(m, dtype=torch.uint8, device=self.device)
-        ins = [self._u8(p, m) for p in parts] if self.is_coordinator else None
-        self._run("scatter", dist.scatter, out, ins, src=self._global(0), group=self.group)
-        return bytes(out[:int(sizes[self.rank].item())].cpu().numpy())
+        # point to point, each part at its own size: dist.scatter pads every part to the
+        # largest (a load plan's parts range from bytes to hundreds of KiB: at 16,384 ranks the
+        # padding alone would be gigabytes sent by the coordinator)
+        if not self.is_coordinator:
+            n = int(sizes[self.rank].item())
+            out = torch.empty(n, dtype=torch.uint8, device=self.device)
+            if n:
+                self._run("recv", dist.recv, out, src=self._global(0), group=self.group)
+            return bytes(out.cpu().numpy())
+        ops = [dist.P2POp(dist.isend, self._u8(p, len(p)), self._global(r), self.group)
+               for r, p in enumerate(parts) if r and len(p)]
+        if ops:
+            for w in self._run("send", dist.batch_isend_irecv, ops):
+                self._run("send", w.wait)
+        return parts[0]
 
     def all_to_all(self, send: list, recv_sizes: list) -> list:
         """Send ``send[d]`` (1-D uint8 tensor) to rank d; receive ``recv_sizes[s]`` bytes from
