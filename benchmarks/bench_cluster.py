@@ -39,7 +39,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 TOOLS = ("sp save", "dcp save", "sp load auto", "sp load dedup", "sp load direct", "dcp load")
-S3_TOOLS = ("sp save s3", "sp load s3 auto")
+S3_TOOLS = ("sp save s3", "sp load s3 auto", "sp load s3 dedup", "sp load s3 direct")
 
 
 def _dtensors(state: dict, mesh, world: int, rank: int) -> dict:
@@ -63,7 +63,7 @@ def _zeros(state: dict) -> dict:
             for k, v in state.items()}
 
 
-def _job(rank, world, root, scale, rounds, link_gbps, s3_url=None):
+def _job(rank, world, root, scale, rounds, link_gbps, s3_url=None, only_s3=False):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -74,7 +74,8 @@ def _job(rank, world, root, scale, rounds, link_gbps, s3_url=None):
     full = bt.mixed_state(scale)
     state = _dtensors(full, mesh, world, rank)
     nbytes = bt.nbytes(full)
-    times: dict = {t: [] for t in TOOLS + (S3_TOOLS if s3_url else ())}
+    tools = (() if only_s3 else TOOLS) + (S3_TOOLS if s3_url else ())
+    times: dict = {t: [] for t in tools}
     choice = []
     ok = True
 
@@ -94,36 +95,41 @@ def _job(rank, world, root, scale, rounds, link_gbps, s3_url=None):
 
     for i in range(rounds):
         sp_path, dcp_path = f"{root}/sp{i}", f"{root}/dcp{i}"
-        timed("sp save", lambda: sp.save(state, sp_path))
-        timed("dcp save", lambda: dcp.save(state, checkpoint_id=dcp_path))
-        for strat in ("auto", "dedup", "direct"):
+        if not only_s3:
+            timed("sp save", lambda: sp.save(state, sp_path))
+            timed("dcp save", lambda: dcp.save(state, checkpoint_id=dcp_path))
+            for strat in ("auto", "dedup", "direct"):
+                like = _zeros(full)
+                rep = sp.LoadReport()
+                opts = sp.LoadOptions(strategy=strat, link_gbps=link_gbps)
+                timed(f"sp load {strat}", lambda: sp.load(sp_path, like=like, report=rep,
+                                                          options=opts))
+                if strat == "auto":
+                    choice.append(rep.choice())
+                ok &= all(torch.equal(a, b) for a, b in zip(bt.flat(like).values(),
+                                                             bt.flat(full).values()))
             like = _zeros(full)
-            rep = sp.LoadReport()
-            opts = sp.LoadOptions(strategy=strat, link_gbps=link_gbps)
-            timed(f"sp load {strat}", lambda: sp.load(sp_path, like=like, report=rep,
-                                                      options=opts))
-            if strat == "auto":
-                choice.append(rep.choice())
+            timed("dcp load", lambda: dcp.load(like, checkpoint_id=dcp_path))
             ok &= all(torch.equal(a, b) for a, b in zip(bt.flat(like).values(),
                                                          bt.flat(full).values()))
-        like = _zeros(full)
-        timed("dcp load", lambda: dcp.load(like, checkpoint_id=dcp_path))
-        ok &= all(torch.equal(a, b) for a, b in zip(bt.flat(like).values(),
-                                                     bt.flat(full).values()))
-        rm(sp_path)
-        rm(dcp_path)
+            rm(sp_path)
+            rm(dcp_path)
         if s3_url:      # a new prefix each round: the server keeps what it was given
             url = f"{s3_url}/round{i}"
             timed("sp save s3", lambda: sp.save(state, url))
-            like = _zeros(full)
-            rep = sp.LoadReport()
-            opts = sp.LoadOptions(link_gbps=link_gbps)
-            timed("sp load s3 auto", lambda: sp.load(url, like=like, report=rep,
-                                                     options=opts))
-            choice.append("s3: " + rep.choice())
-            ok &= all(torch.equal(a, b) for a, b in zip(bt.flat(like).values(),
-                                                         bt.flat(full).values()))
-    return {"times": times, "choice": choice, "ok": ok, "bytes": nbytes}
+            for strat in ("auto", "dedup", "direct"):
+                like = _zeros(full)
+                rep = sp.LoadReport()
+                # the object store sits behind one link like the hosts': its total is that
+                opts = sp.LoadOptions(strategy=strat, link_gbps=link_gbps,
+                                      storage_total_gbps=link_gbps)
+                timed(f"sp load s3 {strat}", lambda: sp.load(url, like=like, report=rep,
+                                                             options=opts))
+                if strat == "auto":
+                    choice.append("s3: " + rep.choice())
+                ok &= all(torch.equal(a, b) for a, b in zip(bt.flat(like).values(),
+                                                             bt.flat(full).values()))
+    return {"times": times, "choice": choice, "ok": ok, "bytes": nbytes, "tools": tools}
 
 
 def _fmt(xs: list) -> str:
@@ -141,6 +147,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--s3", action="store_true",
                     help="add save/load rows on s3:// through the storage host's S3 server")
+    ap.add_argument("--only-s3", action="store_true", help="the s3:// rows alone")
     a = ap.parse_args()
     from shardpoint_testing.cluster import Cluster, Link, unavailable_reason
     why = unavailable_reason()
@@ -152,16 +159,17 @@ def main() -> None:
           "(min-max), warm page cache (one cache for all hosts)")
     for hosts in [int(h) for h in a.hosts.split(",")]:
         with Cluster(hosts, a.ranks_per_host, Link(mbit=a.link_mbit)) as c:
-            s3 = c.s3_server() if a.s3 else None
+            s3 = c.s3_server() if a.s3 or a.only_s3 else None
             res = c.run(_job, c.shared_dir, a.scale, a.rounds, link_gbps,
-                        s3.url("bench") if s3 else None, timeout=a.timeout, pg_timeout=600,
+                        s3.url("bench") if s3 else None, a.only_s3, timeout=a.timeout,
+                        pg_timeout=600,
                         env=s3.env() if s3 else None)[0]
         mb = res["bytes"] / 1e6
         limit = hosts * a.link_mbit / 8
         print(f"\n{hosts} hosts x {a.ranks_per_host} ranks: {mb:.1f} MB state, sum of links "
               f"{limit:.0f} MB/s each way, round trips exact: {res['ok']}")
         print(f"  {'':16} {'time':>22}  {'MB/s':>8}  {'x sum of links':>14}")
-        for t in TOOLS + (S3_TOOLS if a.s3 else ()):
+        for t in res["tools"]:
             xs = res["times"][t]
             rate = res["bytes"] / statistics.median(xs) / 1e6
             lim = a.link_mbit / 8 if t in S3_TOOLS else limit   # one storage link
