@@ -78,11 +78,29 @@ class HoldingColumns(Sequence):
     same with ``zlib(body)``, sent by the ranks of large jobs (:data:`COMPRESS_FROM_WORLD`).
     """
 
-    __slots__ = ("_table", "cols", "D", "R", "table_bytes")
+    __slots__ = ("_table", "_cols", "_runs", "D", "R", "table_bytes")
 
-    def __init__(self, table, cols: list, D: int, R: int, table_bytes=None):
-        self._table, self.cols, self.D, self.R = table, cols, D, R
+    def __init__(self, table, cols: Optional[list], D: int, R: int, table_bytes=None,
+                 runs: Optional[list] = None):
+        """``cols``: the columns; or ``runs``, lists of columns for consecutive rows, joined
+        on first use of :attr:`cols` (the coordinator's :class:`Gathered` joins every
+        rank's runs in one pass instead)."""
+        self._table, self._cols, self.D, self.R = table, cols, D, R
+        self._runs = runs
         self.table_bytes = table_bytes
+
+    @property
+    def cols(self) -> list:
+        if self._cols is None:
+            runs = self._runs
+            self._cols = runs[0] if len(runs) == 1 else [np.concatenate(c) for c in zip(*runs)]
+        return self._cols
+
+    def column_runs(self, j: int) -> list:
+        """Column ``j`` as one or more arrays of consecutive rows."""
+        if self._cols is None:
+            return [r[j] for r in self._runs]
+        return [self._cols[j]]
 
     @property
     def table(self) -> list:
@@ -99,7 +117,12 @@ class HoldingColumns(Sequence):
         return [[k, d, list(g)] for k, d, g in self.table]
 
     def __len__(self) -> int:
-        return len(self.cols[0])
+        return self.n_rows()
+
+    def n_rows(self) -> int:
+        if self._cols is None:
+            return sum(len(r[0]) for r in self._runs)
+        return len(self._cols[0])
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -197,9 +220,16 @@ class HoldingColumns(Sequence):
             got = cache.get(b)
             if got is None:
                 got = cache[b] = _unpack_cols(b)
-            if len(got) != width or any(len(c) != rows for c in got):
+            if got[0] != rows or len(got[1]) != width:
                 raise ValueError("a holdings run's columns do not match its row count")
-            return got
+            return got[1]
+
+        def full(rows: int, v: int) -> np.ndarray:
+            a = cache.get((rows, v))     # one read-only array per (rows, value)
+            if a is None:
+                a = cache[(rows, v)] = np.full(rows, v, np.int64)
+                a.flags.writeable = False
+            return a
 
         for rows, consts in runs:
             main = cols_of(blobs[pos], rows, w)
@@ -210,15 +240,12 @@ class HoldingColumns(Sequence):
             else:
                 if len(consts) != R:
                     raise ValueError("a holdings run's replica constants do not match R")
-                rep = [np.full(rows, v, np.int64) for v in consts]
+                rep = [full(rows, v) for v in consts]
             pieces.append(main + rep)
-        if len(pieces) == 1:
-            cols = pieces[0]
-        elif pieces:
-            cols = [np.concatenate(cs) for cs in zip(*pieces)]
-        else:
-            cols = [np.zeros(0, np.int64) for _ in range(w + R)]
-        return HoldingColumns(None, cols, D, R, table_bytes=list(blobs[:nt]))
+        if not pieces:
+            return HoldingColumns(None, [np.zeros(0, np.int64) for _ in range(w + R)], D, R,
+                                  table_bytes=list(blobs[:nt]))
+        return HoldingColumns(None, None, D, R, table_bytes=list(blobs[:nt]), runs=pieces)
 
     @staticmethod
     def from_wire(b: bytes) -> "HoldingColumns":
@@ -271,7 +298,8 @@ def _pack_cols(cols: Sequence[np.ndarray]) -> bytes:
                          PLAN_ZLIB_LEVEL)
 
 
-def _unpack_cols(b: bytes) -> list:
+def _unpack_cols(b: bytes) -> tuple:
+    """``(rows, columns)`` of :func:`_pack_cols`."""
     kinds, n, body = msgpack.unpackb(zlib.decompress(b))
     cols, pos = [], 0
     for t in kinds:
@@ -280,7 +308,7 @@ def _unpack_cols(b: bytes) -> list:
         c = np.frombuffer(body, t, n, pos)
         pos += c.nbytes
         cols.append(c)
-    return cols
+    return n, cols
 
 
 def decode_segment(b: bytes) -> list:
@@ -361,7 +389,7 @@ class Gathered:
         self.keys, self.key_ids, self.first_rank = keys, kid, first_rank
         D = max((c.D for c in cols), default=0)
         R = max((c.R for c in cols), default=1)
-        lens = np.array([len(c) for c in cols], np.int64)
+        lens = np.array([c.n_rows() for c in cols], np.int64)
         n = int(lens.sum())
         self.n = n
         self.rank = np.repeat(np.asarray(list(ranks), np.int64), lens)
@@ -378,11 +406,9 @@ class Gathered:
         base = np.array([where[id(m)] for m in maps], np.int64)
         allmaps = np.concatenate(distinct) if distinct else np.zeros(0, np.int64)
         same = all(c.D == D and c.R == R for c in cols)
-        colsets = [c.cols for c in cols]
-
         def column(j: int, j_of, fill):
             if same:     # every rank sent the same columns: one concatenation, no Python per rank
-                parts = [cs[j] for cs in colsets]
+                parts = [a for c in cols for a in c.column_runs(j)]
             else:
                 parts = [c.cols[j_of(c)] if j_of(c) is not None else np.full(len(c), fill)
                          for c in cols]
