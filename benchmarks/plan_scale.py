@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import math
 import resource
@@ -28,6 +27,9 @@ import statistics
 import time
 import tracemalloc
 
+import msgpack
+
+from shardpoint.exchange import dedup
 from shardpoint.planning.columns import HoldingColumns
 from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_load_auto
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
@@ -121,6 +123,49 @@ def tree_of(keys: list) -> dict:
     return wire(root)
 
 
+def rank_side(all_parts: list) -> dict:
+    """The ranks' side of :meth:`Comm.gather_parts`, simulated: each rank's offer (head,
+    digests, sizes), the coordinator's requests, and the blobs each owner sends. Returns
+    what the coordinator's side needs and the bytes it receives (the offers padded to the
+    largest, as ``dist.gather`` pads, and the owners' blobs) and broadcasts."""
+    msgs = [dedup.offer(p)[0] for p in all_parts]
+    offers = [dedup.read_offer(m) for m in msgs]
+    want = dedup.requests(offers)
+    got = {r: b"".join(all_parts[r][1 + i] for i in idx) for r, idx in want.items()}
+    padded = len(msgs) * max(map(len, msgs))
+    blobs = sum(map(len, got.values()))
+    return {"msgs": msgs, "own": list(all_parts[0][1:]), "got": got,
+            "offers_padded": padded, "blobs": blobs, "received": padded + blobs,
+            "requests": len(dedup.encode_requests(want)),
+            "naive": sum(len(b) for p in all_parts for b in p),
+            "distinct_blobs": sum(map(len, want.values())) + len(all_parts[0]) - 1}
+
+
+def coordinator_side(g: dict) -> list:
+    """What the coordinator runs in :meth:`Comm.gather_parts` after the transfers: read the
+    offers, pick the owners, check and assemble every rank's parts."""
+    offers = [dedup.read_offer(m) for m in g["msgs"]]
+    return dedup.assemble(offers, g["own"], dedup.requests(offers), g["got"])
+
+
+def load_requests(g: dict) -> list:
+    """loading.py's decide(): every rank's requested regions from the assembled parts."""
+    cache: dict = {}
+    out = []
+    for p in coordinator_side(g):
+        _host, meta = msgpack.unpackb(p[0])
+        out.append(HoldingColumns.from_parts(meta, p[1:], cache))
+    return out
+
+
+def gather_line(g: dict) -> str:
+    return (f"{g['received'] / 1e6:.1f} MB received ({g['received'] / 50e6:.2f}x the 50 MB "
+            f"target: offers {g['offers_padded'] / 1e6:.1f} MB padded, "
+            f"{g['distinct_blobs']:,} distinct blobs {g['blobs'] / 1e6:.1f} MB), requests "
+            f"broadcast {g['requests'] / 1e6:.2f} MB; every blob sent: "
+            f"{g['naive'] / 1e6:.1f} MB")
+
+
 def _median(xs: list) -> str:
     return f"{statistics.median(xs):7.3f} s ({min(xs):.3f}-{max(xs):.3f})"
 
@@ -142,47 +187,67 @@ def main() -> None:
     ap.add_argument("--bytes-only", action="store_true",
                     help="build and encode the local plans, print what the coordinator "
                          "gathers, and stop (no planning)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time with the wall clock or this process's CPU time (a shared "
+                         "machine)")
+    ap.add_argument("--single-message", action="store_true",
+                    help="also size the one message per rank sent before the parts gather")
     a = ap.parse_args()
+    # CPU seconds of this process: on a machine shared with other jobs the wall clock
+    # measures the queue for the cores; the planner is single-threaded, so its CPU time is
+    # what it costs (both reported in RESULTS.md, each labelled)
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     world = a.tp * a.pp * a.dp
     build_s = enc_s = 0.0
     nh = 0
-    blobs, reqs_b = [], []
-    sized = "world" in inspect.signature(LocalPlan.to_bytes).parameters
-    t = time.perf_counter()
+    save_parts, load_parts = [], []
+    single = single_max = 0
+    t = clock()
     for p in iter_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab, not a.no_trees):
-        t1 = time.perf_counter()
+        t1 = clock()
         build_s += t1 - t
         nh += len(p.holdings)
-        # what each rank sends (saving.py's local()); a checkout before the world-size
-        # argument (interleaved A/B runs) sends what it always sent
-        blobs.append(p.to_bytes(world) if sized else p.to_bytes())
-        t = time.perf_counter()
+        # what each rank sends (saving.py's local()): [head, blob, ...]
+        save_parts.append(p.to_parts())
+        t = clock()
         enc_s += t - t1
+        if a.single_message:       # the one message a rank sent before the parts gather
+            n = len(p.to_bytes(world))
+            single, single_max = single + n, max(single_max, n)
         # load into the same layout: each rank asks for what it held, sent as loading.py does
         if not a.no_load:
-            reqs_b.append(HoldingColumns.from_holdings(
+            meta, blobs = HoldingColumns.from_holdings(
                 [Holding(h.key, h.dtype, h.global_shape, h.offset, h.shape, h.flat, (0,))
-                 for h in p.holdings]).to_wire())
-        t = time.perf_counter()
-    gathered = sum(len(b) for b in blobs)
-    gathered_max = max(map(len, blobs))
-    if a.bytes_only:
-        print(f"job: {world} ranks (TP {a.tp} x PP {a.pp} x DP {a.dp}), {nh:,} holdings; "
-              f"build {build_s:.1f} s, encode {enc_s / world * 1e3:.2f} ms/rank; gathered "
-              f"local plans {gathered / 1e6:.1f} MB ({gathered / 50e6:.2f}x the 50 MB target; "
-              f"largest {gathered_max / 2**10:.1f} KiB, {world * gathered_max / 1e6:.1f} MB "
+                 for h in p.holdings]).to_parts()
+            load_parts.append([msgpack.packb([f"host{p.rank // 8}", meta]), *blobs])
+        t = clock()
+    t = clock()
+    save_g = rank_side(save_parts)
+    load_g = rank_side(load_parts) if load_parts else None
+    side_s = clock() - t
+    print(f"job: {world} ranks (TP {a.tp} x PP {a.pp} x DP {a.dp}), {nh:,} holdings; "
+          f"build {build_s:.1f} s, encode {enc_s / world * 1e3:.2f} ms/rank, digests and "
+          f"owners' blobs {side_s:.1f} s (all ranks)")
+    for what, g in (("save", save_g), ("load", load_g)):
+        if g is not None:
+            print(f"  {what}: at the coordinator {gather_line(g)}")
+    if a.single_message:
+        print(f"  save, one message per rank (before): {single / 1e6:.1f} MB gathered "
+              f"(largest {single_max / 2**10:.1f} KiB, {world * single_max / 1e6:.1f} MB "
               "padded to it)")
+    if a.bytes_only:
         return
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     dec, pl, tot, lds, lenc, auto = [], [], [], [], [], []
     hosts = [f"host{r // 8}" for r in range(world)]   # 8 ranks per host
     for _ in range(a.repeat):
         gc.collect()
-        t0 = time.perf_counter()
-        decoded = [LocalPlan.from_bytes(b) for b in blobs]     # saving.py's decide()
-        t1 = time.perf_counter()
+        t0 = clock()
+        cache: dict = {}
+        decoded = [LocalPlan.from_parts(p, cache) for p in coordinator_side(save_g)]
+        t1 = clock()
         plan = plan_save(decoded)
-        t2 = time.perf_counter()
+        t2 = clock()
         dec.append(t1 - t0)
         pl.append(t2 - t1)
         tot.append(t2 - t0)
@@ -191,21 +256,22 @@ def main() -> None:
                        for k, v in plan.tensors.items()}
             del decoded
             gc.collect()
-            t0 = time.perf_counter()
-            works = plan_load([HoldingColumns.from_wire(b) for b in reqs_b], layouts)
-            lds.append(time.perf_counter() - t0)
+            t0 = clock()
+            works = plan_load(load_requests(load_g), layouts)
+            lds.append(clock() - t0)
             del works
             gc.collect()
-            t0 = time.perf_counter()     # what load() runs: the cost model picks a strategy
-            works, costs = plan_load_auto([HoldingColumns.from_wire(b) for b in reqs_b],
-                                          layouts, hosts, LoadOptions(), 1.0)
-            auto.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+            t0 = clock()     # what load() runs: the cost model picks a strategy
+            works, costs = plan_load_auto(load_requests(load_g), layouts, hosts,
+                                          LoadOptions(), 1.0)
+            auto.append(clock() - t0)
+            t0 = clock()
             wire = encode_works(works, layouts)     # loading.py's decide() sends these
-            lenc.append(time.perf_counter() - t0)
+            lenc.append(clock() - t0)
             reads = sum(len(w.read_rows) for w in works)
             sends = sum(len(w.send_rows) for w in works)
             wmax = max(map(len, wire))
+            wsum = sum(map(len, wire))
             del works, wire
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak = {}
@@ -213,20 +279,21 @@ def main() -> None:
         gc.collect()
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        kept = plan_save([LocalPlan.from_bytes(b) for b in blobs])
+        cache = {}
+        kept = plan_save([LocalPlan.from_parts(p, cache) for p in coordinator_side(save_g)])
         peak["save"] = tracemalloc.get_traced_memory()[1] - base
         if not a.no_load:
             tracemalloc.reset_peak()
             base = tracemalloc.get_traced_memory()[0]
-            w_, _ = plan_load_auto([HoldingColumns.from_wire(b) for b in reqs_b], layouts,
-                                   hosts, LoadOptions(), 1.0)
+            w_, _ = plan_load_auto(load_requests(load_g), layouts, hosts, LoadOptions(), 1.0)
             peak["load"] = tracemalloc.get_traced_memory()[1] - base
             del w_
         tracemalloc.stop()
         del kept
-    t0 = time.perf_counter()
-    save_msgs = sum(len(w.to_bytes()) for w in plan.ranks)   # saving.py's decide() sends these
-    save_enc = time.perf_counter() - t0
+    t0 = clock()
+    save_lens = [len(w.to_bytes()) for w in plan.ranks]     # saving.py's decide() sends these
+    save_msgs = sum(save_lens)
+    save_enc = clock() - t0
     work_bytes = [len(w.to_bytes()) for w in plan.ranks[:64]]
     m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
                                             v.chunk_shape) for k, v in plan.tensors.items()},
@@ -237,13 +304,9 @@ def main() -> None:
     print(f"job: {world} ranks (TP {a.tp} x PP {a.pp} x DP {a.dp}), {st['tensors']} tensors, "
           f"{nh:,} holdings, {st['unique_bytes'] / 2**30:.1f} GiB unique, "
           f"{'empty trees' if a.no_trees else 'full trees'}; medians of {a.repeat} runs "
-          "(min-max)")
-    print(f"  build local plans (test harness)  {build_s:8.2f} s")
-    print(f"  encode local plans (all ranks)    {enc_s:8.2f} s  ({enc_s / world * 1e3:.2f} ms/rank)")
-    print(f"  gathered local plans              {gathered / 1e6:8.1f} MB   "
-          f"({gathered / 50e6:.2f}x the 50 MB target; largest {gathered_max / 2**10:.1f} KiB, "
-          f"{world * gathered_max / 1e6:.1f} MB padded to it)")
-    print(f"  decode on coordinator           {_median(dec)}")
+          f"(min-max), {a.clock} clock")
+    print(f"  decode on coordinator           {_median(dec)}  (the gather's coordinator "
+          "side: offers, requests, blobs checked and assembled; local plans decoded)")
     print(f"  plan_save on coordinator        {_median(pl)}")
     print(f"  save plan end to end            {_median(tot)}  "
           f"({med(tot) / 1.0:.2f}x the 1.0 s target)")
@@ -254,9 +317,11 @@ def main() -> None:
               f"({med(auto) / 1.0:.2f}x the 1.0 s target; plan_load_auto, 8 ranks per host, "
               f"picked {costs.strategy})")
         print(f"  encode per-rank load work       {_median(lenc)}  "
-              f"(all ranks; largest {wmax / 2**10:.1f} KiB)")
+              f"(all ranks; {wsum / 1e6:.1f} MB sent by the coordinator, largest "
+              f"{wmax / 2**10:.1f} KiB)")
     print(f"  encode per-rank save work         {save_enc:8.3f} s  (all ranks, one run; "
-          f"{save_msgs / 1e6:.1f} MB)")
+          f"{save_msgs / 1e6:.1f} MB sent by the coordinator, largest "
+          f"{max(save_lens) / 2**10:.1f} KiB)")
     if peak:
         print(f"  planning peak memory (traced)     {peak['save'] / 2**20:8.1f} MiB save "
               f"(decode + plan_save, plan kept)" +
@@ -271,8 +336,9 @@ def main() -> None:
     print(f"  manifest                          {len(man) / 2**10:8.1f} KiB")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"world": world, "gathered_bytes": gathered,
-                       "gathered_max_bytes": gathered_max, "decode_s": dec,
+            json.dump({"world": world, "gathered_bytes": save_g["received"],
+                       "load_gathered_bytes": load_g["received"] if load_g else None,
+                       "decode_s": dec,
                        "plan_save_s": pl, "save_total_s": tot, "plan_load_s": lds,
                        "plan_load_auto_s": auto, "encode_load_s": lenc,
                        "encode_save_s": save_enc, "peak_bytes": peak}, f)

@@ -8,15 +8,19 @@
   ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``) and gloo bound to the host's interface
   (``GLOO_SOCKET_IFNAME=eth0``);
 - a storage host (``10.23.0.250``) for a server that stands in for remote storage, reached
-  over its own shaped link: :meth:`Cluster.popen_storage` starts one there (the hook for the
-  S3-compatible server of the object-store work, whose fixture is not on this branch yet);
+  over its own shaped link: :meth:`Cluster.s3_server` runs the S3-compatible server
+  (:class:`~shardpoint_testing.s3.S3Server`, moto) there, so ranks save to and load from
+  ``s3://`` over their links and the storage host's, as a cluster reaches an object store
+  (:meth:`Cluster.popen_storage` starts any other server);
 - a switch namespace holding a bridge; every host's link is a veth pair, shaped in both
   directions with ``tc tbf`` (rate; latency stays the veth's), so all of a host's traffic,
   exchange and storage, shares its link as it would share a NIC;
 - a shared directory (``shared_dir``) standing in for a parallel file system.
 
 What it models: per-host network bandwidth, hosts that cannot reach each other
-over loopback or shared memory by name, a host whose processes die or whose link is cut.
+over loopback or shared memory by name, a host whose processes die or whose link is cut,
+object storage behind a link of its own (every byte to and from ``s3://`` crosses the rank's
+host link and the storage link, both shaped).
 What it does not: the hosts share this machine's CPUs, memory and page cache, and file-system
 I/O to ``shared_dir`` does not cross the links (it goes to the local disk at local speed, and a
 second host reading a file finds it in the one page cache); only a storage server running on
@@ -236,6 +240,15 @@ class Cluster:
         from every host at :data:`STORAGE_ADDR` over the storage link."""
         return self.popen_host(-1, argv, **kw)
 
+    def s3_server(self, bucket: str = "shardpoint-test", port: int = 9000) -> Any:
+        """Start the S3-compatible server on the storage host (``http://10.23.0.250:9000``)
+        with ``bucket``; stopped at :meth:`close` (or by its own ``stop``). Hand its
+        :meth:`~shardpoint_testing.s3.S3Server.env` to the ranks (``run(..., env=...)``):
+        the root namespace cannot reach it, the hosts can."""
+        from shardpoint_testing.s3 import S3Server
+        return S3Server(bucket, host=STORAGE_ADDR, port=port,
+                        launch=self.popen_storage).start()
+
     def rank_env(self, rank: int) -> dict:
         """The environment a rank gets, as torchrun sets it on a real cluster."""
         h = self.host_of(rank)
@@ -246,16 +259,19 @@ class Cluster:
                 "NODE_RANK": str(h), "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
 
     # ---------------------------------------------------------------------------- running
-    def start(self, fn: Callable, *args: Any, pg_timeout: float = 60.0) -> "ClusterJob":
-        """Start ``fn(rank, world, *args)`` on every rank (a gloo group over the links);
-        returns the running job (:meth:`ClusterJob.wait`)."""
+    def start(self, fn: Callable, *args: Any, pg_timeout: float = 60.0,
+              env: Optional[dict] = None) -> "ClusterJob":
+        """Start ``fn(rank, world, *args)`` on every rank (a gloo group over the links), with
+        ``env`` added to each rank's environment; returns the running job
+        (:meth:`ClusterJob.wait`)."""
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         procs = []
         for r in range(self.world):
             h = self.host_of(r)
             p = ctx.Process(target=_entry, args=(self.host_ns[h], self.hostnames[h],
-                                                 self.rank_env(r), fn, r, self.world, args,
+                                                 {**self.rank_env(r), **(env or {})}, fn, r,
+                                                 self.world, args,
                                                  q, pg_timeout), daemon=True)
             p.start()
             self._procs.setdefault(h, []).append(p)
@@ -263,10 +279,18 @@ class Cluster:
         return ClusterJob(self, procs, q)
 
     def run(self, fn: Callable, *args: Any, timeout: float = 120.0,
-            pg_timeout: float = 60.0) -> list:
+            pg_timeout: float = 60.0, env: Optional[dict] = None) -> list:
         """``[fn(0, world, *args), ...]`` from every rank of the cluster; raises
         :class:`~shardpoint_testing.launch.RankFailure` when a rank fails or time runs out."""
-        return self.start(fn, *args, pg_timeout=pg_timeout).wait(timeout)
+        return self.start(fn, *args, pg_timeout=pg_timeout, env=env).wait(timeout)
+
+    def link_bytes(self, host: int) -> int:
+        """Bytes that crossed ``host``'s link (-1: the storage host's) so far, both ways, as
+        the switch's end of the veth pair counts them."""
+        dev = f"{self.tag}sb" if host < 0 else f"{self.tag}h{host}b"
+        st = f"/sys/class/net/{dev}/statistics"
+        out = _sh("ip", "netns", "exec", self.switch, "cat", f"{st}/rx_bytes", f"{st}/tx_bytes")
+        return sum(int(x) for x in out.stdout.split())
 
 
 class ClusterJob:

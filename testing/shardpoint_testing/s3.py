@@ -2,7 +2,8 @@
 
 :class:`S3Server` starts moto's standalone server (``python -m moto.server``, from the
 ``moto[server]`` package) as a child process on ``127.0.0.1`` and a free port, creates a
-bucket, and stops the process on :meth:`S3Server.stop`. Its :meth:`env` is the standard AWS
+bucket, and stops the process on :meth:`S3Server.stop`; given a host and a launcher it runs
+elsewhere instead (the test cluster's storage host: ``Cluster.s3_server()``). Its :meth:`env` is the standard AWS
 environment (``AWS_ENDPOINT_URL``, keys, region) that the S3 store reads, so a child process
 (a gloo rank, the CLI) finds the server the same way a job finds real S3.
 
@@ -27,7 +28,10 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
+
+# How to start the server somewhere else: (argv, **Popen keyword arguments) -> the process
+Launcher = Callable[..., subprocess.Popen]
 
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
@@ -45,29 +49,66 @@ class S3Server:
     """moto's S3 server in a child process on loopback, with one bucket (``bucket``)."""
 
     def __init__(self, bucket: str = "shardpoint-test", *, auth: bool = False,
-                 start_timeout_s: float = 60.0) -> None:
+                 start_timeout_s: float = 60.0, host: str = "127.0.0.1",
+                 port: Optional[int] = None, launch: Optional[Launcher] = None) -> None:
+        """``host``/``port``: where it listens (default: loopback, a free port). ``launch``:
+        how to start it elsewhere, ``launch(argv, **popen_kwargs) -> Popen`` (the test
+        cluster's :meth:`~shardpoint_testing.cluster.Cluster.popen_storage` starts it on the
+        storage host, in a network namespace this process cannot reach): the server then
+        creates its bucket itself and says when it is ready, and :meth:`client` and
+        :meth:`make_bucket` work only from where ``host`` is reachable."""
+        if launch is not None and auth:
+            raise ValueError("auth=True needs the server on loopback (IAM is set up from here)")
         self.bucket = bucket
         self.auth = auth
         self._keys = (ACCESS_KEY, SECRET_KEY)
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = port or (free_port() if launch is None else 9000)
+        self.endpoint = f"http://{host}:{self.port}"
         self._start_timeout_s = start_timeout_s
+        self._launch = launch
         self._proc: Optional[subprocess.Popen] = None
+
+    def _start_launched(self, env: dict) -> None:
+        """Start ``python -m shardpoint_testing.s3 HOST PORT BUCKET`` through the launcher
+        and wait for its ``ready`` line."""
+        self._proc = self._launch(
+            [sys.executable, "-m", "shardpoint_testing.s3", self.host, str(self.port),
+             self.bucket], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        ready = threading.Event()
+
+        def watch() -> None:
+            for line in self._proc.stdout:
+                if line.strip() == b"ready":
+                    ready.set()
+                    return
+        threading.Thread(target=watch, daemon=True).start()
+        deadline = time.monotonic() + self._start_timeout_s
+        while not ready.wait(0.05):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                code = self._proc.poll()
+                self.stop()
+                raise RuntimeError(f"the S3 server for {self.endpoint} " + (
+                    f"exited with {code} on start" if code is not None else
+                    f"was not ready within {self._start_timeout_s} s"))
 
     def start(self) -> "S3Server":
         """Start the server, wait until it answers, create the bucket."""
         env = dict(os.environ, MOTO_ALLOW_NONEXISTENT_REGION="true")
+        if self._launch is not None:
+            self._start_launched(env)
+            return self
         if self.auth:   # moto checks signatures and IAM after the first 3 requests
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + self._start_timeout_s
         while True:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"moto server exited with {self._proc.returncode} on start")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                with socket.create_connection((self.host, self.port), timeout=0.5):
                     break
             except OSError:
                 if time.monotonic() > deadline:
@@ -130,6 +171,8 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(10)
+        if self._proc is not None and self._proc.stdout is not None:
+            self._proc.stdout.close()
         self._proc = None
 
     def __enter__(self) -> "S3Server":
@@ -230,3 +273,30 @@ class FaultProxy:
     def __exit__(self, *exc) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def serve(host: str, port: int, bucket: str) -> None:
+    """Run moto's S3 server in this process on ``host:port``, create ``bucket``, print
+    ``ready`` and serve until terminated (what a launched :class:`S3Server` runs)."""
+    import signal
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+    os.environ.setdefault("MOTO_ALLOW_NONEXISTENT_REGION", "true")
+    server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)
+    server.start()
+    boto3.client("s3", endpoint_url=f"http://{host}:{port}", aws_access_key_id=ACCESS_KEY,
+                 aws_secret_access_key=SECRET_KEY,
+                 region_name=REGION).create_bucket(Bucket=bucket)
+    print("ready", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop() or os._exit(0))
+    threading.Event().wait()
+
+
+def _main(argv: Sequence[str]) -> None:
+    host, port, bucket = argv
+    serve(host, int(port), bucket)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

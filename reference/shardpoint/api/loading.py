@@ -134,15 +134,16 @@ class LoadJob:
             self.targets, self.built = collect_targets(self.like, m, self.strict, self.out,
                                                        self.comm.rank)
         host = host_identity(self.opts.host_id)
-        cols = HoldingColumns.from_holdings([t.holding for t in self.targets])
-        return msgpack.packb([host, cols.to_wire()])
+        meta, blobs = HoldingColumns.from_holdings([t.holding for t in self.targets]).to_parts()
+        return [msgpack.packb([host, meta]), *blobs]
 
     def _decide(self, payloads: list) -> list:
         m = self.m if self.m is not None else decode_manifest(self.mbytes)
         layouts = {k: TensorLayout(k, e.shape, e.dtype, e.chunk_shape)
                    for k, e in m.tensors.items()}
-        got = [msgpack.unpackb(p) for p in payloads]
-        reqs = [HoldingColumns.from_wire(w) for _, w in got]
+        got = [msgpack.unpackb(p[0]) for p in payloads]
+        cache: dict = {}    # distinct holdings runs, decoded once
+        reqs = [HoldingColumns.from_parts(m, p[1:], cache) for (_, m), p in zip(got, payloads)]
         xg = self.opts.exchange_gbps or (20.0 if self.comm.device.type == "cuda" else 1.0)
         works, costs = plan_load_auto(reqs, layouts, [h for h, _ in got], self.opts, xg)
         c = {k: v for k, v in vars(costs).items() if k != "notes"}

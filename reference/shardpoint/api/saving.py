@@ -181,7 +181,7 @@ class SaveJob:
             if self.plan_hit:
                 return values.pack([_value_leaves(f.tree), [list(o) for o in objs]])
             return LocalPlan(self.comm.rank, f.tree, [t.holding for t in f.tensors],
-                             objs).to_bytes(self.comm.size)
+                             objs).to_parts()
 
         try:
             msg = run_collectively(self.comm, local, self._decide, errors.InvalidShardingError,
@@ -209,7 +209,9 @@ class SaveJob:
             plan.objects = plan_objects([LocalPlan(r, None, [], [tuple(o) for o in objs])
                                          for r, (_, objs) in enumerate(got)])
         else:
-            plan = plan_save([LocalPlan.from_bytes(b) for b in payloads], self.opts.plan)
+            cache: dict = {}    # distinct holdings runs, decoded once
+            plan = plan_save([LocalPlan.from_parts(p, cache) for p in payloads],
+                             self.opts.plan)
         self.times["plan"] = time.perf_counter() - t
         self.be.check_target(self.path, self.overwrite)   # before anything is written
         staging = self.be.staging_path(self.path, secrets.token_hex(6))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardpoint_core import errors
+from shardpoint.exchange import dedup
 from shardpoint.tree.views import copy_with_bytes
 
 
@@ -99,6 +100,41 @@ class Comm:
                   group=self.group)
         return None
 
+    def gather_parts(self, parts: Sequence[bytes]) -> Optional[list]:
+        """Every rank's ``[head, blob, ...]`` on the coordinator (None elsewhere), each
+        distinct blob crossing the network once: heads, digests and sizes are gathered, the
+        coordinator broadcasts which rank sends which blob, and those blobs alone come point
+        to point (:mod:`.dedup`). Data-parallel ranks send the same tree branches, key tables
+        and column runs, so what the coordinator receives grows with the job's distinct
+        structure rather than with its ranks (65,536 simulated ranks: see
+        ``benchmarks/plan_scale.py``). Identical blobs arrive as one bytes object."""
+        if self.size == 1:
+            return [list(parts)]
+        msg, _ = dedup.offer(parts)
+        got = self.gather_bytes(msg)
+        offers = want = None
+        if self.is_coordinator:
+            offers = [dedup.read_offer(g) for g in got]
+            want = dedup.requests(offers)
+        idx = dedup.my_requests(self.broadcast_bytes(
+            dedup.encode_requests(want) if self.is_coordinator else None), self.rank)
+        if not self.is_coordinator:
+            n = sum(len(parts[1 + i]) for i in idx)
+            if n:
+                t = self._u8(b"".join(parts[1 + i] for i in idx), n)
+                self._run("send", dist.send, t, dst=self._global(0), group=self.group)
+            return None
+        sizes = dedup.wanted_bytes(offers, want)
+        bufs = {r: torch.empty(n, dtype=torch.uint8, device=self.device)
+                for r, n in sizes.items() if n}
+        ops = [dist.P2POp(dist.irecv, t, self._global(r), self.group) for r, t in bufs.items()]
+        if ops:
+            for w in self._run("recv", dist.batch_isend_irecv, ops):
+                self._run("recv", w.wait)
+        return dedup.assemble(offers, list(parts[1:]), want,
+                              {r: bufs[r].cpu().numpy().tobytes() if r in bufs else b""
+                               for r in sizes})
+
     def broadcast_bytes(self, b: Optional[bytes]) -> bytes:
         if self.size == 1:
             return b or b""
@@ -110,17 +146,28 @@ class Comm:
         return bytes(t.cpu().numpy())
 
     def scatter_bytes(self, parts: Optional[Sequence[bytes]]) -> bytes:
-        """Part ``i`` of the coordinator's list to rank ``i``."""
+        """Part ``i`` of the coordinator's list to rank ``i`` (sizes broadcast, then each
+        part alone, point to point)."""
         if self.size == 1:
             return parts[0]
         sizes = torch.tensor([len(p) for p in parts] if self.is_coordinator
                              else [0] * self.size, dtype=torch.int64, device=self.device)
         self._run("broadcast", dist.broadcast, sizes, src=self._global(0), group=self.group)
-        m = int(sizes.max().item())
-        out = torch.zeros(m, dtype=torch.uint8, device=self.device)
-        ins = [self._u8(p, m) for p in parts] if self.is_coordinator else None
-        self._run("scatter", dist.scatter, out, ins, src=self._global(0), group=self.group)
-        return bytes(out[:int(sizes[self.rank].item())].cpu().numpy())
+        # point to point, each part at its own size: dist.scatter pads every part to the
+        # largest (a load plan's parts range from bytes to hundreds of KiB: at 16,384 ranks the
+        # padding alone would be gigabytes sent by the coordinator)
+        if not self.is_coordinator:
+            n = int(sizes[self.rank].item())
+            out = torch.empty(n, dtype=torch.uint8, device=self.device)
+            if n:
+                self._run("recv", dist.recv, out, src=self._global(0), group=self.group)
+            return bytes(out.cpu().numpy())
+        ops = [dist.P2POp(dist.isend, self._u8(p, len(p)), self._global(r), self.group)
+               for r, p in enumerate(parts) if r and len(p)]
+        if ops:
+            for w in self._run("send", dist.batch_isend_irecv, ops):
+                self._run("send", w.wait)
+        return parts[0]
 
     def all_to_all(self, send: list, recv_sizes: list) -> list:
         """Send ``send[d]`` (1-D uint8 tensor) to rank d; receive ``recv_sizes[s]`` bytes from
@@ -239,11 +286,13 @@ def agree(comm: Comm, err: Optional[BaseException], fallback: type) -> None:
         raise err
 
 
-def run_collectively(comm: Comm, local: Callable[[], bytes],
+def run_collectively(comm: Comm, local: Callable[[], Any],
                      decide: Callable[[list], list], fallback: type,
                      same: Any = None) -> bytes:
-    """Gather each rank's ``local()`` bytes to the coordinator, let it ``decide`` one answer
-    per rank, scatter the answers. Any failure, local or in ``decide``, is raised on every
+    """Gather each rank's ``local()`` to the coordinator, let it ``decide`` one answer per
+    rank, scatter the answers. ``local()`` returns bytes, or ``[head, blob, ...]`` (a list of
+    bytes, which ``decide`` then gets as such): either way identical blobs cross the network
+    once (:meth:`Comm.gather_parts`). Any failure, local or in ``decide``, is raised on every
     rank as the same error, so no rank is left waiting in a collective. ``same``: ``(what,
     value)``, or a list of them, that every rank must pass alike (the checkpoint path, the
     ``overwrite`` flag, the options): a rank passing another value fails every rank with
@@ -252,13 +301,20 @@ def run_collectively(comm: Comm, local: Callable[[], bytes],
     pairs = [] if same is None else [same] if isinstance(same, tuple) else list(same)
     mine_same = [v for _w, v in pairs]
     try:
-        mine = msgpack.packb([0, local(), mine_same])
+        out = local()
+        # bytes: one blob; a list: [head, blob, ...], the head kept apart from the blobs
+        mine = [msgpack.packb([0, None, mine_same]), out] if isinstance(out, bytes) else \
+            [msgpack.packb([0, out[0], mine_same]), *out[1:]]
     except Exception as e:  # noqa: BLE001 - forwarded to every rank
-        mine = msgpack.packb([1, error_record(e, comm.rank), mine_same])
-    got = comm.gather_bytes(mine)
+        mine = [msgpack.packb([1, error_record(e, comm.rank), mine_same])]
+    got = comm.gather_parts(mine)
     parts = None
     if comm.is_coordinator:
-        items = [msgpack.unpackb(g) for g in got]
+        items = []
+        for g in got:
+            status, head, vs = msgpack.unpackb(g[0])
+            items.append((status, head if status else
+                          g[1] if head is None else [head, *g[1:]], vs))
         failed = [rec for status, rec, _ in items if status]
         mine_same = msgpack.unpackb(msgpack.packb(mine_same))   # compared as the others are
         for i, (what, _v) in enumerate(pairs):

@@ -23,6 +23,7 @@ from shardpoint.tree.model import Holding
 
 WIRE_TAG = "cols2"
 ZIP_TAG = "cols3"      # the same with the body compressed (jobs of COMPRESS_FROM_WORLD ranks)
+PARTS_TAG = "cols4"    # meta + blobs, for a gather that sends each distinct blob once
 # zlib level of what a rank sends up (key tables, tree branches, compressed bodies): 9 makes
 # them ~25% smaller than 1 for ~1 ms more a rank, paid in parallel; inflating costs the same,
 # and tables and branches are inflated once per distinct content. Measured on the simulated
@@ -77,11 +78,29 @@ class HoldingColumns(Sequence):
     same with ``zlib(body)``, sent by the ranks of large jobs (:data:`COMPRESS_FROM_WORLD`).
     """
 
-    __slots__ = ("_table", "cols", "D", "R", "table_bytes")
+    __slots__ = ("_table", "_cols", "_runs", "D", "R", "table_bytes")
 
-    def __init__(self, table, cols: list, D: int, R: int, table_bytes=None):
-        self._table, self.cols, self.D, self.R = table, cols, D, R
+    def __init__(self, table, cols: Optional[list], D: int, R: int, table_bytes=None,
+                 runs: Optional[list] = None):
+        """``cols``: the columns; or ``runs``, lists of columns for consecutive rows, joined
+        on first use of :attr:`cols` (the coordinator's :class:`Gathered` joins every
+        rank's runs in one pass instead)."""
+        self._table, self._cols, self.D, self.R = table, cols, D, R
+        self._runs = runs
         self.table_bytes = table_bytes
+
+    @property
+    def cols(self) -> list:
+        if self._cols is None:
+            runs = self._runs
+            self._cols = runs[0] if len(runs) == 1 else [np.concatenate(c) for c in zip(*runs)]
+        return self._cols
+
+    def column_runs(self, j: int) -> list:
+        """Column ``j`` as one or more arrays of consecutive rows."""
+        if self._cols is None:
+            return [r[j] for r in self._runs]
+        return [self._cols[j]]
 
     @property
     def table(self) -> list:
@@ -98,7 +117,12 @@ class HoldingColumns(Sequence):
         return [[k, d, list(g)] for k, d, g in self.table]
 
     def __len__(self) -> int:
-        return len(self.cols[0])
+        return self.n_rows()
+
+    def n_rows(self) -> int:
+        if self._cols is None:
+            return sum(len(r[0]) for r in self._runs)
+        return len(self._cols[0])
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -142,27 +166,86 @@ class HoldingColumns(Sequence):
         """The key table (zlib, in segments) once, then each column in the narrowest integer
         type (see the class docstring); ``compress``: the body zlib-compressed (``"cols3"``,
         for jobs of :data:`COMPRESS_FROM_WORLD` ranks or more)."""
-        segs: list = []
-        top = None
-        for k, d, g in self.table:
-            t = k.split("/", 1)[0]
-            if not segs or t != top:
-                segs.append([])
-                top = t
-            segs[-1].append([k, d, list(g)])
+        segs, _ = _segments(self.table)
         table = [zlib.compress(msgpack.packb(sg), PLAN_ZLIB_LEVEL) for sg in segs]
-        kinds, body = [], []
-        for c in self.cols:
-            lo, hi = (int(c.min()), int(c.max())) if len(c) else (0, 0)
-            t = next(t for t in ("<i1", "<i2", "<i4", "<i8")
-                     if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max)
-            kinds.append(t)
-            body.append(np.ascontiguousarray(c, t).tobytes())
-        body = b"".join(body)
+        kinds, body = _narrow(self.cols)
         if compress:
             return msgpack.packb([ZIP_TAG, len(self), self.D, self.R, table, kinds,
                                   zlib.compress(body, PLAN_ZLIB_LEVEL)])
         return msgpack.packb([WIRE_TAG, len(self), self.D, self.R, table, kinds, body])
+
+    def to_parts(self) -> tuple:
+        """The columns as ``(meta, blobs)`` for a gather that sends each distinct blob once
+        (:meth:`~shardpoint.exchange.comm.Comm.gather_parts`): data-parallel ranks hold the
+        same regions under other replica ids, so their rows differ in the replica columns
+        only. ``blobs``: the key table segments (as in :meth:`to_wire`), then per *run* (rows
+        cut where the key's first component changes, as the table is) the zlib of
+        ``msgpack([column types, body])`` of the columns before the replica ids, and, unless
+        every replica column is constant over the run, the same for the replica columns.
+        ``meta``: ``["cols4", rows, D, R, table segments, [[run rows, replica constants or
+        None], ...]]``."""
+        segs, seg_of = _segments(self.table)
+        blobs = [zlib.compress(msgpack.packb(sg), PLAN_ZLIB_LEVEL) for sg in segs]
+        n, w = len(self), 4 + 2 * self.D
+        runs: list = []
+        if n:
+            rs = seg_of[self.cols[0]]
+            cuts = [0, *(np.flatnonzero(rs[1:] != rs[:-1]) + 1).tolist(), n]
+            for a, b in zip(cuts, cuts[1:]):
+                blobs.append(_pack_cols([c[a:b] for c in self.cols[:w]]))
+                rep = [c[a:b] for c in self.cols[w:]]
+                if all((c == c[0]).all() for c in rep):
+                    runs.append([b - a, [int(c[0]) for c in rep]])
+                else:
+                    runs.append([b - a, None])
+                    blobs.append(_pack_cols(rep))
+        return [PARTS_TAG, n, self.D, self.R, len(segs), runs], blobs
+
+    @staticmethod
+    def from_parts(meta: list, blobs: Sequence[bytes],
+                   cache: Optional[dict] = None) -> "HoldingColumns":
+        """Decode :meth:`to_parts`. ``cache`` (a dict shared across ranks): each distinct run
+        blob is inflated once (the blobs a deduplicating gather delivers are one object per
+        distinct content, so their hashes are computed once)."""
+        tag, n, D, R, nt, runs = meta
+        if tag != PARTS_TAG:
+            raise ValueError(f"not a columnar holdings parts message (tag {tag!r})")
+        if len(blobs) != nt + sum(2 if c is None else 1 for _r, c in runs) or \
+                sum(r for r, _ in runs) != n:
+            raise ValueError("holdings parts do not add up to the stated blobs and rows")
+        cache = {} if cache is None else cache
+        w, pos, pieces = 4 + 2 * D, nt, []
+
+        def cols_of(b: bytes, rows: int, width: int) -> list:
+            got = cache.get(b)
+            if got is None:
+                got = cache[b] = _unpack_cols(b)
+            if got[0] != rows or len(got[1]) != width:
+                raise ValueError("a holdings run's columns do not match its row count")
+            return got[1]
+
+        def full(rows: int, v: int) -> np.ndarray:
+            a = cache.get((rows, v))     # one read-only array per (rows, value)
+            if a is None:
+                a = cache[(rows, v)] = np.full(rows, v, np.int64)
+                a.flags.writeable = False
+            return a
+
+        for rows, consts in runs:
+            main = cols_of(blobs[pos], rows, w)
+            pos += 1
+            if consts is None:
+                rep = cols_of(blobs[pos], rows, R)
+                pos += 1
+            else:
+                if len(consts) != R:
+                    raise ValueError("a holdings run's replica constants do not match R")
+                rep = [full(rows, v) for v in consts]
+            pieces.append(main + rep)
+        if not pieces:
+            return HoldingColumns(None, [np.zeros(0, np.int64) for _ in range(w + R)], D, R,
+                                  table_bytes=list(blobs[:nt]))
+        return HoldingColumns(None, None, D, R, table_bytes=list(blobs[:nt]), runs=pieces)
 
     @staticmethod
     def from_wire(b: bytes) -> "HoldingColumns":
@@ -177,6 +260,55 @@ class HoldingColumns(Sequence):
             pos += c.nbytes
             cols.append(c)
         return HoldingColumns(None, cols, D, R, table_bytes=table_b)
+
+
+def _segments(table: Sequence) -> tuple:
+    """The key table cut where the key's first component changes, in wire form, and each
+    entry's segment number (an array)."""
+    segs: list = []
+    seg_of: list = []
+    top = None
+    for k, d, g in table:
+        t = k.split("/", 1)[0]
+        if not segs or t != top:
+            segs.append([])
+            top = t
+        segs[-1].append([k, d, list(g)])
+        seg_of.append(len(segs) - 1)
+    return segs, np.array(seg_of or [0], np.int64)
+
+
+def _narrow(cols: Sequence[np.ndarray]) -> tuple:
+    """Each column in the narrowest little-endian integer type holding it: the types and
+    the columns' bytes one after another."""
+    kinds, body = [], []
+    for c in cols:
+        lo, hi = (int(c.min()), int(c.max())) if len(c) else (0, 0)
+        t = next(t for t in ("<i1", "<i2", "<i4", "<i8")
+                 if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max)
+        kinds.append(t)
+        body.append(np.ascontiguousarray(c, t).tobytes())
+    return kinds, b"".join(body)
+
+
+def _pack_cols(cols: Sequence[np.ndarray]) -> bytes:
+    """Columns of equal length as ``zlib(msgpack([types, body]))``."""
+    kinds, body = _narrow(cols)
+    return zlib.compress(msgpack.packb([kinds, len(cols[0]) if cols else 0, body]),
+                         PLAN_ZLIB_LEVEL)
+
+
+def _unpack_cols(b: bytes) -> tuple:
+    """``(rows, columns)`` of :func:`_pack_cols`."""
+    kinds, n, body = msgpack.unpackb(zlib.decompress(b))
+    cols, pos = [], 0
+    for t in kinds:
+        if t not in ("<i1", "<i2", "<i4", "<i8"):
+            raise ValueError(f"not a column type: {t!r}")
+        c = np.frombuffer(body, t, n, pos)
+        pos += c.nbytes
+        cols.append(c)
+    return n, cols
 
 
 def decode_segment(b: bytes) -> list:
@@ -257,7 +389,7 @@ class Gathered:
         self.keys, self.key_ids, self.first_rank = keys, kid, first_rank
         D = max((c.D for c in cols), default=0)
         R = max((c.R for c in cols), default=1)
-        lens = np.array([len(c) for c in cols], np.int64)
+        lens = np.array([c.n_rows() for c in cols], np.int64)
         n = int(lens.sum())
         self.n = n
         self.rank = np.repeat(np.asarray(list(ranks), np.int64), lens)
@@ -274,11 +406,9 @@ class Gathered:
         base = np.array([where[id(m)] for m in maps], np.int64)
         allmaps = np.concatenate(distinct) if distinct else np.zeros(0, np.int64)
         same = all(c.D == D and c.R == R for c in cols)
-        colsets = [c.cols for c in cols]
-
         def column(j: int, j_of, fill):
             if same:     # every rank sent the same columns: one concatenation, no Python per rank
-                parts = [cs[j] for cs in colsets]
+                parts = [a for c in cols for a in c.column_runs(j)]
             else:
                 parts = [c.cols[j_of(c)] if j_of(c) is not None else np.full(len(c), fill)
                          for c in cols]

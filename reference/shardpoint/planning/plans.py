@@ -30,6 +30,7 @@ class PlanOptions:
 
 # -------------------------------------------------------------------------------- wire forms
 TREE_SPLIT = "split1"
+PLAN_PARTS_TAG = "plan4"
 
 
 def pack_tree(tree: Any) -> Any:
@@ -95,6 +96,38 @@ class LocalPlan:
     def from_bytes(b: bytes) -> "LocalPlan":
         rank, tb, hs, objs = values.unpack(b)
         return LocalPlan(rank, None, HoldingColumns.from_wire(hs),
+                         [(k, i, c, tuple(r), v) for k, i, c, r, v in objs], tree_bytes=tb)
+
+    def to_parts(self) -> list:
+        """The plan as ``[head, blob, ...]`` for a gather that sends each distinct blob once
+        (:meth:`~shardpoint.exchange.comm.Comm.gather_parts`): the tree's branches and the
+        holdings' key table segments and column runs (:meth:`HoldingColumns.to_parts`) are
+        blobs, identical across data-parallel ranks wherever their structure is; ``head``:
+        ``msgpack(["plan4", rank, tree branch keys or None (a whole tree: one blob),
+        msgpack(holdings meta), objects])``, small and per rank."""
+        tw = self.tree_bytes if self.tree is None else pack_tree(self.tree)
+        parts = tree_wire_parts(tw)
+        tkeys, tblobs = (None, [tw]) if parts is None else \
+            ([k for k, _ in parts], [b for _, b in parts])
+        meta, hblobs = as_columns(self.holdings).to_parts()
+        # the holdings meta as plain msgpack inside the head: values' decoder walks what it
+        # is given for its extension types, and the meta (numbers, lists) has none
+        head = values.pack([PLAN_PARTS_TAG, self.rank, tkeys, msgpack.packb(meta),
+                            [list(o) for o in self.objects]])
+        return [head, *tblobs, *hblobs]
+
+    @staticmethod
+    def from_parts(parts: Sequence[bytes], cache: Optional[dict] = None) -> "LocalPlan":
+        """Decode :meth:`to_parts`; ``cache`` (one dict for every rank of a gather) decodes
+        each distinct holdings run once."""
+        tag, rank, tkeys, meta, objs = values.unpack(parts[0])
+        if tag != PLAN_PARTS_TAG:
+            raise ValueError(f"not a local plan parts message (tag {tag!r})")
+        nt = 1 if tkeys is None else len(tkeys)
+        tb = parts[1] if tkeys is None else \
+            [TREE_SPLIT, [[k, b] for k, b in zip(tkeys, parts[1:1 + nt])]]
+        return LocalPlan(rank, None, HoldingColumns.from_parts(msgpack.unpackb(meta),
+                                                               parts[1 + nt:], cache),
                          [(k, i, c, tuple(r), v) for k, i, c, r, v in objs], tree_bytes=tb)
 
     def decoded_tree(self) -> Any:
