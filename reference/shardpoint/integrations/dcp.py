@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any, Optional
+import warnings
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,16 @@ from shardpoint.tree.dtypes import from_name
 from shardpoint.tree.model import ShardedPieces, ShardedTensor
 
 _SOLO: dict = {}
+
+
+def _warn_extensions(extensions: Optional[Sequence[Any]], who: str) -> None:
+    """DCP's ``_extensions`` are stream transforms of DCP's own ``.distcp`` bytes (compression,
+    or any user transform); a shardpoint checkpoint has no such stream, so they are accepted for
+    drop-in use and not applied, which the user is told once per writer."""
+    if extensions:
+        warnings.warn(f"{who}: DCP stream extensions {[type(e).__name__ for e in extensions]} "
+                      "are not applied: shardpoint writes its own chunk format (crc32c per "
+                      "chunk), not DCP's .distcp streams", UserWarning, stacklevel=3)
 
 
 def _solo_group() -> Any:
@@ -93,19 +104,23 @@ class ShardpointWriter(StorageWriter):
 
     Call order (DCP's): ``reset`` and ``set_up_storage_writer`` on every rank, the plan hooks
     (pass-through), ``write_data`` on every rank (collective: one :func:`shardpoint.save`),
-    ``finish`` on the coordinator (nothing: the save already committed). The keyword
-    arguments of DCP's ``FileSystemWriter`` are accepted so that it can be swapped in;
-    ``thread_count``, ``single_file_per_rank``, ``sync_files`` and ``per_thread_copy_ahead``
-    do not change what is written (shardpoint picks its own I/O parallelism and always makes
-    the checkpoint durable before it is visible). ``overwrite=True`` (DCP's default) replaces
-    an existing checkpoint at ``path`` atomically.
+    ``finish`` on the coordinator (nothing: the save already committed). The arguments of
+    DCP's ``FileSystemWriter`` are accepted, in its order, so that it can be swapped in;
+    ``thread_count``, ``single_file_per_rank``, ``sync_files``, ``per_thread_copy_ahead``,
+    ``cache_staged_state_dict``, ``serialization_format`` and ``_extensions`` (DCP's stream
+    transforms, with a warning) do not change what is written (shardpoint picks its own I/O
+    parallelism and always makes the checkpoint durable before it is visible).
+    ``overwrite=True`` (DCP's default) replaces an existing checkpoint at ``path`` atomically.
     """
 
-    def __init__(self, path: "str | os.PathLike", *, group: Any = None, overwrite: bool = True,
-                 options: Optional[SaveOptions] = None, thread_count: int = 1,
-                 single_file_per_rank: bool = True, sync_files: bool = True,
-                 per_thread_copy_ahead: int = 10_000_000) -> None:
+    def __init__(self, path: "str | os.PathLike", single_file_per_rank: bool = True,
+                 sync_files: bool = True, thread_count: int = 1,
+                 per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
+                 overwrite: bool = True, _extensions: Optional[Sequence[Any]] = None,
+                 serialization_format: Any = None, *, group: Any = None,
+                 options: Optional[SaveOptions] = None) -> None:
         super().__init__()
+        _warn_extensions(_extensions, "ShardpointWriter")
         self.path = str(path)
         self.group = group
         self.overwrite = overwrite
@@ -237,8 +252,9 @@ def _holds_no_array(node: dict) -> bool:
 
 def plan_dcp_entries(m: Manifest) -> dict:
     """``{fqn: (path, ("tensor", key) | ("value", value))}`` for a shardpoint manifest, by
-    DCP's traversal: dicts are walked, a list or tuple holding no tensor is one value, sharded
-    objects (per-rank values) have no DCP equivalent and are left out. Pure."""
+    DCP's traversal: dicts are walked, a list or tuple holding no tensor is one value, a
+    sharded object (per-rank values, e.g. Megatron's RNG states) is one value holding its whole
+    grid as nested lists, as :func:`shardpoint.load` gives it without a template. Pure."""
     out: dict = {}
 
     def walk(node: dict, path: tuple) -> None:
@@ -255,6 +271,8 @@ def plan_dcp_entries(m: Manifest) -> dict:
             add(path, ("tensor", node["tensor"]))
         elif "value" in node:
             add(path, ("value", node["value"]))
+        elif "object" in node:
+            add(path, ("value", m.objects[node["object"]].nested()))
 
     def add(path: tuple, entry: tuple) -> None:
         fqn = ".".join(str(c) for c in path)
@@ -277,11 +295,12 @@ class ShardpointReader(StorageReader):
     state dict holds), ``set_up_storage_reader`` on every rank, the plan hooks (pass-through),
     ``read_data`` on every rank (collective: one :func:`shardpoint.load` filling every
     requested region in place, read once and exchanged where that is cheaper).
-    ``thread_count`` is accepted for ``FileSystemReader`` compatibility.
+    ``thread_count`` and ``_extension_registry`` are accepted for ``FileSystemReader``
+    compatibility (a shardpoint checkpoint names its own codecs; DCP's are not needed).
     """
 
-    def __init__(self, path: "str | os.PathLike", *, group: Any = None,
-                 thread_count: int = 1) -> None:
+    def __init__(self, path: "str | os.PathLike", _extension_registry: Any = None, *,
+                 group: Any = None, thread_count: int = 1) -> None:
         super().__init__()
         self.path = str(path)
         self.group = group
