@@ -240,6 +240,15 @@ def _two_rank_cases(rank, world, root):
     dcp.load(into, storage_reader=ShardpointReader(path))
     assert torch.equal(into["h"].full_tensor(), h) and into["it"] == 9
     done.append("sp.save->dcp.load")
+
+    # 6. no_dist inside a running world: each rank saves and loads its own checkpoint alone
+    mine = os.path.join(root, f"solo{rank}")
+    dcp.save({"r": torch.full((3,), rank), "tag": f"rank{rank}"},
+             storage_writer=ShardpointWriter(mine), no_dist=True)
+    back = {"r": torch.zeros(3, dtype=torch.int64), "tag": ""}
+    dcp.load(back, storage_reader=ShardpointReader(mine), no_dist=True)
+    assert torch.equal(back["r"], torch.full((3,), rank)) and back["tag"] == f"rank{rank}"
+    done.append("no_dist in a world")
     dist.barrier()
     return done
 
@@ -272,8 +281,8 @@ def test_two_ranks_dcp_cases_then_sp_load_on_three_and_jax(tmp_path):
     2 gloo ranks in tests/integrations/test_crossover.py."""
     done = run_world(2, _two_rank_cases, str(tmp_path), timeout=300)
     assert done[0] == done[1] == ["rowwise->colwise", "enumerable", "fsdp2", "tp+async",
-                                  "sp.save->dcp.load"]
-    for name in ("rows", "enum", "fsdp", "tp"):
+                                  "sp.save->dcp.load", "no_dist in a world"]
+    for name in ("rows", "enum", "fsdp", "tp", "solo0", "solo1"):
         _no_pickle_metadata(tmp_path / name)
     _verify_strict(tmp_path / "rows")
     _verify_strict(tmp_path / "fsdp")
