@@ -411,3 +411,18 @@ def test_writing_over_a_directory_of_other_files_is_refused_and_keeps_them(tmp_p
     assert (tmp_path / "c" / "model.pt").read_bytes() == b"theirs"
     dcp.save({"w": torch.ones(2)}, storage_writer=ShardpointWriter(tmp_path / "empty"),
              no_dist=True)     # an empty directory is fine (DCP's suite uses mkdtemp())
+
+
+def test_checkpoint_id_detection_accepts_paths_and_registered_stores_only(tmp_path):
+    """DCP picks a storage class for a bare ``checkpoint_id`` by asking each one; ours say yes
+    to local paths and to registered store URLs, no to a scheme nobody registered (DCP's own
+    suite expects "Cannot detect" for ``abc://abc.abc``)."""
+    from pathlib import Path
+    from shardpoint.dcp import ShardpointReader, ShardpointWriter
+    for cls in (ShardpointReader, ShardpointWriter):
+        assert cls.validate_checkpoint_id(str(tmp_path / "c"))
+        assert cls.validate_checkpoint_id(Path(tmp_path / "c"))
+        assert cls.validate_checkpoint_id("file://" + str(tmp_path / "c"))
+        assert cls.validate_checkpoint_id("s3://bucket/run/step_1")
+        assert not cls.validate_checkpoint_id("abc://abc.abc")
+        assert not cls.validate_checkpoint_id(7)

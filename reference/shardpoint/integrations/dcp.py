@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from shardpoint_core import errors
 from shardpoint_core.manifest import Manifest, read_metadata
+from shardpoint_core.store.registry import check_path
 from shardpoint.api.loading import load
 from shardpoint.api.saving import SaveOptions, SaveResult, save
 from shardpoint.exchange.comm import Comm
@@ -70,6 +71,27 @@ def _warn_extensions(extensions: Optional[Sequence[Any]], who: str) -> None:
         warnings.warn(f"{who}: DCP stream extensions {[type(e).__name__ for e in extensions]} "
                       "are not applied: shardpoint writes its own chunk format (crc32c per "
                       "chunk), not DCP's .distcp streams", UserWarning, stacklevel=3)
+
+
+def supports_checkpoint_id(checkpoint_id: Any) -> bool:
+    """Whether shardpoint can write or read at ``checkpoint_id`` (DCP asks this to pick a
+    storage class for a bare ``checkpoint_id``): a local path or ``file://`` URL, or the URL of
+    a store scheme registered with shardpoint (``s3://``, ``memory://``); not an unknown scheme."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return False
+    try:
+        check_path(checkpoint_id, "save")
+    except errors.UnsupportedStoreError:
+        return False
+    return True
+
+
+def _planned_alone(plans: list) -> bool:
+    """True when DCP planned this save or load for this rank alone (``no_dist=True``: every
+    rank is its own coordinator and plans only itself), while a process group may be running.
+    DCP tells storage nothing else that tells ``no_dist`` apart on rank 0; the coordinator of a
+    collective call sees every rank's plan, and the other ranks never get here."""
+    return len(plans) == 1
 
 
 def _solo_group() -> Any:
@@ -127,6 +149,7 @@ class ShardpointWriter(StorageWriter):
         self.options = options
         self.thread_count = thread_count
         self.use_collectives = True
+        self._alone = False
         self.is_coordinator = False
         self.last_result: Optional[SaveResult] = None
 
@@ -137,11 +160,13 @@ class ShardpointWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.use_collectives = kwargs.get("use_collectives", True)
+        self._alone = False
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list) -> list:
+        self._alone = _planned_alone(plans)
         return plans
 
     def storage_meta(self) -> Optional[StorageMeta]:
@@ -149,10 +174,10 @@ class ShardpointWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike") -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        return supports_checkpoint_id(checkpoint_id)
 
     def _group(self) -> Any:
-        return self.group if self.use_collectives else _solo_group()
+        return _solo_group() if self._alone or not self.use_collectives else self.group
 
     def _value(self, planner: SavePlanner, item: Any) -> Any:
         lookup = getattr(planner, "lookup_object", None)
@@ -305,6 +330,7 @@ class ShardpointReader(StorageReader):
         self.path = str(path)
         self.group = group
         self.use_collectives = True
+        self._alone = False
         self._entries: Optional[dict] = None
 
     def reset(self, checkpoint_id: "str | os.PathLike | None" = None) -> None:
@@ -314,7 +340,7 @@ class ShardpointReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike") -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        return supports_checkpoint_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         m = read_metadata(self.path)
@@ -341,6 +367,7 @@ class ShardpointReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         self.use_collectives = kwargs.get("use_collectives", True)
+        self._alone = False
         if isinstance(metadata.storage_data, dict):
             self._entries = {f: (metadata.planner_data[f], e)
                              for f, e in metadata.storage_data.items()}
@@ -349,6 +376,7 @@ class ShardpointReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list) -> list:
+        self._alone = _planned_alone(plans)
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
@@ -372,7 +400,8 @@ class ShardpointReader(StorageReader):
             fills.append((item, target, buf))
         like = _nest({p: v[0] if len(v) == 1 else ShardedPieces(v) for p, v in targets.items()},
                      f"DCP load from {self.path}")
-        load(self.path, like=like, group=self.group if self.use_collectives else _solo_group())
+        load(self.path, like=like, group=_solo_group() if self._alone or
+             not self.use_collectives else self.group)
         for item, target, buf in fills:
             if buf is not target:
                 target.copy_(buf)
@@ -391,4 +420,5 @@ class ShardpointReader(StorageReader):
         planner.load_bytes(item, buf)
 
 
-__all__ = ["ShardpointReader", "ShardpointWriter", "plan_dcp_entries"]
+__all__ = ["ShardpointReader", "ShardpointWriter", "plan_dcp_entries",
+           "supports_checkpoint_id"]
