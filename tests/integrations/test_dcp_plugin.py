@@ -426,3 +426,17 @@ def test_checkpoint_id_detection_accepts_paths_and_registered_stores_only(tmp_pa
         assert cls.validate_checkpoint_id("s3://bucket/run/step_1")
         assert not cls.validate_checkpoint_id("abc://abc.abc")
         assert not cls.validate_checkpoint_id(7)
+
+
+def test_load_into_another_dtype_casts_as_dcp_does(tmp_path):
+    """DCP's FileSystemReader copies stored values into the target, casting (a float32
+    checkpoint into a bfloat16 model); the shardpoint reader does the same through DCP."""
+    import torch.distributed.checkpoint as dcp
+    from shardpoint.dcp import ShardpointReader, ShardpointWriter
+    w = torch.randn(4, 3)
+    dcp.save({"w": w, "i": torch.arange(5, dtype=torch.int32)},
+             storage_writer=ShardpointWriter(tmp_path / "c"), no_dist=True)
+    like = {"w": torch.zeros(4, 3, dtype=torch.bfloat16), "i": torch.zeros(5, dtype=torch.int64)}
+    dcp.load(like, storage_reader=ShardpointReader(tmp_path / "c"), no_dist=True)
+    assert like["w"].dtype == torch.bfloat16 and torch.equal(like["w"], w.to(torch.bfloat16))
+    assert like["i"].dtype == torch.int64 and torch.equal(like["i"], torch.arange(5))

@@ -319,7 +319,9 @@ class ShardpointReader(StorageReader):
     manifest: one chunk per tensor spanning it, so DCP asks for exactly the regions each rank's
     state dict holds), ``set_up_storage_reader`` on every rank, the plan hooks (pass-through),
     ``read_data`` on every rank (collective: one :func:`shardpoint.load` filling every
-    requested region in place, read once and exchanged where that is cheaper).
+    requested region in place, read once and exchanged where that is cheaper). A target tensor
+    of another dtype than the stored one gets the stored values cast into it, as DCP's own
+    reader does.
     ``thread_count`` and ``_extension_registry`` are accepted for ``FileSystemReader``
     compatibility (a shardpoint checkpoint names its own codecs; DCP's are not needed).
     """
@@ -356,7 +358,8 @@ class ShardpointReader(StorageReader):
                 properties=TensorProperties(dtype=from_name(t.dtype).torch), size=shape,
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)),
                                              sizes=shape)])
-        entries = {f: (p, e if e[0] == "value" else (e[0], e[1], tuple(m.tensors[e[1]].shape)))
+        entries = {f: (p, e if e[0] == "value" else (e[0], e[1], tuple(m.tensors[e[1]].shape),
+                                                   m.tensors[e[1]].dtype))
                    for f, (p, e) in entries.items()}
         self._entries = entries
         return Metadata(state_dict_metadata=md,
@@ -390,12 +393,14 @@ class ShardpointReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 self._load_value(item, planner, entry[1])
                 continue
-            gshape = entry[2]
+            gshape, stored = entry[2], from_name(entry[3]).torch
             target = planner.resolve_tensor(item).detach()
             base = tuple(item.storage_index.offset or (0,) * len(item.storage_offsets))
             offs = tuple(int(b) + int(o) for b, o in zip(base, item.storage_offsets))
-            buf = target if target.is_contiguous() else torch.empty(
-                tuple(item.lengths), dtype=target.dtype)
+            # Read the stored dtype; a target of another dtype gets it cast by copy_, as DCP's
+            # FileSystemReader does (sp.load itself never converts).
+            buf = target if target.is_contiguous() and target.dtype == stored else torch.empty(
+                tuple(item.lengths), dtype=stored)
             targets.setdefault(path, []).append(ShardedTensor(buf, gshape, offs))
             fills.append((item, target, buf))
         like = _nest({p: v[0] if len(v) == 1 else ShardedPieces(v) for p, v in targets.items()},
