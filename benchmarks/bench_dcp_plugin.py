@@ -7,6 +7,11 @@ Prints the median and min-max per method and the median of per-round ratios of t
 to ``sp.save`` (the writer must stay within 5% of it) and to DCP's best.
 
     python benchmarks/bench_dcp_plugin.py --world 2 --mib 512 --rounds 5
+    python benchmarks/bench_dcp_plugin.py --phases     # where the writer's time goes
+
+``--phases`` times each part of ``dcp.save`` with the writer instead (DCP's planning, the
+writer's mapping of DCP's plan, its one all-reduce, the ``sp.save`` inside, DCP's finish),
+from timers around the writer's hooks; warm cache, medians with min-max per rank.
 """
 from __future__ import annotations
 
@@ -99,6 +104,71 @@ def _job(rank: int, world: int, root: str, mib: float, n: int, rounds: int) -> d
     return {"times": times, "cold": cold}
 
 
+def _phases_job(rank: int, world: int, root: str, mib: float, n: int, rounds: int) -> dict:
+    """Median (min, max) ms per part of ``dcp.save`` with the writer (see ``--phases``)."""
+    import warnings
+    warnings.simplefilter("ignore")
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    import shardpoint.integrations.dcp as mod
+    state = _state(world, rank, mib, n)
+    at: dict = {}
+
+    class Timed(mod.ShardpointWriter):
+        def set_up_storage_writer(self, *a, **k):
+            at["setup"] = time.perf_counter()
+            return super().set_up_storage_writer(*a, **k)
+
+        def plan_tree(self, *a, **k):
+            t = time.perf_counter()
+            out = super().plan_tree(*a, **k)
+            at["map"] = time.perf_counter() - t
+            return out
+
+        def write_data(self, *a, **k):
+            at["write0"] = time.perf_counter()
+            out = super().write_data(*a, **k)
+            at["write1"] = time.perf_counter()
+            return out
+
+    real_save = mod.save
+
+    def timed_save(*a, **k):
+        t = time.perf_counter()
+        out = real_save(*a, **k)
+        at["save"] = time.perf_counter() - t
+        return out
+
+    mod.save = timed_save
+    parts: dict = {k: [] for k in ("DCP before the hooks", "DCP planning", "plan mapping (ours)",
+                                   "agreement all-reduce (ours)", "sp.save inside",
+                                   "DCP finish", "total")}
+    try:
+        for r in range(rounds + 1):
+            p = os.path.join(root, f"p{r}")
+            dist.barrier()
+            t0 = time.perf_counter()
+            dcp.save(state, planner=DefaultSavePlanner(enable_plan_caching=True),
+                     storage_writer=Timed(p))
+            t1 = time.perf_counter()
+            if r:
+                w = at["write1"] - at["write0"]
+                for k, v in (("DCP before the hooks", at["setup"] - t0),
+                             ("DCP planning", at["write0"] - at["setup"]),
+                             ("plan mapping (ours)", at["map"]),
+                             ("agreement all-reduce (ours)", w - at["map"] - at["save"]),
+                             ("sp.save inside", at["save"]), ("DCP finish", t1 - at["write1"]),
+                             ("total", t1 - t0)):
+                    parts[k].append(v * 1000)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(p, ignore_errors=True)
+    finally:
+        mod.save = real_save
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in parts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=2)
@@ -106,9 +176,24 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the parts of dcp.save with the writer instead")
     a = ap.parse_args()
     from shardpoint_testing.launch import run_world
     root = tempfile.mkdtemp(prefix="bench_dcp_plugin_", dir=a.dir)
+    if a.phases:
+        try:
+            per_rank = run_world(a.world, _phases_job, root, a.mib, a.tensors, a.rounds,
+                                 timeout=3600, pg_timeout=1800)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(f"dcp.save with ShardpointWriter, {a.mib:.0f} MiB over {a.world} ranks, "
+              f"{a.rounds} rounds (warm cache), ms median (min-max):")
+        for k in per_rank[0]:
+            print(f"  {k:28s} " + "  ".join(
+                f"rank {r}: {v[k][0]:8.1f} ({v[k][1]:.1f}-{v[k][2]:.1f})"
+                for r, v in enumerate(per_rank)))
+        return
     try:
         res = run_world(a.world, _job, root, a.mib, a.tensors, a.rounds,
                         timeout=3600, pg_timeout=1800)[0]

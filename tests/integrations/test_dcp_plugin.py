@@ -240,6 +240,15 @@ def _two_rank_cases(rank, world, root):
     dcp.load(into, storage_reader=ShardpointReader(path))
     assert torch.equal(into["h"].full_tensor(), h) and into["it"] == 9
     done.append("sp.save->dcp.load")
+
+    # 6. no_dist inside a running world: each rank saves and loads its own checkpoint alone
+    mine = os.path.join(root, f"solo{rank}")
+    dcp.save({"r": torch.full((3,), rank), "tag": f"rank{rank}"},
+             storage_writer=ShardpointWriter(mine), no_dist=True)
+    back = {"r": torch.zeros(3, dtype=torch.int64), "tag": ""}
+    dcp.load(back, storage_reader=ShardpointReader(mine), no_dist=True)
+    assert torch.equal(back["r"], torch.full((3,), rank)) and back["tag"] == f"rank{rank}"
+    done.append("no_dist in a world")
     dist.barrier()
     return done
 
@@ -251,6 +260,18 @@ def _sp_load_three(rank, world, root):
     like = {"model": {"w": sp.ShardedTensor(torch.empty(b - a, 6), (5, 6), (a, 0))}}
     out = sp.load(os.path.join(root, "rows"), like=like)
     assert torch.equal(out["model"]["w"], w[a:b])
+    # dcp.load at another world size: the 2-rank checkpoint into DTensors on a 3-rank mesh,
+    # rows (uneven: 2, 2, 1) and columns
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard as DShard, distribute_tensor
+    from shardpoint.dcp import ShardpointReader
+    mesh = init_device_mesh("cpu", (world,))
+    for dim in (0, 1):
+        into = {"model": {"w": distribute_tensor(torch.zeros(5, 6), mesh, [DShard(dim)])},
+                "step": 0}
+        dcp.load(into, storage_reader=ShardpointReader(os.path.join(root, "rows")))
+        assert torch.equal(into["model"]["w"].full_tensor(), w) and into["step"] == 3
     return True
 
 
@@ -260,8 +281,8 @@ def test_two_ranks_dcp_cases_then_sp_load_on_three_and_jax(tmp_path):
     2 gloo ranks in tests/integrations/test_crossover.py."""
     done = run_world(2, _two_rank_cases, str(tmp_path), timeout=300)
     assert done[0] == done[1] == ["rowwise->colwise", "enumerable", "fsdp2", "tp+async",
-                                  "sp.save->dcp.load"]
-    for name in ("rows", "enum", "fsdp", "tp"):
+                                  "sp.save->dcp.load", "no_dist in a world"]
+    for name in ("rows", "enum", "fsdp", "tp", "solo0", "solo1"):
         _no_pickle_metadata(tmp_path / name)
     _verify_strict(tmp_path / "rows")
     _verify_strict(tmp_path / "fsdp")
@@ -293,3 +314,129 @@ def test_readme_example_runs(tmp_path):
                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert any(f == "manifest.msgpack" for _r, _d, fs in os.walk(tmp_path) for f in fs)
+
+
+# ------------------------------- cases DCP's own suite exercised that failed before (issue 22)
+def test_filesystem_writer_arguments_accepted_positionally_and_extensions_warn(tmp_path):
+    """FileSystemWriter's arguments in its own order (DCP's suite passes ``_extensions`` and
+    ``_extension_registry``): accepted; a stream extension is not applied, and says so."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._extension import (ExtensionRegistry,
+                                                         StreamTransformExtension)
+    from shardpoint.dcp import ShardpointReader, ShardpointWriter
+
+    class Identity(StreamTransformExtension):     # a DCP stream transform (it changes nothing)
+        registry_name = staticmethod(lambda: "identity")
+        from_descriptor = staticmethod(lambda version: Identity())
+        get_descriptor = lambda self: "identity/1"              # noqa: E731
+        transform_to = transform_from = lambda self, stream: stream   # noqa: E731
+
+    state = {"w": torch.arange(6.0), "blob": io.BytesIO(b"payload")}
+    w = ShardpointWriter(tmp_path / "c", True, True, 2, 1 << 20, False, True)
+    dcp.save(state, storage_writer=w, no_dist=True)
+    with pytest.warns(UserWarning, match="Identity.*not applied"):
+        w2 = ShardpointWriter(path=tmp_path / "z", thread_count=2, _extensions=[Identity()])
+    dcp.save(state, storage_writer=w2, no_dist=True)
+    for name in ("c", "z"):
+        _no_pickle_metadata(tmp_path / name)
+        like = {"w": torch.zeros(6), "blob": io.BytesIO()}
+        dcp.load(like, storage_reader=ShardpointReader(tmp_path / name, ExtensionRegistry()),
+                 no_dist=True)
+        assert torch.equal(like["w"], torch.arange(6.0)) and like["blob"].getvalue() == b"payload"
+
+
+def _dcp_view(path, reader):
+    """The state DCP rebuilds from a checkpoint's own metadata (no template): what
+    ``dcp_to_torch_save`` and ``_load_state_dict_from_keys`` hand users."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    return _load_state_dict_from_keys(storage_reader=reader(path))
+
+
+def test_untemplated_load_matches_dcp_filesystem_reader_lists_tuples_nesting(tmp_path):
+    """Lists (of tensors and values, nested), tuples and dicts come back exactly as DCP's own
+    FileSystemReader gives the same state saved by FileSystemWriter."""
+    import torch.distributed.checkpoint as dcp
+    from shardpoint.dcp import ShardpointReader, ShardpointWriter
+    state = {"a": [torch.ones(2), 3, "x"], "b": [1, 2], "e": (1, 2.5),
+             "c": {"d": [torch.zeros(1), [torch.full((2,), 7)]], "n": None}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "fs")), no_dist=True)
+    dcp.save(state, storage_writer=ShardpointWriter(tmp_path / "sp"), no_dist=True)
+    theirs = _dcp_view(str(tmp_path / "fs"), dcp.FileSystemReader)
+    ours = _dcp_view(tmp_path / "sp", ShardpointReader)
+    assert repr(ours) == repr(theirs) and type(ours["e"]) is tuple
+    assert list(ShardpointReader(tmp_path / "sp").read_metadata().state_dict_metadata) == \
+        list(dcp.FileSystemReader(str(tmp_path / "fs")).read_metadata().state_dict_metadata)
+
+
+def test_sharded_objects_from_sp_save_read_through_dcp_as_their_grid(tmp_path):
+    """A sharded object (per-rank values, e.g. RNG states; Megatron's common objects) written
+    by ``sp.save`` is one DCP entry holding its grid as nested lists, as ``sp.load`` gives it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import shardpoint as sp
+    from shardpoint.dcp import ShardpointReader
+    p = str(tmp_path / "c")
+    sp.save({"w": torch.ones(2), "rng": sp.ShardedObject({"seed": 5}, 0, 1),
+             "grid": sp.ShardedObject(b"\x01", (0, 0), (1, 1))}, p)
+    view = _dcp_view(p, ShardpointReader)
+    assert view["rng"] == [{"seed": 5}] and view["grid"] == [[b"\x01"]]
+    assert view["rng"] == sp.load(p)["rng"]
+    like = {"rng": None, "w": torch.zeros(2)}
+    dcp.load(like, storage_reader=ShardpointReader(p), no_dist=True)
+    assert like["rng"] == [{"seed": 5}] and torch.equal(like["w"], torch.ones(2))
+    # DCP's own converter (through our reader) to a torch.save file
+    import torch.distributed.checkpoint.format_utils as fu
+    old = fu.FileSystemReader
+    fu.FileSystemReader = ShardpointReader      # dcp_to_torch_save names its reader class
+    try:
+        dcp_to_torch_save(p, str(tmp_path / "out.pt"))
+    finally:
+        fu.FileSystemReader = old
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["grid"] == [[b"\x01"]] and torch.equal(out["w"], torch.ones(2))
+
+
+def test_writing_over_a_directory_of_other_files_is_refused_and_keeps_them(tmp_path):
+    """DCP's FileSystemWriter writes beside whatever a directory holds (its suite saves into the
+    folder holding a torch.save file); shardpoint never deletes what it did not create, so the
+    save is refused with CheckpointExistsError naming the path, and the file stays."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from shardpoint.dcp import ShardpointWriter
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "model.pt").write_bytes(b"theirs")
+    with pytest.raises(CheckpointException, match="CheckpointExistsError.*SP-COMMIT-5"):
+        dcp.save({"w": torch.ones(2)}, storage_writer=ShardpointWriter(tmp_path / "c"),
+                 no_dist=True)
+    assert (tmp_path / "c" / "model.pt").read_bytes() == b"theirs"
+    dcp.save({"w": torch.ones(2)}, storage_writer=ShardpointWriter(tmp_path / "empty"),
+             no_dist=True)     # an empty directory is fine (DCP's suite uses mkdtemp())
+
+
+def test_checkpoint_id_detection_accepts_paths_and_registered_stores_only(tmp_path):
+    """DCP picks a storage class for a bare ``checkpoint_id`` by asking each one; ours say yes
+    to local paths and to registered store URLs, no to a scheme nobody registered (DCP's own
+    suite expects "Cannot detect" for ``abc://abc.abc``)."""
+    from pathlib import Path
+    from shardpoint.dcp import ShardpointReader, ShardpointWriter
+    for cls in (ShardpointReader, ShardpointWriter):
+        assert cls.validate_checkpoint_id(str(tmp_path / "c"))
+        assert cls.validate_checkpoint_id(Path(tmp_path / "c"))
+        assert cls.validate_checkpoint_id("file://" + str(tmp_path / "c"))
+        assert cls.validate_checkpoint_id("s3://bucket/run/step_1")
+        assert not cls.validate_checkpoint_id("abc://abc.abc")
+        assert not cls.validate_checkpoint_id(7)
+
+
+def test_load_into_another_dtype_casts_as_dcp_does(tmp_path):
+    """DCP's FileSystemReader copies stored values into the target, casting (a float32
+    checkpoint into a bfloat16 model); the shardpoint reader does the same through DCP."""
+    import torch.distributed.checkpoint as dcp
+    from shardpoint.dcp import ShardpointReader, ShardpointWriter
+    w = torch.randn(4, 3)
+    dcp.save({"w": w, "i": torch.arange(5, dtype=torch.int32)},
+             storage_writer=ShardpointWriter(tmp_path / "c"), no_dist=True)
+    like = {"w": torch.zeros(4, 3, dtype=torch.bfloat16), "i": torch.zeros(5, dtype=torch.int64)}
+    dcp.load(like, storage_reader=ShardpointReader(tmp_path / "c"), no_dist=True)
+    assert like["w"].dtype == torch.bfloat16 and torch.equal(like["w"], w.to(torch.bfloat16))
+    assert like["i"].dtype == torch.int64 and torch.equal(like["i"], torch.arange(5))

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any, Optional
+import warnings
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from shardpoint_core import errors
 from shardpoint_core.manifest import Manifest, read_metadata
-from shardpoint_core.statetree import TensorLeaf, ValueLeaf
+from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf
+from shardpoint_core.store.registry import check_path
 from shardpoint.api.loading import load
 from shardpoint.api.saving import SaveOptions, SaveResult, save
 from shardpoint.exchange.comm import Comm
@@ -60,6 +62,37 @@ from shardpoint.tree.dtypes import from_name
 from shardpoint.tree.model import ShardedPieces, ShardedTensor
 
 _SOLO: dict = {}
+
+
+def _warn_extensions(extensions: Optional[Sequence[Any]], who: str) -> None:
+    """DCP's ``_extensions`` are stream transforms of DCP's own ``.distcp`` bytes (compression,
+    or any user transform); a shardpoint checkpoint has no such stream, so they are accepted for
+    drop-in use and not applied, which the user is told once per writer."""
+    if extensions:
+        warnings.warn(f"{who}: DCP stream extensions {[type(e).__name__ for e in extensions]} "
+                      "are not applied: shardpoint writes its own chunk format (crc32c per "
+                      "chunk), not DCP's .distcp streams", UserWarning, stacklevel=3)
+
+
+def supports_checkpoint_id(checkpoint_id: Any) -> bool:
+    """Whether shardpoint can write or read at ``checkpoint_id`` (DCP asks this to pick a
+    storage class for a bare ``checkpoint_id``): a local path or ``file://`` URL, or the URL of
+    a store scheme registered with shardpoint (``s3://``, ``memory://``); not an unknown scheme."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return False
+    try:
+        check_path(checkpoint_id, "save")
+    except errors.UnsupportedStoreError:
+        return False
+    return True
+
+
+def _planned_alone(plans: list) -> bool:
+    """True when DCP planned this save or load for this rank alone (``no_dist=True``: every
+    rank is its own coordinator and plans only itself), while a process group may be running.
+    DCP tells storage nothing else that tells ``no_dist`` apart on rank 0; the coordinator of a
+    collective call sees every rank's plan, and the other ranks never get here."""
+    return len(plans) == 1
 
 
 def _solo_group() -> Any:
@@ -94,25 +127,30 @@ class ShardpointWriter(StorageWriter):
 
     Call order (DCP's): ``reset`` and ``set_up_storage_writer`` on every rank, the plan hooks
     (pass-through), ``write_data`` on every rank (collective: one :func:`shardpoint.save`),
-    ``finish`` on the coordinator (nothing: the save already committed). The keyword
-    arguments of DCP's ``FileSystemWriter`` are accepted so that it can be swapped in;
-    ``thread_count``, ``single_file_per_rank``, ``sync_files`` and ``per_thread_copy_ahead``
-    do not change what is written (shardpoint picks its own I/O parallelism and always makes
-    the checkpoint durable before it is visible). ``overwrite=True`` (DCP's default) replaces
-    an existing checkpoint at ``path`` atomically.
+    ``finish`` on the coordinator (nothing: the save already committed). The arguments of
+    DCP's ``FileSystemWriter`` are accepted, in its order, so that it can be swapped in;
+    ``thread_count``, ``single_file_per_rank``, ``sync_files``, ``per_thread_copy_ahead``,
+    ``cache_staged_state_dict``, ``serialization_format`` and ``_extensions`` (DCP's stream
+    transforms, with a warning) do not change what is written (shardpoint picks its own I/O
+    parallelism and always makes the checkpoint durable before it is visible).
+    ``overwrite=True`` (DCP's default) replaces an existing checkpoint at ``path`` atomically.
     """
 
-    def __init__(self, path: "str | os.PathLike", *, group: Any = None, overwrite: bool = True,
-                 options: Optional[SaveOptions] = None, thread_count: int = 1,
-                 single_file_per_rank: bool = True, sync_files: bool = True,
-                 per_thread_copy_ahead: int = 10_000_000) -> None:
+    def __init__(self, path: "str | os.PathLike", single_file_per_rank: bool = True,
+                 sync_files: bool = True, thread_count: int = 1,
+                 per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
+                 overwrite: bool = True, _extensions: Optional[Sequence[Any]] = None,
+                 serialization_format: Any = None, *, group: Any = None,
+                 options: Optional[SaveOptions] = None) -> None:
         super().__init__()
+        _warn_extensions(_extensions, "ShardpointWriter")
         self.path = str(path)
         self.group = group
         self.overwrite = overwrite
         self.options = options
         self.thread_count = thread_count
         self.use_collectives = True
+        self._alone = False
         self.is_coordinator = False
         self.last_result: Optional[SaveResult] = None
 
@@ -123,11 +161,13 @@ class ShardpointWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.use_collectives = kwargs.get("use_collectives", True)
+        self._alone = False
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list) -> list:
+        self._alone = _planned_alone(plans)
         return plans
 
     def storage_meta(self) -> Optional[StorageMeta]:
@@ -135,10 +175,10 @@ class ShardpointWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike") -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        return supports_checkpoint_id(checkpoint_id)
 
     def _group(self) -> Any:
-        return self.group if self.use_collectives else _solo_group()
+        return _solo_group() if self._alone or not self.use_collectives else self.group
 
     def _value(self, planner: SavePlanner, item: Any) -> Any:
         lookup = getattr(planner, "lookup_object", None)
@@ -236,8 +276,9 @@ def _holds_no_array(node: Any) -> bool:
 
 def plan_dcp_entries(m: Manifest) -> dict:
     """``{fqn: (path, ("tensor", key) | ("value", value))}`` for a shardpoint manifest, by
-    DCP's traversal: dicts are walked, a list or tuple holding no tensor is one value, sharded
-    objects (per-rank values) have no DCP equivalent and are left out. Pure."""
+    DCP's traversal: dicts are walked, a list or tuple holding no tensor is one value, a
+    sharded object (per-rank values, e.g. Megatron's RNG states) is one value holding its whole
+    grid as nested lists, as :func:`shardpoint.load` gives it without a template. Pure."""
     out: dict = {}
 
     def walk(node: Any, path: tuple) -> None:   # the typed tree (Manifest.tree)
@@ -254,6 +295,8 @@ def plan_dcp_entries(m: Manifest) -> dict:
             add(path, ("tensor", node.key))
         elif isinstance(node, ValueLeaf):
             add(path, ("value", node.value))
+        elif isinstance(node, ObjectLeaf):
+            add(path, ("value", node.nested()))
 
     def add(path: tuple, entry: tuple) -> None:
         fqn = ".".join(str(c) for c in path)
@@ -275,16 +318,20 @@ class ShardpointReader(StorageReader):
     manifest: one chunk per tensor spanning it, so DCP asks for exactly the regions each rank's
     state dict holds), ``set_up_storage_reader`` on every rank, the plan hooks (pass-through),
     ``read_data`` on every rank (collective: one :func:`shardpoint.load` filling every
-    requested region in place, read once and exchanged where that is cheaper).
-    ``thread_count`` is accepted for ``FileSystemReader`` compatibility.
+    requested region in place, read once and exchanged where that is cheaper). A target tensor
+    of another dtype than the stored one gets the stored values cast into it, as DCP's own
+    reader does.
+    ``thread_count`` and ``_extension_registry`` are accepted for ``FileSystemReader``
+    compatibility (a shardpoint checkpoint names its own codecs; DCP's are not needed).
     """
 
-    def __init__(self, path: "str | os.PathLike", *, group: Any = None,
-                 thread_count: int = 1) -> None:
+    def __init__(self, path: "str | os.PathLike", _extension_registry: Any = None, *,
+                 group: Any = None, thread_count: int = 1) -> None:
         super().__init__()
         self.path = str(path)
         self.group = group
         self.use_collectives = True
+        self._alone = False
         self._entries: Optional[dict] = None
 
     def reset(self, checkpoint_id: "str | os.PathLike | None" = None) -> None:
@@ -294,7 +341,7 @@ class ShardpointReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike") -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        return supports_checkpoint_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         m = read_metadata(self.path)
@@ -310,7 +357,8 @@ class ShardpointReader(StorageReader):
                 properties=TensorProperties(dtype=from_name(t.dtype).torch), size=shape,
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)),
                                              sizes=shape)])
-        entries = {f: (p, e if e[0] == "value" else (e[0], e[1], tuple(m.tensors[e[1]].shape)))
+        entries = {f: (p, e if e[0] == "value" else (e[0], e[1], tuple(m.tensors[e[1]].shape),
+                                                   m.tensors[e[1]].dtype))
                    for f, (p, e) in entries.items()}
         self._entries = entries
         return Metadata(state_dict_metadata=md,
@@ -321,6 +369,7 @@ class ShardpointReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         self.use_collectives = kwargs.get("use_collectives", True)
+        self._alone = False
         if isinstance(metadata.storage_data, dict):
             self._entries = {f: (metadata.planner_data[f], e)
                              for f, e in metadata.storage_data.items()}
@@ -329,6 +378,7 @@ class ShardpointReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list) -> list:
+        self._alone = _planned_alone(plans)
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
@@ -342,17 +392,20 @@ class ShardpointReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 self._load_value(item, planner, entry[1])
                 continue
-            gshape = entry[2]
+            gshape, stored = entry[2], from_name(entry[3]).torch
             target = planner.resolve_tensor(item).detach()
             base = tuple(item.storage_index.offset or (0,) * len(item.storage_offsets))
             offs = tuple(int(b) + int(o) for b, o in zip(base, item.storage_offsets))
-            buf = target if target.is_contiguous() else torch.empty(
-                tuple(item.lengths), dtype=target.dtype)
+            # Read the stored dtype; a target of another dtype gets it cast by copy_, as DCP's
+            # FileSystemReader does (sp.load itself never converts).
+            buf = target if target.is_contiguous() and target.dtype == stored else torch.empty(
+                tuple(item.lengths), dtype=stored)
             targets.setdefault(path, []).append(ShardedTensor(buf, gshape, offs))
             fills.append((item, target, buf))
         like = _nest({p: v[0] if len(v) == 1 else ShardedPieces(v) for p, v in targets.items()},
                      f"DCP load from {self.path}")
-        load(self.path, like=like, group=self.group if self.use_collectives else _solo_group())
+        load(self.path, like=like, group=_solo_group() if self._alone or
+             not self.use_collectives else self.group)
         for item, target, buf in fills:
             if buf is not target:
                 target.copy_(buf)
@@ -371,4 +424,5 @@ class ShardpointReader(StorageReader):
         planner.load_bytes(item, buf)
 
 
-__all__ = ["ShardpointReader", "ShardpointWriter", "plan_dcp_entries"]
+__all__ = ["ShardpointReader", "ShardpointWriter", "plan_dcp_entries",
+           "supports_checkpoint_id"]

@@ -23,6 +23,16 @@ objects at ``sharded/<Megatron key>``) and, with :func:`use_shardpoint_common`, 
   :func:`shardpoint.load` (reads are deduplicated and exchanged by shardpoint's cost model),
   also under ``FullyParallelLoadStrategyWrapper``, and answers Megatron's metadata queries
   from the manifest. It also loads a shardpoint checkpoint directory given directly.
+
+CPU-only (gloo) ranks: ``FullyParallelSaveStrategyWrapper`` runs (its replica election is
+``all_gather_object``). Two Megatron parts need CUDA in megatron-core 0.16 whatever the
+strategy: ``FullyParallelLoadStrategyWrapper.load`` on a group of 2+ ranks calls
+``torch.cuda.synchronize()`` unconditionally (``strategies/fully_parallel.py`` lines 272 and
+281) and its exchange allocates on ``"cuda"`` (``exchange_utils.py``
+``_get_empty_tensor_for_exchange``); ``AsyncCallsQueue.maybe_finalize_async_calls`` all-reduces
+a tensor on ``torch.cuda.current_device()`` after the finalize steps (``async_utils.py`` line
+604). On CPU the plain load strategy and the request's ``finalize_fns`` called directly do the
+same work.
 - :class:`ShardpointCommonLoadStrategy` is registered as Megatron's ``torch`` common loader:
   it reads ``common/`` when the checkpoint has one and otherwise defers to Megatron's
   ``common.pt`` loader, so other checkpoints load as before.
