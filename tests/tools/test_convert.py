@@ -16,6 +16,18 @@ from shardpoint.tools.convert import convert, detect_format
 from shardpoint_testing.launch import run_world
 from shardpoint_testing.tensors import random_bits, same_bits
 
+
+@pytest.fixture
+def torch_default_safe_globals():
+    """torch.load(weights_only=True) with torch's own allowlist, as in a fresh `shardpoint
+    convert` process: `import megatron.core` (done in-process by other tests of this worker)
+    adds argparse.Namespace and a dozen more classes to that process-wide list."""
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    yield
+    torch.serialization.add_safe_globals(saved)
+
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
           torch.bool, torch.float16)
 
@@ -53,7 +65,7 @@ def dcp_save_job(rank, world, path):
     return rank
 
 
-def test_dcp_two_ranks_to_shardpoint_and_back(tmp_path, capsys):
+def test_dcp_two_ranks_to_shardpoint_and_back(tmp_path, capsys, torch_default_safe_globals):
     src, mid, back = str(tmp_path / "dcp"), str(tmp_path / "sp"), str(tmp_path / "dcp2")
     assert run_world(2, dcp_save_job, src, timeout=120) == [0, 1]
     assert detect_format(src) == "dcp"
@@ -101,7 +113,7 @@ def test_torch_save_to_shardpoint(tmp_path):
     assert got["step"] == 7 and got["name"] == "run" and got["betas"] == (0.9, 0.95)
 
 
-def test_torch_save_needing_pickle_is_refused(tmp_path, capsys):
+def test_torch_save_needing_pickle_is_refused(tmp_path, capsys, torch_default_safe_globals):
     torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=1)}, tmp_path / "bad.pt")
     with pytest.raises(sp.ConversionError, match="weights_only=True.*Namespace"):
         convert(str(tmp_path / "bad.pt"), str(tmp_path / "sp"))
@@ -177,7 +189,7 @@ def test_transformers_sharded_loader_reads_the_output(tmp_path):
 
 
 # ------------------------------------------------------------------------------- Megatron
-def test_megatron_torch_dist(tmp_path):
+def test_megatron_torch_dist(tmp_path, torch_default_safe_globals):
     import io
 
     import torch.distributed.checkpoint as dcp
