@@ -19,33 +19,7 @@ from shardpoint_core.fsutil import fsync_dir
 HAS_ASYNC = "async_save" in inspect.signature(sp.save).parameters
 
 
-# ---------------------------------------------------------------------------------- states
-def mixed_state(scale: float = 1.0, seed: int = 0) -> dict:
-    """Transformer-like, ~1.2 GB at scale 1 in 149 tensors from 4 KiB to 125 MiB: an fp32
-    embedding, a bf16 head, 8 layers of bf16 weights with fp32 norms, fp32 Adam moments."""
-    g = torch.Generator().manual_seed(seed)
-    h, v = max(8, int(1024 * scale)), max(16, int(32000 * scale))
-    p = {"embed": ((v, h), torch.float32), "lm_head": ((v, h), torch.bfloat16),
-         "final_norm": ((h,), torch.float32)}
-    for i in range(8):
-        p.update({f"l{i}.qkv": ((3 * h, h), torch.bfloat16), f"l{i}.o": ((h, h), torch.bfloat16),
-                  f"l{i}.up": ((4 * h, h), torch.bfloat16),
-                  f"l{i}.down": ((h, 4 * h), torch.bfloat16),
-                  f"l{i}.n1": ((h,), torch.float32), f"l{i}.n2": ((h,), torch.float32)})
-    st = {"model": {}, "optim": {}}
-    for k, (shape, dt) in p.items():
-        st["model"][k] = torch.randn(shape, generator=g).to(dt)
-        if k not in ("embed", "lm_head"):
-            st["optim"][k] = {"m": torch.randn(shape, generator=g),
-                              "v": torch.randn(shape, generator=g)}
-    return st
-
-
-def uniform_state(n: int = 32, mib: float = 32, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    cols = 1024 if mib >= 1 else 64
-    rows = max(1, int(mib * 2**20) // 4 // cols)
-    return {f"w{i}": torch.randn(rows, cols, generator=g) for i in range(n)}
+from bench_states import mixed_state, uniform_state  # noqa: E402,F401 - re-exported
 
 
 def flat(tree: dict, prefix: str = "") -> dict:

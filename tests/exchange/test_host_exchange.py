@@ -156,6 +156,21 @@ def test_cost_model_one_host():
         assert plan_load_auto(rows, lay, hosts, o, 1.0)[1].strategy == "direct"
 
 
+def test_cost_model_without_a_shared_cache():
+    """An object store has no page cache shared by a host's ranks: every direct read is the
+    rank's own request, so the host reads the chunks once per rank that needs them. The
+    cluster benchmark caught the model pricing S3 as if the host read each byte once (it
+    chose direct, 36.2 s, over dedup, 11.5 s)."""
+    lay = {"w": TensorLayout("w", (64, 64), "float32", (16, 64))}
+    reqs = [[Holding("w", "float32", (64, 64), (0, 16 * r), (64, 16), None, (0,))]
+            for r in range(4)]
+    hosts, opts = ["h"] * 4, LoadOptions(host_cores=4)
+    _, cached = plan_load_auto(reqs, lay, hosts, opts, 1.0)
+    _, uncached = plan_load_auto(reqs, lay, hosts, opts, 1.0, host_cache=False)
+    assert cached.strategy == "direct" and uncached.strategy == "dedup"
+    assert uncached.direct_host_bytes_max == 4 * cached.direct_host_bytes_max == 4 * 64 * 64 * 4
+
+
 def test_rounds_pack_regions_in_order_and_fit_the_largest():
     from shardpoint.exchange.host import plan_rounds
     half, where = plan_rounds([100, 100, 100, 300, 64], 256)

@@ -29,6 +29,7 @@ from shardpoint_core.manifest import read_metadata, Manifest, decode_manifest  #
 from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import RankLoadWork, TensorLayout
 from shardpoint_core.storage import StorageBackend
+from shardpoint_core.store.registry import is_local
 from shardpoint_core.zarr.object_backend import resolve
 from shardpoint.tree.targets import collect_targets, full_targets
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
@@ -145,7 +146,8 @@ class LoadJob:
         cache: dict = {}    # distinct holdings runs, decoded once
         reqs = [HoldingColumns.from_parts(m, p[1:], cache) for (_, m), p in zip(got, payloads)]
         xg = self.opts.exchange_gbps or (20.0 if self.comm.device.type == "cuda" else 1.0)
-        works, costs = plan_load_auto(reqs, layouts, [h for h, _ in got], self.opts, xg)
+        works, costs = plan_load_auto(reqs, layouts, [h for h, _ in got], self.opts, xg,
+                                      host_cache=is_local(self.path))
         c = {k: v for k, v in vars(costs).items() if k != "notes"}
         return [msgpack.packb([c, w]) for w in encode_works(works, layouts)]
 

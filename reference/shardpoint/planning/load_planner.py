@@ -184,9 +184,11 @@ def plan_load_direct(requests: Sequence[Sequence[Holding]], layouts: dict) -> li
 
 
 def plan_load_auto(requests: Sequence[Sequence[Holding]], layouts: dict, hosts: Sequence[str],
-                   opts: LoadOptions, exchange_gbps: float) -> tuple:
+                   opts: LoadOptions, exchange_gbps: float, *, host_cache: bool = True) -> tuple:
     """(per-rank work, LoadCosts): the dedup plan's exchange and the direct plan's per-host
-    reads priced by :func:`choose_strategy`, the cheaper one returned."""
+    reads priced by :func:`choose_strategy`, the cheaper one returned. ``host_cache``: a
+    host's page cache serves its ranks' repeated reads (local and parallel file systems);
+    False for object stores, where every rank's direct read is its own request and bytes."""
     if opts.strategy == "direct":
         works = plan_load_direct(requests, layouts)
         return works, LoadCosts(len(set(hosts)), 0, 0, 0, 0.0, 0.0, "direct")
@@ -194,9 +196,16 @@ def plan_load_auto(requests: Sequence[Sequence[Holding]], layouts: dict, hosts: 
     if opts.strategy == "dedup" or len(requests) == 1:
         return dedup, LoadCosts(len(set(hosts)), 0, 0, 0, 0.0, 0.0, "dedup")
     read, recv, shm = dedup.rank_traffic(hosts, opts.shm_exchange)
-    costs = choose_strategy(hosts, dedup.read_bytes, recv, dedup.direct_host_bytes(hosts),
+    direct_rank = dedup.direct_rank_bytes()
+    if host_cache:
+        direct_host = dedup.direct_host_bytes(hosts)
+    else:           # no shared cache: a host reads what each of its ranks reads
+        direct_host = {}
+        for h, b in zip(hosts, direct_rank):
+            direct_host[h] = direct_host.get(h, 0) + b
+    costs = choose_strategy(hosts, dedup.read_bytes, recv, direct_host,
                             opts.storage_gbps, exchange_gbps, shm_bytes=shm,
-                            dedup_rank_bytes=read, direct_rank_bytes=dedup.direct_rank_bytes(),
+                            dedup_rank_bytes=read, direct_rank_bytes=direct_rank,
                             memory_gbps=opts.memory_gbps,
                             host_cores=opts.host_cores or usable_cores(),
                             link_gbps=opts.link_gbps,
