@@ -25,7 +25,6 @@ import math
 import os
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -45,7 +44,7 @@ from shardpoint_core.zarr.checks import (MAX_ZARR_JSON_BYTES, check_array_files,
                                          check_regular_file, check_zarr_json, chunk_file_sizes,
                                          parse_zarr_json, read_zarr_json)
 from shardpoint_core.zarr.direct_read import DirectReader, parse_layout
-from shardpoint_core.zarr.direct_write import DirectWriter, WriteOp, write_layout
+from shardpoint_core.zarr.direct_write import DirectWriter, WriteOp, WritePool, write_layout
 from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                    IncompleteCheckpointError, InvalidRequestError,
                                    ShardpointError)
@@ -206,29 +205,11 @@ def write_manifest(staging: str, data: bytes) -> None:
 
 
 # -------------------------------------------------------------------------------- pool
-class _Pool:
-    """A lazily started thread pool, restarted in a forked child."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        self.threads, self.name = threads, name
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._pid = 0
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Any, *args: Any) -> Future:
-        if self._pool is None or self._pid != os.getpid():
-            with self._lock:
-                if self._pool is None or self._pid != os.getpid():
-                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
-                    self._pid = os.getpid()
-        return self._pool.submit(fn, *args)
+FILES = WritePool(THREADS, "shardpoint-jax-io")
+OBJECTS = WritePool(OBJECT_THREADS, "shardpoint-jax-obj")
 
 
-FILES = _Pool(THREADS, "shardpoint-jax-io")
-OBJECTS = _Pool(OBJECT_THREADS, "shardpoint-jax-obj")
-
-
-def pool_for(location: str) -> _Pool:
+def pool_for(location: str) -> WritePool:
     return FILES if is_local(location) else OBJECTS
 
 
