@@ -6,7 +6,6 @@ when all are durable, process 0 writes the manifest and the core's committer pub
 from __future__ import annotations
 
 import math
-import os
 import secrets
 from collections import deque
 from typing import Any, Optional, Union
@@ -24,8 +23,8 @@ from shardpoint_jax.comm import Comm
 from shardpoint_jax.dtypes import name_of
 from shardpoint_jax.grid import chunk_shape, local_chunk_shape
 from shardpoint_jax.storage import (ArrayWriter, checkpoint_path, committer_at,
-                                    create_arrays, make_durable, url_of,
-                                    write_manifest)
+                                    create_arrays, make_durable, write_manifest)
+from shardpoint_core.store.registry import url_of
 from shardpoint_jax.tree import ShardedObject, is_array, tree_node
 from shardpoint_jax.values import check_value, is_scalar_value, pack, unpack
 

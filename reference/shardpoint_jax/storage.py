@@ -24,8 +24,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-import threading
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,7 +34,8 @@ from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.dtypes import DTYPES
 from shardpoint_core.manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
 from shardpoint_core.store.files import FileStore
-from shardpoint_core.store.registry import check_path, is_local, local_path, open_store, split_url
+from shardpoint_core.store.registry import (bucket_store, check_path, is_local, local_path,
+                                             split_url)
 from shardpoint_core.values import numpy_values
 from shardpoint_core.zarr.array import (ArrayLayout, read_region, write_array_meta,
                                         write_region)
@@ -82,36 +82,12 @@ def checkpoint_path(path: Any, call: str) -> str:
     return f"{scheme}://{bucket}/{key.strip('/')}".rstrip("/")
 
 
-_STORES: Dict[str, Any] = {}
-_STORES_LOCK = threading.Lock()
-
-
 def locate(location: str) -> Tuple[Any, str]:
     """``(store, key)`` of a location: for a local path a :class:`FileStore` rooted there and
-    ``""``; for a URL the store of its bucket (one per bucket and process, so one connection
-    pool serves every checkpoint of a job) and the key below it."""
+    ``""``; for a URL the store of its bucket (the core's, shared per bucket) and the key."""
     if is_local(location):
         return FileStore(location, fsync=False), ""
-    scheme, rest = split_url(location)
-    bucket, _, key = rest.partition("/")
-    root = f"{scheme}://{bucket}"
-    # The environment names the endpoint and credentials: a store opened under others is
-    # not reused (a test, or a job, that points AWS_ENDPOINT_URL elsewhere).
-    ident = (root, *(os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                                                   "AWS_PROFILE", "AWS_REGION")))
-    with _STORES_LOCK:
-        store = _STORES.get(ident)
-    if store is None:
-        store = open_store(root, "shardpoint_jax")
-        with _STORES_LOCK:
-            store = _STORES.setdefault(ident, store)
-    return store, key.strip("/")
-
-
-def url_of(location: str, key: str) -> str:
-    """The location of ``key`` in the store of ``location``'s bucket."""
-    scheme, rest = split_url(location)
-    return f"{scheme}://{rest.partition('/')[0]}/{key}"
+    return bucket_store(location, "shardpoint_jax")
 
 
 def join(*parts: str) -> str:

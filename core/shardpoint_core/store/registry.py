@@ -156,3 +156,34 @@ def _gcs_store(url: str) -> ByteStore:
 register_store("memory", _memory_store)
 register_store("s3", _s3_store)
 register_store("gs", _gcs_store)
+
+
+# The environment names the endpoint and credentials: a store opened under other settings is
+# not reused (a job, or a test, that points AWS_ENDPOINT_URL elsewhere gets a new one).
+_STORE_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_REGION",
+              "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS")
+_BUCKETS: dict = {}
+
+
+def bucket_store(url: Any, call: str = "open") -> tuple:
+    """``(store, key)`` of a URL: the store of its bucket, one per bucket and environment in a
+    process (so one connection pool serves every checkpoint of a job), and the key below it.
+    Both front ends locate object-store paths through this."""
+    scheme, rest = split_url(url)
+    bucket, _, key = rest.partition("/")
+    root = f"{scheme}://{bucket}"
+    ident = (root, *(os.environ.get(k) for k in _STORE_ENV))
+    with _LOCK:
+        store = _BUCKETS.get(ident)
+    if store is None:
+        store = open_store(root, call)
+        with _LOCK:
+            store = _BUCKETS.setdefault(ident, store)
+    return store, key.strip("/")
+
+
+def url_of(url: str, key: str) -> str:
+    """The URL of ``key`` in the bucket of ``url`` (``s3://bucket/key``)."""
+    scheme, rest = split_url(url)
+    return f"{scheme}://{rest.partition('/')[0]}/{key}"
+

@@ -43,14 +43,14 @@ from shardpoint_core.errors import (CheckpointNotFoundError, CorruptCheckpointEr
                                     SaveFailedError, ShardpointError)
 from shardpoint_core.storage import MANIFEST_NAME, ArraySpec
 from shardpoint_core.store.files import FileStore
-from shardpoint_core.store.registry import is_local, open_store, split_url
+from shardpoint_core.store.registry import bucket_store, is_local, url_of
 from shardpoint_core.zarr import local
 from shardpoint_core.zarr.array import (ArrayLayout, read_array_meta, read_chunk, read_region,
                                         write_array_meta, write_region)
 from shardpoint_core.zarr.checks import (check_array_files, check_backed_bytes,
                                          check_shard_files, check_zarr_json, chunk_file_sizes,
                                          read_zarr_json)
-from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter, url_of
+from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_read import DirectReader, parse_layout, whole_chunk_files
 from shardpoint_core.zarr.direct_write import (DirectWriter, WritePool, stored_codecs,
                                                write_layout, zarr_json_bytes)
@@ -167,7 +167,6 @@ class ZarrBackend:
         self._lock = threading.Lock()
         self._written: Dict[str, Tuple[FileStore, set]] = {}  # local root -> arrays written
         self._meta: Dict[str, list] = {}          # object-store root -> zarr.json PUTs
-        self._stores: Dict[str, Any] = {}         # scheme://bucket -> its store
         self._reads = WritePool(read_threads, "shardpoint-read")
         self._write_pool = WritePool(write_threads, "shardpoint-write")
         self._remote = WritePool(concurrency, "sp-obj")
@@ -190,16 +189,7 @@ class ZarrBackend:
         FileStore rooted at it (key ``""``), a URL the shared store of its bucket."""
         if is_local(path):
             return FileStore(path, fsync=self.fsync, sync_method=self.sync_method), ""
-        scheme, rest = split_url(path)
-        bucket, _, key = rest.partition("/")
-        root = f"{scheme}://{bucket}"
-        with self._lock:
-            store = self._stores.get(root)
-        if store is None:
-            store = open_store(root, "open")
-            with self._lock:
-                store = self._stores.setdefault(root, store)
-        return store, key.strip("/")
+        return bucket_store(path, "open")
 
     def _url(self, url: str, key: str) -> str:
         return url_of(url, key)

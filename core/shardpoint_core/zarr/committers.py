@@ -9,13 +9,7 @@ from typing import Any, Callable, Tuple
 
 from shardpoint_core.commit.object_store import ObjectStoreCommitter
 from shardpoint_core.commit.posix import PosixCommitter
-from shardpoint_core.store.registry import is_local, split_url
-
-
-def url_of(url: str, key: str) -> str:
-    """The URL of ``key`` in the bucket of ``url`` (``s3://bucket/key``)."""
-    scheme, rest = split_url(url)
-    return f"{scheme}://{rest.partition('/')[0]}/{key}"
+from shardpoint_core.store.registry import is_local, url_of
 
 
 class UrlCommitter:
