@@ -280,35 +280,38 @@ def plan_dcp_entries(m: Manifest) -> dict:
     sharded object (per-rank values, e.g. Megatron's RNG states) is one value holding its whole
     grid as nested lists, as :func:`shardpoint.load` gives it without a template. Pure."""
     out: dict = {}
-
-    def walk(node: Any, path: tuple) -> None:   # the typed tree (Manifest.tree)
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, path + (k,))
-        elif isinstance(node, (list, tuple)):
-            if path and _holds_no_array(node):
-                add(path, ("value", _value_of(node)))
-            else:
-                for i, v in enumerate(node):
-                    walk(v, path + (i,))
-        elif isinstance(node, TensorLeaf):
-            add(path, ("tensor", node.key))
-        elif isinstance(node, ValueLeaf):
-            add(path, ("value", node.value))
-        elif isinstance(node, ObjectLeaf):
-            add(path, ("value", node.nested()))
-
-    def add(path: tuple, entry: tuple) -> None:
-        fqn = ".".join(str(c) for c in path)
-        if fqn in out:
-            raise errors.LayoutMismatchError(
-                f"shardpoint keys {'/'.join(map(str, out[fqn][0]))!r} and "
-                f"{'/'.join(map(str, path))!r} both read as DCP FQN {fqn!r}; load them with "
-                "shardpoint.load instead")
-        out[fqn] = (tuple(str(c) if isinstance(c, str) else c for c in path), entry)
-
-    walk(m.tree, ())
+    _dcp_walk(m.tree, (), out)
     return out
+
+
+def _dcp_walk(node: Any, path: tuple, out: dict) -> None:
+    """:func:`plan_dcp_entries`' walk of the typed tree (module level: a nested function
+    calling itself would be a reference cycle)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _dcp_walk(v, path + (k,), out)
+    elif isinstance(node, (list, tuple)):
+        if path and _holds_no_array(node):
+            _dcp_add(out, path, ("value", _value_of(node)))
+        else:
+            for i, v in enumerate(node):
+                _dcp_walk(v, path + (i,), out)
+    elif isinstance(node, TensorLeaf):
+        _dcp_add(out, path, ("tensor", node.key))
+    elif isinstance(node, ValueLeaf):
+        _dcp_add(out, path, ("value", node.value))
+    elif isinstance(node, ObjectLeaf):
+        _dcp_add(out, path, ("value", node.nested()))
+
+
+def _dcp_add(out: dict, path: tuple, entry: tuple) -> None:
+    fqn = ".".join(str(c) for c in path)
+    if fqn in out:
+        raise errors.LayoutMismatchError(
+            f"shardpoint keys {'/'.join(map(str, out[fqn][0]))!r} and "
+            f"{'/'.join(map(str, path))!r} both read as DCP FQN {fqn!r}; load them with "
+            "shardpoint.load instead")
+    out[fqn] = (tuple(str(c) if isinstance(c, str) else c for c in path), entry)
 
 
 class ShardpointReader(StorageReader):

@@ -113,29 +113,83 @@ class MegatronTree:
         """The state dict ``dist_checkpointing.load`` would return: ShardedTensors replaced by
         their (filled) tensors, ShardedObjects by their values, factories merged,
         nonpersistent objects unwrapped, common values as loaded."""
-        classes = _megatron_classes()
-        objects = loaded.get(SHARDED, {})
+        return self._build(self.source, loaded.get(COMMON), loaded.get(SHARDED, {}),
+                           _megatron_classes())
 
-        def build(x: Any, c: Any) -> Any:
-            if isinstance(x, dict):
-                return {k: build(v, c.get(k) if isinstance(c, dict) else None)
-                        for k, v in x.items()}
-            if isinstance(x, list):
-                return [build(v, c[i] if isinstance(c, list) and i < len(c) else None)
-                        for i, v in enumerate(x)]
-            if classes is not None:
-                mst, mso, local, factory = classes
-                if isinstance(x, mst):
-                    return self.filled[id(x)]
-                if isinstance(x, mso):
-                    return objects[x.key]
-                if isinstance(x, local):
-                    return x.unwrap()
-                if isinstance(x, factory):
-                    return x.merge_fn(build(self.factories[id(x)], None))
-            return c
+    def _build(self, x: Any, c: Any, objects: dict, classes: Optional[tuple]) -> Any:
+        # A method, not a closure calling itself: a recursive closure is a reference cycle
+        # that would keep the loaded tensors alive until the next collection.
+        if isinstance(x, dict):
+            return {k: self._build(v, c.get(k) if isinstance(c, dict) else None, objects,
+                                   classes) for k, v in x.items()}
+        if isinstance(x, list):
+            return [self._build(v, c[i] if isinstance(c, list) and i < len(c) else None,
+                                objects, classes) for i, v in enumerate(x)]
+        if classes is not None:
+            mst, mso, local, factory = classes
+            if isinstance(x, mst):
+                return self.filled[id(x)]
+            if isinstance(x, mso):
+                return objects[x.key]
+            if isinstance(x, local):
+                return x.unwrap()
+            if isinstance(x, factory):
+                return x.merge_fn(self._build(self.factories[id(x)], None, objects, classes))
+        return c
 
-        return build(self.source, loaded.get(COMMON))
+
+class _Mapper:
+    """The walk of :func:`megatron_tree`: a class rather than nested closures, because a
+    closure that calls itself is a reference cycle holding every tensor it saw."""
+
+    def __init__(self, out: MegatronTree, for_load: bool, classes: Optional[tuple]) -> None:
+        self.out, self.for_load, self.classes = out, for_load, classes
+        self.tensors: dict = {}     # key -> [shardpoint pieces]
+        self.objects: dict = {}     # key -> shardpoint ShardedObject
+
+    def add_tensor(self, st: Any, path: tuple) -> None:
+        data = st.data
+        if data is None:
+            if not self.for_load:
+                raise errors.UnsupportedValueError(
+                    f"{_where(path)}: Megatron ShardedTensor {st.key!r} has no data to save")
+            fr = _flat_range(st)
+            n = (fr[1] - fr[0],) if fr else tuple(st.local_shape)
+            data = torch.empty(n, dtype=st.dtype)
+        self.out.filled[id(st)] = data
+        self.tensors.setdefault(st.key, []).append(
+            _piece(st, data.detach() if self.for_load else data))
+
+    def add_object(self, so: Any, path: tuple) -> None:
+        if so.key in self.objects:
+            raise errors.InvalidShardingError(
+                f"{_where(path)}: this rank holds Megatron ShardedObject {so.key!r} twice; "
+                "a rank holds one cell of an object's grid")
+        self.objects[so.key] = _object(so, None if self.for_load else so.data)
+
+    def walk(self, x: Any, path: tuple) -> Any:
+        if isinstance(x, dict):
+            kept = {k: self.walk(v, path + (k,)) for k, v in x.items()}
+            return {k: v for k, v in kept.items() if v is not _DROP}
+        if isinstance(x, list):
+            return [None if v is _DROP else v
+                    for v in (self.walk(v, path + (i,)) for i, v in enumerate(x))]
+        if self.classes is None:
+            return x
+        mst, mso, local, factory = self.classes
+        if isinstance(x, mst):
+            self.add_tensor(x, path)
+        elif isinstance(x, mso):
+            self.add_object(x, path)
+        elif isinstance(x, local):
+            self.out.left_out.append(_where(path))
+        elif isinstance(x, factory):
+            built = x.build()
+            self.out.factories[id(x)] = built
+            self.walk(built, path)
+        else:
+            return x
+        return _DROP
 
 
 def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False) -> MegatronTree:
@@ -145,55 +199,9 @@ def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False) -> Megatro
     when a key names both a tensor and an object or a rank holds one object key twice;
     pieces of one key that disagree or overlap are refused, by key, when the tree is saved or
     loaded."""
-    classes = _megatron_classes()
-    out = MegatronTree(sharded_state_dict, {})
-    tensors: dict = {}     # key -> [shardpoint pieces]
-    objects: dict = {}     # key -> shardpoint ShardedObject
-
-    def add_tensor(st: Any, path: tuple) -> None:
-        data = st.data
-        if data is None:
-            if not for_load:
-                raise errors.UnsupportedValueError(
-                    f"{_where(path)}: Megatron ShardedTensor {st.key!r} has no data to save")
-            fr = _flat_range(st)
-            n = (fr[1] - fr[0],) if fr else tuple(st.local_shape)
-            data = torch.empty(n, dtype=st.dtype)
-        out.filled[id(st)] = data
-        tensors.setdefault(st.key, []).append(_piece(st, data.detach() if for_load else data))
-
-    def add_object(so: Any, path: tuple) -> None:
-        if so.key in objects:
-            raise errors.InvalidShardingError(
-                f"{_where(path)}: this rank holds Megatron ShardedObject {so.key!r} twice; "
-                "a rank holds one cell of an object's grid")
-        objects[so.key] = _object(so, None if for_load else so.data)
-
-    def walk(x: Any, path: tuple) -> Any:
-        if isinstance(x, dict):
-            kept = {k: walk(v, path + (k,)) for k, v in x.items()}
-            return {k: v for k, v in kept.items() if v is not _DROP}
-        if isinstance(x, list):
-            return [None if v is _DROP else v
-                    for v in (walk(v, path + (i,)) for i, v in enumerate(x))]
-        if classes is None:
-            return x
-        mst, mso, local, factory = classes
-        if isinstance(x, mst):
-            add_tensor(x, path)
-        elif isinstance(x, mso):
-            add_object(x, path)
-        elif isinstance(x, local):
-            out.left_out.append(_where(path))
-        elif isinstance(x, factory):
-            built = x.build()
-            out.factories[id(x)] = built
-            walk(built, path)
-        else:
-            return x
-        return _DROP
-
-    common = walk(sharded_state_dict, ())
+    m = _Mapper(MegatronTree(sharded_state_dict, {}), for_load, _megatron_classes())
+    out, tensors, objects = m.out, m.tensors, m.objects
+    common = m.walk(sharded_state_dict, ())
     both = sorted(set(tensors) & set(objects))
     if both:
         raise errors.InvalidShardingError(f"Megatron key {both[0]!r} names both a "
