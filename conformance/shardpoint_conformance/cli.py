@@ -171,6 +171,11 @@ def _run(args) -> int:
     if args.print_case:
         print(json.dumps(cases, indent=1))
         return 0
+    if args.store and not args.hosts and "://" not in args.store:
+        print(f"--store {args.store!r}: give an object store URL (s3://BUCKET/PREFIX); "
+              "--store s3 alone means the storage host of a test cluster (--hosts)",
+              file=sys.stderr)
+        return 2
     if args.hosts and args.store:
         store = _cluster_store(args.store, seed)
         if store is None:

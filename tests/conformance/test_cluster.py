@@ -310,3 +310,5 @@ def test_conformance_run_hosts_refuses_a_store_it_cannot_serve(capsys):
     from shardpoint_conformance import cli
     rc = cli.main(["run", "--hosts", "2", "--store", "gs://b/p", "--no-vectors"])
     assert rc == 2 and "--store s3://BUCKET/PREFIX" in capsys.readouterr().err
+    rc = cli.main(["run", "--store", "s3", "--no-vectors"])      # not a local folder "s3"
+    assert rc == 2 and "(--hosts)" in capsys.readouterr().err
