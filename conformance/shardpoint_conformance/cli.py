@@ -67,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --hosts: shape each host's link to this many Mbit/s")
     r.add_argument("--store", default=None, metavar="URL",
                    help="save and load the cases on an object store instead (s3://bucket/"
-                        "prefix; endpoint and credentials from the AWS environment)")
+                        "prefix; endpoint and credentials from the AWS environment). With "
+                        "--hosts: 's3' (or s3://bucket/prefix) runs an S3-compatible server "
+                        "on the test cluster's storage host, reached over the shaped links")
     r.add_argument("--backend", default=None, choices=["gloo", "nccl"],
                    help="process-group backend under torchrun (default: nccl with CUDA)")
     r.add_argument("--keep", action="store_true", help="keep checkpoints of passing cases")
@@ -169,20 +171,29 @@ def _run(args) -> int:
     if args.print_case:
         print(json.dumps(cases, indent=1))
         return 0
+    if args.store and not args.hosts and "://" not in args.store:
+        print(f"--store {args.store!r}: give an object store URL (s3://BUCKET/PREFIX); "
+              "--store s3 alone means the storage host of a test cluster (--hosts)",
+              file=sys.stderr)
+        return 2
+    if args.hosts and args.store:
+        store = _cluster_store(args.store, seed)
+        if store is None:
+            print(f"--hosts with --store {args.store!r}: the test cluster serves s3:// from "
+                  "its storage host; give --store s3 or --store s3://BUCKET/PREFIX",
+                  file=sys.stderr)
+            return 2
+        args.store = store
     root = args.store or args.dir or tempfile.mkdtemp(prefix="shardpoint-conformance-")
     if not args.store:
         os.makedirs(root, exist_ok=True)
     print(f"shardpoint conformance run: {len(cases)} case(s), profile {args.profile}, "
           f"seed {seed}, save worlds {sw}, load worlds {lw}, dir {root}")
     t0 = time.perf_counter()
-    if args.hosts and args.store:
-        print("shardpoint conformance run: --hosts runs on a shared directory (--dir); an "
-              "object store on the test cluster's storage host is not wired yet",
-              file=sys.stderr)
-        return 2
     if args.hosts:
         rows = runner.run_cases_cluster(cases, root, args.hosts, args.ranks_per_host,
-                                        link_mbit=args.link_mbit)
+                                        link_mbit=args.link_mbit,
+                                        s3_url=args.store)
     else:
         rows = runner.run_cases_local(cases, root)
     ok = runner.passed(rows)
@@ -193,9 +204,19 @@ def _run(args) -> int:
         print(text)
     print(_summary(rows, time.perf_counter() - t0))
     _write_json(args.json, rows)
-    if not args.keep:
+    if not args.keep and not (args.hosts and args.store):   # that server is gone already
         runner.cleanup(root, rows)
     return 0 if ok and vec_ok else 1
+
+
+def _cluster_store(store: str, seed: int) -> Optional[str]:
+    """``--store`` with ``--hosts`` as an ``s3://BUCKET/PREFIX`` URL on the cluster's storage
+    host (``s3``: a bucket and a prefix of the run's own); None when it names no S3."""
+    if store == "s3":
+        return f"s3://shardpoint-conformance/run-{seed}"
+    if store.startswith("s3://") and store[5:].strip("/"):
+        return store.rstrip("/")
+    return None
 
 
 def _summary(rows: list, secs: float) -> str:

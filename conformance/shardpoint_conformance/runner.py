@@ -2,7 +2,8 @@
 
 Locally (:func:`run_local`) every world size gets one spawned gloo world that runs a whole
 batch of cases (spawning costs seconds); under ``torchrun`` (:func:`run_in_job`) the job's
-own world runs every case. The per-rank functions :func:`save_batch` and :func:`load_batch`
+own world runs every case, and so does one world on a test cluster's hosts
+(:func:`run_cases_cluster`, all its cases being of that world's size). The per-rank functions :func:`save_batch` and :func:`load_batch`
 are the same in both modes. Results are plain dicts; :func:`format_table` prints them.
 """
 from __future__ import annotations
@@ -340,17 +341,53 @@ def run_cases_local(cases: list, root: str, *, timeout_per_case: float = 30.0,
 
 
 def run_cases_cluster(cases: list, root: str, hosts: int, ranks_per_host: int, *,
-                      link_mbit: Optional[float] = None, timeout_per_case: float = 30.0,
-                      log=print) -> list:
+                      link_mbit: Optional[float] = None, s3_url: Optional[str] = None,
+                      timeout_per_case: float = 30.0, log=print) -> list:
     """Save and load ``cases`` (all of world ``hosts x ranks_per_host``) on a test cluster
     of this machine (:mod:`shardpoint_testing.cluster`: hosts as network namespaces, links
-    shaped to ``link_mbit``, ``root`` the shared directory). Needs root."""
+    shaped to ``link_mbit``, ``root`` the shared directory), in one world that saves every
+    case and then loads it. With ``s3_url`` (``s3://BUCKET/PREFIX``) the checkpoints go to
+    an S3-compatible server on the cluster's storage host instead, reached over the shaped
+    links; each row then says what the server holds for its case (``stored``), listed on
+    the storage host. Needs root."""
     from shardpoint_testing.cluster import Cluster, Link
-    with Cluster(hosts, ranks_per_host, Link(mbit=link_mbit), shared_dir=root) as c:
+    from shardpoint_testing.launch import RankFailure
+    bucket, _, prefix = (s3_url or "").partition("://")[2].partition("/")
+    with Cluster(hosts, ranks_per_host, Link(mbit=link_mbit),
+                 shared_dir=None if s3_url else root) as c:
         log(f"  test cluster: {hosts} host(s) x {ranks_per_host} rank(s) as network "
             f"namespaces, links {f'{link_mbit:g} Mbit/s' if link_mbit else 'unshaped'}")
-        return run_cases_local(cases, root, timeout_per_case=timeout_per_case, log=log,
-                               launch=c.run)
+        s3 = c.s3_server(bucket) if s3_url else None
+        if s3 is not None:
+            log(f"  storage host: S3-compatible server at {s3.endpoint}, checkpoints under "
+                f"{s3_url}")
+        crossed = c.link_bytes(-1)
+        t0 = time.perf_counter()
+        try:
+            rows = c.run(_job, cases, s3_url or root, timeout=60 + 2 * timeout_per_case *
+                         len(cases), pg_timeout=60, env=s3.env() if s3 else None)[0]
+        except RankFailure as e:     # a rank died or hung: every case failed
+            rows = [_row({"case": cs, "save": {"ok": False, "error": f"world of {c.world} "
+                                                f"failed: {e}"[:3000]}}) for cs in cases]
+        log(f"  saved and loaded {len(cases)} case(s) in a world of {c.world} "
+            f"({time.perf_counter() - t0:.1f}s)")
+        if s3 is not None:
+            crossed = c.link_bytes(-1) - crossed
+            held = s3.objects(f"{prefix}/" if prefix else "")
+            for r in rows:
+                mine = {k: v for k, v in held.items()
+                        if k.startswith(f"{prefix}/{r['id']}/".lstrip("/"))}
+                r["stored"] = {"objects": len(mine), "bytes": sum(mine.values()),
+                               "manifest": any(k.endswith("/manifest.msgpack") for k in mine)}
+            log(f"  storage host: the server holds {len(held)} object(s), "
+                f"{sum(held.values())} bytes, under {s3_url}; the storage link carried "
+                f"{crossed} bytes both ways (they go with the cluster)")
+        return rows
+
+
+def _job(rank: int, world: int, cases: list, root: str) -> list:
+    """One rank of a cluster world: every case saved, then loaded (:func:`run_in_job`)."""
+    return run_in_job(cases, root, "cpu")
 
 
 def _row(r: dict) -> dict:
@@ -371,16 +408,19 @@ def run_in_job(cases: list, root: str, device: str) -> list:
     """Under torchrun: this job's world saves and loads every case. Collective."""
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
-    saved = save_batch(rank, world, cases, root, device)
-    ok_ids = {r["id"] for r in saved if r["ok"]}
-    loaded = load_batch(rank, world, [c for c in cases if c["id"] in ok_ids], root, device)
     # Test results travel as msgpack through the library's own control channel (no pickle).
     import msgpack
     from shardpoint.exchange.comm import Comm
-    gathered = [msgpack.unpackb(b, strict_map_key=False)
-                for b in Comm().all_gather_bytes(msgpack.packb([saved, loaded]))]
-    saves = _merge([g[0] for g in gathered])
-    loads = {r["id"]: r for r in _merge([g[1] for g in gathered])} if loaded else {}
+    comm = Comm()
+
+    def merged(mine: list) -> list:
+        return _merge([msgpack.unpackb(b, strict_map_key=False)
+                       for b in comm.all_gather_bytes(msgpack.packb(mine))])
+    saves = merged(save_batch(rank, world, cases, root, device))
+    # every rank loads the same cases (rank 0's validator may fail a save the others passed)
+    ok_ids = {r["id"] for r in saves if r["ok"]}
+    loaded = load_batch(rank, world, [c for c in cases if c["id"] in ok_ids], root, device)
+    loads = {r["id"]: r for r in merged(loaded)} if ok_ids else {}
     return [_row({"case": c, "save": s, "load": loads.get(c["id"])})
             for c, s in zip(cases, saves)]
 

@@ -3,7 +3,9 @@
 :class:`S3Server` starts moto's standalone server (``python -m moto.server``, from the
 ``moto[server]`` package) as a child process on ``127.0.0.1`` and a free port, creates a
 bucket, and stops the process on :meth:`S3Server.stop`; given a host and a launcher it runs
-elsewhere instead (the test cluster's storage host: ``Cluster.s3_server()``). Its :meth:`env` is the standard AWS
+elsewhere instead (the test cluster's storage host: ``Cluster.s3_server()``). The server
+dies with the process that started it, also when that one is SIGKILLed (a watchdog on its
+parent), so a killed test run leaves no server holding its port. Its :meth:`env` is the standard AWS
 environment (``AWS_ENDPOINT_URL``, keys, region) that the S3 store reads, so a child process
 (a gloo rank, the CLI) finds the server the same way a job finds real S3.
 
@@ -20,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import socket
 import subprocess
@@ -36,6 +39,34 @@ Launcher = Callable[..., subprocess.Popen]
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
 REGION = "us-east-1"
+
+
+def _child_env(**extra: str) -> dict:
+    """This environment for a server process, with this package importable there
+    (``python -m shardpoint_testing.s3``) however this process found it."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=here + (os.pathsep + path if path else ""), **extra)
+
+
+def _child_argv(*argv: str) -> list:
+    """``python -m shardpoint_testing.s3 --parent <this pid> ...``: the child watches us."""
+    return [sys.executable, "-m", "shardpoint_testing.s3", "--parent", str(os.getpid()), *argv]
+
+
+def die_with_parent(parent: int, poll_s: float = 0.2) -> None:
+    """End this process as soon as ``parent`` is no longer its parent (it died, even by
+    SIGKILL, and this one was re-parented). A watchdog thread, not ``PR_SET_PDEATHSIG``: that
+    signal follows the parent *thread* that started the child, which may end long before
+    the process does."""
+    if os.getppid() != parent:      # died before we got here
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
 def free_port() -> int:
@@ -73,8 +104,8 @@ class S3Server:
         """Start ``python -m shardpoint_testing.s3 HOST PORT BUCKET`` through the launcher
         and wait for its ``ready`` line."""
         self._proc = self._launch(
-            [sys.executable, "-m", "shardpoint_testing.s3", self.host, str(self.port),
-             self.bucket], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+            _child_argv("serve", self.host, str(self.port), self.bucket),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         ready = threading.Event()
 
         def watch() -> None:
@@ -94,14 +125,14 @@ class S3Server:
 
     def start(self) -> "S3Server":
         """Start the server, wait until it answers, create the bucket."""
-        env = dict(os.environ, MOTO_ALLOW_NONEXISTENT_REGION="true")
+        env = _child_env(MOTO_ALLOW_NONEXISTENT_REGION="true")
         if self._launch is not None:
             self._start_launched(env)
             return self
         if self.auth:   # moto checks signatures and IAM after the first 3 requests
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
+            _child_argv("moto", "-H", self.host, "-p", str(self.port)),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + self._start_timeout_s
         while True:
@@ -146,6 +177,24 @@ class S3Server:
     def make_bucket(self, name: str) -> None:
         """Create bucket ``name`` (tests that need a bucket of their own)."""
         self.client().create_bucket(Bucket=name)
+
+    def objects(self, prefix: str = "", timeout: float = 60.0) -> Dict[str, int]:
+        """What the server holds under ``prefix`` in the bucket, key -> size, listed with
+        boto3 (not through shardpoint's stores); a launched server is listed from where it
+        runs (the storage host), through the launcher."""
+        if self._launch is None:
+            return _list(self.client(), self.bucket, prefix)
+        p = self._launch(_child_argv("list", self.endpoint, self.bucket, prefix),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env())
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise RuntimeError(f"listing {self.url(prefix)} took over {timeout} s") from None
+        if p.returncode != 0:
+            raise RuntimeError(f"listing {self.url(prefix)} failed: {err.decode()[-2000:]}")
+        return json.loads(out)
 
     def fresh_prefix(self, name: str = "t") -> str:
         """A prefix no other test uses: tests share one server and one bucket."""
@@ -293,9 +342,37 @@ def serve(host: str, port: int, bucket: str) -> None:
     threading.Event().wait()
 
 
+def _list(client, bucket: str, prefix: str) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                  Prefix=prefix):
+        out.update((o["Key"], o["Size"]) for o in page.get("Contents", []))
+    return out
+
+
 def _main(argv: Sequence[str]) -> None:
-    host, port, bucket = argv
-    serve(host, int(port), bucket)
+    """``[--parent PID] serve HOST PORT BUCKET`` (a launched server), ``[--parent PID] moto
+    ARGS...`` (moto's own server, for the loopback one), ``list ENDPOINT BUCKET PREFIX``
+    (print what the bucket holds as JSON)."""
+    argv = list(argv)
+    if argv[:1] == ["--parent"]:
+        die_with_parent(int(argv[1]))
+        argv = argv[2:]
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "serve":
+        host, port, bucket = rest
+        serve(host, int(port), bucket)
+    elif cmd == "moto":
+        from moto.server import main as moto_main
+        moto_main(rest)
+    elif cmd == "list":
+        import boto3
+        endpoint, bucket, prefix = rest
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
+                              aws_secret_access_key=SECRET_KEY, region_name=REGION)
+        print(json.dumps(_list(client, bucket, prefix)))
+    else:
+        raise SystemExit(f"shardpoint_testing.s3: unknown command {cmd!r}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ within the group's timeout, with nothing half-written visible and ``recover`` cl
 Everything the cluster created is gone afterwards. Skipped with the reason when not root.
 """
 import os
+import re
+import shlex
 import subprocess
 import time
 
@@ -17,7 +19,6 @@ import torch
 
 import shardpoint as sp
 from shardpoint_testing import cluster as cl
-from shardpoint_testing.launch import RankFailure
 
 pytestmark = pytest.mark.skipif(cl.unavailable_reason() is not None,
                                 reason=cl.unavailable_reason() or "")
@@ -243,6 +244,7 @@ def _s3_round_trip(rank, world, url):
             os.environ["AWS_ENDPOINT_URL"])
 
 
+@pytest.mark.slow      # the conformance run on the storage host's S3 below covers it by default
 def test_s3_on_the_storage_host_save_and_resharded_load():
     """The S3-compatible server runs on the storage host: 2 hosts save by rows to s3:// and
     load by columns bit for bit, every byte crossing the storage host's shaped link (its
@@ -259,3 +261,54 @@ def test_s3_on_the_storage_host_save_and_resharded_load():
     assert got == [(True, s3.endpoint)] * 2, got
     assert crossed >= 2 * ROWS * COLS * 4, crossed
     assert not (ours & _netns()) and _netns() == before
+
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "README.md")
+
+
+def _conformance_on_storage_s3(args: list, tmp_path, capsys) -> tuple:
+    from shardpoint_conformance import cli
+    before = _netns()
+    out = tmp_path / "rows.json"
+    rc = cli.main(args + ["--seed", "23", "--json", str(out), "--no-vectors"])
+    text = capsys.readouterr().out
+    rows = __import__("json").loads(out.read_text()) if out.exists() else []
+    assert rc == 0 and rows and all(r["ok"] for r in rows), text
+    assert f"S3-compatible server at http://{cl.STORAGE_ADDR}:9000" in text, text
+    for r in rows:      # listed on the storage host by boto3, not through shardpoint's store
+        assert r["stored"]["manifest"] and r["stored"]["bytes"] >= r["bytes"], r
+    crossed = int(re.search(r"the storage link carried (\d+) bytes", text).group(1))
+    assert crossed >= sum(r["stored"]["bytes"] for r in rows), text   # written, then read
+    assert _netns() == before
+    return rows, text
+
+
+def test_conformance_run_on_the_storage_hosts_s3(tmp_path, capsys):
+    """The README's command: ``conformance run --hosts 2 --store s3`` saves and loads the
+    cases on the S3 server of the cluster's storage host (each rank over its host's link and
+    the storage link); they pass, the server holds each case's manifest and chunks, the
+    storage link carried at least those bytes, and the cluster is gone after."""
+    line = next(x for x in open(README).read().splitlines()
+                if x.startswith("sudo shardpoint conformance run") and "--store s3" in x)
+    args = shlex.split(line)[3:]
+    assert args[:1] == ["run"] and "--hosts" in args, line
+    rows, _ = _conformance_on_storage_s3(args, tmp_path, capsys)
+    assert {(r["save_world"], r["load_world"]) for r in rows} == {(2, 2)}
+
+
+@pytest.mark.slow
+def test_conformance_run_on_the_storage_hosts_s3_two_ranks_per_host(tmp_path, capsys):
+    rows, text = _conformance_on_storage_s3(
+        ["run", "--hosts", "2", "--ranks-per-host", "2", "--link-mbit", "500", "--store",
+         "s3://my-bucket/runs/a", "--cases", "6"], tmp_path, capsys)
+    assert {(r["save_world"], r["load_world"]) for r in rows} == {(4, 4)} and len(rows) == 6
+    assert "under s3://my-bucket/runs/a" in text and "500 Mbit/s" in text
+
+
+def test_conformance_run_hosts_refuses_a_store_it_cannot_serve(capsys):
+    from shardpoint_conformance import cli
+    rc = cli.main(["run", "--hosts", "2", "--store", "gs://b/p", "--no-vectors"])
+    assert rc == 2 and "--store s3://BUCKET/PREFIX" in capsys.readouterr().err
+    rc = cli.main(["run", "--store", "s3", "--no-vectors"])      # not a local folder "s3"
+    assert rc == 2 and "(--hosts)" in capsys.readouterr().err
