@@ -1,6 +1,6 @@
 """A local Google Cloud Storage emulator for tests: ``gcp-storage-emulator`` (pure Python, from
 the package index) in a child process on ``127.0.0.1`` and a free port, in memory, with one
-bucket.
+bucket. It dies with the process that started it, also when that one is SIGKILLed.
 
 What it does not do, and the tests therefore cannot check here: it ignores every precondition
 (``ifGenerationMatch``), so a conditional write always succeeds. :meth:`GcsServer.env` turns
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, Optional
 from urllib.parse import parse_qs, quote, urlsplit
 
-from shardpoint_testing.s3 import free_port
+from shardpoint_testing.s3 import _child_env, free_port
 
 
 class GcsServer:
@@ -49,12 +50,14 @@ class GcsServer:
 
     def start(self) -> "GcsServer":
         """Start the emulator with the bucket and wait until it answers."""
-        code = ("import sys; from gcp_storage_emulator.__main__ import main; "
-                "sys.exit(main(sys.argv[1:]))")
+        # it dies with this process, also when this one is SIGKILLed (as the S3 server)
+        code = ("import sys; from shardpoint_testing.s3 import die_with_parent; "
+                "die_with_parent(int(sys.argv[1])); "
+                "from gcp_storage_emulator.__main__ import main; sys.exit(main(sys.argv[2:]))")
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", code, "start", "--host", "127.0.0.1", "--port",
-             str(self.port), "--in-memory", "--default-bucket", self.bucket],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [sys.executable, "-c", code, str(os.getpid()), "start", "--host", "127.0.0.1",
+             "--port", str(self.port), "--in-memory", "--default-bucket", self.bucket],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_child_env())
         deadline = time.monotonic() + self._start_timeout_s
         while True:
             if self._proc.poll() is not None:

@@ -1,4 +1,4 @@
-"""The tests' S3-compatible server (``shardpoint_testing.s3``) dies with the process that
+"""The tests' S3-compatible server (``shardpoint_testing.s3``) and GCS emulator die with the process that
 started it: a test run that is SIGKILLed cannot stop its servers, and before this they
 outlived it, holding their ports and memory."""
 import os
@@ -18,7 +18,13 @@ from shardpoint_testing.s3 import S3Server, free_port
 a = S3Server().start()                                  # moto's server, on loopback
 b = S3Server(host="127.0.0.1", port=free_port(),        # a launched one, as on the cluster
              launch=subprocess.Popen).start()
-print(a._proc.pid, b._proc.pid, flush=True)
+procs = [a._proc.pid, b._proc.pid]
+try:
+    from shardpoint_testing.gcs import GcsServer
+    procs.append(GcsServer().start()._proc.pid)         # the GCS emulator, where installed
+except ImportError:
+    pass
+print(*procs, flush=True)
 sys.stdin.read()
 """
 
@@ -32,8 +38,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_servers_die_when_their_parent_is_sigkilled():
-    """A parent starts both kinds of server (moto's own on loopback, and the launched one
-    the cluster's storage host runs), then is killed with SIGKILL: both servers are gone
+    """A parent starts both kinds of S3 server (moto's own on loopback, and the launched one
+    the cluster's storage host runs) and the GCS emulator, then is killed with SIGKILL: both servers are gone
     within a few seconds."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
@@ -41,7 +47,7 @@ def test_servers_die_when_their_parent_is_sigkilled():
     try:
         line = parent.stdout.readline()
         pids = [int(x) for x in line.split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids), line
+        assert len(pids) >= 2 and all(_alive(p) for p in pids), line
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(timeout=10)
         deadline = time.monotonic() + 10
