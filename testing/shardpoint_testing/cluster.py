@@ -44,6 +44,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -123,6 +124,7 @@ class Cluster:
         self._closed = False
         _LIVE.append(self)
         _exit_on_sigterm()
+        self._reaper = self._start_reaper()
         try:
             self._build()
         except BaseException:
@@ -164,26 +166,29 @@ class Cluster:
         self._ns(self.storage)
         self._veth(self.storage, "s", STORAGE_ADDR, self.storage_link)
 
+    def _start_reaper(self) -> subprocess.Popen:
+        """A watchdog process that tears the cluster down if this process dies without
+        :meth:`close` (SIGKILL): it knows the namespace names (made with this cluster's own
+        random tag) and the shared directory it made, nothing else."""
+        from shardpoint_testing.s3 import _child_env
+        names = [self.switch, *self.host_ns, self.storage]
+        return subprocess.Popen(
+            [sys.executable, "-m", "shardpoint_testing.cluster", "reap", str(os.getpid()),
+             self.shared_dir if self._made_dir else "", *names],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=_child_env(), start_new_session=True)
+
     def close(self) -> None:
         """Kill what the cluster started, delete its namespaces (their links go with them)
         and the shared directory it made. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        _kill(self._reaper)         # we tear down ourselves; it only acts if we die first
         for procs in self._procs.values():
             for p in procs:
                 _kill(p)
-        for ns in reversed(self._created):
-            # processes left in a namespace are ours (only we enter it): end them by id
-            out = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
-            for pid in out:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _sh("ip", "netns", "del", ns, check=False)
-        if self._made_dir:
-            shutil.rmtree(self.shared_dir, ignore_errors=True)
+        _teardown(reversed(self._created), self.shared_dir if self._made_dir else None)
         if self in _LIVE:
             _LIVE.remove(self)
 
@@ -340,6 +345,29 @@ class ClusterJob:
         return [results[r] for r in range(len(self.procs))]
 
 
+def _teardown(namespaces: Any, made_dir: Optional[str]) -> None:
+    """Delete ``namespaces`` (their links go with them) after ending the processes left in
+    them (ours: only this harness enters them), and the shared directory the cluster made."""
+    for ns in namespaces:
+        out = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+        for pid in out:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        _sh("ip", "netns", "del", ns, check=False)
+    if made_dir:
+        shutil.rmtree(made_dir, ignore_errors=True)
+
+
+def _reap(parent: int, made_dir: str, namespaces: Sequence[str]) -> None:
+    """The reaper's body: wait until ``parent`` is gone, then tear its cluster down."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    existing = set(_sh("ip", "netns", "list", check=False).stdout.split())
+    _teardown([ns for ns in reversed(namespaces) if ns in existing], made_dir or None)
+
+
 def _kill(p: Any) -> None:
     try:
         if isinstance(p, subprocess.Popen):
@@ -400,3 +428,8 @@ def _exit_on_sigterm() -> None:
 def _close_all() -> None:
     for c in list(_LIVE):
         c.close()
+
+
+if __name__ == "__main__":      # python -m shardpoint_testing.cluster reap PID DIR NS...
+    if sys.argv[1:2] == ["reap"]:
+        _reap(int(sys.argv[2]), sys.argv[3], sys.argv[4:])

@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -24,6 +25,19 @@ pytestmark = pytest.mark.skipif(cl.unavailable_reason() is not None,
                                 reason=cl.unavailable_reason() or "")
 
 ROWS, COLS = 64, 96
+
+
+@pytest.fixture(autouse=True)
+def _one_cluster_at_a_time():
+    """The tests check that the machine's namespaces are as before: clusters of this
+    module run one at a time, also across pytest-xdist workers (a lock file)."""
+    import fcntl
+    with open(os.path.join(tempfile.gettempdir(), "shardpoint-cluster-tests.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _netns() -> set:
@@ -312,3 +326,35 @@ def test_conformance_run_hosts_refuses_a_store_it_cannot_serve(capsys):
     assert rc == 2 and "--store s3://BUCKET/PREFIX" in capsys.readouterr().err
     rc = cli.main(["run", "--store", "s3", "--no-vectors"])      # not a local folder "s3"
     assert rc == 2 and "(--hosts)" in capsys.readouterr().err
+
+
+def test_a_sigkilled_owner_leaves_no_namespace_or_directory_behind():
+    """The process that built a cluster is SIGKILLed (no ``close``, no exit hook): its
+    reaper tears the cluster down, namespaces, links, the processes in them and the shared
+    directory, and nothing else."""
+    import signal
+    import sys
+    before = _netns()
+    code = ("import sys; from shardpoint_testing.cluster import Cluster\n"
+            "c = Cluster(1, 1)\n"
+            "p = c.popen_host(0, ['sleep', '600'])\n"
+            "print(c.shared_dir, p.pid, *c._created, flush=True); sys.stdin.read()\n")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        shared, sleeper, *made = owner.stdout.readline().split()
+        assert made and set(made) <= _netns() and os.path.isdir(shared), made
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while (set(made) & _netns() or os.path.exists(shared)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not set(made) & _netns(), "namespaces outlived their SIGKILLed owner"
+        assert not os.path.exists(shared)
+        assert not os.path.exists(f"/proc/{sleeper}/cmdline") or \
+            "sleep" not in open(f"/proc/{sleeper}/cmdline").read()
+        assert before <= _netns() | set(made)       # nothing else was touched
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=10)
