@@ -92,6 +92,18 @@ def measure(path: str, repeat: int, profile: bool) -> dict:
         for k, e in ents:
             be.open_array_for_read(path, e.array, e.spec, k)
     out["open"] = _cpu(open_all, repeat)
+    try:
+        from shardpoint.api.open_ahead import OpenAhead
+    except ImportError:
+        from shardpoint.open_ahead import OpenAhead
+    tensors = dict(ents)
+
+    def open_ahead() -> None:       # as a load opens them: 8 threads ahead of the reads
+        with OpenAhead(lambda k: be.open_array_for_read(path, tensors[k].array,
+                                                        tensors[k].spec, k), tensors) as h:
+            for k in tensors:
+                h(k)
+    out["open, 8 threads (as a load)"] = _cpu(open_ahead, repeat)
     out["arrays"] = len(ents)
     if LoadJob is not None:
         out.update(_checks(path, ents, repeat))

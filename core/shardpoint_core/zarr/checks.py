@@ -69,7 +69,7 @@ def chunk_file_sizes(meta: dict, itemsize: int) -> tuple:
 _O_READ = (os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
            | getattr(os, "O_NONBLOCK", 0))
 _CACHED_DOC_BYTES = 4096       # zarr.json documents remembered once checked: ours are ~400 B
-_CACHED_DOCS = 1024
+_CACHED_DOCS = 256
 _CHECKED: dict = {}            # (zarr.json bytes, shape, dtype, chunk) -> checked meta
 
 
