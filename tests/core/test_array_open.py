@@ -133,3 +133,43 @@ def test_chunk_sizes_are_checked_from_the_listing(tmp_ckpt):
     with pytest.raises(CorruptCheckpointError) as e:
         _open(tmp_ckpt)
     assert e.value.spec_id == "SP-READ-3" and "extra bytes" in str(e.value)
+
+
+VECTORS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "spec", "vectors", "invalid")
+
+
+@pytest.mark.parametrize("case", ["zarr_json_repeated_name", "zarr_json_too_deep",
+                                  "fill_value_minus_zero", "bad_zarr_json", "unknown_codec"])
+def test_zarr_json_rules_hold_on_a_store_without_files(case):
+    """The zarr.json vectors uploaded to ``memory://`` fail as on files: the object-store
+    path parses by [SP-ARRAY-6] too (it took plain ``json.loads``, which accepted a
+    repeated name, ``-0`` and any depth up to a RecursionError)."""
+    from shardpoint_core.store.registry import bucket_store
+    base = os.path.join(VECTORS, case, "checkpoint")
+    url = f"memory://torch-vectors/{case}"
+    store, key = bucket_store(url, "open")
+    for d, _dirs, files in os.walk(base):
+        for f in files:
+            rel = os.path.relpath(os.path.join(d, f), base).replace(os.sep, "/")
+            with open(os.path.join(d, f), "rb") as fh:
+                store.put(f"{key}/{rel}", fh.read())
+    with open(os.path.join(VECTORS, case, "expected.json")) as f:
+        exp = json.load(f)
+    with pytest.raises(sp.ShardpointError) as e:
+        sp.load(url)
+    assert (type(e.value).__name__, e.value.spec_id) == (exp["error"], exp["spec_id"]), e.value
+
+
+def test_a_zarr_json_nested_past_the_recursion_limit_on_a_store_without_files():
+    from shardpoint_core.store.registry import bucket_store
+    url = "memory://torch-deep/ckpt"
+    sp.save({"w": torch.ones(3)}, url)
+    store, key = bucket_store(url, "open")
+    z = f"{key}/{sp.read_metadata(url).tensors['w'].array}/zarr.json"
+    meta = json.loads(store.get_range(z, 0, 1 << 20))
+    deep = b"[" * 100_000 + b"]" * 100_000
+    store.put(z, json.dumps(meta).encode()[:-1] + b',"attributes":{"x":' + deep + b"}}")
+    with pytest.raises(CorruptCheckpointError) as e:
+        sp.load(url)
+    assert e.value.spec_id == "SP-ARRAY-6"
