@@ -203,7 +203,7 @@ def main(argv=None) -> None:
                     rows[name].append(_child(paths, ckpt, a.repeat))
                 print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
         print(f"# warm CPU ms (time.process_time), mixed state scale {a.scale}, medians of "
-              f"{a.repeat} per process, median over processes; load average "
+              f"{a.repeat} per process, median (min-max) over processes; load average "
               f"{os.getloadavg()[0]:.2f}\n")
         names = list(rows)
         print("| step | " + " | ".join(names) + " |")
@@ -214,7 +214,8 @@ def main(argv=None) -> None:
             cells = []
             for n in names:
                 vals = [r[step] for r in rows[n] if step in r]
-                cells.append(f"{1e3 * statistics.median(vals):.1f}" if vals else "-")
+                cells.append("-" if not vals else f"{1e3 * statistics.median(vals):.1f}" + (
+                    f" ({1e3 * min(vals):.1f}-{1e3 * max(vals):.1f})" if len(vals) > 1 else ""))
             print(f"| {step} | " + " | ".join(cells) + " |")
         print(f"\n({rows[names[-1]][0]['arrays']} arrays)")
     finally:

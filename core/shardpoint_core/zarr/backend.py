@@ -345,8 +345,9 @@ class ZarrBackend:
 
     def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
                             key: str) -> Any:
-        """zarr.json read and checked here (on files also the file kinds and size caps);
-        chunks are read by ``read_into``."""
+        """zarr.json read and checked here; on files in one pass over the array's directory
+        with the file kinds, size caps, chunk sizes and bytes present ([SP-READ-6]) as well
+        (:func:`~.checks.open_local_array`). Chunks are read by ``read_into``."""
         store, prefix = self.locate(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
