@@ -208,7 +208,8 @@ def main(argv=None) -> None:
         names = list(rows)
         print("| step | " + " | ".join(names) + " |")
         print("|---|" + "---|" * len(names))
-        for step in rows[names[-1]][0]:
+        steps = list(dict.fromkeys(k for n in names for r in rows[n] for k in r))
+        for step in steps:
             if step == "arrays":
                 continue
             cells = []
