@@ -39,10 +39,10 @@ from shardpoint_core.store.registry import (bucket_store, check_path, is_local, 
 from shardpoint_core.values import numpy_values
 from shardpoint_core.zarr.array import (ArrayLayout, read_region, write_array_meta,
                                         write_region)
-from shardpoint_core.zarr.checks import (MAX_ZARR_JSON_BYTES, check_array_files,
-                                         check_array_objects, check_backed_bytes,
-                                         check_regular_file, check_zarr_json, chunk_file_sizes,
-                                         parse_zarr_json, read_zarr_json)
+from shardpoint_core.zarr.checks import (MAX_ZARR_JSON_BYTES, check_array_objects,
+                                         check_backed_bytes, check_regular_file,
+                                         check_zarr_json, chunk_file_sizes, open_local_array,
+                                         parse_zarr_json)
 from shardpoint_core.zarr.direct_read import DirectReader, parse_layout
 from shardpoint_core.zarr.direct_write import DirectWriter, WriteOp, WritePool, write_layout
 from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
@@ -301,17 +301,16 @@ class StoredArray:
         self.pool = pool_for(root)
         shape, chunk, dtype = tuple(self.shape), tuple(self.chunk), entry["dtype"]
         local = is_local(root)
-        meta = read_zarr_json(root, entry["array"], key) if local else \
-            _read_meta(self.store, self.path, key)
-        check_zarr_json(meta, shape, dtype, chunk, key)
         self.itemsize = self.np_dtype.itemsize
-        sizes = chunk_file_sizes(meta, self.itemsize)
-        if local:
-            found = check_array_files(root, entry["array"], key, sizes) \
-                if os.path.isdir(os.path.join(root, entry["array"])) else (0, 0)
+        if local:       # the core's one pass: file kinds, zarr.json, sizes, [SP-READ-6]
+            meta = open_local_array(root, entry["array"], shape, dtype, chunk, self.itemsize,
+                                    key)
         else:
-            found = check_array_objects(self.store, self.path, key, sizes)
-        check_backed_bytes(key, entry["array"], shape, chunk, self.itemsize, found)
+            meta = _read_meta(self.store, self.path, key)
+            check_zarr_json(meta, shape, dtype, chunk, key)
+            found = check_array_objects(self.store, self.path, key,
+                                        chunk_file_sizes(meta, self.itemsize))
+            check_backed_bytes(key, entry["array"], shape, chunk, self.itemsize, found)
         self.layout = ArrayLayout.from_meta(meta)
         self.inner = list(self.layout.inner) if self.layout.inner else None
         self.direct: Optional[DirectReader] = None

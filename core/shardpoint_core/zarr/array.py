@@ -27,7 +27,6 @@ Example::
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -39,7 +38,7 @@ from shardpoint_core.dtypes import DTYPES
 from shardpoint_core.errors import CorruptCheckpointError
 from shardpoint_core.storage import ArraySpec
 from shardpoint_core.store.base import ByteStore
-from shardpoint_core.zarr.checks import check_shard_index, check_zarr_json
+from shardpoint_core.zarr.checks import check_shard_index, checked_zarr_json
 from shardpoint_core.zarr.direct_write import (INNER_ALIGN, encode_chunk, stored_codecs,
                                                zarr_json_bytes)
 from shardpoint_core.zarr.layout import codecs_for, fill_value
@@ -137,15 +136,9 @@ def read_array_meta(store: ByteStore, array_path: str, spec: ArraySpec,
     if len(raw) > MAX_ZARR_JSON_BYTES:
         raise _bad(key, jkey, f"zarr.json is over the {MAX_ZARR_JSON_BYTES}-byte cap",
                    "SP-SEC-2")
-    try:
-        meta = json.loads(raw)
-    except ValueError as e:
-        raise _bad(key, jkey, f"zarr.json is not JSON: {e}", "SP-ARRAY-1") from e
-    if not (isinstance(meta, dict) and meta.get("zarr_format") == 3
-            and meta.get("node_type") == "array"):
-        raise _bad(key, jkey, "zarr.json is not a Zarr v3 array", "SP-ARRAY-1")
-    check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
-    return ArrayLayout.from_meta(meta)
+    # The parsing rules of [SP-ARRAY-6] (a repeated name, depth, ``-0``) as on files.
+    return ArrayLayout.from_meta(checked_zarr_json(
+        bytes(raw), tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key, jkey))
 
 
 # -------------------------------------------------------------------------- encoding

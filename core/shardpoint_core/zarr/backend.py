@@ -47,9 +47,7 @@ from shardpoint_core.store.registry import bucket_store, is_local, url_of
 from shardpoint_core.zarr import local
 from shardpoint_core.zarr.array import (ArrayLayout, read_array_meta, read_chunk, read_region,
                                         write_array_meta, write_region)
-from shardpoint_core.zarr.checks import (check_array_files, check_backed_bytes,
-                                         check_shard_files, check_zarr_json, chunk_file_sizes,
-                                         read_zarr_json)
+from shardpoint_core.zarr.checks import check_shard_files, open_local_array, read_zarr_json
 from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_read import DirectReader, parse_layout, whole_chunk_files
 from shardpoint_core.zarr.direct_write import (DirectWriter, WritePool, stored_codecs,
@@ -347,24 +345,20 @@ class ZarrBackend:
 
     def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
                             key: str) -> Any:
-        """zarr.json read and checked here (on files also the file kinds and size caps);
-        chunks are read by ``read_into``."""
+        """zarr.json read and checked here; on files in one pass over the array's directory
+        with the file kinds, size caps, chunk sizes and bytes present ([SP-READ-6]) as well
+        (:func:`~.checks.open_local_array`). Chunks are read by ``read_into``."""
         store, prefix = self.locate(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
             return _ObjectArray(store, path, spec, key)
         from shardpoint_core.dtypes import DTYPES, from_name
-        meta = read_zarr_json(root, array_path, key)
-        check_zarr_json(meta, tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key)
-        apath = os.path.join(root, array_path)
-        itemsize = from_name(spec.dtype).itemsize
-        found = check_array_files(root, array_path, key, chunk_file_sizes(meta, itemsize)) \
-            if os.path.isdir(apath) else (0, 0)
-        check_backed_bytes(key, array_path, tuple(spec.shape), tuple(spec.chunk_shape),
-                           itemsize, found)
+        meta = open_local_array(root, array_path, tuple(spec.shape), spec.dtype,
+                                tuple(spec.chunk_shape), from_name(spec.dtype).itemsize, key)
         if not (self.direct_reads and spec.dtype in DTYPES and sys.byteorder == "little"):
             return TSHandle(self.ts.open_for_read(root, array_path, spec, key), key)
-        arr = _Array(FileStore(root, fsync=False), path, ArrayLayout.from_meta(meta), key)
+        apath = os.path.join(root, array_path)
+        arr = _Array(store, path, ArrayLayout.from_meta(meta), key)
         # bool goes to the Zarr layer, which refuses bytes other than 0/1 ([SP-READ-5]).
         dlay = parse_layout(meta, apath, DTYPES[spec.dtype].numpy) \
             if spec.dtype != "bool" else None

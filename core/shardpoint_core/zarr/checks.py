@@ -66,35 +66,152 @@ def chunk_file_sizes(meta: dict, itemsize: int) -> tuple:
     return None, 16 * math.prod(c // i for c, i in zip(chunk, inner)) + 4
 
 
-def check_array_files(root: str, array_path: str, key: str,
-                      sizes: tuple = (None, 0)) -> tuple:
-    """Every entry under the array directory is a real directory or a regular file, and
-    every chunk file has a possible size ([SP-SEC-5], [SP-READ-5]); ``sizes`` comes from
-    :func:`chunk_file_sizes`. Returns ``(chunk files, their bytes together)`` for
-    :func:`check_backed_bytes`."""
-    exact, least = sizes
-    chunks = os.path.join(root, array_path, "c")
-    stack = [os.path.join(root, array_path)]
-    total = files = 0
+_O_READ = (os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+           | getattr(os, "O_NONBLOCK", 0))
+_CACHED_DOC_BYTES = 4096       # zarr.json documents remembered once checked: ours are ~400 B
+_CACHED_DOCS = 256
+_CHECKED: dict = {}            # (zarr.json bytes, shape, dtype, chunk) -> checked meta
+
+
+def _kind(e: os.DirEntry) -> str:
+    if e.is_symlink():
+        return "a symlink"
+    mode = e.stat(follow_symlinks=False).st_mode
+    return "a FIFO" if stat.S_ISFIFO(mode) else (
+        "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+
+
+def scan_array(root: str, array_path: str, key: str) -> tuple:
+    """One pass over a local array's files before anything of it is parsed: ``lstat`` of
+    each directory from ``root`` down to the array, then one walk of the array directory in
+    which every entry is a real directory or a regular file, told from the listing itself
+    (no stat per entry) ([SP-SEC-5]); ``zarr.json`` read through a descriptor that follows
+    no link and never blocks, with its cap ([SP-ARRAY-1], [SP-SEC-2]). Returns
+    ``(zarr.json bytes, the chunk files' directory entries)`` for :func:`check_chunk_sizes`."""
+    parts = array_path.split("/")
+    path = os.path.join(root, parts[0])
+    try:
+        for i, part in enumerate(parts):
+            if i:
+                path = f"{path}/{part}"
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode):
+                kind = "a symlink" if stat.S_ISLNK(st.st_mode) else (
+                    "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file/directory")
+                raise _corrupt(key, f"{path!r} is {kind}; a checkpoint holds only regular "
+                               "files and directories", "SP-SEC-5")
+    except FileNotFoundError as e:
+        raise _corrupt(key, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1") from e
+    except OSError as e:
+        raise _corrupt(key, f"cannot stat {path!r}: {e}", "SP-SEC-5") from e
+    zarr_json = None
+    chunks: list = []
+    stack = [(path, 0)]         # (directory, 0: the array's own, 1: chunks below it, 2: other)
     while stack:
-        with os.scandir(stack.pop()) as it:
+        d, where = stack.pop()
+        with os.scandir(d) as it:
             for e in it:
-                if e.is_symlink() or not (e.is_dir(follow_symlinks=False)
-                                          or e.is_file(follow_symlinks=False)):
+                top = where == 0
+                if top and e.name == "zarr.json":
+                    if not e.is_file(follow_symlinks=False):
+                        raise _corrupt(key, f"{e.path!r} is {_kind(e)}; a checkpoint holds "
+                                       "only regular files and directories", "SP-SEC-5")
+                    zarr_json = e.path
+                elif e.is_dir(follow_symlinks=False):
+                    stack.append((e.path, 1 if where == 1 or top and e.name == "c" else 2))
+                elif not e.is_file(follow_symlinks=False):
                     raise _corrupt(key, f"{e.path!r} is a symlink or special file; a "
                                    "checkpoint holds only regular files and directories",
                                    "SP-SEC-5")
-                if e.is_dir(follow_symlinks=False):
-                    stack.append(e.path)
-                elif e.path == chunks or e.path.startswith(chunks + os.sep):
-                    n = e.stat(follow_symlinks=False).st_size
-                    if (exact is not None and n != exact) or n < least:
-                        raise _corrupt(key, f"chunk file {e.path!r} has {n} bytes, not "
-                                       f"{exact if exact is not None else f'>= {least}'} "
-                                       "(truncated or extra bytes)", "SP-READ-3")
-                    total += n
-                    files += 1
-    return files, total
+                elif where == 1 or top and e.name == "c":
+                    chunks.append(e)
+    if zarr_json is None:
+        raise _corrupt(key, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1")
+    try:
+        fd = os.open(zarr_json, _O_READ)
+    except FileNotFoundError as e:          # removed since it was listed
+        raise _corrupt(key, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1") from e
+    except OSError as e:                    # ELOOP: a link put there since
+        raise _corrupt(key, f"cannot open {zarr_json!r}: {e}", "SP-SEC-5") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):        # replaced since it was listed
+            raise _corrupt(key, f"{zarr_json!r} is not a regular file", "SP-SEC-5")
+        if st.st_size > MAX_ZARR_JSON_BYTES:
+            raise _corrupt(key, f"zarr.json is {st.st_size} bytes, over the "
+                           f"{MAX_ZARR_JSON_BYTES}-byte cap", "SP-SEC-2")
+        raw = _read_capped(fd, st.st_size)
+    finally:
+        os.close(fd)
+    return raw, chunks
+
+
+def _read_capped(fd: int, size: int) -> bytes:
+    """The file's bytes, at most :data:`MAX_ZARR_JSON_BYTES` + 1 (one more than the cap, so
+    a file grown past it since ``fstat`` is seen). One read of the size ``fstat`` gave: a
+    read of the cap itself would allocate a MiB per array."""
+    raw = os.read(fd, size + 1)
+    if len(raw) == size:
+        return raw
+    parts = [raw]            # shorter or longer than fstat said: read on up to the cap
+    n = len(raw)
+    while raw and n <= MAX_ZARR_JSON_BYTES:
+        raw = os.read(fd, MAX_ZARR_JSON_BYTES + 1 - n)
+        parts.append(raw)
+        n += len(raw)
+    return b"".join(parts)
+
+
+def check_chunk_sizes(entries: list, sizes: tuple, key: str) -> tuple:
+    """Every chunk file listed by :func:`scan_array` has a possible size ([SP-READ-5] as
+    [SP-READ-3]; ``sizes`` from :func:`chunk_file_sizes`). Returns ``(chunk files, their
+    bytes together)`` for :func:`check_backed_bytes`."""
+    exact, least = sizes
+    total = 0
+    for e in entries:
+        n = e.stat(follow_symlinks=False).st_size
+        if (exact is not None and n != exact) or n < least:
+            raise _corrupt(key, f"chunk file {e.path!r} has {n} bytes, not "
+                           f"{exact if exact is not None else f'>= {least}'} "
+                           "(truncated or extra bytes)", "SP-READ-3")
+        total += n
+    return len(entries), total
+
+
+def checked_zarr_json(raw: bytes, shape: tuple, dtype: str, chunk: tuple, key: str,
+                      where: str = "zarr.json") -> dict:
+    """``zarr.json`` bytes parsed by [SP-ARRAY-6] and checked by :func:`check_zarr_json`
+    against the manifest's ``shape``, ``dtype`` and ``chunk``. The outcome depends on these
+    alone, so a small document that passed is remembered and the next array with the same
+    bytes and entry (the layers of a model) skips both; the dict returned is shared and
+    must not be changed."""
+    ck = (raw, shape, dtype, chunk)
+    meta = _CHECKED.get(ck)
+    if meta is not None:
+        return meta
+    meta = parse_zarr_json(raw, key, where)
+    if not (isinstance(meta, dict) and meta.get("zarr_format") == 3
+            and meta.get("node_type") == "array"):
+        raise _corrupt(key, "zarr.json is not a Zarr v3 array", "SP-ARRAY-1")
+    check_zarr_json(meta, shape, dtype, chunk, key)
+    if len(raw) <= _CACHED_DOC_BYTES:
+        if len(_CHECKED) >= _CACHED_DOCS:
+            _CHECKED.clear()
+        _CHECKED[ck] = meta
+    return meta
+
+
+def open_local_array(root: str, array_path: str, shape: tuple, dtype: str, chunk: tuple,
+                     itemsize: int, key: str) -> dict:
+    """Every check of a local array before its first read, in the order of [SP-ERR-2]: file
+    kinds and the zarr.json cap, zarr.json against the spec and the manifest entry, chunk
+    file sizes, bytes present against the declared size ([SP-READ-6]). Returns the checked
+    zarr.json (shared: not to be changed)."""
+    raw, entries = scan_array(root, array_path, key)
+    meta = checked_zarr_json(raw, shape, dtype, chunk, key, f"{array_path}/zarr.json")
+    found = check_chunk_sizes(entries, chunk_file_sizes(meta, itemsize), key)
+    check_backed_bytes(key, array_path, shape, chunk, itemsize, found)
+    return meta
 
 
 def check_backed_bytes(key: str, array_path: str, shape: tuple, chunk: tuple, itemsize: int,
@@ -103,7 +220,7 @@ def check_backed_bytes(key: str, array_path: str, shape: tuple, chunk: tuple, it
     element is stored once, in a whole chunk, so a valid array's chunk files hold at least
     ``prod(shape) * itemsize`` bytes. Checked before a reader allocates for the tensor, so a
     small checkpoint cannot make it allocate gigabytes. ``found`` is what
-    :func:`check_array_files` returns; with fewer chunk files than the grid has, the missing
+    :func:`check_chunk_sizes` returns; with fewer chunk files than the grid has, the missing
     ones fail the reads that need them instead ([SP-READ-2])."""
     files, stored = found
     declared = math.prod(shape) * itemsize
@@ -207,7 +324,7 @@ def read_zarr_json(root: str, array_path: str, key: str) -> dict:
         raise _corrupt(key, f"zarr.json is {size} bytes, over the {MAX_ZARR_JSON_BYTES}-byte "
                        "cap", "SP-SEC-2")
     with open(os.path.join(root, array_path, "zarr.json"), "rb") as f:
-        raw = f.read(MAX_ZARR_JSON_BYTES + 1)
+        raw = f.read(size + 1)        # not the cap: that would allocate a MiB
     meta = parse_zarr_json(raw, key, f"{array_path}/zarr.json")
     if not (isinstance(meta, dict) and meta.get("zarr_format") == 3
             and meta.get("node_type") == "array"):
@@ -405,9 +522,9 @@ def metadata_problems(shape: Any, meta: dict, spec: ArraySpec) -> list:
 
 def check_array_objects(store: Any, array_path: str, key: str,
                         sizes: tuple = (None, 0)) -> tuple:
-    """:func:`check_array_files` for a store without files (object stores, memory): one
-    listing of the array's chunk objects, each of a possible size ([SP-READ-5] as
-    [SP-READ-3]). Returns ``(chunk objects, their bytes together)`` for
+    """:func:`scan_array` and :func:`check_chunk_sizes` for a store without files (object
+    stores, memory): one listing of the array's chunk objects, each of a possible size
+    ([SP-READ-5] as [SP-READ-3]). Returns ``(chunk objects, their bytes together)`` for
     :func:`check_backed_bytes` ([SP-READ-6])."""
     exact, least = sizes
     total = count = 0

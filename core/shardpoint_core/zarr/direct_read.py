@@ -24,9 +24,7 @@ import crc32c
 import numpy as np
 
 from shardpoint_core.store.files import preadv_all
-from shardpoint_core.errors import ShardpointError
-from shardpoint_core.zarr.checks import (MAX_ZARR_JSON_BYTES, check_shard_index,
-                                         parse_zarr_json)
+from shardpoint_core.zarr.checks import check_shard_index
 
 _KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
          "fill_value", "codecs", "attributes", "dimension_names"}
@@ -106,15 +104,6 @@ def parse_layout(meta: Any, path: str, np_dtype: Optional[np.dtype]) -> Optional
     elif not _plain_chain(codecs, itemsize):
         return None
     return DirectLayout(path, tuple(shape), tuple(chunk), inner, itemsize, np_dtype)
-
-
-def read_zarr_json(path: str) -> Any:
-    """The parsed zarr.json of the array at ``path``, or None if it cannot be read or parsed."""
-    try:
-        with open(os.path.join(path, "zarr.json"), "rb") as f:
-            return parse_zarr_json(f.read(MAX_ZARR_JSON_BYTES + 1), "?")
-    except (OSError, ShardpointError):
-        return None
 
 
 # ------------------------------------------------------------------------------ reading
