@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Tuple, Union
 
-from shardpoint_core.keys import encode_component, encode_key
+from shardpoint_core.keys import MAX_KEY_BYTES, encode_component, encode_key
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def wire_tree(tree: Any) -> dict:
     return encode_tree(tree, _wire_leaf)
 
 
-def _wire_leaf(path: tuple, leaf: Any) -> dict:
+def _wire_leaf(path: tuple, key: str, leaf: Any) -> dict:
     if isinstance(leaf, TensorLeaf):
         return ({"tensor": leaf.key, "origin": leaf.origin} if leaf.origin is not None
                 else {"tensor": leaf.key})
@@ -153,45 +153,88 @@ def _rebuild_tuple(cls: type, kids: list) -> tuple:
         return tuple(kids)
 
 
-def encode_tree(tree: Any, leaf: Callable[[tuple, Any], dict], path: tuple = (),
-                children: Children = plain_children) -> dict:
+def encode_tree(tree: Any, leaf: Callable[[tuple, str, Any], dict],
+                children: Optional[Children] = None) -> dict:
     """The wire encoding ([SP-MAN-4]) of an in-memory tree: containers walked with
-    ``children``, dict keys checked as key components ([SP-KEY-1]), each leaf's node from
-    ``leaf(path, value)``. What a save writes as the manifest's tree, for every front end."""
-    kid = children(tree)
+    ``children`` (:func:`plain_children` when None), dict keys checked as key components
+    ([SP-KEY-1]), each leaf's node from ``leaf(path, key, value)``. What a save writes as the
+    manifest's tree, for every front end."""
+    return _encode(tree, leaf, children, (), "")
+
+
+def map_tree(tree: Any, leaf: Callable[[tuple, Optional[str], Any], Any],
+             children: Optional[Children] = None, *, keys: bool = True) -> Any:
+    """``tree`` rebuilt with every leaf replaced by ``leaf(path, key, value)`` (containers as
+    ``children`` builds them back): what a load returns in place of its ``like`` tree.
+    ``keys=False``: ``key`` is None, for walks of a typed tree, whose leaves know theirs."""
+    return _map(tree, leaf, children, (), "" if keys else None)
+
+
+# Both walks encode each path component once, on the way down (a leaf's key is its
+# parent's plus one component), and walk plain containers without building their
+# ``children`` triple: a save walks every node of the user's tree.
+
+def _items(x: Any, children: Optional[Children]) -> Optional[tuple]:
+    if children is not None:
+        return children(x)
+    if isinstance(x, dict):
+        return "dict", x.items(), None
+    if isinstance(x, list):
+        return "list", enumerate(x), None
+    if isinstance(x, tuple):
+        return "tuple", enumerate(x), None
+    return None
+
+
+def _join(key: str, c: Any) -> str:
+    return f"{key}/{encode_component(c)}" if key else encode_component(c)
+
+
+def _leaf_key(path: tuple, key: str) -> str:
+    # Encoded components are ASCII, so the key's length is its size in bytes; encode_key
+    # raises the documented error for the root and for a key over the size limit.
+    return encode_key(path) if not path or len(key) > MAX_KEY_BYTES else key
+
+
+def _encode(x: Any, leaf: Callable, children: Optional[Children], path: tuple,
+            key: str) -> dict:
+    kid = _items(x, children)
     if kid is None:
-        return leaf(path, tree)
-    kind, items, _ = kid
+        return leaf(path, _leaf_key(path, key), x)
+    kind, items = kid[0], kid[1]
+    nodes = [[c, _encode(v, leaf, children, path + (c,), _join(key, c))] for c, v in items]
+    return {"dict": nodes} if kind == "dict" else {kind: [n for _c, n in nodes]}
+
+
+def _map(x: Any, leaf: Callable, children: Optional[Children], path: tuple,
+         key: Optional[str]) -> Any:
+    kid = _items(x, children)
+    if kid is None:
+        return leaf(path, None if key is None else _leaf_key(path, key), x)
+    kind, items, rebuild = kid
+    if key is None:
+        kids = [_map(v, leaf, children, path + (c,), None) for c, v in items]
+    else:
+        kids = [_map(v, leaf, children, path + (c,), _join(key, c)) for c, v in items]
+    if rebuild is not None:
+        return rebuild(kids)
     if kind == "dict":
-        for k, _v in items:
-            encode_component(k)
-        return {"dict": [[k, encode_tree(v, leaf, path + (k,), children)] for k, v in items]}
-    return {kind: [encode_tree(v, leaf, path + (i,), children) for i, v in items]}
-
-
-def map_tree(tree: Any, leaf: Callable[[tuple, Any], Any], path: tuple = (),
-             children: Children = plain_children) -> Any:
-    """``tree`` rebuilt with every leaf replaced by ``leaf(path, value)`` (containers as
-    ``children`` builds them back): what a load returns in place of its ``like`` tree."""
-    kid = children(tree)
-    if kid is None:
-        return leaf(path, tree)
-    _kind, items, rebuild = kid
-    return rebuild([map_tree(v, leaf, path + (c,), children) for c, v in items])
+        return _rebuild_dict(type(x), list(x), kids)
+    return kids if kind == "list" else _rebuild_tuple(type(x), kids)
 
 
 def materialize(tree: Any, tensor: Callable[[TensorLeaf], Any]) -> Any:
     """A typed tree as a load without ``like`` returns it: values as themselves, sharded
     objects as their values (nested lists along the grid, [SP-OBJ-4]), each tensor leaf as
     ``tensor(leaf)`` (the front end's array)."""
-    return map_tree(tree, _Materialize(tensor))
+    return map_tree(tree, _Materialize(tensor), keys=False)
 
 
 class _Materialize:
     def __init__(self, tensor: Callable[[TensorLeaf], Any]) -> None:
         self.tensor = tensor
 
-    def __call__(self, path: tuple, leaf: Any) -> Any:
+    def __call__(self, path: tuple, key: Optional[str], leaf: Any) -> Any:
         if leaf.kind == "value":
             return leaf.value
         if leaf.kind == "object":

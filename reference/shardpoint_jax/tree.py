@@ -14,7 +14,6 @@ import jax
 import numpy as np
 
 from shardpoint_core.errors import InvalidShardingError, UnsupportedValueError
-from shardpoint_core.keys import encode_key
 from shardpoint_core.statetree import encode_tree, map_tree, plain_children
 
 Index = Tuple[int, ...]
@@ -88,7 +87,7 @@ def _component(k: Any) -> Union[str, int]:
 
 def walk(tree: Any, leaf: Callable[[tuple, str, Any], Any]) -> Any:
     """Rebuild ``tree`` with every leaf replaced by ``leaf(path, key, value)``."""
-    return map_tree(tree, _Keyed(leaf), children=children)
+    return map_tree(tree, leaf, children)
 
 
 def tree_node(tree: Any, leaf: Callable[[tuple, str, Any], dict]) -> dict:
@@ -96,14 +95,4 @@ def tree_node(tree: Any, leaf: Callable[[tuple, str, Any], dict]) -> dict:
     if children(tree) is None:
         raise UnsupportedValueError("the root of the tree must be a dict, list or tuple",
                                     spec_id="SP-KEY-2")
-    return encode_tree(tree, _Keyed(leaf), children=children)
-
-
-class _Keyed:
-    """``leaf(path, key, value)`` called as the core's ``leaf(path, value)``."""
-
-    def __init__(self, leaf: Callable[[tuple, str, Any], Any]) -> None:
-        self.leaf = leaf
-
-    def __call__(self, path: tuple, v: Any) -> Any:
-        return self.leaf(path, encode_key(path), v)
+    return encode_tree(tree, leaf, children)

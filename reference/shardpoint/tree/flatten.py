@@ -10,7 +10,7 @@ from typing import Any
 
 from shardpoint.tree.leaves import handler_for
 from shardpoint.tree.model import Flattened, check_root
-from shardpoint_core.keys import encode_key, format_path
+from shardpoint_core.keys import format_path
 from shardpoint_core.statetree import encode_tree
 
 
@@ -37,5 +37,5 @@ class _Flattener:
         self.tensors: list = []
         self.objects: list = []
 
-    def leaf(self, path: tuple, x: Any) -> dict:
-        return handler_for(x).flatten(x, encode_key(path), f"state{format_path(path)}", self)
+    def leaf(self, path: tuple, key: str, x: Any) -> dict:
+        return handler_for(x).flatten(x, key, f"state{format_path(path)}", self)

@@ -78,10 +78,9 @@ class _Collector:
                 f"expects shape {h.global_shape} dtype {h.dtype}; {fix}", spec_id="SP-LOAD-1")
         self.targets.append(Target(h, data))
 
-    def leaf(self, path: tuple, x: Any) -> Any:
+    def leaf(self, path: tuple, key: str, x: Any) -> Any:
         # Containers are walked by the core's map_tree, exactly as save walks them
         # (encode_tree): a namedtuple is a tuple, a dict subclass is built back when it can be.
-        key = encode_key(path)
         h = handler_for(x)
         if not self.has(h.kind, key):
             self.absent(f"{_NOUN[h.kind]} {key!r}", path, h.kind)

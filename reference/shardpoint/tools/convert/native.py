@@ -76,7 +76,7 @@ class ShardpointSource(Source):
         self._handles.clear()
 
 
-def _only_value(path: tuple, leaf: Any) -> Any:
+def _only_value(path: tuple, key: Optional[str], leaf: Any) -> Any:
     if leaf.kind != "value":
         raise KeyError(leaf.kind)
     return leaf.value
@@ -91,7 +91,7 @@ def _leaves(node: Any, path: tuple):
         return
     if path and kid[0] != "dict":
         try:
-            yield path, ValueLeaf(encode_key(path), map_tree(node, _only_value))
+            yield path, ValueLeaf(encode_key(path), map_tree(node, _only_value, keys=False))
             return
         except KeyError:        # it holds a tensor or a sharded object
             pass
@@ -107,10 +107,10 @@ class _Stored:
         self.kind = kind
 
 
-def _node(path: tuple, leaf: Any) -> dict:
+def _node(path: tuple, key: str, leaf: Any) -> dict:
     """The manifest node of a leaf of the tree being written (inside a value, every leaf is
     a value, as the source holds it)."""
-    return {leaf.kind: encode_key(path)} if isinstance(leaf, _Stored) else {"value": leaf}
+    return {leaf.kind: key} if isinstance(leaf, _Stored) else {"value": leaf}
 
 
 def shardpoint_tree(src: Source) -> tuple:
@@ -123,7 +123,7 @@ def shardpoint_tree(src: Source) -> tuple:
     for p, v in src.values.items():
         try:
             values.check_value(v, f"value {key_of(p)!r}")
-            encode_tree(v, _node)          # its dict keys, checked as save checks them
+            encode_tree([v], _node)        # its dict keys, checked as save checks them
             leaves.append((p, v))
         except (UnsupportedValueError, InvalidKeyError) as e:
             skipped.append((key_of(p), str(e)))
