@@ -18,17 +18,13 @@ from shardpoint.tools import cli_tools
 from shardpoint_core import errors
 from shardpoint_core.store.registry import check_path, is_local, local_path
 from shardpoint.tools import progress
-from shardpoint.tools.textfmt import fit_table, width
+from shardpoint.tools.textfmt import fit_table, is_array, jsonable, width
 from shardpoint.tools.textfmt import fmt_bytes as _fmt_bytes
-
-
-def _is_array(v: Any) -> bool:
-    return hasattr(v, "dtype") and hasattr(v, "shape") and not isinstance(v, (int, float))
 
 
 def _summary(v: Any, limit: int = 70) -> str:
     """A one-line description of a value or sharded-object entry (arrays by dtype/shape)."""
-    if _is_array(v):
+    if is_array(v):
         dt = str(v.dtype).replace("torch.", "")
         return f"{type(v).__module__.split('.')[0]} {dt}[{'x'.join(map(str, v.shape))}]"
     if isinstance(v, (bytes, bytearray)):
@@ -41,23 +37,6 @@ def _summary(v: Any, limit: int = 70) -> str:
     else:
         r = repr(v)
     return r if len(r) <= limit else r[:limit - 3] + "..."
-
-
-def _jsonable(v: Any) -> Any:
-    """Values as JSON: scalars and containers as themselves, bytes and arrays described."""
-    if v is None or isinstance(v, (bool, int, str)):
-        return v
-    if isinstance(v, float):
-        return v if v == v and v not in (float("inf"), float("-inf")) else repr(v)
-    if _is_array(v):
-        return {"$array": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
-    if isinstance(v, (bytes, bytearray)):
-        return {"$bytes": len(v)}
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    return repr(v)
 
 
 def _chunks(e) -> int:
@@ -118,9 +97,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                "tensors": {k: {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
                                "chunk_shape": list(e.chunk_shape), "chunks": _chunks(e),
                                "bytes": e.nbytes} for k, e in m.tensors.items()},
-               "objects": {k: {"count": len(v), "values": _jsonable(v)}
+               "objects": {k: {"count": len(v), "values": jsonable(v)}
                            for k, v in m.objects.items()},
-               "values": {v.key: _jsonable(v.value) for _p, v in iter_leaves(m.tree)
+               "values": {v.key: jsonable(v.value) for _p, v in iter_leaves(m.tree)
                           if v.kind == "value"}}
         print(json.dumps(out, indent=2))
         return 0
