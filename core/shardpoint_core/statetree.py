@@ -9,14 +9,17 @@ The manifest stores the tree in its wire encoding (``{"dict": [[k, node]]}``, ``
 [...]}``, leaves ``{"tensor": key}`` / ``{"object": key}`` / ``{"value": v}``, [SP-MAN-4];
 ``Manifest.wire_tree``): :func:`typed_tree` turns it into the typed tree and
 :func:`wire_tree` back. Only writers, the codec and the planner (which merges the ranks'
-trees) handle the encoding. Pure: no I/O; neither torch nor JAX.
+trees) handle the encoding. Every front end walks its users' trees with the same container
+walk (:func:`encode_tree` for a save, :func:`map_tree` for a load's ``like``), passing its
+own ``children`` where it knows more containers. Pure: no I/O; neither torch nor JAX.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Optional, Sequence, Union
+from functools import partial
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Tuple, Union
 
-from shardpoint_core.keys import encode_key
+from shardpoint_core.keys import MAX_KEY_BYTES, encode_component, encode_key
 
 
 @dataclass(frozen=True)
@@ -97,30 +100,156 @@ def typed_tree(wire: dict, tensors: dict, objects: dict, path: tuple = ()) -> An
 
 def wire_tree(tree: Any) -> dict:
     """The wire encoding of a typed tree (the inverse of :func:`typed_tree`)."""
-    if isinstance(tree, dict):
-        return {"dict": [[k, wire_tree(v)] for k, v in tree.items()]}
-    if isinstance(tree, list):
-        return {"list": [wire_tree(v) for v in tree]}
-    if isinstance(tree, tuple):
-        return {"tuple": [wire_tree(v) for v in tree]}
-    if isinstance(tree, TensorLeaf):
-        return ({"tensor": tree.key, "origin": tree.origin} if tree.origin is not None
-                else {"tensor": tree.key})
-    if isinstance(tree, ObjectLeaf):
-        return {"object": tree.key}
-    return {"value": tree.value}
+    return encode_tree(tree, _wire_leaf)
+
+
+def _wire_leaf(path: tuple, key: str, leaf: Any) -> dict:
+    if isinstance(leaf, TensorLeaf):
+        return ({"tensor": leaf.key, "origin": leaf.origin} if leaf.origin is not None
+                else {"tensor": leaf.key})
+    if isinstance(leaf, ObjectLeaf):
+        return {"object": leaf.key}
+    return {"value": leaf.value}
+
+
+# The container walk every front end shares: a ``children`` function says whether a node is
+# a container (its kind, its ``(component, child)`` pairs and how to build it back) or a
+# leaf (None). :func:`plain_children` knows dicts, lists and tuples; a front end with more
+# containers (JAX pytree nodes) passes its own, which falls back to this one.
+
+Children = Callable[[Any], Optional[Tuple[str, list, Callable[[list], Any]]]]
+
+
+def plain_children(x: Any) -> Optional[Tuple[str, list, Callable[[list], Any]]]:
+    """``(kind, [(component, child)], rebuild)`` of a dict (subclasses too), list or tuple
+    (namedtuples too), or None for a leaf. ``rebuild(children)`` makes a container like
+    ``x``: its own type where that can be built back, else a plain dict/list/tuple."""
+    if isinstance(x, dict):
+        keys = list(x)
+        return "dict", [(k, x[k]) for k in keys], partial(_rebuild_dict, type(x), keys)
+    if isinstance(x, list):
+        return "list", list(enumerate(x)), list
+    if isinstance(x, tuple):
+        return "tuple", list(enumerate(x)), partial(_rebuild_tuple, type(x))
+    return None
+
+
+def _rebuild_dict(cls: type, keys: list, kids: list) -> dict:
+    out = dict(zip(keys, kids))
+    if cls is dict:
+        return out
+    try:
+        return cls(out)
+    except TypeError:
+        return out
+
+
+def _rebuild_tuple(cls: type, kids: list) -> tuple:
+    if cls is tuple:
+        return tuple(kids)
+    try:
+        return cls(*kids) if hasattr(cls, "_fields") else cls(kids)
+    except TypeError:
+        return tuple(kids)
+
+
+def encode_tree(tree: Any, leaf: Callable[[tuple, str, Any], dict],
+                children: Optional[Children] = None) -> dict:
+    """The wire encoding ([SP-MAN-4]) of an in-memory tree: containers walked with
+    ``children`` (:func:`plain_children` when None), dict keys checked as key components
+    ([SP-KEY-1]), each leaf's node from ``leaf(path, key, value)``. What a save writes as the
+    manifest's tree, for every front end."""
+    return _encode(tree, leaf, children, (), "")
+
+
+def map_tree(tree: Any, leaf: Callable[[tuple, Optional[str], Any], Any],
+             children: Optional[Children] = None, *, keys: bool = True) -> Any:
+    """``tree`` rebuilt with every leaf replaced by ``leaf(path, key, value)`` (containers as
+    ``children`` builds them back): what a load returns in place of its ``like`` tree.
+    ``keys=False``: ``key`` is None, for walks of a typed tree, whose leaves know theirs."""
+    return _map(tree, leaf, children, (), "" if keys else None)
+
+
+# Both walks encode each path component once, on the way down (a leaf's key is its
+# parent's plus one component), and walk plain containers without building their
+# ``children`` triple: a save walks every node of the user's tree.
+
+def _items(x: Any, children: Optional[Children]) -> Optional[tuple]:
+    if children is not None:
+        return children(x)
+    if isinstance(x, dict):
+        return "dict", x.items(), None
+    if isinstance(x, list):
+        return "list", enumerate(x), None
+    if isinstance(x, tuple):
+        return "tuple", enumerate(x), None
+    return None
+
+
+def _join(key: str, c: Any) -> str:
+    return f"{key}/{encode_component(c)}" if key else encode_component(c)
+
+
+def _leaf_key(path: tuple, key: str) -> str:
+    # Encoded components are ASCII, so the key's length is its size in bytes; encode_key
+    # raises the documented error for the root and for a key over the size limit.
+    return encode_key(path) if not path or len(key) > MAX_KEY_BYTES else key
+
+
+def _encode(x: Any, leaf: Callable, children: Optional[Children], path: tuple,
+            key: str) -> dict:
+    kid = _items(x, children)
+    if kid is None:
+        return leaf(path, _leaf_key(path, key), x)
+    kind, items = kid[0], kid[1]
+    nodes = [[c, _encode(v, leaf, children, path + (c,), _join(key, c))] for c, v in items]
+    return {"dict": nodes} if kind == "dict" else {kind: [n for _c, n in nodes]}
+
+
+def _map(x: Any, leaf: Callable, children: Optional[Children], path: tuple,
+         key: Optional[str]) -> Any:
+    kid = _items(x, children)
+    if kid is None:
+        return leaf(path, None if key is None else _leaf_key(path, key), x)
+    kind, items, rebuild = kid
+    if key is None:
+        kids = [_map(v, leaf, children, path + (c,), None) for c, v in items]
+    else:
+        kids = [_map(v, leaf, children, path + (c,), _join(key, c)) for c, v in items]
+    if rebuild is not None:
+        return rebuild(kids)
+    if kind == "dict":
+        return _rebuild_dict(type(x), list(x), kids)
+    return kids if kind == "list" else _rebuild_tuple(type(x), kids)
+
+
+def materialize(tree: Any, tensor: Callable[[TensorLeaf], Any]) -> Any:
+    """A typed tree as a load without ``like`` returns it: values as themselves, sharded
+    objects as their values (nested lists along the grid, [SP-OBJ-4]), each tensor leaf as
+    ``tensor(leaf)`` (the front end's array)."""
+    return map_tree(tree, _Materialize(tensor), keys=False)
+
+
+class _Materialize:
+    def __init__(self, tensor: Callable[[TensorLeaf], Any]) -> None:
+        self.tensor = tensor
+
+    def __call__(self, path: tuple, key: Optional[str], leaf: Any) -> Any:
+        if leaf.kind == "value":
+            return leaf.value
+        if leaf.kind == "object":
+            return leaf.nested()
+        return self.tensor(leaf)
 
 
 def iter_leaves(tree: Any, path: tuple = ()) -> Iterator[tuple]:
     """``(path, leaf)`` for every leaf of a typed tree, in tree order."""
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from iter_leaves(v, path + (k,))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from iter_leaves(v, path + (i,))
-    else:
+    kid = plain_children(tree)
+    if kid is None:
         yield path, tree
+        return
+    for c, v in kid[1]:
+        yield from iter_leaves(v, path + (c,))
 
 
 def node_at(tree: Any, path: Sequence) -> Optional[Any]:

@@ -11,7 +11,7 @@ import numpy as np
 
 from shardpoint_core.errors import LayoutMismatchError
 from shardpoint_core.manifest import Manifest, TensorEntry
-from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves
+from shardpoint_core.statetree import TensorLeaf, iter_leaves, materialize
 from shardpoint_jax.dtypes import numpy_dtype, numpy_of
 from shardpoint_core.store.registry import is_local
 from shardpoint_jax.storage import (OBJECTS, PendingRead, StoredArray, checkpoint_path,
@@ -62,16 +62,9 @@ class Checkpoint:
     # ---------------------------------------------------------------- whole tree
     def whole(self, node: Any) -> Any:
         """The typed tree ``node`` (``manifest.tree`` or part of it) with its leaves read."""
-        if isinstance(node, dict):
-            return {k: self.whole(n) for k, n in node.items()}
-        if isinstance(node, list):
-            return [self.whole(n) for n in node]
-        if isinstance(node, tuple):
-            return tuple(self.whole(n) for n in node)
-        if isinstance(node, ValueLeaf):
-            return node.value
-        if isinstance(node, ObjectLeaf):
-            return node.nested()   # [SP-OBJ-4]: nested for 2+ dims
+        return materialize(node, self._whole_tensor)
+
+    def _whole_tensor(self, node: TensorLeaf) -> Any:
         t = node.entry
         data = self.read(t.key, [0] * len(t.shape), t.shape)
         if node.origin == "numpy" or not exact_in_jax(data.dtype):

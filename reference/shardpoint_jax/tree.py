@@ -1,17 +1,20 @@
 """Pytrees as the format's trees (spec/format.md sections 1, 2, 4): dicts (str/int keys, in
 insertion order), lists and tuples are walked directly; other registered JAX pytree nodes
 (flax/optax containers) through ``jax.tree_util`` one level at a time, their key entries
-becoming dict keys (attribute names) or list indexes. ``None`` is a value, not an empty node."""
+becoming dict keys (attribute names) or list indexes. ``None`` is a value, not an empty node.
+The walk itself, key encoding included, is the core's (:mod:`shardpoint_core.statetree`), the
+same one the torch front end uses."""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any, Callable, Optional, Tuple, Union
 
 import jax
 import numpy as np
 
 from shardpoint_core.errors import InvalidShardingError, UnsupportedValueError
-from shardpoint_core.keys import encode_key
+from shardpoint_core.statetree import encode_tree, map_tree, plain_children
 
 Index = Tuple[int, ...]
 
@@ -54,36 +57,20 @@ def is_array(v: Any) -> bool:
 
 
 def children(v: Any) -> Optional[Tuple[str, list, Callable[[list], Any]]]:
-    """(kind, [(component, child)], rebuild) of a container, or None for a leaf."""
+    """(kind, [(component, child)], rebuild) of a container, or None for a leaf: the core's
+    :func:`~shardpoint_core.statetree.plain_children` for dicts, lists and tuples, one level
+    of ``jax.tree_util`` for other registered pytree nodes."""
     if v is None or is_array(v) or isinstance(v, (ShardedObject, jax.ShapeDtypeStruct,
                                                   np.generic, str, bytes, int, float)):
         return None
-    if isinstance(v, dict):
-        keys = list(v)
-        return "dict", [(k, v[k]) for k in keys], lambda xs: _rebuild_dict(v, keys, xs)
-    if isinstance(v, list):
-        return "list", list(enumerate(v)), list
-    if isinstance(v, tuple):
-        if hasattr(v, "_fields"):
-            return "tuple", list(enumerate(v)), lambda xs: type(v)(*xs)
-        return "tuple", list(enumerate(v)), tuple
-    if _is_registered(v):
-        kids, treedef = jax.tree_util.tree_flatten_with_path(v, is_leaf=lambda x: x is not v)
-        comps = [_component(p[0]) for p, _ in kids] if kids else []
-        kind = "list" if comps == list(range(len(comps))) else "dict"
-        return (kind, [(c, x) for c, (_, x) in zip(comps, kids)],
-                lambda xs: jax.tree_util.tree_unflatten(treedef, xs))
-    return None
-
-
-def _rebuild_dict(v: dict, keys: list, xs: list) -> dict:
-    out = dict(zip(keys, xs))
-    if type(v) is dict:
-        return out
-    try:
-        return type(v)(out)
-    except TypeError:
-        return out
+    kid = plain_children(v)
+    if kid is not None or not _is_registered(v):
+        return kid
+    kids, treedef = jax.tree_util.tree_flatten_with_path(v, is_leaf=lambda x: x is not v)
+    comps = [_component(p[0]) for p, _ in kids] if kids else []
+    kind = "list" if comps == list(range(len(comps))) else "dict"
+    return (kind, [(c, x) for c, (_, x) in zip(comps, kids)],
+            partial(jax.tree_util.tree_unflatten, treedef))
 
 
 def _is_registered(v: Any) -> bool:
@@ -98,24 +85,14 @@ def _component(k: Any) -> Union[str, int]:
     raise UnsupportedValueError(f"pytree key entry {k!r} has no key, index or name")
 
 
-def walk(tree: Any, leaf: Callable[[tuple, str, Any], Any], path: tuple = ()) -> Any:
+def walk(tree: Any, leaf: Callable[[tuple, str, Any], Any]) -> Any:
     """Rebuild ``tree`` with every leaf replaced by ``leaf(path, key, value)``."""
-    kid = children(tree)
-    if kid is None:
-        return leaf(path, encode_key(path), tree)
-    _kind, items, rebuild = kid
-    return rebuild([walk(x, leaf, path + (c,)) for c, x in items])
+    return map_tree(tree, leaf, children)
 
 
-def tree_node(tree: Any, leaf: Callable[[tuple, str, Any], dict], path: tuple = ()) -> dict:
-    """The manifest tree node of ``tree`` (spec/format.md [SP-MAN-4])."""
-    kid = children(tree)
-    if kid is None:
-        if not path:
-            raise UnsupportedValueError("the root of the tree must be a dict, list or tuple",
-                                        spec_id="SP-KEY-2")
-        return leaf(path, encode_key(path), tree)
-    kind, items, _ = kid
-    if kind == "dict":
-        return {"dict": [[c, tree_node(x, leaf, path + (c,))] for c, x in items]}
-    return {kind: [tree_node(x, leaf, path + (c,)) for c, x in items]}
+def tree_node(tree: Any, leaf: Callable[[tuple, str, Any], dict]) -> dict:
+    """The manifest tree node of ``tree`` (spec/format.md [SP-MAN-4]), by the core's walk."""
+    if children(tree) is None:
+        raise UnsupportedValueError("the root of the tree must be a dict, list or tuple",
+                                    spec_id="SP-KEY-2")
+    return encode_tree(tree, leaf, children)

@@ -13,18 +13,13 @@ torch = pytest.importorskip("torch")
 
 import shardpoint as sp  # noqa: E402
 from shardpoint_testing.launch import RankFailure, run_world  # noqa: E402
+from shardpoint_testing.tensors import same_bits, seeded_randn  # noqa: E402
 
 SHAPE = (12, 5)
 
 
 def full(name, dtype=torch.float32):
-    g = torch.Generator().manual_seed(sum(map(ord, name)))
-    return torch.randn(SHAPE, generator=g).to(dtype)
-
-
-def same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return seeded_randn(name, SHAPE, dtype)
 
 
 def split(n, parts, i):

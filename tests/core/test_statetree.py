@@ -157,3 +157,30 @@ def test_read_metadata_of_a_vector_is_the_tree_its_expected_json_describes(case)
         want["objects"]
     assert all(t.nbytes == math.prod(t.shape) * dtypes.from_name(t.dtype).itemsize
                for t in tensors.values())
+
+
+def test_the_shared_container_walk_encodes_and_rebuilds_what_front_ends_hand_it():
+    """encode_tree / map_tree, the walk both front ends save and load with: containers as
+    the wire encoding says, container types built back, dict keys checked as save does."""
+    from collections import OrderedDict, defaultdict, namedtuple
+
+    from shardpoint_core.statetree import encode_tree, map_tree, materialize, typed_tree
+    P = namedtuple("P", "x y")
+    tree = {"a": [1, (2.0, None)], "p": P(3, "s"), "o": OrderedDict(z=b"b"), "e": {}}
+    wire = encode_tree(tree, lambda path, key, v: {"value": v})
+    assert wire == {"dict": [["a", {"list": [{"value": 1}, {"tuple": [{"value": 2.0},
+                                                                      {"value": None}]}]}],
+                             ["p", {"tuple": [{"value": 3}, {"value": "s"}]}],
+                             ["o", {"dict": [["z", {"value": b"b"}]]}], ["e", {"dict": []}]]}
+    seen = []
+    back = map_tree(tree, lambda path, key, v: seen.append((path, key)) or v)
+    assert back == tree and type(back["p"]) is P and type(back["o"]) is OrderedDict
+    assert seen == [(("a", 0), "a/0"), (("a", 1, 0), "a/1/0"), (("a", 1, 1), "a/1/1"),
+                    (("p", 0), "p/0"), (("p", 1), "p/1"), (("o", "z"), "o/z")]
+    dd = map_tree({"d": defaultdict(list, k=1)}, lambda path, key, v: v)
+    assert dd == {"d": {"k": 1}}        # a type that cannot be built from a dict: a dict
+    assert materialize(typed_tree(wire, {}, {}), lambda leaf: None) == \
+        {"a": [1, (2.0, None)], "p": (3, "s"), "o": {"z": b"b"}, "e": {}}
+    for bad in ("", "..", 1.5, True):
+        with pytest.raises(InvalidKeyError):
+            encode_tree({"ok": {bad: 1}}, lambda path, key, v: {"value": v})

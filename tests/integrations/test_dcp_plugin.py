@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from shardpoint_testing.launch import run_world
+from shardpoint_testing.tensors import seeded_randn
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
@@ -131,11 +132,6 @@ def test_unsupported_object_is_refused_with_shardpoint_error(tmp_path):
 
 
 # ------------------------------------------------------------------ one 2-rank world
-def _full(name, shape, dtype=torch.float32):
-    g = torch.Generator().manual_seed(sum(map(ord, name)))
-    return torch.randn(shape, generator=g).to(dtype)
-
-
 def _two_rank_cases(rank, world, root):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -153,7 +149,7 @@ def _two_rank_cases(rank, world, root):
     done = []
 
     # 1. uneven DTensor rows (5 over 2) -> load column-wise; a nested dict; values
-    w = _full("w", (5, 6))
+    w = seeded_randn("w", (5, 6))
     path = os.path.join(root, "rows")
     state = {"model": {"w": distribute_tensor(w, mesh, [DShard(0)])}, "step": 3}
     dcp.save(state, storage_writer=ShardpointWriter(path, thread_count=2))
@@ -165,7 +161,7 @@ def _two_rank_cases(rank, world, root):
 
     # 2. enumerable uneven shards (legacy ShardedTensor, 2 rows on rank 0, 3 on rank 1)
     #    loaded into a replicated plain tensor
-    e = _full("e", (5, 4))
+    e = seeded_randn("e", (5, 4))
     rows = [(0, 2), (2, 5)]
     md = [ShardMetadata([a, 0], [b - a, 4], f"rank:{r}/cpu") for r, (a, b) in enumerate(rows)]
     a, b = rows[rank]
@@ -231,7 +227,7 @@ def _two_rank_cases(rank, world, root):
 
     # 5. a checkpoint written by sp.save on these ranks, read through DCP into DTensors
     import shardpoint as sp
-    h = _full("h", (4, 6), torch.bfloat16)
+    h = seeded_randn("h", (4, 6), torch.bfloat16)
     path = os.path.join(root, "native")
     sp.save({"h": sp.ShardedTensor(h[:, 3 * rank:3 * rank + 3].clone(), (4, 6), (0, 3 * rank)),
              "it": 9}, path)
@@ -255,7 +251,7 @@ def _two_rank_cases(rank, world, root):
 
 def _sp_load_three(rank, world, root):
     import shardpoint as sp
-    w = _full("w", (5, 6))
+    w = seeded_randn("w", (5, 6))
     a, b = rank * 2, min(5, rank * 2 + 2)
     like = {"model": {"w": sp.ShardedTensor(torch.empty(b - a, 6), (5, 6), (a, 0))}}
     out = sp.load(os.path.join(root, "rows"), like=like)
@@ -299,7 +295,7 @@ np.save(sys.argv[2], w)
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr
     import numpy as np
-    assert np.array_equal(np.load(tmp_path / "w.npy"), _full("w", (5, 6)).numpy())
+    assert np.array_equal(np.load(tmp_path / "w.npy"), seeded_randn("w", (5, 6)).numpy())
 
 
 def test_readme_example_runs(tmp_path):

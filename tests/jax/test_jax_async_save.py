@@ -18,22 +18,19 @@ import jax.numpy as jnp  # noqa: E402
 
 import shardpoint_jax as sj  # noqa: E402
 from shardpoint_jax import async_save  # noqa: E402
+from shardpoint_testing.tensors import as_bytes, random_array, same_bits  # noqa: E402
 
 
 def tree(seed=0):
-    rng = np.random.default_rng(seed)
-    return {"w": jnp.asarray(rng.standard_normal((256, 64), np.float32)),
-            "b": jnp.asarray(rng.standard_normal(64).astype(np.float32)).astype(jnp.bfloat16),
-            "host": rng.integers(0, 100, (32,), np.int64), "step": 7}
-
-
-def bits(x):
-    return np.asarray(x).tobytes()
+    """Random bytes (NaN payloads included): every bit must come back."""
+    return {"w": jnp.asarray(random_array(f"w{seed}", (256, 64), np.float32)),
+            "b": jnp.asarray(random_array(f"b{seed}", (64,), jnp.bfloat16)),
+            "host": random_array(f"host{seed}", (32,), np.int64), "step": 7}
 
 
 def test_the_caller_may_change_donate_and_delete_right_after_the_call(tmp_path):
     t = tree()
-    want = {k: bits(v) for k, v in t.items() if k != "step"}
+    want = {k: as_bytes(v) for k, v in t.items() if k != "step"}
     h = sj.save(str(tmp_path / "ck"), t, async_save=True)
     assert isinstance(h, sj.AsyncSave)
     t["host"][:] = -1                                    # numpy leaves are mutable
@@ -42,10 +39,11 @@ def test_the_caller_may_change_donate_and_delete_right_after_the_call(tmp_path):
     t["b"].delete()
     assert h.result(timeout=60) == str(tmp_path / "ck") and h.done()
     back = sj.load(str(tmp_path / "ck"))
-    assert {k: bits(back[k]) for k in want} == want and back["step"] == 7
+    assert {k: as_bytes(back[k]) for k in want} == want and back["step"] == 7
 
 
 def test_the_checkpoint_is_invisible_until_committed_and_the_pool_is_reused(tmp_path):
+    async_save.POOL.arena = None     # an earlier test's bigger save (the manager's) grew it
     h = sj.save(str(tmp_path / "a"), tree(1), async_save=True)
     h.wait()
     assert os.path.isfile(tmp_path / "a" / "manifest.msgpack")
@@ -54,8 +52,8 @@ def test_the_checkpoint_is_invisible_until_committed_and_the_pool_is_reused(tmp_
     sj.save(str(tmp_path / "b"), tree(2), async_save=True).wait()
     assert async_save.POOL.arena is arena                # same structure: same memory
     back = sj.load(str(tmp_path / "b"))
-    assert bits(back["w"]) == bits(tree(2)["w"])
-    assert bits(sj.load(str(tmp_path / "a"))["w"]) == bits(tree(1)["w"])
+    assert same_bits(back["w"], tree(2)["w"])
+    assert same_bits(sj.load(str(tmp_path / "a"))["w"], tree(1)["w"])
 
 
 @pytest.fixture
@@ -107,4 +105,4 @@ def test_a_script_that_exits_right_after_the_call_still_commits(tmp_path):
                        timeout=120, env=dict(os.environ))
     assert r.returncode == 0, r.stderr
     back = sj.load(str(tmp_path / "ck"))
-    assert bits(back["w"]) == bits(np.arange(1 << 20, dtype=np.float32))
+    assert same_bits(back["w"], np.arange(1 << 20, dtype=np.float32))

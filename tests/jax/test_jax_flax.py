@@ -24,12 +24,14 @@ from flax import nnx  # noqa: E402
 import shardpoint_jax as spj  # noqa: E402
 from shardpoint_jax.errors import UnsupportedValueError  # noqa: E402
 from shardpoint_jax.launch import run_processes  # noqa: E402
+from shardpoint_testing.tensors import as_bytes, same_bits  # noqa: E402
 
 CODE = """
 import json, numpy as np, jax, jax.numpy as jnp, optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import shardpoint_jax as spj
+from shardpoint_testing.tensors import as_bytes, same_bits
 
 devs = np.array(jax.devices())
 mesh_a = Mesh(devs.reshape(2, 4), ("data", "model"))
@@ -60,7 +62,7 @@ def train_step(model, opt, x):
     return loss
 
 def bits(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+    return [as_bytes(x) for x in jax.tree.leaves(tree)]
 
 batch = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
 with jax.set_mesh(mesh_a):
@@ -89,7 +91,7 @@ for a, t, want, block in zip(leaves, tgt, saved, blocks):
     assert a.sharding == t.sharding, (a.sharding, t.sharding)
     assert a.dtype == want.dtype and a.shape == want.shape
     for s in a.addressable_shards:
-        assert np.asarray(s.data).tobytes() == want[s.index].tobytes()
+        assert same_bits(s.data, want[s.index])
         shards += 1
     resharded += a.sharding.shard_shape(a.shape) != block
 
@@ -104,7 +106,7 @@ with jax.set_mesh(mesh_b):
     loss_r, loss_o = train_step(*restored, xb), train_step(*original, xb)
 after_r, after_o = nnx.state(restored), nnx.state(original)
 same_step = bits(after_r) == bits(after_o) and bits(loss_r) == bits(loss_o)
-changed = sum(a != b for a, b in zip(bits(after_r), [x.tobytes() for x in saved[:-1]]))
+changed = sum(a != b for a, b in zip(bits(after_r), bits(saved[:-1])))
 print(json.dumps({"paths": paths, "shards": shards, "resharded": resharded,
                   "same_step": same_step, "changed": changed,
                   "types": [type(got["model"]).__name__,
@@ -142,8 +144,6 @@ def test_nnx_model_and_optax_state_restore_into_another_mesh(tmp_path):
     assert "bfloat16" in res["dtypes"] and "uint32" in res["dtypes"]
 
     # The PyTorch reference reads the JAX checkpoint whole, by the same key paths.
-    import torch
-
     import shardpoint
     got = flat(shardpoint.load(str(ck)))
     assert sorted(got) == sorted(res["paths"])
@@ -151,7 +151,7 @@ def test_nnx_model_and_optax_state_restore_into_another_mesh(tmp_path):
     for i, key in enumerate(res["paths"][:-1]):
         t = got[key]
         assert str(t.dtype) == "torch." + res["dtypes"][i] and list(t.shape) == res["shapes"][i]
-        assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == saved[str(i)].tobytes(), key
+        assert as_bytes(t)[2] == saved[str(i)].tobytes(), key
     assert got["step"] == 1
 
 
@@ -174,7 +174,7 @@ def test_flax_struct_and_nnx_rng_state(tmp_path):
     back = spj.load(str(tmp_path / "ts"), {"train": abstract})["train"]
     assert type(back) is TrainState and back.apply_fn is not None
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(ts)):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        assert same_bits(a, b)
 
     class Net(nnx.Module):
         def __init__(self, rngs):

@@ -28,10 +28,7 @@ import ml_dtypes  # noqa: E402
 import shardpoint_jax as spj  # noqa: E402
 from shardpoint_jax.launch import run_processes  # noqa: E402
 from shardpoint_jax.manager import METRICS_KEY  # noqa: E402
-
-
-def _bytes(a) -> bytes:
-    return np.asarray(a).tobytes()
+from shardpoint_testing.tensors import same_bits  # noqa: E402
 
 
 def _steps_on_disk(root) -> list:
@@ -226,10 +223,10 @@ def test_resume_latest_with_a_target_and_metrics_round_trip(tmp_path):
     assert again.metrics(10) == {"loss": 2.5} and again.best_step() == 20
     out = again.load()
     assert sorted(out) == ["step", "w"] and out["step"] == 20     # metrics not returned
-    assert _bytes(out["w"]) == _bytes(w * 2) and out["w"].dtype == jnp.bfloat16
+    assert same_bits(out["w"], w * 2) and out["w"].dtype == jnp.bfloat16
     tgt = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype), "step": 0}
     got = again.load(10, tgt)
-    assert _bytes(got["w"]) == _bytes(w) and got["step"] == 10
+    assert same_bits(got["w"], w) and got["step"] == 10
     asked = again.load(20, {"step": 0, METRICS_KEY: {"loss": 0.0}})  # unless the target asks
     assert asked == {"step": 20, METRICS_KEY: {"loss": 1.5}}
     with pytest.raises(spj.LayoutMismatchError):
@@ -246,9 +243,9 @@ def test_force_overwrites_and_refusal_keeps_the_step(tmp_path):
     mgr.save(3, {"w": jnp.ones(4)}, metrics={"loss": 1.0})
     with pytest.raises(spj.CheckpointExistsError, match="force=True"):
         mgr.save(3, {"w": jnp.zeros(4)})
-    assert _bytes(mgr.load(3)["w"]) == _bytes(jnp.ones(4)) and mgr.metrics(3) == {"loss": 1.0}
+    assert same_bits(mgr.load(3)["w"], jnp.ones(4)) and mgr.metrics(3) == {"loss": 1.0}
     mgr.save(3, {"w": jnp.zeros(4)}, metrics={"loss": 0.5}, force=True)
-    assert _bytes(mgr.load(3)["w"]) == _bytes(jnp.zeros(4)) and mgr.metrics(3) == {"loss": 0.5}
+    assert same_bits(mgr.load(3)["w"], jnp.zeros(4)) and mgr.metrics(3) == {"loss": 0.5}
     assert _steps_on_disk(tmp_path) == _names(3)
 
 
@@ -327,7 +324,7 @@ def test_sigkill_mid_save_keeps_the_last_step_and_the_restart_cleans(tmp_path):
         for s in mgr.all_steps():
             out = mgr.load(s)
             assert out["step"] == s
-            assert _bytes(out["w"]) == _bytes(jnp.full((128, 128), float(s)))
+            assert same_bits(out["w"], jnp.full((128, 128), float(s)))
             assert mgr.metrics(s) == {"loss": 1.0 / s}
         assert len(mgr.all_steps()) <= 3   # at most one extra: the kill fell before retention
 
@@ -353,7 +350,7 @@ def test_async_saves_retain_after_commit_and_wait_on_close(tmp_path):
     mgr.save(5, {"w": jnp.full((256, 256), 5.0), "host": host, "step": 5})
     mgr.close()
     out = mgr.load()
-    assert out["step"] == 5 and _bytes(out["w"]) == _bytes(jnp.full((256, 256), 5.0))
+    assert out["step"] == 5 and same_bits(out["w"], jnp.full((256, 256), 5.0))
     assert (out["host"] == -1.0).all() and mgr.all_steps() == [5]
 
 
@@ -372,9 +369,9 @@ def test_one_root_shared_with_the_pytorch_manager_both_ways(tmp_path):
     assert jmgr.metrics(100) == {"loss": 0.75}
     got = jmgr.load(100)
     assert sorted(got) == ["model", "step"] and got["step"] == 100
-    assert _bytes(got["model"]["w"]) == tw.view(torch.int16).numpy().tobytes()
+    assert same_bits(got["model"]["w"], tw)
     assert got["model"]["w"].dtype == jnp.bfloat16
-    assert _bytes(got["model"]["b"]) == tb.numpy().tobytes()
+    assert same_bits(got["model"]["b"], tb)
     # JAX -> torch: a JAX step in the same root; the JAX manager's retention drops step 100
     jw = jax.random.normal(jax.random.key(1), (6, 10), jnp.bfloat16)
     jmgr.save(300, {"model": {"w": jw, "b": jnp.asarray(tb.numpy())}, "step": 300},
@@ -386,8 +383,7 @@ def test_one_root_shared_with_the_pytorch_manager_both_ways(tmp_path):
     out = tmgr.load()
     assert sorted(out) == ["model", "step"] and out["step"] == 300
     assert out["model"]["w"].dtype == torch.bfloat16
-    assert out["model"]["w"].view(torch.int16).numpy().tobytes() == \
-        np.asarray(jw).view(np.int16).tobytes()
+    assert same_bits(out["model"]["w"], jw)
     assert torch.equal(out["model"]["b"], tb)
     # and the torch manager's retention counts the JAX step as one of its own
     tmgr2 = sp.CheckpointManager(tmp_path, max_to_keep=1)

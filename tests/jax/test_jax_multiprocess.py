@@ -17,21 +17,17 @@ import json, sys
 import numpy as np, jax, ml_dtypes
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import shardpoint_jax as sj
+from shardpoint_testing.tensors import random_array, same_bits
 pid, n = jax.process_index(), jax.process_count()
-def full(shape, dt, seed):
-    dt = np.dtype(dt)
-    raw = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * dt.itemsize,
-                                               dtype=np.uint8)
-    return raw.view(dt).reshape(shape)
-W = full((8, 24), ml_dtypes.bfloat16, 1)
-M = full((8, 24), np.float32, 2)
-V = full((24,), np.int64, 3)
+W = random_array(1, (8, 24), ml_dtypes.bfloat16)
+M = random_array(2, (8, 24), np.float32)
+V = random_array(3, (24,), np.int64)
 def put(a, mesh, spec):
     return jax.make_array_from_callback(a.shape, NamedSharding(mesh, P(*spec)),
                                         lambda i: a[i])
 def check(arr, a):
     for s in arr.addressable_shards:
-        assert np.asarray(s.data).tobytes() == a[s.index].tobytes(), s.index
+        assert same_bits(s.data, a[s.index]), s.index
     return len(arr.addressable_shards)
 """
 
@@ -54,7 +50,7 @@ tgt = {"model": {"w": jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=NamedShard
        "grid": sj.ShardedObject(None, (0, pid), (1, n))}
 got = sj.load(PATH, tgt)
 shards = check(got["model"]["w"], W) + check(got["model"]["v"], V) + check(got["opt"]["m"], M)
-assert got["np"].tobytes() == np.arange(6, dtype=np.float16).tobytes() and got["step"] == 11
+assert same_bits(got["np"], np.arange(6, dtype=np.float16)) and got["step"] == 11
 print(json.dumps({"pid": pid, "shards": shards, "rng": got["rng"].value["pid"],
                   "grid": got["grid"].value}))
 """

@@ -3,7 +3,6 @@
 targets filled in place, and the errors a bad tree or target gets."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -14,20 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import shardpoint_jax as sj  # noqa: E402
 from shardpoint_jax.dtypes import BY_NAME  # noqa: E402
-
-
-def random_bits(name, shape, seed=0):
-    dt = BY_NAME[name]
-    raw = np.random.default_rng(seed).integers(0, 256, math.prod(shape) * dt.itemsize,
-                                               dtype=np.uint8)
-    if name == "bool":
-        raw &= 1
-    return raw.view(dt).reshape(shape)
-
-
-def same(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+from shardpoint_testing.tensors import random_array, same_bits  # noqa: E402
 
 
 @pytest.fixture
@@ -39,23 +25,23 @@ def x64():
 
 @pytest.mark.parametrize("name", list(BY_NAME))
 def test_every_dtype_round_trips_bitwise_as_jax_and_numpy(tmp_path, name, x64):
-    a = random_bits(name, (5, 3), seed=len(name))
+    a = random_array(len(name), (5, 3), BY_NAME[name])
     tree = {"j": jax.device_put(a), "n": a, "z": jax.device_put(a[0, 0]),
             "e": np.zeros((0, 3), BY_NAME[name])}
     sj.save(tmp_path / "c", tree)
     back = sj.load(tmp_path / "c")
     assert isinstance(back["j"], jax.Array) and isinstance(back["n"], np.ndarray)
-    assert same(back["j"], a) and same(back["n"], a) and same(back["z"], a[0, 0])
+    assert same_bits(back["j"], a) and same_bits(back["n"], a) and same_bits(back["z"], a[0, 0])
     assert back["e"].shape == (0, 3)
     tgt = {"j": jax.ShapeDtypeStruct((5, 3), BY_NAME[name])}
-    assert same(sj.load(tmp_path / "c", tgt)["j"], a)
+    assert same_bits(sj.load(tmp_path / "c", tgt)["j"], a)
 
 
 def test_64_bit_dtypes_without_x64_stay_numpy_and_are_never_narrowed(tmp_path):
-    a = random_bits("float64", (4,))
+    a = random_array(0, (4,), BY_NAME["float64"])
     sj.save(tmp_path / "c", {"d": a})
     back = sj.load(tmp_path / "c")["d"]
-    assert isinstance(back, np.ndarray) and same(back, a)
+    assert isinstance(back, np.ndarray) and same_bits(back, a)
     with pytest.raises(sj.LayoutMismatchError, match="jax_enable_x64") as e:
         sj.load(tmp_path / "c", {"d": jax.ShapeDtypeStruct((4,), np.float64)})
     assert e.value.spec_id == "SP-DTYPE-2"
@@ -73,7 +59,7 @@ def test_values_objects_and_containers(tmp_path):
     for k in ("step", "lr", "name", "blob", "none", "flag", 3, "empty", "t"):
         assert back[k] == tree[k] and type(back[k]) is type(tree[k]), k
     assert type(back["np_scalar"]) is np.float32 and back["np_scalar"] == 1.5
-    assert back["rng"][0]["p"] == (1, 2) and same(back["rng"][0]["s"], np.arange(3))
+    assert back["rng"][0]["p"] == (1, 2) and same_bits(back["rng"][0]["s"], np.arange(3))
     assert back["grid"] == [["cell0"]]     # [SP-OBJ-4]: grids come back as nested lists
     assert list(back) == list(tree)        # dict order is kept
 
@@ -92,11 +78,11 @@ def test_object_grid_cells_and_grid_mismatch(tmp_path):
 
 
 def test_numpy_target_is_filled_in_place_and_subset_loads(tmp_path):
-    a = random_bits("bfloat16", (4, 6))
+    a = random_array(0, (4, 6), BY_NAME["bfloat16"])
     sj.save(tmp_path / "c", {"m": {"w": a, "b": a[0]}, "step": 3})
     out = np.zeros_like(a)
     got = sj.load(tmp_path / "c", {"m": {"w": out}})
-    assert got["m"]["w"] is out and same(out, a)
+    assert got["m"]["w"] is out and same_bits(out, a)
     with pytest.raises(sj.LayoutMismatchError):
         sj.load(tmp_path / "c", {"m": {"w": np.zeros((4, 5), a.dtype)}})
     with pytest.raises(sj.LayoutMismatchError):
@@ -109,7 +95,7 @@ def test_overwrite_and_refusals(tmp_path):
     with pytest.raises(sj.CheckpointExistsError):
         sj.save(tmp_path / "c", {"a": np.zeros(2)})
     sj.save(tmp_path / "c", {"a": np.zeros(3)}, overwrite=True)
-    assert same(sj.load(tmp_path / "c")["a"], np.zeros(3))
+    assert same_bits(sj.load(tmp_path / "c")["a"], np.zeros(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]   # no staging or old left
     # [SP-COMMIT-5]: without consent a file or a user's directory is refused, with it replaced
     (tmp_path / "f").write_text("x")
@@ -128,7 +114,7 @@ def test_overwrite_and_refusals(tmp_path):
         sj.save(tmp_path / "mine", {"a": np.ones(1)}, overwrite=True)
     assert (tmp_path / "mine" / "precious.txt").read_text() == "keep"
     sj.save(tmp_path / "mine", {"a": np.full(2, 5.0)}, overwrite="any")
-    assert same(sj.load(tmp_path / "mine")["a"], np.full(2, 5.0))
+    assert same_bits(sj.load(tmp_path / "mine")["a"], np.full(2, 5.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "f", "mine"]
     with pytest.raises(sj.UnsupportedValueError, match="obj"):
         sj.save(tmp_path / "d", {"obj": object()})
@@ -152,15 +138,15 @@ def test_namedtuple_and_registered_nodes_round_trip_through_a_target(tmp_path):
 def test_big_chunks_become_shards_and_partial_reads_touch_inner_chunks(tmp_path):
     import json
     from shardpoint_jax.loading import Checkpoint
-    a = random_bits("float32", (512, 1024))               # one 2 MiB chunk
+    a = random_array(0, (512, 1024), BY_NAME["float32"])               # one 2 MiB chunk
     sj.save(tmp_path / "c", {"big": a})
     meta = json.loads((tmp_path / "c" / "tensors" / "big" / "zarr.json").read_text())
     codec = meta["codecs"][0]
     assert codec["name"] == "sharding_indexed"
     assert codec["configuration"]["chunk_shape"] == [64, 1024]
-    assert same(sj.load(tmp_path / "c")["big"], a)
+    assert same_bits(sj.load(tmp_path / "c")["big"], a)
     ck = Checkpoint(tmp_path / "c")
-    assert same(ck.read("big", [130, 5], [3, 7]), a[130:133, 5:12])
+    assert same_bits(ck.read("big", [130, 5], [3, 7]), a[130:133, 5:12])
     shardpoint = pytest.importorskip("shardpoint")    # the reference reads the shards too
     assert np.asarray(shardpoint.load(str(tmp_path / "c"))["big"]).tobytes() == a.tobytes()
 

@@ -18,17 +18,13 @@ from shardpoint.tools import cli_tools
 from shardpoint_core import errors
 from shardpoint_core.store.registry import check_path, is_local, local_path
 from shardpoint.tools import progress
-from shardpoint.tools.textfmt import fit_table, width
+from shardpoint.tools.textfmt import fit_table, is_array, jsonable, width
 from shardpoint.tools.textfmt import fmt_bytes as _fmt_bytes
-
-
-def _is_array(v: Any) -> bool:
-    return hasattr(v, "dtype") and hasattr(v, "shape") and not isinstance(v, (int, float))
 
 
 def _summary(v: Any, limit: int = 70) -> str:
     """A one-line description of a value or sharded-object entry (arrays by dtype/shape)."""
-    if _is_array(v):
+    if is_array(v):
         dt = str(v.dtype).replace("torch.", "")
         return f"{type(v).__module__.split('.')[0]} {dt}[{'x'.join(map(str, v.shape))}]"
     if isinstance(v, (bytes, bytearray)):
@@ -41,23 +37,6 @@ def _summary(v: Any, limit: int = 70) -> str:
     else:
         r = repr(v)
     return r if len(r) <= limit else r[:limit - 3] + "..."
-
-
-def _jsonable(v: Any) -> Any:
-    """Values as JSON: scalars and containers as themselves, bytes and arrays described."""
-    if v is None or isinstance(v, (bool, int, str)):
-        return v
-    if isinstance(v, float):
-        return v if v == v and v not in (float("inf"), float("-inf")) else repr(v)
-    if _is_array(v):
-        return {"$array": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
-    if isinstance(v, (bytes, bytearray)):
-        return {"$bytes": len(v)}
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    return repr(v)
 
 
 def _chunks(e) -> int:
@@ -76,22 +55,22 @@ def _tree_rows(m) -> list:
 
 def _add_rows(rows: list, node: Any, name: str, depth: int) -> None:
     """Rows for ``node`` of the typed tree (module level: a recursive closure is a cycle)."""
-    from shardpoint_core.statetree import ObjectLeaf, TensorLeaf
+    from shardpoint_core.statetree import plain_children
     pad = "  " * depth
-    if isinstance(node, (dict, list, tuple)):
-        kind = {dict: "", list: "list", tuple: "tuple"}[type(node)]
-        kids = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
+    kid = plain_children(node)
+    if kid is not None:
+        kind = "" if kid[0] == "dict" else kid[0]
         if name:
-            rows.append((f"{pad}{name}/", kind, f"{len(kids)} items" if kind else "", "", "",
+            rows.append((f"{pad}{name}/", kind, f"{len(kid[1])} items" if kind else "", "", "",
                          ""))
-        for k, child in kids:
+        for k, child in kid[1]:
             _add_rows(rows, child, str(k), depth + (1 if name else 0))
-    elif isinstance(node, TensorLeaf):
+    elif node.kind == "tensor":
         e = node.entry
         rows.append((pad + name, e.dtype, "x".join(map(str, e.shape)) or "()",
                      _fmt_bytes(e.nbytes),
                      f"{_chunks(e)} x {'x'.join(map(str, e.chunk_shape)) or '()'}", e.array))
-    elif isinstance(node, ObjectLeaf):
+    elif node.kind == "object":
         vals = node.values
         rows.append((pad + name, "object", f"[{len(vals)}] {_summary(vals[0], 50)}",
                      "", "", "(manifest)"))
@@ -101,7 +80,7 @@ def _add_rows(rows: list, node: Any, name: str, depth: int) -> None:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     from shardpoint_core.manifest import read_metadata
-    from shardpoint_core.statetree import ValueLeaf, iter_leaves
+    from shardpoint_core.statetree import iter_leaves
     if a.values is not None:
         try:
             return cli_tools.cmd_values(a)
@@ -118,10 +97,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                "tensors": {k: {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
                                "chunk_shape": list(e.chunk_shape), "chunks": _chunks(e),
                                "bytes": e.nbytes} for k, e in m.tensors.items()},
-               "objects": {k: {"count": len(v), "values": _jsonable(v)}
+               "objects": {k: {"count": len(v), "values": jsonable(v)}
                            for k, v in m.objects.items()},
-               "values": {v.key: _jsonable(v.value) for _p, v in iter_leaves(m.tree)
-                          if isinstance(v, ValueLeaf)}}
+               "values": {v.key: jsonable(v.value) for _p, v in iter_leaves(m.tree)
+                          if v.kind == "value"}}
         print(json.dumps(out, indent=2))
         return 0
     print(f"{a.path}: shardpoint format {m.format_version[0]}.{m.format_version[1]}, written by "
@@ -134,7 +113,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     total = width() if sys.stdout.isatty() else 1 << 30
     for line in fit_table(rows, total, shrink=(2, 5, 4), keep_end=(5,)):
         print(line)
-    nvals = sum(1 for _p, v in iter_leaves(m.tree) if isinstance(v, ValueLeaf))
+    nvals = sum(1 for _p, v in iter_leaves(m.tree) if v.kind == "value")
     print(f"total: {len(m.tensors)} tensors, {_fmt_bytes(total)} in {chunks} chunks; "
           f"{len(m.objects)} sharded objects; {nvals} values")
     return 0

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from shardpoint_core import errors
 from shardpoint.tools import progress
 from shardpoint_core.keys import similar_keys
-from shardpoint.tools.textfmt import fmt_bytes
+from shardpoint.tools.textfmt import fmt_bytes, jsonable
 
 
 def add_command(sub: Any, name: str, help: str, examples: str = "") -> argparse.ArgumentParser:
@@ -214,7 +214,7 @@ def cmd_values(a: argparse.Namespace) -> int:
                 + "`shardpoint inspect` lists them")
         v = ckpt[key]
         if not isinstance(v, TensorView):
-            print(json.dumps({"key": key, "value": _jsonable(v)}, indent=2) if a.json
+            print(json.dumps({"key": key, "value": jsonable(v)}, indent=2) if a.json
                   else f"{key} = {v!r}")
             return 0
         note = ""
@@ -232,23 +232,9 @@ def cmd_values(a: argparse.Namespace) -> int:
             vals = t.to(torch.float64) if t.dtype in (torch.bfloat16, torch.float8_e4m3fn,
                                                        torch.float8_e5m2) else t
             print(json.dumps({"key": key, "dtype": v.entry.dtype, "shape": list(v.shape),
-                              "values": _jsonable(vals.tolist())}, indent=2))
+                              "values": jsonable(vals.tolist())}, indent=2))
             return 0
         torch.set_printoptions(linewidth=80)
         print(f"{key}: {v.entry.dtype}[{'x'.join(map(str, v.shape))}]{note}")
         print(t)
     return 0
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, float) and not (v == v and abs(v) != float("inf")):
-        return repr(v)
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (bytes, bytearray)):
-        return {"$bytes": len(v)}
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    return repr(v)

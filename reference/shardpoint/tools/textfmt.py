@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shutil
-from typing import Sequence
+from typing import Any, Sequence
 
 
 def fmt_bytes(n: float) -> str:
@@ -47,3 +47,26 @@ def fit_table(rows: Sequence[Sequence[str]], total: int, shrink: Sequence[int],
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
     return out
+
+
+def is_array(v: Any) -> bool:
+    """A tensor or array of any framework (has a dtype and a shape), not a number."""
+    return hasattr(v, "dtype") and hasattr(v, "shape") and not isinstance(v, (int, float))
+
+
+def jsonable(v: Any) -> Any:
+    """Values as JSON (``inspect --json``, ``inspect --values``): scalars and containers as
+    themselves, non-finite floats, bytes and arrays described."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else repr(v)
+    if is_array(v):
+        return {"$array": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
+    if isinstance(v, (bytes, bytearray)):
+        return {"$bytes": len(v)}
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    return repr(v)

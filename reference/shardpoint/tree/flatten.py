@@ -1,7 +1,8 @@
 """A state tree taken apart for a save: its msgpack-ready structure and its leaves.
 
-Containers (dict, list, tuple, namedtuple) are walked here; every leaf goes to its handler
-(:mod:`.leaves`). Pure: no I/O, no process group.
+Containers (dict, list, tuple, namedtuple) are walked by the core's
+:func:`shardpoint_core.statetree.encode_tree`, as every front end walks them; every leaf goes
+to its handler (:mod:`.leaves`). Pure: no I/O, no process group.
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 from shardpoint.tree.leaves import handler_for
 from shardpoint.tree.model import Flattened, check_root
-from shardpoint_core.keys import encode_component, encode_key, format_path
+from shardpoint_core.keys import format_path
+from shardpoint_core.statetree import encode_tree
 
 
 def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
@@ -21,12 +23,12 @@ def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:
     """
     check_root(state, "save(state, path)")
     f = _Flattener(replica)
-    tree = f.walk(state, ())
+    tree = encode_tree(state, f.leaf)
     return Flattened(tree, f.tensors, f.objects)
 
 
 class _Flattener:
-    """The walk of :func:`flatten_state`, and the ``out`` its leaf handlers append to (an
+    """The leaves of :func:`flatten_state`, and the ``out`` its leaf handlers append to (an
     object, not a recursive closure: a closure that calls itself is a reference cycle, and it
     kept every tensor it saw until the cyclic collector ran)."""
 
@@ -35,12 +37,5 @@ class _Flattener:
         self.tensors: list = []
         self.objects: list = []
 
-    def walk(self, x: Any, path: tuple) -> Any:
-        if isinstance(x, dict):
-            for k in x:
-                encode_component(k)
-            return {"dict": [[k, self.walk(v, path + (k,))] for k, v in x.items()]}
-        if isinstance(x, (list, tuple)):
-            kind = "list" if isinstance(x, list) else "tuple"
-            return {kind: [self.walk(v, path + (i,)) for i, v in enumerate(x)]}
-        return handler_for(x).flatten(x, encode_key(path), f"state{format_path(path)}", self)
+    def leaf(self, path: tuple, key: str, x: Any) -> dict:
+        return handler_for(x).flatten(x, key, f"state{format_path(path)}", self)

@@ -16,7 +16,7 @@ from shardpoint.tree.model import Holding, check_root
 from shardpoint_core import errors
 from shardpoint_core.keys import encode_key, format_path, similar_keys
 from shardpoint_core.manifest import Manifest
-from shardpoint_core.statetree import ObjectLeaf, ValueLeaf, iter_leaves, node_at
+from shardpoint_core.statetree import iter_leaves, map_tree, materialize, node_at
 
 
 @dataclass
@@ -30,23 +30,22 @@ def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int
     returned tree once they are filled."""
     check_root(like, "load(path, like=tree)")
     c = _Collector(m, strict, report)
-    built = c.walk(like, ())
+    built = map_tree(like, c.leaf)
     asked = {t.holding.key for t in c.targets}
     report.unexpected_keys = sorted(k for k in m.tensors if k not in asked)
     return c.targets, built
 
 
 class _Collector:
-    """The walk of :func:`collect_targets`: containers here, each leaf to its handler
-    (:mod:`.leaves`), which calls back :meth:`tensor_target`. An object, not recursive
+    """The leaves of :func:`collect_targets`: each to its handler (:mod:`.leaves`), which
+    calls back :meth:`tensor_target`. An object, not recursive
     closures: those are reference cycles that kept the targets alive until the cyclic
     collector ran."""
 
     def __init__(self, m: Manifest, strict: bool, report: Any) -> None:
         self.m, self.strict, self.report = m, strict, report
         self.targets: list = []
-        self.values = {v.key: v.value for _p, v in iter_leaves(m.tree)
-                       if isinstance(v, ValueLeaf)}
+        self.values = {v.key: v.value for _p, v in iter_leaves(m.tree) if v.kind == "value"}
 
     def missing(self, what: str, path: tuple = ()) -> None:
         if self.strict:
@@ -79,22 +78,9 @@ class _Collector:
                 f"expects shape {h.global_shape} dtype {h.dtype}; {fix}", spec_id="SP-LOAD-1")
         self.targets.append(Target(h, data))
 
-    def walk(self, x: Any, path: tuple) -> Any:
-        if isinstance(x, dict):
-            out = {k: self.walk(v, path + (k,)) for k, v in x.items()}
-            if type(x) is dict:
-                return out
-            try:
-                return type(x)(out)
-            except TypeError:
-                return out
-        if isinstance(x, (list, tuple)):
-            # Walked exactly as save walks them (flatten.flatten_state): a namedtuple is a tuple.
-            seq = [self.walk(v, path + (i,)) for i, v in enumerate(x)]
-            if hasattr(x, "_fields"):
-                return type(x)(*seq)
-            return type(x)(seq) if isinstance(x, tuple) else seq
-        key = encode_key(path)
+    def leaf(self, path: tuple, key: str, x: Any) -> Any:
+        # Containers are walked by the core's map_tree, exactly as save walks them
+        # (encode_tree): a namedtuple is a tuple, a dict subclass is built back when it can be.
         h = handler_for(x)
         if not self.has(h.kind, key):
             self.absent(f"{_NOUN[h.kind]} {key!r}", path, h.kind)
@@ -165,21 +151,16 @@ def full_targets(m: Manifest) -> tuple:
         targets[key] = Target(Holding(key, e.dtype, e.shape, (0,) * len(e.shape), e.shape,
                                        None, (0,)), t)
 
-    return list(targets.values()), _build_full(m.tree, targets)
+    return list(targets.values()), materialize(m.tree, _FullTensor(targets))
 
 
-def _build_full(node: Any, targets: dict) -> Any:
-    """The tree a load without ``like`` returns, from the typed tree (module level: a
-    recursive closure is a reference cycle)."""
-    if isinstance(node, dict):
-        return {k: _build_full(v, targets) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_build_full(v, targets) for v in node]
-    if isinstance(node, tuple):
-        return tuple(_build_full(v, targets) for v in node)
-    if isinstance(node, ValueLeaf):
-        return node.value
-    if isinstance(node, ObjectLeaf):
-        return node.nested()
-    t = targets[node.key].data
-    return dtypes.torch_to_numpy(t) if node.origin == "numpy" else t
+class _FullTensor:
+    """The tensor a load without ``like`` returns for a tensor leaf (an object, not a closure
+    over ``targets``, like the walkers above)."""
+
+    def __init__(self, targets: dict) -> None:
+        self.targets = targets
+
+    def __call__(self, leaf: Any) -> Any:
+        t = self.targets[leaf.key].data
+        return dtypes.torch_to_numpy(t) if leaf.origin == "numpy" else t

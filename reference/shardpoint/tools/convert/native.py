@@ -19,7 +19,7 @@ from shardpoint_core.zarr.object_backend import backend_for
 from shardpoint_core.errors import (CheckpointExistsError, ConversionError, InvalidKeyError,
                                     UnsupportedValueError)
 from shardpoint.planning.grid import plan_chunk_grid
-from shardpoint_core.keys import encode_component, encode_key
+from shardpoint_core.keys import encode_key
 from shardpoint_core.manifest import (Manifest, TensorEntry, array_path_for, decode_manifest,
                                       encode_manifest)
 from shardpoint.planning.plans import PlanOptions
@@ -27,7 +27,7 @@ from shardpoint_core.commit.posix import check_not_containing
 from shardpoint_core.store.registry import is_local
 from shardpoint_core.storage import ArraySpec, StorageBackend
 from shardpoint.tree.views import to_numpy
-from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf
+from shardpoint_core.statetree import ValueLeaf, encode_tree, map_tree, plain_children
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, key_of, nest,
                                            with_cli_flag)
 
@@ -44,15 +44,15 @@ class ShardpointSource(Source):
         self._handles: dict = {}
         self._entries: dict = {}
         for path, leaf in _leaves(self.manifest.tree, ()):
-            if isinstance(leaf, TensorLeaf):
+            if leaf.kind == "tensor":
                 e = leaf.entry
                 t = TensorInfo(tuple(path), tuple(e.shape), dtypes.from_name(e.dtype).torch)
                 self.tensors.append(t)
                 self._entries[t.path] = e
-            elif isinstance(leaf, ObjectLeaf):
+            elif leaf.kind == "object":
                 self.objects[tuple(path)] = list(leaf.values)
             else:
-                self.values[tuple(path)] = leaf
+                self.values[tuple(path)] = leaf.value
 
     def _handle(self, t: TensorInfo) -> Any:
         if t.path not in self._handles:
@@ -76,58 +76,41 @@ class ShardpointSource(Source):
         self._handles.clear()
 
 
-def _plain(node: Any) -> Any:
-    """The value a subtree of value leaves (typed tree) stands for, or raise KeyError if it
-    holds more."""
-    if isinstance(node, ValueLeaf):
-        return node.value
-    if isinstance(node, dict):
-        return {k: _plain(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return type(node)(_plain(v) for v in node)
-    raise KeyError("tensor or object")
+def _only_value(path: tuple, key: Optional[str], leaf: Any) -> Any:
+    if leaf.kind != "value":
+        raise KeyError(leaf.kind)
+    return leaf.value
 
 
 def _leaves(node: Any, path: tuple):
-    """Leaves of the typed tree, values as plain values, with lists and tuples of plain
-    values given back as one value (as DCP and ``torch.save`` hold them)."""
-    if path and isinstance(node, (list, tuple)):
+    """Leaves of the typed tree, with a list or tuple holding only values given back as one
+    value leaf (as DCP and ``torch.save`` hold them)."""
+    kid = plain_children(node)
+    if kid is None:
+        yield path, node
+        return
+    if path and kid[0] != "dict":
         try:
-            yield path, _plain(node)
+            yield path, ValueLeaf(encode_key(path), map_tree(node, _only_value, keys=False))
             return
-        except KeyError:
+        except KeyError:        # it holds a tensor or a sharded object
             pass
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _leaves(v, path + (k,))
-    elif isinstance(node, (list, tuple)):
-        for i, v in enumerate(node):
-            yield from _leaves(v, path + (i,))
-    else:
-        yield path, (node.value if isinstance(node, ValueLeaf) else node)
+    for c, v in kid[1]:
+        yield from _leaves(v, path + (c,))
 
 
-def value_node(v: Any) -> dict:
-    """The tree node of a value: containers as tree nodes (as ``save`` lays them out),
-    scalars and arrays as value leaves."""
-    if isinstance(v, dict):
-        for k in v:
-            encode_component(k)
-        return {"dict": [[k, value_node(x)] for k, x in v.items()]}
-    if isinstance(v, (list, tuple)):
-        return {"list" if isinstance(v, list) else "tuple": [value_node(x) for x in v]}
-    return {"value": v}
+class _Stored:
+    """A tensor or sharded object of the source in the tree being written: its manifest
+    node is ``{kind: key}``."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
 
 
-class _Leaf:
-    def __init__(self, node: dict) -> None:
-        self.node = node
-
-
-def _tree_of(nested: dict) -> dict:
-    """The manifest tree (``{"dict": [[k, node], ...]}``) of nested dicts of leaves."""
-    return {"dict": [[k, v.node if isinstance(v, _Leaf) else _tree_of(v)]
-                     for k, v in nested.items()]}
+def _node(path: tuple, key: str, leaf: Any) -> dict:
+    """The manifest node of a leaf of the tree being written (inside a value, every leaf is
+    a value, as the source holds it)."""
+    return {leaf.kind: key} if isinstance(leaf, _Stored) else {"value": leaf}
 
 
 def shardpoint_tree(src: Source) -> tuple:
@@ -136,11 +119,12 @@ def shardpoint_tree(src: Source) -> tuple:
     skipped: list = []
     leaves: list = []
     for t in src.tensors:
-        leaves.append((t.path, _Leaf({"tensor": encode_key(t.path)})))
+        leaves.append((t.path, _Stored("tensor")))
     for p, v in src.values.items():
         try:
             values.check_value(v, f"value {key_of(p)!r}")
-            leaves.append((p, _Leaf(value_node(v))))
+            encode_tree([v], _node)        # its dict keys, checked as save checks them
+            leaves.append((p, v))
         except (UnsupportedValueError, InvalidKeyError) as e:
             skipped.append((key_of(p), str(e)))
     objects = {}
@@ -152,10 +136,12 @@ def shardpoint_tree(src: Source) -> tuple:
             skipped.append((key_of(p), str(e)))
             continue
         objects[encode_key(p)] = list(vs)
-        leaves.append((p, _Leaf({"object": encode_key(p)})))
+        leaves.append((p, _Stored("object")))
     if not leaves:
         raise ConversionError(f"{src.path!r} ({src.format}) holds nothing that can be stored")
-    return _tree_of(nest(leaves, f"converting {src.path!r}")), objects, skipped
+    # The core's container walk, the one sp.save's flattening uses: containers inside values
+    # become tree nodes exactly as a save lays them out.
+    return encode_tree(nest(leaves, f"converting {src.path!r}"), _node), objects, skipped
 
 
 def tensor_entry(t: TensorInfo, max_chunk_bytes: int) -> TensorEntry:

@@ -7,6 +7,7 @@ format allows, so tensors are paged in one at a time as they are converted.
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 import zipfile
@@ -14,7 +15,8 @@ from typing import Any
 
 import torch
 
-from shardpoint_core.errors import ConversionError
+from shardpoint.tree.leaves import handler_for, is_container
+from shardpoint_core.errors import ConversionError, ShardpointError
 from shardpoint.tools.convert.base import Source, TensorInfo, key_of
 
 
@@ -56,7 +58,10 @@ def load_weights_only(path: str, what: str) -> Any:
 
 
 def walk_tree(obj: Any, path: tuple, src: Source, tensors: dict) -> None:
-    """Split a loaded tree into tensors (into ``tensors``), values and skipped entries."""
+    """Split a loaded tree into tensors (into ``tensors``), values and skipped entries. Each
+    leaf is classified by its leaf handler, as ``sp.save`` classifies it
+    (:func:`shardpoint.tree.leaves.handler_for`); a list or tuple that holds only values is
+    one value, as DCP holds it."""
     if isinstance(obj, dict):
         for k, v in obj.items():
             if type(k) not in (str, int) or isinstance(k, bool):
@@ -64,19 +69,56 @@ def walk_tree(obj: Any, path: tuple, src: Source, tensors: dict) -> None:
                                     "or int"))
                 continue
             walk_tree(v, path + (k,), src, tensors)
-    elif isinstance(obj, (list, tuple)) and any(isinstance(x, (torch.Tensor, dict, list, tuple))
+    elif isinstance(obj, (list, tuple)) and any(is_container(x) or handler_for(x).kind != "value"
                                                 for x in obj):
         for i, v in enumerate(obj):
             walk_tree(v, path + (i,), src, tensors)
-    elif isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided or obj.is_quantized:
-            src.skipped.append((key_of(path), f"a {obj.layout} tensor; convert it to a dense "
-                                "tensor first"))
-            return
-        tensors[path] = obj
-        src.tensors.append(TensorInfo(path, tuple(obj.shape), obj.dtype))
     else:
+        _leaf(obj, path, src, tensors)
+
+
+class _Out:
+    """What a leaf handler's ``flatten`` appends to (see :class:`LeafHandler`)."""
+
+    replica = (0,)
+
+    def __init__(self) -> None:
+        self.tensors: list = []
+        self.objects: list = []
+
+
+def _leaf(obj: Any, path: tuple, src: Source, tensors: dict) -> None:
+    """One leaf: a whole tensor (of any registered kind) is converted, a value kept, and
+    what a single file cannot hold whole (a piece of a sharded tensor, a cell of a sharded
+    object, a tensor the format cannot store) is skipped with the reason."""
+    h = handler_for(obj)
+    if h.kind == "value":
         src.values[path] = obj
+        return
+    out, key = _Out(), key_of(path)
+    try:
+        h.flatten(obj, key, f"{h.kind} {key!r}", out)
+    except ShardpointError as e:
+        src.skipped.append((key, str(e)))
+        return
+    if out.objects:
+        o = out.objects[0]
+        if len(out.objects) != 1 or math.prod(o.count) != 1:
+            src.skipped.append((key, f"one cell of a sharded object of grid {o.count}; a "
+                                "single file holds no other cell"))
+            return
+        src.objects[path] = [o.value]
+        return
+    hs = [t.holding for t in out.tensors]
+    if not hs:
+        src.skipped.append((key, f"its leaf handler {h.name!r} gave no tensor"))
+        return
+    if len(hs) != 1 or hs[0].flat is not None or hs[0].shape != hs[0].global_shape:
+        src.skipped.append((key, f"a piece of a sharded tensor of global shape "
+                            f"{hs[0].global_shape}; a single file does not hold all of it"))
+        return
+    tensors[path] = out.tensors[0].data
+    src.tensors.append(TensorInfo(path, tuple(hs[0].global_shape), out.tensors[0].data.dtype))
 
 
 class TorchSaveSource(Source):
