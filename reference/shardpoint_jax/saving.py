@@ -15,6 +15,7 @@ import numpy as np
 
 from shardpoint_core import errors as core_errors
 from shardpoint_core.store.registry import is_local
+from shardpoint_core.treemerge import merge_many
 from shardpoint_core.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
                                       encode_manifest)
 from shardpoint_jax import errors as E
@@ -82,35 +83,9 @@ class LocalPlan:
         return pack({"tree": self.node, "tensors": self.tensors, "objects": self.objects})
 
 
-# -------------------------------------------------------------------------------- merging
-def merge_nodes(a: dict, b: dict, path: list) -> dict:
-    """Union of two processes' trees [SP-TREE-1]; value leaves keep the lower process's."""
-    ka, kb = next(iter(a)), next(iter(b))
-    if ka != kb:
-        raise E.InvalidShardingError(f"tree at {path}: a {ka} on one process, a {kb} on "
-                                     "another", spec_id="SP-TREE-1")
-    if ka == "dict":
-        out = {k: n for k, n in a["dict"]}
-        order = [k for k, _ in a["dict"]]
-        for k, n in b["dict"]:
-            if k in out:
-                out[k] = merge_nodes(out[k], n, path + [k])
-            else:
-                out[k] = n
-                order.append(k)
-        return {"dict": [[k, out[k]] for k in order]}
-    if ka in ("list", "tuple"):
-        xs, ys = a[ka], b[ka]
-        merged = [merge_nodes(x, y, path + [i]) for i, (x, y) in enumerate(zip(xs, ys))]
-        return {ka: merged + (xs[len(ys):] if len(xs) > len(ys) else ys[len(xs):])}
-    return a
-
-
 def plan_global(plans: list, world: int) -> dict:
     """Checks and decisions of process 0 on every process's local plan [SP-PLAN-1]."""
-    node = plans[0]["tree"]
-    for p in plans[1:]:
-        node = merge_nodes(node, p["tree"], [])
+    node = merge_many([p["tree"] for p in plans])
     tensors: dict = {}
     writers: dict = {}
     for rank, p in enumerate(plans):

@@ -86,9 +86,14 @@ try:
     out = "saved"
 except sj.ShardpointError as e:
     out = f"{type(e).__name__}: {e}"
+try:        # a plain value that differs between processes: one would be kept silently
+    sj.save(PATH, {"w": put(M, mesh, ("x",)), "step": 10 + pid}, overwrite=True)
+    out2 = "saved"
+except sj.ShardpointError as e:
+    out2 = f"{type(e).__name__}: {e}"
 got = sj.load(PATH, {"w": jax.ShapeDtypeStruct(M.shape, M.dtype, sharding=NamedSharding(mesh, P("x")))})
 check(got["w"], M)
-print(json.dumps({"pid": pid, "out": out, "left": sorted(os.listdir(os.path.dirname(PATH)))}))
+print(json.dumps({"pid": pid, "out": out, "out2": out2, "left": sorted(os.listdir(os.path.dirname(PATH)))}))
 """
 
 
@@ -97,6 +102,8 @@ def test_a_failing_process_fails_the_save_everywhere_and_keeps_the_previous(tmp_
     for r in res:
         assert r["out"].startswith("UnsupportedValueError") and "extra" in r["out"], r
         assert "SP-VALUE-1" in r["out"]
+        assert r["out2"].startswith("InvalidShardingError") and "step" in r["out2"], r
+        assert "SP-REPL-1" in r["out2"]
         assert r["left"] == ["ck"]
 
 
