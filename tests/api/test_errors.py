@@ -13,6 +13,7 @@ import torch
 import shardpoint as sp
 from shardpoint.tools.cli import main as cli
 from shardpoint_core.manifest import decode_manifest
+from shardpoint_testing.probes import error_within
 
 STATE = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(3)}
 
@@ -352,19 +353,7 @@ def test_keys_differing_in_case_long_or_reserved_get_distinct_portable_array_pat
 
 # ---- spec 1.1: files, sizes, depth ([SP-SEC-5], [SP-SEC-2], [SP-MAN-5]) -------------------
 def _load_in_thread(path):
-    import threading
-    box = {}
-
-    def run():
-        try:
-            box["out"] = sp.load(path)
-        except BaseException as e:  # noqa: BLE001 - inspected below
-            box["err"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(60)
-    assert not t.is_alive(), "the load blocked"
-    return box.get("err")
+    return error_within(lambda: sp.load(path), what="the load")
 
 
 def test_a_fifo_in_place_of_a_chunk_is_refused_without_blocking(tmp_ckpt):

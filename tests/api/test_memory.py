@@ -5,17 +5,16 @@ the tree walkers), so a loop of loads grew by one state per load until ``gc`` ha
 run. These tests run with the collector disabled: what a call allocates must be freed by
 reference counting alone when it returns.
 """
-import gc
 import os
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
-import pytest
 import torch
 
 import shardpoint as sp
+from shardpoint_testing.probes import garbage_of
 
 # The RSS test runs in a child process: the collector is off from the start, and pytest's own
 # allocations do not blur the figures. 48 MiB is above glibc's largest mmap threshold, so a
@@ -92,25 +91,6 @@ def test_rss_flat_without_cyclic_collector(tmp_path):
             f"{name}: RSS grew {grew:.0f} MiB over {CALLS} calls with gc disabled: {rss}")
 
 
-def _garbage_of(fn) -> list:
-    """The objects ``fn`` leaves in reference cycles (found by one collection)."""
-    fn()                                  # first use: imports, caches
-    gc.collect()
-    was = gc.isenabled()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        fn()
-        gc.collect()
-        found = list(gc.garbage)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        if was:
-            gc.enable()
-    return found
-
-
 def test_load_creates_no_reference_cycles(tmp_ckpt):
     state = {"w": torch.arange(64.0).view(8, 8), "n": np.arange(5), "step": 1,
              "l": [1, (2.0, "x")], "o": sp.ShardedObject([1, 2], 0, 1),
@@ -130,7 +110,7 @@ def test_load_creates_no_reference_cycles(tmp_ckpt):
     calls = {"load": lambda: sp.load(tmp_ckpt), "like": lambda: sp.load(tmp_ckpt, like=like()),
              "open": lazy, "read_metadata": lambda: sp.read_metadata(tmp_ckpt)}
     for name, fn in calls.items():
-        found = _garbage_of(fn)
+        found = garbage_of(fn)
         kinds = sorted({type(o).__name__ for o in found})
         assert not found, f"{name} left {len(found)} objects in reference cycles: {kinds}"
 
@@ -139,7 +119,7 @@ def test_save_leaves_no_tensor_in_a_cycle(tmp_ckpt):
     """Saves keep nothing of the state alive in cycles (a few ctypes objects from the commit's
     libc lookup aside, which hold no data)."""
     state = {"w": torch.arange(64.0), "step": 1, "o": sp.ShardedObject(1, 0, 1)}
-    found = _garbage_of(lambda: sp.save(state, tmp_ckpt, overwrite=True))
+    found = garbage_of(lambda: sp.save(state, tmp_ckpt, overwrite=True))
     assert not [o for o in found if isinstance(o, (torch.Tensor, np.ndarray))]
     assert not [o for o in found if type(o).__name__ == "function"], \
         sorted(getattr(o, "__qualname__", "?") for o in found if callable(o))

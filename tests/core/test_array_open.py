@@ -6,7 +6,6 @@ import glob
 import json
 import os
 import shutil
-import threading
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 import shardpoint as sp
 from shardpoint_core.errors import CorruptCheckpointError
 from shardpoint_core.zarr import checks
+from shardpoint_testing.probes import error_within, upload_dir
 
 
 def _open(root, key="w", shape=(4, 6), dtype="float32", chunk=(4, 6)):
@@ -21,18 +21,7 @@ def _open(root, key="w", shape=(4, 6), dtype="float32", chunk=(4, 6)):
 
 
 def _open_in_thread(root):
-    box = {}
-
-    def run():
-        try:
-            box["out"] = _open(root)
-        except BaseException as e:  # noqa: BLE001 - inspected below
-            box["err"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(60)
-    assert not t.is_alive(), "the open blocked"
-    return box.get("err")
+    return error_within(lambda: _open(root), what="the open")
 
 
 def _fifo(p):
@@ -149,11 +138,7 @@ def test_zarr_json_rules_hold_on_a_store_without_files(case):
     base = os.path.join(VECTORS, case, "checkpoint")
     url = f"memory://torch-vectors/{case}"
     store, key = bucket_store(url, "open")
-    for d, _dirs, files in os.walk(base):
-        for f in files:
-            rel = os.path.relpath(os.path.join(d, f), base).replace(os.sep, "/")
-            with open(os.path.join(d, f), "rb") as fh:
-                store.put(f"{key}/{rel}", fh.read())
+    upload_dir(store, key, base)
     with open(os.path.join(VECTORS, case, "expected.json")) as f:
         exp = json.load(f)
     with pytest.raises(sp.ShardpointError) as e:

@@ -360,25 +360,8 @@ def test_megatron_core_round_trip_across_tp_pp_dp(tmp_path):
 def test_save_and_load_megatron_leave_nothing_in_reference_cycles(tmp_path):
     """The Megatron mapping keeps no tensor (nor the closures that hold them) alive in a
     reference cycle: buffers are freed when the call returns, not at the next collection."""
-    import gc
-
     from shardpoint.integrations.megatron import load_megatron, save_megatron
-
-    def garbage_of(fn) -> list:
-        fn()                              # first use: imports, caches
-        gc.collect()
-        was = gc.isenabled()
-        gc.disable()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
-            fn()
-            gc.collect()
-            return list(gc.garbage)
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            if was:
-                gc.enable()
+    from shardpoint_testing.probes import garbage_of
 
     path = str(tmp_path / "m")
     calls = {

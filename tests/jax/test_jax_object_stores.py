@@ -16,6 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import shardpoint_jax as sj  # noqa: E402
 from shardpoint_jax import storage  # noqa: E402
+from shardpoint_testing.probes import upload_dir  # noqa: E402
 
 
 def _tree(gen: int = 0, rows: int = 700) -> dict:
@@ -152,11 +153,7 @@ def test_invalid_vectors_on_an_object_store_fail_as_on_files(case):
     base = os.path.join(VECTORS, case, "checkpoint")
     url = f"memory://jax-vectors/{case}"
     store, key = storage.locate(url)
-    for d, _dirs, files in os.walk(base):
-        for f in files:
-            rel = os.path.relpath(os.path.join(d, f), base).replace(os.sep, "/")
-            with open(os.path.join(d, f), "rb") as fh:
-                store.put(f"{key}/{rel}", fh.read())
+    upload_dir(store, key, base)
     with open(os.path.join(VECTORS, case, "expected.json")) as f:
         exp = json.load(f)
     with pytest.raises(sj.ShardpointError) as e:
