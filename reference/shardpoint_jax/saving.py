@@ -14,7 +14,6 @@ import jax
 import numpy as np
 
 from shardpoint_core import errors as core_errors
-from shardpoint_core.store.registry import is_local
 from shardpoint_core.treemerge import merge_many
 from shardpoint_core.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
                                       encode_manifest)
@@ -23,9 +22,8 @@ from shardpoint_jax.async_save import POOL, AsyncSave, wait_for_previous
 from shardpoint_jax.comm import Comm
 from shardpoint_jax.dtypes import name_of
 from shardpoint_jax.grid import chunk_shape, local_chunk_shape
-from shardpoint_jax.storage import (ArrayWriter, checkpoint_path, committer_at,
+from shardpoint_jax.storage import (ArrayWriter, COMMITTER, checkpoint_path,
                                     create_arrays, make_durable, write_manifest)
-from shardpoint_core.store.registry import url_of
 from shardpoint_jax.tree import ShardedObject, is_array, tree_node
 from shardpoint_jax.values import check_value, is_scalar_value, pack, unpack
 
@@ -269,8 +267,7 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
                 raise_info(failed[0], "write")
             commit(path, decision)
         except Exception as e:  # noqa: BLE001
-            committer, staging = committer_at(decision["staging"])
-            committer.abort(staging)
+            COMMITTER.abort(decision["staging"])
             outcome = pack(error_info(e))
         comm.broadcast("commit", outcome)
     else:
@@ -284,12 +281,9 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
 def prepare(path: str, plan: dict, overwrite: bool) -> dict:
     """Process 0: refuse a taken path, create the staging directory (its arrays come in
     :func:`write_and_commit`, after an asynchronous save has returned)."""
-    committer, target = committer_at(path)
-    committer.check_target(target, overwrite)      # [SP-COMMIT-5] [SP-COMMIT-13]
+    COMMITTER.check_target(path, overwrite)        # [SP-COMMIT-5] [SP-COMMIT-13]
     token = secrets.token_hex(8)
-    staging = committer.begin(target, token)       # created and locked [SP-COMMIT-6, 11]
-    if not is_local(path):                         # a key of the bucket's store
-        staging = url_of(path, staging)
+    staging = COMMITTER.begin(path, token)         # created and locked [SP-COMMIT-6, 11]
     entries = {key: {"array": array_path_for(key), "shape": t["shape"], "dtype": t["dtype"],
                      "chunk_shape": t["chunk"]} for key, t in plan["tensors"].items()}
     return {"staging": staging, "token": token, "overwrite": overwrite,
@@ -403,5 +397,4 @@ def commit(path: str, decision: dict) -> None:
     staging = decision["staging"]
     make_durable(staging)
     write_manifest(staging, encode_manifest(manifest_of(decision)))
-    committer, target = committer_at(path)
-    committer.publish(committer_at(staging)[1], target, overwrite=decision["overwrite"])
+    COMMITTER.publish(staging, path, overwrite=decision["overwrite"])

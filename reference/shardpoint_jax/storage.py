@@ -44,6 +44,7 @@ from shardpoint_core.zarr.checks import (MAX_ZARR_JSON_BYTES, check_array_object
                                          check_zarr_json, chunk_file_sizes, open_local_array,
                                          parse_zarr_json)
 from shardpoint_core.zarr.direct_read import DirectReader, parse_layout
+from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_write import DirectWriter, WriteOp, WritePool, write_layout
 from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                    IncompleteCheckpointError, InvalidRequestError,
@@ -95,13 +96,10 @@ def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
 
 
-def committer_at(location: str) -> Tuple[Any, str]:
-    """``(committer, its name for location)``: the POSIX committer and the path, or the
-    object-store committer of the bucket and the key."""
-    if is_local(location):
-        return POSIX, location
-    store, key = locate(location)
-    return ObjectStoreCommitter(store), key
+# Publishes, replaces and removes checkpoints, routed by path as the torch front end's backend
+# does: local paths to POSIX (which holds this process's save locks), URLs to the object-store
+# committer of their bucket.
+COMMITTER = PathCommitter(POSIX, UrlCommitter(locate))
 
 
 # -------------------------------------------------------------------------------- manifest
