@@ -233,7 +233,8 @@ def main(argv: Optional[list] = None) -> None:
               f"{'dropped before every timed step' if drop else 'NOT dropped'}"
               f"{' (--quick)' if a.quick else '' if drop else ' (not root): cold steps are warm'}")
         rounds = 1 if a.quick else a.repeat
-        run_state("warm-up", jax_tree(bt.mixed_state(1 / 64)), base, 1, False, show=False)
+        if not a.quick:     # one untimed round of every tool (imports, pools), as bench.py
+            run_state("warm-up", jax_tree(bt.mixed_state(1 / 64)), base, 1, False, show=False)
         scale = 1 / 32 if a.quick else 1.0
         run_state("mixed (transformer-like, fp32 + bf16)", jax_tree(bt.mixed_state(scale)),
                   base, rounds, drop)
