@@ -1,17 +1,17 @@
 """The resume demo as a newcomer runs it: real forked gloo ranks, a real SIGKILL, three
 resumes compared with an uninterrupted run; its checks must also be able to fail."""
+import subprocess
+import sys
+
 import torch
 
 from shardpoint.tools import demo_train
 from shardpoint.api.manager import CheckpointManager
-from shardpoint_testing.launch import run_code
 
 
 def test_demo_kills_and_resumes_exactly(tmp_path):
-    # `python -m shardpoint.tools.cli demo --dir ...`, forked from the launcher's fork server
-    # (torch imported once there): the demo, not a fresh interpreter, is under test
-    r = run_code("import runpy; runpy.run_module('shardpoint.tools.cli', run_name='__main__', "
-                 "alter_sys=True)", "demo", "--dir", tmp_path, timeout=240)
+    r = subprocess.run([sys.executable, "-m", "shardpoint.tools.cli", "demo", "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     text = r.stdout + r.stderr
     assert r.returncode == 0, text
     assert "SIGKILL to all 4 ranks" in text and "demo: PASSED" in text, text
