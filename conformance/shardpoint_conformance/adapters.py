@@ -120,7 +120,7 @@ SHIPPED = ("shardpoint_conformance.reference_adapter", "shardpoint_conformance.b
 def _shipped_module(argv: list) -> Optional[str]:
     """The shipped adapter module ``argv`` runs with this interpreter, else None."""
     if len(argv) >= 3 and argv[1] == "-m" and argv[2] in SHIPPED and \
-            os.path.realpath(argv[0]) == os.path.realpath(sys.executable):
+            os.path.abspath(argv[0]) == os.path.abspath(sys.executable):   # this venv's
         return argv[2]
     return None
 
