@@ -346,7 +346,7 @@ def main(argv=None) -> None:
         print(f"page cache: NOT dropped ({why}): loads below are WARM-cache numbers")
     try:
         states = [("mixed (transformer-like, fp32 + bf16)",
-                   bt.mixed_state(1 / 32 if a.quick else 1.0)),
+                   bt.mixed_state(1 / 32, layers=2) if a.quick else bt.mixed_state(1.0)),
                   ("uniform (fp32)", bt.uniform_state(4, 1 / 16) if a.quick
                    else bt.uniform_state(32, 32))]
         wanted = a.states.split(",")
