@@ -128,7 +128,8 @@ def best(res: "Results", rows: list) -> tuple:
 
 
 def bench_state(name: str, state: dict, base: str, repeat: int, drop: bool,
-                ts_writes: bool = False, loads: bool = True) -> tuple:
+                ts_writes: bool = False, loads: bool = True,
+                load_passes: int = LOAD_PASSES) -> tuple:
     res = Results()
     fl = bt.flat(state)
     k = tune_dcp_threads(fl, base, drop) if repeat > 1 or drop else 2
@@ -179,7 +180,7 @@ def bench_state(name: str, state: dict, base: str, repeat: int, drop: bool,
                 bt.rm(paths[key])
                 step(res, row, fn, drop, st, paths[key])
                 res.files[row] = bt.count_files(paths[key])
-        for _pass in range(LOAD_PASSES if loads else 0):
+        for _pass in range(load_passes if loads else 0):
             for row, fn in load_steps:
                 step(res, row, fn, drop)
             assert all(torch.equal(a, b) for a, b in zip(bt.flat(like).values(), fl.values()))
@@ -331,10 +332,11 @@ def main(argv=None) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     repeat = a.repeat or (1 if a.quick else 3)
+    passes = 1 if a.quick else LOAD_PASSES     # a smoke test: every load step once
     base = tempfile.mkdtemp(prefix="sp-bench-", dir=a.dir)
     drop = not a.quick and bt.drop_caches()
     print(f"## shardpoint benchmark ({'quick' if a.quick else 'full'}, median of {repeat}; "
-          f"single-process loads: of {repeat * LOAD_PASSES})\n")
+          f"single-process loads: of {repeat * passes})\n")
     print(f"machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, "
           f"torch {torch.__version__}; dir {base}")
     if drop:
@@ -344,7 +346,7 @@ def main(argv=None) -> None:
         print(f"page cache: NOT dropped ({why}): loads below are WARM-cache numbers")
     try:
         states = [("mixed (transformer-like, fp32 + bf16)",
-                   bt.mixed_state(1 / 32 if a.quick else 1.0)),
+                   bt.mixed_state(1 / 32, layers=2) if a.quick else bt.mixed_state(1.0)),
                   ("uniform (fp32)", bt.uniform_state(4, 1 / 16) if a.quick
                    else bt.uniform_state(32, 32))]
         wanted = a.states.split(",")
@@ -356,7 +358,7 @@ def main(argv=None) -> None:
                 continue
             n = len(bt.flat(state))
             res, k = bench_state(title, state, base, repeat, drop, a.ts_writes,
-                                 not a.saves_only)
+                                 not a.saves_only, passes)
             print_state_table(f"{title}, {n} tensors", res, bt.nbytes(state), k)
             runs.append(state_run(title.split(" ")[0], res, bt.nbytes(state)))
             del state

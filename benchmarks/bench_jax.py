@@ -233,10 +233,11 @@ def main(argv: Optional[list] = None) -> None:
               f"{'dropped before every timed step' if drop else 'NOT dropped'}"
               f"{' (--quick)' if a.quick else '' if drop else ' (not root): cold steps are warm'}")
         rounds = 1 if a.quick else a.repeat
-        run_state("warm-up", jax_tree(bt.mixed_state(1 / 64)), base, 1, False, show=False)
-        scale = 1 / 32 if a.quick else 1.0
-        run_state("mixed (transformer-like, fp32 + bf16)", jax_tree(bt.mixed_state(scale)),
-                  base, rounds, drop)
+        if not a.quick:     # one untimed round of every tool (imports, pools), as bench.py
+            run_state("warm-up", jax_tree(bt.mixed_state(1 / 64)), base, 1, False, show=False)
+        run_state("mixed (transformer-like, fp32 + bf16)", jax_tree(
+            bt.mixed_state(1 / 32, layers=2) if a.quick else bt.mixed_state(1.0)),
+            base, rounds, drop)
         run_state("uniform (fp32)", jax_tree(bt.uniform_state(
             8 if a.quick else 32, 1 if a.quick else 32)), base, rounds, drop)
     finally:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 
-def mixed_state(scale: float = 1.0, seed: int = 0) -> dict:
+def mixed_state(scale: float = 1.0, seed: int = 0, layers: int = 8) -> dict:
     """Transformer-like, ~1.2 GB at scale 1 in 149 tensors from 4 KiB to 125 MiB: an fp32
-    embedding, a bf16 head, 8 layers of bf16 weights with fp32 norms, fp32 Adam moments."""
+    embedding, a bf16 head, 8 layers of bf16 weights with fp32 norms, fp32 Adam moments.
+    Fewer ``layers`` (the benchmarks' --quick smoke tests) give fewer tensors of each kind."""
     g = torch.Generator().manual_seed(seed)
     h, v = max(8, int(1024 * scale)), max(16, int(32000 * scale))
     p = {"embed": ((v, h), torch.float32), "lm_head": ((v, h), torch.bfloat16),
          "final_norm": ((h,), torch.float32)}
-    for i in range(8):
+    for i in range(layers):
         p.update({f"l{i}.qkv": ((3 * h, h), torch.bfloat16), f"l{i}.o": ((h, h), torch.bfloat16),
                   f"l{i}.up": ((4 * h, h), torch.bfloat16),
                   f"l{i}.down": ((h, 4 * h), torch.bfloat16),

@@ -1,4 +1,5 @@
-"""Shared test setup: the ``--runslow`` option for long property runs and big cases."""
+"""Shared test setup: the ``--runslow`` option for long property runs and big cases, the order
+that starts the longest test files first, the object-store servers."""
 import pytest
 
 
@@ -7,7 +8,24 @@ def pytest_addoption(parser):
                      help="also run tests marked slow (long property runs, big worlds)")
 
 
+# The files whose tests take longest (real worlds, benchmarks' quick runs, clusters), run
+# first. `--dist worksteal` hands each worker a contiguous half of the collection and lets an
+# idle worker take the tail of the other's queue: a long test there (tools/ sorts last) ran
+# while the other worker sat idle at the end of the run. A file missing here only runs later.
+FIRST = ("tests/tools/test_bench.py", "tests/tools/test_demo.py",
+         "tests/conformance/test_cluster.py", "tests/jax/test_jax_flax.py",
+         "tests/core/test_fuzz.py", "tests/jax/test_jax_interop.py",
+         "tests/core/test_direct_write.py", "tests/core/test_s3_commit.py",
+         "tests/api/test_async_save.py", "tests/tools/test_s3_convert.py")
+
+
+def _first(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return FIRST.index(path) if path in FIRST else len(FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_first)               # stable: the rest keep their order
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow")

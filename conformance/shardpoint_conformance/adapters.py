@@ -109,6 +109,22 @@ class CallResult:
         return f"exit {self.returncode}: " + " | ".join(tail)[:500]
 
 
+# The adapters shipped in this package: ``python -m`` one of them runs in a process forked from
+# the launcher's fork server (torch and shardpoint already imported) instead of a fresh
+# interpreter, which costs each call about as much CPU as the call's own work. Only these:
+# they are this very package, so the preloaded modules are the ones the command would import;
+# any other command (another implementation, another checkout) runs exactly as given.
+SHIPPED = ("shardpoint_conformance.reference_adapter", "shardpoint_conformance.broken_adapter")
+
+
+def _shipped_module(argv: list) -> Optional[str]:
+    """The shipped adapter module ``argv`` runs with this interpreter, else None."""
+    if len(argv) >= 3 and argv[1] == "-m" and argv[2] in SHIPPED and \
+            os.path.abspath(argv[0]) == os.path.abspath(sys.executable):   # this venv's
+        return argv[2]
+    return None
+
+
 class CommandAdapter:
     """An adapter reached through its command line (no import of its code)."""
 
@@ -118,6 +134,9 @@ class CommandAdapter:
         self.timeout = timeout
 
     def _call(self, *args: str) -> CallResult:
+        module = _shipped_module(self.argv)
+        if module is not None:
+            return self._call_forked(module, *self.argv[3:], *args)
         try:
             p = subprocess.run(self.argv + list(args), capture_output=True, text=True,
                                timeout=self.timeout)
@@ -126,6 +145,17 @@ class CommandAdapter:
                               f"{self.timeout:.0f}s: {' '.join(args)}")
         except OSError as e:
             return CallResult(False, -1, "", f"cannot run {self.command!r}: {e}")
+        return CallResult(p.returncode == 0, p.returncode, p.stdout, p.stderr)
+
+    def _call_forked(self, module: str, *argv: str) -> CallResult:
+        """``python -m module argv...``, forked from the fork server (see ``SHIPPED``)."""
+        from shardpoint_testing.launch import RankFailure, run_code
+        code = f"import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+        try:
+            p = run_code(code, *argv, timeout=self.timeout)
+        except RankFailure:
+            return CallResult(False, -1, "", f"timed out after {self.timeout:.0f}s: "
+                              f"{' '.join(argv)}")
         return CallResult(p.returncode == 0, p.returncode, p.stdout, p.stderr)
 
     def capabilities(self) -> dict:

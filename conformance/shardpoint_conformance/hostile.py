@@ -137,9 +137,12 @@ def supports_memory_cgroup() -> bool:
 
 
 def run_bounded(code: str, *, memory_bytes: int, timeout: float = 120.0,
-                env: Optional[dict] = None) -> subprocess.CompletedProcess:
+                env: Optional[dict] = None, forked: bool = False) -> Any:
     """Run ``python -c code`` in a fresh memory cgroup of ``memory_bytes`` (the kernel kills
-    it, rc -9, if it goes over). Raises RuntimeError when no cgroup can be made here."""
+    it, rc -9, if it goes over); returns its exit code, stdout and stderr. Raises RuntimeError
+    when no cgroup can be made here. With ``forked``, in a process forked from the launcher's
+    fork server (torch and shardpoint imported, those pages charged outside the cgroup)
+    instead of a fresh interpreter."""
     make = _memory_cgroup()
     if make is None:
         raise RuntimeError("no writable memory cgroup (needs root and cgroup v1/v2)")
@@ -157,6 +160,9 @@ def run_bounded(code: str, *, memory_bytes: int, timeout: float = 120.0,
                 pass
         wrapper = (f"import os; open({os.path.join(cg, 'cgroup.procs')!r}, 'w')"
                    f".write(str(os.getpid())); exec(compile({code!r}, '<bounded>', 'exec'))")
+        if forked:
+            from shardpoint_testing.launch import run_code
+            return run_code(wrapper, env=env, timeout=timeout)
         return subprocess.run([sys.executable, "-c", wrapper], capture_output=True,
                               text=True, timeout=timeout, env=env)
     finally:

@@ -48,6 +48,12 @@ def _context() -> Any:
     return _CTX
 
 
+def process_context() -> Any:
+    """The ``multiprocessing`` context whose processes fork from the preloaded fork server:
+    for tests that need plain processes (no process group) without a fresh torch import."""
+    return _context()
+
+
 def _entry(fn, rank, world, port, args, q, pg_timeout, env):
     os.environ.clear()
     os.environ.update(env)
@@ -121,15 +127,21 @@ class ScriptResult:
         return f"ScriptResult(returncode={self.returncode}, stderr={self.stderr[-2000:]!r})"
 
 
-def _script_entry(path, code_, argv, cwd, env, out_path, err_path):
+def _script_entry(path, code_, argv, cwd, env, out_path, err_path, tty=None):
     import atexit
     import runpy
     import sys
     import threading
-    for fd, name in ((1, out_path), (2, err_path)):
-        f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(f, fd)
+    if tty is not None:                # stdin, stdout and stderr: the terminal's other end
+        f = os.open(tty, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(f, fd)
         os.close(f)
+    else:
+        for fd, name in ((1, out_path), (2, err_path)):
+            f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(f, fd)
+            os.close(f)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -158,34 +170,68 @@ def _script_entry(path, code_, argv, cwd, env, out_path, err_path):
 
 
 def run_script(path: str, *argv: Any, cwd: str = ".", env: dict | None = None,
-               timeout: float = 240.0) -> ScriptResult:
+               timeout: float = 240.0, terminal: bool = False) -> ScriptResult:
     """Run the script at ``path`` as ``__main__`` in a fresh process forked from the fork
     server, as ``python path argv...`` would (its folder first on ``sys.path``, threads joined
     and ``atexit`` run at the end), without paying for the torch import each time: no process
     group, its own working directory and environment (default: this process's), stdout and
-    stderr captured, killed after ``timeout`` seconds."""
-    return _run_forked(os.path.abspath(path), None, argv, cwd, env, timeout)
+    stderr captured, killed after ``timeout`` seconds. With ``terminal``, stdin, stdout and
+    stderr are one pseudo-terminal (what a person at a terminal sees comes back as stdout)."""
+    return _run_forked(os.path.abspath(path), None, argv, cwd, env, timeout, terminal)
 
 
 def run_code(code: str, *argv: Any, cwd: str = ".", env: dict | None = None,
-             timeout: float = 240.0) -> ScriptResult:
+             timeout: float = 240.0, terminal: bool = False) -> ScriptResult:
     """``run_script`` for a block of code, as ``python -c code argv...`` runs it."""
-    return _run_forked(None, code, argv, cwd, env, timeout)
+    return _run_forked(None, code, argv, cwd, env, timeout, terminal)
 
 
-def _run_forked(path, code, argv, cwd, env, timeout) -> ScriptResult:
+def _read_terminal(master: int, p: Any, timeout: float) -> bytes:
+    """Everything written to the terminal until ``p`` exits (or ``timeout`` passes)."""
+    import select
+    import time
+    out, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = p.is_alive()
+        while select.select([master], [], [], 0.05 if alive else 0)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:            # EIO: no writer left
+                chunk = b""
+            if not chunk:
+                break
+            out += chunk
+        if not alive:
+            break
+    return out
+
+
+def _run_forked(path, code, argv, cwd, env, timeout, terminal=False) -> ScriptResult:
     import tempfile
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="shardpoint-script-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        p = ctx.Process(target=_script_entry,
-                        args=(path, code, [str(a) for a in argv], os.path.abspath(cwd),
-                              dict(os.environ if env is None else env), out, err))
-        p.start()
-        p.join(timeout)
+        master = slave = None
+        if terminal:
+            import pty
+            master, slave = pty.openpty()
+        try:
+            p = ctx.Process(target=_script_entry,
+                            args=(path, code, [str(a) for a in argv], os.path.abspath(cwd),
+                                  dict(os.environ if env is None else env), out, err,
+                                  None if slave is None else os.ttyname(slave)))
+            p.start()
+            seen = _read_terminal(master, p, timeout) if terminal else b""
+            p.join(1 if terminal else timeout)    # the terminal's reader waited already
+        finally:
+            for fd in (master, slave):
+                if fd is not None:
+                    os.close(fd)
         if p.is_alive():
             p.kill()
             p.join()
             raise RankFailure(f"{path or 'code'} timed out after {timeout:.0f}s")
+        if terminal:
+            return ScriptResult(p.exitcode, seen.decode(errors="replace"), "")
         with open(out, errors="replace") as f, open(err, errors="replace") as g:
             return ScriptResult(p.exitcode, f.read(), g.read())

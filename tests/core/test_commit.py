@@ -1,5 +1,4 @@
 """Commit races between real processes: two saves to one new path."""
-import multiprocessing as mp
 import os
 
 import torch
@@ -36,7 +35,8 @@ def test_two_saves_racing_to_one_new_path_never_replace_each_other(tmp_path):
     """[SP-COMMIT-2]: exactly one wins, the other gets CheckpointExistsError and its staging
     directory is removed; what is at the path is the winner's checkpoint, bitwise."""
     import shardpoint as sp
-    ctx = mp.get_context("spawn")
+    from shardpoint_testing.launch import process_context
+    ctx = process_context()       # forked from the preloaded server: no fresh torch import
     barrier, q = ctx.Barrier(2), ctx.Queue()
     path = str(tmp_path / "ckpt")
     procs = [ctx.Process(target=_racer, args=(i, path, barrier, q)) for i in (1, 2)]

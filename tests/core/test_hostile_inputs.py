@@ -1,9 +1,6 @@
 """Hostile checkpoints: no input crashes a reader, exhausts its memory or gets past it with
 an error outside the documented classes (issue 21: crashes and memory bombs)."""
-import json
 import os
-import subprocess
-import sys
 
 import msgpack
 import pytest
@@ -13,6 +10,7 @@ import shardpoint as sp
 from shardpoint_conformance import hostile
 from shardpoint_core.manifest import decode_manifest
 from shardpoint_core.verify import verify_checkpoint
+from shardpoint_testing.launch import run_code
 
 # Every reader a user has: the API, the metadata reader, verify, and the CLI's inspect/verify.
 # Prints one line per reader: the error class and spec ID (or 'ok'); a crash shows as rc < 0.
@@ -36,8 +34,9 @@ print("cli-inspect", cli(["inspect", p]))
 
 
 def run_readers(path):
-    r = subprocess.run([sys.executable, "-c", READERS, path], capture_output=True, text=True,
-                       timeout=120)
+    """The readers in another process (forked from the launcher's preloaded fork server): a
+    crash there shows as rc < 0 and cannot take this process down."""
+    r = run_code(READERS, path, timeout=120)
     assert r.returncode == 0, f"a reader crashed (rc {r.returncode}): {r.stderr[-2000:]}"
     return dict(line.split(" ", 1) for line in r.stdout.splitlines())
 
@@ -164,7 +163,7 @@ def test_memory_bomb_in_a_1_gib_cgroup(tmp_ckpt):
         "try:\n    sp.load(p); print('load ok')\n"
         "except sp.ShardpointError as e:\n    print('load', e.spec_id)\n"
         "print('verify', verify_checkpoint(p).spec_ids)\n")
-    r = hostile.run_bounded(code, memory_bytes=1 << 30, timeout=120)
+    r = hostile.run_bounded(code, memory_bytes=1 << 30, timeout=120, forked=True)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert r.stdout.split("\n")[:2] == ["load SP-READ-6", "verify ['SP-READ-6']"]
 

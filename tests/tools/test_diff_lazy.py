@@ -3,10 +3,6 @@ only the chunks a slice needs, ``inspect --values``, and progress bars only on a
 import glob
 import json
 import os
-import pty
-import select
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +10,7 @@ import torch
 import shardpoint as sp
 from shardpoint.tools.cli import main as cli
 from shardpoint.tools.diff import diff_checkpoints
+from shardpoint_testing.launch import run_code
 
 
 def run(capsys, *argv):
@@ -22,11 +19,13 @@ def run(capsys, *argv):
     return rc, out, err
 
 
-def test_diff_finds_one_flipped_bit_in_100_mb(tmp_path, capsys):
+def test_diff_finds_one_flipped_bit_in_23_mb(tmp_path, capsys):
+    """Two of the diff's blocks of rows (4 Mi elements each) and a dozen 2 MiB inner chunks:
+    the bit is in the second block, so its index needs that block's offset."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(5000, 5000, generator=g)                   # 100 MB of float32
+    a = torch.randn(2400, 2400, generator=g)                   # 23 MB of float32
     b = a.clone()
-    b.view(torch.int32)[3217, 1234] ^= 1                       # lowest mantissa bit
+    b.view(torch.int32)[2017, 1234] ^= 1                       # lowest mantissa bit
     from shardpoint_core.zarr import TensorStoreBackend
     fast = TensorStoreBackend(fsync=False)                    # durability is not under test
     sp.save({"w": a, "step": 1}, str(tmp_path / "a"), backend=fast)
@@ -34,7 +33,7 @@ def test_diff_finds_one_flipped_bit_in_100_mb(tmp_path, capsys):
     del a, b
     rc, out, err = run(capsys, "diff", str(tmp_path / "a"), str(tmp_path / "b"))
     assert rc == 1 and err == ""
-    assert "w: 1 of 25000000 elements, first at [3217, 1234]" in out
+    assert "w: 1 of 5760000 elements, first at [2017, 1234]" in out
     assert "DIFFERENT (bitwise)" in out
     rc, out, _ = run(capsys, "diff", "--atol", "1e-5", str(tmp_path / "a"), str(tmp_path / "b"))
     assert rc == 0 and out.startswith("equal (atol=1e-05, rtol=0)")
@@ -132,37 +131,17 @@ def test_inspect_values(chunked, capsys):
 
 
 # ------------------------------------------------------------------------------- progress
-def _cmd(src, dst):
-    return [sys.executable, "-m", "shardpoint.tools.cli", "convert", src, dst]
-
-
-def _under_pty(cmd, env):
-    master, slave = pty.openpty()
-    p = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
-    os.close(slave)
-    out = b""
-    while True:
-        r, _, _ = select.select([master], [], [], 120)
-        if not r:
-            p.kill()
-            break
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:          # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.close(master)
-    return p.wait(timeout=60), out.decode(errors="replace")
-
-
 def test_progress_bar_on_a_terminal_only(tmp_path, capsys):
     from safetensors.torch import save_file
     save_file({f"t{i}": torch.zeros(1 << 18) for i in range(8)}, str(tmp_path / "m.safetensors"))
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="80", OMP_NUM_THREADS="1")
     env.pop("NO_COLOR", None)
-    rc, out = _under_pty(_cmd(str(tmp_path / "m.safetensors"), str(tmp_path / "a")), env)
+    # `python -m shardpoint.tools.cli convert ...` at a terminal (a process forked from the
+    # launcher's fork server: the terminal is under test here, not a fresh interpreter)
+    r = run_code("import runpy; runpy.run_module('shardpoint.tools.cli', run_name='__main__', "
+                 "alter_sys=True)", "convert", tmp_path / "m.safetensors", tmp_path / "a",
+                 env=env, timeout=120, terminal=True)
+    rc, out = r.returncode, r.stdout
     assert rc == 0, out
     assert "━" in out and "8.0/8.0 MiB" in out and "converted" in out
     # Piped (here: pytest's captured, non-terminal stdout and stderr): no bar, no escapes.
