@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import socket
+import tempfile
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -54,7 +56,7 @@ def process_context() -> Any:
     return _context()
 
 
-def _entry(fn, rank, world, port, args, q, pg_timeout, env):
+def _entry(fn, rank, world, rendezvous, args, q, pg_timeout, env):
     os.environ.clear()
     os.environ.update(env)
     import torch.distributed as dist
@@ -62,7 +64,7 @@ def _entry(fn, rank, world, port, args, q, pg_timeout, env):
     try:
         import torch
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
                                 world_size=world, timeout=timedelta(seconds=pg_timeout))
         try:
             q.put((rank, True, fn(rank, world, *args)))
@@ -78,10 +80,13 @@ def run_world(world: int, fn: Callable, *args: Any, timeout: float = 120.0,
     """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` from real processes."""
     ctx = _context()
     q = ctx.Queue()
-    port = free_port()
+    # A file rendezvous, not a TCP port: a free port found here could be taken by another
+    # world (another xdist worker) before rank 0 binds it, and ranks of two worlds met.
+    where = tempfile.mkdtemp(prefix="sp-world-")
+    rendezvous = f"file://{where}/store"
     env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, q, pg_timeout, env),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, rendezvous, args, q, pg_timeout,
+                                              env), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict = {}
@@ -111,6 +116,7 @@ def run_world(world: int, fn: Callable, *args: Any, timeout: float = 120.0,
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(where, ignore_errors=True)
     if errors:
         raise RankFailure("; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
     return [results[r] for r in range(world)]
