@@ -54,6 +54,8 @@ ALLOWED = {
         "the memory cgroup the fuzzer itself created for its reader process",
     ("conformance/shardpoint_conformance/hostile.py", "os.rmdir"):
         "the memory cgroup it created for one bounded read",
+    ("testing/shardpoint_testing/launch.py", "shutil.rmtree"):
+        "the file-rendezvous directory run_world itself made (mkdtemp) for one world",
     ("testing/shardpoint_testing/cluster.py", "shutil.rmtree"):
         "the shared directory the test cluster itself made (mkdtemp), at teardown",
     ("conformance/shardpoint_conformance/vector_damage_12.py", "shutil.rmtree"):
