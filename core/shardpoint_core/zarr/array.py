@@ -340,6 +340,65 @@ def read_region(store: ByteStore, array_path: str, layout: ArrayLayout,
             _read_shard(store, ckey, layout, origin, blo, bhi, dst, key)
 
 
+class PrimedStore:
+    """``store`` holding the answer (bytes, or the error) to one request sent ahead: the
+    first request :func:`read_region` makes for a region under a layout predicted before
+    the array's zarr.json arrived (:func:`prime_region`). The same request, made by
+    ``read_region`` under the confirmed layout, gets that answer once; any other request
+    goes to the store, so every check of the layer runs on the bytes as before."""
+
+    def __init__(self, store: ByteStore, request: tuple, outcome: tuple) -> None:
+        self._store, self._request, self._outcome = store, request, outcome
+        if getattr(store, "get_suffix", None) is None:
+            self.get_suffix = None          # the layer's head + range fallback, as before
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def _answer(self, request: tuple):
+        if request != self._request:
+            return None
+        (data, err), self._request, self._outcome = self._outcome, None, (None, None)
+        if err is not None:
+            raise err
+        return (data,)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        got = self._answer(("range", key, start, length))
+        return got[0] if got is not None else self._store.get_range(key, start, length)
+
+    def get_suffix(self, key: str, length: int) -> Tuple[bytes, int]:
+        got = self._answer(("suffix", key, length))
+        return got[0] if got is not None else self._store.get_suffix(key, length)
+
+
+def prime_region(store: ByteStore, array_path: str, layout: ArrayLayout,
+                 offset: Sequence[int], shape: Sequence[int]) -> Optional[PrimedStore]:
+    """Send now the first request :func:`read_region` would make for the region under
+    ``layout`` (a plain chunk's read, or a shard index's suffix read) and return the store
+    that answers it: an object store's zarr.json and first data request in one round trip.
+    Use it only once the array's zarr.json confirmed ``layout``; None when there is nothing
+    to send (an empty region, a store without suffix reads for a shard)."""
+    first = next(_chunks_of(layout, tuple(int(o) for o in offset), shape), None)
+    if first is None:
+        return None
+    ckey = chunk_key(array_path, first[0])
+    if layout.inner is None:
+        n = math.prod(layout.chunk) * layout.itemsize + 4
+        request, call = ("range", ckey, 0, n + 1), lambda: store.get_range(ckey, 0, n + 1)
+    else:
+        suffix = getattr(store, "get_suffix", None)
+        if suffix is None:
+            return None
+        n = math.prod(_per(layout)) * 16 + 4
+        request, call = ("suffix", ckey, n), lambda: suffix(ckey, n)
+    try:
+        outcome = (call(), None)
+    except Exception as e:  # noqa: BLE001 - raised where read_region makes this request
+        outcome = (None, e)
+    return PrimedStore(store, request, outcome)
+
+
 def _fill(store: ByteStore, ckey: str, start: int, buf: np.ndarray, key: str) -> None:
     try:
         store.read_into(ckey, start, memoryview(buf))

@@ -32,7 +32,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -40,13 +41,13 @@ from shardpoint_core.commit.durable import will_need
 from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                     IncompleteCheckpointError, InvalidOptionError,
-                                    SaveFailedError, ShardpointError)
+                                    SaveFailedError, ShardpointError, StoreNotFoundError)
 from shardpoint_core.storage import MANIFEST_NAME, ArraySpec
 from shardpoint_core.store.files import FileStore
 from shardpoint_core.store.registry import bucket_store, is_local, url_of
 from shardpoint_core.zarr import local
-from shardpoint_core.zarr.array import (ArrayLayout, read_array_meta, read_chunk, read_region,
-                                        write_array_meta, write_region)
+from shardpoint_core.zarr.array import (ArrayLayout, prime_region, read_array_meta, read_chunk,
+                                        read_region, write_array_meta, write_region)
 from shardpoint_core.zarr.checks import check_shard_files, open_local_array, read_zarr_json
 from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_read import DirectReader, parse_layout, whole_chunk_files
@@ -71,27 +72,49 @@ class _Array:
         self.root = root
 
 
+def _inline(fn: Callable, *args: Any) -> Future:
+    """``fn(*args)`` run now, as a finished future."""
+    f: Future = Future()
+    try:
+        f.set_result(fn(*args))
+    except Exception as e:  # noqa: BLE001 - the future holds it
+        f.set_exception(e)
+    return f
+
+
 class _ObjectArray:
     """An array on an object store opened for reading: its zarr.json is read and checked by
-    the first read (or verify) that needs it, inside that read's task on the I/O pool, so
-    an open costs nothing and as many zarr.json GETs are in flight as reads (the load opens
-    arrays ahead from a few threads only, as it does on files)."""
+    the first read (or verify) that needs it, so an open costs nothing and as many zarr.json
+    GETs are in flight as reads (the load opens arrays ahead from a few threads only, as it
+    does on files). ``guess``: the layout this backend would have written for the manifest's
+    entry; the first read sends its first data request under it alongside the zarr.json
+    GET, and uses the answer only if zarr.json confirms that layout."""
 
-    def __init__(self, store: Any, path: str, spec: ArraySpec, key: str) -> None:
+    def __init__(self, store: Any, path: str, spec: ArraySpec, key: str,
+                 guess: Optional[ArrayLayout] = None) -> None:
         self.store, self.path, self.spec, self.key = store, path, spec, key
-        self._layout: Optional[ArrayLayout] = None
+        self.guess = guess
+        self._meta: Optional[Future] = None
         self._lock = threading.Lock()
+
+    def meta(self, submit: Callable) -> Future:
+        """The read and check of zarr.json (started by ``submit`` unless under way or done;
+        one that failed is tried again)."""
+        with self._lock:
+            f = self._meta
+            if f is None or (f.done() and f.exception() is not None):
+                f = self._meta = submit(read_array_meta, self.store, self.path, self.spec,
+                                        self.key)
+            return f
+
+    def known(self) -> Optional[ArrayLayout]:
+        """The checked layout, if zarr.json was read already."""
+        f = self._meta
+        return f.result() if f is not None and f.done() and f.exception() is None else None
 
     @property
     def layout(self) -> ArrayLayout:
-        with self._lock:
-            if self._layout is None:
-                self._layout = read_array_meta(self.store, self.path, self.spec, self.key)
-            return self._layout
-
-
-def _read_object(arr: _ObjectArray, offset: tuple, out: np.ndarray) -> None:
-    read_region(arr.store, arr.path, arr.layout, offset, out, arr.key)
+        return self.meta(_inline).result()
 
 
 class _WriteHandle(LazyTS):
@@ -168,6 +191,10 @@ class ZarrBackend:
         self._reads = WritePool(read_threads, "shardpoint-read")
         self._write_pool = WritePool(write_threads, "shardpoint-write")
         self._remote = WritePool(concurrency, "sp-obj")
+        # zarr.json reads of object-store arrays: never wait on anything, so a read task on
+        # ``_remote`` may wait for one without a deadlock
+        self._meta_reads = WritePool(concurrency, "sp-meta")
+        self._staged: Dict[str, bytes] = {}      # object-store staging -> its manifest
         self.committer = PathCommitter(PosixCommitter(fsync=fsync), UrlCommitter(self.locate))
 
     def __repr__(self) -> str:
@@ -210,9 +237,9 @@ class ZarrBackend:
         if is_local(staging):
             self.committer.posix.create_staging(staging)
 
-    def open_array_for_write(self, root: str, array_path: str, spec: ArraySpec) -> Any:
-        """A handle to write whole chunks of a new array. zarr.json is created unless another
-        writer of the array did (the same bytes: both derive them from the manifest)."""
+    def _metas(self, spec: ArraySpec) -> Tuple[dict, dict, list, int]:
+        """(zarr.json this backend writes for ``spec`` as TensorStore takes it, the same as
+        stored, the codec chain, the itemsize)."""
         from shardpoint_core.dtypes import from_name
         itemsize = from_name(spec.dtype).itemsize
         codecs = codecs_for(spec, itemsize, self.shard_above_bytes, self.inner_chunk_bytes)
@@ -221,7 +248,19 @@ class ZarrBackend:
                                "configuration": {"chunk_shape": list(spec.chunk_shape)}},
                 "chunk_key_encoding": {"name": "default"},
                 "fill_value": fill_value(spec.dtype), "codecs": codecs}
-        stored = dict(meta, codecs=stored_codecs(codecs, itemsize))
+        return meta, dict(meta, codecs=stored_codecs(codecs, itemsize)), codecs, itemsize
+
+    def _guess(self, spec: ArraySpec) -> Optional[ArrayLayout]:
+        """The layout this backend would write for ``spec`` (None where it cannot say)."""
+        try:
+            return ArrayLayout.from_meta(self._metas(spec)[1])
+        except Exception:  # noqa: BLE001 - no guess; zarr.json decides, as always
+            return None
+
+    def open_array_for_write(self, root: str, array_path: str, spec: ArraySpec) -> Any:
+        """A handle to write whole chunks of a new array. zarr.json is created unless another
+        writer of the array did (the same bytes: both derive them from the manifest)."""
+        meta, stored, codecs, itemsize = self._metas(spec)
         lay = ArrayLayout.from_meta(stored)
         store, prefix = self.locate(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
@@ -299,12 +338,20 @@ class ZarrBackend:
             return
         store, key = self.locate(root)
         store.put(f"{key}/{MANIFEST_NAME}", data)
+        with self._lock:           # the commit publishes these bytes, not a read of them
+            self._staged[root] = data
 
     def commit(self, staging: str, path: str, *, overwrite: Any) -> None:
-        self.committer.publish(staging, path, overwrite=overwrite)
+        with self._lock:
+            data = self._staged.pop(staging, None)
+        if data is None or is_local(path):
+            self.committer.publish(staging, path, overwrite=overwrite)
+        else:
+            self.committer.urls.publish(staging, path, overwrite=overwrite, manifest=data)
 
     def abort(self, staging: str) -> None:
         with self._lock:
+            self._staged.pop(staging, None)
             pending = self._meta.pop(staging, [])
             if is_local(staging):
                 self._written.pop(os.path.abspath(staging), None)
@@ -316,11 +363,34 @@ class ZarrBackend:
     def read_manifest(self, path: str) -> bytes:
         if is_local(path):
             return local.read_manifest(path, self.checkpoint_state(path))
+        return self._read_remote_manifest(path, False)[0]
+
+    def read_manifest_with_identity(self, path: str) -> Tuple[bytes, Optional[list]]:
+        """(the manifest's bytes, the :meth:`checkpoint_identity` of the commit they belong
+        to). On an object store both come from the manifest's one GET (its ETag and size:
+        no HEAD before it, and the identity is the one of the bytes read); on files the
+        identity is taken first (each commit renames a new manifest file into place)."""
+        if is_local(path):
+            ident = self.checkpoint_identity(path)
+            return self.read_manifest(path), ident
+        return self._read_remote_manifest(path, True)
+
+    def _read_remote_manifest(self, path: str, identity: bool) -> Tuple[bytes, Optional[list]]:
         store, key = self.locate(path)
         mkey = f"{key}/{MANIFEST_NAME}" if key else MANIFEST_NAME
+        getv = getattr(store, "get_versioned", None) if identity else None
+        ident = None
+        if identity and getv is None:
+            ident = self.checkpoint_identity(path)
         try:            # one request: at most one byte over the cap, so a bigger one is seen
-            data = store.get_range(mkey, 0, MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
+            if getv is not None:
+                data, info = getv(mkey, MAX_MANIFEST_BYTES + 1)
+                ident = [info.version, info.size]
+            else:
+                data = store.get_range(mkey, 0, MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError as e:
+            if isinstance(e, StoreNotFoundError):
+                raise
             if self.committer.urls.state(path) == "incomplete":
                 raise IncompleteCheckpointError(
                     f"{path} has objects but no manifest.msgpack: a save that crashed or is "
@@ -330,7 +400,7 @@ class ZarrBackend:
         if len(data) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"{path}/{MANIFEST_NAME} is over the 1 GiB cap",
                                          spec_id="SP-SEC-2")
-        return data
+        return data, ident
 
     def checkpoint_identity(self, path: str) -> Optional[list]:
         """Which commit of ``path`` is there now; None when there is none. ``load`` compares
@@ -351,7 +421,7 @@ class ZarrBackend:
         store, prefix = self.locate(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
-            return _ObjectArray(store, path, spec, key)
+            return _ObjectArray(store, path, spec, key, self._guess(spec))
         from shardpoint_core.dtypes import DTYPES, from_name
         meta = open_local_array(root, array_path, tuple(spec.shape), spec.dtype,
                                 tuple(spec.chunk_shape), from_name(spec.dtype).itemsize, key)
@@ -388,14 +458,31 @@ class ZarrBackend:
             return _KeyedRead(DirectReader(handle.layout, self._reads.submit, fallback,
                                            arr.key).read(tuple(offset), out), arr.key)
         if isinstance(handle, _ObjectArray):
-            return _KeyedRead(self._remote.submit(_read_object, handle, tuple(offset), out),
-                              handle.key)
+            return _KeyedRead(self._remote.submit(self._read_object, handle, tuple(offset),
+                                                  out), handle.key)
         if isinstance(handle, _Array):
             pool = self._reads if handle.store.capabilities.local_path else self._remote
             return _KeyedRead(pool.submit(read_region, handle.store, handle.path,
                                           handle.layout, tuple(offset), out, handle.key),
                               handle.key)
         return _KeyedRead(self.ts.read_into(handle, offset, out), handle.key)
+
+    def _read_object(self, arr: _ObjectArray, offset: tuple, out: np.ndarray) -> None:
+        """A region of an object-store array. The first read of an array sends its first
+        data request (under the predicted layout) while zarr.json is read: zarr.json is
+        checked before any of those bytes is used, and they are dropped unless it confirms
+        the prediction."""
+        lay = arr.known()
+        store = arr.store
+        if lay is None:
+            meta = arr.meta(self._meta_reads.submit)
+            primed = None
+            if arr.guess is not None and not meta.done():
+                primed = prime_region(arr.store, arr.path, arr.guess, offset, out.shape)
+            lay = meta.result()           # the spec's error for a bad zarr.json, first
+            if primed is not None and lay == arr.guess:
+                store = primed
+        read_region(store, arr.path, lay, offset, out, arr.key)
 
     def wait(self, ops: Sequence[Any]) -> None:
         """Wait for every op (each finishes before an error is raised); the first error is
