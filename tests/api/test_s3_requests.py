@@ -223,3 +223,38 @@ def test_one_zarr_json_put_per_array_however_many_writers(s3_env):
     be = ZarrBackend()
     be.wait([be.read_into(be.open_array_for_read(url, "tensors/w", spec, "w"), (0, 0), out)])
     assert np.array_equal(out, x)
+
+
+def test_chunks_and_shard_runs_of_a_region_are_read_together(s3_env, monkeypatch):
+    """A region over several chunks, and a shard read in several runs: after the first
+    round trip (zarr.json with the first chunk's read, or the shard's index), every other
+    chunk and run is in flight at once, one round trip (one after another before)."""
+    import numpy as np
+    from shardpoint_core.storage import ArraySpec
+    from shardpoint_core.zarr import array
+    url = s3_env.url(s3_env.fresh_prefix("requests") + "/fan")
+    spec = ArraySpec((16, 4), "float32", (4, 4))              # four plain chunks
+    x = np.arange(64, dtype=np.float32).reshape(16, 4)
+    big = ArraySpec((1 << 16,), "float32", (1 << 16,))        # one shard of 32 inner chunks
+    y = np.arange(1 << 16, dtype=np.float32)
+    be = ZarrBackend(shard_above_bytes=1 << 16, inner_chunk_bytes=1 << 13)
+    h, g = be.open_array_for_write(url, "tensors/x", spec), \
+        be.open_array_for_write(url, "tensors/y", big)
+    be.wait([be.write(h, (4 * i, 0), x[4 * i:4 * i + 4]) for i in range(4)]
+            + [be.write(g, (0,), y)])
+    be.flush(url)
+    monkeypatch.setattr(array, "MAX_SPAN_BYTES", 8192 + 4)    # one inner chunk per run
+    out, back = np.empty_like(x), np.empty_like(y)
+    with Requests(be, url, LATENCY) as log:
+        be.wait([be.read_into(be.open_array_for_read(url, "tensors/x", spec, "x"), (0, 0),
+                              out)])
+        xs = log.take()
+        be.wait([be.read_into(be.open_array_for_read(url, "tensors/y", big, "y"), (0,), back)])
+        ys = log.take()
+    assert np.array_equal(out, x) and np.array_equal(back, y)
+    assert Requests.waves(xs) == [
+        Counter({("GetObject", "tensors/x/zarr.json"): 1, ("GetObject", "tensors/x/c/0/0"): 1}),
+        Counter({("GetObject", f"tensors/x/c/{i}/0"): 1 for i in (1, 2, 3)})], xs
+    assert Requests.waves(ys) == [
+        Counter({("GetObject", "tensors/y/zarr.json"): 1, ("GetObject", "tensors/y/c/0"): 1}),
+        Counter({("GetObject", "tensors/y/c/0"): 32})], ys     # the index, then 32 runs

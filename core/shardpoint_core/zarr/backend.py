@@ -467,11 +467,12 @@ class ZarrBackend:
                               handle.key)
         return _KeyedRead(self.ts.read_into(handle, offset, out), handle.key)
 
-    def _read_object(self, arr: _ObjectArray, offset: tuple, out: np.ndarray) -> None:
+    def _read_object(self, arr: _ObjectArray, offset: tuple, out: np.ndarray) -> list:
         """A region of an object-store array. The first read of an array sends its first
         data request (under the predicted layout) while zarr.json is read: zarr.json is
         checked before any of those bytes is used, and they are dropped unless it confirms
-        the prediction."""
+        the prediction. The region's other chunks and shard runs are tasks of their own,
+        in flight together (their futures returned, for :meth:`wait`)."""
         lay = arr.known()
         store = arr.store
         if lay is None:
@@ -482,7 +483,7 @@ class ZarrBackend:
             lay = meta.result()           # the spec's error for a bad zarr.json, first
             if primed is not None and lay == arr.guess:
                 store = primed
-        read_region(store, arr.path, lay, offset, out, arr.key)
+        return read_region(store, arr.path, lay, offset, out, arr.key, self._remote.submit)
 
     def wait(self, ops: Sequence[Any]) -> None:
         """Wait for every op (each finishes before an error is raised); the first error is
