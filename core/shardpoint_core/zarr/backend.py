@@ -13,7 +13,10 @@ byte what the layer writes) and made durable by one ``syncfs`` (the store's
 ``make_durable_below``); everything else (part of a chunk, a chunk the direct reader could not
 prove intact, bool arrays, verification) is the layer's. On object stores, chunk requests run
 ``concurrency`` at a time, zarr.json PUTs in flight with the chunks, and a load reads only the
-chunks and inner-chunk ranges its regions meet.
+chunks and inner-chunk ranges its regions meet, in as few round trips in sequence as the
+checks allow: an array's first data request goes beside its zarr.json GET (used only once
+zarr.json confirmed the layout it was sent for), a region's other chunks and shard runs all
+at once, and the manifest's GET gives the commit identity (no HEAD before it).
 
 TensorStore is a cross-check only (:mod:`.ts_check`: ``direct_reads=False`` /
 ``direct_writes=False`` on local files, and big-endian hosts), imported only then.
