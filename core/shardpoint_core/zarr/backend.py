@@ -35,8 +35,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from concurrent.futures import Future
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -49,14 +48,15 @@ from shardpoint_core.storage import MANIFEST_NAME, ArraySpec
 from shardpoint_core.store.files import FileStore
 from shardpoint_core.store.registry import bucket_store, is_local, url_of
 from shardpoint_core.zarr import local
-from shardpoint_core.zarr.array import (ArrayLayout, prime_region, read_array_meta, read_chunk,
-                                        read_region, write_array_meta, write_region)
+from shardpoint_core.zarr.array import (ArrayLayout, read_chunk, read_region,
+                                        write_array_meta, write_region)
 from shardpoint_core.zarr.checks import check_shard_files, open_local_array, read_zarr_json
 from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_read import DirectReader, parse_layout, whole_chunk_files
 from shardpoint_core.zarr.direct_write import (DirectWriter, WritePool, stored_codecs,
                                                write_layout, zarr_json_bytes)
 from shardpoint_core.zarr.layout import codecs_for, fill_value
+from shardpoint_core.zarr.object_read import ObjectArray
 from shardpoint_core.zarr.ts_check import LazyTS, TensorStoreCheck, TSHandle, check_metadata
 
 MAX_MANIFEST_BYTES = local.MAX_MANIFEST_BYTES
@@ -73,51 +73,6 @@ class _Array:
                  root: Optional[str] = None) -> None:
         self.store, self.path, self.layout, self.key = store, path, layout, key
         self.root = root
-
-
-def _inline(fn: Callable, *args: Any) -> Future:
-    """``fn(*args)`` run now, as a finished future."""
-    f: Future = Future()
-    try:
-        f.set_result(fn(*args))
-    except Exception as e:  # noqa: BLE001 - the future holds it
-        f.set_exception(e)
-    return f
-
-
-class _ObjectArray:
-    """An array on an object store opened for reading: its zarr.json is read and checked by
-    the first read (or verify) that needs it, so an open costs nothing and as many zarr.json
-    GETs are in flight as reads (the load opens arrays ahead from a few threads only, as it
-    does on files). ``guess``: the layout this backend would have written for the manifest's
-    entry; the first read sends its first data request under it alongside the zarr.json
-    GET, and uses the answer only if zarr.json confirms that layout."""
-
-    def __init__(self, store: Any, path: str, spec: ArraySpec, key: str,
-                 guess: Optional[ArrayLayout] = None) -> None:
-        self.store, self.path, self.spec, self.key = store, path, spec, key
-        self.guess = guess
-        self._meta: Optional[Future] = None
-        self._lock = threading.Lock()
-
-    def meta(self, submit: Callable) -> Future:
-        """The read and check of zarr.json (started by ``submit`` unless under way or done;
-        one that failed is tried again)."""
-        with self._lock:
-            f = self._meta
-            if f is None or (f.done() and f.exception() is not None):
-                f = self._meta = submit(read_array_meta, self.store, self.path, self.spec,
-                                        self.key)
-            return f
-
-    def known(self) -> Optional[ArrayLayout]:
-        """The checked layout, if zarr.json was read already."""
-        f = self._meta
-        return f.result() if f is not None and f.done() and f.exception() is None else None
-
-    @property
-    def layout(self) -> ArrayLayout:
-        return self.meta(_inline).result()
 
 
 class _WriteHandle(LazyTS):
@@ -424,7 +379,7 @@ class ZarrBackend:
         store, prefix = self.locate(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
-            return _ObjectArray(store, path, spec, key, self._guess(spec))
+            return ObjectArray(store, path, spec, key, self._guess(spec))
         from shardpoint_core.dtypes import DTYPES, from_name
         meta = open_local_array(root, array_path, tuple(spec.shape), spec.dtype,
                                 tuple(spec.chunk_shape), from_name(spec.dtype).itemsize, key)
@@ -460,33 +415,16 @@ class ZarrBackend:
                 read_region(arr.store, arr.path, arr.layout, off, view, arr.key)
             return _KeyedRead(DirectReader(handle.layout, self._reads.submit, fallback,
                                            arr.key).read(tuple(offset), out), arr.key)
-        if isinstance(handle, _ObjectArray):
-            return _KeyedRead(self._remote.submit(self._read_object, handle, tuple(offset),
-                                                  out), handle.key)
+        if isinstance(handle, ObjectArray):
+            return _KeyedRead(self._remote.submit(handle.read, tuple(offset), out,
+                                                  self._meta_reads.submit,
+                                                  self._remote.submit), handle.key)
         if isinstance(handle, _Array):
             pool = self._reads if handle.store.capabilities.local_path else self._remote
             return _KeyedRead(pool.submit(read_region, handle.store, handle.path,
                                           handle.layout, tuple(offset), out, handle.key),
                               handle.key)
         return _KeyedRead(self.ts.read_into(handle, offset, out), handle.key)
-
-    def _read_object(self, arr: _ObjectArray, offset: tuple, out: np.ndarray) -> list:
-        """A region of an object-store array. The first read of an array sends its first
-        data request (under the predicted layout) while zarr.json is read: zarr.json is
-        checked before any of those bytes is used, and they are dropped unless it confirms
-        the prediction. The region's other chunks and shard runs are tasks of their own,
-        in flight together (their futures returned, for :meth:`wait`)."""
-        lay = arr.known()
-        store = arr.store
-        if lay is None:
-            meta = arr.meta(self._meta_reads.submit)
-            primed = None
-            if arr.guess is not None and not meta.done():
-                primed = prime_region(arr.store, arr.path, arr.guess, offset, out.shape)
-            lay = meta.result()           # the spec's error for a bad zarr.json, first
-            if primed is not None and lay == arr.guess:
-                store = primed
-        return read_region(store, arr.path, lay, offset, out, arr.key, self._remote.submit)
 
     def wait(self, ops: Sequence[Any]) -> None:
         """Wait for every op (each finishes before an error is raised); the first error is
