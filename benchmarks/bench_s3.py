@@ -4,6 +4,7 @@ through fsspec/s3fs, same run, same server.
     python benchmarks/bench_s3.py                      # mixed (scale 0.25) + uniform 16 x 4 MiB
     python benchmarks/bench_s3.py --scale 1 --uniform 32x32 --repeat 5
     python benchmarks/bench_s3.py --endpoint http://host:9000 --bucket b   # a server of yours
+    python benchmarks/bench_s3.py --latency-ms 20      # + 20 ms per request, every client
 
 The server is moto's standalone S3 server on loopback, started here (or ``--endpoint``): an
 in-memory Python server, so the figures measure what a client gets from *this* server, not
@@ -22,6 +23,12 @@ from AWS; the raw limit row says what that is. Rows, interleaved run by run (med
   needs an aiobotocore whose botocore pin clashes with boto3's, so it is imported from
   ``--s3fs-path`` (``pip install --target DIR s3fs``), a directory of its own; without one the
   DCP rows are skipped and the table says so.
+
+Round trips ("depth"): each request's start and end are logged on the client, and a request
+is one round trip deeper than the deepest one that had ended when it started; a save's or a
+load's depth is its longest such chain (the raw rows are 1 deep). ``--latency-ms`` adds that
+much before every request of every client (shardpoint's, the raw rows', not DCP's), as a
+distant server's round trip would: on loopback a round trip costs what the server takes.
 """
 from __future__ import annotations
 
@@ -31,7 +38,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -72,32 +78,56 @@ print(json.dumps(out))
 """
 
 
+def add_latency(client, seconds: float) -> None:
+    """Every request of ``client`` waits ``seconds`` before it is sent."""
+    if seconds > 0:
+        client.meta.events.register("before-send.s3.*", lambda **kw: time.sleep(seconds))
+
+
 class Counter:
-    """Requests and payload bytes a boto3 client sent and received (botocore events)."""
+    """Requests and payload bytes a boto3 client sent and received, and each request's start
+    and end (botocore events), for the round trips in sequence (:meth:`depth`)."""
 
     def __init__(self, client) -> None:
         self.requests = 0
         self.sent = 0
         self.received = 0
+        self.spans: list = []          # [start, end] per request, in order sent
         self._lock = threading.Lock()
-        client.meta.events.register("before-send.s3.*", self._send)
-        client.meta.events.register("after-call.s3.GetObject", self._got)
+        self._mine = threading.local()
+        client.meta.events.register_first("before-send.s3.*", self._send)
+        client.meta.events.register("after-call.s3.*", self._done)
 
     def _send(self, request, **kw):
         body = request.body
         n = len(body) if isinstance(body, (bytes, bytearray)) else int(
             request.headers.get("Content-Length", 0) or 0)
+        span = self._mine.span = [time.perf_counter(), None]
         with self._lock:
             self.requests += 1
             self.sent += n if request.method == "PUT" else 0
+            self.spans.append(span)
 
-    def _got(self, http_response, parsed, **kw):
-        with self._lock:
-            self.received += int(parsed.get("ContentLength", 0) or 0)
+    def _done(self, http_response, parsed, event_name, **kw):
+        self._mine.span[1] = time.perf_counter()
+        if event_name.endswith(".GetObject"):
+            with self._lock:
+                self.received += int(parsed.get("ContentLength", 0) or 0)
 
     def snap(self):
         with self._lock:
-            return self.requests, self.sent, self.received
+            return self.requests, self.sent, self.received, len(self.spans)
+
+    def depth(self, first: int, stop: int) -> int:
+        """Round trips in sequence among the requests of spans ``first`` to ``stop``."""
+        with self._lock:
+            spans = sorted(self.spans[first:stop], key=lambda s: s[0])
+        depth: list = []
+        for i, (start, _end) in enumerate(spans):
+            depth.append(1 + max((depth[j] for j in range(i)
+                                  if spans[j][1] is not None and spans[j][1] <= start),
+                                 default=0))
+        return max(depth, default=0)
 
 
 def med(v):
@@ -111,22 +141,27 @@ def fmt(v, nbytes):
     return f"{m:7.3f} s ({min(v):.3f}-{max(v):.3f})  {nbytes / m / 2**20:7.1f} MiB/s"
 
 
-def raw_round(client, bucket: str, prefix: str, sizes: list, conc: int) -> tuple:
-    """PUT then GET objects of ``sizes`` with ``conc`` threads: the server's limit."""
+def raw_round(client, bucket: str, prefix: str, sizes: list, conc: int,
+              counter: "Counter") -> tuple:
+    """PUT then GET objects of ``sizes`` with ``conc`` threads: the server's limit; (PUT s,
+    GET s, PUT round trips in sequence, GET round trips)."""
     blobs = {n: os.urandom(n) for n in set(sizes)}
     keys = [f"{prefix}/raw-{uuid.uuid4().hex[:8]}/{i}" for i in range(len(sizes))]
     with ThreadPoolExecutor(conc) as ex:
+        s0 = counter.snap()[3]
         t0 = time.perf_counter()
         list(ex.map(lambda kn: client.put_object(Bucket=bucket, Key=kn[0], Body=blobs[kn[1]]),
                     zip(keys, sizes)))
         put = time.perf_counter() - t0
+        s1 = counter.snap()[3]
         t0 = time.perf_counter()
         list(ex.map(lambda k: client.get_object(Bucket=bucket, Key=k)["Body"].read(), keys))
         get = time.perf_counter() - t0
+        s2 = counter.snap()[3]
     for i in range(0, len(keys), 1000):
         client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k}
                                                                  for k in keys[i:i + 1000]]})
-    return put, get
+    return put, get, counter.depth(s0, s1), counter.depth(s1, s2)
 
 
 def main(argv=None) -> None:
@@ -139,6 +174,8 @@ def main(argv=None) -> None:
     ap.add_argument("--s3fs-path", default=os.environ.get("S3FS_PATH", "/tmp/s3_20_s3fs"))
     ap.add_argument("--endpoint", default=None)
     ap.add_argument("--bucket", default=None)
+    ap.add_argument("--latency-ms", type=float, default=0.0,
+                    help="added before every request (shardpoint and raw rows)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
 
@@ -161,6 +198,9 @@ def main(argv=None) -> None:
     from botocore.config import Config
     raw_client = boto3.client("s3", config=Config(max_pool_connections=a.concurrency,
                                                   retries={"mode": "standard"}))
+    raw_counter = Counter(raw_client)
+    add_latency(store.client, a.latency_ms / 1000)
+    add_latency(raw_client, a.latency_ms / 1000)
     n, mib = (float(x) for x in a.uniform.split("x"))
     states = [("mixed", {"scale": a.scale}, bt.mixed_state(a.scale)),
               ("uniform", {"n": int(n), "mib": mib}, bt.uniform_state(int(n), mib))]
@@ -191,16 +231,21 @@ def main(argv=None) -> None:
             del back
             r["save_requests"], r["save_bytes"] = c1[0] - c0[0], c1[1] - c0[1]
             r["load_requests"], r["load_bytes"] = c2[0] - c1[0], c2[2] - c1[2]
+            r.setdefault("save_depth", []).append(counter.depth(c0[3], c1[3]))
+            r.setdefault("load_depth", []).append(counter.depth(c1[3], c2[3]))
             prefix = url[len(f"s3://{bucket}/"):]
             every = [o for o in store.list(prefix + "/")]
             sizes = [o.size for o in every if "/c/" in o.key]
             r["objects"], r["all_objects"] = len(sizes), len(every)
-            put, get = raw_round(raw_client, bucket, f"{run}/{name}-raw", [o.size for o in every],
-                                 a.concurrency)
+            put, get, dput, dget = raw_round(raw_client, bucket, f"{run}/{name}-raw",
+                                             [o.size for o in every], a.concurrency,
+                                             raw_counter)
             r["raw_put"].append(put)
             r["raw_get"].append(get)
+            r["raw_put_depth"], r["raw_get_depth"] = dput, dget
             r["raw_bytes"] = sum(o.size for o in every)
-            put, get = raw_round(raw_client, bucket, f"{run}/{name}-rawc", sizes, a.concurrency)
+            put, get, _dp, _dg = raw_round(raw_client, bucket, f"{run}/{name}-rawc", sizes,
+                                           a.concurrency, raw_counter)
             r["rawc_put"].append(put)
             r["rawc_get"].append(get)
             r["rawc_bytes"] = sum(sizes)
@@ -226,21 +271,24 @@ def main(argv=None) -> None:
         server.stop()
 
     print(f"\nS3 benchmark: moto {_moto_version()} on loopback, {os.cpu_count()} cores, "
-          f"concurrency {a.concurrency}, {a.repeat} interleaved rounds; median (min-max)")
+          f"concurrency {a.concurrency}, {a.repeat} interleaved rounds; median (min-max)"
+          + (f"; +{a.latency_ms:g} ms per request" if a.latency_ms else ""))
     for name, r in results.items():
         b = r["bytes"]
         print(f"\n{name}: {b / 2**20:.1f} MiB in {r['objects']} chunk objects, "
               f"{r['all_objects']} objects in all")
-        print(f"  raw PUT (limit)   {fmt(r['raw_put'], r['raw_bytes'])}")
+        print(f"  raw PUT (limit)   {fmt(r['raw_put'], r['raw_bytes'])}   "
+              f"{r['raw_put_depth']} deep")
         print(f"  raw PUT (chunks)  {fmt(r['rawc_put'], r['rawc_bytes'])}")
         print(f"  shardpoint save   {fmt(r['save'], b)}   {r['save_requests']} requests, "
-              f"{r['save_bytes'] / 2**20:.1f} MiB sent")
+              f"{max(r['save_depth'])} deep, {r['save_bytes'] / 2**20:.1f} MiB sent")
         if r["dcp_save"]:
             print(f"  DCP save (t={r['dcp_best_threads']:<2})  {fmt(r['dcp_save'], b)}")
-        print(f"  raw GET (limit)   {fmt(r['raw_get'], r['raw_bytes'])}")
+        print(f"  raw GET (limit)   {fmt(r['raw_get'], r['raw_bytes'])}   "
+              f"{r['raw_get_depth']} deep")
         print(f"  raw GET (chunks)  {fmt(r['rawc_get'], r['rawc_bytes'])}")
         print(f"  shardpoint load   {fmt(r['load'], b)}   {r['load_requests']} requests, "
-              f"{r['load_bytes'] / 2**20:.1f} MiB received")
+              f"{max(r['load_depth'])} deep, {r['load_bytes'] / 2**20:.1f} MiB received")
         if r["dcp_load"]:
             print(f"  DCP load          {fmt(r['dcp_load'], b)}")
         ratio = lambda x, y: (med(x) and med(y)) and med(x) / med(y)   # noqa: E731

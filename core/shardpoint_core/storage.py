@@ -13,7 +13,9 @@ During ``load`` (R = every rank that reads): C or R ``read_manifest`` -> R
 ``open_array_for_read`` + ``read_into`` (+ ``wait``). Optional: ``checkpoint_identity(path)``
 (C before ``read_manifest``, R after its last read), a value that changes whenever another
 commit replaces ``path``; where a backend has it, a load that overlapped such a replacement
-fails instead of returning tensors of two checkpoints.
+fails instead of returning tensors of two checkpoints. Optional too:
+``read_manifest_with_identity(path) -> (bytes, identity)`` (C, in place of both first calls),
+the identity of the commit whose manifest was read (on object stores from the same GET).
 
 Example::
 

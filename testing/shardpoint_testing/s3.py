@@ -297,7 +297,9 @@ class FaultProxy:
                     if k.lower() not in ("connection", "transfer-encoding", "content-length",
                                          "keep-alive", "server", "date"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD's answer has no body but the object's length, relayed as it is
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

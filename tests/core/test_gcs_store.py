@@ -103,9 +103,9 @@ def test_replacement_of_a_generation_that_changed_is_refused(strict_env, strict_
 
 def test_of_two_commits_to_one_target_one_wins(strict_env):
     """Two saves, each staged below its own prefix, publish to one fresh target; the winner
-    commits right after the loser found no marker there, so only the loser's conditional PUT
-    (ifGenerationMatch=0) can stop it: it fails with CheckpointExistsError and the winner's
-    checkpoint stays whole ([SP-COMMIT-12])."""
+    commits right before the loser's PUT of the marker (after any look the loser took), so
+    only that conditional PUT (ifGenerationMatch=0) can stop it: it fails with
+    CheckpointExistsError and the winner's checkpoint stays whole ([SP-COMMIT-12])."""
     from shardpoint_core.commit.object_store import ObjectStoreCommitter
     from shardpoint_core.errors import CheckpointExistsError
     from shardpoint_core.manifest import Manifest, TensorEntry, decode_manifest, encode_manifest
@@ -123,25 +123,24 @@ def test_of_two_commits_to_one_target_one_wins(strict_env):
 
     winner, loser = stage("aaaaaaaaaaaa", "A"), stage("bbbbbbbbbbbb", "B")
 
-    class WinnerCommitsAfterTheLoserLooked:
-        """The loser's view of the store: its look at the marker happens just before the
-        winner's commit lands (a real interleaving, on the server)."""
+    class WinnerCommitsJustBeforeTheLosersPut:
+        """The loser's view of the store: the winner's commit lands just before the loser's
+        PUT of the marker is sent (a real interleaving, on the server)."""
 
         def __init__(self) -> None:
             self.capabilities, self.url, self.fired = store.capabilities, store.url, False
 
-        def head(self, key):
-            info = store.head(key)
+        def put(self, key, data, **kw):
             if key == "ck/manifest.msgpack" and not self.fired:
                 self.fired = True
                 plain.publish(winner, "ck", overwrite=False)
-            return info
+            return store.put(key, data, **kw)
 
         def __getattr__(self, name):
             return getattr(store, name)
 
     with pytest.raises(CheckpointExistsError, match="conditional PUT won"):
-        ObjectStoreCommitter(WinnerCommitsAfterTheLoserLooked()).publish(loser, "ck",
+        ObjectStoreCommitter(WinnerCommitsJustBeforeTheLosersPut()).publish(loser, "ck",
                                                                          overwrite=False)
     m = decode_manifest(store.get("ck/manifest.msgpack"))
     assert store.get("ck/" + m.tensors["w"].array + "/c/0") == b"A"

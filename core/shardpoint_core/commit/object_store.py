@@ -31,17 +31,21 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import itertools
+import logging
 import re
-from typing import Dict, List, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, Iterable, List, Optional
 
 import msgpack
 
 from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                     CorruptCheckpointError, IncompleteCheckpointError,
-                                    InvalidOptionError)
+                                    InvalidOptionError, StoreNotFoundError)
 from shardpoint_core.manifest import decode_manifest
 from shardpoint_core.storage import MANIFEST_NAME, Leftover
 
+log = logging.getLogger("shardpoint")
 SAVE_PREFIX = "save-"
 _TOKEN = re.compile(r"[0-9a-f]{8,64}\Z")
 _MAX_MANIFEST = 1 << 30
@@ -92,11 +96,14 @@ class ObjectStoreCommitter:
     def _manifest_key(self, target: str) -> str:
         return _join(target, MANIFEST_NAME)
 
-    def _foreign(self, target: str) -> List[str]:
-        """Objects under ``target/`` that are neither the marker nor below a save prefix or a
-        committed array path (someone else's: never replaced, never deleted)."""
+    def _foreign(self, target: str, listing: Optional[Iterable] = None) -> List[str]:
+        """Objects under ``target/`` (``listing``: the store's list of it, when the caller
+        started it) that are neither the marker nor below a save prefix or a committed
+        array path (someone else's: never replaced, never deleted)."""
         out = []
-        for info in self.store.list(_join(target) + "/" if target else ""):
+        if listing is None:
+            listing = self.store.list(_join(target) + "/" if target else "")
+        for info in listing:
             rel = info.key[len(_join(target)) + 1:] if target else info.key
             if rel == MANIFEST_NAME or rel.startswith(SAVE_PREFIX):
                 continue
@@ -113,14 +120,19 @@ class ObjectStoreCommitter:
     def check_target(self, target: str, overwrite: bool) -> None:
         """Refuse a committed checkpoint without ``overwrite`` ([SP-COMMIT-5]) and, with or
         without it, objects under the target that this protocol did not write
-        ([SP-COMMIT-13]): nothing deletes what it did not create."""
-        committed = self.store.head(self._manifest_key(target)) is not None
+        ([SP-COMMIT-13]): nothing deletes what it did not create. The marker's HEAD and the
+        first page of the target's listing are in flight together (one round trip)."""
+        with ThreadPoolExecutor(1, thread_name_prefix="sp-commit") as side:
+            marker = side.submit(self.store.head, self._manifest_key(target))
+            listing = iter(self.store.list(_join(target) + "/" if target else ""))
+            first = list(itertools.islice(listing, 1))      # fetches the first page
+            committed = marker.result() is not None
         if committed and not overwrite:
             raise CheckpointExistsError(
                 f"{self._url(target)} holds a committed checkpoint; pass overwrite=True to "
                 "replace it, or save to another path", spec_id="SP-COMMIT-5")
         if not committed:
-            foreign = self._foreign(target)
+            foreign = self._foreign(target, itertools.chain(first, listing))
             if foreign:
                 raise CheckpointExistsError(
                     f"{self._url(target)} holds {len(foreign)} object(s) that are not a "
@@ -139,28 +151,57 @@ class ObjectStoreCommitter:
             raise InvalidOptionError(f"save token {token!r}: 8 to 64 lower-case hex digits")
         return _join(target, SAVE_PREFIX + token)
 
-    def publish(self, staging: str, target: str, *, overwrite: bool) -> None:
+    def publish(self, staging: str, target: str, *, overwrite: bool,
+                manifest: Optional[bytes] = None) -> None:
         """Write the marker ``<target>/manifest.msgpack`` in one conditional PUT
-        ([SP-COMMIT-12]), then delete what it replaced and the staged manifest copy."""
+        ([SP-COMMIT-12]), then delete what it replaced and the staged manifest copy.
+        ``manifest``: the staged copy's bytes, when the caller that just wrote them has them
+        (not read back). Without ``overwrite`` on a store with conditional writes, the PUT's
+        ``If-None-Match`` is the only check needed: no read of the marker before it."""
         save_dir = staging[len(_join(target)) + 1:] if target else staging
         if not save_dir.startswith(SAVE_PREFIX) or "/" in save_dir:
             raise InvalidOptionError(f"{staging!r} is not a save prefix of {target!r}")
         staged_key = _join(staging, MANIFEST_NAME)
-        try:
-            staged = self.store.get(staged_key)
-        except FileNotFoundError as e:
-            raise IncompleteCheckpointError(
-                f"{self._url(staged_key)} is missing: the save wrote no manifest; nothing was "
-                "committed", spec_id="SP-COMMIT-1") from e
+        staged = manifest
+        if staged is None:
+            try:
+                staged = self.store.get(staged_key)
+            except FileNotFoundError as e:
+                raise IncompleteCheckpointError(
+                    f"{self._url(staged_key)} is missing: the save wrote no manifest; nothing "
+                    "was committed", spec_id="SP-COMMIT-1") from e
         marker = _rewrite_array_paths(staged, save_dir, self._url(staged_key))
         decode_manifest(marker)    # every reader check passes before anything is visible
         key = self._manifest_key(target)
-        old = self._read_with_version(key)
+        # A fresh commit on a conditional store: If-None-Match refuses any marker there.
+        old = None if self.conditional and not overwrite else self._read_with_version(key)
         if old is not None and not overwrite:
             raise CheckpointExistsError(
                 f"{self._url(target)}: another save committed a checkpoint there while this one "
                 "ran; this save was not committed (pass overwrite=True to replace)",
                 spec_id="SP-COMMIT-12")
+        # The objects the replaced marker names are listed while the PUT is in flight (a
+        # committed save prefix never changes); deleted only once the PUT succeeded, with
+        # the staged copy, in one delete ([SP-COMMIT-14]).
+        side = ThreadPoolExecutor(1, thread_name_prefix="sp-commit") if old else None
+        try:
+            named = side.submit(self._named_objects, target, old[0], save_dir) if side \
+                else None
+            self._put_marker(key, marker, old, target)
+            try:
+                doomed = named.result() if named is not None else []
+                self.store.delete(doomed + [staged_key])
+            except OSError as e:
+                # Committed: what is left is recovery's ([SP-COMMIT-15]). Raising would make
+                # the caller abort the save, deleting the checkpoint it just committed.
+                log.warning("shardpoint: committed %s, but could not delete what it "
+                            "replaced (%s); recovery removes it", self._url(target), e)
+        finally:
+            if side is not None:
+                side.shutdown(wait=False)
+
+    def _put_marker(self, key: str, marker: bytes, old: Optional[tuple], target: str) -> None:
+        """The one PUT that commits ([SP-COMMIT-12]), conditional where the store can."""
         try:
             if not self.conditional:     # [SP-COMMIT-12]: the last PUT wins, never a mix
                 self.store.put(key, marker)
@@ -179,12 +220,23 @@ class ObjectStoreCommitter:
             raise CheckpointExistsError(
                 f"{self._url(target)}: the checkpoint this save was to replace was removed "
                 "while it ran; this save was not committed", spec_id="SP-COMMIT-12") from e
-        if old is not None:
-            self._delete_arrays(target, old[0], keep=save_dir)
-        self.store.delete([staged_key])
 
     def _read_with_version(self, key: str) -> Optional[tuple]:
-        """(bytes, version) of ``key``, or None; the version is the one the bytes are of."""
+        """(bytes, version) of ``key``, or None; the version is the one the bytes are of:
+        one GET where the store gives the version with the bytes (``get_versioned``), else a
+        HEAD before and after the GET."""
+        getv = getattr(self.store, "get_versioned", None)
+        if getv is not None:
+            try:        # at most one byte over the cap, so a bigger one is seen
+                data, info = getv(key, _MAX_MANIFEST + 1)
+            except StoreNotFoundError:
+                raise
+            except FileNotFoundError:
+                return None
+            if info.size > _MAX_MANIFEST or len(data) > _MAX_MANIFEST:
+                raise CorruptCheckpointError(f"{self._url(key)} is {info.size} bytes, over "
+                                             "1 GiB", spec_id="SP-SEC-2")
+            return data, info.version
         info = self.store.head(key)
         if info is None:
             return None
@@ -200,10 +252,15 @@ class ObjectStoreCommitter:
 
     def _delete_arrays(self, target: str, envelope: bytes, keep: str = "") -> None:
         """Delete the objects a replaced or removed manifest named ([SP-COMMIT-14])."""
+        self.store.delete(self._named_objects(target, envelope, keep))
+
+    def _named_objects(self, target: str, envelope: bytes, keep: str = "") -> List[str]:
+        """The objects below the save prefixes (or plain array paths) a manifest names,
+        ``keep`` excepted."""
         try:
             dirs = _array_dirs(envelope)
         except Exception:   # noqa: BLE001 - a damaged old marker: its objects stay, recover
-            return          # finds unreferenced save prefixes; nothing else is ours to guess
+            return []       # finds unreferenced save prefixes; nothing else is ours to guess
         prefixes = set()
         for d in dirs:
             top = d.split("/", 1)[0]
@@ -211,8 +268,7 @@ class ObjectStoreCommitter:
                 prefixes.add(_join(target, top) + "/")
             elif not top.startswith(SAVE_PREFIX):
                 prefixes.add(_join(target, d) + "/")
-        for p in sorted(prefixes):
-            self.store.delete([i.key for i in self.store.list(p)])
+        return [i.key for p in sorted(prefixes) for i in self.store.list(p)]
 
     def abort(self, staging: str) -> None:
         """Delete everything below the save's prefix; the target is never touched."""

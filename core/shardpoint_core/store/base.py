@@ -69,6 +69,10 @@ class ByteStore(Protocol):
     # ``get_suffix(key, length) -> (bytes, size)``: the last ``length`` bytes of ``key``
     # (all of it where shorter) and the object's size, in one request where the store
     # can (S3's ``Range: bytes=-N``): a shard's index without a HEAD first.
+    # ``get_versioned(key, length) -> (bytes, ObjectInfo)``: the first ``length`` bytes of
+    # ``key`` and the info (size, version) of the object they were read from, in one
+    # request (S3: a ranged GET's ETag and ``Content-Range``): a manifest and the version
+    # a commit's ``If-Match`` or a load's identity check names, without a HEAD beside it.
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``key`` from ``start`` (exactly ``len(out)``;

@@ -102,6 +102,12 @@ class MemoryStore:
         data = self._entry(key)[0]
         return data[max(0, len(data) - length):], len(data)
 
+    def get_versioned(self, key: str, length: int) -> Tuple[bytes, ObjectInfo]:
+        """(the first ``length`` bytes of ``key``; its :class:`ObjectInfo`), both of one
+        version of the object (see :meth:`S3Store.get_versioned`)."""
+        data, mtime, version = self._entry(key)
+        return data[:max(0, length)], ObjectInfo(key, len(data), mtime, str(version))
+
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
         data = self._entry(key)[0]

@@ -28,8 +28,10 @@ Example::
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple
+from functools import partial
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import crc32c
 import numpy as np
@@ -318,26 +320,118 @@ def _chunk_absent(store: ByteStore, array_path: str, cidx: tuple) -> bool:
 
 
 def read_region(store: ByteStore, array_path: str, layout: ArrayLayout,
-                offset: Sequence[int], out: np.ndarray, key: str) -> None:
+                offset: Sequence[int], out: np.ndarray, key: str,
+                submit: Optional[Callable] = None) -> list:
     """Fill ``out`` with the region at ``offset``: plain chunks read whole (one read each,
     no HEAD first: it asks for one byte more than a chunk holds, so a wrong size is seen
     without reading or allocating more than that), shards by their index (read from the
-    end) and then only the inner chunks the region meets, contiguous ones in one read."""
+    end) and then only the inner chunks the region meets, contiguous ones in one read.
+
+    ``submit`` (an executor's ``submit``): every chunk but the first, and every run of a
+    shard's inner chunks but the first, is a task of its own, all in flight together with
+    the first (read here) instead of one after another; their futures are returned (a
+    future's result may be a list of further futures), not waited for, and an error of the
+    part read here is returned as a failed future too, so that the caller waits for every
+    task writing into ``out`` before it raises. Without ``submit`` everything is read here
+    (errors raised) and ``[]`` is returned."""
     offset = tuple(int(o) for o in offset)
     _check_region(layout, offset, out.shape)
-    for cidx, origin, blo, bhi in _chunks_of(layout, offset, out.shape):
-        ckey = chunk_key(array_path, cidx)
-        dst = out[_box(offset, out.shape, blo, bhi)]
-        if layout.inner is None:
-            n = math.prod(layout.chunk) * layout.itemsize + 4
-            try:
-                raw = store.get_range(ckey, 0, n + 1)
-            except FileNotFoundError as e:
-                raise _missing(key, ckey) from e
-            full = decode_chunk(np.frombuffer(raw, np.uint8), layout, layout.chunk, key, ckey)
-            dst[...] = full[_box(origin, layout.chunk, blo, bhi)]
-        else:
-            _read_shard(store, ckey, layout, origin, blo, bhi, dst, key)
+    parts = [partial(_read_chunk_box, store, chunk_key(array_path, cidx), layout, origin,
+                     blo, bhi, out[_box(offset, out.shape, blo, bhi)], key, submit)
+             for cidx, origin, blo, bhi in _chunks_of(layout, offset, out.shape)]
+    return _together(parts, submit)
+
+
+def _together(parts: List[Callable], submit: Optional[Callable]) -> list:
+    """Each of ``parts`` (callables returning lists of futures): all here, one after
+    another, without ``submit``; else all but the first submitted, then the first run here,
+    its error (if any) returned as a failed future beside the others."""
+    if submit is None:
+        return [f for p in parts for f in p()]
+    tasks = [submit(p) for p in parts[1:]]
+    if parts:
+        try:
+            tasks += parts[0]()
+        except Exception as e:  # noqa: BLE001 - raised by the caller's wait, after the rest
+            failed: Future = Future()
+            failed.set_exception(e)
+            tasks.append(failed)
+    return tasks
+
+
+def _read_chunk_box(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple,
+                    blo: tuple, bhi: tuple, dst: np.ndarray, key: str,
+                    submit: Optional[Callable]) -> list:
+    """The box [blo, bhi) of chunk ``ckey`` (at ``origin``) into ``dst``."""
+    if layout.inner is not None:
+        return _read_shard(store, ckey, layout, origin, blo, bhi, dst, key, submit)
+    n = math.prod(layout.chunk) * layout.itemsize + 4
+    try:
+        raw = store.get_range(ckey, 0, n + 1)
+    except FileNotFoundError as e:
+        raise _missing(key, ckey) from e
+    full = decode_chunk(np.frombuffer(raw, np.uint8), layout, layout.chunk, key, ckey)
+    dst[...] = full[_box(origin, layout.chunk, blo, bhi)]
+    return []
+
+
+class PrimedStore:
+    """``store`` holding the answer (bytes, or the error) to one request sent ahead: the
+    first request :func:`read_region` makes for a region under a layout predicted before
+    the array's zarr.json arrived (:func:`prime_region`). The same request, made by
+    ``read_region`` under the confirmed layout, gets that answer once; any other request
+    goes to the store, so every check of the layer runs on the bytes as before."""
+
+    def __init__(self, store: ByteStore, request: tuple, outcome: tuple) -> None:
+        self._store, self._request, self._outcome = store, request, outcome
+        if getattr(store, "get_suffix", None) is None:
+            self.get_suffix = None          # the layer's head + range fallback, as before
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def _answer(self, request: tuple):
+        if request != self._request:
+            return None
+        (data, err), self._request, self._outcome = self._outcome, None, (None, None)
+        if err is not None:
+            raise err
+        return (data,)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        got = self._answer(("range", key, start, length))
+        return got[0] if got is not None else self._store.get_range(key, start, length)
+
+    def get_suffix(self, key: str, length: int) -> Tuple[bytes, int]:
+        got = self._answer(("suffix", key, length))
+        return got[0] if got is not None else self._store.get_suffix(key, length)
+
+
+def prime_region(store: ByteStore, array_path: str, layout: ArrayLayout,
+                 offset: Sequence[int], shape: Sequence[int]) -> Optional[PrimedStore]:
+    """Send now the first request :func:`read_region` would make for the region under
+    ``layout`` (a plain chunk's read, or a shard index's suffix read) and return the store
+    that answers it: an object store's zarr.json and first data request in one round trip.
+    Use it only once the array's zarr.json confirmed ``layout``; None when there is nothing
+    to send (an empty region, a store without suffix reads for a shard)."""
+    first = next(_chunks_of(layout, tuple(int(o) for o in offset), shape), None)
+    if first is None:
+        return None
+    ckey = chunk_key(array_path, first[0])
+    if layout.inner is None:
+        n = math.prod(layout.chunk) * layout.itemsize + 4
+        request, call = ("range", ckey, 0, n + 1), lambda: store.get_range(ckey, 0, n + 1)
+    else:
+        suffix = getattr(store, "get_suffix", None)
+        if suffix is None:
+            return None
+        n = math.prod(_per(layout)) * 16 + 4
+        request, call = ("suffix", ckey, n), lambda: suffix(ckey, n)
+    try:
+        outcome = (call(), None)
+    except Exception as e:  # noqa: BLE001 - raised where read_region makes this request
+        outcome = (None, e)
+    return PrimedStore(store, request, outcome)
 
 
 def _fill(store: ByteStore, ckey: str, start: int, buf: np.ndarray, key: str) -> None:
@@ -365,7 +459,8 @@ def _spans(wanted: List[tuple], stride: int) -> Iterator[List[tuple]]:
 
 
 def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple,
-                blo: tuple, bhi: tuple, dst: np.ndarray, key: str) -> None:
+                blo: tuple, bhi: tuple, dst: np.ndarray, key: str,
+                submit: Optional[Callable] = None) -> list:
     index, _size = read_shard_index(store, ckey, layout, key)
     per = _per(layout)
     nb, gap = inner_stride(layout)
@@ -380,15 +475,25 @@ def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple,
                        "SP-READ-2")
         wanted.append((pos, ii))
     wanted.sort()
-    for run in _spans(wanted, nb + gap):
-        start = run[0][0]
-        buf = np.empty(run[-1][0] + nb - start, np.uint8)
-        _fill(store, ckey, start, buf, key)
-        for pos, ii in run:
-            where = f"{ckey} inner chunk {list(ii)}"
-            full = decode_chunk(buf[pos - start:pos - start + nb], layout, layout.inner, key,
-                                where)
-            ilo = tuple(o + i * k for o, i, k in zip(origin, ii, layout.inner))
-            sl = tuple(max(a, b) for a, b in zip(ilo, blo))
-            sh = tuple(min(a + k, b) for a, k, b in zip(ilo, layout.inner, bhi))
-            dst[_box(blo, dst.shape, sl, sh)] = full[_box(ilo, layout.inner, sl, sh)]
+    return _together([partial(_read_run, store, ckey, layout, origin, blo, run, dst, key)
+                      for run in _spans(wanted, nb + gap)], submit)
+
+
+def _read_run(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple, blo: tuple,
+              run: List[tuple], dst: np.ndarray, key: str) -> list:
+    """Inner chunks ``run`` (back to back in the shard) in one ranged read, checked, into
+    their part of ``dst`` (whose first element sits at ``blo``)."""
+    nb, _gap = inner_stride(layout)
+    bhi = tuple(b + s for b, s in zip(blo, dst.shape))
+    start = run[0][0]
+    buf = np.empty(run[-1][0] + nb - start, np.uint8)
+    _fill(store, ckey, start, buf, key)
+    for pos, ii in run:
+        where = f"{ckey} inner chunk {list(ii)}"
+        full = decode_chunk(buf[pos - start:pos - start + nb], layout, layout.inner, key,
+                            where)
+        ilo = tuple(o + i * k for o, i, k in zip(origin, ii, layout.inner))
+        sl = tuple(max(a, b) for a, b in zip(ilo, blo))
+        sh = tuple(min(a + k, b) for a, k, b in zip(ilo, layout.inner, bhi))
+        dst[_box(blo, dst.shape, sl, sh)] = full[_box(ilo, layout.inner, sl, sh)]
+    return []

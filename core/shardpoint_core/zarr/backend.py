@@ -13,7 +13,10 @@ byte what the layer writes) and made durable by one ``syncfs`` (the store's
 ``make_durable_below``); everything else (part of a chunk, a chunk the direct reader could not
 prove intact, bool arrays, verification) is the layer's. On object stores, chunk requests run
 ``concurrency`` at a time, zarr.json PUTs in flight with the chunks, and a load reads only the
-chunks and inner-chunk ranges its regions meet.
+chunks and inner-chunk ranges its regions meet, in as few round trips in sequence as the
+checks allow: an array's first data request goes beside its zarr.json GET (used only once
+zarr.json confirmed the layout it was sent for), a region's other chunks and shard runs all
+at once, and the manifest's GET gives the commit identity (no HEAD before it).
 
 TensorStore is a cross-check only (:mod:`.ts_check`: ``direct_reads=False`` /
 ``direct_writes=False`` on local files, and big-endian hosts), imported only then.
@@ -40,12 +43,12 @@ from shardpoint_core.commit.durable import will_need
 from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                     IncompleteCheckpointError, InvalidOptionError,
-                                    SaveFailedError, ShardpointError)
+                                    SaveFailedError, ShardpointError, StoreNotFoundError)
 from shardpoint_core.storage import MANIFEST_NAME, ArraySpec
 from shardpoint_core.store.files import FileStore
 from shardpoint_core.store.registry import bucket_store, is_local, url_of
 from shardpoint_core.zarr import local
-from shardpoint_core.zarr.array import (ArrayLayout, read_array_meta, read_chunk, read_region,
+from shardpoint_core.zarr.array import (ArrayLayout, read_chunk, read_region,
                                         write_array_meta, write_region)
 from shardpoint_core.zarr.checks import check_shard_files, open_local_array, read_zarr_json
 from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
@@ -53,6 +56,7 @@ from shardpoint_core.zarr.direct_read import DirectReader, parse_layout, whole_c
 from shardpoint_core.zarr.direct_write import (DirectWriter, WritePool, stored_codecs,
                                                write_layout, zarr_json_bytes)
 from shardpoint_core.zarr.layout import codecs_for, fill_value
+from shardpoint_core.zarr.object_read import ObjectArray
 from shardpoint_core.zarr.ts_check import LazyTS, TensorStoreCheck, TSHandle, check_metadata
 
 MAX_MANIFEST_BYTES = local.MAX_MANIFEST_BYTES
@@ -69,29 +73,6 @@ class _Array:
                  root: Optional[str] = None) -> None:
         self.store, self.path, self.layout, self.key = store, path, layout, key
         self.root = root
-
-
-class _ObjectArray:
-    """An array on an object store opened for reading: its zarr.json is read and checked by
-    the first read (or verify) that needs it, inside that read's task on the I/O pool, so
-    an open costs nothing and as many zarr.json GETs are in flight as reads (the load opens
-    arrays ahead from a few threads only, as it does on files)."""
-
-    def __init__(self, store: Any, path: str, spec: ArraySpec, key: str) -> None:
-        self.store, self.path, self.spec, self.key = store, path, spec, key
-        self._layout: Optional[ArrayLayout] = None
-        self._lock = threading.Lock()
-
-    @property
-    def layout(self) -> ArrayLayout:
-        with self._lock:
-            if self._layout is None:
-                self._layout = read_array_meta(self.store, self.path, self.spec, self.key)
-            return self._layout
-
-
-def _read_object(arr: _ObjectArray, offset: tuple, out: np.ndarray) -> None:
-    read_region(arr.store, arr.path, arr.layout, offset, out, arr.key)
 
 
 class _WriteHandle(LazyTS):
@@ -168,6 +149,10 @@ class ZarrBackend:
         self._reads = WritePool(read_threads, "shardpoint-read")
         self._write_pool = WritePool(write_threads, "shardpoint-write")
         self._remote = WritePool(concurrency, "sp-obj")
+        # zarr.json reads of object-store arrays: never wait on anything, so a read task on
+        # ``_remote`` may wait for one without a deadlock
+        self._meta_reads = WritePool(concurrency, "sp-meta")
+        self._staged: Dict[str, bytes] = {}      # object-store staging -> its manifest
         self.committer = PathCommitter(PosixCommitter(fsync=fsync), UrlCommitter(self.locate))
 
     def __repr__(self) -> str:
@@ -210,9 +195,9 @@ class ZarrBackend:
         if is_local(staging):
             self.committer.posix.create_staging(staging)
 
-    def open_array_for_write(self, root: str, array_path: str, spec: ArraySpec) -> Any:
-        """A handle to write whole chunks of a new array. zarr.json is created unless another
-        writer of the array did (the same bytes: both derive them from the manifest)."""
+    def _metas(self, spec: ArraySpec) -> Tuple[dict, dict, list, int]:
+        """(zarr.json this backend writes for ``spec`` as TensorStore takes it, the same as
+        stored, the codec chain, the itemsize)."""
         from shardpoint_core.dtypes import from_name
         itemsize = from_name(spec.dtype).itemsize
         codecs = codecs_for(spec, itemsize, self.shard_above_bytes, self.inner_chunk_bytes)
@@ -221,7 +206,19 @@ class ZarrBackend:
                                "configuration": {"chunk_shape": list(spec.chunk_shape)}},
                 "chunk_key_encoding": {"name": "default"},
                 "fill_value": fill_value(spec.dtype), "codecs": codecs}
-        stored = dict(meta, codecs=stored_codecs(codecs, itemsize))
+        return meta, dict(meta, codecs=stored_codecs(codecs, itemsize)), codecs, itemsize
+
+    def _guess(self, spec: ArraySpec) -> Optional[ArrayLayout]:
+        """The layout this backend would write for ``spec`` (None where it cannot say)."""
+        try:
+            return ArrayLayout.from_meta(self._metas(spec)[1])
+        except Exception:  # noqa: BLE001 - no guess; zarr.json decides, as always
+            return None
+
+    def open_array_for_write(self, root: str, array_path: str, spec: ArraySpec) -> Any:
+        """A handle to write whole chunks of a new array. zarr.json is created unless another
+        writer of the array did (the same bytes: both derive them from the manifest)."""
+        meta, stored, codecs, itemsize = self._metas(spec)
         lay = ArrayLayout.from_meta(stored)
         store, prefix = self.locate(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
@@ -299,12 +296,20 @@ class ZarrBackend:
             return
         store, key = self.locate(root)
         store.put(f"{key}/{MANIFEST_NAME}", data)
+        with self._lock:           # the commit publishes these bytes, not a read of them
+            self._staged[root] = data
 
     def commit(self, staging: str, path: str, *, overwrite: Any) -> None:
-        self.committer.publish(staging, path, overwrite=overwrite)
+        with self._lock:
+            data = self._staged.pop(staging, None)
+        if data is None or is_local(path):
+            self.committer.publish(staging, path, overwrite=overwrite)
+        else:
+            self.committer.urls.publish(staging, path, overwrite=overwrite, manifest=data)
 
     def abort(self, staging: str) -> None:
         with self._lock:
+            self._staged.pop(staging, None)
             pending = self._meta.pop(staging, [])
             if is_local(staging):
                 self._written.pop(os.path.abspath(staging), None)
@@ -316,11 +321,34 @@ class ZarrBackend:
     def read_manifest(self, path: str) -> bytes:
         if is_local(path):
             return local.read_manifest(path, self.checkpoint_state(path))
+        return self._read_remote_manifest(path, False)[0]
+
+    def read_manifest_with_identity(self, path: str) -> Tuple[bytes, Optional[list]]:
+        """(the manifest's bytes, the :meth:`checkpoint_identity` of the commit they belong
+        to). On an object store both come from the manifest's one GET (its ETag and size:
+        no HEAD before it, and the identity is the one of the bytes read); on files the
+        identity is taken first (each commit renames a new manifest file into place)."""
+        if is_local(path):
+            ident = self.checkpoint_identity(path)
+            return self.read_manifest(path), ident
+        return self._read_remote_manifest(path, True)
+
+    def _read_remote_manifest(self, path: str, identity: bool) -> Tuple[bytes, Optional[list]]:
         store, key = self.locate(path)
         mkey = f"{key}/{MANIFEST_NAME}" if key else MANIFEST_NAME
+        getv = getattr(store, "get_versioned", None) if identity else None
+        ident = None
+        if identity and getv is None:
+            ident = self.checkpoint_identity(path)
         try:            # one request: at most one byte over the cap, so a bigger one is seen
-            data = store.get_range(mkey, 0, MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
+            if getv is not None:
+                data, info = getv(mkey, MAX_MANIFEST_BYTES + 1)
+                ident = [info.version, info.size]
+            else:
+                data = store.get_range(mkey, 0, MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError as e:
+            if isinstance(e, StoreNotFoundError):
+                raise
             if self.committer.urls.state(path) == "incomplete":
                 raise IncompleteCheckpointError(
                     f"{path} has objects but no manifest.msgpack: a save that crashed or is "
@@ -330,7 +358,7 @@ class ZarrBackend:
         if len(data) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"{path}/{MANIFEST_NAME} is over the 1 GiB cap",
                                          spec_id="SP-SEC-2")
-        return data
+        return data, ident
 
     def checkpoint_identity(self, path: str) -> Optional[list]:
         """Which commit of ``path`` is there now; None when there is none. ``load`` compares
@@ -351,7 +379,7 @@ class ZarrBackend:
         store, prefix = self.locate(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
-            return _ObjectArray(store, path, spec, key)
+            return ObjectArray(store, path, spec, key, self._guess(spec))
         from shardpoint_core.dtypes import DTYPES, from_name
         meta = open_local_array(root, array_path, tuple(spec.shape), spec.dtype,
                                 tuple(spec.chunk_shape), from_name(spec.dtype).itemsize, key)
@@ -387,9 +415,10 @@ class ZarrBackend:
                 read_region(arr.store, arr.path, arr.layout, off, view, arr.key)
             return _KeyedRead(DirectReader(handle.layout, self._reads.submit, fallback,
                                            arr.key).read(tuple(offset), out), arr.key)
-        if isinstance(handle, _ObjectArray):
-            return _KeyedRead(self._remote.submit(_read_object, handle, tuple(offset), out),
-                              handle.key)
+        if isinstance(handle, ObjectArray):
+            return _KeyedRead(self._remote.submit(handle.read, tuple(offset), out,
+                                                  self._meta_reads.submit,
+                                                  self._remote.submit), handle.key)
         if isinstance(handle, _Array):
             pool = self._reads if handle.store.capabilities.local_path else self._remote
             return _KeyedRead(pool.submit(read_region, handle.store, handle.path,

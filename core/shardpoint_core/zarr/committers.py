@@ -5,7 +5,7 @@ implement :class:`~shardpoint_core.commit.base.Committer`; these only route each
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from shardpoint_core.commit.object_store import ObjectStoreCommitter
 from shardpoint_core.commit.posix import PosixCommitter
@@ -37,9 +37,10 @@ class UrlCommitter:
         c, k = self._at(target)
         return url_of(target, c.begin(k, token))
 
-    def publish(self, staging: str, target: str, *, overwrite: Any) -> None:
+    def publish(self, staging: str, target: str, *, overwrite: Any,
+                manifest: Optional[bytes] = None) -> None:
         c, k = self._at(target)
-        c.publish(self._locate(staging)[1], k, overwrite=bool(overwrite))
+        c.publish(self._locate(staging)[1], k, overwrite=bool(overwrite), manifest=manifest)
 
     def abort(self, staging: str) -> None:
         c, k = self._at(staging)

@@ -100,10 +100,16 @@ class LoadJob:
         comm, mbytes = self.comm, b""
         if comm.is_coordinator:
             try:
-                # Taken before the manifest is read and checked again after the last read: a
-                # save replacing the checkpoint (overwrite=True) in between is seen.
-                ident = self._identity(self.path) if self._identity else None
-                mbytes = b"\x00" + msgpack.packb([ident, self.be.read_manifest(self.path)])
+                # The identity of the commit whose manifest is read, checked again after the
+                # last read: a save replacing the checkpoint (overwrite=True) in between is
+                # seen. On an object store it comes with the manifest's GET (no HEAD first).
+                both = getattr(self.be, "read_manifest_with_identity", None)
+                if both is not None:
+                    data, ident = both(self.path)
+                else:
+                    ident = self._identity(self.path) if self._identity else None
+                    data = self.be.read_manifest(self.path)
+                mbytes = b"\x00" + msgpack.packb([ident, data])
             except errors.ShardpointError as e:
                 mbytes = b"\x01" + msgpack.packb([error_record(e, 0)])
         mbytes = comm.broadcast_bytes(mbytes)
