@@ -96,12 +96,6 @@ class HoldingColumns(Sequence):
             self._cols = runs[0] if len(runs) == 1 else [np.concatenate(c) for c in zip(*runs)]
         return self._cols
 
-    def column_runs(self, j: int) -> list:
-        """Column ``j`` as one or more arrays of consecutive rows."""
-        if self._cols is None:
-            return [r[j] for r in self._runs]
-        return [self._cols[j]]
-
     @property
     def table(self) -> list:
         """``[(key, dtype, global_shape)]``, decoded on first use: the coordinator decodes
@@ -406,9 +400,14 @@ class Gathered:
         base = np.array([where[id(m)] for m in maps], np.int64)
         allmaps = np.concatenate(distinct) if distinct else np.zeros(0, np.int64)
         same = all(c.D == D and c.R == R for c in cols)
+        # every rank's runs of rows (a run: one array per column), listed once: a column is
+        # then one C-speed pass over them rather than a Python call per rank and column
+        runs = [r for c in cols for r in (c._runs if c._cols is None else (c._cols,))] \
+            if same else []
+
         def column(j: int, j_of, fill):
             if same:     # every rank sent the same columns: one concatenation, no Python per rank
-                parts = [a for c in cols for a in c.column_runs(j)]
+                parts = list(map(itemgetter(j), runs))
             else:
                 parts = [c.cols[j_of(c)] if j_of(c) is not None else np.full(len(c), fill)
                          for c in cols]
