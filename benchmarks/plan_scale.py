@@ -28,9 +28,11 @@ import time
 import tracemalloc
 
 import msgpack
+import numpy as np
 
 from shardpoint.exchange import dedup
 from shardpoint.planning.columns import HoldingColumns, gc_paused
+from shardpoint.planning.load_dedup import LoadWorks, encode_global, work_from_global
 from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_load_auto
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.tree.model import Holding
@@ -238,7 +240,7 @@ def main() -> None:
     if a.bytes_only:
         return
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    dec, pl, tot, lds, lenc, auto = [], [], [], [], [], []
+    dec, pl, tot, lds, lenc, auto, derive = [], [], [], [], [], [], []
     hosts = [f"host{r // 8}" for r in range(world)]   # 8 ranks per host
     for _ in range(a.repeat):
         gc.collect()
@@ -271,13 +273,37 @@ def main() -> None:
                                               LoadOptions(), 1.0)
                 auto.append(clock() - t0)
                 t0 = clock()
-                wire = encode_works(works, layouts)     # loading.py's decide() sends these
+                # loading.py's decide(): a dedup plan goes whole to every rank (one
+                # broadcast), the direct strategy's as one message per rank
+                if isinstance(works, LoadWorks):
+                    gmsg, wire = encode_global(works, layouts), None
+                else:
+                    gmsg, wire = None, encode_works(works, layouts)
                 lenc.append(clock() - t0)
-            reads = sum(len(w.read_rows) for w in works)
-            sends = sum(len(w.send_rows) for w in works)
-            wmax = max(map(len, wire))
-            wsum = sum(map(len, wire))
-            del works, wire
+            reply = len(msgpack.packb([{k: v for k, v in vars(costs).items() if k != "notes"},
+                                       None if gmsg else b""]))
+            if gmsg is not None:
+                # each rank cuts its own work from the plan (after the broadcast, outside
+                # the coordinator's pause): time the ranks that read most, receive most and
+                # a spread of others; every rank does this at once, so the most is what counts
+                a_ = works.a
+                pick = {0, world - 1, world // 2, int(np.argmax(works.a["recv_bytes"])),
+                        int(np.argmax(np.bincount(a_["c_reader"], minlength=world)))}
+                pick |= set(range(1, world, max(1, world // 12)))
+                ds = []
+                for r in sorted(pick):
+                    t0 = clock()
+                    w_ = work_from_global(gmsg, r, layouts)
+                    ds.append(clock() - t0)
+                derive.append(max(ds))
+                wsum = wmax = 0
+            else:
+                derive.append(0.0)
+                wsum, wmax = sum(map(len, wire)), max(map(len, wire))
+            gbytes = len(gmsg) if gmsg else 0
+            reads = int(len(works.a["c_key"])) if gmsg else sum(len(w.read_rows) for w in works)
+            sends = int(len(works.a["t_dst"])) if gmsg else sum(len(w.send_rows) for w in works)
+            del works, wire, gmsg
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak = {}
     if not a.no_memory:     # untimed: tracemalloc slows allocation down
@@ -296,7 +322,13 @@ def main() -> None:
         tracemalloc.stop()
         del kept
     t0 = clock()
-    save_lens = [len(w.to_bytes()) for w in plan.ranks]     # saving.py's decide() sends these
+    # saving.py's decide() sends each rank its work, the staging path, its arrays' layouts
+    # and the plan's stats
+    lay_w = {k: [list(v.shape), v.dtype, list(v.chunk_shape)] for k, v in plan.tensors.items()}
+    staging = "/checkpoints/run/step_000000100.staging-0123456789ab"
+    save_lens = [len(msgpack.packb([staging, w.to_bytes(), {
+        k: lay_w[k] for k in {c.key for c in w.writes} | set(w.create)}, plan.stats]))
+        for w in plan.ranks]
     save_msgs = sum(save_lens)
     save_enc = clock() - t0
     work_bytes = [len(w.to_bytes()) for w in plan.ranks[:64]]
@@ -321,12 +353,33 @@ def main() -> None:
         print(f"  load plan as load() runs it     {_median(auto)}  "
               f"({med(auto) / 1.0:.2f}x the 1.0 s target; plan_load_auto, 8 ranks per host, "
               f"picked {costs.strategy})")
-        print(f"  encode per-rank load work       {_median(lenc)}  "
-              f"(all ranks; {wsum / 1e6:.1f} MB sent by the coordinator, largest "
-              f"{wmax / 2**10:.1f} KiB)")
+        if gbytes:
+            lt = [x + y + z for x, y, z in zip(auto, lenc, derive)]
+            print(f"  encode the load plan, once       {_median(lenc)}  (one message for "
+                  f"every rank: {gbytes / 1e6:.1f} MB)")
+            print(f"  a rank cuts its own work         {_median(derive)}  (the slowest of "
+                  "the ranks timed: most reads, most received, a spread of others)")
+            print(f"  load plan end to end             {_median(lt)}  "
+                  f"({med(lt) / 1.0:.2f}x the 1.0 s target: plan_load_auto + encode + cut; "
+                  "the broadcast itself not timed)")
+            load_sent = load_g["requests"] + gbytes + world * reply
+            print(f"  load, busiest rank (coordinator): received {load_g['received'] / 1e6:.1f}"
+                  f" MB, sent {load_sent / 1e6:.1f} MB ({load_sent / 50e6:.2f}x the 50 MB "
+                  f"target: the plan {gbytes / 1e6:.1f} MB once, replies {world * reply / 1e6:.1f}"
+                  f" MB, blob requests {load_g['requests'] / 1e6:.2f} MB); every other rank "
+                  f"receives {(gbytes + reply + load_g['requests']) / 1e6:.1f} MB")
+        else:
+            print(f"  encode per-rank load work       {_median(lenc)}  "
+                  f"(all ranks; {wsum / 1e6:.1f} MB sent by the coordinator, largest "
+                  f"{wmax / 2**10:.1f} KiB)")
     print(f"  encode per-rank save work         {save_enc:8.3f} s  (all ranks, one run; "
           f"{save_msgs / 1e6:.1f} MB sent by the coordinator, largest "
           f"{max(save_lens) / 2**10:.1f} KiB)")
+    save_sent = save_g["requests"] + save_msgs
+    print(f"  save, busiest rank (coordinator): received {save_g['received'] / 1e6:.1f} MB, "
+          f"sent {save_sent / 1e6:.1f} MB ({max(save_g['received'], save_sent) / 50e6:.2f}x "
+          f"the 50 MB target: work messages {save_msgs / 1e6:.1f} MB, blob requests "
+          f"{save_g['requests'] / 1e6:.2f} MB)")
     if peak:
         print(f"  planning peak memory (traced)     {peak['save'] / 2**20:8.1f} MiB save "
               f"(decode + plan_save, plan kept)" +
@@ -345,7 +398,7 @@ def main() -> None:
                        "load_gathered_bytes": load_g["received"] if load_g else None,
                        "decode_s": dec,
                        "plan_save_s": pl, "save_total_s": tot, "plan_load_s": lds,
-                       "plan_load_auto_s": auto, "encode_load_s": lenc,
+                       "plan_load_auto_s": auto, "encode_load_s": lenc, "cut_load_s": derive,
                        "encode_save_s": save_enc, "peak_bytes": peak}, f)
 
 
