@@ -186,13 +186,13 @@ class HoldingColumns(Sequence):
             rs = seg_of[self.cols[0]]
             cuts = [0, *(np.flatnonzero(rs[1:] != rs[:-1]) + 1).tolist(), n]
             for a, b in zip(cuts, cuts[1:]):
-                blobs.append(_pack_cols([c[a:b] for c in self.cols[:w]]))
+                blobs.append(pack_columns([c[a:b] for c in self.cols[:w]]))
                 rep = [c[a:b] for c in self.cols[w:]]
                 if all((c == c[0]).all() for c in rep):
                     runs.append([b - a, [int(c[0]) for c in rep]])
                 else:
                     runs.append([b - a, None])
-                    blobs.append(_pack_cols(rep))
+                    blobs.append(pack_columns(rep))
         return [PARTS_TAG, n, self.D, self.R, len(segs), runs], blobs
 
     @staticmethod
@@ -213,7 +213,7 @@ class HoldingColumns(Sequence):
         def cols_of(b: bytes, rows: int, width: int) -> list:
             got = cache.get(b)
             if got is None:
-                got = cache[b] = _unpack_cols(b)
+                got = cache[b] = unpack_columns(b)
             if got[0] != rows or len(got[1]) != width:
                 raise ValueError("a holdings run's columns do not match its row count")
             return got[1]
@@ -285,15 +285,15 @@ def _narrow(cols: Sequence[np.ndarray]) -> tuple:
     return kinds, b"".join(body)
 
 
-def _pack_cols(cols: Sequence[np.ndarray]) -> bytes:
-    """Columns of equal length as ``zlib(msgpack([types, body]))``."""
+def pack_columns(cols: Sequence[np.ndarray], level: int = PLAN_ZLIB_LEVEL) -> bytes:
+    """Columns of equal length as ``zlib(msgpack([types, rows, body]))``, each column in its
+    narrowest integer type, one after another."""
     kinds, body = _narrow(cols)
-    return zlib.compress(msgpack.packb([kinds, len(cols[0]) if cols else 0, body]),
-                         PLAN_ZLIB_LEVEL)
+    return zlib.compress(msgpack.packb([kinds, len(cols[0]) if cols else 0, body]), level)
 
 
-def _unpack_cols(b: bytes) -> tuple:
-    """``(rows, columns)`` of :func:`_pack_cols`."""
+def unpack_columns(b: bytes) -> tuple:
+    """``(rows, columns)`` of :func:`pack_columns`."""
     kinds, n, body = msgpack.unpackb(zlib.decompress(b))
     cols, pos = [], 0
     for t in kinds:

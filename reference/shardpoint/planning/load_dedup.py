@@ -15,10 +15,9 @@ import msgpack
 import numpy as np
 
 from shardpoint.planning.chunk_table import build_parts, elect, expand
-from shardpoint.planning.columns import Regions
+from shardpoint.planning.columns import Regions, pack_columns, unpack_columns
 from shardpoint.planning.grid import chunk_part_arrays_many, region_pieces_many
-from shardpoint.planning.plans import (RankLoadWork, encode_load_work, narrowest_int, pack_ints,
-                                       unpack_ints)
+from shardpoint.planning.plans import RankLoadWork, encode_load_work, narrowest_int
 
 def _rank_dtype(world: int):
     # ranks as int16 when they fit: numpy's stable sort is a radix sort for 16-bit keys
@@ -291,7 +290,8 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
     return LoadWorks(world, keys, ndims, D, a)
 
 
-GLOBAL_TAG = "loadplan1"
+GLOBAL_TAG = "loadplan2"
+GLOBAL_ZLIB_LEVEL = 1    # the plan is ~10x smaller at level 1; higher levels cost more than they save
 
 
 def encode_global(works: LoadWorks, layouts: dict) -> bytes:
@@ -299,17 +299,26 @@ def encode_global(works: LoadWorks, layouts: dict) -> bytes:
     (a position in ``sorted(layouts)``), reader, direct target and read box; per part its
     chunk, requested region, piece and box; per region its holders (rank, request). Each
     rank cuts its own work from it (:func:`work_from_global`), so the coordinator sends this
-    once instead of a million transfer rows split into per-rank messages: it grows with
-    chunks, parts and holders, not with transfers twice over (sends and receives)."""
+    once instead of a million transfer rows split into per-rank messages. Tables go column
+    by column, each in its narrowest type, zlib level 1 (:func:`~.columns.pack_columns`),
+    with a region's holder ranks as differences (replicas' ranks are evenly spaced) and
+    part rows' chunks as differences, which is what makes them compress."""
     a = works.a
     pos = {k: i for i, k in enumerate(sorted(layouts))}
     kmap = np.array([pos[k] for k in works.keys] or [0], np.int64)
-    chunks = np.column_stack([kmap[a["c_key"]], a["c_reader"], a["c_dq"], a["c_dp"],
-                              a["c_lo"], a["c_shp"]])
-    parts = np.column_stack([a["p_chunk"], a["p_gi"], a["p_pi"], a["p_bo"], a["p_bs"]])
-    return msgpack.packb([GLOBAL_TAG, works.world, works.D, [
-        pack_ints(chunks), pack_ints(parts), pack_ints(np.diff(a["start"])[:, None]),
-        pack_ints(a["hold_rank"][:, None]), pack_ints(a["hold_hidx"][:, None])]])
+    start, hr = a["start"], a["hold_rank"]
+    nh = np.diff(start)
+    f = start[:-1][nh > 0]
+    d_hr = np.diff(hr, prepend=0) if len(hr) else hr
+    d_hr[f] = hr[f]
+    p_chunk = a["p_chunk"]
+    tables = [[kmap[a["c_key"]], a["c_reader"], a["c_dq"], a["c_dp"], *a["c_lo"].T,
+               *a["c_shp"].T],
+              [np.diff(p_chunk, prepend=0) if len(p_chunk) else p_chunk, a["p_gi"], a["p_pi"],
+               *a["p_bo"].T, *a["p_bs"].T],
+              [nh], [d_hr, a["hold_hidx"]]]
+    return msgpack.packb([GLOBAL_TAG, works.world, works.D,
+                          [pack_columns(t, GLOBAL_ZLIB_LEVEL) for t in tables]])
 
 
 def work_from_global(msg: bytes, rank: int, layouts: dict) -> RankLoadWork:
@@ -319,15 +328,23 @@ def work_from_global(msg: bytes, rank: int, layouts: dict) -> RankLoadWork:
     tag, world, D, tabs = msgpack.unpackb(msg)
     if tag != GLOBAL_TAG:
         raise ValueError(f"not a global load plan message (tag {tag!r})")
-    ch, pt, nh, hr, hq = (unpack_ints(t) for t in tabs)
-    if ch.shape[1:] != (4 + 2 * D,) or pt.shape[1:] != (3 + 2 * D,) or \
-            len(hr) != len(hq) or int(nh.sum()) != len(hr):
+    (nc, chc), (np_, ptc), (ng, (nh,)), (nhold, (d_hr, hq)) = map(unpack_columns, tabs)
+    if len(chc) != 4 + 2 * D or len(ptc) != 3 + 2 * D or int(nh.sum()) != nhold:
         raise ValueError("a global load plan's tables do not fit together")
-    nh, hr, hq = nh[:, 0], hr[:, 0], hq[:, 0]
+    i64 = np.int64
+    ch = np.column_stack(chc).astype(i64) if nc else np.zeros((0, 4 + 2 * D), i64)
+    pt = np.column_stack(ptc).astype(i64) if np_ else np.zeros((0, 3 + 2 * D), i64)
+    nh, hq = nh.astype(i64), hq.astype(i64)
+    start = np.concatenate([[0], np.cumsum(nh)]).astype(i64)
+    cs = np.cumsum(d_hr, dtype=i64)
+    base = np.zeros(ng, i64)
+    f = start[:-1][nh > 0]
+    base[nh > 0] = cs[f] - d_hr[f]
+    hr = cs - np.repeat(base, nh)
+    pt[:, 0] = np.cumsum(pt[:, 0])
     c_key, reader, c_dq = ch[:, 0], ch[:, 1], ch[:, 2]
     p_chunk, p_gi, p_pi = pt[:, 0], pt[:, 1], pt[:, 2]
     p_box = pt[:, 3:]
-    start = np.concatenate([[0], np.cumsum(nh)]).astype(np.int64)
     NC = len(ch)
     # a chunk's index among its reader's reads (reads go in chunk order)
     o = np.argsort(reader, kind="stable")
