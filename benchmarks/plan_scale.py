@@ -5,9 +5,13 @@ Default: 4,096 ranks = TP 8 x PP 4 x DP 128, 80 layers x 12 params (+ embeddings
 tensors), bf16 weights replicated across DP, fp32 master/exp_avg/exp_avg_sq as distributed-
 optimizer flattened ranges (each stage's parameters concatenated per TP rank, the buffer cut
 into DP equal ranges). Times what the coordinator does: decode the gathered local plans and
-plan the save; decode the gathered load requests and plan the load, alone (``plan_load``) and as
-``load()`` runs it (``plan_load_auto``: the cost model prices dedup against direct reads), then
-encode every rank's load work (medians of --repeat runs, min-max), and prints gathered bytes,
+plan the save and encode every rank's reply; decode the gathered load requests and plan the
+load, alone (``plan_load``) and as ``load()`` runs it (``plan_load_auto``: the cost model prices
+dedup against direct reads), then encode it as ``load()`` sends it (a dedup plan: one message
+for every rank, each rank cutting its own work from it, the slowest rank's cut timed; direct
+reads: one message per rank), all under the coordinator's planning pause as
+``run_collectively`` runs them (medians of --repeat runs, min-max); prints what the busiest
+rank receives and sends, gathered bytes,
 peak memory of each planning step (one extra untimed run under ``tracemalloc``, which sees
 numpy's buffers too) and manifest size with ratios to the targets. ``--json`` writes every
 timed sample, for interleaved A/B runs against another checkout (the script only uses APIs
@@ -37,6 +41,9 @@ from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_loa
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.tree.model import Holding
 from shardpoint.planning.planner import LocalPlan, TensorLayout, plan_load, plan_save
+
+
+STAGING = "/checkpoints/run/step_000000100.staging-0123456789ab"   # a staging path's length
 
 
 def layer_params(h: int, tp: int) -> list:
@@ -240,7 +247,7 @@ def main() -> None:
     if a.bytes_only:
         return
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    dec, pl, tot, lds, lenc, auto, derive = [], [], [], [], [], [], []
+    dec, pl, tot, lds, lenc, auto, derive, senc = [], [], [], [], [], [], [], []
     hosts = [f"host{r // 8}" for r in range(world)]   # 8 ranks per host
     for _ in range(a.repeat):
         gc.collect()
@@ -253,9 +260,18 @@ def main() -> None:
             t1 = clock()
             plan = plan_save(decoded)
             t2 = clock()
+            # saving.py's decide() then sends each rank its work, the staging path, its
+            # arrays' layouts and the plan's stats
+            lay_w = {k: [list(v.shape), v.dtype, list(v.chunk_shape)]
+                     for k, v in plan.tensors.items()}
+            save_lens = [len(msgpack.packb([STAGING, w.to_bytes(), {
+                k: lay_w[k] for k in {c.key for c in w.writes} | set(w.create)}, plan.stats]))
+                for w in plan.ranks]
+            t3 = clock()
         dec.append(t1 - t0)
         pl.append(t2 - t1)
         tot.append(t2 - t0)
+        senc.append(t3 - t2)
         if not a.no_load:
             layouts = {k: TensorLayout(k, v.shape, v.dtype, v.chunk_shape)
                        for k, v in plan.tensors.items()}
@@ -321,16 +337,8 @@ def main() -> None:
             del w_
         tracemalloc.stop()
         del kept
-    t0 = clock()
-    # saving.py's decide() sends each rank its work, the staging path, its arrays' layouts
-    # and the plan's stats
-    lay_w = {k: [list(v.shape), v.dtype, list(v.chunk_shape)] for k, v in plan.tensors.items()}
-    staging = "/checkpoints/run/step_000000100.staging-0123456789ab"
-    save_lens = [len(msgpack.packb([staging, w.to_bytes(), {
-        k: lay_w[k] for k in {c.key for c in w.writes} | set(w.create)}, plan.stats]))
-        for w in plan.ranks]
     save_msgs = sum(save_lens)
-    save_enc = clock() - t0
+    save_enc = statistics.median(senc)
     work_bytes = [len(w.to_bytes()) for w in plan.ranks[:64]]
     m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
                                             v.chunk_shape) for k, v in plan.tensors.items()},
@@ -347,6 +355,9 @@ def main() -> None:
     print(f"  plan_save on coordinator        {_median(pl)}")
     print(f"  save plan end to end            {_median(tot)}  "
           f"({med(tot) / 1.0:.2f}x the 1.0 s target)")
+    st_e = [x + y for x, y in zip(tot, senc)]
+    print(f"  ... and the replies encoded     {_median(st_e)}  "
+          f"({med(st_e) / 1.0:.2f}x the 1.0 s target: what save()'s decide() runs)")
     if lds:
         print(f"  load plan (decode + plan_load)  {_median(lds)}  "
               f"({med(lds) / 1.0:.2f}x the 1.0 s target; {reads:,} reads, {sends:,} transfers)")
@@ -372,7 +383,7 @@ def main() -> None:
             print(f"  encode per-rank load work       {_median(lenc)}  "
                   f"(all ranks; {wsum / 1e6:.1f} MB sent by the coordinator, largest "
                   f"{wmax / 2**10:.1f} KiB)")
-    print(f"  encode per-rank save work         {save_enc:8.3f} s  (all ranks, one run; "
+    print(f"  encode per-rank save work       {_median(senc)}  (all ranks; "
           f"{save_msgs / 1e6:.1f} MB sent by the coordinator, largest "
           f"{max(save_lens) / 2**10:.1f} KiB)")
     save_sent = save_g["requests"] + save_msgs
@@ -399,7 +410,8 @@ def main() -> None:
                        "decode_s": dec,
                        "plan_save_s": pl, "save_total_s": tot, "plan_load_s": lds,
                        "plan_load_auto_s": auto, "encode_load_s": lenc, "cut_load_s": derive,
-                       "encode_save_s": save_enc, "peak_bytes": peak}, f)
+                       "encode_save_s": save_enc, "encode_save_runs_s": senc,
+                       "peak_bytes": peak}, f)
 
 
 if __name__ == "__main__":
