@@ -135,16 +135,17 @@ def tree_of(keys: list) -> dict:
 def rank_side(all_parts: list) -> dict:
     """The ranks' side of :meth:`Comm.gather_parts`, simulated: each rank's offer (head,
     digests, sizes), the coordinator's requests, and the blobs each owner sends. Returns
-    what the coordinator's side needs and the bytes it receives (the offers padded to the
-    largest, as ``dist.gather`` pads, and the owners' blobs) and broadcasts."""
+    what the coordinator's side needs and the bytes it receives (the offers, each at its
+    own size as ``Comm.gather_bytes`` sends them, and the owners' blobs) and broadcasts."""
     msgs = [dedup.offer(p)[0] for p in all_parts]
     offers = [dedup.read_offer(m) for m in msgs]
     want = dedup.requests(offers)
     got = {r: b"".join(all_parts[r][1 + i] for i in idx) for r, idx in want.items()}
-    padded = len(msgs) * max(map(len, msgs))
+    offered = sum(map(len, msgs))
     blobs = sum(map(len, got.values()))
     return {"msgs": msgs, "own": list(all_parts[0][1:]), "got": got,
-            "offers_padded": padded, "blobs": blobs, "received": padded + blobs,
+            "offers": offered, "offers_padded": len(msgs) * max(map(len, msgs)),
+            "blobs": blobs, "received": offered + blobs,
             "requests": len(dedup.encode_requests(want)),
             "naive": sum(len(b) for p in all_parts for b in p),
             "distinct_blobs": sum(map(len, want.values())) + len(all_parts[0]) - 1}
@@ -169,7 +170,8 @@ def load_requests(g: dict) -> list:
 
 def gather_line(g: dict) -> str:
     return (f"{g['received'] / 1e6:.1f} MB received ({g['received'] / 50e6:.2f}x the 50 MB "
-            f"target: offers {g['offers_padded'] / 1e6:.1f} MB padded, "
+            f"target: offers {g['offers'] / 1e6:.2f} MB (padded to the largest, as a "
+            f"dist.gather sent them: {g['offers_padded'] / 1e6:.2f} MB), "
             f"{g['distinct_blobs']:,} distinct blobs {g['blobs'] / 1e6:.1f} MB), requests "
             f"broadcast {g['requests'] / 1e6:.2f} MB; every blob sent: "
             f"{g['naive'] / 1e6:.1f} MB")
