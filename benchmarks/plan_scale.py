@@ -59,15 +59,20 @@ def layer_params(h: int, tp: int) -> list:
 
 
 def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
-              trees: bool = True) -> list:
+              trees: bool = True, even: bool = False) -> list:
     """Every rank's :class:`LocalPlan` of the simulated job."""
-    return list(iter_job(tp, pp, dp, layers, h, vocab, trees))
+    return list(iter_job(tp, pp, dp, layers, h, vocab, trees, even))
 
 
 def iter_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
-             trees: bool = True):
+             trees: bool = True, even: bool = False):
     """The ranks' local plans one at a time (a 65,536-rank job's plans as objects would not
-    fit in memory; their wire forms do)."""
+    fit in memory; their wire forms do). ``even``: every TP rank's optimizer buffer laid
+    out alike, each parameter's block given the room of the largest TP block (as Megatron
+    pads the vocabulary): otherwise an uneven split (the vocabulary's) shifts the ranges of
+    the TP-replicated parameters after it, and where a DP cut falls inside one of them on
+    one TP rank and not another their ranges overlap without being equal ([SP-COVER-3]),
+    which happens at DP 2048."""
     per_stage = layers // pp
     stage_params = []
     for s in range(pp):
@@ -98,10 +103,12 @@ def iter_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
         for (name, shp, d), (off, bshp) in zip(ps, blocks):
             rep = (d_,) if d is not None else (d_, t)
             holdings.append(Holding(f"model/{name}", "bfloat16", shp, off, bshp, None, rep))
-        total = sum(math.prod(b) for _, b in blocks)
+        room = [max(math.prod(block(shp, d, u)[1]) for u in range(tp)) if even
+                else math.prod(b) for (_, shp, d), (_, b) in zip(ps, blocks)]
+        total = sum(room)
         lo, hi = d_ * total // dp, (d_ + 1) * total // dp
         pos = 0
-        for (name, shp, d), (off, bshp) in zip(ps, blocks):
+        for (name, shp, d), (off, bshp), n_room in zip(ps, blocks, room):
             n = math.prod(bshp)
             a, b = max(lo, pos), min(hi, pos + n)
             if a < b:
@@ -110,7 +117,7 @@ def iter_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
                     rep = (0,) if d is not None else (t,)
                     holdings.append(Holding(f"optim/{st}/{name}", "float32", shp, off, bshp,
                                             (a - pos, b - pos), rep))
-            pos += n
+            pos += n_room
         tree = tree_of([h.key for h in holdings] + ["rng"]) if trees else {"dict": []}
         yield LocalPlan(rank, tree, holdings, [("rng", rank, tp * pp * dp, (0,), 0)])
 
@@ -194,6 +201,9 @@ def main() -> None:
     ap.add_argument("--no-trees", action="store_true",
                     help="send empty trees (the job as measured before trees were simulated)")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
+    ap.add_argument("--even-buffers", action="store_true",
+                    help="lay out every TP rank's optimizer buffer alike (see iter_job); "
+                         "needed from DP 2048 on with the uneven default vocabulary")
     ap.add_argument("--json", help="write the timed samples and sizes to this file")
     ap.add_argument("--bytes-only", action="store_true",
                     help="build and encode the local plans, print what the coordinator "
@@ -214,7 +224,8 @@ def main() -> None:
     save_parts, load_parts = [], []
     single = single_max = 0
     t = clock()
-    for p in iter_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab, not a.no_trees):
+    for p in iter_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab, not a.no_trees,
+                      a.even_buffers):
         t1 = clock()
         build_s += t1 - t
         nh += len(p.holdings)
