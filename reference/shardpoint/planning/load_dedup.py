@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 
 from shardpoint.planning.chunk_table import build_parts, elect, expand
-from shardpoint.planning.columns import Regions, pack_columns, unpack_columns
+from shardpoint.planning.columns import Regions, gc_paused, pack_columns, unpack_columns
 from shardpoint.planning.grid import chunk_part_arrays_many, region_pieces_many
 from shardpoint.planning.plans import RankLoadWork, encode_load_work, narrowest_int
 
@@ -324,7 +324,14 @@ def encode_global(works: LoadWorks, layouts: dict) -> bytes:
 def work_from_global(msg: bytes, rank: int, layouts: dict) -> RankLoadWork:
     """Rank ``rank``'s :class:`~.plans.RankLoadWork` cut from :func:`encode_global`'s message:
     the same rows, in the same order, as the coordinator's per-rank message
-    (:meth:`LoadWorks.encode_all`) would carry (property-tested against it)."""
+    (:meth:`LoadWorks.encode_all`) would carry (property-tested against it). Runs in the
+    planning pause (:func:`~.columns.gc_paused`): its arrays are as short-lived as the
+    coordinator's."""
+    with gc_paused():
+        return _work_from_global(msg, rank, layouts)
+
+
+def _work_from_global(msg: bytes, rank: int, layouts: dict) -> RankLoadWork:
     tag, world, D, tabs = msgpack.unpackb(msg)
     if tag != GLOBAL_TAG:
         raise ValueError(f"not a global load plan message (tag {tag!r})")
