@@ -309,8 +309,12 @@ def main() -> None:
                 else:
                     gmsg, wire = None, encode_works(works, layouts)
                 lenc.append(clock() - t0)
-            reply = len(msgpack.packb([{k: v for k, v in vars(costs).items() if k != "notes"},
-                                       None if gmsg else b""]))
+            cdict = {k: v for k, v in vars(costs).items() if k != "notes"}
+            # loading.py: a dedup plan's reply is empty and the costs go with the plan
+            reply = len(msgpack.packb([0, msgpack.packb(None)])) if gmsg else \
+                len(msgpack.packb([cdict, b""]))
+            if gmsg is not None:
+                gmsg = msgpack.packb([cdict, gmsg])
             if gmsg is not None:
                 # each rank cuts its own work from the plan (after the broadcast, outside
                 # the coordinator's pause): time the ranks that read most, receive most and
@@ -322,7 +326,7 @@ def main() -> None:
                 ds = []
                 for r in sorted(pick):
                     t0 = clock()
-                    w_ = work_from_global(gmsg, r, layouts)
+                    w_ = work_from_global(msgpack.unpackb(gmsg)[1], r, layouts)
                     ds.append(clock() - t0)
                 derive.append(max(ds))
                 wsum = wmax = 0
@@ -389,7 +393,8 @@ def main() -> None:
             load_sent = load_g["requests"] + gbytes + world * reply
             print(f"  load, busiest rank (coordinator): received {load_g['received'] / 1e6:.1f}"
                   f" MB, sent {load_sent / 1e6:.1f} MB ({load_sent / 50e6:.2f}x the 50 MB "
-                  f"target: the plan {gbytes / 1e6:.1f} MB once, replies {world * reply / 1e6:.1f}"
+                  f"target: the plan and costs {gbytes / 1e6:.1f} MB once, replies "
+                  f"{world * reply / 1e6:.1f}"
                   f" MB, blob requests {load_g['requests'] / 1e6:.2f} MB); every other rank "
                   f"receives {(gbytes + reply + load_g['requests']) / 1e6:.1f} MB")
         else:

@@ -117,18 +117,19 @@ class LoadJob:
     def plan(self) -> None:
         """Each rank states the regions it needs; the coordinator's cost model picks how they
         are read and hands each rank its work."""
-        costs, wbytes = msgpack.unpackb(run_collectively(
+        reply = msgpack.unpackb(run_collectively(
             self.comm, self._local, self._decide, errors.LayoutMismatchError,
             same=[("checkpoint path", os.path.normpath(self.path)),
                   ("LoadOptions.strategy", self.opts.strategy),
                   ("exchange budget", int(self.budget)),
                   ("LoadOptions.shm_exchange", bool(self.opts.shm_exchange)),
                   ("LoadOptions.shm_round_bytes", int(self.opts.shm_round_bytes))]))
-        if wbytes is None:      # a dedup plan: sent whole, each rank cuts its own work
-            plan = self.comm.broadcast_bytes(self._global_plan)
+        if reply is None:   # a dedup plan: sent whole with the costs, each rank cuts its own
+            costs, plan = msgpack.unpackb(self.comm.broadcast_bytes(self._global_plan))
             self._global_plan = None
             self.work = work_from_global(plan, self.comm.rank, self.m.tensors)
         else:
+            costs, wbytes = reply
             self.work = RankLoadWork.from_bytes(wbytes, self.m.tensors)
         self.costs = costs
         self.out.strategy, self.out.costs = costs["strategy"], costs
@@ -160,8 +161,8 @@ class LoadJob:
             # one message for every rank, broadcast after this reply: per-rank messages
             # would carry each transfer twice (its sender's and its receiver's), hundreds
             # of MB sent by the coordinator for a 16,384-rank load
-            self._global_plan = encode_global(works, layouts)
-            return [msgpack.packb([c, None])] * len(works)
+            self._global_plan = msgpack.packb([c, encode_global(works, layouts)])
+            return [msgpack.packb(None)] * len(works)
         return [msgpack.packb([c, w]) for w in encode_works(works, layouts)]
 
     # ---------------------------------------------------------------------- phase 3

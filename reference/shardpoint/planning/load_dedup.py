@@ -291,7 +291,9 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
 
 
 GLOBAL_TAG = "loadplan2"
-GLOBAL_ZLIB_LEVEL = 1    # the plan is ~10x smaller at level 1; higher levels cost more than they save
+# zlib level of the global load plan: level 1 already shrinks it ~10x (its holder and part
+# columns repeat); higher levels cost more coordinator time than they save
+GLOBAL_ZLIB_LEVEL = 1
 
 
 def encode_global(works: LoadWorks, layouts: dict) -> bytes:
