@@ -5,9 +5,13 @@ Default: 4,096 ranks = TP 8 x PP 4 x DP 128, 80 layers x 12 params (+ embeddings
 tensors), bf16 weights replicated across DP, fp32 master/exp_avg/exp_avg_sq as distributed-
 optimizer flattened ranges (each stage's parameters concatenated per TP rank, the buffer cut
 into DP equal ranges). Times what the coordinator does: decode the gathered local plans and
-plan the save; decode the gathered load requests and plan the load, alone (``plan_load``) and as
-``load()`` runs it (``plan_load_auto``: the cost model prices dedup against direct reads), then
-encode every rank's load work (medians of --repeat runs, min-max), and prints gathered bytes,
+plan the save and encode every rank's reply; decode the gathered load requests and plan the
+load, alone (``plan_load``) and as ``load()`` runs it (``plan_load_auto``: the cost model prices
+dedup against direct reads), then encode it as ``load()`` sends it (a dedup plan: one message
+for every rank, each rank cutting its own work from it, the slowest rank's cut timed; direct
+reads: one message per rank), all under the coordinator's planning pause as
+``run_collectively`` runs them (medians of --repeat runs, min-max); prints what the busiest
+rank receives and sends, gathered bytes,
 peak memory of each planning step (one extra untimed run under ``tracemalloc``, which sees
 numpy's buffers too) and manifest size with ratios to the targets. ``--json`` writes every
 timed sample, for interleaved A/B runs against another checkout (the script only uses APIs
@@ -28,13 +32,18 @@ import time
 import tracemalloc
 
 import msgpack
+import numpy as np
 
 from shardpoint.exchange import dedup
-from shardpoint.planning.columns import HoldingColumns
+from shardpoint.planning.columns import HoldingColumns, gc_paused
+from shardpoint.planning.load_dedup import LoadWorks, encode_global, work_from_global
 from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_load_auto
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.tree.model import Holding
 from shardpoint.planning.planner import LocalPlan, TensorLayout, plan_load, plan_save
+
+
+STAGING = "/checkpoints/run/step_000000100.staging-0123456789ab"   # a staging path's length
 
 
 def layer_params(h: int, tp: int) -> list:
@@ -50,15 +59,20 @@ def layer_params(h: int, tp: int) -> list:
 
 
 def build_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
-              trees: bool = True) -> list:
+              trees: bool = True, even: bool = False) -> list:
     """Every rank's :class:`LocalPlan` of the simulated job."""
-    return list(iter_job(tp, pp, dp, layers, h, vocab, trees))
+    return list(iter_job(tp, pp, dp, layers, h, vocab, trees, even))
 
 
 def iter_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
-             trees: bool = True):
+             trees: bool = True, even: bool = False):
     """The ranks' local plans one at a time (a 65,536-rank job's plans as objects would not
-    fit in memory; their wire forms do)."""
+    fit in memory; their wire forms do). ``even``: every TP rank's optimizer buffer laid
+    out alike, each parameter's block given the room of the largest TP block (as Megatron
+    pads the vocabulary): otherwise an uneven split (the vocabulary's) shifts the ranges of
+    the TP-replicated parameters after it, and where a DP cut falls inside one of them on
+    one TP rank and not another their ranges overlap without being equal ([SP-COVER-3]),
+    which happens at DP 2048."""
     per_stage = layers // pp
     stage_params = []
     for s in range(pp):
@@ -89,10 +103,12 @@ def iter_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
         for (name, shp, d), (off, bshp) in zip(ps, blocks):
             rep = (d_,) if d is not None else (d_, t)
             holdings.append(Holding(f"model/{name}", "bfloat16", shp, off, bshp, None, rep))
-        total = sum(math.prod(b) for _, b in blocks)
+        room = [max(math.prod(block(shp, d, u)[1]) for u in range(tp)) if even
+                else math.prod(b) for (_, shp, d), (_, b) in zip(ps, blocks)]
+        total = sum(room)
         lo, hi = d_ * total // dp, (d_ + 1) * total // dp
         pos = 0
-        for (name, shp, d), (off, bshp) in zip(ps, blocks):
+        for (name, shp, d), (off, bshp), n_room in zip(ps, blocks, room):
             n = math.prod(bshp)
             a, b = max(lo, pos), min(hi, pos + n)
             if a < b:
@@ -101,7 +117,7 @@ def iter_job(tp: int, pp: int, dp: int, layers: int, h: int, vocab: int,
                     rep = (0,) if d is not None else (t,)
                     holdings.append(Holding(f"optim/{st}/{name}", "float32", shp, off, bshp,
                                             (a - pos, b - pos), rep))
-            pos += n
+            pos += n_room
         tree = tree_of([h.key for h in holdings] + ["rng"]) if trees else {"dict": []}
         yield LocalPlan(rank, tree, holdings, [("rng", rank, tp * pp * dp, (0,), 0)])
 
@@ -126,16 +142,17 @@ def tree_of(keys: list) -> dict:
 def rank_side(all_parts: list) -> dict:
     """The ranks' side of :meth:`Comm.gather_parts`, simulated: each rank's offer (head,
     digests, sizes), the coordinator's requests, and the blobs each owner sends. Returns
-    what the coordinator's side needs and the bytes it receives (the offers padded to the
-    largest, as ``dist.gather`` pads, and the owners' blobs) and broadcasts."""
+    what the coordinator's side needs and the bytes it receives (the offers, each at its
+    own size as ``Comm.gather_bytes`` sends them, and the owners' blobs) and broadcasts."""
     msgs = [dedup.offer(p)[0] for p in all_parts]
     offers = [dedup.read_offer(m) for m in msgs]
     want = dedup.requests(offers)
     got = {r: b"".join(all_parts[r][1 + i] for i in idx) for r, idx in want.items()}
-    padded = len(msgs) * max(map(len, msgs))
+    offered = sum(map(len, msgs))
     blobs = sum(map(len, got.values()))
     return {"msgs": msgs, "own": list(all_parts[0][1:]), "got": got,
-            "offers_padded": padded, "blobs": blobs, "received": padded + blobs,
+            "offers": offered, "offers_padded": len(msgs) * max(map(len, msgs)),
+            "blobs": blobs, "received": offered + blobs,
             "requests": len(dedup.encode_requests(want)),
             "naive": sum(len(b) for p in all_parts for b in p),
             "distinct_blobs": sum(map(len, want.values())) + len(all_parts[0]) - 1}
@@ -160,7 +177,8 @@ def load_requests(g: dict) -> list:
 
 def gather_line(g: dict) -> str:
     return (f"{g['received'] / 1e6:.1f} MB received ({g['received'] / 50e6:.2f}x the 50 MB "
-            f"target: offers {g['offers_padded'] / 1e6:.1f} MB padded, "
+            f"target: offers {g['offers'] / 1e6:.2f} MB (padded to the largest, as a "
+            f"dist.gather sent them: {g['offers_padded'] / 1e6:.2f} MB), "
             f"{g['distinct_blobs']:,} distinct blobs {g['blobs'] / 1e6:.1f} MB), requests "
             f"broadcast {g['requests'] / 1e6:.2f} MB; every blob sent: "
             f"{g['naive'] / 1e6:.1f} MB")
@@ -183,6 +201,9 @@ def main() -> None:
     ap.add_argument("--no-trees", action="store_true",
                     help="send empty trees (the job as measured before trees were simulated)")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
+    ap.add_argument("--even-buffers", action="store_true",
+                    help="lay out every TP rank's optimizer buffer alike (see iter_job); "
+                         "needed from DP 2048 on with the uneven default vocabulary")
     ap.add_argument("--json", help="write the timed samples and sizes to this file")
     ap.add_argument("--bytes-only", action="store_true",
                     help="build and encode the local plans, print what the coordinator "
@@ -203,7 +224,8 @@ def main() -> None:
     save_parts, load_parts = [], []
     single = single_max = 0
     t = clock()
-    for p in iter_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab, not a.no_trees):
+    for p in iter_job(a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab, not a.no_trees,
+                      a.even_buffers):
         t1 = clock()
         build_s += t1 - t
         nh += len(p.holdings)
@@ -238,41 +260,83 @@ def main() -> None:
     if a.bytes_only:
         return
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    dec, pl, tot, lds, lenc, auto = [], [], [], [], [], []
+    dec, pl, tot, lds, lenc, auto, derive, senc = [], [], [], [], [], [], [], []
     hosts = [f"host{r // 8}" for r in range(world)]   # 8 ranks per host
     for _ in range(a.repeat):
         gc.collect()
-        t0 = clock()
-        cache: dict = {}
-        decoded = [LocalPlan.from_parts(p, cache) for p in coordinator_side(save_g)]
-        t1 = clock()
-        plan = plan_save(decoded)
-        t2 = clock()
+        # run_collectively pauses the cyclic collector on the coordinator from the gather
+        # to the scatter (gather, decode, plan, encode): so do these runs
+        with gc_paused():
+            t0 = clock()
+            cache: dict = {}
+            decoded = [LocalPlan.from_parts(p, cache) for p in coordinator_side(save_g)]
+            t1 = clock()
+            plan = plan_save(decoded)
+            t2 = clock()
+            # saving.py's decide() then sends each rank its work, the staging path, its
+            # arrays' layouts and the plan's stats
+            lay_w = {k: [list(v.shape), v.dtype, list(v.chunk_shape)]
+                     for k, v in plan.tensors.items()}
+            save_lens = [len(msgpack.packb([STAGING, w.to_bytes(), {
+                k: lay_w[k] for k in {c.key for c in w.writes} | set(w.create)}, plan.stats]))
+                for w in plan.ranks]
+            t3 = clock()
         dec.append(t1 - t0)
         pl.append(t2 - t1)
         tot.append(t2 - t0)
+        senc.append(t3 - t2)
         if not a.no_load:
             layouts = {k: TensorLayout(k, v.shape, v.dtype, v.chunk_shape)
                        for k, v in plan.tensors.items()}
             del decoded
             gc.collect()
-            t0 = clock()
-            works = plan_load(load_requests(load_g), layouts)
-            lds.append(clock() - t0)
+            with gc_paused():
+                t0 = clock()
+                works = plan_load(load_requests(load_g), layouts)
+                lds.append(clock() - t0)
             del works
             gc.collect()
-            t0 = clock()     # what load() runs: the cost model picks a strategy
-            works, costs = plan_load_auto(load_requests(load_g), layouts, hosts,
-                                          LoadOptions(), 1.0)
-            auto.append(clock() - t0)
-            t0 = clock()
-            wire = encode_works(works, layouts)     # loading.py's decide() sends these
-            lenc.append(clock() - t0)
-            reads = sum(len(w.read_rows) for w in works)
-            sends = sum(len(w.send_rows) for w in works)
-            wmax = max(map(len, wire))
-            wsum = sum(map(len, wire))
-            del works, wire
+            with gc_paused():
+                t0 = clock()     # what load() runs: the cost model picks a strategy
+                works, costs = plan_load_auto(load_requests(load_g), layouts, hosts,
+                                              LoadOptions(), 1.0)
+                auto.append(clock() - t0)
+                t0 = clock()
+                # loading.py's decide(): a dedup plan goes whole to every rank (one
+                # broadcast), the direct strategy's as one message per rank
+                if isinstance(works, LoadWorks):
+                    gmsg, wire = encode_global(works, layouts), None
+                else:
+                    gmsg, wire = None, encode_works(works, layouts)
+                lenc.append(clock() - t0)
+            cdict = {k: v for k, v in vars(costs).items() if k != "notes"}
+            # loading.py: a dedup plan's reply is empty and the costs go with the plan
+            reply = len(msgpack.packb([0, msgpack.packb(None)])) if gmsg else \
+                len(msgpack.packb([cdict, b""]))
+            if gmsg is not None:
+                gmsg = msgpack.packb([cdict, gmsg])
+            if gmsg is not None:
+                # each rank cuts its own work from the plan (after the broadcast, outside
+                # the coordinator's pause): time the ranks that read most, receive most and
+                # a spread of others; every rank does this at once, so the most is what counts
+                a_ = works.a
+                pick = {0, world - 1, world // 2, int(np.argmax(works.a["recv_bytes"])),
+                        int(np.argmax(np.bincount(a_["c_reader"], minlength=world)))}
+                pick |= set(range(1, world, max(1, world // 12)))
+                ds = []
+                for r in sorted(pick):
+                    t0 = clock()
+                    w_ = work_from_global(msgpack.unpackb(gmsg)[1], r, layouts)
+                    ds.append(clock() - t0)
+                derive.append(max(ds))
+                wsum = wmax = 0
+            else:
+                derive.append(0.0)
+                wsum, wmax = sum(map(len, wire)), max(map(len, wire))
+            gbytes = len(gmsg) if gmsg else 0
+            reads = int(len(works.a["c_key"])) if gmsg else sum(len(w.read_rows) for w in works)
+            sends = int(len(works.a["t_dst"])) if gmsg else sum(len(w.send_rows) for w in works)
+            del works, wire, gmsg
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak = {}
     if not a.no_memory:     # untimed: tracemalloc slows allocation down
@@ -290,10 +354,8 @@ def main() -> None:
             del w_
         tracemalloc.stop()
         del kept
-    t0 = clock()
-    save_lens = [len(w.to_bytes()) for w in plan.ranks]     # saving.py's decide() sends these
     save_msgs = sum(save_lens)
-    save_enc = clock() - t0
+    save_enc = statistics.median(senc)
     work_bytes = [len(w.to_bytes()) for w in plan.ranks[:64]]
     m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
                                             v.chunk_shape) for k, v in plan.tensors.items()},
@@ -310,18 +372,43 @@ def main() -> None:
     print(f"  plan_save on coordinator        {_median(pl)}")
     print(f"  save plan end to end            {_median(tot)}  "
           f"({med(tot) / 1.0:.2f}x the 1.0 s target)")
+    st_e = [x + y for x, y in zip(tot, senc)]
+    print(f"  ... and the replies encoded     {_median(st_e)}  "
+          f"({med(st_e) / 1.0:.2f}x the 1.0 s target: what save()'s decide() runs)")
     if lds:
         print(f"  load plan (decode + plan_load)  {_median(lds)}  "
               f"({med(lds) / 1.0:.2f}x the 1.0 s target; {reads:,} reads, {sends:,} transfers)")
         print(f"  load plan as load() runs it     {_median(auto)}  "
               f"({med(auto) / 1.0:.2f}x the 1.0 s target; plan_load_auto, 8 ranks per host, "
               f"picked {costs.strategy})")
-        print(f"  encode per-rank load work       {_median(lenc)}  "
-              f"(all ranks; {wsum / 1e6:.1f} MB sent by the coordinator, largest "
-              f"{wmax / 2**10:.1f} KiB)")
-    print(f"  encode per-rank save work         {save_enc:8.3f} s  (all ranks, one run; "
+        if gbytes:
+            lt = [x + y + z for x, y, z in zip(auto, lenc, derive)]
+            print(f"  encode the load plan, once       {_median(lenc)}  (one message for "
+                  f"every rank: {gbytes / 1e6:.1f} MB)")
+            print(f"  a rank cuts its own work         {_median(derive)}  (the slowest of "
+                  "the ranks timed: most reads, most received, a spread of others)")
+            print(f"  load plan end to end             {_median(lt)}  "
+                  f"({med(lt) / 1.0:.2f}x the 1.0 s target: plan_load_auto + encode + cut; "
+                  "the broadcast itself not timed)")
+            load_sent = load_g["requests"] + gbytes + world * reply
+            print(f"  load, busiest rank (coordinator): received {load_g['received'] / 1e6:.1f}"
+                  f" MB, sent {load_sent / 1e6:.1f} MB ({load_sent / 50e6:.2f}x the 50 MB "
+                  f"target: the plan and costs {gbytes / 1e6:.1f} MB once, replies "
+                  f"{world * reply / 1e6:.1f}"
+                  f" MB, blob requests {load_g['requests'] / 1e6:.2f} MB); every other rank "
+                  f"receives {(gbytes + reply + load_g['requests']) / 1e6:.1f} MB")
+        else:
+            print(f"  encode per-rank load work       {_median(lenc)}  "
+                  f"(all ranks; {wsum / 1e6:.1f} MB sent by the coordinator, largest "
+                  f"{wmax / 2**10:.1f} KiB)")
+    print(f"  encode per-rank save work       {_median(senc)}  (all ranks; "
           f"{save_msgs / 1e6:.1f} MB sent by the coordinator, largest "
           f"{max(save_lens) / 2**10:.1f} KiB)")
+    save_sent = save_g["requests"] + save_msgs
+    print(f"  save, busiest rank (coordinator): received {save_g['received'] / 1e6:.1f} MB, "
+          f"sent {save_sent / 1e6:.1f} MB ({max(save_g['received'], save_sent) / 50e6:.2f}x "
+          f"the 50 MB target: work messages {save_msgs / 1e6:.1f} MB, blob requests "
+          f"{save_g['requests'] / 1e6:.2f} MB)")
     if peak:
         print(f"  planning peak memory (traced)     {peak['save'] / 2**20:8.1f} MiB save "
               f"(decode + plan_save, plan kept)" +
@@ -340,8 +427,9 @@ def main() -> None:
                        "load_gathered_bytes": load_g["received"] if load_g else None,
                        "decode_s": dec,
                        "plan_save_s": pl, "save_total_s": tot, "plan_load_s": lds,
-                       "plan_load_auto_s": auto, "encode_load_s": lenc,
-                       "encode_save_s": save_enc, "peak_bytes": peak}, f)
+                       "plan_load_auto_s": auto, "encode_load_s": lenc, "cut_load_s": derive,
+                       "encode_save_s": save_enc, "encode_save_runs_s": senc,
+                       "peak_bytes": peak}, f)
 
 
 if __name__ == "__main__":

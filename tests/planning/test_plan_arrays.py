@@ -12,6 +12,7 @@ from collections import Counter
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
+from shardpoint.planning.load_dedup import encode_global, work_from_global
 from shardpoint.planning.load_planner import encode_works, plan_load, plan_load_direct
 from shardpoint.tree.model import Holding
 from shardpoint.planning.planner import PlanOptions, RankLoadWork, TensorLayout, plan_save
@@ -81,6 +82,38 @@ def test_load_tables_deliver_what_the_object_planner_delivered(job, load_world):
         again = RankLoadWork.from_ops(r, w.reads, w.sends, w.recvs)
         assert (again.reads, again.sends, again.recvs) == (w.reads, w.sends, w.recvs)
 
+
+
+def _tables(w: RankLoadWork) -> list:
+    return [w.read_rows.tolist(), w.local_rows.tolist(), w.send_rows.tolist(),
+            w.recv_rows.tolist()]
+
+
+@settings(max_examples=80, **SET)
+@given(jobs(max_world=16), st.integers(1, 40), st.booleans())
+def test_each_rank_cuts_from_the_global_plan_exactly_its_per_rank_message(job, load_world,
+                                                                        resharded):
+    """The dedup plan broadcast whole (encode_global), each rank cutting its own work
+    (work_from_global), gives every rank the very tables of the per-rank message the
+    coordinator used to send: replicas (same-layout load), flattened ranges, uneven shards,
+    and random resharded requests."""
+    world, tensors, rng = job
+    plans, _ = local_plans(world, tensors, rng)
+    plan = plan_save(plans, PlanOptions(chunk_overhead_bytes=rng.choice([0, 64]),
+                                        max_chunk_bytes=rng.choice([32, 256 << 20])))
+    if resharded:
+        reqs = requests_for(tensors, load_world, rng)
+    else:       # every rank asks for what it saved: data-parallel replicas read once
+        reqs = [[Holding(h.key, h.dtype, h.global_shape, h.offset, h.shape, h.flat, (0,))
+                 for h in lp.holdings] for lp in plans]
+    works = plan_load(reqs, plan.tensors)
+    g = encode_global(works, plan.tensors)
+    for r, b in enumerate(encode_works(works, plan.tensors)):
+        want = RankLoadWork.from_bytes(b, plan.tensors)
+        got = work_from_global(g, r, plan.tensors)
+        assert (got.rank, got.D) == (want.rank, want.D)
+        assert _tables(got) == _tables(want)
+        assert (got.reads, got.sends, got.recvs) == (want.reads, want.sends, want.recvs)
 
 def _itemsize(name: str) -> int:
     from shardpoint.tree import dtypes

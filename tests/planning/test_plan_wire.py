@@ -82,3 +82,23 @@ def test_parts_of_awkward_holdings_round_trip():
         HoldingColumns.from_parts(meta, blobs[:-1])
     with pytest.raises(ValueError):
         HoldingColumns.from_parts(["cols3", *meta[1:]], blobs)
+
+
+def test_save_work_wire_lists_each_write_and_transfer_field_by_field():
+    """RankSaveWork.to_bytes packs its named tuples as they are: the wire must stay the
+    field-by-field rows ([key, offset, shape, direct, local] and [src, dst, key, box offset,
+    box shape, src ref, dst ref]) that every reader of it expects."""
+    plan = plan_save(bench.build_job(2, 2, 3, 4, 6, 13))
+    moved = 0
+
+    def rows(x):      # as msgpack gives lists back
+        return msgpack.unpackb(msgpack.packb(x))
+    for w in plan.ranks:
+        writes, sends, recvs, create = msgpack.unpackb(w.to_bytes())
+        assert writes == rows([[c.key, c.offset, c.shape, c.direct, c.local] for c in w.writes])
+        for got, ts in ((sends, w.sends), (recvs, w.recvs)):
+            assert got == rows([[t.src, t.dst, t.key, t.box_offset, t.box_shape, t.src_ref,
+                                 t.dst_ref] for t in ts])
+            moved += len(ts)
+        assert create == list(w.create)
+    assert moved and any(w.writes for w in plan.ranks)

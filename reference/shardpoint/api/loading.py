@@ -24,6 +24,7 @@ from shardpoint.exchange.comm import (AFTER_LOAD, Comm, agree, error_record, exc
                                       run_collectively)
 from shardpoint.exchange.host import execute_dedup_load
 from shardpoint.exchange.topology import host_identity
+from shardpoint.planning.load_dedup import LoadWorks, encode_global, work_from_global
 from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_load_auto
 from shardpoint_core.manifest import read_metadata, Manifest, decode_manifest  # noqa: F401
 from shardpoint.api.open_ahead import OpenAhead
@@ -91,6 +92,7 @@ class LoadJob:
         self.targets: list = []
         self.built: Any = None
         self.work: Optional[RankLoadWork] = None
+        self._global_plan: Optional[bytes] = None    # the coordinator's dedup plan, to send
         self.costs: dict = {}
         self.budget = opts.exchange_budget_bytes
 
@@ -121,14 +123,20 @@ class LoadJob:
     def plan(self) -> None:
         """Each rank states the regions it needs; the coordinator's cost model picks how they
         are read and hands each rank its work."""
-        costs, wbytes = msgpack.unpackb(run_collectively(
+        reply = msgpack.unpackb(run_collectively(
             self.comm, self._local, self._decide, errors.LayoutMismatchError,
             same=[("checkpoint path", os.path.normpath(self.path)),
                   ("LoadOptions.strategy", self.opts.strategy),
                   ("exchange budget", int(self.budget)),
                   ("LoadOptions.shm_exchange", bool(self.opts.shm_exchange)),
                   ("LoadOptions.shm_round_bytes", int(self.opts.shm_round_bytes))]))
-        self.work = RankLoadWork.from_bytes(wbytes, self.m.tensors)
+        if reply is None:   # a dedup plan: sent whole with the costs, each rank cuts its own
+            costs, plan = msgpack.unpackb(self.comm.broadcast_bytes(self._global_plan))
+            self._global_plan = None
+            self.work = work_from_global(plan, self.comm.rank, self.m.tensors)
+        else:
+            costs, wbytes = reply
+            self.work = RankLoadWork.from_bytes(wbytes, self.m.tensors)
         self.costs = costs
         self.out.strategy, self.out.costs = costs["strategy"], costs
         self.out.timings["plan"] = time.perf_counter() - self.t0
@@ -155,6 +163,12 @@ class LoadJob:
         works, costs = plan_load_auto(reqs, layouts, [h for h, _ in got], self.opts, xg,
                                       host_cache=is_local(self.path))
         c = {k: v for k, v in vars(costs).items() if k != "notes"}
+        if isinstance(works, LoadWorks):
+            # one message for every rank, broadcast after this reply: per-rank messages
+            # would carry each transfer twice (its sender's and its receiver's), hundreds
+            # of MB sent by the coordinator for a 16,384-rank load
+            self._global_plan = msgpack.packb([c, encode_global(works, layouts)])
+            return [msgpack.packb(None)] * len(works)
         return [msgpack.packb([c, w]) for w in encode_works(works, layouts)]
 
     # ---------------------------------------------------------------------- phase 3

@@ -7,6 +7,7 @@ world of one, so single-process use needs no setup.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any, Callable, Optional, Sequence
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from shardpoint_core import errors
 from shardpoint.exchange import dedup
+from shardpoint.planning.columns import gc_paused
 from shardpoint.tree.views import copy_with_bytes
 
 
@@ -85,20 +87,25 @@ class Comm:
         return [bytes(o[:s].cpu().numpy()) for o, s in zip(out, sizes)]
 
     def gather_bytes(self, b: bytes) -> Optional[list]:
-        """Every rank's bytes on the coordinator (None elsewhere)."""
+        """Every rank's bytes on the coordinator (None elsewhere): sizes all-gathered, then
+        each rank's bytes alone, point to point, at their own size (``dist.gather`` pads
+        every message to the largest: the coordinator would take in world x largest)."""
         if self.size == 1:
             return [b]
         sizes = self._sizes(len(b))
-        m = max(sizes)
-        if self.is_coordinator:
-            out = [torch.zeros(m, dtype=torch.uint8, device=self.device)
-                   for _ in range(self.size)]
-            self._run("gather", dist.gather, self._u8(b, m), out, dst=self._global(0),
-                      group=self.group)
-            return [bytes(o[:s].cpu().numpy()) for o, s in zip(out, sizes)]
-        self._run("gather", dist.gather, self._u8(b, m), None, dst=self._global(0),
-                  group=self.group)
-        return None
+        if not self.is_coordinator:
+            if b:
+                self._run("send", dist.send, self._u8(b, len(b)), dst=self._global(0),
+                          group=self.group)
+            return None
+        bufs = {r: torch.empty(n, dtype=torch.uint8, device=self.device)
+                for r, n in enumerate(sizes) if r and n}
+        ops = [dist.P2POp(dist.irecv, t, self._global(r), self.group) for r, t in bufs.items()]
+        if ops:
+            for w in self._run("recv", dist.batch_isend_irecv, ops):
+                self._run("recv", w.wait)
+        return [b if r == 0 else bytes(bufs[r].cpu().numpy()) if r in bufs else b""
+                for r in range(self.size)]
 
     def gather_parts(self, parts: Sequence[bytes]) -> Optional[list]:
         """Every rank's ``[head, blob, ...]`` on the coordinator (None elsewhere), each
@@ -307,6 +314,15 @@ def run_collectively(comm: Comm, local: Callable[[], Any],
             [msgpack.packb([0, out[0], mine_same]), *out[1:]]
     except Exception as e:  # noqa: BLE001 - forwarded to every rank
         mine = [msgpack.packb([1, error_record(e, comm.rank), mine_same])]
+    # the coordinator decodes one message per rank and plans: ~10^5 small objects per
+    # 16,384 ranks, and the cyclic collector's passes over them (which grow with what is
+    # already decoded) cost 2-3x the decoding itself; nothing made here forms a cycle
+    with gc_paused() if comm.is_coordinator else contextlib.nullcontext():
+        return _gather_decide_scatter(comm, mine, pairs, mine_same, decide, fallback)
+
+
+def _gather_decide_scatter(comm: Comm, mine: list, pairs: list, mine_same: list,
+                           decide: Callable[[list], list], fallback: type) -> bytes:
     got = comm.gather_parts(mine)
     parts = None
     if comm.is_coordinator:

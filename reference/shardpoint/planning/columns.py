@@ -47,17 +47,35 @@ def gc_paused() -> Iterator[None]:
     On the way out the objects made meanwhile are moved to the oldest generation at once
     (``gc.freeze()`` + ``gc.unfreeze()``, when nothing else is frozen): the plan outlives the
     call, and the young collection that re-enabling would trigger walked every one of them
-    (0.15 s for that job) only to promote them there."""
+    (0.15 s for that job) only to promote them there.
+
+    Meanwhile numpy does not ask the kernel for huge pages for its large arrays (its
+    default on Linux, ``madvise(MADV_HUGEPAGE)``): a plan's arrays live for a fraction of a
+    second, and faulting in (and compacting memory for) fresh 2 MiB pages cost more than the
+    planning that used them (benchmarks/RESULTS.md, 16,384 ranks). Restored on the way
+    out."""
     was = gc.isenabled()
     gc.disable()
+    hp = _set_huge_pages(False)
     try:
         yield
     finally:
+        _set_huge_pages(hp)
         if was:
             if gc.get_freeze_count() == 0:
                 gc.freeze()
                 gc.unfreeze()
             gc.enable()
+
+
+def _set_huge_pages(on: Optional[bool]) -> Optional[bool]:
+    """Set numpy's huge-page advice for new arrays; returns the previous setting (None where
+    this numpy has no such switch, or when ``on`` is None)."""
+    if on is None:
+        return None
+    core = getattr(np, "_core", None) or getattr(np, "core", None)
+    fn = getattr(getattr(core, "multiarray", None), "_set_madvise_hugepage", None)
+    return None if fn is None else bool(fn(on))
 
 
 class HoldingColumns(Sequence):
@@ -95,12 +113,6 @@ class HoldingColumns(Sequence):
             runs = self._runs
             self._cols = runs[0] if len(runs) == 1 else [np.concatenate(c) for c in zip(*runs)]
         return self._cols
-
-    def column_runs(self, j: int) -> list:
-        """Column ``j`` as one or more arrays of consecutive rows."""
-        if self._cols is None:
-            return [r[j] for r in self._runs]
-        return [self._cols[j]]
 
     @property
     def table(self) -> list:
@@ -192,13 +204,13 @@ class HoldingColumns(Sequence):
             rs = seg_of[self.cols[0]]
             cuts = [0, *(np.flatnonzero(rs[1:] != rs[:-1]) + 1).tolist(), n]
             for a, b in zip(cuts, cuts[1:]):
-                blobs.append(_pack_cols([c[a:b] for c in self.cols[:w]]))
+                blobs.append(pack_columns([c[a:b] for c in self.cols[:w]]))
                 rep = [c[a:b] for c in self.cols[w:]]
                 if all((c == c[0]).all() for c in rep):
                     runs.append([b - a, [int(c[0]) for c in rep]])
                 else:
                     runs.append([b - a, None])
-                    blobs.append(_pack_cols(rep))
+                    blobs.append(pack_columns(rep))
         return [PARTS_TAG, n, self.D, self.R, len(segs), runs], blobs
 
     @staticmethod
@@ -219,7 +231,7 @@ class HoldingColumns(Sequence):
         def cols_of(b: bytes, rows: int, width: int) -> list:
             got = cache.get(b)
             if got is None:
-                got = cache[b] = _unpack_cols(b)
+                got = cache[b] = unpack_columns(b)
             if got[0] != rows or len(got[1]) != width:
                 raise ValueError("a holdings run's columns do not match its row count")
             return got[1]
@@ -291,15 +303,15 @@ def _narrow(cols: Sequence[np.ndarray]) -> tuple:
     return kinds, b"".join(body)
 
 
-def _pack_cols(cols: Sequence[np.ndarray]) -> bytes:
-    """Columns of equal length as ``zlib(msgpack([types, body]))``."""
+def pack_columns(cols: Sequence[np.ndarray], level: int = PLAN_ZLIB_LEVEL) -> bytes:
+    """Columns of equal length as ``zlib(msgpack([types, rows, body]))``, each column in its
+    narrowest integer type, one after another."""
     kinds, body = _narrow(cols)
-    return zlib.compress(msgpack.packb([kinds, len(cols[0]) if cols else 0, body]),
-                         PLAN_ZLIB_LEVEL)
+    return zlib.compress(msgpack.packb([kinds, len(cols[0]) if cols else 0, body]), level)
 
 
-def _unpack_cols(b: bytes) -> tuple:
-    """``(rows, columns)`` of :func:`_pack_cols`."""
+def unpack_columns(b: bytes) -> tuple:
+    """``(rows, columns)`` of :func:`pack_columns`."""
     kinds, n, body = msgpack.unpackb(zlib.decompress(b))
     cols, pos = [], 0
     for t in kinds:
@@ -406,9 +418,14 @@ class Gathered:
         base = np.array([where[id(m)] for m in maps], np.int64)
         allmaps = np.concatenate(distinct) if distinct else np.zeros(0, np.int64)
         same = all(c.D == D and c.R == R for c in cols)
+        # every rank's runs of rows (a run: one array per column), listed once: a column is
+        # then one C-speed pass over them rather than a Python call per rank and column
+        runs = [r for c in cols for r in (c._runs if c._cols is None else (c._cols,))] \
+            if same else []
+
         def column(j: int, j_of, fill):
             if same:     # every rank sent the same columns: one concatenation, no Python per rank
-                parts = [a for c in cols for a in c.column_runs(j)]
+                parts = list(map(itemgetter(j), runs))
             else:
                 parts = [c.cols[j_of(c)] if j_of(c) is not None else np.full(len(c), fill)
                          for c in cols]

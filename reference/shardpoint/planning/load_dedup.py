@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import msgpack
 import numpy as np
 
 from shardpoint.planning.chunk_table import build_parts, elect, expand
-from shardpoint.planning.columns import Regions
+from shardpoint.planning.columns import Regions, gc_paused, pack_columns, unpack_columns
 from shardpoint.planning.grid import chunk_part_arrays_many, region_pieces_many
 from shardpoint.planning.plans import RankLoadWork, encode_load_work, narrowest_int
 
@@ -43,6 +44,16 @@ class LoadWorks(Sequence):
         self.read_bytes = int(a["read_bytes"])
         self.recv_bytes = a["recv_bytes"].tolist()
 
+    def _orders(self) -> dict:
+        """The local copies and transfers sorted by rank (what per-rank work is cut from),
+        sorted on first use: a plan sent as :meth:`encode_global` never needs them."""
+        a = self.a
+        if "s_order" not in a:
+            a["l_order"], a["l_starts"] = _stable_order(a["l_reader"], self.world)
+            a["s_order"], a["s_starts"] = _stable_order(a["t_src"], self.world)
+            a["v_order"], a["v_starts"] = _stable_order(a["t_dst"], self.world)
+        return a
+
     def __len__(self) -> int:
         return self.world
 
@@ -64,7 +75,7 @@ class LoadWorks(Sequence):
     def encode_all(self, layouts: dict) -> list:
         """Every rank's :meth:`RankLoadWork.to_bytes` message, built in one pass over the
         plan's arrays (a rank's rows are a slice of each table sorted by rank)."""
-        a = self.a
+        a = self._orders()
         pos = {k: i for i, k in enumerate(sorted(layouts))}
         kmap = np.array([pos[k] for k in self.keys] or [0], np.int64)
         ch = a["read_order"]
@@ -178,7 +189,7 @@ class LoadWorks(Sequence):
         return np.bincount(ks[cut] // NC, weights=best, minlength=n_groups).astype(np.int64)
 
     def _cut(self, r: int) -> RankLoadWork:
-        a = self.a
+        a = self._orders()
         ch = a["read_order"][a["read_starts"][r]:a["read_starts"][r + 1]]
         reads = np.column_stack([a["c_key"][ch], a["c_dq"][ch], a["c_dp"][ch],
                                  a["c_lo"][ch], a["c_shp"][ch]])
@@ -261,22 +272,121 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
     e_reader = reader[p_chunk[e_part]]
     loc = e_rank == e_reader
     l_part, l_q = e_part[loc], hold_hidx[e_entry[loc]]
-    l_order, l_starts = _stable_order(e_reader[loc], world)
     x = ~loc
     t_part, t_dst, t_q, t_src = e_part[x], e_rank[x], hold_hidx[e_entry[x]], e_reader[x]
-    s_order, s_starts = _stable_order(t_src, world)
-    v_order, v_starts = _stable_order(t_dst, world)
     t_bytes = np.prod(p_bs[t_part], axis=1) * item[c_key[p_chunk[t_part]]]
     recv_bytes = np.bincount(t_dst, weights=t_bytes, minlength=world).astype(np.int64)
     a = dict(c_key=c_key, c_lo=c_lo, c_shp=c_shp, c_dq=c_dq, c_dp=c_dp, c_reader=reader,
              c_ridx=c_ridx, read_order=read_order, read_starts=read_starts,
              p_chunk=p_chunk, p_pi=p_pi, p_bo=p_bo, p_bs=p_bs,
-             l_part=l_part, l_q=l_q, l_order=l_order, l_starts=l_starts,
-             t_part=t_part, t_dst=t_dst, t_q=t_q, s_order=s_order, s_starts=s_starts,
-             v_order=v_order, v_starts=v_starts, recv_bytes=recv_bytes,
-             p_gi=p_gi, start=start, hold_rank=hold_rank, c_item=item[c_key],
+             l_part=l_part, l_q=l_q, l_reader=e_reader[loc],
+             t_part=t_part, t_dst=t_dst, t_q=t_q, t_src=t_src, recv_bytes=recv_bytes,
+             p_gi=p_gi, start=start, hold_rank=hold_rank, hold_hidx=hold_hidx,
+             c_item=item[c_key],
              c_full=(np.concatenate([p[7] for p in t.patterns])[
                  np.cumsum([0] + [len(p[7]) for p in t.patterns[:-1]]).astype(np.int64)[t.c_pat]
                  + t.c_idx] if NC else np.zeros((0, D), np.int64)),
              read_bytes=int(c_bytes.sum()), c_bytes=c_bytes, t_bytes=t_bytes)
     return LoadWorks(world, keys, ndims, D, a)
+
+
+GLOBAL_TAG = "loadplan2"
+# zlib level of the global load plan: level 1 already shrinks it ~10x (its holder and part
+# columns repeat); higher levels cost more coordinator time than they save
+GLOBAL_ZLIB_LEVEL = 1
+
+
+def encode_global(works: LoadWorks, layouts: dict) -> bytes:
+    """The whole dedup plan as one message for every rank (``broadcast``): per chunk its key
+    (a position in ``sorted(layouts)``), reader, direct target and read box; per part its
+    chunk, requested region, piece and box; per region its holders (rank, request). Each
+    rank cuts its own work from it (:func:`work_from_global`), so the coordinator sends this
+    once instead of a million transfer rows split into per-rank messages. Tables go column
+    by column, each in its narrowest type, zlib level 1 (:func:`~.columns.pack_columns`),
+    with a region's holder ranks as differences (replicas' ranks are evenly spaced) and
+    part rows' chunks as differences, which is what makes them compress."""
+    a = works.a
+    pos = {k: i for i, k in enumerate(sorted(layouts))}
+    kmap = np.array([pos[k] for k in works.keys] or [0], np.int64)
+    start, hr = a["start"], a["hold_rank"]
+    nh = np.diff(start)
+    f = start[:-1][nh > 0]
+    d_hr = np.diff(hr, prepend=0) if len(hr) else hr
+    d_hr[f] = hr[f]
+    p_chunk = a["p_chunk"]
+    tables = [[kmap[a["c_key"]], a["c_reader"], a["c_dq"], a["c_dp"], *a["c_lo"].T,
+               *a["c_shp"].T],
+              [np.diff(p_chunk, prepend=0) if len(p_chunk) else p_chunk, a["p_gi"], a["p_pi"],
+               *a["p_bo"].T, *a["p_bs"].T],
+              [nh], [d_hr, a["hold_hidx"]]]
+    return msgpack.packb([GLOBAL_TAG, works.world, works.D,
+                          [pack_columns(t, GLOBAL_ZLIB_LEVEL) for t in tables]])
+
+
+def work_from_global(msg: bytes, rank: int, layouts: dict) -> RankLoadWork:
+    """Rank ``rank``'s :class:`~.plans.RankLoadWork` cut from :func:`encode_global`'s message:
+    the same rows, in the same order, as the coordinator's per-rank message
+    (:meth:`LoadWorks.encode_all`) would carry (property-tested against it). Runs in the
+    planning pause (:func:`~.columns.gc_paused`): its arrays are as short-lived as the
+    coordinator's."""
+    with gc_paused():
+        return _work_from_global(msg, rank, layouts)
+
+
+def _work_from_global(msg: bytes, rank: int, layouts: dict) -> RankLoadWork:
+    tag, world, D, tabs = msgpack.unpackb(msg)
+    if tag != GLOBAL_TAG:
+        raise ValueError(f"not a global load plan message (tag {tag!r})")
+    (nc, chc), (np_, ptc), (ng, (nh,)), (nhold, (d_hr, hq)) = map(unpack_columns, tabs)
+    if len(chc) != 4 + 2 * D or len(ptc) != 3 + 2 * D or int(nh.sum()) != nhold:
+        raise ValueError("a global load plan's tables do not fit together")
+    i64 = np.int64
+    ch = np.column_stack(chc).astype(i64) if nc else np.zeros((0, 4 + 2 * D), i64)
+    pt = np.column_stack(ptc).astype(i64) if np_ else np.zeros((0, 3 + 2 * D), i64)
+    nh, hq = nh.astype(i64), hq.astype(i64)
+    start = np.concatenate([[0], np.cumsum(nh)]).astype(i64)
+    cs = np.cumsum(d_hr, dtype=i64)
+    base = np.zeros(ng, i64)
+    f = start[:-1][nh > 0]
+    base[nh > 0] = cs[f] - d_hr[f]
+    hr = cs - np.repeat(base, nh)
+    pt[:, 0] = np.cumsum(pt[:, 0])
+    c_key, reader, c_dq = ch[:, 0], ch[:, 1], ch[:, 2]
+    p_chunk, p_gi, p_pi = pt[:, 0], pt[:, 1], pt[:, 2]
+    p_box = pt[:, 3:]
+    NC = len(ch)
+    # a chunk's index among its reader's reads (reads go in chunk order)
+    o = np.argsort(reader, kind="stable")
+    cnt = np.bincount(reader, minlength=world)
+    c_ridx = np.empty(NC, np.int64)
+    c_ridx[o] = np.arange(NC) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    direct = c_dq >= 0
+    reads = ch[reader == rank][:, [0, 2, 3, *range(4, 4 + 2 * D)]]
+    # the (part, holder) pairs of the chunks this rank reads, not straight into one request
+    pm = np.flatnonzero((reader[p_chunk] == rank) & ~direct[p_chunk])
+    e_part, e_entry = expand(pm, start[p_gi[pm]], nh[p_gi[pm]])
+    loc = hr[e_entry] == rank
+    lp = e_part[loc]
+    locs = np.column_stack([c_ridx[p_chunk[lp]], hq[e_entry[loc]], p_pi[lp], p_box[lp]])
+    sp, se = e_part[~loc], e_entry[~loc]
+    sc = p_chunk[sp]
+    sends = np.column_stack([np.full(len(sp), rank, np.int64), hr[se], c_key[sc], c_ridx[sc],
+                             hq[se], p_pi[sp], p_box[sp]])
+    # what this rank receives: the parts of the regions it requested, read by another rank
+    mine = np.flatnonzero(hr == rank)
+    g = np.searchsorted(start, mine, side="right") - 1
+    po = np.argsort(p_gi, kind="stable")
+    pcnt = np.bincount(p_gi, minlength=len(nh))
+    pstart = np.cumsum(pcnt) - pcnt
+    e_idx, at = expand(mine, pstart[g], pcnt[g])
+    rp = po[at]
+    rc = p_chunk[rp]
+    keep = ~direct[rc] & (reader[rc] != rank)
+    rp, rc, e_idx = rp[keep], rc[keep], e_idx[keep]
+    srt = np.lexsort((e_idx, rp))      # in plan order: by part, then by holder
+    rp, rc, e_idx = rp[srt], rc[srt], e_idx[srt]
+    recvs = np.column_stack([reader[rc], np.full(len(rp), rank, np.int64), c_key[rc],
+                             c_ridx[rc], hq[e_idx], p_pi[rp], p_box[rp]])
+    keys = sorted(layouts)
+    return RankLoadWork(rank, keys, [len(layouts[k].shape) for k in keys], D, reads, locs,
+                        sends, recvs)

@@ -183,9 +183,9 @@ class RankSaveWork:
     create: list = field(default_factory=list)     # keys whose array this rank creates only
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb([
-            [[w.key, w.offset, w.shape, w.direct, w.local] for w in self.writes],
-            [_t_wire(t) for t in self.sends], [_t_wire(t) for t in self.recvs], self.create])
+        # ChunkWrite and Transfer are named tuples whose fields are their wire rows, in
+        # order: msgpack packs them as those arrays (the same bytes as listing each field)
+        return msgpack.packb([self.writes, self.sends, self.recvs, self.create])
 
     @staticmethod
     def from_bytes(b: bytes) -> "RankSaveWork":
@@ -200,10 +200,6 @@ class RankSaveWork:
 
 def _tuplify(x):
     return tuple(x)
-
-
-def _t_wire(t: Transfer) -> list:
-    return [t.src, t.dst, t.key, t.box_offset, t.box_shape, t.src_ref, t.dst_ref]
 
 
 def _t_unwire(w: list) -> Transfer:
