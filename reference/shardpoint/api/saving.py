@@ -28,9 +28,9 @@ from shardpoint_core.fsutil import os_error_text
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.tree.flatten import flatten_state
 from shardpoint.api.open_ahead import OpenAhead
-from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, check_values_agree,
-                                         plan_objects,
+from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, plan_objects,
                                          plan_save)
+from shardpoint_core.treemerge import check_values_agree
 from shardpoint_core.storage import ArraySpec, StorageBackend
 from shardpoint_core.zarr.object_backend import resolve
 from shardpoint.api.staging import StagingPool, copy_pairs, stream_device_writes
