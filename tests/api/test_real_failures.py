@@ -520,3 +520,40 @@ def test_a_hung_rank_fails_the_others_after_the_group_timeout(tmp_path):
     name, msg = run_world(2, _rank_hangs, str(tmp_path), timeout=60, pg_timeout=5)[0]
     assert name == "RankLostError" and "group's timeout (5 s)" in msg, msg
     assert os.listdir(tmp_path) == []
+
+
+class _FailsMidSubmit:
+    """The real backend, except that its first chunk write is still running (held back in
+    a thread) when the second one fails as it is submitted, as a full disk can fail a
+    directory made on the submitting thread."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+        from shardpoint_core.storage import get_backend
+        self.inner, self.calls, self.done = get_backend(), 0, []
+        self._pool = ThreadPoolExecutor(1)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def write(self, handle, offset, data):
+        self.calls += 1
+        if self.calls == 1:
+            def late():
+                time.sleep(0.5)
+                self.inner.write(handle, offset, data).result()
+                self.done.append(True)
+            return self._pool.submit(late)
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failed_save_waits_for_its_writes_in_flight_before_it_returns(tmp_ckpt):
+    """A write that fails while others are in flight: the save removes its staging
+    directory only after they finished (one still writing would hold its file's space
+    on a full disk, or write into a removed directory), then raises."""
+    be = _FailsMidSubmit()
+    with pytest.raises(sp.SaveFailedError):
+        sp.save({"a": torch.ones(64), "b": torch.zeros(64)}, tmp_ckpt, backend=be)
+    assert be.done == [True], "the save returned while a write was still running"
+    parent = os.path.dirname(tmp_ckpt)
+    assert not [n for n in os.listdir(parent) if "shardpoint-tmp" in n]

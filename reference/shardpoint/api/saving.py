@@ -334,6 +334,7 @@ class SaveJob:
             return
         t = time.perf_counter()
         opened: Optional[OpenAhead] = None
+        ops: list = []
         try:
             if not self._created:
                 # An async save creates its arrays here, off the caller's time; the ranks
@@ -348,7 +349,7 @@ class SaveJob:
             exchange(comm, self.sends, self.recvs, self.opts.exchange_budget_bytes)
             self.sends = self.recvs = []
             self.times["exchange"] = time.perf_counter() - t
-            ops, device = [], []
+            device = []
             for cw, buf in zip(self.work.writes, self.sources):
                 if buf.device.type != "cpu":
                     device.append((buf, cw))
@@ -369,6 +370,12 @@ class SaveJob:
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             self.error = self.write_error(e)
             log.error("shardpoint save: rank %d failed: %s", comm.rank, self.error)
+            # writes already in flight finish before the caller can remove the staging
+            # directory: one still writing would hold its file's space (or recreate it)
+            try:
+                self.be.wait([op for op, _ in ops])
+            except Exception:  # noqa: BLE001 - the first error is the one reported
+                pass
         finally:
             if opened is not None:
                 opened.close()
