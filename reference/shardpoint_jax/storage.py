@@ -295,6 +295,7 @@ class StoredArray:
 
     @property
     def inner(self) -> Optional[list]:
+        """The inner chunk shape when chunks are shards, else None."""
         return list(self.layout.inner) if self.layout.inner else None
 
     def _check_backed(self) -> None:
