@@ -2,6 +2,7 @@
 
     python benchmarks/bench_jax.py                # ~1.2 GB mixed + 1 GiB uniform, 5 rounds
     python benchmarks/bench_jax.py --quick        # tiny trees, one round (a smoke test)
+    python benchmarks/bench_jax.py --loads 20     # only shardpoint_jax loads: wall and CPU
 
 Each round runs, interleaved and in turn: the raw write of the same bytes (one file, one
 fsync: one thread of writes, and 8 threads of ``pwrite`` with early writeback) and their raw
@@ -213,13 +214,83 @@ def run_state(title: str, tree: dict, base: str, rounds: int, drop: bool,
     print(f"\nshardpoint_jax's async save keeps a host pool of {async_pool_mb():.0f} MiB.")
 
 
+def time_loads(n: int, scale: float, where: Optional[str],
+               s3_latency_ms: Optional[float] = None) -> None:
+    """Save the mixed tree at ``scale`` once with shardpoint_jax, then load it ``n`` times
+    (warm page cache, the first load untimed) into new jax.Arrays; print the medians of wall
+    and CPU time (``time.process_time``: every thread of this process) of one load. With
+    ``s3_latency_ms``: on a local S3 server, each request delayed that long, with the
+    requests and round trips in sequence of one load."""
+    server = counter = None
+    if s3_latency_ms is not None:
+        from shardpoint_testing.s3 import S3Server
+        server = S3Server().start()
+        os.environ.update(server.env())
+    import jax
+    import shardpoint_jax as spj
+    tree = jax_tree(bt.mixed_state(scale, layers=2) if scale < 1 / 16 else
+                    bt.mixed_state(scale))
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(tree))
+    base = tempfile.mkdtemp(prefix="spjload-", dir=where)
+    try:
+        p = os.path.join(base, "ck")
+        if server is not None:
+            from bench_s3 import Counter, add_latency
+            from shardpoint_jax import storage
+            p = server.url("spjload/ck")
+            client = storage.locate(p)[0].client
+            counter = Counter(client)
+            add_latency(client, s3_latency_ms / 1000)
+        spj.save(p, tree)
+        wall, cpu, reqs, depth = [], [], [], []
+        for i in range(n + 1):
+            if counter is not None:
+                r0, s0 = counter.snap()[0], counter.snap()[3]
+            t, c = time.perf_counter(), time.process_time()
+            out = spj.load(p, abstract)
+            jax.block_until_ready(out)
+            if i:
+                wall.append(time.perf_counter() - t)
+                cpu.append(time.process_time() - c)
+                if counter is not None:
+                    reqs.append(counter.snap()[0] - r0)
+                    depth.append(counter.depth(s0, counter.snap()[3]))
+            del out
+        where_ = "files" if server is None else f"S3 +{s3_latency_ms:g} ms/request"
+        print(f"{spj.__file__} | {where_} | {nbytes / 1e6:.1f} MB, "
+              f"{len(jax.tree.leaves(tree))} arrays "
+              f"| load wall {statistics.median(wall) * 1e3:.1f} ms "
+              f"({min(wall) * 1e3:.1f}-{max(wall) * 1e3:.1f}) | CPU "
+              f"{statistics.median(cpu) * 1e3:.1f} ms ({min(cpu) * 1e3:.1f}-"
+              f"{max(cpu) * 1e3:.1f}) | {n} loads"
+              + (f" | {max(reqs)} requests, {max(depth)} round trips in sequence"
+                 if reqs else ""))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        if server is not None:
+            server.stop()
+
+
 def main(argv: Optional[list] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="tiny trees, one round, warm cache (a smoke test)")
     ap.add_argument("--repeat", type=int, default=5, help="rounds (default 5)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--loads", type=int, default=0,
+                    help="only time N shardpoint_jax loads of one saved mixed tree (wall and "
+                    "CPU time of this process; run it against two source trees in turn to "
+                    "compare them)")
+    ap.add_argument("--scale", type=float, default=1 / 32,
+                    help="mixed tree scale for --loads (default 1/32, --quick's)")
+    ap.add_argument("--s3-latency-ms", type=float, default=None,
+                    help="--loads from a local S3 server (moto, loopback) with this latency "
+                         "added to every request; also counts requests and round trips")
     a = ap.parse_args(argv)
+    if a.loads:
+        return time_loads(a.loads, a.scale, a.dir, a.s3_latency_ms)
     warnings.filterwarnings("ignore")
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.ERROR)   # Orbax logs every save at WARNING

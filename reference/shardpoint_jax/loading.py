@@ -13,9 +13,8 @@ from shardpoint_core.errors import LayoutMismatchError
 from shardpoint_core.manifest import Manifest, TensorEntry
 from shardpoint_core.statetree import TensorLeaf, iter_leaves, materialize
 from shardpoint_jax.dtypes import numpy_dtype, numpy_of
-from shardpoint_core.store.registry import is_local
-from shardpoint_jax.storage import (OBJECTS, PendingRead, StoredArray, checkpoint_path,
-                                    read_manifest)
+from shardpoint_jax.storage import (PendingRead, StoredArray, checkpoint_path,
+                                    read_manifest, start_listing)
 from shardpoint_jax.tree import ShardedObject, walk
 
 # Bytes of reads started ahead of the one being handed to JAX: enough to keep the I/O
@@ -35,6 +34,7 @@ class Checkpoint:
 
     def __init__(self, path: str) -> None:
         self.path = checkpoint_path(path, "load(path, target)")
+        self.listing = start_listing(self.path)     # in flight with the manifest's GET
         self.manifest: Manifest = read_manifest(self.path)
         # key -> TensorLeaf / ObjectLeaf / ValueLeaf of the typed tree
         self.leaves: dict = {leaf.key: leaf for _p, leaf in iter_leaves(self.manifest.tree)}
@@ -44,7 +44,7 @@ class Checkpoint:
     def array(self, key: str) -> StoredArray:
         if key not in self._stores:
             self._stores[key] = StoredArray(self.path, key,
-                                            entry_of(self.manifest.tensors[key]))
+                                            entry_of(self.manifest.tensors[key]), self.listing)
         return self._stores[key]
 
     def read(self, key: str, offset, shape, out=None) -> np.ndarray:
@@ -79,21 +79,13 @@ class ReadAhead:
 
     def __init__(self, ck: Checkpoint, regions: list, window: int) -> None:
         self.ck, self.regions, self.window = ck, regions, window
-        keys = list(dict.fromkeys(r[0] for r in regions))
-        if is_local(ck.path):
-            for key in keys:
-                try:   # every array opening before any data read: it would wait behind them
-                    ck.array(key)
-                except Exception:  # noqa: BLE001 - raised again where that array is read
-                    pass
-        else:          # on an object store each opening is requests: several in flight
-            opened = [OBJECTS.submit(StoredArray, ck.path, k,
-                                     entry_of(ck.manifest.tensors[k])) for k in keys]
-            for key, fut in zip(keys, opened):
-                try:
-                    ck._stores[key] = fut.result()
-                except Exception:  # noqa: BLE001 - raised again where that array is read
-                    pass
+        # Every array opened before any data read (on files it would wait behind them; on an
+        # object store an open sends nothing: zarr.json goes with the array's first read).
+        for key in dict.fromkeys(r[0] for r in regions):
+            try:
+                ck.array(key)
+            except Exception:  # noqa: BLE001 - raised again where that array is read
+                pass
         self.pos: dict = {}
         for i, (key, off, shp, _out) in enumerate(regions):
             self.pos.setdefault((key, tuple(off), tuple(shp)), i)

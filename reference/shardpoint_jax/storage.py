@@ -7,14 +7,18 @@ committers. What this module adds is the choice of path for each kind of store:
 
 - a local path (plain or ``file://``): the fast paths of the file-system backend, each chunk
   written by :class:`~shardpoint_core.zarr.direct_write.DirectWriter` (``pwritev`` of the
-  array's own memory) and read by :class:`~shardpoint_core.zarr.direct_read.DirectReader`
-  (``preadv`` straight into the destination), anything those cannot prove intact read again
-  by the Zarr layer, which raises the spec's error; one ``syncfs`` makes a save durable; the
+  array's own memory); one ``syncfs`` makes a save durable; the
   :class:`~shardpoint_core.commit.posix.PosixCommitter` renames it into place;
 - any other registered store (``s3://bucket/run/step_5``, ``memory://name/...``): the Zarr
   layer over the bucket's :class:`~shardpoint_core.store.base.ByteStore`, one object per
   chunk, and the :class:`~shardpoint_core.commit.object_store.ObjectStoreCommitter`
   (the manifest written last is the commit marker, format.md 9.1).
+
+Loads open and read arrays through the core's :class:`~shardpoint_core.zarr.backend.ZarrBackend`
+(:data:`READER`), the object the torch front end reads with, into 64-byte aligned buffers
+that JAX adopts without a copy: ``preadv`` straight into them on files; on object stores each
+array's zarr.json GET with its first data GET beside it, and a region's chunks and shard runs
+all in flight at once.
 
 A location is a string either way (a path or a URL), so process 0 can send a staging location
 to the others; :func:`locate` turns it into ``(store, key)``.
@@ -23,13 +27,12 @@ from __future__ import annotations
 
 import math
 import os
-import sys
+from concurrent.futures import Future
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
 from shardpoint_core.commit.durable import fsync_trees, syncfs
-from shardpoint_core.commit.object_store import ObjectStoreCommitter
 from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.dtypes import DTYPES
 from shardpoint_core.manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
@@ -37,13 +40,11 @@ from shardpoint_core.store.files import FileStore
 from shardpoint_core.store.registry import (bucket_store, check_path, is_local, local_path,
                                              split_url)
 from shardpoint_core.values import numpy_values
-from shardpoint_core.zarr.array import (ArrayLayout, read_region, write_array_meta,
-                                        write_region)
-from shardpoint_core.zarr.checks import (MAX_ZARR_JSON_BYTES, check_array_objects,
-                                         check_backed_bytes, check_regular_file,
-                                         check_zarr_json, chunk_file_sizes, open_local_array,
-                                         parse_zarr_json)
-from shardpoint_core.zarr.direct_read import DirectReader, parse_layout
+from shardpoint_core.storage import ArraySpec
+from shardpoint_core.zarr.array import ArrayLayout, write_array_meta, write_region
+from shardpoint_core.zarr.backend import ZarrBackend
+from shardpoint_core.zarr.checks import (check_array_objects, check_backed_bytes,
+                                         check_regular_file)
 from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_write import DirectWriter, WriteOp, WritePool, write_layout
 from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
@@ -123,26 +124,9 @@ def _other_format(path: str) -> str:
 
 
 def _manifest_bytes(path: str) -> bytes:
-    if not is_local(path):
-        store, key = locate(path)
-        mkey = join(key, MANIFEST)
-        info = store.head(mkey)
-        if info is None:
-            if ObjectStoreCommitter(store).state(key) == "incomplete":
-                raise IncompleteCheckpointError(
-                    f"{path} has objects but no {MANIFEST}: a save that crashed or is still "
-                    "running, not a checkpoint", spec_id="SP-COMMIT-3")
-            raise CheckpointNotFoundError(f"no checkpoint at {path!r} (no {MANIFEST})",
-                                          spec_id="SP-COMMIT-3")
-        if info.size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"{path}/{MANIFEST} is {info.size} bytes, over the "
-                                         "1 GiB limit", spec_id="SP-SEC-2")
-        try:
-            return store.get_range(mkey, 0, MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path}: the manifest vanished while it was read "
-                                          "(the step was removed meanwhile)",
-                                          spec_id="SP-COMMIT-3") from None
+    """The manifest's bytes, or the error saying what ``path`` holds instead."""
+    if not is_local(path):      # one GET, at most the cap + 1 bytes; no HEAD before it
+        return READER.read_manifest(path)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path!r}", spec_id="SP-COMMIT-3")
     if not os.path.isdir(path):
@@ -265,63 +249,75 @@ def aligned_empty(shape: tuple, dtype: Any, align: int = 64) -> np.ndarray:
     return raw[off:off + n].view(dt).reshape(shape)
 
 
-def _read_meta(store: Any, path: str, key: str) -> dict:
-    """zarr.json of an array on a store without files, by the reader rules ([SP-ARRAY-1],
-    [SP-ARRAY-6], the cap of [SP-SEC-2]): one ranged GET of at most the cap + 1 bytes."""
-    jkey = join(path, "zarr.json")
-    try:
-        raw = store.get_range(jkey, 0, MAX_ZARR_JSON_BYTES + 1)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"tensor {key!r}: array {path!r} has no zarr.json",
-                                     spec_id="SP-ARRAY-1") from None
-    meta = parse_zarr_json(raw, key, jkey)
-    if not (isinstance(meta, dict) and meta.get("zarr_format") == 3
-            and meta.get("node_type") == "array"):
-        raise CorruptCheckpointError(f"tensor {key!r}: zarr.json is not a Zarr v3 array",
-                                     spec_id="SP-ARRAY-1")
-    return meta
+# Opens and reads arrays for every load of this process, as the torch front end's backend
+# does for a local path and for a URL; the layouts this writer gives (SHARD_ABOVE,
+# INNER_TARGET) so an object-store array's first data request, sent beside its zarr.json GET
+# under the layout this writer would have written, is the one zarr.json confirms.
+READER = ZarrBackend(shard_above_bytes=SHARD_ABOVE, inner_chunk_bytes=INNER_TARGET,
+                     read_threads=THREADS, concurrency=OBJECT_THREADS)
+
+
+def start_listing(location: str) -> Optional[Future]:
+    """On an object store, the listing of a checkpoint's objects started now (one LIST per
+    1,000 objects, in flight with the manifest's GET): each array's chunk count and bytes
+    for [SP-READ-6] before its buffer is allocated; None for a local path (the core's open
+    counts the files)."""
+    if is_local(location):
+        return None
+    store, key = locate(location)
+    return OBJECTS.submit(lambda: list(store.list(key + "/")))
 
 
 class StoredArray:
-    """One tensor's array, opened strictly by the core's rules: zarr.json checked against the
-    manifest [SP-ARRAY-1..3,5,6], every chunk object of a possible size and the declared size
-    backed by stored bytes before anything is allocated [SP-READ-5] [SP-READ-6], missing
-    chunks are errors [SP-READ-2], shard indexes checked [SP-READ-7], crc32c on every
-    chunk [SP-READ-3]."""
+    """One tensor's array, opened and read by the core's backend (:data:`READER`: zarr.json
+    checked against the manifest [SP-ARRAY-1..3,5,6], missing chunks are errors [SP-READ-2],
+    shard indexes checked [SP-READ-7], crc32c on every chunk [SP-READ-3]) into buffers of
+    this front end's choosing. The declared size is backed by stored bytes before a buffer
+    is allocated [SP-READ-6]: on files by the core's open, on object stores by the
+    checkpoint's listing (``listing``, :func:`start_listing`)."""
 
-    def __init__(self, root: str, key: str, entry: dict) -> None:
+    def __init__(self, root: str, key: str, entry: dict,
+                 listing: Optional[Future] = None) -> None:
         self.root, self.key, self.entry = root, key, entry
         self.shape, self.chunk = list(entry["shape"]), list(entry["chunk_shape"])
         self.np_dtype = np.dtype(DTYPES[entry["dtype"]].numpy) if entry["dtype"] in DTYPES \
             else None
-        self.store, base = locate(root)
-        self.path = join(base, entry["array"])
-        self.pool = pool_for(root)
-        shape, chunk, dtype = tuple(self.shape), tuple(self.chunk), entry["dtype"]
-        local = is_local(root)
         self.itemsize = self.np_dtype.itemsize
-        if local:       # the core's one pass: file kinds, zarr.json, sizes, [SP-READ-6]
-            meta = open_local_array(root, entry["array"], shape, dtype, chunk, self.itemsize,
-                                    key)
-        else:
-            meta = _read_meta(self.store, self.path, key)
-            check_zarr_json(meta, shape, dtype, chunk, key)
-            found = check_array_objects(self.store, self.path, key,
-                                        chunk_file_sizes(meta, self.itemsize))
-            check_backed_bytes(key, entry["array"], shape, chunk, self.itemsize, found)
-        self.layout = ArrayLayout.from_meta(meta)
-        self.inner = list(self.layout.inner) if self.layout.inner else None
-        self.direct: Optional[DirectReader] = None
-        # bool goes to the Zarr layer, which refuses bytes other than 0/1 ([SP-READ-5]).
-        if local and dtype != "bool" and sys.byteorder == "little":
-            lay = parse_layout(meta, os.path.join(root, entry["array"]), self.np_dtype)
-            if lay is not None:
-                self.direct = DirectReader(lay, self.pool.submit, self._fallback, key)
+        spec = ArraySpec(tuple(self.shape), entry["dtype"], tuple(self.chunk))
+        self.handle = READER.open_array_for_read(root, entry["array"], spec, key)
+        self._unbacked = None if is_local(root) else (listing or start_listing(root))
 
-    def _fallback(self, offset: Sequence[int], view: np.ndarray) -> None:
-        """A box the direct reader could not prove intact: the Zarr layer reads it again and
-        raises the spec's error for what is wrong."""
-        read_region(self.store, self.path, self.layout, tuple(offset), view, self.key)
+    @property
+    def layout(self) -> ArrayLayout:
+        """The checked layout (on an object store zarr.json is read now if no read did)."""
+        h = self.handle
+        return h.arr.layout if hasattr(h, "arr") else h.layout
+
+    @property
+    def inner(self) -> Optional[list]:
+        """The inner chunk shape when chunks are shards, else None."""
+        return list(self.layout.inner) if self.layout.inner else None
+
+    def _check_backed(self) -> None:
+        """[SP-READ-6] on an object store before the first buffer is allocated (until it
+        passes: every read of an array that fails it raises)."""
+        if self._unbacked is None:
+            return
+        path = join(locate(self.root)[1], self.entry["array"])
+        listed = [i for i in self._unbacked.result() if i.key.startswith(path + "/c/")]
+        try:
+            check_backed_bytes(self.key, self.entry["array"], tuple(self.shape),
+                               tuple(self.chunk), self.itemsize,
+                               (len(listed), sum(i.size for i in listed)))
+        except CorruptCheckpointError:
+            # The rule checked before this one, each object's size ([SP-READ-5] as
+            # [SP-READ-3]), needs zarr.json: read now, on this failure's path only.
+            lay = self.layout
+            sizes = (math.prod(lay.chunk) * self.itemsize + 4, 0) if not lay.inner else \
+                (None, 16 * math.prod(c // i for c, i in zip(lay.chunk, lay.inner)) + 4)
+            check_array_objects(None, path, self.key, sizes, listed)
+            raise
+        self._unbacked = None
 
     def read(self, offset: Sequence[int], shape: Sequence[int],
              out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -330,22 +326,20 @@ class StoredArray:
 
     def start_read(self, offset: Sequence[int], shape: Sequence[int],
                    out: Optional[np.ndarray] = None) -> "PendingRead":
-        """Start reading a region into ``out`` (a new array when None); the returned read's
-        ``result()`` waits and raises what was found wrong."""
+        """Start reading a region into ``out`` (a new 64-byte aligned array when None); the
+        returned read's ``result()`` waits and raises what was found wrong."""
         if len(offset) != len(self.shape) or len(shape) != len(self.shape) or any(
                 o < 0 or n < 0 or o + n > d for o, n, d in zip(offset, shape, self.shape)):
             raise InvalidRequestError(f"tensor {self.key!r}: region {list(offset)}+"
                                       f"{list(shape)} is outside {self.shape}",
                                       spec_id="SP-HOLD-1")
+        self._check_backed()
         if out is None:
             out = aligned_empty(tuple(shape), self.np_dtype)
         if math.prod(shape) == 0:
             return PendingRead(self, offset, shape, out, [])
-        if self.direct is not None:
-            return PendingRead(self, offset, shape, out, self.direct.read(tuple(offset), out))
-        fut = self.pool.submit(read_region, self.store, self.path, self.layout,
-                               tuple(offset), out, self.key)
-        return PendingRead(self, offset, shape, out, [fut])
+        return PendingRead(self, offset, shape, out,
+                           [READER.read_into(self.handle, tuple(offset), out)])
 
 
 class PendingRead:
@@ -359,25 +353,21 @@ class PendingRead:
 
     def result(self) -> np.ndarray:
         """The region's elements once read and checked (raises the corruption found; every
-        task is waited for first, so none still fills the buffer)."""
+        request is waited for first, so none still fills the buffer)."""
         todo, self.futs = self.futs or [], None
-        first: Optional[BaseException] = None
-        while todo:
-            f = todo.pop()
-            try:
-                more = f.result()
-            except Exception as e:  # noqa: BLE001 - the first is raised below
-                first = first or e
-                continue
-            if isinstance(more, list):      # a shard's inner-chunk reads
-                todo.extend(more)
-        if first is None:
-            return self.out
-        if isinstance(first, ShardpointError) or (isinstance(first, OSError) and not
-                                                  isinstance(first, FileNotFoundError)):
-            raise first         # the spec's error, or the store's own (unreachable, denied)
-        missing = isinstance(first, FileNotFoundError)
-        raise CorruptCheckpointError(
+        try:
+            READER.wait(todo)
+        except ShardpointError:
+            raise           # the spec's error
+        except FileNotFoundError as e:
+            raise self._corrupt(e, "is missing", "SP-READ-2") from None
+        except OSError:
+            raise           # the store's own (unreachable, denied)
+        except Exception as e:  # noqa: BLE001 - bytes the layer could not decode
+            raise self._corrupt(e, "cannot be read", "SP-READ-3") from None
+        return self.out
+
+    def _corrupt(self, e: BaseException, what: str, sid: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
             f"tensor {self.array.key!r}: stored data of region {list(self.offset)}+"
-            f"{list(self.shape)} {'is missing' if missing else 'cannot be read'}: "
-            f"{str(first)[:300]}", spec_id="SP-READ-2" if missing else "SP-READ-3") from None
+            f"{list(self.shape)} {what}: {str(e)[:300]}", spec_id=sid)

@@ -13,6 +13,9 @@ environment (``AWS_ENDPOINT_URL``, keys, region) that the S3 store reads, so a c
 chosen requests itself with ``503 SlowDown`` or ``500 InternalError``, or drops the
 connection, so tests see the throttling and server errors a real object store gives.
 
+:class:`Requests` logs every request a store's client sends and groups them by round trip,
+for tests pinning what a save or a load sends (torch and JAX front ends alike).
+
 Example::
 
     with S3Server() as s3:
@@ -30,8 +33,10 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
+from urllib.parse import unquote, urlsplit
 
 # How to start the server somewhere else: (argv, **Popen keyword arguments) -> the process
 Launcher = Callable[..., subprocess.Popen]
@@ -379,3 +384,65 @@ def _main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1:])
+
+
+class Requests:
+    """Every request a backend's S3 client sends: [operation, key below ``prefix`` (save
+    prefixes as ``save-*``), Range, start, end]. ``latency`` seconds are added before each
+    is sent, as a distant server's round trip would, so that requests sent together overlap
+    and a request sent after another's answer starts after it ended: :meth:`waves` groups
+    them by how many round trips deep they are. Use it as a context manager (the store's
+    client is shared by the process: leaving takes the hooks off it). ``be``: anything whose
+    ``locate(url)`` gives ``(store, key)`` (a ``ZarrBackend``, ``shardpoint_jax.storage``)."""
+
+    def __init__(self, be: Any, url: str, latency: float = 0.0) -> None:
+        store, self.prefix = be.locate(url)
+        self.latency = latency
+        self.seen: list = []
+        self._lock = threading.Lock()
+        self._mine = threading.local()
+        self.events = store.client.meta.events
+        self.events.register("before-send.s3.*", self._send, unique_id="sp-test-requests")
+        self.events.register("after-call.s3.*", self._done, unique_id="sp-test-answers")
+
+    def __enter__(self) -> "Requests":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.events.unregister("before-send.s3.*", unique_id="sp-test-requests")
+        self.events.unregister("after-call.s3.*", unique_id="sp-test-answers")
+
+    def _send(self, request, event_name, **kw):
+        path = unquote(urlsplit(request.url).path)
+        key = path.split(f"/{self.prefix}/", 1)[-1] if f"/{self.prefix}/" in path else ""
+        if key.startswith("save-"):
+            key = "save-*/" + key.split("/", 1)[1]
+        rng = request.headers.get("Range")
+        rng = rng.decode() if isinstance(rng, bytes) else rng
+        rec = [event_name.rsplit(".", 1)[-1], key, rng, time.perf_counter(), None]
+        self._mine.rec = rec
+        with self._lock:
+            self.seen.append(rec)
+        time.sleep(self.latency)
+
+    def _done(self, **kw):
+        self._mine.rec[4] = time.perf_counter()
+
+    def take(self) -> list:
+        with self._lock:
+            out, self.seen = self.seen, []
+        return out
+
+    @staticmethod
+    def waves(recs: list) -> list:
+        """The requests by round trip: a request is one deeper than the deepest request that
+        had ended when it started. Each wave is a Counter of (operation, key)."""
+        recs = sorted(recs, key=lambda r: r[3])
+        depth: list = []
+        for i, r in enumerate(recs):
+            depth.append(1 + max((depth[j] for j in range(i) if recs[j][4] <= r[3]),
+                                 default=0))
+        out = [Counter() for _ in range(max(depth, default=0))]
+        for r, d in zip(recs, depth):
+            out[d - 1][(r[0], r[1])] += 1
+        return out

@@ -9,10 +9,7 @@ tensor (its zarr.json and its one chunk object, together), the staged manifest, 
 A load: the manifest's GET (its ETag is the identity checked at the end, no HEAD before it),
 then per array its zarr.json GET and its first data GET together (a plain chunk, or a
 shard's index by a suffix range), a shard's runs of inner chunks, and the identity HEAD."""
-import threading
-import time
 from collections import Counter
-from urllib.parse import unquote, urlsplit
 
 import pytest
 import torch
@@ -22,69 +19,9 @@ pytest.importorskip("moto")
 
 import shardpoint as sp  # noqa: E402
 from shardpoint_core.zarr import ZarrBackend  # noqa: E402
+from shardpoint_testing.s3 import Requests  # noqa: E402
 
 LATENCY = 0.1    # s added to every request: requests in flight together overlap by far
-
-
-class Requests:
-    """Every request a backend's S3 client sends: [operation, key below ``prefix`` (save
-    prefixes as ``save-*``), Range, start, end]. ``latency`` seconds are added before each
-    is sent, as a distant server's round trip would, so that requests sent together overlap
-    and a request sent after another's answer starts after it ended: :meth:`waves` groups
-    them by how many round trips deep they are. Use it as a context manager (the store's
-    client is shared by the process: leaving takes the hooks off it)."""
-
-    def __init__(self, be: ZarrBackend, url: str, latency: float = 0.0) -> None:
-        store, self.prefix = be.locate(url)
-        self.latency = latency
-        self.seen: list = []
-        self._lock = threading.Lock()
-        self._mine = threading.local()
-        self.events = store.client.meta.events
-        self.events.register("before-send.s3.*", self._send, unique_id="sp-test-requests")
-        self.events.register("after-call.s3.*", self._done, unique_id="sp-test-answers")
-
-    def __enter__(self) -> "Requests":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.events.unregister("before-send.s3.*", unique_id="sp-test-requests")
-        self.events.unregister("after-call.s3.*", unique_id="sp-test-answers")
-
-    def _send(self, request, event_name, **kw):
-        path = unquote(urlsplit(request.url).path)
-        key = path.split(f"/{self.prefix}/", 1)[-1] if f"/{self.prefix}/" in path else ""
-        if key.startswith("save-"):
-            key = "save-*/" + key.split("/", 1)[1]
-        rng = request.headers.get("Range")
-        rng = rng.decode() if isinstance(rng, bytes) else rng
-        rec = [event_name.rsplit(".", 1)[-1], key, rng, time.perf_counter(), None]
-        self._mine.rec = rec
-        with self._lock:
-            self.seen.append(rec)
-        time.sleep(self.latency)
-
-    def _done(self, **kw):
-        self._mine.rec[4] = time.perf_counter()
-
-    def take(self) -> list:
-        with self._lock:
-            out, self.seen = self.seen, []
-        return out
-
-    @staticmethod
-    def waves(recs: list) -> list:
-        """The requests by round trip: a request is one deeper than the deepest request that
-        had ended when it started. Each wave is a Counter of (operation, key)."""
-        recs = sorted(recs, key=lambda r: r[3])
-        depth: list = []
-        for i, r in enumerate(recs):
-            depth.append(1 + max((depth[j] for j in range(i) if recs[j][4] <= r[3]),
-                                 default=0))
-        out = [Counter() for _ in range(max(depth, default=0))]
-        for r, d in zip(recs, depth):
-            out[d - 1][(r[0], r[1])] += 1
-        return out
 
 
 def arrays(names, *what) -> Counter:

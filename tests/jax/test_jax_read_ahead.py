@@ -79,7 +79,6 @@ def test_direct_reads_from_the_files_match_the_zarr_layer_and_catch_damage(tmp_p
     they must give the Zarr layer's bytes exactly: edge chunks padded in the file, shards of
     inner chunks, regions cutting inner chunks, 0-d arrays, bf16. An intact checkpoint never
     needs the Zarr layer; a damaged inner chunk goes to it, which names the rule."""
-    from shardpoint_jax import storage
     from shardpoint_jax.loading import Checkpoint
     rng = np.random.default_rng(5)
     big = rng.standard_normal((700, 1000), np.float32)     # 2.8 MB: a shard of inner chunks
@@ -91,20 +90,26 @@ def test_direct_reads_from_the_files_match_the_zarr_layer_and_catch_damage(tmp_p
     regions = [("big", [0, 0], [700, 1000]), ("big", [35, 0], [70, 1000]),
                ("big", [630, 0], [70, 1000]), ("big", [3, 5], [100, 7]),
                ("odd", [0, 0], [37, 11]), ("bf", [0, 0], [5, 3]), ("s", [], [])]
+    from shardpoint_core.zarr import backend
     calls = []
-    real = storage.StoredArray._fallback
-    monkeypatch.setattr(storage.StoredArray, "_fallback",
-                        lambda self, off, view: (calls.append(list(off)),
-                                                 real(self, off, view)))
+    real = backend.read_region      # what the core's direct reader falls back to
+    monkeypatch.setattr(backend, "read_region",
+                        lambda store, path, lay, off, view, *a: (
+                            calls.append((direct, list(off))),
+                            real(store, path, lay, off, view, *a))[1])
     got = {}
     for direct in (True, False):
         ck = Checkpoint(p)
         for k in t:
-            assert ck.array(k).direct is not None, k
+            arr = ck.array(k)
+            assert isinstance(arr.handle, backend._DirectHandle), k
             if not direct:
-                ck.array(k).direct = None       # the Zarr layer over the FileStore
+                arr.handle = arr.handle.arr     # the Zarr layer over the FileStore
         got[direct] = [ck.read(k, o, s).tobytes() for k, o, s in regions]
-    assert got[True] == got[False] and calls == []
+    assert got[True] == got[False] and not [c for c in calls if c[0]]
+    assert len(calls) == len(regions)       # the Zarr layer did read them, once each
+    calls.clear()
+    direct = True
     assert got[True][1] == big[35:105].tobytes() and got[True][2] == big[630:].tobytes()
     assert got[True][3] == big[3:103, 5:12].tobytes()
     rows = Checkpoint(p).array("big").inner[0]
@@ -120,4 +125,4 @@ def test_direct_reads_from_the_files_match_the_zarr_layer_and_catch_damage(tmp_p
     with pytest.raises(sj.CorruptCheckpointError, match=r"'big'.*inner chunk \[1, 0\].*crc32c"
                        ) as e:
         Checkpoint(p).read("big", [rows, 0], [rows, 1000])
-    assert e.value.spec_id == "SP-READ-3" and calls == [[rows, 0]]
+    assert e.value.spec_id == "SP-READ-3" and calls == [(True, [rows, 0])]

@@ -12,7 +12,7 @@ import math
 import os
 import re
 import stat
-from typing import Any
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
@@ -521,15 +521,15 @@ def metadata_problems(shape: Any, meta: dict, spec: ArraySpec) -> list:
 
 
 def check_array_objects(store: Any, array_path: str, key: str,
-                        sizes: tuple = (None, 0)) -> tuple:
+                        sizes: tuple = (None, 0), listed: Optional[Iterable] = None) -> tuple:
     """:func:`scan_array` and :func:`check_chunk_sizes` for a store without files (object
-    stores, memory): one listing of the array's chunk objects, each of a possible size
-    ([SP-READ-5] as [SP-READ-3]). Returns ``(chunk objects, their bytes together)`` for
-    :func:`check_backed_bytes` ([SP-READ-6])."""
+    stores, memory): one listing of the array's chunk objects (``listed``: one made already,
+    of these or more objects), each of a possible size ([SP-READ-5] as [SP-READ-3]). Returns
+    ``(chunk objects, their bytes together)`` for :func:`check_backed_bytes` ([SP-READ-6])."""
     exact, least = sizes
     total = count = 0
     base = f"{array_path}/c"
-    for info in store.list(base):
+    for info in store.list(base) if listed is None else listed:
         if info.key != base and not info.key.startswith(base + "/"):
             continue
         if (exact is not None and info.size != exact) or info.size < least:
