@@ -458,18 +458,24 @@ class Gathered:
             # deduplicating gather delivers as one object per distinct blob) read through one
             # key map; the data-parallel replicas of a job share them
             w = 4 + 2 * D
-            rbase, rseg = [], []
+            rbase: list = []
+            rseg: list = []
             for c, m in zip(cols, maps):
                 rs = c._runs if c._cols is None else (c._cols,)
+                rbase += [where[id(m)]] * len(rs)
                 segs = seg_of_table.get(id(m))
-                for r in rs:
-                    rbase.append(where[id(m)])
-                    if segs is None or not len(r[0]):
-                        rseg.append((id(m), 0))       # the rank's whole table
-                    else:
-                        rseg.append(segs[1][bisect_right(segs[0], int(r[0][0]))])
+                if segs is None:
+                    rseg += [(id(m), 0)] * len(rs)      # the rank's whole table
+                elif len(segs[1]) == 1:
+                    rseg += segs[1] * len(rs)
+                else:
+                    ends, sids = segs
+                    rseg += [sids[bisect_right(ends, int(r[0][0]))] if len(r[0]) else
+                             (id(m), 0) for r in rs]
+            # a run's columns before the replica ids are one decoded blob (or one rank's
+            # own arrays): its first and last column name it
             uid: dict = {}
-            run_unit = [uid.setdefault((*map(id, r[:w]), *sg), len(uid))
+            run_unit = [uid.setdefault((id(r[0]), id(r[w - 1]), *sg), len(uid))
                         for r, sg in zip(runs, rseg)]
             first = {}
             for i, u in enumerate(run_unit):
