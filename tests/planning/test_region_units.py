@@ -13,6 +13,7 @@ from hypothesis import event, given, settings
 import hypothesis.strategies as st
 
 from shardpoint.planning.columns import Gathered, Regions, as_columns
+from shardpoint_core.errors import InvalidShardingError
 from shardpoint.planning.planner import LocalPlan, plan_save
 
 from test_planner import SET, jobs, local_plans
@@ -31,6 +32,10 @@ def gathered_as_sent(plans) -> Gathered:
 
 
 def same_regions(g: Gathered) -> None:
+    main = np.ones(g.n, bool)
+    for c in g.rep:
+        main &= c == 0
+    assert g.main_rows().tolist() == main.tolist()
     a = Regions(g, units=True)
     b = Regions(g, units=False)
     assert a.start.tolist() == b.start.tolist()
@@ -42,13 +47,15 @@ def same_regions(g: Gathered) -> None:
         [b.region(i) for i in range(len(b.start) - 1)]
 
 
-def replicated(plans, copies: int, rng: random.Random) -> list:
+def replicated(plans, copies: int, rng: random.Random, main_copies: bool = False) -> list:
     """The job's ranks, each repeated ``copies`` times as data-parallel replicas (same
-    holdings and order, the copies with non-zero replica ids): shared units."""
+    holdings and order, the copies with non-zero replica ids, or all-zero ones with
+    ``main_copies``): shared units."""
     out = []
     for c in range(copies):
         for p in plans:
-            hs = [h._replace(replica=(c + 1,)) if c else h for h in p.holdings]
+            hs = [h._replace(replica=(0 if main_copies else c + 1,)) if c else h
+                  for h in p.holdings]
             out.append(LocalPlan(len(out), p.tree, hs, []))
     rng.shuffle(out)          # gathered in any order, planned by rank
     return sorted(out, key=lambda lp: lp.rank)
@@ -65,6 +72,19 @@ def test_units_give_the_regions_every_row_gives(job, copies):
         g = gathered_as_sent(ps)
         same_regions(g)
         event(f"units: {g.units is not None}")
+    # copies holding their regions as the main replica too: both ways reject the same
+    # region ([SP-REPL-2]) where a region has a non-empty main holder to copy
+    if copies > 1:
+        g = gathered_as_sent(replicated(plans, copies, rng, main_copies=True))
+        errs = []
+        for units in (True, False):
+            try:
+                Regions(g, units=units)
+                errs.append(None)
+            except InvalidShardingError as e:
+                errs.append(str(e))
+        assert errs[0] == errs[1]
+        event(f"two mains rejected: {errs[0] is not None}")
 
 
 def test_units_on_a_megatron_like_job_are_shared_and_plan_alike():

@@ -97,15 +97,18 @@ class HoldingColumns(Sequence):
     same with ``zlib(body)``, sent by the ranks of large jobs (:data:`COMPRESS_FROM_WORLD`).
     """
 
-    __slots__ = ("_table", "_cols", "_runs", "D", "R", "table_bytes")
+    __slots__ = ("_table", "_cols", "_runs", "_run_main", "D", "R", "table_bytes")
 
     def __init__(self, table, cols: Optional[list], D: int, R: int, table_bytes=None,
-                 runs: Optional[list] = None):
+                 runs: Optional[list] = None, run_main: Optional[list] = None):
         """``cols``: the columns; or ``runs``, lists of columns for consecutive rows, joined
         on first use of :attr:`cols` (the coordinator's :class:`Gathered` joins every
-        rank's runs in one pass instead)."""
+        rank's runs in one pass instead). ``run_main``: per run, whether its replica ids are
+        all zero (True/False, where the run sent them as constants) or None (read the
+        columns)."""
         self._table, self._cols, self.D, self.R = table, cols, D, R
         self._runs = runs
+        self._run_main = run_main
         self.table_bytes = table_bytes
 
     @property
@@ -227,7 +230,7 @@ class HoldingColumns(Sequence):
                 sum(r for r, _ in runs) != n:
             raise ValueError("holdings parts do not add up to the stated blobs and rows")
         cache = {} if cache is None else cache
-        w, pos, pieces = 4 + 2 * D, nt, []
+        w, pos, pieces, run_main = 4 + 2 * D, nt, [], []
 
         def cols_of(b: bytes, rows: int, width: int) -> list:
             got = cache.get(b)
@@ -255,10 +258,12 @@ class HoldingColumns(Sequence):
                     raise ValueError("a holdings run's replica constants do not match R")
                 rep = [full(rows, v) for v in consts]
             pieces.append(main + rep)
+            run_main.append(None if consts is None else not any(consts))
         if not pieces:
             return HoldingColumns(None, [np.zeros(0, np.int64) for _ in range(w + R)], D, R,
                                   table_bytes=list(blobs[:nt]))
-        return HoldingColumns(None, None, D, R, table_bytes=list(blobs[:nt]), runs=pieces)
+        return HoldingColumns(None, None, D, R, table_bytes=list(blobs[:nt]), runs=pieces,
+                              run_main=run_main)
 
     @staticmethod
     def from_wire(b: bytes) -> "HoldingColumns":
@@ -493,6 +498,33 @@ class Gathered:
             urow = np.arange(n, dtype=np.int64) + np.repeat(
                 ustart[np.array(run_unit, np.int64)] - rstart, run_len)
             self.units = (ucat, urow)
+            self._main_runs = (runs, run_len, rstart, w, [
+                f for c in cols for f in (c._run_main if c._cols is None and
+                                          c._run_main is not None else
+                                          [None] * (len(c._runs) if c._cols is None else 1))])
+
+    def main_rows(self) -> np.ndarray:
+        """Per row, whether the holding is the main replica (all-zero replica id); from each
+        run's flag where its ranks sent the replica ids as constants, without joining the
+        replica columns."""
+        mr = self.__dict__.get("_main_runs")
+        if mr is None:
+            main = np.ones(self.n, bool)
+            for c in self.rep:
+                main &= c == 0
+            return main
+        runs, run_len, rstart, w, flags = mr
+        f = np.array([-1 if x is None else int(x) for x in flags], np.int8)
+        main = np.repeat(f == 1, run_len)
+        arr = np.flatnonzero(f < 0)
+        if len(arr):        # runs that sent their replica ids as columns: those rows only
+            al = run_len[arr]
+            m = np.ones(int(al.sum()), bool)
+            for j in range(len(runs[0]) - w):
+                m &= np.concatenate([runs[i][w + j] for i in arr.tolist()]) == 0
+            main[np.repeat(rstart[arr] - (np.cumsum(al) - al), al) +
+                 np.arange(len(m), dtype=np.int64)] = m
+        return main
 
     def __getattr__(self, name: str):
         lazy = self.__dict__.get("_lazy")
@@ -547,10 +579,7 @@ class Regions:
             map(sig.__getitem__, map(slice, [a * w for a in lo], [b * w for b in hi])))))
         if not check_replicas:
             return
-        rep = [pick(c) for c in g.rep]
-        main = np.ones(len(order), bool)
-        for c in rep:
-            main &= c == 0
+        main = pick(g.main_rows())
         main_sorted = main[order]
         nmain = np.add.reduceat(main_sorted.astype(np.int64), starts[:-1]) if len(rows) else \
             np.zeros(0, np.int64)
@@ -559,6 +588,7 @@ class Regions:
             gi = min(dup.tolist(), key=lambda i: (g.keys[rows[i, 0]][0], rows[i].tolist()))
             rows = order[starts[gi]:starts[gi + 1]]
             rows = rows[main[rows]]
+            rep = [pick(c) for c in g.rep]
             mains = [(int(pick(g.rank)[j]), tuple(int(c[j]) for c in rep)) for j in rows]
             k, o, s, f = self.region(gi)
             who = ", ".join(f"rank {r}" for r, _ in mains[:4]) + \
