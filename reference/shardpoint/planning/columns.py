@@ -415,8 +415,9 @@ class Gathered:
         lens = np.array([c.n_rows() for c in cols], np.int64)
         n = int(lens.sum())
         self.n = n
-        self.rank = np.repeat(np.asarray(list(ranks), np.int64), lens)
-        self.hidx = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        self._ranks = np.asarray(list(ranks), np.int64)
+        self._row0 = np.cumsum(lens) - lens       # each rank's first row
+        self._lens = lens
 
         where: dict = {}     # id of a distinct map -> its base in ``allmaps``
         distinct = []
@@ -446,6 +447,12 @@ class Gathered:
         # the columns are joined on first use: the save's regions are found from the units
         # below (each distinct run once), and only the replica ids are read per row
         self._lazy = {
+            "rank": lambda: np.repeat(self._ranks, lens),
+            "hidx": lambda: np.arange(n, dtype=np.int64) - np.repeat(self._row0, lens),
+            # each row's rank position, narrow: rank and holding index of rows in any order
+            # read from it and two small tables (a cache-friendly gather)
+            "_pos": lambda: np.repeat(np.arange(len(lens), dtype=np.int16 if len(lens) <
+                                                2 ** 15 else np.int32), lens),
             "gk": lambda: allmaps[column(0, lambda c: 0, 0) + np.repeat(base, lens)],
             "fs": lambda: column(2, lambda c: 2, -1),
             "fe": lambda: column(3, lambda c: 3, -1),
@@ -502,6 +509,11 @@ class Gathered:
                 f for c in cols for f in (c._run_main if c._cols is None and
                                           c._run_main is not None else
                                           [None] * (len(c._runs) if c._cols is None else 1))])
+
+    def rank_hidx(self, rows: np.ndarray) -> tuple:
+        """(rank, holding index on that rank) of the rows ``rows``."""
+        p = self._pos[rows]
+        return self._ranks[p], rows - self._row0[p]
 
     def main_rows(self) -> np.ndarray:
         """Per row, whether the holding is the main replica (all-zero replica id); from each
@@ -560,8 +572,7 @@ class Regions:
         self.start = starts
         self._rank_l = self._hidx_l = None
         self.start_l = starts.tolist()
-        self.hold_rank = pick(g.rank)[order]
-        self.hold_hidx = pick(g.hidx)[order]
+        self.hold_rank, self.hold_hidx = g.rank_hidx(order if sel is None else sel[order])
         self._keys, self._D = g.keys, g.D
         self._rows = rows
         # regions of each key in canonical (lexicographic) order, and a signature of them
