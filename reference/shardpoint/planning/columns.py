@@ -415,8 +415,8 @@ class Gathered:
         lens = np.array([c.n_rows() for c in cols], np.int64)
         n = int(lens.sum())
         self.n = n
-        self._ranks = np.asarray(list(ranks), np.int64)
-        self._row0 = np.cumsum(lens) - lens       # each rank's first row
+        self._ranks = ranks_a = np.asarray(list(ranks), np.int64)
+        self._row0 = row0 = np.cumsum(lens) - lens       # each rank's first row
         self._lens = lens
 
         where: dict = {}     # id of a distinct map -> its base in ``allmaps``
@@ -447,8 +447,9 @@ class Gathered:
         # the columns are joined on first use: the save's regions are found from the units
         # below (each distinct run once), and only the replica ids are read per row
         self._lazy = {
-            "rank": lambda: np.repeat(self._ranks, lens),
-            "hidx": lambda: np.arange(n, dtype=np.int64) - np.repeat(self._row0, lens),
+            # (the closures hold no reference to self: no cycle keeps the gather alive)
+            "rank": lambda: np.repeat(ranks_a, lens),
+            "hidx": lambda: np.arange(n, dtype=np.int64) - np.repeat(row0, lens),
             # each row's rank position, narrow: rank and holding index of rows in any order
             # read from it and two small tables (a cache-friendly gather)
             "_pos": lambda: np.repeat(np.arange(len(lens), dtype=np.int16 if len(lens) <
