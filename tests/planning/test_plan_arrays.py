@@ -72,6 +72,14 @@ def test_load_tables_deliver_what_the_object_planner_delivered(job, load_world):
     got = new.direct_host_bytes(hosts)
     want = reference_direct_host_bytes(reqs, plan.tensors, hosts)
     assert {h: b for h, b in got.items() if b} == {h: b for h, b in want.items() if b}
+    # hosts of consecutive ranks (reduced from the per-rank grouping without a second sort),
+    # and one host per rank (the per-rank figures)
+    per = rng.randint(1, 4)
+    hosts = [f"h{r // per}" for r in range(load_world)]
+    assert new.direct_host_bytes(hosts) == {
+        h: b for h, b in reference_direct_host_bytes(reqs, plan.tensors, hosts).items()}
+    want = reference_direct_host_bytes(reqs, plan.tensors, [str(r) for r in range(load_world)])
+    assert new.direct_rank_bytes() == [want.get(str(r), 0) for r in range(load_world)]
     # every rank's message, encoded in one pass, decodes to the rank's own tables
     wires = encode_works(new, plan.tensors)
     for r, (w, b) in enumerate(zip(new, wires)):

@@ -9,6 +9,7 @@ grow with the distinct structure rather than with ranks x tensors. Pure: no I/O.
 from __future__ import annotations
 
 import gc
+from bisect import bisect_right
 import zlib
 from contextlib import contextmanager
 from itertools import compress, count, repeat
@@ -96,15 +97,18 @@ class HoldingColumns(Sequence):
     same with ``zlib(body)``, sent by the ranks of large jobs (:data:`COMPRESS_FROM_WORLD`).
     """
 
-    __slots__ = ("_table", "_cols", "_runs", "D", "R", "table_bytes")
+    __slots__ = ("_table", "_cols", "_runs", "_run_main", "D", "R", "table_bytes")
 
     def __init__(self, table, cols: Optional[list], D: int, R: int, table_bytes=None,
-                 runs: Optional[list] = None):
+                 runs: Optional[list] = None, run_main: Optional[list] = None):
         """``cols``: the columns; or ``runs``, lists of columns for consecutive rows, joined
         on first use of :attr:`cols` (the coordinator's :class:`Gathered` joins every
-        rank's runs in one pass instead)."""
+        rank's runs in one pass instead). ``run_main``: per run, whether its replica ids are
+        all zero (True/False, where the run sent them as constants) or None (read the
+        columns)."""
         self._table, self._cols, self.D, self.R = table, cols, D, R
         self._runs = runs
+        self._run_main = run_main
         self.table_bytes = table_bytes
 
     @property
@@ -226,7 +230,7 @@ class HoldingColumns(Sequence):
                 sum(r for r, _ in runs) != n:
             raise ValueError("holdings parts do not add up to the stated blobs and rows")
         cache = {} if cache is None else cache
-        w, pos, pieces = 4 + 2 * D, nt, []
+        w, pos, pieces, run_main = 4 + 2 * D, nt, [], []
 
         def cols_of(b: bytes, rows: int, width: int) -> list:
             got = cache.get(b)
@@ -254,10 +258,12 @@ class HoldingColumns(Sequence):
                     raise ValueError("a holdings run's replica constants do not match R")
                 rep = [full(rows, v) for v in consts]
             pieces.append(main + rep)
+            run_main.append(None if consts is None else not any(consts))
         if not pieces:
             return HoldingColumns(None, [np.zeros(0, np.int64) for _ in range(w + R)], D, R,
                                   table_bytes=list(blobs[:nt]))
-        return HoldingColumns(None, None, D, R, table_bytes=list(blobs[:nt]), runs=pieces)
+        return HoldingColumns(None, None, D, R, table_bytes=list(blobs[:nt]), runs=pieces,
+                              run_main=run_main)
 
     @staticmethod
     def from_wire(b: bytes) -> "HoldingColumns":
@@ -361,6 +367,7 @@ class Gathered:
         first_rank: list = []
         seg_cache: dict = {}     # table segment bytes -> global ids of its rows
         table_cache: dict = {}   # a rank's segments -> global ids of its table's rows
+        seg_of_table: dict = {}  # id of a table's map -> its segments (see below)
         maps = []
 
         def ids_of(entries: list, r: int) -> np.ndarray:
@@ -397,6 +404,10 @@ class Gathered:
                         sm = seg_cache[sb] = ids_of(decode_segment(sb), r)
                     parts.append(sm)
                 m = table_cache[tk] = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+                ends = np.cumsum([len(p) for p in parts]).tolist()
+                # where each segment starts in the table, and the segment's own map (a run
+                # of rows lies in one segment: its rows' global ids are that map's)
+                seg_of_table[id(m)] = (ends, [(id(p), e - len(p)) for p, e in zip(parts, ends)])
             maps.append(m)
         self.keys, self.key_ids, self.first_rank = keys, kid, first_rank
         D = max((c.D for c in cols), default=0)
@@ -404,8 +415,9 @@ class Gathered:
         lens = np.array([c.n_rows() for c in cols], np.int64)
         n = int(lens.sum())
         self.n = n
-        self.rank = np.repeat(np.asarray(list(ranks), np.int64), lens)
-        self.hidx = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        self._ranks = ranks_a = np.asarray(list(ranks), np.int64)
+        self._row0 = row0 = np.cumsum(lens) - lens       # each rank's first row
+        self._lens = lens
 
         where: dict = {}     # id of a distinct map -> its base in ``allmaps``
         distinct = []
@@ -432,16 +444,108 @@ class Gathered:
             return np.concatenate(parts, dtype=np.int64, casting="safe") if parts else \
                 np.zeros(0, np.int64)
 
-        # global key id = the row's rank's map, read at (map's base + local key index)
-        self.gk = allmaps[column(0, lambda c: 0, 0) + np.repeat(base, lens)]
-        self.fs = column(2, lambda c: 2, -1)
-        self.fe = column(3, lambda c: 3, -1)
-        self.off = [column(4 + d, lambda c, d=d: 4 + d if d < c.D else None, 0)
-                    for d in range(D)]
-        self.shp = [column(4 + D + d, lambda c, d=d: 4 + c.D + d if d < c.D else None, 1)
-                    for d in range(D)]
-        self.rep = [column(4 + 2 * D + j, lambda c, j=j: 4 + 2 * c.D + j if j < c.R else None, 0)
-                    for j in range(R)]
+        # the columns are joined on first use: the save's regions are found from the units
+        # below (each distinct run once), and only the replica ids are read per row
+        self._lazy = {
+            # (the closures hold no reference to self: no cycle keeps the gather alive)
+            "rank": lambda: np.repeat(ranks_a, lens),
+            "hidx": lambda: np.arange(n, dtype=np.int64) - np.repeat(row0, lens),
+            # each row's rank position, narrow: rank and holding index of rows in any order
+            # read from it and two small tables (a cache-friendly gather)
+            "_pos": lambda: np.repeat(np.arange(len(lens), dtype=np.int16 if len(lens) <
+                                                2 ** 15 else np.int32), lens),
+            "gk": lambda: allmaps[column(0, lambda c: 0, 0) + np.repeat(base, lens)],
+            "fs": lambda: column(2, lambda c: 2, -1),
+            "fe": lambda: column(3, lambda c: 3, -1),
+            "off": lambda: [column(4 + d, lambda c, d=d: 4 + d if d < c.D else None, 0)
+                            for d in range(D)],
+            "shp": lambda: [column(4 + D + d, lambda c, d=d: 4 + c.D + d if d < c.D else None,
+                                   1) for d in range(D)],
+            "rep": lambda: [column(4 + 2 * D + j,
+                                   lambda c, j=j: 4 + 2 * c.D + j if j < c.R else None, 0)
+                            for j in range(R)]}
+        self.D = D
+        self.units = None
+        if same and runs:
+            # units: a distinct run of rows (its columns before the replica ids, which a
+            # deduplicating gather delivers as one object per distinct blob) read through one
+            # key map; the data-parallel replicas of a job share them
+            w = 4 + 2 * D
+            rbase: list = []
+            rseg: list = []
+            for c, m in zip(cols, maps):
+                rs = c._runs if c._cols is None else (c._cols,)
+                rbase += [where[id(m)]] * len(rs)
+                segs = seg_of_table.get(id(m))
+                if segs is None:
+                    rseg += [(id(m), 0)] * len(rs)      # the rank's whole table
+                elif len(segs[1]) == 1:
+                    rseg += segs[1] * len(rs)
+                else:
+                    ends, sids = segs
+                    rseg += [sids[bisect_right(ends, int(r[0][0]))] if len(r[0]) else
+                             (id(m), 0) for r in rs]
+            # a run's columns before the replica ids are one decoded blob (or one rank's
+            # own arrays): its first and last column name it
+            uid: dict = {}
+            run_unit = [uid.setdefault((id(r[0]), id(r[w - 1]), *sg), len(uid))
+                        for r, sg in zip(runs, rseg)]
+            first = {}
+            for i, u in enumerate(run_unit):
+                first.setdefault(u, i)
+            ulist = [runs[i] for i in first.values()]
+            ubases = [rbase[i] for i in first.values()]
+            ulen = np.array([len(r[0]) for r in ulist], np.int64)
+            ucat = [np.concatenate([r[j] for r in ulist], dtype=np.int64, casting="safe")
+                    for j in range(w)]
+            ucat[0] = allmaps[ucat[0] + np.repeat(np.array(ubases, np.int64), ulen)]
+            run_len = np.array([len(r[0]) for r in runs], np.int64)
+            ustart = np.cumsum(ulen) - ulen
+            rstart = np.cumsum(run_len) - run_len
+            # full row -> its unit row
+            urow = np.arange(n, dtype=np.int64) + np.repeat(
+                ustart[np.array(run_unit, np.int64)] - rstart, run_len)
+            self.units = (ucat, urow)
+            self._main_runs = (runs, run_len, rstart, w, [
+                f for c in cols for f in (c._run_main if c._cols is None and
+                                          c._run_main is not None else
+                                          [None] * (len(c._runs) if c._cols is None else 1))])
+
+    def rank_hidx(self, rows: np.ndarray) -> tuple:
+        """(rank, holding index on that rank) of the rows ``rows``."""
+        p = self._pos[rows]
+        return self._ranks[p], rows - self._row0[p]
+
+    def main_rows(self) -> np.ndarray:
+        """Per row, whether the holding is the main replica (all-zero replica id); from each
+        run's flag where its ranks sent the replica ids as constants, without joining the
+        replica columns."""
+        mr = self.__dict__.get("_main_runs")
+        if mr is None:
+            main = np.ones(self.n, bool)
+            for c in self.rep:
+                main &= c == 0
+            return main
+        runs, run_len, rstart, w, flags = mr
+        f = np.array([-1 if x is None else int(x) for x in flags], np.int8)
+        main = np.repeat(f == 1, run_len)
+        arr = np.flatnonzero(f < 0)
+        if len(arr):        # runs that sent their replica ids as columns: those rows only
+            al = run_len[arr]
+            m = np.ones(int(al.sum()), bool)
+            for j in range(len(runs[0]) - w):
+                m &= np.concatenate([runs[i][w + j] for i in arr.tolist()]) == 0
+            main[np.repeat(rstart[arr] - (np.cumsum(al) - al), al) +
+                 np.arange(len(m), dtype=np.int64)] = m
+        return main
+
+    def __getattr__(self, name: str):
+        lazy = self.__dict__.get("_lazy")
+        if lazy is None or name not in lazy:
+            raise AttributeError(name)
+        v = lazy.pop(name)()
+        setattr(self, name, v)
+        return v
 
 
 class Regions:
@@ -455,29 +559,22 @@ class Regions:
     ``check_replicas`` is off (load requests carry no replica ids that matter).
     """
 
-    def __init__(self, g: Gathered, check_replicas: bool = True):
-        fs, fe = g.fs, g.fe
-        size = np.ones(g.n, np.int64)
-        for s in g.shp:
-            size *= s
-        nonempty = np.where(fs >= 0, fe > fs, size > 0)
-        sel = None if nonempty.all() else np.flatnonzero(nonempty)
+    def __init__(self, g: Gathered, check_replicas: bool = True, units: bool = True):
+        """``units``: group the gathered units' distinct rows (:func:`_group_units`) where
+        the gather has them; False groups every row (the same regions, numbered alike)."""
+        if units and g.units is not None:
+            sel, order, starts, rows = _group_units(g)
+        else:
+            sel, order, starts, rows = _group_all(g)
 
         def pick(c):
             return c if sel is None else c[sel]
 
-        cols = [pick(g.gk)] + [pick(c) for c in g.off] + [pick(c) for c in g.shp] + \
-            [pick(fs), pick(fe)]
-        order, starts = group_rows(cols)
-        first = order[starts[:-1]]
         self.start = starts
         self._rank_l = self._hidx_l = None
         self.start_l = starts.tolist()
-        self.hold_rank = pick(g.rank)[order]
-        self.hold_hidx = pick(g.hidx)[order]
-        self._keys, self._D = g.keys, len(g.off)
-        rows = np.column_stack([c[first] for c in cols]) if len(first) else \
-            np.zeros((0, len(cols)), np.int64)
+        self.hold_rank, self.hold_hidx = g.rank_hidx(order if sel is None else sel[order])
+        self._keys, self._D = g.keys, g.D
         self._rows = rows
         # regions of each key in canonical (lexicographic) order, and a signature of them
         # (their rows' bytes): tensors with equal shape and signature share a plan pattern
@@ -494,18 +591,16 @@ class Regions:
             map(sig.__getitem__, map(slice, [a * w for a in lo], [b * w for b in hi])))))
         if not check_replicas:
             return
-        rep = [pick(c) for c in g.rep]
-        main = np.ones(len(cols[0]), bool)
-        for c in rep:
-            main &= c == 0
+        main = pick(g.main_rows())
         main_sorted = main[order]
-        nmain = np.add.reduceat(main_sorted.astype(np.int64), starts[:-1]) if len(first) else \
+        nmain = np.add.reduceat(main_sorted.astype(np.int64), starts[:-1]) if len(rows) else \
             np.zeros(0, np.int64)
         dup = np.flatnonzero(nmain > 1)
         if len(dup):
             gi = min(dup.tolist(), key=lambda i: (g.keys[rows[i, 0]][0], rows[i].tolist()))
             rows = order[starts[gi]:starts[gi + 1]]
             rows = rows[main[rows]]
+            rep = [pick(c) for c in g.rep]
             mains = [(int(pick(g.rank)[j]), tuple(int(c[j]) for c in rep)) for j in rows]
             k, o, s, f = self.region(gi)
             who = ", ".join(f"rank {r}" for r, _ in mains[:4]) + \
@@ -535,7 +630,89 @@ class Regions:
         return self._rank_l[a:b], self._hidx_l[a:b]
 
 
+def _group_all(g: Gathered) -> tuple:
+    """``(sel, order, starts, rows)`` of :class:`Regions` from every gathered row: the
+    non-empty rows (``sel``, None for all), grouped (:func:`group_rows`), and each group's
+    row ``[gk, offset.., shape.., fs, fe]``."""
+    fs, fe = g.fs, g.fe
+    size = np.ones(g.n, np.int64)
+    for s in g.shp:
+        size *= s
+    nonempty = np.where(fs >= 0, fe > fs, size > 0)
+    sel = None if nonempty.all() else np.flatnonzero(nonempty)
+
+    def pick(c):
+        return c if sel is None else c[sel]
+
+    cols = [pick(g.gk)] + [pick(c) for c in g.off] + [pick(c) for c in g.shp] + \
+        [pick(fs), pick(fe)]
+    order, starts = group_rows(cols)
+    first = order[starts[:-1]]
+    rows = np.column_stack([c[first] for c in cols]) if len(first) else \
+        np.zeros((0, len(cols)), np.int64)
+    return sel, order, starts, rows
+
+
+def _group_units(g: Gathered) -> tuple:
+    """What :func:`_group_all` returns, found from the units' distinct rows: every gathered
+    row is a unit's row (``g.units``), so the regions are the distinct contents of the
+    units' rows, each bucketed by the same hash and bits as :func:`group_rows` would over all
+    rows (same numbering, same fallback to lexicographic order on a collision); only the
+    holders' order is made per row, by one sort of (region, row) integers."""
+    ucat, urow = g.units
+    D = g.D
+    ufs, ufe = ucat[2], ucat[3]
+    size = np.ones(len(ufs), np.int64)
+    for c in ucat[4 + D:4 + 2 * D]:
+        size *= c
+    une = np.where(ufs >= 0, ufe > ufs, size > 0)
+    ucols = [ucat[0]] + ucat[4:4 + 2 * D] + [ufs, ufe]
+    if une.all():
+        sel, fr = None, urow
+    else:
+        sel = np.flatnonzero(une[urow])
+        fr = urow[sel]
+    n = len(fr)
+    if not n:
+        return sel, np.zeros(0, np.int64), np.zeros(1, np.int64), \
+            np.zeros((0, len(ucols)), np.int64)
+    live = np.flatnonzero(une)          # every non-empty unit row is some gathered row
+    uo, us = group_rows([c[live] for c in ucols])
+    G = len(us) - 1
+    cg = np.empty(len(live), np.int64)
+    cg[uo] = np.repeat(np.arange(G, dtype=np.int64), np.diff(us))
+    rep_rows = [c[live[uo[us[:-1]]]] for c in ucols]     # one row per distinct content
+    b = max(1, (n - 1).bit_length())
+    hb = _row_hash(rep_rows) >> np.uint64(b)
+    if len(np.unique(hb)) == G:
+        gorder = np.argsort(hb)     # buckets of distinct hashes, ascending, as group_rows
+    else:                           # a collision: group_rows falls back to lexicographic
+        gorder = np.lexsort(rep_rows[::-1])
+    rid_of = np.empty(G, np.int64)
+    rid_of[gorder] = np.arange(G, dtype=np.int64)
+    ureg = np.zeros(len(une), np.int64)
+    ureg[live] = rid_of[cg]
+    rid = ureg[fr]
+    packed = (rid << b) | np.arange(n, dtype=np.int64)
+    packed.sort()
+    order = packed & ((1 << b) - 1)
+    starts = np.concatenate([[0], np.cumsum(np.bincount(rid, minlength=G))])
+    rows = np.column_stack([c[gorder] for c in rep_rows])
+    return sel, order, starts, rows
+
+
 _MIX = np.uint64(0xBF58476D1CE4E5B9)
+
+
+def _row_hash(cols: list) -> np.ndarray:
+    """A 64-bit hash of each row of the int64 columns ``cols`` (see :func:`group_rows`)."""
+    h = np.full(len(cols[0]), 0x9E3779B97F4A7C15, np.uint64)
+    with np.errstate(over="ignore"):
+        for col in cols:
+            h ^= col.view(np.uint64) if col.dtype == np.int64 else col.astype(np.uint64)
+            h *= _MIX
+            h ^= h >> np.uint64(29)
+    return h
 
 
 def group_rows(cols: list) -> tuple:
@@ -547,12 +724,7 @@ def group_rows(cols: list) -> tuple:
     n = len(cols[0])
     if not n:
         return np.zeros(0, np.int64), np.zeros(1, np.int64)
-    h = np.full(n, 0x9E3779B97F4A7C15, np.uint64)
-    with np.errstate(over="ignore"):
-        for col in cols:
-            h ^= col.view(np.uint64) if col.dtype == np.int64 else col.astype(np.uint64)
-            h *= _MIX
-            h ^= h >> np.uint64(29)
+    h = _row_hash(cols)
     # sort (hash, row) pairs packed in one uint64, hash in the high bits: a plain sort of
     # distinct integers is 4x faster than a stable argsort and keeps each group's rows in order
     b = max(1, (n - 1).bit_length())

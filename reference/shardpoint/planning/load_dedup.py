@@ -41,6 +41,7 @@ class LoadWorks(Sequence):
         self.world, self.keys, self.ndims, self.D, self.a = world, keys, ndims, D, a
         self._cache: dict = {}
         self._pairs = None
+        self._best = None
         self.read_bytes = int(a["read_bytes"])
         self.recv_bytes = a["recv_bytes"].tolist()
 
@@ -127,7 +128,9 @@ class LoadWorks(Sequence):
 
     def direct_rank_bytes(self) -> list:
         """Per rank, the stored bytes it would read, check and narrow under ``direct``."""
-        return self._direct_bytes_by(np.arange(self.world, dtype=np.int64), self.world).tolist()
+        rc, best = self._rank_chunk_best()
+        return np.bincount(rc % self.world, weights=best,
+                           minlength=self.world).astype(np.int64).tolist()
 
     def rank_traffic(self, hosts: Sequence[str], shm: bool) -> tuple:
         """Per rank under this (dedup) plan: bytes read from storage, bytes received from
@@ -166,27 +169,32 @@ class LoadWorks(Sequence):
             self._pairs = (c[e_grp], per[e_grp], a["hold_rank"][e_entry])
         return self._pairs
 
+    def _rank_chunk_best(self) -> tuple:
+        """Per distinct (chunk, rank) of the direct pairs, ascending: ``chunk * world + rank``
+        and the most one request of that rank needs of that chunk. Grouped once (one sort of
+        the pairs); the per-rank and per-host figures are both reductions of it."""
+        if self._best is None:
+            if not len(self.a["p_chunk"]):
+                self._best = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+            else:
+                ec, ep, er = self._direct_pairs()
+                self._best = _group_max(ec * self.world + er, ep)
+        return self._best
+
     def _direct_bytes_by(self, group_of: np.ndarray, n_groups: int) -> np.ndarray:
         """Direct-read bytes summed per group of ranks (``group_of[rank]``): per chunk, the
-        most any one request within the group needs of it (the group shares its reads)."""
-        if not len(self.a["p_chunk"]):
+        most any one request within the group needs of it (the group shares its reads): the
+        per-(chunk, rank) maxima reduced again per (chunk, group)."""
+        rc, best = self._rank_chunk_best()
+        if not len(rc):
             return np.zeros(n_groups, np.int64)
-        ec, ep, er = self._direct_pairs()
-        NC = len(self.a["c_key"])
-        key = group_of[er] * NC + ec
-        n = len(key)
-        nb = max(1, (n - 1).bit_length())
-        if int(key.max(initial=0)).bit_length() + nb <= 63:
-            # sort (key, row) packed in one integer: a plain sort, 4x a stable argsort
-            packed = (key << nb) | np.arange(n, dtype=np.int64)
-            packed.sort()
-            ks, o = packed >> nb, packed & ((1 << nb) - 1)
+        key = (rc // self.world) * n_groups + group_of[rc % self.world]
+        if (key[1:] >= key[:-1]).all():      # each group's ranks contiguous: already grouped
+            cut = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+            ks, gbest = key[cut], np.maximum.reduceat(best, cut)
         else:
-            o = np.argsort(key, kind="stable")
-            ks = key[o]
-        cut = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
-        best = np.maximum.reduceat(ep[o], cut)
-        return np.bincount(ks[cut] // NC, weights=best, minlength=n_groups).astype(np.int64)
+            ks, gbest = _group_max(key, best)
+        return np.bincount(ks % n_groups, weights=gbest, minlength=n_groups).astype(np.int64)
 
     def _cut(self, r: int) -> RankLoadWork:
         a = self._orders()
@@ -206,6 +214,23 @@ class LoadWorks(Sequence):
         sends = transfers(a["s_order"][a["s_starts"][r]:a["s_starts"][r + 1]])
         recvs = transfers(a["v_order"][a["v_starts"][r]:a["v_starts"][r + 1]])
         return RankLoadWork(r, self.keys, self.ndims, self.D, reads, locs, sends, recvs)
+
+
+def _group_max(key: np.ndarray, val: np.ndarray) -> tuple:
+    """(distinct keys ascending, the largest ``val`` of each): one sort of ``key`` (non-negative
+    integers)."""
+    n = len(key)
+    nb = max(1, (n - 1).bit_length())
+    if int(key.max(initial=0)).bit_length() + nb <= 63:
+        # sort (key, row) packed in one integer: a plain sort, 4x a stable argsort
+        packed = (key << nb) | np.arange(n, dtype=np.int64)
+        packed.sort()
+        ks, o = packed >> nb, packed & ((1 << nb) - 1)
+    else:
+        o = np.argsort(key, kind="stable")
+        ks = key[o]
+    cut = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
+    return ks[cut], np.maximum.reduceat(val[o], cut)
 
 
 def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
