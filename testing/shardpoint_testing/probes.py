@@ -53,3 +53,15 @@ def upload_dir(store: Any, key: str, directory: str) -> None:
             rel = os.path.relpath(os.path.join(d, f), directory).replace(os.sep, "/")
             with open(os.path.join(d, f), "rb") as fh:
                 store.put(f"{key}/{rel}", fh.read())
+
+
+def vector_on_store(case_dir: str, url: str) -> dict:
+    """Upload a spec vector's ``checkpoint/`` to the store of ``url`` (``memory://...``)
+    and return its ``expected.json``: the reader rules checked on a store without files."""
+    import json
+
+    from shardpoint_core.store.registry import bucket_store
+    store, key = bucket_store(url, "tests")
+    upload_dir(store, key, os.path.join(case_dir, "checkpoint"))
+    with open(os.path.join(case_dir, "expected.json")) as f:
+        return json.load(f)

@@ -13,7 +13,7 @@ import torch
 import shardpoint as sp
 from shardpoint_core.errors import CorruptCheckpointError
 from shardpoint_core.zarr import checks
-from shardpoint_testing.probes import error_within, upload_dir
+from shardpoint_testing.probes import error_within, vector_on_store
 
 
 def _open(root, key="w", shape=(4, 6), dtype="float32", chunk=(4, 6)):
@@ -134,13 +134,8 @@ def test_zarr_json_rules_hold_on_a_store_without_files(case):
     """The zarr.json vectors uploaded to ``memory://`` fail as on files: the object-store
     path parses by [SP-ARRAY-6] too (it took plain ``json.loads``, which accepted a
     repeated name, ``-0`` and any depth up to a RecursionError)."""
-    from shardpoint_core.store.registry import bucket_store
-    base = os.path.join(VECTORS, case, "checkpoint")
     url = f"memory://torch-vectors/{case}"
-    store, key = bucket_store(url, "open")
-    upload_dir(store, key, base)
-    with open(os.path.join(VECTORS, case, "expected.json")) as f:
-        exp = json.load(f)
+    exp = vector_on_store(os.path.join(VECTORS, case), url)
     with pytest.raises(sp.ShardpointError) as e:
         sp.load(url)
     assert (type(e.value).__name__, e.value.spec_id) == (exp["error"], exp["spec_id"]), e.value

@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import shardpoint_jax as sj  # noqa: E402
 from shardpoint_jax import storage  # noqa: E402
-from shardpoint_testing.probes import upload_dir  # noqa: E402
+from shardpoint_testing.probes import vector_on_store  # noqa: E402
 
 
 def _tree(gen: int = 0, rows: int = 700) -> dict:
@@ -149,13 +149,8 @@ VECTORS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 def test_invalid_vectors_on_an_object_store_fail_as_on_files(case):
     """The reader rules hold on a store without files too: the vector's objects uploaded to
     ``memory://`` are refused with the class and rule of spec/vectors/invalid."""
-    import json
-    base = os.path.join(VECTORS, case, "checkpoint")
     url = f"memory://jax-vectors/{case}"
-    store, key = storage.locate(url)
-    upload_dir(store, key, base)
-    with open(os.path.join(VECTORS, case, "expected.json")) as f:
-        exp = json.load(f)
+    exp = vector_on_store(os.path.join(VECTORS, case), url)
     with pytest.raises(sj.ShardpointError) as e:
         sj.load(url)
     assert (type(e.value).__name__, e.value.spec_id) == (exp["error"], exp["spec_id"]), e.value
