@@ -265,7 +265,22 @@ def start_listing(location: str) -> Optional[Future]:
     if is_local(location):
         return None
     store, key = locate(location)
-    return OBJECTS.submit(lambda: list(store.list(key + "/")))
+    return OBJECTS.submit(lambda: chunks_by_array(store.list(key + "/")))
+
+
+def chunks_by_array(infos: Any) -> dict:
+    """A listing's chunk objects grouped by the array they belong to (its key without
+    ``/c/...``, or ``/c`` for a 0-d array's one chunk): one pass, so each array looks its own
+    up instead of scanning the whole checkpoint's listing."""
+    out: dict = {}
+    for i in infos:
+        head, sep, rest = i.key.rpartition("/c/")
+        if not (sep and rest and all(p.isdigit() for p in rest.split("/"))):
+            if not i.key.endswith("/c"):
+                continue
+            head = i.key[:-2]
+        out.setdefault(head, []).append(i)
+    return out
 
 
 class StoredArray:
@@ -304,7 +319,7 @@ class StoredArray:
         if self._unbacked is None:
             return
         path = join(locate(self.root)[1], self.entry["array"])
-        listed = [i for i in self._unbacked.result() if i.key.startswith(path + "/c/")]
+        listed = self._unbacked.result().get(path, [])
         try:
             check_backed_bytes(self.key, self.entry["array"], tuple(self.shape),
                                tuple(self.chunk), self.itemsize,

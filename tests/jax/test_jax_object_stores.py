@@ -171,3 +171,20 @@ def test_two_processes_save_and_reload_on_s3(s3_env):
     assert keys.count("manifest.msgpack") == 1
     assert len({k.split("/")[0] for k in keys if k.startswith("save-")}) == 1
     assert sum("/tensors/model/w/c/" in k for k in keys) == 4      # 2 x 2 blocks, once each
+
+
+def test_a_listing_is_grouped_by_array_once():
+    """[SP-READ-6] on object stores looks each array's chunk objects up in one grouping of
+    the checkpoint's listing (a scan of the whole listing per array grew as arrays x
+    objects): chunk keys of any depth, a 0-d array's one chunk ``c``, an array whose own
+    key is ``c``; zarr.json and stray names are no chunks."""
+    from shardpoint_core.store.base import ObjectInfo
+    from shardpoint_jax.storage import chunks_by_array
+    keys = ["r/s/tensors/w/c/0/1", "r/s/tensors/w/c/1/0", "r/s/tensors/w/zarr.json",
+            "r/s/tensors/scalar/c", "r/s/tensors/c/x/c/0", "r/s/tensors/c/x/zarr.json",
+            "r/s/tensors/w/c/notes.txt", "r/manifest.msgpack"]
+    got = chunks_by_array(ObjectInfo(k, 10, 0.0) for k in keys)
+    assert {a: sorted(i.key for i in v) for a, v in got.items()} == {
+        "r/s/tensors/w": ["r/s/tensors/w/c/0/1", "r/s/tensors/w/c/1/0"],
+        "r/s/tensors/scalar": ["r/s/tensors/scalar/c"],
+        "r/s/tensors/c/x": ["r/s/tensors/c/x/c/0"]}
