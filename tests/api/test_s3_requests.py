@@ -195,3 +195,18 @@ def test_chunks_and_shard_runs_of_a_region_are_read_together(s3_env, monkeypatch
     assert Requests.waves(ys) == [
         Counter({("GetObject", "tensors/y/zarr.json"): 1, ("GetObject", "tensors/y/c/0"): 1}),
         Counter({("GetObject", "tensors/y/c/0"): 32})], ys     # the index, then 32 runs
+
+
+def test_lazy_open_reads_the_manifest_with_its_identity_in_one_request(s3_env):
+    """``sp.open`` takes the identity from the manifest's GET, as a load does (no HEAD
+    before it)."""
+    url = s3_env.url(s3_env.fresh_prefix("open") + "/ck")
+    be = ZarrBackend()
+    sp.save({"w": torch.arange(12.0)}, url, backend=be)
+    marker = "manifest.msgpack"
+    with Requests(be, url, LATENCY) as log:
+        with sp.open(url, backend=be) as ck:
+            opened = log.take()
+            got = ck["w"][2:5].to_torch()
+    assert torch.equal(got, torch.arange(2.0, 5.0))
+    assert Requests.waves(opened) == [Counter({("GetObject", marker): 1})], opened

@@ -19,7 +19,8 @@ from shardpoint_core.zarr.backend import ZarrBackend
 from shardpoint_core.zarr.committers import UrlCommitter
 
 ObjectStoreBackend = ZarrBackend
-__all__ = ["ObjectStoreBackend", "UrlCommitter", "backend_for", "resolve"]
+__all__ = ["ObjectStoreBackend", "UrlCommitter", "backend_for", "manifest_with_identity",
+           "resolve"]
 
 _DEFAULT: Optional[ZarrBackend] = None
 
@@ -52,3 +53,16 @@ def resolve(path: Any, backend: Any, call: str) -> Tuple[str, Any]:
             backend_for(path, backend)
     check_path(path, call)
     return str(path), backend_for(path)
+
+
+def manifest_with_identity(be: Any, path: str) -> Tuple[bytes, Optional[list]]:
+    """(the manifest's bytes, the identity of the commit they belong to), for a reader that
+    checks the identity again after its last read (a checkpoint replaced meanwhile is seen):
+    from one GET where the backend can (``read_manifest_with_identity``: object stores give
+    the version with the bytes), else the identity first and the manifest after it."""
+    both = getattr(be, "read_manifest_with_identity", None)
+    if both is not None:
+        return both(path)
+    identity = getattr(be, "checkpoint_identity", None)
+    ident = identity(path) if identity else None
+    return be.read_manifest(path), ident

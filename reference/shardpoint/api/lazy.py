@@ -28,7 +28,7 @@ from shardpoint_core.keys import decode_key, encode_key, similar_keys
 from shardpoint_core.manifest import Manifest, TensorEntry, decode_manifest
 from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, iter_leaves
 from shardpoint_core.storage import StorageBackend, get_backend
-from shardpoint_core.zarr.object_backend import resolve
+from shardpoint_core.zarr.object_backend import manifest_with_identity, resolve
 from shardpoint.tree.views import to_numpy
 
 
@@ -127,8 +127,8 @@ class Checkpoint:
     def __init__(self, path: str, backend: Optional[StorageBackend] = None) -> None:
         self.path, self._be = resolve(path, backend, "open")
         self._identity = getattr(self._be, "checkpoint_identity", None)
-        self._ident = self._identity(self.path) if self._identity else None   # see load()
-        self.manifest: Manifest = decode_manifest(self._be.read_manifest(self.path))
+        data, self._ident = manifest_with_identity(self._be, self.path)     # see load()
+        self.manifest: Manifest = decode_manifest(data)
         self.tree = self.manifest.tree   # nested dicts/lists/tuples, typed leaves
         self._leaves = {encode_key(p): leaf for p, leaf in iter_leaves(self.tree)}
         self._handles: dict = {}

@@ -31,7 +31,7 @@ from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import RankLoadWork, TensorLayout
 from shardpoint_core.storage import StorageBackend
 from shardpoint_core.store.registry import is_local
-from shardpoint_core.zarr.object_backend import resolve
+from shardpoint_core.zarr.object_backend import manifest_with_identity, resolve
 from shardpoint.tree.targets import collect_targets, full_targets
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
 
@@ -105,12 +105,7 @@ class LoadJob:
                 # The identity of the commit whose manifest is read, checked again after the
                 # last read: a save replacing the checkpoint (overwrite=True) in between is
                 # seen. On an object store it comes with the manifest's GET (no HEAD first).
-                both = getattr(self.be, "read_manifest_with_identity", None)
-                if both is not None:
-                    data, ident = both(self.path)
-                else:
-                    ident = self._identity(self.path) if self._identity else None
-                    data = self.be.read_manifest(self.path)
+                data, ident = manifest_with_identity(self.be, self.path)
                 mbytes = b"\x00" + msgpack.packb([ident, data])
             except errors.ShardpointError as e:
                 mbytes = b"\x01" + msgpack.packb([error_record(e, 0)])
