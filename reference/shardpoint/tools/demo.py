@@ -29,13 +29,13 @@ STEPS, EVERY, KILL_AFTER = 12, 4, 6
 RTOL = 1e-4
 
 
-def _rank_main(rank: int, world: int, tp: int, port: int, root: str, q, gate) -> None:
+def _rank_main(rank: int, world: int, tp: int, rendezvous: str, root: str, q, gate) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
         lay = demo_train.make_layout(rank, world, tp)
 
@@ -59,11 +59,13 @@ def _launch(name: str, world: int, tp: int, root: str, kill_after: Optional[int]
             timeout: float = 120.0) -> dict:
     """Run the job on ``world`` forked gloo ranks, printing a line per step; with
     ``kill_after``, SIGKILL every rank once that step is done and a checkpoint committed."""
-    from shardpoint_testing.launch import free_port
     ctx = mp.get_context("fork")      # the ranks start from this process: no re-import
     q, gate = ctx.Queue(), (ctx.Queue() if kill_after else None)
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, tp, port, root, q, gate),
+    # the ranks meet through a file of a fresh directory, not a port found free beforehand
+    # (another job could take that port before rank 0 binds it)
+    where = tempfile.mkdtemp(prefix="shardpoint-demo-world-")
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, world, tp, f"file://{where}/store", root, q, gate),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -109,6 +111,7 @@ def _launch(name: str, world: int, tp: int, root: str, kill_after: Optional[int]
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(where, ignore_errors=True)
     return res
 
 
