@@ -25,6 +25,7 @@ from shardpoint_core.errors import InvalidShardingError
 from shardpoint_core.treemerge import merge_many, merge_trees
 from shardpoint.planning.grid import chunk_part_arrays_many, plan_chunk_grid, region_pieces_many
 from shardpoint.planning.load_planner import check_request, plan_load
+from shardpoint.planning.save_global import SaveColumns
 from shardpoint.tree.model import ObjectValues, grid_flat_index
 from shardpoint.planning.plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork,
                                        RankSaveWork, ReadOp, SavePlan, TensorLayout, Transfer,
@@ -162,18 +163,24 @@ def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
         else:
             order.append((k, gis))
     t = build_parts(order, D, lambda k, _g: (pkeys[k], lambda: patterns[pkeys[k]].parts))
-    assigned, moved_bytes = _plan_writes(t, regions, keys, items, world, ranks)
+    # key ids as positions in sorted(tensors), the order the ranks know them in
+    kpos = np.zeros(max(len(keys), 1), np.int64)
+    kpos[plan_order] = np.arange(len(plan_order))
+    cr = [(gathered.first_rank[k], int(kpos[k])) for k in plan_order if not math.prod(keys[k][2])]
+    assigned, moved_bytes, cols = _plan_writes(t, regions, keys, items, world, ranks, kpos, cr)
     objects = plan_objects(local_plans)
     stats = {"world_size": world, "tensors": len(tensors), "unique_bytes": unique_bytes,
              "exchange_bytes": moved_bytes, "bytes_per_rank_max": max(assigned, default=0),
              "chunks": len(t.c_key)}
-    return SavePlan(tree, tensors, objects, ranks, stats)
+    return SavePlan(tree, tensors, objects, ranks, stats, cols)
 
 
 def _plan_writes(t, regions: Regions, keys: list, items: list, world: int,
-                 ranks: list) -> tuple:
+                 ranks: list, kpos: np.ndarray, cr: list) -> tuple:
     """Elect each chunk's writer and fill ``ranks`` with its writes and transfers, in plan
-    order; returns (bytes each rank writes, bytes moved)."""
+    order; returns (bytes each rank writes, bytes moved, the plan as :class:`SaveColumns`).
+    ``kpos``: each key id's position in the sorted keys; ``cr``: (rank, key position) of
+    the empty arrays each rank creates."""
     NC = len(t.c_key)
     pat_off = [p[6] for p in t.patterns]
     base = np.cumsum([0] + [len(o) for o in pat_off[:-1]]).astype(np.int64)
@@ -261,7 +268,22 @@ def _plan_writes(t, regions: Regions, keys: list, items: list, world: int,
         return list(map(srt.__getitem__, map(slice, [0] + e[:-1], e)))
     for w, sd, rv in zip(ranks, per_rank(src_r), per_rank(dst_r)):
         w.sends, w.recvs = sd, rv
-    return assigned.tolist(), int(s_bytes.sum())
+    pbo_a = np.concatenate([p[3] for p in t.patterns]) if t.patterns else \
+        np.zeros((0, t.D), np.int64)
+    pbs_a = np.concatenate([p[4] for p in t.patterns]) if t.patterns else pbo_a
+    c_full = base[t.c_pat] + t.c_idx
+    c_off = np.concatenate([p[6] for p in t.patterns])[c_full] if NC else c_shp
+    fpi = t.p_pi[t.first] if NC else np.zeros(0, np.int64)
+    cr_a = np.array(cr, np.int64).reshape(-1, 2)
+    cols = SaveColumns(
+        t.D, kpos[t.c_key], writer.astype(np.int64), np.where(direct, dq, -1),
+        np.where(direct, fpi, -1), c_off, c_shp,
+        lc.astype(np.int64), hold_hidx[loc_entry].astype(np.int64),
+        t.p_pi[loc_part].astype(np.int64), pbo_a[t.p_src[loc_part]], pbs_a[t.p_src[loc_part]],
+        sc.astype(np.int64), src_r.astype(np.int64), hold_hidx[s_entry].astype(np.int64),
+        t.p_pi[sent].astype(np.int64), pbo_a[t.p_src[sent]], pbs_a[t.p_src[sent]],
+        cr_a[:, 0].copy(), cr_a[:, 1].copy())
+    return assigned.tolist(), int(s_bytes.sum()), cols
 
 
 def plan_objects(local_plans: Sequence[LocalPlan]) -> dict:

@@ -214,6 +214,7 @@ class SavePlan:
     objects: dict            # key -> list of values (index order)
     ranks: list              # [RankSaveWork], one per rank
     stats: dict = field(default_factory=dict)
+    columns: Any = field(default=None, repr=False)   # save_global.SaveColumns: ranks' work
 
 
 @dataclass(slots=True)
