@@ -229,7 +229,7 @@ class SaveJob:
         # carry each transfer twice and the coordinator would encode one per rank
         self._global_msg = encode_save_global(plan.columns, layouts_of(plan.tensors),
                                               plan.stats, staging)
-        return [msgpack.packb(None)] * len(plan.ranks)
+        return [msgpack.packb(None)] * self.comm.size
 
     # ---------------------------------------------------------------------- phase 2: stage
     def stage(self, pool: Optional[StagingPool] = None) -> None:

@@ -173,3 +173,51 @@ def layouts_of(tensors: dict) -> dict:
     """key -> ``[shape, dtype, chunk shape]`` (lists), the form the save's ranks use."""
     return {k: [list(v.shape), v.dtype, list(v.chunk_shape)] for k, v in tensors.items()}
 
+
+
+def ranks_from_columns(cols: SaveColumns, names: list, nds: list, world: int) -> list:
+    """Every rank's :class:`~.plans.RankSaveWork` at once (what :func:`cut_save_work` gives
+    each rank), for callers that want the whole plan as objects: tests, tools. ``save()``
+    never builds them on the coordinator."""
+    writer = cols.c_writer
+    NC = len(writer)
+    ow = np.argsort(writer, kind="stable")
+    cnt = np.bincount(writer, minlength=world)
+    widx = np.empty(NC, np.int64)
+    widx[ow] = np.arange(NC) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    local: dict = {}
+    for c, k, h, p, bo, bs in zip(cols.l_chunk.tolist(), cols.c_key[cols.l_chunk].tolist(),
+                                  cols.l_hold.tolist(), cols.l_piece.tolist(),
+                                  cols.l_bo.tolist(), cols.l_bs.tolist()):
+        nd = nds[k]
+        local.setdefault(c, []).append((h, p, tuple(bo[:nd]), tuple(bs[:nd])))
+    writes = []
+    for c, k, dh, dp, o, s in zip(ow.tolist(), cols.c_key[ow].tolist(), cols.c_dh[ow].tolist(),
+                                  cols.c_dp[ow].tolist(), cols.c_off[ow].tolist(),
+                                  cols.c_shp[ow].tolist()):
+        nd = nds[k]
+        writes.append(ChunkWrite(names[k], tuple(o[:nd]), tuple(s[:nd]),
+                                 None if dh < 0 else (dh, dp), local.get(c, [])))
+    ch = cols.t_chunk
+    dst = writer[ch] if len(ch) else np.zeros(0, np.int64)
+    trs = []
+    for s, d, k, h, p, bo, bs, r in zip(cols.t_src.tolist(), dst.tolist(),
+                                        cols.c_key[ch].tolist(), cols.t_hold.tolist(),
+                                        cols.t_piece.tolist(), cols.t_bo.tolist(),
+                                        cols.t_bs.tolist(), widx[ch].tolist()):
+        nd = nds[k]
+        trs.append(Transfer(s, d, names[k], tuple(bo[:nd]), tuple(bs[:nd]), (h, p), (r,)))
+
+    def split(items: list, of: np.ndarray) -> list:
+        """``items`` (in plan order) per rank ``of``, each rank's in plan order."""
+        o = np.argsort(of, kind="stable").tolist()
+        srt = [items[i] for i in o]
+        e = np.cumsum(np.bincount(of, minlength=world)).tolist()
+        return [srt[a:b] for a, b in zip([0] + e[:-1], e)]
+    ends = np.cumsum(cnt).tolist()
+    per_w = [writes[a:b] for a, b in zip([0] + ends[:-1], ends)]
+    creates: list = [[] for _ in range(world)]
+    for r, k in zip(cols.cr_rank.tolist(), cols.cr_key.tolist()):
+        creates[r].append(names[k])
+    return [RankSaveWork(w, sd, rv, cr) for w, sd, rv, cr in
+            zip(per_w, split(trs, cols.t_src), split(trs, dst), creates)]
