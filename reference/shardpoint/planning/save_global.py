@@ -73,8 +73,9 @@ def _pack_box(a: np.ndarray, D: int) -> list:
 
 def encode_save_global(cols: SaveColumns, layouts: dict, stats: dict, staging: str) -> bytes:
     """The one message every rank gets: ``zlib(msgpack([tag, D, staging, layouts, stats,
-    columns...]))`` (some columns as differences, box offsets relative to their chunk's); ``layouts``: key -> ``[shape, dtype, chunk shape]`` (every key of the
-    plan), columns as :func:`~.plans.pack_ints` tables in their narrowest types."""
+    columns...]))``; ``layouts``: key -> ``[shape, dtype, chunk shape]`` (every key of the
+    plan); columns as :func:`~.plans.pack_ints` tables in their narrowest types, some as
+    differences, box offsets relative to their chunk's."""
     D = cols.D
     v = {n: getattr(cols, n) for n in _VEC + _BOX}
     v.update((n, np.diff(getattr(cols, n), prepend=0)) for n in _DELTA)
