@@ -4,9 +4,10 @@ Nothing here touches storage or a process group, so a job of thousands of ranks 
 (and property-tested) in one process. The flow of a save:
 ``LocalPlan`` per rank -> :func:`plan_save` (validate replica and coverage rules, choose each
 tensor's chunk grid via :mod:`.grid`, elect one writer per chunk, schedule the exchange of
-misaligned pieces) -> ``SavePlan`` holding one ``RankSaveWork`` per rank. Loads are planned in
-:mod:`.load_planner`; the plan types live in :mod:`.plans`. This module re-exports both so
-``shardpoint.planning.planner`` stays the one import path for planning.
+misaligned pieces) -> ``SavePlan`` holding every rank's work as columns, which ``save()``
+broadcasts once and each rank cuts its own ``RankSaveWork`` from (:mod:`.save_global`). Loads
+are planned in :mod:`.load_planner`; the plan types live in :mod:`.plans`. This module
+re-exports both so ``shardpoint.planning.planner`` stays the one import path for planning.
 """
 from __future__ import annotations
 
