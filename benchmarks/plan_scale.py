@@ -5,7 +5,8 @@ Default: 4,096 ranks = TP 8 x PP 4 x DP 128, 80 layers x 12 params (+ embeddings
 tensors), bf16 weights replicated across DP, fp32 master/exp_avg/exp_avg_sq as distributed-
 optimizer flattened ranges (each stage's parameters concatenated per TP rank, the buffer cut
 into DP equal ranges). Times what the coordinator does: decode the gathered local plans and
-plan the save and encode every rank's reply; decode the gathered load requests and plan the
+plan the save and encode it once as ``save()`` broadcasts it (each rank cutting its own work,
+the slowest cut timed); decode the gathered load requests and plan the
 load, alone (``plan_load``) and as ``load()`` runs it (``plan_load_auto``: the cost model prices
 dedup against direct reads), then encode it as ``load()`` sends it (a dedup plan: one message
 for every rank, each rank cutting its own work from it, the slowest rank's cut timed; direct
@@ -41,6 +42,8 @@ from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_loa
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.tree.model import Holding
 from shardpoint.planning.planner import LocalPlan, TensorLayout, plan_load, plan_save
+from shardpoint.planning.save_global import (encode_save_global, layouts_of,
+                                             save_work_from_global)
 
 
 STAGING = "/checkpoints/run/step_000000100.staging-0123456789ab"   # a staging path's length
@@ -261,6 +264,7 @@ def main() -> None:
         return
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     dec, pl, tot, lds, lenc, auto, derive, senc = [], [], [], [], [], [], [], []
+    scut: list = []
     hosts = [f"host{r // 8}" for r in range(world)]   # 8 ranks per host
     for _ in range(a.repeat):
         gc.collect()
@@ -273,14 +277,28 @@ def main() -> None:
             t1 = clock()
             plan = plan_save(decoded)
             t2 = clock()
-            # saving.py's decide() then sends each rank its work, the staging path, its
-            # arrays' layouts and the plan's stats
-            lay_w = {k: [list(v.shape), v.dtype, list(v.chunk_shape)]
-                     for k, v in plan.tensors.items()}
-            save_lens = [len(msgpack.packb([STAGING, w.to_bytes(), {
-                k: lay_w[k] for k in {c.key for c in w.writes} | set(w.create)}, plan.stats]))
-                for w in plan.ranks]
+            # saving.py's decide() then encodes the plan once (the writes and transfers as
+            # columns, every layout, the stats, the staging path) for its broadcast
+            gsave = encode_save_global(plan.columns, layouts_of(plan.tensors), plan.stats,
+                                       STAGING)
             t3 = clock()
+        # each rank cuts its own work from it (after the broadcast, outside the coordinator's
+        # pause): time the ranks that write, send and receive most and a spread of others
+        c_ = plan.columns
+        pick = {0, world - 1, world // 2}
+        for col in (c_.c_writer, c_.t_src, c_.c_writer[c_.t_chunk]):
+            if len(col):
+                pick.add(int(np.argmax(np.bincount(col, minlength=world))))
+        pick |= set(range(1, world, max(1, world // 12)))
+        cs = []
+        # paused: this process holds the whole job's plans, and a collection over them
+        # would be timed here though a rank's own heap is small
+        with gc_paused():
+            for r in sorted(pick):
+                tc = clock()
+                save_work_from_global(gsave, r)
+                cs.append(clock() - tc)
+        scut.append(max(cs))
         dec.append(t1 - t0)
         pl.append(t2 - t1)
         tot.append(t2 - t0)
@@ -354,9 +372,14 @@ def main() -> None:
             del w_
         tracemalloc.stop()
         del kept
-    save_msgs = sum(save_lens)
     save_enc = statistics.median(senc)
-    work_bytes = [len(w.to_bytes()) for w in plan.ranks[:64]]
+    # gloo's broadcast is a binomial tree: its root sends ceil(log2(world)) copies
+    fan = max(1, math.ceil(math.log2(world))) if world > 1 else 0
+    # run_collectively's scatter: the replies' sizes (int64 each, broadcast) and an empty
+    # reply per rank, then the plan's broadcast (its length, then the bytes)
+    reply = len(msgpack.packb([0, msgpack.packb(None)]))
+    scatter = fan * 8 * world + world * reply
+    save_msgs = scatter + fan * (8 + len(gsave))
     m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
                                             v.chunk_shape) for k, v in plan.tensors.items()},
                  plan.objects, save_world_size=world)
@@ -372,9 +395,10 @@ def main() -> None:
     print(f"  plan_save on coordinator        {_median(pl)}")
     print(f"  save plan end to end            {_median(tot)}  "
           f"({med(tot) / 1.0:.2f}x the 1.0 s target)")
-    st_e = [x + y for x, y in zip(tot, senc)]
-    print(f"  ... and the replies encoded     {_median(st_e)}  "
-          f"({med(st_e) / 1.0:.2f}x the 1.0 s target: what save()'s decide() runs)")
+    st_e = [x + y + z for x, y, z in zip(tot, senc, scut)]
+    print(f"  ... plan encoded once + cut     {_median(st_e)}  "
+          f"({med(st_e) / 1.0:.2f}x the 1.0 s target: what save()'s decide() runs and the "
+          "slowest rank's cut of its own work; the broadcast itself not timed)")
     if lds:
         print(f"  load plan (decode + plan_load)  {_median(lds)}  "
               f"({med(lds) / 1.0:.2f}x the 1.0 s target; {reads:,} reads, {sends:,} transfers)")
@@ -390,10 +414,12 @@ def main() -> None:
             print(f"  load plan end to end             {_median(lt)}  "
                   f"({med(lt) / 1.0:.2f}x the 1.0 s target: plan_load_auto + encode + cut; "
                   "the broadcast itself not timed)")
-            load_sent = load_g["requests"] + gbytes + world * reply
+            lfan = max(1, math.ceil(math.log2(world))) if world > 1 else 0
+            load_sent = load_g["requests"] + lfan * gbytes + world * reply
             print(f"  load, busiest rank (coordinator): received {load_g['received'] / 1e6:.1f}"
                   f" MB, sent {load_sent / 1e6:.1f} MB ({load_sent / 50e6:.2f}x the 50 MB "
-                  f"target: the plan and costs {gbytes / 1e6:.1f} MB once, replies "
+                  f"target: the plan and costs {gbytes / 1e6:.1f} MB x {lfan} (gloo's "
+                  f"binomial-tree broadcast), replies "
                   f"{world * reply / 1e6:.1f}"
                   f" MB, blob requests {load_g['requests'] / 1e6:.2f} MB); every other rank "
                   f"receives {(gbytes + reply + load_g['requests']) / 1e6:.1f} MB")
@@ -401,14 +427,17 @@ def main() -> None:
             print(f"  encode per-rank load work       {_median(lenc)}  "
                   f"(all ranks; {wsum / 1e6:.1f} MB sent by the coordinator, largest "
                   f"{wmax / 2**10:.1f} KiB)")
-    print(f"  encode per-rank save work       {_median(senc)}  (all ranks; "
-          f"{save_msgs / 1e6:.1f} MB sent by the coordinator, largest "
-          f"{max(save_lens) / 2**10:.1f} KiB)")
+    print(f"  encode the save plan, once      {_median(senc)}  (one message for every "
+          f"rank: {len(gsave) / 1e6:.2f} MB)")
+    print(f"  a rank cuts its own save work   {_median(scut)}  (the slowest of the ranks "
+          "timed: most writes, sends, receives, a spread of others)")
     save_sent = save_g["requests"] + save_msgs
     print(f"  save, busiest rank (coordinator): received {save_g['received'] / 1e6:.1f} MB, "
           f"sent {save_sent / 1e6:.1f} MB ({max(save_g['received'], save_sent) / 50e6:.2f}x "
-          f"the 50 MB target: work messages {save_msgs / 1e6:.1f} MB, blob requests "
-          f"{save_g['requests'] / 1e6:.2f} MB)")
+          f"the 50 MB target: the plan {len(gsave) / 1e6:.2f} MB x {fan} (gloo's binomial-"
+          f"tree broadcast), the scatter's sizes and empty replies {scatter / 1e6:.2f} MB, "
+          f"blob requests {save_g['requests'] / 1e6:.2f} MB); every other rank receives "
+          f"{(len(gsave) + 8 * world + reply + save_g['requests']) / 1e6:.2f} MB")
     if peak:
         print(f"  planning peak memory (traced)     {peak['save'] / 2**20:8.1f} MiB save "
               f"(decode + plan_save, plan kept)" +
@@ -419,7 +448,7 @@ def main() -> None:
     print(f"  chunks {st['chunks']:,}, exchange {st['exchange_bytes'] / 2**20:.1f} MiB "
           f"({st['exchange_bytes'] / max(1, st['unique_bytes']):.4%} of unique), "
           f"max bytes written by a rank {st['bytes_per_rank_max'] / 2**20:.1f} MiB")
-    print(f"  per-rank work message             {max(work_bytes) / 2**10:8.1f} KiB (max of 64)")
+    print(f"  save plan message                 {len(gsave) / 2**10:8.1f} KiB (once)")
     print(f"  manifest                          {len(man) / 2**10:8.1f} KiB")
     if a.json:
         with open(a.json, "w") as f:
@@ -429,6 +458,8 @@ def main() -> None:
                        "plan_save_s": pl, "save_total_s": tot, "plan_load_s": lds,
                        "plan_load_auto_s": auto, "encode_load_s": lenc, "cut_load_s": derive,
                        "encode_save_s": save_enc, "encode_save_runs_s": senc,
+                       "cut_save_s": scut, "save_plan_bytes": len(gsave),
+                       "save_sent_bytes": save_sent,
                        "peak_bytes": peak}, f)
 
 

@@ -16,7 +16,9 @@ from shardpoint.planning.load_dedup import encode_global, work_from_global
 from shardpoint.planning.load_planner import encode_works, plan_load, plan_load_direct
 from shardpoint.tree.model import Holding
 from shardpoint.planning.planner import PlanOptions, RankLoadWork, TensorLayout, plan_save
-from shardpoint.planning.plans import Transfer
+from shardpoint.planning.plans import RankSaveWork, Transfer
+from shardpoint.planning.save_global import (encode_save_global, layouts_of,
+                                             save_work_from_global)
 
 from planner_reference import (reference_direct_host_bytes, reference_plan_load,
                                reference_plan_save)
@@ -199,3 +201,47 @@ def test_thousands_of_data_parallel_replicas_share_the_reads():
     rng = random.Random(0)
     for r in rng.sample(range(2048), 3):
         assert len(works[r].recvs) + len(works[r].reads) == 64
+
+
+_SEEN: set = set()
+
+
+@settings(max_examples=80, **SET)
+@given(jobs(max_world=16))
+def test_each_rank_cuts_from_the_global_save_plan_exactly_its_per_rank_reply(job):
+    """The save plan broadcast whole (encode_save_global), each rank cutting its own work
+    (save_work_from_global), gives every rank the very work, layouts, stats and staging
+    path its per-rank reply carried: replicas, flattened ranges, uneven shards, empty
+    arrays, chunks assembled from local copies and transfers."""
+    world, tensors, rng = job
+    plans, _ = local_plans(world, tensors, rng)
+    # chunks bigger than a piece (a large overhead) give local copies and transfers
+    plan = plan_save(plans, PlanOptions(chunk_overhead_bytes=rng.choice([0, 64, 1 << 20]),
+                                        max_chunk_bytes=rng.choice([32, 256 << 20])))
+    _SEEN.update(k for k, n in (("send", sum(len(w.sends) for w in plan.ranks)),
+                                ("local", sum(len(c.local) for w in plan.ranks
+                                              for c in w.writes)),
+                                ("direct", sum(c.direct is not None for w in plan.ranks
+                                               for c in w.writes))) if n)
+    lay = layouts_of(plan.tensors)
+    g = encode_save_global(plan.columns, lay, plan.stats, "stage/x")
+    for r, want in enumerate(plan.ranks):
+        want = RankSaveWork.from_bytes(want.to_bytes())    # as the per-rank reply arrived
+        staging, layouts, stats, got = save_work_from_global(g, r)
+        assert (staging, stats) == ("stage/x", plan.stats)
+        assert layouts == lay
+        assert got.writes == want.writes
+        assert got.sends == want.sends and got.recvs == want.recvs
+        assert got.create == want.create
+        # and the objects the coordinator built, before their wire round trip
+        assert (got.sends, got.recvs, got.create) == \
+            (plan.ranks[r].sends, plan.ranks[r].recvs, plan.ranks[r].create)
+        assert [(c.key, c.offset, c.shape, c.direct, list(c.local)) for c in got.writes] == \
+            [(c.key, c.offset, c.shape, c.direct, list(c.local)) for c in plan.ranks[r].writes]
+
+
+def test_the_save_cut_property_saw_transfers_local_copies_and_direct_writes():
+    """The property above ran on plans with each kind of work (run after it)."""
+    if not _SEEN:
+        test_each_rank_cuts_from_the_global_save_plan_exactly_its_per_rank_reply()
+    assert _SEEN == {"send", "local", "direct"}

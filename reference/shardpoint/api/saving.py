@@ -28,6 +28,8 @@ from shardpoint_core.fsutil import os_error_text
 from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.tree.flatten import flatten_state
 from shardpoint.api.open_ahead import OpenAhead
+from shardpoint.planning.save_global import (encode_save_global, layouts_of,
+                                             save_work_from_global)
 from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, plan_objects,
                                          plan_save)
 from shardpoint_core.treemerge import check_values_agree
@@ -145,6 +147,7 @@ class SaveJob:
         self.global_plan: Any = None     # the SavePlan, on the coordinator only
         self.staging = ""
         self.work: Optional[RankSaveWork] = None
+        self._global_msg: Optional[bytes] = None   # the coordinator's plan message, to send
         self.layouts: dict = {}
         self.stats: dict = {}
         self.sources: list = []          # per chunk write: the tensor to write (host or device)
@@ -189,9 +192,13 @@ class SaveJob:
         except errors.ShardpointError:
             self.group.plan = None
             raise
-        self.staging, work_b, self.layouts, self.stats = msgpack.unpackb(
-            msg, strict_map_key=False)
-        self.work = RankSaveWork.from_bytes(work_b)
+        if msgpack.unpackb(msg) is not None:
+            raise errors.SaveFailedError(f"rank {self.comm.rank}: unexpected save plan reply")
+        # the plan, one message for every rank (broadcast): each rank cuts its own work
+        g = self.comm.broadcast_bytes(self._global_msg)
+        self._global_msg = None
+        self.staging, self.layouts, self.stats, self.work = save_work_from_global(
+            g, self.comm.rank)
         if self.opts.check_replicas:    # after the plan: its errors (layout) come first
             t = time.perf_counter()
             check_replicas(self.comm, self.flat.tensors)
@@ -218,14 +225,11 @@ class SaveJob:
         self.be.begin_save(staging)
         self.staging = staging    # known to :meth:`abandon` before the ranks hear of it
         self.global_plan = plan
-        layouts = {k: [list(v.shape), v.dtype, list(v.chunk_shape)]
-                   for k, v in plan.tensors.items()}
-        out = []
-        for w in plan.ranks:
-            keys = {c.key for c in w.writes} | set(w.create)
-            out.append(msgpack.packb([staging, w.to_bytes(),
-                                      {k: layouts[k] for k in keys}, plan.stats]))
-        return out
+        # one message for every rank, broadcast after the (empty) replies: per-rank replies
+        # carry each transfer twice and the coordinator would encode one per rank
+        self._global_msg = encode_save_global(plan.columns, layouts_of(plan.tensors),
+                                              plan.stats, staging)
+        return [msgpack.packb(None)] * self.comm.size
 
     # ---------------------------------------------------------------------- phase 2: stage
     def stage(self, pool: Optional[StagingPool] = None) -> None:

@@ -4,15 +4,15 @@ Nothing here touches storage or a process group, so a job of thousands of ranks 
 (and property-tested) in one process. The flow of a save:
 ``LocalPlan`` per rank -> :func:`plan_save` (validate replica and coverage rules, choose each
 tensor's chunk grid via :mod:`.grid`, elect one writer per chunk, schedule the exchange of
-misaligned pieces) -> ``SavePlan`` holding one ``RankSaveWork`` per rank. Loads are planned in
-:mod:`.load_planner`; the plan types live in :mod:`.plans`. This module re-exports both so
-``shardpoint.planning.planner`` stays the one import path for planning.
+misaligned pieces) -> ``SavePlan`` holding every rank's work as columns, which ``save()``
+broadcasts once and each rank cuts its own ``RankSaveWork`` from (:mod:`.save_global`). Loads
+are planned in :mod:`.load_planner`; the plan types live in :mod:`.plans`. This module
+re-exports both so ``shardpoint.planning.planner`` stays the one import path for planning.
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from itertools import repeat
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -25,6 +25,7 @@ from shardpoint_core.errors import InvalidShardingError
 from shardpoint_core.treemerge import merge_many, merge_trees
 from shardpoint.planning.grid import chunk_part_arrays_many, plan_chunk_grid, region_pieces_many
 from shardpoint.planning.load_planner import check_request, plan_load
+from shardpoint.planning.save_global import SaveColumns
 from shardpoint.tree.model import ObjectValues, grid_flat_index
 from shardpoint.planning.plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork,
                                        RankSaveWork, ReadOp, SavePlan, TensorLayout, Transfer,
@@ -136,7 +137,6 @@ def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
     gathered = Gathered([lp.rank for lp in local_plans],
                         [as_columns(lp.holdings) for lp in local_plans])
     regions = Regions(gathered)
-    ranks = [RankSaveWork() for _ in range(world)]
     keys = gathered.keys
     D = max((len(e[2]) for e in keys), default=0)
     items = [dtypes.from_name(d).itemsize for _, d, _ in keys]
@@ -157,23 +157,27 @@ def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
         gis = regions.by_key.get(k, ([], b""))[0]
         tensors[key] = TensorLayout(key, shape, dtype, patterns[pkeys[k]].chunk)
         unique_bytes += math.prod(shape) * items[k]
-        if not math.prod(shape):
-            ranks[gathered.first_rank[k]].create.append(key)
-        else:
+        if math.prod(shape):
             order.append((k, gis))
     t = build_parts(order, D, lambda k, _g: (pkeys[k], lambda: patterns[pkeys[k]].parts))
-    assigned, moved_bytes = _plan_writes(t, regions, keys, items, world, ranks)
+    # key ids as positions in sorted(tensors), the order the ranks know them in
+    kpos = np.zeros(max(len(keys), 1), np.int64)
+    kpos[plan_order] = np.arange(len(plan_order))
+    cr = [(gathered.first_rank[k], int(kpos[k])) for k in plan_order if not math.prod(keys[k][2])]
+    assigned, moved_bytes, cols = _plan_writes(t, regions, items, world, kpos, cr)
     objects = plan_objects(local_plans)
     stats = {"world_size": world, "tensors": len(tensors), "unique_bytes": unique_bytes,
              "exchange_bytes": moved_bytes, "bytes_per_rank_max": max(assigned, default=0),
              "chunks": len(t.c_key)}
-    return SavePlan(tree, tensors, objects, ranks, stats)
+    return SavePlan(tree, tensors, objects, None, stats, cols)
 
 
-def _plan_writes(t, regions: Regions, keys: list, items: list, world: int,
-                 ranks: list) -> tuple:
-    """Elect each chunk's writer and fill ``ranks`` with its writes and transfers, in plan
-    order; returns (bytes each rank writes, bytes moved)."""
+def _plan_writes(t, regions: Regions, items: list, world: int, kpos: np.ndarray,
+                 cr: list) -> tuple:
+    """Elect each chunk's writer and lay out the writes and transfers, in plan order;
+    returns (bytes each rank writes, bytes moved, the plan as :class:`SaveColumns`).
+    ``kpos``: each key id's position in the sorted keys; ``cr``: (rank, key position) of
+    the empty arrays each rank creates."""
     NC = len(t.c_key)
     pat_off = [p[6] for p in t.patterns]
     base = np.cumsum([0] + [len(o) for o in pat_off[:-1]]).astype(np.int64)
@@ -204,64 +208,28 @@ def _plan_writes(t, regions: Regions, keys: list, items: list, world: int,
     g = t.p_gi[sent]
     s_entry = start[g] + (t.p_chunk[sent] + sent) % nh[g]
     s_bytes = np.prod(t.p_bs[sent], axis=1) * item[t.c_key[t.p_chunk[sent]]]
-    # a chunk's index in its writer's list: writes are appended in plan order
-    ow = np.argsort(writer, kind="stable")
-    cnt = np.bincount(writer, minlength=world)
-    widx = np.empty(NC, np.int64)
-    widx[ow] = np.arange(NC) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-
-    # objects: one ChunkWrite per chunk, one Transfer per send. Their boxes are tuples made
-    # once per pattern (the layers of a model repeat them), and each object is built by
-    # tuple.__new__ under map(): no Python frame per object (~10^5 of them)
-    nd_of = [len(e[2]) for e in keys]
-    names = [e[0] for e in keys]
-    pats, at = np.unique(t.c_pat, return_index=True)
-    pat_nd = dict(zip(pats.tolist(), [nd_of[k] for k in t.c_key[at].tolist()]))
-    offs: list = []
-    shps: list = []
-    pbo: list = []
-    pbs: list = []
-    for j, p in enumerate(t.patterns):
-        nd = pat_nd.get(j, 0)
-        for src, dst in ((p[6], offs), (p[7], shps), (p[3], pbo), (p[4], pbs)):
-            dst += [tuple(r[:nd]) for r in src.tolist()]
-    # local copies, grouped by chunk (loc_part is in plan order, so a chunk's are adjacent)
-    lsrc = t.p_src[loc_part].tolist()
-    loc = list(map(tuple.__add__, zip(hold_hidx[loc_entry].tolist(), t.p_pi[loc_part].tolist()),
-                   zip(map(pbo.__getitem__, lsrc), map(pbs.__getitem__, lsrc))))
     lc = t.p_chunk[loc_part]
-    cut = (np.flatnonzero(lc[1:] != lc[:-1]) + 1).tolist() if len(lc) else []
-    local = dict(zip(lc[[0] + cut].tolist() if len(lc) else [],
-                     map(loc.__getitem__, map(slice, [0] + cut, cut + [len(lc)]))))
     dq = hold_hidx[np.maximum(entry, 0)]
-    ds = np.flatnonzero(direct).tolist()
-    dset = dict(zip(ds, zip(dq[ds].tolist(), t.p_pi[t.first[ds]].tolist())))
-    # in each writer's order (plan order per writer)
-    ol = ow.tolist()
-    cix = (base[t.c_pat] + t.c_idx)[ow].tolist()
-    byw = list(map(tuple.__new__, repeat(ChunkWrite), zip(
-        map(names.__getitem__, t.c_key[ow].tolist()), map(offs.__getitem__, cix),
-        map(shps.__getitem__, cix), map(dset.get, ol), map(local.get, ol, repeat(())))))
-    ends = np.cumsum(cnt).tolist()
-    for w, a, b in zip(ranks, [0] + ends[:-1], ends):
-        w.writes = byw[a:b]
     sc = t.p_chunk[sent]
-    ssrc = t.p_src[sent].tolist()
-    src_r, dst_r = hold_rank[s_entry], writer[sc]
-    trs = list(map(tuple.__new__, repeat(Transfer), zip(
-        src_r.tolist(), dst_r.tolist(), map(names.__getitem__, t.c_key[sc].tolist()),
-        map(pbo.__getitem__, ssrc), map(pbs.__getitem__, ssrc),
-        zip(hold_hidx[s_entry].tolist(), t.p_pi[sent].tolist()), zip(widx[sc].tolist()))))
-
-    def per_rank(of: np.ndarray) -> list:
-        """The transfers split by ``of`` (their rank on one side), each list in plan order."""
-        o = np.argsort(of, kind="stable").tolist()
-        srt = list(map(trs.__getitem__, o))
-        e = np.cumsum(np.bincount(of, minlength=world)).tolist()
-        return list(map(srt.__getitem__, map(slice, [0] + e[:-1], e)))
-    for w, sd, rv in zip(ranks, per_rank(src_r), per_rank(dst_r)):
-        w.sends, w.recvs = sd, rv
-    return assigned.tolist(), int(s_bytes.sum())
+    src_r = hold_rank[s_entry]
+    # the work stays in columns: save() broadcasts them and each rank builds its own
+    # objects (SavePlan.ranks builds every rank's, for callers that want them)
+    pbo_a = np.concatenate([p[3] for p in t.patterns]) if t.patterns else \
+        np.zeros((0, t.D), np.int64)
+    pbs_a = np.concatenate([p[4] for p in t.patterns]) if t.patterns else pbo_a
+    c_full = base[t.c_pat] + t.c_idx
+    c_off = np.concatenate([p[6] for p in t.patterns])[c_full] if NC else c_shp
+    fpi = t.p_pi[t.first] if NC else np.zeros(0, np.int64)
+    cr_a = np.array(cr, np.int64).reshape(-1, 2)
+    cols = SaveColumns(
+        t.D, kpos[t.c_key], writer.astype(np.int64), np.where(direct, dq, -1),
+        np.where(direct, fpi, -1), c_off, c_shp,
+        lc.astype(np.int64), hold_hidx[loc_entry].astype(np.int64),
+        t.p_pi[loc_part].astype(np.int64), pbo_a[t.p_src[loc_part]], pbs_a[t.p_src[loc_part]],
+        sc.astype(np.int64), src_r.astype(np.int64), hold_hidx[s_entry].astype(np.int64),
+        t.p_pi[sent].astype(np.int64), pbo_a[t.p_src[sent]], pbs_a[t.p_src[sent]],
+        cr_a[:, 0].copy(), cr_a[:, 1].copy())
+    return assigned.tolist(), int(s_bytes.sum()), cols
 
 
 def plan_objects(local_plans: Sequence[LocalPlan]) -> dict:
