@@ -10,9 +10,10 @@ import random
 from collections import Counter
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import given, settings
 
-from shardpoint.planning.load_dedup import encode_global, work_from_global
+from shardpoint.planning.load_dedup import _group_max, encode_global, work_from_global
 from shardpoint.planning.load_planner import encode_works, plan_load, plan_load_direct
 from shardpoint.tree.model import Holding
 from shardpoint.planning.planner import PlanOptions, RankLoadWork, TensorLayout, plan_save
@@ -245,3 +246,40 @@ def test_the_save_cut_property_saw_transfers_local_copies_and_direct_writes():
     if not _SEEN:
         test_each_rank_cuts_from_the_global_save_plan_exactly_its_per_rank_reply()
     assert _SEEN == {"send", "local", "direct"}
+
+
+def _group_max_packed(key, val):
+    """The packed-integer sort ``_group_max`` used before it took a stable sort (kept here as
+    the reference its replacement is compared with)."""
+    n = len(key)
+    nb = max(1, (n - 1).bit_length())
+    packed = (key << nb) | np.arange(n, dtype=np.int64)
+    packed.sort()
+    ks, o = packed >> nb, packed & ((1 << nb) - 1)
+    cut = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
+    return ks[cut], np.maximum.reduceat(val[o], cut)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 1000)), min_size=1,
+                max_size=60), st.booleans())
+def test_group_max_by_stable_sort_equals_the_packed_sort_and_a_dict(pairs, presorted):
+    """The per-key maxima of the direct-read pairs: distinct keys ascending and each key's
+    largest value, with repeated keys and without, sorted input and not."""
+    if presorted:
+        pairs = sorted(pairs)
+    key = np.array([k for k, _ in pairs], np.int64)
+    val = np.array([v for _, v in pairs], np.int64)
+    ref: dict = {}
+    for k, v in pairs:
+        ref[k] = max(ref.get(k, v), v)
+    ks, best = _group_max(key, val)
+    assert ks.tolist() == sorted(ref) and best.tolist() == [ref[k] for k in sorted(ref)]
+    old_k, old_b = _group_max_packed(key, val)
+    assert ks.tolist() == old_k.tolist() and best.tolist() == old_b.tolist()
+    assert ks.dtype == old_k.dtype and best.dtype == old_b.dtype
+
+
+def test_group_max_of_nothing_is_empty():
+    ks, best = _group_max(np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert len(ks) == 0 and len(best) == 0

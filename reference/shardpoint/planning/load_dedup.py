@@ -217,19 +217,19 @@ class LoadWorks(Sequence):
 
 
 def _group_max(key: np.ndarray, val: np.ndarray) -> tuple:
-    """(distinct keys ascending, the largest ``val`` of each): one sort of ``key`` (non-negative
-    integers)."""
-    n = len(key)
-    nb = max(1, (n - 1).bit_length())
-    if int(key.max(initial=0)).bit_length() + nb <= 63:
-        # sort (key, row) packed in one integer: a plain sort, 4x a stable argsort
-        packed = (key << nb) | np.arange(n, dtype=np.int64)
-        packed.sort()
-        ks, o = packed >> nb, packed & ((1 << nb) - 1)
-    else:
-        o = np.argsort(key, kind="stable")
-        ks = key[o]
-    cut = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
+    """(distinct keys ascending, the largest ``val`` of each): one stable sort of ``key``
+    (non-negative integers). The direct pairs come nearly sorted (by chunk, then by region,
+    each region's holders ascending), which a stable sort (timsort) takes in a few runs;
+    where every key is distinct (each rank needs a chunk through one region) the values
+    are taken as they are, without a reduction."""
+    o = np.argsort(key, kind="stable")
+    ks = key[o]
+    new = np.empty(len(ks), bool)
+    new[:1] = True
+    np.not_equal(ks[1:], ks[:-1], out=new[1:])
+    if new.all():
+        return ks, val[o]
+    cut = np.flatnonzero(new)
     return ks[cut], np.maximum.reduceat(val[o], cut)
 
 
