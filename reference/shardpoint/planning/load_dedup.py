@@ -140,7 +140,7 @@ class LoadWorks(Sequence):
         read = np.bincount(a["c_reader"], weights=a["c_bytes"], minlength=self.world)
         hid: dict = {}
         host_of = np.array([hid.setdefault(h, len(hid)) for h in hosts], np.int64)
-        src = a["c_reader"][a["p_chunk"][a["t_part"]]]
+        src = a["t_src"]        # each transfer's sender: its chunk's reader
         same = (host_of[src] == host_of[a["t_dst"]]) if shm else np.zeros(len(src), bool)
         tb = a["t_bytes"]
         cross = np.bincount(a["t_dst"][~same], weights=tb[~same], minlength=self.world)
@@ -299,7 +299,9 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
     l_part, l_q = e_part[loc], hold_hidx[e_entry[loc]]
     x = ~loc
     t_part, t_dst, t_q, t_src = e_part[x], e_rank[x], hold_hidx[e_entry[x]], e_reader[x]
-    t_bytes = np.prod(p_bs[t_part], axis=1) * item[c_key[p_chunk[t_part]]]
+    # bytes per part, then per transfer (many transfers share a part: replicas)
+    t_bytes = (np.prod(p_bs, axis=1) * item[c_key[p_chunk]])[t_part] if NP else \
+        np.zeros(0, np.int64)
     recv_bytes = np.bincount(t_dst, weights=t_bytes, minlength=world).astype(np.int64)
     a = dict(c_key=c_key, c_lo=c_lo, c_shp=c_shp, c_dq=c_dq, c_dp=c_dp, c_reader=reader,
              c_ridx=c_ridx, read_order=read_order, read_starts=read_starts,
