@@ -128,8 +128,8 @@ class LoadWorks(Sequence):
 
     def direct_rank_bytes(self) -> list:
         """Per rank, the stored bytes it would read, check and narrow under ``direct``."""
-        _c, r, best = self._rank_chunk_best()
-        return np.bincount(r, weights=best,
+        rc, best = self._rank_chunk_best()
+        return np.bincount(rc % self.world, weights=best,
                            minlength=self.world).astype(np.int64).tolist()
 
     def rank_traffic(self, hosts: Sequence[str], shm: bool) -> tuple:
@@ -170,32 +170,25 @@ class LoadWorks(Sequence):
         return self._pairs
 
     def _rank_chunk_best(self) -> tuple:
-        """Per distinct (chunk, rank) of the direct pairs, ascending: the chunk, the rank and
-        the most one request of that rank needs of that chunk. Grouped once (one sort of the
-        pairs); the per-rank and per-host figures are both reductions of it, so the chunk
-        and rank are split out once here (each split is a pass over millions of pairs)."""
+        """Per distinct (chunk, rank) of the direct pairs, ascending: ``chunk * world + rank``
+        and the most one request of that rank needs of that chunk. Grouped once (one sort of
+        the pairs); the per-rank and per-host figures are both reductions of it."""
         if self._best is None:
             if not len(self.a["p_chunk"]):
-                z = np.zeros(0, np.int64)
-                self._best = (z, z, z)
+                self._best = (np.zeros(0, np.int64), np.zeros(0, np.int64))
             else:
                 ec, ep, er = self._direct_pairs()
-                rc, best = _group_max(ec * self.world + er, ep)
-                c = rc // self.world
-                r = c * self.world
-                np.subtract(rc, r, out=r)
-                self._best = (c, r, best)
+                self._best = _group_max(ec * self.world + er, ep)
         return self._best
 
     def _direct_bytes_by(self, group_of: np.ndarray, n_groups: int) -> np.ndarray:
         """Direct-read bytes summed per group of ranks (``group_of[rank]``): per chunk, the
         most any one request within the group needs of it (the group shares its reads): the
         per-(chunk, rank) maxima reduced again per (chunk, group)."""
-        c, r, best = self._rank_chunk_best()
-        if not len(c):
+        rc, best = self._rank_chunk_best()
+        if not len(rc):
             return np.zeros(n_groups, np.int64)
-        key = c * n_groups
-        key += group_of[r]
+        key = (rc // self.world) * n_groups + group_of[rc % self.world]
         if (key[1:] >= key[:-1]).all():      # each group's ranks contiguous: already grouped
             cut = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
             ks, gbest = key[cut], np.maximum.reduceat(best, cut)
