@@ -45,9 +45,14 @@ def step_name(step: Any) -> str:
 
 
 def parse_step(name: str) -> Optional[int]:
-    """The step a directory name stands for, or None for any other name."""
+    """The step a directory name stands for, or None for any other name (a name the
+    managers did not write, such as ``step_7``, is never counted, kept or removed)."""
     m = _STEP.match(name)
-    return None if m is None else int(m.group(1))
+    if m is None:
+        return None
+    n = int(m.group(1))
+    # only the name step_name writes: 'step_7' or 'step_000000007' are someone else's
+    return n if step_name(n) == name else None
 
 
 # ---------------------------------------------------------------------------- retention

@@ -77,6 +77,9 @@ def _leftovers(be: PosixCommitter, path: str) -> list:
 
 def _decide(be: PosixCommitter, lo: Leftover, olds: Counter, now: float,
             min_age_s: float) -> tuple:
+    if lo.in_use and "://" in lo.path:
+        return "skip", ("its save's lease is live (renewed within its duration): a save is "
+                        "running [SP-COMMIT-16]")
     if lo.in_use:
         return "skip", ("a save running on this host holds its lock: it is being written, "
                         "not left over")

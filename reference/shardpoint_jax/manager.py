@@ -35,6 +35,7 @@ an observer job; constructing a manager never touches the directory.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import jax
@@ -57,6 +58,8 @@ from shardpoint_jax.storage import checkpoint_path, read_manifest
 from shardpoint_jax.values import pack, unpack
 
 METRICS_KEY = "__metrics__"
+
+log = logging.getLogger("shardpoint")
 
 
 class CheckpointManager:
@@ -95,6 +98,7 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self._pending: Optional[AsyncSave] = None
         self._metrics: dict = {}           # step -> metrics (a cache of the manifests)
+        self.retention_warnings: list = []   # what the last retention could not do
         self._steps = StepRoot(self.root, local_committer=PosixCommitter(),
                                call="CheckpointManager(root)")
 
@@ -275,17 +279,13 @@ class CheckpointManager:
             raise_info(unpack(outcome), "retention")
 
     def _retain(self) -> None:
-        steps = self.all_steps()
-        keep = self.retained(steps)
-        for s in steps:
-            if s not in keep:
-                self._remove(s)
-                self._metrics.pop(s, None)
-
-    def _remove(self, step: int) -> None:
-        # Through the committer (StepRoot.remove): a reader gets 'no checkpoint', never half
-        # a step; on files a step a live save holds stays.
-        self._steps.remove(step)
+        """Retention through the committer (StepRoot.retain): a reader gets 'no checkpoint',
+        never half a step; its problems are warnings (``retention_warnings``, logged), never a
+        failure of the save that committed."""
+        self.retention_warnings = self._steps.retain(self.retention, self.metrics)
+        for w in self.retention_warnings:
+            log.warning("shardpoint: %s", w)
+        self._metrics.clear()
 
     def _clean_leftovers(self) -> None:
         """Remove what crashed saves left; restore a step whose overwrite crashed midway;

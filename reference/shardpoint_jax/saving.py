@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from shardpoint_core import errors as core_errors
+from shardpoint_core.store.registry import is_local
 from shardpoint_core.treemerge import merge_many
 from shardpoint_core.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
                                       encode_manifest)
@@ -396,5 +397,9 @@ def commit(path: str, decision: dict) -> None:
     [SP-COMMIT-10..12]."""
     staging = decision["staging"]
     make_durable(staging)
-    write_manifest(staging, encode_manifest(manifest_of(decision)))
-    COMMITTER.publish(staging, path, overwrite=decision["overwrite"])
+    data = encode_manifest(manifest_of(decision))
+    if is_local(staging):
+        write_manifest(staging, data)
+        COMMITTER.publish(staging, path, overwrite=decision["overwrite"])
+    else:       # object stores: the marker is these bytes; no staged copy (spec 1.3)
+        COMMITTER.urls.publish(staging, path, overwrite=decision["overwrite"], manifest=data)

@@ -65,3 +65,14 @@ def vector_on_store(case_dir: str, url: str) -> dict:
     upload_dir(store, key, os.path.join(case_dir, "checkpoint"))
     with open(os.path.join(case_dir, "expected.json")) as f:
         return json.load(f)
+
+
+def crashed_save(store: Any, prefix: str, objects: dict, lease_s: float = 1e-3) -> None:
+    """What a save that died left on an object store: its lease ([SP-COMMIT-16]; by default
+    one that expired long ago) and ``objects`` (key below ``prefix`` -> bytes) below its save
+    prefix ``prefix`` (``.../save-<token>``)."""
+    from shardpoint_core.commit.lease import LEASE_NAME, encode_lease
+    token = prefix.rstrip("/").rpartition("/")[2][len("save-"):]
+    store.put(f"{prefix}/{LEASE_NAME}", encode_lease(token, lease_s))
+    for k, v in objects.items():
+        store.put(f"{prefix}/{k}", v)

@@ -238,8 +238,11 @@ class S3Server:
 
 # A fault rule sees (method, path, request number) and returns None (forward the request),
 # or an HTTP status to answer with (503: SlowDown, 500: InternalError), or 0 to drop the
-# connection without an answer.
+# connection without an answer. A negative value is a lost reply: the request is forwarded
+# and applied by the server, then the client gets -value as status instead of the server's
+# answer (LOST_REPLY, -1: the connection drops; -500: InternalError).
 FaultRule = Callable[[str, str, int], Optional[int]]
+LOST_REPLY = -1
 
 _FAULT_BODY = {
     503: b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
@@ -277,6 +280,15 @@ class FaultProxy:
                     proxy.requests += 1
                     number = proxy.requests
                 fault = proxy.rule(self.command, self.path, number)
+                if fault is not None and fault < 0:        # applied, then the reply is lost
+                    conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream.port,
+                                                      timeout=60)
+                    conn.request(self.command, self.path, body=body, headers={
+                        k: v for k, v in self.headers.items()
+                        if k.lower() not in ("connection", "keep-alive")})
+                    conn.getresponse().read()
+                    conn.close()
+                    fault = 0 if fault == LOST_REPLY else -fault
                 if fault is not None:
                     with proxy._lock:
                         proxy.injected += 1

@@ -45,6 +45,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr = CheckpointManager(self.root, **self.kw)
         self.disk: dict = {}      # step -> (value, loss): what must be committed on disk
         self.next_step = 1
+        self.foreign: set = set()  # names a person made in root: never the manager's
 
     def teardown(self):
         shutil.rmtree(getattr(self, "root", "/nonexistent"), ignore_errors=True)
@@ -86,10 +87,13 @@ class ManagerMachine(RuleBasedStateMachine):
         if kind == "staging":             # killed while ranks wrote chunks
             os.makedirs(os.path.join(hidden, "tensors", "w", "c"), exist_ok=True)
             open(os.path.join(hidden, "tensors", "w", "zarr.json"), "w").close()
-        elif kind == "bare_step":         # a directory some tool made, never a checkpoint
-            os.makedirs(nxt, exist_ok=True)
-        elif kind == "half_step":         # files but no manifest: the commit never happened
-            os.makedirs(os.path.join(nxt, "tensors", "w"), exist_ok=True)
+        elif kind == "bare_step":         # a directory some tool made, never a checkpoint,
+            self.foreign.add(f"step_{self.next_step}")   # named like a step: not the manager's
+            os.makedirs(os.path.join(self.root, f"step_{self.next_step}"), exist_ok=True)
+        elif kind == "half_step":         # files but no manifest, under a step-like name
+            name = f"step_{self.next_step:09d}"
+            self.foreign.add(name)
+            os.makedirs(os.path.join(self.root, name, "tensors", "w"), exist_ok=True)
         visible = sorted(s for s in self.disk if s != self.moved_aside)
         if kind == "half_delete" and visible:       # killed during retention's rmtree
             victim = data.draw(st.sampled_from(visible))
@@ -109,9 +113,11 @@ class ManagerMachine(RuleBasedStateMachine):
         assert set(os.listdir(self.root)) == before
 
     def check_clean(self):
-        # nothing but the model's steps in root: every leftover was cleaned (or put back)
+        # nothing but the model's steps in root and what a person made there (never deleted):
+        # every leftover was cleaned (or put back)
         self.moved_aside = None
-        assert sorted(os.listdir(self.root)) == [f"step_{s:08d}" for s in sorted(self.disk)]
+        assert sorted(os.listdir(self.root)) == sorted(
+            [f"step_{s:08d}" for s in self.disk] + list(self.foreign))
 
     @rule()
     def load_latest(self):

@@ -19,6 +19,7 @@ from shardpoint_core.commit.steps import StepRoot  # noqa: E402
 from shardpoint_core.policy import AnyOf, BestN, LatestN  # noqa: E402
 from shardpoint_core.store.s3 import S3Store  # noqa: E402
 from shardpoint_core.verify import verify_checkpoint  # noqa: E402
+from shardpoint_testing.probes import crashed_save  # noqa: E402
 
 
 def state(step):
@@ -75,8 +76,9 @@ def test_an_observer_leaves_live_saves_and_named_prefixes_alone(s3_env):
     store = S3Store.from_url(root)
     live = "step_00000002/save-0123456789ab/tensors/w/c/0/0"      # a save of step 2 running
     crashed = "step_00000001/save-abcdef012345/tensors/w/zarr.json"  # beside committed step 1
-    store.put(live, b"x")
-    store.put(crashed, b"{}")
+    for key, data in ((live, b"x"), (crashed, b"{}")):      # both dead, leases expired
+        save, _, rest = key.partition("/tensors/")
+        crashed_save(store, save, {"tensors/" + rest: data})
     observer = sp.CheckpointManager(root)
     assert observer.all_steps() == [1]
     assert observer.load()["step"] == 1            # its clean-up ran: both are recent

@@ -44,13 +44,14 @@ def test_requests_and_round_trips_of_save_load_and_overwrite(s3_env):
         replaced = log.take()
     assert all(torch.equal(out[k], v) for k, v in state.items())
 
+    lease = "save-*/lease.msgpack"
     assert len(saved) == 2 * n + 5, saved
     assert Requests.waves(saved) == [
         Counter({("HeadObject", marker): 1, ("ListObjectsV2", ""): 1}),   # the target's check
+        Counter({("PutObject", lease): 1}),              # the save's claim [SP-COMMIT-16]
         arrays(state, "zarr.json", "c/0"),              # one chunk object per tensor here
-        Counter({("PutObject", f"save-*/{marker}"): 1}),                  # the staged copy
         Counter({("PutObject", marker): 1}),            # the commit: If-None-Match, no HEAD
-        Counter({("DeleteObjects", ""): 1})], saved     # the staged copy, once committed
+        Counter({("GetObject", lease): 1})], saved      # still ours: nothing to take back
 
     assert len(loaded) == 2 * n + 3, loaded
     first = Counter({("GetObject", f"save-*/tensors/{k}/{w}"): 1
@@ -67,15 +68,17 @@ def test_requests_and_round_trips_of_save_load_and_overwrite(s3_env):
     assert [r for m, k, r, *_ in loaded if k == "save-*/tensors/s0/c/0"] == \
         [f"bytes=0-{100 * 4 + 4}"]            # a plain chunk: one byte over its size
 
-    assert len(replaced) == 2 * n + 7, replaced
+    assert len(replaced) == 2 * n + 9, replaced
     assert Requests.waves(replaced) == [
         Counter({("HeadObject", marker): 1, ("ListObjectsV2", ""): 1}),
+        Counter({("PutObject", lease): 1}),
         arrays(state, "zarr.json", "c/0"),
-        Counter({("PutObject", f"save-*/{marker}"): 1}),
         Counter({("GetObject", marker): 1}),            # the old marker and its ETag, one GET
         Counter({("PutObject", marker): 1,              # If-Match, while the replaced
                  ("ListObjectsV2", ""): 1}),            # save's objects are listed
-        Counter({("DeleteObjects", ""): 1})], replaced  # them and the staged copy, together
+        Counter({("GetObject", lease): 1}),             # the lease, still ours
+        Counter({("DeleteObjects", ""): 1}),            # the replaced save's objects,
+        Counter({("DeleteObjects", ""): 1})], replaced  # then its lease
 
 
 def test_a_layout_other_than_predicted_drops_the_early_read(s3_env):

@@ -19,6 +19,7 @@ pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
 from shardpoint_core.commit.base import Committer  # noqa: E402
+from shardpoint_core.commit.lease import stop_lease  # noqa: E402
 from shardpoint_core.commit.object_store import ObjectStoreCommitter  # noqa: E402
 from shardpoint_core.errors import (CheckpointExistsError,  # noqa: E402
                                     CheckpointNotFoundError, IncompleteCheckpointError)
@@ -179,20 +180,32 @@ def test_missing_staged_manifest_commits_nothing(store, committer):
     assert committer.state("x") == "incomplete"
 
 
+def crash(store, staging):
+    """What a save's process dying does to its lease: nobody renews it any more."""
+    assert stop_lease(store, staging) is not None
+
+
 def test_leftovers_and_discard(store, committer):
     committer.publish(stage(store, committer, "runs/1", "one"), "runs/1", overwrite=False)
     crashed = stage(store, committer, "runs/1", "crashed")
     other = stage(store, committer, "runs/2", "crashed")
+    crash(store, crashed)
+    crash(store, other)
     found = {lo.path: lo for lo in committer.leftovers("runs")}
     assert set(found) == {crashed, other}
     assert found[crashed].target == "runs/1" and found[crashed].has_manifest
-    assert found[crashed].kind == "tmp" and found[crashed].in_use is None
+    # [SP-COMMIT-16]: just written, the lease is live: a running save, never removed
+    assert found[crashed].kind == "tmp" and found[crashed].in_use is True
+    assert committer.discard(crashed) is False and read(store, crashed.rpartition("/")[0])
+    later = time.time() + 3600                    # the lease long expired
+    found = {lo.path: lo for lo in committer.leftovers("runs", now=later)}
+    assert found[crashed].in_use is False
     named = decode_manifest(store.get("runs/1/manifest.msgpack")).tensors["a"].array
     with pytest.raises(CheckpointExistsError, match="SP-COMMIT-15"):
-        committer.discard("runs/1/" + named.split("/")[0])
+        committer.discard("runs/1/" + named.split("/")[0], now=later)
     for lo in found.values():
-        committer.discard(lo.path)
-    assert committer.leftovers("runs") == []
+        assert committer.discard(lo.path, now=later)
+    assert committer.leftovers("runs", now=later) == []
     assert read(store, "runs/1") == "one"
     assert committer.state("runs/2") == "missing"
 
@@ -237,8 +250,9 @@ def test_kill_9_during_save_and_overwrite_leaves_old_or_new(s3_env, rounds):
         label = read(store, "k")                  # one save's objects, never a mix
         seen.add(label)
         c = ObjectStoreCommitter(store)
-        for lo in c.leftovers(""):
-            c.discard(lo.path)
+        later = time.time() + 3600                # the dead save's lease expired
+        for lo in c.leftovers("", now=later):
+            c.discard(lo.path, now=later)
         assert read(store, "k") == label
         assert all(k == "manifest.msgpack" or k.startswith(
             decode_manifest(store.get("k/manifest.msgpack")).tensors["t0"].array.split("/")[0])

@@ -12,6 +12,7 @@ from shardpoint_core.commit.steps import StepRoot
 from shardpoint_core.errors import UnsupportedStoreError
 from shardpoint_core.manifest import Manifest, TensorEntry, encode_manifest
 from shardpoint_core.store.memory import MemoryStore
+from shardpoint_testing.probes import crashed_save
 
 
 def commit_step(store, step, token):
@@ -32,7 +33,8 @@ def test_steps_on_an_object_store():
     store = MemoryStore.named(name)
     for step, token in ((1, "a" * 12), (2, "b" * 12), (3, "c" * 12)):
         commit_step(store, step, token)
-    store.put("run/step_00000004/save-dddddddddddd/tensors/w/c/0", b"running")  # a live save
+    crashed_save(store, "run/step_00000004/save-dddddddddddd", {"tensors/w/c/0": b"running"},
+                 lease_s=120)                               # a live save: its lease is fresh
     store.put("run/notes.txt", b"not a step")
     root = StepRoot(f"memory://{name}/run")
     assert root.path(4) == f"memory://{name}/run/step_00000004"
@@ -41,6 +43,7 @@ def test_steps_on_an_object_store():
     assert root.all_steps() == [2, 3]
     assert not [i.key for i in store.list("run/step_00000001/")]   # marker and objects
     assert root.clean_leftovers() == []                          # the live save is recent
+    assert root.clean_leftovers(min_age_s=0) == []               # and its lease is live
     later = time.time() + 3600
     assert root.clean_leftovers(now=later) == [
         f"memory://{name}/run/step_00000004/save-dddddddddddd"]

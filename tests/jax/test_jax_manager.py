@@ -66,6 +66,7 @@ class ManagerMachine(RuleBasedStateMachine):
                        best_metric="loss" if best else None, keep_best=keep_best)
         self.keep_best = keep_best if best else None   # best_metric alone keeps none extra
         self.mgr = spj.CheckpointManager(self.root, **self.kw)
+        self.foreign: list = []   # names a person made in root: never the manager's
         self.disk: dict = {}      # step -> (value, loss): what must be committed
         self.next_step = 1
         self.moved_aside = None   # a step hidden by a crashed overwrite, until put back
@@ -78,7 +79,7 @@ class ManagerMachine(RuleBasedStateMachine):
                           self.kw["keep_every"], self.keep_best, self.kw["best_mode"])
         self.disk = {s: v for s, v in self.disk.items() if s in keep}
         self.moved_aside = None
-        assert _steps_on_disk(self.root) == _names(*sorted(self.disk))   # all cleaned
+        assert _steps_on_disk(self.root) == sorted(_names(*self.disk) + self.foreign)
 
     @rule(value=st.integers(-100, 100), loss=st.one_of(st.none(), st.integers(0, 5)),
           skip=st.integers(1, 3))
@@ -110,8 +111,11 @@ class ManagerMachine(RuleBasedStateMachine):
         if kind == "staging":             # killed while writing chunks
             os.makedirs(os.path.join(hidden, "tensors", "w", "c"), exist_ok=True)
             open(os.path.join(hidden, "tensors", "w", "zarr.json"), "w").close()
-        elif kind == "half_step":         # files but no manifest: never committed
-            os.makedirs(os.path.join(nxt, "tensors", "w"), exist_ok=True)
+        elif kind == "half_step":         # files but no manifest, under a step-like name
+            name = f"step_{self.next_step}"                 # not the manager's step format
+            if name not in self.foreign:
+                self.foreign.append(name)
+            os.makedirs(os.path.join(self.root, name, "tensors", "w"), exist_ok=True)
         visible = sorted(s for s in self.disk if s != self.moved_aside)
         if kind == "half_delete" and visible:          # killed during retention's rmtree
             victim = data.draw(st.sampled_from(visible))
@@ -138,7 +142,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert sorted(out) == ["step", "w"] and out["step"] == latest
         assert np.asarray(out["w"]).tolist() == [self.disk[latest][0]] * 3
         self.moved_aside = None
-        assert _steps_on_disk(self.root) == _names(*sorted(self.disk))
+        assert _steps_on_disk(self.root) == sorted(_names(*self.disk) + self.foreign)
 
     @invariant()
     def disk_matches_model(self):
@@ -272,7 +276,9 @@ def test_crash_leftovers_are_ignored_then_cleaned(tmp_path):
     _crash_copy(full, str(root / ".step_00000002.shardpoint-tmp-beef02"), manifest=True)
     # killed during retention's rmtree of step 1: renamed to a hidden name first
     os.rename(root / "step_00000001", root / ".step_00000001.shardpoint-tmp-dead01")
-    # a step directory whose save never committed (made by hand or by another tool)
+    # a step directory whose save never committed (made by hand or by another tool): no
+    # commit leaves one (a commit renames a whole checkpoint into place), so it is not the
+    # manager's and stays
     _crash_copy(full, str(root / "step_00000005"), manifest=False)
     before = _steps_on_disk(root)
 
@@ -280,12 +286,11 @@ def test_crash_leftovers_are_ignored_then_cleaned(tmp_path):
     assert again.all_steps() == [3] and again.latest_step() == 3      # only committed ones
     assert _steps_on_disk(root) == before            # constructing and reading never clean
     assert again.load()["step"] == 3                  # a load cleans first
-    assert _steps_on_disk(root) == _names(2, 3)       # step 2 put back, the rest gone
+    assert _steps_on_disk(root) == _names(2, 3, 5)    # step 2 put back, leftovers gone
     assert again.load(2)["step"] == 2                 # the previous version, as it was
     os.rename(root / "step_00000003", root / ".step_00000003.shardpoint-old-feed03")
-    _crash_copy(full, str(root / "step_00000003"), manifest=False)   # and a save cleans too
-    again.save(4, {"step": 4})
-    assert _steps_on_disk(root) == _names(2, 3, 4) and again.load(3)["step"] == 3
+    again.save(4, {"step": 4})                        # and a save cleans too
+    assert _steps_on_disk(root) == _names(2, 3, 4, 5) and again.load(3)["step"] == 3
 
 
 _KILLED = textwrap.dedent("""

@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import shardpoint_jax as sj  # noqa: E402
 from shardpoint_jax import storage  # noqa: E402
-from shardpoint_testing.probes import vector_on_store  # noqa: E402
+from shardpoint_testing.probes import crashed_save, vector_on_store  # noqa: E402
 
 
 def _tree(gen: int = 0, rows: int = 700) -> dict:
@@ -127,7 +127,7 @@ def test_s3_manager_retention_and_leftovers(s3_env):
     # may still be running, removed by the next save once old enough ([SP-COMMIT-15])
     store, key = storage.locate(root)
     crashed = f"{key}/step_00000004/save-{'ab' * 8}/tensors/x/c/0/0"
-    store.put(crashed, b"partial")
+    crashed_save(store, f"{key}/step_00000004/save-{'ab' * 8}", {"tensors/x/c/0/0": b"partial"})
     mgr.save(5, {"x": np.zeros((4, 4), np.float32)})
     assert store.head(crashed) is not None and mgr.all_steps() == [3, 5]
     mgr.leftover_min_age_s = 0.0

@@ -14,6 +14,7 @@ pytest.importorskip("safetensors")
 import shardpoint as sp  # noqa: E402
 from shardpoint.tools.cli import main  # noqa: E402
 from shardpoint_core.store.s3 import S3Store  # noqa: E402
+from shardpoint_testing.probes import crashed_save  # noqa: E402
 
 
 def test_cli_on_s3(s3_env, tmp_path, capsys, monkeypatch):
@@ -34,14 +35,17 @@ def test_cli_on_s3(s3_env, tmp_path, capsys, monkeypatch):
     assert main(["diff", a, a]) == 0 and main(["diff", a, b]) == 1
     assert main(["verify", f"{root}/none"]) == 2
 
-    crashed = f"save-{uuid.uuid4().hex}"
-    S3Store.from_url(a).put(f"{crashed}/tensors/w/c/0/0", b"partial")
+    crashed = f"save-{uuid.uuid4().hex}"         # a dead save: its lease expired
+    crashed_save(S3Store.from_url(a), crashed, {"tensors/w/c/0/0": b"partial"})
     capsys.readouterr()
     assert main(["recover", "--dry-run", a]) == 0
     assert "skipped" in capsys.readouterr().out                        # too young
+    user = "save-20240101/notes.txt"             # named like a save prefix, a user's
+    S3Store.from_url(a).put(user, b"user data")
     assert main(["recover", "--min-age", "0", root]) == 0
     assert "SP-COMMIT-15" in capsys.readouterr().out
     assert not any(o.key.startswith(crashed) for o in S3Store.from_url(a).list())
+    assert S3Store.from_url(a).get(user) == b"user data"
     assert main(["verify", a]) == 0
 
     out = tmp_path / "w.safetensors"

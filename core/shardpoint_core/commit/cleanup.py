@@ -13,8 +13,8 @@ import os
 import time
 from typing import Callable
 
-from shardpoint_core.commit.posix import MANIFEST_NAME, PosixCommitter
-from shardpoint_core.commit.durable import dir_locked, newest_mtime
+from shardpoint_core.commit.posix import PosixCommitter
+from shardpoint_core.commit.durable import newest_mtime
 
 log = logging.getLogger("shardpoint")
 DEFAULT_MIN_AGE_S = 900.0
@@ -22,9 +22,11 @@ DEFAULT_MIN_AGE_S = 900.0
 
 def clean_leftovers(committer: PosixCommitter, root: str, owns: Callable[[str], bool],
                     min_age_s: float = DEFAULT_MIN_AGE_S) -> list:
-    """Remove the leftovers of crashed saves of names ``owns`` accepts in ``root``, restore
-    an ``-old-`` checkpoint whose replacement crashed midway, and remove a directory of such
-    a name that has no manifest; returns the paths acted on. OS errors (a read-only file
+    """Remove the leftovers of crashed saves of names ``owns`` accepts in ``root`` and restore
+    an ``-old-`` checkpoint whose replacement crashed midway; returns the paths acted on.
+    A directory that merely has such a name and no manifest is not the protocol's (a commit
+    renames a whole checkpoint into place, retention renames it away first) and is left as
+    it is: nothing deletes what it did not create. OS errors (a read-only file
     system) are logged and skipped: the caller's save or load reports its own."""
     done: list = []
     if not os.path.isdir(root):
@@ -45,8 +47,8 @@ def clean_leftovers(committer: PosixCommitter, root: str, owns: Callable[[str], 
         try:
             if (lo.kind == "old" and lo.has_manifest
                     and committer.state(lo.target) != "committed"):
-                if os.path.lexists(lo.target) and not committer.discard(lo.target):
-                    continue
+                if os.path.lexists(lo.target):
+                    continue    # not the protocol's (as recover decides): left for a person
                 ok = committer.restore(lo.path, lo.target)
             else:
                 ok = committer.discard(lo.path)
@@ -56,15 +58,4 @@ def clean_leftovers(committer: PosixCommitter, root: str, owns: Callable[[str], 
             continue
         if ok:
             done.append(lo.path)
-    for name in sorted(os.listdir(root)):
-        full = os.path.join(root, name)
-        if (owns(name) and os.path.isdir(full) and not os.path.islink(full)
-                and not os.path.lexists(os.path.join(full, MANIFEST_NAME))
-                and idle(dir_locked(full), full)):
-            try:
-                if committer.discard(full):
-                    done.append(full)
-            except OSError as e:
-                log.warning("shardpoint: cannot clean up %r (%s); left as it is", full,
-                            getattr(e, "strerror", None) or e)
     return done

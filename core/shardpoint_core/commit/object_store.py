@@ -34,14 +34,17 @@ import hashlib
 import itertools
 import logging
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, List, Optional
 
 import msgpack
 
+from shardpoint_core.commit.lease import (LEASE_NAME, read_lease, reclaim_lease, start_lease,
+                                          stop_lease)
 from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                     CorruptCheckpointError, IncompleteCheckpointError,
-                                    InvalidOptionError, StoreNotFoundError)
+                                    InvalidOptionError, SaveFailedError, StoreNotFoundError)
 from shardpoint_core.manifest import decode_manifest
 from shardpoint_core.storage import MANIFEST_NAME, Leftover
 
@@ -87,8 +90,11 @@ class ObjectStoreCommitter:
     """Publishes checkpoints in one :class:`~shardpoint_core.store.base.ByteStore` that has no
     rename, with the manifest as the single atomic commit marker ([SP-COMMIT-10])."""
 
-    def __init__(self, store) -> None:
+    def __init__(self, store, *, lease_s: Optional[float] = None) -> None:
+        from shardpoint_core.commit.lease import DEFAULT_LEASE_S
         self.store = store
+        self.lease_s = float(lease_s if lease_s is not None
+                             else getattr(store, "lease_s", DEFAULT_LEASE_S))
         self.conditional = bool(store.capabilities.conditional_put)
         self.replace_if_match = bool(getattr(store.capabilities, "conditional_replace", False))
 
@@ -145,28 +151,39 @@ class ObjectStoreCommitter:
 
     # -- a save ---------------------------------------------------------------------------
     def begin(self, target: str, token: str) -> str:
-        """The save's prefix ``<target>/save-<token>`` ([SP-COMMIT-11]). Nothing is written:
-        the prefix exists once a rank writes below it."""
+        """The save's prefix ``<target>/save-<token>`` ([SP-COMMIT-11]), claimed by its lease
+        ([SP-COMMIT-16]): the first object below it, renewed until publish or abort."""
         if not _TOKEN.match(token):
             raise InvalidOptionError(f"save token {token!r}: 8 to 64 lower-case hex digits")
-        return _join(target, SAVE_PREFIX + token)
+        staging = _join(target, SAVE_PREFIX + token)
+        start_lease(self.store, staging, token, self.lease_s)
+        return staging
 
     def publish(self, staging: str, target: str, *, overwrite: bool,
                 manifest: Optional[bytes] = None) -> None:
         """Write the marker ``<target>/manifest.msgpack`` in one conditional PUT
-        ([SP-COMMIT-12]), then delete what it replaced and the staged manifest copy.
-        ``manifest``: the staged copy's bytes, when the caller that just wrote them has them
-        (not read back). Without ``overwrite`` on a store with conditional writes, the PUT's
-        ``If-None-Match`` is the only check needed: no read of the marker before it."""
+        ([SP-COMMIT-12]), check that recovery did not take the save for dead meanwhile
+        ([SP-COMMIT-16]), then delete what it replaced ([SP-COMMIT-14]). ``manifest``: the
+        manifest's bytes (relative array paths) when the caller has them; otherwise the
+        staged copy below the save prefix is read (writers before 1.3 wrote one).
+
+        A PUT whose answer is lost (a dropped connection, a 5xx after the server applied it,
+        a retry that gets 412 for this save's own marker) is settled by reading the marker
+        back ([SP-COMMIT-17]): this save's bytes there mean it committed."""
         save_dir = staging[len(_join(target)) + 1:] if target else staging
         if not save_dir.startswith(SAVE_PREFIX) or "/" in save_dir:
             raise InvalidOptionError(f"{staging!r} is not a save prefix of {target!r}")
+        lease = stop_lease(self.store, staging)
+        if lease is not None and lease.lost:
+            raise self._reclaimed(staging)
         staged_key = _join(staging, MANIFEST_NAME)
         staged = manifest
         if staged is None:
             try:
                 staged = self.store.get(staged_key)
             except FileNotFoundError as e:
+                if lease is not None and not self._lease_intact(lease):
+                    raise self._reclaimed(staging) from e
                 raise IncompleteCheckpointError(
                     f"{self._url(staged_key)} is missing: the save wrote no manifest; nothing "
                     "was committed", spec_id="SP-COMMIT-1") from e
@@ -181,16 +198,25 @@ class ObjectStoreCommitter:
                 "ran; this save was not committed (pass overwrite=True to replace)",
                 spec_id="SP-COMMIT-12")
         # The objects the replaced marker names are listed while the PUT is in flight (a
-        # committed save prefix never changes); deleted only once the PUT succeeded, with
-        # the staged copy, in one delete ([SP-COMMIT-14]).
+        # committed save prefix never changes); deleted only once the PUT succeeded and the
+        # lease is found intact ([SP-COMMIT-14], [SP-COMMIT-16]).
         side = ThreadPoolExecutor(1, thread_name_prefix="sp-commit") if old else None
         try:
             named = side.submit(self._named_objects, target, old[0], save_dir) if side \
                 else None
-            self._put_marker(key, marker, old, target)
+            version = self._commit_marker(key, marker, old, target)
+            if lease is not None and not self._lease_intact(lease):
+                self._take_back(key, marker, version, old, target)
+                raise SaveFailedError(
+                    f"{self._url(staging)}: recovery removed this save's lease while it "
+                    "committed (the save was paused or stalled for longer than its lease); "
+                    "its marker was taken back and nothing was committed",
+                    spec_id="SP-COMMIT-16")
             try:
                 doomed = named.result() if named is not None else []
-                self.store.delete(doomed + [staged_key])
+                if manifest is None:
+                    doomed.append(staged_key)
+                self._delete_last_lease(doomed)
             except OSError as e:
                 # Committed: what is left is recovery's ([SP-COMMIT-15]). Raising would make
                 # the caller abort the save, deleting the checkpoint it just committed.
@@ -200,26 +226,90 @@ class ObjectStoreCommitter:
             if side is not None:
                 side.shutdown(wait=False)
 
-    def _put_marker(self, key: str, marker: bytes, old: Optional[tuple], target: str) -> None:
+    def _reclaimed(self, staging: str) -> SaveFailedError:
+        return SaveFailedError(
+            f"{self._url(staging)}: recovery reclaimed this save's lease (the save was paused "
+            "or stalled for longer than it); nothing was committed, the previous checkpoint "
+            "is intact", spec_id="SP-COMMIT-16")
+
+    def _commit_marker(self, key: str, marker: bytes, old: Optional[tuple],
+                       target: str) -> str:
+        """PUT the marker ([SP-COMMIT-12]) and return its version. Whatever the PUT answered,
+        when it did not answer success the marker is read back: this save's own bytes mean
+        the PUT (or a retry of it) landed ([SP-COMMIT-17]). A precondition that failed for a
+        marker that is not ours is another save's win; a transport failure with the marker
+        unchanged is retried with the same condition (never without it)."""
+        attempts = 3
+        for attempt in range(attempts):
+            try:
+                return self._put_marker(key, marker, old)
+            except (FileExistsError, FileNotFoundError, OSError) as e:
+                if isinstance(e, StoreNotFoundError):
+                    raise
+                failure = e
+            try:
+                now = self._read_with_version(key)
+            except CheckpointExistsError:      # changing under our read: not settled
+                now = ("", "?")
+            if now is not None and now[0] == marker:
+                log.info("shardpoint: the commit PUT of %s failed (%s) but the marker is "
+                         "this save's: committed", self._url(target), failure)
+                return now[1]
+            unchanged = (now is None and old is None) or (
+                now is not None and old is not None and now[1] == old[1])
+            if isinstance(failure, (FileExistsError, FileNotFoundError)) or not unchanged:
+                raise self._lost_race(target, failure)   # a precondition failed, not for us
+            if attempt + 1 < attempts:
+                time.sleep(0.2 * (attempt + 1))
+        raise SaveFailedError(
+            f"{self._url(target)}: the commit PUT failed {attempts} times ({failure}) and the "
+            "marker there is unchanged: nothing was committed", spec_id="SP-COMMIT-12") \
+            from failure
+
+    def _lost_race(self, target: str, e: BaseException) -> CheckpointExistsError:
+        err = CheckpointExistsError(
+            f"{self._url(target)}: another save committed or replaced the checkpoint there "
+            "while this one ran (its conditional PUT won); this save was not committed",
+            spec_id="SP-COMMIT-12")
+        err.__cause__ = e
+        return err
+
+    def _put_marker(self, key: str, marker: bytes, old: Optional[tuple]) -> str:
         """The one PUT that commits ([SP-COMMIT-12]), conditional where the store can."""
+        if not self.conditional:     # [SP-COMMIT-12]: the last PUT wins, never a mix
+            return self.store.put(key, marker)
+        if old is None:
+            return self.store.put(key, marker, if_absent=True)
+        if self.replace_if_match:
+            return self.store.put(key, marker, if_match=old[1])
+        return self.store.put(key, marker)   # no If-Match: a replacement race is the caller's
+
+    def _lease_intact(self, lease) -> bool:
+        """The save's lease is where it wrote it last, unchanged: recovery has not begun to
+        remove the save's prefix ([SP-COMMIT-16])."""
         try:
-            if not self.conditional:     # [SP-COMMIT-12]: the last PUT wins, never a mix
-                self.store.put(key, marker)
-            elif old is None:
-                self.store.put(key, marker, if_absent=True)
-            elif self.replace_if_match:
-                self.store.put(key, marker, if_match=old[1])
-            else:                        # no If-Match: a replacement race is the caller's
-                self.store.put(key, marker)
-        except FileExistsError as e:
-            raise CheckpointExistsError(
-                f"{self._url(target)}: another save committed or replaced the checkpoint there "
-                "while this one ran (its conditional PUT won); this save was not committed",
-                spec_id="SP-COMMIT-12") from e
-        except FileNotFoundError as e:     # If-Match on an object deleted meanwhile
-            raise CheckpointExistsError(
-                f"{self._url(target)}: the checkpoint this save was to replace was removed "
-                "while it ran; this save was not committed", spec_id="SP-COMMIT-12") from e
+            return self.store.get(lease.key) == lease.data
+        except FileNotFoundError:
+            return False
+
+    def _take_back(self, key: str, marker: bytes, version: str, old: Optional[tuple],
+                   target: str) -> None:
+        """Undo this save's marker after its data was found removed: the replaced marker goes
+        back (If-Match this save's marker), or, for a fresh target, the marker is deleted if
+        it is still this save's."""
+        try:
+            if old is not None:
+                if self.replace_if_match and version:
+                    self.store.put(key, old[0], if_match=version)
+                else:
+                    self.store.put(key, old[0])
+                return
+            now = self._read_with_version(key)
+            if now is not None and now[0] == marker:
+                self.store.delete([key])
+        except (OSError, CheckpointExistsError) as e:
+            log.error("shardpoint: could not take back the marker of %s (%s): it names "
+                      "objects recovery removed", self._url(target), e)
 
     def _read_with_version(self, key: str) -> Optional[tuple]:
         """(bytes, version) of ``key``, or None; the version is the one the bytes are of:
@@ -252,27 +342,54 @@ class ObjectStoreCommitter:
 
     def _delete_arrays(self, target: str, envelope: bytes, keep: str = "") -> None:
         """Delete the objects a replaced or removed manifest named ([SP-COMMIT-14])."""
-        self.store.delete(self._named_objects(target, envelope, keep))
+        self._delete_last_lease(self._named_objects(target, envelope, keep))
+
+    def _delete_last_lease(self, keys: List[str]) -> None:
+        """Delete ``keys``, leases last: a deletion cut short leaves a prefix that recovery
+        still recognises as this protocol's ([SP-COMMIT-16])."""
+        leases = [k for k in keys if k.endswith("/" + LEASE_NAME)]
+        rest = [k for k in keys if not k.endswith("/" + LEASE_NAME)]
+        if rest:
+            self.store.delete(rest)
+        if leases:
+            self.store.delete(leases)
 
     def _named_objects(self, target: str, envelope: bytes, keep: str = "") -> List[str]:
-        """The objects below the save prefixes (or plain array paths) a manifest names,
-        ``keep`` excepted."""
+        """What the protocol wrote for the arrays a manifest names, ``keep`` excepted: below
+        each save prefix its ``tensors/``, its lease and a staged manifest copy (writers
+        before 1.3); below each plain array path (the layout of section 3), all of it.
+        Nothing else below a save prefix is ours to delete."""
         try:
             dirs = _array_dirs(envelope)
         except Exception:   # noqa: BLE001 - a damaged old marker: its objects stay, recover
             return []       # finds unreferenced save prefixes; nothing else is ours to guess
-        prefixes = set()
+        prefixes, saves = set(), set()
         for d in dirs:
-            top = d.split("/", 1)[0]
+            top, _, rest = d.partition("/")
             if top.startswith(SAVE_PREFIX) and top != keep:
-                prefixes.add(_join(target, top) + "/")
+                saves.add(_join(target, top))
+                # one listing per save: its arrays all lie below tensors/ ([SP-LAYOUT-4])
+                prefixes.add(_join(target, top, "tensors") + "/" if rest.startswith(
+                    "tensors/") else _join(target, d) + "/")
             elif not top.startswith(SAVE_PREFIX):
                 prefixes.add(_join(target, d) + "/")
-        return [i.key for p in sorted(prefixes) for i in self.store.list(p)]
+        out = [i.key for p in sorted(prefixes) for i in self.store.list(p)]
+        for save in sorted(saves):
+            out += [_join(save, MANIFEST_NAME), _join(save, LEASE_NAME)]
+        return out
 
     def abort(self, staging: str) -> None:
-        """Delete everything below the save's prefix; the target is never touched."""
-        self.store.delete([i.key for i in self.store.list(_join(staging) + "/")])
+        """Delete everything below this save's own prefix (its lease last), unless a marker
+        names it: a save whose commit outcome was misjudged never deletes committed data
+        ([SP-COMMIT-17]). The target is never touched."""
+        stop_lease(self.store, staging)
+        target, _, name = _join(staging).rpartition("/")
+        refs = self._referenced(target) if name.startswith(SAVE_PREFIX) else set()
+        if name in refs or "*" in refs:
+            log.warning("shardpoint: %s is named by the marker at %s; not removed",
+                        self._url(staging), self._url(target))
+            return
+        self._delete_last_lease([i.key for i in self.store.list(_join(staging) + "/")])
 
     # -- retention and recovery -----------------------------------------------------------
     def remove(self, target: str) -> bool:
@@ -291,12 +408,13 @@ class ObjectStoreCommitter:
         self._delete_arrays(target, old[0])
         return True
 
-    def leftovers(self, directory: str) -> list:
-        """Save prefixes below ``directory`` that no committed marker names: crashed saves,
-        saves that lost a race, replaced checkpoints whose deletion was cut short, and (when
-        recently written to) saves still running: ``in_use`` is None, since nothing on the store
-        tells them apart; recovery skips those modified within its minimum age
-        ([SP-COMMIT-15])."""
+    def leftovers(self, directory: str, *, now: Optional[float] = None) -> list:
+        """Save prefixes below ``directory`` that this protocol wrote (their lease names their
+        token, [SP-COMMIT-16]) and that no committed marker names: crashed saves, saves that
+        lost a race, replaced checkpoints whose deletion was cut short, and saves still
+        running, whose lease is live (``in_use`` True). A prefix that merely looks like a save
+        prefix (a user's ``save-20240101/``) or one written before spec 1.3 is not listed:
+        nothing on the store says it is ours."""
         prefix = _join(directory) + "/" if _join(directory) else ""
         groups: Dict[str, list] = {}
         for info in self.store.list(prefix):
@@ -307,17 +425,24 @@ class ObjectStoreCommitter:
                     break
         out = []
         referenced: Dict[str, set] = {}
+        now = time.time() if now is None else now
         for save, infos in sorted(groups.items()):
             target, _, name = save.rpartition("/")
+            if not any(i.key == f"{save}/{LEASE_NAME}" for i in infos):
+                continue
             if target not in referenced:
                 referenced[target] = self._referenced(target)
             if name in referenced[target] or "*" in referenced[target]:
                 continue
+            token = name[len(SAVE_PREFIX):]
+            lease = read_lease(self.store, save, token, now)
+            if lease is None:
+                continue
             newest = max(i.mtime for i in infos)
             has_manifest = any(i.key == f"{save}/{MANIFEST_NAME}" for i in infos)
-            out.append(Leftover(path=save, target=target, kind="tmp",
-                                token=name[len(SAVE_PREFIX):], has_manifest=has_manifest,
-                                newest_mtime=newest, in_use=None))
+            out.append(Leftover(path=save, target=target, kind="tmp", token=token,
+                                has_manifest=has_manifest, newest_mtime=newest,
+                                in_use=lease.live))
         return out
 
     def _referenced(self, target: str) -> set:
@@ -336,16 +461,31 @@ class ObjectStoreCommitter:
         raise InvalidOptionError(f"{leftover!r}: nothing to restore on an object store; a "
                                  "save prefix that no marker names is removed by discard()")
 
-    def discard(self, leftover: str) -> bool:
-        """Delete an unreferenced save prefix (never one a marker names). The caller (recovery)
-        decides it is not a running save ([SP-COMMIT-15])."""
+    def discard(self, leftover: str, *, now: Optional[float] = None) -> bool:
+        """Delete a save prefix this protocol wrote that no marker names, once its save is
+        dead: its lease is first reclaimed (so that save can no longer renew or commit), the
+        marker is read again, and only if it still does not name the prefix is the rest
+        deleted ([SP-COMMIT-15], [SP-COMMIT-16]). False, deleting nothing, when the lease is
+        live or was renewed meanwhile (a running save) or the prefix is not ours. ``now``:
+        the time to judge the lease's age at (tests: a time past its expiry)."""
         target, _, name = _join(leftover).rpartition("/")
-        if not name.startswith(SAVE_PREFIX):
+        if not name.startswith(SAVE_PREFIX) or not _TOKEN.match(name[len(SAVE_PREFIX):]):
             raise InvalidOptionError(f"{leftover!r} is not a save prefix")
-        refs = self._referenced(target)
-        if name in refs or "*" in refs:
+        token = name[len(SAVE_PREFIX):]
+
+        def named() -> bool:
+            refs = self._referenced(target)
+            return name in refs or "*" in refs
+
+        if named():
             raise CheckpointExistsError(f"{self._url(leftover)} holds the data of the committed "
                                         f"checkpoint {self._url(target)}; not removed",
                                         spec_id="SP-COMMIT-15")
-        self.abort(leftover)
+        lease = read_lease(self.store, _join(leftover), token, now)
+        if lease is None or lease.live or not reclaim_lease(self.store, _join(leftover),
+                                                            token, lease):
+            return False
+        if named():        # its save committed between our two reads: whole, and kept
+            return False
+        self._delete_last_lease([i.key for i in self.store.list(_join(leftover) + "/")])
         return True

@@ -135,6 +135,7 @@ class PosixCommitter:
                 raise CheckpointExistsError(f"{what} already exists at {target!r}; pass "
                                             "overwrite=True to replace it",
                                             spec_id="SP-COMMIT-5")
+            self._refuse_nested(target)
             return
         if os.path.islink(target) or not os.path.isdir(target):
             raise CheckpointExistsError(
@@ -143,17 +144,22 @@ class PosixCommitter:
                 "yourself if it may go" + path_hint(target), spec_id="SP-COMMIT-5")
         if not os.listdir(target):
             return      # an empty directory: nothing is lost
+        self._refuse_nested(target)
+        if overwrite != "any":
+            raise CheckpointExistsError(
+                f"{target!r} exists and is not a checkpoint (no {MANIFEST_NAME}); refusing to "
+                "delete what it holds. Choose another path, or pass overwrite='any' if "
+                "everything in it may be deleted" + path_hint(target), spec_id="SP-COMMIT-5")
+
+    def _refuse_nested(self, target: str) -> None:
+        """A directory holding committed checkpoints (a manager's root, even one that is a
+        checkpoint itself) is never replaced ([SP-COMMIT-5])."""
         inside = self.holds_checkpoints(target)
         if inside:
             raise CheckpointExistsError(
                 f"{target!r} is a directory of checkpoints ({len(inside)}, newest by name "
                 f"{inside[-1]!r}), such as a CheckpointManager's root; a save never replaces "
                 "it. Save to a path inside it, or choose another path", spec_id="SP-COMMIT-5")
-        if overwrite != "any":
-            raise CheckpointExistsError(
-                f"{target!r} exists and is not a checkpoint (no {MANIFEST_NAME}); refusing to "
-                "delete what it holds. Choose another path, or pass overwrite='any' if "
-                "everything in it may be deleted" + path_hint(target), spec_id="SP-COMMIT-5")
 
     # ------------------------------------------------------------------ a save
     def staging_for(self, target: str, token: str) -> str:

@@ -11,11 +11,12 @@ deletes what a live save holds:
 
 - on local files, the committer's lock rule ([SP-COMMIT-6],
   :func:`shardpoint_core.commit.cleanup.clean_leftovers`);
-- on object stores, where nothing tells a running save from a dead one, a save prefix that
-  no marker names is removed only once its newest object is older than ``min_age_s``
-  ([SP-COMMIT-15]; 15 minutes by default, as ``recover``). A save prefix a marker names is
-  never a leftover, and retention deletes only what a marker names, so neither touches a
-  save in progress.
+- on object stores, a save prefix that no marker names is removed only once its save's
+  lease expired ([SP-COMMIT-16]: a live save renews it) and its newest object is older than
+  ``min_age_s`` ([SP-COMMIT-15]; 15 minutes by default, as ``recover``); a prefix without a
+  lease is not the protocol's and is never touched. A save prefix a marker names is never a
+  leftover, and retention deletes only what a marker names, so neither touches a save in
+  progress.
 
 Example::
 
@@ -73,6 +74,13 @@ class StepRoot:
             self.backend = backend
             committer = backend.committer
         self.committer = committer
+        if committer.state(self.root) == "committed":
+            from shardpoint_core.errors import InvalidOptionError
+            raise InvalidOptionError(
+                f"{call}: {self.root!r} is a checkpoint itself (it has a manifest); a manager's "
+                "root is a directory of steps. Use a new directory (for example its parent "
+                "or a sibling); saving steps inside a checkpoint would let a replacement of "
+                "that checkpoint take them along")
 
     # -- reading (any process) ------------------------------------------------------------
     def path(self, step: int) -> str:
@@ -104,6 +112,39 @@ class StepRoot:
         objects it named. False where it is gone (or, on files, a live save holds it)."""
         return self.committer.remove(self.path(step))
 
+    def retain(self, policy: Any, metrics_of: Any) -> List[str]:
+        """Apply retention ``policy`` (:mod:`shardpoint_core.policy`) to the committed steps:
+        remove the ones it does not keep, through the committer. Never raises for what it
+        finds: a step whose metrics cannot be read (a damaged manifest) is kept, and a removal
+        that fails is left for later; each is returned as a warning, so that a save that
+        committed is never reported failed because of an older step."""
+        from shardpoint_core.errors import ShardpointError
+        from shardpoint_core.policy import retained
+        warnings: List[str] = []
+        unreadable: set = set()
+
+        def metrics(step: int) -> Any:
+            try:
+                return metrics_of(step)
+            except (ShardpointError, OSError) as e:
+                if step not in unreadable:
+                    unreadable.add(step)
+                    warnings.append(f"step {step}: its metrics cannot be read ({e}); kept "
+                                    "by retention")
+                return {}
+
+        steps = self.all_steps()
+        keep = retained(policy, steps, metrics) | unreadable
+        for s in steps:
+            if s in keep:
+                continue
+            try:
+                self.remove(s)
+            except (ShardpointError, OSError) as e:
+                warnings.append(f"step {s}: retention could not remove it ({e}); left as it "
+                                "is")
+        return warnings
+
     def clean_leftovers(self, min_age_s: float = DEFAULT_MIN_AGE_S,
                         now: Optional[float] = None) -> list:
         """Remove what crashed saves of steps left below the root, never what a live save
@@ -113,10 +154,11 @@ class StepRoot:
             return clean_leftovers(self.committer, self.root, owns, min_age_s)
         now = time.time() if now is None else now
         done = []
-        for lo in self.committer.leftovers(self.root):
-            if not owns(lo.target.rpartition("/")[2]) or now - lo.newest_mtime < min_age_s:
+        for lo in self.committer.leftovers(self.root, now=now):
+            if (not owns(lo.target.rpartition("/")[2]) or lo.in_use
+                    or now - lo.newest_mtime < min_age_s):
                 continue
-            if self.committer.discard(lo.path):
+            if self.committer.discard(lo.path, now=now):
                 done.append(lo.path)
         return done
 

@@ -294,9 +294,10 @@ class ZarrBackend:
         if is_local(root):
             self.committer.posix.write_manifest(root, data)
             return
-        store, key = self.locate(root)
-        store.put(f"{key}/{MANIFEST_NAME}", data)
-        with self._lock:           # the commit publishes these bytes, not a read of them
+        # Object stores: no staged copy below the save prefix (spec 1.3, [SP-COMMIT-11]): a
+        # prefix holding a manifest looks like a checkpoint to anyone who opens it. The
+        # commit publishes these bytes.
+        with self._lock:
             self._staged[root] = data
 
     def commit(self, staging: str, path: str, *, overwrite: Any) -> None:

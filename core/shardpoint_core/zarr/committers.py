@@ -50,18 +50,18 @@ class UrlCommitter:
         c, k = self._at(target)
         return c.remove(k)
 
-    def leftovers(self, directory: str) -> list:
+    def leftovers(self, directory: str, *, now: Optional[float] = None) -> list:
         c, k = self._at(directory)
         return [replace(lo, path=url_of(directory, lo.path),
-                        target=url_of(directory, lo.target)) for lo in c.leftovers(k)]
+                        target=url_of(directory, lo.target)) for lo in c.leftovers(k, now=now)]
 
     def restore(self, leftover: str, target: str) -> bool:
         c, k = self._at(leftover)
         return c.restore(k, target)
 
-    def discard(self, leftover: str) -> bool:
+    def discard(self, leftover: str, *, now: Optional[float] = None) -> bool:
         c, k = self._at(leftover)
-        return c.discard(k)
+        return c.discard(k, now=now)
 
 
 class PathCommitter:
@@ -104,11 +104,11 @@ class PathCommitter:
     def remove(self, target: str) -> bool:
         return self.of(target).remove(target)
 
-    def leftovers(self, directory: str) -> list:
-        return self.of(directory).leftovers(directory)
+    def leftovers(self, directory: str, **kw: Any) -> list:
+        return self.of(directory).leftovers(directory, **kw)
 
     def restore(self, leftover: str, target: str) -> bool:
         return self.of(leftover).restore(leftover, target)
 
-    def discard(self, leftover: str) -> bool:
-        return self.of(leftover).discard(leftover)
+    def discard(self, leftover: str, **kw: Any) -> bool:
+        return self.of(leftover).discard(leftover, **kw)

@@ -42,6 +42,7 @@ tells a running save from a dead one (:class:`shardpoint_core.commit.steps.StepR
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 from shardpoint import api
@@ -53,6 +54,8 @@ from shardpoint_core.statetree import ValueLeaf, node_at
 from shardpoint_core.storage import StorageBackend
 
 METRICS_KEY = "__metrics__"
+
+log = logging.getLogger("shardpoint")
 
 
 class CheckpointManager:
@@ -97,6 +100,7 @@ class CheckpointManager:
         self._pending: Any = None          # the in-flight async save, if any
         self._metrics: dict = {}           # step -> metrics dict (cache of the manifests)
         self._committer = self._steps.committer
+        self.retention_warnings: list = []   # what the last retention could not do
 
     # ---------------------------------------------------------------- reading (any rank)
     def path(self, step: int) -> str:
@@ -115,7 +119,8 @@ class CheckpointManager:
     def metrics(self, step: int) -> dict:
         """The metrics saved with ``step`` (empty when none were given)."""
         if step not in self._metrics:
-            node = node_at(api.read_metadata(self.path(step)).tree, (METRICS_KEY,))
+            node = node_at(api.read_metadata(self.path(step), backend=self.backend).tree,
+                           (METRICS_KEY,))
             self._metrics[step] = {k: n.value for k, n in node.items()
                                    if isinstance(n, ValueLeaf)} if isinstance(node, dict) else {}
         return dict(self._metrics[step])
@@ -261,15 +266,14 @@ class CheckpointManager:
         return retained(self.retention, steps, self.metrics)
 
     def _retain(self) -> None:
-        steps = self.all_steps()
-        keep = self.retained(steps)
-        for s in steps:
-            if s not in keep:
-                # Through the committer: on files locked, hidden by one atomic rename, then
-                # deleted; on object stores the marker first, then its objects. A reader gets
-                # an error, never half a step; a step a live save holds stays.
-                self._steps.remove(s)
-                self._metrics.pop(s, None)
+        """Retention through the committer (on files locked, hidden by one atomic rename, then
+        deleted; on object stores the marker first, then its objects). Its problems are
+        warnings (``retention_warnings``, logged), never a failure of the save that
+        committed."""
+        self.retention_warnings = self._steps.retain(self.retention, self.metrics)
+        for w in self.retention_warnings:
+            log.warning("shardpoint: %s", w)
+        self._metrics = {s: m for s, m in self._metrics.items() if s in self.all_steps()}
 
     def _clean_leftovers(self) -> None:
         """Remove what crashed saves left; restore a step whose overwrite crashed midway;
