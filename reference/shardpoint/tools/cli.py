@@ -110,8 +110,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     # Key names are never cut (two keys cut to the same 'e...' told nothing, and grep found
     # nothing in a pipe): on a terminal the other columns shrink and long names wrap; piped,
     # nothing is cut at all.
-    total = width() if sys.stdout.isatty() else 1 << 30
-    for line in fit_table(rows, total, shrink=(2, 5, 4), keep_end=(5,)):
+    cols = width() if sys.stdout.isatty() else 1 << 30
+    for line in fit_table(rows, cols, shrink=(2, 5, 4), keep_end=(5,)):
         print(line)
     nvals = sum(1 for _p, v in iter_leaves(m.tree) if v.kind == "value")
     print(f"total: {len(m.tensors)} tensors, {_fmt_bytes(total)} in {chunks} chunks; "

@@ -142,8 +142,10 @@ def cmd_diff(a: argparse.Namespace) -> int:
     try:
         with progress.bar("diff", None, progress.wanted(a.json)) as adv:
             def opened(sa: Any, sb: Any) -> None:
+                from shardpoint.tools.convert.base import flat_name
+                names = {n for u in sb.tensors for n in (u.path, flat_name(u.path))}
                 adv.set_total(sum(t.nbytes for t in sa.tensors
-                                  if t.path in {u.path for u in sb.tensors}))
+                                  if t.path in names or flat_name(t.path) in names))
             rep = diff_checkpoints(a.a, a.b, atol=a.atol, rtol=a.rtol, from_a=a.from_a,
                                    from_b=a.from_b, progress=adv, on_open=opened,
                                    trust_pickle=a.trust_pickle)
@@ -166,9 +168,19 @@ def cmd_diff(a: argparse.Namespace) -> int:
         m = "" if t.max_abs_diff is None else f", max |a-b| {t.max_abs_diff:.6g}"
         print(f"differs:   {t.key}: {t.differing} of {t.elements} elements, first at "
               f"[{', '.join(map(str, t.first_index))}]{m}")
+    for k, w in rep.not_comparable:
+        print(f"not compared: {k}: {w}")
+    if rep.renamed:
+        x, y = rep.renamed[0]
+        print(f"note: {len(rep.renamed)} key(s) matched by flat name across naming "
+              f"conventions (e.g. A {x!r} = B {y!r})")
+    if rep.nothing_compared:
+        print(f"NOTHING COMPARED: A has {rep.tensors_a} tensor(s), B {rep.tensors_b}, and no "
+              "key names a tensor in both (a different model, or keys under another prefix?)")
     verdict = "equal" if rep.equal else "DIFFERENT"
-    print(f"{verdict} ({how}): {rep.compared_tensors} tensors ({fmt_bytes(rep.compared_bytes)})"
-          f" compared; {len(rep.only_a)} only in A, {len(rep.only_b)} only in B")
+    print(f"{verdict} ({how}): {rep.compared_tensors} of {rep.tensors_a} tensors in A "
+          f"({fmt_bytes(rep.compared_bytes)}) compared; {len(rep.only_a)} only in A, "
+          f"{len(rep.only_b)} only in B")
     return 0 if rep.equal else 1
 
 
