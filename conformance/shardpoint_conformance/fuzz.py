@@ -398,8 +398,12 @@ def run_fuzz(cases: int, seed: int = 0, memory_bytes: int = 1 << 30, workdir: st
 
 
 def add_parser(sub: Any) -> None:
-    f = sub.add_parser("fuzz", help="structure-aware fuzzing of the readers (manifests, "
-                       "zarr.json, shard indexes, chunks) in a memory-bounded process")
+    from shardpoint_conformance.cli import add_command
+    f = add_command(sub, "fuzz", "structure-aware fuzzing of the readers (manifests, "
+                    "zarr.json, shard indexes, chunks) in a memory-bounded process", """
+        shardpoint conformance fuzz --cases 200                 # the CI's short run
+        shardpoint conformance fuzz --cases 10000 --seed 0 --memory 1GiB --dir fuzz-out
+        shardpoint conformance fuzz --replay 4711 --dir fuzz-out  # one failing seed again""")
     f.add_argument("--cases", type=int, default=1000)
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--memory", default="1GiB", help="memory bound of the reader process")

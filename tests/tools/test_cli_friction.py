@@ -59,3 +59,31 @@ def test_diff_that_compared_no_tensor_says_so_and_fails(tmp_path, capsys):
     rc, out, _ = run(capsys, "diff", a, b, "--json")
     d = json.loads(out)
     assert rc == 1 and d["nothing_compared"] and not d["equal"]
+
+
+def _commands(parser) -> list:
+    """The names of a parser's sub-commands (from argparse's own sub-parser action)."""
+    import argparse
+    return [n for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+            for n in a.choices]
+
+
+def test_every_help_of_every_command_ends_with_examples(capsys):
+    """``demo --help`` and ``conformance --help`` had no example; walk them all, nested
+    conformance commands included, so that a new command without examples fails here."""
+    from shardpoint.tools.cli import _parser
+    from shardpoint_conformance.cli import _parser as conformance_parser
+    argvs = [[]] + [[c] for c in _commands(_parser())]
+    argvs += [["conformance", c] for c in _commands(conformance_parser())]
+    assert ["demo"] in argvs and ["conformance", "fuzz"] in argvs and len(argvs) >= 12
+    for argv in argvs:
+        assert cli(argv + ["--help"]) == 0, argv
+        out = capsys.readouterr().out
+        assert "\nexamples:\n" in out, (argv, out)
+        ex = out.split("\nexamples:\n")[1]
+        lines = [ln.strip() for ln in ex.splitlines() if ln.startswith("  shardpoint")
+                 or ln.startswith("  torchrun")]
+        assert lines, (argv, ex)
+        # each example runs the command whose help it is
+        prefix = " ".join(["shardpoint"] + argv)
+        assert any(ln.startswith(prefix) for ln in lines), (argv, lines)

@@ -191,8 +191,15 @@ def _conformance(argv: list) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardpoint", description="Sharded training checkpoints in a framework-neutral "
-        "format.", epilog="exit codes: 0 ok, 1 damaged or invalid checkpoint, 2 not found or "
-        "usage error")
+        "format.", formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""\
+examples:
+  shardpoint demo                          # save, kill, resume on other world sizes
+  shardpoint inspect ckpt/step_100         # the tree: shapes, dtypes, chunks
+  shardpoint inspect ckpt/step_100 --layout model/w   # who wrote which chunk
+  shardpoint verify ckpt/step_100
+  shardpoint COMMAND --help                # each command's options and examples
+
+exit codes: 0 ok, 1 damaged or invalid checkpoint, 2 not found or usage error""")
     from shardpoint_core import __version__
     from shardpoint_core.manifest import FORMAT_VERSION
     p.add_argument("--version", action="version", version=f"shardpoint {__version__} (writes "
@@ -235,7 +242,9 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_recover)
     s = cli_tools.add_command(sub, "demo", "train a tiny GPT on 4 CPU ranks (TP=2 x DP=2), "
                               "SIGKILL it after a checkpoint, resume on 4, 2 and 1 ranks and "
-                              "check exactness")
+                              "check exactness", """
+        shardpoint demo                      # in a temporary directory, removed afterwards
+        shardpoint demo --dir demo/ --keep   # keep the checkpoints to inspect them""")
     s.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     s.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     s.set_defaults(fn=cmd_demo)
