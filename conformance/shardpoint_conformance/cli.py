@@ -115,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--dir", default=None)
     a.add_argument("--json", default=None)
     a.add_argument("--timeout", type=float, default=120.0, help="seconds per adapter call")
+    a.add_argument("--keep", action="store_true", help="keep the files of passing cases")
     v = add_command(sub, "vectors", "check the golden vectors in spec/vectors/", """
         shardpoint conformance vectors
         shardpoint conformance vectors --dir spec/vectors""")
@@ -131,7 +132,8 @@ def main(argv: Optional[list] = None) -> int:
     if args.cmd == "adapter-test":
         from shardpoint_conformance.harness import run_adapter_test
         return run_adapter_test(args.adapter, cases=args.cases, seed=args.seed,
-                                workdir=args.dir, json_out=args.json, timeout=args.timeout)
+                                workdir=args.dir, json_out=args.json, timeout=args.timeout,
+                                keep=args.keep)
     if args.cmd == "fuzz":
         from shardpoint_conformance.fuzz import main_args
         return main_args(args)
@@ -218,6 +220,7 @@ def _run(args) -> int:
                   file=sys.stderr)
             return 2
         args.store = store
+    own = not (args.store or args.dir)
     root = args.store or args.dir or tempfile.mkdtemp(prefix="shardpoint-conformance-")
     if not args.store:
         os.makedirs(root, exist_ok=True)
@@ -239,7 +242,7 @@ def _run(args) -> int:
     print(_summary(rows, time.perf_counter() - t0))
     _write_json(args.json, rows)
     if not args.keep and not (args.hosts and args.store):   # that server is gone already
-        runner.cleanup(root, rows)
+        runner.cleanup(root, rows, own_root=own)
     return 0 if ok and vec_ok else 1
 
 
@@ -281,6 +284,7 @@ def _run_torchrun(args, seed: int) -> int:
             print("under torchrun, --dir must name a directory every rank can reach "
                   "(a shared file system)", file=sys.stderr)
         return 2
+    own = not (args.store or args.dir)
     root = args.store or args.dir or tempfile.mkdtemp(prefix="shardpoint-conformance-")
     if args.seed is None and rank == 0:
         print("note: pass --seed so every rank draws the same cases", file=sys.stderr)
@@ -308,7 +312,7 @@ def _run_torchrun(args, seed: int) -> int:
             print(_summary(rows, time.perf_counter() - t0))
             _write_json(args.json, rows)
             if not args.keep:
-                runner.cleanup(root, rows)
+                runner.cleanup(root, rows, own_root=own)
         dist.barrier()
         return 0 if ok else 1
     finally:
