@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="shardpoint conformance", description=textwrap.fill(
             "shardpoint conformance suite: round trips across world sizes, golden vectors, "
             "other implementations (adapters), fuzzing of the readers. Exit 0 when everything "
-            "passed, 1 when a case failed, 2 on a usage error."), formatter_class=argparse.RawDescriptionHelpFormatter, epilog=examples("""
+            "passed, 1 when a case failed, 2 on a usage error."),
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=examples("""
         shardpoint conformance run                     # CI profile: 16 cases, worlds 1..4
         shardpoint conformance vectors                 # the golden vectors in spec/vectors/
         shardpoint conformance adapter-test --adapter "python my_adapter.py"

@@ -81,9 +81,13 @@ def _add_rows(rows: list, node: Any, name: str, depth: int) -> None:
 def cmd_inspect(a: argparse.Namespace) -> int:
     from shardpoint_core.manifest import read_metadata
     from shardpoint_core.statetree import iter_leaves
-    if a.values is not None:
+    if a.load_ranks and a.layout is None:
+        print("shardpoint inspect: --load-ranks draws the load plan of one tensor: give "
+              "--layout KEY too", file=sys.stderr)
+        return 2
+    if a.values is not None or a.layout is not None:
         try:
-            return cli_tools.cmd_values(a)
+            return (cli_tools.cmd_values if a.values is not None else cli_tools.cmd_layout)(a)
         except errors.LayoutMismatchError as e:   # no such key: nothing to work on
             print(f"shardpoint inspect: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
@@ -210,11 +214,20 @@ exit codes: 0 ok, 1 damaged or invalid checkpoint, 2 not found or usage error"""
         shardpoint inspect ckpt/step_100
         shardpoint inspect ckpt/step_100 --json
         shardpoint inspect ckpt/step_100 --values 'model/layers.0.weight[0:4, :8]'
-        shardpoint inspect ckpt/step_100 --values step""")
+        shardpoint inspect ckpt/step_100 --values step
+        shardpoint inspect ckpt/step_100 --layout model/layers.0.weight   # its chunks, drawn
+        shardpoint inspect ckpt/step_100 --layout model/layers.0.weight --load-ranks 3""")
     s.add_argument("path", help="a shardpoint checkpoint directory")
     s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.add_argument("--values", metavar="KEY", default=None, help="print one entry's values "
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--values", metavar="KEY", default=None, help="print one entry's values "
                    "(KEY[10:20, :4] reads only that block of a tensor)")
+    g.add_argument("--layout", metavar="KEY", default=None, help="draw one tensor's chunk "
+                   "grid as boxes (by writer rank where recorded)")
+    s.add_argument("--load-ranks", type=cli_tools.positive_int("a rank count"), default=None,
+                   metavar="N", help="with --layout: draw the plan of loading it into N "
+                   "ranks split along dimension 0 (which rank reads which chunk, who sends "
+                   "what to whom)")
     s.set_defaults(fn=cmd_inspect)
     s = cli_tools.add_command(sub, "verify", "read every chunk, check checksums, manifest "
                               "and arrays against the spec; list every problem by requirement "

@@ -250,3 +250,49 @@ def cmd_values(a: argparse.Namespace) -> int:
         print(f"{key}: {v.entry.dtype}[{'x'.join(map(str, v.shape))}]{note}")
         print(t)
     return 0
+
+
+def cmd_layout(a: argparse.Namespace) -> int:
+    """``inspect PATH --layout KEY [--load-ranks N]``: the tensor's chunk grid as boxes, or
+    the plan of loading it into N ranks split along dimension 0."""
+    from shardpoint.planning.load_planner import plan_load
+    from shardpoint.planning.plans import TensorLayout
+    from shardpoint.tools import layout as lay
+    from shardpoint.tools.textfmt import width
+    from shardpoint_core.manifest import read_metadata
+    m = read_metadata(a.path)
+    key = a.layout
+    e = m.tensors.get(key)
+    if e is None:
+        from shardpoint_core.statetree import iter_leaves
+        kinds = {v.key: v.kind for _p, v in iter_leaves(m.tree) if v.kind != "tensor"}
+        near = similar_keys(key, list(m.tensors))
+        what = {"value": "is a value", "object": "is a sharded object"}.get(
+            kinds.get(key, ""), "names no tensor")
+        raise errors.LayoutMismatchError(
+            f"{key!r} {what} in {a.path!r}: --layout draws a tensor; "
+            + (f"similar keys: {', '.join(map(repr, near))}; " if near else "")
+            + "`shardpoint inspect` lists the tensors")
+    cols = min(width(), 100) if sys.stdout.isatty() else 80
+    if a.load_ranks:
+        t = TensorLayout(key, tuple(e.shape), e.dtype, tuple(e.chunk_shape))
+        works = plan_load(lay.even_requests(key, e.dtype, e.shape, a.load_ranks), {key: t})
+        d = lay.draw_load_plan(works, t, width=cols - 2)
+        d.notes.append(f"each of the {a.load_ranks} ranks asks for an even split of "
+                       "dimension 0 (the read-once plan: each chunk is read by one rank and "
+                       "sent to the others that need it)")
+    else:
+        d = lay.draw_chunks(key, e.shape, e.dtype, e.chunk_shape, width=cols - 2,
+                            save_world_size=m.save_world_size)
+    if a.json:
+        print(json.dumps({"key": key, "shape": list(e.shape), "chunk_shape":
+                          list(e.chunk_shape), "load_ranks": a.load_ranks,
+                          "boxes": [{"lo": list(lo), "hi": list(hi), "label": label}
+                                    for lo, hi, label in d.boxes],
+                          "notes": d.notes}, indent=2))
+        return 0
+    from rich.console import Console
+    Console(highlight=False, soft_wrap=True).print(d.text)
+    for n in d.notes:
+        print(f"note: {n}")
+    return 0
