@@ -469,6 +469,9 @@ def main_args(a: argparse.Namespace) -> int:
           f"the memory bound); {rep['seconds']:.0f} s, {bound}")
     for line in describe(rep["outcomes"]):
         print(f"  {line}")
+    if rep["failures"]:
+        print(f"the failing cases are kept under {rep['workdir']} (--replay SEED runs one "
+              "again)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=2, default=str)
