@@ -120,7 +120,7 @@ def _label_lines(labels: tuple, width: int, height: int) -> list:
 def draw(shape: Sequence[int], rects: Sequence[Rect], *, width: int = 72,
          height: Optional[int] = None) -> Drawing:
     """Draw ``rects`` over a tensor of ``shape`` in about ``width`` columns (``height``
-    lines inside the frame; default: by the tensor's aspect, 1 to 16). Cells covered by the
+    lines inside the frame; default: by the tensor's aspect, 1 to 10). Cells covered by the
     same boxes are merged into one drawn box labelled with their labels; uncovered cells
     are left blank."""
     rows, cols = _as_2d(shape)
