@@ -10,8 +10,9 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
-from typing import Optional
+from typing import Any, Optional
 
 PROFILE_CASES = {"ci": 16, "large": 320}
 PROFILE_WORLDS = {"ci": [1, 2, 3, 4], "large": [1, 2, 3, 4, 5, 6, 7, 8]}
@@ -44,11 +45,39 @@ def _positive(s: str) -> int:
     return n
 
 
+def examples(text: str) -> str:
+    """An ``examples:`` epilog (one command per line, ``#`` comments kept)."""
+    return "examples:\n" + textwrap.indent(textwrap.dedent(text).strip(), "  ")
+
+
+def add_command(sub: Any, name: str, help: str, example: str) -> argparse.ArgumentParser:
+    """A sub-command whose ``--help`` repeats its summary and ends with examples."""
+    return sub.add_parser(name, help=help, description=textwrap.fill(help[0].upper()
+                                                                      + help[1:] + "."),
+                          epilog=examples(example),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardpoint conformance",
-                                description="shardpoint conformance suite")
+    p = argparse.ArgumentParser(
+        prog="shardpoint conformance", description=textwrap.fill(
+            "shardpoint conformance suite: round trips across world sizes, golden vectors, "
+            "other implementations (adapters), fuzzing of the readers. Exit 0 when everything "
+            "passed, 1 when a case failed, 2 on a usage error."),
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=examples("""
+        shardpoint conformance run                     # CI profile: 16 cases, worlds 1..4
+        shardpoint conformance vectors                 # the golden vectors in spec/vectors/
+        shardpoint conformance adapter-test --adapter "python my_adapter.py"
+        shardpoint conformance fuzz --cases 200
+        shardpoint conformance run --help              # each command's options"""))
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="save/load round trips across world sizes and layouts")
+    r = add_command(sub, "run", "save/load round trips across world sizes and layouts", """
+        shardpoint conformance run                      # CI profile: 16 cases, worlds 1..4
+        shardpoint conformance run --profile large      # 320 cases, worlds 1..8
+        shardpoint conformance run --save-world-sizes 2,4 --load-world-sizes 1-3 --cases 40
+        shardpoint conformance run --replay 1013 --save-world-sizes 3 --load-world-sizes 2
+        torchrun --nproc-per-node 8 -m shardpoint_conformance.cli run --seed 42 \\
+            --dir /shared/scratch/sp-conformance        # on a cluster: a shared --dir""")
     r.add_argument("--profile", choices=sorted(PROFILE_CASES), default="ci")
     r.add_argument("--save-world-sizes", type=_ints, default=None, help="e.g. 1-4 or 1,2,8")
     r.add_argument("--load-world-sizes", type=_ints, default=None, help="e.g. 1-3")
@@ -76,14 +105,21 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--json", default=None, help="also write the results as JSON here")
     r.add_argument("--no-vectors", action="store_true", help="skip the golden-vector step")
     r.add_argument("--print-case", action="store_true", help="print the case JSON and exit")
-    a = sub.add_parser("adapter-test", help="producer x consumer matrix against an adapter")
+    a = add_command(sub, "adapter-test", "producer x consumer matrix against an adapter "
+                    "(another implementation driven through the adapter protocol)", """
+        shardpoint conformance adapter-test --adapter "python my_jax_adapter.py"
+        shardpoint conformance adapter-test --adapter "python -m shardpoint_jax.adapter" \\
+            --cases 4 --json adapter.json""")
     a.add_argument("--adapter", required=True, help="command line of the adapter")
     a.add_argument("--cases", type=_positive, default=8)
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--dir", default=None)
     a.add_argument("--json", default=None)
     a.add_argument("--timeout", type=float, default=120.0, help="seconds per adapter call")
-    v = sub.add_parser("vectors", help="check the golden vectors in spec/vectors/")
+    a.add_argument("--keep", action="store_true", help="keep the files of passing cases")
+    v = add_command(sub, "vectors", "check the golden vectors in spec/vectors/", """
+        shardpoint conformance vectors
+        shardpoint conformance vectors --dir spec/vectors""")
     v.add_argument("--dir", default=None, help="vectors directory (default: the repo's)")
     from shardpoint_conformance.fuzz import add_parser as add_fuzz
     add_fuzz(sub)
@@ -97,7 +133,8 @@ def main(argv: Optional[list] = None) -> int:
     if args.cmd == "adapter-test":
         from shardpoint_conformance.harness import run_adapter_test
         return run_adapter_test(args.adapter, cases=args.cases, seed=args.seed,
-                                workdir=args.dir, json_out=args.json, timeout=args.timeout)
+                                workdir=args.dir, json_out=args.json, timeout=args.timeout,
+                                keep=args.keep)
     if args.cmd == "fuzz":
         from shardpoint_conformance.fuzz import main_args
         return main_args(args)
@@ -184,6 +221,7 @@ def _run(args) -> int:
                   file=sys.stderr)
             return 2
         args.store = store
+    own = not (args.store or args.dir)
     root = args.store or args.dir or tempfile.mkdtemp(prefix="shardpoint-conformance-")
     if not args.store:
         os.makedirs(root, exist_ok=True)
@@ -205,7 +243,7 @@ def _run(args) -> int:
     print(_summary(rows, time.perf_counter() - t0))
     _write_json(args.json, rows)
     if not args.keep and not (args.hosts and args.store):   # that server is gone already
-        runner.cleanup(root, rows)
+        runner.cleanup(root, rows, own_root=own)
     return 0 if ok and vec_ok else 1
 
 
@@ -247,6 +285,7 @@ def _run_torchrun(args, seed: int) -> int:
             print("under torchrun, --dir must name a directory every rank can reach "
                   "(a shared file system)", file=sys.stderr)
         return 2
+    own = not (args.store or args.dir)
     root = args.store or args.dir or tempfile.mkdtemp(prefix="shardpoint-conformance-")
     if args.seed is None and rank == 0:
         print("note: pass --seed so every rank draws the same cases", file=sys.stderr)
@@ -274,7 +313,7 @@ def _run_torchrun(args, seed: int) -> int:
             print(_summary(rows, time.perf_counter() - t0))
             _write_json(args.json, rows)
             if not args.keep:
-                runner.cleanup(root, rows)
+                runner.cleanup(root, rows, own_root=own)
         dist.barrier()
         return 0 if ok else 1
     finally:

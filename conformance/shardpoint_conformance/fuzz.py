@@ -354,6 +354,55 @@ def judge(out: dict) -> str:
     return "; ".join(bad)
 
 
+READERS = ("read_metadata", "load", "verify")
+
+
+def tally(out: dict, outcomes: dict) -> None:
+    """Count one case's worker output into ``outcomes`` under keys that say what happened:
+    ``load: refused: CorruptCheckpointError``, ``load: accepted``, ``verify: reported
+    problems``, ``verify: found no problem``, ``<reader>: UNDOCUMENTED: TypeError``,
+    ``reader process: crashed``."""
+    def add(k: str) -> None:
+        outcomes[k] = outcomes.get(k, 0) + 1
+    if "crash" in out:
+        add("reader process: crashed")
+    for name, r in out.items():
+        if not isinstance(r, list):
+            continue
+        if r[0] == "ok" and name == "verify":
+            add("verify: reported problems" if r[1] else "verify: found no problem")
+        elif r[0] == "ok":
+            add(f"{name}: accepted")
+        elif r[0] == "documented":
+            add(f"{name}: {'raised' if name == 'verify' else 'refused'}: {r[1]}")
+        else:
+            add(f"{name}: UNDOCUMENTED: {r[1]}")
+
+
+def describe(outcomes: dict) -> list:
+    """One line per reader saying what was checked: how many mutated copies each refused
+    with a documented error (by class), accepted, or failed on (undocumented error, crash)."""
+    crashed = outcomes.get("reader process: crashed", 0)
+    lines = []
+    for name in READERS:
+        mine = {k[len(name) + 2:]: v for k, v in outcomes.items() if k.startswith(name + ": ")}
+        bad = sum(v for k, v in mine.items() if k.startswith("UNDOCUMENTED"))
+        if name == "verify":
+            raised = sum(v for k, v in mine.items() if k.startswith("raised"))
+            lines.append(f"{name}: reported problems: {mine.get('reported problems', 0)}, "
+                         f"found no problem (the mutation harmless to it): "
+                         f"{mine.get('found no problem', 0)}, raised (verify must not): "
+                         f"{raised}, undocumented error: {bad}")
+            continue
+        by = {k[len("refused: "):]: v for k, v in mine.items() if k.startswith("refused: ")}
+        why = ", ".join(f"{c} {n}" for c, n in sorted(by.items(), key=lambda x: -x[1]))
+        lines.append(f"{name}: refused with a documented error: {sum(by.values())}"
+                     + (f" ({why})" if why else "") + ", accepted (read without error: the "
+                     f"mutation left it readable): {mine.get('accepted', 0)}, undocumented error: "
+                     f"{bad}, crashed: {crashed}")
+    return lines
+
+
 def run_fuzz(cases: int, seed: int = 0, memory_bytes: int = 1 << 30, workdir: str = "",
              timeout: float = 120.0, log: Callable[[str], None] = print,
              replay: Optional[int] = None) -> dict:
@@ -376,10 +425,7 @@ def run_fuzz(cases: int, seed: int = 0, memory_bytes: int = 1 << 30, workdir: st
             done = make_case(base, case, s)
             out = worker.read(case, timeout)
             why = judge(out)
-            for name, r in out.items():
-                if isinstance(r, list):
-                    k = f"{name}: {r[0] if r[0] != 'documented' else r[1]}"
-                    outcomes[k] = outcomes.get(k, 0) + 1
+            tally(out, outcomes)
             if why:
                 failures.append({"seed": s, "mutations": done, "why": why})
                 log(f"FAIL seed {s}: {done}: {why}")
@@ -398,8 +444,12 @@ def run_fuzz(cases: int, seed: int = 0, memory_bytes: int = 1 << 30, workdir: st
 
 
 def add_parser(sub: Any) -> None:
-    f = sub.add_parser("fuzz", help="structure-aware fuzzing of the readers (manifests, "
-                       "zarr.json, shard indexes, chunks) in a memory-bounded process")
+    from shardpoint_conformance.cli import add_command
+    f = add_command(sub, "fuzz", "structure-aware fuzzing of the readers (manifests, "
+                    "zarr.json, shard indexes, chunks) in a memory-bounded process", """
+        shardpoint conformance fuzz --cases 200                 # the CI's short run
+        shardpoint conformance fuzz --cases 10000 --seed 0 --memory 1GiB --dir fuzz-out
+        shardpoint conformance fuzz --replay 4711 --dir fuzz-out  # one failing seed again""")
     f.add_argument("--cases", type=int, default=1000)
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--memory", default="1GiB", help="memory bound of the reader process")
@@ -414,10 +464,14 @@ def main_args(a: argparse.Namespace) -> int:
                    replay=a.replay)
     bound = (f"memory bound {rep['memory_bound'] >> 20} MiB (cgroup)" if rep["memory_bound"]
              else "no memory cgroup here: unbounded")
-    print(f"fuzz: {rep['cases']} cases, {len(rep['failures'])} failures, "
-          f"{rep['seconds']:.0f} s, {bound}")
-    for k, v in rep["outcomes"].items():
-        print(f"  {k}: {v}")
+    print(f"fuzz: {rep['cases']} mutated copies, each read by read_metadata, load and verify; "
+          f"{len(rep['failures'])} failures (an undocumented error, a crash, a hang or over "
+          f"the memory bound); {rep['seconds']:.0f} s, {bound}")
+    for line in describe(rep["outcomes"]):
+        print(f"  {line}")
+    if rep["failures"]:
+        print(f"the failing cases are kept under {rep['workdir']} (--replay SEED runs one "
+              "again)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=2, default=str)

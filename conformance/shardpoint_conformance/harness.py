@@ -180,11 +180,15 @@ def _judge(case: dict, arrays: dict, out: str, read_cell: dict) -> dict:
 
 # -------------------------------------------------------------------------------- driver
 def run_matrix(adapter_cmd: str, *, cases: int = 6, seed: int = 0,
-               workdir: Optional[str] = None, timeout: float = 120.0, log=print) -> dict:
-    """Run every pair on ``cases`` cases; returns a JSON-ready report."""
+               workdir: Optional[str] = None, timeout: float = 120.0, log=print,
+               keep: bool = False) -> dict:
+    """Run every pair on ``cases`` cases; returns a JSON-ready report. The files of passing
+    cases are removed unless ``keep`` (failing ones stay under ``dir``), and the temporary
+    directory made when no ``workdir`` is given once it is empty."""
     from shardpoint_testing.launch import RankFailure, run_world
     adapter = CommandAdapter(adapter_cmd, timeout)
     caps = adapter.capabilities()
+    own = not workdir
     root = workdir or tempfile.mkdtemp(prefix="shardpoint-adapter-test-")
     os.makedirs(root, exist_ok=True)
     log(f"adapter {caps.get('name')!r} ({adapter_cmd}); {len(caps['dtypes'])} dtypes, "
@@ -252,8 +256,20 @@ def run_matrix(adapter_cmd: str, *, cases: int = 6, seed: int = 0,
                                                           f"{d}/out-aa")
         rows.append({"id": m["id"], "seed": m["ref_case"]["seed"], "notes": m["notes"],
                      "tensors": len(m["ref_case"]["tensors"]), "cells": cells})
+    if not keep:
+        _cleanup(root, made, rows, own)
     return {"adapter": adapter_cmd, "capabilities": caps, "dir": root, "rows": rows,
             "ok": all(c["status"] != "fail" for r in rows for c in r["cells"].values())}
+
+
+def _cleanup(root: str, made: list, rows: list, own_root: bool) -> None:
+    """Remove the directories of the cases whose cells all passed (only those this run
+    made), and ``root`` when the run made it and nothing is left in it."""
+    for m, r in zip(made, rows):
+        if all(c["status"] != "fail" for c in r["cells"].values()):
+            shutil.rmtree(m["dir"], ignore_errors=True)
+    if own_root and os.path.isdir(root) and not os.listdir(root):
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _adapter_read_cell(adapter, ckpt: str, case_json: str, case: dict, arrays: dict,
@@ -293,17 +309,19 @@ def format_report(rep: dict) -> str:
                 out.append(f"\n{r['id']} {p}: {c['detail']}")
         for n in r["notes"]:
             out.append(f"{r['id']} skipped part: {n}")
+    if not rep["ok"]:
+        out.append(f"\nthe failing cases' files are kept under {rep['dir']}")
     out.append(f"\nadapter-test: {'PASSED' if rep['ok'] else 'FAILED'}")
     return "\n".join(out)
 
 
 def run_adapter_test(adapter_cmd: str, *, cases: int = 6, seed: int = 0,
                      workdir: Optional[str] = None, json_out: Optional[str] = None,
-                     timeout: float = 120.0) -> int:
+                     timeout: float = 120.0, keep: bool = False) -> int:
     """``shardpoint conformance adapter-test``: print the matrix; 0 when nothing failed."""
     try:
         rep = run_matrix(adapter_cmd, cases=cases, seed=seed, workdir=workdir,
-                         timeout=timeout)
+                         timeout=timeout, keep=keep)
     except AdapterError as e:   # the adapter's own fault: one line, no traceback of ours
         print(f"adapter-test could not run: {e}", file=sys.stderr)
         return 2

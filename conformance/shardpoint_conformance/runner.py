@@ -449,7 +449,9 @@ def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def cleanup(root: str, rows: list) -> None:
+def cleanup(root: str, rows: list, own_root: bool = False) -> None:
+    """Remove the checkpoints of the cases that passed (failing ones stay, for a look);
+    ``own_root``: ``root`` is the run's own temporary directory, removed too once empty."""
     if "://" in root:      # an object store (--store): the committer removes what passed
         from shardpoint_core.zarr.object_backend import backend_for
         committer = backend_for(root).committer
@@ -460,6 +462,8 @@ def cleanup(root: str, rows: list) -> None:
     for r in rows:
         if r["ok"]:
             shutil.rmtree(os.path.join(root, r["id"]), ignore_errors=True)
+    if own_root and os.path.isdir(root) and not os.listdir(root):
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def passed(rows: list) -> bool:

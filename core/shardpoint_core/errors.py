@@ -30,7 +30,8 @@ class CheckpointExistsError(ShardpointError, FileExistsError):
 
 
 class IncompleteCheckpointError(ShardpointError):
-    """The directory exists but has no manifest: the save never committed (or is still running)."""
+    """The directory exists but has no manifest: an unfinished save (crashed or still running)
+    or an incomplete copy; either way not a checkpoint."""
 
     category = "incomplete"
 

@@ -397,3 +397,31 @@ def test_replica_check_refuses_diverged_replicas(tmp_path):
     for (err, timed), listing in got:
         assert err.startswith("SP-REPL-1") and "'w'" in err and "differ" in err, err
         assert timed and listing == ["b"]
+
+
+def test_load_with_swapped_arguments_names_the_fix_not_the_whole_tree(tmp_path):
+    """``load(like, path)`` printed the whole dict as "the path" (CheckpointNotFoundError);
+    ``save`` already said its arguments looked swapped."""
+    p = small(str(tmp_path / "ck"))
+    like = {"model": {"layers.0.weight": torch.zeros(8, 8), "layers.0.bias": torch.zeros(8)}}
+    with pytest.raises(sp.InvalidOptionError, match=r"is a dict, .*like is a path "
+                       r".*arguments swapped\? call load\(path, like\)") as e:
+        sp.load(like, p)
+    assert "tensor(" not in str(e.value) and "{" not in str(e.value)
+    with pytest.raises(sp.InvalidOptionError, match=r"call load\(path\)"):
+        sp.Checkpointer().load(like)                     # a tree and no path at all
+    assert torch.equal(sp.load(p, like)["model"]["layers.0.bias"], torch.ones(8))
+
+
+def test_a_missing_manifest_names_an_incomplete_copy_too(tmp_path, capsys):
+    """A directory without its manifest is as likely a copy that stopped short (or left the
+    manifest out) as a crashed save; the error says both, still IncompleteCheckpointError."""
+    import shutil
+    p = small(str(tmp_path / "ck"))
+    cp = str(tmp_path / "copy")
+    shutil.copytree(p, cp, ignore=shutil.ignore_patterns("manifest.msgpack"))
+    with pytest.raises(sp.IncompleteCheckpointError, match="incomplete copy") as e:
+        sp.load(cp)
+    assert "unfinished save" in str(e.value) and e.value.spec_id == "SP-COMMIT-3"
+    rc, _, err = run(capsys, "inspect", cp)
+    assert rc == 1 and "incomplete copy" in err and err.count("\n") == 1, err

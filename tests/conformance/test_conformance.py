@@ -8,7 +8,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from shardpoint_conformance import cli, faults, harness
+from shardpoint_conformance import cli, faults, harness, runner
 from shardpoint_conformance.adapters import reference_adapter_command
 from shardpoint_conformance.cases import (check_case, expected_array, same_bits,
                                           SPEC_DTYPES)
@@ -97,14 +97,49 @@ def test_vectors_step_checks_every_golden_vector():
 
 
 # -------------------------------------------------------------------------------- adapters
+def own_temp(tmp_path, monkeypatch):
+    """A fresh temporary directory for this process and the processes it starts."""
+    import tempfile
+    t = tmp_path / "tmp"
+    t.mkdir()
+    monkeypatch.setenv("TMPDIR", str(t))
+    monkeypatch.setattr(tempfile, "tempdir", str(t))
+    return t
+
+
+def made_by_us(t):
+    """What a run left in the temporary directory ``t`` under the suite's own names (torch
+    and others keep caches there of their own)."""
+    return sorted(p.name for p in t.iterdir() if p.name.startswith(("shardpoint-", "sp-")))
+
+
+def test_a_run_leaves_nothing_in_the_temporary_directory(tmp_path, monkeypatch, capsys):
+    """The run's own temporary root stayed behind, empty, after every case passed."""
+    t = own_temp(tmp_path, monkeypatch)
+    rc = cli.main(["run", "--replay", "7", "--save-world-sizes", "1", "--load-world-sizes",
+                   "1", "--no-vectors"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "dir " + str(t) in text, text
+    assert made_by_us(t) == []
+    d = tmp_path / "mine"              # a --dir given: its passing cases go, it stays
+    (d / "a000" / "tensors").mkdir(parents=True)
+    (d / "a001").mkdir()
+    runner.cleanup(str(d), [{"id": "a000", "ok": True}, {"id": "a001", "ok": False}])
+    assert [p.name for p in d.iterdir()] == ["a001"]
+    runner.cleanup(str(d), [{"id": "a001", "ok": True}])
+    assert d.is_dir() and list(d.iterdir()) == []
+
+
 @pytest.mark.parametrize("cases", [1, pytest.param(3, marks=pytest.mark.slow)])
-def test_adapter_test_passes_with_the_reference_adapter(tmp_path, cases):
+def test_adapter_test_passes_with_the_reference_adapter(tmp_path, cases, monkeypatch):
     """Each case costs the adapter four fresh interpreters (torch imports): one by default
     (the reference itself is checked on many more by ``conformance run``), three with
-    --runslow."""
+    --runslow. Without a work directory it leaves nothing in the temporary directory."""
+    t = own_temp(tmp_path, monkeypatch)
     rep = harness.run_matrix(reference_adapter_command(), cases=cases, seed=3,
-                             workdir=str(tmp_path), log=lambda *_: None)
+                             log=lambda *_: None)
     assert rep["ok"], harness.format_report(rep)
+    assert rep["dir"].startswith(str(t)) and made_by_us(t) == []
     assert len(rep["rows"]) == cases
     for row in rep["rows"]:
         assert set(row["cells"]) == set(harness.PAIRS)

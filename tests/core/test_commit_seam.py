@@ -39,9 +39,11 @@ ALLOWED = {
     ("conformance/shardpoint_conformance/faults.py", "os.remove"):
         "damages a scratch checkpoint the case itself wrote, on purpose (a missing chunk)",
     ("conformance/shardpoint_conformance/harness.py", "shutil.rmtree"):
-        "the harness's own per-case scratch directory",
+        "the harness's own per-case scratch directories, and its own temporary root "
+        "(mkdtemp) once empty",
     ("conformance/shardpoint_conformance/runner.py", "shutil.rmtree"):
-        "the runner's own per-case scratch directory",
+        "the runner's own per-case scratch directories, and the run's own temporary root "
+        "(mkdtemp) once empty",
     ("conformance/shardpoint_conformance/vectors.py", "shutil.rmtree"):
         "a temporary copy of a test vector, made by the suite",
     ("conformance/shardpoint_conformance/broken_adapter.py", "os.remove"):

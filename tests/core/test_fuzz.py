@@ -1,19 +1,36 @@
 """The readers' fuzzer, short: mutated manifests, zarr.json files, shard indexes and chunks
 all end in documented errors, in a memory-bounded reader process (issue 21). The long run
 is `shardpoint conformance fuzz --cases 10000`."""
+import re
+
 import pytest
 
 from shardpoint_conformance import fuzz
 
 
-def test_short_fuzz_run_finds_only_documented_errors(tmp_path):
-    rep = fuzz.run_fuzz(12, seed=20261125, memory_bytes=1 << 30, workdir=str(tmp_path),
-                        timeout=120, log=lambda s: None)
+def test_short_fuzz_run_finds_only_documented_errors(tmp_path, capsys):
+    """Through the command (``shardpoint conformance fuzz``), whose report says what each
+    reader did with the copies (it said "verify: ok: 12", meaning only "did not crash")."""
+    import json
+    from shardpoint_conformance.cli import main
+    out = tmp_path / "rep.json"
+    assert main(["fuzz", "--cases", "12", "--seed", "20261125", "--memory", "1GiB",
+                 "--dir", str(tmp_path / "w"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rep = json.loads(out.read_text())
     assert rep["cases"] == 12
     assert rep["failures"] == [], rep["failures"]
     # the mutations reach every reader and are refused by rule, not all waved through
     assert sum(v for k, v in rep["outcomes"].items() if k.startswith("load: ")) == 12
     assert any("CorruptCheckpointError" in k for k in rep["outcomes"])
+    assert "fuzz: 12 mutated copies, each read by read_metadata, load and verify; 0 failures" \
+        in text and ": ok:" not in text, text
+    for name in ("read_metadata", "load"):
+        line = next(ln.strip() for ln in text.splitlines() if ln.strip().startswith(name))
+        refused = re.search(r"refused with a documented error: (\d+)", line)
+        accepted = re.search(r"accepted \(read without error[^)]*\): (\d+)", line)
+        assert refused and accepted and "crashed: 0" in line, line
+        assert int(refused[1]) + int(accepted[1]) == 12, line     # every copy, once
 
 
 def test_mutations_are_reproducible_from_the_seed(tmp_path):

@@ -352,8 +352,9 @@ class ZarrBackend:
                 raise
             if self.committer.urls.state(path) == "incomplete":
                 raise IncompleteCheckpointError(
-                    f"{path} has objects but no manifest.msgpack: a save that crashed or is "
-                    "still running, not a checkpoint", spec_id="SP-COMMIT-3") from None
+                    f"{path} has objects but no manifest.msgpack: not a checkpoint; an "
+                    "unfinished save (crashed or still running) or an incomplete copy",
+                    spec_id="SP-COMMIT-3") from None
             raise CheckpointNotFoundError(f"no checkpoint at {path} (no manifest.msgpack)",
                                           spec_id="SP-COMMIT-3") from None
         if len(data) > MAX_MANIFEST_BYTES:

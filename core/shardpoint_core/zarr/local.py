@@ -96,14 +96,15 @@ def read_manifest(path: str, state: str) -> bytes:
             raise CheckpointNotFoundError(f"{path!r} is {what}, not a shardpoint "
                                           f"checkpoint{other}")
         raise IncompleteCheckpointError(
-            f"{path!r} has no {MANIFEST_NAME}: the save that made it never committed "
-            "(crashed or still running); it is not a checkpoint", spec_id="SP-COMMIT-3")
+            f"{path!r} has no {MANIFEST_NAME}: it is not a checkpoint; an unfinished save "
+            "(crashed or still running) or an incomplete copy (a copy must include "
+            f"{MANIFEST_NAME}, best copied last)", spec_id="SP-COMMIT-3")
     mpath = os.path.join(path, MANIFEST_NAME)
     try:
         size = check_regular_file(path, MANIFEST_NAME, "<manifest>")
     except FileNotFoundError as e:
-        raise IncompleteCheckpointError(f"{path!r} has no {MANIFEST_NAME}",
-                                        spec_id="SP-COMMIT-3") from e
+        raise IncompleteCheckpointError(f"{path!r} has no {MANIFEST_NAME}: an unfinished "
+                                        "save or an incomplete copy", spec_id="SP-COMMIT-3") from e
     if size > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"manifest of {path!r} is {size} bytes, over the "
                                      f"{MAX_MANIFEST_BYTES}-byte cap", spec_id="SP-SEC-2")

@@ -301,9 +301,25 @@ class LoadJob:
         return out
 
 
+def check_load_args(path: Any, like: Any) -> None:
+    """A path that is not one is refused naming its type, not printed whole as "the path"
+    (``load(state, "ckpt/1")``: the arguments look swapped, as ``save`` says of its own)."""
+    if isinstance(path, (str, bytes, os.PathLike)):
+        return
+    what = f"the path passed to load(path, like) is a {type(path).__name__}, not a str or " \
+           "os.PathLike"
+    if isinstance(like, (str, bytes, os.PathLike)):
+        raise errors.InvalidOptionError(
+            f"{what}, and like is a path ({os.fsdecode(like)!r}); arguments swapped? call "
+            "load(path, like): the path comes first in load, the state first in save(state, "
+            "path)")
+    raise errors.InvalidOptionError(f"{what}; call load(path) or load(path, like)")
+
+
 def run_load(path: str, like: Any, comm: Comm, be: Optional[StorageBackend], strict: bool,
              opts: LoadOptions, budget: Optional[int] = None) -> LoadResult:
     """One load, phase by phase (what :meth:`Checkpointer.load` runs)."""
+    check_load_args(path, like)
     path, be = resolve(path, be, "load")     # s3://... is never a local directory 's3:'
     comm.after_failure = AFTER_LOAD
     job = LoadJob(path, like, comm, be, strict, opts)

@@ -81,9 +81,13 @@ def _add_rows(rows: list, node: Any, name: str, depth: int) -> None:
 def cmd_inspect(a: argparse.Namespace) -> int:
     from shardpoint_core.manifest import read_metadata
     from shardpoint_core.statetree import iter_leaves
-    if a.values is not None:
+    if a.load_ranks and a.layout is None:
+        print("shardpoint inspect: --load-ranks draws the load plan of one tensor: give "
+              "--layout KEY too", file=sys.stderr)
+        return 2
+    if a.values is not None or a.layout is not None:
         try:
-            return cli_tools.cmd_values(a)
+            return (cli_tools.cmd_values if a.values is not None else cli_tools.cmd_layout)(a)
         except errors.LayoutMismatchError as e:   # no such key: nothing to work on
             print(f"shardpoint inspect: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
@@ -110,8 +114,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     # Key names are never cut (two keys cut to the same 'e...' told nothing, and grep found
     # nothing in a pipe): on a terminal the other columns shrink and long names wrap; piped,
     # nothing is cut at all.
-    total = width() if sys.stdout.isatty() else 1 << 30
-    for line in fit_table(rows, total, shrink=(2, 5, 4), keep_end=(5,)):
+    cols = width() if sys.stdout.isatty() else 1 << 30
+    for line in fit_table(rows, cols, shrink=(2, 5, 4), keep_end=(5,)):
         print(line)
     nvals = sum(1 for _p, v in iter_leaves(m.tree) if v.kind == "value")
     print(f"total: {len(m.tensors)} tensors, {_fmt_bytes(total)} in {chunks} chunks; "
@@ -191,8 +195,15 @@ def _conformance(argv: list) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardpoint", description="Sharded training checkpoints in a framework-neutral "
-        "format.", epilog="exit codes: 0 ok, 1 damaged or invalid checkpoint, 2 not found or "
-        "usage error")
+        "format.", formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""\
+examples:
+  shardpoint demo                          # save, kill, resume on other world sizes
+  shardpoint inspect ckpt/step_100         # the tree: shapes, dtypes, chunks
+  shardpoint inspect ckpt/step_100 --layout model/w   # who wrote which chunk
+  shardpoint verify ckpt/step_100
+  shardpoint COMMAND --help                # each command's options and examples
+
+exit codes: 0 ok, 1 damaged or invalid checkpoint, 2 not found or usage error""")
     from shardpoint_core import __version__
     from shardpoint_core.manifest import FORMAT_VERSION
     p.add_argument("--version", action="version", version=f"shardpoint {__version__} (writes "
@@ -203,11 +214,20 @@ def _parser() -> argparse.ArgumentParser:
         shardpoint inspect ckpt/step_100
         shardpoint inspect ckpt/step_100 --json
         shardpoint inspect ckpt/step_100 --values 'model/layers.0.weight[0:4, :8]'
-        shardpoint inspect ckpt/step_100 --values step""")
+        shardpoint inspect ckpt/step_100 --values step
+        shardpoint inspect ckpt/step_100 --layout model/layers.0.weight   # its chunks, drawn
+        shardpoint inspect ckpt/step_100 --layout model/layers.0.weight --load-ranks 3""")
     s.add_argument("path", help="a shardpoint checkpoint directory")
     s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.add_argument("--values", metavar="KEY", default=None, help="print one entry's values "
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--values", metavar="KEY", default=None, help="print one entry's values "
                    "(KEY[10:20, :4] reads only that block of a tensor)")
+    g.add_argument("--layout", metavar="KEY", default=None, help="draw one tensor's chunk "
+                   "grid as boxes (by writer rank where recorded)")
+    s.add_argument("--load-ranks", type=cli_tools.positive_int("a rank count"), default=None,
+                   metavar="N", help="with --layout: draw the plan of loading it into N "
+                   "ranks split along dimension 0 (which rank reads which chunk, who sends "
+                   "what to whom)")
     s.set_defaults(fn=cmd_inspect)
     s = cli_tools.add_command(sub, "verify", "read every chunk, check checksums, manifest "
                               "and arrays against the spec; list every problem by requirement "
@@ -235,7 +255,9 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_recover)
     s = cli_tools.add_command(sub, "demo", "train a tiny GPT on 4 CPU ranks (TP=2 x DP=2), "
                               "SIGKILL it after a checkpoint, resume on 4, 2 and 1 ranks and "
-                              "check exactness")
+                              "check exactness", """
+        shardpoint demo                      # in a temporary directory, removed afterwards
+        shardpoint demo --dir demo/ --keep   # keep the checkpoints to inspect them""")
     s.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     s.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     s.set_defaults(fn=cmd_demo)

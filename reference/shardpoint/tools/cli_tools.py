@@ -142,8 +142,10 @@ def cmd_diff(a: argparse.Namespace) -> int:
     try:
         with progress.bar("diff", None, progress.wanted(a.json)) as adv:
             def opened(sa: Any, sb: Any) -> None:
+                from shardpoint.tools.convert.base import flat_name
+                names = {n for u in sb.tensors for n in (u.path, flat_name(u.path))}
                 adv.set_total(sum(t.nbytes for t in sa.tensors
-                                  if t.path in {u.path for u in sb.tensors}))
+                                  if t.path in names or flat_name(t.path) in names))
             rep = diff_checkpoints(a.a, a.b, atol=a.atol, rtol=a.rtol, from_a=a.from_a,
                                    from_b=a.from_b, progress=adv, on_open=opened,
                                    trust_pickle=a.trust_pickle)
@@ -166,9 +168,19 @@ def cmd_diff(a: argparse.Namespace) -> int:
         m = "" if t.max_abs_diff is None else f", max |a-b| {t.max_abs_diff:.6g}"
         print(f"differs:   {t.key}: {t.differing} of {t.elements} elements, first at "
               f"[{', '.join(map(str, t.first_index))}]{m}")
+    for k, w in rep.not_comparable:
+        print(f"not compared: {k}: {w}")
+    if rep.renamed:
+        x, y = rep.renamed[0]
+        print(f"note: {len(rep.renamed)} key(s) matched by flat name across naming "
+              f"conventions (e.g. A {x!r} = B {y!r})")
+    if rep.nothing_compared:
+        print(f"NOTHING COMPARED: A has {rep.tensors_a} tensor(s), B {rep.tensors_b}, and no "
+              "key names a tensor in both (a different model, or keys under another prefix?)")
     verdict = "equal" if rep.equal else "DIFFERENT"
-    print(f"{verdict} ({how}): {rep.compared_tensors} tensors ({fmt_bytes(rep.compared_bytes)})"
-          f" compared; {len(rep.only_a)} only in A, {len(rep.only_b)} only in B")
+    print(f"{verdict} ({how}): {rep.compared_tensors} of {rep.tensors_a} tensors in A "
+          f"({fmt_bytes(rep.compared_bytes)}) compared; {len(rep.only_a)} only in A, "
+          f"{len(rep.only_b)} only in B")
     return 0 if rep.equal else 1
 
 
@@ -237,4 +249,50 @@ def cmd_values(a: argparse.Namespace) -> int:
         torch.set_printoptions(linewidth=80)
         print(f"{key}: {v.entry.dtype}[{'x'.join(map(str, v.shape))}]{note}")
         print(t)
+    return 0
+
+
+def cmd_layout(a: argparse.Namespace) -> int:
+    """``inspect PATH --layout KEY [--load-ranks N]``: the tensor's chunk grid as boxes, or
+    the plan of loading it into N ranks split along dimension 0."""
+    from shardpoint.planning.load_planner import plan_load
+    from shardpoint.planning.plans import TensorLayout
+    from shardpoint.tools import layout as lay
+    from shardpoint.tools.textfmt import width
+    from shardpoint_core.manifest import read_metadata
+    m = read_metadata(a.path)
+    key = a.layout
+    e = m.tensors.get(key)
+    if e is None:
+        from shardpoint_core.statetree import iter_leaves
+        kinds = {v.key: v.kind for _p, v in iter_leaves(m.tree) if v.kind != "tensor"}
+        near = similar_keys(key, list(m.tensors))
+        what = {"value": "is a value", "object": "is a sharded object"}.get(
+            kinds.get(key, ""), "names no tensor")
+        raise errors.LayoutMismatchError(
+            f"{key!r} {what} in {a.path!r}: --layout draws a tensor; "
+            + (f"similar keys: {', '.join(map(repr, near))}; " if near else "")
+            + "`shardpoint inspect` lists the tensors")
+    cols = min(width(), 100) if sys.stdout.isatty() else 80
+    if a.load_ranks:
+        t = TensorLayout(key, tuple(e.shape), e.dtype, tuple(e.chunk_shape))
+        works = plan_load(lay.even_requests(key, e.dtype, e.shape, a.load_ranks), {key: t})
+        d = lay.draw_load_plan(works, t, width=cols - 2)
+        d.notes.append(f"each of the {a.load_ranks} ranks asks for an even split of "
+                       "dimension 0 (the read-once plan: each chunk is read by one rank and "
+                       "sent to the others that need it)")
+    else:
+        d = lay.draw_chunks(key, e.shape, e.dtype, e.chunk_shape, width=cols - 2,
+                            save_world_size=m.save_world_size)
+    if a.json:
+        print(json.dumps({"key": key, "shape": list(e.shape), "chunk_shape":
+                          list(e.chunk_shape), "load_ranks": a.load_ranks,
+                          "boxes": [{"lo": list(lo), "hi": list(hi), "label": label}
+                                    for lo, hi, label in d.boxes],
+                          "notes": d.notes}, indent=2))
+        return 0
+    from rich.console import Console
+    Console(highlight=False, soft_wrap=True).print(d.text)
+    for n in d.notes:
+        print(f"note: {n}")
     return 0

@@ -1,5 +1,11 @@
 """Compare two checkpoints (any readable format) key by key and, for tensors, chunk by chunk.
 
+Keys are matched by their path; a key left unmatched is then matched by its flat name (the
+components joined by '.', as safetensors and DCP name tensors), so a safetensors export of
+``model/weight`` is compared with it as ``model.weight``. Values and sharded objects of one
+side that the other's format cannot hold (safetensors holds tensors only) are listed apart,
+not as differences.
+
 Reports keys only in one, shape/dtype differences and value differences: bitwise by default
 (NaN payloads and -0.0 count), or within ``atol + rtol * |b|`` when a tolerance is given; for
 each differing tensor the number of differing elements, the first one's index and the largest
@@ -22,9 +28,11 @@ import torch
 
 from shardpoint.tree import values as _values
 from shardpoint.tools.convert import open_source
-from shardpoint.tools.convert.base import Source, TensorInfo, key_of
+from shardpoint.tools.convert.base import Source, TensorInfo, flat_name, key_of
 from shardpoint.tree.views import to_numpy
 
+# formats whose files hold tensors only: a value or object of the other side cannot be there
+TENSORS_ONLY = {"safetensors": "safetensors holds tensors only"}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -61,11 +69,20 @@ class DiffReport:
     values: list = field(default_factory=list)       # [(key, repr a, repr b)]
     compared_tensors: int = 0
     compared_bytes: int = 0
+    renamed: list = field(default_factory=list)      # [(key in A, key in B)] by flat name
+    not_comparable: list = field(default_factory=list)   # [(key, "only in A: why")]
+    tensors_a: int = 0
+    tensors_b: int = 0
+
+    @property
+    def nothing_compared(self) -> bool:
+        """Tensors on some side but none in both: no verdict on values was reached."""
+        return self.compared_tensors == 0 and (self.tensors_a + self.tensors_b) > 0
 
     @property
     def equal(self) -> bool:
         return not (self.only_a or self.only_b or self.mismatched or self.tensors
-                    or self.values)
+                    or self.values or self.nothing_compared)
 
     def to_dict(self) -> dict:
         return {"a": self.a, "b": self.b, "equal": self.equal, "exact": self.exact,
@@ -75,7 +92,11 @@ class DiffReport:
                 "tensors": [t.to_dict() for t in self.tensors],
                 "values": [{"key": k, "a": x, "b": y} for k, x, y in self.values],
                 "compared_tensors": self.compared_tensors,
-                "compared_bytes": self.compared_bytes}
+                "compared_bytes": self.compared_bytes,
+                "tensors_a": self.tensors_a, "tensors_b": self.tensors_b,
+                "nothing_compared": self.nothing_compared,
+                "renamed": [{"a": x, "b": y} for x, y in self.renamed],
+                "not_comparable": [{"key": k, "why": w} for k, w in self.not_comparable]}
 
 
 def _same_value(x: Any, y: Any) -> bool:
@@ -141,6 +162,19 @@ def compare_tensor(sa: Source, ta: TensorInfo, sb: Source, tb: TensorInfo, *, ex
     return TensorDiff(ta.key, n, differing, first, worst)
 
 
+def match_flat_names(only_a: set, only_b: set) -> dict:
+    """``{path in B: path in A}`` for unmatched paths whose flat names (components joined by
+    '.') agree and name one path on each side (``("model", "weight")`` and
+    ``("model.weight",)``); an ambiguous flat name matches nothing."""
+    def by_name(paths: set) -> dict:
+        out: dict = {}
+        for p in paths:
+            out.setdefault(flat_name(p), []).append(p)
+        return {n: ps[0] for n, ps in out.items() if len(ps) == 1}
+    na, nb = by_name(only_a), by_name(only_b)
+    return {nb[n]: na[n] for n in na.keys() & nb.keys()}
+
+
 def diff_sources(sa: Source, sb: Source, *, atol: Optional[float] = None,
                  rtol: Optional[float] = None,
                  progress: Optional[Callable] = None) -> DiffReport:
@@ -149,11 +183,25 @@ def diff_sources(sa: Source, sb: Source, *, atol: Optional[float] = None,
     rep = DiffReport(sa.path, sb.path, exact, float(atol or 0.0), float(rtol or 0.0))
     ta = {t.path: t for t in sa.tensors}
     tb = {t.path: t for t in sb.tensors}
+    rep.tensors_a, rep.tensors_b = len(ta), len(tb)
     va = {**sa.values, **{p: list(v) for p, v in sa.objects.items()}}
     vb = {**sb.values, **{p: list(v) for p, v in sb.objects.items()}}
     keys_a, keys_b = set(ta) | set(va), set(tb) | set(vb)
+    ren = match_flat_names(keys_a - keys_b, keys_b - keys_a)
+    if ren:     # B's entries under A's paths (the report names A's keys)
+        rep.renamed = sorted((key_of(pa), key_of(pb)) for pb, pa in ren.items())
+        tb = {ren.get(p, p): t for p, t in tb.items()}
+        vb = {ren.get(p, p): v for p, v in vb.items()}
+        keys_b = set(tb) | set(vb)
     rep.only_a = sorted(key_of(p) for p in keys_a - keys_b)
     rep.only_b = sorted(key_of(p) for p in keys_b - keys_a)
+    for side, other, mine, only in (("A", sb, va, rep.only_a), ("B", sa, vb, rep.only_b)):
+        why = TENSORS_ONLY.get(other.format)
+        if why:    # a value the other format cannot hold is no difference between them
+            out = {key_of(p) for p in mine} & set(only)
+            rep.not_comparable += [(k, f"only in {side}: a value or object, and {why}")
+                                   for k in sorted(out)]
+            only[:] = [k for k in only if k not in out]
     for p in sorted(keys_a & keys_b, key=key_of):
         k = key_of(p)
         if (p in ta) != (p in tb):
