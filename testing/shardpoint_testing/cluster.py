@@ -236,7 +236,7 @@ class Cluster:
         ns = self.storage if host < 0 else self.host_ns[host]
         name = f"storage-{self.tag}" if host < 0 else self.hostnames[host]
         p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-                              f'hostname "$0" && exec "$@"', name, *argv], **kw)
+                              'hostname "$0" && exec "$@"', name, *argv], **kw)
         self._procs.setdefault(host, []).append(p)
         return p
 

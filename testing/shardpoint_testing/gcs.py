@@ -25,13 +25,14 @@ import http.client
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 from urllib.parse import parse_qs, quote, urlsplit
 
 from shardpoint_testing.s3 import _child_env, free_port
@@ -110,10 +111,13 @@ class PreconditionProxy:
     preconditions (``ifGenerationMatch``) of uploads, which the emulator ignores; every other
     request is forwarded unchanged. :attr:`refused` counts the 412 answers."""
 
-    def __init__(self, upstream: GcsServer) -> None:
+    def __init__(self, upstream: GcsServer, rule: Optional[Callable] = None) -> None:
         self.upstream = upstream
+        self.rule = rule               # as FaultProxy's: a negative answer loses the reply
+        self.requests = self.injected = 0
         self.refused = 0
         self._lock = threading.Lock()
+        self._count = threading.Lock()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -142,6 +146,23 @@ class PreconditionProxy:
             def _forward(self, body: Optional[bytes]) -> None:
                 status, headers, data = proxy._request(self.command, self.path, body,
                                                        dict(self.headers.items()))
+                fault = None
+                if proxy.rule is not None:
+                    with proxy._count:          # _lock may be held (a conditional upload)
+                        proxy.requests += 1
+                        number = proxy.requests
+                    fault = proxy.rule(self.command, self.path, number)
+                if fault is not None and fault < 0:     # applied, then the reply is lost
+                    with proxy._count:
+                        proxy.injected += 1
+                    if fault == -1:            # a reset, as a dropped connection
+                        self.close_connection = True
+                        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                   struct.pack("ii", 1, 0))
+                        self.connection.close()
+                        return
+                    return self._answer(-fault, json.dumps({"error": {
+                        "code": -fault, "message": "injected"}}).encode())
                 self._answer(status, data, headers)
 
             def _answer(self, status: int, data: bytes, headers: Optional[list] = None) -> None:

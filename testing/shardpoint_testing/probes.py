@@ -76,3 +76,13 @@ def crashed_save(store: Any, prefix: str, objects: dict, lease_s: float = 1e-3) 
     store.put(f"{prefix}/{LEASE_NAME}", encode_lease(token, lease_s))
     for k, v in objects.items():
         store.put(f"{prefix}/{k}", v)
+
+
+def pause_lease(store: Any, staging: str) -> None:
+    """What SIGSTOP does to a save's lease in this process: its renewals stop, the save stays
+    (publish still runs when called)."""
+    from shardpoint_core.commit import lease
+    st = lease._LIVE[lease._id(store, staging)]
+    st.stop.set()
+    if st.thread is not None:
+        st.thread.join(30)

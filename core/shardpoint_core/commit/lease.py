@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,11 +40,14 @@ DEFAULT_LEASE_S = 120.0
 _KIND = "shardpoint-save-lease"
 
 
-def encode_lease(token: str, lease_s: float, reclaimed: bool = False) -> bytes:
-    """The lease object's bytes: what it is, the save's token, how long it holds, and whether
-    recovery reclaimed it (declared the save dead; the save can then never commit)."""
+def encode_lease(token: str, lease_s: float, reclaimed: bool = False,
+                 nonce: Optional[bytes] = None) -> bytes:
+    """The lease object's bytes: what it is, the save's token, how long it holds, whether
+    recovery reclaimed it (declared the save dead; the save can then never commit), and a
+    random nonce, so that a writer that reads a lease back knows whether it is its own."""
     return msgpack.packb({"kind": _KIND, "version": 1, "token": token,
-                          "lease_s": float(lease_s), "reclaimed": bool(reclaimed)},
+                          "lease_s": float(lease_s), "reclaimed": bool(reclaimed),
+                          "nonce": os.urandom(8) if nonce is None else nonce},
                          use_bin_type=True)
 
 
@@ -97,8 +101,18 @@ def start_lease(store: Any, staging: str, token: str,
         version = store.put(key, data, if_absent=True) if caps.conditional_put \
             else store.put(key, data)
     except FileExistsError as e:
-        from shardpoint_core.errors import SaveFailedError
-        raise SaveFailedError(f"{key!r} exists already: the save token is not fresh") from e
+        # A lost reply: the PUT landed, the client's retry found it ([SP-COMMIT-17]); the
+        # nonce tells our own lease from another save's.
+        try:
+            mine = store.get(key) == data
+        except FileNotFoundError:
+            mine = False
+        if not mine:
+            from shardpoint_core.errors import SaveFailedError
+            raise SaveFailedError(f"{key!r} exists already: the save token is not fresh") \
+                from e
+        info = store.head(key)
+        version = info.version if info is not None else ""
     st = LeaseState(key, data, version or "", lease_s)
     st.thread = threading.Thread(target=_renew, args=(store, st), daemon=True,
                                  name="sp-lease")
@@ -190,7 +204,7 @@ def reclaim_lease(store: Any, staging: str, token: str, info: LeaseInfo) -> bool
     if info.reclaimed:
         return True
     key = f"{staging}/{LEASE_NAME}"
-    data = encode_lease(token, info.lease_s, reclaimed=True)
+    data = encode_lease(token, info.lease_s, reclaimed=True, nonce=b"")
     try:
         if getattr(store.capabilities, "conditional_replace", False) and info.version:
             store.put(key, data, if_match=info.version)
