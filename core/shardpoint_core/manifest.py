@@ -332,7 +332,9 @@ def decode_manifest(data: bytes) -> Manifest:
             raise _bad(f"tensor {key!r}: {len(shape)} dimensions or a dimension of 2^63 or "
                        f"more (limits: {values.MAX_RANK} dimensions, each below 2^63)",
                        "SP-SEC-2")
-        if not isinstance(dt, str) or dt not in dtypes.DTYPES:
+        if not isinstance(dt, str):     # a malformed field, not an unknown dtype (1.3)
+            raise _bad(f"tensor {key!r}: dtype {dt!r} is not a string", "SP-MAN-3")
+        if dt not in dtypes.DTYPES:
             raise UnsupportedFormatError(f"tensor {key!r} has dtype {dt!r}, not in the spec's "
                                          "dtype table", spec_id="SP-DTYPE-1")
         size = dtypes.from_name(dt).itemsize
@@ -443,10 +445,10 @@ def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: se
 def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
     """Every leaf names its own path's key, and every tensor/object is in the tree once."""
     seen_t, seen_o = set(), set()
-
-    _check_node(tree, (), tensors, objects, seen_t, seen_o)
     if "dict" not in tree and "list" not in tree and "tuple" not in tree:
+        # [SP-MAN-4], checked first: a leaf root also has an empty key ([SP-KEY-2]) (1.3)
         raise _bad("the tree root must be a dict, list or tuple", "SP-MAN-4")
+    _check_node(tree, (), tensors, objects, seen_t, seen_o)
     for kind, table, seen in (("tensor", tensors, seen_t), ("object", objects, seen_o)):
         extra = set(table) - seen
         if extra:

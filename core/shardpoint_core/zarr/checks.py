@@ -355,6 +355,21 @@ def _json_int(token: str) -> Any:
     return -0.0 if v == 0 and token.startswith("-") else v
 
 
+def _json_float(token: str) -> Any:
+    """JSON fractions and exponents as floats, except a non-zero number that binary64 rounds
+    to zero (``1e-400``): kept as its text, which no fill value accepts ([SP-ARRAY-3]: the
+    number's value counts, 1.3)."""
+    v = float(token)
+    if v == 0 and any(c in "123456789" for c in token.lower().split("e")[0]):
+        return token
+    return v
+
+
+def _no_constant(token: str) -> Any:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (RFC 8259): [SP-ARRAY-1], 1.3."""
+    raise ValueError(f"{token} is not a JSON number (RFC 8259)")
+
+
 class _RepeatedName(ValueError):
     pass
 
@@ -387,7 +402,8 @@ def parse_zarr_json(raw: bytes, key: str, where: str = "zarr.json") -> Any:
     except UnicodeDecodeError as e:
         raise _corrupt(key, f"{where} is not UTF-8: {e}", "SP-ARRAY-6") from e
     try:
-        return json.loads(text, object_pairs_hook=_unique_pairs, parse_int=_json_int)
+        return json.loads(text, object_pairs_hook=_unique_pairs, parse_int=_json_int,
+                          parse_float=_json_float, parse_constant=_no_constant)
     except _RepeatedName as e:
         raise _corrupt(key, f"{where}: {e}", "SP-ARRAY-6") from e
     except (ValueError, RecursionError) as e:
