@@ -337,7 +337,8 @@ def _check_zarr(root: str, array: str, e: dict, key: str) -> dict:
     if not _plain(codecs, dtype):
         names = [c.get("name") for c in codecs if isinstance(c, dict)] \
             if isinstance(codecs, list) else []
-        if any(n not in ("bytes", "crc32c", "sharding_indexed") for n in names):
+        if any(isinstance(n, str) and n not in ("bytes", "crc32c", "sharding_indexed")
+               for n in names):     # a missing or nameless codec is damage (1.3)
             raise VectorError("SP-ARRAY-1", f"{key}: unknown codec in {names}")
         conf = codecs[0].get("configuration", {}) if names == ["sharding_indexed"] else None
         if isinstance(conf, dict) and any(isinstance(c, dict) and c.get(

@@ -6,6 +6,7 @@ to guess. Merged into :data:`shardpoint_conformance.vector_damage.INVALID`; the 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shutil
 
@@ -16,7 +17,8 @@ from shardpoint_conformance.vector_damage import (GRID0, Damage, _edit_file, _p,
 
 A0 = ("tensors", "a", "c", "0", "0")           # chunk_identity: one plain 6x5 int16 chunk
 B0 = ("tensors", "b", "c", "0", "0")           # the same size, another tensor
-EDGE10 = ("tensors", "sharded", "c", "1", "0")  # edge_chunks: rows 8-15 of 10, inner 2x4
+EDGE10 = ("tensors", "sharded", "c", "1", "0")
+SMALL0 = ("tensors", "small", "c", "0", "0")    # multi_chunk: one plain 5x3 uint16 chunk  # edge_chunks: rows 8-15 of 10, inner 2x4
 
 
 def _swap_files(a: tuple, b: tuple):
@@ -80,6 +82,27 @@ def _zarr_text(tensor: str, edit):
         assert new != text
         open(p, "w").write(new)
     return apply
+
+
+def _dir_for_chunk(path: str) -> None:
+    p = _p(path, SMALL0)
+    os.remove(p)
+    os.makedirs(p)
+    open(os.path.join(p, "0"), "wb").write(b"\x00" * 34)   # git keeps no empty directory
+
+
+def _file_for_dir(path: str) -> None:
+    d = os.path.dirname(_p(path, SMALL0))
+    data = open(_p(path, SMALL0), "rb").read()
+    shutil.rmtree(d)
+    open(d, "wb").write(data)
+
+
+def _no_codecs(path: str) -> None:
+    p = os.path.join(path, "tensors", "small", "zarr.json")
+    meta = json.load(open(p))
+    del meta["codecs"]
+    open(p, "w").write(json.dumps(meta, sort_keys=True, separators=(",", ":")))
 
 
 INVALID_1_3 = {
@@ -152,6 +175,21 @@ INVALID_1_3 = {
         "(1.3) tensors/small/zarr.json gets \"attributes\": {\"x\": NaN} (NaN is not a "
         "JSON token, RFC 8259, though some parsers accept it)",
         _zarr_text("small", lambda t: t[:-1] + ',"attributes":{"x":NaN}}')),
+    "directory_as_chunk": Damage(
+        "multi_chunk", "CorruptCheckpointError", "SP-SEC-5",
+        "(1.3) tensors/small/c/0/0 (a plain chunk) replaced by a directory holding a file "
+        "\"0\" of 34 bytes: not a regular file where a chunk file belongs (not a missing "
+        "chunk)", _dir_for_chunk),
+    "file_as_chunk_directory": Damage(
+        "multi_chunk", "CorruptCheckpointError", "SP-SEC-5",
+        "(1.3) tensors/small/c/0 (the directory of chunk c/0/0) replaced by a regular file "
+        "holding that chunk's bytes: a file where the chunk tree holds a directory",
+        _file_for_dir),
+    "zarr_json_no_codecs": Damage(
+        "multi_chunk", "CorruptCheckpointError", "SP-ARRAY-2",
+        "(1.3) tensors/small/zarr.json loses its \"codecs\" field (a required field missing "
+        "is damage under the rule that requires it, not an unsupported construct)",
+        _no_codecs),
     "fill_value_underflow": Damage(
         "multi_chunk", "CorruptCheckpointError", "SP-ARRAY-3",
         "(1.3) tensors/grid/zarr.json (float32): fill_value 1e-400 (not zero, though a "
