@@ -189,7 +189,8 @@ def value_json(v):
             except Exception as e:  # noqa: BLE001 - any malformation is this rule
                 raise VectorError("SP-VALUE-2", f"ext 1 payload: {e}") from e
             ok = (dtype in DTYPES and isinstance(shape, list) and len(shape) <= 64
-                  and all(type(n) is int and n >= 0 for n in shape) and isinstance(raw, bytes)
+                  and all(type(n) is int and 0 <= n < 1 << 63 for n in shape)   # SEC-2 limits
+                  and isinstance(raw, bytes)
                   and len(raw) == math.prod(shape) * DTYPES[dtype]
                   and origin in ("torch", "numpy", "numpy-scalar")
                   and (origin != "numpy-scalar" or shape == [])
@@ -330,8 +331,8 @@ def _check_zarr(root: str, array: str, e: dict, key: str) -> dict:
     dtype, chunk = e["dtype"], e["chunk_shape"]
     want = {"shape": e["shape"], "data_type": dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}}}
-    for k, v in want.items():
-        if meta.get(k) != v:
+    for k, v in want.items():   # json.dumps: 5.0 or -0 (read as -0.0) is no integer (1.3)
+        if json.dumps(meta.get(k), sort_keys=True) != json.dumps(v, sort_keys=True):
             raise VectorError("SP-ARRAY-2", f"{key}: zarr.json {k} is {meta.get(k)!r}, not {v!r}")
     codecs = meta.get("codecs")
     if not _plain(codecs, dtype):
@@ -557,6 +558,8 @@ def _tree(body: dict, out: dict) -> dict:
             value_json(v)   # SP-VALUE-2 first
             if msgpack.unpackb(v.data, raw=False)[3] != "numpy-scalar":
                 raise VectorError("SP-MAN-4", f"value leaf at {key!r} is an array")
+        if len(key.encode()) > 4096:    # every leaf's key, a value's too (1.3)
+            raise VectorError("SP-KEY-4", f"value leaf key of {len(key.encode())} bytes")
         out["values"][key] = value_json(v)
         return {"value": key}
 

@@ -154,6 +154,14 @@ INVALID_1_3 = {
         "nested_tree", "CorruptCheckpointError", "SP-VALUE-2",
         "(1.3) body gets an ignorable field {\"must_understand\": false, \"when\": a msgpack "
         "timestamp (ext type -1)}; envelope re-sealed", lambda p: rewrite_body(p, _timestamp)),
+    "array_value_dim_2_64": Damage(
+        "nested_tree", "CorruptCheckpointError", "SP-VALUE-2",
+        "(1.3) body gets an ignorable field {\"must_understand\": false, \"v\": ext 1 "
+        "[\"uint8\", [0, 2^64-1], empty data, \"numpy\"]} (zero elements, so the data length "
+        "is right, but a dimension past the 2^63 limit); envelope re-sealed",
+        lambda p: rewrite_body(p, lambda b: b.update(later={
+            "must_understand": False, "v": msgpack.ExtType(1, msgpack.packb(
+                ["uint8", [0, (1 << 64) - 1], b"", "numpy"], use_bin_type=True))}))),
     "outside_entry_aliases": Damage(
         "edge_chunks", "CorruptCheckpointError", "SP-READ-7",
         "(1.3) tensors/sharded/c/1/0: index entry 1 (inner chunk rows 10-11, wholly outside "

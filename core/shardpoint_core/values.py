@@ -247,7 +247,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
             name, shape, raw, origin = msgpack.unpackb(data, raw=False, **UNPACK_LIMITS)
             d = dtypes.from_name(name)
             if not (isinstance(raw, bytes) and isinstance(shape, list) and all(
-                    type(n) is int and n >= 0 for n in shape) and len(shape) <= MAX_RANK
+                    type(n) is int and 0 <= n < 1 << 63 for n in shape)    # [SP-SEC-2]
+                    and len(shape) <= MAX_RANK
                     and len(raw) == _prod(shape) * d.itemsize):
                 raise ValueError(f"shape {shape!r} does not match {len(raw)} data bytes")
             if origin not in ORIGINS or (

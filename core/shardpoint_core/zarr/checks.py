@@ -461,6 +461,14 @@ def _is_zero(v: Any) -> bool:
     return (type(v) in (int, float) and v == 0 and math.copysign(1.0, v) > 0)
 
 
+def _same_ints(got: Any, want: Sequence[int]) -> bool:
+    """``got`` is the list of JSON integers ``want``: a float such as ``5.0`` or the ``-0``
+    that :func:`_json_int` reads as ``-0.0`` compares equal in Python, yet is not one (1.3,
+    [SP-ARRAY-2])."""
+    return (isinstance(got, list) and len(got) == len(want)
+            and all(type(g) is int and g == w for g, w in zip(got, want)))
+
+
 def check_zarr_json(meta: dict, shape: tuple, dtype: str, chunk: tuple, key: str) -> None:
     """``zarr.json`` against the manifest entry and the spec ([SP-ARRAY-2/3/5])."""
     for k, v in meta.items():
@@ -482,11 +490,12 @@ def check_zarr_json(meta: dict, shape: tuple, dtype: str, chunk: tuple, key: str
         raise _corrupt(key, "zarr.json attributes is not an object", "SP-ARRAY-5")
     want_grid = {"name": "regular", "configuration": {"chunk_shape": list(chunk)}}
     problems = []
-    if meta.get("shape") != list(shape):
+    if not _same_ints(meta.get("shape"), shape):
         problems.append(f"shape {meta.get('shape')!r} != manifest {list(shape)}")
     if meta.get("data_type") != dtype:
         problems.append(f"data_type {meta.get('data_type')!r} != manifest {dtype!r}")
-    if meta.get("chunk_grid") != want_grid:
+    grid = meta.get("chunk_grid")
+    if grid != want_grid or not _same_ints(grid["configuration"]["chunk_shape"], chunk):
         problems.append(f"chunk_grid {meta.get('chunk_grid')!r} != {want_grid}")
     codecs = meta.get("codecs")
     if not _plain_chain(codecs, dtype):
