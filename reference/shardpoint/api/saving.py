@@ -491,15 +491,15 @@ class SaveJob:
 def _entries(tensors: dict, payloads: list) -> dict:
     """The manifest's tensor entries, each with its chunk table ([SP-MAN-7]) where every
     chunk's writer recorded its units' crc32c (``payloads``: the ranks' commit reports)."""
-    reports = []
-    for p in payloads:
-        rep = msgpack.unpackb(p, raw=False, strict_map_key=False) if p else []
-        reports.append({path: {int(f): bytes(b) for f, b in chunks} for path, chunks in rep})
+    merged: dict = {}      # array path -> chunk number -> its units' crc32c, every rank's
+    for p in payloads:     # one pass over what the ranks sent, not one per tensor and rank
+        for path, chunks in (msgpack.unpackb(p, raw=False) if p else ()):
+            merged.setdefault(path, {}).update(chunks)
     out = {}
     for k, v in tensors.items():
         path = array_path_for(k)
         out[k] = TensorEntry(k, path, v.shape, v.dtype, v.chunk_shape,
-                             join_tables(reports, path, v.shape, v.chunk_shape))
+                             join_tables([merged], path, v.shape, v.chunk_shape))
     return out
 
 
