@@ -374,8 +374,6 @@ class SaveJob:
             t = time.perf_counter()
             self.be.flush(self.staging)
             self.times["flush"] = time.perf_counter() - t
-            take = getattr(self.be, "take_chunk_crc32c", None)   # an optional capability
-            self.crcs = take(self.staging) if take is not None else {}
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             self.error = self.write_error(e)
             log.error("shardpoint save: rank %d failed: %s", comm.rank, self.error)
@@ -422,6 +420,11 @@ class SaveJob:
         """Every rank reports; if all succeeded the coordinator writes the manifest and
         renames the staging directory into place, else it removes it and all ranks raise."""
         t = time.perf_counter()
+        # what this rank's writes recorded for the chunk tables ([SP-MAN-7]), taken on every
+        # outcome so nothing stays in the backend; an optional capability of a backend
+        take = getattr(self.be, "take_chunk_crc32c", None)
+        crcs = take(self.staging) if take is not None and self.staging else {}
+        self.crcs = crcs if self.error is None else {}
 
         def report() -> bytes:
             e = self.error
