@@ -57,7 +57,7 @@ _ENC = re.compile(r"(?:[A-Za-z0-9_.\-]|%[0-9A-F]{2})+\Z")
 _COMPONENT = re.compile(r"[A-Za-z0-9_.~%\-]+\Z")
 _TOP = {"format", "format_version", "writer", "created_unix", "save_world_size", "tree",
         "tensors", "objects", "extensions"}
-_ENTRY = {"array", "shape", "dtype", "chunk_shape"}
+_ENTRY = {"array", "shape", "dtype", "chunk_shape", "chunk_crc32c"}   # the last: 1.3
 _OBJECT = {"count", "values", "shape"}
 _ZARR_KNOWN = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid",
                "chunk_key_encoding", "fill_value", "codecs", "attributes", "dimension_names",
@@ -178,6 +178,8 @@ def _depth(v, level=1) -> int:
 
 def value_json(v):
     """A decoded msgpack value -> its JSON form in expected.json (format.md section 6)."""
+    if isinstance(v, msgpack.Timestamp):     # ext type -1, decoded by msgpack itself (1.3)
+        raise VectorError("SP-VALUE-2", "unknown extension type -1 (a msgpack timestamp)")
     if isinstance(v, msgpack.ExtType):
         if v.code == 2:
             return {"$tuple": [value_json(x) for x in _ext2_items(v)]}
@@ -187,7 +189,8 @@ def value_json(v):
             except Exception as e:  # noqa: BLE001 - any malformation is this rule
                 raise VectorError("SP-VALUE-2", f"ext 1 payload: {e}") from e
             ok = (dtype in DTYPES and isinstance(shape, list) and len(shape) <= 64
-                  and all(type(n) is int and n >= 0 for n in shape) and isinstance(raw, bytes)
+                  and all(type(n) is int and 0 <= n < 1 << 63 for n in shape)   # SEC-2 limits
+                  and isinstance(raw, bytes)
                   and len(raw) == math.prod(shape) * DTYPES[dtype]
                   and origin in ("torch", "numpy", "numpy-scalar")
                   and (origin != "numpy-scalar" or shape == [])
@@ -289,10 +292,15 @@ def _zarr_json(raw: bytes, key: str) -> dict:
         raise VectorError("SP-ARRAY-6", f"{key}: zarr.json is not UTF-8") from err
     if _json_depth(text) > 32:
         raise VectorError("SP-ARRAY-6", f"{key}: zarr.json nests deeper than 32 levels")
+    def number(t: str):     # 1.3: the value counts; 1e-400 is not zero, whatever binary64 says
+        return t if float(t) == 0 and re.search(r"[1-9]", t.lower().split("e")[0]) else float(t)
+
+    def constant(t: str):   # NaN, Infinity: not JSON (RFC 8259), [SP-ARRAY-1] (1.3)
+        raise ValueError(f"{t} is not JSON")
     try:
         return json.loads(text, object_pairs_hook=_no_repeats,
                           parse_int=lambda t: -0.0 if t.startswith("-") and int(t) == 0
-                          else int(t))
+                          else int(t), parse_float=number, parse_constant=constant)
     except _Repeated as err:
         raise VectorError("SP-ARRAY-6", f"{key}: zarr.json: {err}") from err
     except ValueError as err:
@@ -323,14 +331,15 @@ def _check_zarr(root: str, array: str, e: dict, key: str) -> dict:
     dtype, chunk = e["dtype"], e["chunk_shape"]
     want = {"shape": e["shape"], "data_type": dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}}}
-    for k, v in want.items():
-        if meta.get(k) != v:
+    for k, v in want.items():   # json.dumps: 5.0 or -0 (read as -0.0) is no integer (1.3)
+        if json.dumps(meta.get(k), sort_keys=True) != json.dumps(v, sort_keys=True):
             raise VectorError("SP-ARRAY-2", f"{key}: zarr.json {k} is {meta.get(k)!r}, not {v!r}")
     codecs = meta.get("codecs")
     if not _plain(codecs, dtype):
         names = [c.get("name") for c in codecs if isinstance(c, dict)] \
             if isinstance(codecs, list) else []
-        if any(n not in ("bytes", "crc32c", "sharding_indexed") for n in names):
+        if any(isinstance(n, str) and n not in ("bytes", "crc32c", "sharding_indexed")
+               for n in names):     # a missing or nameless codec is damage (1.3)
             raise VectorError("SP-ARRAY-1", f"{key}: unknown codec in {names}")
         conf = codecs[0].get("configuration", {}) if names == ["sharding_indexed"] else None
         if isinstance(conf, dict) and any(isinstance(c, dict) and c.get(
@@ -380,6 +389,16 @@ def _check_chunks(root: str, array: str, e: dict, meta: dict, key: str) -> None:
     is_bool = e["dtype"] == "bool"
     stored = 0
     n_inner = math.prod(c // i for c, i in zip(chunk, inner)) if inner else 0
+    table = _chunk_table(e, key)      # 1.3: every unit's crc32c, [SP-MAN-7]
+    units = max(n_inner, 1)
+    if table is not None and len(table) != 4 * math.prod(grid) * units:
+        raise VectorError("SP-READ-8", f"{key}: chunk table of {len(table) // 4} entries for "
+                          f"{math.prod(grid) * units} stored units")
+
+    def mine(piece: bytes, unit: int, what: str) -> None:      # [SP-READ-8] (1.3)
+        if table is not None and piece[-4:] != table[4 * unit:4 * unit + 4]:
+            raise VectorError("SP-READ-8", f"{what}: its crc32c is not the one the manifest's "
+                              "chunk table records for this position")
     for idx in np.ndindex(*grid):     # [SP-READ-6] (1.2): bytes present, before any read
         name = "/".join(["c"] + [str(i) for i in idx])
         try:
@@ -393,7 +412,7 @@ def _check_chunks(root: str, array: str, e: dict, meta: dict, key: str) -> None:
     if stored < math.prod(shape) * size:
         raise VectorError("SP-READ-6", f"{key}: declares {math.prod(shape) * size} bytes, "
                           f"its chunk files hold {stored}")
-    for idx in np.ndindex(*grid):
+    for number, idx in enumerate(np.ndindex(*grid)):
         name = "/".join(["c"] + [str(i) for i in idx])
         try:
             nbytes = _regular(root, f"{array}/{name}")
@@ -402,8 +421,9 @@ def _check_chunks(root: str, array: str, e: dict, meta: dict, key: str) -> None:
         if inner is None:
             if nbytes != math.prod(chunk) * size + 4:
                 raise VectorError("SP-READ-3", f"{key}: chunk {name} has {nbytes} bytes")
-            _check_piece(_read(root, f"{array}/{name}", nbytes), math.prod(chunk), size,
-                         is_bool, f"{key} chunk {name}")
+            piece = _read(root, f"{array}/{name}", nbytes)
+            _check_piece(piece, math.prod(chunk), size, is_bool, f"{key} chunk {name}")
+            mine(piece, number, f"{key} chunk {name}")
             continue
         data = _read(root, f"{array}/{name}", nbytes)
         per = [c // i for c, i in zip(chunk, inner)]
@@ -426,20 +446,44 @@ def _check_chunks(root: str, array: str, e: dict, meta: dict, key: str) -> None:
         for j, sub in enumerate(np.ndindex(*per)):
             off, nb = (int.from_bytes(index[16 * j + k:16 * j + k + 8], "little") for k in (0, 8))
             inside = all(s + q * i < dim for s, q, i, dim in zip(start, sub, inner, shape))
-            if not inside:
-                continue        # never read, so never checked (format.md [SP-READ-5])
             absent = off == nb == (1 << 64) - 1
-            if not absent and ((1 << 64) - 1) in (off, nb):
+            if not absent and ((1 << 64) - 1) in (off, nb):    # every entry (1.3)
                 raise VectorError("SP-READ-3", f"{key}: shard {name} entry {sub} half absent")
+            if not absent and off + nb > lo:                    # every entry (1.3)
+                raise VectorError("SP-READ-3", f"{key}: shard {name} entry {sub} past the index")
+            if not inside:
+                continue        # its bytes are never read ([SP-READ-5])
             if absent:
                 raise VectorError("SP-READ-2", f"{key}: shard {name} lacks inner chunk {sub}")
             if nb != want or off + nb > lo:
                 raise VectorError("SP-READ-3", f"{key}: shard {name} entry {sub} ({off}, {nb})")
             _check_piece(data[off:off + nb], math.prod(inner), size, is_bool,
                          f"{key} shard {name} inner chunk {sub}")
+            mine(data[off:off + nb], number * n + j, f"{key} shard {name} inner chunk {sub}")
+
+
+def _chunk_table(e: dict, key: str):
+    """The 1.3 chunk table of a tensor entry (None when absent), its form checked
+    ([SP-MAN-7]): exactly {"must_understand": false, "crc32c": bin of 4 bytes per unit}."""
+    if "chunk_crc32c" not in e:
+        return None
+    v = e["chunk_crc32c"]
+    if not (isinstance(v, dict) and set(v) == {"must_understand", "crc32c"}
+            and v["must_understand"] is False and isinstance(v["crc32c"], bytes)
+            and len(v["crc32c"]) % 4 == 0):
+        raise VectorError("SP-MAN-7", f"{key}: malformed chunk_crc32c field")
+    return v["crc32c"]
 
 
 # ------------------------------------------------------------------------ the reader
+def _envelope_pairs(pairs):
+    """The envelope's map: a repeated key is [SP-MAN-1] there, like any other envelope fault
+    (1.3), not the body's [SP-MAN-5]."""
+    if len({k for k, _ in pairs}) != len(pairs):
+        raise ValueError("the envelope repeats a key")
+    return dict(pairs)
+
+
 def _manifest(path: str) -> dict:
     mpath = os.path.join(path, "manifest.msgpack")
     if not os.path.isdir(path) or not os.path.lexists(mpath):
@@ -447,7 +491,8 @@ def _manifest(path: str) -> dict:
     if _regular(path, "manifest.msgpack") > 1 << 30:
         raise VectorError("SP-SEC-2", "manifest over 1 GiB")
     try:
-        env = msgpack.unpackb(_read(path, "manifest.msgpack", (1 << 30) + 1), raw=False)
+        env = msgpack.unpackb(_read(path, "manifest.msgpack", (1 << 30) + 1), raw=False,
+                              object_pairs_hook=_envelope_pairs)
         ok = (isinstance(env, dict) and set(env) == {"sha256", "body"}
               and isinstance(env["body"], bytes) and isinstance(env["sha256"], bytes)
               and hashlib.sha256(env["body"]).digest() == env["sha256"])
@@ -513,6 +558,8 @@ def _tree(body: dict, out: dict) -> dict:
             value_json(v)   # SP-VALUE-2 first
             if msgpack.unpackb(v.data, raw=False)[3] != "numpy-scalar":
                 raise VectorError("SP-MAN-4", f"value leaf at {key!r} is an array")
+        if len(key.encode()) > 4096:    # every leaf's key, a value's too (1.3)
+            raise VectorError("SP-KEY-4", f"value leaf key of {len(key.encode())} bytes")
         out["values"][key] = value_json(v)
         return {"value": key}
 
@@ -556,11 +603,14 @@ def read_independently(path: str) -> dict:
             raise VectorError("SP-MAN-3", f"{key}: entry {e!r}")
         if len(e["shape"]) > 64 or any(n >= 1 << 63 for n in e["shape"] + e["chunk_shape"]):
             raise VectorError("SP-SEC-2", f"{key}: rank or dimension over the limits")
-        if e.get("dtype") not in DTYPES:
+        if not isinstance(e.get("dtype"), str):     # a malformed field (1.3), not a dtype
+            raise VectorError("SP-MAN-3", f"{key}: dtype {e.get('dtype')!r} is not a string")
+        if e["dtype"] not in DTYPES:
             raise VectorError("SP-DTYPE-1", f"{key}: dtype {e.get('dtype')!r}")
         parts = e["array"].split("/")
         if any(p in (".", "..") or not _COMPONENT.match(p) for p in parts):
             raise VectorError("SP-SEC-1", f"{key}: unsafe array path {e['array']!r}")
+        _chunk_table(e, key)
         entries.append((key, e))
     arrays = sorted(e["array"] + "/" for _, e in entries)
     if any(b.startswith(a) for a, b in zip(arrays, arrays[1:])):

@@ -121,7 +121,13 @@ def cases() -> dict:
             "w": bits("float32", (2, 3), 300)}
     newer = {"u8": bits("uint8", (2, 3), 500), "f32": bits("float32", (2, 2), 501),
              "pos": sp.ShardedObject((3, "epoch", 0.5), 0, 1), "lr": 1.5, "np32": np.float32(2.5)}
-    v10, v11 = (1, 0), (1, 1)
+    v10, v11, v13 = (1, 0), (1, 1), (1, 3)
+    # 1.3: chunk tables ([SP-MAN-7]); "a" and "b" have chunk files of one size, so that a
+    # swap of them is what only the table catches
+    ident = {"grid": sp.ShardedTensor(bits("float32", (37, 11), 700), (37, 11), (0, 0)),
+             "a": bits("int16", (6, 5), 701), "b": bits("int16", (6, 5), 702)}
+    ident_opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=400,
+                                                    chunk_overhead_bytes=0))
     paths = {k: torch.tensor([i], dtype=torch.int8) for i, k in enumerate(PORTABLE_KEYS)}
     paths["long"] = _long_tree()
     limits = {"w": bits("float32", (2,), 600), "step": 3}
@@ -136,6 +142,9 @@ def cases() -> dict:
         "newer_minor": (newer, {}, None, v11, _newer_minor_files),
         "portable_paths": (paths, {}, None, v11, None),
         "at_the_limits": (limits, {}, None, v11, _at_the_limits),
+        "chunk_identity": (ident, {"backend": TensorStoreBackend(shard_above_bytes=256,
+                                                                 inner_chunk_bytes=128),
+                                   "options": ident_opts}, None, v13, None),
     }
 
 

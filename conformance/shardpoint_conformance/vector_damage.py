@@ -313,3 +313,6 @@ INVALID = {
 from shardpoint_conformance.vector_damage_12 import INVALID_1_2  # noqa: E402
 
 INVALID.update(INVALID_1_2)
+from shardpoint_conformance.vector_damage_13 import INVALID_1_3  # noqa: E402
+
+INVALID.update(INVALID_1_3)

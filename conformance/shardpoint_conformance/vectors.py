@@ -45,6 +45,9 @@ def _pin_manifest(path: str, edit=None, version=None) -> None:
     m = decode_manifest(open(mpath, "rb").read())
     m.writer, m.created_unix = PINNED_WRITER, PINNED_TIME
     m.format_version = version or m.format_version
+    if tuple(m.format_version) < (1, 3):     # a 1.0/1.1 vector has no 1.3 chunk tables
+        for e in m.tensors.values():
+            e.chunk_crc32c = None
     if edit is not None:
         edit(m)
     with open(mpath, "wb") as f:

@@ -65,6 +65,10 @@ def iter_tree_leaves(tree: Any, path: tuple = ()) -> Iterator[tuple]:
 
 FORMAT_NAME = "shardpoint"
 FORMAT_VERSION = (1, 1)
+#: What a writer writes when its manifest holds a 1.3 construct (a chunk table, [SP-MAN-7]);
+#: without one the bytes are 1.1 bytes and say so ([SP-VER-1]).
+FORMAT_VERSION_1_3 = (1, 3)
+CHUNK_TABLE = "chunk_crc32c"          # the tensor-entry field of [SP-MAN-7] (1.3)
 TENSOR_DIR = "tensors"
 _TOP_FIELDS = {"format", "format_version", "writer", "created_unix", "save_world_size",
                "tree", "tensors", "objects", "extensions"}
@@ -83,10 +87,13 @@ class TensorEntry:
     shape: tuple
     dtype: str
     chunk_shape: tuple
+    #: (1.3) every stored unit's crc32c, 4 little-endian bytes each, units in grid order
+    #: ([SP-MAN-7]); None when the writer recorded none
+    chunk_crc32c: Optional[bytes] = None
 
     @property
     def spec(self) -> ArraySpec:
-        return ArraySpec(self.shape, self.dtype, self.chunk_shape)
+        return ArraySpec(self.shape, self.dtype, self.chunk_shape, self.chunk_crc32c)
 
     @property
     def nbytes(self) -> int:
@@ -181,8 +188,7 @@ def encode_manifest(m: Manifest) -> bytes:
         "created_unix": m.created_unix or time.time(),
         "save_world_size": m.save_world_size,
         "tree": m.wire_tree,
-        "tensors": {k: {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
-                        "chunk_shape": list(e.chunk_shape)} for k, e in m.tensors.items()},
+        "tensors": {k: _tensor_entry(e) for k, e in m.tensors.items()},
         "objects": {k: _object_entry(v) for k, v in m.objects.items()},
         "extensions": m.extensions,
     }
@@ -199,6 +205,28 @@ def encode_manifest(m: Manifest) -> bytes:
                                     f"{MAX_MANIFEST_BYTES}-byte cap; store big values as "
                                     "arrays (tensors) instead", spec_id="SP-SEC-2")
     return data
+
+
+def _tensor_entry(e: TensorEntry) -> dict:
+    """A tensor's manifest entry; the chunk table ([SP-MAN-7]) only where the writer has one,
+    marked ignorable so that 1.1 and 1.2 readers read the entry as before ([SP-VER-3])."""
+    entry = {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
+             "chunk_shape": list(e.chunk_shape)}
+    if e.chunk_crc32c is not None:
+        entry[CHUNK_TABLE] = {"must_understand": False, "crc32c": bytes(e.chunk_crc32c)}
+    return entry
+
+
+def chunk_table_of(key: str, v: Any) -> bytes:
+    """The table of a tensor entry's ``chunk_crc32c`` field, checked ([SP-MAN-7]): exactly
+    ``{"must_understand": false, "crc32c": <bin of 4 bytes per unit>}``."""
+    if not (isinstance(v, dict) and set(v) == {"must_understand", "crc32c"}
+            and v["must_understand"] is False and isinstance(v["crc32c"], bytes)
+            and len(v["crc32c"]) % 4 == 0):
+        raise _bad(f"tensor {key!r}: field {CHUNK_TABLE!r} must be exactly "
+                   "{'must_understand': false, 'crc32c': <bin, 4 bytes per stored unit>}",
+                   "SP-MAN-7")
+    return v["crc32c"]
 
 
 def _object_entry(v: list) -> dict:
@@ -295,7 +323,7 @@ def decode_manifest(data: bytes) -> Manifest:
         missing = sorted(_TENSOR_FIELDS - set(e))
         if missing:
             raise _bad(f"tensor {key!r}: entry lacks {missing}", "SP-MAN-3")
-        _unknown(e, _TENSOR_FIELDS, f"tensor {key!r}")
+        _unknown(e, _TENSOR_FIELDS | {CHUNK_TABLE}, f"tensor {key!r}")
         shape, chunk, dt = e.get("shape"), e.get("chunk_shape"), e.get("dtype")
         if not _ints(shape, 0) or not _ints(chunk, 1) or len(chunk) != len(shape):
             raise _bad(f"tensor {key!r}: shape {shape!r} / chunk_shape {chunk!r} invalid "
@@ -304,7 +332,9 @@ def decode_manifest(data: bytes) -> Manifest:
             raise _bad(f"tensor {key!r}: {len(shape)} dimensions or a dimension of 2^63 or "
                        f"more (limits: {values.MAX_RANK} dimensions, each below 2^63)",
                        "SP-SEC-2")
-        if not isinstance(dt, str) or dt not in dtypes.DTYPES:
+        if not isinstance(dt, str):     # a malformed field, not an unknown dtype (1.3)
+            raise _bad(f"tensor {key!r}: dtype {dt!r} is not a string", "SP-MAN-3")
+        if dt not in dtypes.DTYPES:
             raise UnsupportedFormatError(f"tensor {key!r} has dtype {dt!r}, not in the spec's "
                                          "dtype table", spec_id="SP-DTYPE-1")
         size = dtypes.from_name(dt).itemsize
@@ -313,7 +343,8 @@ def decode_manifest(data: bytes) -> Manifest:
                        "2^63 bytes or more (1.2: a tensor's and a chunk's byte size are "
                        "below 2^63)", "SP-SEC-2")
         check_array_path(e.get("array"), key)
-        tensors[key] = TensorEntry(key, e["array"], tuple(shape), dt, tuple(chunk))
+        table = chunk_table_of(key, e[CHUNK_TABLE]) if CHUNK_TABLE in e else None
+        tensors[key] = TensorEntry(key, e["array"], tuple(shape), dt, tuple(chunk), table)
     objects = {}
     for key, o in m["objects"].items():
         try:
@@ -414,10 +445,10 @@ def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: se
 def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
     """Every leaf names its own path's key, and every tensor/object is in the tree once."""
     seen_t, seen_o = set(), set()
-
-    _check_node(tree, (), tensors, objects, seen_t, seen_o)
     if "dict" not in tree and "list" not in tree and "tuple" not in tree:
+        # [SP-MAN-4], checked first: a leaf root also has an empty key ([SP-KEY-2]) (1.3)
         raise _bad("the tree root must be a dict, list or tuple", "SP-MAN-4")
+    _check_node(tree, (), tensors, objects, seen_t, seen_o)
     for kind, table, seen in (("tensor", tensors, seen_t), ("object", objects, seen_o)):
         extra = set(table) - seen
         if extra:

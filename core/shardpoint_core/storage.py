@@ -28,7 +28,7 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -40,11 +40,14 @@ MANIFEST_NAME = "manifest.msgpack"
 
 @dataclass(frozen=True)
 class ArraySpec:
-    """Shape, dtype (spec name) and chunk grid of one stored tensor, as the manifest says."""
+    """Shape, dtype (spec name) and chunk grid of one stored tensor, as the manifest says;
+    ``chunk_crc32c``: the manifest's table of every stored unit's crc32c ([SP-MAN-7]), which
+    a reader checks each unit it reads against ([SP-READ-8]), or None."""
 
     shape: tuple
     dtype: str
     chunk_shape: tuple
+    chunk_crc32c: Optional[bytes] = field(default=None, compare=False, repr=False)
 
 
 @runtime_checkable

@@ -92,7 +92,25 @@ def strict_pairs(pairs: list) -> dict:
         seen: set = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))
         raise CorruptCheckpointError(f"msgpack map repeats key {dup!r}", spec_id="SP-MAN-5")
+    for v in d.values():
+        if type(v) is msgpack.Timestamp:
+            _timestamp()
     return d
+
+
+def _timestamp() -> None:
+    """msgpack's ext type -1 (a timestamp), which the decoder builds itself instead of calling
+    the ext hook: an extension type the format does not define ([SP-VALUE-2], 1.3)."""
+    raise CorruptCheckpointError("unknown msgpack extension type -1 (a msgpack timestamp)",
+                                 spec_id="SP-VALUE-2")
+
+
+def strict_list(items: list) -> list:
+    """List hook of the decoder: no msgpack timestamp among the items (see :func:`_timestamp`)."""
+    for v in items:
+        if type(v) is msgpack.Timestamp:
+            _timestamp()
+    return items
 
 
 def _max_depth(v: Any, stop: int) -> int:
@@ -229,7 +247,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
             name, shape, raw, origin = msgpack.unpackb(data, raw=False, **UNPACK_LIMITS)
             d = dtypes.from_name(name)
             if not (isinstance(raw, bytes) and isinstance(shape, list) and all(
-                    type(n) is int and n >= 0 for n in shape) and len(shape) <= MAX_RANK
+                    type(n) is int and 0 <= n < 1 << 63 for n in shape)    # [SP-SEC-2]
+                    and len(shape) <= MAX_RANK
                     and len(raw) == _prod(shape) * d.itemsize):
                 raise ValueError(f"shape {shape!r} does not match {len(raw)} data bytes")
             if origin not in ORIGINS or (
@@ -267,6 +286,7 @@ def _decode_one(data: bytes, hooked: bool, seen: Optional[list] = None) -> Any:
     kw = dict(raw=False, strict_map_key=False, ext_hook=hook, **UNPACK_LIMITS)
     if hooked:
         kw["object_pairs_hook"] = strict_pairs
+        kw["list_hook"] = strict_list
     try:
         return msgpack.unpackb(data, **kw)
     except (msgpack.StackError, RecursionError) as e:

@@ -298,7 +298,9 @@ class StoredArray:
         self.np_dtype = np.dtype(DTYPES[entry["dtype"]].numpy) if entry["dtype"] in DTYPES \
             else None
         self.itemsize = self.np_dtype.itemsize
-        spec = ArraySpec(tuple(self.shape), entry["dtype"], tuple(self.chunk))
+        # the chunk table (1.3, [SP-MAN-7]) goes with it: the core's reads check each unit
+        spec = ArraySpec(tuple(self.shape), entry["dtype"], tuple(self.chunk),
+                         entry.get("chunk_crc32c"))
         self.handle = READER.open_array_for_read(root, entry["array"], spec, key)
         self._unbacked = None if is_local(root) else (listing or start_listing(root))
 

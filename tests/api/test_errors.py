@@ -178,7 +178,10 @@ def test_verify_reports_writer_rules_by_id(tmp_ckpt):
 
 
 @pytest.mark.parametrize("edit, sid", [
-    (lambda b: b["tensors"]["w"].update(dtype=["float32"]), "SP-DTYPE-1"),
+    # 1.3: a dtype that is not a str is a malformed field (SP-MAN-3), a str naming no dtype
+    # of the table is SP-DTYPE-1 (unsupported)
+    (lambda b: b["tensors"]["w"].update(dtype=["float32"]), "SP-MAN-3"),
+    (lambda b: b["tensors"]["w"].update(dtype="float128"), "SP-DTYPE-1"),
     (lambda b: b["tree"]["dict"].append(b["tree"]["dict"][0]), "SP-MAN-4"),
     (lambda b: b["tree"]["dict"].append(["v", {"value": [1, 2]}]), "SP-MAN-4"),
     (lambda b: b["tree"]["dict"].append(["v", {"value": 1, "x": 2}]), "SP-MAN-4"),

@@ -64,6 +64,10 @@ ALLOWED = {
         "empties a temporary copy of a vector it builds an invalid case from",
     ("conformance/shardpoint_conformance/vector_damage_12.py", "os.remove"):
         "the same temporary copy's files",
+    ("conformance/shardpoint_conformance/vector_damage_13.py", "shutil.rmtree"):
+        "replaces a chunk directory of a temporary copy of a vector by a file (1.3 case)",
+    ("conformance/shardpoint_conformance/vector_damage_13.py", "os.remove"):
+        "replaces a chunk file of a temporary copy of a vector by a directory (1.3 case)",
 }
 
 

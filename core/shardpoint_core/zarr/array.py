@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -43,6 +43,7 @@ from shardpoint_core.store.base import ByteStore
 from shardpoint_core.zarr.checks import check_shard_index, checked_zarr_json
 from shardpoint_core.zarr.direct_write import (INNER_ALIGN, encode_chunk, stored_codecs,
                                                zarr_json_bytes)
+from shardpoint_core.zarr.identity import check_unit, table_of, unit_of
 from shardpoint_core.zarr.layout import codecs_for, fill_value
 
 MAX_ZARR_JSON_BYTES = 1 << 20
@@ -61,6 +62,18 @@ class ArrayLayout:
     chunk: tuple
     inner: Optional[tuple]
     codecs: list
+    #: (1.3) the manifest's crc32c of every stored unit, checked by every read ([SP-READ-8])
+    crcs: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
+
+    def with_table(self, raw: Optional[bytes], key: str, where: str) -> "ArrayLayout":
+        """This layout holding the manifest's chunk table ([SP-MAN-7]), its length checked."""
+        if raw is None:
+            return self
+        return replace(self, crcs=table_of(raw, self.shape, self.chunk, self.inner, key, where))
+
+    def unit(self, origin: Sequence[int]) -> int:
+        """The unit number of the (inner) chunk starting at global ``origin``."""
+        return unit_of(origin, self.shape, self.chunk, self.inner)
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -140,21 +153,26 @@ def read_array_meta(store: ByteStore, array_path: str, spec: ArraySpec,
                    "SP-SEC-2")
     # The parsing rules of [SP-ARRAY-6] (a repeated name, depth, ``-0``) as on files.
     return ArrayLayout.from_meta(checked_zarr_json(
-        bytes(raw), tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key, jkey))
+        bytes(raw), tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key, jkey)
+    ).with_table(spec.chunk_crc32c, key, array_path)
 
 
 # -------------------------------------------------------------------------- encoding
 def decode_chunk(buf: np.ndarray, layout: ArrayLayout, cshape: tuple, key: str,
-                 where: str) -> np.ndarray:
-    """The array of shape ``cshape`` stored in ``buf`` (data + 4 CRC bytes), checked."""
+                 where: str, unit: Optional[int] = None) -> np.ndarray:
+    """The array of shape ``cshape`` stored in ``buf`` (data + 4 CRC bytes), checked; with
+    ``unit``, also against the manifest's chunk table ([SP-READ-8])."""
     n = math.prod(cshape) * layout.itemsize
     if buf.nbytes != n + 4:
         raise _bad(key, where, f"{buf.nbytes} bytes stored, a chunk of {list(cshape)} "
                    f"{layout.dtype} is {n + 4} with its checksum", "SP-READ-3")
-    if crc32c.crc32c(buf[:n]) != int.from_bytes(buf[n:].tobytes(), "little"):
+    stored = int.from_bytes(buf[n:].tobytes(), "little")
+    if crc32c.crc32c(buf[:n]) != stored:
         raise _bad(key, where, "crc32c mismatch", "SP-READ-3")
     if layout.dtype == "bool" and n and int(buf[:n].max()) > 1:
         raise _bad(key, where, "a bool byte other than 0 or 1 ([SP-READ-5])", "SP-READ-3")
+    if unit is not None:
+        check_unit(layout.crcs, unit, stored, key, where)
     return buf[:n].view(layout.np_dtype).reshape(cshape)
 
 
@@ -170,7 +188,8 @@ def inner_stride(layout: ArrayLayout) -> Tuple[int, int]:
     return nb, (-nb % INNER_ALIGN if nb >= 64 * INNER_ALIGN else 0)
 
 
-def encode_shard(data: np.ndarray, origin: tuple, layout: ArrayLayout) -> List[np.ndarray]:
+def encode_shard(data: np.ndarray, origin: tuple, layout: ArrayLayout,
+                 crcs: Optional[bytearray] = None) -> List[np.ndarray]:
     """The buffers of one whole shard file whose part inside the tensor is ``data``: inner
     chunks in C order (those wholly outside the tensor absent, as TensorStore leaves them),
     each padded as :func:`inner_stride` says, then the index and its CRC."""
@@ -186,6 +205,8 @@ def encode_shard(data: np.ndarray, origin: tuple, layout: ArrayLayout) -> List[n
         index[n] = (pos, nb)
         bufs += encode_chunk(data[tuple(slice(x, x + k) for x, k in zip(lo, layout.inner))],
                              layout.inner, layout.itemsize)
+        if crcs is not None:     # the unit's crc32c for the chunk table ([SP-MAN-7])
+            crcs[4 * n:4 * n + 4] = bufs[-1].tobytes()
         if gap:
             bufs.append(_ZEROS[:gap])
         pos += nb + gap
@@ -269,14 +290,18 @@ def _check_region(layout: ArrayLayout, offset: Sequence[int], shape: Sequence[in
 
 
 def write_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tuple,
-                data: np.ndarray) -> None:
+                data: np.ndarray, sink: Optional[Callable] = None) -> None:
     """Write chunk ``cidx`` whole: ``data`` is its part inside the tensor (one ``put`` of
-    the buffers, no joined copy)."""
+    the buffers, no joined copy). ``sink(cidx)``: the slots to record its units' crc32c in
+    (the chunk table, [SP-MAN-7])."""
     origin = tuple(i * c for i, c in zip(cidx, layout.chunk))
+    crcs = sink(cidx) if sink is not None else None
     if layout.inner is None:
         bufs = encode_chunk(data, layout.chunk, layout.itemsize)
+        if crcs is not None:
+            crcs[0:4] = bufs[-1].tobytes()
     else:
-        bufs = encode_shard(data, origin, layout)
+        bufs = encode_shard(data, origin, layout, crcs)
     store.put(chunk_key(array_path, cidx), bufs)
 
 
@@ -291,7 +316,8 @@ def read_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tup
 
 
 def write_region(store: ByteStore, array_path: str, layout: ArrayLayout,
-                 offset: Sequence[int], data: np.ndarray, key: str = "") -> None:
+                 offset: Sequence[int], data: np.ndarray, key: str = "",
+                 sink: Optional[Callable] = None) -> None:
     """Write ``data`` at ``offset``. Whole chunks are encoded straight from ``data``; a chunk
     covered in part is read (zeros where it does not exist yet), changed and rewritten."""
     offset = tuple(int(o) for o in offset)
@@ -308,7 +334,7 @@ def write_region(store: ByteStore, array_path: str, layout: ArrayLayout,
                 whole = np.zeros(valid, layout.np_dtype)
             whole[_box(origin, valid, blo, bhi)] = part
             part = whole
-        write_chunk(store, array_path, layout, cidx, part)
+        write_chunk(store, array_path, layout, cidx, part, sink)
 
 
 def _missing(key: str, ckey: str) -> CorruptCheckpointError:
@@ -370,7 +396,8 @@ def _read_chunk_box(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tu
         raw = store.get_range(ckey, 0, n + 1)
     except FileNotFoundError as e:
         raise _missing(key, ckey) from e
-    full = decode_chunk(np.frombuffer(raw, np.uint8), layout, layout.chunk, key, ckey)
+    full = decode_chunk(np.frombuffer(raw, np.uint8), layout, layout.chunk, key, ckey,
+                        layout.unit(origin))
     dst[...] = full[_box(origin, layout.chunk, blo, bhi)]
     return []
 
@@ -490,9 +517,9 @@ def _read_run(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple, b
     _fill(store, ckey, start, buf, key)
     for pos, ii in run:
         where = f"{ckey} inner chunk {list(ii)}"
-        full = decode_chunk(buf[pos - start:pos - start + nb], layout, layout.inner, key,
-                            where)
         ilo = tuple(o + i * k for o, i, k in zip(origin, ii, layout.inner))
+        full = decode_chunk(buf[pos - start:pos - start + nb], layout, layout.inner, key,
+                            where, layout.unit(ilo))
         sl = tuple(max(a, b) for a, b in zip(ilo, blo))
         sh = tuple(min(a + k, b) for a, k, b in zip(ilo, layout.inner, bhi))
         dst[_box(blo, dst.shape, sl, sh)] = full[_box(ilo, layout.inner, sl, sh)]

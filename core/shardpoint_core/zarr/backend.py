@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -55,6 +56,7 @@ from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_read import DirectReader, parse_layout, whole_chunk_files
 from shardpoint_core.zarr.direct_write import (DirectWriter, WritePool, stored_codecs,
                                                write_layout, zarr_json_bytes)
+from shardpoint_core.zarr.identity import CrcSink, chunk_number, units_per_chunk
 from shardpoint_core.zarr.layout import codecs_for, fill_value
 from shardpoint_core.zarr.object_read import ObjectArray
 from shardpoint_core.zarr.ts_check import LazyTS, TensorStoreCheck, TSHandle, check_metadata
@@ -67,12 +69,12 @@ class _Array:
     layout, and the tensor's key (for errors). ``root``: the save it is written in, while
     its zarr.json is still to be written by this process."""
 
-    __slots__ = ("store", "path", "layout", "key", "root")
+    __slots__ = ("store", "path", "layout", "key", "root", "sink")
 
     def __init__(self, store: Any, path: str, layout: ArrayLayout, key: str,
-                 root: Optional[str] = None) -> None:
+                 root: Optional[str] = None, sink: Any = None) -> None:
         self.store, self.path, self.layout, self.key = store, path, layout, key
-        self.root = root
+        self.root, self.sink = root, sink
 
 
 class _WriteHandle(LazyTS):
@@ -87,7 +89,8 @@ class _WriteHandle(LazyTS):
 
     def write_part(self, offset: tuple, data: np.ndarray) -> None:
         with self.partial:
-            write_region(self.arr.store, self.arr.path, self.arr.layout, offset, data)
+            write_region(self.arr.store, self.arr.path, self.arr.layout, offset, data,
+                         sink=self.arr.sink)
 
 
 class _DirectHandle(LazyTS):
@@ -153,6 +156,7 @@ class ZarrBackend:
         # ``_remote`` may wait for one without a deadlock
         self._meta_reads = WritePool(concurrency, "sp-meta")
         self._staged: Dict[str, bytes] = {}      # object-store staging -> its manifest
+        self._crcs: Dict[str, CrcSink] = {}      # staging -> units' crc32c written ([SP-MAN-7])
         self.committer = PathCommitter(PosixCommitter(fsync=fsync), UrlCommitter(self.locate))
 
     def __repr__(self) -> str:
@@ -222,8 +226,9 @@ class ZarrBackend:
         lay = ArrayLayout.from_meta(stored)
         store, prefix = self.locate(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
+        sink = self._sink(root, array_path, lay)
         if not store.capabilities.local_path:
-            arr = _Array(store, path, lay, array_path, root)
+            arr = _Array(store, path, lay, array_path, root, sink)
             if 0 in lay.shape:          # no chunk, so no writer of chunk 0: every opener
                 self._write_meta(arr)
             return arr
@@ -243,8 +248,25 @@ class ZarrBackend:
         except OSError as e:
             raise SaveFailedError(f"cannot create array {array_path!r} under {root}: "
                                   f"{e}") from e
-        return _WriteHandle(DirectWriter(wlay, self._write_pool.submit, self.fsync), open_ts,
-                            _Array(FileStore(root, fsync=False), path, lay, array_path))
+        return _WriteHandle(DirectWriter(wlay, self._write_pool.submit, self.fsync, sink),
+                            open_ts, _Array(FileStore(root, fsync=False), path, lay,
+                                            array_path, sink=sink))
+
+    def _sink(self, root: str, array_path: str, lay: ArrayLayout) -> Any:
+        """``cidx -> slots`` recording the crc32c of the units this process writes into the
+        array, for the chunk table ([SP-MAN-7]); :meth:`take_chunk_crc32c` hands them over."""
+        with self._lock:
+            sink = self._crcs.setdefault(root, CrcSink())
+        units = units_per_chunk(lay.chunk, lay.inner)
+        return lambda cidx: sink.chunk(array_path, chunk_number(cidx, lay.shape, lay.chunk),
+                                       units)
+
+    def take_chunk_crc32c(self, root: str) -> dict:
+        """What this process's writes under ``root`` recorded: array path -> chunk number ->
+        its units' crc32c bytes (writes through TensorStore record nothing)."""
+        with self._lock:
+            sink = self._crcs.pop(root, None)
+        return sink.take() if sink is not None else {}
 
     def write(self, handle: Any, offset: Sequence[int], data: np.ndarray) -> Any:
         if isinstance(handle, _WriteHandle):
@@ -256,7 +278,8 @@ class ZarrBackend:
             if handle.root is not None and not any(offset):
                 self._write_meta(handle)
             return self._remote.submit(write_region, handle.store, handle.path,
-                                       handle.layout, tuple(offset), data, handle.key)
+                                       handle.layout, tuple(offset), data, handle.key,
+                                       handle.sink)
         return self.ts.write(handle, offset, data)
 
     def _write_meta(self, arr: _Array) -> None:
@@ -311,6 +334,7 @@ class ZarrBackend:
     def abort(self, staging: str) -> None:
         with self._lock:
             self._staged.pop(staging, None)
+            self._crcs.pop(staging, None)
             pending = self._meta.pop(staging, [])
             if is_local(staging):
                 self._written.pop(os.path.abspath(staging), None)
@@ -388,12 +412,14 @@ class ZarrBackend:
         if not (self.direct_reads and spec.dtype in DTYPES and sys.byteorder == "little"):
             return TSHandle(self.ts.open_for_read(root, array_path, spec, key), key)
         apath = os.path.join(root, array_path)
-        arr = _Array(store, path, ArrayLayout.from_meta(meta), key)
+        lay = ArrayLayout.from_meta(meta).with_table(spec.chunk_crc32c, key, array_path)
+        arr = _Array(store, path, lay, key)
         # bool goes to the Zarr layer, which refuses bytes other than 0/1 ([SP-READ-5]).
         dlay = parse_layout(meta, apath, DTYPES[spec.dtype].numpy) \
             if spec.dtype != "bool" else None
         if dlay is None:
             return arr
+        dlay = replace(dlay, crcs=lay.crcs)      # the chunk table too ([SP-READ-8])
         check_metadata(dlay.shape, meta, spec, key, array_path)
         return _DirectHandle(dlay, lambda: self.ts.open_for_read(root, array_path, spec, key),
                              arr)

@@ -105,10 +105,11 @@ def scan_array(root: str, array_path: str, key: str) -> tuple:
     except OSError as e:
         raise _corrupt(key, f"cannot stat {path!r}: {e}", "SP-SEC-5") from e
     zarr_json = None
-    chunks: list = []
-    stack = [(path, 0)]         # (directory, 0: the array's own, 1: chunks below it, 2: other)
+    chunks = _ChunkEntries()
+    # (directory, 0: the array's own, 1: chunks below it, 2: other; levels below c/)
+    stack = [(path, 0, 0)]
     while stack:
-        d, where = stack.pop()
+        d, where, level = stack.pop()
         with os.scandir(d) as it:
             for e in it:
                 top = where == 0
@@ -118,13 +119,17 @@ def scan_array(root: str, array_path: str, key: str) -> tuple:
                                        "only regular files and directories", "SP-SEC-5")
                     zarr_json = e.path
                 elif e.is_dir(follow_symlinks=False):
-                    stack.append((e.path, 1 if where == 1 or top and e.name == "c" else 2))
+                    below = where == 1 or top and e.name == "c"
+                    stack.append((e.path, 1 if below else 2, level + 1 if below else 0))
+                    if below:
+                        chunks.dirs.append((e.path, level))
                 elif not e.is_file(follow_symlinks=False):
                     raise _corrupt(key, f"{e.path!r} is a symlink or special file; a "
                                    "checkpoint holds only regular files and directories",
                                    "SP-SEC-5")
                 elif where == 1 or top and e.name == "c":
                     chunks.append(e)
+                    chunks.levels.append(level)
     if zarr_json is None:
         raise _corrupt(key, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1")
     try:
@@ -144,6 +149,32 @@ def scan_array(root: str, array_path: str, key: str) -> tuple:
     finally:
         os.close(fd)
     return raw, chunks
+
+
+class _ChunkEntries(list):
+    """The regular files below an array's ``c`` (``c`` itself for a 0-d array), with how many
+    directories below ``c`` each lies (``levels``) and the directories there (``dirs``:
+    ``(path, level)``), so that their places can be checked against the grid's rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.levels: list = []
+        self.dirs: list = []
+
+
+def check_chunk_places(entries: list, ndim: int, key: str) -> None:
+    """(1.3) Chunk files lie exactly ``ndim`` levels below ``c`` (``c/i/j``; ``c`` itself for
+    a 0-d array) and directories only above them: a regular file where a directory of the
+    chunk tree belongs, or a directory where a chunk file belongs, is [SP-SEC-5] (a reader
+    opens only regular files, through real directories), never a missing chunk."""
+    for e, level in zip(entries, getattr(entries, "levels", ())):
+        if level != ndim:       # level: directories from the array's own down to the file
+            raise _corrupt(key, f"{e.path!r} is a regular file where the chunk tree of a "
+                           f"{ndim}-dimensional array holds a directory", "SP-SEC-5")
+    for d, level in getattr(entries, "dirs", ()):
+        if level >= ndim:
+            raise _corrupt(key, f"{d!r} is a directory where the chunk tree of a "
+                           f"{ndim}-dimensional array holds a chunk file", "SP-SEC-5")
 
 
 def _read_capped(fd: int, size: int) -> bytes:
@@ -209,6 +240,7 @@ def open_local_array(root: str, array_path: str, shape: tuple, dtype: str, chunk
     zarr.json (shared: not to be changed)."""
     raw, entries = scan_array(root, array_path, key)
     meta = checked_zarr_json(raw, shape, dtype, chunk, key, f"{array_path}/zarr.json")
+    check_chunk_places(entries, len(shape), key)
     found = check_chunk_sizes(entries, chunk_file_sizes(meta, itemsize), key)
     check_backed_bytes(key, array_path, shape, chunk, itemsize, found)
     return meta
@@ -355,6 +387,21 @@ def _json_int(token: str) -> Any:
     return -0.0 if v == 0 and token.startswith("-") else v
 
 
+def _json_float(token: str) -> Any:
+    """JSON fractions and exponents as floats, except a non-zero number that binary64 rounds
+    to zero (``1e-400``): kept as its text, which no fill value accepts ([SP-ARRAY-3]: the
+    number's value counts, 1.3)."""
+    v = float(token)
+    if v == 0 and any(c in "123456789" for c in token.lower().split("e")[0]):
+        return token
+    return v
+
+
+def _no_constant(token: str) -> Any:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (RFC 8259): [SP-ARRAY-1], 1.3."""
+    raise ValueError(f"{token} is not a JSON number (RFC 8259)")
+
+
 class _RepeatedName(ValueError):
     pass
 
@@ -387,7 +434,8 @@ def parse_zarr_json(raw: bytes, key: str, where: str = "zarr.json") -> Any:
     except UnicodeDecodeError as e:
         raise _corrupt(key, f"{where} is not UTF-8: {e}", "SP-ARRAY-6") from e
     try:
-        return json.loads(text, object_pairs_hook=_unique_pairs, parse_int=_json_int)
+        return json.loads(text, object_pairs_hook=_unique_pairs, parse_int=_json_int,
+                          parse_float=_json_float, parse_constant=_no_constant)
     except _RepeatedName as e:
         raise _corrupt(key, f"{where}: {e}", "SP-ARRAY-6") from e
     except (ValueError, RecursionError) as e:
@@ -413,6 +461,14 @@ def _is_zero(v: Any) -> bool:
     return (type(v) in (int, float) and v == 0 and math.copysign(1.0, v) > 0)
 
 
+def _same_ints(got: Any, want: Sequence[int]) -> bool:
+    """``got`` is the list of JSON integers ``want``: a float such as ``5.0`` or the ``-0``
+    that :func:`_json_int` reads as ``-0.0`` compares equal in Python, yet is not one (1.3,
+    [SP-ARRAY-2])."""
+    return (isinstance(got, list) and len(got) == len(want)
+            and all(type(g) is int and g == w for g, w in zip(got, want)))
+
+
 def check_zarr_json(meta: dict, shape: tuple, dtype: str, chunk: tuple, key: str) -> None:
     """``zarr.json`` against the manifest entry and the spec ([SP-ARRAY-2/3/5])."""
     for k, v in meta.items():
@@ -434,11 +490,12 @@ def check_zarr_json(meta: dict, shape: tuple, dtype: str, chunk: tuple, key: str
         raise _corrupt(key, "zarr.json attributes is not an object", "SP-ARRAY-5")
     want_grid = {"name": "regular", "configuration": {"chunk_shape": list(chunk)}}
     problems = []
-    if meta.get("shape") != list(shape):
+    if not _same_ints(meta.get("shape"), shape):
         problems.append(f"shape {meta.get('shape')!r} != manifest {list(shape)}")
     if meta.get("data_type") != dtype:
         problems.append(f"data_type {meta.get('data_type')!r} != manifest {dtype!r}")
-    if meta.get("chunk_grid") != want_grid:
+    grid = meta.get("chunk_grid")
+    if grid != want_grid or not _same_ints(grid["configuration"]["chunk_shape"], chunk):
         problems.append(f"chunk_grid {meta.get('chunk_grid')!r} != {want_grid}")
     codecs = meta.get("codecs")
     if not _plain_chain(codecs, dtype):
@@ -448,8 +505,11 @@ def check_zarr_json(meta: dict, shape: tuple, dtype: str, chunk: tuple, key: str
                 and isinstance(conf, dict)):
             names = [c.get("name") if isinstance(c, dict) else c for c in codecs] \
                 if isinstance(codecs, list) else codecs
-            if isinstance(names, list) and names and all(
-                    n in ("bytes", "crc32c", "sharding_indexed") for n in names):
+            if not (isinstance(names, list) and names and all(isinstance(n, str)
+                                                                 for n in names)):
+                # missing, empty or malformed: damage, not a later construct (1.3)
+                problems.append(f"codecs {codecs!r} is not a list of named codecs")
+            elif all(n in ("bytes", "crc32c", "sharding_indexed") for n in names):
                 problems.append(f"codec chain {names} is not one the spec allows (bytes "
                                 "then crc32c, each chunk and shard index ending in crc32c)")
             else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import crc32c
@@ -25,6 +25,7 @@ import numpy as np
 
 from shardpoint_core.store.files import preadv_all
 from shardpoint_core.zarr.checks import check_shard_index
+from shardpoint_core.zarr.identity import unit_matches, unit_of
 
 _KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
          "fill_value", "codecs", "attributes", "dimension_names"}
@@ -46,6 +47,14 @@ class DirectLayout:
     inner: Optional[tuple]  # inner chunk shape when the chunks are shards
     itemsize: int
     dtype: np.dtype
+    #: (1.3) the manifest's chunk table ([SP-MAN-7]); a unit that disagrees with it goes to
+    #: the fallback, which raises [SP-READ-8]
+    crcs: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
+
+    def matches(self, origin: tuple, stored: int) -> bool:
+        """The (inner) chunk at ``origin`` has the crc32c the table records for it."""
+        return self.crcs is None or unit_matches(
+            self.crcs, unit_of(origin, self.shape, self.chunk, self.inner), stored)
 
 
 def _plain_chain(codecs: Any, itemsize: int) -> bool:
@@ -207,7 +216,8 @@ class DirectReader:
         if bufs is not None:
             if preadv_all(fd, bufs, pos) != nbytes + 4:
                 return False
-            return _crc(bufs[:-1]) == int.from_bytes(bufs[-1].tobytes(), "little")
+            stored = int.from_bytes(bufs[-1].tobytes(), "little")
+            return _crc(bufs[:-1]) == stored and lay.matches(origin, stored)
         valid = tuple(min(c, n - o) for c, n, o in zip(cshape, lay.shape, origin))
         blo = tuple(max(o, q) for o, q in zip(origin, offset))
         bhi = tuple(min(o + v, q + s) for o, v, q, s in zip(origin, valid, offset, out.shape))
@@ -215,7 +225,8 @@ class DirectReader:
         buf = np.empty(nbytes + 4, np.uint8)
         if preadv_all(fd, [buf], pos) != nbytes + 4:
             return False
-        if crc32c.crc32c(buf[:nbytes]) != int.from_bytes(buf[nbytes:].tobytes(), "little"):
+        stored = int.from_bytes(buf[nbytes:].tobytes(), "little")
+        if crc32c.crc32c(buf[:nbytes]) != stored or not lay.matches(origin, stored):
             return False
         full = buf[:nbytes].view(lay.dtype).reshape(cshape)
         np.copyto(dst, _sub(full, blo, bhi, origin))
@@ -313,10 +324,13 @@ class DirectReader:
             if got != run[-1][0] + inner_bytes - run[0][0]:
                 alone = run
             else:
-                alone = [item for item, bs in zip(run, plans) if
-                         _crc(bs[:-1]) != int.from_bytes(bs[-1].tobytes(), "little")]
+                alone = [item for item, bs in zip(run, plans) if not self._intact(item[2], bs)]
         for pos, nb, iorigin in alone:
             self._inner(cidx, pos, nb, inner_bytes, iorigin, offset, out)
+
+    def _intact(self, origin: tuple, bufs: list) -> bool:
+        stored = int.from_bytes(bufs[-1].tobytes(), "little")
+        return _crc(bufs[:-1]) == stored and self.lay.matches(origin, stored)
 
     def _inner(self, cidx: tuple, pos: int, nb: int, inner_bytes: int, iorigin: tuple,
                offset: tuple, out: np.ndarray) -> None:

@@ -160,10 +160,13 @@ class WriteOp:
 
 
 class DirectWriter:
-    """Writes whole chunks of one array as tasks on ``submit``; see the module docstring."""
+    """Writes whole chunks of one array as tasks on ``submit``; see the module docstring.
+    ``sink(cidx)``: the slots to record chunk ``cidx``'s units' crc32c in, for the
+    manifest's chunk table ([SP-MAN-7]); None records nothing."""
 
-    def __init__(self, lay: WriteLayout, submit: Callable, early_writeback: bool = True) -> None:
-        self.lay, self.submit, self.early = lay, submit, early_writeback
+    def __init__(self, lay: WriteLayout, submit: Callable, early_writeback: bool = True,
+                 sink: Optional[Callable] = None) -> None:
+        self.lay, self.submit, self.early, self.sink = lay, submit, early_writeback, sink
         self._dirs: set = set()          # chunk directories made so far
         self._dirs_lock = threading.Lock()
 
@@ -193,12 +196,15 @@ class DirectWriter:
             return None
         cidx = tuple(o // c for o, c in zip(offset, lay.chunk))
         path = self._chunk_path(cidx)
+        crcs = self.sink(cidx) if self.sink is not None else None
         if lay.inner is None:
+            rec = None if crcs is None else (crcs, 0)
             return WriteOp([self.submit(_write_units, path,
-                                        [(0, data, lay.chunk, lay.itemsize)], self.early)])
-        return WriteOp(self._shard(path, offset, data))
+                                        [(0, data, lay.chunk, lay.itemsize, rec)], self.early)])
+        return WriteOp(self._shard(path, offset, data, crcs))
 
-    def _shard(self, path: str, origin: tuple, data: np.ndarray) -> list:
+    def _shard(self, path: str, origin: tuple, data: np.ndarray,
+               crcs: Optional[bytearray] = None) -> list:
         lay = self.lay
         inner = lay.inner
         per = tuple(c // i for c, i in zip(lay.chunk, inner))
@@ -218,28 +224,32 @@ class DirectWriter:
             if runs[-1] and run_bytes >= RUN_BYTES:
                 runs.append([])
                 run_bytes = 0
-            runs[-1].append((pos, sub, inner, lay.itemsize))
+            runs[-1].append((pos, sub, inner, lay.itemsize,
+                             None if crcs is None else (crcs, 4 * n)))
             if gap:
-                runs[-1].append((pos + inner_bytes, [_ZEROS[:gap]], None, 0))
+                runs[-1].append((pos + inner_bytes, [_ZEROS[:gap]], None, 0, None))
             pos += inner_bytes + gap
             run_bytes += inner_bytes + gap
         ib = index.reshape(-1).view(np.uint8)
         idx_buf = [ib, np.frombuffer(crc32c.crc32c(ib).to_bytes(4, "little"), np.uint8)]
-        runs[-1].append((pos, idx_buf, None, 0))
+        runs[-1].append((pos, idx_buf, None, 0, None))
         return [self.submit(_write_units, path, run, self.early) for run in runs if run]
 
 
 def _write_units(path: str, units: list, early: bool) -> None:
-    """One task: encode ``units`` = [(file position, data, chunk shape, itemsize)] (or
-    pre-encoded buffers with chunk shape None), write them with one ``pwritev`` per run of
-    adjacent units, and (``early``) start their writeback."""
+    """One task: encode ``units`` = [(file position, data, chunk shape, itemsize, record)]
+    (or pre-encoded buffers with chunk shape None), write them with one ``pwritev`` per run
+    of adjacent units, and (``early``) start their writeback. ``record``: None, or
+    ``(slots, at)`` to keep the unit's crc32c in (the chunk table, [SP-MAN-7])."""
     bufs: list = []
     start = units[0][0]
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
-            for pos, data, cshape, itemsize in units:
+            for pos, data, cshape, itemsize, rec in units:
                 enc = data if cshape is None else encode_chunk(data, cshape, itemsize)
+                if rec is not None:
+                    rec[0][rec[1]:rec[1] + 4] = enc[-1].tobytes()
                 if bufs and pos != start + sum(b.nbytes for b in bufs):
                     _flush_run(fd, bufs, start, early)
                     bufs, start = [], pos

@@ -25,7 +25,9 @@ from shardpoint.api.replicas import check_replicas
 from shardpoint.exchange.comm import (AFTER_SAVE, Comm, after_commit, agree, exchange,
                                       run_collectively)
 from shardpoint_core.fsutil import os_error_text
-from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
+from shardpoint_core.manifest import (FORMAT_VERSION, FORMAT_VERSION_1_3, Manifest,
+                                      TensorEntry, array_path_for, encode_manifest)
+from shardpoint_core.zarr.identity import join_tables
 from shardpoint.tree.flatten import flatten_state
 from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.save_global import (encode_save_global, layouts_of,
@@ -156,6 +158,7 @@ class SaveJob:
         self.staging_bytes = 0
         self.written = 0
         self.error: Optional[BaseException] = None   # a local failure, shared at commit
+        self.crcs: dict = {}             # what this rank's writes recorded for the chunk tables
         self._handles: dict = {}
         self._created = False            # the arrays this rank owns exist (and ranks agreed)
 
@@ -417,13 +420,20 @@ class SaveJob:
         """Every rank reports; if all succeeded the coordinator writes the manifest and
         renames the staging directory into place, else it removes it and all ranks raise."""
         t = time.perf_counter()
+        # what this rank's writes recorded for the chunk tables ([SP-MAN-7]), taken on every
+        # outcome so nothing stays in the backend; an optional capability of a backend
+        take = getattr(self.be, "take_chunk_crc32c", None)
+        crcs = take(self.staging) if take is not None and self.staging else {}
+        self.crcs = crcs if self.error is None else {}
 
         def report() -> bytes:
             e = self.error
             if e is not None:
                 raise e if isinstance(e, errors.ShardpointError) else errors.SaveFailedError(
                     f"{type(e).__name__}: {e}")
-            return b""
+            # the crc32c of the units this rank wrote, for the chunk tables ([SP-MAN-7])
+            return msgpack.packb([[p, [[f, b] for f, b in d.items()]]
+                                  for p, d in self.crcs.items()], use_bin_type=True)
 
         comm.after_failure = after_commit(self.path)
         try:
@@ -458,14 +468,16 @@ class SaveJob:
         if self.comm.is_coordinator and self.staging:
             self.be.abort(self.staging)
 
-    def _publish(self, _payloads: list) -> list:
+    def _publish(self, payloads: list) -> list:
         """Coordinator, every rank having succeeded: manifest last, then the rename."""
         plan = self.global_plan
         try:
-            m = Manifest(plan.tree, {k: TensorEntry(k, array_path_for(k), v.shape, v.dtype,
-                                                    v.chunk_shape)
-                                     for k, v in plan.tensors.items()},
-                         plan.objects, save_world_size=self.comm.size)
+            m = Manifest(plan.tree, _entries(plan.tensors, payloads), plan.objects,
+                         save_world_size=self.comm.size)
+            if any(e.chunk_crc32c is not None for e in m.tensors.values()):
+                m.format_version = FORMAT_VERSION_1_3      # the bytes hold a 1.3 construct
+            else:
+                m.format_version = FORMAT_VERSION
             self.be.write_manifest(self.staging, encode_manifest(m))
             self.be.commit(self.staging, self.path, overwrite=self.overwrite)
         except BaseException as e:
@@ -477,6 +489,21 @@ class SaveJob:
                     "was committed; the staged files are removed") from e
             raise
         return [b""] * self.comm.size
+
+
+def _entries(tensors: dict, payloads: list) -> dict:
+    """The manifest's tensor entries, each with its chunk table ([SP-MAN-7]) where every
+    chunk's writer recorded its units' crc32c (``payloads``: the ranks' commit reports)."""
+    merged: dict = {}      # array path -> chunk number -> its units' crc32c, every rank's
+    for p in payloads:     # one pass over what the ranks sent, not one per tensor and rank
+        for path, chunks in (msgpack.unpackb(p, raw=False) if p else ()):
+            merged.setdefault(path, {}).update(chunks)
+    out = {}
+    for k, v in tensors.items():
+        path = array_path_for(k)
+        out[k] = TensorEntry(k, path, v.shape, v.dtype, v.chunk_shape,
+                             join_tables([merged], path, v.shape, v.chunk_shape))
+    return out
 
 
 # -------------------------------------------------------------------------------- save
