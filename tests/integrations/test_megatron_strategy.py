@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None or
 def _ssd(*args, **kwargs):
     """test_megatron's state dict without the flattened_range optimizer pieces, which
     megatron-core 0.16's own ``save`` refuses ("flattened_range is not supported")."""
-    from test_megatron import sharded_state_dict
+    from .test_megatron import sharded_state_dict
     ssd = sharded_state_dict(*args, **kwargs)
     state = ssd["optimizer"]["state"]
     for k in [k for k, v in state.items() if getattr(v, "flattened_range", None) is not None]:
@@ -42,7 +42,7 @@ def _job(rank, world, base):
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
         FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
     import shardpoint.integrations.megatron_strategy as ms
-    from test_megatron import check_loaded
+    from .test_megatron import check_loaded
     ms.use_shardpoint_common(True)
     bad = []
 
