@@ -63,3 +63,28 @@ def test_tests_of_optional_parts_skip_when_the_part_is_absent(tmp_path):
     assert "error" not in out.lower().split("short test summary")[-1], out[-3000:]
     assert f"{len(files)} skipped" in out, out[-3000:]
     assert "jax" in out.split("short test summary")[-1], out[-3000:]     # the reason shown
+
+
+def readme_commands() -> tuple[str, str]:
+    """The README's first two ``sh`` blocks: the install (and demo) command, the test command."""
+    import re
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    install, test = re.findall(r"```sh\n(.*?)\n```", readme, re.S)[:2]
+    return install.strip(), test.strip()
+
+
+def test_ci_first_runs_the_readme_commands_verbatim_with_nothing_in_between():
+    install, test = readme_commands()
+    assert "pip install" in install and "[test]" in install and test == "python -m pytest -q"
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    assert os.access(os.path.join(ROOT, ".ci", "run"), os.X_OK)
+    lines = [x.strip() for x in ci.splitlines() if x.strip() and not x.strip().startswith("#")]
+    i = next(n for n, x in enumerate(lines) if install in x)      # verbatim, on one line
+    assert lines[i + 1] == test                                    # and then exactly this
+    before = lines[:i]
+    assert not any("pip " in x or "venv" in x for x in before), before   # a fresh venv first
+    assert lines[i].startswith(install)
+    rest = lines[i + 2:]
+    assert any("mkdocs build --strict" in x for x in rest)         # the docs, warnings as errors
+    assert any(".[all,test,docs]" in x for x in rest)              # then every extra
+    assert rest.count(test) == 1                                   # and the suite again
