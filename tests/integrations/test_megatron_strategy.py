@@ -126,20 +126,6 @@ def test_megatron_dist_checkpointing_with_shardpoint_backend(tmp_path):
     assert common["iteration"] == 700 and common["checkpoint_version"] == 3.0
 
 
-def test_readme_example_runs(tmp_path):
-    """The README's drop-in example for this incumbent runs as written."""
-    import re
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    readme = open(os.path.join(root, "README.md")).read()
-    sec = readme[readme.index("\n## Drop-in:"):readme.index("\n## Coming from DCP")]
-    blocks = re.findall(r"```python\n(.*?)```", sec, re.S)
-    block = next(b for b in blocks if "megatron_strategy" in b)
-    r = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert any(f == "manifest.msgpack" for _r, _d, fs in os.walk(tmp_path) for f in fs)
-
-
 def test_sharded_metadata_is_read_from_the_typed_tree(tmp_path):
     """``load_tensors_metadata`` / ``load_sharded_metadata`` (what Megatron asks before a
     load): every tensor and object grid under ``sharded/``, nothing outside it, no bytes."""
