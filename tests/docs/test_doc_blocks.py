@@ -134,14 +134,27 @@ def test_blocks_run_by_other_tests_name_a_real_test():
             assert b.opts["by"] in defined, f"{b.id}: by={b.opts['by']} is no test"
 
 
+PATH = re.compile(r"""["'](?:file://\{[^}]*\}/)?((?:ckpt|s3://my-bucket|gs://my-bucket|export)/"""
+                  r"""[^"'\s]*)["'\s]""")
+
+
+WRITES = re.compile(r"save\(|Writer\(|convert|makedirs\(")
+
+
 def test_examples_use_paths_of_their_own():
-    """Run in order in one directory, the examples would not collide: no two pages' python
-    blocks save to the same checkpoint path."""
+    """Run in order in one directory, the examples would not collide: no checkpoint path
+    appears on two pages, and on a page one block writes it (others may read it)."""
     seen: dict = {}
+    writer: dict = {}
+    found = 0
     for b in ALL:
-        if b.lang != "python":
+        if b.lang not in ("python", "sh"):
             continue
-        for path in set(re.findall(r"""(?:save|Writer|CheckpointManager)\(\s*(?:[^,()]*,\s*)?
-                                        f?["']([^"']+)["']""", b.code, re.X)):
+        for path in set(PATH.findall(b.code)):
+            found += 1
             other = seen.setdefault(path, b.page)
-            assert other == b.page, f"{path!r} is saved by {other} and {b.id}"
+            assert other == b.page, f"{path!r} is used by {other} and {b.id}"
+            if WRITES.search(b.code):
+                first = writer.setdefault(path, b.id)
+                assert first == b.id, f"{path!r} is written by {first} and {b.id}"
+    assert found >= 20
