@@ -79,7 +79,8 @@ def test_ci_first_runs_the_readme_commands_verbatim_with_nothing_in_between():
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert os.access(os.path.join(ROOT, ".ci", "run"), os.X_OK)
     lines = [x.strip() for x in ci.splitlines() if x.strip() and not x.strip().startswith("#")]
-    i = next(n for n, x in enumerate(lines) if install in x)      # verbatim, on one line
+    i = next((n for n, x in enumerate(lines) if install in x), None)   # verbatim, one line
+    assert i is not None, f".ci/run does not run the README's install command: {install}"
     assert lines[i + 1] == test                                    # and then exactly this
     before = lines[:i]
     assert not any("pip " in x or "venv" in x for x in before), before   # a fresh venv first
