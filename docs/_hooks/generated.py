@@ -109,4 +109,27 @@ def benchmark_table(name: str | None) -> str:
         lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
     lines += ["", f"*{data['title']}.* Source: {data['source']} "
               f"(data: `benchmarks/results/{name}.json`)."]
+    if "plot" in data:
+        lines += ["", bar_chart(data["plot"])]
     return "\n".join(lines)
+
+
+def bar_chart(plot: dict) -> str:
+    """A horizontal bar chart as inline SVG (no plotting library): one bar per value, a line
+    at 1.0 (as fast as the peer)."""
+    bars, width, left, row = plot["bars"], 640, 190, 26
+    top = max([1.0] + [b["value"] for b in bars]) * 1.1
+    x = lambda v: left + (width - left - 50) * v / top       # noqa: E731
+    h = row * len(bars) + 30
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+           f'role="img" aria-label="{plot["title"]}" style="font: 12px sans-serif">']
+    for i, b in enumerate(bars):
+        y = 10 + i * row
+        out.append(f'<text x="{left - 8}" y="{y + 15}" text-anchor="end">{b["label"]}</text>'
+                   f'<rect x="{left}" y="{y + 3}" width="{x(b["value"]) - left:.1f}" '
+                   f'height="16" fill="#5c6bc0"/><text x="{x(b["value"]) + 4:.1f}" '
+                   f'y="{y + 15}">{b["value"]:.2f}x</text>')
+    out.append(f'<line x1="{x(1.0):.1f}" y1="6" x2="{x(1.0):.1f}" y2="{h - 14}" '
+               f'stroke="#333" stroke-dasharray="3,3"/><text x="{x(1.0):.1f}" y="{h - 2}" '
+               f'text-anchor="middle">1.0</text></svg>')
+    return "".join(out) + f"\n\n*{plot['title']}.*"

@@ -34,6 +34,7 @@ def test_site_builds_strict_with_generated_pages(tmp_path):
         data = json.load(f)
     for row in data["rows"]:
         assert row["cells"][0] in bench, row
+    assert bench.count('role="img"') == 2 and f'{data["plot"]["bars"][0]["value"]:.2f}x' in bench
     api = (site / "reference" / "api" / "index.html").read_text()
     for name in ("CheckpointManager", "ShardedTensor", "LoadOptions", "read_metadata"):
         assert name in api, name
