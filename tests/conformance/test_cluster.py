@@ -278,7 +278,7 @@ def test_s3_on_the_storage_host_save_and_resharded_load():
 
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "README.md")
+    os.path.abspath(__file__)))), "docs", "how-to", "conformance.md")   # the docs' command
 
 
 def _conformance_on_storage_s3(args: list, tmp_path, capsys) -> tuple:

@@ -1,9 +1,8 @@
-"""The README's JAX examples run as written: one process, every process of a 2-process job
-with 4 CPU devices each, and the Flax example on 4 CPU devices."""
+"""The JAX tutorial's examples that need more checks than running (test_doc_blocks.py runs
+the others): what they save, a second run that resumes, the Flax example on 4 CPU devices."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -13,34 +12,16 @@ pytest.importorskip("jax", reason="shardpoint_jax needs jax (pip install -e '.[j
 
 from shardpoint_jax.launch import run_processes  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-README = open(os.path.join(ROOT, "README.md")).read()
-JAX = README[README.index("\n## JAX\n"):README.index("\n## Benchmarks\n")]
-BLOCKS = re.findall(r"```python\n(.*?)```", JAX, re.S)
+from .blocks import find  # noqa: E402
 
 
 def block(marker):
-    """The README's JAX example that contains ``marker``."""
-    return next(b for b in BLOCKS if marker in b)
-
-
-def test_single_process_example_runs(tmp_path):
-    r = subprocess.run([sys.executable, "-c", block("jax_1")], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300, stdin=subprocess.DEVNULL,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert r.returncode == 0, r.stderr
-    assert (tmp_path / "ckpt" / "jax_1" / "manifest.msgpack").is_file()
-
-
-def test_multi_process_example_runs_on_two_processes(tmp_path):
-    run_processes(block("jax_mp"), 2, 4, cwd=str(tmp_path), timeout=300)
-    assert (tmp_path / "ckpt" / "jax_mp" / "manifest.msgpack").is_file()
-    import shardpoint_jax as spj
-    assert spj.load(str(tmp_path / "ckpt" / "jax_mp"))["rng"] == [{"seed": 0}, {"seed": 1}]
+    """The JAX tutorial's example that contains ``marker``."""
+    return find("docs/tutorials/jax.md", marker).code
 
 
 def test_flax_example_runs_on_four_devices(tmp_path):
-    pytest.importorskip("flax", reason="the Flax example needs flax (pip install -e '.[jax-test]')")
+    pytest.importorskip("flax", reason="the Flax example needs flax (pip install -e '.[flax]')")
     pytest.importorskip("optax", reason="the Flax example needs optax")
     run_processes(block("nnx"), 1, 4, cwd=str(tmp_path), timeout=300)
     import shardpoint_jax as spj
@@ -50,7 +31,7 @@ def test_flax_example_runs_on_four_devices(tmp_path):
 
 
 def test_async_save_example_runs(tmp_path):
-    r = subprocess.run([sys.executable, "-c", block("async_save=True")], cwd=tmp_path,
+    r = subprocess.run([sys.executable, "-c", block("jax_async")], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stderr

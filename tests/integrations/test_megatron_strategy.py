@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None or
 def _ssd(*args, **kwargs):
     """test_megatron's state dict without the flattened_range optimizer pieces, which
     megatron-core 0.16's own ``save`` refuses ("flattened_range is not supported")."""
-    from test_megatron import sharded_state_dict
+    from .test_megatron import sharded_state_dict
     ssd = sharded_state_dict(*args, **kwargs)
     state = ssd["optimizer"]["state"]
     for k in [k for k, v in state.items() if getattr(v, "flattened_range", None) is not None]:
@@ -42,7 +42,7 @@ def _job(rank, world, base):
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
         FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
     import shardpoint.integrations.megatron_strategy as ms
-    from test_megatron import check_loaded
+    from .test_megatron import check_loaded
     ms.use_shardpoint_common(True)
     bad = []
 
@@ -124,20 +124,6 @@ def test_megatron_dist_checkpointing_with_shardpoint_backend(tmp_path):
     import shardpoint as sp
     common = sp.load(str(tmp_path / "a" / "common"))
     assert common["iteration"] == 700 and common["checkpoint_version"] == 3.0
-
-
-def test_readme_example_runs(tmp_path):
-    """The README's drop-in example for this incumbent runs as written."""
-    import re
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    readme = open(os.path.join(root, "README.md")).read()
-    sec = readme[readme.index("\n## Drop-in:"):readme.index("\n## Coming from DCP")]
-    blocks = re.findall(r"```python\n(.*?)```", sec, re.S)
-    block = next(b for b in blocks if "megatron_strategy" in b)
-    r = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert any(f == "manifest.msgpack" for _r, _d, fs in os.walk(tmp_path) for f in fs)
 
 
 def test_sharded_metadata_is_read_from_the_typed_tree(tmp_path):

@@ -17,7 +17,7 @@ from shardpoint_testing.launch import run_world  # noqa: E402
 from shardpoint_core.manifest import array_path_for  # noqa: E402
 from shardpoint_jax.launch import run_processes  # noqa: E402
 
-from jax_interop_torch import full_state, torch_load, torch_save  # noqa: E402
+from .jax_interop_torch import full_state, torch_load, torch_save  # noqa: E402
 
 JAX_STEP = """
 import json, numpy as np, jax, jax.numpy as jnp

@@ -162,7 +162,7 @@ def test_two_processes_save_and_reload_on_s3(s3_env):
     it, process 0 puts the marker; both load into another mesh from the store."""
     import json
     from shardpoint_jax.launch import run_processes
-    from test_jax_multiprocess import SAVE_LOAD
+    from .test_jax_multiprocess import SAVE_LOAD
     url = s3_env.url(s3_env.fresh_prefix("jaxmp") + "/step_1")
     outs = run_processes(SAVE_LOAD.replace("PATH", repr(url)), 2, 2, timeout=300)
     res = [json.loads(o.strip().splitlines()[-1]) for o in outs]

@@ -13,7 +13,7 @@ from shardpoint.planning.load_planner import (LoadOptions, choose_strategy, plan
 from shardpoint.tree.model import holding_pieces
 from shardpoint_testing.launch import run_world
 from shardpoint_testing.tensors import counting, same_bits
-from test_planner import (SET, data_for, execute_load, ids, jobs, requests_for, save_and_check,
+from .test_planner import (SET, data_for, execute_load, ids, jobs, requests_for, save_and_check,
                           sl)
 
 costs_in = st.tuples(st.lists(st.sampled_from("abcd"), min_size=1, max_size=8),
@@ -89,7 +89,7 @@ def test_every_strategy_delivers_exactly(job, load_world, strategy, n_hosts, xg)
 
 
 def test_direct_plan_reads_only_what_each_rank_asks():
-    from test_planner import H
+    from .test_planner import H
     from shardpoint.planning.planner import TensorLayout
     lay = {"w": TensorLayout("w", (8, 4), "float32", (2, 4))}
     works = plan_load_direct([[H((0, 1), (8, 1))], [H((0, 2), (8, 2))]], lay)

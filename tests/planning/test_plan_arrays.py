@@ -21,9 +21,9 @@ from shardpoint.planning.plans import RankSaveWork, Transfer
 from shardpoint.planning.save_global import (encode_save_global, layouts_of,
                                              save_work_from_global)
 
-from planner_reference import (reference_direct_host_bytes, reference_plan_load,
+from .planner_reference import (reference_direct_host_bytes, reference_plan_load,
                                reference_plan_save)
-from test_planner import (SET, check_exchange_symmetry, jobs, local_plans, requests_for)
+from .test_planner import (SET, check_exchange_symmetry, jobs, local_plans, requests_for)
 
 
 def deliveries(works) -> Counter:

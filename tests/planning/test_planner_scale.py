@@ -21,7 +21,7 @@ from shardpoint.planning.columns import HoldingColumns, group_rows
 from shardpoint.tree.model import Holding, holding_pieces
 from shardpoint.planning.planner import LocalPlan, PlanOptions, TensorLayout, plan_load, plan_save
 
-from test_planner import check_exchange_symmetry, execute_load, execute_save
+from .test_planner import check_exchange_symmetry, execute_load, execute_save
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from shardpoint.planning.columns import Gathered, Regions, as_columns
 from shardpoint_core.errors import InvalidShardingError
 from shardpoint.planning.planner import LocalPlan, plan_save
 
-from test_planner import SET, jobs, local_plans
+from .test_planner import SET, jobs, local_plans
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
                                 "benchmarks"))

@@ -1,0 +1,40 @@
+"""The documentation site builds with warnings as errors (what CI's third step runs), and its
+generated pages hold what they are generated from: every command's help, the spec's files,
+the benchmark tables' figures. Skips where mkdocs (the docs extra) is not installed."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .blocks import ROOT
+
+pytest.importorskip("mkdocs", reason="the docs site needs mkdocs (pip install -e '.[docs]')")
+pytest.importorskip("mkdocstrings", reason="the docs site needs mkdocstrings (the docs extra)")
+pytest.importorskip("material", reason="the docs site needs mkdocs-material (the docs extra)")
+
+
+def test_site_builds_strict_with_generated_pages(tmp_path):
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                        str(site)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       stdin=subprocess.DEVNULL, env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    cli = (site / "reference" / "cli" / "index.html").read_text()
+    for cmd in ("inspect", "verify", "recover", "demo", "convert", "diff",
+                "conformance run", "conformance adapter-test", "conformance fuzz"):
+        assert f"shardpoint {cmd}" in cli, cmd
+    assert "--min-age" in cli and "--save-world-sizes" in cli       # the parsers' own options
+    for page in ("", "format/", "versioning/", "security/", "rationale/", "CHANGELOG/",
+                 "vectors/"):
+        assert (site / "spec" / page / "index.html").is_file(), page
+    bench = (site / "benchmarks" / "index.html").read_text()
+    with open(os.path.join(ROOT, "benchmarks", "results", "jax_headline.json")) as f:
+        data = json.load(f)
+    for row in data["rows"]:
+        assert row["cells"][0] in bench, row
+    assert bench.count('role="img"') == 2 and f'{data["plot"]["bars"][0]["value"]:.2f}x' in bench
+    api = (site / "reference" / "api" / "index.html").read_text()
+    for name in ("CheckpointManager", "ShardedTensor", "LoadOptions", "read_metadata"):
+        assert name in api, name
