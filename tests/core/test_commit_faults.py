@@ -22,7 +22,7 @@ from shardpoint_core.errors import SaveFailedError  # noqa: E402
 from shardpoint_core.store.s3 import S3Options, S3Store  # noqa: E402
 from shardpoint_testing.s3 import FaultProxy  # noqa: E402
 
-from test_s3_commit import keys, read, stage  # noqa: E402
+from .test_s3_commit import keys, read, stage  # noqa: E402
 
 LATER = 3600.0          # seconds: every lease written in a test has long expired by then
 
