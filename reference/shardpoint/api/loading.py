@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import msgpack
@@ -328,34 +328,3 @@ def run_load(path: str, like: Any, comm: Comm, be: Optional[StorageBackend], str
     job.plan()
     job.read(job.budget)
     return job.result()
-
-
-# -------------------------------------------------------------------------------- load
-def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
-         backend: Optional[StorageBackend] = None, report: Optional[LoadResult] = None,
-         exchange_budget_bytes: Optional[int] = None,
-         options: Optional[LoadOptions] = None) -> Any:
-    """Load a checkpoint and return its tree. Collective over ``group``.
-
-    Without ``like``: the whole tree, tensors in full on CPU (numpy arrays come back as numpy;
-    a sharded object comes back as the list of its values, nested lists along its grid when
-    the grid has 2+ dimensions). With ``like``: the tensors of
-    ``like`` (plain, :class:`ShardedTensor`, DTensor, numpy) are filled in place from whatever
-    layout the checkpoint was saved in, and the returned tree has the loaded values in
-    place of plain values; a ``ShardedTensor`` leaf becomes its filled ``data`` and a
-    ``ShardedObject`` leaf becomes its stored value. Keys of the checkpoint that ``like`` does
-    not ask for are not read. ``options`` (:class:`LoadOptions`) picks how regions are read:
-    once and exchanged, or by every rank directly, by a cost model by default.
-
-    ``report``: a :class:`LoadResult` to fill with what the load did (missing and unexpected
-    keys, bytes, strategy, timings). :meth:`shardpoint.Checkpointer.load` returns that
-    result instead of the tree. This is a thin wrapper over the default checkpointer.
-    """
-    from shardpoint.api.checkpointer import default_checkpointer
-    res = default_checkpointer().load(path, like, group=group, strict=strict, options=options,
-                                      exchange_budget_bytes=exchange_budget_bytes,
-                                      backend=backend)
-    if report is not None:
-        for f in fields(LoadResult):
-            setattr(report, f.name, getattr(res, f.name))
-    return res.tree

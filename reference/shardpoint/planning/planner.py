@@ -25,10 +25,10 @@ from shardpoint_core.errors import InvalidShardingError
 from shardpoint_core.treemerge import merge_many, merge_trees
 from shardpoint.planning.grid import chunk_part_arrays_many, plan_chunk_grid, region_pieces_many
 from shardpoint.planning.load_planner import check_request, plan_load
-from shardpoint.planning.save_global import SaveColumns
+from shardpoint.planning.save_global import SaveColumns, SavePlan
 from shardpoint.tree.model import ObjectValues, grid_flat_index
 from shardpoint.planning.plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork,
-                                       RankSaveWork, ReadOp, SavePlan, TensorLayout, Transfer,
+                                       RankSaveWork, ReadOp, TensorLayout, Transfer,
                                        tree_wire_parts, unpack_branch)
 
 __all__ = ["ChunkWrite", "LocalPlan", "PlanOptions", "RankLoadWork", "RankSaveWork", "ReadOp",
