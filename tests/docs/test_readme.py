@@ -56,6 +56,12 @@ def test_tensorstore_example_opens_a_saved_tensor(tmp_path):
     run_python(code, tmp_path)
 
 
+def test_zarr_python_example_reads_a_saved_tensor(tmp_path):
+    block = next(b for b in BLOCKS if "register_zarr_dtypes()" in b)
+    run_python(BLOCKS[0] + "\n" + block + "\nassert (w == model.weight.detach().numpy()).all()\n",
+               tmp_path)
+
+
 def _run_block(rank, world, code, cwd):
     os.chdir(cwd)
     exec(compile(code, "README.md", "exec"), {"__name__": "__main__"})
