@@ -23,7 +23,8 @@ from shardpoint_jax.comm import Comm
 from shardpoint_jax.dtypes import name_of
 from shardpoint_jax.grid import chunk_shape, local_chunk_shape
 from shardpoint_jax.storage import (ArrayWriter, COMMITTER, checkpoint_path,
-                                    create_arrays, make_durable, write_manifest)
+                                    create_arrays, make_durable, write_group_metadata,
+                                    write_manifest)
 from shardpoint_jax.tree import ShardedObject, is_array, tree_node
 from shardpoint_jax.values import check_value, is_scalar_value, pack, unpack
 
@@ -395,6 +396,7 @@ def commit(path: str, decision: dict) -> None:
     deleted before) [SP-COMMIT-1..4], the conditional PUT of the marker on object stores
     [SP-COMMIT-10..12]."""
     staging = decision["staging"]
+    write_group_metadata(staging, [e["array"] for e in decision["tensors"].values()])
     make_durable(staging)
     write_manifest(staging, encode_manifest(manifest_of(decision)))
     COMMITTER.publish(staging, path, overwrite=decision["overwrite"])

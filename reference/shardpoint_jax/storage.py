@@ -47,6 +47,7 @@ from shardpoint_core.zarr.checks import (check_array_objects, check_backed_bytes
                                          check_regular_file)
 from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_write import DirectWriter, WriteOp, WritePool, write_layout
+from shardpoint_core.zarr.groups import write_groups
 from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                    IncompleteCheckpointError, InvalidRequestError,
                                    ShardpointError)
@@ -225,6 +226,12 @@ class ArrayWriter:
                                       part, self.path)
             ops.append(op)
         return WriteOp(ops)
+
+
+def write_group_metadata(staging: str, array_paths: Sequence[str]) -> None:
+    """The save's Zarr group metadata ([SP-LAYOUT-5]), before :func:`make_durable`."""
+    store, key = locate(staging)
+    write_groups(store, key, array_paths, pool_for(staging).submit)
 
 
 def make_durable(staging: str) -> None:

@@ -55,6 +55,7 @@ from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_read import DirectReader, parse_layout, whole_chunk_files
 from shardpoint_core.zarr.direct_write import (DirectWriter, WritePool, stored_codecs,
                                                write_layout, zarr_json_bytes)
+from shardpoint_core.zarr.groups import array_paths_of, write_groups
 from shardpoint_core.zarr.layout import codecs_for, fill_value
 from shardpoint_core.zarr.object_read import ObjectArray
 from shardpoint_core.zarr.ts_check import LazyTS, TensorStoreCheck, TSHandle, check_metadata
@@ -291,10 +292,19 @@ class ZarrBackend:
             raise SaveFailedError(f"cannot make the chunks under {root} durable: {e}") from e
 
     def write_manifest(self, root: str, data: bytes) -> None:
+        """The Zarr group metadata of the save ([SP-LAYOUT-5]), durable, then the manifest."""
+        store, key = self.locate(root)
+        pool = self._write_pool if is_local(root) else self._remote
+        arrays = array_paths_of(data)
+        try:
+            if arrays is not None:
+                write_groups(store, key, arrays, pool.submit)
+        except OSError as e:
+            raise SaveFailedError(f"cannot write the Zarr group metadata under {root}: "
+                                  f"{e}") from e
         if is_local(root):
             self.committer.posix.write_manifest(root, data)
             return
-        store, key = self.locate(root)
         store.put(f"{key}/{MANIFEST_NAME}", data)
         with self._lock:           # the commit publishes these bytes, not a read of them
             self._staged[root] = data
