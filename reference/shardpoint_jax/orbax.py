@@ -10,8 +10,11 @@ Orbax's classes of the same names (``save(path, state, save_args=..., custom_met
     ckptr = spo.StandardCheckpointer()          # was: ocp.StandardCheckpointer()
     ckptr.save(path, state); ckptr.wait_until_finished()
     state = ckptr.restore(path, abstract_state)
-    # a CheckpointManager: item_handlers=spo.StandardCheckpointHandler() (one argument), then
-    # mngr.save(step, args=ocp.args.StandardSave(state)) as before
+    # a CheckpointManager: the args class picks the handler (Orbax routes by args class)
+    mngr.save(step, args=spo.StandardSave(state))      # was: ocp.args.StandardSave(state)
+    mngr.restore(step, args=spo.StandardRestore(abstract_state))
+    # an ocp.Checkpointer: ocp.Checkpointer(spo.StandardCheckpointHandler()) takes Orbax's
+    # own ocp.args.StandardSave / StandardRestore as well
 
 Orbax's semantics, on top of :class:`~shardpoint_jax.orbax_handler.ShardpointHandler`:
 ``SaveArgs(dtype=...)`` casts a leaf before it is written; ``custom_metadata`` comes back from
@@ -335,6 +338,19 @@ def _fit(a: np.ndarray, shape: tuple) -> np.ndarray:
     return out
 
 
+@ocp.args.register_with_handler(StandardCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class StandardSave(ocp.args.StandardSave):
+    """``ocp.args.StandardSave`` for :class:`StandardCheckpointHandler` (Orbax routes args to
+    handlers by class; Orbax's own class stays routed to Orbax's handler)."""
+
+
+@ocp.args.register_with_handler(StandardCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class StandardRestore(ocp.args.StandardRestore):
+    """``ocp.args.StandardRestore`` for :class:`StandardCheckpointHandler`."""
+
+
 class StandardCheckpointer(ocp.AsyncCheckpointer):
     """Orbax's ``StandardCheckpointer`` writing shardpoint: the one changed argument is the
     class (``spo.StandardCheckpointer()`` for ``ocp.StandardCheckpointer()``); ``save`` and
@@ -350,13 +366,14 @@ class StandardCheckpointer(ocp.AsyncCheckpointer):
 
     def save(self, directory: Any, state: Any, *, save_args: Any = None, force: bool = False,
              custom_metadata: Optional[dict] = None) -> None:
-        super().save(directory, args=ocp.args.StandardSave(state, save_args,
-                                                           custom_metadata=custom_metadata),
+        super().save(directory, args=StandardSave(state, save_args,
+                                                   custom_metadata=custom_metadata),
                      force=force)
 
     def restore(self, directory: Any, target: Any = None, *, strict: bool = True) -> Any:
-        return super().restore(directory, args=ocp.args.StandardRestore(target, strict=strict))
+        return super().restore(directory, args=StandardRestore(target, strict=strict))
 
 
-__all__ = ["SIDECAR", "StandardCheckpointHandler", "StandardCheckpointer",
+__all__ = ["SIDECAR", "StandardCheckpointHandler", "StandardCheckpointer", "StandardRestore",
+           "StandardSave",
            "UnsupportedTypeError", "prepare_save"]
