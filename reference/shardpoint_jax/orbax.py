@@ -19,7 +19,8 @@ Orbax's classes of the same names (``save(path, state, save_args=..., custom_met
 Orbax's semantics, on top of :class:`~shardpoint_jax.orbax_handler.ShardpointHandler`:
 ``SaveArgs(dtype=...)`` casts a leaf before it is written; ``custom_metadata`` comes back from
 ``metadata(dir).custom_metadata``; a restore without a target puts each array back on the
-sharding it was saved with (``Topology mismatch detected`` when those devices are gone); a
+sharding it was saved with (where those devices are gone: the restore's ``fallback_sharding``, else
+``Topology mismatch detected``); a
 ``strict=False`` restore truncates or zero-pads arrays whose saved shape differs from the
 target's; ``None`` and ``optax.MaskedNode`` leaves are saved as ``None`` and a ``None`` target
 leaf is not read; typed PRNG keys (``jax.random.key``) are stored as their ``uint32`` key data
@@ -106,6 +107,17 @@ def _sharding_of(rec: dict, key: str) -> jax.sharding.Sharding:
                              tuple(rec["axis_names"]))
     spec = [tuple(p) if isinstance(p, list) else p for p in rec["spec"]]
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def _saved(rec: dict, key: str, side: dict) -> jax.sharding.Sharding:
+    """The saved sharding, or the restore's ``fallback_sharding`` where those devices are
+    gone (Orbax's rule); without one, the topology-mismatch error."""
+    try:
+        return _sharding_of(rec, key)
+    except LayoutMismatchError:
+        if side.get("fallback") is None:
+            raise
+        return side["fallback"]
 
 
 def prepare_save(item: Any, save_args: Any = None) -> tuple:
@@ -202,6 +214,7 @@ class StandardCheckpointHandler(ShardpointHandler):
         strict = getattr(args, "strict", True) if args is not None else True
         path = checkpoint_path(directory)
         side = self._sidecar(directory)
+        side["fallback"] = getattr(args, "fallback_sharding", None)
         m = read_metadata(path)
         if target is None:
             if m.objects:
@@ -256,7 +269,7 @@ class StandardCheckpointHandler(ShardpointHandler):
             rec = side.get("shardings", {}).get(key)
             if rec is not None:
                 out = load_array(ck, key, jax.ShapeDtypeStruct(t.shape, _np_dtype(t.dtype),
-                                                               sharding=_sharding_of(rec, key)))
+                                                               sharding=_saved(rec, key, side)))
             else:
                 out = ck._whole_tensor(ck.leaves[key])
             return jax.random.wrap_key_data(out, impl=keys[key]) if key in keys else out
@@ -264,7 +277,7 @@ class StandardCheckpointHandler(ShardpointHandler):
         sharding = getattr(x, "sharding", None)
         rec = side.get("shardings", {}).get(key)
         if sharding is None and rec is not None and not isinstance(x, np.ndarray):
-            sharding = _sharding_of(rec, key)
+            sharding = _saved(rec, key, side)
         if sp.how == "saved":
             if strict and tuple(x.shape) != tuple(t.shape):
                 return load_array(ck, key, x)     # refused, naming both shapes

@@ -75,6 +75,9 @@ def topology_mismatch():
     H.save(p, args=ocp.args.StandardSave({"w": w}))
     from unittest import mock
     with mock.patch.object(jax, "devices", return_value=jax.devices()[:1]):
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        r = H.restore(p, args=ocp.args.StandardRestore(None, fallback_sharding=one))
+        assert r["w"].sharding == one and (np.asarray(r["w"]) == np.asarray(w)).all()
         try:
             H.restore(p)
         except ValueError as e:
