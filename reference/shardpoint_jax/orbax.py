@@ -29,14 +29,13 @@ a cast after the read (an ``int64`` checkpoint into 32-bit JAX, as Orbax does, b
 value does not fit: never silently wrapped); a ``None`` tree, a bare array and leaf types
 Orbax's standard handler refuses (``str``...) raise ``ValueError`` as there.
 
-What Orbax keeps beside its checkpoint (shardings, PRNG implementations, custom metadata) lives
-in ``<dir>/shardpoint_orbax.json``, beside the shardpoint checkpoint ``<dir>/shardpoint``; the
+What Orbax keeps beside its checkpoint (shardings, PRNG key implementations, custom metadata)
+is kept in the checkpoint's manifest, as the ignorable extension ``"orbax"`` (versioning.md); the
 checkpoint itself is plain shardpoint, which every front end reads (key data as ``uint32``).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Dict, List, Optional
 
@@ -56,7 +55,7 @@ from shardpoint_jax.orbax_handler import (SUBDIR, ShardpointHandler, _snapshot,
 from shardpoint_jax.saving import save
 from shardpoint_jax.tree import walk
 
-SIDECAR = "shardpoint_orbax.json"
+EXTENSION = "orbax"   # the manifest extension holding what Orbax keeps beside a checkpoint
 _SCALARS = (int, float, np.number, np.ndarray, jax.Array)
 
 
@@ -121,7 +120,7 @@ def _saved(rec: dict, key: str, side: dict) -> jax.sharding.Sharding:
 
 
 def prepare_save(item: Any, save_args: Any = None) -> tuple:
-    """(the tree shardpoint writes, the sidecar's records): Orbax's checks, casts per
+    """(the tree shardpoint writes, the extension's records): Orbax's checks, casts per
     ``SaveArgs``, masked leaves as None, PRNG keys as their key data."""
     if item is None:
         raise InvalidOptionError("Must provide item to save.")
@@ -179,10 +178,8 @@ class StandardCheckpointHandler(ShardpointHandler):
 
     # -- save ---------------------------------------------------------------------------
     def _save_now(self, directory: Any, item: Any, sidecar: dict) -> None:
-        save(os.path.join(os.fspath(directory), SUBDIR), item)
-        if jax.process_index() == 0:
-            with open(os.path.join(os.fspath(directory), SIDECAR), "w") as f:
-                json.dump(sidecar, f)
+        save(os.path.join(os.fspath(directory), SUBDIR), item,
+             extensions={EXTENSION: dict(sidecar, must_understand=False)})
 
     def _prepared(self, args: Any) -> tuple:
         item, sidecar = prepare_save(args.item, getattr(args, "save_args", None))
@@ -202,20 +199,22 @@ class StandardCheckpointHandler(ShardpointHandler):
         return [future.CommitFutureAwaitingContractedSignals(write(), name="shardpoint_save")]
 
     # -- restore ------------------------------------------------------------------------
-    def _sidecar(self, directory: Any) -> dict:
-        p = os.path.join(os.fspath(directory), SIDECAR)
-        if not os.path.isfile(p):
-            return {"shardings": {}, "prng_keys": {}, "custom_metadata": None}
-        with open(p) as f:
-            return json.load(f)
+    @staticmethod
+    def _sidecar(m: Any) -> dict:
+        """What Orbax keeps beside a checkpoint, from the manifest (empty for a checkpoint
+        written another way)."""
+        ext = m.extensions.get(EXTENSION)
+        ext = dict(ext) if isinstance(ext, dict) else {}
+        return {"shardings": ext.get("shardings") or {}, "prng_keys": ext.get("prng_keys") or {},
+                "custom_metadata": ext.get("custom_metadata")}
 
     def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
         target = args.item if args is not None else item
         strict = getattr(args, "strict", True) if args is not None else True
         path = checkpoint_path(directory)
-        side = self._sidecar(directory)
-        side["fallback"] = getattr(args, "fallback_sharding", None)
         m = read_metadata(path)
+        side = self._sidecar(m)
+        side["fallback"] = getattr(args, "fallback_sharding", None)
         if target is None:
             if m.objects:
                 return load(path)
@@ -323,7 +322,8 @@ class StandardCheckpointHandler(ShardpointHandler):
         from orbax.checkpoint._src.metadata import tree as tree_metadata
         from orbax.checkpoint._src.metadata import value as value_metadata
         path = checkpoint_path(directory)
-        m, side = read_metadata(path), self._sidecar(directory)
+        m = read_metadata(path)
+        side = self._sidecar(m)
 
         def leaf(node: TensorLeaf) -> Any:
             t = node.entry
@@ -387,6 +387,6 @@ class StandardCheckpointer(ocp.AsyncCheckpointer):
         return super().restore(directory, args=StandardRestore(target, strict=strict))
 
 
-__all__ = ["SIDECAR", "StandardCheckpointHandler", "StandardCheckpointer", "StandardRestore",
+__all__ = ["EXTENSION", "StandardCheckpointHandler", "StandardCheckpointer", "StandardRestore",
            "StandardSave",
            "UnsupportedTypeError", "prepare_save"]

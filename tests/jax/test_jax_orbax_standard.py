@@ -59,6 +59,17 @@ def custom_metadata():
     p = d()
     H.save(p, args=ocp.args.StandardSave({"w": w}, custom_metadata={"foo": 1, "run": "a"}))
     assert H.metadata(p).custom_metadata == {"foo": 1, "run": "a"}
+    # kept in the checkpoint's own manifest (an ignorable extension), nothing beside it
+    from shardpoint_core.manifest import read_metadata
+    ext = read_metadata(os.path.join(p, "shardpoint")).extensions["orbax"]
+    assert ext["must_understand"] is False and ext["custom_metadata"] == {"foo": 1, "run": "a"}
+    assert sorted(os.listdir(p)) == ["shardpoint"]
+    import shardpoint_jax as spj
+    try:
+        spj.save(os.path.join(root, "bad_ext"), {"w": w}, extensions={"x": {"a": 1}})
+        raise AssertionError("an extension without must_understand: false was written")
+    except ValueError as e:
+        assert "must_understand" in str(e)
 
 @case
 def no_target_keeps_saved_sharding():
