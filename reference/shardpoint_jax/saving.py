@@ -407,7 +407,9 @@ def commit(path: str, decision: dict) -> None:
     deleted before) [SP-COMMIT-1..4], the conditional PUT of the marker on object stores
     [SP-COMMIT-10..12]."""
     staging = decision["staging"]
-    write_group_metadata(staging, [e["array"] for e in decision["tensors"].values()])
+    groups = write_group_metadata(staging, [e["array"] for e in decision["tensors"].values()])
     make_durable(staging)
     write_manifest(staging, encode_manifest(manifest_of(decision)))
+    for f in groups:
+        f.result()
     COMMITTER.publish(staging, path, overwrite=decision["overwrite"])

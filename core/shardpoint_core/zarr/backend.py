@@ -55,7 +55,7 @@ from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_read import DirectReader, parse_layout, whole_chunk_files
 from shardpoint_core.zarr.direct_write import (DirectWriter, WritePool, stored_codecs,
                                                write_layout, zarr_json_bytes)
-from shardpoint_core.zarr.groups import array_paths_of, write_groups
+from shardpoint_core.zarr.groups import array_paths_of, start_groups, write_groups
 from shardpoint_core.zarr.layout import codecs_for, fill_value
 from shardpoint_core.zarr.object_read import ObjectArray
 from shardpoint_core.zarr.ts_check import LazyTS, TensorStoreCheck, TSHandle, check_metadata
@@ -292,20 +292,30 @@ class ZarrBackend:
             raise SaveFailedError(f"cannot make the chunks under {root} durable: {e}") from e
 
     def write_manifest(self, root: str, data: bytes) -> None:
-        """The Zarr group metadata of the save ([SP-LAYOUT-5]), durable, then the manifest."""
+        """The Zarr group metadata of the save ([SP-LAYOUT-5]), then the manifest: on files
+        the groups are durable first; on an object store their PUTs go with the staged
+        manifest's (no round trip added) and land before :meth:`commit` writes the marker."""
         store, key = self.locate(root)
-        pool = self._write_pool if is_local(root) else self._remote
-        arrays = array_paths_of(data)
+        arrays = array_paths_of(data)          # None: not a manifest, no groups to write
+        local_files = is_local(root)
         try:
-            if arrays is not None:
-                write_groups(store, key, arrays, pool.submit)
+            if arrays is not None and local_files:
+                write_groups(store, key, arrays, self._write_pool.submit)
+            groups = start_groups(store, key, arrays, self._remote.submit) \
+                if arrays is not None and not local_files else []
         except OSError as e:
             raise SaveFailedError(f"cannot write the Zarr group metadata under {root}: "
                                   f"{e}") from e
-        if is_local(root):
+        if local_files:
             self.committer.posix.write_manifest(root, data)
             return
         store.put(f"{key}/{MANIFEST_NAME}", data)
+        try:
+            for f in groups:
+                f.result()
+        except OSError as e:
+            raise SaveFailedError(f"cannot write the Zarr group metadata under {root}: "
+                                  f"{e}") from e
         with self._lock:           # the commit publishes these bytes, not a read of them
             self._staged[root] = data
 

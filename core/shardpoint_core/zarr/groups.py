@@ -29,10 +29,17 @@ def group_keys(prefix: str, array_paths: Iterable[str]) -> List[str]:
             for g in group_paths(array_paths)]
 
 
+def start_groups(store: Any, prefix: str, array_paths: Iterable[str], submit: Any) -> list:
+    """Start the PUTs of every group zarr.json of a save below ``prefix`` (``submit``: a
+    pool's ``submit``); the futures to wait for. On an object store they go in flight with
+    the staged manifest, so they add no round trip; wait for them before the commit marker."""
+    return [submit(store.put, k, GROUP_JSON) for k in group_keys(prefix, array_paths)]
+
+
 def write_groups(store: Any, prefix: str, array_paths: Iterable[str],
                  submit: Any = None) -> None:
-    """PUT every group zarr.json of a save below ``prefix`` of ``store`` (``submit``: a pool's
-    ``submit`` to send them concurrently), then make them durable where the store needs
+    """Write every group zarr.json of a save below ``prefix`` of ``store`` (``submit``: a
+    pool's ``submit`` to send them concurrently), then make them durable where the store needs
     that (local files: one ``syncfs`` or parallel fsyncs, [SP-COMMIT-1])."""
     keys = group_keys(prefix, array_paths)
     if submit is None:
