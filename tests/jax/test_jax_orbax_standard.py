@@ -198,12 +198,34 @@ def one_argument_switch():
     assert r["w"].sharding.is_equivalent_to(w.sharding, 2)
     assert os.path.isfile(os.path.join(root, "mgr", "1", "default", "shardpoint", "manifest.msgpack"))
 
+@case
+def shardpoint_save_takes_orbax_arguments():
+    from shardpoint_jax.orbax_handler import ShardpointHandler, ShardpointRestore, ShardpointSave
+    from shardpoint_core.manifest import read_metadata
+    h, p = ShardpointHandler(), d()
+    k = jax.random.key(7)
+    h.save(p, args=ShardpointSave({"w": w, "name": "run-1", "k": k, "m": optax.MaskedNode()},
+                                  save_args={"w": ocp.SaveArgs(dtype=jnp.bfloat16), "name": None,
+                                             "k": None, "m": None},
+                                  custom_metadata={"epoch": 2}))
+    md = h.metadata(p)
+    assert md.tensors["w"].dtype == "bfloat16" and md.extensions["orbax"]["custom_metadata"] == {"epoch": 2}
+    r = h.restore(p)                       # no target: the saved sharding, keys as keys
+    assert r["w"].dtype == jnp.bfloat16 and r["w"].sharding.is_equivalent_to(w.sharding, 2)
+    assert r["name"] == "run-1" and r["m"] is None
+    assert (np.asarray(jax.random.key_data(r["k"])) == np.asarray(jax.random.key_data(k))).all()
+    t = {"w": jax.ShapeDtypeStruct((4, 4), jnp.bfloat16, sharding=w.sharding), "name": "",
+         "k": jax.random.key(0), "m": None}
+    r = h.restore(p, args=ShardpointRestore(t, strict=False))
+    assert np.asarray(r["w"]).astype(np.float32).tolist() == np.asarray(w)[:4].tolist()
+
 print("RESULTS " + json.dumps(out))
 """
 
 CASES = ["save_args_cast", "custom_metadata", "no_target_keeps_saved_sharding",
          "topology_mismatch", "strict_false_truncates_and_pads", "masked_and_none_leaves",
-         "prng_keys", "int64_without_x64_as_orbax", "orbax_errors", "one_argument_switch"]
+         "prng_keys", "int64_without_x64_as_orbax", "orbax_errors", "one_argument_switch",
+         "shardpoint_save_takes_orbax_arguments"]
 
 
 @pytest.fixture(scope="module")
