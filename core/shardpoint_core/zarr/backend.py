@@ -298,24 +298,18 @@ class ZarrBackend:
         store, key = self.locate(root)
         arrays = array_paths_of(data)          # None: not a manifest, no groups to write
         local_files = is_local(root)
-        try:
-            if arrays is not None and local_files:
-                write_groups(store, key, arrays, self._write_pool.submit)
-            groups = start_groups(store, key, arrays, self._remote.submit) \
-                if arrays is not None and not local_files else []
-        except OSError as e:
-            raise SaveFailedError(f"cannot write the Zarr group metadata under {root}: "
-                                  f"{e}") from e
+        # An OSError names its file and goes to the caller as the manifest's own would (the
+        # save reports it as a failed commit, with the fix for a full disk).
+        if arrays is not None and local_files:
+            write_groups(store, key, arrays, self._write_pool.submit)
+        groups = start_groups(store, key, arrays, self._remote.submit) \
+            if arrays is not None and not local_files else []
         if local_files:
             self.committer.posix.write_manifest(root, data)
             return
         store.put(f"{key}/{MANIFEST_NAME}", data)
-        try:
-            for f in groups:
-                f.result()
-        except OSError as e:
-            raise SaveFailedError(f"cannot write the Zarr group metadata under {root}: "
-                                  f"{e}") from e
+        for f in groups:
+            f.result()
         with self._lock:           # the commit publishes these bytes, not a read of them
             self._staged[root] = data
 
