@@ -219,13 +219,36 @@ def shardpoint_save_takes_orbax_arguments():
     r = h.restore(p, args=ShardpointRestore(t, strict=False))
     assert np.asarray(r["w"]).astype(np.float32).tolist() == np.asarray(w)[:4].tolist()
 
+@case
+def empty_nodes_and_flax_structs():
+    import flax
+    p = d()
+    item = {"a": {}, "b": 3, "c": None, "e": []}
+    H.save(p, args=ocp.args.StandardSave(item))
+    assert H.restore(p, args=ocp.args.StandardRestore(item)) == item
+    assert H.restore(p) == item
+
+    @flax.struct.dataclass
+    class Params:
+        params: dict
+        opt_state: tuple
+    rep = NamedSharding(mesh, P())
+    st = Params({"w": put(np.ones((8, 4), np.float32), P()), "n": np.arange(3)},
+                (optax.EmptyState(), optax.EmptyState()))
+    p = d()
+    H.save(p, args=ocp.args.StandardSave(st))
+    tgt = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), st)
+    r = H.restore(p, args=ocp.args.StandardRestore(tgt))
+    assert type(r) is Params and r.opt_state == (optax.EmptyState(), optax.EmptyState())
+    assert (np.asarray(r.params["w"]) == 1).all() and np.asarray(r.params["n"]).tolist() == [0, 1, 2]
+
 print("RESULTS " + json.dumps(out))
 """
 
 CASES = ["save_args_cast", "custom_metadata", "no_target_keeps_saved_sharding",
          "topology_mismatch", "strict_false_truncates_and_pads", "masked_and_none_leaves",
          "prng_keys", "int64_without_x64_as_orbax", "orbax_errors", "one_argument_switch",
-         "shardpoint_save_takes_orbax_arguments"]
+         "shardpoint_save_takes_orbax_arguments", "empty_nodes_and_flax_structs"]
 
 
 @pytest.fixture(scope="module")
