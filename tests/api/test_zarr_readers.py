@@ -111,3 +111,13 @@ def test_object_store_arrays_and_groups_lie_below_the_save_prefix(s3_env):
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), k
     for g in ("", "tensors/", "tensors/dt/", "tensors/model/layers/"):
         assert store.get_range(f"{key}/{save_dir}/{g}zarr.json", 0, 1 << 10) == GROUP_JSON
+
+
+def test_a_group_inside_a_checkpoint_is_named_as_such(tmp_ckpt):
+    """``tensors/`` (a group now, [SP-LAYOUT-5]) given for a checkpoint: the error says where
+    the checkpoint is, not that a save never committed there."""
+    sp.save({"model": {"w": torch.ones(2)}}, tmp_ckpt)
+    with pytest.raises(sp.CheckpointNotFoundError, match="Zarr group inside a checkpoint"):
+        sp.load(os.path.join(tmp_ckpt, "tensors", "model"))
+    with pytest.raises(sp.CheckpointNotFoundError, match="one tensor's Zarr array"):
+        sp.load(os.path.join(tmp_ckpt, "tensors", "model", "w"))
