@@ -6,13 +6,15 @@ zarr-python 3 knows the core Zarr v3 data types; ``bfloat16``, ``float8_e4m3fn``
 that :func:`register_zarr_dtypes` teaches it, so every dtype of the spec's table opens.
 :func:`zarr_path` resolves a tensor key to its array's location through the manifest, since
 readers follow the manifest's array path ([SP-LAYOUT-2]): on object stores that path lies
-below the save's prefix ``save-<token>/`` ([SP-LAYOUT-4]). zarr-python is imported only by
+below the save's prefix ``save-<token>/`` ([SP-LAYOUT-4]), and :func:`zarr_group_path` finds the
+root group there ([SP-LAYOUT-5]). zarr-python is imported only by
 :func:`register_zarr_dtypes` (the ``zarr`` extra)::
 
     import zarr
-    from shardpoint_core.zarr_compat import register_zarr_dtypes, zarr_path
+    from shardpoint_core.zarr_compat import register_zarr_dtypes, zarr_group_path, zarr_path
     register_zarr_dtypes()
     arr = zarr.open_array(zarr_path("s3://bucket/ckpt", "model/w"), mode="r")
+    root = zarr.open_group(zarr_group_path("s3://bucket/ckpt"), mode="r")   # its groups
 """
 from __future__ import annotations
 
@@ -44,6 +46,20 @@ def register_zarr_dtypes() -> None:
                  "__doc__": f"The spec's {name} (spec/format.md section 5) for zarr-python."}))
             _registered[name] = cls
         data_type_registry.register(name, cls)
+
+
+def zarr_group_path(checkpoint: str) -> str:
+    """The location of the checkpoint's root Zarr group ([SP-LAYOUT-5]), for
+    ``zarr.open_group``: the checkpoint itself on files, its committed save's prefix
+    ``<checkpoint>/save-<token>`` on object stores (read from the manifest)."""
+    from shardpoint_core.manifest import decode_manifest
+    from shardpoint_core.zarr.backend import ZarrBackend
+
+    m = decode_manifest(ZarrBackend().read_manifest(checkpoint))
+    heads = {e.array.split("/", 1)[0] for e in m.tensors.values()}
+    if len(heads) == 1 and next(iter(heads)).startswith("save-"):
+        return f"{checkpoint.rstrip('/')}/{heads.pop()}"
+    return checkpoint
 
 
 def zarr_path(checkpoint: str, key: str) -> str:

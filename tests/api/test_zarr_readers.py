@@ -13,7 +13,7 @@ from shardpoint_core.dtypes import DTYPES
 from shardpoint_core.verify import verify_checkpoint
 from shardpoint_core.zarr import ZarrBackend
 from shardpoint_core.zarr.groups import GROUP_JSON
-from shardpoint_core.zarr_compat import register_zarr_dtypes, zarr_path
+from shardpoint_core.zarr_compat import register_zarr_dtypes, zarr_group_path, zarr_path
 
 zarr = pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")
@@ -81,6 +81,7 @@ def test_a_checkpoint_browses_as_a_zarr_group(tmp_ckpt):
     for d in ("", "tensors", "tensors/model", "tensors/model/Enc~1"):
         with open(os.path.join(tmp_ckpt, d, "zarr.json"), "rb") as f:
             assert f.read() == GROUP_JSON, d
+    assert zarr_group_path(tmp_ckpt) == tmp_ckpt
     g = zarr.open_group(tmp_ckpt, mode="r")
     assert sorted(g["tensors/model"].group_keys()) == ["Enc~1"]
     assert sorted(g["tensors/model"].array_keys()) == ["b"]
@@ -111,6 +112,7 @@ def test_object_store_arrays_and_groups_lie_below_the_save_prefix(s3_env):
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), k
     for g in ("", "tensors/", "tensors/dt/", "tensors/model/layers/"):
         assert store.get_range(f"{key}/{save_dir}/{g}zarr.json", 0, 1 << 10) == GROUP_JSON
+    assert zarr_group_path(url) == f"{url}/{save_dir}"
 
 
 def test_a_group_inside_a_checkpoint_is_named_as_such(tmp_ckpt):
