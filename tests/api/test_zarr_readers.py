@@ -110,6 +110,18 @@ def test_object_store_arrays_and_groups_lie_below_the_save_prefix(s3_env):
             "aws_region": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}},
             open=True).result().read().result()
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), k
+    obstore = pytest.importorskip("obstore")       # zarr-python's S3 route without fsspec
+    register_zarr_dtypes()
+    s3 = obstore.store.S3Store(
+        s3_env.bucket, prefix=zarr_group_path(url).split("/", 3)[3],
+        endpoint=os.environ["AWS_ENDPOINT_URL"], region=os.environ["AWS_REGION"],
+        access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+        secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        client_options={"allow_http": True})
+    group = zarr.open_group(zarr.storage.ObjectStore(s3, read_only=True), mode="r")
+    for k, want in _leaves(state).items():
+        got = group[f"tensors/{k}"][...]
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), k
     for g in ("", "tensors/", "tensors/dt/", "tensors/model/layers/"):
         assert store.get_range(f"{key}/{save_dir}/{g}zarr.json", 0, 1 << 10) == GROUP_JSON
     assert zarr_group_path(url) == f"{url}/{save_dir}"
