@@ -184,7 +184,7 @@ def restore(path: str, target: Any = None, *, strict: bool = True, fallback: Any
         t = tensors.get(key)
         if t is None or not isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
             return x
-        if _is_key(x) or key in keys:
+        if _is_key(x) or key in keys:  # saved as a key: a key again, as Orbax restores it
             return _Special("key", x)
         if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
             return _Special("saved", x)     # the saved sharding, else numpy (as Orbax)

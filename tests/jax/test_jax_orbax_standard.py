@@ -135,7 +135,8 @@ def prng_keys():
     k = {"t": jax.random.key(jnp.array(3, device=rep)),
          "r": jax.random.key(jnp.array(3, device=rep), impl="rbg")}
     H.save(p, args=ocp.args.StandardSave(k))
-    for tgt in (None, jax.eval_shape(lambda: k),
+    from orbax.checkpoint import utils as ocp_utils   # its key structs are uint32 ones
+    for tgt in (None, jax.eval_shape(lambda: k), jax.tree.map(ocp_utils.to_shape_dtype_struct, k),
                 {"t": jax.random.key(0), "r": jax.random.key(0, impl="rbg")}):
         r = H.restore(p, args=ocp.args.StandardRestore(tgt))
         for name in ("t", "r"):
