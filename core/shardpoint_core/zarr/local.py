@@ -46,6 +46,15 @@ def not_a_checkpoint_hint(path: str) -> str:
     if os.path.basename(os.path.normpath(path)) == MANIFEST_NAME:
         return f" (the checkpoint is its directory, {os.path.dirname(path) or '.'!r})"
     if os.path.isfile(os.path.join(path, "zarr.json")):
+        try:
+            with open(os.path.join(path, "zarr.json"), "rb") as f:
+                group = b'"group"' in f.read(4096)
+        except OSError:
+            group = False
+        if group:       # [SP-LAYOUT-5]; a save's root without its manifest is no hint
+            return "" if os.path.isdir(os.path.join(path, "tensors")) else (
+                " (it is a Zarr group inside a checkpoint; the checkpoint is the directory "
+                f"holding {MANIFEST_NAME})")
         return " (it is one tensor's Zarr array; the checkpoint is the directory holding tensors/)"
     return path_hint(path)
 

@@ -60,7 +60,8 @@ class SaveOptions:
 class SaveResult:
     """What a save did, for logs and benchmarks (same on every rank except ``rank_*``).
     ``chunks`` counts chunk files (a shard is one file); the checkpoint holds ``files`` files
-    in all (chunk files, a ``zarr.json`` per tensor, the manifest); ``rank_chunk_files`` of
+    in all (chunk files, a ``zarr.json`` per tensor and per Zarr group, [SP-LAYOUT-5], the
+    manifest); ``rank_chunk_files`` of
     the chunk files are this rank's (each ``zarr.json`` comes from whichever rank creates
     the array first)."""
 
@@ -457,7 +458,7 @@ class SaveJob:
                      self.times.get("write", 0.0), self.times["commit"], self.times["total"])
         return SaveResult(self.path, comm.size, st["tensors"], st["unique_bytes"],
                           st["exchange_bytes"], st["chunks"], self.written, self.times,
-                          files=st["chunks"] + st["tensors"] + 1,
+                          files=st["chunks"] + st["tensors"] + 1 + st.get("groups", 0),
                           rank_chunk_files=len(self.work.writes))
 
     def abandon(self) -> None:
