@@ -205,12 +205,15 @@ def open_local_array(root: str, array_path: str, shape: tuple, dtype: str, chunk
                      itemsize: int, key: str) -> dict:
     """Every check of a local array before its first read, in the order of [SP-ERR-2]: file
     kinds and the zarr.json cap, zarr.json against the spec and the manifest entry, chunk
-    file sizes, bytes present against the declared size ([SP-READ-6]). Returns the checked
-    zarr.json (shared: not to be changed)."""
+    file sizes, bytes present against the declared size ([SP-READ-6]), then the checksums of
+    what sparse chunk files do not hold ([SP-SEC-6]). Returns the checked zarr.json (shared:
+    not to be changed)."""
+    from shardpoint_core.zarr.sparse import check_sparse_chunks
     raw, entries = scan_array(root, array_path, key)
     meta = checked_zarr_json(raw, shape, dtype, chunk, key, f"{array_path}/zarr.json")
     found = check_chunk_sizes(entries, chunk_file_sizes(meta, itemsize), key)
     check_backed_bytes(key, array_path, shape, chunk, itemsize, found)
+    check_sparse_chunks(entries, meta, itemsize, key)
     return meta
 
 
