@@ -181,6 +181,30 @@ def test_sparse_chunk_file_is_refused_by_every_reader_before_allocating(pair):
     _assert_refused(out, "SP-READ-3", "sparse")
 
 
+# ----------------------------------------- a sparse 1 GiB manifest with trailing garbage
+def test_sparse_manifest_with_trailing_garbage_is_refused_from_its_headers(pair):
+    """Before: 4.3 GiB of RSS for load and the DCP reader, 2.1-2.3 GiB for the others (the
+    whole file read, then the decoder's copy of the extra bytes)."""
+    bad, good = pair
+    _base(bad)
+    os.truncate(f"{bad}/manifest.msgpack", 1 << 30)
+    out = run_readers(bad, good)
+    _assert_refused(out, "SP-MAN-1", "trailing bytes")
+
+
+def test_manifest_bytes_with_trailing_garbage_are_refused_before_decoding():
+    """The same rule on bytes from any store (object stores read the manifest whole)."""
+    from shardpoint_core.manifest import decode_manifest
+    import msgpack
+    import hashlib
+    raw = msgpack.packb({"format": "shardpoint"})
+    env = msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw})
+    for data, what in ((env + bytes(1000), "trailing"), (env[:-3], "cut short")):
+        with pytest.raises(sp.CorruptCheckpointError) as e:
+            decode_manifest(data)
+        assert e.value.spec_id == "SP-MAN-1" and what in str(e.value)
+
+
 def test_sparse_but_sound_chunk_still_loads(tmp_path):
     """Holes are not damage: zeros a file system keeps as holes (ZFS with compression,
     ``rsync -S``) read back, their checksums checked from the bytes stored."""
