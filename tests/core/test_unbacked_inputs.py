@@ -285,3 +285,85 @@ def test_crc_over_zeros_matches_the_library():
     for n in (0, 1, 3, 4095, 4096, 12345, 1 << 20):
         c = random.getrandbits(32)
         assert crc32c_zeros(c, n) == crc32c.crc32c(bytes(n), c), n
+
+
+# ------------------------------- per-array and per-chunk work that storage does not back
+def _absent_arrays(p: str, count: int) -> None:
+    """``count`` more tensors in the manifest, none of them stored."""
+    _base(p)
+    body = hostile.read_body(p)
+    for i in range(count):
+        k = f"layer{i}.weight"
+        body["tensors"][k] = {"array": f"tensors/{k}", "shape": [1000], "dtype": "float32",
+                              "chunk_shape": [1000]}
+        body["tree"]["dict"].append([k, {"tensor": k}])
+    hostile.write_body(p, body)
+
+
+@pytest.fixture
+def no_planning(monkeypatch):
+    """Planning and target allocation fail the test if reached: the checks must come first."""
+    import shardpoint.api.loading as loading
+
+    def reached(*_a, **_k):
+        raise AssertionError("planned or allocated before the storage checks")
+    monkeypatch.setattr(loading, "plan_load_auto", reached)
+    monkeypatch.setattr(loading, "full_targets", reached)
+
+
+def test_absent_arrays_are_found_before_planning(tmp_path, no_planning):
+    """Before: 200k absent arrays cost load 1.9 GiB and 80 s of targets and planning before
+    the first open said SP-ARRAY-1."""
+    p = str(tmp_path / "ck")
+    _absent_arrays(p, 2000)
+    with pytest.raises(sp.CorruptCheckpointError) as e:
+        sp.load(p)
+    assert e.value.spec_id == "SP-ARRAY-1" and "tensors/layer0.weight" in str(e.value)
+    w = torch.zeros(1000)
+    with pytest.raises(sp.CorruptCheckpointError) as e:      # through like= as well
+        sp.load(p, like={"w": torch.zeros(1000), "layer7.weight": w}, strict=False)
+    assert e.value.spec_id == "SP-ARRAY-1" and "layer7.weight" in str(e.value)
+
+
+def test_chunk_shape_1_on_a_large_tensor_is_refused_before_planning(tmp_path, no_planning):
+    """Before: 1.8 GiB and tens of seconds of per-chunk plans for 1M chunks, then
+    SP-READ-3 for the one 4 MiB chunk file that should be 8 bytes."""
+    p = str(tmp_path / "ck")
+    _base(p)
+    _edit_array(p, "v", chunk_shape=[1])
+    with pytest.raises(sp.CorruptCheckpointError) as e:
+        sp.load(p)
+    assert e.value.spec_id == "SP-READ-3" and "tensors/v/c/0" in str(e.value)
+
+
+def test_a_large_grid_missing_its_chunk_files_is_refused_before_planning(tmp_path,
+                                                                         no_planning):
+    p = str(tmp_path / "ck")
+    _base(p)
+    _edit_array(p, "v", chunk_shape=[1])
+    c = f"{p}/tensors/v/c/0"
+    os.remove(c)
+    with open(c, "wb") as f:            # one sound 8-byte chunk of the 1M the grid has
+        import crc32c
+        f.write(b"\0\0\x80\x3f" + crc32c.crc32c(b"\0\0\x80\x3f").to_bytes(4, "little"))
+    with pytest.raises(sp.CorruptCheckpointError) as e:
+        sp.load(p)
+    assert e.value.spec_id == "SP-READ-2" and "1 chunk files of the 1048576" in str(e.value)
+
+
+@pytest.mark.slow       # ~1 min: 200k entries decoded by seven readers
+@pytest.mark.parametrize("case", ["absent_200k", "chunk_shape_1"])
+def test_per_array_and_per_chunk_cases_stay_within_the_budget(pair, case):
+    bad, good = pair
+    if case == "absent_200k":
+        _absent_arrays(bad, 200_000)
+        assert os.path.getsize(f"{bad}/manifest.msgpack") > 20 * MiB
+        sid = "SP-ARRAY-1"
+    else:
+        _base(bad)
+        _edit_array(bad, "v", shape=[3 << 20], chunk_shape=[1])
+        sid = "SP-READ-3"
+    out = run_readers(bad, bad, which=("load", "open", "jax", "verify", "dcp"), timeout=600)
+    for name, (hwm, what) in out.items():
+        assert hwm < BUDGET_MIB, (name, hwm, what)
+        assert sid in what, (name, what)
