@@ -351,7 +351,7 @@ def test_a_large_grid_missing_its_chunk_files_is_refused_before_planning(tmp_pat
     assert e.value.spec_id == "SP-READ-2" and "1 chunk files of the 1048576" in str(e.value)
 
 
-@pytest.mark.slow       # ~1 min: 200k entries decoded by seven readers
+@pytest.mark.slow       # minutes: 200k entries decoded by each reader
 @pytest.mark.parametrize("case", ["absent_200k", "chunk_shape_1"])
 def test_per_array_and_per_chunk_cases_stay_within_the_budget(pair, case):
     bad, good = pair
@@ -363,7 +363,10 @@ def test_per_array_and_per_chunk_cases_stay_within_the_budget(pair, case):
         _base(bad)
         _edit_array(bad, "v", shape=[3 << 20], chunk_shape=[1])
         sid = "SP-READ-3"
-    out = run_readers(bad, bad, which=("load", "open", "jax", "verify", "dcp"), timeout=600)
+    # DCP is left out of the absent-arrays case: its caller allocates every target (the
+    # state dict) and DCP plans per tensor before a storage reader is asked for anything.
+    which = ("load", "open", "jax", "verify") + (("dcp",) if case == "chunk_shape_1" else ())
+    out = run_readers(bad, bad, which=which, timeout=600)
     for name, (hwm, what) in out.items():
         assert hwm < BUDGET_MIB, (name, hwm, what)
         assert sid in what, (name, what)
