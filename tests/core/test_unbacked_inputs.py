@@ -300,20 +300,27 @@ def _absent_arrays(p: str, count: int) -> None:
     hostile.write_body(p, body)
 
 
+def _reached(*_a, **_k):
+    raise AssertionError("planned or allocated before the storage checks")
+
+
 @pytest.fixture
 def no_planning(monkeypatch):
-    """Planning and target allocation fail the test if reached: the checks must come first."""
+    """Planning fails the test if reached: the checks must come first."""
     import shardpoint.api.loading as loading
-
-    def reached(*_a, **_k):
-        raise AssertionError("planned or allocated before the storage checks")
-    monkeypatch.setattr(loading, "plan_load_auto", reached)
-    monkeypatch.setattr(loading, "full_targets", reached)
+    monkeypatch.setattr(loading, "plan_load_auto", _reached)
 
 
-def test_absent_arrays_are_found_before_planning(tmp_path, no_planning):
+@pytest.fixture
+def no_targets(monkeypatch, no_planning):
+    """Allocating the targets of a whole load fails the test too."""
+    import shardpoint.api.loading as loading
+    monkeypatch.setattr(loading, "full_targets", _reached)
+
+
+def test_absent_arrays_are_found_before_planning(tmp_path, no_targets):
     """Before: 200k absent arrays cost load 1.9 GiB and 80 s of targets and planning before
-    the first open said SP-ARRAY-1."""
+    the first open said SP-ARRAY-1. Now before the targets are allocated."""
     p = str(tmp_path / "ck")
     _absent_arrays(p, 2000)
     with pytest.raises(sp.CorruptCheckpointError) as e:

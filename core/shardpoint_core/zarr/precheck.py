@@ -15,7 +15,7 @@ Both are found here first, from the files alone:
 
 Example::
 
-    check_before_planning("/ckpt/step_5", [("w", entry, True)])
+    check_before_planning("/ckpt/step_5", [("w", entry, True)])   # raises on a problem
 """
 from __future__ import annotations
 
@@ -53,12 +53,17 @@ def first_missing_array(root: str, array_paths: Iterable[str]) -> str:
 
 
 def check_before_planning(root: str, reads: Iterable[Tuple[str, Any, bool]]) -> None:
-    """The checks above for the tensors a load reads on local storage: ``reads`` holds
-    ``(key, manifest entry, whether the whole tensor is read)``; entries have ``array``,
-    ``shape``, ``dtype`` and ``chunk_shape``. Raises the documented error of the first
-    problem."""
-    from shardpoint_core.dtypes import from_name
-    from shardpoint_core.zarr.checks import open_local_array_counted
+    """:func:`check_arrays_exist`, then :func:`check_large_grids`."""
+    reads = list(reads)
+    check_arrays_exist(root, reads)
+    check_large_grids(root, reads)
+
+
+def check_arrays_exist(root: str, reads: Iterable[Tuple[str, Any, bool]]) -> None:
+    """Every array of ``reads`` (``(key, manifest entry, whether the whole tensor is
+    read)``; entries have ``array``, ``shape``, ``dtype`` and ``chunk_shape``) has its
+    directory ([SP-ARRAY-1]). Before a load allocates its targets: a manifest naming 200k
+    absent tensors would cost their targets first."""
     reads = list(reads)
     missing = first_missing_array(root, (e.array for _k, e, _w in reads))
     if missing:
@@ -66,6 +71,14 @@ def check_before_planning(root: str, reads: Iterable[Tuple[str, Any, bool]]) -> 
         raise CorruptCheckpointError(f"tensor {key!r}: array {missing!r} has no zarr.json "
                                      f"(no directory {missing!r} in {root!r})",
                                      spec_id="SP-ARRAY-1")
+
+
+def check_large_grids(root: str, reads: Iterable[Tuple[str, Any, bool]]) -> None:
+    """Arrays of ``reads`` whose grids have more than :data:`LARGE_GRID` chunks are opened
+    (every check of :func:`~.checks.open_local_array`), and one read whole must have all its
+    chunk files ([SP-READ-2]). Before a load plans anything per chunk."""
+    from shardpoint_core.dtypes import from_name
+    from shardpoint_core.zarr.checks import open_local_array_counted
     for key, e, whole in reads:
         grid = grid_size(e.shape, e.chunk_shape)
         if grid <= LARGE_GRID:
