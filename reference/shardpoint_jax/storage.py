@@ -48,6 +48,7 @@ from shardpoint_core.zarr.checks import (check_array_objects, check_backed_bytes
 from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_write import DirectWriter, WriteOp, WritePool, write_layout
 from shardpoint_core.zarr.groups import start_groups, write_groups
+from shardpoint_core.zarr.local import read_manifest_file
 from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                    IncompleteCheckpointError, InvalidRequestError,
                                    ShardpointError)
@@ -142,8 +143,7 @@ def _manifest_bytes(path: str) -> bytes:
     if size > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{os.path.join(path, MANIFEST)!r} is {size} bytes, over "
                                      "the 1 GiB limit", spec_id="SP-SEC-2")
-    with open(os.path.join(path, MANIFEST), "rb") as f:
-        return f.read(MAX_MANIFEST_BYTES + 1)
+    return read_manifest_file(os.path.join(path, MANIFEST), size)     # [SP-MAN-1] first
 
 
 def read_manifest(path: str) -> Manifest:

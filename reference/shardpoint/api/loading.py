@@ -32,6 +32,7 @@ from shardpoint.planning.planner import RankLoadWork, TensorLayout
 from shardpoint_core.storage import StorageBackend
 from shardpoint_core.store.registry import is_local
 from shardpoint_core.zarr.object_backend import manifest_with_identity, resolve
+from shardpoint_core.zarr.precheck import check_arrays_exist, check_large_grids
 from shardpoint.tree.targets import collect_targets, full_targets
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
 
@@ -138,11 +139,22 @@ class LoadJob:
 
     def _local(self) -> bytes:
         self.m = m = decode_manifest(self.mbytes)
+        local = is_local(self.path)     # files checked before targets and plans (issue 28)
         if self.like is None:
+            reads = [(k, e, True) for k, e in m.tensors.items()]
+            if local:
+                check_arrays_exist(self.path, reads)
             self.targets, self.built = full_targets(m)
         else:
             self.targets, self.built = collect_targets(self.like, m, self.strict, self.out,
                                                        self.comm.rank)
+            reads = [(t.holding.key, m.tensors[t.holding.key], t.holding.flat is None
+                      and tuple(t.holding.shape) == tuple(t.holding.global_shape))
+                     for t in self.targets]
+            if local:
+                check_arrays_exist(self.path, reads)
+        if local:
+            check_large_grids(self.path, reads)
         host = host_identity(self.opts.host_id)
         meta, blobs = HoldingColumns.from_holdings([t.holding for t in self.targets]).to_parts()
         return [msgpack.packb([host, meta]), *blobs]
