@@ -78,3 +78,13 @@ def gcs_env(gcs_server, monkeypatch):
     for k, v in gcs_server.env().items():
         monkeypatch.setenv(k, v)
     return gcs_server
+
+
+@pytest.fixture(autouse=True)
+def _no_lease_outlives_its_test():
+    """A save a test began and never published or aborted keeps renewing its lease (as a
+    live save does); the end of the test is its process's end: renewals stop, so no store
+    request of one test runs during another (a garbage or request count of its own)."""
+    yield
+    from shardpoint_core.commit.lease import stop_all
+    stop_all()

@@ -24,6 +24,7 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -155,6 +156,22 @@ def stop_lease(store: Any, staging: str) -> Optional[LeaseState]:
     if st.thread is not None and st.thread is not threading.current_thread():
         st.thread.join(timeout=max(60.0, st.lease_s))
     return st
+
+
+def stop_all() -> None:
+    """Stop every renewal this process runs (at interpreter exit: no store call may be in
+    flight while the interpreter tears down; a lease left behind simply expires)."""
+    with _LOCK:
+        live = list(_LIVE.values())
+        _LIVE.clear()
+    for st in live:
+        st.stop.set()
+    for st in live:
+        if st.thread is not None and st.thread is not threading.current_thread():
+            st.thread.join(timeout=5.0)
+
+
+atexit.register(stop_all)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from shardpoint.tree import dtypes
-from shardpoint_core.errors import LoadFailedError
+from shardpoint_core.errors import LoadFailedError, ShardpointError
 from shardpoint_core.keys import decode_key, encode_key, similar_keys
 from shardpoint_core.manifest import Manifest, TensorEntry, decode_manifest
 from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, iter_leaves
@@ -174,12 +174,21 @@ class Checkpoint:
             decode_key(e.key)
             self._handles[e.key] = self._be.open_array_for_read(self.path, e.array, e.spec,
                                                                 e.key)
-        self._be.wait([self._be.read_into(self._handles[e.key], offset, to_numpy(out))])
+        try:
+            self._be.wait([self._be.read_into(self._handles[e.key], offset, to_numpy(out))])
+        except ShardpointError as err:
+            # bytes of a newer save under the manifest read then fail their checks (a chunk
+            # table, a size): the replacement is the cause to report, not damage
+            self._check_unchanged(e, err)
+            raise
+        self._check_unchanged(e)
+
+    def _check_unchanged(self, e: TensorEntry, cause: Optional[BaseException] = None) -> None:
         if self._ident is not None and self._identity(self.path) != self._ident:
             raise LoadFailedError(
                 f"the checkpoint at {self.path!r} was replaced (or removed) by another save "
                 f"since it was opened, so {e.key!r} read now would not belong to the manifest "
-                "read then: open it again")
+                "read then: open it again") from cause
 
     def close(self) -> None:
         self._handles.clear()
