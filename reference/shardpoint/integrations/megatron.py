@@ -16,7 +16,14 @@ How the pieces map (megatron-core's ``dist_checkpointing.mapping``):
   Several ShardedTensors of one key on one rank (layers of a pipeline stage, MoE experts)
   become one :class:`~shardpoint.ShardedPieces` leaf.
 - ``ShardedObject`` -> :class:`~shardpoint.ShardedObject` at cell ``global_offset`` of the grid
-  ``global_shape`` (a 1-element shape is a plain index/count).
+  ``global_shape`` (a 1-element shape is a plain index/count). Its value follows shardpoint's
+  value rules, plus two Python types Megatron's pickles carry and a load gives back as they
+  were: a ``set``/``frozenset`` is stored as the tagged dict ``{"__megatron__": "set",
+  "items": [...]}`` (items in a fixed order), an ``io.BytesIO`` as ``{"__megatron__":
+  "BytesIO", "bytes": ...}``; neither is a pickle.
+- ``allow_shape_mismatch=True`` (embeddings, output layers padded to another vocabulary size):
+  the target is zeroed and the stored tensor's overlap with it is read, as Megatron does: a
+  larger stored tensor is trimmed, a smaller one padded with zeros.
 - ``ShardedTensorFactory`` -> the ShardedTensors its ``build()`` makes; on load its
   ``merge_fn`` turns the loaded pieces back into one tensor, as Megatron does.
 - ``LocalNonpersistentObject`` -> not saved (listed in ``left_out``); on load it is unwrapped
@@ -32,6 +39,7 @@ this module never imports it.
 """
 from __future__ import annotations
 
+import io
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -40,6 +48,8 @@ from typing import Any, Optional
 import torch
 
 from shardpoint_core import errors
+from shardpoint_core.manifest import read_metadata
+from shardpoint_core.statetree import TensorLeaf, node_at
 from shardpoint.api.loading import LoadReport, load
 from shardpoint.tree.model import ShardedObject, ShardedPieces, ShardedTensor
 from shardpoint.api.saving import SaveResult, save
@@ -58,6 +68,67 @@ def _megatron_classes() -> Optional[tuple]:
         return None
     return (m.ShardedTensor, m.ShardedObject, m.LocalNonpersistentObject,
             m.ShardedTensorFactory)
+
+
+TAG = "__megatron__"
+
+
+def encode_value(v: Any) -> Any:
+    """``v`` with its sets and ``io.BytesIO`` objects as tagged dicts (see the module
+    docstring), at any depth of dicts, lists and tuples."""
+    if isinstance(v, (set, frozenset)):
+        items = sorted((encode_value(x) for x in v), key=lambda x: (type(x).__name__, repr(x)))
+        return {TAG: "frozenset" if isinstance(v, frozenset) else "set", "items": items}
+    if isinstance(v, io.BytesIO):
+        return {TAG: "BytesIO", "bytes": v.getvalue()}
+    if isinstance(v, dict):
+        return {k: encode_value(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [encode_value(x) for x in v]
+    if isinstance(v, tuple) and type(v) is tuple:
+        return tuple(encode_value(x) for x in v)
+    return v
+
+
+def decode_value(v: Any) -> Any:
+    """The inverse of :func:`encode_value`."""
+    if isinstance(v, dict):
+        if set(v) in ({TAG, "items"}, {TAG, "bytes"}) and v[TAG] in ("set", "frozenset",
+                                                                      "BytesIO"):
+            if v[TAG] == "BytesIO":
+                return io.BytesIO(v["bytes"])
+            items = [decode_value(x) for x in v["items"]]
+            return set(items) if v[TAG] == "set" else frozenset(items)
+        return {k: decode_value(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [decode_value(x) for x in v]
+    if isinstance(v, tuple) and type(v) is tuple:
+        return tuple(decode_value(x) for x in v)
+    return v
+
+
+_BOTH: dict = {}
+
+
+def as_megatron_error(e: BaseException) -> BaseException:
+    """``e`` (a shardpoint error) made also an instance of Megatron's
+    ``CheckpointingException``, which Megatron's callers catch: its class becomes a subclass
+    of both (same message, traceback and attributes). Other errors are returned as they are."""
+    mod = sys.modules.get("megatron.core.dist_checkpointing.mapping")
+    exc = getattr(mod, "CheckpointingException", None)
+    if exc is None or not isinstance(e, errors.ShardpointError) or isinstance(e, exc):
+        return e
+    cls = type(e)
+    both = _BOTH.get(cls)
+    if both is None:
+        name = f"Megatron{cls.__name__}"
+        both = type(name, (cls, exc), {"__module__": __name__, "__doc__":
+                                       f"{cls.__name__} that is also Megatron's "
+                                       "CheckpointingException."})
+        both.__qualname__ = name
+        globals()[name] = _BOTH[cls] = both
+    e.__class__ = both
+    return e
 
 
 def _where(path: tuple) -> str:
@@ -89,6 +160,7 @@ def _piece(st: Any, data: torch.Tensor) -> ShardedTensor:
 
 
 def _object(so: Any, value: Any) -> ShardedObject:
+    value = encode_value(value)
     shape = tuple(int(x) for x in so.global_shape)
     offset = tuple(int(x) for x in so.global_offset)
     if len(shape) <= 1:       # Megatron's 1-element grid (or a 0-d one: a single cell)
@@ -108,6 +180,16 @@ class MegatronTree:
     left_out: list = field(default_factory=list)
     filled: dict = field(default_factory=dict)         # id(Megatron ShardedTensor) -> tensor
     factories: dict = field(default_factory=dict)      # id(factory) -> its built sub-dict
+    overlaps: list = field(default_factory=list)       # (target view, region, buffer)
+
+    def finish_overlaps(self) -> None:
+        """After a load: ``allow_shape_mismatch`` targets zeroed, then their read overlap
+        copied in (Megatron's trim and pad)."""
+        for view, region, buf in self.overlaps:
+            view.zero_()
+            if buf is not None:
+                view[region].copy_(buf)
+        self.overlaps.clear()
 
     def assemble(self, loaded: dict) -> Any:
         """The state dict ``dist_checkpointing.load`` would return: ShardedTensors replaced by
@@ -130,20 +212,22 @@ class MegatronTree:
             if isinstance(x, mst):
                 return self.filled[id(x)]
             if isinstance(x, mso):
-                return objects[x.key]
+                return decode_value(objects[x.key])
             if isinstance(x, local):
                 return x.unwrap()
             if isinstance(x, factory):
                 return x.merge_fn(self._build(self.factories[id(x)], None, objects, classes))
-        return c
+        return decode_value(c)
 
 
 class _Mapper:
     """The walk of :func:`megatron_tree`: a class rather than nested closures, because a
     closure that calls itself is a reference cycle holding every tensor it saw."""
 
-    def __init__(self, out: MegatronTree, for_load: bool, classes: Optional[tuple]) -> None:
+    def __init__(self, out: MegatronTree, for_load: bool, classes: Optional[tuple],
+                 stored: Any = None) -> None:
         self.out, self.for_load, self.classes = out, for_load, classes
+        self.stored = stored        # key -> stored global shape (or None), for mismatches
         self.tensors: dict = {}     # key -> [shardpoint pieces]
         self.objects: dict = {}     # key -> shardpoint ShardedObject
 
@@ -157,8 +241,36 @@ class _Mapper:
             n = (fr[1] - fr[0],) if fr else tuple(st.local_shape)
             data = torch.empty(n, dtype=st.dtype)
         self.out.filled[id(st)] = data
+        if self.for_load and getattr(st, "allow_shape_mismatch", False) and \
+                self.stored is not None:
+            shape = self.stored(st.key)
+            if shape is not None and tuple(shape) != tuple(st.global_shape):
+                return self.add_overlap(st, data.detach(), tuple(shape))
         self.tensors.setdefault(st.key, []).append(
             _piece(st, data.detach() if self.for_load else data))
+
+    def add_overlap(self, st: Any, data: torch.Tensor, shape: tuple) -> None:
+        """A load target whose stored global shape differs (``allow_shape_mismatch``): read
+        the overlap of its block with the stored tensor into a buffer (none: all zeros)."""
+        if _flat_range(st) is not None:
+            raise errors.LayoutMismatchError(
+                f"Megatron ShardedTensor {st.key!r}: allow_shape_mismatch with a "
+                "flattened_range cannot be trimmed or padded (Megatron refuses it too); the "
+                f"checkpoint holds global shape {shape}, this rank asks {st.global_shape}")
+        if len(shape) != len(st.global_shape):
+            raise errors.LayoutMismatchError(
+                f"Megatron ShardedTensor {st.key!r}: stored with {len(shape)} dimensions "
+                f"{shape}, asked with {len(st.global_shape)} {tuple(st.global_shape)}")
+        view = data[(None,) * st.prepend_axis_num] if st.prepend_axis_num else data
+        lo = tuple(int(o) for o in st.global_offset)
+        hi = tuple(min(o + b, s) for o, b, s in zip(lo, view.shape, shape))
+        if any(h <= o for o, h in zip(lo, hi)):
+            self.out.overlaps.append((view, None, None))
+            return
+        region = tuple(slice(0, h - o) for o, h in zip(lo, hi))
+        buf = torch.empty(tuple(h - o for o, h in zip(lo, hi)), dtype=data.dtype)
+        self.out.overlaps.append((view, region, buf))
+        self.tensors.setdefault(st.key, []).append(ShardedTensor(buf, shape, lo))
 
     def add_object(self, so: Any, path: tuple) -> None:
         if so.key in self.objects:
@@ -192,14 +304,29 @@ class _Mapper:
         return _DROP
 
 
-def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False) -> MegatronTree:
+def stored_shapes(path: str, root: tuple = (SHARDED,)) -> Any:
+    """``key -> global shape`` of the tensors a checkpoint stores under ``root`` (None for a
+    key it lacks), the manifest read once on first use."""
+    cache: list = []
+
+    def shape(key: str) -> Optional[tuple]:
+        if not cache:
+            cache.append(read_metadata(path).tree)
+        node = node_at(cache[0], (*root, key))
+        return tuple(node.shape) if isinstance(node, TensorLeaf) else None
+    return shape
+
+
+def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False,
+                  stored: Any = None) -> MegatronTree:
     """Map a megatron-core ``sharded_state_dict`` to a shardpoint state tree (see the module
     docstring). ``for_load=True`` makes load targets: ShardedTensors without data get a new
-    tensor to fill. Raises :class:`~shardpoint.InvalidShardingError` naming the Megatron key
+    tensor to fill; ``stored`` (:func:`stored_shapes`) gives the stored global shapes that
+    ``allow_shape_mismatch`` targets are trimmed or padded to. Raises :class:`~shardpoint.InvalidShardingError` naming the Megatron key
     when a key names both a tensor and an object or a rank holds one object key twice;
     pieces of one key that disagree or overlap are refused, by key, when the tree is saved or
     loaded."""
-    m = _Mapper(MegatronTree(sharded_state_dict, {}), for_load, _megatron_classes())
+    m = _Mapper(MegatronTree(sharded_state_dict, {}), for_load, _megatron_classes(), stored)
     out, tensors, objects = m.out, m.tensors, m.objects
     common = m.walk(sharded_state_dict, ())
     both = sorted(set(tensors) & set(objects))
@@ -208,7 +335,8 @@ def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False) -> Megatro
                                           "ShardedTensor and a ShardedObject; rename one")
     sharded: dict = {k: v[0] if len(v) == 1 else ShardedPieces(v) for k, v in tensors.items()}
     sharded.update(objects)
-    out.tree = {SHARDED: sharded, COMMON: common if common is not _DROP else None}
+    common = None if common is _DROP else common if for_load else encode_value(common)
+    out.tree = {SHARDED: sharded, COMMON: common}
     return out
 
 
@@ -226,11 +354,14 @@ def save_megatron(sharded_state_dict: Any, path: str, **save_kwargs: Any) -> Meg
     """Save a megatron-core ``sharded_state_dict`` as a shardpoint checkpoint. Collective:
     every rank passes its own. ``save_kwargs`` go to :func:`shardpoint.save` (``group``,
     ``overwrite``, ``backend``, ``options``)."""
-    t = megatron_tree(sharded_state_dict)
-    if t.left_out:
-        log.info("shardpoint save_megatron: %d LocalNonpersistentObject leaf(s) not saved: %s",
-                 len(t.left_out), t.left_out[:10])
-    return MegatronSaveResult(save(t.tree, path, **save_kwargs), t.left_out)
+    try:
+        t = megatron_tree(sharded_state_dict)
+        if t.left_out:
+            log.info("shardpoint save_megatron: %d LocalNonpersistentObject leaf(s) not "
+                     "saved: %s", len(t.left_out), t.left_out[:10])
+        return MegatronSaveResult(save(t.tree, path, **save_kwargs), t.left_out)
+    except errors.ShardpointError as e:
+        raise as_megatron_error(e)
 
 
 def load_megatron(sharded_state_dict: Any, path: str, *, strict: bool = True,
@@ -239,11 +370,17 @@ def load_megatron(sharded_state_dict: Any, path: str, *, strict: bool = True,
     Collective. Every ShardedTensor's data is filled in place; returns the state dict
     ``dist_checkpointing.load`` would (tensors, object values, merged factories, unwrapped
     nonpersistent objects, common values from the checkpoint). ``load_kwargs`` go to
-    :func:`shardpoint.load` (``group``, ``backend``, ``exchange_budget_bytes``)."""
-    t = megatron_tree(sharded_state_dict, for_load=True)
-    loaded = load(path, like=t.tree, strict=strict, report=report, **load_kwargs)
-    return t.assemble(loaded)
+    :func:`shardpoint.load` (``group``, ``backend``, ``exchange_budget_bytes``). Errors are
+    shardpoint's documented classes and Megatron's ``CheckpointingException`` at once."""
+    try:
+        t = megatron_tree(sharded_state_dict, for_load=True, stored=stored_shapes(path))
+        loaded = load(path, like=t.tree, strict=strict, report=report, **load_kwargs)
+        t.finish_overlaps()
+        return t.assemble(loaded)
+    except errors.ShardpointError as e:
+        raise as_megatron_error(e)
 
 
-__all__: list = ["MegatronSaveResult", "MegatronTree", "load_megatron", "megatron_tree",
-                 "save_megatron"]
+__all__: list = ["MegatronSaveResult", "MegatronTree", "as_megatron_error", "decode_value",
+                 "encode_value", "load_megatron", "megatron_tree", "save_megatron",
+                 "stored_shapes"]
