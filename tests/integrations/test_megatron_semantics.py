@@ -90,6 +90,17 @@ def _shape_mismatch(rank, world, base):
             n = min(rows, 10)
             want[:n] = emb[:n]
             out[(name, how)] = torch.equal(full, want)
+    # another dtype: Megatron's load (DCP underneath) casts into the target; so do we
+    ints = torch.arange(8).reshape(2, 4)
+    os.makedirs(f"{base}/i")
+    dist_checkpointing.save({"i": ShardedTensor.from_rank_offsets("i", ints.clone())},
+                            f"{base}/i", sharded_strategy=("shardpoint", 1))
+    for i, how in enumerate((lambda t: dist_checkpointing.load(t, f"{base}/i"),
+                             lambda t: load_megatron(t, f"{base}/i/shardpoint"))):
+        t = {"i": ShardedTensor.from_rank_offsets("i", torch.zeros(2, 4),
+                                                  allow_shape_mismatch=bool(i))}
+        got = how(t)["i"]
+        out[("cast", i)] = got.dtype == torch.float32 and torch.equal(got, ints.float())
     try:                         # without the flag, a mismatch is refused, Megatron's way too
         dist_checkpointing.load(target(12, 1, allow=False), d)
         out["refused"] = "loaded"

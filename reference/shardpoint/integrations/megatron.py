@@ -23,7 +23,8 @@ How the pieces map (megatron-core's ``dist_checkpointing.mapping``):
   "BytesIO", "bytes": ...}``; neither is a pickle.
 - ``allow_shape_mismatch=True`` (embeddings, output layers padded to another vocabulary size):
   the target is zeroed and the stored tensor's overlap with it is read, as Megatron does: a
-  larger stored tensor is trimmed, a smaller one padded with zeros.
+  larger stored tensor is trimmed, a smaller one padded with zeros. A target of another dtype
+  than the stored one gets the stored values cast into it, as Megatron's (DCP's) load does.
 - ``ShardedTensorFactory`` -> the ShardedTensors its ``build()`` makes; on load its
   ``merge_fn`` turns the loaded pieces back into one tensor, as Megatron does.
 - ``LocalNonpersistentObject`` -> not saved (listed in ``left_out``); on load it is unwrapped
@@ -53,6 +54,7 @@ from shardpoint_core.statetree import TensorLeaf, node_at
 from shardpoint.api.loading import LoadReport, load
 from shardpoint.tree.model import ShardedObject, ShardedPieces, ShardedTensor
 from shardpoint.api.saving import SaveResult, save
+from shardpoint.tree.dtypes import from_name
 
 log = logging.getLogger("shardpoint")
 
@@ -183,9 +185,13 @@ class MegatronTree:
     overlaps: list = field(default_factory=list)       # (target view, region, buffer)
 
     def finish_overlaps(self) -> None:
-        """After a load: ``allow_shape_mismatch`` targets zeroed, then their read overlap
-        copied in (Megatron's trim and pad)."""
+        """After a load: targets read through a buffer get it copied in, cast to their dtype
+        (Megatron's load casts, as DCP's does); ``allow_shape_mismatch`` targets are zeroed
+        first and get the read overlap only (Megatron's trim and pad)."""
         for view, region, buf in self.overlaps:
+            if region is None and buf is not None:
+                view.copy_(buf)
+                continue
             view.zero_()
             if buf is not None:
                 view[region].copy_(buf)
@@ -241,15 +247,19 @@ class _Mapper:
             n = (fr[1] - fr[0],) if fr else tuple(st.local_shape)
             data = torch.empty(n, dtype=st.dtype)
         self.out.filled[id(st)] = data
-        if self.for_load and getattr(st, "allow_shape_mismatch", False) and \
-                self.stored is not None:
-            shape = self.stored(st.key)
-            if shape is not None and tuple(shape) != tuple(st.global_shape):
-                return self.add_overlap(st, data.detach(), tuple(shape))
+        found = self.stored(st.key) if self.for_load and self.stored is not None else None
+        if found is not None:
+            shape, dtype = found
+            if getattr(st, "allow_shape_mismatch", False) and shape != tuple(st.global_shape):
+                return self.add_overlap(st, data.detach(), shape, dtype)
+            if dtype != data.dtype:     # read the stored dtype, cast on the copy
+                buf = torch.empty(data.shape, dtype=dtype)
+                self.out.overlaps.append((data.detach(), None, buf))
+                data = buf
         self.tensors.setdefault(st.key, []).append(
             _piece(st, data.detach() if self.for_load else data))
 
-    def add_overlap(self, st: Any, data: torch.Tensor, shape: tuple) -> None:
+    def add_overlap(self, st: Any, data: torch.Tensor, shape: tuple, dtype: Any) -> None:
         """A load target whose stored global shape differs (``allow_shape_mismatch``): read
         the overlap of its block with the stored tensor into a buffer (none: all zeros)."""
         if _flat_range(st) is not None:
@@ -265,10 +275,10 @@ class _Mapper:
         lo = tuple(int(o) for o in st.global_offset)
         hi = tuple(min(o + b, s) for o, b, s in zip(lo, view.shape, shape))
         if any(h <= o for o, h in zip(lo, hi)):
-            self.out.overlaps.append((view, None, None))
+            self.out.overlaps.append((view, (), None))
             return
         region = tuple(slice(0, h - o) for o, h in zip(lo, hi))
-        buf = torch.empty(tuple(h - o for o, h in zip(lo, hi)), dtype=data.dtype)
+        buf = torch.empty(tuple(h - o for o, h in zip(lo, hi)), dtype=dtype)
         self.out.overlaps.append((view, region, buf))
         self.tensors.setdefault(st.key, []).append(ShardedTensor(buf, shape, lo))
 
@@ -304,25 +314,28 @@ class _Mapper:
         return _DROP
 
 
-def stored_shapes(path: str, root: tuple = (SHARDED,)) -> Any:
-    """``key -> global shape`` of the tensors a checkpoint stores under ``root`` (None for a
-    key it lacks), the manifest read once on first use."""
+def stored_tensors(path: str, root: tuple = (SHARDED,)) -> Any:
+    """``key -> (global shape, torch dtype)`` of the tensors a checkpoint stores under
+    ``root`` (None for a key it lacks), the manifest read once on first use."""
     cache: list = []
 
-    def shape(key: str) -> Optional[tuple]:
+    def stored(key: str) -> Optional[tuple]:
         if not cache:
             cache.append(read_metadata(path).tree)
         node = node_at(cache[0], (*root, key))
-        return tuple(node.shape) if isinstance(node, TensorLeaf) else None
-    return shape
+        if not isinstance(node, TensorLeaf):
+            return None
+        return tuple(node.shape), from_name(node.dtype).torch
+    return stored
 
 
 def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False,
                   stored: Any = None) -> MegatronTree:
     """Map a megatron-core ``sharded_state_dict`` to a shardpoint state tree (see the module
     docstring). ``for_load=True`` makes load targets: ShardedTensors without data get a new
-    tensor to fill; ``stored`` (:func:`stored_shapes`) gives the stored global shapes that
-    ``allow_shape_mismatch`` targets are trimmed or padded to. Raises :class:`~shardpoint.InvalidShardingError` naming the Megatron key
+    tensor to fill; ``stored`` (:func:`stored_tensors`) gives the stored global shapes and
+    dtypes: ``allow_shape_mismatch`` targets are trimmed or padded to them, and a target of
+    another dtype is read through a buffer and cast, as Megatron's own load does. Raises :class:`~shardpoint.InvalidShardingError` naming the Megatron key
     when a key names both a tensor and an object or a rank holds one object key twice;
     pieces of one key that disagree or overlap are refused, by key, when the tree is saved or
     loaded."""
@@ -373,7 +386,7 @@ def load_megatron(sharded_state_dict: Any, path: str, *, strict: bool = True,
     :func:`shardpoint.load` (``group``, ``backend``, ``exchange_budget_bytes``). Errors are
     shardpoint's documented classes and Megatron's ``CheckpointingException`` at once."""
     try:
-        t = megatron_tree(sharded_state_dict, for_load=True, stored=stored_shapes(path))
+        t = megatron_tree(sharded_state_dict, for_load=True, stored=stored_tensors(path))
         loaded = load(path, like=t.tree, strict=strict, report=report, **load_kwargs)
         t.finish_overlaps()
         return t.assemble(loaded)
@@ -383,4 +396,4 @@ def load_megatron(sharded_state_dict: Any, path: str, *, strict: bool = True,
 
 __all__: list = ["MegatronSaveResult", "MegatronTree", "as_megatron_error", "decode_value",
                  "encode_value", "load_megatron", "megatron_tree", "save_megatron",
-                 "stored_shapes"]
+                 "stored_tensors"]

@@ -82,7 +82,7 @@ from shardpoint.api.loading import load
 from shardpoint.api.saving import SaveOptions, save
 from shardpoint_core.errors import ShardpointError
 from shardpoint.integrations.megatron import (SHARDED, as_megatron_error, decode_value,
-                                              encode_value, megatron_tree, stored_shapes)
+                                              encode_value, megatron_tree, stored_tensors)
 from shardpoint.tree.dtypes import from_name
 
 BACKEND, VERSION = "shardpoint", 1
@@ -178,7 +178,7 @@ class ShardpointLoadStrategy(LoadShardedStrategy):
         try:
             root = (SHARDED,) if SHARDED in read_metadata(path).tree else ()
             t = megatron_tree(sharded_state_dict, for_load=True,
-                              stored=stored_shapes(path, root))
+                              stored=stored_tensors(path, root))
             like = {SHARDED: t.tree[SHARDED]} if root else t.tree[SHARDED]
             loaded = load(path, like=like, group=self.group)
             t.finish_overlaps()
