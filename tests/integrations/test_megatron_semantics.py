@@ -39,7 +39,23 @@ def _objects_and_common(rank, world, base):
     dist_checkpointing.save(ssd(False), d, sharded_strategy=("shardpoint", 1))
     out = dist_checkpointing.load(ssd(True), d)
     files = sorted(f for _r, _ds, fs in os.walk(d) for f in fs if f.endswith((".pt", ".pkl")))
-    return {"ObjB": out["ObjB"], "blob": (type(out["blob"]).__name__, out["blob"].getvalue()),
+    # under Megatron's fully-parallel wrapper too; another backend's save keeps common.pt
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper)
+
+    class Other(SaveShardedStrategy):      # another backend (torch_dist forks, not allowed here)
+        def save(self, sharded_state_dict, checkpoint_dir):
+            pass
+    listings = {}
+    for name, strategy in (("fp", FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy("shardpoint"))), ("td", Other("other", 1))):
+        os.makedirs(f"{base}/{name}")
+        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)),
+                                 "iteration": 1}, f"{base}/{name}", sharded_strategy=strategy)
+        listings[name] = "common.pt" in os.listdir(f"{base}/{name}")
+    return {"listings": listings,"ObjB": out["ObjB"], "blob": (type(out["blob"]).__name__, out["blob"].getvalue()),
             "frozen": out["frozen"], "iteration": out["iteration"], "seen": out["seen"],
             "w": out["w"].tolist(), "listing": sorted(os.listdir(d)), "pickles": files}
 
@@ -55,6 +71,7 @@ def test_sets_and_bytesio_in_sharded_objects_and_common_state_without_pickle(tmp
     assert out["iteration"] == 5 and out["seen"] == {"a", "b"} and out["w"] == [0.0, 1.0, 2.0]
     assert out["listing"] == ["common", "metadata.json", "shardpoint"], out["listing"]
     assert out["pickles"] == []
+    assert out["listings"] == {"fp": False, "td": True}, out["listings"]
 
 
 def _shape_mismatch(rank, world, base):

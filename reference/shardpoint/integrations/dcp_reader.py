@@ -144,7 +144,8 @@ class ShardpointReader(StorageReader):
     directory, nothing) fails with shardpoint's error naming what is there (inside DCP's
     ``CheckpointException``, as every storage error in ``dcp.load``; :func:`shardpoint.dcp.load`
     raises it as it is).
-    ``thread_count`` is refused unless 1: shardpoint picks its own read parallelism.
+    ``thread_count`` (how many threads DCP's reader uses) is a hint whose outcome, the state
+    filled, is the same whatever its value: shardpoint picks its own read parallelism.
     ``_extension_registry`` is accepted for ``FileSystemReader`` compatibility (a shardpoint
     checkpoint names its own codecs; DCP's stream extensions are not needed to read it).
     """
