@@ -166,3 +166,33 @@ def test_errors_are_also_checkpointing_exceptions_and_dcp_checkpoints_load(tmp_p
     out = run_world(1, _errors_and_dcp, str(tmp_path), timeout=120)[0]
     assert out["save"] == (True, "MegatronUnsupportedValueError"), out
     assert out["dcp"] is True
+
+
+def _sharded_metadata_cells(rank, world, base):
+    import torch
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing import load
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+    import shardpoint.integrations.megatron_strategy  # noqa: F401
+    from megatron.core import dist_checkpointing
+    d = f"{base}/c"
+    if rank == 0:
+        os.makedirs(d)
+    dist.barrier()
+    dist_checkpointing.save({"t": ShardedTensor.from_rank_offsets("t", torch.arange(2),
+                                                                  replica_id=rank),
+                             "o": ShardedObject("o", {rank + 7}, (1, world), (0, rank),
+                                                replica_id=0)},
+                            d, sharded_strategy=("shardpoint", 1))
+    meta = load_sharded_metadata(d)
+    out = load(meta, d, validate_access_integrity=False)   # every cell, on every rank
+    return sorted(meta), [out[f"o/shard_0.{i}_1.{world}"] for i in range(world)]
+
+
+def test_sharded_metadata_hands_out_each_object_cell_and_they_load(tmp_path):
+    """Megatron's NonStrictLoad ``test_sharded_metadata``: ``load_sharded_metadata`` gives
+    each cell of an object grid under its ``unique_key``, and loading that metadata gives
+    every rank every cell (several cells of one object on one rank)."""
+    res = run_world(2, _sharded_metadata_cells, str(tmp_path), timeout=120)
+    assert res[0] == res[1] == (["o/shard_0.0_1.2", "o/shard_0.1_1.2", "t"], [{7}, {8}]), res

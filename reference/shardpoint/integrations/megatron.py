@@ -50,7 +50,7 @@ import torch
 
 from shardpoint_core import errors
 from shardpoint_core.manifest import read_metadata
-from shardpoint_core.statetree import TensorLeaf, node_at
+from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, node_at
 from shardpoint.api.loading import LoadReport, load
 from shardpoint.tree.model import ShardedObject, ShardedPieces, ShardedTensor
 from shardpoint.api.saving import SaveResult, save
@@ -183,6 +183,8 @@ class MegatronTree:
     filled: dict = field(default_factory=dict)         # id(Megatron ShardedTensor) -> tensor
     factories: dict = field(default_factory=dict)      # id(factory) -> its built sub-dict
     overlaps: list = field(default_factory=list)       # (target view, region, buffer)
+    cells: dict = field(default_factory=dict)          # id(ShardedObject) -> (key, offset)
+    stored: Any = None                                 # StoredTensors, for those cells
 
     def finish_overlaps(self) -> None:
         """After a load: targets read through a buffer get it copied in, cast to their dtype
@@ -218,6 +220,8 @@ class MegatronTree:
             if isinstance(x, mst):
                 return self.filled[id(x)]
             if isinstance(x, mso):
+                if id(x) in self.cells:
+                    return decode_value(self.stored.cell(*self.cells[id(x)]))
                 return decode_value(objects[x.key])
             if isinstance(x, local):
                 return x.unwrap()
@@ -283,6 +287,11 @@ class _Mapper:
         self.tensors.setdefault(st.key, []).append(ShardedTensor(buf, shape, lo))
 
     def add_object(self, so: Any, path: tuple) -> None:
+        if so.key in self.objects and self.for_load and self.stored is not None:
+            # more cells of one object on this rank (what load_sharded_metadata hands out):
+            # the first is loaded, the others read from the manifest's values
+            self.out.cells[id(so)] = (so.key, tuple(int(x) for x in so.global_offset))
+            return
         if so.key in self.objects:
             raise errors.InvalidShardingError(
                 f"{_where(path)}: this rank holds Megatron ShardedObject {so.key!r} twice; "
@@ -314,19 +323,38 @@ class _Mapper:
         return _DROP
 
 
-def stored_tensors(path: str, root: tuple = (SHARDED,)) -> Any:
-    """``key -> (global shape, torch dtype)`` of the tensors a checkpoint stores under
-    ``root`` (None for a key it lacks), the manifest read once on first use."""
-    cache: list = []
+class StoredTensors:
+    """What a checkpoint stores under ``root`` by Megatron key, from its manifest (read once,
+    on first use): ``self(key)`` is a tensor's ``(global shape, torch dtype)`` (None when
+    the key holds none), :meth:`cell` one cell of a sharded object's grid."""
 
-    def stored(key: str) -> Optional[tuple]:
-        if not cache:
-            cache.append(read_metadata(path).tree)
-        node = node_at(cache[0], (*root, key))
+    def __init__(self, path: str, root: tuple = (SHARDED,)) -> None:
+        self.path, self.root, self._tree = path, root, None
+
+    def _node(self, key: str) -> Any:
+        if self._tree is None:
+            self._tree = read_metadata(self.path).tree
+        return node_at(self._tree, (*self.root, key))
+
+    def __call__(self, key: str) -> Optional[tuple]:
+        node = self._node(key)
         if not isinstance(node, TensorLeaf):
             return None
         return tuple(node.shape), from_name(node.dtype).torch
-    return stored
+
+    def cell(self, key: str, offset: tuple) -> Any:
+        node = self._node(key)
+        if not isinstance(node, ObjectLeaf):
+            raise errors.LayoutMismatchError(
+                f"Megatron ShardedObject {key!r} is not a sharded object of the checkpoint at "
+                f"{self.path!r}")
+        v = node.nested()
+        for i in (offset if len(node.grid) > 1 else offset[:1] or (0,)):
+            v = v[i]
+        return v
+
+
+stored_tensors = StoredTensors
 
 
 def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False,
@@ -339,7 +367,8 @@ def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False,
     when a key names both a tensor and an object or a rank holds one object key twice;
     pieces of one key that disagree or overlap are refused, by key, when the tree is saved or
     loaded."""
-    m = _Mapper(MegatronTree(sharded_state_dict, {}), for_load, _megatron_classes(), stored)
+    m = _Mapper(MegatronTree(sharded_state_dict, {}, stored=stored), for_load,
+                _megatron_classes(), stored)
     out, tensors, objects = m.out, m.tensors, m.objects
     common = m.walk(sharded_state_dict, ())
     both = sorted(set(tensors) & set(objects))
@@ -396,4 +425,4 @@ def load_megatron(sharded_state_dict: Any, path: str, *, strict: bool = True,
 
 __all__: list = ["MegatronSaveResult", "MegatronTree", "as_megatron_error", "decode_value",
                  "encode_value", "load_megatron", "megatron_tree", "save_megatron",
-                 "stored_tensors"]
+                 "StoredTensors", "stored_tensors"]

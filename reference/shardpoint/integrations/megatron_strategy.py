@@ -58,6 +58,7 @@ same work.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -202,13 +203,17 @@ class ShardpointLoadStrategy(LoadShardedStrategy):
         return out
 
     def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> dict:
-        """Tensors as :meth:`load_tensors_metadata`, and each sharded object's grid."""
+        """Tensors as :meth:`load_tensors_metadata`, and each cell of each sharded object's
+        grid as its own ``ShardedObject`` under its ``unique_key`` (``key/shard_0.3_1.8``),
+        as Megatron's ``torch_dist`` strategy answers."""
         out = self.load_tensors_metadata(checkpoint_dir)
         m = read_metadata(sharded_path(checkpoint_dir))
         for path, node in iter_leaves(m.tree):
             if len(path) == 2 and path[0] == SHARDED and isinstance(node, ObjectLeaf):
                 shape = tuple(node.grid)
-                out[path[1]] = ShardedObject(path[1], None, shape, (0,) * len(shape))
+                for cell in itertools.product(*(range(n) for n in shape)):
+                    so = ShardedObject(path[1], None, shape, cell, replica_id=0)
+                    out[so.unique_key] = so
         return out
 
 
