@@ -151,7 +151,9 @@ def _errors_and_dcp(rank, world, base):
                                 d, sharded_strategy=("shardpoint", 1))
         out["save"] = "saved"
     except CheckpointingException as e:
+        import pickle
         out["save"] = (isinstance(e, sp.UnsupportedValueError), type(e).__name__)
+        out["pickled"] = pickle.dumps(e)
     # a checkpoint written through the DCP plug-in, keyed by Megatron keys, read by the
     # shardpoint load strategy (what dist_checkpointing.load calls)
     w = torch.arange(12.0).reshape(4, 3)
@@ -165,6 +167,11 @@ def _errors_and_dcp(rank, world, base):
 def test_errors_are_also_checkpointing_exceptions_and_dcp_checkpoints_load(tmp_path):
     out = run_world(1, _errors_and_dcp, str(tmp_path), timeout=120)[0]
     assert out["save"] == (True, "MegatronUnsupportedValueError"), out
+    import pickle      # it unpickles in a process that never raised one (the class is made)
+    from megatron.core.dist_checkpointing.mapping import CheckpointingException
+    import shardpoint as sp
+    e = pickle.loads(out["pickled"])
+    assert isinstance(e, sp.UnsupportedValueError) and isinstance(e, CheckpointingException)
     assert out["dcp"] is True
 
 

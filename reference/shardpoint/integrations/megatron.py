@@ -112,15 +112,7 @@ def decode_value(v: Any) -> Any:
 _BOTH: dict = {}
 
 
-def as_megatron_error(e: BaseException) -> BaseException:
-    """``e`` (a shardpoint error) made also an instance of Megatron's
-    ``CheckpointingException``, which Megatron's callers catch: its class becomes a subclass
-    of both (same message, traceback and attributes). Other errors are returned as they are."""
-    mod = sys.modules.get("megatron.core.dist_checkpointing.mapping")
-    exc = getattr(mod, "CheckpointingException", None)
-    if exc is None or not isinstance(e, errors.ShardpointError) or isinstance(e, exc):
-        return e
-    cls = type(e)
+def _both(cls: type, exc: type) -> type:
     both = _BOTH.get(cls)
     if both is None:
         name = f"Megatron{cls.__name__}"
@@ -129,7 +121,29 @@ def as_megatron_error(e: BaseException) -> BaseException:
                                        "CheckpointingException."})
         both.__qualname__ = name
         globals()[name] = _BOTH[cls] = both
-    e.__class__ = both
+    return both
+
+
+def __getattr__(name: str) -> Any:
+    """``Megatron<Error>`` classes made on first use, so that one pickled in a process that
+    made it unpickles in one that did not (megatron-core is imported for it then)."""
+    base = getattr(errors, name[len("Megatron"):], None) if name.startswith("Megatron") else None
+    if not (isinstance(base, type) and issubclass(base, errors.ShardpointError)):
+        raise AttributeError(name)
+    import importlib
+    mapping = importlib.import_module("megatron.core.dist_checkpointing.mapping")
+    return _both(base, mapping.CheckpointingException)
+
+
+def as_megatron_error(e: BaseException) -> BaseException:
+    """``e`` (a shardpoint error) made also an instance of Megatron's
+    ``CheckpointingException``, which Megatron's callers catch: its class becomes a subclass
+    of both (same message, traceback and attributes). Other errors are returned as they are."""
+    mod = sys.modules.get("megatron.core.dist_checkpointing.mapping")
+    exc = getattr(mod, "CheckpointingException", None)
+    if exc is None or not isinstance(e, errors.ShardpointError) or isinstance(e, exc):
+        return e
+    e.__class__ = _both(type(e), exc)
     return e
 
 
