@@ -203,3 +203,25 @@ def test_sharded_metadata_hands_out_each_object_cell_and_they_load(tmp_path):
     every rank every cell (several cells of one object on one rank)."""
     res = run_world(2, _sharded_metadata_cells, str(tmp_path), timeout=120)
     assert res[0] == res[1] == (["o/shard_0.0_1.2", "o/shard_0.1_1.2", "t"], [{7}, {8}]), res
+
+
+def _load_without_registration(rank, world, base):
+    import sys
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from shardpoint.integrations.megatron import load_megatron
+    assert "shardpoint.integrations.megatron_strategy" not in sys.modules
+    ssd = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3)),
+           "ObjB": ShardedObject("ObjB", None, (1, 1), (0, 0), replica_id=0),
+           "blob": ShardedObject("blob", None, (1,), (0,)), "iteration": 0, "seen": None}
+    out = load_megatron(ssd, f"{base}/ckpt")
+    return (out["w"].tolist(), out["ObjB"], out["blob"].getvalue(), out["iteration"],
+            out["seen"], "shardpoint.integrations.megatron_strategy" in sys.modules)
+
+
+def test_load_megatron_reads_a_dist_checkpointing_directory_without_registration(tmp_path):
+    """A directory written by Megatron's own ``save`` with the shardpoint backend loads in a
+    process that never imported the strategy module (found by its metadata.json)."""
+    run_world(1, _objects_and_common, str(tmp_path), timeout=120)
+    got = run_world(1, _load_without_registration, str(tmp_path), timeout=120)[0]
+    assert got == ([0.0, 1.0, 2.0], {7, 3, "x"}, b"\x00raw", 5, {"a", "b"}, False), got

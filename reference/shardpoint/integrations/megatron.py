@@ -41,7 +41,9 @@ this module never imports it.
 from __future__ import annotations
 
 import io
+import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -427,14 +429,70 @@ def load_megatron(sharded_state_dict: Any, path: str, *, strict: bool = True,
     ``dist_checkpointing.load`` would (tensors, object values, merged factories, unwrapped
     nonpersistent objects, common values from the checkpoint). ``load_kwargs`` go to
     :func:`shardpoint.load` (``group``, ``backend``, ``exchange_budget_bytes``). Errors are
-    shardpoint's documented classes and Megatron's ``CheckpointingException`` at once."""
+    shardpoint's documented classes and Megatron's ``CheckpointingException`` at once.
+
+    ``path`` is a checkpoint written by :func:`save_megatron`, or a Megatron checkpoint
+    directory written by ``dist_checkpointing.save`` with the ``shardpoint`` backend (found by
+    its ``metadata.json``: tensors from ``<dir>/shardpoint``, common state from
+    ``<dir>/common``), read without registering anything with megatron-core."""
     try:
-        t = megatron_tree(sharded_state_dict, for_load=True, stored=stored_tensors(path))
-        loaded = load(path, like=t.tree, strict=strict, report=report, **load_kwargs)
+        mdir = _megatron_dir(str(path))
+        if mdir is None:
+            t = megatron_tree(sharded_state_dict, for_load=True, stored=stored_tensors(path))
+            loaded = load(path, like=t.tree, strict=strict, report=report, **load_kwargs)
+        else:
+            t = megatron_tree(sharded_state_dict, for_load=True, stored=stored_tensors(mdir[0]))
+            loaded = load(mdir[0], like={SHARDED: t.tree[SHARDED]}, strict=strict,
+                          report=report, **load_kwargs)
+            loaded[COMMON] = _megatron_common(mdir, t.tree[COMMON], load_kwargs)
         t.finish_overlaps()
         return t.assemble(loaded)
     except errors.ShardpointError as e:
         raise as_megatron_error(e)
+
+
+def _megatron_dir(d: str) -> Optional[tuple]:
+    """``(<d>/shardpoint, <d>/common or None)`` when ``d`` is a ``dist_checkpointing``
+    directory of the ``shardpoint`` backend (its ``metadata.json`` says so), else None."""
+    meta = os.path.join(d, "metadata.json")
+    if not os.path.isfile(meta):
+        return None
+    try:
+        with open(meta) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if backend != "shardpoint":
+        raise errors.UnsupportedFormatError(
+            f"{d!r} is a Megatron checkpoint of backend {backend!r}, not shardpoint's: load "
+            "it with megatron's dist_checkpointing.load, or convert it with `shardpoint "
+            "convert`")
+    common = os.path.join(d, "common")
+    return (os.path.join(d, "shardpoint"),
+            common if os.path.isfile(os.path.join(common, "manifest.msgpack")) else None)
+
+
+def _megatron_common(mdir: tuple, wanted: Any, load_kwargs: dict) -> Any:
+    """The common state of a Megatron directory (``<dir>/common``); an error naming the
+    pickled ``common.pt`` when that is all there is and the state dict asks for values."""
+    if mdir[1] is not None:
+        return decode_value(load(mdir[1], **{k: v for k, v in load_kwargs.items()
+                                             if k in ("group", "backend")}))
+    if _has_leaves(wanted):
+        raise errors.UnsupportedFormatError(
+            f"the common state of {os.path.dirname(mdir[0])!r} is Megatron's pickled "
+            "common.pt, which shardpoint does not unpickle: load it with megatron's "
+            "dist_checkpointing.load (after `import shardpoint.integrations."
+            "megatron_strategy`)")
+    return None
+
+
+def _has_leaves(x: Any) -> bool:
+    if isinstance(x, dict):
+        return any(_has_leaves(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_has_leaves(v) for v in x)
+    return x is not None
 
 
 __all__: list = ["MegatronSaveResult", "MegatronTree", "as_megatron_error", "decode_value",

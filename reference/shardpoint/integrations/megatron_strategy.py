@@ -27,7 +27,8 @@ shardpoint.integrations.megatron_strategy``); without it Megatron's load says "C
 a default strategy for: ('load_sharded', 'shardpoint', 1)". Megatron-LM's ``--ckpt-format``
 takes a fixed list of names; with this module imported, ``get_default_save_sharded_strategy(
 "shardpoint")`` is the strategy such a flag would select. :func:`shardpoint.integrations.
-megatron.load_megatron` needs no registration at all.
+megatron.load_megatron` reads a directory this backend wrote (its ``metadata.json`` names
+it) with no registration at all.
 
 Errors the strategies raise are shardpoint's documented classes and Megatron's
 ``CheckpointingException`` at once (:func:`~shardpoint.integrations.megatron.as_megatron_error`).
