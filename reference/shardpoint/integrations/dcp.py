@@ -138,21 +138,22 @@ class ShardpointWriter(StorageWriter, BlockingAsyncStager):
         return self.path
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Where DCP's ``FileSystemWriter`` checks the target, before anything is written: an
-        existing checkpoint with ``overwrite=False`` is refused with DCP's "Checkpoint already
-        exists"; what a save may never replace (a file, a directory of other files) is
-        refused with shardpoint's message."""
-        be = get_backend(getattr(self.options, "backend", None))
+        return plan
+
+    def prepare_global_plan(self, plans: list) -> list:
+        """On the coordinator, before anything is written (where DCP's ``FileSystemWriter``
+        checks its target, but once, not on every rank: on an object store that is one
+        request per save): an existing checkpoint with ``overwrite=False`` is refused with
+        DCP's "Checkpoint already exists"; what a save may never replace (a file, a directory
+        of other files) is refused with shardpoint's message."""
+        self._alone = planned_alone(plans)
+        be = get_backend(None)
         if not self.overwrite and be.checkpoint_state(self.path) == "committed":
             raise errors.CheckpointExistsError(
                 f"Checkpoint already exists and self.overwrite=False: {self.path!r} holds a "
                 "committed shardpoint checkpoint; pass overwrite=True to replace it "
                 "(atomically)", spec_id="SP-COMMIT-5")
         be.check_target(self.path, bool(self.overwrite))
-        return plan
-
-    def prepare_global_plan(self, plans: list) -> list:
-        self._alone = planned_alone(plans)
         return plans
 
     def storage_meta(self) -> Optional[StorageMeta]:
