@@ -225,3 +225,18 @@ def test_load_megatron_reads_a_dist_checkpointing_directory_without_registration
     run_world(1, _objects_and_common, str(tmp_path), timeout=120)
     got = run_world(1, _load_without_registration, str(tmp_path), timeout=120)[0]
     assert got == ([0.0, 1.0, 2.0], {7, 3, "x"}, b"\x00raw", 5, {"a", "b"}, False), got
+
+
+def test_torch_dist_strategy_options_are_taken_in_order_or_refused():
+    """``TorchDistSaveShardedStrategy``'s arguments, in its order: what shardpoint does is
+    accepted, what it cannot do is refused (not silently ignored), as Megatron's exception."""
+    from megatron.core.dist_checkpointing.mapping import CheckpointingException
+    import shardpoint as sp
+    from shardpoint.integrations.megatron_strategy import ShardpointSaveStrategy
+    ShardpointSaveStrategy("shardpoint", 1, True, None, True)
+    for kwargs, word in (({"thread_count": 4}, "thread_count"),
+                         ({"keep_only_main_replica": False}, "keep_only_main_replica"),
+                         ({"separation_hint": "optimizer"}, "separation_hint")):
+        with pytest.raises(sp.InvalidOptionError, match=word) as ei:
+            ShardpointSaveStrategy("shardpoint", 1, **kwargs)
+        assert isinstance(ei.value, CheckpointingException)

@@ -82,6 +82,7 @@ from shardpoint_core.manifest import read_metadata
 from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, iter_leaves
 from shardpoint.api.loading import load
 from shardpoint.api.saving import SaveOptions, save
+from shardpoint_core import errors
 from shardpoint_core.errors import ShardpointError
 from shardpoint.integrations.megatron import (SHARDED, as_megatron_error, decode_value,
                                               encode_value, megatron_tree, stored_tensors)
@@ -120,10 +121,31 @@ def sharded_path(checkpoint_dir: Union[str, Path]) -> str:
 
 class ShardpointSaveStrategy(AsyncSaveShardedStrategy):
     """Megatron's sharded save strategy for backend ``shardpoint`` (see the module docstring).
-    ``options`` (:class:`~shardpoint.SaveOptions`) and ``group`` go to :func:`shardpoint.save`."""
+    ``options`` (:class:`~shardpoint.SaveOptions`) and ``group`` go to :func:`shardpoint.save`.
 
-    def __init__(self, backend: str = BACKEND, version: int = VERSION, *,
+    ``TorchDistSaveShardedStrategy``'s arguments are taken in its order, for a drop-in:
+    ``keep_only_main_replica=True`` is what shardpoint does (one holder per replica set
+    writes); ``cached_metadata`` is shardpoint's own plan cache (reused while the structure
+    does not change, whatever its value). What shardpoint cannot do as asked is refused with
+    :class:`~shardpoint.InvalidOptionError`: ``keep_only_main_replica=False``, a
+    ``thread_count`` (shardpoint sizes its own write parallelism) and a ``separation_hint``
+    (a ``torch_dist`` file-layout feature)."""
+
+    def __init__(self, backend: str = BACKEND, version: int = VERSION,
+                 keep_only_main_replica: bool = True, thread_count: Optional[int] = None,
+                 cached_metadata: bool = False, separation_hint: Optional[str] = None, *,
                  options: "SaveOptions | None" = None, group: Any = None) -> None:
+        for bad, why in ((not keep_only_main_replica, "keep_only_main_replica=False: a "
+                          "shardpoint checkpoint stores each region once (one replica "
+                          "writes it)"),
+                         (thread_count is not None, f"thread_count={thread_count!r}: "
+                          "shardpoint sizes its own write parallelism; drop the argument"),
+                         (separation_hint is not None, f"separation_hint="
+                          f"{separation_hint!r}: a torch_dist file-layout feature with no "
+                          "shardpoint counterpart")):
+            if bad:
+                raise as_megatron_error(errors.InvalidOptionError(
+                    f"ShardpointSaveStrategy({why})"))
         super().__init__(backend, version)
         self.options, self.group = options, group
 
