@@ -55,7 +55,8 @@ def _objects_and_common(rank, world, base):
         dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)),
                                  "iteration": 1}, f"{base}/{name}", sharded_strategy=strategy)
         listings[name] = "common.pt" in os.listdir(f"{base}/{name}")
-    return {"listings": listings,"ObjB": out["ObjB"], "blob": (type(out["blob"]).__name__, out["blob"].getvalue()),
+    return {"listings": listings, "ObjB": out["ObjB"],
+            "blob": (type(out["blob"]).__name__, out["blob"].getvalue()),
             "frozen": out["frozen"], "iteration": out["iteration"], "seen": out["seen"],
             "w": out["w"].tolist(), "listing": sorted(os.listdir(d)), "pickles": files}
 

@@ -67,6 +67,7 @@ from shardpoint.integrations.dcp_common import (nest, planned_alone, solo_group,
 from shardpoint.integrations.dcp_reader import ShardpointReader, plan_dcp_entries
 from shardpoint.tree.model import ShardedPieces, ShardedTensor
 
+
 def _check_options(extensions: Optional[Sequence[Any]], serialization_format: Any) -> None:
     """Refuse the ``FileSystemWriter`` options that change DCP's own file format, which a
     shardpoint checkpoint does not have: stream transforms (``_extensions``: compression or

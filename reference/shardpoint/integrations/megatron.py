@@ -379,9 +379,10 @@ def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False,
     docstring). ``for_load=True`` makes load targets: ShardedTensors without data get a new
     tensor to fill; ``stored`` (:func:`stored_tensors`) gives the stored global shapes and
     dtypes: ``allow_shape_mismatch`` targets are trimmed or padded to them, and a target of
-    another dtype is read through a buffer and cast, as Megatron's own load does. Raises :class:`~shardpoint.InvalidShardingError` naming the Megatron key
-    when a key names both a tensor and an object or a rank holds one object key twice;
-    pieces of one key that disagree or overlap are refused, by key, when the tree is saved or
+    another dtype is read through a buffer and cast, as Megatron's own load does; a rank may
+    load several cells of one object. Raises :class:`~shardpoint.InvalidShardingError` naming
+    the Megatron key when a key names both a tensor and an object or a rank saves one object
+    key twice; pieces of one key that disagree or overlap are refused, by key, when saved or
     loaded."""
     m = _Mapper(MegatronTree(sharded_state_dict, {}, stored=stored), for_load,
                 _megatron_classes(), stored)
