@@ -73,6 +73,10 @@ def test_sets_and_bytesio_in_sharded_objects_and_common_state_without_pickle(tmp
     assert out["listing"] == ["common", "metadata.json", "shardpoint"], out["listing"]
     assert out["pickles"] == []
     assert out["listings"] == {"fp": False, "td": True}, out["listings"]
+    # the directory loads in a process that never imported the strategy module
+    # (load_megatron finds the backend from metadata.json)
+    got = run_world(1, _load_without_registration, str(tmp_path), timeout=120)[0]
+    assert got == ([0.0, 1.0, 2.0], {7, 3, "x"}, b"\x00raw", 5, {"a", "b"}, False), got
 
 
 def _shape_mismatch(rank, world, base):
@@ -220,12 +224,6 @@ def _load_without_registration(rank, world, base):
             out["seen"], "shardpoint.integrations.megatron_strategy" in sys.modules)
 
 
-def test_load_megatron_reads_a_dist_checkpointing_directory_without_registration(tmp_path):
-    """A directory written by Megatron's own ``save`` with the shardpoint backend loads in a
-    process that never imported the strategy module (found by its metadata.json)."""
-    run_world(1, _objects_and_common, str(tmp_path), timeout=120)
-    got = run_world(1, _load_without_registration, str(tmp_path), timeout=120)[0]
-    assert got == ([0.0, 1.0, 2.0], {7, 3, "x"}, b"\x00raw", 5, {"a", "b"}, False), got
 
 
 def test_torch_dist_strategy_options_are_taken_in_order_or_refused():
