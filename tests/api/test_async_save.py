@@ -204,3 +204,27 @@ def test_cuda_async_save_stages_into_pinned_pool(tmp_path):
     back = sp.load(str(tmp_path / "c"))
     assert all(torch.equal(back[k], want[k]) for k in want)
     assert r.timings["staging_bytes"] >= sum(v.numel() * 4 for v in want.values())
+
+
+def _async_across_group_recreation(rank, world, base):
+    """An async save, then the default process group destroyed and made again (as an elastic
+    restart or a test harness does in one process), then async saves again: the checkpointer's
+    per-group state (the background gloo group) must follow the new group."""
+    from datetime import timedelta
+    import shardpoint as sp
+    import torch.distributed as dist
+    sp.save(state(rank, world), f"{base}/before", async_save=True).wait(timeout=60)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{base}/store2", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    st = state(rank, world, 2.0)
+    sp.save(st, f"{base}/after", async_save=True).wait(timeout=60)
+    sp.save(st, f"{base}/sync")
+    like = state(rank, world, 0.0)
+    out = sp.load(f"{base}/after", like=like)
+    return same_bits(out["rows"], st["rows"].data) and out["step"] == 2
+
+
+def test_async_save_after_the_default_group_is_destroyed_and_made_again(tmp_path):
+    assert run_world(2, _async_across_group_recreation, str(tmp_path), timeout=120,
+                     pg_timeout=30) == [True, True]

@@ -299,12 +299,15 @@ np.save(sys.argv[2], w)
 
 
 # ------------------------------- cases DCP's own suite exercised that failed before (issue 22)
-def test_filesystem_writer_arguments_accepted_positionally_and_extensions_warn(tmp_path):
+def test_filesystem_writer_arguments_accepted_positionally_and_extensions_refused(tmp_path):
     """FileSystemWriter's arguments in its own order (DCP's suite passes ``_extensions`` and
-    ``_extension_registry``): accepted; a stream extension is not applied, and says so."""
+    ``_extension_registry``): accepted; a stream extension (which transforms DCP's own .distcp
+    files, which a shardpoint checkpoint has none of) is refused, not ignored (issue 33)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._extension import (ExtensionRegistry,
                                                          StreamTransformExtension)
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    import shardpoint as sp
     from shardpoint.dcp import ShardpointReader, ShardpointWriter
 
     class Identity(StreamTransformExtension):     # a DCP stream transform (it changes nothing)
@@ -316,15 +319,16 @@ def test_filesystem_writer_arguments_accepted_positionally_and_extensions_warn(t
     state = {"w": torch.arange(6.0), "blob": io.BytesIO(b"payload")}
     w = ShardpointWriter(tmp_path / "c", True, True, 2, 1 << 20, False, True)
     dcp.save(state, storage_writer=w, no_dist=True)
-    with pytest.warns(UserWarning, match="Identity.*not applied"):
-        w2 = ShardpointWriter(path=tmp_path / "z", thread_count=2, _extensions=[Identity()])
-    dcp.save(state, storage_writer=w2, no_dist=True)
-    for name in ("c", "z"):
-        _no_pickle_metadata(tmp_path / name)
-        like = {"w": torch.zeros(6), "blob": io.BytesIO()}
-        dcp.load(like, storage_reader=ShardpointReader(tmp_path / name, ExtensionRegistry()),
-                 no_dist=True)
-        assert torch.equal(like["w"], torch.arange(6.0)) and like["blob"].getvalue() == b"payload"
+    with pytest.raises(sp.InvalidOptionError, match="Identity.*cannot be applied"):
+        ShardpointWriter(path=tmp_path / "z", thread_count=2, _extensions=[Identity()])
+    with pytest.raises(sp.InvalidOptionError, match="serialization_format"):
+        ShardpointWriter(tmp_path / "z", serialization_format=SerializationFormat.SAFETENSORS)
+    ShardpointWriter(tmp_path / "z", serialization_format=SerializationFormat.TORCH_SAVE)
+    _no_pickle_metadata(tmp_path / "c")
+    like = {"w": torch.zeros(6), "blob": io.BytesIO()}
+    dcp.load(like, storage_reader=ShardpointReader(tmp_path / "c", ExtensionRegistry()),
+             no_dist=True)
+    assert torch.equal(like["w"], torch.arange(6.0)) and like["blob"].getvalue() == b"payload"
 
 
 def _dcp_view(path, reader):

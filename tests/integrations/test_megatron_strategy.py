@@ -128,7 +128,8 @@ def test_megatron_dist_checkpointing_with_shardpoint_backend(tmp_path):
 
 def test_sharded_metadata_is_read_from_the_typed_tree(tmp_path):
     """``load_tensors_metadata`` / ``load_sharded_metadata`` (what Megatron asks before a
-    load): every tensor and object grid under ``sharded/``, nothing outside it, no bytes."""
+    load): every tensor and each cell of each object grid under ``sharded/`` (a cell keyed
+    by its ``unique_key``, as Megatron's torch_dist answers), nothing outside it, no bytes."""
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
@@ -139,9 +140,10 @@ def test_sharded_metadata_is_read_from_the_typed_tree(tmp_path):
                        "rng": sp.ShardedObject(1, (0, 0), (1, 1)), "n": 4},
              "other": torch.zeros(1)}, str(tmp_path / "shardpoint"))
     meta = ShardpointLoadStrategy().load_sharded_metadata(tmp_path)
-    assert sorted(meta) == ["dec.w", "rng"]
-    w, rng = meta["dec.w"], meta["rng"]
+    assert sorted(meta) == ["dec.w", "rng/shard_0.0_1.1"]
+    w, rng = meta["dec.w"], meta["rng/shard_0.0_1.1"]
     assert isinstance(w, ShardedTensor) and w.data is None and w.dtype == torch.bfloat16
     assert (w.key, w.global_shape, w.local_shape) == ("dec.w", (3, 2), (3, 2))
     assert isinstance(rng, ShardedObject) and rng.global_shape == (1, 1)
+    assert rng.key == "rng" and rng.global_offset == (0, 0)
     assert sorted(ShardpointLoadStrategy().load_tensors_metadata(tmp_path)) == ["dec.w"]

@@ -35,10 +35,26 @@ class GroupState:
         self.side: Optional[Comm] = None    # gloo group for async saves' background part
 
     def side_comm(self, comm: Comm) -> Comm:
-        """The side group over ``comm``'s ranks, made collectively on first use."""
+        """The side group over ``comm``'s ranks, made collectively on first use, and again
+        when the one kept was destroyed with the default group (``destroy_process_group`` then
+        ``init_process_group`` in one process: every rank sees that at the same call)."""
+        if self.side is not None and not _registered(self.side.group):
+            self.side = None
         if self.side is None:
             self.side = new_side_comm(comm)
         return self.side
+
+
+def _registered(group: Any) -> bool:
+    """Whether ``group`` (None: this rank alone) is still a live process group."""
+    if group is None:
+        return True
+    import torch.distributed as dist
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):   # "Group ... is not registered"
+        return False
+    return True
 
 
 class Checkpointer:
