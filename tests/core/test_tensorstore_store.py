@@ -1,0 +1,211 @@
+"""The TensorStore byte store (shardpoint_core.store.tensorstore) on its file, memory and s3
+drivers: the shipped store contract, conditional writes through generations, sizes, errors
+mapped to the core's classes, the registry's tensorstore+ schemes, and the object-store
+committer's conformance scenarios (on s3 through the fault proxy in front of the tests'
+moto server)."""
+import contextlib
+import os
+import uuid
+
+import pytest
+
+pytest.importorskip("tensorstore")
+
+from shardpoint_conformance.commit_faults import SCENARIOS, Rig  # noqa: E402
+from shardpoint_core.commit.object_store import ObjectStoreCommitter  # noqa: E402
+from shardpoint_core.errors import (InvalidOptionError, StoreNotFoundError,  # noqa: E402
+                                    StoreUnavailableError)
+from shardpoint_core.store.registry import open_store  # noqa: E402
+from shardpoint_core.store.tensorstore import (NO_VALUE, TensorStoreOptions,  # noqa: E402
+                                               TensorStoreStore, parse_url)
+from shardpoint_core.store.testing import StoreTests  # noqa: E402
+from shardpoint_testing.probes import pause_lease  # noqa: E402
+
+
+class TestTensorStoreFile(StoreTests):
+    @pytest.fixture
+    def store(self, tmp_path):
+        return TensorStoreStore(str(tmp_path / "root"))
+
+
+class TestTensorStoreFileNoSync(StoreTests):
+    """Writes not synced one by one; ``make_durable`` fsyncs what was put."""
+
+    @pytest.fixture
+    def store(self, tmp_path):
+        return TensorStoreStore(str(tmp_path), TensorStoreOptions(file_sync=False))
+
+
+class TestTensorStoreMemory(StoreTests):
+    @pytest.fixture
+    def store(self):
+        name = f"c{uuid.uuid4().hex[:8]}"
+        yield TensorStoreStore(f"memory://{name}/run/step_1")
+        TensorStoreStore.drop(name)
+
+
+class TestTensorStoreS3(StoreTests):
+    """The contract on the tests' moto server, through TensorStore's own S3 client."""
+
+    @pytest.fixture
+    def store(self, s3_env):
+        return TensorStoreStore(s3_env.url(s3_env.fresh_prefix("tsc")))
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def any_store(request, tmp_path):
+    if request.param == "file":
+        return TensorStoreStore(f"file://{tmp_path}")
+    if request.param == "memory":
+        return TensorStoreStore(f"memory://v{uuid.uuid4().hex[:8]}")
+    env = request.getfixturevalue("s3_env")
+    return TensorStoreStore(env.url(env.fresh_prefix("tsv")))
+
+
+def test_generations_are_versions(any_store):
+    """if_absent writes once; if_match replaces only the version one saw; head, put and
+    get_versioned name the same version of the same bytes."""
+    s = any_store
+    assert s.capabilities.conditional_put and s.capabilities.conditional_replace
+    v1 = s.put("m", b"one", if_absent=True)
+    with pytest.raises(FileExistsError):
+        s.put("m", b"two", if_absent=True)
+    assert s.head("m").version == v1
+    v2 = s.put("m", b"two", if_match=v1)
+    with pytest.raises(FileExistsError):
+        s.put("m", b"three", if_match=v1)          # someone replaced it meanwhile
+    with pytest.raises(FileExistsError):
+        s.put("m", b"three", if_match="not-a-version")
+    data, info = s.get_versioned("m", 100)
+    assert (data, info.version, info.size) == (b"two", v2, 3) and v2 != v1
+    data, info = s.get_versioned("m", 2)          # longer than asked: bytes cut, size whole
+    assert (data, info.size) == (b"tw", 3)
+    with pytest.raises(FileNotFoundError):
+        s.put("never", b"x", if_match=v1)
+    with pytest.raises(FileNotFoundError):
+        s.get_versioned("never", 10)
+
+
+def test_sizes_without_reading_the_object(any_store):
+    """head and list know an object's size from one request that does not carry its bytes
+    (a stat, or the refusal of a read past its end): pinned here, so a TensorStore whose
+    refusal no longer names the size fails this test instead of reading whole objects."""
+    s = any_store
+    s.put("big", os.urandom(300_000))
+    s.put("e", b"")
+    if s.driver != "file":
+        assert s._size("big") == 300_000
+        got = s.kv.read("big", byte_range=slice(1 << 62, None))
+        with pytest.raises(ValueError, match="300000"):
+            got.result()
+    assert s.head("big").size == 300_000 and s.head("e").size == 0
+    assert [(i.key, i.size) for i in s.list()] == [("big", 300_000), ("e", 0)]
+    r = s.kv.read("absent").result()
+    assert r.state == "missing" and bytes(r.stamp.generation) == NO_VALUE
+
+
+def test_urls_and_registry(tmp_path):
+    assert parse_url("tensorstore+s3://b/run/x/") == ("s3", "b", "run/x")
+    assert parse_url("gs://b") == ("gcs", "b", "")
+    assert parse_url(str(tmp_path)) == ("file", str(tmp_path), "")
+    assert parse_url("tensorstore+file://") == ("file", "/", "")
+    for bad in ("s3://b/a/../c", "memory:///x", "http://h/x", "file://rel/x"):
+        with pytest.raises(InvalidOptionError):
+            parse_url(bad)
+    s = open_store(f"tensorstore+file://{tmp_path}")
+    assert isinstance(s, TensorStoreStore) and s.driver == "file"
+    s.put("a/b", b"x")
+    assert (tmp_path / "a" / "b").read_bytes() == b"x"   # plain files, readable by anyone
+    m = open_store("tensorstore+memory://reg/p")
+    m.put("k", b"v")
+    assert open_store("tensorstore+memory://reg").get("p/k") == b"v"   # one named store
+    TensorStoreStore.drop("reg")
+    with pytest.raises(InvalidOptionError):
+        TensorStoreOptions(max_retries=0)
+
+
+def test_s3_errors_are_the_cores(s3_env):
+    """A missing bucket, an unreachable endpoint: the core's classes, in bounded time."""
+    gone = TensorStoreStore("s3://no-such-bucket-here/x")
+    with pytest.raises(StoreNotFoundError, match="no-such-bucket-here"):
+        gone.put("k", b"x")
+    dead = TensorStoreStore(s3_env.url("x"), TensorStoreOptions(
+        endpoint_url="http://127.0.0.1:9", max_retries=2, timeout_s=30))
+    with pytest.raises(StoreUnavailableError):
+        dead.get("k")
+    off = TensorStoreStore(s3_env.url("x"), TensorStoreOptions(conditional_writes=False))
+    assert not off.capabilities.conditional_put
+    with pytest.raises(InvalidOptionError):
+        off.put("k", b"x", if_absent=True)
+
+
+def test_s3_conditional_write_is_one_atomic_request(s3_env):
+    """A conditional put is one PUT carrying the condition (If-None-Match / If-Match), not
+    TensorStore's non-AWS default of a HEAD before the PUT (a race between the two lets two
+    saves both commit)."""
+    from shardpoint_testing.s3 import FaultProxy
+    url = s3_env.url(s3_env.fresh_prefix("tsone"))
+    seen = []
+    with FaultProxy(s3_env, lambda m, p, n: seen.append(m)) as proxy:
+        s = TensorStoreStore(url, TensorStoreOptions(endpoint_url=proxy.endpoint))
+        v = s.put("k", b"1", if_absent=True)
+        s.put("k", b"2", if_match=v)
+        assert seen == ["PUT", "PUT"]
+        with pytest.raises(FileExistsError):
+            s.put("k", b"3", if_absent=True)
+        assert seen == ["PUT"] * 3 and s.get("k") == b"2"
+
+
+def test_file_errors_keep_errno(tmp_path):
+    s = TensorStoreStore(str(tmp_path))
+    s.put("d/x", b"1")
+    with pytest.raises(OSError) as e:          # a key that is a directory of others
+        s.put("d", b"2")
+    assert not isinstance(e.value, (FileExistsError, FileNotFoundError)) and e.value.errno
+    assert "tensorstore" not in type(e.value).__module__
+
+
+# -- the object-store committer on TensorStore ----------------------------------------------
+@pytest.fixture
+def ts_s3_rig(s3_env):
+    from shardpoint_testing.s3 import FaultProxy
+    url = s3_env.url(s3_env.fresh_prefix("tsconf"))
+
+    @contextlib.contextmanager
+    def faulty(rule):
+        with FaultProxy(s3_env, rule) as proxy:
+            yield TensorStoreStore(url, TensorStoreOptions(endpoint_url=proxy.endpoint,
+                                                           max_retries=3))
+    return Rig(TensorStoreStore(url), faulty, ObjectStoreCommitter, pause_lease)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_commit_faults_on_tensorstore_s3(ts_s3_rig, scenario):
+    SCENARIOS[scenario](ts_s3_rig)
+
+
+@pytest.fixture(params=["file", "memory"])
+def ts_local_rig(request, tmp_path):
+    store = TensorStoreStore(str(tmp_path)) if request.param == "file" else \
+        TensorStoreStore(f"memory://r{uuid.uuid4().hex[:8]}")
+
+    @contextlib.contextmanager
+    def faulty(rule):
+        pytest.skip("no proxy can lose a reply of the file or memory driver: lost_reply "
+                    "runs on s3")
+        yield store
+    return Rig(store, faulty, ObjectStoreCommitter, pause_lease)
+
+
+@pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - {"lost_reply"}))
+def test_commit_faults_on_tensorstore_local(ts_local_rig, scenario):
+    SCENARIOS[scenario](ts_local_rig)
+
+
+@pytest.mark.skip(reason="TensorStore's gcs driver against gcp-storage-emulator: the emulator "
+                  "ignores ifGenerationMatch (no atomic conditional write to test), returns no "
+                  "generation with a download (TensorStore reads generation 0 for every "
+                  "object) and answers a read past the end with a malformed Content-Range; "
+                  "the driver is exercised on file, memory and s3 here")
+def test_gcs_driver_on_the_emulator():
+    """Placeholder naming why the gcs driver is not tested here."""
