@@ -40,6 +40,7 @@ import errno
 import os
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
@@ -462,20 +463,29 @@ class TensorStoreStore:
                 todo = [check_key(k) for k in keys]
                 self._written.difference_update(todo)
         paths = {os.path.join(self.root, k) for k in todo}
+        dirs: set = set()
         for p in list(paths):
             d = os.path.dirname(p)
-            while d.startswith(self.root) and d not in paths:
-                paths.add(d)
+            while d.startswith(self.root) and d not in dirs:
+                dirs.add(d)
                 d = os.path.dirname(d)
-        for p in sorted(paths, key=lambda q: -q.count(os.sep)):
-            try:
-                fd = os.open(p, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        paths |= dirs
+        files = sorted(p for p in paths if p not in dirs)
+        with ThreadPoolExecutor(max(1, min(16, len(files)))) as pool:
+            list(pool.map(_fsync, files))            # the files, in parallel, then
+        for d in sorted(dirs, key=lambda q: -q.count(os.sep)):     # their directories
+            _fsync(d)
+
+
+def _fsync(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _now() -> float:
