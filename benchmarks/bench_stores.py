@@ -18,8 +18,11 @@ of the stores turns each round), then reads them back:
 - memory: :class:`MemoryStore` against the ``memory`` driver.
 Put: every object through a pool of ``--threads`` threads, then ``make_durable``. Get: the
 small objects with ``get``, the big ones with ``read_into`` a reused buffer (what a load
-does). Latency: ``--latency-n`` puts, then gets, of one 4 KiB object in sequence. Medians
-with min-max over the rounds.
+does). Latency: ``--latency-n`` puts, then gets, of one 4 KiB object in sequence. Then the
+whole path a user takes: ``sp.save`` and ``sp.load`` of tensors of the same sizes through the
+scheme's default store and through ``tensorstore+<scheme>://`` (saves, commits, reader
+checks; a store's extra requests for sizes show here, not in the raw rows). Medians with
+min-max over the rounds.
 """
 from __future__ import annotations
 
@@ -142,6 +145,60 @@ def cleanup(scheme: str, store, root: str, prefix: str) -> None:
         TensorStoreStore.drop(prefix)
 
 
+def checkpoints_for(scheme: str, root: str, s3) -> Dict[str, Callable[[str], str]]:
+    """name -> url(prefix): where ``sp.save`` writes a checkpoint of that scheme, through
+    the store the scheme opens by default and through TensorStore's driver."""
+    if scheme == "files":
+        return {"checkpoint, plain path (FileStore, rename commit)":
+                lambda p: os.path.join(root, p, "ck"),
+                "checkpoint, tensorstore+file://":
+                lambda p: f"tensorstore+file://{os.path.join(root, p, 'ck')}"}
+    if scheme == "s3":
+        return {"checkpoint, s3:// (S3Store)": lambda p: s3.url(f"{p}/ck"),
+                "checkpoint, tensorstore+s3://": lambda p: "tensorstore+" + s3.url(f"{p}/ck")}
+    return {"checkpoint, memory:// (MemoryStore)": lambda p: f"memory://{p}/ck",
+            "checkpoint, tensorstore+memory://": lambda p: f"tensorstore+memory://{p}/ck"}
+
+
+def checkpoint_state(objs) -> dict:
+    """Tensors of the workload's sizes (fp32), so a checkpoint moves the same bytes."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    return {f"t{i}": torch.randn(len(d) // 4, generator=g) for i, (_, d) in enumerate(objs)}
+
+
+def save_load(url: str, state: dict, scheme: str, quick: bool) -> Tuple[float, float, bool]:
+    """(save s, load s, page cache dropped) of ``state`` at ``url``; every tensor loaded is
+    compared bit for bit."""
+    import torch
+
+    import shardpoint as sp
+    t = time.perf_counter()
+    sp.save(state, url)
+    ts = time.perf_counter() - t
+    dropped = scheme == "files" and not quick and drop_caches()
+    t = time.perf_counter()
+    got = sp.load(url)
+    tl = time.perf_counter() - t
+    for k, v in state.items():
+        assert torch.equal(got[k].view(torch.int32), v.view(torch.int32)), (url, k)
+    return ts, tl, dropped
+
+
+def cleanup_checkpoint(scheme: str, root: str, prefix: str, s3) -> None:
+    if scheme == "files":
+        shutil.rmtree(os.path.join(root, prefix), ignore_errors=True)
+    elif scheme == "s3":
+        from shardpoint_core.store.s3 import S3Store
+        st = S3Store.from_url(s3.url(prefix))
+        st.delete([i.key for i in st.list()])
+    else:
+        from shardpoint_core.store import MemoryStore
+        from shardpoint_core.store.tensorstore import TensorStoreStore
+        MemoryStore.drop(prefix)
+        TensorStoreStore.drop(prefix)
+
+
 def run(a) -> dict:
     """{scheme: {store: {"put": [s...], "get": [...], "lput": [...], "lget": [...]}}}, the
     bytes moved per round, and whether the page cache was dropped."""
@@ -177,6 +234,21 @@ def run(a) -> dict:
                     row["lput"].append(lp)
                     row["lget"].append(lg)
                     cleanup(scheme, store, root, prefix)
+            if not a.checkpoints:
+                continue
+            state = checkpoint_state(objs)
+            urls = checkpoints_for(scheme, root, s3)
+            res[scheme].update({n: {"put": [], "get": []} for n in urls})
+            names = list(urls)
+            for r in range(a.rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    prefix = f"c{r}-{uuid.uuid4().hex[:8]}"
+                    ts, tl, ok = save_load(urls[name](prefix), state, scheme, a.quick)
+                    if scheme == "files" and not a.quick:
+                        dropped = ok if dropped is None else dropped and ok
+                    res[scheme][name]["put"].append(ts)
+                    res[scheme][name]["get"].append(tl)
+                    cleanup_checkpoint(scheme, root, prefix, s3)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if s3 is not None:
@@ -192,25 +264,28 @@ def _cell(values: list, scale: Callable[[float], float], fmt: str) -> str:
 def table(out: dict, a) -> dict:
     """Print the markdown table; return it in benchmarks/results/*.json's shape."""
     mib = out["bytes"] / MiB
-    cols = ["put MiB/s (all objects, durable)", "get MiB/s (cold where dropped)",
+    cols = ["put (sp.save) MiB/s, durable", "get (sp.load) MiB/s, cold where dropped",
             "put 4 KiB, ms", "get 4 KiB, ms"]
     rows, bars = [], []
     for scheme, per in out["results"].items():
-        base = None
+        base: dict = {}
         for name, r in per.items():
+            family = "checkpoint" if name.startswith("checkpoint") else "store"
             cells = [_cell(r["put"], lambda s: mib / s, "{:.0f}"),
-                     _cell(r["get"], lambda s: mib / s, "{:.0f}"),
-                     _cell(r["lput"], lambda s: s * 1e3, "{:.3f}"),
-                     _cell(r["lget"], lambda s: s * 1e3, "{:.3f}")]
+                     _cell(r["get"], lambda s: mib / s, "{:.0f}")]
+            cells += [_cell(r["lput"], lambda s: s * 1e3, "{:.3f}"),
+                      _cell(r["lget"], lambda s: s * 1e3, "{:.3f}")] if "lput" in r \
+                else ["-", "-"]
             rows.append({"label": f"{scheme}: {name}", "cells": cells})
-            if base is None:
-                base = r
+            if family not in base:
+                base[family] = r
                 continue
             if name.endswith("(fsync at make_durable)"):
                 continue
-            for what in ("put", "get"):
-                bars.append({"label": f"{scheme}, {what}", "value": round(
-                    statistics.median(base[what]) / statistics.median(r[what]), 2)})
+            for what, word in (("put", "put"), ("get", "get")) if family == "store" else \
+                    (("put", "sp.save"), ("get", "sp.load")):
+                bars.append({"label": f"{scheme}, {word}", "value": round(
+                    statistics.median(base[family][what]) / statistics.median(r[what]), 2)})
     cache = "dropped before each read" if out["dropped"] else \
         "NOT dropped" + (" (--quick)" if a.quick else " (not root)")
     print(f"\n### Byte stores: {out['count']} objects, {mib:.1f} MiB ({a.small_n} x "
@@ -247,6 +322,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--big-mib", type=int, default=8)
     ap.add_argument("--latency-n", type=int, default=50)
     ap.add_argument("--schemes", default="files,s3,memory")
+    ap.add_argument("--no-checkpoints", dest="checkpoints", action="store_false",
+                    help="skip the sp.save/sp.load rows (they need torch)")
     ap.add_argument("--dir", default=None, help="where the files scheme writes (a tmp dir "
                                                 "below it, removed after)")
     ap.add_argument("--json", default=None, help="write the table here (results/*.json shape)")

@@ -114,10 +114,14 @@ def test_quick_store_benchmark_runs_every_store(capsys, tmp_path):
     out = capsys.readouterr().out
     for row in ("files: FileStore", "files: TensorStore file (fsync each write)",
                 "s3: S3Store (boto3)", "s3: TensorStore s3", "memory: MemoryStore",
-                "memory: TensorStore memory", "page cache (files): NOT dropped (--quick)"):
+                "memory: TensorStore memory", "page cache (files): NOT dropped (--quick)",
+                "s3: checkpoint, s3:// (S3Store)", "s3: checkpoint, tensorstore+s3://",
+                "files: checkpoint, tensorstore+file://"):
         assert row in out, row
-    assert len(data["rows"]) == 7 and all(len(r["cells"]) == len(data["columns"])
+    assert len(data["rows"]) == 13 and all(len(r["cells"]) == len(data["columns"])
                                           for r in data["rows"])
     assert [b["label"] for b in data["plot"]["bars"]] == [
-        "files, put", "files, get", "s3, put", "s3, get", "memory, put", "memory, get"]
+        "files, put", "files, get", "files, sp.save", "files, sp.load", "s3, put", "s3, get",
+        "s3, sp.save", "s3, sp.load", "memory, put", "memory, get", "memory, sp.save",
+        "memory, sp.load"]
     assert os.listdir(tmp_path) == []       # everything it wrote is removed
