@@ -18,9 +18,10 @@ Why these choices:
 - TensorStore exposes neither an object's size nor its modification time beside its bytes.
   ``head`` on ``file`` stats the file; elsewhere the size comes from the one request that
   names it (a read past the end, refused with the object's size), and ``mtime`` is the time
-  of the request: on ``s3``/``gcs`` a lease's age therefore never grows, so recovery there
-  does not reclaim a dead save's prefix by age (:class:`~.s3.S3Store` does). ``list`` costs
-  one such request per key on object stores and carries no version.
+  of the request: off ``file`` a lease's age therefore never grows, so recovery there does
+  not reclaim a dead save's prefix by age (:class:`~.s3.S3Store` does). ``list`` costs one
+  such request per key off ``file`` and carries no version. For these reasons the plain
+  schemes keep their own stores (``benchmarks/RESULTS.md``, "Byte stores").
 - Every wait is bounded (``timeout_s``) and requests are retried a bounded number of times;
   every TensorStore error becomes one of the core's (``FileNotFoundError``,
   ``FileExistsError``, :class:`~shardpoint_core.errors.StoreUnavailableError`, ...).
