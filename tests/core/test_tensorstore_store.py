@@ -181,6 +181,28 @@ def test_s3_conditional_write_is_one_atomic_request(s3_env):
         assert seen == ["PUT"] * 3 and s.get("k") == b"2"
 
 
+def test_refusals_and_stalls_are_the_cores(tmp_path):
+    """What TensorStore refuses before a request starts (a bucket name S3 forbids, a key its
+    file driver reserves) and a server that accepts connections and never answers: the
+    core's classes, never a raw ValueError, and the stall within ``timeout_s``."""
+    from shardpoint_core.errors import InvalidKeyError
+    with pytest.raises(InvalidOptionError, match="bucket name"):
+        TensorStoreStore("s3://b/x").get("k")
+    with pytest.raises(InvalidKeyError, match="a.__lock"):
+        TensorStoreStore(str(tmp_path)).put("a.__lock", b"x")
+    import socket
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        s = TensorStoreStore("s3://bucket-x/x", TensorStoreOptions(
+            endpoint_url=f"http://127.0.0.1:{srv.getsockname()[1]}", timeout_s=1,
+            max_retries=1))
+        for call in (lambda: s.get("k"), lambda: s.put("k", b"x"), lambda: list(s.list()),
+                     lambda: s.delete(["k"]), lambda: s.head("k")):
+            with pytest.raises(StoreUnavailableError, match="no answer within 1"):
+                call()
+
+
 def test_file_errors_keep_errno(tmp_path):
     s = TensorStoreStore(str(tmp_path))
     s.put("d/x", b"1")

@@ -43,10 +43,10 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
-from shardpoint_core.errors import (InvalidOptionError, StoreAccessDeniedError,
+from shardpoint_core.errors import (InvalidKeyError, InvalidOptionError, StoreAccessDeniedError,
                                     StoreNotFoundError, StoreUnavailableError)
 from shardpoint_core.store.base import Buffer, ObjectInfo, StoreCapabilities
 from shardpoint_core.store.keys import check_key, check_prefix
@@ -59,6 +59,7 @@ _BATCH = 256                 # keys whose sizes are asked at once in a listing
 _NAMED: Dict[str, Any] = {}  # memory store name -> the TensorStore Context holding it
 _NAMED_LOCK = threading.Lock()
 DRIVERS = ("file", "memory", "s3", "gcs")
+_TRANSIENT = ("UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ class TensorStoreStore:
                 context = _NAMED.setdefault(self.bucket, ts.Context())
         else:
             context = ts.Context(ctx)
-        return self._wait(ts.KvStore.open(spec, context=context), "", "open")
+        return self._wait(lambda: ts.KvStore.open(spec, context=context), "", "open")
 
     @staticmethod
     def drop(name: str) -> None:
@@ -223,13 +224,19 @@ class TensorStoreStore:
         if isinstance(exc, TimeoutError):
             return StoreUnavailableError(f"{what} of {where}: no answer within "
                                          f"{self.options.timeout_s} s")
+        if msg.startswith("Invalid key") or "Invalid S3 object name" in msg:
+            return InvalidKeyError(f"store key {key!r} is refused by TensorStore's "
+                                   f"{self.driver} driver ({msg[:200]})")
+        if what == "open" and code not in _TRANSIENT:
+            return InvalidOptionError(f"TensorStore cannot open {self.url} with the "
+                                      f"{self.driver} driver: {msg[:300]}")
         if "NoSuchBucket" in msg:
             return StoreNotFoundError(f"bucket {self.bucket!r} does not exist ({what} of "
                                       f"{where}); create it or fix the bucket in the URL")
         if code in ("PERMISSION_DENIED", "UNAUTHENTICATED"):
             return StoreAccessDeniedError(f"{what} of {where} was refused ({msg[:300]}); check "
                                           "the credentials and the bucket's policy")
-        if code in ("UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"):
+        if code in _TRANSIENT:
             return StoreUnavailableError(f"{what} of {where}: the store kept failing after "
                                          f"{self.options.max_retries} attempts ({msg[:300]})")
         if code == "NOT_FOUND":
@@ -240,9 +247,11 @@ class TensorStoreStore:
             return OSError(n, f"{what} of {where} failed: {os.strerror(n)}", where)
         return OSError(f"{what} of {where} failed: {msg[:500]}")
 
-    def _wait(self, future: Any, key: str, what: str) -> Any:
+    def _wait(self, make: Callable[[], Any], key: str, what: str) -> Any:
+        """The result of the future ``make()`` starts (TensorStore also raises when a
+        request is refused before it starts), within ``timeout_s``, or the core's error."""
         try:
-            return future.result(timeout=self.options.timeout_s)
+            return make().result(timeout=self.options.timeout_s)
         except (ValueError, RuntimeError, OSError, TimeoutError) as e:
             if isinstance(e, (FileNotFoundError, FileExistsError)) or \
                     type(e).__module__.startswith("shardpoint"):
@@ -253,9 +262,10 @@ class TensorStoreStore:
     def _read(self, key: str, what: str, byte_range: Optional[slice] = None) -> Any:
         """The ReadResult of ``key`` (a value) or ``FileNotFoundError``; ``EOFError`` where
         ``byte_range`` is out of the object."""
-        fut = self.kv.read(check_key(key)) if byte_range is None \
-            else self.kv.read(check_key(key), byte_range=byte_range)
+        check_key(key)
+        kv = self.kv
         try:
+            fut = kv.read(key) if byte_range is None else kv.read(key, byte_range=byte_range)
             r = fut.result(timeout=self.options.timeout_s)
         except (ValueError, RuntimeError, TimeoutError) as e:
             if str(e).startswith("OUT_OF_RANGE"):
@@ -358,7 +368,8 @@ class TensorStoreStore:
         ts = _ts()
         p = check_prefix(prefix).encode()
         rng = ts.KvStore.KeyRange(p, _successor(p)) if p else ts.KvStore.KeyRange()
-        keys = sorted(k.decode() for k in self._wait(self.kv.list(rng), prefix, "list"))
+        kv = self.kv
+        keys = sorted(k.decode() for k in self._wait(lambda: kv.list(rng), prefix, "list"))
         for i in range(0, len(keys), _BATCH):
             batch = keys[i:i + _BATCH]
             for key, info in zip(batch, self._infos(batch)):
@@ -378,7 +389,9 @@ class TensorStoreStore:
                     continue
                 out.append(ObjectInfo(k, st.st_size, st.st_mtime))
             return out
-        futs = [self.kv.read(k, byte_range=slice(_PAST_END, None)) for k in keys]
+        kv = self.kv
+        futs = [self._wait(lambda k=k: _Ready(kv.read(k, byte_range=slice(_PAST_END, None))),
+                           k, "size") for k in keys]
         for k, f in zip(keys, futs):
             try:
                 r = f.result(timeout=self.options.timeout_s)
@@ -418,9 +431,9 @@ class TensorStoreStore:
                                       f" refused: {if_match!r} is no version of this store",
                                       self._where(key)) from None
         blob = _join(data)
-        fut = self.kv.write(key, blob) if cond is None else \
-            self.kv.write(key, blob, if_equal=cond)
-        gen = bytes(self._wait(fut, key, "write").generation)
+        kv = self.kv
+        gen = bytes(self._wait(lambda: kv.write(key, blob) if cond is None else
+                               kv.write(key, blob, if_equal=cond), key, "write").generation)
         if cond is not None and not gen:
             if if_match and not if_absent and self.head(key) is None:
                 raise FileNotFoundError(errno.ENOENT, f"conditional write of "
@@ -438,9 +451,10 @@ class TensorStoreStore:
         """Remove these objects (all requests in flight at once); missing ones are not an
         error. On files, directories the delete left empty go too (as :class:`FileStore`)."""
         ks = [check_key(k) for k in keys]
-        futs = [self.kv.write(k, None) for k in ks]
-        for k, f in zip(ks, futs):
-            self._wait(f, k, "delete")
+        kv = self.kv
+        futs = [self._wait(lambda k=k: _Ready(kv.write(k, None)), k, "delete") for k in ks]
+        for k, f in zip(ks, futs):                  # all in flight, then each awaited
+            self._wait(lambda f=f: f, k, "delete")
         if self.driver == "file":
             for k in ks:
                 d = os.path.dirname(os.path.join(self.root, k))
@@ -487,6 +501,17 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class _Ready:
+    """A started future handed through :meth:`TensorStoreStore._wait` unawaited (so a
+    refusal at the start maps like any error), its ``result`` the future itself."""
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+
+    def result(self, timeout: float) -> Any:
+        return self.future
 
 
 def _now() -> float:
