@@ -5,9 +5,11 @@ committer's conformance scenarios (on s3 through the fault proxy in front of the
 moto server)."""
 import contextlib
 import os
+import tempfile
 import uuid
 
 import pytest
+from hypothesis import settings
 
 pytest.importorskip("tensorstore")
 
@@ -18,7 +20,7 @@ from shardpoint_core.errors import (InvalidOptionError, StoreNotFoundError,  # n
 from shardpoint_core.store.registry import open_store  # noqa: E402
 from shardpoint_core.store.tensorstore import (NO_VALUE, TensorStoreOptions,  # noqa: E402
                                                TensorStoreStore, parse_url)
-from shardpoint_core.store.testing import StoreTests  # noqa: E402
+from shardpoint_core.store.testing import StoreStateMachine, StoreTests  # noqa: E402
 from shardpoint_testing.probes import pause_lease  # noqa: E402
 
 
@@ -50,6 +52,26 @@ class TestTensorStoreS3(StoreTests):
     @pytest.fixture
     def store(self, s3_env):
         return TensorStoreStore(s3_env.url(s3_env.fresh_prefix("tsc")))
+
+
+def _fresh_memory() -> TensorStoreStore:
+    return TensorStoreStore(f"memory://m{uuid.uuid4().hex[:8]}")
+
+
+_TMP = tempfile.TemporaryDirectory(prefix="sp-ts-model-")
+
+
+def _fresh_file() -> TensorStoreStore:
+    return TensorStoreStore(tempfile.mkdtemp(dir=_TMP.name))
+
+
+# The stateful model (random puts, conditional puts, deletes, reads against a dict).
+TestTensorStoreMemoryModel = StoreStateMachine.for_store(_fresh_memory).TestCase
+TestTensorStoreMemoryModel.settings = settings(max_examples=30, stateful_step_count=30,
+                                               deadline=None)
+TestTensorStoreFileModel = StoreStateMachine.for_store(_fresh_file).TestCase
+TestTensorStoreFileModel.settings = settings(max_examples=15, stateful_step_count=20,
+                                             deadline=None)
 
 
 @pytest.fixture(params=["file", "memory", "s3"])
