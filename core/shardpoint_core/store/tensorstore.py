@@ -41,6 +41,7 @@ import errno
 import os
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -58,7 +59,6 @@ _OS_ERRNO = re.compile(r"os_error_code='(\d+)'")
 _BATCH = 256                 # keys whose sizes are asked at once in a listing
 _NAMED: Dict[str, Any] = {}  # memory store name -> the TensorStore Context holding it
 _NAMED_LOCK = threading.Lock()
-DRIVERS = ("file", "memory", "s3", "gcs")
 _TRANSIENT = ("UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
 
 
@@ -355,10 +355,10 @@ class TensorStoreStore:
         one read of at most ``length`` bytes (memory stays bounded by ``length``)."""
         length = max(1, length)
         size = self._size(key)
-        if size <= length:
+        if size <= length:         # (replaced meanwhile by a longer one: cut, its size said)
             r = self._read(key, "read")
             data = bytes(r.value)
-            return data, self._info(key, r.stamp, len(data))
+            return data[:length], self._info(key, r.stamp, len(data))
         r = self._read(key, "read", slice(0, length))
         return bytes(r.value), self._info(key, r.stamp, size)
 
@@ -394,19 +394,17 @@ class TensorStoreStore:
                            k, "size") for k in keys]
         for k, f in zip(keys, futs):
             try:
-                r = f.result(timeout=self.options.timeout_s)
+                if f.result(timeout=self.options.timeout_s).state != "value":
+                    out.append(None)                 # deleted since the listing
+                    continue
+                size = None
             except (ValueError, RuntimeError, TimeoutError) as e:
                 m = _SIZE.search(str(e))
-                if m is None:
-                    try:
-                        out.append(ObjectInfo(k, self._size(k), _now()))
-                    except FileNotFoundError:
-                        out.append(None)
-                    continue
-                out.append(ObjectInfo(k, int(next(g for g in m.groups() if g is not None)),
-                                      _now()))
-                continue
-            out.append(None if r.state != "value" else ObjectInfo(k, self._size(k), _now()))
+                size = int(next(g for g in m.groups() if g is not None)) if m else None
+            try:
+                out.append(ObjectInfo(k, self._size(k) if size is None else size, time.time()))
+            except FileNotFoundError:
+                out.append(None)
         return out
 
     # -- writes ---------------------------------------------------------------------------
@@ -512,11 +510,6 @@ class _Ready:
 
     def result(self, timeout: float) -> Any:
         return self.future
-
-
-def _now() -> float:
-    import time
-    return time.time()
 
 
 def _successor(prefix: bytes) -> bytes:
