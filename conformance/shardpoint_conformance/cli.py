@@ -12,7 +12,9 @@ import sys
 import tempfile
 import textwrap
 import time
-from typing import Any, Optional
+from typing import Optional
+
+from shardpoint_conformance.helptext import add_command, examples
 
 PROFILE_CASES = {"ci": 16, "large": 320}
 PROFILE_WORLDS = {"ci": [1, 2, 3, 4], "large": [1, 2, 3, 4, 5, 6, 7, 8]}
@@ -43,19 +45,6 @@ def _positive(s: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{s!r}: give an integer >= 1")
     return n
-
-
-def examples(text: str) -> str:
-    """An ``examples:`` epilog (one command per line, ``#`` comments kept)."""
-    return "examples:\n" + textwrap.indent(textwrap.dedent(text).strip(), "  ")
-
-
-def add_command(sub: Any, name: str, help: str, example: str) -> argparse.ArgumentParser:
-    """A sub-command whose ``--help`` repeats its summary and ends with examples."""
-    return sub.add_parser(name, help=help, description=textwrap.fill(help[0].upper()
-                                                                      + help[1:] + "."),
-                          epilog=examples(example),
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def _parser() -> argparse.ArgumentParser:

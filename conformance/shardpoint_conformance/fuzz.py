@@ -444,7 +444,7 @@ def run_fuzz(cases: int, seed: int = 0, memory_bytes: int = 1 << 30, workdir: st
 
 
 def add_parser(sub: Any) -> None:
-    from shardpoint_conformance.cli import add_command
+    from shardpoint_conformance.helptext import add_command
     f = add_command(sub, "fuzz", "structure-aware fuzzing of the readers (manifests, "
                     "zarr.json, shard indexes, chunks) in a memory-bounded process", """
         shardpoint conformance fuzz --cases 200                 # the CI's short run

@@ -124,7 +124,7 @@ def save_batch(rank: int, world: int, cases: list, root: str, device: str = "cpu
     ``SHARDPOINT_CONFORMANCE_KILL`` set, saves go through :class:`.faults.KillingBackend`
     (a rehearsal: the run must then report the failure)."""
     import shardpoint as sp
-    from shardpoint_conformance.faults import KILL_ENV, KillingBackend
+    from shardpoint_conformance.backends import KILL_ENV, KillingBackend
     if backend is None and os.environ.get(KILL_ENV):
         backend = KillingBackend()
     out = []

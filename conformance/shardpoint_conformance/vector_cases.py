@@ -251,5 +251,8 @@ def write_edge_chunks(path: str) -> None:
     tree = {"dict": [["plain", {"tensor": "plain", "origin": "numpy"}],
                      ["sharded", {"tensor": "sharded", "origin": "numpy"}]]}
     m = Manifest(tree, tensors, {}, save_world_size=1)
+    from shardpoint_core.store.files import FileStore
+    from shardpoint_core.zarr.groups import write_groups
+    write_groups(FileStore(path, fsync=False), "", [e.array for e in tensors.values()])
     with open(os.path.join(path, "manifest.msgpack"), "wb") as f:
         f.write(encode_manifest(m))

@@ -307,12 +307,3 @@ INVALID = {
         "object rng's grid \"shape\" [2, 3] set to [4, 2] (product 8, count 6)",
         lambda p: rewrite_body(p, lambda b: b["objects"]["rng"].update(shape=[4, 2]))),
 }
-
-# The 1.2 clarifications' vectors live in their own module (imported last: it builds on the
-# helpers above).
-from shardpoint_conformance.vector_damage_12 import INVALID_1_2  # noqa: E402
-
-INVALID.update(INVALID_1_2)
-from shardpoint_conformance.vector_damage_13 import INVALID_1_3  # noqa: E402
-
-INVALID.update(INVALID_1_3)

@@ -27,7 +27,13 @@ import numpy as np
 from shardpoint_conformance.independent_reader import (DTYPES, VectorError, array_json, crc32c,
                                                        float_json, read_independently)
 from shardpoint_conformance.vector_cases import cases
-from shardpoint_conformance.vector_damage import INVALID
+from shardpoint_conformance.vector_damage import INVALID as INVALID_1_1
+from shardpoint_conformance.vector_damage_12 import INVALID_1_2
+from shardpoint_conformance.vector_damage_13 import INVALID_1_3
+
+# Every invalid vector: 1.0/1.1's, then each version's clarifications (their own modules,
+# built on vector_damage's helpers).
+INVALID = {**INVALID_1_1, **INVALID_1_2, **INVALID_1_3}
 
 __all__ = ["DTYPES", "INVALID", "VectorError", "check_vectors", "crc32c", "generate",
            "read_independently"]

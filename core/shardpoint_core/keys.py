@@ -20,6 +20,7 @@ Path = tuple  # tuple[Component, ...]
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _INT_RE = re.compile(r"-?[0-9]+\Z")
+_PLAIN_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 _ENCODED_STR_RE = re.compile(r"(?:[A-Za-z0-9_.\-]|%[0-9A-F]{2})+\Z")
 MAX_KEY_BYTES = 4096
 
@@ -41,6 +42,8 @@ def encode_component(c: Component) -> str:
             f"key component {c!r} is not allowed (empty, '.' and '..' could escape or alias "
             "a directory); rename the dict key", spec_id="SP-KEY-2",
         )
+    if _PLAIN_RE.match(c):      # safe characters only: the text itself (or ~text)
+        return "~" + c if _INT_RE.match(c) else c
     try:
         raw = c.encode("utf-8")
     except UnicodeEncodeError:
@@ -68,6 +71,8 @@ def decode_component(s: str) -> Component:
     body = s[1:] if s.startswith("~") else s
     if not _ENCODED_STR_RE.match(body) or (s.startswith("~") and not _INT_RE.match(body)):
         raise InvalidKeyError(f"malformed key component {s!r}", spec_id="SP-KEY-3")
+    if "%" not in body:     # safe characters only: the text itself, canonical as checked
+        return body
     raw = bytearray()
     i = 0
     while i < len(body):

@@ -259,8 +259,47 @@ def _unknown(fields: dict, known: set, where: str) -> None:
                                      spec_id="SP-VER-3")
 
 
+ENVELOPE_HEAD = 32     # enough for a map header, a fixstr key and a bin header
+
+
+def _bin_entry(b: bytes, pos: int) -> Optional[tuple]:
+    """(offset after a fixstr key and its bin value starting at ``pos``, the value's size)."""
+    if pos >= len(b) or not 0xA0 <= b[pos] <= 0xBF:
+        return None
+    pos += 1 + (b[pos] & 0x1F)
+    if pos >= len(b):
+        return None
+    width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(b[pos])
+    if width is None or pos + 1 + width > len(b):
+        return None
+    n = int.from_bytes(b[pos + 1:pos + 1 + width], "big")
+    return pos + 1 + width + n, n
+
+
+def check_envelope_size(read_at: Any, size: int, where: str) -> None:
+    """Refuse ([SP-MAN-1]) a manifest file of ``size`` bytes that is not exactly its
+    envelope (trailing bytes, or cut short), from its headers alone, before the whole file
+    is read (a 1 GiB file of one small envelope and garbage, sparse or not, costs a read of
+    a few bytes). ``read_at(offset, n)`` reads the file. Unusual layouts pass: the decoder
+    reports them."""
+    head = read_at(0, ENVELOPE_HEAD)
+    first = _bin_entry(head, 1) if head[:1] == b"\x82" else None
+    if first is None:
+        return
+    second = _bin_entry(read_at(first[0], ENVELOPE_HEAD), 0)
+    if second is None:
+        return
+    total = first[0] + second[0]
+    if total != size:
+        raise _bad(f"{where}: the envelope is {total} bytes but the file holds {size} "
+                   f"({'trailing bytes after it' if size > total else 'cut short'})",
+                   "SP-MAN-1")
+
+
 def decode_manifest(data: bytes) -> Manifest:
     """Parse and validate manifest bytes; raise the documented error for the first problem."""
+    mv = memoryview(data)
+    check_envelope_size(lambda at, n: bytes(mv[at:at + n]), len(data), "manifest")
     try:
         env = msgpack.unpackb(data, raw=False, object_pairs_hook=values.strict_pairs,
                               **values.UNPACK_LIMITS)

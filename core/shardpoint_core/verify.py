@@ -17,6 +17,7 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -174,10 +175,21 @@ def _writer_rules(key: str, array: str) -> list:
     return out
 
 
+def _is_group(path: str) -> bool:
+    """Whether ``path`` is the zarr.json of a Zarr v3 group ([SP-LAYOUT-5])."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(4096))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("zarr_format") == 3 \
+        and doc.get("node_type") == "group"
+
+
 def _strays(root: str, known: set) -> list:
     """Arrays and other entries under tensors/ that no manifest array accounts for
     ([SP-LAYOUT-3]). An entry is accounted for when it is a listed array (with everything
-    inside it) or a directory on the way to one."""
+    inside it) or a directory on the way to one (with its group zarr.json)."""
     base = os.path.join(root, TENSOR_DIR)
     if "://" in root or not os.path.isdir(base):    # object stores: recover finds leftovers
         return []
@@ -191,11 +203,12 @@ def _strays(root: str, known: set) -> list:
         if rel in known:
             dirs[:] = []          # a listed array: its chunks are checked by verify_array
             continue
-        if "zarr.json" in files:
+        on_the_way = rel in parents or rel == TENSOR_DIR
+        if "zarr.json" in files and not on_the_way:
             out.append(("SP-LAYOUT-3", f"array {rel!r} is not listed in {MANIFEST_NAME}"))
             dirs[:] = []
             continue
-        if rel not in parents and rel != TENSOR_DIR:
+        if not on_the_way:
             arrays = sorted(os.path.relpath(d, root).replace(os.sep, "/")
                             for d, _s, fs in os.walk(dirpath) if "zarr.json" in fs)
             out += [("SP-LAYOUT-3", f"array {a!r} is not listed in {MANIFEST_NAME}")
@@ -206,6 +219,8 @@ def _strays(root: str, known: set) -> list:
             dirs[:] = []
             continue
         for f in sorted(files):
+            if f == "zarr.json" and _is_group(os.path.join(dirpath, f)):   # [SP-LAYOUT-5]
+                continue
             out.append(("SP-LAYOUT-3", f"file {rel}/{f} under {TENSOR_DIR}/ belongs to no "
                         f"array listed in {MANIFEST_NAME}"))
         dirs.sort()

@@ -4,7 +4,7 @@ the shard buffers, from a local directory or any registered store (``s3://``, ``
 by the core's reader rules (:mod:`.storage`)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -191,20 +191,29 @@ def exact_in_jax(dtype) -> bool:
     return jax.dtypes.canonicalize_dtype(dtype) == np.dtype(dtype)
 
 
-def load(path: str, target: Any = None, *, strict: bool = True) -> Any:
+def load(path: str, target: Any = None, *, strict: bool = True,
+         leaf_hook: Optional[Callable[[Any, str, Any], Any]] = None) -> Any:
     """Load the checkpoint at ``path``. Without ``target``: the whole tree (jax.Arrays on the
     default device, numpy arrays where numpy saved them, values, objects as lists of all their
     values). With ``target``: a pytree whose leaves say what to read and where: a
     ``jax.ShapeDtypeStruct`` (with ``sharding=``) or a jax.Array gives a new jax.Array with that
     sharding, a numpy array is filled in place, a ``ShardedObject(None, index, shape)`` gets its
     cell's value, any other leaf is a placeholder for a value. Keys the target does not name are
-    not read. With ``strict=False`` keys the checkpoint lacks keep the target's leaf."""
+    not read. With ``strict=False`` keys the checkpoint lacks keep the target's leaf.
+    ``leaf_hook(checkpoint, key, leaf)``: for front ends on this one (the Orbax handler), a
+    leaf's result, or ``NotImplemented`` for the standard read."""
     ck = Checkpoint(path)
     ck.ahead = ReadAhead(ck, planned_regions(ck, target), READ_AHEAD_BYTES)
     try:
         if target is None:
             return ck.whole(ck.manifest.tree)
-        return walk(target, lambda p, key, leaf: load_leaf(ck, key, leaf, strict))
+        if leaf_hook is None:
+            return walk(target, lambda p, key, leaf: load_leaf(ck, key, leaf, strict))
+
+        def hooked(_p: tuple, key: str, leaf: Any) -> Any:
+            out = leaf_hook(ck, key, leaf)
+            return load_leaf(ck, key, leaf, strict) if out is NotImplemented else out
+        return walk(target, hooked)
     finally:
         ck.ahead.drain()
 

@@ -16,7 +16,10 @@ steps and retention. The handler writes a shardpoint checkpoint, with :func:`sha
 in the subdirectory ``shardpoint`` of the directory Orbax hands it (Orbax creates that one, and
 shardpoint commits its own manifest last inside it), and restores with
 :func:`shardpoint_jax.load`: a target of ``jax.ShapeDtypeStruct`` leaves with shardings (or
-arrays) restores into that sharding, whatever mesh saved it; no target restores the whole tree.
+arrays) restores into that sharding, whatever mesh saved it; no target restores the whole tree
+(arrays on the sharding they were saved with). ``ShardpointSave``/``ShardpointRestore`` take
+Orbax's ``save_args``, ``custom_metadata``, ``strict`` and ``fallback_sharding``
+(:mod:`.orbax_semantics`).
 Restore also reads a directory that is itself a shardpoint checkpoint (one written by
 ``sp.save``, the DCP plugin or Megatron's ``shardpoint`` backend). Asynchronous saves copy numpy
 leaves, hold ``jax.Array`` leaves (immutable; do not donate them before the save is done) and
@@ -35,7 +38,7 @@ from etils import epath
 from orbax.checkpoint import future
 
 from shardpoint_core.manifest import Manifest, read_metadata
-from shardpoint_jax.loading import load
+from shardpoint_jax.orbax_semantics import EXTENSION, prepare_save, restore
 from shardpoint_jax.saving import save
 
 SUBDIR, MANIFEST = "shardpoint", "manifest.msgpack"
@@ -57,28 +60,41 @@ def _snapshot(tree: Any) -> Any:
 
 
 class ShardpointHandler(ocp.AsyncCheckpointHandler):
-    """An Orbax ``AsyncCheckpointHandler`` writing and reading the shardpoint format.
-    Collective as Orbax's handlers are: every process calls ``save``/``restore``."""
+    """An Orbax ``AsyncCheckpointHandler`` writing and reading the shardpoint format, with
+    Orbax's save and restore semantics (:mod:`.orbax_semantics`: ``save_args`` casts,
+    ``custom_metadata``, the saved sharding kept without a target, ``strict=False`` shape
+    relaxing, masked and ``None`` leaves, typed PRNG keys). Collective as Orbax's handlers
+    are: every process calls ``save``/``restore``."""
 
-    def save(self, directory: epath.Path, args: "ShardpointSave") -> None:
-        save(os.path.join(os.fspath(directory), SUBDIR), args.item)
+    standard = False      # True: also Orbax's standard handler's refusals (.orbax)
 
-    async def async_save(self, directory: epath.Path,
-                         args: "ShardpointSave") -> Optional[List[Any]]:
+    def _prepared(self, args: Any) -> tuple:
+        item, ext = prepare_save(args.item, getattr(args, "save_args", None), self.standard)
+        ext.update(custom_metadata=getattr(args, "custom_metadata", None),
+                   must_understand=False)
+        return item, {EXTENSION: ext}
+
+    def save(self, directory: epath.Path, args: Any = None) -> None:
+        item, ext = self._prepared(args)
+        save(os.path.join(os.fspath(directory), SUBDIR), item, extensions=ext)
+
+    async def async_save(self, directory: epath.Path, args: Any = None) -> Optional[List[Any]]:
         # Orbax may create the directory after this returns (it signals when it has): the
         # write runs in Orbax's commit future, which waits for that signal.
-        item = _snapshot(args.item)
+        item, ext = self._prepared(args)
+        item = _snapshot(item)
 
         async def write() -> None:
-            save(os.path.join(os.fspath(directory), SUBDIR), item)
+            save(os.path.join(os.fspath(directory), SUBDIR), item, extensions=ext)
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="shardpoint_save")]
 
-    def restore(self, directory: epath.Path,
-                args: "Optional[ShardpointRestore]" = None) -> Any:
-        target = args.item if args is not None else None
-        strict = args.strict if args is not None else True
-        return load(checkpoint_path(directory), target, strict=strict)
+    def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
+        target = args.item if args is not None else item
+        return restore(checkpoint_path(directory), target,
+                       strict=getattr(args, "strict", True),
+                       fallback=getattr(args, "fallback_sharding", None),
+                       standard=self.standard)
 
     def metadata(self, directory: epath.Path) -> Manifest:
         """The checkpoint's manifest: tree, keys, shapes, dtypes, chunk grids."""
@@ -94,20 +110,28 @@ class ShardpointHandler(ocp.AsyncCheckpointHandler):
 @ocp.args.register_with_handler(ShardpointHandler, for_save=True)
 @dataclasses.dataclass
 class ShardpointSave(ocp.args.CheckpointArgs):
-    """Save args: ``item`` is the pytree (sharded ``jax.Array`` leaves, numpy arrays, values)."""
+    """Save args: ``item`` is the pytree (sharded ``jax.Array`` leaves, numpy arrays, values);
+    ``save_args`` a pytree of ``ocp.SaveArgs`` (``dtype``: the leaf is cast before it is
+    written) or None leaves, as Orbax's; ``custom_metadata`` any msgpack-able dict, kept in
+    the manifest (``metadata(dir).extensions["orbax"]["custom_metadata"]``)."""
 
     item: Any
+    save_args: Any = None
+    custom_metadata: Optional[dict] = None
 
 
 @ocp.args.register_with_handler(ShardpointHandler, for_restore=True)
 @dataclasses.dataclass
 class ShardpointRestore(ocp.args.CheckpointArgs):
     """Restore args: ``item`` is the target pytree (``jax.ShapeDtypeStruct`` with
-    ``sharding=``, arrays, placeholders for values) or None for the whole tree; ``strict=False``
-    keeps the target's leaf for keys the checkpoint lacks."""
+    ``sharding=``, arrays, placeholders for values) or None for the whole tree (arrays on
+    their saved sharding; ``fallback_sharding`` where those devices are gone); ``strict=False``
+    keeps the target's leaf for keys the checkpoint lacks and truncates or zero-pads arrays
+    to the target's shape, as Orbax's."""
 
     item: Any = None
     strict: bool = True
+    fallback_sharding: Any = None
 
 
 __all__ = ["ShardpointHandler", "ShardpointRestore", "ShardpointSave", "checkpoint_path"]

@@ -24,7 +24,8 @@ from shardpoint_jax.comm import Comm
 from shardpoint_jax.dtypes import name_of
 from shardpoint_jax.grid import chunk_shape, local_chunk_shape
 from shardpoint_jax.storage import (ArrayWriter, COMMITTER, checkpoint_path,
-                                    create_arrays, make_durable, write_manifest)
+                                    create_arrays, make_durable, write_group_metadata,
+                                    write_manifest)
 from shardpoint_jax.tree import ShardedObject, is_array, tree_node
 from shardpoint_jax.values import check_value, is_scalar_value, pack, unpack
 
@@ -162,7 +163,7 @@ def raise_info(info: list, where: str) -> None:
 
 # -------------------------------------------------------------------------------- save
 def save(path: str, tree: Any, *, overwrite: Union[bool, str] = False,
-         async_save: bool = False) -> Optional[AsyncSave]:
+         async_save: bool = False, extensions: Optional[dict] = None) -> Optional[AsyncSave]:
     """Save ``tree`` (a pytree of jax.Arrays, numpy arrays, ShardedObjects and values) at
     ``path``: a local path, or the URL of a registered store (``s3://bucket/run/step_5``,
     ``memory://name/ck``). Collective: every process of the job calls it with its own tree.
@@ -173,15 +174,25 @@ def save(path: str, tree: Any, *, overwrite: Union[bool, str] = False,
     the writes and the commit run in the background and the returned :class:`AsyncSave`
     says when the checkpoint is in. Any
     save first waits for the previous asynchronous one and raises its error if nobody saw
-    it yet."""
+    it yet.
+
+    ``extensions``: the manifest's ``extensions`` map (versioning.md), process 0's, each entry
+    a map with ``"must_understand": False`` that readers ignore; front ends keep what their
+    host keeps beside a checkpoint there (the Orbax handler: shardings, PRNG key kinds)."""
     if not (overwrite is False or overwrite is True or overwrite == "any"):
         raise E.InvalidRequestError(f"overwrite={overwrite!r}: pass False, True (replace a "
                                     "committed checkpoint or an empty directory) or 'any' "
                                     "(also a directory that is not a checkpoint)")
+    for name, ext in (extensions or {}).items():
+        if not (isinstance(name, str) and isinstance(ext, dict)
+                and ext.get("must_understand") is False):
+            raise E.InvalidRequestError(f"extensions[{name!r}] must be a map holding "
+                                        "'must_understand': False (versioning.md)")
     wait_for_previous()
     path = checkpoint_path(path, "save(path, tree)")
     comm = Comm("save")
     plan, decision = agree_plan(comm, path, tree, overwrite)
+    decision["extensions"] = dict(extensions or {})   # process 0's go into the manifest
     regions: list = []
     err: Optional[BaseException] = None
     try:
@@ -387,7 +398,8 @@ def manifest_of(decision: dict) -> Manifest:
     objects = {k: ObjectValues(o["values"], o.get("shape")) for k, o in
                decision["objects"].items()}
     return Manifest(decision["tree"], tensors, objects, writer=WRITER,
-                    save_world_size=decision["world"])
+                    save_world_size=decision["world"],
+                    extensions=decision.get("extensions") or {})
 
 
 def commit(path: str, decision: dict) -> None:
@@ -396,8 +408,11 @@ def commit(path: str, decision: dict) -> None:
     deleted before) [SP-COMMIT-1..4], the conditional PUT of the marker on object stores
     [SP-COMMIT-10..12]."""
     staging = decision["staging"]
+    groups = write_group_metadata(staging, [e["array"] for e in decision["tensors"].values()])
     make_durable(staging)
     data = encode_manifest(manifest_of(decision))
+    for f in groups:
+        f.result()
     if is_local(staging):
         write_manifest(staging, data)
         COMMITTER.publish(staging, path, overwrite=decision["overwrite"])

@@ -47,6 +47,8 @@ from shardpoint_core.zarr.checks import (check_array_objects, check_backed_bytes
                                          check_regular_file)
 from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_write import DirectWriter, WriteOp, WritePool, write_layout
+from shardpoint_core.zarr.groups import start_groups, write_groups
+from shardpoint_core.zarr.local import read_manifest_file
 from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                    IncompleteCheckpointError, InvalidRequestError,
                                    ShardpointError)
@@ -141,8 +143,7 @@ def _manifest_bytes(path: str) -> bytes:
     if size > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{os.path.join(path, MANIFEST)!r} is {size} bytes, over "
                                      "the 1 GiB limit", spec_id="SP-SEC-2")
-    with open(os.path.join(path, MANIFEST), "rb") as f:
-        return f.read(MAX_MANIFEST_BYTES + 1)
+    return read_manifest_file(os.path.join(path, MANIFEST), size)     # [SP-MAN-1] first
 
 
 def read_manifest(path: str) -> Manifest:
@@ -225,6 +226,17 @@ class ArrayWriter:
                                       part, self.path)
             ops.append(op)
         return WriteOp(ops)
+
+
+def write_group_metadata(staging: str, array_paths: Sequence[str]) -> list:
+    """The save's Zarr group metadata ([SP-LAYOUT-5]): on files written here, before
+    :func:`make_durable`; on an object store started, the futures returned, to be waited
+    for after the staged manifest's PUT (in flight together: no round trip added)."""
+    store, key = locate(staging)
+    if is_local(staging):
+        write_groups(store, key, array_paths, pool_for(staging).submit)
+        return []
+    return start_groups(store, key, array_paths, pool_for(staging).submit)
 
 
 def make_durable(staging: str) -> None:

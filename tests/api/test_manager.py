@@ -178,8 +178,8 @@ def test_metrics_are_values_inside_the_checkpoint(tmp_path):
         mgr.save(20, {"x": torch.arange(3)}, metrics={"loss": 1.5})
     m = sp.read_metadata(os.path.join(tmp_path, "step_00000020"))
     assert m.tree[METRICS_KEY]["loss"].value == 1.5          # in the manifest, no side file
-    assert sorted(os.listdir(os.path.join(tmp_path, "step_00000020"))) == ["manifest.msgpack",
-                                                                           "tensors"]
+    assert sorted(os.listdir(os.path.join(tmp_path, "step_00000020"))) == [
+        "manifest.msgpack", "tensors", "zarr.json"]     # zarr.json: its Zarr group metadata
     assert CheckpointManager(tmp_path, best_metric="loss").best_step() == 20
     assert CheckpointManager(tmp_path, best_metric="loss", best_mode="max").best_step() == 10
 

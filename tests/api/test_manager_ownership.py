@@ -2,6 +2,7 @@
 committed is never reported failed because of an older step (issue: nothing lost in the
 managers). Each case here lost data or reported a failure before."""
 import os
+import uuid
 
 import pytest
 
@@ -32,19 +33,26 @@ def test_hand_made_step_like_directories_are_never_deleted(tmp_path):
         assert (root / d / f).read_text() == "user data"
 
 
-def test_a_checkpoint_saved_by_hand_under_the_root_is_not_a_step(tmp_path, s3_env):
+@pytest.mark.parametrize("where", ["files", "memory", "s3", "gcs"])
+def test_a_checkpoint_saved_by_hand_under_the_root_is_not_a_step(tmp_path, request, where):
     """The new user's sequence: ``sp.save(x, <root>/step_7)`` then a manager with
     ``max_to_keep=2`` over the root. ``step_7`` was counted as step 7 on S3 (the newest),
     so retention removed the real step 2 and ``load()`` gave step 7's tree. Now ``step_7`` is
-    not the manager's: it is neither counted nor removed, on files and on S3 alike."""
-    for root in (str(tmp_path / "run"), s3_env.url(s3_env.fresh_prefix("own") + "/run")):
-        sp.save({"w": torch.zeros(2)}, f"{root}/step_7")
-        mgr = sp.CheckpointManager(root, max_to_keep=2)
-        for s in (1, 2, 3):
-            mgr.save(s, st(s))
-        assert mgr.all_steps() == [2, 3], root
-        assert mgr.load()["step"] == 3 and mgr.load(2)["step"] == 2
-        assert torch.equal(sp.load(f"{root}/step_7")["w"], torch.zeros(2))
+    not the manager's: it is neither counted nor removed, on every store alike."""
+    if where == "files":
+        root = str(tmp_path / "run")
+    elif where == "memory":
+        root = f"memory://own{uuid.uuid4().hex[:8]}/run"
+    else:
+        server = request.getfixturevalue(f"{where}_env")
+        root = server.url(server.fresh_prefix("own") + "/run")
+    sp.save({"w": torch.zeros(2)}, f"{root}/step_7")
+    mgr = sp.CheckpointManager(root, max_to_keep=2)
+    for s in (1, 2, 3):
+        mgr.save(s, st(s))
+    assert mgr.all_steps() == [2, 3], root
+    assert mgr.load()["step"] == 3 and mgr.load(2)["step"] == 2
+    assert torch.equal(sp.load(f"{root}/step_7")["w"], torch.zeros(2))
 
 
 def test_a_manager_refuses_a_root_that_is_a_checkpoint(tmp_path):

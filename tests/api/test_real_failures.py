@@ -152,14 +152,15 @@ def test_full_disk_while_creating_arrays_gets_the_same_message(tmpfs):
 
 
 def test_full_disk_at_the_manifest_is_a_save_failure_too(small_disk):
-    """Leave the disk a page or four short: every chunk may fit and the manifest not. Each
+    """Leave the disk a page or six short (a chunk, two Zarr group files and the manifest are
+    a page each): every chunk may fit and the manifest not. Each
     outcome is the documented SaveFailedError (it was the base ShardpointError with a bare
     'OSError: [Errno 28]' when the manifest's own write failed) or a complete checkpoint."""
     d = small_disk
     a = os.path.join(d.path, "a")
     old = {"w": torch.arange(1023, dtype=torch.float32)}    # one chunk of exactly one page
     stages = set()
-    for leave in range(1, 5):
+    for leave in range(1, 7):
         sp.save(old, a, overwrite=True)
         d.fill(leave)
         new = {"w": old["w"] + leave}

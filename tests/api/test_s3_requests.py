@@ -4,8 +4,9 @@ they are. A request count and the order of round trips are deterministic (unlike
 they are what a test can hold the object-store path to.
 
 A save: the target's check (the marker's HEAD and the listing, together), then two PUTs per
-tensor (its zarr.json and its one chunk object, together), the staged manifest, the marker
-(its If-None-Match is the only check), and the delete of the staged copy: 5 round trips.
+tensor (its zarr.json and its one chunk object, together), the staged manifest with the Zarr
+group metadata ([SP-LAYOUT-5]: the save's root and tensors/), the marker (its If-None-Match is
+the only check), and the delete of the staged copy: 5 round trips.
 A load: the manifest's GET (its ETag is the identity checked at the end, no HEAD before it),
 then per array its zarr.json GET and its first data GET together (a plain chunk, or a
 shard's index by a suffix range), a shard's runs of inner chunks, and the identity HEAD."""
@@ -28,6 +29,10 @@ def arrays(names, *what) -> Counter:
     return Counter(("PutObject", f"save-*/tensors/{k}/{w}") for k in names for w in what)
 
 
+GROUPS = Counter({("PutObject", "save-*/zarr.json"): 1,          # the Zarr groups
+                  ("PutObject", "save-*/tensors/zarr.json"): 1})
+
+
 def test_requests_and_round_trips_of_save_load_and_overwrite(s3_env):
     url = s3_env.url(s3_env.fresh_prefix("requests") + "/ck")
     be = ZarrBackend(shard_above_bytes=1 << 16, inner_chunk_bytes=1 << 13)
@@ -45,11 +50,12 @@ def test_requests_and_round_trips_of_save_load_and_overwrite(s3_env):
     assert all(torch.equal(out[k], v) for k, v in state.items())
 
     lease = "save-*/lease.msgpack"
-    assert len(saved) == 2 * n + 5, saved
+    assert len(saved) == 2 * n + 7, saved
     assert Requests.waves(saved) == [
         Counter({("HeadObject", marker): 1, ("ListObjectsV2", ""): 1}),   # the target's check
         Counter({("PutObject", lease): 1}),              # the save's claim [SP-COMMIT-16]
         arrays(state, "zarr.json", "c/0"),              # one chunk object per tensor here
+        GROUPS,                                         # the Zarr groups [SP-LAYOUT-5]
         Counter({("PutObject", marker): 1}),            # the commit: If-None-Match, no HEAD
         Counter({("GetObject", lease): 1})], saved      # still ours: nothing to take back
 
@@ -68,11 +74,12 @@ def test_requests_and_round_trips_of_save_load_and_overwrite(s3_env):
     assert [r for m, k, r, *_ in loaded if k == "save-*/tensors/s0/c/0"] == \
         [f"bytes=0-{100 * 4 + 4}"]            # a plain chunk: one byte over its size
 
-    assert len(replaced) == 2 * n + 9, replaced
+    assert len(replaced) == 2 * n + 11, replaced
     assert Requests.waves(replaced) == [
         Counter({("HeadObject", marker): 1, ("ListObjectsV2", ""): 1}),
         Counter({("PutObject", lease): 1}),
         arrays(state, "zarr.json", "c/0"),
+        GROUPS,
         Counter({("GetObject", marker): 1}),            # the old marker and its ETag, one GET
         Counter({("PutObject", marker): 1,              # If-Match, while the replaced
                  ("ListObjectsV2", ""): 1}),            # save's objects are listed

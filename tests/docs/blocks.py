@@ -19,7 +19,8 @@ COMMENT = re.compile(r"^[ \t]*<!-- test: (.*) -->[ \t]*$")
 # import name -> the extra that brings it (for skip reasons)
 EXTRA = {"jax": "jax", "flax": "flax", "optax": "flax", "orbax.checkpoint": "orbax",
          "tensorstore": "tensorstore", "safetensors": "convert", "boto3": "s3",
-         "moto": "test", "megatron.core": "megatron", "google.cloud.storage": "gcs"}
+         "moto": "test", "megatron.core": "megatron", "google.cloud.storage": "gcs",
+         "zarr": "zarr"}
 
 
 @dataclass

@@ -239,7 +239,8 @@ def test_resume_latest_with_a_target_and_metrics_round_trip(tmp_path):
     with pytest.raises(spj.CheckpointNotFoundError, match=r"committed steps: \[10, 20\]"):
         again.load(15)
     # metrics live in the manifest, no side file
-    assert _steps_on_disk(tmp_path / "step_00000020") == ["manifest.msgpack", "tensors"]
+    assert _steps_on_disk(tmp_path / "step_00000020") == ["manifest.msgpack", "tensors",
+                                                          "zarr.json"]   # its Zarr group
 
 
 def test_force_overwrites_and_refusal_keeps_the_step(tmp_path):

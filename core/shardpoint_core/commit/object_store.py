@@ -356,8 +356,8 @@ class ObjectStoreCommitter:
 
     def _named_objects(self, target: str, envelope: bytes, keep: str = "") -> List[str]:
         """What the protocol wrote for the arrays a manifest names, ``keep`` excepted: below
-        each save prefix its ``tensors/``, its lease and a staged manifest copy (writers
-        before 1.3); below each plain array path (the layout of section 3), all of it.
+        each save prefix its ``tensors/``, its root group, its lease and a staged manifest
+        copy (writers before 1.3); below each plain array path (section 3), all of it.
         Nothing else below a save prefix is ours to delete."""
         try:
             dirs = _array_dirs(envelope)
@@ -374,8 +374,9 @@ class ObjectStoreCommitter:
             elif not top.startswith(SAVE_PREFIX):
                 prefixes.add(_join(target, d) + "/")
         out = [i.key for p in sorted(prefixes) for i in self.store.list(p)]
-        for save in sorted(saves):
-            out += [_join(save, MANIFEST_NAME), _join(save, LEASE_NAME)]
+        for save in sorted(saves):     # its root group [SP-LAYOUT-5], a 1.2 staged copy
+            out += [_join(save, "zarr.json"), _join(save, MANIFEST_NAME),
+                    _join(save, LEASE_NAME)]
         return out
 
     def abort(self, staging: str) -> None:

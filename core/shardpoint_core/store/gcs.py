@@ -42,6 +42,8 @@ from shardpoint_core.store.base import Buffer, ObjectInfo, StoreCapabilities
 from shardpoint_core.store.keys import check_key, check_prefix
 
 CONDITIONAL_ENV = "SHARDPOINT_GCS_CONDITIONAL_WRITES"
+ENV_SETTINGS = (CONDITIONAL_ENV, "SHARDPOINT_GCS_READ_TIMEOUT_S",
+                "SHARDPOINT_GCS_CONNECT_TIMEOUT_S", "SHARDPOINT_GCS_DEADLINE_S")
 
 
 @dataclass(frozen=True)
@@ -52,14 +54,40 @@ class GcsOptions:
     endpoint_url: Optional[str] = None       # an emulator or a private endpoint
     project: Optional[str] = None
     credentials_file: Optional[str] = None   # a service-account JSON key file
-    timeout_s: float = 60.0                  # per request (connect and read)
-    retry_timeout_s: float = 60.0            # retries of throttling/5xx/resets, then an error
+    timeout_s: float = 10.0                  # per request: a socket idle this long fails it
+    retry_timeout_s: float = 20.0            # no retry starts later than this after the first
+    connect_timeout_s: float = 5.0
     max_connections: int = 64                # requests in flight per process
     conditional_writes: Optional[bool] = None  # None: $SHARDPOINT_GCS_CONDITIONAL_WRITES, else on
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1 or self.timeout_s <= 0 or self.retry_timeout_s <= 0:
-            raise InvalidOptionError("GcsOptions: max_connections >= 1 and positive timeouts")
+        if self.max_connections < 1 or not all(
+                0 < t < float("inf") for t in (self.timeout_s, self.retry_timeout_s,
+                                               self.connect_timeout_s)):
+            raise InvalidOptionError("GcsOptions: max_connections >= 1 and positive, finite "
+                                     "timeouts")
+
+    @classmethod
+    def from_env(cls, **fields) -> "GcsOptions":
+        """The options with the process's ``SHARDPOINT_GCS_*`` timeouts over the defaults;
+        ``fields`` over both."""
+        got = {}
+        for field, name in (("timeout_s", "SHARDPOINT_GCS_READ_TIMEOUT_S"),
+                            ("connect_timeout_s", "SHARDPOINT_GCS_CONNECT_TIMEOUT_S"),
+                            ("retry_timeout_s", "SHARDPOINT_GCS_DEADLINE_S")):
+            v = os.environ.get(name, "").strip()
+            if v:
+                try:
+                    got[field] = float(v)
+                except ValueError:
+                    raise InvalidOptionError(f"{name}={v!r} is not a number") from None
+        got.update(fields)
+        return cls(**got)
+
+    @property
+    def timeouts(self) -> tuple:
+        """(connect, read) seconds, as each request is given them."""
+        return (self.connect_timeout_s, self.timeout_s)
 
     def conditional(self) -> bool:
         """Whether the server is trusted to honour generation preconditions."""
@@ -91,7 +119,7 @@ class GcsStore:
         self.bucket_name = bucket
         self.prefix = prefix.strip("/")
         self._p = self.prefix + "/" if self.prefix else ""
-        self.options = options or GcsOptions()
+        self.options = options or GcsOptions.from_env()
         self.conditional = self.options.conditional()
         self.url = f"gs://{bucket}/{self.prefix}".rstrip("/")
         self.capabilities = StoreCapabilities(conditional_put=self.conditional,
@@ -175,9 +203,11 @@ class GcsStore:
                                           f"({exc}); check the Google credentials and the "
                                           "bucket's IAM policy")
         if isinstance(exc, (gx.ServerError, gx.TooManyRequests, gx.RetryError)):
-            return StoreUnavailableError(f"{what} of {where}: {endpoint} kept failing for "
-                                         f"{self.options.retry_timeout_s:.0f}s of retries "
-                                         f"({type(exc).__name__}: {exc})")
+            return StoreUnavailableError(f"{what} of {where}: {endpoint} kept failing or not "
+                                         f"answering for the {self.options.retry_timeout_s:g}s "
+                                         "deadline of retries (read timeout "
+                                         f"{self.options.timeout_s:g}s; {type(exc).__name__}: "
+                                         f"{exc})")
         import requests
         if isinstance(exc, (requests.ConnectionError, requests.Timeout)):
             return StoreUnavailableError(f"{what} of {where}: {endpoint} unreachable "
@@ -202,7 +232,7 @@ class GcsStore:
         """The whole object at ``key``."""
         b = self._blob(key)
         return self._do(lambda: b.download_as_bytes(raw_download=True, retry=self._retry,
-                                                    timeout=self.options.timeout_s),
+                                                    timeout=self.options.timeouts),
                         key, "GET")
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -213,7 +243,7 @@ class GcsStore:
         from google.api_core.exceptions import RequestRangeNotSatisfiable
         try:
             return b.download_as_bytes(start=start, end=start + length - 1, raw_download=True,
-                                       retry=self._retry, timeout=self.options.timeout_s)
+                                       retry=self._retry, timeout=self.options.timeouts)
         except RequestRangeNotSatisfiable:
             return b""
         except Exception as e:  # noqa: BLE001 - mapped to a documented error
@@ -235,7 +265,7 @@ class GcsStore:
         """Size, modification time and generation of ``key``, or None."""
         name = self._p + check_key(key)
         b = self._do(lambda: self.bucket.get_blob(name, retry=self._retry,
-                                                  timeout=self.options.timeout_s), key, "HEAD")
+                                                  timeout=self.options.timeouts), key, "HEAD")
         return None if b is None else self._info(b)
 
     def _info(self, b) -> ObjectInfo:
@@ -255,7 +285,7 @@ class GcsStore:
     def _client_list(self, prefix: str, delimiter: Optional[str] = None):
         _ = self.bucket      # the client exists
         return self._client.list_blobs(self.bucket_name, prefix=prefix, delimiter=delimiter,
-                                       retry=self._retry, timeout=self.options.timeout_s)
+                                       retry=self._retry, timeout=self.options.timeouts)
 
     def list_children(self, prefix: str = "") -> List[str]:
         """The names one level below ``prefix`` that hold objects (``a`` for ``prefix/a/x``),
@@ -297,7 +327,7 @@ class GcsStore:
         retry = self._retry if gen is not None or not (if_absent or if_match) else None
         self._do(lambda: b.upload_from_string(body, content_type="application/octet-stream",
                                               if_generation_match=gen, retry=retry,
-                                              timeout=self.options.timeout_s), key, "PUT")
+                                              timeout=self.options.timeouts), key, "PUT")
         return str(b.generation)
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -316,7 +346,7 @@ class GcsStore:
         def one(name: str) -> None:
             from google.api_core.exceptions import NotFound
             try:
-                self.bucket.delete_blob(name, retry=self._retry, timeout=self.options.timeout_s)
+                self.bucket.delete_blob(name, retry=self._retry, timeout=self.options.timeouts)
             except NotFound:
                 pass
             except Exception as e:  # noqa: BLE001 - mapped to a documented error

@@ -171,10 +171,15 @@ for _scheme in TENSORSTORE_SCHEMES:
     register_store(_scheme, _tensorstore_store)
 
 
-# The environment names the endpoint and credentials: a store opened under other settings is
-# not reused (a job, or a test, that points AWS_ENDPOINT_URL elsewhere gets a new one).
+# The environment names the endpoint, credentials, timeouts and deadlines (s3.ENV_SETTINGS,
+# gcs.ENV_SETTINGS): a store opened under other settings is not reused (a job, or a test,
+# that points AWS_ENDPOINT_URL elsewhere or shortens a timeout gets a new one).
 _STORE_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_REGION",
-              "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS")
+              "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS",
+              "SHARDPOINT_S3_CONNECT_TIMEOUT_S", "SHARDPOINT_S3_READ_TIMEOUT_S",
+              "SHARDPOINT_S3_DEADLINE_S", "SHARDPOINT_S3_MAX_ATTEMPTS",
+              "SHARDPOINT_GCS_CONDITIONAL_WRITES", "SHARDPOINT_GCS_READ_TIMEOUT_S",
+              "SHARDPOINT_GCS_CONNECT_TIMEOUT_S", "SHARDPOINT_GCS_DEADLINE_S")
 _BUCKETS: dict = {}
 
 

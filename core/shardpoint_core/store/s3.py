@@ -9,9 +9,13 @@ Why these choices:
 - boto3 is imported on first use, so the core imports no S3 client unless a job uses S3.
 - Every request has bounded connect and read timeouts and botocore's ``standard`` retry mode:
   throttling (503 SlowDown), 5xx and dropped connections are retried with jittered exponential
-  backoff, a bounded number of times; what still fails becomes a documented error
-  (:class:`~shardpoint_core.errors.StoreUnavailableError`, ``StoreAccessDeniedError``,
-  ``StoreNotFoundError``) naming the endpoint and bucket, never a hang.
+  backoff, a bounded number of times and never after the operation's deadline (``deadline_s``
+  from its first attempt: an endpoint that accepts connections and never answers costs one
+  or two read timeouts, not ``max_attempts`` of them); what still fails becomes a documented
+  error (:class:`~shardpoint_core.errors.StoreUnavailableError`, ``StoreAccessDeniedError``,
+  ``StoreNotFoundError``) naming the endpoint and bucket, never a hang. The defaults can be
+  changed per process with ``SHARDPOINT_S3_CONNECT_TIMEOUT_S``, ``SHARDPOINT_S3_READ_TIMEOUT_S``,
+  ``SHARDPOINT_S3_DEADLINE_S`` and ``SHARDPOINT_S3_MAX_ATTEMPTS`` (what ``s3://`` paths use).
 - One object per chunk (the Zarr layer's shards): a put is a single PUT below
   ``multipart_threshold`` and a multipart upload of parallel parts above it; vectored puts are
   streamed from the caller's buffers without joining them. Loads use ranged GETs.
@@ -28,7 +32,9 @@ from __future__ import annotations
 
 import bisect
 import io
+import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -57,8 +63,9 @@ class S3Options:
     secret_access_key: Optional[str] = None
     session_token: Optional[str] = None
     connect_timeout_s: float = 5.0
-    read_timeout_s: float = 60.0
+    read_timeout_s: float = 10.0           # a socket idle this long fails the attempt
     max_attempts: int = 6                  # per request, first try included
+    deadline_s: float = 20.0               # no retry starts later than this after the first
     max_connections: int = 64              # requests in flight per process
     multipart_threshold: int = 64 << 20    # objects above this go up in parallel parts
     part_size: int = 16 << 20
@@ -67,9 +74,37 @@ class S3Options:
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.max_connections < 1:
             raise InvalidOptionError("S3Options: max_attempts and max_connections must be >= 1")
+        if not all(0 < t < float("inf") for t in (self.connect_timeout_s, self.read_timeout_s,
+                                                   self.deadline_s)):
+            raise InvalidOptionError("S3Options: connect_timeout_s, read_timeout_s and "
+                                     "deadline_s must be positive and finite")
         if self.part_size < 5 << 20 or self.multipart_threshold < self.part_size:
             raise InvalidOptionError("S3Options: part_size must be >= 5 MiB (S3's minimum part) "
                                      "and multipart_threshold >= part_size")
+
+
+    @classmethod
+    def from_env(cls, **fields) -> "S3Options":
+        """The options with the process's ``SHARDPOINT_S3_*`` settings (timeouts, deadline,
+        attempts) over the defaults; ``fields`` over both."""
+        env = {"connect_timeout_s": ("SHARDPOINT_S3_CONNECT_TIMEOUT_S", float),
+               "read_timeout_s": ("SHARDPOINT_S3_READ_TIMEOUT_S", float),
+               "deadline_s": ("SHARDPOINT_S3_DEADLINE_S", float),
+               "max_attempts": ("SHARDPOINT_S3_MAX_ATTEMPTS", int)}
+        got = {}
+        for field, (name, kind) in env.items():
+            v = os.environ.get(name, "").strip()
+            if v:
+                try:
+                    got[field] = kind(v)
+                except ValueError:
+                    raise InvalidOptionError(f"{name}={v!r} is not a number") from None
+        got.update(fields)
+        return cls(**got)
+
+
+ENV_SETTINGS = ("SHARDPOINT_S3_CONNECT_TIMEOUT_S", "SHARDPOINT_S3_READ_TIMEOUT_S",
+                "SHARDPOINT_S3_DEADLINE_S", "SHARDPOINT_S3_MAX_ATTEMPTS")
 
 
 def parse_s3_url(url: str) -> tuple:
@@ -90,6 +125,16 @@ def _check_key(key: str) -> str:
         raise InvalidKeyError(f"store key {key!r}: empty, '.' or '..' component, leading or "
                               "trailing '/', NUL or backslash")
     return key
+
+
+_CLOCK = "shardpoint_started"
+_EXPIRED = "shardpoint_deadline"
+
+
+def _start_clock(context=None, **_kw) -> None:
+    """Note when an operation started (its first attempt), for the deadline."""
+    if context is not None:
+        context.setdefault(_CLOCK, time.monotonic())
 
 
 class _BuffersReader(io.RawIOBase):
@@ -142,7 +187,7 @@ class S3Store:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self._p = self.prefix + "/" if self.prefix else ""
-        self.options = options or S3Options()
+        self.options = options or S3Options.from_env()
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self.capabilities = StoreCapabilities(
             conditional_put=self.options.conditional_writes, ranged_get=True, durable_put=True,
@@ -182,10 +227,33 @@ class S3Store:
         config = Config(connect_timeout=o.connect_timeout_s, read_timeout=o.read_timeout_s,
                         retries={"mode": "standard", "max_attempts": o.max_attempts},
                         max_pool_connections=o.max_connections, tcp_keepalive=True)
-        return session.client("s3", endpoint_url=o.endpoint_url, region_name=o.region,
-                              aws_access_key_id=o.access_key_id,
-                              aws_secret_access_key=o.secret_access_key,
-                              aws_session_token=o.session_token, config=config)
+        client = session.client("s3", endpoint_url=o.endpoint_url, region_name=o.region,
+                                aws_access_key_id=o.access_key_id,
+                                aws_secret_access_key=o.secret_access_key,
+                                aws_session_token=o.session_token, config=config)
+        client.meta.events.register("before-call.s3", _start_clock)
+        client.meta.events.register_first("needs-retry.s3", self._past_deadline)
+        return client
+
+    def _past_deadline(self, request_dict=None, caught_exception=None, response=None,
+                       operation=None, **_kw) -> None:
+        """Runs before botocore's retry handler after each failed or answered attempt: past
+        the operation's deadline, a failure that would be retried is raised now instead."""
+        ctx = (request_dict or {}).get("context") or {}
+        started = ctx.get(_CLOCK)
+        if started is None or time.monotonic() - started < self.options.deadline_s:
+            return None
+        if caught_exception is not None:
+            ctx[_EXPIRED] = True
+            raise caught_exception
+        if response is not None:
+            http, parsed = response
+            status = getattr(http, "status_code", 200)
+            if status >= 500 or status == 429:
+                from botocore.exceptions import ClientError
+                ctx[_EXPIRED] = True
+                raise ClientError(parsed, getattr(operation, "name", "request"))
+        return None
 
     @property
     def endpoint(self) -> str:
@@ -221,7 +289,7 @@ class S3Store:
             if status is not None and (status >= 500 or status == 429 or code == "SlowDown"):
                 return StoreUnavailableError(
                     f"{what} of {where}: endpoint {self.endpoint} kept answering {status} "
-                    f"{code} after {self.options.max_attempts} attempts with backoff")
+                    f"{code} after {self._tries()} with backoff")
             return OSError(f"{what} of {where} failed: {code} {err.get('Message', '')}")
         if isinstance(exc, bx.NoCredentialsError):
             return StoreAccessDeniedError(
@@ -230,12 +298,18 @@ class S3Store:
         if isinstance(exc, (bx.EndpointConnectionError, bx.ConnectTimeoutError,
                             bx.ReadTimeoutError, bx.ConnectionClosedError)):
             return StoreUnavailableError(
-                f"{what} of {where}: endpoint {self.endpoint} unreachable after "
-                f"{self.options.max_attempts} attempts ({type(exc).__name__}: {exc}); check "
+                f"{what} of {where}: endpoint {self.endpoint} unreachable or not answering "
+                f"after {self._tries()} ({type(exc).__name__}: {exc}); check "
                 "AWS_ENDPOINT_URL / S3Options(endpoint_url=...) and the network")
         if isinstance(exc, bx.BotoCoreError):
             return OSError(f"{what} of {where} failed: {exc}")
         return exc
+
+    def _tries(self) -> str:
+        o = self.options
+        return (f"at most {o.max_attempts} attempts within the {o.deadline_s:g}s deadline "
+                f"(connect timeout {o.connect_timeout_s:g}s, read timeout "
+                f"{o.read_timeout_s:g}s)")
 
     def _call(self, fn, key: str, what: str, **kw):
         from botocore.exceptions import BotoCoreError, ClientError

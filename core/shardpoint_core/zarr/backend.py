@@ -56,6 +56,7 @@ from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
 from shardpoint_core.zarr.direct_read import DirectReader, parse_layout, whole_chunk_files
 from shardpoint_core.zarr.direct_write import (DirectWriter, WritePool, stored_codecs,
                                                write_layout, zarr_json_bytes)
+from shardpoint_core.zarr.groups import array_paths_of, start_groups, write_groups
 from shardpoint_core.zarr.identity import CrcSink, chunk_number, units_per_chunk
 from shardpoint_core.zarr.layout import codecs_for, fill_value
 from shardpoint_core.zarr.object_read import ObjectArray
@@ -314,12 +315,26 @@ class ZarrBackend:
             raise SaveFailedError(f"cannot make the chunks under {root} durable: {e}") from e
 
     def write_manifest(self, root: str, data: bytes) -> None:
-        if is_local(root):
+        """The Zarr group metadata of the save ([SP-LAYOUT-5]), then the manifest: on files
+        the groups are durable first; on an object store their PUTs land before
+        :meth:`commit` writes the marker."""
+        store, key = self.locate(root)
+        arrays = array_paths_of(data)          # None: not a manifest, no groups to write
+        local_files = is_local(root)
+        # An OSError names its file and goes to the caller as the manifest's own would (the
+        # save reports it as a failed commit, with the fix for a full disk).
+        if arrays is not None and local_files:
+            write_groups(store, key, arrays, self._write_pool.submit)
+        groups = start_groups(store, key, arrays, self._remote.submit) \
+            if arrays is not None and not local_files else []
+        if local_files:
             self.committer.posix.write_manifest(root, data)
             return
         # Object stores: no staged copy below the save prefix (spec 1.3, [SP-COMMIT-11]): a
         # prefix holding a manifest looks like a checkpoint to anyone who opens it. The
-        # commit publishes these bytes.
+        # commit publishes these bytes, once the groups landed.
+        for f in groups:
+            f.result()
         with self._lock:
             self._staged[root] = data
 

@@ -236,14 +236,23 @@ def open_local_array(root: str, array_path: str, shape: tuple, dtype: str, chunk
                      itemsize: int, key: str) -> dict:
     """Every check of a local array before its first read, in the order of [SP-ERR-2]: file
     kinds and the zarr.json cap, zarr.json against the spec and the manifest entry, chunk
-    file sizes, bytes present against the declared size ([SP-READ-6]). Returns the checked
-    zarr.json (shared: not to be changed)."""
+    file sizes, bytes present against the declared size ([SP-READ-6]), then the checksums of
+    what sparse chunk files do not hold ([SP-SEC-6]). Returns the checked zarr.json (shared:
+    not to be changed)."""
+    return open_local_array_counted(root, array_path, shape, dtype, chunk, itemsize, key)[0]
+
+
+def open_local_array_counted(root: str, array_path: str, shape: tuple, dtype: str,
+                             chunk: tuple, itemsize: int, key: str) -> tuple:
+    """:func:`open_local_array`, returning ``(zarr.json, (chunk files, their bytes))``."""
+    from shardpoint_core.zarr.sparse import check_sparse_chunks
     raw, entries = scan_array(root, array_path, key)
     meta = checked_zarr_json(raw, shape, dtype, chunk, key, f"{array_path}/zarr.json")
     check_chunk_places(entries, len(shape), key)
     found = check_chunk_sizes(entries, chunk_file_sizes(meta, itemsize), key)
     check_backed_bytes(key, array_path, shape, chunk, itemsize, found)
-    return meta
+    check_sparse_chunks(entries, meta, itemsize, key)
+    return meta, found
 
 
 def check_backed_bytes(key: str, array_path: str, shape: tuple, chunk: tuple, itemsize: int,

@@ -46,6 +46,15 @@ def not_a_checkpoint_hint(path: str) -> str:
     if os.path.basename(os.path.normpath(path)) == MANIFEST_NAME:
         return f" (the checkpoint is its directory, {os.path.dirname(path) or '.'!r})"
     if os.path.isfile(os.path.join(path, "zarr.json")):
+        try:
+            with open(os.path.join(path, "zarr.json"), "rb") as f:
+                group = b'"group"' in f.read(4096)
+        except OSError:
+            group = False
+        if group:       # [SP-LAYOUT-5]; a save's root without its manifest is no hint
+            return "" if os.path.isdir(os.path.join(path, "tensors")) else (
+                " (it is a Zarr group inside a checkpoint; the checkpoint is the directory "
+                f"holding {MANIFEST_NAME})")
         return " (it is one tensor's Zarr array; the checkpoint is the directory holding tensors/)"
     return path_hint(path)
 
@@ -108,7 +117,17 @@ def read_manifest(path: str, state: str) -> bytes:
     if size > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"manifest of {path!r} is {size} bytes, over the "
                                      f"{MAX_MANIFEST_BYTES}-byte cap", spec_id="SP-SEC-2")
+    return read_manifest_file(mpath, size)
+
+
+def read_manifest_file(mpath: str, size: int) -> bytes:
+    """The bytes of the manifest file ``mpath`` of ``size`` bytes (already checked against
+    the cap): its envelope's headers first, so a file that is not exactly its envelope
+    (a small manifest and gigabytes of garbage, sparse or not) is refused ([SP-MAN-1])
+    after a read of a few bytes, not of the file."""
+    from shardpoint_core.manifest import check_envelope_size
     with open(mpath, "rb") as f:
+        check_envelope_size(lambda at, n: os.pread(f.fileno(), n, at), size, repr(mpath))
         return f.read(MAX_MANIFEST_BYTES + 1)
 
 

@@ -9,9 +9,10 @@ this module is the stable import path for users and the manager.
 from __future__ import annotations
 
 from shardpoint.planning.load_planner import LoadOptions
-from shardpoint.api.loading import LoadJob, LoadReport, LoadResult, load, read_metadata
+from shardpoint.api.checkpointer import load, save
+from shardpoint.api.loading import LoadJob, LoadReport, LoadResult, read_metadata
 from shardpoint.api.async_save import AsyncSave
-from shardpoint.api.saving import SaveJob, SaveOptions, SaveResult, save
+from shardpoint.api.saving import SaveJob, SaveOptions, SaveResult
 from shardpoint.api.checkpointer import Checkpointer, default_checkpointer
 
 __all__ = ["save", "load", "read_metadata", "SaveOptions", "SaveResult", "AsyncSave",

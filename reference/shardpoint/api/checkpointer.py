@@ -14,6 +14,7 @@ async queues do not interfere.
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Optional
 
 from shardpoint.api.async_save import AsyncSave, GroupSaves
@@ -141,3 +142,61 @@ def default_checkpointer() -> Checkpointer:
     if _DEFAULT is None:
         _DEFAULT = Checkpointer()
     return _DEFAULT
+
+
+# ------------------------------------------------------------------ the public functions
+def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
+         backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
+         async_save: bool = False) -> "SaveResult | AsyncSave":
+    """Save ``state`` (a nested dict/list/tuple) as a checkpoint at ``path``. Collective.
+
+    Leaves: torch tensors and numpy arrays (replicas across ranks), :class:`ShardedTensor`,
+    DTensor, :class:`ShardedObject` and plain values (None, bool, int, float, str, bytes).
+    The checkpoint becomes visible only once every rank has written its part; on any failure
+    every rank raises and nothing is committed (a previous checkpoint at ``path`` survives).
+
+    ``async_save=True`` returns an :class:`AsyncSave` as soon as the state is copied into a
+    reusable host pool (the caller may then change its tensors); writes and the commit run
+    in the background on a gloo group of their own. Any save on the same group first waits
+    for the previous async one and re-raises its error on every rank if ``wait`` did not hand
+    it over on some rank.
+
+    ``overwrite=True`` replaces a committed checkpoint (or an empty directory) at ``path``;
+    ``overwrite="any"`` also a directory that is not a checkpoint, deleting what it holds.
+    Never replaced: a file, a directory of checkpoints (a CheckpointManager's root).
+
+    A thin wrapper over the default :class:`~shardpoint.Checkpointer` (which keeps the plan
+    cache, the pending async save and its host pool per process group).
+    """
+    return default_checkpointer().save(state, path, group=group, overwrite=overwrite,
+                                       options=options, async_save=async_save,
+                                       backend=backend)
+
+
+def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
+         backend: Optional[StorageBackend] = None, report: Optional[LoadResult] = None,
+         exchange_budget_bytes: Optional[int] = None,
+         options: Optional[LoadOptions] = None) -> Any:
+    """Load a checkpoint and return its tree. Collective over ``group``.
+
+    Without ``like``: the whole tree, tensors in full on CPU (numpy arrays come back as numpy;
+    a sharded object comes back as the list of its values, nested lists along its grid when
+    the grid has 2+ dimensions). With ``like``: the tensors of
+    ``like`` (plain, :class:`ShardedTensor`, DTensor, numpy) are filled in place from whatever
+    layout the checkpoint was saved in, and the returned tree has the loaded values in
+    place of plain values; a ``ShardedTensor`` leaf becomes its filled ``data`` and a
+    ``ShardedObject`` leaf becomes its stored value. Keys of the checkpoint that ``like`` does
+    not ask for are not read. ``options`` (:class:`LoadOptions`) picks how regions are read:
+    once and exchanged, or by every rank directly, by a cost model by default.
+
+    ``report``: a :class:`LoadResult` to fill with what the load did (missing and unexpected
+    keys, bytes, strategy, timings). :meth:`shardpoint.Checkpointer.load` returns that
+    result instead of the tree. This is a thin wrapper over the default checkpointer.
+    """
+    res = default_checkpointer().load(path, like, group=group, strict=strict, options=options,
+                                      exchange_budget_bytes=exchange_budget_bytes,
+                                      backend=backend)
+    if report is not None:
+        for f in fields(LoadResult):
+            setattr(report, f.name, getattr(res, f.name))
+    return res.tree

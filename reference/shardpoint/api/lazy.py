@@ -27,7 +27,7 @@ from shardpoint_core.errors import LoadFailedError
 from shardpoint_core.keys import decode_key, encode_key, similar_keys
 from shardpoint_core.manifest import Manifest, TensorEntry, decode_manifest
 from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, iter_leaves
-from shardpoint_core.storage import StorageBackend, get_backend
+from shardpoint_core.storage import StorageBackend
 from shardpoint_core.zarr.object_backend import manifest_with_identity, resolve
 from shardpoint.tree.views import to_numpy
 

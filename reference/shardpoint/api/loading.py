@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import msgpack
@@ -32,6 +32,7 @@ from shardpoint.planning.planner import RankLoadWork, TensorLayout
 from shardpoint_core.storage import StorageBackend
 from shardpoint_core.store.registry import is_local
 from shardpoint_core.zarr.object_backend import manifest_with_identity, resolve
+from shardpoint_core.zarr.precheck import check_arrays_exist, check_large_grids
 from shardpoint.tree.targets import collect_targets, full_targets
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
 
@@ -138,11 +139,22 @@ class LoadJob:
 
     def _local(self) -> bytes:
         self.m = m = decode_manifest(self.mbytes)
+        local = is_local(self.path)     # files checked before targets and plans (issue 28)
         if self.like is None:
+            reads = [(k, e, True) for k, e in m.tensors.items()]
+            if local:
+                check_arrays_exist(self.path, reads)
             self.targets, self.built = full_targets(m)
         else:
             self.targets, self.built = collect_targets(self.like, m, self.strict, self.out,
                                                        self.comm.rank)
+            reads = [(t.holding.key, m.tensors[t.holding.key], t.holding.flat is None
+                      and tuple(t.holding.shape) == tuple(t.holding.global_shape))
+                     for t in self.targets]
+            if local:
+                check_arrays_exist(self.path, reads)
+        if local:
+            check_large_grids(self.path, reads)
         host = host_identity(self.opts.host_id)
         meta, blobs = HoldingColumns.from_holdings([t.holding for t in self.targets]).to_parts()
         return [msgpack.packb([host, meta]), *blobs]
@@ -328,34 +340,3 @@ def run_load(path: str, like: Any, comm: Comm, be: Optional[StorageBackend], str
     job.plan()
     job.read(job.budget)
     return job.result()
-
-
-# -------------------------------------------------------------------------------- load
-def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
-         backend: Optional[StorageBackend] = None, report: Optional[LoadResult] = None,
-         exchange_budget_bytes: Optional[int] = None,
-         options: Optional[LoadOptions] = None) -> Any:
-    """Load a checkpoint and return its tree. Collective over ``group``.
-
-    Without ``like``: the whole tree, tensors in full on CPU (numpy arrays come back as numpy;
-    a sharded object comes back as the list of its values, nested lists along its grid when
-    the grid has 2+ dimensions). With ``like``: the tensors of
-    ``like`` (plain, :class:`ShardedTensor`, DTensor, numpy) are filled in place from whatever
-    layout the checkpoint was saved in, and the returned tree has the loaded values in
-    place of plain values; a ``ShardedTensor`` leaf becomes its filled ``data`` and a
-    ``ShardedObject`` leaf becomes its stored value. Keys of the checkpoint that ``like`` does
-    not ask for are not read. ``options`` (:class:`LoadOptions`) picks how regions are read:
-    once and exchanged, or by every rank directly, by a cost model by default.
-
-    ``report``: a :class:`LoadResult` to fill with what the load did (missing and unexpected
-    keys, bytes, strategy, timings). :meth:`shardpoint.Checkpointer.load` returns that
-    result instead of the tree. This is a thin wrapper over the default checkpointer.
-    """
-    from shardpoint.api.checkpointer import default_checkpointer
-    res = default_checkpointer().load(path, like, group=group, strict=strict, options=options,
-                                      exchange_budget_bytes=exchange_budget_bytes,
-                                      backend=backend)
-    if report is not None:
-        for f in fields(LoadResult):
-            setattr(report, f.name, getattr(res, f.name))
-    return res.tree

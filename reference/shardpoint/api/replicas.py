@@ -9,7 +9,6 @@ measures it against the save).
 """
 from __future__ import annotations
 
-from typing import Any
 
 import crc32c
 import msgpack

@@ -60,7 +60,8 @@ class SaveOptions:
 class SaveResult:
     """What a save did, for logs and benchmarks (same on every rank except ``rank_*``).
     ``chunks`` counts chunk files (a shard is one file); the checkpoint holds ``files`` files
-    in all (chunk files, a ``zarr.json`` per tensor, the manifest); ``rank_chunk_files`` of
+    in all (chunk files, a ``zarr.json`` per tensor and per Zarr group, [SP-LAYOUT-5], the
+    manifest); ``rank_chunk_files`` of
     the chunk files are this rank's (each ``zarr.json`` comes from whichever rank creates
     the array first)."""
 
@@ -457,7 +458,7 @@ class SaveJob:
                      self.times.get("write", 0.0), self.times["commit"], self.times["total"])
         return SaveResult(self.path, comm.size, st["tensors"], st["unique_bytes"],
                           st["exchange_bytes"], st["chunks"], self.written, self.times,
-                          files=st["chunks"] + st["tensors"] + 1,
+                          files=st["chunks"] + st["tensors"] + 1 + st.get("groups", 0),
                           rank_chunk_files=len(self.work.writes))
 
     def abandon(self) -> None:
@@ -543,32 +544,3 @@ def run_save(state: Any, path: str, comm: Comm, be: Optional[StorageBackend],
         return res
 
     return saves.start(background, job.staging_bytes, job.path)
-
-
-def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
-         backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
-         async_save: bool = False) -> "SaveResult | AsyncSave":
-    """Save ``state`` (a nested dict/list/tuple) as a checkpoint at ``path``. Collective.
-
-    Leaves: torch tensors and numpy arrays (replicas across ranks), :class:`ShardedTensor`,
-    DTensor, :class:`ShardedObject` and plain values (None, bool, int, float, str, bytes).
-    The checkpoint becomes visible only once every rank has written its part; on any failure
-    every rank raises and nothing is committed (a previous checkpoint at ``path`` survives).
-
-    ``async_save=True`` returns an :class:`AsyncSave` as soon as the state is copied into a
-    reusable host pool (the caller may then change its tensors); writes and the commit run
-    in the background on a gloo group of their own. Any save on the same group first waits
-    for the previous async one and re-raises its error on every rank if ``wait`` did not hand
-    it over on some rank.
-
-    ``overwrite=True`` replaces a committed checkpoint (or an empty directory) at ``path``;
-    ``overwrite="any"`` also a directory that is not a checkpoint, deleting what it holds.
-    Never replaced: a file, a directory of checkpoints (a CheckpointManager's root).
-
-    A thin wrapper over the default :class:`~shardpoint.Checkpointer` (which keeps the plan
-    cache, the pending async save and its host pool per process group).
-    """
-    from shardpoint.api.checkpointer import default_checkpointer
-    return default_checkpointer().save(state, path, group=group, overwrite=overwrite,
-                                       options=options, async_save=async_save,
-                                       backend=backend)

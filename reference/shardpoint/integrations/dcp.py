@@ -55,8 +55,8 @@ from shardpoint_core import errors
 from shardpoint_core.manifest import Manifest, read_metadata
 from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf
 from shardpoint_core.store.registry import check_path
-from shardpoint.api.loading import load
-from shardpoint.api.saving import SaveOptions, SaveResult, save
+from shardpoint.api.checkpointer import load, save
+from shardpoint.api.saving import SaveOptions, SaveResult
 from shardpoint.exchange.comm import Comm
 from shardpoint.tree.dtypes import from_name
 from shardpoint.tree.model import ShardedPieces, ShardedTensor

@@ -40,9 +40,10 @@ from typing import Any, Optional
 import torch
 
 from shardpoint_core import errors
-from shardpoint.api.loading import LoadReport, load
+from shardpoint.api.checkpointer import load, save
+from shardpoint.api.loading import LoadReport
 from shardpoint.tree.model import ShardedObject, ShardedPieces, ShardedTensor
-from shardpoint.api.saving import SaveResult, save
+from shardpoint.api.saving import SaveResult
 
 log = logging.getLogger("shardpoint")
 

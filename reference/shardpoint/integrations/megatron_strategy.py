@@ -58,8 +58,8 @@ from megatron.core.dist_checkpointing.strategies.common import (TorchCommonLoadS
 
 from shardpoint_core.manifest import read_metadata
 from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, iter_leaves
-from shardpoint.api.loading import load
-from shardpoint.api.saving import SaveOptions, save
+from shardpoint.api.checkpointer import load, save
+from shardpoint.api.saving import SaveOptions
 from shardpoint.integrations.megatron import SHARDED, megatron_tree
 from shardpoint.tree.dtypes import from_name
 

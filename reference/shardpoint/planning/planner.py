@@ -22,13 +22,15 @@ from shardpoint.planning.chunk_table import build_parts, elect, expand
 from shardpoint.planning.columns import Gathered, Regions, as_columns, gc_paused
 from shardpoint_core.coverage import check_exact_cover, regions_tile
 from shardpoint_core.errors import InvalidShardingError
+from shardpoint_core.manifest import array_path_for
 from shardpoint_core.treemerge import merge_many, merge_trees
+from shardpoint_core.zarr.groups import group_paths
 from shardpoint.planning.grid import chunk_part_arrays_many, plan_chunk_grid, region_pieces_many
 from shardpoint.planning.load_planner import check_request, plan_load
-from shardpoint.planning.save_global import SaveColumns
+from shardpoint.planning.save_global import SaveColumns, SavePlan
 from shardpoint.tree.model import ObjectValues, grid_flat_index
 from shardpoint.planning.plans import (ChunkWrite, LocalPlan, PlanOptions, RankLoadWork,
-                                       RankSaveWork, ReadOp, SavePlan, TensorLayout, Transfer,
+                                       RankSaveWork, ReadOp, TensorLayout, Transfer,
                                        tree_wire_parts, unpack_branch)
 
 __all__ = ["ChunkWrite", "LocalPlan", "PlanOptions", "RankLoadWork", "RankSaveWork", "ReadOp",
@@ -168,7 +170,8 @@ def _plan_save(local_plans: Sequence[LocalPlan], opts: PlanOptions) -> SavePlan:
     objects = plan_objects(local_plans)
     stats = {"world_size": world, "tensors": len(tensors), "unique_bytes": unique_bytes,
              "exchange_bytes": moved_bytes, "bytes_per_rank_max": max(assigned, default=0),
-             "chunks": len(t.c_key)}
+             "chunks": len(t.c_key),
+             "groups": len(group_paths(array_path_for(k) for k in tensors))}   # [SP-LAYOUT-5]
     return SavePlan(tree, tensors, objects, None, stats, cols)
 
 

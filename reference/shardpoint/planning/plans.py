@@ -207,32 +207,6 @@ def _t_unwire(w: list) -> Transfer:
     return Transfer(s, d, k, tuple(bo), tuple(bs), tuple(sr), tuple(dr))
 
 
-class SavePlan:
-    """The global save plan: the merged tree, each tensor's layout, the objects' values,
-    the stats, and every rank's work as columns (:class:`~.save_global.SaveColumns`, which
-    ``save()`` broadcasts as they are); :attr:`ranks` builds the work as objects on first use."""
-
-    __slots__ = ("tree", "tensors", "objects", "stats", "columns", "_ranks")
-
-    def __init__(self, tree: Any, tensors: dict, objects: dict, ranks: Optional[list] = None,
-                 stats: Optional[dict] = None, columns: Any = None) -> None:
-        self.tree, self.tensors, self.objects = tree, tensors, objects
-        self.stats = stats if stats is not None else {}
-        self.columns = columns
-        self._ranks = ranks
-
-    @property
-    def ranks(self) -> list:
-        """[:class:`RankSaveWork`], one per rank (built from :attr:`columns` once)."""
-        if self._ranks is None:
-            from shardpoint.planning.save_global import ranks_from_columns
-            names = sorted(self.tensors)
-            self._ranks = ranks_from_columns(self.columns, names,
-                                             [len(self.tensors[k].shape) for k in names],
-                                             self.stats["world_size"])
-        return self._ranks
-
-
 @dataclass(slots=True)
 class ReadOp:
     """A region one rank reads from storage: straight into a request's view (``direct`` =

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import msgpack
 import numpy as np
@@ -235,3 +236,28 @@ def ranks_from_columns(cols: SaveColumns, names: list, nds: list, world: int) ->
         creates[r].append(names[k])
     return [RankSaveWork(w, sd, rv, cr) for w, sd, rv, cr in
             zip(per_w, split(trs, cols.t_src), split(trs, dst), creates)]
+
+
+class SavePlan:
+    """The global save plan: the merged tree, each tensor's layout, the objects' values,
+    the stats, and every rank's work as columns (:class:`~.save_global.SaveColumns`, which
+    ``save()`` broadcasts as they are); :attr:`ranks` builds the work as objects on first use."""
+
+    __slots__ = ("tree", "tensors", "objects", "stats", "columns", "_ranks")
+
+    def __init__(self, tree: Any, tensors: dict, objects: dict, ranks: Optional[list] = None,
+                 stats: Optional[dict] = None, columns: Any = None) -> None:
+        self.tree, self.tensors, self.objects = tree, tensors, objects
+        self.stats = stats if stats is not None else {}
+        self.columns = columns
+        self._ranks = ranks
+
+    @property
+    def ranks(self) -> list:
+        """[:class:`RankSaveWork`], one per rank (built from :attr:`columns` once)."""
+        if self._ranks is None:
+            names = sorted(self.tensors)
+            self._ranks = ranks_from_columns(self.columns, names,
+                                             [len(self.tensors[k].shape) for k in names],
+                                             self.stats["world_size"])
+        return self._ranks

@@ -1,0 +1,137 @@
+"""Generic Zarr readers on shardpoint checkpoints (issue 33, item 4): zarr-python and TensorStore
+read every dtype of the spec's table bit for bit, at the location ``zarr_path`` resolves through
+the manifest, and a checkpoint browses as a Zarr group ([SP-LAYOUT-5])."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import shardpoint as sp
+from shardpoint_core.dtypes import DTYPES
+from shardpoint_core.verify import verify_checkpoint
+from shardpoint_core.zarr import ZarrBackend
+from shardpoint_core.zarr.groups import GROUP_JSON
+from shardpoint_core.zarr_compat import register_zarr_dtypes, zarr_group_path, zarr_path
+
+zarr = pytest.importorskip("zarr")
+ts = pytest.importorskip("tensorstore")
+
+
+def _bits(name: str, shape: tuple, seed: int) -> np.ndarray:
+    """Random bytes as an array of dtype ``name`` (NaN payloads, subnormals and all); bools
+    0/1 only."""
+    dt = DTYPES[name].numpy
+    raw = np.random.default_rng(seed).integers(0, 256, (int(np.prod(shape)) * dt.itemsize,),
+                                               dtype=np.uint8)
+    if name == "bool":
+        raw &= 1
+    return raw.view(dt).reshape(shape)
+
+
+def _state() -> dict:
+    """One tensor of each dtype (numpy, so no framework narrows one), and a nested one."""
+    out = {name: _bits(name, (5, 7), i) for i, name in enumerate(sorted(DTYPES))}
+    return {"dt": out, "model": {"layers": [{"w": _bits("bfloat16", (3, 4), 99)}]}}
+
+
+def _leaves(state: dict) -> dict:
+    out = {f"dt/{k}": v for k, v in state["dt"].items()}
+    out["model/layers/0/w"] = state["model"]["layers"][0]["w"]
+    return out
+
+
+def _ts_read(path: str) -> np.ndarray:
+    return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}},
+                   open=True).result().read().result()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+def test_every_dtype_reads_bit_for_bit_through_zarr_python_and_tensorstore(tmp_ckpt, sharded):
+    state = _state()
+    be = ZarrBackend(shard_above_bytes=16, inner_chunk_bytes=8) if sharded else None
+    sp.save(state, tmp_ckpt, backend=be)
+    register_zarr_dtypes()
+    register_zarr_dtypes()          # idempotent
+    leaves = _leaves(state)
+    assert {k.split("/")[1] for k in leaves if k.startswith("dt/")} == set(DTYPES)
+    for key, want in leaves.items():
+        where = zarr_path(tmp_ckpt, key)
+        meta = json.load(open(os.path.join(where, "zarr.json")))
+        assert meta["node_type"] == "array"
+        assert (meta["codecs"][0]["name"] == "sharding_indexed") == sharded
+        got_z = zarr.open_array(where, mode="r")[...]
+        got_t = _ts_read(where)
+        for got in (got_z, got_t):
+            assert got.dtype == want.dtype and got.shape == want.shape, key
+            assert got.tobytes() == want.tobytes(), key
+
+
+def test_zarr_path_names_a_missing_key(tmp_ckpt):
+    sp.save({"w": torch.ones(2)}, tmp_ckpt)
+    assert zarr_path(tmp_ckpt, "w") == os.path.join(tmp_ckpt, "tensors", "w")
+    with pytest.raises(KeyError, match="nope"):
+        zarr_path(tmp_ckpt, "nope")
+
+
+def test_a_checkpoint_browses_as_a_zarr_group(tmp_ckpt):
+    sp.save({"model": {"Enc": [torch.arange(6).reshape(2, 3)], "b": torch.ones(2)},
+             "step": 3}, tmp_ckpt)
+    for d in ("", "tensors", "tensors/model", "tensors/model/Enc~1"):
+        with open(os.path.join(tmp_ckpt, d, "zarr.json"), "rb") as f:
+            assert f.read() == GROUP_JSON, d
+    assert zarr_group_path(tmp_ckpt) == tmp_ckpt
+    g = zarr.open_group(tmp_ckpt, mode="r")
+    assert sorted(g["tensors/model"].group_keys()) == ["Enc~1"]
+    assert sorted(g["tensors/model"].array_keys()) == ["b"]
+    assert g["tensors/model/Enc~1/0"][...].tolist() == [[0, 1, 2], [3, 4, 5]]
+    # the strict validator accepts the group files ([SP-LAYOUT-5]) and still reports strays
+    assert verify_checkpoint(tmp_ckpt, strict=True).ok
+    os.makedirs(os.path.join(tmp_ckpt, "tensors", "stray"))
+    with open(os.path.join(tmp_ckpt, "tensors", "stray", "zarr.json"), "wb") as f:
+        f.write(GROUP_JSON)
+    assert "SP-LAYOUT-3" in verify_checkpoint(tmp_ckpt, strict=True).spec_ids
+
+
+def test_object_store_arrays_and_groups_lie_below_the_save_prefix(s3_env):
+    url = f"s3://{s3_env.bucket}/{s3_env.fresh_prefix()}/ck"
+    state = _state()
+    sp.save(state, url)
+    from shardpoint_core.store.registry import bucket_store
+    store, key = bucket_store(url, "test")
+    for k, want in _leaves(state).items():
+        where = zarr_path(url, k)
+        save_dir = where[len(url) + 1:].split("/")[0]
+        assert save_dir.startswith("save-") and where.endswith(f"/tensors/{k}")
+        got = ts.open({"driver": "zarr3", "kvstore": {
+            "driver": "s3", "bucket": s3_env.bucket, "path": where.split("/", 3)[3] + "/",
+            "endpoint": os.environ["AWS_ENDPOINT_URL"],
+            "aws_region": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}},
+            open=True).result().read().result()
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), k
+    obstore = pytest.importorskip("obstore")       # zarr-python's S3 route without fsspec
+    register_zarr_dtypes()
+    s3 = obstore.store.S3Store(
+        s3_env.bucket, prefix=zarr_group_path(url).split("/", 3)[3],
+        endpoint=os.environ["AWS_ENDPOINT_URL"], region=os.environ["AWS_REGION"],
+        access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+        secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        client_options={"allow_http": True})
+    group = zarr.open_group(zarr.storage.ObjectStore(s3, read_only=True), mode="r")
+    for k, want in _leaves(state).items():
+        got = group[f"tensors/{k}"][...]
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), k
+    for g in ("", "tensors/", "tensors/dt/", "tensors/model/layers/"):
+        assert store.get_range(f"{key}/{save_dir}/{g}zarr.json", 0, 1 << 10) == GROUP_JSON
+    assert zarr_group_path(url) == f"{url}/{save_dir}"
+
+
+def test_a_group_inside_a_checkpoint_is_named_as_such(tmp_ckpt):
+    """``tensors/`` (a group now, [SP-LAYOUT-5]) given for a checkpoint: the error says where
+    the checkpoint is, not that a save never committed there."""
+    sp.save({"model": {"w": torch.ones(2)}}, tmp_ckpt)
+    with pytest.raises(sp.CheckpointNotFoundError, match="Zarr group inside a checkpoint"):
+        sp.load(os.path.join(tmp_ckpt, "tensors", "model"))
+    with pytest.raises(sp.CheckpointNotFoundError, match="one tensor's Zarr array"):
+        sp.load(os.path.join(tmp_ckpt, "tensors", "model", "w"))
