@@ -96,3 +96,32 @@ def test_quick_jax_benchmark_runs_both_tools_and_checks_what_they_loaded(capsys,
             assert row in table, (state, row)
     assert "page cache: NOT dropped (--quick)" in out
     assert os.listdir(tmp_path) == []
+
+
+def test_quick_store_benchmark_runs_every_store(capsys, tmp_path):
+    """benchmarks/bench_stores.py --quick: our stores and TensorStore's drivers on files,
+    the tests' kind of S3 server and memory, every byte read back checked; the table and its
+    results/*.json shape printed and returned (no timing asserted)."""
+    import pytest
+    pytest.importorskip("tensorstore")
+    pytest.importorskip("moto")
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_stores
+        data = bench_stores.main(["--quick", "--dir", str(tmp_path)])
+    finally:
+        sys.path.remove(BENCH)
+    out = capsys.readouterr().out
+    for row in ("files: FileStore", "files: TensorStore file (fsync each write)",
+                "s3: S3Store (boto3)", "s3: TensorStore s3", "memory: MemoryStore",
+                "memory: TensorStore memory", "page cache (files): NOT dropped (--quick)",
+                "s3: checkpoint, s3:// (S3Store)", "s3: checkpoint, tensorstore+s3://",
+                "files: checkpoint, tensorstore+file://"):
+        assert row in out, row
+    assert len(data["rows"]) == 13 and all(len(r["cells"]) == len(data["columns"])
+                                          for r in data["rows"])
+    assert [b["label"] for b in data["plot"]["bars"]] == [
+        "files, put", "files, get", "files, sp.save", "files, sp.load", "s3, put", "s3, get",
+        "s3, sp.save", "s3, sp.load", "memory, put", "memory, get", "memory, sp.save",
+        "memory, sp.load"]
+    assert os.listdir(tmp_path) == []       # everything it wrote is removed

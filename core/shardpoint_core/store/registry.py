@@ -1,6 +1,8 @@
 """Stores chosen from a checkpoint's path: plain paths and ``file://`` are local files,
 ``memory://name/...`` a process-wide memory store, ``s3://`` and ``gs://`` the object stores
-(:mod:`.s3`, :mod:`.gcs`), and any other scheme whatever was
+(:mod:`.s3`, :mod:`.gcs`), ``tensorstore+file://``, ``tensorstore+memory://``,
+``tensorstore+s3://`` and ``tensorstore+gs://`` the same places through TensorStore's kvstore
+drivers (:mod:`.tensorstore`), and any other scheme whatever was
 registered for it (``register_store("s3", factory)``: object stores plug in here).
 
 A path with a scheme nobody registered is refused (:class:`UnsupportedStoreError`, naming the
@@ -24,6 +26,8 @@ from shardpoint_core.errors import UnsupportedStoreError
 from shardpoint_core.store.base import ByteStore
 
 StoreFactory = Callable[[str], ByteStore]
+TENSORSTORE_SCHEMES = ("tensorstore+file", "tensorstore+memory", "tensorstore+s3",
+                       "tensorstore+gs")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _LOCK = threading.Lock()
 _FACTORIES: Dict[str, StoreFactory] = {}
@@ -153,9 +157,18 @@ def _gcs_store(url: str) -> ByteStore:
     return GcsStore.from_url(url)
 
 
+def _tensorstore_store(url: str) -> ByteStore:
+    from shardpoint_core.store.tensorstore import TensorStoreStore   # tensorstore: on first use
+    return TensorStoreStore(url)
+
+
 register_store("memory", _memory_store)
 register_store("s3", _s3_store)
 register_store("gs", _gcs_store)
+# TensorStore's kvstore drivers, chosen by the path: tensorstore+s3://bucket/run (see
+# benchmarks/RESULTS.md, "Byte stores", for why the plain schemes keep their own stores).
+for _scheme in TENSORSTORE_SCHEMES:
+    register_store(_scheme, _tensorstore_store)
 
 
 # The environment names the endpoint, credentials, timeouts and deadlines (s3.ENV_SETTINGS,
