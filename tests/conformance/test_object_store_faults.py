@@ -1,6 +1,7 @@
 """The conformance suite's object-store commit faults (shardpoint_conformance.commit_faults)
 run against the reference committer on the tests' S3 server (through the fault proxy) and
-on the GCS emulator (through the proxy that enforces preconditions and loses replies)."""
+on the GCS emulator (through the proxy that enforces preconditions and loses replies). One
+case of each kind by default; every combination with --runslow."""
 import contextlib
 
 import pytest
@@ -11,7 +12,7 @@ from shardpoint_testing.probes import pause_lease
 
 
 @pytest.fixture
-def s3_rig(s3_env):
+def s3_rig(s3_env, request):
     pytest.importorskip("boto3")
     from shardpoint_core.store.s3 import S3Options, S3Store
     from shardpoint_testing.s3 import FaultProxy
@@ -22,11 +23,12 @@ def s3_rig(s3_env):
         with FaultProxy(s3_env, rule) as proxy:
             yield S3Store.from_url(url, S3Options(endpoint_url=proxy.endpoint,
                                                   max_attempts=3))
-    return Rig(S3Store.from_url(url), faulty, ObjectStoreCommitter, pause_lease)
+    return Rig(S3Store.from_url(url), faulty, ObjectStoreCommitter, pause_lease,
+               quick=not request.config.getoption("--runslow"))
 
 
 @pytest.fixture
-def gcs_rig(gcs_server, monkeypatch):
+def gcs_rig(gcs_server, request):
     from shardpoint_core.store.gcs import GcsOptions, GcsStore
     from shardpoint_testing.gcs import PreconditionProxy
     url = gcs_server.url(gcs_server.fresh_prefix("conf"))
@@ -40,7 +42,8 @@ def gcs_rig(gcs_server, monkeypatch):
                                                     conditional_writes=True))
     yield Rig(GcsStore.from_url(url, GcsOptions(endpoint_url=strict.endpoint,
                                                 conditional_writes=True)),
-              faulty, ObjectStoreCommitter, pause_lease)
+              faulty, ObjectStoreCommitter, pause_lease,
+              quick=not request.config.getoption("--runslow"))
     strict.__exit__(None, None, None)
 
 
