@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 from shardpoint.api.staging import StagingPool
+from shardpoint.exchange import inflight
 
 log = logging.getLogger("shardpoint")
 
@@ -141,6 +142,7 @@ def _finish_pending() -> None:
             if not h._seen:
                 log.error("shardpoint: the async save to %r still running at exit failed; "
                           "nothing was committed there: %s", h.path, e)
+    inflight.settle_at_exit()   # a collective that failed just now: see its module
 
 
 try:   # Python >= 3.9; the same hook list concurrent.futures uses for its pools
