@@ -68,7 +68,9 @@ class Comm:
             cause = e
             # its frames hold the failed work, and through it the tensors: let them go
             e.__traceback__ = None
-        release_after_failure(_tensors_in((args, tuple(kwargs.values()), tuple(_held))))
+        held = _tensors_in((args, tuple(kwargs.values()), tuple(_held)))
+        fn = None   # type: ignore[assignment]   # a bound Work.wait holds its work
+        release_after_failure(held)
         raise lost from cause
 
     def _p2p(self, what: str, ops: list, peers: list) -> None:
@@ -76,8 +78,14 @@ class Comm:
         wait for each; a failure names the rank waited on."""
         works = self._run(what, dist.batch_isend_irecv, ops, _held=ops)
         one_each = len(works) == len(peers)   # a coalesced backend answers with one work
-        for i, w in enumerate(works):
-            self._run(what, w.wait, _held=ops, _peer=peers[i] if one_each else None)
+        w = None
+        try:
+            for i, w in enumerate(works):
+                self._run(what, w.wait, _peer=peers[i] if one_each else None)
+        except errors.RankLostError:
+            works = w = None     # the works not waited for hold the other ops' tensors
+            release_after_failure(_tensors_in(ops))
+            raise
 
     def _u8(self, b: bytes, n: int) -> torch.Tensor:
         t = torch.zeros(n, dtype=torch.uint8)
