@@ -69,7 +69,7 @@ def test_dcp_two_ranks_to_shardpoint_and_back(tmp_path, capsys, torch_default_sa
     src, mid, back = str(tmp_path / "dcp"), str(tmp_path / "sp"), str(tmp_path / "dcp2")
     assert run_world(2, dcp_save_job, src, timeout=120) == [0, 1]
     assert detect_format(src) == "dcp"
-    assert cli(["convert", src, mid, "--json"]) == 0
+    assert cli(["convert", src, mid, "--json", "--trust-pickle"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["src_format"] == "dcp" and rep["dst_format"] == "shardpoint"
     assert [s["key"] for s in rep["skipped"]] == ["args"]
@@ -204,7 +204,7 @@ def test_megatron_torch_dist(tmp_path, torch_default_safe_globals):
                                                     "common_backend": "torch"}))
     torch.save({"iteration": 100, "checkpoint_version": 3.0}, path / "common.pt")
     assert detect_format(str(path)) == "megatron"
-    rep = convert(str(path), str(tmp_path / "sp"))
+    rep = convert(str(path), str(tmp_path / "sp"), trust_pickle=True)
     assert rep.src_format == "megatron" and rep.skipped == []
     with sp.open(str(tmp_path / "sp")) as ck:
         assert same_bits(ck["decoder.layers.self_attention.linear_qkv.weight"].to_torch(), w)
@@ -213,8 +213,8 @@ def test_megatron_torch_dist(tmp_path, torch_default_safe_globals):
     torch.save({"iteration": 100, "args": argparse.Namespace(tp=2)}, buf)
     (path / "common.pt").write_bytes(buf.getvalue())
     with pytest.raises(sp.ConversionError, match="common.pt.*Namespace.*--skip-common"):
-        convert(str(path), str(tmp_path / "sp2"))
-    rep = convert(str(path), str(tmp_path / "sp2"), skip_common=True)
+        convert(str(path), str(tmp_path / "sp2"), trust_pickle=True)
+    rep = convert(str(path), str(tmp_path / "sp2"), skip_common=True, trust_pickle=True)
     assert [k for k, _ in rep.skipped] == ["common.pt"]
 
 
@@ -252,7 +252,7 @@ def growth(fn):
     return (status("VmHWM") - base) // 1024          # MiB
 a = growth(lambda: convert(src + "/big", out + "/big.safetensors"))
 b = growth(lambda: convert(src + "/big", out + "/big_dcp", to="dcp"))
-c = growth(lambda: convert(out + "/big_dcp", out + "/big_sp"))
+c = growth(lambda: convert(out + "/big_dcp", out + "/big_sp", trust_pickle=True))
 print(a, b, c)
 """
 

@@ -49,7 +49,7 @@ def no_leftovers(parent):
 
 def split_keys(src, procs):
     """Keys whose rows the conversion shares among several workers (what the test covers)."""
-    with open_source(src) as s:
+    with open_source(src, trust_pickle=True) as s:
         steps = {t.path: tensor_entry(t, SMALL_CHUNKS).chunk_shape[0] for t in s.tensors
                  if t.shape}
         shares = plan_shares(s.tensors, procs, steps)
@@ -124,8 +124,8 @@ def test_dcp_two_ranks_with_three_procs_equals_one_proc(tmp_path, capsys):
     start_workers_early()          # the fork server imports torch while the ranks save
     assert run_world(2, dcp_job, src, timeout=120) == [0, 1]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    convert(src, one, max_chunk_bytes=SMALL_CHUNKS)
-    rep = convert(src, two, procs=3, max_chunk_bytes=SMALL_CHUNKS)
+    convert(src, one, max_chunk_bytes=SMALL_CHUNKS, trust_pickle=True)
+    rep = convert(src, two, procs=3, max_chunk_bytes=SMALL_CHUNKS, trust_pickle=True)
     assert rep.procs == 3 and rep.skipped == [] and rep.tensors == 5
     assert split_keys(src, 3) == {"model/emb", "model/proj"}          # bf16 and fp8 by rows
     a, b = files_of(one), files_of(two)
@@ -147,7 +147,8 @@ def test_dcp_two_ranks_with_three_procs_equals_one_proc(tmp_path, capsys):
         f.truncate(16)
     with pytest.raises(sp.ConversionError, match=r"conversion worker \d failed converting "
                        r"tensor 'model/(emb|proj|e5|norm)'.*dcp.load"):
-        convert(src, str(tmp_path / "bad"), procs=2, max_chunk_bytes=SMALL_CHUNKS)
+        convert(src, str(tmp_path / "bad"), procs=2, max_chunk_bytes=SMALL_CHUNKS,
+                trust_pickle=True)
     assert not os.path.exists(tmp_path / "bad") and no_leftovers(tmp_path)
 
 
@@ -223,8 +224,9 @@ def test_megatron_source_with_procs(tmp_path):
     (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     torch.save({"iteration": 10, "ema": full("me", (30, 2), torch.float32)},
                path / "common.pt")
-    convert(str(path), str(tmp_path / "one"), max_chunk_bytes=SMALL_CHUNKS)
-    convert(str(path), str(tmp_path / "two"), procs=3, max_chunk_bytes=SMALL_CHUNKS)
+    convert(str(path), str(tmp_path / "one"), max_chunk_bytes=SMALL_CHUNKS, trust_pickle=True)
+    convert(str(path), str(tmp_path / "two"), procs=3, max_chunk_bytes=SMALL_CHUNKS,
+            trust_pickle=True)
     a, b = files_of(str(tmp_path / "one")), files_of(str(tmp_path / "two"))
     assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
     with sp.open(str(tmp_path / "two")) as ck:
@@ -259,7 +261,7 @@ def test_a_worker_stuck_on_its_read_is_stopped(tmp_path):
     os.mkfifo(src / data)
     with pytest.raises(sp.ConversionError, match=r"worker \d reported nothing for 2s while "
                        r"converting tensor 'w'"):
-        convert(str(src), str(tmp_path / "out"), procs=2, worker_timeout=2)
+        convert(str(src), str(tmp_path / "out"), procs=2, worker_timeout=2, trust_pickle=True)
     assert not os.path.exists(tmp_path / "out") and no_leftovers(tmp_path)
 
 
@@ -274,7 +276,8 @@ def test_worker_memory_stays_bounded(tmp_path):
             str(tmp_path / "big"))
     convert(str(tmp_path / "big"), str(tmp_path / "big_dcp"), to="dcp")
     to_st = convert(str(tmp_path / "big"), str(tmp_path / "st"), to="safetensors", procs=2)
-    from_dcp = convert(str(tmp_path / "big_dcp"), str(tmp_path / "sp"), procs=2)
+    from_dcp = convert(str(tmp_path / "big_dcp"), str(tmp_path / "sp"), procs=2,
+                       trust_pickle=True)
     st_mib = [b >> 20 for b in to_st.worker_peak_bytes]
     dcp_mib = [b >> 20 for b in from_dcp.worker_peak_bytes]
     print(f"worker peak RSS growth over a {n * mib} MiB checkpoint: to safetensors {st_mib} "

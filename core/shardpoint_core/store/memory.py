@@ -114,7 +114,7 @@ class MemoryStore:
         if start < 0 or start + len(out) > len(data):
             raise EOFError(f"{self.url}/{key}: {len(out)} bytes from {start} asked, the "
                            f"object holds {len(data)}")
-        out[:] = data[start:start + len(out)]
+        out[:] = memoryview(data)[start:start + len(out)]   # no chunk-sized copy
 
     def put(self, key: str, data: Union[Buffer, Sequence[Buffer]], *,
             if_absent: bool = False) -> None:

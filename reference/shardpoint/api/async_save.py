@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 from shardpoint.api.staging import StagingPool
+from shardpoint.exchange import inflight
 
 log = logging.getLogger("shardpoint")
 
@@ -93,20 +94,30 @@ class GroupSaves:
         agree(unseen)
 
     def start(self, fn: Callable[[], Any], staging_bytes: int, path: str = "") -> AsyncSave:
-        """Run ``fn`` in a background thread; its result or error goes to the handle."""
+        """Run ``fn`` in a background thread; its result or error goes to the handle.
+
+        The thread is not a daemon: interpreter exit joins it before finalizing. A daemon
+        thread still dropping the save's tensors when the main thread finalizes is killed
+        inside torch's tensor deallocator (which releases the GIL and cannot unwind), and
+        the process aborts ("terminate called without an active exception"). ``fn`` and
+        what it holds are released before the handle completes, so whoever waits on the
+        handle finds the job's memory already freed."""
         fut: Future = Future()
         handle = AsyncSave(fut, staging_bytes, path)
+        job = [fn]
 
         def run() -> None:
             try:
-                fut.set_result(fn())
-                _RUNNING.discard(handle)
+                out = job.pop()()
             except BaseException as e:  # noqa: BLE001 - delivered through the handle
                 fut.set_exception(e)
+                return
+            fut.set_result(out)
+            _RUNNING.discard(handle)
 
         fut.set_running_or_notify_cancel()
         _RUNNING.add(handle)
-        threading.Thread(target=run, name="shardpoint-async-save", daemon=True).start()
+        threading.Thread(target=run, name="shardpoint-async-save", daemon=False).start()
         self.pending = handle
         return handle
 
@@ -131,6 +142,7 @@ def _finish_pending() -> None:
             if not h._seen:
                 log.error("shardpoint: the async save to %r still running at exit failed; "
                           "nothing was committed there: %s", h.path, e)
+    inflight.settle_at_exit()   # a collective that failed just now: see its module
 
 
 try:   # Python >= 3.9; the same hook list concurrent.futures uses for its pools

@@ -19,6 +19,7 @@ import torch
 from shardpoint.tree import dtypes
 from shardpoint_core import errors
 from shardpoint.planning.columns import HoldingColumns
+from shardpoint.api.heap import release_free_heap
 from shardpoint.exchange.comm import (AFTER_LOAD, Comm, agree, error_record, exchange,
                                       raise_records,
                                       run_collectively)
@@ -339,4 +340,6 @@ def run_load(path: str, like: Any, comm: Comm, be: Optional[StorageBackend], str
     job.read_manifest()
     job.plan()
     job.read(job.budget)
-    return job.result()
+    out = job.result()
+    release_free_heap()     # flat memory over load cycles: see api/heap.py
+    return out

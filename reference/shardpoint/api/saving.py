@@ -21,6 +21,7 @@ from shardpoint_core import errors
 from shardpoint_core.commit.posix import check_overwrite
 from shardpoint.tree import values
 from shardpoint.api.async_save import AsyncSave
+from shardpoint.api.heap import release_free_heap
 from shardpoint.api.replicas import check_replicas
 from shardpoint.exchange.comm import (AFTER_SAVE, Comm, after_commit, agree, exchange,
                                       run_collectively)
@@ -526,7 +527,9 @@ def run_save(state: Any, path: str, comm: Comm, be: Optional[StorageBackend],
         if not async_save:
             job.stage()
             job.write(comm)
-            return job.commit(comm)
+            res = job.commit(comm)
+            release_free_heap()     # flat memory over save cycles: see api/heap.py
+            return res
         job.stage(saves.pool)
         if job.error is not None:
             job.commit(comm)      # raises the staging failure on every rank, removes staging
@@ -541,6 +544,7 @@ def run_save(state: Any, path: str, comm: Comm, be: Optional[StorageBackend],
         job.write(side)
         res = job.commit(side)
         res.timings["background"] = time.perf_counter() - t
+        release_free_heap()
         return res
 
     return saves.start(background, job.staging_bytes, job.path)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from shardpoint_core import errors
 from shardpoint.exchange import dedup
+from shardpoint.exchange.inflight import release_after_failure, tensors_in as _tensors_in
 from shardpoint.planning.columns import gc_paused
 from shardpoint.tree.views import copy_with_bytes
 
@@ -48,14 +49,43 @@ class Comm:
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
-    def _run(self, what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    def _run(self, what: str, fn: Callable, *args: Any, _held: Sequence = (),
+             _peer: Optional[int] = None, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, a torch.distributed collective; a failure of the group
         (gloo and NCCL raise a bare RuntimeError naming a socket, or a timeout) becomes
-        :class:`~.errors.RankLostError` saying what happened and what to do."""
+        :class:`~.errors.RankLostError` saying what happened and what to do (``_peer``: the
+        rank a point-to-point wait was waiting on, named in the error).
+
+        Before the error is raised, the backend's worker threads let go of the failed
+        operation's tensors (those in the arguments and ``_held``): a worker that drops the
+        last reference to a tensor after Python dropped its own needs the GIL, and one doing
+        so while the interpreter exits aborts the process (``terminate called without an
+        active exception``)."""
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:
-            raise rank_lost(self, what, e) from e
+            lost = rank_lost(self, what, e, _peer)
+            cause = e
+            # its frames hold the failed work, and through it the tensors: let them go
+            e.__traceback__ = None
+        held = _tensors_in((args, tuple(kwargs.values()), tuple(_held)))
+        fn = None   # type: ignore[assignment]   # a bound Work.wait holds its work
+        release_after_failure(held)
+        raise lost from cause
+
+    def _p2p(self, what: str, ops: list, peers: list) -> None:
+        """Post point-to-point ``ops`` (``dist.P2POp``, to or from group ranks ``peers``) and
+        wait for each; a failure names the rank waited on."""
+        works = self._run(what, dist.batch_isend_irecv, ops, _held=ops)
+        one_each = len(works) == len(peers)   # a coalesced backend answers with one work
+        w = None
+        try:
+            for i, w in enumerate(works):
+                self._run(what, w.wait, _peer=peers[i] if one_each else None)
+        except errors.RankLostError:
+            works = w = None     # the works not waited for hold the other ops' tensors
+            release_after_failure(_tensors_in(ops))
+            raise
 
     def _u8(self, b: bytes, n: int) -> torch.Tensor:
         t = torch.zeros(n, dtype=torch.uint8)
@@ -96,14 +126,13 @@ class Comm:
         if not self.is_coordinator:
             if b:
                 self._run("send", dist.send, self._u8(b, len(b)), dst=self._global(0),
-                          group=self.group)
+                          group=self.group, _peer=0)
             return None
         bufs = {r: torch.empty(n, dtype=torch.uint8, device=self.device)
                 for r, n in enumerate(sizes) if r and n}
         ops = [dist.P2POp(dist.irecv, t, self._global(r), self.group) for r, t in bufs.items()]
         if ops:
-            for w in self._run("recv", dist.batch_isend_irecv, ops):
-                self._run("recv", w.wait)
+            self._p2p("recv", ops, list(bufs))
         return [b if r == 0 else bytes(bufs[r].cpu().numpy()) if r in bufs else b""
                 for r in range(self.size)]
 
@@ -129,15 +158,15 @@ class Comm:
             n = sum(len(parts[1 + i]) for i in idx)
             if n:
                 t = self._u8(b"".join(parts[1 + i] for i in idx), n)
-                self._run("send", dist.send, t, dst=self._global(0), group=self.group)
+                self._run("send", dist.send, t, dst=self._global(0), group=self.group,
+                          _peer=0)
             return None
         sizes = dedup.wanted_bytes(offers, want)
         bufs = {r: torch.empty(n, dtype=torch.uint8, device=self.device)
                 for r, n in sizes.items() if n}
         ops = [dist.P2POp(dist.irecv, t, self._global(r), self.group) for r, t in bufs.items()]
         if ops:
-            for w in self._run("recv", dist.batch_isend_irecv, ops):
-                self._run("recv", w.wait)
+            self._p2p("recv", ops, list(bufs))
         return dedup.assemble(offers, list(parts[1:]), want,
                               {r: bufs[r].cpu().numpy().tobytes() if r in bufs else b""
                                for r in sizes})
@@ -167,13 +196,14 @@ class Comm:
             n = int(sizes[self.rank].item())
             out = torch.empty(n, dtype=torch.uint8, device=self.device)
             if n:
-                self._run("recv", dist.recv, out, src=self._global(0), group=self.group)
+                self._run("recv", dist.recv, out, src=self._global(0), group=self.group,
+                          _peer=0)
             return bytes(out.cpu().numpy())
-        ops = [dist.P2POp(dist.isend, self._u8(p, len(p)), self._global(r), self.group)
-               for r, p in enumerate(parts) if r and len(p)]
+        to = [r for r, p in enumerate(parts) if r and len(p)]
+        ops = [dist.P2POp(dist.isend, self._u8(parts[r], len(parts[r])), self._global(r),
+                          self.group) for r in to]
         if ops:
-            for w in self._run("send", dist.batch_isend_irecv, ops):
-                self._run("send", w.wait)
+            self._p2p("send", ops, to)
         return parts[0]
 
     def all_to_all(self, send: list, recv_sizes: list) -> list:
@@ -240,15 +270,20 @@ def after_commit(path: str) -> str:
             "the newest committed checkpoint")
 
 
-def rank_lost(comm: Comm, op: str, e: BaseException) -> errors.RankLostError:
+def rank_lost(comm: Comm, op: str, e: BaseException,
+              peer: Optional[int] = None) -> errors.RankLostError:
     """The error for a collective that failed under ``comm``: the backend's own words without
-    its source path and boilerplate, the group's timeout, and what to do."""
+    its source path and boilerplate, the rank waited on (``peer``, for point-to-point), the
+    group's timeout, and what to do."""
     text = (str(e).strip().splitlines() or [type(e).__name__])[0]
     text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0].rstrip(".")
     timeout = _timeout_of(comm.group)
+    who = ("another rank of the group" if peer is None else
+           f"another rank (rank {peer}, which this rank "
+           f"{'sent to' if op == 'send' else 'waited on'})")
     return errors.RankLostError(
-        f"rank {comm.rank} of {comm.size}: the {op} collective failed ({text}): another rank "
-        "of the group died, was killed or hung"
+        f"rank {comm.rank} of {comm.size}: the {op} collective failed ({text}): {who} died, "
+        "was killed or hung"
         + (f" past the group's timeout ({timeout.total_seconds():g} s)" if timeout else "")
         + f"; its own log says why. {comm.after_failure[0].upper()}{comm.after_failure[1:]}")
 

@@ -58,8 +58,8 @@ def add_commands(sub: Any) -> None:
     s = add_command(sub, "convert", "convert from DCP, Megatron torch_dist, torch.save, "
                     "safetensors or Orbax to shardpoint, or from shardpoint to DCP or "
                     "safetensors", """
-        shardpoint convert outputs/checkpoint/step-1000 ckpt/step_1000   # DCP, any world size
-        shardpoint convert iter_0001000 ckpt/megatron          # Megatron torch_dist
+        shardpoint convert outputs/checkpoint/step-1000 ckpt/step_1000 --trust-pickle  # DCP
+        shardpoint convert iter_0001000 ckpt/megatron --trust-pickle   # Megatron torch_dist
         shardpoint convert model.pt ckpt/from_pt               # torch.save (weights_only)
         shardpoint convert Llama-3-8B/ ckpt/llama              # HF safetensors directory
         shardpoint convert orbax_ckpts/1000 ckpt/jax           # Orbax (a CheckpointManager step)
@@ -86,6 +86,9 @@ def add_commands(sub: Any) -> None:
                    "checkpoints or one holding SRC)")
     s.add_argument("--skip-common", action="store_true", help="Megatron: convert the sharded "
                    "state even when common.pt needs more than weights_only unpickling")
+    s.add_argument("--trust-pickle", action="store_true", help="allow a DCP or Megatron "
+                   "source, whose .metadata is read by unpickling it (code in it runs): only "
+                   "for checkpoints you trust")
     s.add_argument("--json", action="store_true", help="machine-readable report")
     s.set_defaults(fn=cmd_convert)
     s = add_command(sub, "diff", "compare two checkpoints key by key and chunk by chunk "
@@ -120,6 +123,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
                       max_shard_size=a.max_shard_size, skip_common=a.skip_common,
                       procs=a.procs, max_chunk_bytes=parse_size(a.max_chunk_size,
                                                                  "--max-chunk-size"),
+                      trust_pickle=a.trust_pickle,
                       progress=adv, on_open=lambda s: adv.set_total(s.total_bytes))
     if a.json:
         print(json.dumps(rep.to_dict(), indent=2))

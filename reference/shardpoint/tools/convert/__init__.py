@@ -110,6 +110,10 @@ def foreign_format_hint(path: str) -> str:
                 "shardpoint.convert.convert)")
     name = _NAMES[fmt]
     article = "an" if name[0] in "AEIOU" else "a"
+    if fmt in PICKLED_METADATA:
+        return (f" (it holds {article} {name} checkpoint: convert it with `shardpoint convert "
+                f"{path} DST --trust-pickle` if you trust where it came from: its .metadata "
+                "is a pickle, read by unpickling it)")
     return (f" (it holds {article} {name} checkpoint: convert it with "
             f"`shardpoint convert {path} DST` or shardpoint.convert.convert)")
 
@@ -119,11 +123,12 @@ PICKLED_METADATA = ("dcp", "megatron")   # formats whose metadata only unpicklin
 
 def open_source(path: str, fmt: Optional[str] = None, *, skip_common: bool = False,
                 backend: Any = None, tensors_only: bool = False,
-                trust_pickle: bool = True) -> Source:
+                trust_pickle: bool = False) -> Source:
     """A :class:`Source` reading ``path`` as ``fmt`` (detected when None). ``tensors_only``
     skips decoding DCP bytes entries (a conversion worker needs the tensors only).
-    ``trust_pickle=False`` refuses DCP and Megatron sources, whose ``.metadata`` DCP reads
-    by unpickling it (code in it runs): a caller that was not told so must opt in."""
+    DCP and Megatron sources, whose ``.metadata`` DCP reads by unpickling it (code in it
+    runs), are refused with :class:`ConversionError` unless ``trust_pickle=True``: the caller
+    opts in (``--trust-pickle``) for a checkpoint it trusts."""
     fmt = fmt or detect_format(path)
     if fmt == "shardpoint" and "://" in str(path):
         return ShardpointSource(path, backend)     # s3://...: the reader says what is missing
@@ -133,8 +138,7 @@ def open_source(path: str, fmt: Optional[str] = None, *, skip_common: bool = Fal
         raise ConversionError(
             f"{str(path)!r} is a {fmt} checkpoint: its .metadata is a pickle, which DCP reads "
             "by unpickling it (code in it would run); nothing was read. Pass --trust-pickle "
-            "(trust_pickle=True) if you trust where it came from, or convert it first "
-            "(`shardpoint convert`, which documents the same trust)")
+            "(trust_pickle=True) only if you trust where it came from")
     if fmt == "shardpoint":
         return ShardpointSource(path, backend)
     if fmt == "dcp":
@@ -165,7 +169,7 @@ def write(src: Source, dst: str, fmt: str, *, overwrite: Any = False,
           max_shard_size: Any = None, progress: Progress = None, backend: Any = None,
           procs: int = 1, max_chunk_bytes: int = 256 << 20,
           worker_timeout: float = WORKER_TIMEOUT_S, skip_common: bool = False,
-          worker_peaks: Optional[list] = None) -> list:
+          worker_peaks: Optional[list] = None, trust_pickle: bool = False) -> list:
     """Write an open source as ``fmt``; returns ``[(key, reason)]`` not written. With
     ``procs`` > 1, that many worker processes each open the source again and write their
     share (shardpoint and safetensors targets; see :mod:`shardpoint.tools.convert.parallel`);
@@ -195,7 +199,7 @@ def write(src: Source, dst: str, fmt: str, *, overwrite: Any = False,
             raise ConversionError("procs (--procs) > 1 writes with the default storage "
                                   "backend in every worker; a backend= object cannot be "
                                   "shared with worker processes (drop one of the two)")
-        spec = SourceSpec(src.path, src.format, skip_common)
+        spec = SourceSpec(src.path, src.format, skip_common, trust_pickle)
         if fmt == "shardpoint":
             return write_shardpoint_parallel(src, dst, spec, procs=procs, overwrite=overwrite,
                                              progress=progress, max_chunk_bytes=max_chunk_bytes,
@@ -217,9 +221,14 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
             overwrite: Any = False, max_shard_size: Any = None, skip_common: bool = False,
             progress: Progress = None, on_open: Any = None, backend: Any = None,
             procs: int = 1, max_chunk_bytes: int = 256 << 20,
-            worker_timeout: float = WORKER_TIMEOUT_S) -> ConvertReport:
+            worker_timeout: float = WORKER_TIMEOUT_S,
+            trust_pickle: bool = False) -> ConvertReport:
     """Convert the checkpoint at ``src`` into ``dst``. ``on_open(source)`` is called once
     the source is open (the CLI sizes its progress bar there).
+
+    A DCP or Megatron source's ``.metadata`` is a pickle that only unpickling reads (code in
+    it runs): such a source is refused with :class:`ConversionError`, before anything is
+    read, unless ``trust_pickle=True`` (``--trust-pickle``), as ``diff`` does.
 
     ``procs`` > 1 converts with that many worker processes, shared out by bytes (big tensors
     by bands of rows), each reading only its share; the result is byte for byte what one
@@ -242,7 +251,8 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
         dst = str(dst)
     if isinstance(procs, int) and procs > 1 and to != "dcp" and backend is None:
         start_workers_early()
-    with open_source(src, from_, skip_common=skip_common, backend=backend) as s:
+    with open_source(src, from_, skip_common=skip_common, backend=backend,
+                     trust_pickle=trust_pickle) as s:
         fmt = to or target_format(dst, s.format)
         if os.path.abspath(str(src)) == os.path.abspath(str(dst)):
             raise ConversionError("source and destination are the same path")
@@ -256,7 +266,8 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
                                  backend=backend if is_local(dst) else None,  # URL: its own
                                  procs=procs, max_chunk_bytes=max_chunk_bytes,
                                  worker_timeout=worker_timeout, skip_common=skip_common,
-                                 worker_peaks=rep.worker_peak_bytes)
+                                 worker_peaks=rep.worker_peak_bytes,
+                                 trust_pickle=trust_pickle)
         except OSError as e:   # a full disk, a read-only one; not our own (also OSError) errors
             if isinstance(e, ShardpointError):
                 raise

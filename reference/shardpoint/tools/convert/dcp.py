@@ -1,8 +1,8 @@
 """PyTorch Distributed Checkpoint (DCP) directories as a conversion source and sink.
 
 Everything goes through ``torch.distributed.checkpoint`` itself: its ``FileSystemReader``
-reads the metadata (DCP's own ``.metadata`` is a pickle that DCP loads: convert only DCP
-checkpoints you trust), and tensors are read with ``dcp.load(..., no_dist=True)`` into
+reads the metadata (DCP's own ``.metadata`` is a pickle that DCP loads: ``open_source``,
+``convert`` and ``diff`` refuse it unless ``trust_pickle=True``), and tensors are read with ``dcp.load(..., no_dist=True)`` into
 preallocated global tensors, a bounded batch of keys at a time, whatever world size saved
 them. Bytes entries (``torch.save`` of a non-tensor object) are decoded with
 ``weights_only=True`` only; what that refuses is reported, never unpickled.

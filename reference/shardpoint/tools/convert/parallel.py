@@ -99,11 +99,13 @@ class SourceSpec:
     path: str
     format: str
     skip_common: bool
+    trust_pickle: bool = False     # what the caller allowed when it opened the source
 
 
 def _open_for_worker(spec: SourceSpec) -> Source:
     from shardpoint.tools.convert import open_source
-    return open_source(spec.path, spec.format, skip_common=spec.skip_common, tensors_only=True)
+    return open_source(spec.path, spec.format, skip_common=spec.skip_common, tensors_only=True,
+                       trust_pickle=spec.trust_pickle)
 
 
 def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> None:
