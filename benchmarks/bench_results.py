@@ -36,15 +36,16 @@ def stats(values: Sequence[float]) -> dict:
     return {"median": statistics.median(v), "min": min(v), "max": max(v)}
 
 
-def ratio(values: Sequence[float], ref: Sequence[float], invert: bool = False) -> Optional[dict]:
+def ratio(values: Sequence[float], ref: Sequence[float], invert: bool = False,
+          paired: bool = True) -> Optional[dict]:
     """``values`` over ``ref`` (or ``ref`` over ``values`` with ``invert``): ``value`` is
     the ratio of the medians; ``per_round`` the median/min/max of the round-by-round ratios,
-    when both ran the same number of rounds."""
+    when both ran in the same rounds (``paired``, and as many)."""
     if not values or not ref:
         return None
     a, b = (ref, values) if invert else (values, ref)
     out = {"value": statistics.median(a) / statistics.median(b)}
-    if len(a) == len(b) and all(b):
+    if paired and len(a) == len(b) and all(b):
         out["per_round"] = stats([x / y for x, y in zip(a, b)])
     return out
 
