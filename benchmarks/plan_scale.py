@@ -407,6 +407,7 @@ def main(argv=None) -> None:
     print(f"  ... plan encoded once + cut     {_median(st_e)}  "
           f"({med(st_e) / 1.0:.2f}x the 1.0 s target: what save()'s decide() runs and the "
           "slowest rank's cut of its own work; the broadcast itself not timed)")
+    load_sent = None
     if lds:
         print(f"  load plan (decode + plan_load)  {_median(lds)}  "
               f"({med(lds) / 1.0:.2f}x the 1.0 s target; {reads:,} reads, {sends:,} transfers)")
@@ -469,7 +470,8 @@ def main(argv=None) -> None:
                      {"save: received by the coordinator": save_g["received"],
                       "save: sent by the coordinator": save_sent,
                       "load: received by the coordinator": load_g["received"] if load_g
-                      else None, "save plan message": len(gsave), "manifest": len(man)},
+                      else None, "load: sent by the coordinator": load_sent,
+                      "save plan message": len(gsave), "manifest": len(man)},
                      peak)
         rec.data["samples"] = {"world": world, "gathered_bytes": save_g["received"],
                        "load_gathered_bytes": load_g["received"] if load_g else None,
