@@ -11,14 +11,16 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 HOOK = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "_hooks", "generated.py")
 
 
-def render(path: str, printed: str = "") -> tuple:
+def render(path: str, printed: str = "", here: bool = True) -> tuple:
     """The results file at ``path`` as the docs hook renders it (loaded in-process, without
     mkdocs), after checking each row's median, min and max against its raw values, and,
-    where the script printed ``| label | median |``, that median against the printed one."""
+    where the script printed ``| label | median |``, that median against the printed one
+    (``here``: the file was written by a run on this machine)."""
     with open(path) as f:
         data = json.load(f)
     assert data["schema"] == "shardpoint-bench/1" and data["date"] and data["tables"]
-    assert data["machine"]["nproc"] == os.cpu_count() and data["machine"]["kernel"]
+    assert data["machine"]["kernel"] and data["machine"]["nproc"] == (
+        os.cpu_count() if here else data["machine"]["nproc"])      # run on this machine
     assert "--json" not in data["source"] and data["source"].startswith("python benchmarks/")
     for t in data["tables"]:
         for r in t["rows"]:
@@ -185,3 +187,26 @@ def test_quick_plan_scale_writes_what_it_printed(capsys, tmp_path):
     assert tot["ratios"]["x target"]["value"] == tot["median"] / 1.0
     assert data["samples"]["save_total_s"] == tot["values"]
     assert "| save: received by the coordinator |" in md and "<svg" in md
+
+
+def test_benchmark_page_figures_all_come_from_files_the_scripts_wrote():
+    """docs/benchmarks.md holds no measured figure of its own (no "1.52x", no "0.68 s"): its
+    tables come from benchmarks/results/*.json, each written by a script's --json (schema,
+    command, date, commit, machine) and each shown on the page."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    with open(os.path.join(root, "docs", "benchmarks.md")) as f:
+        page = f.read()
+    prose = re.sub(r"`[^`]*`", "", page)
+    figures = re.findall(r"\d+(?:\.\d+)?\s*(?:x\b|s\b|ms\b|[MG]i?B\b|MB/s|GB/s)|\d+\.\d+", prose)
+    assert figures == [], figures
+    names = sorted(f[:-5] for f in os.listdir(os.path.join(root, "benchmarks", "results"))
+                   if f.endswith(".json"))
+    assert names and re.findall(r"<!-- generated: benchmark (\w+) -->", page) == \
+        ["bench", "bench_jax", "bench_s3", "plan_scale", "plan_scale_cpu"]
+    for name in names:
+        assert f"<!-- generated: benchmark {name} -->" in page, name
+        path = os.path.join(root, "benchmarks", "results", f"{name}.json")
+        data, md = render(path, here=False)
+        assert os.path.isfile(os.path.join(root, data["script"])) and data["commit"], name
+        assert not data["config"].get("quick"), name      # never a smoke run as the headline
+        assert data["source"] in md and data["date"] in md
