@@ -3,6 +3,7 @@
     python benchmarks/bench.py              # full: ~1.2 GB mixed + 1 GiB uniform state, 3 runs
     python benchmarks/bench.py --quick      # tiny sizes, one run (the test suite's smoke test)
     python benchmarks/bench.py --saves-only --ts-writes --repeat 5   # saves, before vs after
+    python benchmarks/bench.py --json benchmarks/results/bench.json  # + the figures as data
 
 In one run on one machine: the limits, raw write (one file + fsync; the best of 1-16
 threads of ``pwrite``, with and without early writeback) and raw read (the best of 1-16
@@ -35,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import bench_reshard as rs  # noqa: E402
+import bench_results as br  # noqa: E402
 import bench_targets as tg  # noqa: E402
 import bench_tools as bt  # noqa: E402
 from shardpoint_testing.launch import run_world  # noqa: E402
@@ -268,7 +270,46 @@ def print_state_table(title: str, res: Results, size: int, k: int) -> None:
           "async save's blocking part cannot do without), not to the write limit.")
 
 
-def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> dict:
+def record_state(rec: "br.Record", name: str, title: str, res: Results, size: int,
+                 k: int) -> None:
+    """The state's table as data: every row that ran, with the references and ratios that
+    :func:`print_state_table` prints (ratios of medians, and per-round ratios beside them)."""
+    raw_rows = [raw_write_row(t, e) for t, e in RAW_WRITES]
+    read_rows = [raw_read_row(t) for t in RAW_READS]
+    dcp_rows = [dcp_row(t) for t in DCP_THREADS]
+    raw_best, dcp_best = best(res, raw_rows)[0], best(res, dcp_rows)[0]
+    have_reads = any(res.med(r) is not None for r in read_rows)
+    read_best = best(res, read_rows)[0] if have_reads else None
+    t = rec.table(name, title, "s", size, note=f"references: write limit = {raw_best}; DCP = "
+                  f"{dcp_best}" + (f"; read limit = {read_best}" if read_best else ""))
+    t["references"] = {"raw write": raw_best, "DCP save": dcp_best, "raw read": read_best}
+    dab = f"DCP async_save (thread_count={k}) (blocking)"
+    loads = read_rows + [files_read_row(x) for x in FILES_READS] + [
+        "shardpoint load", "DCP load", "torch.load", "safetensors load"]
+    for row, v in res.t.items():
+        blocking = "blocking" in row
+        note = ""
+        if row in loads:
+            ref = {"x raw": read_best, "x DCP": "DCP load" if row == "shardpoint load"
+                   else None}
+        elif blocking or row == COPY:
+            ref = {"x raw": COPY, "x DCP": dab if row.startswith("shardpoint") else None}
+            note = ("x raw of this row is to the copy of the state into reused buffers (what "
+                    "an async save's blocking part cannot do without), not to the write limit")
+        else:
+            ref = {"x raw": raw_best, "x DCP": dcp_best if row.startswith(
+                ("shardpoint", "DCP save")) else None}
+        ratios = {n: br.ratio(v, res.t.get(r, [])) for n, r in ref.items() if r}
+        mem = res.mem.get(row)
+        br.Record.row(t, row, v, ratios, note,
+                      reference=row in (raw_best, dcp_best, read_best),
+                      peak_extra_bytes=statistics.median(mem) if mem else None,
+                      files=res.files.get(row.replace(" (blocking)", "").replace(
+                          " (total)", "")) or None)
+
+
+def bench_reshard(base: str, quick: bool, repeat: int, drop: bool,
+                  rec: "br.Record" = None) -> dict:
     """Prints the resharded-load table; returns, for the targets table, per world the seconds
     per round of shardpoint as ``auto`` picks ("cols"), its same-layout load ("same") and
     DCP ("dcp"), "paired" when the same-layout load ran in the same rounds."""
@@ -283,13 +324,20 @@ def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> dict:
     print("| load | median s | min-max s | x same-layout | x DCP |")
     print("|---|---|---|---|---|")
     one = rs.single_process(base, n, rows, cols, repeat, drop)
+    tab = rec.table("reshard", f"Resharded load: {n} tensors {rows}x{cols} fp32 saved by "
+                    f"{save_world} ranks by rows", "s", size) if rec else None
 
-    def line(label, v, same=None, dcp=None):
+    def line(label, v, same=None, dcp=None, same_v=None, dcp_v=None):
         med = statistics.median(v)
+        if tab is not None:      # the same-layout load ran in these rounds only at save_world
+            paired = label.startswith(f"{save_world} ranks")
+            br.Record.row(tab, label, v, {
+                "x same-layout": br.ratio(v, same_v, paired=paired) if same else None,
+                "x DCP": br.ratio(v, dcp_v) if dcp else None})
         print(f"| {label} | {med:.3f} | {min(v):.3f}-{max(v):.3f} | "
               f"{f'{med / same:.2f}x' if same else ''} | {f'{med / dcp:.2f}x' if dcp else ''} |")
     d1 = statistics.median(one["dcp full"])
-    line("1 process, whole tensors: shardpoint", one["sp full"], dcp=d1)
+    line("1 process, whole tensors: shardpoint", one["sp full"], dcp=d1, dcp_v=one["dcp full"])
     line("1 process, whole tensors: DCP", one["dcp full"])
     same_ref, same_runs = None, []
     out: dict = {}
@@ -301,19 +349,24 @@ def bench_reshard(base: str, quick: bool, repeat: int, drop: bool) -> dict:
         if "sp rows" in r:
             same_ref, same_runs = statistics.median(r["sp rows"]), r["sp rows"]
             line(f"{w} ranks, rows (same layout): shardpoint", r["sp rows"],
-                 dcp=statistics.median(r["dcp rows"]))
+                 dcp=statistics.median(r["dcp rows"]), dcp_v=r["dcp rows"])
             line(f"{w} ranks, rows (same layout): DCP", r["dcp rows"])
         dc = statistics.median(r["dcp cols"])
         chose = "/".join(sorted(set(r.get("auto chose", []))))
-        line(f"{w} ranks, by columns: shardpoint (auto: {chose})", r["sp cols"], same_ref, dc)
+        line(f"{w} ranks, by columns: shardpoint (auto: {chose})", r["sp cols"], same_ref, dc,
+             same_runs, r["dcp cols"])
         line(f"{w} ranks, by columns: shardpoint (dedup + exchange)", r["sp cols dedup"],
-             same_ref, dc)
-        line(f"{w} ranks, by columns: DCP", r["dcp cols"], same_ref)
+             same_ref, dc, same_runs, r["dcp cols"])
+        line(f"{w} ranks, by columns: DCP", r["dcp cols"], same_ref, same_v=same_runs)
         out[w] = {"cols": r["sp cols"], "same": same_runs, "dcp": r["dcp cols"],
                   "raw": r["raw files"], "paired": "sp rows" in r}
         x = r["exchange GB/s per rank"]
         print(f"| {w} ranks: exchange rate (dedup), GB/s per rank | {statistics.median(x):.2f}"
               f" | {min(x):.2f}-{max(x):.2f} | | |")
+        if rec:
+            xt = rec.table(f"reshard exchange {w}", f"{w} ranks: exchange rate (dedup) per "
+                           "rank", "GB/s")
+            br.Record.row(xt, f"{w} ranks: exchange rate (dedup), GB/s per rank", x)
     return out
 
 
@@ -325,6 +378,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-reshard", action="store_true", help="skip the multi-process part")
     ap.add_argument("--saves-only", action="store_true", help="time saves only (no loads)")
     ap.add_argument("--states", default="mixed,uniform", help="which states (mixed,uniform)")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also write every row's measurements, medians, min-max and ratios, "
+                         "with the run's parameters and machine, to PATH (for the docs)")
     ap.add_argument("--ts-writes", action="store_true",
                     help="also time shardpoint's save through TensorStore's own writer (the "
                          "write path before direct chunk writes), interleaved with the rest")
@@ -335,6 +391,12 @@ def main(argv=None) -> None:
     passes = 1 if a.quick else LOAD_PASSES     # a smoke test: every load step once
     base = tempfile.mkdtemp(prefix="sp-bench-", dir=a.dir)
     drop = not a.quick and bt.drop_caches()
+    rec = br.Record("bench.py", "shardpoint (PyTorch) against the disk's limits and DCP, "
+                    "on files", argv, {"quick": a.quick, "repeat": repeat, "load_passes": passes,
+                                       "cold_cache": bool(drop), "states": a.states,
+                                       "reshard": not (a.no_reshard or a.saves_only),
+                                       "saves_only": a.saves_only, "ts_writes": a.ts_writes},
+                    {"torch": torch.__version__}) if a.json else None
     print(f"## shardpoint benchmark ({'quick' if a.quick else 'full'}, median of {repeat}; "
           f"single-process loads: of {repeat * passes})\n")
     print(f"machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, "
@@ -360,12 +422,20 @@ def main(argv=None) -> None:
             res, k = bench_state(title, state, base, repeat, drop, a.ts_writes,
                                  not a.saves_only, passes)
             print_state_table(f"{title}, {n} tensors", res, bt.nbytes(state), k)
+            if rec:
+                record_state(rec, title.split(" ")[0], f"{title}, {n} tensors: "
+                             f"{bt.nbytes(state) / 1e9:.3f} GB", res, bt.nbytes(state), k)
             runs.append(state_run(title.split(" ")[0], res, bt.nbytes(state)))
             del state
         if not (a.no_reshard or a.saves_only):
-            reshard = bench_reshard(base, a.quick, repeat, drop)
+            reshard = bench_reshard(base, a.quick, repeat, drop, rec)
         tg.print_targets(runs, TARGET_ROWS, reshard, "--quick: tiny states, warm cache, one "
                          "run: these verdicts mean nothing" if a.quick else "")
+        if rec:
+            rec.data["targets"] = {"columns": [r.name for r in runs], "rows": [
+                {"label": t, "cells": c} for t, c in (tg.state_rows(runs, TARGET_ROWS)
+                                                      if runs else [])]}
+            rec.write(a.json)
     finally:
         bt.rm(base)
 

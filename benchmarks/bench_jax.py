@@ -3,6 +3,7 @@
     python benchmarks/bench_jax.py                # ~1.2 GB mixed + 1 GiB uniform, 5 rounds
     python benchmarks/bench_jax.py --quick        # tiny trees, one round (a smoke test)
     python benchmarks/bench_jax.py --loads 20     # only shardpoint_jax loads: wall and CPU
+    python benchmarks/bench_jax.py --json benchmarks/results/bench_jax.json   # + as data
 
 Each round runs, interleaved and in turn: the raw write of the same bytes (one file, one
 fsync: one thread of writes, and 8 threads of ``pwrite`` with early writeback) and their raw
@@ -39,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import bench_results as br  # noqa: E402
 import bench_tools as bt  # noqa: E402
 
 
@@ -163,7 +165,7 @@ def async_pool_mb() -> float:
 
 
 def run_state(title: str, tree: dict, base: str, rounds: int, drop: bool,
-              show: bool = True) -> None:
+              show: bool = True, rec: Optional["br.Record"] = None) -> None:
     tools = Tools(tree, base, drop)
     t: dict = {}
     for _ in range(rounds):
@@ -178,6 +180,8 @@ def run_state(title: str, tree: dict, base: str, rounds: int, drop: bool,
     size = sum(a.nbytes for a in tools.arrays)
     if not show:
         return
+    if rec is not None:
+        record_state(rec, title, t, size, len(tools.arrays), rounds, tools)
     print(f"\n### {title}: {size / 1e9:.2f} GB in {len(tools.arrays)} arrays, "
           f"{rounds} round(s)\n")
     print("| step | tool | median s | min-max | x raw (per round) | GB/s | files / dirs |")
@@ -212,6 +216,37 @@ def run_state(title: str, tree: dict, base: str, rounds: int, drop: bool,
         print(f"| {op} | **shardpoint_jax vs best Orbax ({best[7:-1]})** | | | {r:.2f}x "
               "faster (per round) | | |")
     print(f"\nshardpoint_jax's async save keeps a host pool of {async_pool_mb():.0f} MiB.")
+
+
+def record_state(rec: "br.Record", title: str, t: dict, size: int, arrays: int, rounds: int,
+                 tools: "Tools") -> None:
+    """The state's table as data: each step and tool with its per-round ratio to the raw
+    limit (the better limit), and shardpoint_jax against the better Orbax, as printed."""
+    name = title.split(" ")[0]
+    tab = rec.table(name, f"{title}: {size / 1e9:.2f} GB in {arrays} arrays, {rounds} "
+                    "round(s)", "s", size)
+    raw = {}
+    for op, limits in (("save", RAW_SAVE), ("load", RAW_LOAD)):
+        best_raw = min(limits, key=lambda n: statistics.median(t[(op, n)]))
+        raw[op] = t[(op, best_raw)]
+        orbax_best = min(("orbax (ocdbt)", "orbax (no ocdbt)"),
+                         key=lambda n: statistics.median(t[(op, n)]))
+        for n in (*limits, *TOOLS):
+            v = t[(op, n)]
+            ours = n == "shardpoint_jax"
+            br.Record.row(tab, f"{op}: {n}", v, {
+                "x raw": br.ratio(v, raw[op]),
+                "x faster than best Orbax": br.ratio(v, t[(op, orbax_best)], invert=True)
+                if ours else None}, step=op, tool=n, reference=n in (best_raw, orbax_best),
+                files=None if n in limits else bt.count_files(tools.path(n)) or None)
+    for op in ("async blocking", "async total"):
+        best = min(ASYNC[1:], key=lambda n: statistics.median(t[(op, n)]))
+        for n in ASYNC:
+            v = t[(op, n)]
+            br.Record.row(tab, f"{op}: {n}", v, {
+                "x raw": br.ratio(v, raw["save"]),
+                "x faster than best Orbax": br.ratio(v, t[(op, best)], invert=True)
+                if n == "shardpoint_jax" else None}, step=op, tool=n, reference=n == best)
 
 
 def time_loads(n: int, scale: float, where: Optional[str],
@@ -288,6 +323,9 @@ def main(argv: Optional[list] = None) -> None:
     ap.add_argument("--s3-latency-ms", type=float, default=None,
                     help="--loads from a local S3 server (moto, loopback) with this latency "
                          "added to every request; also counts requests and round trips")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also write every step's measurements, medians, min-max and ratios, "
+                         "with the run's parameters and machine, to PATH (for the docs)")
     a = ap.parse_args(argv)
     if a.loads:
         return time_loads(a.loads, a.scale, a.dir, a.s3_latency_ms)
@@ -304,13 +342,22 @@ def main(argv: Optional[list] = None) -> None:
               f"{'dropped before every timed step' if drop else 'NOT dropped'}"
               f"{' (--quick)' if a.quick else '' if drop else ' (not root): cold steps are warm'}")
         rounds = 1 if a.quick else a.repeat
+        rec = br.Record("bench_jax.py", "shardpoint_jax against Orbax's StandardCheckpointer, "
+                        "on files", argv, {"quick": a.quick, "rounds": rounds,
+                                           "cold_cache": bool(drop)},
+                        {"jax": jax.__version__,
+                         "orbax-checkpoint": getattr(ocp, "__version__", "?")}) \
+            if a.json else None
         if not a.quick:     # one untimed round of every tool (imports, pools), as bench.py
             run_state("warm-up", jax_tree(bt.mixed_state(1 / 64)), base, 1, False, show=False)
         run_state("mixed (transformer-like, fp32 + bf16)", jax_tree(
             bt.mixed_state(1 / 32, layers=2) if a.quick else bt.mixed_state(1.0)),
-            base, rounds, drop)
+            base, rounds, drop, rec=rec)
         run_state("uniform (fp32)", jax_tree(bt.uniform_state(
-            8 if a.quick else 32, 1 if a.quick else 32)), base, rounds, drop)
+            8 if a.quick else 32, 1 if a.quick else 32)), base, rounds, drop, rec=rec)
+        if rec is not None:
+            rec.data["config"]["async_pool_mib"] = round(async_pool_mb(), 1)
+            rec.write(a.json)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -5,6 +5,7 @@ through fsspec/s3fs, same run, same server.
     python benchmarks/bench_s3.py --scale 1 --uniform 32x32 --repeat 5
     python benchmarks/bench_s3.py --endpoint http://host:9000 --bucket b   # a server of yours
     python benchmarks/bench_s3.py --latency-ms 20      # + 20 ms per request, every client
+    python benchmarks/bench_s3.py --json benchmarks/results/bench_s3.json   # + as data
 
 The server is moto's standalone S3 server on loopback, started here (or ``--endpoint``): an
 in-memory Python server, so the figures measure what a client gets from *this* server, not
@@ -47,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+import bench_results as br  # noqa: E402
 import bench_tools as bt  # noqa: E402
 
 DCP_CHILD = r"""
@@ -57,7 +59,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 sys.path.insert(0, os.environ["BENCH_DIR"])
 import bench_tools as bt
 spec = json.loads(sys.argv[1])
-state = bt.mixed_state(spec["scale"]) if spec["state"] == "mixed" else \
+state = bt.mixed_state(spec["scale"], layers=spec["layers"]) if spec["state"] == "mixed" else \
     bt.uniform_state(spec["n"], spec["mib"])
 flat = bt.flat(state)
 out = {}
@@ -176,8 +178,17 @@ def main(argv=None) -> None:
     ap.add_argument("--bucket", default=None)
     ap.add_argument("--latency-ms", type=float, default=0.0,
                     help="added before every request (shardpoint and raw rows)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also write every row's measurements (seconds, bytes/s), medians, "
+                         "min-max and ratios, the run's parameters and machine, and the raw "
+                         "samples (under 'samples') to PATH")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny states (mixed at 1/64 with 2 layers, uniform 4 x 1 MiB), one "
+                         "round: a smoke test")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.scale, a.uniform, a.repeat = 1 / 64, "4x1", 1
+    layers = 2 if a.quick else 8
 
     server = None
     if a.endpoint is None:
@@ -202,7 +213,7 @@ def main(argv=None) -> None:
     add_latency(store.client, a.latency_ms / 1000)
     add_latency(raw_client, a.latency_ms / 1000)
     n, mib = (float(x) for x in a.uniform.split("x"))
-    states = [("mixed", {"scale": a.scale}, bt.mixed_state(a.scale)),
+    states = [("mixed", {"scale": a.scale}, bt.mixed_state(a.scale, layers=layers)),
               ("uniform", {"n": int(n), "mib": mib}, bt.uniform_state(int(n), mib))]
     threads = [int(t) for t in a.threads.split(",")]
     dcp_ok = os.path.isdir(os.path.join(a.s3fs_path, "s3fs"))
@@ -254,7 +265,8 @@ def main(argv=None) -> None:
                 env = dict(os.environ, S3FS_PATH=a.s3fs_path,
                            BENCH_DIR=os.path.dirname(os.path.abspath(__file__)))
                 child = {"state": name, "url": f"s3://{bucket}/{run}/dcp-{name}-{i}",
-                         "threads": threads, "scale": a.scale, "n": int(n), "mib": mib}
+                         "threads": threads, "scale": a.scale, "n": int(n), "mib": mib,
+                         "layers": layers}
                 p = subprocess.run([sys.executable, "-c", DCP_CHILD, json.dumps(child)],
                                    capture_output=True, text=True, env=env, timeout=1800)
                 if p.returncode != 0:
@@ -301,8 +313,52 @@ def main(argv=None) -> None:
               + (f", {ratio(r['dcp_load'], r['load']):.2f}x DCP's speed" if r["dcp_load"]
                  else ""))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+        record(a, argv, results, dcp_ok, layers).write(a.json)
+
+
+def record(a, argv, results: dict, dcp_ok: bool, layers: int) -> "br.Record":
+    """The printed rows as data: per state, each row's seconds (and the bytes it moved),
+    and the save's and load's speed as a fraction of the raw limit, of chunks only and of
+    DCP's (their time over ours, per round)."""
+    rec = br.Record("bench_s3.py", "shardpoint against the S3 server's raw limit and DCP "
+                    "through s3fs", argv, {
+                        "server": f"moto {_moto_version()} on loopback" if a.endpoint is None
+                        else "an external endpoint", "repeat": a.repeat,
+                        "concurrency": a.concurrency, "latency_ms": a.latency_ms,
+                        "quick": a.quick, "mixed_scale": a.scale, "mixed_layers": layers,
+                        "uniform": a.uniform,
+                        "dcp_threads": a.threads,
+                        "dcp": "run" if dcp_ok and any(r["dcp_save"] for r in results.values())
+                        else "not run (no s3fs at --s3fs-path)"})
+    for name, r in results.items():
+        b = r["bytes"]
+        t = rec.table(name, f"{name}: {b / 2**20:.1f} MiB in {r['objects']} chunk objects, "
+                      f"{r['all_objects']} objects in all", "s", b)
+        row = br.Record.row
+        row(t, "raw PUT (limit)", r["raw_put"], bytes=r["raw_bytes"],
+            depth=r["raw_put_depth"])
+        row(t, "raw PUT (chunks)", r["rawc_put"], bytes=r["rawc_bytes"])
+        row(t, "shardpoint save", r["save"], {
+            "speed x raw limit": br.ratio(r["raw_put"], r["save"]),
+            "speed x chunks only": br.ratio(r["rawc_put"], r["save"]),
+            "speed x DCP": br.ratio(r["dcp_save"], r["save"])},
+            requests=r["save_requests"], depth=max(r["save_depth"]),
+            sent_bytes=r["save_bytes"])
+        if r["dcp_save"]:
+            row(t, f"DCP save (thread_count={r['dcp_best_threads']})", r["dcp_save"])
+        row(t, "raw GET (limit)", r["raw_get"], bytes=r["raw_bytes"],
+            depth=r["raw_get_depth"])
+        row(t, "raw GET (chunks)", r["rawc_get"], bytes=r["rawc_bytes"])
+        row(t, "shardpoint load", r["load"], {
+            "speed x raw limit": br.ratio(r["raw_get"], r["load"]),
+            "speed x chunks only": br.ratio(r["rawc_get"], r["load"]),
+            "speed x DCP": br.ratio(r["dcp_load"], r["load"])},
+            requests=r["load_requests"], depth=max(r["load_depth"]),
+            received_bytes=r["load_bytes"])
+        if r["dcp_load"]:
+            row(t, "DCP load", r["dcp_load"])
+    rec.data["samples"] = results
+    return rec
 
 
 def _moto_version() -> str:

@@ -14,21 +14,25 @@ reads: one message per rank), all under the coordinator's planning pause as
 ``run_collectively`` runs them (medians of --repeat runs, min-max); prints what the busiest
 rank receives and sends, gathered bytes,
 peak memory of each planning step (one extra untimed run under ``tracemalloc``, which sees
-numpy's buffers too) and manifest size with ratios to the targets. ``--json`` writes every
-timed sample, for interleaved A/B runs against another checkout (the script only uses APIs
+numpy's buffers too) and manifest size with ratios to the targets. ``--json`` writes the
+printed figures as data (``bench_results``: medians, min-max, ratios to the targets, the
+run's parameters and machine; the docs render it) with every timed sample under
+``samples``, for interleaved A/B runs against another checkout (the script only uses APIs
 both sides have).
 
     python benchmarks/plan_scale.py                 # the 4,096-rank job
     python benchmarks/plan_scale.py --dp 8 --layers 8   # quick look
+    python benchmarks/plan_scale.py --json benchmarks/results/plan_scale.json   # + as data
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
+import os
 import resource
 import statistics
+import sys
 import time
 import tracemalloc
 
@@ -191,7 +195,7 @@ def _median(xs: list) -> str:
     return f"{statistics.median(xs):7.3f} s ({min(xs):.3f}-{max(xs):.3f})"
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--pp", type=int, default=4)
@@ -216,7 +220,11 @@ def main() -> None:
                          "machine)")
     ap.add_argument("--single-message", action="store_true",
                     help="also size the one message per rank sent before the parts gather")
-    a = ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="a tiny job (TP 2 x PP 2 x DP 2, 4 layers), one run: a smoke test")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.tp, a.pp, a.dp, a.layers, a.hidden, a.vocab, a.repeat = 2, 2, 2, 4, 256, 1000, 1
     # CPU seconds of this process: on a machine shared with other jobs the wall clock
     # measures the queue for the cores; the planner is single-threaded, so its CPU time is
     # what it costs (both reported in RESULTS.md, each labelled)
@@ -399,6 +407,7 @@ def main() -> None:
     print(f"  ... plan encoded once + cut     {_median(st_e)}  "
           f"({med(st_e) / 1.0:.2f}x the 1.0 s target: what save()'s decide() runs and the "
           "slowest rank's cut of its own work; the broadcast itself not timed)")
+    load_sent = None
     if lds:
         print(f"  load plan (decode + plan_load)  {_median(lds)}  "
               f"({med(lds) / 1.0:.2f}x the 1.0 s target; {reads:,} reads, {sends:,} transfers)")
@@ -451,8 +460,20 @@ def main() -> None:
     print(f"  save plan message                 {len(gsave) / 2**10:8.1f} KiB (once)")
     print(f"  manifest                          {len(man) / 2**10:8.1f} KiB")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"world": world, "gathered_bytes": save_g["received"],
+        lt = [x + y + z for x, y, z in zip(auto, lenc, derive)] if lds and gbytes else []
+        rec = record(a, argv, world, nh, st, {"decode on coordinator": dec, "plan_save on "
+                     "coordinator": pl, "save plan end to end": tot, "save plan encoded once + "
+                     "cut": st_e, "load plan (decode + plan_load)": lds, "load plan as load() "
+                     "runs it": auto, "encode the load plan": lenc, "a rank cuts its own load "
+                     "work": derive, "load plan end to end": lt, "encode the save plan": senc,
+                     "a rank cuts its own save work": scut},
+                     {"save: received by the coordinator": save_g["received"],
+                      "save: sent by the coordinator": save_sent,
+                      "load: received by the coordinator": load_g["received"] if load_g
+                      else None, "load: sent by the coordinator": load_sent,
+                      "save plan message": len(gsave), "manifest": len(man)},
+                     peak)
+        rec.data["samples"] = {"world": world, "gathered_bytes": save_g["received"],
                        "load_gathered_bytes": load_g["received"] if load_g else None,
                        "decode_s": dec,
                        "plan_save_s": pl, "save_total_s": tot, "plan_load_s": lds,
@@ -460,7 +481,47 @@ def main() -> None:
                        "encode_save_s": save_enc, "encode_save_runs_s": senc,
                        "cut_save_s": scut, "save_plan_bytes": len(gsave),
                        "save_sent_bytes": save_sent,
-                       "peak_bytes": peak}, f)
+                       "peak_bytes": peak}
+        rec.write(a.json)
+
+
+TARGET_S, TARGET_BYTES = 1.0, 50e6
+# the rows that have a target (1.0 s each, as printed)
+TIMED_TARGETS = ("save plan end to end", "save plan encoded once + cut",
+                 "load plan (decode + plan_load)", "load plan as load() runs it",
+                 "load plan end to end")
+
+
+def record(a, argv, world: int, holdings: int, st: dict, times: dict, sizes: dict,
+           peak: dict):
+    """The printed figures as data: each planning step's seconds (median, min-max, x the
+    1.0 s target where it has one), the bytes the coordinator receives and sends (x the
+    50 MB target), and planning peak memory."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_results as br
+    rec = br.Record("plan_scale.py", f"Global planning of a simulated {world:,}-rank job",
+                    argv, {"quick": a.quick, "world": world, "tp": a.tp, "pp": a.pp, "dp": a.dp,
+                           "layers": a.layers, "hidden": a.hidden, "vocab": a.vocab,
+                           "repeat": a.repeat, "clock": a.clock, "trees": not a.no_trees,
+                           "holdings": holdings, "tensors": st["tensors"],
+                           "chunks": st["chunks"], "unique_bytes": st["unique_bytes"]})
+    t = rec.table("planning", f"Planning at {world:,} ranks (TP {a.tp} x PP {a.pp} x DP "
+                  f"{a.dp}, {holdings:,} holdings): medians of {a.repeat} runs, {a.clock} "
+                  "clock", "s")
+    for label, v in times.items():
+        if v:
+            br.Record.row(t, label, v, {"x target": {"value": statistics.median(v) /
+                                                     TARGET_S}}
+                          if label in TIMED_TARGETS else None)
+    b = rec.table("bytes", f"What the coordinator receives and sends at {world:,} ranks",
+                  "bytes")
+    for label, n in sizes.items():
+        if n is not None:
+            br.Record.row(b, label, [n], {"x target": {"value": n / TARGET_BYTES}}
+                          if label.startswith(("save:", "load:")) else None)
+    for k, v in peak.items():
+        br.Record.row(b, f"planning peak memory ({k}, traced)", [v])
+    return rec
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
   added to the site as they are in the repository, so the rendered spec is the normative text.
 * ``<!-- generated: cli -->``: the help of ``shardpoint`` and of each subcommand (and of
   ``shardpoint conformance``'s), formatted by the argparse parsers the command runs.
-* ``<!-- generated: benchmark NAME -->``: a table rendered from ``benchmarks/results/NAME.json``.
+* ``<!-- generated: benchmark NAME -->`` (or ``NAME:TABLE,TABLE``): the tables and bar
+  charts of ``benchmarks/results/NAME.json``, the file a benchmark script wrote with
+  ``--json`` (its command, date, commit and machine said beside them).
 """
 from __future__ import annotations
 
@@ -12,8 +14,6 @@ import argparse
 import json
 import os
 import re
-
-from mkdocs.structure.files import File
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPEC = os.path.join(ROOT, "spec")
@@ -33,7 +33,11 @@ MARK = re.compile(r"^([ \t]*)<!-- generated: (\w+)(?: (\S+))? -->", re.M)
 REQUIREMENT = re.compile(r"(?<!\\)\[(SP-[A-Z]+-\d+)\]")
 
 
+SCHEMA = "shardpoint-bench/1"      # benchmarks/bench_results.py writes it
+
+
 def on_files(files, config):
+    from mkdocs.structure.files import File
     for src, uri in SPEC_FILES.items():
         with open(os.path.join(SPEC, src), encoding="utf-8") as f:
             text = f.read()
@@ -93,43 +97,152 @@ def cli_reference() -> str:
     return "\n".join(out)
 
 
-def benchmark_table(name: str | None) -> str:
-    """A markdown table from ``benchmarks/results/<name>.json``: ``columns``, ``rows`` (each
-    a label and one cell per column) and ``source`` (the run the figures come from)."""
+def _load_results(name: str) -> tuple:
     path = os.path.join(ROOT, "benchmarks", "results", f"{name}.json")
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
-    cols = data["columns"]
-    lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for row in data["rows"]:
-        cells = row["cells"]
-        if len(cells) != len(cols):
-            raise ValueError(f"{path}: row {row['label']!r} has {len(cells)} cells, "
-                             f"{len(cols)} columns")
-        lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
-    lines += ["", f"*{data['title']}.* Source: {data['source']} "
-              f"(data: `benchmarks/results/{name}.json`)."]
-    if "plot" in data:
-        lines += ["", bar_chart(data["plot"])]
-    return "\n".join(lines)
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {data.get('schema')!r}, expected {SCHEMA!r} (a file "
+                         "a benchmark script wrote with --json)")
+    return path, data
 
 
-def bar_chart(plot: dict) -> str:
-    """A horizontal bar chart as inline SVG (no plotting library): one bar per value, a line
-    at 1.0 (as fast as the peer)."""
-    bars, width, left, row = plot["bars"], 640, 190, 26
-    top = max([1.0] + [b["value"] for b in bars]) * 1.1
-    x = lambda v: left + (width - left - 50) * v / top       # noqa: E731
-    h = row * len(bars) + 30
+def benchmark_table(spec: str | None) -> str:
+    """Markdown for ``benchmarks/results/<name>.json`` (``spec`` is ``name`` or
+    ``name:table,table``): which command wrote it, when, on what machine; then per table its
+    rows (median, min-max, rate, ratios) and a bar chart of the medians with min-max
+    whiskers."""
+    name, _, only = (spec or "").partition(":")
+    path, data = _load_results(name)
+    return render_results(data, f"benchmarks/results/{name}.json",
+                          only.split(",") if only else None)
+
+
+def _dur(v: float | None, unit: str) -> str:
+    if v is None:
+        return "n/a"
+    if unit == "bytes":
+        return f"{v / 1e6:.1f} MB" if v >= 1e5 else f"{v / 1e3:.1f} kB"
+    if unit == "s":
+        return f"{v:.3f}" if v >= 0.001 or v == 0 else f"{v:.1e}"
+    return f"{v:.2f}"
+
+
+def _footnote(i: int) -> str:
+    return "†‡§¶"[i % 4] * (1 + i // 4)
+
+
+def _ratio(r: dict) -> str:
+    pr = r.get("per_round")
+    if pr and pr["min"] != pr["max"]:
+        return f"{pr['median']:.2f}x ({pr['min']:.2f}-{pr['max']:.2f})"
+    return f"{(pr or r)['median' if pr else 'value']:.2f}x"
+
+
+def _machine(m: dict) -> str:
+    out = [f"{m.get('nproc')} CPUs"]
+    if m.get("memory_bytes"):
+        out.append(f"{m['memory_bytes'] / 2**30:.0f} GiB memory")
+    out.append(m.get("kernel", "?"))
+    if m.get("load_average"):
+        out.append(f"load average {m['load_average'][0]:g} at the start")
+    out += [f"{k} {v}" for k, v in m.items() if k not in (
+        "nproc", "memory_bytes", "kernel", "load_average", "arch")]
+    return ", ".join(out)
+
+
+def render_results(data: dict, where: str, only: list | None = None) -> str:
+    """A results file (``benchmarks/bench_results.py``'s schema) as markdown and inline SVG."""
+    commit = data.get("commit") or "?"
+    cfg = ", ".join(f"{k} {v}" for k, v in data.get("config", {}).items())
+    out = [f"*{data['title']}.* Source: `{data['source']}`, run {data['date']} at commit "
+           f"`{commit}`{' (with local changes)' if data.get('dirty') else ''}; machine: "
+           f"{_machine(data.get('machine', {}))}; configuration: {cfg} "
+           f"(data: `{where}`).", ""]
+    if data.get("config", {}).get("quick"):
+        out += ["**A `--quick` smoke run: tiny sizes, one round, warm cache; these figures mean "
+                "nothing.**", ""]
+    for t in data["tables"]:
+        if only and t["name"] not in only:
+            continue
+        rows, unit = t["rows"], t["unit"]
+        names = list(dict.fromkeys(k for r in rows for k in r.get("ratios", {})))
+        rate = unit == "s" and (t.get("bytes") or any(r.get("bytes") for r in rows))
+        mem = any(r.get("peak_extra_bytes") is not None for r in rows)
+        files = any(r.get("files") for r in rows)
+        u = {"s": "s", "bytes": "", "GB/s": "GB/s"}.get(unit, unit)
+        cols = [f"median {u}".strip(), f"min-max {u}".strip()] + (["MB/s"] if rate else []) \
+            + names + (["peak extra mem"] if mem else []) + (["files / dirs"] if files else [])
+        out += [f"**{t['title']}**" + (f" ({t['note']})" if t.get("note") else ""), "",
+                "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        notes: list = []
+        for r in rows:
+            mark = " *" if r.get("reference") else ""
+            if r.get("note"):
+                notes += [] if r["note"] in notes else [r["note"]]
+                mark += " " + _footnote(notes.index(r["note"]))
+            cells = [_dur(r["median"], unit), f"{_dur(r['min'], unit)}-{_dur(r['max'], unit)}"
+                     if len(r["values"]) > 1 else ""]
+            if rate:
+                b = r.get("bytes") or t.get("bytes")
+                cells.append(f"{b / r['median'] / 1e6:.1f}" if b and r["median"] else "")
+            cells += [_ratio(r["ratios"][n]) if n in r.get("ratios", {}) else "" for n in names]
+            if mem:
+                m = r.get("peak_extra_bytes")
+                cells.append("" if m is None else f"{m / 2**20:.0f} MiB")
+            if files:
+                cells.append(r.get("files") or "")
+            out.append(f"| {r['label']}{mark} | " + " | ".join(cells) + " |")
+        out.append("")
+        for i, n in enumerate(notes):
+            out += [f"{_footnote(i)} {n}", ""]
+        if any(r.get("reference") for r in rows):
+            out += ["\\* the reference of its family (the setting with the lowest median).", ""]
+        if len(rows) > 1 and unit == "s":
+            out += [bar_chart(t), ""]
+    tg = data.get("targets")
+    if tg and tg.get("rows") and not only:
+        out += ["**Targets, from this run** (ratios: medians of per-round ratios)", "",
+                "| target | " + " | ".join(tg["columns"]) + " |",
+                "|---" * (len(tg["columns"]) + 1) + "|"]
+        out += [f"| {r['label']} | " + " | ".join(r["cells"]) + " |" for r in tg["rows"]]
+        out.append("")
+    out.append("Ratios: the median of the per-round ratios (min-max) where the script pairs "
+               "rounds, else the ratio of the medians.")
+    return "\n".join(out)
+
+
+def _esc(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def bar_chart(table: dict) -> str:
+    """A horizontal bar chart as inline SVG (no plotting library): one bar per row, its
+    median, with a whisker from its min to its max."""
+    rows, width, left, step = table["rows"], 760, 330, 22
+    top = max(r["max"] for r in rows if r["max"] is not None) * 1.08 or 1.0
+    x = lambda v: left + (width - left - 70) * v / top       # noqa: E731
+    h = step * len(rows) + 34
+    unit = table["unit"]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
-           f'role="img" aria-label="{plot["title"]}" style="font: 12px sans-serif">']
-    for i, b in enumerate(bars):
-        y = 10 + i * row
-        out.append(f'<text x="{left - 8}" y="{y + 15}" text-anchor="end">{b["label"]}</text>'
-                   f'<rect x="{left}" y="{y + 3}" width="{x(b["value"]) - left:.1f}" '
-                   f'height="16" fill="#5c6bc0"/><text x="{x(b["value"]) + 4:.1f}" '
-                   f'y="{y + 15}">{b["value"]:.2f}x</text>')
-    out.append(f'<line x1="{x(1.0):.1f}" y1="6" x2="{x(1.0):.1f}" y2="{h - 14}" '
-               f'stroke="#333" stroke-dasharray="3,3"/><text x="{x(1.0):.1f}" y="{h - 2}" '
-               f'text-anchor="middle">1.0</text></svg>')
-    return "".join(out) + f"\n\n*{plot['title']}.*"
+           f'role="img" aria-label="{_esc(table["title"])}: medians with min-max" '
+           'style="font: 11px sans-serif">']
+    for i, r in enumerate(rows):
+        if r["median"] is None:
+            continue
+        y = 6 + i * step
+        label = r["label"] if len(r["label"]) <= 52 else r["label"][:50] + "..."
+        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">{_esc(label)}</text>'
+                   f'<rect x="{left}" y="{y + 3}" width="{x(r["median"]) - left:.1f}" '
+                   f'height="13" fill="{"#ef6c00" if "shardpoint" in r["label"] else "#5c6bc0"}"/>'
+                   f'<line x1="{x(r["min"]):.1f}" y1="{y + 9.5}" x2="{x(r["max"]):.1f}" '
+                   f'y2="{y + 9.5}" stroke="#222"/><line x1="{x(r["min"]):.1f}" y1="{y + 5}" '
+                   f'x2="{x(r["min"]):.1f}" y2="{y + 14}" stroke="#222"/><line '
+                   f'x1="{x(r["max"]):.1f}" y1="{y + 5}" x2="{x(r["max"]):.1f}" y2="{y + 14}" '
+                   f'stroke="#222"/><text x="{x(r["max"]) + 4:.1f}" y="{y + 13}">'
+                   f'{_dur(r["median"], unit)}</text>')
+    out.append(f'<line x1="{left}" y1="{h - 26}" x2="{x(top):.1f}" y2="{h - 26}" '
+               f'stroke="#999"/><text x="{left}" y="{h - 10}">0</text><text x="{x(top):.1f}" '
+               f'y="{h - 10}" text-anchor="end">{_dur(top, unit)} {unit}</text></svg>')
+    return "".join(out) + f"\n\n*{_esc(table['title'])}: medians (bars) with min-max " \
+        "(whiskers); shardpoint's rows in orange.*"

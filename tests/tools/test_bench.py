@@ -1,19 +1,58 @@
 """The benchmark's --quick mode runs end to end (tiny sizes, one run) and prints its tables;
-no timing is asserted."""
+with --json it writes them as data that the docs hook renders. No timing is asserted."""
+import importlib.util
+import json
 import os
+import re
+import statistics
 import sys
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+HOOK = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "_hooks", "generated.py")
 
 
-def test_quick_benchmark_prints_every_table(capsys, tmp_path):
+def render(path: str, printed: str = "", here: bool = True) -> tuple:
+    """The results file at ``path`` as the docs hook renders it (loaded in-process, without
+    mkdocs), after checking each row's median, min and max against its raw values, and,
+    where the script printed ``| label | median |``, that median against the printed one
+    (``here``: the file was written by a run on this machine)."""
+    with open(path) as f:
+        data = json.load(f)
+    assert data["schema"] == "shardpoint-bench/1" and data["date"] and data["tables"]
+    assert data["machine"]["kernel"] and data["machine"]["nproc"] == (
+        os.cpu_count() if here else data["machine"]["nproc"])      # run on this machine
+    assert "--json" not in data["source"] and data["source"].startswith("python benchmarks/")
+    for t in data["tables"]:
+        for r in t["rows"]:
+            assert r["median"] == statistics.median(r["values"]), r
+            assert (r["min"], r["max"]) == (min(r["values"]), max(r["values"])), r
+            # as printed: "| label [marks] | median |", a label maybe in several tables
+            shown = re.findall(r"^\| " + re.escape(r["label"]) + r"(?: [*†])* \| ([^|]*?) \|",
+                               printed, re.M)
+            if t["unit"] == "s" and shown:
+                assert f"{r['median']:.3f}" in shown, (r["label"], shown)
+    spec = importlib.util.spec_from_file_location("docs_generated", HOOK)
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return data, hook.render_results(data, path)
+
+
+def test_quick_benchmark_prints_every_table(capsys, tmp_path, tmp_path_factory):
+    res = str(tmp_path_factory.mktemp("results") / "bench.json")
     sys.path.insert(0, BENCH)
     try:
         import bench
-        bench.main(["--quick", "--dir", str(tmp_path)])
+        bench.main(["--quick", "--dir", str(tmp_path), "--json", res])
     finally:
         sys.path.remove(BENCH)
     out = capsys.readouterr().out
+    data, md = render(res, out)
+    assert data["source"].startswith("python benchmarks/bench.py --quick --dir ")
+    assert data["config"]["quick"] is True and data["config"]["cold_cache"] is False
+    assert [t["name"] for t in data["tables"]][:3] == ["mixed", "uniform", "reshard"]
+    assert "| shardpoint save |" in md and "| DCP load |" in md and md.count("<svg") >= 3
+    assert f"`{data['source']}`" in md
+    assert len(data["targets"]["rows"]) == 8
     for row in ("raw write", "shardpoint save", "shardpoint async save", "DCP save",
                 "DCP async_save", "torch.save", "safetensors load", "raw read",
                 "shardpoint load", "DCP load", "by columns: shardpoint (auto: ",
@@ -74,19 +113,28 @@ def test_targets_table_says_met_or_not_with_the_floor_beside_it(capsys):
         in out
 
 
-def test_quick_jax_benchmark_runs_both_tools_and_checks_what_they_loaded(capsys, tmp_path):
+def test_quick_jax_benchmark_runs_both_tools_and_checks_what_they_loaded(capsys, tmp_path,
+                                                                        tmp_path_factory):
     """benchmarks/bench_jax.py --quick: shardpoint_jax against Orbax, every table printed
     (each load is compared bit for bit with what was saved, or the run stops)."""
     import pytest
     pytest.importorskip("orbax.checkpoint", reason="the JAX benchmark's peer: pip install "
                         "-e '.[jax,jax-test]'")
+    res = str(tmp_path_factory.mktemp("results") / "bench_jax.json")
     sys.path.insert(0, BENCH)
     try:
         import bench_jax
-        bench_jax.main(["--quick", "--dir", str(tmp_path)])
+        bench_jax.main(["--quick", "--dir", str(tmp_path), "--json", res])
     finally:
         sys.path.remove(BENCH)
     out = capsys.readouterr().out
+    data, md = render(res)
+    mixed = {r["label"]: r for r in data["tables"][0]["rows"]}
+    # the printed per-round ratio is the file's
+    ratio = mixed["load: shardpoint_jax"]["ratios"]["x raw"]["per_round"]["median"]
+    assert f"| load | shardpoint_jax | {mixed['load: shardpoint_jax']['median']:.3f} |" in out
+    assert f"| {ratio:.2f}x |" in out.split("### mixed")[1].split("| load | shardpoint_jax |")[1]
+    assert "| load: orbax (no ocdbt) |" in md and md.count("<svg") == 2
     for state in ("### mixed", "### uniform"):
         table = out.split(state)[1].split("###")[0]
         for row in ("| save | raw write (1 thread)", "| save | shardpoint_jax |", "| save | orbax (ocdbt)",
@@ -125,3 +173,69 @@ def test_quick_store_benchmark_runs_every_store(capsys, tmp_path):
         "s3, sp.save", "s3, sp.load", "memory, put", "memory, get", "memory, sp.save",
         "memory, sp.load"]
     assert os.listdir(tmp_path) == []       # everything it wrote is removed
+
+
+def test_quick_s3_benchmark_writes_what_it_printed(capsys, s3_env, tmp_path):
+    """benchmarks/bench_s3.py --quick --json against the session's S3 server: the rows it
+    can run (DCP's peer, s3fs, pointed away here), rendered by the docs hook."""
+    res = str(tmp_path / "bench_s3.json")
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_s3
+        bench_s3.main(["--quick", "--endpoint", s3_env.endpoint, "--bucket", s3_env.bucket,
+                       "--s3fs-path", str(tmp_path / "no-s3fs"), "--json", res])
+    finally:
+        sys.path.remove(BENCH)
+    out = capsys.readouterr().out
+    data, md = render(res)
+    assert data["config"]["dcp"].startswith("not run") and data["config"]["quick"] is True
+    mixed = {r["label"]: r for r in data["tables"][0]["rows"]}
+    save = mixed["shardpoint save"]
+    assert f"shardpoint save   {save['median']:7.3f} s" in out
+    assert f"save: {save['ratios']['speed x raw limit']['value']:.2f}x the raw limit" in out
+    assert "DCP save" not in mixed and data["samples"]["mixed"]["save"] == save["values"]
+    assert "| shardpoint load |" in md and "<svg" in md
+
+
+def test_quick_plan_scale_writes_what_it_printed(capsys, tmp_path):
+    """benchmarks/plan_scale.py --quick --json: the planning steps and the bytes, with their
+    ratios to the targets, rendered by the docs hook."""
+    res = str(tmp_path / "plan_scale.json")
+    sys.path.insert(0, BENCH)
+    try:
+        import plan_scale
+        plan_scale.main(["--quick", "--no-memory", "--json", res])
+    finally:
+        sys.path.remove(BENCH)
+    out = capsys.readouterr().out
+    data, md = render(res)
+    assert data["config"]["world"] == 8 and data["source"].endswith("--quick --no-memory")
+    rows = {r["label"]: r for r in data["tables"][0]["rows"]}
+    tot = rows["save plan end to end"]
+    assert f"save plan end to end            {tot['median']:7.3f} s" in out
+    assert tot["ratios"]["x target"]["value"] == tot["median"] / 1.0
+    assert data["samples"]["save_total_s"] == tot["values"]
+    assert "| save: received by the coordinator |" in md and "<svg" in md
+
+
+def test_benchmark_page_figures_all_come_from_files_the_scripts_wrote():
+    """docs/benchmarks.md holds no measured figure of its own (no "1.52x", no "0.68 s"): its
+    tables come from benchmarks/results/*.json, each written by a script's --json (schema,
+    command, date, commit, machine) and each shown on the page."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    with open(os.path.join(root, "docs", "benchmarks.md")) as f:
+        page = f.read()
+    prose = re.sub(r"`[^`]*`", "", page)
+    figures = re.findall(r"\d+(?:\.\d+)?\s*(?:x\b|s\b|ms\b|[MG]i?B\b|MB/s|GB/s)|\d+\.\d+", prose)
+    assert figures == [], figures
+    names = sorted(f[:-5] for f in os.listdir(os.path.join(root, "benchmarks", "results"))
+                   if f.endswith(".json"))
+    assert names and re.findall(r"<!-- generated: benchmark (\w+) -->", page) == \
+        ["bench", "bench_jax", "bench_s3", "plan_scale", "plan_scale_cpu"]
+    for name in names:
+        assert f"<!-- generated: benchmark {name} -->" in page, name
+        path = os.path.join(root, "benchmarks", "results", f"{name}.json")
+        data, md = render(path, here=False)
+        assert os.path.isfile(os.path.join(root, data["script"])) and data["commit"], name
+        assert not data["config"].get("quick"), name      # never a smoke run as the headline
+        assert data["source"] in md and data["date"] in md
