@@ -103,7 +103,7 @@ class SourceSpec:
 
 
 def _open_for_worker(spec: SourceSpec) -> Source:
-    from shardpoint.tools.convert import open_source
+    from shardpoint.tools.convert.sources import open_source
     return open_source(spec.path, spec.format, skip_common=spec.skip_common, tensors_only=True,
                        trust_pickle=spec.trust_pickle)
 
