@@ -40,16 +40,8 @@ from typing import Callable, Dict, List, Tuple
 
 MiB = 1 << 20
 
-
-def drop_caches() -> bool:
-    """Write back and drop the page cache (root only); False where that is not allowed."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_tools import drop_caches  # noqa: E402
 
 
 def objects(n_small: int, small: int, n_big: int, big: int) -> List[Tuple[str, bytes]]:
