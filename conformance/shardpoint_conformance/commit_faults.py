@@ -17,6 +17,9 @@ previous checkpoint or the new one, whole, and nothing the protocol did not writ
 * ``stalled_save``: a save stops renewing its lease (a paused process), recovery reclaims it
   and removes its prefix, the save then publishes: refused, previous checkpoint whole
   [SP-COMMIT-16]. Needs ``Rig.pause``.
+* ``blackhole``: an endpoint that accepts connections and never answers: a save's first
+  request and a read fail with ``StoreUnavailableError`` naming the endpoint within the
+  store's own stated bound, never a hang. Needs ``Rig.blackhole``.
 
 Example (the reference on the tests' S3 server, ``tests/conformance/test_commit_faults.py``)::
 
@@ -55,6 +58,9 @@ class Rig:
     committer: Callable[[Any], Any]
     pause: Optional[Callable[[Any, str], None]] = None
     quick: bool = False          # one case of each kind instead of every combination
+    # ``blackhole(endpoint)``: (the implementation's store of this kind pointed at
+    # ``endpoint``, the most seconds its options let one operation take); None: skipped
+    blackhole: Optional[Callable[[str], tuple]] = None
 
 
 def stage(store: Any, committer: Any, target: str, label: str) -> tuple:
@@ -209,9 +215,46 @@ def stalled_save(rig: Rig) -> None:
         raise AssertionError("the previous checkpoint is not whole")
 
 
+def blackhole(rig: Rig) -> None:
+    if rig.blackhole is None:
+        return
+    import socket
+    import threading
+    from shardpoint_core.errors import StoreUnavailableError
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)                  # the kernel accepts into the backlog; nobody answers
+    endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        store, bound = rig.blackhole(endpoint)
+        for what, op in (("a save's lease", lambda: rig.committer(store).begin(
+                             "t", uuid.uuid4().hex)),
+                         ("a read", lambda: store.get("t/manifest.msgpack"))):
+            box: dict = {}
+
+            def run() -> None:
+                try:
+                    op()
+                except BaseException as e:  # noqa: BLE001 - judged below
+                    box["err"] = e
+            t = threading.Thread(target=run, daemon=True)
+            t.start()
+            t.join(bound + 10)
+            if t.is_alive():
+                raise AssertionError(f"{what} against a blackhole is still waiting after "
+                                     f"{bound + 10:.0f} s (the store states {bound:.0f} s)")
+            err = box.get("err")
+            if not isinstance(err, StoreUnavailableError) or endpoint.split("//")[1] \
+                    not in str(err):
+                raise AssertionError(f"{what} against a blackhole: {err!r}, not a "
+                                     "StoreUnavailableError naming the endpoint")
+    finally:
+        sock.close()
+
+
 SCENARIOS: Dict[str, Callable[[Rig], None]] = {
     "lost_reply": lost_reply, "lost_race": lost_race,
     "abort_after_commit": abort_after_commit, "user_objects": user_objects,
-    "stalled_save": stalled_save,
+    "stalled_save": stalled_save, "blackhole": blackhole,
 }
 

@@ -23,8 +23,13 @@ def s3_rig(s3_env, request):
         with FaultProxy(s3_env, rule) as proxy:
             yield S3Store.from_url(url, S3Options(endpoint_url=proxy.endpoint,
                                                   max_attempts=3))
+    def blackhole(endpoint):
+        o = S3Options(endpoint_url=endpoint, connect_timeout_s=1, read_timeout_s=1,
+                      deadline_s=2)
+        return S3Store.from_url(url, o), o.deadline_s + o.connect_timeout_s + o.read_timeout_s
+
     return Rig(S3Store.from_url(url), faulty, ObjectStoreCommitter, pause_lease,
-               quick=not request.config.getoption("--runslow"))
+               quick=not request.config.getoption("--runslow"), blackhole=blackhole)
 
 
 @pytest.fixture
@@ -40,10 +45,15 @@ def gcs_rig(gcs_server, request):
         with PreconditionProxy(gcs_server, rule) as proxy:
             yield GcsStore.from_url(url, GcsOptions(endpoint_url=proxy.endpoint,
                                                     conditional_writes=True))
+    def blackhole(endpoint):
+        o = GcsOptions(endpoint_url=endpoint, connect_timeout_s=1, timeout_s=1,
+                       retry_timeout_s=2, conditional_writes=True)
+        return GcsStore.from_url(url, o), o.retry_timeout_s + o.connect_timeout_s + o.timeout_s
+
     yield Rig(GcsStore.from_url(url, GcsOptions(endpoint_url=strict.endpoint,
                                                 conditional_writes=True)),
               faulty, ObjectStoreCommitter, pause_lease,
-              quick=not request.config.getoption("--runslow"))
+              quick=not request.config.getoption("--runslow"), blackhole=blackhole)
     strict.__exit__(None, None, None)
 
 
