@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from shardpoint_core.errors import InvalidShardingError
 
-Box = tuple  # (offset tuple, shape tuple)
+Box = tuple[Any, ...]  # (offset tuple, shape tuple)
 MAX_CELLS = 1 << 22
 
 
@@ -30,7 +30,7 @@ def box_intersection(a_off, a_shape, b_off, b_shape) -> Optional[Box]:
     return tuple(off), tuple(shp)
 
 
-def regular_grid_of(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[tuple]:
+def regular_grid_of(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[tuple[Any, ...]]:
     """If every box is exactly one cell of one regular grid, that grid's chunk shape."""
     if not boxes:
         return None
@@ -45,13 +45,13 @@ def regular_grid_of(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[tupl
     return tuple(chunk)
 
 
-def regions_tile(shape: Sequence[int], regions: Sequence[tuple]) -> bool:
+def regions_tile(shape: Sequence[int], regions: Sequence[tuple[Any, ...]]) -> bool:
     """A quick sufficient test that distinct non-empty ``regions`` (``(offset, shape, flat or
     None)``) tile ``shape`` exactly once: their blocks are all the cells of one regular grid,
     and within each block the flattened ranges (a rectangular region: the whole block) follow
     one another from 0 to the block's size. False means "not shown": the full check
     (:func:`check_exact_cover` on the pieces) then decides and names the fault."""
-    ranges: dict = {}
+    ranges: dict[str, Any] = {}
     for o, s, f in regions:
         ranges.setdefault((tuple(o), tuple(s)), []).append(tuple(f) if f else (0, math.prod(s)))
     grid = regular_grid_of(shape, list(ranges))
@@ -139,7 +139,7 @@ def _fail_overlap(key, shape, boxes, bounds, cell, describe):
 
 def _sweep(key, shape, boxes, describe):
     order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
-    active: list = []
+    active: list[Any] = []
     for i in order:
         o, s = boxes[i]
         active = [j for j in active if boxes[j][0][0] + boxes[j][1][0] > o[0]]

@@ -24,20 +24,20 @@ from shardpoint_core.keys import decode_key, encode_key
 from shardpoint_core.statetree import typed_tree
 from shardpoint_core.storage import ArraySpec
 
-class ObjectValues(list):
+class ObjectValues(list[Any]):
     """The values of a sharded object in row-major grid order, with the grid's ``shape``
     (``(len(values),)`` for the 1-D grid every 1.0 checkpoint has)."""
 
-    def __init__(self, values: Sequence = (), shape: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, values: Sequence[Any] = (), shape: Optional[Sequence[int]] = None) -> None:
         super().__init__(values)
         self.shape = tuple(shape) if shape is not None else (len(self),)
 
-    def nested(self) -> list:
+    def nested(self) -> list[Any]:
         """The values as nested lists following the grid (a flat list for a 1-D grid)."""
         return _nest(list(self), self.shape)
 
 
-def _nest(flat: list, shape: tuple) -> list:
+def _nest(flat: list[Any], shape: tuple[int, ...]) -> list[Any]:
     """``flat`` as nested lists of ``shape`` (module level, not a closure: no cycle)."""
     if len(shape) == 1:
         return list(flat)
@@ -45,12 +45,12 @@ def _nest(flat: list, shape: tuple) -> list:
     return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
-def object_grid(values: Sequence) -> tuple:
+def object_grid(values: Sequence[Any]) -> tuple[Any, ...]:
     """Grid shape of a sharded object's stored values (a plain list is a 1-D grid)."""
     return getattr(values, "shape", (len(values),))
 
 
-def iter_tree_leaves(tree: Any, path: tuple = ()) -> Iterator[tuple]:
+def iter_tree_leaves(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
     """Yield ``(path, node)`` for every leaf node of a tree in its wire encoding (a plan's,
     or ``Manifest.wire_tree``); readers of a checkpoint walk ``Manifest.tree`` instead."""
     if "dict" in tree:
@@ -84,9 +84,9 @@ MAX_MANIFEST_BYTES = 1 << 30          # manifest.msgpack's size cap ([SP-SEC-2])
 class TensorEntry:
     key: str
     array: str           # path of the Zarr v3 array, relative to the checkpoint root
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: str
-    chunk_shape: tuple
+    chunk_shape: tuple[int, ...]
     #: (1.3) every stored unit's crc32c, 4 little-endian bytes each, units in grid order
     #: ([SP-MAN-7]); None when the writer recorded none
     chunk_crc32c: Optional[bytes] = None
@@ -110,13 +110,13 @@ class Manifest:
     (``{"dict": [[k, node]]}``, [SP-MAN-4]), what writers build and the codec stores."""
 
     wire_tree: Any                     # the tree in its wire encoding ([SP-MAN-4])
-    tensors: dict                      # key -> TensorEntry
-    objects: dict                      # key -> ObjectValues (row-major grid order)
-    format_version: tuple = FORMAT_VERSION
+    tensors: dict[str, Any]                      # key -> TensorEntry
+    objects: dict[str, Any]                      # key -> ObjectValues (row-major grid order)
+    format_version: tuple[Any, ...] = FORMAT_VERSION
     writer: str = ""
     created_unix: float = 0.0
     save_world_size: int = 1
-    extensions: dict = field(default_factory=dict)
+    extensions: dict[str, Any] = field(default_factory=dict)
     _typed: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -207,7 +207,7 @@ def encode_manifest(m: Manifest) -> bytes:
     return data
 
 
-def _tensor_entry(e: TensorEntry) -> dict:
+def _tensor_entry(e: TensorEntry) -> dict[str, Any]:
     """A tensor's manifest entry; the chunk table ([SP-MAN-7]) only where the writer has one,
     marked ignorable so that 1.1 and 1.2 readers read the entry as before ([SP-VER-3])."""
     entry = {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
@@ -229,7 +229,7 @@ def chunk_table_of(key: str, v: Any) -> bytes:
     return v["crc32c"]
 
 
-def _object_entry(v: list) -> dict:
+def _object_entry(v: list[Any]) -> dict[str, Any]:
     """A sharded object's manifest entry; ``shape`` only for a grid of 2+ dimensions, so a
     1-D object reads the same as in format 1.0 ([SP-OBJ-4])."""
     grid = object_grid(v)
@@ -248,7 +248,7 @@ def _ints(x: Any, minimum: int) -> bool:
                                        and i >= minimum for i in x)
 
 
-def _unknown(fields: dict, known: set, where: str) -> None:
+def _unknown(fields: dict[str, Any], known: set[Any], where: str) -> None:
     for k, v in fields.items():
         if k in known:
             continue
@@ -262,7 +262,7 @@ def _unknown(fields: dict, known: set, where: str) -> None:
 ENVELOPE_HEAD = 32     # enough for a map header, a fixstr key and a bin header
 
 
-def _bin_entry(b: bytes, pos: int) -> Optional[tuple]:
+def _bin_entry(b: bytes, pos: int) -> Optional[tuple[Any, ...]]:
     """(offset after a fixstr key and its bin value starting at ``pos``, the value's size)."""
     if pos >= len(b) or not 0xA0 <= b[pos] <= 0xBF:
         return None
@@ -408,7 +408,7 @@ def decode_manifest(data: bytes) -> Manifest:
                     m.get("created_unix", 0.0), m.get("save_world_size", 1), exts)
 
 
-def _check_distinct_arrays(tensors: dict) -> None:
+def _check_distinct_arrays(tensors: dict[str, Any]) -> None:
     """No two tensors share an array, and none lies inside another's ([SP-LAYOUT-2])."""
     paths = sorted((e.array + "/", k) for k, e in tensors.items())
     for (a, ka), (b, kb) in zip(paths, paths[1:]):
@@ -417,8 +417,8 @@ def _check_distinct_arrays(tensors: dict) -> None:
                        f"{b[:-1]!r}: one array inside or equal to another", "SP-LAYOUT-2")
 
 
-def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: set,
-                seen_o: set) -> None:
+def _check_node(node: Any, path: tuple[Any, ...], tensors: dict[str, Any], objects: dict[str, Any], seen_t: set[Any],
+                seen_o: set[Any]) -> None:
     """One tree node for :func:`_check_tree` (a module-level function, not a closure, so a
     check leaves no reference cycle behind)."""
     if not isinstance(node, dict) or len(node) < 1:
@@ -435,7 +435,7 @@ def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: se
     if "dict" in node:
         if not isinstance(node["dict"], list):
             raise _bad(f"tree dict at {path!r} must be a list of [key, node]", "SP-MAN-4")
-        seen_keys: set = set()
+        seen_keys: set[Any] = set()
         for item in node["dict"]:
             if not (isinstance(item, list) and len(item) == 2
                     and isinstance(item[0], (str, int)) and not isinstance(item[0], bool)):
@@ -481,7 +481,7 @@ def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: se
     raise _bad(f"tree node at {path!r} has unknown kind {sorted(node)!r}", "SP-MAN-4")
 
 
-def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
+def _check_tree(tree: Any, tensors: dict[str, Any], objects: dict[str, Any]) -> None:
     """Every leaf names its own path's key, and every tensor/object is in the tree once."""
     seen_t, seen_o = set(), set()
     if "dict" not in tree and "list" not in tree and "tuple" not in tree:

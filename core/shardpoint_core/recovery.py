@@ -25,7 +25,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from shardpoint_core.errors import CheckpointNotFoundError, InvalidOptionError, ShardpointError
 from shardpoint_core.fsutil import os_error_text
@@ -50,7 +50,7 @@ class RecoveryAction:
     reason: str
     done: bool
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -61,7 +61,7 @@ def committer_of(backend: Optional[StorageBackend] = None) -> PosixCommitter:
     return c if c is not None else PosixCommitter()
 
 
-def _leftovers(be: PosixCommitter, path: str) -> list:
+def _leftovers(be: PosixCommitter, path: str) -> list[Any]:
     """Leftovers inside ``path`` (a parent directory) and those of target ``path`` itself."""
     found = {}
     if os.path.isdir(path):
@@ -75,8 +75,8 @@ def _leftovers(be: PosixCommitter, path: str) -> list:
     return sorted(found.values(), key=lambda lo: (lo.target, lo.kind != "tmp", lo.path))
 
 
-def _decide(be: PosixCommitter, lo: Leftover, olds: Counter, now: float,
-            min_age_s: float) -> tuple:
+def _decide(be: PosixCommitter, lo: Leftover, olds: Counter[str], now: float,
+            min_age_s: float) -> tuple[Any, ...]:
     if lo.in_use and "://" in lo.path:
         return "skip", ("its save's lease is live (renewed within its duration): a save is "
                         "running [SP-COMMIT-16]")
@@ -109,7 +109,7 @@ def _decide(be: PosixCommitter, lo: Leftover, olds: Counter, now: float,
 
 def recover(path_or_parent: str, *, dry_run: bool = False,
             min_age_s: float = DEFAULT_MIN_AGE_S,
-            backend: Optional[StorageBackend] = None) -> list:
+            backend: Optional[StorageBackend] = None) -> list[Any]:
     """Apply [SP-COMMIT-6] to leftovers beside checkpoint ``path_or_parent`` (or in it, when it
     is the directory holding checkpoints); returns one :class:`RecoveryAction` per leftover.
     Never run it while a save to one of those paths may be running."""
@@ -130,7 +130,7 @@ def recover(path_or_parent: str, *, dry_run: bool = False,
     return _apply(be, _leftovers(be, path), dry_run, min_age_s)
 
 
-def _apply(be: StorageBackend, los: list, dry_run: bool, min_age_s: float) -> list:
+def _apply(be: StorageBackend, los: list[Any], dry_run: bool, min_age_s: float) -> list[Any]:
     """Decide and (unless ``dry_run``) act on each leftover."""
     olds = Counter(lo.target for lo in los if lo.kind == "old")
     now, out = time.time(), []

@@ -32,11 +32,11 @@ class _ArrayType:
             cls, origin, to_numpy, from_numpy, check)
 
 
-_ARRAY_TYPES: list = []
-_FROM_ORIGIN: dict = {}
+_ARRAY_TYPES: list[Any] = []
+_FROM_ORIGIN: dict[str, Any] = {}
 # False inside numpy_values(): a front end that wants numpy (JAX) decodes in a process where
 # another front end (torch) registered a decoder for its origin.
-_NATIVE: ContextVar = ContextVar("shardpoint_native_values", default=True)
+_NATIVE: ContextVar[Any] = ContextVar("shardpoint_native_values", default=True)
 
 
 def register_array_type(cls: type, origin: str, *, to_numpy: Any, check: Any,
@@ -78,7 +78,7 @@ UNPACK_LIMITS = dict(max_bin_len=1 << 31, max_str_len=1 << 28, max_array_len=1 <
 MAX_DEPTH = 256
 
 
-def strict_pairs(pairs: list) -> dict:
+def strict_pairs(pairs: list[Any]) -> dict[str, Any]:
     """Map hook of the decoder: keys are str or int, each at most once ([SP-MAN-5])."""
     try:
         d = dict(pairs)
@@ -89,7 +89,7 @@ def strict_pairs(pairs: list) -> dict:
         raise CorruptCheckpointError(f"msgpack map key {bad!r} ({type(bad).__name__}) is "
                                      "neither str nor int", spec_id="SP-MAN-5")
     if len(d) != len(pairs):
-        seen: set = set()
+        seen: set[Any] = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))
         raise CorruptCheckpointError(f"msgpack map repeats key {dup!r}", spec_id="SP-MAN-5")
     for v in d.values():
@@ -105,7 +105,7 @@ def _timestamp() -> None:
                                  spec_id="SP-VALUE-2")
 
 
-def strict_list(items: list) -> list:
+def strict_list(items: list[Any]) -> list[Any]:
     """List hook of the decoder: no msgpack timestamp among the items (see :func:`_timestamp`)."""
     for v in items:
         if type(v) is msgpack.Timestamp:
@@ -140,7 +140,7 @@ def nesting_depth_error(v: Any, limit: int = MAX_DEPTH) -> str:
     rebuilt only on failure."""
     if _max_depth(v, limit + 1) <= limit:
         return ""
-    path: list = []
+    path: list[Any] = []
     x, need = v, limit + 1
     while need > 1:   # follow a branch that still goes deep enough
         kids = x.items() if isinstance(x, dict) else enumerate(x)
@@ -265,7 +265,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise CorruptCheckpointError(f"unknown msgpack extension type {code}", spec_id="SP-VALUE-2")
 
 
-def _prod(shape: list) -> int:
+def _prod(shape: list[Any]) -> int:
     n = 1
     for x in shape:
         n *= x
@@ -275,7 +275,7 @@ def _prod(shape: list) -> int:
 MAX_RANK = 64   # dimensions of a tensor or array value ([SP-SEC-2])
 
 
-def _decode_one(data: bytes, hooked: bool, seen: Optional[list] = None) -> Any:
+def _decode_one(data: bytes, hooked: bool, seen: Optional[list[Any]] = None) -> Any:
     """One msgpack object, its tuples left as :class:`_Tuple`; msgpack's own errors (its
     nesting limit raises a StackError with no text) become [SP-MAN-5]/[SP-MAN-1] errors."""
     def hook(code: int, payload: bytes) -> Any:
@@ -338,7 +338,7 @@ def _resolve(v: Any, hooked: bool) -> Any:
 
 
 def _unpack(data: bytes, hooked: bool) -> Any:
-    seen: list = []
+    seen: list[Any] = []
     v = _decode_one(data, hooked, seen)
     if seen:
         v = _resolve(v, hooked)

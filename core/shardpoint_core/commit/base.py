@@ -18,7 +18,7 @@ The lock rule: whoever creates, replaces or deletes a location holds its lock me
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -47,7 +47,7 @@ class Committer(Protocol):
         """Delete the committed checkpoint ``target`` (retention), refusing anything that is
         not one; False, touching nothing, where it is gone or a live save holds it."""
 
-    def leftovers(self, directory: str) -> list:
+    def leftovers(self, directory: str) -> list[Any]:
         """What crashed saves and replacements left in ``directory`` ([SP-COMMIT-6])."""
 
     def restore(self, leftover: str, target: str) -> bool:

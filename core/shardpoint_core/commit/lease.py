@@ -52,7 +52,7 @@ def encode_lease(token: str, lease_s: float, reclaimed: bool = False,
                          use_bin_type=True)
 
 
-def decode_lease(data: bytes, token: str) -> Optional[tuple]:
+def decode_lease(data: bytes, token: str) -> Optional[tuple[Any, ...]]:
     """``(duration in seconds, reclaimed)`` when ``data`` is the lease of ``token``, else None
     (not a lease, or another save's: the prefix is not this protocol's)."""
     if len(data) > 4096:

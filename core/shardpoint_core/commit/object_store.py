@@ -36,7 +36,7 @@ import logging
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import msgpack
 
@@ -102,7 +102,7 @@ class ObjectStoreCommitter:
     def _manifest_key(self, target: str) -> str:
         return _join(target, MANIFEST_NAME)
 
-    def _foreign(self, target: str, listing: Optional[Iterable] = None) -> List[str]:
+    def _foreign(self, target: str, listing: Optional[Iterable[Any]] = None) -> List[str]:
         """Objects under ``target/`` (``listing``: the store's list of it, when the caller
         started it) that are neither the marker nor below a save prefix or a committed
         array path (someone else's: never replaced, never deleted)."""
@@ -232,7 +232,7 @@ class ObjectStoreCommitter:
             "or stalled for longer than it); nothing was committed, the previous checkpoint "
             "is intact", spec_id="SP-COMMIT-16")
 
-    def _commit_marker(self, key: str, marker: bytes, old: Optional[tuple],
+    def _commit_marker(self, key: str, marker: bytes, old: Optional[tuple[Any, ...]],
                        target: str) -> str:
         """PUT the marker ([SP-COMMIT-12]) and return its version. Whatever the PUT answered,
         when it did not answer success the marker is read back: this save's own bytes mean
@@ -274,7 +274,7 @@ class ObjectStoreCommitter:
         err.__cause__ = e
         return err
 
-    def _put_marker(self, key: str, marker: bytes, old: Optional[tuple]) -> str:
+    def _put_marker(self, key: str, marker: bytes, old: Optional[tuple[Any, ...]]) -> str:
         """The one PUT that commits ([SP-COMMIT-12]), conditional where the store can."""
         if not self.conditional:     # [SP-COMMIT-12]: the last PUT wins, never a mix
             return self.store.put(key, marker)
@@ -292,7 +292,7 @@ class ObjectStoreCommitter:
         except FileNotFoundError:
             return False
 
-    def _take_back(self, key: str, marker: bytes, version: str, old: Optional[tuple],
+    def _take_back(self, key: str, marker: bytes, version: str, old: Optional[tuple[Any, ...]],
                    target: str) -> None:
         """Undo this save's marker after its data was found removed: the replaced marker goes
         back (If-Match this save's marker), or, for a fresh target, the marker is deleted if
@@ -311,7 +311,7 @@ class ObjectStoreCommitter:
             log.error("shardpoint: could not take back the marker of %s (%s): it names "
                       "objects recovery removed", self._url(target), e)
 
-    def _read_with_version(self, key: str) -> Optional[tuple]:
+    def _read_with_version(self, key: str) -> Optional[tuple[Any, ...]]:
         """(bytes, version) of ``key``, or None; the version is the one the bytes are of:
         one GET where the store gives the version with the bytes (``get_versioned``), else a
         HEAD before and after the GET."""
@@ -409,7 +409,7 @@ class ObjectStoreCommitter:
         self._delete_arrays(target, old[0])
         return True
 
-    def leftovers(self, directory: str, *, now: Optional[float] = None) -> list:
+    def leftovers(self, directory: str, *, now: Optional[float] = None) -> list[Any]:
         """Save prefixes below ``directory`` that this protocol wrote (their lease names their
         token, [SP-COMMIT-16]) and that no committed marker names: crashed saves, saves that
         lost a race, replaced checkpoints whose deletion was cut short, and saves still
@@ -417,7 +417,7 @@ class ObjectStoreCommitter:
         prefix (a user's ``save-20240101/``) or one written before spec 1.3 is not listed:
         nothing on the store says it is ours."""
         prefix = _join(directory) + "/" if _join(directory) else ""
-        groups: Dict[str, list] = {}
+        groups: Dict[str, list[Any]] = {}
         for info in self.store.list(prefix):
             parts = info.key.split("/")
             for i, part in enumerate(parts[:-1]):
@@ -425,7 +425,7 @@ class ObjectStoreCommitter:
                     groups.setdefault("/".join(parts[:i + 1]), []).append(info)
                     break
         out = []
-        referenced: Dict[str, set] = {}
+        referenced: Dict[str, set[Any]] = {}
         now = time.time() if now is None else now
         for save, infos in sorted(groups.items()):
             target, _, name = save.rpartition("/")
@@ -446,7 +446,7 @@ class ObjectStoreCommitter:
                                 in_use=lease.live))
         return out
 
-    def _referenced(self, target: str) -> set:
+    def _referenced(self, target: str) -> set[Any]:
         """The save prefixes the marker of ``target`` names (empty where there is none)."""
         try:
             data = self.store.get(self._manifest_key(target))

@@ -28,7 +28,7 @@ import errno
 import os
 import shutil
 import time
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from shardpoint_core.commit.durable import (RENAME_NOREPLACE, DirLocks, dir_locked,
                                             exchange_dirs, newest_mtime, renameat2)
@@ -72,7 +72,7 @@ def _ignore(*_: object) -> None:
     pass
 
 
-def _raise_unless_gone(_fn: object, _path: str, info: tuple) -> None:
+def _raise_unless_gone(_fn: object, _path: str, info: tuple[Any, ...]) -> None:
     """rmtree's error handler: what vanished meanwhile (another remover) is fine."""
     if not isinstance(info[1], FileNotFoundError):
         raise info[1]
@@ -104,7 +104,7 @@ class PosixCommitter:
             return "committed"
         return "incomplete" if os.path.lexists(target) else "missing"
 
-    def holds_checkpoints(self, directory: str) -> list:
+    def holds_checkpoints(self, directory: str) -> list[Any]:
         """The committed checkpoints directly inside ``directory`` (a manager's root, or any
         directory of checkpoints), sorted by name; empty for anything else."""
         try:
@@ -315,7 +315,7 @@ class PosixCommitter:
         return True
 
     # ------------------------------------------------------------------ leftovers
-    def leftovers(self, directory: str) -> list:
+    def leftovers(self, directory: str) -> list[Any]:
         """The :class:`Leftover` directories of saves directly in ``directory``."""
         out = []
         directory = os.path.abspath(directory)

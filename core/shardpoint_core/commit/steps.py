@@ -121,7 +121,7 @@ class StepRoot:
         from shardpoint_core.errors import ShardpointError
         from shardpoint_core.policy import retained
         warnings: List[str] = []
-        unreadable: set = set()
+        unreadable: set[Any] = set()
 
         def metrics(step: int) -> Any:
             try:
@@ -146,7 +146,7 @@ class StepRoot:
         return warnings
 
     def clean_leftovers(self, min_age_s: float = DEFAULT_MIN_AGE_S,
-                        now: Optional[float] = None) -> list:
+                        now: Optional[float] = None) -> list[Any]:
         """Remove what crashed saves of steps left below the root, never what a live save
         holds (module docstring); returns the paths (URLs) acted on."""
         owns = _owns_step
@@ -174,7 +174,7 @@ def _children(store: Any, prefix: str) -> List[str]:
     fast = getattr(store, "list_children", None)
     if fast is not None:
         return list(fast(prefix))
-    names: dict = {}
+    names: dict[str, Any] = {}
     for info in store.list(prefix):
         head, sep, _ = info.key[len(prefix):].partition("/")
         if sep:

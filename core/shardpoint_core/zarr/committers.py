@@ -50,7 +50,7 @@ class UrlCommitter:
         c, k = self._at(target)
         return c.remove(k)
 
-    def leftovers(self, directory: str, *, now: Optional[float] = None) -> list:
+    def leftovers(self, directory: str, *, now: Optional[float] = None) -> list[Any]:
         c, k = self._at(directory)
         return [replace(lo, path=url_of(directory, lo.path),
                         target=url_of(directory, lo.target)) for lo in c.leftovers(k, now=now)]
@@ -104,7 +104,7 @@ class PathCommitter:
     def remove(self, target: str) -> bool:
         return self.of(target).remove(target)
 
-    def leftovers(self, directory: str, **kw: Any) -> list:
+    def leftovers(self, directory: str, **kw: Any) -> list[Any]:
         return self.of(directory).leftovers(directory, **kw)
 
     def restore(self, leftover: str, target: str) -> bool:

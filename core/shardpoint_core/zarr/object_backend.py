@@ -55,7 +55,7 @@ def resolve(path: Any, backend: Any, call: str) -> Tuple[str, Any]:
     return str(path), backend_for(path)
 
 
-def manifest_with_identity(be: Any, path: str) -> Tuple[bytes, Optional[list]]:
+def manifest_with_identity(be: Any, path: str) -> Tuple[bytes, Optional[list[Any]]]:
     """(the manifest's bytes, the identity of the commit they belong to), for a reader that
     checks the identity again after its last read (a checkpoint replaced meanwhile is seen):
     from one GET where the backend can (``read_manifest_with_identity``: object stores give
