@@ -114,11 +114,13 @@ class StorageBackend(Protocol):
     def list_leftovers(self, directory: str) -> list[Any]:
         """The :class:`Leftover` staging/old directories of saves directly in ``directory``."""
 
-    def restore_leftover(self, leftover: str, path: str) -> None:
-        """Move a leftover back to ``path``; fails (CheckpointExistsError) if ``path`` exists."""
+    def restore_leftover(self, leftover: str, path: str) -> bool:
+        """Move a leftover back to ``path``; fails (CheckpointExistsError) if ``path`` exists;
+        False, touching nothing, where a live save holds it."""
 
-    def remove_leftover(self, leftover: str) -> None:
-        """Delete a leftover directory and everything in it."""
+    def remove_leftover(self, leftover: str) -> bool:
+        """Delete a leftover directory and everything in it; False, touching nothing, where
+        a live save holds it."""
 
 
 _DEFAULT: Optional[StorageBackend] = None

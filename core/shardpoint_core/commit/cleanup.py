@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.commit.durable import newest_mtime
@@ -33,7 +33,7 @@ def clean_leftovers(committer: PosixCommitter, root: str, owns: Callable[[str], 
         return done
     now = time.time()
 
-    def idle(in_use, path: str) -> bool:
+    def idle(in_use: Optional[bool], path: str) -> bool:
         if in_use is not None:
             return not in_use
         try:

@@ -200,7 +200,10 @@ class DirLocks:
 
 _EVERY: "weakref.WeakSet[DirLocks]" = weakref.WeakSet()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: [d._forget_after_fork() for d in list(_EVERY)])
+    def _forget_all_after_fork() -> None:
+        for d in list(_EVERY):
+            d._forget_after_fork()
+    os.register_at_fork(after_in_child=_forget_all_after_fork)
 
 
 def dir_locked(path: str) -> Optional[bool]:
@@ -214,7 +217,7 @@ def dir_locked(path: str) -> Optional[bool]:
     return True if held else None
 
 
-def _flock_dir(path: str, exclusive: bool) -> tuple[Any, ...]:
+def _flock_dir(path: str, exclusive: bool) -> tuple[Optional[int], bool]:
     """``(descriptor holding a non-blocking flock on directory path, or None; whether
     another open file holds a conflicting lock)``."""
     import fcntl

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 KINDS = ("tmp", "old")
 _NAME = re.compile(r"^\.(?P<name>.+)\.shardpoint-(?P<kind>tmp|old)-(?P<token>[0-9a-zA-Z]+)$")
@@ -28,7 +28,7 @@ def leftover_name(name: str, kind: str, token: str) -> str:
     return f".{name}.shardpoint-{kind}-{token}"
 
 
-def parse_leftover(name: str) -> Optional[tuple[Any, ...]]:
+def parse_leftover(name: str) -> Optional[tuple[str, str, str]]:
     """``(target name, kind, token)`` for a leftover's base name, None for any other name."""
     m = _NAME.match(name)
     return None if m is None else (m["name"], m["kind"], m["token"])

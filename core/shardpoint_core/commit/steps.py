@@ -110,7 +110,8 @@ class StepRoot:
         """Delete committed ``step`` through the committer (retention): on files locked,
         hidden by one rename, then deleted; on object stores the marker first, then the
         objects it named. False where it is gone (or, on files, a live save holds it)."""
-        return self.committer.remove(self.path(step))
+        removed: bool = self.committer.remove(self.path(step))
+        return removed
 
     def retain(self, policy: Any, metrics_of: Any) -> List[str]:
         """Apply retention ``policy`` (:mod:`shardpoint_core.policy`) to the committed steps:

@@ -23,8 +23,8 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, Sequence, Union, cast,
-                    runtime_checkable)
+from typing import (TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Protocol, Sequence,
+                    Tuple, Union, cast, runtime_checkable)
 
 if TYPE_CHECKING:
     # anything with the buffer protocol (PEP 688): bytes, bytearray, memoryview, contiguous
@@ -37,6 +37,12 @@ else:
 # them) written as one object in order. A lone numpy array is not one buffer here: wrap it
 # in a list (stores tell one buffer from a sequence by these three types).
 PutData = Union[bytes, bytearray, memoryview, Sequence["Buffer"]]
+
+# The optional methods of a ByteStore (see its docstring), as the layers above look them up
+# (``getattr(store, "get_suffix", None)``): ``get_suffix(key, length) -> (bytes, size)``,
+# ``get_versioned(key, length) -> (bytes, ObjectInfo)``.
+SuffixRead = Callable[[str, int], Tuple[bytes, int]]
+VersionedRead = Callable[[str, int], Tuple[bytes, "ObjectInfo"]]
 
 
 @dataclass(frozen=True)

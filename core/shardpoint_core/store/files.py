@@ -20,7 +20,7 @@ import os
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from shardpoint_core.commit.durable import fsync_path, fsync_trees, libc_function, syncfs
 from shardpoint_core.fsutil import makedirs_below
@@ -298,3 +298,13 @@ class FileStore:
         ordered = sorted(todo, key=lambda q: -q.count(os.sep))   # files before parents
         with ThreadPoolExecutor(max(1, min(16, len(ordered)))) as pool:
             list(pool.map(fsync_path, ordered))
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.store.base import ByteStore
+
+    def _is_bytestore_filestore(x: FileStore) -> ByteStore:
+        return x
+

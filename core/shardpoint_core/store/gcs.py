@@ -33,7 +33,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Optional
 from urllib.parse import urlsplit
 
 from shardpoint_core.errors import (InvalidOptionError, StoreAccessDeniedError,
@@ -368,3 +368,16 @@ class GcsStore:
 
     def __repr__(self) -> str:
         return f"GcsStore({self.url!r}, conditional_writes={self.conditional})"
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.store.base import ByteStore, ReplaceableStore
+
+    def _is_bytestore_gcsstore(x: GcsStore) -> ByteStore:
+        return x
+
+    def _is_replaceablestore_gcsstore(x: GcsStore) -> ReplaceableStore:
+        return x
+

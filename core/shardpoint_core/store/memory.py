@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Dict, Iterable, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, Iterator, Optional, Tuple
 
 from shardpoint_core.store.base import ObjectInfo, PutData, StoreCapabilities
 from shardpoint_core.store.keys import check_key, check_prefix
@@ -150,3 +150,13 @@ class MemoryStore:
     def make_durable(self, keys: Optional[Iterable[str]] = None) -> None:
         """Nothing to do: memory is as durable as it gets (the process)."""
         return None
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.store.base import ByteStore
+
+    def _is_bytestore_memorystore(x: MemoryStore) -> ByteStore:
+        return x
+

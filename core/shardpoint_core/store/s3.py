@@ -531,3 +531,16 @@ class S3Store:
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r})"
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.store.base import ByteStore, ReplaceableStore
+
+    def _is_bytestore_s3store(x: S3Store) -> ByteStore:
+        return x
+
+    def _is_replaceablestore_s3store(x: S3Store) -> ReplaceableStore:
+        return x
+

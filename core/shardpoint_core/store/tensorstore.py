@@ -44,7 +44,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from shardpoint_core.errors import (InvalidKeyError, InvalidOptionError, StoreAccessDeniedError,
@@ -528,3 +528,16 @@ def _successor(prefix: bytes) -> bytes:
         return b""
     p[-1] += 1
     return bytes(p)
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.store.base import ByteStore, ReplaceableStore
+
+    def _is_bytestore_tensorstorestore(x: TensorStoreStore) -> ByteStore:
+        return x
+
+    def _is_replaceablestore_tensorstorestore(x: TensorStoreStore) -> ReplaceableStore:
+        return x
+

@@ -39,7 +39,7 @@ import numpy as np
 from shardpoint_core.dtypes import DTYPES
 from shardpoint_core.errors import CorruptCheckpointError
 from shardpoint_core.storage import ArraySpec
-from shardpoint_core.store.base import ByteStore
+from shardpoint_core.store.base import ByteStore, SuffixRead
 from shardpoint_core.zarr.checks import check_shard_index, checked_zarr_json
 from shardpoint_core.zarr.direct_write import (INNER_ALIGN, encode_chunk, stored_codecs,
                                                zarr_json_bytes)
@@ -70,6 +70,13 @@ class ArrayLayout:
         if raw is None:
             return self
         return replace(self, crcs=table_of(raw, self.shape, self.chunk, self.inner, key, where))
+
+    @property
+    def shard_inner(self) -> tuple[int, ...]:
+        """The inner chunk shape of a sharded layout: for the code paths that run on shards
+        only (a plain layout there is a bug, not bad input)."""
+        assert self.inner is not None, "not a sharded layout"
+        return self.inner
 
     def unit(self, origin: Sequence[int]) -> int:
         """The unit number of the (inner) chunk starting at global ``origin``."""
@@ -177,14 +184,14 @@ def decode_chunk(buf: np.ndarray, layout: ArrayLayout, cshape: tuple[int, ...], 
 
 
 def _per(layout: ArrayLayout) -> tuple[Any, ...]:
-    return tuple(c // i for c, i in zip(layout.chunk, layout.inner))
+    return tuple(c // i for c, i in zip(layout.chunk, layout.shard_inner))
 
 
 def inner_stride(layout: ArrayLayout) -> Tuple[int, int]:
     """(bytes of one stored inner chunk with its CRC, padding after it): inner chunks of
     256 KiB and more start on 4 KiB boundaries (the spec allows gaps), so their bytes keep a
     destination's page alignment."""
-    nb = math.prod(layout.inner) * layout.itemsize + 4
+    nb = math.prod(layout.shard_inner) * layout.itemsize + 4
     return nb, (-nb % INNER_ALIGN if nb >= 64 * INNER_ALIGN else 0)
 
 
@@ -199,12 +206,12 @@ def encode_shard(data: np.ndarray, origin: tuple[int, ...], layout: ArrayLayout,
     bufs: list[Any] = []
     pos = 0
     for n, ii in enumerate(np.ndindex(*per)):
-        lo = tuple(i * k for i, k in zip(ii, layout.inner))
+        lo = tuple(i * k for i, k in zip(ii, layout.shard_inner))
         if any(o + x >= s for o, x, s in zip(origin, lo, layout.shape)):
             continue
         index[n] = (pos, nb)
-        bufs += encode_chunk(data[tuple(slice(x, x + k) for x, k in zip(lo, layout.inner))],
-                             layout.inner, layout.itemsize)
+        bufs += encode_chunk(data[tuple(slice(x, x + k) for x, k in zip(lo, layout.shard_inner))],
+                             layout.shard_inner, layout.itemsize)
         if crcs is not None:     # the unit's crc32c for the chunk table ([SP-MAN-7])
             crcs[4 * n:4 * n + 4] = bufs[-1].tobytes()
         if gap:
@@ -217,7 +224,7 @@ def encode_shard(data: np.ndarray, origin: tuple[int, ...], layout: ArrayLayout,
 def _tail(store: ByteStore, ckey: str, n: int) -> Tuple[bytes, int]:
     """(the last ``n`` bytes of ``ckey``, its size): one request where the store has
     ``get_suffix`` (S3: a suffix range), else a ``head`` and a ranged read."""
-    suffix = getattr(store, "get_suffix", None)
+    suffix: Optional[SuffixRead] = getattr(store, "get_suffix", None)    # optional method
     if suffix is not None:
         return suffix(ckey, n)
     info = store.head(ckey)
@@ -261,7 +268,8 @@ def read_shard_index(store: ByteStore, ckey: str, layout: ArrayLayout,
 
 
 # -------------------------------------------------------------------------- regions
-def _box(offset: Sequence[int], shape: Sequence[int], lo: tuple[int, ...], hi: tuple[int, ...]) -> tuple:
+def _box(offset: Sequence[int], shape: Sequence[int], lo: tuple[int, ...],
+         hi: tuple[int, ...]) -> tuple[Any, ...]:
     """The index of box [lo, hi) in an array at ``offset`` (a view even for 0-d arrays)."""
     return tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset)) + (Ellipsis,)
 
@@ -368,7 +376,7 @@ def read_region(store: ByteStore, array_path: str, layout: ArrayLayout,
     return _together(parts, submit)
 
 
-def _together(parts: List[Callable[..., Any]], submit: Optional[Callable[..., Any]]) -> list[Any]:
+def _together(parts: Sequence[Callable[..., Any]], submit: Optional[Callable[..., Any]]) -> list[Any]:
     """Each of ``parts`` (callables returning lists of futures): all here, one after
     another, without ``submit``; else all but the first submitted, then the first run here,
     its error (if any) returned as a failed future beside the others."""
@@ -409,15 +417,21 @@ class PrimedStore:
     ``read_region`` under the confirmed layout, gets that answer once; any other request
     goes to the store, so every check of the layer runs on the bytes as before."""
 
-    def __init__(self, store: ByteStore, request: tuple[Any, ...], outcome: tuple[Any, ...]) -> None:
-        self._store, self._request, self._outcome = store, request, outcome
-        if getattr(store, "get_suffix", None) is None:
-            self.get_suffix = None          # the layer's head + range fallback, as before
+    def __init__(self, store: ByteStore, request: tuple[Any, ...],
+                 outcome: tuple[Any, Optional[BaseException]]) -> None:
+        self._store = store
+        self._request: Optional[tuple[Any, ...]] = request
+        self._outcome = outcome
+        self._suffix: Optional[SuffixRead] = getattr(store, "get_suffix", None)
+        if self._suffix is None:
+            # the layer's head + range fallback, as before: the layer asks for the optional
+            # method with getattr(store, "get_suffix", None), so the method is hidden here
+            self.get_suffix = None  # type: ignore[method-assign, assignment]
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    def _answer(self, request: tuple[Any, ...]):
+    def _answer(self, request: tuple[Any, ...]) -> Optional[tuple[Any]]:
         if request != self._request:
             return None
         (data, err), self._request, self._outcome = self._outcome, None, (None, None)
@@ -427,11 +441,18 @@ class PrimedStore:
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         got = self._answer(("range", key, start, length))
-        return got[0] if got is not None else self._store.get_range(key, start, length)
+        if got is None:
+            return self._store.get_range(key, start, length)
+        data: bytes = got[0]
+        return data
 
     def get_suffix(self, key: str, length: int) -> Tuple[bytes, int]:
         got = self._answer(("suffix", key, length))
-        return got[0] if got is not None else self._store.get_suffix(key, length)
+        if got is None:
+            assert self._suffix is not None    # hidden above where the store has none
+            return self._suffix(key, length)
+        answer: Tuple[bytes, int] = got[0]
+        return answer
 
 
 def prime_region(store: ByteStore, array_path: str, layout: ArrayLayout,
@@ -445,15 +466,18 @@ def prime_region(store: ByteStore, array_path: str, layout: ArrayLayout,
     if first is None:
         return None
     ckey = chunk_key(array_path, first[0])
+    request: tuple[Any, ...]
+    call: Callable[[], Any]       # bytes, or (bytes, size) for a suffix read
     if layout.inner is None:
         n = math.prod(layout.chunk) * layout.itemsize + 4
         request, call = ("range", ckey, 0, n + 1), lambda: store.get_range(ckey, 0, n + 1)
     else:
-        suffix = getattr(store, "get_suffix", None)
+        suffix: Optional[SuffixRead] = getattr(store, "get_suffix", None)   # optional
         if suffix is None:
             return None
         n = math.prod(_per(layout)) * 16 + 4
         request, call = ("suffix", ckey, n), lambda: suffix(ckey, n)
+    outcome: tuple[Any, Optional[BaseException]]
     try:
         outcome = (call(), None)
     except Exception as e:  # noqa: BLE001 - raised where read_region makes this request
@@ -491,8 +515,8 @@ def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[
     index, _size = read_shard_index(store, ckey, layout, key)
     per = _per(layout)
     nb, gap = inner_stride(layout)
-    lo = [(b - o) // i for b, o, i in zip(blo, origin, layout.inner)]
-    hi = [-(-(e - o) // i) for e, o, i in zip(bhi, origin, layout.inner)]
+    lo = [(b - o) // i for b, o, i in zip(blo, origin, layout.shard_inner)]
+    hi = [-(-(e - o) // i) for e, o, i in zip(bhi, origin, layout.shard_inner)]
     wanted = []
     for rel in np.ndindex(*[h - l_ for l_, h in zip(lo, hi)]):
         ii = tuple(r + l_ for r, l_ in zip(rel, lo))
@@ -517,10 +541,10 @@ def _read_run(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[in
     _fill(store, ckey, start, buf, key)
     for pos, ii in run:
         where = f"{ckey} inner chunk {list(ii)}"
-        ilo = tuple(o + i * k for o, i, k in zip(origin, ii, layout.inner))
-        full = decode_chunk(buf[pos - start:pos - start + nb], layout, layout.inner, key,
+        ilo = tuple(o + i * k for o, i, k in zip(origin, ii, layout.shard_inner))
+        full = decode_chunk(buf[pos - start:pos - start + nb], layout, layout.shard_inner, key,
                             where, layout.unit(ilo))
         sl = tuple(max(a, b) for a, b in zip(ilo, blo))
-        sh = tuple(min(a + k, b) for a, k, b in zip(ilo, layout.inner, bhi))
-        dst[_box(blo, dst.shape, sl, sh)] = full[_box(ilo, layout.inner, sl, sh)]
+        sh = tuple(min(a + k, b) for a, k, b in zip(ilo, layout.shard_inner, bhi))
+        dst[_box(blo, dst.shape, sl, sh)] = full[_box(ilo, layout.shard_inner, sl, sh)]
     return []

@@ -36,7 +36,7 @@ import os
 import sys
 import threading
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -535,3 +535,13 @@ class ZarrBackend:
 
 #: The name users and the README know (``backend=TensorStoreBackend(...)``): the same class.
 TensorStoreBackend = ZarrBackend
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.storage import StorageBackend
+
+    def _is_storagebackend_zarrbackend(x: ZarrBackend) -> StorageBackend:
+        return x
+

@@ -51,6 +51,13 @@ class DirectLayout:
     #: the fallback, which raises [SP-READ-8]
     crcs: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
 
+    @property
+    def shard_inner(self) -> tuple[int, ...]:
+        """The inner chunk shape of a sharded array (the shard paths' own; a plain layout
+        there is a bug, not bad input)."""
+        assert self.inner is not None, "not a sharded layout"
+        return self.inner
+
     def matches(self, origin: tuple[int, ...], stored: int) -> bool:
         """The (inner) chunk at ``origin`` has the crc32c the table records for it."""
         return self.crcs is None or unit_matches(
@@ -257,7 +264,7 @@ class DirectReader:
     def _shard(self, cidx: tuple[int, ...], offset: tuple[int, ...], out: np.ndarray) -> Optional[list[Any]]:
         lay = self.lay
         origin = tuple(i * c for i, c in zip(cidx, lay.chunk))
-        per = tuple(c // i for c, i in zip(lay.chunk, lay.inner))
+        per = tuple(c // i for c, i in zip(lay.chunk, lay.shard_inner))
         n_inner = math.prod(per)
         index = None
         fd = _open_or_none(_chunk_file(lay, cidx))
@@ -279,15 +286,15 @@ class DirectReader:
             self._box_fallback(origin, lay.chunk, offset, out)
             return None
         stop = tuple(o + s for o, s in zip(offset, out.shape))
-        lo = [max(0, q - o) // i for q, o, i in zip(offset, origin, lay.inner)]
+        lo = [max(0, q - o) // i for q, o, i in zip(offset, origin, lay.shard_inner)]
         hi = [min(p, -(-(min(e, n) - o) // i)) for e, o, i, n, p in
-              zip(stop, origin, lay.inner, lay.shape, per)]
-        inner_bytes = math.prod(lay.inner) * lay.itemsize + 4
+              zip(stop, origin, lay.shard_inner, lay.shape, per)]
+        inner_bytes = math.prod(lay.shard_inner) * lay.itemsize + 4
         todo = []
         for rel in np.ndindex(*[h - l_ for l_, h in zip(lo, hi)]):
             ii = tuple(r + l_ for r, l_ in zip(rel, lo))
             pos, nb = (int(x) for x in index[np.ravel_multi_index(ii, per)])
-            iorigin = tuple(o + i * s for o, i, s in zip(origin, ii, lay.inner))
+            iorigin = tuple(o + i * s for o, i, s in zip(origin, ii, lay.shard_inner))
             todo.append((pos, nb, iorigin))
         runs: list[Any] = []
         for item in todo:
@@ -305,7 +312,7 @@ class DirectReader:
         """Adjacent inner chunks in one preadv (fewer, bigger reads, like the raw limit);
         any chunk that cannot or did not check out goes alone."""
         alone = run
-        plans = [self._direct_bufs(o, self.lay.inner, offset, out) for _p, _n, o in run]
+        plans = [self._direct_bufs(o, self.lay.shard_inner, offset, out) for _p, _n, o in run]
         if len(run) > 1 and all(b is not None for b in plans):
             alone = []
             iov: list[Any] = []
@@ -339,13 +346,13 @@ class DirectReader:
             try:
                 fd = os.open(_chunk_file(self.lay, cidx), os.O_RDONLY)
                 try:
-                    ok = self._read_box(fd, pos, iorigin, self.lay.inner, offset, out)
+                    ok = self._read_box(fd, pos, iorigin, self.lay.shard_inner, offset, out)
                 finally:
                     os.close(fd)
             except OSError:
                 ok = False
         if not ok:
-            self._box_fallback(iorigin, self.lay.inner, offset, out)
+            self._box_fallback(iorigin, self.lay.shard_inner, offset, out)
 
 
 def _open_or_none(path: str) -> Optional[int]:

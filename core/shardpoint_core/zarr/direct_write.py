@@ -207,6 +207,7 @@ class DirectWriter:
                crcs: Optional[bytearray] = None) -> list[Any]:
         lay = self.lay
         inner = lay.inner
+        assert inner is not None, "not a sharded layout"     # write() routes shards here
         per = tuple(c // i for c, i in zip(lay.chunk, inner))
         inner_bytes = math.prod(inner) * lay.itemsize + 4
         # Each inner chunk starts on a 4 KiB boundary (the spec allows gaps): its bytes then
