@@ -12,7 +12,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, TypeGuard
 
 import msgpack
 import numpy as np
@@ -198,8 +198,8 @@ def encode_manifest(m: Manifest) -> bytes:
                                     f"would exceed {values.MAX_DEPTH} levels at {deep}; "
                                     "flatten the tree", spec_id="SP-MAN-5")
     raw = values.pack(body)
-    data = msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw},
-                         use_bin_type=True)
+    data: bytes = msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw},
+                                use_bin_type=True)
     if len(data) > MAX_MANIFEST_BYTES:   # no reader would open it
         raise UnsupportedValueError(f"the manifest would be {len(data)} bytes, over the "
                                     f"{MAX_MANIFEST_BYTES}-byte cap; store big values as "
@@ -210,7 +210,7 @@ def encode_manifest(m: Manifest) -> bytes:
 def _tensor_entry(e: TensorEntry) -> dict[str, Any]:
     """A tensor's manifest entry; the chunk table ([SP-MAN-7]) only where the writer has one,
     marked ignorable so that 1.1 and 1.2 readers read the entry as before ([SP-VER-3])."""
-    entry = {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
+    entry: dict[str, Any] = {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
              "chunk_shape": list(e.chunk_shape)}
     if e.chunk_crc32c is not None:
         entry[CHUNK_TABLE] = {"must_understand": False, "crc32c": bytes(e.chunk_crc32c)}
@@ -243,7 +243,7 @@ def _bad(msg: str, sid: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"manifest: {msg}", spec_id=sid)
 
 
-def _ints(x: Any, minimum: int) -> bool:
+def _ints(x: Any, minimum: int) -> TypeGuard[list[int]]:
     return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool)
                                        and i >= minimum for i in x)
 
@@ -351,19 +351,19 @@ def decode_manifest(data: bytes) -> Manifest:
                        or (f == "save_world_size" and m[f] < 1)):
             raise _bad(f"field {f!r} has the wrong type or value ({m[f]!r})", "SP-MAN-2")
     tensors = {}
-    for key, e in m["tensors"].items():
+    for key, ent in m["tensors"].items():
         try:
             decode_key(key)
         except InvalidKeyError as err:
             raise _bad(f"tensor key {key!r} is invalid: {err}", err.spec_id or "SP-KEY-3") \
                 from err
-        if not isinstance(e, dict):
+        if not isinstance(ent, dict):
             raise _bad(f"tensor {key!r}: entry must be a map", "SP-MAN-3")
-        missing = sorted(_TENSOR_FIELDS - set(e))
+        missing = sorted(_TENSOR_FIELDS - set(ent))
         if missing:
             raise _bad(f"tensor {key!r}: entry lacks {missing}", "SP-MAN-3")
-        _unknown(e, _TENSOR_FIELDS | {CHUNK_TABLE}, f"tensor {key!r}")
-        shape, chunk, dt = e.get("shape"), e.get("chunk_shape"), e.get("dtype")
+        _unknown(ent, _TENSOR_FIELDS | {CHUNK_TABLE}, f"tensor {key!r}")
+        shape, chunk, dt = ent.get("shape"), ent.get("chunk_shape"), ent.get("dtype")
         if not _ints(shape, 0) or not _ints(chunk, 1) or len(chunk) != len(shape):
             raise _bad(f"tensor {key!r}: shape {shape!r} / chunk_shape {chunk!r} invalid "
                        "(non-negative ints; chunk entries >= 1, same rank)", "SP-MAN-3")
@@ -381,9 +381,9 @@ def decode_manifest(data: bytes) -> Manifest:
             raise _bad(f"tensor {key!r}: shape {shape} / chunk_shape {chunk} of {dt} hold "
                        "2^63 bytes or more (1.2: a tensor's and a chunk's byte size are "
                        "below 2^63)", "SP-SEC-2")
-        check_array_path(e.get("array"), key)
-        table = chunk_table_of(key, e[CHUNK_TABLE]) if CHUNK_TABLE in e else None
-        tensors[key] = TensorEntry(key, e["array"], tuple(shape), dt, tuple(chunk), table)
+        check_array_path(ent.get("array"), key)
+        table = chunk_table_of(key, ent[CHUNK_TABLE]) if CHUNK_TABLE in ent else None
+        tensors[key] = TensorEntry(key, ent["array"], tuple(shape), dt, tuple(chunk), table)
     objects = {}
     for key, o in m["objects"].items():
         try:
@@ -483,7 +483,8 @@ def _check_node(node: Any, path: tuple[Any, ...], tensors: dict[str, Any], objec
 
 def _check_tree(tree: Any, tensors: dict[str, Any], objects: dict[str, Any]) -> None:
     """Every leaf names its own path's key, and every tensor/object is in the tree once."""
-    seen_t, seen_o = set(), set()
+    seen_t: set[str] = set()
+    seen_o: set[str] = set()
     if "dict" not in tree and "list" not in tree and "tuple" not in tree:
         # [SP-MAN-4], checked first: a leaf root also has an empty key ([SP-KEY-2]) (1.3)
         raise _bad("the tree root must be a dict, list or tuple", "SP-MAN-4")

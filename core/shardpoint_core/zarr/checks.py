@@ -70,7 +70,8 @@ _O_READ = (os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW",
            | getattr(os, "O_NONBLOCK", 0))
 _CACHED_DOC_BYTES = 4096       # zarr.json documents remembered once checked: ours are ~400 B
 _CACHED_DOCS = 256
-_CHECKED: dict[str, Any] = {}            # (zarr.json bytes, shape, dtype, chunk) -> checked meta
+# (zarr.json bytes, shape, dtype, chunk) -> checked meta
+_CHECKED: dict[tuple[bytes, tuple[int, ...], str, tuple[int, ...]], dict[str, Any]] = {}
 
 
 def _kind(e: os.DirEntry[str]) -> str:
@@ -111,24 +112,24 @@ def scan_array(root: str, array_path: str, key: str) -> tuple[Any, ...]:
     while stack:
         d, where, level = stack.pop()
         with os.scandir(d) as it:
-            for e in it:
+            for ent in it:
                 top = where == 0
-                if top and e.name == "zarr.json":
-                    if not e.is_file(follow_symlinks=False):
-                        raise _corrupt(key, f"{e.path!r} is {_kind(e)}; a checkpoint holds "
+                if top and ent.name == "zarr.json":
+                    if not ent.is_file(follow_symlinks=False):
+                        raise _corrupt(key, f"{ent.path!r} is {_kind(ent)}; a checkpoint holds "
                                        "only regular files and directories", "SP-SEC-5")
-                    zarr_json = e.path
-                elif e.is_dir(follow_symlinks=False):
-                    below = where == 1 or top and e.name == "c"
-                    stack.append((e.path, 1 if below else 2, level + 1 if below else 0))
+                    zarr_json = ent.path
+                elif ent.is_dir(follow_symlinks=False):
+                    below = where == 1 or top and ent.name == "c"
+                    stack.append((ent.path, 1 if below else 2, level + 1 if below else 0))
                     if below:
-                        chunks.dirs.append((e.path, level))
-                elif not e.is_file(follow_symlinks=False):
-                    raise _corrupt(key, f"{e.path!r} is a symlink or special file; a "
+                        chunks.dirs.append((ent.path, level))
+                elif not ent.is_file(follow_symlinks=False):
+                    raise _corrupt(key, f"{ent.path!r} is a symlink or special file; a "
                                    "checkpoint holds only regular files and directories",
                                    "SP-SEC-5")
-                elif where == 1 or top and e.name == "c":
-                    chunks.append(e)
+                elif where == 1 or top and ent.name == "c":
+                    chunks.append(ent)
                     chunks.levels.append(level)
     if zarr_json is None:
         raise _corrupt(key, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1")
@@ -229,11 +230,12 @@ def checked_zarr_json(raw: bytes, shape: tuple[int, ...], dtype: str, chunk: tup
         if len(_CHECKED) >= _CACHED_DOCS:
             _CHECKED.clear()
         _CHECKED[ck] = meta
-    return meta
+    checked: dict[str, Any] = meta
+    return checked
 
 
-def open_local_array(root: str, array_path: str, shape: tuple[int, ...], dtype: str, chunk: tuple[int, ...],
-                     itemsize: int, key: str) -> dict[str, Any]:
+def open_local_array(root: str, array_path: str, shape: tuple[int, ...], dtype: str,
+                     chunk: tuple[int, ...], itemsize: int, key: str) -> dict[str, Any]:
     """Every check of a local array before its first read, in the order of [SP-ERR-2]: file
     kinds and the zarr.json cap, zarr.json against the spec and the manifest entry, chunk
     file sizes, bytes present against the declared size ([SP-READ-6]), then the checksums of
@@ -243,7 +245,8 @@ def open_local_array(root: str, array_path: str, shape: tuple[int, ...], dtype: 
 
 
 def open_local_array_counted(root: str, array_path: str, shape: tuple[int, ...], dtype: str,
-                             chunk: tuple[int, ...], itemsize: int, key: str) -> tuple[Any, ...]:
+                             chunk: tuple[int, ...], itemsize: int,
+                             key: str) -> tuple[dict[str, Any], tuple[int, int]]:
     """:func:`open_local_array`, returning ``(zarr.json, (chunk files, their bytes))``."""
     from shardpoint_core.zarr.sparse import check_sparse_chunks
     raw, entries = scan_array(root, array_path, key)
@@ -415,11 +418,17 @@ class _RepeatedName(ValueError):
     pass
 
 
+def _note(seen: set[Any], k: Any) -> bool:
+    """Add ``k`` to ``seen``; False (so a ``k in seen or _note(seen, k)`` test goes on)."""
+    seen.add(k)
+    return False
+
+
 def _unique_pairs(pairs: list[Any]) -> dict[str, Any]:
     d = dict(pairs)
     if len(d) != len(pairs):
         seen: set[Any] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        dup = next(k for k, _ in pairs if k in seen or _note(seen, k))
         raise _RepeatedName(f"an object repeats the name {dup!r}")
     return d
 
@@ -571,7 +580,7 @@ def has_crc(codecs: list[Any]) -> bool:
     if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
         conf = codecs[0].get("configuration", {})
         return has_crc(conf.get("codecs", [])) and has_crc(conf.get("index_codecs", []))
-    return codecs[-1].get("name") == "crc32c"
+    return bool(codecs[-1].get("name") == "crc32c")
 
 
 def metadata_problems(shape: Any, meta: dict[str, Any], spec: ArraySpec) -> list[Any]:
