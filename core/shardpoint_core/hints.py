@@ -3,9 +3,9 @@ format, with the command that converts it). Tools register what they can recogni
 core asks them on its error paths only, so a load of a sound checkpoint imports none."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
-_PATH_HINTS: list[Any] = []
+_PATH_HINTS: list[Callable[[str], str]] = []
 
 
 def register_path_hint(fn: Callable[[str], str]) -> None:

@@ -417,8 +417,8 @@ def _check_distinct_arrays(tensors: dict[str, Any]) -> None:
                        f"{b[:-1]!r}: one array inside or equal to another", "SP-LAYOUT-2")
 
 
-def _check_node(node: Any, path: tuple[Any, ...], tensors: dict[str, Any], objects: dict[str, Any], seen_t: set[Any],
-                seen_o: set[Any]) -> None:
+def _check_node(node: Any, path: tuple[Any, ...], tensors: dict[str, Any], objects: dict[str, Any],
+                seen_t: set[Any], seen_o: set[Any]) -> None:
     """One tree node for :func:`_check_tree` (a module-level function, not a closure, so a
     check leaves no reference cycle behind)."""
     if not isinstance(node, dict) or len(node) < 1:

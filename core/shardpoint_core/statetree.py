@@ -17,9 +17,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequence, Tuple, Union
 
 from shardpoint_core.keys import MAX_KEY_BYTES, encode_component, encode_key
+
+
+class EntryLike(Protocol):
+    """What a leaf reads of its manifest entry (a :class:`~shardpoint_core.manifest.
+    TensorEntry`; named by this protocol, since the manifest codec imports this module)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -30,7 +44,7 @@ class TensorLeaf:
     from ``shardpoint_jax``), ``"numpy"`` for a numpy array (a load without ``like`` hands it
     back as numpy), ``"torch"`` for a torch tensor saved by another framework."""
 
-    entry: Any            # the manifest's TensorEntry
+    entry: EntryLike      # the manifest's TensorEntry
     origin: Optional[str] = None
     kind: ClassVar[str] = "tensor"
 
@@ -39,7 +53,7 @@ class TensorLeaf:
         return self.entry.key
 
     @property
-    def shape(self) -> tuple[Any, ...]:
+    def shape(self) -> tuple[int, ...]:
         return self.entry.shape
 
     @property
@@ -81,7 +95,8 @@ Leaf = Union[TensorLeaf, ObjectLeaf, ValueLeaf]
 LEAF_TYPES = (TensorLeaf, ObjectLeaf, ValueLeaf)
 
 
-def typed_tree(wire: dict[str, Any], tensors: dict[str, Any], objects: dict[str, Any], path: tuple[Any, ...] = ()) -> Any:
+def typed_tree(wire: dict[str, Any], tensors: dict[str, Any], objects: dict[str, Any],
+               path: tuple[Any, ...] = ()) -> Any:
     """The wire tree ``wire`` with typed leaves, ``tensors``/``objects`` being the manifest's
     tables (a decoded manifest was checked: every leaf names its own key, [SP-MAN-4])."""
     if "dict" in wire:
@@ -139,7 +154,8 @@ def _rebuild_dict(cls: type, keys: list[Any], kids: list[Any]) -> dict[str, Any]
     if cls is dict:
         return out
     try:
-        return cls(out)
+        rebuilt: dict[str, Any] = cls(out)     # a dict subclass (OrderedDict, ...)
+        return rebuilt
     except TypeError:
         return out
 
@@ -148,7 +164,8 @@ def _rebuild_tuple(cls: type, kids: list[Any]) -> tuple[Any, ...]:
     if cls is tuple:
         return tuple(kids)
     try:
-        return cls(*kids) if hasattr(cls, "_fields") else cls(kids)
+        rebuilt: tuple[Any, ...] = cls(*kids) if hasattr(cls, "_fields") else cls(kids)
+        return rebuilt
     except TypeError:
         return tuple(kids)
 
@@ -200,7 +217,8 @@ def _encode(x: Any, leaf: Callable[..., Any], children: Optional[Children], path
             key: str) -> dict[str, Any]:
     kid = _items(x, children)
     if kid is None:
-        return leaf(path, _leaf_key(path, key), x)
+        encoded: dict[str, Any] = leaf(path, _leaf_key(path, key), x)
+        return encoded
     kind, items = kid[0], kid[1]
     nodes = [[c, _encode(v, leaf, children, path + (c,), _join(key, c))] for c, v in items]
     return {"dict": nodes} if kind == "dict" else {kind: [n for _c, n in nodes]}

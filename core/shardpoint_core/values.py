@@ -90,7 +90,12 @@ def strict_pairs(pairs: list[Any]) -> dict[str, Any]:
                                      "neither str nor int", spec_id="SP-MAN-5")
     if len(d) != len(pairs):
         seen: set[Any] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        dup = None
+        for k, _ in pairs:
+            if k in seen:
+                dup = k
+                break
+            seen.add(k)
         raise CorruptCheckpointError(f"msgpack map repeats key {dup!r}", spec_id="SP-MAN-5")
     for v in d.values():
         if type(v) is msgpack.Timestamp:
@@ -224,7 +229,8 @@ def _default(v: Any) -> Any:
 
 def pack(v: Any) -> bytes:
     """msgpack bytes of ``v`` (call :func:`check_value` first for a keyed error message)."""
-    return msgpack.packb(v, default=_default, strict_types=True, use_bin_type=True)
+    data: bytes = msgpack.packb(v, default=_default, strict_types=True, use_bin_type=True)
+    return data
 
 
 class _Tuple:
@@ -300,7 +306,9 @@ def _resolve(v: Any, hooked: bool) -> Any:
     stack of (container, slots left, depth); a tuple's items are resolved before the tuple
     is built. Raises [SP-MAN-5] as soon as a level deeper than :data:`MAX_DEPTH` appears."""
     holder = [v]
-    stack = [(holder, iter(range(1)), 0, None, None)]
+    # (container, its slots left, depth, the container holding it and its slot there)
+    stack: list[tuple[Any, Iterator[int], int, Any, Any]] = [
+        (holder, iter(range(1)), 0, None, None)]
     while stack:
         c, slots, depth, parent, slot = stack[-1]
         for k in slots:

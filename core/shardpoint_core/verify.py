@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from shardpoint_core import errors
 from shardpoint_core.keys import MAX_KEY_BYTES, decode_key, encode_key
-from shardpoint_core.manifest import TENSOR_DIR, array_path_for, decode_manifest
+from shardpoint_core.manifest import TENSOR_DIR, TensorEntry, array_path_for, decode_manifest
 from shardpoint_core.store.registry import local_path
 from shardpoint_core.storage import MANIFEST_NAME, StorageBackend, get_backend
 
@@ -119,18 +119,18 @@ def verify_checkpoint(path: str, *, strict: bool = False,
         rep.tensors, rep.objects = len(m.tensors), len(m.objects)
         if progress is not None and hasattr(progress, "set_total"):
             progress.set_total(sum(e.nbytes for e in m.tensors.values()))
-        for key, e in sorted(m.tensors.items()):
-            rep.bytes += e.nbytes
-            n = _chunk_count(e.shape, e.chunk_shape)
+        for key, ent in sorted(m.tensors.items()):
+            rep.bytes += ent.nbytes
+            n = _chunk_count(ent.shape, ent.chunk_shape)
             rep.chunks += n
             if strict:
-                rep.problems += _writer_rules(key, e.array)
-            found = _verify_array(be, path, e, key)
+                rep.problems += _writer_rules(key, ent.array)
+            found = _verify_array(be, path, ent, key)
             if not any(s in _OPEN_IDS for s, _ in found):
                 rep.chunks_checked += n
             rep.problems += found
             if progress is not None:
-                progress(e.nbytes)
+                progress(ent.nbytes)
         if strict:
             rep.problems += _strays(path, {e.array for e in m.tensors.values()})
     rep.problems = [(sid, _without_id(sid, msg)) for sid, msg in rep.problems]
@@ -144,7 +144,7 @@ def _without_id(sid: str, msg: str) -> str:
     return msg[len(sid) + 3:] if msg.startswith(f"[{sid}] ") else msg
 
 
-def _verify_array(be: StorageBackend, root: str, e, key: str) -> list[Any]:
+def _verify_array(be: StorageBackend, root: str, e: TensorEntry, key: str) -> list[Any]:
     try:
         return list(be.verify_array(root, e.array, e.spec, key))
     except errors.ShardpointError as err:
@@ -193,7 +193,7 @@ def _strays(root: str, known: set[Any]) -> list[Any]:
     base = os.path.join(root, TENSOR_DIR)
     if "://" in root or not os.path.isdir(base):    # object stores: recover finds leftovers
         return []
-    parents = set()
+    parents: set[str] = set()
     for a in known:
         parts = a.split("/")
         parents.update("/".join(parts[:i]) for i in range(1, len(parts)))

@@ -131,8 +131,9 @@ class ObjectStoreCommitter:
         """Refuse a committed checkpoint without ``overwrite`` ([SP-COMMIT-5]) and, with or
         without it, objects under the target that this protocol did not write
         ([SP-COMMIT-13]): nothing deletes what it did not create (so ``"any"`` acts as
-        ``True`` here: there is no non-checkpoint it would let a save replace). The marker's HEAD and the
-        first page of the target's listing are in flight together (one round trip)."""
+        ``True`` here: there is no non-checkpoint it would let a save replace). The marker's
+        HEAD and the first page of the target's listing are in flight together (one round
+        trip)."""
         with ThreadPoolExecutor(1, thread_name_prefix="sp-commit") as side:
             marker = side.submit(self.store.head, self._manifest_key(target))
             listing = iter(self.store.list(_join(target) + "/" if target else ""))
@@ -299,8 +300,8 @@ class ObjectStoreCommitter:
         except FileNotFoundError:
             return False
 
-    def _take_back(self, key: str, marker: bytes, version: Optional[str], old: Optional[tuple[bytes, str]],
-                   target: str) -> None:
+    def _take_back(self, key: str, marker: bytes, version: Optional[str],
+                   old: Optional[tuple[bytes, str]], target: str) -> None:
         """Undo this save's marker after its data was found removed: the replaced marker goes
         back (If-Match this save's marker), or, for a fresh target, the marker is deleted if
         it is still this save's."""

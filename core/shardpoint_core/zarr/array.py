@@ -376,7 +376,8 @@ def read_region(store: ByteStore, array_path: str, layout: ArrayLayout,
     return _together(parts, submit)
 
 
-def _together(parts: Sequence[Callable[..., Any]], submit: Optional[Callable[..., Any]]) -> list[Any]:
+def _together(parts: Sequence[Callable[..., Any]],
+              submit: Optional[Callable[..., Any]]) -> list[Any]:
     """Each of ``parts`` (callables returning lists of futures): all here, one after
     another, without ``submit``; else all but the first submitted, then the first run here,
     its error (if any) returned as a failed future beside the others."""
@@ -530,8 +531,9 @@ def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[
                       for run in _spans(wanted, nb + gap)], submit)
 
 
-def _read_run(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[int, ...], blo: tuple[int, ...],
-              run: List[tuple[Any, ...]], dst: np.ndarray, key: str) -> list[Any]:
+def _read_run(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[int, ...],
+              blo: tuple[int, ...], run: List[tuple[Any, ...]], dst: np.ndarray,
+              key: str) -> list[Any]:
     """Inner chunks ``run`` (back to back in the shard) in one ranged read, checked, into
     their part of ``dst`` (whose first element sits at ``blo``)."""
     nb, _gap = inner_stride(layout)

@@ -130,11 +130,11 @@ class ZarrBackend:
 
     name = "zarr3"
 
-    def __init__(self, *, context: Optional[dict[str, Any]] = None, shard_above_bytes: int = 8 << 20,
-                 inner_chunk_bytes: int = 2 << 20, fsync: bool = True,
-                 sync_method: str = "auto", read_threads: int = 8,
-                 direct_reads: bool = True, direct_writes: bool = True,
-                 write_threads: int = 16, concurrency: int = 32) -> None:
+    def __init__(self, *, context: Optional[dict[str, Any]] = None,
+                 shard_above_bytes: int = 8 << 20, inner_chunk_bytes: int = 2 << 20,
+                 fsync: bool = True, sync_method: str = "auto", read_threads: int = 8,
+                 direct_reads: bool = True, direct_writes: bool = True, write_threads: int = 16,
+                 concurrency: int = 32) -> None:
         if sync_method not in ("auto", "syncfs", "fsync"):
             raise ValueError(f"sync_method must be 'auto', 'syncfs' or 'fsync', not "
                              f"{sync_method!r}")

@@ -210,8 +210,8 @@ def check_chunk_sizes(entries: list[Any], sizes: tuple[Any, ...], key: str) -> t
     return len(entries), total
 
 
-def checked_zarr_json(raw: bytes, shape: tuple[int, ...], dtype: str, chunk: tuple[int, ...], key: str,
-                      where: str = "zarr.json") -> dict[str, Any]:
+def checked_zarr_json(raw: bytes, shape: tuple[int, ...], dtype: str, chunk: tuple[int, ...],
+                      key: str, where: str = "zarr.json") -> dict[str, Any]:
     """``zarr.json`` bytes parsed by [SP-ARRAY-6] and checked by :func:`check_zarr_json`
     against the manifest's ``shape``, ``dtype`` and ``chunk``. The outcome depends on these
     alone, so a small document that passed is remembered and the next array with the same
@@ -258,8 +258,8 @@ def open_local_array_counted(root: str, array_path: str, shape: tuple[int, ...],
     return meta, found
 
 
-def check_backed_bytes(key: str, array_path: str, shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int,
-                       found: tuple[Any, ...]) -> None:
+def check_backed_bytes(key: str, array_path: str, shape: tuple[int, ...], chunk: tuple[int, ...],
+                       itemsize: int, found: tuple[Any, ...]) -> None:
     """A tensor may not declare more data than its chunk files hold ([SP-READ-6]): every
     element is stored once, in a whole chunk, so a valid array's chunk files hold at least
     ``prod(shape) * itemsize`` bytes. Checked before a reader allocates for the tensor, so a
@@ -487,7 +487,8 @@ def _same_ints(got: Any, want: Sequence[int]) -> bool:
             and all(type(g) is int and g == w for g, w in zip(got, want)))
 
 
-def check_zarr_json(meta: dict[str, Any], shape: tuple[int, ...], dtype: str, chunk: tuple[int, ...], key: str) -> None:
+def check_zarr_json(meta: dict[str, Any], shape: tuple[int, ...], dtype: str,
+                    chunk: tuple[int, ...], key: str) -> None:
     """``zarr.json`` against the manifest entry and the spec ([SP-ARRAY-2/3/5])."""
     for k, v in meta.items():
         if k in _KNOWN:
@@ -598,8 +599,8 @@ def metadata_problems(shape: Any, meta: dict[str, Any], spec: ArraySpec) -> list
     return problems
 
 
-def check_array_objects(store: Any, array_path: str, key: str,
-                        sizes: tuple[Any, ...] = (None, 0), listed: Optional[Iterable[Any]] = None) -> tuple[Any, ...]:
+def check_array_objects(store: Any, array_path: str, key: str, sizes: tuple[Any, ...] = (None, 0),
+                        listed: Optional[Iterable[Any]] = None) -> tuple[Any, ...]:
     """:func:`scan_array` and :func:`check_chunk_sizes` for a store without files (object
     stores, memory): one listing of the array's chunk objects (``listed``: one made already,
     of these or more objects), each of a possible size ([SP-READ-5] as [SP-READ-3]). Returns

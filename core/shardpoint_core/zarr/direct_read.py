@@ -139,7 +139,8 @@ def whole_chunk_files(lay: DirectLayout, offset: Sequence[int], shape: Sequence[
     return out
 
 
-def _sub(a: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...], base: tuple) -> np.ndarray:
+def _sub(a: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...],
+         base: tuple[int, ...]) -> np.ndarray:
     """The view of ``a`` (whose first element sits at global ``base``) covering [lo, hi)."""
     if not lo:
         return a[...]
@@ -196,7 +197,8 @@ class DirectReader:
             futs.append(self.submit(task, cidx, tuple(offset), out))
         return futs
 
-    def _direct_bufs(self, origin: tuple[int, ...], cshape: tuple[int, ...], offset: tuple,
+    def _direct_bufs(self, origin: tuple[int, ...], cshape: tuple[int, ...],
+                     offset: tuple[int, ...],
                      out: np.ndarray) -> Optional[list[Any]]:
         """The buffers one preadv fills with a whole stored chunk at ``origin`` (its part in
         ``out``, padding, then the 4 crc bytes last), or None when the chunk must go through
@@ -239,7 +241,8 @@ class DirectReader:
         np.copyto(dst, _sub(full, blo, bhi, origin))
         return True
 
-    def _box_fallback(self, origin: tuple[int, ...], cshape: tuple[int, ...], offset: tuple, out: np.ndarray):
+    def _box_fallback(self, origin: tuple[int, ...], cshape: tuple[int, ...],
+                      offset: tuple[int, ...], out: np.ndarray) -> None:
         blo = tuple(max(o, q) for o, q in zip(origin, offset))
         bhi = tuple(min(o + c, n, q + s) for o, c, n, q, s in
                     zip(origin, cshape, self.lay.shape, offset, out.shape))
@@ -261,7 +264,8 @@ class DirectReader:
         if not ok:
             self._box_fallback(origin, lay.chunk, offset, out)
 
-    def _shard(self, cidx: tuple[int, ...], offset: tuple[int, ...], out: np.ndarray) -> Optional[list[Any]]:
+    def _shard(self, cidx: tuple[int, ...], offset: tuple[int, ...],
+               out: np.ndarray) -> Optional[list[Any]]:
         lay = self.lay
         origin = tuple(i * c for i, c in zip(cidx, lay.chunk))
         per = tuple(c // i for c, i in zip(lay.chunk, lay.shard_inner))
@@ -313,10 +317,11 @@ class DirectReader:
         any chunk that cannot or did not check out goes alone."""
         alone = run
         plans = [self._direct_bufs(o, self.lay.shard_inner, offset, out) for _p, _n, o in run]
-        if len(run) > 1 and all(b is not None for b in plans):
+        ready = [b for b in plans if b is not None]
+        if len(run) > 1 and len(ready) == len(plans):
             alone = []
             iov: list[Any] = []
-            for (pos, _n, _o), bs, nxt in zip(run, plans, run[1:] + [None]):
+            for (pos, _n, _o), bs, nxt in zip(run, ready, run[1:] + [None]):
                 iov += bs
                 if nxt is not None and nxt[0] > pos + inner_bytes:   # padding between them
                     iov.append(_GAP[:nxt[0] - pos - inner_bytes])
@@ -331,7 +336,7 @@ class DirectReader:
             if got != run[-1][0] + inner_bytes - run[0][0]:
                 alone = run
             else:
-                alone = [item for item, bs in zip(run, plans) if not self._intact(item[2], bs)]
+                alone = [item for item, bs in zip(run, ready) if not self._intact(item[2], bs)]
         for pos, nb, iorigin in alone:
             self._inner(cidx, pos, nb, inner_bytes, iorigin, offset, out)
 
@@ -339,8 +344,8 @@ class DirectReader:
         stored = int.from_bytes(bufs[-1].tobytes(), "little")
         return _crc(bufs[:-1]) == stored and self.lay.matches(origin, stored)
 
-    def _inner(self, cidx: tuple[int, ...], pos: int, nb: int, inner_bytes: int, iorigin: tuple[int, ...],
-               offset: tuple[int, ...], out: np.ndarray) -> None:
+    def _inner(self, cidx: tuple[int, ...], pos: int, nb: int, inner_bytes: int,
+               iorigin: tuple[int, ...], offset: tuple[int, ...], out: np.ndarray) -> None:
         ok = False
         if pos != _EMPTY and nb == inner_bytes:
             try:

@@ -63,13 +63,13 @@ def stored_codecs(codecs: list[Any], itemsize: int) -> list[Any]:
     """``codecs`` as TensorStore stores them in zarr.json: a one-byte dtype's ``bytes`` codec
     loses its ``endian`` (meaningless for one byte), ``index_location: end`` (the default) is
     dropped; the index's own chain keeps ``endian`` (uint64)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for c in codecs:
         if c.get("name") == "bytes" and itemsize == 1:
             out.append({"name": "bytes"})
         elif c.get("name") == "sharding_indexed":
             conf = c["configuration"]
-            new = {"chunk_shape": list(conf["chunk_shape"]),
+            new: dict[str, Any] = {"chunk_shape": list(conf["chunk_shape"]),
                    "codecs": stored_codecs(conf["codecs"], itemsize),
                    "index_codecs": stored_codecs(conf["index_codecs"], 8)}
             if conf.get("index_location", "end") != "end":

@@ -47,10 +47,10 @@ class ObjectArray:
                  guess: Optional[ArrayLayout] = None) -> None:
         self.store, self.path, self.spec, self.key = store, path, spec, key
         self.guess = guess
-        self._meta: Optional[Future[Any]] = None
+        self._meta: Optional[Future[ArrayLayout]] = None
         self._lock = threading.Lock()
 
-    def meta(self, submit: Callable[..., Any]) -> Future[Any]:
+    def meta(self, submit: Callable[..., Any]) -> Future[ArrayLayout]:
         """The read and check of zarr.json (started by ``submit`` unless under way or done;
         one that failed is tried again)."""
         with self._lock:

@@ -43,7 +43,8 @@ def region(handle: Any, offset: Sequence[int], shape: Sequence[int]) -> Any:
     return handle[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 
-def check_metadata(shape: Any, meta: dict[str, Any], spec: ArraySpec, key: str, array_path: str) -> None:
+def check_metadata(shape: Any, meta: dict[str, Any], spec: ArraySpec, key: str,
+                   array_path: str) -> None:
     """Refuse a zarr.json that disagrees with the manifest ([SP-ARRAY-2])."""
     problems = metadata_problems(shape, meta, spec)
     if problems:
