@@ -220,7 +220,7 @@ def main(argv=None) -> None:
     sp.save({"x": torch.zeros(4)}, f"s3://{bucket}/{run}/warm", backend=be)   # imports, pools
     sp.load(f"s3://{bucket}/{run}/warm", backend=be)
     results = {}
-    for name, spec, state in states:
+    for name, _spec, state in states:
         nbytes = sum(v.numel() * v.element_size() for v in bt.flat(state).values())
         base = f"s3://{bucket}/{run}/{name}"
         r = results[name] = {"bytes": nbytes, "raw_put": [], "raw_get": [], "save": [],

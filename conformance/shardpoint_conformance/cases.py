@@ -228,7 +228,7 @@ def check_case(case: dict) -> None:
         shape = ents[key]["shape"]
         cover = np.zeros(shape, dtype=np.int64)
         seen = set()
-        for _r, off, shp, flat, rep in lay["pieces"]:
+        for _r, off, shp, flat, _rep in lay["pieces"]:
             region = (tuple(off), tuple(shp), tuple(flat) if flat else None)
             if region in seen:
                 continue   # a replica

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import numpy as np
 
 from shardpoint_core.errors import InvalidShardingError
 
-Box = tuple  # (offset tuple, shape tuple)
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
 MAX_CELLS = 1 << 22
 
 
-def box_intersection(a_off, a_shape, b_off, b_shape) -> Optional[Box]:
+def box_intersection(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int],
+                     b_shape: Sequence[int]) -> Optional[Box]:
     """The common box of two boxes, or None when they share no element."""
-    off, shp = [], []
+    off: list[int] = []
+    shp: list[int] = []
     for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape):
         lo, hi = max(ao, bo), min(ao + as_, bo + bs)
         if hi <= lo:
@@ -30,7 +32,7 @@ def box_intersection(a_off, a_shape, b_off, b_shape) -> Optional[Box]:
     return tuple(off), tuple(shp)
 
 
-def regular_grid_of(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[tuple]:
+def regular_grid_of(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[tuple[int, ...]]:
     """If every box is exactly one cell of one regular grid, that grid's chunk shape."""
     if not boxes:
         return None
@@ -45,13 +47,13 @@ def regular_grid_of(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[tupl
     return tuple(chunk)
 
 
-def regions_tile(shape: Sequence[int], regions: Sequence[tuple]) -> bool:
+def regions_tile(shape: Sequence[int], regions: Sequence[tuple[Any, ...]]) -> bool:
     """A quick sufficient test that distinct non-empty ``regions`` (``(offset, shape, flat or
     None)``) tile ``shape`` exactly once: their blocks are all the cells of one regular grid,
     and within each block the flattened ranges (a rectangular region: the whole block) follow
     one another from 0 to the block's size. False means "not shown": the full check
     (:func:`check_exact_cover` on the pieces) then decides and names the fault."""
-    ranges: dict = {}
+    ranges: dict[Box, list[tuple[int, ...]]] = {}
     for o, s, f in regions:
         ranges.setdefault((tuple(o), tuple(s)), []).append(tuple(f) if f else (0, math.prod(s)))
     grid = regular_grid_of(shape, list(ranges))
@@ -119,13 +121,15 @@ def check_exact_cover(shape: Sequence[int], boxes: Sequence[Box],
                                    spec_id="SP-COVER-2")
 
 
-def _fail_count(key, n, describe):
+def _fail_count(key: str, n: int, describe: Callable[[int], str]) -> NoReturn:
     raise InvalidShardingError(f"tensor {key!r} is 0-d but {n} distinct holdings claim it "
                                f"({', '.join(describe(i) for i in range(n))})",
                                spec_id="SP-COVER-3")
 
 
-def _fail_overlap(key, shape, boxes, bounds, cell, describe):
+def _fail_overlap(key: str, shape: Sequence[int], boxes: Sequence[Box],
+                  bounds: Sequence[Sequence[int]], cell: tuple[int, ...],
+                  describe: Callable[[int], str]) -> NoReturn:
     point = tuple(b[i] for b, i in zip(bounds, cell))
     hits = [i for i, (o, s) in enumerate(boxes)
             if all(oo <= p < oo + ss for oo, ss, p in zip(o, s, point))][:2]
@@ -137,9 +141,10 @@ def _fail_overlap(key, shape, boxes, bounds, cell, describe):
         "overlaps are not allowed", spec_id="SP-COVER-3")
 
 
-def _sweep(key, shape, boxes, describe):
+def _sweep(key: str, shape: Sequence[int], boxes: Sequence[Box],
+           describe: Callable[[int], str]) -> None:
     order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
-    active: list = []
+    active: list[int] = []
     for i in order:
         o, s = boxes[i]
         active = [j for j in active if boxes[j][0][0] + boxes[j][1][0] > o[0]]

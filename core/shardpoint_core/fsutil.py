@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Optional
 
-_FIXES = {
+_FIXES: dict[Optional[int], str] = {     # errno (None where the error has none) -> fix
     errno.ENOSPC: "the file system is full: free space on it (delete old checkpoints; "
                   "`shardpoint recover DIR` removes what crashed saves left) or save elsewhere",
     errno.EDQUOT: "the disk quota is used up: free space under the quota, raise it, or save "

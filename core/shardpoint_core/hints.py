@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-_PATH_HINTS: list = []
+_PATH_HINTS: list[Callable[[str], str]] = []
 
 
 def register_path_hint(fn: Callable[[str], str]) -> None:

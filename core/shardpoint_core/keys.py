@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Iterable, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 from shardpoint_core.errors import InvalidKeyError
 
 Component = Union[str, int]
-Path = tuple  # tuple[Component, ...]
+Path = tuple[Any, ...]  # tuple[Component, ...]
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _INT_RE = re.compile(r"-?[0-9]+\Z")
@@ -103,7 +103,7 @@ def encode_key(path: Sequence[Component]) -> str:
     return key
 
 
-def decode_key(key: str) -> tuple:
+def decode_key(key: str) -> tuple[Any, ...]:
     """Decode a key read from a manifest, validating it strictly ([SP-KEY-3])."""
     if not isinstance(key, str) or not key:
         raise InvalidKeyError(f"key {key!r} is not a non-empty string", spec_id="SP-KEY-3")
@@ -123,7 +123,7 @@ def format_path(path: Sequence[Component]) -> str:
     return "".join(f"[{c!r}]" for c in path) or "<root>"
 
 
-def similar_keys(key: str, keys: Iterable[str], n: int = 3) -> list:
+def similar_keys(key: str, keys: Iterable[str], n: int = 3) -> list[Any]:
     """Keys close to ``key``, for "not in the checkpoint" errors: a typo, or a name with or
     without a prefix (DDP's ``module.``, torch.compile's ``_orig_mod.``)."""
     keys = list(keys)

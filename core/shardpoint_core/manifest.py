@@ -12,7 +12,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, TypeGuard
 
 import msgpack
 import numpy as np
@@ -24,20 +24,20 @@ from shardpoint_core.keys import decode_key, encode_key
 from shardpoint_core.statetree import typed_tree
 from shardpoint_core.storage import ArraySpec
 
-class ObjectValues(list):
+class ObjectValues(list[Any]):
     """The values of a sharded object in row-major grid order, with the grid's ``shape``
     (``(len(values),)`` for the 1-D grid every 1.0 checkpoint has)."""
 
-    def __init__(self, values: Sequence = (), shape: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, values: Sequence[Any] = (), shape: Optional[Sequence[int]] = None) -> None:
         super().__init__(values)
         self.shape = tuple(shape) if shape is not None else (len(self),)
 
-    def nested(self) -> list:
+    def nested(self) -> list[Any]:
         """The values as nested lists following the grid (a flat list for a 1-D grid)."""
         return _nest(list(self), self.shape)
 
 
-def _nest(flat: list, shape: tuple) -> list:
+def _nest(flat: list[Any], shape: tuple[int, ...]) -> list[Any]:
     """``flat`` as nested lists of ``shape`` (module level, not a closure: no cycle)."""
     if len(shape) == 1:
         return list(flat)
@@ -45,12 +45,12 @@ def _nest(flat: list, shape: tuple) -> list:
     return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
-def object_grid(values: Sequence) -> tuple:
+def object_grid(values: Sequence[Any]) -> tuple[Any, ...]:
     """Grid shape of a sharded object's stored values (a plain list is a 1-D grid)."""
     return getattr(values, "shape", (len(values),))
 
 
-def iter_tree_leaves(tree: Any, path: tuple = ()) -> Iterator[tuple]:
+def iter_tree_leaves(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
     """Yield ``(path, node)`` for every leaf node of a tree in its wire encoding (a plan's,
     or ``Manifest.wire_tree``); readers of a checkpoint walk ``Manifest.tree`` instead."""
     if "dict" in tree:
@@ -84,9 +84,9 @@ MAX_MANIFEST_BYTES = 1 << 30          # manifest.msgpack's size cap ([SP-SEC-2])
 class TensorEntry:
     key: str
     array: str           # path of the Zarr v3 array, relative to the checkpoint root
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: str
-    chunk_shape: tuple
+    chunk_shape: tuple[int, ...]
     #: (1.3) every stored unit's crc32c, 4 little-endian bytes each, units in grid order
     #: ([SP-MAN-7]); None when the writer recorded none
     chunk_crc32c: Optional[bytes] = None
@@ -110,13 +110,13 @@ class Manifest:
     (``{"dict": [[k, node]]}``, [SP-MAN-4]), what writers build and the codec stores."""
 
     wire_tree: Any                     # the tree in its wire encoding ([SP-MAN-4])
-    tensors: dict                      # key -> TensorEntry
-    objects: dict                      # key -> ObjectValues (row-major grid order)
-    format_version: tuple = FORMAT_VERSION
+    tensors: dict[str, Any]                      # key -> TensorEntry
+    objects: dict[str, Any]                      # key -> ObjectValues (row-major grid order)
+    format_version: tuple[Any, ...] = FORMAT_VERSION
     writer: str = ""
     created_unix: float = 0.0
     save_world_size: int = 1
-    extensions: dict = field(default_factory=dict)
+    extensions: dict[str, Any] = field(default_factory=dict)
     _typed: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -198,8 +198,8 @@ def encode_manifest(m: Manifest) -> bytes:
                                     f"would exceed {values.MAX_DEPTH} levels at {deep}; "
                                     "flatten the tree", spec_id="SP-MAN-5")
     raw = values.pack(body)
-    data = msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw},
-                         use_bin_type=True)
+    data: bytes = msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw},
+                                use_bin_type=True)
     if len(data) > MAX_MANIFEST_BYTES:   # no reader would open it
         raise UnsupportedValueError(f"the manifest would be {len(data)} bytes, over the "
                                     f"{MAX_MANIFEST_BYTES}-byte cap; store big values as "
@@ -207,10 +207,10 @@ def encode_manifest(m: Manifest) -> bytes:
     return data
 
 
-def _tensor_entry(e: TensorEntry) -> dict:
+def _tensor_entry(e: TensorEntry) -> dict[str, Any]:
     """A tensor's manifest entry; the chunk table ([SP-MAN-7]) only where the writer has one,
     marked ignorable so that 1.1 and 1.2 readers read the entry as before ([SP-VER-3])."""
-    entry = {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
+    entry: dict[str, Any] = {"array": e.array, "shape": list(e.shape), "dtype": e.dtype,
              "chunk_shape": list(e.chunk_shape)}
     if e.chunk_crc32c is not None:
         entry[CHUNK_TABLE] = {"must_understand": False, "crc32c": bytes(e.chunk_crc32c)}
@@ -229,7 +229,7 @@ def chunk_table_of(key: str, v: Any) -> bytes:
     return v["crc32c"]
 
 
-def _object_entry(v: list) -> dict:
+def _object_entry(v: list[Any]) -> dict[str, Any]:
     """A sharded object's manifest entry; ``shape`` only for a grid of 2+ dimensions, so a
     1-D object reads the same as in format 1.0 ([SP-OBJ-4])."""
     grid = object_grid(v)
@@ -243,12 +243,12 @@ def _bad(msg: str, sid: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"manifest: {msg}", spec_id=sid)
 
 
-def _ints(x: Any, minimum: int) -> bool:
+def _ints(x: Any, minimum: int) -> TypeGuard[list[int]]:
     return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool)
                                        and i >= minimum for i in x)
 
 
-def _unknown(fields: dict, known: set, where: str) -> None:
+def _unknown(fields: dict[str, Any], known: set[Any], where: str) -> None:
     for k, v in fields.items():
         if k in known:
             continue
@@ -262,7 +262,7 @@ def _unknown(fields: dict, known: set, where: str) -> None:
 ENVELOPE_HEAD = 32     # enough for a map header, a fixstr key and a bin header
 
 
-def _bin_entry(b: bytes, pos: int) -> Optional[tuple]:
+def _bin_entry(b: bytes, pos: int) -> Optional[tuple[Any, ...]]:
     """(offset after a fixstr key and its bin value starting at ``pos``, the value's size)."""
     if pos >= len(b) or not 0xA0 <= b[pos] <= 0xBF:
         return None
@@ -351,19 +351,19 @@ def decode_manifest(data: bytes) -> Manifest:
                        or (f == "save_world_size" and m[f] < 1)):
             raise _bad(f"field {f!r} has the wrong type or value ({m[f]!r})", "SP-MAN-2")
     tensors = {}
-    for key, e in m["tensors"].items():
+    for key, ent in m["tensors"].items():
         try:
             decode_key(key)
         except InvalidKeyError as err:
             raise _bad(f"tensor key {key!r} is invalid: {err}", err.spec_id or "SP-KEY-3") \
                 from err
-        if not isinstance(e, dict):
+        if not isinstance(ent, dict):
             raise _bad(f"tensor {key!r}: entry must be a map", "SP-MAN-3")
-        missing = sorted(_TENSOR_FIELDS - set(e))
+        missing = sorted(_TENSOR_FIELDS - set(ent))
         if missing:
             raise _bad(f"tensor {key!r}: entry lacks {missing}", "SP-MAN-3")
-        _unknown(e, _TENSOR_FIELDS | {CHUNK_TABLE}, f"tensor {key!r}")
-        shape, chunk, dt = e.get("shape"), e.get("chunk_shape"), e.get("dtype")
+        _unknown(ent, _TENSOR_FIELDS | {CHUNK_TABLE}, f"tensor {key!r}")
+        shape, chunk, dt = ent.get("shape"), ent.get("chunk_shape"), ent.get("dtype")
         if not _ints(shape, 0) or not _ints(chunk, 1) or len(chunk) != len(shape):
             raise _bad(f"tensor {key!r}: shape {shape!r} / chunk_shape {chunk!r} invalid "
                        "(non-negative ints; chunk entries >= 1, same rank)", "SP-MAN-3")
@@ -381,9 +381,9 @@ def decode_manifest(data: bytes) -> Manifest:
             raise _bad(f"tensor {key!r}: shape {shape} / chunk_shape {chunk} of {dt} hold "
                        "2^63 bytes or more (1.2: a tensor's and a chunk's byte size are "
                        "below 2^63)", "SP-SEC-2")
-        check_array_path(e.get("array"), key)
-        table = chunk_table_of(key, e[CHUNK_TABLE]) if CHUNK_TABLE in e else None
-        tensors[key] = TensorEntry(key, e["array"], tuple(shape), dt, tuple(chunk), table)
+        check_array_path(ent.get("array"), key)
+        table = chunk_table_of(key, ent[CHUNK_TABLE]) if CHUNK_TABLE in ent else None
+        tensors[key] = TensorEntry(key, ent["array"], tuple(shape), dt, tuple(chunk), table)
     objects = {}
     for key, o in m["objects"].items():
         try:
@@ -408,7 +408,7 @@ def decode_manifest(data: bytes) -> Manifest:
                     m.get("created_unix", 0.0), m.get("save_world_size", 1), exts)
 
 
-def _check_distinct_arrays(tensors: dict) -> None:
+def _check_distinct_arrays(tensors: dict[str, Any]) -> None:
     """No two tensors share an array, and none lies inside another's ([SP-LAYOUT-2])."""
     paths = sorted((e.array + "/", k) for k, e in tensors.items())
     for (a, ka), (b, kb) in zip(paths, paths[1:]):
@@ -417,8 +417,8 @@ def _check_distinct_arrays(tensors: dict) -> None:
                        f"{b[:-1]!r}: one array inside or equal to another", "SP-LAYOUT-2")
 
 
-def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: set,
-                seen_o: set) -> None:
+def _check_node(node: Any, path: tuple[Any, ...], tensors: dict[str, Any], objects: dict[str, Any],
+                seen_t: set[Any], seen_o: set[Any]) -> None:
     """One tree node for :func:`_check_tree` (a module-level function, not a closure, so a
     check leaves no reference cycle behind)."""
     if not isinstance(node, dict) or len(node) < 1:
@@ -435,7 +435,7 @@ def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: se
     if "dict" in node:
         if not isinstance(node["dict"], list):
             raise _bad(f"tree dict at {path!r} must be a list of [key, node]", "SP-MAN-4")
-        seen_keys: set = set()
+        seen_keys: set[Any] = set()
         for item in node["dict"]:
             if not (isinstance(item, list) and len(item) == 2
                     and isinstance(item[0], (str, int)) and not isinstance(item[0], bool)):
@@ -481,9 +481,10 @@ def _check_node(node: Any, path: tuple, tensors: dict, objects: dict, seen_t: se
     raise _bad(f"tree node at {path!r} has unknown kind {sorted(node)!r}", "SP-MAN-4")
 
 
-def _check_tree(tree: Any, tensors: dict, objects: dict) -> None:
+def _check_tree(tree: Any, tensors: dict[str, Any], objects: dict[str, Any]) -> None:
     """Every leaf names its own path's key, and every tensor/object is in the tree once."""
-    seen_t, seen_o = set(), set()
+    seen_t: set[str] = set()
+    seen_o: set[str] = set()
     if "dict" not in tree and "list" not in tree and "tuple" not in tree:
         # [SP-MAN-4], checked first: a leaf root also has an empty key ([SP-KEY-2]) (1.3)
         raise _bad("the tree root must be a dict, list or tuple", "SP-MAN-4")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkabl
 
 from shardpoint_core.errors import InvalidKeyError, InvalidOptionError
 
-MetricsOf = Callable[[int], dict]
+MetricsOf = Callable[[int], dict[str, Any]]
 _STEP = re.compile(r"step_(\d+)\Z")
 
 
@@ -60,7 +60,7 @@ def parse_step(name: str) -> Optional[int]:
 class Retention(Protocol):
     """Chooses the steps to keep among committed ``steps`` (pure: no I/O but metrics_of)."""
 
-    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set:
+    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set[Any]:
         ...
 
 
@@ -74,7 +74,7 @@ def _positive(name: str, n: Any) -> int:
 class KeepAll:
     """Keep every step (a manager without retention)."""
 
-    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set:
+    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set[Any]:
         return set(steps)
 
 
@@ -87,7 +87,7 @@ class LatestN:
     def __post_init__(self) -> None:
         _positive("LatestN(n) / max_to_keep", self.n)
 
-    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set:
+    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set[Any]:
         return set(sorted(steps)[-self.n:])
 
 
@@ -100,7 +100,7 @@ class EveryNSteps:
     def __post_init__(self) -> None:
         _positive("EveryNSteps(n) / keep_every", self.n)
 
-    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set:
+    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set[Any]:
         return {s for s in steps if s % self.n == 0}
 
 
@@ -117,7 +117,7 @@ class BestN:
         _positive("BestN(n) / keep_best", self.n)
         check_metric(self.metric, self.mode)
 
-    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set:
+    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set[Any]:
         return set(ranked(steps, metrics_of, self.metric, self.mode)[:self.n])
 
 
@@ -125,7 +125,7 @@ class BestN:
 class AnyOf:
     """Keep a step when any of ``policies`` keeps it."""
 
-    policies: tuple
+    policies: tuple[Any, ...]
 
     def __init__(self, *policies: Retention) -> None:
         for p in policies:
@@ -133,8 +133,8 @@ class AnyOf:
                 raise InvalidOptionError(f"AnyOf takes retention policies, got {p!r}")
         object.__setattr__(self, "policies", tuple(policies))
 
-    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set:
-        out: set = set()
+    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set[Any]:
+        out: set[Any] = set()
         for p in self.policies:
             out |= p.keep(steps, metrics_of)
         return out
@@ -148,7 +148,7 @@ def check_metric(metric: Any, mode: Any) -> None:
         raise InvalidOptionError(f"best_mode must be 'min' or 'max', got {mode!r}")
 
 
-def ranked(steps: Sequence[int], metrics_of: MetricsOf, metric: str, mode: str) -> list:
+def ranked(steps: Sequence[int], metrics_of: MetricsOf, metric: str, mode: str) -> list[Any]:
     """Steps carrying a finite number ``metric``, best first (newer first on ties)."""
     scored = []
     for s in steps:
@@ -158,7 +158,7 @@ def ranked(steps: Sequence[int], metrics_of: MetricsOf, metric: str, mode: str) 
     return [-s for _, s in sorted(scored)]
 
 
-def retained(policy: Retention, steps: Sequence[int], metrics_of: MetricsOf) -> set:
+def retained(policy: Retention, steps: Sequence[int], metrics_of: MetricsOf) -> set[Any]:
     """The steps ``policy`` keeps, plus the newest one, which is never deleted."""
     if not steps:
         return set()
@@ -180,7 +180,7 @@ def policy_from_options(max_to_keep: Optional[int] = None, keep_every: Optional[
     if keep_best is not None and best_metric is None:
         raise InvalidOptionError("keep_best needs best_metric (the metric name to rank "
                                  "steps by)")
-    parts: list = [KeepAll() if max_to_keep is None else LatestN(max_to_keep)]
+    parts: list[Any] = [KeepAll() if max_to_keep is None else LatestN(max_to_keep)]
     if keep_every is not None:
         parts.append(EveryNSteps(keep_every))
     if keep_best is not None:

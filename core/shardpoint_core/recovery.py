@@ -25,10 +25,11 @@ import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from shardpoint_core.errors import CheckpointNotFoundError, InvalidOptionError, ShardpointError
 from shardpoint_core.fsutil import os_error_text
+from shardpoint_core.commit.base import Committer
 from shardpoint_core.commit.leftovers import Leftover
 from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.storage import StorageBackend
@@ -50,20 +51,20 @@ class RecoveryAction:
     reason: str
     done: bool
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def committer_of(backend: Optional[StorageBackend] = None) -> PosixCommitter:
+def committer_of(backend: Optional[StorageBackend] = None) -> Committer:
     """The committer that publishes and removes checkpoints of ``backend`` (the default
     backend's when None): its own where it has one, else a POSIX one."""
-    c = getattr(backend, "committer", None)
+    c: Optional[Committer] = getattr(backend, "committer", None)     # optional attribute
     return c if c is not None else PosixCommitter()
 
 
-def _leftovers(be: PosixCommitter, path: str) -> list:
+def _leftovers(be: Committer, path: str) -> list[Leftover]:
     """Leftovers inside ``path`` (a parent directory) and those of target ``path`` itself."""
-    found = {}
+    found: dict[str, Leftover] = {}
     if os.path.isdir(path):
         for lo in be.leftovers(path):
             found[lo.path] = lo
@@ -75,8 +76,8 @@ def _leftovers(be: PosixCommitter, path: str) -> list:
     return sorted(found.values(), key=lambda lo: (lo.target, lo.kind != "tmp", lo.path))
 
 
-def _decide(be: PosixCommitter, lo: Leftover, olds: Counter, now: float,
-            min_age_s: float) -> tuple:
+def _decide(be: Committer, lo: Leftover, olds: Counter[str], now: float,
+            min_age_s: float) -> tuple[str, str]:
     if lo.in_use and "://" in lo.path:
         return "skip", ("its save's lease is live (renewed within its duration): a save is "
                         "running [SP-COMMIT-16]")
@@ -109,7 +110,7 @@ def _decide(be: PosixCommitter, lo: Leftover, olds: Counter, now: float,
 
 def recover(path_or_parent: str, *, dry_run: bool = False,
             min_age_s: float = DEFAULT_MIN_AGE_S,
-            backend: Optional[StorageBackend] = None) -> list:
+            backend: Optional[StorageBackend] = None) -> list[Any]:
     """Apply [SP-COMMIT-6] to leftovers beside checkpoint ``path_or_parent`` (or in it, when it
     is the directory holding checkpoints); returns one :class:`RecoveryAction` per leftover.
     Never run it while a save to one of those paths may be running."""
@@ -130,7 +131,7 @@ def recover(path_or_parent: str, *, dry_run: bool = False,
     return _apply(be, _leftovers(be, path), dry_run, min_age_s)
 
 
-def _apply(be: StorageBackend, los: list, dry_run: bool, min_age_s: float) -> list:
+def _apply(be: Committer, los: list[Any], dry_run: bool, min_age_s: float) -> list[Any]:
     """Decide and (unless ``dry_run``) act on each leftover."""
     olds = Counter(lo.target for lo in los if lo.kind == "old")
     now, out = time.time(), []

@@ -17,9 +17,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequence, Tuple, Union
 
 from shardpoint_core.keys import MAX_KEY_BYTES, encode_component, encode_key
+
+
+class EntryLike(Protocol):
+    """What a leaf reads of its manifest entry (a :class:`~shardpoint_core.manifest.
+    TensorEntry`; named by this protocol, since the manifest codec imports this module)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -30,7 +44,7 @@ class TensorLeaf:
     from ``shardpoint_jax``), ``"numpy"`` for a numpy array (a load without ``like`` hands it
     back as numpy), ``"torch"`` for a torch tensor saved by another framework."""
 
-    entry: Any            # the manifest's TensorEntry
+    entry: EntryLike      # the manifest's TensorEntry
     origin: Optional[str] = None
     kind: ClassVar[str] = "tensor"
 
@@ -39,7 +53,7 @@ class TensorLeaf:
         return self.entry.key
 
     @property
-    def shape(self) -> tuple:
+    def shape(self) -> tuple[int, ...]:
         return self.entry.shape
 
     @property
@@ -56,14 +70,14 @@ class ObjectLeaf:
     """A sharded object: one value per cell of its grid (``values`` in row-major order)."""
 
     key: str
-    values: Sequence      # the manifest's ObjectValues
+    values: Sequence[Any]      # the manifest's ObjectValues
     kind: ClassVar[str] = "object"
 
     @property
-    def grid(self) -> tuple:
+    def grid(self) -> tuple[Any, ...]:
         return getattr(self.values, "shape", (len(self.values),))
 
-    def nested(self) -> list:
+    def nested(self) -> list[Any]:
         """The values as nested lists along the grid (a flat list for a 1-D grid)."""
         return self.values.nested() if hasattr(self.values, "nested") else list(self.values)
 
@@ -81,7 +95,8 @@ Leaf = Union[TensorLeaf, ObjectLeaf, ValueLeaf]
 LEAF_TYPES = (TensorLeaf, ObjectLeaf, ValueLeaf)
 
 
-def typed_tree(wire: dict, tensors: dict, objects: dict, path: tuple = ()) -> Any:
+def typed_tree(wire: dict[str, Any], tensors: dict[str, Any], objects: dict[str, Any],
+               path: tuple[Any, ...] = ()) -> Any:
     """The wire tree ``wire`` with typed leaves, ``tensors``/``objects`` being the manifest's
     tables (a decoded manifest was checked: every leaf names its own key, [SP-MAN-4])."""
     if "dict" in wire:
@@ -98,12 +113,12 @@ def typed_tree(wire: dict, tensors: dict, objects: dict, path: tuple = ()) -> An
     return ValueLeaf(encode_key(path), wire["value"])
 
 
-def wire_tree(tree: Any) -> dict:
+def wire_tree(tree: Any) -> dict[str, Any]:
     """The wire encoding of a typed tree (the inverse of :func:`typed_tree`)."""
     return encode_tree(tree, _wire_leaf)
 
 
-def _wire_leaf(path: tuple, key: str, leaf: Any) -> dict:
+def _wire_leaf(path: tuple[Any, ...], key: str, leaf: Any) -> dict[str, Any]:
     if isinstance(leaf, TensorLeaf):
         return ({"tensor": leaf.key, "origin": leaf.origin} if leaf.origin is not None
                 else {"tensor": leaf.key})
@@ -117,10 +132,10 @@ def _wire_leaf(path: tuple, key: str, leaf: Any) -> dict:
 # leaf (None). :func:`plain_children` knows dicts, lists and tuples; a front end with more
 # containers (JAX pytree nodes) passes its own, which falls back to this one.
 
-Children = Callable[[Any], Optional[Tuple[str, list, Callable[[list], Any]]]]
+Children = Callable[[Any], Optional[Tuple[str, list[Any], Callable[[list[Any]], Any]]]]
 
 
-def plain_children(x: Any) -> Optional[Tuple[str, list, Callable[[list], Any]]]:
+def plain_children(x: Any) -> Optional[Tuple[str, list[Any], Callable[[list[Any]], Any]]]:
     """``(kind, [(component, child)], rebuild)`` of a dict (subclasses too), list or tuple
     (namedtuples too), or None for a leaf. ``rebuild(children)`` makes a container like
     ``x``: its own type where that can be built back, else a plain dict/list/tuple."""
@@ -134,27 +149,29 @@ def plain_children(x: Any) -> Optional[Tuple[str, list, Callable[[list], Any]]]:
     return None
 
 
-def _rebuild_dict(cls: type, keys: list, kids: list) -> dict:
+def _rebuild_dict(cls: type, keys: list[Any], kids: list[Any]) -> dict[str, Any]:
     out = dict(zip(keys, kids))
     if cls is dict:
         return out
     try:
-        return cls(out)
+        rebuilt: dict[str, Any] = cls(out)     # a dict subclass (OrderedDict, ...)
+        return rebuilt
     except TypeError:
         return out
 
 
-def _rebuild_tuple(cls: type, kids: list) -> tuple:
+def _rebuild_tuple(cls: type, kids: list[Any]) -> tuple[Any, ...]:
     if cls is tuple:
         return tuple(kids)
     try:
-        return cls(*kids) if hasattr(cls, "_fields") else cls(kids)
+        rebuilt: tuple[Any, ...] = cls(*kids) if hasattr(cls, "_fields") else cls(kids)
+        return rebuilt
     except TypeError:
         return tuple(kids)
 
 
-def encode_tree(tree: Any, leaf: Callable[[tuple, str, Any], dict],
-                children: Optional[Children] = None) -> dict:
+def encode_tree(tree: Any, leaf: Callable[[tuple[Any, ...], str, Any], dict[str, Any]],
+                children: Optional[Children] = None) -> dict[str, Any]:
     """The wire encoding ([SP-MAN-4]) of an in-memory tree: containers walked with
     ``children`` (:func:`plain_children` when None), dict keys checked as key components
     ([SP-KEY-1]), each leaf's node from ``leaf(path, key, value)``. What a save writes as the
@@ -162,7 +179,7 @@ def encode_tree(tree: Any, leaf: Callable[[tuple, str, Any], dict],
     return _encode(tree, leaf, children, (), "")
 
 
-def map_tree(tree: Any, leaf: Callable[[tuple, Optional[str], Any], Any],
+def map_tree(tree: Any, leaf: Callable[[tuple[Any, ...], Optional[str], Any], Any],
              children: Optional[Children] = None, *, keys: bool = True) -> Any:
     """``tree`` rebuilt with every leaf replaced by ``leaf(path, key, value)`` (containers as
     ``children`` builds them back): what a load returns in place of its ``like`` tree.
@@ -174,7 +191,7 @@ def map_tree(tree: Any, leaf: Callable[[tuple, Optional[str], Any], Any],
 # parent's plus one component), and walk plain containers without building their
 # ``children`` triple: a save walks every node of the user's tree.
 
-def _items(x: Any, children: Optional[Children]) -> Optional[tuple]:
+def _items(x: Any, children: Optional[Children]) -> Optional[tuple[Any, ...]]:
     if children is not None:
         return children(x)
     if isinstance(x, dict):
@@ -190,23 +207,24 @@ def _join(key: str, c: Any) -> str:
     return f"{key}/{encode_component(c)}" if key else encode_component(c)
 
 
-def _leaf_key(path: tuple, key: str) -> str:
+def _leaf_key(path: tuple[Any, ...], key: str) -> str:
     # Encoded components are ASCII, so the key's length is its size in bytes; encode_key
     # raises the documented error for the root and for a key over the size limit.
     return encode_key(path) if not path or len(key) > MAX_KEY_BYTES else key
 
 
-def _encode(x: Any, leaf: Callable, children: Optional[Children], path: tuple,
-            key: str) -> dict:
+def _encode(x: Any, leaf: Callable[..., Any], children: Optional[Children], path: tuple[Any, ...],
+            key: str) -> dict[str, Any]:
     kid = _items(x, children)
     if kid is None:
-        return leaf(path, _leaf_key(path, key), x)
+        encoded: dict[str, Any] = leaf(path, _leaf_key(path, key), x)
+        return encoded
     kind, items = kid[0], kid[1]
     nodes = [[c, _encode(v, leaf, children, path + (c,), _join(key, c))] for c, v in items]
     return {"dict": nodes} if kind == "dict" else {kind: [n for _c, n in nodes]}
 
 
-def _map(x: Any, leaf: Callable, children: Optional[Children], path: tuple,
+def _map(x: Any, leaf: Callable[..., Any], children: Optional[Children], path: tuple[Any, ...],
          key: Optional[str]) -> Any:
     kid = _items(x, children)
     if kid is None:
@@ -234,7 +252,7 @@ class _Materialize:
     def __init__(self, tensor: Callable[[TensorLeaf], Any]) -> None:
         self.tensor = tensor
 
-    def __call__(self, path: tuple, key: Optional[str], leaf: Any) -> Any:
+    def __call__(self, path: tuple[Any, ...], key: Optional[str], leaf: Any) -> Any:
         if leaf.kind == "value":
             return leaf.value
         if leaf.kind == "object":
@@ -242,7 +260,7 @@ class _Materialize:
         return self.tensor(leaf)
 
 
-def iter_leaves(tree: Any, path: tuple = ()) -> Iterator[tuple]:
+def iter_leaves(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
     """``(path, leaf)`` for every leaf of a typed tree, in tree order."""
     kid = plain_children(tree)
     if kid is None:
@@ -252,7 +270,7 @@ def iter_leaves(tree: Any, path: tuple = ()) -> Iterator[tuple]:
         yield from iter_leaves(v, path + (c,))
 
 
-def node_at(tree: Any, path: Sequence) -> Optional[Any]:
+def node_at(tree: Any, path: Sequence[Any]) -> Optional[Any]:
     """The node of a typed tree at ``path`` (dict keys and list/tuple indices): a container
     or a leaf, or None when the tree has nothing there."""
     node = tree

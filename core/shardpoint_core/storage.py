@@ -44,9 +44,9 @@ class ArraySpec:
     ``chunk_crc32c``: the manifest's table of every stored unit's crc32c ([SP-MAN-7]), which
     a reader checks each unit it reads against ([SP-READ-8]), or None."""
 
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: str
-    chunk_shape: tuple
+    chunk_shape: tuple[int, ...]
     chunk_crc32c: Optional[bytes] = field(default=None, compare=False, repr=False)
 
 
@@ -108,17 +108,19 @@ class StorageBackend(Protocol):
     def abort(self, staging: str) -> None:
         """Remove what a failed save staged. Coordinator only; never touches ``path``."""
 
-    def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list:
+    def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
         """Read every chunk; return a list of (spec_id, message) problems (empty if fine)."""
 
-    def list_leftovers(self, directory: str) -> list:
+    def list_leftovers(self, directory: str) -> list[Any]:
         """The :class:`Leftover` staging/old directories of saves directly in ``directory``."""
 
-    def restore_leftover(self, leftover: str, path: str) -> None:
-        """Move a leftover back to ``path``; fails (CheckpointExistsError) if ``path`` exists."""
+    def restore_leftover(self, leftover: str, path: str) -> bool:
+        """Move a leftover back to ``path``; fails (CheckpointExistsError) if ``path`` exists;
+        False, touching nothing, where a live save holds it."""
 
-    def remove_leftover(self, leftover: str) -> None:
-        """Delete a leftover directory and everything in it."""
+    def remove_leftover(self, leftover: str) -> bool:
+        """Delete a leftover directory and everything in it; False, touching nothing, where
+        a live save holds it."""
 
 
 _DEFAULT: Optional[StorageBackend] = None

@@ -37,7 +37,8 @@ def merge_many(trees: Sequence[Any], where: str = "state") -> Any:
                                        "another", spec_id="SP-TREE-1")
     kind = kinds[0]
     if kind == "dict":
-        children: dict = {}     # key -> its subtrees, in rank order (dicts keep first order)
+        # key -> its subtrees, in rank order (dicts keep first order)
+        children: dict[str, Any] = {}
         for t in trees:
             for k, v in t["dict"]:
                 lst = children.get(k)

@@ -32,11 +32,11 @@ class _ArrayType:
             cls, origin, to_numpy, from_numpy, check)
 
 
-_ARRAY_TYPES: list = []
-_FROM_ORIGIN: dict = {}
+_ARRAY_TYPES: list[Any] = []
+_FROM_ORIGIN: dict[str, Any] = {}
 # False inside numpy_values(): a front end that wants numpy (JAX) decodes in a process where
 # another front end (torch) registered a decoder for its origin.
-_NATIVE: ContextVar = ContextVar("shardpoint_native_values", default=True)
+_NATIVE: ContextVar[Any] = ContextVar("shardpoint_native_values", default=True)
 
 
 def register_array_type(cls: type, origin: str, *, to_numpy: Any, check: Any,
@@ -78,7 +78,7 @@ UNPACK_LIMITS = dict(max_bin_len=1 << 31, max_str_len=1 << 28, max_array_len=1 <
 MAX_DEPTH = 256
 
 
-def strict_pairs(pairs: list) -> dict:
+def strict_pairs(pairs: list[Any]) -> dict[str, Any]:
     """Map hook of the decoder: keys are str or int, each at most once ([SP-MAN-5])."""
     try:
         d = dict(pairs)
@@ -89,8 +89,13 @@ def strict_pairs(pairs: list) -> dict:
         raise CorruptCheckpointError(f"msgpack map key {bad!r} ({type(bad).__name__}) is "
                                      "neither str nor int", spec_id="SP-MAN-5")
     if len(d) != len(pairs):
-        seen: set = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        seen: set[Any] = set()
+        dup = None
+        for k, _ in pairs:
+            if k in seen:
+                dup = k
+                break
+            seen.add(k)
         raise CorruptCheckpointError(f"msgpack map repeats key {dup!r}", spec_id="SP-MAN-5")
     for v in d.values():
         if type(v) is msgpack.Timestamp:
@@ -105,7 +110,7 @@ def _timestamp() -> None:
                                  spec_id="SP-VALUE-2")
 
 
-def strict_list(items: list) -> list:
+def strict_list(items: list[Any]) -> list[Any]:
     """List hook of the decoder: no msgpack timestamp among the items (see :func:`_timestamp`)."""
     for v in items:
         if type(v) is msgpack.Timestamp:
@@ -140,7 +145,7 @@ def nesting_depth_error(v: Any, limit: int = MAX_DEPTH) -> str:
     rebuilt only on failure."""
     if _max_depth(v, limit + 1) <= limit:
         return ""
-    path: list = []
+    path: list[Any] = []
     x, need = v, limit + 1
     while need > 1:   # follow a branch that still goes deep enough
         kids = x.items() if isinstance(x, dict) else enumerate(x)
@@ -224,7 +229,8 @@ def _default(v: Any) -> Any:
 
 def pack(v: Any) -> bytes:
     """msgpack bytes of ``v`` (call :func:`check_value` first for a keyed error message)."""
-    return msgpack.packb(v, default=_default, strict_types=True, use_bin_type=True)
+    data: bytes = msgpack.packb(v, default=_default, strict_types=True, use_bin_type=True)
+    return data
 
 
 class _Tuple:
@@ -265,7 +271,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise CorruptCheckpointError(f"unknown msgpack extension type {code}", spec_id="SP-VALUE-2")
 
 
-def _prod(shape: list) -> int:
+def _prod(shape: list[Any]) -> int:
     n = 1
     for x in shape:
         n *= x
@@ -275,7 +281,7 @@ def _prod(shape: list) -> int:
 MAX_RANK = 64   # dimensions of a tensor or array value ([SP-SEC-2])
 
 
-def _decode_one(data: bytes, hooked: bool, seen: Optional[list] = None) -> Any:
+def _decode_one(data: bytes, hooked: bool, seen: Optional[list[Any]] = None) -> Any:
     """One msgpack object, its tuples left as :class:`_Tuple`; msgpack's own errors (its
     nesting limit raises a StackError with no text) become [SP-MAN-5]/[SP-MAN-1] errors."""
     def hook(code: int, payload: bytes) -> Any:
@@ -300,7 +306,9 @@ def _resolve(v: Any, hooked: bool) -> Any:
     stack of (container, slots left, depth); a tuple's items are resolved before the tuple
     is built. Raises [SP-MAN-5] as soon as a level deeper than :data:`MAX_DEPTH` appears."""
     holder = [v]
-    stack = [(holder, iter(range(1)), 0, None, None)]
+    # (container, its slots left, depth, the container holding it and its slot there)
+    stack: list[tuple[Any, Iterator[int], int, Any, Any]] = [
+        (holder, iter(range(1)), 0, None, None)]
     while stack:
         c, slots, depth, parent, slot = stack[-1]
         for k in slots:
@@ -338,7 +346,7 @@ def _resolve(v: Any, hooked: bool) -> Any:
 
 
 def _unpack(data: bytes, hooked: bool) -> Any:
-    seen: list = []
+    seen: list[Any] = []
     v = _decode_one(data, hooked, seen)
     if seen:
         v = _resolve(v, hooked)

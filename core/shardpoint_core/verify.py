@@ -23,11 +23,11 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from shardpoint_core import errors
 from shardpoint_core.keys import MAX_KEY_BYTES, decode_key, encode_key
-from shardpoint_core.manifest import TENSOR_DIR, array_path_for, decode_manifest
+from shardpoint_core.manifest import TENSOR_DIR, TensorEntry, array_path_for, decode_manifest
 from shardpoint_core.store.registry import local_path
 from shardpoint_core.storage import MANIFEST_NAME, StorageBackend, get_backend
 
@@ -41,8 +41,8 @@ class VerifyReport:
 
     path: str
     found: bool = True         # False: no such path (nothing could be checked)
-    problems: list = field(default_factory=list)
-    format_version: Optional[tuple] = None
+    problems: list[Any] = field(default_factory=list)
+    format_version: Optional[tuple[Any, ...]] = None
     tensors: int = 0
     bytes: int = 0
     objects: int = 0
@@ -56,17 +56,17 @@ class VerifyReport:
         return not self.problems
 
     @property
-    def spec_ids(self) -> list:
+    def spec_ids(self) -> list[Any]:
         """The distinct requirement IDs violated, sorted."""
         return sorted({s for s, _ in self.problems})
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
         return iter(self.problems)
 
     def __len__(self) -> int:
         return len(self.problems)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "ok": self.ok, "found": self.found, "strict": self.strict,
                 "format_version": list(self.format_version) if self.format_version else None,
                 "tensors": self.tensors, "bytes": self.bytes, "objects": self.objects,
@@ -75,7 +75,7 @@ class VerifyReport:
                 "problems": [{"spec_id": s, "message": m} for s, m in self.problems]}
 
 
-def _chunk_count(shape: tuple, chunk: tuple) -> int:
+def _chunk_count(shape: tuple[int, ...], chunk: tuple[int, ...]) -> int:
     return math.prod(-(-s // c) for s, c in zip(shape, chunk)) if shape else 1
 
 
@@ -119,18 +119,18 @@ def verify_checkpoint(path: str, *, strict: bool = False,
         rep.tensors, rep.objects = len(m.tensors), len(m.objects)
         if progress is not None and hasattr(progress, "set_total"):
             progress.set_total(sum(e.nbytes for e in m.tensors.values()))
-        for key, e in sorted(m.tensors.items()):
-            rep.bytes += e.nbytes
-            n = _chunk_count(e.shape, e.chunk_shape)
+        for key, ent in sorted(m.tensors.items()):
+            rep.bytes += ent.nbytes
+            n = _chunk_count(ent.shape, ent.chunk_shape)
             rep.chunks += n
             if strict:
-                rep.problems += _writer_rules(key, e.array)
-            found = _verify_array(be, path, e, key)
+                rep.problems += _writer_rules(key, ent.array)
+            found = _verify_array(be, path, ent, key)
             if not any(s in _OPEN_IDS for s, _ in found):
                 rep.chunks_checked += n
             rep.problems += found
             if progress is not None:
-                progress(e.nbytes)
+                progress(ent.nbytes)
         if strict:
             rep.problems += _strays(path, {e.array for e in m.tensors.values()})
     rep.problems = [(sid, _without_id(sid, msg)) for sid, msg in rep.problems]
@@ -144,7 +144,7 @@ def _without_id(sid: str, msg: str) -> str:
     return msg[len(sid) + 3:] if msg.startswith(f"[{sid}] ") else msg
 
 
-def _verify_array(be: StorageBackend, root: str, e, key: str) -> list:
+def _verify_array(be: StorageBackend, root: str, e: TensorEntry, key: str) -> list[Any]:
     try:
         return list(be.verify_array(root, e.array, e.spec, key))
     except errors.ShardpointError as err:
@@ -157,7 +157,7 @@ def _verify_array(be: StorageBackend, root: str, e, key: str) -> list:
 _SAVE_DIR = re.compile(r"save-[0-9a-f]{8,64}")
 
 
-def _writer_rules(key: str, array: str) -> list:
+def _writer_rules(key: str, array: str) -> list[Any]:
     out = []
     if len(key.encode()) > MAX_KEY_BYTES:
         out.append(("SP-KEY-4", f"key {key[:80]!r}... is longer than {MAX_KEY_BYTES} bytes"))
@@ -186,14 +186,14 @@ def _is_group(path: str) -> bool:
         and doc.get("node_type") == "group"
 
 
-def _strays(root: str, known: set) -> list:
+def _strays(root: str, known: set[Any]) -> list[Any]:
     """Arrays and other entries under tensors/ that no manifest array accounts for
     ([SP-LAYOUT-3]). An entry is accounted for when it is a listed array (with everything
     inside it) or a directory on the way to one (with its group zarr.json)."""
     base = os.path.join(root, TENSOR_DIR)
     if "://" in root or not os.path.isdir(base):    # object stores: recover finds leftovers
         return []
-    parents = set()
+    parents: set[str] = set()
     for a in known:
         parts = a.split("/")
         parents.update("/".join(parts[:i]) for i in range(1, len(parts)))

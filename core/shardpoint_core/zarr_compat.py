@@ -27,6 +27,13 @@ EXTENSION_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 _registered: Dict[str, Any] = {}
 
 
+def _constant_property(n: int) -> property:
+    """A read-only property whose value is ``n`` (a dtype class's ``item_size``)."""
+    def get(self: Any) -> int:
+        return n
+    return property(get)
+
+
 def register_zarr_dtypes() -> None:
     """Register the spec's extension data types with zarr-python 3 (idempotent): each reads
     and writes its little-endian bytes as the ml_dtypes scalar type of section 5."""
@@ -42,7 +49,7 @@ def register_zarr_dtypes() -> None:
             cls = dataclass(frozen=True, kw_only=True)(type(
                 f"ShardpointZarr_{name}", (BaseFloat,),
                 {"dtype_cls": type(np_dt), "_zarr_v3_name": name, "_zarr_v2_names": (),
-                 "item_size": property(lambda self, n=np_dt.itemsize: n),
+                 "item_size": _constant_property(np_dt.itemsize),
                  "__doc__": f"The spec's {name} (spec/format.md section 5) for zarr-python."}))
             _registered[name] = cls
         data_type_registry.register(name, cls)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from shardpoint_core import __version__
+from shardpoint_core import __version__ as __version__  # re-exported
 from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                     ConversionError, CorruptCheckpointError,
                                     IncompleteCheckpointError, InvalidKeyError,

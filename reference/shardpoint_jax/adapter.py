@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+from typing import Optional
 import os
 import sys
 
@@ -30,7 +31,7 @@ from shardpoint_jax.loading import Checkpoint  # noqa: E402
 from shardpoint_jax.tree import ShardedObject  # noqa: E402
 
 FEATURES = ["values", "objects", "partial_read", "zero_size", "scalar"]
-RAW_BITS = {"bfloat16": np.dtype("<u2"), "float8_e4m3fn": np.dtype("u1"),
+RAW_BITS: dict[str, np.dtype] = {"bfloat16": np.dtype("<u2"), "float8_e4m3fn": np.dtype("u1"),
             "float8_e5m2": np.dtype("u1")}
 
 
@@ -91,7 +92,7 @@ def sharding_for(shape, turn: int) -> NamedSharding:
     for n in (4, 2):
         if shape[dim] % n == 0 and shape[dim] >= n:
             sub = Mesh(np.array(devs[:n]), ("d",))
-            spec = [None] * len(shape)
+            spec: list[Optional[str]] = [None] * len(shape)
             spec[dim] = "d"
             return NamedSharding(sub, P(*spec))
     return NamedSharding(mesh, P())

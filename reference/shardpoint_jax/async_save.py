@@ -46,10 +46,12 @@ class HostPool:
         if copies and (self.arena is None or self.arena.nbytes < sum(sizes)):
             self.arena = None                    # the old arena goes before the new one comes
             self.arena = np.empty(max(sum(sizes), 1), np.uint8)
+        arena = self.arena          # grown above whenever there are copies to place
         pos = 0
         for (i, h), n in zip(copies, sizes):
             if isinstance(regions[i][-1], np.ndarray):
-                dst = self.arena[pos:pos + h.nbytes].view(h.dtype).reshape(h.shape)
+                assert arena is not None
+                dst = arena[pos:pos + h.nbytes].view(h.dtype).reshape(h.shape)
                 np.copyto(dst, h)
                 pos += n
             else:
@@ -152,6 +154,8 @@ def _finish_at_exit() -> None:
 
 
 try:
-    threading._register_atexit(_finish_at_exit)
+    # CPython's hook that runs before threads are joined at exit (private, hence the
+    # AttributeError fallback below)
+    threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):   # another Python: the next best place
     atexit.register(_finish_at_exit)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Any
 
 import jax
 
@@ -28,7 +29,8 @@ class Comm:
         self.world = jax.process_count()
         self.prefix = f"shardpoint_jax/{what}/{next(_CALLS)}"
         self.timeout_ms = int(float(os.environ.get("SHARDPOINT_JAX_TIMEOUT_S", "600")) * 1000)
-        self.client = _client() if self.world > 1 else None
+        # JAX's runtime key-value client (untyped, private); used only where world > 1
+        self.client: Any = _client() if self.world > 1 else None
 
     def _get(self, key: str) -> bytes:
         try:

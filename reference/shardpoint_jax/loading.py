@@ -132,8 +132,9 @@ class ReadAhead:
         self.started = {}
 
 
-def region_of(index: tuple, shape) -> tuple:
+def region_of(index: Optional[tuple], shape) -> tuple:
     """``(offset, shape)`` of a shard's index (a tuple of slices) in an array of ``shape``."""
+    assert index is not None     # JAX's index maps give each addressable device one
     off = [s.start or 0 for s in index]
     return off, [(n if s.stop is None else s.stop) - o for s, o, n in zip(index, off, shape)]
 
@@ -274,7 +275,7 @@ def load_array(ck: Checkpoint, key: str, leaf: Any) -> Any:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     cache: dict = {}
 
-    def region(index: tuple) -> np.ndarray:
+    def region(index: Optional[tuple]) -> np.ndarray:
         off, shp = region_of(index, t.shape)
         k = (tuple(off), tuple(shp))
         if k not in cache:          # replicated devices of this process share one read

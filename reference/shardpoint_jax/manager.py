@@ -162,6 +162,7 @@ class CheckpointManager:
         except E.ShardpointError as e:
             err = e
         self._agreed("manager-save", n, err, lambda n: self._clean_leftovers())
+        assert n is not None        # else _agreed raised err on every process
         path = self.path(n)
         self._metrics.pop(n, None)
         try:

@@ -27,7 +27,7 @@ docs/plugins-fidelity-orbax.md lists each behaviour and the remaining difference
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import orbax.checkpoint as ocp
 from etils import epath

@@ -53,10 +53,13 @@ def _sharding_record(x: Any) -> Optional[dict]:
     s = getattr(x, "sharding", None)
     if isinstance(s, jax.sharding.NamedSharding):
         spec = [list(p) if isinstance(p, tuple) else p for p in s.spec]
+        # jax.Device objects; Any: jax's annotations leave their type unresolved here
+        devices: Any = s.mesh.devices.flat
         return {"axis_names": list(s.mesh.axis_names), "mesh_shape": list(s.mesh.devices.shape),
-                "device_ids": [int(d.id) for d in s.mesh.devices.flat], "spec": spec}
+                "device_ids": [int(d.id) for d in devices], "spec": spec}
     if isinstance(s, jax.sharding.SingleDeviceSharding):
-        return {"device_ids": [int(next(iter(s.device_set)).id)]}
+        device: Any = next(iter(s.device_set))      # as above
+        return {"device_ids": [int(device.id)]}
     return None
 
 

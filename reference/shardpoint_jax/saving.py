@@ -207,7 +207,7 @@ def save(path: str, tree: Any, *, overwrite: Union[bool, str] = False,
     return AsyncSave(lambda: write_and_commit(comm, path, decision, regions, err), path)
 
 
-def agree_plan(comm: Comm, path: str, tree: Any, overwrite: bool) -> tuple:
+def agree_plan(comm: Comm, path: str, tree: Any, overwrite: Union[bool, str]) -> tuple:
     """Every process's plan to process 0, which checks and merges them, creates the staging
     directory and the arrays, and sends back its decision: ``(local plan, decision)``."""
     plan, err = None, None
@@ -290,7 +290,7 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
         raise_info(unpack(outcome), "commit")
 
 
-def prepare(path: str, plan: dict, overwrite: bool) -> dict:
+def prepare(path: str, plan: dict, overwrite: Union[bool, str]) -> dict:
     """Process 0: refuse a taken path, create the staging directory (its arrays come in
     :func:`write_and_commit`, after an asynchronous save has returned)."""
     COMMITTER.check_target(path, overwrite)        # [SP-COMMIT-5] [SP-COMMIT-13]
@@ -315,7 +315,8 @@ class Writes:
     writing into a staging directory that is being removed."""
 
     def __init__(self, window: int) -> None:
-        self.window, self.queue, self.inflight = window, deque(), 0
+        self.queue: deque = deque()
+        self.window, self.inflight = window, 0
         self.error: Optional[tuple] = None      # (key, exception) of the first failure
 
     def add(self, fut: Any, nbytes: int, key: str) -> None:
@@ -373,11 +374,11 @@ def write_regions(staging: str, regions: list, tensors: dict) -> None:
     finally:
         writes.drain()
     if writes.error is not None:
-        key, e = writes.error
-        if isinstance(e, E.ShardpointError):
-            raise e
+        key, failure = writes.error
+        if isinstance(failure, E.ShardpointError):
+            raise failure
         raise E.SaveFailedError(f"tensor {key!r}: writing its chunks under {staging!r} failed: "
-                                f"{_short(e)}") from None
+                                f"{_short(failure)}") from None
     try:
         make_durable(staging)
     except OSError as e:

@@ -220,7 +220,7 @@ class ArrayWriter:
             hi = [min(a + c, e) for a, c, e in zip(lo, lay.chunk, stop)]
             part = data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))
                         + (Ellipsis,)]
-            op = self.direct.write(lo, part)
+            op: Optional[WriteOp | Future[Any]] = self.direct.write(lo, part)
             if op is None:      # not one whole chunk: the Zarr layer writes it
                 op = self.pool.submit(write_region, self.store, self.path, lay, tuple(lo),
                                       part, self.path)
@@ -307,8 +307,8 @@ class StoredArray:
                  listing: Optional[Future] = None) -> None:
         self.root, self.key, self.entry = root, key, entry
         self.shape, self.chunk = list(entry["shape"]), list(entry["chunk_shape"])
-        self.np_dtype = np.dtype(DTYPES[entry["dtype"]].numpy) if entry["dtype"] in DTYPES \
-            else None
+        # the manifest's decoder refused a dtype outside the table ([SP-DTYPE-1])
+        self.np_dtype = np.dtype(DTYPES[entry["dtype"]].numpy)
         self.itemsize = self.np_dtype.itemsize
         # the chunk table (1.3, [SP-MAN-7]) goes with it: the core's reads check each unit
         spec = ArraySpec(tuple(self.shape), entry["dtype"], tuple(self.chunk),

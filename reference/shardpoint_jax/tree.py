@@ -87,7 +87,9 @@ def _component(k: Any) -> Union[str, int]:
 
 def walk(tree: Any, leaf: Callable[[tuple, str, Any], Any]) -> Any:
     """Rebuild ``tree`` with every leaf replaced by ``leaf(path, key, value)``."""
-    return map_tree(tree, leaf, children)
+    # map_tree passes a str key to every leaf with keys=True (its default); its signature
+    # says Optional[str] for keys=False
+    return map_tree(tree, leaf, children)  # type: ignore[arg-type]
 
 
 def tree_node(tree: Any, leaf: Callable[[tuple, str, Any], dict]) -> dict:

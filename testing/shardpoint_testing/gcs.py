@@ -71,7 +71,7 @@ class GcsServer:
                 if time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError(f"the GCS emulator did not listen on {self.endpoint} "
-                                       f"within {self._start_timeout_s} s")
+                                       f"within {self._start_timeout_s} s") from None
                 time.sleep(0.05)
         return self
 

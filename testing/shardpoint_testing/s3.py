@@ -150,7 +150,7 @@ class S3Server:
                 if time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError(f"moto server did not listen on {self.endpoint} within "
-                                       f"{self._start_timeout_s} s")
+                                       f"{self._start_timeout_s} s") from None
                 time.sleep(0.05)
         if self.auth:
             iam = self._boto("iam")

@@ -82,7 +82,6 @@ class ManagerMachine(RuleBasedStateMachine):
     def crash_and_restart(self, kind, data):
         """Leave on disk what a process killed at some point leaves, then start again."""
         self.moved_aside = getattr(self, "moved_aside", None)
-        nxt = os.path.join(self.root, f"step_{self.next_step:08d}")
         hidden = os.path.join(self.root, f".step_{self.next_step:08d}.shardpoint-tmp-1a2b3c")
         if kind == "staging":             # killed while ranks wrote chunks
             os.makedirs(os.path.join(hidden, "tensors", "w", "c"), exist_ok=True)

@@ -144,7 +144,8 @@ def test_save_and_load_through_throttling_and_5xx(s3_env, monkeypatch):
     and the load retry with backoff and the round trip is still bitwise."""
     from shardpoint_testing.s3 import FaultProxy
     from shardpoint_core.zarr.object_backend import ObjectStoreBackend
-    rule = (lambda method, path, n: (503 if n % 6 == 0 else 500) if n % 3 == 0 else None)
+    def rule(method, path, n):
+        return (503 if n % 6 == 0 else 500) if n % 3 == 0 else None
     with FaultProxy(s3_env, rule) as proxy:
         for k, v in proxy.env().items():
             monkeypatch.setenv(k, v)

@@ -43,7 +43,8 @@ def _model(steps, losses, latest, every, best, mode):
                                                                        st.integers(1, 7)),
        best=st.one_of(st.none(), st.integers(1, 4)), mode=st.sampled_from(["min", "max"]))
 def test_options_spell_the_composed_policy(steps, losses, latest, every, best, mode):
-    metrics_of = (lambda s: {} if losses.get(s) is None else {"loss": losses[s]})
+    def metrics_of(s):
+        return {} if losses.get(s) is None else {"loss": losses[s]}
     pol = policy_from_options(latest, every, "loss" if best else None, mode, best)
     steps = sorted(steps)
     assert retained(pol, steps, metrics_of) == _model(steps, losses, latest, every, best, mode)

@@ -49,7 +49,7 @@ def read(store, target):
     all name the same save), following the manifest's array paths."""
     m = decode_manifest(store.get(f"{target}/manifest.msgpack"))
     labels = set()
-    for k, e in m.tensors.items():
+    for e in m.tensors.values():
         labels.add(store.get(f"{target}/{e.array}/zarr.json").decode().split('"')[3])
         for c in range(2):
             labels.add(store.get(f"{target}/{e.array}/c/{c}").decode().split(":")[0])

@@ -141,7 +141,8 @@ def test_refused_credentials_are_named(s3_server):
 def test_throttling_5xx_and_dropped_connections_are_retried(s3_env, fault):
     """Every second request fails (SlowDown, InternalError, or a dropped connection): the
     store retries with backoff and every operation still succeeds with the right bytes."""
-    rule = (lambda method, path, n: fault if n % 2 == 1 else None)
+    def rule(method, path, n):
+        return fault if n % 2 == 1 else None
     with FaultProxy(s3_env, rule) as proxy:
         st = S3Store.from_url(s3_env.url(s3_env.fresh_prefix("faults")),
                               S3Options(endpoint_url=proxy.endpoint, max_attempts=4))

@@ -78,7 +78,7 @@ def test_column_load_through_shared_memory_is_exact_and_leaves_nothing(tmp_path)
     res = run_world(3, _load_cols, str(tmp_path / "rows"), timeout=180)
     for rank, rows in enumerate(res):
         by = {r[0]: r[1:] for r in rows}
-        for label, (strategy, exact, shm_b, group_b, left, _rounds) in by.items():
+        for label, (strategy, exact, _shm_b, _group_b, left, _rounds) in by.items():
             assert strategy == "dedup", (rank, label, strategy)
             assert exact, (rank, label)
             assert left == [], (rank, label, left)

@@ -4,7 +4,6 @@ are shardpoint's documented classes, ``overwrite`` behaves as DCP's, options are
 refused, and ``from shardpoint import dcp`` is a one-line switch. One process (``no_dist``);
 the real DCP functions throughout."""
 import argparse
-import io
 import os
 import warnings
 

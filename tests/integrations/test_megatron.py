@@ -132,7 +132,7 @@ def sharded_state_dict(tp, pp, dp, rank, *, load=False, objects=("rng", "loader"
     total = sum(x.numel() for _, _, x, *_ in blocks)
     lo, hi = split(total, dp, d)
     pos = 0
-    for name, key, x, offsets, prepend, rep in blocks:
+    for name, key, x, offsets, prepend, _rep in blocks:
         a, b = max(lo, pos) - pos, min(hi, pos + x.numel()) - pos
         pos += x.numel()
         if a >= b:
@@ -193,7 +193,7 @@ def _block_of(key, offsets, prepend, local_shape):
     """The block of ``key``'s full tensor that rank offsets ``offsets`` name."""
     g = expected_full(key)
     idx = [slice(None)] * g.dim()
-    for axis, o, f in offsets:
+    for axis, o, _f in offsets:
         n = 1 if axis < prepend else local_shape[axis - prepend]
         idx[axis] = slice(o * n, o * n + n)
     return g[tuple(idx)].reshape(local_shape)
@@ -328,7 +328,7 @@ def megatron_job(rank, world, base):
 def test_megatron_core_round_trip_across_tp_pp_dp(tmp_path):
     res = run_world(4, megatron_job, str(tmp_path), timeout=240)
     assert all(not bad for bad, _ in res), [b for b, _ in res]
-    for rank, (_, info) in enumerate(res):
+    for _, info in res:
         assert info["left_out"] == ["sharded_state_dict['optimizer']['padding']"]
         assert info["tensor_and_object"].startswith("InvalidShardingError")
         assert "'k' names both" in info["tensor_and_object"]

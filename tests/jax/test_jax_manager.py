@@ -106,7 +106,6 @@ class ManagerMachine(RuleBasedStateMachine):
           data=st.data())
     def crash_and_restart(self, kind, data):
         """Leave what a process killed at that point leaves, then start a new manager."""
-        nxt = os.path.join(self.root, f"step_{self.next_step:08d}")
         hidden = os.path.join(self.root, f".step_{self.next_step:08d}.shardpoint-tmp-1a2b3c")
         if kind == "staging":             # killed while writing chunks
             os.makedirs(os.path.join(hidden, "tensors", "w", "c"), exist_ok=True)

@@ -10,7 +10,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import shardpoint_jax as spj  # noqa: E402
-from shardpoint_jax import storage
+from shardpoint_jax import storage  # noqa: E402
 from shardpoint_jax.loading import entry_of  # noqa: E402
 
 

@@ -68,7 +68,7 @@ def reference_plan_load(requests, layouts):
             chunks = patterns[pkey] = chunk_parts(shape, chunk, pieces)
         need = [regions.holder_lists(gi) for gi in gis]    # (ranks ascending, requests)
         refs: dict = {}
-        for coff, cshp, parts in chunks:
+        for _coff, _cshp, parts in chunks:
             if len(parts) == 1:
                 ri, pi, lo, rshape, n = parts[0]
                 rl, ql = need[ri]
@@ -169,7 +169,7 @@ def reference_plan_save(local_plans, opts=PlanOptions()):
             regs = [regions.region(gi)[1:] for gi in gis]
             pat = patterns[pkey] = _plan_pattern(
                 key, dtype, shape, itemsize, regs,
-                lambda ri: regions.holders(gis[ri])[0].tolist(), opts)
+                lambda ri, gis=gis: regions.holders(gis[ri])[0].tolist(), opts)
         tensors[key] = TensorLayout(key, shape, dtype, pat[0])
         unique_bytes += math.prod(shape) * itemsize
         if not math.prod(shape):

@@ -99,7 +99,7 @@ def jobs(draw, max_world=64):
         style = draw(st.sampled_from(["distinct", "megatron", "no_main"]))
         seen = {}
         fixed = []
-        for r, off, shp, flat, rep in lay:
+        for r, off, shp, flat, _rep in lay:
             reg = (off, shp, flat)
             seen[reg] = n = seen.get(reg, -1) + 1
             rid = {"distinct": n, "megatron": min(n, 1), "no_main": 2}[style]

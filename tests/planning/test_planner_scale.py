@@ -141,7 +141,7 @@ def test_numpy_chunk_geometry_matches_the_plain_loops():
         new = grid.chunk_parts(shape, chunk, pieces)
         assert [c[0] for c in new] == [tuple(i * c for i, c in zip(cidx, chunk))
                                        for cidx in sorted(old)]
-        for (coff, cshp, parts), cidx in zip(new, sorted(old)):
+        for (_coff, _cshp, parts), cidx in zip(new, sorted(old)):
             assert [(li, pi, bo, bs) for li, pi, bo, bs, _ in parts] == \
                 [(li, pi, bo, bs) for li, pi, (bo, bs) in old[cidx]]
             assert all(n == math.prod(bs) for *_, bs, n in parts)

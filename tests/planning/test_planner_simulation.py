@@ -5,6 +5,7 @@ chunk writer, every stored region is read once, and every rank gets back exactly
 """
 import math
 import random
+import pytest
 
 import numpy as np
 from shardpoint.tree.model import Holding, holding_pieces
@@ -27,7 +28,7 @@ def rand_layout(shape, world, rng):
         d = rng.randrange(len(shape))
         parts = rand_splits(shape[d], world, rng)
         out = []
-        for r, (a, b) in enumerate(parts):
+        for a, b in parts:
             off = tuple(a if i == d else 0 for i in range(len(shape)))
             shp = tuple(b - a if i == d else s for i, s in enumerate(shape))
             out.append([(off, shp, None, (0,))])
@@ -56,9 +57,11 @@ def run(seed):
     opts = PlanOptions(chunk_overhead_bytes=rng.choice([0, 64, 256 << 10]))
     plan = plan_save(plans, opts)
     lay_t = plan.tensors["t"]
-    store = np.zeros(shape, np.int64); count = np.zeros(shape, np.int64)
+    store = np.zeros(shape, np.int64)
+    count = np.zeros(shape, np.int64)
     def view(r, hidx, pidx):
-        h = plans[r].holdings[hidx]; p = holding_pieces(h)[pidx]
+        h = plans[r].holdings[hidx]
+        p = holding_pieces(h)[pidx]
         d = datas[r][hidx]
         v = d if p.start is None else d[p.start:p.start+math.prod(p.shape)].reshape(p.shape)
         return v, p.offset
@@ -73,11 +76,13 @@ def run(seed):
                 v, off = view(r, hidx, pidx)
                 buf[box_slices(cw.offset, bo, bs)] = v[box_slices(off, bo, bs)]
             for t in w.recvs:
-                if t.dst_ref[0] != widx: continue
+                if t.dst_ref[0] != widx:
+                    continue
                 v, off = view(t.src, *t.src_ref)
                 buf[box_slices(cw.offset, t.box_offset, t.box_shape)] = v[box_slices(off, t.box_offset, t.box_shape)]
             sl = box_slices((0,)*nd, cw.offset, cw.shape)
-            store[sl] = buf; count[sl] += 1
+            store[sl] = buf
+            count[sl] += 1
             assert all(o % c == 0 for o, c in zip(cw.offset, lay_t.chunk_shape)), (cw, lay_t)
     assert (count == 1).all(), ("chunks written not exactly once", seed, count)
     assert np.array_equal(store, full), ("save mismatch", seed)
@@ -88,7 +93,9 @@ def run(seed):
     works = plan_load(reqs, {"t": TensorLayout("t", shape, "int64", lay_t.chunk_shape)})
     outs = [[np.full(h.shape if not h.flat else (h.flat[1]-h.flat[0],), -1, np.int64) for h in rq] for rq in reqs]
     def dview(r, q, pi):
-        h = reqs[r][q]; p = holding_pieces(h)[pi]; d = outs[r][q]
+        h = reqs[r][q]
+        p = holding_pieces(h)[pi]
+        d = outs[r][q]
         v = d if p.start is None else d[p.start:p.start+math.prod(p.shape)].reshape(p.shape)
         return v, p.offset
     readcount = np.zeros(shape, np.int64)
@@ -107,7 +114,8 @@ def run(seed):
                 v[box_slices(off, bo, bs)] = data[box_slices(op.offset, bo, bs)]
     for r, w in enumerate(works):
         for t in w.recvs:
-            data = bufs[(t.src, t.src_ref[0])]; op = works[t.src].reads[t.src_ref[0]]
+            data = bufs[(t.src, t.src_ref[0])]
+            op = works[t.src].reads[t.src_ref[0]]
             v, off = dview(r, *t.dst_ref)
             v[box_slices(off, t.box_offset, t.box_shape)] = data[box_slices(op.offset, t.box_offset, t.box_shape)]
     assert readcount.max() <= 1, ("read twice", seed)
@@ -116,9 +124,6 @@ def run(seed):
             blk = full[box_slices((0,)*nd, h.offset, h.shape)]
             exp = blk.reshape(-1)[h.flat[0]:h.flat[1]] if h.flat else blk
             assert np.array_equal(o, exp), ("load mismatch", seed, h, o, exp)
-
-
-import pytest
 
 
 @pytest.mark.parametrize("block", range(4))

@@ -2,7 +2,6 @@
 right when piped, a diff across naming conventions, an example in every ``--help``."""
 import json
 
-import pytest
 import torch
 
 import shardpoint as sp

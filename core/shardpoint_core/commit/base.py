@@ -18,7 +18,11 @@ The lock rule: whoever creates, replaces or deletes a location holds its lock me
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, Union, runtime_checkable
+
+# False (refuse anything at the target), True (replace a committed checkpoint) or "any"
+# (also a directory that is not a checkpoint, where the committer has such a thing)
+Overwrite = Union[bool, str]
 
 
 @runtime_checkable
@@ -28,7 +32,7 @@ class Committer(Protocol):
     def state(self, target: str) -> str:
         """'missing', 'incomplete' (something there, no committed manifest) or 'committed'."""
 
-    def check_target(self, target: str, overwrite: "bool | str") -> None:
+    def check_target(self, target: str, overwrite: Overwrite) -> None:
         """Raise ``CheckpointExistsError`` where publishing to ``target`` would be refused
         ([SP-COMMIT-5]): a checkpoint there without ``overwrite``; a non-checkpoint without
         ``overwrite="any"``; a file or a directory of checkpoints whatever ``overwrite``."""
@@ -36,7 +40,7 @@ class Committer(Protocol):
     def begin(self, target: str, token: str) -> str:
         """Create and lock the staging location of a save of ``target``; returns it."""
 
-    def publish(self, staging: str, target: str, *, overwrite: "bool | str") -> None:
+    def publish(self, staging: str, target: str, *, overwrite: Overwrite) -> None:
         """Make the durable staged checkpoint visible at ``target`` in one atomic step: a
         crash leaves the previous checkpoint or the new one, never a mix."""
 
@@ -47,7 +51,7 @@ class Committer(Protocol):
         """Delete the committed checkpoint ``target`` (retention), refusing anything that is
         not one; False, touching nothing, where it is gone or a live save holds it."""
 
-    def leftovers(self, directory: str) -> list:
+    def leftovers(self, directory: str) -> list[Any]:
         """What crashed saves and replacements left in ``directory`` ([SP-COMMIT-6])."""
 
     def restore(self, leftover: str, target: str) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable
+from typing import Any, Callable, Optional
 
 from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.commit.durable import newest_mtime
@@ -21,19 +21,19 @@ DEFAULT_MIN_AGE_S = 900.0
 
 
 def clean_leftovers(committer: PosixCommitter, root: str, owns: Callable[[str], bool],
-                    min_age_s: float = DEFAULT_MIN_AGE_S) -> list:
+                    min_age_s: float = DEFAULT_MIN_AGE_S) -> list[Any]:
     """Remove the leftovers of crashed saves of names ``owns`` accepts in ``root`` and restore
     an ``-old-`` checkpoint whose replacement crashed midway; returns the paths acted on.
     A directory that merely has such a name and no manifest is not the protocol's (a commit
     renames a whole checkpoint into place, retention renames it away first) and is left as
     it is: nothing deletes what it did not create. OS errors (a read-only file
     system) are logged and skipped: the caller's save or load reports its own."""
-    done: list = []
+    done: list[Any] = []
     if not os.path.isdir(root):
         return done
     now = time.time()
 
-    def idle(in_use, path: str) -> bool:
+    def idle(in_use: Optional[bool], path: str) -> bool:
         if in_use is not None:
             return not in_use
         try:

@@ -31,10 +31,10 @@ def newest_mtime(root: str) -> float:
 
 
 _LIBC: Optional[Any] = None
-_FUNCTIONS: dict = {}
+_FUNCTIONS: dict[str, Any] = {}
 
 
-def libc_function(name: str, argtypes: list, restype: Any = ctypes.c_int) -> Optional[Any]:
+def libc_function(name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Optional[Any]:
     """The Linux libc function ``name`` (errno kept for ``ctypes.get_errno``), or None on
     another OS or a libc without it. Looked up once per name: the library is opened once
     per process, not per call (renameat2 and syncfs run on every commit)."""
@@ -105,7 +105,7 @@ def fsync_trees(roots: Sequence[str], stop: str, threads: int = 16) -> int:
     """fsync every file and directory under each of ``roots`` and every directory from them
     up to ``stop``, from a thread pool (fsyncs of different files proceed in parallel).
     Returns how many paths were synced."""
-    paths: set = set()
+    paths: set[Any] = set()
     for root in roots:
         for dirpath, _dirs, files in os.walk(root):
             paths.add(dirpath)
@@ -153,7 +153,7 @@ class DirLocks:
     parent's lock too): the lock stays the parent's alone."""
 
     def __init__(self) -> None:
-        self._fds: dict = {}
+        self._fds: dict[str, Any] = {}
         self._mutex = threading.Lock()
         _EVERY.add(self)
 
@@ -200,7 +200,10 @@ class DirLocks:
 
 _EVERY: "weakref.WeakSet[DirLocks]" = weakref.WeakSet()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: [d._forget_after_fork() for d in list(_EVERY)])
+    def _forget_all_after_fork() -> None:
+        for d in list(_EVERY):
+            d._forget_after_fork()
+    os.register_at_fork(after_in_child=_forget_all_after_fork)
 
 
 def dir_locked(path: str) -> Optional[bool]:
@@ -214,7 +217,7 @@ def dir_locked(path: str) -> Optional[bool]:
     return True if held else None
 
 
-def _flock_dir(path: str, exclusive: bool) -> tuple:
+def _flock_dir(path: str, exclusive: bool) -> tuple[Optional[int], bool]:
     """``(descriptor holding a non-blocking flock on directory path, or None; whether
     another open file holds a conflicting lock)``."""
     import fcntl

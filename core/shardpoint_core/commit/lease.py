@@ -46,13 +46,14 @@ def encode_lease(token: str, lease_s: float, reclaimed: bool = False,
     """The lease object's bytes: what it is, the save's token, how long it holds, whether
     recovery reclaimed it (declared the save dead; the save can then never commit), and a
     random nonce, so that a writer that reads a lease back knows whether it is its own."""
-    return msgpack.packb({"kind": _KIND, "version": 1, "token": token,
-                          "lease_s": float(lease_s), "reclaimed": bool(reclaimed),
-                          "nonce": os.urandom(8) if nonce is None else nonce},
-                         use_bin_type=True)
+    data: bytes = msgpack.packb({"kind": _KIND, "version": 1, "token": token,
+                                 "lease_s": float(lease_s), "reclaimed": bool(reclaimed),
+                                 "nonce": os.urandom(8) if nonce is None else nonce},
+                                use_bin_type=True)
+    return data
 
 
-def decode_lease(data: bytes, token: str) -> Optional[tuple]:
+def decode_lease(data: bytes, token: str) -> Optional[tuple[Any, ...]]:
     """``(duration in seconds, reclaimed)`` when ``data`` is the lease of ``token``, else None
     (not a lease, or another save's: the prefix is not this protocol's)."""
     if len(data) > 4096:

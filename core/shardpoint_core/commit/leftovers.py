@@ -28,7 +28,7 @@ def leftover_name(name: str, kind: str, token: str) -> str:
     return f".{name}.shardpoint-{kind}-{token}"
 
 
-def parse_leftover(name: str) -> Optional[tuple]:
+def parse_leftover(name: str) -> Optional[tuple[str, str, str]]:
     """``(target name, kind, token)`` for a leftover's base name, None for any other name."""
     m = _NAME.match(name)
     return None if m is None else (m["name"], m["kind"], m["token"])

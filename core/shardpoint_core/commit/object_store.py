@@ -36,17 +36,20 @@ import logging
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional
 
 import msgpack
 
-from shardpoint_core.commit.lease import (LEASE_NAME, read_lease, reclaim_lease, start_lease,
-                                          stop_lease)
+from shardpoint_core.commit.base import Overwrite
+from shardpoint_core.commit.lease import (LEASE_NAME, LeaseState, read_lease, reclaim_lease,
+                                          start_lease, stop_lease)
+from shardpoint_core.commit.leftovers import Leftover
 from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                     CorruptCheckpointError, IncompleteCheckpointError,
                                     InvalidOptionError, SaveFailedError, StoreNotFoundError)
 from shardpoint_core.manifest import decode_manifest
-from shardpoint_core.storage import MANIFEST_NAME, Leftover
+from shardpoint_core.storage import MANIFEST_NAME
+from shardpoint_core.store.base import ByteStore, replaceable
 
 log = logging.getLogger("shardpoint")
 SAVE_PREFIX = "save-"
@@ -75,8 +78,9 @@ def _rewrite_array_paths(envelope: bytes, save_dir: str, where: str) -> bytes:
         raise CorruptCheckpointError(f"staged manifest {where} is not a valid manifest ({e}); "
                                      "nothing was committed", spec_id="SP-MAN-1") from e
     new_body = msgpack.packb(m, use_bin_type=True)
-    return msgpack.packb({"sha256": hashlib.sha256(new_body).digest(), "body": new_body},
-                         use_bin_type=True)
+    out: bytes = msgpack.packb({"sha256": hashlib.sha256(new_body).digest(),
+                                "body": new_body}, use_bin_type=True)
+    return out
 
 
 def _array_dirs(envelope: bytes) -> List[str]:
@@ -90,7 +94,7 @@ class ObjectStoreCommitter:
     """Publishes checkpoints in one :class:`~shardpoint_core.store.base.ByteStore` that has no
     rename, with the manifest as the single atomic commit marker ([SP-COMMIT-10])."""
 
-    def __init__(self, store, *, lease_s: Optional[float] = None) -> None:
+    def __init__(self, store: ByteStore, *, lease_s: Optional[float] = None) -> None:
         from shardpoint_core.commit.lease import DEFAULT_LEASE_S
         self.store = store
         self.lease_s = float(lease_s if lease_s is not None
@@ -102,7 +106,7 @@ class ObjectStoreCommitter:
     def _manifest_key(self, target: str) -> str:
         return _join(target, MANIFEST_NAME)
 
-    def _foreign(self, target: str, listing: Optional[Iterable] = None) -> List[str]:
+    def _foreign(self, target: str, listing: Optional[Iterable[Any]] = None) -> List[str]:
         """Objects under ``target/`` (``listing``: the store's list of it, when the caller
         started it) that are neither the marker nor below a save prefix or a committed
         array path (someone else's: never replaced, never deleted)."""
@@ -123,11 +127,13 @@ class ObjectStoreCommitter:
         prefix = _join(target) + "/" if target else ""
         return "incomplete" if next(iter(self.store.list(prefix)), None) else "missing"
 
-    def check_target(self, target: str, overwrite: bool) -> None:
+    def check_target(self, target: str, overwrite: Overwrite) -> None:
         """Refuse a committed checkpoint without ``overwrite`` ([SP-COMMIT-5]) and, with or
         without it, objects under the target that this protocol did not write
-        ([SP-COMMIT-13]): nothing deletes what it did not create. The marker's HEAD and the
-        first page of the target's listing are in flight together (one round trip)."""
+        ([SP-COMMIT-13]): nothing deletes what it did not create (so ``"any"`` acts as
+        ``True`` here: there is no non-checkpoint it would let a save replace). The marker's
+        HEAD and the first page of the target's listing are in flight together (one round
+        trip)."""
         with ThreadPoolExecutor(1, thread_name_prefix="sp-commit") as side:
             marker = side.submit(self.store.head, self._manifest_key(target))
             listing = iter(self.store.list(_join(target) + "/" if target else ""))
@@ -159,7 +165,7 @@ class ObjectStoreCommitter:
         start_lease(self.store, staging, token, self.lease_s)
         return staging
 
-    def publish(self, staging: str, target: str, *, overwrite: bool,
+    def publish(self, staging: str, target: str, *, overwrite: Overwrite,
                 manifest: Optional[bytes] = None) -> None:
         """Write the marker ``<target>/manifest.msgpack`` in one conditional PUT
         ([SP-COMMIT-12]), check that recovery did not take the save for dead meanwhile
@@ -202,8 +208,8 @@ class ObjectStoreCommitter:
         # lease is found intact ([SP-COMMIT-14], [SP-COMMIT-16]).
         side = ThreadPoolExecutor(1, thread_name_prefix="sp-commit") if old else None
         try:
-            named = side.submit(self._named_objects, target, old[0], save_dir) if side \
-                else None
+            named = side.submit(self._named_objects, target, old[0], save_dir) \
+                if side is not None and old is not None else None
             version = self._commit_marker(key, marker, old, target)
             if lease is not None and not self._lease_intact(lease):
                 self._take_back(key, marker, version, old, target)
@@ -232,8 +238,8 @@ class ObjectStoreCommitter:
             "or stalled for longer than it); nothing was committed, the previous checkpoint "
             "is intact", spec_id="SP-COMMIT-16")
 
-    def _commit_marker(self, key: str, marker: bytes, old: Optional[tuple],
-                       target: str) -> str:
+    def _commit_marker(self, key: str, marker: bytes, old: Optional[tuple[bytes, str]],
+                       target: str) -> Optional[str]:
         """PUT the marker ([SP-COMMIT-12]) and return its version. Whatever the PUT answered,
         when it did not answer success the marker is read back: this save's own bytes mean
         the PUT (or a retry of it) landed ([SP-COMMIT-17]). A precondition that failed for a
@@ -250,7 +256,7 @@ class ObjectStoreCommitter:
             try:
                 now = self._read_with_version(key)
             except CheckpointExistsError:      # changing under our read: not settled
-                now = ("", "?")
+                now = (b"", "?")
             if now is not None and now[0] == marker:
                 log.info("shardpoint: the commit PUT of %s failed (%s) but the marker is "
                          "this save's: committed", self._url(target), failure)
@@ -274,17 +280,19 @@ class ObjectStoreCommitter:
         err.__cause__ = e
         return err
 
-    def _put_marker(self, key: str, marker: bytes, old: Optional[tuple]) -> str:
-        """The one PUT that commits ([SP-COMMIT-12]), conditional where the store can."""
+    def _put_marker(self, key: str, marker: bytes,
+                    old: Optional[tuple[bytes, str]]) -> Optional[str]:
+        """The one PUT that commits ([SP-COMMIT-12]), conditional where the store can; the
+        marker's new version (None where the store has none)."""
         if not self.conditional:     # [SP-COMMIT-12]: the last PUT wins, never a mix
             return self.store.put(key, marker)
         if old is None:
             return self.store.put(key, marker, if_absent=True)
         if self.replace_if_match:
-            return self.store.put(key, marker, if_match=old[1])
+            return replaceable(self.store).put(key, marker, if_match=old[1])
         return self.store.put(key, marker)   # no If-Match: a replacement race is the caller's
 
-    def _lease_intact(self, lease) -> bool:
+    def _lease_intact(self, lease: LeaseState) -> bool:
         """The save's lease is where it wrote it last, unchanged: recovery has not begun to
         remove the save's prefix ([SP-COMMIT-16])."""
         try:
@@ -292,15 +300,15 @@ class ObjectStoreCommitter:
         except FileNotFoundError:
             return False
 
-    def _take_back(self, key: str, marker: bytes, version: str, old: Optional[tuple],
-                   target: str) -> None:
+    def _take_back(self, key: str, marker: bytes, version: Optional[str],
+                   old: Optional[tuple[bytes, str]], target: str) -> None:
         """Undo this save's marker after its data was found removed: the replaced marker goes
         back (If-Match this save's marker), or, for a fresh target, the marker is deleted if
         it is still this save's."""
         try:
             if old is not None:
                 if self.replace_if_match and version:
-                    self.store.put(key, old[0], if_match=version)
+                    replaceable(self.store).put(key, old[0], if_match=version)
                 else:
                     self.store.put(key, old[0])
                 return
@@ -311,7 +319,7 @@ class ObjectStoreCommitter:
             log.error("shardpoint: could not take back the marker of %s (%s): it names "
                       "objects recovery removed", self._url(target), e)
 
-    def _read_with_version(self, key: str) -> Optional[tuple]:
+    def _read_with_version(self, key: str) -> Optional[tuple[bytes, str]]:
         """(bytes, version) of ``key``, or None; the version is the one the bytes are of:
         one GET where the store gives the version with the bytes (``get_versioned``), else a
         HEAD before and after the GET."""
@@ -409,7 +417,7 @@ class ObjectStoreCommitter:
         self._delete_arrays(target, old[0])
         return True
 
-    def leftovers(self, directory: str, *, now: Optional[float] = None) -> list:
+    def leftovers(self, directory: str, *, now: Optional[float] = None) -> list[Any]:
         """Save prefixes below ``directory`` that this protocol wrote (their lease names their
         token, [SP-COMMIT-16]) and that no committed marker names: crashed saves, saves that
         lost a race, replaced checkpoints whose deletion was cut short, and saves still
@@ -417,7 +425,7 @@ class ObjectStoreCommitter:
         prefix (a user's ``save-20240101/``) or one written before spec 1.3 is not listed:
         nothing on the store says it is ours."""
         prefix = _join(directory) + "/" if _join(directory) else ""
-        groups: Dict[str, list] = {}
+        groups: Dict[str, list[Any]] = {}
         for info in self.store.list(prefix):
             parts = info.key.split("/")
             for i, part in enumerate(parts[:-1]):
@@ -425,7 +433,7 @@ class ObjectStoreCommitter:
                     groups.setdefault("/".join(parts[:i + 1]), []).append(info)
                     break
         out = []
-        referenced: Dict[str, set] = {}
+        referenced: Dict[str, set[Any]] = {}
         now = time.time() if now is None else now
         for save, infos in sorted(groups.items()):
             target, _, name = save.rpartition("/")
@@ -446,7 +454,7 @@ class ObjectStoreCommitter:
                                 in_use=lease.live))
         return out
 
-    def _referenced(self, target: str) -> set:
+    def _referenced(self, target: str) -> set[Any]:
         """The save prefixes the marker of ``target`` names (empty where there is none)."""
         try:
             data = self.store.get(self._manifest_key(target))
@@ -490,3 +498,13 @@ class ObjectStoreCommitter:
             return False
         self._delete_last_lease([i.key for i in self.store.list(_join(leftover) + "/")])
         return True
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.commit.base import Committer
+
+    def _is_committer_objectstorecommitter(x: ObjectStoreCommitter) -> Committer:
+        return x
+

@@ -28,8 +28,9 @@ import errno
 import os
 import shutil
 import time
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.commit.durable import (RENAME_NOREPLACE, DirLocks, dir_locked,
                                             exchange_dirs, newest_mtime, renameat2)
 from shardpoint_core.commit.leftovers import Leftover, leftover_name, parse_leftover
@@ -38,14 +39,13 @@ from shardpoint_core.fsutil import fsync_dir
 from shardpoint_core.hints import path_hint
 
 MANIFEST_NAME = "manifest.msgpack"
-Overwrite = Union[bool, str]
 OVERWRITE_VALUES = (False, True, "any")
 
 
 def check_overwrite(overwrite: object) -> Overwrite:
     """``overwrite`` if it is one of False, True or ``"any"``; else InvalidOptionError."""
     if overwrite is False or overwrite is True or overwrite == "any":
-        return overwrite   # type: ignore[return-value]
+        return overwrite
     raise InvalidOptionError(
         f"overwrite={overwrite!r}: pass False (refuse anything at the path), True (replace a "
         "committed checkpoint or an empty directory) or 'any' (also a directory that is not a "
@@ -72,7 +72,7 @@ def _ignore(*_: object) -> None:
     pass
 
 
-def _raise_unless_gone(_fn: object, _path: str, info: tuple) -> None:
+def _raise_unless_gone(_fn: object, _path: str, info: tuple[Any, ...]) -> None:
     """rmtree's error handler: what vanished meanwhile (another remover) is fine."""
     if not isinstance(info[1], FileNotFoundError):
         raise info[1]
@@ -104,7 +104,7 @@ class PosixCommitter:
             return "committed"
         return "incomplete" if os.path.lexists(target) else "missing"
 
-    def holds_checkpoints(self, directory: str) -> list:
+    def holds_checkpoints(self, directory: str) -> list[Any]:
         """The committed checkpoints directly inside ``directory`` (a manager's root, or any
         directory of checkpoints), sorted by name; empty for anything else."""
         try:
@@ -250,7 +250,9 @@ class PosixCommitter:
                     self._sync_dir(parent)
                     self._delete_tree(staging)
                     return
-                token = parse_leftover(os.path.basename(staging))[2]
+                parsed = parse_leftover(os.path.basename(staging))
+                assert parsed is not None, staging    # begin() named it
+                token = parsed[2]
                 old = os.path.join(parent, leftover_name(os.path.basename(target), "old",
                                                          token))
                 os.rename(target, old)      # never deleted before the new one is in
@@ -315,7 +317,7 @@ class PosixCommitter:
         return True
 
     # ------------------------------------------------------------------ leftovers
-    def leftovers(self, directory: str) -> list:
+    def leftovers(self, directory: str) -> list[Any]:
         """The :class:`Leftover` directories of saves directly in ``directory``."""
         out = []
         directory = os.path.abspath(directory)
@@ -388,3 +390,13 @@ class PosixCommitter:
         else:
             shutil.rmtree(path, onerror=_raise_unless_gone if strict else _ignore)
         self._sync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.commit.base import Committer
+
+    def _is_committer_posixcommitter(x: PosixCommitter) -> Committer:
+        return x
+

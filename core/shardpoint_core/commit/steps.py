@@ -110,7 +110,8 @@ class StepRoot:
         """Delete committed ``step`` through the committer (retention): on files locked,
         hidden by one rename, then deleted; on object stores the marker first, then the
         objects it named. False where it is gone (or, on files, a live save holds it)."""
-        return self.committer.remove(self.path(step))
+        removed: bool = self.committer.remove(self.path(step))
+        return removed
 
     def retain(self, policy: Any, metrics_of: Any) -> List[str]:
         """Apply retention ``policy`` (:mod:`shardpoint_core.policy`) to the committed steps:
@@ -121,7 +122,7 @@ class StepRoot:
         from shardpoint_core.errors import ShardpointError
         from shardpoint_core.policy import retained
         warnings: List[str] = []
-        unreadable: set = set()
+        unreadable: set[Any] = set()
 
         def metrics(step: int) -> Any:
             try:
@@ -146,7 +147,7 @@ class StepRoot:
         return warnings
 
     def clean_leftovers(self, min_age_s: float = DEFAULT_MIN_AGE_S,
-                        now: Optional[float] = None) -> list:
+                        now: Optional[float] = None) -> list[Any]:
         """Remove what crashed saves of steps left below the root, never what a live save
         holds (module docstring); returns the paths (URLs) acted on."""
         owns = _owns_step
@@ -174,7 +175,7 @@ def _children(store: Any, prefix: str) -> List[str]:
     fast = getattr(store, "list_children", None)
     if fast is not None:
         return list(fast(prefix))
-    names: dict = {}
+    names: dict[str, Any] = {}
     for info in store.list(prefix):
         head, sep, _ = info.key[len(prefix):].partition("/")
         if sep:

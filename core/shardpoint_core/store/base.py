@@ -23,9 +23,26 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import (TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Protocol, Sequence,
+                    Tuple, Union, cast, runtime_checkable)
 
-Buffer = Union[bytes, bytearray, memoryview]
+if TYPE_CHECKING:
+    # anything with the buffer protocol (PEP 688): bytes, bytearray, memoryview, contiguous
+    # numpy arrays, which callers put as they are
+    from typing_extensions import Buffer as Buffer
+else:
+    Buffer = Union[bytes, bytearray, memoryview]
+
+# What ``put`` takes: one bytes-like object, or a sequence of buffers (numpy arrays among
+# them) written as one object in order. A lone numpy array is not one buffer here: wrap it
+# in a list (stores tell one buffer from a sequence by these three types).
+PutData = Union[bytes, bytearray, memoryview, Sequence["Buffer"]]
+
+# The optional methods of a ByteStore (see its docstring), as the layers above look them up
+# (``getattr(store, "get_suffix", None)``): ``get_suffix(key, length) -> (bytes, size)``,
+# ``get_versioned(key, length) -> (bytes, ObjectInfo)``.
+SuffixRead = Callable[[str, int], Tuple[bytes, int]]
+VersionedRead = Callable[[str, int], Tuple[bytes, "ObjectInfo"]]
 
 
 @dataclass(frozen=True)
@@ -78,11 +95,15 @@ class ByteStore(Protocol):
         """Fill ``out`` with the bytes of ``key`` from ``start`` (exactly ``len(out)``;
         ``EOFError`` where the object is shorter): a load lands bytes in its own buffers."""
 
-    def put(self, key: str, data: Union[Buffer, Sequence[Buffer]], *,
-            if_absent: bool = False) -> None:
+    def put(self, key: str, data: PutData, *,
+            if_absent: bool = False) -> Optional[str]:
         """Store ``data`` (one buffer, or several written as one object, in order) at ``key``.
         ``if_absent``: fail with ``FileExistsError`` where ``key`` exists (atomic where
-        ``capabilities.conditional_put``). Buffers must not change until this returns."""
+        ``capabilities.conditional_put``). Buffers must not change until this returns.
+        Returns the new object's version where the store has versions (S3's ETag, GCS's
+        generation), else None. Stores with ``capabilities.conditional_replace`` also take
+        ``if_match=version``: replace only the object of that version (``FileExistsError``
+        otherwise); callers check the capability before passing it."""
 
     def head(self, key: str) -> Optional[ObjectInfo]:
         """The object's :class:`ObjectInfo`, or None where there is none."""
@@ -96,3 +117,24 @@ class ByteStore(Protocol):
     def make_durable(self, keys: Optional[Iterable[str]] = None) -> None:
         """Everything this process put (or ``keys``) survives a crash once this returns:
         fsync/syncfs on files, nothing to do where ``capabilities.durable_put``."""
+
+
+class ReplaceableStore(ByteStore, Protocol):
+    """A :class:`ByteStore` with ``capabilities.conditional_replace``: its ``put`` also takes
+    ``if_match`` (replace only the object of that version). See :func:`replaceable`."""
+
+    def put(self, key: str, data: PutData, *,
+            if_absent: bool = False, if_match: Optional[str] = None) -> Optional[str]:
+        """:meth:`ByteStore.put`, and with ``if_match``: only over the object of that version
+        (``FileExistsError`` otherwise)."""
+
+
+def replaceable(store: ByteStore) -> ReplaceableStore:
+    """``store`` as a :class:`ReplaceableStore`; ``ValueError`` where its capabilities do not
+    say ``conditional_replace`` (the capability is the promise that ``put`` takes
+    ``if_match``)."""
+    if not store.capabilities.conditional_replace:
+        raise ValueError(f"store {store.url} cannot replace conditionally (no if_match)")
+    # the capability is the store's statement that put takes if_match; runtime_checkable
+    # cannot tell signatures apart, so the narrowing is a cast
+    return cast(ReplaceableStore, store)

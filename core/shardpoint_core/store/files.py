@@ -20,18 +20,18 @@ import os
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from shardpoint_core.commit.durable import fsync_path, fsync_trees, libc_function, syncfs
 from shardpoint_core.fsutil import makedirs_below
-from shardpoint_core.store.base import Buffer, ObjectInfo, StoreCapabilities
+from shardpoint_core.store.base import Buffer, ObjectInfo, PutData, StoreCapabilities
 from shardpoint_core.store.keys import check_key, check_prefix
 
 IOV_MAX = 1024
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)   # a link at a key could lead out of the root
 _SYNC_FILE_RANGE_WRITE = 2
-_SFR: Optional[Callable] = libc_function(
+_SFR: Optional[Callable[..., Any]] = libc_function(
     "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 
@@ -43,7 +43,7 @@ def start_writeback(fd: int, pos: int, nbytes: int) -> None:
         _SFR(fd, pos, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def _vectored(call: Callable, fd: int, bufs: Sequence[Buffer], pos: int) -> int:
+def _vectored(call: Callable[..., Any], fd: int, bufs: Sequence[Buffer], pos: int) -> int:
     """``call`` (``os.pwritev`` or ``os.preadv``) over all of ``bufs`` from ``pos``, resumed
     after short transfers and in parts of at most IOV_MAX buffers; returns the bytes moved,
     fewer only where the file ends (reads) or the call moves nothing."""
@@ -75,7 +75,7 @@ def preadv_all(fd: int, bufs: Sequence[Buffer], pos: int) -> int:
     return _vectored(os.preadv, fd, bufs, pos)
 
 
-def _as_bufs(data: Union[Buffer, Sequence[Buffer]]) -> List[Buffer]:
+def _as_bufs(data: PutData) -> List[Buffer]:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return [data]
     return list(data)
@@ -105,8 +105,8 @@ class FileStore:
         if create:
             os.makedirs(self.root, exist_ok=True)
         self._lock = threading.Lock()
-        self._written: set = set()       # files put since the last make_durable
-        self._dirs: set = set()          # directories known to exist below root
+        self._written: set[Any] = set()       # files put since the last make_durable
+        self._dirs: set[Any] = set()          # directories known to exist below root
 
     def __repr__(self) -> str:
         return f"FileStore({self.root!r})"
@@ -192,7 +192,7 @@ class FileStore:
         check_prefix(prefix)
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = os.path.join(self.root, *base.split("/")) if base else self.root
-        found = []
+        found: list[str] = []
         for dirpath, dirs, files in os.walk(top):
             rel = os.path.relpath(dirpath, self.root)
             rel = "" if rel == os.curdir else rel.replace(os.sep, "/") + "/"
@@ -213,7 +213,7 @@ class FileStore:
         with self._lock:
             self._dirs.add(parent)
 
-    def put(self, key: str, data: Union[Buffer, Sequence[Buffer]], *,
+    def put(self, key: str, data: PutData, *,
             if_absent: bool = False) -> None:
         p = self.path(key)
         bufs = _as_bufs(data)
@@ -298,3 +298,13 @@ class FileStore:
         ordered = sorted(todo, key=lambda q: -q.count(os.sep))   # files before parents
         with ThreadPoolExecutor(max(1, min(16, len(ordered)))) as pool:
             list(pool.map(fsync_path, ordered))
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.store.base import ByteStore
+
+    def _is_bytestore_filestore(x: FileStore) -> ByteStore:
+        return x
+

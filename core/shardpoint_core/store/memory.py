@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Iterable, Iterator, Optional, Tuple
 
-from shardpoint_core.store.base import Buffer, ObjectInfo, StoreCapabilities
+from shardpoint_core.store.base import ObjectInfo, PutData, StoreCapabilities
 from shardpoint_core.store.keys import check_key, check_prefix
 
 _Entry = Tuple[bytes, float, int]        # data, mtime, version
@@ -31,7 +31,7 @@ _NAMED_LOCK = threading.Lock()
 _VERSIONS = itertools.count(1)
 
 
-def _join(data: Union[Buffer, Sequence[Buffer]]) -> bytes:
+def _join(data: PutData) -> bytes:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return bytes(memoryview(data).cast("B")) if isinstance(data, memoryview) \
             else bytes(data)
@@ -116,7 +116,7 @@ class MemoryStore:
                            f"object holds {len(data)}")
         out[:] = memoryview(data)[start:start + len(out)]   # no chunk-sized copy
 
-    def put(self, key: str, data: Union[Buffer, Sequence[Buffer]], *,
+    def put(self, key: str, data: PutData, *,
             if_absent: bool = False) -> None:
         full = self._prefix + check_key(key)
         blob = _join(data)
@@ -150,3 +150,13 @@ class MemoryStore:
     def make_durable(self, keys: Optional[Iterable[str]] = None) -> None:
         """Nothing to do: memory is as durable as it gets (the process)."""
         return None
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.store.base import ByteStore
+
+    def _is_bytestore_memorystore(x: MemoryStore) -> ByteStore:
+        return x
+

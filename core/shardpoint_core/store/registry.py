@@ -113,7 +113,7 @@ def check_path(path: Any, call: str) -> None:
         with _LOCK:
             known = scheme in _FACTORIES
         if not known:
-            raise _unknown(scheme, os.fspath(path), call)
+            raise _unknown(scheme, os.fsdecode(path), call)
 
 
 def is_local(path: Any) -> bool:
@@ -126,12 +126,13 @@ def local_path(path: Any, call: str) -> str:
     work on local files only; any other scheme is refused with :class:`UnsupportedStoreError`
     (one nobody registered, or a registered one ``call`` does not support yet)."""
     if not isinstance(path, (str, bytes, os.PathLike)):
-        return path          # not a path at all: the caller's own check says so
+        # not a path at all: the caller's own check says so (returned as it came)
+        return path          # type: ignore[no-any-return]
     scheme, rest = split_url(path)
     if scheme is None:
         return rest
     if scheme == "file":
-        return _file_path(rest, os.fspath(path))
+        return _file_path(rest, os.fsdecode(path))
     check_path(path, call)
     raise UnsupportedStoreError(
         f"{call}: {os.fspath(path)!r} is on the {scheme}:// store, and {call} works on local "
@@ -180,10 +181,10 @@ _STORE_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_REGIO
               "SHARDPOINT_S3_DEADLINE_S", "SHARDPOINT_S3_MAX_ATTEMPTS",
               "SHARDPOINT_GCS_CONDITIONAL_WRITES", "SHARDPOINT_GCS_READ_TIMEOUT_S",
               "SHARDPOINT_GCS_CONNECT_TIMEOUT_S", "SHARDPOINT_GCS_DEADLINE_S")
-_BUCKETS: dict = {}
+_BUCKETS: dict[tuple[Optional[str], ...], ByteStore] = {}
 
 
-def bucket_store(url: Any, call: str = "open") -> tuple:
+def bucket_store(url: Any, call: str = "open") -> tuple[ByteStore, str]:
     """``(store, key)`` of a URL: the store of its bucket, one per bucket and environment in a
     process (so one connection pool serves every checkpoint of a job), and the key below it.
     Both front ends locate object-store paths through this."""

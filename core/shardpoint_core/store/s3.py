@@ -37,12 +37,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Optional, Sequence,
+                    Tuple)
 from urllib.parse import urlsplit
 
 from shardpoint_core.errors import (InvalidOptionError, StoreAccessDeniedError,
                                     StoreNotFoundError, StoreUnavailableError)
-from shardpoint_core.store.base import Buffer, ObjectInfo, StoreCapabilities
+from shardpoint_core.store.base import Buffer, ObjectInfo, PutData, StoreCapabilities
+
+if TYPE_CHECKING:    # the buffer protocol, for annotations only (typeshed ships it)
+    from typing_extensions import Buffer as WritableBuffer
 
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
            "InvalidToken", "TokenRefreshRequired", "AuthorizationHeaderMalformed", "403"}
@@ -84,7 +88,7 @@ class S3Options:
 
 
     @classmethod
-    def from_env(cls, **fields) -> "S3Options":
+    def from_env(cls, **fields: Any) -> "S3Options":
         """The options with the process's ``SHARDPOINT_S3_*`` settings (timeouts, deadline,
         attempts) over the defaults; ``fields`` over both."""
         env = {"connect_timeout_s": ("SHARDPOINT_S3_CONNECT_TIMEOUT_S", float),
@@ -107,7 +111,7 @@ ENV_SETTINGS = ("SHARDPOINT_S3_CONNECT_TIMEOUT_S", "SHARDPOINT_S3_READ_TIMEOUT_S
                 "SHARDPOINT_S3_DEADLINE_S", "SHARDPOINT_S3_MAX_ATTEMPTS")
 
 
-def parse_s3_url(url: str) -> tuple:
+def parse_s3_url(url: str) -> tuple[Any, ...]:
     """``(bucket, prefix)`` of ``s3://bucket/prefix``; the prefix has no surrounding ``/``."""
     parts = urlsplit(url)
     if parts.scheme != "s3" or not parts.netloc:
@@ -131,7 +135,7 @@ _CLOCK = "shardpoint_started"
 _EXPIRED = "shardpoint_deadline"
 
 
-def _start_clock(context=None, **_kw) -> None:
+def _start_clock(context: Optional[dict[str, Any]] = None, **_kw: Any) -> None:
     """Note when an operation started (its first attempt), for the deadline."""
     if context is not None:
         context.setdefault(_CLOCK, time.monotonic())
@@ -165,8 +169,8 @@ class _BuffersReader(io.RawIOBase):
         self._pos = max(0, min(self.size, base + offset))
         return self._pos
 
-    def readinto(self, out) -> int:
-        out = memoryview(out).cast("B")
+    def readinto(self, buf: WritableBuffer) -> int:
+        out = memoryview(buf).cast("B")
         done = 0
         while done < len(out) and self._pos < self.size:
             i = bisect.bisect_right(self._starts, self._pos) - 1
@@ -183,7 +187,7 @@ class S3Store:
     """Objects below ``prefix`` of one S3 bucket. Thread-safe (one boto3 client, shared)."""
 
     def __init__(self, bucket: str, prefix: str = "", options: Optional[S3Options] = None,
-                 *, _client=None) -> None:
+                 *, _client: Any = None) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self._p = self.prefix + "/" if self.prefix else ""
@@ -210,15 +214,16 @@ class S3Store:
 
     # -- the client ---------------------------------------------------------------------
     @property
-    def client(self):
-        """The boto3 client, created on first use (boto3 is imported only then)."""
+    def client(self) -> Any:
+        """The boto3 client, created on first use (boto3 is imported only then). Typed Any:
+        boto3 ships no annotations."""
         if self._client is None:
             with self._lock:
                 if self._client is None:
                     self._client = self._make_client()
         return self._client
 
-    def _make_client(self):
+    def _make_client(self) -> Any:
         import boto3
         from botocore.config import Config
         o = self.options
@@ -235,8 +240,9 @@ class S3Store:
         client.meta.events.register_first("needs-retry.s3", self._past_deadline)
         return client
 
-    def _past_deadline(self, request_dict=None, caught_exception=None, response=None,
-                       operation=None, **_kw) -> None:
+    def _past_deadline(self, request_dict: Optional[dict[str, Any]] = None,
+                       caught_exception: Optional[BaseException] = None,
+                       response: Any = None, operation: Any = None, **_kw: Any) -> None:
         """Runs before botocore's retry handler after each failed or answered attempt: past
         the operation's deadline, a failure that would be retried is raised now instead."""
         ctx = (request_dict or {}).get("context") or {}
@@ -259,7 +265,8 @@ class S3Store:
     def endpoint(self) -> str:
         """Where requests go (for messages)."""
         try:
-            return self.client.meta.endpoint_url
+            url: str = self.client.meta.endpoint_url
+            return url
         except Exception:   # noqa: BLE001 - the client could not even be built
             return self.options.endpoint_url or "the default AWS endpoint"
 
@@ -311,7 +318,7 @@ class S3Store:
                 f"(connect timeout {o.connect_timeout_s:g}s, read timeout "
                 f"{o.read_timeout_s:g}s)")
 
-    def _call(self, fn, key: str, what: str, **kw):
+    def _call(self, fn: Callable[..., Any], key: str, what: str, **kw: Any) -> Any:
         from botocore.exceptions import BotoCoreError, ClientError
         try:
             return fn(Bucket=self.bucket, **kw)
@@ -374,10 +381,11 @@ class S3Store:
         size = int(total) if total.isdigit() else len(data)
         return data, ObjectInfo(key, size, r["LastModified"].timestamp(), r.get("ETag", ""))
 
-    def _read_body(self, r: dict, key: str) -> bytes:
+    def _read_body(self, r: dict[str, Any], key: str) -> bytes:
         from botocore.exceptions import BotoCoreError
         try:
-            return r["Body"].read()
+            data: bytes = r["Body"].read()
+            return data
         except (BotoCoreError, OSError) as e:
             raise self._error(e, key, "GET") from e
 
@@ -417,7 +425,7 @@ class S3Store:
             raise self._error(e, prefix, "LIST") from e
 
     # -- writes ---------------------------------------------------------------------------
-    def put(self, key: str, data: Union[Buffer, Sequence[Buffer]], *,
+    def put(self, key: str, data: PutData, *,
             if_absent: bool = False, if_match: Optional[str] = None) -> str:
         """Store ``data`` at ``key``; returns the new ETag. ``if_absent``: ``If-None-Match: *``;
         ``if_match``: replace only the object with this ETag. Both raise ``FileExistsError``
@@ -438,9 +446,10 @@ class S3Store:
             return self._put_multipart(key, body, cond)
         r = self._call(self.client.put_object, key, "PUT", Key=self._p + key, Body=body,
                        ContentLength=body.size, **cond)
-        return r.get("ETag", "")
+        etag: str = r.get("ETag", "")
+        return etag
 
-    def _put_multipart(self, key: str, body: _BuffersReader, cond: dict) -> str:
+    def _put_multipart(self, key: str, body: _BuffersReader, cond: dict[str, Any]) -> str:
         """Parts of ``part_size`` uploaded in parallel; the object appears (atomically) only
         at CompleteMultipartUpload, which carries the condition."""
         full = self._p + key
@@ -452,7 +461,7 @@ class S3Store:
         for b, s in zip(body._bufs, body._starts):
             views.append((s, b))
 
-        def part(i: int) -> dict:
+        def part(i: int) -> dict[str, Any]:
             lo, hi = i * ps, min(body.size, (i + 1) * ps)
             pieces = [b[max(lo - s, 0):hi - s] for s, b in views if s < hi and s + len(b) > lo]
             r = self._call(self.client.upload_part, key, f"part {i + 1}/{n} upload", Key=full,
@@ -464,7 +473,8 @@ class S3Store:
             parts = list(self._executor().map(part, range(n)))
             r = self._call(self.client.complete_multipart_upload, key, "multipart completion",
                            Key=full, UploadId=uid, MultipartUpload={"Parts": parts}, **cond)
-            return r.get("ETag", "")
+            etag: str = r.get("ETag", "")
+            return etag
         except BaseException:
             try:
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=uid)
@@ -515,9 +525,22 @@ class S3Store:
         except BotoCoreError as e:
             raise self._error(e, "", "HEAD bucket") from e
 
-    def with_options(self, **changes) -> "S3Store":
+    def with_options(self, **changes: Any) -> "S3Store":
         """The same bucket and prefix with changed :class:`S3Options`."""
         return S3Store(self.bucket, self.prefix, replace(self.options, **changes))
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r})"
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.store.base import ByteStore, ReplaceableStore
+
+    def _is_bytestore_s3store(x: S3Store) -> ByteStore:
+        return x
+
+    def _is_replaceablestore_s3store(x: S3Store) -> ReplaceableStore:
+        return x
+

@@ -44,12 +44,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from shardpoint_core.errors import (InvalidKeyError, InvalidOptionError, StoreAccessDeniedError,
                                     StoreNotFoundError, StoreUnavailableError)
-from shardpoint_core.store.base import Buffer, ObjectInfo, StoreCapabilities
+from shardpoint_core.store.base import ObjectInfo, PutData, StoreCapabilities
 from shardpoint_core.store.keys import check_key, check_prefix
 
 NO_VALUE = b"\x02"           # TensorStore's generation of a key without a value
@@ -122,7 +122,7 @@ def parse_url(url: str) -> Tuple[str, str, str]:
     return driver, parts.netloc, prefix
 
 
-def _join(data: Union[Buffer, Sequence[Buffer]]) -> bytes:
+def _join(data: PutData) -> bytes:
     if isinstance(data, bytes):
         return data
     if isinstance(data, (bytearray, memoryview)):
@@ -149,7 +149,7 @@ class TensorStoreStore:
             durable_put=self.driver != "file" or self.options.file_sync)
         self._kv: Any = None
         self._lock = threading.Lock()
-        self._written: set = set()
+        self._written: set[Any] = set()
 
     def __repr__(self) -> str:
         return f"TensorStoreStore({self.url!r}, driver={self.driver!r})"
@@ -159,7 +159,7 @@ class TensorStoreStore:
         return TensorStoreStore(self.url, replace(self.options, **changes))
 
     # -- the kvstore ----------------------------------------------------------------------
-    def _spec(self) -> Tuple[dict, dict]:
+    def _spec(self) -> Tuple[dict[str, Any], dict[str, Any]]:
         """(kvstore spec, context spec) of this store."""
         o = self.options
         retries = {"max_retries": o.max_retries, "initial_delay": "0.05s", "max_delay": "2s"}
@@ -169,7 +169,7 @@ class TensorStoreStore:
         if self.driver == "memory":
             return {"driver": "memory", "path": self._p}, {}
         if self.driver == "s3":
-            spec: dict = {"driver": "s3", "bucket": self.bucket, "path": self._p,
+            spec: dict[str, Any] = {"driver": "s3", "bucket": self.bucket, "path": self._p,
                           "use_conditional_write": bool(o.conditional_writes)}
             endpoint = o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or \
                 os.environ.get("AWS_ENDPOINT_URL")
@@ -372,7 +372,7 @@ class TensorStoreStore:
         keys = sorted(k.decode() for k in self._wait(lambda: kv.list(rng), prefix, "list"))
         for i in range(0, len(keys), _BATCH):
             batch = keys[i:i + _BATCH]
-            for key, info in zip(batch, self._infos(batch)):
+            for _key, info in zip(batch, self._infos(batch)):
                 if info is not None:
                     yield info
 
@@ -390,8 +390,10 @@ class TensorStoreStore:
                 out.append(ObjectInfo(k, st.st_size, st.st_mtime))
             return out
         kv = self.kv
-        futs = [self._wait(lambda k=k: _Ready(kv.read(k, byte_range=slice(_PAST_END, None))),
-                           k, "size") for k in keys]
+
+        def size_read(k: str) -> Callable[[], Any]:
+            return lambda: _Ready(kv.read(k, byte_range=slice(_PAST_END, None)))
+        futs = [self._wait(size_read(k), k, "size") for k in keys]
         for k, f in zip(keys, futs):
             try:
                 if f.result(timeout=self.options.timeout_s).state != "value":
@@ -408,7 +410,7 @@ class TensorStoreStore:
         return out
 
     # -- writes ---------------------------------------------------------------------------
-    def put(self, key: str, data: Union[Buffer, Sequence[Buffer]], *,
+    def put(self, key: str, data: PutData, *,
             if_absent: bool = False, if_match: Optional[str] = None) -> str:
         """Store ``data`` at ``key``; returns the new version. ``if_absent``: only where
         ``key`` has no value; ``if_match``: only over that version. A failed condition is
@@ -450,9 +452,14 @@ class TensorStoreStore:
         error. On files, directories the delete left empty go too (as :class:`FileStore`)."""
         ks = [check_key(k) for k in keys]
         kv = self.kv
-        futs = [self._wait(lambda k=k: _Ready(kv.write(k, None)), k, "delete") for k in ks]
+        def removal(k: str) -> Callable[[], Any]:
+            return lambda: _Ready(kv.write(k, None))
+
+        def done(f: Any) -> Callable[[], Any]:
+            return lambda: f
+        futs = [self._wait(removal(k), k, "delete") for k in ks]
         for k, f in zip(ks, futs):                  # all in flight, then each awaited
-            self._wait(lambda f=f: f, k, "delete")
+            self._wait(done(f), k, "delete")
         if self.driver == "file":
             for k in ks:
                 d = os.path.dirname(os.path.join(self.root, k))
@@ -476,7 +483,7 @@ class TensorStoreStore:
                 todo = [check_key(k) for k in keys]
                 self._written.difference_update(todo)
         paths = {os.path.join(self.root, k) for k in todo}
-        dirs: set = set()
+        dirs: set[Any] = set()
         for p in list(paths):
             d = os.path.dirname(p)
             while d.startswith(self.root) and d not in dirs:
@@ -521,3 +528,16 @@ def _successor(prefix: bytes) -> bytes:
         return b""
     p[-1] += 1
     return bytes(p)
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.store.base import ByteStore, ReplaceableStore
+
+    def _is_bytestore_tensorstorestore(x: TensorStoreStore) -> ByteStore:
+        return x
+
+    def _is_replaceablestore_tensorstorestore(x: TensorStoreStore) -> ReplaceableStore:
+        return x
+

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from shardpoint_core.errors import InvalidKeyError
-from shardpoint_core.store.base import ByteStore, ObjectInfo, StoreCapabilities
+from shardpoint_core.store.base import Buffer, ByteStore, ObjectInfo, StoreCapabilities
 
 BAD_KEYS = ["", "/abs", "a//b", "a/", "../up", "a/../../b", "./a", "a/./b", "a\0b", "a\\b"]
 
@@ -53,7 +53,8 @@ class StoreTests:
     def test_empty_object(self, store: ByteStore) -> None:
         store.put("empty", b"")
         assert store.get("empty") == b""
-        assert store.head("empty").size == 0
+        info = store.head("empty")
+        assert info is not None and info.size == 0
         assert [i.key for i in store.list()] == ["empty"]
 
     def test_missing_key(self, store: ByteStore) -> None:
@@ -71,7 +72,7 @@ class StoreTests:
 
     def test_vectored_put_concatenates(self, store: ByteStore) -> None:
         arr = np.arange(10, dtype="<u4")
-        pieces = [b"ab", bytearray(b"cd"), memoryview(b"ef"), b"", arr]
+        pieces: list[Buffer] = [b"ab", bytearray(b"cd"), memoryview(b"ef"), b"", arr]
         store.put("v", pieces)
         assert store.get("v") == b"abcdef" + arr.tobytes()
 
@@ -84,7 +85,8 @@ class StoreTests:
         store.put("k", b"0123456789")
         store.put("k", b"xy")
         assert store.get("k") == b"xy"
-        assert store.head("k").size == 2
+        info = store.head("k")
+        assert info is not None and info.size == 2
 
     def test_put_if_absent(self, store: ByteStore) -> None:
         store.put("c/k", b"first", if_absent=True)
@@ -153,7 +155,7 @@ class StoreTests:
         assert list(store.list()) == []
 
     def test_threads(self, store: ByteStore) -> None:
-        errors: list = []
+        errors: list[Any] = []
 
         def work(t: int) -> None:
             try:
@@ -243,7 +245,7 @@ def _machine_base() -> Any:
             assert bytes(out) == blob[start:start + n]
 
         @rule(ks=st.lists(keys, max_size=3))
-        def delete(self, ks: list) -> None:
+        def delete(self, ks: list[Any]) -> None:
             self.store.delete(ks)
             for k in ks:
                 self.model.pop(k, None)

@@ -31,7 +31,7 @@ import math
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import crc32c
 import numpy as np
@@ -39,7 +39,7 @@ import numpy as np
 from shardpoint_core.dtypes import DTYPES
 from shardpoint_core.errors import CorruptCheckpointError
 from shardpoint_core.storage import ArraySpec
-from shardpoint_core.store.base import ByteStore
+from shardpoint_core.store.base import ByteStore, SuffixRead
 from shardpoint_core.zarr.checks import check_shard_index, checked_zarr_json
 from shardpoint_core.zarr.direct_write import (INNER_ALIGN, encode_chunk, stored_codecs,
                                                zarr_json_bytes)
@@ -57,11 +57,11 @@ class ArrayLayout:
     """Shape, dtype, chunk grid and (when chunks are shards) inner chunk shape of an array:
     all the layer needs to place bytes. ``codecs`` is the chain as zarr.json stores it."""
 
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: str
-    chunk: tuple
-    inner: Optional[tuple]
-    codecs: list
+    chunk: tuple[int, ...]
+    inner: Optional[tuple[int, ...]]
+    codecs: list[Any]
     #: (1.3) the manifest's crc32c of every stored unit, checked by every read ([SP-READ-8])
     crcs: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
 
@@ -70,6 +70,13 @@ class ArrayLayout:
         if raw is None:
             return self
         return replace(self, crcs=table_of(raw, self.shape, self.chunk, self.inner, key, where))
+
+    @property
+    def shard_inner(self) -> tuple[int, ...]:
+        """The inner chunk shape of a sharded layout: for the code paths that run on shards
+        only (a plain layout there is a bug, not bad input)."""
+        assert self.inner is not None, "not a sharded layout"
+        return self.inner
 
     def unit(self, origin: Sequence[int]) -> int:
         """The unit number of the (inner) chunk starting at global ``origin``."""
@@ -97,7 +104,7 @@ class ArrayLayout:
                                              "configuration": {"chunk_shape": list(chunk)}}})
 
     @classmethod
-    def from_meta(cls, meta: dict) -> "ArrayLayout":
+    def from_meta(cls, meta: dict[str, Any]) -> "ArrayLayout":
         """The layout of a zarr.json already checked by :func:`check_zarr_json`."""
         codecs = meta["codecs"]
         inner = None
@@ -114,7 +121,7 @@ class ArrayLayout:
             "chunk_key_encoding": {"name": "default"}, "fill_value": fill_value(self.dtype),
             "codecs": self.codecs})
 
-    def grid(self) -> tuple:
+    def grid(self) -> tuple[Any, ...]:
         """Chunks per dimension."""
         return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk))
 
@@ -158,7 +165,7 @@ def read_array_meta(store: ByteStore, array_path: str, spec: ArraySpec,
 
 
 # -------------------------------------------------------------------------- encoding
-def decode_chunk(buf: np.ndarray, layout: ArrayLayout, cshape: tuple, key: str,
+def decode_chunk(buf: np.ndarray, layout: ArrayLayout, cshape: tuple[int, ...], key: str,
                  where: str, unit: Optional[int] = None) -> np.ndarray:
     """The array of shape ``cshape`` stored in ``buf`` (data + 4 CRC bytes), checked; with
     ``unit``, also against the manifest's chunk table ([SP-READ-8])."""
@@ -176,19 +183,19 @@ def decode_chunk(buf: np.ndarray, layout: ArrayLayout, cshape: tuple, key: str,
     return buf[:n].view(layout.np_dtype).reshape(cshape)
 
 
-def _per(layout: ArrayLayout) -> tuple:
-    return tuple(c // i for c, i in zip(layout.chunk, layout.inner))
+def _per(layout: ArrayLayout) -> tuple[Any, ...]:
+    return tuple(c // i for c, i in zip(layout.chunk, layout.shard_inner))
 
 
 def inner_stride(layout: ArrayLayout) -> Tuple[int, int]:
     """(bytes of one stored inner chunk with its CRC, padding after it): inner chunks of
     256 KiB and more start on 4 KiB boundaries (the spec allows gaps), so their bytes keep a
     destination's page alignment."""
-    nb = math.prod(layout.inner) * layout.itemsize + 4
+    nb = math.prod(layout.shard_inner) * layout.itemsize + 4
     return nb, (-nb % INNER_ALIGN if nb >= 64 * INNER_ALIGN else 0)
 
 
-def encode_shard(data: np.ndarray, origin: tuple, layout: ArrayLayout,
+def encode_shard(data: np.ndarray, origin: tuple[int, ...], layout: ArrayLayout,
                  crcs: Optional[bytearray] = None) -> List[np.ndarray]:
     """The buffers of one whole shard file whose part inside the tensor is ``data``: inner
     chunks in C order (those wholly outside the tensor absent, as TensorStore leaves them),
@@ -196,15 +203,15 @@ def encode_shard(data: np.ndarray, origin: tuple, layout: ArrayLayout,
     per = _per(layout)
     nb, gap = inner_stride(layout)
     index = np.full((math.prod(per), 2), ABSENT, dtype="<u8")
-    bufs: list = []
+    bufs: list[Any] = []
     pos = 0
     for n, ii in enumerate(np.ndindex(*per)):
-        lo = tuple(i * k for i, k in zip(ii, layout.inner))
+        lo = tuple(i * k for i, k in zip(ii, layout.shard_inner))
         if any(o + x >= s for o, x, s in zip(origin, lo, layout.shape)):
             continue
         index[n] = (pos, nb)
-        bufs += encode_chunk(data[tuple(slice(x, x + k) for x, k in zip(lo, layout.inner))],
-                             layout.inner, layout.itemsize)
+        bufs += encode_chunk(data[tuple(slice(x, x + k) for x, k in zip(lo, layout.shard_inner))],
+                             layout.shard_inner, layout.itemsize)
         if crcs is not None:     # the unit's crc32c for the chunk table ([SP-MAN-7])
             crcs[4 * n:4 * n + 4] = bufs[-1].tobytes()
         if gap:
@@ -217,7 +224,7 @@ def encode_shard(data: np.ndarray, origin: tuple, layout: ArrayLayout,
 def _tail(store: ByteStore, ckey: str, n: int) -> Tuple[bytes, int]:
     """(the last ``n`` bytes of ``ckey``, its size): one request where the store has
     ``get_suffix`` (S3: a suffix range), else a ``head`` and a ranged read."""
-    suffix = getattr(store, "get_suffix", None)
+    suffix: Optional[SuffixRead] = getattr(store, "get_suffix", None)    # optional method
     if suffix is not None:
         return suffix(ckey, n)
     info = store.head(ckey)
@@ -261,13 +268,14 @@ def read_shard_index(store: ByteStore, ckey: str, layout: ArrayLayout,
 
 
 # -------------------------------------------------------------------------- regions
-def _box(offset: Sequence[int], shape: Sequence[int], lo: tuple, hi: tuple) -> tuple:
+def _box(offset: Sequence[int], shape: Sequence[int], lo: tuple[int, ...],
+         hi: tuple[int, ...]) -> tuple[Any, ...]:
     """The index of box [lo, hi) in an array at ``offset`` (a view even for 0-d arrays)."""
     return tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset)) + (Ellipsis,)
 
 
 def _chunks_of(layout: ArrayLayout, offset: Sequence[int],
-               shape: Sequence[int]) -> Iterator[tuple]:
+               shape: Sequence[int]) -> Iterator[tuple[Any, ...]]:
     """(chunk index, its origin, the overlap's lo and hi) of every chunk the region meets."""
     if any(s == 0 for s in shape):
         return
@@ -289,8 +297,8 @@ def _check_region(layout: ArrayLayout, offset: Sequence[int], shape: Sequence[in
                          f"array of shape {list(layout.shape)}")
 
 
-def write_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tuple,
-                data: np.ndarray, sink: Optional[Callable] = None) -> None:
+def write_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tuple[int, ...],
+                data: np.ndarray, sink: Optional[Callable[..., Any]] = None) -> None:
     """Write chunk ``cidx`` whole: ``data`` is its part inside the tensor (one ``put`` of
     the buffers, no joined copy). ``sink(cidx)``: the slots to record its units' crc32c in
     (the chunk table, [SP-MAN-7])."""
@@ -305,7 +313,7 @@ def write_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tu
     store.put(chunk_key(array_path, cidx), bufs)
 
 
-def read_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tuple,
+def read_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tuple[int, ...],
                key: str) -> np.ndarray:
     """Chunk ``cidx``'s part inside the tensor, checked (a copy the caller owns)."""
     origin = tuple(i * c for i, c in zip(cidx, layout.chunk))
@@ -317,7 +325,7 @@ def read_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tup
 
 def write_region(store: ByteStore, array_path: str, layout: ArrayLayout,
                  offset: Sequence[int], data: np.ndarray, key: str = "",
-                 sink: Optional[Callable] = None) -> None:
+                 sink: Optional[Callable[..., Any]] = None) -> None:
     """Write ``data`` at ``offset``. Whole chunks are encoded straight from ``data``; a chunk
     covered in part is read (zeros where it does not exist yet), changed and rewritten."""
     offset = tuple(int(o) for o in offset)
@@ -341,13 +349,13 @@ def _missing(key: str, ckey: str) -> CorruptCheckpointError:
     return _bad(key, ckey, "stored chunk is missing", "SP-READ-2")
 
 
-def _chunk_absent(store: ByteStore, array_path: str, cidx: tuple) -> bool:
+def _chunk_absent(store: ByteStore, array_path: str, cidx: tuple[int, ...]) -> bool:
     return store.head(chunk_key(array_path, cidx)) is None
 
 
 def read_region(store: ByteStore, array_path: str, layout: ArrayLayout,
                 offset: Sequence[int], out: np.ndarray, key: str,
-                submit: Optional[Callable] = None) -> list:
+                submit: Optional[Callable[..., Any]] = None) -> list[Any]:
     """Fill ``out`` with the region at ``offset``: plain chunks read whole (one read each,
     no HEAD first: it asks for one byte more than a chunk holds, so a wrong size is seen
     without reading or allocating more than that), shards by their index (read from the
@@ -368,7 +376,8 @@ def read_region(store: ByteStore, array_path: str, layout: ArrayLayout,
     return _together(parts, submit)
 
 
-def _together(parts: List[Callable], submit: Optional[Callable]) -> list:
+def _together(parts: Sequence[Callable[..., Any]],
+              submit: Optional[Callable[..., Any]]) -> list[Any]:
     """Each of ``parts`` (callables returning lists of futures): all here, one after
     another, without ``submit``; else all but the first submitted, then the first run here,
     its error (if any) returned as a failed future beside the others."""
@@ -379,15 +388,15 @@ def _together(parts: List[Callable], submit: Optional[Callable]) -> list:
         try:
             tasks += parts[0]()
         except Exception as e:  # noqa: BLE001 - raised by the caller's wait, after the rest
-            failed: Future = Future()
+            failed: Future[Any] = Future()
             failed.set_exception(e)
             tasks.append(failed)
     return tasks
 
 
-def _read_chunk_box(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple,
-                    blo: tuple, bhi: tuple, dst: np.ndarray, key: str,
-                    submit: Optional[Callable]) -> list:
+def _read_chunk_box(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[int, ...],
+                    blo: tuple[int, ...], bhi: tuple[int, ...], dst: np.ndarray, key: str,
+                    submit: Optional[Callable[..., Any]]) -> list[Any]:
     """The box [blo, bhi) of chunk ``ckey`` (at ``origin``) into ``dst``."""
     if layout.inner is not None:
         return _read_shard(store, ckey, layout, origin, blo, bhi, dst, key, submit)
@@ -409,15 +418,21 @@ class PrimedStore:
     ``read_region`` under the confirmed layout, gets that answer once; any other request
     goes to the store, so every check of the layer runs on the bytes as before."""
 
-    def __init__(self, store: ByteStore, request: tuple, outcome: tuple) -> None:
-        self._store, self._request, self._outcome = store, request, outcome
-        if getattr(store, "get_suffix", None) is None:
-            self.get_suffix = None          # the layer's head + range fallback, as before
+    def __init__(self, store: ByteStore, request: tuple[Any, ...],
+                 outcome: tuple[Any, Optional[BaseException]]) -> None:
+        self._store = store
+        self._request: Optional[tuple[Any, ...]] = request
+        self._outcome = outcome
+        self._suffix: Optional[SuffixRead] = getattr(store, "get_suffix", None)
+        if self._suffix is None:
+            # the layer's head + range fallback, as before: the layer asks for the optional
+            # method with getattr(store, "get_suffix", None), so the method is hidden here
+            self.get_suffix = None  # type: ignore[method-assign, assignment]
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    def _answer(self, request: tuple):
+    def _answer(self, request: tuple[Any, ...]) -> Optional[tuple[Any]]:
         if request != self._request:
             return None
         (data, err), self._request, self._outcome = self._outcome, None, (None, None)
@@ -427,11 +442,18 @@ class PrimedStore:
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         got = self._answer(("range", key, start, length))
-        return got[0] if got is not None else self._store.get_range(key, start, length)
+        if got is None:
+            return self._store.get_range(key, start, length)
+        data: bytes = got[0]
+        return data
 
     def get_suffix(self, key: str, length: int) -> Tuple[bytes, int]:
         got = self._answer(("suffix", key, length))
-        return got[0] if got is not None else self._store.get_suffix(key, length)
+        if got is None:
+            assert self._suffix is not None    # hidden above where the store has none
+            return self._suffix(key, length)
+        answer: Tuple[bytes, int] = got[0]
+        return answer
 
 
 def prime_region(store: ByteStore, array_path: str, layout: ArrayLayout,
@@ -445,15 +467,18 @@ def prime_region(store: ByteStore, array_path: str, layout: ArrayLayout,
     if first is None:
         return None
     ckey = chunk_key(array_path, first[0])
+    request: tuple[Any, ...]
+    call: Callable[[], Any]       # bytes, or (bytes, size) for a suffix read
     if layout.inner is None:
         n = math.prod(layout.chunk) * layout.itemsize + 4
         request, call = ("range", ckey, 0, n + 1), lambda: store.get_range(ckey, 0, n + 1)
     else:
-        suffix = getattr(store, "get_suffix", None)
+        suffix: Optional[SuffixRead] = getattr(store, "get_suffix", None)   # optional
         if suffix is None:
             return None
         n = math.prod(_per(layout)) * 16 + 4
         request, call = ("suffix", ckey, n), lambda: suffix(ckey, n)
+    outcome: tuple[Any, Optional[BaseException]]
     try:
         outcome = (call(), None)
     except Exception as e:  # noqa: BLE001 - raised where read_region makes this request
@@ -470,11 +495,11 @@ def _fill(store: ByteStore, ckey: str, start: int, buf: np.ndarray, key: str) ->
         raise _bad(key, ckey, f"truncated: {e}", "SP-READ-3") from e
 
 
-def _spans(wanted: List[tuple], stride: int) -> Iterator[List[tuple]]:
+def _spans(wanted: List[tuple[Any, ...]], stride: int) -> Iterator[List[tuple[Any, ...]]]:
     """Runs of ``(pos, inner index)`` (sorted by pos) that lie back to back in the file,
     each at most :data:`MAX_SPAN_BYTES`: one ranged read each instead of one per inner
     chunk (requests, not bytes, are what an object store charges for)."""
-    run: List[tuple] = []
+    run: List[tuple[Any, ...]] = []
     for w in wanted:
         if run and (w[0] != run[-1][0] + stride
                     or w[0] + stride - run[0][0] > MAX_SPAN_BYTES):
@@ -485,14 +510,14 @@ def _spans(wanted: List[tuple], stride: int) -> Iterator[List[tuple]]:
         yield run
 
 
-def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple,
-                blo: tuple, bhi: tuple, dst: np.ndarray, key: str,
-                submit: Optional[Callable] = None) -> list:
+def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[int, ...],
+                blo: tuple[int, ...], bhi: tuple[int, ...], dst: np.ndarray, key: str,
+                submit: Optional[Callable[..., Any]] = None) -> list[Any]:
     index, _size = read_shard_index(store, ckey, layout, key)
     per = _per(layout)
     nb, gap = inner_stride(layout)
-    lo = [(b - o) // i for b, o, i in zip(blo, origin, layout.inner)]
-    hi = [-(-(e - o) // i) for e, o, i in zip(bhi, origin, layout.inner)]
+    lo = [(b - o) // i for b, o, i in zip(blo, origin, layout.shard_inner)]
+    hi = [-(-(e - o) // i) for e, o, i in zip(bhi, origin, layout.shard_inner)]
     wanted = []
     for rel in np.ndindex(*[h - l_ for l_, h in zip(lo, hi)]):
         ii = tuple(r + l_ for r, l_ in zip(rel, lo))
@@ -506,8 +531,9 @@ def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple,
                       for run in _spans(wanted, nb + gap)], submit)
 
 
-def _read_run(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple, blo: tuple,
-              run: List[tuple], dst: np.ndarray, key: str) -> list:
+def _read_run(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[int, ...],
+              blo: tuple[int, ...], run: List[tuple[Any, ...]], dst: np.ndarray,
+              key: str) -> list[Any]:
     """Inner chunks ``run`` (back to back in the shard) in one ranged read, checked, into
     their part of ``dst`` (whose first element sits at ``blo``)."""
     nb, _gap = inner_stride(layout)
@@ -517,10 +543,10 @@ def _read_run(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple, b
     _fill(store, ckey, start, buf, key)
     for pos, ii in run:
         where = f"{ckey} inner chunk {list(ii)}"
-        ilo = tuple(o + i * k for o, i, k in zip(origin, ii, layout.inner))
-        full = decode_chunk(buf[pos - start:pos - start + nb], layout, layout.inner, key,
+        ilo = tuple(o + i * k for o, i, k in zip(origin, ii, layout.shard_inner))
+        full = decode_chunk(buf[pos - start:pos - start + nb], layout, layout.shard_inner, key,
                             where, layout.unit(ilo))
         sl = tuple(max(a, b) for a, b in zip(ilo, blo))
-        sh = tuple(min(a + k, b) for a, k, b in zip(ilo, layout.inner, bhi))
-        dst[_box(blo, dst.shape, sl, sh)] = full[_box(ilo, layout.inner, sl, sh)]
+        sh = tuple(min(a + k, b) for a, k, b in zip(ilo, layout.shard_inner, bhi))
+        dst[_box(blo, dst.shape, sl, sh)] = full[_box(ilo, layout.shard_inner, sl, sh)]
     return []

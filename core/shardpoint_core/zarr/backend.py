@@ -36,7 +36,7 @@ import os
 import sys
 import threading
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -88,7 +88,7 @@ class _WriteHandle(LazyTS):
         self.writer, self.arr = writer, arr
         self.partial = threading.Lock()
 
-    def write_part(self, offset: tuple, data: np.ndarray) -> None:
+    def write_part(self, offset: tuple[int, ...], data: np.ndarray) -> None:
         with self.partial:
             write_region(self.arr.store, self.arr.path, self.arr.layout, offset, data,
                          sink=self.arr.sink)
@@ -130,11 +130,11 @@ class ZarrBackend:
 
     name = "zarr3"
 
-    def __init__(self, *, context: Optional[dict] = None, shard_above_bytes: int = 8 << 20,
-                 inner_chunk_bytes: int = 2 << 20, fsync: bool = True,
-                 sync_method: str = "auto", read_threads: int = 8,
-                 direct_reads: bool = True, direct_writes: bool = True,
-                 write_threads: int = 16, concurrency: int = 32) -> None:
+    def __init__(self, *, context: Optional[dict[str, Any]] = None,
+                 shard_above_bytes: int = 8 << 20, inner_chunk_bytes: int = 2 << 20,
+                 fsync: bool = True, sync_method: str = "auto", read_threads: int = 8,
+                 direct_reads: bool = True, direct_writes: bool = True, write_threads: int = 16,
+                 concurrency: int = 32) -> None:
         if sync_method not in ("auto", "syncfs", "fsync"):
             raise ValueError(f"sync_method must be 'auto', 'syncfs' or 'fsync', not "
                              f"{sync_method!r}")
@@ -148,8 +148,8 @@ class ZarrBackend:
         self.concurrency = concurrency
         self.ts = TensorStoreCheck(context)
         self._lock = threading.Lock()
-        self._written: Dict[str, Tuple[FileStore, set]] = {}  # local root -> arrays written
-        self._meta: Dict[str, list] = {}          # object-store root -> zarr.json PUTs
+        self._written: Dict[str, Tuple[FileStore, set[Any]]] = {}  # local root -> arrays written
+        self._meta: Dict[str, list[Any]] = {}          # object-store root -> zarr.json PUTs
         self._reads = WritePool(read_threads, "shardpoint-read")
         self._write_pool = WritePool(write_threads, "shardpoint-write")
         self._remote = WritePool(concurrency, "sp-obj")
@@ -200,7 +200,7 @@ class ZarrBackend:
         if is_local(staging):
             self.committer.posix.create_staging(staging)
 
-    def _metas(self, spec: ArraySpec) -> Tuple[dict, dict, list, int]:
+    def _metas(self, spec: ArraySpec) -> Tuple[dict[str, Any], dict[str, Any], list[Any], int]:
         """(zarr.json this backend writes for ``spec`` as TensorStore takes it, the same as
         stored, the codec chain, the itemsize)."""
         from shardpoint_core.dtypes import from_name
@@ -262,7 +262,7 @@ class ZarrBackend:
         return lambda cidx: sink.chunk(array_path, chunk_number(cidx, lay.shape, lay.chunk),
                                        units)
 
-    def take_chunk_crc32c(self, root: str) -> dict:
+    def take_chunk_crc32c(self, root: str) -> dict[str, Any]:
         """What this process's writes under ``root`` recorded: array path -> chunk number ->
         its units' crc32c bytes (writes through TensorStore record nothing)."""
         with self._lock:
@@ -363,7 +363,7 @@ class ZarrBackend:
             return local.read_manifest(path, self.checkpoint_state(path))
         return self._read_remote_manifest(path, False)[0]
 
-    def read_manifest_with_identity(self, path: str) -> Tuple[bytes, Optional[list]]:
+    def read_manifest_with_identity(self, path: str) -> Tuple[bytes, Optional[list[Any]]]:
         """(the manifest's bytes, the :meth:`checkpoint_identity` of the commit they belong
         to). On an object store both come from the manifest's one GET (its ETag and size:
         no HEAD before it, and the identity is the one of the bytes read); on files the
@@ -373,7 +373,7 @@ class ZarrBackend:
             return self.read_manifest(path), ident
         return self._read_remote_manifest(path, True)
 
-    def _read_remote_manifest(self, path: str, identity: bool) -> Tuple[bytes, Optional[list]]:
+    def _read_remote_manifest(self, path: str, identity: bool) -> Tuple[bytes, Optional[list[Any]]]:
         store, key = self.locate(path)
         mkey = f"{key}/{MANIFEST_NAME}" if key else MANIFEST_NAME
         getv = getattr(store, "get_versioned", None) if identity else None
@@ -401,7 +401,7 @@ class ZarrBackend:
                                          spec_id="SP-SEC-2")
         return data, ident
 
-    def checkpoint_identity(self, path: str) -> Optional[list]:
+    def checkpoint_identity(self, path: str) -> Optional[list[Any]]:
         """Which commit of ``path`` is there now; None when there is none. ``load`` compares
         it before and after its reads ([SP-COMMIT-14]). Files: the manifest's inode, time and
         size (each commit renames a new directory into place); object stores: the
@@ -472,8 +472,8 @@ class ZarrBackend:
     def wait(self, ops: Sequence[Any]) -> None:
         """Wait for every op (each finishes before an error is raised); the first error is
         raised, a TensorStore one as the spec's error naming the tensor."""
-        first: Optional[tuple] = None      # (error, key of the tensor read, or None)
-        todo: List[tuple] = [(op, None) for op in ops]
+        first: Optional[tuple[Any, ...]] = None      # (error, key of the tensor read, or None)
+        todo: List[tuple[Any, ...]] = [(op, None) for op in ops]
         while todo:
             op, key = todo.pop()
             if isinstance(op, _KeyedRead):
@@ -500,7 +500,7 @@ class ZarrBackend:
             + f"stored data {'is missing' if missing else 'failed its checks'}: {msg}",
             spec_id="SP-READ-2" if missing else "SP-READ-3") from first[0]
 
-    def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list:
+    def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
         """Every chunk read and checked; one ``(spec ID, message)`` per problem."""
         try:
             handle = self.open_array_for_read(root, array_path, spec, key)
@@ -523,7 +523,7 @@ class ZarrBackend:
         return problems
 
     # -- leftovers of crashed saves ([SP-COMMIT-6]): the committer's ---------------------
-    def list_leftovers(self, directory: str) -> list:
+    def list_leftovers(self, directory: str) -> list[Any]:
         return self.committer.leftovers(directory)
 
     def restore_leftover(self, leftover: str, path: str) -> bool:
@@ -535,3 +535,13 @@ class ZarrBackend:
 
 #: The name users and the README know (``backend=TensorStoreBackend(...)``): the same class.
 TensorStoreBackend = ZarrBackend
+
+
+if TYPE_CHECKING:
+    # static checks that the class satisfies the protocol it claims (runtime_checkable
+    # compares method names only); mypy fails here on a regression
+    from shardpoint_core.storage import StorageBackend
+
+    def _is_storagebackend_zarrbackend(x: ZarrBackend) -> StorageBackend:
+        return x
+

@@ -12,7 +12,7 @@ import math
 import os
 import re
 import stat
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -56,7 +56,7 @@ def check_regular_file(root: str, rel: str, key: str) -> int:
     return st.st_size
 
 
-def chunk_file_sizes(meta: dict, itemsize: int) -> tuple:
+def chunk_file_sizes(meta: dict[str, Any], itemsize: int) -> tuple[Any, ...]:
     """(exact size of a plain-chain chunk file or None, least size of a shard file)."""
     chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
     codec = meta["codecs"][0]
@@ -70,10 +70,11 @@ _O_READ = (os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW",
            | getattr(os, "O_NONBLOCK", 0))
 _CACHED_DOC_BYTES = 4096       # zarr.json documents remembered once checked: ours are ~400 B
 _CACHED_DOCS = 256
-_CHECKED: dict = {}            # (zarr.json bytes, shape, dtype, chunk) -> checked meta
+# (zarr.json bytes, shape, dtype, chunk) -> checked meta
+_CHECKED: dict[tuple[bytes, tuple[int, ...], str, tuple[int, ...]], dict[str, Any]] = {}
 
 
-def _kind(e: os.DirEntry) -> str:
+def _kind(e: os.DirEntry[str]) -> str:
     if e.is_symlink():
         return "a symlink"
     mode = e.stat(follow_symlinks=False).st_mode
@@ -81,7 +82,7 @@ def _kind(e: os.DirEntry) -> str:
         "a directory" if stat.S_ISDIR(mode) else "not a regular file")
 
 
-def scan_array(root: str, array_path: str, key: str) -> tuple:
+def scan_array(root: str, array_path: str, key: str) -> tuple[Any, ...]:
     """One pass over a local array's files before anything of it is parsed: ``lstat`` of
     each directory from ``root`` down to the array, then one walk of the array directory in
     which every entry is a real directory or a regular file, told from the listing itself
@@ -111,24 +112,24 @@ def scan_array(root: str, array_path: str, key: str) -> tuple:
     while stack:
         d, where, level = stack.pop()
         with os.scandir(d) as it:
-            for e in it:
+            for ent in it:
                 top = where == 0
-                if top and e.name == "zarr.json":
-                    if not e.is_file(follow_symlinks=False):
-                        raise _corrupt(key, f"{e.path!r} is {_kind(e)}; a checkpoint holds "
+                if top and ent.name == "zarr.json":
+                    if not ent.is_file(follow_symlinks=False):
+                        raise _corrupt(key, f"{ent.path!r} is {_kind(ent)}; a checkpoint holds "
                                        "only regular files and directories", "SP-SEC-5")
-                    zarr_json = e.path
-                elif e.is_dir(follow_symlinks=False):
-                    below = where == 1 or top and e.name == "c"
-                    stack.append((e.path, 1 if below else 2, level + 1 if below else 0))
+                    zarr_json = ent.path
+                elif ent.is_dir(follow_symlinks=False):
+                    below = where == 1 or top and ent.name == "c"
+                    stack.append((ent.path, 1 if below else 2, level + 1 if below else 0))
                     if below:
-                        chunks.dirs.append((e.path, level))
-                elif not e.is_file(follow_symlinks=False):
-                    raise _corrupt(key, f"{e.path!r} is a symlink or special file; a "
+                        chunks.dirs.append((ent.path, level))
+                elif not ent.is_file(follow_symlinks=False):
+                    raise _corrupt(key, f"{ent.path!r} is a symlink or special file; a "
                                    "checkpoint holds only regular files and directories",
                                    "SP-SEC-5")
-                elif where == 1 or top and e.name == "c":
-                    chunks.append(e)
+                elif where == 1 or top and ent.name == "c":
+                    chunks.append(ent)
                     chunks.levels.append(level)
     if zarr_json is None:
         raise _corrupt(key, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1")
@@ -151,18 +152,18 @@ def scan_array(root: str, array_path: str, key: str) -> tuple:
     return raw, chunks
 
 
-class _ChunkEntries(list):
+class _ChunkEntries(list[Any]):
     """The regular files below an array's ``c`` (``c`` itself for a 0-d array), with how many
     directories below ``c`` each lies (``levels``) and the directories there (``dirs``:
     ``(path, level)``), so that their places can be checked against the grid's rank."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.levels: list = []
-        self.dirs: list = []
+        self.levels: list[Any] = []
+        self.dirs: list[Any] = []
 
 
-def check_chunk_places(entries: list, ndim: int, key: str) -> None:
+def check_chunk_places(entries: list[Any], ndim: int, key: str) -> None:
     """(1.3) Chunk files lie exactly ``ndim`` levels below ``c`` (``c/i/j``; ``c`` itself for
     a 0-d array) and directories only above them: a regular file where a directory of the
     chunk tree belongs, or a directory where a chunk file belongs, is [SP-SEC-5] (a reader
@@ -193,7 +194,7 @@ def _read_capped(fd: int, size: int) -> bytes:
     return b"".join(parts)
 
 
-def check_chunk_sizes(entries: list, sizes: tuple, key: str) -> tuple:
+def check_chunk_sizes(entries: list[Any], sizes: tuple[Any, ...], key: str) -> tuple[Any, ...]:
     """Every chunk file listed by :func:`scan_array` has a possible size ([SP-READ-5] as
     [SP-READ-3]; ``sizes`` from :func:`chunk_file_sizes`). Returns ``(chunk files, their
     bytes together)`` for :func:`check_backed_bytes`."""
@@ -209,8 +210,8 @@ def check_chunk_sizes(entries: list, sizes: tuple, key: str) -> tuple:
     return len(entries), total
 
 
-def checked_zarr_json(raw: bytes, shape: tuple, dtype: str, chunk: tuple, key: str,
-                      where: str = "zarr.json") -> dict:
+def checked_zarr_json(raw: bytes, shape: tuple[int, ...], dtype: str, chunk: tuple[int, ...],
+                      key: str, where: str = "zarr.json") -> dict[str, Any]:
     """``zarr.json`` bytes parsed by [SP-ARRAY-6] and checked by :func:`check_zarr_json`
     against the manifest's ``shape``, ``dtype`` and ``chunk``. The outcome depends on these
     alone, so a small document that passed is remembered and the next array with the same
@@ -229,11 +230,12 @@ def checked_zarr_json(raw: bytes, shape: tuple, dtype: str, chunk: tuple, key: s
         if len(_CHECKED) >= _CACHED_DOCS:
             _CHECKED.clear()
         _CHECKED[ck] = meta
-    return meta
+    checked: dict[str, Any] = meta
+    return checked
 
 
-def open_local_array(root: str, array_path: str, shape: tuple, dtype: str, chunk: tuple,
-                     itemsize: int, key: str) -> dict:
+def open_local_array(root: str, array_path: str, shape: tuple[int, ...], dtype: str,
+                     chunk: tuple[int, ...], itemsize: int, key: str) -> dict[str, Any]:
     """Every check of a local array before its first read, in the order of [SP-ERR-2]: file
     kinds and the zarr.json cap, zarr.json against the spec and the manifest entry, chunk
     file sizes, bytes present against the declared size ([SP-READ-6]), then the checksums of
@@ -242,8 +244,9 @@ def open_local_array(root: str, array_path: str, shape: tuple, dtype: str, chunk
     return open_local_array_counted(root, array_path, shape, dtype, chunk, itemsize, key)[0]
 
 
-def open_local_array_counted(root: str, array_path: str, shape: tuple, dtype: str,
-                             chunk: tuple, itemsize: int, key: str) -> tuple:
+def open_local_array_counted(root: str, array_path: str, shape: tuple[int, ...], dtype: str,
+                             chunk: tuple[int, ...], itemsize: int,
+                             key: str) -> tuple[dict[str, Any], tuple[int, int]]:
     """:func:`open_local_array`, returning ``(zarr.json, (chunk files, their bytes))``."""
     from shardpoint_core.zarr.sparse import check_sparse_chunks
     raw, entries = scan_array(root, array_path, key)
@@ -255,8 +258,8 @@ def open_local_array_counted(root: str, array_path: str, shape: tuple, dtype: st
     return meta, found
 
 
-def check_backed_bytes(key: str, array_path: str, shape: tuple, chunk: tuple, itemsize: int,
-                       found: tuple) -> None:
+def check_backed_bytes(key: str, array_path: str, shape: tuple[int, ...], chunk: tuple[int, ...],
+                       itemsize: int, found: tuple[Any, ...]) -> None:
     """A tensor may not declare more data than its chunk files hold ([SP-READ-6]): every
     element is stored once, in a whole chunk, so a valid array's chunk files hold at least
     ``prod(shape) * itemsize`` bytes. Checked before a reader allocates for the tensor, so a
@@ -334,7 +337,7 @@ def read_shard_index(path: str, n_inner: int, key: str) -> np.ndarray:
     return index
 
 
-def check_shard_files(root: str, array_path: str, meta: dict, key: str) -> int:
+def check_shard_files(root: str, array_path: str, meta: dict[str, Any], key: str) -> int:
     """:func:`read_shard_index` on every shard file of a sharded array (nothing for a plain
     chain); returns how many were checked. Reads 16 bytes per inner chunk per shard."""
     codec = meta["codecs"][0]
@@ -355,7 +358,7 @@ def check_shard_files(root: str, array_path: str, meta: dict, key: str) -> int:
     return count
 
 
-def read_zarr_json(root: str, array_path: str, key: str) -> dict:
+def read_zarr_json(root: str, array_path: str, key: str) -> dict[str, Any]:
     """Load ``zarr.json`` with the size cap and the file checks ([SP-ARRAY-1], [SP-SEC-2])."""
     try:
         size = check_regular_file(root, array_path + "/zarr.json", key)
@@ -415,11 +418,17 @@ class _RepeatedName(ValueError):
     pass
 
 
-def _unique_pairs(pairs: list) -> dict:
+def _note(seen: set[Any], k: Any) -> bool:
+    """Add ``k`` to ``seen``; False (so a ``k in seen or _note(seen, k)`` test goes on)."""
+    seen.add(k)
+    return False
+
+
+def _unique_pairs(pairs: list[Any]) -> dict[str, Any]:
     d = dict(pairs)
     if len(d) != len(pairs):
-        seen: set = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        seen: set[Any] = set()
+        dup = next(k for k, _ in pairs if k in seen or _note(seen, k))
         raise _RepeatedName(f"an object repeats the name {dup!r}")
     return d
 
@@ -478,7 +487,8 @@ def _same_ints(got: Any, want: Sequence[int]) -> bool:
             and all(type(g) is int and g == w for g, w in zip(got, want)))
 
 
-def check_zarr_json(meta: dict, shape: tuple, dtype: str, chunk: tuple, key: str) -> None:
+def check_zarr_json(meta: dict[str, Any], shape: tuple[int, ...], dtype: str,
+                    chunk: tuple[int, ...], key: str) -> None:
     """``zarr.json`` against the manifest entry and the spec ([SP-ARRAY-2/3/5])."""
     for k, v in meta.items():
         if k in _KNOWN:
@@ -563,7 +573,7 @@ def check_zarr_json(meta: dict, shape: tuple, dtype: str, chunk: tuple, key: str
         raise _corrupt(key, f"fill_value {fill!r} is not +0/false for {dtype}", "SP-ARRAY-3")
 
 
-def has_crc(codecs: list) -> bool:
+def has_crc(codecs: list[Any]) -> bool:
     """Every chunk ends in crc32c: a chain whose last codec is crc32c, or one
     sharding_indexed codec whose inner and index chains both do ([SP-ARRAY-2])."""
     if not codecs:
@@ -571,10 +581,10 @@ def has_crc(codecs: list) -> bool:
     if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
         conf = codecs[0].get("configuration", {})
         return has_crc(conf.get("codecs", [])) and has_crc(conf.get("index_codecs", []))
-    return codecs[-1].get("name") == "crc32c"
+    return bool(codecs[-1].get("name") == "crc32c")
 
 
-def metadata_problems(shape: Any, meta: dict, spec: ArraySpec) -> list:
+def metadata_problems(shape: Any, meta: dict[str, Any], spec: ArraySpec) -> list[Any]:
     """Where a zarr.json disagrees with the manifest's entry ([SP-ARRAY-2])."""
     problems = []
     if tuple(shape) != tuple(spec.shape):
@@ -589,8 +599,8 @@ def metadata_problems(shape: Any, meta: dict, spec: ArraySpec) -> list:
     return problems
 
 
-def check_array_objects(store: Any, array_path: str, key: str,
-                        sizes: tuple = (None, 0), listed: Optional[Iterable] = None) -> tuple:
+def check_array_objects(store: Any, array_path: str, key: str, sizes: tuple[Any, ...] = (None, 0),
+                        listed: Optional[Iterable[Any]] = None) -> tuple[Any, ...]:
     """:func:`scan_array` and :func:`check_chunk_sizes` for a store without files (object
     stores, memory): one listing of the array's chunk objects (``listed``: one made already,
     of these or more objects), each of a possible size ([SP-READ-5] as [SP-READ-3]). Returns

@@ -42,16 +42,23 @@ class DirectLayout:
     """What a direct read needs to know about a stored array."""
 
     path: str             # the array's directory
-    shape: tuple
-    chunk: tuple          # chunk (= file) shape
-    inner: Optional[tuple]  # inner chunk shape when the chunks are shards
+    shape: tuple[int, ...]
+    chunk: tuple[int, ...]          # chunk (= file) shape
+    inner: Optional[tuple[int, ...]]  # inner chunk shape when the chunks are shards
     itemsize: int
     dtype: np.dtype
     #: (1.3) the manifest's chunk table ([SP-MAN-7]); a unit that disagrees with it goes to
     #: the fallback, which raises [SP-READ-8]
     crcs: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
 
-    def matches(self, origin: tuple, stored: int) -> bool:
+    @property
+    def shard_inner(self) -> tuple[int, ...]:
+        """The inner chunk shape of a sharded array (the shard paths' own; a plain layout
+        there is a bug, not bad input)."""
+        assert self.inner is not None, "not a sharded layout"
+        return self.inner
+
+    def matches(self, origin: tuple[int, ...], stored: int) -> bool:
         """The (inner) chunk at ``origin`` has the crc32c the table records for it."""
         return self.crcs is None or unit_matches(
             self.crcs, unit_of(origin, self.shape, self.chunk, self.inner), stored)
@@ -116,11 +123,11 @@ def parse_layout(meta: Any, path: str, np_dtype: Optional[np.dtype]) -> Optional
 
 
 # ------------------------------------------------------------------------------ reading
-def _chunk_file(lay: DirectLayout, idx: tuple) -> str:
+def _chunk_file(lay: DirectLayout, idx: tuple[int, ...]) -> str:
     return os.path.join(lay.path, "c", *map(str, idx)) if idx else os.path.join(lay.path, "c")
 
 
-def whole_chunk_files(lay: DirectLayout, offset: Sequence[int], shape: Sequence[int]) -> list:
+def whole_chunk_files(lay: DirectLayout, offset: Sequence[int], shape: Sequence[int]) -> list[Any]:
     """The files of the stored chunks that the box ``[offset, offset + shape)`` covers whole
     (chunks clipped by the array's edge count as whole)."""
     out = []
@@ -132,14 +139,15 @@ def whole_chunk_files(lay: DirectLayout, offset: Sequence[int], shape: Sequence[
     return out
 
 
-def _sub(a: np.ndarray, lo: tuple, hi: tuple, base: tuple) -> np.ndarray:
+def _sub(a: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...],
+         base: tuple[int, ...]) -> np.ndarray:
     """The view of ``a`` (whose first element sits at global ``base``) covering [lo, hi)."""
     if not lo:
         return a[...]
     return a[tuple(slice(x - b, y - b) for x, y, b in zip(lo, hi, base))]
 
 
-def _segments(sub: np.ndarray) -> Optional[list]:
+def _segments(sub: np.ndarray) -> Optional[list[Any]]:
     """``sub``'s memory as a list of contiguous uint8 views in row-major order, or None when
     that would take too many small pieces (a scratch copy is cheaper then)."""
     if sub.flags.c_contiguous:
@@ -159,7 +167,7 @@ def _segments(sub: np.ndarray) -> Optional[list]:
     return None if any(s.flags.owndata for s in segs) else segs
 
 
-def _crc(bufs: list) -> int:
+def _crc(bufs: list[Any]) -> int:
     c = 0
     for b in bufs:
         c = crc32c.crc32c(b, c)
@@ -171,11 +179,11 @@ class DirectReader:
     returns either None (done) or a list of further futures (a shard's inner chunks).
     ``fallback(offset, out_view)`` reads a box with TensorStore, blocking."""
 
-    def __init__(self, lay: DirectLayout, submit: Callable, fallback: Callable,
+    def __init__(self, lay: DirectLayout, submit: Callable[..., Any], fallback: Callable[..., Any],
                  key: str = "?") -> None:
         self.lay, self.submit, self.fallback, self.key = lay, submit, fallback, key
 
-    def read(self, offset: Sequence[int], out: np.ndarray) -> list:
+    def read(self, offset: Sequence[int], out: np.ndarray) -> list[Any]:
         lay = self.lay
         if out.size == 0:
             return []
@@ -189,8 +197,9 @@ class DirectReader:
             futs.append(self.submit(task, cidx, tuple(offset), out))
         return futs
 
-    def _direct_bufs(self, origin: tuple, cshape: tuple, offset: tuple,
-                     out: np.ndarray) -> Optional[list]:
+    def _direct_bufs(self, origin: tuple[int, ...], cshape: tuple[int, ...],
+                     offset: tuple[int, ...],
+                     out: np.ndarray) -> Optional[list[Any]]:
         """The buffers one preadv fills with a whole stored chunk at ``origin`` (its part in
         ``out``, padding, then the 4 crc bytes last), or None when the chunk must go through
         a scratch buffer (only part of it is needed, or its rows are clipped)."""
@@ -208,8 +217,8 @@ class DirectReader:
 
     # A chunk (or inner chunk) at global ``origin`` of shape ``cshape`` (stored padded to
     # it), ``nbytes`` of data + 4 of crc at ``pos`` in ``fd``'s file.
-    def _read_box(self, fd: int, pos: int, origin: tuple, cshape: tuple,
-                  offset: tuple, out: np.ndarray) -> bool:
+    def _read_box(self, fd: int, pos: int, origin: tuple[int, ...], cshape: tuple[int, ...],
+                  offset: tuple[int, ...], out: np.ndarray) -> bool:
         lay = self.lay
         nbytes = math.prod(cshape) * lay.itemsize
         bufs = self._direct_bufs(origin, cshape, offset, out)
@@ -232,13 +241,14 @@ class DirectReader:
         np.copyto(dst, _sub(full, blo, bhi, origin))
         return True
 
-    def _box_fallback(self, origin: tuple, cshape: tuple, offset: tuple, out: np.ndarray):
+    def _box_fallback(self, origin: tuple[int, ...], cshape: tuple[int, ...],
+                      offset: tuple[int, ...], out: np.ndarray) -> None:
         blo = tuple(max(o, q) for o, q in zip(origin, offset))
         bhi = tuple(min(o + c, n, q + s) for o, c, n, q, s in
                     zip(origin, cshape, self.lay.shape, offset, out.shape))
         self.fallback(blo, _sub(out, blo, bhi, offset))
 
-    def _chunk(self, cidx: tuple, offset: tuple, out: np.ndarray) -> None:
+    def _chunk(self, cidx: tuple[int, ...], offset: tuple[int, ...], out: np.ndarray) -> None:
         lay = self.lay
         origin = tuple(i * c for i, c in zip(cidx, lay.chunk))
         ok = False
@@ -254,10 +264,11 @@ class DirectReader:
         if not ok:
             self._box_fallback(origin, lay.chunk, offset, out)
 
-    def _shard(self, cidx: tuple, offset: tuple, out: np.ndarray) -> Optional[list]:
+    def _shard(self, cidx: tuple[int, ...], offset: tuple[int, ...],
+               out: np.ndarray) -> Optional[list[Any]]:
         lay = self.lay
         origin = tuple(i * c for i, c in zip(cidx, lay.chunk))
-        per = tuple(c // i for c, i in zip(lay.chunk, lay.inner))
+        per = tuple(c // i for c, i in zip(lay.chunk, lay.shard_inner))
         n_inner = math.prod(per)
         index = None
         fd = _open_or_none(_chunk_file(lay, cidx))
@@ -279,17 +290,17 @@ class DirectReader:
             self._box_fallback(origin, lay.chunk, offset, out)
             return None
         stop = tuple(o + s for o, s in zip(offset, out.shape))
-        lo = [max(0, q - o) // i for q, o, i in zip(offset, origin, lay.inner)]
+        lo = [max(0, q - o) // i for q, o, i in zip(offset, origin, lay.shard_inner)]
         hi = [min(p, -(-(min(e, n) - o) // i)) for e, o, i, n, p in
-              zip(stop, origin, lay.inner, lay.shape, per)]
-        inner_bytes = math.prod(lay.inner) * lay.itemsize + 4
+              zip(stop, origin, lay.shard_inner, lay.shape, per)]
+        inner_bytes = math.prod(lay.shard_inner) * lay.itemsize + 4
         todo = []
         for rel in np.ndindex(*[h - l_ for l_, h in zip(lo, hi)]):
             ii = tuple(r + l_ for r, l_ in zip(rel, lo))
             pos, nb = (int(x) for x in index[np.ravel_multi_index(ii, per)])
-            iorigin = tuple(o + i * s for o, i, s in zip(origin, ii, lay.inner))
+            iorigin = tuple(o + i * s for o, i, s in zip(origin, ii, lay.shard_inner))
             todo.append((pos, nb, iorigin))
-        runs: list = []
+        runs: list[Any] = []
         for item in todo:
             last = runs[-1][-1] if runs else None
             if last is not None and item[1] == inner_bytes and last[1] == inner_bytes and \
@@ -300,16 +311,17 @@ class DirectReader:
                 runs.append([item])
         return [self.submit(self._run, cidx, run, inner_bytes, offset, out) for run in runs]
 
-    def _run(self, cidx: tuple, run: list, inner_bytes: int, offset: tuple,
+    def _run(self, cidx: tuple[int, ...], run: list[Any], inner_bytes: int, offset: tuple[int, ...],
              out: np.ndarray) -> None:
         """Adjacent inner chunks in one preadv (fewer, bigger reads, like the raw limit);
         any chunk that cannot or did not check out goes alone."""
         alone = run
-        plans = [self._direct_bufs(o, self.lay.inner, offset, out) for _p, _n, o in run]
-        if len(run) > 1 and all(b is not None for b in plans):
+        plans = [self._direct_bufs(o, self.lay.shard_inner, offset, out) for _p, _n, o in run]
+        ready = [b for b in plans if b is not None]
+        if len(run) > 1 and len(ready) == len(plans):
             alone = []
-            iov: list = []
-            for (pos, _n, _o), bs, nxt in zip(run, plans, run[1:] + [None]):
+            iov: list[Any] = []
+            for (pos, _n, _o), bs, nxt in zip(run, ready, run[1:] + [None]):
                 iov += bs
                 if nxt is not None and nxt[0] > pos + inner_bytes:   # padding between them
                     iov.append(_GAP[:nxt[0] - pos - inner_bytes])
@@ -324,28 +336,28 @@ class DirectReader:
             if got != run[-1][0] + inner_bytes - run[0][0]:
                 alone = run
             else:
-                alone = [item for item, bs in zip(run, plans) if not self._intact(item[2], bs)]
+                alone = [item for item, bs in zip(run, ready) if not self._intact(item[2], bs)]
         for pos, nb, iorigin in alone:
             self._inner(cidx, pos, nb, inner_bytes, iorigin, offset, out)
 
-    def _intact(self, origin: tuple, bufs: list) -> bool:
+    def _intact(self, origin: tuple[int, ...], bufs: list[Any]) -> bool:
         stored = int.from_bytes(bufs[-1].tobytes(), "little")
         return _crc(bufs[:-1]) == stored and self.lay.matches(origin, stored)
 
-    def _inner(self, cidx: tuple, pos: int, nb: int, inner_bytes: int, iorigin: tuple,
-               offset: tuple, out: np.ndarray) -> None:
+    def _inner(self, cidx: tuple[int, ...], pos: int, nb: int, inner_bytes: int,
+               iorigin: tuple[int, ...], offset: tuple[int, ...], out: np.ndarray) -> None:
         ok = False
         if pos != _EMPTY and nb == inner_bytes:
             try:
                 fd = os.open(_chunk_file(self.lay, cidx), os.O_RDONLY)
                 try:
-                    ok = self._read_box(fd, pos, iorigin, self.lay.inner, offset, out)
+                    ok = self._read_box(fd, pos, iorigin, self.lay.shard_inner, offset, out)
                 finally:
                     os.close(fd)
             except OSError:
                 ok = False
         if not ok:
-            self._box_fallback(iorigin, self.lay.inner, offset, out)
+            self._box_fallback(iorigin, self.lay.shard_inner, offset, out)
 
 
 def _open_or_none(path: str) -> Optional[int]:

@@ -42,7 +42,7 @@ _ZEROS = np.zeros(INNER_ALIGN, np.uint8)
 _ZEROS.flags.writeable = False
 
 
-def zarr_json_bytes(meta: dict) -> bytes:
+def zarr_json_bytes(meta: dict[str, Any]) -> bytes:
     """``zarr.json`` as TensorStore writes it: compact JSON, keys sorted."""
     return json.dumps({"zarr_format": 3, "node_type": "array", **meta}, sort_keys=True,
                       separators=(",", ":")).encode()
@@ -53,23 +53,23 @@ class WriteLayout:
     """What a direct write needs to know about an array this backend created."""
 
     path: str              # the array's directory
-    shape: tuple
-    chunk: tuple
-    inner: Optional[tuple]  # inner chunk shape when chunks are shards
+    shape: tuple[int, ...]
+    chunk: tuple[int, ...]
+    inner: Optional[tuple[int, ...]]  # inner chunk shape when chunks are shards
     itemsize: int
 
 
-def stored_codecs(codecs: list, itemsize: int) -> list:
+def stored_codecs(codecs: list[Any], itemsize: int) -> list[Any]:
     """``codecs`` as TensorStore stores them in zarr.json: a one-byte dtype's ``bytes`` codec
     loses its ``endian`` (meaningless for one byte), ``index_location: end`` (the default) is
     dropped; the index's own chain keeps ``endian`` (uint64)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for c in codecs:
         if c.get("name") == "bytes" and itemsize == 1:
             out.append({"name": "bytes"})
         elif c.get("name") == "sharding_indexed":
             conf = c["configuration"]
-            new = {"chunk_shape": list(conf["chunk_shape"]),
+            new: dict[str, Any] = {"chunk_shape": list(conf["chunk_shape"]),
                    "codecs": stored_codecs(conf["codecs"], itemsize),
                    "index_codecs": stored_codecs(conf["index_codecs"], 8)}
             if conf.get("index_location", "end") != "end":
@@ -80,7 +80,7 @@ def stored_codecs(codecs: list, itemsize: int) -> list:
     return out
 
 
-def write_layout(path: str, shape: Sequence[int], chunk: Sequence[int], codecs: list,
+def write_layout(path: str, shape: Sequence[int], chunk: Sequence[int], codecs: list[Any],
                  itemsize: int) -> Optional[WriteLayout]:
     """The layout for an array with the backend's own codec chain, or None (then TensorStore
     writes it): big-endian hosts, systems without ``pwritev``, and anything but plain/sharded
@@ -105,7 +105,7 @@ class WritePool:
         self._pid = 0
         self._lock = threading.Lock()
 
-    def submit(self, fn: Callable, *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         if self._pool is None or self._pid != os.getpid():
             with self._lock:
                 if self._pool is None or self._pid != os.getpid():
@@ -120,7 +120,7 @@ def _contiguous_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
-def encode_chunk(sub: np.ndarray, cshape: tuple, itemsize: int) -> list:
+def encode_chunk(sub: np.ndarray, cshape: tuple[int, ...], itemsize: int) -> list[Any]:
     """The buffers of one stored (inner) chunk of shape ``cshape`` whose part inside the
     tensor is ``sub`` (its leading corner): element bytes padded with zeros (the fill value)
     to the full chunk, then the 4 CRC-32C bytes. No copy where ``sub`` is contiguous and
@@ -145,7 +145,7 @@ class WriteOp:
     """One chunk's write (its tasks' futures); ``result()`` waits for every task and raises
     the first failure, like the TensorStore future it stands in for."""
 
-    def __init__(self, futures: list) -> None:
+    def __init__(self, futures: list[Any]) -> None:
         self.futures = futures
 
     def result(self) -> None:
@@ -164,13 +164,13 @@ class DirectWriter:
     ``sink(cidx)``: the slots to record chunk ``cidx``'s units' crc32c in, for the
     manifest's chunk table ([SP-MAN-7]); None records nothing."""
 
-    def __init__(self, lay: WriteLayout, submit: Callable, early_writeback: bool = True,
-                 sink: Optional[Callable] = None) -> None:
+    def __init__(self, lay: WriteLayout, submit: Callable[..., Any], early_writeback: bool = True,
+                 sink: Optional[Callable[..., Any]] = None) -> None:
         self.lay, self.submit, self.early, self.sink = lay, submit, early_writeback, sink
-        self._dirs: set = set()          # chunk directories made so far
+        self._dirs: set[Any] = set()          # chunk directories made so far
         self._dirs_lock = threading.Lock()
 
-    def _chunk_path(self, cidx: tuple) -> str:
+    def _chunk_path(self, cidx: tuple[int, ...]) -> str:
         lay = self.lay
         if not cidx:
             return os.path.join(lay.path, "c")
@@ -203,17 +203,18 @@ class DirectWriter:
                                         [(0, data, lay.chunk, lay.itemsize, rec)], self.early)])
         return WriteOp(self._shard(path, offset, data, crcs))
 
-    def _shard(self, path: str, origin: tuple, data: np.ndarray,
-               crcs: Optional[bytearray] = None) -> list:
+    def _shard(self, path: str, origin: tuple[int, ...], data: np.ndarray,
+               crcs: Optional[bytearray] = None) -> list[Any]:
         lay = self.lay
         inner = lay.inner
+        assert inner is not None, "not a sharded layout"     # write() routes shards here
         per = tuple(c // i for c, i in zip(lay.chunk, inner))
         inner_bytes = math.prod(inner) * lay.itemsize + 4
         # Each inner chunk starts on a 4 KiB boundary (the spec allows gaps): its bytes then
         # keep their destination's alignment, which the page-cache copies need to run fast.
         gap = -inner_bytes % INNER_ALIGN if inner_bytes >= 64 * INNER_ALIGN else 0
         index = np.full((math.prod(per), 2), _ABSENT, dtype="<u8")
-        runs: list = [[]]
+        runs: list[Any] = [[]]
         pos = run_bytes = 0
         for n, ii in enumerate(np.ndindex(*per)):
             lo = tuple(i * k for i, k in zip(ii, inner))
@@ -236,12 +237,12 @@ class DirectWriter:
         return [self.submit(_write_units, path, run, self.early) for run in runs if run]
 
 
-def _write_units(path: str, units: list, early: bool) -> None:
+def _write_units(path: str, units: list[Any], early: bool) -> None:
     """One task: encode ``units`` = [(file position, data, chunk shape, itemsize, record)]
     (or pre-encoded buffers with chunk shape None), write them with one ``pwritev`` per run
     of adjacent units, and (``early``) start their writeback. ``record``: None, or
     ``(slots, at)`` to keep the unit's crc32c in (the chunk table, [SP-MAN-7])."""
-    bufs: list = []
+    bufs: list[Any] = []
     start = units[0][0]
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
@@ -263,7 +264,7 @@ def _write_units(path: str, units: list, early: bool) -> None:
         raise OSError(e.errno, e.strerror, path) from e
 
 
-def _flush_run(fd: int, bufs: list, start: int, early: bool) -> None:
+def _flush_run(fd: int, bufs: list[Any], start: int, early: bool) -> None:
     want = sum(b.nbytes for b in bufs)
     got = pwritev_all(fd, bufs, start)
     if got != want:

@@ -29,7 +29,7 @@ def group_keys(prefix: str, array_paths: Iterable[str]) -> List[str]:
             for g in group_paths(array_paths)]
 
 
-def start_groups(store: Any, prefix: str, array_paths: Iterable[str], submit: Any) -> list:
+def start_groups(store: Any, prefix: str, array_paths: Iterable[str], submit: Any) -> list[Any]:
     """Start the PUTs of every group zarr.json of a save below ``prefix`` (``submit``: a
     pool's ``submit``); the futures to wait for. On an object store they go in flight with
     the staged manifest, so they add no round trip; wait for them before the commit marker."""

@@ -35,7 +35,7 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return best
 
 
-def inner_chunk_shape(chunk: Sequence[int], itemsize: int, target: int) -> tuple:
+def inner_chunk_shape(chunk: Sequence[int], itemsize: int, target: int) -> tuple[Any, ...]:
     """Inner chunks of a shard: divisors of ``chunk``, split from the first dimension on,
     until one inner chunk is at most ``target`` bytes (or every dimension is split to 1)."""
     inner = list(chunk)
@@ -47,7 +47,7 @@ def inner_chunk_shape(chunk: Sequence[int], itemsize: int, target: int) -> tuple
     return tuple(inner)
 
 
-def codecs_for(spec: ArraySpec, itemsize: int, shard_above: int, inner_target: int) -> list:
+def codecs_for(spec: ArraySpec, itemsize: int, shard_above: int, inner_target: int) -> list[Any]:
     """The codec chain the writer uses: bytes+crc32c, or sharding_indexed for large chunks."""
     nbytes = math.prod(spec.chunk_shape) * itemsize
     if spec.chunk_shape and nbytes > shard_above:

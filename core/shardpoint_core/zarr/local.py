@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from shardpoint_core.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                     IncompleteCheckpointError)
@@ -131,7 +131,7 @@ def read_manifest_file(mpath: str, size: int) -> bytes:
         return f.read(MAX_MANIFEST_BYTES + 1)
 
 
-def checkpoint_identity(path: str) -> Optional[list]:
+def checkpoint_identity(path: str) -> Optional[list[Any]]:
     """Which commit of ``path`` is there now: its manifest's inode, modification time and
     size (a commit renames a whole new directory into place, so each commit has its own
     manifest file); None when there is none. ``load`` compares it before and after its

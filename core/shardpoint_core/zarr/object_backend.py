@@ -55,14 +55,15 @@ def resolve(path: Any, backend: Any, call: str) -> Tuple[str, Any]:
     return str(path), backend_for(path)
 
 
-def manifest_with_identity(be: Any, path: str) -> Tuple[bytes, Optional[list]]:
+def manifest_with_identity(be: Any, path: str) -> Tuple[bytes, Optional[list[Any]]]:
     """(the manifest's bytes, the identity of the commit they belong to), for a reader that
     checks the identity again after its last read (a checkpoint replaced meanwhile is seen):
     from one GET where the backend can (``read_manifest_with_identity``: object stores give
     the version with the bytes), else the identity first and the manifest after it."""
-    both = getattr(be, "read_manifest_with_identity", None)
+    both = getattr(be, "read_manifest_with_identity", None)     # optional (storage.py)
     if both is not None:
-        return both(path)
+        got: Tuple[bytes, Optional[list[Any]]] = both(path)
+        return got
     identity = getattr(be, "checkpoint_identity", None)
     ident = identity(path) if identity else None
     return be.read_manifest(path), ident

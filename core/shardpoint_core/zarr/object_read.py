@@ -25,9 +25,9 @@ from shardpoint_core.storage import ArraySpec
 from shardpoint_core.zarr.array import ArrayLayout, prime_region, read_array_meta, read_region
 
 
-def _inline(fn: Callable, *args: Any) -> Future:
+def _inline(fn: Callable[..., Any], *args: Any) -> Future[Any]:
     """``fn(*args)`` run now, as a finished future."""
-    f: Future = Future()
+    f: Future[Any] = Future()
     try:
         f.set_result(fn(*args))
     except Exception as e:  # noqa: BLE001 - the future holds it
@@ -47,10 +47,10 @@ class ObjectArray:
                  guess: Optional[ArrayLayout] = None) -> None:
         self.store, self.path, self.spec, self.key = store, path, spec, key
         self.guess = guess
-        self._meta: Optional[Future] = None
+        self._meta: Optional[Future[ArrayLayout]] = None
         self._lock = threading.Lock()
 
-    def meta(self, submit: Callable) -> Future:
+    def meta(self, submit: Callable[..., Any]) -> Future[ArrayLayout]:
         """The read and check of zarr.json (started by ``submit`` unless under way or done;
         one that failed is tried again)."""
         with self._lock:
@@ -70,8 +70,8 @@ class ObjectArray:
         """The checked layout (zarr.json read here, now, if no read did yet)."""
         return self.meta(_inline).result()
 
-    def read(self, offset: tuple, out: np.ndarray, meta_submit: Callable,
-             submit: Callable) -> list:
+    def read(self, offset: tuple[int, ...], out: np.ndarray, meta_submit: Callable[..., Any],
+             submit: Callable[..., Any]) -> list[Any]:
         """Fill ``out`` with the region at ``offset``. ``meta_submit`` starts the zarr.json
         read (an executor whose tasks never wait: a read task may wait for it), ``submit``
         the region's other chunks and shard runs, all in flight together; their futures are

@@ -37,7 +37,7 @@ def grid_size(shape: Iterable[int], chunk: Iterable[int]) -> int:
 def first_missing_array(root: str, array_paths: Iterable[str]) -> str:
     """The first of ``array_paths`` (relative, checked by [SP-SEC-1]) with no directory
     below ``root``, or ``""``: each distinct parent directory is listed once."""
-    listed: dict = {}
+    listed: dict[str, Any] = {}
     for path in array_paths:
         parent, _, name = path.rpartition("/")
         names = listed.get(parent)

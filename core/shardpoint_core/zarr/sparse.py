@@ -21,7 +21,7 @@ import bisect
 import errno
 import math
 import os
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import crc32c
 import numpy as np
@@ -182,7 +182,7 @@ def check_sparse_file(path: str, size: int, blocks: int, key: str,
         os.close(fd)
 
 
-def _check_sparse_shard(fd: int, path: str, size: int, ext: list, held: int, key: str,
+def _check_sparse_shard(fd: int, path: str, size: int, ext: list[Any], held: int, key: str,
                         n_inner: int, inner_bytes: int) -> None:
     from shardpoint_core.zarr.checks import EMPTY_ENTRY, check_shard_index
     isz = 16 * n_inner
@@ -224,7 +224,7 @@ def _check_sparse_shard(fd: int, path: str, size: int, ext: list, held: int, key
                               "crc32c reads as 0")
 
 
-def check_sparse_chunks(entries: Iterable[os.DirEntry], meta: dict, itemsize: int,
+def check_sparse_chunks(entries: Iterable[os.DirEntry[str]], meta: dict[str, Any], itemsize: int,
                         key: str) -> None:
     """:func:`check_sparse_file` for each chunk file listed by ``scan_array`` (their
     ``lstat`` is cached in the entries: no system call for a file storage backs)."""

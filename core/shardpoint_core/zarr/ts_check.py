@@ -43,7 +43,8 @@ def region(handle: Any, offset: Sequence[int], shape: Sequence[int]) -> Any:
     return handle[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 
-def check_metadata(shape: Any, meta: dict, spec: ArraySpec, key: str, array_path: str) -> None:
+def check_metadata(shape: Any, meta: dict[str, Any], spec: ArraySpec, key: str,
+                   array_path: str) -> None:
     """Refuse a zarr.json that disagrees with the manifest ([SP-ARRAY-2])."""
     problems = metadata_problems(shape, meta, spec)
     if problems:
@@ -77,7 +78,7 @@ class LazyTS:
 class TensorStoreCheck:
     """TensorStore over the local files of a checkpoint, with one shared ``ts.Context``."""
 
-    def __init__(self, context: Optional[dict] = None) -> None:
+    def __init__(self, context: Optional[dict[str, Any]] = None) -> None:
         spec = dict(context or {})
         spec.setdefault("file_io_sync", False)   # the backend's flush syncs everything at once
         self.context_spec = spec
@@ -93,11 +94,11 @@ class TensorStoreCheck:
             return self._context
 
     @staticmethod
-    def _spec(root: str, array_path: str) -> dict:
+    def _spec(root: str, array_path: str) -> dict[str, Any]:
         return {"driver": "zarr3",
                 "kvstore": {"driver": "file", "path": os.path.join(root, array_path) + "/"}}
 
-    def open_for_write(self, root: str, array_path: str, meta: dict) -> Any:
+    def open_for_write(self, root: str, array_path: str, meta: dict[str, Any]) -> Any:
         """Create (or open: another rank may have) the array of zarr.json ``meta``."""
         s = self._spec(root, array_path)
         s.update({"metadata": meta, "create": True, "open": True,
@@ -134,7 +135,7 @@ class TensorStoreCheck:
         return _ts().array(out, copy=False, write=True).write(
             region(handle.ts, offset, out.shape))
 
-    def verify(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list:
+    def verify(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
         """Every chunk read through TensorStore; one problem per damaged chunk."""
         try:
             h = self.open_for_read(root, array_path, spec, key)

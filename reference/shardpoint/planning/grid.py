@@ -314,7 +314,7 @@ def region_pieces_many(specs: Sequence[tuple]) -> list:
     each cost more in numpy calls than in work)."""
     out: list = [None] * len(specs)
     by_nd: dict = {}
-    for i, (nd, regs) in enumerate(specs):
+    for i, (nd, _regs) in enumerate(specs):
         by_nd.setdefault(nd, []).append(i)
     for nd, ids in by_nd.items():
         allregs = [r for i in ids for r in specs[i][1]]

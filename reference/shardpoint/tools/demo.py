@@ -78,7 +78,7 @@ def _launch(name: str, world: int, tp: int, root: str, kill_after: Optional[int]
             except queue.Empty:
                 if time.monotonic() > deadline or any(p.exitcode not in (None, 0)
                                                       for p in procs):
-                    raise RuntimeError(f"run {name}: a rank died or timed out")
+                    raise RuntimeError(f"run {name}: a rank died or timed out") from None
                 continue
             kind = msg[0]
             if kind == "error":
