@@ -28,6 +28,9 @@ ALLOWED = {
         "protocol), never anything else on a checkpoint path",
     ("core/shardpoint_core/store/files.py", "os.rmdir"):
         "FileStore.delete pruning the directories its own delete emptied",
+    ("core/shardpoint_core/store/tensorstore.py", "os.rmdir"):
+        "TensorStoreStore.delete (file driver) pruning the directories its own delete "
+        "emptied, as FileStore does",
     ("reference/shardpoint/exchange/host.py", "os.unlink"):
         "the host exchange's own shared-memory segment file, never a checkpoint",
     ("reference/shardpoint/exchange/host.py", ".unlink"):

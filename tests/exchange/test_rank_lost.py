@@ -67,9 +67,9 @@ def run_ranks(tmp_path, world: int, mode: str) -> list:
 
 def check(outcomes: list) -> None:
     *survivors, hung = outcomes
-    for r, (rc, out, err) in enumerate(outcomes):
+    for r, (rc, _out, err) in enumerate(outcomes):
         assert rc == 0 and "terminate called" not in err, (r, rc, err[-1500:])
-    for rc, out, err in survivors:
+    for _rc, out, err in survivors:
         assert out.startswith("RankLostError: "), (out, err[-1500:])
         assert "group's timeout (2 s)" in out and "restart every rank" in out, out
     assert "alive until the others failed: True" in hung[1], hung
