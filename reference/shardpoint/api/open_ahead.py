@@ -26,9 +26,16 @@ class OpenAhead:
         self._pool = ThreadPoolExecutor(threads or self.THREADS,
                                         thread_name_prefix="shardpoint-open")
         self._futs: dict = {}
-        for key in keys:
-            if key not in self._futs:
-                self._futs[key] = self._pool.submit(open_fn, key)
+        try:
+            for key in keys:
+                if key not in self._futs:
+                    self._futs[key] = self._pool.submit(open_fn, key)
+        except BaseException:
+            # A KeyboardInterrupt inside submit() can land while it starts a worker thread,
+            # before the executor records it: nothing would ever wake that thread, and the
+            # interpreter's exit would wait for it forever. Shutting the pool down wakes it.
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            raise
 
     def __call__(self, key: str) -> Any:
         fut: Optional[Future] = self._futs.get(key)
