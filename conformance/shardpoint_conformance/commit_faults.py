@@ -215,32 +215,12 @@ def stalled_save(rig: Rig) -> None:
         raise AssertionError("the previous checkpoint is not whole")
 
 
-def _outcome_within(op: Callable[[], Any], timeout: float, what: str
-                    ) -> Optional[BaseException]:
-    """What ``op`` raised (None: nothing), run in a daemon thread; an AssertionError if it
-    has not returned within ``timeout`` seconds (a hang, the failure this checks for)."""
-    import threading
-    box: Dict[str, BaseException] = {}
-
-    def run() -> None:
-        try:
-            op()
-        except BaseException as e:  # noqa: BLE001 - judged by the caller
-            box["err"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise AssertionError(f"{what} against a blackhole is still waiting after "
-                             f"{timeout:.0f} s")
-    return box.get("err")
-
-
 def blackhole(rig: Rig) -> None:
     if rig.blackhole is None:
         return
     import socket
     from shardpoint_core.errors import StoreUnavailableError
+    from shardpoint_testing.probes import error_within
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)                  # the kernel accepts into the backlog; nobody answers
@@ -250,7 +230,7 @@ def blackhole(rig: Rig) -> None:
         for what, op in (("a save's lease", lambda: rig.committer(store).begin(
                              "t", uuid.uuid4().hex)),
                          ("a read", lambda: store.get("t/manifest.msgpack"))):
-            err = _outcome_within(op, bound + 10, what)
+            err = error_within(op, bound + 10, f"{what} against a blackhole")
             if not isinstance(err, StoreUnavailableError) or endpoint.split("//")[1] \
                     not in str(err):
                 raise AssertionError(f"{what} against a blackhole: {err!r}, not a "
