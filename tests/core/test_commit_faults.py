@@ -20,6 +20,7 @@ from shardpoint_core.commit.lease import LEASE_NAME, stop_lease  # noqa: E402
 from shardpoint_core.commit.object_store import ObjectStoreCommitter  # noqa: E402
 from shardpoint_core.errors import SaveFailedError  # noqa: E402
 from shardpoint_core.store.s3 import S3Options, S3Store  # noqa: E402
+from shardpoint_testing.probes import pause_lease  # noqa: E402
 from shardpoint_testing.s3 import FaultProxy  # noqa: E402
 
 from .test_s3_commit import keys, read, stage  # noqa: E402
@@ -55,10 +56,7 @@ def test_a_paused_save_whose_prefix_recovery_removed_takes_its_marker_back(s3_en
     c = ObjectStoreCommitter(store, lease_s=30)
     c.publish(stage(store, c, "t", "old"), "t", overwrite=False)
     staging = stage(store, c, "t", "paused")
-    from shardpoint_core.commit import lease as lease_mod
-    st = lease_mod._LIVE[lease_mod._id(store, staging)]
-    st.stop.set()                                    # paused: no renewal from now on
-    st.thread.join(5)
+    pause_lease(store, staging)                      # paused: no renewal from now on
     observer = ObjectStoreCommitter(S3Store.from_url(store.url))
     found = observer.leftovers("", now=time.time() + LATER)
     assert [lo.path for lo in found] == [staging] and found[0].in_use is False

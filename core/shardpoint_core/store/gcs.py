@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Optional
 from urllib.parse import urlsplit
 
+from shardpoint_core.store.env import numbers_from_env
 from shardpoint_core.errors import (InvalidOptionError, StoreAccessDeniedError,
                                     StoreNotFoundError, StoreUnavailableError)
 from shardpoint_core.store.base import ObjectInfo, PutData, StoreCapabilities
@@ -71,16 +72,9 @@ class GcsOptions:
     def from_env(cls, **fields: Any) -> "GcsOptions":
         """The options with the process's ``SHARDPOINT_GCS_*`` timeouts over the defaults;
         ``fields`` over both."""
-        got: dict[str, Any] = {}
-        for field, name in (("timeout_s", "SHARDPOINT_GCS_READ_TIMEOUT_S"),
-                            ("connect_timeout_s", "SHARDPOINT_GCS_CONNECT_TIMEOUT_S"),
-                            ("retry_timeout_s", "SHARDPOINT_GCS_DEADLINE_S")):
-            v = os.environ.get(name, "").strip()
-            if v:
-                try:
-                    got[field] = float(v)
-                except ValueError:
-                    raise InvalidOptionError(f"{name}={v!r} is not a number") from None
+        got = numbers_from_env({"timeout_s": ("SHARDPOINT_GCS_READ_TIMEOUT_S", float),
+                                "connect_timeout_s": ("SHARDPOINT_GCS_CONNECT_TIMEOUT_S", float),
+                                "retry_timeout_s": ("SHARDPOINT_GCS_DEADLINE_S", float)})
         got.update(fields)
         return cls(**got)
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import io
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +40,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Opti
                     Tuple)
 from urllib.parse import urlsplit
 
+from shardpoint_core.store.env import numbers_from_env
 from shardpoint_core.errors import (InvalidOptionError, StoreAccessDeniedError,
                                     StoreNotFoundError, StoreUnavailableError)
 from shardpoint_core.store.base import Buffer, ObjectInfo, PutData, StoreCapabilities
@@ -95,14 +95,7 @@ class S3Options:
                "read_timeout_s": ("SHARDPOINT_S3_READ_TIMEOUT_S", float),
                "deadline_s": ("SHARDPOINT_S3_DEADLINE_S", float),
                "max_attempts": ("SHARDPOINT_S3_MAX_ATTEMPTS", int)}
-        got = {}
-        for field, (name, kind) in env.items():
-            v = os.environ.get(name, "").strip()
-            if v:
-                try:
-                    got[field] = kind(v)
-                except ValueError:
-                    raise InvalidOptionError(f"{name}={v!r} is not a number") from None
+        got = numbers_from_env(env)
         got.update(fields)
         return cls(**got)
 
