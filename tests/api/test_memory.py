@@ -96,7 +96,11 @@ def test_rss_flat_without_cyclic_collector(tmp_path):
 # glibc's dynamic mmap threshold (raised to 32 MiB at most by the first large free) puts
 # chunk-sized buffers in its heaps, between blocks that live on (the store's objects, the
 # state): the heaps kept the freed pages, and RSS grew by a state every few cycles (92-108
-# MiB over 40 cycles here, never given back) although nothing was kept; now 30-46.
+# MiB over 40 cycles here, never given back) although nothing was kept. Now the heaps settle
+# within three states of the warmed-up figure and stay there: two 150-cycle runs here ended
+# +16 and +48 MiB (the second jumped at cycle 57 and was flat for the 90 cycles after), and a
+# CI run saw +48 at cycle 36. Four states (64 MiB) is the bound; a leak of a state every few
+# cycles passes it within 40 cycles.
 _CYCLE_SCRIPT = textwrap.dedent("""
     import gc, sys, torch
     import shardpoint as sp
@@ -135,9 +139,12 @@ def cycle_growth(path: str, cycles: int) -> tuple:
     return min(rss[-3:]) - warm, rss
 
 
+FLAT_MIB = 64
+
+
 def test_memory_store_save_load_cycles_keep_rss_flat():
     grew, rss = cycle_growth("memory://rss-cycles/ck", 40)
-    assert grew < 40, f"RSS grew {grew:.0f} MiB over 30 warm cycles of a 16 MiB state: {rss}"
+    assert grew < FLAT_MIB, f"RSS grew {grew:.0f} MiB over 30 warm cycles of a 16 MiB state: {rss}"
 
 
 @pytest.mark.slow
@@ -145,7 +152,7 @@ def test_memory_store_save_load_cycles_keep_rss_flat():
 def test_save_load_cycles_keep_rss_flat_long(tmp_path, where):
     path = "memory://rss-cycles/ck" if where == "memory" else str(tmp_path / "ck")
     grew, rss = cycle_growth(path, 150)
-    assert grew < 40, f"RSS grew {grew:.0f} MiB over 140 warm cycles of a 16 MiB state: {rss}"
+    assert grew < FLAT_MIB, f"RSS grew {grew:.0f} MiB over 140 warm cycles of a 16 MiB state: {rss}"
 
 
 def test_load_creates_no_reference_cycles(tmp_ckpt):
