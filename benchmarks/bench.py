@@ -153,8 +153,8 @@ def bench_state(name: str, state: dict, base: str, repeat: int, drop: bool,
         return bt.raw_write_files(st, layout, p)
     saves += [(FILES_WRITE, files_write, state, "rawf")]
     if ts_writes:
-        from shardpoint_core.zarr import TensorStoreBackend
-        be = TensorStoreBackend(direct_writes=False)
+        from shardpoint_core.transactions.backend import ZarrBackend
+        be = ZarrBackend(direct_writes=False)
         saves += [("shardpoint save, TensorStore writes (before)",
                    lambda s, p: bt.sp_save(s, p, be), state, "spts")]
     saves += [(COPY, lambda s, p: bt.copy_state(bufs, s), fl, "copy")]

@@ -20,9 +20,9 @@ import gc
 import statistics
 import time
 
-from shardpoint_core.manifest import (Manifest, TensorEntry, array_path_for, decode_manifest,
-                                      encode_manifest)
-from shardpoint_core.statetree import iter_leaves
+from shardpoint_core.format.manifest import (Manifest, TensorEntry, array_path_for,
+                                             decode_manifest, encode_manifest)
+from shardpoint_core.format.statetree import iter_leaves
 
 
 def build(keys: int) -> bytes:

@@ -48,8 +48,8 @@ def measure(path: str, repeat: int, profile: bool) -> dict:
         from shardpoint.api.loading import LoadJob
         from shardpoint.exchange.comm import Comm
         from shardpoint.planning.load_planner import LoadOptions
-        from shardpoint_core.manifest import decode_manifest
-        from shardpoint_core.storage import get_backend
+        from shardpoint_core.format.manifest import decode_manifest
+        from shardpoint_core.transactions.resolve import get_backend
     except ImportError:     # before it (f6563d8): the whole load only
         LoadJob = None
         from shardpoint.metadata import decode_manifest
@@ -121,8 +121,8 @@ def measure(path: str, repeat: int, profile: bool) -> dict:
 
 def _checks(path: str, ents: list, repeat: int) -> dict:
     """Each open-time check alone over all arrays, where this tree has it."""
-    from shardpoint_core.dtypes import from_name
-    from shardpoint_core.zarr import checks as ck
+    from shardpoint_core.format.dtypes import from_name
+    from shardpoint_core.arrays import checks as ck
     out = {}
     if hasattr(ck, "scan_array"):           # one pass: listing, kinds, zarr.json read
         scans = [ck.scan_array(path, e.array, k) for k, e in ents]

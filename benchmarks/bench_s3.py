@@ -200,7 +200,7 @@ def main(argv=None) -> None:
         os.environ["AWS_ENDPOINT_URL"] = a.endpoint
         bucket = a.bucket
     import shardpoint as sp
-    from shardpoint_core.zarr import ZarrBackend
+    from shardpoint_core.transactions.backend import ZarrBackend
     run = f"bench-{uuid.uuid4().hex[:8]}"
     be = ZarrBackend(concurrency=a.concurrency)
     store, _ = be.locate(f"s3://{bucket}/x")

@@ -101,8 +101,8 @@ def check_round_trip(store, objs) -> None:
 
 def stores_for(scheme: str, root: str, s3) -> Dict[str, Callable[[str], object]]:
     """name -> make(prefix): a fresh, empty store of that kind below ``prefix``."""
-    from shardpoint_core.store import FileStore, MemoryStore
-    from shardpoint_core.store.tensorstore import TensorStoreOptions, TensorStoreStore
+    from shardpoint_core.stores import FileStore, MemoryStore
+    from shardpoint_core.stores.tensorstore import TensorStoreOptions, TensorStoreStore
     if scheme == "files":
         return {
             "FileStore (pwritev, syncfs)":
@@ -114,7 +114,7 @@ def stores_for(scheme: str, root: str, s3) -> Dict[str, Callable[[str], object]]
                                            TensorStoreOptions(file_sync=False)),
         }
     if scheme == "s3":
-        from shardpoint_core.store.s3 import S3Options, S3Store
+        from shardpoint_core.stores.s3 import S3Options, S3Store
         return {
             "S3Store (boto3)": lambda p: S3Store.from_url(
                 s3.url(p), S3Options(endpoint_url=s3.endpoint, max_connections=64)),
@@ -131,8 +131,8 @@ def cleanup(scheme: str, store, root: str, prefix: str) -> None:
     elif scheme == "s3":
         store.delete([i.key for i in store.list()])
     else:
-        from shardpoint_core.store import MemoryStore
-        from shardpoint_core.store.tensorstore import TensorStoreStore
+        from shardpoint_core.stores import MemoryStore
+        from shardpoint_core.stores.tensorstore import TensorStoreStore
         MemoryStore.drop(prefix)
         TensorStoreStore.drop(prefix)
 
@@ -181,12 +181,12 @@ def cleanup_checkpoint(scheme: str, root: str, prefix: str, s3) -> None:
     if scheme == "files":
         shutil.rmtree(os.path.join(root, prefix), ignore_errors=True)
     elif scheme == "s3":
-        from shardpoint_core.store.s3 import S3Store
+        from shardpoint_core.stores.s3 import S3Store
         st = S3Store.from_url(s3.url(prefix))
         st.delete([i.key for i in st.list()])
     else:
-        from shardpoint_core.store import MemoryStore
-        from shardpoint_core.store.tensorstore import TensorStoreStore
+        from shardpoint_core.stores import MemoryStore
+        from shardpoint_core.stores.tensorstore import TensorStoreStore
         MemoryStore.drop(prefix)
         TensorStoreStore.drop(prefix)
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import shardpoint as sp
-from shardpoint_core.fsutil import fsync_dir
+from shardpoint_core.stores.fsutil import fsync_dir
 
 HAS_ASYNC = "async_save" in inspect.signature(sp.save).parameters
 
@@ -126,7 +126,7 @@ def raw_write(state: dict, path: str, threads: int = 1, early: bool = False,
             f.flush()
             os.fsync(f.fileno())
         return
-    from shardpoint_core.zarr.direct_write import start_writeback
+    from shardpoint_core.arrays.direct_write import start_writeback
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         def one(job):
@@ -190,8 +190,8 @@ def raw_write_files(state: dict, layout: list, root: str, threads: int = 16) -> 
     """The floor of shardpoint's layout: the same files (paths and sizes, the state's bytes)
     written from ``threads`` threads with early writeback, then one ``syncfs``. No
     checksums, planning or metadata encoding: what is left is the file system's cost."""
-    from shardpoint_core.zarr.direct_write import start_writeback
-    from shardpoint_core.commit.durable import syncfs
+    from shardpoint_core.arrays.direct_write import start_writeback
+    from shardpoint_core.stores.durable import syncfs
 
     def one(job):
         rel, pieces = job

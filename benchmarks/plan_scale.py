@@ -43,7 +43,7 @@ from shardpoint.exchange import dedup
 from shardpoint.planning.columns import HoldingColumns, gc_paused
 from shardpoint.planning.load_dedup import LoadWorks, encode_global, work_from_global
 from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_load_auto
-from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
+from shardpoint_core.format.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
 from shardpoint.tree.model import Holding
 from shardpoint.planning.planner import LocalPlan, TensorLayout, plan_load, plan_save
 from shardpoint.planning.save_global import (encode_save_global, layouts_of,

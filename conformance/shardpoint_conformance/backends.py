@@ -18,7 +18,7 @@ class FailingWrites:
     process of rank ``rank`` (a full disk: a real exception in a real process)."""
 
     def __init__(self, rank: int) -> None:
-        from shardpoint_core.storage import get_backend
+        from shardpoint_core.transactions.resolve import get_backend
         self.inner, self.rank = get_backend(), rank
 
     def __getattr__(self, name: str) -> Any:
@@ -39,7 +39,7 @@ class KillingBackend:
     """A storage backend that kills its own process at a chosen point (see module doc)."""
 
     def __init__(self, inner: Any = None, spec: Optional[str] = None) -> None:
-        from shardpoint_core.storage import get_backend
+        from shardpoint_core.transactions.resolve import get_backend
         self.inner = get_backend(inner)
         self.name = self.inner.name
         spec = spec if spec is not None else os.environ.get(KILL_ENV, "")

@@ -35,8 +35,8 @@ from typing import Any, Callable, Dict, Optional
 
 import msgpack
 
-from shardpoint_core.errors import CheckpointExistsError, SaveFailedError
-from shardpoint_core.manifest import Manifest, TensorEntry, decode_manifest, encode_manifest
+from shardpoint_core.format.errors import CheckpointExistsError, SaveFailedError
+from shardpoint_core.format.manifest import Manifest, TensorEntry, decode_manifest, encode_manifest
 
 LATER = 3600.0       # seconds after which every lease a scenario wrote has expired
 LOST_REPLY = -1      # a proxy rule's answer: applied, then the connection dropped
@@ -219,7 +219,7 @@ def blackhole(rig: Rig) -> None:
     if rig.blackhole is None:
         return
     import socket
-    from shardpoint_core.errors import StoreUnavailableError
+    from shardpoint_core.format.errors import StoreUnavailableError
     from shardpoint_testing.probes import error_within
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

@@ -46,7 +46,7 @@ def _save_rank(rank: int, world: int, case: dict, path: str, kill: bool,
 
 def fault_case(world: int, seed: int = 5) -> dict:
     """A case whose save gives every rank several chunks to write (plain data)."""
-    from shardpoint_core.keys import encode_key
+    from shardpoint_core.format.keys import encode_key
     tensors, layouts = [], {}
     for i in range(2 * world + 2):
         path = ["layers", i, "w"]
@@ -144,7 +144,7 @@ def damaged_checkpoints(root: str) -> list:
     and derive damaged copies. Returns ``[(name, path, expected spec_id, error class)]``."""
     import torch
     import shardpoint as sp
-    from shardpoint_core.zarr import TensorStoreBackend
+    from shardpoint_core.transactions.backend import ZarrBackend
     from shardpoint_conformance.harness import chunk_files, flip_byte
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
@@ -153,7 +153,7 @@ def damaged_checkpoints(root: str) -> list:
     state = {"w": torch.randn(16, 8, generator=g), "b": torch.randint(0, 9, (7,)),
              "h": torch.randn(4, 4, generator=g).to(torch.bfloat16), "step": 3}
     # Small thresholds: "w" (512 B) becomes a sharded chunk with an index of inner chunks.
-    sp.save(state, good, backend=TensorStoreBackend(shard_above_bytes=256,
+    sp.save(state, good, backend=ZarrBackend(shard_above_bytes=256,
                                                     inner_chunk_bytes=64))
     out = []
 

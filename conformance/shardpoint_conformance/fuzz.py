@@ -37,7 +37,7 @@ _WORKER = r"""
 import json, os, sys, traceback
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import shardpoint as sp
-from shardpoint_core.errors import ShardpointError
+from shardpoint_core.format.errors import ShardpointError
 from shardpoint_core.verify import verify_checkpoint
 import torch
 torch.set_num_threads(1)
@@ -258,8 +258,8 @@ def write_base(path: str) -> None:
     subprocess so this module imports nothing of it)."""
     code = (
         "import sys, torch, numpy as np, shardpoint as sp\n"
-        "from shardpoint_core.zarr import TensorStoreBackend\n"
-        "be = TensorStoreBackend(shard_above_bytes=128, inner_chunk_bytes=64)\n"
+        "from shardpoint_core.transactions.backend import ZarrBackend\n"
+        "be = ZarrBackend(shard_above_bytes=128, inner_chunk_bytes=64)\n"
         "opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=256))\n"
         "state = {'model': {'w': torch.arange(256, dtype=torch.float32).reshape(16, 16),\n"
         "                   'b': torch.ones(5, dtype=torch.bfloat16),\n"

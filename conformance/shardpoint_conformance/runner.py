@@ -453,7 +453,7 @@ def cleanup(root: str, rows: list, own_root: bool = False) -> None:
     """Remove the checkpoints of the cases that passed (failing ones stay, for a look);
     ``own_root``: ``root`` is the run's own temporary directory, removed too once empty."""
     if "://" in root:      # an object store (--store): the committer removes what passed
-        from shardpoint_core.zarr.object_backend import backend_for
+        from shardpoint_core.transactions.resolve import backend_for
         committer = backend_for(root).committer
         for r in rows:
             if r["ok"]:

@@ -21,7 +21,7 @@ import math
 import random
 from typing import Optional
 
-from shardpoint_core.keys import encode_key
+from shardpoint_core.format.keys import encode_key
 
 from shardpoint_conformance.cases import SPEC_DTYPES, encode_value, grid_cell
 

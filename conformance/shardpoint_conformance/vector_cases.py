@@ -65,7 +65,7 @@ def cases() -> dict:
     import torch
     import shardpoint as sp
     from shardpoint.tree import dtypes
-    from shardpoint_core.zarr import TensorStoreBackend
+    from shardpoint_core.transactions.backend import ZarrBackend
     all_dtypes = {name: bits(name, (3, 5), i, specials=True)
                   for i, name in enumerate(dtypes.DTYPES)}
     nested = {
@@ -93,7 +93,7 @@ def cases() -> dict:
         m.save_world_size = 3
 
     big = bits("float32", (37, 11), 200)
-    backend = TensorStoreBackend(shard_above_bytes=256, inner_chunk_bytes=128)
+    backend = ZarrBackend(shard_above_bytes=256, inner_chunk_bytes=128)
     multi = {
         "grid": sp.ShardedTensor(big, (37, 11), (0, 0)),
         "rows": bits("int32", (23, 4), 201),
@@ -142,7 +142,7 @@ def cases() -> dict:
         "newer_minor": (newer, {}, None, v11, _newer_minor_files),
         "portable_paths": (paths, {}, None, v11, None),
         "at_the_limits": (limits, {}, None, v11, _at_the_limits),
-        "chunk_identity": (ident, {"backend": TensorStoreBackend(shard_above_bytes=256,
+        "chunk_identity": (ident, {"backend": ZarrBackend(shard_above_bytes=256,
                                                                  inner_chunk_bytes=128),
                                    "options": ident_opts}, None, v13, None),
     }
@@ -232,10 +232,11 @@ def write_edge_chunks(path: str) -> None:
     chunks (edge chunks in both dimensions, no sharding) and ``sharded`` in 8x4 shards of
     2x4 inner chunks (the last shard row holds a present edge inner chunk and absent inner
     chunks wholly outside the tensor, [SP-ARRAY-4])."""
-    from shardpoint_core.manifest import Manifest, TensorEntry, array_path_for, encode_manifest
-    from shardpoint_core.storage import ArraySpec
-    from shardpoint_core.zarr import TensorStoreBackend
-    be = TensorStoreBackend(shard_above_bytes=64, inner_chunk_bytes=32)
+    from shardpoint_core.format.manifest import (Manifest, TensorEntry, array_path_for,
+                                                 encode_manifest)
+    from shardpoint_core.format.spec import ArraySpec
+    from shardpoint_core.transactions.backend import ZarrBackend
+    be = ZarrBackend(shard_above_bytes=64, inner_chunk_bytes=32)
     from shardpoint.tree import dtypes
     plain = dtypes.torch_to_numpy(bits("int16", (10, 7), 400))
     sharded = dtypes.torch_to_numpy(bits("float32", (10, 7), 401))
@@ -251,8 +252,8 @@ def write_edge_chunks(path: str) -> None:
     tree = {"dict": [["plain", {"tensor": "plain", "origin": "numpy"}],
                      ["sharded", {"tensor": "sharded", "origin": "numpy"}]]}
     m = Manifest(tree, tensors, {}, save_world_size=1)
-    from shardpoint_core.store.files import FileStore
-    from shardpoint_core.zarr.groups import write_groups
+    from shardpoint_core.stores.files import FileStore
+    from shardpoint_core.arrays.groups import write_groups
     write_groups(FileStore(path, fsync=False), "", [e.array for e in tensors.values()])
     with open(os.path.join(path, "manifest.msgpack"), "wb") as f:
         f.write(encode_manifest(m))

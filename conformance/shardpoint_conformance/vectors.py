@@ -44,9 +44,9 @@ PINNED_TIME = 1_790_000_000.0
 
 
 def _pin_manifest(path: str, edit=None, version=None) -> None:
-    """Make the manifest reproducible: rewrite it through shardpoint_core.manifest's own
+    """Make the manifest reproducible: rewrite it through shardpoint_core.format.manifest's own
     decode/encode with ``writer`` and ``created_unix`` pinned (and ``edit`` applied)."""
-    from shardpoint_core.manifest import decode_manifest, encode_manifest
+    from shardpoint_core.format.manifest import decode_manifest, encode_manifest
     mpath = os.path.join(path, "manifest.msgpack")
     m = decode_manifest(open(mpath, "rb").read())
     m.writer, m.created_unix = PINNED_WRITER, PINNED_TIME
@@ -91,8 +91,8 @@ def _expected(path: str) -> dict:
     import torch
     import shardpoint as sp
     from shardpoint.tree import dtypes
-    from shardpoint_core.keys import encode_key
-    from shardpoint_core.statetree import ObjectLeaf, TensorLeaf
+    from shardpoint_core.format.keys import encode_key
+    from shardpoint_core.format.statetree import ObjectLeaf, TensorLeaf
     m = sp.read_metadata(path)
     state = sp.load(path)
     out = {"format_version": list(m.format_version), "tensors": {}, "values": {},
@@ -184,7 +184,7 @@ def check_vectors(root: Optional[str] = None) -> tuple:
     compared with expected.json; invalid ones refused by both readers with the documented
     error class (shardpoint.load) and requirement ID (both)."""
     import shardpoint as sp
-    from shardpoint_core import errors
+    from shardpoint_core.format import errors
     root = Path(root or DEFAULT_ROOT)
     lines, ok = [], True
     valid = sorted((root / "valid").iterdir()) if (root / "valid").is_dir() else []

@@ -25,11 +25,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-from shardpoint_core import errors
-from shardpoint_core.keys import MAX_KEY_BYTES, decode_key, encode_key
-from shardpoint_core.manifest import TENSOR_DIR, TensorEntry, array_path_for, decode_manifest
-from shardpoint_core.store.registry import local_path
-from shardpoint_core.storage import MANIFEST_NAME, StorageBackend, get_backend
+from shardpoint_core.format import errors
+from shardpoint_core.format.keys import MAX_KEY_BYTES, decode_key, encode_key
+from shardpoint_core.format.manifest import TENSOR_DIR, TensorEntry, array_path_for, decode_manifest
+from shardpoint_core.stores.registry import local_path
+from shardpoint_core.format.spec import MANIFEST_NAME
+from shardpoint_core.transactions.protocol import StorageBackend
+from shardpoint_core.transactions.resolve import get_backend
 
 # Problems found while opening an array: no chunk of it was read.
 _OPEN_IDS = ("SP-ARRAY-1", "SP-ARRAY-2")
@@ -89,16 +91,16 @@ def verify_checkpoint(path: str, *, strict: bool = False,
     under ``tensors/`` that the manifest does not list ([SP-LAYOUT-3]). ``progress(nbytes)``
     is called after each tensor is checked, and once with the total first (``set_total``).
     """
-    from shardpoint_core.store.registry import is_local
-    from shardpoint_core.zarr.object_backend import resolve
+    from shardpoint_core.stores.registry import is_local
+    from shardpoint_core.transactions.resolve import resolve
     url = not is_local(path)
     if url:
         path, backend = resolve(path, backend, "verify")   # s3://...: the object backend
     if backend is None:
         # A backend of its own (a fresh TensorStore context): the shared default one may hold
         # metadata cached by earlier reads of this path, and a validator must read zarr.json.
-        from shardpoint_core.zarr import TensorStoreBackend
-        backend = TensorStoreBackend()
+        from shardpoint_core.transactions.backend import ZarrBackend
+        backend = ZarrBackend()
     be = get_backend(backend)
     path = str(path) if url else str(local_path(path, "verify"))
     rep = VerifyReport(path, strict=strict)

@@ -21,7 +21,7 @@ import importlib
 from typing import Any
 
 from shardpoint_core import __version__ as __version__  # re-exported
-from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundError,
+from shardpoint_core.format.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                     ConversionError, CorruptCheckpointError,
                                     IncompleteCheckpointError, InvalidKeyError,
                                     InvalidOptionError, InvalidShardingError,
@@ -29,10 +29,10 @@ from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundErr
                                     ResourceLimitError, SaveFailedError, ShardpointError,
                                     UnsupportedFormatError, UnsupportedStoreError,
                                     UnsupportedValueError)
-from shardpoint_core.hints import register_path_hint
-from shardpoint_core.manifest import FORMAT_VERSION, Manifest
-from shardpoint_core.recovery import RecoveryAction, recover
-from shardpoint_core.store.registry import register_store
+from shardpoint_core.format.hints import register_path_hint
+from shardpoint_core.format.manifest import FORMAT_VERSION, Manifest
+from shardpoint_core.commit.recovery import RecoveryAction, recover
+from shardpoint_core.stores.registry import register_store
 
 _LAZY = {
     "shardpoint.api": ["AsyncSave", "Checkpointer", "LoadOptions", "LoadReport", "LoadResult",
@@ -41,13 +41,13 @@ _LAZY = {
     "shardpoint.api.manager": ["CheckpointManager"],
     "shardpoint.tree.model": ["ShardedObject", "ShardedPieces", "ShardedTensor"],
     "shardpoint.planning.planner": ["PlanOptions"],
-    "shardpoint_core.statetree": ["TensorLeaf", "ObjectLeaf", "ValueLeaf", "iter_leaves",
+    "shardpoint_core.format.statetree": ["TensorLeaf", "ObjectLeaf", "ValueLeaf", "iter_leaves",
                                   "node_at"],
 }
 _WHERE = {name: mod for mod, names in _LAZY.items() for name in names}
 # Modules the README names by their short paths (sp.state, sp.convert, sp.verify, sp.errors).
 _MODULES = {"state": "shardpoint.api.state", "convert": "shardpoint.convert",
-            "verify": "shardpoint_core.verify", "errors": "shardpoint_core.errors"}
+            "verify": "shardpoint_core.verify", "errors": "shardpoint_core.format.errors"}
 
 
 def __getattr__(name: str) -> Any:

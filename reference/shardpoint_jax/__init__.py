@@ -22,7 +22,7 @@ from shardpoint_jax.manager import CheckpointManager
 from shardpoint_jax.saving import save
 from shardpoint_jax.tree import ShardedObject
 from shardpoint_jax.storage import read_manifest as read_metadata
-from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves, node_at
+from shardpoint_core.format.statetree import ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves, node_at
 
 __version__ = "0.1.0"
 __all__ = ["save", "load", "AsyncSave", "CheckpointManager", "ShardedObject", "ShardpointError",

@@ -1,13 +1,13 @@
-"""The core's dtype table (:mod:`shardpoint_core.dtypes`) as JAX sees it: JAX's extended
+"""The core's dtype table (:mod:`shardpoint_core.format.dtypes`) as JAX sees it: JAX's extended
 dtypes (typed PRNG keys) are refused with the way to save them, and spec names map to the
 numpy (ml_dtypes) dtypes that JAX arrays carry."""
 from __future__ import annotations
 
 import numpy as np
 
-from shardpoint_core import dtypes as core_dtypes
-from shardpoint_core.errors import UnsupportedFormatError, UnsupportedValueError
-from shardpoint_core.zarr.layout import fill_value
+from shardpoint_core.format import dtypes as core_dtypes
+from shardpoint_core.format.errors import UnsupportedFormatError, UnsupportedValueError
+from shardpoint_core.format.layout import fill_value
 
 BY_NAME = {name: d.numpy for name, d in core_dtypes.DTYPES.items()}
 FILL = {name: fill_value(name) for name in BY_NAME}

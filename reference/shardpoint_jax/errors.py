@@ -1,10 +1,10 @@
-"""The errors shardpoint_jax raises: the core's classes (:mod:`shardpoint_core.errors`), under
+"""The errors shardpoint_jax raises: the core's classes (:mod:`shardpoint_core.format.errors`), under
 the names JAX users import, so ``except shardpoint_jax.CorruptCheckpointError`` catches what
 the core's manifest codec, Zarr layer and stores raise. ``spec_id`` carries the requirement
 broken and ``category`` the spec's failure category (spec/format.md [SP-ERR-1])."""
 from __future__ import annotations
 
-from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundError,
+from shardpoint_core.format.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                     ConversionError, CorruptCheckpointError,
                                     IncompleteCheckpointError, InvalidKeyError,
                                     InvalidOptionError, InvalidShardingError,

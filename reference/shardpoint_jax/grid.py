@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from shardpoint_core.coverage import check_exact_cover
+from shardpoint_core.format.coverage import check_exact_cover
 
 LOCAL_CHUNK_BYTES = 64 << 20
 

@@ -9,9 +9,9 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from shardpoint_core.errors import LayoutMismatchError
-from shardpoint_core.manifest import Manifest, TensorEntry
-from shardpoint_core.statetree import TensorLeaf, iter_leaves, materialize
+from shardpoint_core.format.errors import LayoutMismatchError
+from shardpoint_core.format.manifest import Manifest, TensorEntry
+from shardpoint_core.format.statetree import TensorLeaf, iter_leaves, materialize
 from shardpoint_jax.dtypes import numpy_dtype, numpy_of
 from shardpoint_jax.storage import (PendingRead, StoredArray, checkpoint_path,
                                     read_manifest, start_listing)
@@ -29,7 +29,7 @@ def entry_of(t: TensorEntry) -> dict:
 
 
 class Checkpoint:
-    """A checked manifest (the core's :class:`~shardpoint_core.manifest.Manifest`) and lazily
+    """A checked manifest (the core's :class:`~shardpoint_core.format.manifest.Manifest`) and lazily
     opened arrays of one checkpoint (a directory, or a prefix on an object store)."""
 
     def __init__(self, path: str) -> None:

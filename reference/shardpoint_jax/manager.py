@@ -12,7 +12,7 @@ save or load; a ``.step_N.shardpoint-old-*`` directory left by a crash in the mi
 overwrite is put back when its step is missing, else removed.
 
 Retention, applied after a save commits, is the torch manager's, from
-:mod:`shardpoint_core.policy`: ``retention=`` a policy (``AnyOf(LatestN(3), BestN(2,
+:mod:`shardpoint_core.format.policy`: ``retention=`` a policy (``AnyOf(LatestN(3), BestN(2,
 "loss"))``), or the shortcuts ``max_to_keep`` (None: all), ``keep_every`` and ``keep_best``
 (``best_metric`` alone only ranks steps for :meth:`best_step`); the newest committed step is
 never deleted. Deletion and clean-up go through the committer's lock rule: an observer's
@@ -44,10 +44,10 @@ import numpy as np
 from shardpoint_core.commit.cleanup import DEFAULT_MIN_AGE_S
 from shardpoint_core.commit.steps import StepRoot
 from shardpoint_core.commit.posix import PosixCommitter
-from shardpoint_core.errors import ShardpointError as CoreError
-from shardpoint_core.policy import (Retention, check_metric, policy_from_options,
+from shardpoint_core.format.errors import ShardpointError as CoreError
+from shardpoint_core.format.policy import (Retention, check_metric, policy_from_options,
                                     ranked, retained, step_number)
-from shardpoint_core.statetree import ValueLeaf, node_at
+from shardpoint_core.format.statetree import ValueLeaf, node_at
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.comm import Comm
@@ -78,7 +78,7 @@ class CheckpointManager:
             if retention is not None:
                 if not isinstance(retention, Retention):
                     raise E.InvalidRequestError(
-                        f"retention must be a policy of shardpoint_core.policy (LatestN, "
+                        f"retention must be a policy of shardpoint_core.format.policy (LatestN, "
                         f"EveryNSteps, BestN, AnyOf), got {retention!r}")
                 if (max_to_keep, keep_every, keep_best) != (None, None, None):
                     raise E.InvalidRequestError(
@@ -142,7 +142,7 @@ class CheckpointManager:
 
     def retained(self, steps: list) -> set:
         """Which of the committed ``steps`` retention keeps (pure; the rule in one place:
-        :func:`shardpoint_core.policy.retained`)."""
+        :func:`shardpoint_core.format.policy.retained`)."""
         return retained(self.retention, steps, self.metrics)
 
     # ---------------------------------------------------------------- collective

@@ -32,8 +32,8 @@ from typing import Any, Optional
 import orbax.checkpoint as ocp
 from etils import epath
 
-from shardpoint_core.manifest import read_metadata
-from shardpoint_core.statetree import TensorLeaf, materialize
+from shardpoint_core.transactions.resolve import read_metadata
+from shardpoint_core.format.statetree import TensorLeaf, materialize
 from shardpoint_jax.orbax_handler import ShardpointHandler, checkpoint_path
 from shardpoint_jax.orbax_semantics import (EXTENSION, UnsupportedTypeError, _np_dtype,
                                             prepare_save, read_extension)

@@ -37,7 +37,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future
 
-from shardpoint_core.manifest import Manifest, read_metadata
+from shardpoint_core.format.manifest import Manifest
+from shardpoint_core.transactions.resolve import read_metadata
 from shardpoint_jax.orbax_semantics import EXTENSION, prepare_save, restore
 from shardpoint_jax.saving import save
 

@@ -19,10 +19,10 @@ from typing import Any, Dict, Optional
 import jax
 import numpy as np
 
-from shardpoint_core.errors import (InvalidOptionError, LayoutMismatchError,
+from shardpoint_core.format.errors import (InvalidOptionError, LayoutMismatchError,
                                     UnsupportedValueError)
-from shardpoint_core.manifest import read_metadata
-from shardpoint_core.statetree import iter_leaves, materialize
+from shardpoint_core.transactions.resolve import read_metadata
+from shardpoint_core.format.statetree import iter_leaves, materialize
 from shardpoint_jax.loading import exact_in_jax, load, load_array
 from shardpoint_jax.tree import walk
 
@@ -262,7 +262,7 @@ def _special(ck: Any, key: str, sp: Any, side: dict, keys: dict,
     return jax.device_put(data, sharding) if sharding is not None else jax.device_put(data)
 
 def _np_dtype(name: str) -> np.dtype:
-    from shardpoint_core.dtypes import from_name
+    from shardpoint_core.format.dtypes import from_name
     return from_name(name).numpy
 
 

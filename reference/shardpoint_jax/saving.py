@@ -13,11 +13,11 @@ from typing import Any, Optional, Union
 import jax
 import numpy as np
 
-from shardpoint_core import errors as core_errors
-from shardpoint_core.store.registry import is_local
-from shardpoint_core.treemerge import merge_many
-from shardpoint_core.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
-                                      encode_manifest)
+from shardpoint_core.format import errors as core_errors
+from shardpoint_core.stores.registry import is_local
+from shardpoint_core.format.treemerge import merge_many
+from shardpoint_core.format.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
+                                             encode_manifest)
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import POOL, AsyncSave, wait_for_previous
 from shardpoint_jax.comm import Comm

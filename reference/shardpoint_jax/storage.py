@@ -1,20 +1,20 @@
 """Where a JAX checkpoint's bytes live, on the core (spec/format.md sections 3, 7, 9, 10).
 
 Everything about the format is the core's: zarr.json is written and checked by the Zarr layer
-(:mod:`shardpoint_core.zarr.array`, :mod:`~shardpoint_core.zarr.checks`), chunks are encoded
+(:mod:`shardpoint_core.arrays.array`, :mod:`~shardpoint_core.arrays.checks`), chunks are encoded
 and decoded there, and checkpoints are published, replaced and removed by the core's
 committers. What this module adds is the choice of path for each kind of store:
 
 - a local path (plain or ``file://``): the fast paths of the file-system backend, each chunk
-  written by :class:`~shardpoint_core.zarr.direct_write.DirectWriter` (``pwritev`` of the
+  written by :class:`~shardpoint_core.arrays.direct_write.DirectWriter` (``pwritev`` of the
   array's own memory); one ``syncfs`` makes a save durable; the
   :class:`~shardpoint_core.commit.posix.PosixCommitter` renames it into place;
 - any other registered store (``s3://bucket/run/step_5``, ``memory://name/...``): the Zarr
-  layer over the bucket's :class:`~shardpoint_core.store.base.ByteStore`, one object per
+  layer over the bucket's :class:`~shardpoint_core.stores.base.ByteStore`, one object per
   chunk, and the :class:`~shardpoint_core.commit.object_store.ObjectStoreCommitter`
   (the manifest written last is the commit marker, format.md 9.1).
 
-Loads open and read arrays through the core's :class:`~shardpoint_core.zarr.backend.ZarrBackend`
+Loads open and read arrays through the core's :class:`~shardpoint_core.transactions.backend.ZarrBackend`
 (:data:`READER`), the object the torch front end reads with, into 64-byte aligned buffers
 that JAX adopts without a copy: ``preadv`` straight into them on files; on object stores each
 array's zarr.json GET with its first data GET beside it, and a region's chunks and shard runs
@@ -32,23 +32,23 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from shardpoint_core.commit.durable import fsync_trees, syncfs
+from shardpoint_core.stores.durable import fsync_trees, syncfs
 from shardpoint_core.commit.posix import PosixCommitter
-from shardpoint_core.dtypes import DTYPES
-from shardpoint_core.manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
-from shardpoint_core.store.files import FileStore
-from shardpoint_core.store.registry import (bucket_store, check_path, is_local, local_path,
+from shardpoint_core.format.dtypes import DTYPES
+from shardpoint_core.format.manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
+from shardpoint_core.stores.files import FileStore
+from shardpoint_core.stores.registry import (bucket_store, check_path, is_local, local_path,
                                              split_url)
-from shardpoint_core.values import numpy_values
-from shardpoint_core.storage import ArraySpec
-from shardpoint_core.zarr.array import ArrayLayout, write_array_meta, write_region
-from shardpoint_core.zarr.backend import ZarrBackend
-from shardpoint_core.zarr.checks import (check_array_objects, check_backed_bytes,
+from shardpoint_core.format.values import numpy_values
+from shardpoint_core.format.spec import ArraySpec
+from shardpoint_core.arrays.array import ArrayLayout, write_array_meta, write_region
+from shardpoint_core.transactions.backend import ZarrBackend
+from shardpoint_core.arrays.checks import (check_array_objects, check_backed_bytes,
                                          check_regular_file)
-from shardpoint_core.zarr.committers import PathCommitter, UrlCommitter
-from shardpoint_core.zarr.direct_write import DirectWriter, WriteOp, WritePool, write_layout
-from shardpoint_core.zarr.groups import start_groups, write_groups
-from shardpoint_core.zarr.local import read_manifest_file
+from shardpoint_core.commit.routing import PathCommitter, UrlCommitter
+from shardpoint_core.arrays.direct_write import DirectWriter, WriteOp, WritePool, write_layout
+from shardpoint_core.arrays.groups import start_groups, write_groups
+from shardpoint_core.arrays.local import read_manifest_file
 from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                    IncompleteCheckpointError, InvalidRequestError,
                                    ShardpointError)

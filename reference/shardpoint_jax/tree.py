@@ -2,7 +2,7 @@
 insertion order), lists and tuples are walked directly; other registered JAX pytree nodes
 (flax/optax containers) through ``jax.tree_util`` one level at a time, their key entries
 becoming dict keys (attribute names) or list indexes. ``None`` is a value, not an empty node.
-The walk itself, key encoding included, is the core's (:mod:`shardpoint_core.statetree`), the
+The walk itself, key encoding included, is the core's (:mod:`shardpoint_core.format.statetree`), the
 same one the torch front end uses."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional, Tuple, Union
 import jax
 import numpy as np
 
-from shardpoint_core.errors import InvalidShardingError, UnsupportedValueError
-from shardpoint_core.statetree import encode_tree, map_tree, plain_children
+from shardpoint_core.format.errors import InvalidShardingError, UnsupportedValueError
+from shardpoint_core.format.statetree import encode_tree, map_tree, plain_children
 
 Index = Tuple[int, ...]
 
@@ -58,7 +58,7 @@ def is_array(v: Any) -> bool:
 
 def children(v: Any) -> Optional[Tuple[str, list, Callable[[list], Any]]]:
     """(kind, [(component, child)], rebuild) of a container, or None for a leaf: the core's
-    :func:`~shardpoint_core.statetree.plain_children` for dicts, lists and tuples, one level
+    :func:`~shardpoint_core.format.statetree.plain_children` for dicts, lists and tuples, one level
     of ``jax.tree_util`` for other registered pytree nodes."""
     if v is None or is_array(v) or isinstance(v, (ShardedObject, jax.ShapeDtypeStruct,
                                                   np.generic, str, bytes, int, float)):

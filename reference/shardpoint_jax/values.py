@@ -1,4 +1,4 @@
-"""Values of the JAX front end: the core's msgpack value codec (:mod:`shardpoint_core.values`)
+"""Values of the JAX front end: the core's msgpack value codec (:mod:`shardpoint_core.format.values`)
 with ``jax.Array`` registered as an ext 1 array. Inside sharded-object values a JAX writer
 writes origin "numpy" ([SP-MAN-6]: every reader can hand back a numpy array), so such arrays
 come back as numpy arrays."""
@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardpoint_core.values import *  # noqa: F401,F403 - the codec, as this front end uses it
-from shardpoint_core.values import SCALARS, register_array_type
+from shardpoint_core.format.values import *  # noqa: F401,F403 - the codec, as this front end uses it
+from shardpoint_core.format.values import SCALARS, register_array_type
 from shardpoint_jax.dtypes import name_of
 
 

@@ -60,7 +60,7 @@ def vector_on_store(case_dir: str, url: str) -> dict:
     and return its ``expected.json``: the reader rules checked on a store without files."""
     import json
 
-    from shardpoint_core.store.registry import bucket_store
+    from shardpoint_core.stores.registry import bucket_store
     store, key = bucket_store(url, "tests")
     upload_dir(store, key, os.path.join(case_dir, "checkpoint"))
     with open(os.path.join(case_dir, "expected.json")) as f:

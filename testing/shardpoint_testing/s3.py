@@ -164,7 +164,7 @@ class S3Server:
         return self
 
     def credentials(self) -> Dict[str, str]:
-        """Keys the server accepts, as :class:`~shardpoint_core.store.s3.S3Options` fields."""
+        """Keys the server accepts, as :class:`~shardpoint_core.stores.s3.S3Options` fields."""
         return {"access_key_id": self._keys[0], "secret_access_key": self._keys[1],
                 "region": REGION}
 

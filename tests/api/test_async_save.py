@@ -34,7 +34,7 @@ class SlowFlush:
     """The real backend; ``flush`` takes a second longer (a slow disk)."""
 
     def __init__(self):
-        from shardpoint_core.storage import get_backend
+        from shardpoint_core.transactions.resolve import get_backend
         self.inner = get_backend()
 
     def __getattr__(self, name):

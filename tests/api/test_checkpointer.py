@@ -74,7 +74,7 @@ class FailingFlush:
     """The real store; making the staged files durable fails once (a dying disk)."""
 
     def __init__(self):
-        from shardpoint_core.storage import get_backend
+        from shardpoint_core.transactions.resolve import get_backend
         self.inner, self.fail = get_backend(), True
 
     def __getattr__(self, name):

@@ -12,7 +12,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint.tools.cli import main as cli
-from shardpoint_core.manifest import decode_manifest
+from shardpoint_core.format.manifest import decode_manifest
 from shardpoint_testing.probes import error_within
 
 STATE = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(3)}
@@ -196,7 +196,7 @@ def test_malformed_manifest_bodies_raise_documented_errors(tmp_ckpt, edit, sid):
 
 # ------------------------------------------------------------------ more damage and refusals
 def write_manifest(path, m):
-    from shardpoint_core.manifest import encode_manifest
+    from shardpoint_core.format.manifest import encode_manifest
     with open(f"{path}/manifest.msgpack", "wb") as f:
         f.write(encode_manifest(m))
 
@@ -255,8 +255,8 @@ def test_dot_dot_array_path_names_sp_sec_1(tmp_ckpt):
 
 
 def sharded_save(path):
-    from shardpoint_core.zarr import TensorStoreBackend
-    be = TensorStoreBackend(shard_above_bytes=1 << 10, inner_chunk_bytes=1 << 8)
+    from shardpoint_core.transactions.backend import ZarrBackend
+    be = ZarrBackend(shard_above_bytes=1 << 10, inner_chunk_bytes=1 << 8)
     w = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
     sp.save({"w": w}, path, backend=be)
     return w
@@ -336,7 +336,7 @@ def test_big_endian_uint16_is_sensible(tmp_ckpt):
 
 # ---- spec 1.1: portable array paths ([SP-LAYOUT-4]) ---------------------------------------
 def test_keys_differing_in_case_long_or_reserved_get_distinct_portable_array_paths(tmp_ckpt):
-    from shardpoint_core.manifest import array_path_for
+    from shardpoint_core.format.manifest import array_path_for
     from shardpoint_core.verify import verify_checkpoint
     state = {"Encoder": torch.ones(2), "encoder": torch.zeros(2), "con": torch.arange(3),
              "x" * 300: torch.ones(1), "dot.": torch.ones(1)}
@@ -423,7 +423,7 @@ def test_writers_refuse_a_tree_deeper_than_the_format_allows(tmp_ckpt):
 
 
 def test_rank_limit_and_unallocatable_tensors(tmp_ckpt):
-    from shardpoint_core.manifest import decode_manifest, encode_manifest
+    from shardpoint_core.format.manifest import decode_manifest, encode_manifest
     sp.save({"w": torch.ones(4)}, tmp_ckpt)
     mpath = f"{tmp_ckpt}/manifest.msgpack"
     m = decode_manifest(open(mpath, "rb").read())
@@ -482,7 +482,7 @@ def test_replica_id_is_checked_when_assigned_after_construction(bad):
 def test_full_disk_while_writing_the_manifest_names_the_file(tmp_path):
     """ENOSPC from write(2)/fsync(2) names no file; the error must (issue 21)."""
     import subprocess
-    from shardpoint_core.zarr import TensorStoreBackend
+    from shardpoint_core.transactions.backend import ZarrBackend
     disk = tmp_path / "disk"
     disk.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
@@ -491,9 +491,9 @@ def test_full_disk_while_writing_the_manifest_names_the_file(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
     try:
         with pytest.raises(OSError) as e:
-            TensorStoreBackend().write_manifest(str(disk), bytes(1 << 20))
+            ZarrBackend().write_manifest(str(disk), bytes(1 << 20))
         assert e.value.errno == 28 and e.value.filename == f"{disk}/manifest.msgpack.partial"
-        from shardpoint_core.fsutil import os_error_text
+        from shardpoint_core.stores.fsutil import os_error_text
         assert "manifest.msgpack.partial" in os_error_text(e.value)
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)

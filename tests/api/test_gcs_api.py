@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("google.cloud.storage")
 
 import shardpoint as sp  # noqa: E402
-from shardpoint_core.store.gcs import GcsStore  # noqa: E402
+from shardpoint_core.stores.gcs import GcsStore  # noqa: E402
 from shardpoint_core.verify import verify_checkpoint  # noqa: E402
 from shardpoint_testing.tensors import same_bits  # noqa: E402
 

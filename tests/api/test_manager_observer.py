@@ -40,7 +40,7 @@ json.dump(report, open(out, "w"))
 
 TORCH_OBSERVER = """
 import json, os, sys, time, shardpoint as sp
-from shardpoint_core import errors
+from shardpoint_core.format import errors
 stop, out, roots = sys.argv[1], sys.argv[2], sys.argv[3:]
 loads, errs, mixed, i = 0, [], [], 0
 while not os.path.exists(stop):
@@ -149,9 +149,9 @@ def test_a_step_removed_under_a_torch_load_fails_it_cleanly(tmp_path):
     import torch
     import shardpoint as sp
     from shardpoint_core.commit.posix import PosixCommitter
-    from shardpoint_core.zarr import TensorStoreBackend
+    from shardpoint_core.transactions.backend import ZarrBackend
 
-    class RemovedAfterManifest(TensorStoreBackend):
+    class RemovedAfterManifest(ZarrBackend):
         def read_manifest(self, path):
             data = super().read_manifest(path)
             assert PosixCommitter().remove(path)

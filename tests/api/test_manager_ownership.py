@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import shardpoint as sp  # noqa: E402
-from shardpoint_core.errors import CheckpointExistsError, InvalidOptionError  # noqa: E402
+from shardpoint_core.format.errors import CheckpointExistsError, InvalidOptionError  # noqa: E402
 
 
 def st(step):

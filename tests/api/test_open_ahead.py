@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from shardpoint_core.errors import CorruptCheckpointError
+from shardpoint_core.format.errors import CorruptCheckpointError
 from shardpoint.api.open_ahead import OpenAhead
 
 

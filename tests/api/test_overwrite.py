@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint_core.errors import CheckpointExistsError, InvalidOptionError
+from shardpoint_core.format.errors import CheckpointExistsError, InvalidOptionError
 
 
 def _user_dir(tmp_path):

@@ -447,7 +447,7 @@ class _DieOnRead:
     """The real backend; rank 1 dies (``os._exit``) on its first chunk read."""
 
     def __init__(self):
-        from shardpoint_core.storage import get_backend
+        from shardpoint_core.transactions.resolve import get_backend
         self.inner = get_backend()
 
     def __getattr__(self, name):
@@ -530,7 +530,7 @@ class _FailsMidSubmit:
 
     def __init__(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
-        from shardpoint_core.storage import get_backend
+        from shardpoint_core.transactions.resolve import get_backend
         self.inner, self.calls, self.done = get_backend(), 0, []
         self._pool = ThreadPoolExecutor(1)
 

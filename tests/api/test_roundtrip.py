@@ -183,8 +183,8 @@ def test_plain_tensorstore_opens_saved_tensor(tmp_ckpt):
 
 
 def test_large_tensor_gets_a_multi_chunk_sharded_array(tmp_ckpt):
-    from shardpoint_core.zarr import TensorStoreBackend
-    be = TensorStoreBackend(shard_above_bytes=1 << 16, inner_chunk_bytes=1 << 12)
+    from shardpoint_core.transactions.backend import ZarrBackend
+    be = ZarrBackend(shard_above_bytes=1 << 16, inner_chunk_bytes=1 << 12)
     w = torch.randn(300, 100)
     opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=40_000))
     sp.save({"w": w}, tmp_ckpt, backend=be, options=opts)
@@ -195,8 +195,8 @@ def test_large_tensor_gets_a_multi_chunk_sharded_array(tmp_ckpt):
 # ------------------------------------------------------------------ regressions and extras
 def test_overwrite_with_another_shape_reads_the_new_checkpoint(tmp_ckpt):
     """Caches of the old arrays must not serve reads of a checkpoint replaced in place."""
-    from shardpoint_core.zarr import TensorStoreBackend
-    for be in (None, TensorStoreBackend(context={"cache_pool": {"total_bytes_limit": 1 << 24}})):
+    from shardpoint_core.transactions.backend import ZarrBackend
+    for be in (None, ZarrBackend(context={"cache_pool": {"total_bytes_limit": 1 << 24}})):
         sp.save({"w": torch.ones(3)}, tmp_ckpt, backend=be, overwrite=True)
         assert torch.equal(sp.load(tmp_ckpt, backend=be)["w"], torch.ones(3))
         sp.save({"w": torch.full((6,), 5.0)}, tmp_ckpt, overwrite=True, backend=be)

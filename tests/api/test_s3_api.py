@@ -41,7 +41,7 @@ def _save_reshard_kill(rank, world, url):
     """Save on 2 ranks; load back with columns split (another sharding); then a second save
     over it where rank 1 is SIGKILLed after its first chunk write."""
     from shardpoint_conformance.faults import KillingBackend
-    from shardpoint_core.zarr.object_backend import ObjectStoreBackend
+    from shardpoint_core.transactions.resolve import ZarrBackend
     sp.save(saved_state(rank, world), url)
     a, b = split(SHAPE[1], world, rank)
     like = {"rows": sp.ShardedTensor(torch.empty(SHAPE[0], b - a), SHAPE, (0, a)),
@@ -53,7 +53,7 @@ def _save_reshard_kill(rank, world, url):
           same_bits(like["bf16"], full("bf0", torch.bfloat16))]
     if rank == 1:
         os.environ["SHARDPOINT_CONFORMANCE_KILL"] = "1:write:1"
-    be = KillingBackend(ObjectStoreBackend())
+    be = KillingBackend(ZarrBackend())
     try:
         sp.save(saved_state(rank, world, gen=1), url, overwrite=True, backend=be)
         return ok + ["saved"]
@@ -74,14 +74,14 @@ def test_two_ranks_save_reshard_load_and_a_rank_killed_mid_save(s3_env):
     assert out["obj"] == [{"rank": 0, "gen": 0}, {"rank": 1, "gen": 0}] and out["step"] == 0
     # the coordinator outlived rank 1, learnt of the failure and removed the save's prefix
     # (a dead coordinator leaves it to recovery: tests/core/test_s3_commit.py kills one)
-    from shardpoint_core.zarr.object_backend import ObjectStoreBackend
-    assert ObjectStoreBackend().list_leftovers(url) == []
+    from shardpoint_core.transactions.resolve import ZarrBackend
+    assert ZarrBackend().list_leftovers(url) == []
     assert all(not k.key.startswith("save-") or k.key.split("/")[0] == _named(url)
                for k in _store(url).list())
 
 
 def _named(url):
-    from shardpoint_core.manifest import decode_manifest
+    from shardpoint_core.format.manifest import decode_manifest
     return decode_manifest(_store(url).get("manifest.msgpack")).tensors["rows"].array.split("/")[0]
 
 
@@ -107,7 +107,7 @@ def test_single_process_save_load_open_async(s3_env):
 
 
 def _store(url):
-    from shardpoint_core.store.s3 import S3Store
+    from shardpoint_core.stores.s3 import S3Store
     return S3Store.from_url(url)
 
 
@@ -126,9 +126,9 @@ def test_missing_and_damaged_objects_are_documented_errors(s3_env):
         sp.load(url, like={"w": torch.empty(SHAPE)})
     with pytest.raises(sp.CorruptCheckpointError, match="SP-READ-2"):
         sp.load(url, like={"v": torch.empty(SHAPE)})
-    from shardpoint_core.zarr.object_backend import ObjectStoreBackend
-    from shardpoint_core.manifest import decode_manifest
-    be = ObjectStoreBackend()
+    from shardpoint_core.transactions.resolve import ZarrBackend
+    from shardpoint_core.format.manifest import decode_manifest
+    be = ZarrBackend()
     m = decode_manifest(be.read_manifest(url))
     problems = be.verify_array(url, m.tensors["w"].array, m.tensors["w"].spec, "w")
     assert [p[0] for p in problems] == ["SP-READ-3"]
@@ -143,13 +143,13 @@ def test_save_and_load_through_throttling_and_5xx(s3_env, monkeypatch):
     """Every third request answered 503 SlowDown or 500 by a proxy on loopback: the save
     and the load retry with backoff and the round trip is still bitwise."""
     from shardpoint_testing.s3 import FaultProxy
-    from shardpoint_core.zarr.object_backend import ObjectStoreBackend
+    from shardpoint_core.transactions.resolve import ZarrBackend
     def rule(method, path, n):
         return (503 if n % 6 == 0 else 500) if n % 3 == 0 else None
     with FaultProxy(s3_env, rule) as proxy:
         for k, v in proxy.env().items():
             monkeypatch.setenv(k, v)
-        be = ObjectStoreBackend()            # a fresh client, through the proxy
+        be = ZarrBackend()            # a fresh client, through the proxy
         url = s3_env.url(s3_env.fresh_prefix("faults") + "/ck")
         state = {"w": full("w"), "b": full("b", torch.bfloat16), "step": 3}
         sp.save(state, url, backend=be)

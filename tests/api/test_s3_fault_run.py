@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 import shardpoint as sp  # noqa: E402
 from shardpoint_core.commit.object_store import ObjectStoreCommitter  # noqa: E402
-from shardpoint_core.store.s3 import S3Store  # noqa: E402
+from shardpoint_core.stores.s3 import S3Store  # noqa: E402
 from shardpoint_testing.s3 import LOST_REPLY, FaultProxy  # noqa: E402
 
 SAVER = textwrap.dedent("""

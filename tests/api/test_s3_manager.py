@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 
 import shardpoint as sp  # noqa: E402
 from shardpoint_core.commit.steps import StepRoot  # noqa: E402
-from shardpoint_core.policy import AnyOf, BestN, LatestN  # noqa: E402
-from shardpoint_core.store.s3 import S3Store  # noqa: E402
+from shardpoint_core.format.policy import AnyOf, BestN, LatestN  # noqa: E402
+from shardpoint_core.stores.s3 import S3Store  # noqa: E402
 from shardpoint_core.verify import verify_checkpoint  # noqa: E402
 from shardpoint_testing.probes import crashed_save  # noqa: E402
 
@@ -57,11 +57,11 @@ def test_steps_retention_best_and_resume_on_s3(s3_env):
 
 
 def test_the_file_systems_backend_serves_an_s3_root_too(s3_env):
-    """One backend over any byte store (issue 19): ``TensorStoreBackend`` (ZarrBackend's
+    """One backend over any byte store (issue 19): ``ZarrBackend`` (ZarrBackend's
     older name, the one users pass) saves and loads on an s3:// root as well."""
-    from shardpoint_core.zarr import TensorStoreBackend
+    from shardpoint_core.transactions.backend import ZarrBackend
     mgr = sp.CheckpointManager(s3_env.url(s3_env.fresh_prefix("one")),
-                               backend=TensorStoreBackend())
+                               backend=ZarrBackend())
     mgr.save(1, state(1))
     out = mgr.load()
     assert torch.equal(out["w"], state(1)["w"]) and out["step"] == 1
@@ -95,9 +95,9 @@ def test_an_observer_leaves_live_saves_and_named_prefixes_alone(s3_env):
 def test_a_step_removed_under_a_load_fails_it_cleanly(s3_env):
     """Retention removes the step between the load's manifest read and its chunk reads: the
     load raises a ShardpointError, never tensors of two steps."""
-    from shardpoint_core.zarr.object_backend import ObjectStoreBackend
+    from shardpoint_core.transactions.resolve import ZarrBackend
 
-    class RemovedAfterManifest(ObjectStoreBackend):
+    class RemovedAfterManifest(ZarrBackend):
         def read_manifest_with_identity(self, path):     # what a load reads the manifest by
             got = super().read_manifest_with_identity(path)
             assert self.committer.remove(path)

@@ -19,7 +19,7 @@ pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
 import shardpoint as sp  # noqa: E402
-from shardpoint_core.zarr import ZarrBackend  # noqa: E402
+from shardpoint_core.transactions.backend import ZarrBackend  # noqa: E402
 from shardpoint_testing.s3 import Requests  # noqa: E402
 
 LATENCY = 0.1    # s added to every request: requests in flight together overlap by far
@@ -150,7 +150,7 @@ def test_one_zarr_json_put_per_array_however_many_writers(s3_env):
     PUTs zarr.json; an empty array (no chunk, no chunk-0 writer) gets it from its opener.
     The two backends share this process's store of the bucket, so one log sees both."""
     import numpy as np
-    from shardpoint_core.storage import ArraySpec
+    from shardpoint_core.format.spec import ArraySpec
     url = s3_env.url(s3_env.fresh_prefix("requests") + "/two")
     spec = ArraySpec((8, 4), "float32", (4, 4))
     ranks = [ZarrBackend(), ZarrBackend()]
@@ -177,8 +177,8 @@ def test_chunks_and_shard_runs_of_a_region_are_read_together(s3_env, monkeypatch
     round trip (zarr.json with the first chunk's read, or the shard's index), every other
     chunk and run is in flight at once, one round trip (one after another before)."""
     import numpy as np
-    from shardpoint_core.storage import ArraySpec
-    from shardpoint_core.zarr import array
+    from shardpoint_core.format.spec import ArraySpec
+    from shardpoint_core.arrays import array
     url = s3_env.url(s3_env.fresh_prefix("requests") + "/fan")
     spec = ArraySpec((16, 4), "float32", (4, 4))              # four plain chunks
     x = np.arange(64, dtype=np.float32).reshape(16, 4)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint_core.dtypes import DTYPES
+from shardpoint_core.format.dtypes import DTYPES
 from shardpoint_core.verify import verify_checkpoint
-from shardpoint_core.zarr import ZarrBackend
-from shardpoint_core.zarr.groups import GROUP_JSON
-from shardpoint_core.zarr_compat import register_zarr_dtypes, zarr_group_path, zarr_path
+from shardpoint_core.transactions.backend import ZarrBackend
+from shardpoint_core.arrays.groups import GROUP_JSON
+from shardpoint_core.transactions.zarr_compat import register_zarr_dtypes, zarr_group_path, zarr_path
 
 zarr = pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")
@@ -98,7 +98,7 @@ def test_object_store_arrays_and_groups_lie_below_the_save_prefix(s3_env):
     url = f"s3://{s3_env.bucket}/{s3_env.fresh_prefix()}/ck"
     state = _state()
     sp.save(state, url)
-    from shardpoint_core.store.registry import bucket_store
+    from shardpoint_core.stores.registry import bucket_store
     store, key = bucket_store(url, "test")
     for k, want in _leaves(state).items():
         where = zarr_path(url, k)

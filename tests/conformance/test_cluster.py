@@ -119,7 +119,7 @@ class _SlowWrites:
     while every rank is in the middle of its writes."""
 
     def __init__(self, root: str, rank: int) -> None:
-        from shardpoint_core.storage import get_backend
+        from shardpoint_core.transactions.resolve import get_backend
         self.inner, self.root, self.rank = get_backend(), root, rank
 
     def __getattr__(self, name):

@@ -14,7 +14,7 @@ from shardpoint_testing.probes import pause_lease
 @pytest.fixture
 def s3_rig(s3_env, request):
     pytest.importorskip("boto3")
-    from shardpoint_core.store.s3 import S3Options, S3Store
+    from shardpoint_core.stores.s3 import S3Options, S3Store
     from shardpoint_testing.s3 import FaultProxy
     url = s3_env.url(s3_env.fresh_prefix("conf"))
 
@@ -34,7 +34,7 @@ def s3_rig(s3_env, request):
 
 @pytest.fixture
 def gcs_rig(gcs_server, request):
-    from shardpoint_core.store.gcs import GcsOptions, GcsStore
+    from shardpoint_core.stores.gcs import GcsOptions, GcsStore
     from shardpoint_testing.gcs import PreconditionProxy
     url = gcs_server.url(gcs_server.fresh_prefix("conf"))
     strict = PreconditionProxy(gcs_server)

@@ -1,4 +1,4 @@
-"""Opening a local array (``checks.open_local_array``, what both front ends call before a
+"""Opening a local array (``opening.open_local_array``, what both front ends call before a
 read): one listing pass tells file kinds at every level ([SP-SEC-5]) without blocking on a
 FIFO, a missing array or zarr.json is [SP-ARRAY-1], and the remembered check of a zarr.json
 document never lets a second array past a check its own manifest entry fails."""
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint_core.errors import CorruptCheckpointError
-from shardpoint_core.zarr import checks
+from shardpoint_core.format.errors import CorruptCheckpointError
+from shardpoint_core.arrays import checks, opening
 from shardpoint_testing.probes import error_within, vector_on_store
 
 
 def _open(root, key="w", shape=(4, 6), dtype="float32", chunk=(4, 6)):
-    return checks.open_local_array(str(root), f"tensors/{key}", shape, dtype, chunk, 4, key)
+    return opening.open_local_array(str(root), f"tensors/{key}", shape, dtype, chunk, 4, key)
 
 
 def _open_in_thread(root):
@@ -142,7 +142,7 @@ def test_zarr_json_rules_hold_on_a_store_without_files(case):
 
 
 def test_a_zarr_json_nested_past_the_recursion_limit_on_a_store_without_files():
-    from shardpoint_core.store.registry import bucket_store
+    from shardpoint_core.stores.registry import bucket_store
     url = "memory://torch-deep/ckpt"
     sp.save({"w": torch.ones(3)}, url)
     store, key = bucket_store(url, "open")

@@ -9,7 +9,7 @@ class _MeetAtCommit:
     too, so both renames race for the same fresh path."""
 
     def __init__(self, barrier):
-        from shardpoint_core.storage import get_backend
+        from shardpoint_core.transactions.resolve import get_backend
         self.inner, self.barrier = get_backend(), barrier
 
     def __getattr__(self, name):

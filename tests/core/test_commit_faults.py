@@ -18,8 +18,8 @@ pytest.importorskip("moto")
 
 from shardpoint_core.commit.lease import LEASE_NAME, stop_lease  # noqa: E402
 from shardpoint_core.commit.object_store import ObjectStoreCommitter  # noqa: E402
-from shardpoint_core.errors import SaveFailedError  # noqa: E402
-from shardpoint_core.store.s3 import S3Options, S3Store  # noqa: E402
+from shardpoint_core.format.errors import SaveFailedError  # noqa: E402
+from shardpoint_core.stores.s3 import S3Options, S3Store  # noqa: E402
 from shardpoint_testing.probes import pause_lease  # noqa: E402
 from shardpoint_testing.s3 import FaultProxy  # noqa: E402
 
@@ -113,8 +113,8 @@ PAUSED = textwrap.dedent("""
     import sys, time
     sys.path[:0] = {paths!r}
     from shardpoint_core.commit.object_store import ObjectStoreCommitter
-    from shardpoint_core.errors import SaveFailedError
-    from shardpoint_core.store.s3 import S3Store
+    from shardpoint_core.format.errors import SaveFailedError
+    from shardpoint_core.stores.s3 import S3Store
     from test_s3_commit import stage
     store = S3Store.from_url({url!r})
     c = ObjectStoreCommitter(store, lease_s=1.0)

@@ -10,7 +10,7 @@ from shardpoint_core.commit import posix
 from shardpoint_core.commit.base import Committer
 from shardpoint_core.commit.cleanup import clean_leftovers
 from shardpoint_core.commit.posix import PosixCommitter
-from shardpoint_core.errors import CheckpointExistsError
+from shardpoint_core.format.errors import CheckpointExistsError
 
 
 def _staged(c, target, token, body=b"m"):

@@ -23,12 +23,15 @@ PATH_METHODS = {"unlink", "rmdir", "rename", "rmtree"}   # str.replace is too co
 
 # (file, function called): why it is not a checkpoint path.
 ALLOWED = {
-    ("core/shardpoint_core/store/files.py", "os.unlink"):
+    ("core/shardpoint_core/stores/durable.py", "renameat2"):
+        "the syscall wrapper itself (exchange_dirs, RENAME_NOREPLACE): the POSIX committer is "
+        "its only caller on checkpoint paths (the syscalls live in the stores rung)",
+    ("core/shardpoint_core/stores/files.py", "os.unlink"):
         "FileStore.delete, the byte store's primitive: the committers call it (object-store "
         "protocol), never anything else on a checkpoint path",
-    ("core/shardpoint_core/store/files.py", "os.rmdir"):
+    ("core/shardpoint_core/stores/files.py", "os.rmdir"):
         "FileStore.delete pruning the directories its own delete emptied",
-    ("core/shardpoint_core/store/tensorstore.py", "os.rmdir"):
+    ("core/shardpoint_core/stores/tensorstore.py", "os.rmdir"):
         "TensorStoreStore.delete (file driver) pruning the directories its own delete "
         "emptied, as FileStore does",
     ("reference/shardpoint/exchange/host.py", "os.unlink"):

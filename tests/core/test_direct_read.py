@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint_core.manifest import decode_manifest
-from shardpoint_core.storage import ArraySpec
+from shardpoint_core.format.manifest import decode_manifest
+from shardpoint_core.format.spec import ArraySpec
 from shardpoint.tree.views import to_numpy
-from shardpoint_core.zarr import TensorStoreBackend
+from shardpoint_core.transactions.backend import ZarrBackend
 
-BE = TensorStoreBackend(shard_above_bytes=4096, inner_chunk_bytes=1024)
-FAST = TensorStoreBackend(direct_reads=False)
+BE = ZarrBackend(shard_above_bytes=4096, inner_chunk_bytes=1024)
+FAST = ZarrBackend(direct_reads=False)
 SMALL = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=1500))   # many chunks, ragged edges
 
 

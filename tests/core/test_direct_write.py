@@ -1,7 +1,7 @@
 """Direct chunk writes (the backend's save fast path): every file is byte for byte what
 TensorStore writes for the same save, in every dtype, for plain and sharded chunks, edge
 chunks, 0-d and empty tensors and non-contiguous sources; the spec-only reader reads them;
-a write that is not one whole chunk goes through the Zarr layer (shardpoint_core.zarr.array)."""
+a write that is not one whole chunk goes through the Zarr layer (shardpoint_core.arrays.array)."""
 import hashlib
 import json
 import os
@@ -12,14 +12,14 @@ import torch
 
 import shardpoint as sp
 from shardpoint.tree.dtypes import DTYPES
-from shardpoint_core.storage import ArraySpec
+from shardpoint_core.format.spec import ArraySpec
 from shardpoint_conformance.independent_reader import read_independently
 from shardpoint_testing.tensors import random_bits, same_bits
-from shardpoint_core.zarr import TensorStoreBackend
+from shardpoint_core.transactions.backend import ZarrBackend
 
 KW = dict(shard_above_bytes=4096, inner_chunk_bytes=1024)
-DIRECT = TensorStoreBackend(**KW)
-VIA_TS = TensorStoreBackend(direct_writes=False, **KW)
+DIRECT = ZarrBackend(**KW)
+VIA_TS = ZarrBackend(direct_writes=False, **KW)
 SMALL = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=1500))   # many chunks, ragged edges
 
 
@@ -105,7 +105,7 @@ def test_a_failed_write_fails_the_save_and_commits_nothing(tmp_path):
     as a SaveFailedError, the staging directory is removed and nothing is committed."""
     target = str(tmp_path / "ck")
 
-    class Blocked(TensorStoreBackend):
+    class Blocked(ZarrBackend):
         def open_array_for_write(self, root, array_path, spec):
             h = super().open_array_for_write(root, array_path, spec)
             os.makedirs(os.path.join(root, array_path, "c", "0", "0"))
@@ -122,8 +122,8 @@ def test_a_failed_write_fails_the_save_and_commits_nothing(tmp_path):
 def test_edge_shards_equal_tensorstores_bytes(tmp_path, shape, chunk):
     small = dict(shard_above_bytes=16, inner_chunk_bytes=8)
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    for be, name in ((TensorStoreBackend(**small), "direct"),
-                     (TensorStoreBackend(direct_writes=False, **small), "ts")):
+    for be, name in ((ZarrBackend(**small), "direct"),
+                     (ZarrBackend(direct_writes=False, **small), "ts")):
         h = be.open_array_for_write(str(tmp_path), name, ArraySpec(shape, "float32", chunk))
         ops = []
         for idx in np.ndindex(*[-(-n // c) for n, c in zip(shape, chunk)]):
@@ -164,7 +164,7 @@ def test_big_inner_chunks_start_on_4k_boundaries_and_every_reader_follows_the_in
         assert any(gaps) and all(gp == bytes(len(gp)) for gp in gaps), key   # zero padding
     got = read_independently(path)["tensors"]
     assert all(got[k]["sha256"] == _sha(t) for k, t in st.items())
-    for be in (None, TensorStoreBackend(direct_reads=False)):
+    for be in (None, ZarrBackend(direct_reads=False)):
         whole = sp.load(path, backend=be)
         assert all(torch.equal(whole[k].view(torch.uint8), t.view(torch.uint8))
                    for k, t in st.items())

@@ -36,9 +36,9 @@ def test_short_fuzz_run_finds_only_documented_errors(tmp_path, capsys):
 def test_mutations_are_reproducible_from_the_seed(tmp_path):
     import torch
     import shardpoint as sp
-    from shardpoint_core.zarr import TensorStoreBackend
+    from shardpoint_core.transactions.backend import ZarrBackend
     sp.save({"w": torch.ones(64), "v": 3}, str(tmp_path / "base"),
-            backend=TensorStoreBackend(shard_above_bytes=64, inner_chunk_bytes=32))
+            backend=ZarrBackend(shard_above_bytes=64, inner_chunk_bytes=32))
     a = fuzz.make_case(str(tmp_path / "base"), str(tmp_path / "a"), 7)
     b = fuzz.make_case(str(tmp_path / "base"), str(tmp_path / "b"), 7)
     assert a == b

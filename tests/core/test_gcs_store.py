@@ -1,4 +1,4 @@
-"""The gs:// store (shardpoint_core.store.gcs) against a local GCS emulator
+"""The gs:// store (shardpoint_core.stores.gcs) against a local GCS emulator
 (gcp-storage-emulator, on loopback): the shipped store contract, the delimited listing the
 managers use, and what the store does where the emulator drops preconditions; then the
 conditional mode (GCS's generation preconditions) through a proxy that enforces them
@@ -6,12 +6,12 @@ conditional mode (GCS's generation preconditions) through a proxy that enforces 
 and the object-store commit's race of two saves (one wins, [SP-COMMIT-12])."""
 import pytest
 
-from shardpoint_core.errors import InvalidOptionError, StoreUnavailableError
-from shardpoint_core.store.registry import open_store
-from shardpoint_core.store.testing import StoreTests
+from shardpoint_core.format.errors import InvalidOptionError, StoreUnavailableError
+from shardpoint_core.stores.registry import open_store
+from shardpoint_core.stores.testing import StoreTests
 
 pytest.importorskip("google.cloud.storage")
-from shardpoint_core.store.gcs import GcsOptions, GcsStore, parse_gs_url  # noqa: E402
+from shardpoint_core.stores.gcs import GcsOptions, GcsStore, parse_gs_url  # noqa: E402
 
 
 @pytest.mark.slow     # the conditional contract below runs by default; sp.save and the
@@ -107,8 +107,9 @@ def test_of_two_commits_to_one_target_one_wins(strict_env):
     only that conditional PUT (ifGenerationMatch=0) can stop it: it fails with
     CheckpointExistsError and the winner's checkpoint stays whole ([SP-COMMIT-12])."""
     from shardpoint_core.commit.object_store import ObjectStoreCommitter
-    from shardpoint_core.errors import CheckpointExistsError
-    from shardpoint_core.manifest import Manifest, TensorEntry, decode_manifest, encode_manifest
+    from shardpoint_core.format.errors import CheckpointExistsError
+    from shardpoint_core.format.manifest import (Manifest, TensorEntry, decode_manifest,
+                                                 encode_manifest)
 
     store = GcsStore.from_url(strict_env.url(strict_env.fresh_prefix("race")))
     plain = ObjectStoreCommitter(store)

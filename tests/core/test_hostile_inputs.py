@@ -8,7 +8,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint_conformance import hostile
-from shardpoint_core.manifest import decode_manifest
+from shardpoint_core.format.manifest import decode_manifest
 from shardpoint_core.verify import verify_checkpoint
 from shardpoint_testing.launch import run_code
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 
 import shardpoint as sp
-from shardpoint_core.keys import (MAX_KEY_BYTES, decode_component, decode_key, encode_component,
+from shardpoint_core.format.keys import (MAX_KEY_BYTES, decode_component, decode_key, encode_component,
                                   encode_key)
 
 TRICKY = ["0", "-1", "-0", "007", "~", "~1", "%", "%25", "/", "a/b", "//", "...", ".a", "a.",

@@ -1,4 +1,4 @@
-"""shardpoint_core.policy: step names and composable retention, as both managers use them;
+"""shardpoint_core.format.policy: step names and composable retention, as both managers use them;
 the managers' keyword shortcuts spell the same policies; ``keep_best`` is never implicit."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardpoint as sp
-from shardpoint_core.errors import InvalidKeyError, InvalidOptionError
-from shardpoint_core.policy import (AnyOf, BestN, EveryNSteps, KeepAll, LatestN, parse_step,
+from shardpoint_core.format.errors import InvalidKeyError, InvalidOptionError
+from shardpoint_core.format.policy import (AnyOf, BestN, EveryNSteps, KeepAll, LatestN, parse_step,
                                     policy_from_options, retained, step_name)
 
 
@@ -69,8 +69,8 @@ def test_bad_policies_and_options_are_refused():
 
 
 def test_managers_take_a_policy_a_backend_and_options(tmp_path):
-    from shardpoint_core.zarr import TensorStoreBackend
-    be = TensorStoreBackend(fsync=False)
+    from shardpoint_core.transactions.backend import ZarrBackend
+    be = ZarrBackend(fsync=False)
     pol = AnyOf(LatestN(1), BestN(1, "loss"))
     with pytest.raises(InvalidOptionError, match="not both"):
         sp.CheckpointManager(str(tmp_path), retention=pol, max_to_keep=2)

@@ -80,7 +80,7 @@ def test_old_leftover_beside_a_directory_without_manifest_is_left_alone(tmp_path
 _RUNNING_SAVE = """
 import sys, time, threading
 import torch, shardpoint as sp
-from shardpoint_core.storage import get_backend
+from shardpoint_core.transactions.resolve import get_backend
 
 be = get_backend()
 class Stalled:
@@ -121,8 +121,8 @@ def test_a_running_save_is_never_recovered_however_old_its_files(tmp_path):
 def test_a_finished_or_failed_save_leaves_no_lock_behind(tmp_path):
     """The lock is dropped at commit and at abort: a later save to the same path in this
     process, and recovery's probe, find nothing held."""
-    from shardpoint_core.commit.durable import dir_locked
-    from shardpoint_core.storage import get_backend
+    from shardpoint_core.stores.durable import dir_locked
+    from shardpoint_core.transactions.resolve import get_backend
     path = _ckpt(tmp_path / "ckpt", 1)
     assert dir_locked(path) is False
     be = get_backend()
@@ -139,8 +139,8 @@ def test_a_process_forked_during_a_save_does_not_keep_its_lock(tmp_path):
     """A child forked while a save holds its staging lock (a DataLoader worker started beside
     an async save) drops its copy of the descriptor: once the save ends, the directory is
     free although the child still lives."""
-    from shardpoint_core.commit.durable import dir_locked
-    from shardpoint_core.storage import get_backend
+    from shardpoint_core.stores.durable import dir_locked
+    from shardpoint_core.transactions.resolve import get_backend
     be = get_backend()
     staging = be.staging_path(str(tmp_path / "ckpt"), "fork1")
     be.begin_save(staging)

@@ -21,11 +21,11 @@ pytest.importorskip("moto")
 from shardpoint_core.commit.base import Committer  # noqa: E402
 from shardpoint_core.commit.lease import stop_lease  # noqa: E402
 from shardpoint_core.commit.object_store import ObjectStoreCommitter  # noqa: E402
-from shardpoint_core.errors import (CheckpointExistsError,  # noqa: E402
+from shardpoint_core.format.errors import (CheckpointExistsError,  # noqa: E402
                                     CheckpointNotFoundError, IncompleteCheckpointError)
-from shardpoint_core.manifest import Manifest, TensorEntry, decode_manifest  # noqa: E402
-from shardpoint_core.manifest import encode_manifest  # noqa: E402
-from shardpoint_core.store.s3 import S3Options, S3Store  # noqa: E402
+from shardpoint_core.format.manifest import Manifest, TensorEntry, decode_manifest  # noqa: E402
+from shardpoint_core.format.manifest import encode_manifest  # noqa: E402
+from shardpoint_core.stores.s3 import S3Options, S3Store  # noqa: E402
 
 KEYS = ("a", "b", "c")
 
@@ -214,7 +214,7 @@ SAVER = textwrap.dedent("""
     import sys, uuid
     sys.path[:0] = {paths!r}
     from shardpoint_core.commit.object_store import ObjectStoreCommitter
-    from shardpoint_core.store.s3 import S3Store
+    from shardpoint_core.stores.s3 import S3Store
     from test_s3_commit import stage
     store = S3Store.from_url({url!r})
     c = ObjectStoreCommitter(store)

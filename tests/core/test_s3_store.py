@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from shardpoint_core.errors import (InvalidKeyError, InvalidOptionError,  # noqa: E402
+from shardpoint_core.format.errors import (InvalidKeyError, InvalidOptionError,  # noqa: E402
                                     StoreAccessDeniedError, StoreNotFoundError,
                                     StoreUnavailableError)
-from shardpoint_core.store.base import ByteStore  # noqa: E402
-from shardpoint_core.store.s3 import S3Options, S3Store, parse_s3_url  # noqa: E402
+from shardpoint_core.stores.base import ByteStore  # noqa: E402
+from shardpoint_core.stores.s3 import S3Options, S3Store, parse_s3_url  # noqa: E402
 from shardpoint_testing.s3 import FaultProxy, free_port  # noqa: E402
 
 
@@ -173,17 +173,17 @@ def test_options_are_checked():
 def test_core_imports_no_s3_client_until_used():
     import subprocess
     import sys
-    code = ("import sys, shardpoint_core.store.s3 as s; "
+    code = ("import sys, shardpoint_core.stores.s3 as s; "
             "assert 'boto3' not in sys.modules and 'botocore' not in sys.modules; "
             "s.S3Store.from_url('s3://b/p'); assert 'boto3' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-from shardpoint_core.store.testing import StoreTests  # noqa: E402
+from shardpoint_core.stores.testing import StoreTests  # noqa: E402
 
 
 class TestS3StoreContract(StoreTests):
-    """The shipped store contract (shardpoint_core.store.testing), on the real server."""
+    """The shipped store contract (shardpoint_core.stores.testing), on the real server."""
 
     @pytest.fixture
     def store(self, s3_env):

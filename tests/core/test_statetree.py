@@ -11,14 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardpoint_conformance.independent_reader import array_json, float_json
-from shardpoint_core import dtypes
-from shardpoint_core.errors import InvalidKeyError
-from shardpoint_core.keys import encode_key
-from shardpoint_core.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
-                                      decode_manifest, encode_manifest, read_metadata)
-from shardpoint_core.statetree import (ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves,
+from shardpoint_core.format import dtypes
+from shardpoint_core.format.errors import InvalidKeyError
+from shardpoint_core.format.keys import encode_key
+from shardpoint_core.format.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
+                                             decode_manifest, encode_manifest)
+from shardpoint_core.transactions.resolve import read_metadata
+from shardpoint_core.format.statetree import (ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves,
                                        node_at, typed_tree, wire_tree)
-from shardpoint_core.values import numpy_values
+from shardpoint_core.format.values import numpy_values
 
 VECTORS = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "valid"
 
@@ -164,7 +165,7 @@ def test_the_shared_container_walk_encodes_and_rebuilds_what_front_ends_hand_it(
     the wire encoding says, container types built back, dict keys checked as save does."""
     from collections import OrderedDict, defaultdict, namedtuple
 
-    from shardpoint_core.statetree import encode_tree, map_tree, materialize, typed_tree
+    from shardpoint_core.format.statetree import encode_tree, map_tree, materialize, typed_tree
     P = namedtuple("P", "x y")
     tree = {"a": [1, (2.0, None)], "p": P(3, "s"), "o": OrderedDict(z=b"b"), "e": {}}
     wire = encode_tree(tree, lambda path, key, v: {"value": v})

@@ -90,7 +90,7 @@ def test_mypy_catches_a_wrong_protocol_implementation(tmp_path):
     a ByteStore) fails on it, and only on it. (The protocol's module is checked on its own,
     copied beside the planted file: it imports nothing of the core, and mypy stays quick.)"""
     _tool("mypy")
-    from shardpoint_core.store import base
+    from shardpoint_core.stores import base
 
     src = textwrap.dedent(_PLANTED)
     shutil.copy(base.__file__, tmp_path / "base.py")

@@ -9,9 +9,9 @@ import pytest
 
 from shardpoint_core.commit.object_store import ObjectStoreCommitter
 from shardpoint_core.commit.steps import StepRoot
-from shardpoint_core.errors import UnsupportedStoreError
-from shardpoint_core.manifest import Manifest, TensorEntry, encode_manifest
-from shardpoint_core.store.memory import MemoryStore
+from shardpoint_core.format.errors import UnsupportedStoreError
+from shardpoint_core.format.manifest import Manifest, TensorEntry, encode_manifest
+from shardpoint_core.stores.memory import MemoryStore
 from shardpoint_testing.probes import crashed_save
 
 

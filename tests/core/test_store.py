@@ -1,4 +1,4 @@
-"""The byte stores pass the store contract (shardpoint_core.store.testing), the stateful model
+"""The byte stores pass the store contract (shardpoint_core.stores.testing), the stateful model
 test against a dict included; FileStore's own behaviour on disk."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import tempfile
 import pytest
 from hypothesis import settings
 
-from shardpoint_core.store import FileStore, MemoryStore
-from shardpoint_core.store.testing import StoreStateMachine, StoreTests
+from shardpoint_core.stores import FileStore, MemoryStore
+from shardpoint_core.stores.testing import StoreStateMachine, StoreTests
 
 
 class TestFileStore(StoreTests):

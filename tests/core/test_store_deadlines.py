@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint_core.errors import InvalidOptionError, StoreUnavailableError
+from shardpoint_core.format.errors import InvalidOptionError, StoreUnavailableError
 from shardpoint_testing.probes import error_within
 
 pytest.importorskip("boto3")
-from shardpoint_core.store.gcs import GcsOptions  # noqa: E402
-from shardpoint_core.store.s3 import S3Options, S3Store  # noqa: E402
+from shardpoint_core.stores.gcs import GcsOptions  # noqa: E402
+from shardpoint_core.stores.s3 import S3Options, S3Store  # noqa: E402
 
 
 class Blackhole(str):

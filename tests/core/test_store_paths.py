@@ -9,11 +9,11 @@ import os
 import numpy as np
 import pytest
 
-from shardpoint_core.errors import ShardpointError, UnsupportedStoreError
-from shardpoint_core.store import (FileStore, MemoryStore, check_path, is_local, local_path,
+from shardpoint_core.format.errors import ShardpointError, UnsupportedStoreError
+from shardpoint_core.stores import (FileStore, MemoryStore, check_path, is_local, local_path,
                                    open_store, register_store, registered_schemes,
                                    unregister_store)
-from shardpoint_core.store.registry import split_url
+from shardpoint_core.stores.registry import split_url
 from shardpoint_testing.launch import run_world
 
 URL = "nostore://bucket/run/step_5"     # a scheme nobody registers

@@ -1,4 +1,4 @@
-"""The Zarr array layer over byte stores (shardpoint_core.zarr.array): files byte for byte
+"""The Zarr array layer over byte stores (shardpoint_core.arrays.array): files byte for byte
 what TensorStore writes in every dtype (plain and sharded chunks, edge chunks, 0-d, empty),
 TensorStore reads ours (4 KiB-aligned inner chunks too), region reads and writes cutting
 through chunks against a numpy model, and every reader rule on damaged stores."""
@@ -12,12 +12,12 @@ import pytest
 import tensorstore as ts
 from hypothesis import given, settings, strategies as st
 
-from shardpoint_core.dtypes import DTYPES
+from shardpoint_core.format.dtypes import DTYPES
 from shardpoint_testing.tensors import random_array, same_bits
-from shardpoint_core.errors import CorruptCheckpointError, UnsupportedFormatError
-from shardpoint_core.storage import ArraySpec
-from shardpoint_core.store import FileStore, MemoryStore
-from shardpoint_core.zarr.array import (ArrayLayout, chunk_key, read_array_meta, read_region,
+from shardpoint_core.format.errors import CorruptCheckpointError, UnsupportedFormatError
+from shardpoint_core.format.spec import ArraySpec
+from shardpoint_core.stores import FileStore, MemoryStore
+from shardpoint_core.arrays.array import (ArrayLayout, chunk_key, read_array_meta, read_region,
                                         write_array_meta, write_chunk, write_region)
 
 KW = dict(shard_above_bytes=4096, inner_chunk_bytes=1024)
@@ -254,10 +254,10 @@ _NO_TS = r'''
 import sys
 sys.modules["tensorstore"] = None          # any import of it now fails
 import numpy as np, shardpoint as sp
-from shardpoint_core.dtypes import DTYPES
+from shardpoint_core.format.dtypes import DTYPES
 from shardpoint_core.verify import verify_checkpoint
-from shardpoint_core.zarr import TensorStoreBackend
-be = TensorStoreBackend(shard_above_bytes=4096, inner_chunk_bytes=1024)
+from shardpoint_core.transactions.backend import ZarrBackend
+be = ZarrBackend(shard_above_bytes=4096, inner_chunk_bytes=1024)
 rng = np.random.default_rng(1)
 state = {n: (rng.integers(0, 2, (70, 33)).astype(bool) if n == "bool" else
              rng.integers(0, 256, 70 * 33 * np.dtype(d.numpy).itemsize, dtype=np.uint8)
@@ -269,8 +269,8 @@ assert sp.open("ck", backend=be)["float32"][5:60, 3:31].to_numpy().tobytes() == 
     state["float32"][5:60, 3:31].tobytes()
 assert verify_checkpoint("ck").ok
 try:
-    TensorStoreBackend(direct_reads=False).read_manifest  # constructing needs no TensorStore
-    sp.load("ck", backend=TensorStoreBackend(direct_reads=False))
+    ZarrBackend(direct_reads=False).read_manifest  # constructing needs no TensorStore
+    sp.load("ck", backend=ZarrBackend(direct_reads=False))
     raise SystemExit("loaded through TensorStore without it")
 except sp.InvalidOptionError as e:
     assert "shardpoint[tensorstore]" in str(e)

@@ -1,4 +1,4 @@
-"""The TensorStore byte store (shardpoint_core.store.tensorstore) on its file, memory and s3
+"""The TensorStore byte store (shardpoint_core.stores.tensorstore) on its file, memory and s3
 drivers: the shipped store contract, conditional writes through generations, sizes, errors
 mapped to the core's classes, the registry's tensorstore+ schemes, and the object-store
 committer's conformance scenarios (on s3 through the fault proxy in front of the tests'
@@ -15,12 +15,12 @@ pytest.importorskip("tensorstore")
 
 from shardpoint_conformance.commit_faults import SCENARIOS, Rig  # noqa: E402
 from shardpoint_core.commit.object_store import ObjectStoreCommitter  # noqa: E402
-from shardpoint_core.errors import (InvalidOptionError, StoreNotFoundError,  # noqa: E402
+from shardpoint_core.format.errors import (InvalidOptionError, StoreNotFoundError,  # noqa: E402
                                     StoreUnavailableError)
-from shardpoint_core.store.registry import open_store  # noqa: E402
-from shardpoint_core.store.tensorstore import (NO_VALUE, TensorStoreOptions,  # noqa: E402
+from shardpoint_core.stores.registry import open_store  # noqa: E402
+from shardpoint_core.stores.tensorstore import (NO_VALUE, TensorStoreOptions,  # noqa: E402
                                                TensorStoreStore, parse_url)
-from shardpoint_core.store.testing import StoreStateMachine, StoreTests  # noqa: E402
+from shardpoint_core.stores.testing import StoreStateMachine, StoreTests  # noqa: E402
 from shardpoint_testing.probes import pause_lease  # noqa: E402
 
 
@@ -207,7 +207,7 @@ def test_refusals_and_stalls_are_the_cores(tmp_path):
     """What TensorStore refuses before a request starts (a bucket name S3 forbids, a key its
     file driver reserves) and a server that accepts connections and never answers: the
     core's classes, never a raw ValueError, and the stall within ``timeout_s``."""
-    from shardpoint_core.errors import InvalidKeyError
+    from shardpoint_core.format.errors import InvalidKeyError
     with pytest.raises(InvalidOptionError, match="bucket name"):
         TensorStoreStore("s3://b/x").get("k")
     with pytest.raises(InvalidKeyError, match="a.__lock"):

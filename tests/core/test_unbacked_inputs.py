@@ -197,7 +197,7 @@ def test_sparse_manifest_with_trailing_garbage_is_refused_from_its_headers(pair)
 
 def test_manifest_bytes_with_trailing_garbage_are_refused_before_decoding():
     """The same rule on bytes from any store (object stores read the manifest whole)."""
-    from shardpoint_core.manifest import decode_manifest
+    from shardpoint_core.format.manifest import decode_manifest
     import msgpack
     import hashlib
     raw = msgpack.packb({"format": "shardpoint"})
@@ -284,7 +284,7 @@ def test_crc_over_zeros_matches_the_library():
 
     import crc32c
 
-    from shardpoint_core.zarr.sparse import crc32c_zeros
+    from shardpoint_core.arrays.sparse import crc32c_zeros
     for n in (0, 1, 3, 4095, 4096, 12345, 1 << 20):
         c = random.getrandbits(32)
         assert crc32c_zeros(c, n) == crc32c.crc32c(bytes(n), c), n

@@ -92,7 +92,7 @@ def test_read_metadata_example_walks_the_typed_tree(tmp_path):
 
 def test_tuning_example_runs(tmp_path):
     """The I/O tuning block: a configured backend and load options, a real round trip."""
-    run_python(find("docs/how-to/tuning.md", "TensorStoreBackend(").code, tmp_path)
+    run_python(find("docs/how-to/tuning.md", "ZarrBackend(").code, tmp_path)
     assert (tmp_path / "ckpt" / "tuned" / "manifest.msgpack").is_file()
 
 

@@ -417,7 +417,7 @@ def patched_failure_job(rank, world, base):
     """The real backend with its ``write`` patched in this process only, on rank 1: the save
     raises on every rank, nothing appears, the previous checkpoint stays."""
     import shardpoint as sp
-    from shardpoint_core.storage import get_backend
+    from shardpoint_core.transactions.resolve import get_backend
     import torch.distributed as dist
     a, b = split(SHAPE[0], world, rank)
 

@@ -6,7 +6,7 @@ import pytest
 
 from shardpoint.exchange import dedup
 from shardpoint.exchange.comm import Comm, run_collectively
-from shardpoint_core import errors
+from shardpoint_core.format import errors
 from shardpoint_testing.launch import run_world
 
 

@@ -181,7 +181,7 @@ def test_rounds_pack_regions_in_order_and_fit_the_largest():
 
 def test_prefetch_names_only_the_chunk_files_a_box_covers_whole():
     import numpy as np
-    from shardpoint_core.zarr.direct_read import DirectLayout, whole_chunk_files
+    from shardpoint_core.arrays.direct_read import DirectLayout, whole_chunk_files
     lay = DirectLayout("/a", (10, 6), (4, 3), None, 4, np.dtype("f4"))
 
     def names(off, shape):

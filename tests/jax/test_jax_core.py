@@ -16,8 +16,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import shardpoint_jax as spj  # noqa: E402
-from shardpoint_core import errors as core_errors  # noqa: E402
-from shardpoint_core import manifest as core_manifest  # noqa: E402
+from shardpoint_core.format import errors as core_errors  # noqa: E402
+from shardpoint_core.format import manifest as core_manifest  # noqa: E402
 
 
 def test_the_errors_are_the_cores_classes():

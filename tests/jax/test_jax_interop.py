@@ -14,7 +14,7 @@ pytest.importorskip("jax", reason="shardpoint_jax needs jax (pip install -e '.[j
 torch = pytest.importorskip("torch")
 
 from shardpoint_testing.launch import run_world  # noqa: E402
-from shardpoint_core.manifest import array_path_for  # noqa: E402
+from shardpoint_core.format.manifest import array_path_for  # noqa: E402
 from shardpoint_jax.launch import run_processes  # noqa: E402
 
 from .jax_interop_torch import full_state, torch_load, torch_save  # noqa: E402

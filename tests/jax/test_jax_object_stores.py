@@ -178,7 +178,7 @@ def test_a_listing_is_grouped_by_array_once():
     the checkpoint's listing (a scan of the whole listing per array grew as arrays x
     objects): chunk keys of any depth, a 0-d array's one chunk ``c``, an array whose own
     key is ``c``; zarr.json and stray names are no chunks."""
-    from shardpoint_core.store.base import ObjectInfo
+    from shardpoint_core.stores.base import ObjectInfo
     from shardpoint_jax.storage import chunks_by_array
     keys = ["r/s/tensors/w/c/0/1", "r/s/tensors/w/c/1/0", "r/s/tensors/w/zarr.json",
             "r/s/tensors/scalar/c", "r/s/tensors/c/x/c/0", "r/s/tensors/c/x/zarr.json",

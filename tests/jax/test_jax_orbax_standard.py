@@ -18,7 +18,7 @@ import jax, jax.numpy as jnp, numpy as np, optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from shardpoint_jax import orbax as spo
-from shardpoint_core.errors import ShardpointError
+from shardpoint_core.format.errors import ShardpointError
 
 root = sys.argv[1]
 devs = np.array(jax.devices())
@@ -60,7 +60,7 @@ def custom_metadata():
     H.save(p, args=ocp.args.StandardSave({"w": w}, custom_metadata={"foo": 1, "run": "a"}))
     assert H.metadata(p).custom_metadata == {"foo": 1, "run": "a"}
     # kept in the checkpoint's own manifest (an ignorable extension), nothing beside it
-    from shardpoint_core.manifest import read_metadata
+    from shardpoint_core.transactions.resolve import read_metadata
     ext = read_metadata(os.path.join(p, "shardpoint")).extensions["orbax"]
     assert ext["must_understand"] is False and ext["custom_metadata"] == {"foo": 1, "run": "a"}
     assert sorted(os.listdir(p)) == ["shardpoint"]
@@ -202,7 +202,7 @@ def one_argument_switch():
 @case
 def shardpoint_save_takes_orbax_arguments():
     from shardpoint_jax.orbax_handler import ShardpointHandler, ShardpointRestore, ShardpointSave
-    from shardpoint_core.manifest import read_metadata
+    from shardpoint_core.transactions.resolve import read_metadata
     h, p = ShardpointHandler(), d()
     k = jax.random.key(7)
     h.save(p, args=ShardpointSave({"w": w, "name": "run-1", "k": k, "m": optax.MaskedNode()},

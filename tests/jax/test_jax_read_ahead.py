@@ -90,7 +90,7 @@ def test_direct_reads_from_the_files_match_the_zarr_layer_and_catch_damage(tmp_p
     regions = [("big", [0, 0], [700, 1000]), ("big", [35, 0], [70, 1000]),
                ("big", [630, 0], [70, 1000]), ("big", [3, 5], [100, 7]),
                ("odd", [0, 0], [37, 11]), ("bf", [0, 0], [5, 3]), ("s", [], [])]
-    from shardpoint_core.zarr import backend
+    from shardpoint_core.transactions import backend
     calls = []
     real = backend.read_region      # what the core's direct reader falls back to
     monkeypatch.setattr(backend, "read_region",

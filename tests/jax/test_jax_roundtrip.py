@@ -160,7 +160,7 @@ def test_a_front_end_on_the_core_alone_no_torch_no_torch_front_end():
     code = ("import sys, shardpoint_jax, shardpoint_jax.adapter; "
             "bad = [m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'shardpoint', 'shardpoint_conformance')]; "
-            "core = [m for m in ('shardpoint_core.manifest', 'shardpoint_core.coverage') "
+            "core = [m for m in ('shardpoint_core.format.manifest', 'shardpoint_core.format.coverage') "
             "if m not in sys.modules]; "
             "print(bad, core); sys.exit(1 if bad or core else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -63,7 +63,7 @@ def test_valid_vector_reads_bit_for_bit(case):
         exp = json.load(f)
     ck = os.path.join(ROOT, "valid", case, "checkpoint")
     back = sj.load(ck)
-    from shardpoint_core.keys import encode_key
+    from shardpoint_core.format.keys import encode_key
     flat = {encode_key(p): v for p, v in leaves(back)}
     for key, t in exp["tensors"].items():
         a = np.asarray(flat[key])
@@ -73,7 +73,7 @@ def test_valid_vector_reads_bit_for_bit(case):
     for key, v in exp["values"].items():
         assert json_form(flat[key]) == v, key
     for key, vals in exp["objects"].items():
-        from shardpoint_core.keys import decode_component
+        from shardpoint_core.format.keys import decode_component
         got = back
         for c in key.split("/"):
             got = got[decode_component(c)]
@@ -88,7 +88,7 @@ def test_valid_vector_reads_bit_for_bit(case):
 
 
 def _target_of(key, index, count):
-    from shardpoint_core.keys import decode_component
+    from shardpoint_core.format.keys import decode_component
     node = root = {}
     parts = [decode_component(c) for c in key.split("/")]
     for c in parts[:-1]:
@@ -119,7 +119,7 @@ def test_invalid_vector_is_refused_with_its_id(case):
 # ---- 1.1 clarifications (spec/CHANGELOG.md) ----------------------------------------------
 def test_this_writer_computes_the_array_paths_the_portable_paths_vector_holds():
     import msgpack
-    from shardpoint_core.manifest import array_path_for as array_path
+    from shardpoint_core.format.manifest import array_path_for as array_path
     raw = open(os.path.join(ROOT, "valid", "portable_paths", "checkpoint", "manifest.msgpack"),
                "rb").read()
     body = msgpack.unpackb(msgpack.unpackb(raw)["body"], strict_map_key=False)

@@ -10,8 +10,8 @@ pytest.importorskip("jax")
 zarr = pytest.importorskip("zarr")
 
 import shardpoint_jax as spj  # noqa: E402
-from shardpoint_core.zarr.groups import GROUP_JSON  # noqa: E402
-from shardpoint_core.zarr_compat import register_zarr_dtypes, zarr_path  # noqa: E402
+from shardpoint_core.arrays.groups import GROUP_JSON  # noqa: E402
+from shardpoint_core.transactions.zarr_compat import register_zarr_dtypes, zarr_path  # noqa: E402
 
 
 def test_a_jax_checkpoint_browses_as_a_zarr_group(tmp_path):
@@ -35,7 +35,7 @@ def test_on_an_object_store_the_groups_lie_below_the_save_prefix(s3_env):
     where = zarr_path(url, "a/b")
     save_dir = where[len(url) + 1:].split("/")[0]
     assert save_dir.startswith("save-")
-    from shardpoint_core.store.registry import bucket_store
+    from shardpoint_core.stores.registry import bucket_store
     store, key = bucket_store(url, "test")
     for g in ("", "tensors/", "tensors/a/"):
         assert store.get_range(f"{key}/{save_dir}/{g}zarr.json", 0, 1 << 10) == GROUP_JSON

@@ -12,7 +12,7 @@ import numpy as np
 
 from shardpoint.tree import dtypes
 from shardpoint.planning.columns import Gathered, Regions, as_columns
-from shardpoint_core.coverage import check_exact_cover
+from shardpoint_core.format.coverage import check_exact_cover
 from shardpoint.planning.grid import chunk_parts, plan_chunk_grid
 from shardpoint.planning.load_planner import check_request
 from shardpoint.tree.model import Holding, holding_pieces

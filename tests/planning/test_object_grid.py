@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 import shardpoint as sp
-from shardpoint_core.manifest import decode_manifest, encode_manifest
+from shardpoint_core.format.manifest import decode_manifest, encode_manifest
 from shardpoint.planning.planner import LocalPlan, plan_objects
 from shardpoint_testing.launch import run_world
 

@@ -289,7 +289,7 @@ def _tilings(draw):
 @settings(max_examples=300, deadline=None)
 @given(_tilings())
 def test_quick_cover_test_passes_only_what_the_full_check_passes(case):
-    from shardpoint_core.coverage import check_exact_cover, regions_tile
+    from shardpoint_core.format.coverage import check_exact_cover, regions_tile
     shape, regions, spoil = case
     boxes = [(p.offset, p.shape) for o, s, f in regions
              for p in holding_pieces(Holding("k", "float32", shape, o, s, f, (0,)))]

@@ -13,7 +13,7 @@ from hypothesis import event, given, settings
 import hypothesis.strategies as st
 
 from shardpoint.planning.columns import Gathered, Regions, as_columns
-from shardpoint_core.errors import InvalidShardingError
+from shardpoint_core.format.errors import InvalidShardingError
 from shardpoint.planning.planner import LocalPlan, plan_save
 
 from .test_planner import SET, jobs, local_plans

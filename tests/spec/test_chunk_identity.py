@@ -10,9 +10,9 @@ import torch
 import shardpoint as sp
 from shardpoint_conformance import vectors
 from shardpoint_conformance.vector_damage import _reseal_index
-from shardpoint_core import errors
+from shardpoint_core.format import errors
 from shardpoint_core.verify import verify_checkpoint
-from shardpoint_core.zarr import ZarrBackend
+from shardpoint_core.transactions.backend import ZarrBackend
 
 
 def _save(path, backend=None):
@@ -113,7 +113,7 @@ def test_swapped_chunks_are_refused_on_an_object_store():
     be = ZarrBackend()
     _save(url, be)
     m = sp.read_metadata(url, backend=be)
-    from shardpoint_core.store.registry import bucket_store
+    from shardpoint_core.stores.registry import bucket_store
     store, prefix = bucket_store(url, "open")
     ka = f"{prefix}/{m.tensors['a'].array}/c/0/0"
     kb = f"{prefix}/{m.tensors['b'].array}/c/0/0"

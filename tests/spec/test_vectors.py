@@ -256,7 +256,7 @@ def test_array_faults_surface_only_when_read_manifest_faults_at_open():
 
 # ---- 1.1 clarifications (spec/CHANGELOG.md) ----------------------------------------------
 def test_portable_paths_vector_pins_the_array_path_rule():
-    from shardpoint_core.manifest import array_path_for
+    from shardpoint_core.format.manifest import array_path_for
     from shardpoint_conformance.vector_damage import read_body
     body = read_body(str(ROOT / "valid" / "portable_paths" / "checkpoint"))
     paths = {k: e["array"] for k, e in body["tensors"].items()}

@@ -17,7 +17,7 @@ from shardpoint_core.verify import verify_checkpoint
 def make(path):
     """A small checkpoint: a multi-chunk sharded-indexed tensor, a 0-d tensor, values, an
     object, a nested key that needs escaping."""
-    backend = __import__("shardpoint_core.zarr", fromlist=["_"]).TensorStoreBackend(
+    backend = __import__("shardpoint_core.transactions.backend", fromlist=["_"]).ZarrBackend(
         shard_above_bytes=128, inner_chunk_bytes=64)     # chunks with shard indexes
     small = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=256))   # several chunks
     state = {"model": {"w": torch.arange(256, dtype=torch.float32).reshape(16, 16),

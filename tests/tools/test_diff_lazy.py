@@ -26,8 +26,8 @@ def test_diff_finds_one_flipped_bit_in_23_mb(tmp_path, capsys):
     a = torch.randn(2400, 2400, generator=g)                   # 23 MB of float32
     b = a.clone()
     b.view(torch.int32)[2017, 1234] ^= 1                       # lowest mantissa bit
-    from shardpoint_core.zarr import TensorStoreBackend
-    fast = TensorStoreBackend(fsync=False)                    # durability is not under test
+    from shardpoint_core.transactions.backend import ZarrBackend
+    fast = ZarrBackend(fsync=False)                    # durability is not under test
     sp.save({"w": a, "step": 1}, str(tmp_path / "a"), backend=fast)
     sp.save({"w": b, "step": 1}, str(tmp_path / "b"), backend=fast)
     del a, b

@@ -10,7 +10,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import shardpoint as sp  # noqa: E402
 from shardpoint.tools.cli import main  # noqa: E402
-from shardpoint_core.store.gcs import GcsStore  # noqa: E402
+from shardpoint_core.stores.gcs import GcsStore  # noqa: E402
 
 
 @pytest.mark.slow     # the same CLI code as tests/tools/test_s3_cli.py; the store differs

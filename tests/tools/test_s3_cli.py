@@ -13,7 +13,7 @@ pytest.importorskip("safetensors")
 
 import shardpoint as sp  # noqa: E402
 from shardpoint.tools.cli import main  # noqa: E402
-from shardpoint_core.store.s3 import S3Store  # noqa: E402
+from shardpoint_core.stores.s3 import S3Store  # noqa: E402
 from shardpoint_testing.probes import crashed_save  # noqa: E402
 
 

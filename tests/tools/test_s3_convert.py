@@ -11,7 +11,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import shardpoint as sp  # noqa: E402
 from shardpoint.tools.convert import convert  # noqa: E402
-from shardpoint_core.store.s3 import S3Store  # noqa: E402
+from shardpoint_core.stores.s3 import S3Store  # noqa: E402
 from shardpoint_core.verify import verify_checkpoint  # noqa: E402
 from shardpoint_testing.tensors import same_bits  # noqa: E402
 

@@ -13,7 +13,7 @@ from shardpoint.tools.convert.base import Source
 from shardpoint.tools.convert.torchsave import walk_tree
 from shardpoint.tools.diff import diff_checkpoints
 from shardpoint.tree.leaves import TensorHandler, leaf_kinds, register_leaf, unregister_leaf
-from shardpoint_core.manifest import read_metadata
+from shardpoint_core.transactions.resolve import read_metadata
 from shardpoint_testing.tensors import random_bits, same_bits
 
 

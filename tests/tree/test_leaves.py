@@ -6,7 +6,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint.tree import leaves
-from shardpoint_core.statetree import (ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves,
+from shardpoint_core.format.statetree import (ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves,
                                        wire_tree)
 
 

@@ -20,14 +20,29 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Union, runtime_checkable
 
+from shardpoint_core.format.errors import InvalidOptionError
+
 # False (refuse anything at the target), True (replace a committed checkpoint) or "any"
 # (also a directory that is not a checkpoint, where the committer has such a thing)
 Overwrite = Union[bool, str]
+OVERWRITE_VALUES = (False, True, "any")
+
+
+def check_overwrite(overwrite: object) -> Overwrite:
+    """``overwrite`` if it is one of False, True or ``"any"``, else InvalidOptionError: every
+    committer and front end takes this one type, never a value read as a truth value
+    (``bool("no")`` is True)."""
+    if overwrite is False or overwrite is True or overwrite == "any":
+        return overwrite
+    raise InvalidOptionError(
+        f"overwrite={overwrite!r}: pass False (refuse anything at the path), True (replace a "
+        "committed checkpoint or an empty directory) or 'any' (also a directory that is not a "
+        "checkpoint, deleting what it holds)")
 
 
 @runtime_checkable
 class Committer(Protocol):
-    """Publishes checkpoints in one store. Methods raise :mod:`shardpoint_core.errors` types."""
+    """Publishes checkpoints in one store. Methods raise :mod:`shardpoint_core.format.errors` types."""
 
     def state(self, target: str) -> str:
         """'missing', 'incomplete' (something there, no committed manifest) or 'committed'."""

@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Optional
 
 from shardpoint_core.commit.posix import PosixCommitter
-from shardpoint_core.commit.durable import newest_mtime
+from shardpoint_core.stores.durable import newest_mtime
 
 log = logging.getLogger("shardpoint")
 DEFAULT_MIN_AGE_S = 900.0

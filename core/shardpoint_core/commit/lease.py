@@ -110,7 +110,7 @@ def start_lease(store: Any, staging: str, token: str,
         except FileNotFoundError:
             mine = False
         if not mine:
-            from shardpoint_core.errors import SaveFailedError
+            from shardpoint_core.format.errors import SaveFailedError
             raise SaveFailedError(f"{key!r} exists already: the save token is not fresh") \
                 from e
         info = store.head(key)

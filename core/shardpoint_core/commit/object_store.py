@@ -44,12 +44,12 @@ from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.commit.lease import (LEASE_NAME, LeaseState, read_lease, reclaim_lease,
                                           start_lease, stop_lease)
 from shardpoint_core.commit.leftovers import Leftover
-from shardpoint_core.errors import (CheckpointExistsError, CheckpointNotFoundError,
+from shardpoint_core.format.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                     CorruptCheckpointError, IncompleteCheckpointError,
                                     InvalidOptionError, SaveFailedError, StoreNotFoundError)
-from shardpoint_core.manifest import decode_manifest
-from shardpoint_core.storage import MANIFEST_NAME
-from shardpoint_core.store.base import ByteStore, replaceable
+from shardpoint_core.format.manifest import decode_manifest
+from shardpoint_core.format.spec import MANIFEST_NAME
+from shardpoint_core.stores.base import ByteStore, replaceable
 
 log = logging.getLogger("shardpoint")
 SAVE_PREFIX = "save-"
@@ -91,7 +91,7 @@ def _array_dirs(envelope: bytes) -> List[str]:
 
 
 class ObjectStoreCommitter:
-    """Publishes checkpoints in one :class:`~shardpoint_core.store.base.ByteStore` that has no
+    """Publishes checkpoints in one :class:`~shardpoint_core.stores.base.ByteStore` that has no
     rename, with the manifest as the single atomic commit marker ([SP-COMMIT-10])."""
 
     def __init__(self, store: ByteStore, *, lease_s: Optional[float] = None) -> None:

@@ -30,28 +30,15 @@ import shutil
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from shardpoint_core.commit.base import Overwrite
-from shardpoint_core.commit.durable import (RENAME_NOREPLACE, DirLocks, dir_locked,
+from shardpoint_core.commit.base import check_overwrite, Overwrite
+from shardpoint_core.stores.durable import (RENAME_NOREPLACE, DirLocks, dir_locked,
                                             exchange_dirs, newest_mtime, renameat2)
 from shardpoint_core.commit.leftovers import Leftover, leftover_name, parse_leftover
-from shardpoint_core.errors import CheckpointExistsError, InvalidOptionError, SaveFailedError
-from shardpoint_core.fsutil import fsync_dir
-from shardpoint_core.hints import path_hint
+from shardpoint_core.format.errors import CheckpointExistsError, SaveFailedError
+from shardpoint_core.stores.fsutil import fsync_dir
+from shardpoint_core.format.hints import path_hint
 
 MANIFEST_NAME = "manifest.msgpack"
-OVERWRITE_VALUES = (False, True, "any")
-
-
-def check_overwrite(overwrite: object) -> Overwrite:
-    """``overwrite`` if it is one of False, True or ``"any"``; else InvalidOptionError."""
-    if overwrite is False or overwrite is True or overwrite == "any":
-        return overwrite
-    raise InvalidOptionError(
-        f"overwrite={overwrite!r}: pass False (refuse anything at the path), True (replace a "
-        "committed checkpoint or an empty directory) or 'any' (also a directory that is not a "
-        "checkpoint, deleting what it holds)")
-
-
 def _within(inner: str, outer: str) -> bool:
     """True when path ``inner`` is ``outer`` or lies below it (links resolved)."""
     inner, outer = os.path.realpath(inner), os.path.realpath(outer)

@@ -1,7 +1,7 @@
 """A manager's root of numbered steps, on any store: what both managers do to it, in one place.
 
 ``shardpoint.CheckpointManager`` and ``shardpoint_jax.CheckpointManager`` keep one checkpoint
-per step below a root (``<root>/step_00000042``, :mod:`shardpoint_core.policy` names them).
+per step below a root (``<root>/step_00000042``, :mod:`shardpoint_core.format.policy` names them).
 A root is a local directory (plain path or ``file://``) or a prefix on an object store
 (``s3://bucket/run``, ``gs://bucket/run``). :class:`StepRoot` gives a manager, whatever the
 root: the path of a step, the committed steps (those with a manifest, [SP-COMMIT-3]), the
@@ -33,9 +33,12 @@ import time
 from typing import Any, List, Optional
 
 from shardpoint_core.commit.cleanup import DEFAULT_MIN_AGE_S, clean_leftovers
-from shardpoint_core.policy import parse_step, step_name
-from shardpoint_core.storage import MANIFEST_NAME
-from shardpoint_core.store.registry import check_path, is_local, local_path
+from shardpoint_core.commit.recovery import committer_of
+from shardpoint_core.commit.routing import default_committer
+from shardpoint_core.format.policy import parse_step, step_name
+from shardpoint_core.format.spec import MANIFEST_NAME
+from shardpoint_core.stores.location import locate
+from shardpoint_core.stores.registry import check_path, is_local, local_path
 
 
 class StepRoot:
@@ -56,26 +59,24 @@ class StepRoot:
             self.root = os.path.abspath(local_path(os.fspath(root), call))
             committer = local_committer
             if committer is None:
-                from shardpoint_core.recovery import committer_of
                 committer = committer_of(backend)
-            self.backend = backend
+            self._locate = None
         else:
             check_path(root, call)       # a scheme nobody registered: refused here
             self.root = os.fspath(root).rstrip("/")
             if backend is None:
-                from shardpoint_core.zarr.object_backend import backend_for
-                backend = backend_for(self.root)
+                committer, self._locate = default_committer(), lambda p: locate(p, call).pair()
             elif not callable(getattr(backend, "locate", None)):
-                from shardpoint_core.errors import InvalidOptionError
+                from shardpoint_core.format.errors import InvalidOptionError
                 raise InvalidOptionError(
                     f"{call}: {self.root!r} is on an object store, and backend="
                     f"{type(backend).__name__} works on local paths; drop backend= (the "
-                    "object-store backend is used) or pass an ObjectStoreBackend")
-            self.backend = backend
-            committer = backend.committer
+                    "object-store backend is used) or pass an ZarrBackend")
+            else:
+                committer, self._locate = backend.committer, backend.locate
         self.committer = committer
         if committer.state(self.root) == "committed":
-            from shardpoint_core.errors import InvalidOptionError
+            from shardpoint_core.format.errors import InvalidOptionError
             raise InvalidOptionError(
                 f"{call}: {self.root!r} is a checkpoint itself (it has a manifest); a manager's "
                 "root is a directory of steps. Use a new directory (for example its parent "
@@ -96,7 +97,8 @@ class StepRoot:
             return sorted(n for n in map(parse_step, os.listdir(self.root)) if n is not None
                           and os.path.isfile(os.path.join(self.root, step_name(n),
                                                           MANIFEST_NAME)))
-        store, key = self.backend.locate(self.root)
+        assert self._locate is not None
+        store, key = self._locate(self.root)
         prefix = f"{key}/" if key else ""
         out = set()
         for name in _children(store, prefix):
@@ -114,13 +116,13 @@ class StepRoot:
         return removed
 
     def retain(self, policy: Any, metrics_of: Any) -> List[str]:
-        """Apply retention ``policy`` (:mod:`shardpoint_core.policy`) to the committed steps:
+        """Apply retention ``policy`` (:mod:`shardpoint_core.format.policy`) to the committed steps:
         remove the ones it does not keep, through the committer. Never raises for what it
         finds: a step whose metrics cannot be read (a damaged manifest) is kept, and a removal
         that fails is left for later; each is returned as a warning, so that a save that
         committed is never reported failed because of an older step."""
-        from shardpoint_core.errors import ShardpointError
-        from shardpoint_core.policy import retained
+        from shardpoint_core.format.errors import ShardpointError
+        from shardpoint_core.format.policy import retained
         warnings: List[str] = []
         unreadable: set[Any] = set()
 

@@ -22,8 +22,10 @@ from shardpoint.api.loading import LoadResult, run_load
 from shardpoint.api.saving import SaveOptions, SaveResult, run_save
 from shardpoint.exchange.comm import Comm, group_key, new_side_comm
 from shardpoint.planning.load_planner import LoadOptions
-from shardpoint_core.manifest import Manifest, read_metadata
-from shardpoint_core.storage import StorageBackend, get_backend
+from shardpoint_core.format.manifest import Manifest
+from shardpoint_core.transactions.resolve import read_metadata
+from shardpoint_core.transactions.protocol import StorageBackend
+from shardpoint_core.transactions.resolve import get_backend
 
 
 class GroupState:

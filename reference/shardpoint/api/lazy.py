@@ -23,12 +23,12 @@ import numpy as np
 import torch
 
 from shardpoint.tree import dtypes
-from shardpoint_core.errors import LoadFailedError, ShardpointError
-from shardpoint_core.keys import decode_key, encode_key, similar_keys
-from shardpoint_core.manifest import Manifest, TensorEntry, decode_manifest
-from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, iter_leaves
-from shardpoint_core.storage import StorageBackend
-from shardpoint_core.zarr.object_backend import manifest_with_identity, resolve
+from shardpoint_core.format.errors import LoadFailedError, ShardpointError
+from shardpoint_core.format.keys import decode_key, encode_key, similar_keys
+from shardpoint_core.format.manifest import Manifest, TensorEntry, decode_manifest
+from shardpoint_core.format.statetree import ObjectLeaf, TensorLeaf, iter_leaves
+from shardpoint_core.transactions.protocol import StorageBackend
+from shardpoint_core.transactions.resolve import manifest_with_identity, resolve
 from shardpoint.tree.views import to_numpy
 
 

@@ -17,7 +17,7 @@ import msgpack
 import torch
 
 from shardpoint.tree import dtypes
-from shardpoint_core import errors
+from shardpoint_core.format import errors
 from shardpoint.planning.columns import HoldingColumns
 from shardpoint.api.heap import release_free_heap
 from shardpoint.exchange.comm import (AFTER_LOAD, Comm, agree, error_record, exchange,
@@ -27,13 +27,14 @@ from shardpoint.exchange.host import execute_dedup_load
 from shardpoint.exchange.topology import host_identity
 from shardpoint.planning.load_dedup import LoadWorks, encode_global, work_from_global
 from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_load_auto
-from shardpoint_core.manifest import read_metadata, Manifest, decode_manifest  # noqa: F401
+from shardpoint_core.transactions.resolve import read_metadata  # noqa: F401
+from shardpoint_core.format.manifest import Manifest, decode_manifest
 from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import RankLoadWork, TensorLayout
-from shardpoint_core.storage import StorageBackend
-from shardpoint_core.store.registry import is_local
-from shardpoint_core.zarr.object_backend import manifest_with_identity, resolve
-from shardpoint_core.zarr.precheck import check_arrays_exist, check_large_grids
+from shardpoint_core.transactions.protocol import StorageBackend
+from shardpoint_core.stores.registry import is_local
+from shardpoint_core.transactions.resolve import manifest_with_identity, resolve
+from shardpoint_core.arrays.precheck import check_arrays_exist, check_large_grids
 from shardpoint.tree.targets import collect_targets, full_targets
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
 

@@ -8,7 +8,7 @@ top-level key ``"__metrics__"``), so they can never disagree with it. Leftovers 
 are ignored and cleaned; a ``.<step>.shardpoint-old-*`` directory left by a crash in the middle
 of an overwrite is put back when its step is missing, else removed.
 
-Retention, applied after a save commits, is a policy of :mod:`shardpoint_core.policy`
+Retention, applied after a save commits, is a policy of :mod:`shardpoint_core.format.policy`
 (``retention=AnyOf(LatestN(3), EveryNSteps(1000), BestN(2, "loss"))``), or the shortcuts
 ``max_to_keep`` (the newest N; None: all), ``keep_every`` and ``keep_best`` (the best N by
 ``best_metric``; ``best_metric`` alone only ranks steps for :meth:`best_step`). The newest
@@ -46,12 +46,12 @@ import logging
 from typing import Any, Optional
 
 from shardpoint import api
-from shardpoint_core import errors
+from shardpoint_core.format import errors
 from shardpoint.exchange.comm import Comm, agree
 from shardpoint_core.commit.steps import StepRoot
-from shardpoint_core.policy import Retention, check_metric, policy_from_options, ranked, retained
-from shardpoint_core.statetree import ValueLeaf, node_at
-from shardpoint_core.storage import StorageBackend
+from shardpoint_core.format.policy import Retention, check_metric, policy_from_options, ranked, retained
+from shardpoint_core.format.statetree import ValueLeaf, node_at
+from shardpoint_core.transactions.protocol import StorageBackend
 
 METRICS_KEY = "__metrics__"
 
@@ -76,7 +76,7 @@ class CheckpointManager:
         if retention is not None:
             if not isinstance(retention, Retention):
                 raise errors.InvalidOptionError(
-                    f"retention must be a policy of shardpoint_core.policy (LatestN, "
+                    f"retention must be a policy of shardpoint_core.format.policy (LatestN, "
                     f"EveryNSteps, BestN, AnyOf), got {retention!r}")
             if (max_to_keep, keep_every, keep_best) != (None, None, None):
                 raise errors.InvalidOptionError(
@@ -262,7 +262,7 @@ class CheckpointManager:
 
     def retained(self, steps: list) -> set:
         """Which of the committed ``steps`` retention keeps (pure; the rule in one place:
-        :func:`shardpoint_core.policy.retained`)."""
+        :func:`shardpoint_core.format.policy.retained`)."""
         return retained(self.retention, steps, self.metrics)
 
     def _retain(self) -> None:

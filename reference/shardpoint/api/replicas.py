@@ -14,7 +14,7 @@ import crc32c
 import msgpack
 import torch
 
-from shardpoint_core import errors
+from shardpoint_core.format import errors
 from shardpoint.exchange.comm import Comm, run_collectively
 
 

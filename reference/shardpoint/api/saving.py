@@ -17,27 +17,28 @@ import msgpack
 import torch
 
 from shardpoint.tree import dtypes
-from shardpoint_core import errors
-from shardpoint_core.commit.posix import check_overwrite
+from shardpoint_core.format import errors
+from shardpoint_core.commit.base import check_overwrite
 from shardpoint.tree import values
 from shardpoint.api.async_save import AsyncSave
 from shardpoint.api.heap import release_free_heap
 from shardpoint.api.replicas import check_replicas
 from shardpoint.exchange.comm import (AFTER_SAVE, Comm, after_commit, agree, exchange,
                                       run_collectively)
-from shardpoint_core.fsutil import os_error_text
-from shardpoint_core.manifest import (FORMAT_VERSION, FORMAT_VERSION_1_3, Manifest,
-                                      TensorEntry, array_path_for, encode_manifest)
-from shardpoint_core.zarr.identity import join_tables
+from shardpoint_core.stores.fsutil import os_error_text
+from shardpoint_core.format.manifest import (FORMAT_VERSION, FORMAT_VERSION_1_3, Manifest,
+                                             TensorEntry, array_path_for, encode_manifest)
+from shardpoint_core.arrays.identity import join_tables
 from shardpoint.tree.flatten import flatten_state
 from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.save_global import (encode_save_global, layouts_of,
                                              save_work_from_global)
 from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, plan_objects,
                                          plan_save)
-from shardpoint_core.treemerge import check_values_agree
-from shardpoint_core.storage import ArraySpec, StorageBackend
-from shardpoint_core.zarr.object_backend import resolve
+from shardpoint_core.format.treemerge import check_values_agree
+from shardpoint_core.format.spec import ArraySpec
+from shardpoint_core.transactions.protocol import StorageBackend
+from shardpoint_core.transactions.resolve import resolve
 from shardpoint.api.staging import StagingPool, copy_pairs, stream_device_writes
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
 

@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from shardpoint import api
-from shardpoint_core import errors
-from shardpoint_core.keys import encode_key
-from shardpoint_core.manifest import Manifest
-from shardpoint_core.statetree import TensorLeaf
+from shardpoint_core.format import errors
+from shardpoint_core.format.keys import encode_key
+from shardpoint_core.format.manifest import Manifest
+from shardpoint_core.format.statetree import TensorLeaf
 from shardpoint.tree.model import ShardedObject, ShardedTensor
 
 COMPILED_PREFIX = "_orig_mod."

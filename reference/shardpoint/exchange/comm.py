@@ -15,7 +15,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from shardpoint_core import errors
+from shardpoint_core.format import errors
 from shardpoint.exchange import dedup
 from shardpoint.exchange.inflight import release_after_failure, tensors_in as _tensors_in
 from shardpoint.planning.columns import gc_paused

@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional, Sequence
 import msgpack
 import torch
 
-from shardpoint_core import errors
+from shardpoint_core.format import errors
 from shardpoint.exchange.comm import Comm, agree, exchange
 from shardpoint.exchange.prefault import populate_write
 from shardpoint.tree.views import box_view, copy_into, to_numpy

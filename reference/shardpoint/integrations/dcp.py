@@ -58,8 +58,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from shardpoint_core import errors
-from shardpoint_core.storage import get_backend
+from shardpoint_core.format import errors
+from shardpoint_core.transactions.resolve import get_backend
 from shardpoint.api.checkpointer import save
 from shardpoint.api.saving import SaveOptions, SaveResult
 from shardpoint.exchange.comm import Comm

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch.distributed.checkpoint as _dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardpoint_core.errors import ShardpointError
+from shardpoint_core.format.errors import ShardpointError
 from shardpoint.integrations.dcp import ShardpointReader, ShardpointWriter
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardpoint_core import errors
-from shardpoint_core.store.registry import check_path
+from shardpoint_core.format import errors
+from shardpoint_core.stores.registry import check_path
 
 _SOLO: dict = {}
 

@@ -24,9 +24,10 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from shardpoint_core import errors
-from shardpoint_core.manifest import Manifest, read_metadata
-from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, ValueLeaf
+from shardpoint_core.format import errors
+from shardpoint_core.format.manifest import Manifest
+from shardpoint_core.transactions.resolve import read_metadata
+from shardpoint_core.format.statetree import ObjectLeaf, TensorLeaf, ValueLeaf
 from shardpoint.api.checkpointer import load
 from shardpoint.integrations.dcp_common import (nest, planned_alone, solo_group,
                                                 supports_checkpoint_id)

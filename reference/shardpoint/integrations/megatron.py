@@ -50,9 +50,9 @@ from typing import Any, Optional
 
 import torch
 
-from shardpoint_core import errors
-from shardpoint_core.manifest import read_metadata
-from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, node_at
+from shardpoint_core.format import errors
+from shardpoint_core.transactions.resolve import read_metadata
+from shardpoint_core.format.statetree import ObjectLeaf, TensorLeaf, node_at
 from shardpoint.api.checkpointer import load, save
 from shardpoint.api.loading import LoadReport
 from shardpoint.tree.model import ShardedObject, ShardedPieces, ShardedTensor

@@ -78,12 +78,12 @@ from megatron.core.dist_checkpointing.strategies.base import (AsyncSaveShardedSt
 from megatron.core.dist_checkpointing.strategies.common import (TorchCommonLoadStrategy,
                                                                 TorchCommonSaveStrategy)
 
-from shardpoint_core.manifest import read_metadata
-from shardpoint_core.statetree import ObjectLeaf, TensorLeaf, iter_leaves
+from shardpoint_core.transactions.resolve import read_metadata
+from shardpoint_core.format.statetree import ObjectLeaf, TensorLeaf, iter_leaves
 from shardpoint.api.checkpointer import load, save
 from shardpoint.api.saving import SaveOptions
-from shardpoint_core import errors
-from shardpoint_core.errors import ShardpointError
+from shardpoint_core.format import errors
+from shardpoint_core.format.errors import ShardpointError
 from shardpoint.integrations.megatron import (SHARDED, as_megatron_error, decode_value,
                                               encode_value, megatron_tree, stored_tensors)
 from shardpoint.tree.dtypes import from_name

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import msgpack
 import numpy as np
 
-from shardpoint_core.errors import InvalidShardingError
+from shardpoint_core.format.errors import InvalidShardingError
 from shardpoint.tree.model import Holding
 
 WIRE_TAG = "cols2"

@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from shardpoint_core.coverage import box_intersection
+from shardpoint_core.format.coverage import box_intersection
 from shardpoint.tree.model import Holding, holding_pieces
 from shardpoint.planning.plans import PlanOptions
 

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from shardpoint.tree import dtypes
 from shardpoint.planning.columns import Gathered, Regions, as_columns, gc_paused
-from shardpoint_core.errors import InvalidOptionError, LayoutMismatchError
+from shardpoint_core.format.errors import InvalidOptionError, LayoutMismatchError
 from shardpoint.planning.grid import pieces_by_chunk
 from shardpoint.planning.load_dedup import LoadWorks, plan_load_arrays
 from shardpoint.tree.model import Holding, holding_pieces

@@ -20,11 +20,11 @@ import numpy as np
 from shardpoint.tree import dtypes
 from shardpoint.planning.chunk_table import build_parts, elect, expand
 from shardpoint.planning.columns import Gathered, Regions, as_columns, gc_paused
-from shardpoint_core.coverage import check_exact_cover, regions_tile
-from shardpoint_core.errors import InvalidShardingError
-from shardpoint_core.manifest import array_path_for
-from shardpoint_core.treemerge import merge_many, merge_trees
-from shardpoint_core.zarr.groups import group_paths
+from shardpoint_core.format.coverage import check_exact_cover, regions_tile
+from shardpoint_core.format.errors import InvalidShardingError
+from shardpoint_core.format.manifest import array_path_for
+from shardpoint_core.format.treemerge import merge_many, merge_trees
+from shardpoint_core.arrays.groups import group_paths
 from shardpoint.planning.grid import chunk_part_arrays_many, plan_chunk_grid, region_pieces_many
 from shardpoint.planning.load_planner import check_request, plan_load
 from shardpoint.planning.save_global import SaveColumns, SavePlan

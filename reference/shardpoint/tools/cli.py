@@ -15,8 +15,8 @@ import sys
 from typing import Any, Optional
 
 from shardpoint.tools import cli_tools
-from shardpoint_core import errors
-from shardpoint_core.store.registry import check_path, is_local, local_path
+from shardpoint_core.format import errors
+from shardpoint_core.stores.registry import check_path, is_local, local_path
 from shardpoint.tools import progress
 from shardpoint.tools.textfmt import fit_table, is_array, jsonable, width
 from shardpoint.tools.textfmt import fmt_bytes as _fmt_bytes
@@ -55,7 +55,7 @@ def _tree_rows(m) -> list:
 
 def _add_rows(rows: list, node: Any, name: str, depth: int) -> None:
     """Rows for ``node`` of the typed tree (module level: a recursive closure is a cycle)."""
-    from shardpoint_core.statetree import plain_children
+    from shardpoint_core.format.statetree import plain_children
     pad = "  " * depth
     kid = plain_children(node)
     if kid is not None:
@@ -79,8 +79,8 @@ def _add_rows(rows: list, node: Any, name: str, depth: int) -> None:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from shardpoint_core.manifest import read_metadata
-    from shardpoint_core.statetree import iter_leaves
+    from shardpoint_core.transactions.resolve import read_metadata
+    from shardpoint_core.format.statetree import iter_leaves
     if a.load_ranks and a.layout is None:
         print("shardpoint inspect: --load-ranks draws the load plan of one tensor: give "
               "--layout KEY too", file=sys.stderr)
@@ -149,8 +149,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
 def cmd_recover(a: argparse.Namespace) -> int:
     import os
 
-    from shardpoint_core.recovery import recover
-    from shardpoint_core.store.registry import is_local, local_path
+    from shardpoint_core.commit.recovery import recover
+    from shardpoint_core.stores.registry import is_local, local_path
     # A typo is not "nothing to recover" (an object store has no directories to look for).
     if is_local(a.path) and not os.path.lexists(local_path(a.path, "recover")):
         raise errors.CheckpointNotFoundError(f"{a.path!r} does not exist")
@@ -205,7 +205,7 @@ examples:
 
 exit codes: 0 ok, 1 damaged or invalid checkpoint, 2 not found or usage error""")
     from shardpoint_core import __version__
-    from shardpoint_core.manifest import FORMAT_VERSION
+    from shardpoint_core.format.manifest import FORMAT_VERSION
     p.add_argument("--version", action="version", version=f"shardpoint {__version__} (writes "
                    f"format {FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}, reads 1.x; spec 1.2)")
     sub = p.add_subparsers(dest="cmd", required=True)

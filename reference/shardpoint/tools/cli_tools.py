@@ -9,9 +9,9 @@ import sys
 import textwrap
 from typing import Any, Callable
 
-from shardpoint_core import errors
+from shardpoint_core.format import errors
 from shardpoint.tools import progress
-from shardpoint_core.keys import similar_keys
+from shardpoint_core.format.keys import similar_keys
 from shardpoint.tools.textfmt import fmt_bytes, jsonable
 
 
@@ -263,12 +263,12 @@ def cmd_layout(a: argparse.Namespace) -> int:
     from shardpoint.planning.plans import TensorLayout
     from shardpoint.tools import layout as lay
     from shardpoint.tools.textfmt import width
-    from shardpoint_core.manifest import read_metadata
+    from shardpoint_core.transactions.resolve import read_metadata
     m = read_metadata(a.path)
     key = a.layout
     e = m.tensors.get(key)
     if e is None:
-        from shardpoint_core.statetree import iter_leaves
+        from shardpoint_core.format.statetree import iter_leaves
         kinds = {v.key: v.kind for _p, v in iter_leaves(m.tree) if v.kind != "tensor"}
         near = similar_keys(key, list(m.tensors))
         what = {"value": "is a value", "object": "is a sharded object"}.get(

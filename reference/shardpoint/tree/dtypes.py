@@ -1,4 +1,4 @@
-"""The spec's dtype table (:mod:`shardpoint_core.dtypes`) with torch's dtypes, and the
+"""The spec's dtype table (:mod:`shardpoint_core.format.dtypes`) with torch's dtypes, and the
 conversions between torch, numpy and the on-disk names.
 
 Names are the Zarr v3 ``data_type`` strings (TensorStore writes exactly these). Every dtype is
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shardpoint_core import dtypes as core
+from shardpoint_core.format import dtypes as core
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A state tree taken apart for a save: its msgpack-ready structure and its leaves.
 
 Containers (dict, list, tuple, namedtuple) are walked by the core's
-:func:`shardpoint_core.statetree.encode_tree`, as every front end walks them; every leaf goes
+:func:`shardpoint_core.format.statetree.encode_tree`, as every front end walks them; every leaf goes
 to its handler (:mod:`.leaves`). Pure: no I/O, no process group.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 from shardpoint.tree.leaves import handler_for
 from shardpoint.tree.model import Flattened, check_root
-from shardpoint_core.keys import format_path
-from shardpoint_core.statetree import encode_tree
+from shardpoint_core.format.keys import format_path
+from shardpoint_core.format.statetree import encode_tree
 
 
 def flatten_state(state: Any, *, replica: tuple = (0,)) -> Flattened:

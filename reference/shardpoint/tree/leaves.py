@@ -19,7 +19,7 @@ from shardpoint.tree.model import (Holding, LocalObject, LocalTensor, ShardedObj
                                    ShardedPieces, ShardedTensor, _dtensor_leaf, _is_dtensor,
                                    _np_tensor, check_tensor_data, object_grid, pieces_holdings,
                                    sharded_holding)
-from shardpoint_core import errors
+from shardpoint_core.format import errors
 
 
 class LeafHandler:

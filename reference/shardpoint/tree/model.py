@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from shardpoint.tree import dtypes
-from shardpoint_core.manifest import ObjectValues, iter_tree_leaves, object_grid  # noqa: F401
-from shardpoint_core.coverage import box_intersection
-from shardpoint_core.errors import InvalidKeyError, InvalidShardingError, UnsupportedValueError
+from shardpoint_core.format.manifest import ObjectValues, iter_tree_leaves, object_grid  # noqa: F401
+from shardpoint_core.format.coverage import box_intersection
+from shardpoint_core.format.errors import InvalidKeyError, InvalidShardingError, UnsupportedValueError
 
 Shape = tuple  # tuple[int, ...]
 ReplicaId = Union[int, Sequence[int]]

@@ -13,10 +13,10 @@ import torch
 from shardpoint.tree import dtypes
 from shardpoint.tree.leaves import handler_for
 from shardpoint.tree.model import Holding, check_root
-from shardpoint_core import errors
-from shardpoint_core.keys import encode_key, format_path, similar_keys
-from shardpoint_core.manifest import Manifest
-from shardpoint_core.statetree import iter_leaves, map_tree, materialize, node_at
+from shardpoint_core.format import errors
+from shardpoint_core.format.keys import encode_key, format_path, similar_keys
+from shardpoint_core.format.manifest import Manifest
+from shardpoint_core.format.statetree import iter_leaves, map_tree, materialize, node_at
 
 
 @dataclass

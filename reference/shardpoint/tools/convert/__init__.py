@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from shardpoint_core.errors import ConversionError, ShardpointError
-from shardpoint_core.fsutil import os_error_text
+from shardpoint_core.format.errors import ConversionError, ShardpointError
+from shardpoint_core.stores.fsutil import os_error_text
 from shardpoint.tools.convert.base import Progress, Source, TensorInfo
 from shardpoint.tools.convert.dcp import write_dcp
 from shardpoint.tools.convert.hf_safetensors import write_safetensors
@@ -80,7 +80,7 @@ def write(src: Source, dst: str, fmt: str, *, overwrite: Any = False,
     ``procs`` > 1, that many worker processes each open the source again and write their
     share (shardpoint and safetensors targets; see :mod:`shardpoint.tools.convert.parallel`);
     ``worker_peaks`` then receives each worker's peak memory growth in bytes."""
-    from shardpoint_core.store.registry import is_local, local_path
+    from shardpoint_core.stores.registry import is_local, local_path
     if not is_local(dst) and fmt != "shardpoint":
         raise ConversionError(f"{str(dst)!r} is on an object store, which takes shardpoint "
                               f"output only (a save through the object-store commit, format.md"
@@ -149,7 +149,7 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
     checkpoint only, never objects that are not one ([SP-COMMIT-13]); ``backend`` then serves
     the source only."""
     t0 = time.perf_counter()
-    from shardpoint_core.store.registry import check_path, is_local, local_path
+    from shardpoint_core.stores.registry import check_path, is_local, local_path
     if is_local(dst):
         dst = local_path(dst, "convert")
     else:         # s3://...: shardpoint output through the object-store commit (write())

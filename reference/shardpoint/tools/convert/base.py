@@ -19,9 +19,9 @@ import torch
 
 from shardpoint.tree import dtypes
 from shardpoint_core.commit.posix import PosixCommitter
-from shardpoint_core.errors import CheckpointExistsError, ConversionError, SaveFailedError
-from shardpoint_core.fsutil import fsync_dir
-from shardpoint_core.keys import encode_key
+from shardpoint_core.format.errors import CheckpointExistsError, ConversionError, SaveFailedError
+from shardpoint_core.stores.fsutil import fsync_dir
+from shardpoint_core.format.keys import encode_key
 
 Progress = Optional[Callable[[int], None]]
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from shardpoint_core.errors import ConversionError, ShardpointError
-from shardpoint_core.fsutil import os_error_text
+from shardpoint_core.format.errors import ConversionError, ShardpointError
+from shardpoint_core.stores.fsutil import os_error_text
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, flat_name, key_of, nest,
                                            staged_output)
 

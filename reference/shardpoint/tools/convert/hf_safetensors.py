@@ -20,7 +20,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from shardpoint_core.errors import ConversionError
+from shardpoint_core.format.errors import ConversionError
 from shardpoint.tree.views import to_numpy
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, flat_name, key_of,
                                            row_blocks, staged_output)

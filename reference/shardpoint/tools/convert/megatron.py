@@ -17,7 +17,7 @@ import os
 import re
 from typing import Any
 
-from shardpoint_core.errors import ConversionError
+from shardpoint_core.format.errors import ConversionError
 from shardpoint.tools.convert.base import key_of
 from shardpoint.tools.convert.dcp import DCPSource, Unreadable
 from shardpoint.tools.convert.torchsave import load_weights_only, walk_tree

@@ -15,19 +15,20 @@ import torch
 
 from shardpoint.tree import dtypes
 from shardpoint.tree import values
-from shardpoint_core.zarr.object_backend import backend_for
-from shardpoint_core.errors import (CheckpointExistsError, ConversionError, InvalidKeyError,
+from shardpoint_core.transactions.resolve import backend_for
+from shardpoint_core.format.errors import (CheckpointExistsError, ConversionError, InvalidKeyError,
                                     UnsupportedValueError)
 from shardpoint.planning.grid import plan_chunk_grid
-from shardpoint_core.keys import encode_key
-from shardpoint_core.manifest import (Manifest, TensorEntry, array_path_for, decode_manifest,
-                                      encode_manifest)
+from shardpoint_core.format.keys import encode_key
+from shardpoint_core.format.manifest import (Manifest, TensorEntry, array_path_for,
+                                             decode_manifest, encode_manifest)
 from shardpoint.planning.plans import PlanOptions
 from shardpoint_core.commit.posix import check_not_containing
-from shardpoint_core.store.registry import is_local
-from shardpoint_core.storage import ArraySpec, StorageBackend
+from shardpoint_core.stores.registry import is_local
+from shardpoint_core.format.spec import ArraySpec
+from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint.tree.views import to_numpy
-from shardpoint_core.statetree import ValueLeaf, encode_tree, map_tree, plain_children
+from shardpoint_core.format.statetree import ValueLeaf, encode_tree, map_tree, plain_children
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, key_of, nest,
                                            with_cli_flag)
 

@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 
 from shardpoint.tree import dtypes
-from shardpoint_core.errors import ConversionError, UnsupportedValueError
+from shardpoint_core.format.errors import ConversionError, UnsupportedValueError
 from shardpoint.tools.convert.base import Source, TensorInfo, key_of
 
 FORMAT = "orbax"

@@ -30,10 +30,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from shardpoint_core import errors
-from shardpoint_core.errors import ConversionError
-from shardpoint_core.fsutil import os_error_text
-from shardpoint_core.zarr.object_backend import backend_for
+from shardpoint_core.format import errors
+from shardpoint_core.format.errors import ConversionError
+from shardpoint_core.stores.fsutil import os_error_text
+from shardpoint_core.transactions.resolve import backend_for
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, die_with_parent, key_of,
                                            limit_heap_growth, staged_output)
 from shardpoint.tools.convert.hf_safetensors import (file_layout, is_safetensors_output, plan_files,
@@ -245,7 +245,7 @@ def worker_context() -> Any:
 
 # What workers import late (readers of the source formats, the default backend): preloaded
 # in the fork server only, never at this module's import.
-_WORKER_MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "shardpoint_core.zarr")
+_WORKER_MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "shardpoint_core.arrays")
 
 
 def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progress,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from shardpoint_core.errors import CheckpointNotFoundError, ConversionError
+from shardpoint_core.format.errors import CheckpointNotFoundError, ConversionError
 from shardpoint.tools.convert.base import Source
 from shardpoint.tools.convert.dcp import DCPSource, is_dcp
 from shardpoint.tools.convert.hf_safetensors import SafetensorsSource, is_safetensors

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from shardpoint.tree.leaves import handler_for, is_container
-from shardpoint_core.errors import ConversionError, ShardpointError
+from shardpoint_core.format.errors import ConversionError, ShardpointError
 from shardpoint.tools.convert.base import Source, TensorInfo, key_of
 
 

@@ -1,0 +1,105 @@
+"""The load transaction: the one way a checkpoint is read, on every store.
+
+A :class:`CheckpointReader` reads a committed checkpoint's manifest once, with the identity
+of the commit it belongs to ([SP-COMMIT-14]: on an object store from the same GET), opens the
+arrays the manifest names, reads regions of them into caller buffers, and at the end checks
+that no other save replaced the checkpoint meanwhile, so a load never returns tensors of two
+checkpoints. Ranks that receive the manifest's bytes from a coordinator make their reader with
+:meth:`CheckpointReader.from_manifest`, without reading it again.
+
+Example::
+
+    r = CheckpointReader.open("s3://bucket/run/step_5")
+    out = np.empty((2, 4), np.float32)
+    a = r.array("model.w")
+    r.wait([r.read_into(a, (0, 0), out)])
+    r.check_unchanged()
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from shardpoint_core.format.errors import LoadFailedError
+from shardpoint_core.format.manifest import Manifest, decode_manifest
+from shardpoint_core.transactions.protocol import StorageBackend
+from shardpoint_core.transactions.resolve import manifest_with_identity, resolve
+
+
+class CheckpointReader:
+    """Reads the checkpoint at ``path`` through ``backend``; see the module docstring.
+    ``manifest_bytes``/``identity``: what was read (or received) first."""
+
+    def __init__(self, path: str, backend: StorageBackend, manifest_bytes: bytes,
+                 identity: Optional[list[Any]]) -> None:
+        self.path, self.backend = path, backend
+        self.manifest_bytes, self.identity = manifest_bytes, identity
+        self._manifest: Optional[Manifest] = None
+
+    @classmethod
+    def open(cls, path: Any, *, backend: Optional[StorageBackend] = None,
+             call: str = "load") -> "CheckpointReader":
+        """Read the manifest of ``path`` and the identity of its commit (one request where
+        the store can), or raise the documented error (no checkpoint, an unfinished one...)."""
+        p, be = resolve(path, backend, call)
+        data, ident = manifest_with_identity(be, p)
+        return cls(p, be, data, ident)
+
+    @classmethod
+    def from_manifest(cls, path: Any, manifest_bytes: bytes, identity: Optional[list[Any]],
+                      *, backend: Optional[StorageBackend] = None,
+                      call: str = "load") -> "CheckpointReader":
+        """A reader of ``path`` whose manifest another rank read and sent."""
+        p, be = resolve(path, backend, call)
+        return cls(p, be, manifest_bytes, identity)
+
+    @property
+    def manifest(self) -> Manifest:
+        """The decoded manifest (decoded on first use, every check of the codec applied)."""
+        if self._manifest is None:
+            self._manifest = decode_manifest(self.manifest_bytes)
+        return self._manifest
+
+    def array(self, key: str) -> Any:
+        """A handle to read the stored tensor ``key`` (its zarr.json read and checked against
+        the manifest entry). Callable from several threads at once."""
+        e = self.manifest.tensors[key]
+        return self.backend.open_array_for_read(self.path, e.array, e.spec, key)
+
+    def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
+        """Start reading the region of ``out.shape`` at ``offset`` into ``out``."""
+        return self.backend.read_into(handle, offset, out)
+
+    def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
+        """A hint: start fetching what a later read of this box needs (where the backend can)."""
+        hint = getattr(self.backend, "prefetch", None)           # optional capability
+        if hint is not None:
+            hint(handle, offset, shape)
+
+    def wait(self, ops: Sequence[Any]) -> None:
+        """Wait for every read; the first error is raised, as the spec's error naming its
+        tensor, once every read finished."""
+        self.backend.wait(ops)
+
+    def current_identity(self) -> Optional[list[Any]]:
+        """The identity of the commit at ``path`` now (None: none there, or the backend
+        cannot tell)."""
+        ident = getattr(self.backend, "checkpoint_identity", None)  # optional capability
+        return ident(self.path) if ident is not None else None
+
+    def unchanged(self) -> bool:
+        """True when the checkpoint read is still the one at ``path`` (or the backend cannot
+        tell one commit from another)."""
+        return self.identity is None or self.current_identity() == self.identity
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`LoadFailedError` when another save replaced or removed the checkpoint
+        since its manifest was read: what was read may mix two checkpoints."""
+        if not self.unchanged():
+            raise LoadFailedError(
+                f"the checkpoint at {self.path!r} was replaced (or removed) by another save "
+                "while it was read, so what was read may mix two checkpoints; nothing was "
+                "returned. Read again, and do not save over a checkpoint (overwrite=True, a "
+                "manager's force=True or retention) while another job reads it",
+                spec_id="SP-COMMIT-14")
