@@ -100,7 +100,7 @@ GridIndex = Union[int, Sequence[int]]
 
 
 def _norm_grid(x: GridIndex, what: str) -> tuple:
-    t = (x,) if isinstance(x, int) and not isinstance(x, bool) else tuple(x)
+    t: tuple = (x,) if isinstance(x, int) else tuple(x)   # a bool is refused just below
     if not t or any(isinstance(i, bool) or not isinstance(i, int) for i in t):
         raise InvalidShardingError(f"ShardedObject {what} {x!r} must be an int or a non-empty "
                                    "tuple of ints", spec_id="SP-OBJ-1")

@@ -6,7 +6,7 @@ Produces the list of targets (a holding and the tensor to fill in place) and the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -78,9 +78,10 @@ class _Collector:
                 f"expects shape {h.global_shape} dtype {h.dtype}; {fix}", spec_id="SP-LOAD-1")
         self.targets.append(Target(h, data))
 
-    def leaf(self, path: tuple, key: str, x: Any) -> Any:
+    def leaf(self, path: tuple, key: Optional[str], x: Any) -> Any:
         # Containers are walked by the core's map_tree, exactly as save walks them
         # (encode_tree): a namedtuple is a tuple, a dict subclass is built back when it can be.
+        assert key is not None          # map_tree with keys=True names every leaf
         h = handler_for(x)
         if not self.has(h.kind, key):
             self.absent(f"{_NOUN[h.kind]} {key!r}", path, h.kind)
