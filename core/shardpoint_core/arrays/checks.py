@@ -594,3 +594,13 @@ def check_array_objects(store: Any, array_path: str, key: str, sizes: tuple[Any,
         total += info.size
         count += 1
     return count, total
+
+
+def check_metadata(shape: Any, meta: dict[str, Any], spec: ArraySpec, key: str,
+                   array_path: str) -> None:
+    """Refuse a zarr.json that disagrees with the manifest ([SP-ARRAY-2])."""
+    problems = metadata_problems(shape, meta, spec)
+    if problems:
+        raise CorruptCheckpointError(f"tensor {key!r}: zarr.json of {array_path!r} "
+                                     f"disagrees with the manifest: {'; '.join(problems)}",
+                                     spec_id="SP-ARRAY-2")

@@ -20,7 +20,7 @@ import numpy as np
 
 from shardpoint_core.format.errors import CorruptCheckpointError, SaveFailedError, ShardpointError
 from shardpoint_core.format.spec import ArraySpec
-from shardpoint_core.arrays.checks import metadata_problems
+from shardpoint_core.arrays.checks import check_metadata
 from shardpoint_core.format.layout import fill_value
 
 
@@ -41,16 +41,6 @@ def region(handle: Any, offset: Sequence[int], shape: Sequence[int]) -> Any:
     if not shape:
         return handle
     return handle[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-
-
-def check_metadata(shape: Any, meta: dict[str, Any], spec: ArraySpec, key: str,
-                   array_path: str) -> None:
-    """Refuse a zarr.json that disagrees with the manifest ([SP-ARRAY-2])."""
-    problems = metadata_problems(shape, meta, spec)
-    if problems:
-        raise CorruptCheckpointError(f"tensor {key!r}: zarr.json of {array_path!r} "
-                                     f"disagrees with the manifest: {'; '.join(problems)}",
-                                     spec_id="SP-ARRAY-2")
 
 
 class TSHandle:

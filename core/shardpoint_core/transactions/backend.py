@@ -45,7 +45,7 @@ from shardpoint_core.stores.registry import is_local, url_of
 from shardpoint_core.arrays import local
 from shardpoint_core.arrays.array import (ArrayLayout, read_chunk, read_region,
                                         write_array_meta, write_region)
-from shardpoint_core.arrays.checks import check_shard_files, read_zarr_json
+from shardpoint_core.arrays.checks import check_metadata, check_shard_files, read_zarr_json
 from shardpoint_core.arrays.opening import open_local_array
 from shardpoint_core.commit.routing import PathCommitter, UrlCommitter
 from shardpoint_core.arrays.direct_read import DirectReader, parse_layout, whole_chunk_files
@@ -55,7 +55,7 @@ from shardpoint_core.arrays.groups import array_paths_of, start_groups, write_gr
 from shardpoint_core.arrays.identity import CrcSink, chunk_number, units_per_chunk
 from shardpoint_core.format.layout import codecs_for, fill_value
 from shardpoint_core.arrays.object_read import ObjectArray
-from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle, check_metadata
+from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle
 
 MAX_MANIFEST_BYTES = local.MAX_MANIFEST_BYTES
 
