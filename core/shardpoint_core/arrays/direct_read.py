@@ -9,8 +9,8 @@ cold load on a machine whose limit is the page-cache copy.
 
 Anything else (other codecs, other key encodings, a big-endian host) is not handled here, and
 any anomaly (a missing file, a short read, a checksum mismatch, an absent inner chunk) makes
-the chunk fall back to TensorStore, which raises the documented error: this module never
-decides what is corrupt, it only proves what is intact.
+the chunk fall back to the Zarr array layer (:mod:`.array`), which raises the documented
+error: this module never decides what is corrupt, it only proves what is intact.
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def _crc(bufs: list[Any]) -> int:
 class DirectReader:
     """Reads a region of one array into ``out`` as tasks on an executor; each chunk task
     returns either None (done) or a list of further futures (a shard's inner chunks).
-    ``fallback(offset, out_view)`` reads a box with TensorStore, blocking."""
+    ``fallback(offset, out_view)`` reads a box through the Zarr array layer, blocking."""
 
     def __init__(self, lay: DirectLayout, submit: Callable[..., Any], fallback: Callable[..., Any],
                  key: str = "?") -> None:

@@ -12,8 +12,9 @@ fsync cannot.
 
 Only what the backend itself chooses is handled: a little-endian host, the plain chain or one
 ``sharding_indexed`` of plain chains (``codecs_for``), the default chunk key encoding, and a
-write of exactly one whole chunk (what ``SaveJob.write`` issues). Anything else returns None
-and the caller writes through TensorStore.
+write of exactly one whole chunk (what ``SaveJob.write`` issues). Anything else returns None:
+the backend writes part of a chunk through the Zarr array layer (:mod:`.array`), and an array
+whose layout this module does not handle through the TensorStore cross-check.
 """
 from __future__ import annotations
 
