@@ -97,3 +97,61 @@ def test_only_the_coordinator_commits(where):
     assert w0.state == "aborted"          # a block that never committed aborts
     with pytest.raises(CheckpointNotFoundError):
         CheckpointReader.open(where)
+
+
+def _save_many(path: str, n: int) -> None:
+    """One writer saves ``n`` small tensors, then they are read back through a reader."""
+    spec = ArraySpec((2, 4), "float32", (2, 4))
+    keys = [f"t{i}" for i in range(n)]
+    entries = {k: TensorEntry(k, array_path_for(k), spec.shape, spec.dtype, spec.chunk_shape)
+               for k in keys}
+    with CheckpointWriter.begin(path) as w:
+        ops = [w.write(w.open_array(array_path_for(k), spec), (0, 0),
+                       np.full((2, 4), i, np.float32)) for i, k in enumerate(keys)]
+        w.wait(ops)
+        w.flush()
+        w.commit(Manifest({"dict": [[k, {"tensor": k}] for k in keys]}, entries, {}))
+    with CheckpointReader.open(path) as r:
+        out = np.empty((n, 2, 4), np.float32)
+        r.wait([r.read_into(r.array(k), (0, 0), out[i]) for i, k in enumerate(keys)])
+        r.check_unchanged()
+    assert out[:, 0, 0].tolist() == list(range(n))
+
+
+@pytest.mark.parametrize("kind", ["files", "memory"])
+def test_a_path_becomes_a_store_and_key_once_per_save_not_once_per_array(kind, tmp_path,
+                                                                           monkeypatch):
+    """Issue 29: each array opened for a write or a read located its root again; the
+    backend keeps the location of a save's (a load's) root until its flush (its end)."""
+    from shardpoint_core.stores import location
+    from shardpoint_core.transactions.resolve import backend_for
+    calls: list = []
+    real = location.locate
+
+    def counting(path, *a, **kw):
+        calls.append(str(path))
+        return real(path, *a, **kw)
+    monkeypatch.setattr(location, "locate", counting)
+    import shardpoint_core.transactions.backend as backend_module
+    if hasattr(backend_module, "locate"):           # bound by name there: counted as well
+        monkeypatch.setattr(backend_module, "locate", counting)
+    base = str(tmp_path) if kind == "files" else f"memory://loc-{uuid.uuid4().hex[:8]}"
+    counts = []
+    for n in (1, 50):
+        calls.clear()
+        _save_many(f"{base}/n{n}", n)
+        counts.append(len(calls))
+    assert counts[0] == counts[1], (counts, calls)
+    # nothing of either save or load stays in the backend (memory stays flat)
+    assert not [k for k in backend_for(base)._locations if k.startswith(base)]
+
+
+def test_locations_never_released_stay_bounded(tmp_path):
+    """A reader that is never closed leaves its root's location behind; at most a few."""
+    from shardpoint_core.transactions.backend import ZarrBackend
+    be = ZarrBackend()
+    _save_many(str(tmp_path / "c"), 1)
+    e = CheckpointReader.open(str(tmp_path / "c"), backend=be).manifest.tensors["t0"]
+    for i in range(ZarrBackend._LOCATIONS_KEPT + 10):
+        be.open_array_for_read(f"{tmp_path}/c/./{'./' * i}", e.array, e.spec, "t0")
+    assert len(be._locations) == ZarrBackend._LOCATIONS_KEPT

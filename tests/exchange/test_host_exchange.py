@@ -211,6 +211,7 @@ def test_copy_into_moves_strided_boxes_bitwise(dtype):
 
 def test_read_ahead_keeps_a_window_ahead_in_read_order():
     from shardpoint.exchange.host import ReadAhead
+    from shardpoint_core.transactions.reader import CheckpointReader
 
     class Recording:   # the backend's prefetch is a hint with no visible effect: record it
         def __init__(self):
@@ -220,7 +221,8 @@ def test_read_ahead_keeps_a_window_ahead_in_read_order():
             self.asked.append(offset[0])
     reads = [type("Op", (), {"key": "w", "offset": (i,), "shape": (1,)}) for i in range(6)]
     be, opened = Recording(), []
-    ahead = ReadAhead(be, lambda k: opened.append(k), reads, [10] * 6, 20)
+    reader = CheckpointReader("ck", be, b"", None)     # the load's reader over that backend
+    ahead = ReadAhead(reader, lambda k: opened.append(k), reads, [10] * 6, 20)
     assert opened == ["w"] * 6 and be.asked == []     # arrays opened before any data
     ahead.upto(-1)
     assert be.asked == [0, 1]                         # the first window

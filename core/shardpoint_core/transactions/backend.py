@@ -40,7 +40,7 @@ from shardpoint_core.format.errors import (CheckpointNotFoundError, CorruptCheck
                                     SaveFailedError, ShardpointError, StoreNotFoundError)
 from shardpoint_core.format.spec import MANIFEST_NAME, ArraySpec
 from shardpoint_core.stores.files import FileStore
-from shardpoint_core.stores.location import locate
+from shardpoint_core.stores import location
 from shardpoint_core.stores.registry import is_local, url_of
 from shardpoint_core.arrays import local
 from shardpoint_core.arrays.array import (ArrayLayout, read_chunk, read_region,
@@ -154,6 +154,11 @@ class ZarrBackend:
         self._staged: Dict[str, bytes] = {}      # object-store staging -> its manifest
         self._crcs: Dict[str, CrcSink] = {}      # staging -> units' crc32c written ([SP-MAN-7])
         self.committer = PathCommitter(PosixCommitter(fsync=fsync), UrlCommitter(self.locate))
+        # root -> its Location, for the array opens of one save or load (a path becomes a
+        # store and a key once per root, not once per array); dropped at flush, abort,
+        # commit and release, and never more than _LOCATIONS_KEPT (memory stays flat)
+        self._locations: Dict[str, location.Location] = {}
+        self._loc_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"ZarrBackend(context={self.ts.context_spec})"
@@ -170,7 +175,28 @@ class ZarrBackend:
     def locate(self, path: str) -> Tuple[Any, str]:
         """(the byte store holding ``path``, the key of ``path`` below it): a local path is a
         FileStore rooted at it (key ``""``), a URL the shared store of its bucket."""
-        return locate(path, fsync=self.fsync, sync_method=self.sync_method).pair()
+        return location.locate(path, fsync=self.fsync, sync_method=self.sync_method).pair()
+
+    _LOCATIONS_KEPT = 64
+
+    def _location(self, root: str) -> Tuple[Any, str]:
+        """:meth:`locate` of ``root``, made once and kept for the next array opened below it
+        (held under a lock: the arrays of a save or load are opened from several threads)."""
+        with self._loc_lock:
+            loc = self._locations.get(root)
+            if loc is None:
+                loc = location.locate(root, fsync=self.fsync, sync_method=self.sync_method)
+                if len(self._locations) >= self._LOCATIONS_KEPT:      # one never released
+                    self._locations.pop(next(iter(self._locations)))
+                self._locations[root] = loc
+            return loc.pair()
+
+    def release(self, root: str) -> None:
+        """Drop what this backend keeps for the arrays opened below ``root`` (its location):
+        the end of a load (:meth:`CheckpointReader.close`); a save's ``flush``, ``abort`` and
+        ``commit`` drop theirs."""
+        with self._loc_lock:
+            self._locations.pop(root, None)
 
     def _url(self, url: str, key: str) -> str:
         return url_of(url, key)
@@ -218,7 +244,7 @@ class ZarrBackend:
         writer of the array did (the same bytes: both derive them from the manifest)."""
         meta, stored, codecs, itemsize = self._metas(spec)
         lay = ArrayLayout.from_meta(stored)
-        store, prefix = self.locate(root)
+        store, prefix = self._location(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
         sink = self._sink(root, array_path, lay)
         if not store.capabilities.local_path:
@@ -298,6 +324,7 @@ class ZarrBackend:
             pending = self._meta.pop(root, [])
             written = self._written.pop(os.path.abspath(root), None) if is_local(root) \
                 else None
+        self.release(root)
         self.wait(pending)
         if written is None:
             return
@@ -332,6 +359,7 @@ class ZarrBackend:
             self._staged[root] = data
 
     def commit(self, staging: str, path: str, *, overwrite: Any) -> None:
+        self.release(staging)
         with self._lock:
             data = self._staged.pop(staging, None)
         if data is None or is_local(path):
@@ -346,6 +374,7 @@ class ZarrBackend:
             pending = self._meta.pop(staging, [])
             if is_local(staging):
                 self._written.pop(os.path.abspath(staging), None)
+        self.release(staging)
         for f in pending:                    # let them land, then delete them too
             f.exception()
         self.committer.abort(staging)
@@ -410,7 +439,7 @@ class ZarrBackend:
         """zarr.json read and checked here; on files in one pass over the array's directory
         with the file kinds, size caps, chunk sizes and bytes present ([SP-READ-6]) as well
         (:func:`~shardpoint_core.arrays.opening.open_local_array`). Chunks are read by ``read_into``."""
-        store, prefix = self.locate(root)
+        store, prefix = self._location(root)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
             return ObjectArray(store, path, spec, key, self._guess(spec))

@@ -16,6 +16,8 @@ commit replaces ``path``; where a backend has it, a load that overlapped such a 
 fails instead of returning tensors of two checkpoints. Optional too:
 ``read_manifest_with_identity(path) -> (bytes, identity)`` (C, in place of both first calls),
 the identity of the commit whose manifest was read (on object stores from the same GET).
+And ``release(root)`` (R, at the end of a load: ``CheckpointReader.close``): drop what the
+backend kept for reads below ``root``, such as the store and key its array opens share.
 
 Example::
 

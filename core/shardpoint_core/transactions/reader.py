@@ -14,9 +14,11 @@ Example::
     a = r.array("model.w")
     r.wait([r.read_into(a, (0, 0), out)])
     r.check_unchanged()
+    r.close()                    # or ``with CheckpointReader.open(...) as r:``
 """
 from __future__ import annotations
 
+from types import TracebackType
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -71,6 +73,12 @@ class CheckpointReader:
         """Start reading the region of ``out.shape`` at ``offset`` into ``out``."""
         return self.backend.read_into(handle, offset, out)
 
+    @property
+    def can_prefetch(self) -> bool:
+        """Whether :meth:`prefetch` does anything here: a reader that would open its arrays
+        early only to hint at their chunks skips that where the backend takes no hints."""
+        return getattr(self.backend, "prefetch", None) is not None
+
     def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
         """A hint: start fetching what a later read of this box needs (where the backend can)."""
         hint = getattr(self.backend, "prefetch", None)           # optional capability
@@ -103,3 +111,17 @@ class CheckpointReader:
                 "returned. Read again, and do not save over a checkpoint (overwrite=True, a "
                 "manager's force=True or retention) while another job reads it",
                 spec_id="SP-COMMIT-14")
+
+    def close(self) -> None:
+        """The end of this load: the backend drops what it kept for reads of ``path`` (the
+        location its array opens share); the reader may still be used, at that cost."""
+        release = getattr(self.backend, "release", None)         # optional capability
+        if release is not None:
+            release(self.path)
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, kind: Optional[type], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        self.close()

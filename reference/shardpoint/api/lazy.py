@@ -25,10 +25,10 @@ import torch
 from shardpoint.tree import dtypes
 from shardpoint_core.format.errors import LoadFailedError, ShardpointError
 from shardpoint_core.format.keys import decode_key, encode_key, similar_keys
-from shardpoint_core.format.manifest import Manifest, TensorEntry, decode_manifest
+from shardpoint_core.format.manifest import Manifest, TensorEntry
 from shardpoint_core.format.statetree import ObjectLeaf, TensorLeaf, iter_leaves
 from shardpoint_core.transactions.protocol import StorageBackend
-from shardpoint_core.transactions.resolve import manifest_with_identity, resolve
+from shardpoint_core.transactions.reader import CheckpointReader
 from shardpoint.tree.views import to_numpy
 
 
@@ -122,13 +122,14 @@ class TensorView:
 
 
 class Checkpoint:
-    """A read-only handle on one committed checkpoint (see :func:`open`)."""
+    """A read-only handle on one committed checkpoint (see :func:`open`); its reads go
+    through a :class:`~shardpoint_core.transactions.reader.CheckpointReader`."""
 
     def __init__(self, path: str, backend: Optional[StorageBackend] = None) -> None:
-        self.path, self._be = resolve(path, backend, "open")
-        self._identity = getattr(self._be, "checkpoint_identity", None)
-        data, self._ident = manifest_with_identity(self._be, self.path)     # see load()
-        self.manifest: Manifest = decode_manifest(data)
+        # the manifest with the identity of its commit, checked after each read (see load())
+        self._reader = CheckpointReader.open(path, backend=backend, call="open")
+        self.path = self._reader.path
+        self.manifest: Manifest = self._reader.manifest
         self.tree = self.manifest.tree   # nested dicts/lists/tuples, typed leaves
         self._leaves = {encode_key(p): leaf for p, leaf in iter_leaves(self.tree)}
         self._handles: dict = {}
@@ -170,12 +171,12 @@ class Checkpoint:
 
     def read_box(self, e: TensorEntry, offset: tuple, out: torch.Tensor) -> None:
         """Fill ``out`` with the box of ``e`` at ``offset`` (reads the chunks it touches)."""
+        r = self._reader
         if e.key not in self._handles:
             decode_key(e.key)
-            self._handles[e.key] = self._be.open_array_for_read(self.path, e.array, e.spec,
-                                                                e.key)
+            self._handles[e.key] = r.array(e.key)
         try:
-            self._be.wait([self._be.read_into(self._handles[e.key], offset, to_numpy(out))])
+            r.wait([r.read_into(self._handles[e.key], offset, to_numpy(out))])
         except ShardpointError as err:
             # bytes of a newer save under the manifest read then fail their checks (a chunk
             # table, a size): the replacement is the cause to report, not damage
@@ -184,14 +185,17 @@ class Checkpoint:
         self._check_unchanged(e)
 
     def _check_unchanged(self, e: TensorEntry, cause: Optional[BaseException] = None) -> None:
-        if self._ident is not None and self._identity(self.path) != self._ident:
+        if not self._reader.unchanged():
             raise LoadFailedError(
                 f"the checkpoint at {self.path!r} was replaced (or removed) by another save "
                 f"since it was opened, so {e.key!r} read now would not belong to the manifest "
-                "read then: open it again") from cause
+                "read then: open it again", spec_id="SP-COMMIT-14") from cause
 
     def close(self) -> None:
+        """Drop the open arrays (and what the backend kept for them); reads still work,
+        opening them again."""
         self._handles.clear()
+        self._reader.close()
 
     def __enter__(self) -> "Checkpoint":
         return self

@@ -28,12 +28,13 @@ from shardpoint.exchange.topology import host_identity
 from shardpoint.planning.load_dedup import LoadWorks, encode_global, work_from_global
 from shardpoint.planning.load_planner import LoadOptions, encode_works, plan_load_auto
 from shardpoint_core.transactions.resolve import read_metadata  # noqa: F401
-from shardpoint_core.format.manifest import Manifest, decode_manifest
+from shardpoint_core.format.manifest import Manifest
 from shardpoint.api.open_ahead import OpenAhead
 from shardpoint.planning.planner import RankLoadWork, TensorLayout
 from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.stores.registry import is_local
-from shardpoint_core.transactions.resolve import manifest_with_identity, resolve
+from shardpoint_core.transactions.reader import CheckpointReader
+from shardpoint_core.transactions.resolve import resolve
 from shardpoint_core.arrays.precheck import check_arrays_exist, check_large_grids
 from shardpoint.tree.targets import collect_targets, full_targets
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
@@ -80,7 +81,9 @@ class LoadJob:
     """One load's state (manifest, targets, this rank's work, timings), one method per phase,
     mirroring :class:`~shardpoint.api.saving.SaveJob`: :meth:`read_manifest` ->
     :meth:`plan` -> :meth:`read` -> :meth:`result`. Collective over ``comm``; a failure on
-    any rank raises the same error on every rank."""
+    any rank raises the same error on every rank. Every read goes through this rank's
+    :class:`~shardpoint_core.transactions.reader.CheckpointReader` (``reader``): the
+    coordinator opens it, the other ranks make theirs from the manifest it sends."""
 
     def __init__(self, path: str, like: Any, comm: Comm, be: StorageBackend, strict: bool,
                  opts: LoadOptions) -> None:
@@ -88,9 +91,7 @@ class LoadJob:
         self.strict, self.opts = strict, opts
         self.out = LoadResult(path=self.path, world_size=comm.size)
         self.t0 = time.perf_counter()
-        self._identity = getattr(be, "checkpoint_identity", None)
-        self.ident: Any = None
-        self.mbytes = b""
+        self.reader: Optional[CheckpointReader] = None    # once the manifest is known
         self.m: Optional[Manifest] = None
         self.targets: list = []
         self.built: Any = None
@@ -108,14 +109,18 @@ class LoadJob:
                 # The identity of the commit whose manifest is read, checked again after the
                 # last read: a save replacing the checkpoint (overwrite=True) in between is
                 # seen. On an object store it comes with the manifest's GET (no HEAD first).
-                data, ident = manifest_with_identity(self.be, self.path)
-                mbytes = b"\x00" + msgpack.packb([ident, data])
+                self.reader = CheckpointReader.open(self.path, backend=self.be)
+                mbytes = b"\x00" + msgpack.packb([self.reader.identity,
+                                                   self.reader.manifest_bytes])
             except errors.ShardpointError as e:
                 mbytes = b"\x01" + msgpack.packb([error_record(e, 0)])
         mbytes = comm.broadcast_bytes(mbytes)
         if mbytes[:1] == b"\x01":
             raise_records(msgpack.unpackb(mbytes[1:]))
-        self.ident, self.mbytes = msgpack.unpackb(mbytes[1:])
+        if self.reader is None:
+            ident, data = msgpack.unpackb(mbytes[1:])
+            self.reader = CheckpointReader.from_manifest(self.path, data, ident,
+                                                         backend=self.be)
 
     # ---------------------------------------------------------------------- phase 2
     def plan(self) -> None:
@@ -140,7 +145,7 @@ class LoadJob:
         self.out.timings["plan"] = time.perf_counter() - self.t0
 
     def _local(self) -> bytes:
-        self.m = m = decode_manifest(self.mbytes)
+        self.m = m = self.reader.manifest
         local = is_local(self.path)     # files checked before targets and plans (issue 28)
         if self.like is None:
             reads = [(k, e, True) for k, e in m.tensors.items()]
@@ -162,7 +167,7 @@ class LoadJob:
         return [msgpack.packb([host, meta]), *blobs]
 
     def _decide(self, payloads: list) -> list:
-        m = self.m if self.m is not None else decode_manifest(self.mbytes)
+        m = self.m if self.m is not None else self.reader.manifest
         layouts = {k: TensorLayout(k, e.shape, e.dtype, e.chunk_shape)
                    for k, e in m.tensors.items()}
         got = [msgpack.unpackb(p[0]) for p in payloads]
@@ -189,13 +194,13 @@ class LoadJob:
             t = time.perf_counter()
             self.out.rank_bytes_read, self.out.exchange_bytes = self._execute(budget)
             self.out.timings["read"] = time.perf_counter() - t
-            if self.ident is not None and self._identity(self.path) != self.ident:
+            if not self.reader.unchanged():
                 raise errors.LoadFailedError(
                     f"the checkpoint at {self.path!r} was replaced (or removed) by another "
                     "save while this load read it, so what was read may mix two checkpoints; "
                     "nothing was returned. Load again, and do not save over a checkpoint "
                     "(overwrite=True, a manager's force=True or retention) while another job "
-                    "loads it")
+                    "loads it", spec_id="SP-COMMIT-14")
         except Exception as e:  # noqa: BLE001
             if getattr(e, "_sp_agreed", False):    # every rank raised it already
                 new = self._removed_meanwhile(e)
@@ -210,35 +215,33 @@ class LoadJob:
         """``e``, or, where a missing array or chunk is explained by the checkpoint having been
         replaced or removed since its manifest was read (a manager's retention, another job's
         overwrite), a LoadFailedError that says so ([SP-COMMIT-14]), ``e`` as its cause."""
-        if not (isinstance(e, errors.CorruptCheckpointError) and self.ident is not None):
+        r = self.reader
+        if not (isinstance(e, errors.CorruptCheckpointError) and r is not None
+                and r.identity is not None):
             return e
         try:
-            now = self._identity(self.path)
+            now = r.current_identity()
         except Exception:  # noqa: BLE001 - the original error stands
             return e
-        if now == self.ident:
+        if now == r.identity:
             return e
         err = errors.LoadFailedError(
             f"the checkpoint at {self.path!r} was "
             f"{'removed' if now is None else 'replaced'} by another job while this load read "
             f"it (retention or an overwrite), so its data went missing mid-read ({e}); "
-            "nothing was returned. Load again (a manager's load() picks the newest step)")
+            "nothing was returned. Load again (a manager's load() picks the newest step)",
+            spec_id="SP-COMMIT-14")
         return err
 
     def _execute(self, budget: int) -> tuple:
-        m = self.m
+        reader = self.reader
         dst_view = PieceViews([(tg.holding, tg.data) for tg in self.targets])
-
-        def open_array(key: str) -> Any:
-            e = m.tensors[key]
-            return self.be.open_array_for_read(self.path, e.array, e.spec, key)
-
-        with OpenAhead(open_array, [op.key for op in self.work.reads],
+        with OpenAhead(reader.array, [op.key for op in self.work.reads],
                        getattr(self.be, "open_concurrency", None)) as handle:  # object stores
             if self.costs["strategy"] == "dedup" and self.comm.size > 1:
                 # the same on every rank: the plan's strategy is global
                 return execute_dedup_load(
-                    self.comm, self.be, self.work, budget, self.out.timings, dst_view,
+                    self.comm, reader, self.work, budget, self.out.timings, dst_view,
                     handle, self._dtype_of, host_identity(self.opts.host_id),
                     self.opts.shm_exchange, self.opts.shm_round_bytes)
             return self._read_direct(budget, dst_view, handle)
@@ -250,7 +253,7 @@ class LoadJob:
         """Every rank reads what it needs (or its share, then exchanges the rest). Reads and
         local copies first; ranks agree before the exchange, so a corrupt chunk seen by one
         rank is raised everywhere instead of leaving peers in a collective."""
-        comm, be, work = self.comm, self.be, self.work
+        comm, reader, work = self.comm, self.reader, self.work
         err: Optional[BaseException] = None
         nread = 0
         sends: list = []
@@ -273,8 +276,8 @@ class LoadJob:
                     buf = torch.empty(op.shape, dtype=dt)
                     bufs.append(buf)
                 nread += buf.numel() * buf.element_size()
-                ops.append(be.read_into(handle(op.key), op.offset, to_numpy(buf)))
-            be.wait(ops)
+                ops.append(reader.read_into(handle(op.key), op.offset, to_numpy(buf)))
+            reader.wait(ops)
             for v, buf in post:
                 v.copy_(buf, non_blocking=True)
             for op, buf in zip(work.reads, bufs):
@@ -314,6 +317,12 @@ class LoadJob:
         self.targets, self.built, self.like = [], None, None
         return out
 
+    def close(self) -> None:
+        """The end of the load, whatever its outcome: the reader lets the backend drop what
+        it kept for this load's reads."""
+        if self.reader is not None:
+            self.reader.close()
+
 
 def check_load_args(path: Any, like: Any) -> None:
     """A path that is not one is refused naming its type, not printed whole as "the path"
@@ -338,9 +347,12 @@ def run_load(path: str, like: Any, comm: Comm, be: Optional[StorageBackend], str
     comm.after_failure = AFTER_LOAD
     job = LoadJob(path, like, comm, be, strict, opts)
     job.budget = budget or opts.exchange_budget_bytes
-    job.read_manifest()
-    job.plan()
-    job.read(job.budget)
-    out = job.result()
+    try:
+        job.read_manifest()
+        job.plan()
+        job.read(job.budget)
+        out = job.result()
+    finally:
+        job.close()
     release_free_heap()     # flat memory over load cycles: see api/heap.py
     return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -27,7 +26,7 @@ from shardpoint.exchange.comm import (AFTER_SAVE, Comm, after_commit, agree, exc
                                       run_collectively)
 from shardpoint_core.stores.fsutil import os_error_text
 from shardpoint_core.format.manifest import (FORMAT_VERSION, FORMAT_VERSION_1_3, Manifest,
-                                             TensorEntry, array_path_for, encode_manifest)
+                                             TensorEntry, array_path_for)
 from shardpoint_core.arrays.identity import join_tables
 from shardpoint.tree.flatten import flatten_state
 from shardpoint.api.open_ahead import OpenAhead
@@ -39,6 +38,7 @@ from shardpoint_core.format.treemerge import check_values_agree
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.transactions.resolve import resolve
+from shardpoint_core.transactions.writer import CheckpointWriter
 from shardpoint.api.staging import StagingPool, copy_pairs, stream_device_writes
 from shardpoint.tree.views import PieceViews, box_view, copy_into, to_numpy
 
@@ -131,7 +131,10 @@ def _replace_values(node: Any, path: tuple, new: dict) -> Any:
 # -------------------------------------------------------------------------------- one save
 class SaveJob:
     """One save's state (its flat tree, plan, staging path, buffers, timings), one method per
-    phase: :meth:`plan` -> :meth:`stage` -> :meth:`write` -> :meth:`commit`.
+    phase: :meth:`plan` -> :meth:`stage` -> :meth:`write` -> :meth:`commit`. This rank's
+    part of the transaction is a :class:`~shardpoint_core.transactions.writer.CheckpointWriter`
+    (``writer``): the coordinator begins it while planning, the other ranks join it with the
+    staging path the plan brings them.
 
     Each phase ends in an agreement step or records its failure for the next one, so a
     failure on any rank raises the same error on every rank. An async save runs ``write`` and
@@ -151,6 +154,7 @@ class SaveJob:
         self.plan_hit = False
         self.global_plan: Any = None     # the SavePlan, on the coordinator only
         self.staging = ""
+        self.writer: Optional[CheckpointWriter] = None   # this rank's part of the save
         self.work: Optional[RankSaveWork] = None
         self._global_msg: Optional[bytes] = None   # the coordinator's plan message, to send
         self.layouts: dict = {}
@@ -205,6 +209,8 @@ class SaveJob:
         self._global_msg = None
         self.staging, self.layouts, self.stats, self.work = save_work_from_global(
             g, self.comm.rank)
+        if self.writer is None:          # not the coordinator, which began the save
+            self.writer = CheckpointWriter.join(self.path, self.staging, backend=self.be)
         if self.opts.check_replicas:    # after the plan: its errors (layout) come first
             t = time.perf_counter()
             check_replicas(self.comm, self.flat.tensors)
@@ -226,10 +232,11 @@ class SaveJob:
             plan = plan_save([LocalPlan.from_parts(p, cache) for p in payloads],
                              self.opts.plan)
         self.times["plan"] = time.perf_counter() - t
-        self.be.check_target(self.path, self.overwrite)   # before anything is written
-        staging = self.be.staging_path(self.path, secrets.token_hex(6))
-        self.be.begin_save(staging)
-        self.staging = staging    # known to :meth:`abandon` before the ranks hear of it
+        # the target checked before anything is written, then the staging location made;
+        # known to :meth:`abandon` before the ranks hear of it
+        self.writer = CheckpointWriter.begin(self.path, backend=self.be,
+                                             overwrite=self.overwrite)
+        self.staging = staging = self.writer.staging
         self.global_plan = plan
         # one message for every rank, broadcast after the (empty) replies: per-rank replies
         # carry each transfer twice and the coordinator would encode one per rank
@@ -332,8 +339,8 @@ class SaveJob:
     def _handle(self, key: str) -> Any:
         if key not in self._handles:
             shape, dt, chunk = self.layouts[key]
-            self._handles[key] = self.be.open_array_for_write(
-                self.staging, array_path_for(key), ArraySpec(tuple(shape), dt, tuple(chunk)))
+            self._handles[key] = self.writer.open_array(
+                array_path_for(key), ArraySpec(tuple(shape), dt, tuple(chunk)))
         return self._handles[key]
 
     # ---------------------------------------------------------------------- phase 3: write
@@ -345,6 +352,7 @@ class SaveJob:
         t = time.perf_counter()
         opened: Optional[OpenAhead] = None
         ops: list = []
+        w = self.writer
         try:
             if not self._created:
                 # An async save creates its arrays here, off the caller's time; the ranks
@@ -364,18 +372,19 @@ class SaveJob:
                 if buf.device.type != "cpu":
                     device.append((buf, cw))
                     continue
-                ops.append((self.be.write(opened(cw.key), cw.offset, to_numpy(buf)), buf))
+                ops.append((w.write(opened(cw.key), cw.offset, to_numpy(buf)), buf))
                 self.written += buf.numel() * buf.element_size()
             if device:   # CUDA tensors (sync save): bounded pinned staging, overlapped
                 ops += stream_device_writes(
-                    device, lambda host, cw: self.be.write(opened(cw.key), cw.offset,
-                                                           to_numpy(host)),
-                    lambda op: self.be.wait([op]), self.opts.device_staging_bytes)
+                    device, lambda host, cw: w.write(opened(cw.key), cw.offset,
+                                                     to_numpy(host)),
+                    lambda op: w.wait([op]), self.opts.device_staging_bytes)
                 self.written += sum(b.numel() * b.element_size() for b, _ in device)
-            self.be.wait([op for op, _ in ops])
+            w.wait([op for op, _ in ops])
             self.times["write"] = time.perf_counter() - t
             t = time.perf_counter()
-            self.be.flush(self.staging)
+            # durable, and the crc32c of the units this rank wrote, for the chunk tables
+            self.crcs = w.flush()
             self.times["flush"] = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             self.error = self.write_error(e)
@@ -383,7 +392,7 @@ class SaveJob:
             # writes already in flight finish before the caller can remove the staging
             # directory: one still writing would hold its file's space (or recreate it)
             try:
-                self.be.wait([op for op, _ in ops])
+                w.wait([op for op, _ in ops])
             except Exception:  # noqa: BLE001 - the first error is the one reported
                 pass
         finally:
@@ -423,11 +432,12 @@ class SaveJob:
         """Every rank reports; if all succeeded the coordinator writes the manifest and
         renames the staging directory into place, else it removes it and all ranks raise."""
         t = time.perf_counter()
-        # what this rank's writes recorded for the chunk tables ([SP-MAN-7]), taken on every
-        # outcome so nothing stays in the backend; an optional capability of a backend
-        take = getattr(self.be, "take_chunk_crc32c", None)
-        crcs = take(self.staging) if take is not None and self.staging else {}
-        self.crcs = crcs if self.error is None else {}
+        # what this rank's writes recorded for the chunk tables ([SP-MAN-7]) came with its
+        # flush; taken here as well on every other outcome, so nothing stays in the backend
+        if self.writer is not None:
+            self.writer.take_chunk_crc32c()
+        if self.error is not None:
+            self.crcs = {}
 
         def report() -> bytes:
             e = self.error
@@ -443,8 +453,8 @@ class SaveJob:
             run_collectively(comm, report, self._publish, errors.SaveFailedError)
         except errors.ShardpointError:
             self.group.plan = None
-            if comm.is_coordinator and self.staging:
-                self.be.abort(self.staging)
+            if comm.is_coordinator and self.writer is not None:
+                self.writer.abort()
             raise
         if self.opts.cache_plan:
             self.group.plan = (self.struct, self.global_plan)
@@ -468,12 +478,13 @@ class SaveJob:
         raised) cut a phase short: the coordinator removes the staging directory and drops
         its lock, as a failed save does, instead of leaving a whole checkpoint's worth of
         partial files behind for ``recover`` (and the lock held while the process lives)."""
-        if self.comm.is_coordinator and self.staging:
-            self.be.abort(self.staging)
+        if self.comm.is_coordinator and self.writer is not None:
+            self.writer.abort()
 
     def _publish(self, payloads: list) -> list:
-        """Coordinator, every rank having succeeded: manifest last, then the rename."""
-        plan = self.global_plan
+        """Coordinator, every rank having succeeded: manifest last, then the rename (or the
+        marker); on any failure the writer aborts, nothing of the save stays."""
+        plan, w = self.global_plan, self.writer
         try:
             m = Manifest(plan.tree, _entries(plan.tensors, payloads), plan.objects,
                          save_world_size=self.comm.size)
@@ -481,10 +492,9 @@ class SaveJob:
                 m.format_version = FORMAT_VERSION_1_3      # the bytes hold a 1.3 construct
             else:
                 m.format_version = FORMAT_VERSION
-            self.be.write_manifest(self.staging, encode_manifest(m))
-            self.be.commit(self.staging, self.path, overwrite=self.overwrite)
+            w.commit(m)
         except BaseException as e:
-            self.be.abort(self.staging)
+            w.abort()       # a no-op where the commit aborted already
             if isinstance(e, OSError) and not isinstance(e, errors.ShardpointError):
                 # the manifest's own write found the disk full
                 raise errors.SaveFailedError(

@@ -3,8 +3,8 @@
 Under the ``dedup`` load strategy each needed region is read by one rank and sent to the
 others. Ranks on one host need not ship those bytes over the process group (gloo moved them
 at 0.03-0.08 GB/s per rank on the 2-core test machine): each reader stages the regions it
-sends in a small segment of its own under ``/dev/shm``, where the storage backend reads and
-checks them (every chunk's crc32c is verified before its read completes); once every rank
+sends in a small segment of its own under ``/dev/shm``, where the checkpoint reader reads
+and checks them (every chunk's crc32c is verified before its read completes); once every rank
 has reported its reads intact, the other ranks of the host copy their boxes straight out of
 that segment into their tensors. The segment is two halves used in turn, round by round, so
 a load stages at most ``2 x round_bytes`` per rank however big it is, and fresh pages (each
@@ -53,6 +53,7 @@ from shardpoint_core.format import errors
 from shardpoint.exchange.comm import Comm, agree, exchange
 from shardpoint.exchange.prefault import populate_write
 from shardpoint.tree.views import box_view, copy_into, to_numpy
+from shardpoint_core.transactions.reader import CheckpointReader
 
 SHM_DIR = "/dev/shm"
 # 8 MiB rounds (a segment of 2 x 8 MiB per rank): each page of a segment costs its owner
@@ -256,18 +257,19 @@ class HostExchange:
         self.peers = {}
 
 
-def execute_dedup_load(comm: Comm, be: Any, work: Any, budget: int, timings: dict,
+def execute_dedup_load(comm: Comm, reader: CheckpointReader, work: Any, budget: int, timings: dict,
                        dst_view: Callable, handle: Callable, dtype_of: Callable, host: str,
                        use_shm: bool, round_bytes: int = ROUND_BYTES) -> tuple:
     """Collective: read this rank's share of a dedup load plan (``RankLoadWork``), copy its
     own parts, and exchange the rest (module docstring). Returns ``(bytes read, bytes
-    sent)``; ``timings`` gains the phases and the bytes moved through shared memory."""
+    sent)``; ``timings`` gains the phases and the bytes moved through shared memory. Every
+    read goes through ``reader``, the load's checkpoint transaction."""
     t0 = time.perf_counter()
     reads = work.reads
     size = [math.prod(op.shape) * torch.empty((), dtype=dtype_of(op.key)).element_size()
             for op in reads]
     # The disk starts now, while the ranks set up the exchange: nothing below needs it.
-    ahead = ReadAhead(be, handle, reads, size, 2 * round_bytes)
+    ahead = ReadAhead(reader, handle, reads, size, 2 * round_bytes)
     ahead.upto(-1)
     timings["prefetch_s"] = time.perf_counter() - t0
     sent_to: dict = defaultdict(set)
@@ -277,7 +279,7 @@ def execute_dedup_load(comm: Comm, be: Any, work: Any, budget: int, timings: dic
                                          for i in sorted(sent_to)],
                             {t.src for t in work.recvs}, use_shm, round_bytes)
     try:
-        return _run(comm, be, work, budget, timings, dst_view, handle, dtype_of, hx, size,
+        return _run(comm, reader, work, budget, timings, dst_view, handle, dtype_of, hx, size,
                     sent_to, t0, ahead)
     finally:
         hx.close()
@@ -285,14 +287,14 @@ def execute_dedup_load(comm: Comm, be: Any, work: Any, budget: int, timings: dic
 
 class ReadAhead:
     """Keeps the disk a window of bytes ahead of this rank's reads, in read order (a hint,
-    ``prefetch`` of the backend): reads in rounds then find their bytes in the page cache
+    :meth:`~CheckpointReader.prefetch`): reads in rounds then find their bytes in the page cache
     instead of leaving the disk idle while the ranks agree and copy. A window, not
     everything at once: a disk that serves every rank's whole share interleaved would make
     the first round wait for nearly all of it, with the copies left for the end."""
 
-    def __init__(self, be: Any, handle: Callable, reads: Sequence, size: Sequence[int],
-                 window: int) -> None:
-        self.prefetch = getattr(be, "prefetch", None)
+    def __init__(self, reader: CheckpointReader, handle: Callable, reads: Sequence,
+                 size: Sequence[int], window: int) -> None:
+        self.prefetch: Optional[Callable] = reader.prefetch if reader.can_prefetch else None
         self.handle, self.reads, self.window = handle, reads, window
         self.end = list(itertools.accumulate(size))   # bytes up to and including read i
         self.next = 0
@@ -317,7 +319,7 @@ class ReadAhead:
             self.prefetch = None
 
 
-def _run(comm: Comm, be: Any, work: Any, budget: int, timings: dict, dst_view: Callable,
+def _run(comm: Comm, reader: CheckpointReader, work: Any, budget: int, timings: dict, dst_view: Callable,
          handle: Callable, dtype_of: Callable, hx: HostExchange, size: list, sent_to: dict,
          t0: float, ahead: ReadAhead) -> tuple:
     reads = work.reads
@@ -339,7 +341,7 @@ def _run(comm: Comm, be: Any, work: Any, budget: int, timings: dict, dst_view: C
             r, s = hx.slots[i]
             bufs[i] = hx.seg.view(r, s, size[i]).view(dtype_of(reads[i].key)).view(
                 reads[i].shape)
-            ops.append(be.read_into(handle(reads[i].key), reads[i].offset, to_numpy(bufs[i])))
+            ops.append(reader.read_into(handle(reads[i].key), reads[i].offset, to_numpy(bufs[i])))
         ahead.upto(max(staged.get(k, [-1])))
         return ops
 
@@ -356,7 +358,7 @@ def _run(comm: Comm, be: Any, work: Any, budget: int, timings: dict, dst_view: C
                     buf = torch.empty(op.shape, dtype=dt, pin_memory=torch.cuda.is_available())
                     post.append((v, buf))
                     v = buf
-                ops.append(be.read_into(handle(op.key), op.offset, to_numpy(v)))
+                ops.append(reader.read_into(handle(op.key), op.offset, to_numpy(v)))
                 nread += size[i]
                 continue
             shm_dsts = sent_to.get(i, set()) & hx.to_shm
@@ -367,7 +369,7 @@ def _run(comm: Comm, be: Any, work: Any, budget: int, timings: dict, dst_view: C
             private.append(i)
             if i in hx.slots and shm_dsts:
                 mixed[hx.slots[i][0]].append(i)
-            ops.append(be.read_into(handle(op.key), op.offset, to_numpy(bufs[i])))
+            ops.append(reader.read_into(handle(op.key), op.offset, to_numpy(bufs[i])))
             nread += size[i]
         if hx.seg is not None:
             pending = issue(0)
@@ -392,7 +394,7 @@ def _run(comm: Comm, be: Any, work: Any, budget: int, timings: dict, dst_view: C
 
     t = time.perf_counter()
     try:
-        be.wait(ops)
+        reader.wait(ops)
         for v, buf in post:
             v.copy_(buf, non_blocking=True)
         for i in private:
@@ -405,7 +407,7 @@ def _run(comm: Comm, be: Any, work: Any, budget: int, timings: dict, dst_view: C
     for k in range(max(hx.rounds, 1)):
         t = time.perf_counter()
         try:   # waited for even after an error: no read may still be filling the segment
-            be.wait(pending)
+            reader.wait(pending)
         except Exception as e:  # noqa: BLE001
             err = err or e
         if err is None and hx.seg is not None:
