@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from shardpoint.tree import dtypes
+from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.format.errors import CheckpointExistsError, ConversionError, SaveFailedError
 from shardpoint_core.stores.fsutil import fsync_dir
@@ -184,7 +185,7 @@ def with_cli_flag(e: CheckpointExistsError) -> CheckpointExistsError:
 
 
 @contextmanager
-def staged_output(dst: str, overwrite: Any, *, is_dir: bool,
+def staged_output(dst: str, overwrite: Overwrite, *, is_dir: bool,
                   is_output: Callable[[str], bool], protect: Sequence[str] = ()
                   ) -> Iterator[str]:
     """A hidden sibling to write into, published at ``dst`` by the committer when the block

@@ -24,7 +24,6 @@ import math
 import multiprocessing as mp
 import os
 import queue
-import secrets
 import time
 import traceback
 from dataclasses import dataclass
@@ -33,13 +32,14 @@ from typing import Any, Optional
 from shardpoint_core.format import errors
 from shardpoint_core.format.errors import ConversionError
 from shardpoint_core.stores.fsutil import os_error_text
-from shardpoint_core.transactions.resolve import backend_for
+from shardpoint_core.commit.base import Overwrite
+from shardpoint_core.transactions.writer import CheckpointWriter
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, die_with_parent, key_of,
                                            limit_heap_growth, staged_output)
 from shardpoint.tools.convert.hf_safetensors import (file_layout, is_safetensors_output, plan_files,
                                                      write_index,
                                                      write_rows_at)
-from shardpoint.tools.convert.native import (check_target, commit_shardpoint, open_entry,
+from shardpoint.tools.convert.native import (begin_writer, commit_shardpoint, open_entry,
                                              shardpoint_tree, tensor_entry, write_rows)
 
 WORKER_TIMEOUT_S = 600.0
@@ -180,22 +180,23 @@ def _peak_rss() -> int:
 
 
 class _ShardpointSink:
-    """Writes bands of rows into arrays the coordinator created under ``staging``."""
+    """Writes bands of rows into arrays the coordinator created, in the save of ``dst`` it
+    began (staged at ``staging``): this worker joins that save."""
 
-    def __init__(self, staging: str, entries: dict) -> None:
-        self.staging, self.entries = staging, entries
-        self.be = backend_for(staging)      # local default, or the object store's
+    def __init__(self, dst: str, staging: str, entries: dict) -> None:
+        self.entries = entries
+        self.w = CheckpointWriter.join(dst, staging, call="convert")
         self.handles: dict = {}
 
     def write(self, src: Source, t: TensorInfo, start: int, stop: int, progress: Progress
               ) -> None:
         e = self.entries[t.key]
         if t.key not in self.handles:
-            self.handles[t.key] = open_entry(self.be, self.staging, e)
-        write_rows(self.be, self.handles[t.key], src, t, e, start, stop, progress)
+            self.handles[t.key] = open_entry(self.w, e)
+        write_rows(self.w, self.handles[t.key], src, t, e, start, stop, progress)
 
     def finish(self) -> None:
-        self.be.flush(self.staging)
+        self.w.flush()
 
 
 class _SafetensorsSink:
@@ -331,38 +332,32 @@ def _worker_error(wid: int, key: Optional[str], name: str, message: str, tb: str
 
 # ------------------------------------------------------------------------------ targets
 def write_shardpoint_parallel(src: Source, dst: str, spec: SourceSpec, *, procs: int,
-                              overwrite: bool = False, progress: Progress = None,
+                              overwrite: Overwrite = False, progress: Progress = None,
                               max_chunk_bytes: int = 256 << 20,
                               timeout: float = WORKER_TIMEOUT_S,
                               worker_peaks: Optional[list] = None) -> list:
     """:func:`~shardpoint.tools.convert.native.write_shardpoint` with ``procs`` worker processes:
     the same checkpoint, committed once by this process (arrays durable, manifest last,
     rename). ``worker_peaks`` receives each worker's peak memory growth in bytes."""
-    be = backend_for(dst)
-    check_target(be, dst, overwrite, protect=(src.path,))
     tree, objects, skipped = shardpoint_tree(src)
     entries = {t.key: tensor_entry(t, max_chunk_bytes) for t in src.tensors}
     shares = plan_shares(src.tensors, procs,
                          {t.path: entries[t.key].chunk_shape[0] for t in src.tensors
                           if t.shape})
-    staging = be.staging_path(dst, secrets.token_hex(6))
-    be.begin_save(staging)
-    try:
+    with begin_writer(dst, overwrite, (src.path,)) as w:
         for e in entries.values():
-            open_entry(be, staging, e)        # metadata once, before any worker opens it
-        be.flush(staging)
-        peaks = run_workers(spec, ("shardpoint", staging, entries), shares, progress, timeout)
-        commit_shardpoint(be, staging, dst, tree, entries, objects, overwrite=overwrite)
-    except BaseException:
-        be.abort(staging)
-        raise
+            open_entry(w, e)                  # metadata once, before any worker opens it
+        w.flush()
+        peaks = run_workers(spec, ("shardpoint", w.path, w.staging, entries), shares,
+                            progress, timeout)
+        commit_shardpoint(w, tree, entries, objects)
     if worker_peaks is not None:
         worker_peaks += peaks
     return skipped
 
 
 def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs: int,
-                               max_shard_size: Any = None, overwrite: bool = False,
+                               max_shard_size: Any = None, overwrite: Overwrite = False,
                                progress: Progress = None,
                                timeout: float = WORKER_TIMEOUT_S,
                                worker_peaks: Optional[list] = None) -> list:
