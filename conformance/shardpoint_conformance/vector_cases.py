@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import msgpack
 import numpy as np
+
 
 def _specials(name: str, bits: int) -> list:
     """Five bit patterns that a lossy reader would get wrong: for floats -0.0, a NaN with a
@@ -128,7 +130,7 @@ def cases() -> dict:
              "a": bits("int16", (6, 5), 701), "b": bits("int16", (6, 5), 702)}
     ident_opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=400,
                                                     chunk_overhead_bytes=0))
-    paths = {k: torch.tensor([i], dtype=torch.int8) for i, k in enumerate(PORTABLE_KEYS)}
+    paths: dict = {k: torch.tensor([i], dtype=torch.int8) for i, k in enumerate(PORTABLE_KEYS)}
     paths["long"] = _long_tree()
     limits = {"w": bits("float32", (2,), 600), "step": 3}
     return {
@@ -167,7 +169,7 @@ def _long_tree() -> dict:
             parts.append("p" * 250)
             left -= 251
         parts.append("q" * left)
-        node: object = torch.tensor([total], dtype=torch.int16)
+        node: Any = torch.tensor([total], dtype=torch.int16)
         for c in reversed(parts):
             node = {c: node}
         return node

@@ -13,7 +13,7 @@ import os
 import secrets
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -153,7 +153,7 @@ def check_dtype(dt: torch.dtype, what: str) -> str:
         raise ConversionError(f"{what}: {e}") from None
 
 
-def nest(items: Iterator[tuple], what: str = "tree") -> dict:
+def nest(items: Iterable[tuple], what: str = "tree") -> dict:
     """Nested dicts from ``(path, leaf)`` pairs: ``(("a", "b"), x)`` -> ``{"a": {"b": x}}``.
     A path under another leaf, or two leaves at one path, is a ConversionError."""
     root: dict = {}
