@@ -233,6 +233,38 @@ def test_errors_name_the_key_and_reason(tmp_path):
         convert(str(tmp_path / "c"), str(tmp_path / "e"), to="dcp")
 
 
+@pytest.mark.parametrize("to,tables", [("shardpoint", True), ("safetensors", True),
+                                       ("dcp", True), ("shardpoint", False)])
+def test_a_source_replaced_while_it_is_converted_is_refused(tmp_path, to, tables):
+    """Another save replaces the shardpoint source after its first tensor was read: the
+    conversion fails with LoadFailedError [SP-COMMIT-14] (the reader's identity check), and
+    nothing mixing the two checkpoints appears at the destination. With chunk tables
+    ([SP-MAN-7], as sp.save writes) the next read fails them and the replacement is named;
+    without (a converted checkpoint) the reads succeed and the check before the commit
+    tells."""
+    src = str(tmp_path / "src")
+    dst = str(tmp_path / ("out.safetensors" if to == "safetensors" else "out"))
+    first = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    if tables:
+        sp.save(first, src)
+    else:
+        torch.save(first, str(tmp_path / "first.pt"))
+        convert(str(tmp_path / "first.pt"), src)
+        os.remove(tmp_path / "first.pt")
+    replaced = []
+
+    def progress(_n):
+        if not replaced:
+            replaced.append(sp.save({"a": torch.ones(4), "b": torch.ones(4)}, src,
+                                    overwrite=True))
+    with pytest.raises(sp.LoadFailedError, match="replaced") as e:
+        convert(src, dst, to=to, progress=progress)
+    assert e.value.spec_id == "SP-COMMIT-14" and replaced
+    assert sorted(os.listdir(tmp_path)) == ["src"]          # no output, no staging left
+    convert(src, dst, to=to)                                # unchanged now: converts
+    assert os.path.exists(dst)
+
+
 # ------------------------------------------------------------------------------- memory
 MEM_SCRIPT = r"""
 import sys

@@ -86,6 +86,11 @@ class Source:
             last = self.__dict__["_last_read"] = (t.path, self.read(t))
         return last[1] if not t.shape else last[1][start:stop]
 
+    def check_unchanged(self) -> None:
+        """Raise where the checkpoint read was replaced since it was opened (what was read
+        may then mix two checkpoints); called after the last read, before anything built from
+        them is published. A format that cannot tell checks nothing."""
+
     def close(self) -> None:
         pass
 

@@ -264,6 +264,7 @@ def write_dcp(src: Source, dst: str, *, overwrite: Overwrite = False, progress: 
                     f"writing DCP checkpoint {dst!r} failed: "
                     + "; ".join(os_error_text(x) for x in causes) + full
                     + f"; nothing was written at {dst!r}") from e
+        src.check_unchanged()       # nothing built from two checkpoints is published
     return []
 
 

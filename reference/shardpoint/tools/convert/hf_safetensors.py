@@ -297,4 +297,5 @@ def write_safetensors(src: Source, dst: str, *, max_shard_size: Any = None,
             _write_file(tmp if fn is None else os.path.join(tmp, fn), src, items, progress)
         if plan.index is not None:
             write_index(tmp, plan.index)
+        src.check_unchanged()       # nothing built from two checkpoints is published
     return plan.skipped

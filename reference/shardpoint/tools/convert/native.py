@@ -75,6 +75,11 @@ class ShardpointSource(Source):
     def read(self, t: TensorInfo) -> torch.Tensor:
         return self.read_rows(t, 0, t.shape[0] if t.shape else 0)
 
+    def check_unchanged(self) -> None:
+        """LoadFailedError ([SP-COMMIT-14]) where another save replaced the checkpoint since
+        its manifest was read: its tensors may come from two checkpoints."""
+        self.reader.check_unchanged()
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -198,6 +203,7 @@ def write_shardpoint(src: Source, dst: str, *, overwrite: Overwrite = False,
             write_rows(w, open_entry(w, e), src, t, e, 0, t.shape[0] if t.shape else 0,
                        progress)
         w.flush()
+        src.check_unchanged()          # nothing built from two checkpoints is committed
         commit_shardpoint(w, tree, entries, objects)
     return skipped
 

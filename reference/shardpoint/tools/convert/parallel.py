@@ -350,6 +350,7 @@ def write_shardpoint_parallel(src: Source, dst: str, spec: SourceSpec, *, procs:
         w.flush()
         peaks = run_workers(spec, ("shardpoint", w.path, w.staging, entries), shares,
                             progress, timeout)
+        src.check_unchanged()         # the workers read the source this process opened
         commit_shardpoint(w, tree, entries, objects)
     if worker_peaks is not None:
         worker_peaks += peaks
@@ -379,6 +380,7 @@ def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs
             places.update({t.key: (path, name, offsets[name]) for name, t in items})
         peaks = run_workers(spec, ("safetensors", places), plan_shares(src.tensors, procs, {}),
                             progress, timeout)
+        src.check_unchanged()
         if plan.index is not None:
             write_index(root, plan.index)
     if worker_peaks is not None:
