@@ -106,8 +106,15 @@ class CheckpointReader:
     def check_unchanged(self, cause: Optional[BaseException] = None) -> None:
         """Raise :class:`LoadFailedError` (from ``cause``, the error a read met, if any) when
         another save replaced or removed the checkpoint since its manifest was read: what was
-        read may mix two checkpoints."""
-        if not self.unchanged():
+        read may mix two checkpoints. With a ``cause``, a failure to tell leaves it to
+        stand (raises nothing)."""
+        try:
+            same = self.unchanged()
+        except Exception:  # noqa: BLE001 - the read's own error stands
+            if cause is None:
+                raise
+            same = True
+        if not same:
             raise LoadFailedError(
                 f"the checkpoint at {self.path!r} was replaced (or removed) by another save "
                 "while it was read, so what was read may mix two checkpoints; nothing was "
