@@ -233,6 +233,24 @@ def test_errors_name_the_key_and_reason(tmp_path):
         convert(str(tmp_path / "c"), str(tmp_path / "e"), to="dcp")
 
 
+def test_a_converted_checkpoint_has_chunk_tables(tmp_path):
+    """A converted checkpoint records every chunk's crc32c ([SP-MAN-7], a 1.3 manifest) as
+    ``sp.save`` does, so a load catches two chunks of one size swapped ([SP-READ-8])."""
+    w = random_bits("w", (64, 4), torch.float32)
+    torch.save({"w": w}, str(tmp_path / "t.pt"))
+    ck = str(tmp_path / "c")
+    convert(str(tmp_path / "t.pt"), ck, max_chunk_bytes=256)        # 4 chunks of 16 rows
+    m = sp.read_metadata(ck)
+    assert tuple(m.format_version) == (1, 3) and len(m.tensors["w"].chunk_crc32c) == 4 * 4
+    assert same_bits(sp.load(ck)["w"], w)
+    c0, c1 = tmp_path / "c/tensors/w/c/0/0", tmp_path / "c/tensors/w/c/1/0"
+    b0, b1 = c0.read_bytes(), c1.read_bytes()
+    c0.write_bytes(b1)
+    c1.write_bytes(b0)
+    with pytest.raises(sp.CorruptCheckpointError) as e:
+        sp.load(ck)
+    assert e.value.spec_id == "SP-READ-8"
+
 @pytest.mark.parametrize("to,tables", [("shardpoint", True), ("safetensors", True),
                                        ("dcp", True), ("shardpoint", False)])
 def test_a_source_replaced_while_it_is_converted_is_refused(tmp_path, to, tables):

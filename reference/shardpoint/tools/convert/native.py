@@ -22,7 +22,9 @@ from shardpoint_core.format.errors import (CheckpointExistsError, ConversionErro
                                     UnsupportedValueError)
 from shardpoint.planning.grid import plan_chunk_grid
 from shardpoint_core.format.keys import encode_key
-from shardpoint_core.format.manifest import Manifest, TensorEntry, array_path_for
+from shardpoint_core.arrays.identity import join_tables
+from shardpoint_core.format.manifest import (FORMAT_VERSION_1_3, Manifest, TensorEntry,
+                                             array_path_for)
 from shardpoint.planning.plans import PlanOptions
 from shardpoint_core.commit.posix import check_not_containing
 from shardpoint_core.stores.registry import is_local
@@ -202,15 +204,26 @@ def write_shardpoint(src: Source, dst: str, *, overwrite: Overwrite = False,
             e = entries[t.key] = tensor_entry(t, max_chunk_bytes)
             write_rows(w, open_entry(w, e), src, t, e, 0, t.shape[0] if t.shape else 0,
                        progress)
-        w.flush()
+        crcs = w.flush()
         src.check_unchanged()          # nothing built from two checkpoints is committed
-        commit_shardpoint(w, tree, entries, objects)
+        commit_shardpoint(w, tree, entries, objects, [crcs])
     return skipped
 
 
-def commit_shardpoint(w: CheckpointWriter, tree: dict, entries: dict, objects: dict) -> None:
-    """Every array of the save is durable: the manifest last, then the commit."""
-    w.commit(Manifest(tree, entries, objects, save_world_size=1))
+def commit_shardpoint(w: CheckpointWriter, tree: dict, entries: dict, objects: dict,
+                      reports: Sequence[dict] = ()) -> None:
+    """Every array of the save is durable: the manifest last, then the commit. ``reports``:
+    what each writer's :meth:`~CheckpointWriter.flush` recorded, for the chunk tables
+    ([SP-MAN-7]: a tensor gets one where every chunk's crc32c was recorded; the manifest
+    is then a 1.3 one, as ``sp.save`` writes it)."""
+    tables = {k: join_tables(reports, e.array, e.shape, e.chunk_shape)
+              for k, e in entries.items()}
+    entries = {k: TensorEntry(e.key, e.array, e.shape, e.dtype, e.chunk_shape, tables[k])
+               for k, e in entries.items()}
+    m = Manifest(tree, entries, objects, save_world_size=1)
+    if any(t is not None for t in tables.values()):
+        m.format_version = FORMAT_VERSION_1_3      # the bytes hold a 1.3 construct
+    w.commit(m)
 
 
 def write_rows(w: CheckpointWriter, h: Any, src: Source, t: TensorInfo, e: TensorEntry,

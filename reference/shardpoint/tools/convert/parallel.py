@@ -13,7 +13,8 @@ the same chunk grid, the same files, each chunk (or byte range) written by exact
 
 Workers are forked from a fork server (no inherited threads or locks; see
 :func:`worker_context`) and talk to the coordinator over a multiprocessing queue with small
-tuples (work descriptions and byte counts; never checkpoint data). As with any
+tuples (work descriptions, byte counts and, once, the crc32c of the chunks a worker wrote for
+the chunk tables; never checkpoint data). As with any
 multiprocessing start method but ``fork``, a script that converts with ``procs`` > 1 must
 guard its top level with ``if __name__ == "__main__":`` (workers import the main module).
 """
@@ -144,8 +145,8 @@ def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> N
                         windows[it.path] = (it.start, it.stop)
                 sink.write(src, t, it.start, it.stop, progress)
             key = None
-            sink.finish()
-        q.put(("done", wid, _peak_rss() - base))
+            report = sink.finish()
+        q.put(("done", wid, _peak_rss() - base, report))
     except BaseException as e:  # noqa: BLE001 - reported to the coordinator, named by key
         if isinstance(e, OSError) and not isinstance(e, errors.ShardpointError):
             # A full or read-only disk: the cause and its fix, not a traceback.
@@ -195,8 +196,9 @@ class _ShardpointSink:
             self.handles[t.key] = open_entry(self.w, e)
         write_rows(self.w, self.handles[t.key], src, t, e, start, stop, progress)
 
-    def finish(self) -> None:
-        self.w.flush()
+    def finish(self) -> dict:
+        """Durable; the crc32c of the chunks written, for the chunk tables ([SP-MAN-7])."""
+        return self.w.flush()
 
 
 class _SafetensorsSink:
@@ -213,12 +215,13 @@ class _SafetensorsSink:
             self.files[fn] = open(fn, "r+b")
         write_rows_at(self.files[fn], src, name, t, start, stop, offset, progress)
 
-    def finish(self) -> None:
+    def finish(self) -> dict:
         for f in self.files.values():
             f.flush()
             os.fsync(f.fileno())
             f.close()
         self.files.clear()
+        return {}
 
 
 _SINKS = {"shardpoint": _ShardpointSink, "safetensors": _SafetensorsSink}
@@ -250,11 +253,12 @@ _WORKER_MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "shardpo
 
 
 def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progress,
-                timeout: float) -> list:
+                timeout: float) -> tuple:
     """Run one worker per non-empty share and wait for all of them; the first failure, death
     or ``timeout`` seconds of silence from a worker (``STARTUP_TIMEOUT_S`` at least before its
-    first report) stops them all and raises. Returns each worker's peak memory growth while
-    converting (bytes above its resident size once the source was open)."""
+    first report) stops them all and raises. Returns (each worker's peak memory growth while
+    converting: bytes above its resident size once the source was open; each worker's
+    report: the crc32c of the chunks it wrote, for a shardpoint target's chunk tables)."""
     ctx = worker_context()
     q = ctx.Queue()
     procs = {}
@@ -265,6 +269,7 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
     heard = {wid: time.monotonic() for wid in procs}
     current: dict = {}
     peaks: dict = {}
+    reports: dict = {}
     running = set(procs)
     try:
         for p in procs.values():
@@ -285,7 +290,7 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
                     current[wid] = msg[2]
                 elif kind == "done":
                     running.discard(wid)
-                    peaks[wid] = msg[2]
+                    peaks[wid], reports[wid] = msg[2], msg[3]
                 elif kind == "error":
                     raise _worker_error(wid, *msg[2:])
                 continue
@@ -313,7 +318,7 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
                 p.join(timeout=10)
         q.close()
         q.join_thread()
-    return [peaks[w] for w in sorted(peaks)]
+    return [peaks[w] for w in sorted(peaks)], [reports[w] for w in sorted(reports)]
 
 
 def _what(key: Optional[str]) -> str:
@@ -348,10 +353,10 @@ def write_shardpoint_parallel(src: Source, dst: str, spec: SourceSpec, *, procs:
         for e in entries.values():
             open_entry(w, e)                  # metadata once, before any worker opens it
         w.flush()
-        peaks = run_workers(spec, ("shardpoint", w.path, w.staging, entries), shares,
-                            progress, timeout)
+        peaks, reports = run_workers(spec, ("shardpoint", w.path, w.staging, entries),
+                                     shares, progress, timeout)
         src.check_unchanged()         # the workers read the source this process opened
-        commit_shardpoint(w, tree, entries, objects)
+        commit_shardpoint(w, tree, entries, objects, reports)
     if worker_peaks is not None:
         worker_peaks += peaks
     return skipped
@@ -378,8 +383,8 @@ def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs
                 f.flush()
                 os.fsync(f.fileno())
             places.update({t.key: (path, name, offsets[name]) for name, t in items})
-        peaks = run_workers(spec, ("safetensors", places), plan_shares(src.tensors, procs, {}),
-                            progress, timeout)
+        peaks, _ = run_workers(spec, ("safetensors", places),
+                               plan_shares(src.tensors, procs, {}), progress, timeout)
         src.check_unchanged()
         if plan.index is not None:
             write_index(root, plan.index)
