@@ -233,6 +233,15 @@ def test_errors_name_the_key_and_reason(tmp_path):
         convert(str(tmp_path / "c"), str(tmp_path / "e"), to="dcp")
 
 
+@pytest.mark.parametrize("to", ["shardpoint", "safetensors", "dcp"])
+def test_overwrite_takes_one_type_before_anything_is_read(tmp_path, to):
+    """``overwrite`` is False, True or "any" on every target (shardpoint_core's one type), a
+    value read as a truth value refused before the source is even opened."""
+    with pytest.raises(sp.InvalidOptionError, match="overwrite='yes'"):
+        convert(str(tmp_path / "missing"), str(tmp_path / "out"), to=to, overwrite="yes")
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_converted_checkpoint_has_chunk_tables(tmp_path):
     """A converted checkpoint records every chunk's crc32c ([SP-MAN-7], a 1.3 manifest) as
     ``sp.save`` does, so a load catches two chunks of one size swapped ([SP-READ-8])."""
