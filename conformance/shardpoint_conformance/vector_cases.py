@@ -1,7 +1,7 @@
 """The valid golden vectors: what each one holds and how it is written.
 
 Most are written by ``shardpoint.save`` from a fixed-seed state; ``edge_chunks`` is written
-through the reference's storage layer directly, to pin chunk and inner-chunk shapes that a
+through the core's checkpoint writer directly, to pin chunk and inner-chunk shapes that a
 one-process save would not choose. Each case may edit the manifest (to stand for a
 multi-rank save) and then the files (to exercise spellings other writers use).
 """
@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import msgpack
 import numpy as np
+
 
 def _specials(name: str, bits: int) -> list:
     """Five bit patterns that a lossy reader would get wrong: for floats -0.0, a NaN with a
@@ -128,7 +130,7 @@ def cases() -> dict:
              "a": bits("int16", (6, 5), 701), "b": bits("int16", (6, 5), 702)}
     ident_opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=400,
                                                     chunk_overhead_bytes=0))
-    paths = {k: torch.tensor([i], dtype=torch.int8) for i, k in enumerate(PORTABLE_KEYS)}
+    paths: dict = {k: torch.tensor([i], dtype=torch.int8) for i, k in enumerate(PORTABLE_KEYS)}
     paths["long"] = _long_tree()
     limits = {"w": bits("float32", (2,), 600), "step": 3}
     return {
@@ -167,7 +169,7 @@ def _long_tree() -> dict:
             parts.append("p" * 250)
             left -= 251
         parts.append("q" * left)
-        node: object = torch.tensor([total], dtype=torch.int16)
+        node: Any = torch.tensor([total], dtype=torch.int16)
         for c in reversed(parts):
             node = {c: node}
         return node
@@ -231,29 +233,27 @@ def write_edge_chunks(path: str) -> None:
     """Two 10x7 tensors with chunk grids a one-process save would not pick: ``plain`` in 4x3
     chunks (edge chunks in both dimensions, no sharding) and ``sharded`` in 8x4 shards of
     2x4 inner chunks (the last shard row holds a present edge inner chunk and absent inner
-    chunks wholly outside the tensor, [SP-ARRAY-4])."""
-    from shardpoint_core.format.manifest import (Manifest, TensorEntry, array_path_for,
-                                                 encode_manifest)
+    chunks wholly outside the tensor, [SP-ARRAY-4]). Saved through the core's
+    :class:`~shardpoint_core.transactions.writer.CheckpointWriter`, as every writer saves."""
+    from shardpoint.tree import dtypes
+    from shardpoint_core.format.manifest import Manifest, TensorEntry, array_path_for
     from shardpoint_core.format.spec import ArraySpec
     from shardpoint_core.transactions.backend import ZarrBackend
+    from shardpoint_core.transactions.writer import CheckpointWriter
     be = ZarrBackend(shard_above_bytes=64, inner_chunk_bytes=32)
-    from shardpoint.tree import dtypes
     plain = dtypes.torch_to_numpy(bits("int16", (10, 7), 400))
     sharded = dtypes.torch_to_numpy(bits("float32", (10, 7), 401))
-    os.makedirs(path)
     tensors, ops = {}, []
-    for key, a, chunk, big in (("plain", plain, (4, 3), 1 << 30), ("sharded", sharded, (8, 4), 64)):
-        be.shard_above_bytes = big
-        spec = ArraySpec(a.shape, dtypes.from_numpy(a.dtype).name, chunk)
-        h = be.open_array_for_write(path, array_path_for(key), spec)
-        ops.append(be.write(h, (0, 0), a))
-        tensors[key] = TensorEntry(key, array_path_for(key), a.shape, spec.dtype, chunk)
-    be.wait(ops)
-    tree = {"dict": [["plain", {"tensor": "plain", "origin": "numpy"}],
-                     ["sharded", {"tensor": "sharded", "origin": "numpy"}]]}
-    m = Manifest(tree, tensors, {}, save_world_size=1)
-    from shardpoint_core.stores.files import FileStore
-    from shardpoint_core.arrays.groups import write_groups
-    write_groups(FileStore(path, fsync=False), "", [e.array for e in tensors.values()])
-    with open(os.path.join(path, "manifest.msgpack"), "wb") as f:
-        f.write(encode_manifest(m))
+    with CheckpointWriter.begin(path, backend=be) as w:
+        for key, a, chunk, big in (("plain", plain, (4, 3), 1 << 30),
+                                   ("sharded", sharded, (8, 4), 64)):
+            be.shard_above_bytes = big          # the codecs are chosen when the array opens
+            spec = ArraySpec(a.shape, dtypes.from_numpy(a.dtype).name, chunk)
+            h = w.open_array(array_path_for(key), spec)
+            ops.append(w.write(h, (0, 0), a))
+            tensors[key] = TensorEntry(key, array_path_for(key), a.shape, spec.dtype, chunk)
+        w.wait(ops)
+        w.flush()           # a 1.1 vector: no chunk tables, so their crc32c are not used
+        tree = {"dict": [["plain", {"tensor": "plain", "origin": "numpy"}],
+                         ["sharded", {"tensor": "sharded", "origin": "numpy"}]]}
+        w.commit(Manifest(tree, tensors, {}, save_world_size=1))

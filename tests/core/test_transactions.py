@@ -88,6 +88,36 @@ def test_a_replacement_during_a_read_is_seen(where):
         r.check_unchanged()
 
 
+def test_a_read_failing_because_of_a_replacement_says_so(tmp_path):
+    """Reads that fail because another save replaced the checkpoint (its arrays gone under
+    the manifest read first) are LoadFailedError [SP-COMMIT-14], the failure as its cause,
+    not a damaged checkpoint: from opening an array and from waiting for a read. (Files:
+    on an object store a replaced save's objects stay readable under its own prefix, so
+    the reads succeed and :meth:`check_unchanged` tells.)"""
+    where = str(tmp_path / "ck")
+    _save(where, 1.0)
+    r = CheckpointReader.open(where)
+    a = r.array("w")
+    _save_other(where)
+    out = np.empty((2, 4), np.float32)
+    with pytest.raises(LoadFailedError, match="replaced") as e:
+        r.wait([r.read_into(a, (2, 0), out)])
+    assert e.value.spec_id == "SP-COMMIT-14" and e.value.__cause__ is not None
+    with pytest.raises(LoadFailedError, match="replaced"):
+        r.array("w")
+
+
+def _save_other(path: str) -> None:
+    """A checkpoint at ``path`` (replacing it) whose one tensor is ``v``, not ``w``."""
+    entry = TensorEntry("v", array_path_for("v"), SPEC.shape, SPEC.dtype, SPEC.chunk_shape)
+    with CheckpointWriter.begin(path, overwrite=True) as w:
+        a = w.open_array(entry.array, SPEC)
+        w.wait([w.write(a, (0, 0), np.zeros((4, 4), np.float32))])
+        w.flush()
+        w.commit(Manifest({"dict": [["v", {"tensor": "v"}]]}, {"v": entry}, {},
+                          save_world_size=1))
+
+
 def test_only_the_coordinator_commits(where):
     w0 = CheckpointWriter.begin(where)
     w1 = CheckpointWriter.join(where, w0.staging)

@@ -233,6 +233,65 @@ def test_errors_name_the_key_and_reason(tmp_path):
         convert(str(tmp_path / "c"), str(tmp_path / "e"), to="dcp")
 
 
+@pytest.mark.parametrize("to", ["shardpoint", "safetensors", "dcp"])
+def test_overwrite_takes_one_type_before_anything_is_read(tmp_path, to):
+    """``overwrite`` is False, True or "any" on every target (shardpoint_core's one type), a
+    value read as a truth value refused before the source is even opened."""
+    with pytest.raises(sp.InvalidOptionError, match="overwrite='yes'"):
+        convert(str(tmp_path / "missing"), str(tmp_path / "out"), to=to, overwrite="yes")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_converted_checkpoint_has_chunk_tables(tmp_path):
+    """A converted checkpoint records every chunk's crc32c ([SP-MAN-7], a 1.3 manifest) as
+    ``sp.save`` does, so a load catches two chunks of one size swapped ([SP-READ-8])."""
+    w = random_bits("w", (64, 4), torch.float32)
+    torch.save({"w": w}, str(tmp_path / "t.pt"))
+    ck = str(tmp_path / "c")
+    convert(str(tmp_path / "t.pt"), ck, max_chunk_bytes=256)        # 4 chunks of 16 rows
+    m = sp.read_metadata(ck)
+    assert tuple(m.format_version) == (1, 3) and len(m.tensors["w"].chunk_crc32c) == 4 * 4
+    assert same_bits(sp.load(ck)["w"], w)
+    c0, c1 = tmp_path / "c/tensors/w/c/0/0", tmp_path / "c/tensors/w/c/1/0"
+    b0, b1 = c0.read_bytes(), c1.read_bytes()
+    c0.write_bytes(b1)
+    c1.write_bytes(b0)
+    with pytest.raises(sp.CorruptCheckpointError) as e:
+        sp.load(ck)
+    assert e.value.spec_id == "SP-READ-8"
+
+@pytest.mark.parametrize("to,tables", [("shardpoint", True), ("safetensors", True),
+                                       ("dcp", True), ("shardpoint", False)])
+def test_a_source_replaced_while_it_is_converted_is_refused(tmp_path, to, tables):
+    """Another save replaces the shardpoint source after its first tensor was read: the
+    conversion fails with LoadFailedError [SP-COMMIT-14] (the reader's identity check), and
+    nothing mixing the two checkpoints appears at the destination. With chunk tables
+    ([SP-MAN-7], as sp.save writes) the next read fails them and the replacement is named;
+    without (a converted checkpoint) the reads succeed and the check before the commit
+    tells."""
+    src = str(tmp_path / "src")
+    dst = str(tmp_path / ("out.safetensors" if to == "safetensors" else "out"))
+    first = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    if tables:
+        sp.save(first, src)
+    else:
+        torch.save(first, str(tmp_path / "first.pt"))
+        convert(str(tmp_path / "first.pt"), src)
+        os.remove(tmp_path / "first.pt")
+    replaced = []
+
+    def progress(_n):
+        if not replaced:
+            replaced.append(sp.save({"a": torch.ones(4), "b": torch.ones(4)}, src,
+                                    overwrite=True))
+    with pytest.raises(sp.LoadFailedError, match="replaced") as e:
+        convert(src, dst, to=to, progress=progress)
+    assert e.value.spec_id == "SP-COMMIT-14" and replaced
+    assert sorted(os.listdir(tmp_path)) == ["src"]          # no output, no staging left
+    convert(src, dst, to=to)                                # unchanged now: converts
+    assert os.path.exists(dst)
+
+
 # ------------------------------------------------------------------------------- memory
 MEM_SCRIPT = r"""
 import sys

@@ -39,6 +39,24 @@ def test_diff_finds_one_flipped_bit_in_23_mb(tmp_path, capsys):
     assert rc == 0 and out.startswith("equal (atol=1e-05, rtol=0)")
 
 
+def test_diff_of_a_checkpoint_replaced_while_it_is_read_is_refused(tmp_path):
+    """A checkpoint replaced by another save during the diff (its first tensor compared from
+    the old one, the rest from the new) is LoadFailedError [SP-COMMIT-14], not a report."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    sp.save({"x": torch.zeros(4), "y": torch.zeros(4)}, a)
+    sp.save({"x": torch.ones(4), "y": torch.ones(4)}, b)
+    replaced = []
+
+    def progress(_n):
+        if not replaced:
+            replaced.append(sp.save({"x": torch.ones(4), "y": torch.ones(4)}, a,
+                                    overwrite=True))
+    with pytest.raises(sp.LoadFailedError, match="replaced") as e:
+        diff_checkpoints(a, b, progress=progress)
+    assert e.value.spec_id == "SP-COMMIT-14" and replaced
+    assert diff_checkpoints(a, b).tensors == []            # read again: equal now
+
+
 def test_diff_reports_keys_shapes_dtypes_values(tmp_path, capsys):
     nan = torch.tensor([float("nan"), -0.0, 1.0])
     sp.save({"same": torch.arange(6).reshape(2, 3), "nan": nan, "gone": torch.ones(1),

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from shardpoint_core.format.errors import LoadFailedError
+from shardpoint_core.format.errors import LoadFailedError, ShardpointError
 from shardpoint_core.format.manifest import Manifest, decode_manifest
 from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.transactions.resolve import manifest_with_identity, resolve
@@ -67,7 +67,11 @@ class CheckpointReader:
         """A handle to read the stored tensor ``key`` (its zarr.json read and checked against
         the manifest entry). Callable from several threads at once."""
         e = self.manifest.tensors[key]
-        return self.backend.open_array_for_read(self.path, e.array, e.spec, key)
+        try:
+            return self.backend.open_array_for_read(self.path, e.array, e.spec, key)
+        except ShardpointError as err:
+            self.check_unchanged(err)
+            raise
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
         """Start reading the region of ``out.shape`` at ``offset`` into ``out``."""
@@ -87,8 +91,14 @@ class CheckpointReader:
 
     def wait(self, ops: Sequence[Any]) -> None:
         """Wait for every read; the first error is raised, as the spec's error naming its
-        tensor, once every read finished."""
-        self.backend.wait(ops)
+        tensor, once every read finished (LoadFailedError where the checkpoint was replaced
+        meanwhile: the bytes of a newer save fail the checks of the manifest read first, and
+        the replacement, not damage, is what happened)."""
+        try:
+            self.backend.wait(ops)
+        except ShardpointError as err:
+            self.check_unchanged(err)
+            raise
 
     def current_identity(self) -> Optional[list[Any]]:
         """The identity of the commit at ``path`` now (None: none there, or the backend
@@ -101,16 +111,24 @@ class CheckpointReader:
         tell one commit from another)."""
         return self.identity is None or self.current_identity() == self.identity
 
-    def check_unchanged(self) -> None:
-        """Raise :class:`LoadFailedError` when another save replaced or removed the checkpoint
-        since its manifest was read: what was read may mix two checkpoints."""
-        if not self.unchanged():
+    def check_unchanged(self, cause: Optional[BaseException] = None) -> None:
+        """Raise :class:`LoadFailedError` (from ``cause``, the error a read met, if any) when
+        another save replaced or removed the checkpoint since its manifest was read: what was
+        read may mix two checkpoints. With a ``cause``, a failure to tell leaves it to
+        stand (raises nothing)."""
+        try:
+            same = self.unchanged()
+        except Exception:  # noqa: BLE001 - the read's own error stands
+            if cause is None:
+                raise
+            same = True
+        if not same:
             raise LoadFailedError(
                 f"the checkpoint at {self.path!r} was replaced (or removed) by another save "
                 "while it was read, so what was read may mix two checkpoints; nothing was "
                 "returned. Read again, and do not save over a checkpoint (overwrite=True, a "
                 "manager's force=True or retention) while another job reads it",
-                spec_id="SP-COMMIT-14")
+                spec_id="SP-COMMIT-14") from cause
 
     def close(self) -> None:
         """The end of this load: the backend drops what it kept for reads of ``path`` (the

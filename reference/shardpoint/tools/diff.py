@@ -229,6 +229,8 @@ def diff_sources(sa: Source, sb: Source, *, atol: Optional[float] = None,
         rep.compared_bytes += x.nbytes
         if td is not None:
             rep.tensors.append(td)
+    sa.check_unchanged()      # a checkpoint replaced while it was read: no mixed report
+    sb.check_unchanged()
     return rep
 
 

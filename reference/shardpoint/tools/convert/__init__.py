@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from shardpoint_core.commit.base import Overwrite, check_overwrite
 from shardpoint_core.format.errors import ConversionError, ShardpointError
 from shardpoint_core.stores.fsutil import os_error_text
 from shardpoint.tools.convert.base import Progress, Source, TensorInfo
@@ -71,7 +72,7 @@ def target_format(dst: str, src_format: str) -> str:
     return "shardpoint"
 
 
-def write(src: Source, dst: str, fmt: str, *, overwrite: Any = False,
+def write(src: Source, dst: str, fmt: str, *, overwrite: Overwrite = False,
           max_shard_size: Any = None, progress: Progress = None, backend: Any = None,
           procs: int = 1, max_chunk_bytes: int = 256 << 20,
           worker_timeout: float = WORKER_TIMEOUT_S, skip_common: bool = False,
@@ -124,7 +125,7 @@ def write(src: Source, dst: str, fmt: str, *, overwrite: Any = False,
 
 
 def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str] = None,
-            overwrite: Any = False, max_shard_size: Any = None, skip_common: bool = False,
+            overwrite: Overwrite = False, max_shard_size: Any = None, skip_common: bool = False,
             progress: Progress = None, on_open: Any = None, backend: Any = None,
             procs: int = 1, max_chunk_bytes: int = 256 << 20,
             worker_timeout: float = WORKER_TIMEOUT_S,
@@ -150,6 +151,7 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
     the source only."""
     t0 = time.perf_counter()
     from shardpoint_core.stores.registry import check_path, is_local, local_path
+    overwrite = check_overwrite(overwrite)   # one type on every target, before any I/O
     if is_local(dst):
         dst = local_path(dst, "convert")
     else:         # s3://...: shardpoint output through the object-store commit (write())

@@ -13,11 +13,12 @@ import os
 import secrets
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
 from shardpoint.tree import dtypes
+from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.format.errors import CheckpointExistsError, ConversionError, SaveFailedError
 from shardpoint_core.stores.fsutil import fsync_dir
@@ -84,6 +85,11 @@ class Source:
             self.__dict__["_last_read"] = None
             last = self.__dict__["_last_read"] = (t.path, self.read(t))
         return last[1] if not t.shape else last[1][start:stop]
+
+    def check_unchanged(self) -> None:
+        """Raise where the checkpoint read was replaced since it was opened (what was read
+        may then mix two checkpoints); called after the last read, before anything built from
+        them is published. A format that cannot tell checks nothing."""
 
     def close(self) -> None:
         pass
@@ -152,7 +158,7 @@ def check_dtype(dt: torch.dtype, what: str) -> str:
         raise ConversionError(f"{what}: {e}") from None
 
 
-def nest(items: Iterator[tuple], what: str = "tree") -> dict:
+def nest(items: Iterable[tuple], what: str = "tree") -> dict:
     """Nested dicts from ``(path, leaf)`` pairs: ``(("a", "b"), x)`` -> ``{"a": {"b": x}}``.
     A path under another leaf, or two leaves at one path, is a ConversionError."""
     root: dict = {}
@@ -184,7 +190,7 @@ def with_cli_flag(e: CheckpointExistsError) -> CheckpointExistsError:
 
 
 @contextmanager
-def staged_output(dst: str, overwrite: Any, *, is_dir: bool,
+def staged_output(dst: str, overwrite: Overwrite, *, is_dir: bool,
                   is_output: Callable[[str], bool], protect: Sequence[str] = ()
                   ) -> Iterator[str]:
     """A hidden sibling to write into, published at ``dst`` by the committer when the block

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.errors import ConversionError, ShardpointError
 from shardpoint_core.stores.fsutil import os_error_text
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, flat_name, key_of, nest,
@@ -204,7 +205,7 @@ class DCPSource(Source):
         self.__dict__.pop("_last_read", None)
 
 
-def write_dcp(src: Source, dst: str, *, overwrite: bool = False, progress: Progress = None,
+def write_dcp(src: Source, dst: str, *, overwrite: Overwrite = False, progress: Progress = None,
               thread_count: int = 1) -> list:
     """Write ``src`` as a DCP checkpoint (one rank's files) that ``dcp.load`` reads back into
     the same nested state dict. Values are stored as DCP bytes entries; sharded objects as the
@@ -263,6 +264,7 @@ def write_dcp(src: Source, dst: str, *, overwrite: bool = False, progress: Progr
                     f"writing DCP checkpoint {dst!r} failed: "
                     + "; ".join(os_error_text(x) for x in causes) + full
                     + f"; nothing was written at {dst!r}") from e
+        src.check_unchanged()       # nothing built from two checkpoints is published
     return []
 
 

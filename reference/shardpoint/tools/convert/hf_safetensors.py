@@ -20,6 +20,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.errors import ConversionError
 from shardpoint.tree.views import to_numpy
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, flat_name, key_of,
@@ -284,7 +285,7 @@ def write_index(root: str, index: dict) -> None:
 
 
 def write_safetensors(src: Source, dst: str, *, max_shard_size: Any = None,
-                      overwrite: bool = False, progress: Progress = None) -> list:
+                      overwrite: Overwrite = False, progress: Progress = None) -> list:
     """Write ``src`` as one safetensors file (``dst`` ending in ``.safetensors``) or a
     Hugging Face directory (``model.safetensors``, or shards plus
     ``model.safetensors.index.json`` when ``max_shard_size`` splits it). Values and objects
@@ -296,4 +297,5 @@ def write_safetensors(src: Source, dst: str, *, max_shard_size: Any = None,
             _write_file(tmp if fn is None else os.path.join(tmp, fn), src, items, progress)
         if plan.index is not None:
             write_index(tmp, plan.index)
+        src.check_unchanged()       # nothing built from two checkpoints is published
     return plan.skipped

@@ -1,13 +1,15 @@
-"""shardpoint checkpoints as a conversion source and sink.
+"""shardpoint checkpoints as a conversion source and sink, through the core's checkpoint
+transactions.
 
-The sink writes through the storage backend array by array (chunk by chunk from one tensor
-at a time) into a staging location, then writes the manifest and commits with the backend's
-own protocol: the converted checkpoint appears complete or not at all.
+The source reads through a :class:`~shardpoint_core.transactions.reader.CheckpointReader`; the
+sink writes through a :class:`~shardpoint_core.transactions.writer.CheckpointWriter`, array by
+array (chunk by chunk from one tensor at a time) into its staging location, then commits the
+manifest with the store's own protocol: the converted checkpoint appears complete or not at
+all.
 """
 from __future__ import annotations
 
 import math
-import secrets
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -15,18 +17,21 @@ import torch
 
 from shardpoint.tree import dtypes
 from shardpoint.tree import values
-from shardpoint_core.transactions.resolve import backend_for
+from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.errors import (CheckpointExistsError, ConversionError, InvalidKeyError,
                                     UnsupportedValueError)
 from shardpoint.planning.grid import plan_chunk_grid
 from shardpoint_core.format.keys import encode_key
-from shardpoint_core.format.manifest import (Manifest, TensorEntry, array_path_for,
-                                             decode_manifest, encode_manifest)
+from shardpoint_core.arrays.identity import join_tables
+from shardpoint_core.format.manifest import (FORMAT_VERSION_1_3, Manifest, TensorEntry,
+                                             array_path_for)
 from shardpoint.planning.plans import PlanOptions
 from shardpoint_core.commit.posix import check_not_containing
 from shardpoint_core.stores.registry import is_local
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.transactions.protocol import StorageBackend
+from shardpoint_core.transactions.reader import CheckpointReader
+from shardpoint_core.transactions.writer import CheckpointWriter
 from shardpoint.tree.views import to_numpy
 from shardpoint_core.format.statetree import ValueLeaf, encode_tree, map_tree, plain_children
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, key_of, nest,
@@ -40,8 +45,9 @@ class ShardpointSource(Source):
 
     def __init__(self, path: str, backend: Optional[StorageBackend] = None) -> None:
         super().__init__(str(path), FORMAT)
-        self.backend = backend_for(self.path, backend)      # s3://...: the object backend
-        self.manifest = decode_manifest(self.backend.read_manifest(self.path))
+        # s3://...: the object-store backend; the manifest read once, with its commit's identity
+        self.reader = CheckpointReader.open(self.path, backend=backend, call="convert")
+        self.manifest = self.reader.manifest
         self._handles: dict = {}
         self._entries: dict = {}
         for path, leaf in _leaves(self.manifest.tree, ()):
@@ -57,9 +63,7 @@ class ShardpointSource(Source):
 
     def _handle(self, t: TensorInfo) -> Any:
         if t.path not in self._handles:
-            e = self._entries[t.path]
-            self._handles[t.path] = self.backend.open_array_for_read(self.path, e.array,
-                                                                     e.spec, e.key)
+            self._handles[t.path] = self.reader.array(self._entries[t.path].key)
         return self._handles[t.path]
 
     def read_rows(self, t: TensorInfo, start: int, stop: int) -> torch.Tensor:
@@ -67,11 +71,16 @@ class ShardpointSource(Source):
         out = torch.empty(shape, dtype=t.dtype)
         if out.numel():
             off = (start,) + (0,) * (len(shape) - 1) if shape else ()
-            self.backend.wait([self.backend.read_into(self._handle(t), off, to_numpy(out))])
+            self.reader.wait([self.reader.read_into(self._handle(t), off, to_numpy(out))])
         return out
 
     def read(self, t: TensorInfo) -> torch.Tensor:
         return self.read_rows(t, 0, t.shape[0] if t.shape else 0)
+
+    def check_unchanged(self) -> None:
+        """LoadFailedError ([SP-COMMIT-14]) where another save replaced the checkpoint since
+        its manifest was read: its tensors may come from two checkpoints."""
+        self.reader.check_unchanged()
 
     def close(self) -> None:
         self._handles.clear()
@@ -156,15 +165,16 @@ def tensor_entry(t: TensorInfo, max_chunk_bytes: int) -> TensorEntry:
     return TensorEntry(t.key, array_path_for(t.key), shape, name, tuple(chunk))
 
 
-def open_entry(be: StorageBackend, staging: str, e: TensorEntry) -> Any:
-    """Create (or open, when another process created it) the array of ``e`` under staging."""
-    return be.open_array_for_write(staging, e.array, ArraySpec(e.shape, e.dtype, e.chunk_shape))
+def open_entry(w: CheckpointWriter, e: TensorEntry) -> Any:
+    """Create (or open, when another process created it) the array of ``e`` in the save."""
+    return w.open_array(e.array, ArraySpec(e.shape, e.dtype, e.chunk_shape))
 
 
-def check_target(be: StorageBackend, dst: str, overwrite: Any,
-                 protect: Sequence[str] = ()) -> None:
-    """Refuse what the commit would refuse at ``dst`` before any work (it would do so last),
-    and a ``dst`` holding one of ``protect`` (the source: replacing it would delete it)."""
+def begin_writer(dst: str, overwrite: Overwrite, protect: Sequence[str] = (),
+                 backend: Optional[StorageBackend] = None) -> CheckpointWriter:
+    """Begin the save of the converted checkpoint at ``dst``: refuse a ``dst`` holding one
+    of ``protect`` (the source: replacing it would delete it) and what the commit would
+    refuse there, before anything is written; then the writer's staging location."""
     try:
         if is_local(dst):
             check_not_containing(dst, protect)
@@ -176,44 +186,47 @@ def check_target(be: StorageBackend, dst: str, overwrite: Any,
                         f"{dst!r} holds {p!r}, the input of this command; writing there "
                         "would delete it. Choose a destination outside the input",
                         spec_id="SP-COMMIT-5")
-        be.check_target(dst, overwrite)
+        return CheckpointWriter.begin(dst, backend=backend, overwrite=overwrite,
+                                      call="convert")
     except CheckpointExistsError as e:
         raise with_cli_flag(e) from e
 
 
-def write_shardpoint(src: Source, dst: str, *, overwrite: bool = False,
+def write_shardpoint(src: Source, dst: str, *, overwrite: Overwrite = False,
                      backend: Optional[StorageBackend] = None, progress: Progress = None,
                      max_chunk_bytes: int = 256 << 20) -> list:
     """Write ``src`` as a shardpoint checkpoint at ``dst``, one tensor in memory at a time.
     Returns ``[(key, reason)]`` for the values that could not be stored."""
-    be = backend_for(dst, backend)     # a local path's default, or an object store's
-    check_target(be, dst, overwrite, protect=(src.path,))
     tree, objects, skipped = shardpoint_tree(src)
-    staging = be.staging_path(dst, secrets.token_hex(6))
-    be.begin_save(staging)
-    try:
+    with begin_writer(dst, overwrite, (src.path,), backend) as w:
         entries = {}
         for t in src.tensors:
             e = entries[t.key] = tensor_entry(t, max_chunk_bytes)
-            write_rows(be, open_entry(be, staging, e), src, t, e, 0,
-                       t.shape[0] if t.shape else 0, progress)
-        be.flush(staging)
-        commit_shardpoint(be, staging, dst, tree, entries, objects, overwrite=overwrite)
-    except BaseException:
-        be.abort(staging)
-        raise
+            write_rows(w, open_entry(w, e), src, t, e, 0, t.shape[0] if t.shape else 0,
+                       progress)
+        crcs = w.flush()
+        src.check_unchanged()          # nothing built from two checkpoints is committed
+        commit_shardpoint(w, tree, entries, objects, [crcs])
     return skipped
 
 
-def commit_shardpoint(be: StorageBackend, staging: str, dst: str, tree: dict, entries: dict,
-                      objects: dict, *, overwrite: bool) -> None:
-    """Every array under ``staging`` is durable: the manifest last, then the rename."""
+def commit_shardpoint(w: CheckpointWriter, tree: dict, entries: dict, objects: dict,
+                      reports: Sequence[dict] = ()) -> None:
+    """Every array of the save is durable: the manifest last, then the commit. ``reports``:
+    what each writer's :meth:`~CheckpointWriter.flush` recorded, for the chunk tables
+    ([SP-MAN-7]: a tensor gets one where every chunk's crc32c was recorded; the manifest
+    is then a 1.3 one, as ``sp.save`` writes it)."""
+    tables = {k: join_tables(reports, e.array, e.shape, e.chunk_shape)
+              for k, e in entries.items()}
+    entries = {k: TensorEntry(e.key, e.array, e.shape, e.dtype, e.chunk_shape, tables[k])
+               for k, e in entries.items()}
     m = Manifest(tree, entries, objects, save_world_size=1)
-    be.write_manifest(staging, encode_manifest(m))
-    be.commit(staging, dst, overwrite=overwrite)
+    if any(t is not None for t in tables.values()):
+        m.format_version = FORMAT_VERSION_1_3      # the bytes hold a 1.3 construct
+    w.commit(m)
 
 
-def write_rows(be: StorageBackend, h: Any, src: Source, t: TensorInfo, e: TensorEntry,
+def write_rows(w: CheckpointWriter, h: Any, src: Source, t: TensorInfo, e: TensorEntry,
                start: int, stop: int, progress: Progress) -> None:
     """Write rows ``start:stop`` of ``t`` (whole bands of chunk rows, or up to the end) into
     the array ``h``, one band of chunk rows in memory at a time (a 0-d tensor: all of it)."""
@@ -221,7 +234,7 @@ def write_rows(be: StorageBackend, h: Any, src: Source, t: TensorInfo, e: Tensor
     if not shape:
         data = src.read(t)
         _check_read(t, data, ())
-        be.wait([be.write(h, (), to_numpy(data.contiguous()))])
+        w.wait([w.write(h, (), to_numpy(data.contiguous()))])
     elif math.prod(shape):
         grid = [math.ceil(n / c) for n, c in zip(shape[1:], chunk[1:])]
         for lo in range(start, stop, chunk[0]):
@@ -234,8 +247,8 @@ def write_rows(be: StorageBackend, h: Any, src: Source, t: TensorInfo, e: Tensor
                 off = tuple(i * c for i, c in zip(idx, chunk[1:]))
                 box = (slice(None),) + tuple(slice(o, min(o + c, n))
                                              for o, c, n in zip(off, chunk[1:], shape[1:]))
-                ops.append(be.write(h, (lo,) + off, arr[box]))
-            be.wait(ops)
+                ops.append(w.write(h, (lo,) + off, arr[box]))
+            w.wait(ops)
             if progress:
                 progress(data.numel() * data.element_size())
             del data, arr, ops

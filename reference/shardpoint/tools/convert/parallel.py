@@ -13,7 +13,8 @@ the same chunk grid, the same files, each chunk (or byte range) written by exact
 
 Workers are forked from a fork server (no inherited threads or locks; see
 :func:`worker_context`) and talk to the coordinator over a multiprocessing queue with small
-tuples (work descriptions and byte counts; never checkpoint data). As with any
+tuples (work descriptions, byte counts and, once, the crc32c of the chunks a worker wrote for
+the chunk tables; never checkpoint data). As with any
 multiprocessing start method but ``fork``, a script that converts with ``procs`` > 1 must
 guard its top level with ``if __name__ == "__main__":`` (workers import the main module).
 """
@@ -24,7 +25,6 @@ import math
 import multiprocessing as mp
 import os
 import queue
-import secrets
 import time
 import traceback
 from dataclasses import dataclass
@@ -33,13 +33,14 @@ from typing import Any, Optional
 from shardpoint_core.format import errors
 from shardpoint_core.format.errors import ConversionError
 from shardpoint_core.stores.fsutil import os_error_text
-from shardpoint_core.transactions.resolve import backend_for
+from shardpoint_core.commit.base import Overwrite
+from shardpoint_core.transactions.writer import CheckpointWriter
 from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, die_with_parent, key_of,
                                            limit_heap_growth, staged_output)
 from shardpoint.tools.convert.hf_safetensors import (file_layout, is_safetensors_output, plan_files,
                                                      write_index,
                                                      write_rows_at)
-from shardpoint.tools.convert.native import (check_target, commit_shardpoint, open_entry,
+from shardpoint.tools.convert.native import (begin_writer, commit_shardpoint, open_entry,
                                              shardpoint_tree, tensor_entry, write_rows)
 
 WORKER_TIMEOUT_S = 600.0
@@ -144,8 +145,8 @@ def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> N
                         windows[it.path] = (it.start, it.stop)
                 sink.write(src, t, it.start, it.stop, progress)
             key = None
-            sink.finish()
-        q.put(("done", wid, _peak_rss() - base))
+            report = sink.finish()
+        q.put(("done", wid, _peak_rss() - base, report))
     except BaseException as e:  # noqa: BLE001 - reported to the coordinator, named by key
         if isinstance(e, OSError) and not isinstance(e, errors.ShardpointError):
             # A full or read-only disk: the cause and its fix, not a traceback.
@@ -180,22 +181,24 @@ def _peak_rss() -> int:
 
 
 class _ShardpointSink:
-    """Writes bands of rows into arrays the coordinator created under ``staging``."""
+    """Writes bands of rows into arrays the coordinator created, in the save of ``dst`` it
+    began (staged at ``staging``): this worker joins that save."""
 
-    def __init__(self, staging: str, entries: dict) -> None:
-        self.staging, self.entries = staging, entries
-        self.be = backend_for(staging)      # local default, or the object store's
+    def __init__(self, dst: str, staging: str, entries: dict) -> None:
+        self.entries = entries
+        self.w = CheckpointWriter.join(dst, staging, call="convert")
         self.handles: dict = {}
 
     def write(self, src: Source, t: TensorInfo, start: int, stop: int, progress: Progress
               ) -> None:
         e = self.entries[t.key]
         if t.key not in self.handles:
-            self.handles[t.key] = open_entry(self.be, self.staging, e)
-        write_rows(self.be, self.handles[t.key], src, t, e, start, stop, progress)
+            self.handles[t.key] = open_entry(self.w, e)
+        write_rows(self.w, self.handles[t.key], src, t, e, start, stop, progress)
 
-    def finish(self) -> None:
-        self.be.flush(self.staging)
+    def finish(self) -> dict:
+        """Durable; the crc32c of the chunks written, for the chunk tables ([SP-MAN-7])."""
+        return self.w.flush()
 
 
 class _SafetensorsSink:
@@ -212,12 +215,13 @@ class _SafetensorsSink:
             self.files[fn] = open(fn, "r+b")
         write_rows_at(self.files[fn], src, name, t, start, stop, offset, progress)
 
-    def finish(self) -> None:
+    def finish(self) -> dict:
         for f in self.files.values():
             f.flush()
             os.fsync(f.fileno())
             f.close()
         self.files.clear()
+        return {}
 
 
 _SINKS = {"shardpoint": _ShardpointSink, "safetensors": _SafetensorsSink}
@@ -249,11 +253,12 @@ _WORKER_MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "shardpo
 
 
 def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progress,
-                timeout: float) -> list:
+                timeout: float) -> tuple:
     """Run one worker per non-empty share and wait for all of them; the first failure, death
     or ``timeout`` seconds of silence from a worker (``STARTUP_TIMEOUT_S`` at least before its
-    first report) stops them all and raises. Returns each worker's peak memory growth while
-    converting (bytes above its resident size once the source was open)."""
+    first report) stops them all and raises. Returns (each worker's peak memory growth while
+    converting: bytes above its resident size once the source was open; each worker's
+    report: the crc32c of the chunks it wrote, for a shardpoint target's chunk tables)."""
     ctx = worker_context()
     q = ctx.Queue()
     procs = {}
@@ -264,6 +269,7 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
     heard = {wid: time.monotonic() for wid in procs}
     current: dict = {}
     peaks: dict = {}
+    reports: dict = {}
     running = set(procs)
     try:
         for p in procs.values():
@@ -284,7 +290,7 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
                     current[wid] = msg[2]
                 elif kind == "done":
                     running.discard(wid)
-                    peaks[wid] = msg[2]
+                    peaks[wid], reports[wid] = msg[2], msg[3]
                 elif kind == "error":
                     raise _worker_error(wid, *msg[2:])
                 continue
@@ -312,7 +318,7 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
                 p.join(timeout=10)
         q.close()
         q.join_thread()
-    return [peaks[w] for w in sorted(peaks)]
+    return [peaks[w] for w in sorted(peaks)], [reports[w] for w in sorted(reports)]
 
 
 def _what(key: Optional[str]) -> str:
@@ -331,38 +337,33 @@ def _worker_error(wid: int, key: Optional[str], name: str, message: str, tb: str
 
 # ------------------------------------------------------------------------------ targets
 def write_shardpoint_parallel(src: Source, dst: str, spec: SourceSpec, *, procs: int,
-                              overwrite: bool = False, progress: Progress = None,
+                              overwrite: Overwrite = False, progress: Progress = None,
                               max_chunk_bytes: int = 256 << 20,
                               timeout: float = WORKER_TIMEOUT_S,
                               worker_peaks: Optional[list] = None) -> list:
     """:func:`~shardpoint.tools.convert.native.write_shardpoint` with ``procs`` worker processes:
     the same checkpoint, committed once by this process (arrays durable, manifest last,
     rename). ``worker_peaks`` receives each worker's peak memory growth in bytes."""
-    be = backend_for(dst)
-    check_target(be, dst, overwrite, protect=(src.path,))
     tree, objects, skipped = shardpoint_tree(src)
     entries = {t.key: tensor_entry(t, max_chunk_bytes) for t in src.tensors}
     shares = plan_shares(src.tensors, procs,
                          {t.path: entries[t.key].chunk_shape[0] for t in src.tensors
                           if t.shape})
-    staging = be.staging_path(dst, secrets.token_hex(6))
-    be.begin_save(staging)
-    try:
+    with begin_writer(dst, overwrite, (src.path,)) as w:
         for e in entries.values():
-            open_entry(be, staging, e)        # metadata once, before any worker opens it
-        be.flush(staging)
-        peaks = run_workers(spec, ("shardpoint", staging, entries), shares, progress, timeout)
-        commit_shardpoint(be, staging, dst, tree, entries, objects, overwrite=overwrite)
-    except BaseException:
-        be.abort(staging)
-        raise
+            open_entry(w, e)                  # metadata once, before any worker opens it
+        w.flush()
+        peaks, reports = run_workers(spec, ("shardpoint", w.path, w.staging, entries),
+                                     shares, progress, timeout)
+        src.check_unchanged()         # the workers read the source this process opened
+        commit_shardpoint(w, tree, entries, objects, reports)
     if worker_peaks is not None:
         worker_peaks += peaks
     return skipped
 
 
 def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs: int,
-                               max_shard_size: Any = None, overwrite: bool = False,
+                               max_shard_size: Any = None, overwrite: Overwrite = False,
                                progress: Progress = None,
                                timeout: float = WORKER_TIMEOUT_S,
                                worker_peaks: Optional[list] = None) -> list:
@@ -382,8 +383,9 @@ def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs
                 f.flush()
                 os.fsync(f.fileno())
             places.update({t.key: (path, name, offsets[name]) for name, t in items})
-        peaks = run_workers(spec, ("safetensors", places), plan_shares(src.tensors, procs, {}),
-                            progress, timeout)
+        peaks, _ = run_workers(spec, ("safetensors", places),
+                               plan_shares(src.tensors, procs, {}), progress, timeout)
+        src.check_unchanged()
         if plan.index is not None:
             write_index(root, plan.index)
     if worker_peaks is not None:
