@@ -14,6 +14,7 @@ from shardpoint_core.commit.testing import CommitterTests, FileSite, StoreSite
 from shardpoint_core.stores.location import locate
 from shardpoint_core.stores.memory import MemoryStore
 from shardpoint_core.stores.registry import is_local
+from tests.docs.blocks import find
 
 
 def _release_posix(committer, staging):
@@ -60,12 +61,15 @@ class _ObjectStoreContract(CommitterTests):
         stop_lease(committer.store, staging)    # no more renewals: expired by now + LATER_S
 
 
-class TestObjectStoreCommitterMemory(_ObjectStoreContract):
-    @pytest.fixture
-    def store(self):
-        name = f"contract{uuid.uuid4().hex[:8]}"
-        yield MemoryStore.named(name)
-        MemoryStore.drop(name)
+# The marker committer on memory:// is the documented example itself (how a third-party
+# committer runs the contract): its class is defined here from the page and collected.
+DOC = find("docs/tutorials/single-process.md", "CommitterTests")
+exec(compile(DOC.code, DOC.id, "exec"), globals())
+
+
+def test_the_documented_contract_example_runs_here():
+    cls = globals()["TestMarkerCommitterInMemory"]
+    assert issubclass(cls, CommitterTests) and cls.__module__ == __name__
 
 
 class TestObjectStoreCommitterS3(_ObjectStoreContract):
