@@ -49,7 +49,8 @@ from shardpoint import api
 from shardpoint_core.format import errors
 from shardpoint.exchange.comm import Comm, agree
 from shardpoint_core.commit.steps import StepRoot
-from shardpoint_core.format.policy import Retention, check_metric, policy_from_options, ranked, retained
+from shardpoint_core.format.policy import (Retention, check_metric, policy_from_options, ranked,
+                                           retained, step_name)
 from shardpoint_core.format.statetree import ValueLeaf, node_at
 from shardpoint_core.transactions.protocol import StorageBackend
 
@@ -101,6 +102,10 @@ class CheckpointManager:
         self._metrics: dict = {}           # step -> metrics dict (cache of the manifests)
         self._committer = self._steps.committer
         self.retention_warnings: list = []   # what the last retention could not do
+        #: committed checkpoints below the root under names this manager does not write
+        #: (``step_7`` saved by hand), as the last retention found them: never counted,
+        #: kept or removed; each is logged once
+        self.stray: list = []
 
     # ---------------------------------------------------------------- reading (any rank)
     def path(self, step: int) -> str:
@@ -116,8 +121,15 @@ class CheckpointManager:
         s = self.all_steps()
         return s[-1] if s else None
 
+    def stray_checkpoints(self) -> list:
+        """The committed checkpoints directly below the root under names this manager does
+        not write (``step_7`` saved with ``sp.save``, ``final``): they are no steps, and
+        retention never counts, keeps or removes them."""
+        return self._steps.strays()
+
     def metrics(self, step: int) -> dict:
-        """The metrics saved with ``step`` (empty when none were given)."""
+        """The metrics saved with ``step`` (empty when none were given), read through the
+        manager's own backend (the default one of the root's kind when None)."""
         if step not in self._metrics:
             node = node_at(api.read_metadata(self.path(step), backend=self.backend).tree,
                            (METRICS_KEY,))
@@ -168,6 +180,18 @@ class CheckpointManager:
             self._after_commit()
         return result
 
+    def _step_path(self, step: int) -> str:
+        """The path of committed ``step``; on the coordinator, CheckpointNotFoundError where
+        it is not committed, on every store alike (what a path holds without a manifest is
+        told apart by the reader per store, a step is either committed or not)."""
+        path = self.path(step)
+        if self._comm.is_coordinator and self._committer.state(path) != "committed":
+            raise errors.CheckpointNotFoundError(
+                f"step {step} is not a committed checkpoint under {self.root!r} (nothing "
+                f"committed at {path!r}); committed steps: {self.all_steps()}",
+                spec_id="SP-COMMIT-3")
+        return path
+
     def _agreed(self, check: Any) -> Any:
         """``check()``'s result once every rank's check passed: one rank's bad step or metrics
         fails every rank here (one small all-reduce), instead of that rank alone while the
@@ -215,7 +239,8 @@ class CheckpointManager:
                     f"no committed checkpoint under {self.root!r} (nothing to resume from)")
             step = int(got)
         kw = {"backend": self.backend, "options": self.load_options, **load_options}
-        out = api.load(self._agreed(lambda: self.path(step)), like=like, group=self.group, **kw)
+        out = api.load(self._agreed(lambda: self._step_path(step)), like=like,
+                       group=self.group, **kw)
         if like is None and isinstance(out, dict):
             out.pop(METRICS_KEY, None)
         return out
@@ -273,6 +298,18 @@ class CheckpointManager:
         self.retention_warnings = self._steps.retain(self.retention, self.metrics)
         for w in self.retention_warnings:
             log.warning("shardpoint: %s", w)
+        try:
+            stray = self._steps.strays()
+        except (errors.ShardpointError, OSError) as e:   # a report only: never a failure
+            log.warning("shardpoint: cannot list %s for checkpoints it did not write (%s)",
+                        self.root, e)
+            stray = self.stray
+        for name in sorted(set(stray) - set(self.stray)):
+            log.warning("shardpoint: %s/%s is a committed checkpoint this manager did not "
+                        "write (its steps are named like %s): not a step, never counted, "
+                        "kept or removed by retention", self.root, name,
+                        step_name(42))
+        self.stray = stray
         self._metrics = {s: m for s, m in self._metrics.items() if s in self.all_steps()}
 
     def _clean_leftovers(self) -> None:
