@@ -135,8 +135,9 @@ def test_an_uncommitted_step_is_never_removed_or_replaced(root):
     with pytest.raises(CheckpointNotFoundError):
         default_committer().remove(mgr.path(2))
     for force in (False, True):
-        with pytest.raises(CheckpointExistsError):
+        with pytest.raises(CheckpointExistsError, match="step 2 cannot be saved") as e:
             mgr.save(2, st(2), force=force)
+        assert "already saved" not in str(e.value)
     with pytest.raises(CheckpointNotFoundError):
         mgr.load(2)
     assert site.get(mgr.path(2), "notes.txt") == USER

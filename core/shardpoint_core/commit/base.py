@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 from shardpoint_core.format.errors import InvalidOptionError
+from shardpoint_core.format.manifest import Manifest
 
 # False (refuse anything at the target), True (replace a committed checkpoint) or "any"
 # (also a directory that is not a checkpoint, where the committer has such a thing)
@@ -64,11 +65,12 @@ class Committer(Protocol):
     def begin(self, target: str, token: str) -> str:
         """Create and lock the staging location of a save of ``target``; returns it."""
 
-    def write_manifest(self, staging: str, data: bytes) -> None:
+    def write_manifest(self, staging: str, data: Union[bytes, Manifest]) -> None:
         """The save's manifest (array paths relative to the staging location), after every
         rank's data is durable ([SP-COMMIT-1]): written durably into the staging directory
         where a rename publishes it, kept by the committer until ``publish`` where the
-        manifest itself is the commit marker."""
+        manifest itself is the commit marker. A :class:`Manifest` is encoded here, once, in
+        the form the committer publishes; bytes are an encoded manifest."""
 
     def publish(self, staging: str, target: str, *, overwrite: Overwrite) -> None:
         """Make the durable staged checkpoint visible at ``target`` in one atomic step: a

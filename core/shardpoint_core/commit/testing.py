@@ -169,10 +169,10 @@ class CommitterTests:
 
     @staticmethod
     def stage(committer: Any, site: Site, target: str, label: str,
-              token: Optional[str] = None) -> str:
+              token: Optional[str] = None, as_bytes: bool = False) -> str:
         """Begin a save of ``target`` and write what a save job writes below its staging
-        location (each object names ``label``), the manifest last; returns the staging
-        location (not yet published)."""
+        location (each object names ``label``), the manifest last (a :class:`Manifest`, or
+        its bytes with ``as_bytes``); returns the staging location (not yet published)."""
         staging: str = committer.begin(target, token or uuid.uuid4().hex[:12])
         for k in TENSORS:
             site.put(staging, f"tensors/{k}/zarr.json", f'{{"label": "{label}"}}'.encode())
@@ -181,7 +181,7 @@ class CommitterTests:
         m = Manifest(wire_tree={"dict": [[k, {"tensor": k}] for k in TENSORS]},
                      tensors={k: TensorEntry(k, f"tensors/{k}", (2,), "uint8", (1,))
                               for k in TENSORS}, objects={})
-        committer.write_manifest(staging, encode_manifest(m))
+        committer.write_manifest(staging, encode_manifest(m) if as_bytes else m)
         return staging
 
     @staticmethod
@@ -219,8 +219,8 @@ class CommitterTests:
         return time.time() + LATER_S
 
     def commit(self, committer: Any, site: Site, target: str, label: str,
-               overwrite: Any = False) -> None:
-        staging = self.stage(committer, site, target, label)
+               overwrite: Any = False, as_bytes: bool = False) -> None:
+        staging = self.stage(committer, site, target, label, as_bytes=as_bytes)
         committer.publish(staging, target, overwrite=overwrite)
 
     # -- what is there ------------------------------------------------------------------
@@ -316,7 +316,7 @@ class CommitterTests:
                                                     site: Site, overwrite: Any) -> None:
         t = self.target(site, root)
         self.commit(committer, site, t, "A")
-        self.commit(committer, site, t, "B", overwrite=overwrite)
+        self.commit(committer, site, t, "B", overwrite=overwrite, as_bytes=True)
         assert self.read(site, t) == "B"
         assert self.labels_below(site, root) == {"B"}
         assert committer.leftovers(root, now=self.later()) == []

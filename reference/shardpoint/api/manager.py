@@ -171,26 +171,29 @@ class CheckpointManager:
         try:
             result = api.save(state, path, **kw)
         except errors.CheckpointExistsError as e:   # raised on every rank alike
-            raise errors.CheckpointExistsError(
-                f"step {step} is already saved at {path!r}; pass force=True to "
-                "replace it") from e
+            if not force and self._committer.state(path) == "committed":
+                raise errors.CheckpointExistsError(
+                    f"step {step} is already saved at {path!r}; pass force=True to "
+                    "replace it", spec_id=e.spec_id) from e
+            # something that is no checkpoint of ours: force=True never replaces it either
+            why = str(e).removeprefix(f"[{e.spec_id}] ")
+            raise errors.CheckpointExistsError(f"step {step} cannot be saved at {path!r}: "
+                                               f"{why}", spec_id=e.spec_id) from e
         if self.async_save:
             self._pending = result
         else:
             self._after_commit()
         return result
 
-    def _step_path(self, step: int) -> str:
-        """The path of committed ``step``; on the coordinator, CheckpointNotFoundError where
-        it is not committed, on every store alike (what a path holds without a manifest is
-        told apart by the reader per store, a step is either committed or not)."""
-        path = self.path(step)
+    def _check_committed(self, step: int, path: str) -> None:
+        """On the coordinator, CheckpointNotFoundError where ``step`` is not committed, on
+        every store alike (what a path holds without a manifest is told apart by the reader
+        per store; a step is committed or it is no step)."""
         if self._comm.is_coordinator and self._committer.state(path) != "committed":
             raise errors.CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint under {self.root!r} (nothing "
                 f"committed at {path!r}); committed steps: {self.all_steps()}",
                 spec_id="SP-COMMIT-3")
-        return path
 
     def _agreed(self, check: Any) -> Any:
         """``check()``'s result once every rank's check passed: one rank's bad step or metrics
@@ -231,6 +234,7 @@ class CheckpointManager:
         self.wait()
         if self._comm.is_coordinator:
             self._clean_leftovers()
+        asked = step is not None
         if step is None:
             latest = self.latest_step() if self._comm.is_coordinator else None
             got = self._comm.broadcast_bytes(b"" if latest is None else str(latest).encode())
@@ -239,8 +243,10 @@ class CheckpointManager:
                     f"no committed checkpoint under {self.root!r} (nothing to resume from)")
             step = int(got)
         kw = {"backend": self.backend, "options": self.load_options, **load_options}
-        out = api.load(self._agreed(lambda: self._step_path(step)), like=like,
-                       group=self.group, **kw)
+        path = self._agreed(lambda: self.path(step))     # a bad step: every rank, first
+        if asked:
+            self._agreed(lambda: self._check_committed(step, path))
+        out = api.load(path, like=like, group=self.group, **kw)
         if like is None and isinstance(out, dict):
             out.pop(METRICS_KEY, None)
         return out
