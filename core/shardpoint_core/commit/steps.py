@@ -4,10 +4,11 @@
 per step below a root (``<root>/step_00000042``, :mod:`shardpoint_core.format.policy` names them).
 A root is a local directory (plain path or ``file://``) or a prefix on an object store
 (``s3://bucket/run``, ``gs://bucket/run``). :class:`StepRoot` gives a manager, whatever the
-root: the path of a step, the committed steps (those with a manifest, [SP-COMMIT-3]), the
-removal of one (retention: through the committer, [SP-COMMIT-14] on object stores) and the
-clean-up of what crashed saves left, under the rule that a manager built by an observer never
-deletes what a live save holds:
+root: the path of a step, the committed steps (those with a manifest, [SP-COMMIT-3], under
+the name a manager writes), the committed checkpoints under other names (``strays``: reported,
+never counted or removed), the removal of one (retention: through the committer,
+[SP-COMMIT-14] on object stores) and the clean-up of what crashed saves left, under the rule
+that a manager built by an observer never deletes what a live save holds:
 
 - on local files, the committer's lock rule ([SP-COMMIT-6],
   :func:`shardpoint_core.commit.cleanup.clean_leftovers`);

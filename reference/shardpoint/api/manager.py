@@ -2,7 +2,11 @@
 
 A layer over :func:`shardpoint.save` / :func:`shardpoint.load` and nothing more. One directory
 per step (``<root>/step_00000042``, so names sort by step); only committed checkpoints (with a
-manifest) count. Metrics live inside each step's checkpoint (plain values under the reserved
+manifest) under that name count. Anything else below the root is not the manager's and is
+never counted, kept or removed, on every store alike: a user's ``exports/``, a hand-made
+``step_5``; a committed checkpoint under another name (``sp.save(x, root + "/step_7")``) is
+reported once retention runs (``stray``, :meth:`CheckpointManager.stray_checkpoints`, one
+warning in the ``shardpoint`` log). Metrics live inside each step's checkpoint (plain values under the reserved
 top-level key ``"__metrics__"``), so they can never disagree with it. Leftovers of a crash
 (hidden ``.<step>.shardpoint-tmp-*`` staging directories, step directories without a manifest)
 are ignored and cleaned; a ``.<step>.shardpoint-old-*`` directory left by a crash in the middle
