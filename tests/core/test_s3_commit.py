@@ -167,8 +167,11 @@ def test_remove_deletes_the_marker_first_and_keeps_live_saves(store, committer):
     assert committer.remove("d") is True
     assert committer.state("d") == "incomplete"
     assert all(k.startswith(live.split("/")[-1]) for k in keys(store, "d"))
+    assert committer.remove("d") is False    # only a live save there: nothing, as on files
+    store.put("d/notes.txt", b"user data")
     with pytest.raises(CheckpointNotFoundError):      # not a checkpoint: refused
         committer.remove("d")
+    assert store.get("d/notes.txt") == b"user data"
     assert committer.remove("never-there") is False   # gone already: nothing to do
 
 

@@ -5,11 +5,17 @@ What S3 makes atomic: one PUT (or multipart completion) of one object, optionall
 several objects, no atomic delete of a prefix. So a save never writes where a committed
 checkpoint's bytes are; the one atomic step is the PUT of the manifest:
 
+    <target>/save-<token>/lease.msgpack the save's lease, its first object ([SP-COMMIT-16])
     <target>/save-<token>/tensors/...   every chunk and zarr.json of the save with <token>
-    <target>/save-<token>/manifest.msgpack   the save's own manifest (staging; array paths
-                                             relative to the save prefix)
     <target>/manifest.msgpack           the commit marker: the manifest, its array paths
-                                        rewritten to lie below save-<token>/
+                                        below save-<token>/
+
+The marker is encoded once and PUT once: a writer hands the committer its
+:class:`~shardpoint_core.format.manifest.Manifest` (``write_manifest``), which is encoded with
+``save-<token>/`` in front of every array path (:func:`encode_marker`) and kept until
+``publish`` PUTs those bytes unchanged. Nothing is written below the save prefix for it (a
+1.2 writer's staged copy is still read, and bytes with relative array paths still have their
+paths moved below the prefix).
 
 A crash before the marker's PUT leaves the previous checkpoint whole (its bytes are under
 another prefix) and an unreferenced ``save-<token>/`` (a leftover); after it, the new one. A
@@ -26,28 +32,30 @@ Example::
 
     c = ObjectStoreCommitter(S3Store.from_url("s3://bucket/run"))
     staging = c.begin("step_5", token)        # every rank writes below it
+    c.write_manifest(staging, manifest)       # a Manifest: encoded once, as the marker
     c.publish(staging, "step_5", overwrite=False)
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import logging
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import msgpack
 
-from shardpoint_core.commit.base import Overwrite
+from shardpoint_core.commit.base import Overwrite, check_overwrite
 from shardpoint_core.commit.lease import (LEASE_NAME, LeaseState, read_lease, reclaim_lease,
                                           start_lease, stop_lease)
 from shardpoint_core.commit.leftovers import Leftover
 from shardpoint_core.format.errors import (CheckpointExistsError, CheckpointNotFoundError,
                                     CorruptCheckpointError, IncompleteCheckpointError,
                                     InvalidOptionError, SaveFailedError, StoreNotFoundError)
-from shardpoint_core.format.manifest import decode_manifest
+from shardpoint_core.format.manifest import Manifest, decode_manifest, encode_manifest
 from shardpoint_core.format.spec import MANIFEST_NAME
 from shardpoint_core.stores.base import ByteStore, replaceable
 
@@ -83,6 +91,21 @@ def _rewrite_array_paths(envelope: bytes, save_dir: str, where: str) -> bytes:
     return out
 
 
+def save_dir_of(staging: str) -> str:
+    """The save prefix's own name (``save-<token>``) of the staging key ``staging``."""
+    return _join(staging).rpartition("/")[2]
+
+
+def encode_marker(m: Manifest, save_dir: str) -> bytes:
+    """The commit marker of a save whose prefix is ``save_dir`` (``save-<token>``), encoded
+    once: the manifest ``m`` (array paths relative to the save prefix) with ``save_dir/`` in
+    front of every array path ([SP-COMMIT-11]). The bytes are those the 1.2 path (encode the
+    manifest, then rewrite its array paths) gives for the same manifest."""
+    tensors = {k: dataclasses.replace(e, array=f"{save_dir}/{e.array}")
+               for k, e in m.tensors.items()}
+    return encode_manifest(dataclasses.replace(m, tensors=tensors))
+
+
 def _array_dirs(envelope: bytes) -> List[str]:
     """The array paths a committed manifest names (what removing it must delete)."""
     env = msgpack.unpackb(envelope, raw=False, strict_map_key=False)
@@ -101,6 +124,9 @@ class ObjectStoreCommitter:
                              else getattr(store, "lease_s", DEFAULT_LEASE_S))
         self.conditional = bool(store.capabilities.conditional_put)
         self.replace_if_match = bool(getattr(store.capabilities, "conditional_replace", False))
+        # staging key -> (bytes, True for a marker encoded once, False for a manifest whose
+        # array paths are relative to the save prefix), from write_manifest until publish
+        self._pending: Dict[str, Tuple[bytes, bool]] = {}
 
     # -- what is at a target ------------------------------------------------------------
     def _manifest_key(self, target: str) -> str:
@@ -134,6 +160,7 @@ class ObjectStoreCommitter:
         ``True`` here: there is no non-checkpoint it would let a save replace). The marker's
         HEAD and the first page of the target's listing are in flight together (one round
         trip)."""
+        overwrite = check_overwrite(overwrite)
         with ThreadPoolExecutor(1, thread_name_prefix="sp-commit") as side:
             marker = side.submit(self.store.head, self._manifest_key(target))
             listing = iter(self.store.list(_join(target) + "/" if target else ""))
@@ -165,26 +192,52 @@ class ObjectStoreCommitter:
         start_lease(self.store, staging, token, self.lease_s)
         return staging
 
+    def prepare_manifest(self, staging: str, data: Union[bytes, Manifest]
+                         ) -> Tuple[bytes, bool]:
+        """What :meth:`publish` PUTs for the manifest ``data`` of the save at ``staging``:
+        a :class:`Manifest` is encoded once, as the marker (:func:`encode_marker`), and PUT
+        unchanged; bytes (array paths relative to the save prefix) have their paths moved
+        below it at publish. ``(bytes, is_marker)``."""
+        if isinstance(data, Manifest):
+            return encode_marker(data, save_dir_of(staging)), True
+        return bytes(data), False
+
+    def write_manifest(self, staging: str, data: Union[bytes, Manifest]) -> None:
+        """Keep the save's manifest until :meth:`publish` PUTs it as the marker: nothing is
+        written below the save prefix (spec 1.3, [SP-COMMIT-11])."""
+        self._pending[_join(staging)] = self.prepare_manifest(staging, data)
+
     def publish(self, staging: str, target: str, *, overwrite: Overwrite,
-                manifest: Optional[bytes] = None) -> None:
+                manifest: Optional[bytes] = None, marker: Optional[bytes] = None) -> None:
         """Write the marker ``<target>/manifest.msgpack`` in one conditional PUT
         ([SP-COMMIT-12]), check that recovery did not take the save for dead meanwhile
-        ([SP-COMMIT-16]), then delete what it replaced ([SP-COMMIT-14]). ``manifest``: the
-        manifest's bytes (relative array paths) when the caller has them; otherwise the
-        staged copy below the save prefix is read (writers before 1.3 wrote one).
+        ([SP-COMMIT-16]), then delete what it replaced ([SP-COMMIT-14]). The marker is, in
+        this order: ``marker`` (bytes encoded once with every array path below the save
+        prefix, :func:`encode_marker`: checked, then PUT unchanged); ``manifest`` (bytes with
+        array paths relative to the save prefix, moved below it here); what
+        :meth:`write_manifest` kept; else the staged copy below the save prefix (writers
+        before 1.3 wrote one).
 
         A PUT whose answer is lost (a dropped connection, a 5xx after the server applied it,
         a retry that gets 412 for this save's own marker) is settled by reading the marker
         back ([SP-COMMIT-17]): this save's bytes there mean it committed."""
+        overwrite = check_overwrite(overwrite)
         save_dir = staging[len(_join(target)) + 1:] if target else staging
         if not save_dir.startswith(SAVE_PREFIX) or "/" in save_dir:
             raise InvalidOptionError(f"{staging!r} is not a save prefix of {target!r}")
+        pending = self._pending.pop(_join(staging), None)
+        if marker is None and manifest is None and pending is not None:
+            if pending[1]:
+                marker = pending[0]
+            else:
+                manifest = pending[0]
         lease = stop_lease(self.store, staging)
         if lease is not None and lease.lost:
             raise self._reclaimed(staging)
         staged_key = _join(staging, MANIFEST_NAME)
         staged = manifest
-        if staged is None:
+        from_store = staged is None and marker is None      # a 1.2 writer's staged copy
+        if from_store:
             try:
                 staged = self.store.get(staged_key)
             except FileNotFoundError as e:
@@ -193,8 +246,10 @@ class ObjectStoreCommitter:
                 raise IncompleteCheckpointError(
                     f"{self._url(staged_key)} is missing: the save wrote no manifest; nothing "
                     "was committed", spec_id="SP-COMMIT-1") from e
-        marker = _rewrite_array_paths(staged, save_dir, self._url(staged_key))
-        decode_manifest(marker)    # every reader check passes before anything is visible
+        if marker is None:
+            assert staged is not None
+            marker = _rewrite_array_paths(staged, save_dir, self._url(staged_key))
+        self._check_marker(marker, save_dir, target)
         key = self._manifest_key(target)
         # A fresh commit on a conditional store: If-None-Match refuses any marker there.
         old = None if self.conditional and not overwrite else self._read_with_version(key)
@@ -220,7 +275,7 @@ class ObjectStoreCommitter:
                     spec_id="SP-COMMIT-16")
             try:
                 doomed = named.result() if named is not None else []
-                if manifest is None:
+                if from_store:
                     doomed.append(staged_key)
                 self._delete_last_lease(doomed)
             except OSError as e:
@@ -231,6 +286,18 @@ class ObjectStoreCommitter:
         finally:
             if side is not None:
                 side.shutdown(wait=False)
+
+    def _check_marker(self, marker: bytes, save_dir: str, target: str) -> None:
+        """Every reader check passes before anything is visible, and the marker names only
+        this save's objects ([SP-COMMIT-11]): one that named another prefix would make a
+        later replacement delete that save's data."""
+        m = decode_manifest(marker)
+        stray = [e.array for e in m.tensors.values()
+                 if not e.array.startswith(save_dir + "/")]
+        if stray:
+            raise CorruptCheckpointError(
+                f"{self._url(target)}: the marker of {save_dir} names array {stray[0]!r}, "
+                f"not below {save_dir}/; nothing was committed", spec_id="SP-COMMIT-11")
 
     def _reclaimed(self, staging: str) -> SaveFailedError:
         return SaveFailedError(
@@ -391,6 +458,7 @@ class ObjectStoreCommitter:
         """Delete everything below this save's own prefix (its lease last), unless a marker
         names it: a save whose commit outcome was misjudged never deletes committed data
         ([SP-COMMIT-17]). The target is never touched."""
+        self._pending.pop(_join(staging), None)
         stop_lease(self.store, staging)
         target, _, name = _join(staging).rpartition("/")
         refs = self._referenced(target) if name.startswith(SAVE_PREFIX) else set()
@@ -404,15 +472,20 @@ class ObjectStoreCommitter:
     def remove(self, target: str) -> bool:
         """Delete a committed checkpoint: the marker first (the target is then not a
         checkpoint for any reader), then the objects it named. Live saves' prefixes are not
-        named by it and stay."""
+        named by it and stay. Without a marker: False where nothing or only save prefixes
+        are there (as on files, where a save stages beside its target), and
+        CheckpointNotFoundError, deleting nothing, where other objects are."""
         key = self._manifest_key(target)
         old = self._read_with_version(key)
         if old is None:
-            if self.state(target) == "incomplete":
-                raise CheckpointNotFoundError(f"{self._url(target)} is not a committed "
-                                              "checkpoint; nothing removed",
-                                              spec_id="SP-COMMIT-3")
-            return False            # gone already
+            foreign = self._foreign(target)
+            if foreign:
+                raise CheckpointNotFoundError(
+                    f"{self._url(target)} is not a committed checkpoint (no {MANIFEST_NAME}; "
+                    f"it holds {len(foreign)} other object(s), first {foreign[0]!r}); "
+                    "retention removes checkpoints only: nothing removed",
+                    spec_id="SP-COMMIT-3")
+            return False            # gone already, or only a save's own prefix
         self.store.delete([key])
         self._delete_arrays(target, old[0])
         return True
@@ -466,7 +539,12 @@ class ObjectStoreCommitter:
 
     def restore(self, leftover: str, target: str) -> bool:
         """Object stores have nothing to restore: a replaced checkpoint's marker is gone the
-        moment the new one lands, and the previous one is never moved aside."""
+        moment the new one lands, and the previous one is never moved aside. As on every
+        store, a committed ``target`` is never replaced (CheckpointExistsError)."""
+        if self.state(target) == "committed":
+            raise CheckpointExistsError(f"cannot restore {self._url(leftover)}: "
+                                        f"{self._url(target)} holds a committed checkpoint; "
+                                        "nothing was moved", spec_id="SP-COMMIT-6")
         raise InvalidOptionError(f"{leftover!r}: nothing to restore on an object store; a "
                                  "save prefix that no marker names is removed by discard()")
 

@@ -28,15 +28,17 @@ import errno
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from shardpoint_core.commit.base import check_overwrite, Overwrite
 from shardpoint_core.stores.durable import (RENAME_NOREPLACE, DirLocks, dir_locked,
                                             exchange_dirs, newest_mtime, renameat2)
 from shardpoint_core.commit.leftovers import Leftover, leftover_name, parse_leftover
-from shardpoint_core.format.errors import CheckpointExistsError, SaveFailedError
+from shardpoint_core.format.errors import (CheckpointExistsError, CheckpointNotFoundError,
+                                           InvalidOptionError, SaveFailedError)
 from shardpoint_core.stores.fsutil import fsync_dir
 from shardpoint_core.format.hints import path_hint
+from shardpoint_core.format.manifest import Manifest, encode_manifest
 
 MANIFEST_NAME = "manifest.msgpack"
 def _within(inner: str, outer: str) -> bool:
@@ -193,9 +195,12 @@ class PosixCommitter:
             f"cannot create the save's directory {staging!r}: {e.strerror} ({e.filename!r}); "
             "every parent of the checkpoint path must be a writable directory")
 
-    def write_manifest(self, staging: str, data: bytes) -> None:
-        """Write the manifest into ``staging`` durably (under a temporary name, renamed):
-        the last file of a save, after every rank's files are durable ([SP-COMMIT-1])."""
+    def write_manifest(self, staging: str, data: Union[bytes, Manifest]) -> None:
+        """Write the manifest (bytes, or a :class:`Manifest` encoded here) into ``staging``
+        durably (under a temporary name, renamed): the last file of a save, after every
+        rank's files are durable ([SP-COMMIT-1])."""
+        if isinstance(data, Manifest):
+            data = encode_manifest(data)
         tmp = os.path.join(staging, MANIFEST_NAME + ".partial")
         try:
             with open(tmp, "wb") as f:
@@ -216,7 +221,9 @@ class PosixCommitter:
                 is_output: Optional[Callable[[str], bool]] = None) -> None:
         """Rename the durable ``staging`` to ``target`` in one atomic step: NOREPLACE for a
         fresh path, EXCHANGE to replace, else the old one moved aside first to ``-old-``
-        ([SP-COMMIT-4]). Releases the save's lock."""
+        ([SP-COMMIT-4]). Releases the save's lock; a bad ``overwrite`` is refused first,
+        touching nothing (the save still holds its lock and aborts)."""
+        overwrite = check_overwrite(overwrite)
         try:
             self._publish(staging, os.path.abspath(target), overwrite, protect, is_output)
         finally:
@@ -285,8 +292,10 @@ class PosixCommitter:
         target = os.path.abspath(target)
         if self.state(target) != "committed":
             if os.path.lexists(target):
-                raise CheckpointExistsError(f"{target!r} is not a committed checkpoint; "
-                                            "retention removes checkpoints only")
+                raise CheckpointNotFoundError(f"{target!r} is not a committed checkpoint (no "
+                                              f"{MANIFEST_NAME}); retention removes "
+                                              "checkpoints only: nothing removed",
+                                              spec_id="SP-COMMIT-3")
             return False
         if not self._try_lock(target):
             return False
@@ -304,8 +313,9 @@ class PosixCommitter:
         return True
 
     # ------------------------------------------------------------------ leftovers
-    def leftovers(self, directory: str) -> list[Any]:
-        """The :class:`Leftover` directories of saves directly in ``directory``."""
+    def leftovers(self, directory: str, *, now: Optional[float] = None) -> list[Any]:
+        """The :class:`Leftover` directories of saves directly in ``directory``. ``now`` is
+        not used: a lock, not an age, tells a live save here."""
         out = []
         directory = os.path.abspath(directory)
         try:
@@ -349,8 +359,14 @@ class PosixCommitter:
             self._locks.release(leftover)
         return True
 
-    def discard(self, leftover: str) -> bool:
-        """Delete a leftover no live save holds; False, touching nothing, when one does."""
+    def discard(self, leftover: str, *, now: Optional[float] = None) -> bool:
+        """Delete a leftover no live save holds; False, touching nothing, when one does;
+        InvalidOptionError, touching nothing, for a path whose name is not a leftover's
+        (a checkpoint, a user's directory). ``now`` is not used (see :meth:`leftovers`)."""
+        if parse_leftover(os.path.basename(os.path.abspath(leftover).rstrip(os.sep))) is None:
+            raise InvalidOptionError(f"{leftover!r} is not a leftover of a save (its name is "
+                                     "not .<name>.shardpoint-tmp-<token> or -old-<token>); "
+                                     "nothing removed")
         if not self._try_lock(leftover):
             return False
         try:

@@ -5,11 +5,12 @@ implement :class:`~shardpoint_core.commit.base.Committer`; these only route each
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple, Union
 
 from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.commit.object_store import ObjectStoreCommitter
 from shardpoint_core.commit.posix import PosixCommitter
+from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.stores.base import ByteStore
 from shardpoint_core.stores.location import locate
 from shardpoint_core.stores.registry import is_local, url_of
@@ -23,6 +24,9 @@ class UrlCommitter:
 
     def __init__(self, locate: Callable[[str], Tuple[ByteStore, str]]) -> None:
         self._locate = locate
+        # staging URL -> what write_manifest was given, prepared (the committers of a
+        # bucket are made per call; the manifest waits here for publish)
+        self._pending: Dict[str, Tuple[bytes, bool]] = {}
 
     def _at(self, url: str) -> Tuple[ObjectStoreCommitter, str]:
         """The committer of ``url``'s bucket and the key of ``url`` in it."""
@@ -41,12 +45,21 @@ class UrlCommitter:
         c, k = self._at(target)
         return url_of(target, c.begin(k, token))
 
+    def write_manifest(self, staging: str, data: Union[bytes, Manifest]) -> None:
+        c, k = self._at(staging)
+        self._pending[staging] = c.prepare_manifest(k, data)
+
     def publish(self, staging: str, target: str, *, overwrite: Overwrite,
-                manifest: Optional[bytes] = None) -> None:
+                manifest: Optional[bytes] = None, marker: Optional[bytes] = None) -> None:
+        pending = self._pending.pop(staging, None)
+        if manifest is None and marker is None and pending is not None:
+            marker, manifest = (pending[0], None) if pending[1] else (None, pending[0])
         c, k = self._at(target)
-        c.publish(self._locate(staging)[1], k, overwrite=overwrite, manifest=manifest)
+        c.publish(self._locate(staging)[1], k, overwrite=overwrite, manifest=manifest,
+                  marker=marker)
 
     def abort(self, staging: str) -> None:
+        self._pending.pop(staging, None)
         c, k = self._at(staging)
         c.abort(k)
 
@@ -61,7 +74,7 @@ class UrlCommitter:
 
     def restore(self, leftover: str, target: str) -> bool:
         c, k = self._at(leftover)
-        return c.restore(k, target)
+        return c.restore(k, self._locate(target)[1])
 
     def discard(self, leftover: str, *, now: Optional[float] = None) -> bool:
         c, k = self._at(leftover)
@@ -99,6 +112,9 @@ class PathCommitter:
     def begin(self, target: str, token: str) -> str:
         return self.of(target).begin(target, token)
 
+    def write_manifest(self, staging: str, data: Any) -> None:
+        self.of(staging).write_manifest(staging, data)
+
     def publish(self, staging: str, target: str, *, overwrite: Overwrite, **kw: Any) -> None:
         self.of(target).publish(staging, target, overwrite=overwrite, **kw)
 
@@ -108,14 +124,14 @@ class PathCommitter:
     def remove(self, target: str) -> bool:
         return self.of(target).remove(target)
 
-    def leftovers(self, directory: str, **kw: Any) -> list[Any]:
-        return self.of(directory).leftovers(directory, **kw)
+    def leftovers(self, directory: str, *, now: Optional[float] = None) -> list[Any]:
+        return self.of(directory).leftovers(directory, now=now)
 
     def restore(self, leftover: str, target: str) -> bool:
         return self.of(leftover).restore(leftover, target)
 
-    def discard(self, leftover: str, **kw: Any) -> bool:
-        return self.of(leftover).discard(leftover, **kw)
+    def discard(self, leftover: str, *, now: Optional[float] = None) -> bool:
+        return self.of(leftover).discard(leftover, now=now)
 
 
 _DEFAULT: Optional[PathCommitter] = None

@@ -4,10 +4,11 @@
 per step below a root (``<root>/step_00000042``, :mod:`shardpoint_core.format.policy` names them).
 A root is a local directory (plain path or ``file://``) or a prefix on an object store
 (``s3://bucket/run``, ``gs://bucket/run``). :class:`StepRoot` gives a manager, whatever the
-root: the path of a step, the committed steps (those with a manifest, [SP-COMMIT-3]), the
-removal of one (retention: through the committer, [SP-COMMIT-14] on object stores) and the
-clean-up of what crashed saves left, under the rule that a manager built by an observer never
-deletes what a live save holds:
+root: the path of a step, the committed steps (those with a manifest, [SP-COMMIT-3], under
+the name a manager writes), the committed checkpoints under other names (``strays``: reported,
+never counted or removed), the removal of one (retention: through the committer,
+[SP-COMMIT-14] on object stores) and the clean-up of what crashed saves left, under the rule
+that a manager built by an observer never deletes what a live save holds:
 
 - on local files, the committer's lock rule ([SP-COMMIT-6],
   :func:`shardpoint_core.commit.cleanup.clean_leftovers`);
@@ -90,22 +91,32 @@ class StepRoot:
                 else f"{self.root}/{step_name(step)}")
 
     def all_steps(self) -> List[int]:
-        """Committed steps, oldest first: a step counts once its manifest is there."""
+        """Committed steps, oldest first: a step counts once its manifest is there, and only
+        under the name a manager writes (``step_00000042``; ``step_42`` is someone else's)."""
+        return sorted(n for n in map(parse_step, self._committed(lambda name: parse_step(
+            name) is not None)) if n is not None)
+
+    def strays(self) -> List[str]:
+        """The committed checkpoints directly below the root under names no manager writes
+        (``step_7`` saved by hand, ``final``), sorted: a manager reports them and never
+        counts, keeps or removes them."""
+        return sorted(self._committed(lambda name: parse_step(name) is None))
+
+    def _committed(self, wanted: Any) -> List[str]:
+        """The names directly below the root that ``wanted(name)`` accepts and that hold a
+        committed checkpoint (one listing, then a manifest check per accepted name)."""
         if self.local:
-            if not os.path.isdir(self.root):
+            try:
+                names = os.listdir(self.root)
+            except (FileNotFoundError, NotADirectoryError):
                 return []
-            return sorted(n for n in map(parse_step, os.listdir(self.root)) if n is not None
-                          and os.path.isfile(os.path.join(self.root, step_name(n),
-                                                          MANIFEST_NAME)))
+            return [n for n in names if not n.startswith(".") and wanted(n)
+                    and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME))]
         assert self._locate is not None
         store, key = self._locate(self.root)
         prefix = f"{key}/" if key else ""
-        out = set()
-        for name in _children(store, prefix):
-            n = parse_step(name)
-            if n is not None and store.head(f"{prefix}{name}/{MANIFEST_NAME}") is not None:
-                out.add(n)
-        return sorted(out)
+        return [n for n in dict.fromkeys(_children(store, prefix)) if wanted(n)
+                and store.head(f"{prefix}{n}/{MANIFEST_NAME}") is not None]
 
     # -- changing it (the coordinator of the job that owns the root) -----------------------
     def remove(self, step: int) -> bool:

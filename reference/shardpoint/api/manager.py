@@ -2,7 +2,11 @@
 
 A layer over :func:`shardpoint.save` / :func:`shardpoint.load` and nothing more. One directory
 per step (``<root>/step_00000042``, so names sort by step); only committed checkpoints (with a
-manifest) count. Metrics live inside each step's checkpoint (plain values under the reserved
+manifest) under that name count. Anything else below the root is not the manager's and is
+never counted, kept or removed, on every store alike: a user's ``exports/``, a hand-made
+``step_5``; a committed checkpoint under another name (``sp.save(x, root + "/step_7")``) is
+reported once retention runs (``stray``, :meth:`CheckpointManager.stray_checkpoints`, one
+warning in the ``shardpoint`` log). Metrics live inside each step's checkpoint (plain values under the reserved
 top-level key ``"__metrics__"``), so they can never disagree with it. Leftovers of a crash
 (hidden ``.<step>.shardpoint-tmp-*`` staging directories, step directories without a manifest)
 are ignored and cleaned; a ``.<step>.shardpoint-old-*`` directory left by a crash in the middle
@@ -49,7 +53,8 @@ from shardpoint import api
 from shardpoint_core.format import errors
 from shardpoint.exchange.comm import Comm, agree
 from shardpoint_core.commit.steps import StepRoot
-from shardpoint_core.format.policy import Retention, check_metric, policy_from_options, ranked, retained
+from shardpoint_core.format.policy import (Retention, check_metric, policy_from_options, ranked,
+                                           retained, step_name)
 from shardpoint_core.format.statetree import ValueLeaf, node_at
 from shardpoint_core.transactions.protocol import StorageBackend
 
@@ -101,6 +106,10 @@ class CheckpointManager:
         self._metrics: dict = {}           # step -> metrics dict (cache of the manifests)
         self._committer = self._steps.committer
         self.retention_warnings: list = []   # what the last retention could not do
+        #: committed checkpoints below the root under names this manager does not write
+        #: (``step_7`` saved by hand), as the last retention found them: never counted,
+        #: kept or removed; each is logged once
+        self.stray: list = []
 
     # ---------------------------------------------------------------- reading (any rank)
     def path(self, step: int) -> str:
@@ -116,8 +125,15 @@ class CheckpointManager:
         s = self.all_steps()
         return s[-1] if s else None
 
+    def stray_checkpoints(self) -> list:
+        """The committed checkpoints directly below the root under names this manager does
+        not write (``step_7`` saved with ``sp.save``, ``final``): they are no steps, and
+        retention never counts, keeps or removes them."""
+        return self._steps.strays()
+
     def metrics(self, step: int) -> dict:
-        """The metrics saved with ``step`` (empty when none were given)."""
+        """The metrics saved with ``step`` (empty when none were given), read through the
+        manager's own backend (the default one of the root's kind when None)."""
         if step not in self._metrics:
             node = node_at(api.read_metadata(self.path(step), backend=self.backend).tree,
                            (METRICS_KEY,))
@@ -159,14 +175,29 @@ class CheckpointManager:
         try:
             result = api.save(state, path, **kw)
         except errors.CheckpointExistsError as e:   # raised on every rank alike
-            raise errors.CheckpointExistsError(
-                f"step {step} is already saved at {path!r}; pass force=True to "
-                "replace it") from e
+            if not force and self._committer.state(path) == "committed":
+                raise errors.CheckpointExistsError(
+                    f"step {step} is already saved at {path!r}; pass force=True to "
+                    "replace it", spec_id=e.spec_id) from e
+            # something that is no checkpoint of ours: force=True never replaces it either
+            why = str(e).removeprefix(f"[{e.spec_id}] ")
+            raise errors.CheckpointExistsError(f"step {step} cannot be saved at {path!r}: "
+                                               f"{why}", spec_id=e.spec_id) from e
         if self.async_save:
             self._pending = result
         else:
             self._after_commit()
         return result
+
+    def _check_committed(self, step: int, path: str) -> None:
+        """On the coordinator, CheckpointNotFoundError where ``step`` is not committed, on
+        every store alike (what a path holds without a manifest is told apart by the reader
+        per store; a step is committed or it is no step)."""
+        if self._comm.is_coordinator and self._committer.state(path) != "committed":
+            raise errors.CheckpointNotFoundError(
+                f"step {step} is not a committed checkpoint under {self.root!r} (nothing "
+                f"committed at {path!r}); committed steps: {self.all_steps()}",
+                spec_id="SP-COMMIT-3")
 
     def _agreed(self, check: Any) -> Any:
         """``check()``'s result once every rank's check passed: one rank's bad step or metrics
@@ -207,6 +238,7 @@ class CheckpointManager:
         self.wait()
         if self._comm.is_coordinator:
             self._clean_leftovers()
+        asked = step is not None
         if step is None:
             latest = self.latest_step() if self._comm.is_coordinator else None
             got = self._comm.broadcast_bytes(b"" if latest is None else str(latest).encode())
@@ -215,7 +247,10 @@ class CheckpointManager:
                     f"no committed checkpoint under {self.root!r} (nothing to resume from)")
             step = int(got)
         kw = {"backend": self.backend, "options": self.load_options, **load_options}
-        out = api.load(self._agreed(lambda: self.path(step)), like=like, group=self.group, **kw)
+        path = self._agreed(lambda: self.path(step))     # a bad step: every rank, first
+        if asked:
+            self._agreed(lambda: self._check_committed(step, path))
+        out = api.load(path, like=like, group=self.group, **kw)
         if like is None and isinstance(out, dict):
             out.pop(METRICS_KEY, None)
         return out
@@ -273,6 +308,18 @@ class CheckpointManager:
         self.retention_warnings = self._steps.retain(self.retention, self.metrics)
         for w in self.retention_warnings:
             log.warning("shardpoint: %s", w)
+        try:
+            stray = self._steps.strays()
+        except (errors.ShardpointError, OSError) as e:   # a report only: never a failure
+            log.warning("shardpoint: cannot list %s for checkpoints it did not write (%s)",
+                        self.root, e)
+            stray = self.stray
+        for name in sorted(set(stray) - set(self.stray)):
+            log.warning("shardpoint: %s/%s is a committed checkpoint this manager did not "
+                        "write (its steps are named like %s): not a step, never counted, "
+                        "kept or removed by retention", self.root, name,
+                        step_name(42))
+        self.stray = stray
         self._metrics = {s: m for s, m in self._metrics.items() if s in self.all_steps()}
 
     def _clean_leftovers(self) -> None:
