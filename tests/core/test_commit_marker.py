@@ -82,3 +82,33 @@ def test_a_marker_naming_another_prefix_is_refused_and_nothing_committed():
     assert c.state("ck") != "committed"
     c.abort(staging)
     assert list(store.list("ck/")) == []
+
+
+def test_a_save_encodes_its_manifest_once_no_second_codec(monkeypatch, tmp_path):
+    """``sp.save`` to an object store hands the committer the Manifest itself: it is encoded
+    once, straight into the marker's bytes; the bytes-rewriting path (decode the envelope,
+    move the array paths, encode again) is not taken, and ``encode_manifest`` runs once."""
+    import torch
+
+    import shardpoint as sp
+    from shardpoint_core.commit import object_store
+    from shardpoint_core.format import manifest as codec
+
+    def second_codec(*a, **k):
+        raise AssertionError("the manifest went through the bytes-rewriting codec")
+
+    calls = []
+    real = codec.encode_manifest
+
+    def counting(m):
+        calls.append(1)
+        return real(m)
+
+    monkeypatch.setattr(object_store, "_rewrite_array_paths", second_codec)
+    monkeypatch.setattr(object_store, "encode_manifest", counting)
+    monkeypatch.setattr(codec, "encode_manifest", counting)
+    url = "memory://marker-once/run/ck"
+    sp.save({"w": torch.arange(6.0), "step": 3}, url)
+    assert len(calls) == 1
+    back = sp.load(url)
+    assert torch.equal(back["w"], torch.arange(6.0)) and back["step"] == 3

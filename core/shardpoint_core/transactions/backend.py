@@ -29,7 +29,7 @@ import os
 import sys
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.format.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                     IncompleteCheckpointError, InvalidOptionError,
                                     SaveFailedError, ShardpointError, StoreNotFoundError)
+from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.format.spec import MANIFEST_NAME, ArraySpec
 from shardpoint_core.stores.files import FileStore
 from shardpoint_core.stores import location
@@ -151,7 +152,6 @@ class ZarrBackend:
         # zarr.json reads of object-store arrays: never wait on anything, so a read task on
         # ``_remote`` may wait for one without a deadlock
         self._meta_reads = WritePool(concurrency, "sp-meta")
-        self._staged: Dict[str, bytes] = {}      # object-store staging -> its manifest
         self._crcs: Dict[str, CrcSink] = {}      # staging -> units' crc32c written ([SP-MAN-7])
         self.committer = PathCommitter(PosixCommitter(fsync=fsync), UrlCommitter(self.locate))
         # root -> its Location, for the array opens of one save or load (a path becomes a
@@ -334,12 +334,15 @@ class ZarrBackend:
         except OSError as e:
             raise SaveFailedError(f"cannot make the chunks under {root} durable: {e}") from e
 
-    def write_manifest(self, root: str, data: bytes) -> None:
-        """The Zarr group metadata of the save ([SP-LAYOUT-5]), then the manifest: on files
-        the groups are durable first; on an object store their PUTs land before
-        :meth:`commit` writes the marker."""
+    def write_manifest(self, root: str, data: Union[bytes, Manifest]) -> None:
+        """The Zarr group metadata of the save ([SP-LAYOUT-5]), then the manifest, handed to
+        the committer: on files the groups are durable first and the manifest is written; on
+        an object store the group PUTs land first and the committer keeps the manifest for
+        :meth:`commit`, which PUTs it as the marker. A :class:`Manifest` is encoded once (on
+        object stores straight into the marker's bytes); bytes are a writer's own encoding."""
         store, key = self.locate(root)
-        arrays = array_paths_of(data)          # None: not a manifest, no groups to write
+        arrays = ([e.array for e in data.tensors.values()] if isinstance(data, Manifest)
+                  else array_paths_of(data))      # None: not a manifest, no groups to write
         local_files = is_local(root)
         # An OSError names its file and goes to the caller as the manifest's own would (the
         # save reports it as a failed commit, with the fix for a full disk).
@@ -347,29 +350,18 @@ class ZarrBackend:
             write_groups(store, key, arrays, self._write_pool.submit)
         groups = start_groups(store, key, arrays, self._remote.submit) \
             if arrays is not None and not local_files else []
-        if local_files:
-            self.committer.posix.write_manifest(root, data)
-            return
         # Object stores: no staged copy below the save prefix (spec 1.3, [SP-COMMIT-11]): a
-        # prefix holding a manifest looks like a checkpoint to anyone who opens it. The
-        # commit publishes these bytes, once the groups landed.
+        # prefix holding a manifest looks like a checkpoint to anyone who opens it.
         for f in groups:
             f.result()
-        with self._lock:
-            self._staged[root] = data
+        self.committer.write_manifest(root, data)
 
     def commit(self, staging: str, path: str, *, overwrite: Any) -> None:
         self.release(staging)
-        with self._lock:
-            data = self._staged.pop(staging, None)
-        if data is None or is_local(path):
-            self.committer.publish(staging, path, overwrite=overwrite)
-        else:
-            self.committer.urls.publish(staging, path, overwrite=overwrite, manifest=data)
+        self.committer.publish(staging, path, overwrite=overwrite)
 
     def abort(self, staging: str) -> None:
         with self._lock:
-            self._staged.pop(staging, None)
             self._crcs.pop(staging, None)
             pending = self._meta.pop(staging, [])
             if is_local(staging):

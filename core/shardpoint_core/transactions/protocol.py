@@ -30,11 +30,12 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 
 from shardpoint_core.commit.base import Overwrite
+from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.format.spec import ArraySpec
 
 @runtime_checkable
@@ -83,8 +84,9 @@ class StorageBackend(Protocol):
         entries). Writer ranks, after ``wait`` and before reporting success: the manifest
         follows only once every rank has flushed ([SP-COMMIT-1])."""
 
-    def write_manifest(self, root: str, data: bytes) -> None:
-        """Write the manifest bytes, durably. Coordinator only, after every rank finished."""
+    def write_manifest(self, root: str, data: Union[bytes, Manifest]) -> None:
+        """Write the manifest (a :class:`Manifest`, encoded here, once; or a writer's own
+        bytes), durably. Coordinator only, after every rank finished."""
 
     def read_manifest(self, path: str) -> bytes:
         """The manifest bytes of a committed checkpoint, or the documented error."""

@@ -29,7 +29,7 @@ import numpy as np
 
 from shardpoint_core.commit.base import Overwrite, check_overwrite
 from shardpoint_core.format.errors import InvalidOptionError
-from shardpoint_core.format.manifest import Manifest, encode_manifest
+from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.transactions.resolve import resolve
@@ -96,9 +96,10 @@ class CheckpointWriter:
         """Every rank flushed: the manifest last, then the checkpoint becomes visible at
         ``path`` at once. Any failure aborts (nothing of this save stays) and is raised."""
         self._coordinator("commit")
-        data = manifest if isinstance(manifest, bytes) else encode_manifest(manifest)
         try:
-            self.backend.write_manifest(self.staging, data)
+            # a Manifest goes down as it is: the backend encodes it once (on an object store
+            # straight into the commit marker's bytes, [SP-COMMIT-11])
+            self.backend.write_manifest(self.staging, manifest)
             self.backend.commit(self.staging, self.path, overwrite=self.overwrite)
         except BaseException:
             self.abort()
