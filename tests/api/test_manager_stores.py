@@ -100,12 +100,6 @@ def test_retention_under_a_reader_fails_the_read_never_mixes(root, request):
     """Retention removes the step a load is reading, between its manifest read and its
     chunk reads: the load fails with the same documented error on every store, and the
     manager's steps are whole."""
-    if is_local(root):
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-            "files: the load opens each array's zarr.json in its plan phase "
-            "(api/loading.py plan -> open_local_array), which does not map a missing array "
-            "to 'removed by another job' as the read phase does (_removed_meanwhile): "
-            "CorruptCheckpointError [SP-ARRAY-1] here, LoadFailedError on object stores")))
     trainer = sp.CheckpointManager(root, max_to_keep=1)
     trainer.save(1, st(1))
 

@@ -145,6 +145,17 @@ class LoadJob:
         self.out.timings["plan"] = time.perf_counter() - self.t0
 
     def _local(self) -> bytes:
+        try:
+            return self._local_plan()
+        except errors.CorruptCheckpointError as e:
+            # files: the arrays are checked here, before any read; one gone because the
+            # checkpoint was removed or replaced meanwhile is said as such, as in read()
+            new = self._removed_meanwhile(e)
+            if new is e:
+                raise
+            raise new from e
+
+    def _local_plan(self) -> bytes:
         self.m = m = self.reader.manifest
         local = is_local(self.path)     # files checked before targets and plans (issue 28)
         if self.like is None:
