@@ -394,7 +394,8 @@ def chunk_parts(shape: tuple, chunk: tuple, piece_lists: list) -> list:
         return [((), (), [(li, pi, (), (), 1) for li, ps in enumerate(piece_lists)
                           for pi, _ in enumerate(ps)])]
     pc, li, pi, lo, ext, cnt, coff, cshp = chunk_part_arrays(shape, chunk, piece_lists)
-    out: list[tuple[tuple, tuple, list]] = [(tuple(o), tuple(s), []) for o, s in zip(coff.tolist(), cshp.tolist())]
+    out: list[tuple[tuple, tuple, list]] = [(tuple(o), tuple(s), []) for o, s in
+                                            zip(coff.tolist(), cshp.tolist())]
     for c, a, b, o, s, n in zip(pc.tolist(), li.tolist(), pi.tolist(), lo.tolist(),
                                 ext.tolist(), cnt.tolist()):
         out[c][2].append((a, b, tuple(o), tuple(s), n))
