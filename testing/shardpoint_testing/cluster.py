@@ -86,6 +86,8 @@ class Link:
     def tbf(self) -> list:
         """The ``tc qdisc ... tbf`` arguments: a burst of 10 ms at the rate (at least 64 KiB,
         so a rate's first packets are not refused), a queue of 100 ms."""
+        if self.mbit is None:
+            raise ValueError("an unshaped link (mbit None) has no tbf arguments")
         burst = max(64 << 10, int(self.mbit * 1e6 / 8 * 0.01))
         return ["tbf", "rate", f"{self.mbit}mbit", "burst", str(burst), "latency", "100ms"]
 

@@ -227,7 +227,7 @@ def _run_forked(path, code, argv, cwd, env, timeout, terminal=False) -> ScriptRe
                                   dict(os.environ if env is None else env), out, err,
                                   None if slave is None else os.ttyname(slave)))
             p.start()
-            seen = _read_terminal(master, p, timeout) if terminal else b""
+            seen = _read_terminal(master, p, timeout) if master is not None else b""
             p.join(1 if terminal else timeout)    # the terminal's reader waited already
         finally:
             for fd in (master, slave):

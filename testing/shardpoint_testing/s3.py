@@ -108,21 +108,25 @@ class S3Server:
     def _start_launched(self, env: dict) -> None:
         """Start ``python -m shardpoint_testing.s3 HOST PORT BUCKET`` through the launcher
         and wait for its ``ready`` line."""
-        self._proc = self._launch(
+        launch = self._launch
+        assert launch is not None, "called where a launcher was given"
+        self._proc = proc = launch(
             _child_argv("serve", self.host, str(self.port), self.bucket),
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        out = proc.stdout
+        assert out is not None, "the launcher was asked for a pipe"
         ready = threading.Event()
 
         def watch() -> None:
-            for line in self._proc.stdout:
+            for line in out:
                 if line.strip() == b"ready":
                     ready.set()
                     return
         threading.Thread(target=watch, daemon=True).start()
         deadline = time.monotonic() + self._start_timeout_s
         while not ready.wait(0.05):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                code = self._proc.poll()
+            if proc.poll() is not None or time.monotonic() > deadline:
+                code = proc.poll()
                 self.stop()
                 raise RuntimeError(f"the S3 server for {self.endpoint} " + (
                     f"exited with {code} on start" if code is not None else
@@ -357,7 +361,11 @@ def serve(host: str, port: int, bucket: str) -> None:
                  aws_secret_access_key=SECRET_KEY,
                  region_name=REGION).create_bucket(Bucket=bucket)
     print("ready", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop() or os._exit(0))
+
+    def stop(*_: Any) -> None:
+        server.stop()
+        os._exit(0)
+    signal.signal(signal.SIGTERM, stop)
     threading.Event().wait()
 
 
@@ -454,7 +462,7 @@ class Requests:
         for i, r in enumerate(recs):
             depth.append(1 + max((depth[j] for j in range(i) if recs[j][4] <= r[3]),
                                  default=0))
-        out = [Counter() for _ in range(max(depth, default=0))]
+        out: list[Counter] = [Counter() for _ in range(max(depth, default=0))]
         for r, d in zip(recs, depth):
             out[d - 1][(r[0], r[1])] += 1
         return out

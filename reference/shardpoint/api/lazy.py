@@ -163,8 +163,8 @@ class Checkpoint:
             raise KeyError(f"{k!r} is not a key of {self.path!r}"
                            + (f"; keys under it: {near}" if near else "")
                            + (f"; similar keys: {like}" if like else ""))
-        if isinstance(node, TensorLeaf):
-            return TensorView(self, node.entry)
+        if isinstance(node, TensorLeaf):    # its entry, as the manifest's table types it
+            return TensorView(self, self.manifest.tensors[node.entry.key])
         if isinstance(node, ObjectLeaf):
             return list(node.values)
         return node.value

@@ -100,6 +100,21 @@ class LoadJob:
         self.costs: dict = {}
         self.budget = opts.exchange_budget_bytes
 
+    def _opened(self) -> CheckpointReader:
+        """This rank's reader, which :meth:`read_manifest` sets before any later phase."""
+        assert self.reader is not None, "a load phase ran before read_manifest()"
+        return self.reader
+
+    def _manifest(self) -> Manifest:
+        """The manifest, which every rank takes in :meth:`_local` (the plan's first step)."""
+        assert self.m is not None, "a load phase ran before the plan read the manifest"
+        return self.m
+
+    def _planned_work(self) -> RankLoadWork:
+        """This rank's work, which :meth:`plan` sets."""
+        assert self.work is not None, "a load phase ran before plan()"
+        return self.work
+
     # ---------------------------------------------------------------------- phase 1
     def read_manifest(self) -> None:
         """The coordinator reads the manifest once and shares its bytes (or its error)."""
@@ -136,15 +151,15 @@ class LoadJob:
         if reply is None:   # a dedup plan: sent whole with the costs, each rank cuts its own
             costs, plan = msgpack.unpackb(self.comm.broadcast_bytes(self._global_plan))
             self._global_plan = None
-            self.work = work_from_global(plan, self.comm.rank, self.m.tensors)
+            self.work = work_from_global(plan, self.comm.rank, self._manifest().tensors)
         else:
             costs, wbytes = reply
-            self.work = RankLoadWork.from_bytes(wbytes, self.m.tensors)
+            self.work = RankLoadWork.from_bytes(wbytes, self._manifest().tensors)
         self.costs = costs
         self.out.strategy, self.out.costs = costs["strategy"], costs
         self.out.timings["plan"] = time.perf_counter() - self.t0
 
-    def _local(self) -> bytes:
+    def _local(self) -> list:
         try:
             return self._local_plan()
         except errors.CorruptCheckpointError as e:
@@ -155,8 +170,8 @@ class LoadJob:
                 raise
             raise new from e
 
-    def _local_plan(self) -> bytes:
-        self.m = m = self.reader.manifest
+    def _local_plan(self) -> list:
+        self.m = m = self._opened().manifest
         local = is_local(self.path)     # files checked before targets and plans (issue 28)
         if self.like is None:
             reads = [(k, e, True) for k, e in m.tensors.items()]
@@ -178,7 +193,7 @@ class LoadJob:
         return [msgpack.packb([host, meta]), *blobs]
 
     def _decide(self, payloads: list) -> list:
-        m = self.m if self.m is not None else self.reader.manifest
+        m = self.m if self.m is not None else self._opened().manifest
         layouts = {k: TensorLayout(k, e.shape, e.dtype, e.chunk_shape)
                    for k, e in m.tensors.items()}
         got = [msgpack.unpackb(p[0]) for p in payloads]
@@ -205,7 +220,7 @@ class LoadJob:
             t = time.perf_counter()
             self.out.rank_bytes_read, self.out.exchange_bytes = self._execute(budget)
             self.out.timings["read"] = time.perf_counter() - t
-            if not self.reader.unchanged():
+            if not self._opened().unchanged():
                 raise errors.LoadFailedError(
                     f"the checkpoint at {self.path!r} was replaced (or removed) by another "
                     "save while this load read it, so what was read may mix two checkpoints; "
@@ -245,32 +260,36 @@ class LoadJob:
         return err
 
     def _execute(self, budget: int) -> tuple:
-        reader = self.reader
+        reader, work = self._opened(), self._planned_work()
         dst_view = PieceViews([(tg.holding, tg.data) for tg in self.targets])
-        with OpenAhead(reader.array, [op.key for op in self.work.reads],
+        with OpenAhead(reader.array, [op.key for op in work.reads],
                        getattr(self.be, "open_concurrency", None)) as handle:  # object stores
             if self.costs["strategy"] == "dedup" and self.comm.size > 1:
                 # the same on every rank: the plan's strategy is global
                 return execute_dedup_load(
-                    self.comm, reader, self.work, budget, self.out.timings, dst_view,
+                    self.comm, reader, work, budget, self.out.timings, dst_view,
                     handle, self._dtype_of, host_identity(self.opts.host_id),
                     self.opts.shm_exchange, self.opts.shm_round_bytes)
             return self._read_direct(budget, dst_view, handle)
 
     def _dtype_of(self, key: str) -> torch.dtype:
-        return dtypes.from_name(self.m.tensors[key].dtype).torch
+        m = self.m
+        assert m is not None, "read after the plan, which took the manifest"
+        return dtypes.from_name(m.tensors[key].dtype).torch
 
     def _read_direct(self, budget: int, dst_view: PieceViews, handle: OpenAhead) -> tuple:
         """Every rank reads what it needs (or its share, then exchanges the rest). Reads and
         local copies first; ranks agree before the exchange, so a corrupt chunk seen by one
         rank is raised everywhere instead of leaving peers in a collective."""
-        comm, reader, work = self.comm, self.reader, self.work
+        comm, reader, work = self.comm, self._opened(), self._planned_work()
         err: Optional[BaseException] = None
         nread = 0
         sends: list = []
         recvs: list = []
         try:
-            ops, bufs, post = [], [], []
+            ops: list = []
+            bufs: list[torch.Tensor] = []   # per read, the tensor it fills
+            post: list[tuple[torch.Tensor, torch.Tensor]] = []   # (device target, host buffer)
             for op in work.reads:
                 dt = self._dtype_of(op.key)
                 if op.direct is not None:
@@ -282,10 +301,9 @@ class LoadJob:
                         buf = torch.empty(op.shape, dtype=dt,
                                           pin_memory=torch.cuda.is_available())
                         post.append((v, buf))
-                    bufs.append(None)
                 else:
                     buf = torch.empty(op.shape, dtype=dt)
-                    bufs.append(buf)
+                bufs.append(buf)
                 nread += buf.numel() * buf.element_size()
                 ops.append(reader.read_into(handle(op.key), op.offset, to_numpy(buf)))
             reader.wait(ops)

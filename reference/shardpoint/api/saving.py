@@ -17,7 +17,7 @@ import torch
 
 from shardpoint.tree import dtypes
 from shardpoint_core.format import errors
-from shardpoint_core.commit.base import check_overwrite
+from shardpoint_core.commit.base import Overwrite, check_overwrite
 from shardpoint.tree import values
 from shardpoint.api.async_save import AsyncSave
 from shardpoint.api.heap import release_free_heap
@@ -142,7 +142,7 @@ class SaveJob:
     """
 
     def __init__(self, state: Any, path: str, comm: Comm, be: StorageBackend,
-                 opts: SaveOptions, overwrite: bool, group: Any) -> None:
+                 opts: SaveOptions, overwrite: Overwrite, group: Any) -> None:
         self.state, self.path, self.comm, self.be = state, str(path), comm, be
         self.opts, self.overwrite = opts, overwrite
         self.group = group      # the checkpointer's GroupState: plan cache, async saves
@@ -169,6 +169,16 @@ class SaveJob:
         self._handles: dict = {}
         self._created = False            # the arrays this rank owns exist (and ranks agreed)
 
+    def _planned_work(self) -> RankSaveWork:
+        """This rank's work, which :meth:`plan` sets before any later phase runs."""
+        assert self.work is not None, "a save phase ran before plan()"
+        return self.work
+
+    def _planned_writer(self) -> CheckpointWriter:
+        """This rank's writer (begun or joined by :meth:`plan`)."""
+        assert self.writer is not None, "a save phase ran before plan()"
+        return self.writer
+
     # ---------------------------------------------------------------------- phase 1: plan
     def plan(self) -> None:
         """Local plans up, the global plan decided on the coordinator (or the cached one
@@ -186,7 +196,7 @@ class SaveJob:
                and (self.group.plan or (None,))[0] == self.struct)
         self.plan_hit = self.comm.all_true(bool(hit))
 
-        def local() -> bytes:
+        def local() -> "bytes | list":
             if err0 is not None:
                 raise err0
             f = self.flat
@@ -276,7 +286,7 @@ class SaveJob:
         return dtypes.from_name(self.layouts[key][1]).torch
 
     def _name_sources(self) -> None:
-        work, src = self.work, self._views()
+        work, src = self._planned_work(), self._views()
         self._create_arrays()
         for cw in work.writes:
             if cw.direct is not None:
@@ -294,7 +304,7 @@ class SaveJob:
         self._name_recvs()
 
     def _copy_to_pool(self, pool: StagingPool) -> None:
-        work, src = self.work, self._views()
+        work, src = self._planned_work(), self._views()
         send_views = []
         for tr in work.sends:
             v, off = src(*tr.src_ref)
@@ -319,7 +329,7 @@ class SaveJob:
         self._name_recvs()
 
     def _name_recvs(self) -> None:
-        w = self.work
+        w = self._planned_work()
         self.recvs = [(tr.src, box_view(self.sources[tr.dst_ref[0]],
                                         w.writes[tr.dst_ref[0]].offset, tr.box_offset,
                                         tr.box_shape)) for tr in w.recvs]
@@ -329,8 +339,9 @@ class SaveJob:
         threads. Done while staging, before the ranks agree, so no rank writes a chunk into
         an array that does not exist yet."""
         try:
-            with OpenAhead(self._handle, self.work.create) as opened:
-                for key in self.work.create:
+            create = self._planned_work().create
+            with OpenAhead(self._handle, create) as opened:
+                for key in create:
                     opened(key)
         except Exception as e:  # noqa: BLE001 - raised again as the documented error
             raise self.write_error(e) from e
@@ -339,7 +350,7 @@ class SaveJob:
     def _handle(self, key: str) -> Any:
         if key not in self._handles:
             shape, dt, chunk = self.layouts[key]
-            self._handles[key] = self.writer.open_array(
+            self._handles[key] = self._planned_writer().open_array(
                 array_path_for(key), ArraySpec(tuple(shape), dt, tuple(chunk)))
         return self._handles[key]
 
@@ -352,7 +363,7 @@ class SaveJob:
         t = time.perf_counter()
         opened: Optional[OpenAhead] = None
         ops: list = []
-        w = self.writer
+        w, work = self._planned_writer(), self._planned_work()
         try:
             if not self._created:
                 # An async save creates its arrays here, off the caller's time; the ranks
@@ -363,12 +374,12 @@ class SaveJob:
                 except Exception as e:  # noqa: BLE001 - shared with every rank just below
                     err = e
                 agree(comm, err, errors.SaveFailedError)
-            opened = OpenAhead(self._handle, [cw.key for cw in self.work.writes])
+            opened = OpenAhead(self._handle, [cw.key for cw in work.writes])
             exchange(comm, self.sends, self.recvs, self.opts.exchange_budget_bytes)
             self.sends = self.recvs = []
             self.times["exchange"] = time.perf_counter() - t
             device = []
-            for cw, buf in zip(self.work.writes, self.sources):
+            for cw, buf in zip(work.writes, self.sources):
                 if buf.device.type != "cpu":
                     device.append((buf, cw))
                     continue
@@ -471,7 +482,7 @@ class SaveJob:
         return SaveResult(self.path, comm.size, st["tensors"], st["unique_bytes"],
                           st["exchange_bytes"], st["chunks"], self.written, self.times,
                           files=st["chunks"] + st["tensors"] + 1 + st.get("groups", 0),
-                          rank_chunk_files=len(self.work.writes))
+                          rank_chunk_files=len(self._planned_work().writes))
 
     def abandon(self) -> None:
         """After an interrupt (KeyboardInterrupt, SystemExit, an exception a signal handler
@@ -484,7 +495,7 @@ class SaveJob:
     def _publish(self, payloads: list) -> list:
         """Coordinator, every rank having succeeded: manifest last, then the rename (or the
         marker); on any failure the writer aborts, nothing of the save stays."""
-        plan, w = self.global_plan, self.writer
+        plan, w = self.global_plan, self._planned_writer()
         try:
             m = Manifest(plan.tree, _entries(plan.tensors, payloads), plan.objects,
                          save_world_size=self.comm.size)
@@ -527,11 +538,11 @@ def run_save(state: Any, path: str, comm: Comm, be: Optional[StorageBackend],
     process group: plan cache, pending async save and its pool, side group). What
     :meth:`Checkpointer.save` runs."""
     path, be = resolve(path, be, "save")   # s3://... is never a local directory 's3:'
-    check_overwrite(overwrite)
+    ow = check_overwrite(overwrite)
     comm.after_failure = AFTER_SAVE
     saves = group.saves
     saves.settle(lambda err: agree(comm, err, errors.SaveFailedError))
-    job = SaveJob(state, path, comm, be, opts, overwrite, group)
+    job = SaveJob(state, path, comm, be, opts, ow, group)
     job.async_save = async_save
     try:
         job.plan()

@@ -148,19 +148,17 @@ class Comm:
             return [list(parts)]
         msg, _ = dedup.offer(parts)
         got = self.gather_bytes(msg)
-        offers = want = None
-        if self.is_coordinator:
-            offers = [dedup.read_offer(g) for g in got]
-            want = dedup.requests(offers)
-        idx = dedup.my_requests(self.broadcast_bytes(
-            dedup.encode_requests(want) if self.is_coordinator else None), self.rank)
-        if not self.is_coordinator:
+        if got is None:     # not the coordinator: send the blobs it asks this rank for
+            idx = dedup.my_requests(self.broadcast_bytes(None), self.rank)
             n = sum(len(parts[1 + i]) for i in idx)
             if n:
                 t = self._u8(b"".join(parts[1 + i] for i in idx), n)
                 self._run("send", dist.send, t, dst=self._global(0), group=self.group,
                           _peer=0)
             return None
+        offers = [dedup.read_offer(g) for g in got]
+        want = dedup.requests(offers)
+        self.broadcast_bytes(dedup.encode_requests(want))
         sizes = dedup.wanted_bytes(offers, want)
         bufs = {r: torch.empty(n, dtype=torch.uint8, device=self.device)
                 for r, n in sizes.items() if n}
@@ -172,33 +170,41 @@ class Comm:
                                for r in sizes})
 
     def broadcast_bytes(self, b: Optional[bytes]) -> bytes:
+        """The coordinator's ``b`` on every rank (the other ranks pass None)."""
         if self.size == 1:
             return b or b""
-        n = torch.tensor([len(b) if self.is_coordinator else 0], dtype=torch.int64,
-                         device=self.device)
+        if not self.is_coordinator:
+            b = b""
+        elif b is None:
+            raise ValueError("the coordinator broadcasts bytes, not None")
+        n = torch.tensor([len(b)], dtype=torch.int64, device=self.device)
         self._run("broadcast", dist.broadcast, n, src=self._global(0), group=self.group)
-        t = self._u8(b if self.is_coordinator else b"", int(n.item()))
+        t = self._u8(b, int(n.item()))
         self._run("broadcast", dist.broadcast, t, src=self._global(0), group=self.group)
         return bytes(t.cpu().numpy())
 
     def scatter_bytes(self, parts: Optional[Sequence[bytes]]) -> bytes:
         """Part ``i`` of the coordinator's list to rank ``i`` (sizes broadcast, then each
-        part alone, point to point)."""
-        if self.size == 1:
-            return parts[0]
-        sizes = torch.tensor([len(p) for p in parts] if self.is_coordinator
-                             else [0] * self.size, dtype=torch.int64, device=self.device)
-        self._run("broadcast", dist.broadcast, sizes, src=self._global(0), group=self.group)
+        part alone, point to point); the other ranks pass None."""
         # point to point, each part at its own size: dist.scatter pads every part to the
         # largest (a load plan's parts range from bytes to hundreds of KiB: at 16,384 ranks the
         # padding alone would be gigabytes sent by the coordinator)
         if not self.is_coordinator:
+            sizes = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+            self._run("broadcast", dist.broadcast, sizes, src=self._global(0),
+                      group=self.group)
             n = int(sizes[self.rank].item())
             out = torch.empty(n, dtype=torch.uint8, device=self.device)
             if n:
                 self._run("recv", dist.recv, out, src=self._global(0), group=self.group,
                           _peer=0)
             return bytes(out.cpu().numpy())
+        if parts is None:
+            raise ValueError("the coordinator scatters one part per rank, not None")
+        if self.size == 1:
+            return parts[0]
+        sizes = torch.tensor([len(p) for p in parts], dtype=torch.int64, device=self.device)
+        self._run("broadcast", dist.broadcast, sizes, src=self._global(0), group=self.group)
         to = [r for r, p in enumerate(parts) if r and len(p)]
         ops = [dist.P2POp(dist.isend, self._u8(parts[r], len(parts[r])), self._global(r),
                           self.group) for r in to]
@@ -248,6 +254,8 @@ def _timeout_of(group: Any) -> Any:
     as it would fail the job's own collectives); None (torch's default) when unknown."""
     try:   # torch keeps it only on the backend's options
         pg = group or dist.group.WORLD
+        if pg is None:
+            return None
         return pg._get_backend(torch.device("cpu")).options._timeout
     except Exception:  # noqa: BLE001 - an NCCL-only group, another torch: use the default
         return None
@@ -360,7 +368,7 @@ def _gather_decide_scatter(comm: Comm, mine: list, pairs: list, mine_same: list,
                            decide: Callable[[list], list], fallback: type) -> bytes:
     got = comm.gather_parts(mine)
     parts = None
-    if comm.is_coordinator:
+    if got is not None:     # the coordinator
         items = []
         for g in got:
             status, head, vs = msgpack.unpackb(g[0])
@@ -437,7 +445,9 @@ def exchange(comm: Comm, sends: list, recvs: list, budget: int) -> None:
         return
 
     def rounds(items: list) -> list:
-        out, cur, size = [], [], 0
+        out: list[list] = []
+        cur: list = []
+        size = 0
         for it in items:
             n = it[1].numel() * it[1].element_size()
             if cur and size + n > budget:

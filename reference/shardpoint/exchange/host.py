@@ -336,10 +336,12 @@ def _run(comm: Comm, reader: CheckpointReader, work: Any, budget: int, timings: 
             copy_into(box_view(v, off, bo, bs), box_view(bufs[i], reads[i].offset, bo, bs))
 
     def issue(k: int) -> list:
+        seg = hx.seg
+        assert seg is not None, "a round is issued only where this rank has a segment"
         ops = []
         for i in staged.get(k, ()):
             r, s = hx.slots[i]
-            bufs[i] = hx.seg.view(r, s, size[i]).view(dtype_of(reads[i].key)).view(
+            bufs[i] = seg.view(r, s, size[i]).view(dtype_of(reads[i].key)).view(
                 reads[i].shape)
             ops.append(reader.read_into(handle(reads[i].key), reads[i].offset, to_numpy(bufs[i])))
         ahead.upto(max(staged.get(k, [-1])))

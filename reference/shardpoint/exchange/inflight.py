@@ -47,7 +47,8 @@ def tensors_in(values: Any) -> list:
 def _held_elsewhere(t: torch.Tensor) -> bool:
     """True while something besides its Python object holds ``t`` (a backend's work)."""
     try:
-        return t._use_count() > 1
+        # private, absent from torch's stubs; a torch without it lands in the except below
+        return t._use_count() > 1   # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - a torch without it: nothing to wait for
         return False
 
@@ -81,6 +82,7 @@ def settle_at_exit() -> None:
 
 
 try:   # Python >= 3.9: runs before interpreter teardown, while threads still run
-    threading._register_atexit(settle_at_exit)
+    # private and absent from typeshed; a Python without it raises AttributeError
+    threading._register_atexit(settle_at_exit)   # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):   # pragma: no cover - another Python
     atexit.register(settle_at_exit)

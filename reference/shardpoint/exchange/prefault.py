@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 _MADV_POPULATE_WRITE = 23
 _PAGE = 4096
-_madvise: Optional[ctypes._CFuncPtr] = None
+_madvise: Optional[Callable[[int, int, int], int]] = None    # madvise(addr, length, advice)
 _unavailable = not sys.platform.startswith("linux")
 
 

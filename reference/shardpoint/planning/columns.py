@@ -14,7 +14,7 @@ import zlib
 from contextlib import contextmanager
 from itertools import compress, count, repeat
 from operator import is_, itemgetter
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, cast
 
 import msgpack
 import numpy as np
@@ -99,15 +99,18 @@ class HoldingColumns(Sequence):
 
     __slots__ = ("_table", "_cols", "_runs", "_run_main", "D", "R", "table_bytes")
 
-    def __init__(self, table, cols: Optional[list], D: int, R: int, table_bytes=None,
-                 runs: Optional[list] = None, run_main: Optional[list] = None):
+    def __init__(self, table: Optional[list], cols: Optional[list], D: int, R: int,
+                 table_bytes: Optional[list] = None, runs: Optional[list] = None,
+                 run_main: Optional[list] = None):
         """``cols``: the columns; or ``runs``, lists of columns for consecutive rows, joined
         on first use of :attr:`cols` (the coordinator's :class:`Gathered` joins every
         rank's runs in one pass instead). ``run_main``: per run, whether its replica ids are
         all zero (True/False, where the run sent them as constants) or None (read the
         columns)."""
+        if cols is None and not runs:
+            raise ValueError("holding columns need their columns or at least one run")
         self._table, self._cols, self.D, self.R = table, cols, D, R
-        self._runs = runs
+        self._runs: list = [] if runs is None else runs    # read while _cols is None
         self._run_main = run_main
         self.table_bytes = table_bytes
 
@@ -123,6 +126,7 @@ class HoldingColumns(Sequence):
         """``[(key, dtype, global_shape)]``, decoded on first use: the coordinator decodes
         each distinct table once, however many ranks sent it."""
         if self._table is None:
+            assert self.table_bytes is not None, "columns built without their key table"
             self._table = decode_table(self.table_bytes)
         return self._table
 
@@ -363,7 +367,7 @@ class Gathered:
         disagree = disagree or _disagree
         keys: list = []          # [(key, dtype, global shape)] by global id
         raw: list = []           # the same entries in wire form, for cheap comparison
-        kid: dict = {}           # key -> global id
+        kid: dict[str, int] = {}     # key -> global id
         first_rank: list = []
         seg_cache: dict = {}     # table segment bytes -> global ids of its rows
         table_cache: dict = {}   # a rank's segments -> global ids of its table's rows
@@ -372,9 +376,9 @@ class Gathered:
 
         def ids_of(entries: list, r: int) -> np.ndarray:
             """Global ids of a table's (or segment's) entries, new keys numbered in order."""
-            ids = list(map(kid.get, map(itemgetter(0), entries)))
+            found: list[Optional[int]] = list(map(kid.get, map(itemgetter(0), entries)))
             # keys seen for the first time (or twice in this table), found at C speed
-            for i in compress(count(), map(is_, ids, repeat(None))):
+            for i in compress(count(), map(is_, found, repeat(None))):
                 e = entries[i]
                 k = kid.get(e[0])
                 if k is None:
@@ -382,7 +386,8 @@ class Gathered:
                     keys.append((e[0], e[1], tuple(e[2])))
                     raw.append(e)
                     first_rank.append(r)
-                ids[i] = k
+                found[i] = k
+            ids = cast("list[int]", found)      # every None was filled just above
             if list(map(raw.__getitem__, ids)) != entries:
                 i = next(i for i, k in enumerate(ids) if raw[k] != entries[i])
                 k0, e = keys[ids[i]], entries[i]
@@ -465,7 +470,8 @@ class Gathered:
                                    lambda c, j=j: 4 + 2 * c.D + j if j < c.R else None, 0)
                             for j in range(R)]}
         self.D = D
-        self.units = None
+        # (columns before the replica ids of every distinct run, each row's row in them)
+        self.units: Optional[tuple[list[np.ndarray], np.ndarray]] = None
         if same and runs:
             # units: a distinct run of rows (its columns before the replica ids, which a
             # deduplicating gather delivers as one object per distinct blob) read through one
@@ -490,7 +496,7 @@ class Gathered:
             uid: dict = {}
             run_unit = [uid.setdefault((id(r[0]), id(r[w - 1]), *sg), len(uid))
                         for r, sg in zip(runs, rseg)]
-            first = {}
+            first: dict[int, int] = {}
             for i, u in enumerate(run_unit):
                 first.setdefault(u, i)
             ulist = [runs[i] for i in first.values()]
@@ -571,7 +577,8 @@ class Regions:
             return c if sel is None else c[sel]
 
         self.start = starts
-        self._rank_l = self._hidx_l = None
+        self._rank_l: Optional[list[int]] = None    # hold_rank and hold_hidx as lists,
+        self._hidx_l: Optional[list[int]] = None    # made on first use
         self.start_l = starts.tolist()
         self.hold_rank, self.hold_hidx = g.rank_hidx(order if sel is None else sel[order])
         self._keys, self._D = g.keys, g.D
@@ -624,10 +631,12 @@ class Regions:
 
     def holder_lists(self, gi: int) -> tuple:
         """(ranks, holding indices) of region ``gi`` as lists."""
-        if self._rank_l is None:
-            self._rank_l, self._hidx_l = self.hold_rank.tolist(), self.hold_hidx.tolist()
+        rl, hl = self._rank_l, self._hidx_l
+        if rl is None or hl is None:
+            rl = self._rank_l = self.hold_rank.tolist()
+            hl = self._hidx_l = self.hold_hidx.tolist()
         a, b = self.start_l[gi], self.start_l[gi + 1]
-        return self._rank_l[a:b], self._hidx_l[a:b]
+        return rl[a:b], hl[a:b]
 
 
 def _group_all(g: Gathered) -> tuple:
@@ -659,6 +668,7 @@ def _group_units(g: Gathered) -> tuple:
     units' rows, each bucketed by the same hash and bits as :func:`group_rows` would over all
     rows (same numbering, same fallback to lexicographic order on a collision); only the
     holders' order is made per row, by one sort of (region, row) integers."""
+    assert g.units is not None, "called where the gather has units"
     ucat, urow = g.units
     D = g.D
     ufs, ufe = ucat[2], ucat[3]

@@ -85,7 +85,7 @@ def _max_extent_grid(shape: tuple, boxes: list) -> tuple:
     return tuple(max([s[d] for _, s in boxes] or [n]) or 1 for d, n in enumerate(shape))
 
 
-def _moved_many(shape: tuple, cands: list, regions: list) -> list:
+def _moved_many(shape: tuple, cands: list, regions: "list | PieceArrays") -> list:
     """Elements each candidate grid would move if each chunk were written by the region
     holding most of it, for all candidates at once: every (candidate, box, chunk) overlap
     expanded one dimension at a time, then per chunk the largest per-region sum.
@@ -284,7 +284,8 @@ def chunk_part_arrays(shape: tuple, chunk: tuple, piece_lists) -> tuple:
     ends = offs + pa.shps
     idx = np.arange(len(li_a))
     lin = np.zeros(len(li_a), np.int64)
-    los, his = [], []
+    los: list[np.ndarray] = []      # per dimension so far, each overlap's low and high end
+    his: list[np.ndarray] = []
     for d, (n, c) in enumerate(zip(shape, chunk)):
         o, e = offs[:, d], ends[:, d]
         k = ((e - 1) // c - o // c + 1)[idx]
@@ -393,15 +394,16 @@ def chunk_parts(shape: tuple, chunk: tuple, piece_lists: list) -> list:
         return [((), (), [(li, pi, (), (), 1) for li, ps in enumerate(piece_lists)
                           for pi, _ in enumerate(ps)])]
     pc, li, pi, lo, ext, cnt, coff, cshp = chunk_part_arrays(shape, chunk, piece_lists)
-    out = [(tuple(o), tuple(s), []) for o, s in zip(coff.tolist(), cshp.tolist())]
+    out: list[tuple[tuple, tuple, list]] = [(tuple(o), tuple(s), []) for o, s in
+                                            zip(coff.tolist(), cshp.tolist())]
     for c, a, b, o, s, n in zip(pc.tolist(), li.tolist(), pi.tolist(), lo.tolist(),
                                 ext.tolist(), cnt.tolist()):
         out[c][2].append((a, b, tuple(o), tuple(s), n))
     return out
 
 
-def plan_chunk_grid(shape: tuple, itemsize: int, regions: list, blocks: list,
-                    opts: PlanOptions) -> tuple:
+def plan_chunk_grid(shape: tuple, itemsize: int, regions: "list | PieceArrays",
+                    blocks: list, opts: PlanOptions) -> tuple:
     """Choose a regular chunk grid for a tensor ([SP-GRID-1]): the saving layout itself when
     it is one (no data moves), else the candidate that moves the fewest bytes, counting
     ``chunk_overhead_bytes`` per chunk. ``regions``: [(boxes, holder ranks)] per unique

@@ -9,7 +9,7 @@ Pure: no I/O.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import msgpack
 import numpy as np
@@ -40,8 +40,8 @@ class LoadWorks(Sequence):
     def __init__(self, world: int, keys: list, ndims: list, D: int, a: dict):
         self.world, self.keys, self.ndims, self.D, self.a = world, keys, ndims, D, a
         self._cache: dict = {}
-        self._pairs = None
-        self._best = None
+        self._pairs: Optional[tuple] = None     # made on first use (see the methods)
+        self._best: Optional[tuple] = None
         self.read_bytes = int(a["read_bytes"])
         self.recv_bytes = a["recv_bytes"].tolist()
 
@@ -252,13 +252,13 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
     # chunk geometry of each distinct (shape, chunk grid, requested regions), all at once
     pkey = {k: (entries[k][2], layouts[entries[k][0]].chunk_shape, regions.by_key[k][1])
             for k, _ in order}
-    first: dict = {}
+    first_of: dict = {}     # geometry -> (key id, region ids) of its first tensor
     for k, gis in order:
-        first.setdefault(pkey[k], (k, gis))
+        first_of.setdefault(pkey[k], (k, gis))
     specs = [(len(entries[k][2]), [regions.region(gi)[1:] for gi in gis])
-             for k, gis in first.values()]
-    geo = dict(zip(first, chunk_part_arrays_many(
-        [(pk[0], pk[1], pa) for pk, pa in zip(first, region_pieces_many(specs))])))
+             for k, gis in first_of.values()]
+    geo = dict(zip(first_of, chunk_part_arrays_many(
+        [(pk[0], pk[1], pa) for pk, pa in zip(first_of, region_pieces_many(specs))])))
     t = build_parts(order, D, lambda k, _gis: (pkey[k], lambda: geo[pkey[k]]))
     NC, NP = len(t.c_key), len(t.p_chunk)
     c_key, p_chunk, p_gi, p_pi, p_bo, p_bs, first = \

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -88,7 +88,7 @@ class _Pattern(NamedTuple):
     parts (:func:`~.grid.chunk_part_arrays`)."""
 
     chunk: tuple
-    parts: tuple
+    parts: Optional[tuple]      # None for a tensor of no elements (it has no parts)
 
 
 def _plan_patterns(first: dict, keys: list, items: list, regions: Regions,
@@ -108,8 +108,10 @@ def _plan_patterns(first: dict, keys: list, items: list, regions: Regions,
         if not regions_tile(shape, regs):
             boxes = list(zip(map(tuple, pa.offs.tolist()), map(tuple, pa.shps.tolist())))
             owner = pa.li.tolist()
-            check_exact_cover(shape, boxes, lambda i, gis=gis, owner=owner: _describe(
-                regions.holders(gis[owner[i]])[0].tolist()), key)
+
+            def describe(i: int, gis: list = gis, owner: list = owner) -> str:
+                return _describe(regions.holders(gis[owner[i]])[0].tolist())
+            check_exact_cover(shape, boxes, describe, key)
         blocks = [(o, s) for o, s, _ in regs if math.prod(s)]
         chunks.append(plan_chunk_grid(shape, items[k], pa, blocks, opts))
     shapes = [keys[k][2] for k, _ in first.values()]

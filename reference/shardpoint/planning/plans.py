@@ -242,7 +242,8 @@ class RankLoadWork:
         self.local_rows = _rows(local_rows, 3 + 2 * D)
         self.send_rows = _rows(send_rows, 6 + 2 * D)
         self.recv_rows = _rows(recv_rows, 6 + 2 * D)
-        self._ops = None
+        # (reads, sends, recvs) as objects, made on first use
+        self._ops: Optional[tuple[list[ReadOp], list[Transfer], list[Transfer]]] = None
 
     @staticmethod
     def from_ops(rank: int, reads: Sequence[ReadOp], sends: Sequence[Transfer] = (),
