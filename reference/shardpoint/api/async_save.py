@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread   # noqa: F401 - its exit hook must be registered before ours
-import copy
 import logging
 import os
 import sys
@@ -70,18 +69,44 @@ def lower_thread_priority(priority: str) -> bool:
 
 _POOLS = ("_write_pool", "_reads", "_remote", "_meta_reads")   # ZarrBackend's thread pools
 _TWINS_LOCK = threading.Lock()
+_TWIN_CLASSES: dict = {}
+
+
+def _twin_class(cls: type) -> type:
+    """A subclass of ``cls`` whose instances own only the thread pools and read and write
+    every other attribute on the backend they stand in for (``_sp_origin``), so the twin
+    sees that backend's state as it changes, not a copy taken when the twin was made."""
+    twin = _TWIN_CLASSES.get(cls)
+    if twin is None:
+        def __getattr__(self: Any, name: str) -> Any:
+            origin = self.__dict__.get("_sp_origin")
+            if origin is None:
+                raise AttributeError(name)
+            return getattr(origin, name)
+
+        def __setattr__(self: Any, name: str, value: Any) -> None:
+            if name in _POOLS or name == "_sp_origin":
+                self.__dict__[name] = value
+            else:
+                setattr(self.__dict__["_sp_origin"], name, value)
+
+        twin = type(f"LowPriority{cls.__name__}", (cls,),
+                    {"__getattr__": __getattr__, "__setattr__": __setattr__,
+                     "__module__": __name__})
+        _TWIN_CLASSES[cls] = twin
+    return twin
 
 
 def background_backend(be: Any, priority: str) -> tuple:
     """(the backend, the priority) an async save's background part runs with. At ``"low"``
-    or ``"idle"``: a twin of ``be`` (one per backend and priority, kept) sharing all its state
-    (committer and its locks, written-file and checksum records) but with thread pools of its
-    own, started lazily by the low-priority background thread and so at its priority. A
-    backend without those pools of its own (another ``StorageBackend``, a wrapper) is used as
-    it is at ``"normal"``: the pools it reaches could be started by the background thread and
-    would then serve sync saves and loads at a low priority for good. The twins hang off
-    ``be`` (a table here would keep every backend and its threads alive: a twin refers back
-    to ``be`` through its committer), so they go with it."""
+    or ``"idle"``: a twin of ``be`` (one per backend and priority, kept) whose thread pools
+    are its own, started lazily by the low-priority background thread and so at its
+    priority, and whose every other attribute is ``be``'s (committer and its locks, records
+    of written files and checksums, options). A backend without those pools of its own
+    (another ``StorageBackend``, a wrapper) is used as it is at ``"normal"``: the pools it
+    reaches could be started by the background thread and would then serve sync saves and
+    loads at a low priority for good. The twins hang off ``be`` (a table here would keep
+    every backend and its threads alive: a twin refers back to ``be``), so they go with it."""
     if priority not in ("low", "idle"):
         return be, "normal"
     own = getattr(be, "__dict__", {})
@@ -91,11 +116,10 @@ def background_backend(be: Any, priority: str) -> tuple:
         twins = own.setdefault("_sp_async_twins", {})
         twin = twins.get(priority)
         if twin is None:
-            twin = copy.copy(be)
-            twin.__dict__.pop("_sp_async_twins", None)
+            twin = object.__new__(_twin_class(type(be)))
+            twin.__dict__["_sp_origin"] = be
             for n in _POOLS:
-                pool = own[n]
-                setattr(twin, n, WritePool(pool.threads, f"sp-{priority}-{pool.name}"))
+                twin.__dict__[n] = WritePool(own[n].threads, f"sp-{priority}-{own[n].name}")
             twins[priority] = twin
         return twin, priority
 
