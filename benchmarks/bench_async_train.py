@@ -10,7 +10,9 @@ keeps stepping until the save has committed. Per mode and round: the blocking ti
 call, the median step time while the save drains (every step that started before the save
 finished), the drain (call return to commit) and the training time lost to the save (sum over
 those steps of step - the round's no-save median). Modes run interleaved, rotated each round;
-the table gives medians over rounds with min-max.
+the table gives medians over rounds with min-max, and the CPU the save took in the
+trainer's process beyond the training thread (``writer cpu``; a child process's is not
+counted).
 
 Each step also records where its wall time went (Linux ``/proc/thread-self/schedstat``): CPU
 time of the training thread, time it sat runnable waiting for a core (``runq``), and the rest
@@ -208,6 +210,7 @@ def run_mode(tr: Trainer, saver, path: str, base_steps: int, max_steps: int) -> 
         steps = [timed_step(tr) for _ in range(base_steps)]
         return {"steps": steps}
     shutil.rmtree(path, ignore_errors=True)
+    proc0, mine0 = time.process_time(), schedstat()[0]
     t = time.perf_counter()
     wait = saver.start(tr.state(), path)
     blocking = time.perf_counter() - t
@@ -231,7 +234,11 @@ def run_mode(tr: Trainer, saver, path: str, base_steps: int, max_steps: int) -> 
     done.wait()
     if err:
         raise err[0]
-    return {"blocking": blocking, "drain": end[0] - t1, "steps": steps}
+    # CPU the save took in this process beyond the trainer's thread (its writer threads; a
+    # child process's is not counted): what it takes from the cores the trainer could use
+    writer_cpu = time.process_time() - proc0 - (schedstat()[0] - mine0) / 1e9
+    return {"blocking": blocking, "drain": end[0] - t1, "steps": steps,
+            "writer_cpu": writer_cpu}
 
 
 def med(v: list):
@@ -299,6 +306,7 @@ def main() -> None:
                        "n_steps": len(walls), "base": base_med}
                 if m != "none":
                     rec.update(blocking=out["blocking"], drain=out["drain"],
+                               writer_cpu=out["writer_cpu"],
                                lost=sum(w - base_med for w in walls))
                 raw[m].append(rec)
                 print(f"round {r} {m:16s} " + " ".join(
@@ -313,8 +321,8 @@ def main() -> None:
     print(f"\n### Training steps while an async save drains ({a.rounds} interleaved rounds, "
           f"median (min-max))\n")
     print("| mode | step s | x no save | cpu / runq / other s | blocking s | drain s "
-          "| lost s per save | steps in drain |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| lost s per save | steps in drain | writer cpu s |")
+    print("|---|---|---|---|---|---|---|---|---|")
 
     def mm(vals: list, f: str = "{:.3f}") -> str:
         vals = [v for v in vals if v is not None]
@@ -327,14 +335,16 @@ def main() -> None:
         rs = raw[m]
         ratio = [x["step"] / x["base"] for x in rs]
         row = {k: [x.get(k) for x in rs] for k in
-               ("step", "cpu", "runq", "other", "blocking", "drain", "lost", "n_steps")}
+               ("step", "cpu", "runq", "other", "blocking", "drain", "lost", "n_steps",
+                "writer_cpu")}
         summary[m] = {k: med([v for v in vals if v is not None]) if any(
             v is not None for v in vals) else None for k, vals in row.items()}
         summary[m]["x_no_save"] = med(ratio)
         print(f"| {m} | {mm(row['step'])} | {mm(ratio, '{:.2f}x')} | "
               f"{summary[m]['cpu']:.3f} / {summary[m]['runq']:.3f} / "
               f"{summary[m]['other']:.3f} | {mm(row['blocking'])} | {mm(row['drain'])} | "
-              f"{mm(row['lost'])} | {mm(row['n_steps'], '{:.0f}')} |")
+              f"{mm(row['lost'])} | {mm(row['n_steps'], '{:.0f}')} | "
+              f"{mm(row['writer_cpu']) if not m.startswith('sp-child') else 'n/a'} |")
     print(f"\nno-save step median over all rounds: {base_all:.3f} s")
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
