@@ -33,7 +33,6 @@ use_shared_memory=True, use_async_staging=False))``, its documented zero-overhea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -46,9 +45,11 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
 import logging  # noqa: E402
 
+import torch  # noqa: E402
+
+import bench_results as br  # noqa: E402
 import shardpoint as sp  # noqa: E402
 
 DEFAULT_MODES = "none,sp-normal,sp-low,sp-idle,dcp-thread,dcp-process"
@@ -245,7 +246,8 @@ def med(v: list):
     return statistics.median(v) if v else None
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8)
@@ -258,7 +260,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one round (smoke test)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.quick:
         a.rounds, a.layers, a.width, a.batch, a.base_steps = 1, 2, 256, 32, 2
     warnings.filterwarnings("ignore")
@@ -347,11 +349,46 @@ def main() -> None:
               f"{mm(row['writer_cpu']) if not m.startswith('sp-child') else 'n/a'} |")
     print(f"\nno-save step median over all rounds: {base_all:.3f} s")
     if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump({"config": vars(a), "state_bytes": nbytes, "cores": os.cpu_count(),
-                       "platform": platform.platform(), "torch": torch.__version__,
-                       "summary": summary, "rounds": raw}, f, indent=1)
+        write_json(a, argv, raw, modes, nbytes)
+
+
+def write_json(a, argv, raw: dict, modes: list, nbytes: int) -> None:
+    """The run in ``bench_results``' schema: a table per figure, one row per mode, one value
+    per round (the no-save median of the same round as the reference of each ratio)."""
+    cfg = {k: getattr(a, k) for k in ("rounds", "layers", "width", "batch", "dcp_threads",
+                                      "quick")}
+    cfg["state_bytes"] = nbytes
+    rec = br.Record("bench_async_train.py", "Training steps while an async save drains: an "
+                    f"MLP of {a.layers} layers on one torch thread, its weights and Adam state "
+                    "saved asynchronously", argv, cfg, {"torch": torch.__version__})
+    saves = [m for m in modes if m != "none"]
+    t = rec.table("step", "Median training step while the save drains (no save: the round's "
+                  "steps without one)")
+    for m in modes:
+        rs = raw[m]
+        br.Record.row(t, m, [x["step"] for x in rs],
+                      {"x no save": br.ratio([x["step"] for x in rs], [x["base"] for x in rs])},
+                      cpu=med([x["cpu"] for x in rs]), runq=med([x["runq"] for x in rs]),
+                      other=med([x["other"] for x in rs]))
+    for name, title in (("runq", "Per step: time the training thread waited runnable for a "
+                         "core (median step of each round)"),
+                        ("other", "Per step: time the training thread was blocked (waiting "
+                         "for the GIL, a lock, I/O; median step of each round)")):
+        t = rec.table(f"step_{name}", title)
+        for m in modes:
+            br.Record.row(t, m, [x[name] for x in raw[m]])
+    for name, title in (("lost", "Training time lost per save (sum over the steps in the drain "
+                         "of step minus the no-save median)"),
+                        ("drain", "Drain: from the save call's return to the commit"),
+                        ("blocking", "Blocking part of the save call"),
+                        ("writer_cpu", "CPU the save took in the trainer's process beyond the "
+                         "training thread (not counted for a child process)")):
+        t = rec.table(name, title)
+        for m in saves:
+            if name == "writer_cpu" and m.startswith("sp-child"):
+                continue
+            br.Record.row(t, m, [x[name] for x in raw[m]])
+    rec.write(a.json)
 
 
 if __name__ == "__main__":
