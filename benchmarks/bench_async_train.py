@@ -322,9 +322,9 @@ def main(argv=None) -> None:
     base_all = med([x["base"] for m in modes for x in raw[m]])
     print(f"\n### Training steps while an async save drains ({a.rounds} interleaved rounds, "
           f"median (min-max))\n")
-    print("| mode | step s | x no save | cpu / runq / other s | blocking s | drain s "
-          "| lost s per save | steps in drain | writer cpu s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mode | step s | min-max s | x no save | cpu / runq / other s | blocking s "
+          "| drain s | lost s per save | steps in drain | writer cpu s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
 
     def mm(vals: list, f: str = "{:.3f}") -> str:
         vals = [v for v in vals if v is not None]
@@ -342,17 +342,24 @@ def main(argv=None) -> None:
         summary[m] = {k: med([v for v in vals if v is not None]) if any(
             v is not None for v in vals) else None for k, vals in row.items()}
         summary[m]["x_no_save"] = med(ratio)
-        print(f"| {m} | {mm(row['step'])} | {mm(ratio, '{:.2f}x')} | "
+        st = row["step"]
+        print(f"| {m} | {med(st):.3f} | {min(st):.3f}-{max(st):.3f} | "
+              f"{mm(ratio, '{:.2f}x')} | "
               f"{summary[m]['cpu']:.3f} / {summary[m]['runq']:.3f} / "
               f"{summary[m]['other']:.3f} | {mm(row['blocking'])} | {mm(row['drain'])} | "
               f"{mm(row['lost'])} | {mm(row['n_steps'], '{:.0f}')} | "
               f"{mm(row['writer_cpu']) if not m.startswith('sp-child') else 'n/a'} |")
     print(f"\nno-save step median over all rounds: {base_all:.3f} s")
+    rec = record(a, argv, raw, modes, nbytes)
+    for t in rec.data["tables"][1:]:      # the figures above, one table each (as in the file)
+        print(f"\n**{t['title']}**\n\n| mode | median s | min-max s |\n|---|---|---|")
+        for r in t["rows"]:
+            print(f"| {r['label']} | {r['median']:.3f} | {r['min']:.3f}-{r['max']:.3f} |")
     if a.json:
-        write_json(a, argv, raw, modes, nbytes)
+        rec.write(a.json)
 
 
-def write_json(a, argv, raw: dict, modes: list, nbytes: int) -> None:
+def record(a, argv, raw: dict, modes: list, nbytes: int) -> "br.Record":
     """The run in ``bench_results``' schema: a table per figure, one row per mode, one value
     per round (the no-save median of the same round as the reference of each ratio)."""
     cfg = {k: getattr(a, k) for k in ("rounds", "layers", "width", "batch", "dcp_threads",
@@ -388,7 +395,7 @@ def write_json(a, argv, raw: dict, modes: list, nbytes: int) -> None:
             if name == "writer_cpu" and m.startswith("sp-child"):
                 continue
             br.Record.row(t, m, [x[name] for x in raw[m]])
-    rec.write(a.json)
+    return rec
 
 
 if __name__ == "__main__":
