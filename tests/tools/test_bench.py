@@ -146,6 +146,30 @@ def test_quick_jax_benchmark_runs_both_tools_and_checks_what_they_loaded(capsys,
     assert os.listdir(tmp_path) == []
 
 
+def test_quick_async_train_benchmark_writes_every_table(capsys, tmp_path):
+    """benchmarks/bench_async_train.py --quick: a trainer steps through async saves of its
+    state (writer at the trainer's priority and at a low one), every table printed and
+    written in the results schema, the checkpoints removed (no timing asserted)."""
+    res = str(tmp_path / "results" / "bench_async_train.json")
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_async_train
+        bench_async_train.main(["--quick", "--modes", "none,sp-normal,sp-low", "--dir",
+                                str(ckpts), "--json", res])
+    finally:
+        sys.path.remove(BENCH)
+    out = capsys.readouterr().out
+    data, md = render(res, out)
+    tables = {t["name"]: [r["label"] for r in t["rows"]] for t in data["tables"]}
+    assert tables["step"] == ["none", "sp-normal", "sp-low"] == tables["step_runq"]
+    assert tables["drain"] == ["sp-normal", "sp-low"] == tables["lost"]
+    assert all(len(r["values"]) == 1 for t in data["tables"] for r in t["rows"])
+    assert "| sp-low |" in out and "x no save" in md
+    assert os.listdir(ckpts) == []
+
+
 def test_quick_store_benchmark_runs_every_store(capsys, tmp_path):
     """benchmarks/bench_stores.py --quick: our stores and TensorStore's drivers on files,
     the tests' kind of S3 server and memory, every byte read back checked; the table and its
@@ -231,7 +255,8 @@ def test_benchmark_page_figures_all_come_from_files_the_scripts_wrote():
     names = sorted(f[:-5] for f in os.listdir(os.path.join(root, "benchmarks", "results"))
                    if f.endswith(".json"))
     assert names and re.findall(r"<!-- generated: benchmark (\w+) -->", page) == \
-        ["bench", "bench_jax", "bench_s3", "plan_scale", "plan_scale_cpu"]
+        ["bench", "bench_async_train", "bench_jax", "bench_s3", "plan_scale",
+         "plan_scale_cpu"]
     for name in names:
         assert f"<!-- generated: benchmark {name} -->" in page, name
         path = os.path.join(root, "benchmarks", "results", f"{name}.json")

@@ -175,9 +175,10 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = 
 
     ``async_save=True`` returns an :class:`AsyncSave` as soon as the state is copied into a
     reusable host pool (the caller may then change its tensors); writes and the commit run
-    in the background on a gloo group of their own. Any save on the same group first waits
-    for the previous async one and re-raises its error on every rank if ``wait`` did not hand
-    it over on some rank.
+    in the background on a gloo group of their own, at a low CPU priority so that they take
+    few cycles from training (``SaveOptions.async_priority``). Any save on the same group
+    first waits for the previous async one and re-raises its error on every rank if ``wait``
+    did not hand it over on some rank.
 
     ``overwrite=True`` replaces a committed checkpoint (or an empty directory) at ``path``;
     ``overwrite="any"`` also a directory that is not a checkpoint, deleting what it holds.
