@@ -41,25 +41,26 @@ def test_low_priority_writers_and_untouched_pools_for_sync_saves(tmp_path):
     st = state()
     h = cp.save(st, str(tmp_path / "a"), async_save=True)
     h.wait(timeout=120)
-    low = named("sp-low-shardpoint-write")
-    assert low, "the async save wrote through no pool of its own"
+    low = named("shardpoint-write-low_")
+    assert low, "the async save wrote through no low-priority threads"
     assert {nice_of(t) for t in low} == {19}
     cp.save(st, str(tmp_path / "b"))          # sync: the backend's own pool
-    own = named("shardpoint-write")
+    own = named("shardpoint-write_")
     assert own and {nice_of(t) for t in own} == {mine}
     for p in ("a", "b"):
         got = cp.load(str(tmp_path / p)).tree
         assert same_bits(got["w"], st["w"]) and same_bits(got["b"], st["b"])
         assert got["step"] == 3
-    # the next async save reuses the same twin (no new pools per save)
+    # the next async save reuses the same low-priority threads (no new pool per save)
+    before = {t.native_id for t in named("shardpoint-write-low_")}
     cp.save(st, str(tmp_path / "c"), async_save=True).wait(timeout=120)
-    assert be._sp_async_twins["low"]._write_pool is not be._write_pool
-    assert list(be._sp_async_twins) == ["low"]
+    assert {t.native_id for t in named("shardpoint-write-low_")} == before
+    assert set(be._write_pool._pools) == {"normal", "low"}
 
 
 @linux
 def test_idle_priority_is_inherited_by_the_threads_the_writer_starts():
-    from shardpoint.api.async_save import lower_thread_priority
+    from shardpoint_core.stores.durable import lower_thread_priority
     seen = {}
 
     def child():
@@ -79,19 +80,35 @@ def test_idle_priority_is_inherited_by_the_threads_the_writer_starts():
     assert os.sched_getscheduler(threading.get_native_id()) != os.SCHED_IDLE   # caller's own
 
 
-def test_normal_priority_and_wrapped_backends_write_through_the_backend_itself():
-    from shardpoint.api.async_save import background_backend
-    be = ZarrBackend(fsync=False)
-    assert background_backend(be, "normal") == (be, "normal")
+def test_a_pool_runs_each_task_at_its_submitters_priority():
+    """The backend's pools choose threads by the submitting thread's priority: work a lowered
+    thread submits (and the tasks those submit) runs at that priority, work from a normal
+    thread on normal threads, from one pool object."""
+    from shardpoint_core.arrays.direct_write import WritePool, run_at_priority
+    pool = WritePool(2, "prio-test")
 
-    class Wrapper:        # forwards everything: its pools are not its own to replace
-        def __getattr__(self, name):
-            return getattr(be, name)
-    w = Wrapper()
-    assert background_backend(w, "low") == (w, "normal")
-    twin, prio = background_backend(be, "idle")
-    assert prio == "idle" and twin is not be and twin.committer is be.committer
-    assert background_backend(be, "idle")[0] is twin
+    def nice_here():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def nested():
+        return pool.submit(nice_here).result()
+
+    mine = nice_here()
+    if mine >= 19:
+        pytest.skip("this process already runs at nice 19")
+    seen = {}
+
+    def background():
+        run_at_priority("low")
+        seen["low"] = pool.submit(nice_here).result()
+        seen["nested"] = pool.submit(nested).result()
+
+    t = threading.Thread(target=background)
+    t.start()
+    t.join()
+    seen["normal"] = pool.submit(nice_here).result()
+    assert seen == {"low": 19, "nested": 19, "normal": mine}
+    assert set(pool._pools) == {"low", "normal"}
 
 
 @pytest.mark.parametrize("bad", ["high", "", None, 19])

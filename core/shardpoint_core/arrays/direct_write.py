@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 import crc32c
 import numpy as np
 
+from shardpoint_core.stores.durable import lower_thread_priority
 from shardpoint_core.stores.files import (  # noqa: F401 - start_writeback re-exported
     pwritev_all, start_writeback)
 
@@ -96,23 +97,57 @@ def write_layout(path: str, shape: Sequence[int], chunk: Sequence[int], codecs: 
     return None
 
 
+_PRIORITY = threading.local()
+
+
+def thread_priority() -> str:
+    """The CPU priority work submitted from this thread runs at (:func:`run_at_priority`):
+    ``"normal"`` unless this thread was lowered."""
+    p: str = getattr(_PRIORITY, "value", "normal")
+    return p
+
+
+def run_at_priority(priority: str) -> None:
+    """Lower this thread to ``priority`` for good (:func:`~shardpoint_core.stores.durable.
+    lower_thread_priority`) and make every :class:`WritePool` task it submits from now on run
+    on that pool's threads of the same priority. For a thread that does only such work (an
+    async save's background thread); threads of the pools themselves are set this way too,
+    so the tasks they submit stay at their priority."""
+    lower_thread_priority(priority)
+    _PRIORITY.value = priority
+
+
 class WritePool:
     """A lazily started thread pool, restarted in a forked child (which inherits the pool
-    object but not its threads)."""
+    object but not its threads). A task runs on threads of the submitting thread's priority
+    (:func:`run_at_priority`): one executor per priority, each started on first use, so the
+    low-priority work of an async save never runs on, or lowers, the threads sync saves and
+    loads use."""
 
     def __init__(self, threads: int, name: str) -> None:
         self.threads, self.name = threads, name
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pid = 0
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        if self._pool is None or self._pid != os.getpid():
+        prio = thread_priority()
+        pool = self._pools.get(prio)
+        if pool is None or self._pid != os.getpid():
             with self._lock:
-                if self._pool is None or self._pid != os.getpid():
-                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
-                    self._pid = os.getpid()
-        return self._pool.submit(fn, *args)
+                if self._pid != os.getpid():
+                    self._pools, self._pid = {}, os.getpid()
+                pool = self._pools.get(prio)
+                if pool is None:
+                    if prio == "normal":
+                        pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
+                    else:
+                        pool = ThreadPoolExecutor(self.threads,
+                                                  thread_name_prefix=f"{self.name}-{prio}",
+                                                  initializer=run_at_priority,
+                                                  initargs=(prio,))
+                    self._pools[prio] = pool
+        return pool.submit(fn, *args)
 
 
 def _contiguous_bytes(a: np.ndarray) -> np.ndarray:

@@ -231,3 +231,27 @@ def _flock_dir(path: str, exclusive: bool) -> tuple[Optional[int], bool]:
         os.close(fd)
         return None, isinstance(e, BlockingIOError)
     return fd, False
+
+
+#: CPU priorities a thread can take (:func:`lower_thread_priority`): "low" is nice 19 (a small
+#: share of a core others want, never none), "idle" SCHED_IDLE (only cores nothing else
+#: wants), "normal" the process's own.
+PRIORITIES = ("low", "idle", "normal")
+
+
+def lower_thread_priority(priority: str) -> bool:
+    """Lower the calling thread's CPU priority to ``priority``; True if it did. Linux only
+    (elsewhere ``setpriority`` of a thread id would renice some process); never raises: work
+    must not fail for want of a lower priority. Not undone: an unprivileged thread cannot raise
+    its priority again, so such threads are kept for work of that priority."""
+    if priority not in ("low", "idle") or not sys.platform.startswith("linux"):
+        return False
+    tid = threading.get_native_id()
+    try:
+        if priority == "idle":
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        elif os.getpriority(os.PRIO_PROCESS, tid) < 19:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        return True
+    except (AttributeError, OSError):   # a sandbox refusing it: normal priority
+        return False

@@ -8,35 +8,33 @@ re-raises its error on every rank if any rank has not seen it yet.
 The background part runs at a lower CPU priority than the trainer (``SaveOptions.
 async_priority``): what slows training steps while a save drains is the writer's threads
 taking cores from the trainer's (the trainer's steps wait runnable, not for the GIL; see
-``benchmarks/bench_async_train.py``). On Linux the background thread lowers its own priority
-and writes through a twin of the backend whose thread pools it starts (threads inherit their
-creator's priority), so the backend's own pools, which sync saves and loads use, keep theirs
-(:func:`background_backend`).
+``benchmarks/bench_async_train.py``). On Linux the background thread lowers itself
+(:func:`~shardpoint_core.arrays.direct_write.run_at_priority`), and the backend's thread pools
+run what it submits on threads of the same priority, apart from the threads sync saves and
+loads use.
 """
 from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread   # noqa: F401 - its exit hook must be registered before ours
 import logging
-import os
-import sys
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 from shardpoint.api.staging import StagingPool
 from shardpoint.exchange import inflight
-from shardpoint_core.arrays.direct_write import WritePool
+from shardpoint_core.arrays.direct_write import run_at_priority
+from shardpoint_core.stores.durable import PRIORITIES
 from shardpoint_core.format import errors
 
 log = logging.getLogger("shardpoint")
 
 
-# ``SaveOptions.async_priority``: the CPU priority of an async save's background part.
-# "low": nice 19 (a small share of a core the trainer wants, never none); "idle": SCHED_IDLE
-# (only cores nothing else wants: the least slowdown, but a machine kept busy delays the
-# save without bound); "normal": the caller's priority, the same pools as sync saves.
-PRIORITIES = ("low", "idle", "normal")
+# ``SaveOptions.async_priority``: the CPU priority of an async save's background part, one of
+# PRIORITIES. "low": nice 19 (a small share of a core the trainer wants, never none); "idle":
+# SCHED_IDLE (only cores nothing else wants: the least slowdown, but a machine kept busy
+# delays the save without bound); "normal": the caller's priority.
 
 
 def check_priority(priority: str) -> None:
@@ -45,83 +43,6 @@ def check_priority(priority: str) -> None:
         raise errors.InvalidOptionError(
             f"SaveOptions.async_priority must be one of {', '.join(map(repr, PRIORITIES))}, "
             f"not {priority!r}")
-
-
-def lower_thread_priority(priority: str) -> bool:
-    """Lower the calling thread's CPU priority to ``priority`` (threads it starts from now
-    on inherit it); True if it did. Linux only (elsewhere ``setpriority`` of a thread id would
-    renice some process); never raises, since a save must not fail for want of a lower
-    priority. It is not undone: an unprivileged thread cannot raise its priority again, which
-    is why the background part gets thread pools of its own (:func:`background_backend`)."""
-    if priority not in ("low", "idle") or not sys.platform.startswith("linux"):
-        return False
-    tid = threading.get_native_id()
-    try:
-        if priority == "idle":
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        elif os.getpriority(os.PRIO_PROCESS, tid) < 19:
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
-        return True
-    except (AttributeError, OSError) as e:   # a sandbox refusing it: normal priority
-        log.debug("shardpoint: cannot lower the async save's priority: %s", e)
-        return False
-
-
-_POOLS = ("_write_pool", "_reads", "_remote", "_meta_reads")   # ZarrBackend's thread pools
-_TWINS_LOCK = threading.Lock()
-_TWIN_CLASSES: dict = {}
-
-
-def _twin_class(cls: type) -> type:
-    """A subclass of ``cls`` whose instances own only the thread pools and read and write
-    every other attribute on the backend they stand in for (``_sp_origin``), so the twin
-    sees that backend's state as it changes, not a copy taken when the twin was made."""
-    twin = _TWIN_CLASSES.get(cls)
-    if twin is None:
-        def __getattr__(self: Any, name: str) -> Any:
-            origin = self.__dict__.get("_sp_origin")
-            if origin is None:
-                raise AttributeError(name)
-            return getattr(origin, name)
-
-        def __setattr__(self: Any, name: str, value: Any) -> None:
-            if name in _POOLS or name == "_sp_origin":
-                self.__dict__[name] = value
-            else:
-                setattr(self.__dict__["_sp_origin"], name, value)
-
-        twin = type(f"LowPriority{cls.__name__}", (cls,),
-                    {"__getattr__": __getattr__, "__setattr__": __setattr__,
-                     "__module__": __name__})
-        _TWIN_CLASSES[cls] = twin
-    return twin
-
-
-def background_backend(be: Any, priority: str) -> tuple:
-    """(the backend, the priority) an async save's background part runs with. At ``"low"``
-    or ``"idle"``: a twin of ``be`` (one per backend and priority, kept) whose thread pools
-    are its own, started lazily by the low-priority background thread and so at its
-    priority, and whose every other attribute is ``be``'s (committer and its locks, records
-    of written files and checksums, options). A backend without those pools of its own
-    (another ``StorageBackend``, a wrapper) is used as it is at ``"normal"``: the pools it
-    reaches could be started by the background thread and would then serve sync saves and
-    loads at a low priority for good. The twins hang off ``be`` (a table here would keep
-    every backend and its threads alive: a twin refers back to ``be``), so they go with it."""
-    if priority not in ("low", "idle"):
-        return be, "normal"
-    own = getattr(be, "__dict__", {})
-    if not all(isinstance(own.get(n), WritePool) for n in _POOLS):
-        return be, "normal"
-    with _TWINS_LOCK:
-        twins = own.setdefault("_sp_async_twins", {})
-        twin = twins.get(priority)
-        if twin is None:
-            twin = object.__new__(_twin_class(type(be)))
-            twin.__dict__["_sp_origin"] = be
-            for n in _POOLS:
-                twin.__dict__[n] = WritePool(own[n].threads, f"sp-{priority}-{own[n].name}")
-            twins[priority] = twin
-        return twin, priority
 
 
 class AsyncSave:
@@ -214,7 +135,7 @@ class GroupSaves:
 
         def run() -> None:
             try:
-                lower_thread_priority(priority)
+                run_at_priority(priority)
                 out = job.pop()()
             except BaseException as e:  # noqa: BLE001 - delivered through the handle
                 fut.set_exception(e)

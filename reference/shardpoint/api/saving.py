@@ -19,7 +19,7 @@ from shardpoint.tree import dtypes
 from shardpoint_core.format import errors
 from shardpoint_core.commit.base import Overwrite, check_overwrite
 from shardpoint.tree import values
-from shardpoint.api.async_save import AsyncSave, background_backend, check_priority
+from shardpoint.api.async_save import AsyncSave, check_priority
 from shardpoint.api.heap import release_free_heap
 from shardpoint.api.replicas import check_replicas
 from shardpoint.exchange.comm import (AFTER_SAVE, Comm, after_commit, agree, exchange,
@@ -565,15 +565,13 @@ def run_save(state: Any, path: str, comm: Comm, be: Optional[StorageBackend],
         job.abandon()
         raise
     job.times["blocking"] = time.perf_counter() - job.t0
-    bg_be, priority = background_backend(job.be, opts.async_priority)
 
     def background() -> SaveResult:
         t = time.perf_counter()
-        job.be = bg_be      # the same backend with pools of its own, at ``priority``
         job.write(side)
         res = job.commit(side)
         res.timings["background"] = time.perf_counter() - t
         release_free_heap()
         return res
 
-    return saves.start(background, job.staging_bytes, job.path, priority)
+    return saves.start(background, job.staging_bytes, job.path, opts.async_priority)
