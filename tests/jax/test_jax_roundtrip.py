@@ -138,12 +138,14 @@ def test_namedtuple_and_registered_nodes_round_trip_through_a_target(tmp_path):
 def test_big_chunks_become_shards_and_partial_reads_touch_inner_chunks(tmp_path):
     import json
     from shardpoint_jax.loading import Checkpoint
-    a = random_array(0, (512, 1024), BY_NAME["float32"])               # one 2 MiB chunk
+    from shardpoint_core.format.layout import INNER_CHUNK_BYTES, SHARD_ABOVE_BYTES
+    a = random_array(0, (2560, 1024), BY_NAME["float32"])              # one 10 MiB chunk
+    assert a.nbytes > SHARD_ABOVE_BYTES           # the core's threshold, the torch side's too
     sj.save(tmp_path / "c", {"big": a})
     meta = json.loads((tmp_path / "c" / "tensors" / "big" / "zarr.json").read_text())
     codec = meta["codecs"][0]
     assert codec["name"] == "sharding_indexed"
-    assert codec["configuration"]["chunk_shape"] == [64, 1024]
+    assert codec["configuration"]["chunk_shape"] == [INNER_CHUNK_BYTES // 4096, 1024]
     assert same_bits(sj.load(tmp_path / "c")["big"], a)
     ck = Checkpoint(tmp_path / "c")
     assert same_bits(ck.read("big", [130, 5], [3, 7]), a[130:133, 5:12])
