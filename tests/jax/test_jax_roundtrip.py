@@ -151,6 +151,15 @@ def test_big_chunks_become_shards_and_partial_reads_touch_inner_chunks(tmp_path)
     assert same_bits(ck.read("big", [130, 5], [3, 7]), a[130:133, 5:12])
     shardpoint = pytest.importorskip("shardpoint")    # the reference reads the shards too
     assert np.asarray(shardpoint.load(str(tmp_path / "c"))["big"]).tobytes() == a.tobytes()
+    # ... and writes the same files for the same state: one set of chunking choices
+    torch = pytest.importorskip("torch")
+    shardpoint.save({"big": torch.from_numpy(a)}, str(tmp_path / "t"))
+    for sub in ("zarr.json", "c/0/0"):
+        ours, theirs = (tmp_path / d / "tensors" / "big" / sub for d in ("c", "t"))
+        assert ours.read_bytes() == theirs.read_bytes(), sub
+    tables = [shardpoint.read_metadata(str(tmp_path / d)).tensors["big"].chunk_crc32c
+              for d in ("c", "t")]
+    assert tables[0] is not None and tables[0] == tables[1]      # [SP-MAN-7]
 
 
 def test_a_front_end_on_the_core_alone_no_torch_no_torch_front_end():
