@@ -229,9 +229,14 @@ def agree_plan(comm: Comm, path: str, tree: Any, overwrite: Overwrite) -> tuple:
             else:
                 decision, writer = prepare(path, plan_global(plans, comm.world), overwrite)
                 decision["world"] = comm.world
+            packed = pack(decision)
         except Exception as e:  # noqa: BLE001
+            if writer is not None:
+                writer.abort()      # nothing of a save the others never hear of stays
+                writer = None
             decision = {"error": error_info(e)}
-        comm.broadcast("decision", pack(decision))
+            packed = pack(decision)
+        comm.broadcast("decision", packed)
     else:
         decision = unpack(comm.broadcast("decision"))
         if "error" not in decision:
