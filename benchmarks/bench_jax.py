@@ -273,9 +273,9 @@ def time_loads(n: int, scale: float, where: Optional[str],
         p = os.path.join(base, "ck")
         if server is not None:
             from bench_s3 import Counter, add_latency
-            from shardpoint_jax import storage
+            from shardpoint_core.stores.location import locate
             p = server.url("spjload/ck")
-            client = storage.locate(p)[0].client
+            client = locate(p).store.client
             counter = Counter(client)
             add_latency(client, s3_latency_ms / 1000)
         spj.save(p, tree)

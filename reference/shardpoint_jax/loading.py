@@ -1,7 +1,9 @@
 """load(): read a checkpoint into a pytree (spec/format.md sections 10, 11). Each process
 reads only the regions its addressable devices need, from any saved layout, straight into
 the shard buffers, from a local directory or any registered store (``s3://``, ``memory://``),
-by the core's reader rules (:mod:`.storage`)."""
+through the core's :class:`~shardpoint_core.transactions.reader.CheckpointReader`
+(:mod:`.storage`); a checkpoint replaced while it was read is an error, never a mix of two
+[SP-COMMIT-14]."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -10,22 +12,16 @@ import jax
 import numpy as np
 
 from shardpoint_core.format.errors import LayoutMismatchError
-from shardpoint_core.format.manifest import Manifest, TensorEntry
+from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.format.statetree import TensorLeaf, iter_leaves, materialize
 from shardpoint_jax.dtypes import numpy_dtype, numpy_of
-from shardpoint_jax.storage import (PendingRead, StoredArray, checkpoint_path,
-                                    read_manifest, start_listing)
+from shardpoint_jax.storage import (PendingRead, StoredArray, checkpoint_path, manifest_of,
+                                    open_reader, start_listing)
 from shardpoint_jax.tree import ShardedObject, walk
 
 # Bytes of reads started ahead of the one being handed to JAX: enough to keep the I/O
 # threads and the disk busy, bounded so a load never holds much more than its result.
 READ_AHEAD_BYTES = 256 << 20
-
-
-def entry_of(t: TensorEntry) -> dict:
-    """A manifest tensor entry as :class:`~shardpoint_jax.storage.StoredArray` takes it."""
-    return {"array": t.array, "shape": list(t.shape), "dtype": t.dtype,
-            "chunk_shape": list(t.chunk_shape), "chunk_crc32c": t.chunk_crc32c}
 
 
 class Checkpoint:
@@ -35,7 +31,8 @@ class Checkpoint:
     def __init__(self, path: str) -> None:
         self.path = checkpoint_path(path, "load(path, target)")
         self.listing = start_listing(self.path)     # in flight with the manifest's GET
-        self.manifest: Manifest = read_manifest(self.path)
+        self.reader = open_reader(self.path)
+        self.manifest: Manifest = manifest_of(self.reader)
         # key -> TensorLeaf / ObjectLeaf / ValueLeaf of the typed tree
         self.leaves: dict = {leaf.key: leaf for _p, leaf in iter_leaves(self.manifest.tree)}
         self._stores: dict = {}
@@ -43,8 +40,7 @@ class Checkpoint:
 
     def array(self, key: str) -> StoredArray:
         if key not in self._stores:
-            self._stores[key] = StoredArray(self.path, key,
-                                            entry_of(self.manifest.tensors[key]), self.listing)
+            self._stores[key] = StoredArray(self.reader, key, self.listing)
         return self._stores[key]
 
     def read(self, key: str, offset, shape, out=None) -> np.ndarray:
@@ -207,16 +203,18 @@ def load(path: str, target: Any = None, *, strict: bool = True,
     ck.ahead = ReadAhead(ck, planned_regions(ck, target), READ_AHEAD_BYTES)
     try:
         if target is None:
-            return ck.whole(ck.manifest.tree)
-        if leaf_hook is None:
-            return walk(target, lambda p, key, leaf: load_leaf(ck, key, leaf, strict))
-
-        def hooked(_p: tuple, key: str, leaf: Any) -> Any:
-            out = leaf_hook(ck, key, leaf)
-            return load_leaf(ck, key, leaf, strict) if out is NotImplemented else out
-        return walk(target, hooked)
+            out = ck.whole(ck.manifest.tree)
+        elif leaf_hook is None:
+            out = walk(target, lambda p, key, leaf: load_leaf(ck, key, leaf, strict))
+        else:
+            def hooked(_p: tuple, key: str, leaf: Any) -> Any:
+                got = leaf_hook(ck, key, leaf)
+                return load_leaf(ck, key, leaf, strict) if got is NotImplemented else got
+            out = walk(target, hooked)
     finally:
         ck.ahead.drain()
+    ck.reader.check_unchanged()     # every read done: nothing of another save mixed in
+    return out
 
 
 def load_leaf(ck: Checkpoint, key: str, leaf: Any, strict: bool) -> Any:

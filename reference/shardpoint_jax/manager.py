@@ -43,11 +43,11 @@ import numpy as np
 
 from shardpoint_core.commit.cleanup import DEFAULT_MIN_AGE_S
 from shardpoint_core.commit.steps import StepRoot
-from shardpoint_core.commit.posix import PosixCommitter
 from shardpoint_core.format.errors import ShardpointError as CoreError
 from shardpoint_core.format.policy import (Retention, check_metric, policy_from_options,
                                     ranked, retained, step_number)
 from shardpoint_core.format.statetree import ValueLeaf, node_at
+from shardpoint_core.transactions.resolve import backend_for
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.comm import Comm
@@ -92,14 +92,15 @@ class CheckpointManager:
             raise E.InvalidRequestError(str(e)) from None
         self.root = checkpoint_path(root, "CheckpointManager(root)")   # a path or a URL
         # Step paths, committed steps, removal and clean-up: the core's, shared with the torch
-        # manager; a local root through this manager's own POSIX committer (its lock rule).
+        # manager, through the committer of the backend this manager's saves go through (the
+        # one holding their locks: the lock rule then sees this process's own saves).
         self.max_to_keep, self.keep_every, self.keep_best = max_to_keep, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = bool(async_save)
         self._pending: Optional[AsyncSave] = None
         self._metrics: dict = {}           # step -> metrics (a cache of the manifests)
         self.retention_warnings: list = []   # what the last retention could not do
-        self._steps = StepRoot(self.root, local_committer=PosixCommitter(),
+        self._steps = StepRoot(self.root, backend=backend_for(self.root),
                                call="CheckpointManager(root)")
 
     # Leftovers of crashed saves younger than this are left alone: on an object store nothing

@@ -1,31 +1,34 @@
-"""save(): the collective pipeline (spec/format.md sections 8, 9). Every process states its
-local plan (metadata only, msgpack); process 0 merges and checks them, picks grids, creates
-the staging location and the arrays; each process writes the chunks of its replica-0 shards;
-when all are durable, process 0 writes the manifest and the core's committer publishes it
-(a rename on files, the manifest as commit marker on object stores, format.md 9 and 9.1)."""
+"""save(): the collective pipeline (spec/format.md sections 8, 9), one save transaction of
+the core (:class:`~shardpoint_core.transactions.writer.CheckpointWriter`). Every process
+states its local plan (metadata only, msgpack); process 0 merges and checks them, picks grids
+and begins the save (the target checked, the staging location made); each process joins it
+and writes the chunks of its replica-0 shards, makes them durable and reports the crc32c of
+what it wrote; once every process succeeded, process 0 commits the manifest with its chunk
+tables (a rename on files, the manifest as commit marker on object stores, format.md 9 and
+9.1), else aborts."""
 from __future__ import annotations
 
 import math
-import secrets
 from collections import deque
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import jax
 import numpy as np
 
+from shardpoint_core.arrays.identity import join_tables
+from shardpoint_core.commit.base import Overwrite, check_overwrite
 from shardpoint_core.format import errors as core_errors
-from shardpoint_core.stores.registry import is_local
+from shardpoint_core.format.manifest import (FORMAT_VERSION, FORMAT_VERSION_1_3, Manifest,
+                                             ObjectValues, TensorEntry, array_path_for)
+from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.format.treemerge import merge_many
-from shardpoint_core.format.manifest import (Manifest, ObjectValues, TensorEntry, array_path_for,
-                                             encode_manifest)
+from shardpoint_core.transactions.writer import CheckpointWriter
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import POOL, AsyncSave, wait_for_previous
 from shardpoint_jax.comm import Comm
 from shardpoint_jax.dtypes import name_of
 from shardpoint_jax.grid import chunk_shape, local_chunk_shape
-from shardpoint_jax.storage import (ArrayWriter, COMMITTER, checkpoint_path,
-                                    create_arrays, make_durable, write_group_metadata,
-                                    write_manifest)
+from shardpoint_jax.storage import checkpoint_path, chunk_pieces
 from shardpoint_jax.tree import ShardedObject, is_array, tree_node
 from shardpoint_jax.values import check_value, is_scalar_value, pack, unpack
 
@@ -162,7 +165,7 @@ def raise_info(info: list, where: str) -> None:
 
 
 # -------------------------------------------------------------------------------- save
-def save(path: str, tree: Any, *, overwrite: Union[bool, str] = False,
+def save(path: str, tree: Any, *, overwrite: Overwrite = False,
          async_save: bool = False, extensions: Optional[dict] = None) -> Optional[AsyncSave]:
     """Save ``tree`` (a pytree of jax.Arrays, numpy arrays, ShardedObjects and values) at
     ``path``: a local path, or the URL of a registered store (``s3://bucket/run/step_5``,
@@ -179,10 +182,7 @@ def save(path: str, tree: Any, *, overwrite: Union[bool, str] = False,
     ``extensions``: the manifest's ``extensions`` map (versioning.md), process 0's, each entry
     a map with ``"must_understand": False`` that readers ignore; front ends keep what their
     host keeps beside a checkpoint there (the Orbax handler: shardings, PRNG key kinds)."""
-    if not (overwrite is False or overwrite is True or overwrite == "any"):
-        raise E.InvalidRequestError(f"overwrite={overwrite!r}: pass False, True (replace a "
-                                    "committed checkpoint or an empty directory) or 'any' "
-                                    "(also a directory that is not a checkpoint)")
+    overwrite = check_overwrite(overwrite)      # InvalidOptionError (InvalidRequestError)
     for name, ext in (extensions or {}).items():
         if not (isinstance(name, str) and isinstance(ext, dict)
                 and ext.get("must_understand") is False):
@@ -191,7 +191,7 @@ def save(path: str, tree: Any, *, overwrite: Union[bool, str] = False,
     wait_for_previous()
     path = checkpoint_path(path, "save(path, tree)")
     comm = Comm("save")
-    plan, decision = agree_plan(comm, path, tree, overwrite)
+    plan, decision, writer = agree_plan(comm, path, tree, overwrite)
     decision["extensions"] = dict(extensions or {})   # process 0's go into the manifest
     regions: list = []
     err: Optional[BaseException] = None
@@ -202,14 +202,15 @@ def save(path: str, tree: Any, *, overwrite: Union[bool, str] = False,
     except Exception as e:  # noqa: BLE001 - reported to every process at the write step
         err = e
     if not async_save:
-        write_and_commit(comm, path, decision, regions, err)
+        write_and_commit(comm, writer, decision, regions, err)
         return None
-    return AsyncSave(lambda: write_and_commit(comm, path, decision, regions, err), path)
+    return AsyncSave(lambda: write_and_commit(comm, writer, decision, regions, err), path)
 
 
-def agree_plan(comm: Comm, path: str, tree: Any, overwrite: Union[bool, str]) -> tuple:
-    """Every process's plan to process 0, which checks and merges them, creates the staging
-    directory and the arrays, and sends back its decision: ``(local plan, decision)``."""
+def agree_plan(comm: Comm, path: str, tree: Any, overwrite: Overwrite) -> tuple:
+    """Every process's plan to process 0, which checks and merges them, begins the save
+    (:func:`prepare`) and sends back its decision: ``(local plan, decision, writer)``, the
+    writer this process's part of the save (process 0's began it, the others join it)."""
     plan, err = None, None
     try:
         plan = LocalPlan(tree)
@@ -218,6 +219,7 @@ def agree_plan(comm: Comm, path: str, tree: Any, overwrite: Union[bool, str]) ->
         err, mine = e, pack({"error": error_info(e)})
     gathered = comm.gather("plan", mine)
     decision: dict = {}
+    writer: Optional[CheckpointWriter] = None
     if comm.rank == 0:
         try:
             plans = [unpack(b) for b in gathered]
@@ -225,61 +227,53 @@ def agree_plan(comm: Comm, path: str, tree: Any, overwrite: Union[bool, str]) ->
             if bad:
                 decision = {"error": bad[0]}
             else:
-                decision = prepare(path, plan_global(plans, comm.world), overwrite)
+                decision, writer = prepare(path, plan_global(plans, comm.world), overwrite)
                 decision["world"] = comm.world
+            packed = pack(decision)
         except Exception as e:  # noqa: BLE001
+            if writer is not None:
+                writer.abort()      # nothing of a save the others never hear of stays
+                writer = None
             decision = {"error": error_info(e)}
-        packed = pack({k: v for k, v in decision.items() if k != "manifest"})
+            packed = pack(decision)
         comm.broadcast("decision", packed)
     else:
         decision = unpack(comm.broadcast("decision"))
+        if "error" not in decision:
+            writer = CheckpointWriter.join(path, decision["staging"], call=CALL)
     if "error" in decision:
         if err is not None:
             raise err
         raise_info(decision["error"], "plan")
-    return plan, decision
+    return plan, decision, writer
 
 
-def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
+def write_and_commit(comm: Comm, writer: CheckpointWriter, decision: dict, regions: list,
                      err: Optional[BaseException]) -> None:
-    """Process 0 creates the arrays and tells the others; each writes its regions and reports
-    to process 0, which commits once every process is durable. Raises what failed anywhere."""
-    if comm.rank == 0:
-        ready = b""
-        try:
-            create_arrays(decision["staging"], [(e["array"], e["shape"], e["dtype"],
-                                                 e["chunk_shape"])
-                                                for e in decision["tensors"].values()])
-        except Exception as e:  # noqa: BLE001 - reported to every process
-            e = E.SaveFailedError(f"creating the arrays under {decision['staging']!r} "
-                                  f"failed: {_short(e)}")
-            err, ready = err or e, pack(error_info(e))
-        comm.broadcast("arrays", ready)
-    else:
-        ready = comm.broadcast("arrays")
-        if ready and err is None:
-            try:
-                raise_info(unpack(ready), "arrays")
-            except E.ShardpointError as e:
-                err = e
-    status = b""
+    """Each process writes its regions, makes them durable and reports to process 0 (the
+    crc32c of what it wrote, or its error), which commits once every process succeeded and
+    aborts otherwise. Raises what failed anywhere."""
+    crcs: dict = {}
     if err is None:
         try:
-            write_regions(decision["staging"], regions, decision["tensors"])
+            crcs = write_regions(writer, regions, decision["tensors"], comm.rank == 0)
         except Exception as e:  # noqa: BLE001
             err = e
     if err is not None:
-        status = pack(error_info(err))
+        writer.take_chunk_crc32c()       # nothing of this save stays in the backend
+    status = pack({"error": error_info(err)} if err is not None else
+                  {"crc32c": [[p, [[n, b] for n, b in d.items()]] for p, d in crcs.items()]})
     statuses = comm.gather("written", status)
     outcome = b""
     if comm.rank == 0:
-        failed = [unpack(s) for s in statuses if s]
         try:
+            reports = [unpack(s) for s in statuses]
+            failed = [r["error"] for r in reports if "error" in r]
             if failed:
                 raise_info(failed[0], "write")
-            commit(path, decision)
+            writer.commit(manifest_of(decision, [r["crc32c"] for r in reports]))
         except Exception as e:  # noqa: BLE001
-            COMMITTER.abort(decision["staging"])
+            writer.abort()          # idempotent: a failed commit aborted already
             outcome = pack(error_info(e))
         comm.broadcast("commit", outcome)
     else:
@@ -290,18 +284,18 @@ def write_and_commit(comm: Comm, path: str, decision: dict, regions: list,
         raise_info(unpack(outcome), "commit")
 
 
-def prepare(path: str, plan: dict, overwrite: Union[bool, str]) -> dict:
-    """Process 0: refuse a taken path, create the staging directory (its arrays come in
-    :func:`write_and_commit`, after an asynchronous save has returned)."""
-    COMMITTER.check_target(path, overwrite)        # [SP-COMMIT-5] [SP-COMMIT-13]
-    token = secrets.token_hex(8)
-    staging = COMMITTER.begin(path, token)         # created and locked [SP-COMMIT-6, 11]
+CALL = "save(path, tree)"
+
+
+def prepare(path: str, plan: dict, overwrite: Overwrite) -> tuple:
+    """Process 0: begin the save: a taken path refused [SP-COMMIT-5] [SP-COMMIT-13], the
+    staging location created and locked [SP-COMMIT-6, 11]. Returns ``(decision, writer)``."""
+    writer = CheckpointWriter.begin(path, overwrite=overwrite, call=CALL)
     entries = {key: {"array": array_path_for(key), "shape": t["shape"], "dtype": t["dtype"],
                      "chunk_shape": t["chunk"]} for key, t in plan["tensors"].items()}
-    return {"staging": staging, "token": token, "overwrite": overwrite,
-            "tree": plan["tree"], "tensors": entries,
+    return {"staging": writer.staging, "tree": plan["tree"], "tensors": entries,
             "global": {k: t["global"] for k, t in plan["tensors"].items()},
-            "writers": plan["writers"], "objects": plan["objects"]}
+            "writers": plan["writers"], "objects": plan["objects"]}, writer
 
 
 # Bytes of writes in flight (each holds its encoded chunks, and for arrays on an accelerator
@@ -314,23 +308,22 @@ class Writes:
     more start); every one is waited for before an error is raised, so none may still be
     writing into a staging directory that is being removed."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, writer: CheckpointWriter) -> None:
         self.queue: deque = deque()
-        self.window, self.inflight = window, 0
+        self.window, self.inflight, self.writer = window, 0, writer
         self.error: Optional[tuple] = None      # (key, exception) of the first failure
 
-    def add(self, fut: Any, nbytes: int, key: str) -> None:
-        self.queue.append((fut, nbytes, key))
+    def add(self, ops: list, nbytes: int, key: str) -> None:
+        self.queue.append((ops, nbytes, key))
         self.inflight += nbytes
         while self.inflight > self.window and len(self.queue) > 1:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:
-        fut, nbytes, key = self.queue.popleft()
+        ops, nbytes, key = self.queue.popleft()
         self.inflight -= nbytes
         try:
-            if fut is not None:
-                fut.result()
+            self.writer.wait(ops)
         except Exception as e:  # noqa: BLE001 - the first one is raised by the caller
             self.error = self.error or (key, e)
 
@@ -356,23 +349,41 @@ def local_regions(decision: dict, plan: LocalPlan, rank: int) -> list:
     return out
 
 
-def write_regions(staging: str, regions: list, tensors: dict) -> None:
-    """Write ``regions`` (:func:`local_regions`; ``tensors``: the decision's entries), several
-    at once (:class:`Writes`), through :class:`~.storage.ArrayWriter`; then make what was
-    written durable at once [SP-COMMIT-1]."""
-    writes, writers = Writes(WRITE_AHEAD_BYTES), {}
+def write_regions(writer: CheckpointWriter, regions: list, tensors: dict,
+                  coordinator: bool) -> dict:
+    """Write ``regions`` (:func:`local_regions`; ``tensors``: the decision's entries) chunk
+    by chunk through ``writer``, several at once (:class:`Writes`); then make what was
+    written durable at once [SP-COMMIT-1]. Returns the crc32c of the units written, for the
+    chunk tables ([SP-MAN-7]). The coordinator also creates the arrays nobody writes a chunk
+    of (a zero dimension)."""
+    handles: dict = {}
+
+    def opened(key: str) -> Any:
+        e = tensors[key]
+        if e["array"] not in handles:
+            handles[e["array"]] = writer.open_array(e["array"], ArraySpec(
+                tuple(e["shape"]), e["dtype"], tuple(e["chunk_shape"])))
+        return handles[e["array"]]
+
+    writes = Writes(WRITE_AHEAD_BYTES, writer)
+    key = ""
     try:
-        for key, array, _chunk, off, data in regions:
+        if coordinator:
+            for key, e in tensors.items():
+                if 0 in e["shape"]:
+                    opened(key)
+        for key, _array, chunk, off, data in regions:
             if writes.error is not None:
                 break
             host = np.asarray(data)
-            if array not in writers:
-                writers[array] = ArrayWriter(staging, array, tensors[key])
-            writes.add(writers[array].write(off, host), host.nbytes, key)
+            h = opened(key)
+            writes.add([writer.write(h, lo, piece) for lo, piece in
+                        chunk_pieces(off, host, chunk)], host.nbytes, key)
     except Exception as e:  # noqa: BLE001 - reported as this tensor's write failure
         writes.error = writes.error or (key, e)
     finally:
         writes.drain()
+    staging = writer.staging
     if writes.error is not None:
         key, failure = writes.error
         if isinstance(failure, E.ShardpointError):
@@ -380,7 +391,7 @@ def write_regions(staging: str, regions: list, tensors: dict) -> None:
         raise E.SaveFailedError(f"tensor {key!r}: writing its chunks under {staging!r} failed: "
                                 f"{_short(failure)}") from None
     try:
-        make_durable(staging)
+        return writer.flush()
     except OSError as e:
         raise E.SaveFailedError(f"making the chunks written under {staging!r} durable failed: "
                                 f"{e}") from None
@@ -392,30 +403,22 @@ def _short(e: BaseException) -> str:
     return text if len(text) < 400 else text[:400] + "..."
 
 
-def manifest_of(decision: dict) -> Manifest:
-    """The core's manifest of a save that process 0 decided (:func:`prepare`)."""
+def manifest_of(decision: dict, reports: list) -> Manifest:
+    """The core's manifest of a save that process 0 decided (:func:`prepare`), each tensor
+    with its chunk table where every chunk's writer reported its units' crc32c ([SP-MAN-7];
+    ``reports``: each process's ``[[array path, [[chunk number, crc32c bytes]]]]``)."""
+    merged: dict = {}
+    for rep in reports:
+        for array, chunks in rep:
+            merged.setdefault(array, {}).update({int(n): bytes(b) for n, b in chunks})
     tensors = {k: TensorEntry(k, e["array"], tuple(e["shape"]), e["dtype"],
-                              tuple(e["chunk_shape"])) for k, e in decision["tensors"].items()}
+                              tuple(e["chunk_shape"]),
+                              join_tables([merged], e["array"], e["shape"], e["chunk_shape"]))
+               for k, e in decision["tensors"].items()}
     objects = {k: ObjectValues(o["values"], o.get("shape")) for k, o in
                decision["objects"].items()}
+    tables = any(t.chunk_crc32c is not None for t in tensors.values())
     return Manifest(decision["tree"], tensors, objects, writer=WRITER,
+                    format_version=FORMAT_VERSION_1_3 if tables else FORMAT_VERSION,
                     save_world_size=decision["world"],
                     extensions=decision.get("extensions") or {})
-
-
-def commit(path: str, decision: dict) -> None:
-    """Process 0, after every process wrote durably: the manifest last, then the committer
-    publishes it: the atomic rename on files (the old checkpoint moved aside first, never
-    deleted before) [SP-COMMIT-1..4], the conditional PUT of the marker on object stores
-    [SP-COMMIT-10..12]."""
-    staging = decision["staging"]
-    groups = write_group_metadata(staging, [e["array"] for e in decision["tensors"].values()])
-    make_durable(staging)
-    data = encode_manifest(manifest_of(decision))
-    for f in groups:
-        f.result()
-    if is_local(staging):
-        write_manifest(staging, data)
-        COMMITTER.publish(staging, path, overwrite=decision["overwrite"])
-    else:       # object stores: the marker is these bytes; no staged copy (spec 1.3)
-        COMMITTER.urls.publish(staging, path, overwrite=decision["overwrite"], manifest=data)

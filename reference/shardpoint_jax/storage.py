@@ -1,68 +1,44 @@
-"""Where a JAX checkpoint's bytes live, on the core (spec/format.md sections 3, 7, 9, 10).
+"""What shardpoint_jax adds to the core's checkpoint transactions (spec/format.md 3, 7, 9-11).
 
-Everything about the format is the core's: zarr.json is written and checked by the Zarr layer
-(:mod:`shardpoint_core.arrays.array`, :mod:`~shardpoint_core.arrays.checks`), chunks are encoded
-and decoded there, and checkpoints are published, replaced and removed by the core's
-committers. What this module adds is the choice of path for each kind of store:
+Saves and loads go through :class:`~shardpoint_core.transactions.writer.CheckpointWriter` and
+:class:`~shardpoint_core.transactions.reader.CheckpointReader`, over the shared
+:class:`~shardpoint_core.transactions.backend.ZarrBackend` of the path's kind (the torch front
+end's): the chunk layout, zarr.json, the local fast paths (``pwritev``/``preadv``, one
+``syncfs``), the chunk tables and the committers are the core's, the same for both front
+ends. What is JAX's own is here:
 
-- a local path (plain or ``file://``): the fast paths of the file-system backend, each chunk
-  written by :class:`~shardpoint_core.arrays.direct_write.DirectWriter` (``pwritev`` of the
-  array's own memory); one ``syncfs`` makes a save durable; the
-  :class:`~shardpoint_core.commit.posix.PosixCommitter` renames it into place;
-- any other registered store (``s3://bucket/run/step_5``, ``memory://name/...``): the Zarr
-  layer over the bucket's :class:`~shardpoint_core.stores.base.ByteStore`, one object per
-  chunk, and the :class:`~shardpoint_core.commit.object_store.ObjectStoreCommitter`
-  (the manifest written last is the commit marker, format.md 9.1).
-
-Loads open and read arrays through the core's :class:`~shardpoint_core.transactions.backend.ZarrBackend`
-(:data:`READER`), the object the torch front end reads with, into 64-byte aligned buffers
-that JAX adopts without a copy: ``preadv`` straight into them on files; on object stores each
-array's zarr.json GET with its first data GET beside it, and a region's chunks and shard runs
-all in flight at once.
-
-A location is a string either way (a path or a URL), so process 0 can send a staging location
-to the others; :func:`locate` turns it into ``(store, key)``.
+- :func:`checkpoint_path`: a location from what the JAX API takes, with its errors (a tree
+  passed where the path goes: the PyTorch reference takes ``save(state, path)``);
+- :func:`open_reader`: the reader, with errors saying what a local directory holds instead of
+  a checkpoint (a DCP or Orbax checkpoint, with the command converting it);
+- :func:`chunk_pieces`: a region of a JAX shard cut into whole chunks (a backend writes one
+  chunk per op, its fast path);
+- :class:`StoredArray`: regions of one tensor read into 64-byte aligned buffers that JAX
+  adopts without a copy; on object stores the declared size is backed by stored bytes
+  ([SP-READ-6]) from one listing of the checkpoint (:func:`start_listing`, in flight with
+  the manifest's GET) before a buffer is allocated.
 """
 from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import Future
-from typing import Any, Optional, Sequence, Tuple
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
-from shardpoint_core.stores.durable import fsync_trees, syncfs
-from shardpoint_core.commit.posix import PosixCommitter
-from shardpoint_core.format.dtypes import DTYPES
-from shardpoint_core.format.manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
-from shardpoint_core.stores.files import FileStore
-from shardpoint_core.stores.registry import (bucket_store, check_path, is_local, local_path,
-                                             split_url)
+from shardpoint_core.arrays.array import ArrayLayout
+from shardpoint_core.arrays.checks import check_array_objects, check_backed_bytes
+from shardpoint_core.format.manifest import Manifest
+from shardpoint_core.format.spec import MANIFEST_NAME
 from shardpoint_core.format.values import numpy_values
-from shardpoint_core.format.spec import ArraySpec
-from shardpoint_core.arrays.array import ArrayLayout, write_array_meta, write_region
-from shardpoint_core.transactions.backend import ZarrBackend
-from shardpoint_core.arrays.checks import (check_array_objects, check_backed_bytes,
-                                         check_regular_file)
-from shardpoint_core.commit.routing import PathCommitter, UrlCommitter
-from shardpoint_core.arrays.direct_write import DirectWriter, WriteOp, WritePool, write_layout
-from shardpoint_core.arrays.groups import start_groups, write_groups
-from shardpoint_core.arrays.local import read_manifest_file
+from shardpoint_core.stores.location import locate
+from shardpoint_core.stores.registry import check_path, is_local, local_path, split_url
+from shardpoint_core.transactions.reader import CheckpointReader
+from shardpoint_jax.dtypes import numpy_of
 from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                                    IncompleteCheckpointError, InvalidRequestError,
                                    ShardpointError)
-
-MANIFEST = "manifest.msgpack"
-# Chunks bigger than this become shards of inner chunks of about INNER_TARGET bytes, so a
-# load into another sharding reads only the inner chunks it needs (the writer's choice).
-SHARD_ABOVE = 1 << 20
-INNER_TARGET = 256 << 10
-THREADS = 8          # chunk reads and writes in flight per process (files)
-OBJECT_THREADS = 32  # ... on object stores, where a request's latency dominates
-
-# Publishes, replaces and removes local checkpoints; holds the locks of this process's saves.
-POSIX = PosixCommitter()
 
 
 # -------------------------------------------------------------------------------- locations
@@ -86,25 +62,6 @@ def checkpoint_path(path: Any, call: str) -> str:
     return f"{scheme}://{bucket}/{key.strip('/')}".rstrip("/")
 
 
-def locate(location: str) -> Tuple[Any, str]:
-    """``(store, key)`` of a location: for a local path a :class:`FileStore` rooted there and
-    ``""``; for a URL the store of its bucket (the core's, shared per bucket) and the key."""
-    if is_local(location):
-        return FileStore(location, fsync=False), ""
-    return bucket_store(location, "shardpoint_jax")
-
-
-def join(*parts: str) -> str:
-    """Store keys joined with ``/`` (empty parts left out)."""
-    return "/".join(p.strip("/") for p in parts if p.strip("/"))
-
-
-# Publishes, replaces and removes checkpoints, routed by path as the torch front end's backend
-# does: local paths to POSIX (which holds this process's save locks), URLs to the object-store
-# committer of their bucket.
-COMMITTER = PathCommitter(POSIX, UrlCommitter(locate))
-
-
 # -------------------------------------------------------------------------------- manifest
 def _other_format(path: str) -> str:
     """What a directory without a manifest holds, by its file names, for the error."""
@@ -125,135 +82,61 @@ def _other_format(path: str) -> str:
     return "a save that crashed or is still running"
 
 
-def _manifest_bytes(path: str) -> bytes:
-    """The manifest's bytes, or the error saying what ``path`` holds instead."""
-    if not is_local(path):      # one GET, at most the cap + 1 bytes; no HEAD before it
-        return READER.read_manifest(path)
-    if not os.path.exists(path):
-        raise CheckpointNotFoundError(f"no checkpoint at {path!r}", spec_id="SP-COMMIT-3")
+def _refuse_local(path: str) -> None:
+    """On the error path of a local open: what ``path`` holds instead of a checkpoint, as
+    this front end has always said it (IncompleteCheckpointError, [SP-COMMIT-3]); returns
+    where the core's error says it better (nothing there, or a manifest there)."""
+    if not os.path.lexists(path) or os.path.lexists(os.path.join(path, MANIFEST_NAME)):
+        return
     if not os.path.isdir(path):
         raise IncompleteCheckpointError(f"{path!r} is not a directory: not a checkpoint",
                                         spec_id="SP-COMMIT-3")
+    raise IncompleteCheckpointError(
+        f"{path!r} has no {MANIFEST_NAME}: not a checkpoint ({_other_format(path)})",
+        spec_id="SP-COMMIT-3")
+
+
+def open_reader(path: str, call: str = "load(path, target)") -> CheckpointReader:
+    """The core's reader of the checkpoint at ``path`` (a location): its manifest read with
+    the identity of its commit [SP-COMMIT-3] [SP-SEC-2] [SP-COMMIT-14]."""
     try:
-        size = check_regular_file(path, MANIFEST, "manifest")      # [SP-SEC-5]
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"{path!r} has no {MANIFEST}: not a checkpoint ({_other_format(path)})",
-            spec_id="SP-COMMIT-3") from None
-    if size > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"{os.path.join(path, MANIFEST)!r} is {size} bytes, over "
-                                     "the 1 GiB limit", spec_id="SP-SEC-2")
-    return read_manifest_file(os.path.join(path, MANIFEST), size)     # [SP-MAN-1] first
+        return CheckpointReader.open(path, call=call)
+    except (CheckpointNotFoundError, IncompleteCheckpointError):
+        if is_local(path):
+            _refuse_local(path)
+        raise
 
 
-def read_manifest(path: str) -> Manifest:
-    """The checked manifest of the checkpoint at ``path`` (a location) [SP-COMMIT-3]
-    [SP-SEC-2]."""
-    raw = _manifest_bytes(path)
-    with numpy_values():     # a torch front end in this process decodes to torch
-        return decode_manifest(raw)
+def manifest_of(reader: CheckpointReader) -> Manifest:
+    """The reader's decoded manifest, its values as numpy (a torch front end in this process
+    would have them decoded to torch)."""
+    with numpy_values():
+        return reader.manifest
 
 
-def write_manifest(staging: str, data: bytes) -> None:
-    """The manifest of a save, the last thing written into its staging location."""
-    if is_local(staging):
-        POSIX.write_manifest(staging, data)
-    else:
-        store, key = locate(staging)
-        store.put(join(key, MANIFEST), data)
-
-
-# -------------------------------------------------------------------------------- pool
-FILES = WritePool(THREADS, "shardpoint-jax-io")
-OBJECTS = WritePool(OBJECT_THREADS, "shardpoint-jax-obj")
-
-
-def pool_for(location: str) -> WritePool:
-    return FILES if is_local(location) else OBJECTS
+def read_manifest(path: str, call: str = "read_metadata(path)") -> Manifest:
+    """The checked manifest of the checkpoint at ``path`` (a location)."""
+    return manifest_of(open_reader(checkpoint_path(path, call), call))
 
 
 # -------------------------------------------------------------------------------- writing
-def layout_of(shape: Sequence[int], dtype: str, chunk: Sequence[int]) -> ArrayLayout:
-    """The Zarr layout this writer gives a tensor [SP-ARRAY-2] [SP-ARRAY-3]."""
-    return ArrayLayout.create(shape, dtype, chunk, shard_above_bytes=SHARD_ABOVE,
-                              inner_chunk_bytes=INNER_TARGET)
-
-
-def create_arrays(staging: str, arrays: list) -> None:
-    """Write each array's zarr.json (no chunks yet) with the core's Zarr layer; ``arrays``:
-    ``(array path, shape, dtype, chunk)``."""
-    store, key = locate(staging)
-    pool = pool_for(staging)
-    futs = [pool.submit(write_array_meta, store, join(key, array), layout_of(shape, dtype, chunk))
-            for array, shape, dtype, chunk in arrays]
-    for f in futs:
-        f.result()
-
-
-class ArrayWriter:
-    """Writes whole chunks of one array of a save: direct ``pwritev`` on files, the Zarr
-    layer's ``write_region`` elsewhere; :meth:`write` returns something with ``result()``."""
-
-    def __init__(self, staging: str, array: str, entry: dict) -> None:
-        self.layout = layout_of(entry["shape"], entry["dtype"], entry["chunk_shape"])
-        self.store, key = locate(staging)
-        self.path = join(key, array)
-        self.pool = pool_for(staging)
-        self.direct: Optional[DirectWriter] = None
-        if is_local(staging):
-            lay = write_layout(os.path.join(staging, array), self.layout.shape,
-                               self.layout.chunk, self.layout.codecs, self.layout.itemsize)
-            if lay is not None:
-                self.direct = DirectWriter(lay, self.pool.submit)
-
-    def write(self, offset: Sequence[int], data: np.ndarray) -> Any:
-        """Start writing ``data`` (whole chunks, one writer each [SP-GRID-1]) at ``offset``."""
-        lay = self.layout
-        if self.direct is None or data.size == 0:
-            return self.pool.submit(write_region, self.store, self.path, lay, tuple(offset),
-                                    data, self.path)
-        ops = []
-        stop = [o + n for o, n in zip(offset, data.shape)]
-        for cidx in np.ndindex(*[-(-e // c) - o // c for o, e, c in
-                                 zip(offset, stop, lay.chunk)]):
-            lo = [(o // c + i) * c for o, c, i in zip(offset, lay.chunk, cidx)]
-            hi = [min(a + c, e) for a, c, e in zip(lo, lay.chunk, stop)]
-            part = data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))
-                        + (Ellipsis,)]
-            op: Optional[WriteOp | Future[Any]] = self.direct.write(lo, part)
-            if op is None:      # not one whole chunk: the Zarr layer writes it
-                op = self.pool.submit(write_region, self.store, self.path, lay, tuple(lo),
-                                      part, self.path)
-            ops.append(op)
-        return WriteOp(ops)
-
-
-def write_group_metadata(staging: str, array_paths: Sequence[str]) -> list:
-    """The save's Zarr group metadata ([SP-LAYOUT-5]): on files written here, before
-    :func:`make_durable`; on an object store started, the futures returned, to be waited
-    for after the staged manifest's PUT (in flight together: no round trip added)."""
-    store, key = locate(staging)
-    if is_local(staging):
-        write_groups(store, key, array_paths, pool_for(staging).submit)
-        return []
-    return start_groups(store, key, array_paths, pool_for(staging).submit)
-
-
-def make_durable(staging: str) -> None:
-    """Make what this process wrote under ``staging`` durable [SP-COMMIT-1]: one ``syncfs``
-    where Linux has it (its own writes, whatever their number), else an fsync of every file
-    and directory under it; nothing on an object store (an acknowledged PUT is durable)."""
-    if not is_local(staging) or syncfs(staging):
-        return
-    fsync_trees([staging], os.path.dirname(staging))
+def chunk_pieces(offset: Sequence[int], data: np.ndarray,
+                 chunk: Sequence[int]) -> Iterator[Tuple[list, np.ndarray]]:
+    """``(chunk origin, view)`` of each whole chunk of the region ``data`` at ``offset`` (a
+    JAX shard: the chunk grid is chosen so that each chunk lies inside one, [SP-GRID-1])."""
+    stop = [o + n for o, n in zip(offset, data.shape)]
+    for cidx in np.ndindex(*[-(-e // c) - o // c for o, e, c in zip(offset, stop, chunk)]):
+        lo = [(o // c + i) * c for o, c, i in zip(offset, chunk, cidx)]
+        hi = [min(a + c, e) for a, c, e in zip(lo, chunk, stop)]
+        yield lo, data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))
+                       + (Ellipsis,)]
 
 
 # -------------------------------------------------------------------------------- reading
 def aligned_empty(shape: tuple, dtype: Any, align: int = 64) -> np.ndarray:
     """``np.empty`` whose data starts on a 64-byte boundary: JAX on the CPU then takes it as
-    an array's buffer without copying it (it copies a less aligned one, which took 0.27-0.73
-    s for the 1.2 GB benchmark tree here). Nothing else keeps a reference to a read buffer,
-    so the array it becomes is the only owner."""
+    an array's buffer without copying it (it copies a less aligned one). Nothing else keeps
+    a reference to a read buffer, so the array it becomes is the only owner."""
     dt = np.dtype(dtype)
     n = math.prod(shape) * dt.itemsize
     raw = np.empty(n + align, np.uint8)
@@ -261,12 +144,7 @@ def aligned_empty(shape: tuple, dtype: Any, align: int = 64) -> np.ndarray:
     return raw[off:off + n].view(dt).reshape(shape)
 
 
-# Opens and reads arrays for every load of this process, as the torch front end's backend
-# does for a local path and for a URL; the layouts this writer gives (SHARD_ABOVE,
-# INNER_TARGET) so an object-store array's first data request, sent beside its zarr.json GET
-# under the layout this writer would have written, is the one zarr.json confirms.
-READER = ZarrBackend(shard_above_bytes=SHARD_ABOVE, inner_chunk_bytes=INNER_TARGET,
-                     read_threads=THREADS, concurrency=OBJECT_THREADS)
+_LISTS: Optional[ThreadPoolExecutor] = None
 
 
 def start_listing(location: str) -> Optional[Future]:
@@ -274,10 +152,13 @@ def start_listing(location: str) -> Optional[Future]:
     1,000 objects, in flight with the manifest's GET): each array's chunk count and bytes
     for [SP-READ-6] before its buffer is allocated; None for a local path (the core's open
     counts the files)."""
+    global _LISTS
     if is_local(location):
         return None
-    store, key = locate(location)
-    return OBJECTS.submit(lambda: chunks_by_array(store.list(key + "/")))
+    if _LISTS is None:
+        _LISTS = ThreadPoolExecutor(4, "shardpoint-jax-list")
+    store, key = locate(location).pair()
+    return _LISTS.submit(lambda: chunks_by_array(store.list(key + "/")))
 
 
 def chunks_by_array(infos: Any) -> dict:
@@ -296,25 +177,24 @@ def chunks_by_array(infos: Any) -> dict:
 
 
 class StoredArray:
-    """One tensor's array, opened and read by the core's backend (:data:`READER`: zarr.json
-    checked against the manifest [SP-ARRAY-1..3,5,6], missing chunks are errors [SP-READ-2],
-    shard indexes checked [SP-READ-7], crc32c on every chunk [SP-READ-3]) into buffers of
-    this front end's choosing. The declared size is backed by stored bytes before a buffer
-    is allocated [SP-READ-6]: on files by the core's open, on object stores by the
-    checkpoint's listing (``listing``, :func:`start_listing`)."""
+    """One tensor of a checkpoint, opened by the core's reader (zarr.json checked against
+    the manifest [SP-ARRAY-1..3,5,6], missing chunks are errors [SP-READ-2], shard indexes
+    checked [SP-READ-7], crc32c and the chunk table on every unit [SP-READ-3] [SP-READ-8])
+    and read into buffers of this front end's choosing. The declared size is backed by
+    stored bytes before a buffer is allocated [SP-READ-6]: on files by the core's open, on
+    object stores by the checkpoint's listing (``listing``, :func:`start_listing`)."""
 
-    def __init__(self, root: str, key: str, entry: dict,
+    def __init__(self, reader: CheckpointReader, key: str,
                  listing: Optional[Future] = None) -> None:
-        self.root, self.key, self.entry = root, key, entry
-        self.shape, self.chunk = list(entry["shape"]), list(entry["chunk_shape"])
+        entry = manifest_of(reader).tensors[key]
+        self.reader, self.key, self.array_path = reader, key, entry.array
+        self.shape, self.chunk = list(entry.shape), list(entry.chunk_shape)
         # the manifest's decoder refused a dtype outside the table ([SP-DTYPE-1])
-        self.np_dtype = np.dtype(DTYPES[entry["dtype"]].numpy)
+        self.np_dtype = numpy_of(entry.dtype, key)
         self.itemsize = self.np_dtype.itemsize
-        # the chunk table (1.3, [SP-MAN-7]) goes with it: the core's reads check each unit
-        spec = ArraySpec(tuple(self.shape), entry["dtype"], tuple(self.chunk),
-                         entry.get("chunk_crc32c"))
-        self.handle = READER.open_array_for_read(root, entry["array"], spec, key)
-        self._unbacked = None if is_local(root) else (listing or start_listing(root))
+        self.handle = reader.array(key)
+        self._unbacked = None if is_local(reader.path) else (listing or
+                                                             start_listing(reader.path))
 
     @property
     def layout(self) -> ArrayLayout:
@@ -332,10 +212,10 @@ class StoredArray:
         passes: every read of an array that fails it raises)."""
         if self._unbacked is None:
             return
-        path = join(locate(self.root)[1], self.entry["array"])
+        path = "/".join(p for p in (locate(self.reader.path).pair()[1], self.array_path) if p)
         listed = self._unbacked.result().get(path, [])
         try:
-            check_backed_bytes(self.key, self.entry["array"], tuple(self.shape),
+            check_backed_bytes(self.key, self.array_path, tuple(self.shape),
                                tuple(self.chunk), self.itemsize,
                                (len(listed), sum(i.size for i in listed)))
         except CorruptCheckpointError:
@@ -368,7 +248,7 @@ class StoredArray:
         if math.prod(shape) == 0:
             return PendingRead(self, offset, shape, out, [])
         return PendingRead(self, offset, shape, out,
-                           [READER.read_into(self.handle, tuple(offset), out)])
+                           [self.reader.read_into(self.handle, tuple(offset), out)])
 
 
 class PendingRead:
@@ -385,7 +265,7 @@ class PendingRead:
         request is waited for first, so none still fills the buffer)."""
         todo, self.futs = self.futs or [], None
         try:
-            READER.wait(todo)
+            self.array.reader.wait(todo)
         except ShardpointError:
             raise           # the spec's error
         except FileNotFoundError as e:

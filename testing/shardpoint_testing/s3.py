@@ -413,7 +413,7 @@ class Requests:
     and a request sent after another's answer starts after it ended: :meth:`waves` groups
     them by how many round trips deep they are. Use it as a context manager (the store's
     client is shared by the process: leaving takes the hooks off it). ``be``: anything whose
-    ``locate(url)`` gives ``(store, key)`` (a ``ZarrBackend``, ``shardpoint_jax.storage``)."""
+    ``locate(url)`` gives ``(store, key)`` (a ``ZarrBackend``)."""
 
     def __init__(self, be: Any, url: str, latency: float = 0.0) -> None:
         store, self.prefix = be.locate(url)

@@ -170,15 +170,15 @@ def test_a_step_removed_under_a_jax_load_fails_it_cleanly(tmp_path, monkeypatch)
     import shardpoint_jax.loading as loading
     from shardpoint_core.commit.posix import PosixCommitter
 
-    def read_then_remove(path):
-        body = real(path)
+    def read_then_remove(path, *args):
+        reader = real(path, *args)          # the manifest read
         assert PosixCommitter().remove(path)
-        return body
+        return reader
 
     path = str(tmp_path / "step_00000001")
     spj.save(path, {"w": np.ones(64), "b": np.zeros((3, 5))})
-    real = loading.read_manifest
-    monkeypatch.setattr(loading, "read_manifest", read_then_remove)
+    real = loading.open_reader
+    monkeypatch.setattr(loading, "open_reader", read_then_remove)
     with pytest.raises(spj.errors.ShardpointError):
         spj.load(path)
     assert os.listdir(tmp_path) == []

@@ -19,16 +19,17 @@ SCRIPT = textwrap.dedent("""
     import numpy as np, jax, jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import shardpoint_jax as sj
-    from shardpoint_jax import grid, storage
-    grid.LOCAL_CHUNK_BYTES = 2 << 20         # numpy arrays: chunks of 43 rows of 48 KB
+    from shardpoint_core.stores.location import locate
+    from shardpoint_jax import grid
+    grid.LOCAL_CHUNK_BYTES = 43 * 200_000    # numpy arrays: chunks of 43 rows of 200 KB
     rng = np.random.default_rng(0)
     mesh = Mesh(np.array(jax.devices()), ("x",))
     full = rng.standard_normal((12, 7), np.float32)          # 3 rows on each of 4 devices
-    edge = rng.standard_normal((100, 12000), np.float32)     # 43 + 43 + 14 rows: clipped
+    edge = rng.standard_normal((100, 50000), np.float32)     # 43 + 43 + 14 rows: clipped
     tree = {"sharded": jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("x")),
                                                     lambda i: full[i]),
             "edge": edge,                                    # shards of inner chunks
-            "big": jnp.asarray(rng.standard_normal((700, 1000), np.float32)),   # a shard
+            "big": jnp.asarray(rng.standard_normal((2200, 1000), np.float32)),  # a shard
             "bf": jnp.asarray(rng.standard_normal((5, 3), np.float32)).astype(jnp.bfloat16),
             "s": jnp.asarray(2.5, jnp.float32), "np": np.arange(12, dtype=np.int16),
             "step": 3}
@@ -38,18 +39,18 @@ SCRIPT = textwrap.dedent("""
     back = sj.load(local)
     assert np.asarray(back["sharded"]).tobytes() == full.tobytes()
     assert back["edge"].tobytes() == edge.tobytes()
-    store, key = storage.locate(mem)
-    lm, mm = storage.read_manifest(local), storage.read_manifest(mem)
+    store, key = locate(mem).pair()
+    lm, mm = sj.read_metadata(local), sj.read_metadata(mem)
     files = 0
     for k, t in lm.tensors.items():
         base = os.path.join(local, t.array)
         for d, _, fs in os.walk(base):
             for f in fs:
                 rel = os.path.relpath(os.path.join(d, f), base).replace(os.sep, "/")
-                other = store.get(storage.join(key, mm.tensors[k].array, rel))
+                other = store.get("/".join((key, mm.tensors[k].array, rel)))
                 assert open(os.path.join(d, f), "rb").read() == other, (k, rel)
                 files += 1
-        objs = [i for i in store.list(storage.join(key, mm.tensors[k].array) + "/")]
+        objs = [i for i in store.list("/".join((key, mm.tensors[k].array)) + "/")]
         assert len(objs) == sum(len(fs) for _, _, fs in os.walk(base)), k
     print(files)
 """)

@@ -253,6 +253,21 @@ def test_force_overwrites_and_refusal_keeps_the_step(tmp_path):
     assert _steps_on_disk(tmp_path) == _names(3)
 
 
+@pytest.mark.parametrize("where", ["files", "memory"])
+def test_the_manager_removes_and_locks_through_its_saves_committer(tmp_path, where):
+    """One committer per root: the one the manager's saves publish through (the shared
+    backend of the root's kind, the torch front end's too), not another one of its own."""
+    from shardpoint_core.transactions.resolve import backend_for
+    from shardpoint_core.transactions.writer import CheckpointWriter
+    root = str(tmp_path) if where == "files" else f"memory://jax-mgr-{os.getpid()}/run"
+    mgr = spj.CheckpointManager(root, max_to_keep=1)
+    with CheckpointWriter.begin(mgr.path(1)) as w:          # the writer a save begins
+        assert mgr._steps.committer is w.backend.committer is backend_for(mgr.root).committer
+    mgr.save(1, {"w": jnp.ones(2)})
+    mgr.save(2, {"w": jnp.zeros(2)})
+    assert mgr.all_steps() == [2]
+
+
 def _crash_copy(src: str, dst: str, manifest: bool) -> None:
     """A real checkpoint's files under ``dst``, as a crash leaves them (with or without the
     manifest, which a save writes last)."""

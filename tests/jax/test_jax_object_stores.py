@@ -15,7 +15,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import shardpoint_jax as sj  # noqa: E402
-from shardpoint_jax import storage  # noqa: E402
+from shardpoint_core.stores.location import locate  # noqa: E402
 from shardpoint_testing.probes import crashed_save, vector_on_store  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def _same(a, b) -> None:
 
 
 def _keys(url: str) -> list:
-    store, key = storage.locate(url)
+    store, key = locate(url).pair()
     return [i.key[len(key) + 1:] for i in store.list(key + "/")]
 
 
@@ -76,7 +76,7 @@ def test_damaged_and_missing_objects_name_the_rule():
     url = "memory://jax-objects/damage/ck"
     sj.save(url, {"w": np.arange(300 * 70, dtype=np.float32).reshape(300, 70),
                   "v": np.ones((5, 5), np.float32)})
-    store, key = storage.locate(url)
+    store, key = locate(url).pair()
     names = _keys(url)
     w = next(k for k in names if "/tensors/w/c/" in k)
     v = next(k for k in names if "/tensors/v/c" in k)
@@ -125,7 +125,7 @@ def test_s3_manager_retention_and_leftovers(s3_env):
     assert np.asarray(mgr.load()["x"]).tolist() == np.full((4, 4), 3).tolist()
     # a save that crashed before its marker: an unreferenced save prefix, left alone while it
     # may still be running, removed by the next save once old enough ([SP-COMMIT-15])
-    store, key = storage.locate(root)
+    store, key = locate(root).pair()
     crashed = f"{key}/step_00000004/save-{'ab' * 8}/tensors/x/c/0/0"
     crashed_save(store, f"{key}/step_00000004/save-{'ab' * 8}", {"tensors/x/c/0/0": b"partial"})
     mgr.save(5, {"x": np.zeros((4, 4), np.float32)})

@@ -81,14 +81,14 @@ def test_direct_reads_from_the_files_match_the_zarr_layer_and_catch_damage(tmp_p
     needs the Zarr layer; a damaged inner chunk goes to it, which names the rule."""
     from shardpoint_jax.loading import Checkpoint
     rng = np.random.default_rng(5)
-    big = rng.standard_normal((700, 1000), np.float32)     # 2.8 MB: a shard of inner chunks
+    big = rng.standard_normal((2200, 1000), np.float32)    # 8.8 MB: a shard of inner chunks
     t = {"big": big, "odd": rng.integers(0, 255, (37, 11), np.uint8),
          "bf": jnp.asarray(rng.standard_normal((5, 3), np.float32)).astype(jnp.bfloat16),
          "s": jnp.asarray(3.5, jnp.float32)}
     p = str(tmp_path / "ck")
     sj.save(p, t)
     regions = [("big", [0, 0], [700, 1000]), ("big", [35, 0], [70, 1000]),
-               ("big", [630, 0], [70, 1000]), ("big", [3, 5], [100, 7]),
+               ("big", [2130, 0], [70, 1000]), ("big", [3, 5], [100, 7]),
                ("odd", [0, 0], [37, 11]), ("bf", [0, 0], [5, 3]), ("s", [], [])]
     from shardpoint_core.transactions import backend
     calls = []
@@ -110,12 +110,12 @@ def test_direct_reads_from_the_files_match_the_zarr_layer_and_catch_damage(tmp_p
     assert len(calls) == len(regions)       # the Zarr layer did read them, once each
     calls.clear()
     direct = True
-    assert got[True][1] == big[35:105].tobytes() and got[True][2] == big[630:].tobytes()
+    assert got[True][1] == big[35:105].tobytes() and got[True][2] == big[2130:].tobytes()
     assert got[True][3] == big[3:103, 5:12].tobytes()
     rows = Checkpoint(p).array("big").inner[0]
     shard = os.path.join(p, "tensors", "big", "c", "0", "0")
     with open(shard, "r+b") as f:                          # one byte of inner chunk 1
-        n = -(-700 // rows)
+        n = -(-2200 // rows)
         f.seek(-(16 * n + 4), 2)
         pos = int(np.frombuffer(f.read(16 * n), "<u8").reshape(n, 2)[1, 0])
         f.seek(pos + 10)

@@ -138,17 +138,28 @@ def test_namedtuple_and_registered_nodes_round_trip_through_a_target(tmp_path):
 def test_big_chunks_become_shards_and_partial_reads_touch_inner_chunks(tmp_path):
     import json
     from shardpoint_jax.loading import Checkpoint
-    a = random_array(0, (512, 1024), BY_NAME["float32"])               # one 2 MiB chunk
+    from shardpoint_core.format.layout import INNER_CHUNK_BYTES, SHARD_ABOVE_BYTES
+    a = random_array(0, (2560, 1024), BY_NAME["float32"])              # one 10 MiB chunk
+    assert a.nbytes > SHARD_ABOVE_BYTES           # the core's threshold, the torch side's too
     sj.save(tmp_path / "c", {"big": a})
     meta = json.loads((tmp_path / "c" / "tensors" / "big" / "zarr.json").read_text())
     codec = meta["codecs"][0]
     assert codec["name"] == "sharding_indexed"
-    assert codec["configuration"]["chunk_shape"] == [64, 1024]
+    assert codec["configuration"]["chunk_shape"] == [INNER_CHUNK_BYTES // 4096, 1024]
     assert same_bits(sj.load(tmp_path / "c")["big"], a)
     ck = Checkpoint(tmp_path / "c")
     assert same_bits(ck.read("big", [130, 5], [3, 7]), a[130:133, 5:12])
     shardpoint = pytest.importorskip("shardpoint")    # the reference reads the shards too
     assert np.asarray(shardpoint.load(str(tmp_path / "c"))["big"]).tobytes() == a.tobytes()
+    # ... and writes the same files for the same state: one set of chunking choices
+    torch = pytest.importorskip("torch")
+    shardpoint.save({"big": torch.from_numpy(a)}, str(tmp_path / "t"))
+    for sub in ("zarr.json", "c/0/0"):
+        ours, theirs = (tmp_path / d / "tensors" / "big" / sub for d in ("c", "t"))
+        assert ours.read_bytes() == theirs.read_bytes(), sub
+    tables = [shardpoint.read_metadata(str(tmp_path / d)).tensors["big"].chunk_crc32c
+              for d in ("c", "t")]
+    assert tables[0] is not None and tables[0] == tables[1]      # [SP-MAN-7]
 
 
 def test_a_front_end_on_the_core_alone_no_torch_no_torch_front_end():

@@ -10,22 +10,21 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import shardpoint_jax as spj  # noqa: E402
-from shardpoint_jax import storage  # noqa: E402
-from shardpoint_jax.loading import entry_of  # noqa: E402
+from shardpoint_jax.loading import Checkpoint  # noqa: E402
 
 
 def _saved(tmp_path, a):
     path = str(tmp_path / "ck")
     spj.save(path, {"w": a})
-    return path, entry_of(storage.read_manifest(path).tensors["w"])
+    return path, Checkpoint(path).manifest.tensors["w"].array
 
 
-@pytest.mark.parametrize("shape", [(300, 70), (1100, 300)], ids=["plain", "sharded"])
+@pytest.mark.parametrize("shape", [(300, 70), (2400, 1000)], ids=["plain", "sharded"])
 def test_cut_through_regions_match_numpy(tmp_path, shape):
     a = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    path, entry = _saved(tmp_path, a)
-    arr = storage.StoredArray(path, "w", entry)
-    assert (arr.layout.inner is not None) == (shape == (1100, 300)), arr.layout
+    path, _array = _saved(tmp_path, a)
+    arr = Checkpoint(path).array("w")
+    assert (arr.layout.inner is not None) == (shape == (2400, 1000)), arr.layout
     for off, sh in (((3, 5), (101, 7)), ((0, 0), shape), ((shape[0] - 1, 1), (1, shape[1] - 1))):
         got = arr.read(off, sh)
         assert np.array_equal(got, a[off[0]:off[0] + sh[0], off[1]:off[1] + sh[1]])
@@ -33,8 +32,8 @@ def test_cut_through_regions_match_numpy(tmp_path, shape):
 
 def test_damaged_and_missing_chunks(tmp_path):
     a = np.arange(300 * 70, dtype=np.float32).reshape(300, 70)
-    path, entry = _saved(tmp_path, a)
-    cdir = os.path.join(path, entry["array"], "c")
+    path, array = _saved(tmp_path, a)
+    cdir = os.path.join(path, array, "c")
     first = os.path.join(cdir, *sorted(os.listdir(cdir))[:1])
     while os.path.isdir(first):
         first = os.path.join(first, sorted(os.listdir(first))[0])
@@ -42,11 +41,11 @@ def test_damaged_and_missing_chunks(tmp_path):
     raw[7] ^= 1
     open(first, "wb").write(bytes(raw))
     with pytest.raises(spj.CorruptCheckpointError) as e:
-        storage.StoredArray(path, "w", entry).read((1, 1), (5, 5))
+        Checkpoint(path).array("w").read((1, 1), (5, 5))
     assert e.value.spec_id == "SP-READ-3", str(e.value)
     os.remove(first)
     with pytest.raises(spj.CorruptCheckpointError) as e:
-        storage.StoredArray(path, "w", entry).read((1, 1), (5, 5))
+        Checkpoint(path).array("w").read((1, 1), (5, 5))
     assert e.value.spec_id == "SP-READ-2", str(e.value)
 
 
@@ -58,14 +57,13 @@ def test_jax_save_and_load_without_tensorstore(tmp_path):
     code = (
         "import sys; sys.modules['tensorstore'] = None\n"
         "import numpy as np, shardpoint_jax as spj, jax.numpy as jnp\n"
-        "from shardpoint_jax import storage\n"
-        "a = np.random.default_rng(0).standard_normal((1100, 300)).astype(np.float32)\n"
+        "from shardpoint_jax.loading import Checkpoint\n"
+        "a = np.random.default_rng(0).standard_normal((2400, 1000)).astype(np.float32)\n"
         "spj.save('ck', {'w': jnp.asarray(a), 'b': np.array([True, False])})\n"
         "out = spj.load('ck')\n"
         "assert np.array_equal(np.asarray(out['w']), a) and list(out['b']) == [True, False]\n"
-        "from shardpoint_jax.loading import entry_of\n"
-        "e = entry_of(storage.read_manifest('ck').tensors['w'])\n"
-        "assert np.array_equal(storage.StoredArray('ck', 'w', e).read((3, 5), (700, 9)),"
+        "assert Checkpoint('ck').array('w').inner is not None\n"
+        "assert np.array_equal(Checkpoint('ck').array('w').read((3, 5), (700, 9)),"
         " a[3:703, 5:14])\n"
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,

@@ -9,6 +9,13 @@ from typing import Any, Sequence
 
 from shardpoint_core.format.spec import ArraySpec
 
+#: The chunking choices of every writer of this project (both front ends, converters, the
+#: conformance builder), so one state saved from any of them gets the same files: a chunk
+#: bigger than ``SHARD_ABOVE_BYTES`` is stored as a shard of inner chunks of at most
+#: ``INNER_CHUNK_BYTES`` each (a reader of part of it fetches only the inner chunks it needs).
+SHARD_ABOVE_BYTES = 8 << 20
+INNER_CHUNK_BYTES = 2 << 20
+
 BYTES_CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 

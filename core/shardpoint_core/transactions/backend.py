@@ -54,7 +54,8 @@ from shardpoint_core.arrays.direct_write import (DirectWriter, WritePool, stored
                                                write_layout, zarr_json_bytes)
 from shardpoint_core.arrays.groups import array_paths_of, start_groups, write_groups
 from shardpoint_core.arrays.identity import CrcSink, chunk_number, units_per_chunk
-from shardpoint_core.format.layout import codecs_for, fill_value
+from shardpoint_core.format.layout import (INNER_CHUNK_BYTES, SHARD_ABOVE_BYTES, codecs_for,
+                                           fill_value)
 from shardpoint_core.arrays.object_read import ObjectArray
 from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle
 
@@ -127,7 +128,8 @@ class ZarrBackend:
     name = "zarr3"
 
     def __init__(self, *, context: Optional[dict[str, Any]] = None,
-                 shard_above_bytes: int = 8 << 20, inner_chunk_bytes: int = 2 << 20,
+                 shard_above_bytes: int = SHARD_ABOVE_BYTES,
+                 inner_chunk_bytes: int = INNER_CHUNK_BYTES,
                  fsync: bool = True, sync_method: str = "auto", read_threads: int = 8,
                  direct_reads: bool = True, direct_writes: bool = True, write_threads: int = 16,
                  concurrency: int = 32) -> None:
