@@ -44,7 +44,8 @@ from shardpoint_core.arrays.checks import check_shard_index, checked_zarr_json
 from shardpoint_core.arrays.direct_write import (INNER_ALIGN, encode_chunk, stored_codecs,
                                                zarr_json_bytes)
 from shardpoint_core.arrays.identity import check_unit, table_of, unit_of
-from shardpoint_core.format.layout import codecs_for, fill_value
+from shardpoint_core.format.layout import (INNER_CHUNK_BYTES, SHARD_ABOVE_BYTES, codecs_for,
+                                          fill_value)
 
 MAX_ZARR_JSON_BYTES = 1 << 20
 ABSENT = 2**64 - 1
@@ -92,8 +93,8 @@ class ArrayLayout:
 
     @classmethod
     def create(cls, shape: Sequence[int], dtype: str, chunk: Sequence[int], *,
-               shard_above_bytes: int = 8 << 20,
-               inner_chunk_bytes: int = 2 << 20) -> "ArrayLayout":
+               shard_above_bytes: int = SHARD_ABOVE_BYTES,
+               inner_chunk_bytes: int = INNER_CHUNK_BYTES) -> "ArrayLayout":
         """The layout a writer chooses (the backend's codec chain, :func:`codecs_for`)."""
         spec = ArraySpec(tuple(shape), dtype, tuple(chunk))
         itemsize = DTYPES[dtype].itemsize
