@@ -100,6 +100,10 @@ class CheckpointManager:
         self._pending: Optional[AsyncSave] = None
         self._metrics: dict = {}           # step -> metrics (a cache of the manifests)
         self.retention_warnings: list = []   # what the last retention could not do
+        #: committed checkpoints below the root under names this manager does not write
+        #: (``step_7`` saved by hand), as the last retention found them: never counted,
+        #: kept or removed; each is logged once
+        self.stray: list = []
         self._steps = StepRoot(self.root, backend=backend_for(self.root),
                                call="CheckpointManager(root)")
 
@@ -111,6 +115,12 @@ class CheckpointManager:
     def path(self, step: int) -> str:
         """The location of ``step`` (it may not exist): a directory, or a URL."""
         return self._steps.path(_step_number(step))
+
+    def stray_checkpoints(self) -> list:
+        """The committed checkpoints directly below the root under names this manager does
+        not write (``step_7`` saved by hand, ``final``): no steps; retention never counts,
+        keeps or removes them."""
+        return self._steps.strays()
 
     def all_steps(self) -> list:
         """Committed steps, oldest first (incomplete ones are ignored)."""
@@ -287,6 +297,7 @@ class CheckpointManager:
         self.retention_warnings = self._steps.retain(self.retention, self.metrics)
         for w in self.retention_warnings:
             log.warning("shardpoint: %s", w)
+        self.stray = self._steps.report_strays(self.stray)
         self._metrics.clear()
 
     def _clean_leftovers(self) -> None:

@@ -463,3 +463,23 @@ def test_two_processes_save_retain_and_load(tmp_path):
         assert r["final"] == [2, 4, 6, 7] and r["step"] == 7 and r["ok"]
         assert r["best"] == 4     # 5 was best, but the async manager ranks no metric
     assert _steps_on_disk(root) == _names(2, 4, 6, 7)
+
+
+@pytest.mark.parametrize("where", ["files", "memory"])
+def test_a_checkpoint_saved_by_hand_under_the_root_is_reported_never_counted(tmp_path, where,
+                                                                             caplog):
+    """``spj.save(tree, root + "/step_7")`` beside a manager's steps: not one of its names
+    (step_00000007), so never a step, never removed by retention; reported once (as the torch
+    manager does, through the core's StepRoot)."""
+    import uuid
+    root = str(tmp_path / "run") if where == "files" else f"memory://jm-{uuid.uuid4().hex[:8]}/run"
+    mgr = spj.CheckpointManager(root, max_to_keep=1)
+    mgr.save(1, {"w": jnp.arange(3)})
+    spj.save(root + "/step_7", {"w": jnp.ones(3)})
+    with caplog.at_level("WARNING", logger="shardpoint"):
+        mgr.save(2, {"w": jnp.arange(3) + 2})
+        mgr.save(3, {"w": jnp.arange(3) + 3})
+    assert mgr.all_steps() == [3]
+    assert mgr.stray == ["step_7"] and mgr.stray_checkpoints() == ["step_7"]
+    assert sum("step_7 is a committed checkpoint" in r.getMessage() for r in caplog.records) == 1
+    assert same_bits(spj.load(root + "/step_7")["w"], jnp.ones(3))

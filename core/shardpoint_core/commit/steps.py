@@ -29,6 +29,7 @@ Example::
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, List, Optional
@@ -40,6 +41,8 @@ from shardpoint_core.format.policy import parse_step, step_name
 from shardpoint_core.format.spec import MANIFEST_NAME
 from shardpoint_core.stores.location import locate
 from shardpoint_core.stores.registry import check_path, is_local, local_path
+
+log = logging.getLogger("shardpoint")
 
 
 class StepRoot:
@@ -101,6 +104,22 @@ class StepRoot:
         (``step_7`` saved by hand, ``final``), sorted: a manager reports them and never
         counts, keeps or removes them."""
         return sorted(self._committed(lambda name: parse_step(name) is None))
+
+    def report_strays(self, known: List[str]) -> List[str]:
+        """:meth:`strays` now, each one not in ``known`` (what the manager reported before)
+        logged once as a warning; a failure to list is logged too and ``known`` returned: a
+        report only, never a failure of the save whose retention asked."""
+        try:
+            found = self.strays()
+        except OSError as e:          # ShardpointError included: a report only
+            log.warning("shardpoint: cannot list %s for checkpoints it did not write (%s)",
+                        self.root, e)
+            return known
+        for name in sorted(set(found) - set(known)):
+            log.warning("shardpoint: %s/%s is a committed checkpoint this manager did not "
+                        "write (its steps are named like %s): not a step, never counted, "
+                        "kept or removed by retention", self.root, name, step_name(42))
+        return found
 
     def _committed(self, wanted: Any) -> List[str]:
         """The names directly below the root that ``wanted(name)`` accepts and that hold a

@@ -54,7 +54,7 @@ from shardpoint_core.format import errors
 from shardpoint.exchange.comm import Comm, agree
 from shardpoint_core.commit.steps import StepRoot
 from shardpoint_core.format.policy import (Retention, check_metric, policy_from_options, ranked,
-                                           retained, step_name)
+                                           retained)
 from shardpoint_core.format.statetree import ValueLeaf, node_at
 from shardpoint_core.transactions.protocol import StorageBackend
 
@@ -308,18 +308,7 @@ class CheckpointManager:
         self.retention_warnings = self._steps.retain(self.retention, self.metrics)
         for w in self.retention_warnings:
             log.warning("shardpoint: %s", w)
-        try:
-            stray = self._steps.strays()
-        except (errors.ShardpointError, OSError) as e:   # a report only: never a failure
-            log.warning("shardpoint: cannot list %s for checkpoints it did not write (%s)",
-                        self.root, e)
-            stray = self.stray
-        for name in sorted(set(stray) - set(self.stray)):
-            log.warning("shardpoint: %s/%s is a committed checkpoint this manager did not "
-                        "write (its steps are named like %s): not a step, never counted, "
-                        "kept or removed by retention", self.root, name,
-                        step_name(42))
-        self.stray = stray
+        self.stray = self._steps.report_strays(self.stray)
         self._metrics = {s: m for s, m in self._metrics.items() if s in self.all_steps()}
 
     def _clean_leftovers(self) -> None:
