@@ -79,17 +79,18 @@ class KillingBackend:
             # Die inside the commit, after it published something: at the second rename of a
             # two-rename overwrite, or at the clean-up after an atomic exchange.
             real_rename, real_rmtree = os.rename, shutil.rmtree
-            calls = []
+            calls: list[tuple[str, str]] = []
 
-            def rename(a, b):
+            def rename(a: str, b: str) -> None:
                 if calls:
                     _die()
                 calls.append((a, b))
                 real_rename(a, b)
 
-            def rmtree(*a, **k):
+            def rmtree(*a: Any, **k: Any) -> None:
                 _die()
-            os.rename, shutil.rmtree = rename, rmtree
+            # stand-ins for this one commit, narrower than the functions they replace
+            os.rename, shutil.rmtree = rename, rmtree  # type: ignore[assignment]
             try:
                 self.inner.commit(staging, path, overwrite=overwrite)
             finally:

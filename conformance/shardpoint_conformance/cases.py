@@ -40,7 +40,7 @@ import numpy as np
 SPEC_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                "uint64", "float16", "bfloat16", "float32", "float64", "complex64",
                "complex128", "float8_e4m3fn", "float8_e5m2"]
-NUMPY_DTYPES = {
+NUMPY_DTYPES: dict[str, np.dtype] = {
     "bool": np.dtype(np.bool_), "int8": np.dtype(np.int8), "int16": np.dtype(np.int16),
     "int32": np.dtype(np.int32), "int64": np.dtype(np.int64), "uint8": np.dtype(np.uint8),
     "uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32),
@@ -52,8 +52,8 @@ NUMPY_DTYPES = {
     "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
 }
 # Dtypes numpy cannot name without ml_dtypes: adapters exchange them as raw bits.
-RAW_BITS = {"bfloat16": np.dtype("<u2"), "float8_e4m3fn": np.dtype("u1"),
-            "float8_e5m2": np.dtype("u1")}
+RAW_BITS: dict[str, np.dtype] = {"bfloat16": np.dtype("<u2"), "float8_e4m3fn": np.dtype("u1"),
+                                  "float8_e5m2": np.dtype("u1")}
 
 
 # -------------------------------------------------------------------------------- contents
@@ -248,11 +248,11 @@ def check_case(case: dict) -> None:
         held = set()
         for side in ("save", "load"):
             for entry in case[side]["objects"].get(o["key"], []):
-                idx = entry[1] if isinstance(entry[1], list) else [entry[1]]
-                if len(idx) != len(grid) or not all(0 <= i < n for i, n in zip(idx, grid)):
+                cell = entry[1] if isinstance(entry[1], list) else [entry[1]]
+                if len(cell) != len(grid) or not all(0 <= i < n for i, n in zip(cell, grid)):
                     raise ValueError(f"{side} object {o['key']}: index {entry[1]} not in {grid}")
                 if side == "save":
-                    held.add(tuple(idx))
+                    held.add(tuple(cell))
         if case["save"]["objects"].get(o["key"]) and len(held) != o["count"]:
             raise ValueError(f"save object {o['key']}: {len(held)} of {o['count']} cells held")
 

@@ -49,7 +49,7 @@ def fault_case(world: int, seed: int = 5) -> dict:
     from shardpoint_core.format.keys import encode_key
     tensors, layouts = [], {}
     for i in range(2 * world + 2):
-        path = ["layers", i, "w"]
+        path: list[str | int] = ["layers", i, "w"]
         key = encode_key(tuple(path))
         shape = [4 * world, 3 + i % 3]
         tensors.append({"path": path, "key": key, "dtype": ["float32", "bfloat16", "int64",
@@ -139,7 +139,7 @@ def kill_during_save(root: str, world: int, rank: int, point: str, n: int = 1, *
 
 
 # -------------------------------------------------------------------------------- damage
-def damaged_checkpoints(root: str) -> list:
+def damaged_checkpoints(root: str) -> list[tuple[str, str, str, type[Exception]]]:
     """Write one small checkpoint (plain chunks and sharded chunks with inner-chunk indexes)
     and derive damaged copies. Returns ``[(name, path, expected spec_id, error class)]``."""
     import torch
@@ -155,7 +155,7 @@ def damaged_checkpoints(root: str) -> list:
     # Small thresholds: "w" (512 B) becomes a sharded chunk with an index of inner chunks.
     sp.save(state, good, backend=ZarrBackend(shard_above_bytes=256,
                                                     inner_chunk_bytes=64))
-    out = []
+    out: list[tuple[str, str, str, type[Exception]]] = []
 
     def copy(name: str) -> str:
         p = os.path.join(root, name)
@@ -194,14 +194,16 @@ def damaged_checkpoints(root: str) -> list:
     return out
 
 
-def check_damage(name: str, path: str, spec_id: str, err_type: type) -> Optional[str]:
+def check_damage(name: str, path: str, spec_id: str,
+                 err_type: type[Exception]) -> Optional[str]:
     """None if loading ``path`` raises ``err_type`` with ``spec_id``; else the problem."""
     import shardpoint as sp
     try:
         sp.load(path)
     except err_type as e:
-        if getattr(e, "spec_id", None) != spec_id:
-            return f"{name}: raised {type(e).__name__} with {e.spec_id}, expected {spec_id}"
+        got = getattr(e, "spec_id", None)    # None too where the class carries no ID
+        if got != spec_id:
+            return f"{name}: raised {type(e).__name__} with {got}, expected {spec_id}"
         return None
     except Exception as e:  # noqa: BLE001
         return f"{name}: raised {type(e).__name__}: {e} (expected {err_type.__name__} " \

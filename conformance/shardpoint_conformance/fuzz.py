@@ -98,17 +98,17 @@ def _mutate_tree(node: Any, rng: random.Random, depth: int = 0) -> Any:
         return out
     if isinstance(node, list) and node and rng.random() < 0.8:
         i = rng.randrange(len(node))
-        out = list(node)
+        items = list(node)
         op = rng.random()
         if op < 0.15:
-            del out[i]
+            del items[i]
         elif op < 0.25:
-            out.insert(i, out[i])
+            items.insert(i, items[i])
         elif op < 0.75:
-            out[i] = _mutate_tree(node[i], rng, depth + 1)
+            items[i] = _mutate_tree(node[i], rng, depth + 1)
         else:
-            out[i] = _random_scalar(rng)
-        return out
+            items[i] = _random_scalar(rng)
+        return items
     if isinstance(node, int) and not isinstance(node, bool) and rng.random() < 0.7:
         return rng.choice(BIG + [node + 1, node - 1, node * 2])
     return _random_scalar(rng)
@@ -279,7 +279,7 @@ class Worker:
     def __init__(self, memory_bytes: int) -> None:
         self.memory_bytes = memory_bytes
         self.cgroup: Optional[str] = None
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: Optional[subprocess.Popen[str]] = None
 
     def start(self) -> None:
         code = _WORKER
@@ -292,12 +292,13 @@ class Worker:
                 f.write(str(self.memory_bytes))
             code = (f"import os; open({os.path.join(self.cgroup, 'cgroup.procs')!r}, 'w')"
                     f".write(str(os.getpid()))\n" + code)
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, bufsize=1)
-        line = self.proc.stdout.readline()
+        self.proc = proc = subprocess.Popen([sys.executable, "-c", code],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True, bufsize=1)
+        assert proc.stdout is not None and proc.stderr is not None, "started with pipes"
+        line = proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"fuzz worker did not start: {self.proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"fuzz worker did not start: {proc.stderr.read()[-2000:]}")
 
     @property
     def bounded(self) -> bool:
@@ -310,10 +311,12 @@ class Worker:
             self.stop()
             self.start()
         assert self.proc is not None
-        self.proc.stdin.write(path + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None, "started with pipes"
+        stdin.write(path + "\n")
+        stdin.flush()
+        ready, _, _ = select.select([stdout], [], [], timeout)
+        line = stdout.readline() if ready else ""
         if not line:
             if self.proc.poll() is None:
                 self.proc.kill()

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Optional
+from typing import Any, Optional
 
 from shardpoint_conformance.adapters import (SPEC_ID, AdapterError, CommandAdapter, load_npy,
                                              region_of, write_case_files)
@@ -41,7 +41,8 @@ def make_case(seed: int, index: int, caps: dict, objects_count: int) -> tuple:
     rng = random.Random(f"adapter:{seed}:{index}")
     feats = set(caps["features"])
     notes = []
-    tensors, arrays = [], {}
+    tensors: list[dict[str, Any]] = []     # the adapter case's tensor entries (JSON-shaped)
+    arrays = {}
     anchor = {"path": ["anchor"], "key": "anchor", "dtype": "float32", "shape": [6, 4]}
     for t in [anchor] + base["tensors"]:
         if t["dtype"] not in caps["dtypes"]:
@@ -161,7 +162,7 @@ def _ref_read(ckpt: str, case_json: str, out: str) -> dict:
 
 def _ref_write_batch(rank: int, world: int, jobs: list) -> list:
     from shardpoint_conformance.reference_adapter import write_checkpoint
-    out = []
+    out: list[Optional[str]] = []     # None: written, else why not
     for case_json, ckpt in jobs:
         try:
             write_checkpoint(case_json, ckpt, rank, world)

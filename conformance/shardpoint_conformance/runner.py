@@ -60,12 +60,13 @@ def _mesh(world: int, device: str):
 
 
 def _dtensor(local, kind: str, shape: list, world: int, device: str):
+    import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard
     place = kind.split(" ")[1]
     p = Replicate() if place == "R" else Shard(int(place[1:]))
     stride = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
     return DTensor.from_local(local, _mesh(world, device), [p], run_check=False,
-                              shape=tuple(shape), stride=stride)
+                              shape=torch.Size(shape), stride=stride)
 
 
 # -------------------------------------------------------------------------------- per rank

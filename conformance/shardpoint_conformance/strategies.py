@@ -19,14 +19,21 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Optional
+from typing import Any, Optional, TypedDict
 
 from shardpoint_core.format.keys import encode_key
 
 from shardpoint_conformance.cases import SPEC_DTYPES, encode_value, grid_cell
 
-PROFILES = {
-    # tensors per case, max elements per tensor, probability of a DTensor layout
+class Profile(TypedDict):
+    """How large a profile's cases are."""
+
+    tensors: tuple[int, int]       # tensors per case (least, most)
+    max_elems: int                 # elements per tensor at most
+    dtensor: float                 # the probability of a DTensor layout
+
+
+PROFILES: dict[str, Profile] = {
     "ci": {"tensors": (2, 5), "max_elems": 240, "dtensor": 0.0},
     "large": {"tensors": (3, 9), "max_elems": 40_000, "dtensor": 0.1},
 }
@@ -164,8 +171,8 @@ def _layout(rng: random.Random, shape: list, world: int, saving: bool, dtensor: 
     tp, pp, dp = rng.choice(_factorizations(world, 3))
     owner = rng.randrange(pp)
     zero = rng.random() < 0.5
-    d = rng.randrange(nd) if nd else None
-    tcuts = _cuts(rng, shape[d], tp, rng.choice(["ceil", "uneven"])) if nd else None
+    d = rng.randrange(nd) if nd else 0     # a 0-d tensor: no dimension to split, no draw
+    tcuts = _cuts(rng, shape[d], tp, rng.choice(["ceil", "uneven"])) if nd else []
     pieces = []
     for r in range(world):
         p_i, t_i, d_i = r // (tp * dp), (r // dp) % tp, r % dp
@@ -232,12 +239,15 @@ def generate_case(seed: int, save_world: int, load_world: int, profile: str = "c
     prof = PROFILES[profile]
     rng = random.Random(f"shardpoint-conformance:{seed}:{save_world}:{load_world}:{profile}")
     n_t = rng.randint(*prof["tensors"])
-    tensors, values, objects = [], [], []
+    tensors: list[dict[str, Any]] = []     # the case's JSON-shaped parts
+    values: list[dict[str, Any]] = []
+    objects: list[dict[str, Any]] = []
     used = set()
-    groups = ["model", "optim", 0, "ema", "a b/c%", "~1"]
+    groups: list[str | int] = ["model", "optim", 0, "ema", "a b/c%", "~1"]
     for i in range(n_t):
         g = rng.choice(groups)
-        path = [g, rng.choice([i, f"w{i}", f"layer.{i}"])]
+        names: list[str | int] = [i, f"w{i}", f"layer.{i}"]
+        path = [g, rng.choice(names)]
         if rng.random() < 0.3:
             path.append("state")
         key = encode_key(tuple(path))

@@ -63,7 +63,7 @@ def _zarr(path: str, tensor: str, edit) -> None:
     json.dump(meta, open(p, "w"))
 
 
-def _index_span(data: bytes, n_inner: int) -> tuple:
+def _index_span(data: bytes | bytearray, n_inner: int) -> tuple[int, int]:
     """(start, stop) of a shard's index (entries + crc32c) at the end of the shard."""
     return len(data) - (16 * n_inner + 4), len(data)
 

@@ -148,10 +148,10 @@ def _readme(root: Path) -> str:
 def generate(root: Optional[str] = None) -> list:
     """Write every vector under ``root`` (default: the repository's spec/vectors)."""
     import shardpoint as sp
-    root = Path(root or DEFAULT_ROOT)
+    top = Path(root or DEFAULT_ROOT)
     made = []
     for name, (state, kw, edit, version, files) in cases().items():
-        d = root / "valid" / name
+        d = top / "valid" / name
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
         ck = str(d / "checkpoint")
@@ -166,16 +166,16 @@ def generate(root: Optional[str] = None) -> list:
                                                     sort_keys=True) + "\n")
         made.append(str(d))
     for name, dmg in INVALID.items():
-        d = root / "invalid" / name
+        d = top / "invalid" / name
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-        shutil.copytree(root / "valid" / dmg.base / "checkpoint", d / "checkpoint")
+        shutil.copytree(top / "valid" / dmg.base / "checkpoint", d / "checkpoint")
         dmg.apply(str(d / "checkpoint"))
         (d / "expected.json").write_text(json.dumps(
             {"base": dmg.base, "damage": dmg.description, "error": dmg.error,
              "spec_id": dmg.spec_id}, indent=1) + "\n")
         made.append(str(d))
-    (root / "README.md").write_text(_readme(root))
+    (top / "README.md").write_text(_readme(top))
     return made
 
 
@@ -185,12 +185,12 @@ def check_vectors(root: Optional[str] = None) -> tuple:
     error class (shardpoint.load) and requirement ID (both)."""
     import shardpoint as sp
     from shardpoint_core.format import errors
-    root = Path(root or DEFAULT_ROOT)
+    top = Path(root or DEFAULT_ROOT)
     lines, ok = [], True
-    valid = sorted((root / "valid").iterdir()) if (root / "valid").is_dir() else []
-    invalid = sorted((root / "invalid").iterdir()) if (root / "invalid").is_dir() else []
+    valid = sorted((top / "valid").iterdir()) if (top / "valid").is_dir() else []
+    invalid = sorted((top / "invalid").iterdir()) if (top / "invalid").is_dir() else []
     if not valid or not invalid:
-        return False, f"no vectors under {root}"
+        return False, f"no vectors under {top}"
     for d in valid:
         exp = json.loads((d / "expected.json").read_text())
         ck = str(d / "checkpoint")

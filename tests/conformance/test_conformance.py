@@ -176,6 +176,12 @@ def test_every_damaged_chunk_or_manifest_raises_its_documented_error(tmp_path):
     assert not problems, problems
 
 
+def test_check_damage_reports_an_expected_class_that_carries_no_requirement_id(tmp_path):
+    # A NUL in the path: the reader raises a ValueError, a class with no spec_id attribute.
+    problem = faults.check_damage("nul", str(tmp_path / "a\x00b"), "SP-LAYOUT-1", ValueError)
+    assert problem == "nul: raised ValueError with None, expected SP-LAYOUT-1"
+
+
 KILLS = [
     ("write", 1, 1, True),
     ("before-manifest", 0, 1, True),

@@ -134,7 +134,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
                 f"{rep.chunks} chunks read and checksummed, {rep.objects} sharded objects")
         mode = " [strict]" if a.strict else ""
         if rep.ok:
-            v = rep.format_version
+            v = rep.format_version or ("?", "?")    # set whenever the manifest decoded
             print(f"OK: {a.path}: shardpoint format {v[0]}.{v[1]}; {what} "
                   f"({rep.seconds:.2f}s){mode}")
         else:

@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import textwrap
+from types import EllipsisType
 from typing import Any, Callable
 
 from shardpoint_core.format import errors
@@ -192,8 +193,8 @@ _SLICE = re.compile(r"^(?P<key>.*?)\[(?P<idx>[^\[\]]*)\]$")
 _PREVIEW_BYTES = 64 << 20
 
 
-def _parse_index(s: str) -> tuple:
-    out = []
+def _parse_index(s: str) -> tuple[int | slice | EllipsisType, ...]:
+    out: list[int | slice | EllipsisType] = []
     for part in s.split(","):
         part = part.strip()
         if part in ("...", "…"):

@@ -15,7 +15,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import signal
 import tempfile
 import time
 from datetime import timedelta
@@ -93,7 +92,7 @@ def _launch(name: str, world: int, tp: int, root: str, kill_after: Optional[int]
                 if kill_after and step >= kill_after and (
                         CheckpointManager(root).latest_step() or 0) > 0:
                     for p in procs:
-                        os.kill(p.pid, signal.SIGKILL)
+                        p.kill()           # SIGKILL, as a crash would end them
                     print(f"  [{name}] SIGKILL to all {world} ranks after step {step} "
                           f"(latest complete checkpoint: step "
                           f"{CheckpointManager(root).latest_step()})")

@@ -25,9 +25,11 @@ VOCAB, HIDDEN, HEADS, LAYERS, SEQ, BATCH = 32, 32, 2, 2, 16, 8   # BATCH: global
 LR, BETAS, EPS, WD, SEED = 3e-3, (0.9, 0.95), 1e-8, 0.01, 1234
 
 
-def param_specs() -> list:
+def param_specs() -> list[tuple[str, tuple[int, ...], Optional[int]]]:
     """(name, global shape, TP-split dim or None) of every weight."""
-    h, out = HIDDEN, [("wte", (VOCAB, HIDDEN), None), ("wpe", (SEQ, HIDDEN), None)]
+    h = HIDDEN
+    out: list[tuple[str, tuple[int, ...], Optional[int]]] = [
+        ("wte", (VOCAB, HIDDEN), None), ("wpe", (SEQ, HIDDEN), None)]
     for i in range(LAYERS):
         p = f"layers.{i}."
         out += [(p + "ln1", (h,), None), (p + "q", (h, h), 0), (p + "k", (h, h), 0),

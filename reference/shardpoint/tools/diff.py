@@ -134,7 +134,9 @@ def compare_tensor(sa: Source, ta: TensorInfo, sb: Source, tb: TensorInfo, *, ex
     row = math.prod(shape[1:]) if shape else 1
     rows = shape[0] if shape else 1
     step = max(1, block_elems // max(row, 1))
-    differing, first, worst = 0, None, None
+    differing = 0
+    first: Optional[tuple[int, ...]] = None
+    worst: Optional[float] = None
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
         a, b = sa.read_rows(ta, lo, hi), sb.read_rows(tb, lo, hi)
@@ -157,7 +159,7 @@ def compare_tensor(sa: Source, ta: TensorInfo, sb: Source, tb: TensorInfo, *, ex
         if progress:
             progress(a.numel() * a.element_size())
         del a, b
-    if not differing:
+    if first is None:          # set with the first differing element: none differed
         return None
     return TensorDiff(ta.key, n, differing, first, worst)
 

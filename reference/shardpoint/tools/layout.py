@@ -139,7 +139,7 @@ def draw(shape: Sequence[int], rects: Sequence[Rect], *, width: int = 72,
     if nr > MAX_EDGES or nc > MAX_EDGES:
         return Drawing(Text(f"(not drawn: {nr} x {nc} boxes are too many to read)"), [],
                        notes)
-    cells = [[() for _ in range(nc)] for _ in range(nr)]
+    cells: list[list[tuple[str, ...]]] = [[() for _ in range(nc)] for _ in range(nr)]
     colors = [[-1] * nc for _ in range(nr)]
     yi = {v: i for i, v in enumerate(ys)}
     xi = {v: i for i, v in enumerate(xs)}
@@ -345,12 +345,12 @@ def draw_load_plan(works: Sequence[Any], layout: Any, *, width: int = 72,
     per = []
     for r, w in enumerate(works):
         reads = sorted({_chunk_of(op.offset, chunk) for op in w.reads if op.key == key})
+        names = [chunk_name(c) for c in reads[:8]]
         if len(reads) > 8:
-            reads = reads[:8] + [f"and {len(reads) - 8} more"]
+            names.append(f"and {len(reads) - 8} more")
         recv = [p for p in pieces if p.dest == r and p.reader != r]
         got = [p for p in pieces if p.dest == r]
-        what = ("reads " + ", ".join(c if isinstance(c, str) else chunk_name(c)
-                                     for c in reads)) if reads else "reads nothing"
+        what = ("reads " + ", ".join(names)) if reads else "reads nothing"
         if recv:
             what += "; receives " + ", ".join(f"{_box(p.lo, p.hi)} of {chunk_name(p.chunk)} "
                                              f"from r{p.reader}" for p in recv[:4])

@@ -53,7 +53,7 @@ class Unreadable:
 def _planner_classes() -> tuple:
     """DCP's planner classes for reading a source (built on first use: DCP imports late)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -79,11 +79,15 @@ def _planner_classes() -> tuple:
 
         def create_local_plan(self) -> LoadPlan:
             reads = []
+            saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
             for fqn, rows in self.state_dict.items():
+                entry = saved.get(fqn)
+                if not isinstance(entry, TensorStorageMetadata):   # DCP set up no tensor here
+                    raise ConversionError(f"DCP's metadata has no tensor {fqn!r} to read rows "
+                                          "of")
                 off = (self.starts[fqn],) + (0,) * (rows.dim() - 1)
                 chunk = ChunkStorageMetadata(offsets=torch.Size(off), sizes=rows.size())
-                reads += create_read_items_for_chunk_list(
-                    fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+                reads += create_read_items_for_chunk_list(fqn, entry, [chunk])
             self.plan = LoadPlan(reads)
             return self.plan
 
@@ -169,7 +173,8 @@ class DCPSource(Source):
         if t.path not in self._cache:
             self._cache.clear()
             i = self.tensors.index(t)
-            batch, size = [], 0
+            batch: list[TensorInfo] = []
+            size = 0
             for u in self.tensors[i:]:
                 if u.path not in self._fqn:
                     continue

@@ -207,7 +207,7 @@ class OrbaxSource(Source):
                                  "Orbax's removed aggregate=True option (msgpack) are not "
                                  "converted; restore the tree with Orbax and save it again"))
         zarr3 = bool(getattr(md, "use_zarr3", False))
-        strings = []
+        strings: list[tuple[tuple, str]] = []     # (path, the string's name)
         for path, leaf in _walk(md.tree, prefix):
             # a tree that is one leaf (``save(path, array)``): shardpoint's root is a dict
             self._add_leaf(path or ("array",), leaf, str(item), ocdbt, zarr3, strings)
@@ -215,7 +215,7 @@ class OrbaxSource(Source):
             self._read_strings(item, strings)
 
     def _add_leaf(self, path: tuple, leaf: Any, item: str, ocdbt: bool, zarr3: bool,
-                  strings: list) -> None:
+                  strings: list[tuple[tuple, str]]) -> None:
         value = self._ocp.metadata.value
         if leaf is None or isinstance(leaf, (dict, list, tuple)):   # None, empty containers
             self.values[path] = leaf
@@ -238,7 +238,7 @@ class OrbaxSource(Source):
             self.skipped.append((key_of(path), f"Orbax leaf of kind {type(leaf).__name__}, "
                                  "which shardpoint does not convert"))
 
-    def _read_strings(self, item: Any, strings: list) -> None:
+    def _read_strings(self, item: Any, strings: list[tuple[tuple, str]]) -> None:
         """Strings through Orbax's ``StringHandler`` (``_strings.json``), in one call."""
         from orbax.checkpoint._src.asyncio_utils import run_sync
         ctx = self._context(False)

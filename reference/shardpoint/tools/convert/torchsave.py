@@ -43,8 +43,8 @@ def load_weights_only(path: str, what: str) -> Any:
             if not first and not zipfile.is_zipfile(path) or "zip archive" in str(e):
                 # Not a refusal of some object: the bytes are not a torch.save file at all
                 # (torch.save writes a zip archive; random bytes reach the legacy unpickler).
-                detail = [ln.strip() for ln in str(e).split("\n\n") if ln.strip()]
-                detail = detail[1] if "WeightsUnpickler" in str(e) and len(detail) > 1 \
+                parts = [ln.strip() for ln in str(e).split("\n\n") if ln.strip()]
+                detail = parts[1] if "WeightsUnpickler" in str(e) and len(parts) > 1 \
                     else str(e).split(". ")[0]
                 raise ConversionError(
                     f"{what} is not a readable torch.save file ({detail}): damaged, truncated "
