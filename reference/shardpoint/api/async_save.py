@@ -174,6 +174,6 @@ def _finish_pending() -> None:
 
 
 try:   # Python >= 3.9; the same hook list concurrent.futures uses for its pools
-    threading._register_atexit(_finish_pending)
+    threading._register_atexit(_finish_pending)   # type: ignore[attr-defined] # private, no stub
 except (AttributeError, RuntimeError):   # pragma: no cover - another Python
     atexit.register(_finish_pending)

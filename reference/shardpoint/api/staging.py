@@ -63,7 +63,7 @@ class StagingPool:
         return out, alloc
 
 
-def side_stream() -> Optional[object]:
+def side_stream() -> Optional[torch.cuda.Stream]:
     """A CUDA stream for device-to-host copies, ordered after the caller's current stream
     (so copies see every kernel queued before the save); None without CUDA."""
     if not torch.cuda.is_available():
