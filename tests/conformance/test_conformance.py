@@ -176,10 +176,28 @@ def test_every_damaged_chunk_or_manifest_raises_its_documented_error(tmp_path):
     assert not problems, problems
 
 
-def test_check_damage_reports_an_expected_class_that_carries_no_requirement_id(tmp_path):
-    # A NUL in the path: the reader raises a ValueError, a class with no spec_id attribute.
-    problem = faults.check_damage("nul", str(tmp_path / "a\x00b"), "SP-LAYOUT-1", ValueError)
+def test_check_damage_reports_an_expected_class_that_carries_no_requirement_id(tmp_path,
+                                                                              monkeypatch):
+    # A reader under test that raises a class with no spec_id attribute (a ValueError).
+    import shardpoint as sp
+
+    def load(path, *a, **k):
+        raise ValueError("not a documented error")
+    monkeypatch.setattr(sp, "load", load)
+    problem = faults.check_damage("nul", str(tmp_path / "x"), "SP-LAYOUT-1", ValueError)
     assert problem == "nul: raised ValueError with None, expected SP-LAYOUT-1"
+
+
+def test_a_path_with_a_nul_byte_is_a_documented_error_everywhere(tmp_path):
+    import shardpoint as sp
+    import torch
+    from shardpoint_core.format.errors import InvalidOptionError
+    bad = str(tmp_path / "a\x00b")
+    for call in (lambda: sp.load(bad), lambda: sp.save({"w": torch.ones(2)}, bad),
+                 lambda: sp.read_metadata(bad), lambda: sp.open(bad),
+                 lambda: sp.load("s3://b/x\x00y"), lambda: sp.CheckpointManager(bad)):
+        with pytest.raises(InvalidOptionError, match="NUL byte"):
+            call()
 
 
 KILLS = [

@@ -22,7 +22,7 @@ import re
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from shardpoint_core.format.errors import UnsupportedStoreError
+from shardpoint_core.format.errors import InvalidOptionError, UnsupportedStoreError
 from shardpoint_core.stores.base import ByteStore
 
 StoreFactory = Callable[[str], ByteStore]
@@ -104,10 +104,21 @@ def open_store(url: Any, call: str = "open_store") -> ByteStore:
     return factory(os.fspath(url))
 
 
+def _no_nul(path: Any, call: str) -> None:
+    """Refuse a path with a NUL byte (no file system or store takes one) as the documented
+    InvalidOptionError, not the ValueError ``open`` would raise somewhere below."""
+    text = os.fsdecode(path)
+    if "\x00" in text:
+        raise InvalidOptionError(f"{call}: the path {text!r} contains a NUL byte; no file "
+                                 "system or store accepts one")
+
+
 def check_path(path: Any, call: str) -> None:
-    """Refuse (:class:`UnsupportedStoreError`) a path whose scheme nobody registered."""
+    """Refuse (:class:`UnsupportedStoreError`) a path whose scheme nobody registered, and
+    (:class:`InvalidOptionError`) one with a NUL byte."""
     if not isinstance(path, (str, bytes, os.PathLike)):
         return
+    _no_nul(path, call)
     scheme, _rest = split_url(path)
     if scheme is not None and scheme != "file":
         with _LOCK:
@@ -128,6 +139,7 @@ def local_path(path: Any, call: str) -> str:
     if not isinstance(path, (str, bytes, os.PathLike)):
         # not a path at all: the caller's own check says so (returned as it came)
         return path          # type: ignore[no-any-return]
+    _no_nul(path, call)
     scheme, rest = split_url(path)
     if scheme is None:
         return rest
