@@ -206,3 +206,15 @@ def url_of(url: str, key: str) -> str:
     scheme, rest = split_url(url)
     return f"{scheme}://{rest.partition('/')[0]}/{key}"
 
+
+
+def _shm_store(url: str) -> ByteStore:
+    from shardpoint_core.stores.shm import ShmStore    # the memory tier's store of a job
+    _s, rest = split_url(url)
+    job = rest.partition("/")[0]
+    if not job:
+        raise UnsupportedStoreError(f"{url!r}: a memory-tier URL is shm://JOB/PATH")
+    return ShmStore.named(job)
+
+
+register_store("shm", _shm_store)
