@@ -138,8 +138,10 @@ def test_a_lost_peer_fails_the_put(tmp_path):
 
 def test_k_cannot_exceed_other_hosts(tmp_path):
     s = ShmStore(str(tmp_path / "job"))
-    with pytest.raises(InvalidOptionError, match="k=1"):
-        s.set_peers([], 1)
+    s.set_peers([], 1)                # a job restarted on one host: reads work, puts do not
+    with pytest.raises(InvalidOptionError, match="k=1 replicas on other hosts"):
+        s.put("a", b"x")
+    assert s.head("a") is None
 
 
 def test_a_stranger_without_the_token_is_refused(pair):

@@ -84,6 +84,14 @@ def version_of(crc: int, size: int) -> str:
     return f"{crc:08x}.{size}"
 
 
+def too_few_hosts(k: int, others: int) -> str:
+    """The refusal of a memory save asking for more replicas than there are other hosts."""
+    return (f"memory tier: k={k} replicas on other hosts asked, the job has {others} other "
+            f"host(s); a memory save needs k <= the number of other hosts (replicas on the "
+            "same host do not survive its loss): restore, then save with a smaller k or on "
+            "more hosts")
+
+
 @dataclass
 class PeerHost:
     """Another host of the job: its name and the side-channel addresses of its ranks (any of
@@ -149,13 +157,11 @@ class ShmStore:
 
     def set_peers(self, others: Sequence[PeerHost], k: int) -> None:
         """Replicate every put to the first ``k`` of ``others`` (the job's other hosts, in
-        ring order after this one) and read from any of them. ``k`` > ``len(others)`` is
-        refused: replicas on one host do not survive its loss."""
-        if k < 0 or k > len(others):
-            raise InvalidOptionError(
-                f"memory tier: k={k} replicas on other hosts asked, the job has "
-                f"{len(others)} other host(s); k must be between 0 and the number of other "
-                "hosts (replicas on the same host do not survive its loss)")
+        ring order after this one) and read from any of them. With ``k`` > ``len(others)``
+        (a job restarted on fewer hosts) reads work and puts are refused
+        (:class:`InvalidOptionError`): replicas on one host do not survive its loss."""
+        if k < 0:
+            raise InvalidOptionError(f"memory tier: k={k} replicas; give 0 or more")
         with self._lock:
             old, self._others, self.k = self._others, list(others), k
         for h in old:
@@ -502,11 +508,13 @@ class ShmStore:
         self._ranged(key, start, len(out), out)
 
     def put(self, key: str, data: PutData, *, if_absent: bool = False) -> None:
+        with self._lock:
+            targets, k = self._others[:self.k], self.k
+        if len(targets) < k:
+            raise InvalidOptionError(too_few_hosts(k, len(targets)))
         views = _views(data)
         crc = _crc(views)
         self.local_put(key, views, crc, if_absent=if_absent)
-        with self._lock:
-            targets = self._others[:self.k]
         for h in targets:
             got = self._send_put(h, key, views, crc)
             if got is None:

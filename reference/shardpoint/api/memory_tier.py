@@ -41,7 +41,7 @@ from shardpoint_core.format.keys import encode_key
 from shardpoint_core.format.manifest import Manifest, decode_manifest
 from shardpoint_core.format.spec import MANIFEST_NAME
 from shardpoint_core.stores.peers import PeerClient, PeerServer, advertised_host
-from shardpoint_core.stores.shm import PeerHost, ShmStore
+from shardpoint_core.stores.shm import PeerHost, ShmStore, too_few_hosts
 
 Fallback = Union[str, Callable[[int], Optional[str]], None]
 _STEP = "step_"
@@ -210,6 +210,8 @@ class MemoryTier:
         with ``keep``, delete all but the newest ``keep`` committed memory steps (the only
         eviction there is). Returns the :class:`~shardpoint.SaveResult`."""
         from shardpoint.api.checkpointer import save
+        if self.k > len(self.hosts) - 1:
+            raise errors.InvalidOptionError(too_few_hosts(self.k, len(self.hosts) - 1))
         self._check_budget(state)
         res = save(state, self.url(step), group=self.group, overwrite=overwrite, **kwargs)
         if keep is not None:
@@ -219,6 +221,7 @@ class MemoryTier:
             if self.comm.is_coordinator:
                 for old in self.steps()[:-keep]:
                     self.remove(old)
+            self.comm.all_true(True)     # no rank leaves (and stops serving) before that
         return res
 
     def steps(self) -> List[int]:
