@@ -164,3 +164,25 @@ def test_host_lost_during_replication_commits_nothing_previous_step_restores(tmp
     _lose(root, "h1")
     got = run_world(2, _restore, root, ["h0", "h0"], 1, None, timeout=120, pg_timeout=30)
     assert set(got[0]["sources"].values()) == {"memory"}
+
+
+def _over_budget(rank: int, world: int, root: str) -> list:
+    tier = _tier(rank, root, ["h0", "h1"], budget_bytes=2000)
+    try:
+        tier.save(_state(rank, world, 1), 1, options=OPTS)
+        err = ""
+    except sp.errors.MemoryBudgetError as e:
+        err = str(e)
+    written = [f for _d, _s, fs in os.walk(os.path.join(root, f"h{rank}")) for f in fs]
+    tier.store.configure(budget_bytes=1 << 20)
+    tier.save(_state(rank, world, 1), 1, options=OPTS)        # fits: committed
+    steps = tier.steps()
+    tier.close()
+    return [err, written, steps]
+
+
+def test_a_save_over_the_memory_budget_fails_on_every_rank_before_writing(tmp_path):
+    got = run_world(2, _over_budget, str(tmp_path), timeout=120, pg_timeout=30)
+    for err, written, steps in got:
+        assert "over its budget of 2000 bytes" in err and "nothing was written" in err
+        assert written == [] and steps == [1]

@@ -40,7 +40,7 @@ import stat
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence,
+from typing import (TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Sequence,
                     Set, Tuple)
 
 import crc32c

@@ -254,15 +254,15 @@ class MemoryTier:
                 continue
             present = {i.key for i in self.store.list(prefix + "/")}
             storage, missing, mem_bytes, sto_bytes = [], [], 0, 0
-            for key, e in m.tensors.items():
-                gone = [k for k in _chunk_keys(f"{prefix}/{e.array}", tuple(e.shape),
-                                               tuple(e.chunk_shape)) if k not in present]
+            for key, entry in m.tensors.items():
+                gone = [k for k in _chunk_keys(f"{prefix}/{entry.array}", tuple(entry.shape),
+                                               tuple(entry.chunk_shape)) if k not in present]
                 if gone:
                     storage.append(key)
                     missing.extend(gone)
-                    sto_bytes += e.nbytes
+                    sto_bytes += entry.nbytes
                 else:
-                    mem_bytes += e.nbytes
+                    mem_bytes += entry.nbytes
             return {"step": s, "storage": storage, "missing": missing, "reason": "; ".join(
                 reasons), "memory_bytes": mem_bytes, "storage_bytes": sto_bytes,
                 "keys": sorted(m.tensors)}
@@ -327,7 +327,7 @@ class MemoryTier:
             return from_storage(f"the memory copy of step {s} failed to load ({e})")
         mem_keys = set(_leaf_keys(mem_like) if mem_like is not None else d["keys"])
         if sto_like is not None:
-            tree = _merge(tree, load(fb, sto_like, group=self.group, strict=strict))
+            tree = _merge(tree, load(str(fb), sto_like, group=self.group, strict=strict))
             out.storage_url = str(fb)
         out.tree, out.reason = tree, why
         all_keys = _leaf_keys(like) if like is not None else list(d["keys"])
