@@ -65,6 +65,7 @@ def test_put_is_on_both_hosts_and_survives_the_writer_host(pair):
     pair.a.local_delete(["step_1/x/c/0"])              # host a lost its copy
     assert pair.a.get("step_1/x/c/0") == b"abcdef"     # read from b, kept here again
     assert pair.a.local_get("step_1/x/c/0")[0] == b"abcdef"
+    assert pair.a.counters == {"replica_bytes_sent": 6, "fetched_bytes": 6}
 
 
 def test_a_damaged_copy_is_never_returned_the_next_host_serves(pair):

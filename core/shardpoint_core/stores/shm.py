@@ -40,8 +40,8 @@ import stat
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import (TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Sequence,
-                    Set, Tuple)
+from typing import (TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Sequence, Set,
+                    Tuple, Union)
 
 import crc32c
 
@@ -117,6 +117,8 @@ class ShmStore:
         self._verified: Set[Tuple[int, int, int, int]] = set()
         self._others: List[PeerHost] = []     # the other hosts, ring order after this one
         self.k = 0
+        # bytes this process moved over the side channel: replicas sent, objects fetched
+        self.counters: Dict[str, int] = {"replica_bytes_sent": 0, "fetched_bytes": 0}
 
     @property
     def _tmp(self) -> str:
@@ -409,7 +411,7 @@ class ShmStore:
                 return got
         return None
 
-    def fetch(self, key: str) -> Tuple[bytes, int]:
+    def fetch(self, key: str) -> Tuple[Union[bytes, bytearray], int]:
         """(bytes, crc32c) of the first intact copy of ``key`` on another host, kept here too
         where the budget allows. ``FileNotFoundError`` where no reachable host holds one."""
         with self._lock:
@@ -422,7 +424,8 @@ class ShmStore:
                 continue
             resp, payload = got
             if resp.get("status") == "ok" and crc32c.crc32c(payload) == resp.get("crc"):
-                data = bytes(payload)
+                data = payload
+                self._count("fetched_bytes", len(data))
                 try:
                     self.local_put(key, [memoryview(data)], int(resp["crc"]))
                 except (MemoryBudgetError, OSError):
@@ -438,7 +441,7 @@ class ShmStore:
             got = self.local_get(key)
         except _Damaged:
             got = None
-        return got[0] if got is not None else self.fetch(key)[0]
+        return got[0] if got is not None else bytes(self.fetch(key)[0])
 
     def get(self, key: str) -> bytes:
         return self._whole(key)
@@ -450,11 +453,12 @@ class ShmStore:
         except _Damaged:
             got = None
         if got is None:
-            data = self.fetch(key)[0]
+            data = memoryview(self.fetch(key)[0])
             piece = data[start:start + length]
             if out is not None:
                 out[:len(piece)] = piece
-            return piece if out is None else b""
+                return b""
+            return bytes(piece)
         fd, size, _crc = got
         try:
             n = max(0, min(length, size - start))
@@ -489,11 +493,11 @@ class ShmStore:
             got = self.local_get(key)
         except _Damaged:
             got = None
-        data, crc = got if got is not None else self.fetch(key)
+        whole, crc = got if got is not None else self.fetch(key)
         info = self.local_info(key)
-        mtime = info.mtime if info is not None else 0.0
-        return data[:max(0, length)], ObjectInfo(key, len(data), mtime,
-                                                 version_of(crc, len(data)))
+        return bytes(whole[:max(0, length)]), ObjectInfo(
+            key, len(whole), info.mtime if info is not None else 0.0,
+            version_of(crc, len(whole)))
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
@@ -522,6 +526,8 @@ class ShmStore:
                     f"memory tier {self.url}: no rank of host {h.name} took the replica of "
                     f"{key!r}; the memory checkpoint is not committed")
             resp = got[0]
+            if resp.get("status") == "ok":
+                self._count("replica_bytes_sent", sum(v.nbytes for v in views))
             if resp.get("status") == "budget":
                 raise MemoryBudgetError(str(resp.get("msg")))
             if resp.get("status") != "ok":
@@ -529,6 +535,10 @@ class ShmStore:
                               f"{resp.get('status')} {resp.get('msg', '')}",
                               f"{self.url}/{key}")
         return None
+
+    def _count(self, what: str, n: int) -> None:
+        with self._lock:
+            self.counters[what] += n
 
     def _send_put(self, h: PeerHost, key: str, views: Sequence[memoryview],
                   crc: int) -> Optional[Tuple[Header, bytearray]]:
