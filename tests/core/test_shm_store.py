@@ -11,7 +11,7 @@ import pytest
 from shardpoint_core.format.errors import (InvalidOptionError, MemoryBudgetError,
                                            StoreUnavailableError)
 from shardpoint_core.stores.peers import PeerClient, PeerServer
-from shardpoint_core.stores.shm import TRAILER, PeerHost, ShmStore
+from shardpoint_core.stores.shm import SIDECAR, PeerHost, ShmStore
 from shardpoint_core.stores.testing import StoreTests
 
 TOKEN = "t" * 32
@@ -152,8 +152,21 @@ def test_a_stranger_without_the_token_is_refused(pair):
     c.close()
 
 
-def test_trailer_is_on_the_file(tmp_path):
+def test_the_file_holds_the_object_exactly_and_its_crc_is_beside_it(tmp_path):
     s = ShmStore(str(tmp_path / "job"))
-    s.put("a", b"abc")
-    assert os.path.getsize(s.path("a")) == 3 + TRAILER.size
-    assert s.head("a").size == 3
+    s.put("a/b", b"abc")
+    assert open(s.path("a/b"), "rb").read() == b"abc"     # a step is a plain checkpoint dir
+    assert SIDECAR.unpack(open(s.crc_path("a/b"), "rb").read()) == (
+        __import__("crc32c").crc32c(b"abc"), 3)
+    assert not s.crc_path("a/b").startswith(s.root + os.sep)
+    s.delete(["a/b"])
+    assert not os.path.exists(os.path.dirname(s.crc_path("a/b")))
+    assert os.listdir(s.root) == []
+
+
+def test_a_copy_without_its_sidecar_is_not_trusted(pair):
+    pair.a.put("k", b"data")
+    os.unlink(pair.a.crc_path("k"))
+    assert pair.a.local_info("k") is None
+    assert pair.a.get("k") == b"data"            # b's copy, kept here again with a sidecar
+    assert pair.a.verify_local("k")

@@ -51,8 +51,7 @@ from shardpoint_core.stores.base import Buffer, ObjectInfo, PutData, StoreCapabi
 from shardpoint_core.stores.keys import check_key, check_prefix
 from shardpoint_core.stores.peers import Header, PeerClient, request_or_none
 
-TRAILER = struct.Struct("<I4s")
-MAGIC = b"spm1"
+SIDECAR = struct.Struct("<IQ")       # crc32c, size: a copy's sidecar (see the module)
 DEFAULT_DIR = "/dev/shm/shardpoint"
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -196,39 +195,51 @@ class ShmStore:
             return None
         return fd
 
-    @staticmethod
-    def _trailer(fd: int, size: int) -> Tuple[int, int]:
-        """(crc32c, data size) from the trailer; :class:`_Damaged` where there is none."""
-        if size < TRAILER.size:
-            raise _Damaged("shorter than its trailer")
-        crc, magic = TRAILER.unpack(os.pread(fd, TRAILER.size, size - TRAILER.size))
-        if magic != MAGIC:
-            raise _Damaged("no memory-tier trailer")
-        return crc, size - TRAILER.size
+    def crc_path(self, key: str) -> str:
+        """The sidecar of ``key``'s copy here: its crc32c and size (:data:`SIDECAR`), in a
+        tree beside the objects' (so a step's directory holds the checkpoint's files only)."""
+        return os.path.join(os.path.dirname(self.root), ".crc", os.path.basename(self.root),
+                            *check_key(key).split("/"))
+
+    def _sidecar(self, key: str) -> Optional[Tuple[int, int]]:
+        """(crc32c, size) the sidecar of ``key`` records; None where there is none."""
+        try:
+            with open(self.crc_path(key), "rb") as f:
+                raw = f.read(SIDECAR.size + 1)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        if len(raw) != SIDECAR.size:
+            return None
+        crc, size = SIDECAR.unpack(raw)
+        return crc, size
 
     def local_info(self, key: str) -> Optional[ObjectInfo]:
-        """This host's copy of ``key`` (unchecked), or None."""
-        fd = self._open(key)
-        if fd is None:
-            return None
+        """This host's copy of ``key`` (unchecked: present, with its sidecar, of the size the
+        sidecar records), or None."""
         try:
-            st = os.fstat(fd)
-            crc, size = self._trailer(fd, st.st_size)
-        except _Damaged:
+            st = os.lstat(self.path(key))
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        finally:
-            os.close(fd)
-        return ObjectInfo(key, size, st.st_mtime, version_of(crc, size))
+        side = self._sidecar(key)
+        if not stat.S_ISREG(st.st_mode) or side is None or side[1] != st.st_size:
+            return None
+        return ObjectInfo(key, st.st_size, st.st_mtime, version_of(side[0], st.st_size))
 
     def _checked_fd(self, key: str) -> Optional[Tuple[int, int, int]]:
-        """(open fd, data size, crc32c) of this host's copy, checked once per file version in
-        this process; None where there is none; :class:`_Damaged` where it fails."""
+        """(open fd, size, crc32c) of this host's copy, checked against its sidecar once per
+        file version in this process; None where there is none; :class:`_Damaged` where it
+        fails (no sidecar, another size, another crc32c)."""
         fd = self._open(key)
         if fd is None:
             return None
         try:
             st = os.fstat(fd)
-            crc, size = self._trailer(fd, st.st_size)
+            side = self._sidecar(key)
+            if side is None:
+                raise _Damaged("no crc32c sidecar")
+            crc, size = side
+            if size != st.st_size:
+                raise _Damaged(f"{st.st_size} bytes, its sidecar says {size}")
             ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
             if ident not in self._verified:
                 got = 0
@@ -236,13 +247,24 @@ class ShmStore:
                     with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
                         got = crc32c.crc32c(m)
                 if got != crc:
-                    raise _Damaged(f"crc32c {got:08x}, trailer says {crc:08x}")
+                    raise _Damaged(f"crc32c {got:08x}, its sidecar says {crc:08x}")
                 with self._lock:
                     self._verified.add(ident)
         except BaseException:
             os.close(fd)
             raise
         return fd, size, crc
+
+    def verify_local(self, key: str) -> bool:
+        """True where this host holds an intact copy of ``key`` (checked, once per version)."""
+        try:
+            got = self._checked_fd(key)
+        except _Damaged:
+            return False
+        if got is None:
+            return False
+        os.close(got[0])
+        return True
 
     def local_get(self, key: str) -> Optional[Tuple[bytes, int]]:
         """(bytes, crc32c) of this host's checked copy; None where absent; :class:`_Damaged`."""
@@ -255,7 +277,7 @@ class ShmStore:
         finally:
             os.close(fd)
         if len(data) != size:
-            raise _Damaged("shorter than its trailer says")
+            raise _Damaged("shorter than its sidecar says")
         return data, crc
 
     def _usage(self) -> int:
@@ -264,8 +286,7 @@ class ShmStore:
             for dirpath, _dirs, files in os.walk(self.root):
                 for f in files:
                     try:
-                        total += max(0, os.lstat(os.path.join(dirpath, f)).st_size
-                                     - TRAILER.size)
+                        total += os.lstat(os.path.join(dirpath, f)).st_size
                     except FileNotFoundError:
                         continue
             self._used = total
@@ -291,6 +312,7 @@ class ShmStore:
             self._used = used + size   # reserved now; given back below on failure
         tmp = os.path.join(self._tmp, f"{os.getpid()}-{threading.get_ident()}-"
                            f"{next(_TMP_IDS)}")
+        side, side_tmp = self.crc_path(key), tmp + ".crc"
         done = False
         try:
             os.makedirs(self._tmp, exist_ok=True)
@@ -301,24 +323,31 @@ class ShmStore:
                     while v.nbytes:
                         n = os.pwrite(fd, v, pos)
                         pos, v = pos + n, v[n:]
-                os.pwrite(fd, TRAILER.pack(crc, MAGIC), pos)
             finally:
                 os.close(fd)
+            with open(side_tmp, "xb") as f:
+                f.write(SIDECAR.pack(crc, size))
             os.makedirs(os.path.dirname(p), exist_ok=True)
+            os.makedirs(os.path.dirname(side), exist_ok=True)
+            # The sidecar goes in before the object, except for a conditional put (the object
+            # must win its race first). A reader between the two renames sees a copy whose
+            # sidecar does not match: damaged, so it reads another host's: never wrong bytes.
             if if_absent:
                 try:
                     os.link(tmp, p)
                 except FileExistsError:
                     raise FileExistsError(errno.EEXIST, "object exists",
                                           f"{self.url}/{key}") from None
+                os.rename(side_tmp, side)
                 os.unlink(tmp)
             else:
+                os.rename(side_tmp, side)
                 os.rename(tmp, p)
             done = True
         finally:
-            if not done:
+            for t in ((tmp, side_tmp) if not done else (tmp,)):
                 try:
-                    os.unlink(tmp)
+                    os.unlink(t)
                 except FileNotFoundError:
                     pass
             with self._lock:
@@ -345,25 +374,29 @@ class ShmStore:
         return out
 
     def local_delete(self, keys: Iterable[str]) -> None:
-        """Remove this host's copies of ``keys`` (absent ones are no error) and the
-        directories that leaves empty."""
+        """Remove this host's copies of ``keys`` and their sidecars (absent ones are no
+        error), and the directories that leaves empty."""
+        crc_root = os.path.join(os.path.dirname(self.root), ".crc", os.path.basename(self.root))
         for k in keys:
-            p = self.path(k)
             info = self.local_info(k)
-            try:
-                os.unlink(p)
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                continue
-            with self._lock:
-                if self._used is not None and info is not None:
-                    self._used -= info.size
-            d = os.path.dirname(p)
-            while d != self.root and d.startswith(self.root + os.sep):
+            gone = False
+            for top, leaf in ((self.root, self.path(k)), (crc_root, self.crc_path(k))):
                 try:
-                    os.rmdir(d)
-                except OSError:
-                    break
-                d = os.path.dirname(d)
+                    os.unlink(leaf)
+                except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                    continue
+                gone = True
+                d = os.path.dirname(leaf)
+                while d != top and d.startswith(top + os.sep):
+                    try:
+                        os.rmdir(d)
+                    except OSError:
+                        break
+                    d = os.path.dirname(d)
+            if gone and info is not None:
+                with self._lock:
+                    if self._used is not None:
+                        self._used -= info.size
 
     # -- the side channel's server side -------------------------------------------------------
     def handle(self, req: Header, payload: bytearray) -> Tuple[Header, Sequence[Buffer]]:

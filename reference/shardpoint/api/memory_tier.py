@@ -26,8 +26,11 @@ Example (every rank)::
 """
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
@@ -35,6 +38,7 @@ import msgpack
 
 from shardpoint.exchange.comm import Comm
 from shardpoint.exchange.topology import host_identity
+from shardpoint.planning.load_planner import LoadOptions
 from shardpoint.tree.flatten import flatten_state
 from shardpoint_core.format import errors
 from shardpoint_core.format.keys import encode_key
@@ -169,6 +173,7 @@ class MemoryTier:
             others.append(PeerHost(h, [PeerClient(a, token, timeout_s=timeout_s)
                                        for a in addrs]))
         self.store.set_peers(others, k)
+        self._hgroup: Any = None
 
     def url(self, step: int) -> str:
         """The memory checkpoint of ``step``: ``shm://<job>/step_<step>``."""
@@ -242,7 +247,8 @@ class MemoryTier:
 
     # -- recovery -------------------------------------------------------------------------
     def _decide(self, step: Optional[int]) -> Dict[str, Any]:
-        """(rank 0) which step to restore and which tensors memory holds whole."""
+        """(rank 0) which step to restore, which tensors memory holds whole, and what every
+        rank needs to know of them (array paths, grids, sizes, the metadata objects)."""
         candidates = [step] if step is not None else self.steps()[::-1]
         reasons = []
         for s in candidates:
@@ -253,22 +259,67 @@ class MemoryTier:
                 reasons.append(f"step {s}: no intact manifest in memory ({e})")
                 continue
             present = {i.key for i in self.store.list(prefix + "/")}
-            storage, missing, mem_bytes, sto_bytes = [], [], 0, 0
+            storage, missing = [], []
             for key, entry in m.tensors.items():
                 gone = [k for k in _chunk_keys(f"{prefix}/{entry.array}", tuple(entry.shape),
                                                tuple(entry.chunk_shape)) if k not in present]
                 if gone:
                     storage.append(key)
                     missing.extend(gone)
-                    sto_bytes += entry.nbytes
-                else:
-                    mem_bytes += entry.nbytes
-            return {"step": s, "storage": storage, "missing": missing, "reason": "; ".join(
-                reasons), "memory_bytes": mem_bytes, "storage_bytes": sto_bytes,
-                "keys": sorted(m.tensors)}
-        return {"step": step, "storage": None, "missing": [], "reason": "; ".join(reasons)
-                or "no committed memory checkpoint on any reachable host",
-                "memory_bytes": 0, "storage_bytes": 0, "keys": []}
+            return {"step": s, "storage": storage, "missing": missing,
+                    "reason": "; ".join(reasons),
+                    "arrays": {k: [f"{prefix}/{e.array}", list(e.chunk_shape), e.nbytes,
+                                   list(e.shape)] for k, e in m.tensors.items()},
+                    "meta": sorted([f"{prefix}/{MANIFEST_NAME}"] + [
+                        k for k in present if k.endswith("/zarr.json")])}
+        return {"step": step, "storage": None, "missing": [], "arrays": {}, "meta": [],
+                "reason": "; ".join(reasons)
+                or "no committed memory checkpoint on any reachable host"}
+
+    def _needed(self, like: Any, arrays: Dict[str, Any]) -> Dict[str, str]:
+        """object key -> tensor key: the chunks this rank's part of ``like`` meets (the whole
+        tensors without ``like``)."""
+        out: Dict[str, str] = {}
+        if like is None:
+            return out
+        for t in flatten_state(like, replica=(self.comm.rank,)).tensors:
+            h = t.holding
+            if h.key not in arrays or (h.shape and 0 in h.shape):
+                continue
+            base, chunk, _n, _shape = arrays[h.key]
+            if not chunk:
+                out[f"{base}/c"] = h.key
+                continue
+            ranges = [range(lo // c, (lo + n - 1) // c + 1)
+                      for lo, n, c in zip(h.offset, h.shape, chunk)]
+            for idx in itertools.product(*ranges):
+                out["/".join([base, "c", *map(str, idx)])] = h.key
+        return out
+
+    def _host_group(self) -> Any:
+        """A gloo group of this host's ranks (made by them alone, on first use)."""
+        if self._hgroup is None:
+            import torch.distributed as dist
+            if not (dist.is_available() and dist.is_initialized()):
+                return None
+            mine = [self.comm._global(r) for r, h in enumerate(self.rank_hosts)
+                    if h == self.host]
+            self._hgroup = dist.new_group(mine, backend="gloo", use_local_synchronization=True)
+        return self._hgroup
+
+    def _materialize(self, keys: List[str]) -> List[str]:
+        """Make sure this host holds an intact copy of each of ``keys`` (fetched from a peer
+        where not, and checked); the keys that could not be had."""
+        def one(key: str) -> bool:
+            if self.store.verify_local(key):
+                return True
+            try:
+                self.store.fetch(key)
+            except (FileNotFoundError, errors.ShardpointError, OSError):
+                return False
+            return self.store.verify_local(key)
+        with ThreadPoolExecutor(8) as pool:
+            return [k for k, ok in zip(keys, pool.map(one, keys)) if not ok]
 
     def restore(self, like: Any = None, *, step: Optional[int] = None,
                 fallback: Fallback = None, strict: bool = True) -> Restored:
@@ -277,9 +328,12 @@ class MemoryTier:
         a path with ``{step}``, or a function of the step) only the tensors no survivor holds
         whole. Collective; any world size. Raises
         :class:`~shardpoint.errors.IncompleteCheckpointError` where memory lacks pieces and no
-        fallback was given, naming them."""
+        fallback was given, naming them.
+
+        Each host first gathers here, checked, the objects its ranks' parts of ``like`` meet
+        (from the peers that hold them), then each rank loads its part from this host's copy
+        of the step (a plain checkpoint directory in shared memory: the fast local path)."""
         from shardpoint.api.checkpointer import load
-        from shardpoint.api.loading import LoadResult
         d: Dict[str, Any] = msgpack.unpackb(self.comm.broadcast_bytes(
             msgpack.packb(self._decide(step), use_bin_type=True)
             if self.comm.is_coordinator else None), raw=False)
@@ -287,52 +341,69 @@ class MemoryTier:
         fb: Optional[str] = None
         if callable(fallback):
             fb = fallback(s) if s is not None else None
-        elif isinstance(fallback, str):
+        elif isinstance(fallback, str) and not (s is None and "{step}" in fallback):
             fb = fallback.format(step=s) if "{step}" in fallback else fallback
-            fb = None if s is None and "{step}" in fallback else fb
         out = Restored(None, s, memory_url=self.url(s) if d["storage"] is not None else "",
                        missing_objects=list(d["missing"]), reason=d["reason"])
+        nbytes = {k: v[2] for k, v in d["arrays"].items()}
 
         def from_storage(why: str) -> Restored:
             if not fb:
                 raise errors.IncompleteCheckpointError(
                     f"memory tier shm://{self.job}: {why}; no durable fallback was given "
                     "(restore(..., fallback=PATH))")
-            tree = load(fb, like, group=self.group, strict=strict)
-            keys = _leaf_keys(like) if like is not None else list(d["keys"])
-            out.tree, out.storage_url, out.reason = tree, fb, why
-            out.sources = {k: "storage" for k in keys}
-            out.memory_bytes, out.storage_bytes = 0, d["memory_bytes"] + d["storage_bytes"]
+            out.tree = load(fb, like, group=self.group, strict=strict)
+            out.storage_url, out.reason = fb, why
+            out.sources = {k: "storage" for k in (_leaf_keys(like) if like is not None
+                                                  else sorted(nbytes))}
+            out.memory_bytes, out.storage_bytes = 0, sum(nbytes.values())
             return out
 
         if d["storage"] is None:
             return from_storage(d["reason"])
         storage = set(d["storage"])
-        if storage:
-            why = (f"{len(d['missing'])} object(s) of {len(storage)} tensor(s) are on no "
-                   f"surviving host (first: {d['missing'][0]})")
-            if like is None or not fb:
-                return from_storage(why)
+        why = (f"{len(d['missing'])} object(s) of {len(storage)} tensor(s) are on no "
+               f"surviving host (first: {d['missing'][0]})") if storage else ""
+        if storage and (like is None or not fb):
+            return from_storage(why)
+        mem_like, sto_like = _split(like, storage) if storage else (like, None)
+        # gather this host's part here, checked; a piece no host gives intact goes to storage
+        need = self._needed(mem_like, {k: v for k, v in d["arrays"].items()
+                                       if k not in storage})
+        if like is None:                                   # the whole of every tensor
+            need = {k: t for t, (base, chunk, _n, shape) in d["arrays"].items()
+                    for k in _chunk_keys(base, tuple(shape), tuple(chunk))[1:]}
+        failed = self._materialize(list(d["meta"]) + sorted(need))
+        lost = sorted({need.get(k, "") for k in failed})
+        lost_all = sorted({t for b in self.comm.all_gather_bytes(
+            msgpack.packb(lost, use_bin_type=True)) for t in msgpack.unpackb(b, raw=False)})
+        if lost_all:
+            if "" in lost_all or like is None or not fb:
+                return from_storage(f"{len(failed)} object(s) of step {s} could not be had "
+                                    f"intact from any host (first: {failed[0] if failed else '?'}"
+                                    " on some rank)")
+            storage |= set(lost_all)
+            why = (why + "; " if why else "") + (f"{len(lost_all)} tensor(s) had no intact "
+                                                 "copy on any host")
             mem_like, sto_like = _split(like, storage)
-            if mem_like is None:
-                return from_storage(why)
-        else:
-            mem_like, sto_like, why = like, None, ""
-        try:
-            tree = load(self.url(s), mem_like, group=self.group, strict=strict,
-                        report=LoadResult())
+        if mem_like is None:
+            return from_storage(why)
+        here = os.path.join(self.store.root, f"{_STEP}{s}")
+        try:       # each host from its own copy: the ranks of a host load together
+            tree = load(here, mem_like, group=self._host_group(), strict=strict,
+                        options=LoadOptions(strategy="direct", host_id=self.host))
         except errors.ShardpointError as e:        # agreed: every rank takes this branch
             if not fb:
                 raise
             return from_storage(f"the memory copy of step {s} failed to load ({e})")
-        mem_keys = set(_leaf_keys(mem_like) if mem_like is not None else d["keys"])
         if sto_like is not None:
             tree = _merge(tree, load(str(fb), sto_like, group=self.group, strict=strict))
             out.storage_url = str(fb)
         out.tree, out.reason = tree, why
-        all_keys = _leaf_keys(like) if like is not None else list(d["keys"])
-        out.sources = {k: ("memory" if k in mem_keys else "storage") for k in all_keys}
-        out.memory_bytes, out.storage_bytes = d["memory_bytes"], d["storage_bytes"]
+        all_keys = _leaf_keys(like) if like is not None else sorted(nbytes)
+        out.sources = {k: ("storage" if k in storage else "memory") for k in all_keys}
+        out.storage_bytes = sum(n for k, n in nbytes.items() if k in storage)
+        out.memory_bytes = sum(nbytes.values()) - out.storage_bytes
         return out
 
     def close(self) -> None:
