@@ -97,13 +97,16 @@ def restore_job(rank, world, hosts, shm, durable, n, rows, cols):
     got = {}
 
     def from_memory():
+        t = time.perf_counter()
         tier = _tier(rank, hosts, shm)
         r = tier.restore(like)
+        r.timings["tier_start"] = time.perf_counter() - t - sum(r.timings.values())
         return tier, r
     (tier, r), got["memory"] = _timed(from_memory, rank)
     assert set(r.sources.values()) == {"memory"}, r.sources
     check(r.tree)
     got["fetched_bytes"] = tier.store.counters["fetched_bytes"]
+    got["phases"] = dict(r.timings)
     tier.close()
     like = _state(rank, world, n, rows, cols, zeros=True)
     tree, got["storage"] = _timed(lambda: sp.load(durable, like), rank, drop=True)
@@ -156,6 +159,8 @@ def main(argv=None) -> dict:
     mem = [max(r["memory"] for r in rr) for rr in rounds]
     sto = [max(r["storage"] for r in rr) for rr in rounds]
     fetched = sum(r["fetched_bytes"] for r in rounds[-1])
+    phases = {k: max(r["phases"].get(k, 0.0) for r in rounds[-1])
+              for k in ("tier_start", "decide", "gather", "load")}
     gib = total / (1 << 30)
     print(f"state {gib:.3f} GiB, {a.ranks} ranks on {a.hosts} hosts, k=1; host {lost} lost, "
           f"restored by a job with a replacement host; page cache: "
@@ -170,12 +175,13 @@ def main(argv=None) -> dict:
     t = rec.table("restore", "Restore after the loss of one host (slowest rank)", nbytes=total)
     rec.row(t, "from peer memory (restart of the tier included)", mem,
             ratios={"faster than storage": br.ratio(mem, sto, invert=True)},
-            fetched_bytes=fetched)
+            fetched_bytes=fetched, phases=phases)
     rec.row(t, "from storage (files)", sto)
     print(f"restore: peer memory {statistics.median(mem):.3f} s ({min(mem):.3f}-{max(mem):.3f}),"
           f" storage {statistics.median(sto):.3f} s ({min(sto):.3f}-{max(sto):.3f}); "
           f"{statistics.median(sto) / statistics.median(mem):.2f}x; the side channel carried "
-          f"{fetched / (1 << 20):.0f} MiB to the replacement host")
+          f"{fetched / (1 << 20):.0f} MiB to the replacement host; phases of the last round "
+          f"(slowest rank): " + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
     if a.json:
         rec.write(a.json)
     return rec.data

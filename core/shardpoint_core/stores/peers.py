@@ -24,12 +24,15 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import socketserver
 import struct
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import crc32c
 import msgpack
 
 from shardpoint_core.format.errors import StoreUnavailableError
@@ -38,10 +41,8 @@ from shardpoint_core.stores.base import Buffer
 log = logging.getLogger("shardpoint")
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 64 << 20
+_PIECE = 4 << 20            # a streamed payload goes through a buffer of this size
 Header = Dict[str, Any]
-# A store's side of the channel: (request header, payload) -> (response header, payload
-# buffers). Raising answers ``error`` with the exception's text.
-Handler = Callable[[Header, bytearray], Tuple[Header, Sequence[Buffer]]]
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -56,27 +57,84 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def send_frame(sock: socket.socket, header: Header, bufs: Sequence[Buffer] = ()) -> None:
-    """One frame: ``header`` (with ``n``, the payload's length, filled in) and ``bufs``."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    header = dict(header, n=sum(v.nbytes for v in views))
-    h = msgpack.packb(header, use_bin_type=True)
+class Payload:
+    """The payload of a received frame, still in the socket: read it whole
+    (:meth:`read_all`) or stream it into a file (:meth:`copy_to`, no buffer of its size);
+    what is left unread is drained before the connection serves the next frame."""
+
+    def __init__(self, sock: socket.socket, n: int) -> None:
+        self.sock, self.n, self.left = sock, n, n
+
+    def read_all(self) -> bytearray:
+        """The whole payload."""
+        buf = _recv_exact(self.sock, self.left)
+        self.left = 0
+        return buf
+
+    def copy_to(self, fd: int) -> int:
+        """Write the payload at the start of ``fd``; returns its crc32c."""
+        buf = bytearray(min(self.left, _PIECE))
+        view, crc, pos = memoryview(buf), 0, 0
+        while self.left:
+            r = self.sock.recv_into(view, min(len(buf), self.left))
+            if r == 0:
+                raise ConnectionResetError("peer closed the connection mid-frame")
+            self.left -= r
+            crc = crc32c.crc32c(view[:r], value=crc)
+            done = 0
+            while done < r:
+                done += os.pwrite(fd, view[done:r], pos + done)
+            pos += r
+        return crc
+
+    def drain(self) -> None:
+        """Read and drop what is left."""
+        while self.left:
+            self.left -= len(_recv_exact(self.sock, min(self.left, _PIECE)))
+
+
+@dataclass
+class SendFile:
+    """A payload sent from an open file (``sendfile``: no copy through user memory); the
+    sender closes ``fd``."""
+
+    fd: int
+    size: int
+
+
+Body = Union[Sequence[Buffer], SendFile]
+# A store's side of the channel: (request header, payload) -> (response header, body).
+# Raising answers ``error`` with the exception's text.
+Handler = Callable[[Header, Payload], Tuple[Header, Body]]
+
+
+def send_frame(sock: socket.socket, header: Header, body: Body = ()) -> None:
+    """One frame: ``header`` (with ``n``, the payload's length, filled in), then ``body``."""
+    if isinstance(body, SendFile):
+        with os.fdopen(body.fd, "rb") as f:
+            h = msgpack.packb(dict(header, n=body.size), use_bin_type=True)
+            sock.sendall(_LEN.pack(len(h)) + h)
+            if body.size:
+                sock.sendfile(f, 0, body.size)
+        return
+    views = [memoryview(b).cast("B") for b in body]
+    h = msgpack.packb(dict(header, n=sum(v.nbytes for v in views)), use_bin_type=True)
     sock.sendall(_LEN.pack(len(h)) + h)
     for v in views:
         if v.nbytes:
             sock.sendall(v)
 
 
-def recv_frame(sock: socket.socket) -> Tuple[Header, bytearray]:
-    """(header, payload) of the next frame; ``ConnectionError`` where the peer hung up."""
+def recv_frame(sock: socket.socket) -> Tuple[Header, Payload]:
+    """(header, payload still to read) of the next frame; ``ConnectionError`` where the peer
+    hung up."""
     (hn,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if hn > _MAX_HEADER:
         raise ConnectionError(f"peer frame header of {hn} bytes: not a shardpoint peer")
     header = msgpack.unpackb(bytes(_recv_exact(sock, hn)), raw=False)
     if not isinstance(header, dict):
         raise ConnectionError("peer frame header is not a map: not a shardpoint peer")
-    n = int(header.get("n", 0))
-    return header, _recv_exact(sock, n) if n else bytearray()
+    return header, Payload(sock, int(header.get("n", 0)))
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -100,12 +158,14 @@ class _Conn(socketserver.BaseRequestHandler):
             if header.get("token") != server.token:
                 send_frame(sock, {"status": "error", "msg": "wrong job token"})
                 return
+            body: Body
             try:
-                resp, bufs = server.handler(header, payload)
+                resp, body = server.handler(header, payload)
             except Exception as e:  # noqa: BLE001 - answered to the caller, who raises
-                resp, bufs = {"status": "error", "msg": f"{type(e).__name__}: {e}"}, ()
+                resp, body = {"status": "error", "msg": f"{type(e).__name__}: {e}"}, ()
             try:
-                send_frame(sock, resp, bufs)
+                payload.drain()
+                send_frame(sock, resp, body)
             except OSError:
                 return
 
@@ -128,6 +188,10 @@ class PeerServer:
         """Stop accepting and answering (connections being served end at their next frame)."""
         self._srv.shutdown()
         self._srv.server_close()
+
+
+def _read_all(resp: Header, payload: Payload) -> bytearray:
+    return payload.read_all()
 
 
 class PeerClient:
@@ -153,17 +217,23 @@ class PeerClient:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return s
 
-    def request(self, header: Header, bufs: Sequence[Buffer] = ()) -> Tuple[Header, bytearray]:
-        """Send one request, return (response header, payload)."""
+    def request(self, header: Header, body: Body = (),
+                receive: Callable[[Header, Payload], Any] = _read_all) -> Tuple[Header, Any]:
+        """Send one request; return (response header, ``receive(header, payload)``: by
+        default the whole payload)."""
         try:
             s = self._connect()
         except OSError as e:
+            if isinstance(body, SendFile):
+                os.close(body.fd)
             raise StoreUnavailableError(f"memory-tier peer {self.address} refuses "
                                         f"{header.get('op')} ({e}): its host is down or its "
                                         "job is gone") from e
         try:
-            send_frame(s, dict(header, token=self._token), bufs)
+            send_frame(s, dict(header, token=self._token), body)
             resp, payload = recv_frame(s)
+            got = receive(resp, payload)
+            payload.drain()
         except (OSError, ValueError, msgpack.ExtraData) as e:
             s.close()
             raise StoreUnavailableError(f"memory-tier peer {self.address} failed during "
@@ -171,7 +241,7 @@ class PeerClient:
                                         "its host is down or unreachable") from e
         with self._lock:
             self._idle.append(s)
-        return resp, payload
+        return resp, got
 
     def close(self) -> None:
         """Close the kept connections."""
@@ -190,12 +260,13 @@ def advertised_host() -> str:
         return "127.0.0.1"
 
 
-def request_or_none(client: PeerClient, header: Header,
-                    bufs: Sequence[Buffer] = ()) -> Optional[Tuple[Header, bytearray]]:
+def request_or_none(client: PeerClient, header: Header, body: Body = (),
+                    receive: Callable[[Header, Payload], Any] = _read_all
+                    ) -> Optional[Tuple[Header, Any]]:
     """:meth:`PeerClient.request`, or None where the peer is unreachable (logged): reads and
     deletes go on with the hosts that answer."""
     try:
-        return client.request(header, bufs)
+        return client.request(header, body, receive)
     except StoreUnavailableError as e:
         log.warning("%s", e)
         return None

@@ -40,7 +40,7 @@ import stat
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import (TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Sequence, Set,
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set,
                     Tuple, Union)
 
 import crc32c
@@ -49,7 +49,8 @@ from shardpoint_core.format.errors import (InvalidOptionError, MemoryBudgetError
                                            StoreUnavailableError)
 from shardpoint_core.stores.base import Buffer, ObjectInfo, PutData, StoreCapabilities
 from shardpoint_core.stores.keys import check_key, check_prefix
-from shardpoint_core.stores.peers import Header, PeerClient, request_or_none
+from shardpoint_core.stores.peers import (Body, Header, Payload, PeerClient, SendFile,
+                                          request_or_none)
 
 SIDECAR = struct.Struct("<IQ")       # crc32c, size: a copy's sidecar (see the module)
 DEFAULT_DIR = "/dev/shm/shardpoint"
@@ -297,8 +298,24 @@ class ShmStore:
         """Write ``views`` (whose crc32c is ``crc``) as this host's copy of ``key``, whole or
         not at all. :class:`MemoryBudgetError` before writing where the budget would be
         exceeded; ``FileExistsError`` for a lost conditional put."""
+        def write(fd: int) -> Optional[int]:
+            pos = 0
+            for v in views:
+                while v.nbytes:
+                    n = os.pwrite(fd, v, pos)
+                    pos, v = pos + n, v[n:]
+            return None
+        self.install(key, sum(v.nbytes for v in views), write, crc, if_absent=if_absent)
+
+    def install(self, key: str, size: int, write: Callable[[int], Optional[int]], crc: int,
+                *, if_absent: bool = False) -> None:
+        """Make this host's copy of ``key``: ``write(fd)`` writes its ``size`` bytes into a
+        temporary file and returns their crc32c where it computed it (then checked against
+        ``crc``: ``OSError`` where they differ, nothing installed; the copy counts as
+        checked), else None; the file is then renamed into place with its sidecar.
+        :class:`MemoryBudgetError` before writing where the budget would be exceeded;
+        ``FileExistsError`` for a lost conditional put."""
         p = self.path(key)
-        size = sum(v.nbytes for v in views)
         with self._lock:
             old = self.local_info(key)
             used = self._usage()
@@ -318,13 +335,15 @@ class ShmStore:
             os.makedirs(self._tmp, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o600)
             try:
-                pos = 0
-                for v in views:
-                    while v.nbytes:
-                        n = os.pwrite(fd, v, pos)
-                        pos, v = pos + n, v[n:]
+                got = write(fd)
+                st = os.fstat(fd)
             finally:
                 os.close(fd)
+            if st.st_size != size or (got is not None and got != crc):
+                raise OSError(errno.EIO, f"copy of {key!r} damaged on its way here: "
+                              f"{st.st_size} bytes (of {size}), crc32c "
+                              f"{got if got is not None else crc:08x} (of {crc:08x})",
+                              f"{self.url}/{key}")
             with open(side_tmp, "xb") as f:
                 f.write(SIDECAR.pack(crc, size))
             os.makedirs(os.path.dirname(p), exist_ok=True)
@@ -344,6 +363,9 @@ class ShmStore:
                 os.rename(side_tmp, side)
                 os.rename(tmp, p)
             done = True
+            if got is not None:           # its bytes were checked on their way in
+                with self._lock:
+                    self._verified.add((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
         finally:
             for t in ((tmp, side_tmp) if not done else (tmp,)):
                 try:
@@ -399,15 +421,13 @@ class ShmStore:
                         self._used -= info.size
 
     # -- the side channel's server side -------------------------------------------------------
-    def handle(self, req: Header, payload: bytearray) -> Tuple[Header, Sequence[Buffer]]:
+    def handle(self, req: Header, payload: Payload) -> Tuple[Header, Body]:
         """Answer one request of another host (:class:`~.peers.PeerServer`'s handler)."""
         op = req.get("op")
         if op == "put":
-            if crc32c.crc32c(payload) != req["crc"]:
-                return {"status": "error", "msg": "damaged in transit (crc32c)"}, ()
             try:
-                self.local_put(req["key"], [memoryview(payload)], req["crc"],
-                               if_absent=bool(req.get("if_absent")))
+                self.install(req["key"], payload.n, payload.copy_to, int(req["crc"]),
+                             if_absent=bool(req.get("if_absent")))
             except FileExistsError:
                 return {"status": "exists"}, ()
             except MemoryBudgetError as e:
@@ -415,12 +435,12 @@ class ShmStore:
             return {"status": "ok"}, ()
         if op == "get":
             try:
-                got = self.local_get(req["key"])
+                got = self._checked_fd(req["key"])
             except _Damaged as e:
                 return {"status": "damaged", "msg": str(e)}, ()
             if got is None:
                 return {"status": "missing"}, ()
-            return {"status": "ok", "crc": got[1]}, [got[0]]
+            return {"status": "ok", "crc": got[2]}, SendFile(got[0], got[1])
         if op == "head":
             info = self.local_info(req["key"])
             if info is None:
@@ -447,24 +467,69 @@ class ShmStore:
     def fetch(self, key: str) -> Tuple[Union[bytes, bytearray], int]:
         """(bytes, crc32c) of the first intact copy of ``key`` on another host, kept here too
         where the budget allows. ``FileNotFoundError`` where no reachable host holds one."""
+        got = self._fetch(key, keep=True)
+        if got is None:
+            local = self.local_get(key)
+            if local is not None:
+                return local
+            got = self._fetch(key, keep=False)      # changed meanwhile: once more
+        if got is None:
+            raise FileNotFoundError(errno.ENOENT, "no intact copy here after a fetch",
+                                    f"{self.url}/{key}")
+        return got
+
+    def fetch_here(self, key: str) -> None:
+        """Copy ``key`` here, checked, from the first other host with an intact copy.
+        ``FileNotFoundError`` where no reachable host holds one; :class:`MemoryBudgetError`
+        where this host's budget has no room for it."""
+        if self._fetch(key, keep=True, must_keep=True) is not None:
+            raise AssertionError("unreachable: a kept copy returns None")
+
+    def _fetch(self, key: str, *, keep: bool,
+               must_keep: bool = False) -> Optional[Tuple[bytearray, int]]:
+        """Fetch ``key`` from the first other host with an intact copy: streamed into this
+        host's memory (``keep``; returns None) or, where the budget refuses it and not
+        ``must_keep``, into a buffer (returned with its crc32c)."""
         with self._lock:
             others = list(self._others)
-        seen = []
-        for h in others:
-            got = self._answer(h, {"op": "get", "key": key})
-            if got is None:
-                seen.append(f"{h.name}: unreachable")
-                continue
-            resp, payload = got
-            if resp.get("status") == "ok" and crc32c.crc32c(payload) == resp.get("crc"):
-                data = payload
-                self._count("fetched_bytes", len(data))
+        seen: List[str] = []
+
+        def receive(resp: Header, payload: Payload) -> Tuple[str, Any]:
+            if resp.get("status") != "ok":
+                return str(resp.get("status")), None
+            crc = int(resp["crc"])
+            if keep:
                 try:
-                    self.local_put(key, [memoryview(data)], int(resp["crc"]))
-                except (MemoryBudgetError, OSError):
-                    pass            # served from the peer's copy all the same
-                return data, int(resp["crc"])
-            seen.append(f"{h.name}: {resp.get('status')}")
+                    self.install(key, payload.n, payload.copy_to, crc)
+                    return "kept", None
+                except MemoryBudgetError as e:
+                    if must_keep:
+                        return "budget", e
+            data = payload.read_all()
+            if crc32c.crc32c(data) != crc:
+                return "damaged on its way", None
+            return "read", (data, crc)
+
+        for h in others:
+            got = None
+            for c in h.clients:
+                try:
+                    got = c.request({"op": "get", "key": key}, (), receive)
+                    break
+                except StoreUnavailableError as e:
+                    seen.append(f"{h.name}: {e}")
+            if got is None:
+                continue
+            status, value = got[1]
+            if status == "kept":
+                self._count("fetched_bytes", int(got[0].get("n", 0)))
+                return None
+            if status == "read":
+                self._count("fetched_bytes", len(value[0]))
+                return value  # type: ignore[no-any-return]
+            if status == "budget":
+                raise value
+            seen.append(f"{h.name}: {status}")
         raise FileNotFoundError(errno.ENOENT, "no intact copy on this host or any reachable "
                                 f"one ({'; '.join(seen) or 'no other hosts'})",
                                 f"{self.url}/{key}")
@@ -481,12 +546,20 @@ class ShmStore:
 
     def _ranged(self, key: str, start: int, length: int, out: Optional[memoryview]) -> bytes:
         """``length`` bytes from ``start`` of a checked copy (into ``out`` when given)."""
+        fetched: Optional[Tuple[bytearray, int]] = None
         try:
             got = self._checked_fd(key)
         except _Damaged:
             got = None
         if got is None:
-            data = memoryview(self.fetch(key)[0])
+            fetched = self._fetch(key, keep=True)        # None: kept here, checked
+            if fetched is None:
+                try:
+                    got = self._checked_fd(key)
+                except _Damaged:
+                    got = None
+        if got is None:
+            data = memoryview(fetched[0] if fetched is not None else self.fetch(key)[0])
             piece = data[start:start + length]
             if out is not None:
                 out[:len(piece)] = piece

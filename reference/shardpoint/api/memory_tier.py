@@ -30,6 +30,7 @@ import itertools
 import math
 import os
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
@@ -68,6 +69,7 @@ class Restored:
     storage_url: str = ""
     missing_objects: List[str] = field(default_factory=list)
     reason: str = ""
+    timings: Dict[str, float] = field(default_factory=dict)   # seconds: decide, gather, load
 
 
 def _chunk_keys(base: str, shape: Tuple[int, ...], chunks: Tuple[int, ...]) -> List[str]:
@@ -314,7 +316,7 @@ class MemoryTier:
             if self.store.verify_local(key):
                 return True
             try:
-                self.store.fetch(key)
+                self.store.fetch_here(key)
             except (FileNotFoundError, errors.ShardpointError, OSError):
                 return False
             return self.store.verify_local(key)
@@ -334,6 +336,7 @@ class MemoryTier:
         (from the peers that hold them), then each rank loads its part from this host's copy
         of the step (a plain checkpoint directory in shared memory: the fast local path)."""
         from shardpoint.api.checkpointer import load
+        t0 = time.perf_counter()
         d: Dict[str, Any] = msgpack.unpackb(self.comm.broadcast_bytes(
             msgpack.packb(self._decide(step), use_bin_type=True)
             if self.comm.is_coordinator else None), raw=False)
@@ -346,6 +349,7 @@ class MemoryTier:
         out = Restored(None, s, memory_url=self.url(s) if d["storage"] is not None else "",
                        missing_objects=list(d["missing"]), reason=d["reason"])
         nbytes = {k: v[2] for k, v in d["arrays"].items()}
+        out.timings["decide"] = time.perf_counter() - t0
 
         def from_storage(why: str) -> Restored:
             if not fb:
@@ -373,7 +377,9 @@ class MemoryTier:
         if like is None:                                   # the whole of every tensor
             need = {k: t for t, (base, chunk, _n, shape) in d["arrays"].items()
                     for k in _chunk_keys(base, tuple(shape), tuple(chunk))[1:]}
+        t0 = time.perf_counter()
         failed = self._materialize(list(d["meta"]) + sorted(need))
+        out.timings["gather"] = time.perf_counter() - t0
         lost = sorted({need.get(k, "") for k in failed})
         lost_all = sorted({t for b in self.comm.all_gather_bytes(
             msgpack.packb(lost, use_bin_type=True)) for t in msgpack.unpackb(b, raw=False)})
@@ -389,6 +395,7 @@ class MemoryTier:
         if mem_like is None:
             return from_storage(why)
         here = os.path.join(self.store.root, f"{_STEP}{s}")
+        t0 = time.perf_counter()
         try:       # each host from its own copy: the ranks of a host load together
             tree = load(here, mem_like, group=self._host_group(), strict=strict,
                         options=LoadOptions(strategy="direct", host_id=self.host))
@@ -396,6 +403,7 @@ class MemoryTier:
             if not fb:
                 raise
             return from_storage(f"the memory copy of step {s} failed to load ({e})")
+        out.timings["load"] = time.perf_counter() - t0
         if sto_like is not None:
             tree = _merge(tree, load(str(fb), sto_like, group=self.group, strict=strict))
             out.storage_url = str(fb)
