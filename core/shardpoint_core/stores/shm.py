@@ -39,6 +39,7 @@ import os
 import stat
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set,
                     Tuple, Union)
@@ -280,6 +281,12 @@ class ShmStore:
         if len(data) != size:
             raise _Damaged("shorter than its sidecar says")
         return data, crc
+
+    def usage(self) -> int:
+        """The bytes this host's copies hold, as this process counts them (a walk of the
+        store's directory on first use, then what it put and deleted)."""
+        with self._lock:
+            return self._usage()
 
     def _usage(self) -> int:
         if self._used is None:
@@ -671,8 +678,10 @@ class ShmStore:
         found = {i.key: i for i in self.local_list(prefix)}
         with self._lock:
             others = list(self._others)
-        for h in others:
-            got = self._answer(h, {"op": "list", "prefix": prefix})
+        with ThreadPoolExecutor(max(1, min(16, len(others)))) as pool:    # hosts at once
+            answers = list(pool.map(lambda h: self._answer(h, {"op": "list",
+                                                               "prefix": prefix}), others))
+        for got in answers:
             if got is None or got[0].get("status") != "ok":
                 continue
             for k, size, mtime, version in got[0]["items"]:

@@ -190,7 +190,7 @@ class MemoryTier:
         flat = flatten_state(state, replica=(self.comm.rank,))
         mine = sum(t.holding.nbytes for t in flat.tensors if not any(t.holding.replica))
         rows = [msgpack.unpackb(b, raw=False) for b in self.comm.all_gather_bytes(
-            msgpack.packb([mine, self.store._usage()], use_bin_type=True))]
+            msgpack.packb([mine, self.store.usage()], use_bin_type=True))]
         if budget is None:
             return
         adds = {h: 0 for h in self.hosts}
