@@ -252,8 +252,21 @@ class PeerClient:
 
 
 def advertised_host() -> str:
-    """An address other hosts can reach this one at: the host name's address where it
-    resolves, else the loopback (one-host jobs, tests)."""
+    """An address other hosts can reach this one at: ``$SHARDPOINT_SHM_ADVERTISE`` where set;
+    else the local address of the route to the launcher's ``$MASTER_ADDR`` (the interface the
+    process group reaches other hosts by); else the host name's address where it resolves;
+    else the loopback (one-host jobs, tests)."""
+    explicit = os.environ.get("SHARDPOINT_SHM_ADVERTISE")
+    if explicit:
+        return explicit
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, 9))           # no packet is sent: picks the route only
+                return str(s.getsockname()[0])
+        except OSError:
+            pass
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
