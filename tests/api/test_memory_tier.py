@@ -186,3 +186,46 @@ def test_a_save_over_the_memory_budget_fails_on_every_rank_before_writing(tmp_pa
     for err, written, steps in got:
         assert "over its budget of 2000 bytes" in err and "nothing was written" in err
         assert written == [] and steps == [1]
+
+
+def _restore_while_a_host_dies(rank: int, world: int, root: str, hosts: list) -> str:
+    tier = _tier(rank, root, hosts)
+    if hosts[rank] == "h2":                    # h2 dies as soon as it serves a piece
+        real = tier.store.handle
+
+        def dying(req, payload):
+            if req.get("op") == "get":
+                os._exit(17)
+            return real(req, payload)
+        tier.server._srv.handler = dying
+    err = ""
+    try:
+        tier.restore(_state(rank, world, 5, zeros=True))
+    except sp.ShardpointError as e:
+        err = type(e).__name__
+    with open(os.path.join(root, f"restore{rank}"), "w") as f:
+        f.write(err)
+    tier.close()
+    return err
+
+
+def test_host_lost_during_recovery_fails_cleanly_then_storage_fills_in(tmp_path):
+    """h1 is lost; during the restore, h2 (which holds h1's replicas) dies too: the survivors
+    raise, none returns a state; the next restore, on the three hosts left, reads what both
+    held from storage, and says so."""
+    root = str(tmp_path)
+    run_world(4, _save, root, ["h0", "h1", "h2", "h3"], [5], True, timeout=120,
+              pg_timeout=30)
+    _lose(root, "h1")
+    with pytest.raises(RankFailure) as info:
+        run_world(4, _restore_while_a_host_dies, root, ["h0", "spare", "h2", "h3"],
+                  timeout=90, pg_timeout=15)
+    assert "rank 2: process exited with code 17" in str(info.value)
+    for r in (0, 1, 3):
+        assert open(os.path.join(root, f"restore{r}")).read() != ""     # raised, no state
+    _lose(root, "h2")
+    fallback = os.path.join(root, "durable", "step_{step}")
+    got = run_world(3, _restore, root, ["h0", "spare", "h3"], 5, fallback, timeout=120,
+                    pg_timeout=30)
+    assert got[0]["sources"]["model/w"] == "storage" and "on no surviving host" in \
+        got[0]["reason"]
