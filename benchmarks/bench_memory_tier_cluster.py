@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
             names = sorted(os.listdir(SHM))
             gone = [n for n in names if n.endswith(f"#node{lost}")]
             assert len(gone) == 1, names
-            for r in range(a.rounds):
+            for _round in range(a.rounds):
                 shutil.rmtree(os.path.join(SHM, gone[0]))     # the host is lost (again)
                 before = [c.link_bytes(h) for h in range(-1, a.hosts)]
                 got = c.run(memory_job, a.tensors, rows, cols, timeout=3600, pg_timeout=1200,

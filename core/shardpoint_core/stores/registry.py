@@ -1,5 +1,7 @@
 """Stores chosen from a checkpoint's path: plain paths and ``file://`` are local files,
-``memory://name/...`` a process-wide memory store, ``s3://`` and ``gs://`` the object stores
+``memory://name/...`` a process-wide memory store, ``shm://job/...`` the memory tier's store
+of a job (host shared memory, replicated to peer hosts: :mod:`.shm`), ``s3://`` and ``gs://``
+the object stores
 (:mod:`.s3`, :mod:`.gcs`), ``tensorstore+file://``, ``tensorstore+memory://``,
 ``tensorstore+s3://`` and ``tensorstore+gs://`` the same places through TensorStore's kvstore
 drivers (:mod:`.tensorstore`), and any other scheme whatever was
