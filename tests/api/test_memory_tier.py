@@ -219,7 +219,7 @@ def test_host_lost_during_recovery_fails_cleanly_then_storage_fills_in(tmp_path)
     _lose(root, "h1")
     with pytest.raises(RankFailure) as info:
         run_world(4, _restore_while_a_host_dies, root, ["h0", "spare", "h2", "h3"],
-                  timeout=90, pg_timeout=15)
+                  timeout=90, pg_timeout=5)
     assert "rank 2: process exited with code 17" in str(info.value)
     for r in (0, 1, 3):
         assert open(os.path.join(root, f"restore{r}")).read() != ""     # raised, no state
@@ -229,3 +229,31 @@ def test_host_lost_during_recovery_fails_cleanly_then_storage_fills_in(tmp_path)
                     pg_timeout=30)
     assert got[0]["sources"]["model/w"] == "storage" and "on no surviving host" in \
         got[0]["reason"]
+
+
+def _save_with_a_deaf_host(rank: int, world: int, root: str) -> list:
+    hosts = ["h0", "h0", "h1", "h1"]
+    tier = _tier(rank, root, hosts)
+    tier.save(_state(rank, world, 1), 1, options=OPTS)
+    tier.comm.all_true(True)
+    if hosts[rank] == "h1":
+        tier.server.close()                   # h1 stays up but takes no replica any more
+    tier.comm.all_true(True)
+    err = ""
+    try:
+        tier.save(_state(rank, world, 2), 2, options=OPTS)
+    except sp.ShardpointError as e:
+        err = f"{type(e).__name__}: {e}"
+    steps = sorted({int(k.split("/")[0][5:]) for k in os.listdir(tier.store.root)
+                    if os.path.exists(os.path.join(tier.store.root, k, "manifest.msgpack"))})
+    tier.close()
+    return [err, steps]
+
+
+def test_a_step_whose_replicas_cannot_be_placed_is_not_committed(tmp_path):
+    """Every rank alive, but no replica reaches h1: the save fails on every rank and no host
+    holds a marker of step 2 (the marker is written only after every replica is in place)."""
+    got = run_world(4, _save_with_a_deaf_host, str(tmp_path), timeout=120, pg_timeout=30)
+    for err, steps in got:
+        assert "took the replica" in err and "not committed" in err, err
+        assert steps == [1]

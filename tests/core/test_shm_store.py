@@ -170,3 +170,14 @@ def test_a_copy_without_its_sidecar_is_not_trusted(pair):
     assert pair.a.local_info("k") is None
     assert pair.a.get("k") == b"data"            # b's copy, kept here again with a sidecar
     assert pair.a.verify_local("k")
+
+
+def test_a_closed_server_answers_no_kept_connection_either(tmp_path):
+    p = _Pair(str(tmp_path))
+    try:
+        p.a.put("x", b"1")                     # a connection to b is now kept open
+        p.sb.close()
+        with pytest.raises(StoreUnavailableError):
+            p.a.put("y", b"2")
+    finally:
+        p.close()

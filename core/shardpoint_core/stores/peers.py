@@ -143,6 +143,7 @@ class _Server(socketserver.ThreadingTCPServer):
     block_on_close = False
     handler: Handler
     token: str
+    closing = False
 
 
 class _Conn(socketserver.BaseRequestHandler):
@@ -154,6 +155,8 @@ class _Conn(socketserver.BaseRequestHandler):
             try:
                 header, payload = recv_frame(sock)
             except (ConnectionError, OSError, ValueError, msgpack.ExtraData):
+                return
+            if server.closing:                 # closed: kept connections are dropped too
                 return
             if header.get("token") != server.token:
                 send_frame(sock, {"status": "error", "msg": "wrong job token"})
@@ -185,7 +188,8 @@ class PeerServer:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop accepting and answering (connections being served end at their next frame)."""
+        """Stop accepting and answering: a kept connection is dropped at its next request."""
+        self._srv.closing = True
         self._srv.shutdown()
         self._srv.server_close()
 
