@@ -181,3 +181,16 @@ def test_a_closed_server_answers_no_kept_connection_either(tmp_path):
             p.a.put("y", b"2")
     finally:
         p.close()
+
+
+def test_temporary_files_of_dead_writers_are_cleaned_live_ones_kept(tmp_path):
+    import subprocess
+    s = ShmStore(str(tmp_path / "job"))
+    os.makedirs(s._tmp)
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                    # a pid that no longer runs
+    for name in (f"{dead.pid}-1-0", f"{os.getpid()}-1-0", f"{os.getppid()}-1-0", "other"):
+        open(os.path.join(s._tmp, name), "wb").close()
+    assert s.clean_tmp() == [f"{dead.pid}-1-0"]
+    assert sorted(os.listdir(s._tmp)) == sorted([f"{os.getpid()}-1-0", f"{os.getppid()}-1-0",
+                                                 "other"])

@@ -105,6 +105,33 @@ class HostMemory:
         crc, size = SIDECAR.unpack(raw)
         return crc, size
 
+    def clean_tmp(self) -> List[str]:
+        """Remove the temporary files that processes of this job on this host left when they
+        died mid-write (named by their pid; a pid still running is left alone); returns
+        their names. A tier calls this when it starts."""
+        gone: List[str] = []
+        try:
+            names = os.listdir(self._tmp)
+        except FileNotFoundError:
+            return gone
+        for name in names:
+            pid = name.split("-", 1)[0]
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+                continue                       # alive (or another user's): not ours to judge
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            try:
+                os.unlink(os.path.join(self._tmp, name))
+                gone.append(name)
+            except FileNotFoundError:
+                pass
+        return gone
+
     def local_info(self, key: str) -> Optional[ObjectInfo]:
         """This host's copy of ``key`` (unchecked: present, with its sidecar, of the size the
         sidecar records), or None."""

@@ -153,6 +153,7 @@ class MemoryTier:
         self.host = host_identity(host_id)
         self.store = ShmStore.named(job)
         self.store.configure(shm_dir=shm_dir, budget_bytes=budget_bytes, host=self.host)
+        self.store.clean_tmp()          # what this job's dead processes left half-written
         token = self.comm.broadcast_bytes(secrets.token_hex(16).encode()
                                           if self.comm.is_coordinator else None).decode()
         self.server = PeerServer(self.store.handle, token,
