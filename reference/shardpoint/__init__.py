@@ -25,7 +25,8 @@ from shardpoint_core.format.errors import (CheckpointExistsError, CheckpointNotF
                                     ConversionError, CorruptCheckpointError,
                                     IncompleteCheckpointError, InvalidKeyError,
                                     InvalidOptionError, InvalidShardingError,
-                                    LayoutMismatchError, LoadFailedError, RankLostError,
+                                    LayoutMismatchError, LoadFailedError, MemoryBudgetError,
+                                    RankLostError,
                                     ResourceLimitError, SaveFailedError, ShardpointError,
                                     UnsupportedFormatError, UnsupportedStoreError,
                                     UnsupportedValueError)
@@ -39,6 +40,7 @@ _LAZY = {
                        "SaveOptions", "SaveResult", "load", "read_metadata", "save"],
     "shardpoint.api.lazy": ["Checkpoint", "TensorView", "open"],
     "shardpoint.api.manager": ["CheckpointManager"],
+    "shardpoint.api.memory_tier": ["MemoryTier", "Restored"],
     "shardpoint.tree.model": ["ShardedObject", "ShardedPieces", "ShardedTensor"],
     "shardpoint.planning.planner": ["PlanOptions"],
     "shardpoint_core.format.statetree": ["TensorLeaf", "ObjectLeaf", "ValueLeaf", "iter_leaves",
@@ -84,7 +86,8 @@ __all__ = [
     "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
     "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
     "LoadFailedError", "RankLostError", "ResourceLimitError", "ConversionError",
-    "InvalidOptionError", "UnsupportedStoreError", "register_store",
+    "InvalidOptionError", "UnsupportedStoreError", "register_store", "MemoryTier", "Restored",
+    "MemoryBudgetError",
     "recover", "RecoveryAction", "TensorLeaf", "ObjectLeaf", "ValueLeaf", "iter_leaves",
     "node_at",
 ]

@@ -55,6 +55,14 @@ class ResourceLimitError(ShardpointError, MemoryError):
     category = "resource-limit"
 
 
+class MemoryBudgetError(ShardpointError):
+    """A save to the memory tier (``shm://``) would take a host's shared memory past the
+    tier's budget; nothing more is written. The message names the host, the bytes held, asked
+    and allowed: raise the budget, or keep fewer memory steps (the owner's retention)."""
+
+    category = "resource-limit"
+
+
 class InvalidKeyError(ShardpointError, ValueError):
     """A tree path cannot be encoded as a key (empty, '.', '..', or escapes the directory)."""
 

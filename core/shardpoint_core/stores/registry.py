@@ -1,5 +1,7 @@
 """Stores chosen from a checkpoint's path: plain paths and ``file://`` are local files,
-``memory://name/...`` a process-wide memory store, ``s3://`` and ``gs://`` the object stores
+``memory://name/...`` a process-wide memory store, ``shm://job/...`` the memory tier's store
+of a job (host shared memory, replicated to peer hosts: :mod:`.shm`), ``s3://`` and ``gs://``
+the object stores
 (:mod:`.s3`, :mod:`.gcs`), ``tensorstore+file://``, ``tensorstore+memory://``,
 ``tensorstore+s3://`` and ``tensorstore+gs://`` the same places through TensorStore's kvstore
 drivers (:mod:`.tensorstore`), and any other scheme whatever was
@@ -218,3 +220,15 @@ def url_of(url: str, key: str) -> str:
     scheme, rest = split_url(url)
     return f"{scheme}://{rest.partition('/')[0]}/{key}"
 
+
+
+def _shm_store(url: str) -> ByteStore:
+    from shardpoint_core.stores.shm import ShmStore    # the memory tier's store of a job
+    _s, rest = split_url(url)
+    job = rest.partition("/")[0]
+    if not job:
+        raise UnsupportedStoreError(f"{url!r}: a memory-tier URL is shm://JOB/PATH")
+    return ShmStore.named(job)
+
+
+register_store("shm", _shm_store)
