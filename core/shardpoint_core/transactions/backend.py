@@ -55,6 +55,7 @@ from shardpoint_core.arrays.groups import array_paths_of, start_groups, write_gr
 from shardpoint_core.arrays.identity import CrcSink, chunk_number, units_per_chunk
 from shardpoint_core.format.layout import codecs_for, fill_value
 from shardpoint_core.arrays.object_read import ObjectArray
+from shardpoint_core.arrays.packed import PackedView, open_packed, read_packed, verify_packed
 from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle, check_metadata
 
 MAX_MANIFEST_BYTES = local.MAX_MANIFEST_BYTES
@@ -153,6 +154,7 @@ class ZarrBackend:
         self._meta_reads = WritePool(concurrency, "sp-meta")
         self._staged: Dict[str, bytes] = {}      # object-store staging -> its manifest
         self._crcs: Dict[str, CrcSink] = {}      # staging -> units' crc32c written ([SP-MAN-7])
+        self._packed_ok: Dict[str, Any] = {}     # (1.4) data objects found sound, by path
         self.committer = PathCommitter(PosixCommitter(fsync=fsync), UrlCommitter(self.locate))
 
     def __repr__(self) -> str:
@@ -411,6 +413,8 @@ class ZarrBackend:
         with the file kinds, size caps, chunk sizes and bytes present ([SP-READ-6]) as well
         (:func:`~shardpoint_core.arrays.opening.open_local_array`). Chunks are read by ``read_into``."""
         store, prefix = self.locate(root)
+        if spec.packed is not None:     # (1.4) a packed checkpoint: chunks by its index
+            return _Array(*open_packed(store, prefix, spec, key, self._packed_ok), key)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
             return ObjectArray(store, path, spec, key, self._guess(spec))
@@ -457,6 +461,9 @@ class ZarrBackend:
                                                   self._remote.submit), handle.key)
         if isinstance(handle, _Array):
             pool = self._reads if handle.store.capabilities.local_path else self._remote
+            if isinstance(handle.store, PackedView):      # (1.4) packed
+                return _KeyedRead(pool.submit(read_packed, handle.store, tuple(offset), out),
+                                  handle.key)
             return _KeyedRead(pool.submit(read_region, handle.store, handle.path,
                                           handle.layout, tuple(offset), out, handle.key),
                               handle.key)
@@ -495,6 +502,12 @@ class ZarrBackend:
 
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
         """Every chunk read and checked; one ``(spec ID, message)`` per problem."""
+        if spec.packed is not None:     # (1.4) a packed checkpoint
+            try:
+                return verify_packed(self.open_array_for_read(root, array_path, spec,
+                                                              key).store)
+            except ShardpointError as e:
+                return [(e.spec_id or "SP-READ-3", str(e))]
         try:
             handle = self.open_array_for_read(root, array_path, spec, key)
             if is_local(root):
