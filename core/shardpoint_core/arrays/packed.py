@@ -496,8 +496,30 @@ def open_packed(store: ByteStore, prefix: str, spec: ArraySpec, key: str,
 def read_packed(view: PackedView, offset: Sequence[int], out: np.ndarray) -> list[Any]:
     """Fill ``out`` with the region at ``offset``: adjacent chunks in one read each
     (:meth:`PackedView.primed`), then the Zarr layer's reads and checks."""
-    primed = view.primed(tuple(offset), out.shape)
-    return read_region(primed, view.part.name, view.layout, offset, out, view.key)
+    try:
+        primed = view.primed(tuple(offset), out.shape)
+        return read_region(primed, view.part.name, view.layout, offset, out, view.key)
+    except CorruptCheckpointError as e:
+        raise located(view, e) from e
+
+
+def located(view: PackedView, e: CorruptCheckpointError) -> CorruptCheckpointError:
+    """``e`` (the Zarr layer's error, naming a chunk key) also naming the data object and
+    the bytes of the chunk: the file a person opens to look at the damage."""
+    msg = str(e)
+    at = msg.find(view.part.name + "/c")
+    if at < 0 or "packed/" in msg:
+        return e
+    tail = msg[at + len(view.part.name) + 2:].split(" ", 1)[0].rstrip(":")
+    try:
+        cidx = tuple(int(p) for p in tail.split("/")[1:]) if tail else ()
+        c = chunk_number(cidx, view.layout.shape, view.layout.chunk)
+        path, off, n, _crc = view.part.chunk(c)
+    except (ValueError, IndexError):
+        return e
+    text = msg.split("] ", 1)[1] if e.spec_id and msg.startswith(f"[{e.spec_id}]") else msg
+    return type(e)(f"{text} (chunk {c}: bytes {off}..{off + n} of data object {path})",
+                   spec_id=e.spec_id)
 
 
 def verify_packed(view: PackedView) -> list[Any]:
@@ -508,7 +530,8 @@ def verify_packed(view: PackedView) -> list[Any]:
         try:
             read_chunk(view, view.part.name, lay, cidx, view.key)
         except CorruptCheckpointError as e:
-            problems.append((e.spec_id or "SP-READ-3", f"chunk {list(cidx)}: {e}"))
+            problems.append((e.spec_id or "SP-READ-3",
+                             f"chunk {list(cidx)}: {located(view, e)}"))
     return problems
 
 

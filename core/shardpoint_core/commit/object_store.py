@@ -75,8 +75,8 @@ def _rewrite_array_paths(envelope: bytes, save_dir: str, where: str) -> bytes:
         for entry in m["tensors"].values():
             entry["array"] = f"{save_dir}/{entry['array']}"
         packed = m.get("packed")        # (1.4) the data objects too ([SP-PACK-8])
-        if isinstance(packed, dict) and isinstance(packed.get("objects"), list):
-            for obj in packed["objects"]:
+        if isinstance(packed, dict):
+            for obj in packed.get("objects", []) + packed.get("arrays", []):
                 obj[0] = f"{save_dir}/{obj[0]}"
     except (ValueError, KeyError, TypeError, msgpack.ExtraData) as e:
         raise CorruptCheckpointError(f"staged manifest {where} is not a valid manifest ({e}); "
