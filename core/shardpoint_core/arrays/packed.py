@@ -70,12 +70,12 @@ class PackedWriter:
     ``cap``: bytes after which a new object starts (default by store kind)."""
 
     def __init__(self, store: ByteStore, prefix: str, *, cap: Optional[int] = None,
-                 fsync: bool = True, submit: Optional[Callable[..., Future[Any]]] = None
-                 ) -> None:
+                 fsync: bool = True, submit: Optional[Callable[..., Future[Any]]] = None,
+                 writer_id: Optional[str] = None) -> None:
         self.store, self.prefix, self.fsync = store, prefix, fsync
         self.local = bool(store.capabilities.local_path)
         self.cap = cap or (FILE_CAP if self.local else OBJECT_CAP)
-        self.id = secrets.token_hex(8)
+        self.id = writer_id or secrets.token_hex(8)
         self.submit = submit
         self._lock = threading.Lock()
         self._objects: List[List[Any]] = []        # [relative key, size]

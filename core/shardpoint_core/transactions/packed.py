@@ -64,14 +64,19 @@ class PackedBackend:
     """Saves in the packed layout; reads and commits as ``zarr`` (a :class:`ZarrBackend`,
     by default one with the same ``fsync``). ``cap``: bytes after which a writer starts a
     new data object (default: 1 TiB on files, 256 MiB on object stores);
-    ``write_threads``: chunks encoded and written at once per process."""
+    ``write_threads``: chunks encoded and written at once per process. ``writer_id``: the
+    name of this process's objects (``packed/<writer_id>-<n>.bin``; default random), fixed
+    only for reproducible one-process saves (the golden vectors): two processes of one save
+    must not share it."""
 
     name = "packed"
 
     def __init__(self, zarr: Optional[ZarrBackend] = None, *, cap: Optional[int] = None,
-                 fsync: bool = True, write_threads: int = 16) -> None:
+                 fsync: bool = True, write_threads: int = 16,
+                 writer_id: Optional[str] = None) -> None:
         self.zarr = zarr if zarr is not None else ZarrBackend(fsync=fsync)
         self.cap, self.fsync = cap, fsync if zarr is None else zarr.fsync
+        self.writer_id = writer_id
         self._lock = threading.Lock()
         self._writers: Dict[str, PackedWriter] = {}
         self._crcs: Dict[str, CrcSink] = {}
@@ -106,7 +111,8 @@ class PackedBackend:
                 store, prefix = self.zarr.locate(root)
                 w = self._writers[root] = PackedWriter(store, prefix, cap=self.cap,
                                                        fsync=self.fsync,
-                                                       submit=self._puts.submit)
+                                                       submit=self._puts.submit,
+                                                       writer_id=self.writer_id)
             return w
 
     def open_array_for_write(self, root: str, array_path: str, spec: ArraySpec) -> Any:
