@@ -25,9 +25,17 @@ _SIZES = {"bool": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, 
           "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
+class PackedError(Exception):
+    """A packed-layout rule broken: ``spec_id`` names it (the reader re-raises it as its
+    own error class)."""
+
+    def __init__(self, spec_id: str, msg: str) -> None:
+        super().__init__(f"[{spec_id}] packed: {msg}")
+        self.spec_id = spec_id
+
+
 def _err(spec_id: str, msg: str) -> Exception:
-    from shardpoint_conformance.independent_reader import VectorError
-    return VectorError(spec_id, f"packed: {msg}")
+    return PackedError(spec_id, msg)
 
 
 def _grid(e: dict) -> int:

@@ -19,7 +19,7 @@ import tempfile
 import msgpack
 import numpy as np
 
-from shardpoint_conformance.independent_packed import check_field, export_tensor
+from shardpoint_conformance.independent_packed import PackedError, check_field, export_tensor
 
 
 class VectorError(Exception):
@@ -631,10 +631,13 @@ def read_independently(path: str) -> dict:
         out["objects"][key] = _nest([value_json(v) for v in o["values"]], grid)
     out["tree"] = _tree(body, out)
     # 1.4: the packed layout; each tensor is exported as a section 7 array and read so
-    packed = check_field(body["packed"], entries) if "packed" in body else None
-    scratch = tempfile.mkdtemp(prefix="sp-packed-") if packed is not None else None
+    scratch = None
     try:
+        packed = check_field(body["packed"], entries) if "packed" in body else None
+        scratch = tempfile.mkdtemp(prefix="sp-packed-") if packed is not None else None
         _read_tensors(path, entries, out, packed, scratch)
+    except PackedError as e:
+        raise VectorError(e.spec_id, str(e).split("] ", 1)[1]) from e
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
