@@ -212,3 +212,28 @@ def test_cap_splits_objects_on_files(tmp_ckpt):
     _same(sp.load(tmp_ckpt), state)
     m = read_metadata(tmp_ckpt)
     assert m.packed.records.dtype == RECORD
+
+
+def _two_rank_save(rank, world, path):
+    import torch
+
+    from shardpoint_core.transactions.packed import PackedBackend as Packed
+    full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+    state = {"w": sp.ShardedTensor(full[rank * 32:(rank + 1) * 32].clone(), (64, 8),
+                                   (rank * 32, 0)),
+             "mine": sp.ShardedTensor(torch.full((4,), float(rank)), (8,), (rank * 4,)),
+             "step": 5}
+    sp.save(state, path, backend=Packed())
+    return True
+
+
+def test_a_two_process_save_writes_one_object_per_rank(tmp_ckpt):
+    """Real gloo ranks: each writes its chunks into its own object; the coordinator's
+    manifest indexes both, and one process reads the whole tensor back."""
+    from shardpoint_testing.launch import run_world
+    assert run_world(2, _two_rank_save, tmp_ckpt, timeout=120, pg_timeout=30) == [True, True]
+    assert len([f for f in _files(tmp_ckpt) if f.startswith("packed/")]) == 2
+    assert not [f for f in _files(tmp_ckpt) if f.endswith(".idx")]
+    got = sp.load(tmp_ckpt)
+    assert np.array_equal(np.asarray(got["w"]), np.arange(512, dtype=np.float32).reshape(64, 8))
+    assert list(np.asarray(got["mine"])) == [0.0] * 4 + [1.0] * 4

@@ -48,6 +48,7 @@ ALIGN_ABOVE = 256 << 10
 FILE_CAP = 1 << 40             # files: split only for truly huge writers
 OBJECT_CAP = 256 << 20         # object stores: one object per 256 MiB of a writer's chunks
 MAX_RUN = 64 << 20             # one ranged read merges adjacent chunks up to this size
+MERGE_BELOW = 16 << 20         # chunks this big or bigger are read by the layer's own reads
 
 
 def _join(prefix: str, key: str) -> str:
@@ -383,10 +384,13 @@ class PackedView:
 
     def primed(self, offset: Sequence[int], shape: Sequence[int]) -> "PackedView":
         """This view with the chunks a read of the box already read: chunks that lie back
-        to back in one object (up to :data:`MAX_RUN` bytes) in one ranged read each."""
+        to back in one object (up to :data:`MAX_RUN` bytes) in one ranged read each. A
+        chunk of :data:`MERGE_BELOW` bytes or more is left to the layer, which reads a shard
+        by its index and runs of inner chunks (no copy of the whole chunk held at once)."""
         lay = self.layout
         chunks = sorted({chunk_number(cidx, lay.shape, lay.chunk)
                          for cidx, *_ in _chunks_of(lay, offset, shape)})
+        chunks = [c for c in chunks if int(self.part.records[c]["length"]) < MERGE_BELOW]
         if len(chunks) < 2:
             return self
         recs = self.part.records[chunks]
