@@ -332,11 +332,16 @@ class PackedView:
         hit = self.cache.get(c)
         if hit is not None:
             return bytes(hit[start:start + length])
-        raw = self.store.get_range(_join(self.prefix, path), off + start, length)
-        if len(raw) != length:
+        buf = bytearray(length)          # read in place: no second copy of the bytes
+        self._fill(path, c, off + start, memoryview(buf), n, off)
+        return buf                       # type: ignore[return-value]  # bytes-like
+
+    def _fill(self, path: str, c: int, at: int, out: memoryview, n: int, off: int) -> None:
+        try:
+            self.store.read_into(_join(self.prefix, path), at, out)
+        except EOFError as e:
             raise _bad(self.key, f"{path} (chunk {c})", f"the object ends before the "
-                       f"chunk's {n} bytes at {off} (truncated)", "SP-READ-3")
-        return raw
+                       f"chunk's {n} bytes at {off} (truncated)", "SP-READ-3") from e
 
     def _check_crc(self, ckey: str, tail: bytes) -> None:
         c, path, _off, _n, crc = self._rec(ckey)
@@ -359,10 +364,17 @@ class PackedView:
         return raw, n
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
-        raw = self.get_range(key, start, len(out))
-        if len(raw) != len(out):
-            raise EOFError(f"{key}: {len(out)} bytes from {start} asked, {len(raw)} there")
-        memoryview(out).cast("B")[:] = raw
+        out = memoryview(out).cast("B")
+        c, path, off, n, _crc = self._rec(key)
+        if start + len(out) > n:
+            raise EOFError(f"{key}: {len(out)} bytes from {start} asked, the chunk has {n}")
+        hit = self.cache.get(c)
+        if hit is not None:
+            out[:] = hit[start:start + len(out)]
+        else:
+            self._fill(path, c, off + start, out, n, off)
+        if start + len(out) == n:          # the chunk's end: its crc32c
+            self._check_crc(key, bytes(out[-4:]))
 
     def head(self, key: str) -> Optional[ObjectInfo]:
         return ObjectInfo(key, self._rec(key)[3], 0.0)
@@ -497,14 +509,37 @@ def open_packed(store: ByteStore, prefix: str, spec: ArraySpec, key: str,
     return PackedView(store, prefix, part, lay, key), part.name, lay
 
 
-def read_packed(view: PackedView, offset: Sequence[int], out: np.ndarray) -> list[Any]:
+def read_packed(view: PackedView, offset: Sequence[int], out: np.ndarray,
+                submit: Optional[Callable[..., Any]] = None) -> list[Any]:
     """Fill ``out`` with the region at ``offset``: adjacent chunks in one read each
-    (:meth:`PackedView.primed`), then the Zarr layer's reads and checks."""
+    (:meth:`PackedView.primed`), then the Zarr layer's reads and checks; with ``submit``,
+    chunks and runs of inner chunks in parallel (their futures returned, as
+    :func:`~.array.read_region` does)."""
     try:
         primed = view.primed(tuple(offset), out.shape)
-        return read_region(primed, view.part.name, view.layout, offset, out, view.key)
+        return _locating(view, read_region(primed, view.part.name, view.layout, offset, out,
+                                           view.key, submit))
     except CorruptCheckpointError as e:
         raise located(view, e) from e
+
+
+def _locating(view: PackedView, futures: list[Any]) -> list[Any]:
+    """``futures`` (results possibly lists of more) whose errors name the data object."""
+    out = []
+    for f in futures:
+        g: Future[Any] = Future()
+
+        def done(f: Future[Any], g: Future[Any] = g) -> None:
+            e = f.exception()
+            if e is None:
+                r = f.result()
+                g.set_result(_locating(view, r) if isinstance(r, list) else r)
+            else:
+                g.set_exception(located(view, e) if isinstance(e, CorruptCheckpointError)
+                                else e)
+        f.add_done_callback(done)
+        out.append(g)
+    return out
 
 
 def located(view: PackedView, e: CorruptCheckpointError) -> CorruptCheckpointError:

@@ -462,8 +462,8 @@ class ZarrBackend:
         if isinstance(handle, _Array):
             pool = self._reads if handle.store.capabilities.local_path else self._remote
             if isinstance(handle.store, PackedView):      # (1.4) packed
-                return _KeyedRead(pool.submit(read_packed, handle.store, tuple(offset), out),
-                                  handle.key)
+                return _KeyedRead(pool.submit(read_packed, handle.store, tuple(offset), out,
+                                              pool.submit), handle.key)
             return _KeyedRead(pool.submit(read_region, handle.store, handle.path,
                                           handle.layout, tuple(offset), out, handle.key),
                               handle.key)
