@@ -515,6 +515,9 @@ def read_packed(view: PackedView, offset: Sequence[int], out: np.ndarray,
     (:meth:`PackedView.primed`), then the Zarr layer's reads and checks; with ``submit``,
     chunks and runs of inner chunks in parallel (their futures returned, as
     :func:`~.array.read_region` does)."""
+    from shardpoint_core.arrays import packed_direct
+    if packed_direct.applies(view, offset, out):    # straight into ``out`` (local files)
+        return packed_direct.read_whole(view, out, submit)
     try:
         primed = view.primed(tuple(offset), out.shape)
         return _locating(view, read_region(primed, view.part.name, view.layout, offset, out,
