@@ -265,3 +265,27 @@ def test_every_tensor_opens_with_zarr_python_bit_for_bit(tmp_ckpt):
         assert np.ascontiguousarray(got).tobytes() == want.tobytes(), key
     assert dict(m.packed.arrays)["tensors/w"] is not None        # read through a shard
     assert sorted(zarr.open_group(store, mode="r").group_keys()) == ["tensors"]
+
+
+def test_a_sparse_object_is_checked_before_allocating_and_sound_ones_are_not_sparse(tmp_ckpt):
+    """[SP-SEC-6]: a data object whose chunk lies in a hole (a sparse file, as `truncate`
+    makes) is refused by its crc32c before the tensor is allocated; the writer's own
+    objects hold every byte, alignment padding included."""
+    state = {f"t{i}": np.full((300, 300), i + 1, np.float32) for i in range(3)}   # aligned
+    sp.save(state, tmp_ckpt, backend=PackedBackend())
+    m = read_metadata(tmp_ckpt)
+    obj = os.path.join(tmp_ckpt, m.packed.objects[0][0])
+    st = os.stat(obj)
+    assert st.st_blocks * 512 >= st.st_size        # no holes: the padding is written
+    rec = m.tensors["t1"].packed.records[0]
+    off, n = int(rec["offset"]), int(rec["length"])
+    with open(obj, "r+b") as f:                    # the chunk's bytes become a hole
+        data = f.read()
+        f.truncate(off)
+        f.seek(off + n)
+        f.write(data[off + n:])
+    if os.stat(obj).st_blocks * 512 + (64 << 10) >= os.stat(obj).st_size:
+        pytest.skip("this file system stores no holes")
+    with pytest.raises(CorruptCheckpointError) as e:
+        sp.load(tmp_ckpt)
+    assert e.value.spec_id == "SP-READ-3" and "SP-SEC-6" in str(e.value)

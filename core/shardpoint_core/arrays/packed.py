@@ -48,6 +48,7 @@ ALIGN_ABOVE = 256 << 10
 FILE_CAP = 1 << 40             # files: split only for truly huge writers
 OBJECT_CAP = 256 << 20         # object stores: one object per 256 MiB of a writer's chunks
 MAX_RUN = 64 << 20             # one ranged read merges adjacent chunks up to this size
+_ZEROS = bytes(ALIGN)
 MERGE_BELOW = 16 << 20         # chunks this big or bigger are read by the layer's own reads
 
 
@@ -125,8 +126,9 @@ class PackedWriter:
                     self._segment += v
                 return
             fd = self._fds[obj]
+        pad = start - size        # written, not left a hole: a sound object is not sparse
         try:
-            _pwritev_all(fd, views, start)
+            _pwritev_all(fd, ([memoryview(_ZEROS)[:pad]] if pad else []) + views, size)
         except OSError as e:
             with self._lock:
                 self._failed = e
@@ -443,7 +445,8 @@ class PackedView:
 
 
 def check_objects(store: ByteStore, prefix: str, part: PackedArray, key: str,
-                  checked: Dict[str, Any]) -> None:
+                  checked: Dict[str, Any], chunk: Sequence[int] = (),
+                  itemsize: int = 1) -> None:
     """Every object the array's records name exists, is a regular file below real
     directories on local files, and holds at least its declared size, before anything is
     allocated for the tensor ([SP-SEC-5], [SP-PACK-7]; missing: [SP-READ-2]). ``checked``:
@@ -464,7 +467,12 @@ def check_objects(store: ByteStore, prefix: str, part: PackedArray, key: str,
         if info.size < size:
             raise _bad(key, path, f"the data object holds {info.size} bytes, the manifest "
                        f"declares {size} ([SP-PACK-7])", "SP-READ-3")
-        checked[seen] = True
+        sparse = False
+        if store.capabilities.local_path:     # [SP-SEC-6]: holes checked before allocating
+            from shardpoint_core.arrays.packed_sparse import check_sparse_object
+            sparse = check_sparse_object(store.path(full), part, o, key,  # type: ignore[attr-defined]
+                                         chunk, itemsize)
+        checked[seen] = not sparse            # a sparse object: each tensor's records
 
 
 def _lstat_walk(store: ByteStore, full: str, key: str, path: str) -> None:
@@ -504,8 +512,8 @@ def open_packed(store: ByteStore, prefix: str, spec: ArraySpec, key: str,
     below ``prefix`` of ``store``, its objects checked first (:func:`check_objects`)."""
     part = spec.packed
     assert isinstance(part, PackedArray), "not a packed array"
-    check_objects(store, prefix, part, key, checked)
     lay = layout_of(spec, part, key)
+    check_objects(store, prefix, part, key, checked, lay.chunk, lay.itemsize)
     return PackedView(store, prefix, part, lay, key), part.name, lay
 
 
