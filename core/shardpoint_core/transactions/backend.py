@@ -55,7 +55,7 @@ from shardpoint_core.arrays.groups import array_paths_of, start_groups, write_gr
 from shardpoint_core.arrays.identity import CrcSink, chunk_number, units_per_chunk
 from shardpoint_core.format.layout import codecs_for, fill_value
 from shardpoint_core.arrays.object_read import ObjectArray
-from shardpoint_core.arrays.packed import PackedView, open_packed, read_packed, verify_packed
+from shardpoint_core.arrays.packed_read import PackedView, open_packed, read_packed, verify_packed
 from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle, check_metadata
 
 MAX_MANIFEST_BYTES = local.MAX_MANIFEST_BYTES

@@ -250,7 +250,7 @@ def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any
     from zarr.core.buffer import default_buffer_prototype
 
     from shardpoint_core.arrays.identity import chunk_number as number_of
-    from shardpoint_core.arrays.packed import layout_of
+    from shardpoint_core.arrays.packed_read import layout_of
     from shardpoint_core.transactions.resolve import resolve
     path, be = resolve(checkpoint, backend, "open")
     be = be.zarr if isinstance(be, PackedBackend) else be
