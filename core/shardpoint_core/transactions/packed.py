@@ -90,6 +90,10 @@ class PackedBackend:
     def supports_concurrent_writers(self) -> bool:
         return True            # each process writes objects of its own
 
+    def locate(self, path: str) -> Tuple[Any, str]:
+        """(the byte store holding ``path``, its key there): the Zarr backend's."""
+        return self.zarr.locate(path)
+
     # -- targets and staging: the Zarr backend's ----------------------------------------
     def checkpoint_state(self, path: str) -> str:
         return self.zarr.checkpoint_state(path)
