@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -26,8 +28,59 @@ from shardpoint_core.format.packed import PackedArray
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.stores.base import ByteStore, ObjectInfo
 
+BLOCK = 8 << 20                # object stores: small chunks are read in aligned blocks this big
+BLOCKS_HELD = 16               # blocks kept per backend (128 MiB)
 MAX_RUN = 64 << 20             # one ranged read merges adjacent chunks up to this size
 MERGE_BELOW = 16 << 20         # chunks this big or bigger are read by the layer's own reads
+
+class BlockCache:
+    """Small reads of packed objects on object stores grouped into aligned blocks of
+    :data:`BLOCK` bytes: one ranged GET serves every chunk in its block, so a load of many
+    small tensors costs requests in proportion to bytes, not tensors (requests, not bytes,
+    are what object stores charge for). Concurrent readers of one block share its GET; at
+    most :data:`BLOCKS_HELD` blocks are kept. Keys hold the decoded index they belong to, so
+    another checkpoint's objects of the same name never read cached bytes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: "OrderedDict[Any, Tuple[Any, Future[bytes]]]" = OrderedDict()
+
+    def read(self, store: ByteStore, key: str, size: int, owner: Any, at: int,
+             out: memoryview) -> None:
+        """Fill ``out`` from ``at`` of object ``key`` (declared ``size``); EOFError where the
+        object is shorter."""
+        end = at + len(out)
+        for b in range(at // BLOCK, (end - 1) // BLOCK + 1):
+            data = self._block(store, key, size, owner, b)
+            lo, hi = max(at, b * BLOCK), min(end, (b + 1) * BLOCK)
+            if len(data) < hi - b * BLOCK:
+                raise EOFError(f"{key}: {len(out)} bytes from {at} asked, the object ends "
+                               f"at {b * BLOCK + len(data)}")
+            out[lo - at:hi - at] = data[lo - b * BLOCK:hi - b * BLOCK]
+
+    def _block(self, store: ByteStore, key: str, size: int, owner: Any, b: int) -> bytes:
+        k = (id(owner), store.url, key, b)       # the value holds ``owner``: no id reuse
+        with self._lock:
+            got = self._blocks.get(k)
+            mine = got is None
+            if got is None:
+                f: Future[bytes] = Future()
+                self._blocks[k] = (owner, f)
+                while len(self._blocks) > BLOCKS_HELD:
+                    self._blocks.popitem(last=False)
+            else:
+                f = got[1]
+                self._blocks.move_to_end(k)
+        if mine:
+            try:
+                f.set_result(store.get_range(key, b * BLOCK, max(0, min(BLOCK,
+                                                                        size - b * BLOCK))))
+            except BaseException as e:
+                with self._lock:
+                    self._blocks.pop(k, None)
+                f.set_exception(e)
+        return f.result()
+
 
 class PackedView:
     """The Zarr layer's store for one array of a packed checkpoint: chunk key -> the
@@ -35,9 +88,11 @@ class PackedView:
     ([SP-PACK-6]). ``cache``: bytes already read for some chunks (:meth:`primed`)."""
 
     def __init__(self, store: ByteStore, prefix: str, part: PackedArray, layout: ArrayLayout,
-                 key: str, cache: Optional[Dict[int, memoryview]] = None) -> None:
+                 key: str, cache: Optional[Dict[int, memoryview]] = None,
+                 blocks: Optional[BlockCache] = None) -> None:
         self.store, self.prefix, self.part, self.layout, self.key = \
             store, prefix, part, layout, key
+        self.blocks = blocks
         self.capabilities = store.capabilities
         self.url = store.url
         self.cache = cache or {}
@@ -59,6 +114,11 @@ class PackedView:
 
     def _fill(self, path: str, c: int, at: int, out: memoryview, n: int, off: int) -> None:
         try:
+            if self.blocks is not None and len(out) < BLOCK:
+                size = dict(self.part.objects)[path]
+                self.blocks.read(self.store, _join(self.prefix, path), size,
+                                 self.part.records.base, at, out)
+                return
             self.store.read_into(_join(self.prefix, path), at, out)
         except EOFError as e:
             raise _bad(self.key, f"{path} (chunk {c})", f"the object ends before the "
@@ -160,7 +220,8 @@ class PackedView:
                     flush()
             run.append(int(j))
         flush()
-        return PackedView(self.store, self.prefix, self.part, self.layout, self.key, cache)
+        return PackedView(self.store, self.prefix, self.part, self.layout, self.key, cache,
+                          self.blocks)
 
 
 def check_objects(store: ByteStore, prefix: str, part: PackedArray, key: str,
@@ -233,7 +294,12 @@ def open_packed(store: ByteStore, prefix: str, spec: ArraySpec, key: str,
     assert isinstance(part, PackedArray), "not a packed array"
     lay = layout_of(spec, part, key)
     check_objects(store, prefix, part, key, checked, lay.chunk, lay.itemsize)
-    return PackedView(store, prefix, part, lay, key), part.name, lay
+    blocks = None
+    if not store.capabilities.local_path:   # one per backend, kept in its ``checked`` map
+        blocks = checked.get("\0blocks")
+        if blocks is None:
+            blocks = checked["\0blocks"] = BlockCache()
+    return PackedView(store, prefix, part, lay, key, blocks=blocks), part.name, lay
 
 
 def read_packed(view: PackedView, offset: Sequence[int], out: np.ndarray,
