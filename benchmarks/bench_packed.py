@@ -74,7 +74,7 @@ def files_rounds(state: dict, like: dict, rounds: int, scratch: str) -> dict:
     return out
 
 
-def s3_rounds(state: dict, like: dict, rounds: int) -> dict:
+def s3_rounds(state: dict, like: dict, rounds: int, cap=None) -> dict:
     from shardpoint_testing.s3 import S3Server
     from shardpoint_core.stores.location import locate
     out = {k: {"save": [], "load": [], "count": None} for k in ("per-array", "packed")}
@@ -88,7 +88,7 @@ def s3_rounds(state: dict, like: dict, rounds: int) -> dict:
         for _round in range(rounds):
             for name in ("per-array", "packed"):
                 url = server.url(server.fresh_prefix(name) + "/ck")
-                be = PackedBackend() if name == "packed" else None
+                be = PackedBackend(cap=cap) if name == "packed" else None
                 out[name]["save"].append(_timed(bt.sp_save, state, url, be))
                 out[name]["load"].append(_timed(bt.sp_load, like, url))
                 store, key = locate(url).pair()
@@ -122,6 +122,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="scale 0.1, 1 round")
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--no-files", action="store_true")
+    ap.add_argument("--s3-cap-mib", type=float, default=None,
+                    help="PackedBackend(cap=...) on S3 (default: the backend's 64 MiB)")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the figures as data (bench_results.py)")
     a = ap.parse_args(argv)
@@ -140,7 +142,9 @@ def main(argv=None) -> None:
             table(rec, "files", "local files", files_rounds(state, like, a.rounds, scratch),
                   nbytes, "files / dirs")
     if not a.no_s3:
-        table(rec, "s3", "local S3 server (moto)", s3_rounds(state, like, a.rounds), nbytes,
+        table(rec, "s3", "local S3 server (moto)", s3_rounds(state, like, a.rounds,
+                                                         int(a.s3_cap_mib * 2**20)
+                                                         if a.s3_cap_mib else None), nbytes,
               "objects")
     if a.json:
         rec.write(a.json)
