@@ -37,7 +37,8 @@ PACKED_DIR = "packed"
 ALIGN = 4096                   # chunks of ALIGN_ABOVE bytes and more start on this boundary
 ALIGN_ABOVE = 256 << 10
 FILE_CAP = 1 << 40             # files: split only for truly huge writers
-OBJECT_CAP = 64 << 20          # object stores: one object per 64 MiB of a writer's chunks
+OBJECT_CAP = 16 << 20          # object stores: one object per 16 MiB of a writer's chunks
+IN_FLIGHT = 256 << 20          # object stores: segments being PUT at once, in bytes
 
 _ZEROS = bytes(ALIGN)
 
@@ -76,7 +77,7 @@ class PackedWriter:
         self._fds: List[int] = []
         self._segment = bytearray()
         self._puts: List[Future[Any]] = []
-        self._slots = threading.Semaphore(4)
+        self._slots = threading.Semaphore(max(2, IN_FLIGHT // self.cap))
         self._failed: Optional[BaseException] = None
 
     def _key(self, n: int) -> str:
@@ -134,7 +135,7 @@ class PackedWriter:
     def _put_segment(self) -> None:
         seg, self._segment = self._segment, bytearray()
         key = _join(self.prefix, self._objects[-1][0])
-        self._slots.acquire()         # at most four segments in flight: memory stays bounded
+        self._slots.acquire()         # at most IN_FLIGHT bytes in flight: memory stays bounded
 
         def put() -> None:
             try:

@@ -63,7 +63,8 @@ class _Handle:
 class PackedBackend:
     """Saves in the packed layout; reads and commits as ``zarr`` (a :class:`ZarrBackend`,
     by default one with the same ``fsync``). ``cap``: bytes after which a writer starts a
-    new data object (default: 1 TiB on files, 64 MiB on object stores);
+    new data object (default: 1 TiB on files, 16 MiB on object stores, each
+    object one PUT, up to 256 MiB of them in flight);
     ``write_threads``: chunks encoded and written at once per process. ``writer_id``: the
     name of this process's objects (``packed/<writer_id>-<n>.bin``; default random), fixed
     only for reproducible one-process saves (the golden vectors): two processes of one save
