@@ -78,6 +78,9 @@ def s3_rounds(state: dict, like: dict, rounds: int, cap=None) -> dict:
     from shardpoint_testing.s3 import S3Server
     from shardpoint_core.stores.location import locate
     out = {k: {"save": [], "load": [], "count": None} for k in ("per-array", "packed")}
+    # moto keeps an object above this size in a temporary file and reads all of it for
+    # every ranged GET; real S3 does neither. Held in memory here, for both layouts alike.
+    os.environ.setdefault("MOTO_S3_DEFAULT_KEY_BUFFER_SIZE", str(1 << 30))
     with S3Server() as server:
         for k, v in server.env().items():
             os.environ[k] = v

@@ -12,7 +12,8 @@ indexes, chunk tables and every reader check are the per-array layout's, byte fo
   under a lock (so encoding and writing run in parallel threads while the file fills front
   to back), made durable by an fsync of the files and their directories. On object stores
   the chunks are copied into a segment that is PUT (multipart above the store's threshold)
-  when it reaches the size cap, at most two segments in flight, the last at ``finish``.
+  when it reaches the size cap (16 MiB), at most 256 MiB of segments in flight, the last
+  at ``finish``.
   ``finish`` also writes the writer's index part ``packed/<writer>.idx`` (msgpack), which
   the coordinator gathers into the manifest (:func:`gather_parts`) and deletes.
 - Reading: :mod:`.packed_read`.
@@ -75,7 +76,8 @@ class PackedWriter:
         self._records: Dict[Tuple[str, int], Tuple[int, int, int, bytes]] = {}
         self.inner: Dict[str, Optional[List[int]]] = {}   # array name -> inner chunk shape
         self._fds: List[int] = []
-        self._segment = bytearray()
+        self._segment = bytearray()                  # object stores: the object being filled
+        self._seg_len = 0
         self._puts: List[Future[Any]] = []
         self._slots = threading.Semaphore(max(2, IN_FLIGHT // self.cap))
         self._failed: Optional[BaseException] = None
@@ -111,10 +113,17 @@ class PackedWriter:
             obj = len(self._objects) - 1
             self._objects[obj][1] = start + n
             self._records[(name, chunk)] = (obj, start, n, crc)
-            if not self.local:
-                self._segment += b"\0" * (start - size)
+            if not self.local:             # one buffer of the cap's size, filled in place
+                need = start + n
+                if len(self._segment) < need:
+                    grown = bytearray(max(self.cap, need))
+                    grown[:self._seg_len] = self._segment[:self._seg_len]
+                    self._segment = grown
+                pos = start
                 for v in views:
-                    self._segment += v
+                    self._segment[pos:pos + len(v)] = v
+                    pos += len(v)
+                self._seg_len = need
                 return
             fd = self._fds[obj]
         pad = start - size        # written, not left a hole: a sound object is not sparse
@@ -133,7 +142,8 @@ class PackedWriter:
         self._new_object()
 
     def _put_segment(self) -> None:
-        seg, self._segment = self._segment, bytearray()
+        seg = memoryview(self._segment)[:self._seg_len]
+        self._segment, self._seg_len = bytearray(), 0
         key = _join(self.prefix, self._objects[-1][0])
         self._slots.acquire()         # at most IN_FLIGHT bytes in flight: memory stays bounded
 
