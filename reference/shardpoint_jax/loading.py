@@ -25,7 +25,8 @@ READ_AHEAD_BYTES = 256 << 20
 def entry_of(t: TensorEntry) -> dict:
     """A manifest tensor entry as :class:`~shardpoint_jax.storage.StoredArray` takes it."""
     return {"array": t.array, "shape": list(t.shape), "dtype": t.dtype,
-            "chunk_shape": list(t.chunk_shape), "chunk_crc32c": t.chunk_crc32c}
+            "chunk_shape": list(t.chunk_shape), "chunk_crc32c": t.chunk_crc32c,
+            "packed": t.packed}       # (1.4) the array's part of the packed index
 
 
 class Checkpoint:

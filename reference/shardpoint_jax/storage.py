@@ -312,7 +312,7 @@ class StoredArray:
         self.itemsize = self.np_dtype.itemsize
         # the chunk table (1.3, [SP-MAN-7]) goes with it: the core's reads check each unit
         spec = ArraySpec(tuple(self.shape), entry["dtype"], tuple(self.chunk),
-                         entry.get("chunk_crc32c"))
+                         entry.get("chunk_crc32c"), entry.get("packed"))
         self.handle = READER.open_array_for_read(root, entry["array"], spec, key)
         self._unbacked = None if is_local(root) else (listing or start_listing(root))
 
