@@ -170,9 +170,10 @@ class PackedWriter:
         with self._lock:
             return (name, chunk) in self._records
 
-    def finish(self) -> None:
+    def finish(self, publish: bool = True) -> bytes:
         """Every object whole and durable, then this writer's index part written (durable
-        too): what the coordinator gathers ([SP-PACK-8])."""
+        too): what the coordinator gathers ([SP-PACK-8]); returned too. ``publish=False``
+        (the coordinator's own writer, whose part stays in memory): not written."""
         with self._lock:
             if not self.local and self._objects:
                 self._put_segment()
@@ -190,13 +191,15 @@ class PackedWriter:
         finally:
             for fd in fds:
                 os.close(fd)
-        part = msgpack.packb({"objects": objects, "records": records, "inner": inner},
-                             use_bin_type=True)
+        part: bytes = msgpack.packb({"objects": objects, "records": records, "inner": inner},
+                                    use_bin_type=True)
         key = _join(self.prefix, f"{PACKED_DIR}/{self.id}.idx")
-        self.store.put(key, part)
-        if self.local:
-            keys = [key] + [_join(self.prefix, o[0]) for o in objects]
-            self.store.make_durable(keys) if self.fsync else None
+        if publish:
+            self.store.put(key, part)
+        if self.local and self.fsync:
+            keys = ([key] if publish else []) + [_join(self.prefix, o[0]) for o in objects]
+            self.store.make_durable(keys)
+        return part
 
     def abandon(self) -> None:
         """Close what is open (a failed save: the staging location is removed by the abort)."""
@@ -276,15 +279,20 @@ class ChunkWriteView:
         memoryview(out).cast("B")[:] = raw
 
 
-def gather_parts(store: ByteStore, prefix: str) -> Tuple[List[Tuple[str, int]], List[Any],
-                                                          Dict[str, Any], List[str]]:
+def gather_parts(store: ByteStore, prefix: str, own: Optional[bytes] = None,
+                 others: bool = True) -> Tuple[List[Tuple[str, int]], List[Any],
+                                               Dict[str, Any], List[str]]:
     """The coordinator's view of every writer's index part below ``prefix``: (the objects,
     each ``(relative path, size)``, sorted; the records ``(array name, chunk, object number,
     offset, length, crc32c)``; array name -> the inner chunk shape its writers used; the keys
-    of the parts, to delete once the manifest holds them)."""
+    of the parts, to delete once the manifest holds them). ``own``: the coordinator's own
+    part, kept in memory; ``others=False``: no other writer (a one-process save), no
+    listing."""
     base = _join(prefix, PACKED_DIR) + "/"
-    keys = sorted(i.key for i in store.list(base) if i.key.endswith(".idx"))
+    keys = sorted(i.key for i in store.list(base) if i.key.endswith(".idx")) if others else []
     parts = [msgpack.unpackb(store.get(k), raw=False) for k in keys]
+    if own is not None:
+        parts.append(msgpack.unpackb(own, raw=False))
     objects: List[Tuple[str, int]] = sorted(
         (o[0], int(o[1])) for p in parts for o in p["objects"])
     number = {o: i for i, (o, _s) in enumerate(objects)}

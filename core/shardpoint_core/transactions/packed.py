@@ -82,6 +82,7 @@ class PackedBackend:
         self._writers: Dict[str, PackedWriter] = {}
         self._crcs: Dict[str, CrcSink] = {}
         self._staged: Dict[str, bytes] = {}
+        self._own: Dict[str, Optional[bytes]] = {}     # coordinated saves -> own index part
         self._pool = WritePool(write_threads, "sp-packed")
         self._puts = WritePool(4, "sp-packed-put")
 
@@ -106,7 +107,11 @@ class PackedBackend:
         return self.zarr.staging_path(path, token)
 
     def begin_save(self, staging: str) -> None:
+        """The staging location (the Zarr backend's); this process coordinates the save, so
+        its own index part stays in memory for :meth:`write_manifest`."""
         self.zarr.begin_save(staging)
+        with self._lock:
+            self._own[staging] = None
 
     # -- writing --------------------------------------------------------------------------
     def _writer(self, root: str) -> PackedWriter:
@@ -150,10 +155,14 @@ class PackedBackend:
         """This process's objects whole and durable, then its index part ([SP-PACK-8])."""
         with self._lock:
             w = self._writers.pop(root, None)
+            coordinating = root in self._own
         if w is None:
             return
         try:
-            w.finish()
+            part = w.finish(publish=not coordinating)
+            if coordinating:
+                with self._lock:
+                    self._own[root] = part
         except OSError as e:
             raise SaveFailedError(f"cannot make the data objects under {root} durable: "
                                   f"{e}") from e
@@ -163,8 +172,11 @@ class PackedBackend:
         (checked as readers check it), the parts deleted, then the manifest written: on
         files durably (the rename follows), on object stores kept for :meth:`commit`."""
         store, prefix = self.zarr.locate(root)
-        objects, rows, inner, parts = gather_parts(store, prefix)
         m = decode_manifest(data)
+        with self._lock:
+            own = self._own.pop(root, None)
+        objects, rows, inner, parts = gather_parts(store, prefix, own,
+                                                   others=m.save_world_size > 1 or own is None)
         arrays: Dict[str, Any] = {}
         for e in m.tensors.values():
             got = inner.get(e.array)
@@ -197,6 +209,7 @@ class PackedBackend:
             w = self._writers.pop(staging, None)
             self._staged.pop(staging, None)
             self._crcs.pop(staging, None)
+            self._own.pop(staging, None)
         if w is not None:
             w.abandon()
         self.zarr.abort(staging)
