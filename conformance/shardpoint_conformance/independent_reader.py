@@ -12,7 +12,6 @@ import json
 import math
 import os
 import re
-import shutil
 import stat
 import tempfile
 
@@ -631,16 +630,12 @@ def read_independently(path: str) -> dict:
         out["objects"][key] = _nest([value_json(v) for v in o["values"]], grid)
     out["tree"] = _tree(body, out)
     # 1.4: the packed layout; each tensor is exported as a section 7 array and read so
-    scratch = None
     try:
         packed = check_field(body["packed"], entries) if "packed" in body else None
-        scratch = tempfile.mkdtemp(prefix="sp-packed-") if packed is not None else None
-        _read_tensors(path, entries, out, packed, scratch)
+        with tempfile.TemporaryDirectory(prefix="sp-packed-") as scratch:
+            _read_tensors(path, entries, out, packed, scratch)
     except PackedError as e:
         raise VectorError(e.spec_id, str(e).split("] ", 1)[1]) from e
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
     return out
 
 

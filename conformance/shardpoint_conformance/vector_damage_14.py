@@ -47,7 +47,11 @@ def _truncate(path: str) -> None:
 
 def _symlink(path: str) -> None:
     p = os.path.join(path, *OBJ0)
-    os.rename(p, p + ".real")
+    with open(p, "rb") as f:
+        data = f.read()
+    os.remove(p)
+    with open(p + ".real", "wb") as f:
+        f.write(data)
     os.symlink(os.path.basename(p) + ".real", p)
 
 
