@@ -182,6 +182,9 @@ def main(argv=None) -> None:
                     help="also write every row's measurements (seconds, bytes/s), medians, "
                          "min-max and ratios, the run's parameters and machine, and the raw "
                          "samples (under 'samples') to PATH")
+    ap.add_argument("--packed", action="store_true",
+                    help="shardpoint rows in the packed layout (format 1.4, PackedBackend); "
+                         "the raw rows then PUT/GET its objects (data objects + manifest)")
     ap.add_argument("--quick", action="store_true",
                     help="tiny states (mixed at 1/64 with 2 layers, uniform 4 x 1 MiB), one "
                          "round: a smoke test")
@@ -203,6 +206,9 @@ def main(argv=None) -> None:
     from shardpoint_core.transactions.backend import ZarrBackend
     run = f"bench-{uuid.uuid4().hex[:8]}"
     be = ZarrBackend(concurrency=a.concurrency)
+    if a.packed:
+        from shardpoint_core.transactions.packed import PackedBackend
+        be = PackedBackend(be)
     store, _ = be.locate(f"s3://{bucket}/x")
     counter = Counter(store.client)
     import boto3
@@ -246,7 +252,7 @@ def main(argv=None) -> None:
             r.setdefault("load_depth", []).append(counter.depth(c1[3], c2[3]))
             prefix = url[len(f"s3://{bucket}/"):]
             every = [o for o in store.list(prefix + "/")]
-            sizes = [o.size for o in every if "/c/" in o.key]
+            sizes = [o.size for o in every if "/c/" in o.key or "/packed/" in o.key]
             r["objects"], r["all_objects"] = len(sizes), len(every)
             put, get, dput, dget = raw_round(raw_client, bucket, f"{run}/{name}-raw",
                                              [o.size for o in every], a.concurrency,
@@ -282,7 +288,8 @@ def main(argv=None) -> None:
     if server is not None:
         server.stop()
 
-    print(f"\nS3 benchmark: moto {_moto_version()} on loopback, {os.cpu_count()} cores, "
+    print(f"\nS3 benchmark{' (packed layout)' if a.packed else ''}: moto {_moto_version()} "
+          f"on loopback, {os.cpu_count()} cores, "
           f"concurrency {a.concurrency}, {a.repeat} interleaved rounds; median (min-max)"
           + (f"; +{a.latency_ms:g} ms per request" if a.latency_ms else ""))
     for name, r in results.items():
@@ -326,7 +333,7 @@ def record(a, argv, results: dict, dcp_ok: bool, layers: int) -> "br.Record":
                         else "an external endpoint", "repeat": a.repeat,
                         "concurrency": a.concurrency, "latency_ms": a.latency_ms,
                         "quick": a.quick, "mixed_scale": a.scale, "mixed_layers": layers,
-                        "uniform": a.uniform,
+                        "uniform": a.uniform, "packed": a.packed,
                         "dcp_threads": a.threads,
                         "dcp": "run" if dcp_ok and any(r["dcp_save"] for r in results.values())
                         else "not run (no s3fs at --s3fs-path)"})

@@ -32,3 +32,26 @@ def uniform_state(n: int = 32, mib: float = 32, seed: int = 0) -> dict:
     cols = 1024 if mib >= 1 else 64
     rows = max(1, int(mib * 2**20) // 4 // cols)
     return {f"w{i}": torch.randn(rows, cols, generator=g) for i in range(n)}
+
+
+def gpt2_adamw_state(scale: float = 1.0, seed: int = 0, layers: int = 12) -> dict:
+    """The 444-tensor state of issue 30: a GPT-2-small-like model (12 layers, width 768, a
+    50,257-token embedding: 148 fp32 parameters, ~124M values at scale 1) and its AdamW
+    state (``exp_avg`` and ``exp_avg_sq`` per parameter; the step a plain int), 3 x 148 =
+    444 tensors. ``scale`` shrinks the width and vocabulary (smoke runs)."""
+    g = torch.Generator().manual_seed(seed)
+    h, v, ctx = max(8, int(768 * scale)), max(16, int(50257 * scale)), max(8, int(1024 * scale))
+    p = {"wte": (v, h), "wpe": (ctx, h)}
+    for i in range(layers):
+        p.update({f"h.{i}.ln_1.weight": (h,), f"h.{i}.ln_1.bias": (h,),
+                  f"h.{i}.attn.c_attn.weight": (h, 3 * h), f"h.{i}.attn.c_attn.bias": (3 * h,),
+                  f"h.{i}.attn.c_proj.weight": (h, h), f"h.{i}.attn.c_proj.bias": (h,),
+                  f"h.{i}.ln_2.weight": (h,), f"h.{i}.ln_2.bias": (h,),
+                  f"h.{i}.mlp.c_fc.weight": (h, 4 * h), f"h.{i}.mlp.c_fc.bias": (4 * h,),
+                  f"h.{i}.mlp.c_proj.weight": (4 * h, h), f"h.{i}.mlp.c_proj.bias": (h,)})
+    p.update({"ln_f.weight": (h,), "ln_f.bias": (h,)})
+    model = {k: torch.randn(s, generator=g) for k, s in p.items()}
+    optim = {str(i): {"exp_avg": torch.randn(s, generator=g),
+                      "exp_avg_sq": torch.rand(s, generator=g), "step": 100}
+             for i, s in enumerate(p.values())}
+    return {"model": model, "optim": {"state": optim}}

@@ -13,9 +13,12 @@ import math
 import os
 import re
 import stat
+import tempfile
 
 import msgpack
 import numpy as np
+
+from shardpoint_conformance.independent_packed import PackedError, check_field, export_tensor
 
 
 class VectorError(Exception):
@@ -56,7 +59,7 @@ _INT = re.compile(r"-?[0-9]+\Z")
 _ENC = re.compile(r"(?:[A-Za-z0-9_.\-]|%[0-9A-F]{2})+\Z")
 _COMPONENT = re.compile(r"[A-Za-z0-9_.~%\-]+\Z")
 _TOP = {"format", "format_version", "writer", "created_unix", "save_world_size", "tree",
-        "tensors", "objects", "extensions"}
+        "tensors", "objects", "extensions", "packed"}               # the last: 1.4
 _ENTRY = {"array", "shape", "dtype", "chunk_shape", "chunk_crc32c"}   # the last: 1.3
 _OBJECT = {"count", "values", "shape"}
 _ZARR_KNOWN = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid",
@@ -585,7 +588,6 @@ def _nest(flat: list, grid: list) -> list:
 def read_independently(path: str) -> dict:
     """Read a checkpoint following spec/ only; return the same dict as expected.json, or
     raise :class:`VectorError` naming the rule. A full read: every tensor, every chunk."""
-    import tensorstore as ts
     body = _manifest(path)
     out = {"format_version": body["format_version"], "tensors": {}, "values": {},
            "objects": {}}
@@ -627,7 +629,23 @@ def read_independently(path: str) -> dict:
             raise VectorError("SP-OBJ-4", f"{key}: grid shape {grid!r}")
         out["objects"][key] = _nest([value_json(v) for v in o["values"]], grid)
     out["tree"] = _tree(body, out)
+    # 1.4: the packed layout; each tensor is exported as a section 7 array and read so
+    try:
+        packed = check_field(body["packed"], entries) if "packed" in body else None
+        with tempfile.TemporaryDirectory(prefix="sp-packed-") as scratch:
+            _read_tensors(path, entries, out, packed, scratch)
+    except PackedError as e:
+        raise VectorError(e.spec_id, str(e).split("] ", 1)[1]) from e
+    return out
+
+
+def _read_tensors(path: str, entries: list, out: dict, packed, scratch) -> None:
+    import tensorstore as ts
+    checkpoint = path
     for key, e in entries:
+        if packed is not None:       # the array as section 7 stores it, in the scratch root
+            export_tensor(checkpoint, packed, e["array"], scratch)
+            path = scratch
         meta = _check_zarr(path, e["array"], e, key)
         arr_dir = os.path.join(path, *e["array"].split("/"))
         for dirpath, dirs, files in os.walk(arr_dir):
@@ -643,4 +661,3 @@ def read_independently(path: str) -> dict:
         le = a.astype(a.dtype.newbyteorder("<"), copy=False)
         out["tensors"][key] = {"shape": list(a.shape), "dtype": e["dtype"],
                                "sha256": hashlib.sha256(le.tobytes()).hexdigest()}
-    return out

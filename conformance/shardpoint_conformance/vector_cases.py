@@ -133,6 +133,16 @@ def cases() -> dict:
     paths: dict = {k: torch.tensor([i], dtype=torch.int8) for i, k in enumerate(PORTABLE_KEYS)}
     paths["long"] = _long_tree()
     limits = {"w": bits("float32", (2,), 600), "step": 3}
+    # 1.4: the packed layout (format.md section 13): plain and sharded chunks, an edge chunk,
+    # a 0-d and an empty tensor, bool; one writer whose objects split at 1 KiB, written by
+    # one thread so that the chunks' order (and so every byte) is reproducible
+    from shardpoint_core.transactions.packed import PackedBackend
+    packed = {"grid": sp.ShardedTensor(bits("float32", (37, 11), 800), (37, 11), (0, 0)),
+              "a": bits("int16", (6, 5), 801), "b": bits("int16", (6, 5), 802),
+              "flag": bits("bool", (3,), 803), "scalar": torch.tensor(1.5, dtype=torch.float64),
+              "empty": torch.zeros(0, 2), "step": 9}
+    packed_be = PackedBackend(ZarrBackend(shard_above_bytes=256, inner_chunk_bytes=128),
+                              cap=1024, write_threads=1, writer_id="w0")
     return {
         "all_dtypes": (all_dtypes, {}, None, v10, None),
         "nested_tree": (nested, {}, three_ranks, v10, None),
@@ -147,6 +157,8 @@ def cases() -> dict:
         "chunk_identity": (ident, {"backend": ZarrBackend(shard_above_bytes=256,
                                                                  inner_chunk_bytes=128),
                                    "options": ident_opts}, None, v13, None),
+        "packed_basic": (packed, {"backend": packed_be, "options": ident_opts}, None, (1, 4),
+                         None),
     }
 
 

@@ -72,6 +72,9 @@ ALLOWED = {
         "the same temporary copy's files",
     ("conformance/shardpoint_conformance/vector_damage_13.py", "shutil.rmtree"):
         "replaces a chunk directory of a temporary copy of a vector by a file (1.3 case)",
+    ("conformance/shardpoint_conformance/vector_damage_14.py", "os.remove"):
+        "damages a temporary copy of a vector on purpose (a missing or symlinked data "
+        "object, the 1.4 cases)",
     ("conformance/shardpoint_conformance/vector_damage_13.py", "os.remove"):
         "replaces a chunk file of a temporary copy of a vector by a directory (1.3 case)",
 }

@@ -63,8 +63,9 @@ def check_arrays_exist(root: str, reads: Iterable[Tuple[str, Any, bool]]) -> Non
     """Every array of ``reads`` (``(key, manifest entry, whether the whole tensor is
     read)``; entries have ``array``, ``shape``, ``dtype`` and ``chunk_shape``) has its
     directory ([SP-ARRAY-1]). Before a load allocates its targets: a manifest naming 200k
-    absent tensors would cost their targets first."""
-    reads = list(reads)
+    absent tensors would cost their targets first. (1.4) Packed arrays have no directory:
+    their index, checked with the manifest, names every chunk ([SP-PACK-4])."""
+    reads = [r for r in reads if getattr(r[1], "packed", None) is None]
     missing = first_missing_array(root, (e.array for _k, e, _w in reads))
     if missing:
         key = next(k for k, e, _w in reads if e.array == missing)
@@ -81,7 +82,7 @@ def check_large_grids(root: str, reads: Iterable[Tuple[str, Any, bool]]) -> None
     from shardpoint_core.arrays.opening import open_local_array_counted
     for key, e, whole in reads:
         grid = grid_size(e.shape, e.chunk_shape)
-        if grid <= LARGE_GRID:
+        if grid <= LARGE_GRID or getattr(e, "packed", None) is not None:
             continue
         _meta, (files, _stored) = open_local_array_counted(
             root, e.array, tuple(e.shape), e.dtype, tuple(e.chunk_shape),

@@ -82,6 +82,10 @@ def _rewrite_array_paths(envelope: bytes, save_dir: str, where: str) -> bytes:
         m = msgpack.unpackb(body, raw=False, strict_map_key=False)
         for entry in m["tensors"].values():
             entry["array"] = f"{save_dir}/{entry['array']}"
+        packed = m.get("packed")        # (1.4) the data objects too ([SP-PACK-8])
+        if isinstance(packed, dict):
+            for obj in packed.get("objects", []) + packed.get("arrays", []):
+                obj[0] = f"{save_dir}/{obj[0]}"
     except (ValueError, KeyError, TypeError, msgpack.ExtraData) as e:
         raise CorruptCheckpointError(f"staged manifest {where} is not a valid manifest ({e}); "
                                      "nothing was committed", spec_id="SP-MAN-1") from e
@@ -449,6 +453,8 @@ class ObjectStoreCommitter:
             elif not top.startswith(SAVE_PREFIX):
                 prefixes.add(_join(target, d) + "/")
         out = [i.key for p in sorted(prefixes) for i in self.store.list(p)]
+        for save in sorted(saves):     # (1.4) its packed data objects ([SP-PACK-8])
+            out += [i.key for i in self.store.list(_join(save, "packed") + "/")]
         for save in sorted(saves):     # its root group [SP-LAYOUT-5], a 1.2 staged copy
             out += [_join(save, "zarr.json"), _join(save, MANIFEST_NAME),
                     _join(save, LEASE_NAME)]

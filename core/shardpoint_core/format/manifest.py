@@ -21,6 +21,7 @@ from shardpoint_core.format import dtypes, values
 from shardpoint_core.format.errors import (CorruptCheckpointError, InvalidKeyError,
                                            UnsupportedFormatError, UnsupportedValueError)
 from shardpoint_core.format.keys import decode_key, encode_key
+from shardpoint_core.format.packed import FIELD as PACKED, decode_packed, encode_packed
 from shardpoint_core.format.statetree import typed_tree
 from shardpoint_core.format.spec import ArraySpec
 
@@ -71,7 +72,7 @@ FORMAT_VERSION_1_3 = (1, 3)
 CHUNK_TABLE = "chunk_crc32c"          # the tensor-entry field of [SP-MAN-7] (1.3)
 TENSOR_DIR = "tensors"
 _TOP_FIELDS = {"format", "format_version", "writer", "created_unix", "save_world_size",
-               "tree", "tensors", "objects", "extensions"}
+               "tree", "tensors", "objects", "extensions", PACKED}
 _TENSOR_FIELDS = {"array", "shape", "dtype", "chunk_shape"}
 _OBJECT_FIELDS = {"count", "values", "shape"}
 _PATH_COMPONENT = re.compile(r"[A-Za-z0-9_.~%\-]+\Z")
@@ -90,10 +91,13 @@ class TensorEntry:
     #: (1.3) every stored unit's crc32c, 4 little-endian bytes each, units in grid order
     #: ([SP-MAN-7]); None when the writer recorded none
     chunk_crc32c: Optional[bytes] = None
+    #: (1.4) the array's part of the packed index ([SP-PACK-*]); None in the per-array layout
+    packed: Optional[Any] = None
 
     @property
     def spec(self) -> ArraySpec:
-        return ArraySpec(self.shape, self.dtype, self.chunk_shape, self.chunk_crc32c)
+        return ArraySpec(self.shape, self.dtype, self.chunk_shape, self.chunk_crc32c,
+                         self.packed)
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +121,8 @@ class Manifest:
     created_unix: float = 0.0
     save_world_size: int = 1
     extensions: dict[str, Any] = field(default_factory=dict)
+    #: (1.4) the packed layout's index (:class:`~shardpoint_core.format.packed.PackedIndex`)
+    packed: Optional[Any] = None
     _typed: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -192,6 +198,8 @@ def encode_manifest(m: Manifest) -> bytes:
         "objects": {k: _object_entry(v) for k, v in m.objects.items()},
         "extensions": m.extensions,
     }
+    if m.packed is not None:      # (1.4) the packed layout ([SP-PACK-2])
+        body[PACKED] = encode_packed(m.packed, {e.array: e for e in m.tensors.values()})
     deep = values.nesting_depth_error(body)
     if deep:
         raise UnsupportedValueError(f"the state nests too deeply to be stored: the manifest "
@@ -404,8 +412,13 @@ def decode_manifest(data: bytes) -> Manifest:
         objects[key] = ObjectValues(o["values"], grid)
     _check_distinct_arrays(tensors)
     _check_tree(m["tree"], tensors, objects)
+    packed = None
+    if PACKED in m:               # (1.4) the packed layout, checked after the tree
+        packed = decode_packed(m[PACKED], {e.array: e for e in tensors.values()})
+        for entry in tensors.values():
+            entry.packed = packed.array(entry.array)
     return Manifest(m["tree"], tensors, objects, tuple(ver), m.get("writer", ""),
-                    m.get("created_unix", 0.0), m.get("save_world_size", 1), exts)
+                    m.get("created_unix", 0.0), m.get("save_world_size", 1), exts, packed)
 
 
 def _check_distinct_arrays(tensors: dict[str, Any]) -> None:

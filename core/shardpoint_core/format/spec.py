@@ -3,7 +3,7 @@ array layer, the committers and the transactions share (format.md sections 5 and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 MANIFEST_NAME = "manifest.msgpack"
 
@@ -18,3 +18,6 @@ class ArraySpec:
     dtype: str
     chunk_shape: tuple[int, ...]
     chunk_crc32c: Optional[bytes] = field(default=None, compare=False, repr=False)
+    #: (1.4) where the chunks lie in a packed checkpoint (a
+    #: :class:`~shardpoint_core.format.packed.PackedArray`), None in the per-array layout
+    packed: Optional[Any] = field(default=None, compare=False, repr=False)

@@ -57,6 +57,7 @@ from shardpoint_core.arrays.identity import CrcSink, chunk_number, units_per_chu
 from shardpoint_core.format.layout import (INNER_CHUNK_BYTES, SHARD_ABOVE_BYTES, codecs_for,
                                            fill_value)
 from shardpoint_core.arrays.object_read import ObjectArray
+from shardpoint_core.arrays.packed_read import PackedView, open_packed, read_packed, verify_packed
 from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle
 
 MAX_MANIFEST_BYTES = local.MAX_MANIFEST_BYTES
@@ -155,6 +156,7 @@ class ZarrBackend:
         # ``_remote`` may wait for one without a deadlock
         self._meta_reads = WritePool(concurrency, "sp-meta")
         self._crcs: Dict[str, CrcSink] = {}      # staging -> units' crc32c written ([SP-MAN-7])
+        self._packed_ok: Dict[str, Any] = {}     # (1.4) data objects found sound, by path
         self.committer = PathCommitter(PosixCommitter(fsync=fsync), UrlCommitter(self.locate))
         # root -> its Location, for the array opens of one save or load (a path becomes a
         # store and a key once per root, not once per array); dropped at flush, abort,
@@ -434,6 +436,8 @@ class ZarrBackend:
         with the file kinds, size caps, chunk sizes and bytes present ([SP-READ-6]) as well
         (:func:`~shardpoint_core.arrays.opening.open_local_array`). Chunks are read by ``read_into``."""
         store, prefix = self._location(root)
+        if spec.packed is not None:     # (1.4) a packed checkpoint: chunks by its index
+            return _Array(*open_packed(store, prefix, spec, key, self._packed_ok), key)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
             return ObjectArray(store, path, spec, key, self._guess(spec))
@@ -480,6 +484,9 @@ class ZarrBackend:
                                                   self._remote.submit), handle.key)
         if isinstance(handle, _Array):
             pool = self._reads if handle.store.capabilities.local_path else self._remote
+            if isinstance(handle.store, PackedView):      # (1.4) packed
+                return _KeyedRead(pool.submit(read_packed, handle.store, tuple(offset), out,
+                                              pool.submit), handle.key)
             return _KeyedRead(pool.submit(read_region, handle.store, handle.path,
                                           handle.layout, tuple(offset), out, handle.key),
                               handle.key)
@@ -518,6 +525,12 @@ class ZarrBackend:
 
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
         """Every chunk read and checked; one ``(spec ID, message)`` per problem."""
+        if spec.packed is not None:     # (1.4) a packed checkpoint
+            try:
+                return verify_packed(self.open_array_for_read(root, array_path, spec,
+                                                              key).store)
+            except ShardpointError as e:
+                return [(e.spec_id or "SP-READ-3", str(e))]
         try:
             handle = self.open_array_for_read(root, array_path, spec, key)
             if is_local(root):

@@ -1,0 +1,288 @@
+"""The packed layout's index (format 1.4, spec/format.md section 13): where every chunk of
+every array lies in a checkpoint's data objects, as the manifest's top-level field
+``"packed"`` holds it. Pure: values in, values out, no I/O.
+
+The field is ``{"objects": [[path, size], ...], "arrays": [[name, inner], ...],
+"index": <bin>}``; the index is a run of 36-byte little-endian records ``(array u32,
+object u32, chunk u64, offset u64, length u64, crc32c 4 bytes)`` in strictly increasing
+``(array, chunk)`` order, one per chunk of every array ([SP-PACK-4]). :func:`decode_packed`
+applies every reader check of [SP-PACK-2] to [SP-PACK-5] with whole-array operations (the
+index is bounded by the manifest's 1 GiB cap, so nothing here allocates more than the
+manifest holds); :func:`encode_packed` builds the field from writers' records and checks
+it the same way, so a writer cannot commit what a reader refuses.
+
+Example::
+
+    idx = PackedIndex([("packed/w0-0.bin", 44)], [("tensors/w", None)],
+                      records_of([(0, 0, 0, 0, 44, b"\\x01\\x02\\x03\\x04")]))
+    field = encode_packed(idx, {"tensors/w": entry})       # entry: shape, dtype, chunk_shape
+    again = decode_packed(field, {"tensors/w": entry})
+    again.chunk("tensors/w", 0)    # -> (object path, offset, length, crc32c)
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+
+from shardpoint_core.format import dtypes
+from shardpoint_core.format.errors import CorruptCheckpointError
+
+FIELD = "packed"                     # the manifest's top-level field (1.4)
+FORMAT_VERSION_1_4 = (1, 4)          # what a writer of the packed layout writes ([SP-VER-1])
+RECORD = np.dtype([("array", "<u4"), ("object", "<u4"), ("chunk", "<u8"),
+                   ("offset", "<u8"), ("length", "<u8"), ("crc32c", "<u4")])
+RECORD_BYTES = 36
+MAX_OBJECTS = 2**32 - 1
+MAX_SIZE = 2**63                     # object sizes lie below it
+_COMPONENT = re.compile(r"[A-Za-z0-9_.~%\-]+\Z")
+_WHERE = "manifest.msgpack: field 'packed'"
+assert RECORD.itemsize == RECORD_BYTES
+
+
+class ArrayInfo(Protocol):
+    """What the codec needs of a tensor entry: its key, shape, dtype and chunk shape."""
+
+    key: str
+    shape: Tuple[int, ...]
+    dtype: str
+    chunk_shape: Tuple[int, ...]
+
+
+def _bad(msg: str, sid: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{_WHERE}: {msg}", spec_id=sid)
+
+
+def records_of(rows: Iterable[Tuple[int, int, int, int, int, bytes]]) -> np.ndarray:
+    """Records from ``(array, object, chunk, offset, length, crc32c bytes)`` rows."""
+    rows = list(rows)
+    out = np.zeros(len(rows), RECORD)
+    for i, (a, o, c, off, n, crc) in enumerate(rows):
+        out[i] = (a, o, c, off, n, int.from_bytes(crc, "little"))
+    return out
+
+
+def chunk_count(shape: Sequence[int], chunk: Sequence[int]) -> int:
+    """Chunks of the regular grid (one for a 0-d array, none with a zero dimension)."""
+    return math.prod(-(-n // c) for n, c in zip(shape, chunk))
+
+
+def _inner_units(chunk: Sequence[int], inner: Optional[Sequence[int]]) -> int:
+    return 1 if inner is None else math.prod(c // i for c, i in zip(chunk, inner))
+
+
+@dataclass(frozen=True)
+class PackedArray:
+    """One array's part of the index: its name, inner chunk shape (None: the plain chain),
+    its records in chunk order (record ``c`` is chunk ``c``) and the checkpoint's objects."""
+
+    name: str
+    inner: Optional[Tuple[int, ...]]
+    records: np.ndarray
+    objects: Tuple[Tuple[str, int], ...]
+
+    def chunk(self, number: int) -> Tuple[str, int, int, int]:
+        """(object path, offset, length, crc32c) of chunk ``number``."""
+        r = self.records[number]
+        return (self.objects[int(r["object"])][0], int(r["offset"]), int(r["length"]),
+                int(r["crc32c"]))
+
+    def object_numbers(self) -> list[int]:
+        """The objects this array's chunks lie in (each once)."""
+        return [int(o) for o in np.unique(self.records["object"])]
+
+
+@dataclass
+class PackedIndex:
+    """The decoded field: ``objects`` ``[(path, size)]``, ``arrays`` ``[(name, inner)]``,
+    ``records`` (structured :data:`RECORD` array in ``(array, chunk)`` order)."""
+
+    objects: list[Tuple[str, int]]
+    arrays: list[Tuple[str, Optional[Tuple[int, ...]]]]
+    records: np.ndarray
+
+    def array(self, name: str) -> PackedArray:
+        """The part of the index of the array named ``name`` (KeyError where none)."""
+        starts = getattr(self, "_starts", None)
+        if starts is None:
+            a = self.records["array"]
+            starts = {}
+            for i, (n, inner) in enumerate(self.arrays):
+                lo, hi = np.searchsorted(a, i, "left"), np.searchsorted(a, i, "right")
+                starts[n] = (inner, int(lo), int(hi))
+            self._starts = starts
+        inner, lo, hi = starts[name]
+        return PackedArray(name, inner, self.records[lo:hi], tuple(self.objects))
+
+
+def encode_packed(index: PackedIndex, arrays: Mapping[str, ArrayInfo]) -> dict[str, Any]:
+    """The manifest field of ``index`` (records sorted here), checked as a reader checks it
+    against the tensor entries ``arrays`` (array name -> entry): a writer's bug fails the
+    save instead of committing a checkpoint nobody reads."""
+    rec = np.sort(np.asarray(index.records, RECORD), order=("array", "chunk"))
+    field = {"objects": [[p, int(s)] for p, s in index.objects],
+             "arrays": [[n, None if i is None else list(i)] for n, i in index.arrays],
+             "index": rec.tobytes()}
+    decode_packed(field, arrays)
+    return field
+
+
+def _check_path(p: Any, what: str) -> str:
+    """[SP-SEC-1] for an object path: relative, components of the safe set, no . or .."""
+    if not isinstance(p, str) or not p or any(
+            not _COMPONENT.match(c) or c in (".", "..") for c in p.split("/")):
+        raise _bad(f"{what} path {p!r} is not a safe relative path", "SP-SEC-1")
+    return p
+
+
+def _form(value: Any) -> Tuple[list[Any], list[Any], bytes]:
+    """The field's three entries, each of its form ([SP-PACK-2])."""
+    if not (isinstance(value, dict) and set(value) == {"objects", "arrays", "index"}):
+        raise _bad("must be a map of exactly 'objects', 'arrays' and 'index'", "SP-PACK-2")
+    objs, arrs, raw = value["objects"], value["arrays"], value["index"]
+    if not (isinstance(objs, list) and isinstance(arrs, list) and isinstance(raw, bytes)):
+        raise _bad("'objects' and 'arrays' must be lists, 'index' a bin", "SP-PACK-2")
+    for o in objs:
+        if not (isinstance(o, list) and len(o) == 2 and isinstance(o[0], str)
+                and type(o[1]) is int and 0 <= o[1] < MAX_SIZE):
+            raise _bad(f"object entry {o!r} is not [path, size] with 0 <= size < 2^63",
+                       "SP-PACK-2")
+    for a in arrs:
+        if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
+                and (a[1] is None or isinstance(a[1], list))):
+            raise _bad(f"array entry {a!r} is not [name, inner chunk shape or nil]",
+                       "SP-PACK-2")
+    return objs, arrs, raw
+
+
+def _objects(objs: list[Any], names: Iterable[str]) -> None:
+    """Object paths safe ([SP-SEC-1]), distinct, none inside another or an array name, none
+    the manifest; at most 2^32-1 of them ([SP-PACK-2])."""
+    if len(objs) > MAX_OBJECTS:
+        raise _bad(f"{len(objs)} objects, over the {MAX_OBJECTS} an index can name",
+                   "SP-PACK-2")
+    paths = [_check_path(p, "object") for p, _s in objs]
+    if "manifest.msgpack" in paths:
+        raise _bad("an object path is manifest.msgpack", "SP-PACK-2")
+    every = sorted([(p + "/", "object") for p in paths] + [(n + "/", "array") for n in names])
+    for (a, ka), (b, kb) in zip(every, every[1:]):
+        if b.startswith(a):
+            raise _bad(f"{ka} path {a[:-1]!r} and {kb} path {b[:-1]!r}: equal, or one inside "
+                       "the other", "SP-PACK-2")
+
+
+def _arrays(arrs: list[Any], by_name: Mapping[str, ArrayInfo]) -> list[Any]:
+    """Each tensor entry's array named once, with a valid inner chunk shape ([SP-PACK-2],
+    [SP-PACK-3]); returns ``[(name, inner, entry)]``."""
+    seen: set[str] = set()
+    out = []
+    for name, inner in arrs:
+        e = by_name.get(name)
+        if e is None or name in seen:
+            raise _bad(f"array {name!r} " + ("is listed twice" if e is not None
+                                             else "names no tensor entry"), "SP-PACK-2")
+        seen.add(name)
+        chunk = tuple(e.chunk_shape)
+        if inner is not None:
+            ok = len(inner) == len(chunk) and all(
+                type(k) is int and k >= 1 and c % k == 0 for k, c in zip(inner, chunk))
+            if not ok:
+                raise _bad(f"tensor {e.key!r}: inner chunk shape {inner!r} does not divide "
+                           f"chunk shape {list(chunk)}", "SP-PACK-3")
+            inner = tuple(inner) if chunk else None
+        out.append((name, inner, e))
+    if len(seen) != len(by_name):
+        missing = sorted(set(by_name) - seen)[0]
+        raise _bad(f"tensor {by_name[missing].key!r} (array {missing!r}) has no entry in "
+                   "'arrays'", "SP-PACK-2")
+    return out
+
+
+def decode_packed(value: Any, arrays: Mapping[str, ArrayInfo]) -> PackedIndex:
+    """The field ``value`` checked against the tensor entries ``arrays`` (array name ->
+    entry) by every rule of [SP-PACK-2] to [SP-PACK-5]; raises CorruptCheckpointError
+    naming the rule, the tensor and the record."""
+    objs, arrs, raw = _form(value)
+    _objects(objs, arrays)
+    listed = _arrays(arrs, arrays)
+    if len(raw) % RECORD_BYTES:
+        raise _bad(f"index of {len(raw)} bytes is not a whole number of {RECORD_BYTES}-byte "
+                   "records", "SP-PACK-4")
+    counts = [chunk_count(e.shape, e.chunk_shape) for _n, _i, e in listed]
+    rec = np.frombuffer(raw, RECORD)
+    if sum(counts) != len(rec):       # before any per-record work ([SP-SEC-2])
+        raise _bad(f"{len(rec)} records for the {sum(counts)} chunks of the arrays (every "
+                   "chunk of every array exactly once)", "SP-PACK-4")
+    if len(rec) == 0:
+        return PackedIndex([(p, s) for p, s in objs], [(n, i) for n, i, _e in listed], rec)
+    a, c = rec["array"], rec["chunk"]
+    if np.any(a >= len(listed)):
+        raise _bad(f"record {int(np.argmax(a >= len(listed)))}: array number out of range",
+                   "SP-PACK-4")
+    up = (a[1:] > a[:-1]) | ((a[1:] == a[:-1]) & (c[1:] > c[:-1]))
+    if not np.all(up):
+        raise _bad(f"record {int(np.argmin(up)) + 1} is not after the one before it in "
+                   "(array, chunk) order (a chunk twice, or out of order)", "SP-PACK-4")
+    cap = np.array([min(n, 2**64 - 1) for n in counts], np.uint64)
+    if np.any(c >= cap[a]):
+        i = int(np.argmax(c >= cap[a]))
+        raise _bad(f"record {i}: chunk {int(c[i])} outside the grid of tensor "
+                   f"{listed[int(a[i])][2].key!r}", "SP-PACK-4")
+    o = rec["object"]
+    if np.any(o >= len(objs)):
+        raise _bad(f"record {int(np.argmax(o >= len(objs)))}: object number out of range",
+                   "SP-PACK-4")
+    _check_lengths(rec, listed, objs)
+    _check_overlaps(rec, objs)
+    return PackedIndex([(p, s) for p, s in objs], [(n, i) for n, i, _e in listed], rec)
+
+
+def _check_lengths(rec: np.ndarray, listed: list[Any], objs: list[Any]) -> None:
+    """Every record inside its object; a plain chunk's exact size, a shard at least its
+    index ([SP-PACK-4])."""
+    size = np.array([s for _p, s in objs], np.uint64)[rec["object"]]
+    off, n = rec["offset"], rec["length"]
+    out = (off > size) | (n > size - np.minimum(off, size))
+    if np.any(out):
+        i = int(np.argmax(out))
+        raise _bad(f"record {i} (tensor {listed[int(rec['array'][i])][2].key!r}, chunk "
+                   f"{int(rec['chunk'][i])}): bytes {int(off[i])}+{int(n[i])} beyond its "
+                   f"object {objs[int(rec['object'][i])][0]!r} of {int(size[i])} bytes",
+                   "SP-PACK-4")
+    exact, least = [], []
+    for _name, inner, e in listed:
+        item = dtypes.from_name(e.dtype).itemsize
+        units = _inner_units(e.chunk_shape, inner)
+        if inner is None:
+            exact.append(math.prod(e.chunk_shape) * item + 4)
+            least.append(0)
+        else:
+            exact.append(-1)
+            least.append(16 * units + 4)
+    want = np.array([min(x, 2**64 - 1) if x >= 0 else 0 for x in exact], np.uint64)[rec["array"]]
+    plain = np.array([x >= 0 for x in exact], bool)[rec["array"]]
+    low = np.array(least, np.uint64)[rec["array"]]
+    wrong = (plain & (n != want)) | (~plain & (n < low))
+    if np.any(wrong):
+        i = int(np.argmax(wrong))
+        name, inner, e = listed[int(rec["array"][i])]
+        need = f"exactly {int(want[i])}" if plain[i] else f"at least {int(low[i])}"
+        raise _bad(f"record {i} (tensor {e.key!r}, chunk {int(rec['chunk'][i])}): length "
+                   f"{int(n[i])}, a {'plain chunk' if plain[i] else 'shard'} of it is "
+                   f"{need} bytes", "SP-PACK-4")
+
+
+def _check_overlaps(rec: np.ndarray, objs: list[Any]) -> None:
+    """No two records of one object share a byte ([SP-PACK-5])."""
+    order = np.lexsort((rec["offset"], rec["object"]))
+    o, off, n = rec["object"][order], rec["offset"][order], rec["length"][order]
+    same = o[1:] == o[:-1]
+    hit = same & (off[:-1] + n[:-1] > off[1:])
+    if np.any(hit):
+        j = int(np.argmax(hit))
+        raise _bad(f"records {int(order[j])} and {int(order[j + 1])} overlap in object "
+                   f"{objs[int(o[j])][0]!r} (bytes from {int(off[j])} and {int(off[j + 1])})",
+                   "SP-PACK-5")

@@ -1,0 +1,382 @@
+"""The packed backend (format 1.4, spec/format.md section 13): a save writes a few data
+objects per writer instead of a directory and a file per chunk.
+
+:class:`PackedBackend` implements the :class:`~.protocol.StorageBackend` protocol by
+delegation to a :class:`~.backend.ZarrBackend`: targets, staging, commit, recovery and
+every read are the Zarr backend's (which reads both layouts, telling them apart by the
+manifest: a tensor entry with a packed index part is read through it). What differs is
+writing: each process appends the encoded chunks it writes to its own data objects
+(:class:`~shardpoint_core.arrays.packed.PackedWriter`), ``flush`` makes them durable and
+writes the process's index part, and the coordinator's ``write_manifest`` gathers the parts
+into the manifest's ``packed`` field (``format_version`` ``[1, 4]``), deletes them, and
+writes the manifest as the Zarr backend would (on files durably before the rename; on
+object stores as the marker, whose commit puts the save prefix in front of every object
+path, [SP-COMMIT-11]).
+
+Example::
+
+    sp.save(state, "/ckpt/step_10", backend=PackedBackend())
+    sp.load("/ckpt/step_10")                # any backend reads it
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from shardpoint_core.arrays.array import ArrayLayout, write_region
+from shardpoint_core.arrays.direct_write import WritePool
+from shardpoint_core.arrays.identity import CrcSink, chunk_number, units_per_chunk
+from shardpoint_core.arrays.packed import ChunkWriteView, PackedWriter, build_index, gather_parts
+from shardpoint_core.commit.base import Overwrite
+from shardpoint_core.format.errors import SaveFailedError
+from shardpoint_core.format.manifest import Manifest, decode_manifest, encode_manifest
+from shardpoint_core.format.packed import FORMAT_VERSION_1_4
+from shardpoint_core.format.spec import ArraySpec
+from shardpoint_core.transactions.backend import ZarrBackend
+
+
+class _Handle:
+    """An array being written: its chunk view, layout and chunk-table sink; ``partial``
+    serializes writes of parts of a chunk (each reads, changes and rewrites the chunk)."""
+
+    __slots__ = ("view", "name", "layout", "sink", "partial")
+
+    def __init__(self, view: ChunkWriteView, name: str, layout: ArrayLayout, sink: Any) -> None:
+        self.view, self.name, self.layout, self.sink = view, name, layout, sink
+        self.partial = threading.Lock()
+
+    def write(self, offset: Tuple[int, ...], data: np.ndarray) -> None:
+        whole = all(o % c == 0 and (s % c == 0 or o + s == n) for o, s, c, n in
+                    zip(offset, data.shape, self.layout.chunk, self.layout.shape))
+        if whole:
+            write_region(self.view, self.name, self.layout, offset, data,
+                         self.name, self.sink)
+            return
+        with self.partial:
+            write_region(self.view, self.name, self.layout, offset, data,
+                         self.name, self.sink)
+
+
+class PackedBackend:
+    """Saves in the packed layout; reads and commits as ``zarr`` (a :class:`ZarrBackend`,
+    by default one with the same ``fsync``). ``cap``: bytes after which a writer starts a
+    new data object (default: 1 TiB on files, 16 MiB on object stores, each
+    object one PUT, up to 256 MiB of them in flight);
+    ``write_threads``: chunks encoded and written at once per process. ``writer_id``: the
+    name of this process's objects (``packed/<writer_id>-<n>.bin``; default random), fixed
+    only for reproducible one-process saves (the golden vectors): two processes of one save
+    must not share it."""
+
+    name = "packed"
+
+    def __init__(self, zarr: Optional[ZarrBackend] = None, *, cap: Optional[int] = None,
+                 fsync: bool = True, write_threads: int = 16,
+                 writer_id: Optional[str] = None) -> None:
+        self.zarr = zarr if zarr is not None else ZarrBackend(fsync=fsync)
+        self.cap, self.fsync = cap, fsync if zarr is None else zarr.fsync
+        self.writer_id = writer_id
+        self._lock = threading.Lock()
+        self._writers: Dict[str, PackedWriter] = {}
+        self._crcs: Dict[str, CrcSink] = {}
+        self._own: Dict[str, Optional[bytes]] = {}     # coordinated saves -> own index part
+        self._pool = WritePool(write_threads, "sp-packed")
+        self._puts = WritePool(4, "sp-packed-put")
+
+    def __repr__(self) -> str:
+        return f"PackedBackend(zarr={self.zarr!r})"
+
+    def supports_concurrent_writers(self) -> bool:
+        return True            # each process writes objects of its own
+
+    def locate(self, path: str) -> Tuple[Any, str]:
+        """(the byte store holding ``path``, its key there): the Zarr backend's."""
+        return self.zarr.locate(path)
+
+    # -- targets and staging: the Zarr backend's ----------------------------------------
+    def checkpoint_state(self, path: str) -> str:
+        return self.zarr.checkpoint_state(path)
+
+    def check_target(self, path: str, overwrite: Overwrite) -> None:
+        self.zarr.check_target(path, overwrite)
+
+    def staging_path(self, path: str, token: str) -> str:
+        return self.zarr.staging_path(path, token)
+
+    def begin_save(self, staging: str) -> None:
+        """The staging location (the Zarr backend's); this process coordinates the save, so
+        its own index part stays in memory for :meth:`write_manifest`."""
+        self.zarr.begin_save(staging)
+        with self._lock:
+            self._own[staging] = None
+
+    # -- writing --------------------------------------------------------------------------
+    def _writer(self, root: str) -> PackedWriter:
+        with self._lock:
+            w = self._writers.get(root)
+            if w is None:
+                store, prefix = self.zarr.locate(root)
+                w = self._writers[root] = PackedWriter(store, prefix, cap=self.cap,
+                                                       fsync=self.fsync,
+                                                       submit=self._puts.submit,
+                                                       writer_id=self.writer_id)
+            return w
+
+    def open_array_for_write(self, root: str, array_path: str, spec: ArraySpec) -> Any:
+        """A handle whose writes append whole encoded chunks to this process's objects."""
+        lay = ArrayLayout.create(spec.shape, spec.dtype, spec.chunk_shape,
+                                 shard_above_bytes=self.zarr.shard_above_bytes,
+                                 inner_chunk_bytes=self.zarr.inner_chunk_bytes)
+        view = ChunkWriteView(self._writer(root), array_path, lay)
+        with self._lock:
+            sink = self._crcs.setdefault(root, CrcSink())
+        units = units_per_chunk(lay.chunk, lay.inner)
+
+        def slots(cidx: Sequence[int]) -> bytearray:
+            return sink.chunk(array_path, chunk_number(cidx, lay.shape, lay.chunk), units)
+        return _Handle(view, array_path, lay, slots)
+
+    def write(self, handle: Any, offset: Sequence[int], data: np.ndarray) -> Any:
+        return self._pool.submit(handle.write, tuple(int(o) for o in offset), data)
+
+    def take_chunk_crc32c(self, root: str) -> dict[str, Any]:
+        """The crc32c of the units this process wrote (the manifest's chunk tables)."""
+        with self._lock:
+            sink = self._crcs.pop(root, None)
+        return sink.take() if sink is not None else {}
+
+    def wait(self, ops: Sequence[Any]) -> None:
+        self.zarr.wait(ops)
+
+    def flush(self, root: str) -> None:
+        """This process's objects whole and durable, then its index part ([SP-PACK-8])."""
+        with self._lock:
+            w = self._writers.pop(root, None)
+            coordinating = root in self._own
+        if w is None:
+            return
+        try:
+            part = w.finish(publish=not coordinating)
+            if coordinating:
+                with self._lock:
+                    self._own[root] = part
+        except OSError as e:
+            raise SaveFailedError(f"cannot make the data objects under {root} durable: "
+                                  f"{e}") from e
+
+    def write_manifest(self, root: str, data: Union[bytes, Manifest]) -> None:
+        """Every writer's index part gathered into the manifest's ``packed`` field
+        (checked as readers check it), the parts deleted, then the manifest written: on
+        files durably (the rename follows), on object stores kept for :meth:`commit`."""
+        store, prefix = self.zarr.locate(root)
+        m = data if isinstance(data, Manifest) else decode_manifest(data)
+        with self._lock:
+            own = self._own.pop(root, None)
+        objects, rows, inner, parts = gather_parts(store, prefix, own,
+                                                   others=m.save_world_size > 1 or own is None)
+        arrays: Dict[str, Any] = {}
+        for e in m.tensors.values():
+            got = inner.get(e.array)
+            if got is None and e.array not in inner:      # no chunk: the writer's choice
+                got = ArrayLayout.create(e.shape, e.dtype, e.chunk_shape,
+                                         shard_above_bytes=self.zarr.shard_above_bytes,
+                                         inner_chunk_bytes=self.zarr.inner_chunk_bytes).inner
+            arrays[e.array] = None if got is None else tuple(got)
+        m.packed = build_index(objects, rows, arrays)
+        m.format_version = FORMAT_VERSION_1_4
+        new = encode_manifest(m)
+        if parts:
+            store.delete(parts)
+        # on files written durably (the rename follows); on object stores the committer keeps
+        # it for commit(), which moves its array and object names below the save prefix
+        self.zarr.committer.write_manifest(root, new)
+
+    def commit(self, staging: str, path: str, *, overwrite: Overwrite) -> None:
+        self.zarr.committer.publish(staging, path, overwrite=overwrite)
+
+    def abort(self, staging: str) -> None:
+        with self._lock:
+            w = self._writers.pop(staging, None)
+            self._crcs.pop(staging, None)
+            self._own.pop(staging, None)
+        if w is not None:
+            w.abandon()
+        self.zarr.abort(staging)
+
+    # -- reading and recovery: the Zarr backend's (it reads both layouts) ---------------
+    def read_manifest(self, path: str) -> bytes:
+        return self.zarr.read_manifest(path)
+
+    def read_manifest_with_identity(self, path: str) -> Tuple[bytes, Optional[list[Any]]]:
+        return self.zarr.read_manifest_with_identity(path)
+
+    def checkpoint_identity(self, path: str) -> Optional[list[Any]]:
+        return self.zarr.checkpoint_identity(path)
+
+    def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
+                            key: str) -> Any:
+        return self.zarr.open_array_for_read(root, array_path, spec, key)
+
+    def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
+        return self.zarr.read_into(handle, offset, out)
+
+    def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
+        self.zarr.prefetch(handle, offset, shape)
+
+    def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
+        return self.zarr.verify_array(root, array_path, spec, key)
+
+    def list_leftovers(self, directory: str) -> list[Any]:
+        return self.zarr.list_leftovers(directory)
+
+    def restore_leftover(self, leftover: str, path: str) -> bool:
+        return self.zarr.restore_leftover(leftover, path)
+
+    def remove_leftover(self, leftover: str) -> bool:
+        return self.zarr.remove_leftover(leftover)
+
+    @property
+    def committer(self) -> Any:
+        """The Zarr backend's committer (recovery and managers look it up on a backend)."""
+        return self.zarr.committer
+
+
+def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any:
+    """A read-only zarr-python 3 store over a packed checkpoint (issue 30 item 2): every
+    tensor opens as a Zarr v3 array at its array name, its ``zarr.json`` the one the index
+    implies ([SP-PACK-3]) and its chunks the records' bytes, read by range::
+
+        from shardpoint_core.transactions.zarr_compat import register_zarr_dtypes
+        register_zarr_dtypes()                         # bfloat16, float8_*
+        z = zarr.open_array(zarr_store("/ckpt/step_10"), path="tensors/model/w", mode="r")
+
+    zarr-python checks each chunk's crc32c; the index's own checks ran when the manifest was
+    read here. Needs the ``zarr`` extra."""
+    from zarr.abc.store import (OffsetByteRequest, RangeByteRequest, Store,
+                                SuffixByteRequest)
+    from zarr.core.buffer import default_buffer_prototype
+
+    from shardpoint_core.arrays.identity import chunk_number as number_of
+    from shardpoint_core.arrays.packed_read import layout_of
+    from shardpoint_core.transactions.resolve import resolve
+    path, be = resolve(checkpoint, backend, "open")
+    be = be.zarr if isinstance(be, PackedBackend) else be
+    m = decode_manifest(be.read_manifest(path))
+    if m.packed is None:
+        raise ValueError(f"{checkpoint} is not a packed checkpoint: open its arrays at "
+                         "their paths (zarr_compat.zarr_path)")
+    bstore, prefix = be.locate(path)
+    meta: Dict[str, bytes] = {"zarr.json": b'{"zarr_format": 3, "node_type": "group"}'}
+    arrays: Dict[str, Any] = {}
+    for e in m.tensors.values():
+        lay = layout_of(e.spec, e.packed, e.key)
+        meta[e.array + "/zarr.json"] = lay.zarr_json()
+        arrays[e.array] = (e.packed, lay)
+        parts = e.array.split("/")
+        for i in range(1, len(parts)):         # the groups on the way ([SP-LAYOUT-5])
+            meta["/".join(parts[:i]) + "/zarr.json"] = meta["zarr.json"]
+
+    def locate_chunk(key: str) -> Optional[Tuple[str, int, int]]:
+        name, sep, rest = key.rpartition("/c")
+        if key.endswith("/c"):
+            name, rest = key[:-2], ""
+        elif not sep or not (rest == "" or rest.startswith("/")):
+            return None
+        found = arrays.get(name)
+        if found is None:
+            return None
+        part, lay = found
+        try:
+            cidx = tuple(int(x) for x in rest.split("/")[1:])
+        except ValueError:
+            return None
+        if len(cidx) != len(lay.shape) or any(
+                not 0 <= i < g for i, g in zip(cidx, lay.grid())):
+            return None
+        obj, off, n, _crc = part.chunk(number_of(cidx, lay.shape, lay.chunk))
+        return f"{prefix}/{obj}" if prefix else obj, off, n
+
+    def read(key: str, byte_range: Any) -> Optional[bytes]:
+        where = None if key in meta else locate_chunk(key)
+        if key in meta:
+            lo, hi = 0, len(meta[key])
+        elif where is None:
+            return None
+        else:
+            lo, hi = 0, where[2]
+        if isinstance(byte_range, RangeByteRequest):
+            lo, hi = byte_range.start, min(hi, byte_range.end)
+        elif isinstance(byte_range, OffsetByteRequest):
+            lo = byte_range.offset
+        elif isinstance(byte_range, SuffixByteRequest):
+            lo = max(0, hi - byte_range.suffix)
+        if where is None:
+            return meta[key][lo:hi]
+        obj, off, _n = where
+        got: bytes = bstore.get_range(obj, off + lo, max(0, hi - lo))
+        return got
+
+    class PackedZarrStore(Store):
+        # zarr's own base class
+        """Read-only: the keys of a packed checkpoint as a per-array Zarr hierarchy."""
+
+        supports_writes = False
+        supports_deletes = False
+        supports_partial_writes = False
+        supports_listing = True
+
+        def __init__(self) -> None:
+            super().__init__(read_only=True)
+
+        def __eq__(self, other: object) -> bool:
+            return other is self
+
+        async def get(self, key: str, prototype: Any = None,
+                      byte_range: Any = None) -> Any:
+            raw = read(key, byte_range)
+            if raw is None:
+                return None
+            return (prototype or default_buffer_prototype()).buffer.from_bytes(raw)
+
+        async def get_partial_values(self, prototype: Any, key_ranges: Any) -> list[Any]:
+            return [await self.get(k, prototype, r) for k, r in key_ranges]
+
+        async def exists(self, key: str) -> bool:
+            return key in meta or locate_chunk(key) is not None
+
+        async def set(self, key: str, value: Any) -> None:
+            raise PermissionError("a packed checkpoint is read-only")
+
+        async def delete(self, key: str) -> None:
+            raise PermissionError("a packed checkpoint is read-only")
+
+        async def list(self) -> Any:
+            for k in meta:
+                yield k
+
+        async def list_prefix(self, prefix: str) -> Any:
+            for k in meta:
+                if k.startswith(prefix):
+                    yield k
+
+        async def list_dir(self, prefix: str) -> Any:
+            base = prefix.rstrip("/") + "/" if prefix else ""
+            seen = set()
+            for k in meta:
+                if k.startswith(base):
+                    head = k[len(base):].split("/", 1)[0]
+                    if head not in seen:
+                        seen.add(head)
+                        yield head
+
+    return PackedZarrStore()
+
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:
+    from shardpoint_core.transactions.protocol import StorageBackend
+
+    def _is_storagebackend_packedbackend(x: PackedBackend) -> StorageBackend:
+        return x
