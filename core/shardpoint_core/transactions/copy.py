@@ -1,0 +1,82 @@
+"""A store-to-store copy of one committed checkpoint, through the save and load transactions.
+
+:func:`copy_checkpoint` reads the source's manifest once (with the identity of its commit),
+begins a save of the target (:class:`~.writer.CheckpointWriter`: the target checked, a
+staging location made), copies the objects of every array the manifest names, byte for byte,
+makes them durable, checks that the source was not replaced meanwhile, and only then commits
+the manifest: the target is either absent or the whole checkpoint, never part of one. Any
+failure aborts the save (what was staged is removed; an existing target is never touched).
+
+The memory tier's durable copies use it (``shm://job/step_5`` to ``/ckpt/step_00000005``):
+the bytes come from the copy in memory, not from the trainer's tensors, and every byte read
+from the memory tier is checked against its crc32c there.
+
+Example::
+
+    copy_checkpoint("shm://run42/step_5", "/ckpt/step_00000005")
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+from shardpoint_core.format.errors import IncompleteCheckpointError
+from shardpoint_core.stores.location import locate
+from shardpoint_core.transactions.protocol import StorageBackend
+from shardpoint_core.transactions.reader import CheckpointReader
+from shardpoint_core.transactions.writer import CheckpointWriter
+
+
+@dataclass
+class CopyResult:
+    """What :func:`copy_checkpoint` copied: the target, the objects and their bytes."""
+
+    path: str
+    objects: int
+    nbytes: int
+
+
+def _objects(store: Any, root: str, arrays: List[str]) -> List[str]:
+    """The object keys (relative to ``root``) of every array below ``root``."""
+    out: List[str] = []
+    for a in arrays:
+        prefix = f"{root}/{a}/" if root else f"{a}/"
+        out.extend(info.key[len(root) + 1 if root else 0:] for info in store.list(prefix))
+    return sorted(set(out))
+
+
+def copy_checkpoint(src: str, dst: str, *, backend: Optional[StorageBackend] = None,
+                    overwrite: Any = False, threads: int = 8) -> CopyResult:
+    """Copy the committed checkpoint at ``src`` to ``dst`` (any two stores); the manifest is
+    committed last, so ``dst`` never shows a partial checkpoint. ``backend`` writes ``dst``
+    (the default one of its kind when None); ``overwrite`` as in a save. Raises the error of
+    the step that failed (the documented classes of :mod:`shardpoint_core.format.errors`);
+    :class:`IncompleteCheckpointError` where an array of the manifest has no objects."""
+    reader = CheckpointReader.open(src, call="copy")
+    arrays = sorted({e.array for e in reader.manifest.tensors.values()})
+    s_store, s_root = locate(reader.path, "copy").pair()
+    keys = _objects(s_store, s_root, arrays)
+    have = {k.split("/zarr.json")[0] for k in keys if k.endswith("/zarr.json")}
+    lacking = [a for a in arrays if a not in have]
+    if lacking:
+        raise IncompleteCheckpointError(
+            f"copy of {src!r}: array {lacking[0]!r} of its manifest has no zarr.json "
+            f"({len(lacking)} array(s) lacking); nothing was copied to {dst!r}")
+    with CheckpointWriter.begin(dst, backend=backend, overwrite=overwrite,
+                                call="copy") as w:
+        d_store, d_root = locate(w.staging, "copy").pair()
+
+        def one(key: str) -> Tuple[str, int]:
+            data = s_store.get(f"{s_root}/{key}" if s_root else key)
+            target = f"{d_root}/{key}" if d_root else key
+            d_store.put(target, data)
+            return target, len(data)
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            done = list(pool.map(one, keys))
+        d_store.make_durable([t for t, _n in done])
+        reader.check_unchanged()          # the source was not replaced while it was read
+        w.commit(reader.manifest_bytes)   # the group metadata, the manifest, then visible
+    reader.close()
+    return CopyResult(w.path, len(done), sum(n for _t, n in done))
