@@ -17,11 +17,12 @@ Example::
 """
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from shardpoint_core.format.errors import IncompleteCheckpointError
+from shardpoint_core.format.errors import CorruptCheckpointError, SaveFailedError
 from shardpoint_core.stores.location import locate
 from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.transactions.reader import CheckpointReader
@@ -35,6 +36,18 @@ class CopyResult:
     path: str
     objects: int
     nbytes: int
+
+
+def _expected(entry: Any) -> List[str]:
+    """The object keys an array of the manifest must have (relative to the checkpoint root):
+    its zarr.json and every chunk of its grid (writers store every chunk, fill-value ones
+    included)."""
+    counts = [-(-s // c) if c else 0 for s, c in zip(entry.shape, entry.chunk_shape)]
+    keys = [f"{entry.array}/zarr.json"]
+    if any(n == 0 for n in counts):
+        return keys
+    return keys + ["/".join([entry.array, "c", *map(str, idx)])
+                   for idx in itertools.product(*(range(n) for n in counts))]
 
 
 def _objects(store: Any, root: str, arrays: List[str]) -> List[str]:
@@ -52,25 +65,36 @@ def copy_checkpoint(src: str, dst: str, *, backend: Optional[StorageBackend] = N
     committed last, so ``dst`` never shows a partial checkpoint. ``backend`` writes ``dst``
     (the default one of its kind when None); ``overwrite`` as in a save. Raises the error of
     the step that failed (the documented classes of :mod:`shardpoint_core.format.errors`);
-    :class:`IncompleteCheckpointError` where an array of the manifest has no objects."""
+    :class:`CorruptCheckpointError` where an object of the manifest's arrays is missing
+    (checked before anything is written)."""
     reader = CheckpointReader.open(src, call="copy")
     arrays = sorted({e.array for e in reader.manifest.tensors.values()})
     s_store, s_root = locate(reader.path, "copy").pair()
     keys = _objects(s_store, s_root, arrays)
-    have = {k.split("/zarr.json")[0] for k in keys if k.endswith("/zarr.json")}
-    lacking = [a for a in arrays if a not in have]
+    have = set(keys)
+    lacking = [k for e in reader.manifest.tensors.values() for k in _expected(e)
+               if k not in have]
     if lacking:
-        raise IncompleteCheckpointError(
-            f"copy of {src!r}: array {lacking[0]!r} of its manifest has no zarr.json "
-            f"({len(lacking)} array(s) lacking); nothing was copied to {dst!r}")
+        raise CorruptCheckpointError(
+            f"copy of {src!r}: object {lacking[0]!r} of its manifest is missing "
+            f"({len(lacking)} missing); nothing was copied to {dst!r}")
     with CheckpointWriter.begin(dst, backend=backend, overwrite=overwrite,
                                 call="copy") as w:
         d_store, d_root = locate(w.staging, "copy").pair()
 
         def one(key: str) -> Tuple[str, int]:
-            data = s_store.get(f"{s_root}/{key}" if s_root else key)
+            try:
+                data = s_store.get(f"{s_root}/{key}" if s_root else key)
+            except FileNotFoundError as e:     # gone, or no copy passed its crc32c
+                raise CorruptCheckpointError(
+                    f"copy of {src!r}: object {key!r} could not be read intact ({e}); "
+                    f"nothing was committed at {dst!r}") from e
             target = f"{d_root}/{key}" if d_root else key
-            d_store.put(target, data)
+            try:
+                d_store.put(target, data)
+            except OSError as e:
+                raise SaveFailedError(f"copy of {src!r} to {dst!r}: cannot write {key!r} "
+                                      f"({e}); nothing was committed") from e
             return target, len(data)
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
