@@ -35,6 +35,20 @@ deletes a step's marker first, then its objects; the clean-up removes save prefi
 marker names only once they are 15 minutes old ([SP-COMMIT-15]), since nothing on the store
 tells a running save from a dead one (:class:`shardpoint_core.commit.steps.StepRoot`).
 
+Tiers (``memory=sp.MemoryTier(...)``, :mod:`shardpoint.api.manager_tiers`): every
+``memory_every`` steps to host memory, replicated to peer hosts (fast); every
+``storage_every`` steps to storage, copied from that memory step in the background by the
+coordinator (the objects, then the manifest last; never from the trainer's tensors). A failed
+copy is reported at the next ``save``/``wait`` in ``tier_warnings`` and never stops training.
+``load()`` takes the newest step across both tiers, checks every piece, passes over a step it
+cannot have whole (the peers first, then the same step in storage, then the next older step),
+and says in ``last_load`` what it took from where. Without ``memory=``, nothing changes.
+
+    tier = sp.MemoryTier("run42", k=1, budget_bytes=8 << 30)
+    mgr = sp.CheckpointManager("/ckpt", memory=tier, storage_every=100, memory_keep=2,
+                               max_to_keep=3)
+    mgr.save(step, state)            # every step: memory; every 100th: storage too
+
     with sp.CheckpointManager("/ckpt", max_to_keep=3, async_save=True) as mgr:
         start = mgr.latest_step() or 0
         if start:
@@ -72,6 +86,13 @@ class CheckpointManager:
     ``async_save=True`` makes :meth:`save` return once the state is staged (the writes and the
     commit run in the background, see ``sp.save(..., async_save=True)``); retention of older
     steps runs once that save has committed, and :meth:`wait` / :meth:`close` wait for it.
+
+    ``memory``: a :class:`~shardpoint.MemoryTier` (started by every rank, closed by the
+    caller after the manager); then ``memory_every`` (steps between memory saves, default 1),
+    ``storage_every`` (steps between durable copies, required; such a step goes to memory
+    too), ``memory_keep`` (memory steps kept, default 2, plus one being copied); storage
+    retention is the options above. ``tier_warnings`` lists the failed copies, ``last_load``
+    (:class:`~shardpoint.api.manager_tiers.LoadInfo`) where the last load came from.
     """
 
     def __init__(self, root: str, *, max_to_keep: Optional[int] = None,
@@ -189,6 +210,8 @@ class CheckpointManager:
         ``metrics`` (str -> number) are stored in the checkpoint itself. ``force=True``
         replaces an existing checkpoint of the same step (else CheckpointExistsError).
         Returns the ``SaveResult`` (an ``AsyncSave`` handle with ``async_save=True``).
+        With ``memory=``: the memory save's ``SaveResult`` (None for a step due to no tier);
+        a failed memory save raises here, a failed durable copy never does.
         """
         if self._tiers is not None:
             return self._save_tiered(step, state, metrics, force)
@@ -415,7 +438,9 @@ class CheckpointManager:
                                               ": nothing committed in either"))
 
     def close(self) -> None:
-        """Wait for the last save; the manager may still be used for reading afterwards."""
+        """Wait for the last save (with ``memory=``, the last durable copy: every rank keeps
+        serving its host's memory until then); the manager may still be used for reading
+        afterwards."""
         self.wait()
 
     def __enter__(self) -> "CheckpointManager":
