@@ -64,7 +64,7 @@ def _train(rank: int, world: int, root: str, steps: list, every: int) -> dict:
 
 
 def _resume(rank: int, world: int, root: str) -> dict:
-    tier, mgr = _manager(rank, root, storage_every=2)
+    tier, mgr = _manager(rank, root, storage_every=2, max_to_keep=2)
     like = _state(rank, world, 0, zeros=True)
     tree = mgr.load(like=like)
     info = mgr.last_load
@@ -73,6 +73,8 @@ def _resume(rank: int, world: int, root: str) -> dict:
     # a restarted job goes on training from there
     mgr.save(info.step + 1, _state(rank, world, info.step + 1))
     mgr.close()
+    out["storage"] = mgr.all_steps()
+    torch.distributed.barrier()
     tier.close()
     return out
 
@@ -94,6 +96,7 @@ def test_memory_every_step_storage_every_n_then_resume_across_tiers(tmp_path):
     # resume: the newest step across tiers is memory step 5
     got = run_world(2, _resume, root, timeout=120, pg_timeout=30)
     assert all(r["same"] and r["step"] == 5 and r["tier"] == "memory" for r in got)
+    assert got[0]["storage"] == [4, 6]     # step 6 copied, then storage retention (2 kept)
     # h1 is lost (its shared memory gone): step 6 (saved by the resumed job) from the peers
     _lose_host_memory(root, "h1")
     got = run_world(2, _resume, root, timeout=120, pg_timeout=30)
@@ -156,3 +159,13 @@ def test_tier_options_are_checked(tmp_path):
     got = run_world(2, _bad_options, str(tmp_path), timeout=60, pg_timeout=30)
     assert "needs storage_every" in got[0][0] and "storage_every must be" in got[0][1]
     assert "async_save" in got[0][2] and "needs memory=" in got[0][3]
+
+
+def test_which_tier_each_step_goes_to():
+    from shardpoint.api.manager_tiers import Tiers
+
+    class FakeTier:                     # only the attributes the policy checks for
+        save = restore = steps = url = remove = None
+    t = Tiers(FakeTier(), memory_every=2, memory_keep=1, storage_every=3)
+    assert [t.due(s) for s in (1, 2, 3, 4, 6)] == [(False, False), (True, False),
+                                                   (True, True), (True, False), (True, True)]
