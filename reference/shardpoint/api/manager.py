@@ -35,6 +35,20 @@ deletes a step's marker first, then its objects; the clean-up removes save prefi
 marker names only once they are 15 minutes old ([SP-COMMIT-15]), since nothing on the store
 tells a running save from a dead one (:class:`shardpoint_core.commit.steps.StepRoot`).
 
+Tiers (``memory=sp.MemoryTier(...)``, :mod:`shardpoint.api.manager_tiers`): every
+``memory_every`` steps to host memory, replicated to peer hosts (fast); every
+``storage_every`` steps to storage, copied from that memory step in the background by the
+coordinator (the objects, then the manifest last; never from the trainer's tensors). A failed
+copy is reported at the next ``save``/``wait`` in ``tier_warnings`` and never stops training.
+``load()`` takes the newest step across both tiers, checks every piece, passes over a step it
+cannot have whole (the peers first, then the same step in storage, then the next older step),
+and says in ``last_load`` what it took from where. Without ``memory=``, nothing changes.
+
+    tier = sp.MemoryTier("run42", k=1, budget_bytes=8 << 30)
+    mgr = sp.CheckpointManager("/ckpt", memory=tier, storage_every=100, memory_keep=2,
+                               max_to_keep=3)
+    mgr.save(step, state)            # every step: memory; every 100th: storage too
+
     with sp.CheckpointManager("/ckpt", max_to_keep=3, async_save=True) as mgr:
         start = mgr.latest_step() or 0
         if start:
@@ -49,6 +63,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+import msgpack
+
 from shardpoint import api
 from shardpoint_core.format import errors
 from shardpoint.exchange.comm import Comm, agree
@@ -57,6 +73,7 @@ from shardpoint_core.format.policy import (Retention, check_metric, policy_from_
                                            retained)
 from shardpoint_core.format.statetree import ValueLeaf, node_at
 from shardpoint_core.transactions.protocol import StorageBackend
+from shardpoint.api.manager_tiers import LoadInfo, Tiers
 
 METRICS_KEY = "__metrics__"
 
@@ -69,6 +86,13 @@ class CheckpointManager:
     ``async_save=True`` makes :meth:`save` return once the state is staged (the writes and the
     commit run in the background, see ``sp.save(..., async_save=True)``); retention of older
     steps runs once that save has committed, and :meth:`wait` / :meth:`close` wait for it.
+
+    ``memory``: a :class:`~shardpoint.MemoryTier` (started by every rank, closed by the
+    caller after the manager); then ``memory_every`` (steps between memory saves, default 1),
+    ``storage_every`` (steps between durable copies, required; such a step goes to memory
+    too), ``memory_keep`` (memory steps kept, default 2, plus one being copied); storage
+    retention is the options above. ``tier_warnings`` lists the failed copies, ``last_load``
+    (:class:`~shardpoint.api.manager_tiers.LoadInfo`) where the last load came from.
     """
 
     def __init__(self, root: str, *, max_to_keep: Optional[int] = None,
@@ -77,7 +101,9 @@ class CheckpointManager:
                  retention: Optional[Retention] = None, async_save: bool = False,
                  group: Any = None, backend: Optional[StorageBackend] = None,
                  save_options: Optional[Any] = None,
-                 load_options: Optional[Any] = None) -> None:
+                 load_options: Optional[Any] = None, memory: Any = None,
+                 memory_every: int = 1, memory_keep: int = 2,
+                 storage_every: Optional[int] = None) -> None:
         if retention is not None:
             if not isinstance(retention, Retention):
                 raise errors.InvalidOptionError(
@@ -100,6 +126,22 @@ class CheckpointManager:
                 "async_save=True needs a shardpoint whose save() supports async_save "
                 "(sp.AsyncSave); this one saves synchronously only")
         self.async_save, self.group = async_save, group
+        #: the tier policy (None: every save goes to storage, as without a memory tier)
+        self._tiers: Optional[Tiers] = None
+        if memory is not None:
+            if async_save:
+                raise errors.InvalidOptionError(
+                    "async_save=True with memory=: the memory save is the fast one, and the "
+                    "durable copy already runs in the background; drop async_save")
+            self._tiers = Tiers(memory, memory_every, memory_keep, storage_every)
+        elif storage_every is not None:
+            raise errors.InvalidOptionError(
+                "storage_every= needs memory=sp.MemoryTier(...); without a memory tier every "
+                "save goes to storage: call save() every N steps")
+        #: what the tiers' background work reported (a failed durable copy), every rank
+        self.tier_warnings: list = []
+        #: where the last :meth:`load` took its state from (:class:`LoadInfo`)
+        self.last_load: Optional[LoadInfo] = None
         self.backend, self.save_options, self.load_options = backend, save_options, load_options
         self._comm = Comm(group)
         self._pending: Any = None          # the in-flight async save, if any
@@ -121,9 +163,17 @@ class CheckpointManager:
         return self._steps.all_steps()
 
     def latest_step(self) -> Optional[int]:
-        """The newest committed step, or None."""
+        """The newest committed step, or None; with a memory tier, the newest across tiers
+        (memory and storage)."""
         s = self.all_steps()
+        if self._tiers is not None:
+            s = sorted(set(s) | set(self.memory_steps()))
         return s[-1] if s else None
+
+    def memory_steps(self) -> list:
+        """The committed memory steps any reachable host holds, oldest first (empty without a
+        memory tier). ``all_steps`` are the storage ones."""
+        return self._tiers.memory.steps() if self._tiers is not None else []
 
     def stray_checkpoints(self) -> list:
         """The committed checkpoints directly below the root under names this manager does
@@ -160,7 +210,11 @@ class CheckpointManager:
         ``metrics`` (str -> number) are stored in the checkpoint itself. ``force=True``
         replaces an existing checkpoint of the same step (else CheckpointExistsError).
         Returns the ``SaveResult`` (an ``AsyncSave`` handle with ``async_save=True``).
+        With ``memory=``: the memory save's ``SaveResult`` (None for a step due to no tier);
+        a failed memory save raises here, a failed durable copy never does.
         """
+        if self._tiers is not None:
+            return self._save_tiered(step, state, metrics, force)
         self.wait()   # the previous save commits (or raises) before this one starts
         path, state = self._agreed(lambda: (self.path(step), self._with_metrics(state, metrics)))
         if self._comm.is_coordinator:
@@ -235,6 +289,8 @@ class CheckpointManager:
         """Load ``step`` (default: the latest committed one, as the coordinator sees it).
         Collective; ``load_options`` go to :func:`shardpoint.load` (``strict``, ``report``...).
         The manager's metrics are not part of the returned tree."""
+        if self._tiers is not None:
+            return self._load_tiered(step, like, load_options)
         self.wait()
         if self._comm.is_coordinator:
             self._clean_leftovers()
@@ -253,12 +309,15 @@ class CheckpointManager:
         out = api.load(path, like=like, group=self.group, **kw)
         if like is None and isinstance(out, dict):
             out.pop(METRICS_KEY, None)
+        self.last_load = LoadInfo(step, "storage", path)
         return out
 
     def wait(self) -> None:
         """Wait for an in-flight async save, then apply retention. Its error is raised, on
         every rank, unless every rank already had it from the handle's own ``wait()``: a job
         that caught it there goes on, and its next ``save`` runs instead of failing again."""
+        if self._tiers is not None:
+            self._report(block=True)
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -274,8 +333,114 @@ class CheckpointManager:
         if not failed:
             self._after_commit()
 
+    # ---------------------------------------------------------------- tiers (collective)
+    def _save_tiered(self, step: int, state: Any, metrics: Optional[dict],
+                     force: bool) -> Any:
+        """``save`` with a memory tier: into memory when due (every rank, synchronously:
+        a copy into host memory and to the peers); when due to storage, the coordinator
+        starts the durable copy of that memory step in the background (after the previous
+        copy finished: one copy at a time). Then the finished copy is reported, storage
+        retention applied, and old memory steps removed. A memory step of the same number
+        is replaced (memory is the manager's scratch: a resumed job saves its steps again);
+        ``force`` applies to storage."""
+        tiers = self._tiers
+        assert tiers is not None
+        path, state = self._agreed(lambda: (self.path(step), self._with_metrics(state, metrics)))
+        to_memory, to_storage = tiers.due(step)
+        result = None
+        if to_memory:
+            result = tiers.memory.save(state, step, overwrite=True,
+                                       options=self.save_options)
+        self._report(block=to_storage, start=(step, path, force) if to_storage else None)
+        return result
+
+    def _report(self, block: bool, start: Optional[tuple] = None) -> None:
+        """Collective: the coordinator collects the finished durable copy (waiting for it
+        with ``block``), applies storage retention after a committed one, starts the copy
+        ``start`` = (step, path, force) where given, and removes old memory steps; every rank
+        then learns what failed (``tier_warnings``, logged), and training goes on."""
+        tiers = self._tiers
+        assert tiers is not None
+        failed: list = []
+        if self._comm.is_coordinator:
+            try:
+                done = tiers.settle(block)
+                if any(not err for _s, _d, err in done):
+                    self._retain()
+                failed = [f"step {s}: the durable copy of {tiers.memory.url(s)} to {d!r} "
+                          f"failed ({err}); training goes on, and that step is left to the "
+                          "next one due to storage" for s, d, err in done if err]
+                if start is not None:
+                    if tiers.copying is None:
+                        self._clean_leftovers()
+                    s, p, force = start
+                    tiers.start_copy(s, p, self.backend, force)
+                tiers.evict()
+            except errors.ShardpointError as e:   # reported like a failed copy
+                failed.append(f"tier upkeep failed ({type(e).__name__}: {e})")
+        got = msgpack.unpackb(self._comm.broadcast_bytes(
+            msgpack.packb(failed) if self._comm.is_coordinator else None))
+        for w in got:
+            log.warning("shardpoint: %s", w)
+        self.tier_warnings.extend(got)
+
+    def _load_tiered(self, step: Optional[int], like: Any, opts: dict) -> Any:
+        """``load`` with a memory tier: the newest step across memory and storage (or
+        ``step``), each checked before use (crc32c of every piece read); a memory step with
+        missing or damaged pieces takes them from the peers, then from that step in storage;
+        a step that cannot be had whole gives way to the next older one. ``last_load`` says
+        which step came from where and what was passed over."""
+        tiers = self._tiers
+        assert tiers is not None
+        self.wait()
+        plan: list = []
+        if self._comm.is_coordinator:
+            self._clean_leftovers()
+            mem, sto = set(tiers.memory.steps()), set(self.all_steps())
+            cands = [step] if step is not None else sorted(mem | sto, reverse=True)
+            plan = [[s, s in mem, s in sto] for s in cands if s in mem or s in sto]
+        plan = msgpack.unpackb(self._comm.broadcast_bytes(
+            msgpack.packb(plan) if self._comm.is_coordinator else None))
+        skipped: list = []
+        for s, in_mem, in_sto in plan:
+            err: Optional[BaseException] = None
+            tree, info = None, None
+            try:
+                if in_mem:
+                    r = tiers.memory.restore(like, step=s, strict=opts.get("strict", True),
+                                             fallback=self.path(s) if in_sto else None)
+                    kinds = set(r.sources.values()) or {"memory"}
+                    tree = r.tree
+                    info = LoadInfo(s, "+".join(k for k in ("memory", "storage") if k in kinds),
+                                    r.memory_url or r.storage_url, dict(r.sources), r.reason)
+                else:
+                    tree = api.load(self.path(s), like=like, group=self.group,
+                                    **{"backend": self.backend,
+                                       "options": self.load_options, **opts})
+                    info = LoadInfo(s, "storage", self.path(s))
+            except errors.ShardpointError as e:
+                err = e
+            if self._comm.all_true(err is None):
+                assert info is not None
+                info.skipped = skipped
+                self.last_load = info
+                if like is None and isinstance(tree, dict):
+                    tree.pop(METRICS_KEY, None)
+                return tree
+            where = "memory" if in_mem else "storage"
+            skipped.append(f"step {s} ({where}): " + (f"{type(err).__name__}: {err}" if err
+                                                      else "failed on another rank"))
+            log.warning("shardpoint: passing over %s", skipped[-1])
+        what = f"step {step}" if step is not None else "no step"
+        raise errors.CheckpointNotFoundError(
+            f"{what} could be loaded from memory ({tiers.memory.url(0).rsplit('/', 1)[0]}) or "
+            f"from storage ({self.root!r})" + (": " + "; ".join(skipped) if skipped else
+                                              ": nothing committed in either"))
+
     def close(self) -> None:
-        """Wait for the last save; the manager may still be used for reading afterwards."""
+        """Wait for the last save (with ``memory=``, the last durable copy: every rank keeps
+        serving its host's memory until then); the manager may still be used for reading
+        afterwards."""
         self.wait()
 
     def __enter__(self) -> "CheckpointManager":

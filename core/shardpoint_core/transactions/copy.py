@@ -1,0 +1,106 @@
+"""A store-to-store copy of one committed checkpoint, through the save and load transactions.
+
+:func:`copy_checkpoint` reads the source's manifest once (with the identity of its commit),
+begins a save of the target (:class:`~.writer.CheckpointWriter`: the target checked, a
+staging location made), copies the objects of every array the manifest names, byte for byte,
+makes them durable, checks that the source was not replaced meanwhile, and only then commits
+the manifest: the target is either absent or the whole checkpoint, never part of one. Any
+failure aborts the save (what was staged is removed; an existing target is never touched).
+
+The memory tier's durable copies use it (``shm://job/step_5`` to ``/ckpt/step_00000005``):
+the bytes come from the copy in memory, not from the trainer's tensors, and every byte read
+from the memory tier is checked against its crc32c there.
+
+Example::
+
+    copy_checkpoint("shm://run42/step_5", "/ckpt/step_00000005")
+"""
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+from shardpoint_core.format.errors import CorruptCheckpointError, SaveFailedError
+from shardpoint_core.stores.location import locate
+from shardpoint_core.transactions.protocol import StorageBackend
+from shardpoint_core.transactions.reader import CheckpointReader
+from shardpoint_core.transactions.writer import CheckpointWriter
+
+
+@dataclass
+class CopyResult:
+    """What :func:`copy_checkpoint` copied: the target, the objects and their bytes."""
+
+    path: str
+    objects: int
+    nbytes: int
+
+
+def _expected(entry: Any) -> List[str]:
+    """The object keys an array of the manifest must have (relative to the checkpoint root):
+    its zarr.json and every chunk of its grid (writers store every chunk, fill-value ones
+    included)."""
+    counts = [-(-s // c) if c else 0 for s, c in zip(entry.shape, entry.chunk_shape)]
+    keys = [f"{entry.array}/zarr.json"]
+    if any(n == 0 for n in counts):
+        return keys
+    return keys + ["/".join([entry.array, "c", *map(str, idx)])
+                   for idx in itertools.product(*(range(n) for n in counts))]
+
+
+def _objects(store: Any, root: str, arrays: List[str]) -> List[str]:
+    """The object keys (relative to ``root``) of every array below ``root``."""
+    out: List[str] = []
+    for a in arrays:
+        prefix = f"{root}/{a}/" if root else f"{a}/"
+        out.extend(info.key[len(root) + 1 if root else 0:] for info in store.list(prefix))
+    return sorted(set(out))
+
+
+def copy_checkpoint(src: str, dst: str, *, backend: Optional[StorageBackend] = None,
+                    overwrite: Any = False, threads: int = 8) -> CopyResult:
+    """Copy the committed checkpoint at ``src`` to ``dst`` (any two stores); the manifest is
+    committed last, so ``dst`` never shows a partial checkpoint. ``backend`` writes ``dst``
+    (the default one of its kind when None); ``overwrite`` as in a save. Raises the error of
+    the step that failed (the documented classes of :mod:`shardpoint_core.format.errors`);
+    :class:`CorruptCheckpointError` where an object of the manifest's arrays is missing
+    (checked before anything is written)."""
+    reader = CheckpointReader.open(src, call="copy")
+    arrays = sorted({e.array for e in reader.manifest.tensors.values()})
+    s_store, s_root = locate(reader.path, "copy").pair()
+    keys = _objects(s_store, s_root, arrays)
+    have = set(keys)
+    lacking = [k for e in reader.manifest.tensors.values() for k in _expected(e)
+               if k not in have]
+    if lacking:
+        raise CorruptCheckpointError(
+            f"copy of {src!r}: object {lacking[0]!r} of its manifest is missing "
+            f"({len(lacking)} missing); nothing was copied to {dst!r}")
+    with CheckpointWriter.begin(dst, backend=backend, overwrite=overwrite,
+                                call="copy") as w:
+        d_store, d_root = locate(w.staging, "copy").pair()
+
+        def one(key: str) -> Tuple[str, int]:
+            try:
+                data = s_store.get(f"{s_root}/{key}" if s_root else key)
+            except FileNotFoundError as e:     # gone, or no copy passed its crc32c
+                raise CorruptCheckpointError(
+                    f"copy of {src!r}: object {key!r} could not be read intact ({e}); "
+                    f"nothing was committed at {dst!r}") from e
+            target = f"{d_root}/{key}" if d_root else key
+            try:
+                d_store.put(target, data)
+            except OSError as e:
+                raise SaveFailedError(f"copy of {src!r} to {dst!r}: cannot write {key!r} "
+                                      f"({e}); nothing was committed") from e
+            return target, len(data)
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            done = list(pool.map(one, keys))
+        d_store.make_durable([t for t, _n in done])
+        reader.check_unchanged()          # the source was not replaced while it was read
+        w.commit(reader.manifest_bytes)   # the group metadata, the manifest, then visible
+    reader.close()
+    return CopyResult(w.path, len(done), sum(n for _t, n in done))
