@@ -190,8 +190,9 @@ def render_results(data: dict, where: str, only: list | None = None) -> str:
             if mem:
                 m = r.get("peak_extra_bytes")
                 cells.append("" if m is None else f"{m / 2**20:.0f} MiB")
-            if files:
-                cells.append(r.get("files") or "")
+            if files:       # "files / dirs" as the writer counted them, or a count
+                f, d = r.get("files"), r.get("dirs")
+                cells.append("" if f is None else f"{f} / {d}" if d is not None else str(f))
             out.append(f"| {r['label']}{mark} | " + " | ".join(cells) + " |")
         out.append("")
         for i, n in enumerate(notes):
