@@ -23,6 +23,14 @@ PATH_METHODS = {"unlink", "rmdir", "rename", "rmtree"}   # str.replace is too co
 
 # (file, function called): why it is not a checkpoint path.
 ALLOWED = {
+    ("core/shardpoint_core/stores/shm_host.py", "os.unlink"):
+        "the shared-memory store's primitives (as FileStore's): delete, which the committers "
+        "call on checkpoint keys, and put's own temporary files and those of dead writers",
+    ("core/shardpoint_core/stores/shm_host.py", "os.rename"):
+        "the shared-memory store's put: its own temporary object and sidecar renamed onto the "
+        "key (an atomic whole-object write, as a PUT is)",
+    ("core/shardpoint_core/stores/shm_host.py", "os.rmdir"):
+        "the shared-memory store's delete pruning the directories its own delete emptied",
     ("core/shardpoint_core/stores/durable.py", "renameat2"):
         "the syscall wrapper itself (exchange_dirs, RENAME_NOREPLACE): the POSIX committer is "
         "its only caller on checkpoint paths (the syscalls live in the stores rung)",
