@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from shardpoint_core.stores.durable import fsync_path, fsync_trees, libc_function, syncfs
-from shardpoint_core.stores.fsutil import makedirs_below
+from shardpoint_core.stores.fsutil import keys_below, makedirs_below
 from shardpoint_core.stores.base import Buffer, ObjectInfo, PutData, StoreCapabilities
 from shardpoint_core.stores.keys import check_key, check_prefix
 
@@ -190,16 +190,7 @@ class FileStore:
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         check_prefix(prefix)
-        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        top = os.path.join(self.root, *base.split("/")) if base else self.root
-        found: list[str] = []
-        for dirpath, dirs, files in os.walk(top):
-            rel = os.path.relpath(dirpath, self.root)
-            rel = "" if rel == os.curdir else rel.replace(os.sep, "/") + "/"
-            dirs[:] = [d for d in dirs if (rel + d + "/").startswith(prefix)
-                       or prefix.startswith(rel + d + "/")]
-            found.extend(rel + f for f in files if (rel + f).startswith(prefix))
-        for k in sorted(found):
+        for k in keys_below(self.root, prefix):
             info = self.head(k)
             if info is not None:
                 yield info

@@ -64,3 +64,19 @@ def os_error_text(e: BaseException) -> str:
     where = f" ({e.filename!r})" if e.filename else ""
     fix = _FIXES.get(e.errno, "fix the cause and try again")
     return f"{type(e).__name__}: {e.strerror}{where}; {fix}"
+
+
+def keys_below(root: str, prefix: str) -> list[str]:
+    """The ``/``-separated keys of the files below directory ``root`` that start with
+    ``prefix``, sorted; only the directories that can hold such keys are walked (a byte
+    store's listing over a directory tree)."""
+    base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+    top = os.path.join(root, *base.split("/")) if base else root
+    found: list[str] = []
+    for dirpath, dirs, files in os.walk(top):
+        rel = os.path.relpath(dirpath, root)
+        rel = "" if rel == os.curdir else rel.replace(os.sep, "/") + "/"
+        dirs[:] = [d for d in dirs if (rel + d + "/").startswith(prefix)
+                   or prefix.startswith(rel + d + "/")]
+        found.extend(rel + f for f in files if (rel + f).startswith(prefix))
+    return sorted(found)

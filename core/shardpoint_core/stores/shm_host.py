@@ -30,6 +30,7 @@ import crc32c
 
 from shardpoint_core.format.errors import MemoryBudgetError
 from shardpoint_core.stores.base import ObjectInfo
+from shardpoint_core.stores.fsutil import keys_below
 from shardpoint_core.stores.keys import check_key, check_prefix
 
 SIDECAR = struct.Struct("<IQ")       # crc32c, size: a copy's sidecar (see the module)
@@ -303,17 +304,8 @@ class HostMemory:
     def local_list(self, prefix: str) -> List[ObjectInfo]:
         """This host's objects below ``prefix``, in key order."""
         check_prefix(prefix)
-        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        top = os.path.join(self.root, *base.split("/")) if base else self.root
-        found: List[str] = []
-        for dirpath, dirs, files in os.walk(top):
-            rel = os.path.relpath(dirpath, self.root)
-            rel = "" if rel == os.curdir else rel.replace(os.sep, "/") + "/"
-            dirs[:] = [d for d in dirs if (rel + d + "/").startswith(prefix)
-                       or prefix.startswith(rel + d + "/")]
-            found.extend(rel + f for f in files if (rel + f).startswith(prefix))
         out = []
-        for k in sorted(found):
+        for k in keys_below(self.root, prefix):
             info = self.local_info(k)
             if info is not None:
                 out.append(info)
