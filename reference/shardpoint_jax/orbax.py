@@ -103,5 +103,40 @@ class StandardCheckpointer(ocp.AsyncCheckpointer):
         return super().restore(directory, args=StandardRestore(target, strict=strict))
 
 
-__all__ = ["EXTENSION", "StandardCheckpointHandler", "StandardCheckpointer", "StandardRestore",
+class PyTreeCheckpointHandler(ShardpointHandler):
+    """Orbax's ``PyTreeCheckpointHandler`` on the shardpoint format: takes
+    ``ocp.args.PyTreeSave`` (``save_args``, ``custom_metadata``) and ``ocp.args.PyTreeRestore``
+    (``item``, per-leaf ``restore_args``: sharding, global shape, dtype, ``restore_type``)
+    with Orbax's rules, and every leaf type the format stores (strings and scalars too, as
+    Orbax's type handlers do). Tree ``transforms`` are refused."""
+
+    def __init__(self, **_orbax_options: Any) -> None:
+        super().__init__()       # Orbax's tuning options (OCDBT, compression) do not apply
+
+
+@ocp.args.register_with_handler(PyTreeCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class PyTreeSave(ocp.args.PyTreeSave):
+    """``ocp.args.PyTreeSave`` for :class:`PyTreeCheckpointHandler`."""
+
+
+@ocp.args.register_with_handler(PyTreeCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class PyTreeRestore(ocp.args.PyTreeRestore):
+    """``ocp.args.PyTreeRestore`` for :class:`PyTreeCheckpointHandler`."""
+
+
+class PyTreeCheckpointer(ocp.Checkpointer):
+    """Orbax's ``PyTreeCheckpointer`` writing shardpoint (``spo.PyTreeCheckpointer()`` for
+    ``ocp.PyTreeCheckpointer()``): ``save(path, item, save_args=...)`` and
+    ``restore(path, item=..., restore_args=...)`` or ``args=ocp.args.PyTreeRestore(...)``."""
+
+    def __init__(self, primary_host: Optional[int] = 0, **_orbax_options: Any) -> None:
+        super().__init__(PyTreeCheckpointHandler(),
+                         multiprocessing_options=ocp.options.MultiprocessingOptions(
+                             primary_host=primary_host))
+
+
+__all__ = ["EXTENSION", "PyTreeCheckpointHandler", "PyTreeCheckpointer", "PyTreeRestore",
+           "PyTreeSave", "StandardCheckpointHandler", "StandardCheckpointer", "StandardRestore",
            "StandardSave", "UnsupportedTypeError", "prepare_save"]

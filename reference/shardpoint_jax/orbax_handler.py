@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future
 
+from shardpoint_core.format.errors import InvalidOptionError
 from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.transactions.resolve import read_metadata
 from shardpoint_jax.orbax_semantics import EXTENSION, prepare_save, restore
@@ -92,10 +93,17 @@ class ShardpointHandler(ocp.AsyncCheckpointHandler):
 
     def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
         target = args.item if args is not None else item
+        for name in ("transforms", "legacy_transform_fn"):   # PyTreeRestore's: not taken
+            if getattr(args, name, None):
+                raise InvalidOptionError(
+                    f"{name} (Orbax's PyTreeRestore tree transformations) is not supported by "
+                    "the shardpoint handler: restore into the stored structure and transform "
+                    "the result")
         return restore(checkpoint_path(directory), target,
                        strict=getattr(args, "strict", True),
                        fallback=getattr(args, "fallback_sharding", None),
-                       standard=self.standard)
+                       standard=self.standard,
+                       restore_args=getattr(args, "restore_args", None))
 
     def metadata(self, directory: epath.Path) -> Manifest:
         """The checkpoint's manifest: tree, keys, shapes, dtypes, chunk grids."""

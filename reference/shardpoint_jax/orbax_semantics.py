@@ -152,13 +152,68 @@ def read_extension(m: Any) -> dict:
             "custom_metadata": ext.get("custom_metadata")}
 
 
+def _with_restore_args(m: Any, target: Any, restore_args: Any) -> Any:
+    """The target that Orbax's per-leaf ``restore_args`` (``PyTreeRestore``) ask for: each
+    leaf's ``RestoreArgs``/``ArrayRestoreArgs`` wins over the target's leaf (Orbax's rule):
+    ``sharding`` (or ``mesh`` + ``mesh_axes``), ``global_shape`` (truncated or zero-padded
+    only where ``strict=False``), ``dtype`` (a cast after the read) and ``restore_type``
+    (``np.ndarray``: host memory); a leaf without a sharding goes back on the saved one.
+    ``restore_args`` must have the restored tree's structure, as Orbax demands."""
+    args: Dict[str, Any] = {}
+    walk(restore_args, lambda _p, key, a: args.__setitem__(key, a))
+    if target is None:
+        target = materialize(m.tree, lambda node: _Special("whole", node.entry.key))
+    keys: list = []
+    walk(target, lambda _p, key, x: keys.append(key))
+    missing, extra = sorted(set(keys) - set(args)), sorted(set(args) - set(keys))
+    if missing or extra:
+        raise InvalidOptionError(
+            "restore_args must have the structure of the restored tree (the item's, else the "
+            f"checkpoint's): no restore args for {missing[:5]}, restore args for keys it does "
+            f"not have: {extra[:5]}")
+
+    def leaf(_path: tuple, key: str, x: Any) -> Any:
+        a, t = args[key], m.tensors.get(key)
+        if a is None or t is None or x is None or _masked(x):
+            return x
+        if type(a).__name__ not in ("RestoreArgs", "ArrayRestoreArgs",
+                                    "SingleReplicaArrayRestoreArgs"):
+            raise InvalidOptionError(f"restore_args for {key!r}: {type(a).__name__} is not "
+                                     "one of Orbax's RestoreArgs / ArrayRestoreArgs")
+        old = None if isinstance(x, _Special) else x
+        dtype = getattr(a, "dtype", None) or getattr(old, "dtype", None) or _np_dtype(t.dtype)
+        shape = tuple(getattr(a, "global_shape", None) or getattr(old, "shape", None)
+                      or t.shape)
+        if getattr(a, "restore_type", None) is np.ndarray:
+            want: Any = np.empty(shape, dtype)
+        else:
+            sharding = getattr(a, "sharding", None)
+            if sharding is None and getattr(a, "mesh", None) is not None \
+                    and getattr(a, "mesh_axes", None) is not None:
+                sharding = jax.sharding.NamedSharding(a.mesh, a.mesh_axes)
+            if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
+                sharding = sharding.to_jax_sharding()       # Orbax's ShardingMetadata
+            if sharding is None and isinstance(old, jax.Array):
+                sharding = old.sharding
+            want = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        if shape != tuple(t.shape) and not getattr(a, "strict", True):
+            return _Special("relax", want)
+        return want
+
+    return walk(target, leaf)
+
+
 def restore(path: str, target: Any = None, *, strict: bool = True, fallback: Any = None,
-            standard: bool = True) -> Any:
+            standard: bool = True, restore_args: Any = None) -> Any:
     """Orbax's restore of the shardpoint checkpoint at ``path`` (see the module docstring);
-    ``standard``: also Orbax's standard handler's refusal of other target leaf types."""
+    ``standard``: also Orbax's standard handler's refusal of other target leaf types;
+    ``restore_args``: Orbax's per-leaf ``RestoreArgs`` (``PyTreeRestore``), which win over
+    the target's leaves."""
     m = read_metadata(path)
     side = read_extension(m)
     side["fallback"] = fallback
+    if restore_args is not None:
+        target = _with_restore_args(m, _unmask(target), restore_args)
     if target is None:
         if m.objects:
             return load(path)
@@ -168,7 +223,7 @@ def restore(path: str, target: Any = None, *, strict: bool = True, fallback: Any
 
         def check(_p: tuple, key: str, x: Any) -> Any:
             if not (x is None or _masked(x) or isinstance(
-                    x, _SCALARS + (jax.ShapeDtypeStruct,))):
+                    x, _SCALARS + (jax.ShapeDtypeStruct, _Special))):
                 raise UnsupportedTypeError(f"Unsupported type: {type(x)} for key: {key}.",
                                            spec_id="SP-VALUE-1")
             return x

@@ -166,6 +166,18 @@ def _errors_and_dcp(rank, world, base):
     ssd = {"w": ShardedTensor.from_rank_offsets("decoder.w", torch.zeros(4, 3))}
     got = ShardpointLoadStrategy().load(ssd, f"{base}/dcp")
     out["dcp"] = torch.equal(got["w"], w)
+    # and by load_megatron: one shard of it, and a common value from the same top-level name
+    from shardpoint.integrations.megatron import load_megatron
+    part = {"w": ShardedTensor.from_rank_offsets("decoder.w", torch.zeros(2, 3), (0, 1, 2)),
+            "step": 0}
+    got = load_megatron(part, f"{base}/dcp")
+    out["load_megatron"] = (got["w"].tolist(), got["step"])
+    # Megatron's own load demands its metadata.json before it asks any strategy
+    try:
+        dist_checkpointing.load(ssd, f"{base}/dcp", sharded_strategy=ShardpointLoadStrategy())
+        out["megatron_load"] = "loaded"
+    except CheckpointingException as e:
+        out["megatron_load"] = str(e)
     return out
 
 
@@ -178,6 +190,8 @@ def test_errors_are_also_checkpointing_exceptions_and_dcp_checkpoints_load(tmp_p
     e = pickle.loads(out["pickled"])
     assert isinstance(e, sp.UnsupportedValueError) and isinstance(e, CheckpointingException)
     assert out["dcp"] is True
+    assert out["load_megatron"] == ([[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]], 3), out
+    assert "is not a distributed checkpoint" in out["megatron_load"], out
 
 
 def _sharded_metadata_cells(rank, world, base):

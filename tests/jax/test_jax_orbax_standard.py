@@ -243,13 +243,66 @@ def empty_nodes_and_flax_structs():
     assert type(r) is Params and r.opt_state == (optax.EmptyState(), optax.EmptyState())
     assert (np.asarray(r.params["w"]) == 1).all() and np.asarray(r.params["n"]).tolist() == [0, 1, 2]
 
+@case
+def pytree_restore_args_per_leaf():
+    # Orbax's PyTreeRestore(restore_args=...): each leaf's RestoreArgs win over the item's leaf
+    # (the values below are what Orbax's PyTreeCheckpointHandler returns for the same calls)
+    p = d()
+    a = put(np.arange(8, dtype=np.int32), P(None))
+    H.save(p, args=ocp.args.PyTreeSave({"w": w, "a": a, "n": np.arange(3, dtype=np.int64)}))
+    cols = NamedSharding(mesh, P(None, "x"))
+    ra = {"w": ocp.ArrayRestoreArgs(sharding=cols, dtype=jnp.bfloat16),
+          "a": ocp.ArrayRestoreArgs(mesh=mesh, mesh_axes=P("y"), global_shape=(12,), strict=False),
+          "n": ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.int32)}
+    for item in (None, {"w": w, "a": a, "n": np.zeros(3)}):
+        r = H.restore(p, args=ocp.args.PyTreeRestore(item=item, restore_args=ra))
+        assert r["w"].dtype == jnp.bfloat16 and r["w"].sharding == cols, r["w"]
+        assert (np.asarray(r["w"]).astype(np.float32) == np.asarray(w)).all()
+        assert r["a"].sharding == NamedSharding(mesh, P("y")), r["a"].sharding
+        assert np.asarray(r["a"]).tolist() == list(range(8)) + [0] * 4
+        assert isinstance(r["n"], np.ndarray) and r["n"].dtype == np.int32, r["n"]
+    r = H.restore(p, args=ocp.args.PyTreeRestore(restore_args={
+        "w": ocp.RestoreArgs(), "a": ocp.RestoreArgs(dtype=jnp.float32), "n": ocp.RestoreArgs()}))
+    assert r["w"].sharding.is_equivalent_to(w.sharding, 2) and r["a"].dtype == jnp.float32
+    assert isinstance(r["n"], np.ndarray) and r["n"].dtype == np.int64
+    for bad, what in (({**ra, "a": ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=(12,))},
+                       "[12]"), ({"w": ra["w"]}, "structure")):
+        try:
+            H.restore(p, args=ocp.args.PyTreeRestore(restore_args=bad))
+            raise AssertionError(f"{what}: no error")
+        except ValueError as e:
+            assert what in str(e) and isinstance(e, ShardpointError), e
+    try:
+        H.restore(p, args=ocp.args.PyTreeRestore(restore_args=ra, transforms={"w": 1}))
+        raise AssertionError("transforms accepted")
+    except ValueError as e:
+        assert "transforms" in str(e), e
+
+@case
+def pytree_checkpointer_switch():
+    p = os.path.join(root, "pytree")
+    ck = spo.PyTreeCheckpointer()            # was: ocp.PyTreeCheckpointer()
+    ck.save(p, {"w": w, "name": "run-1"})
+    cols = NamedSharding(mesh, P(None, "x"))
+    r = ck.restore(p, restore_args={"w": ocp.ArrayRestoreArgs(sharding=cols), "name": ocp.RestoreArgs()})
+    assert r["name"] == "run-1" and r["w"].sharding == cols
+    assert (np.asarray(r["w"]) == np.asarray(w)).all()
+    assert os.path.isfile(os.path.join(p, "shardpoint", "manifest.msgpack"))
+    mgr = ocp.CheckpointManager(os.path.join(root, "mgr_pytree"))
+    mgr.save(1, args=spo.PyTreeSave({"w": w}))          # was: ocp.args.PyTreeSave
+    mgr.wait_until_finished()
+    r = mgr.restore(1, args=spo.PyTreeRestore(restore_args={"w": ocp.ArrayRestoreArgs(sharding=cols)}))
+    mgr.close()
+    assert r["w"].sharding == cols
+
 print("RESULTS " + json.dumps(out))
 """
 
 CASES = ["save_args_cast", "custom_metadata", "no_target_keeps_saved_sharding",
          "topology_mismatch", "strict_false_truncates_and_pads", "masked_and_none_leaves",
          "prng_keys", "int64_without_x64_as_orbax", "orbax_errors", "one_argument_switch",
-         "shardpoint_save_takes_orbax_arguments", "empty_nodes_and_flax_structs"]
+         "shardpoint_save_takes_orbax_arguments", "empty_nodes_and_flax_structs",
+         "pytree_restore_args_per_leaf", "pytree_checkpointer_switch"]
 
 
 @pytest.fixture(scope="module")

@@ -439,7 +439,9 @@ def load_megatron(sharded_state_dict: Any, path: str, *, strict: bool = True,
     ``<dir>/common``), read without registering anything with megatron-core."""
     try:
         mdir = _megatron_dir(str(path))
-        if mdir is None:
+        if mdir is None and SHARDED not in read_metadata(str(path)).tree:
+            loaded, t = _load_flat(sharded_state_dict, str(path), strict, report, load_kwargs)
+        elif mdir is None:
             t = megatron_tree(sharded_state_dict, for_load=True, stored=stored_tensors(path))
             loaded = load(path, like=t.tree, strict=strict, report=report, **load_kwargs)
         else:
@@ -451,6 +453,23 @@ def load_megatron(sharded_state_dict: Any, path: str, *, strict: bool = True,
         return t.assemble(loaded)
     except errors.ShardpointError as e:
         raise as_megatron_error(e)
+
+
+def _load_flat(sharded_state_dict: Any, path: str, strict: bool, report: Any,
+               load_kwargs: dict) -> tuple:
+    """A shardpoint checkpoint written another way (the DCP plug-in, ``sp.save`` of a flat
+    dict): tensors and objects by Megatron key at the top of its tree, as the load strategy
+    reads them; the state dict's common values from the same top-level names where the
+    checkpoint has them (it has no separate common state)."""
+    t = megatron_tree(sharded_state_dict, for_load=True, stored=stored_tensors(path, ()))
+    top = read_metadata(path).tree
+    common = t.tree[COMMON] if isinstance(t.tree[COMMON], dict) else {}
+    like = dict(t.tree[SHARDED])
+    names = [k for k in common if k in top and k not in like]
+    like.update((k, common[k]) for k in names)
+    got = load(path, like=like, strict=strict, report=report, **load_kwargs)
+    return {SHARDED: {k: got[k] for k in t.tree[SHARDED]},
+            COMMON: {k: got[k] for k in names}}, t
 
 
 def _megatron_dir(d: str) -> Optional[tuple]:
