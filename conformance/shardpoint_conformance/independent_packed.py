@@ -63,7 +63,7 @@ def check_field(p, entries: list) -> dict:
     names = sorted([o[0] + "/" for o in objects] + [n + "/" for n in by_name])
     if any(b.startswith(a) for a, b in zip(names, names[1:])):
         raise _err("SP-PACK-2", "two object paths or array names equal, or one inside another")
-    arrays = []
+    arrays: list = []
     for a in p["arrays"]:
         if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
                 and (a[1] is None or isinstance(a[1], list))):
@@ -87,7 +87,7 @@ def check_field(p, entries: list) -> dict:
     for prev, r in zip(recs, recs[1:]):
         if (r[0], r[2]) <= (prev[0], prev[2]):
             raise _err("SP-PACK-4", "records not in strictly increasing (array, chunk) order")
-    out = {n: (k, e, inner, []) for n, k, e, inner in arrays}
+    out: dict = {n: (k, e, inner, []) for n, k, e, inner in arrays}
     for r in recs:
         a, o, c, off, length, _crc = r
         if a >= len(arrays) or o >= len(objects):

@@ -344,11 +344,14 @@ def _check_zarr(root: str, array: str, e: dict, key: str) -> dict:
         if any(isinstance(n, str) and n not in ("bytes", "crc32c", "sharding_indexed")
                for n in names):     # a missing or nameless codec is damage (1.3)
             raise VectorError("SP-ARRAY-1", f"{key}: unknown codec in {names}")
-        conf = codecs[0].get("configuration", {}) if names == ["sharding_indexed"] else None
-        if isinstance(conf, dict) and any(isinstance(c, dict) and c.get(
+        conf = codecs[0].get("configuration", {}) \
+            if names == ["sharding_indexed"] and isinstance(codecs, list) else None
+        if not isinstance(conf, dict):
+            raise VectorError("SP-ARRAY-2", f"{key}: codec chain {codecs!r}")
+        if any(isinstance(c, dict) and c.get(
                 "name") == "sharding_indexed" for c in conf.get("codecs") or []):
             raise VectorError("SP-ARRAY-1", f"{key}: nested sharding")
-        inner = conf.get("chunk_shape") if isinstance(conf, dict) else None
+        inner = conf.get("chunk_shape")
         ok = (isinstance(inner, list) and len(inner) == len(chunk)
               and all(type(i) is int and i >= 1 and c % i == 0 for i, c in zip(inner, chunk))
               and not set(conf) - {"chunk_shape", "codecs", "index_codecs", "index_location"}

@@ -198,11 +198,14 @@ class PreconditionProxy:
     def _generation(self, bucket: str, query: str, body: Optional[bytes]) -> str:
         """The current generation of the object an upload names ('0' where there is none):
         its name is in the query (media, resumable) or in the JSON part of a multipart body."""
-        name = (parse_qs(query).get("name") or [None])[0]
+        names = parse_qs(query).get("name")
+        name: Optional[str] = names[0] if names else None
         if name is None and body:
             start = body.find(b"{")
             meta, _ = json.JSONDecoder().raw_decode(body[start:].decode("utf-8", "replace"))
             name = meta["name"]
+        if name is None:          # an upload naming no object: nothing there to be newer than
+            return "0"
         status, _, data = self._request(
             "GET", f"/storage/v1/b/{bucket}/o/{quote(name, safe='')}", None, {})
         return str(json.loads(data)["generation"]) if status == 200 else "0"

@@ -15,7 +15,7 @@ async queues do not interfere.
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, Optional
+from typing import Any, Literal, Optional, overload
 
 from shardpoint.api.async_save import AsyncSave, GroupSaves
 from shardpoint.api.loading import LoadResult, run_load
@@ -163,6 +163,24 @@ def default_checkpointer() -> Checkpointer:
 
 
 # ------------------------------------------------------------------ the public functions
+@overload
+def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
+         backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
+         async_save: Literal[False] = False) -> SaveResult: ...
+
+
+@overload
+def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
+         backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
+         async_save: Literal[True]) -> AsyncSave: ...
+
+
+@overload
+def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
+         backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
+         async_save: bool = False) -> "SaveResult | AsyncSave": ...
+
+
 def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
          backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
          async_save: bool = False) -> "SaveResult | AsyncSave":

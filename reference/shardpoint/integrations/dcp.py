@@ -190,6 +190,10 @@ class ShardpointWriter(StorageWriter, BlockingAsyncStager):
                 continue
             data = planner.resolve_data(item)
             td = item.tensor_data
+            if td is None or not isinstance(data, torch.Tensor):     # not DCP's own planners
+                raise errors.SaveFailedError(
+                    f"DCP save to {self.path}: plan item {fqn!r} is a tensor item whose "
+                    "planner gave no tensor (or no tensor metadata); nothing was written")
             if item.type == WriteItemType.TENSOR and len(td.size) == data.dim() and \
                     tuple(td.size) == tuple(data.shape):
                 piece: Any = data.detach()

@@ -227,6 +227,7 @@ class ShardpointReader(StorageReader):
         if self._entries is None:
             self.read_metadata()
         entries = self._entries
+        assert entries is not None, "read_metadata() sets the entries"
         targets: dict = {}     # path -> [ShardedTensor] or a whole array of a value
         fills: list = []       # (item, target, buffer)
         values: list = []      # (item, path, node) of bytes items

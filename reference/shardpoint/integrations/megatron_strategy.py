@@ -63,6 +63,7 @@ import itertools
 import os
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
@@ -272,9 +273,9 @@ def _saving_with_shardpoint() -> bool:
     """Whether the ``dist_checkpointing.save`` that is calling the common saver was given
     shardpoint's sharded strategy (directly or inside Megatron's fully-parallel wrapper): its
     ``sharded_strategy`` argument, read from its frame; False when not called from there."""
-    f = sys._getframe(1)
+    f: Optional[FrameType] = sys._getframe(1)
     for _ in range(6):
-        f = f.f_back
+        f = f.f_back if f is not None else None
         if f is None:
             return False
         if f.f_code.co_name == "save" and f.f_globals.get("__name__", "").startswith(
