@@ -255,7 +255,8 @@ def test_benchmark_page_figures_all_come_from_files_the_scripts_wrote():
     names = sorted(f[:-5] for f in os.listdir(os.path.join(root, "benchmarks", "results"))
                    if f.endswith(".json"))
     assert names and re.findall(r"<!-- generated: benchmark (\w+) -->", page) == \
-        ["bench", "bench_async_train", "bench_jax", "bench_s3", "plan_scale",
+        ["bench", "bench_async_train", "bench_jax", "bench_s3", "bench_packed",
+         "bench_packed_s3", "bench_s3_packed", "bench_s3_perarray_same_run", "plan_scale",
          "plan_scale_cpu"]
     for name in names:
         assert f"<!-- generated: benchmark {name} -->" in page, name

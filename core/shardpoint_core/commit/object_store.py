@@ -110,11 +110,12 @@ def encode_marker(m: Manifest, save_dir: str) -> bytes:
     return encode_manifest(dataclasses.replace(m, tensors=tensors))
 
 
-def _array_dirs(envelope: bytes) -> List[str]:
-    """The array paths a committed manifest names (what removing it must delete)."""
+def _array_dirs(envelope: bytes) -> Tuple[List[str], bool]:
+    """The array paths a committed manifest names (what removing it must delete), and
+    whether it is packed (1.4: its data objects lie below ``packed/`` of its save prefix)."""
     env = msgpack.unpackb(envelope, raw=False, strict_map_key=False)
     m = msgpack.unpackb(env["body"], raw=False, strict_map_key=False)
-    return [e["array"] for e in m.get("tensors", {}).values()]
+    return [e["array"] for e in m.get("tensors", {}).values()], "packed" in m
 
 
 class ObjectStoreCommitter:
@@ -439,7 +440,7 @@ class ObjectStoreCommitter:
         copy (writers before 1.3); below each plain array path (section 3), all of it.
         Nothing else below a save prefix is ours to delete."""
         try:
-            dirs = _array_dirs(envelope)
+            dirs, packed = _array_dirs(envelope)
         except Exception:   # noqa: BLE001 - a damaged old marker: its objects stay, recover
             return []       # finds unreferenced save prefixes; nothing else is ours to guess
         prefixes, saves = set(), set()
@@ -453,7 +454,7 @@ class ObjectStoreCommitter:
             elif not top.startswith(SAVE_PREFIX):
                 prefixes.add(_join(target, d) + "/")
         out = [i.key for p in sorted(prefixes) for i in self.store.list(p)]
-        for save in sorted(saves):     # (1.4) its packed data objects ([SP-PACK-8])
+        for save in sorted(saves) if packed else ():   # (1.4) its data objects [SP-PACK-8]
             out += [i.key for i in self.store.list(_join(save, "packed") + "/")]
         for save in sorted(saves):     # its root group [SP-LAYOUT-5], a 1.2 staged copy
             out += [_join(save, "zarr.json"), _join(save, MANIFEST_NAME),
@@ -537,7 +538,7 @@ class ObjectStoreCommitter:
         """The save prefixes the marker of ``target`` names (empty where there is none)."""
         try:
             data = self.store.get(self._manifest_key(target))
-            return {d.split("/", 1)[0] for d in _array_dirs(data)}
+            return {d.split("/", 1)[0] for d in _array_dirs(data)[0]}
         except FileNotFoundError:
             return set()
         except Exception:   # noqa: BLE001 - an unreadable marker: treat every prefix as named

@@ -116,19 +116,29 @@ class CheckpointReader:
         another save replaced or removed the checkpoint since its manifest was read: what was
         read may mix two checkpoints. With a ``cause``, a failure to tell leaves it to
         stand (raises nothing)."""
+        if self.identity is None:
+            return
         try:
-            same = self.unchanged()
+            now = self.current_identity()
         except Exception:  # noqa: BLE001 - the read's own error stands
             if cause is None:
                 raise
-            same = True
-        if not same:
+            return
+        if now == self.identity:
+            return
+        what = "removed" if now is None else "replaced"
+        if cause is not None:       # the replacement is why a read failed: say so
             raise LoadFailedError(
-                f"the checkpoint at {self.path!r} was replaced (or removed) by another save "
-                "while it was read, so what was read may mix two checkpoints; nothing was "
-                "returned. Read again, and do not save over a checkpoint (overwrite=True, a "
-                "manager's force=True or retention) while another job reads it",
-                spec_id="SP-COMMIT-14") from cause
+                f"the checkpoint at {self.path!r} was {what} by another job while this load "
+                f"read it (retention or an overwrite), so its data went missing mid-read "
+                f"({cause}); nothing was returned. Load again (a manager's load() picks the "
+                "newest step)", spec_id="SP-COMMIT-14") from cause
+        raise LoadFailedError(
+            f"the checkpoint at {self.path!r} was replaced (or removed) by another save "
+            "while it was read, so what was read may mix two checkpoints; nothing was "
+            "returned. Read again, and do not save over a checkpoint (overwrite=True, a "
+            "manager's force=True or retention) while another job reads it",
+            spec_id="SP-COMMIT-14")
 
     def close(self) -> None:
         """The end of this load: the backend drops what it kept for reads of ``path`` (the
