@@ -20,6 +20,7 @@ process pays once, not per checkpoint); the page cache is dropped before every t
 when it cannot); tools are interleaved run by run; the table gives medians with min-max,
 peak extra memory, files per checkpoint, and ratios to raw and to DCP from the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,8 @@ from shardpoint_testing.launch import run_world  # noqa: E402
 
 class Results:
     def __init__(self) -> None:
-        self.t: dict = {}      # row -> [seconds]
-        self.mem: dict = {}    # row -> [bytes]
+        self.t: dict = {}  # row -> [seconds]
+        self.mem: dict = {}  # row -> [bytes]
         self.files: dict = {}  # row -> files per checkpoint
 
     def add(self, row: str, seconds: float, mem: int = None) -> None:
@@ -65,7 +66,7 @@ def step(res: Results, row: str, fn, drop: bool, *args):
         t = time.perf_counter()
         out = fn(*args)
         dt = time.perf_counter() - t
-    if isinstance(out, tuple):       # async: (blocking, total)
+    if isinstance(out, tuple):  # async: (blocking, total)
         res.add(row + " (blocking)", out[0], m.extra)
         res.add(row + " (total)", out[1])
     else:
@@ -106,8 +107,9 @@ COPY = "copy into reused buffers (the staging limit)"
 
 
 def raw_write_row(t: int, early: bool) -> str:
-    return f"raw write ({t} thread{'s' if t > 1 else ''}, 1 file + fsync" + \
-        (", early writeback)" if early else ")")
+    return f"raw write ({t} thread{'s' if t > 1 else ''}, 1 file + fsync" + (
+        ", early writeback)" if early else ")"
+    )
 
 
 def raw_read_row(t: int) -> str:
@@ -129,51 +131,86 @@ def best(res: "Results", rows: list) -> tuple:
     return r, m
 
 
-def bench_state(name: str, state: dict, base: str, repeat: int, drop: bool,
-                ts_writes: bool = False, loads: bool = True,
-                load_passes: int = LOAD_PASSES) -> tuple:
+def bench_state(
+    name: str,
+    state: dict,
+    base: str,
+    repeat: int,
+    drop: bool,
+    ts_writes: bool = False,
+    loads: bool = True,
+    load_passes: int = LOAD_PASSES,
+) -> tuple:
     res = Results()
     fl = bt.flat(state)
     k = tune_dcp_threads(fl, base, drop) if repeat > 1 or drop else 2
-    bufs = [t.clone() for t in fl.values()]     # touched: reused buffers, no page faults
+    bufs = [t.clone() for t in fl.values()]  # touched: reused buffers, no page faults
     like = bt.empty_like_tree(state)
     dlike = {k_: torch.empty_like(v) for k_, v in fl.items()}
-    paths = {"raw": f"{base}/raw.bin", "sp": f"{base}/sp", "spts": f"{base}/spts",
-             "spa": f"{base}/spa", "dcpa": f"{base}/dcpa", "torch": f"{base}/t.pt",
-             "st": f"{base}/s.safetensors", "rawf": f"{base}/rawf",
-             "copy": f"{base}/copy"}
+    paths = {
+        "raw": f"{base}/raw.bin",
+        "sp": f"{base}/sp",
+        "spts": f"{base}/spts",
+        "spa": f"{base}/spa",
+        "dcpa": f"{base}/dcpa",
+        "torch": f"{base}/t.pt",
+        "st": f"{base}/s.safetensors",
+        "rawf": f"{base}/rawf",
+        "copy": f"{base}/copy",
+    }
     paths.update({f"dcp{t}": f"{base}/dcp{t}" for t in DCP_THREADS})
-    saves = [(raw_write_row(t, e), lambda s, p, t=t, e=e: bt.raw_write(s, p, t, e), state,
-              "raw") for t, e in RAW_WRITES]
+    saves = [
+        (raw_write_row(t, e), lambda s, p, t=t, e=e: bt.raw_write(s, p, t, e), state, "raw")
+        for t, e in RAW_WRITES
+    ]
     saves += [("shardpoint save", bt.sp_save, state, "sp")]
-    layout: list = []     # shardpoint's files, from its first save
+    layout: list = []  # shardpoint's files, from its first save
 
     def files_write(st, p):
         layout[:] = layout or bt.file_layout(paths["sp"])
         return bt.raw_write_files(st, layout, p)
+
     saves += [(FILES_WRITE, files_write, state, "rawf")]
     if ts_writes:
         from shardpoint_core.transactions.backend import ZarrBackend
+
         be = ZarrBackend(direct_writes=False)
-        saves += [("shardpoint save, TensorStore writes (before)",
-                   lambda s, p: bt.sp_save(s, p, be), state, "spts")]
+        saves += [
+            (
+                "shardpoint save, TensorStore writes (before)",
+                lambda s, p: bt.sp_save(s, p, be),
+                state,
+                "spts",
+            )
+        ]
     saves += [(COPY, lambda s, p: bt.copy_state(bufs, s), fl, "copy")]
-    saves += [("shardpoint async save", bt.sp_async_save if bt.HAS_ASYNC else None, state,
-               "spa")]
-    saves += [(dcp_row(t), lambda s, p, t=t: bt.dcp_save(s, p, t), fl, f"dcp{t}")
-              for t in DCP_THREADS]
-    saves += [(f"DCP async_save (thread_count={k})", lambda s, p: bt.dcp_async_save(s, p, k),
-               fl, "dcpa"),
-              ("torch.save (+fsync)", bt.torch_save, fl, "torch"),
-              ("safetensors save (+fsync)", bt.st_save, fl, "st")]
-    load_steps = [(raw_read_row(t), lambda t=t: bt.raw_read(bufs, paths["raw"], t))
-                  for t in RAW_READS]
-    load_steps += [(files_read_row(t), lambda t=t: bt.raw_read_files(
-        bufs, layout or bt.file_layout(paths["sp"]), paths["sp"], t)) for t in FILES_READS]
-    load_steps += [("shardpoint load", lambda: bt.sp_load(like, paths["sp"])),
-                   ("DCP load", lambda: bt.dcp_load(dlike, paths[f"dcp{DCP_THREADS[-1]}"])),
-                   ("torch.load", lambda: bt.torch_load(paths["torch"])),
-                   ("safetensors load", lambda: bt.st_load(paths["st"]))]
+    saves += [("shardpoint async save", bt.sp_async_save if bt.HAS_ASYNC else None, state, "spa")]
+    saves += [
+        (dcp_row(t), lambda s, p, t=t: bt.dcp_save(s, p, t), fl, f"dcp{t}") for t in DCP_THREADS
+    ]
+    saves += [
+        (f"DCP async_save (thread_count={k})", lambda s, p: bt.dcp_async_save(s, p, k), fl, "dcpa"),
+        ("torch.save (+fsync)", bt.torch_save, fl, "torch"),
+        ("safetensors save (+fsync)", bt.st_save, fl, "st"),
+    ]
+    load_steps = [
+        (raw_read_row(t), lambda t=t: bt.raw_read(bufs, paths["raw"], t)) for t in RAW_READS
+    ]
+    load_steps += [
+        (
+            files_read_row(t),
+            lambda t=t: bt.raw_read_files(
+                bufs, layout or bt.file_layout(paths["sp"]), paths["sp"], t
+            ),
+        )
+        for t in FILES_READS
+    ]
+    load_steps += [
+        ("shardpoint load", lambda: bt.sp_load(like, paths["sp"])),
+        ("DCP load", lambda: bt.dcp_load(dlike, paths[f"dcp{DCP_THREADS[-1]}"])),
+        ("torch.load", lambda: bt.torch_load(paths["torch"])),
+        ("safetensors load", lambda: bt.st_load(paths["st"])),
+    ]
     for _ in range(repeat):
         for p in paths.values():
             bt.rm(p)
@@ -198,11 +235,15 @@ def fmt_row(res: Results, row: str, ref: dict, mark: str = "") -> str:
         return f"| {row} | n/a | | | | | |"
     med = statistics.median(v)
     mem = res.mem.get(row)
-    cells = [row + mark, f"{med:.3f}", f"{min(v):.3f}-{max(v):.3f}",
-             f"{med / ref['raw']:.2f}x" if ref.get("raw") else "",
-             f"{med / ref['dcp']:.2f}x" if ref.get("dcp") else "",
-             f"{statistics.median(mem) / 2**20:.0f} MiB" if mem else "",
-             str(res.files.get(row.replace(" (blocking)", "").replace(" (total)", ""), ""))]
+    cells = [
+        row + mark,
+        f"{med:.3f}",
+        f"{min(v):.3f}-{max(v):.3f}",
+        f"{med / ref['raw']:.2f}x" if ref.get("raw") else "",
+        f"{med / ref['dcp']:.2f}x" if ref.get("dcp") else "",
+        f"{statistics.median(mem) / 2**20:.0f} MiB" if mem else "",
+        str(res.files.get(row.replace(" (blocking)", "").replace(" (total)", ""), "")),
+    ]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -210,16 +251,26 @@ def state_run(name: str, res: Results, size: int) -> "tg.StateRun":
     """What the targets table needs of one state's results."""
     reads = [r for r in map(raw_read_row, RAW_READS) if res.med(r) is not None]
     return tg.StateRun(
-        name, size, best(res, [raw_write_row(t, e) for t, e in RAW_WRITES])[0],
-        best(res, reads)[0] if reads else None, best(res, list(map(dcp_row, DCP_THREADS)))[0],
+        name,
+        size,
+        best(res, [raw_write_row(t, e) for t, e in RAW_WRITES])[0],
+        best(res, reads)[0] if reads else None,
+        best(res, list(map(dcp_row, DCP_THREADS)))[0],
         lambda row: res.t.get(row, []),
-        lambda row: statistics.median(res.mem[row]) if res.mem.get(row) else None)
+        lambda row: statistics.median(res.mem[row]) if res.mem.get(row) else None,
+    )
 
 
-TARGET_ROWS = {"save": "shardpoint save", "load": "shardpoint load", "DCP load": "DCP load",
-               "async blocking": "shardpoint async save (blocking)",
-               "async total": "shardpoint async save (total)", "copy": COPY,
-               "floor write": FILES_WRITE, "floor reads": [files_read_row(t) for t in FILES_READS]}
+TARGET_ROWS = {
+    "save": "shardpoint save",
+    "load": "shardpoint load",
+    "DCP load": "DCP load",
+    "async blocking": "shardpoint async save (blocking)",
+    "async total": "shardpoint async save (total)",
+    "copy": COPY,
+    "floor write": FILES_WRITE,
+    "floor reads": [files_read_row(t) for t in FILES_READS],
+}
 
 
 def print_state_table(title: str, res: Results, size: int, k: int) -> None:
@@ -231,8 +282,10 @@ def print_state_table(title: str, res: Results, size: int, k: int) -> None:
     dcp_best, dcp_s = best(res, dcp_rows)
     have_reads = any(res.med(r) is not None for r in read_rows)
     read_best, raw_r = best(res, read_rows) if have_reads else ("", None)
-    print(f"references (lowest median of each family, marked *): write limit = {raw_best}; "
-          f"DCP = {dcp_best}" + (f"; read limit = {read_best}" if have_reads else ""))
+    print(
+        f"references (lowest median of each family, marked *): write limit = {raw_best}; "
+        f"DCP = {dcp_best}" + (f"; read limit = {read_best}" if have_reads else "")
+    )
     print("\n| step | median s | min-max s | x raw | x DCP | peak extra mem | files / dirs |")
     print("|---|---|---|---|---|---|---|")
     dcp_ab = res.med(f"DCP async_save (thread_count={k}) (blocking)")
@@ -255,23 +308,29 @@ def print_state_table(title: str, res: Results, size: int, k: int) -> None:
         print("| shardpoint async save | n/a (no async_save) | | | | | |")
     for row in dcp_rows:
         print(fmt_row(res, row, {"raw": raw_w, "dcp": dcp_s}, star.get(row, "")))
-    print(fmt_row(res, f"DCP async_save (thread_count={k}) (blocking)", {"raw": copy},
-                  " †"))
-    for row in [f"DCP async_save (thread_count={k}) (total)",
-                "torch.save (+fsync)", "safetensors save (+fsync)"]:
+    print(fmt_row(res, f"DCP async_save (thread_count={k}) (blocking)", {"raw": copy}, " †"))
+    for row in [
+        f"DCP async_save (thread_count={k}) (total)",
+        "torch.save (+fsync)",
+        "safetensors save (+fsync)",
+    ]:
         print(fmt_row(res, row, {"raw": raw_w}))
     if have_reads:
         for row in read_rows + [files_read_row(t) for t in FILES_READS]:
             print(fmt_row(res, row, {"raw": raw_r}, star.get(row, "")))
         for row in ["shardpoint load", "DCP load", "torch.load", "safetensors load"]:
-            print(fmt_row(res, row, {"raw": raw_r,
-                                     "dcp": dcp_l if row == "shardpoint load" else None}))
-    print("\n† x raw of these rows is to the copy of the state into reused buffers (what an "
-          "async save's blocking part cannot do without), not to the write limit.")
+            print(
+                fmt_row(
+                    res, row, {"raw": raw_r, "dcp": dcp_l if row == "shardpoint load" else None}
+                )
+            )
+    print(
+        "\n† x raw of these rows is to the copy of the state into reused buffers (what an "
+        "async save's blocking part cannot do without), not to the write limit."
+    )
 
 
-def record_state(rec: "br.Record", name: str, title: str, res: Results, size: int,
-                 k: int) -> None:
+def record_state(rec: "br.Record", name: str, title: str, res: Results, size: int, k: int) -> None:
     """The state's table as data: every row that ran, with the references and ratios that
     :func:`print_state_table` prints (ratios of medians, and per-round ratios beside them)."""
     raw_rows = [raw_write_row(t, e) for t, e in RAW_WRITES]
@@ -280,92 +339,158 @@ def record_state(rec: "br.Record", name: str, title: str, res: Results, size: in
     raw_best, dcp_best = best(res, raw_rows)[0], best(res, dcp_rows)[0]
     have_reads = any(res.med(r) is not None for r in read_rows)
     read_best = best(res, read_rows)[0] if have_reads else None
-    t = rec.table(name, title, "s", size, note=f"references: write limit = {raw_best}; DCP = "
-                  f"{dcp_best}" + (f"; read limit = {read_best}" if read_best else ""))
+    t = rec.table(
+        name,
+        title,
+        "s",
+        size,
+        note=f"references: write limit = {raw_best}; DCP = "
+        f"{dcp_best}" + (f"; read limit = {read_best}" if read_best else ""),
+    )
     t["references"] = {"raw write": raw_best, "DCP save": dcp_best, "raw read": read_best}
     dab = f"DCP async_save (thread_count={k}) (blocking)"
-    loads = read_rows + [files_read_row(x) for x in FILES_READS] + [
-        "shardpoint load", "DCP load", "torch.load", "safetensors load"]
+    loads = (
+        read_rows
+        + [files_read_row(x) for x in FILES_READS]
+        + ["shardpoint load", "DCP load", "torch.load", "safetensors load"]
+    )
     for row, v in res.t.items():
         blocking = "blocking" in row
         note = ""
         if row in loads:
-            ref = {"x raw": read_best, "x DCP": "DCP load" if row == "shardpoint load"
-                   else None}
+            ref = {"x raw": read_best, "x DCP": "DCP load" if row == "shardpoint load" else None}
         elif blocking or row == COPY:
             ref = {"x raw": COPY, "x DCP": dab if row.startswith("shardpoint") else None}
-            note = ("x raw of this row is to the copy of the state into reused buffers (what "
-                    "an async save's blocking part cannot do without), not to the write limit")
+            note = (
+                "x raw of this row is to the copy of the state into reused buffers (what "
+                "an async save's blocking part cannot do without), not to the write limit"
+            )
         else:
-            ref = {"x raw": raw_best, "x DCP": dcp_best if row.startswith(
-                ("shardpoint", "DCP save")) else None}
+            ref = {
+                "x raw": raw_best,
+                "x DCP": dcp_best if row.startswith(("shardpoint", "DCP save")) else None,
+            }
         ratios = {n: br.ratio(v, res.t.get(r, [])) for n, r in ref.items() if r}
         mem = res.mem.get(row)
-        br.Record.row(t, row, v, ratios, note,
-                      reference=row in (raw_best, dcp_best, read_best),
-                      peak_extra_bytes=statistics.median(mem) if mem else None,
-                      files=res.files.get(row.replace(" (blocking)", "").replace(
-                          " (total)", "")) or None)
+        br.Record.row(
+            t,
+            row,
+            v,
+            ratios,
+            note,
+            reference=row in (raw_best, dcp_best, read_best),
+            peak_extra_bytes=statistics.median(mem) if mem else None,
+            files=res.files.get(row.replace(" (blocking)", "").replace(" (total)", "")) or None,
+        )
 
 
-def bench_reshard(base: str, quick: bool, repeat: int, drop: bool,
-                  rec: "br.Record" = None) -> dict:
+def bench_reshard(base: str, quick: bool, repeat: int, drop: bool, rec: "br.Record" = None) -> dict:
     """Prints the resharded-load table; returns, for the targets table, per world the seconds
     per round of shardpoint as ``auto`` picks ("cols"), its same-layout load ("same") and
     DCP ("dcp"), "paired" when the same-layout load ran in the same rounds."""
     n, rows, cols = (4, 64, 32) if quick else (16, 8192, 1024)
     save_world, load_worlds = (2, (2,)) if quick else (4, (4, 3, 2))
     base = f"{base}/reshard"
-    first = run_world(save_world, rs.save_and_load_job, base, n, rows, cols, repeat, drop,
-                      timeout=900)[0]
+    first = run_world(
+        save_world, rs.save_and_load_job, base, n, rows, cols, repeat, drop, timeout=900
+    )[0]
     size = n * rows * cols * 4
-    print(f"\n### Resharded load: {n} tensors {rows}x{cols} fp32 ({size / 2**20:.0f} MiB) "
-          f"saved by {save_world} ranks by rows\n")
+    print(
+        f"\n### Resharded load: {n} tensors {rows}x{cols} fp32 ({size / 2**20:.0f} MiB) "
+        f"saved by {save_world} ranks by rows\n"
+    )
     print("| load | median s | min-max s | x same-layout | x DCP |")
     print("|---|---|---|---|---|")
     one = rs.single_process(base, n, rows, cols, repeat, drop)
-    tab = rec.table("reshard", f"Resharded load: {n} tensors {rows}x{cols} fp32 saved by "
-                    f"{save_world} ranks by rows", "s", size) if rec else None
+    tab = (
+        rec.table(
+            "reshard",
+            f"Resharded load: {n} tensors {rows}x{cols} fp32 saved by {save_world} ranks by rows",
+            "s",
+            size,
+        )
+        if rec
+        else None
+    )
 
     def line(label, v, same=None, dcp=None, same_v=None, dcp_v=None):
         med = statistics.median(v)
-        if tab is not None:      # the same-layout load ran in these rounds only at save_world
+        if tab is not None:  # the same-layout load ran in these rounds only at save_world
             paired = label.startswith(f"{save_world} ranks")
-            br.Record.row(tab, label, v, {
-                "x same-layout": br.ratio(v, same_v, paired=paired) if same else None,
-                "x DCP": br.ratio(v, dcp_v) if dcp else None})
-        print(f"| {label} | {med:.3f} | {min(v):.3f}-{max(v):.3f} | "
-              f"{f'{med / same:.2f}x' if same else ''} | {f'{med / dcp:.2f}x' if dcp else ''} |")
+            br.Record.row(
+                tab,
+                label,
+                v,
+                {
+                    "x same-layout": br.ratio(v, same_v, paired=paired) if same else None,
+                    "x DCP": br.ratio(v, dcp_v) if dcp else None,
+                },
+            )
+        print(
+            f"| {label} | {med:.3f} | {min(v):.3f}-{max(v):.3f} | "
+            f"{f'{med / same:.2f}x' if same else ''} | {f'{med / dcp:.2f}x' if dcp else ''} |"
+        )
+
     d1 = statistics.median(one["dcp full"])
     line("1 process, whole tensors: shardpoint", one["sp full"], dcp=d1, dcp_v=one["dcp full"])
     line("1 process, whole tensors: DCP", one["dcp full"])
     same_ref, same_runs = None, []
     out: dict = {}
     for w in load_worlds:
-        r = first if w == save_world else run_world(
-            w, rs.load_job, base, n, rows, cols, repeat, drop, False, timeout=900)[0]
-        line(f"{w} ranks: the checkpoint's files read raw, a share per rank "
-             f"({rs.RAW_THREADS} threads preadv each)", r["raw files"])
+        r = (
+            first
+            if w == save_world
+            else run_world(w, rs.load_job, base, n, rows, cols, repeat, drop, False, timeout=900)[0]
+        )
+        line(
+            f"{w} ranks: the checkpoint's files read raw, a share per rank "
+            f"({rs.RAW_THREADS} threads preadv each)",
+            r["raw files"],
+        )
         if "sp rows" in r:
             same_ref, same_runs = statistics.median(r["sp rows"]), r["sp rows"]
-            line(f"{w} ranks, rows (same layout): shardpoint", r["sp rows"],
-                 dcp=statistics.median(r["dcp rows"]), dcp_v=r["dcp rows"])
+            line(
+                f"{w} ranks, rows (same layout): shardpoint",
+                r["sp rows"],
+                dcp=statistics.median(r["dcp rows"]),
+                dcp_v=r["dcp rows"],
+            )
             line(f"{w} ranks, rows (same layout): DCP", r["dcp rows"])
         dc = statistics.median(r["dcp cols"])
         chose = "/".join(sorted(set(r.get("auto chose", []))))
-        line(f"{w} ranks, by columns: shardpoint (auto: {chose})", r["sp cols"], same_ref, dc,
-             same_runs, r["dcp cols"])
-        line(f"{w} ranks, by columns: shardpoint (dedup + exchange)", r["sp cols dedup"],
-             same_ref, dc, same_runs, r["dcp cols"])
+        line(
+            f"{w} ranks, by columns: shardpoint (auto: {chose})",
+            r["sp cols"],
+            same_ref,
+            dc,
+            same_runs,
+            r["dcp cols"],
+        )
+        line(
+            f"{w} ranks, by columns: shardpoint (dedup + exchange)",
+            r["sp cols dedup"],
+            same_ref,
+            dc,
+            same_runs,
+            r["dcp cols"],
+        )
         line(f"{w} ranks, by columns: DCP", r["dcp cols"], same_ref, same_v=same_runs)
-        out[w] = {"cols": r["sp cols"], "same": same_runs, "dcp": r["dcp cols"],
-                  "raw": r["raw files"], "paired": "sp rows" in r}
+        out[w] = {
+            "cols": r["sp cols"],
+            "same": same_runs,
+            "dcp": r["dcp cols"],
+            "raw": r["raw files"],
+            "paired": "sp rows" in r,
+        }
         x = r["exchange GB/s per rank"]
-        print(f"| {w} ranks: exchange rate (dedup), GB/s per rank | {statistics.median(x):.2f}"
-              f" | {min(x):.2f}-{max(x):.2f} | | |")
+        print(
+            f"| {w} ranks: exchange rate (dedup), GB/s per rank | {statistics.median(x):.2f}"
+            f" | {min(x):.2f}-{max(x):.2f} | | |"
+        )
         if rec:
-            xt = rec.table(f"reshard exchange {w}", f"{w} ranks: exchange rate (dedup) per "
-                           "rank", "GB/s")
+            xt = rec.table(
+                f"reshard exchange {w}", f"{w} ranks: exchange rate (dedup) per rank", "GB/s"
+            )
             br.Record.row(xt, f"{w} ranks: exchange rate (dedup), GB/s per rank", x)
     return out
 
@@ -378,63 +503,111 @@ def main(argv=None) -> None:
     ap.add_argument("--no-reshard", action="store_true", help="skip the multi-process part")
     ap.add_argument("--saves-only", action="store_true", help="time saves only (no loads)")
     ap.add_argument("--states", default="mixed,uniform", help="which states (mixed,uniform)")
-    ap.add_argument("--json", default=None, metavar="PATH",
-                    help="also write every row's measurements, medians, min-max and ratios, "
-                         "with the run's parameters and machine, to PATH (for the docs)")
-    ap.add_argument("--ts-writes", action="store_true",
-                    help="also time shardpoint's save through TensorStore's own writer (the "
-                         "write path before direct chunk writes), interleaved with the rest")
+    ap.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write every row's measurements, medians, min-max and ratios, "
+        "with the run's parameters and machine, to PATH (for the docs)",
+    )
+    ap.add_argument(
+        "--ts-writes",
+        action="store_true",
+        help="also time shardpoint's save through TensorStore's own writer (the "
+        "write path before direct chunk writes), interleaved with the rest",
+    )
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     repeat = a.repeat or (1 if a.quick else 3)
-    passes = 1 if a.quick else LOAD_PASSES     # a smoke test: every load step once
+    passes = 1 if a.quick else LOAD_PASSES  # a smoke test: every load step once
     base = tempfile.mkdtemp(prefix="sp-bench-", dir=a.dir)
     drop = not a.quick and bt.drop_caches()
-    rec = br.Record("bench.py", "shardpoint (PyTorch) against the disk's limits and DCP, "
-                    "on files", argv, {"quick": a.quick, "repeat": repeat, "load_passes": passes,
-                                       "cold_cache": bool(drop), "states": a.states,
-                                       "reshard": not (a.no_reshard or a.saves_only),
-                                       "saves_only": a.saves_only, "ts_writes": a.ts_writes},
-                    {"torch": torch.__version__}) if a.json else None
-    print(f"## shardpoint benchmark ({'quick' if a.quick else 'full'}, median of {repeat}; "
-          f"single-process loads: of {repeat * passes})\n")
-    print(f"machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, "
-          f"torch {torch.__version__}; dir {base}")
+    rec = (
+        br.Record(
+            "bench.py",
+            "shardpoint (PyTorch) against the disk's limits and DCP, on files",
+            argv,
+            {
+                "quick": a.quick,
+                "repeat": repeat,
+                "load_passes": passes,
+                "cold_cache": bool(drop),
+                "states": a.states,
+                "reshard": not (a.no_reshard or a.saves_only),
+                "saves_only": a.saves_only,
+                "ts_writes": a.ts_writes,
+            },
+            {"torch": torch.__version__},
+        )
+        if a.json
+        else None
+    )
+    print(
+        f"## shardpoint benchmark ({'quick' if a.quick else 'full'}, median of {repeat}; "
+        f"single-process loads: of {repeat * passes})\n"
+    )
+    print(
+        f"machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, "
+        f"torch {torch.__version__}; dir {base}"
+    )
     if drop:
         print("page cache: dropped before every timed step")
     else:
         why = "--quick" if a.quick else "writing /proc/sys/vm/drop_caches needs root"
         print(f"page cache: NOT dropped ({why}): loads below are WARM-cache numbers")
     try:
-        states = [("mixed (transformer-like, fp32 + bf16)",
-                   bt.mixed_state(1 / 32, layers=2) if a.quick else bt.mixed_state(1.0)),
-                  ("uniform (fp32)", bt.uniform_state(4, 1 / 16) if a.quick
-                   else bt.uniform_state(32, 32))]
+        states = [
+            (
+                "mixed (transformer-like, fp32 + bf16)",
+                bt.mixed_state(1 / 32, layers=2) if a.quick else bt.mixed_state(1.0),
+            ),
+            (
+                "uniform (fp32)",
+                bt.uniform_state(4, 1 / 16) if a.quick else bt.uniform_state(32, 32),
+            ),
+        ]
         wanted = a.states.split(",")
-        if not a.quick:     # one untimed round of every tool on a tiny state: imports, thread
-            bench_state("warm-up", bt.mixed_state(1 / 32), base, 1, False)   # pools, caches
+        if not a.quick:  # one untimed round of every tool on a tiny state: imports, thread
+            bench_state("warm-up", bt.mixed_state(1 / 32), base, 1, False)  # pools, caches
         runs, reshard = [], {}
         for title, state in states:
             if title.split(" ")[0] not in wanted:
                 continue
             n = len(bt.flat(state))
-            res, k = bench_state(title, state, base, repeat, drop, a.ts_writes,
-                                 not a.saves_only, passes)
+            res, k = bench_state(
+                title, state, base, repeat, drop, a.ts_writes, not a.saves_only, passes
+            )
             print_state_table(f"{title}, {n} tensors", res, bt.nbytes(state), k)
             if rec:
-                record_state(rec, title.split(" ")[0], f"{title}, {n} tensors: "
-                             f"{bt.nbytes(state) / 1e9:.3f} GB", res, bt.nbytes(state), k)
+                record_state(
+                    rec,
+                    title.split(" ")[0],
+                    f"{title}, {n} tensors: {bt.nbytes(state) / 1e9:.3f} GB",
+                    res,
+                    bt.nbytes(state),
+                    k,
+                )
             runs.append(state_run(title.split(" ")[0], res, bt.nbytes(state)))
             del state
         if not (a.no_reshard or a.saves_only):
             reshard = bench_reshard(base, a.quick, repeat, drop, rec)
-        tg.print_targets(runs, TARGET_ROWS, reshard, "--quick: tiny states, warm cache, one "
-                         "run: these verdicts mean nothing" if a.quick else "")
+        tg.print_targets(
+            runs,
+            TARGET_ROWS,
+            reshard,
+            "--quick: tiny states, warm cache, one run: these verdicts mean nothing"
+            if a.quick
+            else "",
+        )
         if rec:
-            rec.data["targets"] = {"columns": [r.name for r in runs], "rows": [
-                {"label": t, "cells": c} for t, c in (tg.state_rows(runs, TARGET_ROWS)
-                                                      if runs else [])]}
+            rec.data["targets"] = {
+                "columns": [r.name for r in runs],
+                "rows": [
+                    {"label": t, "cells": c}
+                    for t, c in (tg.state_rows(runs, TARGET_ROWS) if runs else [])
+                ],
+            }
             rec.write(a.json)
     finally:
         bt.rm(base)

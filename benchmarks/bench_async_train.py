@@ -30,6 +30,7 @@ thread_count=--dcp-threads, sync_files=True)``, ``AsyncCheckpointerType.THREAD``
 the process one with ``DefaultStager(StagingOptions(use_pinned_memory=cuda,
 use_shared_memory=True, use_async_staging=False))``, its documented zero-overhead staging).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,7 +67,7 @@ class Trainer:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-5)
         self.x = torch.randn(batch, width)
         self.y = torch.randn(batch, width)
-        self.step()      # Adam's moments exist from here on
+        self.step()  # Adam's moments exist from here on
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=False)
@@ -113,6 +114,7 @@ class SpSaver:
     def __init__(self, mode: str) -> None:
         from shardpoint.api.checkpointer import Checkpointer
         from shardpoint_core.transactions.backend import ZarrBackend
+
         parts = mode.split("-")
         threads = next((int(p[2:]) for p in parts if p.startswith("wt")), 16)
         prio = next((p for p in parts[1:] if not p.startswith("wt")), None)
@@ -153,8 +155,10 @@ class ChildSaver:
 
     def start(self, state: dict, path: str):
         from shardpoint.tree.views import copy_into
+
         if self.proc is None:
             import torch.multiprocessing as mp
+
             ctx = mp.get_context("spawn")
             self.shared = {k: torch.empty_like(v).share_memory_() for k, v in state.items()}
             self.conn, child = ctx.Pipe()
@@ -168,6 +172,7 @@ class ChildSaver:
             err = self.conn.recv()
             if err:
                 raise RuntimeError(err)
+
         return wait
 
     def close(self) -> None:
@@ -179,19 +184,28 @@ class ChildSaver:
 class DcpSaver:
     def __init__(self, mode: str, threads: int) -> None:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-        self.kind = AsyncCheckpointerType.PROCESS if mode == "dcp-process" else \
-            AsyncCheckpointerType.THREAD
+
+        self.kind = (
+            AsyncCheckpointerType.PROCESS if mode == "dcp-process" else AsyncCheckpointerType.THREAD
+        )
         self.threads = threads
         self.stager = None
         if mode == "dcp-process":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            self.stager = DefaultStager(StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
-                use_async_staging=False, use_non_blocking_copy=False))
+
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=torch.cuda.is_available(),
+                    use_shared_memory=True,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
 
     def start(self, state: dict, path: str):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
+
         w = FileSystemWriter(path, thread_count=self.threads, sync_files=True)
         kw = {"async_checkpointer_type": self.kind}
         if self.stager is not None:
@@ -238,8 +252,7 @@ def run_mode(tr: Trainer, saver, path: str, base_steps: int, max_steps: int) -> 
     # CPU the save took in this process beyond the trainer's thread (its writer threads; a
     # child process's is not counted): what it takes from the cores the trainer could use
     writer_cpu = time.process_time() - proc0 - (schedstat()[0] - mine0) / 1e9
-    return {"blocking": blocking, "drain": end[0] - t1, "steps": steps,
-            "writer_cpu": writer_cpu}
+    return {"blocking": blocking, "drain": end[0] - t1, "steps": steps, "writer_cpu": writer_cpu}
 
 
 def med(v: list):
@@ -269,6 +282,7 @@ def main(argv=None) -> None:
     modes = a.modes.split(",")
     if any(m.startswith("dcp") for m in modes):
         import torch.distributed as dist
+
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -286,44 +300,67 @@ def main(argv=None) -> None:
             savers[m] = ChildSaver(m)
         else:
             savers[m] = SpSaver(m)
-    print(f"# {a.layers}-layer MLP {a.width}x{a.width} fp32 + Adam, batch {a.batch}: state "
-          f"{nbytes / 1e9:.3f} GB; torch threads 1; {os.cpu_count()} cores; "
-          f"{platform.platform()}; torch {torch.__version__}", flush=True)
-    for m in modes:   # warm-up: imports, pools, the writer process, staging buffers
+    print(
+        f"# {a.layers}-layer MLP {a.width}x{a.width} fp32 + Adam, batch {a.batch}: state "
+        f"{nbytes / 1e9:.3f} GB; torch threads 1; {os.cpu_count()} cores; "
+        f"{platform.platform()}; torch {torch.__version__}",
+        flush=True,
+    )
+    for m in modes:  # warm-up: imports, pools, the writer process, staging buffers
         if savers[m] is not None:
             run_mode(tr, savers[m], os.path.join(root, m), a.base_steps, a.max_steps)
     raw: dict = {m: [] for m in modes}
     try:
         for r in range(a.rounds):
-            order = modes[r % len(modes):] + modes[:r % len(modes)]
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
             base = run_mode(tr, None, "", a.base_steps, a.max_steps)
             base_med = med([s["wall"] for s in base["steps"]])
             for m in order:
-                out = base if m == "none" else run_mode(
-                    tr, savers[m], os.path.join(root, m), a.base_steps, a.max_steps)
+                out = (
+                    base
+                    if m == "none"
+                    else run_mode(tr, savers[m], os.path.join(root, m), a.base_steps, a.max_steps)
+                )
                 walls = [s["wall"] for s in out["steps"]]
-                rec = {"load1": os.getloadavg()[0], "step": med(walls), "cpu": med([s["cpu"] for s in out["steps"]]),
-                       "runq": med([s["runq"] for s in out["steps"]]),
-                       "other": med([s["other"] for s in out["steps"]]),
-                       "n_steps": len(walls), "base": base_med}
+                rec = {
+                    "load1": os.getloadavg()[0],
+                    "step": med(walls),
+                    "cpu": med([s["cpu"] for s in out["steps"]]),
+                    "runq": med([s["runq"] for s in out["steps"]]),
+                    "other": med([s["other"] for s in out["steps"]]),
+                    "n_steps": len(walls),
+                    "base": base_med,
+                }
                 if m != "none":
-                    rec.update(blocking=out["blocking"], drain=out["drain"],
-                               writer_cpu=out["writer_cpu"],
-                               lost=sum(w - base_med for w in walls))
+                    rec.update(
+                        blocking=out["blocking"],
+                        drain=out["drain"],
+                        writer_cpu=out["writer_cpu"],
+                        lost=sum(w - base_med for w in walls),
+                    )
                 raw[m].append(rec)
-                print(f"round {r} {m:16s} " + " ".join(
-                    f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in rec.items()), flush=True)
+                print(
+                    f"round {r} {m:16s} "
+                    + " ".join(
+                        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in rec.items()
+                    ),
+                    flush=True,
+                )
     finally:
         for s in savers.values():
             if s is not None:
                 s.close()
         shutil.rmtree(root, ignore_errors=True)
     base_all = med([x["base"] for m in modes for x in raw[m]])
-    print(f"\n### Training steps while an async save drains ({a.rounds} interleaved rounds, "
-          f"median (min-max))\n")
-    print("| mode | step s | min-max s | x no save | cpu / runq / other s | blocking s "
-          "| drain s | lost s per save | steps in drain | writer cpu s |")
+    print(
+        f"\n### Training steps while an async save drains ({a.rounds} interleaved rounds, "
+        f"median (min-max))\n"
+    )
+    print(
+        "| mode | step s | min-max s | x no save | cpu / runq / other s | blocking s "
+        "| drain s | lost s per save | steps in drain | writer cpu s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
 
     def mm(vals: list, f: str = "{:.3f}") -> str:
@@ -336,22 +373,37 @@ def main(argv=None) -> None:
     for m in modes:
         rs = raw[m]
         ratio = [x["step"] / x["base"] for x in rs]
-        row = {k: [x.get(k) for x in rs] for k in
-               ("step", "cpu", "runq", "other", "blocking", "drain", "lost", "n_steps",
-                "writer_cpu")}
-        summary[m] = {k: med([v for v in vals if v is not None]) if any(
-            v is not None for v in vals) else None for k, vals in row.items()}
+        row = {
+            k: [x.get(k) for x in rs]
+            for k in (
+                "step",
+                "cpu",
+                "runq",
+                "other",
+                "blocking",
+                "drain",
+                "lost",
+                "n_steps",
+                "writer_cpu",
+            )
+        }
+        summary[m] = {
+            k: med([v for v in vals if v is not None]) if any(v is not None for v in vals) else None
+            for k, vals in row.items()
+        }
         summary[m]["x_no_save"] = med(ratio)
         st = row["step"]
-        print(f"| {m} | {med(st):.3f} | {min(st):.3f}-{max(st):.3f} | "
-              f"{mm(ratio, '{:.2f}x')} | "
-              f"{summary[m]['cpu']:.3f} / {summary[m]['runq']:.3f} / "
-              f"{summary[m]['other']:.3f} | {mm(row['blocking'])} | {mm(row['drain'])} | "
-              f"{mm(row['lost'])} | {mm(row['n_steps'], '{:.0f}')} | "
-              f"{mm(row['writer_cpu']) if not m.startswith('sp-child') else 'n/a'} |")
+        print(
+            f"| {m} | {med(st):.3f} | {min(st):.3f}-{max(st):.3f} | "
+            f"{mm(ratio, '{:.2f}x')} | "
+            f"{summary[m]['cpu']:.3f} / {summary[m]['runq']:.3f} / "
+            f"{summary[m]['other']:.3f} | {mm(row['blocking'])} | {mm(row['drain'])} | "
+            f"{mm(row['lost'])} | {mm(row['n_steps'], '{:.0f}')} | "
+            f"{mm(row['writer_cpu']) if not m.startswith('sp-child') else 'n/a'} |"
+        )
     print(f"\nno-save step median over all rounds: {base_all:.3f} s")
     rec = record(a, argv, raw, modes, nbytes)
-    for t in rec.data["tables"][1:]:      # the figures above, one table each (as in the file)
+    for t in rec.data["tables"][1:]:  # the figures above, one table each (as in the file)
         print(f"\n**{t['title']}**\n\n| mode | median s | min-max s |\n|---|---|---|")
         for r in t["rows"]:
             print(f"| {r['label']} | {r['median']:.3f} | {r['min']:.3f}-{r['max']:.3f} |")
@@ -362,34 +414,62 @@ def main(argv=None) -> None:
 def record(a, argv, raw: dict, modes: list, nbytes: int) -> "br.Record":
     """The run in ``bench_results``' schema: a table per figure, one row per mode, one value
     per round (the no-save median of the same round as the reference of each ratio)."""
-    cfg = {k: getattr(a, k) for k in ("rounds", "layers", "width", "batch", "dcp_threads",
-                                      "quick")}
+    cfg = {k: getattr(a, k) for k in ("rounds", "layers", "width", "batch", "dcp_threads", "quick")}
     cfg["state_bytes"] = nbytes
-    rec = br.Record("bench_async_train.py", "Training steps while an async save drains: an "
-                    f"MLP of {a.layers} layers on one torch thread, its weights and Adam state "
-                    "saved asynchronously", argv, cfg, {"torch": torch.__version__})
+    rec = br.Record(
+        "bench_async_train.py",
+        "Training steps while an async save drains: an "
+        f"MLP of {a.layers} layers on one torch thread, its weights and Adam state "
+        "saved asynchronously",
+        argv,
+        cfg,
+        {"torch": torch.__version__},
+    )
     saves = [m for m in modes if m != "none"]
-    t = rec.table("step", "Median training step while the save drains (no save: the round's "
-                  "steps without one)")
+    t = rec.table(
+        "step",
+        "Median training step while the save drains (no save: the round's steps without one)",
+    )
     for m in modes:
         rs = raw[m]
-        br.Record.row(t, m, [x["step"] for x in rs],
-                      {"x no save": br.ratio([x["step"] for x in rs], [x["base"] for x in rs])},
-                      cpu=med([x["cpu"] for x in rs]), runq=med([x["runq"] for x in rs]),
-                      other=med([x["other"] for x in rs]))
-    for name, title in (("runq", "Per step: time the training thread waited runnable for a "
-                         "core (median step of each round)"),
-                        ("other", "Per step: time the training thread was blocked (waiting "
-                         "for the GIL, a lock, I/O; median step of each round)")):
+        br.Record.row(
+            t,
+            m,
+            [x["step"] for x in rs],
+            {"x no save": br.ratio([x["step"] for x in rs], [x["base"] for x in rs])},
+            cpu=med([x["cpu"] for x in rs]),
+            runq=med([x["runq"] for x in rs]),
+            other=med([x["other"] for x in rs]),
+        )
+    for name, title in (
+        (
+            "runq",
+            "Per step: time the training thread waited runnable for a "
+            "core (median step of each round)",
+        ),
+        (
+            "other",
+            "Per step: time the training thread was blocked (waiting "
+            "for the GIL, a lock, I/O; median step of each round)",
+        ),
+    ):
         t = rec.table(f"step_{name}", title)
         for m in modes:
             br.Record.row(t, m, [x[name] for x in raw[m]])
-    for name, title in (("lost", "Training time lost per save (sum over the steps in the drain "
-                         "of step minus the no-save median)"),
-                        ("drain", "Drain: from the save call's return to the commit"),
-                        ("blocking", "Blocking part of the save call"),
-                        ("writer_cpu", "CPU the save took in the trainer's process beyond the "
-                         "training thread (not counted for a child process)")):
+    for name, title in (
+        (
+            "lost",
+            "Training time lost per save (sum over the steps in the drain "
+            "of step minus the no-save median)",
+        ),
+        ("drain", "Drain: from the save call's return to the commit"),
+        ("blocking", "Blocking part of the save call"),
+        (
+            "writer_cpu",
+            "CPU the save took in the trainer's process beyond the "
+            "training thread (not counted for a child process)",
+        ),
+    ):
         t = rec.table(name, title)
         for m in saves:
             if name == "writer_cpu" and m.startswith("sp-child"):

@@ -11,6 +11,7 @@ preallocated tensors, checked bit for bit. States from ``bench_states`` (torch o
 seed for both). Prints medians with min-max per revision and the median of the per-round
 ratios after/before, the figure that survives a noisy disk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,9 @@ print(json.dumps({{"save": save, "load": load, "ok": ok, "cold": cold}}))
 def export(rev: str, into: str) -> list:
     """The revision's tree under ``into`` and the folders to put on sys.path for it."""
     os.makedirs(into)
-    archive = subprocess.run(["git", "-C", REPO, "archive", rev], check=True,
-                             capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", REPO, "archive", rev], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
     names = ("core", "reference", "testing", "conformance", "backends")
     return [os.path.join(into, n) for n in names if os.path.isdir(os.path.join(into, n))]
@@ -79,8 +81,9 @@ def one(paths: list, state: str, scale: float, n: int, where: str) -> dict:
     path = os.path.join(where, "ckpt")
     code = CHILD.format(paths=paths + [HERE], scale=scale, n=n, state=state, path=path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=1200)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1200
+    )
     shutil.rmtree(where, ignore_errors=True)
     if r.returncode != 0:
         raise SystemExit(r.stderr[-3000:])
@@ -99,35 +102,44 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     base = tempfile.mkdtemp(prefix="sp-ab-", dir=a.dir)
     try:
-        trees = {"before": export(a.before, os.path.join(base, "before")),
-                 "after": export(a.after, os.path.join(base, "after"))}
+        trees = {
+            "before": export(a.before, os.path.join(base, "before")),
+            "after": export(a.after, os.path.join(base, "after")),
+        }
         res: dict = {}
         cold = True
         for r in range(a.rounds):
             for state in a.states.split(","):
                 order = ("before", "after") if r % 2 == 0 else ("after", "before")
                 for which in order:
-                    out = one(trees[which], state, a.scale, a.tensors,
-                              os.path.join(base, f"w-{which}"))
+                    out = one(
+                        trees[which], state, a.scale, a.tensors, os.path.join(base, f"w-{which}")
+                    )
                     if not out["ok"]:
                         raise SystemExit(f"{which} {state}: load not bit-exact")
                     cold = cold and out["cold"]
                     for step in ("save", "load"):
                         res.setdefault((state, step, which), []).append(out[step])
             print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
-        print(f"## shardpoint {a.before} (before) vs {a.after} (after), {a.rounds} interleaved "
-              f"rounds, fresh process per step; page cache "
-              f"{'dropped before every step' if cold else 'NOT dropped (needs root): warm'}\n")
-        print("| state | step | before s, median (min-max) | after s, median (min-max) "
-              "| after/before, median of per-round ratios (min-max) |")
+        print(
+            f"## shardpoint {a.before} (before) vs {a.after} (after), {a.rounds} interleaved "
+            f"rounds, fresh process per step; page cache "
+            f"{'dropped before every step' if cold else 'NOT dropped (needs root): warm'}\n"
+        )
+        print(
+            "| state | step | before s, median (min-max) | after s, median (min-max) "
+            "| after/before, median of per-round ratios (min-max) |"
+        )
         print("|---|---|---|---|---|")
         for state in a.states.split(","):
             for step in ("save", "load"):
                 b, f = res[(state, step, "before")], res[(state, step, "after")]
                 ratios = [y / x for x, y in zip(b, f)]
-                print(f"| {state} | {step} | {statistics.median(b):.3f} ({min(b):.3f}-"
-                      f"{max(b):.3f}) | {statistics.median(f):.3f} ({min(f):.3f}-{max(f):.3f}) "
-                      f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
+                print(
+                    f"| {state} | {step} | {statistics.median(b):.3f} ({min(b):.3f}-"
+                    f"{max(b):.3f}) | {statistics.median(f):.3f} ({min(f):.3f}-{max(f):.3f}) "
+                    f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |"
+                )
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

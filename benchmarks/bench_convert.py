@@ -17,6 +17,7 @@ that took). "peak RSS+" (library mode) is the peak resident-memory growth of the
 process (N = 1) or of the largest worker (N > 1); it counts the pages of memory-mapped sources
 (safetensors, ``torch.save``) that were read, which are page cache the kernel can reclaim.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ def write_sources(root: str, scale: float) -> tuple:
     """The mixed state as an HF safetensors directory and as a DCP checkpoint."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
+
     flat = bt.flat(bt.mixed_state(scale))
     hf = os.path.join(root, "hf")
     os.makedirs(hf)
@@ -56,6 +58,7 @@ def write_sources(root: str, scale: float) -> tuple:
         save_file(part, os.path.join(hf, fn), metadata={"format": "pt"})
         wm.update({k: fn for k in part})
     import json
+
     with open(os.path.join(hf, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": bt.nbytes(flat)}, "weight_map": wm}, f)
     dcp_dir = os.path.join(root, "dcp")
@@ -85,12 +88,17 @@ def main(argv: list = None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--procs", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
-    ap.add_argument("--cli", action="store_true", help="time `python -m shardpoint convert` "
-                    "in a fresh process per step (interpreter, imports and, for N > 1, the "
-                    "fork server's start included) instead of the library call")
+    ap.add_argument(
+        "--cli",
+        action="store_true",
+        help="time `python -m shardpoint convert` "
+        "in a fresh process per step (interpreter, imports and, for N > 1, the "
+        "fork server's start included) instead of the library call",
+    )
     a = ap.parse_args(argv)
     from shardpoint.tools.convert import convert
     from shardpoint.tools.convert.base import limit_heap_growth
+
     limit_heap_growth()
     with tempfile.TemporaryDirectory(dir=a.dir) as root:
         srcs, total, n = write_sources(root, a.scale)
@@ -99,14 +107,18 @@ def main(argv: list = None) -> None:
             # Library mode measures conversion with a running fork server; its start (once
             # per process: importing torch and the readers) is timed here on its own.
             import shardpoint as sp
+
             sp.save({"t": torch.ones(4)}, os.path.join(root, "tiny"))
             t = time.perf_counter()
-            convert(os.path.join(root, "tiny"), os.path.join(root, "tiny.safetensors"),
-                    procs=max(a.procs))
+            convert(
+                os.path.join(root, "tiny"),
+                os.path.join(root, "tiny.safetensors"),
+                procs=max(a.procs),
+            )
             warm = f"; fork server start + a tiny conversion: {time.perf_counter() - t:.1f} s"
         dropped = bt.drop_caches()
         times: dict = {}
-        peaks: dict = {}     # (source, procs) -> workers' peak RSS growth (library mode)
+        peaks: dict = {}  # (source, procs) -> workers' peak RSS growth (library mode)
         for _ in range(a.runs):
             for fmt, src in srcs.items():
                 for p in a.procs:
@@ -116,37 +128,60 @@ def main(argv: list = None) -> None:
                     base_rss = reset_peak_rss()
                     t = time.perf_counter()
                     if a.cli:
-                        subprocess.run([sys.executable, "-m", "shardpoint", "convert", src, dst,
-                                        "--procs", str(p), "--trust-pickle"],   # our own DCP
-                                       check=True, stdout=subprocess.DEVNULL)
+                        subprocess.run(
+                            [
+                                sys.executable,
+                                "-m",
+                                "shardpoint",
+                                "convert",
+                                src,
+                                dst,
+                                "--procs",
+                                str(p),
+                                "--trust-pickle",
+                            ],  # our own DCP
+                            check=True,
+                            stdout=subprocess.DEVNULL,
+                        )
                     else:
-                        rep = convert(src, dst, procs=p, trust_pickle=True)   # our own DCP
+                        rep = convert(src, dst, procs=p, trust_pickle=True)  # our own DCP
                         peaks.setdefault((fmt, p), []).extend(
-                            rep.worker_peak_bytes if p > 1 else [peak_rss() - base_rss])
+                            rep.worker_peak_bytes if p > 1 else [peak_rss() - base_rss]
+                        )
                     times.setdefault((fmt, p), []).append(time.perf_counter() - t)
                     bt.rm(dst)
-        how = ("CLI, fresh process per step" if a.cli
-               else "library call, fork server running" + warm)
-        print(f"{how}; per-step seconds: " + ", ".join(
-            f"{f}/{p}: " + " ".join(f"{x:.1f}" for x in ts) for (f, p), ts in times.items()))
-        print(f"convert to shardpoint: {total / 1e9:.2f} GB in {n} tensors, "
-              f"{a.runs} interleaved runs, {os.cpu_count()} CPUs, load average "
-              f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, page cache: "
-              f"{'dropped before each step' if dropped else 'NOT dropped (not root)'}")
-        print(f"{'source':<12} {'procs':>5} {'median s':>9} {'min-max s':>13} {'GB/s':>6} "
-              f"{'speedup (per-run range)':>24} {'peak RSS+':>10}")
+        how = "CLI, fresh process per step" if a.cli else "library call, fork server running" + warm
+        print(
+            f"{how}; per-step seconds: "
+            + ", ".join(
+                f"{f}/{p}: " + " ".join(f"{x:.1f}" for x in ts) for (f, p), ts in times.items()
+            )
+        )
+        print(
+            f"convert to shardpoint: {total / 1e9:.2f} GB in {n} tensors, "
+            f"{a.runs} interleaved runs, {os.cpu_count()} CPUs, load average "
+            f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, page cache: "
+            f"{'dropped before each step' if dropped else 'NOT dropped (not root)'}"
+        )
+        print(
+            f"{'source':<12} {'procs':>5} {'median s':>9} {'min-max s':>13} {'GB/s':>6} "
+            f"{'speedup (per-run range)':>24} {'peak RSS+':>10}"
+        )
         for fmt in srcs:
             base = times.get((fmt, 1))
             for p in a.procs:
                 ts = times[(fmt, p)]
                 med = statistics.median(ts)
                 rs = [b / t for b, t in zip(base or [], ts)]
-                ratio = "" if not rs else \
-                    f"{statistics.median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})"
+                ratio = (
+                    "" if not rs else f"{statistics.median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})"
+                )
                 pk = peaks.get((fmt, p))
                 mem = f"{max(pk) / 2**20:.0f} MiB" if pk else ""
-                print(f"{fmt:<12} {p:>5} {med:>9.2f} {min(ts):>6.2f}-{max(ts):<6.2f} "
-                      f"{total / 1e9 / med:>6.2f} {ratio:>24} {mem:>10}")
+                print(
+                    f"{fmt:<12} {p:>5} {med:>9.2f} {min(ts):>6.2f}-{max(ts):<6.2f} "
+                    f"{total / 1e9 / med:>6.2f} {ratio:>24} {mem:>10}"
+                )
 
 
 if __name__ == "__main__":

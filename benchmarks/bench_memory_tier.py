@@ -17,6 +17,7 @@ replacement host's memory is emptied before every round, so each round restores 
 fresh replacement would. The table gives medians (min-max) of the slowest rank, the ratio,
 and the bytes the side channel carried.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,6 +47,7 @@ def _block(i: int, rank: int, world: int, rows: int, cols: int) -> torch.Tensor:
 
 def _state(rank: int, world: int, n: int, rows: int, cols: int, zeros: bool = False) -> dict:
     import shardpoint as sp
+
     per = rows // world
     out = {}
     for i in range(n):
@@ -57,9 +59,11 @@ def _state(rank: int, world: int, n: int, rows: int, cols: int, zeros: bool = Fa
 
 def _tier(rank: int, hosts: list, shm: str):
     import shardpoint as sp
+
     h = hosts[rank]
-    return sp.MemoryTier(JOB, k=1, host_id=h, shm_dir=os.path.join(shm, h),
-                         advertise="127.0.0.1", timeout_s=300)
+    return sp.MemoryTier(
+        JOB, k=1, host_id=h, shm_dir=os.path.join(shm, h), advertise="127.0.0.1", timeout_s=300
+    )
 
 
 def _timed(fn, rank: int, drop: bool = False):
@@ -76,6 +80,7 @@ def _timed(fn, rank: int, drop: bool = False):
 
 def save_job(rank, world, hosts, shm, durable, n, rows, cols):
     import shardpoint as sp
+
     state = _state(rank, world, n, rows, cols)
     tier = _tier(rank, hosts, shm)
     _res, t_mem = _timed(lambda: tier.save(state, 7), rank)
@@ -105,6 +110,7 @@ def restore_job(rank, world, hosts, shm, durable, n, rows, cols):
         r = tier.restore(like)
         r.timings["start"] = started
         return tier, r
+
     (tier, r), got["memory"] = _timed(from_memory, rank)
     assert set(r.sources.values()) == {"memory"}, r.sources
     check(r.tree)
@@ -142,19 +148,53 @@ def main(argv=None) -> dict:
     durable = os.path.join(work, "durable", "step_7")
     shm = os.path.join(a.shm_dir, f"run{os.getpid()}")
     cold = drop_caches()
-    rec = br.Record("bench_memory_tier.py", "Restore after a host loss: peer memory vs storage",
-                    argv, {"bytes": total, "ranks": a.ranks, "hosts": a.hosts, "k": 1,
-                           "tensors": a.tensors, "repeat": a.repeat, "quick": a.quick,
-                           "cold_cache": cold, "storage": "files (fsync'd)"})
+    rec = br.Record(
+        "bench_memory_tier.py",
+        "Restore after a host loss: peer memory vs storage",
+        argv,
+        {
+            "bytes": total,
+            "ranks": a.ranks,
+            "hosts": a.hosts,
+            "k": 1,
+            "tensors": a.tensors,
+            "repeat": a.repeat,
+            "quick": a.quick,
+            "cold_cache": cold,
+            "storage": "files (fsync'd)",
+        },
+    )
     try:
-        s = run_world(a.ranks, save_job, hosts, shm, durable, a.tensors, rows, cols,
-                      timeout=1800, pg_timeout=600)
-        shutil.rmtree(os.path.join(shm, lost))           # the host is lost
+        s = run_world(
+            a.ranks,
+            save_job,
+            hosts,
+            shm,
+            durable,
+            a.tensors,
+            rows,
+            cols,
+            timeout=1800,
+            pg_timeout=600,
+        )
+        shutil.rmtree(os.path.join(shm, lost))  # the host is lost
         rounds = []
         for _ in range(a.repeat):
-            shutil.rmtree(os.path.join(shm, "spare"), ignore_errors=True)   # a fresh spare
-            rounds.append(run_world(a.ranks, restore_job, replacement, shm, durable,
-                                    a.tensors, rows, cols, timeout=1800, pg_timeout=600))
+            shutil.rmtree(os.path.join(shm, "spare"), ignore_errors=True)  # a fresh spare
+            rounds.append(
+                run_world(
+                    a.ranks,
+                    restore_job,
+                    replacement,
+                    shm,
+                    durable,
+                    a.tensors,
+                    rows,
+                    cols,
+                    timeout=1800,
+                    pg_timeout=600,
+                )
+            )
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         if a.dir is None:
@@ -162,29 +202,46 @@ def main(argv=None) -> dict:
     mem = [max(r["memory"] for r in rr) for rr in rounds]
     sto = [max(r["storage"] for r in rr) for rr in rounds]
     fetched = sum(r["fetched_bytes"] for r in rounds[-1])
-    phases = {k: max(r["phases"].get(k, 0.0) for r in rounds[-1])
-              for k in ("start", "decide", "gather", "load")}
+    phases = {
+        k: max(r["phases"].get(k, 0.0) for r in rounds[-1])
+        for k in ("start", "decide", "gather", "load")
+    }
     gib = total / (1 << 30)
-    print(f"state {gib:.3f} GiB, {a.ranks} ranks on {a.hosts} hosts, k=1; host {lost} lost, "
-          f"restored by a job with a replacement host; page cache: "
-          f"{'dropped' if cold else 'NOT dropped (not root)'} before each storage load")
+    print(
+        f"state {gib:.3f} GiB, {a.ranks} ranks on {a.hosts} hosts, k=1; host {lost} lost, "
+        f"restored by a job with a replacement host; page cache: "
+        f"{'dropped' if cold else 'NOT dropped (not root)'} before each storage load"
+    )
     t = rec.table("save", "Save once (slowest rank)", nbytes=total)
-    rec.row(t, "memory tier (k=1, replicated)", [max(r["memory"] for r in s)],
-            replica_bytes=sum(r["replica_bytes"] for r in s))
+    rec.row(
+        t,
+        "memory tier (k=1, replicated)",
+        [max(r["memory"] for r in s)],
+        replica_bytes=sum(r["replica_bytes"] for r in s),
+    )
     rec.row(t, "files (fsync'd)", [max(r["storage"] for r in s)])
-    print(f"save: memory tier {max(r['memory'] for r in s):.3f} s (replicas sent "
-          f"{sum(r['replica_bytes'] for r in s) / (1 << 20):.0f} MiB), files "
-          f"{max(r['storage'] for r in s):.3f} s")
+    print(
+        f"save: memory tier {max(r['memory'] for r in s):.3f} s (replicas sent "
+        f"{sum(r['replica_bytes'] for r in s) / (1 << 20):.0f} MiB), files "
+        f"{max(r['storage'] for r in s):.3f} s"
+    )
     t = rec.table("restore", "Restore after the loss of one host (slowest rank)", nbytes=total)
-    rec.row(t, "from peer memory (restart of the tier included)", mem,
-            ratios={"faster than storage": br.ratio(mem, sto, invert=True)},
-            fetched_bytes=fetched, phases=phases)
+    rec.row(
+        t,
+        "from peer memory (restart of the tier included)",
+        mem,
+        ratios={"faster than storage": br.ratio(mem, sto, invert=True)},
+        fetched_bytes=fetched,
+        phases=phases,
+    )
     rec.row(t, "from storage (files)", sto)
-    print(f"restore: peer memory {statistics.median(mem):.3f} s ({min(mem):.3f}-{max(mem):.3f}),"
-          f" storage {statistics.median(sto):.3f} s ({min(sto):.3f}-{max(sto):.3f}); "
-          f"{statistics.median(sto) / statistics.median(mem):.2f}x; the side channel carried "
-          f"{fetched / (1 << 20):.0f} MiB to the replacement host; phases of the last round "
-          f"(slowest rank): " + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
+    print(
+        f"restore: peer memory {statistics.median(mem):.3f} s ({min(mem):.3f}-{max(mem):.3f}),"
+        f" storage {statistics.median(sto):.3f} s ({min(sto):.3f}-{max(sto):.3f}); "
+        f"{statistics.median(sto) / statistics.median(mem):.2f}x; the side channel carried "
+        f"{fetched / (1 << 20):.0f} MiB to the replacement host; phases of the last round "
+        f"(slowest rank): " + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items())
+    )
     if a.json:
         rec.write(a.json)
     return rec.data

@@ -12,6 +12,7 @@ again alone, and each reader check is timed apart over all arrays. With ``--comp
 REV is exported from git and each measurement alternates between the two trees, each in a
 fresh process, so drift of a shared machine falls on both; the medians per tree are printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,26 +45,27 @@ def measure(path: str, repeat: int, profile: bool) -> dict:
     import torch
     import shardpoint as sp
     import bench_states as bs
-    try:                    # the layout since the layer split
+
+    try:  # the layout since the layer split
         from shardpoint.api.loading import LoadJob
         from shardpoint.exchange.comm import Comm
         from shardpoint.planning.load_planner import LoadOptions
         from shardpoint_core.format.manifest import decode_manifest
         from shardpoint_core.transactions.resolve import get_backend
-    except ImportError:     # before it (f6563d8): the whole load only
+    except ImportError:  # before it (f6563d8): the whole load only
         LoadJob = None
         from shardpoint.metadata import decode_manifest
         from shardpoint.storage import get_backend
-    try:                    # the load transaction (issue 29)
+    try:  # the load transaction (issue 29)
         from shardpoint_core.transactions.reader import CheckpointReader
-    except ImportError:     # before it: the backend's calls, as a load made them
+    except ImportError:  # before it: the backend's calls, as a load made them
         CheckpointReader = None
 
     state = bs.mixed_state(float(json.load(open(path + ".json"))["scale"]))
 
     def empty(t):
-        return {k: empty(v) for k, v in t.items()} if isinstance(t, dict) \
-            else torch.empty_like(t)
+        return {k: empty(v) for k, v in t.items()} if isinstance(t, dict) else torch.empty_like(t)
+
     like = empty(state)
     del state
     be = get_backend(None)
@@ -76,14 +78,18 @@ def measure(path: str, repeat: int, profile: bool) -> dict:
             res.setdefault("load", []).append(time.process_time() - t)
             return
         job = LoadJob(path, like, Comm(None), be, True, LoadOptions())
-        for name, fn in (("manifest", job.read_manifest), ("plan", job.plan),
-                         ("read", lambda: job.read(job.budget)), ("result", job.result)):
+        for name, fn in (
+            ("manifest", job.read_manifest),
+            ("plan", job.plan),
+            ("read", lambda: job.read(job.budget)),
+            ("result", job.result),
+        ):
             t = time.process_time()
             fn()
             res.setdefault(name, []).append(time.process_time() - t)
 
     for _ in range(2):
-        phases()                                       # warm: page cache, imports, pools
+        phases()  # warm: page cache, imports, pools
     res.clear()
     for _ in range(repeat):
         phases()
@@ -98,11 +104,13 @@ def measure(path: str, repeat: int, profile: bool) -> dict:
         def open_array(k):
             e = m.tensors[k]
             return be.open_array_for_read(path, e.array, e.spec, k)
+
     ents = [(k, e) for k, e in m.tensors.items()]
 
     def open_all() -> None:
         for k, _e in ents:
             open_array(k)
+
     out["open"] = _cpu(open_all, repeat)
     try:
         from shardpoint.api.open_ahead import OpenAhead
@@ -110,10 +118,11 @@ def measure(path: str, repeat: int, profile: bool) -> dict:
         from shardpoint.open_ahead import OpenAhead
     tensors = dict(ents)
 
-    def open_ahead() -> None:       # as a load opens them: 8 threads ahead of the reads
+    def open_ahead() -> None:  # as a load opens them: 8 threads ahead of the reads
         with OpenAhead(open_array, tensors) as h:
             for k in tensors:
                 h(k)
+
     out["open, 8 threads (as a load)"] = _cpu(open_ahead, repeat)
     out["arrays"] = len(ents)
     if LoadJob is not None:
@@ -121,6 +130,7 @@ def measure(path: str, repeat: int, profile: bool) -> dict:
     if profile:
         import cProfile
         import pstats
+
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(5):
@@ -134,37 +144,58 @@ def _checks(path: str, ents: list, repeat: int) -> dict:
     """Each open-time check alone over all arrays, where this tree has it."""
     from shardpoint_core.format.dtypes import from_name
     from shardpoint_core.arrays import checks as ck
+
     out = {}
-    if hasattr(ck, "scan_array"):           # one pass: listing, kinds, zarr.json read
+    if hasattr(ck, "scan_array"):  # one pass: listing, kinds, zarr.json read
         scans = [ck.scan_array(path, e.array, k) for k, e in ents]
         out["files listed + zarr.json read"] = _cpu(
-            lambda: [ck.scan_array(path, e.array, k) for k, e in ents], repeat)
+            lambda: [ck.scan_array(path, e.array, k) for k, e in ents], repeat
+        )
         metas = [ck.parse_zarr_json(r, k) for (r, _), (k, _e) in zip(scans, ents)]
         out["zarr.json parse"] = _cpu(
-            lambda: [ck.parse_zarr_json(r, k) for (r, _), (k, _e) in zip(scans, ents)], repeat)
-        out["zarr.json parse+rules, cached"] = _cpu(lambda: [ck.checked_zarr_json(
-            r, tuple(e.spec.shape), e.spec.dtype, tuple(e.spec.chunk_shape), k)
-            for (r, _), (k, e) in zip(scans, ents)], repeat)
+            lambda: [ck.parse_zarr_json(r, k) for (r, _), (k, _e) in zip(scans, ents)], repeat
+        )
+        out["zarr.json parse+rules, cached"] = _cpu(
+            lambda: [
+                ck.checked_zarr_json(
+                    r, tuple(e.spec.shape), e.spec.dtype, tuple(e.spec.chunk_shape), k
+                )
+                for (r, _), (k, e) in zip(scans, ents)
+            ],
+            repeat,
+        )
     else:
         metas = [ck.read_zarr_json(path, e.array, k) for k, e in ents]
         out["zarr.json read+parse"] = _cpu(
-            lambda: [ck.read_zarr_json(path, e.array, k) for k, e in ents], repeat)
-        sizes = [ck.chunk_file_sizes(m, from_name(e.spec.dtype).itemsize)
-                 for m, (_k, e) in zip(metas, ents)]
-        out["chunk files listed"] = _cpu(lambda: [ck.check_array_files(
-            path, e.array, k, s) for s, (k, e) in zip(sizes, ents)], repeat)
-    out["zarr.json rules"] = _cpu(lambda: [ck.check_zarr_json(
-        m, tuple(e.spec.shape), e.spec.dtype, tuple(e.spec.chunk_shape), k)
-        for m, (k, e) in zip(metas, ents)], repeat)
+            lambda: [ck.read_zarr_json(path, e.array, k) for k, e in ents], repeat
+        )
+        sizes = [
+            ck.chunk_file_sizes(m, from_name(e.spec.dtype).itemsize)
+            for m, (_k, e) in zip(metas, ents)
+        ]
+        out["chunk files listed"] = _cpu(
+            lambda: [ck.check_array_files(path, e.array, k, s) for s, (k, e) in zip(sizes, ents)],
+            repeat,
+        )
+    out["zarr.json rules"] = _cpu(
+        lambda: [
+            ck.check_zarr_json(m, tuple(e.spec.shape), e.spec.dtype, tuple(e.spec.chunk_shape), k)
+            for m, (k, e) in zip(metas, ents)
+        ],
+        repeat,
+    )
     return out
 
 
 def _child(paths: list, ckpt: str, repeat: int) -> dict:
-    code = ("import json, sys; sys.path[:0] = %r; import bench_open as b; "
-            "print(json.dumps(b.measure(%r, %d, False)))" % (paths + [HERE], ckpt, repeat))
+    code = (
+        "import json, sys; sys.path[:0] = %r; import bench_open as b; "
+        "print(json.dumps(b.measure(%r, %d, False)))" % (paths + [HERE], ckpt, repeat)
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900
+    )
     if r.returncode != 0:
         raise SystemExit(r.stderr[-3000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -172,8 +203,9 @@ def _child(paths: list, ckpt: str, repeat: int) -> dict:
 
 def _export(rev: str, into: str) -> list:
     os.makedirs(into)
-    archive = subprocess.run(["git", "-C", REPO, "archive", rev], check=True,
-                             capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", REPO, "archive", rev], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
     return [os.path.join(into, n) for n in TREE if os.path.isdir(os.path.join(into, n))]
 
@@ -181,6 +213,7 @@ def _export(rev: str, into: str) -> list:
 def _save(ckpt: str, scale: float) -> None:
     import shardpoint as sp
     import bench_states as bs
+
     if not os.path.exists(ckpt):
         sp.save(bs.mixed_state(scale), ckpt)
     with open(ckpt + ".json", "w") as f:
@@ -213,9 +246,11 @@ def main(argv=None) -> None:
                 for name, paths in order if r % 2 == 0 else order[::-1]:
                     rows[name].append(_child(paths, ckpt, a.repeat))
                 print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
-        print(f"# warm CPU ms (time.process_time), mixed state scale {a.scale}, medians of "
-              f"{a.repeat} per process, median (min-max) over processes; load average "
-              f"{os.getloadavg()[0]:.2f}\n")
+        print(
+            f"# warm CPU ms (time.process_time), mixed state scale {a.scale}, medians of "
+            f"{a.repeat} per process, median (min-max) over processes; load average "
+            f"{os.getloadavg()[0]:.2f}\n"
+        )
         names = list(rows)
         print("| step | " + " | ".join(names) + " |")
         print("|---|" + "---|" * len(names))
@@ -226,8 +261,12 @@ def main(argv=None) -> None:
             cells = []
             for n in names:
                 vals = [r[step] for r in rows[n] if step in r]
-                cells.append("-" if not vals else f"{1e3 * statistics.median(vals):.1f}" + (
-                    f" ({1e3 * min(vals):.1f}-{1e3 * max(vals):.1f})" if len(vals) > 1 else ""))
+                cells.append(
+                    "-"
+                    if not vals
+                    else f"{1e3 * statistics.median(vals):.1f}"
+                    + (f" ({1e3 * min(vals):.1f}-{1e3 * max(vals):.1f})" if len(vals) > 1 else "")
+                )
             print(f"| {step} | " + " | ".join(cells) + " |")
         print(f"\n({rows[names[-1]][0]['arrays']} arrays)")
     finally:

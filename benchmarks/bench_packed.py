@@ -18,6 +18,7 @@ On S3 the server is moto's in-memory server on loopback (shardpoint_testing.s3):
 measures is request count and the server's cost per request, not AWS; DCP through s3fs is
 bench_s3.py's (it needs an s3fs installed apart).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,6 +78,7 @@ def files_rounds(state: dict, like: dict, rounds: int, scratch: str) -> dict:
 def s3_rounds(state: dict, like: dict, rounds: int, cap=None) -> dict:
     from shardpoint_testing.s3 import S3Server
     from shardpoint_core.stores.location import locate
+
     out = {k: {"save": [], "load": [], "count": None} for k in ("per-array", "packed")}
     # moto keeps an object above this size in a temporary file and reads all of it for
     # every ranged GET; real S3 does neither. Held in memory here, for both layouts alike.
@@ -112,10 +114,22 @@ def table(rec, name: str, title: str, res: dict, nbytes: int, what: str) -> None
         shown = f"{files} / {dirs}" if what.endswith("dirs") else f"{files}"
         fmt = lambda v: f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"  # noqa: E731
         print(f"{layout:<10} {shown:>18} {fmt(r['save']):>22} {fmt(r['load']):>22}")
-        rec.row(t_save, layout, r["save"], {"vs per-array": br.ratio(r["save"], ref["save"])},
-                files=files, dirs=dirs)
-        rec.row(t_load, layout, r["load"], {"vs per-array": br.ratio(r["load"], ref["load"])},
-                files=files, dirs=dirs)
+        rec.row(
+            t_save,
+            layout,
+            r["save"],
+            {"vs per-array": br.ratio(r["save"], ref["save"])},
+            files=files,
+            dirs=dirs,
+        )
+        rec.row(
+            t_load,
+            layout,
+            r["load"],
+            {"vs per-array": br.ratio(r["load"], ref["load"])},
+            files=files,
+            dirs=dirs,
+        )
 
 
 def main(argv=None) -> None:
@@ -125,30 +139,53 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="scale 0.1, 1 round")
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--no-files", action="store_true")
-    ap.add_argument("--s3-cap-mib", type=float, default=None,
-                    help="PackedBackend(cap=...) on S3 (default: the backend's 64 MiB)")
-    ap.add_argument("--json", default=None, metavar="PATH",
-                    help="also write the figures as data (bench_results.py)")
+    ap.add_argument(
+        "--s3-cap-mib",
+        type=float,
+        default=None,
+        help="PackedBackend(cap=...) on S3 (default: the backend's 64 MiB)",
+    )
+    ap.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the figures as data (bench_results.py)",
+    )
     a = ap.parse_args(argv)
     if a.quick:
         a.scale, a.rounds = 0.1, 1
     state = gpt2_adamw_state(a.scale)
     like = _like(state)
     n = len(bt.flat(state)) - sum(1 for v in bt.flat(state).values() if not hasattr(v, "numel"))
-    nbytes = sum(v.numel() * v.element_size() for v in bt.flat(state).values()
-                 if hasattr(v, "numel"))
+    nbytes = sum(
+        v.numel() * v.element_size() for v in bt.flat(state).values() if hasattr(v, "numel")
+    )
     print(f"state: {n} tensors, {nbytes / 1e9:.2f} GB; {a.rounds} rounds, interleaved")
-    rec = br.Record("bench_packed.py", "Packed layout vs per-array vs DCP", argv,
-                    {"tensors": n, "bytes": nbytes, "rounds": a.rounds, "scale": a.scale})
+    rec = br.Record(
+        "bench_packed.py",
+        "Packed layout vs per-array vs DCP",
+        argv,
+        {"tensors": n, "bytes": nbytes, "rounds": a.rounds, "scale": a.scale},
+    )
     if not a.no_files:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as scratch:
-            table(rec, "files", "local files", files_rounds(state, like, a.rounds, scratch),
-                  nbytes, "files / dirs")
+            table(
+                rec,
+                "files",
+                "local files",
+                files_rounds(state, like, a.rounds, scratch),
+                nbytes,
+                "files / dirs",
+            )
     if not a.no_s3:
-        table(rec, "s3", "local S3 server (moto)", s3_rounds(state, like, a.rounds,
-                                                         int(a.s3_cap_mib * 2**20)
-                                                         if a.s3_cap_mib else None), nbytes,
-              "objects")
+        table(
+            rec,
+            "s3",
+            "local S3 server (moto)",
+            s3_rounds(state, like, a.rounds, int(a.s3_cap_mib * 2**20) if a.s3_cap_mib else None),
+            nbytes,
+            "objects",
+        )
     if a.json:
         rec.write(a.json)
 

@@ -8,6 +8,7 @@ writes half of it, the worst case for the check's share).
 
     python benchmarks/bench_replica_check.py [--mib 256] [--runs 5]
 """
+
 import argparse
 import os
 import shutil
@@ -28,13 +29,14 @@ def state(mib: int) -> dict:
 
 
 _COUNT = [0]
-_PHASE: list = []     # the check's own time in each checked save (SaveResult.timings)
+_PHASE: list = []  # the check's own time in each checked save (SaveResult.timings)
 
 
 def one_save(st: dict, root: str, check: bool) -> float:
     import torch.distributed as dist
+
     _COUNT[0] += 1
-    path = os.path.join(root, f"ck_{_COUNT[0]}")      # the same name on every rank
+    path = os.path.join(root, f"ck_{_COUNT[0]}")  # the same name on every rank
     t = time.perf_counter()
     res = sp.save(st, path, options=sp.SaveOptions(check_replicas=check, cache_plan=False))
     dt = time.perf_counter() - t
@@ -47,11 +49,11 @@ def one_save(st: dict, root: str, check: bool) -> float:
 
 
 def _ranks(rank, world, root, mib, runs):
-    st = state(mib)     # the same values on both ranks: full replicas
+    st = state(mib)  # the same values on both ranks: full replicas
     _COUNT[0] = 1000
     out = {True: [], False: []}
     for i in range(runs):
-        for check in ((False, True) if i % 2 == 0 else (True, False)):
+        for check in (False, True) if i % 2 == 0 else (True, False):
             out[check].append(one_save(st, root, check))
     out["phase"] = list(_PHASE)
     return out
@@ -60,11 +62,14 @@ def _ranks(rank, world, root, mib, runs):
 def report(name: str, times: dict) -> None:
     def fmt(v):
         return f"{statistics.median(v):.3f} s ({min(v):.3f}-{max(v):.3f})"
+
     off, on = statistics.median(times[False]), statistics.median(times[True])
     ph = statistics.median(times["phase"])
-    print(f"{name}: save {fmt(times[False])}, with check {fmt(times[True])} "
-          f"(difference of medians {100 * (on - off) / off:+.1f}%); the check itself "
-          f"{fmt(times['phase'])} = {100 * ph / off:.1f}% of the median save")
+    print(
+        f"{name}: save {fmt(times[False])}, with check {fmt(times[True])} "
+        f"(difference of medians {100 * (on - off) / off:+.1f}%); the check itself "
+        f"{fmt(times['phase'])} = {100 * ph / off:.1f}% of the median save"
+    )
 
 
 def main() -> int:
@@ -77,13 +82,14 @@ def main() -> int:
     try:
         st = state(a.mib)
         times = {True: [], False: []}
-        one_save(st, root, False)          # warm up imports and the plan code
+        one_save(st, root, False)  # warm up imports and the plan code
         for i in range(a.runs):
-            for check in ((False, True) if i % 2 == 0 else (True, False)):
+            for check in (False, True) if i % 2 == 0 else (True, False):
                 times[check].append(one_save(st, root, check))
         times["phase"] = list(_PHASE)
         report(f"1 process, {a.mib} MiB", times)
         from shardpoint_testing.launch import run_world
+
         got = run_world(2, _ranks, root, a.mib, a.runs, timeout=1200)
         report(f"2 ranks, full {a.mib} MiB replicas (rank 0's times)", got[0])
     finally:

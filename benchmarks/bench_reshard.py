@@ -3,6 +3,7 @@ loaded by the same layout (the reference) and by columns, shardpoint and DCP int
 page cache dropped by rank 0 before every timed step. Loads fill existing tensors (as a job
 loads into its model; the same as ``bench.py``'s loads), and the check of what each loaded
 runs after its timed part. Run through ``run_world``."""
+
 from __future__ import annotations
 
 import time
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import shardpoint as sp
 from bench_tools import drop_caches, file_layout, raw_read_files
 
-RAW_THREADS = 8   # per rank, as the backend's read threads
+RAW_THREADS = 8  # per rank, as the backend's read threads
 
 
 def _split(n: int, world: int, rank: int) -> tuple:
@@ -29,25 +30,37 @@ def _full(i: int, rows: int, cols: int) -> torch.Tensor:
 
 def _mesh(world: int):
     from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh("cpu", (world,))
 
 
 def _dtensor(local, mesh, dim, rows, cols):
     from torch.distributed.tensor import DTensor, Shard
-    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False,
-                              shape=torch.Size((rows, cols)), stride=(cols, 1))
+
+    return DTensor.from_local(
+        local, mesh, [Shard(dim)], run_check=False, shape=torch.Size((rows, cols)), stride=(cols, 1)
+    )
 
 
 def save_job(rank, world, base, n, rows, cols):
     """Both tools save the same row-split state (not timed here)."""
     import torch.distributed.checkpoint as dcp
+
     a, b = _split(rows, world, rank)
     full = [_full(i, rows, cols) for i in range(n)]
-    sp.save({f"w{i}": sp.ShardedTensor(t[a:b].clone(), (rows, cols), (a, 0))
-             for i, t in enumerate(full)}, f"{base}/sp", overwrite=True)
+    sp.save(
+        {
+            f"w{i}": sp.ShardedTensor(t[a:b].clone(), (rows, cols), (a, 0))
+            for i, t in enumerate(full)
+        },
+        f"{base}/sp",
+        overwrite=True,
+    )
     mesh = _mesh(world)
-    dcp.save({f"w{i}": _dtensor(t[a:b].clone(), mesh, 0, rows, cols) for i, t in enumerate(full)},
-             checkpoint_id=f"{base}/dcp")
+    dcp.save(
+        {f"w{i}": _dtensor(t[a:b].clone(), mesh, 0, rows, cols) for i, t in enumerate(full)},
+        checkpoint_id=f"{base}/dcp",
+    )
     return True
 
 
@@ -76,6 +89,7 @@ def load_job(rank, world, base, n, rows, cols, repeat, drop, same_layout):
     has its own destination per layout, allocated once and zeroed before every step (so a
     step that loaded nothing fails its check), and checked after the timed part."""
     import torch.distributed.checkpoint as dcp
+
     mesh = _mesh(world)
     ra, rb = _split(rows, world, rank)
     ca, cb = _split(cols, world, rank)
@@ -91,9 +105,9 @@ def load_job(rank, world, base, n, rows, cols, repeat, drop, same_layout):
 
         def run():
             rep = sp.LoadReport()
-            sp.load(f"{base}/sp", like=like, report=rep,
-                    options=sp.LoadOptions(strategy=strategy))
+            sp.load(f"{base}/sp", like=like, report=rep, options=sp.LoadOptions(strategy=strategy))
             return rep
+
         return dst, run, dim
 
     def dcp_step(dim):
@@ -112,16 +126,20 @@ def load_job(rank, world, base, n, rows, cols, repeat, drop, same_layout):
     steps = [("raw files", raw_step())]
     if same_layout:
         steps += [("sp rows", sp_step(0)), ("dcp rows", dcp_step(0))]
-    steps += [("sp cols", sp_step(1)), ("dcp cols", dcp_step(1)),
-              ("sp cols dedup", sp_step(1, "dedup"))]
-    rounds = ([False] if drop else []) + [True] * repeat   # warm up: group setup, first calls
+    steps += [
+        ("sp cols", sp_step(1)),
+        ("dcp cols", dcp_step(1)),
+        ("sp cols dedup", sp_step(1, "dedup")),
+    ]
+    rounds = ([False] if drop else []) + [True] * repeat  # warm up: group setup, first calls
     for timed in rounds:
         for name, (dst, fn, dim) in steps:
             for t_ in dst:
                 t_.zero_()
             t, rep = _timed(fn, drop and timed, rank)
-            assert dim is None or all(torch.equal(dst[i], want[i][part[dim]])
-                                      for i in range(n)), name
+            assert dim is None or all(torch.equal(dst[i], want[i][part[dim]]) for i in range(n)), (
+                name
+            )
             if not timed:
                 continue
             res.setdefault(name, []).append(t)
@@ -132,8 +150,7 @@ def load_job(rank, world, base, n, rows, cols, repeat, drop, same_layout):
                 rate = rep.exchange_bytes / xt / 1e9 if xt else 0.0
                 rates = [None] * world
                 dist.all_gather_object(rates, rate)
-                res.setdefault("exchange GB/s per rank", []).append(
-                    sorted(rates)[len(rates) // 2])
+                res.setdefault("exchange GB/s per rank", []).append(sorted(rates)[len(rates) // 2])
     return res if rank == 0 else None
 
 
@@ -141,12 +158,17 @@ def single_process(base, n, rows, cols, repeat, drop):
     """A world of one loading the whole tensors of the row-split checkpoints, each tool into
     its own existing tensors (zeroed before every step, checked after the timed part)."""
     import torch.distributed.checkpoint as dcp
+
     res: dict = {}
     want = [_full(i, rows, cols) for i in range(n)]
-    dst = {name: {f"w{i}": torch.zeros(rows, cols) for i in range(n)}
-           for name in ("sp full", "dcp full")}
-    load = {"sp full": lambda like: sp.load(f"{base}/sp", like=like),
-            "dcp full": lambda like: dcp.load(like, checkpoint_id=f"{base}/dcp", no_dist=True)}
+    dst = {
+        name: {f"w{i}": torch.zeros(rows, cols) for i in range(n)}
+        for name in ("sp full", "dcp full")
+    }
+    load = {
+        "sp full": lambda like: sp.load(f"{base}/sp", like=like),
+        "dcp full": lambda like: dcp.load(like, checkpoint_id=f"{base}/dcp", no_dist=True),
+    }
     for timed in ([False] if drop else []) + [True] * repeat:
         for name, like in dst.items():
             for t_ in like.values():
@@ -168,9 +190,11 @@ def main(argv=None) -> None:
     import sys
     import tempfile
     import warnings
+
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench
     import bench_tools as bt
+
     ap = argparse.ArgumentParser(description="shardpoint resharded-load benchmark")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one run")
     ap.add_argument("--repeat", type=int, default=None, help="runs per step (default 3)")

@@ -12,6 +12,7 @@ measurement moved, so rates can be given) and ``rows``; a row holds ``label``, `
 table's) and optional ``ratios`` (name -> ``value``, and ``per_round``
 median/min/max where the script pairs rounds) and ``note``.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -36,8 +37,9 @@ def stats(values: Sequence[float]) -> dict:
     return {"median": statistics.median(v), "min": min(v), "max": max(v)}
 
 
-def ratio(values: Sequence[float], ref: Sequence[float], invert: bool = False,
-          paired: bool = True) -> Optional[dict]:
+def ratio(
+    values: Sequence[float], ref: Sequence[float], invert: bool = False, paired: bool = True
+) -> Optional[dict]:
     """``values`` over ``ref`` (or ``ref`` over ``values`` with ``invert``): ``value`` is
     the ratio of the medians; ``per_round`` the median/min/max of the round-by-round ratios,
     when both ran in the same rounds (``paired``, and as many)."""
@@ -52,8 +54,9 @@ def ratio(values: Sequence[float], ref: Sequence[float], invert: bool = False,
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=30).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -66,9 +69,13 @@ def machine() -> dict:
             mem = int(f.readline().split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    out = {"nproc": os.cpu_count(), "memory_bytes": mem,
-           "kernel": f"{platform.system()} {platform.release()}",
-           "arch": platform.machine(), "python": platform.python_version()}
+    out = {
+        "nproc": os.cpu_count(),
+        "memory_bytes": mem,
+        "kernel": f"{platform.system()} {platform.release()}",
+        "arch": platform.machine(),
+        "python": platform.python_version(),
+    }
     try:
         out["load_average"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -79,10 +86,16 @@ def machine() -> dict:
 class Record:
     """One run's results, filled in as the script prints its tables."""
 
-    def __init__(self, script: str, title: str, argv: Optional[Sequence[str]] = None,
-                 config: Optional[dict] = None, versions: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        script: str,
+        title: str,
+        argv: Optional[Sequence[str]] = None,
+        config: Optional[dict] = None,
+        versions: Optional[dict] = None,
+    ) -> None:
         argv = list(sys.argv[1:] if argv is None else argv)
-        shown = []          # the command without where the file went (it is the file)
+        shown = []  # the command without where the file went (it is the file)
         skip = False
         for x in argv:
             if skip:
@@ -92,7 +105,8 @@ class Record:
             elif not x.startswith("--json="):
                 shown.append(x)
         self.data = {
-            "schema": SCHEMA, "title": title,
+            "schema": SCHEMA,
+            "title": title,
             "source": " ".join(["python", f"benchmarks/{script}", *map(shlex.quote, shown)]),
             "script": f"benchmarks/{script}",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -100,10 +114,12 @@ class Record:
             "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
             "machine": dict(machine(), **(versions or {})),
             "config": dict(config or {}),
-            "tables": []}
+            "tables": [],
+        }
 
-    def table(self, name: str, title: str, unit: str = "s", nbytes: Optional[int] = None,
-              note: str = "") -> dict:
+    def table(
+        self, name: str, title: str, unit: str = "s", nbytes: Optional[int] = None, note: str = ""
+    ) -> dict:
         t = {"name": name, "title": title, "unit": unit, "rows": []}
         if nbytes is not None:
             t["bytes"] = nbytes
@@ -113,8 +129,14 @@ class Record:
         return t
 
     @staticmethod
-    def row(table: dict, label: str, values: Sequence[float], ratios: Optional[dict] = None,
-            note: str = "", **extra) -> dict:
+    def row(
+        table: dict,
+        label: str,
+        values: Sequence[float],
+        ratios: Optional[dict] = None,
+        note: str = "",
+        **extra,
+    ) -> dict:
         r = {"label": label, "values": list(values), **stats(values)}
         ratios = {k: v for k, v in (ratios or {}).items() if v is not None}
         if ratios:

@@ -31,6 +31,7 @@ load's depth is its longest such chain (the raw rows are 1 deep). ``--latency-ms
 much before every request of every client (shardpoint's, the raw rows', not DCP's), as a
 distant server's round trip would: on loopback a round trip costs what the server takes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,7 +95,7 @@ class Counter:
         self.requests = 0
         self.sent = 0
         self.received = 0
-        self.spans: list = []          # [start, end] per request, in order sent
+        self.spans: list = []  # [start, end] per request, in order sent
         self._lock = threading.Lock()
         self._mine = threading.local()
         client.meta.events.register_first("before-send.s3.*", self._send)
@@ -102,8 +103,11 @@ class Counter:
 
     def _send(self, request, **kw):
         body = request.body
-        n = len(body) if isinstance(body, (bytes, bytearray)) else int(
-            request.headers.get("Content-Length", 0) or 0)
+        n = (
+            len(body)
+            if isinstance(body, (bytes, bytearray))
+            else int(request.headers.get("Content-Length", 0) or 0)
+        )
         span = self._mine.span = [time.perf_counter(), None]
         with self._lock:
             self.requests += 1
@@ -126,9 +130,17 @@ class Counter:
             spans = sorted(self.spans[first:stop], key=lambda s: s[0])
         depth: list = []
         for i, (start, _end) in enumerate(spans):
-            depth.append(1 + max((depth[j] for j in range(i)
-                                  if spans[j][1] is not None and spans[j][1] <= start),
-                                 default=0))
+            depth.append(
+                1
+                + max(
+                    (
+                        depth[j]
+                        for j in range(i)
+                        if spans[j][1] is not None and spans[j][1] <= start
+                    ),
+                    default=0,
+                )
+            )
         return max(depth, default=0)
 
 
@@ -143,8 +155,9 @@ def fmt(v, nbytes):
     return f"{m:7.3f} s ({min(v):.3f}-{max(v):.3f})  {nbytes / m / 2**20:7.1f} MiB/s"
 
 
-def raw_round(client, bucket: str, prefix: str, sizes: list, conc: int,
-              counter: "Counter") -> tuple:
+def raw_round(
+    client, bucket: str, prefix: str, sizes: list, conc: int, counter: "Counter"
+) -> tuple:
     """PUT then GET objects of ``sizes`` with ``conc`` threads: the server's limit; (PUT s,
     GET s, PUT round trips in sequence, GET round trips)."""
     blobs = {n: os.urandom(n) for n in set(sizes)}
@@ -152,8 +165,12 @@ def raw_round(client, bucket: str, prefix: str, sizes: list, conc: int,
     with ThreadPoolExecutor(conc) as ex:
         s0 = counter.snap()[3]
         t0 = time.perf_counter()
-        list(ex.map(lambda kn: client.put_object(Bucket=bucket, Key=kn[0], Body=blobs[kn[1]]),
-                    zip(keys, sizes)))
+        list(
+            ex.map(
+                lambda kn: client.put_object(Bucket=bucket, Key=kn[0], Body=blobs[kn[1]]),
+                zip(keys, sizes),
+            )
+        )
         put = time.perf_counter() - t0
         s1 = counter.snap()[3]
         t0 = time.perf_counter()
@@ -161,8 +178,9 @@ def raw_round(client, bucket: str, prefix: str, sizes: list, conc: int,
         get = time.perf_counter() - t0
         s2 = counter.snap()[3]
     for i in range(0, len(keys), 1000):
-        client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k}
-                                                                 for k in keys[i:i + 1000]]})
+        client.delete_objects(
+            Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]]}
+        )
     return put, get, counter.depth(s0, s1), counter.depth(s1, s2)
 
 
@@ -176,18 +194,32 @@ def main(argv=None) -> None:
     ap.add_argument("--s3fs-path", default=os.environ.get("S3FS_PATH", "/tmp/s3_20_s3fs"))
     ap.add_argument("--endpoint", default=None)
     ap.add_argument("--bucket", default=None)
-    ap.add_argument("--latency-ms", type=float, default=0.0,
-                    help="added before every request (shardpoint and raw rows)")
-    ap.add_argument("--json", default=None, metavar="PATH",
-                    help="also write every row's measurements (seconds, bytes/s), medians, "
-                         "min-max and ratios, the run's parameters and machine, and the raw "
-                         "samples (under 'samples') to PATH")
-    ap.add_argument("--packed", action="store_true",
-                    help="shardpoint rows in the packed layout (format 1.4, PackedBackend); "
-                         "the raw rows then PUT/GET its objects (data objects + manifest)")
-    ap.add_argument("--quick", action="store_true",
-                    help="tiny states (mixed at 1/64 with 2 layers, uniform 4 x 1 MiB), one "
-                         "round: a smoke test")
+    ap.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="added before every request (shardpoint and raw rows)",
+    )
+    ap.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write every row's measurements (seconds, bytes/s), medians, "
+        "min-max and ratios, the run's parameters and machine, and the raw "
+        "samples (under 'samples') to PATH",
+    )
+    ap.add_argument(
+        "--packed",
+        action="store_true",
+        help="shardpoint rows in the packed layout (format 1.4, PackedBackend); "
+        "the raw rows then PUT/GET its objects (data objects + manifest)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny states (mixed at 1/64 with 2 layers, uniform 4 x 1 MiB), one "
+        "round: a smoke test",
+    )
     a = ap.parse_args(argv)
     if a.quick:
         a.scale, a.uniform, a.repeat = 1 / 64, "4x1", 1
@@ -196,6 +228,7 @@ def main(argv=None) -> None:
     server = None
     if a.endpoint is None:
         from shardpoint_testing.s3 import S3Server
+
         server = S3Server().start()
         os.environ.update(server.env())
         bucket = server.bucket
@@ -204,38 +237,52 @@ def main(argv=None) -> None:
         bucket = a.bucket
     import shardpoint as sp
     from shardpoint_core.transactions.backend import ZarrBackend
+
     run = f"bench-{uuid.uuid4().hex[:8]}"
     be = ZarrBackend(concurrency=a.concurrency)
     if a.packed:
         from shardpoint_core.transactions.packed import PackedBackend
+
         be = PackedBackend(be)
     store, _ = be.locate(f"s3://{bucket}/x")
     counter = Counter(store.client)
     import boto3
     from botocore.config import Config
-    raw_client = boto3.client("s3", config=Config(max_pool_connections=a.concurrency,
-                                                  retries={"mode": "standard"}))
+
+    raw_client = boto3.client(
+        "s3", config=Config(max_pool_connections=a.concurrency, retries={"mode": "standard"})
+    )
     raw_counter = Counter(raw_client)
     add_latency(store.client, a.latency_ms / 1000)
     add_latency(raw_client, a.latency_ms / 1000)
     n, mib = (float(x) for x in a.uniform.split("x"))
-    states = [("mixed", {"scale": a.scale}, bt.mixed_state(a.scale, layers=layers)),
-              ("uniform", {"n": int(n), "mib": mib}, bt.uniform_state(int(n), mib))]
+    states = [
+        ("mixed", {"scale": a.scale}, bt.mixed_state(a.scale, layers=layers)),
+        ("uniform", {"n": int(n), "mib": mib}, bt.uniform_state(int(n), mib)),
+    ]
     threads = [int(t) for t in a.threads.split(",")]
     dcp_ok = os.path.isdir(os.path.join(a.s3fs_path, "s3fs"))
-    sp.save({"x": torch.zeros(4)}, f"s3://{bucket}/{run}/warm", backend=be)   # imports, pools
+    sp.save({"x": torch.zeros(4)}, f"s3://{bucket}/{run}/warm", backend=be)  # imports, pools
     sp.load(f"s3://{bucket}/{run}/warm", backend=be)
     results = {}
     for name, _spec, state in states:
         nbytes = sum(v.numel() * v.element_size() for v in bt.flat(state).values())
         base = f"s3://{bucket}/{run}/{name}"
-        r = results[name] = {"bytes": nbytes, "raw_put": [], "raw_get": [], "save": [],
-                             "rawc_put": [], "rawc_get": [],
-                             "load": [], "dcp_load": [], **{f"dcp_save_t{t}": [] for t in threads}}
+        r = results[name] = {
+            "bytes": nbytes,
+            "raw_put": [],
+            "raw_get": [],
+            "save": [],
+            "rawc_put": [],
+            "rawc_get": [],
+            "load": [],
+            "dcp_load": [],
+            **{f"dcp_save_t{t}": [] for t in threads},
+        }
         for i in range(a.repeat):
             c0 = counter.snap()
             t0 = time.perf_counter()
-            url = f"{base}-{i}"       # a fresh path, as DCP's and the raw rows' are
+            url = f"{base}-{i}"  # a fresh path, as DCP's and the raw rows' are
             sp.save(state, url, backend=be)
             r["save"].append(time.perf_counter() - t0)
             c1 = counter.snap()
@@ -243,38 +290,59 @@ def main(argv=None) -> None:
             back = sp.load(url, backend=be)
             r["load"].append(time.perf_counter() - t0)
             c2 = counter.snap()
-            assert all(torch.equal(x, y) for x, y in zip(bt.flat(back).values(),
-                                                         bt.flat(state).values()))
+            assert all(
+                torch.equal(x, y) for x, y in zip(bt.flat(back).values(), bt.flat(state).values())
+            )
             del back
             r["save_requests"], r["save_bytes"] = c1[0] - c0[0], c1[1] - c0[1]
             r["load_requests"], r["load_bytes"] = c2[0] - c1[0], c2[2] - c1[2]
             r.setdefault("save_depth", []).append(counter.depth(c0[3], c1[3]))
             r.setdefault("load_depth", []).append(counter.depth(c1[3], c2[3]))
-            prefix = url[len(f"s3://{bucket}/"):]
+            prefix = url[len(f"s3://{bucket}/") :]
             every = [o for o in store.list(prefix + "/")]
             sizes = [o.size for o in every if "/c/" in o.key or "/packed/" in o.key]
             r["objects"], r["all_objects"] = len(sizes), len(every)
-            put, get, dput, dget = raw_round(raw_client, bucket, f"{run}/{name}-raw",
-                                             [o.size for o in every], a.concurrency,
-                                             raw_counter)
+            put, get, dput, dget = raw_round(
+                raw_client,
+                bucket,
+                f"{run}/{name}-raw",
+                [o.size for o in every],
+                a.concurrency,
+                raw_counter,
+            )
             r["raw_put"].append(put)
             r["raw_get"].append(get)
             r["raw_put_depth"], r["raw_get_depth"] = dput, dget
             r["raw_bytes"] = sum(o.size for o in every)
-            put, get, _dp, _dg = raw_round(raw_client, bucket, f"{run}/{name}-rawc", sizes,
-                                           a.concurrency, raw_counter)
+            put, get, _dp, _dg = raw_round(
+                raw_client, bucket, f"{run}/{name}-rawc", sizes, a.concurrency, raw_counter
+            )
             r["rawc_put"].append(put)
             r["rawc_get"].append(get)
             r["rawc_bytes"] = sum(sizes)
             be.committer.remove(url)  # untimed: an overwrite would also delete the old one
             if dcp_ok:
-                env = dict(os.environ, S3FS_PATH=a.s3fs_path,
-                           BENCH_DIR=os.path.dirname(os.path.abspath(__file__)))
-                child = {"state": name, "url": f"s3://{bucket}/{run}/dcp-{name}-{i}",
-                         "threads": threads, "scale": a.scale, "n": int(n), "mib": mib,
-                         "layers": layers}
-                p = subprocess.run([sys.executable, "-c", DCP_CHILD, json.dumps(child)],
-                                   capture_output=True, text=True, env=env, timeout=1800)
+                env = dict(
+                    os.environ,
+                    S3FS_PATH=a.s3fs_path,
+                    BENCH_DIR=os.path.dirname(os.path.abspath(__file__)),
+                )
+                child = {
+                    "state": name,
+                    "url": f"s3://{bucket}/{run}/dcp-{name}-{i}",
+                    "threads": threads,
+                    "scale": a.scale,
+                    "n": int(n),
+                    "mib": mib,
+                    "layers": layers,
+                }
+                p = subprocess.run(
+                    [sys.executable, "-c", DCP_CHILD, json.dumps(child)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    timeout=1800,
+                )
                 if p.returncode != 0:
                     print(f"DCP failed: {p.stderr[-2000:]}", file=sys.stderr)
                     dcp_ok = False
@@ -288,37 +356,53 @@ def main(argv=None) -> None:
     if server is not None:
         server.stop()
 
-    print(f"\nS3 benchmark{' (packed layout)' if a.packed else ''}: moto {_moto_version()} "
-          f"on loopback, {os.cpu_count()} cores, "
-          f"concurrency {a.concurrency}, {a.repeat} interleaved rounds; median (min-max)"
-          + (f"; +{a.latency_ms:g} ms per request" if a.latency_ms else ""))
+    print(
+        f"\nS3 benchmark{' (packed layout)' if a.packed else ''}: moto {_moto_version()} "
+        f"on loopback, {os.cpu_count()} cores, "
+        f"concurrency {a.concurrency}, {a.repeat} interleaved rounds; median (min-max)"
+        + (f"; +{a.latency_ms:g} ms per request" if a.latency_ms else "")
+    )
     for name, r in results.items():
         b = r["bytes"]
-        print(f"\n{name}: {b / 2**20:.1f} MiB in {r['objects']} chunk objects, "
-              f"{r['all_objects']} objects in all")
-        print(f"  raw PUT (limit)   {fmt(r['raw_put'], r['raw_bytes'])}   "
-              f"{r['raw_put_depth']} deep")
+        print(
+            f"\n{name}: {b / 2**20:.1f} MiB in {r['objects']} chunk objects, "
+            f"{r['all_objects']} objects in all"
+        )
+        print(
+            f"  raw PUT (limit)   {fmt(r['raw_put'], r['raw_bytes'])}   {r['raw_put_depth']} deep"
+        )
         print(f"  raw PUT (chunks)  {fmt(r['rawc_put'], r['rawc_bytes'])}")
-        print(f"  shardpoint save   {fmt(r['save'], b)}   {r['save_requests']} requests, "
-              f"{max(r['save_depth'])} deep, {r['save_bytes'] / 2**20:.1f} MiB sent")
+        print(
+            f"  shardpoint save   {fmt(r['save'], b)}   {r['save_requests']} requests, "
+            f"{max(r['save_depth'])} deep, {r['save_bytes'] / 2**20:.1f} MiB sent"
+        )
         if r["dcp_save"]:
             print(f"  DCP save (t={r['dcp_best_threads']:<2})  {fmt(r['dcp_save'], b)}")
-        print(f"  raw GET (limit)   {fmt(r['raw_get'], r['raw_bytes'])}   "
-              f"{r['raw_get_depth']} deep")
+        print(
+            f"  raw GET (limit)   {fmt(r['raw_get'], r['raw_bytes'])}   {r['raw_get_depth']} deep"
+        )
         print(f"  raw GET (chunks)  {fmt(r['rawc_get'], r['rawc_bytes'])}")
-        print(f"  shardpoint load   {fmt(r['load'], b)}   {r['load_requests']} requests, "
-              f"{max(r['load_depth'])} deep, {r['load_bytes'] / 2**20:.1f} MiB received")
+        print(
+            f"  shardpoint load   {fmt(r['load'], b)}   {r['load_requests']} requests, "
+            f"{max(r['load_depth'])} deep, {r['load_bytes'] / 2**20:.1f} MiB received"
+        )
         if r["dcp_load"]:
             print(f"  DCP load          {fmt(r['dcp_load'], b)}")
-        ratio = lambda x, y: (med(x) and med(y)) and med(x) / med(y)   # noqa: E731
-        print(f"  save: {ratio(r['raw_put'], r['save']):.2f}x the raw limit "
-              f"({ratio(r['rawc_put'], r['save']):.2f}x chunks only)"
-              + (f", {ratio(r['dcp_save'], r['save']):.2f}x DCP's speed" if r["dcp_save"]
-                 else ", DCP not run (no s3fs at --s3fs-path)"))
-        print(f"  load: {ratio(r['raw_get'], r['load']):.2f}x the raw limit "
-              f"({ratio(r['rawc_get'], r['load']):.2f}x chunks only)"
-              + (f", {ratio(r['dcp_load'], r['load']):.2f}x DCP's speed" if r["dcp_load"]
-                 else ""))
+        ratio = lambda x, y: (med(x) and med(y)) and med(x) / med(y)  # noqa: E731
+        print(
+            f"  save: {ratio(r['raw_put'], r['save']):.2f}x the raw limit "
+            f"({ratio(r['rawc_put'], r['save']):.2f}x chunks only)"
+            + (
+                f", {ratio(r['dcp_save'], r['save']):.2f}x DCP's speed"
+                if r["dcp_save"]
+                else ", DCP not run (no s3fs at --s3fs-path)"
+            )
+        )
+        print(
+            f"  load: {ratio(r['raw_get'], r['load']):.2f}x the raw limit "
+            f"({ratio(r['rawc_get'], r['load']):.2f}x chunks only)"
+            + (f", {ratio(r['dcp_load'], r['load']):.2f}x DCP's speed" if r["dcp_load"] else "")
+        )
     if a.json:
         record(a, argv, results, dcp_ok, layers).write(a.json)
 
@@ -327,41 +411,70 @@ def record(a, argv, results: dict, dcp_ok: bool, layers: int) -> "br.Record":
     """The printed rows as data: per state, each row's seconds (and the bytes it moved),
     and the save's and load's speed as a fraction of the raw limit, of chunks only and of
     DCP's (their time over ours, per round)."""
-    rec = br.Record("bench_s3.py", "shardpoint against the S3 server's raw limit and DCP "
-                    "through s3fs", argv, {
-                        "server": f"moto {_moto_version()} on loopback" if a.endpoint is None
-                        else "an external endpoint", "repeat": a.repeat,
-                        "concurrency": a.concurrency, "latency_ms": a.latency_ms,
-                        "quick": a.quick, "mixed_scale": a.scale, "mixed_layers": layers,
-                        "uniform": a.uniform, "packed": a.packed,
-                        "dcp_threads": a.threads,
-                        "dcp": "run" if dcp_ok and any(r["dcp_save"] for r in results.values())
-                        else "not run (no s3fs at --s3fs-path)"})
+    rec = br.Record(
+        "bench_s3.py",
+        "shardpoint against the S3 server's raw limit and DCP through s3fs",
+        argv,
+        {
+            "server": f"moto {_moto_version()} on loopback"
+            if a.endpoint is None
+            else "an external endpoint",
+            "repeat": a.repeat,
+            "concurrency": a.concurrency,
+            "latency_ms": a.latency_ms,
+            "quick": a.quick,
+            "mixed_scale": a.scale,
+            "mixed_layers": layers,
+            "uniform": a.uniform,
+            "packed": a.packed,
+            "dcp_threads": a.threads,
+            "dcp": "run"
+            if dcp_ok and any(r["dcp_save"] for r in results.values())
+            else "not run (no s3fs at --s3fs-path)",
+        },
+    )
     for name, r in results.items():
         b = r["bytes"]
-        t = rec.table(name, f"{name}: {b / 2**20:.1f} MiB in {r['objects']} chunk objects, "
-                      f"{r['all_objects']} objects in all", "s", b)
+        t = rec.table(
+            name,
+            f"{name}: {b / 2**20:.1f} MiB in {r['objects']} chunk objects, "
+            f"{r['all_objects']} objects in all",
+            "s",
+            b,
+        )
         row = br.Record.row
-        row(t, "raw PUT (limit)", r["raw_put"], bytes=r["raw_bytes"],
-            depth=r["raw_put_depth"])
+        row(t, "raw PUT (limit)", r["raw_put"], bytes=r["raw_bytes"], depth=r["raw_put_depth"])
         row(t, "raw PUT (chunks)", r["rawc_put"], bytes=r["rawc_bytes"])
-        row(t, "shardpoint save", r["save"], {
-            "speed x raw limit": br.ratio(r["raw_put"], r["save"]),
-            "speed x chunks only": br.ratio(r["rawc_put"], r["save"]),
-            "speed x DCP": br.ratio(r["dcp_save"], r["save"])},
-            requests=r["save_requests"], depth=max(r["save_depth"]),
-            sent_bytes=r["save_bytes"])
+        row(
+            t,
+            "shardpoint save",
+            r["save"],
+            {
+                "speed x raw limit": br.ratio(r["raw_put"], r["save"]),
+                "speed x chunks only": br.ratio(r["rawc_put"], r["save"]),
+                "speed x DCP": br.ratio(r["dcp_save"], r["save"]),
+            },
+            requests=r["save_requests"],
+            depth=max(r["save_depth"]),
+            sent_bytes=r["save_bytes"],
+        )
         if r["dcp_save"]:
             row(t, f"DCP save (thread_count={r['dcp_best_threads']})", r["dcp_save"])
-        row(t, "raw GET (limit)", r["raw_get"], bytes=r["raw_bytes"],
-            depth=r["raw_get_depth"])
+        row(t, "raw GET (limit)", r["raw_get"], bytes=r["raw_bytes"], depth=r["raw_get_depth"])
         row(t, "raw GET (chunks)", r["rawc_get"], bytes=r["rawc_bytes"])
-        row(t, "shardpoint load", r["load"], {
-            "speed x raw limit": br.ratio(r["raw_get"], r["load"]),
-            "speed x chunks only": br.ratio(r["rawc_get"], r["load"]),
-            "speed x DCP": br.ratio(r["dcp_load"], r["load"])},
-            requests=r["load_requests"], depth=max(r["load_depth"]),
-            received_bytes=r["load_bytes"])
+        row(
+            t,
+            "shardpoint load",
+            r["load"],
+            {
+                "speed x raw limit": br.ratio(r["raw_get"], r["load"]),
+                "speed x chunks only": br.ratio(r["rawc_get"], r["load"]),
+                "speed x DCP": br.ratio(r["dcp_load"], r["load"]),
+            },
+            requests=r["load_requests"],
+            depth=max(r["load_depth"]),
+            received_bytes=r["load_bytes"],
+        )
         if r["dcp_load"]:
             row(t, "DCP load", r["dcp_load"])
     rec.data["samples"] = results
@@ -371,8 +484,9 @@ def record(a, argv, results: dict, dcp_ok: bool, layers: int) -> "br.Record":
 def _moto_version() -> str:
     try:
         import moto
+
         return moto.__version__
-    except Exception:   # noqa: BLE001 - an external server
+    except Exception:  # noqa: BLE001 - an external server
         return "(external endpoint)"
 
 

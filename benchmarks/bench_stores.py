@@ -24,6 +24,7 @@ scheme's default store and through ``tensorstore+<scheme>://`` (saves, commits, 
 checks; a store's extra requests for sizes show here, not in the raw rows). Medians with
 min-max over the rounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,10 @@ def get_all(store, objs, threads: int, small: int) -> float:
             assert len(got) == len(data), key
             return
         import threading
+
         b = bufs.setdefault(threading.get_ident(), bytearray(len(data)))
-        store.read_into(key, 0, memoryview(b)[:len(data)])
+        store.read_into(key, 0, memoryview(b)[: len(data)])
+
     t = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, objs))
@@ -103,26 +106,32 @@ def stores_for(scheme: str, root: str, s3) -> Dict[str, Callable[[str], object]]
     """name -> make(prefix): a fresh, empty store of that kind below ``prefix``."""
     from shardpoint_core.stores import FileStore, MemoryStore
     from shardpoint_core.stores.tensorstore import TensorStoreOptions, TensorStoreStore
+
     if scheme == "files":
         return {
-            "FileStore (pwritev, syncfs)":
-                lambda p: FileStore(os.path.join(root, p), create=True),
-            "TensorStore file (fsync each write)":
-                lambda p: TensorStoreStore(os.path.join(root, p)),
-            "TensorStore file (fsync at make_durable)":
-                lambda p: TensorStoreStore(os.path.join(root, p),
-                                           TensorStoreOptions(file_sync=False)),
+            "FileStore (pwritev, syncfs)": lambda p: FileStore(os.path.join(root, p), create=True),
+            "TensorStore file (fsync each write)": lambda p: TensorStoreStore(
+                os.path.join(root, p)
+            ),
+            "TensorStore file (fsync at make_durable)": lambda p: TensorStoreStore(
+                os.path.join(root, p), TensorStoreOptions(file_sync=False)
+            ),
         }
     if scheme == "s3":
         from shardpoint_core.stores.s3 import S3Options, S3Store
+
         return {
             "S3Store (boto3)": lambda p: S3Store.from_url(
-                s3.url(p), S3Options(endpoint_url=s3.endpoint, max_connections=64)),
+                s3.url(p), S3Options(endpoint_url=s3.endpoint, max_connections=64)
+            ),
             "TensorStore s3": lambda p: TensorStoreStore(
-                s3.url(p), TensorStoreOptions(endpoint_url=s3.endpoint, concurrency=64)),
+                s3.url(p), TensorStoreOptions(endpoint_url=s3.endpoint, concurrency=64)
+            ),
         }
-    return {"MemoryStore": lambda p: MemoryStore.named(p),
-            "TensorStore memory": lambda p: TensorStoreStore(f"memory://{p}")}
+    return {
+        "MemoryStore": lambda p: MemoryStore.named(p),
+        "TensorStore memory": lambda p: TensorStoreStore(f"memory://{p}"),
+    }
 
 
 def cleanup(scheme: str, store, root: str, prefix: str) -> None:
@@ -133,6 +142,7 @@ def cleanup(scheme: str, store, root: str, prefix: str) -> None:
     else:
         from shardpoint_core.stores import MemoryStore
         from shardpoint_core.stores.tensorstore import TensorStoreStore
+
         MemoryStore.drop(prefix)
         TensorStoreStore.drop(prefix)
 
@@ -141,20 +151,29 @@ def checkpoints_for(scheme: str, root: str, s3) -> Dict[str, Callable[[str], str
     """name -> url(prefix): where ``sp.save`` writes a checkpoint of that scheme, through
     the store the scheme opens by default and through TensorStore's driver."""
     if scheme == "files":
-        return {"checkpoint, plain path (FileStore, rename commit)":
-                lambda p: os.path.join(root, p, "ck"),
-                "checkpoint, tensorstore+file://":
-                lambda p: f"tensorstore+file://{os.path.join(root, p, 'ck')}"}
+        return {
+            "checkpoint, plain path (FileStore, rename commit)": lambda p: os.path.join(
+                root, p, "ck"
+            ),
+            "checkpoint, tensorstore+file://": lambda p: (
+                f"tensorstore+file://{os.path.join(root, p, 'ck')}"
+            ),
+        }
     if scheme == "s3":
-        return {"checkpoint, s3:// (S3Store)": lambda p: s3.url(f"{p}/ck"),
-                "checkpoint, tensorstore+s3://": lambda p: "tensorstore+" + s3.url(f"{p}/ck")}
-    return {"checkpoint, memory:// (MemoryStore)": lambda p: f"memory://{p}/ck",
-            "checkpoint, tensorstore+memory://": lambda p: f"tensorstore+memory://{p}/ck"}
+        return {
+            "checkpoint, s3:// (S3Store)": lambda p: s3.url(f"{p}/ck"),
+            "checkpoint, tensorstore+s3://": lambda p: "tensorstore+" + s3.url(f"{p}/ck"),
+        }
+    return {
+        "checkpoint, memory:// (MemoryStore)": lambda p: f"memory://{p}/ck",
+        "checkpoint, tensorstore+memory://": lambda p: f"tensorstore+memory://{p}/ck",
+    }
 
 
 def checkpoint_state(objs) -> dict:
     """Tensors of the workload's sizes (fp32), so a checkpoint moves the same bytes."""
     import torch
+
     g = torch.Generator().manual_seed(0)
     return {f"t{i}": torch.randn(len(d) // 4, generator=g) for i, (_, d) in enumerate(objs)}
 
@@ -165,6 +184,7 @@ def save_load(url: str, state: dict, scheme: str, quick: bool) -> Tuple[float, f
     import torch
 
     import shardpoint as sp
+
     t = time.perf_counter()
     sp.save(state, url)
     ts = time.perf_counter() - t
@@ -182,11 +202,13 @@ def cleanup_checkpoint(scheme: str, root: str, prefix: str, s3) -> None:
         shutil.rmtree(os.path.join(root, prefix), ignore_errors=True)
     elif scheme == "s3":
         from shardpoint_core.stores.s3 import S3Store
+
         st = S3Store.from_url(s3.url(prefix))
         st.delete([i.key for i in st.list()])
     else:
         from shardpoint_core.stores import MemoryStore
         from shardpoint_core.stores.tensorstore import TensorStoreStore
+
         MemoryStore.drop(prefix)
         TensorStoreStore.drop(prefix)
 
@@ -204,6 +226,7 @@ def run(a) -> dict:
         if "s3" in a.schemes:
             sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "testing"))
             from shardpoint_testing.s3 import S3Server
+
             s3 = S3Server().start()
             os.environ.update(s3.env())
         for scheme in a.schemes:
@@ -211,7 +234,7 @@ def run(a) -> dict:
             res[scheme] = {n: {"put": [], "get": [], "lput": [], "lget": []} for n in makers}
             names = list(makers)
             for r in range(a.rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
+                order = names[r % len(names) :] + names[: r % len(names)]
                 for name in order:
                     prefix = f"r{r}-{uuid.uuid4().hex[:8]}"
                     store = makers[name](prefix)
@@ -233,7 +256,7 @@ def run(a) -> dict:
             res[scheme].update({n: {"put": [], "get": []} for n in urls})
             names = list(urls)
             for r in range(a.rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
+                for name in names[r % len(names) :] + names[: r % len(names)]:
                     prefix = f"c{r}-{uuid.uuid4().hex[:8]}"
                     ts, tl, ok = save_load(urls[name](prefix), state, scheme, a.quick)
                     if scheme == "files" and not a.quick:
@@ -256,51 +279,84 @@ def _cell(values: list, scale: Callable[[float], float], fmt: str) -> str:
 def table(out: dict, a) -> dict:
     """Print the markdown table; return it in benchmarks/results/*.json's shape."""
     mib = out["bytes"] / MiB
-    cols = ["put (sp.save) MiB/s, durable", "get (sp.load) MiB/s, cold where dropped",
-            "put 4 KiB, ms", "get 4 KiB, ms"]
+    cols = [
+        "put (sp.save) MiB/s, durable",
+        "get (sp.load) MiB/s, cold where dropped",
+        "put 4 KiB, ms",
+        "get 4 KiB, ms",
+    ]
     rows, bars = [], []
     for scheme, per in out["results"].items():
         base: dict = {}
         for name, r in per.items():
             family = "checkpoint" if name.startswith("checkpoint") else "store"
-            cells = [_cell(r["put"], lambda s: mib / s, "{:.0f}"),
-                     _cell(r["get"], lambda s: mib / s, "{:.0f}")]
-            cells += [_cell(r["lput"], lambda s: s * 1e3, "{:.3f}"),
-                      _cell(r["lget"], lambda s: s * 1e3, "{:.3f}")] if "lput" in r \
+            cells = [
+                _cell(r["put"], lambda s: mib / s, "{:.0f}"),
+                _cell(r["get"], lambda s: mib / s, "{:.0f}"),
+            ]
+            cells += (
+                [
+                    _cell(r["lput"], lambda s: s * 1e3, "{:.3f}"),
+                    _cell(r["lget"], lambda s: s * 1e3, "{:.3f}"),
+                ]
+                if "lput" in r
                 else ["-", "-"]
+            )
             rows.append({"label": f"{scheme}: {name}", "cells": cells})
             if family not in base:
                 base[family] = r
                 continue
             if name.endswith("(fsync at make_durable)"):
                 continue
-            for what, word in (("put", "put"), ("get", "get")) if family == "store" else \
-                    (("put", "sp.save"), ("get", "sp.load")):
-                bars.append({"label": f"{scheme}, {word}", "value": round(
-                    statistics.median(base[family][what]) / statistics.median(r[what]), 2)})
-    cache = "dropped before each read" if out["dropped"] else \
-        "NOT dropped" + (" (--quick)" if a.quick else " (not root)")
-    print(f"\n### Byte stores: {out['count']} objects, {mib:.1f} MiB ({a.small_n} x "
-          f"{a.small_kib} KiB + {a.big_n} x {a.big_mib} MiB), {a.threads} threads, "
-          f"{a.rounds} interleaved round(s); median (min-max); page cache (files): {cache}\n")
+            for what, word in (
+                (("put", "put"), ("get", "get"))
+                if family == "store"
+                else (("put", "sp.save"), ("get", "sp.load"))
+            ):
+                bars.append(
+                    {
+                        "label": f"{scheme}, {word}",
+                        "value": round(
+                            statistics.median(base[family][what]) / statistics.median(r[what]), 2
+                        ),
+                    }
+                )
+    cache = (
+        "dropped before each read"
+        if out["dropped"]
+        else "NOT dropped" + (" (--quick)" if a.quick else " (not root)")
+    )
+    print(
+        f"\n### Byte stores: {out['count']} objects, {mib:.1f} MiB ({a.small_n} x "
+        f"{a.small_kib} KiB + {a.big_n} x {a.big_mib} MiB), {a.threads} threads, "
+        f"{a.rounds} interleaved round(s); median (min-max); page cache (files): {cache}\n"
+    )
     print("| store | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for row in rows:
         print(f"| {row['label']} | " + " | ".join(row["cells"]) + " |")
-    print("\nTensorStore's speed against the store it would replace (its time / TensorStore's; "
-          "above 1: TensorStore faster): " +
-          ", ".join(f"{b['label']} {b['value']:.2f}x" for b in bars))
-    return {"title": "Byte stores: shardpoint's own against TensorStore's kvstore drivers, "
-                     "same data, same run",
-            "source": f"python benchmarks/bench_stores.py --rounds {a.rounds} on the 2-core "
-                      f"development VM: {out['count']} objects, {mib:.1f} MiB per round "
-                      f"({a.small_n} x {a.small_kib} KiB + {a.big_n} x {a.big_mib} MiB), "
-                      f"{a.threads} threads; s3 is moto's in-memory server on loopback; "
-                      f"page cache {cache}",
-            "columns": cols, "rows": rows,
-            "plot": {"title": "TensorStore's speed against the default store of the scheme "
-                              "(default's time / TensorStore's; right of 1: TensorStore "
-                              "faster)", "bars": bars}}
+    print(
+        "\nTensorStore's speed against the store it would replace (its time / TensorStore's; "
+        "above 1: TensorStore faster): "
+        + ", ".join(f"{b['label']} {b['value']:.2f}x" for b in bars)
+    )
+    return {
+        "title": "Byte stores: shardpoint's own against TensorStore's kvstore drivers, "
+        "same data, same run",
+        "source": f"python benchmarks/bench_stores.py --rounds {a.rounds} on the 2-core "
+        f"development VM: {out['count']} objects, {mib:.1f} MiB per round "
+        f"({a.small_n} x {a.small_kib} KiB + {a.big_n} x {a.big_mib} MiB), "
+        f"{a.threads} threads; s3 is moto's in-memory server on loopback; "
+        f"page cache {cache}",
+        "columns": cols,
+        "rows": rows,
+        "plot": {
+            "title": "TensorStore's speed against the default store of the scheme "
+            "(default's time / TensorStore's; right of 1: TensorStore "
+            "faster)",
+            "bars": bars,
+        },
+    }
 
 
 def main(argv=None) -> dict:
@@ -314,10 +370,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--big-mib", type=int, default=8)
     ap.add_argument("--latency-n", type=int, default=50)
     ap.add_argument("--schemes", default="files,s3,memory")
-    ap.add_argument("--no-checkpoints", dest="checkpoints", action="store_false",
-                    help="skip the sp.save/sp.load rows (they need torch)")
-    ap.add_argument("--dir", default=None, help="where the files scheme writes (a tmp dir "
-                                                "below it, removed after)")
+    ap.add_argument(
+        "--no-checkpoints",
+        dest="checkpoints",
+        action="store_false",
+        help="skip the sp.save/sp.load rows (they need torch)",
+    )
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="where the files scheme writes (a tmp dir below it, removed after)",
+    )
     ap.add_argument("--json", default=None, help="write the table here (results/*.json shape)")
     a = ap.parse_args(argv)
     if a.quick:

@@ -5,6 +5,7 @@ raw), so a target missed for a physical reason reads as such in the same table.
 Time ratios are medians of per-round ratios: tools run interleaved, one step each per round,
 so a ratio taken within a round cancels the disk's drift between rounds (it moves up to 2x
 on this machine), which a ratio of two medians does not."""
+
 from __future__ import annotations
 
 import statistics
@@ -56,8 +57,7 @@ def state_rows(runs: list, names: dict) -> list:
         return per_round(r.series(a), r.series(b)) if a and b else None
 
     def floor_read(r: StateRun) -> Optional[str]:
-        got = [(statistics.median(r.series(n)), n) for n in names["floor reads"]
-               if r.series(n)]
+        got = [(statistics.median(r.series(n)), n) for n in names["floor reads"] if r.series(n)]
         return min(got)[1] if got else None
 
     def floor(v: Optional[float]) -> str:
@@ -66,24 +66,75 @@ def state_rows(runs: list, names: dict) -> list:
     def _times_raw(who: str, v: Optional[float]) -> str:
         return f"{who} {v:.2f}x the raw write" if v is not None else ""
 
-    rows.append(("sync save <= 1.10x the raw write", per_state(lambda r: _cell(
-        x(r, names["save"], r.raw_write), 1.10, True,
-        floor(x(r, names["floor write"], r.raw_write))))))
-    rows.append(("sync save >= 1.5x faster than DCP at its best", per_state(lambda r: _cell(
-        x(r, r.dcp_save, names["save"]), 1.5, False,
-        _times_raw("DCP", x(r, r.dcp_save, r.raw_write))))))
-    rows.append(("cold load <= 1.15x the raw read", per_state(lambda r: _cell(
-        x(r, names["load"], r.raw_read), 1.15, True, floor(x(r, floor_read(r), r.raw_read))))))
-    rows.append(("cold load >= 1.5x faster than DCP", per_state(lambda r: _cell(
-        x(r, names["DCP load"], names["load"]), 1.5, False))))
-    rows.append(("async save blocks <= 1.25x a copy into reused buffers", per_state(
-        lambda r: _cell(x(r, names["async blocking"], names["copy"]), 1.25, True))))
-    rows.append(("async save total <= 1.2x the sync save", per_state(lambda r: _cell(
-        x(r, names["async total"], names["save"]), 1.2, True))))
-    rows.append(("sync save peak extra memory <= 0.10x the state", per_state(lambda r: _cell(
-        _ratio(r.mem(names["save"]), r.size), 0.10, True))))
-    rows.append(("load peak extra memory <= 0.10x the state (no full copy)", per_state(
-        lambda r: _cell(_ratio(r.mem(names["load"]), r.size), 0.10, True))))
+    rows.append(
+        (
+            "sync save <= 1.10x the raw write",
+            per_state(
+                lambda r: _cell(
+                    x(r, names["save"], r.raw_write),
+                    1.10,
+                    True,
+                    floor(x(r, names["floor write"], r.raw_write)),
+                )
+            ),
+        )
+    )
+    rows.append(
+        (
+            "sync save >= 1.5x faster than DCP at its best",
+            per_state(
+                lambda r: _cell(
+                    x(r, r.dcp_save, names["save"]),
+                    1.5,
+                    False,
+                    _times_raw("DCP", x(r, r.dcp_save, r.raw_write)),
+                )
+            ),
+        )
+    )
+    rows.append(
+        (
+            "cold load <= 1.15x the raw read",
+            per_state(
+                lambda r: _cell(
+                    x(r, names["load"], r.raw_read),
+                    1.15,
+                    True,
+                    floor(x(r, floor_read(r), r.raw_read)),
+                )
+            ),
+        )
+    )
+    rows.append(
+        (
+            "cold load >= 1.5x faster than DCP",
+            per_state(lambda r: _cell(x(r, names["DCP load"], names["load"]), 1.5, False)),
+        )
+    )
+    rows.append(
+        (
+            "async save blocks <= 1.25x a copy into reused buffers",
+            per_state(lambda r: _cell(x(r, names["async blocking"], names["copy"]), 1.25, True)),
+        )
+    )
+    rows.append(
+        (
+            "async save total <= 1.2x the sync save",
+            per_state(lambda r: _cell(x(r, names["async total"], names["save"]), 1.2, True)),
+        )
+    )
+    rows.append(
+        (
+            "sync save peak extra memory <= 0.10x the state",
+            per_state(lambda r: _cell(_ratio(r.mem(names["save"]), r.size), 0.10, True)),
+        )
+    )
+    rows.append(
+        (
+            "load peak extra memory <= 0.10x the state (no full copy)",
+            per_state(lambda r: _cell(_ratio(r.mem(names["load"]), r.size), 0.10, True)),
+        )
+    )
     return rows
 
 
@@ -101,15 +152,28 @@ def print_targets(runs: list, names: dict, reshard: dict, note: str = "") -> Non
     for target, cells in state_rows(runs, names) if runs else []:
         print(f"| {target} | " + " | ".join(cells) + " |")
     for w, r in sorted(reshard.items(), reverse=True):
-        same = per_round(r["cols"], r["same"]) if r["paired"] else _ratio(
-            statistics.median(r["cols"]), statistics.median(r["same"]))
+        same = (
+            per_round(r["cols"], r["same"])
+            if r["paired"]
+            else _ratio(statistics.median(r["cols"]), statistics.median(r["same"]))
+        )
         dcp_raw = per_round(r["dcp"], r["raw"]) if r.get("raw") else None
         ours_raw = per_round(r["cols"], r["raw"]) if r.get("raw") else None
-        cells = [_cell(same, 1.25, True, f"{ours_raw:.2f}x its files raw" if ours_raw else ""),
-                 _cell(per_round(r["dcp"], r["cols"]), 1.5, False,
-                       f"DCP {dcp_raw:.2f}x its files raw" if dcp_raw else "")]
-        print(f"| resharded load, {w} ranks by columns: <= 1.25x the same-layout load; "
-              f">= 1.5x faster than DCP | {cells[0]}; {cells[1]} |" + " |" * (len(runs) - 1))
-    print("\nRatios are medians of per-round ratios (each round runs every tool once, "
-          "interleaved). Planning at 4,096 ranks has its own targets: "
-          "`python benchmarks/plan_scale.py`.")
+        cells = [
+            _cell(same, 1.25, True, f"{ours_raw:.2f}x its files raw" if ours_raw else ""),
+            _cell(
+                per_round(r["dcp"], r["cols"]),
+                1.5,
+                False,
+                f"DCP {dcp_raw:.2f}x its files raw" if dcp_raw else "",
+            ),
+        ]
+        print(
+            f"| resharded load, {w} ranks by columns: <= 1.25x the same-layout load; "
+            f">= 1.5x faster than DCP | {cells[0]}; {cells[1]} |" + " |" * (len(runs) - 1)
+        )
+    print(
+        "\nRatios are medians of per-round ratios (each round runs every tool once, "
+        "interleaved). Planning at 4,096 ranks has its own targets: "
+        "`python benchmarks/plan_scale.py`."
+    )

@@ -1,6 +1,7 @@
 """The benchmark's pieces: states, cache dropping, peak-memory sampling, and one save/load
 step per tool (raw file I/O, shardpoint, DCP, torch.save, safetensors). Each step returns its
 seconds (and, for async saves, the blocking part); ``bench.py`` interleaves and tabulates."""
+
 from __future__ import annotations
 
 import inspect
@@ -108,13 +109,14 @@ def _pieces(bufs: list, piece: int) -> list:
     for b in bufs:
         mv = b.contiguous().reshape(-1).view(torch.uint8).numpy()
         for s in range(0, mv.size, piece):
-            jobs.append((mv[s:s + piece], off + s))
+            jobs.append((mv[s : s + piece], off + s))
         off += mv.size
     return jobs
 
 
-def raw_write(state: dict, path: str, threads: int = 1, early: bool = False,
-              piece: int = 16 << 20) -> None:
+def raw_write(
+    state: dict, path: str, threads: int = 1, early: bool = False, piece: int = 16 << 20
+) -> None:
     """The write limit: every tensor's bytes into one file, then one fsync. One thread of
     plain writes, or ``threads`` threads of ``pwrite`` in ``piece``-byte pieces; ``early``
     starts each piece's writeback right after it (``sync_file_range``), as shardpoint's
@@ -127,13 +129,16 @@ def raw_write(state: dict, path: str, threads: int = 1, early: bool = False,
             os.fsync(f.fileno())
         return
     from shardpoint_core.arrays.direct_write import start_writeback
+
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+
         def one(job):
             mv, off = job
             os.pwrite(fd, mv, off)
             if early:
                 start_writeback(fd, off, mv.size)
+
         jobs = _pieces(list(flat(state).values()), piece)
         if threads == 1:
             for j in jobs:
@@ -178,7 +183,7 @@ def _file_pieces(bufs: list, layout: list) -> list:
         pieces = []
         while size:
             n = min(size, views[i].size - pos)
-            pieces.append(views[i][pos:pos + n])
+            pieces.append(views[i][pos : pos + n])
             size, pos = size - n, pos + n
             if pos == views[i].size:
                 i, pos = (i + 1) % len(views), 0
@@ -203,10 +208,14 @@ def raw_write_files(state: dict, layout: list, root: str, threads: int = 16) -> 
             start_writeback(fd, 0, n)
         finally:
             os.close(fd)
+
     os.makedirs(root, exist_ok=True)
     with ThreadPoolExecutor(threads) as ex:
-        list(ex.map(one, zip([r for r, _ in layout], _file_pieces(list(flat(state).values()),
-                                                                   layout))))
+        list(
+            ex.map(
+                one, zip([r for r, _ in layout], _file_pieces(list(flat(state).values()), layout))
+            )
+        )
     if not syncfs(root):
         os.sync()
 
@@ -214,6 +223,7 @@ def raw_write_files(state: dict, layout: list, root: str, threads: int = 16) -> 
 def raw_read_files(bufs: list, layout: list, root: str, threads: int = 8) -> None:
     """The read floor of shardpoint's layout: every file of the checkpoint read whole with
     ``preadv`` into preallocated buffers from ``threads`` threads; no checksums, no plan."""
+
     def one(job):
         rel, pieces = job
         fd = os.open(os.path.join(root, rel), os.O_RDONLY)
@@ -221,6 +231,7 @@ def raw_read_files(bufs: list, layout: list, root: str, threads: int = 8) -> Non
             os.preadv(fd, pieces, 0)
         finally:
             os.close(fd)
+
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(one, zip([r for r, _ in layout], _file_pieces(bufs, layout))))
 
@@ -252,16 +263,19 @@ def sp_load(like: dict, path: str) -> None:
 
 def _dcp_writer(path: str, threads: int):
     from torch.distributed.checkpoint import FileSystemWriter
+
     return FileSystemWriter(path, thread_count=threads, sync_files=True)
 
 
 def dcp_save(state: dict, path: str, threads: int) -> None:
     import torch.distributed.checkpoint as dcp
+
     dcp.save(state, storage_writer=_dcp_writer(path, threads))
 
 
 def dcp_async_save(state: dict, path: str, threads: int) -> tuple:
     import torch.distributed.checkpoint as dcp
+
     t = time.perf_counter()
     fut = dcp.async_save(state, storage_writer=_dcp_writer(path, threads))
     blocking = time.perf_counter() - t
@@ -272,6 +286,7 @@ def dcp_async_save(state: dict, path: str, threads: int) -> tuple:
 def dcp_load(like: dict, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+
     dcp.load(like, storage_reader=FileSystemReader(path))
 
 
@@ -286,10 +301,12 @@ def torch_load(path: str) -> None:
 
 def st_save(flat_state: dict, path: str) -> None:
     from safetensors.torch import save_file
+
     save_file(flat_state, path)
     fsync_path(path)
 
 
 def st_load(path: str) -> None:
     from safetensors.torch import load_file
+
     load_file(path)

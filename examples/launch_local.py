@@ -3,6 +3,7 @@
 ``torchrun --nproc-per-node N example.py`` is the real way; ``python example.py`` forks N
 ranks from this process instead (fast: torch is imported once) and fails if any rank fails.
 """
+
 import multiprocessing as mp
 import os
 import socket
@@ -10,8 +11,13 @@ import sys
 
 
 def _rank(main, rank, world, port):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     main()
 
 

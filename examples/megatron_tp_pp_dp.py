@@ -8,6 +8,7 @@ again, with another DP size if you like, and it resumes from the newest complete
     torchrun --nproc-per-node 8 examples/megatron_tp_pp_dp.py CKPT_DIR STEPS   # TP2 PP2 DP2
     python examples/megatron_tp_pp_dp.py CKPT_DIR STEPS [RANKS]   # forks RANKS local ranks
 """
+
 import sys
 
 import torch
@@ -17,7 +18,7 @@ import shardpoint as sp
 from shardpoint.api import state as sps
 
 TP, PP, BLOCKS, H, LR, MOM = 2, 2, 4, 16, 0.02, 0.9
-BATCH = 8                     # samples per step, split evenly over the DP ranks
+BATCH = 8  # samples per step, split evenly over the DP ranks
 
 
 def world_problem(world):
@@ -25,8 +26,10 @@ def world_problem(world):
     with DP dividing the batch (other sizes hung or crashed in the pipeline's send/recv)."""
     if world % (TP * PP) or BATCH % (world // (TP * PP) or 1) or world < TP * PP:
         ok = ", ".join(str(TP * PP * dp) for dp in range(1, BATCH + 1) if BATCH % dp == 0)
-        return (f"this example runs on TP x PP x DP = {TP} x {PP} x DP ranks with DP dividing "
-                f"the batch of {BATCH}: {ok} ranks, not {world}")
+        return (
+            f"this example runs on TP x PP x DP = {TP} x {PP} x DP ranks with DP dividing "
+            f"the batch of {BATCH}: {ok} ranks, not {world}"
+        )
     return ""
 
 
@@ -49,7 +52,7 @@ def groups(rank, world):
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world_problem(world):                 # every rank sees the same world: all stop
+    if world_problem(world):  # every rank sees the same world: all stop
         if rank == 0:
             print(world_problem(world), file=sys.stderr)
         dist.destroy_process_group()
@@ -57,10 +60,13 @@ def main():
     root, steps = sys.argv[1], int(sys.argv[2])
     t, p, d, dp, g = groups(rank, world)
     per_stage = BLOCKS // PP
-    mine = range(p * per_stage, (p + 1) * per_stage)          # global block indices
+    mine = range(p * per_stage, (p + 1) * per_stage)  # global block indices
     # (name, global shape, TP-split dim): fc1 [2H, H] by rows, fc2 [H, 2H] by columns
-    specs = [(f"blocks.{b}.{n}", shape, dim) for b in mine
-             for n, shape, dim in (("fc1", (2 * H, H), 0), ("fc2", (H, 2 * H), 1))]
+    specs = [
+        (f"blocks.{b}.{n}", shape, dim)
+        for b in mine
+        for n, shape, dim in (("fc1", (2 * H, H), 0), ("fc2", (H, 2 * H), 1))
+    ]
     w, mom, rng = {}, {}, {}
     for name, shape, dim in specs:
         full = torch.randn(shape, generator=torch.Generator().manual_seed(sum(map(ord, name))))
@@ -75,8 +81,9 @@ def main():
         for name, shape, dim in specs:
             off = tuple(t * shape[dim] // TP if i == dim else 0 for i in range(2))
             model[name] = sp.ShardedTensor(w[name].detach(), shape, off, replica_id=d)
-            optim[name] = sps.flattened_shard(mom[name], w[name].shape, rng[name][0],
-                                              global_shape=shape, global_offset=off)
+            optim[name] = sps.flattened_shard(
+                mom[name], w[name].shape, rng[name][0], global_shape=shape, global_offset=off
+            )
         return {"model": model, "momentum": optim, "step": step}
 
     mgr = sp.CheckpointManager(root, max_to_keep=2)
@@ -92,12 +99,12 @@ def main():
         part = slice(d * BATCH // dp, (d + 1) * BATCH // dp)
         x = x_all[part] if p == 0 else torch.empty(BATCH // dp, H)
         if p > 0:
-            dist.recv(x, src=rank - TP)                      # activations from the stage before
+            dist.recv(x, src=rank - TP)  # activations from the stage before
         x.requires_grad_(p > 0)
         h = x
         for b in mine:
             a = torch.relu(Copy.apply(h, g["tp"]) @ w[f"blocks.{b}.fc1"].T)
-            out = a @ w[f"blocks.{b}.fc2"].T                 # partial sums over TP
+            out = a @ w[f"blocks.{b}.fc2"].T  # partial sums over TP
             h = h + AllReduce.apply(out, g["tp"])
         if p < PP - 1:
             dist.send(h.detach(), dst=rank + TP)
@@ -109,7 +116,7 @@ def main():
             loss.backward()
         if p > 0:
             dist.send(x.grad, dst=rank - TP)
-        for name in w:                                       # distributed momentum SGD
+        for name in w:  # distributed momentum SGD
             grad = w[name].grad.reshape(-1).clone()
             dist.all_reduce(grad, group=g["dp"])
             a, b = rng[name]
@@ -158,7 +165,8 @@ class Copy(torch.autograd.Function):
 
 if __name__ == "__main__":
     from launch_local import run_local
+
     ranks = int(sys.argv[3]) if len(sys.argv) > 3 else TP * PP * 2
-    if world_problem(ranks):                 # before forking anything
+    if world_problem(ranks):  # before forking anything
         sys.exit(world_problem(ranks))
     run_local(main, ranks)

@@ -3,6 +3,7 @@ a resume, then a model-only load (on the meta device) for inference.
 
     python examples/nanochat_style.py [CKPT_DIR]
 """
+
 import sys
 import tempfile
 
@@ -18,8 +19,9 @@ class TinyLM(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, DIM)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM, 4 * DIM), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * DIM, DIM))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(DIM, 4 * DIM), torch.nn.GELU(), torch.nn.Linear(4 * DIM, DIM)
+        )
         self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, idx):
@@ -36,9 +38,12 @@ def train(mgr, until, meta):
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = 0
-    if mgr.latest_step() is not None:                       # resume
-        like = {"model": sps.model_state(model), "optim": sps.optimizer_state(model, opt),
-                "meta": meta}          # same structure: values come back loaded
+    if mgr.latest_step() is not None:  # resume
+        like = {
+            "model": sps.model_state(model),
+            "optim": sps.optimizer_state(model, opt),
+            "meta": meta,
+        }  # same structure: values come back loaded
         out = mgr.load(like=like)
         sps.set_optimizer_state(model, opt, out["optim"])
         step = out["meta"]["step"]
@@ -53,16 +58,23 @@ def train(mgr, until, meta):
         opt.step()
         print(f"step {step} loss {loss.item():.4f}")
         if step % 2 == 0:
-            mgr.save(step, {"model": sps.model_state(model), "optim": sps.optimizer_state(
-                model, opt), "meta": {**meta, "step": step}}, metrics={"loss": loss.item()})
+            mgr.save(
+                step,
+                {
+                    "model": sps.model_state(model),
+                    "optim": sps.optimizer_state(model, opt),
+                    "meta": {**meta, "step": step},
+                },
+                metrics={"loss": loss.item()},
+            )
     return model
 
 
 def main(root):
     meta = {"config": {"vocab": VOCAB, "dim": DIM}, "step": 0}
     with sp.CheckpointManager(root, max_to_keep=2, best_metric="loss") as mgr:
-        train(mgr, 4, meta)                                 # a first run stops at step 4
-        trained = train(mgr, 8, meta)                       # a second one resumes to 8
+        train(mgr, 4, meta)  # a first run stops at step 4
+        trained = train(mgr, 8, meta)  # a second one resumes to 8
         assert mgr.all_steps() == [6, 8] or mgr.best_step() in mgr.all_steps()
         # inference: build on meta (no memory, no init), materialize from the checkpoint;
         # only the model's bytes are read, never the optimizer's

@@ -1,22 +1,34 @@
 """Shared test setup: the ``--runslow`` option for long property runs and big cases, the order
 that starts the longest test files first, the object-store servers."""
+
 import pytest
 
 
 def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true", default=False,
-                     help="also run tests marked slow (long property runs, big worlds)")
+    parser.addoption(
+        "--runslow",
+        action="store_true",
+        default=False,
+        help="also run tests marked slow (long property runs, big worlds)",
+    )
 
 
 # The files whose tests take longest (real worlds, benchmarks' quick runs, clusters), run
 # first. `--dist worksteal` hands each worker a contiguous half of the collection and lets an
 # idle worker take the tail of the other's queue: a long test there (tools/ sorts last) ran
 # while the other worker sat idle at the end of the run. A file missing here only runs later.
-FIRST = ("tests/tools/test_bench.py", "tests/tools/test_demo.py",
-         "tests/conformance/test_cluster.py", "tests/jax/test_jax_flax.py",
-         "tests/core/test_fuzz.py", "tests/jax/test_jax_interop.py",
-         "tests/core/test_direct_write.py", "tests/core/test_s3_commit.py",
-         "tests/api/test_async_save.py", "tests/tools/test_s3_convert.py")
+FIRST = (
+    "tests/tools/test_bench.py",
+    "tests/tools/test_demo.py",
+    "tests/conformance/test_cluster.py",
+    "tests/jax/test_jax_flax.py",
+    "tests/core/test_fuzz.py",
+    "tests/jax/test_jax_interop.py",
+    "tests/core/test_direct_write.py",
+    "tests/core/test_s3_commit.py",
+    "tests/api/test_async_save.py",
+    "tests/tools/test_s3_convert.py",
+)
 
 
 def _first(item) -> int:
@@ -25,7 +37,7 @@ def _first(item) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_first)               # stable: the rest keep their order
+    items.sort(key=_first)  # stable: the rest keep their order
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow")
@@ -45,6 +57,7 @@ def s3_server():
     """One real S3-compatible server (moto's, on loopback) for the whole session; tests share
     its bucket and keep apart by ``s3_server.fresh_prefix()``."""
     from shardpoint_testing.s3 import S3Server
+
     with S3Server() as server:
         yield server
 
@@ -54,8 +67,7 @@ def s3_env(s3_server, monkeypatch):
     """The standard AWS environment pointing at the session's server (children inherit it)."""
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
-    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE",
-              "AWS_SHARED_CREDENTIALS_FILE"):
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
         monkeypatch.delenv(k, raising=False)
     return s3_server
 
@@ -68,6 +80,7 @@ def gcs_server():
     pytest.importorskip("gcp_storage_emulator")
     pytest.importorskip("google.cloud.storage")
     from shardpoint_testing.gcs import GcsServer
+
     with GcsServer() as server:
         yield server
 
@@ -87,4 +100,5 @@ def _no_lease_outlives_its_test():
     request of one test runs during another (a garbage or request count of its own)."""
     yield
     from shardpoint_core.commit.lease import stop_all
+
     stop_all()

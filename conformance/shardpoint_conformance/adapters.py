@@ -49,6 +49,7 @@ The case file (``CASE.json``, version 1)::
   (product ``len(values)``), entry ``i`` of ``values`` is cell number ``i`` in row-major order,
   and ``read`` reports the values in that same flat order.
 """
+
 from __future__ import annotations
 
 import json
@@ -119,8 +120,12 @@ SHIPPED = ("shardpoint_conformance.reference_adapter", "shardpoint_conformance.b
 
 def _shipped_module(argv: list) -> Optional[str]:
     """The shipped adapter module ``argv`` runs with this interpreter, else None."""
-    if len(argv) >= 3 and argv[1] == "-m" and argv[2] in SHIPPED and \
-            os.path.abspath(argv[0]) == os.path.abspath(sys.executable):   # this venv's
+    if (
+        len(argv) >= 3
+        and argv[1] == "-m"
+        and argv[2] in SHIPPED
+        and os.path.abspath(argv[0]) == os.path.abspath(sys.executable)
+    ):  # this venv's
         return argv[2]
     return None
 
@@ -138,11 +143,16 @@ class CommandAdapter:
         if module is not None:
             return self._call_forked(module, *self.argv[3:], *args)
         try:
-            p = subprocess.run(self.argv + list(args), capture_output=True, text=True,
-                               timeout=self.timeout)
+            p = subprocess.run(
+                self.argv + list(args), capture_output=True, text=True, timeout=self.timeout
+            )
         except subprocess.TimeoutExpired as e:
-            return CallResult(False, -1, str(e.stdout or ""), f"timed out after "
-                              f"{self.timeout:.0f}s: {' '.join(args)}")
+            return CallResult(
+                False,
+                -1,
+                str(e.stdout or ""),
+                f"timed out after {self.timeout:.0f}s: {' '.join(args)}",
+            )
         except OSError as e:
             return CallResult(False, -1, "", f"cannot run {self.command!r}: {e}")
         return CallResult(p.returncode == 0, p.returncode, p.stdout, p.stderr)
@@ -150,12 +160,14 @@ class CommandAdapter:
     def _call_forked(self, module: str, *argv: str) -> CallResult:
         """``python -m module argv...``, forked from the fork server (see ``SHIPPED``)."""
         from shardpoint_testing.launch import RankFailure, run_code
+
         code = f"import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
         try:
             p = run_code(code, *argv, timeout=self.timeout)
         except RankFailure:
-            return CallResult(False, -1, "", f"timed out after {self.timeout:.0f}s: "
-                              f"{' '.join(argv)}")
+            return CallResult(
+                False, -1, "", f"timed out after {self.timeout:.0f}s: {' '.join(argv)}"
+            )
         return CallResult(p.returncode == 0, p.returncode, p.stdout, p.stderr)
 
     def capabilities(self) -> dict:
@@ -167,9 +179,11 @@ class CommandAdapter:
         except ValueError:
             caps = None
         if not isinstance(caps, dict):
-            raise AdapterError(f"{self.command!r} capabilities printed {r.stdout[:200]!r}, not "
-                               'a JSON object like {"name": ..., "dtypes": [...], '
-                               '"features": [...]}')
+            raise AdapterError(
+                f"{self.command!r} capabilities printed {r.stdout[:200]!r}, not "
+                'a JSON object like {"name": ..., "dtypes": [...], '
+                '"features": [...]}'
+            )
         caps.setdefault("name", self.command)
         caps["dtypes"] = [d for d in caps.get("dtypes", []) if d in SPEC_DTYPES]
         caps["features"] = list(caps.get("features", []))
@@ -202,8 +216,9 @@ def read_case_files(case_json: str) -> tuple:
     with open(case_json) as f:
         case = json.load(f)
     base = os.path.dirname(os.path.abspath(case_json))
-    arrays = {t["key"]: load_npy(os.path.join(base, t["file"]), t["dtype"])
-              for t in case["tensors"]}
+    arrays = {
+        t["key"]: load_npy(os.path.join(base, t["file"]), t["dtype"]) for t in case["tensors"]
+    }
     return case, arrays
 
 

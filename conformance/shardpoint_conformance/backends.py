@@ -2,6 +2,7 @@
 SIGKILLs itself at a named point of the save, set by ``SHARDPOINT_CONFORMANCE_KILL``) and
 :class:`FailingWrites` (a full disk on one rank). Separate from the cases
 (:mod:`.faults`) so that the runner, which saves through them, imports no case."""
+
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ class FailingWrites:
 
     def __init__(self, rank: int) -> None:
         from shardpoint_core.transactions.resolve import get_backend
+
         self.inner, self.rank = get_backend(), rank
 
     def __getattr__(self, name: str) -> Any:
@@ -26,6 +28,7 @@ class FailingWrites:
 
     def write(self, handle: Any, offset: Any, data: Any) -> Any:
         import torch.distributed as dist
+
         if dist.get_rank() == self.rank:
             raise OSError(28, "No space left on device (simulated on this rank)")
         return self.inner.write(handle, offset, data)
@@ -40,6 +43,7 @@ class KillingBackend:
 
     def __init__(self, inner: Any = None, spec: Optional[str] = None) -> None:
         from shardpoint_core.transactions.resolve import get_backend
+
         self.inner = get_backend(inner)
         self.name = self.inner.name
         spec = spec if spec is not None else os.environ.get(KILL_ENV, "")
@@ -56,6 +60,7 @@ class KillingBackend:
         if self.point != point:
             return False
         import torch.distributed as dist
+
         r = dist.get_rank() if dist.is_initialized() else 0
         return r == self.rank
 
@@ -63,7 +68,7 @@ class KillingBackend:
         op = self.inner.write(handle, offset, data)
         self.writes += 1
         if self._armed("write") and self.writes >= self.n:
-            op.result()          # this chunk is on disk; the rank dies with others pending
+            op.result()  # this chunk is on disk; the rank dies with others pending
             _die()
         return op
 
@@ -89,6 +94,7 @@ class KillingBackend:
 
             def rmtree(*a: Any, **k: Any) -> None:
                 _die()
+
             # stand-ins for this one commit, narrower than the functions they replace
             os.rename, shutil.rmtree = rename, rmtree  # type: ignore[assignment]
             try:

@@ -7,6 +7,7 @@ flips a byte inside one (a crc32c mismatch, [SP-READ-3]), ``truncate-manifest`` 
 manifest in half ([SP-MAN-1]). ``adapter-test`` must catch each with that requirement ID;
 the conformance tests use it to prove the harness is not blind.
 """
+
 from __future__ import annotations
 
 import os

@@ -27,6 +27,7 @@ none leaves the key out. A sharded object may be a multi-dimensional grid (spec 
 [SP-OBJ-1..4]): its entry then has ``"shape"`` (product ``count``) and its indexes are lists
 of ints, one per dimension; without ``"shape"`` indexes are ints (the 1-D case, as before).
 """
+
 from __future__ import annotations
 
 import base64
@@ -37,23 +38,50 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-SPEC_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-               "uint64", "float16", "bfloat16", "float32", "float64", "complex64",
-               "complex128", "float8_e4m3fn", "float8_e5m2"]
+SPEC_DTYPES = [
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+]
 NUMPY_DTYPES: dict[str, np.dtype] = {
-    "bool": np.dtype(np.bool_), "int8": np.dtype(np.int8), "int16": np.dtype(np.int16),
-    "int32": np.dtype(np.int32), "int64": np.dtype(np.int64), "uint8": np.dtype(np.uint8),
-    "uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32),
-    "uint64": np.dtype(np.uint64), "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64), "complex64": np.dtype(np.complex64),
+    "bool": np.dtype(np.bool_),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "uint64": np.dtype(np.uint64),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "complex64": np.dtype(np.complex64),
     "complex128": np.dtype(np.complex128),
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
     "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
 }
 # Dtypes numpy cannot name without ml_dtypes: adapters exchange them as raw bits.
-RAW_BITS: dict[str, np.dtype] = {"bfloat16": np.dtype("<u2"), "float8_e4m3fn": np.dtype("u1"),
-                                  "float8_e5m2": np.dtype("u1")}
+RAW_BITS: dict[str, np.dtype] = {
+    "bfloat16": np.dtype("<u2"),
+    "float8_e4m3fn": np.dtype("u1"),
+    "float8_e5m2": np.dtype("u1"),
+}
 
 
 # -------------------------------------------------------------------------------- contents
@@ -71,29 +99,40 @@ def expected_array(seed: int, key: str, dtype: str, shape) -> np.ndarray:
 def piece_of(full: np.ndarray, offset, shape, flat) -> np.ndarray:
     """The part of ``full`` a piece stands for (1-D for a flattened range)."""
     block = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))] if shape else full
-    block = block.copy(order="C")   # (np.ascontiguousarray would make a 0-d array 1-d)
-    return block if flat is None else block.reshape(-1)[flat[0]:flat[1]]
+    block = block.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
+    return block if flat is None else block.reshape(-1)[flat[0] : flat[1]]
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return (a.shape == b.shape and a.dtype.itemsize == b.dtype.itemsize
-            and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes())
+    return (
+        a.shape == b.shape
+        and a.dtype.itemsize == b.dtype.itemsize
+        and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+    )
 
 
 def first_difference(got: np.ndarray, want: np.ndarray) -> str:
     if got.shape != want.shape:
         return f"shape {got.shape} != expected {want.shape}"
-    g = np.ascontiguousarray(got).reshape(-1).view(np.uint8).reshape(got.size, -1) \
-        if got.size else got
-    w = np.ascontiguousarray(want).reshape(-1).view(np.uint8).reshape(want.size, -1) \
-        if want.size else want
+    g = (
+        np.ascontiguousarray(got).reshape(-1).view(np.uint8).reshape(got.size, -1)
+        if got.size
+        else got
+    )
+    w = (
+        np.ascontiguousarray(want).reshape(-1).view(np.uint8).reshape(want.size, -1)
+        if want.size
+        else want
+    )
     bad = np.nonzero((g != w).any(axis=1))[0]
     if not len(bad):
         return "bits equal"
     i = int(bad[0])
     idx = np.unravel_index(i, want.shape) if want.shape else ()
-    return (f"{len(bad)} of {want.size} elements differ; first at {tuple(map(int, idx))}: "
-            f"got bytes {g[i].tobytes().hex()} expected {w[i].tobytes().hex()}")
+    return (
+        f"{len(bad)} of {want.size} elements differ; first at {tuple(map(int, idx))}: "
+        f"got bytes {g[i].tobytes().hex()} expected {w[i].tobytes().hex()}"
+    )
 
 
 def object_value(seed: int, key: str, index: Any) -> Any:
@@ -106,8 +145,12 @@ def object_value(seed: int, key: str, index: Any) -> Any:
     else:
         h = zlib.crc32(f"{seed}:{key}:{index}".encode())
         times = index % 3
-    return {"index": index, "h": h, "blob": {"$b64": base64.b64encode(
-        h.to_bytes(4, "little") * times).decode()}, "f": h / 7.0}
+    return {
+        "index": index,
+        "h": h,
+        "blob": {"$b64": base64.b64encode(h.to_bytes(4, "little") * times).decode()},
+        "f": h / 7.0,
+    }
 
 
 def object_grid(o: dict) -> Any:
@@ -135,13 +178,16 @@ def grid_values(seed: int, key: str, grid: Any) -> list:
     for a 1-D grid, nested lists (outer = first dimension) for two or more dimensions."""
     if not isinstance(grid, (list, tuple)) or len(grid) == 1:
         n = grid if not isinstance(grid, (list, tuple)) else grid[0]
-        return [decode_value(object_value(seed, key, i if not isinstance(grid, (list, tuple))
-                                          else [i])) for i in range(n)]
+        return [
+            decode_value(object_value(seed, key, i if not isinstance(grid, (list, tuple)) else [i]))
+            for i in range(n)
+        ]
 
     def level(prefix: list, dims: tuple) -> list:
         if not dims:
             return decode_value(object_value(seed, key, prefix))
         return [level(prefix + [i], dims[1:]) for i in range(dims[0])]
+
     return level([], tuple(grid))
 
 
@@ -202,8 +248,7 @@ def describe_layout(side: dict) -> str:
 
 
 def case_bytes(case: dict) -> int:
-    return sum(math.prod(t["shape"]) * NUMPY_DTYPES[t["dtype"]].itemsize
-               for t in case["tensors"])
+    return sum(math.prod(t["shape"]) * NUMPY_DTYPES[t["dtype"]].itemsize for t in case["tensors"])
 
 
 def check_case(case: dict) -> None:
@@ -215,12 +260,14 @@ def check_case(case: dict) -> None:
             shape = ents[key]["shape"]
             ranks = [p[0] for p in lay["pieces"]]
             several = is_pieces(lay)
-            if (not several and len(ranks) != len(set(ranks))) or \
-                    any(not 0 <= r < world for r in ranks):
+            if (not several and len(ranks) != len(set(ranks))) or any(
+                not 0 <= r < world for r in ranks
+            ):
                 raise ValueError(f"{side} {key}: bad ranks {ranks}")
             for _r, off, shp, flat, _rep in lay["pieces"]:
-                if len(off) != len(shape) or any(o + s > n or o < 0 or s < 0
-                                                 for o, s, n in zip(off, shp, shape)):
+                if len(off) != len(shape) or any(
+                    o + s > n or o < 0 or s < 0 for o, s, n in zip(off, shp, shape)
+                ):
                     raise ValueError(f"{side} {key}: piece {off}+{shp} outside {shape}")
                 if flat is not None and not 0 <= flat[0] <= flat[1] <= math.prod(shp):
                     raise ValueError(f"{side} {key}: flat {flat} outside block {shp}")
@@ -231,13 +278,13 @@ def check_case(case: dict) -> None:
         for _r, off, shp, flat, _rep in lay["pieces"]:
             region = (tuple(off), tuple(shp), tuple(flat) if flat else None)
             if region in seen:
-                continue   # a replica
+                continue  # a replica
             seen.add(region)
             idx = np.arange(cover.size).reshape(shape) if shape else np.array(0)
             block = idx[tuple(slice(o, o + s) for o, s in zip(off, shp))] if shape else idx
             ids = block.reshape(-1)
             if flat is not None:
-                ids = ids[flat[0]:flat[1]]
+                ids = ids[flat[0] : flat[1]]
             np.add.at(cover.reshape(-1), ids, 1)
         if cover.size and not (cover == 1).all():
             raise ValueError(f"save {key}: pieces do not cover the tensor exactly once")
@@ -260,5 +307,5 @@ def check_case(case: dict) -> None:
 def as_json_case(case: dict) -> dict:
     """Round trip through JSON (what every rank and every adapter sees)."""
     import json
-    return json.loads(json.dumps(case))
 
+    return json.loads(json.dumps(case))

@@ -26,6 +26,7 @@ Example (the reference on the tests' S3 server, ``tests/conformance/test_commit_
     for name, scenario in SCENARIOS.items():
         scenario(rig)
 """
+
 from __future__ import annotations
 
 import time
@@ -38,8 +39,8 @@ import msgpack
 from shardpoint_core.format.errors import CheckpointExistsError, SaveFailedError
 from shardpoint_core.format.manifest import Manifest, TensorEntry, decode_manifest, encode_manifest
 
-LATER = 3600.0       # seconds after which every lease a scenario wrote has expired
-LOST_REPLY = -1      # a proxy rule's answer: applied, then the connection dropped
+LATER = 3600.0  # seconds after which every lease a scenario wrote has expired
+LOST_REPLY = -1  # a proxy rule's answer: applied, then the connection dropped
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Rig:
     faulty: Callable[[Callable], Any]
     committer: Callable[[Any], Any]
     pause: Optional[Callable[[Any, str], None]] = None
-    quick: bool = False          # one case of each kind instead of every combination
+    quick: bool = False  # one case of each kind instead of every combination
     # ``blackhole(endpoint)``: (the implementation's store of this kind pointed at
     # ``endpoint``, the most seconds its options let one operation take); None: skipped
     blackhole: Optional[Callable[[str], tuple]] = None
@@ -72,8 +73,11 @@ def stage(store: Any, committer: Any, target: str, label: str) -> tuple:
         for c in range(2):
             store.put(f"{staging}/tensors/{k}/c/{c}", f"{label}:{k}:{c}".encode())
     tree = {"dict": [[k, {"tensor": k}] for k in ("a", "b")]}
-    m = Manifest(wire_tree=tree, tensors={k: TensorEntry(k, f"tensors/{k}", (2,), "uint8", (1,))
-                                          for k in ("a", "b")}, objects={})
+    m = Manifest(
+        wire_tree=tree,
+        tensors={k: TensorEntry(k, f"tensors/{k}", (2,), "uint8", (1,)) for k in ("a", "b")},
+        objects={},
+    )
     return staging, encode_manifest(m)
 
 
@@ -101,12 +105,15 @@ def _upload(target: str, name: str, nth: int) -> Callable:
     def test(method: str, path: str) -> bool:
         if method == "PUT":
             return path.split("?")[0].endswith(f"/{target}/{name}") or (
-                name == "lease.msgpack" and path.split("?")[0].endswith("/" + name)
-                and f"/{target}/save-" in path)
+                name == "lease.msgpack"
+                and path.split("?")[0].endswith("/" + name)
+                and f"/{target}/save-" in path
+            )
         if method == "POST" and path.startswith("/upload/") and "ifGenerationMatch" in path:
             seen.append(path)
             return len(seen) == nth
         return False
+
     return test
 
 
@@ -118,6 +125,7 @@ def _once(test: Callable, fault: int) -> Callable:
             fired.append(n)
             return fault
         return None
+
     return rule
 
 
@@ -126,11 +134,14 @@ def _prefix(rig: Rig) -> str:
 
 
 def lost_reply(rig: Rig) -> None:
-    cases = [(f, o, u) for f in (LOST_REPLY, -500) for o in (False, True)
-             for u in (("manifest.msgpack", 2), ("lease.msgpack", 1))]
+    cases = [
+        (f, o, u)
+        for f in (LOST_REPLY, -500)
+        for o in (False, True)
+        for u in (("manifest.msgpack", 2), ("lease.msgpack", 1))
+    ]
     if rig.quick:
-        cases = [(LOST_REPLY, True, ("manifest.msgpack", 2)),
-                 (-500, False, ("lease.msgpack", 1))]
+        cases = [(LOST_REPLY, True, ("manifest.msgpack", 2)), (-500, False, ("lease.msgpack", 1))]
     for fault, overwrite, (name, nth) in cases:
         t = f"{_prefix(rig)}/t"
         if overwrite:
@@ -140,12 +151,12 @@ def lost_reply(rig: Rig) -> None:
         with rig.faulty(_once(_upload(t, name, nth), fault)) as store:
             c = rig.committer(store)
             staging, m = stage(rig.store, c, t, f"new-{name}")
-            c.publish(staging, t, overwrite=overwrite or name != "manifest.msgpack",
-                      manifest=m)
+            c.publish(staging, t, overwrite=overwrite or name != "manifest.msgpack", manifest=m)
         got = read(rig.store, t)
         if got != f"new-{name}":
-            raise AssertionError(f"lost reply to the {name} upload ({fault}, "
-                                 f"overwrite={overwrite}): {got}")
+            raise AssertionError(
+                f"lost reply to the {name} upload ({fault}, overwrite={overwrite}): {got}"
+            )
 
 
 def lost_race(rig: Rig) -> None:
@@ -177,8 +188,10 @@ def user_objects(rig: Rig) -> None:
     c = rig.committer(rig.store)
     staging, m = stage(rig.store, c, f"{root}/step_00000001", "one")
     c.publish(staging, f"{root}/step_00000001", overwrite=False, manifest=m)
-    mine = [f"{root}/exports/save-20240101/model.bin",
-            f"{root}/step_00000001/save-20240101/eval_results.json"]
+    mine = [
+        f"{root}/exports/save-20240101/model.bin",
+        f"{root}/step_00000001/save-20240101/eval_results.json",
+    ]
     for k in mine:
         rig.store.put(k, b"user data")
     now = time.time() + LATER
@@ -201,8 +214,9 @@ def stalled_save(rig: Rig) -> None:
     rig.pause(rig.store, staging)
     observer = rig.committer(rig.store)
     now = time.time() + LATER
-    removed = [lo.path for lo in observer.leftovers(t, now=now)
-               if observer.discard(lo.path, now=now)]
+    removed = [
+        lo.path for lo in observer.leftovers(t, now=now) if observer.discard(lo.path, now=now)
+    ]
     if removed != [staging]:
         raise AssertionError(f"recovery removed {removed}, not the paused save {staging}")
     try:
@@ -221,27 +235,34 @@ def blackhole(rig: Rig) -> None:
     import socket
     from shardpoint_core.format.errors import StoreUnavailableError
     from shardpoint_testing.probes import error_within
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    sock.listen(64)                  # the kernel accepts into the backlog; nobody answers
+    sock.listen(64)  # the kernel accepts into the backlog; nobody answers
     endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
         store, bound = rig.blackhole(endpoint)
-        for what, op in (("a save's lease", lambda: rig.committer(store).begin(
-                             "t", uuid.uuid4().hex)),
-                         ("a read", lambda: store.get("t/manifest.msgpack"))):
+        for what, op in (
+            ("a save's lease", lambda: rig.committer(store).begin("t", uuid.uuid4().hex)),
+            ("a read", lambda: store.get("t/manifest.msgpack")),
+        ):
             err = error_within(op, bound + 10, f"{what} against a blackhole")
-            if not isinstance(err, StoreUnavailableError) or endpoint.split("//")[1] \
-                    not in str(err):
-                raise AssertionError(f"{what} against a blackhole: {err!r}, not a "
-                                     "StoreUnavailableError naming the endpoint")
+            if not isinstance(err, StoreUnavailableError) or endpoint.split("//")[1] not in str(
+                err
+            ):
+                raise AssertionError(
+                    f"{what} against a blackhole: {err!r}, not a "
+                    "StoreUnavailableError naming the endpoint"
+                )
     finally:
         sock.close()
 
 
 SCENARIOS: Dict[str, Callable[[Rig], None]] = {
-    "lost_reply": lost_reply, "lost_race": lost_race,
-    "abort_after_commit": abort_after_commit, "user_objects": user_objects,
-    "stalled_save": stalled_save, "blackhole": blackhole,
+    "lost_reply": lost_reply,
+    "lost_race": lost_race,
+    "abort_after_commit": abort_after_commit,
+    "user_objects": user_objects,
+    "stalled_save": stalled_save,
+    "blackhole": blackhole,
 }
-

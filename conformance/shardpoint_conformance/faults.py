@@ -21,24 +21,32 @@ and the new one is either complete (bitwise) or invisible (not found / incomplet
 truncated or flipped manifest, a missing manifest: each must raise its documented error,
 never return wrong data.
 """
+
 from __future__ import annotations
 
 import os
 import shutil
 from typing import Optional
 
-from shardpoint_conformance.backends import (KILL_ENV, KILL_POINTS,  # noqa: F401 - API
-                                             FailingWrites, KillingBackend)
+from shardpoint_conformance.backends import (  # noqa: F401 - API: re-exported
+    KILL_ENV,
+    KILL_POINTS,
+    FailingWrites,
+    KillingBackend,
+)
 
 
 # -------------------------------------------------------------------------------- kills
-def _save_rank(rank: int, world: int, case: dict, path: str, kill: bool,
-               async_save: bool = False) -> int:
+def _save_rank(
+    rank: int, world: int, case: dict, path: str, kill: bool, async_save: bool = False
+) -> int:
     import shardpoint as sp
     from shardpoint_conformance.runner import build_save_state
+
     be = KillingBackend() if kill else None
-    out = sp.save(build_save_state(case, rank, world), path, overwrite=True, backend=be,
-                  async_save=async_save)
+    out = sp.save(
+        build_save_state(case, rank, world), path, overwrite=True, backend=be, async_save=async_save
+    )
     if async_save:
         out.wait()
     return be.writes if be else 0
@@ -47,21 +55,32 @@ def _save_rank(rank: int, world: int, case: dict, path: str, kill: bool,
 def fault_case(world: int, seed: int = 5) -> dict:
     """A case whose save gives every rank several chunks to write (plain data)."""
     from shardpoint_core.format.keys import encode_key
+
     tensors, layouts = [], {}
     for i in range(2 * world + 2):
         path: list[str | int] = ["layers", i, "w"]
         key = encode_key(tuple(path))
         shape = [4 * world, 3 + i % 3]
-        tensors.append({"path": path, "key": key, "dtype": ["float32", "bfloat16", "int64",
-                                                            "float8_e5m2"][i % 4],
-                        "shape": shape})
-        owner = i % world   # one rank per tensor (pipeline style): no exchange needed
-        layouts[key] = {"kind": f"owner r{owner}",
-                        "pieces": [[owner, [0, 0], shape, None, [0]]]}
-    return {"seed": seed, "id": "fault", "profile": "fault", "tensors": tensors,
-            "values": [{"path": ["step"], "value": seed}], "objects": [],
-            "save": {"world": world, "tensors": layouts, "objects": {}},
-            "load": {"world": 1, "like": False, "tensors": {}, "objects": {}}}
+        tensors.append(
+            {
+                "path": path,
+                "key": key,
+                "dtype": ["float32", "bfloat16", "int64", "float8_e5m2"][i % 4],
+                "shape": shape,
+            }
+        )
+        owner = i % world  # one rank per tensor (pipeline style): no exchange needed
+        layouts[key] = {"kind": f"owner r{owner}", "pieces": [[owner, [0, 0], shape, None, [0]]]}
+    return {
+        "seed": seed,
+        "id": "fault",
+        "profile": "fault",
+        "tensors": tensors,
+        "values": [{"path": ["step"], "value": seed}],
+        "objects": [],
+        "save": {"world": world, "tensors": layouts, "objects": {}},
+        "load": {"world": 1, "like": False, "tensors": {}, "objects": {}},
+    }
 
 
 def check_full(path: str, case: dict) -> list:
@@ -69,6 +88,7 @@ def check_full(path: str, case: dict) -> list:
     import shardpoint as sp
     from shardpoint_conformance.cases import expected_array, get_path
     from shardpoint_conformance.runner import to_bytes
+
     got = sp.load(path)
     problems = []
     for t in case["tensors"]:
@@ -81,9 +101,17 @@ def check_full(path: str, case: dict) -> list:
     return problems
 
 
-def kill_during_save(root: str, world: int, rank: int, point: str, n: int = 1, *,
-                     overwrite: bool = True, pg_timeout: float = 8.0,
-                     async_save: bool = False) -> dict:
+def kill_during_save(
+    root: str,
+    world: int,
+    rank: int,
+    point: str,
+    n: int = 1,
+    *,
+    overwrite: bool = True,
+    pg_timeout: float = 8.0,
+    async_save: bool = False,
+) -> dict:
     """Save A, then save B with ``rank`` killed at ``point``; judge what is on disk.
 
     ``overwrite``: B goes to A's path (replacing it); else to a new path next to it.
@@ -92,6 +120,7 @@ def kill_during_save(root: str, world: int, rank: int, point: str, n: int = 1, *
     """
     import shardpoint as sp
     from shardpoint_testing.launch import RankFailure, run_world
+
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
     a = fault_case(world, seed=11)
@@ -102,8 +131,16 @@ def kill_during_save(root: str, world: int, rank: int, point: str, n: int = 1, *
     os.environ[KILL_ENV] = f"{rank}:{point}:{n}"
     killed = False
     try:
-        run_world(world, _save_rank, b, pb, True, async_save, timeout=60 + 3 * pg_timeout,
-                  pg_timeout=pg_timeout)
+        run_world(
+            world,
+            _save_rank,
+            b,
+            pb,
+            True,
+            async_save,
+            timeout=60 + 3 * pg_timeout,
+            pg_timeout=pg_timeout,
+        )
     except RankFailure as e:
         killed = "code -9" in str(e) or "-9" in str(e)
         detail = str(e)[:300]
@@ -133,9 +170,15 @@ def kill_during_save(root: str, world: int, rank: int, point: str, n: int = 1, *
     except Exception as e:  # noqa: BLE001
         state = f"ERROR {type(e).__name__}"
         problems.append(f"{pb}: {type(e).__name__}: {e}")
-    return {"killed": killed, "state": state, "ok": killed and not problems,
-            "problems": problems, "detail": detail, "point": f"rank {rank} {point}:{n}" + (" (async)" if async_save else ""),
-            "leftovers": sorted(os.listdir(root))}
+    return {
+        "killed": killed,
+        "state": state,
+        "ok": killed and not problems,
+        "problems": problems,
+        "detail": detail,
+        "point": f"rank {rank} {point}:{n}" + (" (async)" if async_save else ""),
+        "leftovers": sorted(os.listdir(root)),
+    }
 
 
 # -------------------------------------------------------------------------------- damage
@@ -146,15 +189,19 @@ def damaged_checkpoints(root: str) -> list[tuple[str, str, str, type[Exception]]
     import shardpoint as sp
     from shardpoint_core.transactions.backend import ZarrBackend
     from shardpoint_conformance.harness import chunk_files, flip_byte
+
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
     good = os.path.join(root, "good")
     g = torch.Generator().manual_seed(3)
-    state = {"w": torch.randn(16, 8, generator=g), "b": torch.randint(0, 9, (7,)),
-             "h": torch.randn(4, 4, generator=g).to(torch.bfloat16), "step": 3}
+    state = {
+        "w": torch.randn(16, 8, generator=g),
+        "b": torch.randint(0, 9, (7,)),
+        "h": torch.randn(4, 4, generator=g).to(torch.bfloat16),
+        "step": 3,
+    }
     # Small thresholds: "w" (512 B) becomes a sharded chunk with an index of inner chunks.
-    sp.save(state, good, backend=ZarrBackend(shard_above_bytes=256,
-                                                    inner_chunk_bytes=64))
+    sp.save(state, good, backend=ZarrBackend(shard_above_bytes=256, inner_chunk_bytes=64))
     out: list[tuple[str, str, str, type[Exception]]] = []
 
     def copy(name: str) -> str:
@@ -168,8 +215,9 @@ def damaged_checkpoints(root: str) -> list[tuple[str, str, str, type[Exception]]
         for where, pos in (("first", 0), ("middle", size // 2), ("last", size - 1)):
             p = copy(f"flip-{i}-{where}")
             flip_byte(os.path.join(p, rel), pos)
-            out.append((f"flipped {where} byte of {rel}", p, "SP-READ-3",
-                        sp.CorruptCheckpointError))
+            out.append(
+                (f"flipped {where} byte of {rel}", p, "SP-READ-3", sp.CorruptCheckpointError)
+            )
         p = copy(f"trunc-{i}")
         with open(os.path.join(p, rel), "r+b") as fh:
             fh.truncate(size - 3)
@@ -183,8 +231,14 @@ def damaged_checkpoints(root: str) -> list[tuple[str, str, str, type[Exception]]
         p = copy(f"man-trunc-{cut}")
         with open(os.path.join(p, man), "r+b") as fh:
             fh.truncate(cut)
-        out.append((f"manifest truncated to {cut} of {size} bytes", p, "SP-MAN-1",
-                    sp.CorruptCheckpointError))
+        out.append(
+            (
+                f"manifest truncated to {cut} of {size} bytes",
+                p,
+                "SP-MAN-1",
+                sp.CorruptCheckpointError,
+            )
+        )
     p = copy("man-flip")
     flip_byte(os.path.join(p, man))
     out.append(("flipped manifest byte", p, "SP-MAN-1", sp.CorruptCheckpointError))
@@ -194,18 +248,17 @@ def damaged_checkpoints(root: str) -> list[tuple[str, str, str, type[Exception]]
     return out
 
 
-def check_damage(name: str, path: str, spec_id: str,
-                 err_type: type[Exception]) -> Optional[str]:
+def check_damage(name: str, path: str, spec_id: str, err_type: type[Exception]) -> Optional[str]:
     """None if loading ``path`` raises ``err_type`` with ``spec_id``; else the problem."""
     import shardpoint as sp
+
     try:
         sp.load(path)
     except err_type as e:
-        got = getattr(e, "spec_id", None)    # None too where the class carries no ID
+        got = getattr(e, "spec_id", None)  # None too where the class carries no ID
         if got != spec_id:
             return f"{name}: raised {type(e).__name__} with {got}, expected {spec_id}"
         return None
     except Exception as e:  # noqa: BLE001
-        return f"{name}: raised {type(e).__name__}: {e} (expected {err_type.__name__} " \
-               f"[{spec_id}])"
+        return f"{name}: raised {type(e).__name__}: {e} (expected {err_type.__name__} [{spec_id}])"
     return f"{name}: loaded without an error (silent wrong data)"

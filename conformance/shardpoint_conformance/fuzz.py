@@ -14,6 +14,7 @@ or the worker going over its memory bound (a memory cgroup when one can be made 
 
 Each failure is kept under ``--dir`` with the seed that reproduces it (``--replay SEED``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,24 @@ for line in sys.stdin:
     print(json.dumps(out), flush=True)
 """
 
-BIG = [0, 1, 2, 7, 255, 256, 2**31 - 1, 2**31, 2**32, 2**53, 2**62, 2**63 - 1, 2**63,
-       2**64 - 1, -1, -(2**63)]
+BIG = [
+    0,
+    1,
+    2,
+    7,
+    255,
+    256,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**53,
+    2**62,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    -1,
+    -(2**63),
+]
 
 
 def _parse_size(s: str) -> int:
@@ -73,11 +90,29 @@ def _parse_size(s: str) -> int:
 
 # ------------------------------------------------------------------------------ mutators
 def _random_scalar(rng: random.Random) -> Any:
-    return rng.choice([None, True, False, rng.choice(BIG), 1.5, float("nan"), -0.0, "",
-                       "../../etc", "float128", "x" * rng.choice([1, 300, 5000]), b"\x00",
-                       [], {}, [[[]]], {"must_understand": False}, {"must_understand": True},
-                       msgpack.ExtType(rng.choice([1, 2, 3, 5, -1]), os.urandom(rng.randint(0, 8))),
-                       hostile.nested_tuples(rng.choice([3, 200, 300, 600]))])
+    return rng.choice(
+        [
+            None,
+            True,
+            False,
+            rng.choice(BIG),
+            1.5,
+            float("nan"),
+            -0.0,
+            "",
+            "../../etc",
+            "float128",
+            "x" * rng.choice([1, 300, 5000]),
+            b"\x00",
+            [],
+            {},
+            [[[]]],
+            {"must_understand": False},
+            {"must_understand": True},
+            msgpack.ExtType(rng.choice([1, 2, 3, 5, -1]), os.urandom(rng.randint(0, 8))),
+            hostile.nested_tuples(rng.choice([3, 200, 300, 600])),
+        ]
+    )
 
 
 def _mutate_tree(node: Any, rng: random.Random, depth: int = 0) -> Any:
@@ -89,8 +124,9 @@ def _mutate_tree(node: Any, rng: random.Random, depth: int = 0) -> Any:
         if op < 0.15:
             del out[k]
         elif op < 0.25:
-            out[rng.choice(["extra", 7, "must_understand", k + "_" if isinstance(k, str)
-                            else "k"])] = _random_scalar(rng)
+            out[
+                rng.choice(["extra", 7, "must_understand", k + "_" if isinstance(k, str) else "k"])
+            ] = _random_scalar(rng)
         elif op < 0.75:
             out[k] = _mutate_tree(node[k], rng, depth + 1)
         else:
@@ -122,7 +158,7 @@ def mutate_manifest(root: str, rng: random.Random) -> str:
     if r < 0.75:
         body = _mutate_tree(body, rng)
         new = msgpack.packb(body, use_bin_type=True)
-        if rng.random() < 0.1:     # duplicated key: spelled in bytes (a dict cannot hold it)
+        if rng.random() < 0.1:  # duplicated key: spelled in bytes (a dict cannot hold it)
             new = new.replace(b"\xa7objects", b"\xa7objects", 1)
         hostile.write_body(root, None, new)
         return "manifest body edited and re-sealed"
@@ -133,12 +169,15 @@ def mutate_manifest(root: str, rng: random.Random) -> str:
         open(os.path.join(root, hostile.MANIFEST), "wb").write(bytes(data))
         return "manifest bytes flipped"
     if r < 0.92:
-        open(os.path.join(root, hostile.MANIFEST), "wb").write(raw[:rng.randrange(len(raw))])
+        open(os.path.join(root, hostile.MANIFEST), "wb").write(raw[: rng.randrange(len(raw))])
         return "manifest truncated"
     b = env["body"]
     cut = rng.randrange(len(b))
-    new = b[:cut] + rng.choice([b"\x91" * 3000, b"\xdf\xff\xff\xff\xff", b"\xc1",
-                                b"\xdb\xff\xff\xff\xff"]) + b[cut:]
+    new = (
+        b[:cut]
+        + rng.choice([b"\x91" * 3000, b"\xdf\xff\xff\xff\xff", b"\xc1", b"\xdb\xff\xff\xff\xff"])
+        + b[cut:]
+    )
     hostile.write_body(root, None, new)
     return "manifest body spliced and re-sealed"
 
@@ -160,11 +199,11 @@ def mutate_zarr_json(root: str, rng: random.Random) -> str:
         meta = _mutate_tree(meta, rng)
         text = json.dumps(meta, default=lambda o: repr(o), allow_nan=True)
     elif r < 0.8:
-        text = json.dumps(meta)[:-1] + ',"shape":[1]}'          # a repeated name
+        text = json.dumps(meta)[:-1] + ',"shape":[1]}'  # a repeated name
     elif r < 0.9:
         text = json.dumps(meta)[:-1] + ',"attributes":{"x":' + "[" * 50000 + "]" * 50000 + "}}"
     else:
-        text = json.dumps(meta)[:rng.randrange(len(json.dumps(meta)))]
+        text = json.dumps(meta)[: rng.randrange(len(json.dumps(meta)))]
     open(p, "w").write(text)
     return f"zarr.json of {os.path.relpath(arr, root)} edited"
 
@@ -197,23 +236,22 @@ def mutate_shard_index(root: str, rng: random.Random) -> str:
     f, n = rng.choice(shards)
     raw = bytearray(open(f, "rb").read())
     isz = 16 * n
-    index = bytearray(raw[-isz - 4:-4])
+    index = bytearray(raw[-isz - 4 : -4])
     for _ in range(rng.randint(1, 3)):
         e = rng.randrange(n)
         field = rng.randrange(2)
         r = rng.random()
         if r < 0.4:
             v = rng.choice(BIG + [2**64 - 1]) % 2**64
-        elif r < 0.7:      # alias another entry
+        elif r < 0.7:  # alias another entry
             other = rng.randrange(n)
-            v = int.from_bytes(index[16 * other + 8 * field:16 * other + 8 * field + 8],
-                               "little")
+            v = int.from_bytes(index[16 * other + 8 * field : 16 * other + 8 * field + 8], "little")
         else:
-            old = int.from_bytes(index[16 * e + 8 * field:16 * e + 8 * field + 8], "little")
+            old = int.from_bytes(index[16 * e + 8 * field : 16 * e + 8 * field + 8], "little")
             v = (old + rng.choice([-4, -1, 1, 4, 16])) % 2**64
-        index[16 * e + 8 * field:16 * e + 8 * field + 8] = v.to_bytes(8, "little")
+        index[16 * e + 8 * field : 16 * e + 8 * field + 8] = v.to_bytes(8, "little")
     crc = crc32c.crc32c(bytes(index)) if rng.random() < 0.9 else rng.randrange(2**32)
-    raw[-isz - 4:] = bytes(index) + crc.to_bytes(4, "little")
+    raw[-isz - 4 :] = bytes(index) + crc.to_bytes(4, "little")
     open(f, "wb").write(bytes(raw))
     return f"shard index of {os.path.relpath(f, root)} edited"
 
@@ -225,15 +263,19 @@ def mutate_chunk(root: str, rng: random.Random) -> str:
     if r < 0.5 and raw:
         raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
     elif r < 0.75:
-        raw = raw[:rng.randrange(len(raw) + 1)]
+        raw = raw[: rng.randrange(len(raw) + 1)]
     else:
         raw += os.urandom(rng.randint(1, 64))
     open(f, "wb").write(bytes(raw))
     return f"chunk {os.path.relpath(f, root)} damaged"
 
 
-MUTATORS: list = [(mutate_manifest, 4), (mutate_zarr_json, 3), (mutate_shard_index, 3),
-                  (mutate_chunk, 1)]
+MUTATORS: list = [
+    (mutate_manifest, 4),
+    (mutate_zarr_json, 3),
+    (mutate_shard_index, 3),
+    (mutate_chunk, 1),
+]
 
 
 def make_case(base: str, dst: str, seed: int) -> list:
@@ -267,9 +309,9 @@ def write_base(path: str) -> None:
         "         'opt': [torch.zeros(3, 4, dtype=torch.float64), (1, 2.5, 'x')],\n"
         "         'np': np.arange(6, dtype=np.int16), 'step': 7, 'blob': b'\\x00\\x01',\n"
         "         'rng': sp.ShardedObject({'seed': 3, 'state': torch.arange(4)}, 0, 1)}\n"
-        "sp.save(state, sys.argv[1], backend=be, options=opts)\n")
-    subprocess.run([sys.executable, "-c", code, path], check=True, timeout=300,
-                   capture_output=True)
+        "sp.save(state, sys.argv[1], backend=be, options=opts)\n"
+    )
+    subprocess.run([sys.executable, "-c", code, path], check=True, timeout=300, capture_output=True)
 
 
 # -------------------------------------------------------------------------------- worker
@@ -290,11 +332,18 @@ class Worker:
             os.mkdir(self.cgroup)
             with open(os.path.join(self.cgroup, limit_file), "w") as f:
                 f.write(str(self.memory_bytes))
-            code = (f"import os; open({os.path.join(self.cgroup, 'cgroup.procs')!r}, 'w')"
-                    f".write(str(os.getpid()))\n" + code)
-        self.proc = proc = subprocess.Popen([sys.executable, "-c", code],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True, bufsize=1)
+            code = (
+                f"import os; open({os.path.join(self.cgroup, 'cgroup.procs')!r}, 'w')"
+                f".write(str(os.getpid()))\n" + code
+            )
+        self.proc = proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
         assert proc.stdout is not None and proc.stderr is not None, "started with pipes"
         line = proc.stdout.readline()
         if not line:
@@ -307,6 +356,7 @@ class Worker:
     def read(self, path: str, timeout: float) -> dict:
         """The three readers' outcomes, or ``{"crash": ...}`` when the worker died or hung."""
         import select
+
         if self.proc is None or self.proc.poll() is not None:
             self.stop()
             self.start()
@@ -324,9 +374,12 @@ class Worker:
                 what = f"hang (no answer in {timeout:g} s)"
             else:
                 rc = self.proc.returncode
-                what = (f"killed by signal {-rc}" + (" (SIGKILL: over the memory bound?)"
-                                                     if rc == -9 else "")
-                        if rc < 0 else f"exited with code {rc}")
+                what = (
+                    f"killed by signal {-rc}"
+                    + (" (SIGKILL: over the memory bound?)" if rc == -9 else "")
+                    if rc < 0
+                    else f"exited with code {rc}"
+                )
             err = self.proc.stderr.read()[-2000:] if self.proc.stderr else ""
             self.stop()
             return {"crash": what, "stderr": err}
@@ -352,8 +405,11 @@ def judge(out: dict) -> str:
         return f"reader process {out['crash']}: {out.get('stderr', '')[-300:]}"
     bad = [f"{name}: {r[1]}: {r[2]}" for name, r in out.items() if r[0] == "UNDOCUMENTED"]
     # The base class is what a dependency's exception was wrapped in: no rule, no class.
-    bad += [f"{name}: bare ShardpointError" for name, r in out.items()
-            if r[0] == "documented" and r[1] == "ShardpointError"]
+    bad += [
+        f"{name}: bare ShardpointError"
+        for name, r in out.items()
+        if r[0] == "documented" and r[1] == "ShardpointError"
+    ]
     return "; ".join(bad)
 
 
@@ -365,8 +421,10 @@ def tally(out: dict, outcomes: dict) -> None:
     ``load: refused: CorruptCheckpointError``, ``load: accepted``, ``verify: reported
     problems``, ``verify: found no problem``, ``<reader>: UNDOCUMENTED: TypeError``,
     ``reader process: crashed``."""
+
     def add(k: str) -> None:
         outcomes[k] = outcomes.get(k, 0) + 1
+
     if "crash" in out:
         add("reader process: crashed")
     for name, r in out.items():
@@ -388,27 +446,38 @@ def describe(outcomes: dict) -> list:
     crashed = outcomes.get("reader process: crashed", 0)
     lines = []
     for name in READERS:
-        mine = {k[len(name) + 2:]: v for k, v in outcomes.items() if k.startswith(name + ": ")}
+        mine = {k[len(name) + 2 :]: v for k, v in outcomes.items() if k.startswith(name + ": ")}
         bad = sum(v for k, v in mine.items() if k.startswith("UNDOCUMENTED"))
         if name == "verify":
             raised = sum(v for k, v in mine.items() if k.startswith("raised"))
-            lines.append(f"{name}: reported problems: {mine.get('reported problems', 0)}, "
-                         f"found no problem (the mutation harmless to it): "
-                         f"{mine.get('found no problem', 0)}, raised (verify must not): "
-                         f"{raised}, undocumented error: {bad}")
+            lines.append(
+                f"{name}: reported problems: {mine.get('reported problems', 0)}, "
+                f"found no problem (the mutation harmless to it): "
+                f"{mine.get('found no problem', 0)}, raised (verify must not): "
+                f"{raised}, undocumented error: {bad}"
+            )
             continue
-        by = {k[len("refused: "):]: v for k, v in mine.items() if k.startswith("refused: ")}
+        by = {k[len("refused: ") :]: v for k, v in mine.items() if k.startswith("refused: ")}
         why = ", ".join(f"{c} {n}" for c, n in sorted(by.items(), key=lambda x: -x[1]))
-        lines.append(f"{name}: refused with a documented error: {sum(by.values())}"
-                     + (f" ({why})" if why else "") + ", accepted (read without error: the "
-                     f"mutation left it readable): {mine.get('accepted', 0)}, undocumented error: "
-                     f"{bad}, crashed: {crashed}")
+        lines.append(
+            f"{name}: refused with a documented error: {sum(by.values())}"
+            + (f" ({why})" if why else "")
+            + ", accepted (read without error: the "
+            f"mutation left it readable): {mine.get('accepted', 0)}, undocumented error: "
+            f"{bad}, crashed: {crashed}"
+        )
     return lines
 
 
-def run_fuzz(cases: int, seed: int = 0, memory_bytes: int = 1 << 30, workdir: str = "",
-             timeout: float = 120.0, log: Callable[[str], None] = print,
-             replay: Optional[int] = None) -> dict:
+def run_fuzz(
+    cases: int,
+    seed: int = 0,
+    memory_bytes: int = 1 << 30,
+    workdir: str = "",
+    timeout: float = 120.0,
+    log: Callable[[str], None] = print,
+    replay: Optional[int] = None,
+) -> dict:
     """Run ``cases`` cases (seeds ``seed .. seed + cases - 1``, or the one ``replay``);
     returns a summary dict with the failures (seed, mutations, why)."""
     own = not workdir
@@ -435,24 +504,34 @@ def run_fuzz(cases: int, seed: int = 0, memory_bytes: int = 1 << 30, workdir: st
             else:
                 shutil.rmtree(case, ignore_errors=True)
             if (n + 1) % 500 == 0:
-                log(f"{n + 1} cases, {len(failures)} failures, "
-                    f"{time.perf_counter() - t0:.0f} s")
+                log(f"{n + 1} cases, {len(failures)} failures, {time.perf_counter() - t0:.0f} s")
     finally:
         worker.stop()
         if own and not failures:
             shutil.rmtree(workdir, ignore_errors=True)
-    return {"cases": len(seeds), "failures": failures, "seconds": time.perf_counter() - t0,
-            "memory_bound": memory_bytes if hostile.supports_memory_cgroup() else None,
-            "outcomes": dict(sorted(outcomes.items())), "workdir": workdir}
+    return {
+        "cases": len(seeds),
+        "failures": failures,
+        "seconds": time.perf_counter() - t0,
+        "memory_bound": memory_bytes if hostile.supports_memory_cgroup() else None,
+        "outcomes": dict(sorted(outcomes.items())),
+        "workdir": workdir,
+    }
 
 
 def add_parser(sub: Any) -> None:
     from shardpoint_conformance.helptext import add_command
-    f = add_command(sub, "fuzz", "structure-aware fuzzing of the readers (manifests, "
-                    "zarr.json, shard indexes, chunks) in a memory-bounded process", """
+
+    f = add_command(
+        sub,
+        "fuzz",
+        "structure-aware fuzzing of the readers (manifests, "
+        "zarr.json, shard indexes, chunks) in a memory-bounded process",
+        """
         shardpoint conformance fuzz --cases 200                 # the CI's short run
         shardpoint conformance fuzz --cases 10000 --seed 0 --memory 1GiB --dir fuzz-out
-        shardpoint conformance fuzz --replay 4711 --dir fuzz-out  # one failing seed again""")
+        shardpoint conformance fuzz --replay 4711 --dir fuzz-out  # one failing seed again""",
+    )
     f.add_argument("--cases", type=int, default=1000)
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--memory", default="1GiB", help="memory bound of the reader process")
@@ -463,18 +542,21 @@ def add_parser(sub: Any) -> None:
 
 
 def main_args(a: argparse.Namespace) -> int:
-    rep = run_fuzz(a.cases, a.seed, _parse_size(a.memory), a.dir, a.timeout,
-                   replay=a.replay)
-    bound = (f"memory bound {rep['memory_bound'] >> 20} MiB (cgroup)" if rep["memory_bound"]
-             else "no memory cgroup here: unbounded")
-    print(f"fuzz: {rep['cases']} mutated copies, each read by read_metadata, load and verify; "
-          f"{len(rep['failures'])} failures (an undocumented error, a crash, a hang or over "
-          f"the memory bound); {rep['seconds']:.0f} s, {bound}")
+    rep = run_fuzz(a.cases, a.seed, _parse_size(a.memory), a.dir, a.timeout, replay=a.replay)
+    bound = (
+        f"memory bound {rep['memory_bound'] >> 20} MiB (cgroup)"
+        if rep["memory_bound"]
+        else "no memory cgroup here: unbounded"
+    )
+    print(
+        f"fuzz: {rep['cases']} mutated copies, each read by read_metadata, load and verify; "
+        f"{len(rep['failures'])} failures (an undocumented error, a crash, a hang or over "
+        f"the memory bound); {rep['seconds']:.0f} s, {bound}"
+    )
     for line in describe(rep["outcomes"]):
         print(f"  {line}")
     if rep["failures"]:
-        print(f"the failing cases are kept under {rep['workdir']} (--replay SEED runs one "
-              "again)")
+        print(f"the failing cases are kept under {rep['workdir']} (--replay SEED runs one again)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=2, default=str)

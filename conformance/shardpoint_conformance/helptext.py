@@ -1,6 +1,7 @@
 """The help text of the conformance commands: each sub-command's ``--help`` repeats its
 summary and ends with examples (one module that the command modules import, so that none of
 them imports the command line)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,10 @@ def examples(text: str) -> str:
 
 def add_command(sub: Any, name: str, help: str, example: str) -> argparse.ArgumentParser:
     """A sub-command whose ``--help`` repeats its summary and ends with examples."""
-    return sub.add_parser(name, help=help, description=textwrap.fill(help[0].upper()
-                                                                      + help[1:] + "."),
-                          epilog=examples(example),
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    return sub.add_parser(
+        name,
+        help=help,
+        description=textwrap.fill(help[0].upper() + help[1:] + "."),
+        epilog=examples(example),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )

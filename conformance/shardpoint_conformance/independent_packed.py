@@ -8,6 +8,7 @@ implied ``zarr.json`` of [SP-PACK-3] and one file per chunk holding the record's
 each checked against its record's crc32c, [SP-PACK-6]) into a scratch directory, where
 the reader's per-array checks and its TensorStore read run unchanged.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,27 @@ import stat
 import struct
 
 _COMPONENT = re.compile(r"[A-Za-z0-9_.~%\-]+\Z")
-_REC = struct.Struct("<IIQQQI")          # array, object, chunk, offset, length, crc32c
+_REC = struct.Struct("<IIQQQI")  # array, object, chunk, offset, length, crc32c
 _PLAIN = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
-_SIZES = {"bool": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "uint16": 2,
-          "uint32": 4, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-          "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_SIZES = {
+    "bool": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 
 class PackedError(Exception):
@@ -45,14 +62,23 @@ def _grid(e: dict) -> int:
 def check_field(p, entries: list) -> dict:
     """The packed field checked against the tensor entries ``[(key, entry)]``; returns
     array name -> (key, entry, inner, [records in chunk order]) and the objects."""
-    if not (isinstance(p, dict) and set(p) == {"objects", "arrays", "index"}
-            and isinstance(p["objects"], list) and isinstance(p["arrays"], list)
-            and isinstance(p["index"], bytes)):
+    if not (
+        isinstance(p, dict)
+        and set(p) == {"objects", "arrays", "index"}
+        and isinstance(p["objects"], list)
+        and isinstance(p["arrays"], list)
+        and isinstance(p["index"], bytes)
+    ):
         raise _err("SP-PACK-2", "the field is not {objects, arrays, index}")
     objects = p["objects"]
     for o in objects:
-        if not (isinstance(o, list) and len(o) == 2 and isinstance(o[0], str)
-                and type(o[1]) is int and 0 <= o[1] < 1 << 63):
+        if not (
+            isinstance(o, list)
+            and len(o) == 2
+            and isinstance(o[0], str)
+            and type(o[1]) is int
+            and 0 <= o[1] < 1 << 63
+        ):
             raise _err("SP-PACK-2", f"object entry {o!r}")
     for path, _size in objects:
         if any(c in (".", "..") or not _COMPONENT.match(c) for c in path.split("/")):
@@ -65,15 +91,23 @@ def check_field(p, entries: list) -> dict:
         raise _err("SP-PACK-2", "two object paths or array names equal, or one inside another")
     arrays: list = []
     for a in p["arrays"]:
-        if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
-                and (a[1] is None or isinstance(a[1], list))):
+        if not (
+            isinstance(a, list)
+            and len(a) == 2
+            and isinstance(a[0], str)
+            and (a[1] is None or isinstance(a[1], list))
+        ):
             raise _err("SP-PACK-2", f"array entry {a!r}")
         if a[0] not in by_name or a[0] in [x[0] for x in arrays]:
             raise _err("SP-PACK-2", f"array {a[0]!r} names no tensor entry, or twice")
         key, e = by_name[a[0]]
         inner = a[1]
-        if inner is not None and not (len(inner) == len(e["chunk_shape"]) and all(
-                type(i) is int and i >= 1 and c % i == 0 for i, c in zip(inner, e["chunk_shape"]))):
+        if inner is not None and not (
+            len(inner) == len(e["chunk_shape"])
+            and all(
+                type(i) is int and i >= 1 and c % i == 0 for i, c in zip(inner, e["chunk_shape"])
+            )
+        ):
             raise _err("SP-PACK-3", f"{key}: inner chunk shape {inner!r}")
         arrays.append((a[0], key, e, inner or None))
     if len(arrays) != len(by_name):
@@ -98,8 +132,10 @@ def check_field(p, entries: list) -> dict:
         size = _SIZES[e["dtype"]]
         if inner is None and length != math.prod(e["chunk_shape"]) * size + 4:
             raise _err("SP-PACK-4", f"{key}: plain chunk record of {length} bytes")
-        if inner is not None and length < 16 * math.prod(
-                ch // i for ch, i in zip(e["chunk_shape"], inner)) + 4:
+        if (
+            inner is not None
+            and length < 16 * math.prod(ch // i for ch, i in zip(e["chunk_shape"], inner)) + 4
+        ):
             raise _err("SP-PACK-4", f"{key}: shard record shorter than its index")
         out[name][3].append(r)
     spans = sorted((r[1], r[3], r[4]) for r in recs)
@@ -115,16 +151,24 @@ def _regular_file(root: str, rel: str) -> int:
     parts = rel.split("/")
     for i, c in enumerate(parts):
         p = os.path.join(p, c)
-        mode = os.lstat(p).st_mode          # FileNotFoundError: missing
+        mode = os.lstat(p).st_mode  # FileNotFoundError: missing
         if (i < len(parts) - 1 and not stat.S_ISDIR(mode)) or (
-                i == len(parts) - 1 and not stat.S_ISREG(mode)):
+            i == len(parts) - 1 and not stat.S_ISREG(mode)
+        ):
             raise _err("SP-SEC-5", f"{rel} is a link or special file")
     return os.lstat(p).st_size
 
 
 def _fill(dtype: str):
-    return False if dtype == "bool" else [0.0, 0.0] if dtype.startswith("complex") else \
-        0.0 if "float" in dtype else 0
+    return (
+        False
+        if dtype == "bool"
+        else [0.0, 0.0]
+        if dtype.startswith("complex")
+        else 0.0
+        if "float" in dtype
+        else 0
+    )
 
 
 def export_tensor(path: str, field: dict, name: str, scratch: str) -> None:
@@ -132,7 +176,7 @@ def export_tensor(path: str, field: dict, name: str, scratch: str) -> None:
     ``scratch`` (zarr.json and chunk files), after checking its objects and records."""
     key, e, inner, recs = field["arrays"][name]
     objects = field["objects"]
-    for o in sorted({r[1] for r in recs}):            # [SP-PACK-7], before any chunk
+    for o in sorted({r[1] for r in recs}):  # [SP-PACK-7], before any chunk
         rel, size = objects[o]
         try:
             got = _regular_file(path, rel)
@@ -140,13 +184,31 @@ def export_tensor(path: str, field: dict, name: str, scratch: str) -> None:
             raise _err("SP-READ-2", f"{key}: data object {rel} is missing") from None
         if got < size:
             raise _err("SP-READ-3", f"{key}: data object {rel} holds {got} of {size} bytes")
-    codecs = _PLAIN if inner is None else [{"name": "sharding_indexed", "configuration": {
-        "chunk_shape": inner, "codecs": _PLAIN, "index_codecs": _PLAIN,
-        "index_location": "end"}}]
-    meta = {"zarr_format": 3, "node_type": "array", "shape": e["shape"],
-            "data_type": e["dtype"], "chunk_grid": {"name": "regular", "configuration": {
-                "chunk_shape": e["chunk_shape"]}}, "chunk_key_encoding": {"name": "default"},
-            "fill_value": _fill(e["dtype"]), "codecs": codecs}
+    codecs = (
+        _PLAIN
+        if inner is None
+        else [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": inner,
+                    "codecs": _PLAIN,
+                    "index_codecs": _PLAIN,
+                    "index_location": "end",
+                },
+            }
+        ]
+    )
+    meta = {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": e["shape"],
+        "data_type": e["dtype"],
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": e["chunk_shape"]}},
+        "chunk_key_encoding": {"name": "default"},
+        "fill_value": _fill(e["dtype"]),
+        "codecs": codecs,
+    }
     adir = os.path.join(scratch, *name.split("/"))
     os.makedirs(adir, exist_ok=True)
     with open(os.path.join(adir, "zarr.json"), "w") as f:
@@ -158,7 +220,7 @@ def export_tensor(path: str, field: dict, name: str, scratch: str) -> None:
             data = f.read(length)
         if len(data) != length:
             raise _err("SP-READ-3", f"{key}: chunk {c} cut short in {objects[o][0]}")
-        if int.from_bytes(data[-4:], "little") != crc:      # [SP-PACK-6]
+        if int.from_bytes(data[-4:], "little") != crc:  # [SP-PACK-6]
             raise _err("SP-READ-8", f"{key}: chunk {c}'s stored crc32c is not its record's")
         idx, rest = [], c
         for g in reversed(grid):

@@ -15,6 +15,7 @@ of a region, 1 for every other) are drawn too.
 Loading layouts draw independently from the same kinds (without replica ids) plus "skip"
 (a subset load) and whole-tree loads without ``like``.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,12 +26,13 @@ from shardpoint_core.format.keys import encode_key
 
 from shardpoint_conformance.cases import SPEC_DTYPES, encode_value, grid_cell
 
+
 class Profile(TypedDict):
     """How large a profile's cases are."""
 
-    tensors: tuple[int, int]       # tensors per case (least, most)
-    max_elems: int                 # elements per tensor at most
-    dtensor: float                 # the probability of a DTensor layout
+    tensors: tuple[int, int]  # tensors per case (least, most)
+    max_elems: int  # elements per tensor at most
+    dtensor: float  # the probability of a DTensor layout
 
 
 PROFILES: dict[str, Profile] = {
@@ -120,10 +122,13 @@ def _layout(rng: random.Random, shape: list, world: int, saving: bool, dtensor: 
                 pieces.append([r, *_box(shape, {d: (o, s)}), None, [0]])
         return {"kind": f"dtensor {place}", "pieces": pieces}
     kind = rng.choice(kinds)
-    if kind == "replicated" or (nd == 0 and kind in ("split", "grid", "split-replicas",
-                                                     "megatron-replicas")):
-        return {"kind": "replicated", "pieces": [[r, [0] * nd, list(shape), None, None]
-                                                 for r in range(world)]}
+    if kind == "replicated" or (
+        nd == 0 and kind in ("split", "grid", "split-replicas", "megatron-replicas")
+    ):
+        return {
+            "kind": "replicated",
+            "pieces": [[r, [0] * nd, list(shape), None, None] for r in range(world)],
+        }
     if kind == "skip":
         return {"kind": "skip", "pieces": []}
     if kind == "owner":
@@ -132,23 +137,29 @@ def _layout(rng: random.Random, shape: list, world: int, saving: bool, dtensor: 
     if kind == "split":
         d, mode = rng.randrange(nd), rng.choice(["even", "ceil", "uneven"])
         cuts = _cuts(rng, shape[d], world, mode)
-        return {"kind": f"split-{mode} d{d}",
-                "pieces": [[r, *_box(shape, {d: cuts[r]}), None, [0]] for r in range(world)]}
+        return {
+            "kind": f"split-{mode} d{d}",
+            "pieces": [[r, *_box(shape, {d: cuts[r]}), None, [0]] for r in range(world)],
+        }
     if kind == "split-replicas":
         k = rng.choice([f for f in range(1, world + 1) if world % f == 0])
         d = rng.randrange(nd)
         cuts = _cuts(rng, shape[d], k, rng.choice(["ceil", "uneven"]))
-        return {"kind": f"split-replicas k{k} d{d}",
-                "pieces": [[r, *_box(shape, {d: cuts[r % k]}), None, [r // k]]
-                           for r in range(world)]}
+        return {
+            "kind": f"split-replicas k{k} d{d}",
+            "pieces": [[r, *_box(shape, {d: cuts[r % k]}), None, [r // k]] for r in range(world)],
+        }
     if kind == "megatron-replicas":
         # Megatron's fully-parallel replica ids: 0 for one holder of a region, 1 for all others
         k = rng.choice([f for f in range(1, world + 1) if world % f == 0])
         d = rng.randrange(nd)
         cuts = _cuts(rng, shape[d], k, rng.choice(["even", "ceil", "uneven"]))
-        return {"kind": f"megatron-replicas k{k} d{d}",
-                "pieces": [[r, *_box(shape, {d: cuts[r % k]}), None, [0 if r < k else 1]]
-                           for r in range(world)]}
+        return {
+            "kind": f"megatron-replicas k{k} d{d}",
+            "pieces": [
+                [r, *_box(shape, {d: cuts[r % k]}), None, [0 if r < k else 1]] for r in range(world)
+            ],
+        }
     if kind == "pieces":
         return _pieces_layout(rng, shape, world)
     if kind == "grid":
@@ -159,19 +170,22 @@ def _layout(rng: random.Random, shape: list, world: int, saving: bool, dtensor: 
         pieces = []
         for r in range(world):
             i, j, copy = r // (b * c), (r // c) % b, r % c
-            pieces.append([r, *_box(shape, {d0: c0[i], d1: c1[j]}), None,
-                           [copy] if saving else [0]])
+            pieces.append(
+                [r, *_box(shape, {d0: c0[i], d1: c1[j]}), None, [copy] if saving else [0]]
+            )
         return {"kind": f"grid {a}x{b}x{c} d{d0},{d1}", "pieces": pieces}
     if kind == "flat":
         rs = _flat_ranges(rng, math.prod(shape), world)
-        return {"kind": "flat", "pieces": [[r, [0] * nd, list(shape), list(rs[r]), [0]]
-                                           for r in range(world)]}
+        return {
+            "kind": "flat",
+            "pieces": [[r, [0] * nd, list(shape), list(rs[r]), [0]] for r in range(world)],
+        }
     # composed: rank = (pp, tp, dp) row-major; one pipeline stage owns the tensor, TP splits
     # it (replicates a 0-d one), DP replicates the TP block or ZeRO-flattens it.
     tp, pp, dp = rng.choice(_factorizations(world, 3))
     owner = rng.randrange(pp)
     zero = rng.random() < 0.5
-    d = rng.randrange(nd) if nd else 0     # a 0-d tensor: no dimension to split, no draw
+    d = rng.randrange(nd) if nd else 0  # a 0-d tensor: no dimension to split, no draw
     tcuts = _cuts(rng, shape[d], tp, rng.choice(["ceil", "uneven"])) if nd else []
     pieces = []
     for r in range(world):
@@ -187,8 +201,7 @@ def _layout(rng: random.Random, shape: list, world: int, saving: bool, dtensor: 
         if not saving:
             replica = [0]
         pieces.append([r, off, shp, flat, replica])
-    return {"kind": f"composed tp{tp}xpp{pp}xdp{dp}{'-zero' if zero else ''}",
-            "pieces": pieces}
+    return {"kind": f"composed tp{tp}xpp{pp}xdp{dp}{'-zero' if zero else ''}", "pieces": pieces}
 
 
 def _pieces_layout(rng: random.Random, shape: list, world: int) -> dict:
@@ -215,10 +228,19 @@ def _plain_value(rng: random.Random, depth: int = 0):
         return [_plain_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
     if depth < 2 and r < 0.3:
         return {f"k{i}": _plain_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
-    return rng.choice([
-        None, True, False, rng.randint(-2**63, 2**64 - 1), rng.randint(-9, 9),
-        rng.uniform(-1e6, 1e6), "", "épsilon/ünïcode", bytes(rng.randrange(256)
-                                                           for _ in range(rng.randint(0, 9)))])
+    return rng.choice(
+        [
+            None,
+            True,
+            False,
+            rng.randint(-(2**63), 2**64 - 1),
+            rng.randint(-9, 9),
+            rng.uniform(-1e6, 1e6),
+            "",
+            "épsilon/ünïcode",
+            bytes(rng.randrange(256) for _ in range(rng.randint(0, 9))),
+        ]
+    )
 
 
 def _object_grid(rng: random.Random, count: int) -> Optional[list]:
@@ -233,13 +255,19 @@ def _object_grid(rng: random.Random, count: int) -> Optional[list]:
     return grid
 
 
-def generate_case(seed: int, save_world: int, load_world: int, profile: str = "ci",
-                  *, case_id: Optional[str] = None) -> dict:
+def generate_case(
+    seed: int,
+    save_world: int,
+    load_world: int,
+    profile: str = "ci",
+    *,
+    case_id: Optional[str] = None,
+) -> dict:
     """One case, a pure function of its arguments (see :mod:`.cases` for the layout)."""
     prof = PROFILES[profile]
     rng = random.Random(f"shardpoint-conformance:{seed}:{save_world}:{load_world}:{profile}")
     n_t = rng.randint(*prof["tensors"])
-    tensors: list[dict[str, Any]] = []     # the case's JSON-shaped parts
+    tensors: list[dict[str, Any]] = []  # the case's JSON-shaped parts
     values: list[dict[str, Any]] = []
     objects: list[dict[str, Any]] = []
     used = set()
@@ -255,62 +283,91 @@ def generate_case(seed: int, save_world: int, load_world: int, profile: str = "c
             continue
         used.add(key)
         dtype = SPEC_DTYPES[rng.randrange(len(SPEC_DTYPES))]
-        tensors.append({"path": path, "key": key, "dtype": dtype,
-                        "shape": _shape(rng, prof["max_elems"])})
+        tensors.append(
+            {"path": path, "key": key, "dtype": dtype, "shape": _shape(rng, prof["max_elems"])}
+        )
     for j in range(rng.randint(0, 3)):
         values.append({"path": ["meta", f"v{j}"], "value": encode_value(_plain_value(rng))})
     save_objs, load_objs = {}, {}
     if rng.random() < 0.7:
         key = encode_key(("rng",))
         per = rng.choice([f for f in range(1, save_world + 1) if save_world % f == 0])
-        count = save_world // per   # ``per`` ranks share each index, as replicas
+        count = save_world // per  # ``per`` ranks share each index, as replicas
         obj = {"path": ["rng"], "key": key, "count": count}
-        megatron_ids = rng.random() < 0.5     # 0 for one holder of an index, 1 for the rest
+        megatron_ids = rng.random() < 0.5  # 0 for one holder of an index, 1 for the rest
         # A separate stream, so cases drawn before grids existed replay unchanged.
-        grid = _object_grid(random.Random(f"shardpoint-conformance-grid:{seed}:{save_world}:"
-                                          f"{load_world}:{profile}"), count)
+        grid = _object_grid(
+            random.Random(
+                f"shardpoint-conformance-grid:{seed}:{save_world}:{load_world}:{profile}"
+            ),
+            count,
+        )
         if grid is not None:
             obj["shape"] = grid
         objects.append(obj)
-        save_objs[key] = [[r, grid_cell(r % count, grid or count),
-                           [min(r // count, 1) if megatron_ids else r // count]]
-                          for r in range(save_world)]
-        load_objs[key] = [[r, grid_cell((r + 1) % count, grid or count)]
-                          for r in range(load_world)]
+        save_objs[key] = [
+            [
+                r,
+                grid_cell(r % count, grid or count),
+                [min(r // count, 1) if megatron_ids else r // count],
+            ]
+            for r in range(save_world)
+        ]
+        load_objs[key] = [[r, grid_cell((r + 1) % count, grid or count)] for r in range(load_world)]
     dt = prof["dtensor"]
-    save = {"world": save_world, "objects": save_objs,
-            "tensors": {t["key"]: _layout(rng, t["shape"], save_world, True, dt)
-                        for t in tensors}}
-    load = {"world": load_world, "objects": load_objs, "like": rng.random() < 0.85,
-            "tensors": {t["key"]: _layout(rng, t["shape"], load_world, False, dt)
-                        for t in tensors}}
-    return {"seed": seed, "id": case_id or f"s{seed}", "profile": profile,
-            "tensors": tensors, "values": values, "objects": objects,
-            "save": save, "load": load}
+    save = {
+        "world": save_world,
+        "objects": save_objs,
+        "tensors": {t["key"]: _layout(rng, t["shape"], save_world, True, dt) for t in tensors},
+    }
+    load = {
+        "world": load_world,
+        "objects": load_objs,
+        "like": rng.random() < 0.85,
+        "tensors": {t["key"]: _layout(rng, t["shape"], load_world, False, dt) for t in tensors},
+    }
+    return {
+        "seed": seed,
+        "id": case_id or f"s{seed}",
+        "profile": profile,
+        "tensors": tensors,
+        "values": values,
+        "objects": objects,
+        "save": save,
+        "load": load,
+    }
 
 
 def case_plan(seed: int, n: int, save_worlds: list, load_worlds: list, profile: str) -> list:
     """``n`` cases covering every (save world, load world) pair in turn; case i has seed
     ``seed + i`` so ``--replay`` needs only that number and the two world sizes."""
     pairs = [(s, w) for s in save_worlds for w in load_worlds]
-    return [generate_case(seed + i, *pairs[i % len(pairs)], profile,
-                          case_id=f"c{i:03d}") for i in range(n)]
+    return [
+        generate_case(seed + i, *pairs[i % len(pairs)], profile, case_id=f"c{i:03d}")
+        for i in range(n)
+    ]
 
 
 # -------------------------------------------------------------------------------- hypothesis
 def cases(profile: str = "ci", max_world: int = 4):
     """Hypothesis strategy: whole cases (seed and world sizes drawn; shrinks to small ones)."""
     from hypothesis import strategies as st
-    return st.builds(lambda s, a, b: generate_case(s, a, b, profile),
-                     st.integers(0, 2**32 - 1), st.integers(1, max_world),
-                     st.integers(1, max_world))
+
+    return st.builds(
+        lambda s, a, b: generate_case(s, a, b, profile),
+        st.integers(0, 2**32 - 1),
+        st.integers(1, max_world),
+        st.integers(1, max_world),
+    )
 
 
 def dtypes():
     from hypothesis import strategies as st
+
     return st.sampled_from(SPEC_DTYPES)
 
 
 def shapes(max_elems: int = 240):
     from hypothesis import strategies as st
+
     return st.integers(0, 2**32 - 1).map(lambda s: _shape(random.Random(s), max_elems))

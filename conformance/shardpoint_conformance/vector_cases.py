@@ -5,6 +5,7 @@ through the core's checkpoint writer directly, to pin chunk and inner-chunk shap
 one-process save would not choose. Each case may edit the manifest (to stand for a
 multi-rank save) and then the files (to exercise spellings other writers use).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,15 +33,18 @@ def _specials(name: str, bits: int) -> list:
         return [v.to_bytes(bits // 8, "little") for v in table[name]]
     if name.startswith("complex"):
         part = _specials("float32" if name == "complex64" else "float64", bits // 2)
-        return [part[i] + part[(i + 1) % 5] for i in range(5)]   # real, then imaginary
-    return [v.to_bytes(bits // 8, "little")
-            for v in (1 << (bits - 1), (1 << (bits - 1)) - 1, 0, (1 << bits) - 1, 1)]
+        return [part[i] + part[(i + 1) % 5] for i in range(5)]  # real, then imaginary
+    return [
+        v.to_bytes(bits // 8, "little")
+        for v in (1 << (bits - 1), (1 << (bits - 1)) - 1, 0, (1 << bits) - 1, 1)
+    ]
 
 
 def bits(dtype_name: str, shape: tuple, seed: int, specials: bool = False):
     """A tensor of random bits from ``seed`` (bool: 0/1), optionally starting with the
     dtype's special bit patterns; built from little-endian bytes, never from values."""
     from shardpoint.tree import dtypes
+
     d = dtypes.from_name(dtype_name)
     n = int(np.prod(shape, dtype=np.int64)) * d.itemsize
     raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
@@ -48,16 +52,22 @@ def bits(dtype_name: str, shape: tuple, seed: int, specials: bool = False):
         raw &= 1
     if specials:
         head = b"".join(_specials(dtype_name, d.itemsize * 8))
-        raw[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+        raw[: len(head)] = np.frombuffer(head, dtype=np.uint8)
     return dtypes.numpy_to_torch(raw.view(d.numpy).reshape(shape).copy())  # little-endian host
 
 
 def _obj_value(i: int) -> dict:
     """Entry ``i`` of the nested_tree sharded object: every kind of object value."""
     import torch
-    return {"seed": 42 + i, "state": bits("uint8", (16,), 103 + i), "pos": (i, "epoch"),
-            "np": np.arange(3, dtype=np.float64) * i, 5: [None, True, 2.5, b"\x01"],
-            "t": torch.tensor([i, -i], dtype=torch.int64)}
+
+    return {
+        "seed": 42 + i,
+        "state": bits("uint8", (16,), 103 + i),
+        "pos": (i, "epoch"),
+        "np": np.arange(3, dtype=np.float64) * i,
+        5: [None, True, 2.5, b"\x01"],
+        "t": torch.tensor([i, -i], dtype=torch.int64),
+    }
 
 
 def cases() -> dict:
@@ -68,20 +78,50 @@ def cases() -> dict:
     import shardpoint as sp
     from shardpoint.tree import dtypes
     from shardpoint_core.transactions.backend import ZarrBackend
-    all_dtypes = {name: bits(name, (3, 5), i, specials=True)
-                  for i, name in enumerate(dtypes.DTYPES)}
+
+    all_dtypes = {
+        name: bits(name, (3, 5), i, specials=True) for i, name in enumerate(dtypes.DTYPES)
+    }
     nested = {
-        "model": {"layers.0.weight": bits("float32", (4, 3), 100),
-                  "layers.0.bias": bits("bfloat16", (4,), 101)},
-        "optim": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": bits("float32", (4, 3), 102)}},
-                  "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "params": [0],
-                                    "amsgrad": False, "name": None, "tag": b"\x00\x01"}]},
-        "values": {"none": None, "true": True, "false": False, "int": -1234,
-                   "int64_min": -(1 << 63), "uint64_max": (1 << 64) - 1, "float": 0.1,
-                   "neg_zero": -0.0, "inf": float("inf"), "nan": float("nan"),
-                   "str": "h\u00e9llo \u2713", "empty_str": "", "bytes": b"\x00\x01\xff",
-                   "empty_bytes": b"", "np_float32": np.float32(1.5), "np_int8": np.int8(-7),
-                   3: "an int key", "empty_list": [], "empty_dict": {}, "empty_tuple": ()},
+        "model": {
+            "layers.0.weight": bits("float32", (4, 3), 100),
+            "layers.0.bias": bits("bfloat16", (4,), 101),
+        },
+        "optim": {
+            "state": {0: {"step": torch.tensor(7.0), "exp_avg": bits("float32", (4, 3), 102)}},
+            "param_groups": [
+                {
+                    "lr": 0.001,
+                    "betas": (0.9, 0.999),
+                    "params": [0],
+                    "amsgrad": False,
+                    "name": None,
+                    "tag": b"\x00\x01",
+                }
+            ],
+        },
+        "values": {
+            "none": None,
+            "true": True,
+            "false": False,
+            "int": -1234,
+            "int64_min": -(1 << 63),
+            "uint64_max": (1 << 64) - 1,
+            "float": 0.1,
+            "neg_zero": -0.0,
+            "inf": float("inf"),
+            "nan": float("nan"),
+            "str": "h\u00e9llo \u2713",
+            "empty_str": "",
+            "bytes": b"\x00\x01\xff",
+            "empty_bytes": b"",
+            "np_float32": np.float32(1.5),
+            "np_int8": np.int8(-7),
+            3: "an int key",
+            "empty_list": [],
+            "empty_dict": {},
+            "empty_tuple": (),
+        },
         "iteration": 1234,
         "rng": sp.ShardedObject(_obj_value(0), 0, 1),
         "np": dtypes.torch_to_numpy(bits("int16", (2, 2), 104)).copy(),
@@ -101,35 +141,55 @@ def cases() -> dict:
         "rows": bits("int32", (23, 4), 201),
         "small": bits("uint16", (5, 3), 202),
     }
-    multi_opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=400,
-                                                    chunk_overhead_bytes=0))
-    empty = {"scalar": torch.tensor(3.5, dtype=torch.float64), "empty": torch.zeros(0, 4),
-             "empty_int": torch.zeros(2, 0, 3, dtype=torch.int8),
-             "scalar_bf16": torch.tensor(-0.0, dtype=torch.bfloat16)}
-    keys = {"a/b c": torch.ones(2), "7": torch.zeros(1), 7: torch.full((1,), 7.0),
-            "\u00fcn\u00ef": {"~x": torch.arange(3)}, "-3": {-3: torch.ones(1, dtype=torch.uint8)},
-            "50%": torch.tensor([50], dtype=torch.int16), "..x": torch.tensor([True])}
+    multi_opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=400, chunk_overhead_bytes=0))
+    empty = {
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+        "empty_int": torch.zeros(2, 0, 3, dtype=torch.int8),
+        "scalar_bf16": torch.tensor(-0.0, dtype=torch.bfloat16),
+    }
+    keys = {
+        "a/b c": torch.ones(2),
+        "7": torch.zeros(1),
+        7: torch.full((1,), 7.0),
+        "\u00fcn\u00ef": {"~x": torch.arange(3)},
+        "-3": {-3: torch.ones(1, dtype=torch.uint8)},
+        "50%": torch.tensor([50], dtype=torch.int16),
+        "..x": torch.tensor([True]),
+    }
+
     def stage_by_tensor(m):
         # Six ranks, one RNG state per (pipeline stage, tensor rank) on a 2 x 3 grid; a real
         # 6-rank save writes this manifest (tests/planning/test_object_grid.py saves such grids).
         from shardpoint.tree.model import ObjectValues
-        m.objects["rng"] = ObjectValues([{"stage": s, "tp": t, "seed": 10 * s + t}
-                                         for s in range(2) for t in range(3)], (2, 3))
+
+        m.objects["rng"] = ObjectValues(
+            [{"stage": s, "tp": t, "seed": 10 * s + t} for s in range(2) for t in range(3)], (2, 3)
+        )
         m.objects["per_stage"] = ObjectValues([(s, "stage") for s in range(2)], (2,))
         m.save_world_size = 6
 
-    grid = {"rng": sp.ShardedObject(None, (0, 0), (1, 1)),
-            "per_stage": sp.ShardedObject(None, 0, 1),
-            "w": bits("float32", (2, 3), 300)}
-    newer = {"u8": bits("uint8", (2, 3), 500), "f32": bits("float32", (2, 2), 501),
-             "pos": sp.ShardedObject((3, "epoch", 0.5), 0, 1), "lr": 1.5, "np32": np.float32(2.5)}
+    grid = {
+        "rng": sp.ShardedObject(None, (0, 0), (1, 1)),
+        "per_stage": sp.ShardedObject(None, 0, 1),
+        "w": bits("float32", (2, 3), 300),
+    }
+    newer = {
+        "u8": bits("uint8", (2, 3), 500),
+        "f32": bits("float32", (2, 2), 501),
+        "pos": sp.ShardedObject((3, "epoch", 0.5), 0, 1),
+        "lr": 1.5,
+        "np32": np.float32(2.5),
+    }
     v10, v11, v13 = (1, 0), (1, 1), (1, 3)
     # 1.3: chunk tables ([SP-MAN-7]); "a" and "b" have chunk files of one size, so that a
     # swap of them is what only the table catches
-    ident = {"grid": sp.ShardedTensor(bits("float32", (37, 11), 700), (37, 11), (0, 0)),
-             "a": bits("int16", (6, 5), 701), "b": bits("int16", (6, 5), 702)}
-    ident_opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=400,
-                                                    chunk_overhead_bytes=0))
+    ident = {
+        "grid": sp.ShardedTensor(bits("float32", (37, 11), 700), (37, 11), (0, 0)),
+        "a": bits("int16", (6, 5), 701),
+        "b": bits("int16", (6, 5), 702),
+    }
+    ident_opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=400, chunk_overhead_bytes=0))
     paths: dict = {k: torch.tensor([i], dtype=torch.int8) for i, k in enumerate(PORTABLE_KEYS)}
     paths["long"] = _long_tree()
     limits = {"w": bits("float32", (2,), 600), "step": 3}
@@ -137,12 +197,22 @@ def cases() -> dict:
     # a 0-d and an empty tensor, bool; one writer whose objects split at 1 KiB, written by
     # one thread so that the chunks' order (and so every byte) is reproducible
     from shardpoint_core.transactions.packed import PackedBackend
-    packed = {"grid": sp.ShardedTensor(bits("float32", (37, 11), 800), (37, 11), (0, 0)),
-              "a": bits("int16", (6, 5), 801), "b": bits("int16", (6, 5), 802),
-              "flag": bits("bool", (3,), 803), "scalar": torch.tensor(1.5, dtype=torch.float64),
-              "empty": torch.zeros(0, 2), "step": 9}
-    packed_be = PackedBackend(ZarrBackend(shard_above_bytes=256, inner_chunk_bytes=128),
-                              cap=1024, write_threads=1, writer_id="w0")
+
+    packed = {
+        "grid": sp.ShardedTensor(bits("float32", (37, 11), 800), (37, 11), (0, 0)),
+        "a": bits("int16", (6, 5), 801),
+        "b": bits("int16", (6, 5), 802),
+        "flag": bits("bool", (3,), 803),
+        "scalar": torch.tensor(1.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 2),
+        "step": 9,
+    }
+    packed_be = PackedBackend(
+        ZarrBackend(shard_above_bytes=256, inner_chunk_bytes=128),
+        cap=1024,
+        write_threads=1,
+        writer_id="w0",
+    )
     return {
         "all_dtypes": (all_dtypes, {}, None, v10, None),
         "nested_tree": (nested, {}, three_ranks, v10, None),
@@ -154,11 +224,17 @@ def cases() -> dict:
         "newer_minor": (newer, {}, None, v11, _newer_minor_files),
         "portable_paths": (paths, {}, None, v11, None),
         "at_the_limits": (limits, {}, None, v11, _at_the_limits),
-        "chunk_identity": (ident, {"backend": ZarrBackend(shard_above_bytes=256,
-                                                                 inner_chunk_bytes=128),
-                                   "options": ident_opts}, None, v13, None),
-        "packed_basic": (packed, {"backend": packed_be, "options": ident_opts}, None, (1, 4),
-                         None),
+        "chunk_identity": (
+            ident,
+            {
+                "backend": ZarrBackend(shard_above_bytes=256, inner_chunk_bytes=128),
+                "options": ident_opts,
+            },
+            None,
+            v13,
+            None,
+        ),
+        "packed_basic": (packed, {"backend": packed_be, "options": ident_opts}, None, (1, 4), None),
     }
 
 
@@ -175,7 +251,7 @@ def _long_tree() -> dict:
     keys alone are under 1024 bytes."""
     import torch
 
-    def chain(total: int) -> dict:       # components of <= 250 lower-case letters
+    def chain(total: int) -> dict:  # components of <= 250 lower-case letters
         parts, left = [], total
         while left > 251:
             parts.append("p" * 250)
@@ -186,7 +262,7 @@ def _long_tree() -> dict:
             node = {c: node}
         return node
 
-    prefix = len("tensors/long/fits/")   # "over" has the same length
+    prefix = len("tensors/long/fits/")  # "over" has the same length
     return {"fits": chain(1024 - prefix), "over": chain(1025 - prefix)}
 
 
@@ -195,8 +271,8 @@ def _at_the_limits(path: str) -> None:
     ``created_unix`` as a msgpack int ([SP-MAN-2]) and an ignorable field nesting exactly 256
     levels, its outer 5 containers ext 2 tuples counting one level each ([SP-MAN-5])."""
     from shardpoint_conformance.vector_damage import deep_with_tuples, rewrite_body
-    rewrite_body(path, lambda b: b.update(created_unix=1_790_000_000,
-                                          later=deep_with_tuples(254)))
+
+    rewrite_body(path, lambda b: b.update(created_unix=1_790_000_000, later=deep_with_tuples(254)))
 
 
 def _zarr_spellings(path: str) -> None:
@@ -210,11 +286,11 @@ def _zarr_spellings(path: str) -> None:
         meta["storage_transformers"] = []
         meta["vendor.extension"] = {"must_understand": False, "x": 1}
         meta["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": "/"}}
-        meta["codecs"][-1]["configuration"] = {}          # crc32c with an empty configuration
+        meta["codecs"][-1]["configuration"] = {}  # crc32c with an empty configuration
         if name == "u8":
-            meta["codecs"][0].pop("configuration", None)   # one-byte dtype: no endian
+            meta["codecs"][0].pop("configuration", None)  # one-byte dtype: no endian
         else:
-            meta["fill_value"] = 0                          # +0 spelled as a JSON integer
+            meta["fill_value"] = 0  # +0 spelled as a JSON integer
         json.dump(meta, open(p, "w"), indent=2, sort_keys=True)
 
 
@@ -222,18 +298,21 @@ def _float32_body(path: str) -> None:
     """newer_minor: a [1, 2] body (a minor version newer than this spec) with ignorable fields
     everywhere they may appear, every float packed as float 32 ([SP-MAN-5])."""
     import hashlib
+
     mpath = os.path.join(path, "manifest.msgpack")
     env = msgpack.unpackb(open(mpath, "rb").read())
-    body = msgpack.unpackb(env["body"], strict_map_key=False,
-                           ext_hook=lambda code, data: msgpack.ExtType(code, data))
+    body = msgpack.unpackb(
+        env["body"], strict_map_key=False, ext_hook=lambda code, data: msgpack.ExtType(code, data)
+    )
     body["format_version"] = [1, 2]
     body["later_field"] = {"must_understand": False, "values": [1, 2.5]}
     body["tensors"]["f32"]["later_entry_field"] = {"must_understand": False}
     body["objects"]["pos"]["later_object_field"] = {"must_understand": False}
     body["extensions"]["vendor.note"] = {"must_understand": False, "text": "ignored"}
     raw = msgpack.packb(body, use_bin_type=True, use_single_float=True)
-    open(mpath, "wb").write(msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw},
-                                          use_bin_type=True))
+    open(mpath, "wb").write(
+        msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw}, use_bin_type=True)
+    )
 
 
 def _newer_minor_files(path: str) -> None:
@@ -252,20 +331,27 @@ def write_edge_chunks(path: str) -> None:
     from shardpoint_core.format.spec import ArraySpec
     from shardpoint_core.transactions.backend import ZarrBackend
     from shardpoint_core.transactions.writer import CheckpointWriter
+
     be = ZarrBackend(shard_above_bytes=64, inner_chunk_bytes=32)
     plain = dtypes.torch_to_numpy(bits("int16", (10, 7), 400))
     sharded = dtypes.torch_to_numpy(bits("float32", (10, 7), 401))
     tensors, ops = {}, []
     with CheckpointWriter.begin(path, backend=be) as w:
-        for key, a, chunk, big in (("plain", plain, (4, 3), 1 << 30),
-                                   ("sharded", sharded, (8, 4), 64)):
-            be.shard_above_bytes = big          # the codecs are chosen when the array opens
+        for key, a, chunk, big in (
+            ("plain", plain, (4, 3), 1 << 30),
+            ("sharded", sharded, (8, 4), 64),
+        ):
+            be.shard_above_bytes = big  # the codecs are chosen when the array opens
             spec = ArraySpec(a.shape, dtypes.from_numpy(a.dtype).name, chunk)
             h = w.open_array(array_path_for(key), spec)
             ops.append(w.write(h, (0, 0), a))
             tensors[key] = TensorEntry(key, array_path_for(key), a.shape, spec.dtype, chunk)
         w.wait(ops)
-        w.flush()           # a 1.1 vector: no chunk tables, so their crc32c are not used
-        tree = {"dict": [["plain", {"tensor": "plain", "origin": "numpy"}],
-                         ["sharded", {"tensor": "sharded", "origin": "numpy"}]]}
+        w.flush()  # a 1.1 vector: no chunk tables, so their crc32c are not used
+        tree = {
+            "dict": [
+                ["plain", {"tensor": "plain", "origin": "numpy"}],
+                ["sharded", {"tensor": "sharded", "origin": "numpy"}],
+            ]
+        }
         w.commit(Manifest(tree, tensors, {}, save_world_size=1))

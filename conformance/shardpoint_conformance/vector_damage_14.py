@@ -2,6 +2,7 @@
 checks ([SP-PACK-2] to [SP-PACK-7]), each starting from the valid vector ``packed_basic``.
 Merged into :data:`shardpoint_conformance.vectors.INVALID`; older vectors are unchanged.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,10 +17,12 @@ _REC = struct.Struct("<IIQQQI")
 
 def _records(edit):
     """A body edit applying ``edit(list of record tuples) -> list`` to the index."""
+
     def go(b: dict) -> None:
         raw = b["packed"]["index"]
         recs = [list(_REC.unpack_from(raw, i)) for i in range(0, len(raw), 36)]
         b["packed"]["index"] = b"".join(_REC.pack(*r) for r in edit(recs))
+
     return go
 
 
@@ -27,6 +30,7 @@ def _set(i: int, field: int, value):
     def edit(recs):
         recs[i][field] = value(recs[i]) if callable(value) else value
         return recs
+
     return _records(edit)
 
 
@@ -57,45 +61,80 @@ def _symlink(path: str) -> None:
 
 INVALID_1_4 = {
     "packed_field_malformed": Damage(
-        BASE, "CorruptCheckpointError", "SP-PACK-2",
-        "(1.4) the packed field gets a fourth entry \"note\": 1; envelope re-sealed",
-        lambda p: rewrite_body(p, lambda b: b["packed"].update(note=1))),
+        BASE,
+        "CorruptCheckpointError",
+        "SP-PACK-2",
+        '(1.4) the packed field gets a fourth entry "note": 1; envelope re-sealed',
+        lambda p: rewrite_body(p, lambda b: b["packed"].update(note=1)),
+    ),
     "packed_inner_not_dividing": Damage(
-        BASE, "CorruptCheckpointError", "SP-PACK-3",
+        BASE,
+        "CorruptCheckpointError",
+        "SP-PACK-3",
         "(1.4) the arrays entry of tensors/grid gets inner chunk shape [3, 3] (its chunk "
         "shape does not divide by it); envelope re-sealed",
-        lambda p: rewrite_body(p, lambda b: [a.__setitem__(1, [3, 3]) for a in
-                                             b["packed"]["arrays"] if a[0] == "tensors/grid"])),
+        lambda p: rewrite_body(
+            p,
+            lambda b: [
+                a.__setitem__(1, [3, 3]) for a in b["packed"]["arrays"] if a[0] == "tensors/grid"
+            ],
+        ),
+    ),
     "packed_chunk_twice": Damage(
-        BASE, "CorruptCheckpointError", "SP-PACK-4",
+        BASE,
+        "CorruptCheckpointError",
+        "SP-PACK-4",
         "(1.4) the index's last record replaced by a copy of the one before it (a chunk "
         "twice, another missing); envelope re-sealed",
-        lambda p: rewrite_body(p, _records(lambda r: r[:-1] + [list(r[-2])]))),
+        lambda p: rewrite_body(p, _records(lambda r: r[:-1] + [list(r[-2])])),
+    ),
     "packed_record_beyond_object": Damage(
-        BASE, "CorruptCheckpointError", "SP-PACK-4",
+        BASE,
+        "CorruptCheckpointError",
+        "SP-PACK-4",
         "(1.4) record 0's offset set past the end of its object; envelope re-sealed",
-        lambda p: rewrite_body(p, lambda b: _set(0, 3, lambda r: b["packed"]["objects"][r[1]][1])(b))),
+        lambda p: rewrite_body(
+            p, lambda b: _set(0, 3, lambda r: b["packed"]["objects"][r[1]][1])(b)
+        ),
+    ),
     "packed_records_overlap": Damage(
-        BASE, "CorruptCheckpointError", "SP-PACK-5",
+        BASE,
+        "CorruptCheckpointError",
+        "SP-PACK-5",
         "(1.4) records 0 and 1 (tensors a and b, one plain chunk each in object 0) get the "
         "same offset, so both name the same bytes; envelope re-sealed",
-        lambda p: rewrite_body(p, _records(lambda r: [r[0], r[1][:3] + [r[0][3]] + r[1][4:],
-                                                        *r[2:]]))),
+        lambda p: rewrite_body(
+            p, _records(lambda r: [r[0], r[1][:3] + [r[0][3]] + r[1][4:], *r[2:]])
+        ),
+    ),
     "packed_records_swapped": Damage(
-        BASE, "CorruptCheckpointError", "SP-READ-8",
+        BASE,
+        "CorruptCheckpointError",
+        "SP-READ-8",
         "(1.4) the records of tensors a and b (plain int16 chunks of one size) exchange "
         "object, offset and length but keep their crc32c: each names the other's bytes, "
         "whose own crc32c is right; envelope re-sealed",
-        lambda p: rewrite_body(p, _records(_swap_ab_keep_crc))),
+        lambda p: rewrite_body(p, _records(_swap_ab_keep_crc)),
+    ),
     "packed_object_truncated": Damage(
-        BASE, "CorruptCheckpointError", "SP-READ-3",
-        "(1.4) packed/w0-0.bin loses its last byte: shorter than the size the manifest "
-        "declares", _truncate),
+        BASE,
+        "CorruptCheckpointError",
+        "SP-READ-3",
+        "(1.4) packed/w0-0.bin loses its last byte: shorter than the size the manifest declares",
+        _truncate,
+    ),
     "packed_object_missing": Damage(
-        BASE, "CorruptCheckpointError", "SP-READ-2",
-        "(1.4) packed/w0-0.bin deleted", lambda p: os.remove(os.path.join(p, *OBJ0))),
+        BASE,
+        "CorruptCheckpointError",
+        "SP-READ-2",
+        "(1.4) packed/w0-0.bin deleted",
+        lambda p: os.remove(os.path.join(p, *OBJ0)),
+    ),
     "packed_object_symlink": Damage(
-        BASE, "CorruptCheckpointError", "SP-SEC-5",
+        BASE,
+        "CorruptCheckpointError",
+        "SP-SEC-5",
         "(1.4) packed/w0-0.bin renamed w0-0.bin.real and replaced by a symlink to it",
-        _symlink),
+        _symlink,
+    ),
 }

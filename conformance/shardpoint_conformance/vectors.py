@@ -12,6 +12,7 @@ The cases are in :mod:`.vector_cases` and :mod:`.vector_damage`.
     python -m shardpoint_conformance.vectors generate spec/vectors
     python -m shardpoint_conformance.vectors check spec/vectors
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,14 @@ from typing import Optional
 
 import numpy as np
 
-from shardpoint_conformance.independent_reader import (DTYPES, VectorError, array_json, crc32c,
-                                                       float_json, read_independently)
+from shardpoint_conformance.independent_reader import (
+    DTYPES,
+    VectorError,
+    array_json,
+    crc32c,
+    float_json,
+    read_independently,
+)
 from shardpoint_conformance.vector_cases import cases
 from shardpoint_conformance.vector_damage import INVALID as INVALID_1_1
 from shardpoint_conformance.vector_damage_12 import INVALID_1_2
@@ -36,8 +43,15 @@ from shardpoint_conformance.vector_damage_14 import INVALID_1_4
 # built on vector_damage's helpers).
 INVALID = {**INVALID_1_1, **INVALID_1_2, **INVALID_1_3, **INVALID_1_4}
 
-__all__ = ["DTYPES", "INVALID", "VectorError", "check_vectors", "crc32c", "generate",
-           "read_independently"]
+__all__ = [
+    "DTYPES",
+    "INVALID",
+    "VectorError",
+    "check_vectors",
+    "crc32c",
+    "generate",
+    "read_independently",
+]
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "spec" / "vectors"
 PINNED_WRITER = "shardpoint-py/vectors"
@@ -48,11 +62,12 @@ def _pin_manifest(path: str, edit=None, version=None) -> None:
     """Make the manifest reproducible: rewrite it through shardpoint_core.format.manifest's own
     decode/encode with ``writer`` and ``created_unix`` pinned (and ``edit`` applied)."""
     from shardpoint_core.format.manifest import decode_manifest, encode_manifest
+
     mpath = os.path.join(path, "manifest.msgpack")
     m = decode_manifest(open(mpath, "rb").read())
     m.writer, m.created_unix = PINNED_WRITER, PINNED_TIME
     m.format_version = version or m.format_version
-    if tuple(m.format_version) < (1, 3):     # a 1.0/1.1 vector has no 1.3 chunk tables
+    if tuple(m.format_version) < (1, 3):  # a 1.0/1.1 vector has no 1.3 chunk tables
         for e in m.tensors.values():
             e.chunk_crc32c = None
     if edit is not None:
@@ -61,11 +76,11 @@ def _pin_manifest(path: str, edit=None, version=None) -> None:
         f.write(encode_manifest(m))
 
 
-
 def _jsonable(v):
     """A value as loaded by shardpoint -> its JSON form in expected.json."""
     import torch
     from shardpoint.tree import dtypes
+
     if isinstance(v, bytes):
         return {"$hex": v.hex()}
     if isinstance(v, tuple):
@@ -94,12 +109,12 @@ def _expected(path: str) -> dict:
     from shardpoint.tree import dtypes
     from shardpoint_core.format.keys import encode_key
     from shardpoint_core.format.statetree import ObjectLeaf, TensorLeaf
+
     m = sp.read_metadata(path)
     state = sp.load(path)
-    out = {"format_version": list(m.format_version), "tensors": {}, "values": {},
-           "objects": {}}
+    out = {"format_version": list(m.format_version), "tensors": {}, "values": {}, "objects": {}}
 
-    def walk(node, obj, path):    # node: the typed tree (Manifest.tree)
+    def walk(node, obj, path):  # node: the typed tree (Manifest.tree)
         for kind, typ in (("dict", dict), ("list", list), ("tuple", tuple)):
             if type(node) is typ:
                 if type(obj) is not typ:
@@ -117,10 +132,13 @@ def _expected(path: str) -> dict:
             if not isinstance(obj, want):
                 raise AssertionError(f"{key}: loaded {type(obj).__name__}, not {want.__name__}")
             a = obj if isinstance(obj, np.ndarray) else dtypes.torch_to_numpy(obj.contiguous())
-            a = np.array(a, order="C")      # not ascontiguousarray: it makes 0-d arrays 1-d
+            a = np.array(a, order="C")  # not ascontiguousarray: it makes 0-d arrays 1-d
             le = a.astype(a.dtype.newbyteorder("<"), copy=False)
-            out["tensors"][key] = {"shape": list(a.shape), "dtype": dtypes.from_numpy(a.dtype).name,
-                                   "sha256": hashlib.sha256(le.tobytes()).hexdigest()}
+            out["tensors"][key] = {
+                "shape": list(a.shape),
+                "dtype": dtypes.from_numpy(a.dtype).name,
+                "sha256": hashlib.sha256(le.tobytes()).hexdigest(),
+            }
             return {"tensor": key}
         if isinstance(node, ObjectLeaf):
             out["objects"][key] = [_jsonable(v) for v in obj]
@@ -134,13 +152,19 @@ def _expected(path: str) -> dict:
 
 def _readme(root: Path) -> str:
     valid = sorted(p.name for p in (root / "valid").iterdir())
-    lines = ["# Golden vectors (generated; do not edit)", "",
-             "Valid cases (`valid/<case>/checkpoint/` and `expected.json`, whose form is "
-             "described in ../README.md): " + ", ".join(f"`{v}`" for v in valid) + ".", "",
-             "Invalid cases: each starts from a valid case, breaks one rule, and must be "
-             "refused by a full read with the requirement ID below (category: the reference "
-             "class, spec/format.md section 10).", "",
-             "| case | base | damage | error | ID |", "|---|---|---|---|---|"]
+    lines = [
+        "# Golden vectors (generated; do not edit)",
+        "",
+        "Valid cases (`valid/<case>/checkpoint/` and `expected.json`, whose form is "
+        "described in ../README.md): " + ", ".join(f"`{v}`" for v in valid) + ".",
+        "",
+        "Invalid cases: each starts from a valid case, breaks one rule, and must be "
+        "refused by a full read with the requirement ID below (category: the reference "
+        "class, spec/format.md section 10).",
+        "",
+        "| case | base | damage | error | ID |",
+        "|---|---|---|---|---|",
+    ]
     for name, d in sorted(INVALID.items()):
         lines.append(f"| `{name}` | `{d.base}` | {d.description} | {d.error} | {d.spec_id} |")
     return "\n".join(lines) + "\n"
@@ -149,6 +173,7 @@ def _readme(root: Path) -> str:
 def generate(root: Optional[str] = None) -> list:
     """Write every vector under ``root`` (default: the repository's spec/vectors)."""
     import shardpoint as sp
+
     top = Path(root or DEFAULT_ROOT)
     made = []
     for name, (state, kw, edit, version, files) in cases().items():
@@ -163,8 +188,7 @@ def generate(root: Optional[str] = None) -> list:
         _pin_manifest(ck, edit, version)
         if files is not None:
             files(ck)
-        (d / "expected.json").write_text(json.dumps(_expected(ck), indent=1,
-                                                    sort_keys=True) + "\n")
+        (d / "expected.json").write_text(json.dumps(_expected(ck), indent=1, sort_keys=True) + "\n")
         made.append(str(d))
     for name, dmg in INVALID.items():
         d = top / "invalid" / name
@@ -172,9 +196,18 @@ def generate(root: Optional[str] = None) -> list:
         d.mkdir(parents=True)
         shutil.copytree(top / "valid" / dmg.base / "checkpoint", d / "checkpoint")
         dmg.apply(str(d / "checkpoint"))
-        (d / "expected.json").write_text(json.dumps(
-            {"base": dmg.base, "damage": dmg.description, "error": dmg.error,
-             "spec_id": dmg.spec_id}, indent=1) + "\n")
+        (d / "expected.json").write_text(
+            json.dumps(
+                {
+                    "base": dmg.base,
+                    "damage": dmg.description,
+                    "error": dmg.error,
+                    "spec_id": dmg.spec_id,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         made.append(str(d))
     (top / "README.md").write_text(_readme(top))
     return made
@@ -186,6 +219,7 @@ def check_vectors(root: Optional[str] = None) -> tuple:
     error class (shardpoint.load) and requirement ID (both)."""
     import shardpoint as sp
     from shardpoint_core.format import errors
+
     top = Path(root or DEFAULT_ROOT)
     lines, ok = [], True
     valid = sorted((top / "valid").iterdir()) if (top / "valid").is_dir() else []
@@ -218,15 +252,18 @@ def check_vectors(root: Optional[str] = None) -> tuple:
             got = f"{type(e).__name__} {e.spec_id}"
         good = got == f"{exp['error']} {exp['spec_id']}" and ind == exp["spec_id"]
         ok &= good
-        lines.append(f"invalid/{d.name}: {'ok' if good else 'FAILED'} (shardpoint: {got}; "
-                     f"independent: {ind}; expected {exp['error']} {exp['spec_id']})")
+        lines.append(
+            f"invalid/{d.name}: {'ok' if good else 'FAILED'} (shardpoint: {got}; "
+            f"independent: {ind}; expected {exp['error']} {exp['spec_id']})"
+        )
     return ok, "\n".join(lines)
 
 
 def _diff(a: dict, b: dict) -> str:
     keys = sorted(set(a) | set(b))
-    return "; ".join(f"{k}: {a.get(k)!r} != {b.get(k)!r}"[:400] for k in keys
-                     if a.get(k) != b.get(k))
+    return "; ".join(
+        f"{k}: {a.get(k)!r} != {b.get(k)!r}"[:400] for k in keys if a.get(k) != b.get(k)
+    )
 
 
 def main(argv=None) -> int:

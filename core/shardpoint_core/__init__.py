@@ -8,4 +8,5 @@ committers, leftovers, steps, recovery) < ``transactions`` (writing and reading 
 < ``verify``. The torch front end (``shardpoint``) and the JAX front end (``shardpoint_jax``)
 build on it.
 """
+
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ Example::
         for spec_id, message in rep:
             print(spec_id, message)
 """
+
 from __future__ import annotations
 
 import json
@@ -42,14 +43,14 @@ class VerifyReport:
     """Problems found (``(spec_id, message)``) and what was checked. Iterates over problems."""
 
     path: str
-    found: bool = True         # False: no such path (nothing could be checked)
+    found: bool = True  # False: no such path (nothing could be checked)
     problems: list[Any] = field(default_factory=list)
     format_version: Optional[tuple[Any, ...]] = None
     tensors: int = 0
     bytes: int = 0
     objects: int = 0
-    chunks: int = 0            # chunks the manifest implies
-    chunks_checked: int = 0    # chunks read with their checksums verified (or found damaged)
+    chunks: int = 0  # chunks the manifest implies
+    chunks_checked: int = 0  # chunks read with their checksums verified (or found damaged)
     strict: bool = False
     seconds: float = 0.0
 
@@ -69,21 +70,34 @@ class VerifyReport:
         return len(self.problems)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "ok": self.ok, "found": self.found, "strict": self.strict,
-                "format_version": list(self.format_version) if self.format_version else None,
-                "tensors": self.tensors, "bytes": self.bytes, "objects": self.objects,
-                "chunks": self.chunks, "chunks_checked": self.chunks_checked,
-                "seconds": round(self.seconds, 3), "spec_ids": self.spec_ids,
-                "problems": [{"spec_id": s, "message": m} for s, m in self.problems]}
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "found": self.found,
+            "strict": self.strict,
+            "format_version": list(self.format_version) if self.format_version else None,
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "objects": self.objects,
+            "chunks": self.chunks,
+            "chunks_checked": self.chunks_checked,
+            "seconds": round(self.seconds, 3),
+            "spec_ids": self.spec_ids,
+            "problems": [{"spec_id": s, "message": m} for s, m in self.problems],
+        }
 
 
 def _chunk_count(shape: tuple[int, ...], chunk: tuple[int, ...]) -> int:
     return math.prod(-(-s // c) for s, c in zip(shape, chunk)) if shape else 1
 
 
-def verify_checkpoint(path: str, *, strict: bool = False,
-                      backend: Optional[StorageBackend] = None,
-                      progress: Optional[Callable[[int], None]] = None) -> VerifyReport:
+def verify_checkpoint(
+    path: str,
+    *,
+    strict: bool = False,
+    backend: Optional[StorageBackend] = None,
+    progress: Optional[Callable[[int], None]] = None,
+) -> VerifyReport:
     """Verify the checkpoint at ``path``; never raises for problems found in it.
 
     ``strict`` adds the writer rules a reader does not need: array paths are ``tensors/<key>``
@@ -93,13 +107,15 @@ def verify_checkpoint(path: str, *, strict: bool = False,
     """
     from shardpoint_core.stores.registry import is_local
     from shardpoint_core.transactions.resolve import resolve
+
     url = not is_local(path)
     if url:
-        path, backend = resolve(path, backend, "verify")   # s3://...: the object backend
+        path, backend = resolve(path, backend, "verify")  # s3://...: the object backend
     if backend is None:
         # A backend of its own (a fresh TensorStore context): the shared default one may hold
         # metadata cached by earlier reads of this path, and a validator must read zarr.json.
         from shardpoint_core.transactions.backend import ZarrBackend
+
         backend = ZarrBackend()
     be = get_backend(backend)
     path = str(path) if url else str(local_path(path, "verify"))
@@ -112,7 +128,7 @@ def verify_checkpoint(path: str, *, strict: bool = False,
         rep.problems.append((e.spec_id or "SP-LAYOUT-1", str(e)))
     except errors.ShardpointError as e:
         rep.problems.append((e.spec_id or "SP-MAN-1", str(e)))
-    except OSError as e:   # unreadable manifest (permissions, I/O error)
+    except OSError as e:  # unreadable manifest (permissions, I/O error)
         rep.problems.append(("SP-MAN-1", f"cannot read {MANIFEST_NAME}: {e}"))
     except Exception as e:  # noqa: BLE001 - a decoder gap must still be a report line
         rep.problems.append(("SP-MAN-2", f"manifest does not decode: {type(e).__name__}: {e}"))
@@ -143,7 +159,7 @@ def verify_checkpoint(path: str, *, strict: bool = False,
 def _without_id(sid: str, msg: str) -> str:
     """``msg`` without a leading ``[sid]`` (a ShardpointError's text carries it): the report
     pairs each message with its ID already, and printing both showed it twice."""
-    return msg[len(sid) + 3:] if msg.startswith(f"[{sid}] ") else msg
+    return msg[len(sid) + 3 :] if msg.startswith(f"[{sid}] ") else msg
 
 
 def _verify_array(be: StorageBackend, root: str, e: TensorEntry, key: str) -> list[Any]:
@@ -152,8 +168,13 @@ def _verify_array(be: StorageBackend, root: str, e: TensorEntry, key: str) -> li
     except errors.ShardpointError as err:
         return [(err.spec_id or "SP-READ-3", str(err))]
     except Exception as err:  # noqa: BLE001 - stored bytes a backend did not anticipate
-        return [("SP-READ-3", f"tensor {key!r}: reading array {e.array!r} failed: "
-                 f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")]
+        return [
+            (
+                "SP-READ-3",
+                f"tensor {key!r}: reading array {e.array!r} failed: "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+            )
+        ]
 
 
 _SAVE_DIR = re.compile(r"save-[0-9a-f]{8,64}")
@@ -169,11 +190,12 @@ def _writer_rules(key: str, array: str) -> list[Any]:
     except errors.InvalidKeyError as err:
         out.append((err.spec_id or "SP-KEY-3", str(err)))
     save_dir, _, below = array.partition("/")
-    if _SAVE_DIR.fullmatch(save_dir):      # object stores: below the save prefix [SP-COMMIT-11]
+    if _SAVE_DIR.fullmatch(save_dir):  # object stores: below the save prefix [SP-COMMIT-11]
         array = below
-    if array not in (array_path_for(key), f"{TENSOR_DIR}/{key}"):   # 1.1 path, or 1.0's
-        out.append(("SP-LAYOUT-2", f"tensor {key!r}: array path {array!r} is not "
-                    f"{array_path_for(key)!r}"))
+    if array not in (array_path_for(key), f"{TENSOR_DIR}/{key}"):  # 1.1 path, or 1.0's
+        out.append(
+            ("SP-LAYOUT-2", f"tensor {key!r}: array path {array!r} is not {array_path_for(key)!r}")
+        )
     return out
 
 
@@ -184,8 +206,7 @@ def _is_group(path: str) -> bool:
             doc = json.loads(f.read(4096))
     except (OSError, ValueError):
         return False
-    return isinstance(doc, dict) and doc.get("zarr_format") == 3 \
-        and doc.get("node_type") == "group"
+    return isinstance(doc, dict) and doc.get("zarr_format") == 3 and doc.get("node_type") == "group"
 
 
 def _strays(root: str, known: set[Any]) -> list[Any]:
@@ -193,7 +214,7 @@ def _strays(root: str, known: set[Any]) -> list[Any]:
     ([SP-LAYOUT-3]). An entry is accounted for when it is a listed array (with everything
     inside it) or a directory on the way to one (with its group zarr.json)."""
     base = os.path.join(root, TENSOR_DIR)
-    if "://" in root or not os.path.isdir(base):    # object stores: recover finds leftovers
+    if "://" in root or not os.path.isdir(base):  # object stores: recover finds leftovers
         return []
     parents: set[str] = set()
     for a in known:
@@ -203,7 +224,7 @@ def _strays(root: str, known: set[Any]) -> list[Any]:
     for dirpath, dirs, files in os.walk(base):
         rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
         if rel in known:
-            dirs[:] = []          # a listed array: its chunks are checked by verify_array
+            dirs[:] = []  # a listed array: its chunks are checked by verify_array
             continue
         on_the_way = rel in parents or rel == TENSOR_DIR
         if "zarr.json" in files and not on_the_way:
@@ -211,19 +232,33 @@ def _strays(root: str, known: set[Any]) -> list[Any]:
             dirs[:] = []
             continue
         if not on_the_way:
-            arrays = sorted(os.path.relpath(d, root).replace(os.sep, "/")
-                            for d, _s, fs in os.walk(dirpath) if "zarr.json" in fs)
-            out += [("SP-LAYOUT-3", f"array {a!r} is not listed in {MANIFEST_NAME}")
-                    for a in arrays]
+            arrays = sorted(
+                os.path.relpath(d, root).replace(os.sep, "/")
+                for d, _s, fs in os.walk(dirpath)
+                if "zarr.json" in fs
+            )
+            out += [
+                ("SP-LAYOUT-3", f"array {a!r} is not listed in {MANIFEST_NAME}") for a in arrays
+            ]
             if not arrays:
-                out.append(("SP-LAYOUT-3", f"directory {rel!r} under {TENSOR_DIR}/ belongs to "
-                            f"no array listed in {MANIFEST_NAME}"))
+                out.append(
+                    (
+                        "SP-LAYOUT-3",
+                        f"directory {rel!r} under {TENSOR_DIR}/ belongs to "
+                        f"no array listed in {MANIFEST_NAME}",
+                    )
+                )
             dirs[:] = []
             continue
         for f in sorted(files):
-            if f == "zarr.json" and _is_group(os.path.join(dirpath, f)):   # [SP-LAYOUT-5]
+            if f == "zarr.json" and _is_group(os.path.join(dirpath, f)):  # [SP-LAYOUT-5]
                 continue
-            out.append(("SP-LAYOUT-3", f"file {rel}/{f} under {TENSOR_DIR}/ belongs to no "
-                        f"array listed in {MANIFEST_NAME}"))
+            out.append(
+                (
+                    "SP-LAYOUT-3",
+                    f"file {rel}/{f} under {TENSOR_DIR}/ belongs to no "
+                    f"array listed in {MANIFEST_NAME}",
+                )
+            )
         dirs.sort()
     return out

@@ -8,6 +8,7 @@
   charts of ``benchmarks/results/NAME.json``, the file a benchmark script wrote with
   ``--json`` (its command, date, commit and machine said beside them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SPEC = os.path.join(ROOT, "spec")
 # repository file -> where it appears on the site
 SPEC_FILES = {
-    "README.md": "spec/index.md", "format.md": "spec/format.md",
-    "versioning.md": "spec/versioning.md", "security.md": "spec/security.md",
-    "rationale.md": "spec/rationale.md", "CHANGELOG.md": "spec/CHANGELOG.md",
+    "README.md": "spec/index.md",
+    "format.md": "spec/format.md",
+    "versioning.md": "spec/versioning.md",
+    "security.md": "spec/security.md",
+    "rationale.md": "spec/rationale.md",
+    "CHANGELOG.md": "spec/CHANGELOG.md",
     "vectors/README.md": "spec/vectors/index.md",
     "schema/manifest.schema.json": "spec/schema/manifest.schema.json",
 }
@@ -33,11 +37,12 @@ MARK = re.compile(r"^([ \t]*)<!-- generated: (\w+)(?: (\S+))? -->", re.M)
 REQUIREMENT = re.compile(r"(?<!\\)\[(SP-[A-Z]+-\d+)\]")
 
 
-SCHEMA = "shardpoint-bench/1"      # benchmarks/bench_results.py writes it
+SCHEMA = "shardpoint-bench/1"  # benchmarks/bench_results.py writes it
 
 
 def on_files(files, config):
     from mkdocs.structure.files import File
+
     for src, uri in SPEC_FILES.items():
         with open(os.path.join(SPEC, src), encoding="utf-8") as f:
             text = f.read()
@@ -57,9 +62,10 @@ def _plain_ids(text: str) -> str:
 
 
 def on_page_markdown(markdown, page, config, files):
-    def render(m: re.Match) -> str:     # indented like the marker (inside a list item)
+    def render(m: re.Match) -> str:  # indented like the marker (inside a list item)
         text = _render(m.group(2), m.group(3))
         return "\n".join(m.group(1) + line if line else line for line in text.splitlines())
+
     return MARK.sub(render, markdown)
 
 
@@ -72,7 +78,7 @@ def _render(kind: str, arg: str | None) -> str:
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict:
-    for action in parser._actions:     # argparse keeps subparsers only here
+    for action in parser._actions:  # argparse keeps subparsers only here
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     return {}
@@ -83,6 +89,7 @@ def cli_reference() -> str:
     os.environ["COLUMNS"] = "100"
     from shardpoint.tools.cli import _parser as main_parser
     from shardpoint_conformance.cli import _parser as conformance_parser
+
     top = main_parser()
     out = ["## shardpoint", "", "```text", top.format_help().rstrip(), "```", ""]
     for name, sub in _subcommands(top).items():
@@ -92,8 +99,14 @@ def cli_reference() -> str:
     conf = conformance_parser()
     out += ["## shardpoint conformance", "", "```text", conf.format_help().rstrip(), "```", ""]
     for name, sub in _subcommands(conf).items():
-        out += [f"### shardpoint conformance {name}", "", "```text",
-                sub.format_help().rstrip(), "```", ""]
+        out += [
+            f"### shardpoint conformance {name}",
+            "",
+            "```text",
+            sub.format_help().rstrip(),
+            "```",
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -102,8 +115,10 @@ def _load_results(name: str) -> tuple:
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     if data.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: schema {data.get('schema')!r}, expected {SCHEMA!r} (a file "
-                         "a benchmark script wrote with --json)")
+        raise ValueError(
+            f"{path}: schema {data.get('schema')!r}, expected {SCHEMA!r} (a file "
+            "a benchmark script wrote with --json)"
+        )
     return path, data
 
 
@@ -114,8 +129,9 @@ def benchmark_table(spec: str | None) -> str:
     whiskers."""
     name, _, only = (spec or "").partition(":")
     path, data = _load_results(name)
-    return render_results(data, f"benchmarks/results/{name}.json",
-                          only.split(",") if only else None)
+    return render_results(
+        data, f"benchmarks/results/{name}.json", only.split(",") if only else None
+    )
 
 
 def _dur(v: float | None, unit: str) -> str:
@@ -146,8 +162,11 @@ def _machine(m: dict) -> str:
     out.append(m.get("kernel", "?"))
     if m.get("load_average"):
         out.append(f"load average {m['load_average'][0]:g} at the start")
-    out += [f"{k} {v}" for k, v in m.items() if k not in (
-        "nproc", "memory_bytes", "kernel", "load_average", "arch")]
+    out += [
+        f"{k} {v}"
+        for k, v in m.items()
+        if k not in ("nproc", "memory_bytes", "kernel", "load_average", "arch")
+    ]
     return ", ".join(out)
 
 
@@ -155,13 +174,19 @@ def render_results(data: dict, where: str, only: list | None = None) -> str:
     """A results file (``benchmarks/bench_results.py``'s schema) as markdown and inline SVG."""
     commit = data.get("commit") or "?"
     cfg = ", ".join(f"{k} {v}" for k, v in data.get("config", {}).items())
-    out = [f"*{data['title']}.* Source: `{data['source']}`, run {data['date']} at commit "
-           f"`{commit}`{' (with local changes)' if data.get('dirty') else ''}; machine: "
-           f"{_machine(data.get('machine', {}))}; configuration: {cfg} "
-           f"(data: `{where}`).", ""]
+    out = [
+        f"*{data['title']}.* Source: `{data['source']}`, run {data['date']} at commit "
+        f"`{commit}`{' (with local changes)' if data.get('dirty') else ''}; machine: "
+        f"{_machine(data.get('machine', {}))}; configuration: {cfg} "
+        f"(data: `{where}`).",
+        "",
+    ]
     if data.get("config", {}).get("quick"):
-        out += ["**A `--quick` smoke run: tiny sizes, one round, warm cache; these figures mean "
-                "nothing.**", ""]
+        out += [
+            "**A `--quick` smoke run: tiny sizes, one round, warm cache; these figures mean "
+            "nothing.**",
+            "",
+        ]
     for t in data["tables"]:
         if only and t["name"] not in only:
             continue
@@ -171,18 +196,29 @@ def render_results(data: dict, where: str, only: list | None = None) -> str:
         mem = any(r.get("peak_extra_bytes") is not None for r in rows)
         files = any(r.get("files") for r in rows)
         u = {"s": "s", "bytes": "", "GB/s": "GB/s"}.get(unit, unit)
-        cols = [f"median {u}".strip(), f"min-max {u}".strip()] + (["MB/s"] if rate else []) \
-            + names + (["peak extra mem"] if mem else []) + (["files / dirs"] if files else [])
-        out += [f"**{t['title']}**" + (f" ({t['note']})" if t.get("note") else ""), "",
-                "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        cols = (
+            [f"median {u}".strip(), f"min-max {u}".strip()]
+            + (["MB/s"] if rate else [])
+            + names
+            + (["peak extra mem"] if mem else [])
+            + (["files / dirs"] if files else [])
+        )
+        out += [
+            f"**{t['title']}**" + (f" ({t['note']})" if t.get("note") else ""),
+            "",
+            "| | " + " | ".join(cols) + " |",
+            "|---" * (len(cols) + 1) + "|",
+        ]
         notes: list = []
         for r in rows:
             mark = " *" if r.get("reference") else ""
             if r.get("note"):
                 notes += [] if r["note"] in notes else [r["note"]]
                 mark += " " + _footnote(notes.index(r["note"]))
-            cells = [_dur(r["median"], unit), f"{_dur(r['min'], unit)}-{_dur(r['max'], unit)}"
-                     if len(r["values"]) > 1 else ""]
+            cells = [
+                _dur(r["median"], unit),
+                f"{_dur(r['min'], unit)}-{_dur(r['max'], unit)}" if len(r["values"]) > 1 else "",
+            ]
             if rate:
                 b = r.get("bytes") or t.get("bytes")
                 cells.append(f"{b / r['median'] / 1e6:.1f}" if b and r["median"] else "")
@@ -190,7 +226,7 @@ def render_results(data: dict, where: str, only: list | None = None) -> str:
             if mem:
                 m = r.get("peak_extra_bytes")
                 cells.append("" if m is None else f"{m / 2**20:.0f} MiB")
-            if files:       # "files / dirs" as the writer counted them, or a count
+            if files:  # "files / dirs" as the writer counted them, or a count
                 f, d = r.get("files"), r.get("dirs")
                 cells.append("" if f is None else f"{f} / {d}" if d is not None else str(f))
             out.append(f"| {r['label']}{mark} | " + " | ".join(cells) + " |")
@@ -203,13 +239,18 @@ def render_results(data: dict, where: str, only: list | None = None) -> str:
             out += [bar_chart(t), ""]
     tg = data.get("targets")
     if tg and tg.get("rows") and not only:
-        out += ["**Targets, from this run** (ratios: medians of per-round ratios)", "",
-                "| target | " + " | ".join(tg["columns"]) + " |",
-                "|---" * (len(tg["columns"]) + 1) + "|"]
+        out += [
+            "**Targets, from this run** (ratios: medians of per-round ratios)",
+            "",
+            "| target | " + " | ".join(tg["columns"]) + " |",
+            "|---" * (len(tg["columns"]) + 1) + "|",
+        ]
         out += [f"| {r['label']} | " + " | ".join(r["cells"]) + " |" for r in tg["rows"]]
         out.append("")
-    out.append("Ratios: the median of the per-round ratios (min-max) where the script pairs "
-               "rounds, else the ratio of the medians.")
+    out.append(
+        "Ratios: the median of the per-round ratios (min-max) where the script pairs "
+        "rounds, else the ratio of the medians."
+    )
     return "\n".join(out)
 
 
@@ -222,28 +263,36 @@ def bar_chart(table: dict) -> str:
     median, with a whisker from its min to its max."""
     rows, width, left, step = table["rows"], 760, 330, 22
     top = max(r["max"] for r in rows if r["max"] is not None) * 1.08 or 1.0
-    x = lambda v: left + (width - left - 70) * v / top       # noqa: E731
+    x = lambda v: left + (width - left - 70) * v / top  # noqa: E731
     h = step * len(rows) + 34
     unit = table["unit"]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
-           f'role="img" aria-label="{_esc(table["title"])}: medians with min-max" '
-           'style="font: 11px sans-serif">']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+        f'role="img" aria-label="{_esc(table["title"])}: medians with min-max" '
+        'style="font: 11px sans-serif">'
+    ]
     for i, r in enumerate(rows):
         if r["median"] is None:
             continue
         y = 6 + i * step
         label = r["label"] if len(r["label"]) <= 52 else r["label"][:50] + "..."
-        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">{_esc(label)}</text>'
-                   f'<rect x="{left}" y="{y + 3}" width="{x(r["median"]) - left:.1f}" '
-                   f'height="13" fill="{"#ef6c00" if "shardpoint" in r["label"] else "#5c6bc0"}"/>'
-                   f'<line x1="{x(r["min"]):.1f}" y1="{y + 9.5}" x2="{x(r["max"]):.1f}" '
-                   f'y2="{y + 9.5}" stroke="#222"/><line x1="{x(r["min"]):.1f}" y1="{y + 5}" '
-                   f'x2="{x(r["min"]):.1f}" y2="{y + 14}" stroke="#222"/><line '
-                   f'x1="{x(r["max"]):.1f}" y1="{y + 5}" x2="{x(r["max"]):.1f}" y2="{y + 14}" '
-                   f'stroke="#222"/><text x="{x(r["max"]) + 4:.1f}" y="{y + 13}">'
-                   f'{_dur(r["median"], unit)}</text>')
-    out.append(f'<line x1="{left}" y1="{h - 26}" x2="{x(top):.1f}" y2="{h - 26}" '
-               f'stroke="#999"/><text x="{left}" y="{h - 10}">0</text><text x="{x(top):.1f}" '
-               f'y="{h - 10}" text-anchor="end">{_dur(top, unit)} {unit}</text></svg>')
-    return "".join(out) + f"\n\n*{_esc(table['title'])}: medians (bars) with min-max " \
+        out.append(
+            f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">{_esc(label)}</text>'
+            f'<rect x="{left}" y="{y + 3}" width="{x(r["median"]) - left:.1f}" '
+            f'height="13" fill="{"#ef6c00" if "shardpoint" in r["label"] else "#5c6bc0"}"/>'
+            f'<line x1="{x(r["min"]):.1f}" y1="{y + 9.5}" x2="{x(r["max"]):.1f}" '
+            f'y2="{y + 9.5}" stroke="#222"/><line x1="{x(r["min"]):.1f}" y1="{y + 5}" '
+            f'x2="{x(r["min"]):.1f}" y2="{y + 14}" stroke="#222"/><line '
+            f'x1="{x(r["max"]):.1f}" y1="{y + 5}" x2="{x(r["max"]):.1f}" y2="{y + 14}" '
+            f'stroke="#222"/><text x="{x(r["max"]) + 4:.1f}" y="{y + 13}">'
+            f"{_dur(r['median'], unit)}</text>"
+        )
+    out.append(
+        f'<line x1="{left}" y1="{h - 26}" x2="{x(top):.1f}" y2="{h - 26}" '
+        f'stroke="#999"/><text x="{left}" y="{h - 10}">0</text><text x="{x(top):.1f}" '
+        f'y="{h - 10}" text-anchor="end">{_dur(top, unit)} {unit}</text></svg>'
+    )
+    return (
+        "".join(out) + f"\n\n*{_esc(table['title'])}: medians (bars) with min-max "
         "(whiskers); shardpoint's rows in orange.*"
+    )

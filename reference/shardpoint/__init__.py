@@ -15,41 +15,72 @@ The package's layers, bottom to top: ``tree`` (leaves, dtypes, targets), ``plann
 on first use, so ``import shardpoint`` alone (the CLI's ``inspect`` and ``verify``) does not
 import torch.
 """
+
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
 from shardpoint_core import __version__ as __version__  # re-exported
-from shardpoint_core.format.errors import (CheckpointExistsError, CheckpointNotFoundError,
-                                    ConversionError, CorruptCheckpointError,
-                                    IncompleteCheckpointError, InvalidKeyError,
-                                    InvalidOptionError, InvalidShardingError,
-                                    LayoutMismatchError, LoadFailedError, MemoryBudgetError,
-                                    RankLostError,
-                                    ResourceLimitError, SaveFailedError, ShardpointError,
-                                    UnsupportedFormatError, UnsupportedStoreError,
-                                    UnsupportedValueError)
+from shardpoint_core.format.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConversionError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InvalidKeyError,
+    InvalidOptionError,
+    InvalidShardingError,
+    LayoutMismatchError,
+    LoadFailedError,
+    MemoryBudgetError,
+    RankLostError,
+    ResourceLimitError,
+    SaveFailedError,
+    ShardpointError,
+    UnsupportedFormatError,
+    UnsupportedStoreError,
+    UnsupportedValueError,
+)
 from shardpoint_core.format.hints import register_path_hint
 from shardpoint_core.format.manifest import FORMAT_VERSION, Manifest
 from shardpoint_core.commit.recovery import RecoveryAction, recover
 from shardpoint_core.stores.registry import register_store
 
 _LAZY = {
-    "shardpoint.api": ["AsyncSave", "Checkpointer", "LoadOptions", "LoadReport", "LoadResult",
-                       "SaveOptions", "SaveResult", "load", "read_metadata", "save"],
+    "shardpoint.api": [
+        "AsyncSave",
+        "Checkpointer",
+        "LoadOptions",
+        "LoadReport",
+        "LoadResult",
+        "SaveOptions",
+        "SaveResult",
+        "load",
+        "read_metadata",
+        "save",
+    ],
     "shardpoint.api.lazy": ["Checkpoint", "TensorView", "open"],
     "shardpoint.api.manager": ["CheckpointManager"],
     "shardpoint.api.memory_tier": ["MemoryTier", "Restored"],
     "shardpoint.tree.model": ["ShardedObject", "ShardedPieces", "ShardedTensor"],
     "shardpoint.planning.planner": ["PlanOptions"],
-    "shardpoint_core.format.statetree": ["TensorLeaf", "ObjectLeaf", "ValueLeaf", "iter_leaves",
-                                  "node_at"],
+    "shardpoint_core.format.statetree": [
+        "TensorLeaf",
+        "ObjectLeaf",
+        "ValueLeaf",
+        "iter_leaves",
+        "node_at",
+    ],
 }
 _WHERE = {name: mod for mod, names in _LAZY.items() for name in names}
 # Modules the README names by their short paths (sp.state, sp.convert, sp.verify, sp.errors).
-_MODULES = {"state": "shardpoint.api.state", "convert": "shardpoint.convert",
-            "verify": "shardpoint_core.verify", "errors": "shardpoint_core.format.errors"}
+_MODULES = {
+    "state": "shardpoint.api.state",
+    "convert": "shardpoint.convert",
+    "verify": "shardpoint_core.verify",
+    "errors": "shardpoint_core.format.errors",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -72,22 +103,59 @@ def __dir__() -> list:
 def _foreign_format_hint(path: str) -> str:
     # On error paths only: telling other formats apart needs the converters' modules.
     from shardpoint.tools.convert import foreign_format_hint
+
     return foreign_format_hint(path)
 
 
 register_path_hint(_foreign_format_hint)
 
 __all__ = [
-    "save", "load", "read_metadata", "open", "Checkpoint", "TensorView", "CheckpointManager",
-    "Checkpointer", "LoadResult",
-    "ShardedTensor", "ShardedPieces", "ShardedObject", "SaveOptions", "SaveResult", "AsyncSave",
-    "LoadReport", "LoadOptions", "PlanOptions", "Manifest", "FORMAT_VERSION", "ShardpointError",
-    "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
-    "CorruptCheckpointError", "UnsupportedFormatError", "InvalidKeyError",
-    "UnsupportedValueError", "InvalidShardingError", "LayoutMismatchError", "SaveFailedError",
-    "LoadFailedError", "RankLostError", "ResourceLimitError", "ConversionError",
-    "InvalidOptionError", "UnsupportedStoreError", "register_store", "MemoryTier", "Restored",
+    "save",
+    "load",
+    "read_metadata",
+    "open",
+    "Checkpoint",
+    "TensorView",
+    "CheckpointManager",
+    "Checkpointer",
+    "LoadResult",
+    "ShardedTensor",
+    "ShardedPieces",
+    "ShardedObject",
+    "SaveOptions",
+    "SaveResult",
+    "AsyncSave",
+    "LoadReport",
+    "LoadOptions",
+    "PlanOptions",
+    "Manifest",
+    "FORMAT_VERSION",
+    "ShardpointError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "IncompleteCheckpointError",
+    "CorruptCheckpointError",
+    "UnsupportedFormatError",
+    "InvalidKeyError",
+    "UnsupportedValueError",
+    "InvalidShardingError",
+    "LayoutMismatchError",
+    "SaveFailedError",
+    "LoadFailedError",
+    "RankLostError",
+    "ResourceLimitError",
+    "ConversionError",
+    "InvalidOptionError",
+    "UnsupportedStoreError",
+    "register_store",
+    "MemoryTier",
+    "Restored",
     "MemoryBudgetError",
-    "recover", "RecoveryAction", "TensorLeaf", "ObjectLeaf", "ValueLeaf", "iter_leaves",
+    "recover",
+    "RecoveryAction",
+    "TensorLeaf",
+    "ObjectLeaf",
+    "ValueLeaf",
+    "iter_leaves",
     "node_at",
 ]

@@ -1,4 +1,5 @@
 """``python -m shardpoint ...``: the same command line as the ``shardpoint`` console script."""
+
 import sys
 
 from shardpoint.tools.cli import main

@@ -7,13 +7,13 @@ every other name (``dcp.FileSystemWriter``, ``dcp.state_dict``, ...) is DCP's ow
 classes ``ShardpointWriter``/``ShardpointReader`` also work with DCP's functions directly
 (:mod:`shardpoint.integrations.dcp`). A facade above the layers: nothing inside the package
 imports it."""
+
 import torch.distributed.checkpoint as _torch_dcp
 
 from shardpoint.integrations.dcp import ShardpointReader, ShardpointWriter
 from shardpoint.integrations.dcp_api import async_save, load, save, shardpoint_error
 
-__all__ = ["ShardpointReader", "ShardpointWriter", "async_save", "load", "save",
-           "shardpoint_error"]
+__all__ = ["ShardpointReader", "ShardpointWriter", "async_save", "load", "save", "shardpoint_error"]
 
 
 def __getattr__(name: str):

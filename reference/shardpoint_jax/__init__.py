@@ -8,14 +8,27 @@ URL of a registered store (``s3://bucket/run/step_5``, ``memory://name/...``).
 ``ObjectLeaf``, ``ValueLeaf``; walk it with ``iter_leaves``). ``CheckpointManager(root, ...)``
 keeps numbered steps with retention and resume, in the PyTorch front end's layout.
 Imports neither torch nor the PyTorch front end (``shardpoint``)."""
-from shardpoint_jax.errors import (CheckpointExistsError, CheckpointNotFoundError,
-                                   CorruptCheckpointError, IncompleteCheckpointError,
-                                   InvalidKeyError, InvalidOptionError, InvalidRequestError,
-                                   InvalidShardingError, LayoutMismatchError,
-                                   ResourceLimitError, SaveFailedError, ShardpointError,
-                                   StoreAccessDeniedError, StoreNotFoundError,
-                                   StoreUnavailableError, UnsupportedFormatError,
-                                   UnsupportedStoreError, UnsupportedValueError)
+
+from shardpoint_jax.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InvalidKeyError,
+    InvalidOptionError,
+    InvalidRequestError,
+    InvalidShardingError,
+    LayoutMismatchError,
+    ResourceLimitError,
+    SaveFailedError,
+    ShardpointError,
+    StoreAccessDeniedError,
+    StoreNotFoundError,
+    StoreUnavailableError,
+    UnsupportedFormatError,
+    UnsupportedStoreError,
+    UnsupportedValueError,
+)
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.loading import load
 from shardpoint_jax.manager import CheckpointManager
@@ -25,10 +38,34 @@ from shardpoint_jax.storage import read_manifest as read_metadata
 from shardpoint_core.format.statetree import ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves, node_at
 
 __version__ = "0.1.0"
-__all__ = ["save", "load", "AsyncSave", "CheckpointManager", "ShardedObject", "ShardpointError",
-           "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
-           "InvalidKeyError", "InvalidOptionError", "InvalidRequestError", "InvalidShardingError",
-           "LayoutMismatchError", "ResourceLimitError", "SaveFailedError", "StoreAccessDeniedError",
-           "StoreNotFoundError", "StoreUnavailableError", "UnsupportedFormatError",
-           "UnsupportedStoreError", "UnsupportedValueError", "read_metadata", "TensorLeaf",
-           "ObjectLeaf", "ValueLeaf", "iter_leaves", "node_at"]
+__all__ = [
+    "save",
+    "load",
+    "AsyncSave",
+    "CheckpointManager",
+    "ShardedObject",
+    "ShardpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "InvalidKeyError",
+    "InvalidOptionError",
+    "InvalidRequestError",
+    "InvalidShardingError",
+    "LayoutMismatchError",
+    "ResourceLimitError",
+    "SaveFailedError",
+    "StoreAccessDeniedError",
+    "StoreNotFoundError",
+    "StoreUnavailableError",
+    "UnsupportedFormatError",
+    "UnsupportedStoreError",
+    "UnsupportedValueError",
+    "read_metadata",
+    "TensorLeaf",
+    "ObjectLeaf",
+    "ValueLeaf",
+    "iter_leaves",
+    "node_at",
+]

@@ -8,6 +8,7 @@
 Runs as one process with 4 host CPU devices: tensors are saved as jax.Arrays sharded over
 them where their first dimension allows, and loaded into another sharding before the case's
 region is cut out, so both the shard writer and the shard reader are exercised."""
+
 from __future__ import annotations
 
 import base64
@@ -23,7 +24,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)   # 64-bit dtypes stay 64-bit
+jax.config.update("jax_enable_x64", True)  # 64-bit dtypes stay 64-bit
 
 from shardpoint_jax import __version__, load, save  # noqa: E402
 from shardpoint_jax.dtypes import BY_NAME  # noqa: E402
@@ -31,8 +32,11 @@ from shardpoint_jax.loading import Checkpoint  # noqa: E402
 from shardpoint_jax.tree import ShardedObject  # noqa: E402
 
 FEATURES = ["values", "objects", "partial_read", "zero_size", "scalar"]
-RAW_BITS: dict[str, np.dtype] = {"bfloat16": np.dtype("<u2"), "float8_e4m3fn": np.dtype("u1"),
-            "float8_e5m2": np.dtype("u1")}
+RAW_BITS: dict[str, np.dtype] = {
+    "bfloat16": np.dtype("<u2"),
+    "float8_e4m3fn": np.dtype("u1"),
+    "float8_e5m2": np.dtype("u1"),
+}
 
 
 def from_npy(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -44,7 +48,7 @@ def from_npy(a: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def save_npy(path: str, a: np.ndarray, dtype: str) -> None:
-    a = np.array(a, order="C")   # (ascontiguousarray makes a 0-d array 1-d)
+    a = np.array(a, order="C")  # (ascontiguousarray makes a 0-d array 1-d)
     np.save(path, a.view(RAW_BITS[dtype]) if dtype in RAW_BITS else a, allow_pickle=False)
 
 
@@ -110,8 +114,9 @@ def write(case_json: str, ckpt: str) -> None:
         set_path(tree, v["path"], decode(v["value"]))
     for o in case["objects"]:
         if len(o["values"]) != 1:
-            raise ValueError(f"object {o['key']!r}: one process writes count 1, "
-                             f"not {len(o['values'])}")
+            raise ValueError(
+                f"object {o['key']!r}: one process writes count 1, not {len(o['values'])}"
+            )
         set_path(tree, o["path"], ShardedObject(decode(o["values"][0]), 0, 1))
     save(ckpt, tree)
 
@@ -129,8 +134,13 @@ def read(ckpt: str, case_json: str, out_dir: str) -> None:
         case = json.load(f)
     target: dict = {}
     for i, t in enumerate(case["tensors"]):
-        set_path(target, t["path"], jax.ShapeDtypeStruct(
-            tuple(t["shape"]), BY_NAME[t["dtype"]], sharding=sharding_for(t["shape"], i + 1)))
+        set_path(
+            target,
+            t["path"],
+            jax.ShapeDtypeStruct(
+                tuple(t["shape"]), BY_NAME[t["dtype"]], sharding=sharding_for(t["shape"], i + 1)
+            ),
+        )
     for v in case["values"]:
         set_path(target, v["path"], placeholder(decode(v["value"])))
     for o in case["objects"]:
@@ -141,7 +151,7 @@ def read(ckpt: str, case_json: str, out_dir: str) -> None:
     for i, t in enumerate(case["tensors"]):
         whole = np.asarray(get_path(got, t["path"]))
         r = t.get("read")
-        if r:   # the region once more, read alone (only the chunks it touches)
+        if r:  # the region once more, read alone (only the chunks it touches)
             part = ck.read(t["key"], r["offset"], r["shape"])
             cut = whole[tuple(slice(o, o + n) for o, n in zip(r["offset"], r["shape"]))]
             if part.tobytes() != cut.tobytes():
@@ -158,23 +168,35 @@ def read(ckpt: str, case_json: str, out_dir: str) -> None:
             vals.append(get_path(load(ckpt, one), o["path"]).value)
         objs.append([encode(v) for v in vals])
     with open(os.path.join(out_dir, "values.json"), "w") as f:
-        json.dump({"values": [encode(get_path(got, v["path"])) for v in case["values"]],
-                   "objects": objs}, f)
+        json.dump(
+            {"values": [encode(get_path(got, v["path"])) for v in case["values"]], "objects": objs},
+            f,
+        )
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["capabilities"]:
-            print(json.dumps({"name": "shardpoint-jax", "version": __version__,
-                              "dtypes": list(BY_NAME), "features": FEATURES}))
+            print(
+                json.dumps(
+                    {
+                        "name": "shardpoint-jax",
+                        "version": __version__,
+                        "dtypes": list(BY_NAME),
+                        "features": FEATURES,
+                    }
+                )
+            )
         elif argv[:1] == ["write"] and len(argv) == 3:
             write(argv[1], argv[2])
         elif argv[:1] == ["read"] and len(argv) == 4:
             read(argv[1], argv[2], argv[3])
         else:
-            print("usage: capabilities | write CASE.json DIR | read DIR CASE.json OUT_DIR",
-                  file=sys.stderr)
+            print(
+                "usage: capabilities | write CASE.json DIR | read DIR CASE.json OUT_DIR",
+                file=sys.stderr,
+            )
             return 2
     except Exception as e:  # noqa: BLE001 - the protocol reports failures on stderr
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -10,6 +10,7 @@ cost a fault each; reused ones only the copy). Arrays on an accelerator are copi
 One asynchronous save runs at a time per process: the next save (sync or not) first waits
 for it, and raises its error if nobody saw that error yet.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -40,22 +41,23 @@ class HostPool:
         host data nobody can change: a view of a CPU JAX array, else a copy (numpy leaves
         into the arena, grown first when they do not fit in it)."""
         held = [_cpu_view(r[-1]) for r in regions]
-        copies = [(i, np.asarray(r[-1])) for i, (r, h) in enumerate(zip(regions, held))
-                  if h is None]
+        copies = [
+            (i, np.asarray(r[-1])) for i, (r, h) in enumerate(zip(regions, held)) if h is None
+        ]
         sizes = [-(-h.nbytes // _ALIGN) * _ALIGN for _i, h in copies]
         if copies and (self.arena is None or self.arena.nbytes < sum(sizes)):
-            self.arena = None                    # the old arena goes before the new one comes
+            self.arena = None  # the old arena goes before the new one comes
             self.arena = np.empty(max(sum(sizes), 1), np.uint8)
-        arena = self.arena          # grown above whenever there are copies to place
+        arena = self.arena  # grown above whenever there are copies to place
         pos = 0
         for (i, h), n in zip(copies, sizes):
             if isinstance(regions[i][-1], np.ndarray):
                 assert arena is not None
-                dst = arena[pos:pos + h.nbytes].view(h.dtype).reshape(h.shape)
+                dst = arena[pos : pos + h.nbytes].view(h.dtype).reshape(h.shape)
                 np.copyto(dst, h)
                 pos += n
             else:
-                dst = h                          # from an accelerator: already a new copy
+                dst = h  # from an accelerator: already a new copy
             held[i] = dst
         return [r[:-1] + (h,) for r, h in zip(regions, held)]
 
@@ -63,6 +65,7 @@ class HostPool:
 def _cpu_view(data: object) -> Optional[np.ndarray]:
     """A no-copy host view of a JAX array whose buffers are on the CPU, else None."""
     import jax
+
     if not isinstance(data, jax.Array) or any(d.platform != "cpu" for d in data.devices()):
         return None
     return np.asarray(data)
@@ -90,6 +93,7 @@ class AsyncSave:
                 self._error = e
             finally:
                 self._finished.set()
+
         self._thread = threading.Thread(target=body, name="shardpoint-jax-save", daemon=True)
         _PENDING = self
         self._thread.start()
@@ -105,8 +109,10 @@ class AsyncSave:
         """Block until the save has finished; raise its error, or ``TimeoutError`` if it is
         still writing after ``timeout`` seconds (it goes on writing)."""
         if not self._finished.wait(timeout):
-            raise TimeoutError(f"the save to {self.path!r} is still writing after {timeout}s; "
-                               "wait again, or check done()")
+            raise TimeoutError(
+                f"the save to {self.path!r} is still writing after {timeout}s; "
+                "wait again, or check done()"
+            )
         self._seen = True
         if self._error is not None:
             raise self._error
@@ -129,8 +135,9 @@ def wait_for_previous() -> None:
     prev._finished.wait()
     if prev._error is not None and not prev._seen:
         prev._seen = True
-        raise SaveFailedError(f"the previous asynchronous save to {prev.path!r} failed: "
-                              f"{prev._error}") from prev._error
+        raise SaveFailedError(
+            f"the previous asynchronous save to {prev.path!r} failed: {prev._error}"
+        ) from prev._error
 
 
 def _finish_at_exit() -> None:
@@ -142,20 +149,24 @@ def _finish_at_exit() -> None:
     such as ``jax.distributed``'s shutdown, which the commit's messages need."""
     prev = _PENDING
     if prev is not None and not prev.done():
-        print(f"shardpoint_jax: waiting for the save to {prev.path!r} to finish before exit",
-              file=sys.stderr)
+        print(
+            f"shardpoint_jax: waiting for the save to {prev.path!r} to finish before exit",
+            file=sys.stderr,
+        )
     if prev is not None:
         # join, not the event: a daemon thread still unwinding when the interpreter shuts
         # down is killed inside native code, which aborts the process
         prev._thread.join()
     if prev is not None and prev._error is not None and not prev._seen:
-        print(f"shardpoint_jax: the asynchronous save to {prev.path!r} failed: {prev._error}",
-              file=sys.stderr)
+        print(
+            f"shardpoint_jax: the asynchronous save to {prev.path!r} failed: {prev._error}",
+            file=sys.stderr,
+        )
 
 
 try:
     # CPython's hook that runs before threads are joined at exit (private, hence the
     # AttributeError fallback below)
     threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
-except (AttributeError, RuntimeError):   # another Python: the next best place
+except (AttributeError, RuntimeError):  # another Python: the next best place
     atexit.register(_finish_at_exit)

@@ -3,6 +3,7 @@ through the distributed runtime's key-value store (``jax.distributed.initialize`
 process calls save/load in the same order; each call gets a fresh key prefix. Waits are
 bounded (``SHARDPOINT_JAX_TIMEOUT_S``, default 600 s): a dead process gives an error, not a
 hang. With one process nothing is exchanged."""
+
 from __future__ import annotations
 
 import itertools
@@ -17,7 +18,8 @@ _CALLS = itertools.count()
 
 
 def _client():
-    from jax._src import distributed   # the runtime client has no public accessor
+    from jax._src import distributed  # the runtime client has no public accessor
+
     return distributed.global_state.client
 
 
@@ -36,9 +38,11 @@ class Comm:
         try:
             return self.client.blocking_key_value_get_bytes(key, self.timeout_ms)
         except Exception as e:  # noqa: BLE001 - a deadline or a lost coordinator
-            raise SaveFailedError(f"process {self.rank}: no answer for {key!r} within "
-                                  f"{self.timeout_ms / 1000:.0f}s ({type(e).__name__}: {e}); "
-                                  "did every process call the same save/load?") from None
+            raise SaveFailedError(
+                f"process {self.rank}: no answer for {key!r} within "
+                f"{self.timeout_ms / 1000:.0f}s ({type(e).__name__}: {e}); "
+                "did every process call the same save/load?"
+            ) from None
 
     def gather(self, step: str, data: bytes):
         """Every process sends ``data``; process 0 gets the list in process order."""

@@ -1,6 +1,7 @@
 """The core's dtype table (:mod:`shardpoint_core.format.dtypes`) as JAX sees it: JAX's extended
 dtypes (typed PRNG keys) are refused with the way to save them, and spec names map to the
 numpy (ml_dtypes) dtypes that JAX arrays carry."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,7 +24,9 @@ def numpy_dtype(dtype, where: str) -> np.dtype:
             f"{where}: dtype {dtype} is not in the format's dtype table ({', '.join(BY_NAME)});"
             " a typed PRNG key array is stored as its raw bits: save jax.random.key_data(k) and"
             " rebuild it with jax.random.wrap_key_data, or leave the RNG state out (flax nnx:"
-            " nnx.state(model, nnx.Param))", spec_id="SP-DTYPE-1") from None
+            " nnx.state(model, nnx.Param))",
+            spec_id="SP-DTYPE-1",
+        ) from None
 
 
 def name_of(dtype, where: str) -> str:
@@ -35,6 +38,7 @@ def numpy_of(name, where: str) -> np.dtype:
     """The numpy dtype of a stored dtype name; readers reject others as *unsupported*
     [SP-DTYPE-1] [SP-ERR-1]."""
     if not isinstance(name, str) or name not in BY_NAME:
-        raise UnsupportedFormatError(f"{where}: dtype {name!r} is not in the format's dtype "
-                                     "table", spec_id="SP-DTYPE-1")
+        raise UnsupportedFormatError(
+            f"{where}: dtype {name!r} is not in the format's dtype table", spec_id="SP-DTYPE-1"
+        )
     return BY_NAME[name]

@@ -1,6 +1,7 @@
 """Chunk-grid choice (pure; spec/format.md [SP-GRID-1]): the saving layout itself when it is a
 regular grid, otherwise the coarsest grid whose cells each lie inside one saved block, so every
 chunk has exactly one writer and no data moves between processes."""
+
 from __future__ import annotations
 
 import math
@@ -17,9 +18,8 @@ def dim_chunk(n: int, spans: Sequence[tuple]) -> int:
     if not cuts:
         return max(1, n)
     c = cuts[0][1] - cuts[0][0]
-    if all(a == i * c and b == min(n, a + c) for i, (a, b) in enumerate(cuts)) \
-            and cuts[-1][1] == n:
-        return c                      # even or ceil-div split: the blocks are the chunks
+    if all(a == i * c and b == min(n, a + c) for i, (a, b) in enumerate(cuts)) and cuts[-1][1] == n:
+        return c  # even or ceil-div split: the blocks are the chunks
     g = 0
     for a, b in cuts:
         g = math.gcd(g, math.gcd(a, b))

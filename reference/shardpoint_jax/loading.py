@@ -4,6 +4,7 @@ the shard buffers, from a local directory or any registered store (``s3://``, ``
 through the core's :class:`~shardpoint_core.transactions.reader.CheckpointReader`
 (:mod:`.storage`); a checkpoint replaced while it was read is an error, never a mix of two
 [SP-COMMIT-14]."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -15,8 +16,14 @@ from shardpoint_core.format.errors import LayoutMismatchError
 from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.format.statetree import TensorLeaf, iter_leaves, materialize
 from shardpoint_jax.dtypes import numpy_dtype, numpy_of
-from shardpoint_jax.storage import (PendingRead, StoredArray, checkpoint_path, manifest_of,
-                                    open_reader, start_listing)
+from shardpoint_jax.storage import (
+    PendingRead,
+    StoredArray,
+    checkpoint_path,
+    manifest_of,
+    open_reader,
+    start_listing,
+)
 from shardpoint_jax.tree import ShardedObject, walk
 
 # Bytes of reads started ahead of the one being handed to JAX: enough to keep the I/O
@@ -30,7 +37,7 @@ class Checkpoint:
 
     def __init__(self, path: str) -> None:
         self.path = checkpoint_path(path, "load(path, target)")
-        self.listing = start_listing(self.path)     # in flight with the manifest's GET
+        self.listing = start_listing(self.path)  # in flight with the manifest's GET
         self.reader = open_reader(self.path)
         self.manifest: Manifest = manifest_of(self.reader)
         # key -> TensorLeaf / ObjectLeaf / ValueLeaf of the typed tree
@@ -64,7 +71,7 @@ class Checkpoint:
         t = node.entry
         data = self.read(t.key, [0] * len(t.shape), t.shape)
         if node.origin == "numpy" or not exact_in_jax(data.dtype):
-            return data      # 64-bit dtypes without jax_enable_x64 stay numpy: never narrowed
+            return data  # 64-bit dtypes without jax_enable_x64 stay numpy: never narrowed
         return jax.device_put(data)
 
 
@@ -103,8 +110,7 @@ class ReadAhead:
         return pending
 
     def _start(self, upto: int) -> None:
-        while self.next < len(self.regions) and (self.next <= upto or
-                                                 self.inflight < self.window):
+        while self.next < len(self.regions) and (self.next <= upto or self.inflight < self.window):
             key, off, shp, out = self.regions[self.next]
             self.next += 1
             k = (key, tuple(off), tuple(shp))
@@ -130,7 +136,7 @@ class ReadAhead:
 
 def region_of(index: Optional[tuple], shape) -> tuple:
     """``(offset, shape)`` of a shard's index (a tuple of slices) in an array of ``shape``."""
-    assert index is not None     # JAX's index maps give each addressable device one
+    assert index is not None  # JAX's index maps give each addressable device one
     off = [s.start or 0 for s in index]
     return off, [(n if s.stop is None else s.stop) - o for s, o, n in zip(index, off, shape)]
 
@@ -143,14 +149,16 @@ def planned_regions(ck: Checkpoint, target: Any) -> list:
     if target is None:
         for key, node in ck.leaves.items():
             if isinstance(node, TensorLeaf):
-                regions.append((key, [0] * len(tensors[key].shape), list(tensors[key].shape),
-                                None))
+                regions.append((key, [0] * len(tensors[key].shape), list(tensors[key].shape), None))
         return regions
 
     def visit(_path: tuple, key: str, leaf: Any) -> Any:
         t = tensors.get(key)
-        if t is None or not isinstance(ck.leaves.get(key), TensorLeaf) or not isinstance(
-                leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
+        if (
+            t is None
+            or not isinstance(ck.leaves.get(key), TensorLeaf)
+            or not isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray))
+        ):
             return leaf
         try:
             dtype = numpy_of(t.dtype, key)
@@ -175,7 +183,8 @@ def planned_regions(ck: Checkpoint, target: Any) -> list:
 def _indices(leaf: Any, shape) -> list:
     """The distinct shard indices of ``leaf``'s sharding on this process's devices."""
     sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
-        jax.local_devices()[0])
+        jax.local_devices()[0]
+    )
     seen: dict = {}
     for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
         off, shp = region_of(index, shape)
@@ -188,8 +197,13 @@ def exact_in_jax(dtype) -> bool:
     return jax.dtypes.canonicalize_dtype(dtype) == np.dtype(dtype)
 
 
-def load(path: str, target: Any = None, *, strict: bool = True,
-         leaf_hook: Optional[Callable[[Any, str, Any], Any]] = None) -> Any:
+def load(
+    path: str,
+    target: Any = None,
+    *,
+    strict: bool = True,
+    leaf_hook: Optional[Callable[[Any, str, Any], Any]] = None,
+) -> Any:
     """Load the checkpoint at ``path``. Without ``target``: the whole tree (jax.Arrays on the
     default device, numpy arrays where numpy saved them, values, objects as lists of all their
     values). With ``target``: a pytree whose leaves say what to read and where: a
@@ -207,13 +221,15 @@ def load(path: str, target: Any = None, *, strict: bool = True,
         elif leaf_hook is None:
             out = walk(target, lambda p, key, leaf: load_leaf(ck, key, leaf, strict))
         else:
+
             def hooked(_p: tuple, key: str, leaf: Any) -> Any:
                 got = leaf_hook(ck, key, leaf)
                 return load_leaf(ck, key, leaf, strict) if got is NotImplemented else got
+
             out = walk(target, hooked)
     finally:
         ck.ahead.drain()
-    ck.reader.check_unchanged()     # every read done: nothing of another save mixed in
+    ck.reader.check_unchanged()  # every read done: nothing of another save mixed in
     return out
 
 
@@ -221,8 +237,10 @@ def load_leaf(ck: Checkpoint, key: str, leaf: Any, strict: bool) -> Any:
     node = ck.leaves.get(key)
     if node is None:
         if strict:
-            raise LayoutMismatchError(f"{key!r} is not in the checkpoint; load with "
-                                      "strict=False to skip it", spec_id="SP-LOAD-1")
+            raise LayoutMismatchError(
+                f"{key!r} is not in the checkpoint; load with strict=False to skip it",
+                spec_id="SP-LOAD-1",
+            )
         return leaf
     kind = node.kind
     if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
@@ -232,37 +250,51 @@ def load_leaf(ck: Checkpoint, key: str, leaf: Any, strict: bool) -> Any:
         _expect(kind, "object", key)
         grid = ck.manifest.objects[key].shape
         if grid != leaf.grid:
-            raise LayoutMismatchError(f"sharded object {key!r}: asked for grid {leaf.grid}, "
-                                      f"the checkpoint stores grid {grid}", spec_id="SP-OBJ-2")
+            raise LayoutMismatchError(
+                f"sharded object {key!r}: asked for grid {leaf.grid}, "
+                f"the checkpoint stores grid {grid}",
+                spec_id="SP-OBJ-2",
+            )
         leaf.check(key)
         flat = int(np.ravel_multi_index(leaf.cell, grid))
-        return ShardedObject(ck.object_values(key)[flat], leaf.index, leaf.shape,
-                             leaf.replica_id)
+        return ShardedObject(ck.object_values(key)[flat], leaf.index, leaf.shape, leaf.replica_id)
     if kind == "value":
         return node.value
-    hint = ("a ShardedObject(None, index, grid)" if kind == "object" else
-            "a jax.ShapeDtypeStruct or an array")
-    raise LayoutMismatchError(f"{key!r} is a {kind} in the checkpoint, the target asks for a "
-                              f"value; ask for it with {hint} [SP-LOAD-3]", spec_id="SP-LOAD-1")
+    hint = (
+        "a ShardedObject(None, index, grid)"
+        if kind == "object"
+        else "a jax.ShapeDtypeStruct or an array"
+    )
+    raise LayoutMismatchError(
+        f"{key!r} is a {kind} in the checkpoint, the target asks for a "
+        f"value; ask for it with {hint} [SP-LOAD-3]",
+        spec_id="SP-LOAD-1",
+    )
 
 
 def _expect(kind: str, want: str, key: str) -> None:
     if kind != want:
-        raise LayoutMismatchError(f"{key!r}: asked for a {want}, the checkpoint holds a {kind}",
-                                  spec_id="SP-LOAD-1")
+        raise LayoutMismatchError(
+            f"{key!r}: asked for a {want}, the checkpoint holds a {kind}", spec_id="SP-LOAD-1"
+        )
 
 
 def load_array(ck: Checkpoint, key: str, leaf: Any) -> Any:
     t = ck.manifest.tensors[key]
     dtype = numpy_of(t.dtype, key)
     if not isinstance(leaf, np.ndarray) and not exact_in_jax(dtype):
-        raise LayoutMismatchError(f"tensor {key!r} is {t.dtype}, which JAX narrows without "
-                                  "jax_enable_x64; enable it or load into a numpy array",
-                                  spec_id="SP-DTYPE-2")
+        raise LayoutMismatchError(
+            f"tensor {key!r} is {t.dtype}, which JAX narrows without "
+            "jax_enable_x64; enable it or load into a numpy array",
+            spec_id="SP-DTYPE-2",
+        )
     if tuple(leaf.shape) != t.shape or numpy_dtype(leaf.dtype, key) != dtype:
-        raise LayoutMismatchError(f"tensor {key!r}: asked for {leaf.dtype} "
-                                  f"{list(leaf.shape)}, the checkpoint holds {t.dtype} "
-                                  f"{list(t.shape)}", spec_id="SP-LOAD-1")
+        raise LayoutMismatchError(
+            f"tensor {key!r}: asked for {leaf.dtype} "
+            f"{list(leaf.shape)}, the checkpoint holds {t.dtype} "
+            f"{list(t.shape)}",
+            spec_id="SP-LOAD-1",
+        )
     if isinstance(leaf, np.ndarray):
         if leaf.flags.c_contiguous and leaf.flags.writeable:
             return ck.read(key, [0] * leaf.ndim, leaf.shape, out=leaf)
@@ -276,7 +308,7 @@ def load_array(ck: Checkpoint, key: str, leaf: Any) -> Any:
     def region(index: Optional[tuple]) -> np.ndarray:
         off, shp = region_of(index, t.shape)
         k = (tuple(off), tuple(shp))
-        if k not in cache:          # replicated devices of this process share one read
+        if k not in cache:  # replicated devices of this process share one read
             cache[k] = ck.read(key, off, shp)
         return cache[k]
 

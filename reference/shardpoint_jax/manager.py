@@ -33,6 +33,7 @@ an observer job; constructing a manager never touches the directory.
             if step % 100 == 0:
                 mgr.save(step, state, metrics={"loss": loss})
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,14 @@ import numpy as np
 from shardpoint_core.commit.cleanup import DEFAULT_MIN_AGE_S
 from shardpoint_core.commit.steps import StepRoot
 from shardpoint_core.format.errors import ShardpointError as CoreError
-from shardpoint_core.format.policy import (Retention, check_metric, policy_from_options,
-                                    ranked, retained, step_number)
+from shardpoint_core.format.policy import (
+    Retention,
+    check_metric,
+    policy_from_options,
+    ranked,
+    retained,
+    step_number,
+)
 from shardpoint_core.format.statetree import ValueLeaf, node_at
 from shardpoint_core.transactions.resolve import backend_for
 from shardpoint_jax import errors as E
@@ -70,27 +77,38 @@ class CheckpointManager:
     that save has committed, at the next :meth:`save`, :meth:`wait` or :meth:`close`.
     """
 
-    def __init__(self, root: str, *, max_to_keep: Optional[int] = None,
-                 keep_every: Optional[int] = None, best_metric: Optional[str] = None,
-                 best_mode: str = "min", keep_best: Optional[int] = None,
-                 retention: Optional[Retention] = None, async_save: bool = False) -> None:
+    def __init__(
+        self,
+        root: str,
+        *,
+        max_to_keep: Optional[int] = None,
+        keep_every: Optional[int] = None,
+        best_metric: Optional[str] = None,
+        best_mode: str = "min",
+        keep_best: Optional[int] = None,
+        retention: Optional[Retention] = None,
+        async_save: bool = False,
+    ) -> None:
         try:
             if retention is not None:
                 if not isinstance(retention, Retention):
                     raise E.InvalidRequestError(
                         f"retention must be a policy of shardpoint_core.format.policy (LatestN, "
-                        f"EveryNSteps, BestN, AnyOf), got {retention!r}")
+                        f"EveryNSteps, BestN, AnyOf), got {retention!r}"
+                    )
                 if (max_to_keep, keep_every, keep_best) != (None, None, None):
                     raise E.InvalidRequestError(
                         "pass retention= or max_to_keep/keep_every/keep_best, not both "
-                        "(combine them with AnyOf(LatestN(n), EveryNSteps(k), BestN(b, m)))")
-            self.retention = retention or policy_from_options(max_to_keep, keep_every,
-                                                              best_metric, best_mode, keep_best)
+                        "(combine them with AnyOf(LatestN(n), EveryNSteps(k), BestN(b, m)))"
+                    )
+            self.retention = retention or policy_from_options(
+                max_to_keep, keep_every, best_metric, best_mode, keep_best
+            )
             if best_metric is not None:
                 check_metric(best_metric, best_mode)
-        except CoreError as e:      # the core's InvalidOptionError, in this package's terms
+        except CoreError as e:  # the core's InvalidOptionError, in this package's terms
             raise E.InvalidRequestError(str(e)) from None
-        self.root = checkpoint_path(root, "CheckpointManager(root)")   # a path or a URL
+        self.root = checkpoint_path(root, "CheckpointManager(root)")  # a path or a URL
         # Step paths, committed steps, removal and clean-up: the core's, shared with the torch
         # manager, through the committer of the backend this manager's saves go through (the
         # one holding their locks: the lock rule then sees this process's own saves).
@@ -98,14 +116,15 @@ class CheckpointManager:
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = bool(async_save)
         self._pending: Optional[AsyncSave] = None
-        self._metrics: dict = {}           # step -> metrics (a cache of the manifests)
-        self.retention_warnings: list = []   # what the last retention could not do
+        self._metrics: dict = {}  # step -> metrics (a cache of the manifests)
+        self.retention_warnings: list = []  # what the last retention could not do
         #: committed checkpoints below the root under names this manager does not write
         #: (``step_7`` saved by hand), as the last retention found them: never counted,
         #: kept or removed; each is logged once
         self.stray: list = []
-        self._steps = StepRoot(self.root, backend=backend_for(self.root),
-                               call="CheckpointManager(root)")
+        self._steps = StepRoot(
+            self.root, backend=backend_for(self.root), call="CheckpointManager(root)"
+        )
 
     # Leftovers of crashed saves younger than this are left alone: on an object store nothing
     # tells a crashed save from a running one ([SP-COMMIT-15]); on files, where no lock says.
@@ -136,8 +155,11 @@ class CheckpointManager:
         only."""
         if step not in self._metrics:
             node = node_at(read_manifest(self.path(step)).tree, (METRICS_KEY,))
-            self._metrics[step] = {k: n.value for k, n in node.items()
-                                   if isinstance(n, ValueLeaf)} if isinstance(node, dict) else {}
+            self._metrics[step] = (
+                {k: n.value for k, n in node.items() if isinstance(n, ValueLeaf)}
+                if isinstance(node, dict)
+                else {}
+            )
         return dict(self._metrics[step])
 
     def best_step(self) -> Optional[int]:
@@ -157,15 +179,16 @@ class CheckpointManager:
         return retained(self.retention, steps, self.metrics)
 
     # ---------------------------------------------------------------- collective
-    def save(self, step: int, tree: Any, *, metrics: Optional[dict] = None,
-             force: bool = False) -> Optional[AsyncSave]:
+    def save(
+        self, step: int, tree: Any, *, metrics: Optional[dict] = None, force: bool = False
+    ) -> Optional[AsyncSave]:
         """Save ``tree`` as ``step`` (every process calls it); then apply retention.
 
         ``metrics`` (str -> number or str) are stored in the checkpoint itself. ``force=True``
         replaces a committed checkpoint of the same step (else CheckpointExistsError on every
         process). Returns None, or the :class:`AsyncSave` handle with ``async_save=True``.
         """
-        self.wait()     # the previous save commits (and its retention runs) first
+        self.wait()  # the previous save commits (and its retention runs) first
         n, err = None, None
         try:
             n = _step_number(step)
@@ -173,23 +196,23 @@ class CheckpointManager:
         except E.ShardpointError as e:
             err = e
         self._agreed("manager-save", n, err, lambda n: self._clean_leftovers())
-        assert n is not None        # else _agreed raised err on every process
+        assert n is not None  # else _agreed raised err on every process
         path = self.path(n)
         self._metrics.pop(n, None)
         try:
             handle = spj_save(path, tree, overwrite=bool(force), async_save=self.async_save)
-        except E.CheckpointExistsError as e:    # decided by process 0, raised everywhere
-            raise E.CheckpointExistsError(f"step {n} is already saved at {path!r}; pass "
-                                          "force=True to replace it",
-                                          spec_id="SP-COMMIT-5") from e
+        except E.CheckpointExistsError as e:  # decided by process 0, raised everywhere
+            raise E.CheckpointExistsError(
+                f"step {n} is already saved at {path!r}; pass force=True to replace it",
+                spec_id="SP-COMMIT-5",
+            ) from e
         if handle is None:
             self._after_commit()
         else:
             self._pending = handle
         return handle
 
-    def load(self, step: Optional[int] = None, target: Any = None, *,
-             strict: bool = True) -> Any:
+    def load(self, step: Optional[int] = None, target: Any = None, *, strict: bool = True) -> Any:
         """Load ``step`` (default: the latest committed one, as process 0 sees it) through
         :func:`shardpoint_jax.load` (``target``, ``strict`` as there). Every process calls it.
         The metrics are not returned unless ``target`` names ``"__metrics__"``."""
@@ -204,11 +227,14 @@ class CheckpointManager:
             self._clean_leftovers()
             have = self.all_steps()
             if want is None and not have:
-                raise E.CheckpointNotFoundError(f"no committed checkpoint under {self.root!r} "
-                                                "(nothing to resume from)")
+                raise E.CheckpointNotFoundError(
+                    f"no committed checkpoint under {self.root!r} (nothing to resume from)"
+                )
             if want is not None and want not in have:
-                raise E.CheckpointNotFoundError(f"step {want} is not a committed checkpoint "
-                                                f"under {self.root!r}; committed steps: {have}")
+                raise E.CheckpointNotFoundError(
+                    f"step {want} is not a committed checkpoint "
+                    f"under {self.root!r}; committed steps: {have}"
+                )
             return want if want is not None else have[-1]
 
         n = self._agreed("manager-load", want, err, decide)
@@ -235,20 +261,26 @@ class CheckpointManager:
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
             self.close()
-        else:   # the original error wins; still try not to leave a save behind
+        else:  # the original error wins; still try not to leave a save behind
             try:
                 self.close()
             except Exception:  # noqa: BLE001
                 pass
 
-    def _agreed(self, what: str, step: Optional[int], err: Optional[BaseException],
-                decide: Callable[[Optional[int]], Any]) -> Any:
+    def _agreed(
+        self,
+        what: str,
+        step: Optional[int],
+        err: Optional[BaseException],
+        decide: Callable[[Optional[int]], Any],
+    ) -> Any:
         """Every process's ``step`` (or the error its arguments gave) to process 0, which
         checks they agree and returns ``decide(step)`` to all: its result, or the same error
         raised on every process (never one failing while the others wait in the save)."""
         comm = Comm(what)
-        got = comm.gather("args", pack({"error": error_info(err)} if err is not None
-                                       else {"step": step}))
+        got = comm.gather(
+            "args", pack({"error": error_info(err)} if err is not None else {"step": step})
+        )
         if comm.rank == 0:
             try:
                 infos = [unpack(b) for b in got]
@@ -259,7 +291,8 @@ class CheckpointManager:
                 if len(set(steps)) > 1:
                     raise E.InvalidRequestError(
                         f"processes passed different steps {steps}; every process of the job "
-                        "must save or load the same step")
+                        "must save or load the same step"
+                    )
                 outcome = {"ok": decide(steps[0])}
             except Exception as e:  # noqa: BLE001 - a storage error too: every process raises
                 outcome = {"error": error_info(e)}
@@ -320,26 +353,32 @@ def with_metrics(tree: Any, metrics: Optional[dict]) -> Any:
     if metrics is None:
         return tree
     if not isinstance(metrics, dict):
-        raise E.UnsupportedValueError(f"metrics must be a dict of name -> number (e.g. "
-                                      f"{{'loss': 0.31}}), got a {type(metrics).__name__}")
+        raise E.UnsupportedValueError(
+            f"metrics must be a dict of name -> number (e.g. "
+            f"{{'loss': 0.31}}), got a {type(metrics).__name__}"
+        )
     if not isinstance(tree, dict):
         raise E.UnsupportedValueError(
             f"metrics need a dict tree (they are stored under its {METRICS_KEY!r} key), got "
-            f"a {type(tree).__name__}; wrap it: {{'state': tree}}")
+            f"a {type(tree).__name__}; wrap it: {{'state': tree}}"
+        )
     if METRICS_KEY in tree:
-        raise E.UnsupportedValueError(f"tree key {METRICS_KEY!r} is reserved for the "
-                                      "manager's metrics; rename it")
+        raise E.UnsupportedValueError(
+            f"tree key {METRICS_KEY!r} is reserved for the manager's metrics; rename it"
+        )
     plain = {}
     for k, v in metrics.items():
         if not isinstance(k, str):
             raise E.UnsupportedValueError(f"metric name {k!r} must be a str")
         if isinstance(v, (jax.Array, np.ndarray, np.generic)):
             if np.ndim(v) != 0:
-                raise E.UnsupportedValueError(f"metric {k!r} has shape {np.shape(v)}; a "
-                                              "metric is one number (or str)")
+                raise E.UnsupportedValueError(
+                    f"metric {k!r} has shape {np.shape(v)}; a metric is one number (or str)"
+                )
             v = np.asarray(v).item()
         if v is not None and not isinstance(v, (bool, int, float, str)):
-            raise E.UnsupportedValueError(f"metric {k!r} is a {type(v).__name__}; a metric "
-                                          "is a number, a str or None")
+            raise E.UnsupportedValueError(
+                f"metric {k!r} is a {type(v).__name__}; a metric is a number, a str or None"
+            )
         plain[k] = v
     return {**tree, METRICS_KEY: plain}

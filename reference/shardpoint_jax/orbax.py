@@ -24,6 +24,7 @@ Orbax's standard handler (a ``None`` or empty tree, a bare array, leaf types oth
 and numbers: ``ValueError`` as there) and answers ``metadata`` with Orbax's ``TreeMetadata``.
 docs/plugins-fidelity-orbax.md lists each behaviour and the remaining differences.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,13 @@ from etils import epath
 from shardpoint_core.transactions.resolve import read_metadata
 from shardpoint_core.format.statetree import TensorLeaf, materialize
 from shardpoint_jax.orbax_handler import ShardpointHandler, checkpoint_path
-from shardpoint_jax.orbax_semantics import (EXTENSION, UnsupportedTypeError, _np_dtype,
-                                            prepare_save, read_extension)
+from shardpoint_jax.orbax_semantics import (
+    EXTENSION,
+    UnsupportedTypeError,
+    _np_dtype,
+    prepare_save,
+    read_extension,
+)
 
 
 class StandardCheckpointHandler(ShardpointHandler):
@@ -48,23 +54,30 @@ class StandardCheckpointHandler(ShardpointHandler):
     standard = True
 
     def __init__(self, **_orbax_options: Any) -> None:
-        super().__init__()       # Orbax's tuning options (concurrent GB, OCDBT) do not apply
+        super().__init__()  # Orbax's tuning options (concurrent GB, OCDBT) do not apply
 
     def metadata(self, directory: epath.Path) -> Any:
         """Orbax's ``TreeMetadata``: array metadata (shape, dtype) per leaf and the
         ``custom_metadata`` given at save."""
         from orbax.checkpoint._src.metadata import tree as tree_metadata
         from orbax.checkpoint._src.metadata import value as value_metadata
+
         path = checkpoint_path(directory)
         m = read_metadata(path)
 
         def leaf(node: TensorLeaf) -> Any:
             t = node.entry
-            return value_metadata.ArrayMetadata(name=t.key, directory=epath.Path(path),
-                                                shape=tuple(t.shape), sharding=None,
-                                                dtype=_np_dtype(t.dtype))
+            return value_metadata.ArrayMetadata(
+                name=t.key,
+                directory=epath.Path(path),
+                shape=tuple(t.shape),
+                sharding=None,
+                dtype=_np_dtype(t.dtype),
+            )
+
         return tree_metadata.build_default_tree_metadata(
-            materialize(m.tree, leaf), custom_metadata=read_extension(m).get("custom_metadata"))
+            materialize(m.tree, leaf), custom_metadata=read_extension(m).get("custom_metadata")
+        )
 
 
 @ocp.args.register_with_handler(StandardCheckpointHandler, for_save=True)
@@ -87,17 +100,35 @@ class StandardCheckpointer(ocp.AsyncCheckpointer):
     ``wait_until_finished()`` before reading)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        handler_opts = {k: kwargs.pop(k) for k in list(kwargs)
-                        if k not in ("async_options", "multiprocessing_options", "file_options",
-                                     "atomicity_options", "checkpoint_metadata_store",
-                                     "temporary_path_class")}
+        handler_opts = {
+            k: kwargs.pop(k)
+            for k in list(kwargs)
+            if k
+            not in (
+                "async_options",
+                "multiprocessing_options",
+                "file_options",
+                "atomicity_options",
+                "checkpoint_metadata_store",
+                "temporary_path_class",
+            )
+        }
         super().__init__(StandardCheckpointHandler(**handler_opts), **kwargs)
 
-    def save(self, directory: Any, state: Any, *, save_args: Any = None, force: bool = False,
-             custom_metadata: Optional[dict] = None) -> None:
-        super().save(directory, args=StandardSave(state, save_args,
-                                                   custom_metadata=custom_metadata),
-                     force=force)
+    def save(
+        self,
+        directory: Any,
+        state: Any,
+        *,
+        save_args: Any = None,
+        force: bool = False,
+        custom_metadata: Optional[dict] = None,
+    ) -> None:
+        super().save(
+            directory,
+            args=StandardSave(state, save_args, custom_metadata=custom_metadata),
+            force=force,
+        )
 
     def restore(self, directory: Any, target: Any = None, *, strict: bool = True) -> Any:
         return super().restore(directory, args=StandardRestore(target, strict=strict))
@@ -111,7 +142,7 @@ class PyTreeCheckpointHandler(ShardpointHandler):
     Orbax's type handlers do). Tree ``transforms`` are refused."""
 
     def __init__(self, **_orbax_options: Any) -> None:
-        super().__init__()       # Orbax's tuning options (OCDBT, compression) do not apply
+        super().__init__()  # Orbax's tuning options (OCDBT, compression) do not apply
 
 
 @ocp.args.register_with_handler(PyTreeCheckpointHandler, for_save=True)
@@ -132,11 +163,22 @@ class PyTreeCheckpointer(ocp.Checkpointer):
     ``restore(path, item=..., restore_args=...)`` or ``args=ocp.args.PyTreeRestore(...)``."""
 
     def __init__(self, primary_host: Optional[int] = 0, **_orbax_options: Any) -> None:
-        super().__init__(PyTreeCheckpointHandler(),
-                         multiprocessing_options=ocp.options.MultiprocessingOptions(
-                             primary_host=primary_host))
+        super().__init__(
+            PyTreeCheckpointHandler(),
+            multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=primary_host),
+        )
 
 
-__all__ = ["EXTENSION", "PyTreeCheckpointHandler", "PyTreeCheckpointer", "PyTreeRestore",
-           "PyTreeSave", "StandardCheckpointHandler", "StandardCheckpointer", "StandardRestore",
-           "StandardSave", "UnsupportedTypeError", "prepare_save"]
+__all__ = [
+    "EXTENSION",
+    "PyTreeCheckpointHandler",
+    "PyTreeCheckpointer",
+    "PyTreeRestore",
+    "PyTreeSave",
+    "StandardCheckpointHandler",
+    "StandardCheckpointer",
+    "StandardRestore",
+    "StandardSave",
+    "UnsupportedTypeError",
+    "prepare_save",
+]

@@ -25,6 +25,7 @@ Restore also reads a directory that is itself a shardpoint checkpoint (one writt
 leaves, hold ``jax.Array`` leaves (immutable; do not donate them before the save is done) and
 write in Orbax's commit future, once Orbax has created the directory.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +58,9 @@ def _snapshot(tree: Any) -> Any:
     """What an asynchronous save writes later: numpy leaves copied (the caller may change
     them once ``async_save`` returns); ``jax.Array`` leaves are immutable and held as they are
     (so they must not be donated before the save's future is done)."""
-    return jax.tree_util.tree_map(lambda x: np.array(x, copy=True)
-                                  if isinstance(x, np.ndarray) else x, tree)
+    return jax.tree_util.tree_map(
+        lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray) else x, tree
+    )
 
 
 class ShardpointHandler(ocp.AsyncCheckpointHandler):
@@ -68,12 +70,11 @@ class ShardpointHandler(ocp.AsyncCheckpointHandler):
     relaxing, masked and ``None`` leaves, typed PRNG keys). Collective as Orbax's handlers
     are: every process calls ``save``/``restore``."""
 
-    standard = False      # True: also Orbax's standard handler's refusals (.orbax)
+    standard = False  # True: also Orbax's standard handler's refusals (.orbax)
 
     def _prepared(self, args: Any) -> tuple:
         item, ext = prepare_save(args.item, getattr(args, "save_args", None), self.standard)
-        ext.update(custom_metadata=getattr(args, "custom_metadata", None),
-                   must_understand=False)
+        ext.update(custom_metadata=getattr(args, "custom_metadata", None), must_understand=False)
         return item, {EXTENSION: ext}
 
     def save(self, directory: epath.Path, args: Any = None) -> None:
@@ -93,17 +94,21 @@ class ShardpointHandler(ocp.AsyncCheckpointHandler):
 
     def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
         target = args.item if args is not None else item
-        for name in ("transforms", "legacy_transform_fn"):   # PyTreeRestore's: not taken
+        for name in ("transforms", "legacy_transform_fn"):  # PyTreeRestore's: not taken
             if getattr(args, name, None):
                 raise InvalidOptionError(
                     f"{name} (Orbax's PyTreeRestore tree transformations) is not supported by "
                     "the shardpoint handler: restore into the stored structure and transform "
-                    "the result")
-        return restore(checkpoint_path(directory), target,
-                       strict=getattr(args, "strict", True),
-                       fallback=getattr(args, "fallback_sharding", None),
-                       standard=self.standard,
-                       restore_args=getattr(args, "restore_args", None))
+                    "the result"
+                )
+        return restore(
+            checkpoint_path(directory),
+            target,
+            strict=getattr(args, "strict", True),
+            fallback=getattr(args, "fallback_sharding", None),
+            standard=self.standard,
+            restore_args=getattr(args, "restore_args", None),
+        )
 
     def metadata(self, directory: epath.Path) -> Manifest:
         """The checkpoint's manifest: tree, keys, shapes, dtypes, chunk grids."""

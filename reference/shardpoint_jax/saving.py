@@ -6,6 +6,7 @@ and writes the chunks of its replica-0 shards, makes them durable and reports th
 what it wrote; once every process succeeded, process 0 commits the manifest with its chunk
 tables (a rename on files, the manifest as commit marker on object stores, format.md 9 and
 9.1), else aborts."""
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,14 @@ import numpy as np
 from shardpoint_core.arrays.identity import join_tables
 from shardpoint_core.commit.base import Overwrite, check_overwrite
 from shardpoint_core.format import errors as core_errors
-from shardpoint_core.format.manifest import (FORMAT_VERSION, FORMAT_VERSION_1_3, Manifest,
-                                             ObjectValues, TensorEntry, array_path_for)
+from shardpoint_core.format.manifest import (
+    FORMAT_VERSION,
+    FORMAT_VERSION_1_3,
+    Manifest,
+    ObjectValues,
+    TensorEntry,
+    array_path_for,
+)
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.format.treemerge import merge_many
 from shardpoint_core.transactions.writer import CheckpointWriter
@@ -37,14 +44,15 @@ WRITER = "shardpoint-jax/0.1.0"
 
 def is_global(a: Any) -> bool:
     """A jax.Array laid out over the job (written shard by shard); others are local copies."""
-    return isinstance(a, jax.Array) and (jax.process_count() == 1
-                                         or not a.is_fully_addressable)
+    return isinstance(a, jax.Array) and (jax.process_count() == 1 or not a.is_fully_addressable)
 
 
 def blocks_of(a: jax.Array) -> list:
     """Every device's block of ``a`` as (start, stop) per dimension."""
-    return [[(s.start or 0, a.shape[d] if s.stop is None else s.stop)
-             for d, s in enumerate(idx)] for idx in a.sharding.devices_indices_map(a.shape).values()]
+    return [
+        [(s.start or 0, a.shape[d] if s.stop is None else s.stop) for d, s in enumerate(idx)]
+        for idx in a.sharding.devices_indices_map(a.shape).values()
+    ]
 
 
 class LocalPlan:
@@ -65,21 +73,31 @@ class LocalPlan:
             return {"object": key}
         if is_array(v):
             if isinstance(v, np.ndarray) and v.dtype.byteorder == ">":
-                v = v.astype(v.dtype.newbyteorder("<"))   # the format is little-endian
+                v = v.astype(v.dtype.newbyteorder("<"))  # the format is little-endian
             dt = name_of(v.dtype, key)
             glob = is_global(v)
-            chunk = (chunk_shape(key, v.shape, blocks_of(v)) if glob
-                     else local_chunk_shape(v.shape, np.dtype(v.dtype).itemsize))
+            chunk = (
+                chunk_shape(key, v.shape, blocks_of(v))
+                if glob
+                else local_chunk_shape(v.shape, np.dtype(v.dtype).itemsize)
+            )
             self.arrays[key] = v
-            self.tensors[key] = {"shape": list(v.shape), "dtype": dt, "global": glob,
-                                 "chunk": chunk}
-            return {"tensor": key} if isinstance(v, jax.Array) else \
-                {"tensor": key, "origin": "numpy"}
-        check_value(v, key)      # refuses what msgpack cannot carry, naming the key
+            self.tensors[key] = {
+                "shape": list(v.shape),
+                "dtype": dt,
+                "global": glob,
+                "chunk": chunk,
+            }
+            return (
+                {"tensor": key} if isinstance(v, jax.Array) else {"tensor": key, "origin": "numpy"}
+            )
+        check_value(v, key)  # refuses what msgpack cannot carry, naming the key
         if not is_scalar_value(v):
-            raise E.UnsupportedValueError(f"{key}: a {type(v).__name__} is not a value "
-                                          "leaf; store numbers, str, bytes or None",
-                                          spec_id="SP-VALUE-1")
+            raise E.UnsupportedValueError(
+                f"{key}: a {type(v).__name__} is not a value "
+                "leaf; store numbers, str, bytes or None",
+                spec_id="SP-VALUE-1",
+            )
         return {"value": v}
 
     def encode(self) -> bytes:
@@ -97,12 +115,17 @@ def plan_global(plans: list, world: int) -> dict:
                 tensors[key], writers[key] = t, rank
                 continue
             first = tensors[key]
-            if (first["shape"], first["dtype"], first["global"]) != \
-                    (t["shape"], t["dtype"], t["global"]):
+            if (first["shape"], first["dtype"], first["global"]) != (
+                t["shape"],
+                t["dtype"],
+                t["global"],
+            ):
                 raise E.InvalidShardingError(
                     f"tensor {key!r}: process {writers[key]} holds {first['dtype']} "
                     f"{first['shape']}, process {rank} {t['dtype']} {t['shape']} (global "
-                    f"{first['global']} vs {t['global']})", spec_id="SP-COVER-4")
+                    f"{first['global']} vs {t['global']})",
+                    spec_id="SP-COVER-4",
+                )
     objects = plan_objects(plans)
     return {"tree": node, "tensors": tensors, "writers": writers, "objects": objects}
 
@@ -117,8 +140,10 @@ def plan_objects(plans: list) -> dict:
     for key, es in entries.items():
         grids = {g for _, _, g, _, _ in es}
         if len(grids) > 1:
-            raise E.InvalidShardingError(f"sharded object {key!r}: processes disagree on the "
-                                         f"grid: {sorted(grids)}", spec_id="SP-OBJ-2")
+            raise E.InvalidShardingError(
+                f"sharded object {key!r}: processes disagree on the grid: {sorted(grids)}",
+                spec_id="SP-OBJ-2",
+            )
         grid = grids.pop()
         cells: dict = {}
         for rank, cell, _, rep, value in es:
@@ -128,25 +153,28 @@ def plan_objects(plans: list) -> dict:
             cell = tuple(int(i) for i in np.unravel_index(flat, grid))
             held = cells.get(cell)
             if not held:
-                raise E.InvalidShardingError(f"sharded object {key!r}: no process holds cell "
-                                             f"{cell} of grid {grid}", spec_id="SP-OBJ-3")
+                raise E.InvalidShardingError(
+                    f"sharded object {key!r}: no process holds cell {cell} of grid {grid}",
+                    spec_id="SP-OBJ-3",
+                )
             mains = [h for h in held if not any(h[1])]
             if len(mains) > 1:
                 raise E.InvalidShardingError(
                     f"sharded object {key!r}: cell {cell} has main entries (replica id 0) on "
                     f"processes {[h[0] for h in mains]}; give the others replica id 1",
-                    spec_id="SP-REPL-2")
+                    spec_id="SP-REPL-2",
+                )
             values.append(min(held, key=lambda h: (tuple(h[1]), h[0]))[2])
         entry = {"count": len(values), "values": values}
         if len(grid) > 1:
-            entry["shape"] = list(grid)    # [SP-OBJ-4]: omitted for a 1-D grid
+            entry["shape"] = list(grid)  # [SP-OBJ-4]: omitted for a 1-D grid
         out[key] = entry
     return out
 
 
 # -------------------------------------------------------------------------------- errors
 def error_info(e: BaseException) -> list:
-    ours = isinstance(e, E.ShardpointError)   # the core's classes (the committer's too)
+    ours = isinstance(e, E.ShardpointError)  # the core's classes (the committer's too)
     cls = type(e).__name__ if ours else "SaveFailedError"
     msg = str(e) if ours else f"{type(e).__name__}: {e}"
     return [cls, getattr(e, "spec_id", None), msg]
@@ -165,8 +193,14 @@ def raise_info(info: list, where: str) -> None:
 
 
 # -------------------------------------------------------------------------------- save
-def save(path: str, tree: Any, *, overwrite: Overwrite = False,
-         async_save: bool = False, extensions: Optional[dict] = None) -> Optional[AsyncSave]:
+def save(
+    path: str,
+    tree: Any,
+    *,
+    overwrite: Overwrite = False,
+    async_save: bool = False,
+    extensions: Optional[dict] = None,
+) -> Optional[AsyncSave]:
     """Save ``tree`` (a pytree of jax.Arrays, numpy arrays, ShardedObjects and values) at
     ``path``: a local path, or the URL of a registered store (``s3://bucket/run/step_5``,
     ``memory://name/ck``). Collective: every process of the job calls it with its own tree.
@@ -182,17 +216,20 @@ def save(path: str, tree: Any, *, overwrite: Overwrite = False,
     ``extensions``: the manifest's ``extensions`` map (versioning.md), process 0's, each entry
     a map with ``"must_understand": False`` that readers ignore; front ends keep what their
     host keeps beside a checkpoint there (the Orbax handler: shardings, PRNG key kinds)."""
-    overwrite = check_overwrite(overwrite)      # InvalidOptionError (InvalidRequestError)
+    overwrite = check_overwrite(overwrite)  # InvalidOptionError (InvalidRequestError)
     for name, ext in (extensions or {}).items():
-        if not (isinstance(name, str) and isinstance(ext, dict)
-                and ext.get("must_understand") is False):
-            raise E.InvalidRequestError(f"extensions[{name!r}] must be a map holding "
-                                        "'must_understand': False (versioning.md)")
+        if not (
+            isinstance(name, str) and isinstance(ext, dict) and ext.get("must_understand") is False
+        ):
+            raise E.InvalidRequestError(
+                f"extensions[{name!r}] must be a map holding "
+                "'must_understand': False (versioning.md)"
+            )
     wait_for_previous()
     path = checkpoint_path(path, "save(path, tree)")
     comm = Comm("save")
     plan, decision, writer = agree_plan(comm, path, tree, overwrite)
-    decision["extensions"] = dict(extensions or {})   # process 0's go into the manifest
+    decision["extensions"] = dict(extensions or {})  # process 0's go into the manifest
     regions: list = []
     err: Optional[BaseException] = None
     try:
@@ -232,7 +269,7 @@ def agree_plan(comm: Comm, path: str, tree: Any, overwrite: Overwrite) -> tuple:
             packed = pack(decision)
         except Exception as e:  # noqa: BLE001
             if writer is not None:
-                writer.abort()      # nothing of a save the others never hear of stays
+                writer.abort()  # nothing of a save the others never hear of stays
                 writer = None
             decision = {"error": error_info(e)}
             packed = pack(decision)
@@ -248,8 +285,13 @@ def agree_plan(comm: Comm, path: str, tree: Any, overwrite: Overwrite) -> tuple:
     return plan, decision, writer
 
 
-def write_and_commit(comm: Comm, writer: CheckpointWriter, decision: dict, regions: list,
-                     err: Optional[BaseException]) -> None:
+def write_and_commit(
+    comm: Comm,
+    writer: CheckpointWriter,
+    decision: dict,
+    regions: list,
+    err: Optional[BaseException],
+) -> None:
     """Each process writes its regions, makes them durable and reports to process 0 (the
     crc32c of what it wrote, or its error), which commits once every process succeeded and
     aborts otherwise. Raises what failed anywhere."""
@@ -260,9 +302,12 @@ def write_and_commit(comm: Comm, writer: CheckpointWriter, decision: dict, regio
         except Exception as e:  # noqa: BLE001
             err = e
     if err is not None:
-        writer.take_chunk_crc32c()       # nothing of this save stays in the backend
-    status = pack({"error": error_info(err)} if err is not None else
-                  {"crc32c": [[p, [[n, b] for n, b in d.items()]] for p, d in crcs.items()]})
+        writer.take_chunk_crc32c()  # nothing of this save stays in the backend
+    status = pack(
+        {"error": error_info(err)}
+        if err is not None
+        else {"crc32c": [[p, [[n, b] for n, b in d.items()]] for p, d in crcs.items()]}
+    )
     statuses = comm.gather("written", status)
     outcome = b""
     if comm.rank == 0:
@@ -273,7 +318,7 @@ def write_and_commit(comm: Comm, writer: CheckpointWriter, decision: dict, regio
                 raise_info(failed[0], "write")
             writer.commit(manifest_of(decision, [r["crc32c"] for r in reports]))
         except Exception as e:  # noqa: BLE001
-            writer.abort()          # idempotent: a failed commit aborted already
+            writer.abort()  # idempotent: a failed commit aborted already
             outcome = pack(error_info(e))
         comm.broadcast("commit", outcome)
     else:
@@ -291,11 +336,23 @@ def prepare(path: str, plan: dict, overwrite: Overwrite) -> tuple:
     """Process 0: begin the save: a taken path refused [SP-COMMIT-5] [SP-COMMIT-13], the
     staging location created and locked [SP-COMMIT-6, 11]. Returns ``(decision, writer)``."""
     writer = CheckpointWriter.begin(path, overwrite=overwrite, call=CALL)
-    entries = {key: {"array": array_path_for(key), "shape": t["shape"], "dtype": t["dtype"],
-                     "chunk_shape": t["chunk"]} for key, t in plan["tensors"].items()}
-    return {"staging": writer.staging, "tree": plan["tree"], "tensors": entries,
-            "global": {k: t["global"] for k, t in plan["tensors"].items()},
-            "writers": plan["writers"], "objects": plan["objects"]}, writer
+    entries = {
+        key: {
+            "array": array_path_for(key),
+            "shape": t["shape"],
+            "dtype": t["dtype"],
+            "chunk_shape": t["chunk"],
+        }
+        for key, t in plan["tensors"].items()
+    }
+    return {
+        "staging": writer.staging,
+        "tree": plan["tree"],
+        "tensors": entries,
+        "global": {k: t["global"] for k, t in plan["tensors"].items()},
+        "writers": plan["writers"],
+        "objects": plan["objects"],
+    }, writer
 
 
 # Bytes of writes in flight (each holds its encoded chunks, and for arrays on an accelerator
@@ -311,7 +368,7 @@ class Writes:
     def __init__(self, window: int, writer: CheckpointWriter) -> None:
         self.queue: deque = deque()
         self.window, self.inflight, self.writer = window, 0, writer
-        self.error: Optional[tuple] = None      # (key, exception) of the first failure
+        self.error: Optional[tuple] = None  # (key, exception) of the first failure
 
     def add(self, ops: list, nbytes: int, key: str) -> None:
         self.queue.append((ops, nbytes, key))
@@ -341,16 +398,25 @@ def local_regions(decision: dict, plan: LocalPlan, rank: int) -> list:
         if a.size == 0:
             continue
         if decision["global"][key]:
-            out += [(key, entry["array"], entry["chunk_shape"],
-                     [sl.start or 0 for sl in s.index], s.data)
-                    for s in a.addressable_shards if s.replica_id == 0]
+            out += [
+                (
+                    key,
+                    entry["array"],
+                    entry["chunk_shape"],
+                    [sl.start or 0 for sl in s.index],
+                    s.data,
+                )
+                for s in a.addressable_shards
+                if s.replica_id == 0
+            ]
         elif decision["writers"][key] == rank:
             out.append((key, entry["array"], entry["chunk_shape"], [0] * a.ndim, a))
     return out
 
 
-def write_regions(writer: CheckpointWriter, regions: list, tensors: dict,
-                  coordinator: bool) -> dict:
+def write_regions(
+    writer: CheckpointWriter, regions: list, tensors: dict, coordinator: bool
+) -> dict:
     """Write ``regions`` (:func:`local_regions`; ``tensors``: the decision's entries) chunk
     by chunk through ``writer``, several at once (:class:`Writes`); then make what was
     written durable at once [SP-COMMIT-1]. Returns the crc32c of the units written, for the
@@ -361,8 +427,9 @@ def write_regions(writer: CheckpointWriter, regions: list, tensors: dict,
     def opened(key: str) -> Any:
         e = tensors[key]
         if e["array"] not in handles:
-            handles[e["array"]] = writer.open_array(e["array"], ArraySpec(
-                tuple(e["shape"]), e["dtype"], tuple(e["chunk_shape"])))
+            handles[e["array"]] = writer.open_array(
+                e["array"], ArraySpec(tuple(e["shape"]), e["dtype"], tuple(e["chunk_shape"]))
+            )
         return handles[e["array"]]
 
     writes = Writes(WRITE_AHEAD_BYTES, writer)
@@ -377,8 +444,11 @@ def write_regions(writer: CheckpointWriter, regions: list, tensors: dict,
                 break
             host = np.asarray(data)
             h = opened(key)
-            writes.add([writer.write(h, lo, piece) for lo, piece in
-                        chunk_pieces(off, host, chunk)], host.nbytes, key)
+            writes.add(
+                [writer.write(h, lo, piece) for lo, piece in chunk_pieces(off, host, chunk)],
+                host.nbytes,
+                key,
+            )
     except Exception as e:  # noqa: BLE001 - reported as this tensor's write failure
         writes.error = writes.error or (key, e)
     finally:
@@ -388,13 +458,15 @@ def write_regions(writer: CheckpointWriter, regions: list, tensors: dict,
         key, failure = writes.error
         if isinstance(failure, E.ShardpointError):
             raise failure
-        raise E.SaveFailedError(f"tensor {key!r}: writing its chunks under {staging!r} failed: "
-                                f"{_short(failure)}") from None
+        raise E.SaveFailedError(
+            f"tensor {key!r}: writing its chunks under {staging!r} failed: {_short(failure)}"
+        ) from None
     try:
         return writer.flush()
     except OSError as e:
-        raise E.SaveFailedError(f"making the chunks written under {staging!r} durable failed: "
-                                f"{e}") from None
+        raise E.SaveFailedError(
+            f"making the chunks written under {staging!r} durable failed: {e}"
+        ) from None
 
 
 def _short(e: BaseException) -> str:
@@ -411,14 +483,25 @@ def manifest_of(decision: dict, reports: list) -> Manifest:
     for rep in reports:
         for array, chunks in rep:
             merged.setdefault(array, {}).update({int(n): bytes(b) for n, b in chunks})
-    tensors = {k: TensorEntry(k, e["array"], tuple(e["shape"]), e["dtype"],
-                              tuple(e["chunk_shape"]),
-                              join_tables([merged], e["array"], e["shape"], e["chunk_shape"]))
-               for k, e in decision["tensors"].items()}
-    objects = {k: ObjectValues(o["values"], o.get("shape")) for k, o in
-               decision["objects"].items()}
+    tensors = {
+        k: TensorEntry(
+            k,
+            e["array"],
+            tuple(e["shape"]),
+            e["dtype"],
+            tuple(e["chunk_shape"]),
+            join_tables([merged], e["array"], e["shape"], e["chunk_shape"]),
+        )
+        for k, e in decision["tensors"].items()
+    }
+    objects = {k: ObjectValues(o["values"], o.get("shape")) for k, o in decision["objects"].items()}
     tables = any(t.chunk_crc32c is not None for t in tensors.values())
-    return Manifest(decision["tree"], tensors, objects, writer=WRITER,
-                    format_version=FORMAT_VERSION_1_3 if tables else FORMAT_VERSION,
-                    save_world_size=decision["world"],
-                    extensions=decision.get("extensions") or {})
+    return Manifest(
+        decision["tree"],
+        tensors,
+        objects,
+        writer=WRITER,
+        format_version=FORMAT_VERSION_1_3 if tables else FORMAT_VERSION,
+        save_world_size=decision["world"],
+        extensions=decision.get("extensions") or {},
+    )

@@ -18,6 +18,7 @@ ends. What is JAX's own is here:
   ([SP-READ-6]) from one listing of the checkpoint (:func:`start_listing`, in flight with
   the manifest's GET) before a buffer is allocated.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,9 +37,13 @@ from shardpoint_core.stores.location import locate
 from shardpoint_core.stores.registry import check_path, is_local, local_path, split_url
 from shardpoint_core.transactions.reader import CheckpointReader
 from shardpoint_jax.dtypes import numpy_of
-from shardpoint_jax.errors import (CheckpointNotFoundError, CorruptCheckpointError,
-                                   IncompleteCheckpointError, InvalidRequestError,
-                                   ShardpointError)
+from shardpoint_jax.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InvalidRequestError,
+    ShardpointError,
+)
 
 
 # -------------------------------------------------------------------------------- locations
@@ -48,17 +53,20 @@ def checkpoint_path(path: Any, call: str) -> str:
     ``s3:``); InvalidRequestError when it is not a path at all (a tree passed where the
     path goes: the PyTorch reference takes ``save(state, path)``)."""
     if not isinstance(path, (str, os.PathLike)):
-        raise InvalidRequestError(f"{call}: the path is a {type(path).__name__}, not a str or "
-                                  "os.PathLike; arguments swapped? (shardpoint_jax takes the "
-                                  "path first; the PyTorch shardpoint.save takes (state, path))")
+        raise InvalidRequestError(
+            f"{call}: the path is a {type(path).__name__}, not a str or "
+            "os.PathLike; arguments swapped? (shardpoint_jax takes the "
+            "path first; the PyTorch shardpoint.save takes (state, path))"
+        )
     if is_local(path):
         return os.path.abspath(local_path(path, call))
     check_path(path, call)
     scheme, rest = split_url(path)
     bucket, _, key = rest.partition("/")
     if not bucket:
-        raise InvalidRequestError(f"{call}: {os.fspath(path)!r} names no bucket "
-                                  f"({scheme}://BUCKET/PATH)")
+        raise InvalidRequestError(
+            f"{call}: {os.fspath(path)!r} names no bucket ({scheme}://BUCKET/PATH)"
+        )
     return f"{scheme}://{bucket}/{key.strip('/')}".rstrip("/")
 
 
@@ -67,18 +75,26 @@ def _other_format(path: str) -> str:
     """What a directory without a manifest holds, by its file names, for the error."""
     names = set(os.listdir(path))
     if ".metadata" in names:
-        return ("it holds a PyTorch DCP checkpoint: `shardpoint convert` makes a shardpoint "
-                "one of it")
+        return (
+            "it holds a PyTorch DCP checkpoint: `shardpoint convert` makes a shardpoint one of it"
+        )
     if names & {"_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt"}:
-        return (f"it holds an Orbax checkpoint: `shardpoint convert {path} DST` makes a "
-                "shardpoint one of it (or restore it with Orbax and save the tree with "
-                "shardpoint_jax.save)")
-    steps = sorted((int(n), n) for n in names if n.isdigit()
-                   and os.path.isfile(os.path.join(path, n, "_CHECKPOINT_METADATA")))
+        return (
+            f"it holds an Orbax checkpoint: `shardpoint convert {path} DST` makes a "
+            "shardpoint one of it (or restore it with Orbax and save the tree with "
+            "shardpoint_jax.save)"
+        )
+    steps = sorted(
+        (int(n), n)
+        for n in names
+        if n.isdigit() and os.path.isfile(os.path.join(path, n, "_CHECKPOINT_METADATA"))
+    )
     if steps:
-        return ("it is an Orbax CheckpointManager directory: `shardpoint convert "
-                f"{os.path.join(path, steps[-1][1])} DST` makes a shardpoint checkpoint of its "
-                "newest step")
+        return (
+            "it is an Orbax CheckpointManager directory: `shardpoint convert "
+            f"{os.path.join(path, steps[-1][1])} DST` makes a shardpoint checkpoint of its "
+            "newest step"
+        )
     return "a save that crashed or is still running"
 
 
@@ -89,11 +105,13 @@ def _refuse_local(path: str) -> None:
     if not os.path.lexists(path) or os.path.lexists(os.path.join(path, MANIFEST_NAME)):
         return
     if not os.path.isdir(path):
-        raise IncompleteCheckpointError(f"{path!r} is not a directory: not a checkpoint",
-                                        spec_id="SP-COMMIT-3")
+        raise IncompleteCheckpointError(
+            f"{path!r} is not a directory: not a checkpoint", spec_id="SP-COMMIT-3"
+        )
     raise IncompleteCheckpointError(
         f"{path!r} has no {MANIFEST_NAME}: not a checkpoint ({_other_format(path)})",
-        spec_id="SP-COMMIT-3")
+        spec_id="SP-COMMIT-3",
+    )
 
 
 def open_reader(path: str, call: str = "load(path, target)") -> CheckpointReader:
@@ -120,16 +138,16 @@ def read_manifest(path: str, call: str = "read_metadata(path)") -> Manifest:
 
 
 # -------------------------------------------------------------------------------- writing
-def chunk_pieces(offset: Sequence[int], data: np.ndarray,
-                 chunk: Sequence[int]) -> Iterator[Tuple[list, np.ndarray]]:
+def chunk_pieces(
+    offset: Sequence[int], data: np.ndarray, chunk: Sequence[int]
+) -> Iterator[Tuple[list, np.ndarray]]:
     """``(chunk origin, view)`` of each whole chunk of the region ``data`` at ``offset`` (a
     JAX shard: the chunk grid is chosen so that each chunk lies inside one, [SP-GRID-1])."""
     stop = [o + n for o, n in zip(offset, data.shape)]
     for cidx in np.ndindex(*[-(-e // c) - o // c for o, e, c in zip(offset, stop, chunk)]):
         lo = [(o // c + i) * c for o, c, i in zip(offset, chunk, cidx)]
         hi = [min(a + c, e) for a, c, e in zip(lo, chunk, stop)]
-        yield lo, data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))
-                       + (Ellipsis,)]
+        yield lo, data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset)) + (Ellipsis,)]
 
 
 # -------------------------------------------------------------------------------- reading
@@ -141,7 +159,7 @@ def aligned_empty(shape: tuple, dtype: Any, align: int = 64) -> np.ndarray:
     n = math.prod(shape) * dt.itemsize
     raw = np.empty(n + align, np.uint8)
     off = (-raw.ctypes.data) % align
-    return raw[off:off + n].view(dt).reshape(shape)
+    return raw[off : off + n].view(dt).reshape(shape)
 
 
 _LISTS: Optional[ThreadPoolExecutor] = None
@@ -184,8 +202,9 @@ class StoredArray:
     stored bytes before a buffer is allocated [SP-READ-6]: on files by the core's open, on
     object stores by the checkpoint's listing (``listing``, :func:`start_listing`)."""
 
-    def __init__(self, reader: CheckpointReader, key: str,
-                 listing: Optional[Future] = None) -> None:
+    def __init__(
+        self, reader: CheckpointReader, key: str, listing: Optional[Future] = None
+    ) -> None:
         entry = manifest_of(reader).tensors[key]
         self.reader, self.key, self.array_path = reader, key, entry.array
         self.shape, self.chunk = list(entry.shape), list(entry.chunk_shape)
@@ -193,8 +212,7 @@ class StoredArray:
         self.np_dtype = numpy_of(entry.dtype, key)
         self.itemsize = self.np_dtype.itemsize
         self.handle = reader.array(key)
-        self._unbacked = None if is_local(reader.path) else (listing or
-                                                             start_listing(reader.path))
+        self._unbacked = None if is_local(reader.path) else (listing or start_listing(reader.path))
 
     @property
     def layout(self) -> ArrayLayout:
@@ -215,47 +233,68 @@ class StoredArray:
         path = "/".join(p for p in (locate(self.reader.path).pair()[1], self.array_path) if p)
         listed = self._unbacked.result().get(path, [])
         try:
-            check_backed_bytes(self.key, self.array_path, tuple(self.shape),
-                               tuple(self.chunk), self.itemsize,
-                               (len(listed), sum(i.size for i in listed)))
+            check_backed_bytes(
+                self.key,
+                self.array_path,
+                tuple(self.shape),
+                tuple(self.chunk),
+                self.itemsize,
+                (len(listed), sum(i.size for i in listed)),
+            )
         except CorruptCheckpointError:
             # The rule checked before this one, each object's size ([SP-READ-5] as
             # [SP-READ-3]), needs zarr.json: read now, on this failure's path only.
             lay = self.layout
-            sizes = (math.prod(lay.chunk) * self.itemsize + 4, 0) if not lay.inner else \
-                (None, 16 * math.prod(c // i for c, i in zip(lay.chunk, lay.inner)) + 4)
+            sizes = (
+                (math.prod(lay.chunk) * self.itemsize + 4, 0)
+                if not lay.inner
+                else (None, 16 * math.prod(c // i for c, i in zip(lay.chunk, lay.inner)) + 4)
+            )
             check_array_objects(None, path, self.key, sizes, listed)
             raise
         self._unbacked = None
 
-    def read(self, offset: Sequence[int], shape: Sequence[int],
-             out: Optional[np.ndarray] = None) -> np.ndarray:
+    def read(
+        self, offset: Sequence[int], shape: Sequence[int], out: Optional[np.ndarray] = None
+    ) -> np.ndarray:
         """The stored elements of a region, checked [SP-READ-1..3] [SP-READ-5]."""
         return self.start_read(offset, shape, out).result()
 
-    def start_read(self, offset: Sequence[int], shape: Sequence[int],
-                   out: Optional[np.ndarray] = None) -> "PendingRead":
+    def start_read(
+        self, offset: Sequence[int], shape: Sequence[int], out: Optional[np.ndarray] = None
+    ) -> "PendingRead":
         """Start reading a region into ``out`` (a new 64-byte aligned array when None); the
         returned read's ``result()`` waits and raises what was found wrong."""
-        if len(offset) != len(self.shape) or len(shape) != len(self.shape) or any(
-                o < 0 or n < 0 or o + n > d for o, n, d in zip(offset, shape, self.shape)):
-            raise InvalidRequestError(f"tensor {self.key!r}: region {list(offset)}+"
-                                      f"{list(shape)} is outside {self.shape}",
-                                      spec_id="SP-HOLD-1")
+        if (
+            len(offset) != len(self.shape)
+            or len(shape) != len(self.shape)
+            or any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offset, shape, self.shape))
+        ):
+            raise InvalidRequestError(
+                f"tensor {self.key!r}: region {list(offset)}+{list(shape)} is outside {self.shape}",
+                spec_id="SP-HOLD-1",
+            )
         self._check_backed()
         if out is None:
             out = aligned_empty(tuple(shape), self.np_dtype)
         if math.prod(shape) == 0:
             return PendingRead(self, offset, shape, out, [])
-        return PendingRead(self, offset, shape, out,
-                           [self.reader.read_into(self.handle, tuple(offset), out)])
+        return PendingRead(
+            self, offset, shape, out, [self.reader.read_into(self.handle, tuple(offset), out)]
+        )
 
 
 class PendingRead:
     """A region being read into its buffer by :meth:`StoredArray.start_read`."""
 
-    def __init__(self, array: StoredArray, offset: Sequence[int], shape: Sequence[int],
-                 out: np.ndarray, futs: list) -> None:
+    def __init__(
+        self,
+        array: StoredArray,
+        offset: Sequence[int],
+        shape: Sequence[int],
+        out: np.ndarray,
+        futs: list,
+    ) -> None:
         self.array, self.offset, self.shape, self.out = array, offset, shape, out
         self.futs: Optional[list] = futs
         self.nbytes = out.nbytes
@@ -267,11 +306,11 @@ class PendingRead:
         try:
             self.array.reader.wait(todo)
         except ShardpointError:
-            raise           # the spec's error
+            raise  # the spec's error
         except FileNotFoundError as e:
             raise self._corrupt(e, "is missing", "SP-READ-2") from None
         except OSError:
-            raise           # the store's own (unreachable, denied)
+            raise  # the store's own (unreachable, denied)
         except Exception as e:  # noqa: BLE001 - bytes the layer could not decode
             raise self._corrupt(e, "cannot be read", "SP-READ-3") from None
         return self.out
@@ -279,4 +318,6 @@ class PendingRead:
     def _corrupt(self, e: BaseException, what: str, sid: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"tensor {self.array.key!r}: stored data of region {list(self.offset)}+"
-            f"{list(self.shape)} {what}: {str(e)[:300]}", spec_id=sid)
+            f"{list(self.shape)} {what}: {str(e)[:300]}",
+            spec_id=sid,
+        )

@@ -4,6 +4,7 @@ insertion order), lists and tuples are walked directly; other registered JAX pyt
 becoming dict keys (attribute names) or list indexes. ``None`` is a value, not an empty node.
 The walk itself, key encoding included, is the core's (:mod:`shardpoint_core.format.statetree`), the
 same one the torch front end uses."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,6 +25,7 @@ class ShardedObject:
     """One cell ``index`` of a per-process value over a grid ``shape`` (an int count is the
     1-D grid); e.g. the RNG state of each (stage, tensor rank). ``replica_id`` 0 is the main
     copy of a cell [SP-REPL-2]. As a load target, ``value`` is ignored and filled."""
+
     value: Any
     index: Union[int, Index]
     shape: Union[int, Index]
@@ -41,15 +43,22 @@ class ShardedObject:
         """[SP-OBJ-1] [SP-REPL-1] on the object's own numbers."""
         g, c = self.grid, self.cell
         rep = (self.replica_id,) if isinstance(self.replica_id, int) else self.replica_id
-        ok = (g and all(type(n) is int and n >= 1 for n in g) and len(c) == len(g)
-              and all(type(i) is int and 0 <= i < n for i, n in zip(c, g)))
+        ok = (
+            g
+            and all(type(n) is int and n >= 1 for n in g)
+            and len(c) == len(g)
+            and all(type(i) is int and 0 <= i < n for i, n in zip(c, g))
+        )
         if not ok:
-            raise InvalidShardingError(f"sharded object {key!r}: index {self.index!r} is not "
-                                       f"a cell of grid {g}", spec_id="SP-OBJ-1")
+            raise InvalidShardingError(
+                f"sharded object {key!r}: index {self.index!r} is not a cell of grid {g}",
+                spec_id="SP-OBJ-1",
+            )
         if not rep or not all(type(r) is int and r >= 0 for r in rep):
-            raise InvalidShardingError(f"sharded object {key!r}: replica id "
-                                       f"{self.replica_id!r} must be non-negative ints",
-                                       spec_id="SP-REPL-1")
+            raise InvalidShardingError(
+                f"sharded object {key!r}: replica id {self.replica_id!r} must be non-negative ints",
+                spec_id="SP-REPL-1",
+            )
 
 
 def is_array(v: Any) -> bool:
@@ -60,8 +69,11 @@ def children(v: Any) -> Optional[Tuple[str, list, Callable[[list], Any]]]:
     """(kind, [(component, child)], rebuild) of a container, or None for a leaf: the core's
     :func:`~shardpoint_core.format.statetree.plain_children` for dicts, lists and tuples, one level
     of ``jax.tree_util`` for other registered pytree nodes."""
-    if v is None or is_array(v) or isinstance(v, (ShardedObject, jax.ShapeDtypeStruct,
-                                                  np.generic, str, bytes, int, float)):
+    if (
+        v is None
+        or is_array(v)
+        or isinstance(v, (ShardedObject, jax.ShapeDtypeStruct, np.generic, str, bytes, int, float))
+    ):
         return None
     kid = plain_children(v)
     if kid is not None or not _is_registered(v):
@@ -69,8 +81,11 @@ def children(v: Any) -> Optional[Tuple[str, list, Callable[[list], Any]]]:
     kids, treedef = jax.tree_util.tree_flatten_with_path(v, is_leaf=lambda x: x is not v)
     comps = [_component(p[0]) for p, _ in kids] if kids else []
     kind = "list" if comps == list(range(len(comps))) else "dict"
-    return (kind, [(c, x) for c, (_, x) in zip(comps, kids)],
-            partial(jax.tree_util.tree_unflatten, treedef))
+    return (
+        kind,
+        [(c, x) for c, (_, x) in zip(comps, kids)],
+        partial(jax.tree_util.tree_unflatten, treedef),
+    )
 
 
 def _is_registered(v: Any) -> bool:
@@ -95,6 +110,7 @@ def walk(tree: Any, leaf: Callable[[tuple, str, Any], Any]) -> Any:
 def tree_node(tree: Any, leaf: Callable[[tuple, str, Any], dict]) -> dict:
     """The manifest tree node of ``tree`` (spec/format.md [SP-MAN-4]), by the core's walk."""
     if children(tree) is None:
-        raise UnsupportedValueError("the root of the tree must be a dict, list or tuple",
-                                    spec_id="SP-KEY-2")
+        raise UnsupportedValueError(
+            "the root of the tree must be a dict, list or tuple", spec_id="SP-KEY-2"
+        )
     return encode_tree(tree, leaf, children)

@@ -2,6 +2,7 @@
 with ``jax.Array`` registered as an ext 1 array. Inside sharded-object values a JAX writer
 writes origin "numpy" ([SP-MAN-6]: every reader can hand back a numpy array), so such arrays
 come back as numpy arrays."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,11 +16,12 @@ from shardpoint_jax.dtypes import name_of
 
 
 def _to_numpy(v: jax.Array) -> np.ndarray:
-    return np.array(v, order="C")   # (np.ascontiguousarray would make a 0-d array 1-d)
+    return np.array(v, order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
 
 
-register_array_type(jax.Array, "numpy", to_numpy=_to_numpy,
-                    check=lambda v, what: name_of(v.dtype, what))
+register_array_type(
+    jax.Array, "numpy", to_numpy=_to_numpy, check=lambda v, what: name_of(v.dtype, what)
+)
 
 
 def is_scalar_value(v: Any) -> bool:

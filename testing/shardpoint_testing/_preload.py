@@ -4,6 +4,7 @@ start with these loaded instead of importing them each: DTensor and the device m
 ``dist_checkpointing``: about 3 CPU-seconds per rank for DTensor, 2 more for Megatron.
 The peers are optional (skipped when absent); their import-time warnings are silenced here
 once instead of printed by every rank."""
+
 import importlib
 import importlib.util
 import warnings

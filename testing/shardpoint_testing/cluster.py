@@ -32,6 +32,7 @@ creates (namespaces, links, processes, the shared directory it made) is removed 
 after a failure or an interrupt; it never deletes what it did not create.
 :func:`unavailable_reason` says why a machine cannot host one (not root, no ``ip``/``tc``).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -59,7 +60,7 @@ STORAGE_ADDR = f"{SUBNET}.250"
 MASTER_PORT = 29523
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUTS = 0x04000000
-_LIVE: list = []        # clusters not yet closed, torn down at interpreter exit
+_LIVE: list = []  # clusters not yet closed, torn down at interpreter exit
 
 
 def unavailable_reason() -> Optional[str]:
@@ -100,15 +101,22 @@ class Cluster:
     """H hosts x R ranks in network namespaces; see the module docstring. Use as a context
     manager (or call :meth:`close`): ``with Cluster(2, 2) as c: c.run(fn, arg)``."""
 
-    def __init__(self, hosts: int = 2, ranks_per_host: int = 1, link: Link = Link(),
-                 storage_link: Optional[Link] = None, shared_dir: Optional[str] = None,
-                 links: Optional[Sequence[Link]] = None):
+    def __init__(
+        self,
+        hosts: int = 2,
+        ranks_per_host: int = 1,
+        link: Link = Link(),
+        storage_link: Optional[Link] = None,
+        shared_dir: Optional[str] = None,
+        links: Optional[Sequence[Link]] = None,
+    ):
         why = unavailable_reason()
         if why:
             raise RuntimeError(why)
         if not 1 <= hosts <= 200 or ranks_per_host < 1:
-            raise ValueError(f"hosts must be 1..200 and ranks_per_host >= 1, got {hosts}, "
-                             f"{ranks_per_host}")
+            raise ValueError(
+                f"hosts must be 1..200 and ranks_per_host >= 1, got {hosts}, {ranks_per_host}"
+            )
         self.hosts, self.ranks_per_host = hosts, ranks_per_host
         self.links = list(links) if links is not None else [link] * hosts
         if len(self.links) != hosts:
@@ -121,8 +129,8 @@ class Cluster:
         self.hostnames = [f"node{h}-{self.tag}" for h in range(hosts)]
         self._made_dir = shared_dir is None
         self.shared_dir = shared_dir or tempfile.mkdtemp(prefix=f"{self.tag}-shared-")
-        self._created: list = []       # namespaces made, in order
-        self._procs: dict = {}         # host index (-1: storage) -> [Popen or Process]
+        self._created: list = []  # namespaces made, in order
+        self._procs: dict = {}  # host index (-1: storage) -> [Popen or Process]
         self._closed = False
         _LIVE.append(self)
         _exit_on_sigterm()
@@ -155,8 +163,9 @@ class Cluster:
     @staticmethod
     def _shape(ns: str, dev: str, link: Link) -> None:
         if link.mbit:
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root",
-                *link.tbf())
+            _sh(
+                "ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *link.tbf()
+            )
 
     def _build(self) -> None:
         self._ns(self.switch)
@@ -173,12 +182,24 @@ class Cluster:
         :meth:`close` (SIGKILL): it knows the namespace names (made with this cluster's own
         random tag) and the shared directory it made, nothing else."""
         from shardpoint_testing.s3 import _child_env
+
         names = [self.switch, *self.host_ns, self.storage]
         return subprocess.Popen(
-            [sys.executable, "-m", "shardpoint_testing.cluster", "reap", str(os.getpid()),
-             self.shared_dir if self._made_dir else "", *names],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env=_child_env(), start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "shardpoint_testing.cluster",
+                "reap",
+                str(os.getpid()),
+                self.shared_dir if self._made_dir else "",
+                *names,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=_child_env(),
+            start_new_session=True,
+        )
 
     def close(self) -> None:
         """Kill what the cluster started, delete its namespaces (their links go with them)
@@ -186,7 +207,7 @@ class Cluster:
         if self._closed:
             return
         self._closed = True
-        _kill(self._reaper)         # we tear down ourselves; it only acts if we die first
+        _kill(self._reaper)  # we tear down ourselves; it only acts if we die first
         for procs in self._procs.values():
             for p in procs:
                 _kill(p)
@@ -237,8 +258,22 @@ class Cluster:
         is the storage host."""
         ns = self.storage if host < 0 else self.host_ns[host]
         name = f"storage-{self.tag}" if host < 0 else self.hostnames[host]
-        p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-                              'hostname "$0" && exec "$@"', name, *argv], **kw)
+        p = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                'hostname "$0" && exec "$@"',
+                name,
+                *argv,
+            ],
+            **kw,
+        )
         self._procs.setdefault(host, []).append(p)
         return p
 
@@ -253,21 +288,30 @@ class Cluster:
         :meth:`~shardpoint_testing.s3.S3Server.env` to the ranks (``run(..., env=...)``):
         the root namespace cannot reach it, the hosts can."""
         from shardpoint_testing.s3 import S3Server
-        return S3Server(bucket, host=STORAGE_ADDR, port=port,
-                        launch=self.popen_storage).start()
+
+        return S3Server(bucket, host=STORAGE_ADDR, port=port, launch=self.popen_storage).start()
 
     def rank_env(self, rank: int) -> dict:
         """The environment a rank gets, as torchrun sets it on a real cluster."""
         h = self.host_of(rank)
-        return {"MASTER_ADDR": self.addr(0), "MASTER_PORT": str(MASTER_PORT),
-                "RANK": str(rank), "WORLD_SIZE": str(self.world),
-                "LOCAL_RANK": str(rank % self.ranks_per_host),
-                "LOCAL_WORLD_SIZE": str(self.ranks_per_host), "GROUP_RANK": str(h), "GROUP_WORLD_SIZE": str(self.hosts),
-                "NODE_RANK": str(h), "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        return {
+            "MASTER_ADDR": self.addr(0),
+            "MASTER_PORT": str(MASTER_PORT),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.world),
+            "LOCAL_RANK": str(rank % self.ranks_per_host),
+            "LOCAL_WORLD_SIZE": str(self.ranks_per_host),
+            "GROUP_RANK": str(h),
+            "GROUP_WORLD_SIZE": str(self.hosts),
+            "NODE_RANK": str(h),
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "OMP_NUM_THREADS": "1",
+        }
 
     # ---------------------------------------------------------------------------- running
-    def start(self, fn: Callable, *args: Any, pg_timeout: float = 60.0,
-              env: Optional[dict] = None) -> "ClusterJob":
+    def start(
+        self, fn: Callable, *args: Any, pg_timeout: float = 60.0, env: Optional[dict] = None
+    ) -> "ClusterJob":
         """Start ``fn(rank, world, *args)`` on every rank (a gloo group over the links), with
         ``env`` added to each rank's environment; returns the running job
         (:meth:`ClusterJob.wait`)."""
@@ -276,17 +320,34 @@ class Cluster:
         procs = []
         for r in range(self.world):
             h = self.host_of(r)
-            p = ctx.Process(target=_entry, args=(self.host_ns[h], self.hostnames[h],
-                                                 {**self.rank_env(r), **(env or {})}, fn, r,
-                                                 self.world, args,
-                                                 q, pg_timeout), daemon=True)
+            p = ctx.Process(
+                target=_entry,
+                args=(
+                    self.host_ns[h],
+                    self.hostnames[h],
+                    {**self.rank_env(r), **(env or {})},
+                    fn,
+                    r,
+                    self.world,
+                    args,
+                    q,
+                    pg_timeout,
+                ),
+                daemon=True,
+            )
             p.start()
             self._procs.setdefault(h, []).append(p)
             procs.append(p)
         return ClusterJob(self, procs, q)
 
-    def run(self, fn: Callable, *args: Any, timeout: float = 120.0,
-            pg_timeout: float = 60.0, env: Optional[dict] = None) -> list:
+    def run(
+        self,
+        fn: Callable,
+        *args: Any,
+        timeout: float = 120.0,
+        pg_timeout: float = 60.0,
+        env: Optional[dict] = None,
+    ) -> list:
         """``[fn(0, world, *args), ...]`` from every rank of the cluster; raises
         :class:`~shardpoint_testing.launch.RankFailure` when a rank fails or time runs out."""
         return self.start(fn, *args, pg_timeout=pg_timeout, env=env).wait(timeout)
@@ -307,7 +368,7 @@ class ClusterJob:
         self.cluster, self.procs, self.q = cluster, procs, q
         self.results: dict = {}
         self.errors: dict = {}
-        self.finished_at: dict = {}    # rank -> time.monotonic() its outcome arrived
+        self.finished_at: dict = {}  # rank -> time.monotonic() its outcome arrived
 
     def poll(self, timeout: float = 0.2) -> None:
         """Collect outcomes that arrived (and ranks whose process died) within ``timeout``."""
@@ -404,9 +465,15 @@ def _entry(netns, hostname, env, fn, rank, world, args, q, pg_timeout):
         os.environ.update(env)
         import torch
         import torch.distributed as dist
+
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=pg_timeout))
+        dist.init_process_group(
+            "gloo",
+            init_method="env://",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=pg_timeout),
+        )
         try:
             q.put((rank, True, fn(rank, world, *args)))
         finally:
@@ -422,7 +489,7 @@ def _exit_on_sigterm() -> None:
     try:
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
-    except ValueError:      # not the main thread
+    except ValueError:  # not the main thread
         pass
 
 
@@ -432,6 +499,6 @@ def _close_all() -> None:
         c.close()
 
 
-if __name__ == "__main__":      # python -m shardpoint_testing.cluster reap PID DIR NS...
+if __name__ == "__main__":  # python -m shardpoint_testing.cluster reap PID DIR NS...
     if sys.argv[1:2] == ["reap"]:
         _reap(int(sys.argv[2]), sys.argv[3], sys.argv[4:])

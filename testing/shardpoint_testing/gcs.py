@@ -19,6 +19,7 @@ Example::
         os.environ.update(gcs.env())
         sp.save(state, gcs.url("run/step_1"))
 """
+
 from __future__ import annotations
 
 import http.client
@@ -41,8 +42,7 @@ from shardpoint_testing.s3 import _child_env, free_port
 class GcsServer:
     """The GCS emulator in a child process on loopback, with one bucket (``bucket``)."""
 
-    def __init__(self, bucket: str = "shardpoint-test", *,
-                 start_timeout_s: float = 60.0) -> None:
+    def __init__(self, bucket: str = "shardpoint-test", *, start_timeout_s: float = 60.0) -> None:
         self.bucket = bucket
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -52,26 +52,44 @@ class GcsServer:
     def start(self) -> "GcsServer":
         """Start the emulator with the bucket and wait until it answers."""
         # it dies with this process, also when this one is SIGKILLed (as the S3 server)
-        code = ("import sys; from shardpoint_testing.s3 import die_with_parent; "
-                "die_with_parent(int(sys.argv[1])); "
-                "from gcp_storage_emulator.__main__ import main; sys.exit(main(sys.argv[2:]))")
+        code = (
+            "import sys; from shardpoint_testing.s3 import die_with_parent; "
+            "die_with_parent(int(sys.argv[1])); "
+            "from gcp_storage_emulator.__main__ import main; sys.exit(main(sys.argv[2:]))"
+        )
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(os.getpid()), "start", "--host", "127.0.0.1",
-             "--port", str(self.port), "--in-memory", "--default-bucket", self.bucket],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_child_env())
+            [
+                sys.executable,
+                "-c",
+                code,
+                str(os.getpid()),
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--in-memory",
+                "--default-bucket",
+                self.bucket,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=_child_env(),
+        )
         deadline = time.monotonic() + self._start_timeout_s
         while True:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"the GCS emulator exited with {self._proc.returncode} "
-                                   "on start")
+                raise RuntimeError(f"the GCS emulator exited with {self._proc.returncode} on start")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                     break
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"the GCS emulator did not listen on {self.endpoint} "
-                                       f"within {self._start_timeout_s} s") from None
+                    raise RuntimeError(
+                        f"the GCS emulator did not listen on {self.endpoint} "
+                        f"within {self._start_timeout_s} s"
+                    ) from None
                 time.sleep(0.05)
         return self
 
@@ -85,8 +103,7 @@ class GcsServer:
 
     def env(self) -> Dict[str, str]:
         """The environment that points the store (and child processes) at the emulator."""
-        return {"STORAGE_EMULATOR_HOST": self.endpoint,
-                "SHARDPOINT_GCS_CONDITIONAL_WRITES": "0"}
+        return {"STORAGE_EMULATOR_HOST": self.endpoint, "SHARDPOINT_GCS_CONDITIONAL_WRITES": "0"}
 
     def stop(self) -> None:
         """Stop the emulator (its objects are gone with it)."""
@@ -113,7 +130,7 @@ class PreconditionProxy:
 
     def __init__(self, upstream: GcsServer, rule: Optional[Callable] = None) -> None:
         self.upstream = upstream
-        self.rule = rule               # as FaultProxy's: a negative answer loses the reply
+        self.rule = rule  # as FaultProxy's: a negative answer loses the reply
         self.requests = self.injected = 0
         self.refused = 0
         self._lock = threading.Lock()
@@ -123,7 +140,7 @@ class PreconditionProxy:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def log_message(self, *args) -> None:   # quiet
+            def log_message(self, *args) -> None:  # quiet
                 pass
 
             def _handle(self) -> None:
@@ -132,44 +149,63 @@ class PreconditionProxy:
                 parts = urlsplit(self.path)
                 want = parse_qs(parts.query).get("ifGenerationMatch")
                 if self.command == "POST" and parts.path.startswith("/upload/") and want:
-                    with proxy._lock:          # check and write as one step
+                    with proxy._lock:  # check and write as one step
                         have = proxy._generation(parts.path.split("/")[5], parts.query, body)
                         if have != want[0]:
                             proxy.refused += 1
-                            return self._answer(412, json.dumps({"error": {
-                                "code": 412, "message": "At least one of the pre-conditions "
-                                "you specified did not hold.", "errors": [{
-                                    "reason": "conditionNotMet"}]}}).encode())
+                            return self._answer(
+                                412,
+                                json.dumps(
+                                    {
+                                        "error": {
+                                            "code": 412,
+                                            "message": "At least one of the pre-conditions "
+                                            "you specified did not hold.",
+                                            "errors": [{"reason": "conditionNotMet"}],
+                                        }
+                                    }
+                                ).encode(),
+                            )
                         return self._forward(body)
                 self._forward(body)
 
             def _forward(self, body: Optional[bytes]) -> None:
-                status, headers, data = proxy._request(self.command, self.path, body,
-                                                       dict(self.headers.items()))
+                status, headers, data = proxy._request(
+                    self.command, self.path, body, dict(self.headers.items())
+                )
                 fault = None
                 if proxy.rule is not None:
-                    with proxy._count:          # _lock may be held (a conditional upload)
+                    with proxy._count:  # _lock may be held (a conditional upload)
                         proxy.requests += 1
                         number = proxy.requests
                     fault = proxy.rule(self.command, self.path, number)
-                if fault is not None and fault < 0:     # applied, then the reply is lost
+                if fault is not None and fault < 0:  # applied, then the reply is lost
                     with proxy._count:
                         proxy.injected += 1
-                    if fault == -1:            # a reset, as a dropped connection
+                    if fault == -1:  # a reset, as a dropped connection
                         self.close_connection = True
-                        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                                   struct.pack("ii", 1, 0))
+                        self.connection.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
                         self.connection.close()
                         return
-                    return self._answer(-fault, json.dumps({"error": {
-                        "code": -fault, "message": "injected"}}).encode())
+                    return self._answer(
+                        -fault,
+                        json.dumps({"error": {"code": -fault, "message": "injected"}}).encode(),
+                    )
                 self._answer(status, data, headers)
 
             def _answer(self, status: int, data: bytes, headers: Optional[list] = None) -> None:
                 self.send_response(status)
                 for k, v in headers or [("Content-Type", "application/json")]:
-                    if k.lower() not in ("connection", "transfer-encoding", "content-length",
-                                         "keep-alive", "server", "date"):
+                    if k.lower() not in (
+                        "connection",
+                        "transfer-encoding",
+                        "content-length",
+                        "keep-alive",
+                        "server",
+                        "date",
+                    ):
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -187,8 +223,11 @@ class PreconditionProxy:
     def _request(self, method: str, path: str, body: Optional[bytes], headers: dict) -> tuple:
         conn = http.client.HTTPConnection("127.0.0.1", self.upstream.port, timeout=60)
         try:
-            headers = {k: v for k, v in headers.items()
-                       if k.lower() not in ("connection", "keep-alive", "host")}
+            headers = {
+                k: v
+                for k, v in headers.items()
+                if k.lower() not in ("connection", "keep-alive", "host")
+            }
             conn.request(method, path, body=body, headers=headers)
             resp = conn.getresponse()
             return resp.status, resp.getheaders(), resp.read()
@@ -204,10 +243,11 @@ class PreconditionProxy:
             start = body.find(b"{")
             meta, _ = json.JSONDecoder().raw_decode(body[start:].decode("utf-8", "replace"))
             name = meta["name"]
-        if name is None:          # an upload naming no object: nothing there to be newer than
+        if name is None:  # an upload naming no object: nothing there to be newer than
             return "0"
         status, _, data = self._request(
-            "GET", f"/storage/v1/b/{bucket}/o/{quote(name, safe='')}", None, {})
+            "GET", f"/storage/v1/b/{bucket}/o/{quote(name, safe='')}", None, {}
+        )
         return str(json.loads(data)["generation"]) if status == 200 else "0"
 
     def env(self) -> Dict[str, str]:

@@ -12,6 +12,7 @@ gets the caller's environment as it is at the call (the server's is from its sta
 ``run_script`` / ``run_code`` run a script (the examples, the README's blocks) the same way,
 as one process with no process group, its output captured.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -36,8 +37,15 @@ def free_port() -> int:
 
 # Imported once by the fork server; every rank forked from it starts with them loaded
 # (``_preload`` adds DTensor, the device mesh, DCP and Megatron-core: seconds per rank).
-PRELOAD = ["torch", "torch.distributed", "numpy", "shardpoint.api", "shardpoint.tree.model",
-           "shardpoint.exchange.comm", "shardpoint_testing._preload"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "shardpoint.api",
+    "shardpoint.tree.model",
+    "shardpoint.exchange.comm",
+    "shardpoint_testing._preload",
+]
 _CTX: Any = None
 
 
@@ -60,23 +68,31 @@ def _entry(fn, rank, world, rendezvous, args, q, pg_timeout, env):
     os.environ.clear()
     os.environ.update(env)
     import torch.distributed as dist
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
+
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
-                                world_size=world, timeout=timedelta(seconds=pg_timeout))
+        dist.init_process_group(
+            "gloo",
+            init_method=rendezvous,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=pg_timeout),
+        )
         try:
             q.put((rank, True, fn(rank, world, *args)))
         finally:
-            if dist.is_initialized():   # the function may have destroyed it itself
+            if dist.is_initialized():  # the function may have destroyed it itself
                 dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def run_world(world: int, fn: Callable, *args: Any, timeout: float = 120.0,
-              pg_timeout: float = 60.0) -> list:
+def run_world(
+    world: int, fn: Callable, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0
+) -> list:
     """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` from real processes."""
     ctx = _context()
     q = ctx.Queue()
@@ -85,27 +101,37 @@ def run_world(world: int, fn: Callable, *args: Any, timeout: float = 120.0,
     where = tempfile.mkdtemp(prefix="sp-world-")
     rendezvous = f"file://{where}/store"
     env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, rendezvous, args, q, pg_timeout,
-                                              env), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_entry, args=(fn, r, world, rendezvous, args, q, pg_timeout, env), daemon=True
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict = {}
     errors: dict = {}
     import queue as _q
     import time
+
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(errors) < world:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RankFailure(f"timed out after {timeout:.0f}s; ranks still running: "
-                                  f"{sorted(set(range(world)) - set(results) - set(errors))}"
-                                  + (f"; failures: {errors}" if errors else ""))
+                raise RankFailure(
+                    f"timed out after {timeout:.0f}s; ranks still running: "
+                    f"{sorted(set(range(world)) - set(results) - set(errors))}"
+                    + (f"; failures: {errors}" if errors else "")
+                )
             try:
                 rank, ok, val = q.get(timeout=min(left, 1.0))
             except _q.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in results and r not in errors]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results and r not in errors
+                ]
                 for r in dead:
                     errors[r] = f"process exited with code {procs[r].exitcode}"
                 continue
@@ -138,7 +164,8 @@ def _script_entry(path, code_, argv, cwd, env, out_path, err_path, tty=None):
     import runpy
     import sys
     import threading
-    if tty is not None:                # stdin, stdout and stderr: the terminal's other end
+
+    if tty is not None:  # stdin, stdout and stderr: the terminal's other end
         f = os.open(tty, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(f, fd)
@@ -153,14 +180,14 @@ def _script_entry(path, code_, argv, cwd, env, out_path, err_path, tty=None):
     os.chdir(cwd)
     code: Any = 0
     try:
-        if path is not None:           # a script file, as `python path argv...` runs it
+        if path is not None:  # a script file, as `python path argv...` runs it
             sys.argv = [path, *argv]
             sys.path.insert(0, os.path.dirname(path))
             runpy.run_path(path, run_name="__main__")
-        else:                          # a block of code, as `python -c code argv...` runs it
+        else:  # a block of code, as `python -c code argv...` runs it
             sys.argv = ["-c", *argv]
             exec(compile(code_, "<string>", "exec"), {"__name__": "__main__"})
-        threading._shutdown()          # what interpreter exit does: join threads, atexit
+        threading._shutdown()  # what interpreter exit does: join threads, atexit
         atexit._run_exitfuncs()
     except SystemExit as e:
         code = e.code
@@ -175,8 +202,14 @@ def _script_entry(path, code_, argv, cwd, env, out_path, err_path, tty=None):
     os._exit(code or 0)
 
 
-def run_script(path: str, *argv: Any, cwd: str = ".", env: dict | None = None,
-               timeout: float = 240.0, terminal: bool = False) -> ScriptResult:
+def run_script(
+    path: str,
+    *argv: Any,
+    cwd: str = ".",
+    env: dict | None = None,
+    timeout: float = 240.0,
+    terminal: bool = False,
+) -> ScriptResult:
     """Run the script at ``path`` as ``__main__`` in a fresh process forked from the fork
     server, as ``python path argv...`` would (its folder first on ``sys.path``, threads joined
     and ``atexit`` run at the end), without paying for the torch import each time: no process
@@ -186,8 +219,14 @@ def run_script(path: str, *argv: Any, cwd: str = ".", env: dict | None = None,
     return _run_forked(os.path.abspath(path), None, argv, cwd, env, timeout, terminal)
 
 
-def run_code(code: str, *argv: Any, cwd: str = ".", env: dict | None = None,
-             timeout: float = 240.0, terminal: bool = False) -> ScriptResult:
+def run_code(
+    code: str,
+    *argv: Any,
+    cwd: str = ".",
+    env: dict | None = None,
+    timeout: float = 240.0,
+    terminal: bool = False,
+) -> ScriptResult:
     """``run_script`` for a block of code, as ``python -c code argv...`` runs it."""
     return _run_forked(None, code, argv, cwd, env, timeout, terminal)
 
@@ -196,13 +235,14 @@ def _read_terminal(master: int, p: Any, timeout: float) -> bytes:
     """Everything written to the terminal until ``p`` exits (or ``timeout`` passes)."""
     import select
     import time
+
     out, deadline = b"", time.monotonic() + timeout
     while time.monotonic() < deadline:
         alive = p.is_alive()
         while select.select([master], [], [], 0.05 if alive else 0)[0]:
             try:
                 chunk = os.read(master, 65536)
-            except OSError:            # EIO: no writer left
+            except OSError:  # EIO: no writer left
                 chunk = b""
             if not chunk:
                 break
@@ -214,21 +254,32 @@ def _read_terminal(master: int, p: Any, timeout: float) -> bytes:
 
 def _run_forked(path, code, argv, cwd, env, timeout, terminal=False) -> ScriptResult:
     import tempfile
+
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="shardpoint-script-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         master = slave = None
         if terminal:
             import pty
+
             master, slave = pty.openpty()
         try:
-            p = ctx.Process(target=_script_entry,
-                            args=(path, code, [str(a) for a in argv], os.path.abspath(cwd),
-                                  dict(os.environ if env is None else env), out, err,
-                                  None if slave is None else os.ttyname(slave)))
+            p = ctx.Process(
+                target=_script_entry,
+                args=(
+                    path,
+                    code,
+                    [str(a) for a in argv],
+                    os.path.abspath(cwd),
+                    dict(os.environ if env is None else env),
+                    out,
+                    err,
+                    None if slave is None else os.ttyname(slave),
+                ),
+            )
             p.start()
             seen = _read_terminal(master, p, timeout) if master is not None else b""
-            p.join(1 if terminal else timeout)    # the terminal's reader waited already
+            p.join(1 if terminal else timeout)  # the terminal's reader waited already
         finally:
             for fd in (master, slave):
                 if fd is not None:

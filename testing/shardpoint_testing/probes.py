@@ -1,6 +1,7 @@
 """Small probes the tests share: what a call leaves in reference cycles, whether a call
 finishes (a reader that blocks on a FIFO must not hang the suite), and uploading a directory
 to a byte store (the spec vectors on ``memory://``)."""
+
 from __future__ import annotations
 
 import gc
@@ -28,8 +29,9 @@ def garbage_of(fn: Callable[[], Any]) -> list:
             gc.enable()
 
 
-def error_within(fn: Callable[[], Any], timeout: float = 60.0,
-                 what: str = "the call") -> Optional[BaseException]:
+def error_within(
+    fn: Callable[[], Any], timeout: float = 60.0, what: str = "the call"
+) -> Optional[BaseException]:
     """Run ``fn`` in a daemon thread; fail if it has not returned within ``timeout``
     seconds, else return what it raised (None if nothing)."""
     box: dict = {}
@@ -39,6 +41,7 @@ def error_within(fn: Callable[[], Any], timeout: float = 60.0,
             fn()
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["err"] = e
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(timeout)
@@ -61,6 +64,7 @@ def vector_on_store(case_dir: str, url: str) -> dict:
     import json
 
     from shardpoint_core.stores.registry import bucket_store
+
     store, key = bucket_store(url, "tests")
     upload_dir(store, key, os.path.join(case_dir, "checkpoint"))
     with open(os.path.join(case_dir, "expected.json")) as f:
@@ -72,7 +76,8 @@ def crashed_save(store: Any, prefix: str, objects: dict, lease_s: float = 1e-3) 
     one that expired long ago) and ``objects`` (key below ``prefix`` -> bytes) below its save
     prefix ``prefix`` (``.../save-<token>``)."""
     from shardpoint_core.commit.lease import LEASE_NAME, encode_lease
-    token = prefix.rstrip("/").rpartition("/")[2][len("save-"):]
+
+    token = prefix.rstrip("/").rpartition("/")[2][len("save-") :]
     store.put(f"{prefix}/{LEASE_NAME}", encode_lease(token, lease_s))
     for k, v in objects.items():
         store.put(f"{prefix}/{k}", v)
@@ -82,6 +87,7 @@ def pause_lease(store: Any, staging: str) -> None:
     """What SIGSTOP does to a save's lease in this process: its renewals stop, the save stays
     (publish still runs when called)."""
     from shardpoint_core.commit import lease
+
     st = lease._LIVE[lease._id(store, staging)]
     st.stop.set()
     if st.thread is not None:

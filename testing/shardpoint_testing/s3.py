@@ -22,6 +22,7 @@ Example::
         os.environ.update(s3.env())
         sp.save(state, s3.url("run/step_1"))
 """
+
 from __future__ import annotations
 
 import http.client
@@ -64,13 +65,14 @@ def die_with_parent(parent: int, poll_s: float = 0.2) -> None:
     SIGKILL, and this one was re-parented). A watchdog thread, not ``PR_SET_PDEATHSIG``: that
     signal follows the parent *thread* that started the child, which may end long before
     the process does."""
-    if os.getppid() != parent:      # died before we got here
+    if os.getppid() != parent:  # died before we got here
         os._exit(1)
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
         os._exit(1)
+
     threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
@@ -84,9 +86,16 @@ def free_port() -> int:
 class S3Server:
     """moto's S3 server in a child process on loopback, with one bucket (``bucket``)."""
 
-    def __init__(self, bucket: str = "shardpoint-test", *, auth: bool = False,
-                 start_timeout_s: float = 60.0, host: str = "127.0.0.1",
-                 port: Optional[int] = None, launch: Optional[Launcher] = None) -> None:
+    def __init__(
+        self,
+        bucket: str = "shardpoint-test",
+        *,
+        auth: bool = False,
+        start_timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
+        port: Optional[int] = None,
+        launch: Optional[Launcher] = None,
+    ) -> None:
         """``host``/``port``: where it listens (default: loopback, a free port). ``launch``:
         how to start it elsewhere, ``launch(argv, **popen_kwargs) -> Popen`` (the test
         cluster's :meth:`~shardpoint_testing.cluster.Cluster.popen_storage` starts it on the
@@ -112,7 +121,10 @@ class S3Server:
         assert launch is not None, "called where a launcher was given"
         self._proc = proc = launch(
             _child_argv("serve", self.host, str(self.port), self.bucket),
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
         out = proc.stdout
         assert out is not None, "the launcher was asked for a pipe"
         ready = threading.Event()
@@ -122,15 +134,21 @@ class S3Server:
                 if line.strip() == b"ready":
                     ready.set()
                     return
+
         threading.Thread(target=watch, daemon=True).start()
         deadline = time.monotonic() + self._start_timeout_s
         while not ready.wait(0.05):
             if proc.poll() is not None or time.monotonic() > deadline:
                 code = proc.poll()
                 self.stop()
-                raise RuntimeError(f"the S3 server for {self.endpoint} " + (
-                    f"exited with {code} on start" if code is not None else
-                    f"was not ready within {self._start_timeout_s} s"))
+                raise RuntimeError(
+                    f"the S3 server for {self.endpoint} "
+                    + (
+                        f"exited with {code} on start"
+                        if code is not None
+                        else f"was not ready within {self._start_timeout_s} s"
+                    )
+                )
 
     def start(self) -> "S3Server":
         """Start the server, wait until it answers, create the bucket."""
@@ -138,11 +156,14 @@ class S3Server:
         if self._launch is not None:
             self._start_launched(env)
             return self
-        if self.auth:   # moto checks signatures and IAM after the first 3 requests
+        if self.auth:  # moto checks signatures and IAM after the first 3 requests
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
         self._proc = subprocess.Popen(
             _child_argv("moto", "-H", self.host, "-p", str(self.port)),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
         deadline = time.monotonic() + self._start_timeout_s
         while True:
             if self._proc.poll() is not None:
@@ -153,15 +174,22 @@ class S3Server:
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"moto server did not listen on {self.endpoint} within "
-                                       f"{self._start_timeout_s} s") from None
+                    raise RuntimeError(
+                        f"moto server did not listen on {self.endpoint} within "
+                        f"{self._start_timeout_s} s"
+                    ) from None
                 time.sleep(0.05)
         if self.auth:
             iam = self._boto("iam")
             iam.create_user(UserName="shardpoint")
-            iam.put_user_policy(UserName="shardpoint", PolicyName="all", PolicyDocument=(
-                '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", '
-                '"Action": "*", "Resource": "*"}]}'))
+            iam.put_user_policy(
+                UserName="shardpoint",
+                PolicyName="all",
+                PolicyDocument=(
+                    '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", '
+                    '"Action": "*", "Resource": "*"}]}'
+                ),
+            )
             k = iam.create_access_key(UserName="shardpoint")["AccessKey"]
             self._keys = (k["AccessKeyId"], k["SecretAccessKey"])
         self.make_bucket(self.bucket)
@@ -169,15 +197,24 @@ class S3Server:
 
     def credentials(self) -> Dict[str, str]:
         """Keys the server accepts, as :class:`~shardpoint_core.stores.s3.S3Options` fields."""
-        return {"access_key_id": self._keys[0], "secret_access_key": self._keys[1],
-                "region": REGION}
+        return {
+            "access_key_id": self._keys[0],
+            "secret_access_key": self._keys[1],
+            "region": REGION,
+        }
 
     def _boto(self, service: str):
         import boto3
         from botocore.config import Config
-        return boto3.client(service, endpoint_url=self.endpoint, aws_access_key_id=self._keys[0],
-                            aws_secret_access_key=self._keys[1], region_name=REGION,
-                            config=Config(retries={"max_attempts": 2}))
+
+        return boto3.client(
+            service,
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self._keys[0],
+            aws_secret_access_key=self._keys[1],
+            region_name=REGION,
+            config=Config(retries={"max_attempts": 2}),
+        )
 
     def client(self):
         """A boto3 S3 client for this server (for test set-up and inspection)."""
@@ -193,8 +230,12 @@ class S3Server:
         runs (the storage host), through the launcher."""
         if self._launch is None:
             return _list(self.client(), self.bucket, prefix)
-        p = self._launch(_child_argv("list", self.endpoint, self.bucket, prefix),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env())
+        p = self._launch(
+            _child_argv("list", self.endpoint, self.bucket, prefix),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_child_env(),
+        )
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -215,10 +256,13 @@ class S3Server:
 
     def env(self, endpoint: Optional[str] = None) -> Dict[str, str]:
         """The standard AWS environment that points clients at this server."""
-        return {"AWS_ENDPOINT_URL": endpoint or self.endpoint,
-                "AWS_ACCESS_KEY_ID": self._keys[0], "AWS_SECRET_ACCESS_KEY": self._keys[1],
-                "AWS_REGION": REGION,
-                "AWS_DEFAULT_REGION": REGION}
+        return {
+            "AWS_ENDPOINT_URL": endpoint or self.endpoint,
+            "AWS_ACCESS_KEY_ID": self._keys[0],
+            "AWS_SECRET_ACCESS_KEY": self._keys[1],
+            "AWS_REGION": REGION,
+            "AWS_DEFAULT_REGION": REGION,
+        }
 
     def stop(self) -> None:
         """Stop the server process (its objects are gone with it)."""
@@ -249,10 +293,9 @@ FaultRule = Callable[[str, str, int], Optional[int]]
 LOST_REPLY = -1
 
 _FAULT_BODY = {
-    503: b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
-         b"</Error>",
+    503: b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>",
     500: b"<Error><Code>InternalError</Code><Message>We encountered an internal error."
-         b"</Message></Error>",
+    b"</Message></Error>",
 }
 
 
@@ -274,7 +317,7 @@ class FaultProxy:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def log_message(self, *args) -> None:   # quiet
+            def log_message(self, *args) -> None:  # quiet
                 pass
 
             def _handle(self) -> None:
@@ -284,12 +327,18 @@ class FaultProxy:
                     proxy.requests += 1
                     number = proxy.requests
                 fault = proxy.rule(self.command, self.path, number)
-                if fault is not None and fault < 0:        # applied, then the reply is lost
-                    conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream.port,
-                                                      timeout=60)
-                    conn.request(self.command, self.path, body=body, headers={
-                        k: v for k, v in self.headers.items()
-                        if k.lower() not in ("connection", "keep-alive")})
+                if fault is not None and fault < 0:  # applied, then the reply is lost
+                    conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream.port, timeout=60)
+                    conn.request(
+                        self.command,
+                        self.path,
+                        body=body,
+                        headers={
+                            k: v
+                            for k, v in self.headers.items()
+                            if k.lower() not in ("connection", "keep-alive")
+                        },
+                    )
                     conn.getresponse().read()
                     conn.close()
                     fault = 0 if fault == LOST_REPLY else -fault
@@ -308,15 +357,24 @@ class FaultProxy:
                     self.wfile.write(payload)
                     return
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream.port, timeout=60)
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("connection", "keep-alive")}
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in ("connection", "keep-alive")
+                }
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
-                    if k.lower() not in ("connection", "transfer-encoding", "content-length",
-                                         "keep-alive", "server", "date"):
+                    if k.lower() not in (
+                        "connection",
+                        "transfer-encoding",
+                        "content-length",
+                        "keep-alive",
+                        "server",
+                        "date",
+                    ):
                         self.send_header(k, v)
                 # a HEAD's answer has no body but the object's length, relayed as it is
                 length = resp.getheader("Content-Length") if self.command == "HEAD" else None
@@ -354,25 +412,30 @@ def serve(host: str, port: int, bucket: str) -> None:
 
     import boto3
     from moto.server import ThreadedMotoServer
+
     os.environ.setdefault("MOTO_ALLOW_NONEXISTENT_REGION", "true")
     server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)
     server.start()
-    boto3.client("s3", endpoint_url=f"http://{host}:{port}", aws_access_key_id=ACCESS_KEY,
-                 aws_secret_access_key=SECRET_KEY,
-                 region_name=REGION).create_bucket(Bucket=bucket)
+    boto3.client(
+        "s3",
+        endpoint_url=f"http://{host}:{port}",
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        region_name=REGION,
+    ).create_bucket(Bucket=bucket)
     print("ready", flush=True)
 
     def stop(*_: Any) -> None:
         server.stop()
         os._exit(0)
+
     signal.signal(signal.SIGTERM, stop)
     threading.Event().wait()
 
 
 def _list(client, bucket: str, prefix: str) -> Dict[str, int]:
     out: Dict[str, int] = {}
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                                  Prefix=prefix):
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         out.update((o["Key"], o["Size"]) for o in page.get("Contents", []))
     return out
 
@@ -391,12 +454,19 @@ def _main(argv: Sequence[str]) -> None:
         serve(host, int(port), bucket)
     elif cmd == "moto":
         from moto.server import main as moto_main
+
         moto_main(rest)
     elif cmd == "list":
         import boto3
+
         endpoint, bucket, prefix = rest
-        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
-                              aws_secret_access_key=SECRET_KEY, region_name=REGION)
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name=REGION,
+        )
         print(json.dumps(_list(client, bucket, prefix)))
     else:
         raise SystemExit(f"shardpoint_testing.s3: unknown command {cmd!r}")
@@ -460,8 +530,7 @@ class Requests:
         recs = sorted(recs, key=lambda r: r[3])
         depth: list = []
         for i, r in enumerate(recs):
-            depth.append(1 + max((depth[j] for j in range(i) if recs[j][4] <= r[3]),
-                                 default=0))
+            depth.append(1 + max((depth[j] for j in range(i) if recs[j][4] <= r[3]), default=0))
         out: list[Counter] = [Counter() for _ in range(max(depth, default=0))]
         for r, d in zip(recs, depth):
             out[d - 1][(r[0], r[1])] += 1

@@ -8,6 +8,7 @@ inside torch's tensor deallocator, which cannot unwind, and the process died wit
 each scenario runs several times, each in a fresh interpreter (the abort is in the real
 interpreter's exit, which a forked, ``os._exit``-ing process never reaches).
 """
+
 import os
 import re
 import subprocess
@@ -21,8 +22,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = open(os.path.join(ROOT, "docs", "tutorials", "manager.md")).read()
 # the manager tutorial's async example: a CheckpointManager with async_save=True
-MANAGER_EXAMPLE = next(b for b in re.findall(r"```python\n(.*?)```", PAGE, re.S)
-                       if "async_save=True) as mgr" in b)
+MANAGER_EXAMPLE = next(
+    b for b in re.findall(r"```python\n(.*?)```", PAGE, re.S) if "async_save=True) as mgr" in b
+)
 # a plain async save of a state only the save holds, then wait(), then exit
 PLAIN = """
 import torch, shardpoint as sp
@@ -35,11 +37,18 @@ h.wait()
 def run_many(code: str, tmp_path, runs: int) -> list:
     """``code`` as ``python -c`` runs it, ``runs`` times, two at a time, each in its own
     directory; returns ``[(exit code, stderr)]``."""
+
     def one(i: int) -> tuple:
         cwd = tmp_path / f"run{i}"
         cwd.mkdir()
-        r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
-                           text=True, timeout=180, stdin=subprocess.DEVNULL)
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            stdin=subprocess.DEVNULL,
+        )
         return r.returncode, r.stderr
 
     with ThreadPoolExecutor(2) as pool:
@@ -69,12 +78,14 @@ def test_the_background_thread_is_joined_at_exit_and_drops_the_job_first():
 
     class Held:
         pass
+
     held, gate = Held(), threading.Event()
     gone = weakref.ref(held)
 
     def job(x=held):
         gate.wait(30)
         return "ok"
+
     h = GroupSaves().start(job, 0, "somewhere")
     del held, job
     try:

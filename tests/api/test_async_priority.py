@@ -2,6 +2,7 @@
 its writer threads run at nice 19 (or SCHED_IDLE) while the backend's own pools, which sync
 saves and loads use, keep the caller's priority; the checkpoint is the same bits; a bad value
 is refused before any save starts; a failed low-priority save is reported, not fatal."""
+
 import os
 import sys
 import threading
@@ -14,13 +15,17 @@ from shardpoint_core.format import errors
 from shardpoint_core.transactions.backend import ZarrBackend
 from shardpoint_testing.tensors import same_bits, seeded_randn
 
-linux = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                           reason="per-thread priorities are Linux's")
+linux = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's"
+)
 
 
 def state():
-    return {"w": seeded_randn("w", (64, 33)), "b": seeded_randn("b", (7,), torch.bfloat16),
-            "step": 3}
+    return {
+        "w": seeded_randn("w", (64, 33)),
+        "b": seeded_randn("b", (7,), torch.bfloat16),
+        "step": 3,
+    }
 
 
 def named(prefix):
@@ -44,7 +49,7 @@ def test_low_priority_writers_and_untouched_pools_for_sync_saves(tmp_path):
     low = named("shardpoint-write-low_")
     assert low, "the async save wrote through no low-priority threads"
     assert {nice_of(t) for t in low} == {19}
-    cp.save(st, str(tmp_path / "b"))          # sync: the backend's own pool
+    cp.save(st, str(tmp_path / "b"))  # sync: the backend's own pool
     own = named("shardpoint-write_")
     assert own and {nice_of(t) for t in own} == {mine}
     for p in ("a", "b"):
@@ -61,6 +66,7 @@ def test_low_priority_writers_and_untouched_pools_for_sync_saves(tmp_path):
 @linux
 def test_idle_priority_is_inherited_by_the_threads_the_writer_starts():
     from shardpoint_core.stores.durable import lower_thread_priority
+
     seen = {}
 
     def child():
@@ -77,7 +83,7 @@ def test_idle_priority_is_inherited_by_the_threads_the_writer_starts():
     t.start()
     t.join()
     assert seen == {"lowered": True, "writer": os.SCHED_IDLE, "child": os.SCHED_IDLE}
-    assert os.sched_getscheduler(threading.get_native_id()) != os.SCHED_IDLE   # caller's own
+    assert os.sched_getscheduler(threading.get_native_id()) != os.SCHED_IDLE  # caller's own
 
 
 def test_a_pool_runs_each_task_at_its_submitters_priority():
@@ -85,6 +91,7 @@ def test_a_pool_runs_each_task_at_its_submitters_priority():
     thread submits (and the tasks those submit) runs at that priority, work from a normal
     thread on normal threads, from one pool object."""
     from shardpoint_core.arrays.direct_write import WritePool, run_at_priority
+
     pool = WritePool(2, "prio-test")
 
     def nice_here():
@@ -136,7 +143,7 @@ class FullDisk(ZarrBackend):
 @linux
 def test_failed_low_priority_save_is_reported_and_the_previous_checkpoint_stays(tmp_path):
     be = FullDisk()
-    cp = sp.Checkpointer(backend=be)          # the default priority: "low"
+    cp = sp.Checkpointer(backend=be)  # the default priority: "low"
     st = state()
     path = str(tmp_path / "ckpt")
     cp.save(st, path, async_save=True).wait(timeout=120)
@@ -144,7 +151,7 @@ def test_failed_low_priority_save_is_reported_and_the_previous_checkpoint_stays(
     h = cp.save({**st, "w": st["w"] * 2}, path, overwrite=True, async_save=True)
     with pytest.raises(errors.SaveFailedError, match="No space left"):
         h.wait(timeout=120)
-    assert set(be.callers) == {19}           # written from the low-priority thread
+    assert set(be.callers) == {19}  # written from the low-priority thread
     # one not waited for comes out of the next save, once; that save then goes on
     cp.save(st, str(tmp_path / "lost"), async_save=True)
     with pytest.raises(errors.SaveFailedError, match="No space left"):
@@ -152,5 +159,5 @@ def test_failed_low_priority_save_is_reported_and_the_previous_checkpoint_stays(
     be.full = False
     cp.save(st, str(tmp_path / "next"))
     got = cp.load(path).tree
-    assert same_bits(got["w"], st["w"])       # the previous checkpoint, intact
+    assert same_bits(got["w"], st["w"])  # the previous checkpoint, intact
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "next"]

@@ -1,6 +1,7 @@
 """The checkpointer object: typed results with timings, state owned per checkpointer (plan
 cache, async saves and their pools, side groups), ``sp.save``/``sp.load`` as thin wrappers over
 the default one; on one process and on real gloo worlds."""
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +12,12 @@ from shardpoint_testing.launch import run_world
 
 
 def _state(scale: float = 1.0) -> dict:
-    return {"w": torch.arange(12.0).view(3, 4) * scale, "n": np.arange(3), "step": int(scale),
-            "o": sp.ShardedObject({"k": 1}, 0, 1)}
+    return {
+        "w": torch.arange(12.0).view(3, 4) * scale,
+        "n": np.arange(3),
+        "step": int(scale),
+        "o": sp.ShardedObject({"k": 1}, 0, 1),
+    }
 
 
 def test_load_result_is_typed_with_timings(tmp_ckpt):
@@ -33,12 +38,11 @@ def test_load_result_is_typed_with_timings(tmp_ckpt):
 def test_sp_load_returns_the_tree_and_fills_report(tmp_ckpt):
     sp.save(_state(), tmp_ckpt)
     rep = sp.LoadResult()
-    tree = sp.load(tmp_ckpt, like={"w": torch.empty(3, 4), "nope": 1}, strict=False,
-                   report=rep)
+    tree = sp.load(tmp_ckpt, like={"w": torch.empty(3, 4), "nope": 1}, strict=False, report=rep)
     assert set(tree) == {"w", "nope"} and tree["nope"] == 1
     assert rep.missing_keys == ["value 'nope'"] and rep.tree is tree
     assert rep.rank_bytes_read == 48 and "total" in rep.timings
-    assert sp.LoadReport is sp.LoadResult      # the name report= always took
+    assert sp.LoadReport is sp.LoadResult  # the name report= always took
 
 
 def test_plan_cache_belongs_to_its_checkpointer(tmp_path):
@@ -65,7 +69,7 @@ def test_async_saves_of_two_checkpointers_and_close(tmp_path):
         assert isinstance(ha, sp.AsyncSave) and isinstance(hb, sp.AsyncSave)
         a.wait()
         assert ha.done() and ha.wait().tensors == 2
-    assert hb.done()        # close() waited for it
+    assert hb.done()  # close() waited for it
     assert torch.equal(sp.load(str(tmp_path / "b"))["w"], _state(2.0)["w"])
     assert a._groups == {} and "pending_async_saves=0" in repr(a)
 
@@ -75,6 +79,7 @@ class FailingFlush:
 
     def __init__(self):
         from shardpoint_core.transactions.resolve import get_backend
+
         self.inner, self.fail = get_backend(), True
 
     def __getattr__(self, name):
@@ -89,11 +94,11 @@ class FailingFlush:
 
 def test_wait_raises_an_unreported_async_error_once(tmp_path):
     ck = sp.Checkpointer(backend=FailingFlush())
-    h = ck.save(_state(), str(tmp_path / "x"), async_save=True)   # fails in the background
+    h = ck.save(_state(), str(tmp_path / "x"), async_save=True)  # fails in the background
     with pytest.raises(sp.SaveFailedError, match="Input/output error"):
         ck.wait()
     assert h.reported and not (tmp_path / "x").exists()
-    ck.wait()               # reported once; the next wait and save go on
+    ck.wait()  # reported once; the next wait and save go on
     assert ck.save(_state(), str(tmp_path / "x")).tensors == 2
 
 
@@ -107,19 +112,24 @@ def test_open_and_read_metadata_use_the_checkpointers_store(tmp_ckpt):
 
 def _two_checkpointers(rank, world, base):
     import shardpoint as sp
+
     a, b = sp.Checkpointer(), sp.Checkpointer()
     rows = torch.arange(24.0).view(6, 4)
     lo, hi = rank * 3, rank * 3 + 3
     st = {"t": sp.ShardedTensor(rows[lo:hi].clone(), (6, 4), (lo, 0)), "step": 5}
-    ha = a.save(st, f"{base}/a", async_save=True)      # each makes its own side group
+    ha = a.save(st, f"{base}/a", async_save=True)  # each makes its own side group
     hb = b.save(st, f"{base}/b", async_save=True)
     ra, rb = ha.wait(), hb.wait()
     like = {"t": sp.ShardedTensor(torch.empty(6, 2), (6, 4), (0, rank * 2))}
     out = a.load(f"{base}/b", like=like)
     again = a.save(st, f"{base}/a2")
-    return (ra.world_size, rb.world_size, torch.equal(out.tree["t"], rows[:, rank * 2:
-                                                                      rank * 2 + 2]),
-            out.world_size, again.timings["plan_cached"])
+    return (
+        ra.world_size,
+        rb.world_size,
+        torch.equal(out.tree["t"], rows[:, rank * 2 : rank * 2 + 2]),
+        out.world_size,
+        again.timings["plan_cached"],
+    )
 
 
 def test_two_checkpointers_on_a_gloo_world(tmp_path):

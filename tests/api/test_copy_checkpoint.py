@@ -2,6 +2,7 @@
 copy is bitwise the source, on files and on an object store; a copy that fails midway leaves
 nothing at the target (no partial checkpoint, no staging), and a target in the way is never
 replaced."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,7 @@ from shardpoint_core.transactions.copy import copy_checkpoint
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(7)
-    return {"w": torch.randn(64, 8, generator=g), "b": torch.arange(5).to(torch.bfloat16),
-            "n": 3}
+    return {"w": torch.randn(64, 8, generator=g), "b": torch.arange(5).to(torch.bfloat16), "n": 3}
 
 
 def test_copy_is_the_source_bitwise_on_files_and_an_object_store(tmp_path):
@@ -34,14 +34,18 @@ def test_copy_is_the_source_bitwise_on_files_and_an_object_store(tmp_path):
 def test_a_source_missing_a_piece_is_refused_before_anything_is_written(tmp_path):
     src = str(tmp_path / "a")
     sp.save(_state(), src)
-    chunk = next(os.path.join(d, f) for d, _s, fs in os.walk(os.path.join(src, "tensors", "w"))
-                 for f in fs if f != "zarr.json")
-    os.remove(chunk)                   # the source loses a piece: its copy cannot complete
-    os.makedirs(tmp_path / "c")        # (an empty directory is the target's to fill)
+    chunk = next(
+        os.path.join(d, f)
+        for d, _s, fs in os.walk(os.path.join(src, "tensors", "w"))
+        for f in fs
+        if f != "zarr.json"
+    )
+    os.remove(chunk)  # the source loses a piece: its copy cannot complete
+    os.makedirs(tmp_path / "c")  # (an empty directory is the target's to fill)
     with pytest.raises(sp.errors.CorruptCheckpointError, match="is missing"):
         copy_checkpoint(src, str(tmp_path / "c"))
-    assert os.listdir(tmp_path / "c") == []                  # no partial checkpoint
-    assert sorted(os.listdir(tmp_path)) == ["a", "c"]       # no staging left behind
+    assert os.listdir(tmp_path / "c") == []  # no partial checkpoint
+    assert sorted(os.listdir(tmp_path)) == ["a", "c"]  # no staging left behind
 
 
 def test_a_target_in_the_way_is_refused_and_kept(tmp_path):
@@ -59,11 +63,15 @@ def test_a_copy_failing_midway_leaves_nothing_at_the_target(tmp_path):
     """A memory-tier source whose chunk is damaged (its crc32c fails, the store refuses its
     bytes) fails the copy after the target's staging was made: nothing stays."""
     from shardpoint_core.stores.shm import ShmStore
+
     ShmStore.named("copytest").configure(shm_dir=str(tmp_path / "shm"))
     sp.save(_state(), "shm://copytest/step_1")
-    chunk = next(os.path.join(d, f) for d, _s, fs in
-                 os.walk(tmp_path / "shm" / "copytest" / "step_1")
-                 for f in fs if d.endswith(os.path.join("tensors", "w", "c", "0")))
+    chunk = next(
+        os.path.join(d, f)
+        for d, _s, fs in os.walk(tmp_path / "shm" / "copytest" / "step_1")
+        for f in fs
+        if d.endswith(os.path.join("tensors", "w", "c", "0"))
+    )
     with open(chunk, "r+b") as f:
         b = f.read(1)
         f.seek(0)
@@ -72,4 +80,4 @@ def test_a_copy_failing_midway_leaves_nothing_at_the_target(tmp_path):
     os.makedirs(dst)
     with pytest.raises(sp.errors.CorruptCheckpointError, match="could not be read intact"):
         copy_checkpoint("shm://copytest/step_1", str(dst / "step_1"))
-    assert os.listdir(dst) == []       # neither the step nor its staging
+    assert os.listdir(dst) == []  # neither the step nor its staging

@@ -1,4 +1,5 @@
 """Bad input and damaged checkpoints raise documented errors with spec IDs, never garbage."""
+
 import argparse
 import glob
 import hashlib
@@ -24,8 +25,9 @@ def saved(path):
 
 
 def chunk_files(path, key="w"):
-    return sorted(f for f in glob.glob(f"{path}/tensors/{key}/c/**", recursive=True)
-                  if os.path.isfile(f))
+    return sorted(
+        f for f in glob.glob(f"{path}/tensors/{key}/c/**", recursive=True) if os.path.isfile(f)
+    )
 
 
 def rewrite_manifest(path, edit):
@@ -95,7 +97,7 @@ def test_unknown_major_version(tmp_ckpt):
 
 def test_unknown_fields(tmp_ckpt):
     rewrite_manifest(saved(tmp_ckpt), lambda b: b.update(future={"must_understand": False}))
-    assert torch.equal(sp.load(tmp_ckpt)["b"], torch.ones(3))   # ignorable
+    assert torch.equal(sp.load(tmp_ckpt)["b"], torch.ones(3))  # ignorable
     rewrite_manifest(tmp_ckpt, lambda b: b.update(future={"x": 1}))
     with pytest.raises(sp.UnsupportedFormatError) as e:
         sp.load(tmp_ckpt)
@@ -166,6 +168,7 @@ def test_cli_verify_reports_spec_ids_and_inspect_json(tmp_ckpt, capsys):
 
 def test_verify_reports_writer_rules_by_id(tmp_ckpt):
     from shardpoint_core.verify import verify_checkpoint
+
     z = f"{saved(tmp_ckpt)}/tensors/b/zarr.json"
     meta = json.load(open(z))
     meta["fill_value"] = 1.0
@@ -177,16 +180,19 @@ def test_verify_reports_writer_rules_by_id(tmp_ckpt):
     assert [s for s, _ in verify_checkpoint(tmp_ckpt)] == ["SP-ARRAY-3"]
 
 
-@pytest.mark.parametrize("edit, sid", [
-    # 1.3: a dtype that is not a str is a malformed field (SP-MAN-3), a str naming no dtype
-    # of the table is SP-DTYPE-1 (unsupported)
-    (lambda b: b["tensors"]["w"].update(dtype=["float32"]), "SP-MAN-3"),
-    (lambda b: b["tensors"]["w"].update(dtype="float128"), "SP-DTYPE-1"),
-    (lambda b: b["tree"]["dict"].append(b["tree"]["dict"][0]), "SP-MAN-4"),
-    (lambda b: b["tree"]["dict"].append(["v", {"value": [1, 2]}]), "SP-MAN-4"),
-    (lambda b: b["tree"]["dict"].append(["v", {"value": 1, "x": 2}]), "SP-MAN-4"),
-    (lambda b: b.update(save_world_size="4"), "SP-MAN-2"),
-])
+@pytest.mark.parametrize(
+    "edit, sid",
+    [
+        # 1.3: a dtype that is not a str is a malformed field (SP-MAN-3), a str naming no dtype
+        # of the table is SP-DTYPE-1 (unsupported)
+        (lambda b: b["tensors"]["w"].update(dtype=["float32"]), "SP-MAN-3"),
+        (lambda b: b["tensors"]["w"].update(dtype="float128"), "SP-DTYPE-1"),
+        (lambda b: b["tree"]["dict"].append(b["tree"]["dict"][0]), "SP-MAN-4"),
+        (lambda b: b["tree"]["dict"].append(["v", {"value": [1, 2]}]), "SP-MAN-4"),
+        (lambda b: b["tree"]["dict"].append(["v", {"value": 1, "x": 2}]), "SP-MAN-4"),
+        (lambda b: b.update(save_world_size="4"), "SP-MAN-2"),
+    ],
+)
 def test_malformed_manifest_bodies_raise_documented_errors(tmp_ckpt, edit, sid):
     rewrite_manifest(saved(tmp_ckpt), edit)
     with pytest.raises(sp.ShardpointError) as e:
@@ -197,15 +203,17 @@ def test_malformed_manifest_bodies_raise_documented_errors(tmp_ckpt, edit, sid):
 # ------------------------------------------------------------------ more damage and refusals
 def write_manifest(path, m):
     from shardpoint_core.format.manifest import encode_manifest
+
     with open(f"{path}/manifest.msgpack", "wb") as f:
         f.write(encode_manifest(m))
 
 
 def test_manifests_built_with_the_encoder_unknown_major_and_must_understand(tmp_ckpt):
     import dataclasses
+
     m = sp.read_metadata(saved(tmp_ckpt))
     write_manifest(tmp_ckpt, dataclasses.replace(m, format_version=(1, 7)))
-    assert torch.equal(sp.load(tmp_ckpt)["b"], torch.ones(3))       # a newer minor reads
+    assert torch.equal(sp.load(tmp_ckpt)["b"], torch.ones(3))  # a newer minor reads
     for v in ((2, 0), (0, 9)):
         write_manifest(tmp_ckpt, dataclasses.replace(m, format_version=v))
         with pytest.raises(sp.UnsupportedFormatError) as e:
@@ -214,8 +222,9 @@ def test_manifests_built_with_the_encoder_unknown_major_and_must_understand(tmp_
     write_manifest(tmp_ckpt, dataclasses.replace(m, extensions={"zstd": {"level": 3}}))
     with pytest.raises(sp.UnsupportedFormatError, match="zstd"):
         sp.load(tmp_ckpt)
-    write_manifest(tmp_ckpt, dataclasses.replace(
-        m, extensions={"hint": {"must_understand": False, "x": 1}}))
+    write_manifest(
+        tmp_ckpt, dataclasses.replace(m, extensions={"hint": {"must_understand": False, "x": 1}})
+    )
     assert torch.equal(sp.load(tmp_ckpt)["b"], torch.ones(3))
 
 
@@ -233,15 +242,18 @@ def test_dtype_outside_the_table_in_a_manifest(tmp_ckpt):
     assert e.value.spec_id == "SP-DTYPE-1" and "'w'" in str(e.value)
 
 
-@pytest.mark.parametrize("edit", [
-    lambda b: b["tensors"].pop("w"),                                        # tree names it
-    lambda b: b["tree"]["dict"].pop(0),                                     # entry not in tree
-    lambda b: b.pop("tensors"),
-    lambda b: b["tensors"]["w"].update(shape=[8, -1]),
-    lambda b: b["tensors"]["w"].update(chunk_shape=[0, 8]),
-    lambda b: b.update(format="safetensors"),
-    lambda b: b["tensors"].update({"../x": b["tensors"]["w"]}),
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda b: b["tensors"].pop("w"),  # tree names it
+        lambda b: b["tree"]["dict"].pop(0),  # entry not in tree
+        lambda b: b.pop("tensors"),
+        lambda b: b["tensors"]["w"].update(shape=[8, -1]),
+        lambda b: b["tensors"]["w"].update(chunk_shape=[0, 8]),
+        lambda b: b.update(format="safetensors"),
+        lambda b: b["tensors"].update({"../x": b["tensors"]["w"]}),
+    ],
+)
 def test_malformed_manifest_bodies_are_corrupt(tmp_ckpt, edit):
     rewrite_manifest(saved(tmp_ckpt), edit)
     with pytest.raises(sp.CorruptCheckpointError):
@@ -256,6 +268,7 @@ def test_dot_dot_array_path_names_sp_sec_1(tmp_ckpt):
 
 def sharded_save(path):
     from shardpoint_core.transactions.backend import ZarrBackend
+
     be = ZarrBackend(shard_above_bytes=1 << 10, inner_chunk_bytes=1 << 8)
     w = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
     sp.save({"w": w}, path, backend=be)
@@ -314,11 +327,16 @@ def test_leaves_refused_in_nested_containers_name_their_path(tmp_ckpt):
     assert not os.path.exists(tmp_ckpt)
 
 
-@pytest.mark.parametrize("bad", [
-    torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8),
-    torch.ones(2, dtype=torch.float8_e5m2fnuz), np.zeros(2, dtype=np.float128),
-    np.zeros(2, dtype="U3"), np.zeros(2, dtype=[("a", "i4")]),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8),
+        torch.ones(2, dtype=torch.float8_e5m2fnuz),
+        np.zeros(2, dtype=np.float128),
+        np.zeros(2, dtype="U3"),
+        np.zeros(2, dtype=[("a", "i4")]),
+    ],
+)
 def test_dtypes_outside_the_table_are_refused_with_the_path(tmp_ckpt, bad):
     with pytest.raises(sp.UnsupportedValueError) as e:
         sp.save({"m": {"q": bad}}, tmp_ckpt)
@@ -338,8 +356,14 @@ def test_big_endian_uint16_is_sensible(tmp_ckpt):
 def test_keys_differing_in_case_long_or_reserved_get_distinct_portable_array_paths(tmp_ckpt):
     from shardpoint_core.format.manifest import array_path_for
     from shardpoint_core.verify import verify_checkpoint
-    state = {"Encoder": torch.ones(2), "encoder": torch.zeros(2), "con": torch.arange(3),
-             "x" * 300: torch.ones(1), "dot.": torch.ones(1)}
+
+    state = {
+        "Encoder": torch.ones(2),
+        "encoder": torch.zeros(2),
+        "con": torch.arange(3),
+        "x" * 300: torch.ones(1),
+        "dot.": torch.ones(1),
+    }
     sp.save(state, tmp_ckpt)
     m = sp.read_metadata(tmp_ckpt)
     paths = [e.array for e in m.tensors.values()]
@@ -402,7 +426,7 @@ def test_oversized_manifest_and_zarr_json_are_refused_before_reading(tmp_ckpt):
         sp.load(tmp_ckpt)
     assert e.value.spec_id == "SP-SEC-2" and "zarr.json" in str(e.value)
     with open(f"{tmp_ckpt}/manifest.msgpack", "r+b") as f:
-        f.truncate((1 << 30) + 1)                  # sparse: nothing is written
+        f.truncate((1 << 30) + 1)  # sparse: nothing is written
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.read_metadata(tmp_ckpt)
     assert e.value.spec_id == "SP-SEC-2"
@@ -424,6 +448,7 @@ def test_writers_refuse_a_tree_deeper_than_the_format_allows(tmp_ckpt):
 
 def test_rank_limit_and_unallocatable_tensors(tmp_ckpt):
     from shardpoint_core.format.manifest import decode_manifest, encode_manifest
+
     sp.save({"w": torch.ones(4)}, tmp_ckpt)
     mpath = f"{tmp_ckpt}/manifest.msgpack"
     m = decode_manifest(open(mpath, "rb").read())
@@ -440,10 +465,17 @@ def test_rank_limit_and_unallocatable_tensors(tmp_ckpt):
     assert err.value.category == "resource-limit"
 
 
-@pytest.mark.parametrize("cls, category", [
-    (sp.CorruptCheckpointError, "corrupt"), (sp.IncompleteCheckpointError, "incomplete"),
-    (sp.UnsupportedFormatError, "unsupported"), (sp.LayoutMismatchError, "layout-mismatch"),
-    (sp.ResourceLimitError, "resource-limit"), (sp.InvalidShardingError, "caller-error")])
+@pytest.mark.parametrize(
+    "cls, category",
+    [
+        (sp.CorruptCheckpointError, "corrupt"),
+        (sp.IncompleteCheckpointError, "incomplete"),
+        (sp.UnsupportedFormatError, "unsupported"),
+        (sp.LayoutMismatchError, "layout-mismatch"),
+        (sp.ResourceLimitError, "resource-limit"),
+        (sp.InvalidShardingError, "caller-error"),
+    ],
+)
 def test_every_error_class_names_its_spec_category(cls, category):
     assert cls.category == category
     spec = open(os.path.join(os.path.dirname(__file__), "..", "..", "spec", "format.md")).read()
@@ -460,7 +492,7 @@ def test_replacing_leaves_no_staging_or_old_directory_behind(tmp_ckpt):
     assert torch.equal(sp.load(tmp_ckpt)["w"], torch.ones(3))
     os.makedirs(f"{tmp_ckpt}2")
     open(f"{tmp_ckpt}2/user_file", "w").write("x")
-    with pytest.raises(sp.CheckpointExistsError):     # [SP-COMMIT-5]: never without consent
+    with pytest.raises(sp.CheckpointExistsError):  # [SP-COMMIT-5]: never without consent
         sp.save({"w": torch.zeros(2)}, f"{tmp_ckpt}2")
     assert os.listdir(f"{tmp_ckpt}2") == ["user_file"]
 
@@ -483,10 +515,14 @@ def test_full_disk_while_writing_the_manifest_names_the_file(tmp_path):
     """ENOSPC from write(2)/fsync(2) names no file; the error must (issue 21)."""
     import subprocess
     from shardpoint_core.transactions.backend import ZarrBackend
+
     disk = tmp_path / "disk"
     disk.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
     try:
@@ -494,6 +530,7 @@ def test_full_disk_while_writing_the_manifest_names_the_file(tmp_path):
             ZarrBackend().write_manifest(str(disk), bytes(1 << 20))
         assert e.value.errno == 28 and e.value.filename == f"{disk}/manifest.msgpack.partial"
         from shardpoint_core.stores.fsutil import os_error_text
+
         assert "manifest.msgpack.partial" in os_error_text(e.value)
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -1,5 +1,6 @@
 """CheckpointManager: a stateful test against a trivially correct model of what must be on
 disk (saves, crashes leaving real leftovers, retention, best-k, restarts), and real SIGKILLs."""
+
 import os
 import random
 import shutil
@@ -34,16 +35,24 @@ def model_keep(steps: dict, max_to_keep, keep_every, keep_best, mode) -> set:
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    @initialize(max_to_keep=st.sampled_from([None, 1, 2, 3]), keep_every=st.sampled_from([None, 3]),
-                best=st.sampled_from([None, ("min", None), ("min", 2), ("max", 1)]))
+    @initialize(
+        max_to_keep=st.sampled_from([None, 1, 2, 3]),
+        keep_every=st.sampled_from([None, 3]),
+        best=st.sampled_from([None, ("min", None), ("min", 2), ("max", 1)]),
+    )
     def setup(self, max_to_keep, keep_every, best):
         self.root = tempfile.mkdtemp(prefix="sp-mgr-")
         mode, keep_best = best or ("min", None)
-        self.kw = dict(max_to_keep=max_to_keep, keep_every=keep_every, best_mode=mode,
-                       best_metric="loss" if best else None, keep_best=keep_best)
-        self.keep_best = keep_best if best else None   # best_metric alone keeps none extra
+        self.kw = dict(
+            max_to_keep=max_to_keep,
+            keep_every=keep_every,
+            best_mode=mode,
+            best_metric="loss" if best else None,
+            keep_best=keep_best,
+        )
+        self.keep_best = keep_best if best else None  # best_metric alone keeps none extra
         self.mgr = CheckpointManager(self.root, **self.kw)
-        self.disk: dict = {}      # step -> (value, loss): what must be committed on disk
+        self.disk: dict = {}  # step -> (value, loss): what must be committed on disk
         self.next_step = 1
         self.foreign: set = set()  # names a person made in root: never the manager's
 
@@ -51,12 +60,20 @@ class ManagerMachine(RuleBasedStateMachine):
         shutil.rmtree(getattr(self, "root", "/nonexistent"), ignore_errors=True)
 
     def _retain(self):
-        keep = model_keep({s: v[1] for s, v in self.disk.items()}, self.kw["max_to_keep"],
-                          self.kw["keep_every"], self.keep_best, self.kw["best_mode"])
+        keep = model_keep(
+            {s: v[1] for s, v in self.disk.items()},
+            self.kw["max_to_keep"],
+            self.kw["keep_every"],
+            self.keep_best,
+            self.kw["best_mode"],
+        )
         self.disk = {s: v for s, v in self.disk.items() if s in keep}
 
-    @rule(value=st.integers(-1000, 1000), loss=st.one_of(st.none(), st.integers(0, 5)),
-          skip=st.integers(1, 3))
+    @rule(
+        value=st.integers(-1000, 1000),
+        loss=st.one_of(st.none(), st.integers(0, 5)),
+        skip=st.integers(1, 3),
+    )
     def save(self, value, loss, skip):
         step = self.next_step + skip - 1
         self.next_step = step + 1
@@ -77,35 +94,43 @@ class ManagerMachine(RuleBasedStateMachine):
         self._retain()
         self.check_clean()
 
-    @rule(kind=st.sampled_from(["staging", "bare_step", "half_step", "half_delete",
-                                "mid_overwrite"]), data=st.data())
+    @rule(
+        kind=st.sampled_from(["staging", "bare_step", "half_step", "half_delete", "mid_overwrite"]),
+        data=st.data(),
+    )
     def crash_and_restart(self, kind, data):
         """Leave on disk what a process killed at some point leaves, then start again."""
         self.moved_aside = getattr(self, "moved_aside", None)
         hidden = os.path.join(self.root, f".step_{self.next_step:08d}.shardpoint-tmp-1a2b3c")
-        if kind == "staging":             # killed while ranks wrote chunks
+        if kind == "staging":  # killed while ranks wrote chunks
             os.makedirs(os.path.join(hidden, "tensors", "w", "c"), exist_ok=True)
             open(os.path.join(hidden, "tensors", "w", "zarr.json"), "w").close()
-        elif kind == "bare_step":         # a directory some tool made, never a checkpoint,
-            self.foreign.add(f"step_{self.next_step}")   # named like a step: not the manager's
+        elif kind == "bare_step":  # a directory some tool made, never a checkpoint,
+            self.foreign.add(f"step_{self.next_step}")  # named like a step: not the manager's
             os.makedirs(os.path.join(self.root, f"step_{self.next_step}"), exist_ok=True)
-        elif kind == "half_step":         # files but no manifest, under a step-like name
+        elif kind == "half_step":  # files but no manifest, under a step-like name
             name = f"step_{self.next_step:09d}"
             self.foreign.add(name)
             os.makedirs(os.path.join(self.root, name, "tensors", "w"), exist_ok=True)
         visible = sorted(s for s in self.disk if s != self.moved_aside)
-        if kind == "half_delete" and visible:       # killed during retention's rmtree
+        if kind == "half_delete" and visible:  # killed during retention's rmtree
             victim = data.draw(st.sampled_from(visible))
-            os.rename(self.mgr.path(victim), os.path.join(
-                self.root, f".step_{victim:08d}.shardpoint-tmp-dead01"))
+            os.rename(
+                self.mgr.path(victim),
+                os.path.join(self.root, f".step_{victim:08d}.shardpoint-tmp-dead01"),
+            )
             del self.disk[victim]
         elif kind == "mid_overwrite" and visible and self.moved_aside is None:
-            victim = data.draw(st.sampled_from(visible))   # killed between the commit renames
-            os.rename(self.mgr.path(victim), os.path.join(
-                self.root, f".step_{victim:08d}.shardpoint-old-beef02"))
+            victim = data.draw(st.sampled_from(visible))  # killed between the commit renames
+            os.rename(
+                self.mgr.path(victim),
+                os.path.join(self.root, f".step_{victim:08d}.shardpoint-old-beef02"),
+            )
             self.moved_aside = victim
-            os.makedirs(os.path.join(self.root, f".step_{victim:08d}.shardpoint-tmp-beef02",
-                                     "tensors"), exist_ok=True)
+            os.makedirs(
+                os.path.join(self.root, f".step_{victim:08d}.shardpoint-tmp-beef02", "tensors"),
+                exist_ok=True,
+            )
         before = set(os.listdir(self.root))
         self.mgr = CheckpointManager(self.root, **self.kw)
         # leftovers stay until this manager saves or loads: constructing one never cleans
@@ -116,7 +141,8 @@ class ManagerMachine(RuleBasedStateMachine):
         # every leftover was cleaned (or put back)
         self.moved_aside = None
         assert sorted(os.listdir(self.root)) == sorted(
-            [f"step_{s:08d}" for s in self.disk] + list(self.foreign))
+            [f"step_{s:08d}" for s in self.disk] + list(self.foreign)
+        )
 
     @rule()
     def load_latest(self):
@@ -126,7 +152,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         latest = max(self.disk)
         out = self.mgr.load()
-        assert sorted(out) == ["step", "w"] and out["step"] == latest   # metrics not returned
+        assert sorted(out) == ["step", "w"] and out["step"] == latest  # metrics not returned
         assert torch.equal(out["w"], torch.full((3,), float(self.disk[latest][0])))
         like = {"w": torch.empty(3), "step": 0}
         assert self.mgr.load(latest, like=like)["step"] == latest
@@ -151,8 +177,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.mgr.best_step() == want
 
 
-ManagerMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=10,
-                                            deadline=None)
+ManagerMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=10, deadline=None)
 TestManagerStateful = ManagerMachine.TestCase
 
 
@@ -176,9 +201,12 @@ def test_metrics_are_values_inside_the_checkpoint(tmp_path):
         mgr.save(10, {"x": torch.arange(3)}, metrics={"loss": 2.5})
         mgr.save(20, {"x": torch.arange(3)}, metrics={"loss": 1.5})
     m = sp.read_metadata(os.path.join(tmp_path, "step_00000020"))
-    assert m.tree[METRICS_KEY]["loss"].value == 1.5          # in the manifest, no side file
+    assert m.tree[METRICS_KEY]["loss"].value == 1.5  # in the manifest, no side file
     assert sorted(os.listdir(os.path.join(tmp_path, "step_00000020"))) == [
-        "manifest.msgpack", "tensors", "zarr.json"]     # zarr.json: its Zarr group metadata
+        "manifest.msgpack",
+        "tensors",
+        "zarr.json",
+    ]  # zarr.json: its Zarr group metadata
     assert CheckpointManager(tmp_path, best_metric="loss").best_step() == 20
     assert CheckpointManager(tmp_path, best_metric="loss", best_mode="max").best_step() == 10
 
@@ -200,12 +228,17 @@ def test_sigkill_mid_save_keeps_the_last_checkpoint_and_restarts_clean(tmp_path)
     rnd = random.Random(7)
     root = str(tmp_path / "ckpt")
     for _round in range(2):
-        p = subprocess.Popen([sys.executable, "-c", _KILLED, root], stdout=subprocess.PIPE,
-                             text=True, stdin=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [sys.executable, "-c", _KILLED, root],
+            stdout=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
         try:
             seen = [int(p.stdout.readline()) for _ in range(rnd.randint(2, 4))]
             import time
-            time.sleep(rnd.uniform(0.0, 0.05))     # somewhere inside the next save
+
+            time.sleep(rnd.uniform(0.0, 0.05))  # somewhere inside the next save
             p.send_signal(signal.SIGKILL)
         finally:
             p.kill()
@@ -213,13 +246,13 @@ def test_sigkill_mid_save_keeps_the_last_checkpoint_and_restarts_clean(tmp_path)
         mgr = CheckpointManager(root, max_to_keep=2)
         latest = mgr.latest_step()
         assert latest is not None and latest >= seen[-1]
-        assert mgr.load()["step"] == latest               # the resume cleans the leftovers
+        assert mgr.load()["step"] == latest  # the resume cleans the leftovers
         assert all(not n.startswith(".") for n in os.listdir(root))
         for s in mgr.all_steps():
             out = mgr.load(s)
             assert out["step"] == s and torch.equal(out["w"], torch.full((64, 64), float(s)))
             assert mgr.metrics(s) == {"loss": 1.0 / s}
-        assert len(mgr.all_steps()) <= 3     # at most one extra: the kill fell before retention
+        assert len(mgr.all_steps()) <= 3  # at most one extra: the kill fell before retention
 
 
 @pytest.mark.skipif(not hasattr(sp.api, "AsyncSave"), reason="sp.save has no async_save yet")
@@ -229,7 +262,7 @@ def test_async_saves_retain_after_commit_and_wait_on_close(tmp_path):
         for step in (1, 2, 3):
             w.fill_(float(step))
             h = mgr.save(step, {"w": w, "step": step}, metrics={"loss": float(step)})
-            w.fill_(-1.0)                   # the training goes on mutating the state
+            w.fill_(-1.0)  # the training goes on mutating the state
             assert isinstance(h, sp.api.AsyncSave)
         h.wait()
     # closed: the last save committed, retention applied after it, values as at save()

@@ -6,6 +6,7 @@ Every save must succeed, every step a save reported committed (and retention has
 since) must verify, and every load the observer got must hold one step's tensors, never a mix;
 a load that loses its step to retention raises a documented error. For both front ends.
 """
+
 from __future__ import annotations
 
 import json
@@ -107,12 +108,17 @@ def _run(tmp_path, trainer: str, observer: str) -> None:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     for root in keeps:
         os.makedirs(root)
-    obs = subprocess.Popen([sys.executable, "-c", textwrap.dedent(observer), stop, oout,
-                            *keeps], env=env)
+    obs = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(observer), stop, oout, *keeps], env=env
+    )
     try:
         args = [a for root, keep in keeps.items() for a in (root, str(keep))]
-        subprocess.run([sys.executable, "-c", textwrap.dedent(trainer.format(steps=STEPS)),
-                        tout, *args], env=env, timeout=180, check=True)
+        subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(trainer.format(steps=STEPS)), tout, *args],
+            env=env,
+            timeout=180,
+            check=True,
+        )
     finally:
         open(stop, "w").close()
         try:
@@ -130,7 +136,7 @@ def _run(tmp_path, trainer: str, observer: str) -> None:
             rep = verify_checkpoint(os.path.join(root, f"step_{step:08d}"))
             assert rep.ok, (root, step, list(rep))
         assert sorted(os.listdir(root)) == [f"step_{s:08d}" for s in kept]
-    assert o["mixed"] == [], o["mixed"]       # never tensors of two steps, never a raw error
+    assert o["mixed"] == [], o["mixed"]  # never tensors of two steps, never a raw error
     assert o["loads"] > 0
 
 
@@ -171,7 +177,7 @@ def test_a_step_removed_under_a_jax_load_fails_it_cleanly(tmp_path, monkeypatch)
     from shardpoint_core.commit.posix import PosixCommitter
 
     def read_then_remove(path, *args):
-        reader = real(path, *args)          # the manifest read
+        reader = real(path, *args)  # the manifest read
         assert PosixCommitter().remove(path)
         return reader
 

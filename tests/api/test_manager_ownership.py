@@ -1,6 +1,7 @@
 """A manager counts, keeps and removes only the steps it wrote, on every store; a save that
 committed is never reported failed because of an older step (issue: nothing lost in the
 managers). Each case here lost data or reported a failure before."""
+
 import os
 import uuid
 
@@ -90,4 +91,4 @@ def test_retention_that_cannot_read_an_older_step_warns_and_the_save_stands(tmp_
     assert result.path.endswith("step_00000003")
     assert again.load()["step"] == 3
     assert any("step 1" in w for w in again.retention_warnings), again.retention_warnings
-    assert again.all_steps() == [1, 2, 3]     # 1 kept (unreadable), 2 the best, 3 the newest
+    assert again.all_steps() == [1, 2, 3]  # 1 kept (unreadable), 2 the best, 3 the newest

@@ -4,6 +4,7 @@ same outcomes and error classes. A trainer and an observer on one root; names un
 that the manager did not write (a user's ``exports/``, a hand-made ``step_5``, ``step_7``
 committed by a plain ``sp.save``); retention while a reader loads; a step directory in the
 manager's format that never committed."""
+
 import logging
 import uuid
 
@@ -14,8 +15,10 @@ torch = pytest.importorskip("torch")
 import shardpoint as sp  # noqa: E402
 from shardpoint_core.commit.routing import default_committer  # noqa: E402
 from shardpoint_core.commit.testing import FileSite, StoreSite  # noqa: E402
-from shardpoint_core.format.errors import (CheckpointExistsError,  # noqa: E402
-                                           CheckpointNotFoundError)
+from shardpoint_core.format.errors import (  # noqa: E402
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+)
 from shardpoint_core.stores.location import locate  # noqa: E402
 from shardpoint_core.stores.memory import MemoryStore  # noqa: E402
 from shardpoint_core.stores.registry import is_local  # noqa: E402
@@ -58,13 +61,17 @@ def test_trainer_and_observer_share_a_root(root):
     trainer = sp.CheckpointManager(root, max_to_keep=2)
     for s in (1, 2):
         trainer.save(s, st(s), metrics={"loss": 1.0 / s})
-    live = CheckpointWriter.begin(trainer.path(3))     # the trainer's save of step 3, running
+    live = CheckpointWriter.begin(trainer.path(3))  # the trainer's save of step 3, running
     observer = sp.CheckpointManager(root, best_metric="loss")
-    got = observer.load()                               # its clean-up runs first
-    assert (observer.all_steps(), got["step"], observer.metrics(2), observer.best_step()) \
-        == ([1, 2], 2, {"loss": 0.5}, 2)
+    got = observer.load()  # its clean-up runs first
+    assert (observer.all_steps(), got["step"], observer.metrics(2), observer.best_step()) == (
+        [1, 2],
+        2,
+        {"loss": 0.5},
+        2,
+    )
     assert in_use_leftovers(root) == [True]
-    live.abort()                                        # the trainer failed that save
+    live.abort()  # the trainer failed that save
     assert in_use_leftovers(root) == []
     for s in (3, 4):
         trainer.save(s, st(s), metrics={"loss": 1.0 / s})
@@ -86,9 +93,13 @@ def test_names_the_manager_did_not_write_are_reported_never_counted_or_removed(r
     with caplog.at_level(logging.WARNING, logger="shardpoint"):
         for s in (1, 2, 3, 4):
             mgr.save(s, st(s))
-    assert (mgr.all_steps(), mgr.load()["step"], mgr.stray, mgr.stray_checkpoints()) \
-        == ([3, 4], 4, ["step_7"], ["step_7"])
-    assert sum("step_7" in r.getMessage() for r in caplog.records) == 1   # reported once
+    assert (mgr.all_steps(), mgr.load()["step"], mgr.stray, mgr.stray_checkpoints()) == (
+        [3, 4],
+        4,
+        ["step_7"],
+        ["step_7"],
+    )
+    assert sum("step_7" in r.getMessage() for r in caplog.records) == 1  # reported once
     assert torch.equal(sp.load(f"{root}/step_7")["w"], torch.zeros(2))
     for d, f in user.items():
         assert site.get(f"{root}/{d}", f) == USER
@@ -106,7 +117,7 @@ def test_retention_under_a_reader_fails_the_read_never_mixes(root, request):
     class RetentionDuringTheLoad(ZarrBackend):
         def read_manifest_with_identity(self, path):
             got = super().read_manifest_with_identity(path)
-            trainer.save(2, st(2))                      # retention removes step 1 meanwhile
+            trainer.save(2, st(2))  # retention removes step 1 meanwhile
             return got
 
     with pytest.raises(sp.ShardpointError) as e:
@@ -142,6 +153,7 @@ def test_an_uncommitted_step_is_never_removed_or_replaced(root):
 def test_metrics_are_read_through_the_managers_backend(root):
     """``metrics()`` (and retention by metric) reads each step's manifest through the
     backend the manager was given, on object-store roots too."""
+
     class Counting(ZarrBackend):
         reads = 0
 
@@ -153,12 +165,13 @@ def test_metrics_are_read_through_the_managers_backend(root):
             type(self).reads += 1
             return super().read_manifest(path)
 
-    mgr = sp.CheckpointManager(root, backend=Counting(), max_to_keep=1, best_metric="loss",
-                               keep_best=1)
+    mgr = sp.CheckpointManager(
+        root, backend=Counting(), max_to_keep=1, best_metric="loss", keep_best=1
+    )
     mgr.save(1, st(1), metrics={"loss": 2.0})
     mgr.save(2, st(2), metrics={"loss": 1.0})
     before = Counting.reads
-    assert mgr.all_steps() == [2]     # step 1: neither the newest nor the best
+    assert mgr.all_steps() == [2]  # step 1: neither the newest nor the best
     fresh = sp.CheckpointManager(root, backend=Counting(), best_metric="loss")
     assert (fresh.metrics(2), fresh.best_step()) == ({"loss": 1.0}, 2)
     assert Counting.reads > before

@@ -7,6 +7,7 @@ training goes on; every resumed state bitwise equal to the one saved.
 Hosts are simulated (``host_id``, one shared-memory directory each), as in
 ``test_memory_tier.py``; the side channel is real TCP on the loopback.
 """
+
 from __future__ import annotations
 
 import glob
@@ -21,7 +22,7 @@ from shardpoint.api.memory_tier import MemoryTier
 from shardpoint_testing.launch import run_world
 
 ROWS, COLS = 16, 8
-OPTS = sp.SaveOptions(plan=sp.PlanOptions(chunk_overhead_bytes=0))   # a chunk per rank
+OPTS = sp.SaveOptions(plan=sp.PlanOptions(chunk_overhead_bytes=0))  # a chunk per rank
 HOSTS = ["h0", "h1"]
 
 
@@ -30,24 +31,31 @@ def _state(rank: int, world: int, step: int, zeros: bool = False) -> dict:
     w = torch.randn(ROWS, COLS, generator=g)
     b = torch.randn(COLS, generator=g).to(torch.bfloat16)
     n = ROWS // world
-    mine = w[rank * n:(rank + 1) * n].clone()
-    return {"w": sp.ShardedTensor(torch.zeros_like(mine) if zeros else mine, (ROWS, COLS),
-                                  (rank * n, 0)),
-            "b": torch.zeros_like(b) if zeros else b, "step": 0 if zeros else step}
+    mine = w[rank * n : (rank + 1) * n].clone()
+    return {
+        "w": sp.ShardedTensor(
+            torch.zeros_like(mine) if zeros else mine, (ROWS, COLS), (rank * n, 0)
+        ),
+        "b": torch.zeros_like(b) if zeros else b,
+        "step": 0 if zeros else step,
+    }
 
 
 def _same(rank: int, world: int, tree: dict, step: int) -> bool:
     want = _state(rank, world, step)
-    return (torch.equal(tree["w"], want["w"].data) and tree["step"] == step
-            and torch.equal(tree["b"].view(torch.int16), want["b"].view(torch.int16)))
+    return (
+        torch.equal(tree["w"], want["w"].data)
+        and tree["step"] == step
+        and torch.equal(tree["b"].view(torch.int16), want["b"].view(torch.int16))
+    )
 
 
 def _manager(rank: int, root: str, **kw):
     h = HOSTS[rank]
-    tier = MemoryTier("job", host_id=h, shm_dir=os.path.join(root, "shm", h),
-                      advertise="127.0.0.1", timeout_s=20)
-    mgr = sp.CheckpointManager(os.path.join(root, "ckpt"), memory=tier, save_options=OPTS,
-                               **kw)
+    tier = MemoryTier(
+        "job", host_id=h, shm_dir=os.path.join(root, "shm", h), advertise="127.0.0.1", timeout_s=20
+    )
+    mgr = sp.CheckpointManager(os.path.join(root, "ckpt"), memory=tier, save_options=OPTS, **kw)
     return tier, mgr
 
 
@@ -55,10 +63,14 @@ def _train(rank: int, world: int, root: str, steps: list, every: int) -> dict:
     tier, mgr = _manager(rank, root, storage_every=every, memory_keep=2, max_to_keep=2)
     for s in steps:
         mgr.save(s, _state(rank, world, s), metrics={"loss": 1.0 / s})
-    mgr.close()                        # the last durable copy lands (or is reported)
-    out = {"memory": mgr.memory_steps(), "storage": mgr.all_steps(),
-           "warnings": list(mgr.tier_warnings), "latest": mgr.latest_step()}
-    torch.distributed.barrier()        # every rank listed before any stops serving
+    mgr.close()  # the last durable copy lands (or is reported)
+    out = {
+        "memory": mgr.memory_steps(),
+        "storage": mgr.all_steps(),
+        "warnings": list(mgr.tier_warnings),
+        "latest": mgr.latest_step(),
+    }
+    torch.distributed.barrier()  # every rank listed before any stops serving
     tier.close()
     return out
 
@@ -68,8 +80,13 @@ def _resume(rank: int, world: int, root: str) -> dict:
     like = _state(rank, world, 0, zeros=True)
     tree = mgr.load(like=like)
     info = mgr.last_load
-    out = {"step": info.step, "tier": info.tier, "skipped": info.skipped,
-           "same": _same(rank, world, tree, info.step), "url": info.url}
+    out = {
+        "step": info.step,
+        "tier": info.tier,
+        "skipped": info.skipped,
+        "same": _same(rank, world, tree, info.step),
+        "url": info.url,
+    }
     # a restarted job goes on training from there
     mgr.save(info.step + 1, _state(rank, world, info.step + 1))
     mgr.close()
@@ -87,8 +104,8 @@ def test_memory_every_step_storage_every_n_then_resume_across_tiers(tmp_path):
     root = str(tmp_path)
     got = run_world(2, _train, root, [1, 2, 3, 4, 5], 2, timeout=120, pg_timeout=30)
     for r in got:
-        assert r["memory"] == [4, 5]           # memory_keep=2
-        assert r["storage"] == [2, 4]          # every 2nd step, copied from memory
+        assert r["memory"] == [4, 5]  # memory_keep=2
+        assert r["storage"] == [2, 4]  # every 2nd step, copied from memory
         assert r["warnings"] == [] and r["latest"] == 5
     # the durable copies are whole checkpoints of their own, bitwise the state saved
     d4 = sp.load(os.path.join(root, "ckpt", "step_00000004"))
@@ -96,7 +113,7 @@ def test_memory_every_step_storage_every_n_then_resume_across_tiers(tmp_path):
     # resume: the newest step across tiers is memory step 5
     got = run_world(2, _resume, root, timeout=120, pg_timeout=30)
     assert all(r["same"] and r["step"] == 5 and r["tier"] == "memory" for r in got)
-    assert got[0]["storage"] == [4, 6]     # step 6 copied, then storage retention (2 kept)
+    assert got[0]["storage"] == [4, 6]  # step 6 copied, then storage retention (2 kept)
     # h1 is lost (its shared memory gone): step 6 (saved by the resumed job) from the peers
     _lose_host_memory(root, "h1")
     got = run_world(2, _resume, root, timeout=120, pg_timeout=30)
@@ -111,25 +128,26 @@ def test_memory_every_step_storage_every_n_then_resume_across_tiers(tmp_path):
 
 def test_a_failed_durable_copy_is_reported_and_training_goes_on(tmp_path):
     root = str(tmp_path)
-    users = os.path.join(root, "ckpt", "step_00000002")   # not the manager's: in the way
+    users = os.path.join(root, "ckpt", "step_00000002")  # not the manager's: in the way
     os.makedirs(users)
     with open(os.path.join(users, "notes.txt"), "w") as f:
         f.write("mine")
     got = run_world(2, _train, root, [1, 2, 3, 4], 2, timeout=120, pg_timeout=30)
-    for r in got:                              # every rank was told, none was stopped
+    for r in got:  # every rank was told, none was stopped
         assert len(r["warnings"]) == 1 and "step 2" in r["warnings"][0]
         assert "CheckpointExistsError" in r["warnings"][0]
         assert r["storage"] == [4] and r["memory"] == [3, 4]
-    assert open(os.path.join(users, "notes.txt")).read() == "mine"   # never touched
+    assert open(os.path.join(users, "notes.txt")).read() == "mine"  # never touched
 
 
 def test_a_damaged_memory_step_gives_way_to_the_next_older_step(tmp_path):
     root = str(tmp_path)
     run_world(2, _train, root, [1, 2, 3], 2, timeout=120, pg_timeout=30)
     # step 3 is in memory only; damage its w chunk on both hosts (the copy and the replica)
-    chunks = glob.glob(os.path.join(root, "shm", "h*", "job", "step_3", "**", "w", "c", "*",
-                                    "*"), recursive=True)
-    assert len(chunks) == 4                    # 2 chunks x 2 hosts
+    chunks = glob.glob(
+        os.path.join(root, "shm", "h*", "job", "step_3", "**", "w", "c", "*", "*"), recursive=True
+    )
+    assert len(chunks) == 4  # 2 chunks x 2 hosts
     for c in chunks:
         with open(c, "r+b") as f:
             b = f.read(1)
@@ -142,12 +160,20 @@ def test_a_damaged_memory_step_gives_way_to_the_next_older_step(tmp_path):
 
 
 def _bad_options(rank: int, world: int, root: str) -> list:
-    tier = MemoryTier("job", host_id=HOSTS[rank], shm_dir=os.path.join(root, "shm", str(rank)),
-                      advertise="127.0.0.1", timeout_s=20)
+    tier = MemoryTier(
+        "job",
+        host_id=HOSTS[rank],
+        shm_dir=os.path.join(root, "shm", str(rank)),
+        advertise="127.0.0.1",
+        timeout_s=20,
+    )
     out = []
-    for kw in ({"memory": tier}, {"memory": tier, "storage_every": 0},
-               {"memory": tier, "storage_every": 2, "async_save": True},
-               {"storage_every": 2}):
+    for kw in (
+        {"memory": tier},
+        {"memory": tier, "storage_every": 0},
+        {"memory": tier, "storage_every": 2, "async_save": True},
+        {"storage_every": 2},
+    ):
         with pytest.raises(sp.errors.InvalidOptionError) as e:
             sp.CheckpointManager(os.path.join(root, "ckpt"), **kw)
         out.append(str(e.value))
@@ -164,8 +190,14 @@ def test_tier_options_are_checked(tmp_path):
 def test_which_tier_each_step_goes_to():
     from shardpoint.api.manager_tiers import Tiers
 
-    class FakeTier:                     # only the attributes the policy checks for
+    class FakeTier:  # only the attributes the policy checks for
         save = restore = steps = url = remove = None
+
     t = Tiers(FakeTier(), memory_every=2, memory_keep=1, storage_every=3)
-    assert [t.due(s) for s in (1, 2, 3, 4, 6)] == [(False, False), (True, False),
-                                                   (True, True), (True, False), (True, True)]
+    assert [t.due(s) for s in (1, 2, 3, 4, 6)] == [
+        (False, False),
+        (True, False),
+        (True, True),
+        (True, False),
+        (True, True),
+    ]

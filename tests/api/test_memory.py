@@ -5,6 +5,7 @@ the tree walkers), so a loop of loads grew by one state per load until ``gc`` ha
 run. These tests run with the collector disabled: what a call allocates must be freed by
 reference counting alone when it returns.
 """
+
 import os
 import subprocess
 import sys
@@ -80,8 +81,13 @@ TOLERANCE_MIB = 72
 def test_rss_flat_without_cyclic_collector(tmp_path):
     ops = ["load", "like", "open", "save", "async"]
     script = _RSS_SCRIPT.replace("CALLS", str(CALLS))
-    r = subprocess.run([sys.executable, "-c", script, str(tmp_path), *ops],
-                       env=dict(os.environ), capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path), *ops],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.splitlines()]
     assert [row[0] for row in rows] == ops
@@ -89,7 +95,8 @@ def test_rss_flat_without_cyclic_collector(tmp_path):
         rss = [float(x) for x in samples]
         grew = min(rss[-2:]) - max(rss[:2])
         assert grew < TOLERANCE_MIB, (
-            f"{name}: RSS grew {grew:.0f} MiB over {CALLS} calls with gc disabled: {rss}")
+            f"{name}: RSS grew {grew:.0f} MiB over {CALLS} calls with gc disabled: {rss}"
+        )
 
 
 # A save and load cycle on one path, ``memory://`` or files: tensors of 16 MiB sit where
@@ -128,8 +135,13 @@ def cycle_growth(path: str, cycles: int) -> tuple:
     """RSS growth (MiB) from the warmed-up cycles (the 6th to the 10th) to the last of
     ``cycles`` save and load cycles of a 16 MiB state at ``path``, in a fresh interpreter; and
     the samples."""
-    r = subprocess.run([sys.executable, "-c", _CYCLE_SCRIPT, path, str(cycles)],
-                       env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _CYCLE_SCRIPT, path, str(cycles)],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rss = [float(x) for x in r.stdout.split()]
     # The first cycles warm up (thread pools, allocator arenas, caches: a few states' worth,
@@ -156,23 +168,41 @@ def test_save_load_cycles_keep_rss_flat_long(tmp_path, where):
 
 
 def test_load_creates_no_reference_cycles(tmp_ckpt):
-    state = {"w": torch.arange(64.0).view(8, 8), "n": np.arange(5), "step": 1,
-             "l": [1, (2.0, "x")], "o": sp.ShardedObject([1, 2], 0, 1),
-             "pieces": sp.ShardedPieces([sp.ShardedTensor(torch.ones(2, 4), (4, 4), (0, 0)),
-                                         sp.ShardedTensor(torch.ones(2, 4), (4, 4), (2, 0))])}
+    state = {
+        "w": torch.arange(64.0).view(8, 8),
+        "n": np.arange(5),
+        "step": 1,
+        "l": [1, (2.0, "x")],
+        "o": sp.ShardedObject([1, 2], 0, 1),
+        "pieces": sp.ShardedPieces(
+            [
+                sp.ShardedTensor(torch.ones(2, 4), (4, 4), (0, 0)),
+                sp.ShardedTensor(torch.ones(2, 4), (4, 4), (2, 0)),
+            ]
+        ),
+    }
     sp.save(state, tmp_ckpt)
 
     def like() -> dict:
-        return {"w": torch.empty(8, 8), "n": np.zeros(5, dtype=np.int64), "step": 0,
-                "l": [0, (0.0, "")], "o": sp.ShardedObject(None, 0, 1),
-                "pieces": sp.ShardedTensor(torch.empty(4, 2), (4, 4), (0, 2))}
+        return {
+            "w": torch.empty(8, 8),
+            "n": np.zeros(5, dtype=np.int64),
+            "step": 0,
+            "l": [0, (0.0, "")],
+            "o": sp.ShardedObject(None, 0, 1),
+            "pieces": sp.ShardedTensor(torch.empty(4, 2), (4, 4), (0, 2)),
+        }
 
     def lazy() -> None:
         with sp.open(tmp_ckpt) as ck:
             ck["w"][1:3].to_torch()
 
-    calls = {"load": lambda: sp.load(tmp_ckpt), "like": lambda: sp.load(tmp_ckpt, like=like()),
-             "open": lazy, "read_metadata": lambda: sp.read_metadata(tmp_ckpt)}
+    calls = {
+        "load": lambda: sp.load(tmp_ckpt),
+        "like": lambda: sp.load(tmp_ckpt, like=like()),
+        "open": lazy,
+        "read_metadata": lambda: sp.read_metadata(tmp_ckpt),
+    }
     for name, fn in calls.items():
         found = garbage_of(fn)
         kinds = sorted({type(o).__name__ for o in found})
@@ -185,5 +215,6 @@ def test_save_leaves_no_tensor_in_a_cycle(tmp_ckpt):
     state = {"w": torch.arange(64.0), "step": 1, "o": sp.ShardedObject(1, 0, 1)}
     found = garbage_of(lambda: sp.save(state, tmp_ckpt, overwrite=True))
     assert not [o for o in found if isinstance(o, (torch.Tensor, np.ndarray))]
-    assert not [o for o in found if type(o).__name__ == "function"], \
-        sorted(getattr(o, "__qualname__", "?") for o in found if callable(o))
+    assert not [o for o in found if type(o).__name__ == "function"], sorted(
+        getattr(o, "__qualname__", "?") for o in found if callable(o)
+    )

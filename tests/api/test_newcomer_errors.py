@@ -1,5 +1,6 @@
 """What a first-time user hits with a wrong path, a wrong ``like`` or a damaged file: one
 documented error naming the key or path and the fix, a clean CLI line, no hang."""
+
 import os
 
 import pytest
@@ -12,8 +13,16 @@ from shardpoint_testing.launch import run_world
 
 
 def small(path):
-    sp.save({"model": {"layers.0.weight": torch.arange(64.0).reshape(8, 8),
-                       "layers.0.bias": torch.ones(8)}, "step": 3}, path)
+    sp.save(
+        {
+            "model": {
+                "layers.0.weight": torch.arange(64.0).reshape(8, 8),
+                "layers.0.bias": torch.ones(8),
+            },
+            "step": 3,
+        },
+        path,
+    )
     return path
 
 
@@ -25,8 +34,12 @@ def run(capsys, *argv):
 
 def test_verify_prints_each_requirement_id_once(tmp_path, capsys):
     p = small(str(tmp_path / "ck"))
-    chunk = next(os.path.join(d, f) for d, _, fs in os.walk(f"{p}/tensors/model/layers.0.weight")
-                 for f in fs if f != "zarr.json")
+    chunk = next(
+        os.path.join(d, f)
+        for d, _, fs in os.walk(f"{p}/tensors/model/layers.0.weight")
+        for f in fs
+        if f != "zarr.json"
+    )
     os.truncate(chunk, 10)
     rc, out, _ = run(capsys, "verify", p)
     assert rc == 1 and "[SP-READ-3]" in out and "[SP-READ-3] [SP-READ-3]" not in out
@@ -37,6 +50,7 @@ def test_another_format_is_named_with_the_convert_command(tmp_path, capsys):
     """A DCP directory or a torch.save file given to inspect/load is not 'a save that never
     committed': the error says what it is and how to convert it."""
     import torch.distributed.checkpoint as dcp
+
     d = str(tmp_path / "dcp")
     dcp.save({"w": torch.ones(2)}, checkpoint_id=d, no_dist=True)
     pt = str(tmp_path / "m.pt")
@@ -47,12 +61,12 @@ def test_another_format_is_named_with_the_convert_command(tmp_path, capsys):
         assert what in err and f"shardpoint convert {path} DST" in err, err
         with pytest.raises(sp.CheckpointNotFoundError, match="convert"):
             sp.load(path)
-    ck = small(str(tmp_path / "ck"))                     # its manifest or one of its arrays
+    ck = small(str(tmp_path / "ck"))  # its manifest or one of its arrays
     with pytest.raises(sp.CheckpointNotFoundError, match="the checkpoint is its directory"):
         sp.load(f"{ck}/manifest.msgpack")
     with pytest.raises(sp.CheckpointNotFoundError, match="one tensor's Zarr array"):
         sp.load(f"{ck}/tensors/model/layers.0.bias")
-    os.makedirs(tmp_path / "crashed" / "tensors")       # a save that never committed stays so
+    os.makedirs(tmp_path / "crashed" / "tensors")  # a save that never committed stays so
     with pytest.raises(sp.IncompleteCheckpointError):
         sp.load(str(tmp_path / "crashed"))
 
@@ -73,8 +87,11 @@ def test_values_with_a_bad_index_says_so_not_unknown_key(tmp_path, capsys):
 def test_like_errors_name_similar_keys_subtrees_and_the_fix(tmp_path):
     p = small(str(tmp_path / "ck"))
     w = torch.zeros(8, 8)
-    with pytest.raises(sp.LayoutMismatchError, match=r"similar keys in it: 'model/layers\.0"
-                       r"\.weight'") as e:    # a DDP 'module.' prefix
+    with pytest.raises(
+        sp.LayoutMismatchError,
+        match=r"similar keys in it: 'model/layers\.0"
+        r"\.weight'",
+    ) as e:  # a DDP 'module.' prefix
         sp.load(p, like={"model": {"module.layers.0.weight": w}})
     assert "module.layers.0.weight" in str(e.value)
     with pytest.raises(sp.LayoutMismatchError, match="has a subtree there .*'model/layers"):
@@ -88,7 +105,7 @@ def test_like_errors_name_similar_keys_subtrees_and_the_fix(tmp_path):
 def test_damaged_torch_save_file_is_not_blamed_on_pickled_objects(tmp_path, capsys):
     pt = tmp_path / "m.pt"
     torch.save({"w": torch.ones(4)}, str(pt))
-    pt.write_bytes(pt.read_bytes()[:200])                # truncated
+    pt.write_bytes(pt.read_bytes()[:200])  # truncated
     (tmp_path / "g.pt").write_bytes(b"\x46\x00garbage" * 10)
     for f in (pt, tmp_path / "g.pt"):
         rc, _, err = run(capsys, "convert", str(f), str(tmp_path / "out"))
@@ -101,6 +118,7 @@ def test_save_under_a_file_is_a_save_failed_error(tmp_path):
     with pytest.raises(sp.SaveFailedError, match="must be a writable directory"):
         sp.save({"w": torch.ones(2)}, str(tmp_path / "f" / "ck"))
     from shardpoint.tools.convert import convert
+
     sp.save({"w": torch.ones(2)}, str(tmp_path / "ck"))
     with pytest.raises(sp.ConversionError, match="must be a writable directory"):
         convert(str(tmp_path / "ck"), str(tmp_path / "f" / "m.safetensors"))
@@ -126,8 +144,9 @@ def test_manager_root_it_cannot_create_is_a_save_failed_error(tmp_path):
 def test_manager_root_it_cannot_create_fails_every_rank(tmp_path):
     """The same on 2 gloo ranks: every rank raises it, none waits for the other."""
     (tmp_path / "f").write_text("x")
-    got = run_world(2, _manager_under_a_file, str(tmp_path / "f" / "ckpt"), timeout=90,
-                    pg_timeout=30)
+    got = run_world(
+        2, _manager_under_a_file, str(tmp_path / "f" / "ckpt"), timeout=90, pg_timeout=30
+    )
     assert got == ["SaveFailedError", "SaveFailedError"]
 
 
@@ -169,13 +188,13 @@ def test_manager_says_force_and_refuses_negative_steps(tmp_path):
 def test_options_and_swapped_arguments_are_refused_before_any_io(tmp_path):
     p = str(tmp_path / "ck")
     with pytest.raises(sp.InvalidKeyError, match="arguments swapped"):
-        sp.save(p, {"w": torch.ones(2)})            # shardpoint_jax's order
+        sp.save(p, {"w": torch.ones(2)})  # shardpoint_jax's order
     assert not os.path.exists(p)
     sp.save({"w": torch.ones(2)}, p)
     with pytest.raises(sp.InvalidKeyError, match="arguments swapped"):
         sp.load(p, like=p)
     with pytest.raises(sp.InvalidOptionError, match="strategy is one of auto, dedup, direct"):
-        sp.LoadOptions(strategy="fast")               # was accepted, and loaded somehow
+        sp.LoadOptions(strategy="fast")  # was accepted, and loaded somehow
     with pytest.raises(sp.InvalidOptionError, match=r"storage_gbps=0\)"):
         sp.LoadOptions(storage_gbps=0)
     with pytest.raises(ValueError, match="best_mode"):  # still a ValueError for old callers
@@ -187,19 +206,22 @@ def test_options_and_swapped_arguments_are_refused_before_any_io(tmp_path):
 
 def test_conformance_run_refuses_world_size_zero_with_a_usage_line(capsys):
     """World size 0 used to reach the case generator: IndexError traceback."""
-    for argv in (["--replay", "1", "--save-world-sizes", "0", "--load-world-sizes", "1"],
-                 ["--save-world-sizes", "abc"], ["--cases", "0"]):
+    for argv in (
+        ["--replay", "1", "--save-world-sizes", "0", "--load-world-sizes", "1"],
+        ["--save-world-sizes", "abc"],
+        ["--cases", "0"],
+    ):
         assert cli(["conformance", "run", *argv]) == 2
         err = capsys.readouterr().err
         assert "error: argument" in err and "Traceback" not in err, err
 
 
-def test_safetensors_source_without_the_package_names_the_install(tmp_path, monkeypatch,
-                                                                   capsys):
+def test_safetensors_source_without_the_package_names_the_install(tmp_path, monkeypatch, capsys):
     """safetensors is an optional dependency (the 'convert' extra); without it the CLI printed
     a ModuleNotFoundError traceback. (The package is installed here: hide it from import.)"""
     import sys
     from shardpoint.tools.convert import convert
+
     p = str(tmp_path / "ck")
     sp.save({"w": torch.ones(2)}, p)
     convert(p, str(tmp_path / "m.safetensors"))
@@ -213,8 +235,12 @@ def test_objects_with_state_get_the_call_that_makes_them_plain(tmp_path):
     m = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     p = str(tmp_path / "ck")
-    for obj, fix in ((m, r"\.state_dict\(\)"), (opt, r"\.state_dict\(\)"),
-                     (torch.Generator(), r"\.get_state\(\)"), (torch.device("cpu"), "str()")):
+    for obj, fix in (
+        (m, r"\.state_dict\(\)"),
+        (opt, r"\.state_dict\(\)"),
+        (torch.Generator(), r"\.get_state\(\)"),
+        (torch.device("cpu"), "str()"),
+    ):
         with pytest.raises(sp.UnsupportedValueError, match=fix):
             sp.save({"x": obj}, p)
 
@@ -239,6 +265,7 @@ def test_jax_save_and_load_with_the_pytorch_argument_order_say_so(tmp_path):
     with pytest.raises(spj.InvalidRequestError, match="arguments swapped"):
         spj.load({"w": np.zeros(2)}, p)
     import torch.distributed.checkpoint as dcp
+
     d = str(tmp_path / "dcp")
     dcp.save({"w": torch.ones(2)}, checkpoint_id=d, no_dist=True)
     with pytest.raises(spj.IncompleteCheckpointError, match="PyTorch DCP checkpoint"):
@@ -249,6 +276,7 @@ def test_adapter_test_with_a_broken_adapter_is_one_line(capsys):
     """An adapter that cannot start or prints no capabilities JSON: a usage-level failure
     naming it (it was an AttributeError traceback for non-object JSON)."""
     import sys
+
     for adapter in ("nonexistent-adapter-xyz", f"{sys.executable} -c 'print(1)'"):
         assert cli(["conformance", "adapter-test", "--adapter", adapter, "--cases", "1"]) == 2
         out, err = capsys.readouterr()
@@ -257,7 +285,7 @@ def test_adapter_test_with_a_broken_adapter_is_one_line(capsys):
 
 def _different_paths(rank, world, base):
     got = []
-    try:     # a per-rank name (a timestamp, the rank) where one shared path belongs
+    try:  # a per-rank name (a timestamp, the rank) where one shared path belongs
         sp.save({"w": torch.ones(2)}, os.path.join(base, f"ck{rank}"))
     except sp.InvalidOptionError as e:
         got.append(str(e))
@@ -281,7 +309,7 @@ def test_ranks_given_different_paths_fail_together(tmp_path):
         assert len(errs) == 2, errs
         assert "different checkpoint paths" in errs[0] and "ck0" in errs[0] and "ck1" in errs[0]
         assert "'" + str(tmp_path / "a") + "'" in errs[1] and str(tmp_path / "b") in errs[1]
-        assert saved == [] and loaded == [0.0, 0.0]     # nothing written, nothing filled
+        assert saved == [] and loaded == [0.0, 0.0]  # nothing written, nothing filled
 
 
 def test_a_directory_the_commit_would_refuse_is_refused_before_any_write(tmp_path):
@@ -290,6 +318,7 @@ def test_a_directory_the_commit_would_refuse_is_refused_before_any_write(tmp_pat
     returned a handle and failed later. Now the plan step refuses it, on the calling thread,
     and the directory is left as it was."""
     import torch.distributed.checkpoint as dcp
+
     d = tmp_path / "dcp"
     dcp.save({"w": torch.ones(4)}, checkpoint_id=str(d), no_dist=True)
     before = sorted(os.listdir(d))
@@ -299,7 +328,7 @@ def test_a_directory_the_commit_would_refuse_is_refused_before_any_write(tmp_pat
     assert sorted(os.listdir(d)) == before and sorted(os.listdir(tmp_path)) == ["dcp"]
     with pytest.raises(sp.CheckpointExistsError, match="overwrite='any'"):
         sp.save({"w": torch.ones(4)}, str(d), overwrite=True)  # True: checkpoints only
-    sp.save({"w": torch.ones(4)}, str(d), overwrite="any")     # replacing it stays possible
+    sp.save({"w": torch.ones(4)}, str(d), overwrite="any")  # replacing it stays possible
     assert torch.equal(sp.load(str(d))["w"], torch.ones(4))
 
 
@@ -322,14 +351,18 @@ def test_a_bad_step_on_one_rank_fails_every_rank_not_a_wait(tmp_path):
     assert got == [["InvalidKeyError", "InvalidKeyError"]] * 2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])   # direct reads; TensorStore's
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])  # direct reads; TensorStore's
 def test_a_damaged_or_missing_chunk_names_its_tensor(tmp_path, dtype):
     """The chunk's file path alone (tensors/<encoded key>/c/...) left the user to decode the
     key; the error now starts with it, for either read path."""
     p = str(tmp_path / "ck")
     sp.save({"model": {"w": torch.ones(8, 8, dtype=dtype), "b": torch.ones(8)}}, p)
-    chunk = next(os.path.join(d, f) for d, _, fs in os.walk(f"{p}/tensors/model/w")
-                 for f in fs if f != "zarr.json")
+    chunk = next(
+        os.path.join(d, f)
+        for d, _, fs in os.walk(f"{p}/tensors/model/w")
+        for f in fs
+        if f != "zarr.json"
+    )
     raw = bytearray(open(chunk, "rb").read())
     raw[1] ^= 0x40
     open(chunk, "wb").write(raw)
@@ -345,15 +378,19 @@ def _disagreeing_arguments(rank, world, base):
     got = []
     sp.save({"w": torch.ones(2)}, os.path.join(base, "a"))
     before = os.stat(os.path.join(base, "a", "manifest.msgpack")).st_ino
-    for kwargs in ({"overwrite": rank == 1},
-                   {"overwrite": True, "options": sp.SaveOptions(plan=sp.PlanOptions(
-                       max_chunk_bytes=(1 << 20) * (rank + 1)))}):
+    for kwargs in (
+        {"overwrite": rank == 1},
+        {
+            "overwrite": True,
+            "options": sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=(1 << 20) * (rank + 1))),
+        },
+    ):
         try:
             sp.save({"w": torch.full((2,), 5.0)}, os.path.join(base, "a"), **kwargs)
             got.append("saved")
         except sp.InvalidOptionError as e:
             got.append(str(e))
-    try:       # a per-rank value saved as a plain one
+    try:  # a per-rank value saved as a plain one
         sp.save({"w": torch.ones(2), "pos": 100 + rank}, os.path.join(base, "b"))
         got.append("saved")
     except sp.InvalidShardingError as e:
@@ -376,11 +413,12 @@ def test_ranks_passing_different_overwrite_options_or_values_fail_together(tmp_p
 
 def _diverged_replicas(rank, world, base):
     got = []
-    st = {"w": torch.full((4, 3), 1.0 + (rank == 1) * 1e-7),          # diverged DP rank
-          "ok": sp.ShardedTensor(torch.ones(2, 3), (4, 3), (2 * rank, 0))}
+    st = {
+        "w": torch.full((4, 3), 1.0 + (rank == 1) * 1e-7),  # diverged DP rank
+        "ok": sp.ShardedTensor(torch.ones(2, 3), (4, 3), (2 * rank, 0)),
+    }
     try:
-        sp.save(st, os.path.join(base, "a"),
-                options=sp.SaveOptions(check_replicas=True))
+        sp.save(st, os.path.join(base, "a"), options=sp.SaveOptions(check_replicas=True))
         got.append("saved")
     except sp.InvalidShardingError as e:
         got.append(f"{e.spec_id} {e}")
@@ -404,12 +442,15 @@ def test_load_with_swapped_arguments_names_the_fix_not_the_whole_tree(tmp_path):
     ``save`` already said its arguments looked swapped."""
     p = small(str(tmp_path / "ck"))
     like = {"model": {"layers.0.weight": torch.zeros(8, 8), "layers.0.bias": torch.zeros(8)}}
-    with pytest.raises(sp.InvalidOptionError, match=r"is a dict, .*like is a path "
-                       r".*arguments swapped\? call load\(path, like\)") as e:
+    with pytest.raises(
+        sp.InvalidOptionError,
+        match=r"is a dict, .*like is a path "
+        r".*arguments swapped\? call load\(path, like\)",
+    ) as e:
         sp.load(like, p)
     assert "tensor(" not in str(e.value) and "{" not in str(e.value)
     with pytest.raises(sp.InvalidOptionError, match=r"call load\(path\)"):
-        sp.Checkpointer().load(like)                     # a tree and no path at all
+        sp.Checkpointer().load(like)  # a tree and no path at all
     assert torch.equal(sp.load(p, like)["model"]["layers.0.bias"], torch.ones(8))
 
 
@@ -417,6 +458,7 @@ def test_a_missing_manifest_names_an_incomplete_copy_too(tmp_path, capsys):
     """A directory without its manifest is as likely a copy that stopped short (or left the
     manifest out) as a crashed save; the error says both, still IncompleteCheckpointError."""
     import shutil
+
     p = small(str(tmp_path / "ck"))
     cp = str(tmp_path / "copy")
     shutil.copytree(p, cp, ignore=shutil.ignore_patterns("manifest.msgpack"))

@@ -1,4 +1,5 @@
 """OpenAhead: a save's or load's arrays opened from a few threads ahead of their I/O."""
+
 import threading
 
 import pytest
@@ -18,15 +19,16 @@ def test_every_key_opened_once_ahead_of_use_and_results_by_key():
     keys = ["a", "b", "a", "c"]
     with OpenAhead(open_fn, keys, threads=3) as opened:
         assert [opened(k) for k in ["c", "a", "b", "a"]] == ["C", "A", "B", "A"]
-        assert opened("late") == "LATE"          # not given up front: opened on demand
+        assert opened("late") == "LATE"  # not given up front: opened on demand
     assert sorted(calls) == ["a", "b", "c", "late"]
 
 
 def test_an_open_error_is_raised_to_the_caller_of_that_key_only():
     def open_fn(key):
         if key == "bad":
-            raise CorruptCheckpointError(f"tensor {key!r}: zarr.json is not JSON",
-                                         spec_id="SP-ARRAY-1")
+            raise CorruptCheckpointError(
+                f"tensor {key!r}: zarr.json is not JSON", spec_id="SP-ARRAY-1"
+            )
         return key
 
     with OpenAhead(open_fn, ["ok", "bad", "ok2"]) as opened:
@@ -50,13 +52,13 @@ def test_leaving_waits_for_opens_in_flight_and_cancels_the_rest():
     opened = OpenAhead(open_fn, keys, threads=1)
     started.wait(5)
     closer = threading.Thread(target=opened.close)
-    closer.start()                      # cancels what has not started, waits for k0
-    for _ in range(500):                # bounded: a close that never cancels fails here
+    closer.start()  # cancels what has not started, waits for k0
+    for _ in range(500):  # bounded: a close that never cancels fails here
         if opened._futs["k1"].cancelled():
             break
         threading.Event().wait(0.01)
     assert opened._futs["k1"].cancelled()
-    assert closer.is_alive()            # still waiting for the open in flight
+    assert closer.is_alive()  # still waiting for the open in flight
     release.set()
     closer.join(5)
     assert done == ["k0"]

@@ -3,6 +3,7 @@ destroyed"): True replaces a committed checkpoint or an empty directory; 'any' a
 directory that is not a checkpoint; nothing ever replaces a file, a directory of checkpoints
 (a CheckpointManager's root) or a path holding a conversion's source. Both front ends and
 convert; the refusal of a non-checkpoint never tells the user to pass overwrite=True."""
+
 from __future__ import annotations
 
 import os
@@ -95,6 +96,7 @@ def test_convert_never_deletes_its_source(tmp_path):
     its neighbours: the destination held the source."""
     from safetensors.torch import save_file
     from shardpoint.tools.convert import convert
+
     src = tmp_path / "src"
     src.mkdir()
     save_file({"w": torch.ones(3)}, str(src / "model.safetensors"))
@@ -121,6 +123,7 @@ def test_convert_cli_overwrite_and_overwrite_any(tmp_path, capsys):
     too; a destination holding the source is refused either way (exit status != 0)."""
     from safetensors.torch import save_file
     from shardpoint.tools.cli import main as cli
+
     src = tmp_path / "src"
     src.mkdir()
     save_file({"w": torch.ones(3)}, str(src / "model.safetensors"))

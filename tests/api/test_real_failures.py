@@ -6,6 +6,7 @@ What is checked each time: the documented error (its type, and a message naming 
 cause and the fix), the previous checkpoint intact bit for bit, no leftover that holds space or
 blocks the next save, and the next save working.
 """
+
 import glob
 import os
 import signal
@@ -57,8 +58,11 @@ def tmpfs(tmp_path):
     def mount(size: str) -> Disk:
         path = tmp_path / f"disk{len(mounted)}"
         path.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
         mounted.append(str(path))
@@ -84,8 +88,11 @@ def big_disk(tmpfs):
 
 
 def small_state(v: float = 1.0) -> dict:
-    return {"w": torch.arange(1000, dtype=torch.float32) * v, "b": torch.ones(7, 3,
-            dtype=torch.bfloat16) * v, "step": int(v)}
+    return {
+        "w": torch.arange(1000, dtype=torch.float32) * v,
+        "b": torch.ones(7, 3, dtype=torch.bfloat16) * v,
+        "step": int(v),
+    }
 
 
 def big_state(n: int = 12) -> dict:
@@ -110,7 +117,7 @@ def same(a: dict, b: dict) -> bool:
 def full_disk_message(msg: str, path: str) -> None:
     assert "No space left on device" in msg, msg
     assert repr(path) in msg or path in msg, msg
-    assert "free space" in msg, msg                  # what to do about it
+    assert "free space" in msg, msg  # what to do about it
 
 
 # ---------------------------------------------------------------------- a full disk
@@ -126,7 +133,7 @@ def test_full_disk_sync_save_names_file_and_fix_and_keeps_the_previous(small_dis
         with pytest.raises(sp.SaveFailedError) as ei:
             sp.save(big_state(), target, **kw)
         full_disk_message(str(ei.value), target)
-        assert "/tensors/t" in str(ei.value)          # the chunk file that did not fit
+        assert "/tensors/t" in str(ei.value)  # the chunk file that did not fit
         assert d.entries() == ["a"] and d.free() == before
     assert same(sp.load(a), small_state())
     sp.save(small_state(2.0), os.path.join(d.path, "c"))
@@ -139,7 +146,7 @@ def test_full_disk_while_creating_arrays_gets_the_same_message(tmpfs):
     as a full disk at a chunk write; it was the backend's bare 'cannot create array' (seen
     in CI, where timing moved the point at which a 32 MiB disk filled)."""
     d = tmpfs("64k")
-    many = {f"t{i}": torch.zeros(4) for i in range(200)}     # 200 zarr.json files
+    many = {f"t{i}": torch.zeros(4) for i in range(200)}  # 200 zarr.json files
     target = os.path.join(d.path, "b")
     for kw in ({}, {"async_save": True}):
         with pytest.raises(sp.SaveFailedError) as ei:
@@ -147,7 +154,7 @@ def test_full_disk_while_creating_arrays_gets_the_same_message(tmpfs):
             if kw:
                 h.wait(timeout=60)
         full_disk_message(str(ei.value), target)
-        assert "/zarr.json" in str(ei.value)               # the file that did not fit
+        assert "/zarr.json" in str(ei.value)  # the file that did not fit
         assert d.entries() == []
 
 
@@ -158,7 +165,7 @@ def test_full_disk_at_the_manifest_is_a_save_failure_too(small_disk):
     'OSError: [Errno 28]' when the manifest's own write failed) or a complete checkpoint."""
     d = small_disk
     a = os.path.join(d.path, "a")
-    old = {"w": torch.arange(1023, dtype=torch.float32)}    # one chunk of exactly one page
+    old = {"w": torch.arange(1023, dtype=torch.float32)}  # one chunk of exactly one page
     stages = set()
     for leave in range(1, 7):
         sp.save(old, a, overwrite=True)
@@ -189,15 +196,16 @@ def test_full_disk_async_save_raises_at_wait_or_at_the_next_save(small_disk):
         h.wait()
     full_disk_message(str(ei.value), b)
     assert d.entries() == ["a"]
-    sp.save(small_state(3.0), os.path.join(d.path, "c"))      # wait() handed it over
-    sp.save(big_state(), b, async_save=True)                   # never waited for
+    sp.save(small_state(3.0), os.path.join(d.path, "c"))  # wait() handed it over
+    sp.save(big_state(), b, async_save=True)  # never waited for
     with pytest.raises(sp.SaveFailedError) as ei:
         sp.save(small_state(4.0), os.path.join(d.path, "e"))
     full_disk_message(str(ei.value), b)
     assert d.entries() == ["a", "c"]
     sp.save(small_state(4.0), os.path.join(d.path, "e"))
-    assert same(sp.load(a), small_state()) and same(sp.load(os.path.join(d.path, "e")),
-                                                     small_state(4.0))
+    assert same(sp.load(a), small_state()) and same(
+        sp.load(os.path.join(d.path, "e")), small_state(4.0)
+    )
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -234,6 +242,7 @@ def test_convert_into_a_full_disk_is_a_conversion_error(small_disk, tmp_path, to
     DCP's CheckpointException)."""
     from safetensors.torch import save_file
     from shardpoint.tools.convert import convert
+
     if to == "shardpoint":
         src = str(tmp_path / "m.safetensors")
         save_file(big_state(), src)
@@ -253,10 +262,11 @@ def _one_rank_out_of_space(rank, world, root):
     """Rank 1 holds all of a 48 MiB tensor, rank 0 an empty piece of it: only rank 1 writes
     chunks, and they do not fit."""
     rows = 12 if rank == 1 else 0
-    st = {"w": sp.ShardedTensor(torch.ones(rows, MiB), (12, MiB), (0, 0)),
-          "r": sp.ShardedObject(rank, rank, world)}   # a per-rank value (plain ones must agree)
-    sp.save({"w": sp.ShardedTensor(torch.full((rows, 8), 2.0), (12, 8), (0, 0))},
-            f"{root}/a")
+    st = {
+        "w": sp.ShardedTensor(torch.ones(rows, MiB), (12, MiB), (0, 0)),
+        "r": sp.ShardedObject(rank, rank, world),
+    }  # a per-rank value (plain ones must agree)
+    sp.save({"w": sp.ShardedTensor(torch.full((rows, 8), 2.0), (12, 8), (0, 0))}, f"{root}/a")
     try:
         sp.save(st, f"{root}/b")
         return "saved"
@@ -287,7 +297,7 @@ def test_read_only_file_system_loads_and_reports(small_disk, capsys):
     sp.save(small_state(), a)
     mgr = sp.CheckpointManager(os.path.join(d.path, "run"))
     mgr.save(1, small_state(1.0))
-    os.makedirs(os.path.join(mgr.root, "step_00000002"))                  # crashed: no manifest
+    os.makedirs(os.path.join(mgr.root, "step_00000002"))  # crashed: no manifest
     stale = os.path.join(mgr.root, ".step_00000003.shardpoint-tmp-0a1b2c")  # crashed staging
     os.makedirs(stale)
     os.utime(stale, (time.time() - 7200,) * 2)
@@ -295,9 +305,11 @@ def test_read_only_file_system_loads_and_reports(small_disk, capsys):
     assert same(sp.load(a, like=small_state()), small_state()) and same(sp.load(a), small_state())
     assert same(mgr.load(like=small_state()), small_state(1.0))
     assert same(sp.CheckpointManager(mgr.root).load(), small_state(1.0))
-    for call in (lambda: sp.save(small_state(), os.path.join(d.path, "new")),
-                 lambda: sp.save(small_state(), a, overwrite=True),
-                 lambda: mgr.save(4, small_state())):
+    for call in (
+        lambda: sp.save(small_state(), os.path.join(d.path, "new")),
+        lambda: sp.save(small_state(), a, overwrite=True),
+        lambda: mgr.save(4, small_state()),
+    ):
         with pytest.raises(sp.SaveFailedError, match="Read-only file system"):
             call()
     capsys.readouterr()
@@ -332,8 +344,12 @@ def test_signal_in_the_middle_of_a_save_leaves_no_staging_behind(big_disk, sig):
     d = big_disk
     a, b = os.path.join(d.path, "a"), os.path.join(d.path, "b")
     sp.save(small_state(), a)
-    p = subprocess.Popen([sys.executable, "-c", _SAVE_LOOP, b, sig], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _SAVE_LOOP, b, sig],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert p.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 60
@@ -373,15 +389,17 @@ def test_async_save_still_writing_at_exit(tmpfs, fits):
     pools stopped taking work). One that cannot commit says so on stderr, naming its path."""
     disk = tmpfs("128m" if fits else "32m")
     path = os.path.join(disk.path, "b")
-    r = subprocess.run([sys.executable, "-c", _ASYNC_THEN_EXIT, path], capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _ASYNC_THEN_EXIT, path], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0 and r.stdout.strip() == "returned", r.stderr
     if fits:
         assert "failed" not in r.stderr, r.stderr
         back = sp.load(path)
         assert len(back) == 160 and all(
             torch.equal(back[f"t{i}"], torch.arange(1 << 16, dtype=torch.float32) + i)
-            for i in range(160))
+            for i in range(160)
+        )
     else:
         assert f"the async save to {path!r} still running at exit failed" in r.stderr, r.stderr
         full_disk_message(r.stderr, path)
@@ -405,11 +423,12 @@ def test_a_load_overlapping_an_overwrite_fails_instead_of_mixing_two_checkpoints
     new checkpoint and the load returned tensors of two steps without a word."""
     a = os.path.join(big_disk.path, "a")
     sp.save({f"t{i:02d}": torch.zeros(1 << 16) for i in range(48)}, a)
-    saver = subprocess.Popen([sys.executable, "-c", _OVERWRITE_LOOP, a], stdout=subprocess.PIPE,
-                             text=True)
+    saver = subprocess.Popen(
+        [sys.executable, "-c", _OVERWRITE_LOOP, a], stdout=subprocess.PIPE, text=True
+    )
     whole = replaced = 0
     try:
-        assert saver.stdout.readline() == "ready\n"   # no loads while it imports torch
+        assert saver.stdout.readline() == "ready\n"  # no loads while it imports torch
         while saver.poll() is None:
             try:
                 got = sp.load(a)
@@ -448,6 +467,7 @@ class _DieOnRead:
 
     def __init__(self):
         from shardpoint_core.transactions.resolve import get_backend
+
         self.inner = get_backend()
 
     def __getattr__(self, name):
@@ -455,6 +475,7 @@ class _DieOnRead:
 
     def read_into(self, handle, offset, out):
         import torch.distributed as dist
+
         if dist.get_rank() == 1:
             os._exit(3)
         return self.inner.read_into(handle, offset, out)
@@ -462,17 +483,25 @@ class _DieOnRead:
 
 def _rank_dies(rank, world, root, what):
     import torch.distributed as dist
-    st = {"w": sp.ShardedTensor(torch.full((4, 1000), float(rank)), (8, 1000), (4 * rank, 0)),
-          "x": torch.ones(10)}
+
+    st = {
+        "w": sp.ShardedTensor(torch.full((4, 1000), float(rank)), (8, 1000), (4 * rank, 0)),
+        "x": torch.ones(10),
+    }
     sp.save(st, f"{root}/a")
     dist.barrier()
     try:
         if what == "load":
             sp.load(f"{root}/a", like=st, backend=_DieOnRead())
-        else:       # rank 1 SIGKILLs itself after its first chunk write
-            sp.save(st, f"{root}/a", overwrite=True, backend=faults.KillingBackend(
-                spec="1:write:1"), async_save=what == "async")
-            sp.save({}, f"{root}/c")      # an async save's error surfaces here at the latest
+        else:  # rank 1 SIGKILLs itself after its first chunk write
+            sp.save(
+                st,
+                f"{root}/a",
+                overwrite=True,
+                backend=faults.KillingBackend(spec="1:write:1"),
+                async_save=what == "async",
+            )
+            sp.save({}, f"{root}/c")  # an async save's error surfaces here at the latest
         out = "no error"
     except BaseException as e:  # noqa: BLE001 - the outcome is the test's subject
         out = f"{type(e).__name__}: {e}"
@@ -494,7 +523,7 @@ def test_a_rank_that_dies_fails_the_others_with_rank_lost(tmp_path, what):
     got = (tmp_path / "rank0.txt").read_text()
     assert got.startswith("RankLostError: rank 0 of 2: the ") and "another rank" in got, got
     assert "restart every rank" in got, got
-    if what == "load":   # a load loses nothing: it must not speak of a save cut short
+    if what == "load":  # a load loses nothing: it must not speak of a save cut short
         assert "save" not in got and "load again" in got, got
     cls = sp.LoadFailedError if what == "load" else sp.SaveFailedError
     assert issubclass(sp.RankLostError, cls)
@@ -505,7 +534,7 @@ def test_a_rank_that_dies_fails_the_others_with_rank_lost(tmp_path, what):
 
 def _rank_hangs(rank, world, root):
     if rank == 1:
-        time.sleep(12)        # never joins the save; returns after rank 0 gave up
+        time.sleep(12)  # never joins the save; returns after rank 0 gave up
         return None
     try:
         sp.save({"x": torch.ones(3)}, f"{root}/a")
@@ -531,6 +560,7 @@ class _FailsMidSubmit:
     def __init__(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
         from shardpoint_core.transactions.resolve import get_backend
+
         self.inner, self.calls, self.done = get_backend(), 0, []
         self._pool = ThreadPoolExecutor(1)
 
@@ -540,10 +570,12 @@ class _FailsMidSubmit:
     def write(self, handle, offset, data):
         self.calls += 1
         if self.calls == 1:
+
             def late():
                 time.sleep(0.5)
                 self.inner.write(handle, offset, data).result()
                 self.done.append(True)
+
             return self._pool.submit(late)
         raise OSError(28, "No space left on device")
 

@@ -21,10 +21,17 @@ def random_bits(d, shape, seed):
 
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
-leaf_values = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1),
-                        st.floats(allow_nan=False), st.text(max_size=8), st.binary(max_size=8))
-keys = st.one_of(st.text(min_size=1, max_size=6).filter(lambda s: s not in (".", "..")),
-                 st.integers(-5, 50))
+leaf_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+)
+keys = st.one_of(
+    st.text(min_size=1, max_size=6).filter(lambda s: s not in (".", "..")), st.integers(-5, 50)
+)
 
 
 @st.composite
@@ -72,18 +79,21 @@ def round_trip(tmp_path_factory, tree):
 
 
 test_random_trees_round_trip_bitwise = settings(max_examples=25, **SETTINGS)(
-    given(tree=trees())(round_trip))
-test_random_trees_round_trip_bitwise_long = pytest.mark.slow(settings(
-    max_examples=300, **SETTINGS)(given(tree=trees())(round_trip)))
+    given(tree=trees())(round_trip)
+)
+test_random_trees_round_trip_bitwise_long = pytest.mark.slow(
+    settings(max_examples=300, **SETTINGS)(given(tree=trees())(round_trip))
+)
 
 
 @pytest.mark.parametrize("d", DTYPES, ids=lambda d: d.name)
 def test_every_dtype_every_bit_pattern(tmp_ckpt, d):
-    n = 1 << (8 * min(d.itemsize, 2))      # every byte/halfword pattern for small dtypes
+    n = 1 << (8 * min(d.itemsize, 2))  # every byte/halfword pattern for small dtypes
     t = random_bits(d, (300,), 1)
     if d.itemsize <= 2 and d.name != "bool":
-        t = dtypes.numpy_to_torch(np.arange(n, dtype=np.uint16 if d.itemsize == 2 else np.uint8)
-                                  .view(d.numpy).copy())
+        t = dtypes.numpy_to_torch(
+            np.arange(n, dtype=np.uint16 if d.itemsize == 2 else np.uint8).view(d.numpy).copy()
+        )
     state = {"t": t, "scalar": t.reshape(-1)[0].clone(), "empty": t[:0].reshape(0, 3)[:, :0]}
     sp.save(state, tmp_ckpt)
     back = sp.load(tmp_ckpt)
@@ -131,8 +141,9 @@ def test_strict_and_non_strict_missing_keys(tmp_ckpt):
     with pytest.raises(sp.LayoutMismatchError, match="'b'"):
         sp.load(tmp_ckpt, like={"a": torch.zeros(2), "b": torch.zeros(2)})
     rep = sp.LoadReport()
-    out = sp.load(tmp_ckpt, like={"a": torch.zeros(2), "b": torch.zeros(2)}, strict=False,
-                  report=rep)
+    out = sp.load(
+        tmp_ckpt, like={"a": torch.zeros(2), "b": torch.zeros(2)}, strict=False, report=rep
+    )
     assert rep.missing_keys == ["tensor 'b'"] and torch.equal(out["a"], torch.ones(2))
 
 
@@ -156,15 +167,22 @@ def test_sharded_tensor_in_one_process_must_cover(tmp_ckpt):
     with pytest.raises(sp.InvalidShardingError, match="gap"):
         sp.save({"w": sp.ShardedTensor(torch.ones(2, 3), (4, 3), (0, 0))}, tmp_ckpt)
     assert not __import__("os").path.exists(tmp_ckpt)
-    sp.save({"w": sp.ShardedTensor(torch.arange(12.0), (4, 3), (0, 0), local_shape=(4, 3),
-                                   flattened_range=(0, 12))}, tmp_ckpt)
+    sp.save(
+        {
+            "w": sp.ShardedTensor(
+                torch.arange(12.0), (4, 3), (0, 0), local_shape=(4, 3), flattened_range=(0, 12)
+            )
+        },
+        tmp_ckpt,
+    )
     assert torch.equal(sp.load(tmp_ckpt)["w"], torch.arange(12.0).reshape(4, 3))
 
 
 def test_sharded_objects_and_values(tmp_ckpt):
     rng = torch.get_rng_state()
-    sp.save({"rng": sp.ShardedObject({"torch": rng, "pos": (3, 4)}, 0, 1), "cfg": {"lr": 0.1}},
-            tmp_ckpt)
+    sp.save(
+        {"rng": sp.ShardedObject({"torch": rng, "pos": (3, 4)}, 0, 1), "cfg": {"lr": 0.1}}, tmp_ckpt
+    )
     back = sp.load(tmp_ckpt)
     assert torch.equal(back["rng"][0]["torch"], rng) and back["rng"][0]["pos"] == (3, 4)
     out = sp.load(tmp_ckpt, like={"rng": sp.ShardedObject(None, 0, 1)})
@@ -176,14 +194,16 @@ def test_sharded_objects_and_values(tmp_ckpt):
 def test_plain_tensorstore_opens_saved_tensor(tmp_ckpt):
     w = torch.randn(33, 17).bfloat16()
     sp.save({"layer": {"w": w}}, tmp_ckpt)
-    t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
-                 "path": f"{tmp_ckpt}/tensors/layer/w"}}).result()
+    t = ts.open(
+        {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{tmp_ckpt}/tensors/layer/w"}}
+    ).result()
     assert t.dtype.name == "bfloat16" and t.shape == (33, 17)
     assert t.read().result().tobytes() == dtypes.torch_to_numpy(w).tobytes()
 
 
 def test_large_tensor_gets_a_multi_chunk_sharded_array(tmp_ckpt):
     from shardpoint_core.transactions.backend import ZarrBackend
+
     be = ZarrBackend(shard_above_bytes=1 << 16, inner_chunk_bytes=1 << 12)
     w = torch.randn(300, 100)
     opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=40_000))
@@ -196,6 +216,7 @@ def test_large_tensor_gets_a_multi_chunk_sharded_array(tmp_ckpt):
 def test_overwrite_with_another_shape_reads_the_new_checkpoint(tmp_ckpt):
     """Caches of the old arrays must not serve reads of a checkpoint replaced in place."""
     from shardpoint_core.transactions.backend import ZarrBackend
+
     for be in (None, ZarrBackend(context={"cache_pool": {"total_bytes_limit": 1 << 24}})):
         sp.save({"w": torch.ones(3)}, tmp_ckpt, backend=be, overwrite=True)
         assert torch.equal(sp.load(tmp_ckpt, backend=be)["w"], torch.ones(3))
@@ -207,6 +228,7 @@ def test_overwrite_with_another_shape_reads_the_new_checkpoint(tmp_ckpt):
 
 def test_overwrite_false_never_deletes_a_directory_that_is_not_a_checkpoint(tmp_path):
     import os
+
     d = tmp_path / "mine"
     d.mkdir()
     (d / "precious.txt").write_text("keep me")
@@ -218,12 +240,12 @@ def test_overwrite_false_never_deletes_a_directory_that_is_not_a_checkpoint(tmp_
     with pytest.raises(sp.CheckpointExistsError):
         sp.save({"a": torch.ones(1)}, str(f))
     assert f.read_text() == "x"
-    assert not [n for n in os.listdir(tmp_path) if "shardpoint" in n]   # no staging left
+    assert not [n for n in os.listdir(tmp_path) if "shardpoint" in n]  # no staging left
     e = tmp_path / "empty"
     e.mkdir()
-    sp.save({"a": torch.ones(1)}, str(e))                               # an empty dir is fine
+    sp.save({"a": torch.ones(1)}, str(e))  # an empty dir is fine
     assert torch.equal(sp.load(str(e))["a"], torch.ones(1))
-    for how in (True, "any"):                      # a plain file is never replaced (issue 21)
+    for how in (True, "any"):  # a plain file is never replaced (issue 21)
         with pytest.raises(sp.CheckpointExistsError, match="is a file, not a checkpoint"):
             sp.save({"a": torch.zeros(1)}, str(f), overwrite=how)
     assert f.read_text() == "x"
@@ -242,6 +264,7 @@ def test_like_fills_parameters_in_place(tmp_ckpt):
 
 def test_namedtuples_round_trip_with_like(tmp_ckpt):
     import collections
+
     NT = collections.namedtuple("NT", "a b")
     sp.save({"n": NT(torch.ones(2), 3)}, tmp_ckpt)
     out = sp.load(tmp_ckpt, like={"n": NT(torch.zeros(2), 0)})
@@ -285,11 +308,17 @@ def test_numpy_comes_back_as_numpy_and_like_numpy_in_place(tmp_ckpt):
 def test_strict_false_missing_keys_of_every_kind(tmp_ckpt):
     sp.save({"a": torch.ones(2)}, tmp_ckpt)
     rep = sp.LoadReport()
-    like = {"a": torch.zeros(2), "t": torch.zeros(1), "v": 5,
-            "o": sp.ShardedObject(7, 0, 1), "st": sp.ShardedTensor(torch.zeros(2), (4,), (0,))}
+    like = {
+        "a": torch.zeros(2),
+        "t": torch.zeros(1),
+        "v": 5,
+        "o": sp.ShardedObject(7, 0, 1),
+        "st": sp.ShardedTensor(torch.zeros(2), (4,), (0,)),
+    }
     out = sp.load(tmp_ckpt, like=like, strict=False, report=rep)
-    assert sorted(rep.missing_keys) == sorted(["tensor 't'", "value 'v'", "sharded object 'o'",
-                                               "tensor 'st'"])
+    assert sorted(rep.missing_keys) == sorted(
+        ["tensor 't'", "value 'v'", "sharded object 'o'", "tensor 'st'"]
+    )
     assert out["v"] == 5 and torch.equal(like["t"], torch.zeros(1))
     for k in ("t", "v", "o", "st"):
         with pytest.raises(sp.LayoutMismatchError, match=f"'{k}'"):
@@ -304,6 +333,10 @@ def test_sharded_tensor_like_in_one_process_every_dtype(tmp_ckpt, d):
     flat = torch.empty(7, dtype=d.torch)
     out = sp.load(tmp_ckpt, like={"w": sp.ShardedTensor(piece, (5, 4), (3, 0))})
     assert out["w"] is piece and same_bits(piece, t[3:])
-    sp.load(tmp_ckpt, like={"w": sp.ShardedTensor(flat, (5, 4), (1, 0), local_shape=(4, 4),
-                                                  flattened_range=(5, 12))})
+    sp.load(
+        tmp_ckpt,
+        like={
+            "w": sp.ShardedTensor(flat, (5, 4), (1, 0), local_shape=(4, 4), flattened_range=(5, 12))
+        },
+    )
     assert same_bits(flat, t[1:].reshape(-1)[5:12])

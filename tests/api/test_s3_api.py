@@ -3,6 +3,7 @@ loopback): bitwise round trips across world sizes and shardings on real gloo ran
 killed mid-save (the previous checkpoint intact, nothing committed, the leftover found and
 removed), damaged and missing objects (documented errors), and a load that overlaps a
 replacement."""
+
 import os
 
 import pytest
@@ -29,12 +30,19 @@ def split(n, parts, i):
 def saved_state(rank, world, gen=0):
     a, b = split(SHAPE[0], world, rank)
     fa, fb = split(SHAPE[0] * SHAPE[1], world, rank)
-    return {"rows": sp.ShardedTensor(full(f"rows{gen}")[a:b].clone(), SHAPE, (a, 0)),
-            "flat": sp.ShardedTensor(full(f"flat{gen}").reshape(-1)[fa:fb].clone(), SHAPE,
-                                     (0, 0), local_shape=SHAPE, flattened_range=(fa, fb)),
-            "bf16": full(f"bf{gen}", torch.bfloat16),
-            "obj": sp.ShardedObject({"rank": rank, "gen": gen}, rank, world),
-            "step": gen}
+    return {
+        "rows": sp.ShardedTensor(full(f"rows{gen}")[a:b].clone(), SHAPE, (a, 0)),
+        "flat": sp.ShardedTensor(
+            full(f"flat{gen}").reshape(-1)[fa:fb].clone(),
+            SHAPE,
+            (0, 0),
+            local_shape=SHAPE,
+            flattened_range=(fa, fb),
+        ),
+        "bf16": full(f"bf{gen}", torch.bfloat16),
+        "obj": sp.ShardedObject({"rank": rank, "gen": gen}, rank, world),
+        "step": gen,
+    }
 
 
 def _save_reshard_kill(rank, world, url):
@@ -42,15 +50,20 @@ def _save_reshard_kill(rank, world, url):
     over it where rank 1 is SIGKILLed after its first chunk write."""
     from shardpoint_conformance.faults import KillingBackend
     from shardpoint_core.transactions.resolve import ZarrBackend
+
     sp.save(saved_state(rank, world), url)
     a, b = split(SHAPE[1], world, rank)
-    like = {"rows": sp.ShardedTensor(torch.empty(SHAPE[0], b - a), SHAPE, (0, a)),
-            "flat": sp.ShardedTensor(torch.empty(SHAPE[0], b - a), SHAPE, (0, a)),
-            "bf16": torch.empty(SHAPE, dtype=torch.bfloat16)}
+    like = {
+        "rows": sp.ShardedTensor(torch.empty(SHAPE[0], b - a), SHAPE, (0, a)),
+        "flat": sp.ShardedTensor(torch.empty(SHAPE[0], b - a), SHAPE, (0, a)),
+        "bf16": torch.empty(SHAPE, dtype=torch.bfloat16),
+    }
     sp.load(url, like=like)
-    ok = [same_bits(like["rows"].data, full("rows0")[:, a:b]),
-          same_bits(like["flat"].data, full("flat0")[:, a:b]),
-          same_bits(like["bf16"], full("bf0", torch.bfloat16))]
+    ok = [
+        same_bits(like["rows"].data, full("rows0")[:, a:b]),
+        same_bits(like["flat"].data, full("flat0")[:, a:b]),
+        same_bits(like["bf16"], full("bf0", torch.bfloat16)),
+    ]
     if rank == 1:
         os.environ["SHARDPOINT_CONFORMANCE_KILL"] = "1:write:1"
     be = KillingBackend(ZarrBackend())
@@ -75,13 +88,17 @@ def test_two_ranks_save_reshard_load_and_a_rank_killed_mid_save(s3_env):
     # the coordinator outlived rank 1, learnt of the failure and removed the save's prefix
     # (a dead coordinator leaves it to recovery: tests/core/test_s3_commit.py kills one)
     from shardpoint_core.transactions.resolve import ZarrBackend
+
     assert ZarrBackend().list_leftovers(url) == []
-    assert all(not k.key.startswith("save-") or k.key.split("/")[0] == _named(url)
-               for k in _store(url).list())
+    assert all(
+        not k.key.startswith("save-") or k.key.split("/")[0] == _named(url)
+        for k in _store(url).list()
+    )
 
 
 def _named(url):
     from shardpoint_core.format.manifest import decode_manifest
+
     return decode_manifest(_store(url).get("manifest.msgpack")).tensors["rows"].array.split("/")[0]
 
 
@@ -103,11 +120,12 @@ def test_single_process_save_load_open_async(s3_env):
     assert same_bits(sp.load(url)["rows"], full("rows1"))
     keys = [o.key for o in _store(url).list()]
     assert sum(k.endswith("manifest.msgpack") for k in keys) == 1
-    assert len({k.split("/")[0] for k in keys if k.startswith("save-")}) == 1   # old deleted
+    assert len({k.split("/")[0] for k in keys if k.startswith("save-")}) == 1  # old deleted
 
 
 def _store(url):
     from shardpoint_core.stores.s3 import S3Store
+
     return S3Store.from_url(url)
 
 
@@ -128,6 +146,7 @@ def test_missing_and_damaged_objects_are_documented_errors(s3_env):
         sp.load(url, like={"v": torch.empty(SHAPE)})
     from shardpoint_core.transactions.resolve import ZarrBackend
     from shardpoint_core.format.manifest import decode_manifest
+
     be = ZarrBackend()
     m = decode_manifest(be.read_manifest(url))
     problems = be.verify_array(url, m.tensors["w"].array, m.tensors["w"].spec, "w")
@@ -144,12 +163,14 @@ def test_save_and_load_through_throttling_and_5xx(s3_env, monkeypatch):
     and the load retry with backoff and the round trip is still bitwise."""
     from shardpoint_testing.s3 import FaultProxy
     from shardpoint_core.transactions.resolve import ZarrBackend
+
     def rule(method, path, n):
         return (503 if n % 6 == 0 else 500) if n % 3 == 0 else None
+
     with FaultProxy(s3_env, rule) as proxy:
         for k, v in proxy.env().items():
             monkeypatch.setenv(k, v)
-        be = ZarrBackend()            # a fresh client, through the proxy
+        be = ZarrBackend()  # a fresh client, through the proxy
         url = s3_env.url(s3_env.fresh_prefix("faults") + "/ck")
         state = {"w": full("w"), "b": full("b", torch.bfloat16), "step": 3}
         sp.save(state, url, backend=be)

@@ -6,6 +6,7 @@ later one that reported failure (old or new, never a mix, never missing data), u
 beside the checkpoints are all there, and recovery leaves exactly the named save prefixes.
 
 Fast by default (12 saves); ``--runslow`` runs the issue's 1,000."""
+
 import json
 import os
 import random
@@ -46,8 +47,11 @@ SAVER = textwrap.dedent("""
 def test_saves_and_overwrites_under_lost_replies_and_stalls(s3_env, saves):
     root = s3_env.url(s3_env.fresh_prefix("faultrun"))
     store = S3Store.from_url(root)
-    user = {"notes.txt": b"a", "exports/save-20240101/model.bin": b"b",
-            "t1/save-20240101/eval.json": b"c"}
+    user = {
+        "notes.txt": b"a",
+        "exports/save-20240101/model.bin": b"b",
+        "t1/save-20240101/eval.json": b"c",
+    }
     rnd = random.Random(7)
     lock = threading.Lock()
 
@@ -58,11 +62,11 @@ def test_saves_and_overwrites_under_lost_replies_and_stalls(s3_env, saves):
         if stall:
             time.sleep(rnd.uniform(0.05, 0.3))
         if r < 0.04:
-            return LOST_REPLY            # applied, then the connection dropped
+            return LOST_REPLY  # applied, then the connection dropped
         if r < 0.07:
-            return -500                  # applied, then an InternalError answer
+            return -500  # applied, then an InternalError answer
         if r < 0.10:
-            return 0                     # dropped before the server saw it
+            return 0  # dropped before the server saw it
         return None
 
     with FaultProxy(s3_env, rule) as proxy:
@@ -70,9 +74,13 @@ def test_saves_and_overwrites_under_lost_replies_and_stalls(s3_env, saves):
         for k, v in user.items():
             store.put(k, v)
         env = {**os.environ, **proxy.env(), "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.run([sys.executable, "-c", SAVER, root, str(saves), "11"],
-                              env=env, capture_output=True, text=True,
-                              timeout=120 + 3 * saves)
+        proc = subprocess.run(
+            [sys.executable, "-c", SAVER, root, str(saves), "11"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120 + 3 * saves,
+        )
         injected = proxy.injected
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -80,9 +88,8 @@ def test_saves_and_overwrites_under_lost_replies_and_stalls(s3_env, saves):
     for t in range(3):
         mine = [(i, out) for i, tt, out in rows if tt == t]
         ok = [i for i, out in mine if out == "ok"]
-        if not ok and ObjectStoreCommitter(store).state(
-                f"t{t}") != "committed":
-            continue                    # every save of it failed, and none committed
+        if not ok and ObjectStoreCommitter(store).state(f"t{t}") != "committed":
+            continue  # every save of it failed, and none committed
         # the content is the last success, or a later attempt that reported failure
         allowed = set(i for i, _ in mine if not ok or i >= ok[-1])
         got = sp.load(f"{root}/t{t}")

@@ -2,6 +2,7 @@
 through the store, retention through the object-store committer, best-N from the manifests,
 resume; the observer rule ([SP-COMMIT-15]: a leftover save prefix is removed only once old
 enough, a prefix a marker names never), and a step removed under a reader's load."""
+
 import os
 import subprocess
 import sys
@@ -33,8 +34,9 @@ def step_prefixes(root):
 def test_steps_retention_best_and_resume_on_s3(s3_env):
     root = s3_env.url(s3_env.fresh_prefix("mgr"))
     losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.8, 5: 0.7}
-    with sp.CheckpointManager(root, retention=AnyOf(LatestN(2), BestN(1, "loss")),
-                              best_metric="loss") as mgr:
+    with sp.CheckpointManager(
+        root, retention=AnyOf(LatestN(2), BestN(1, "loss")), best_metric="loss"
+    ) as mgr:
         assert mgr.all_steps() == [] and mgr.latest_step() is None
         with pytest.raises(sp.CheckpointNotFoundError):
             mgr.load()
@@ -47,7 +49,7 @@ def test_steps_retention_best_and_resume_on_s3(s3_env):
         mgr.save(5, state(50), metrics={"loss": 0.7}, force=True)
     # the removed steps' objects are gone, marker and save prefix alike
     assert step_prefixes(root) == ["step_00000002", "step_00000004", "step_00000005"]
-    again = sp.CheckpointManager(root, best_metric="loss")      # a restarted job resumes
+    again = sp.CheckpointManager(root, best_metric="loss")  # a restarted job resumes
     assert again.latest_step() == 5 and again.metrics(2) == {"loss": 0.1}
     out = again.load()
     assert out["step"] == 50 and torch.equal(out["w"], torch.full((16, 4), 50.0))
@@ -60,8 +62,8 @@ def test_the_file_systems_backend_serves_an_s3_root_too(s3_env):
     """One backend over any byte store (issue 19): ``ZarrBackend`` (ZarrBackend's
     older name, the one users pass) saves and loads on an s3:// root as well."""
     from shardpoint_core.transactions.backend import ZarrBackend
-    mgr = sp.CheckpointManager(s3_env.url(s3_env.fresh_prefix("one")),
-                               backend=ZarrBackend())
+
+    mgr = sp.CheckpointManager(s3_env.url(s3_env.fresh_prefix("one")), backend=ZarrBackend())
     mgr.save(1, state(1))
     out = mgr.load()
     assert torch.equal(out["w"], state(1)["w"]) and out["step"] == 1
@@ -74,22 +76,24 @@ def test_an_observer_leaves_live_saves_and_named_prefixes_alone(s3_env):
     root = s3_env.url(s3_env.fresh_prefix("obs"))
     sp.CheckpointManager(root).save(1, state(1))
     store = S3Store.from_url(root)
-    live = "step_00000002/save-0123456789ab/tensors/w/c/0/0"      # a save of step 2 running
+    live = "step_00000002/save-0123456789ab/tensors/w/c/0/0"  # a save of step 2 running
     crashed = "step_00000001/save-abcdef012345/tensors/w/zarr.json"  # beside committed step 1
-    for key, data in ((live, b"x"), (crashed, b"{}")):      # both dead, leases expired
+    for key, data in ((live, b"x"), (crashed, b"{}")):  # both dead, leases expired
         save, _, rest = key.partition("/tensors/")
         crashed_save(store, save, {"tensors/" + rest: data})
     observer = sp.CheckpointManager(root)
     assert observer.all_steps() == [1]
-    assert observer.load()["step"] == 1            # its clean-up ran: both are recent
+    assert observer.load()["step"] == 1  # its clean-up ran: both are recent
     assert store.head(live) is not None and store.head(crashed) is not None
     steps = StepRoot(root)
     assert sorted(steps.clean_leftovers(min_age_s=3600)) == []
-    done = steps.clean_leftovers(min_age_s=0)       # as if both were 15 minutes old
-    assert sorted(done) == [f"{root}/step_00000001/save-abcdef012345",
-                            f"{root}/step_00000002/save-0123456789ab"]
+    done = steps.clean_leftovers(min_age_s=0)  # as if both were 15 minutes old
+    assert sorted(done) == [
+        f"{root}/step_00000001/save-abcdef012345",
+        f"{root}/step_00000002/save-0123456789ab",
+    ]
     assert step_prefixes(root) == ["step_00000001"]
-    assert verify_checkpoint(observer.path(1)).ok   # the named prefix stayed
+    assert verify_checkpoint(observer.path(1)).ok  # the named prefix stayed
 
 
 def test_a_step_removed_under_a_load_fails_it_cleanly(s3_env):
@@ -98,7 +102,7 @@ def test_a_step_removed_under_a_load_fails_it_cleanly(s3_env):
     from shardpoint_core.transactions.resolve import ZarrBackend
 
     class RemovedAfterManifest(ZarrBackend):
-        def read_manifest_with_identity(self, path):     # what a load reads the manifest by
+        def read_manifest_with_identity(self, path):  # what a load reads the manifest by
             got = super().read_manifest_with_identity(path)
             assert self.committer.remove(path)
             return got
@@ -130,17 +134,19 @@ json.dump({"loads": loads, "errors": errs, "mixed": mixed}, open(out, "w"))
 """
 
 
-@pytest.mark.slow     # ~15 s on the shared 2-core machine (a second torch process)
+@pytest.mark.slow  # ~15 s on the shared 2-core machine (a second torch process)
 def test_trainer_and_observer_share_an_s3_root(s3_env, tmp_path):
     """The file-system scenario of tests/api/test_manager_observer.py, small, on S3: every
     save succeeds and the kept steps verify while an observer loops on load()."""
     import json
+
     root = s3_env.url(s3_env.fresh_prefix("share"))
     stop, out = str(tmp_path / "stop"), str(tmp_path / "o.json")
-    obs = subprocess.Popen([sys.executable, "-c", textwrap.dedent(OBSERVER), stop, out, root],
-                           env=dict(os.environ))
+    obs = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(OBSERVER), stop, out, root], env=dict(os.environ)
+    )
     try:
-        for _ in range(600):                        # the observer runs before the saves start
+        for _ in range(600):  # the observer runs before the saves start
             if os.path.exists(out + ".ready") or obs.poll() is not None:
                 break
             time.sleep(0.05)

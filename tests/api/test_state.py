@@ -1,5 +1,6 @@
 """Model/optimizer/RNG state helpers and the inference loads: keyed by name, exact resumes,
 model-only loads that read no optimizer byte, casting and meta-device loads in one copy."""
+
 import os
 import random
 import subprocess
@@ -18,7 +19,7 @@ class Net(torch.nn.Module):
     def __init__(self, reverse=False):
         super().__init__()
         names = ["a", "b", "c"]
-        for n in (reversed(names) if reverse else names):   # parameter order differs
+        for n in reversed(names) if reverse else names:  # parameter order differs
             setattr(self, n, torch.nn.Linear(8, 8))
 
     def forward(self, x):
@@ -46,13 +47,14 @@ def test_optimizer_resume_by_name_is_exact(tmp_path, kind):
     model = Net()
     opt = OPTIMS[kind](model.parameters())
     _train(model, opt, 3)
-    sp.save({"model": sps.model_state(model), "optim": sps.optimizer_state(model, opt)},
-            tmp_path / "ck")
+    sp.save(
+        {"model": sps.model_state(model), "optim": sps.optimizer_state(model, opt)}, tmp_path / "ck"
+    )
     keys = sp.read_metadata(tmp_path / "ck").tensors
-    assert any(k.startswith("optim/state/b.weight/") for k in keys)     # names, not ints
+    assert any(k.startswith("optim/state/b.weight/") for k in keys)  # names, not ints
     assert not any(k.startswith("optim/state/0/") for k in keys)
 
-    fresh = Net(reverse=True)              # other init, other parameter order
+    fresh = Net(reverse=True)  # other init, other parameter order
     fopt = OPTIMS[kind](fresh.parameters())
     like = {"model": sps.model_state(fresh), "optim": sps.optimizer_state(fresh, fopt)}
     out = sp.load(tmp_path / "ck", like=like)
@@ -81,19 +83,21 @@ def test_model_only_load_reads_no_optimizer_byte(tmp_path):
     model = Net()
     opt = torch.optim.AdamW(model.parameters())
     _train(model, opt, 1)
-    sp.save({"model": sps.model_state(model), "optim": sps.optimizer_state(model, opt),
-             "step": 1}, tmp_path / "ck")
+    sp.save(
+        {"model": sps.model_state(model), "optim": sps.optimizer_state(model, opt), "step": 1},
+        tmp_path / "ck",
+    )
     rep = sp.LoadReport()
     infer = sps.load_model(tmp_path / "ck", Net(), report=rep)
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    assert rep.rank_bytes_read == model_bytes          # optimizer moments: 2x more, unread
+    assert rep.rank_bytes_read == model_bytes  # optimizer moments: 2x more, unread
     for n, t in model.state_dict().items():
         assert torch.equal(t, infer.state_dict()[n])
 
 
 def test_cast_on_load_and_compiled_prefix(tmp_path):
     model = Net().to(torch.bfloat16)
-    compiled = torch.compile(model)                     # names gain "_orig_mod."
+    compiled = torch.compile(model)  # names gain "_orig_mod."
     sp.save({"model": compiled.state_dict()}, tmp_path / "ck")
     with pytest.raises(sp.LayoutMismatchError, match="strip_prefix"):
         sps.load_model(tmp_path / "ck", Net())
@@ -102,7 +106,8 @@ def test_cast_on_load_and_compiled_prefix(tmp_path):
         assert fp32.state_dict()[n].dtype == torch.float32
         assert torch.equal(fp32.state_dict()[n], t.float()), n
     assert set(sps.model_state(compiled, strip_prefix=sps.COMPILED_PREFIX)) == set(
-        model.state_dict())
+        model.state_dict()
+    )
 
 
 _PEAK = textwrap.dedent("""
@@ -122,7 +127,7 @@ _PEAK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow   # passes alone; failed once when run after the rest of the file (not diagnosed)
+@pytest.mark.slow  # passes alone; failed once when run after the rest of the file (not diagnosed)
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
 def test_meta_device_load_holds_one_copy(tmp_path, src_dtype):
     """A 128 MiB fp32 model built on meta and loaded (same dtype, or cast from bf16) in a
@@ -130,14 +135,20 @@ def test_meta_device_load_holds_one_copy(tmp_path, src_dtype):
     two copies (loose bound: 1.75x; naive init-then-load is 2x and more). One malloc arena:
     with glibc's default of one per thread, chunk buffers freed by TensorStore's threads stay
     in RSS (1.4x-1.8x here), which measures the allocator, not what the load holds."""
-    src = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False, dtype=src_dtype)
-                                for _ in range(8)])
+    src = torch.nn.Sequential(
+        *[torch.nn.Linear(2048, 2048, bias=False, dtype=src_dtype) for _ in range(8)]
+    )
     sp.save({"model": src.state_dict()}, tmp_path / "ck")
     del src
-    r = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / "ck"), str(tmp_path / "w")],
-                       capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"})
+    r = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(tmp_path / "ck"), str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"},
+    )
     assert r.returncode == 0, r.stderr
     nbytes, grew = map(int, r.stdout.split())
     assert nbytes == 8 * 2048 * 2048 * 4
-    assert grew < 1.75 * nbytes, (grew / nbytes, r.stderr[-2000:])   # measured: 1.15x-1.5x
+    assert grew < 1.75 * nbytes, (grew / nbytes, r.stderr[-2000:])  # measured: 1.15x-1.5x

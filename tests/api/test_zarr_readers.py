@@ -1,6 +1,7 @@
 """Generic Zarr readers on shardpoint checkpoints (issue 33, item 4): zarr-python and TensorStore
 read every dtype of the spec's table bit for bit, at the location ``zarr_path`` resolves through
 the manifest, and a checkpoint browses as a Zarr group ([SP-LAYOUT-5])."""
+
 import json
 import os
 
@@ -13,7 +14,11 @@ from shardpoint_core.format.dtypes import DTYPES
 from shardpoint_core.verify import verify_checkpoint
 from shardpoint_core.transactions.backend import ZarrBackend
 from shardpoint_core.arrays.groups import GROUP_JSON
-from shardpoint_core.transactions.zarr_compat import register_zarr_dtypes, zarr_group_path, zarr_path
+from shardpoint_core.transactions.zarr_compat import (
+    register_zarr_dtypes,
+    zarr_group_path,
+    zarr_path,
+)
 
 zarr = pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")
@@ -23,8 +28,9 @@ def _bits(name: str, shape: tuple, seed: int) -> np.ndarray:
     """Random bytes as an array of dtype ``name`` (NaN payloads, subnormals and all); bools
     0/1 only."""
     dt = DTYPES[name].numpy
-    raw = np.random.default_rng(seed).integers(0, 256, (int(np.prod(shape)) * dt.itemsize,),
-                                               dtype=np.uint8)
+    raw = np.random.default_rng(seed).integers(
+        0, 256, (int(np.prod(shape)) * dt.itemsize,), dtype=np.uint8
+    )
     if name == "bool":
         raw &= 1
     return raw.view(dt).reshape(shape)
@@ -43,8 +49,12 @@ def _leaves(state: dict) -> dict:
 
 
 def _ts_read(path: str) -> np.ndarray:
-    return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}},
-                   open=True).result().read().result()
+    return (
+        ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}, open=True)
+        .result()
+        .read()
+        .result()
+    )
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
@@ -53,7 +63,7 @@ def test_every_dtype_reads_bit_for_bit_through_zarr_python_and_tensorstore(tmp_c
     be = ZarrBackend(shard_above_bytes=16, inner_chunk_bytes=8) if sharded else None
     sp.save(state, tmp_ckpt, backend=be)
     register_zarr_dtypes()
-    register_zarr_dtypes()          # idempotent
+    register_zarr_dtypes()  # idempotent
     leaves = _leaves(state)
     assert {k.split("/")[1] for k in leaves if k.startswith("dt/")} == set(DTYPES)
     for key, want in leaves.items():
@@ -76,8 +86,9 @@ def test_zarr_path_names_a_missing_key(tmp_ckpt):
 
 
 def test_a_checkpoint_browses_as_a_zarr_group(tmp_ckpt):
-    sp.save({"model": {"Enc": [torch.arange(6).reshape(2, 3)], "b": torch.ones(2)},
-             "step": 3}, tmp_ckpt)
+    sp.save(
+        {"model": {"Enc": [torch.arange(6).reshape(2, 3)], "b": torch.ones(2)}, "step": 3}, tmp_ckpt
+    )
     for d in ("", "tensors", "tensors/model", "tensors/model/Enc~1"):
         with open(os.path.join(tmp_ckpt, d, "zarr.json"), "rb") as f:
             assert f.read() == GROUP_JSON, d
@@ -99,25 +110,42 @@ def test_object_store_arrays_and_groups_lie_below_the_save_prefix(s3_env):
     state = _state()
     sp.save(state, url)
     from shardpoint_core.stores.registry import bucket_store
+
     store, key = bucket_store(url, "test")
     for k, want in _leaves(state).items():
         where = zarr_path(url, k)
-        save_dir = where[len(url) + 1:].split("/")[0]
+        save_dir = where[len(url) + 1 :].split("/")[0]
         assert save_dir.startswith("save-") and where.endswith(f"/tensors/{k}")
-        got = ts.open({"driver": "zarr3", "kvstore": {
-            "driver": "s3", "bucket": s3_env.bucket, "path": where.split("/", 3)[3] + "/",
-            "endpoint": os.environ["AWS_ENDPOINT_URL"],
-            "aws_region": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}},
-            open=True).result().read().result()
+        got = (
+            ts.open(
+                {
+                    "driver": "zarr3",
+                    "kvstore": {
+                        "driver": "s3",
+                        "bucket": s3_env.bucket,
+                        "path": where.split("/", 3)[3] + "/",
+                        "endpoint": os.environ["AWS_ENDPOINT_URL"],
+                        "aws_region": os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+                    },
+                },
+                open=True,
+            )
+            .result()
+            .read()
+            .result()
+        )
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), k
-    obstore = pytest.importorskip("obstore")       # zarr-python's S3 route without fsspec
+    obstore = pytest.importorskip("obstore")  # zarr-python's S3 route without fsspec
     register_zarr_dtypes()
     s3 = obstore.store.S3Store(
-        s3_env.bucket, prefix=zarr_group_path(url).split("/", 3)[3],
-        endpoint=os.environ["AWS_ENDPOINT_URL"], region=os.environ["AWS_REGION"],
+        s3_env.bucket,
+        prefix=zarr_group_path(url).split("/", 3)[3],
+        endpoint=os.environ["AWS_ENDPOINT_URL"],
+        region=os.environ["AWS_REGION"],
         access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
         secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
-        client_options={"allow_http": True})
+        client_options={"allow_http": True},
+    )
     group = zarr.open_group(zarr.storage.ObjectStore(s3, read_only=True), mode="r")
     for k, want in _leaves(state).items():
         got = group[f"tensors/{k}"][...]

@@ -8,6 +8,7 @@ async save's background phase or a load fails every surviving rank with ``RankLo
 within the group's timeout, with nothing half-written visible and ``recover`` cleaning up.
 Everything the cluster created is gone afterwards. Skipped with the reason when not root.
 """
+
 import os
 import re
 import shlex
@@ -21,8 +22,9 @@ import torch
 import shardpoint as sp
 from shardpoint_testing import cluster as cl
 
-pytestmark = pytest.mark.skipif(cl.unavailable_reason() is not None,
-                                reason=cl.unavailable_reason() or "")
+pytestmark = pytest.mark.skipif(
+    cl.unavailable_reason() is not None, reason=cl.unavailable_reason() or ""
+)
 
 ROWS, COLS = 64, 96
 
@@ -32,6 +34,7 @@ def _one_cluster_at_a_time():
     """The tests check that the machine's namespaces are as before: clusters of this
     module run one at a time, also across pytest-xdist workers (a lock file)."""
     import fcntl
+
     with open(os.path.join(tempfile.gettempdir(), "shardpoint-cluster-tests.lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -48,22 +51,32 @@ def _netns() -> set:
 def _by_rows(rank: int, world: int) -> sp.ShardedTensor:
     n = ROWS // world
     full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
-    return sp.ShardedTensor(full[rank * n:(rank + 1) * n].clone(), (ROWS, COLS), (rank * n, 0))
+    return sp.ShardedTensor(full[rank * n : (rank + 1) * n].clone(), (ROWS, COLS), (rank * n, 0))
 
 
 def _round_trip(rank, world, root):
     from shardpoint.exchange.topology import host_identity
-    state = {"w": _by_rows(rank, world), "b": torch.full((8,), 3.0, dtype=torch.bfloat16),
-             "step": 7}
+
+    state = {
+        "w": _by_rows(rank, world),
+        "b": torch.full((8,), 3.0, dtype=torch.bfloat16),
+        "step": 7,
+    }
     sp.save(state, f"{root}/ck")
     n = COLS // world
-    like = {"w": sp.ShardedTensor(torch.zeros(ROWS, n), (ROWS, COLS), (0, rank * n)),
-            "b": torch.zeros(8, dtype=torch.bfloat16), "step": 0}
+    like = {
+        "w": sp.ShardedTensor(torch.zeros(ROWS, n), (ROWS, COLS), (0, rank * n)),
+        "b": torch.zeros(8, dtype=torch.bfloat16),
+        "step": 0,
+    }
     report = sp.LoadReport()
     out = sp.load(f"{root}/ck", like=like, report=report)
     full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
-    ok = torch.equal(out["w"], full[:, rank * n:(rank + 1) * n]) and out["step"] == 7 and \
-        torch.equal(out["b"], torch.full((8,), 3.0, dtype=torch.bfloat16))
+    ok = (
+        torch.equal(out["w"], full[:, rank * n : (rank + 1) * n])
+        and out["step"] == 7
+        and torch.equal(out["b"], torch.full((8,), 3.0, dtype=torch.bfloat16))
+    )
     return host_identity(), ok, report.costs.get("hosts"), report.choice()
 
 
@@ -90,13 +103,17 @@ def test_host_identity_follows_the_launchers(monkeypatch):
     multi-node run; an explicit ``host_id`` always wins."""
     import socket
     from shardpoint.exchange.topology import host_identity
+
     name = socket.gethostname()
     assert host_identity(environ={}) == name
     assert host_identity(environ={"GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1"}) == name
-    assert host_identity(environ={"GROUP_RANK": "3", "GROUP_WORLD_SIZE": "4"}) == \
-        f"{name}#node3"
-    assert host_identity(environ={"SLURMD_NODENAME": "gpu017", "GROUP_RANK": "3",
-                                  "GROUP_WORLD_SIZE": "4"}) == "gpu017"
+    assert host_identity(environ={"GROUP_RANK": "3", "GROUP_WORLD_SIZE": "4"}) == f"{name}#node3"
+    assert (
+        host_identity(
+            environ={"SLURMD_NODENAME": "gpu017", "GROUP_RANK": "3", "GROUP_WORLD_SIZE": "4"}
+        )
+        == "gpu017"
+    )
     assert host_identity("mine", environ={"SLURMD_NODENAME": "gpu017"}) == "mine"
 
 
@@ -110,8 +127,8 @@ def test_cluster_is_removed_after_a_failure_inside():
 
 
 # ---------------------------------------------------------------------------- failures
-PG_TIMEOUT = 10.0      # the group's timeout: the bound the docs state for a lost peer
-MARGIN = 30.0          # process scheduling on a loaded 2-core machine
+PG_TIMEOUT = 10.0  # the group's timeout: the bound the docs state for a lost peer
+MARGIN = 30.0  # process scheduling on a loaded 2-core machine
 
 
 class _SlowWrites:
@@ -120,6 +137,7 @@ class _SlowWrites:
 
     def __init__(self, root: str, rank: int) -> None:
         from shardpoint_core.transactions.resolve import get_backend
+
         self.inner, self.root, self.rank = get_backend(), root, rank
 
     def __getattr__(self, name):
@@ -145,13 +163,14 @@ def _fail_job(rank, world, root, what):
     try:
         if what == "load":
             n = COLS // world
-            like = {k: sp.ShardedTensor(torch.zeros(ROWS, n), (ROWS, COLS), (0, rank * n))
-                    for k in state}
-            sp.load(f"{root}/ck", like=like, backend=be,
-                    options=sp.LoadOptions(strategy="dedup"))
+            like = {
+                k: sp.ShardedTensor(torch.zeros(ROWS, n), (ROWS, COLS), (0, rank * n))
+                for k in state
+            }
+            sp.load(f"{root}/ck", like=like, backend=be, options=sp.LoadOptions(strategy="dedup"))
         else:
             sp.save(state, f"{root}/new", backend=be, async_save=what == "async")
-            sp.save({}, f"{root}/after")    # an async save's error surfaces here at the latest
+            sp.save({}, f"{root}/after")  # an async save's error surfaces here at the latest
         out = "no error"
     except BaseException as e:  # noqa: BLE001 - the outcome is the test's subject
         out = f"{type(e).__name__}: {e}"
@@ -172,9 +191,17 @@ def _strike(c: cl.Cluster, what: str, how: str, root: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("what,how", [("save", "kill"), ("save", "cut"), ("async", "kill"),
-                                      ("async", "cut"),
-                                      ("load", "cut"), ("load", "kill")])
+@pytest.mark.parametrize(
+    "what,how",
+    [
+        ("save", "kill"),
+        ("save", "cut"),
+        ("async", "kill"),
+        ("async", "cut"),
+        ("load", "cut"),
+        ("load", "kill"),
+    ],
+)
 def test_a_lost_host_fails_every_survivor_within_the_group_timeout(tmp_path, what, how):
     """Host 1 of 2 (2 ranks each) is killed or cut off while every rank writes (a save, an
     async save's background phase) or reads (a load): each surviving rank raises
@@ -196,8 +223,10 @@ def test_a_lost_host_fails_every_survivor_within_the_group_timeout(tmp_path, wha
     left = sorted(n for n in os.listdir(tmp_path) if not n.startswith(("writing", "reading")))
     assert left == (["ck"] if what == "load" else []), left
     if what == "load":
-        assert torch.equal(sp.load(str(tmp_path / "ck"))["t0"],
-                           torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS))
+        assert torch.equal(
+            sp.load(str(tmp_path / "ck"))["t0"],
+            torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS),
+        )
 
 
 def test_cost_model_prices_host_links_and_the_storage_total():
@@ -206,6 +235,7 @@ def test_cost_model_prices_host_links_and_the_storage_total():
     little in total makes dedup the cheaper; fast storage behind slow host links makes
     direct the cheaper (dedup's reads and receipts both pass each host's link)."""
     from shardpoint.planning.load_planner import choose_strategy
+
     G = 10**9
     hosts = ["a", "a", "b", "b"]
     args = (hosts, G, [G // 2] * 4, {"a": G, "b": G}, 10.0, 100.0)
@@ -214,8 +244,8 @@ def test_cost_model_prices_host_links_and_the_storage_total():
     assert tight.strategy == "dedup", tight
     slow_links = choose_strategy(*args, **kw, link_gbps=1.0)
     assert slow_links.strategy == "direct", slow_links
-    assert slow_links.direct_s == pytest.approx(1.0)     # each host reads 1 GB over 1 GB/s
-    assert slow_links.dedup_s == pytest.approx(0.5 + 1.0)   # half read, then 2 x 0.5 received
+    assert slow_links.direct_s == pytest.approx(1.0)  # each host reads 1 GB over 1 GB/s
+    assert slow_links.dedup_s == pytest.approx(0.5 + 1.0)  # half read, then 2 x 0.5 received
 
 
 @pytest.mark.slow
@@ -223,11 +253,29 @@ def test_conformance_run_on_two_hosts(tmp_path, capsys):
     """``shardpoint conformance run --hosts 2 --ranks-per-host 2``: the cases save and load
     across two hosts' namespaces over shaped links and pass; the cluster is gone after."""
     from shardpoint_conformance import cli
+
     before = _netns()
     out = tmp_path / "rows.json"
-    rc = cli.main(["run", "--hosts", "2", "--ranks-per-host", "2", "--link-mbit", "1000",
-                   "--cases", "3", "--seed", "23", "--dir", str(tmp_path / "c"),
-                   "--json", str(out), "--no-vectors"])
+    rc = cli.main(
+        [
+            "run",
+            "--hosts",
+            "2",
+            "--ranks-per-host",
+            "2",
+            "--link-mbit",
+            "1000",
+            "--cases",
+            "3",
+            "--seed",
+            "23",
+            "--dir",
+            str(tmp_path / "c"),
+            "--json",
+            str(out),
+            "--no-vectors",
+        ]
+    )
     text = capsys.readouterr().out
     rows = __import__("json").loads(out.read_text())
     assert rc == 0 and len(rows) == 3 and all(r["ok"] for r in rows), text
@@ -238,27 +286,38 @@ def test_conformance_run_on_two_hosts(tmp_path, capsys):
 
 def test_conformance_run_hosts_refuses_other_world_sizes(capsys):
     from shardpoint_conformance import cli
-    rc = cli.main(["run", "--hosts", "2", "--ranks-per-host", "2", "--save-world-sizes", "3",
-                   "--no-vectors"])
+
+    rc = cli.main(
+        ["run", "--hosts", "2", "--ranks-per-host", "2", "--save-world-sizes", "3", "--no-vectors"]
+    )
     assert rc == 2 and "worlds of 4" in capsys.readouterr().err
 
 
 def _s3_round_trip(rank, world, url):
     """Save by rows to ``url`` (the storage host's S3 server), load by columns."""
-    state = {"w": _by_rows(rank, world), "b": torch.full((8,), 3.0, dtype=torch.bfloat16),
-             "step": 7}
+    state = {
+        "w": _by_rows(rank, world),
+        "b": torch.full((8,), 3.0, dtype=torch.bfloat16),
+        "step": 7,
+    }
     sp.save(state, url)
     n = COLS // world
-    like = {"w": sp.ShardedTensor(torch.zeros(ROWS, n), (ROWS, COLS), (0, rank * n)),
-            "b": torch.zeros(8, dtype=torch.bfloat16), "step": 0}
+    like = {
+        "w": sp.ShardedTensor(torch.zeros(ROWS, n), (ROWS, COLS), (0, rank * n)),
+        "b": torch.zeros(8, dtype=torch.bfloat16),
+        "step": 0,
+    }
     out = sp.load(url, like=like)
     full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
-    return (torch.equal(out["w"], full[:, rank * n:(rank + 1) * n]) and out["step"] == 7
-            and torch.equal(out["b"], torch.full((8,), 3.0, dtype=torch.bfloat16)),
-            os.environ["AWS_ENDPOINT_URL"])
+    return (
+        torch.equal(out["w"], full[:, rank * n : (rank + 1) * n])
+        and out["step"] == 7
+        and torch.equal(out["b"], torch.full((8,), 3.0, dtype=torch.bfloat16)),
+        os.environ["AWS_ENDPOINT_URL"],
+    )
 
 
-@pytest.mark.slow      # the conformance run on the storage host's S3 below covers it by default
+@pytest.mark.slow  # the conformance run on the storage host's S3 below covers it by default
 def test_s3_on_the_storage_host_save_and_resharded_load():
     """The S3-compatible server runs on the storage host: 2 hosts save by rows to s3:// and
     load by columns bit for bit, every byte crossing the storage host's shaped link (its
@@ -268,8 +327,7 @@ def test_s3_on_the_storage_host_save_and_resharded_load():
         s3 = c.s3_server()
         assert s3.endpoint == f"http://{cl.STORAGE_ADDR}:9000"
         crossed = c.link_bytes(-1)
-        got = c.run(_s3_round_trip, s3.url("run/step_1"), env=s3.env(), timeout=180,
-                    pg_timeout=60)
+        got = c.run(_s3_round_trip, s3.url("run/step_1"), env=s3.env(), timeout=180, pg_timeout=60)
         crossed = c.link_bytes(-1) - crossed
         ours = set(c.host_ns) | {c.switch, c.storage}
     assert got == [(True, s3.endpoint)] * 2, got
@@ -277,12 +335,17 @@ def test_s3_on_the_storage_host_save_and_resharded_load():
     assert not (ours & _netns()) and _netns() == before
 
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "docs", "how-to", "conformance.md")   # the docs' command
+README = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "docs",
+    "how-to",
+    "conformance.md",
+)  # the docs' command
 
 
 def _conformance_on_storage_s3(args: list, tmp_path, capsys) -> tuple:
     from shardpoint_conformance import cli
+
     before = _netns()
     out = tmp_path / "rows.json"
     rc = cli.main(args + ["--seed", "23", "--json", str(out), "--no-vectors"])
@@ -290,10 +353,10 @@ def _conformance_on_storage_s3(args: list, tmp_path, capsys) -> tuple:
     rows = __import__("json").loads(out.read_text()) if out.exists() else []
     assert rc == 0 and rows and all(r["ok"] for r in rows), text
     assert f"S3-compatible server at http://{cl.STORAGE_ADDR}:9000" in text, text
-    for r in rows:      # listed on the storage host by boto3, not through shardpoint's store
+    for r in rows:  # listed on the storage host by boto3, not through shardpoint's store
         assert r["stored"]["manifest"] and r["stored"]["bytes"] >= r["bytes"], r
     crossed = int(re.search(r"the storage link carried (\d+) bytes", text).group(1))
-    assert crossed >= sum(r["stored"]["bytes"] for r in rows), text   # written, then read
+    assert crossed >= sum(r["stored"]["bytes"] for r in rows), text  # written, then read
     assert _netns() == before
     return rows, text
 
@@ -303,8 +366,11 @@ def test_conformance_run_on_the_storage_hosts_s3(tmp_path, capsys):
     cases on the S3 server of the cluster's storage host (each rank over its host's link and
     the storage link); they pass, the server holds each case's manifest and chunks, the
     storage link carried at least those bytes, and the cluster is gone after."""
-    line = next(x for x in open(README).read().splitlines()
-                if x.startswith("sudo shardpoint conformance run") and "--store s3" in x)
+    line = next(
+        x
+        for x in open(README).read().splitlines()
+        if x.startswith("sudo shardpoint conformance run") and "--store s3" in x
+    )
     args = shlex.split(line)[3:]
     assert args[:1] == ["run"] and "--hosts" in args, line
     rows, _ = _conformance_on_storage_s3(args, tmp_path, capsys)
@@ -314,17 +380,32 @@ def test_conformance_run_on_the_storage_hosts_s3(tmp_path, capsys):
 @pytest.mark.slow
 def test_conformance_run_on_the_storage_hosts_s3_two_ranks_per_host(tmp_path, capsys):
     rows, text = _conformance_on_storage_s3(
-        ["run", "--hosts", "2", "--ranks-per-host", "2", "--link-mbit", "500", "--store",
-         "s3://my-bucket/runs/a", "--cases", "6"], tmp_path, capsys)
+        [
+            "run",
+            "--hosts",
+            "2",
+            "--ranks-per-host",
+            "2",
+            "--link-mbit",
+            "500",
+            "--store",
+            "s3://my-bucket/runs/a",
+            "--cases",
+            "6",
+        ],
+        tmp_path,
+        capsys,
+    )
     assert {(r["save_world"], r["load_world"]) for r in rows} == {(4, 4)} and len(rows) == 6
     assert "under s3://my-bucket/runs/a" in text and "500 Mbit/s" in text
 
 
 def test_conformance_run_hosts_refuses_a_store_it_cannot_serve(capsys):
     from shardpoint_conformance import cli
+
     rc = cli.main(["run", "--hosts", "2", "--store", "gs://b/p", "--no-vectors"])
     assert rc == 2 and "--store s3://BUCKET/PREFIX" in capsys.readouterr().err
-    rc = cli.main(["run", "--store", "s3", "--no-vectors"])      # not a local folder "s3"
+    rc = cli.main(["run", "--store", "s3", "--no-vectors"])  # not a local folder "s3"
     assert rc == 2 and "(--hosts)" in capsys.readouterr().err
 
 
@@ -334,13 +415,17 @@ def test_a_sigkilled_owner_leaves_no_namespace_or_directory_behind():
     directory, and nothing else."""
     import signal
     import sys
+
     before = _netns()
-    code = ("import sys; from shardpoint_testing.cluster import Cluster\n"
-            "c = Cluster(1, 1)\n"
-            "p = c.popen_host(0, ['sleep', '600'])\n"
-            "print(c.shared_dir, p.pid, *c._created, flush=True); sys.stdin.read()\n")
-    owner = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys; from shardpoint_testing.cluster import Cluster\n"
+        "c = Cluster(1, 1)\n"
+        "p = c.popen_host(0, ['sleep', '600'])\n"
+        "print(c.shared_dir, p.pid, *c._created, flush=True); sys.stdin.read()\n"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         shared, sleeper, *made = owner.stdout.readline().split()
         assert made and set(made) <= _netns() and os.path.isdir(shared), made
@@ -351,9 +436,11 @@ def test_a_sigkilled_owner_leaves_no_namespace_or_directory_behind():
             time.sleep(0.1)
         assert not set(made) & _netns(), "namespaces outlived their SIGKILLed owner"
         assert not os.path.exists(shared)
-        assert not os.path.exists(f"/proc/{sleeper}/cmdline") or \
-            "sleep" not in open(f"/proc/{sleeper}/cmdline").read()
-        assert before <= _netns() | set(made)       # nothing else was touched
+        assert (
+            not os.path.exists(f"/proc/{sleeper}/cmdline")
+            or "sleep" not in open(f"/proc/{sleeper}/cmdline").read()
+        )
+        assert before <= _netns() | set(made)  # nothing else was touched
     finally:
         if owner.poll() is None:
             owner.kill()

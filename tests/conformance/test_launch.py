@@ -1,14 +1,19 @@
 """The process launcher shared by the tests, the demo and the conformance suite
 (``shardpoint_testing.launch``): scripts forked from its fork server behave as
 ``python script`` / ``python -c`` does, and the fork server's preload reaches the ranks."""
+
 import sys
 
 from shardpoint_testing.launch import run_code, run_script, run_world
 
 
 def test_run_code_reports_output_exit_codes_and_tracebacks(tmp_path):
-    r = run_code("import os, sys; print(os.getcwd(), sys.argv[1:]); "
-                 "print('to stderr', file=sys.stderr)", "a", 2, cwd=tmp_path)
+    r = run_code(
+        "import os, sys; print(os.getcwd(), sys.argv[1:]); print('to stderr', file=sys.stderr)",
+        "a",
+        2,
+        cwd=tmp_path,
+    )
     assert (r.returncode, r.stdout, r.stderr) == (0, f"{tmp_path} ['a', '2']\n", "to stderr\n")
     assert run_code("import sys; sys.exit(3)").returncode == 3
     r = run_code("import sys; sys.exit('no such world')")
@@ -18,16 +23,19 @@ def test_run_code_reports_output_exit_codes_and_tracebacks(tmp_path):
 
 
 def test_run_code_joins_threads_and_runs_atexit_like_an_interpreter_exit():
-    r = run_code("import atexit, threading, time\n"
-                 "atexit.register(lambda: print('atexit'))\n"
-                 "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()")
+    r = run_code(
+        "import atexit, threading, time\n"
+        "atexit.register(lambda: print('atexit'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()"
+    )
     assert (r.returncode, r.stdout) == (0, "thread\natexit\n")
 
 
 def test_run_script_puts_the_scripts_folder_first_and_sets_argv(tmp_path):
     (tmp_path / "helper_mod.py").write_text("VALUE = 7\n")
-    (tmp_path / "main.py").write_text("import sys, helper_mod\n"
-                                      "print(__name__, sys.argv[1:], helper_mod.VALUE)\n")
+    (tmp_path / "main.py").write_text(
+        "import sys, helper_mod\nprint(__name__, sys.argv[1:], helper_mod.VALUE)\n"
+    )
     r = run_script(str(tmp_path / "main.py"), "x", env={"PATH": "/usr/bin"})
     assert (r.returncode, r.stdout) == (0, "__main__ ['x'] 7\n"), r
 

@@ -1,6 +1,7 @@
 """The tests' S3-compatible server (``shardpoint_testing.s3``) and GCS emulator die with the process that
 started it: a test run that is SIGKILLed cannot stop its servers, and before this they
 outlived it, holding their ports and memory."""
+
 import os
 import signal
 import subprocess
@@ -32,7 +33,7 @@ sys.stdin.read()
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"   # a zombie is gone
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is gone
     except FileNotFoundError:
         return False
 
@@ -41,8 +42,9 @@ def test_servers_die_when_their_parent_is_sigkilled():
     """A parent starts both kinds of S3 server (moto's own on loopback, and the launched one
     the cluster's storage host runs) and the GCS emulator, then is killed with SIGKILL: both servers are gone
     within a few seconds."""
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     pids: list = []
     try:
         line = parent.stdout.readline()
@@ -58,6 +60,6 @@ def test_servers_die_when_their_parent_is_sigkilled():
         if parent.poll() is None:
             parent.kill()
             parent.wait(timeout=10)
-        for p in pids:          # only if the test failed: do not leave them behind
+        for p in pids:  # only if the test failed: do not leave them behind
             if _alive(p):
                 os.kill(p, signal.SIGKILL)

@@ -2,6 +2,7 @@
 read): one listing pass tells file kinds at every level ([SP-SEC-5]) without blocking on a
 FIFO, a missing array or zarr.json is [SP-ARRAY-1], and the remembered check of a zarr.json
 document never lets a second array past a check its own manifest entry fails."""
+
 import glob
 import json
 import os
@@ -56,7 +57,7 @@ DAMAGE = {
 @pytest.mark.parametrize("what", list(DAMAGE))
 def test_every_file_kind_is_checked_without_blocking(tmp_ckpt, tmp_path, what):
     sp.save({"w": torch.ones(4, 6)}, tmp_ckpt)
-    _open(tmp_ckpt)                                   # sound before the damage
+    _open(tmp_ckpt)  # sound before the damage
     rel, damage = DAMAGE[what]
     damage(os.path.join(tmp_ckpt, rel), tmp_path)
     err = _open_in_thread(tmp_ckpt)
@@ -81,7 +82,7 @@ def test_stray_regular_files_are_allowed_and_not_counted_as_chunks(tmp_ckpt):
     raw, chunks = checks.scan_array(tmp_ckpt, "tensors/w", "w")
     assert [os.path.relpath(e.path, tmp_ckpt) for e in chunks] == ["tensors/w/c/0/0"]
     assert json.loads(raw)["shape"] == [4, 6]
-    _, chunks = checks.scan_array(tmp_ckpt, "tensors/s", "s")      # 0-d: the chunk is "c"
+    _, chunks = checks.scan_array(tmp_ckpt, "tensors/s", "s")  # 0-d: the chunk is "c"
     assert [os.path.relpath(e.path, tmp_ckpt) for e in chunks] == ["tensors/s/c"]
     out = sp.load(tmp_ckpt)
     assert torch.equal(out["w"], torch.ones(4, 6)) and out["s"].item() == 2.5
@@ -92,7 +93,7 @@ def test_a_remembered_zarr_json_is_still_checked_against_each_manifest_entry(tmp
     # second's manifest entry says another shape, which must still be refused.
     sp.save({"w": torch.ones(4, 6)}, tmp_ckpt)
     meta = _open(tmp_ckpt)
-    assert _open(tmp_ckpt) is meta                     # remembered: parsed once
+    assert _open(tmp_ckpt) is meta  # remembered: parsed once
     with pytest.raises(CorruptCheckpointError) as e:
         _open(tmp_ckpt, shape=(4, 7), chunk=(4, 7))
     assert e.value.spec_id == "SP-ARRAY-2"
@@ -106,7 +107,7 @@ def test_a_refused_zarr_json_is_refused_every_time(tmp_ckpt):
     z = f"{tmp_ckpt}/tensors/w/zarr.json"
     with open(z, "rb") as f:
         raw = f.read()
-    with open(z, "wb") as f:       # the same document with a name repeated
+    with open(z, "wb") as f:  # the same document with a name repeated
         f.write(raw[:-1] + b',"zarr_format":3}')
     for _ in range(2):
         with pytest.raises(CorruptCheckpointError) as e:
@@ -124,12 +125,24 @@ def test_chunk_sizes_are_checked_from_the_listing(tmp_ckpt):
     assert e.value.spec_id == "SP-READ-3" and "extra bytes" in str(e.value)
 
 
-VECTORS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "spec", "vectors", "invalid")
+VECTORS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "spec",
+    "vectors",
+    "invalid",
+)
 
 
-@pytest.mark.parametrize("case", ["zarr_json_repeated_name", "zarr_json_too_deep",
-                                  "fill_value_minus_zero", "bad_zarr_json", "unknown_codec"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "zarr_json_repeated_name",
+        "zarr_json_too_deep",
+        "fill_value_minus_zero",
+        "bad_zarr_json",
+        "unknown_codec",
+    ],
+)
 def test_zarr_json_rules_hold_on_a_store_without_files(case):
     """The zarr.json vectors uploaded to ``memory://`` fail as on files: the object-store
     path parses by [SP-ARRAY-6] too (it took plain ``json.loads``, which accepted a
@@ -143,6 +156,7 @@ def test_zarr_json_rules_hold_on_a_store_without_files(case):
 
 def test_a_zarr_json_nested_past_the_recursion_limit_on_a_store_without_files():
     from shardpoint_core.stores.registry import bucket_store
+
     url = "memory://torch-deep/ckpt"
     sp.save({"w": torch.ones(3)}, url)
     store, key = bucket_store(url, "open")

@@ -1,4 +1,5 @@
 """Commit races between real processes: two saves to one new path."""
+
 import os
 
 import torch
@@ -10,6 +11,7 @@ class _MeetAtCommit:
 
     def __init__(self, barrier):
         from shardpoint_core.transactions.resolve import get_backend
+
         self.inner, self.barrier = get_backend(), barrier
 
     def __getattr__(self, name):
@@ -22,6 +24,7 @@ class _MeetAtCommit:
 
 def _racer(i, path, barrier, q):
     import shardpoint as sp
+
     try:
         sp.save({"w": torch.full((64,), float(i)), "who": i}, path, backend=_MeetAtCommit(barrier))
         q.put((i, "saved"))
@@ -36,7 +39,8 @@ def test_two_saves_racing_to_one_new_path_never_replace_each_other(tmp_path):
     directory is removed; what is at the path is the winner's checkpoint, bitwise."""
     import shardpoint as sp
     from shardpoint_testing.launch import process_context
-    ctx = process_context()       # forked from the preloaded server: no fresh torch import
+
+    ctx = process_context()  # forked from the preloaded server: no fresh torch import
     barrier, q = ctx.Barrier(2), ctx.Queue()
     path = str(tmp_path / "ckpt")
     procs = [ctx.Process(target=_racer, args=(i, path, barrier, q)) for i in (1, 2)]
@@ -49,4 +53,4 @@ def test_two_saves_racing_to_one_new_path_never_replace_each_other(tmp_path):
     winner = next(i for i, v in got.items() if v == "saved")
     back = sp.load(path)
     assert back["who"] == winner and torch.equal(back["w"], torch.full((64,), float(winner)))
-    assert os.listdir(tmp_path) == ["ckpt"]     # the loser's staging directory is gone
+    assert os.listdir(tmp_path) == ["ckpt"]  # the loser's staging directory is gone

@@ -2,6 +2,7 @@
 committer of the project: rename on local files, the marker protocol on memory://, on the
 real local S3 server and on the GCS emulator (with --runslow), and the router (PathCommitter) on local paths
 and on URLs. Same situations, same behaviour, same error classes."""
+
 import uuid
 
 import pytest
@@ -18,7 +19,7 @@ from tests.docs.blocks import find
 
 
 def _release_posix(committer, staging):
-    committer._locks.release(staging)      # what the saving process's exit does to its flock
+    committer._locks.release(staging)  # what the saving process's exit does to its flock
 
 
 def _locate(url):
@@ -58,7 +59,7 @@ class _ObjectStoreContract(CommitterTests):
         return StoreSite.of(store)
 
     def abandon(self, committer, staging):
-        stop_lease(committer.store, staging)    # no more renewals: expired by now + LATER_S
+        stop_lease(committer.store, staging)  # no more renewals: expired by now + LATER_S
 
 
 # The marker committer on memory:// is the documented example itself (how a third-party
@@ -76,14 +77,16 @@ class TestObjectStoreCommitterS3(_ObjectStoreContract):
     @pytest.fixture
     def store(self, s3_env):
         from shardpoint_core.stores.s3 import S3Store
+
         return S3Store.from_url(s3_env.url(s3_env.fresh_prefix("contract")))
 
 
-@pytest.mark.slow   # the same committer as on memory:// and S3 (the default run's), on a
-class TestObjectStoreCommitterGcs(_ObjectStoreContract):      # pure-Python emulator
+@pytest.mark.slow  # the same committer as on memory:// and S3 (the default run's), on a
+class TestObjectStoreCommitterGcs(_ObjectStoreContract):  # pure-Python emulator
     @pytest.fixture
     def store(self, gcs_env):
         from shardpoint_core.stores.gcs import GcsStore
+
         return GcsStore.from_url(gcs_env.url(gcs_env.fresh_prefix("contract")))
 
 

@@ -3,6 +3,7 @@
 replies, lost races and user objects named like save prefixes are the conformance suite's
 scenarios (shardpoint_conformance.commit_faults), run on S3 and GCS by
 tests/conformance/test_object_store_faults.py."""
+
 import os
 import signal
 import subprocess
@@ -25,13 +26,14 @@ from shardpoint_testing.s3 import FaultProxy  # noqa: E402
 
 from .test_s3_commit import keys, read, stage  # noqa: E402
 
-LATER = 3600.0          # seconds: every lease written in a test has long expired by then
+LATER = 3600.0  # seconds: every lease written in a test has long expired by then
 
 
 def marker_put(target):
     """A fault rule's test: the marker PUT of ``target``'s commit."""
-    return lambda method, path, n: (method == "PUT" and
-                                    path.split("?")[0].endswith(f"/{target}/manifest.msgpack"))
+    return lambda method, path, n: (
+        method == "PUT" and path.split("?")[0].endswith(f"/{target}/manifest.msgpack")
+    )
 
 
 def once(test, fault):
@@ -43,6 +45,7 @@ def once(test, fault):
             fired.append(n)
             return fault
         return None
+
     return rule
 
 
@@ -56,7 +59,7 @@ def test_a_paused_save_whose_prefix_recovery_removed_takes_its_marker_back(s3_en
     c = ObjectStoreCommitter(store, lease_s=30)
     c.publish(stage(store, c, "t", "old"), "t", overwrite=False)
     staging = stage(store, c, "t", "paused")
-    pause_lease(store, staging)                      # paused: no renewal from now on
+    pause_lease(store, staging)  # paused: no renewal from now on
     observer = ObjectStoreCommitter(S3Store.from_url(store.url))
     found = observer.leftovers("", now=time.time() + LATER)
     assert [lo.path for lo in found] == [staging] and found[0].in_use is False
@@ -80,8 +83,11 @@ def test_recovery_between_the_check_and_the_marker_put_is_undone(s3_env):
 
     def rule(method, path, n):
         if marker_put("t")(method, path, n) and not removed:
-            removed.extend(lo.path for lo in observer.leftovers("", now=time.time() + LATER)
-                           if observer.discard(lo.path, now=time.time() + LATER))
+            removed.extend(
+                lo.path
+                for lo in observer.leftovers("", now=time.time() + LATER)
+                if observer.discard(lo.path, now=time.time() + LATER)
+            )
         return None
 
     with FaultProxy(s3_env, rule) as proxy:
@@ -98,9 +104,9 @@ def test_a_live_save_is_never_removed_however_old_its_objects(s3_env):
     """A save whose objects are all old (a stalled chunk PUT) but whose lease is renewed is
     live: recovery's minimum age alone does not remove it ([SP-COMMIT-16])."""
     store = S3Store.from_url(s3_env.url(s3_env.fresh_prefix("live")))
-    c = ObjectStoreCommitter(store, lease_s=2.5)     # S3 times are whole seconds
+    c = ObjectStoreCommitter(store, lease_s=2.5)  # S3 times are whole seconds
     staging = stage(store, c, "t", "slow")
-    time.sleep(3.0)                                  # renewed (every 0.6 s) meanwhile
+    time.sleep(3.0)  # renewed (every 0.6 s) meanwhile
     observer = ObjectStoreCommitter(S3Store.from_url(store.url))
     [lo] = observer.leftovers("")
     assert lo.in_use is True
@@ -139,15 +145,17 @@ def test_sigstop_past_the_lease_then_recovery_then_resume(s3_env):
     c = ObjectStoreCommitter(store)
     c.publish(stage(store, c, "t", "old"), "t", overwrite=False)
     here = os.path.dirname(__file__)
-    proc = subprocess.Popen([sys.executable, "-c", PAUSED.format(paths=[here] + sys.path,
-                                                                 url=url)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSED.format(paths=[here] + sys.path, url=url)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         staging = proc.stdout.readline().strip()
         os.kill(proc.pid, signal.SIGSTOP)
-        time.sleep(2.5)                             # past its 1 s lease, no renewal
-        done = [lo.path for lo in c.leftovers("") if lo.in_use is False
-                and c.discard(lo.path)]
+        time.sleep(2.5)  # past its 1 s lease, no renewal
+        done = [lo.path for lo in c.leftovers("") if lo.in_use is False and c.discard(lo.path)]
         assert done == [staging]
         os.kill(proc.pid, signal.SIGCONT)
         out, _ = proc.communicate("go\n", timeout=60)

@@ -1,5 +1,6 @@
 """PosixCommitter on its own (no tensors): the protocol, the lock rule between two holders,
 the -old- fallback when no atomic exchange exists, and the managers' clean-up honouring it."""
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,7 @@ def test_a_second_holder_never_deletes_or_restores_a_live_save(tmp_path):
     # a crashed save (nobody holds the lock) is cleaned at once
     dead = PosixCommitter(fsync=False)
     left = _staged(dead, str(tmp_path / "step_00000002"), "bb22")
-    dead._locks.release(left)                      # the process died: its lock is gone
+    dead._locks.release(left)  # the process died: its lock is gone
     assert clean_leftovers(observer, str(tmp_path), lambda n: True) == [left]
     assert sorted(os.listdir(tmp_path)) == ["step_00000001"]
 
@@ -47,13 +48,13 @@ def test_retention_removes_only_unheld_checkpoints(tmp_path):
     c, other = PosixCommitter(fsync=False), PosixCommitter(fsync=False)
     target = str(tmp_path / "ckpt")
     c.publish(_staged(c, target, "cc33"), target, overwrite=False)
-    assert other._locks.take(target)               # a replacement of it holds the lock
+    assert other._locks.take(target)  # a replacement of it holds the lock
     assert c.remove(target) is False and c.state(target) == "committed"
     other._locks.release(target)
     assert c.remove(target) is True and os.listdir(tmp_path) == []
     os.mkdir(target)
     with pytest.raises(CheckpointNotFoundError, match="not a committed checkpoint"):
-        c.remove(target)          # the same class on every store (CommitterTests)
+        c.remove(target)  # the same class on every store (CommitterTests)
 
 
 def test_replacement_without_exchange_moves_the_old_one_aside_locked(tmp_path, monkeypatch):
@@ -64,7 +65,7 @@ def test_replacement_without_exchange_moves_the_old_one_aside_locked(tmp_path, m
     real_rename = os.rename
 
     def rename(a, b):
-        if ".shardpoint-old-" in b:                # the old one is moved aside, still locked
+        if ".shardpoint-old-" in b:  # the old one is moved aside, still locked
             real_rename(a, b)
             seen["old_locked"] = PosixCommitter().discard(b) is False
             return
@@ -85,7 +86,7 @@ def test_staging_deleted_before_its_lock_is_made_again(tmp_path, monkeypatch):
     real_take, calls = c._locks.take, []
 
     def take(path):
-        if not calls:                              # a cleaner wins the first race
+        if not calls:  # a cleaner wins the first race
             calls.append(path)
             os.rmdir(path)
         return real_take(path)

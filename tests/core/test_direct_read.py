@@ -1,6 +1,7 @@
 """Direct chunk reads (backend fast path): bitwise equal to TensorStore's reads for whole,
 partial, edge, strided, sharded and 0-d regions, without touching the TensorStore fallback;
 damage still falls back and raises the documented error."""
+
 import os
 
 import numpy as np
@@ -15,16 +16,18 @@ from shardpoint_core.transactions.backend import ZarrBackend
 
 BE = ZarrBackend(shard_above_bytes=4096, inner_chunk_bytes=1024)
 FAST = ZarrBackend(direct_reads=False)
-SMALL = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=1500))   # many chunks, ragged edges
+SMALL = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=1500))  # many chunks, ragged edges
 
 
 def _state():
     g = torch.Generator().manual_seed(3)
-    return {"a": torch.randn(37, 29, generator=g),                       # edge chunks
-            "b": torch.randn(64, 48, generator=g).to(torch.bfloat16),   # sharded
-            "c": torch.tensor(3.5, dtype=torch.float64),                 # 0-d
-            "d": torch.randint(0, 255, (5, 7, 9), generator=g, dtype=torch.uint8),
-            "e": torch.zeros(0, 4)}
+    return {
+        "a": torch.randn(37, 29, generator=g),  # edge chunks
+        "b": torch.randn(64, 48, generator=g).to(torch.bfloat16),  # sharded
+        "c": torch.tensor(3.5, dtype=torch.float64),  # 0-d
+        "d": torch.randint(0, 255, (5, 7, 9), generator=g, dtype=torch.uint8),
+        "e": torch.zeros(0, 4),
+    }
 
 
 def _open(path, key, be):
@@ -55,7 +58,7 @@ def test_direct_regions_match_tensorstore(tmp_ckpt, key):
         # a strided destination (a column slice of a wider buffer) too
         if shape:
             wide = torch.zeros(shape[:-1] + (shape[-1] + 3,), dtype=full.dtype)
-            dst = wide[..., 1:1 + shape[-1]]
+            dst = wide[..., 1 : 1 + shape[-1]]
             BE.wait([BE.read_into(h, off, to_numpy(dst))])
             assert torch.equal(dst, want) and not wide[..., 0].any()
         theirs = torch.empty(shape, dtype=full.dtype)
@@ -104,9 +107,10 @@ def _load_in_child(path, q):
 
 def test_a_forked_child_reads_with_a_pool_of_its_own(tmp_ckpt):
     import multiprocessing as mp
+
     st = _state()
     sp.save(st, tmp_ckpt, backend=BE)
-    sp.load(tmp_ckpt, like={"a": torch.empty(37, 29)}, backend=BE)   # parent's pool exists
+    sp.load(tmp_ckpt, like={"a": torch.empty(37, 29)}, backend=BE)  # parent's pool exists
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     p = ctx.Process(target=_load_in_child, args=(tmp_ckpt, q))

@@ -4,6 +4,7 @@ managers use, and what the store does where the emulator drops preconditions; th
 conditional mode (GCS's generation preconditions) through a proxy that enforces them
 (shardpoint_testing.gcs.PreconditionProxy): the contract again, a stale replacement refused,
 and the object-store commit's race of two saves (one wins, [SP-COMMIT-12])."""
+
 import pytest
 
 from shardpoint_core.format.errors import InvalidOptionError, StoreUnavailableError
@@ -14,8 +15,8 @@ pytest.importorskip("google.cloud.storage")
 from shardpoint_core.stores.gcs import GcsOptions, GcsStore, parse_gs_url  # noqa: E402
 
 
-@pytest.mark.slow     # the conditional contract below runs by default; sp.save and the
-class TestGcsStoreContract(StoreTests):   # manager run this mode in tests/api/test_gcs_api.py
+@pytest.mark.slow  # the conditional contract below runs by default; sp.save and the
+class TestGcsStoreContract(StoreTests):  # manager run this mode in tests/api/test_gcs_api.py
     """The shipped store contract on the emulator (conditional writes off: it ignores them,
     so ``if_absent`` is the store's check-then-write there)."""
 
@@ -23,7 +24,7 @@ class TestGcsStoreContract(StoreTests):   # manager run this mode in tests/api/t
     def store(self, gcs_env):
         return GcsStore.from_url(gcs_env.url(gcs_env.fresh_prefix("contract")))
 
-    @pytest.mark.slow          # 160 requests on a pure-Python emulator
+    @pytest.mark.slow  # 160 requests on a pure-Python emulator
     def test_threads(self, store):
         super().test_threads(store)
 
@@ -34,11 +35,11 @@ def test_urls_registry_and_capabilities(gcs_env, monkeypatch):
         parse_gs_url("gs:///nobucket")
     s = open_store(gcs_env.url("run"))
     assert isinstance(s, GcsStore) and s.url == gcs_env.url("run")
-    assert not s.capabilities.conditional_put            # the emulator's env turns them off
+    assert not s.capabilities.conditional_put  # the emulator's env turns them off
     with pytest.raises(InvalidOptionError, match="conditional writes are off"):
         s.put("k", b"x", if_match="1")
     monkeypatch.delenv("SHARDPOINT_GCS_CONDITIONAL_WRITES")
-    on = GcsStore.from_url("gs://b/run")                   # real GCS: on by default
+    on = GcsStore.from_url("gs://b/run")  # real GCS: on by default
     assert on.capabilities.conditional_put and on.capabilities.conditional_replace
     assert not GcsStore.from_url("gs://b", GcsOptions(conditional_writes=False)).conditional
 
@@ -52,12 +53,13 @@ def test_children_version_and_mtime(gcs_env):
     a, b = s.head("top"), next(iter(s.list("top")))
     assert a.size == b.size == 3 and a.version == b.version and a.mtime > 0
     s.put("top", b"new")
-    assert s.head("top").version != a.version              # a generation per write
+    assert s.head("top").version != a.version  # a generation per write
 
 
 def test_unreachable_endpoint_is_a_clear_error():
-    s = GcsStore.from_url("gs://b/x", GcsOptions(endpoint_url="http://127.0.0.1:9",
-                                                 retry_timeout_s=1, timeout_s=1))
+    s = GcsStore.from_url(
+        "gs://b/x", GcsOptions(endpoint_url="http://127.0.0.1:9", retry_timeout_s=1, timeout_s=1)
+    )
     with pytest.raises(StoreUnavailableError, match="127.0.0.1:9"):
         s.get("k")
 
@@ -65,6 +67,7 @@ def test_unreachable_endpoint_is_a_clear_error():
 @pytest.fixture(scope="module")
 def strict_gcs(gcs_server):
     from shardpoint_testing.gcs import PreconditionProxy
+
     with PreconditionProxy(gcs_server) as proxy:
         yield proxy
 
@@ -95,9 +98,9 @@ def test_replacement_of_a_generation_that_changed_is_refused(strict_env, strict_
     s = GcsStore.from_url(strict_env.url(strict_env.fresh_prefix("match")))
     s.put("m", b"one", if_absent=True)
     first = s.head("m").version
-    s.put("m", b"two", if_match=first)                     # the one read: replaced
+    s.put("m", b"two", if_match=first)  # the one read: replaced
     with pytest.raises(FileExistsError):
-        s.put("m", b"three", if_match=first)               # stale: someone replaced it
+        s.put("m", b"three", if_match=first)  # stale: someone replaced it
     assert s.get("m") == b"two" and strict_gcs.refused >= 1
 
 
@@ -108,8 +111,12 @@ def test_of_two_commits_to_one_target_one_wins(strict_env):
     CheckpointExistsError and the winner's checkpoint stays whole ([SP-COMMIT-12])."""
     from shardpoint_core.commit.object_store import ObjectStoreCommitter
     from shardpoint_core.format.errors import CheckpointExistsError
-    from shardpoint_core.format.manifest import (Manifest, TensorEntry, decode_manifest,
-                                                 encode_manifest)
+    from shardpoint_core.format.manifest import (
+        Manifest,
+        TensorEntry,
+        decode_manifest,
+        encode_manifest,
+    )
 
     store = GcsStore.from_url(strict_env.url(strict_env.fresh_prefix("race")))
     plain = ObjectStoreCommitter(store)
@@ -117,8 +124,11 @@ def test_of_two_commits_to_one_target_one_wins(strict_env):
     def stage(token, label):
         staging = plain.begin("ck", token)
         store.put(f"{staging}/tensors/w/c/0", label.encode())
-        m = Manifest(wire_tree={"dict": [["w", {"tensor": "w"}]]}, objects={},
-                     tensors={"w": TensorEntry("w", "tensors/w", (1,), "uint8", (1,))})
+        m = Manifest(
+            wire_tree={"dict": [["w", {"tensor": "w"}]]},
+            objects={},
+            tensors={"w": TensorEntry("w", "tensors/w", (1,), "uint8", (1,))},
+        )
         store.put(f"{staging}/manifest.msgpack", encode_manifest(m))
         return staging
 
@@ -141,7 +151,8 @@ def test_of_two_commits_to_one_target_one_wins(strict_env):
             return getattr(store, name)
 
     with pytest.raises(CheckpointExistsError, match="conditional PUT won"):
-        ObjectStoreCommitter(WinnerCommitsJustBeforeTheLosersPut()).publish(loser, "ck",
-                                                                         overwrite=False)
+        ObjectStoreCommitter(WinnerCommitsJustBeforeTheLosersPut()).publish(
+            loser, "ck", overwrite=False
+        )
     m = decode_manifest(store.get("ck/manifest.msgpack"))
     assert store.get("ck/" + m.tensors["w"].array + "/c/0") == b"A"

@@ -1,5 +1,6 @@
 """Hostile checkpoints: no input crashes a reader, exhausts its memory or gets past it with
 an error outside the documented classes (issue 21: crashes and memory bombs)."""
+
 import os
 
 import msgpack
@@ -70,7 +71,7 @@ def test_tuple_depth_limit_is_exact_and_iterative(tmp_ckpt, depth, ok):
 
 def test_deep_manifest_body_gives_a_reason(tmp_ckpt):
     sp.save({"w": torch.ones(3)}, tmp_ckpt)
-    hostile.add_deep_field(tmp_ckpt, 3000, tuples=False)   # past msgpack's own stack (1024)
+    hostile.add_deep_field(tmp_ckpt, 3000, tuples=False)  # past msgpack's own stack (1024)
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.read_metadata(tmp_ckpt)
     assert e.value.spec_id == "SP-MAN-5" and "deeper" in str(e.value)
@@ -106,8 +107,9 @@ def test_memory_bomb_is_refused_before_allocating(tmp_ckpt):
     os.makedirs(tmp_ckpt)
     declared = hostile.memory_bomb(tmp_ckpt)
     assert declared == 4 << 30
-    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(tmp_ckpt)
-                  for f in fs)
+    on_disk = sum(
+        os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(tmp_ckpt) for f in fs
+    )
     assert on_disk < 3 << 20
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.load(tmp_ckpt)
@@ -134,15 +136,16 @@ def test_aliasing_shard_index_is_refused_even_when_sizes_add_up(tmp_ckpt):
 def test_index_offset_past_2_63_is_a_documented_error(tmp_ckpt):
     os.makedirs(tmp_ckpt)
     hostile.memory_bomb(tmp_ckpt, entries=4, inner_elems=256, alias=False)
-    assert torch.equal(sp.load(tmp_ckpt)["w"], torch.zeros(1024))   # sound as built
+    assert torch.equal(sp.load(tmp_ckpt)["w"], torch.zeros(1024))  # sound as built
     assert verify_checkpoint(tmp_ckpt).ok
     f = f"{tmp_ckpt}/tensors/w/c/0"
     raw = bytearray(open(f, "rb").read())
     isz = 16 * 4
-    index = bytearray(raw[-isz - 4:-4])
-    index[8 * 2 * 3:8 * 2 * 3 + 8] = (1 << 63).to_bytes(8, "little")
+    index = bytearray(raw[-isz - 4 : -4])
+    index[8 * 2 * 3 : 8 * 2 * 3 + 8] = (1 << 63).to_bytes(8, "little")
     import crc32c
-    raw[-isz - 4:] = bytes(index) + crc32c.crc32c(bytes(index)).to_bytes(4, "little")
+
+    raw[-isz - 4 :] = bytes(index) + crc32c.crc32c(bytes(index)).to_bytes(4, "little")
     open(f, "wb").write(bytes(raw))
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.load(tmp_ckpt)
@@ -150,8 +153,10 @@ def test_index_offset_past_2_63_is_a_documented_error(tmp_ckpt):
     assert verify_checkpoint(tmp_ckpt).spec_ids == ["SP-READ-3"]
 
 
-@pytest.mark.skipif(not hostile.supports_memory_cgroup(),
-                    reason="needs a writable memory cgroup (root, cgroup v1 or v2)")
+@pytest.mark.skipif(
+    not hostile.supports_memory_cgroup(),
+    reason="needs a writable memory cgroup (root, cgroup v1 or v2)",
+)
 def test_memory_bomb_in_a_1_gib_cgroup(tmp_ckpt):
     """The issue's case for real: before the fix both sp.load and verify were OOM-killed."""
     os.makedirs(tmp_ckpt)
@@ -162,19 +167,27 @@ def test_memory_bomb_in_a_1_gib_cgroup(tmp_ckpt):
         f"p = {tmp_ckpt!r}\n"
         "try:\n    sp.load(p); print('load ok')\n"
         "except sp.ShardpointError as e:\n    print('load', e.spec_id)\n"
-        "print('verify', verify_checkpoint(p).spec_ids)\n")
+        "print('verify', verify_checkpoint(p).spec_ids)\n"
+    )
     r = hostile.run_bounded(code, memory_bytes=1 << 30, timeout=120, forked=True)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert r.stdout.split("\n")[:2] == ["load SP-READ-6", "verify ['SP-READ-6']"]
 
 
 # ------------------------------------------------------------------ targets that alias
-@pytest.mark.parametrize("make", [
-    lambda: torch.zeros(3).expand(2, 3),
-    lambda: torch.zeros(6).as_strided((2, 3), (1, 1)),
-    lambda: torch.from_numpy(__import__("numpy").lib.stride_tricks.as_strided(
-        __import__("numpy").zeros(3, "float32"), (2, 3), (0, 4))),
-], ids=["expand", "as_strided", "numpy-stride-0"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(3).expand(2, 3),
+        lambda: torch.zeros(6).as_strided((2, 3), (1, 1)),
+        lambda: torch.from_numpy(
+            __import__("numpy").lib.stride_tricks.as_strided(
+                __import__("numpy").zeros(3, "float32"), (2, 3), (0, 4)
+            )
+        ),
+    ],
+    ids=["expand", "as_strided", "numpy-stride-0"],
+)
 def test_target_whose_elements_share_memory_is_refused(tmp_ckpt, make):
     sp.save({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, tmp_ckpt)
     with pytest.raises(sp.LayoutMismatchError) as e:
@@ -196,6 +209,7 @@ def test_transposed_and_strided_targets_still_fill(tmp_ckpt):
 def test_a_manifest_body_that_is_a_scalar_is_refused_by_rule(body):
     """Found by the fuzzer: a sealed body of one float raised TypeError from the depth check."""
     import hashlib
+
     raw = msgpack.packb(body)
     data = msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw})
     with pytest.raises(sp.CorruptCheckpointError) as e:

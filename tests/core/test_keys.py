@@ -1,20 +1,54 @@
 """Key encoding ([SP-KEY-1]..[SP-KEY-5]): one canonical, path-safe string per tree path."""
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
 import shardpoint as sp
-from shardpoint_core.format.keys import (MAX_KEY_BYTES, decode_component, decode_key, encode_component,
-                                  encode_key)
+from shardpoint_core.format.keys import (
+    MAX_KEY_BYTES,
+    decode_component,
+    decode_key,
+    encode_component,
+    encode_key,
+)
 
-TRICKY = ["0", "-1", "-0", "007", "~", "~1", "%", "%25", "/", "a/b", "//", "...", ".a", "a.",
-          "é", "ü/n", "\x00", " ", "日本", "🙂", "a%2Fb", "+1", "1e3", "CON", "zarr.json", "c"]
+TRICKY = [
+    "0",
+    "-1",
+    "-0",
+    "007",
+    "~",
+    "~1",
+    "%",
+    "%25",
+    "/",
+    "a/b",
+    "//",
+    "...",
+    ".a",
+    "a.",
+    "é",
+    "ü/n",
+    "\x00",
+    " ",
+    "日本",
+    "🙂",
+    "a%2Fb",
+    "+1",
+    "1e3",
+    "CON",
+    "zarr.json",
+    "c",
+]
 components = st.one_of(
     st.text(min_size=1, max_size=12).filter(lambda s: s not in (".", "..")),
     st.text(alphabet="0123456789-~%/.", min_size=1, max_size=6).filter(
-        lambda s: s not in (".", "..")),
-    st.integers(-2**63, 2**64 - 1),
-    st.sampled_from(TRICKY))
+        lambda s: s not in (".", "..")
+    ),
+    st.integers(-(2**63), 2**64 - 1),
+    st.sampled_from(TRICKY),
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -26,8 +60,8 @@ def test_round_trip_and_path_safety(path):
     parts = key.split("/")
     assert len(parts) == len(path)
     assert all(p not in ("", ".", "..") for p in parts)
-    assert all(c.isascii() and c.isprintable() and c not in "\\:*?\"<>| " for c in key)
-    assert encode_key(back) == key            # canonical: exactly one encoding
+    assert all(c.isascii() and c.isprintable() and c not in '\\:*?"<>| ' for c in key)
+    assert encode_key(back) == key  # canonical: exactly one encoding
 
 
 @settings(max_examples=200, deadline=None)
@@ -37,11 +71,23 @@ def test_distinct_components_never_collide(a, b):
         assert encode_component(a) != encode_component(b)
 
 
-@pytest.mark.parametrize("path,key", [
-    (["model", "layers.0.w"], "model/layers.0.w"), (["opt", 3], "opt/3"), (["x", "3"], "x/~3"),
-    (["a/b c"], "a%2Fb%20c"), (["50%"], "50%25"), (["-3", -3], "~-3/-3"), (["~x"], "%7Ex"),
-    (["ün"], "%C3%BCn"), ([0], "0"), (["0"], "~0"), (["-0"], "~-0"), ([2**64 - 1], str(2**64 - 1)),
-])
+@pytest.mark.parametrize(
+    "path,key",
+    [
+        (["model", "layers.0.w"], "model/layers.0.w"),
+        (["opt", 3], "opt/3"),
+        (["x", "3"], "x/~3"),
+        (["a/b c"], "a%2Fb%20c"),
+        (["50%"], "50%25"),
+        (["-3", -3], "~-3/-3"),
+        (["~x"], "%7Ex"),
+        (["ün"], "%C3%BCn"),
+        ([0], "0"),
+        (["0"], "~0"),
+        (["-0"], "~-0"),
+        ([2**64 - 1], str(2**64 - 1)),
+    ],
+)
 def test_spec_examples(path, key):
     assert encode_key(path) == key and decode_key(key) == tuple(path)
 
@@ -53,8 +99,9 @@ def test_empty_dot_and_dotdot_are_refused(bad):
     assert e.value.spec_id == "SP-KEY-2" and repr(bad) in str(e.value)
 
 
-@pytest.mark.parametrize("bad", [True, False, 1.5, float("nan"), None, ("t",), b"x", 2**64, -2**63 - 1,
-                                 "\ud800"])
+@pytest.mark.parametrize(
+    "bad", [True, False, 1.5, float("nan"), None, ("t",), b"x", 2**64, -(2**63) - 1, "\ud800"]
+)
 def test_unusable_component_types_are_refused(bad):
     with pytest.raises(sp.InvalidKeyError) as e:
         encode_key(["ok", bad])
@@ -72,9 +119,35 @@ def test_root_is_not_a_key_and_long_keys_are_refused():
         decode_key("a" * (MAX_KEY_BYTES + 1))
 
 
-@pytest.mark.parametrize("bad", ["", "a//b", "/a", "a/", ".", "..", "a/../b", "%2f", "%7e", "~x",
-                                 "~7x", "a~b", "01", "-0", "+1", "%ZZ", "%4", "%41", "%FF",
-                                 "a b", "é", "~~1", "~", "%C3"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "a//b",
+        "/a",
+        "a/",
+        ".",
+        "..",
+        "a/../b",
+        "%2f",
+        "%7e",
+        "~x",
+        "~7x",
+        "a~b",
+        "01",
+        "-0",
+        "+1",
+        "%ZZ",
+        "%4",
+        "%41",
+        "%FF",
+        "a b",
+        "é",
+        "~~1",
+        "~",
+        "%C3",
+    ],
+)
 def test_readers_reject_non_canonical_keys(bad):
     with pytest.raises(sp.InvalidKeyError) as e:
         decode_key(bad)
@@ -92,7 +165,13 @@ def test_decode_rejects_non_strings():
 def test_keys_of_a_saved_tree_are_the_array_directories(tmp_ckpt):
     import os
     import torch
-    state = {"a/b": torch.ones(1), "..": {"~": torch.ones(1)}, 7: [torch.ones(1)], "7": torch.ones(1)}
+
+    state = {
+        "a/b": torch.ones(1),
+        "..": {"~": torch.ones(1)},
+        7: [torch.ones(1)],
+        "7": torch.ones(1),
+    }
     with pytest.raises(sp.InvalidKeyError):
         sp.save(state, tmp_ckpt)
     del state[".."]

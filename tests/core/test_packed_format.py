@@ -1,5 +1,6 @@
 """The packed index codec (format 1.4, spec/format.md section 13): round trips of any valid
 index, and every reader check of [SP-PACK-2] to [SP-PACK-5] on hostile fields."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardpoint_core.format.errors import CorruptCheckpointError
-from shardpoint_core.format.packed import (RECORD, PackedIndex, chunk_count, decode_packed,
-                                           encode_packed)
+from shardpoint_core.format.packed import (
+    RECORD,
+    PackedIndex,
+    chunk_count,
+    decode_packed,
+    encode_packed,
+)
 
 
 @dataclass
@@ -39,8 +45,9 @@ def indexes(draw):
         dtype = draw(st.sampled_from(sorted(ITEM)))
         inner = None
         if rank and draw(st.booleans()):
-            inner = tuple(draw(st.sampled_from([d for d in range(1, c + 1) if c % d == 0]))
-                          for c in chunk)
+            inner = tuple(
+                draw(st.sampled_from([d for d in range(1, c + 1) if c % d == 0])) for c in chunk
+            )
         name = f"tensors/t{i}"
         arrays[name] = Entry(f"t{i}", shape, dtype, chunk)
         listed.append((name, inner))
@@ -52,13 +59,16 @@ def indexes(draw):
         units = 1 if inner is None else math.prod(c // k for c, k in zip(e.chunk_shape, inner))
         for c in range(chunk_count(e.shape, e.chunk_shape)):
             o = draw(st.integers(0, nobj - 1))
-            n_ = math.prod(e.chunk_shape) * ITEM[e.dtype] + 4 if inner is None \
+            n_ = (
+                math.prod(e.chunk_shape) * ITEM[e.dtype] + 4
+                if inner is None
                 else 16 * units + 4 + draw(st.integers(0, 64))
+            )
             pos[o] += draw(st.integers(0, 8))
             rows.append((a, o, c, pos[o], n_, draw(st.integers(0, 2**32 - 1))))
             pos[o] += n_
     rec = np.array(rows, RECORD) if rows else np.zeros(0, RECORD)
-    draw(st.randoms()).shuffle(rows)   # the writer's order is any; encode sorts
+    draw(st.randoms()).shuffle(rows)  # the writer's order is any; encode sorts
     objects = [(f"packed/w-{o}.bin", pos[o] + draw(st.integers(0, 8))) for o in range(nobj)]
     return PackedIndex(objects, listed, rec), arrays
 
@@ -81,14 +91,17 @@ def test_any_valid_index_round_trips(case):
 def _base():
     """Two float32 arrays of two plain chunks each (4 elements a chunk: 20 bytes) in one
     object of 80 bytes."""
-    arrays = {"tensors/a": Entry("a", (8,), "float32", (4,)),
-              "tensors/b": Entry("b", (8,), "float32", (4,))}
-    rows = [(0, 0, 0, 0, 20, 1), (0, 0, 1, 20, 20, 2), (1, 0, 0, 40, 20, 3),
-            (1, 0, 1, 60, 20, 4)]
-    field = {"objects": [["packed/w-0.bin", 80]],
-             "arrays": [["tensors/a", None], ["tensors/b", None]],
-             "index": np.array(rows, RECORD).tobytes()}
-    decode_packed(field, arrays)        # the base is valid
+    arrays = {
+        "tensors/a": Entry("a", (8,), "float32", (4,)),
+        "tensors/b": Entry("b", (8,), "float32", (4,)),
+    }
+    rows = [(0, 0, 0, 0, 20, 1), (0, 0, 1, 20, 20, 2), (1, 0, 0, 40, 20, 3), (1, 0, 1, 60, 20, 4)]
+    field = {
+        "objects": [["packed/w-0.bin", 80]],
+        "arrays": [["tensors/a", None], ["tensors/b", None]],
+        "index": np.array(rows, RECORD).tobytes(),
+    }
+    decode_packed(field, arrays)  # the base is valid
     return field, arrays
 
 
@@ -109,22 +122,20 @@ HOSTILE = {
     "object_size_2_63": (lambda f: f.update(objects=[["packed/w-0.bin", 2**63]]), "SP-PACK-2"),
     "object_path_traversal": (lambda f: f.update(objects=[["../w.bin", 80]]), "SP-SEC-1"),
     "object_is_manifest": (lambda f: f.update(objects=[["manifest.msgpack", 80]]), "SP-PACK-2"),
-    "object_inside_array_name": (lambda f: f.update(objects=[["tensors/a/x", 80]]),
-                                 "SP-PACK-2"),
+    "object_inside_array_name": (lambda f: f.update(objects=[["tensors/a/x", 80]]), "SP-PACK-2"),
     "duplicate_object": (lambda f: f.update(objects=[["p/w", 80], ["p/w", 80]]), "SP-PACK-2"),
     "array_listed_twice": (lambda f: f["arrays"].append(["tensors/a", None]), "SP-PACK-2"),
     "array_unlisted": (lambda f: f["arrays"].pop(), "SP-PACK-2"),
     "array_unknown": (lambda f: f["arrays"].__setitem__(1, ["tensors/zz", None]), "SP-PACK-2"),
-    "inner_not_dividing": (lambda f: f["arrays"].__setitem__(0, ["tensors/a", [3]]),
-                           "SP-PACK-3"),
-    "inner_wrong_rank": (lambda f: f["arrays"].__setitem__(0, ["tensors/a", [2, 2]]),
-                         "SP-PACK-3"),
+    "inner_not_dividing": (lambda f: f["arrays"].__setitem__(0, ["tensors/a", [3]]), "SP-PACK-3"),
+    "inner_wrong_rank": (lambda f: f["arrays"].__setitem__(0, ["tensors/a", [2, 2]]), "SP-PACK-3"),
     "index_ragged": (lambda f: f.update(index=f["index"] + b"\0"), "SP-PACK-4"),
     "record_missing": (lambda f: f.update(index=f["index"][:-36]), "SP-PACK-4"),
-    "record_twice": (lambda f: f.update(index=f["index"][:36] + f["index"][:-36]),
-                     "SP-PACK-4"),
-    "records_out_of_order": (lambda f: f.update(index=f["index"][36:72] + f["index"][:36]
-                                                + f["index"][72:]), "SP-PACK-4"),
+    "record_twice": (lambda f: f.update(index=f["index"][:36] + f["index"][:-36]), "SP-PACK-4"),
+    "records_out_of_order": (
+        lambda f: f.update(index=f["index"][36:72] + f["index"][:36] + f["index"][72:]),
+        "SP-PACK-4",
+    ),
     "chunk_outside_grid": (lambda f: _set(f, 1, "chunk", 2), "SP-PACK-4"),
     "chunk_2_64": (lambda f: _set(f, 1, "chunk", 2**64 - 1), "SP-PACK-4"),
     "array_out_of_range": (lambda f: _set(f, 3, "array", 7), "SP-PACK-4"),
@@ -132,7 +143,7 @@ HOSTILE = {
     "beyond_object": (lambda f: _set(f, 3, "offset", 61), "SP-PACK-4"),
     "offset_2_64": (lambda f: _set(f, 3, "offset", 2**64 - 1), "SP-PACK-4"),
     "length_2_64": (lambda f: _set(f, 3, "length", 2**64 - 1), "SP-PACK-4"),
-    "plain_length_wrong": (lambda f: (_set(f, 3, "length", 19)), "SP-PACK-4"),
+    "plain_length_wrong": (lambda f: _set(f, 3, "length", 19), "SP-PACK-4"),
     "overlap": (lambda f: _set(f, 2, "offset", 30), "SP-PACK-5"),
     "alias": (lambda f: _set(f, 2, "offset", 0), "SP-PACK-5"),
 }
@@ -161,9 +172,12 @@ def test_a_huge_declared_grid_costs_nothing():
 
 def test_shard_records_need_at_least_their_index():
     arrays = {"tensors/s": Entry("s", (4,), "uint8", (4,))}
-    field = {"objects": [["o", 100]], "arrays": [["tensors/s", [2]]],
-             "index": np.array([(0, 0, 0, 0, 35, 0)], RECORD).tobytes()}
-    with pytest.raises(CorruptCheckpointError) as e:       # 2 inner chunks: index 36 bytes
+    field = {
+        "objects": [["o", 100]],
+        "arrays": [["tensors/s", [2]]],
+        "index": np.array([(0, 0, 0, 0, 35, 0)], RECORD).tobytes(),
+    }
+    with pytest.raises(CorruptCheckpointError) as e:  # 2 inner chunks: index 36 bytes
         decode_packed(field, arrays)
     assert e.value.spec_id == "SP-PACK-4"
     field["index"] = np.array([(0, 0, 0, 0, 36, 0)], RECORD).tobytes()

@@ -1,4 +1,5 @@
 """[SP-COMMIT-6] recovery of crashed saves' leftovers, on the directory states a crash leaves."""
+
 import json
 import os
 import shutil
@@ -35,7 +36,9 @@ def test_crash_between_the_two_renames_restores_the_previous_checkpoint(tmp_path
     target = str(tmp_path / "ckpt")
     acts = sp.recover(target, dry_run=True)
     assert {(os.path.basename(a.path), a.action, a.done) for a in acts} == {
-        (old.name, "restore", False), (new.name, "remove", False)}
+        (old.name, "restore", False),
+        (new.name, "remove", False),
+    }
     assert sorted(os.listdir(tmp_path)) == sorted([old.name, new.name])
     acts = sp.recover(target)
     assert all(a.done for a in acts)
@@ -51,7 +54,7 @@ def test_parent_scan_keeps_committed_checkpoints_and_recent_saves(tmp_path):
     os.rename(_ckpt(tmp_path / "x", 0), tmp_path / ".step_1.shardpoint-old-01")
     crashed = tmp_path / ".step_2.shardpoint-tmp-02"
     shutil.copytree(ckpt, crashed)
-    os.remove(crashed / "manifest.msgpack")      # died before the manifest
+    os.remove(crashed / "manifest.msgpack")  # died before the manifest
     running = tmp_path / ".step_3.shardpoint-tmp-03"
     os.makedirs(running / "tensors")
     _age(tmp_path / ".step_1.shardpoint-old-01"), _age(crashed)
@@ -100,9 +103,11 @@ def test_a_running_save_is_never_recovered_however_old_its_files(tmp_path):
     Once that process is killed (SIGKILL), the lock is gone and the leftover is removed."""
     import subprocess
     import sys
+
     target = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-c", _RUNNING_SAVE, str(target)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUNNING_SAVE, str(target)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "writing"
         (staging,) = [p for p in tmp_path.iterdir() if ".shardpoint-tmp-" in p.name]
@@ -123,12 +128,13 @@ def test_a_finished_or_failed_save_leaves_no_lock_behind(tmp_path):
     process, and recovery's probe, find nothing held."""
     from shardpoint_core.stores.durable import dir_locked
     from shardpoint_core.transactions.resolve import get_backend
+
     path = _ckpt(tmp_path / "ckpt", 1)
     assert dir_locked(path) is False
     be = get_backend()
     staging = be.staging_path(str(tmp_path / "other"), "ab12")
     be.begin_save(staging)
-    assert dir_locked(staging) is True      # another open file: the probe conflicts
+    assert dir_locked(staging) is True  # another open file: the probe conflicts
     be.abort(staging)
     assert not os.path.exists(staging) and not be.committer._locks
     _ckpt(tmp_path / "ckpt2", 2)
@@ -141,13 +147,14 @@ def test_a_process_forked_during_a_save_does_not_keep_its_lock(tmp_path):
     free although the child still lives."""
     from shardpoint_core.stores.durable import dir_locked
     from shardpoint_core.transactions.resolve import get_backend
+
     be = get_backend()
     staging = be.staging_path(str(tmp_path / "ckpt"), "fork1")
     be.begin_save(staging)
     r, w = os.pipe()
     ready_r, ready_w = os.pipe()
     pid = os.fork()
-    if pid == 0:                      # the child: say it runs, wait, report its lock count
+    if pid == 0:  # the child: say it runs, wait, report its lock count
         try:
             os.close(w)
             os.write(ready_w, b"1")
@@ -157,21 +164,22 @@ def test_a_process_forked_during_a_save_does_not_keep_its_lock(tmp_path):
     try:
         os.close(r)
         os.close(ready_w)
-        assert os.read(ready_r, 1) == b"1"          # the child is past its fork hooks
+        assert os.read(ready_r, 1) == b"1"  # the child is past its fork hooks
         os.close(ready_r)
-        assert dir_locked(staging) is True          # the parent's save still holds it
-        be.committer._locks.release(staging)              # the save ends (commit or abort)
-        assert dir_locked(staging) is False         # the living child holds nothing
+        assert dir_locked(staging) is True  # the parent's save still holds it
+        be.committer._locks.release(staging)  # the save ends (commit or abort)
+        assert dir_locked(staging) is False  # the living child holds nothing
     finally:
-        os.close(w)                                 # lets the child exit
+        os.close(w)  # lets the child exit
         _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0   # nothing left in the child's table
+    assert os.waitstatus_to_exitcode(status) == 0  # nothing left in the child's table
     be.abort(staging)
 
 
 def test_a_negative_or_nan_min_age_is_refused_not_taken_as_zero(tmp_path, capsys):
     """`--min-age -5` was accepted and acted as 0: it would remove a save running elsewhere."""
     import pytest
+
     p = _ckpt(tmp_path / "ck", 1)
     for bad in ("-5", "nan", "inf"):
         assert cli_main(["recover", p, "--min-age", bad]) == 2

@@ -5,6 +5,7 @@ recovery, and kill -9 of a saving process during save and overwrite (old or new,
 A "save" here writes what a save job writes below the save prefix (a zarr.json and chunk
 objects per tensor, then the staged manifest) with payloads that name the save, so a reader
 can tell whether a checkpoint mixes the objects of two saves."""
+
 import os
 import signal
 import subprocess
@@ -21,8 +22,11 @@ pytest.importorskip("moto")
 from shardpoint_core.commit.base import Committer  # noqa: E402
 from shardpoint_core.commit.lease import stop_lease  # noqa: E402
 from shardpoint_core.commit.object_store import ObjectStoreCommitter  # noqa: E402
-from shardpoint_core.format.errors import (CheckpointExistsError,  # noqa: E402
-                                    CheckpointNotFoundError, IncompleteCheckpointError)
+from shardpoint_core.format.errors import (
+    CheckpointExistsError,  # noqa: E402
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+)
 from shardpoint_core.format.manifest import Manifest, TensorEntry, decode_manifest  # noqa: E402
 from shardpoint_core.format.manifest import encode_manifest  # noqa: E402
 from shardpoint_core.stores.s3 import S3Options, S3Store  # noqa: E402
@@ -38,8 +42,11 @@ def stage(store, committer, target, label, *, token=None, tensors=KEYS):
         for c in range(2):
             store.put(f"{staging}/tensors/{k}/c/{c}", f"{label}:{k}:{c}".encode())
     tree = {"dict": [[k, {"tensor": k}] for k in tensors]}
-    m = Manifest(wire_tree=tree, tensors={k: TensorEntry(k, f"tensors/{k}", (2,), "uint8", (1,))
-                                     for k in tensors}, objects={})
+    m = Manifest(
+        wire_tree=tree,
+        tensors={k: TensorEntry(k, f"tensors/{k}", (2,), "uint8", (1,)) for k in tensors},
+        objects={},
+    )
     store.put(f"{staging}/manifest.msgpack", encode_manifest(m))
     return staging
 
@@ -58,7 +65,7 @@ def read(store, target):
 
 
 def keys(store, target):
-    return sorted(i.key[len(target) + 1:] for i in store.list(target + "/"))
+    return sorted(i.key[len(target) + 1 :] for i in store.list(target + "/"))
 
 
 @pytest.fixture
@@ -76,13 +83,13 @@ def test_fresh_commit_then_refused_without_overwrite(store, committer):
     assert committer.state("step_1") == "missing"
     committer.check_target("step_1", overwrite=False)
     staging = stage(store, committer, "step_1", "one")
-    assert committer.state("step_1") == "incomplete"      # [SP-COMMIT-3]: no marker yet
+    assert committer.state("step_1") == "incomplete"  # [SP-COMMIT-3]: no marker yet
     committer.publish(staging, "step_1", overwrite=False)
     assert committer.state("step_1") == "committed"
     assert read(store, "step_1") == "one"
     m = decode_manifest(store.get("step_1/manifest.msgpack"))
-    assert m.tensors["a"].array == f"{staging.split('/')[-1]}/tensors/a"   # [SP-COMMIT-11]
-    assert m.format_version == (1, 1)                                      # [SP-VER-1]
+    assert m.tensors["a"].array == f"{staging.split('/')[-1]}/tensors/a"  # [SP-COMMIT-11]
+    assert m.format_version == (1, 1)  # [SP-VER-1]
     assert "manifest.msgpack" in keys(store, "step_1")
     assert f"{staging.split('/')[-1]}/manifest.msgpack" not in keys(store, "step_1")
     with pytest.raises(CheckpointExistsError, match="SP-COMMIT-5"):
@@ -98,14 +105,14 @@ def test_fresh_commit_then_refused_without_overwrite(store, committer):
 def test_overwrite_replaces_and_deletes_only_what_it_replaced(store, committer):
     first = stage(store, committer, "s", "one")
     committer.publish(first, "s", overwrite=False)
-    running = stage(store, committer, "s", "running")       # another save, not committed
+    running = stage(store, committer, "s", "running")  # another save, not committed
     second = stage(store, committer, "s", "two")
     committer.check_target("s", overwrite=True)
     committer.publish(second, "s", overwrite=True)
     assert read(store, "s") == "two"
     left = keys(store, "s")
-    assert not any(k.startswith(first.split("/")[-1]) for k in left)   # [SP-COMMIT-14]
-    assert any(k.startswith(running.split("/")[-1]) for k in left)     # not ours to delete
+    assert not any(k.startswith(first.split("/")[-1]) for k in left)  # [SP-COMMIT-14]
+    assert any(k.startswith(running.split("/")[-1]) for k in left)  # not ours to delete
     assert [lo.path for lo in committer.leftovers("")] == [running]
 
 
@@ -131,7 +138,7 @@ def test_two_overwrites_racing_the_loser_fails(store, committer):
     def put_after_a_wins(key, data, **kw):
         if key == "o/manifest.msgpack" and kw.get("if_match") and not raced:
             raced.append(1)
-            committer.publish(a, "o", overwrite=True)    # A wins between B's read and PUT
+            committer.publish(a, "o", overwrite=True)  # A wins between B's read and PUT
         return real_put(key, data, **kw)
 
     store.put = put_after_a_wins
@@ -167,12 +174,12 @@ def test_remove_deletes_the_marker_first_and_keeps_live_saves(store, committer):
     assert committer.remove("d") is True
     assert committer.state("d") == "incomplete"
     assert all(k.startswith(live.split("/")[-1]) for k in keys(store, "d"))
-    assert committer.remove("d") is False    # only a live save there: nothing, as on files
+    assert committer.remove("d") is False  # only a live save there: nothing, as on files
     store.put("d/notes.txt", b"user data")
-    with pytest.raises(CheckpointNotFoundError):      # not a checkpoint: refused
+    with pytest.raises(CheckpointNotFoundError):  # not a checkpoint: refused
         committer.remove("d")
     assert store.get("d/notes.txt") == b"user data"
-    assert committer.remove("never-there") is False   # gone already: nothing to do
+    assert committer.remove("never-there") is False  # gone already: nothing to do
 
 
 def test_missing_staged_manifest_commits_nothing(store, committer):
@@ -200,7 +207,7 @@ def test_leftovers_and_discard(store, committer):
     # [SP-COMMIT-16]: just written, the lease is live: a running save, never removed
     assert found[crashed].kind == "tmp" and found[crashed].in_use is True
     assert committer.discard(crashed) is False and read(store, crashed.rpartition("/")[0])
-    later = time.time() + 3600                    # the lease long expired
+    later = time.time() + 3600  # the lease long expired
     found = {lo.path: lo for lo in committer.leftovers("runs", now=later)}
     assert found[crashed].in_use is False
     named = decode_manifest(store.get("runs/1/manifest.msgpack")).tensors["a"].array
@@ -242,22 +249,27 @@ def test_kill_9_during_save_and_overwrite_leaves_old_or_new(s3_env, rounds):
     code = SAVER.format(paths=[here] + sys.path, url=url)
     seen = set()
     for r in range(rounds):
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                text=True, env=os.environ.copy())
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+        )
         try:
-            proc.stdout.readline()                # at least one commit happened
-            time.sleep(0.05 + 0.25 * r)           # then somewhere in a later save
+            proc.stdout.readline()  # at least one commit happened
+            time.sleep(0.05 + 0.25 * r)  # then somewhere in a later save
         finally:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(30)
-        label = read(store, "k")                  # one save's objects, never a mix
+        label = read(store, "k")  # one save's objects, never a mix
         seen.add(label)
         c = ObjectStoreCommitter(store)
-        later = time.time() + 3600                # the dead save's lease expired
+        later = time.time() + 3600  # the dead save's lease expired
         for lo in c.leftovers("", now=later):
             c.discard(lo.path, now=later)
         assert read(store, "k") == label
-        assert all(k == "manifest.msgpack" or k.startswith(
-            decode_manifest(store.get("k/manifest.msgpack")).tensors["t0"].array.split("/")[0])
-            for k in keys(store, "k"))
+        assert all(
+            k == "manifest.msgpack"
+            or k.startswith(
+                decode_manifest(store.get("k/manifest.msgpack")).tensors["t0"].array.split("/")[0]
+            )
+            for k in keys(store, "k")
+        )
     assert seen

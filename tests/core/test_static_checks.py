@@ -1,7 +1,8 @@
-"""The static checks CI runs (ruff; mypy, strict on the core) pass on the tree, and they
+"""The static checks CI runs (ruff check and format; mypy, strict on the core) pass on the tree, and they
 catch what they are there for: a class that claims a core protocol without satisfying it
 (``runtime_checkable`` compares method names only, so nothing else would notice), and an
 undefined name (the kind that kept a CUDA-only test from ever running)."""
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,14 @@ def _tool(module: str) -> None:
 
 def _run(*args: str, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MYPYPATH"}
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def _ruff(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -40,6 +47,15 @@ def _ruff(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 def test_ruff_passes_on_the_tree():
     got = _ruff("check", "--no-cache", ".")
     assert got.returncode == 0, got.stdout + got.stderr
+
+
+def test_the_tree_is_formatted_and_the_check_catches_a_change(tmp_path):
+    got = _ruff("format", "--check", "--no-cache", ".")
+    assert got.returncode == 0, got.stdout + got.stderr
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    (tmp_path / "t.py").write_text("x = {'a':1}\n")
+    got = _ruff("format", "--check", "--no-cache", "t.py", cwd=tmp_path)
+    assert got.returncode == 1 and "t.py" in got.stdout, got.stdout + got.stderr
 
 
 def test_ruff_catches_an_undefined_name(tmp_path):
@@ -101,14 +117,26 @@ def test_mypy_catches_a_wrong_protocol_implementation(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("base", None)
-    wrong = ns["WrongStore"]()      # all runtime_checkable sees: the method names
+    wrong = ns["WrongStore"]()  # all runtime_checkable sees: the method names
     assert isinstance(wrong, ns["ByteStore"]) and isinstance(wrong, base.ByteStore)
     (tmp_path / "planted.py").write_text(src)
-    got = _run("mypy", "--strict", "--no-incremental", "--python-version", "3.12",
-               "--config-file", os.devnull, "--cache-dir", str(tmp_path / ".mypy_cache"),
-               "planted.py", cwd=tmp_path)
+    got = _run(
+        "mypy",
+        "--strict",
+        "--no-incremental",
+        "--python-version",
+        "3.12",
+        "--config-file",
+        os.devnull,
+        "--cache-dir",
+        str(tmp_path / ".mypy_cache"),
+        "planted.py",
+        cwd=tmp_path,
+    )
     errors = [ln for ln in got.stdout.splitlines() if ": error:" in ln]
     line = src.splitlines().index("    return s  # the planted violation") + 1
     assert got.returncode == 1 and len(errors) == 1, got.stdout + got.stderr
-    assert f"planted.py:{line}: error: Incompatible return value type" in errors[0] \
-        and "ByteStore" in errors[0], got.stdout
+    assert (
+        f"planted.py:{line}: error: Incompatible return value type" in errors[0]
+        and "ByteStore" in errors[0]
+    ), got.stdout

@@ -1,5 +1,6 @@
 """The byte stores pass the store contract (shardpoint_core.stores.testing), the stateful model
 test against a dict included; FileStore's own behaviour on disk."""
+
 from __future__ import annotations
 
 import itertools
@@ -42,12 +43,11 @@ _TMP = tempfile.TemporaryDirectory(prefix="sp-store-model-")
 _N = itertools.count()
 
 TestFileStoreModel = StoreStateMachine.for_store(
-    lambda: FileStore(os.path.join(_TMP.name, str(next(_N))), create=True)).TestCase
-TestFileStoreModel.settings = settings(max_examples=25, stateful_step_count=25,
-                                       deadline=None)
+    lambda: FileStore(os.path.join(_TMP.name, str(next(_N))), create=True)
+).TestCase
+TestFileStoreModel.settings = settings(max_examples=25, stateful_step_count=25, deadline=None)
 TestMemoryStoreModel = StoreStateMachine.for_store(MemoryStore).TestCase
-TestMemoryStoreModel.settings = settings(max_examples=40, stateful_step_count=30,
-                                         deadline=None)
+TestMemoryStoreModel.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 
 
 def test_file_store_keys_are_files_below_root(tmp_path):
@@ -63,6 +63,7 @@ def test_file_store_never_recreates_its_root(tmp_path):
     s = FileStore(str(tmp_path / "staging"), create=True)
     s.put("a/b", b"1")
     import shutil
+
     shutil.rmtree(tmp_path / "staging")
     with pytest.raises(FileNotFoundError):
         s.put("c/d", b"2")

@@ -2,6 +2,7 @@
 memory store, other schemes whatever was registered; a scheme nobody registered is refused
 by every entry point (sp.save sync and async, sp.load, sp.open, both managers,
 shardpoint_jax, the CLI) before any I/O, and never becomes a local directory 'nostore:'."""
+
 from __future__ import annotations
 
 import os
@@ -10,13 +11,21 @@ import numpy as np
 import pytest
 
 from shardpoint_core.format.errors import ShardpointError, UnsupportedStoreError
-from shardpoint_core.stores import (FileStore, MemoryStore, check_path, is_local, local_path,
-                                   open_store, register_store, registered_schemes,
-                                   unregister_store)
+from shardpoint_core.stores import (
+    FileStore,
+    MemoryStore,
+    check_path,
+    is_local,
+    local_path,
+    open_store,
+    register_store,
+    registered_schemes,
+    unregister_store,
+)
 from shardpoint_core.stores.registry import split_url
 from shardpoint_testing.launch import run_world
 
-URL = "nostore://bucket/run/step_5"     # a scheme nobody registers
+URL = "nostore://bucket/run/step_5"  # a scheme nobody registers
 
 
 def _refused(excinfo, scheme="nostore://"):
@@ -29,7 +38,7 @@ def test_split_url():
     assert split_url("gs://b/k") == ("gs", "b/k")
     assert split_url("GS://b/k") == ("gs", "b/k")
     assert split_url("/a/b") == (None, "/a/b")
-    assert split_url("a:b/c") == (None, "a:b/c")       # a colon alone makes no URL
+    assert split_url("a:b/c") == (None, "a:b/c")  # a colon alone makes no URL
     assert split_url("file:///x") == ("file", "/x")
 
 
@@ -46,8 +55,11 @@ def test_local_paths_and_file_urls(tmp_path):
 
 
 def test_unregistered_scheme_is_refused_naming_it_and_the_registered_ones():
-    for call in (lambda: local_path(URL, "save"), lambda: open_store(URL),
-                 lambda: check_path(URL, "load")):
+    for call in (
+        lambda: local_path(URL, "save"),
+        lambda: open_store(URL),
+        lambda: check_path(URL, "load"),
+    ):
         with pytest.raises(UnsupportedStoreError) as e:
             call()
         _refused(e)
@@ -77,6 +89,7 @@ def test_register_store():
     def factory(url):
         made.append(url)
         return MemoryStore()
+
     register_store("Test+x", factory)
     try:
         assert "test+x" in registered_schemes()
@@ -97,22 +110,30 @@ def test_register_store():
 
 def test_torch_entry_points_refuse(tmp_path, monkeypatch):
     import shardpoint as sp
+
     monkeypatch.chdir(tmp_path)
     state = {"w": np.arange(4, dtype=np.float32)}
-    for call in (lambda: sp.save(state, URL), lambda: sp.load(URL), lambda: sp.open(URL),
-                 lambda: sp.read_metadata(URL), lambda: sp.CheckpointManager("nostore://b/run"),
-                 lambda: sp.recover(URL), lambda: sp.verify.verify_checkpoint(URL)):
+    for call in (
+        lambda: sp.save(state, URL),
+        lambda: sp.load(URL),
+        lambda: sp.open(URL),
+        lambda: sp.read_metadata(URL),
+        lambda: sp.CheckpointManager("nostore://b/run"),
+        lambda: sp.recover(URL),
+        lambda: sp.verify.verify_checkpoint(URL),
+    ):
         with pytest.raises(sp.UnsupportedStoreError) as e:
             call()
         _refused(e)
-    assert os.listdir(tmp_path) == []                    # no local 'nostore:' directory
-    sp.save(state, f"file://{tmp_path}/ck")              # file:// is a local path
+    assert os.listdir(tmp_path) == []  # no local 'nostore:' directory
+    sp.save(state, f"file://{tmp_path}/ck")  # file:// is a local path
     assert np.array_equal(sp.load(str(tmp_path / "ck"))["w"], state["w"])
     assert np.array_equal(sp.load(f"file://{tmp_path}/ck")["w"], state["w"])
 
 
 def _save_s3_two_ranks(rank, world, cwd):
     import shardpoint as sp
+
     os.chdir(cwd)
     out = []
     for async_save in (False, True):
@@ -124,7 +145,7 @@ def _save_s3_two_ranks(rank, world, cwd):
     return out
 
 
-@pytest.mark.slow          # two spawned torch processes: ~10 s idle, 30 s on a loaded machine
+@pytest.mark.slow  # two spawned torch processes: ~10 s idle, 30 s on a loaded machine
 def test_two_rank_save_to_unregistered_scheme_writes_nothing(tmp_path):
     res = run_world(2, _save_s3_two_ranks, str(tmp_path), timeout=120)
     for per_rank in res:
@@ -135,19 +156,25 @@ def test_two_rank_save_to_unregistered_scheme_writes_nothing(tmp_path):
 def test_jax_entry_points_refuse(tmp_path, monkeypatch):
     pytest.importorskip("jax")
     import shardpoint_jax as spj
+
     monkeypatch.chdir(tmp_path)
-    for call in (lambda: spj.save(URL, {"w": np.zeros(2, np.float32)}), lambda: spj.load(URL),
-                 lambda: spj.CheckpointManager("nostore://b/run")):
+    for call in (
+        lambda: spj.save(URL, {"w": np.zeros(2, np.float32)}),
+        lambda: spj.load(URL),
+        lambda: spj.CheckpointManager("nostore://b/run"),
+    ):
         with pytest.raises(UnsupportedStoreError) as e:
             call()
         _refused(e)
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("argv", [["inspect", URL], ["verify", URL], ["recover", URL],
-                                  ["diff", URL, "/nonexistent"]])
+@pytest.mark.parametrize(
+    "argv", [["inspect", URL], ["verify", URL], ["recover", URL], ["diff", URL, "/nonexistent"]]
+)
 def test_cli_refuses(argv, capsys, tmp_path, monkeypatch):
     from shardpoint.tools.cli import main
+
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 1
     err = capsys.readouterr().err

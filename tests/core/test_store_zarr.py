@@ -2,6 +2,7 @@
 what TensorStore writes in every dtype (plain and sharded chunks, edge chunks, 0-d, empty),
 TensorStore reads ours (4 KiB-aligned inner chunks too), region reads and writes cutting
 through chunks against a numpy model, and every reader rule on damaged stores."""
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,24 @@ from shardpoint_testing.tensors import random_array, same_bits
 from shardpoint_core.format.errors import CorruptCheckpointError, UnsupportedFormatError
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.stores import FileStore, MemoryStore
-from shardpoint_core.arrays.array import (ArrayLayout, chunk_key, read_array_meta, read_region,
-                                        write_array_meta, write_chunk, write_region)
+from shardpoint_core.arrays.array import (
+    ArrayLayout,
+    chunk_key,
+    read_array_meta,
+    read_region,
+    write_array_meta,
+    write_chunk,
+    write_region,
+)
 
 KW = dict(shard_above_bytes=4096, inner_chunk_bytes=1024)
-CASES = {"edge": ((37, 29), (10, 8)), "shard": ((130, 48), (128, 48)),
-         "cube": ((5, 7, 9), (2, 7, 4)), "scalar": ((), ()), "empty": ((0, 4), (1, 4))}
+CASES = {
+    "edge": ((37, 29), (10, 8)),
+    "shard": ((130, 48), (128, 48)),
+    "cube": ((5, 7, 9), (2, 7, 4)),
+    "scalar": ((), ()),
+    "empty": ((0, 4), (1, 4)),
+}
 
 
 def _files(root: str) -> dict:
@@ -49,15 +62,33 @@ def test_bytes_equal_tensorstores_and_tensorstore_reads_ours(tmp_path, dtype):
         write_region(ours, name, lay, (0,) * len(shape), a)
         meta = json.loads(lay.zarr_json())
         meta.pop("zarr_format"), meta.pop("node_type")
-        t = ts.open({**_ts_spec(f"{theirs}/{name}"), "metadata": meta, "create": True,
-                     "store_data_equal_to_fill_value": True}).result()
+        t = ts.open(
+            {
+                **_ts_spec(f"{theirs}/{name}"),
+                "metadata": meta,
+                "create": True,
+                "store_data_equal_to_fill_value": True,
+            }
+        ).result()
         t.write(a).result()
-        back = ts.open({**_ts_spec(f"{ours.root}/{name}"), "open": True,
-                        "fill_missing_data_reads": False}).result().read().result()
+        back = (
+            ts.open(
+                {**_ts_spec(f"{ours.root}/{name}"), "open": True, "fill_missing_data_reads": False}
+            )
+            .result()
+            .read()
+            .result()
+        )
         assert same_bits(back, a), name
         got = np.empty(shape, a.dtype)
-        read_region(ours, name, read_array_meta(ours, name, ArraySpec(shape, dtype, chunk),
-                                                name), (0,) * len(shape), got, name)
+        read_region(
+            ours,
+            name,
+            read_array_meta(ours, name, ArraySpec(shape, dtype, chunk), name),
+            (0,) * len(shape),
+            got,
+            name,
+        )
         assert same_bits(got, a), name
     assert ArrayLayout.create((130, 48), dtype, (128, 48), **KW).inner is not None
     assert _files(ours.root) == _files(theirs)
@@ -67,12 +98,13 @@ def test_aligned_inner_chunks_read_by_tensorstore(tmp_path):
     """Inner chunks of 256 KiB and more start on 4 KiB boundaries; TensorStore reads them."""
     s = FileStore(str(tmp_path), create=True)
     a = np.random.default_rng(0).standard_normal((512, 300)).astype(np.float32)
-    lay = ArrayLayout.create(a.shape, "float32", (512, 300), shard_above_bytes=1 << 19,
-                             inner_chunk_bytes=300 << 10)
+    lay = ArrayLayout.create(
+        a.shape, "float32", (512, 300), shard_above_bytes=1 << 19, inner_chunk_bytes=300 << 10
+    )
     assert lay.inner == (256, 300)
     write_array_meta(s, "w", lay)
     write_region(s, "w", lay, (0, 0), a)
-    assert s.head("w/c/0/0").size == 2 * 311296 + 2 * 16 + 4        # 4 KiB-aligned strides
+    assert s.head("w/c/0/0").size == 2 * 311296 + 2 * 16 + 4  # 4 KiB-aligned strides
     back = ts.open({**_ts_spec(f"{tmp_path}/w"), "open": True}).result().read().result()
     assert np.array_equal(back, a)
 
@@ -82,8 +114,14 @@ def test_reads_what_tensorstore_wrote(tmp_path):
     lay = ArrayLayout.create(a.shape, "int32", (64, 48), **KW)
     meta = json.loads(lay.zarr_json())
     meta.pop("zarr_format"), meta.pop("node_type")
-    ts.open({**_ts_spec(f"{tmp_path}/w"), "metadata": meta, "create": True,
-             "store_data_equal_to_fill_value": True}).result().write(a).result()
+    ts.open(
+        {
+            **_ts_spec(f"{tmp_path}/w"),
+            "metadata": meta,
+            "create": True,
+            "store_data_equal_to_fill_value": True,
+        }
+    ).result().write(a).result()
     s = FileStore(str(tmp_path))
     lay2 = read_array_meta(s, "w", ArraySpec(a.shape, "int32", (64, 48)), "w")
     out = np.empty((70, 20), np.int32)
@@ -115,7 +153,7 @@ def test_region_writes_and_reads_cut_through_chunks(case):
     write_array_meta(s, "a", lay)
     model = np.arange(int(np.prod(shape)), dtype=np.int16).reshape(shape)
     bounds = sorted(set([0, *[c[0] for c in cuts], shape[0]]))
-    for a, b in zip(bounds, bounds[1:]):      # row bands, each cutting through chunks
+    for a, b in zip(bounds, bounds[1:]):  # row bands, each cutting through chunks
         write_region(s, "a", lay, (a,) + (0,) * (len(shape) - 1), model[a:b])
     out = np.empty(tuple(h - l_ for l_, h in zip(lo, hi)), np.int16)
     read_region(s, "a", lay, lo, out, "a")
@@ -151,7 +189,7 @@ def test_missing_truncated_and_flipped_chunks(sharded):
     _fails(s, lay, out, "SP-READ-3")
     s.put(k, blob[:10] + bytes([blob[10] ^ 1]) + blob[11:])
     _fails(s, lay, out, "SP-READ-3")
-    s.put(k, blob + b"x")               # a longer file: a plain chunk's size, a shard's index
+    s.put(k, blob + b"x")  # a longer file: a plain chunk's size, a shard's index
     _fails(s, lay, out, "SP-READ-3")
 
 
@@ -159,18 +197,21 @@ def test_shard_index_rules():
     s, lay, out = _damaged(True)
     k = chunk_key("w", (1, 0))
     blob = bytearray(s.get(k))
-    n = (len(lay.chunk) and (64 // lay.inner[0]) * (48 // lay.inner[1]))
-    idx = np.frombuffer(bytes(blob[-(16 * n + 4):-4]), "<u8").reshape(n, 2).copy()
+    n = len(lay.chunk) and (64 // lay.inner[0]) * (48 // lay.inner[1])
+    idx = np.frombuffer(bytes(blob[-(16 * n + 4) : -4]), "<u8").reshape(n, 2).copy()
     present = int(np.flatnonzero(idx[:, 0] != 2**64 - 1)[0])
-    for bad, sid in (((2**64 - 1, 2**64 - 1), "SP-READ-2"), ((len(blob), idx[present, 1]),
-                                                             "SP-READ-3"),
-                     ((0, idx[present, 1] + 4), "SP-READ-3"),
-                     ((2**64 - 1, idx[present, 1]), "SP-READ-3")):
+    for bad, sid in (
+        ((2**64 - 1, 2**64 - 1), "SP-READ-2"),
+        ((len(blob), idx[present, 1]), "SP-READ-3"),
+        ((0, idx[present, 1] + 4), "SP-READ-3"),
+        ((2**64 - 1, idx[present, 1]), "SP-READ-3"),
+    ):
         j = idx.copy()
         j[present] = bad
         ib = j.reshape(-1).view(np.uint8).tobytes()
         import crc32c
-        s.put(k, bytes(blob[:-(16 * n + 4)]) + ib + crc32c.crc32c(ib).to_bytes(4, "little"))
+
+        s.put(k, bytes(blob[: -(16 * n + 4)]) + ib + crc32c.crc32c(ib).to_bytes(4, "little"))
         _fails(s, lay, out, sid)
 
 
@@ -188,6 +229,7 @@ class _Counted:
         def call(*a, **kw):
             self.calls.append((name, a[0]))
             return getattr(self.s, name)(*a, **kw)
+
         return call
 
 
@@ -195,15 +237,18 @@ def test_shard_reads_coalesce_inner_chunks_with_or_without_get_suffix():
     """A region of a shard is read by its index and one read per run of back-to-back inner
     chunks it meets; a store with ``get_suffix`` (memory, files, S3) answers the index in one
     call, one without it by a ``head`` and a ranged read."""
-    lay = ArrayLayout.create((64, 16), "float32", (64, 16), shard_above_bytes=1024,
-                             inner_chunk_bytes=256)            # 16 inner chunks of 4 rows
+    lay = ArrayLayout.create(
+        (64, 16), "float32", (64, 16), shard_above_bytes=1024, inner_chunk_bytes=256
+    )  # 16 inner chunks of 4 rows
     x = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
     mem = MemoryStore()
     write_region(mem, "w", lay, (0, 0), x)
-    for store, index_calls in ((_Counted(mem), [("head", "w/c/0/0"), ("get_range", "w/c/0/0")]),
-                               (mem, None)):
+    for store, index_calls in (
+        (_Counted(mem), [("head", "w/c/0/0"), ("get_range", "w/c/0/0")]),
+        (mem, None),
+    ):
         out = np.empty((10, 16), np.float32)
-        read_region(store, "w", lay, (6, 0), out, "w")          # rows 6-15: inner chunks 1-3
+        read_region(store, "w", lay, (6, 0), out, "w")  # rows 6-15: inner chunks 1-3
         assert np.array_equal(out, x[6:16])
         if index_calls is not None:
             assert store.calls == index_calls + [("read_into", "w/c/0/0")]
@@ -214,6 +259,7 @@ def test_bool_bytes_other_than_0_1_refused_as_read_3():
     lay = ArrayLayout.create((4,), "bool", (4,))
     write_array_meta(s, "w", lay)
     import crc32c
+
     data = bytes([0, 1, 2, 0])
     s.put(chunk_key("w", (0,)), data + crc32c.crc32c(data).to_bytes(4, "little"))
     assert "[SP-READ-5]" in _fails(s, lay, np.empty(4, bool), "SP-READ-3")
@@ -250,7 +296,7 @@ def test_write_chunk_is_one_vectored_put():
     assert [i.key for i in s.list()] == ["w/c/1/0"] and s.head("w/c/1/0").size == 36
 
 
-_NO_TS = r'''
+_NO_TS = r"""
 import sys
 sys.modules["tensorstore"] = None          # any import of it now fails
 import numpy as np, shardpoint as sp
@@ -275,7 +321,7 @@ try:
 except sp.InvalidOptionError as e:
     assert "shardpoint[tensorstore]" in str(e)
 print("ok")
-'''
+"""
 
 
 def test_save_load_open_verify_without_tensorstore(tmp_path):
@@ -283,6 +329,8 @@ def test_save_load_open_verify_without_tensorstore(tmp_path):
     through chunks), opens lazily and verifies; the cross-check paths say how to get it."""
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-c", _NO_TS], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
+
+    r = subprocess.run(
+        [sys.executable, "-c", _NO_TS], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

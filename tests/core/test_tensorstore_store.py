@@ -3,6 +3,7 @@ drivers: the shipped store contract, conditional writes through generations, siz
 mapped to the core's classes, the registry's tensorstore+ schemes, and the object-store
 committer's conformance scenarios (on s3 through the fault proxy in front of the tests'
 moto server)."""
+
 import contextlib
 import os
 import tempfile
@@ -15,11 +16,18 @@ pytest.importorskip("tensorstore")
 
 from shardpoint_conformance.commit_faults import SCENARIOS, Rig  # noqa: E402
 from shardpoint_core.commit.object_store import ObjectStoreCommitter  # noqa: E402
-from shardpoint_core.format.errors import (InvalidOptionError, StoreNotFoundError,  # noqa: E402
-                                    StoreUnavailableError)
+from shardpoint_core.format.errors import (
+    InvalidOptionError,
+    StoreNotFoundError,  # noqa: E402
+    StoreUnavailableError,
+)
 from shardpoint_core.stores.registry import open_store  # noqa: E402
-from shardpoint_core.stores.tensorstore import (NO_VALUE, TensorStoreOptions,  # noqa: E402
-                                               TensorStoreStore, parse_url)
+from shardpoint_core.stores.tensorstore import (
+    NO_VALUE,
+    TensorStoreOptions,  # noqa: E402
+    TensorStoreStore,
+    parse_url,
+)
 from shardpoint_core.stores.testing import StoreStateMachine, StoreTests  # noqa: E402
 from shardpoint_testing.probes import pause_lease  # noqa: E402
 
@@ -67,11 +75,11 @@ def _fresh_file() -> TensorStoreStore:
 
 # The stateful model (random puts, conditional puts, deletes, reads against a dict).
 TestTensorStoreMemoryModel = StoreStateMachine.for_store(_fresh_memory).TestCase
-TestTensorStoreMemoryModel.settings = settings(max_examples=30, stateful_step_count=30,
-                                               deadline=None)
+TestTensorStoreMemoryModel.settings = settings(
+    max_examples=30, stateful_step_count=30, deadline=None
+)
 TestTensorStoreFileModel = StoreStateMachine.for_store(_fresh_file).TestCase
-TestTensorStoreFileModel.settings = settings(max_examples=15, stateful_step_count=20,
-                                             deadline=None)
+TestTensorStoreFileModel.settings = settings(max_examples=15, stateful_step_count=20, deadline=None)
 
 
 @pytest.fixture(params=["file", "memory", "s3"])
@@ -95,12 +103,12 @@ def test_generations_are_versions(any_store):
     assert s.head("m").version == v1
     v2 = s.put("m", b"two", if_match=v1)
     with pytest.raises(FileExistsError):
-        s.put("m", b"three", if_match=v1)          # someone replaced it meanwhile
+        s.put("m", b"three", if_match=v1)  # someone replaced it meanwhile
     with pytest.raises(FileExistsError):
         s.put("m", b"three", if_match="not-a-version")
     data, info = s.get_versioned("m", 100)
     assert (data, info.version, info.size) == (b"two", v2, 3) and v2 != v1
-    data, info = s.get_versioned("m", 2)          # longer than asked: bytes cut, size whole
+    data, info = s.get_versioned("m", 2)  # longer than asked: bytes cut, size whole
     assert (data, info.size) == (b"tw", 3)
     with pytest.raises(FileNotFoundError):
         s.put("never", b"x", if_match=v1)
@@ -137,10 +145,10 @@ def test_urls_and_registry(tmp_path):
     s = open_store(f"tensorstore+file://{tmp_path}")
     assert isinstance(s, TensorStoreStore) and s.driver == "file"
     s.put("a/b", b"x")
-    assert (tmp_path / "a" / "b").read_bytes() == b"x"   # plain files, readable by anyone
+    assert (tmp_path / "a" / "b").read_bytes() == b"x"  # plain files, readable by anyone
     m = open_store("tensorstore+memory://reg/p")
     m.put("k", b"v")
-    assert open_store("tensorstore+memory://reg").get("p/k") == b"v"   # one named store
+    assert open_store("tensorstore+memory://reg").get("p/k") == b"v"  # one named store
     TensorStoreStore.drop("reg")
     with pytest.raises(InvalidOptionError):
         TensorStoreOptions(max_retries=0)
@@ -152,11 +160,18 @@ def test_checkpoints_through_the_tensorstore_schemes(tmp_path, s3_env):
     one written by FileStore loads through TensorStore."""
     torch = pytest.importorskip("torch")
     import shardpoint as sp
-    state = {"w": torch.arange(1000, dtype=torch.float32).reshape(10, 100),
-             "b": torch.ones(3, dtype=torch.bfloat16), "step": 7}
+
+    state = {
+        "w": torch.arange(1000, dtype=torch.float32).reshape(10, 100),
+        "b": torch.ones(3, dtype=torch.bfloat16),
+        "step": 7,
+    }
     name = f"e{uuid.uuid4().hex[:8]}"
-    for run in (f"tensorstore+memory://{name}/run", f"tensorstore+file://{tmp_path}/run",
-                "tensorstore+" + s3_env.url(s3_env.fresh_prefix("tse2e"))):
+    for run in (
+        f"tensorstore+memory://{name}/run",
+        f"tensorstore+file://{tmp_path}/run",
+        "tensorstore+" + s3_env.url(s3_env.fresh_prefix("tse2e")),
+    ):
         sp.save(state, f"{run}/x")
         got = sp.load(f"{run}/x")
         assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
@@ -176,8 +191,10 @@ def test_s3_errors_are_the_cores(s3_env):
     gone = TensorStoreStore("s3://no-such-bucket-here/x")
     with pytest.raises(StoreNotFoundError, match="no-such-bucket-here"):
         gone.put("k", b"x")
-    dead = TensorStoreStore(s3_env.url("x"), TensorStoreOptions(
-        endpoint_url="http://127.0.0.1:9", max_retries=2, timeout_s=30))
+    dead = TensorStoreStore(
+        s3_env.url("x"),
+        TensorStoreOptions(endpoint_url="http://127.0.0.1:9", max_retries=2, timeout_s=30),
+    )
     with pytest.raises(StoreUnavailableError):
         dead.get("k")
     off = TensorStoreStore(s3_env.url("x"), TensorStoreOptions(conditional_writes=False))
@@ -191,6 +208,7 @@ def test_s3_conditional_write_is_one_atomic_request(s3_env):
     TensorStore's non-AWS default of a HEAD before the PUT (a race between the two lets two
     saves both commit)."""
     from shardpoint_testing.s3 import FaultProxy
+
     url = s3_env.url(s3_env.fresh_prefix("tsone"))
     seen = []
     with FaultProxy(s3_env, lambda m, p, n: seen.append(m)) as proxy:
@@ -208,19 +226,31 @@ def test_refusals_and_stalls_are_the_cores(tmp_path):
     file driver reserves) and a server that accepts connections and never answers: the
     core's classes, never a raw ValueError, and the stall within ``timeout_s``."""
     from shardpoint_core.format.errors import InvalidKeyError
+
     with pytest.raises(InvalidOptionError, match="bucket name"):
         TensorStoreStore("s3://b/x").get("k")
     with pytest.raises(InvalidKeyError, match="a.__lock"):
         TensorStoreStore(str(tmp_path)).put("a.__lock", b"x")
     import socket
+
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(16)
-        s = TensorStoreStore("s3://bucket-x/x", TensorStoreOptions(
-            endpoint_url=f"http://127.0.0.1:{srv.getsockname()[1]}", timeout_s=0.3,
-            max_retries=1))
-        for call in (lambda: s.get("k"), lambda: s.put("k", b"x"), lambda: list(s.list()),
-                     lambda: s.delete(["k"]), lambda: s.head("k")):
+        s = TensorStoreStore(
+            "s3://bucket-x/x",
+            TensorStoreOptions(
+                endpoint_url=f"http://127.0.0.1:{srv.getsockname()[1]}",
+                timeout_s=0.3,
+                max_retries=1,
+            ),
+        )
+        for call in (
+            lambda: s.get("k"),
+            lambda: s.put("k", b"x"),
+            lambda: list(s.list()),
+            lambda: s.delete(["k"]),
+            lambda: s.head("k"),
+        ):
             with pytest.raises(StoreUnavailableError, match="no answer within 0.3 s"):
                 call()
 
@@ -228,7 +258,7 @@ def test_refusals_and_stalls_are_the_cores(tmp_path):
 def test_file_errors_keep_errno(tmp_path):
     s = TensorStoreStore(str(tmp_path))
     s.put("d/x", b"1")
-    with pytest.raises(OSError) as e:          # a key that is a directory of others
+    with pytest.raises(OSError) as e:  # a key that is a directory of others
         s.put("d", b"2")
     assert not isinstance(e.value, (FileExistsError, FileNotFoundError)) and e.value.errno
     assert "tensorstore" not in type(e.value).__module__
@@ -238,19 +268,26 @@ def test_file_errors_keep_errno(tmp_path):
 @pytest.fixture
 def ts_s3_rig(s3_env):
     from shardpoint_testing.s3 import FaultProxy
+
     url = s3_env.url(s3_env.fresh_prefix("tsconf"))
 
     @contextlib.contextmanager
     def faulty(rule):
         with FaultProxy(s3_env, rule) as proxy:
-            yield TensorStoreStore(url, TensorStoreOptions(endpoint_url=proxy.endpoint,
-                                                           max_retries=3))
+            yield TensorStoreStore(
+                url, TensorStoreOptions(endpoint_url=proxy.endpoint, max_retries=3)
+            )
+
     return Rig(TensorStoreStore(url), faulty, ObjectStoreCommitter, pause_lease)
 
 
-@pytest.mark.parametrize("scenario", [
-    pytest.param(n, marks=pytest.mark.slow) if n == "lost_reply" else n   # 8 saves, ~11 s:
-    for n in sorted(SCENARIOS)])                                          # one runs below
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n == "lost_reply" else n  # 8 saves, ~11 s:
+        for n in sorted(SCENARIOS)
+    ],
+)  # one runs below
 def test_commit_faults_on_tensorstore_s3(ts_s3_rig, scenario):
     SCENARIOS[scenario](ts_s3_rig)
 
@@ -260,6 +297,7 @@ def test_lost_reply_to_the_marker_on_tensorstore_s3(ts_s3_rig):
     dropped; TensorStore retries, the retry's If-None-Match gets 412 for the save's own
     marker, and the save still reports success with its checkpoint whole [SP-COMMIT-17]."""
     from shardpoint_conformance import commit_faults as cf
+
     rig = ts_s3_rig
     t = f"cf-{uuid.uuid4().hex[:10]}/t"
     with rig.faulty(cf._once(cf._upload(t, "manifest.msgpack", 2), cf.LOST_REPLY)) as store:
@@ -271,14 +309,17 @@ def test_lost_reply_to_the_marker_on_tensorstore_s3(ts_s3_rig):
 
 @pytest.fixture(params=["file", "memory"])
 def ts_local_rig(request, tmp_path):
-    store = TensorStoreStore(str(tmp_path)) if request.param == "file" else \
-        TensorStoreStore(f"memory://r{uuid.uuid4().hex[:8]}")
+    store = (
+        TensorStoreStore(str(tmp_path))
+        if request.param == "file"
+        else TensorStoreStore(f"memory://r{uuid.uuid4().hex[:8]}")
+    )
 
     @contextlib.contextmanager
     def faulty(rule):
-        pytest.skip("no proxy can lose a reply of the file or memory driver: lost_reply "
-                    "runs on s3")
+        pytest.skip("no proxy can lose a reply of the file or memory driver: lost_reply runs on s3")
         yield store
+
     return Rig(store, faulty, ObjectStoreCommitter, pause_lease)
 
 
@@ -287,10 +328,12 @@ def test_commit_faults_on_tensorstore_local(ts_local_rig, scenario):
     SCENARIOS[scenario](ts_local_rig)
 
 
-@pytest.mark.skip(reason="TensorStore's gcs driver against gcp-storage-emulator: the emulator "
-                  "ignores ifGenerationMatch (no atomic conditional write to test), returns no "
-                  "generation with a download (TensorStore reads generation 0 for every "
-                  "object) and answers a read past the end with a malformed Content-Range; "
-                  "the driver is exercised on file, memory and s3 here")
+@pytest.mark.skip(
+    reason="TensorStore's gcs driver against gcp-storage-emulator: the emulator "
+    "ignores ifGenerationMatch (no atomic conditional write to test), returns no "
+    "generation with a download (TensorStore reads generation 0 for every "
+    "object) and answers a read past the end with a malformed Content-Range; "
+    "the driver is exercised on file, memory and s3 here"
+)
 def test_gcs_driver_on_the_emulator():
     """Placeholder naming why the gcs driver is not tested here."""

@@ -1,5 +1,6 @@
 """The checkpoint transactions (shardpoint_core.transactions): one writer and one reader for
 every store, with the same outcomes on files, ``memory://`` and S3 (the local test server)."""
+
 from __future__ import annotations
 
 import uuid
@@ -7,8 +8,12 @@ import uuid
 import numpy as np
 import pytest
 
-from shardpoint_core.format.errors import (CheckpointExistsError, CheckpointNotFoundError,
-                                           InvalidOptionError, LoadFailedError)
+from shardpoint_core.format.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidOptionError,
+    LoadFailedError,
+)
 from shardpoint_core.format.manifest import Manifest, TensorEntry, array_path_for
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.transactions.reader import CheckpointReader
@@ -114,8 +119,7 @@ def _save_other(path: str) -> None:
         a = w.open_array(entry.array, SPEC)
         w.wait([w.write(a, (0, 0), np.zeros((4, 4), np.float32))])
         w.flush()
-        w.commit(Manifest({"dict": [["v", {"tensor": "v"}]]}, {"v": entry}, {},
-                          save_world_size=1))
+        w.commit(Manifest({"dict": [["v", {"tensor": "v"}]]}, {"v": entry}, {}, save_world_size=1))
 
 
 def test_only_the_coordinator_commits(where):
@@ -124,7 +128,7 @@ def test_only_the_coordinator_commits(where):
     with w0:
         with pytest.raises(InvalidOptionError, match="only the coordinator"):
             w1.commit(_manifest(1.0))
-    assert w0.state == "aborted"          # a block that never committed aborts
+    assert w0.state == "aborted"  # a block that never committed aborts
     with pytest.raises(CheckpointNotFoundError):
         CheckpointReader.open(where)
 
@@ -133,11 +137,14 @@ def _save_many(path: str, n: int) -> None:
     """One writer saves ``n`` small tensors, then they are read back through a reader."""
     spec = ArraySpec((2, 4), "float32", (2, 4))
     keys = [f"t{i}" for i in range(n)]
-    entries = {k: TensorEntry(k, array_path_for(k), spec.shape, spec.dtype, spec.chunk_shape)
-               for k in keys}
+    entries = {
+        k: TensorEntry(k, array_path_for(k), spec.shape, spec.dtype, spec.chunk_shape) for k in keys
+    }
     with CheckpointWriter.begin(path) as w:
-        ops = [w.write(w.open_array(array_path_for(k), spec), (0, 0),
-                       np.full((2, 4), i, np.float32)) for i, k in enumerate(keys)]
+        ops = [
+            w.write(w.open_array(array_path_for(k), spec), (0, 0), np.full((2, 4), i, np.float32))
+            for i, k in enumerate(keys)
+        ]
         w.wait(ops)
         w.flush()
         w.commit(Manifest({"dict": [[k, {"tensor": k}] for k in keys]}, entries, {}))
@@ -149,21 +156,25 @@ def _save_many(path: str, n: int) -> None:
 
 
 @pytest.mark.parametrize("kind", ["files", "memory"])
-def test_a_path_becomes_a_store_and_key_once_per_save_not_once_per_array(kind, tmp_path,
-                                                                           monkeypatch):
+def test_a_path_becomes_a_store_and_key_once_per_save_not_once_per_array(
+    kind, tmp_path, monkeypatch
+):
     """Issue 29: each array opened for a write or a read located its root again; the
     backend keeps the location of a save's (a load's) root until its flush (its end)."""
     from shardpoint_core.stores import location
     from shardpoint_core.transactions.resolve import backend_for
+
     calls: list = []
     real = location.locate
 
     def counting(path, *a, **kw):
         calls.append(str(path))
         return real(path, *a, **kw)
+
     monkeypatch.setattr(location, "locate", counting)
     import shardpoint_core.transactions.backend as backend_module
-    if hasattr(backend_module, "locate"):           # bound by name there: counted as well
+
+    if hasattr(backend_module, "locate"):  # bound by name there: counted as well
         monkeypatch.setattr(backend_module, "locate", counting)
     base = str(tmp_path) if kind == "files" else f"memory://loc-{uuid.uuid4().hex[:8]}"
     counts = []
@@ -179,6 +190,7 @@ def test_a_path_becomes_a_store_and_key_once_per_save_not_once_per_array(kind, t
 def test_locations_never_released_stay_bounded(tmp_path):
     """A reader that is never closed leaves its root's location behind; at most a few."""
     from shardpoint_core.transactions.backend import ZarrBackend
+
     be = ZarrBackend()
     _save_many(str(tmp_path / "c"), 1)
     e = CheckpointReader.open(str(tmp_path / "c"), backend=be).manifest.tensors["t0"]

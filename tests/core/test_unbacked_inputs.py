@@ -7,6 +7,7 @@ Each case runs every reader in a child process forked from the launcher's fork s
 (torch and shardpoint already imported), under a memory cgroup where one can be made; the
 child resets its peak RSS (``/proc/self/clear_refs``) before each reader and reports
 ``VmHWM`` after it, so each reader's own peak is measured, not the imports'."""
+
 import json
 import os
 
@@ -18,7 +19,7 @@ from shardpoint_conformance import hostile
 from shardpoint_testing.launch import run_code
 
 MiB = 1 << 20
-BUDGET_MIB = 1024            # the issue's bound on a reader's peak for a hostile checkpoint
+BUDGET_MIB = 1024  # the issue's bound on a reader's peak for a hostile checkpoint
 
 READERS = r"""
 import contextlib, io, os, sys, tempfile, traceback
@@ -102,9 +103,10 @@ def run_readers(path: str, other: str, which=ALL, timeout: float = 240) -> dict:
     """``{reader: (peak MiB, outcome)}`` for each reader, in a child process (the JAX reader
     only where JAX is installed: the README's install has no JAX; CI's second step does)."""
     import importlib.util
+
     which = tuple(w for w in which if w != "jax" or importlib.util.find_spec("jax"))
     code = f"import sys; sys.argv = ['r', {path!r}, {other!r}, {','.join(which)!r}]\n" + READERS
-    if hostile.supports_memory_cgroup():     # a regression is killed, not the machine
+    if hostile.supports_memory_cgroup():  # a regression is killed, not the machine
         r = hostile.run_bounded(code, memory_bytes=3 << 30, timeout=timeout, forked=True)
     else:
         r = run_code(code, timeout=timeout)
@@ -134,8 +136,10 @@ def _edit_array(p: str, name: str, **changes) -> None:
         meta["shape"] = changes["shape"]
     if "chunk_shape" in changes:
         meta["chunk_grid"]["configuration"]["chunk_shape"] = changes["chunk_shape"]
-        meta["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}},
-                          {"name": "crc32c"}]
+        meta["codecs"] = [
+            {"name": "bytes", "configuration": {"endian": "little"}},
+            {"name": "crc32c"},
+        ]
     with open(zj, "w") as f:
         json.dump(meta, f)
 
@@ -149,8 +153,7 @@ def pair(tmp_path):
 
 
 def _on_disk(p: str) -> int:
-    return sum(os.stat(os.path.join(d, f)).st_blocks * 512
-               for d, _s, fs in os.walk(p) for f in fs)
+    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _s, fs in os.walk(p) for f in fs)
 
 
 def _assert_refused(out: dict, spec_id: str, needle: str = "") -> None:
@@ -200,6 +203,7 @@ def test_manifest_bytes_with_trailing_garbage_are_refused_before_decoding():
     from shardpoint_core.format.manifest import decode_manifest
     import msgpack
     import hashlib
+
     raw = msgpack.packb({"format": "shardpoint"})
     env = msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw})
     for data, what in ((env + bytes(1000), "trailing"), (env[:-3], "cut short")):
@@ -212,18 +216,19 @@ def test_sparse_but_sound_chunk_still_loads(tmp_path):
     """Holes are not damage: zeros a file system keeps as holes (ZFS with compression,
     ``rsync -S``) read back, their checksums checked from the bytes stored."""
     p = str(tmp_path / "ck")
-    z = torch.zeros(1 << 20)             # 4 MiB of zeros, one plain chunk
-    sp.save({"z": z, "w": torch.arange(10.)}, p)
+    z = torch.zeros(1 << 20)  # 4 MiB of zeros, one plain chunk
+    sp.save({"z": z, "w": torch.arange(10.0)}, p)
     f = f"{p}/tensors/z/c/0"
     data = open(f, "rb").read()
     os.remove(f)
-    with open(f, "wb") as fh:            # the zeros as a hole, the crc32c stored
+    with open(f, "wb") as fh:  # the zeros as a hole, the crc32c stored
         fh.truncate(len(data))
         fh.seek(len(data) - 4096)
         fh.write(data[-4096:])
     assert os.stat(f).st_blocks * 512 < len(data) // 2
     assert torch.equal(sp.load(p)["z"], z)
     from shardpoint_core.verify import verify_checkpoint
+
     assert verify_checkpoint(p).ok
 
 
@@ -245,16 +250,17 @@ def test_sparse_shard_holes_are_checked_per_inner_chunk(tmp_path):
     read back as the zeros they are; an inner chunk wholly in a hole, its crc32c read as
     0, is refused before anything is allocated, by every local reader path."""
     from shardpoint_core.verify import verify_checkpoint
+
     p = str(tmp_path / "ck")
     os.makedirs(p)
     inner = (1 << 18) * 4 + 4
     hostile.memory_bomb(p, entries=8, inner_elems=1 << 18, alias=False)
     f = f"{p}/tensors/w/c/0"
-    _punch(f, inner + 100, 2 * inner - 4)               # inside inner chunk 1
-    _punch(f, 3 * inner, 4 * inner - 4)                  # inner chunk 3 but its crc32c
+    _punch(f, inner + 100, 2 * inner - 4)  # inside inner chunk 1
+    _punch(f, 3 * inner, 4 * inner - 4)  # inner chunk 3 but its crc32c
     assert torch.equal(sp.load(p)["w"], torch.zeros(8 << 18))
     assert verify_checkpoint(p).ok
-    _punch(f, 0, 2 * inner + 4000)                      # inner chunks 0 and 1 whole
+    _punch(f, 0, 2 * inner + 4000)  # inner chunks 0 and 1 whole
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.load(p)
     assert e.value.spec_id == "SP-READ-3" and "lies in a hole" in str(e.value)
@@ -285,6 +291,7 @@ def test_crc_over_zeros_matches_the_library():
     import crc32c
 
     from shardpoint_core.arrays.sparse import crc32c_zeros
+
     for n in (0, 1, 3, 4095, 4096, 12345, 1 << 20):
         c = random.getrandbits(32)
         assert crc32c_zeros(c, n) == crc32c.crc32c(bytes(n), c), n
@@ -297,8 +304,12 @@ def _absent_arrays(p: str, count: int) -> None:
     body = hostile.read_body(p)
     for i in range(count):
         k = f"layer{i}.weight"
-        body["tensors"][k] = {"array": f"tensors/{k}", "shape": [1000], "dtype": "float32",
-                              "chunk_shape": [1000]}
+        body["tensors"][k] = {
+            "array": f"tensors/{k}",
+            "shape": [1000],
+            "dtype": "float32",
+            "chunk_shape": [1000],
+        }
         body["tree"]["dict"].append([k, {"tensor": k}])
     hostile.write_body(p, body)
 
@@ -311,6 +322,7 @@ def _reached(*_a, **_k):
 def no_planning(monkeypatch):
     """Planning fails the test if reached: the checks must come first."""
     import shardpoint.api.loading as loading
+
     monkeypatch.setattr(loading, "plan_load_auto", _reached)
 
 
@@ -318,6 +330,7 @@ def no_planning(monkeypatch):
 def no_targets(monkeypatch, no_planning):
     """Allocating the targets of a whole load fails the test too."""
     import shardpoint.api.loading as loading
+
     monkeypatch.setattr(loading, "full_targets", _reached)
 
 
@@ -330,7 +343,7 @@ def test_absent_arrays_are_found_before_planning(tmp_path, no_targets):
         sp.load(p)
     assert e.value.spec_id == "SP-ARRAY-1" and "tensors/layer0.weight" in str(e.value)
     w = torch.zeros(1000)
-    with pytest.raises(sp.CorruptCheckpointError) as e:      # through like= as well
+    with pytest.raises(sp.CorruptCheckpointError) as e:  # through like= as well
         sp.load(p, like={"w": torch.zeros(1000), "layer7.weight": w}, strict=False)
     assert e.value.spec_id == "SP-ARRAY-1" and "layer7.weight" in str(e.value)
 
@@ -346,22 +359,22 @@ def test_chunk_shape_1_on_a_large_tensor_is_refused_before_planning(tmp_path, no
     assert e.value.spec_id == "SP-READ-3" and "tensors/v/c/0" in str(e.value)
 
 
-def test_a_large_grid_missing_its_chunk_files_is_refused_before_planning(tmp_path,
-                                                                         no_planning):
+def test_a_large_grid_missing_its_chunk_files_is_refused_before_planning(tmp_path, no_planning):
     p = str(tmp_path / "ck")
     _base(p)
     _edit_array(p, "v", chunk_shape=[1])
     c = f"{p}/tensors/v/c/0"
     os.remove(c)
-    with open(c, "wb") as f:            # one sound 8-byte chunk of the 1M the grid has
+    with open(c, "wb") as f:  # one sound 8-byte chunk of the 1M the grid has
         import crc32c
+
         f.write(b"\0\0\x80\x3f" + crc32c.crc32c(b"\0\0\x80\x3f").to_bytes(4, "little"))
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.load(p)
     assert e.value.spec_id == "SP-READ-2" and "1 chunk files of the 1048576" in str(e.value)
 
 
-@pytest.mark.slow       # minutes: 200k entries decoded by each reader
+@pytest.mark.slow  # minutes: 200k entries decoded by each reader
 @pytest.mark.parametrize("case", ["absent_200k", "chunk_shape_1"])
 def test_per_array_and_per_chunk_cases_stay_within_the_budget(pair, case):
     bad, good = pair

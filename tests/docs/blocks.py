@@ -4,6 +4,7 @@ An HTML comment on the line right before a fence says how (docs/repository.md li
 keys): ``<!-- test: needs=jax,flax devices=4 -->``, ``<!-- test: skip="why" -->``, ...
 A block with no comment runs as it is: ``python`` in one process, ``sh`` with ``bash -e``.
 """
+
 from __future__ import annotations
 
 import glob
@@ -17,16 +18,25 @@ KEYS = {"name", "after", "file", "needs", "ranks", "devices", "s3", "gcs", "by",
 FENCE = re.compile(r"^([ \t]*)```(\w*)[^\n]*$")
 COMMENT = re.compile(r"^[ \t]*<!-- test: (.*) -->[ \t]*$")
 # import name -> the extra that brings it (for skip reasons)
-EXTRA = {"jax": "jax", "flax": "flax", "optax": "flax", "orbax.checkpoint": "orbax",
-         "tensorstore": "tensorstore", "safetensors": "convert", "boto3": "s3",
-         "moto": "test", "megatron.core": "megatron", "google.cloud.storage": "gcs",
-         "zarr": "zarr"}
+EXTRA = {
+    "jax": "jax",
+    "flax": "flax",
+    "optax": "flax",
+    "orbax.checkpoint": "orbax",
+    "tensorstore": "tensorstore",
+    "safetensors": "convert",
+    "boto3": "s3",
+    "moto": "test",
+    "megatron.core": "megatron",
+    "google.cloud.storage": "gcs",
+    "zarr": "zarr",
+}
 
 
 @dataclass
 class Block:
-    page: str            # relative to the repository root
-    line: int            # of the opening fence, 1-based
+    page: str  # relative to the repository root
+    line: int  # of the opening fence, 1-based
     lang: str
     code: str
     opts: dict = field(default_factory=dict)
@@ -54,7 +64,7 @@ def parse_options(text: str, where: str) -> dict:
             raise ValueError(f"{where}: unknown test option {key!r} (known: {sorted(KEYS)})")
         opts[key] = value if value else True
     if opts.get("skip") is True:
-        raise ValueError(f"{where}: skip needs a reason: skip=\"why\"")
+        raise ValueError(f'{where}: skip needs a reason: skip="why"')
     return opts
 
 
@@ -71,7 +81,7 @@ def blocks(page: str) -> list:
         j = i + 1
         while j < len(lines) and lines[j].strip() != "```":
             j += 1
-        body = [x[len(indent):] if x.startswith(indent) else x for x in lines[i + 1:j]]
+        body = [x[len(indent) :] if x.startswith(indent) else x for x in lines[i + 1 : j]]
         c = COMMENT.match(lines[start - 1]) if start else None
         opts = parse_options(c.group(1), f"{page}:{start + 1}") if c else {}
         out.append(Block(page, start + 1, lang, "\n".join(body) + "\n", opts))

@@ -3,6 +3,7 @@
 in one process (torch already imported: forked from the launcher's fork server), on gloo ranks
 (``ranks=``) or in JAX processes; ``sh`` blocks with ``bash -e``, the project's commands on
 PATH. Blocks that need a part the install did not bring skip, naming the extra."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,7 @@ from .blocks import EXTRA, ROOT, Block, all_blocks, named
 
 ALL = all_blocks()
 # Run here: python and sh blocks that no other test runs and that are not files for another.
-RUN = [b for b in ALL if b.lang in ("python", "sh") and not
-       {"skip", "by", "file"} & set(b.opts)]
+RUN = [b for b in ALL if b.lang in ("python", "sh") and not {"skip", "by", "file"} & set(b.opts)]
 BIN = os.path.dirname(sys.executable)
 
 
@@ -45,9 +45,16 @@ def _env(**extra) -> dict:
 def run_sh(code: str, cwd, env: dict | None = None, timeout: float = 300) -> str:
     """``bash -e -o pipefail``; whatever the block started in the background is stopped after
     (it runs in a session of its own)."""
-    p = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", code], cwd=cwd,
-                         env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        ["bash", "-e", "-o", "pipefail", "-c", code],
+        cwd=cwd,
+        env=env or _env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
     finally:
@@ -69,12 +76,20 @@ def run_python(block: Block, code: str, cwd, env: dict | None = None) -> str:
         return ""
     if "devices" in block.opts:
         from shardpoint_jax.launch import run_processes
-        return run_processes(code, 1, int(block.opts["devices"]), cwd=str(cwd), timeout=300,
-                             env=env)[0]
+
+        return run_processes(
+            code, 1, int(block.opts["devices"]), cwd=str(cwd), timeout=300, env=env
+        )[0]
     if any(m.split(".")[0] in ("jax", "flax", "optax", "orbax") for m in block.needs):
-        r = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env or _env(),
-                           capture_output=True, text=True, timeout=300,
-                           stdin=subprocess.DEVNULL)
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=cwd,
+            env=env or _env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
     else:
         r = run_code(code, cwd=str(cwd), env=env, timeout=300)
     assert r.returncode == 0, f"{block.id}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
@@ -127,15 +142,18 @@ def test_blocks_run_by_other_tests_name_a_real_test():
     for d, _subs, files in os.walk(os.path.join(ROOT, "tests")):
         for f in files:
             if f.startswith("test_") and f.endswith(".py"):
-                defined |= set(re.findall(r"^def (test_\w+)", open(os.path.join(d, f)).read(),
-                                          re.M))
+                defined |= set(
+                    re.findall(r"^def (test_\w+)", open(os.path.join(d, f)).read(), re.M)
+                )
     for b in ALL:
         if "by" in b.opts:
             assert b.opts["by"] in defined, f"{b.id}: by={b.opts['by']} is no test"
 
 
-PATH = re.compile(r"""["'](?:file://\{[^}]*\}/)?((?:ckpt|s3://my-bucket|gs://my-bucket|export)/"""
-                  r"""[^"'\s]*)["'\s]""")
+PATH = re.compile(
+    r"""["'](?:file://\{[^}]*\}/)?((?:ckpt|s3://my-bucket|gs://my-bucket|export)/"""
+    r"""[^"'\s]*)["'\s]"""
+)
 
 
 WRITES = re.compile(r"save\(|Writer\(|convert|makedirs\(")

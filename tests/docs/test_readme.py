@@ -1,6 +1,7 @@
 """The README's first screen (the two commands, a short example, links that resolve) and the
 documentation's examples that need more checks than running (test_doc_blocks.py runs the
 rest): their output, what they leave on disk, a second run that resumes."""
+
 import os
 import re
 import subprocess
@@ -11,8 +12,10 @@ from shardpoint_testing.launch import run_code
 from .blocks import ROOT, blocks, find
 
 README = open(os.path.join(ROOT, "README.md")).read()
-INSTALL = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
-           "pip install -e '.[test]' && shardpoint demo")
+INSTALL = (
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
+    "pip install -e '.[test]' && shardpoint demo"
+)
 TEST_CMD = "python -m pytest -q"
 
 
@@ -30,9 +33,9 @@ def test_first_screen_has_install_demo_and_test_commands():
     assert INSTALL in first and TEST_CMD in first
     assert first.index(INSTALL) < first.index(TEST_CMD)
     sh = [b.code.strip() for b in blocks("README.md") if b.lang == "sh"]
-    assert sh[:2] == [INSTALL, TEST_CMD]                # the first two sh blocks, as they are
+    assert sh[:2] == [INSTALL, TEST_CMD]  # the first two sh blocks, as they are
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
-    assert re.search(rf"^{re.escape(TEST_CMD)}\s*$", ci, re.M)   # CI runs exactly this
+    assert re.search(rf"^{re.escape(TEST_CMD)}\s*$", ci, re.M)  # CI runs exactly this
     assert os.access(os.path.join(ROOT, ".ci", "run"), os.X_OK)
 
 
@@ -48,25 +51,35 @@ def test_readme_is_a_first_screen_that_links_to_the_docs():
     nav = open(os.path.join(ROOT, "mkdocs.yml")).read()
     for x in local:
         if x.startswith("docs/"):
-            assert x[len("docs/"):] in nav, x
+            assert x[len("docs/") :] in nav, x
 
 
 def test_usage_example_runs(tmp_path):
     example = next(b for b in blocks("README.md") if b.lang == "python").code
     assert len(example.strip().splitlines()) <= 12
-    r = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300, stdin=subprocess.DEVNULL)   # as a newcomer
+    r = subprocess.run(
+        [sys.executable, "-c", example],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )  # as a newcomer
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "ckpt" / "step_1" / "manifest.msgpack").is_file()
 
 
 def test_tensorstore_example_opens_a_saved_tensor(tmp_path):
     import pytest
+
     pytest.importorskip("tensorstore", reason="pip install -e '.[tensorstore]'")
     code = find("docs/reference/on-disk.md", "ts.open").code
-    r = run_python(code + "\nassert (t.read().result() == sp.load('ckpt/zarr_demo')"
-                   "['model']['weight'].numpy()).all()\n", tmp_path)
-    assert r.stdout.startswith("dtype(\"float32\") (3, 4) [0. 1. 2. 3.]"), r.stdout
+    r = run_python(
+        code + "\nassert (t.read().result() == sp.load('ckpt/zarr_demo')"
+        "['model']['weight'].numpy()).all()\n",
+        tmp_path,
+    )
+    assert r.stdout.startswith('dtype("float32") (3, 4) [0. 1. 2. 3.]'), r.stdout
 
 
 def test_training_loops_section_runs_and_resumes(tmp_path):
@@ -74,7 +87,7 @@ def test_training_loops_section_runs_and_resumes(tmp_path):
     run_python(code, tmp_path)
     run_python(code + "\nassert mgr.latest_step() == 8, mgr.all_steps()\n", tmp_path)  # resumed
     steps = sorted(os.listdir(tmp_path / "ckpt" / "loop"))
-    assert "step_00000008" in steps and 2 <= len(steps) <= 3   # 2 newest (+ the best one)
+    assert "step_00000008" in steps and 2 <= len(steps) <= 3  # 2 newest (+ the best one)
 
 
 def test_checkpointer_example_runs(tmp_path):
@@ -86,8 +99,15 @@ def test_read_metadata_example_walks_the_typed_tree(tmp_path):
     r = run_python(find("docs/reference/load-semantics.md", "read_metadata(").code, tmp_path)
     lines = r.stdout.splitlines()
     assert lines[0] == "model/w (2, 3) float32 (2, 3) numpy"
-    assert lines[1:] == ["model/w tensor", "model/n tensor", "sched/0 value", "sched/1/0 value",
-                         "sched/1/1 value", "rng object", "step value"]
+    assert lines[1:] == [
+        "model/w tensor",
+        "model/n tensor",
+        "sched/0 value",
+        "sched/1/0 value",
+        "sched/1/1 value",
+        "rng object",
+        "step value",
+    ]
 
 
 def test_tuning_example_runs(tmp_path):
@@ -98,15 +118,14 @@ def test_tuning_example_runs(tmp_path):
 
 def test_stores_example_runs(tmp_path):
     r = run_python(find("docs/tutorials/single-process.md", "gopher://").code, tmp_path)
-    assert os.listdir(tmp_path) == ["ckpt"]          # gopher:// made no local directory
+    assert os.listdir(tmp_path) == ["ckpt"]  # gopher:// made no local directory
     assert "gopher" in r.stdout and "registered" in r.stdout
 
 
 def test_async_loop_example_runs(tmp_path):
     """Training goes on during async saves; leaving the manager's block waits for the last."""
     run_python(find("docs/tutorials/manager.md", "async_save=True)").code, tmp_path)
-    assert sorted(os.listdir(tmp_path / "ckpt" / "async_run")) == ["step_00000004",
-                                                                   "step_00000006"]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "async_run")) == ["step_00000004", "step_00000006"]
 
 
 def test_errors_example_resumes_from_the_newest_sound_step(tmp_path, monkeypatch, capsys):
@@ -115,6 +134,7 @@ def test_errors_example_resumes_from_the_newest_sound_step(tmp_path, monkeypatch
     import torch
 
     import shardpoint as sp
+
     mgr = sp.CheckpointManager(str(tmp_path / "ckpt" / "loop"))
     for step in (1, 2):
         mgr.save(step, {"w": torch.full((64,), float(step)), "step": step})

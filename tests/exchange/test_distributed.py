@@ -2,6 +2,7 @@
 
 Spawning a world costs seconds, so each spawned world runs a whole batch of scenarios.
 """
+
 import math
 import os
 
@@ -25,21 +26,27 @@ def split(n, parts, i):
 
 def ceil_split(n, parts, i):
     c = -(-n // parts)
-    return min(n, i * c), min(n, (i + 1) * c)       # empty trailing pieces sit at offset n
+    return min(n, i * c), min(n, (i + 1) * c)  # empty trailing pieces sit at offset n
 
 
 def save_layouts(rank, world):
     import shardpoint as sp
+
     st = {}
     a, b = split(SHAPE[0], world, rank)
     st["rows"] = sp.ShardedTensor(full("rows")[a:b].clone(), SHAPE, (a, 0))
     a, b = ceil_split(SHAPE[1], world, rank)
     st["cols_ceil"] = sp.ShardedTensor(full("cols_ceil")[:, a:b].clone(), SHAPE, (0, a))
     a, b = split(70, world, rank)
-    st["flat"] = sp.ShardedTensor(full("flat").reshape(-1)[a:b].clone(), SHAPE, (0, 0),
-                                  local_shape=SHAPE, flattened_range=(a, b))
-    st["rep"] = full("rep", torch.bfloat16)                      # plain tensor: replicas
-    if world % 2 == 0:   # 2-D grid (world/2 x 2) with each cell on one rank
+    st["flat"] = sp.ShardedTensor(
+        full("flat").reshape(-1)[a:b].clone(),
+        SHAPE,
+        (0, 0),
+        local_shape=SHAPE,
+        flattened_range=(a, b),
+    )
+    st["rep"] = full("rep", torch.bfloat16)  # plain tensor: replicas
+    if world % 2 == 0:  # 2-D grid (world/2 x 2) with each cell on one rank
         r, c = rank // 2, rank % 2
         ra, rb = split(SHAPE[0], world // 2, r)
         ca, cb = split(SHAPE[1], 2, c)
@@ -52,10 +59,16 @@ def save_layouts(rank, world):
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
+
         mesh = init_device_mesh("cpu", (world,))
         st["dt"] = DTensor.from_local(
-            full("dt")[slice(*ceil_split(SHAPE[0], world, rank))].clone(), mesh, [Shard(0)],
-            run_check=False, shape=torch.Size(SHAPE), stride=(SHAPE[1], 1))
+            full("dt")[slice(*ceil_split(SHAPE[0], world, rank))].clone(),
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=torch.Size(SHAPE),
+            stride=(SHAPE[1], 1),
+        )
     else:
         st["dt"] = full("dt")
     return st
@@ -78,8 +91,11 @@ def pieces_layouts(rank, world, saving):
 
     def st(key, shape, idx, offset, **kw):
         full_t = stacked(key, shape)
-        data = full_t[idx].clone() if "flattened_range" not in kw else \
-            full_t.reshape(-1)[slice(*kw["flattened_range"])].clone()
+        data = (
+            full_t[idx].clone()
+            if "flattened_range" not in kw
+            else full_t.reshape(-1)[slice(*kw["flattened_range"])].clone()
+        )
         if not saving:
             data = torch.full_like(data, -3)
         return sp.ShardedTensor(data, shape, offset, **kw)
@@ -98,24 +114,28 @@ def pieces_layouts(rank, world, saving):
         ex = [(ea, eb)] if eb > ea else []
     out["stack"] = pieces([st("stack", STACK, slice(g, g + 1), (g, 0, 0)) for g in layers])
     if saving:
-        out["experts"] = pieces([st("experts", EXPERTS, slice(e, e + 1), (e, 0, 0))
-                                 for e in ex])
+        out["experts"] = pieces([st("experts", EXPERTS, slice(e, e + 1), (e, 0, 0)) for e in ex])
     else:
-        out["experts"] = pieces([st("experts", EXPERTS, slice(a, b), (a, 0, 0)) for a, b in ex]
-                                + [st("experts", EXPERTS, slice(0, 0), (EXPERTS[0], 0, 0))])
-    if saving:   # bands i and i + world of 2 * world row bands (a TP block split by FSDP)
+        out["experts"] = pieces(
+            [st("experts", EXPERTS, slice(a, b), (a, 0, 0)) for a, b in ex]
+            + [st("experts", EXPERTS, slice(0, 0), (EXPERTS[0], 0, 0))]
+        )
+    if saving:  # bands i and i + world of 2 * world row bands (a TP block split by FSDP)
         bands = [split(STRIDED[0], 2 * world, i) for i in (rank, rank + world)]
         out["strided"] = pieces([st("strided", STRIDED, slice(a, b), (a, 0)) for a, b in bands])
         k = 3 * world
         rs = [split(70, k, i) for i in range(rank, k, world)]
-        out["flatpieces"] = pieces([st("flatpieces", SHAPE, None, (0, 0), local_shape=SHAPE,
-                                       flattened_range=r) for r in rs])
+        out["flatpieces"] = pieces(
+            [
+                st("flatpieces", SHAPE, None, (0, 0), local_shape=SHAPE, flattened_range=r)
+                for r in rs
+            ]
+        )
     else:
         a, b = split(STRIDED[1], world, rank)
         out["strided"] = pieces([st("strided", STRIDED, (slice(None), slice(a, b)), (0, a))])
         rows = [split(SHAPE[0], 2 * world, i) for i in (2 * rank + 1, 2 * rank)]
-        out["flatpieces"] = pieces([st("flatpieces", SHAPE, slice(a, b), (a, 0))
-                                    for a, b in rows])
+        out["flatpieces"] = pieces([st("flatpieces", SHAPE, slice(a, b), (a, 0)) for a, b in rows])
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -138,6 +158,7 @@ def check_pieces(out, like, world, tag):
 
 def save_job(rank, world, base):
     import shardpoint as sp
+
     r = sp.save(save_layouts(rank, world), f"{base}/w{world}")
     return r.exchange_bytes, r.unique_bytes, r.files, r.rank_chunk_files
 
@@ -147,6 +168,7 @@ def load_job(rank, world, base, save_worlds):
     import shardpoint as sp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
+
     mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
     bad = []
     for sw in save_worlds:
@@ -156,28 +178,35 @@ def load_job(rank, world, base, save_worlds):
         like = {
             "rows": sp.ShardedTensor(torch.empty(SHAPE[0], b - a), SHAPE, (0, a)),
             "cols_ceil": torch.empty(SHAPE),
-            "flat": sp.ShardedTensor(torch.empty(fb - fa), SHAPE, (0, 0), local_shape=SHAPE,
-                                     flattened_range=(fa, fb)),
-            "rep": sp.ShardedTensor(torch.empty(1, SHAPE[1], dtype=torch.bfloat16), SHAPE,
-                                    (rank % SHAPE[0], 0)),
+            "flat": sp.ShardedTensor(
+                torch.empty(fb - fa), SHAPE, (0, 0), local_shape=SHAPE, flattened_range=(fa, fb)
+            ),
+            "rep": sp.ShardedTensor(
+                torch.empty(1, SHAPE[1], dtype=torch.bfloat16), SHAPE, (rank % SHAPE[0], 0)
+            ),
             "grid": torch.empty(SHAPE),
             "obj": sp.ShardedObject(None, rank % sw, sw),
             "step": 0,
         }
         like.update(pieces_layouts(rank, world, saving=False))
-        ca, cb = ceil_split(SHAPE[1], world, rank)      # DTensor shards like torch.chunk
-        if world == 3:      # a replicated DTensor: every rank gets all of it
+        ca, cb = ceil_split(SHAPE[1], world, rank)  # DTensor shards like torch.chunk
+        if world == 3:  # a replicated DTensor: every rank gets all of it
             ca, cb = 0, SHAPE[1]
         if mesh is not None:
             like["dt"] = DTensor.from_local(
-                torch.empty(SHAPE[0], cb - ca), mesh, [Replicate() if world == 3 else Shard(1)],
-                run_check=False, shape=torch.Size(SHAPE), stride=(SHAPE[1], 1))
+                torch.empty(SHAPE[0], cb - ca),
+                mesh,
+                [Replicate() if world == 3 else Shard(1)],
+                run_check=False,
+                shape=torch.Size(SHAPE),
+                stride=(SHAPE[1], 1),
+            )
         out = sp.load(path, like=like)
         checks = {
             "rows": (out["rows"], full("rows")[:, a:b]),
             "cols_ceil": (out["cols_ceil"], full("cols_ceil")),
             "flat": (out["flat"], full("flat").reshape(-1)[fa:fb]),
-            "rep": (out["rep"], full("rep", torch.bfloat16)[rank % SHAPE[0]:][:1]),
+            "rep": (out["rep"], full("rep", torch.bfloat16)[rank % SHAPE[0] :][:1]),
             "grid": (out["grid"], full("grid")),
         }
         if mesh is not None:
@@ -200,9 +229,12 @@ def test_save_on_n_load_on_m(tmp_path):
         chunk_files = len(names) - names.count("zarr.json") - names.count("manifest.msgpack")
         # the save reports the files there; each chunk file has one writing rank
         assert files == len(names) and sum(r[3] for r in res) == chunk_files, (n, files, res)
-        sizes = sum(os.path.getsize(os.path.join(d, f))
-                    for d, _, fs in os.walk(f"{base}/w{n}/tensors") for f in fs
-                    if f != "zarr.json")
+        sizes = sum(
+            os.path.getsize(os.path.join(d, f))
+            for d, _, fs in os.walk(f"{base}/w{n}/tensors")
+            for f in fs
+            if f != "zarr.json"
+        )
         # every byte once (replicas written once); chunk/shard indexes add a few percent
         assert unique <= sizes <= unique * 1.10 + 4096, (n, sizes, unique)
     for m in (1, 2, 3, 4):
@@ -215,7 +247,8 @@ def megatron_job(rank, world, base):
     """TP=2 x PP=2 x DP=2: layers per stage, TP-split weights replicated over DP, and the
     distributed optimizer's flattened fp32 shards split over DP. Save, reload in place."""
     import shardpoint as sp
-    tp, dp = 2, 2          # and PP = 2: stage p holds layers 2p and 2p+1
+
+    tp, dp = 2, 2  # and PP = 2: stage p holds layers 2p and 2p+1
     t, d, p = rank % tp, (rank // tp) % dp, rank // (tp * dp)
     names = [f"layers.{2 * p + i}.{w}" for i in range(2) for w in ("qkv", "proj")]
 
@@ -235,14 +268,23 @@ def megatron_job(rank, world, base):
         pos = 0
         for n, size in zip(names, sizes):
             off, shp = block(n)
-            w = full(n)[off[0]:off[0] + shp[0], off[1]:off[1] + shp[1]]
+            w = full(n)[off[0] : off[0] + shp[0], off[1] : off[1] + shp[1]]
             model[n] = sp.ShardedTensor(w.clone(), SHAPE, off, replica_id=d)
             a, b = max(lo, pos), min(hi, pos + size)
             if a < b:
-                optim[n] = sp.ShardedTensor(full("opt" + n).reshape(-1)[:0].new_tensor(
-                    full("opt" + n)[off[0]:off[0] + shp[0], off[1]:off[1] + shp[1]]
-                    .reshape(-1)[a - pos:b - pos]), SHAPE, off, local_shape=shp,
-                    flattened_range=(a - pos, b - pos))
+                optim[n] = sp.ShardedTensor(
+                    full("opt" + n)
+                    .reshape(-1)[:0]
+                    .new_tensor(
+                        full("opt" + n)[off[0] : off[0] + shp[0], off[1] : off[1] + shp[1]].reshape(
+                            -1
+                        )[a - pos : b - pos]
+                    ),
+                    SHAPE,
+                    off,
+                    local_shape=shp,
+                    flattened_range=(a - pos, b - pos),
+                )
             pos += size
         return {"model": model, "optim": optim, "iteration": 7}
 
@@ -254,8 +296,12 @@ def megatron_job(rank, world, base):
             v.data.zero_()
     out = sp.load(f"{base}/megatron", like=like)
     ref = state()
-    bad = [f"{g}/{k}" for g in ("model", "optim") for k in ref[g]
-           if not torch.equal(out[g][k], ref[g][k].data)]
+    bad = [
+        f"{g}/{k}"
+        for g in ("model", "optim")
+        for k in ref[g]
+        if not torch.equal(out[g][k], ref[g][k].data)
+    ]
     # and a single-process-style full read of everything on every rank
     allw = sp.load(f"{base}/megatron")
     bad += [k for k in allw["model"] if not torch.equal(allw["model"][k], full(k))]
@@ -272,13 +318,18 @@ def test_megatron_tp2_pp2_dp2_distributed_optimizer(tmp_path):
 def failure_job(rank, world, base):
     import shardpoint as sp
     import torch.distributed as dist
+
     out = {}
     a, b = split(SHAPE[0], world, rank)
     good = {"w": sp.ShardedTensor(full("w")[a:b].clone(), SHAPE, (a, 0))}
     invalid = {
-        "overlap": {"w": sp.ShardedTensor(full("w")[:6].clone(), SHAPE, (0, 0)) if rank == 0
-                    else sp.ShardedTensor(full("w")[4:].clone(), SHAPE, (4, 0), replica_id=rank)},
-        "gap": {"w": sp.ShardedTensor(full("w")[:3].clone(), SHAPE, (0, 0))} if rank == 0
+        "overlap": {
+            "w": sp.ShardedTensor(full("w")[:6].clone(), SHAPE, (0, 0))
+            if rank == 0
+            else sp.ShardedTensor(full("w")[4:].clone(), SHAPE, (4, 0), replica_id=rank)
+        },
+        "gap": {"w": sp.ShardedTensor(full("w")[:3].clone(), SHAPE, (0, 0))}
+        if rank == 0
         else {"w": sp.ShardedTensor(full("w")[5:].clone(), SHAPE, (5, 0), replica_id=rank)},
         "dup_replica": {"w": sp.ShardedTensor(full("w").clone(), SHAPE, (0, 0), replica_id=0)},
         "shape": {"w": torch.zeros(3 + (rank == 1))},
@@ -292,12 +343,17 @@ def failure_job(rank, world, base):
             out[name] = f"InvalidShardingError {e.spec_id}"
         dist.barrier()
         out[name + "_exists"] = os.path.exists(f"{base}/{name}") or any(
-            n.startswith(f".{name}.") for n in os.listdir(base))
+            n.startswith(f".{name}.") for n in os.listdir(base)
+        )
     # a write failure on rank 1: every rank raises, the previous checkpoint survives
     sp.save(good, f"{base}/prev")
     try:
-        sp.save({"w": sp.ShardedTensor(torch.zeros(b - a, SHAPE[1]), SHAPE, (a, 0))},
-                f"{base}/prev", overwrite=True, backend=faults.FailingWrites(1))
+        sp.save(
+            {"w": sp.ShardedTensor(torch.zeros(b - a, SHAPE[1]), SHAPE, (a, 0))},
+            f"{base}/prev",
+            overwrite=True,
+            backend=faults.FailingWrites(1),
+        )
         out["write_fail"] = "saved"
     except sp.ShardpointError as e:
         out["write_fail"] = type(e).__name__ + ": " + str(e)
@@ -309,8 +365,11 @@ def failure_job(rank, world, base):
     gi = rank // 2
     gr = rank % 2
     ga, gb = split(SHAPE[0], 2, gr)
-    sp.save({f"g{gi}": sp.ShardedTensor(full(f"g{gi}")[ga:gb].clone(), SHAPE, (ga, 0))},
-            f"{base}/sub{gi}", group=groups[gi])
+    sp.save(
+        {f"g{gi}": sp.ShardedTensor(full(f"g{gi}")[ga:gb].clone(), SHAPE, (ga, 0))},
+        f"{base}/sub{gi}",
+        group=groups[gi],
+    )
     dist.barrier()
     back = sp.load(f"{base}/sub{gi}", like={f"g{gi}": torch.empty(SHAPE)}, group=groups[gi])
     out["subgroup"] = torch.equal(back[f"g{gi}"], full(f"g{gi}"))
@@ -333,6 +392,7 @@ def partial_job(rank, world, path):
     import shardpoint as sp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
+
     mesh = init_device_mesh("cpu", (world,))
     dt = DTensor.from_local(torch.ones(3), mesh, [Partial()], run_check=False)
     try:
@@ -350,13 +410,17 @@ def test_dtensor_partial_is_refused_on_every_rank(tmp_path):
 def cache_job(rank, world, base):
     """Three saves with the same structure and new values, then one with a new structure."""
     import shardpoint as sp
+
     flags = []
     for step in range(4):
-        rows = SHAPE[0] if step < 3 else SHAPE[0] + 2         # structure changes at step 3
+        rows = SHAPE[0] if step < 3 else SHAPE[0] + 2  # structure changes at step 3
         g = torch.arange(rows * SHAPE[1], dtype=torch.float32).reshape(rows, SHAPE[1]) + step
         a, b = split(rows, world, rank)
-        st = {"w": sp.ShardedTensor(g[a:b].clone(), g.shape, (a, 0)), "step": step,
-              "rng": sp.ShardedObject([rank, step], rank, world)}
+        st = {
+            "w": sp.ShardedTensor(g[a:b].clone(), g.shape, (a, 0)),
+            "step": step,
+            "rng": sp.ShardedObject([rank, step], rank, world),
+        }
         flags.append(sp.save(st, f"{base}/s{step}").timings["plan_cached"])
         back = sp.load(f"{base}/s{step}")
         assert back["step"] == step and torch.equal(back["w"], g)
@@ -377,17 +441,26 @@ def mesh2d_job(rank, world, base):
     import shardpoint as sp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     mesh = init_device_mesh("cpu", (2, 2))
     shape = (10, 7)
-    placements = {"ss": [Shard(0), Shard(1)], "rs": [Replicate(), Shard(0)],
-                  "sr": [Shard(1), Replicate()]}
+    placements = {
+        "ss": [Shard(0), Shard(1)],
+        "rs": [Replicate(), Shard(0)],
+        "sr": [Shard(1), Replicate()],
+    }
     st = {k: distribute_tensor(full(k), mesh, p) for k, p in placements.items()}
     r = sp.save(st, f"{base}/mesh")
     bad = []
-    other = {"ss": [Shard(1), Shard(0)], "rs": [Shard(0), Replicate()], "sr": [Replicate(),
-                                                                               Replicate()]}
-    like = {k: torch.nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, p))
-            for k, p in other.items()}
+    other = {
+        "ss": [Shard(1), Shard(0)],
+        "rs": [Shard(0), Replicate()],
+        "sr": [Replicate(), Replicate()],
+    }
+    like = {
+        k: torch.nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, p))
+        for k, p in other.items()
+    }
     ptrs = {k: v.to_local().data_ptr() for k, v in like.items()}
     out = sp.load(f"{base}/mesh", like=like)
     for k, v in out.items():
@@ -402,14 +475,18 @@ def test_dtensor_2d_mesh_round_trip(tmp_path):
     res = run_world(4, mesh2d_job, str(tmp_path), timeout=240)
     assert all(not bad for bad, _ in res), res
     import shardpoint as sp
+
     back = sp.load(str(tmp_path / "mesh"))
     for k in ("ss", "rs", "sr"):
         assert same_bits(back[k], full(k)), k
-    sizes = sum(os.path.getsize(os.path.join(d, f))
-                for d, _, fs in os.walk(tmp_path / "mesh" / "tensors") for f in fs
-                if f != "zarr.json")
+    sizes = sum(
+        os.path.getsize(os.path.join(d, f))
+        for d, _, fs in os.walk(tmp_path / "mesh" / "tensors")
+        for f in fs
+        if f != "zarr.json"
+    )
     unique = res[0][1]
-    assert unique <= sizes <= unique * 1.10 + 4096     # replicated mesh dims written once
+    assert unique <= sizes <= unique * 1.10 + 4096  # replicated mesh dims written once
 
 
 # ---------------------------------------------------------------------------- failure, patched
@@ -419,19 +496,22 @@ def patched_failure_job(rank, world, base):
     import shardpoint as sp
     from shardpoint_core.transactions.resolve import get_backend
     import torch.distributed as dist
+
     a, b = split(SHAPE[0], world, rank)
 
     def state(w):
         st = {"w": sp.ShardedTensor(w[a:b].clone(), SHAPE, (a, 0))}
-        if rank == 1:       # only rank 1 holds it, so rank 1 certainly writes a chunk
+        if rank == 1:  # only rank 1 holds it, so rank 1 certainly writes a chunk
             st["r1"] = sp.ShardedTensor(w.clone(), SHAPE, (0, 0))
         return st
 
     sp.save(state(full("w")), f"{base}/ck")
     be = get_backend()
     if rank == 1:
+
         def broken(handle, offset, data):
             raise PermissionError(13, "Permission denied (patched on rank 1)")
+
         be.write = broken
     try:
         sp.save(state(torch.zeros(SHAPE)), f"{base}/ck", overwrite=True)
@@ -444,8 +524,12 @@ def patched_failure_job(rank, world, base):
     except sp.ShardpointError as e:
         msg_new = f"{type(e).__name__}: {e}"
     dist.barrier()
-    return msg, msg_new, torch.equal(sp.load(f"{base}/ck")["w"], full("w")), \
-        sorted(os.listdir(base))
+    return (
+        msg,
+        msg_new,
+        torch.equal(sp.load(f"{base}/ck")["w"], full("w")),
+        sorted(os.listdir(base)),
+    )
 
 
 def test_write_failure_patched_in_one_rank(tmp_path):

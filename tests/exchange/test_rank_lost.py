@@ -8,6 +8,7 @@ raised, dropped them while the interpreter was exiting, and aborted inside torch
 The abort needs the real interpreter exit, so the ranks here are fresh ``python`` processes
 joined by a file rendezvous, not the launcher's forked ranks (which leave by ``os._exit``).
 """
+
 import os
 import subprocess
 import sys
@@ -49,9 +50,16 @@ def run_ranks(tmp_path, world: int, mode: str) -> list:
     """One run: ``world`` fresh interpreters; ``[(exit code, stdout, stderr)]`` per rank."""
     root = tmp_path / f"{mode}-{len(os.listdir(tmp_path))}"
     root.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(world), str(root), mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              stdin=subprocess.DEVNULL) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(r), str(world), str(root), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for r in range(world)
+    ]
     out = []
     try:
         for p in procs:
@@ -91,8 +99,9 @@ def _failed_collective_lets_go(rank, world):
     import torch.distributed as dist
     from shardpoint.exchange.comm import Comm
     import shardpoint as sp
+
     if rank == 1:
-        time.sleep(6)             # never joins; the group's timeout is 2 s
+        time.sleep(6)  # never joins; the group's timeout is 2 s
         return None
     t = torch.ones(4)
     try:
@@ -112,12 +121,13 @@ def test_a_failed_collective_lets_go_of_its_tensors_before_raising():
 def _names_the_peer(rank, world):
     from shardpoint.exchange.comm import Comm
     import shardpoint as sp
-    if rank == 2:                  # offers its size, then never sends its bytes
+
+    if rank == 2:  # offers its size, then never sends its bytes
         Comm()._sizes(10)
         time.sleep(6)
         return None
     try:
-        Comm().gather_bytes(b"x" * 10)     # rank 0 waits for each rank's bytes, point to point
+        Comm().gather_bytes(b"x" * 10)  # rank 0 waits for each rank's bytes, point to point
     except sp.RankLostError as e:
         return str(e)
     return "no error"

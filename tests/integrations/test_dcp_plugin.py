@@ -10,6 +10,7 @@ thread counts, ``no_dist``; and what makes them shardpoint checkpoints: ``shardp
 sizes, ``shardpoint_jax`` reads them, and the reader loads checkpoints written by ``sp.save``.
 One 2-rank world runs all distributed cases, to keep the time down.
 """
+
 import io
 import os
 import subprocess
@@ -26,14 +27,22 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
 def _no_pickle_metadata(path):
-    found = [os.path.join(r, f) for r, _d, fs in os.walk(path) for f in fs
-             if f.endswith(".metadata") or f.endswith(".distcp") or f.endswith(".pt")]
+    found = [
+        os.path.join(r, f)
+        for r, _d, fs in os.walk(path)
+        for f in fs
+        if f.endswith(".metadata") or f.endswith(".distcp") or f.endswith(".pt")
+    ]
     assert found == [], found
 
 
 def _verify_strict(path):
-    r = subprocess.run([sys.executable, "-m", "shardpoint", "verify", "--strict", str(path)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "shardpoint", "verify", "--strict", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
 
 
@@ -52,9 +61,22 @@ class Counter:
         self.seen.copy_(sd["seen"])
 
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-          torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-          torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 def _all_dtypes():
@@ -71,29 +93,47 @@ def test_no_dist_round_trip_every_dtype_values_bytesio_stateful(tmp_path):
     import torch.distributed.checkpoint as dcp
     import shardpoint as sp
     from shardpoint.dcp import ShardpointReader, ShardpointWriter
+
     path = tmp_path / "c"
-    state = {"model": {"layer.0.weight": torch.randn(4, 3), "dtypes": _all_dtypes()},
-             "step": 7, "tags": [1, 2, "a"], "blob": io.BytesIO(b"\x00raw"),
-             "counter": Counter(4), "nested": {"a": {"b": {"c": torch.ones(2, 2)}}},
-             "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4)}
+    state = {
+        "model": {"layer.0.weight": torch.randn(4, 3), "dtypes": _all_dtypes()},
+        "step": 7,
+        "tags": [1, 2, "a"],
+        "blob": io.BytesIO(b"\x00raw"),
+        "counter": Counter(4),
+        "nested": {"a": {"b": {"c": torch.ones(2, 2)}}},
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+    }
     dcp.save(state, storage_writer=ShardpointWriter(path, thread_count=4), no_dist=True)
     _no_pickle_metadata(path)
     _verify_strict(path)
-    back = sp.load(str(path))          # plain shardpoint: the tree under DCP's paths
+    back = sp.load(str(path))  # plain shardpoint: the tree under DCP's paths
     assert back["step"] == 7 and back["tags"] == [1, 2, "a"] and back["blob"] == b"\x00raw"
     assert back["counter"]["n"] == 4
     assert torch.equal(back["model"]["layer.0.weight"], state["model"]["layer.0.weight"])
 
-    like = {"model": {"layer.0.weight": torch.zeros(4, 3),
-                      "dtypes": {k: torch.zeros_like(v) for k, v in _all_dtypes().items()}},
-            "step": 0, "tags": None, "blob": io.BytesIO(), "counter": Counter(0),
-            "nested": {"a": {"b": {"c": torch.zeros(2, 2)}}}, "scalar": torch.tensor(0.0),
-            "empty": torch.ones(0, 4)}
+    like = {
+        "model": {
+            "layer.0.weight": torch.zeros(4, 3),
+            "dtypes": {k: torch.zeros_like(v) for k, v in _all_dtypes().items()},
+        },
+        "step": 0,
+        "tags": None,
+        "blob": io.BytesIO(),
+        "counter": Counter(0),
+        "nested": {"a": {"b": {"c": torch.zeros(2, 2)}}},
+        "scalar": torch.tensor(0.0),
+        "empty": torch.ones(0, 4),
+    }
     dcp.load(like, storage_reader=ShardpointReader(path), no_dist=True)
-    for k, v in _all_dtypes().items():    # bitwise: compare the bytes
-        assert torch.equal(like["model"]["dtypes"][k].view(torch.uint8) if v.dtype != torch.bool
-                           else like["model"]["dtypes"][k], v.view(torch.uint8)
-                           if v.dtype != torch.bool else v), k
+    for k, v in _all_dtypes().items():  # bitwise: compare the bytes
+        assert torch.equal(
+            like["model"]["dtypes"][k].view(torch.uint8)
+            if v.dtype != torch.bool
+            else like["model"]["dtypes"][k],
+            v.view(torch.uint8) if v.dtype != torch.bool else v,
+        ), k
     assert torch.equal(like["model"]["layer.0.weight"], state["model"]["layer.0.weight"])
     assert like["step"] == 7 and like["tags"] == [1, 2, "a"]
     assert like["blob"].getvalue() == b"\x00raw" and like["counter"].n == 4
@@ -106,18 +146,25 @@ def test_reader_loads_a_checkpoint_written_by_sp_save(tmp_path):
     import torch.distributed.checkpoint as dcp
     import shardpoint as sp
     from shardpoint.dcp import ShardpointReader
+
     w = torch.arange(24.0).reshape(6, 4)
-    sp.save({"model": {"w": w, "layers": [torch.ones(3), torch.zeros(2)]}, "step": 11,
-             "rng": sp.ShardedObject(5, 0, 1)}, str(tmp_path / "c"))
-    like = {"model": {"w": torch.zeros(6, 4), "layers": [torch.zeros(3), torch.ones(2)]},
-            "step": 0}
+    sp.save(
+        {
+            "model": {"w": w, "layers": [torch.ones(3), torch.zeros(2)]},
+            "step": 11,
+            "rng": sp.ShardedObject(5, 0, 1),
+        },
+        str(tmp_path / "c"),
+    )
+    like = {"model": {"w": torch.zeros(6, 4), "layers": [torch.zeros(3), torch.ones(2)]}, "step": 0}
     dcp.load(like, storage_reader=ShardpointReader(tmp_path / "c"), no_dist=True)
     assert torch.equal(like["model"]["w"], w) and like["step"] == 11
     assert torch.equal(like["model"]["layers"][0], torch.ones(3))
     # a DCP state dict keyed as a model's (no nesting) asks for what it holds only
     part = {"model": {"w": torch.zeros(6, 4)}}
-    dcp.load(part, checkpoint_id=str(tmp_path / "c"), storage_reader=ShardpointReader("x"),
-             no_dist=True)
+    dcp.load(
+        part, checkpoint_id=str(tmp_path / "c"), storage_reader=ShardpointReader("x"), no_dist=True
+    )
     assert torch.equal(part["model"]["w"], w)
 
 
@@ -125,9 +172,13 @@ def test_unsupported_object_is_refused_with_shardpoint_error(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from shardpoint.dcp import ShardpointWriter
+
     with pytest.raises(CheckpointException, match="UnsupportedValueError|not a supported"):
-        dcp.save({"w": torch.ones(2), "obj": {1, 2}},
-                 storage_writer=ShardpointWriter(tmp_path / "c"), no_dist=True)
+        dcp.save(
+            {"w": torch.ones(2), "obj": {1, 2}},
+            storage_writer=ShardpointWriter(tmp_path / "c"),
+            no_dist=True,
+        )
     assert not (tmp_path / "c").exists()
 
 
@@ -141,9 +192,13 @@ def _two_rank_cases(rank, world, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard as DShard, distribute_tensor, DTensor
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
     from shardpoint.dcp import ShardpointReader, ShardpointWriter
+
     warnings.simplefilter("ignore")
     mesh = init_device_mesh("cpu", (world,))
     done = []
@@ -193,8 +248,7 @@ def _two_rank_cases(rank, world, root):
     msd2, osd2 = get_state_dict(model2, opt2)
     target = {"model": msd2, "optim": osd2}
     dcp.load(target, storage_reader=ShardpointReader(path))
-    set_state_dict(model2, opt2, model_state_dict=target["model"],
-                   optim_state_dict=target["optim"])
+    set_state_dict(model2, opt2, model_state_dict=target["model"], optim_state_dict=target["optim"])
     for k, v in get_state_dict(model2, opt2)[0].items():
         assert torch.equal(v.full_tensor(), ref[k]), k
     o1 = get_state_dict(model, opt)[1]["state"]
@@ -227,20 +281,31 @@ def _two_rank_cases(rank, world, root):
 
     # 5. a checkpoint written by sp.save on these ranks, read through DCP into DTensors
     import shardpoint as sp
+
     h = seeded_randn("h", (4, 6), torch.bfloat16)
     path = os.path.join(root, "native")
-    sp.save({"h": sp.ShardedTensor(h[:, 3 * rank:3 * rank + 3].clone(), (4, 6), (0, 3 * rank)),
-             "it": 9}, path)
-    into = {"h": distribute_tensor(torch.zeros(4, 6, dtype=torch.bfloat16), mesh, [DShard(0)]),
-            "it": 0}
+    sp.save(
+        {
+            "h": sp.ShardedTensor(h[:, 3 * rank : 3 * rank + 3].clone(), (4, 6), (0, 3 * rank)),
+            "it": 9,
+        },
+        path,
+    )
+    into = {
+        "h": distribute_tensor(torch.zeros(4, 6, dtype=torch.bfloat16), mesh, [DShard(0)]),
+        "it": 0,
+    }
     dcp.load(into, storage_reader=ShardpointReader(path))
     assert torch.equal(into["h"].full_tensor(), h) and into["it"] == 9
     done.append("sp.save->dcp.load")
 
     # 6. no_dist inside a running world: each rank saves and loads its own checkpoint alone
     mine = os.path.join(root, f"solo{rank}")
-    dcp.save({"r": torch.full((3,), rank), "tag": f"rank{rank}"},
-             storage_writer=ShardpointWriter(mine), no_dist=True)
+    dcp.save(
+        {"r": torch.full((3,), rank), "tag": f"rank{rank}"},
+        storage_writer=ShardpointWriter(mine),
+        no_dist=True,
+    )
     back = {"r": torch.zeros(3, dtype=torch.int64), "tag": ""}
     dcp.load(back, storage_reader=ShardpointReader(mine), no_dist=True)
     assert torch.equal(back["r"], torch.full((3,), rank)) and back["tag"] == f"rank{rank}"
@@ -251,6 +316,7 @@ def _two_rank_cases(rank, world, root):
 
 def _sp_load_three(rank, world, root):
     import shardpoint as sp
+
     w = seeded_randn("w", (5, 6))
     a, b = rank * 2, min(5, rank * 2 + 2)
     like = {"model": {"w": sp.ShardedTensor(torch.empty(b - a, 6), (5, 6), (a, 0))}}
@@ -262,10 +328,13 @@ def _sp_load_three(rank, world, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard as DShard, distribute_tensor
     from shardpoint.dcp import ShardpointReader
+
     mesh = init_device_mesh("cpu", (world,))
     for dim in (0, 1):
-        into = {"model": {"w": distribute_tensor(torch.zeros(5, 6), mesh, [DShard(dim)])},
-                "step": 0}
+        into = {
+            "model": {"w": distribute_tensor(torch.zeros(5, 6), mesh, [DShard(dim)])},
+            "step": 0,
+        }
         dcp.load(into, storage_reader=ShardpointReader(os.path.join(root, "rows")))
         assert torch.equal(into["model"]["w"].full_tensor(), w) and into["step"] == 3
     return True
@@ -276,8 +345,18 @@ def test_two_ranks_dcp_cases_then_sp_load_on_three_and_jax(tmp_path):
     """Slow (2-rank then 3-rank worlds and a JAX process); the default suite runs DCP on
     2 gloo ranks in tests/integrations/test_crossover.py."""
     done = run_world(2, _two_rank_cases, str(tmp_path), timeout=300)
-    assert done[0] == done[1] == ["rowwise->colwise", "enumerable", "fsdp2", "tp+async",
-                                  "sp.save->dcp.load", "no_dist in a world"]
+    assert (
+        done[0]
+        == done[1]
+        == [
+            "rowwise->colwise",
+            "enumerable",
+            "fsdp2",
+            "tp+async",
+            "sp.save->dcp.load",
+            "no_dist in a world",
+        ]
+    )
     for name in ("rows", "enum", "fsdp", "tp", "solo0", "solo1"):
         _no_pickle_metadata(tmp_path / name)
     _verify_strict(tmp_path / "rows")
@@ -290,11 +369,16 @@ w = np.asarray(out["model"]["w"])
 assert w.shape == (5, 6) and out["step"] == 3
 np.save(sys.argv[2], w)
 """
-    r = subprocess.run([sys.executable, "-c", jax_load, str(tmp_path / "rows"),
-                        str(tmp_path / "w.npy")], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = subprocess.run(
+        [sys.executable, "-c", jax_load, str(tmp_path / "rows"), str(tmp_path / "w.npy")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert r.returncode == 0, r.stderr
     import numpy as np
+
     assert np.array_equal(np.load(tmp_path / "w.npy"), seeded_randn("w", (5, 6)).numpy())
 
 
@@ -304,17 +388,16 @@ def test_filesystem_writer_arguments_accepted_positionally_and_extensions_refuse
     ``_extension_registry``): accepted; a stream extension (which transforms DCP's own .distcp
     files, which a shardpoint checkpoint has none of) is refused, not ignored (issue 33)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._extension import (ExtensionRegistry,
-                                                         StreamTransformExtension)
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
     from torch.distributed.checkpoint.filesystem import SerializationFormat
     import shardpoint as sp
     from shardpoint.dcp import ShardpointReader, ShardpointWriter
 
-    class Identity(StreamTransformExtension):     # a DCP stream transform (it changes nothing)
+    class Identity(StreamTransformExtension):  # a DCP stream transform (it changes nothing)
         registry_name = staticmethod(lambda: "identity")
         from_descriptor = staticmethod(lambda version: Identity())
-        get_descriptor = lambda self: "identity/1"              # noqa: E731
-        transform_to = transform_from = lambda self, stream: stream   # noqa: E731
+        get_descriptor = lambda self: "identity/1"  # noqa: E731
+        transform_to = transform_from = lambda self, stream: stream  # noqa: E731
 
     state = {"w": torch.arange(6.0), "blob": io.BytesIO(b"payload")}
     w = ShardpointWriter(tmp_path / "c", True, True, 2, 1 << 20, False, True)
@@ -326,8 +409,9 @@ def test_filesystem_writer_arguments_accepted_positionally_and_extensions_refuse
     ShardpointWriter(tmp_path / "z", serialization_format=SerializationFormat.TORCH_SAVE)
     _no_pickle_metadata(tmp_path / "c")
     like = {"w": torch.zeros(6), "blob": io.BytesIO()}
-    dcp.load(like, storage_reader=ShardpointReader(tmp_path / "c", ExtensionRegistry()),
-             no_dist=True)
+    dcp.load(
+        like, storage_reader=ShardpointReader(tmp_path / "c", ExtensionRegistry()), no_dist=True
+    )
     assert torch.equal(like["w"], torch.arange(6.0)) and like["blob"].getvalue() == b"payload"
 
 
@@ -335,6 +419,7 @@ def _dcp_view(path, reader):
     """The state DCP rebuilds from a checkpoint's own metadata (no template): what
     ``dcp_to_torch_save`` and ``_load_state_dict_from_keys`` hand users."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
     return _load_state_dict_from_keys(storage_reader=reader(path))
 
 
@@ -343,15 +428,21 @@ def test_untemplated_load_matches_dcp_filesystem_reader_lists_tuples_nesting(tmp
     FileSystemReader gives the same state saved by FileSystemWriter."""
     import torch.distributed.checkpoint as dcp
     from shardpoint.dcp import ShardpointReader, ShardpointWriter
-    state = {"a": [torch.ones(2), 3, "x"], "b": [1, 2], "e": (1, 2.5),
-             "c": {"d": [torch.zeros(1), [torch.full((2,), 7)]], "n": None}}
+
+    state = {
+        "a": [torch.ones(2), 3, "x"],
+        "b": [1, 2],
+        "e": (1, 2.5),
+        "c": {"d": [torch.zeros(1), [torch.full((2,), 7)]], "n": None},
+    }
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "fs")), no_dist=True)
     dcp.save(state, storage_writer=ShardpointWriter(tmp_path / "sp"), no_dist=True)
     theirs = _dcp_view(str(tmp_path / "fs"), dcp.FileSystemReader)
     ours = _dcp_view(tmp_path / "sp", ShardpointReader)
     assert repr(ours) == repr(theirs) and type(ours["e"]) is tuple
-    assert list(ShardpointReader(tmp_path / "sp").read_metadata().state_dict_metadata) == \
-        list(dcp.FileSystemReader(str(tmp_path / "fs")).read_metadata().state_dict_metadata)
+    assert list(ShardpointReader(tmp_path / "sp").read_metadata().state_dict_metadata) == list(
+        dcp.FileSystemReader(str(tmp_path / "fs")).read_metadata().state_dict_metadata
+    )
 
 
 def test_sharded_objects_from_sp_save_read_through_dcp_as_their_grid(tmp_path):
@@ -361,9 +452,16 @@ def test_sharded_objects_from_sp_save_read_through_dcp_as_their_grid(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     import shardpoint as sp
     from shardpoint.dcp import ShardpointReader
+
     p = str(tmp_path / "c")
-    sp.save({"w": torch.ones(2), "rng": sp.ShardedObject({"seed": 5}, 0, 1),
-             "grid": sp.ShardedObject(b"\x01", (0, 0), (1, 1))}, p)
+    sp.save(
+        {
+            "w": torch.ones(2),
+            "rng": sp.ShardedObject({"seed": 5}, 0, 1),
+            "grid": sp.ShardedObject(b"\x01", (0, 0), (1, 1)),
+        },
+        p,
+    )
     view = _dcp_view(p, ShardpointReader)
     assert view["rng"] == [{"seed": 5}] and view["grid"] == [[b"\x01"]]
     assert view["rng"] == sp.load(p)["rng"]
@@ -372,8 +470,9 @@ def test_sharded_objects_from_sp_save_read_through_dcp_as_their_grid(tmp_path):
     assert like["rng"] == [{"seed": 5}] and torch.equal(like["w"], torch.ones(2))
     # DCP's own converter (through our reader) to a torch.save file
     import torch.distributed.checkpoint.format_utils as fu
+
     old = fu.FileSystemReader
-    fu.FileSystemReader = ShardpointReader      # dcp_to_torch_save names its reader class
+    fu.FileSystemReader = ShardpointReader  # dcp_to_torch_save names its reader class
     try:
         dcp_to_torch_save(p, str(tmp_path / "out.pt"))
     finally:
@@ -389,14 +488,17 @@ def test_writing_over_a_directory_of_other_files_is_refused_and_keeps_them(tmp_p
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from shardpoint.dcp import ShardpointWriter
+
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "model.pt").write_bytes(b"theirs")
     with pytest.raises(CheckpointException, match="CheckpointExistsError.*SP-COMMIT-5"):
-        dcp.save({"w": torch.ones(2)}, storage_writer=ShardpointWriter(tmp_path / "c"),
-                 no_dist=True)
+        dcp.save(
+            {"w": torch.ones(2)}, storage_writer=ShardpointWriter(tmp_path / "c"), no_dist=True
+        )
     assert (tmp_path / "c" / "model.pt").read_bytes() == b"theirs"
-    dcp.save({"w": torch.ones(2)}, storage_writer=ShardpointWriter(tmp_path / "empty"),
-             no_dist=True)     # an empty directory is fine (DCP's suite uses mkdtemp())
+    dcp.save(
+        {"w": torch.ones(2)}, storage_writer=ShardpointWriter(tmp_path / "empty"), no_dist=True
+    )  # an empty directory is fine (DCP's suite uses mkdtemp())
 
 
 def test_checkpoint_id_detection_accepts_paths_and_registered_stores_only(tmp_path):
@@ -405,6 +507,7 @@ def test_checkpoint_id_detection_accepts_paths_and_registered_stores_only(tmp_pa
     suite expects "Cannot detect" for ``abc://abc.abc``)."""
     from pathlib import Path
     from shardpoint.dcp import ShardpointReader, ShardpointWriter
+
     for cls in (ShardpointReader, ShardpointWriter):
         assert cls.validate_checkpoint_id(str(tmp_path / "c"))
         assert cls.validate_checkpoint_id(Path(tmp_path / "c"))
@@ -419,9 +522,13 @@ def test_load_into_another_dtype_casts_as_dcp_does(tmp_path):
     checkpoint into a bfloat16 model); the shardpoint reader does the same through DCP."""
     import torch.distributed.checkpoint as dcp
     from shardpoint.dcp import ShardpointReader, ShardpointWriter
+
     w = torch.randn(4, 3)
-    dcp.save({"w": w, "i": torch.arange(5, dtype=torch.int32)},
-             storage_writer=ShardpointWriter(tmp_path / "c"), no_dist=True)
+    dcp.save(
+        {"w": w, "i": torch.arange(5, dtype=torch.int32)},
+        storage_writer=ShardpointWriter(tmp_path / "c"),
+        no_dist=True,
+    )
     like = {"w": torch.zeros(4, 3, dtype=torch.bfloat16), "i": torch.zeros(5, dtype=torch.int64)}
     dcp.load(like, storage_reader=ShardpointReader(tmp_path / "c"), no_dist=True)
     assert like["w"].dtype == torch.bfloat16 and torch.equal(like["w"], w.to(torch.bfloat16))

@@ -3,6 +3,7 @@ errors): what DCP's storage round-trips round-trips through ours (without a pick
 are shardpoint's documented classes, ``overwrite`` behaves as DCP's, options are honoured or
 refused, and ``from shardpoint import dcp`` is a one-line switch. One process (``no_dist``);
 the real DCP functions throughout."""
+
 import argparse
 import os
 import warnings
@@ -16,18 +17,24 @@ warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
 
 
 def _no_pickles(path):
-    found = [f for _r, _d, fs in os.walk(path) for f in fs
-             if f.endswith((".metadata", ".distcp", ".pt", ".pkl"))]
+    found = [
+        f
+        for _r, _d, fs in os.walk(path)
+        for f in fs
+        if f.endswith((".metadata", ".distcp", ".pt", ".pkl"))
+    ]
     assert found == [], found
 
 
 def _values():
     rng = np.random.RandomState(7)
-    return {"rng": {"numpy": rng.get_state(), "torch": torch.get_rng_state()},
-            "arr": np.arange(12, dtype=np.int16).reshape(3, 4),
-            "f32": np.linspace(0, 1, 5, dtype=np.float32),
-            "t": (torch.arange(4.0), "y"),
-            "mixed": [(torch.ones(2, dtype=torch.bfloat16), {"k": np.uint8(3)}), 5]}
+    return {
+        "rng": {"numpy": rng.get_state(), "torch": torch.get_rng_state()},
+        "arr": np.arange(12, dtype=np.int16).reshape(3, 4),
+        "f32": np.linspace(0, 1, 5, dtype=np.float32),
+        "t": (torch.arange(4.0), "y"),
+        "mixed": [(torch.ones(2, dtype=torch.bfloat16), {"k": np.uint8(3)}), 5],
+    }
 
 
 def _same(a, b):
@@ -49,17 +56,23 @@ def test_values_dcp_storage_round_trips_round_trip_through_ours(tmp_path):
     import torch.distributed.checkpoint as dcp
     import shardpoint as sp
     from shardpoint.dcp import ShardpointReader, ShardpointWriter
-    for arm, W, R in (("fs", dcp.FileSystemWriter, dcp.FileSystemReader),
-                      ("sp", ShardpointWriter, ShardpointReader)):
+
+    for arm, W, R in (
+        ("fs", dcp.FileSystemWriter, dcp.FileSystemReader),
+        ("sp", ShardpointWriter, ShardpointReader),
+    ):
         p = str(tmp_path / arm)
         dcp.save({"w": torch.ones(3), **_values()}, storage_writer=W(p), no_dist=True)
-        like = {"w": torch.zeros(3), **{k: None for k in _values()},
-                "rng": {"numpy": None, "torch": torch.zeros_like(torch.get_rng_state())}}
+        like = {
+            "w": torch.zeros(3),
+            **{k: None for k in _values()},
+            "rng": {"numpy": None, "torch": torch.zeros_like(torch.get_rng_state())},
+        }
         dcp.load(like, storage_reader=R(p), no_dist=True)
         for k, v in _values().items():
             assert _same(v, like[k]), (arm, k, like[k])
     _no_pickles(tmp_path / "sp")
-    back = sp.load(str(tmp_path / "sp"))       # plain shardpoint sees the same values
+    back = sp.load(str(tmp_path / "sp"))  # plain shardpoint sees the same values
     assert _same(back["rng"]["numpy"], _values()["rng"]["numpy"])
     np.random.set_state(like["rng"]["numpy"])  # and it is usable as what it was
     assert np.random.randint(1 << 30) == np.random.RandomState(7).randint(1 << 30)
@@ -71,6 +84,7 @@ def test_untemplated_view_of_values_matches_dcp(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     from shardpoint.dcp import ShardpointReader, ShardpointWriter
+
     dcp.save(_values(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "fs")), no_dist=True)
     dcp.save(_values(), storage_writer=ShardpointWriter(tmp_path / "sp"), no_dist=True)
     theirs = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(str(tmp_path / "fs")))
@@ -87,6 +101,7 @@ def test_refusals_are_shardpoint_classes_raw_inside_dcp_and_raised_by_the_facade
     import shardpoint as sp
     from shardpoint import dcp as spdcp
     from shardpoint.dcp import ShardpointWriter
+
     bad = {"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)}
     with pytest.raises(CheckpointException) as ei:
         dcp.save(bad, storage_writer=ShardpointWriter(tmp_path / "c"), no_dist=True)
@@ -110,6 +125,7 @@ def test_a_dcp_filesystem_checkpoint_through_our_reader_is_our_clear_error(tmp_p
     import shardpoint as sp
     from shardpoint import dcp as spdcp
     from shardpoint.dcp import ShardpointReader
+
     p = str(tmp_path / "fs")
     dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(p), no_dist=True)
     with pytest.raises(CheckpointException) as ei:
@@ -121,7 +137,7 @@ def test_a_dcp_filesystem_checkpoint_through_our_reader_is_our_clear_error(tmp_p
         spdcp.load({"w": torch.zeros(3)}, checkpoint_id=p, no_dist=True)
     with pytest.raises(sp.CheckpointNotFoundError, match="does not exist"):
         spdcp.load({"w": torch.zeros(3)}, checkpoint_id=tmp_path / "none", no_dist=True)
-    with pytest.raises(sp.CheckpointNotFoundError):      # a direct call raises too
+    with pytest.raises(sp.CheckpointNotFoundError):  # a direct call raises too
         ShardpointReader(p).read_metadata()
 
 
@@ -134,6 +150,7 @@ def test_overwrite_follows_dcp_and_never_deletes_other_files(tmp_path):
     import shardpoint as sp
     from shardpoint import dcp as spdcp
     from shardpoint.dcp import ShardpointWriter
+
     p = str(tmp_path / "c")
     t1, t2 = torch.randn(10), torch.randn(10)
     spdcp.save({"random": t1}, checkpoint_id=p, no_dist=True)
@@ -142,11 +159,11 @@ def test_overwrite_follows_dcp_and_never_deletes_other_files(tmp_path):
     spdcp.load(sd, checkpoint_id=p, no_dist=True)
     assert torch.equal(sd["random"], t2)
     with pytest.raises(CheckpointException, match="Checkpoint already exists"):
-        dcp.save({"random": t1}, storage_writer=ShardpointWriter(p, overwrite=False),
-                 no_dist=True)
+        dcp.save({"random": t1}, storage_writer=ShardpointWriter(p, overwrite=False), no_dist=True)
     with pytest.raises(sp.CheckpointExistsError, match="Checkpoint already exists"):
-        spdcp.save({"random": t1}, storage_writer=ShardpointWriter(p, overwrite=False),
-                   no_dist=True)
+        spdcp.save(
+            {"random": t1}, storage_writer=ShardpointWriter(p, overwrite=False), no_dist=True
+        )
     spdcp.load(sd, checkpoint_id=p, no_dist=True)
     assert torch.equal(sd["random"], t2)
     (tmp_path / "mine").mkdir()
@@ -165,6 +182,7 @@ def test_one_line_switch_save_load_async_save_and_dcp_names(tmp_path):
     import torch.distributed.checkpoint as torch_dcp
     import shardpoint as sp
     from shardpoint import dcp
+
     state = {"model": {"w": torch.randn(4, 3)}, "step": 3, "rng": np.random.get_state()}
     dcp.save(state, checkpoint_id=str(tmp_path / "a"), no_dist=True)
     assert sp.read_metadata(str(tmp_path / "a")) is not None
@@ -176,8 +194,9 @@ def test_one_line_switch_save_load_async_save_and_dcp_names(tmp_path):
     fut = dcp.async_save(state, checkpoint_id=str(tmp_path / "b"), no_dist=True)
     fut.result(timeout=120)
     assert sp.load(str(tmp_path / "b"))["step"] == 3
-    bad = dcp.async_save({"o": argparse.Namespace()}, checkpoint_id=str(tmp_path / "x"),
-                         no_dist=True)
+    bad = dcp.async_save(
+        {"o": argparse.Namespace()}, checkpoint_id=str(tmp_path / "x"), no_dist=True
+    )
     with pytest.raises(sp.UnsupportedValueError):
         bad.result(timeout=120)
     assert dcp.FileSystemWriter is torch_dcp.FileSystemWriter
@@ -192,13 +211,13 @@ def test_cache_staged_state_dict_is_honoured_by_dcp_async_save(tmp_path):
     from torch.distributed.checkpoint.staging import AsyncStager
     import shardpoint as sp
     from shardpoint.dcp import ShardpointWriter
+
     w = ShardpointWriter(tmp_path / "a", cache_staged_state_dict=True)
     assert isinstance(w, AsyncStager) and w.cache_staged_state_dict
     state = {"w": torch.arange(6.0)}
     if not torch.cuda.is_available():
         errs = []
-        for writer in (dcp.FileSystemWriter(str(tmp_path / "fs"), cache_staged_state_dict=True),
-                       w):
+        for writer in (dcp.FileSystemWriter(str(tmp_path / "fs"), cache_staged_state_dict=True), w):
             with pytest.raises(RuntimeError) as ei:
                 dcp.async_save(state, storage_writer=writer, no_dist=True).result(timeout=120)
             errs.append(str(ei.value))
@@ -208,8 +227,9 @@ def test_cache_staged_state_dict_is_honoured_by_dcp_async_save(tmp_path):
     cached = w.state_dict_cache
     assert cached is not None
     state["w"] += 1
-    dcp.async_save(state, checkpoint_id=str(tmp_path / "b"), storage_writer=w,
-                   no_dist=True).result(timeout=120)
+    dcp.async_save(state, checkpoint_id=str(tmp_path / "b"), storage_writer=w, no_dist=True).result(
+        timeout=120
+    )
     assert w.state_dict_cache is cached
     assert torch.equal(sp.load(str(tmp_path / "b"))["w"], torch.arange(6.0) + 1)
     assert torch.equal(sp.load(str(tmp_path / "a"))["w"], torch.arange(6.0))

@@ -10,6 +10,7 @@ pieces of one key per rank), a tensor every rank holds with Megatron's fully-par
 ids (0 for the main holder, 1 for all others), distributed-optimizer ``flattened_range``
 pieces split over DP, a (PP, TP) grid of RNG states and a DP grid of data-loader states.
 """
+
 import importlib.util
 import os
 import re
@@ -20,12 +21,14 @@ import torch
 from shardpoint_testing.launch import run_world
 from shardpoint_testing.tensors import same_bits, seeded_randn
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None or
-                                importlib.util.find_spec("megatron.core") is None,
-                                reason="megatron-core is not installed (pip install "
-                                "'megatron-core==0.16.*', part of the test extra)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None
+    or importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed (pip install "
+    "'megatron-core==0.16.*', part of the test extra)",
+)
 
-L, H, QKV, FFN, E, V, P = 4, 8, 12, 4, 4, 16, 6     # layers, hidden, ..., experts, vocab
+L, H, QKV, FFN, E, V, P = 4, 8, 12, 4, 4, 16, 6  # layers, hidden, ..., experts, vocab
 
 
 def full(key, shape, dtype):
@@ -33,7 +36,7 @@ def full(key, shape, dtype):
     return seeded_randn(sum(ord(c) * (i + 1) for i, c in enumerate(key)), shape, dtype)
 
 
-MODEL = {   # key -> (global shape, dtype)
+MODEL = {  # key -> (global shape, dtype)
     "embedding.word_embeddings.weight": ((V, H), torch.bfloat16),
     "embedding.position_embeddings.weight": ((P, H), torch.bfloat16),
     "decoder.layers.self_attention.linear_qkv.weight": ((L, QKV, H), torch.bfloat16),
@@ -41,12 +44,15 @@ MODEL = {   # key -> (global shape, dtype)
     "decoder.layers.input_layernorm.weight": ((L, H), torch.float32),
     "decoder.layers.mlp.experts.linear_fc1.weight": ((L, E, FFN, H), torch.bfloat16),
     "decoder.final_layernorm.weight": ((H,), torch.float32),
-    "output_layer.linear_fc1.weight": ((2 * FFN, H), torch.bfloat16),   # via a factory
+    "output_layer.linear_fc1.weight": ((2 * FFN, H), torch.bfloat16),  # via a factory
 }
 FACTORY = "output_layer.linear_fc1.weight"
-OPTIMIZED = ["embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_qkv.weight",
-             "decoder.layers.self_attention.linear_proj.weight",
-             "decoder.layers.mlp.experts.linear_fc1.weight"]
+OPTIMIZED = [
+    "embedding.word_embeddings.weight",
+    "decoder.layers.self_attention.linear_qkv.weight",
+    "decoder.layers.self_attention.linear_proj.weight",
+    "decoder.layers.mlp.experts.linear_fc1.weight",
+]
 
 
 def opt_key(key):
@@ -59,7 +65,7 @@ def split(n, parts, i):
 
 def expected_full(key):
     if key.startswith("optimizer.state.exp_avg."):
-        shape = MODEL[key[len("optimizer.state.exp_avg."):]][0]
+        shape = MODEL[key[len("optimizer.state.exp_avg.") :]][0]
         return full(key, shape, torch.float32)
     return full(key, *MODEL[key])
 
@@ -76,42 +82,84 @@ def model_pieces(tp, pp, dp, rank):
 
     if p == 0:
         a, b = split(V, tp, t)
-        piece("embedding.word_embeddings.weight", "embedding.word_embeddings.weight",
-              (slice(a, b),), [(0, t, tp)], 0, (0, 0, d))
+        piece(
+            "embedding.word_embeddings.weight",
+            "embedding.word_embeddings.weight",
+            (slice(a, b),),
+            [(0, t, tp)],
+            0,
+            (0, 0, d),
+        )
     # every rank holds it; Megatron's fully-parallel ids: 0 for one holder, 1 for all others
-    piece("embedding.position_embeddings.weight", "embedding.position_embeddings.weight",
-          (slice(None),), [], 0, 0 if rank == 0 else 1)
+    piece(
+        "embedding.position_embeddings.weight",
+        "embedding.position_embeddings.weight",
+        (slice(None),),
+        [],
+        0,
+        0 if rank == 0 else 1,
+    )
     for i in range(lp):
-        g = p * lp + i                                  # global layer; dict keys use local i
+        g = p * lp + i  # global layer; dict keys use local i
         pre = f"decoder.layers.{i}."
         a, b = split(QKV, tp, t)
-        piece(pre + "self_attention.linear_qkv.weight",
-              "decoder.layers.self_attention.linear_qkv.weight", (g, slice(a, b)),
-              [(0, g, L), (1, t, tp)], 1, (0, 0, d))
-        piece(pre + "self_attention.linear_proj.weight",
-              "decoder.layers.self_attention.linear_proj.weight", (g, slice(None), slice(a, b)),
-              [(0, g, L), (2, t, tp)], 1, (0, 0, d))
-        piece(pre + "input_layernorm.weight", "decoder.layers.input_layernorm.weight", (g,),
-              [(0, g, L)], 1, (0, t, d))
-        ne = E // tp                                     # expert parallel over the TP ranks
+        piece(
+            pre + "self_attention.linear_qkv.weight",
+            "decoder.layers.self_attention.linear_qkv.weight",
+            (g, slice(a, b)),
+            [(0, g, L), (1, t, tp)],
+            1,
+            (0, 0, d),
+        )
+        piece(
+            pre + "self_attention.linear_proj.weight",
+            "decoder.layers.self_attention.linear_proj.weight",
+            (g, slice(None), slice(a, b)),
+            [(0, g, L), (2, t, tp)],
+            1,
+            (0, 0, d),
+        )
+        piece(
+            pre + "input_layernorm.weight",
+            "decoder.layers.input_layernorm.weight",
+            (g,),
+            [(0, g, L)],
+            1,
+            (0, t, d),
+        )
+        ne = E // tp  # expert parallel over the TP ranks
         for j in range(ne):
             e = t * ne + j
-            piece(pre + f"mlp.experts.local_experts.{j}.linear_fc1.weight",
-                  "decoder.layers.mlp.experts.linear_fc1.weight", (g, e),
-                  [(0, g, L), (1, e, E)], 2, (0, 0, d))
+            piece(
+                pre + f"mlp.experts.local_experts.{j}.linear_fc1.weight",
+                "decoder.layers.mlp.experts.linear_fc1.weight",
+                (g, e),
+                [(0, g, L), (1, e, E)],
+                2,
+                (0, 0, d),
+            )
     if p == pp - 1:
-        piece("decoder.final_layernorm.weight", "decoder.final_layernorm.weight",
-              (slice(None),), [], 0, (0, t, d))
+        piece(
+            "decoder.final_layernorm.weight",
+            "decoder.final_layernorm.weight",
+            (slice(None),),
+            [],
+            0,
+            (0, t, d),
+        )
     return out
 
 
-def sharded_state_dict(tp, pp, dp, rank, *, load=False, objects=("rng", "loader"),
-                       buckets=True):
+def sharded_state_dict(tp, pp, dp, rank, *, load=False, objects=("rng", "loader"), buckets=True):
     """One rank's Megatron sharded_state_dict for TP x PP x DP (``load``: sentinel data).
     ``buckets``: the 0.16 bucket-space optimizer buffers (reloadable with the same TP x PP
     only, as in Megatron)."""
-    from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject,
-                                                          ShardedObject, ShardedTensor)
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedObject,
+        ShardedTensor,
+    )
+
     t, d, p = rank % tp, (rank // tp) % dp, rank // (tp * dp)
 
     def data(x):
@@ -120,8 +168,9 @@ def sharded_state_dict(tp, pp, dp, rank, *, load=False, objects=("rng", "loader"
     model, opt = {}, {}
     pieces = model_pieces(tp, pp, dp, rank)
     for name, key, x, offsets, prepend, rep in pieces:
-        model[name] = ShardedTensor.from_rank_offsets(key, data(x), *offsets, replica_id=rep,
-                                                      prepend_axis_num=prepend)
+        model[name] = ShardedTensor.from_rank_offsets(
+            key, data(x), *offsets, replica_id=rep, prepend_axis_num=prepend
+        )
     if p == pp - 1:
         model[FACTORY] = swiglu_factory(data(factory_local(tp, t)), tp, t, (0, 0, d))
     # distributed optimizer (fully_sharded_model_space, megatron-core <= 0.15): the DP group
@@ -139,9 +188,9 @@ def sharded_state_dict(tp, pp, dp, rank, *, load=False, objects=("rng", "loader"
             continue
         k = opt_key(key)
         block = _block_of(k, offsets, prepend, x.shape)
-        st = ShardedTensor.from_rank_offsets(k, torch.empty(x.shape), *offsets,
-                                             replica_id=(0, 0, 0),
-                                             prepend_axis_num=prepend)
+        st = ShardedTensor.from_rank_offsets(
+            k, torch.empty(x.shape), *offsets, replica_id=(0, 0, 0), prepend_axis_num=prepend
+        )
         st.flattened_range = slice(a, b)
         st.data = data(block.reshape(-1)[a:b].clone())
         opt[name] = st
@@ -149,19 +198,38 @@ def sharded_state_dict(tp, pp, dp, rank, *, load=False, objects=("rng", "loader"
     if buckets:
         buf = bucket(tp, pp, p, t)
         ba, bb = split(buf.numel(), dp, d)
-        opt["bucket"] = ShardedTensor(bucket_key(tp, p, t), data(buf[ba:bb].clone()),
-                                      torch.float32, (bb - ba,), (buf.numel(),), (ba,),
-                                      axis_fragmentations=None, replica_id=(0, 0, 0))
-    ssd = {"model": model, "optimizer": {"state": opt, "param_groups": [
-        {"lr": 1e-3, "params": [0, 1]}], "padding": LocalNonpersistentObject(rank)},
-        "iteration": 0 if load else 700, "checkpoint_version": 3.0}
+        opt["bucket"] = ShardedTensor(
+            bucket_key(tp, p, t),
+            data(buf[ba:bb].clone()),
+            torch.float32,
+            (bb - ba,),
+            (buf.numel(),),
+            (ba,),
+            axis_fragmentations=None,
+            replica_id=(0, 0, 0),
+        )
+    ssd = {
+        "model": model,
+        "optimizer": {
+            "state": opt,
+            "param_groups": [{"lr": 1e-3, "params": [0, 1]}],
+            "padding": LocalNonpersistentObject(rank),
+        },
+        "iteration": 0 if load else 700,
+        "checkpoint_version": 3.0,
+    }
     if "rng" in objects:
-        ssd["rng_state"] = ShardedObject("rng_state", None if load else rng_value(p, t),
-                                         (pp, tp), (p, t), replica_id=d)
+        ssd["rng_state"] = ShardedObject(
+            "rng_state", None if load else rng_value(p, t), (pp, tp), (p, t), replica_id=d
+        )
     if "loader" in objects:
-        ssd["dataloader"] = ShardedObject("dataloader_state", None if load else
-                                          {"consumed": 100 + d}, (dp,), (d,),
-                                          replica_id=(p, t))
+        ssd["dataloader"] = ShardedObject(
+            "dataloader_state",
+            None if load else {"consumed": 100 + d},
+            (dp,),
+            (d,),
+            replica_id=(p, t),
+        )
     return ssd
 
 
@@ -170,7 +238,7 @@ def factory_local(tp, t):
     its rows of V (globally all of W, then all of V)."""
     g = expected_full(FACTORY)
     a, b = split(FFN, tp, t)
-    return torch.cat([g[a:b], g[FFN + a:FFN + b]])
+    return torch.cat([g[a:b], g[FFN + a : FFN + b]])
 
 
 def swiglu_factory(local, tp, t, replica_id):
@@ -180,8 +248,10 @@ def swiglu_factory(local, tp, t, replica_id):
 
     def build(key, x, rep, flattened_range):
         w, v = torch.chunk(x, 2, dim=0)
-        return [ShardedTensor.from_rank_offsets(key, w, (0, t, 2 * tp), replica_id=rep),
-                ShardedTensor.from_rank_offsets(key, v, (0, tp + t, 2 * tp), replica_id=rep)]
+        return [
+            ShardedTensor.from_rank_offsets(key, w, (0, t, 2 * tp), replica_id=rep),
+            ShardedTensor.from_rank_offsets(key, v, (0, tp + t, 2 * tp), replica_id=rep),
+        ]
 
     def merge(sub):
         return torch.cat(sub)
@@ -214,15 +284,19 @@ def bucket(tp, pp, p, t):
 
 def rng_value(p, t):
     import numpy as np
-    return {"random_rng_state": (3, tuple(range(p, p + 5)), None),
-            "np_rng_state": ("MT19937", np.arange(4, dtype=np.uint32) + t, 1, 0, 0.0),
-            "torch_rng_state": torch.arange(6, dtype=torch.uint8) + 10 * p + t}
+
+    return {
+        "random_rng_state": (3, tuple(range(p, p + 5)), None),
+        "np_rng_state": ("MT19937", np.arange(4, dtype=np.uint32) + t, 1, 0, 0.0),
+        "torch_rng_state": torch.arange(6, dtype=torch.uint8) + 10 * p + t,
+    }
 
 
 def check_loaded(ssd, out, tp, pp, dp, rank):
     """Every ShardedTensor of ``ssd`` filled in place with the expected bits; ``out`` is the
     state dict load_megatron returned."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
     bad = []
     for group in (ssd["model"], ssd["optimizer"]["state"]):
         for name, st in group.items():
@@ -231,7 +305,7 @@ def check_loaded(ssd, out, tp, pp, dp, rank):
             if name == "bucket":
                 t, p = rank % tp, rank // (tp * dp)
                 buf = bucket(tp, pp, p, t)
-                want = buf[st.global_offset[0]:st.global_offset[0] + st.data.numel()]
+                want = buf[st.global_offset[0] : st.global_offset[0] + st.data.numel()]
             else:
                 want = expected_full(st.key)[st.global_slice()]
                 if st.flattened_range is not None:
@@ -239,7 +313,7 @@ def check_loaded(ssd, out, tp, pp, dp, rank):
             if not same_bits(st.data, want):
                 bad.append(f"tp{tp}pp{pp}dp{dp} rank {rank}: {name} ({st.key})")
     for name, st in ssd["model"].items():
-        if name == FACTORY:   # merged by the factory's merge_fn from its filled pieces
+        if name == FACTORY:  # merged by the factory's merge_fn from its filled pieces
             if not same_bits(out["model"][name], factory_local(tp, rank % tp)):
                 bad.append(f"tp{tp}pp{pp}dp{dp} rank {rank}: factory {name}")
         elif out["model"][name] is not st.data:
@@ -247,18 +321,21 @@ def check_loaded(ssd, out, tp, pp, dp, rank):
     if out["iteration"] != 700 or out["checkpoint_version"] != 3.0:
         bad.append(f"common values: {out['iteration']} {out['checkpoint_version']}")
     if out["optimizer"]["padding"] != rank or out["optimizer"]["param_groups"] != [
-            {"lr": 1e-3, "params": [0, 1]}]:
+        {"lr": 1e-3, "params": [0, 1]}
+    ]:
         bad.append("optimizer common part / nonpersistent object")
     return bad
 
 
 def megatron_job(rank, world, base):
     import warnings
+
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
     import shardpoint as sp
     from shardpoint.integrations.megatron import load_megatron, save_megatron
+
     bad, info = [], {}
 
     # A: TP2 x PP2, saved on the 4 ranks
@@ -276,8 +353,10 @@ def megatron_job(rank, world, base):
     bad += check_loaded(ssd, load_megatron(ssd, f"{base}/a"), 1, 2, 2, rank)
     # the DP grid of loader states is (1,) in A and (2,) here: an error naming both
     try:
-        load_megatron(sharded_state_dict(1, 2, 2, rank, load=True, objects=("loader",),
-                                         buckets=False), f"{base}/a")
+        load_megatron(
+            sharded_state_dict(1, 2, 2, rank, load=True, objects=("loader",), buckets=False),
+            f"{base}/a",
+        )
         info["grid_error"] = "loaded"
     except sp.LayoutMismatchError as e:
         info["grid_error"] = str(e)
@@ -286,15 +365,22 @@ def megatron_job(rank, world, base):
     # makes them, overlapping pieces of one rank when the (collective) save plans
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from shardpoint.integrations.megatron import megatron_tree
+
     w = torch.ones(2, 3)
     cases = {
-        "tensor_and_object": {"a": ShardedTensor.from_rank_offsets("k", w),
-                              "b": ShardedObject("k", 1, (1,), (0,))},
-        "object_twice": {"a": ShardedObject("o", 1, (2,), (0,)),
-                         "b": ShardedObject("o", 2, (2,), (1,))},
+        "tensor_and_object": {
+            "a": ShardedTensor.from_rank_offsets("k", w),
+            "b": ShardedObject("k", 1, (1,), (0,)),
+        },
+        "object_twice": {
+            "a": ShardedObject("o", 1, (2,), (0,)),
+            "b": ShardedObject("o", 2, (2,), (1,)),
+        },
         "no_data": {"a": ShardedTensor.from_rank_offsets("k", w).without_data()},
-        "overlap": {"a": ShardedTensor.from_rank_offsets("k", w, (0, 0, 2)),
-                    "b": ShardedTensor.from_rank_offsets("k", w, (0, 0, 2))},
+        "overlap": {
+            "a": ShardedTensor.from_rank_offsets("k", w, (0, 0, 2)),
+            "b": ShardedTensor.from_rank_offsets("k", w, (0, 0, 2)),
+        },
     }
     for name, case in cases.items():
         try:
@@ -315,9 +401,11 @@ def megatron_job(rank, world, base):
     bad += check_loaded(ssd, out, 1, 2, 1, sub)
     want = rng_value(sub, 0)
     got = out["rng_state"]
-    if (got["random_rng_state"] != want["random_rng_state"]
-            or not (got["np_rng_state"][1] == want["np_rng_state"][1]).all()
-            or not torch.equal(got["torch_rng_state"], want["torch_rng_state"])):
+    if (
+        got["random_rng_state"] != want["random_rng_state"]
+        or not (got["np_rng_state"][1] == want["np_rng_state"][1]).all()
+        or not torch.equal(got["torch_rng_state"], want["torch_rng_state"])
+    ):
         bad.append(f"rng state {got!r}")
     # ... and as TP2 x PP2 on the 4 ranks
     ssd = sharded_state_dict(2, 2, 1, rank, load=True, objects=(), buckets=False)
@@ -342,6 +430,7 @@ def test_megatron_core_round_trip_across_tp_pp_dp(tmp_path):
     # every saved tensor, read whole in this process without megatron-core, is the global one
     import shardpoint as sp
     from shardpoint_core.verify import verify_checkpoint
+
     for name, (tp, pp) in (("a", (2, 2)), ("b", (1, 2))):
         path = str(tmp_path / name)
         assert verify_checkpoint(path, strict=True).ok
@@ -371,5 +460,7 @@ def test_save_and_load_megatron_leave_nothing_in_reference_cycles(tmp_path):
     for name, fn in calls.items():
         found = garbage_of(fn)
         held = [o for o in found if isinstance(o, torch.Tensor) or type(o).__name__ == "function"]
-        assert not held, (name, sorted({getattr(o, "__qualname__", type(o).__name__)
-                                        for o in held}))
+        assert not held, (
+            name,
+            sorted({getattr(o, "__qualname__", type(o).__name__) for o in held}),
+        )

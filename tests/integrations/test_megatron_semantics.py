@@ -4,6 +4,7 @@ state): ShardedObjects holding a ``set`` or an ``io.BytesIO`` round-trip without
 ``CheckpointingException`` too, the common state is no pickle with the backend named alone,
 and the load strategy reads a checkpoint written through the DCP plug-in. One gloo rank
 (Megatron's ``save`` needs a process group); the real megatron-core throughout."""
+
 import importlib.util
 import os
 
@@ -11,10 +12,12 @@ import pytest
 
 from shardpoint_testing.launch import run_world
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None or
-                                importlib.util.find_spec("megatron.core") is None,
-                                reason="megatron-core is not installed (pip install "
-                                "'megatron-core==0.16.*', part of the test extra)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None
+    or importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed (pip install "
+    "'megatron-core==0.16.*', part of the test extra)",
+)
 
 
 def _objects_and_common(rank, world, base):
@@ -25,15 +28,21 @@ def _objects_and_common(rank, world, base):
     import shardpoint.integrations.megatron_strategy  # noqa: F401  (registers the backend)
 
     def ssd(load):
-        return {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3) if load else
-                                                     torch.arange(3.0)),
-                "ObjB": ShardedObject("ObjB", None if load else {7, 3, "x"}, (1, 1), (0, 0),
-                                      replica_id=0),
-                "blob": ShardedObject("blob", None if load else io.BytesIO(b"\x00raw"), (1,),
-                                      (0,)),
-                "frozen": ShardedObject("frozen", None if load else
-                                        {"f": frozenset({1, 2}), "l": [{4}]}, (1,), (0,)),
-                "iteration": 5, "seen": {"a", "b"}}
+        return {
+            "w": ShardedTensor.from_rank_offsets(
+                "w", torch.zeros(3) if load else torch.arange(3.0)
+            ),
+            "ObjB": ShardedObject(
+                "ObjB", None if load else {7, 3, "x"}, (1, 1), (0, 0), replica_id=0
+            ),
+            "blob": ShardedObject("blob", None if load else io.BytesIO(b"\x00raw"), (1,), (0,)),
+            "frozen": ShardedObject(
+                "frozen", None if load else {"f": frozenset({1, 2}), "l": [{4}]}, (1,), (0,)
+            ),
+            "iteration": 5,
+            "seen": {"a", "b"},
+        }
+
     d = f"{base}/ckpt"
     os.makedirs(d)
     dist_checkpointing.save(ssd(False), d, sharded_strategy=("shardpoint", 1))
@@ -43,22 +52,36 @@ def _objects_and_common(rank, world, base):
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-        FullyParallelSaveStrategyWrapper)
+        FullyParallelSaveStrategyWrapper,
+    )
 
-    class Other(SaveShardedStrategy):      # another backend (torch_dist forks, not allowed here)
+    class Other(SaveShardedStrategy):  # another backend (torch_dist forks, not allowed here)
         def save(self, sharded_state_dict, checkpoint_dir):
             pass
+
     listings = {}
-    for name, strategy in (("fp", FullyParallelSaveStrategyWrapper(
-            get_default_save_sharded_strategy("shardpoint"))), ("td", Other("other", 1))):
+    for name, strategy in (
+        ("fp", FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("shardpoint"))),
+        ("td", Other("other", 1)),
+    ):
         os.makedirs(f"{base}/{name}")
-        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)),
-                                 "iteration": 1}, f"{base}/{name}", sharded_strategy=strategy)
+        dist_checkpointing.save(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "iteration": 1},
+            f"{base}/{name}",
+            sharded_strategy=strategy,
+        )
         listings[name] = "common.pt" in os.listdir(f"{base}/{name}")
-    return {"listings": listings, "ObjB": out["ObjB"],
-            "blob": (type(out["blob"]).__name__, out["blob"].getvalue()),
-            "frozen": out["frozen"], "iteration": out["iteration"], "seen": out["seen"],
-            "w": out["w"].tolist(), "listing": sorted(os.listdir(d)), "pickles": files}
+    return {
+        "listings": listings,
+        "ObjB": out["ObjB"],
+        "blob": (type(out["blob"]).__name__, out["blob"].getvalue()),
+        "frozen": out["frozen"],
+        "iteration": out["iteration"],
+        "seen": out["seen"],
+        "w": out["w"].tolist(),
+        "listing": sorted(os.listdir(d)),
+        "pickles": files,
+    }
 
 
 def test_sets_and_bytesio_in_sharded_objects_and_common_state_without_pickle(tmp_path):
@@ -86,27 +109,43 @@ def _shape_mismatch(rank, world, base):
     import shardpoint as sp
     from shardpoint.integrations.megatron import load_megatron, save_megatron
     import shardpoint.integrations.megatron_strategy  # noqa: F401
+
     emb = torch.arange(40.0).reshape(10, 4)
     d = f"{base}/m"
     os.makedirs(d)
-    dist_checkpointing.save({"emb": ShardedTensor.from_rank_offsets("emb", emb.clone())}, d,
-                            sharded_strategy=("shardpoint", 1))
+    dist_checkpointing.save(
+        {"emb": ShardedTensor.from_rank_offsets("emb", emb.clone())},
+        d,
+        sharded_strategy=("shardpoint", 1),
+    )
     save_megatron({"emb": ShardedTensor.from_rank_offsets("emb", emb.clone())}, f"{base}/own")
     out = {}
 
     def target(rows, pieces=1, allow=True):
         per = rows // pieces
-        ts = [ShardedTensor("emb", torch.full((per, 4), -1.0), torch.float32, (per, 4),
-                            (rows, 4), (i * per, 0), (pieces, 1), allow_shape_mismatch=allow)
-              for i in range(pieces)]
+        ts = [
+            ShardedTensor(
+                "emb",
+                torch.full((per, 4), -1.0),
+                torch.float32,
+                (per, 4),
+                (rows, 4),
+                (i * per, 0),
+                (pieces, 1),
+                allow_shape_mismatch=allow,
+            )
+            for i in range(pieces)
+        ]
         return {f"emb{i}": t for i, t in enumerate(ts)}
 
-    for name, rows, pieces in (("trim", 8, 1), ("pad", 12, 1), ("pad2", 12, 2),
-                               ("outside", 24, 2)):
+    for name, rows, pieces in (("trim", 8, 1), ("pad", 12, 1), ("pad2", 12, 2), ("outside", 24, 2)):
         for how in ("megatron", "own"):
             t = target(rows, pieces)
-            got = (dist_checkpointing.load(t, d) if how == "megatron"
-                   else load_megatron(t, f"{base}/own"))
+            got = (
+                dist_checkpointing.load(t, d)
+                if how == "megatron"
+                else load_megatron(t, f"{base}/own")
+            )
             full = torch.cat([got[f"emb{i}"] for i in range(pieces)])
             want = torch.zeros(rows, 4)
             n = min(rows, 10)
@@ -115,15 +154,25 @@ def _shape_mismatch(rank, world, base):
     # another dtype: Megatron's load (DCP underneath) casts into the target; so do we
     ints = torch.arange(8).reshape(2, 4)
     os.makedirs(f"{base}/i")
-    dist_checkpointing.save({"i": ShardedTensor.from_rank_offsets("i", ints.clone())},
-                            f"{base}/i", sharded_strategy=("shardpoint", 1))
-    for i, how in enumerate((lambda t: dist_checkpointing.load(t, f"{base}/i"),
-                             lambda t: load_megatron(t, f"{base}/i/shardpoint"))):
-        t = {"i": ShardedTensor.from_rank_offsets("i", torch.zeros(2, 4),
-                                                  allow_shape_mismatch=bool(i))}
+    dist_checkpointing.save(
+        {"i": ShardedTensor.from_rank_offsets("i", ints.clone())},
+        f"{base}/i",
+        sharded_strategy=("shardpoint", 1),
+    )
+    for i, how in enumerate(
+        (
+            lambda t: dist_checkpointing.load(t, f"{base}/i"),
+            lambda t: load_megatron(t, f"{base}/i/shardpoint"),
+        )
+    ):
+        t = {
+            "i": ShardedTensor.from_rank_offsets(
+                "i", torch.zeros(2, 4), allow_shape_mismatch=bool(i)
+            )
+        }
         got = how(t)["i"]
         out[("cast", i)] = got.dtype == torch.float32 and torch.equal(got, ints.float())
-    try:                         # without the flag, a mismatch is refused, Megatron's way too
+    try:  # without the flag, a mismatch is refused, Megatron's way too
         dist_checkpointing.load(target(12, 1, allow=False), d)
         out["refused"] = "loaded"
     except CheckpointingException as e:
@@ -143,20 +192,28 @@ def _errors_and_dcp(rank, world, base):
     import torch
     import torch.distributed.checkpoint as dcp
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import (CheckpointingException,
-                                                          ShardedObject, ShardedTensor)
+    from megatron.core.dist_checkpointing.mapping import (
+        CheckpointingException,
+        ShardedObject,
+        ShardedTensor,
+    )
     import shardpoint as sp
     from shardpoint.dcp import ShardpointWriter
     from shardpoint.integrations.megatron_strategy import ShardpointLoadStrategy
+
     out = {}
     d = f"{base}/bad"
     os.makedirs(d)
     try:
-        dist_checkpointing.save({"o": ShardedObject("o", argparse.Namespace(a=1), (1,), (0,))},
-                                d, sharded_strategy=("shardpoint", 1))
+        dist_checkpointing.save(
+            {"o": ShardedObject("o", argparse.Namespace(a=1), (1,), (0,))},
+            d,
+            sharded_strategy=("shardpoint", 1),
+        )
         out["save"] = "saved"
     except CheckpointingException as e:
         import pickle
+
         out["save"] = (isinstance(e, sp.UnsupportedValueError), type(e).__name__)
         out["pickled"] = pickle.dumps(e)
     # a checkpoint written through the DCP plug-in, keyed by Megatron keys, read by the
@@ -168,8 +225,11 @@ def _errors_and_dcp(rank, world, base):
     out["dcp"] = torch.equal(got["w"], w)
     # and by load_megatron: one shard of it, and a common value from the same top-level name
     from shardpoint.integrations.megatron import load_megatron
-    part = {"w": ShardedTensor.from_rank_offsets("decoder.w", torch.zeros(2, 3), (0, 1, 2)),
-            "step": 0}
+
+    part = {
+        "w": ShardedTensor.from_rank_offsets("decoder.w", torch.zeros(2, 3), (0, 1, 2)),
+        "step": 0,
+    }
     got = load_megatron(part, f"{base}/dcp")
     out["load_megatron"] = (got["w"].tolist(), got["step"])
     # Megatron's own load demands its metadata.json before it asks any strategy
@@ -184,9 +244,10 @@ def _errors_and_dcp(rank, world, base):
 def test_errors_are_also_checkpointing_exceptions_and_dcp_checkpoints_load(tmp_path):
     out = run_world(1, _errors_and_dcp, str(tmp_path), timeout=120)[0]
     assert out["save"] == (True, "MegatronUnsupportedValueError"), out
-    import pickle      # it unpickles in a process that never raised one (the class is made)
+    import pickle  # it unpickles in a process that never raised one (the class is made)
     from megatron.core.dist_checkpointing.mapping import CheckpointingException
     import shardpoint as sp
+
     e = pickle.loads(out["pickled"])
     assert isinstance(e, sp.UnsupportedValueError) and isinstance(e, CheckpointingException)
     assert out["dcp"] is True
@@ -202,17 +263,21 @@ def _sharded_metadata_cells(rank, world, base):
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
     import shardpoint.integrations.megatron_strategy  # noqa: F401
     from megatron.core import dist_checkpointing
+
     d = f"{base}/c"
     if rank == 0:
         os.makedirs(d)
     dist.barrier()
-    dist_checkpointing.save({"t": ShardedTensor.from_rank_offsets("t", torch.arange(2),
-                                                                  replica_id=rank),
-                             "o": ShardedObject("o", {rank + 7}, (1, world), (0, rank),
-                                                replica_id=0)},
-                            d, sharded_strategy=("shardpoint", 1))
+    dist_checkpointing.save(
+        {
+            "t": ShardedTensor.from_rank_offsets("t", torch.arange(2), replica_id=rank),
+            "o": ShardedObject("o", {rank + 7}, (1, world), (0, rank), replica_id=0),
+        },
+        d,
+        sharded_strategy=("shardpoint", 1),
+    )
     meta = load_sharded_metadata(d)
-    out = load(meta, d, validate_access_integrity=False)   # every cell, on every rank
+    out = load(meta, d, validate_access_integrity=False)  # every cell, on every rank
     return sorted(meta), [out[f"o/shard_0.{i}_1.{world}"] for i in range(world)]
 
 
@@ -229,15 +294,24 @@ def _load_without_registration(rank, world, base):
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from shardpoint.integrations.megatron import load_megatron
+
     assert "shardpoint.integrations.megatron_strategy" not in sys.modules
-    ssd = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3)),
-           "ObjB": ShardedObject("ObjB", None, (1, 1), (0, 0), replica_id=0),
-           "blob": ShardedObject("blob", None, (1,), (0,)), "iteration": 0, "seen": None}
+    ssd = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.zeros(3)),
+        "ObjB": ShardedObject("ObjB", None, (1, 1), (0, 0), replica_id=0),
+        "blob": ShardedObject("blob", None, (1,), (0,)),
+        "iteration": 0,
+        "seen": None,
+    }
     out = load_megatron(ssd, f"{base}/ckpt")
-    return (out["w"].tolist(), out["ObjB"], out["blob"].getvalue(), out["iteration"],
-            out["seen"], "shardpoint.integrations.megatron_strategy" in sys.modules)
-
-
+    return (
+        out["w"].tolist(),
+        out["ObjB"],
+        out["blob"].getvalue(),
+        out["iteration"],
+        out["seen"],
+        "shardpoint.integrations.megatron_strategy" in sys.modules,
+    )
 
 
 def test_torch_dist_strategy_options_are_taken_in_order_or_refused():
@@ -246,10 +320,13 @@ def test_torch_dist_strategy_options_are_taken_in_order_or_refused():
     from megatron.core.dist_checkpointing.mapping import CheckpointingException
     import shardpoint as sp
     from shardpoint.integrations.megatron_strategy import ShardpointSaveStrategy
+
     ShardpointSaveStrategy("shardpoint", 1, True, None, True)
-    for kwargs, word in (({"thread_count": 4}, "thread_count"),
-                         ({"keep_only_main_replica": False}, "keep_only_main_replica"),
-                         ({"separation_hint": "optimizer"}, "separation_hint")):
+    for kwargs, word in (
+        ({"thread_count": 4}, "thread_count"),
+        ({"keep_only_main_replica": False}, "keep_only_main_replica"),
+        ({"separation_hint": "optimizer"}, "separation_hint"),
+    ):
         with pytest.raises(sp.InvalidOptionError, match=word) as ei:
             ShardpointSaveStrategy("shardpoint", 1, **kwargs)
         assert isinstance(ei.value, CheckpointingException)

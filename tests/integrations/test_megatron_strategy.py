@@ -7,6 +7,7 @@ dicts are test_megatron's (layer-stacked weights, MoE experts, a SwiGLU factory,
 bucket-space optimizer buffers, RNG and data-loader object grids; the flattened ranges
 megatron-core 0.16's own save refuses are left out). Slow (4 ranks, three saves): the
 default suite covers the backend through tests/integrations/test_crossover.py and the README example."""
+
 import importlib.util
 import os
 import subprocess
@@ -16,16 +17,19 @@ import pytest
 
 from shardpoint_testing.launch import run_world
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None or
-                                importlib.util.find_spec("megatron.core") is None,
-                                reason="megatron-core is not installed (pip install "
-                                "'megatron-core==0.16.*', part of the test extra)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None
+    or importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed (pip install "
+    "'megatron-core==0.16.*', part of the test extra)",
+)
 
 
 def _ssd(*args, **kwargs):
     """test_megatron's state dict without the flattened_range optimizer pieces, which
     megatron-core 0.16's own ``save`` refuses ("flattened_range is not supported")."""
     from .test_megatron import sharded_state_dict
+
     ssd = sharded_state_dict(*args, **kwargs)
     state = ssd["optimizer"]["state"]
     for k in [k for k, v in state.items() if getattr(v, "flattened_range", None) is not None]:
@@ -35,14 +39,18 @@ def _ssd(*args, **kwargs):
 
 def _job(rank, world, base):
     import warnings
+
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-        FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
     import shardpoint.integrations.megatron_strategy as ms
     from .test_megatron import check_loaded
+
     ms.use_shardpoint_common(True)
     bad = []
 
@@ -52,8 +60,7 @@ def _job(rank, world, base):
     if rank == 0:
         os.makedirs(a)
     dist.barrier()
-    dist_checkpointing.save(_ssd(2, 2, 1, rank), a,
-                            sharded_strategy=("shardpoint", 1))
+    dist_checkpointing.save(_ssd(2, 2, 1, rank), a, sharded_strategy=("shardpoint", 1))
     ssd = _ssd(4, 1, 1, rank, load=True, objects=("loader",), buckets=False)
     out = dist_checkpointing.load(ssd, a)
     bad += check_loaded(ssd, out, 4, 1, 1, rank)
@@ -68,6 +75,7 @@ def _job(rank, world, base):
     # exchange in megatron-core 0.16 allocates on CUDA and calls torch.cuda.synchronize()),
     # else with the plain strategy
     import torch
+
     b = f"{base}/b"
     if rank == 0:
         os.makedirs(b)
@@ -75,10 +83,14 @@ def _job(rank, world, base):
     save_s = FullyParallelSaveStrategyWrapper(ms.ShardpointSaveStrategy(), dist.group.WORLD)
     dist_checkpointing.save(_ssd(1, 2, 2, rank), b, sharded_strategy=save_s)
     ssd = _ssd(2, 2, 1, rank, load=True, objects=(), buckets=False)
-    load_s = (FullyParallelLoadStrategyWrapper(ms.ShardpointLoadStrategy(), dist.group.WORLD)
-              if torch.cuda.is_available() else None)
-    bad += check_loaded(ssd, dist_checkpointing.load(ssd, b, sharded_strategy=load_s),
-                        2, 2, 1, rank)
+    load_s = (
+        FullyParallelLoadStrategyWrapper(ms.ShardpointLoadStrategy(), dist.group.WORLD)
+        if torch.cuda.is_available()
+        else None
+    )
+    bad += check_loaded(
+        ssd, dist_checkpointing.load(ssd, b, sharded_strategy=load_s), 2, 2, 1, rank
+    )
 
     # C: Megatron's async path: save returns an AsyncRequest, its queue finalizes it
     c = f"{base}/c"
@@ -86,9 +98,10 @@ def _job(rank, world, base):
         os.makedirs(c)
     dist.barrier()
     src = _ssd(2, 1, 2, rank)
-    req = dist_checkpointing.save(src, c, sharded_strategy=ms.ShardpointSaveStrategy(),
-                                  async_sharded_save=True)
-    for st in src["model"].values():    # staged: the job may change its tensors right away
+    req = dist_checkpointing.save(
+        src, c, sharded_strategy=ms.ShardpointSaveStrategy(), async_sharded_save=True
+    )
+    for st in src["model"].values():  # staged: the job may change its tensors right away
         if getattr(st, "data", None) is not None:
             st.data.zero_()
     if torch.cuda.is_available():
@@ -96,7 +109,7 @@ def _job(rank, world, base):
         queue.schedule_async_request(req)
         queue.maybe_finalize_async_calls(blocking=True)
         queue.close()
-    else:   # megatron-core 0.16's AsyncCallsQueue syncs ranks through CUDA tensors; on CPU
+    else:  # megatron-core 0.16's AsyncCallsQueue syncs ranks through CUDA tensors; on CPU
         # ranks run the request as the queue does: its async part, then its finalize steps
         assert req.async_fn is None
         for fn in req.finalize_fns:
@@ -118,10 +131,15 @@ def test_megatron_dist_checkpointing_with_shardpoint_backend(tmp_path):
         d = tmp_path / name
         assert sorted(os.listdir(d)) == ["common", "metadata.json", "shardpoint"], name
         for part in ("shardpoint", "common"):
-            r = subprocess.run([sys.executable, "-m", "shardpoint", "verify", "--strict",
-                                str(d / part)], capture_output=True, text=True, timeout=120)
+            r = subprocess.run(
+                [sys.executable, "-m", "shardpoint", "verify", "--strict", str(d / part)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
     import shardpoint as sp
+
     common = sp.load(str(tmp_path / "a" / "common"))
     assert common["iteration"] == 700 and common["checkpoint_version"] == 3.0
 
@@ -136,9 +154,18 @@ def test_sharded_metadata_is_read_from_the_typed_tree(tmp_path):
     import shardpoint as sp
     from shardpoint.integrations.megatron import SHARDED
     from shardpoint.integrations.megatron_strategy import ShardpointLoadStrategy
-    sp.save({SHARDED: {"dec.w": torch.ones(3, 2, dtype=torch.bfloat16),
-                       "rng": sp.ShardedObject(1, (0, 0), (1, 1)), "n": 4},
-             "other": torch.zeros(1)}, str(tmp_path / "shardpoint"))
+
+    sp.save(
+        {
+            SHARDED: {
+                "dec.w": torch.ones(3, 2, dtype=torch.bfloat16),
+                "rng": sp.ShardedObject(1, (0, 0), (1, 1)),
+                "n": 4,
+            },
+            "other": torch.zeros(1),
+        },
+        str(tmp_path / "shardpoint"),
+    )
     meta = ShardpointLoadStrategy().load_sharded_metadata(tmp_path)
     assert sorted(meta) == ["dec.w", "rng/shard_0.0_1.1"]
     w, rng = meta["dec.w"], meta["rng/shard_0.0_1.1"]

@@ -2,6 +2,7 @@
 reading shardpoint through ``shardpoint_jax.orbax_handler``: sharded ``jax.Array`` pytrees on a
 (2, 4) mesh of 8 CPU devices, restored into other meshes and shardings, bit for bit; the
 results are shardpoint checkpoints (``verify --strict``, read by the torch front end)."""
+
 import os
 import subprocess
 import sys
@@ -81,18 +82,32 @@ def test_orbax_checkpointer_async_and_manager_write_shardpoint(tmp_path):
     """Slow (an 8-device JAX process, three Orbax entry points); the default suite restores
     into a (2, 4) mesh in tests/integrations/test_crossover.py and runs the README's CheckpointManager
     example."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr[-4000:]
     sync = tmp_path / "sync" / "shardpoint"
-    for p in (sync, tmp_path / "async" / "shardpoint", tmp_path / "mgr" / "2" / "state" /
-              "shardpoint"):
-        v = subprocess.run([sys.executable, "-m", "shardpoint", "verify", "--strict", str(p)],
-                           capture_output=True, text=True, timeout=120)
+    for p in (
+        sync,
+        tmp_path / "async" / "shardpoint",
+        tmp_path / "mgr" / "2" / "state" / "shardpoint",
+    ):
+        v = subprocess.run(
+            [sys.executable, "-m", "shardpoint", "verify", "--strict", str(p)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert v.returncode == 0 and v.stdout.startswith("OK:"), v.stdout + v.stderr
     import shardpoint as sp
+
     back = sp.load(str(sync))
     w = np.arange(8 * 16, dtype=np.float32).reshape(8, 16) / 7
     assert back["params"]["w"].numpy().tobytes() == w.tobytes() and back["step"] == 12

@@ -2,6 +2,7 @@
 manifest is the core's codec, and the rules where the JAX copy and the core disagreed before
 the merge are the spec's (each doctored manifest breaks exactly one rule, read through
 ``shardpoint_jax.load``)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -24,10 +25,10 @@ def test_the_errors_are_the_cores_classes():
     for name in spj.errors.__all__:
         want = "InvalidOptionError" if name == "InvalidRequestError" else name
         assert getattr(spj.errors, name) is getattr(core_errors, want), name
-    with pytest.raises(spj.CorruptCheckpointError) as e:     # raised by the core's codec
+    with pytest.raises(spj.CorruptCheckpointError) as e:  # raised by the core's codec
         core_manifest.decode_manifest(b"\x93not an envelope")
     assert e.value.spec_id == "SP-MAN-1" and e.value.category == "corrupt"
-    with pytest.raises(spj.InvalidRequestError, match="SP-HOLD-1"):   # the old name still works
+    with pytest.raises(spj.InvalidRequestError, match="SP-HOLD-1"):  # the old name still works
         raise core_errors.InvalidOptionError("region outside", spec_id="SP-HOLD-1")
 
 
@@ -35,8 +36,10 @@ def test_the_errors_are_the_cores_classes():
 def base(tmp_path_factory):
     """A small checkpoint: a numpy tensor (origin "numpy"), a value, an object; its body."""
     path = str(tmp_path_factory.mktemp("core") / "ck")
-    spj.save(path, {"w": np.arange(4, dtype=np.float32), "v": 1,
-                    "o": spj.ShardedObject({"seed": 3}, 0, 1)})
+    spj.save(
+        path,
+        {"w": np.arange(4, dtype=np.float32), "v": 1, "o": spj.ShardedObject({"seed": 3}, 0, 1)},
+    )
     with open(os.path.join(path, "manifest.msgpack"), "rb") as f:
         env = msgpack.unpackb(f.read())
     return path, env["body"]
@@ -81,7 +84,7 @@ def world_zero(b):
     b["save_world_size"] = 0
 
 
-def writer_and_dtype(b):        # [SP-MAN-2] comes before the tensor entries
+def writer_and_dtype(b):  # [SP-MAN-2] comes before the tensor entries
     b["writer"], b["tensors"]["w"]["dtype"] = 5, "float128"
 
 
@@ -93,11 +96,11 @@ def tuple_trailing_bytes(b):
     b["objects"]["o"]["values"] = [msgpack.ExtType(2, msgpack.packb([1]) + b"\xc0")]
 
 
-def long_tree_path(b):           # the tree path's own rule, not [SP-KEY-2]
+def long_tree_path(b):  # the tree path's own rule, not [SP-KEY-2]
     b["tree"]["dict"].append(["x" * 5000, {"object": "o"}])
 
 
-def empty_key_of_a_value(b):    # a value leaf's path is a key too; both copies missed it
+def empty_key_of_a_value(b):  # a value leaf's path is a key too; both copies missed it
     b["tree"]["dict"].append(["", {"value": 2}])
 
 
@@ -105,18 +108,22 @@ def rank_65(b):
     b["tensors"]["w"]["shape"] = b["tensors"]["w"]["chunk_shape"] = [1] * 65
 
 
-@pytest.mark.parametrize("change, cls, sid", [
-    (two_kinds, spj.CorruptCheckpointError, "SP-MAN-4"),
-    (bad_origin, spj.CorruptCheckpointError, "SP-MAN-4"),
-    (no_array, spj.CorruptCheckpointError, "SP-MAN-3"),
-    (world_zero, spj.CorruptCheckpointError, "SP-MAN-2"),
-    (writer_and_dtype, spj.CorruptCheckpointError, "SP-MAN-2"),
-    (dot_dot_after_bad_escape, spj.CorruptCheckpointError, "SP-KEY-2"),
-    (tuple_trailing_bytes, spj.CorruptCheckpointError, "SP-VALUE-2"),
-    (long_tree_path, spj.CorruptCheckpointError, "SP-KEY-4"),
-    (empty_key_of_a_value, spj.CorruptCheckpointError, "SP-KEY-2"),
-    (rank_65, spj.CorruptCheckpointError, "SP-SEC-2"),
-], ids=lambda x: getattr(x, "__name__", str(x)))
+@pytest.mark.parametrize(
+    "change, cls, sid",
+    [
+        (two_kinds, spj.CorruptCheckpointError, "SP-MAN-4"),
+        (bad_origin, spj.CorruptCheckpointError, "SP-MAN-4"),
+        (no_array, spj.CorruptCheckpointError, "SP-MAN-3"),
+        (world_zero, spj.CorruptCheckpointError, "SP-MAN-2"),
+        (writer_and_dtype, spj.CorruptCheckpointError, "SP-MAN-2"),
+        (dot_dot_after_bad_escape, spj.CorruptCheckpointError, "SP-KEY-2"),
+        (tuple_trailing_bytes, spj.CorruptCheckpointError, "SP-VALUE-2"),
+        (long_tree_path, spj.CorruptCheckpointError, "SP-KEY-4"),
+        (empty_key_of_a_value, spj.CorruptCheckpointError, "SP-KEY-2"),
+        (rank_65, spj.CorruptCheckpointError, "SP-SEC-2"),
+    ],
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
 def test_a_rule_the_copies_disagreed_on_is_the_specs(base, tmp_path, change, cls, sid):
     path = doctored(base, tmp_path, change)
     with pytest.raises(cls) as e:
@@ -146,8 +153,7 @@ def test_jax_arrays_in_object_values_come_back_as_numpy(tmp_path):
     assert isinstance(got["k"], np.ndarray) and got["k"].tolist() == [0, 1, 2]
     assert got["t"][1] == "x" and float(got["t"][0]) == 1.5
     with pytest.raises(spj.UnsupportedValueError, match=r"o.*key_data"):
-        spj.save(str(tmp_path / "ck2"),
-                 {"o": spj.ShardedObject({"rng": jax.random.key(0)}, 0, 1)})
+        spj.save(str(tmp_path / "ck2"), {"o": spj.ShardedObject({"rng": jax.random.key(0)}, 0, 1)})
     assert not os.path.exists(tmp_path / "ck2")
 
 
@@ -161,12 +167,15 @@ def test_the_writer_refuses_a_manifest_over_the_cap(tmp_path, monkeypatch):
 
 def test_an_error_another_process_reported_is_raised_as_the_cores_class():
     from shardpoint_jax.saving import error_info, raise_info
-    for err in (core_errors.RankLostError("rank 1 lost"),
-                core_errors.CorruptCheckpointError("bad", spec_id="SP-READ-3")):
+
+    for err in (
+        core_errors.RankLostError("rank 1 lost"),
+        core_errors.CorruptCheckpointError("bad", spec_id="SP-READ-3"),
+    ):
         with pytest.raises(type(err)) as e:
             raise_info(error_info(err), "write")
         assert str(e.value) == str(err) and e.value.spec_id == err.spec_id
-    for name in ("OSError", "os", "Manifest"):      # not an error class of the core
+    for name in ("OSError", "os", "Manifest"):  # not an error class of the core
         with pytest.raises(spj.SaveFailedError) as e:
             raise_info([name, None, "boom"], "write")
         assert type(e.value) is spj.SaveFailedError
@@ -176,15 +185,28 @@ def test_read_metadata_gives_the_typed_tree(tmp_path):
     """``spj.read_metadata(path).tree``: the saved pytree with the core's typed leaves; a
     jax.Array leaf has no origin (the saving framework's own type, [SP-MAN-6])."""
     path = str(tmp_path / "ck")
-    spj.save(path, {"w": jnp.ones((2, 3)), "n": np.arange(4, dtype=np.int8),
-                    "o": spj.ShardedObject({"seed": 3}, 0, 1), "sched": (1, [None])})
+    spj.save(
+        path,
+        {
+            "w": jnp.ones((2, 3)),
+            "n": np.arange(4, dtype=np.int8),
+            "o": spj.ShardedObject({"seed": 3}, 0, 1),
+            "sched": (1, [None]),
+        },
+    )
     t = spj.read_metadata(path).tree
-    assert isinstance(t["w"], spj.TensorLeaf) and (t["w"].shape, t["w"].dtype) == ((2, 3),
-                                                                                  "float32")
+    assert isinstance(t["w"], spj.TensorLeaf) and (t["w"].shape, t["w"].dtype) == (
+        (2, 3),
+        "float32",
+    )
     assert t["w"].origin is None and t["n"].origin == "numpy"
     assert isinstance(t["o"], spj.ObjectLeaf) and t["o"].nested() == [{"seed": 3}]
     assert t["sched"] == (spj.ValueLeaf("sched/0", 1), [spj.ValueLeaf("sched/1/0", None)])
     assert [(p, leaf.kind) for p, leaf in spj.iter_leaves(t)] == [
-        (("w",), "tensor"), (("n",), "tensor"), (("o",), "object"), (("sched", 0), "value"),
-        (("sched", 1, 0), "value")]
+        (("w",), "tensor"),
+        (("n",), "tensor"),
+        (("o",), "object"),
+        (("sched", 0), "value"),
+        (("sched", 1, 0), "value"),
+    ]
     assert spj.node_at(t, ("sched", 1)) == [spj.ValueLeaf("sched/1/0", None)]

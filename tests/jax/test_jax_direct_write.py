@@ -3,6 +3,7 @@
 layer writes for the same tree on any other store (here ``memory://``): plain chunks, shards
 of inner chunks, 0-d arrays, bf16, blocks of a sharded array, and a last chunk clipped by the
 array's edge, its inner chunks past the edge left absent."""
+
 from __future__ import annotations
 
 import os
@@ -57,21 +58,27 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_direct_chunk_files_are_byte_for_byte_the_zarr_layers(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
     path = tmp_path / "direct"
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], capture_output=True,
-                       text=True, timeout=180, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert int(r.stdout.split()[-1]) >= 10
-    files = {os.path.relpath(os.path.join(d, f), path)
-             for d, _, fs in os.walk(path) for f in fs}
+    files = {os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs}
     assert {"tensors/sharded/c/3/0", "tensors/edge/c/2/0", "tensors/s/c"} <= files
     import numpy as np
     from shardpoint_jax.loading import Checkpoint
+
     rows = Checkpoint(str(path)).array("edge").inner[0]
     shard = (path / "tensors" / "edge" / "c" / "2" / "0").read_bytes()
     n = 43 // rows
-    index = np.frombuffer(shard[-(n * 16 + 4):-4], "<u8").reshape(n, 2)
-    inside = -(-14 // rows)            # inner chunks holding rows 86..99
+    index = np.frombuffer(shard[-(n * 16 + 4) : -4], "<u8").reshape(n, 2)
+    inside = -(-14 // rows)  # inner chunks holding rows 86..99
     assert (index[inside:] == 2**64 - 1).all() and (index[:inside] != 2**64 - 1).all()

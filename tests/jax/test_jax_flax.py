@@ -4,6 +4,7 @@ model (`nnx.eval_shape`) into a (4, 2) mesh of the devices in another order: eve
 bits, the requested shardings, flax's own types, and a next step bitwise equal to the
 original's. The PyTorch reference reads the same checkpoint by the same key paths. Flax
 structs (a linen TrainState) and typed PRNG keys (nnx RNG state) get their own test."""
+
 from __future__ import annotations
 
 import json
@@ -117,8 +118,13 @@ print(json.dumps({"paths": paths, "shards": shards, "resharded": resharded,
 
 def flat(tree, prefix=""):
     """{"a/b/0": leaf} of a loaded nested dict/list tree."""
-    items = tree.items() if isinstance(tree, dict) else \
-        enumerate(tree) if isinstance(tree, (list, tuple)) else None
+    items = (
+        tree.items()
+        if isinstance(tree, dict)
+        else enumerate(tree)
+        if isinstance(tree, (list, tuple))
+        else None
+    )
     if items is None:
         return {prefix[:-1]: tree}
     out = {}
@@ -129,22 +135,30 @@ def flat(tree, prefix=""):
 
 def test_nnx_model_and_optax_state_restore_into_another_mesh(tmp_path):
     ck, out = tmp_path / "ck", tmp_path / "saved"
-    stdout = run_processes(CODE.replace("PATH", repr(str(ck))).replace("OUT", repr(str(out))),
-                           1, 8, timeout=300)
+    stdout = run_processes(
+        CODE.replace("PATH", repr(str(ck))).replace("OUT", repr(str(out))), 1, 8, timeout=300
+    )
     res = json.loads(stdout[0].strip().splitlines()[-1])
     # 6 params, 12 AdamW moments, the Adam count and the optimizer's step; 8 shards each.
     assert len(res["paths"]) == 21 and res["shards"] == 20 * 8, res
-    assert res["resharded"] >= 9, res      # "model" went from 4 devices to 2: up, down x 3
+    assert res["resharded"] >= 9, res  # "model" went from 4 devices to 2: up, down x 3
     assert res["same_step"] and res["changed"] >= 18, res
     assert res["types"] == ["State", "Param", "Optimizer"], res
     # Variables are dict nodes keyed by their attribute ("value"), as in JAX's own key paths.
-    assert {"model/up/kernel/value", "model/down/kernel/value", "model/norm/scale/value",
-            "optimizer/opt_state/0/mu/up/kernel/value", "optimizer/opt_state/0/count/value",
-            "optimizer/step/value", "step"} <= set(res["paths"])
+    assert {
+        "model/up/kernel/value",
+        "model/down/kernel/value",
+        "model/norm/scale/value",
+        "optimizer/opt_state/0/mu/up/kernel/value",
+        "optimizer/opt_state/0/count/value",
+        "optimizer/step/value",
+        "step",
+    } <= set(res["paths"])
     assert "bfloat16" in res["dtypes"] and "uint32" in res["dtypes"]
 
     # The PyTorch reference reads the JAX checkpoint whole, by the same key paths.
     import shardpoint
+
     got = flat(shardpoint.load(str(ck)))
     assert sorted(got) == sorted(res["paths"])
     saved = np.load(str(out) + ".npz")
@@ -168,9 +182,10 @@ def test_flax_struct_and_nnx_rng_state(tmp_path):
     spj.save(str(tmp_path / "ts"), {"train": ts})
     plain = spj.load(str(tmp_path / "ts"))["train"]
     assert list(plain) == ["step", "params", "opt_state"]
-    assert plain["step"] == 1 and plain["opt_state"][0][0] == 1   # optax's namedtuples: lists
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-                            if hasattr(x, "shape") else x, ts)
+    assert plain["step"] == 1 and plain["opt_state"][0][0] == 1  # optax's namedtuples: lists
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, ts
+    )
     back = spj.load(str(tmp_path / "ts"), {"train": abstract})["train"]
     assert type(back) is TrainState and back.apply_fn is not None
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(ts)):
@@ -180,17 +195,21 @@ def test_flax_struct_and_nnx_rng_state(tmp_path):
         def __init__(self, rngs):
             self.lin = nnx.Linear(2, 3, rngs=rngs)
             self.drop = nnx.Dropout(0.1, rngs=rngs)
+
     net = Net(nnx.Rngs(0, dropout=1))
-    with pytest.raises(UnsupportedValueError,
-                       match=r"model/drop/rngs/key/value.*key_data.*nnx.Param"):
+    with pytest.raises(
+        UnsupportedValueError, match=r"model/drop/rngs/key/value.*key_data.*nnx.Param"
+    ):
         spj.save(str(tmp_path / "rng"), {"model": nnx.state(net)})
     assert not os.path.exists(tmp_path / "rng")
     spj.save(str(tmp_path / "params"), {"model": nnx.state(net, nnx.Param)})
     assert sorted(flat(spj.load(str(tmp_path / "params")))) == [
-        "model/lin/bias/value", "model/lin/kernel/value"]
+        "model/lin/bias/value",
+        "model/lin/kernel/value",
+    ]
     key_like = jax.ShapeDtypeStruct((2, 3), jax.random.key(0).dtype)
     with pytest.raises(UnsupportedValueError, match=r"model/lin/kernel/value.*key_data"):
         spj.load(str(tmp_path / "params"), {"model": {"lin": {"kernel": {"value": key_like}}}})
-    pure = nnx.to_pure_dict(nnx.state(net, nnx.Param))       # no "/value": torch-style names
+    pure = nnx.to_pure_dict(nnx.state(net, nnx.Param))  # no "/value": torch-style names
     spj.save(str(tmp_path / "pure"), {"model": pure})
     assert sorted(flat(spj.load(str(tmp_path / "pure")))) == ["model/lin/bias", "model/lin/kernel"]

@@ -3,6 +3,7 @@
 with the reference; 2 JAX processes with 4 CPU devices each load it into a (2, 4) mesh with
 another partitioning, take a step and save with shardpoint_jax; the reference loads that on 3
 ranks in a third layout. Every tensor is compared bit for bit at every stage."""
+
 from __future__ import annotations
 
 import json
@@ -71,12 +72,16 @@ def test_torch_to_jax_to_torch_bitwise(tmp_path):
         np.save(tmp_path / "exp" / f"{i}.npy", expected[k])
 
     assert run_world(4, torch_save, str(tmp_path / "torch"), timeout=300) == [0, 1, 2, 3]
-    code = (JAX_STEP.replace("EXP", repr(str(tmp_path / "exp"))).replace("KEYS", repr(keys))
-            .replace("NAMES", repr(names)).replace("CKPT", repr(str(tmp_path / "torch")))
-            .replace("OUT", repr(str(tmp_path / "jax"))))
+    code = (
+        JAX_STEP.replace("EXP", repr(str(tmp_path / "exp")))
+        .replace("KEYS", repr(keys))
+        .replace("NAMES", repr(names))
+        .replace("CKPT", repr(str(tmp_path / "torch")))
+        .replace("OUT", repr(str(tmp_path / "jax")))
+    )
     outs = run_processes(code, 2, 4, timeout=300)
     checked = [json.loads(o.strip().splitlines()[-1])["checked"] for o in outs]
-    assert checked == [len(keys) * 4] * 2     # every addressable shard of every tensor
+    assert checked == [len(keys) * 4] * 2  # every addressable shard of every tensor
 
     after = dict(expected)
     for i, n in enumerate(names):

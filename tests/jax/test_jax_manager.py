@@ -1,6 +1,7 @@
 """shardpoint_jax.CheckpointManager: retention, best-k, resume, metrics, overwrite, crash
 leftovers (as real crashes leave them, and a real SIGKILL), async saves, one root shared with
 the PyTorch reference's manager in both directions (bitwise), and a 2-process JAX job."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,9 @@ def model_keep(steps: dict, max_to_keep, keep_every, keep_best, mode) -> set:
     keep |= {s for s in order if keep_every and s % keep_every == 0}
     if keep_best:
         sign = 1 if mode == "min" else -1
-        scored = sorted((s for s in order if steps[s] is not None),
-                        key=lambda s: (sign * steps[s], -s))
+        scored = sorted(
+            (s for s in order if steps[s] is not None), key=lambda s: (sign * steps[s], -s)
+        )
         keep |= set(scored[:keep_best])
     return keep
 
@@ -57,38 +59,53 @@ class ManagerMachine(RuleBasedStateMachine):
     """Saves, overwrites, crashes leaving what they leave, restarts and loads, against a
     trivially correct model of what must be committed on disk."""
 
-    @initialize(max_to_keep=st.sampled_from([None, 1, 2]), keep_every=st.sampled_from([None, 3]),
-                best=st.sampled_from([None, ("min", None), ("max", 2)]))
+    @initialize(
+        max_to_keep=st.sampled_from([None, 1, 2]),
+        keep_every=st.sampled_from([None, 3]),
+        best=st.sampled_from([None, ("min", None), ("max", 2)]),
+    )
     def setup(self, max_to_keep, keep_every, best):
         self.root = tempfile.mkdtemp(prefix="spj-mgr-")
         mode, keep_best = best or ("min", None)
-        self.kw = dict(max_to_keep=max_to_keep, keep_every=keep_every, best_mode=mode,
-                       best_metric="loss" if best else None, keep_best=keep_best)
-        self.keep_best = keep_best if best else None   # best_metric alone keeps none extra
+        self.kw = dict(
+            max_to_keep=max_to_keep,
+            keep_every=keep_every,
+            best_mode=mode,
+            best_metric="loss" if best else None,
+            keep_best=keep_best,
+        )
+        self.keep_best = keep_best if best else None  # best_metric alone keeps none extra
         self.mgr = spj.CheckpointManager(self.root, **self.kw)
-        self.foreign: list = []   # names a person made in root: never the manager's
-        self.disk: dict = {}      # step -> (value, loss): what must be committed
+        self.foreign: list = []  # names a person made in root: never the manager's
+        self.disk: dict = {}  # step -> (value, loss): what must be committed
         self.next_step = 1
-        self.moved_aside = None   # a step hidden by a crashed overwrite, until put back
+        self.moved_aside = None  # a step hidden by a crashed overwrite, until put back
 
     def teardown(self):
         shutil.rmtree(getattr(self, "root", "/nonexistent"), ignore_errors=True)
 
     def _saved(self):
-        keep = model_keep({s: v[1] for s, v in self.disk.items()}, self.kw["max_to_keep"],
-                          self.kw["keep_every"], self.keep_best, self.kw["best_mode"])
+        keep = model_keep(
+            {s: v[1] for s, v in self.disk.items()},
+            self.kw["max_to_keep"],
+            self.kw["keep_every"],
+            self.keep_best,
+            self.kw["best_mode"],
+        )
         self.disk = {s: v for s, v in self.disk.items() if s in keep}
         self.moved_aside = None
         assert _steps_on_disk(self.root) == sorted(_names(*self.disk) + self.foreign)
 
-    @rule(value=st.integers(-100, 100), loss=st.one_of(st.none(), st.integers(0, 5)),
-          skip=st.integers(1, 3))
+    @rule(
+        value=st.integers(-100, 100),
+        loss=st.one_of(st.none(), st.integers(0, 5)),
+        skip=st.integers(1, 3),
+    )
     def save(self, value, loss, skip):
         step = self.next_step + skip - 1
         self.next_step = step + 1
         metrics = None if loss is None else {"loss": float(loss)}
-        self.mgr.save(step, {"w": jnp.full((3,), value, jnp.int32), "step": step},
-                      metrics=metrics)
+        self.mgr.save(step, {"w": jnp.full((3,), value, jnp.int32), "step": step}, metrics=metrics)
         self.disk[step] = (value, None if loss is None else float(loss))
         self._saved()
 
@@ -102,32 +119,40 @@ class ManagerMachine(RuleBasedStateMachine):
         self.disk[step] = (value, None)
         self._saved()
 
-    @rule(kind=st.sampled_from(["staging", "half_step", "half_delete", "mid_overwrite"]),
-          data=st.data())
+    @rule(
+        kind=st.sampled_from(["staging", "half_step", "half_delete", "mid_overwrite"]),
+        data=st.data(),
+    )
     def crash_and_restart(self, kind, data):
         """Leave what a process killed at that point leaves, then start a new manager."""
         hidden = os.path.join(self.root, f".step_{self.next_step:08d}.shardpoint-tmp-1a2b3c")
-        if kind == "staging":             # killed while writing chunks
+        if kind == "staging":  # killed while writing chunks
             os.makedirs(os.path.join(hidden, "tensors", "w", "c"), exist_ok=True)
             open(os.path.join(hidden, "tensors", "w", "zarr.json"), "w").close()
-        elif kind == "half_step":         # files but no manifest, under a step-like name
-            name = f"step_{self.next_step}"                 # not the manager's step format
+        elif kind == "half_step":  # files but no manifest, under a step-like name
+            name = f"step_{self.next_step}"  # not the manager's step format
             if name not in self.foreign:
                 self.foreign.append(name)
             os.makedirs(os.path.join(self.root, name, "tensors", "w"), exist_ok=True)
         visible = sorted(s for s in self.disk if s != self.moved_aside)
-        if kind == "half_delete" and visible:          # killed during retention's rmtree
+        if kind == "half_delete" and visible:  # killed during retention's rmtree
             victim = data.draw(st.sampled_from(visible))
-            os.rename(self.mgr.path(victim), os.path.join(
-                self.root, f".step_{victim:08d}.shardpoint-tmp-dead01"))
+            os.rename(
+                self.mgr.path(victim),
+                os.path.join(self.root, f".step_{victim:08d}.shardpoint-tmp-dead01"),
+            )
             del self.disk[victim]
         elif kind == "mid_overwrite" and visible and self.moved_aside is None:
-            victim = data.draw(st.sampled_from(visible))   # between the commit's renames
-            os.rename(self.mgr.path(victim), os.path.join(
-                self.root, f".step_{victim:08d}.shardpoint-old-beef02"))
+            victim = data.draw(st.sampled_from(visible))  # between the commit's renames
+            os.rename(
+                self.mgr.path(victim),
+                os.path.join(self.root, f".step_{victim:08d}.shardpoint-old-beef02"),
+            )
             self.moved_aside = victim
-            os.makedirs(os.path.join(self.root, f".step_{victim:08d}.shardpoint-tmp-beef02",
-                                     "tensors"), exist_ok=True)
+            os.makedirs(
+                os.path.join(self.root, f".step_{victim:08d}.shardpoint-tmp-beef02", "tensors"),
+                exist_ok=True,
+            )
         self.mgr = spj.CheckpointManager(self.root, **self.kw)
 
     @rule()
@@ -159,15 +184,17 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.mgr.best_step() == want
 
 
-ManagerMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=10,
-                                            deadline=None)
+ManagerMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=10, deadline=None)
 TestManagerStateful = ManagerMachine.TestCase
 
 
 def test_arguments_are_checked(tmp_path):
-    for kw, word in (({"max_to_keep": 0}, "max_to_keep"), ({"keep_every": 1.5}, "keep_every"),
-                     ({"keep_best": 2}, "best_metric"),
-                     ({"best_metric": "loss", "best_mode": "lowest"}, "best_mode")):
+    for kw, word in (
+        ({"max_to_keep": 0}, "max_to_keep"),
+        ({"keep_every": 1.5}, "keep_every"),
+        ({"keep_best": 2}, "best_metric"),
+        ({"best_metric": "loss", "best_mode": "lowest"}, "best_mode"),
+    ):
         with pytest.raises(spj.InvalidRequestError, match=word):
             spj.CheckpointManager(tmp_path, **kw)
     mgr = spj.CheckpointManager(tmp_path)
@@ -183,7 +210,7 @@ def test_arguments_are_checked(tmp_path):
     with pytest.raises(spj.CheckpointNotFoundError, match="nothing to resume"):
         mgr.load()
     assert mgr.all_steps() == [] and mgr.latest_step() is None and mgr.best_step() is None
-    assert _steps_on_disk(tmp_path) == []          # refused before anything was written
+    assert _steps_on_disk(tmp_path) == []  # refused before anything was written
 
 
 def test_retention_keeps_newest_and_every_kth(tmp_path):
@@ -198,8 +225,9 @@ def test_retention_keeps_newest_and_every_kth(tmp_path):
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_keep_best_by_metric(tmp_path, mode):
     losses = {1: 0.5, 2: 0.1, 3: float("nan"), 4: 0.9, 5: 0.3, 6: 0.4}
-    mgr = spj.CheckpointManager(tmp_path, max_to_keep=1, best_metric="loss", best_mode=mode,
-                                keep_best=2)
+    mgr = spj.CheckpointManager(
+        tmp_path, max_to_keep=1, best_metric="loss", best_mode=mode, keep_best=2
+    )
     for step, loss in losses.items():
         mgr.save(step, {"w": jnp.ones(2)}, metrics={"loss": loss, "acc": 0.5})
     # the newest (6) always, and the two best finite ones: NaN never ranks
@@ -207,7 +235,7 @@ def test_keep_best_by_metric(tmp_path, mode):
     assert mgr.all_steps() == want
     assert mgr.best_step() == {"min": 2, "max": 4}[mode]
     default = spj.CheckpointManager(tmp_path, best_metric="loss", best_mode=mode)
-    assert default.keep_best is None                 # best_metric alone only ranks (issue 21)
+    assert default.keep_best is None  # best_metric alone only ranks (issue 21)
     assert default.retained([1, 2, 4, 5, 6]) == {1, 2, 4, 5, 6}
 
 
@@ -215,17 +243,25 @@ def test_resume_latest_with_a_target_and_metrics_round_trip(tmp_path):
     w = jax.random.normal(jax.random.key(0), (16, 8), jnp.bfloat16)
     with spj.CheckpointManager(tmp_path) as mgr:
         mgr.save(10, {"w": w, "step": 10}, metrics={"loss": 2.5})
-        mgr.save(20, {"w": w * 2, "step": 20},
-                 metrics={"loss": jnp.float32(1.5), "lr": np.float64(1e-3), "tokens": 123,
-                          "tag": "warm", "grad": np.array(0.25, np.float32)})
-    again = spj.CheckpointManager(tmp_path, best_metric="loss")   # a restarted job
+        mgr.save(
+            20,
+            {"w": w * 2, "step": 20},
+            metrics={
+                "loss": jnp.float32(1.5),
+                "lr": np.float64(1e-3),
+                "tokens": 123,
+                "tag": "warm",
+                "grad": np.array(0.25, np.float32),
+            },
+        )
+    again = spj.CheckpointManager(tmp_path, best_metric="loss")  # a restarted job
     assert again.latest_step() == 20 and again.all_steps() == [10, 20]
     m = again.metrics(20)
     assert m == {"loss": 1.5, "lr": 1e-3, "tokens": 123, "tag": "warm", "grad": 0.25}
-    assert all(type(v) in (float, int, str) for v in m.values())   # plain values
+    assert all(type(v) in (float, int, str) for v in m.values())  # plain values
     assert again.metrics(10) == {"loss": 2.5} and again.best_step() == 20
     out = again.load()
-    assert sorted(out) == ["step", "w"] and out["step"] == 20     # metrics not returned
+    assert sorted(out) == ["step", "w"] and out["step"] == 20  # metrics not returned
     assert same_bits(out["w"], w * 2) and out["w"].dtype == jnp.bfloat16
     tgt = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype), "step": 0}
     got = again.load(10, tgt)
@@ -238,8 +274,11 @@ def test_resume_latest_with_a_target_and_metrics_round_trip(tmp_path):
     with pytest.raises(spj.CheckpointNotFoundError, match=r"committed steps: \[10, 20\]"):
         again.load(15)
     # metrics live in the manifest, no side file
-    assert _steps_on_disk(tmp_path / "step_00000020") == ["manifest.msgpack", "tensors",
-                                                          "zarr.json"]   # its Zarr group
+    assert _steps_on_disk(tmp_path / "step_00000020") == [
+        "manifest.msgpack",
+        "tensors",
+        "zarr.json",
+    ]  # its Zarr group
 
 
 def test_force_overwrites_and_refusal_keeps_the_step(tmp_path):
@@ -259,9 +298,10 @@ def test_the_manager_removes_and_locks_through_its_saves_committer(tmp_path, whe
     backend of the root's kind, the torch front end's too), not another one of its own."""
     from shardpoint_core.transactions.resolve import backend_for
     from shardpoint_core.transactions.writer import CheckpointWriter
+
     root = str(tmp_path) if where == "files" else f"memory://jax-mgr-{os.getpid()}/run"
     mgr = spj.CheckpointManager(root, max_to_keep=1)
-    with CheckpointWriter.begin(mgr.path(1)) as w:          # the writer a save begins
+    with CheckpointWriter.begin(mgr.path(1)) as w:  # the writer a save begins
         assert mgr._steps.committer is w.backend.committer is backend_for(mgr.root).committer
     mgr.save(1, {"w": jnp.ones(2)})
     mgr.save(2, {"w": jnp.zeros(2)})
@@ -298,13 +338,13 @@ def test_crash_leftovers_are_ignored_then_cleaned(tmp_path):
     before = _steps_on_disk(root)
 
     again = spj.CheckpointManager(root)
-    assert again.all_steps() == [3] and again.latest_step() == 3      # only committed ones
-    assert _steps_on_disk(root) == before            # constructing and reading never clean
-    assert again.load()["step"] == 3                  # a load cleans first
-    assert _steps_on_disk(root) == _names(2, 3, 5)    # step 2 put back, leftovers gone
-    assert again.load(2)["step"] == 2                 # the previous version, as it was
+    assert again.all_steps() == [3] and again.latest_step() == 3  # only committed ones
+    assert _steps_on_disk(root) == before  # constructing and reading never clean
+    assert again.load()["step"] == 3  # a load cleans first
+    assert _steps_on_disk(root) == _names(2, 3, 5)  # step 2 put back, leftovers gone
+    assert again.load(2)["step"] == 2  # the previous version, as it was
     os.rename(root / "step_00000003", root / ".step_00000003.shardpoint-old-feed03")
-    again.save(4, {"step": 4})                        # and a save cleans too
+    again.save(4, {"step": 4})  # and a save cleans too
     assert _steps_on_disk(root) == _names(2, 3, 4, 5) and again.load(3)["step"] == 3
 
 
@@ -323,15 +363,20 @@ def test_sigkill_mid_save_keeps_the_last_step_and_the_restart_cleans(tmp_path):
     """Real SIGKILLs at random moments of a save loop; each restart resumes from the newest
     committed step, cleans what the kill left and keeps retention going."""
     import time
+
     rnd = random.Random(3)
     root = str(tmp_path / "ckpt")
     for _round in range(2):
-        p = subprocess.Popen([sys.executable, "-c", _KILLED, root], stdout=subprocess.PIPE,
-                             text=True, stdin=subprocess.DEVNULL,
-                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        p = subprocess.Popen(
+            [sys.executable, "-c", _KILLED, root],
+            stdout=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )
         try:
             seen = [int(p.stdout.readline()) for _ in range(rnd.randint(2, 4))]
-            time.sleep(rnd.uniform(0.0, 0.02))    # somewhere inside one of the next saves
+            time.sleep(rnd.uniform(0.0, 0.02))  # somewhere inside one of the next saves
             p.send_signal(signal.SIGKILL)
         finally:
             p.kill()
@@ -340,13 +385,13 @@ def test_sigkill_mid_save_keeps_the_last_step_and_the_restart_cleans(tmp_path):
         latest = mgr.latest_step()
         assert latest is not None and latest >= seen[-1]
         assert mgr.load()["step"] == latest
-        assert all(not n.startswith(".") for n in os.listdir(root))      # cleaned by the load
+        assert all(not n.startswith(".") for n in os.listdir(root))  # cleaned by the load
         for s in mgr.all_steps():
             out = mgr.load(s)
             assert out["step"] == s
             assert same_bits(out["w"], jnp.full((128, 128), float(s)))
             assert mgr.metrics(s) == {"loss": 1.0 / s}
-        assert len(mgr.all_steps()) <= 3   # at most one extra: the kill fell before retention
+        assert len(mgr.all_steps()) <= 3  # at most one extra: the kill fell before retention
 
 
 def test_async_saves_retain_after_commit_and_wait_on_close(tmp_path):
@@ -355,17 +400,16 @@ def test_async_saves_retain_after_commit_and_wait_on_close(tmp_path):
         for step in (1, 2, 3):
             w = jnp.full((256, 256), float(step))
             host[...] = step
-            h = mgr.save(step, {"w": w, "host": host, "step": step},
-                         metrics={"loss": float(step)})
+            h = mgr.save(step, {"w": w, "host": host, "step": step}, metrics={"loss": float(step)})
             assert isinstance(h, spj.AsyncSave)
-            w.delete()                         # the caller drops its arrays right away
-            host[...] = -1.0                   # and mutates its numpy state
-            if step > 1:   # save(step) waited for save(step - 1), then applied retention
+            w.delete()  # the caller drops its arrays right away
+            host[...] = -1.0  # and mutates its numpy state
+            if step > 1:  # save(step) waited for save(step - 1), then applied retention
                 assert step - 1 in mgr.all_steps() and step - 2 not in mgr.all_steps()
         mgr.wait()
         assert h.done() and mgr.all_steps() == [3]
         h4 = mgr.save(4, {"step": 4})
-    assert h4.done()                           # leaving the block waited for the last save
+    assert h4.done()  # leaving the block waited for the last save
     assert mgr.all_steps() == [4] and _steps_on_disk(tmp_path) == _names(4)
     mgr.save(5, {"w": jnp.full((256, 256), 5.0), "host": host, "step": 5})
     mgr.close()
@@ -394,8 +438,11 @@ def test_one_root_shared_with_the_pytorch_manager_both_ways(tmp_path):
     assert same_bits(got["model"]["b"], tb)
     # JAX -> torch: a JAX step in the same root; the JAX manager's retention drops step 100
     jw = jax.random.normal(jax.random.key(1), (6, 10), jnp.bfloat16)
-    jmgr.save(300, {"model": {"w": jw, "b": jnp.asarray(tb.numpy())}, "step": 300},
-              metrics={"loss": jnp.float32(0.5)})
+    jmgr.save(
+        300,
+        {"model": {"w": jw, "b": jnp.asarray(tb.numpy())}, "step": 300},
+        metrics={"loss": jnp.float32(0.5)},
+    )
     assert jmgr.all_steps() == [200, 300] and _steps_on_disk(tmp_path) == _names(200, 300)
     tmgr = sp.CheckpointManager(tmp_path, best_metric="loss", best_mode="max")
     assert tmgr.all_steps() == [200, 300] and tmgr.latest_step() == 300
@@ -457,21 +504,26 @@ def test_two_processes_save_retain_and_load(tmp_path):
     outs = run_processes(_MP.replace("ROOT", repr(str(root))), 2, 2, timeout=120)
     res = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     assert res[0]["after"] == res[1]["after"] == [[1], [1, 2], [2, 3], [2, 3, 4], [2, 4, 5]]
-    for r in res:   # process 0 decided, every process raised the same error
-        assert (r["exists"], r["differ"], r["bad"]) == \
-            ("CheckpointExistsError", "InvalidOptionError", "InvalidKeyError")
+    for r in res:  # process 0 decided, every process raised the same error
+        assert (r["exists"], r["differ"], r["bad"]) == (
+            "CheckpointExistsError",
+            "InvalidOptionError",
+            "InvalidKeyError",
+        )
         assert r["final"] == [2, 4, 6, 7] and r["step"] == 7 and r["ok"]
-        assert r["best"] == 4     # 5 was best, but the async manager ranks no metric
+        assert r["best"] == 4  # 5 was best, but the async manager ranks no metric
     assert _steps_on_disk(root) == _names(2, 4, 6, 7)
 
 
 @pytest.mark.parametrize("where", ["files", "memory"])
-def test_a_checkpoint_saved_by_hand_under_the_root_is_reported_never_counted(tmp_path, where,
-                                                                             caplog):
+def test_a_checkpoint_saved_by_hand_under_the_root_is_reported_never_counted(
+    tmp_path, where, caplog
+):
     """``spj.save(tree, root + "/step_7")`` beside a manager's steps: not one of its names
     (step_00000007), so never a step, never removed by retention; reported once (as the torch
     manager does, through the core's StepRoot)."""
     import uuid
+
     root = str(tmp_path / "run") if where == "files" else f"memory://jm-{uuid.uuid4().hex[:8]}/run"
     mgr = spj.CheckpointManager(root, max_to_keep=1)
     mgr.save(1, {"w": jnp.arange(3)})

@@ -2,6 +2,7 @@
 host devices each): replica-0 shards written once, sharded objects on 1-D and 2-D grids,
 loads into other meshes and partitionings reading only their own regions, and a failing
 process failing the save everywhere while the previous checkpoint stays."""
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,9 @@ def check(arr, a):
     return len(arr.addressable_shards)
 """
 
-SAVE_LOAD = COMMON + """
+SAVE_LOAD = (
+    COMMON
+    + """
 path = sys.argv[-1] if False else PATH
 devs = np.array(jax.devices())
 m22 = Mesh(devs.reshape(2, -1), ("dp", "tp"))
@@ -54,6 +57,7 @@ assert same_bits(got["np"], np.arange(6, dtype=np.float16)) and got["step"] == 1
 print(json.dumps({"pid": pid, "shards": shards, "rng": got["rng"].value["pid"],
                   "grid": got["grid"].value}))
 """
+)
 
 
 def _run(code, n, devices, path, **kw):
@@ -64,7 +68,7 @@ def _run(code, n, devices, path, **kw):
 @pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_two_processes_save_and_reload_into_another_mesh(tmp_path, devices):
     res = _run(SAVE_LOAD, 2, devices, tmp_path / "ck")
-    assert [r["rng"] for r in res] == [1, 0]          # cell n-1-pid, held by the other one
+    assert [r["rng"] for r in res] == [1, 0]  # cell n-1-pid, held by the other one
     assert [r["grid"] for r in res] == ["cell0", "cell1"]
     assert all(r["shards"] == 3 * devices for r in res)
     ck = tmp_path / "ck" / "tensors"
@@ -75,7 +79,9 @@ def test_two_processes_save_and_reload_into_another_mesh(tmp_path, devices):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-FAIL = COMMON + """
+FAIL = (
+    COMMON
+    + """
 import os
 devs = np.array(jax.devices())
 mesh = Mesh(devs, ("x",))
@@ -95,6 +101,7 @@ got = sj.load(PATH, {"w": jax.ShapeDtypeStruct(M.shape, M.dtype, sharding=NamedS
 check(got["w"], M)
 print(json.dumps({"pid": pid, "out": out, "out2": out2, "left": sorted(os.listdir(os.path.dirname(PATH)))}))
 """
+)
 
 
 def test_a_failing_process_fails_the_save_everywhere_and_keeps_the_previous(tmp_path):
@@ -107,7 +114,9 @@ def test_a_failing_process_fails_the_save_everywhere_and_keeps_the_previous(tmp_
         assert r["left"] == ["ck"]
 
 
-ASYNC = COMMON + """
+ASYNC = (
+    COMMON
+    + """
 devs = np.array(jax.devices())
 mesh = Mesh(devs.reshape(2, -1), ("dp", "tp"))
 tree = {"w": put(W, mesh, ("dp", "tp")), "m": put(M, mesh, (None, "tp"))}
@@ -120,6 +129,7 @@ got = sj.load(path, {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSha
                      for k, a in (("w", W), ("m", M))})
 print(json.dumps({"pid": pid, "shards": check(got["w"], W) + check(got["m"], M)}))
 """
+)
 
 
 def test_an_asynchronous_save_commits_across_processes_after_the_arrays_are_gone(tmp_path):

@@ -3,6 +3,7 @@ committer (spec section 9.1): ``memory://`` and ``s3://`` (moto's real server, `
 for save (sync and async) and load, a checkpoint written by JAX on S3 read by the PyTorch
 front end and back, the JAX CheckpointManager's retention and clean-up on S3, and the errors
 of a path no store serves."""
+
 from __future__ import annotations
 
 import os
@@ -21,11 +22,15 @@ from shardpoint_testing.probes import crashed_save, vector_on_store  # noqa: E40
 
 def _tree(gen: int = 0, rows: int = 700) -> dict:
     rng = np.random.default_rng(gen)
-    return {"w": jnp.asarray(rng.standard_normal((rows, 1000), np.float32)),  # 700: a shard
-            "b": jnp.asarray(rng.standard_normal((33,), np.float32)).astype(jnp.bfloat16),
-            "mask": np.array([True, False, True]),
-            "i": np.arange(12, dtype=np.int64).reshape(3, 4),
-            "s": jnp.asarray(2.5, jnp.float32), "step": gen, "name": "run"}
+    return {
+        "w": jnp.asarray(rng.standard_normal((rows, 1000), np.float32)),  # 700: a shard
+        "b": jnp.asarray(rng.standard_normal((33,), np.float32)).astype(jnp.bfloat16),
+        "mask": np.array([True, False, True]),
+        "i": np.arange(12, dtype=np.int64).reshape(3, 4),
+        "s": jnp.asarray(2.5, jnp.float32),
+        "step": gen,
+        "name": "run",
+    }
 
 
 def _same(a, b) -> None:
@@ -40,7 +45,7 @@ def _same(a, b) -> None:
 
 def _keys(url: str) -> list:
     store, key = locate(url).pair()
-    return [i.key[len(key) + 1:] for i in store.list(key + "/")]
+    return [i.key[len(key) + 1 :] for i in store.list(key + "/")]
 
 
 def test_memory_store_save_load_async_overwrite_and_partial_reads():
@@ -53,10 +58,11 @@ def test_memory_store_save_load_async_overwrite_and_partial_reads():
     _same(sj.load(url), _tree(1))
     keys = _keys(url)
     assert keys.count("manifest.msgpack") == 1
-    assert len({k.split("/")[0] for k in keys if k.startswith("save-")}) == 1   # old deleted
+    assert len({k.split("/")[0] for k in keys if k.startswith("save-")}) == 1  # old deleted
     rows = jax.ShapeDtypeStruct((700, 1000), np.float32)
-    assert np.asarray(sj.load(url, {"w": rows})["w"]).tobytes() == \
-        np.asarray(_tree(1)["w"]).tobytes()
+    assert (
+        np.asarray(sj.load(url, {"w": rows})["w"]).tobytes() == np.asarray(_tree(1)["w"]).tobytes()
+    )
 
 
 def test_paths_no_store_serves_are_refused_before_any_io(tmp_path, monkeypatch):
@@ -67,15 +73,20 @@ def test_paths_no_store_serves_are_refused_before_any_io(tmp_path, monkeypatch):
         sj.load("nosuch://bucket/ck")
     with pytest.raises(sj.UnsupportedStoreError):
         sj.CheckpointManager("nosuch://bucket/run")
-    assert list(tmp_path.iterdir()) == []          # no local directory named 'nosuch:'
+    assert list(tmp_path.iterdir()) == []  # no local directory named 'nosuch:'
     with pytest.raises(sj.CheckpointNotFoundError):
         sj.load("memory://jax-objects/never/saved")
 
 
 def test_damaged_and_missing_objects_name_the_rule():
     url = "memory://jax-objects/damage/ck"
-    sj.save(url, {"w": np.arange(300 * 70, dtype=np.float32).reshape(300, 70),
-                  "v": np.ones((5, 5), np.float32)})
+    sj.save(
+        url,
+        {
+            "w": np.arange(300 * 70, dtype=np.float32).reshape(300, 70),
+            "v": np.ones((5, 5), np.float32),
+        },
+    )
     store, key = locate(url).pair()
     names = _keys(url)
     w = next(k for k in names if "/tensors/w/c/" in k)
@@ -96,13 +107,16 @@ def test_s3_jax_save_read_by_torch_and_back(s3_env):
     torch = pytest.importorskip("torch")
     import shardpoint as sp
     from shardpoint_testing.tensors import same_bits
+
     url = s3_env.url(s3_env.fresh_prefix("jax") + "/step_1")
-    tree = _tree(3, rows=16)          # shards on an object store: the memory:// tests
+    tree = _tree(3, rows=16)  # shards on an object store: the memory:// tests
     sj.save(url, tree)
     got = sp.load(url)
     assert got["w"].numpy().tobytes() == np.asarray(tree["w"]).tobytes()
-    assert got["b"].dtype == torch.bfloat16 and \
-        got["b"].view(torch.int16).numpy().tobytes() == np.asarray(tree["b"]).tobytes()
+    assert (
+        got["b"].dtype == torch.bfloat16
+        and got["b"].view(torch.int16).numpy().tobytes() == np.asarray(tree["b"]).tobytes()
+    )
     assert got["mask"].tolist() == [True, False, True] and got["step"] == 3
     # the PyTorch front end replaces it on S3; JAX reads that, async save on top
     got["w"] = got["w"] * 2
@@ -121,7 +135,7 @@ def test_s3_manager_retention_and_leftovers(s3_env):
             mgr.save(step, {"x": np.full((4, 4), step, np.float32)}, metrics={"loss": step})
     mgr = sj.CheckpointManager(root, max_to_keep=2)
     assert mgr.all_steps() == [2, 3] and mgr.metrics(3) == {"loss": 3}
-    assert not any(k.startswith("step_00000001/") for k in _keys(root))   # objects gone too
+    assert not any(k.startswith("step_00000001/") for k in _keys(root))  # objects gone too
     assert np.asarray(mgr.load()["x"]).tolist() == np.full((4, 4), 3).tolist()
     # a save that crashed before its marker: an unreferenced save prefix, left alone while it
     # may still be running, removed by the next save once old enough ([SP-COMMIT-15])
@@ -139,13 +153,26 @@ def test_s3_manager_retention_and_leftovers(s3_env):
         mgr.save(5, {"x": np.zeros((4, 4), np.float32)})
 
 
-VECTORS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "spec", "vectors", "invalid")
+VECTORS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "spec",
+    "vectors",
+    "invalid",
+)
 
 
-@pytest.mark.parametrize("case", ["aliased_shard_index", "declares_more_than_stored",
-                                  "bad_checksum", "missing_inner_chunk", "truncated_chunk",
-                                  "zarr_json_repeated_name", "bad_zarr_json"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "aliased_shard_index",
+        "declares_more_than_stored",
+        "bad_checksum",
+        "missing_inner_chunk",
+        "truncated_chunk",
+        "zarr_json_repeated_name",
+        "bad_zarr_json",
+    ],
+)
 def test_invalid_vectors_on_an_object_store_fail_as_on_files(case):
     """The reader rules hold on a store without files too: the vector's objects uploaded to
     ``memory://`` are refused with the class and rule of spec/vectors/invalid."""
@@ -156,13 +183,14 @@ def test_invalid_vectors_on_an_object_store_fail_as_on_files(case):
     assert (type(e.value).__name__, e.value.spec_id) == (exp["error"], exp["spec_id"]), e.value
 
 
-@pytest.mark.slow          # two JAX processes with 2 devices each: ~20 s on a loaded machine
+@pytest.mark.slow  # two JAX processes with 2 devices each: ~20 s on a loaded machine
 def test_two_processes_save_and_reload_on_s3(s3_env):
     """Process 0 decides the save prefix and sends it as a URL; both write their blocks below
     it, process 0 puts the marker; both load into another mesh from the store."""
     import json
     from shardpoint_jax.launch import run_processes
     from .test_jax_multiprocess import SAVE_LOAD
+
     url = s3_env.url(s3_env.fresh_prefix("jaxmp") + "/step_1")
     outs = run_processes(SAVE_LOAD.replace("PATH", repr(url)), 2, 2, timeout=300)
     res = [json.loads(o.strip().splitlines()[-1]) for o in outs]
@@ -170,7 +198,7 @@ def test_two_processes_save_and_reload_on_s3(s3_env):
     keys = _keys(url)
     assert keys.count("manifest.msgpack") == 1
     assert len({k.split("/")[0] for k in keys if k.startswith("save-")}) == 1
-    assert sum("/tensors/model/w/c/" in k for k in keys) == 4      # 2 x 2 blocks, once each
+    assert sum("/tensors/model/w/c/" in k for k in keys) == 4  # 2 x 2 blocks, once each
 
 
 def test_a_listing_is_grouped_by_array_once():
@@ -180,11 +208,20 @@ def test_a_listing_is_grouped_by_array_once():
     key is ``c``; zarr.json and stray names are no chunks."""
     from shardpoint_core.stores.base import ObjectInfo
     from shardpoint_jax.storage import chunks_by_array
-    keys = ["r/s/tensors/w/c/0/1", "r/s/tensors/w/c/1/0", "r/s/tensors/w/zarr.json",
-            "r/s/tensors/scalar/c", "r/s/tensors/c/x/c/0", "r/s/tensors/c/x/zarr.json",
-            "r/s/tensors/w/c/notes.txt", "r/manifest.msgpack"]
+
+    keys = [
+        "r/s/tensors/w/c/0/1",
+        "r/s/tensors/w/c/1/0",
+        "r/s/tensors/w/zarr.json",
+        "r/s/tensors/scalar/c",
+        "r/s/tensors/c/x/c/0",
+        "r/s/tensors/c/x/zarr.json",
+        "r/s/tensors/w/c/notes.txt",
+        "r/manifest.msgpack",
+    ]
     got = chunks_by_array(ObjectInfo(k, 10, 0.0) for k in keys)
     assert {a: sorted(i.key for i in v) for a, v in got.items()} == {
         "r/s/tensors/w": ["r/s/tensors/w/c/0/1", "r/s/tensors/w/c/1/0"],
         "r/s/tensors/scalar": ["r/s/tensors/scalar/c"],
-        "r/s/tensors/c/x": ["r/s/tensors/c/x/c/0"]}
+        "r/s/tensors/c/x": ["r/s/tensors/c/x/c/0"],
+    }

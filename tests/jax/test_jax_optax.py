@@ -1,6 +1,7 @@
 """An optax AdamW state (namedtuples around per-parameter pytrees) and its parameters, sharded
 over a 2 x 2 mesh, saved and restored into another mesh through an abstract target built with
 jax.tree_util: the restored state has optax's own types and every shard's bits."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 ``StandardCheckpointer`` and ``StandardCheckpointHandler`` behave as Orbax's classes of the same
 names on the behaviours Orbax's own ``standard_checkpoint_handler_test`` exercises. The cases
 run in one process on 8 CPU devices (one JAX start for all); each test checks its case."""
+
 import json
 import os
 import subprocess
@@ -298,24 +299,44 @@ def pytree_checkpointer_switch():
 print("RESULTS " + json.dumps(out))
 """
 
-CASES = ["save_args_cast", "custom_metadata", "no_target_keeps_saved_sharding",
-         "topology_mismatch", "strict_false_truncates_and_pads", "masked_and_none_leaves",
-         "prng_keys", "int64_without_x64_as_orbax", "orbax_errors", "one_argument_switch",
-         "shardpoint_save_takes_orbax_arguments", "empty_nodes_and_flax_structs",
-         "pytree_restore_args_per_leaf", "pytree_checkpointer_switch"]
+CASES = [
+    "save_args_cast",
+    "custom_metadata",
+    "no_target_keeps_saved_sharding",
+    "topology_mismatch",
+    "strict_false_truncates_and_pads",
+    "masked_and_none_leaves",
+    "prng_keys",
+    "int64_without_x64_as_orbax",
+    "orbax_errors",
+    "one_argument_switch",
+    "shardpoint_save_takes_orbax_arguments",
+    "empty_nodes_and_flax_structs",
+    "pytree_restore_args_per_leaf",
+    "pytree_checkpointer_switch",
+]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("orbax_std")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+        OMP_NUM_THREADS="1",
+    )
     env.pop("JAX_ENABLE_X64", None)
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(root)], env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert line, r.stdout[-2000:] + r.stderr[-4000:]
-    return json.loads(line[0][len("RESULTS "):])
+    return json.loads(line[0][len("RESULTS ") :])
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,6 +1,7 @@
 """shardpoint_jax in one process: every dtype bit for bit (NaN payloads, -0.0, subnormals),
 0-d and empty arrays, values, sharded objects on 1-D and 2-D grids, abstract targets, numpy
 targets filled in place, and the errors a bad tree or target gets."""
+
 from __future__ import annotations
 
 
@@ -26,8 +27,12 @@ def x64():
 @pytest.mark.parametrize("name", list(BY_NAME))
 def test_every_dtype_round_trips_bitwise_as_jax_and_numpy(tmp_path, name, x64):
     a = random_array(len(name), (5, 3), BY_NAME[name])
-    tree = {"j": jax.device_put(a), "n": a, "z": jax.device_put(a[0, 0]),
-            "e": np.zeros((0, 3), BY_NAME[name])}
+    tree = {
+        "j": jax.device_put(a),
+        "n": a,
+        "z": jax.device_put(a[0, 0]),
+        "e": np.zeros((0, 3), BY_NAME[name]),
+    }
     sj.save(tmp_path / "c", tree)
     back = sj.load(tmp_path / "c")
     assert isinstance(back["j"], jax.Array) and isinstance(back["n"], np.ndarray)
@@ -48,11 +53,20 @@ def test_64_bit_dtypes_without_x64_stay_numpy_and_are_never_narrowed(tmp_path):
 
 
 def test_values_objects_and_containers(tmp_path):
-    tree = {"step": 7, "lr": 1e-3, "name": "run", "blob": b"\x00\xff", "none": None,
-            "flag": True, "np_scalar": np.float32(1.5), 3: "int key", "empty": [],
-            "t": (1, (2.0, "x")), "rng": sj.ShardedObject({"s": np.arange(3), "p": (1, 2)},
-                                                           0, 1),
-            "grid": [sj.ShardedObject(f"cell{i}", (0, i), (1, 3)) for i in range(3)]}
+    tree = {
+        "step": 7,
+        "lr": 1e-3,
+        "name": "run",
+        "blob": b"\x00\xff",
+        "none": None,
+        "flag": True,
+        "np_scalar": np.float32(1.5),
+        3: "int key",
+        "empty": [],
+        "t": (1, (2.0, "x")),
+        "rng": sj.ShardedObject({"s": np.arange(3), "p": (1, 2)}, 0, 1),
+        "grid": [sj.ShardedObject(f"cell{i}", (0, i), (1, 3)) for i in range(3)],
+    }
     tree["grid"] = sj.ShardedObject("cell0", (0, 0), (1, 1))
     sj.save(tmp_path / "c", tree)
     back = sj.load(tmp_path / "c")
@@ -60,8 +74,8 @@ def test_values_objects_and_containers(tmp_path):
         assert back[k] == tree[k] and type(back[k]) is type(tree[k]), k
     assert type(back["np_scalar"]) is np.float32 and back["np_scalar"] == 1.5
     assert back["rng"][0]["p"] == (1, 2) and same_bits(back["rng"][0]["s"], np.arange(3))
-    assert back["grid"] == [["cell0"]]     # [SP-OBJ-4]: grids come back as nested lists
-    assert list(back) == list(tree)        # dict order is kept
+    assert back["grid"] == [["cell0"]]  # [SP-OBJ-4]: grids come back as nested lists
+    assert list(back) == list(tree)  # dict order is kept
 
 
 def test_object_grid_cells_and_grid_mismatch(tmp_path):
@@ -96,7 +110,7 @@ def test_overwrite_and_refusals(tmp_path):
         sj.save(tmp_path / "c", {"a": np.zeros(2)})
     sj.save(tmp_path / "c", {"a": np.zeros(3)}, overwrite=True)
     assert same_bits(sj.load(tmp_path / "c")["a"], np.zeros(3))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]   # no staging or old left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no staging or old left
     # [SP-COMMIT-5]: without consent a file or a user's directory is refused, with it replaced
     (tmp_path / "f").write_text("x")
     (tmp_path / "mine").mkdir()
@@ -127,6 +141,7 @@ def test_overwrite_and_refusals(tmp_path):
 
 def test_namedtuple_and_registered_nodes_round_trip_through_a_target(tmp_path):
     from collections import namedtuple
+
     State = namedtuple("State", "count mu")
     tree = {"opt": State(jnp.array(3, jnp.int32), {"w": jnp.ones(2)})}
     sj.save(tmp_path / "c", tree)
@@ -139,8 +154,9 @@ def test_big_chunks_become_shards_and_partial_reads_touch_inner_chunks(tmp_path)
     import json
     from shardpoint_jax.loading import Checkpoint
     from shardpoint_core.format.layout import INNER_CHUNK_BYTES, SHARD_ABOVE_BYTES
-    a = random_array(0, (2560, 1024), BY_NAME["float32"])              # one 10 MiB chunk
-    assert a.nbytes > SHARD_ABOVE_BYTES           # the core's threshold, the torch side's too
+
+    a = random_array(0, (2560, 1024), BY_NAME["float32"])  # one 10 MiB chunk
+    assert a.nbytes > SHARD_ABOVE_BYTES  # the core's threshold, the torch side's too
     sj.save(tmp_path / "c", {"big": a})
     meta = json.loads((tmp_path / "c" / "tensors" / "big" / "zarr.json").read_text())
     codec = meta["codecs"][0]
@@ -149,7 +165,7 @@ def test_big_chunks_become_shards_and_partial_reads_touch_inner_chunks(tmp_path)
     assert same_bits(sj.load(tmp_path / "c")["big"], a)
     ck = Checkpoint(tmp_path / "c")
     assert same_bits(ck.read("big", [130, 5], [3, 7]), a[130:133, 5:12])
-    shardpoint = pytest.importorskip("shardpoint")    # the reference reads the shards too
+    shardpoint = pytest.importorskip("shardpoint")  # the reference reads the shards too
     assert np.asarray(shardpoint.load(str(tmp_path / "c"))["big"]).tobytes() == a.tobytes()
     # ... and writes the same files for the same state: one set of chunking choices
     torch = pytest.importorskip("torch")
@@ -157,9 +173,10 @@ def test_big_chunks_become_shards_and_partial_reads_touch_inner_chunks(tmp_path)
     for sub in ("zarr.json", "c/0/0"):
         ours, theirs = (tmp_path / d / "tensors" / "big" / sub for d in ("c", "t"))
         assert ours.read_bytes() == theirs.read_bytes(), sub
-    tables = [shardpoint.read_metadata(str(tmp_path / d)).tensors["big"].chunk_crc32c
-              for d in ("c", "t")]
-    assert tables[0] is not None and tables[0] == tables[1]      # [SP-MAN-7]
+    tables = [
+        shardpoint.read_metadata(str(tmp_path / d)).tensors["big"].chunk_crc32c for d in ("c", "t")
+    ]
+    assert tables[0] is not None and tables[0] == tables[1]  # [SP-MAN-7]
 
 
 def test_a_front_end_on_the_core_alone_no_torch_no_torch_front_end():
@@ -168,12 +185,20 @@ def test_a_front_end_on_the_core_alone_no_torch_no_torch_front_end():
     core (its copies of the core's modules are gone)."""
     import subprocess
     import sys
-    code = ("import sys, shardpoint_jax, shardpoint_jax.adapter; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'shardpoint', 'shardpoint_conformance')]; "
-            "core = [m for m in ('shardpoint_core.format.manifest', 'shardpoint_core.format.coverage') "
-            "if m not in sys.modules]; "
-            "print(bad, core); sys.exit(1 if bad or core else 0)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+
+    code = (
+        "import sys, shardpoint_jax, shardpoint_jax.adapter; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'shardpoint', 'shardpoint_conformance')]; "
+        "core = [m for m in ('shardpoint_core.format.manifest', 'shardpoint_core.format.coverage') "
+        "if m not in sys.modules]; "
+        "print(bad, core); sys.exit(1 if bad or core else 0)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -11,6 +11,7 @@ then a shard's runs of inner chunks; last the HEAD of the manifest: the identity
 this replaced first sent a HEAD, then the GET, of the manifest, then the zarr.json GETs, a
 LIST per array, the data GETs and the shard's runs: 24 requests 6 round trips deep for the
 tree below, against 18 in 4 now."""
+
 from collections import Counter
 
 import numpy as np
@@ -26,9 +27,9 @@ from shardpoint_core.transactions.resolve import backend_for  # noqa: E402
 from shardpoint_jax.loading import Checkpoint  # noqa: E402
 from shardpoint_testing.s3 import Requests  # noqa: E402
 
-LATENCY = 0.1    # s added to every request: requests in flight together overlap by far
+LATENCY = 0.1  # s added to every request: requests in flight together overlap by far
 MARKER = "manifest.msgpack"
-INNER = 5        # inner chunks of the shard of "big"
+INNER = 5  # inner chunks of the shard of "big"
 
 
 def _state() -> dict:
@@ -65,18 +66,32 @@ def test_a_jax_load_sends_the_manifest_get_then_zarr_json_with_first_data(s3_env
     n = len(state)
     assert len(loaded) == 2 * n + 4, loaded
     assert Requests.waves(loaded) == [
-        Counter({("GetObject", MARKER): 1,              # no HEAD before it
-                 ("ListObjectsV2", ""): 1}),            # [SP-READ-6] for every array at once
-        Counter({("GetObject", f"save-*/tensors/{k}/{w}"): 1
-                 for k in state for w in ("zarr.json", "c/0")}),
-        Counter({("GetObject", "save-*/tensors/big/c/0"): 1}),    # the inner chunks
-        Counter({("HeadObject", MARKER): 1})], loaded   # the identity, checked again
-    shard = [r for _m, k, r, *_ in sorted(loaded, key=lambda r: r[3])
-             if k == "save-*/tensors/big/c/0"]
-    assert shard == [f"bytes=-{16 * INNER + 4}",       # the index of the inner chunks
-                     _run(_shard_index(url), 0, INNER - 1)], shard   # then all in one run
-    assert [r for _m, k, r, *_ in loaded if k == "save-*/tensors/s0/c/0"] == \
-        [f"bytes=0-{100 * 4 + 4}"]            # a plain chunk: one byte over its size
+        Counter(
+            {
+                ("GetObject", MARKER): 1,  # no HEAD before it
+                ("ListObjectsV2", ""): 1,
+            }
+        ),  # [SP-READ-6] for every array at once
+        Counter(
+            {
+                ("GetObject", f"save-*/tensors/{k}/{w}"): 1
+                for k in state
+                for w in ("zarr.json", "c/0")
+            }
+        ),
+        Counter({("GetObject", "save-*/tensors/big/c/0"): 1}),  # the inner chunks
+        Counter({("HeadObject", MARKER): 1}),
+    ], loaded  # the identity, checked again
+    shard = [
+        r for _m, k, r, *_ in sorted(loaded, key=lambda r: r[3]) if k == "save-*/tensors/big/c/0"
+    ]
+    assert shard == [
+        f"bytes=-{16 * INNER + 4}",  # the index of the inner chunks
+        _run(_shard_index(url), 0, INNER - 1),
+    ], shard  # then all in one run
+    assert [r for _m, k, r, *_ in loaded if k == "save-*/tensors/s0/c/0"] == [
+        f"bytes=0-{100 * 4 + 4}"
+    ]  # a plain chunk: one byte over its size
 
 
 def test_a_region_of_a_shard_reads_its_inner_chunks_in_one_run(s3_env):
@@ -85,23 +100,28 @@ def test_a_region_of_a_shard_reads_its_inner_chunks_in_one_run(s3_env):
     url = s3_env.url(s3_env.fresh_prefix("jax-requests") + "/region")
     state = _state()
     sj.save(url, state)
-    el = 1 << 19                                 # elements of an inner chunk
+    el = 1 << 19  # elements of an inner chunk
     q = el // 4
     with Requests(backend_for(url), url, LATENCY) as log:
         ck = Checkpoint(url)
-        log.take()                               # the manifest's GET and the LIST
-        a = ck.array("big").start_read([q], [q])            # inside inner chunk 0
-        b = ck.array("big").start_read([2 * el], [2 * el])   # inner chunks 2 and 3
+        log.take()  # the manifest's GET and the LIST
+        a = ck.array("big").start_read([q], [q])  # inside inner chunk 0
+        b = ck.array("big").start_read([2 * el], [2 * el])  # inner chunks 2 and 3
         got = a.result(), b.result()
         reads = log.take()
-    assert np.array_equal(got[0], state["big"][q:2 * q])
-    assert np.array_equal(got[1], state["big"][2 * el:4 * el])
+    assert np.array_equal(got[0], state["big"][q : 2 * q])
+    assert np.array_equal(got[1], state["big"][2 * el : 4 * el])
     index = _shard_index(url)
     # Both reads start before zarr.json answers: each sends its own early index read.
     assert Requests.waves(reads) == [
-        Counter({("GetObject", "save-*/tensors/big/zarr.json"): 1,
-                 ("GetObject", "save-*/tensors/big/c/0"): 2}),
-        Counter({("GetObject", "save-*/tensors/big/c/0"): 2})], reads
+        Counter(
+            {
+                ("GetObject", "save-*/tensors/big/zarr.json"): 1,
+                ("GetObject", "save-*/tensors/big/c/0"): 2,
+            }
+        ),
+        Counter({("GetObject", "save-*/tensors/big/c/0"): 2}),
+    ], reads
     runs = sorted(r for _m, k, r, *_ in reads if k == "save-*/tensors/big/c/0")
     idx = f"bytes=-{16 * INNER + 4}"
     assert runs == sorted([idx, idx, _run(index, 0, 0), _run(index, 2, 3)]), runs

@@ -1,6 +1,7 @@
 """shardpoint_jax reads regions that cut through chunks (plain and sharded) with the core's
 Zarr layer, not TensorStore: exact bytes against numpy, and a damaged or missing chunk is the
 JAX front end's CorruptCheckpointError with the spec's rule."""
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,7 @@ def test_cut_through_regions_match_numpy(tmp_path, shape):
     assert (arr.layout.inner is not None) == (shape == (2400, 1000)), arr.layout
     for off, sh in (((3, 5), (101, 7)), ((0, 0), shape), ((shape[0] - 1, 1), (1, shape[1] - 1))):
         got = arr.read(off, sh)
-        assert np.array_equal(got, a[off[0]:off[0] + sh[0], off[1]:off[1] + sh[1]])
+        assert np.array_equal(got, a[off[0] : off[0] + sh[0], off[1] : off[1] + sh[1]])
 
 
 def test_damaged_and_missing_chunks(tmp_path):
@@ -54,6 +55,7 @@ def test_jax_save_and_load_without_tensorstore(tmp_path):
     direct) and load (direct, and through chunks by the core's layer) run bit for bit."""
     import subprocess
     import sys
+
     code = (
         "import sys; sys.modules['tensorstore'] = None\n"
         "import numpy as np, shardpoint_jax as spj, jax.numpy as jnp\n"
@@ -65,7 +67,9 @@ def test_jax_save_and_load_without_tensorstore(tmp_path):
         "assert Checkpoint('ck').array('w').inner is not None\n"
         "assert np.array_equal(Checkpoint('ck').array('w').read((3, 5), (700, 9)),"
         " a[3:703, 5:14])\n"
-        "print('ok')\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
+        "print('ok')\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

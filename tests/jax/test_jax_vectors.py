@@ -1,5 +1,6 @@
 """shardpoint_jax reads every golden vector bit for bit and refuses every invalid one with the
 documented error class and requirement ID (spec/vectors/, spec/README.md)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,9 @@ import jax  # noqa: E402
 
 import shardpoint_jax as sj  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "spec",
-                    "vectors")
+ROOT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "spec", "vectors"
+)
 VALID = sorted(os.listdir(os.path.join(ROOT, "valid")))
 INVALID = sorted(os.listdir(os.path.join(ROOT, "invalid")))
 
@@ -29,8 +31,11 @@ def json_form(v):
         return {"$tuple": [json_form(x) for x in v]}
     if isinstance(v, (np.ndarray, np.generic)):
         a = np.asarray(v)
-        return {"$array": str(a.dtype) if a.dtype.name != "bool" else "bool",
-                "shape": list(a.shape), "sha256": hashlib.sha256(a.tobytes()).hexdigest()}
+        return {
+            "$array": str(a.dtype) if a.dtype.name != "bool" else "bool",
+            "shape": list(a.shape),
+            "sha256": hashlib.sha256(a.tobytes()).hexdigest(),
+        }
     if isinstance(v, float):
         if math.isnan(v):
             return {"$float": "nan"}
@@ -64,6 +69,7 @@ def test_valid_vector_reads_bit_for_bit(case):
     ck = os.path.join(ROOT, "valid", case, "checkpoint")
     back = sj.load(ck)
     from shardpoint_core.format.keys import encode_key
+
     flat = {encode_key(p): v for p, v in leaves(back)}
     for key, t in exp["tensors"].items():
         a = np.asarray(flat[key])
@@ -74,6 +80,7 @@ def test_valid_vector_reads_bit_for_bit(case):
         assert json_form(flat[key]) == v, key
     for key, vals in exp["objects"].items():
         from shardpoint_core.format.keys import decode_component
+
         got = back
         for c in key.split("/"):
             got = got[decode_component(c)]
@@ -89,6 +96,7 @@ def test_valid_vector_reads_bit_for_bit(case):
 
 def _target_of(key, index, count):
     from shardpoint_core.format.keys import decode_component
+
     node = root = {}
     parts = [decode_component(c) for c in key.split("/")]
     for c in parts[:-1]:
@@ -120,8 +128,10 @@ def test_invalid_vector_is_refused_with_its_id(case):
 def test_this_writer_computes_the_array_paths_the_portable_paths_vector_holds():
     import msgpack
     from shardpoint_core.format.manifest import array_path_for as array_path
-    raw = open(os.path.join(ROOT, "valid", "portable_paths", "checkpoint", "manifest.msgpack"),
-               "rb").read()
+
+    raw = open(
+        os.path.join(ROOT, "valid", "portable_paths", "checkpoint", "manifest.msgpack"), "rb"
+    ).read()
     body = msgpack.unpackb(msgpack.unpackb(raw)["body"], strict_map_key=False)
     paths = {k: e["array"] for k, e in body["tensors"].items()}
     assert len(paths) == 11 and all(array_path(k) == a for k, a in paths.items())
@@ -130,9 +140,12 @@ def test_this_writer_computes_the_array_paths_the_portable_paths_vector_holds():
 
 def test_a_target_leaf_of_another_kind_fails_in_both_modes():
     ck = os.path.join(ROOT, "valid", "nested_tree", "checkpoint")
-    for strict in (True, False):                                    # [SP-LOAD-3]
-        for tgt in ({"rng": 0}, {"iteration": jax.ShapeDtypeStruct((1,), np.int32)},
-                    {"np": sj.ShardedObject(None, 0, 1)}):
+    for strict in (True, False):  # [SP-LOAD-3]
+        for tgt in (
+            {"rng": 0},
+            {"iteration": jax.ShapeDtypeStruct((1,), np.int32)},
+            {"np": sj.ShardedObject(None, 0, 1)},
+        ):
             with pytest.raises(sj.LayoutMismatchError) as e:
                 sj.load(ck, tgt, strict=strict)
             assert e.value.spec_id == "SP-LOAD-1"
@@ -141,7 +154,8 @@ def test_a_target_leaf_of_another_kind_fails_in_both_modes():
 
 def test_a_region_outside_the_tensor_is_a_caller_error_reported_as_hold_1():
     from shardpoint_jax.loading import Checkpoint
+
     ck = Checkpoint(os.path.join(ROOT, "valid", "multi_chunk", "checkpoint"))
     with pytest.raises(sj.InvalidRequestError) as e:
-        ck.read("small", [4, 0], [2, 3])                            # rows 4..5 of 5
+        ck.read("small", [4, 0], [2, 3])  # rows 4..5 of 5
     assert e.value.spec_id == "SP-HOLD-1" and isinstance(e.value, ValueError)

@@ -1,6 +1,7 @@
 """The planners as they were before planning moved to arrays (commit d1cbe93): greedy, one
 Python object per transfer. Kept as the model the array planners are checked against
 (tests/planning/test_plan_arrays.py); not used by the library."""
+
 from __future__ import annotations
 
 import math
@@ -42,6 +43,7 @@ def reference_plan_load(requests, layouts):
     world = len(requests)
     out = [OldLoadWork() for _ in range(world)]
     read_bytes = [0] * world
+
     def check(e0: tuple, e: tuple, _r0: int, _r: int) -> None:
         for key, dtype, shape in (e0, e):
             check_request(Holding(key, dtype, shape, (), (), None, (0,)), layouts[key])
@@ -52,8 +54,8 @@ def reference_plan_load(requests, layouts):
         check(e, e, 0, 0)
     regions = Regions(gathered, check_replicas=False)
     patterns: dict = {}
-    recvs: list = []        # every transfer, in plan order
-    recv_dst: list = []     # its destination
+    recvs: list = []  # every transfer, in plan order
+    recv_dst: list = []  # its destination
     for k in sorted(range(len(entries)), key=lambda i: entries[i][0]):
         key, dtype, shape = entries[k]
         lay = layouts[key]
@@ -63,10 +65,9 @@ def reference_plan_load(requests, layouts):
         chunks = patterns.get(pkey)
         if chunks is None:
             regs = [regions.region(gi)[1:] for gi in gis]
-            pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,)))
-                      for o, s, f in regs]
+            pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,))) for o, s, f in regs]
             chunks = patterns[pkey] = chunk_parts(shape, chunk, pieces)
-        need = [regions.holder_lists(gi) for gi in gis]    # (ranks ascending, requests)
+        need = [regions.holder_lists(gi) for gi in gis]  # (ranks ascending, requests)
         refs: dict = {}
         for _coff, _cshp, parts in chunks:
             if len(parts) == 1:
@@ -80,8 +81,7 @@ def reference_plan_load(requests, layouts):
                         want[r] = want.get(r, 0) + n
                 top = max(want.values())
                 cand = [r for r, v in want.items() if v == top]
-                reader = cand[0] if len(cand) == 1 else \
-                    min(cand, key=lambda r: (read_bytes[r], r))
+                reader = cand[0] if len(cand) == 1 else min(cand, key=lambda r: (read_bytes[r], r))
                 nd = len(shape)
                 lo = tuple(min(p[2][d] for p in parts) for d in range(nd))
                 rshape = tuple(max(p[2][d] + p[3][d] for p in parts) - lo[d] for d in range(nd))
@@ -104,8 +104,20 @@ def reference_plan_load(requests, layouts):
                 # (request, piece) refs repeat across ranks of one layout: share them, so a
                 # million transfers do not bring a million more objects for the GC to scan.
                 drefs = map(refs.setdefault, zip(ql, repeat(pi)), zip(ql, repeat(pi)))
-                ts = list(map(Transfer._make, zip(repeat(reader), rl, repeat(key), repeat(bo),
-                                             repeat(bs), repeat(src_ref), drefs)))
+                ts = list(
+                    map(
+                        Transfer._make,
+                        zip(
+                            repeat(reader),
+                            rl,
+                            repeat(key),
+                            repeat(bo),
+                            repeat(bs),
+                            repeat(src_ref),
+                            drefs,
+                        ),
+                    )
+                )
                 work.sends.extend(ts)
                 recvs.extend(ts)
                 recv_dst.extend(rl)
@@ -116,13 +128,12 @@ def reference_plan_load(requests, layouts):
     counts = np.bincount(np.array(recv_dst, np.int64), minlength=world).tolist()
     pos = 0
     for w, c in zip(out, counts):
-        w.recvs = ordered[pos:pos + c]
+        w.recvs = ordered[pos : pos + c]
         pos += c
     return out
 
 
-def _plan_pattern(key, dtype, shape, itemsize, regions,
-                  holder_ranks, opts):
+def _plan_pattern(key, dtype, shape, itemsize, regions, holder_ranks, opts):
     """Coverage check ([SP-COVER-1..3]) and chunk grid ([SP-GRID-1]) of one tensor."""
     pieces = [holding_pieces(Holding(key, dtype, shape, o, s, f, (0,))) for o, s, f in regions]
     boxes, owner = [], []
@@ -136,8 +147,10 @@ def _plan_pattern(key, dtype, shape, itemsize, regions,
     chunk = plan_chunk_grid(shape, itemsize, grid_regions, blocks, opts)
     chunks = []
     if math.prod(shape):
-        chunks = [(coff, cshp, math.prod(cshp) * itemsize, parts)
-                  for coff, cshp, parts in chunk_parts(shape, chunk, pieces)]
+        chunks = [
+            (coff, cshp, math.prod(cshp) * itemsize, parts)
+            for coff, cshp, parts in chunk_parts(shape, chunk, pieces)
+        ]
     return chunk, chunks
 
 
@@ -145,12 +158,13 @@ def reference_plan_save(local_plans, opts=PlanOptions()):
     local_plans = sorted(local_plans, key=lambda lp: lp.rank)
     world = len(local_plans)
 
-    gathered = Gathered([lp.rank for lp in local_plans],
-                        [as_columns(lp.holdings) for lp in local_plans])
+    gathered = Gathered(
+        [lp.rank for lp in local_plans], [as_columns(lp.holdings) for lp in local_plans]
+    )
     regions = Regions(gathered)
 
     ranks = [OldSaveWork() for _ in range(world)]
-    assigned = [0] * world    # bytes each rank writes
+    assigned = [0] * world  # bytes each rank writes
     sent = [0] * world
     tensors: dict = {}
     transfers: list = []
@@ -168,14 +182,20 @@ def reference_plan_save(local_plans, opts=PlanOptions()):
         if pat is None:
             regs = [regions.region(gi)[1:] for gi in gis]
             pat = patterns[pkey] = _plan_pattern(
-                key, dtype, shape, itemsize, regs,
-                lambda ri, gis=gis: regions.holders(gis[ri])[0].tolist(), opts)
+                key,
+                dtype,
+                shape,
+                itemsize,
+                regs,
+                lambda ri, gis=gis: regions.holders(gis[ri])[0].tolist(),
+                opts,
+            )
         tensors[key] = TensorLayout(key, shape, dtype, pat[0])
         unique_bytes += math.prod(shape) * itemsize
         if not math.prod(shape):
             ranks[gathered.first_rank[k]].create.append(key)
             continue
-        hold = [regions.holder_lists(gi) for gi in gis]   # (ranks ascending, hidx)
+        hold = [regions.holder_lists(gi) for gi in gis]  # (ranks ascending, hidx)
         for coff, cshp, cbytes, parts in pat[1]:
             if len(parts) == 1:
                 # One region covers the chunk: its holders tie; the least loaded one writes
@@ -189,8 +209,10 @@ def reference_plan_save(local_plans, opts=PlanOptions()):
                     j = bisect_left(hl, writer)
                 assigned[writer] += cbytes
                 ranks[writer].writes.append(
-                    ChunkWrite(key, coff, cshp, (hh[j], pi)) if bs == cshp else
-                    ChunkWrite(key, coff, cshp, None, [(hh[j], pi, bo, bs)]))
+                    ChunkWrite(key, coff, cshp, (hh[j], pi))
+                    if bs == cshp
+                    else ChunkWrite(key, coff, cshp, None, [(hh[j], pi, bo, bs)])
+                )
                 continue
             held: dict = {}
             for ri, _pi, _bo, _bs, n in parts:
@@ -219,18 +241,22 @@ def reference_plan_save(local_plans, opts=PlanOptions()):
     for t in transfers:
         ranks[t.src].sends.append(t)
         ranks[t.dst].recvs.append(t)
-    stats = {"world_size": world, "tensors": len(tensors), "unique_bytes": unique_bytes,
-             "exchange_bytes": moved_bytes, "bytes_per_rank_max": max(assigned, default=0),
-             "chunks": sum(len(w.writes) for w in ranks)}
+    stats = {
+        "world_size": world,
+        "tensors": len(tensors),
+        "unique_bytes": unique_bytes,
+        "exchange_bytes": moved_bytes,
+        "bytes_per_rank_max": max(assigned, default=0),
+        "chunks": sum(len(w.writes) for w in ranks),
+    }
     return tensors, ranks, stats
-
-
 
 
 def reference_direct_host_bytes(requests, layouts, hosts):
     """host -> bytes under the direct strategy, one holding at a time (the old cost model)."""
     from collections import defaultdict
     from shardpoint.planning.grid import pieces_by_chunk
+
     per_host: dict = defaultdict(dict)
     for r, reqs in enumerate(requests):
         hb = per_host[hosts[r]]
@@ -243,8 +269,7 @@ def reference_direct_host_bytes(requests, layouts, hosts):
                     n = itemsize
                 else:
                     rows = sum(bs[0] for _, _, (_bo, bs) in parts)
-                    cfull = [min(c, n - i * c) for c, n, i in
-                             zip(lay.chunk_shape, lay.shape, cidx)]
+                    cfull = [min(c, n - i * c) for c, n, i in zip(lay.chunk_shape, lay.shape, cidx)]
                     n = min(rows, cfull[0]) * math.prod(cfull[1:]) * itemsize
                 hb[(h.key, cidx)] = max(hb.get((h.key, cidx), 0), n)
     return {k: sum(v.values()) for k, v in per_host.items()}

@@ -3,6 +3,7 @@ planners they replaced (tests/planning/planner_reference.py): on random jobs the
 deliver and move exactly the same things; only which replica does the work may differ.
 Pure: no processes, no storage (the real multi-rank loads through the tables run in
 test_distributed.py and test_load_strategy.py)."""
+
 from __future__ import annotations
 
 import math
@@ -18,12 +19,10 @@ from shardpoint.planning.load_planner import encode_works, plan_load, plan_load_
 from shardpoint.tree.model import Holding
 from shardpoint.planning.planner import PlanOptions, RankLoadWork, TensorLayout, plan_save
 from shardpoint.planning.plans import RankSaveWork, Transfer
-from shardpoint.planning.save_global import (encode_save_global, layouts_of,
-                                             save_work_from_global)
+from shardpoint.planning.save_global import encode_save_global, layouts_of, save_work_from_global
 
-from .planner_reference import (reference_direct_host_bytes, reference_plan_load,
-                               reference_plan_save)
-from .test_planner import (SET, check_exchange_symmetry, jobs, local_plans, requests_for)
+from .planner_reference import reference_direct_host_bytes, reference_plan_load, reference_plan_save
+from .test_planner import SET, check_exchange_symmetry, jobs, local_plans, requests_for
 
 
 def deliveries(works) -> Counter:
@@ -49,16 +48,21 @@ def read_regions(works) -> Counter:
 def test_load_tables_deliver_what_the_object_planner_delivered(job, load_world):
     world, tensors, rng = job
     plans, _ = local_plans(world, tensors, rng)
-    plan = plan_save(plans, PlanOptions(chunk_overhead_bytes=rng.choice([0, 64]),
-                                        max_chunk_bytes=rng.choice([32, 256 << 20])))
+    plan = plan_save(
+        plans,
+        PlanOptions(
+            chunk_overhead_bytes=rng.choice([0, 64]), max_chunk_bytes=rng.choice([32, 256 << 20])
+        ),
+    )
     reqs = requests_for(tensors, load_world, rng)
     new = plan_load(reqs, plan.tensors)
     old = reference_plan_load(reqs, plan.tensors)
     assert len(new) == len(old) == load_world
     check_exchange_symmetry(new)
-    assert read_regions(new) == read_regions(old)          # the same reads, each once
-    assert deliveries(new) == deliveries(old)              # the same bytes to the same places
+    assert read_regions(new) == read_regions(old)  # the same reads, each once
+    assert deliveries(new) == deliveries(old)  # the same bytes to the same places
     assert sum(len(w.reads) for w in new) == sum(len(w.reads) for w in old)
+
     # the cost model's figures, computed on the tables, match the objects (how much is
     # received depends on who reads: a reader's own repeated requests are local copies)
     def recv_bytes(works):
@@ -67,9 +71,11 @@ def test_load_tables_deliver_what_the_object_planner_delivered(job, load_world):
             for t in w.recvs:
                 recv[t.dst] += math.prod(t.box_shape) * _itemsize(plan.tensors[t.key].dtype)
         return recv
+
     assert new.recv_bytes == recv_bytes(new)
-    assert new.read_bytes == sum(math.prod(op.shape) * _itemsize(plan.tensors[op.key].dtype)
-                                 for w in old for op in w.reads)
+    assert new.read_bytes == sum(
+        math.prod(op.shape) * _itemsize(plan.tensors[op.key].dtype) for w in old for op in w.reads
+    )
     # the direct strategy's per-host bytes, from the tables, as the per-holding loop had them
     hosts = [f"h{rng.randrange(3)}" for _ in range(load_world)]
     got = new.direct_host_bytes(hosts)
@@ -80,7 +86,8 @@ def test_load_tables_deliver_what_the_object_planner_delivered(job, load_world):
     per = rng.randint(1, 4)
     hosts = [f"h{r // per}" for r in range(load_world)]
     assert new.direct_host_bytes(hosts) == {
-        h: b for h, b in reference_direct_host_bytes(reqs, plan.tensors, hosts).items()}
+        h: b for h, b in reference_direct_host_bytes(reqs, plan.tensors, hosts).items()
+    }
     want = reference_direct_host_bytes(reqs, plan.tensors, [str(r) for r in range(load_world)])
     assert new.direct_rank_bytes() == [want.get(str(r), 0) for r in range(load_world)]
     # every rank's message, encoded in one pass, decodes to the rank's own tables
@@ -94,29 +101,37 @@ def test_load_tables_deliver_what_the_object_planner_delivered(job, load_world):
         assert (again.reads, again.sends, again.recvs) == (w.reads, w.sends, w.recvs)
 
 
-
 def _tables(w: RankLoadWork) -> list:
-    return [w.read_rows.tolist(), w.local_rows.tolist(), w.send_rows.tolist(),
-            w.recv_rows.tolist()]
+    return [w.read_rows.tolist(), w.local_rows.tolist(), w.send_rows.tolist(), w.recv_rows.tolist()]
 
 
 @settings(max_examples=80, **SET)
 @given(jobs(max_world=16), st.integers(1, 40), st.booleans())
-def test_each_rank_cuts_from_the_global_plan_exactly_its_per_rank_message(job, load_world,
-                                                                        resharded):
+def test_each_rank_cuts_from_the_global_plan_exactly_its_per_rank_message(
+    job, load_world, resharded
+):
     """The dedup plan broadcast whole (encode_global), each rank cutting its own work
     (work_from_global), gives every rank the very tables of the per-rank message the
     coordinator used to send: replicas (same-layout load), flattened ranges, uneven shards,
     and random resharded requests."""
     world, tensors, rng = job
     plans, _ = local_plans(world, tensors, rng)
-    plan = plan_save(plans, PlanOptions(chunk_overhead_bytes=rng.choice([0, 64]),
-                                        max_chunk_bytes=rng.choice([32, 256 << 20])))
+    plan = plan_save(
+        plans,
+        PlanOptions(
+            chunk_overhead_bytes=rng.choice([0, 64]), max_chunk_bytes=rng.choice([32, 256 << 20])
+        ),
+    )
     if resharded:
         reqs = requests_for(tensors, load_world, rng)
-    else:       # every rank asks for what it saved: data-parallel replicas read once
-        reqs = [[Holding(h.key, h.dtype, h.global_shape, h.offset, h.shape, h.flat, (0,))
-                 for h in lp.holdings] for lp in plans]
+    else:  # every rank asks for what it saved: data-parallel replicas read once
+        reqs = [
+            [
+                Holding(h.key, h.dtype, h.global_shape, h.offset, h.shape, h.flat, (0,))
+                for h in lp.holdings
+            ]
+            for lp in plans
+        ]
     works = plan_load(reqs, plan.tensors)
     g = encode_global(works, plan.tensors)
     for r, b in enumerate(encode_works(works, plan.tensors)):
@@ -126,8 +141,10 @@ def test_each_rank_cuts_from_the_global_plan_exactly_its_per_rank_message(job, l
         assert _tables(got) == _tables(want)
         assert (got.reads, got.sends, got.recvs) == (want.reads, want.sends, want.recvs)
 
+
 def _itemsize(name: str) -> int:
     from shardpoint.tree import dtypes
+
     return dtypes.from_name(name).itemsize
 
 
@@ -136,8 +153,10 @@ def _itemsize(name: str) -> int:
 def test_save_writers_elected_on_arrays_write_and_move_what_the_greedy_planner_did(job):
     world, tensors, rng = job
     plans, _ = local_plans(world, tensors, rng)
-    opts = PlanOptions(chunk_overhead_bytes=rng.choice([0, 16, 256 << 10]),
-                       max_chunk_bytes=rng.choice([32, 256 << 20]))
+    opts = PlanOptions(
+        chunk_overhead_bytes=rng.choice([0, 16, 256 << 10]),
+        max_chunk_bytes=rng.choice([32, 256 << 20]),
+    )
     new = plan_save(plans, opts)
     old_tensors, old_ranks, old_stats = reference_plan_save(plans, opts)
     assert new.tensors == old_tensors
@@ -145,13 +164,17 @@ def test_save_writers_elected_on_arrays_write_and_move_what_the_greedy_planner_d
         assert new.stats[k] == old_stats[k], k
     chunks = Counter((c.key, c.offset, c.shape) for w in new.ranks for c in w.writes)
     assert chunks == Counter((c.key, c.offset, c.shape) for w in old_ranks for c in w.writes)
-    assert sorted(k for w in new.ranks for k in w.create) == \
-        sorted(k for w in old_ranks for k in w.create)
+    assert sorted(k for w in new.ranks for k in w.create) == sorted(
+        k for w in old_ranks for k in w.create
+    )
     # a writer always holds the most of its chunk: what it lacks is what moves. The bytes
     # moved match the greedy planner's; how many pieces carry them may differ (another
     # holder of the same chunk can hold its part in fewer flattened pieces).
-    moved = sum(math.prod(t.box_shape) * _itemsize(new.tensors[t.key].dtype)
-                for w in new.ranks for t in w.sends)
+    moved = sum(
+        math.prod(t.box_shape) * _itemsize(new.tensors[t.key].dtype)
+        for w in new.ranks
+        for t in w.sends
+    )
     assert moved == new.stats["exchange_bytes"]
     check_exchange_symmetry(new.ranks)
 
@@ -162,6 +185,7 @@ def test_replicated_chunks_are_dealt_evenly_and_busy_ranks_last():
     H = Holding
     plans = []
     from shardpoint.planning.planner import LocalPlan
+
     for r in range(8):
         hs = [H("w", "float32", (16, 4), (0, 0), (16, 4), None, (r,))]
         if r == 3:
@@ -175,11 +199,11 @@ def test_replicated_chunks_are_dealt_evenly_and_busy_ranks_last():
 
 def test_direct_load_work_is_tables_too():
     lay = {"w": TensorLayout("w", (8, 4), "float32", (2, 4))}
-    works = plan_load_direct([[Holding("w", "float32", (8, 4), (0, 1), (8, 2), None, (0,))]],
-                             lay)
+    works = plan_load_direct([[Holding("w", "float32", (8, 4), (0, 1), (8, 2), None, (0,))]], lay)
     w = RankLoadWork.from_bytes(encode_works(works, lay)[0], lay)
-    assert [(op.offset, op.shape, op.direct) for op in w.reads] == \
-        [((i, 1), (2, 2), (0, 0)) for i in range(0, 8, 2)]
+    assert [(op.offset, op.shape, op.direct) for op in w.reads] == [
+        ((i, 1), (2, 2), (0, 0)) for i in range(0, 8, 2)
+    ]
     assert w.sends == w.recvs == []
 
 
@@ -217,17 +241,26 @@ def test_each_rank_cuts_from_the_global_save_plan_exactly_its_per_rank_reply(job
     world, tensors, rng = job
     plans, _ = local_plans(world, tensors, rng)
     # chunks bigger than a piece (a large overhead) give local copies and transfers
-    plan = plan_save(plans, PlanOptions(chunk_overhead_bytes=rng.choice([0, 64, 1 << 20]),
-                                        max_chunk_bytes=rng.choice([32, 256 << 20])))
-    _SEEN.update(k for k, n in (("send", sum(len(w.sends) for w in plan.ranks)),
-                                ("local", sum(len(c.local) for w in plan.ranks
-                                              for c in w.writes)),
-                                ("direct", sum(c.direct is not None for w in plan.ranks
-                                               for c in w.writes))) if n)
+    plan = plan_save(
+        plans,
+        PlanOptions(
+            chunk_overhead_bytes=rng.choice([0, 64, 1 << 20]),
+            max_chunk_bytes=rng.choice([32, 256 << 20]),
+        ),
+    )
+    _SEEN.update(
+        k
+        for k, n in (
+            ("send", sum(len(w.sends) for w in plan.ranks)),
+            ("local", sum(len(c.local) for w in plan.ranks for c in w.writes)),
+            ("direct", sum(c.direct is not None for w in plan.ranks for c in w.writes)),
+        )
+        if n
+    )
     lay = layouts_of(plan.tensors)
     g = encode_save_global(plan.columns, lay, plan.stats, "stage/x")
     for r, want in enumerate(plan.ranks):
-        want = RankSaveWork.from_bytes(want.to_bytes())    # as the per-rank reply arrived
+        want = RankSaveWork.from_bytes(want.to_bytes())  # as the per-rank reply arrived
         staging, layouts, stats, got = save_work_from_global(g, r)
         assert (staging, stats) == ("stage/x", plan.stats)
         assert layouts == lay
@@ -235,10 +268,14 @@ def test_each_rank_cuts_from_the_global_save_plan_exactly_its_per_rank_reply(job
         assert got.sends == want.sends and got.recvs == want.recvs
         assert got.create == want.create
         # and the objects the coordinator built, before their wire round trip
-        assert (got.sends, got.recvs, got.create) == \
-            (plan.ranks[r].sends, plan.ranks[r].recvs, plan.ranks[r].create)
-        assert [(c.key, c.offset, c.shape, c.direct, list(c.local)) for c in got.writes] == \
-            [(c.key, c.offset, c.shape, c.direct, list(c.local)) for c in plan.ranks[r].writes]
+        assert (got.sends, got.recvs, got.create) == (
+            plan.ranks[r].sends,
+            plan.ranks[r].recvs,
+            plan.ranks[r].create,
+        )
+        assert [(c.key, c.offset, c.shape, c.direct, list(c.local)) for c in got.writes] == [
+            (c.key, c.offset, c.shape, c.direct, list(c.local)) for c in plan.ranks[r].writes
+        ]
 
 
 def test_the_save_cut_property_saw_transfers_local_copies_and_direct_writes():
@@ -261,8 +298,10 @@ def _group_max_packed(key, val):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 1000)), min_size=1,
-                max_size=60), st.booleans())
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 1000)), min_size=1, max_size=60),
+    st.booleans(),
+)
 def test_group_max_by_stable_sort_equals_the_packed_sort_and_a_dict(pairs, presorted):
     """The per-key maxima of the direct-read pairs: distinct keys ascending and each key's
     largest value, with repeated keys and without, sorted input and not."""

@@ -6,6 +6,7 @@ blocks, replicas, several pieces per rank) and their copies and transfers are ex
 numpy arrays whose elements are unique ids, so "bitwise equal" means every element landed in
 the right place exactly once.
 """
+
 import math
 import random
 
@@ -76,8 +77,10 @@ def make_layout(shape, world, kind, mode, rng):
         return out
     # "flat_whole": ZeRO-style flat ranges of the whole tensor
     n = math.prod(shape)
-    return [(i % world, (0,) * nd, shape, ab, (0,))
-            for i, ab in enumerate(cuts(n, rng.randint(1, world), mode, rng))]
+    return [
+        (i % world, (0,) * nd, shape, ab, (0,))
+        for i, ab in enumerate(cuts(n, rng.randint(1, world), mode, rng))
+    ]
 
 
 @st.composite
@@ -88,8 +91,9 @@ def jobs(draw, max_world=64):
     for t in range(draw(st.integers(1, 3))):
         nd = draw(st.integers(0, 4))
         shape = tuple(draw(st.integers(0, 9 if nd < 3 else 4)) for _ in range(nd))
-        kind = draw(st.sampled_from(["replicated", "split", "grid", "flat_blocks", "multi",
-                                     "flat_whole"]))
+        kind = draw(
+            st.sampled_from(["replicated", "split", "grid", "flat_blocks", "multi", "flat_whole"])
+        )
         mode = draw(st.sampled_from(["even", "uneven", "ceil"]))
         dtype = draw(st.sampled_from(sorted(DTYPES)))
         lay = make_layout(shape, world, kind, mode, rng)
@@ -116,19 +120,23 @@ def ids(shape, key):
 
 def data_for(full, off, shp, flat):
     blk = full[tuple(slice(o, o + s) for o, s in zip(off, shp))]
-    return blk.reshape(-1)[flat[0]:flat[1]].copy() if flat else blk.copy()
+    return blk.reshape(-1)[flat[0] : flat[1]].copy() if flat else blk.copy()
 
 
 def local_plans(world, tensors, rng):
     per_rank = [[] for _ in range(world)]
     for key, (shape, dtype, lay) in tensors.items():
         for r, off, shp, flat, rep in lay:
-            per_rank[r].append((Holding(key, dtype, shape, off, shp, flat, rep),
-                                data_for(ids(shape, key), off, shp, flat)))
+            per_rank[r].append(
+                (
+                    Holding(key, dtype, shape, off, shp, flat, rep),
+                    data_for(ids(shape, key), off, shp, flat),
+                )
+            )
     plans, datas = [], []
     for r in range(world):
         items = per_rank[r]
-        rng.shuffle(items)                       # key order may differ between ranks
+        rng.shuffle(items)  # key order may differ between ranks
         keys = list(dict.fromkeys(h.key for h, _ in items))
         tree = {"dict": [[k, {"tensor": k}] for k in keys]}
         plans.append(LocalPlan(r, tree, [h for h, _ in items], []))
@@ -142,7 +150,7 @@ def sl(base, off, shp):
 
 def piece(holding, data, pidx):
     p = holding_pieces(holding)[pidx]
-    v = data if p.start is None else data[p.start:p.start + math.prod(p.shape)].reshape(p.shape)
+    v = data if p.start is None else data[p.start : p.start + math.prod(p.shape)].reshape(p.shape)
     return v, p.offset
 
 
@@ -156,8 +164,9 @@ def execute_save(plans, datas, plan):
         for widx, cw in enumerate(w.writes):
             lay = plan.tensors[cw.key]
             assert all(o % c == 0 for o, c in zip(cw.offset, lay.chunk_shape)), (cw, lay)
-            assert cw.shape == tuple(min(c, n - o) for c, n, o in
-                                     zip(lay.chunk_shape, lay.shape, cw.offset)), (cw, lay)
+            assert cw.shape == tuple(
+                min(c, n - o) for c, n, o in zip(lay.chunk_shape, lay.shape, cw.offset)
+            ), (cw, lay)
             buf = np.full(cw.shape, -1, np.int64)
             fill = np.zeros(cw.shape, np.int64)
             if cw.direct is not None:
@@ -178,7 +187,9 @@ def execute_save(plans, datas, plan):
                 h = plans[t.src].holdings[t.src_ref[0]]
                 assert h.key == t.key
                 v, off = piece(h, datas[t.src][t.src_ref[0]], t.src_ref[1])
-                buf[sl(cw.offset, t.box_offset, t.box_shape)] = v[sl(off, t.box_offset, t.box_shape)]
+                buf[sl(cw.offset, t.box_offset, t.box_shape)] = v[
+                    sl(off, t.box_offset, t.box_shape)
+                ]
                 fill[sl(cw.offset, t.box_offset, t.box_shape)] += 1
             assert (fill == 1).all(), ("chunk buffer filled unevenly", cw, fill)
             s = sl((0,) * len(cw.offset), cw.offset, cw.shape)
@@ -219,7 +230,7 @@ def save_and_check(world, tensors, rng, opts=PlanOptions()):
             moved += math.prod(t.box_shape) * DTYPES[plan.tensors[t.key].dtype].itemsize
     assert plan.stats["exchange_bytes"] == moved
     chunks = [(cw.key, cw.offset) for w in plan.ranks for cw in w.writes]
-    assert len(chunks) == len(set(chunks)) == plan.stats["chunks"]   # one writer per chunk
+    assert len(chunks) == len(set(chunks)) == plan.stats["chunks"]  # one writer per chunk
     return plan, store
 
 
@@ -227,8 +238,10 @@ def save_and_check(world, tensors, rng, opts=PlanOptions()):
 @given(jobs())
 def test_plan_save_writes_every_element_once_with_one_writer_per_chunk(job):
     world, tensors, rng = job
-    opts = PlanOptions(chunk_overhead_bytes=rng.choice([0, 16, 256 << 10]),
-                       max_chunk_bytes=rng.choice([64, 4096, 256 << 20]))
+    opts = PlanOptions(
+        chunk_overhead_bytes=rng.choice([0, 16, 256 << 10]),
+        max_chunk_bytes=rng.choice([64, 4096, 256 << 20]),
+    )
     save_and_check(world, tensors, rng, opts)
 
 
@@ -239,8 +252,9 @@ def grid_jobs(draw):
     nd = draw(st.integers(1, 3))
     parts = [draw(st.integers(1, 4)) for _ in range(nd)]
     mode = draw(st.sampled_from(["even", "ceil"]))
-    shape = tuple((p * draw(st.integers(1, 3))) if mode == "even" else draw(st.integers(1, 9))
-                  for p in parts)
+    shape = tuple(
+        (p * draw(st.integers(1, 3))) if mode == "even" else draw(st.integers(1, 9)) for p in parts
+    )
     rng = random.Random(draw(st.integers(0, 2**32)))
     axes = [cuts(n, p, mode, rng) for n, p in zip(shape, parts)]
     reps = draw(st.integers(1, 3))
@@ -279,9 +293,15 @@ def test_realistic_sizes_with_default_options_move_nothing(world, split):
     else:
         for r, (a, b) in enumerate(cuts(shape[0], world, split, random.Random(0))):
             lay.append((r, (a, 0), (b - a, shape[1]), None, (0,)))
-    plans = [LocalPlan(r, {"dict": [["w", {"tensor": "w"}]]},
-                       [Holding("w", "float32", shape, o, s, f, rep)
-                        for rr, o, s, f, rep in lay if rr == r], []) for r in range(world)]
+    plans = [
+        LocalPlan(
+            r,
+            {"dict": [["w", {"tensor": "w"}]]},
+            [Holding("w", "float32", shape, o, s, f, rep) for rr, o, s, f, rep in lay if rr == r],
+            [],
+        )
+        for r in range(world)
+    ]
     plan = plan_save(plans)
     assert plan.stats["exchange_bytes"] == 0
     assert plan.tensors["w"].chunk_shape == lay[0][2]
@@ -292,18 +312,30 @@ def test_uneven_and_flattened_layouts_get_one_grid_independent_of_the_saving_wor
     does not sit on its writer."""
     shape = (4001 * 2, 64)
     lay = [(0, (0, 0), (4001, 64), None, (0,)), (1, (4001, 0), (4001, 64), None, (0,))]
-    plans = [LocalPlan(r, {"dict": [["w", {"tensor": "w"}]]},
-                       [Holding("w", "bfloat16", shape, o, s, f, rep)], [])
-             for r, o, s, f, rep in lay]
+    plans = [
+        LocalPlan(
+            r,
+            {"dict": [["w", {"tensor": "w"}]]},
+            [Holding("w", "bfloat16", shape, o, s, f, rep)],
+            [],
+        )
+        for r, o, s, f, rep in lay
+    ]
     plan = plan_save(plans)
     assert plan.stats["exchange_bytes"] == 0 and plan.tensors["w"].chunk_shape == (4001, 64)
     n = math.prod(shape)
-    flat = [LocalPlan(r, {"dict": [["w", {"tensor": "w"}]]},
-                      [Holding("w", "float32", shape, (0, 0), shape, (r * n // 3, (r + 1) * n // 3),
-                               (0,))], []) for r in range(3)]
+    flat = [
+        LocalPlan(
+            r,
+            {"dict": [["w", {"tensor": "w"}]]},
+            [Holding("w", "float32", shape, (0, 0), shape, (r * n // 3, (r + 1) * n // 3), (0,))],
+            [],
+        )
+        for r in range(3)
+    ]
     plan = plan_save(flat)
     moved = plan.stats["exchange_bytes"]
-    assert 0 < moved < n * 4 // 3     # some data moves to reach a regular grid, not most of it
+    assert 0 < moved < n * 4 // 3  # some data moves to reach a regular grid, not most of it
 
 
 # ------------------------------------------------------------------------------ invalid layouts
@@ -323,12 +355,20 @@ def H(off, shp, flat=None, rep=0, key="w", shape=(8, 4), dtype="float32"):
     return Holding(key, dtype, shape, off, shp, flat, (rep,))
 
 
-@pytest.mark.parametrize("case,sid", [
-    ("overlap", "SP-COVER-3"), ("gap", "SP-COVER-2"), ("dup_replica", "SP-REPL-2"),
-    ("shape", "SP-COVER-4"), ("dtype", "SP-COVER-4"), ("flat_overlap", "SP-COVER-3"),
-    ("flat_gap", "SP-COVER-2"), ("replica_partial_overlap", "SP-COVER-3"),
-    ("zero_d_two_regions", None),
-])
+@pytest.mark.parametrize(
+    "case,sid",
+    [
+        ("overlap", "SP-COVER-3"),
+        ("gap", "SP-COVER-2"),
+        ("dup_replica", "SP-REPL-2"),
+        ("shape", "SP-COVER-4"),
+        ("dtype", "SP-COVER-4"),
+        ("flat_overlap", "SP-COVER-3"),
+        ("flat_gap", "SP-COVER-2"),
+        ("replica_partial_overlap", "SP-COVER-3"),
+        ("zero_d_two_regions", None),
+    ],
+)
 def test_invalid_tensor_layouts_raise_naming_the_key(case, sid):
     per_rank = {
         "overlap": ([H((0, 0), (5, 4))], [H((4, 0), (4, 4))]),
@@ -338,10 +378,11 @@ def test_invalid_tensor_layouts_raise_naming_the_key(case, sid):
         "dtype": ([H((0, 0), (4, 4))], [H((4, 0), (4, 4), dtype="bfloat16")]),
         "flat_overlap": ([H((0, 0), (8, 4), (0, 20))], [H((0, 0), (8, 4), (19, 32))]),
         "flat_gap": ([H((0, 0), (8, 4), (0, 20))], [H((0, 0), (8, 4), (21, 32))]),
-        "replica_partial_overlap": ([H((0, 0), (8, 4))], [H((0, 0), (4, 4), rep=1),
-                                                          H((4, 0), (4, 4), rep=1)]),
-        "zero_d_two_regions": ([H((), (), None, 0, shape=())],
-                               [H((), (), (0, 1), 0, shape=())]),
+        "replica_partial_overlap": (
+            [H((0, 0), (8, 4))],
+            [H((0, 0), (4, 4), rep=1), H((4, 0), (4, 4), rep=1)],
+        ),
+        "zero_d_two_regions": ([H((), (), None, 0, shape=())], [H((), (), (0, 1), 0, shape=())]),
     }[case]
     with pytest.raises(InvalidShardingError) as e:
         plan_save(plans_of(*per_rank))
@@ -358,23 +399,35 @@ def test_megatron_replica_ids_main_zero_others_share_one():
     shape = (16, 4)
     per_rank = [[H((0, 0), (16, 4), rep=0 if r == 0 else 1, shape=shape)] for r in range(4)]
     plans = plans_of(*per_rank)
-    opts = PlanOptions(chunk_overhead_bytes=0, max_chunk_bytes=64)   # 4 chunks of 4 rows
+    opts = PlanOptions(chunk_overhead_bytes=0, max_chunk_bytes=64)  # 4 chunks of 4 rows
     plan = plan_save(plans, opts)
     writers = [r for r, w in enumerate(plan.ranks) for _ in w.writes]
-    assert sorted(writers) == [0, 1, 2, 3]          # one chunk each: balanced
+    assert sorted(writers) == [0, 1, 2, 3]  # one chunk each: balanced
     assert [len(w.writes) for w in plan_save(plans, opts).ranks] == [1, 1, 1, 1]
-    assert [(cw.offset, r) for r, w in enumerate(plan.ranks) for cw in w.writes] == \
-        [(cw.offset, r) for r, w in enumerate(plan_save(plans, opts).ranks) for cw in w.writes]
+    assert [(cw.offset, r) for r, w in enumerate(plan.ranks) for cw in w.writes] == [
+        (cw.offset, r) for r, w in enumerate(plan_save(plans, opts).ranks) for cw in w.writes
+    ]
     # the same with no main replica at all, and with two ranks sharing a non-zero tuple id
     for ids in ([3, 3, 3, 3], [(0, 0), (0, 1), (0, 1), (2, 5)]):
-        per_rank = [[Holding("w", "float32", shape, (0, 0), shape, None,
-                             i if isinstance(i, tuple) else (i,))] for i in ids]
+        per_rank = [
+            [
+                Holding(
+                    "w", "float32", shape, (0, 0), shape, None, i if isinstance(i, tuple) else (i,)
+                )
+            ]
+            for i in ids
+        ]
         assert plan_save(plans_of(*per_rank), opts).stats["chunks"] == 4
 
 
 def test_two_main_replicas_name_key_ranks_region_and_fix():
-    per_rank = ([H((0, 0), (4, 4))], [H((4, 0), (4, 4), rep=1)], [H((4, 0), (4, 4), rep=1)],
-                [H((4, 0), (4, 4))], [H((4, 0), (4, 4), flat=None)])
+    per_rank = (
+        [H((0, 0), (4, 4))],
+        [H((4, 0), (4, 4), rep=1)],
+        [H((4, 0), (4, 4), rep=1)],
+        [H((4, 0), (4, 4))],
+        [H((4, 0), (4, 4), flat=None)],
+    )
     with pytest.raises(InvalidShardingError) as e:
         plan_save(plans_of(*per_rank))
     msg = str(e.value)
@@ -386,15 +439,22 @@ def test_two_main_replicas_name_key_ranks_region_and_fix():
 def test_empty_pieces_anywhere_cover_nothing_and_never_shadow():
     # DTensor puts an empty shard at offset = dim, Megatron at the sum of earlier sizes;
     # an empty piece in the middle with the same offset as a real one must not hide it.
-    per_rank = ([H((0, 0), (4, 4))], [H((4, 0), (0, 4))], [H((4, 0), (4, 4))],
-                [H((8, 0), (0, 4))], [H((8, 0), (0, 4), rep=0)], [H((0, 0), (8, 4), (7, 7))])
+    per_rank = (
+        [H((0, 0), (4, 4))],
+        [H((4, 0), (0, 4))],
+        [H((4, 0), (4, 4))],
+        [H((8, 0), (0, 4))],
+        [H((8, 0), (0, 4), rep=0)],
+        [H((0, 0), (8, 4), (7, 7))],
+    )
     plan = plan_save(plans_of(*per_rank), PlanOptions(chunk_overhead_bytes=0))
     writes = sorted((cw.offset, cw.shape) for w in plan.ranks for cw in w.writes)
     assert writes == [((0, 0), (4, 4)), ((4, 0), (4, 4))]
 
 
-@pytest.mark.parametrize("case,sid", [("count", "SP-OBJ-2"), ("missing", "SP-OBJ-3"),
-                                      ("dup", "SP-REPL-2")])
+@pytest.mark.parametrize(
+    "case,sid", [("count", "SP-OBJ-2"), ("missing", "SP-OBJ-3"), ("dup", "SP-REPL-2")]
+)
 def test_invalid_sharded_objects(case, sid):
     objs = {
         "count": {0: [("rng", 0, 2, (0,), 1)], 1: [("rng", 1, 3, (0,), 2)]},
@@ -407,31 +467,55 @@ def test_invalid_sharded_objects(case, sid):
 
 
 def test_sharded_object_replicas_and_values():
-    objs = {0: [("rng", 0, 2, (0,), "a")], 1: [("rng", 1, 2, (0,), "b")],
-            2: [("rng", 0, 2, (1,), "a2")], 3: [("rng", 1, 2, (1,), "b2")]}
+    objs = {
+        0: [("rng", 0, 2, (0,), "a")],
+        1: [("rng", 1, 2, (0,), "b")],
+        2: [("rng", 0, 2, (1,), "a2")],
+        3: [("rng", 1, 2, (1,), "b2")],
+    }
     plan = plan_save(plans_of([], [], [], [], objects=objs))
     assert plan.objects == {"rng": ["a", "b"]}
     # Megatron: non-main holders share id 1; the main entry's value is stored
-    objs = {0: [("rng", 0, 1, (1,), "x")], 1: [("rng", 0, 1, (1,), "y")],
-            2: [("rng", 0, 1, (0,), "main")], 3: [("rng", 0, 1, (1,), "z")]}
+    objs = {
+        0: [("rng", 0, 1, (1,), "x")],
+        1: [("rng", 0, 1, (1,), "y")],
+        2: [("rng", 0, 1, (0,), "main")],
+        3: [("rng", 0, 1, (1,), "z")],
+    }
     assert plan_save(plans_of([], [], [], [], objects=objs)).objects == {"rng": ["main"]}
 
 
 def test_wire_forms_round_trip():
-    world, tensors, rng = 5, {"t0": ((7, 3), "bfloat16",
-                                     make_layout((7, 3), 5, "flat_blocks", "uneven",
-                                                 random.Random(1)))}, random.Random(2)
+    world, tensors, rng = (
+        5,
+        {
+            "t0": (
+                (7, 3),
+                "bfloat16",
+                make_layout((7, 3), 5, "flat_blocks", "uneven", random.Random(1)),
+            )
+        },
+        random.Random(2),
+    )
     plans, _ = local_plans(world, tensors, rng)
     for lp in plans:
         back = LocalPlan.from_bytes(lp.to_bytes())
         assert back.holdings == lp.holdings and back.decoded_tree() == lp.tree
     plan = plan_save(plans)
     from shardpoint.planning.planner import RankSaveWork, RankLoadWork
+
     for w in plan.ranks:
         b = RankSaveWork.from_bytes(w.to_bytes())
-        assert [(c.key, c.offset, c.shape, c.direct, c.local) for c in b.writes] == \
-            [(c.key, tuple(c.offset), tuple(c.shape), tuple(c.direct) if c.direct else None,
-              [tuple(x) for x in c.local]) for c in w.writes]
+        assert [(c.key, c.offset, c.shape, c.direct, c.local) for c in b.writes] == [
+            (
+                c.key,
+                tuple(c.offset),
+                tuple(c.shape),
+                tuple(c.direct) if c.direct else None,
+                [tuple(x) for x in c.local],
+            )
+            for c in w.writes
+        ]
         assert b.sends == w.sends and b.recvs == w.recvs
     reqs = [[Holding("t0", "bfloat16", (7, 3), (0, 0), (7, 3), None, (0,))]] * 2
     lay = {"t0": TensorLayout("t0", (7, 3), "bfloat16", (3, 3))}
@@ -446,12 +530,13 @@ def requests_for(tensors, world, rng):
     reqs = [[] for _ in range(world)]
     for key, (shape, dtype, _) in tensors.items():
         if rng.random() < 0.2:
-            continue                                  # a subset load: not every key asked
+            continue  # a subset load: not every key asked
         kind = rng.choice(["replicated", "split", "grid", "flat_blocks", "multi", "flat_whole"])
-        for r, off, shp, flat, _rep in make_layout(shape, world, kind,
-                                                   rng.choice(["even", "uneven", "ceil"]), rng):
+        for r, off, shp, flat, _rep in make_layout(
+            shape, world, kind, rng.choice(["even", "uneven", "ceil"]), rng
+        ):
             if rng.random() < 0.15 and kind != "replicated":
-                continue                              # loads need not cover the tensor
+                continue  # loads need not cover the tensor
             reqs[r].append(Holding(key, dtype, shape, off, shp, flat, (0,)))
     for rq in reqs:
         rng.shuffle(rq)
@@ -459,8 +544,10 @@ def requests_for(tensors, world, rng):
 
 
 def execute_load(store, layouts, reqs, works):
-    outs = [[np.full((h.flat[1] - h.flat[0],) if h.flat else h.shape, -1, np.int64) for h in rq]
-            for rq in reqs]
+    outs = [
+        [np.full((h.flat[1] - h.flat[0],) if h.flat else h.shape, -1, np.int64) for h in rq]
+        for rq in reqs
+    ]
     got = [[np.zeros(o.shape, np.int64) for o in rq] for rq in outs]
     readcount = {k: np.zeros(lay.shape, np.int64) for k, lay in layouts.items()}
     bufs = {}
@@ -473,8 +560,10 @@ def execute_load(store, layouts, reqs, works):
             lay = layouts[op.key]
             s = sl((0,) * len(op.offset), op.offset, op.shape)
             # one read never spans two chunks, and no element is read twice by anyone
-            assert all(o // c == (o + max(n, 1) - 1) // c
-                       for o, n, c in zip(op.offset, op.shape, lay.chunk_shape)), (op, lay)
+            assert all(
+                o // c == (o + max(n, 1) - 1) // c
+                for o, n, c in zip(op.offset, op.shape, lay.chunk_shape)
+            ), (op, lay)
             readcount[op.key][s] += 1
             data = store[op.key][s].copy()
             bufs[(r, ridx)] = data
@@ -502,8 +591,10 @@ def execute_load(store, layouts, reqs, works):
 @given(jobs(max_world=16), st.integers(1, 64))
 def test_save_then_load_through_the_plans_is_bitwise_exact(job, load_world):
     world, tensors, rng = job
-    opts = PlanOptions(chunk_overhead_bytes=rng.choice([0, 64, 256 << 10]),
-                       max_chunk_bytes=rng.choice([32, 256 << 20]))
+    opts = PlanOptions(
+        chunk_overhead_bytes=rng.choice([0, 64, 256 << 10]),
+        max_chunk_bytes=rng.choice([32, 256 << 20]),
+    )
     plan, store = save_and_check(world, tensors, rng, opts)
     reqs = requests_for(tensors, load_world, rng)
     works = plan_load(reqs, plan.tensors)
@@ -520,7 +611,7 @@ def test_save_then_load_through_the_plans_is_bitwise_exact(job, load_world):
             for p in holding_pieces(h):
                 needed[h.key][sl((0,) * len(p.offset), p.offset, p.shape)] = True
     for k in readcount:
-        assert ((readcount[k] > 0) | ~needed[k]).all()   # every needed element was read
+        assert ((readcount[k] > 0) | ~needed[k]).all()  # every needed element was read
 
 
 def test_load_requests_must_match_shape_and_dtype():

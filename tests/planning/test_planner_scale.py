@@ -4,6 +4,7 @@ Megatron-style job (TP x PP x DP, distributed-optimizer ranges) planned and exec
 
 Each fast path is checked against the plain one it replaces, on random inputs.
 """
+
 import importlib.util
 import math
 import pathlib
@@ -30,8 +31,10 @@ def random_holdings(rng, n):
     out = []
     for i in range(n):
         nd = rng.randint(0, 3)
-        g = tuple(rng.choice([0, 1, 7, 3 * 2**31]) if rng.random() < 0.1 else rng.randint(1, 9)
-                  for _ in range(nd))
+        g = tuple(
+            rng.choice([0, 1, 7, 3 * 2**31]) if rng.random() < 0.1 else rng.randint(1, 9)
+            for _ in range(nd)
+        )
         off = tuple(rng.randint(0, x) for x in g)
         shp = tuple(rng.randint(0, x - o) for x, o in zip(g, off))
         flat = None
@@ -39,8 +42,17 @@ def random_holdings(rng, n):
             a = rng.randint(0, math.prod(shp))
             flat = (a, rng.randint(a, math.prod(shp)))
         rep = tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 3)))
-        out.append(Holding(f"k{rng.randint(0, 5)}/é.{i % 3}", rng.choice(["float32", "bfloat16"]),
-                           g, off, shp, flat, rep))
+        out.append(
+            Holding(
+                f"k{rng.randint(0, 5)}/é.{i % 3}",
+                rng.choice(["float32", "bfloat16"]),
+                g,
+                off,
+                shp,
+                flat,
+                rep,
+            )
+        )
     return out
 
 
@@ -65,9 +77,12 @@ def test_trees_merge_in_one_pass_like_pairwise_and_refuse_kind_conflicts():
 
     def t(**kw):
         return {"dict": [[k, v] for k, v in kw.items()]}
-    trees = [t(a=t(x={"tensor": "a/x"}), l={"list": [{"value": 1}]}),
-             t(b={"value": 2}, a=t(y={"tensor": "a/y"})),
-             t(l={"list": [{"value": 1}, {"value": 3}]}, a=t(x={"tensor": "a/x"}))]
+
+    trees = [
+        t(a=t(x={"tensor": "a/x"}), l={"list": [{"value": 1}]}),
+        t(b={"value": 2}, a=t(y={"tensor": "a/y"})),
+        t(l={"list": [{"value": 1}, {"value": 3}]}, a=t(x={"tensor": "a/x"})),
+    ]
     pairwise = merge_trees(merge_trees(trees[0], trees[1]), trees[2])
     assert merge_many(trees) == pairwise
     assert [k for k, _ in pairwise["dict"]] == ["a", "l", "b"]
@@ -75,22 +90,29 @@ def test_trees_merge_in_one_pass_like_pairwise_and_refuse_kind_conflicts():
     with pytest.raises(InvalidShardingError, match=r"state\['a'\] is a dict .* list") as e:
         merge_many([trees[0], t(a={"list": []})])
     assert e.value.spec_id == "SP-TREE-1"
-    with pytest.raises(InvalidShardingError, match=r"differs between ranks") as e:   # plain
-        merge_many([trees[0], t(l={"list": [{"value": 9}]})])    # values agree or are refused
+    with pytest.raises(InvalidShardingError, match=r"differs between ranks") as e:  # plain
+        merge_many([trees[0], t(l={"list": [{"value": 9}]})])  # values agree or are refused
     assert e.value.spec_id == "SP-REPL-1"
     # distinct encoded trees are decoded once; equal ones skip merging
-    plans = [LocalPlan.from_bytes(LocalPlan(r, trees[r % 3], [], []).to_bytes())
-             for r in range(6)]
+    plans = [LocalPlan.from_bytes(LocalPlan(r, trees[r % 3], [], []).to_bytes()) for r in range(6)]
     assert plan_save(plans).tree == pairwise
     # trees go up branch by branch; a rank with one branch sends its tree whole (mixed forms)
     one = t(a=t(z={"tensor": "a/z"}))
     for extra in ([], [one]):
-        got = plan_save([LocalPlan.from_bytes(LocalPlan(r, tr, [], []).to_bytes())
-                         for r, tr in enumerate(trees + extra)]).tree
+        got = plan_save(
+            [
+                LocalPlan.from_bytes(LocalPlan(r, tr, [], []).to_bytes())
+                for r, tr in enumerate(trees + extra)
+            ]
+        ).tree
         assert got == merge_many(trees + extra)
     with pytest.raises(InvalidShardingError, match=r"state\['l'\] is a list .* dict") as e:
-        plan_save([LocalPlan.from_bytes(LocalPlan(r, tr, [], []).to_bytes())
-                   for r, tr in enumerate([trees[0], t(l=t(q={"value": 1}), b={"value": 2})])])
+        plan_save(
+            [
+                LocalPlan.from_bytes(LocalPlan(r, tr, [], []).to_bytes())
+                for r, tr in enumerate([trees[0], t(l=t(q={"value": 1}), b={"value": 2})])
+            ]
+        )
     assert e.value.spec_id == "SP-TREE-1"
 
 
@@ -106,7 +128,7 @@ def test_group_rows_is_exact_even_when_every_hash_collides(monkeypatch):
         return sorted(order[a:b].tolist() for a, b in zip(starts[:-1], starts[1:]))
 
     assert groups() == sorted(expect.values())
-    monkeypatch.setattr(columns, "_MIX", np.uint64(0))    # all rows hash alike: exact fallback
+    monkeypatch.setattr(columns, "_MIX", np.uint64(0))  # all rows hash alike: exact fallback
     assert groups() == sorted(expect.values())
 
 
@@ -114,8 +136,11 @@ def flat_regions(rng, shape):
     n = math.prod(shape)
     cuts = sorted(rng.randint(0, n) for _ in range(rng.randint(0, 6)))
     b = [0] + cuts + [n]
-    return [holding_pieces(Holding("k", "float32", shape, (0,) * len(shape), shape, (a, c), (0,)))
-            for a, c in zip(b[:-1], b[1:]) if c > a]
+    return [
+        holding_pieces(Holding("k", "float32", shape, (0,) * len(shape), shape, (a, c), (0,)))
+        for a, c in zip(b[:-1], b[1:])
+        if c > a
+    ]
 
 
 def test_numpy_chunk_geometry_matches_the_plain_loops():
@@ -131,19 +156,23 @@ def test_numpy_chunk_geometry_matches_the_plain_loops():
                 for cidx, n in grid._chunks_overlapping(shape, chunk, off, shp):
                     per.setdefault(cidx, {}).setdefault(ri, 0)
                     per[cidx][ri] += n
-        moved = sum(math.prod(min(c, m - i * c) for i, c, m in zip(cidx, chunk, shape)) -
-                    max(d.values()) for cidx, d in per.items())
+        moved = sum(
+            math.prod(min(c, m - i * c) for i, c, m in zip(cidx, chunk, shape)) - max(d.values())
+            for cidx, d in per.items()
+        )
         held = sum(sum(d.values()) for d in per.values())
         chunk2 = tuple(rng.randint(1, x) for x in shape)
         assert grid._moved_many(shape, [chunk, chunk2], regions)[0] == moved
         assert held == math.prod(shape)
         old = grid.pieces_by_chunk(shape, chunk, pieces)
         new = grid.chunk_parts(shape, chunk, pieces)
-        assert [c[0] for c in new] == [tuple(i * c for i, c in zip(cidx, chunk))
-                                       for cidx in sorted(old)]
+        assert [c[0] for c in new] == [
+            tuple(i * c for i, c in zip(cidx, chunk)) for cidx in sorted(old)
+        ]
         for (_coff, _cshp, parts), cidx in zip(new, sorted(old)):
-            assert [(li, pi, bo, bs) for li, pi, bo, bs, _ in parts] == \
-                [(li, pi, bo, bs) for li, pi, (bo, bs) in old[cidx]]
+            assert [(li, pi, bo, bs) for li, pi, bo, bs, _ in parts] == [
+                (li, pi, bo, bs) for li, pi, (bo, bs) in old[cidx]
+            ]
             assert all(n == math.prod(bs) for *_, bs, n in parts)
 
 
@@ -161,7 +190,7 @@ def ids(shape, key):
 
 def data_of(h):
     blk = ids(h.global_shape, h.key)[tuple(slice(o, o + s) for o, s in zip(h.offset, h.shape))]
-    return blk.reshape(-1)[h.flat[0]:h.flat[1]].copy() if h.flat else blk.copy()
+    return blk.reshape(-1)[h.flat[0] : h.flat[1]].copy() if h.flat else blk.copy()
 
 
 @pytest.mark.parametrize("megatron_ids", [False, True])
@@ -172,9 +201,15 @@ def test_small_megatron_style_job_through_the_wire_is_bitwise_exact(megatron_ids
     bench = load_benchmark()
     plans = bench.build_job(2, 2, 3, 4, 6, 13)
     if megatron_ids:
-        plans = [LocalPlan(p.rank, p.tree, [h._replace(replica=(0,) if not any(h.replica)
-                                                       else (1,)) for h in p.holdings],
-                           p.objects) for p in plans]
+        plans = [
+            LocalPlan(
+                p.rank,
+                p.tree,
+                [h._replace(replica=(0,) if not any(h.replica) else (1,)) for h in p.holdings],
+                p.objects,
+            )
+            for p in plans
+        ]
     decoded = [LocalPlan.from_bytes(p.to_bytes()) for p in plans]
     plan = plan_save(decoded, PlanOptions(chunk_overhead_bytes=64))
     check_exchange_symmetry(plan.ranks)
@@ -185,8 +220,12 @@ def test_small_megatron_style_job_through_the_wire_is_bitwise_exact(megatron_ids
         assert np.array_equal(store[key], ids(lay.shape, key)), key
     assert plan.stats["exchange_bytes"] > 0
     # load into the same layout, requests through the wire as loading.py sends them
-    reqs = [HoldingColumns.from_wire(HoldingColumns.from_holdings(
-        [h._replace(replica=(0,)) for h in p.holdings]).to_wire()) for p in plans]
+    reqs = [
+        HoldingColumns.from_wire(
+            HoldingColumns.from_holdings([h._replace(replica=(0,)) for h in p.holdings]).to_wire()
+        )
+        for p in plans
+    ]
     works = plan_load(reqs, plan.tensors)
     check_exchange_symmetry(works)
     reqs = [list(r) for r in reqs]
@@ -201,21 +240,38 @@ def test_errors_from_the_columnar_path_name_key_and_ranks():
     shape = (8, 4)
     good = Holding("w", "float32", shape, (0, 0), shape, None, (0,))
     with pytest.raises(InvalidShardingError) as e:
-        plan_save([LocalPlan(0, {"dict": []}, [good], []),
-                   LocalPlan(1, {"dict": []}, [good._replace(dtype="bfloat16",
-                                                            replica=(1,))], [])])
-    assert e.value.spec_id == "SP-COVER-4" and "rank 0" in str(e.value) and \
-        "rank 1" in str(e.value) and "'w'" in str(e.value)
+        plan_save(
+            [
+                LocalPlan(0, {"dict": []}, [good], []),
+                LocalPlan(1, {"dict": []}, [good._replace(dtype="bfloat16", replica=(1,))], []),
+            ]
+        )
+    assert (
+        e.value.spec_id == "SP-COVER-4"
+        and "rank 0" in str(e.value)
+        and "rank 1" in str(e.value)
+        and "'w'" in str(e.value)
+    )
     # through the wire: key tables in segments (model/..., optim/...), one shared, one not
     m = Holding("model/w", "float32", shape, (0, 0), shape, None, (0,))
     o = Holding("optim/w", "float32", shape, (0, 0), shape, None, (0,))
-    wire = [LocalPlan(0, {"dict": []}, [m, o], []),
-            LocalPlan(1, {"dict": []}, [m._replace(replica=(1,)),
-                                        o._replace(global_shape=(8, 5), replica=(1,))], [])]
+    wire = [
+        LocalPlan(0, {"dict": []}, [m, o], []),
+        LocalPlan(
+            1,
+            {"dict": []},
+            [m._replace(replica=(1,)), o._replace(global_shape=(8, 5), replica=(1,))],
+            [],
+        ),
+    ]
     with pytest.raises(InvalidShardingError) as e:
         plan_save([LocalPlan.from_bytes(lp.to_bytes()) for lp in wire])
-    assert e.value.spec_id == "SP-COVER-4" and "'optim/w'" in str(e.value) and \
-        "rank 0" in str(e.value) and "rank 1" in str(e.value)
+    assert (
+        e.value.spec_id == "SP-COVER-4"
+        and "'optim/w'" in str(e.value)
+        and "rank 0" in str(e.value)
+        and "rank 1" in str(e.value)
+    )
     lay = {"w": TensorLayout("w", shape, "float32", (4, 4))}
     with pytest.raises(LayoutMismatchError, match="'w'"):
         plan_load([[good], [good._replace(global_shape=(9, 4))]], lay)
@@ -245,11 +301,19 @@ def _regions(draw):
 def test_region_pieces_on_arrays_are_the_holding_pieces(case):
     nd, regions = case
     pa = grid.region_pieces(nd, regions)
-    got = list(zip(pa.li.tolist(), pa.pi.tolist(), map(tuple, pa.offs.tolist()),
-                   map(tuple, pa.shps.tolist())))
-    want = [(i, j, p.offset, p.shape) for i, (o, s, f) in enumerate(regions)
-            for j, p in enumerate(holding_pieces(Holding("k", "float32", (9,) * nd, o, s, f,
-                                                         (0,))))]
+    got = list(
+        zip(
+            pa.li.tolist(),
+            pa.pi.tolist(),
+            map(tuple, pa.offs.tolist()),
+            map(tuple, pa.shps.tolist()),
+        )
+    )
+    want = [
+        (i, j, p.offset, p.shape)
+        for i, (o, s, f) in enumerate(regions)
+        for j, p in enumerate(holding_pieces(Holding("k", "float32", (9,) * nd, o, s, f, (0,))))
+    ]
     assert got == want
 
 
@@ -290,17 +354,21 @@ def _tilings(draw):
 @given(_tilings())
 def test_quick_cover_test_passes_only_what_the_full_check_passes(case):
     from shardpoint_core.format.coverage import check_exact_cover, regions_tile
+
     shape, regions, spoil = case
-    boxes = [(p.offset, p.shape) for o, s, f in regions
-             for p in holding_pieces(Holding("k", "float32", shape, o, s, f, (0,)))]
+    boxes = [
+        (p.offset, p.shape)
+        for o, s, f in regions
+        for p in holding_pieces(Holding("k", "float32", shape, o, s, f, (0,)))
+    ]
     try:
         check_exact_cover(shape, boxes, lambda i: f"box {i}", "k")
         ok = True
     except InvalidShardingError:
         ok = False
     quick = regions_tile(shape, regions)
-    assert ok or not quick      # it never passes what the full check refuses
-    if spoil == 0:              # and it does pass a grid of blocks cut into ranges
+    assert ok or not quick  # it never passes what the full check refuses
+    if spoil == 0:  # and it does pass a grid of blocks cut into ranges
         assert quick and ok
 
 
@@ -309,8 +377,10 @@ def test_quick_cover_test_passes_only_what_the_full_check_passes(case):
 def test_pieces_and_parts_of_many_geometries_at_once_equal_one_at_a_time(cases, rnd):
     specs, items = [], []
     for nd, regions in cases:
-        shape = tuple(max([o + s for o, s, _ in ((r[0][d], r[1][d], 0) for r in regions)]
-                          + [1]) for d in range(nd))
+        shape = tuple(
+            max([o + s for o, s, _ in ((r[0][d], r[1][d], 0) for r in regions)] + [1])
+            for d in range(nd)
+        )
         specs.append((nd, regions))
         items.append((shape, tuple(rnd.randint(1, n) for n in shape)))
     many = grid.region_pieces_many(specs)

@@ -2,6 +2,7 @@
 once, with the ranks holding it) against the same regions found from every row: the same
 regions, numbered alike, with the same holders in the same order, so the save and load plans
 built on them are the very same. Pure: no processes, no storage."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,9 @@ from shardpoint.planning.planner import LocalPlan, plan_save
 
 from .test_planner import SET, jobs, local_plans
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
-                                "benchmarks"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks")
+)
 import plan_scale as bench  # noqa: E402
 
 
@@ -43,8 +45,9 @@ def same_regions(g: Gathered) -> None:
     assert a.hold_hidx.tolist() == b.hold_hidx.tolist()
     assert a._rows.tolist() == b._rows.tolist()
     assert a.by_key == b.by_key
-    assert [a.region(i) for i in range(len(a.start) - 1)] == \
-        [b.region(i) for i in range(len(b.start) - 1)]
+    assert [a.region(i) for i in range(len(a.start) - 1)] == [
+        b.region(i) for i in range(len(b.start) - 1)
+    ]
 
 
 def replicated(plans, copies: int, rng: random.Random, main_copies: bool = False) -> list:
@@ -54,10 +57,11 @@ def replicated(plans, copies: int, rng: random.Random, main_copies: bool = False
     out = []
     for c in range(copies):
         for p in plans:
-            hs = [h._replace(replica=(0 if main_copies else c + 1,)) if c else h
-                  for h in p.holdings]
+            hs = [
+                h._replace(replica=(0 if main_copies else c + 1,)) if c else h for h in p.holdings
+            ]
             out.append(LocalPlan(len(out), p.tree, hs, []))
-    rng.shuffle(out)          # gathered in any order, planned by rank
+    rng.shuffle(out)  # gathered in any order, planned by rank
     return sorted(out, key=lambda lp: lp.rank)
 
 
@@ -96,8 +100,9 @@ def test_units_on_a_megatron_like_job_are_shared_and_plan_alike():
     assert len(ucat[0]) < len(urow) / 2
     same_regions(g)
     pa = plan_save([LocalPlan.from_parts(p.to_parts(), {}) for p in plans])
-    pb = plan_save(plans)        # columns built in this process: one unit per rank
+    pb = plan_save(plans)  # columns built in this process: one unit per rank
     assert pa.tensors == pb.tensors and pa.stats == pb.stats
-    assert [(w.writes, w.sends, w.recvs) for w in pa.ranks] == \
-        [(w.writes, w.sends, w.recvs) for w in pb.ranks]
+    assert [(w.writes, w.sends, w.recvs) for w in pa.ranks] == [
+        (w.writes, w.sends, w.recvs) for w in pb.ranks
+    ]
     assert np.array_equal(Regions(g).hold_rank, Regions(g, units=False).hold_rank)

@@ -1,6 +1,7 @@
 """Chunk identity (format 1.3, [SP-MAN-7], [SP-READ-8]): a save records every stored unit's
 crc32c per tensor, and chunks swapped between tensors or positions, which every crc32c
 still passes, are refused by ``sp.load``, ``verify`` and the independent reader."""
+
 import os
 import shutil
 
@@ -29,7 +30,7 @@ def test_a_save_records_every_units_stored_crc32c(tmp_path):
     ck = str(tmp_path / "ck")
     _save(ck)
     m = sp.read_metadata(ck)
-    assert tuple(m.format_version) == (1, 3)                    # [SP-VER-1]
+    assert tuple(m.format_version) == (1, 3)  # [SP-VER-1]
     for key, e in m.tensors.items():
         n_chunks = (8 // e.chunk_shape[0]) * (8 // e.chunk_shape[1])
         assert len(e.chunk_crc32c) == 4 * n_chunks, key
@@ -37,7 +38,7 @@ def test_a_save_records_every_units_stored_crc32c(tmp_path):
             for j in range(8 // e.chunk_shape[1]):
                 raw = (tmp_path / "ck" / e.array / "c" / str(i) / str(j)).read_bytes()
                 u = i * (8 // e.chunk_shape[1]) + j
-                assert e.chunk_crc32c[4 * u:4 * u + 4] == raw[-4:], (key, i, j)
+                assert e.chunk_crc32c[4 * u : 4 * u + 4] == raw[-4:], (key, i, j)
 
 
 def test_sharded_units_are_recorded_inner_chunk_by_inner_chunk(tmp_path):
@@ -49,11 +50,11 @@ def test_sharded_units_are_recorded_inner_chunk_by_inner_chunk(tmp_path):
     raw = (tmp_path / "ck" / e.array / "c" / "0" / "0").read_bytes()
     n_inner = len(e.chunk_crc32c) // 4 // ((8 // e.chunk_shape[0]) * (8 // e.chunk_shape[1]))
     assert n_inner > 1, "the save sharded its chunks"
-    idx = raw[len(raw) - 16 * n_inner - 4:-4]
+    idx = raw[len(raw) - 16 * n_inner - 4 : -4]
     for j in range(n_inner):
-        off = int.from_bytes(idx[16 * j:16 * j + 8], "little")
-        nb = int.from_bytes(idx[16 * j + 8:16 * j + 16], "little")
-        assert e.chunk_crc32c[4 * j:4 * j + 4] == raw[off + nb - 4:off + nb]
+        off = int.from_bytes(idx[16 * j : 16 * j + 8], "little")
+        nb = int.from_bytes(idx[16 * j + 8 : 16 * j + 16], "little")
+        assert e.chunk_crc32c[4 * j : 4 * j + 4] == raw[off + nb - 4 : off + nb]
     assert torch.equal(sp.load(ck, backend=be)["s"], state["s"])
 
 
@@ -68,8 +69,7 @@ def _refused_everywhere(ck, backend=None):
     with pytest.raises(errors.CorruptCheckpointError, match="SP-READ-8") as ei:
         sp.load(ck, backend=backend)
     assert ei.value.spec_id == "SP-READ-8"
-    rep = verify_checkpoint(ck, backend=backend) if backend is not None \
-        else verify_checkpoint(ck)
+    rep = verify_checkpoint(ck, backend=backend) if backend is not None else verify_checkpoint(ck)
     assert not rep.ok and "SP-READ-8" in rep.spec_ids, rep.to_dict()
     if backend is None:
         with pytest.raises(vectors.VectorError, match="SP-READ-8"):
@@ -80,8 +80,10 @@ def test_chunks_swapped_between_tensors_are_refused(tmp_path):
     ck = str(tmp_path / "ck")
     _save(ck)
     m = sp.read_metadata(ck)
-    _swap(os.path.join(ck, m.tensors["a"].array, "c", "1", "0"),
-          os.path.join(ck, m.tensors["b"].array, "c", "1", "0"))
+    _swap(
+        os.path.join(ck, m.tensors["a"].array, "c", "1", "0"),
+        os.path.join(ck, m.tensors["b"].array, "c", "1", "0"),
+    )
     _refused_everywhere(ck)
 
 
@@ -104,6 +106,7 @@ def test_inner_chunks_swapped_inside_a_shard_are_refused(tmp_path):
 
     def swap01(idx):
         idx[0:16], idx[16:32] = idx[16:32], idx[0:16]
+
     open(p, "wb").write(bytes(_reseal_index(data, n, swap01)))
     _refused_everywhere(ck)
 
@@ -114,6 +117,7 @@ def test_swapped_chunks_are_refused_on_an_object_store():
     _save(url, be)
     m = sp.read_metadata(url, backend=be)
     from shardpoint_core.stores.registry import bucket_store
+
     store, prefix = bucket_store(url, "open")
     ka = f"{prefix}/{m.tensors['a'].array}/c/0/0"
     kb = f"{prefix}/{m.tensors['b'].array}/c/0/0"
@@ -138,18 +142,22 @@ def test_a_checkpoint_without_tables_still_reads(tmp_path):
 def _two_rank_save(rank, world, base):
     import torch
     import shardpoint as sp
+
     rows = torch.arange(64.0).view(8, 8)
     lo, hi = rank * 4, rank * 4 + 4
-    st = {"t": sp.ShardedTensor(rows[lo:hi].clone(), (8, 8), (lo, 0)),
-          "u": sp.ShardedTensor(rows[lo:hi] + 100, (8, 8), (lo, 0))}
+    st = {
+        "t": sp.ShardedTensor(rows[lo:hi].clone(), (8, 8), (lo, 0)),
+        "u": sp.ShardedTensor(rows[lo:hi] + 100, (8, 8), (lo, 0)),
+    }
     opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=64, chunk_overhead_bytes=0))
-    sp.save(st, f"{base}/sync", async_save=True, options=opts).wait()   # commit in background
+    sp.save(st, f"{base}/sync", async_save=True, options=opts).wait()  # commit in background
     return True
 
 
 def test_ranks_send_their_units_crc32c_with_their_commit_report(tmp_path):
     """Each rank writes its own chunks; the coordinator's table holds every rank's."""
     from shardpoint_testing.launch import run_world
+
     assert run_world(2, _two_rank_save, str(tmp_path), timeout=120) == [True, True]
     for name in ("sync",):
         ck = str(tmp_path / name)
@@ -162,6 +170,8 @@ def test_ranks_send_their_units_crc32c_with_their_commit_report(tmp_path):
     ck = str(tmp_path / "sync")
     m = sp.read_metadata(ck)
     last = [str((8 // c) - 1) for c in m.tensors["t"].chunk_shape]
-    _swap(os.path.join(ck, m.tensors["t"].array, "c", *last),      # written by rank 1
-          os.path.join(ck, m.tensors["u"].array, "c", *last))
+    _swap(
+        os.path.join(ck, m.tensors["t"].array, "c", *last),  # written by rank 1
+        os.path.join(ck, m.tensors["u"].array, "c", *last),
+    )
     _refused_everywhere(ck)

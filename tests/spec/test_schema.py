@@ -4,6 +4,7 @@ The schema describes the decoded msgpack body with msgpack bin values replaced b
 ``{"$bin": <length>}`` and extension values by ``{"$ext": <code>, "len": <length>}``
 (the schema's own description says so); this file applies exactly that conversion.
 """
+
 import json
 import os
 from pathlib import Path
@@ -33,8 +34,11 @@ def marked(v):
 def body(case):
     raw = (ROOT / "vectors" / "valid" / case / "checkpoint" / "manifest.msgpack").read_bytes()
     env = msgpack.unpackb(raw)
-    return marked(msgpack.unpackb(env["body"], strict_map_key=False,
-                                  ext_hook=lambda c, d: msgpack.ExtType(c, d)))
+    return marked(
+        msgpack.unpackb(
+            env["body"], strict_map_key=False, ext_hook=lambda c, d: msgpack.ExtType(c, d)
+        )
+    )
 
 
 def test_the_schema_is_a_valid_2020_12_schema():
@@ -52,8 +56,10 @@ def _mutations(b):
     yield "dtype outside the table", lambda x: x["tensors"][t0].update(dtype="float128")
     yield "array path with ..", lambda x: x["tensors"][t0].update(array="../x")
     yield "absolute array path", lambda x: x["tensors"][t0].update(array="/etc/x")
-    yield "chunk dim 0", lambda x: x["tensors"][t0].update(chunk_shape=[0] * len(
-        x["tensors"][t0]["shape"]) or [0])
+    yield (
+        "chunk dim 0",
+        lambda x: x["tensors"][t0].update(chunk_shape=[0] * len(x["tensors"][t0]["shape"]) or [0]),
+    )
     yield "negative dim", lambda x: x["tensors"][t0].update(shape=[-1])
     yield "unknown field", lambda x: x.update(surprise=1)
     yield "unknown must-understand field", lambda x: x.update(v2={"must_understand": True})
@@ -68,8 +74,10 @@ def _mutations(b):
     yield "unknown object field", lambda x: x["objects"]["rng"].update(note=1)
     yield "unknown node kind", lambda x: x["tree"]["dict"].append(["z", {"set": []}])
     yield "list inside a value node", lambda x: x["tree"]["dict"].append(["z", {"value": [1]}])
-    yield "bad tensor origin", lambda x: x["tree"]["dict"].append(
-        ["z", {"tensor": "z", "origin": "jax"}])
+    yield (
+        "bad tensor origin",
+        lambda x: x["tree"]["dict"].append(["z", {"tensor": "z", "origin": "jax"}]),
+    )
 
 
 @pytest.mark.parametrize("what", [w for w, _ in _mutations(body("nested_tree"))])
@@ -85,7 +93,7 @@ def test_schema_accepts_what_the_spec_allows():
     b = body("nested_tree")
     b["later_minor_field"] = {"must_understand": False, "x": 1}
     b["extensions"]["vendor.note"] = {"must_understand": False}
-    b["objects"]["rng"]["shape"] = [3, 1]                     # a 1.1 object grid
+    b["objects"]["rng"]["shape"] = [3, 1]  # a 1.1 object grid
     b["objects"]["rng"]["later"] = {"must_understand": False}
-    b["created_unix"] = 1790000000                           # a number, int or float
+    b["created_unix"] = 1790000000  # a number, int or float
     jsonschema.Draft202012Validator(SCHEMA).validate(b)

@@ -1,4 +1,5 @@
 """Every requirement ID the code raises is defined in spec/, and every MUST carries an ID."""
+
 import re
 from pathlib import Path
 
@@ -22,7 +23,9 @@ def test_every_must_in_the_normative_docs_has_an_id():
         # requirement items are list items or paragraphs; each one with MUST needs an ID
         for block in re.split(r"\n(?=- |\d+\. |\n)", text):
             if re.search(r"\bMUST\b", block) and not ID.search(block):
-                raise AssertionError(f"{name}: MUST without a requirement ID:\n{block.strip()[:300]}")
+                raise AssertionError(
+                    f"{name}: MUST without a requirement ID:\n{block.strip()[:300]}"
+                )
 
 
 def test_ids_are_defined_once():
@@ -33,7 +36,10 @@ def test_ids_are_defined_once():
 
 def test_ids_named_by_the_vectors_are_defined():
     import json
+
     defined = set(re.findall(r"\[(SP-[A-Z]+-\d+)\]", SPEC))
-    named = {json.loads(p.read_text())["spec_id"]
-             for p in (REPO / "spec" / "vectors" / "invalid").glob("*/expected.json")}
+    named = {
+        json.loads(p.read_text())["spec_id"]
+        for p in (REPO / "spec" / "vectors" / "invalid").glob("*/expected.json")
+    }
     assert named and named <= defined, sorted(named - defined)

@@ -1,6 +1,7 @@
 """benchmarks/bench_memory_tier.py --quick runs end to end: save to memory and files, a host
 lost, restores from peer memory and from storage, both checked bit for bit inside the
 script, the figures written as --json."""
+
 import json
 import os
 import sys
@@ -15,9 +16,19 @@ def test_quick_memory_tier_benchmark_restores_both_ways(tmp_path, capsys):
     sys.path.insert(0, os.path.abspath(BENCH))
     try:
         import bench_memory_tier
+
         res = str(tmp_path / "bench_memory_tier.json")
-        bench_memory_tier.main(["--quick", "--dir", str(tmp_path / "d"),
-                                "--shm-dir", str(tmp_path / "shm"), "--json", res])
+        bench_memory_tier.main(
+            [
+                "--quick",
+                "--dir",
+                str(tmp_path / "d"),
+                "--shm-dir",
+                str(tmp_path / "shm"),
+                "--json",
+                res,
+            ]
+        )
     finally:
         sys.path.remove(os.path.abspath(BENCH))
     out = capsys.readouterr().out

@@ -1,5 +1,6 @@
 """``shardpoint inspect`` / ``verify`` on real checkpoints, sound and damaged: exit codes, spec
 IDs in the output, JSON that parses, one clean error line instead of a traceback."""
+
 import glob
 import json
 import os
@@ -18,13 +19,20 @@ def make(path):
     """A small checkpoint: a multi-chunk sharded-indexed tensor, a 0-d tensor, values, an
     object, a nested key that needs escaping."""
     backend = __import__("shardpoint_core.transactions.backend", fromlist=["_"]).ZarrBackend(
-        shard_above_bytes=128, inner_chunk_bytes=64)     # chunks with shard indexes
-    small = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=256))   # several chunks
-    state = {"model": {"w": torch.arange(256, dtype=torch.float32).reshape(16, 16),
-                       "a b": torch.ones(3, dtype=torch.bfloat16)},
-             "scale": torch.tensor(2.5, dtype=torch.float64),
-             "step": 7, "name": "run-1", "blob": b"\x00\x01",
-             "rng": sp.ShardedObject({"seed": 3, "state": torch.arange(4)}, 0, 1)}
+        shard_above_bytes=128, inner_chunk_bytes=64
+    )  # chunks with shard indexes
+    small = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=256))  # several chunks
+    state = {
+        "model": {
+            "w": torch.arange(256, dtype=torch.float32).reshape(16, 16),
+            "a b": torch.ones(3, dtype=torch.bfloat16),
+        },
+        "scale": torch.tensor(2.5, dtype=torch.float64),
+        "step": 7,
+        "name": "run-1",
+        "blob": b"\x00\x01",
+        "rng": sp.ShardedObject({"seed": 3, "state": torch.arange(4)}, 0, 1),
+    }
     sp.save(state, path, backend=backend, options=small)
     return path
 
@@ -32,8 +40,7 @@ def make(path):
 def chunk_files(path, key="model/w"):
     """The chunk files of an array (a 0-d array's single chunk is the file ``c``)."""
     base = f"{path}/tensors/{key}/c"
-    return sorted(f for f in [base] + glob.glob(base + "/**", recursive=True)
-                  if os.path.isfile(f))
+    return sorted(f for f in [base] + glob.glob(base + "/**", recursive=True) if os.path.isfile(f))
 
 
 def run(capsys, *argv):
@@ -53,7 +60,7 @@ def test_inspect_table_shows_tree_shapes_dtypes_chunks_values(tmp_ckpt, capsys):
     assert "float32" in w and "16x16" in w and "1.0 KiB" in w and "tensors/model/w" in w
     ab = next(line for line in lines if line.strip().startswith("a b "))
     assert "bfloat16" in ab and "tensors/model/a%20b" in ab
-    assert any(line.startswith("model/") for line in lines)      # a tree, not a flat list
+    assert any(line.startswith("model/") for line in lines)  # a tree, not a flat list
     assert any("step" in line and "value" in line and " 7 " in line + " " for line in lines)
     assert any("rng" in line and "object" in line and "'seed': 3" in line for line in lines)
     assert "total: 3 tensors" in out and "1 sharded objects" in out
@@ -65,19 +72,21 @@ def test_inspect_json_parses_and_matches_the_manifest(tmp_ckpt, capsys):
     assert rc == 0
     d = json.loads(out)
     m = sp.read_metadata(tmp_ckpt)
-    assert d["format_version"] == list(m.format_version) == [1, 3]   # chunk tables: SP-VER-1
+    assert d["format_version"] == list(m.format_version) == [1, 3]  # chunk tables: SP-VER-1
     assert set(d["tensors"]) == set(m.tensors) == {"model/w", "model/a%20b", "scale"}
     w = d["tensors"]["model/w"]
     assert w["shape"] == [16, 16] and w["dtype"] == "float32" and w["bytes"] == 1024
     assert w["array"] == "tensors/model/w"
     assert w["chunk_shape"] == list(m.tensors["model/w"].chunk_shape)
-    assert w["chunks"] == len(chunk_files(tmp_ckpt)) >= 4     # one file per chunk
+    assert w["chunks"] == len(chunk_files(tmp_ckpt)) >= 4  # one file per chunk
     assert d["total_chunks"] == sum(t["chunks"] for t in d["tensors"].values())
     assert d["tensors"]["scale"]["shape"] == [] and d["tensors"]["scale"]["chunks"] == 1
     assert d["total_bytes"] == 1024 + 6 + 8
     assert d["values"] == {"step": 7, "name": "run-1", "blob": {"$bytes": 2}}
-    assert d["objects"]["rng"] == {"count": 1, "values": [
-        {"seed": 3, "state": {"$array": "int64", "shape": [4]}}]}
+    assert d["objects"]["rng"] == {
+        "count": 1,
+        "values": [{"seed": 3, "state": {"$array": "int64", "shape": [4]}}],
+    }
 
 
 def test_verify_sound_checkpoint(tmp_ckpt, capsys):
@@ -111,10 +120,14 @@ def test_every_damaged_chunk_is_reported_not_just_the_first(tmp_ckpt, capsys):
     f = chunk_files(tmp_ckpt, "scale")[0]
     open(f, "r+b").truncate(3)
     rep = verify_checkpoint(tmp_ckpt)
-    by_key = {(s, next(k for k in ("model/w", "model/a%20b", "scale") if repr(k) in m))
-              for s, m in rep}
-    assert by_key == {("SP-READ-2", "model/w"), ("SP-READ-2", "model/a%20b"),
-                      ("SP-READ-3", "scale")}
+    by_key = {
+        (s, next(k for k in ("model/w", "model/a%20b", "scale") if repr(k) in m)) for s, m in rep
+    }
+    assert by_key == {
+        ("SP-READ-2", "model/w"),
+        ("SP-READ-2", "model/a%20b"),
+        ("SP-READ-3", "scale"),
+    }
     rc, out, _ = run(capsys, "verify", "--json", tmp_ckpt)
     d = json.loads(out)
     assert rc == 1 and d["spec_ids"] == ["SP-READ-2", "SP-READ-3"] and len(d["problems"]) == 3
@@ -151,7 +164,7 @@ def test_zarr_json_disagreeing_with_the_manifest(tmp_ckpt, capsys):
     open(f"{tmp_ckpt}/tensors/model/a%20b/zarr.json", "w").write("{not json")
     rep = verify_checkpoint(tmp_ckpt)
     assert sorted(s for s, _ in rep) == ["SP-ARRAY-1", "SP-ARRAY-2"]
-    assert rep.chunks_checked == rep.chunks - 2          # those two arrays were not read
+    assert rep.chunks_checked == rep.chunks - 2  # those two arrays were not read
     rc, out, _ = run(capsys, "verify", tmp_ckpt)
     assert rc == 1 and "[SP-ARRAY-1]" in out and "[SP-ARRAY-2]" in out
 
@@ -163,7 +176,7 @@ def test_strict_reports_strays_and_non_canonical_paths(tmp_ckpt, capsys):
         f.write(open(f"{tmp_ckpt}/tensors/scale/zarr.json").read())
     os.makedirs(f"{tmp_ckpt}/tensors/junk")
     open(f"{tmp_ckpt}/tensors/model/notes.txt", "w").write("x")
-    assert verify_checkpoint(tmp_ckpt).ok                  # readers ignore them
+    assert verify_checkpoint(tmp_ckpt).ok  # readers ignore them
     rep = verify_checkpoint(tmp_ckpt, strict=True)
     msgs = [m for s, m in rep if s == "SP-LAYOUT-3"]
     assert len(msgs) == 3 and len(rep.problems) == 3
@@ -177,6 +190,7 @@ def test_strict_reports_an_array_outside_tensors_key(tmp_ckpt):
     import hashlib
 
     import msgpack
+
     make(tmp_ckpt)
     os.rename(f"{tmp_ckpt}/tensors/scale", f"{tmp_ckpt}/tensors/elsewhere")
     mpath = f"{tmp_ckpt}/manifest.msgpack"
@@ -184,9 +198,8 @@ def test_strict_reports_an_array_outside_tensors_key(tmp_ckpt):
     body = msgpack.unpackb(env["body"], strict_map_key=False)
     body["tensors"]["scale"]["array"] = "tensors/elsewhere"
     raw = msgpack.packb(body, use_bin_type=True)
-    open(mpath, "wb").write(msgpack.packb({"sha256": hashlib.sha256(raw).digest(),
-                                           "body": raw}))
-    assert verify_checkpoint(tmp_ckpt).ok                  # readers use the recorded path
+    open(mpath, "wb").write(msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw}))
+    assert verify_checkpoint(tmp_ckpt).ok  # readers use the recorded path
     assert [s for s, _ in verify_checkpoint(tmp_ckpt, strict=True)] == ["SP-LAYOUT-2"]
 
 
@@ -200,6 +213,7 @@ def test_usage_errors_and_help(capsys):
 
 def test_conformance_delegates_or_says_it_is_missing(capsys, monkeypatch):
     import importlib.util
+
     if importlib.util.find_spec("shardpoint_conformance.cli") is not None:
         assert cli(["conformance", "--help"]) == 0
         assert "usage" in capsys.readouterr().out.lower()
@@ -212,8 +226,12 @@ def test_console_script_prints_no_traceback(tmp_ckpt):
     """The installed entry point, in a real process: one line on stderr, exit 1."""
     mpath = f"{make(tmp_ckpt)}/manifest.msgpack"
     open(mpath, "wb").write(b"\x92\x01")
-    r = subprocess.run([sys.executable, "-m", "shardpoint.tools.cli", "inspect", tmp_ckpt],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "shardpoint.tools.cli", "inspect", tmp_ckpt],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "[SP-MAN-1]" in r.stderr, r.stderr
 
@@ -229,6 +247,7 @@ def test_verify_reads_zarr_json_even_after_a_failed_load_here(tmp_ckpt):
     """A failed load leaves the default backend's TensorStore metadata cached for this path;
     verify must not trust it (it uses a context of its own)."""
     import shutil
+
     os.remove(chunk_files(make(tmp_ckpt))[0])
     with pytest.raises(sp.CorruptCheckpointError):
         sp.load(tmp_ckpt)
@@ -250,6 +269,7 @@ def test_absent_inner_chunk_behind_a_valid_shard_index(tmp_ckpt, capsys):
     """A shard whose index marks an inner chunk absent (checksum of the index still right) is
     damage [SP-READ-2], never fill values."""
     import struct
+
     f = chunk_files(make(tmp_ckpt))[0]
     meta = json.load(open(f"{tmp_ckpt}/tensors/model/w/zarr.json"))
     conf = meta["codecs"][0]["configuration"]
@@ -258,10 +278,10 @@ def test_absent_inner_chunk_behind_a_valid_shard_index(tmp_ckpt, capsys):
     for c, i in zip(meta["chunk_grid"]["configuration"]["chunk_shape"], conf["chunk_shape"]):
         k *= c // i
     d = bytearray(open(f, "rb").read())
-    idx = d[-(16 * k + 4):-4]
+    idx = d[-(16 * k + 4) : -4]
     assert _crc32c(bytes(idx)) == struct.unpack("<I", d[-4:])[0]
     idx[:16] = b"\xff" * 16
-    d[-(16 * k + 4):] = bytes(idx) + struct.pack("<I", _crc32c(bytes(idx)))
+    d[-(16 * k + 4) :] = bytes(idx) + struct.pack("<I", _crc32c(bytes(idx)))
     open(f, "wb").write(bytes(d))
     rc, out, _ = run(capsys, "verify", tmp_ckpt)
     assert rc == 1 and "[SP-READ-2]" in out and "model/w" in out
@@ -270,8 +290,12 @@ def test_absent_inner_chunk_behind_a_valid_shard_index(tmp_ckpt, capsys):
 def test_python_dash_m_shardpoint_is_the_console_script(tmp_ckpt, capsys):
     """``python -m shardpoint`` in a real process prints exactly what the CLI prints."""
     make(tmp_ckpt)
-    r = subprocess.run([sys.executable, "-m", "shardpoint", "inspect", tmp_ckpt, "--json"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "shardpoint", "inspect", tmp_ckpt, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     rc, out, _ = run(capsys, "inspect", tmp_ckpt, "--json")
     assert r.returncode == rc == 0, r.stderr
     assert r.stdout == out and "model/w" in json.loads(out)["tensors"]
@@ -324,19 +348,31 @@ def test_inspect_values_of_a_missing_key_and_convert_procs_0_exit_2(tmp_ckpt, ca
     make(tmp_ckpt)
     rc, _, err = run(capsys, "inspect", tmp_ckpt, "--values", "model/nope")
     assert rc == 2 and "'model/nope' is not a key" in err
-    rc, _, err = run(capsys, "convert", tmp_ckpt, tmp_ckpt + "-out", "--to", "safetensors",
-                     "--procs", "0")
+    rc, _, err = run(
+        capsys, "convert", tmp_ckpt, tmp_ckpt + "-out", "--to", "safetensors", "--procs", "0"
+    )
     assert rc == 2 and "--procs" in err and not os.path.exists(tmp_ckpt + "-out")
 
 
 def test_inspect_never_cuts_key_names(tmp_ckpt):
-    state = {"optimizer": {"state": {f"model.layers.{i}.mlp.up_proj.weight.{n}": torch.ones(2)
-                                     for i in (1, 11) for n in ("exp_avg", "exp_avg_sq")}}}
+    state = {
+        "optimizer": {
+            "state": {
+                f"model.layers.{i}.mlp.up_proj.weight.{n}": torch.ones(2)
+                for i in (1, 11)
+                for n in ("exp_avg", "exp_avg_sq")
+            }
+        }
+    }
     sp.save(state, tmp_ckpt)
     for cols in ("80", "40"):
-        r = subprocess.run([sys.executable, "-m", "shardpoint", "inspect", tmp_ckpt],
-                           capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "COLUMNS": cols})
+        r = subprocess.run(
+            [sys.executable, "-m", "shardpoint", "inspect", tmp_ckpt],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "COLUMNS": cols},
+        )
         assert r.returncode == 0, r.stderr
         for i in (1, 11):
             for n in ("exp_avg", "exp_avg_sq"):
@@ -351,6 +387,7 @@ def test_version(capsys):
 def test_diff_never_unpickles_dcp_metadata_without_trust(tmp_path, capsys):
     """DCP's .metadata is a pickle: one that writes a marker file when loaded must not run."""
     import pickle
+
     dcp = tmp_path / "dcp"
     dcp.mkdir()
     marker = tmp_path / "pwned"
@@ -358,6 +395,7 @@ def test_diff_never_unpickles_dcp_metadata_without_trust(tmp_path, capsys):
     class Boom:
         def __reduce__(self):
             return (open, (str(marker), "w"))
+
     (dcp / ".metadata").write_bytes(pickle.dumps(Boom()))
     other = str(tmp_path / "sp")
     sp.save({"w": torch.ones(2)}, other)
@@ -365,5 +403,5 @@ def test_diff_never_unpickles_dcp_metadata_without_trust(tmp_path, capsys):
     assert rc == 2 and "--trust-pickle" in err and not marker.exists()
     rc, _, err = run(capsys, "diff", other, str(dcp))
     assert rc == 2 and not marker.exists()
-    rc, _, err = run(capsys, "diff", str(dcp), other, "--trust-pickle")   # the opt-in reads it
+    rc, _, err = run(capsys, "diff", str(dcp), other, "--trust-pickle")  # the opt-in reads it
     assert marker.exists() and rc == 2 and "not DCP's Metadata" in err

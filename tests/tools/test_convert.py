@@ -1,6 +1,7 @@
 """Conversion round trips against the real peer libraries: each source is written by its own
 library (a 2-rank gloo ``dcp.save`` with sharded DTensors, ``torch.save``, the ``safetensors``
 package) and each result is read back by that library, bit for bit, bf16 and fp8 included."""
+
 import argparse
 import json
 import os
@@ -28,39 +29,61 @@ def torch_default_safe_globals():
     torch.serialization.add_safe_globals(saved)
 
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
-          torch.bool, torch.float16)
+DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int64,
+    torch.bool,
+    torch.float16,
+)
 
 
-full = random_bits     # deterministic contents of any dtype (NaN payloads and all)
+full = random_bits  # deterministic contents of any dtype (NaN payloads and all)
 
 
 # ------------------------------------------------------------------------------- DCP, 2 ranks
 def expected_dcp():
-    return {"model": {"emb": full("emb", (9, 6), torch.bfloat16),        # Shard(0), uneven
-                      "proj": full("proj", (4, 10), torch.float8_e4m3fn),  # Shard(1)
-                      "norm": full("norm", (6,), torch.float32),          # plain, replicated
-                      "e5": full("e5", (3, 2), torch.float8_e5m2)},
-            "scalar": full("scalar", (), torch.float64)}
+    return {
+        "model": {
+            "emb": full("emb", (9, 6), torch.bfloat16),  # Shard(0), uneven
+            "proj": full("proj", (4, 10), torch.float8_e4m3fn),  # Shard(1)
+            "norm": full("norm", (6,), torch.float32),  # plain, replicated
+            "e5": full("e5", (3, 2), torch.float8_e5m2),
+        },
+        "scalar": full("scalar", (), torch.float64),
+    }
 
 
 def dcp_save_job(rank, world, path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
+
     mesh = init_device_mesh("cpu", (world,))
     exp = expected_dcp()
     m = exp["model"]
 
-    def shard(t, dim):   # this rank's torch.chunk piece (gloo cannot scatter fp8)
+    def shard(t, dim):  # this rank's torch.chunk piece (gloo cannot scatter fp8)
         local = torch.chunk(t, world, dim)[rank].contiguous()
-        return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False,
-                                  shape=t.shape, stride=t.stride())
-    state = {"model": {"emb": shard(m["emb"], 0), "proj": shard(m["proj"], 1),
-                       "norm": m["norm"].clone(), "e5": m["e5"].clone()},
-             "scalar": exp["scalar"].clone(),
-             "step": 1200, "sched": {"lr": 3e-4, "warmup": [1, 2]}, "tag": b"\x00raw",
-             "args": argparse.Namespace(lr=1.0)}       # needs full pickle: reported
+        return DTensor.from_local(
+            local, mesh, [Shard(dim)], run_check=False, shape=t.shape, stride=t.stride()
+        )
+
+    state = {
+        "model": {
+            "emb": shard(m["emb"], 0),
+            "proj": shard(m["proj"], 1),
+            "norm": m["norm"].clone(),
+            "e5": m["e5"].clone(),
+        },
+        "scalar": exp["scalar"].clone(),
+        "step": 1200,
+        "sched": {"lr": 3e-4, "warmup": [1, 2]},
+        "tag": b"\x00raw",
+        "args": argparse.Namespace(lr=1.0),
+    }  # needs full pickle: reported
     dcp.save(state, checkpoint_id=path)
     return rank
 
@@ -87,9 +110,14 @@ def test_dcp_two_ranks_to_shardpoint_and_back(tmp_path, capsys, torch_default_sa
     assert cli(["convert", mid, back, "--to", "dcp"]) == 0
     assert "converted" in capsys.readouterr().out
     import torch.distributed.checkpoint as dcp
-    like = {"model": {k: torch.zeros_like(v) for k, v in exp["model"].items()},
-            "scalar": torch.zeros((), dtype=torch.float64), "step": 0,
-            "sched": {"lr": 0.0, "warmup": []}, "tag": b""}
+
+    like = {
+        "model": {k: torch.zeros_like(v) for k, v in exp["model"].items()},
+        "scalar": torch.zeros((), dtype=torch.float64),
+        "step": 0,
+        "sched": {"lr": 0.0, "warmup": []},
+        "tag": b"",
+    }
     dcp.load(like, checkpoint_id=back, no_dist=True)
     for k, v in exp["model"].items():
         assert same_bits(like["model"][k], v), k
@@ -99,9 +127,13 @@ def test_dcp_two_ranks_to_shardpoint_and_back(tmp_path, capsys, torch_default_sa
 
 # ------------------------------------------------------------------------------- torch.save
 def test_torch_save_to_shardpoint(tmp_path):
-    state = {"model": {f"w{i}": full(f"w{i}", (5, 3), dt) for i, dt in enumerate(DTYPES)},
-             "layers": [full("l0", (2,)), full("l1", (3,), torch.bfloat16)],
-             "step": 7, "name": "run", "betas": (0.9, 0.95)}
+    state = {
+        "model": {f"w{i}": full(f"w{i}", (5, 3), dt) for i, dt in enumerate(DTYPES)},
+        "layers": [full("l0", (2,)), full("l1", (3,), torch.bfloat16)],
+        "step": 7,
+        "name": "run",
+        "betas": (0.9, 0.95),
+    }
     torch.save(state, tmp_path / "ckpt.pt")
     assert detect_format(str(tmp_path / "ckpt.pt")) == "torch"
     rep = convert(str(tmp_path / "ckpt.pt"), str(tmp_path / "sp"))
@@ -127,11 +159,12 @@ def test_torch_save_needing_pickle_is_refused(tmp_path, capsys, torch_default_sa
 def test_safetensors_file_and_hf_directory(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
+
     tensors = {f"model.layers.{i}.w": full(f"st{i}", (8, 4), dt) for i, dt in enumerate(DTYPES)}
     tensors["model.scalar"] = full("sc", (), torch.float32)
     save_file(tensors, tmp_path / "one.safetensors", metadata={"format": "pt"})
     convert(str(tmp_path / "one.safetensors"), str(tmp_path / "sp1"))
-    assert set(sp.open(str(tmp_path / "sp1")).keys()) == set(tensors)    # names kept
+    assert set(sp.open(str(tmp_path / "sp1")).keys()) == set(tensors)  # names kept
     convert(str(tmp_path / "sp1"), str(tmp_path / "back.safetensors"))
     back = load_file(tmp_path / "back.safetensors")
     assert set(back) == set(tensors) and all(same_bits(back[k], v) for k, v in tensors.items())
@@ -149,13 +182,26 @@ def test_safetensors_file_and_hf_directory(tmp_path):
         save_file({k: tensors[k] for k in part}, hf / fn, metadata={"format": "pt"})
         wm.update({k: fn for k in part})
     total = sum(v.numel() * v.element_size() for v in tensors.values())
-    (hf / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
+    (hf / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2)
+    )
     assert detect_format(str(hf)) == "safetensors"
     convert(str(hf), str(tmp_path / "sp2"))
     out = tmp_path / "out"
-    assert cli(["convert", str(tmp_path / "sp2"), str(out), "--to", "safetensors",
-                "--max-shard-size", "100B"]) == 0
+    assert (
+        cli(
+            [
+                "convert",
+                str(tmp_path / "sp2"),
+                str(out),
+                "--to",
+                "safetensors",
+                "--max-shard-size",
+                "100B",
+            ]
+        )
+        == 0
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == total and set(index["weight_map"]) == set(tensors)
     files = sorted(set(index["weight_map"].values()))
@@ -163,10 +209,10 @@ def test_safetensors_file_and_hf_directory(tmp_path):
     assert sorted(os.listdir(out)) == sorted(files + ["model.safetensors.index.json"])
     for fn in files:
         shard = load_file(out / fn)
-        assert all(index["weight_map"][k] == fn and same_bits(v, tensors[k])
-                   for k, v in shard.items())
-        assert sum(v.numel() * v.element_size() for v in shard.values()) <= 100 or \
-            len(shard) == 1
+        assert all(
+            index["weight_map"][k] == fn and same_bits(v, tensors[k]) for k, v in shard.items()
+        )
+        assert sum(v.numel() * v.element_size() for v in shard.values()) <= 100 or len(shard) == 1
         with safe_open(out / fn, "pt") as f:
             assert f.metadata() == {"format": "pt"}
 
@@ -178,10 +224,10 @@ def test_transformers_sharded_loader_reads_the_output(tmp_path):
     def model():
         m = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 8))
         return m.to(torch.bfloat16)
+
     src = model()
     sp.save(src.state_dict(), str(tmp_path / "sp"))
-    convert(str(tmp_path / "sp"), str(tmp_path / "hf"), to="safetensors",
-            max_shard_size="1KB")
+    convert(str(tmp_path / "sp"), str(tmp_path / "hf"), to="safetensors", max_shard_size="1KB")
     dst = model()
     tmu.load_sharded_checkpoint(dst, str(tmp_path / "hf"), strict=True)
     for k, v in src.state_dict().items():
@@ -193,15 +239,25 @@ def test_megatron_torch_dist(tmp_path, torch_default_safe_globals):
     import io
 
     import torch.distributed.checkpoint as dcp
+
     path = tmp_path / "iter_0000100"
     w = full("qkv", (12, 4), torch.bfloat16)
-    state = {"decoder.layers.self_attention.linear_qkv.weight": w,
-             "embedding.word_embeddings.weight": full("emb", (10, 4)),
-             "rng_state/shard_0_2": [1, 7], "rng_state/shard_1_2": [2, 7]}
+    state = {
+        "decoder.layers.self_attention.linear_qkv.weight": w,
+        "embedding.word_embeddings.weight": full("emb", (10, 4)),
+        "rng_state/shard_0_2": [1, 7],
+        "rng_state/shard_1_2": [2, 7],
+    }
     dcp.save(state, checkpoint_id=str(path), no_dist=True)
-    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist",
-                                                    "sharded_backend_version": 1,
-                                                    "common_backend": "torch"}))
+    (path / "metadata.json").write_text(
+        json.dumps(
+            {
+                "sharded_backend": "torch_dist",
+                "sharded_backend_version": 1,
+                "common_backend": "torch",
+            }
+        )
+    )
     torch.save({"iteration": 100, "checkpoint_version": 3.0}, path / "common.pt")
     assert detect_format(str(path)) == "megatron"
     rep = convert(str(path), str(tmp_path / "sp"), trust_pickle=True)
@@ -248,7 +304,7 @@ def test_a_converted_checkpoint_has_chunk_tables(tmp_path):
     w = random_bits("w", (64, 4), torch.float32)
     torch.save({"w": w}, str(tmp_path / "t.pt"))
     ck = str(tmp_path / "c")
-    convert(str(tmp_path / "t.pt"), ck, max_chunk_bytes=256)        # 4 chunks of 16 rows
+    convert(str(tmp_path / "t.pt"), ck, max_chunk_bytes=256)  # 4 chunks of 16 rows
     m = sp.read_metadata(ck)
     assert tuple(m.format_version) == (1, 3) and len(m.tensors["w"].chunk_crc32c) == 4 * 4
     assert same_bits(sp.load(ck)["w"], w)
@@ -260,8 +316,10 @@ def test_a_converted_checkpoint_has_chunk_tables(tmp_path):
         sp.load(ck)
     assert e.value.spec_id == "SP-READ-8"
 
-@pytest.mark.parametrize("to,tables", [("shardpoint", True), ("safetensors", True),
-                                       ("dcp", True), ("shardpoint", False)])
+
+@pytest.mark.parametrize(
+    "to,tables", [("shardpoint", True), ("safetensors", True), ("dcp", True), ("shardpoint", False)]
+)
 def test_a_source_replaced_while_it_is_converted_is_refused(tmp_path, to, tables):
     """Another save replaces the shardpoint source after its first tensor was read: the
     conversion fails with LoadFailedError [SP-COMMIT-14] (the reader's identity check), and
@@ -282,13 +340,13 @@ def test_a_source_replaced_while_it_is_converted_is_refused(tmp_path, to, tables
 
     def progress(_n):
         if not replaced:
-            replaced.append(sp.save({"a": torch.ones(4), "b": torch.ones(4)}, src,
-                                    overwrite=True))
+            replaced.append(sp.save({"a": torch.ones(4), "b": torch.ones(4)}, src, overwrite=True))
+
     with pytest.raises(sp.LoadFailedError, match="replaced") as e:
         convert(src, dst, to=to, progress=progress)
     assert e.value.spec_id == "SP-COMMIT-14" and replaced
-    assert sorted(os.listdir(tmp_path)) == ["src"]          # no output, no staging left
-    convert(src, dst, to=to)                                # unchanged now: converts
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # no output, no staging left
+    convert(src, dst, to=to)  # unchanged now: converts
     assert os.path.exists(dst)
 
 
@@ -327,14 +385,24 @@ def test_conversion_memory_stays_bounded(tmp_path):
     sp.save({"t": torch.ones(4)}, str(tmp_path / "tiny"))
     del big
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", MEM_SCRIPT, str(tmp_path), str(tmp_path)],
-                       capture_output=True, text=True, timeout=180, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", MEM_SCRIPT, str(tmp_path), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     to_st, to_dcp, from_dcp = map(int, r.stdout.split())
-    print(f"peak RSS growth over a {n * mib} MiB checkpoint: to safetensors {to_st} MiB, "
-          f"to DCP {to_dcp} MiB, DCP to shardpoint {from_dcp} MiB")
+    print(
+        f"peak RSS growth over a {n * mib} MiB checkpoint: to safetensors {to_st} MiB, "
+        f"to DCP {to_dcp} MiB, DCP to shardpoint {from_dcp} MiB"
+    )
     # Each bound is independent of n: a few tensors, DCP's 64 MiB batch, TensorStore buffers.
-    assert to_st < 4 * mib and to_dcp < 4 * mib and from_dcp < 64 + 4 * mib, \
-        (to_st, to_dcp, from_dcp)
+    assert to_st < 4 * mib and to_dcp < 4 * mib and from_dcp < 64 + 4 * mib, (
+        to_st,
+        to_dcp,
+        from_dcp,
+    )
     back = sp.open(str(tmp_path / "big_sp"))
     assert float(back["layer23"][5:7].to_torch()[0]) == 23.0

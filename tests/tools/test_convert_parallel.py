@@ -3,6 +3,7 @@ result is the same bytes as one process writes, from sources written by their ow
 (a 2-rank gloo ``dcp.save`` with sharded DTensors, a Hugging Face directory written by the
 ``safetensors`` package), bf16 and fp8 included; a failing or silent worker fails the whole
 conversion with the key named and leaves nothing at the destination."""
+
 import json
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from shardpoint.tools.convert.parallel import WorkItem, plan_shares, start_worke
 from shardpoint_testing.launch import run_world
 from shardpoint_testing.tensors import random_bits as full, same_bits
 
-SMALL_CHUNKS = 64     # bytes: tensors of a few hundred bytes get many chunk rows to share out
+SMALL_CHUNKS = 64  # bytes: tensors of a few hundred bytes get many chunk rows to share out
 
 
 def files_of(root):
@@ -50,21 +51,23 @@ def no_leftovers(parent):
 def split_keys(src, procs):
     """Keys whose rows the conversion shares among several workers (what the test covers)."""
     with open_source(src, trust_pickle=True) as s:
-        steps = {t.path: tensor_entry(t, SMALL_CHUNKS).chunk_shape[0] for t in s.tensors
-                 if t.shape}
+        steps = {t.path: tensor_entry(t, SMALL_CHUNKS).chunk_shape[0] for t in s.tensors if t.shape}
         shares = plan_shares(s.tensors, procs, steps)
         rows = {t.path: t.shape[0] if t.shape else 0 for t in s.tensors}
-    return {key_of(i.path) for items in shares for i in items
-            if (i.start, i.stop) != (0, rows[i.path])}
+    return {
+        key_of(i.path) for items in shares for i in items if (i.start, i.stop) != (0, rows[i.path])
+    }
 
 
 # ------------------------------------------------------------------------------- planning
 def test_plan_shares_covers_every_row_once_balanced_by_bytes():
-    ts = [TensorInfo(("big",), (100, 8), torch.float32),        # 3200 B: split by rows
-          TensorInfo(("mid",), (10, 8), torch.bfloat16),          # 160 B
-          TensorInfo(("s",), (), torch.float8_e4m3fn),            # 0-d: never split
-          TensorInfo(("e",), (0, 3), torch.float32),              # empty
-          TensorInfo(("one",), (1, 900), torch.float32)]          # 3600 B, one row
+    ts = [
+        TensorInfo(("big",), (100, 8), torch.float32),  # 3200 B: split by rows
+        TensorInfo(("mid",), (10, 8), torch.bfloat16),  # 160 B
+        TensorInfo(("s",), (), torch.float8_e4m3fn),  # 0-d: never split
+        TensorInfo(("e",), (0, 3), torch.float32),  # empty
+        TensorInfo(("one",), (1, 900), torch.float32),
+    ]  # 3600 B, one row
     shares = plan_shares(ts, 3, {("big",): 8})
     rows: dict = {}
     for items in shares:
@@ -72,7 +75,7 @@ def test_plan_shares_covers_every_row_once_balanced_by_bytes():
             assert isinstance(it, WorkItem)
             rows.setdefault(it.path, []).append((it.start, it.stop))
             if it.path == ("big",) and it.stop != 100:
-                assert it.start % 8 == 0 and it.stop % 8 == 0      # whole chunk rows
+                assert it.start % 8 == 0 and it.stop % 8 == 0  # whole chunk rows
     for t in ts:
         got = sorted(rows[t.path])
         want = t.shape[0] if t.shape else 0
@@ -83,55 +86,73 @@ def test_plan_shares_covers_every_row_once_balanced_by_bytes():
 
     def nbytes(it):
         t = by[it.path]
-        return t.nbytes if not t.shape[:1] or not t.shape[0] else \
-            (it.stop - it.start) * (t.nbytes // t.shape[0])
+        return (
+            t.nbytes
+            if not t.shape[:1] or not t.shape[0]
+            else (it.stop - it.start) * (t.nbytes // t.shape[0])
+        )
+
     loads = [sum(map(nbytes, items)) for items in shares]
     assert sum(loads) == sum(t.nbytes for t in ts)
-    assert max(loads) - min(loads) <= 3600, loads      # within the largest unsplittable piece
-    assert plan_shares(ts, 1, {}) == [[WorkItem(t.path, 0, t.shape[0] if t.shape else 0)
-                                       for t in ts]]
+    assert max(loads) - min(loads) <= 3600, loads  # within the largest unsplittable piece
+    assert plan_shares(ts, 1, {}) == [
+        [WorkItem(t.path, 0, t.shape[0] if t.shape else 0) for t in ts]
+    ]
 
 
 # ------------------------------------------------------------------------------- DCP source
 def expected():
-    return {"emb": full("pemb", (40, 8), torch.bfloat16),            # Shard(0)
-            "proj": full("pproj", (80, 12), torch.float8_e4m3fn),    # Shard(1)
-            "e5": full("pe5", (30, 4), torch.float8_e5m2),           # plain, replicated
-            "norm": full("pnorm", (6,), torch.float32),
-            "scalar": full("pscalar", (), torch.float64)}
+    return {
+        "emb": full("pemb", (40, 8), torch.bfloat16),  # Shard(0)
+        "proj": full("pproj", (80, 12), torch.float8_e4m3fn),  # Shard(1)
+        "e5": full("pe5", (30, 4), torch.float8_e5m2),  # plain, replicated
+        "norm": full("pnorm", (6,), torch.float32),
+        "scalar": full("pscalar", (), torch.float64),
+    }
 
 
 def dcp_job(rank, world, path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
+
     mesh = init_device_mesh("cpu", (world,))
     exp = expected()
 
-    def shard(t, dim):   # this rank's torch.chunk piece (gloo cannot scatter fp8)
+    def shard(t, dim):  # this rank's torch.chunk piece (gloo cannot scatter fp8)
         local = torch.chunk(t, world, dim)[rank].contiguous()
-        return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False,
-                                  shape=t.shape, stride=t.stride())
-    state = {"model": {"emb": shard(exp["emb"], 0), "proj": shard(exp["proj"], 1),
-                       "e5": exp["e5"].clone(), "norm": exp["norm"].clone()},
-             "scalar": exp["scalar"].clone(), "step": 31, "tag": b"\x01raw"}
+        return DTensor.from_local(
+            local, mesh, [Shard(dim)], run_check=False, shape=t.shape, stride=t.stride()
+        )
+
+    state = {
+        "model": {
+            "emb": shard(exp["emb"], 0),
+            "proj": shard(exp["proj"], 1),
+            "e5": exp["e5"].clone(),
+            "norm": exp["norm"].clone(),
+        },
+        "scalar": exp["scalar"].clone(),
+        "step": 31,
+        "tag": b"\x01raw",
+    }
     dcp.save(state, checkpoint_id=path)
     return rank
 
 
 def test_dcp_two_ranks_with_three_procs_equals_one_proc(tmp_path, capsys):
     src = str(tmp_path / "dcp")
-    start_workers_early()          # the fork server imports torch while the ranks save
+    start_workers_early()  # the fork server imports torch while the ranks save
     assert run_world(2, dcp_job, src, timeout=120) == [0, 1]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     convert(src, one, max_chunk_bytes=SMALL_CHUNKS, trust_pickle=True)
     rep = convert(src, two, procs=3, max_chunk_bytes=SMALL_CHUNKS, trust_pickle=True)
     assert rep.procs == 3 and rep.skipped == [] and rep.tensors == 5
-    assert split_keys(src, 3) == {"model/emb", "model/proj"}          # bf16 and fp8 by rows
+    assert split_keys(src, 3) == {"model/emb", "model/proj"}  # bf16 and fp8 by rows
     a, b = files_of(one), files_of(two)
     assert sorted(a) == sorted(b) and len(a) > 20
-    assert [k for k in a if a[k] != b[k]] == []               # byte for byte, chunk by chunk
-    assert sp.read_metadata(two).tensors["model/emb"].chunk_shape[0] < 40   # rows were shared
+    assert [k for k in a if a[k] != b[k]] == []  # byte for byte, chunk by chunk
+    assert sp.read_metadata(two).tensors["model/emb"].chunk_shape[0] < 40  # rows were shared
     exp = expected()
     with sp.open(two) as ck:
         for k in ("emb", "proj", "e5", "norm"):
@@ -145,23 +166,36 @@ def test_dcp_two_ranks_with_three_procs_equals_one_proc(tmp_path, capsys):
     # nothing appears at the destination (no staging left behind either).
     with open(os.path.join(src, "__1_0.distcp"), "r+b") as f:
         f.truncate(16)
-    with pytest.raises(sp.ConversionError, match=r"conversion worker \d failed converting "
-                       r"tensor 'model/(emb|proj|e5|norm)'.*dcp.load"):
-        convert(src, str(tmp_path / "bad"), procs=2, max_chunk_bytes=SMALL_CHUNKS,
-                trust_pickle=True)
+    with pytest.raises(
+        sp.ConversionError,
+        match=r"conversion worker \d failed converting "
+        r"tensor 'model/(emb|proj|e5|norm)'.*dcp.load",
+    ):
+        convert(
+            src, str(tmp_path / "bad"), procs=2, max_chunk_bytes=SMALL_CHUNKS, trust_pickle=True
+        )
     assert not os.path.exists(tmp_path / "bad") and no_leftovers(tmp_path)
 
 
 # ------------------------------------------------------------------------------- safetensors
-DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float32, torch.int64,
-          torch.bool, torch.float16)
+DTYPES = (
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float32,
+    torch.int64,
+    torch.bool,
+    torch.float16,
+)
 
 
 def test_hf_directory_with_procs_equals_one_proc_both_ways(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
+
     rows = (200, 300, 40, 27, 28, 29, 30)
-    tensors = {f"model.layers.{i}.w": full(f"hp{i}", (rows[i], 6), dt)
-               for i, dt in enumerate(DTYPES)}
+    tensors = {
+        f"model.layers.{i}.w": full(f"hp{i}", (rows[i], 6), dt) for i, dt in enumerate(DTYPES)
+    }
     tensors["model.scalar"] = full("hps", (), torch.float32)
     tensors["model.empty"] = torch.empty((0, 3), dtype=torch.bfloat16)
     hf = tmp_path / "hf"
@@ -177,8 +211,21 @@ def test_hf_directory_with_procs_equals_one_proc_both_ways(tmp_path, capsys):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     convert(str(hf), one, max_chunk_bytes=SMALL_CHUNKS)
     assert split_keys(str(hf), 4) == {"model.layers.0.w", "model.layers.1.w"}  # bf16, fp8
-    assert cli(["convert", str(hf), two, "--procs", "4", "--max-chunk-size",
-                f"{SMALL_CHUNKS}B", "--json"]) == 0
+    assert (
+        cli(
+            [
+                "convert",
+                str(hf),
+                two,
+                "--procs",
+                "4",
+                "--max-chunk-size",
+                f"{SMALL_CHUNKS}B",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["procs"] == 4
     a, c = files_of(one), files_of(two)
     assert sorted(a) == sorted(c) and [k for k in a if a[k] != c[k]] == []
@@ -200,33 +247,39 @@ def test_hf_directory_with_procs_equals_one_proc_both_ways(tmp_path, capsys):
 
 
 def test_torch_save_source_with_procs(tmp_path):
-    state = {"model": {f"w{i}": full(f"tp{i}", (64, 5), dt) for i, dt in enumerate(DTYPES)},
-             "step": 9}
+    state = {
+        "model": {f"w{i}": full(f"tp{i}", (64, 5), dt) for i, dt in enumerate(DTYPES)},
+        "step": 9,
+    }
     torch.save(state, tmp_path / "ckpt.pt")
     convert(str(tmp_path / "ckpt.pt"), str(tmp_path / "one"), max_chunk_bytes=SMALL_CHUNKS)
-    convert(str(tmp_path / "ckpt.pt"), str(tmp_path / "two"), procs=3,
-            max_chunk_bytes=SMALL_CHUNKS)
+    convert(str(tmp_path / "ckpt.pt"), str(tmp_path / "two"), procs=3, max_chunk_bytes=SMALL_CHUNKS)
     a, b = files_of(str(tmp_path / "one")), files_of(str(tmp_path / "two"))
     assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
     got = sp.load(str(tmp_path / "two"))
-    assert got["step"] == 9 and all(same_bits(got["model"][k], v)
-                                    for k, v in state["model"].items())
+    assert got["step"] == 9 and all(
+        same_bits(got["model"][k], v) for k, v in state["model"].items()
+    )
 
 
 def test_megatron_source_with_procs(tmp_path):
     """Megatron torch_dist: DCP tensors, sharded objects and a tensor in common.pt."""
     import torch.distributed.checkpoint as dcp
+
     path = tmp_path / "iter_0000010"
-    state = {"decoder.qkv.weight": full("mq", (48, 4), torch.bfloat16),
-             "decoder.fc.weight": full("mf", (40, 4), torch.float8_e4m3fn),
-             "rng_state/shard_0_2": [1, 7], "rng_state/shard_1_2": [2, 7]}
+    state = {
+        "decoder.qkv.weight": full("mq", (48, 4), torch.bfloat16),
+        "decoder.fc.weight": full("mf", (40, 4), torch.float8_e4m3fn),
+        "rng_state/shard_0_2": [1, 7],
+        "rng_state/shard_1_2": [2, 7],
+    }
     dcp.save(state, checkpoint_id=str(path), no_dist=True)
     (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
-    torch.save({"iteration": 10, "ema": full("me", (30, 2), torch.float32)},
-               path / "common.pt")
+    torch.save({"iteration": 10, "ema": full("me", (30, 2), torch.float32)}, path / "common.pt")
     convert(str(path), str(tmp_path / "one"), max_chunk_bytes=SMALL_CHUNKS, trust_pickle=True)
-    convert(str(path), str(tmp_path / "two"), procs=3, max_chunk_bytes=SMALL_CHUNKS,
-            trust_pickle=True)
+    convert(
+        str(path), str(tmp_path / "two"), procs=3, max_chunk_bytes=SMALL_CHUNKS, trust_pickle=True
+    )
     a, b = files_of(str(tmp_path / "one")), files_of(str(tmp_path / "two"))
     assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
     with sp.open(str(tmp_path / "two")) as ck:
@@ -242,8 +295,10 @@ def test_refusals(tmp_path, capsys):
         convert(str(tmp_path / "c"), str(tmp_path / "d"), to="dcp", procs=2)
     with pytest.raises(sp.ConversionError, match="whole number >= 1"):
         convert(str(tmp_path / "c"), str(tmp_path / "d"), to="safetensors", procs=0)
-    assert cli(["convert", str(tmp_path / "c"), str(tmp_path / "d"), "--to", "dcp",
-                "--procs", "3"]) == 1
+    assert (
+        cli(["convert", str(tmp_path / "c"), str(tmp_path / "d"), "--to", "dcp", "--procs", "3"])
+        == 1
+    )
     err = capsys.readouterr().err
     assert "ConversionError" in err and "--procs" in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "d")
@@ -254,13 +309,17 @@ def test_a_worker_stuck_on_its_read_is_stopped(tmp_path):
     nothing; ``worker_timeout`` seconds after it started on its tensor the conversion stops it
     and fails, naming the key, instead of hanging; nothing appears at the destination."""
     import torch.distributed.checkpoint as dcp
+
     src = tmp_path / "dcp"
     dcp.save({"w": full("stuck", (8, 4), torch.bfloat16)}, checkpoint_id=str(src), no_dist=True)
     (data,) = [n for n in os.listdir(src) if n.endswith(".distcp")]
     os.remove(src / data)
     os.mkfifo(src / data)
-    with pytest.raises(sp.ConversionError, match=r"worker \d reported nothing for 2s while "
-                       r"converting tensor 'w'"):
+    with pytest.raises(
+        sp.ConversionError,
+        match=r"worker \d reported nothing for 2s while "
+        r"converting tensor 'w'",
+    ):
         convert(str(src), str(tmp_path / "out"), procs=2, worker_timeout=2, trust_pickle=True)
     assert not os.path.exists(tmp_path / "out") and no_leftovers(tmp_path)
 
@@ -272,16 +331,18 @@ def test_worker_memory_stays_bounded(tmp_path):
     16 MiB) stays within the bounds the one-process test holds (a few tensors; DCP's 64 MiB
     read batch), whatever the checkpoint's size."""
     n, mib = 24, 16
-    sp.save({f"layer{i}": torch.full((mib << 18,), float(i)) for i in range(n)},
-            str(tmp_path / "big"))
+    sp.save(
+        {f"layer{i}": torch.full((mib << 18,), float(i)) for i in range(n)}, str(tmp_path / "big")
+    )
     convert(str(tmp_path / "big"), str(tmp_path / "big_dcp"), to="dcp")
     to_st = convert(str(tmp_path / "big"), str(tmp_path / "st"), to="safetensors", procs=2)
-    from_dcp = convert(str(tmp_path / "big_dcp"), str(tmp_path / "sp"), procs=2,
-                       trust_pickle=True)
+    from_dcp = convert(str(tmp_path / "big_dcp"), str(tmp_path / "sp"), procs=2, trust_pickle=True)
     st_mib = [b >> 20 for b in to_st.worker_peak_bytes]
     dcp_mib = [b >> 20 for b in from_dcp.worker_peak_bytes]
-    print(f"worker peak RSS growth over a {n * mib} MiB checkpoint: to safetensors {st_mib} "
-          f"MiB, DCP to shardpoint {dcp_mib} MiB")
+    print(
+        f"worker peak RSS growth over a {n * mib} MiB checkpoint: to safetensors {st_mib} "
+        f"MiB, DCP to shardpoint {dcp_mib} MiB"
+    )
     assert len(st_mib) == 2 and len(dcp_mib) == 2
     assert max(st_mib) < 4 * mib and max(dcp_mib) < 64 + 4 * mib, (st_mib, dcp_mib)
     with sp.open(str(tmp_path / "sp")) as ck:

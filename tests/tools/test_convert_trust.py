@@ -1,6 +1,7 @@
 """``convert`` never unpickles a DCP or Megatron ``.metadata`` unless asked to
 (``--trust-pickle`` / ``trust_pickle=True``), as ``diff`` does: the same error class and
 message, and nothing read or written before the refusal."""
+
 import json
 import pickle
 
@@ -29,8 +30,9 @@ def hostile(tmp_path, kind):
     src.mkdir()
     (src / ".metadata").write_bytes(pickle.dumps(Boom(marker)))
     if kind == "megatron":
-        (src / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist",
-                                                        "sharded_backend_version": 1}))
+        (src / "metadata.json").write_text(
+            json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
+        )
     return src, marker
 
 

@@ -1,5 +1,6 @@
 """The resume demo as a newcomer runs it: real forked gloo ranks, a real SIGKILL, three
 resumes compared with an uninterrupted run; its checks must also be able to fail."""
+
 import subprocess
 import sys
 
@@ -10,16 +11,21 @@ from shardpoint.api.manager import CheckpointManager
 
 
 def test_demo_kills_and_resumes_exactly(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "shardpoint.tools.cli", "demo", "--dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [sys.executable, "-m", "shardpoint.tools.cli", "demo", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
     text = r.stdout + r.stderr
     assert r.returncode == 0, text
     assert "SIGKILL to all 4 ranks" in text and "demo: PASSED" in text, text
     rows = [line for line in text.splitlines() if line.startswith("(")]
     assert [row.split()[0] for row in rows] == ["(a)", "(b)", "(c)"]
     assert all(row.split()[-1] == "PASS" for row in rows), text
-    assert rows[0].count("bitwise equal") == 2                # (a): state and losses exact
-    assert all("bitwise equal" in row for row in rows)        # state at resume, every layout
+    assert rows[0].count("bitwise equal") == 2  # (a): state and losses exact
+    assert all("bitwise equal" in row for row in rows)  # state at resume, every layout
     assert text.count("[reference] step") == 12
     # the killed run left its newest complete checkpoint, nothing else committed after it
     killed = CheckpointManager(tmp_path / "killed")

@@ -1,5 +1,6 @@
 """The CLI on gs:// checkpoints against the local GCS emulator: inspect, verify, recover (a
 crashed save's prefix removed, the committed one kept) and convert into gs://."""
+
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from shardpoint.tools.cli import main  # noqa: E402
 from shardpoint_core.stores.gcs import GcsStore  # noqa: E402
 
 
-@pytest.mark.slow     # the same CLI code as tests/tools/test_s3_cli.py; the store differs
+@pytest.mark.slow  # the same CLI code as tests/tools/test_s3_cli.py; the store differs
 def test_cli_on_gcs(gcs_env, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     root = gcs_env.url(gcs_env.fresh_prefix("cli"))

@@ -1,10 +1,11 @@
 """The progress bar's ``advance`` and ``set_total`` draw bytes done of the total, or nothing."""
+
 from shardpoint.tools import progress
 
 
 def test_bar_draws_bytes_done_of_the_total_set_later(capsys):
     with progress.bar("verify", None, True) as adv:
-        adv.set_total(4 << 20)       # the total becomes known once the source is open
+        adv.set_total(4 << 20)  # the total becomes known once the source is open
         adv(1 << 20)
         adv(1 << 20)
     err = capsys.readouterr().err

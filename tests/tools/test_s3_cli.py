@@ -1,6 +1,7 @@
 """The CLI on s3:// checkpoints against a real S3 server: inspect, verify (strict too), diff,
 recover (a crashed save's prefix removed, the committed one kept), convert from S3 to a local
 file and from a local file to S3; a scheme nobody registered refused, never a local folder."""
+
 import json
 import uuid
 
@@ -29,18 +30,18 @@ def test_cli_on_s3(s3_env, tmp_path, capsys, monkeypatch):
     assert main(["inspect", "--json", a]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["tensors"]["w"]["shape"] == [8, 4]
-    assert info["tensors"]["w"]["array"].startswith("save-")          # [SP-COMMIT-11]
+    assert info["tensors"]["w"]["array"].startswith("save-")  # [SP-COMMIT-11]
     assert main(["verify", a]) == 0 and main(["verify", "--strict", a]) == 0
     assert "OK: " + a in capsys.readouterr().out
     assert main(["diff", a, a]) == 0 and main(["diff", a, b]) == 1
     assert main(["verify", f"{root}/none"]) == 2
 
-    crashed = f"save-{uuid.uuid4().hex}"         # a dead save: its lease expired
+    crashed = f"save-{uuid.uuid4().hex}"  # a dead save: its lease expired
     crashed_save(S3Store.from_url(a), crashed, {"tensors/w/c/0/0": b"partial"})
     capsys.readouterr()
     assert main(["recover", "--dry-run", a]) == 0
-    assert "skipped" in capsys.readouterr().out                        # too young
-    user = "save-20240101/notes.txt"             # named like a save prefix, a user's
+    assert "skipped" in capsys.readouterr().out  # too young
+    user = "save-20240101/notes.txt"  # named like a save prefix, a user's
     S3Store.from_url(a).put(user, b"user data")
     assert main(["recover", "--min-age", "0", root]) == 0
     assert "SP-COMMIT-15" in capsys.readouterr().out
@@ -49,10 +50,10 @@ def test_cli_on_s3(s3_env, tmp_path, capsys, monkeypatch):
     assert main(["verify", a]) == 0
 
     out = tmp_path / "w.safetensors"
-    assert main(["convert", "--to", "safetensors", a, str(out)]) == 0      # S3 -> local
+    assert main(["convert", "--to", "safetensors", a, str(out)]) == 0  # S3 -> local
     assert out.exists()
     capsys.readouterr()
-    assert main(["convert", str(out), f"{root}/c"]) == 0                 # local -> S3
+    assert main(["convert", str(out), f"{root}/c"]) == 0  # local -> S3
     assert main(["verify", f"{root}/c"]) == 0
     capsys.readouterr()
     assert main(["convert", "--to", "safetensors", a, f"{root}/d.safetensors"]) == 1
@@ -62,14 +63,29 @@ def test_cli_on_s3(s3_env, tmp_path, capsys, monkeypatch):
     assert not list(tmp_path.glob("s3*")) and not list(tmp_path.glob("nostore*"))
 
 
-@pytest.mark.slow       # two spawned worlds (~40 s on a busy 2-core machine)
+@pytest.mark.slow  # two spawned worlds (~40 s on a busy 2-core machine)
 def test_conformance_run_on_s3(s3_env, capsys):
     """``shardpoint conformance run --store s3://...``: random cases saved by 2 gloo ranks
     and loaded by 1 in another layout, on the object store, checked bit for bit."""
     from shardpoint_conformance.cli import main as conformance
+
     root = s3_env.url(s3_env.fresh_prefix("conformance"))
-    rc = conformance(["run", "--store", root, "--cases", "2", "--seed", "3",
-                      "--save-world-sizes", "2", "--load-world-sizes", "1", "--no-vectors"])
+    rc = conformance(
+        [
+            "run",
+            "--store",
+            root,
+            "--cases",
+            "2",
+            "--seed",
+            "3",
+            "--save-world-sizes",
+            "2",
+            "--load-world-sizes",
+            "1",
+            "--no-vectors",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "2/2 case(s) passed" in out

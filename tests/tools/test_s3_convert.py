@@ -2,6 +2,7 @@
 published by the object-store commit like ``sp.save`` (format.md 9.1), bit for bit, and the
 overwrite rules hold: only a committed checkpoint is replaced (with consent), objects that are
 not a checkpoint of ours never ([SP-COMMIT-13]), and the source never."""
+
 import pytest
 
 pytest.importorskip("boto3")
@@ -18,8 +19,11 @@ from shardpoint_testing.tensors import same_bits  # noqa: E402
 
 def tensors(gen):
     g = torch.Generator().manual_seed(gen)
-    return {"w": torch.randn(33, 7, generator=g), "b": torch.randn(5, generator=g).half(),
-            "i": torch.arange(12, dtype=torch.int64).reshape(3, 4) + gen}
+    return {
+        "w": torch.randn(33, 7, generator=g),
+        "b": torch.randn(5, generator=g).half(),
+        "i": torch.arange(12, dtype=torch.int64).reshape(3, 4) + gen,
+    }
 
 
 def saved_file(tmp_path, gen):
@@ -29,18 +33,17 @@ def saved_file(tmp_path, gen):
 
 
 def save_prefixes(url):
-    return {o.key.split("/")[0] for o in S3Store.from_url(url).list()
-            if o.key.startswith("save-")}
+    return {o.key.split("/")[0] for o in S3Store.from_url(url).list() if o.key.startswith("save-")}
 
 
 def test_convert_into_s3_commits_like_a_save(s3_env, tmp_path):
     dst = s3_env.url(s3_env.fresh_prefix("conv") + "/ck")
-    rep = convert(saved_file(tmp_path, 0), dst, max_chunk_bytes=256)   # many chunks
+    rep = convert(saved_file(tmp_path, 0), dst, max_chunk_bytes=256)  # many chunks
     assert rep.dst_format == "shardpoint" and rep.dst == dst
     out = sp.load(dst)
     assert all(same_bits(out[k], v) for k, v in tensors(0).items())
     assert verify_checkpoint(dst).ok
-    assert len(save_prefixes(dst)) == 1                         # [SP-COMMIT-11]
+    assert len(save_prefixes(dst)) == 1  # [SP-COMMIT-11]
     # shardpoint -> shardpoint from S3 to S3 (a copy into another prefix)
     copy = s3_env.url(s3_env.fresh_prefix("conv") + "/copy")
     convert(dst, copy, to="shardpoint")
@@ -54,7 +57,7 @@ def test_overwrite_rules_on_s3(s3_env, tmp_path):
     first = save_prefixes(dst)
     with pytest.raises(sp.CheckpointExistsError, match="overwrite"):
         convert(saved_file(tmp_path, 1), dst)
-    convert(saved_file(tmp_path, 1), dst, overwrite=True)       # a committed one: replaced
+    convert(saved_file(tmp_path, 1), dst, overwrite=True)  # a committed one: replaced
     assert all(same_bits(sp.load(dst)[k], v) for k, v in tensors(1).items())
     assert save_prefixes(dst).isdisjoint(first) and len(save_prefixes(dst)) == 1
     # the source is never replaced: not as the target, nor inside it
@@ -85,7 +88,7 @@ def test_a_failed_conversion_leaves_nothing_at_the_target(s3_env, tmp_path):
     assert list(S3Store.from_url(dst).list()) == []
 
 
-@pytest.mark.slow     # two spawned worker processes (~20 s on the shared 2-core machine)
+@pytest.mark.slow  # two spawned worker processes (~20 s on the shared 2-core machine)
 def test_parallel_convert_into_s3(s3_env, tmp_path):
     dst = s3_env.url(s3_env.fresh_prefix("conv") + "/par")
     convert(saved_file(tmp_path, 2), dst, procs=2, max_chunk_bytes=256)

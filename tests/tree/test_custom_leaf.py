@@ -1,6 +1,7 @@
 """A leaf kind added with ``register_leaf`` alone is understood by save, load with ``like``,
 ``shardpoint inspect``, ``diff`` and ``convert`` (torch.save in, shardpoint out), with no edit
 to any of them: they classify leaves through the registry and the checkpoint's typed tree."""
+
 import json
 
 import pytest
@@ -52,8 +53,10 @@ def boxed():
 
 
 def state(seed="w"):
-    return {"model": {"w": Boxed(random_bits(seed, (6, 5), torch.bfloat16)),
-                      "b": torch.ones(5)}, "step": 3}
+    return {
+        "model": {"w": Boxed(random_bits(seed, (6, 5), torch.bfloat16)), "b": torch.ones(5)},
+        "step": 3,
+    }
 
 
 def test_save_load_like_inspect_and_diff(boxed, tmp_path, capsys):
@@ -64,13 +67,15 @@ def test_save_load_like_inspect_and_diff(boxed, tmp_path, capsys):
     m = read_metadata(a)
     assert m.tree["model"]["w"].kind == "tensor" and m.tensors["model/w"].shape == (6, 5)
 
-    like = {"model": {"w": Boxed(torch.empty(6, 5, dtype=torch.bfloat16)),
-                      "b": torch.empty(5)}, "step": 0}
+    like = {
+        "model": {"w": Boxed(torch.empty(6, 5, dtype=torch.bfloat16)), "b": torch.empty(5)},
+        "step": 0,
+    }
     target = like["model"]["w"].t
     got = sp.load(a, like=like)
     assert isinstance(got["model"]["w"], Boxed) and got["model"]["w"].t is target
     assert same_bits(target, state()["model"]["w"].t) and got["step"] == 3
-    whole = sp.load(a)                              # no like: a plain tensor
+    whole = sp.load(a)  # no like: a plain tensor
     assert same_bits(whole["model"]["w"], state()["model"]["w"].t)
 
     assert cli(["inspect", a, "--json"]) == 0
@@ -88,7 +93,7 @@ def test_save_load_like_inspect_and_diff(boxed, tmp_path, capsys):
 def test_convert_a_torch_save_file_holding_the_custom_leaf(boxed, tmp_path):
     src, dst = str(tmp_path / "m.pt"), str(tmp_path / "ck")
     torch.save(state(), src)
-    with torch.serialization.safe_globals([Boxed]):     # weights_only may build it
+    with torch.serialization.safe_globals([Boxed]):  # weights_only may build it
         rep = convert(src, dst)
     assert rep.tensors == 2 and rep.values == 1 and rep.skipped == []
     got = sp.load(dst)

@@ -1,31 +1,39 @@
 """One typed state tree: leaf handlers (one per kind of leaf, used by save and by load
 targets) and the typed tree readers see (``Manifest.tree``, ``sp.open(...).tree``)."""
+
 import numpy as np
 import pytest
 import torch
 
 import shardpoint as sp
 from shardpoint.tree import leaves
-from shardpoint_core.format.statetree import (ObjectLeaf, TensorLeaf, ValueLeaf, iter_leaves,
-                                       wire_tree)
+from shardpoint_core.format.statetree import (
+    ObjectLeaf,
+    TensorLeaf,
+    ValueLeaf,
+    iter_leaves,
+    wire_tree,
+)
 
 
 def _state() -> dict:
-    return {"model": {"w": torch.arange(6.0).view(2, 3), "n": np.arange(4, dtype=np.int16)},
-            "sched": [1, (2.5, "x"), None], "rng": sp.ShardedObject({"seed": 7}, 0, 1),
-            "empty": {}}
+    return {
+        "model": {"w": torch.arange(6.0).view(2, 3), "n": np.arange(4, dtype=np.int16)},
+        "sched": [1, (2.5, "x"), None],
+        "rng": sp.ShardedObject({"seed": 7}, 0, 1),
+        "empty": {},
+    }
 
 
 def test_metadata_tree_is_the_saved_tree_with_typed_leaves(tmp_ckpt):
     sp.save(_state(), tmp_ckpt)
     m = sp.read_metadata(tmp_ckpt)
     t = m.tree
-    assert m.state_tree is t and m.tree is t     # built once; state_tree is an alias
+    assert m.state_tree is t and m.tree is t  # built once; state_tree is an alias
     assert set(t) == {"model", "sched", "rng", "empty"} and t["empty"] == {}
     w, n = t["model"]["w"], t["model"]["n"]
-    assert isinstance(w, TensorLeaf) and (w.key, w.shape, w.dtype) == ("model/w", (2, 3),
-                                                                       "float32")
-    assert w.origin is None and n.origin == "numpy" and n.dtype == "int16"   # [SP-MAN-6]
+    assert isinstance(w, TensorLeaf) and (w.key, w.shape, w.dtype) == ("model/w", (2, 3), "float32")
+    assert w.origin is None and n.origin == "numpy" and n.dtype == "int16"  # [SP-MAN-6]
     assert w.nbytes == 24 and w.entry is m.tensors["model/w"]
     assert isinstance(t["sched"], list) and isinstance(t["sched"][1], tuple)
     assert t["sched"][1][1] == ValueLeaf("sched/1/1", "x")
@@ -33,7 +41,7 @@ def test_metadata_tree_is_the_saved_tree_with_typed_leaves(tmp_ckpt):
     assert isinstance(t["rng"], ObjectLeaf) and t["rng"].grid == (1,)
     assert t["rng"].nested() == [{"seed": 7}]
     assert [k for k, _ in iter_leaves(t)][:2] == [("model", "w"), ("model", "n")]
-    assert wire_tree(t) == m.wire_tree       # the manifest's encoding, given back
+    assert wire_tree(t) == m.wire_tree  # the manifest's encoding, given back
 
 
 def _every_kind() -> dict:
@@ -41,12 +49,15 @@ def _every_kind() -> dict:
     mesh) and every kind of container, empty ones and int keys included."""
     rows = torch.arange(24.0).view(4, 6)
     return {
-        "t": torch.ones(2, 3, dtype=torch.bfloat16), "np": np.arange(5, dtype=np.uint16),
+        "t": torch.ones(2, 3, dtype=torch.bfloat16),
+        "np": np.arange(5, dtype=np.uint16),
         "st": sp.ShardedTensor(rows, (4, 6), (0, 0)),
-        "flat": sp.ShardedTensor(torch.arange(12), (3, 4), (0, 0), local_shape=(3, 4),
-                                 flattened_range=(0, 12)),
-        "pieces": sp.ShardedPieces([sp.ShardedTensor(rows[:1], (4, 6), (0, 0)),
-                                    sp.ShardedTensor(rows[1:], (4, 6), (1, 0))]),
+        "flat": sp.ShardedTensor(
+            torch.arange(12), (3, 4), (0, 0), local_shape=(3, 4), flattened_range=(0, 12)
+        ),
+        "pieces": sp.ShardedPieces(
+            [sp.ShardedTensor(rows[:1], (4, 6), (0, 0)), sp.ShardedTensor(rows[1:], (4, 6), (1, 0))]
+        ),
         "obj": sp.ShardedObject({"seed": 1}, 0, 1),
         "grid": sp.ShardedObject((1, "a"), (0, 0), (1, 1)),
         7: {0: "int keys", "7": b"bytes"},
@@ -60,6 +71,7 @@ def _expected_skeleton(x, path=()):
     """What the typed tree must be for the saved ``x``: containers as they are, a leaf as
     (kind, shape, dtype) / (kind, grid) / (kind, value)."""
     from shardpoint.tree import dtypes
+
     if isinstance(x, dict):
         return {k: _expected_skeleton(v, path + (k,)) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -94,7 +106,7 @@ def test_metadata_tree_of_every_leaf_kind_is_what_was_saved(tmp_ckpt):
     sp.save(state, tmp_ckpt)
     m = sp.read_metadata(tmp_ckpt)
     assert _typed_skeleton(m.tree) == _expected_skeleton(state)
-    assert list(m.tree) == list(state) and list(m.tree[7]) == [0, "7"]   # order and key types
+    assert list(m.tree) == list(state) and list(m.tree[7]) == [0, "7"]  # order and key types
     keys = [leaf.key for _p, leaf in sp.iter_leaves(m.tree)]
     assert keys[:4] == ["t", "np", "st", "flat"] and "7/~7" in keys and len(keys) == 21
     assert sp.node_at(m.tree, ("tup", 1, 1, 0)) == sp.ValueLeaf("tup/1/1/0", "deep")
@@ -111,8 +123,15 @@ def test_open_hands_the_typed_tree(tmp_ckpt):
 
 
 def test_handlers_in_match_order():
-    assert leaves.leaf_kinds() == ["ShardedTensor", "ShardedPieces", "DTensor",
-                                   "torch.Tensor", "numpy.ndarray", "ShardedObject", "value"]
+    assert leaves.leaf_kinds() == [
+        "ShardedTensor",
+        "ShardedPieces",
+        "DTensor",
+        "torch.Tensor",
+        "numpy.ndarray",
+        "ShardedObject",
+        "value",
+    ]
     assert leaves.handler_for(torch.ones(1)).name == "torch.Tensor"
     assert leaves.handler_for(np.ones(1)).kind == "tensor"
     assert leaves.handler_for(sp.ShardedObject(1, 0, 1)).kind == "object"
@@ -165,8 +184,13 @@ def test_a_new_leaf_kind_is_one_handler(tmp_ckpt, scaled_registered):
 def test_a_missing_leaf_of_each_kind_is_reported(tmp_ckpt):
     sp.save({"a": torch.ones(1)}, tmp_ckpt)
     rep = sp.LoadResult()
-    like = {"a": torch.zeros(1), "t": torch.zeros(2), "n": np.zeros(2),
-            "o": sp.ShardedObject("keep", 0, 1), "v": 5}
+    like = {
+        "a": torch.zeros(1),
+        "t": torch.zeros(2),
+        "n": np.zeros(2),
+        "o": sp.ShardedObject("keep", 0, 1),
+        "v": 5,
+    }
     out = sp.load(tmp_ckpt, like=like, strict=False, report=rep)
     assert rep.missing_keys == ["tensor 't'", "tensor 'n'", "sharded object 'o'", "value 'v'"]
     assert out["o"] == "keep" and out["v"] == 5 and out["t"] is like["t"]

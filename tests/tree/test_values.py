@@ -1,5 +1,6 @@
 """Value encoding ([SP-VALUE-1], [SP-VALUE-2]): every allowed kind round-trips exactly, by
 type and by bits; everything else is refused with the key and a way to convert it."""
+
 import argparse
 import collections
 import datetime
@@ -31,11 +32,18 @@ def same(a, b):
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and \
-            dtypes.torch_to_numpy(a.contiguous()).tobytes() == dtypes.torch_to_numpy(b).tobytes()
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and dtypes.torch_to_numpy(a.contiguous()).tobytes()
+            == dtypes.torch_to_numpy(b).tobytes()
+        )
     if isinstance(a, (np.ndarray, np.generic)):
-        return a.dtype == b.dtype and np.shape(a) == np.shape(b) and \
-            np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        return (
+            a.dtype == b.dtype
+            and np.shape(a) == np.shape(b)
+            and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        )
     return a == b
 
 
@@ -44,13 +52,25 @@ def rt(v):
     return values.unpack(values.pack(v))
 
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1),
-                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=10),
-                    st.binary(max_size=10))
-plain = st.recursive(scalars, lambda kids: st.one_of(
-    st.lists(kids, max_size=4), st.lists(kids, max_size=4).map(tuple),
-    st.dictionaries(st.one_of(st.text(max_size=5), st.integers(-2**63, 2**64 - 1)), kids,
-                    max_size=4)), max_leaves=20)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=10),
+    st.binary(max_size=10),
+)
+plain = st.recursive(
+    scalars,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=4),
+        st.lists(kids, max_size=4).map(tuple),
+        st.dictionaries(
+            st.one_of(st.text(max_size=5), st.integers(-(2**63), 2**64 - 1)), kids, max_size=4
+        ),
+    ),
+    max_leaves=20,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -59,11 +79,32 @@ def test_plain_values_round_trip_exactly(v):
     assert same(rt(v), v)
 
 
-@pytest.mark.parametrize("v", [
-    None, True, False, 0, -2**63, 2**64 - 1, 1.5, -0.0, float("inf"), float("nan"), "", "é🙂",
-    b"", b"\x00\xff", [], (), {}, [1, (2, [3, (4,)])], ((),), {"a": (1, 2), 3: [b"x"]},
-    {-1: None, 2**64 - 1: 1},
-])
+@pytest.mark.parametrize(
+    "v",
+    [
+        None,
+        True,
+        False,
+        0,
+        -(2**63),
+        2**64 - 1,
+        1.5,
+        -0.0,
+        float("inf"),
+        float("nan"),
+        "",
+        "é🙂",
+        b"",
+        b"\x00\xff",
+        [],
+        (),
+        {},
+        [1, (2, [3, (4,)])],
+        ((),),
+        {"a": (1, 2), 3: [b"x"]},
+        {-1: None, 2**64 - 1: 1},
+    ],
+)
 def test_listed_values_round_trip(v):
     assert same(rt(v), v)
 
@@ -75,8 +116,15 @@ def test_small_tensors_arrays_and_numpy_scalars_keep_dtype_and_bits(d):
         raw &= 1
     a = raw.view(d.numpy).reshape(2, 3)
     t = dtypes.numpy_to_torch(a.copy())
-    v = {"t": t, "t0": t[0, 0].clone(), "tT": t.t(), "a": a, "a0": np.asarray(a[0, 0]),
-         "s": a[1, 2], "empty": t[:0]}
+    v = {
+        "t": t,
+        "t0": t[0, 0].clone(),
+        "tT": t.t(),
+        "a": a,
+        "a0": np.asarray(a[0, 0]),
+        "s": a[1, 2],
+        "empty": t[:0],
+    }
     back = rt(v)
     assert isinstance(back["s"], np.generic) and back["s"].dtype == d.numpy
     assert isinstance(back["a0"], np.ndarray) and back["a0"].shape == ()
@@ -117,18 +165,36 @@ class Name(str):
     pass
 
 
-@pytest.mark.parametrize("bad,hint", [
-    (argparse.Namespace(lr=0.1), "vars"), ({1, 2}, "set"), (frozenset(), "frozenset"),
-    (lambda x: x, "function"), (object(), "object"), (Color.RED, "Color"), (Name("x"), "Name"),
-    (np.str_("x"), "dtype"), (np.array(["a"]), "dtype"), (np.zeros(2, dtype=object), "dtype"),
-    (np.zeros(1, dtype=np.longdouble), "dtype"), (2**64, "64-bit"), (-2**63 - 1, "64-bit"),
-    ({1.5: 2}, "dict key"), ({True: 1}, "dict key"), ({2**64: 1}, "dict key"),
-    (datetime.date(2020, 1, 1), "date"), (pathlib.Path("/x"), "Path"),
-    (fractions.Fraction(1, 3), "Fraction"), (1j, "complex"), (bytearray(b"x"), "bytearray"),
-    (torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8), "dtype"),
-    (torch.ones(2, dtype=torch.float8_e4m3fnuz), "dtype"),
-    (collections.deque([1]), "deque"), (range(3), "range"),
-])
+@pytest.mark.parametrize(
+    "bad,hint",
+    [
+        (argparse.Namespace(lr=0.1), "vars"),
+        ({1, 2}, "set"),
+        (frozenset(), "frozenset"),
+        (lambda x: x, "function"),
+        (object(), "object"),
+        (Color.RED, "Color"),
+        (Name("x"), "Name"),
+        (np.str_("x"), "dtype"),
+        (np.array(["a"]), "dtype"),
+        (np.zeros(2, dtype=object), "dtype"),
+        (np.zeros(1, dtype=np.longdouble), "dtype"),
+        (2**64, "64-bit"),
+        (-(2**63) - 1, "64-bit"),
+        ({1.5: 2}, "dict key"),
+        ({True: 1}, "dict key"),
+        ({2**64: 1}, "dict key"),
+        (datetime.date(2020, 1, 1), "date"),
+        (pathlib.Path("/x"), "Path"),
+        (fractions.Fraction(1, 3), "Fraction"),
+        (1j, "complex"),
+        (bytearray(b"x"), "bytearray"),
+        (torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8), "dtype"),
+        (torch.ones(2, dtype=torch.float8_e4m3fnuz), "dtype"),
+        (collections.deque([1]), "deque"),
+        (range(3), "range"),
+    ],
+)
 def test_refused_values_name_the_key_and_say_how_to_convert(bad, hint):
     with pytest.raises(sp.UnsupportedValueError) as e:
         values.check_value({"inner": [bad]}, "state['cfg']")
@@ -153,9 +219,19 @@ def test_namespace_hint_is_actionable(tmp_ckpt):
 
 
 def test_values_round_trip_through_a_checkpoint(tmp_ckpt):
-    v = {"none": None, "t": (1, (2.5, "x")), "b": b"\x00", "big": 2**64 - 1, "neg": -2**63,
-         "nan": float("nan"), "nz": -0.0, "np": np.float16(1.5), "ml": ml_dtypes.bfloat16(2),
-         "list": [np.int8(-1), {"k": (None,)}], 5: "int key"}
+    v = {
+        "none": None,
+        "t": (1, (2.5, "x")),
+        "b": b"\x00",
+        "big": 2**64 - 1,
+        "neg": -(2**63),
+        "nan": float("nan"),
+        "nz": -0.0,
+        "np": np.float16(1.5),
+        "ml": ml_dtypes.bfloat16(2),
+        "list": [np.int8(-1), {"k": (None,)}],
+        5: "int key",
+    }
     sp.save(v, tmp_ckpt)
     assert same(sp.load(tmp_ckpt), v)
     like = {k: (None if k not in ("t", "list") else v[k]) for k in v}
@@ -164,6 +240,7 @@ def test_values_round_trip_through_a_checkpoint(tmp_ckpt):
 
 def test_malformed_array_extension_is_corrupt_not_a_crash():
     import msgpack
+
     for body in ([b"nope"], ["float32", [3], b"\x00" * 5, "numpy"], ["int128", [1], b"", "numpy"]):
         data = msgpack.packb(msgpack.ExtType(values.EXT_ARRAY, msgpack.packb(body)))
         with pytest.raises(sp.CorruptCheckpointError):

@@ -25,6 +25,7 @@ Example::
     read_region(store, "tensors/w", read_array_meta(store, "tensors/w", spec, "w"),
                 (1, 1), out, "w")
 """
+
 from __future__ import annotations
 
 import math
@@ -41,15 +42,23 @@ from shardpoint_core.format.errors import CorruptCheckpointError
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.stores.base import ByteStore, SuffixRead
 from shardpoint_core.arrays.checks import check_shard_index, checked_zarr_json
-from shardpoint_core.arrays.direct_write import (INNER_ALIGN, encode_chunk, stored_codecs,
-                                               zarr_json_bytes)
+from shardpoint_core.arrays.direct_write import (
+    INNER_ALIGN,
+    encode_chunk,
+    stored_codecs,
+    zarr_json_bytes,
+)
 from shardpoint_core.arrays.identity import check_unit, table_of, unit_of
-from shardpoint_core.format.layout import (INNER_CHUNK_BYTES, SHARD_ABOVE_BYTES, codecs_for,
-                                          fill_value)
+from shardpoint_core.format.layout import (
+    INNER_CHUNK_BYTES,
+    SHARD_ABOVE_BYTES,
+    codecs_for,
+    fill_value,
+)
 
 MAX_ZARR_JSON_BYTES = 1 << 20
 ABSENT = 2**64 - 1
-MAX_SPAN_BYTES = 16 << 20   # one ranged read of back-to-back inner chunks at most
+MAX_SPAN_BYTES = 16 << 20  # one ranged read of back-to-back inner chunks at most
 _ZEROS = np.zeros(INNER_ALIGN, np.uint8)
 
 
@@ -92,17 +101,27 @@ class ArrayLayout:
         return self.np_dtype.itemsize
 
     @classmethod
-    def create(cls, shape: Sequence[int], dtype: str, chunk: Sequence[int], *,
-               shard_above_bytes: int = SHARD_ABOVE_BYTES,
-               inner_chunk_bytes: int = INNER_CHUNK_BYTES) -> "ArrayLayout":
+    def create(
+        cls,
+        shape: Sequence[int],
+        dtype: str,
+        chunk: Sequence[int],
+        *,
+        shard_above_bytes: int = SHARD_ABOVE_BYTES,
+        inner_chunk_bytes: int = INNER_CHUNK_BYTES,
+    ) -> "ArrayLayout":
         """The layout a writer chooses (the backend's codec chain, :func:`codecs_for`)."""
         spec = ArraySpec(tuple(shape), dtype, tuple(chunk))
         itemsize = DTYPES[dtype].itemsize
         codecs = codecs_for(spec, itemsize, shard_above_bytes, inner_chunk_bytes)
-        return cls.from_meta({"shape": list(shape), "data_type": dtype,
-                              "codecs": stored_codecs(codecs, itemsize),
-                              "chunk_grid": {"name": "regular",
-                                             "configuration": {"chunk_shape": list(chunk)}}})
+        return cls.from_meta(
+            {
+                "shape": list(shape),
+                "data_type": dtype,
+                "codecs": stored_codecs(codecs, itemsize),
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
+            }
+        )
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> "ArrayLayout":
@@ -111,16 +130,29 @@ class ArrayLayout:
         inner = None
         if codecs[0].get("name") == "sharding_indexed":
             inner = tuple(codecs[0]["configuration"]["chunk_shape"])
-        return cls(tuple(meta["shape"]), meta["data_type"],
-                   tuple(meta["chunk_grid"]["configuration"]["chunk_shape"]), inner, codecs)
+        return cls(
+            tuple(meta["shape"]),
+            meta["data_type"],
+            tuple(meta["chunk_grid"]["configuration"]["chunk_shape"]),
+            inner,
+            codecs,
+        )
 
     def zarr_json(self) -> bytes:
         """zarr.json as TensorStore writes it (compact, keys sorted)."""
-        return zarr_json_bytes({
-            "shape": list(self.shape), "data_type": self.dtype,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk)}},
-            "chunk_key_encoding": {"name": "default"}, "fill_value": fill_value(self.dtype),
-            "codecs": self.codecs})
+        return zarr_json_bytes(
+            {
+                "shape": list(self.shape),
+                "data_type": self.dtype,
+                "chunk_grid": {
+                    "name": "regular",
+                    "configuration": {"chunk_shape": list(self.chunk)},
+                },
+                "chunk_key_encoding": {"name": "default"},
+                "fill_value": fill_value(self.dtype),
+                "codecs": self.codecs,
+            }
+        )
 
     def grid(self) -> tuple[Any, ...]:
         """Chunks per dimension."""
@@ -146,34 +178,44 @@ def write_array_meta(store: ByteStore, array_path: str, layout: ArrayLayout) -> 
         pass
 
 
-def read_array_meta(store: ByteStore, array_path: str, spec: ArraySpec,
-                    key: str) -> ArrayLayout:
+def read_array_meta(store: ByteStore, array_path: str, spec: ArraySpec, key: str) -> ArrayLayout:
     """Read and check ``array_path/zarr.json`` against the manifest's ``spec`` and the spec's
     rules ([SP-ARRAY-1/2/3/5], the size cap of [SP-SEC-2])."""
     jkey = f"{array_path}/zarr.json"
-    try:        # one request: at most one byte over the cap, so a bigger one is seen
+    try:  # one request: at most one byte over the cap, so a bigger one is seen
         raw = store.get_range(jkey, 0, MAX_ZARR_JSON_BYTES + 1)
     except FileNotFoundError as e:
-        raise _bad(key, store.url, f"array {array_path!r} has no zarr.json",
-                   "SP-ARRAY-1") from e
+        raise _bad(key, store.url, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1") from e
     if len(raw) > MAX_ZARR_JSON_BYTES:
-        raise _bad(key, jkey, f"zarr.json is over the {MAX_ZARR_JSON_BYTES}-byte cap",
-                   "SP-SEC-2")
+        raise _bad(key, jkey, f"zarr.json is over the {MAX_ZARR_JSON_BYTES}-byte cap", "SP-SEC-2")
     # The parsing rules of [SP-ARRAY-6] (a repeated name, depth, ``-0``) as on files.
-    return ArrayLayout.from_meta(checked_zarr_json(
-        bytes(raw), tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key, jkey)
+    return ArrayLayout.from_meta(
+        checked_zarr_json(
+            bytes(raw), tuple(spec.shape), spec.dtype, tuple(spec.chunk_shape), key, jkey
+        )
     ).with_table(spec.chunk_crc32c, key, array_path)
 
 
 # -------------------------------------------------------------------------- encoding
-def decode_chunk(buf: np.ndarray, layout: ArrayLayout, cshape: tuple[int, ...], key: str,
-                 where: str, unit: Optional[int] = None) -> np.ndarray:
+def decode_chunk(
+    buf: np.ndarray,
+    layout: ArrayLayout,
+    cshape: tuple[int, ...],
+    key: str,
+    where: str,
+    unit: Optional[int] = None,
+) -> np.ndarray:
     """The array of shape ``cshape`` stored in ``buf`` (data + 4 CRC bytes), checked; with
     ``unit``, also against the manifest's chunk table ([SP-READ-8])."""
     n = math.prod(cshape) * layout.itemsize
     if buf.nbytes != n + 4:
-        raise _bad(key, where, f"{buf.nbytes} bytes stored, a chunk of {list(cshape)} "
-                   f"{layout.dtype} is {n + 4} with its checksum", "SP-READ-3")
+        raise _bad(
+            key,
+            where,
+            f"{buf.nbytes} bytes stored, a chunk of {list(cshape)} "
+            f"{layout.dtype} is {n + 4} with its checksum",
+            "SP-READ-3",
+        )
     stored = int.from_bytes(buf[n:].tobytes(), "little")
     if crc32c.crc32c(buf[:n]) != stored:
         raise _bad(key, where, "crc32c mismatch", "SP-READ-3")
@@ -196,8 +238,9 @@ def inner_stride(layout: ArrayLayout) -> Tuple[int, int]:
     return nb, (-nb % INNER_ALIGN if nb >= 64 * INNER_ALIGN else 0)
 
 
-def encode_shard(data: np.ndarray, origin: tuple[int, ...], layout: ArrayLayout,
-                 crcs: Optional[bytearray] = None) -> List[np.ndarray]:
+def encode_shard(
+    data: np.ndarray, origin: tuple[int, ...], layout: ArrayLayout, crcs: Optional[bytearray] = None
+) -> List[np.ndarray]:
     """The buffers of one whole shard file whose part inside the tensor is ``data``: inner
     chunks in C order (those wholly outside the tensor absent, as TensorStore leaves them),
     each padded as :func:`inner_stride` says, then the index and its CRC."""
@@ -211,10 +254,13 @@ def encode_shard(data: np.ndarray, origin: tuple[int, ...], layout: ArrayLayout,
         if any(o + x >= s for o, x, s in zip(origin, lo, layout.shape)):
             continue
         index[n] = (pos, nb)
-        bufs += encode_chunk(data[tuple(slice(x, x + k) for x, k in zip(lo, layout.shard_inner))],
-                             layout.shard_inner, layout.itemsize)
-        if crcs is not None:     # the unit's crc32c for the chunk table ([SP-MAN-7])
-            crcs[4 * n:4 * n + 4] = bufs[-1].tobytes()
+        bufs += encode_chunk(
+            data[tuple(slice(x, x + k) for x, k in zip(lo, layout.shard_inner))],
+            layout.shard_inner,
+            layout.itemsize,
+        )
+        if crcs is not None:  # the unit's crc32c for the chunk table ([SP-MAN-7])
+            crcs[4 * n : 4 * n + 4] = bufs[-1].tobytes()
         if gap:
             bufs.append(_ZEROS[:gap])
         pos += nb + gap
@@ -225,7 +271,7 @@ def encode_shard(data: np.ndarray, origin: tuple[int, ...], layout: ArrayLayout,
 def _tail(store: ByteStore, ckey: str, n: int) -> Tuple[bytes, int]:
     """(the last ``n`` bytes of ``ckey``, its size): one request where the store has
     ``get_suffix`` (S3: a suffix range), else a ``head`` and a ranged read."""
-    suffix: Optional[SuffixRead] = getattr(store, "get_suffix", None)    # optional method
+    suffix: Optional[SuffixRead] = getattr(store, "get_suffix", None)  # optional method
     if suffix is not None:
         return suffix(ckey, n)
     info = store.head(ckey)
@@ -234,8 +280,9 @@ def _tail(store: ByteStore, ckey: str, n: int) -> Tuple[bytes, int]:
     return store.get_range(ckey, max(0, info.size - n), n), info.size
 
 
-def read_shard_index(store: ByteStore, ckey: str, layout: ArrayLayout,
-                     key: str) -> Tuple[np.ndarray, int]:
+def read_shard_index(
+    store: ByteStore, ckey: str, layout: ArrayLayout, key: str
+) -> Tuple[np.ndarray, int]:
     """(the (offset, nbytes) rows of shard ``ckey``, the shard's size), checked: its CRC,
     and every present inner chunk inside the file with the inner chunk's exact size
     ([SP-READ-3]). One request on a store with ``get_suffix`` (no HEAD first)."""
@@ -246,37 +293,50 @@ def read_shard_index(store: ByteStore, ckey: str, layout: ArrayLayout,
     except FileNotFoundError as e:
         raise _missing(key, ckey) from e
     if size < isz + 4:
-        raise _bad(key, ckey, f"shard of {size} bytes is shorter than its index "
-                   f"({isz + 4} bytes)", "SP-READ-3")
+        raise _bad(
+            key,
+            ckey,
+            f"shard of {size} bytes is shorter than its index ({isz + 4} bytes)",
+            "SP-READ-3",
+        )
     raw = np.frombuffer(tail, np.uint8)
-    if raw.nbytes != isz + 4 or \
-            crc32c.crc32c(raw[:isz]) != int.from_bytes(raw[isz:].tobytes(), "little"):
+    if raw.nbytes != isz + 4 or crc32c.crc32c(raw[:isz]) != int.from_bytes(
+        raw[isz:].tobytes(), "little"
+    ):
         raise _bad(key, ckey, "shard index crc32c mismatch", "SP-READ-3")
     index = raw[:isz].view("<u8").reshape(n, 2)
     nb, _gap = inner_stride(layout)
     absent = (index[:, 0] == ABSENT) & (index[:, 1] == ABSENT)
     if np.any((index[:, 0] == ABSENT) != (index[:, 1] == ABSENT)):
-        raise _bad(key, ckey, "shard index entry with exactly one half 2^64-1 ([SP-READ-5])",
-                   "SP-READ-3")
+        raise _bad(
+            key, ckey, "shard index entry with exactly one half 2^64-1 ([SP-READ-5])", "SP-READ-3"
+        )
     present = ~absent
-    last = size - isz - 4 - nb        # the last offset a whole inner chunk can start at
+    last = size - isz - 4 - nb  # the last offset a whole inner chunk can start at
     beyond = present if last < 0 else index[:, 0] > np.uint64(last)
     if np.any(present & ((index[:, 1] != nb) | beyond)):
-        raise _bad(key, ckey, "shard index points past the index or at an inner chunk of "
-                   "the wrong size ([SP-READ-5])", "SP-READ-3")
-    check_shard_index(index, size - isz - 4, key, ckey)     # overlaps, aliases [SP-READ-7]
+        raise _bad(
+            key,
+            ckey,
+            "shard index points past the index or at an inner chunk of "
+            "the wrong size ([SP-READ-5])",
+            "SP-READ-3",
+        )
+    check_shard_index(index, size - isz - 4, key, ckey)  # overlaps, aliases [SP-READ-7]
     return index, size
 
 
 # -------------------------------------------------------------------------- regions
-def _box(offset: Sequence[int], shape: Sequence[int], lo: tuple[int, ...],
-         hi: tuple[int, ...]) -> tuple[Any, ...]:
+def _box(
+    offset: Sequence[int], shape: Sequence[int], lo: tuple[int, ...], hi: tuple[int, ...]
+) -> tuple[Any, ...]:
     """The index of box [lo, hi) in an array at ``offset`` (a view even for 0-d arrays)."""
     return tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset)) + (Ellipsis,)
 
 
-def _chunks_of(layout: ArrayLayout, offset: Sequence[int],
-               shape: Sequence[int]) -> Iterator[tuple[Any, ...]]:
+def _chunks_of(
+    layout: ArrayLayout, offset: Sequence[int], shape: Sequence[int]
+) -> Iterator[tuple[Any, ...]]:
     """(chunk index, its origin, the overlap's lo and hi) of every chunk the region meets."""
     if any(s == 0 for s in shape):
         return
@@ -286,20 +346,33 @@ def _chunks_of(layout: ArrayLayout, offset: Sequence[int],
         cidx = tuple(r + l_ for r, l_ in zip(rel, lo))
         origin = tuple(i * c for i, c in zip(cidx, layout.chunk))
         blo = tuple(max(g, o) for g, o in zip(origin, offset))
-        bhi = tuple(min(g + c, o + s, n) for g, c, o, s, n in
-                    zip(origin, layout.chunk, offset, shape, layout.shape))
+        bhi = tuple(
+            min(g + c, o + s, n)
+            for g, c, o, s, n in zip(origin, layout.chunk, offset, shape, layout.shape)
+        )
         yield cidx, origin, blo, bhi
 
 
 def _check_region(layout: ArrayLayout, offset: Sequence[int], shape: Sequence[int]) -> None:
-    if len(offset) != len(layout.shape) or len(shape) != len(layout.shape) or any(
-            o < 0 or s < 0 or o + s > n for o, s, n in zip(offset, shape, layout.shape)):
-        raise ValueError(f"region at {list(offset)} of shape {list(shape)} is outside the "
-                         f"array of shape {list(layout.shape)}")
+    if (
+        len(offset) != len(layout.shape)
+        or len(shape) != len(layout.shape)
+        or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offset, shape, layout.shape))
+    ):
+        raise ValueError(
+            f"region at {list(offset)} of shape {list(shape)} is outside the "
+            f"array of shape {list(layout.shape)}"
+        )
 
 
-def write_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tuple[int, ...],
-                data: np.ndarray, sink: Optional[Callable[..., Any]] = None) -> None:
+def write_chunk(
+    store: ByteStore,
+    array_path: str,
+    layout: ArrayLayout,
+    cidx: tuple[int, ...],
+    data: np.ndarray,
+    sink: Optional[Callable[..., Any]] = None,
+) -> None:
     """Write chunk ``cidx`` whole: ``data`` is its part inside the tensor (one ``put`` of
     the buffers, no joined copy). ``sink(cidx)``: the slots to record its units' crc32c in
     (the chunk table, [SP-MAN-7])."""
@@ -314,8 +387,9 @@ def write_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tu
     store.put(chunk_key(array_path, cidx), bufs)
 
 
-def read_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tuple[int, ...],
-               key: str) -> np.ndarray:
+def read_chunk(
+    store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tuple[int, ...], key: str
+) -> np.ndarray:
     """Chunk ``cidx``'s part inside the tensor, checked (a copy the caller owns)."""
     origin = tuple(i * c for i, c in zip(cidx, layout.chunk))
     valid = tuple(min(c, n - o) for c, n, o in zip(layout.chunk, layout.shape, origin))
@@ -324,9 +398,15 @@ def read_chunk(store: ByteStore, array_path: str, layout: ArrayLayout, cidx: tup
     return out
 
 
-def write_region(store: ByteStore, array_path: str, layout: ArrayLayout,
-                 offset: Sequence[int], data: np.ndarray, key: str = "",
-                 sink: Optional[Callable[..., Any]] = None) -> None:
+def write_region(
+    store: ByteStore,
+    array_path: str,
+    layout: ArrayLayout,
+    offset: Sequence[int],
+    data: np.ndarray,
+    key: str = "",
+    sink: Optional[Callable[..., Any]] = None,
+) -> None:
     """Write ``data`` at ``offset``. Whole chunks are encoded straight from ``data``; a chunk
     covered in part is read (zeros where it does not exist yet), changed and rewritten."""
     offset = tuple(int(o) for o in offset)
@@ -337,7 +417,7 @@ def write_region(store: ByteStore, array_path: str, layout: ArrayLayout,
         if tuple(part.shape) != valid:
             try:
                 whole = read_chunk(store, array_path, layout, cidx, key or array_path)
-            except CorruptCheckpointError as e:      # not written yet: zeros
+            except CorruptCheckpointError as e:  # not written yet: zeros
                 if e.spec_id != "SP-READ-2" or not _chunk_absent(store, array_path, cidx):
                     raise
                 whole = np.zeros(valid, layout.np_dtype)
@@ -354,9 +434,15 @@ def _chunk_absent(store: ByteStore, array_path: str, cidx: tuple[int, ...]) -> b
     return store.head(chunk_key(array_path, cidx)) is None
 
 
-def read_region(store: ByteStore, array_path: str, layout: ArrayLayout,
-                offset: Sequence[int], out: np.ndarray, key: str,
-                submit: Optional[Callable[..., Any]] = None) -> list[Any]:
+def read_region(
+    store: ByteStore,
+    array_path: str,
+    layout: ArrayLayout,
+    offset: Sequence[int],
+    out: np.ndarray,
+    key: str,
+    submit: Optional[Callable[..., Any]] = None,
+) -> list[Any]:
     """Fill ``out`` with the region at ``offset``: plain chunks read whole (one read each,
     no HEAD first: it asks for one byte more than a chunk holds, so a wrong size is seen
     without reading or allocating more than that), shards by their index (read from the
@@ -371,14 +457,27 @@ def read_region(store: ByteStore, array_path: str, layout: ArrayLayout,
     (errors raised) and ``[]`` is returned."""
     offset = tuple(int(o) for o in offset)
     _check_region(layout, offset, out.shape)
-    parts = [partial(_read_chunk_box, store, chunk_key(array_path, cidx), layout, origin,
-                     blo, bhi, out[_box(offset, out.shape, blo, bhi)], key, submit)
-             for cidx, origin, blo, bhi in _chunks_of(layout, offset, out.shape)]
+    parts = [
+        partial(
+            _read_chunk_box,
+            store,
+            chunk_key(array_path, cidx),
+            layout,
+            origin,
+            blo,
+            bhi,
+            out[_box(offset, out.shape, blo, bhi)],
+            key,
+            submit,
+        )
+        for cidx, origin, blo, bhi in _chunks_of(layout, offset, out.shape)
+    ]
     return _together(parts, submit)
 
 
-def _together(parts: Sequence[Callable[..., Any]],
-              submit: Optional[Callable[..., Any]]) -> list[Any]:
+def _together(
+    parts: Sequence[Callable[..., Any]], submit: Optional[Callable[..., Any]]
+) -> list[Any]:
     """Each of ``parts`` (callables returning lists of futures): all here, one after
     another, without ``submit``; else all but the first submitted, then the first run here,
     its error (if any) returned as a failed future beside the others."""
@@ -395,9 +494,17 @@ def _together(parts: Sequence[Callable[..., Any]],
     return tasks
 
 
-def _read_chunk_box(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[int, ...],
-                    blo: tuple[int, ...], bhi: tuple[int, ...], dst: np.ndarray, key: str,
-                    submit: Optional[Callable[..., Any]]) -> list[Any]:
+def _read_chunk_box(
+    store: ByteStore,
+    ckey: str,
+    layout: ArrayLayout,
+    origin: tuple[int, ...],
+    blo: tuple[int, ...],
+    bhi: tuple[int, ...],
+    dst: np.ndarray,
+    key: str,
+    submit: Optional[Callable[..., Any]],
+) -> list[Any]:
     """The box [blo, bhi) of chunk ``ckey`` (at ``origin``) into ``dst``."""
     if layout.inner is not None:
         return _read_shard(store, ckey, layout, origin, blo, bhi, dst, key, submit)
@@ -406,8 +513,9 @@ def _read_chunk_box(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tu
         raw = store.get_range(ckey, 0, n + 1)
     except FileNotFoundError as e:
         raise _missing(key, ckey) from e
-    full = decode_chunk(np.frombuffer(raw, np.uint8), layout, layout.chunk, key, ckey,
-                        layout.unit(origin))
+    full = decode_chunk(
+        np.frombuffer(raw, np.uint8), layout, layout.chunk, key, ckey, layout.unit(origin)
+    )
     dst[...] = full[_box(origin, layout.chunk, blo, bhi)]
     return []
 
@@ -419,8 +527,12 @@ class PrimedStore:
     ``read_region`` under the confirmed layout, gets that answer once; any other request
     goes to the store, so every check of the layer runs on the bytes as before."""
 
-    def __init__(self, store: ByteStore, request: tuple[Any, ...],
-                 outcome: tuple[Any, Optional[BaseException]]) -> None:
+    def __init__(
+        self,
+        store: ByteStore,
+        request: tuple[Any, ...],
+        outcome: tuple[Any, Optional[BaseException]],
+    ) -> None:
         self._store = store
         self._request: Optional[tuple[Any, ...]] = request
         self._outcome = outcome
@@ -451,14 +563,19 @@ class PrimedStore:
     def get_suffix(self, key: str, length: int) -> Tuple[bytes, int]:
         got = self._answer(("suffix", key, length))
         if got is None:
-            assert self._suffix is not None    # hidden above where the store has none
+            assert self._suffix is not None  # hidden above where the store has none
             return self._suffix(key, length)
         answer: Tuple[bytes, int] = got[0]
         return answer
 
 
-def prime_region(store: ByteStore, array_path: str, layout: ArrayLayout,
-                 offset: Sequence[int], shape: Sequence[int]) -> Optional[PrimedStore]:
+def prime_region(
+    store: ByteStore,
+    array_path: str,
+    layout: ArrayLayout,
+    offset: Sequence[int],
+    shape: Sequence[int],
+) -> Optional[PrimedStore]:
     """Send now the first request :func:`read_region` would make for the region under
     ``layout`` (a plain chunk's read, or a shard index's suffix read) and return the store
     that answers it: an object store's zarr.json and first data request in one round trip.
@@ -469,12 +586,12 @@ def prime_region(store: ByteStore, array_path: str, layout: ArrayLayout,
         return None
     ckey = chunk_key(array_path, first[0])
     request: tuple[Any, ...]
-    call: Callable[[], Any]       # bytes, or (bytes, size) for a suffix read
+    call: Callable[[], Any]  # bytes, or (bytes, size) for a suffix read
     if layout.inner is None:
         n = math.prod(layout.chunk) * layout.itemsize + 4
         request, call = ("range", ckey, 0, n + 1), lambda: store.get_range(ckey, 0, n + 1)
     else:
-        suffix: Optional[SuffixRead] = getattr(store, "get_suffix", None)   # optional
+        suffix: Optional[SuffixRead] = getattr(store, "get_suffix", None)  # optional
         if suffix is None:
             return None
         n = math.prod(_per(layout)) * 16 + 4
@@ -502,8 +619,7 @@ def _spans(wanted: List[tuple[Any, ...]], stride: int) -> Iterator[List[tuple[An
     chunk (requests, not bytes, are what an object store charges for)."""
     run: List[tuple[Any, ...]] = []
     for w in wanted:
-        if run and (w[0] != run[-1][0] + stride
-                    or w[0] + stride - run[0][0] > MAX_SPAN_BYTES):
+        if run and (w[0] != run[-1][0] + stride or w[0] + stride - run[0][0] > MAX_SPAN_BYTES):
             yield run
             run = []
         run.append(w)
@@ -511,9 +627,17 @@ def _spans(wanted: List[tuple[Any, ...]], stride: int) -> Iterator[List[tuple[An
         yield run
 
 
-def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[int, ...],
-                blo: tuple[int, ...], bhi: tuple[int, ...], dst: np.ndarray, key: str,
-                submit: Optional[Callable[..., Any]] = None) -> list[Any]:
+def _read_shard(
+    store: ByteStore,
+    ckey: str,
+    layout: ArrayLayout,
+    origin: tuple[int, ...],
+    blo: tuple[int, ...],
+    bhi: tuple[int, ...],
+    dst: np.ndarray,
+    key: str,
+    submit: Optional[Callable[..., Any]] = None,
+) -> list[Any]:
     index, _size = read_shard_index(store, ckey, layout, key)
     per = _per(layout)
     nb, gap = inner_stride(layout)
@@ -524,17 +648,30 @@ def _read_shard(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[
         ii = tuple(r + l_ for r, l_ in zip(rel, lo))
         pos = int(index[np.ravel_multi_index(ii, per)][0])
         if pos == ABSENT:
-            raise _bad(key, f"{ckey} inner chunk {list(ii)}", "stored inner chunk is missing",
-                       "SP-READ-2")
+            raise _bad(
+                key, f"{ckey} inner chunk {list(ii)}", "stored inner chunk is missing", "SP-READ-2"
+            )
         wanted.append((pos, ii))
     wanted.sort()
-    return _together([partial(_read_run, store, ckey, layout, origin, blo, run, dst, key)
-                      for run in _spans(wanted, nb + gap)], submit)
+    return _together(
+        [
+            partial(_read_run, store, ckey, layout, origin, blo, run, dst, key)
+            for run in _spans(wanted, nb + gap)
+        ],
+        submit,
+    )
 
 
-def _read_run(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[int, ...],
-              blo: tuple[int, ...], run: List[tuple[Any, ...]], dst: np.ndarray,
-              key: str) -> list[Any]:
+def _read_run(
+    store: ByteStore,
+    ckey: str,
+    layout: ArrayLayout,
+    origin: tuple[int, ...],
+    blo: tuple[int, ...],
+    run: List[tuple[Any, ...]],
+    dst: np.ndarray,
+    key: str,
+) -> list[Any]:
     """Inner chunks ``run`` (back to back in the shard) in one ranged read, checked, into
     their part of ``dst`` (whose first element sits at ``blo``)."""
     nb, _gap = inner_stride(layout)
@@ -545,8 +682,14 @@ def _read_run(store: ByteStore, ckey: str, layout: ArrayLayout, origin: tuple[in
     for pos, ii in run:
         where = f"{ckey} inner chunk {list(ii)}"
         ilo = tuple(o + i * k for o, i, k in zip(origin, ii, layout.shard_inner))
-        full = decode_chunk(buf[pos - start:pos - start + nb], layout, layout.shard_inner, key,
-                            where, layout.unit(ilo))
+        full = decode_chunk(
+            buf[pos - start : pos - start + nb],
+            layout,
+            layout.shard_inner,
+            key,
+            where,
+            layout.unit(ilo),
+        )
         sl = tuple(max(a, b) for a, b in zip(ilo, blo))
         sh = tuple(min(a + k, b) for a, k, b in zip(ilo, layout.shard_inner, bhi))
         dst[_box(blo, dst.shape, sl, sh)] = full[_box(ilo, layout.shard_inner, sl, sh)]

@@ -5,6 +5,7 @@ TensorStore opens any valid Zarr v3 array and follows symlinks; a checkpoint rea
 stricter: only the codec chains, chunk key encodings and fill values of the spec, no
 symlinks or special files (a FIFO would block a read forever), and size-capped metadata.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,19 @@ MAX_ZARR_JSON_DEPTH = 32
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _BRACKET = re.compile(rb"[\[\]{}]")
 ONE_BYTE = {"bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2"}
-_KNOWN = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
-          "fill_value", "codecs", "attributes", "dimension_names", "storage_transformers"}
+_KNOWN = {
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "chunk_key_encoding",
+    "fill_value",
+    "codecs",
+    "attributes",
+    "dimension_names",
+    "storage_transformers",
+}
 
 
 def _corrupt(key: str, msg: str, sid: str) -> CorruptCheckpointError:
@@ -44,15 +56,21 @@ def check_regular_file(root: str, rel: str, key: str) -> int:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            raise                      # the caller knows which rule a missing file breaks
+            raise  # the caller knows which rule a missing file breaks
         except OSError as e:
             raise _corrupt(key, f"cannot stat {path!r}: {e}", "SP-SEC-5") from e
         want = stat.S_ISREG if i == len(parts) - 1 else stat.S_ISDIR
         if not want(st.st_mode):
-            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else (
-                "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file/directory")
-            raise _corrupt(key, f"{path!r} is {kind}; a checkpoint holds only regular files "
-                           "and directories", "SP-SEC-5")
+            kind = (
+                "a symlink"
+                if stat.S_ISLNK(st.st_mode)
+                else ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file/directory")
+            )
+            raise _corrupt(
+                key,
+                f"{path!r} is {kind}; a checkpoint holds only regular files and directories",
+                "SP-SEC-5",
+            )
     return st.st_size
 
 
@@ -66,9 +84,13 @@ def chunk_file_sizes(meta: dict[str, Any], itemsize: int) -> tuple[Any, ...]:
     return None, 16 * math.prod(c // i for c, i in zip(chunk, inner)) + 4
 
 
-_O_READ = (os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-           | getattr(os, "O_NONBLOCK", 0))
-_CACHED_DOC_BYTES = 4096       # zarr.json documents remembered once checked: ours are ~400 B
+_O_READ = (
+    os.O_RDONLY
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+)
+_CACHED_DOC_BYTES = 4096  # zarr.json documents remembered once checked: ours are ~400 B
 _CACHED_DOCS = 256
 # (zarr.json bytes, shape, dtype, chunk) -> checked meta
 _CHECKED: dict[tuple[bytes, tuple[int, ...], str, tuple[int, ...]], dict[str, Any]] = {}
@@ -78,8 +100,11 @@ def _kind(e: os.DirEntry[str]) -> str:
     if e.is_symlink():
         return "a symlink"
     mode = e.stat(follow_symlinks=False).st_mode
-    return "a FIFO" if stat.S_ISFIFO(mode) else (
-        "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+    return (
+        "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else ("a directory" if stat.S_ISDIR(mode) else "not a regular file")
+    )
 
 
 def scan_array(root: str, array_path: str, key: str) -> tuple[Any, ...]:
@@ -97,10 +122,16 @@ def scan_array(root: str, array_path: str, key: str) -> tuple[Any, ...]:
                 path = f"{path}/{part}"
             st = os.lstat(path)
             if not stat.S_ISDIR(st.st_mode):
-                kind = "a symlink" if stat.S_ISLNK(st.st_mode) else (
-                    "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file/directory")
-                raise _corrupt(key, f"{path!r} is {kind}; a checkpoint holds only regular "
-                               "files and directories", "SP-SEC-5")
+                kind = (
+                    "a symlink"
+                    if stat.S_ISLNK(st.st_mode)
+                    else ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file/directory")
+                )
+                raise _corrupt(
+                    key,
+                    f"{path!r} is {kind}; a checkpoint holds only regular files and directories",
+                    "SP-SEC-5",
+                )
     except FileNotFoundError as e:
         raise _corrupt(key, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1") from e
     except OSError as e:
@@ -116,8 +147,12 @@ def scan_array(root: str, array_path: str, key: str) -> tuple[Any, ...]:
                 top = where == 0
                 if top and ent.name == "zarr.json":
                     if not ent.is_file(follow_symlinks=False):
-                        raise _corrupt(key, f"{ent.path!r} is {_kind(ent)}; a checkpoint holds "
-                                       "only regular files and directories", "SP-SEC-5")
+                        raise _corrupt(
+                            key,
+                            f"{ent.path!r} is {_kind(ent)}; a checkpoint holds "
+                            "only regular files and directories",
+                            "SP-SEC-5",
+                        )
                     zarr_json = ent.path
                 elif ent.is_dir(follow_symlinks=False):
                     below = where == 1 or top and ent.name == "c"
@@ -125,9 +160,12 @@ def scan_array(root: str, array_path: str, key: str) -> tuple[Any, ...]:
                     if below:
                         chunks.dirs.append((ent.path, level))
                 elif not ent.is_file(follow_symlinks=False):
-                    raise _corrupt(key, f"{ent.path!r} is a symlink or special file; a "
-                                   "checkpoint holds only regular files and directories",
-                                   "SP-SEC-5")
+                    raise _corrupt(
+                        key,
+                        f"{ent.path!r} is a symlink or special file; a "
+                        "checkpoint holds only regular files and directories",
+                        "SP-SEC-5",
+                    )
                 elif where == 1 or top and ent.name == "c":
                     chunks.append(ent)
                     chunks.levels.append(level)
@@ -135,17 +173,20 @@ def scan_array(root: str, array_path: str, key: str) -> tuple[Any, ...]:
         raise _corrupt(key, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1")
     try:
         fd = os.open(zarr_json, _O_READ)
-    except FileNotFoundError as e:          # removed since it was listed
+    except FileNotFoundError as e:  # removed since it was listed
         raise _corrupt(key, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1") from e
-    except OSError as e:                    # ELOOP: a link put there since
+    except OSError as e:  # ELOOP: a link put there since
         raise _corrupt(key, f"cannot open {zarr_json!r}: {e}", "SP-SEC-5") from e
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):        # replaced since it was listed
+        if not stat.S_ISREG(st.st_mode):  # replaced since it was listed
             raise _corrupt(key, f"{zarr_json!r} is not a regular file", "SP-SEC-5")
         if st.st_size > MAX_ZARR_JSON_BYTES:
-            raise _corrupt(key, f"zarr.json is {st.st_size} bytes, over the "
-                           f"{MAX_ZARR_JSON_BYTES}-byte cap", "SP-SEC-2")
+            raise _corrupt(
+                key,
+                f"zarr.json is {st.st_size} bytes, over the {MAX_ZARR_JSON_BYTES}-byte cap",
+                "SP-SEC-2",
+            )
         raw = _read_capped(fd, st.st_size)
     finally:
         os.close(fd)
@@ -169,13 +210,21 @@ def check_chunk_places(entries: list[Any], ndim: int, key: str) -> None:
     chunk tree belongs, or a directory where a chunk file belongs, is [SP-SEC-5] (a reader
     opens only regular files, through real directories), never a missing chunk."""
     for e, level in zip(entries, getattr(entries, "levels", ())):
-        if level != ndim:       # level: directories from the array's own down to the file
-            raise _corrupt(key, f"{e.path!r} is a regular file where the chunk tree of a "
-                           f"{ndim}-dimensional array holds a directory", "SP-SEC-5")
+        if level != ndim:  # level: directories from the array's own down to the file
+            raise _corrupt(
+                key,
+                f"{e.path!r} is a regular file where the chunk tree of a "
+                f"{ndim}-dimensional array holds a directory",
+                "SP-SEC-5",
+            )
     for d, level in getattr(entries, "dirs", ()):
         if level >= ndim:
-            raise _corrupt(key, f"{d!r} is a directory where the chunk tree of a "
-                           f"{ndim}-dimensional array holds a chunk file", "SP-SEC-5")
+            raise _corrupt(
+                key,
+                f"{d!r} is a directory where the chunk tree of a "
+                f"{ndim}-dimensional array holds a chunk file",
+                "SP-SEC-5",
+            )
 
 
 def _read_capped(fd: int, size: int) -> bytes:
@@ -185,7 +234,7 @@ def _read_capped(fd: int, size: int) -> bytes:
     raw = os.read(fd, size + 1)
     if len(raw) == size:
         return raw
-    parts = [raw]            # shorter or longer than fstat said: read on up to the cap
+    parts = [raw]  # shorter or longer than fstat said: read on up to the cap
     n = len(raw)
     while raw and n <= MAX_ZARR_JSON_BYTES:
         raw = os.read(fd, MAX_ZARR_JSON_BYTES + 1 - n)
@@ -203,15 +252,25 @@ def check_chunk_sizes(entries: list[Any], sizes: tuple[Any, ...], key: str) -> t
     for e in entries:
         n = e.stat(follow_symlinks=False).st_size
         if (exact is not None and n != exact) or n < least:
-            raise _corrupt(key, f"chunk file {e.path!r} has {n} bytes, not "
-                           f"{exact if exact is not None else f'>= {least}'} "
-                           "(truncated or extra bytes)", "SP-READ-3")
+            raise _corrupt(
+                key,
+                f"chunk file {e.path!r} has {n} bytes, not "
+                f"{exact if exact is not None else f'>= {least}'} "
+                "(truncated or extra bytes)",
+                "SP-READ-3",
+            )
         total += n
     return len(entries), total
 
 
-def checked_zarr_json(raw: bytes, shape: tuple[int, ...], dtype: str, chunk: tuple[int, ...],
-                      key: str, where: str = "zarr.json") -> dict[str, Any]:
+def checked_zarr_json(
+    raw: bytes,
+    shape: tuple[int, ...],
+    dtype: str,
+    chunk: tuple[int, ...],
+    key: str,
+    where: str = "zarr.json",
+) -> dict[str, Any]:
     """``zarr.json`` bytes parsed by [SP-ARRAY-6] and checked by :func:`check_zarr_json`
     against the manifest's ``shape``, ``dtype`` and ``chunk``. The outcome depends on these
     alone, so a small document that passed is remembered and the next array with the same
@@ -222,8 +281,9 @@ def checked_zarr_json(raw: bytes, shape: tuple[int, ...], dtype: str, chunk: tup
     if meta is not None:
         return meta
     meta = parse_zarr_json(raw, key, where)
-    if not (isinstance(meta, dict) and meta.get("zarr_format") == 3
-            and meta.get("node_type") == "array"):
+    if not (
+        isinstance(meta, dict) and meta.get("zarr_format") == 3 and meta.get("node_type") == "array"
+    ):
         raise _corrupt(key, "zarr.json is not a Zarr v3 array", "SP-ARRAY-1")
     check_zarr_json(meta, shape, dtype, chunk, key)
     if len(raw) <= _CACHED_DOC_BYTES:
@@ -234,8 +294,14 @@ def checked_zarr_json(raw: bytes, shape: tuple[int, ...], dtype: str, chunk: tup
     return checked
 
 
-def check_backed_bytes(key: str, array_path: str, shape: tuple[int, ...], chunk: tuple[int, ...],
-                       itemsize: int, found: tuple[Any, ...]) -> None:
+def check_backed_bytes(
+    key: str,
+    array_path: str,
+    shape: tuple[int, ...],
+    chunk: tuple[int, ...],
+    itemsize: int,
+    found: tuple[Any, ...],
+) -> None:
     """A tensor may not declare more data than its chunk files hold ([SP-READ-6]): every
     element is stored once, in a whole chunk, so a valid array's chunk files hold at least
     ``prod(shape) * itemsize`` bytes. Checked before a reader allocates for the tensor, so a
@@ -251,9 +317,13 @@ def check_backed_bytes(key: str, array_path: str, shape: tuple[int, ...], chunk:
         # [SP-READ-7] and per plain chunk by its exact size.
         return
     if declared > stored:
-        raise _corrupt(key, f"declares {declared} bytes of data but the chunk files of "
-                       f"{array_path!r} hold {stored} bytes in all; data cannot back it "
-                       "(truncated, or a hostile checkpoint)", "SP-READ-6")
+        raise _corrupt(
+            key,
+            f"declares {declared} bytes of data but the chunk files of "
+            f"{array_path!r} hold {stored} bytes in all; data cannot back it "
+            "(truncated, or a hostile checkpoint)",
+            "SP-READ-6",
+        )
 
 
 EMPTY_ENTRY = 2**64 - 1
@@ -271,8 +341,11 @@ def check_shard_index(index: Any, data_end: int, key: str, where: str) -> None:
     half = (off == EMPTY_ENTRY) ^ (nb == EMPTY_ENTRY)
     if half.any():
         i = int(np.flatnonzero(half)[0])
-        raise _corrupt(key, f"{where}: shard index entry {i} is half absent "
-                       f"({int(off[i])}, {int(nb[i])})", "SP-READ-3")
+        raise _corrupt(
+            key,
+            f"{where}: shard index entry {i} is half absent ({int(off[i])}, {int(nb[i])})",
+            "SP-READ-3",
+        )
     off, nb = off[~absent], nb[~absent]
     if not off.size:
         return
@@ -280,30 +353,40 @@ def check_shard_index(index: Any, data_end: int, key: str, where: str) -> None:
     bad = (off > limit) | (nb > limit) | (off > limit - np.minimum(nb, limit))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise _corrupt(key, f"{where}: shard index entry (offset {int(off[i])}, nbytes "
-                       f"{int(nb[i])}) reaches past the shard's data ({data_end} bytes)",
-                       "SP-READ-3")
+        raise _corrupt(
+            key,
+            f"{where}: shard index entry (offset {int(off[i])}, nbytes "
+            f"{int(nb[i])}) reaches past the shard's data ({data_end} bytes)",
+            "SP-READ-3",
+        )
     order = np.argsort(off, kind="stable")
     o, n = off[order], nb[order]
     clash = o[1:] < o[:-1] + n[:-1]
     if clash.any():
         i = int(np.flatnonzero(clash)[0])
-        raise _corrupt(key, f"{where}: shard index entries overlap or alias (offset "
-                       f"{int(o[i])} + {int(n[i])} bytes reaches {int(o[i + 1])}, where "
-                       "another inner chunk starts); each stored byte backs one inner chunk",
-                       "SP-READ-7")
+        raise _corrupt(
+            key,
+            f"{where}: shard index entries overlap or alias (offset "
+            f"{int(o[i])} + {int(n[i])} bytes reaches {int(o[i + 1])}, where "
+            "another inner chunk starts); each stored byte backs one inner chunk",
+            "SP-READ-7",
+        )
 
 
 def read_shard_index(path: str, n_inner: int, key: str) -> np.ndarray:
     """The checked index of the shard file at ``path`` (crc32c, then
     :func:`check_shard_index`); raises the documented error for a damaged one."""
     import crc32c
+
     isz = 16 * n_inner
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < isz + 4:
-            raise _corrupt(key, f"shard {path!r} has {size} bytes, too few for its "
-                           f"{n_inner}-entry index", "SP-READ-3")
+            raise _corrupt(
+                key,
+                f"shard {path!r} has {size} bytes, too few for its {n_inner}-entry index",
+                "SP-READ-3",
+            )
         f.seek(size - isz - 4)
         raw = f.read(isz + 4)
     if len(raw) != isz + 4 or crc32c.crc32c(raw[:isz]) != int.from_bytes(raw[isz:], "little"):
@@ -341,13 +424,15 @@ def read_zarr_json(root: str, array_path: str, key: str) -> dict[str, Any]:
     except FileNotFoundError as e:
         raise _corrupt(key, f"array {array_path!r} has no zarr.json", "SP-ARRAY-1") from e
     if size > MAX_ZARR_JSON_BYTES:
-        raise _corrupt(key, f"zarr.json is {size} bytes, over the {MAX_ZARR_JSON_BYTES}-byte "
-                       "cap", "SP-SEC-2")
+        raise _corrupt(
+            key, f"zarr.json is {size} bytes, over the {MAX_ZARR_JSON_BYTES}-byte cap", "SP-SEC-2"
+        )
     with open(os.path.join(root, array_path, "zarr.json"), "rb") as f:
-        raw = f.read(size + 1)        # not the cap: that would allocate a MiB
+        raw = f.read(size + 1)  # not the cap: that would allocate a MiB
     meta = parse_zarr_json(raw, key, f"{array_path}/zarr.json")
-    if not (isinstance(meta, dict) and meta.get("zarr_format") == 3
-            and meta.get("node_type") == "array"):
+    if not (
+        isinstance(meta, dict) and meta.get("zarr_format") == 3 and meta.get("node_type") == "array"
+    ):
         raise _corrupt(key, "zarr.json is not a Zarr v3 array", "SP-ARRAY-1")
     return meta
 
@@ -356,15 +441,14 @@ def json_depth(raw: bytes) -> int:
     """Deepest nesting of objects and arrays in JSON text (the document is level 1), found
     without parsing or recursion: strings are blanked, then brackets counted."""
     bare = _JSON_STRING.sub(b'""', raw)
-    if len(bare) <= 1 << 14:    # a usual zarr.json: a dozen brackets, no numpy overhead
+    if len(bare) <= 1 << 14:  # a usual zarr.json: a dozen brackets, no numpy overhead
         depth = deepest = 0
         for m in _BRACKET.finditer(bare):
             depth += 1 if m.group() in (b"[", b"{") else -1
             deepest = max(deepest, depth)
         return deepest
     b = np.frombuffer(bare, np.uint8)
-    step = (np.isin(b, (0x5B, 0x7B)).astype(np.int64)
-            - np.isin(b, (0x5D, 0x7D)).astype(np.int64))
+    step = np.isin(b, (0x5B, 0x7B)).astype(np.int64) - np.isin(b, (0x5D, 0x7D)).astype(np.int64)
     return int(np.cumsum(step).max(initial=0))
 
 
@@ -414,22 +498,32 @@ def parse_zarr_json(raw: bytes, key: str, where: str = "zarr.json") -> Any:
     repeating a name, at most :data:`MAX_ZARR_JSON_DEPTH` levels (checked before the
     recursive C parser runs, so a deep document is an error, never a RecursionError)."""
     if len(raw) > MAX_ZARR_JSON_BYTES:
-        raise _corrupt(key, f"{where} is {len(raw)} bytes, over the {MAX_ZARR_JSON_BYTES}-byte "
-                       "cap", "SP-SEC-2")
+        raise _corrupt(
+            key, f"{where} is {len(raw)} bytes, over the {MAX_ZARR_JSON_BYTES}-byte cap", "SP-SEC-2"
+        )
     # Fewer brackets than the limit cannot nest past it (brackets in strings only add to the
     # count): the usual zarr.json skips the exact count, a C-speed scan instead of a regex.
     deep = raw.count(b"[") + raw.count(b"{") > MAX_ZARR_JSON_DEPTH
     depth = json_depth(raw) if deep else 0
     if depth > MAX_ZARR_JSON_DEPTH:
-        raise _corrupt(key, f"{where} nests {depth} levels of objects/arrays, over the "
-                       f"{MAX_ZARR_JSON_DEPTH}-level limit", "SP-ARRAY-6")
+        raise _corrupt(
+            key,
+            f"{where} nests {depth} levels of objects/arrays, over the "
+            f"{MAX_ZARR_JSON_DEPTH}-level limit",
+            "SP-ARRAY-6",
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise _corrupt(key, f"{where} is not UTF-8: {e}", "SP-ARRAY-6") from e
     try:
-        return json.loads(text, object_pairs_hook=_unique_pairs, parse_int=_json_int,
-                          parse_float=_json_float, parse_constant=_no_constant)
+        return json.loads(
+            text,
+            object_pairs_hook=_unique_pairs,
+            parse_int=_json_int,
+            parse_float=_json_float,
+            parse_constant=_no_constant,
+        )
     except _RepeatedName as e:
         raise _corrupt(key, f"{where}: {e}", "SP-ARRAY-6") from e
     except (ValueError, RecursionError) as e:
@@ -437,34 +531,43 @@ def parse_zarr_json(raw: bytes, key: str, where: str = "zarr.json") -> Any:
 
 
 def _plain_chain(codecs: Any, dtype: str, index: bool = False) -> bool:
-    if not (isinstance(codecs, list) and len(codecs) == 2 and all(
-            isinstance(c, dict) for c in codecs)):
+    if not (
+        isinstance(codecs, list) and len(codecs) == 2 and all(isinstance(c, dict) for c in codecs)
+    ):
         return False
     b, c = codecs
-    crc_ok = c.get("name") == "crc32c" and set(c) <= {"name", "configuration"} and \
-        c.get("configuration", {}) == {}
+    crc_ok = (
+        c.get("name") == "crc32c"
+        and set(c) <= {"name", "configuration"}
+        and c.get("configuration", {}) == {}
+    )
     if b.get("name") != "bytes" or not set(b) <= {"name", "configuration"}:
         return False
     conf = b.get("configuration")
     endian_ok = conf == {"endian": "little"} or (
-        not index and dtype in ONE_BYTE and (conf is None or conf == {}))
+        not index and dtype in ONE_BYTE and (conf is None or conf == {})
+    )
     return crc_ok and endian_ok
 
 
 def _is_zero(v: Any) -> bool:
-    return (type(v) in (int, float) and v == 0 and math.copysign(1.0, v) > 0)
+    return type(v) in (int, float) and v == 0 and math.copysign(1.0, v) > 0
 
 
 def _same_ints(got: Any, want: Sequence[int]) -> bool:
     """``got`` is the list of JSON integers ``want``: a float such as ``5.0`` or the ``-0``
     that :func:`_json_int` reads as ``-0.0`` compares equal in Python, yet is not one (1.3,
     [SP-ARRAY-2])."""
-    return (isinstance(got, list) and len(got) == len(want)
-            and all(type(g) is int and g == w for g, w in zip(got, want)))
+    return (
+        isinstance(got, list)
+        and len(got) == len(want)
+        and all(type(g) is int and g == w for g, w in zip(got, want))
+    )
 
 
-def check_zarr_json(meta: dict[str, Any], shape: tuple[int, ...], dtype: str,
-                    chunk: tuple[int, ...], key: str) -> None:
+def check_zarr_json(
+    meta: dict[str, Any], shape: tuple[int, ...], dtype: str, chunk: tuple[int, ...], key: str
+) -> None:
     """``zarr.json`` against the manifest entry and the spec ([SP-ARRAY-2/3/5])."""
     for k, v in meta.items():
         if k in _KNOWN:
@@ -472,14 +575,21 @@ def check_zarr_json(meta: dict[str, Any], shape: tuple[int, ...], dtype: str,
         if isinstance(v, dict) and v.get("must_understand") is False:
             continue
         cls = UnsupportedFormatError if isinstance(v, dict) else CorruptCheckpointError
-        raise cls(f"tensor {key!r}: zarr.json field {k!r} is not understood (and not marked "
-                  "must_understand: false)", spec_id="SP-ARRAY-5")
+        raise cls(
+            f"tensor {key!r}: zarr.json field {k!r} is not understood (and not marked "
+            "must_understand: false)",
+            spec_id="SP-ARRAY-5",
+        )
     if meta.get("storage_transformers", []) != []:
-        raise UnsupportedFormatError(f"tensor {key!r}: zarr.json has storage transformers",
-                                     spec_id="SP-ARRAY-5")
+        raise UnsupportedFormatError(
+            f"tensor {key!r}: zarr.json has storage transformers", spec_id="SP-ARRAY-5"
+        )
     dims = meta.get("dimension_names")
-    if dims is not None and not (isinstance(dims, list) and len(dims) == len(shape) and all(
-            d is None or isinstance(d, str) for d in dims)):
+    if dims is not None and not (
+        isinstance(dims, list)
+        and len(dims) == len(shape)
+        and all(d is None or isinstance(d, str) for d in dims)
+    ):
         raise _corrupt(key, f"zarr.json dimension_names {dims!r} malformed", "SP-ARRAY-5")
     if not isinstance(meta.get("attributes", {}), dict):
         raise _corrupt(key, "zarr.json attributes is not an object", "SP-ARRAY-5")
@@ -496,46 +606,63 @@ def check_zarr_json(meta: dict[str, Any], shape: tuple[int, ...], dtype: str,
     if not _plain_chain(codecs, dtype):
         sh = codecs[0] if isinstance(codecs, list) and len(codecs) == 1 else None
         conf = sh.get("configuration") if isinstance(sh, dict) else None
-        if not (isinstance(sh, dict) and sh.get("name") == "sharding_indexed"
-                and isinstance(conf, dict)):
-            names = [c.get("name") if isinstance(c, dict) else c for c in codecs] \
-                if isinstance(codecs, list) else codecs
-            if not (isinstance(names, list) and names and all(isinstance(n, str)
-                                                                 for n in names)):
+        if not (
+            isinstance(sh, dict) and sh.get("name") == "sharding_indexed" and isinstance(conf, dict)
+        ):
+            names = (
+                [c.get("name") if isinstance(c, dict) else c for c in codecs]
+                if isinstance(codecs, list)
+                else codecs
+            )
+            if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
                 # missing, empty or malformed: damage, not a later construct (1.3)
                 problems.append(f"codecs {codecs!r} is not a list of named codecs")
             elif all(n in ("bytes", "crc32c", "sharding_indexed") for n in names):
-                problems.append(f"codec chain {names} is not one the spec allows (bytes "
-                                "then crc32c, each chunk and shard index ending in crc32c)")
+                problems.append(
+                    f"codec chain {names} is not one the spec allows (bytes "
+                    "then crc32c, each chunk and shard index ending in crc32c)"
+                )
             else:
-                raise UnsupportedFormatError(f"tensor {key!r}: codec chain {names} uses a "
-                                             "codec format 1.x does not define",
-                                             spec_id="SP-ARRAY-1")
+                raise UnsupportedFormatError(
+                    f"tensor {key!r}: codec chain {names} uses a codec format 1.x does not define",
+                    spec_id="SP-ARRAY-1",
+                )
         else:
             inner = conf.get("chunk_shape")
-            nested = any(isinstance(c, dict) and c.get("name") == "sharding_indexed"
-                         for c in conf.get("codecs") or [])
+            nested = any(
+                isinstance(c, dict) and c.get("name") == "sharding_indexed"
+                for c in conf.get("codecs") or []
+            )
             if nested:
-                raise UnsupportedFormatError(f"tensor {key!r}: nested sharding is outside "
-                                             "format 1.x", spec_id="SP-ARRAY-1")
-            if not (set(conf) <= {"chunk_shape", "codecs", "index_codecs", "index_location"}
-                    and isinstance(inner, list) and len(inner) == len(chunk)
-                    and all(type(i) is int and i >= 1 and c % i == 0
-                            for i, c in zip(inner, chunk))
-                    and _plain_chain(conf.get("codecs"), dtype)
-                    and _plain_chain(conf.get("index_codecs"), dtype, index=True)
-                    and conf.get("index_location", "end") == "end"):
-                problems.append(f"sharding_indexed configuration {conf!r} is not one the "
-                                "spec allows")
+                raise UnsupportedFormatError(
+                    f"tensor {key!r}: nested sharding is outside format 1.x", spec_id="SP-ARRAY-1"
+                )
+            if not (
+                set(conf) <= {"chunk_shape", "codecs", "index_codecs", "index_location"}
+                and isinstance(inner, list)
+                and len(inner) == len(chunk)
+                and all(type(i) is int and i >= 1 and c % i == 0 for i, c in zip(inner, chunk))
+                and _plain_chain(conf.get("codecs"), dtype)
+                and _plain_chain(conf.get("index_codecs"), dtype, index=True)
+                and conf.get("index_location", "end") == "end"
+            ):
+                problems.append(
+                    f"sharding_indexed configuration {conf!r} is not one the spec allows"
+                )
     if problems:
-        raise _corrupt(key, "zarr.json disagrees with the manifest or the spec: "
-                       + "; ".join(problems), "SP-ARRAY-2")
+        raise _corrupt(
+            key,
+            "zarr.json disagrees with the manifest or the spec: " + "; ".join(problems),
+            "SP-ARRAY-2",
+        )
     cke = meta.get("chunk_key_encoding")
-    if not (isinstance(cke, dict) and cke.get("name") == "default"
-            and set(cke) <= {"name", "configuration"}
-            and cke.get("configuration", {}) in ({}, {"separator": "/"})):
-        raise _corrupt(key, f"chunk_key_encoding {cke!r} is not default with '/'",
-                       "SP-ARRAY-3")
+    if not (
+        isinstance(cke, dict)
+        and cke.get("name") == "default"
+        and set(cke) <= {"name", "configuration"}
+        and cke.get("configuration", {}) in ({}, {"separator": "/"})
+    ):
+        raise _corrupt(key, f"chunk_key_encoding {cke!r} is not default with '/'", "SP-ARRAY-3")
     fill = meta.get("fill_value")
     if dtype == "bool":
         ok = fill is False
@@ -575,8 +702,13 @@ def metadata_problems(shape: Any, meta: dict[str, Any], spec: ArraySpec) -> list
     return problems
 
 
-def check_array_objects(store: Any, array_path: str, key: str, sizes: tuple[Any, ...] = (None, 0),
-                        listed: Optional[Iterable[Any]] = None) -> tuple[Any, ...]:
+def check_array_objects(
+    store: Any,
+    array_path: str,
+    key: str,
+    sizes: tuple[Any, ...] = (None, 0),
+    listed: Optional[Iterable[Any]] = None,
+) -> tuple[Any, ...]:
     """:func:`scan_array` and :func:`check_chunk_sizes` for a store without files (object
     stores, memory): one listing of the array's chunk objects (``listed``: one made already,
     of these or more objects), each of a possible size ([SP-READ-5] as [SP-READ-3]). Returns
@@ -588,19 +720,26 @@ def check_array_objects(store: Any, array_path: str, key: str, sizes: tuple[Any,
         if info.key != base and not info.key.startswith(base + "/"):
             continue
         if (exact is not None and info.size != exact) or info.size < least:
-            raise _corrupt(key, f"chunk object {info.key!r} has {info.size} bytes, not "
-                           f"{exact if exact is not None else f'>= {least}'} (truncated or "
-                           "extra bytes)", "SP-READ-3")
+            raise _corrupt(
+                key,
+                f"chunk object {info.key!r} has {info.size} bytes, not "
+                f"{exact if exact is not None else f'>= {least}'} (truncated or "
+                "extra bytes)",
+                "SP-READ-3",
+            )
         total += info.size
         count += 1
     return count, total
 
 
-def check_metadata(shape: Any, meta: dict[str, Any], spec: ArraySpec, key: str,
-                   array_path: str) -> None:
+def check_metadata(
+    shape: Any, meta: dict[str, Any], spec: ArraySpec, key: str, array_path: str
+) -> None:
     """Refuse a zarr.json that disagrees with the manifest ([SP-ARRAY-2])."""
     problems = metadata_problems(shape, meta, spec)
     if problems:
-        raise CorruptCheckpointError(f"tensor {key!r}: zarr.json of {array_path!r} "
-                                     f"disagrees with the manifest: {'; '.join(problems)}",
-                                     spec_id="SP-ARRAY-2")
+        raise CorruptCheckpointError(
+            f"tensor {key!r}: zarr.json of {array_path!r} "
+            f"disagrees with the manifest: {'; '.join(problems)}",
+            spec_id="SP-ARRAY-2",
+        )

@@ -16,6 +16,7 @@ write of exactly one whole chunk (what ``SaveJob.write`` issues). Anything else 
 the backend writes part of a chunk through the Zarr array layer (:mod:`.array`), and an array
 whose layout this module does not handle through the TensorStore cross-check.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,10 +33,12 @@ import numpy as np
 
 from shardpoint_core.stores.durable import lower_thread_priority
 from shardpoint_core.stores.files import (  # noqa: F401 - start_writeback re-exported
-    pwritev_all, start_writeback)
+    pwritev_all,
+    start_writeback,
+)
 
 _ABSENT = 2**64 - 1
-RUN_BYTES = 16 << 20          # adjacent inner chunks written by one task, up to this many bytes
+RUN_BYTES = 16 << 20  # adjacent inner chunks written by one task, up to this many bytes
 # Inner chunks of 256 KiB and more start on 4 KiB boundaries (at most 1.6% of padding): with
 # the 4-byte CRC after each one, back to back they sit 4*i bytes off their destination's
 # alignment, and reading 32 shards of 16 x 2 MiB so took 0.156 s warm against 0.102 s aligned.
@@ -46,15 +49,16 @@ _ZEROS.flags.writeable = False
 
 def zarr_json_bytes(meta: dict[str, Any]) -> bytes:
     """``zarr.json`` as TensorStore writes it: compact JSON, keys sorted."""
-    return json.dumps({"zarr_format": 3, "node_type": "array", **meta}, sort_keys=True,
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {"zarr_format": 3, "node_type": "array", **meta}, sort_keys=True, separators=(",", ":")
+    ).encode()
 
 
 @dataclass(frozen=True)
 class WriteLayout:
     """What a direct write needs to know about an array this backend created."""
 
-    path: str              # the array's directory
+    path: str  # the array's directory
     shape: tuple[int, ...]
     chunk: tuple[int, ...]
     inner: Optional[tuple[int, ...]]  # inner chunk shape when chunks are shards
@@ -71,9 +75,11 @@ def stored_codecs(codecs: list[Any], itemsize: int) -> list[Any]:
             out.append({"name": "bytes"})
         elif c.get("name") == "sharding_indexed":
             conf = c["configuration"]
-            new: dict[str, Any] = {"chunk_shape": list(conf["chunk_shape"]),
-                   "codecs": stored_codecs(conf["codecs"], itemsize),
-                   "index_codecs": stored_codecs(conf["index_codecs"], 8)}
+            new: dict[str, Any] = {
+                "chunk_shape": list(conf["chunk_shape"]),
+                "codecs": stored_codecs(conf["codecs"], itemsize),
+                "index_codecs": stored_codecs(conf["index_codecs"], 8),
+            }
             if conf.get("index_location", "end") != "end":
                 new["index_location"] = conf["index_location"]
             out.append({"name": "sharding_indexed", "configuration": new})
@@ -82,8 +88,9 @@ def stored_codecs(codecs: list[Any], itemsize: int) -> list[Any]:
     return out
 
 
-def write_layout(path: str, shape: Sequence[int], chunk: Sequence[int], codecs: list[Any],
-                 itemsize: int) -> Optional[WriteLayout]:
+def write_layout(
+    path: str, shape: Sequence[int], chunk: Sequence[int], codecs: list[Any], itemsize: int
+) -> Optional[WriteLayout]:
     """The layout for an array with the backend's own codec chain, or None (then TensorStore
     writes it): big-endian hosts, systems without ``pwritev``, and anything but plain/sharded
     plain chains."""
@@ -142,10 +149,12 @@ class WritePool:
                     if prio == "normal":
                         pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
                     else:
-                        pool = ThreadPoolExecutor(self.threads,
-                                                  thread_name_prefix=f"{self.name}-{prio}",
-                                                  initializer=run_at_priority,
-                                                  initargs=(prio,))
+                        pool = ThreadPoolExecutor(
+                            self.threads,
+                            thread_name_prefix=f"{self.name}-{prio}",
+                            initializer=run_at_priority,
+                            initargs=(prio,),
+                        )
                     self._pools[prio] = pool
         return pool.submit(fn, *args)
 
@@ -167,7 +176,7 @@ def encode_chunk(sub: np.ndarray, cshape: tuple[int, ...], itemsize: int) -> lis
         pad = full - sub.size * itemsize
         if pad:
             bufs.append(np.zeros(pad, np.uint8))
-    else:   # clipped in a later dimension: assemble the padded chunk
+    else:  # clipped in a later dimension: assemble the padded chunk
         scratch = np.zeros(cshape, sub.dtype)
         scratch[tuple(slice(0, n) for n in sub.shape)] = sub
         bufs = [scratch.reshape(-1).view(np.uint8)]
@@ -200,10 +209,15 @@ class DirectWriter:
     ``sink(cidx)``: the slots to record chunk ``cidx``'s units' crc32c in, for the
     manifest's chunk table ([SP-MAN-7]); None records nothing."""
 
-    def __init__(self, lay: WriteLayout, submit: Callable[..., Any], early_writeback: bool = True,
-                 sink: Optional[Callable[..., Any]] = None) -> None:
+    def __init__(
+        self,
+        lay: WriteLayout,
+        submit: Callable[..., Any],
+        early_writeback: bool = True,
+        sink: Optional[Callable[..., Any]] = None,
+    ) -> None:
         self.lay, self.submit, self.early, self.sink = lay, submit, early_writeback, sink
-        self._dirs: set[Any] = set()          # chunk directories made so far
+        self._dirs: set[Any] = set()  # chunk directories made so far
         self._dirs_lock = threading.Lock()
 
     def _chunk_path(self, cidx: tuple[int, ...]) -> str:
@@ -222,8 +236,11 @@ class DirectWriter:
         or None when the write is not one whole chunk of the right dtype size."""
         lay = self.lay
         offset = tuple(int(o) for o in offset)
-        if data.dtype.itemsize != lay.itemsize or len(offset) != len(lay.shape) \
-                or data.ndim != len(lay.shape):
+        if (
+            data.dtype.itemsize != lay.itemsize
+            or len(offset) != len(lay.shape)
+            or data.ndim != len(lay.shape)
+        ):
             return None
         if any(o % c or o >= n for o, c, n in zip(offset, lay.chunk, lay.shape)):
             return None
@@ -235,15 +252,21 @@ class DirectWriter:
         crcs = self.sink(cidx) if self.sink is not None else None
         if lay.inner is None:
             rec = None if crcs is None else (crcs, 0)
-            return WriteOp([self.submit(_write_units, path,
-                                        [(0, data, lay.chunk, lay.itemsize, rec)], self.early)])
+            return WriteOp(
+                [
+                    self.submit(
+                        _write_units, path, [(0, data, lay.chunk, lay.itemsize, rec)], self.early
+                    )
+                ]
+            )
         return WriteOp(self._shard(path, offset, data, crcs))
 
-    def _shard(self, path: str, origin: tuple[int, ...], data: np.ndarray,
-               crcs: Optional[bytearray] = None) -> list[Any]:
+    def _shard(
+        self, path: str, origin: tuple[int, ...], data: np.ndarray, crcs: Optional[bytearray] = None
+    ) -> list[Any]:
         lay = self.lay
         inner = lay.inner
-        assert inner is not None, "not a sharded layout"     # write() routes shards here
+        assert inner is not None, "not a sharded layout"  # write() routes shards here
         per = tuple(c // i for c, i in zip(lay.chunk, inner))
         inner_bytes = math.prod(inner) * lay.itemsize + 4
         # Each inner chunk starts on a 4 KiB boundary (the spec allows gaps): its bytes then
@@ -255,14 +278,15 @@ class DirectWriter:
         for n, ii in enumerate(np.ndindex(*per)):
             lo = tuple(i * k for i, k in zip(ii, inner))
             if any(o + x >= s for o, x, s in zip(origin, lo, lay.shape)):
-                continue        # wholly outside the tensor: absent, as TensorStore leaves it
+                continue  # wholly outside the tensor: absent, as TensorStore leaves it
             index[n] = (pos, inner_bytes)
             sub = data[tuple(slice(x, x + k) for x, k in zip(lo, inner))]
             if runs[-1] and run_bytes >= RUN_BYTES:
                 runs.append([])
                 run_bytes = 0
-            runs[-1].append((pos, sub, inner, lay.itemsize,
-                             None if crcs is None else (crcs, 4 * n)))
+            runs[-1].append(
+                (pos, sub, inner, lay.itemsize, None if crcs is None else (crcs, 4 * n))
+            )
             if gap:
                 runs[-1].append((pos + inner_bytes, [_ZEROS[:gap]], None, 0, None))
             pos += inner_bytes + gap
@@ -286,7 +310,7 @@ def _write_units(path: str, units: list[Any], early: bool) -> None:
             for pos, data, cshape, itemsize, rec in units:
                 enc = data if cshape is None else encode_chunk(data, cshape, itemsize)
                 if rec is not None:
-                    rec[0][rec[1]:rec[1] + 4] = enc[-1].tobytes()
+                    rec[0][rec[1] : rec[1] + 4] = enc[-1].tobytes()
                 if bufs and pos != start + sum(b.nbytes for b in bufs):
                     _flush_run(fd, bufs, start, early)
                     bufs, start = [], pos
@@ -294,7 +318,7 @@ def _write_units(path: str, units: list[Any], early: bool) -> None:
             _flush_run(fd, bufs, start, early)
         finally:
             os.close(fd)
-    except OSError as e:   # pwritev names no file: a full disk's error then names none
+    except OSError as e:  # pwritev names no file: a full disk's error then names none
         if e.filename is not None or e.strerror is None:
             raise
         raise OSError(e.errno, e.strerror, path) from e

@@ -4,6 +4,7 @@ so that a generic Zarr reader (``zarr.open_group``) browses a checkpoint as a tr
 Readers of the format never need them (they follow the manifest); writers write them last,
 before the manifest, from the array paths the manifest records.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, List, Optional
@@ -25,8 +26,7 @@ def group_paths(array_paths: Iterable[str]) -> List[str]:
 def group_keys(prefix: str, array_paths: Iterable[str]) -> List[str]:
     """The store keys of the group zarr.json files below ``prefix`` (``""``: the store's
     root)."""
-    return ["/".join(p for p in (prefix, g, "zarr.json") if p)
-            for g in group_paths(array_paths)]
+    return ["/".join(p for p in (prefix, g, "zarr.json") if p) for g in group_paths(array_paths)]
 
 
 def start_groups(store: Any, prefix: str, array_paths: Iterable[str], submit: Any) -> list[Any]:
@@ -36,8 +36,7 @@ def start_groups(store: Any, prefix: str, array_paths: Iterable[str], submit: An
     return [submit(store.put, k, GROUP_JSON) for k in group_keys(prefix, array_paths)]
 
 
-def write_groups(store: Any, prefix: str, array_paths: Iterable[str],
-                 submit: Any = None) -> None:
+def write_groups(store: Any, prefix: str, array_paths: Iterable[str], submit: Any = None) -> None:
     """Write every group zarr.json of a save below ``prefix`` of ``store`` (``submit``: a
     pool's ``submit`` to send them concurrently), then make them durable where the store needs
     that (local files: one ``syncfs`` or parallel fsyncs, [SP-COMMIT-1])."""
@@ -58,9 +57,14 @@ def array_paths_of(manifest: bytes) -> Optional[List[str]]:
     so unpacked without the reader's checks: a fraction of a full decode's time); None for
     bytes that are no manifest (nothing to write groups for)."""
     import msgpack
+
     try:
-        body = msgpack.unpackb(msgpack.unpackb(manifest, raw=False)["body"], raw=False,
-                               strict_map_key=False, ext_hook=lambda code, data: None)
+        body = msgpack.unpackb(
+            msgpack.unpackb(manifest, raw=False)["body"],
+            raw=False,
+            strict_map_key=False,
+            ext_hook=lambda code, data: None,
+        )
         return [e["array"] for e in body["tensors"].values()]
     except Exception:  # noqa: BLE001 - not a manifest: the writer's error comes later
         return None

@@ -13,6 +13,7 @@ Writers collect the crc32c their encoder computes anyway (:class:`CrcSink`), ran
 with their success report, and the coordinator joins them (:func:`join_tables`): no extra
 pass over the data.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,14 @@ def chunk_count(shape: Sequence[int], chunk: Sequence[int]) -> int:
     return math.prod(-(-n // c) for n, c in zip(shape, chunk))
 
 
-def table_of(raw: Optional[bytes], shape: Sequence[int], chunk: Sequence[int],
-             inner: Optional[Sequence[int]], key: str, where: str) -> Optional[np.ndarray]:
+def table_of(
+    raw: Optional[bytes],
+    shape: Sequence[int],
+    chunk: Sequence[int],
+    inner: Optional[Sequence[int]],
+    key: str,
+    where: str,
+) -> Optional[np.ndarray]:
     """The manifest's table for an array laid out so, as uint32 (None without a table); one
     of another length is [SP-READ-8]: it cannot describe this array's units."""
     if raw is None:
@@ -45,12 +52,18 @@ def table_of(raw: Optional[bytes], shape: Sequence[int], chunk: Sequence[int],
         raise CorruptCheckpointError(
             f"tensor {key!r}: {where}: the manifest's chunk table has {len(raw) // 4} "
             f"entries; the array as its zarr.json lays it out has {want} stored units "
-            "([SP-MAN-7])", spec_id="SP-READ-8")
+            "([SP-MAN-7])",
+            spec_id="SP-READ-8",
+        )
     return np.frombuffer(raw, "<u4")
 
 
-def unit_of(origin: Sequence[int], shape: Sequence[int], chunk: Sequence[int],
-            inner: Optional[Sequence[int]]) -> int:
+def unit_of(
+    origin: Sequence[int],
+    shape: Sequence[int],
+    chunk: Sequence[int],
+    inner: Optional[Sequence[int]],
+) -> int:
     """The unit number of the (inner) chunk whose first element sits at global ``origin``."""
     u = 0
     for o, n, c in zip(origin, shape, chunk):
@@ -68,14 +81,15 @@ def unit_matches(table: Optional[np.ndarray], unit: int, stored: int) -> bool:
     return table is None or int(table[unit]) == stored
 
 
-def check_unit(table: Optional[np.ndarray], unit: int, stored: int, key: str,
-               where: str) -> None:
+def check_unit(table: Optional[np.ndarray], unit: int, stored: int, key: str, where: str) -> None:
     """[SP-READ-8]: the unit's stored crc32c is the one the manifest recorded for its place."""
     if table is not None and not unit_matches(table, unit, stored):
         raise CorruptCheckpointError(
             f"tensor {key!r}: {where}: its crc32c {stored:08x} is not the {int(table[unit]):08x} "
             "the manifest's chunk table records for this position: it holds another chunk's "
-            "bytes (swapped or stale)", spec_id="SP-READ-8")
+            "bytes (swapped or stale)",
+            spec_id="SP-READ-8",
+        )
 
 
 class CrcSink:
@@ -107,8 +121,12 @@ def chunk_number(cidx: Sequence[int], shape: Sequence[int], chunk: Sequence[int]
     return u
 
 
-def join_tables(reports: Iterable[Dict[str, Dict[int, bytes]]], array_path: str,
-                shape: Sequence[int], chunk: Sequence[int]) -> Optional[bytes]:
+def join_tables(
+    reports: Iterable[Dict[str, Dict[int, bytes]]],
+    array_path: str,
+    shape: Sequence[int],
+    chunk: Sequence[int],
+) -> Optional[bytes]:
     """The coordinator's table for one array from every rank's report, or None when some
     chunk was written by a path that records nothing (the table is then left out: a writer
     MAY omit it, [SP-MAN-7]) or the reports disagree on a chunk's unit count."""

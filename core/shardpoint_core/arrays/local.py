@@ -2,14 +2,18 @@
 once by whichever rank comes first (``O_EXCL``), the manifest read with a clear error saying
 what a path holds instead of a checkpoint (another format, a manager's root, one array), and
 the identity of a commit (its manifest's inode, time and size)."""
+
 from __future__ import annotations
 
 import errno
 import os
 from typing import Any, Optional
 
-from shardpoint_core.format.errors import (CheckpointNotFoundError, CorruptCheckpointError,
-                                    IncompleteCheckpointError)
+from shardpoint_core.format.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from shardpoint_core.stores.fsutil import makedirs_below
 from shardpoint_core.format.hints import path_hint
 from shardpoint_core.format.spec import MANIFEST_NAME
@@ -24,8 +28,11 @@ def create_zarr_json(root: str, apath: str, data: bytes) -> None:
     ``root`` (the staging directory) must exist: it is never re-created here."""
     makedirs_below(root, apath)
     try:
-        fd = os.open(os.path.join(apath, "zarr.json"),
-                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        fd = os.open(
+            os.path.join(apath, "zarr.json"),
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+            0o666,
+        )
     except FileExistsError:
         return
     path = os.path.join(apath, "zarr.json")
@@ -33,7 +40,7 @@ def create_zarr_json(root: str, apath: str, data: bytes) -> None:
         if os.write(fd, data) != len(data):
             raise OSError(errno.EIO, "short write", path)
     except OSError as e:
-        if e.filename is None and e.strerror:   # name the file (a full disk's ENOSPC does not)
+        if e.filename is None and e.strerror:  # name the file (a full disk's ENOSPC does not)
             raise OSError(e.errno, e.strerror, path) from e
         raise
     finally:
@@ -51,10 +58,15 @@ def not_a_checkpoint_hint(path: str) -> str:
                 group = b'"group"' in f.read(4096)
         except OSError:
             group = False
-        if group:       # [SP-LAYOUT-5]; a save's root without its manifest is no hint
-            return "" if os.path.isdir(os.path.join(path, "tensors")) else (
-                " (it is a Zarr group inside a checkpoint; the checkpoint is the directory "
-                f"holding {MANIFEST_NAME})")
+        if group:  # [SP-LAYOUT-5]; a save's root without its manifest is no hint
+            return (
+                ""
+                if os.path.isdir(os.path.join(path, "tensors"))
+                else (
+                    " (it is a Zarr group inside a checkpoint; the checkpoint is the directory "
+                    f"holding {MANIFEST_NAME})"
+                )
+            )
         return " (it is one tensor's Zarr array; the checkpoint is the directory holding tensors/)"
     return path_hint(path)
 
@@ -72,7 +84,7 @@ def refuse_non_checkpoint(path: str) -> None:
     except OSError:
         return
     if not_a_checkpoint_hint(path):
-        return                       # another format: the caller's hint names it
+        return  # another format: the caller's hint names it
     found = []
     for n in names:
         mp = os.path.join(path, n, MANIFEST_NAME)
@@ -86,10 +98,12 @@ def refuse_non_checkpoint(path: str) -> None:
             f"{path!r} is not a checkpoint but a directory of {len(found)} checkpoint(s) (a "
             f"CheckpointManager's root or a parent of checkpoints); the newest: "
             + ", ".join(repr(os.path.join(path, n)) for n in newest)
-            + "; pass one of them (or use CheckpointManager(root).latest_step())")
+            + "; pass one of them (or use CheckpointManager(root).latest_step())"
+        )
     what = "an empty directory" if not names else "a directory without a manifest.msgpack"
-    raise CheckpointNotFoundError(f"no checkpoint at {path!r}: it is {what} and holds no "
-                                  "shardpoint checkpoint")
+    raise CheckpointNotFoundError(
+        f"no checkpoint at {path!r}: it is {what} and holds no shardpoint checkpoint"
+    )
 
 
 def read_manifest(path: str, state: str) -> bytes:
@@ -102,21 +116,26 @@ def read_manifest(path: str, state: str) -> bytes:
         other = not_a_checkpoint_hint(path)
         if not os.path.isdir(path) or other:
             what = "a file" if not os.path.isdir(path) else "a directory"
-            raise CheckpointNotFoundError(f"{path!r} is {what}, not a shardpoint "
-                                          f"checkpoint{other}")
+            raise CheckpointNotFoundError(f"{path!r} is {what}, not a shardpoint checkpoint{other}")
         raise IncompleteCheckpointError(
             f"{path!r} has no {MANIFEST_NAME}: it is not a checkpoint; an unfinished save "
             "(crashed or still running) or an incomplete copy (a copy must include "
-            f"{MANIFEST_NAME}, best copied last)", spec_id="SP-COMMIT-3")
+            f"{MANIFEST_NAME}, best copied last)",
+            spec_id="SP-COMMIT-3",
+        )
     mpath = os.path.join(path, MANIFEST_NAME)
     try:
         size = check_regular_file(path, MANIFEST_NAME, "<manifest>")
     except FileNotFoundError as e:
-        raise IncompleteCheckpointError(f"{path!r} has no {MANIFEST_NAME}: an unfinished "
-                                        "save or an incomplete copy", spec_id="SP-COMMIT-3") from e
+        raise IncompleteCheckpointError(
+            f"{path!r} has no {MANIFEST_NAME}: an unfinished save or an incomplete copy",
+            spec_id="SP-COMMIT-3",
+        ) from e
     if size > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"manifest of {path!r} is {size} bytes, over the "
-                                     f"{MAX_MANIFEST_BYTES}-byte cap", spec_id="SP-SEC-2")
+        raise CorruptCheckpointError(
+            f"manifest of {path!r} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte cap",
+            spec_id="SP-SEC-2",
+        )
     return read_manifest_file(mpath, size)
 
 
@@ -126,6 +145,7 @@ def read_manifest_file(mpath: str, size: int) -> bytes:
     (a small manifest and gigabytes of garbage, sparse or not) is refused ([SP-MAN-1])
     after a read of a few bytes, not of the file."""
     from shardpoint_core.format.manifest import check_envelope_size
+
     with open(mpath, "rb") as f:
         check_envelope_size(lambda at, n: os.pread(f.fileno(), n, at), size, repr(mpath))
         return f.read(MAX_MANIFEST_BYTES + 1)

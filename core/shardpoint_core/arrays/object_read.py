@@ -13,6 +13,7 @@ Example::
     arr = ObjectArray(store, "save-1a2b/tensors/w", spec, "w", guess)
     futures = arr.read((0, 0), out, meta_pool.submit, io_pool.submit)
 """
+
 from __future__ import annotations
 
 import threading
@@ -43,8 +44,9 @@ class ObjectArray:
     entry; the first read sends its first data request under it alongside the zarr.json
     GET, and uses the answer only if zarr.json confirms that layout."""
 
-    def __init__(self, store: Any, path: str, spec: ArraySpec, key: str,
-                 guess: Optional[ArrayLayout] = None) -> None:
+    def __init__(
+        self, store: Any, path: str, spec: ArraySpec, key: str, guess: Optional[ArrayLayout] = None
+    ) -> None:
         self.store, self.path, self.spec, self.key = store, path, spec, key
         self.guess = guess
         self._meta: Optional[Future[ArrayLayout]] = None
@@ -56,8 +58,7 @@ class ObjectArray:
         with self._lock:
             f = self._meta
             if f is None or (f.done() and f.exception() is not None):
-                f = self._meta = submit(read_array_meta, self.store, self.path, self.spec,
-                                        self.key)
+                f = self._meta = submit(read_array_meta, self.store, self.path, self.spec, self.key)
             return f
 
     def known(self) -> Optional[ArrayLayout]:
@@ -70,8 +71,13 @@ class ObjectArray:
         """The checked layout (zarr.json read here, now, if no read did yet)."""
         return self.meta(_inline).result()
 
-    def read(self, offset: tuple[int, ...], out: np.ndarray, meta_submit: Callable[..., Any],
-             submit: Callable[..., Any]) -> list[Any]:
+    def read(
+        self,
+        offset: tuple[int, ...],
+        out: np.ndarray,
+        meta_submit: Callable[..., Any],
+        submit: Callable[..., Any],
+    ) -> list[Any]:
         """Fill ``out`` with the region at ``offset``. ``meta_submit`` starts the zarr.json
         read (an executor whose tasks never wait: a read task may wait for it), ``submit``
         the region's other chunks and shard runs, all in flight together; their futures are
@@ -83,7 +89,7 @@ class ObjectArray:
             primed = None
             if self.guess is not None and not meta.done():
                 primed = prime_region(self.store, self.path, self.guess, offset, out.shape)
-            lay = meta.result()           # the spec's error for a bad zarr.json, first
+            lay = meta.result()  # the spec's error for a bad zarr.json, first
             if primed is not None and lay == self.guess:
                 store = primed
         return read_region(store, self.path, lay, offset, out, self.key, submit)

@@ -18,13 +18,25 @@ indexes, chunk tables and every reader check are the per-array layout's, byte fo
   the coordinator gathers into the manifest (:func:`gather_parts`) and deletes.
 - Reading: :mod:`.packed_read`.
 """
+
 from __future__ import annotations
 
 import os
 import secrets
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import msgpack
 
@@ -35,11 +47,11 @@ from shardpoint_core.format.packed import PackedIndex, records_of
 from shardpoint_core.stores.base import ByteStore, ObjectInfo, StoreCapabilities
 
 PACKED_DIR = "packed"
-ALIGN = 4096                   # chunks of ALIGN_ABOVE bytes and more start on this boundary
+ALIGN = 4096  # chunks of ALIGN_ABOVE bytes and more start on this boundary
 ALIGN_ABOVE = 256 << 10
-FILE_CAP = 1 << 40             # files: split only for truly huge writers
-OBJECT_CAP = 16 << 20          # object stores: one object per 16 MiB of a writer's chunks
-IN_FLIGHT = 256 << 20          # object stores: segments being PUT at once, in bytes
+FILE_CAP = 1 << 40  # files: split only for truly huge writers
+OBJECT_CAP = 16 << 20  # object stores: one object per 16 MiB of a writer's chunks
+IN_FLIGHT = 256 << 20  # object stores: segments being PUT at once, in bytes
 
 _ZEROS = bytes(ALIGN)
 
@@ -50,7 +62,7 @@ def _join(prefix: str, key: str) -> str:
 
 def _cidx(name: str, key: str) -> tuple[int, ...]:
     """The chunk index of chunk key ``key`` of array ``name`` (``name/c/i/j``)."""
-    rest = key[len(name) + 2:]
+    rest = key[len(name) + 2 :]
     return tuple(int(p) for p in rest.split("/")[1:]) if rest else ()
 
 
@@ -63,20 +75,27 @@ class PackedWriter:
     """One process's data objects in one save below ``prefix`` of ``store``; thread-safe.
     ``cap``: bytes after which a new object starts (default by store kind)."""
 
-    def __init__(self, store: ByteStore, prefix: str, *, cap: Optional[int] = None,
-                 fsync: bool = True, submit: Optional[Callable[..., Future[Any]]] = None,
-                 writer_id: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        store: ByteStore,
+        prefix: str,
+        *,
+        cap: Optional[int] = None,
+        fsync: bool = True,
+        submit: Optional[Callable[..., Future[Any]]] = None,
+        writer_id: Optional[str] = None,
+    ) -> None:
         self.store, self.prefix, self.fsync = store, prefix, fsync
         self.local = bool(store.capabilities.local_path)
         self.cap = cap or (FILE_CAP if self.local else OBJECT_CAP)
         self.id = writer_id or secrets.token_hex(8)
         self.submit = submit
         self._lock = threading.Lock()
-        self._objects: List[List[Any]] = []        # [relative key, size]
+        self._objects: List[List[Any]] = []  # [relative key, size]
         self._records: Dict[Tuple[str, int], Tuple[int, int, int, bytes]] = {}
-        self.inner: Dict[str, Optional[List[int]]] = {}   # array name -> inner chunk shape
+        self.inner: Dict[str, Optional[List[int]]] = {}  # array name -> inner chunk shape
         self._fds: List[int] = []
-        self._segment = bytearray()                  # object stores: the object being filled
+        self._segment = bytearray()  # object stores: the object being filled
         self._seg_len = 0
         self._puts: List[Future[Any]] = []
         self._slots = threading.Semaphore(max(2, IN_FLIGHT // self.cap))
@@ -91,8 +110,11 @@ class PackedWriter:
         if self.local:
             path = self.store.path(_join(self.prefix, key))  # type: ignore[attr-defined]
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                                     | getattr(os, "O_CLOEXEC", 0), 0o644))
+            self._fds.append(
+                os.open(
+                    path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+                )
+            )
         self._objects.append([key, 0])
 
     def append(self, name: str, chunk: int, bufs: Sequence[Any]) -> None:
@@ -113,27 +135,28 @@ class PackedWriter:
             obj = len(self._objects) - 1
             self._objects[obj][1] = start + n
             self._records[(name, chunk)] = (obj, start, n, crc)
-            if not self.local:             # one buffer of the cap's size, filled in place
+            if not self.local:  # one buffer of the cap's size, filled in place
                 need = start + n
                 if len(self._segment) < need:
                     grown = bytearray(max(self.cap, need))
-                    grown[:self._seg_len] = self._segment[:self._seg_len]
+                    grown[: self._seg_len] = self._segment[: self._seg_len]
                     self._segment = grown
                 pos = start
                 for v in views:
-                    self._segment[pos:pos + len(v)] = v
+                    self._segment[pos : pos + len(v)] = v
                     pos += len(v)
                 self._seg_len = need
                 return
             fd = self._fds[obj]
-        pad = start - size        # written, not left a hole: a sound object is not sparse
+        pad = start - size  # written, not left a hole: a sound object is not sparse
         try:
             _pwritev_all(fd, ([memoryview(_ZEROS)[:pad]] if pad else []) + views, size)
         except OSError as e:
             with self._lock:
                 self._failed = e
-            raise SaveFailedError(f"cannot write {self._key(obj)} below {self.store.url}/"
-                                  f"{self.prefix}: {e}") from e
+            raise SaveFailedError(
+                f"cannot write {self._key(obj)} below {self.store.url}/{self.prefix}: {e}"
+            ) from e
 
     def _roll(self) -> None:
         """Close the current object (lock held): on object stores its segment's PUT starts."""
@@ -142,16 +165,17 @@ class PackedWriter:
         self._new_object()
 
     def _put_segment(self) -> None:
-        seg = memoryview(self._segment)[:self._seg_len]
+        seg = memoryview(self._segment)[: self._seg_len]
         self._segment, self._seg_len = bytearray(), 0
         key = _join(self.prefix, self._objects[-1][0])
-        self._slots.acquire()         # at most IN_FLIGHT bytes in flight: memory stays bounded
+        self._slots.acquire()  # at most IN_FLIGHT bytes in flight: memory stays bounded
 
         def put() -> None:
             try:
                 self.store.put(key, [seg])
             finally:
                 self._slots.release()
+
         if self.submit is None:
             put()
             return
@@ -162,9 +186,10 @@ class PackedWriter:
         with self._lock:
             obj, off, n, _crc = self._records[(name, chunk)]
             if not self.local and obj == len(self._objects) - 1:
-                return bytes(self._segment[off + start:off + min(n, start + length)])
-        return self.store.get_range(_join(self.prefix, self._objects[obj][0]), off + start,
-                                    max(0, min(length, n - start)))
+                return bytes(self._segment[off + start : off + min(n, start + length)])
+        return self.store.get_range(
+            _join(self.prefix, self._objects[obj][0]), off + start, max(0, min(length, n - start))
+        )
 
     def has(self, name: str, chunk: int) -> bool:
         with self._lock:
@@ -191,8 +216,9 @@ class PackedWriter:
         finally:
             for fd in fds:
                 os.close(fd)
-        part: bytes = msgpack.packb({"objects": objects, "records": records, "inner": inner},
-                                    use_bin_type=True)
+        part: bytes = msgpack.packb(
+            {"objects": objects, "records": records, "inner": inner}, use_bin_type=True
+        )
         key = _join(self.prefix, f"{PACKED_DIR}/{self.id}.idx")
         if publish:
             self.store.put(key, part)
@@ -238,9 +264,10 @@ class ChunkWriteView:
         return chunk_number(_cidx(self.name, key), self.layout.shape, self.layout.chunk)
 
     def put(self, key: str, data: Any, *, if_absent: bool = False) -> Optional[str]:
-        if not key.endswith("/zarr.json"):       # the packed layout stores no zarr.json
-            self.writer.append(self.name, self._chunk(key), data if isinstance(data, list)
-                               else [data])
+        if not key.endswith("/zarr.json"):  # the packed layout stores no zarr.json
+            self.writer.append(
+                self.name, self._chunk(key), data if isinstance(data, list) else [data]
+            )
         return None
 
     def get(self, key: str) -> bytes:
@@ -256,8 +283,7 @@ class ChunkWriteView:
         return None
 
     def head(self, key: str) -> Optional[ObjectInfo]:
-        return ObjectInfo(key, 0, 0.0) if self.writer.has(self.name, self._chunk(key)) \
-            else None
+        return ObjectInfo(key, 0, 0.0) if self.writer.has(self.name, self._chunk(key)) else None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         c = self._chunk(key)
@@ -279,9 +305,9 @@ class ChunkWriteView:
         memoryview(out).cast("B")[:] = raw
 
 
-def gather_parts(store: ByteStore, prefix: str, own: Optional[bytes] = None,
-                 others: bool = True) -> Tuple[List[Tuple[str, int]], List[Any],
-                                               Dict[str, Any], List[str]]:
+def gather_parts(
+    store: ByteStore, prefix: str, own: Optional[bytes] = None, others: bool = True
+) -> Tuple[List[Tuple[str, int]], List[Any], Dict[str, Any], List[str]]:
     """The coordinator's view of every writer's index part below ``prefix``: (the objects,
     each ``(relative path, size)``, sorted; the records ``(array name, chunk, object number,
     offset, length, crc32c)``; array name -> the inner chunk shape its writers used; the keys
@@ -293,8 +319,7 @@ def gather_parts(store: ByteStore, prefix: str, own: Optional[bytes] = None,
     parts = [msgpack.unpackb(store.get(k), raw=False) for k in keys]
     if own is not None:
         parts.append(msgpack.unpackb(own, raw=False))
-    objects: List[Tuple[str, int]] = sorted(
-        (o[0], int(o[1])) for p in parts for o in p["objects"])
+    objects: List[Tuple[str, int]] = sorted((o[0], int(o[1])) for p in parts for o in p["objects"])
     number = {o: i for i, (o, _s) in enumerate(objects)}
     rows = []
     inner: Dict[str, Any] = {}
@@ -305,15 +330,17 @@ def gather_parts(store: ByteStore, prefix: str, own: Optional[bytes] = None,
     return objects, rows, inner, keys
 
 
-def build_index(objects: List[Tuple[str, int]], rows: List[Any],
-                arrays: Dict[str, Optional[Tuple[int, ...]]]) -> PackedIndex:
+def build_index(
+    objects: List[Tuple[str, int]], rows: List[Any], arrays: Dict[str, Optional[Tuple[int, ...]]]
+) -> PackedIndex:
     """The index of a save from the gathered records; ``arrays``: array name -> inner chunk
     shape, in the order the index numbers them."""
     number = {n: i for i, n in enumerate(arrays)}
     unknown = [r[0] for r in rows if r[0] not in number]
     if unknown:
-        raise SaveFailedError(f"packed save: chunks of array {unknown[0]!r}, which the "
-                              "manifest does not name")
+        raise SaveFailedError(
+            f"packed save: chunks of array {unknown[0]!r}, which the manifest does not name"
+        )
     rec = records_of((number[n], o, c, off, ln, crc) for n, c, o, off, ln, crc in rows)
     return PackedIndex(list(objects), list(arrays.items()), rec)
 

@@ -9,6 +9,7 @@ checks are the Zarr layer's ([SP-READ-3], [SP-READ-5], [SP-READ-7], shard indexe
 :func:`~.array.read_shard_index`), the chunk table's ([SP-READ-8]) and the record's
 crc32c ([SP-PACK-6]); any other read goes to :func:`~.packed.read_packed`'s general path.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,16 +32,23 @@ def _bad(key: str, where: str, msg: str, sid: str) -> CorruptCheckpointError:
 def applies(view: Any, offset: Any, out: np.ndarray) -> bool:
     """Whether :func:`read_whole` can read this box (else the general path does)."""
     lay = view.layout
-    return (bool(view.store.capabilities.local_path) and hasattr(view.store, "path")
-            and sys.byteorder == "little" and lay.dtype != "bool"
-            and tuple(out.shape) == tuple(lay.shape) and not any(offset)
-            and out.flags.c_contiguous and out.size > 0
-            and tuple(lay.chunk[1:]) == tuple(lay.shape[1:])
-            and (lay.inner is None or tuple(lay.inner[1:]) == tuple(lay.chunk[1:])))
+    return (
+        bool(view.store.capabilities.local_path)
+        and hasattr(view.store, "path")
+        and sys.byteorder == "little"
+        and lay.dtype != "bool"
+        and tuple(out.shape) == tuple(lay.shape)
+        and not any(offset)
+        and out.flags.c_contiguous
+        and out.size > 0
+        and tuple(lay.chunk[1:]) == tuple(lay.shape[1:])
+        and (lay.inner is None or tuple(lay.inner[1:]) == tuple(lay.chunk[1:]))
+    )
 
 
-def read_whole(view: Any, out: np.ndarray,
-               submit: Optional[Callable[..., Any]] = None) -> List[Any]:
+def read_whole(
+    view: Any, out: np.ndarray, submit: Optional[Callable[..., Any]] = None
+) -> List[Any]:
     """Read the whole tensor of ``view`` into ``out`` (:func:`applies` said yes): one task
     per chunk, submitted (their futures returned) or run here (``[]`` returned)."""
     lay = view.layout
@@ -49,8 +57,10 @@ def read_whole(view: Any, out: np.ndarray,
     row = lay.itemsize * math.prod(lay.shape[1:]) if lay.shape else lay.itemsize
     c0 = lay.chunk[0] if lay.chunk else 1
     grid = -(-rows // c0)
-    tasks = [(_shard if lay.inner is not None else _plain, view, flat, c, c0, rows, row)
-             for c in range(grid)]
+    tasks = [
+        (_shard if lay.inner is not None else _plain, view, flat, c, c0, rows, row)
+        for c in range(grid)
+    ]
     if submit is None:
         for fn, *args in tasks:
             fn(*args)
@@ -60,8 +70,10 @@ def read_whole(view: Any, out: np.ndarray,
 
 def _open(view: Any, path: str) -> int:
     full = f"{view.prefix}/{path}" if view.prefix else path
-    return os.open(view.store.path(full), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-                   | getattr(os, "O_NOFOLLOW", 0))
+    return os.open(
+        view.store.path(full),
+        os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0),
+    )
 
 
 def _read_unit(fd: int, dst: memoryview, pad: int, at: int, key: str, where: str) -> int:
@@ -74,8 +86,12 @@ def _read_unit(fd: int, dst: memoryview, pad: int, at: int, key: str, where: str
     while got < want:
         n = os.preadv(fd, bufs, at + got)
         if n <= 0:
-            raise _bad(key, where, f"the data object ends {want - got} bytes early "
-                       "(truncated)", "SP-READ-3")
+            raise _bad(
+                key,
+                where,
+                f"the data object ends {want - got} bytes early (truncated)",
+                "SP-READ-3",
+            )
         got += n
         bufs = _rest([dst, memoryview(tail)], got)
     crc = crc32c.crc32c(tail[:pad], crc32c.crc32c(dst))
@@ -104,13 +120,19 @@ def _plain(view: Any, flat: np.ndarray, c: int, c0: int, rows: int, row: int) ->
     full = n - 4
     fd = _open(view, path)
     try:
-        stored = _read_unit(fd, memoryview(flat[c * c0 * row:c * c0 * row + valid]),
-                            full - valid, off, key, where)
+        stored = _read_unit(
+            fd, memoryview(flat[c * c0 * row : c * c0 * row + valid]), full - valid, off, key, where
+        )
     finally:
         os.close(fd)
     if stored != crc:
-        raise _bad(key, where, f"its stored crc32c {stored:08x} is not the {crc:08x} its "
-                   "record names: the record points at another chunk's bytes", "SP-READ-8")
+        raise _bad(
+            key,
+            where,
+            f"its stored crc32c {stored:08x} is not the {crc:08x} its "
+            "record names: the record points at another chunk's bytes",
+            "SP-READ-8",
+        )
     check_unit(lay.crcs, c, stored, key, where)
 
 
@@ -127,15 +149,22 @@ def _shard(view: Any, flat: np.ndarray, c: int, c0: int, rows: int, row: int) ->
         for j in range(units):
             start = c * c0 + j * k0
             if start >= rows:
-                continue                  # wholly outside the tensor: never read
-            where = (f"chunk {c} inner chunk {j}: data object {path} (chunk at bytes "
-                     f"{off}..{off + n})")
+                continue  # wholly outside the tensor: never read
+            where = (
+                f"chunk {c} inner chunk {j}: data object {path} (chunk at bytes {off}..{off + n})"
+            )
             pos, size = int(index[j][0]), int(index[j][1])
             if pos == ABSENT:
                 raise _bad(key, where, "stored inner chunk is missing", "SP-READ-2")
             valid = (min(rows, start + k0) - start) * row
-            stored = _read_unit(fd, memoryview(flat[start * row:start * row + valid]),
-                                size - 4 - valid, off + pos, key, where)
+            stored = _read_unit(
+                fd,
+                memoryview(flat[start * row : start * row + valid]),
+                size - 4 - valid,
+                off + pos,
+                key,
+                where,
+            )
             check_unit(lay.crcs, c * units + j, stored, key, where)
     finally:
         os.close(fd)

@@ -7,6 +7,7 @@ bytes stored (the CRC-32C extended over each hole's zeros arithmetically,
 hole) and each inner chunk reaching into one. Sound objects are not sparse: the writer
 writes its alignment padding.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,15 +24,18 @@ from shardpoint_core.format.errors import CorruptCheckpointError
 def _refuse(key: str, path: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"tensor {key!r}: data object {path}: sparse (storage does not hold all its bytes) "
-        f"and {what} ([SP-SEC-6])", spec_id="SP-READ-3")
+        f"and {what} ([SP-SEC-6])",
+        spec_id="SP-READ-3",
+    )
 
 
 def _stored(fd: int, pos: int) -> int:
     return int.from_bytes(os.pread(fd, 4, pos).ljust(4, b"\0"), "little")
 
 
-def check_sparse_object(path: str, part: Any, obj: int, key: str, chunk: Any,
-                        itemsize: int) -> bool:
+def check_sparse_object(
+    path: str, part: Any, obj: int, key: str, chunk: Any, itemsize: int
+) -> bool:
     """Check the records of ``part`` (a PackedArray) in object number ``obj`` (the file
     ``path``) that reach into its holes; True when the object is sparse (so each tensor's
     records are checked on their own), False when storage holds it."""
@@ -59,8 +63,18 @@ def check_sparse_object(path: str, part: Any, obj: int, key: str, chunk: Any,
         os.close(fd)
 
 
-def _check_shard(fd: int, path: str, off: int, n: int, holes: list[Any], ext: list[Any],
-                 key: str, chunk: Any, inner: Any, itemsize: int) -> None:
+def _check_shard(
+    fd: int,
+    path: str,
+    off: int,
+    n: int,
+    holes: list[Any],
+    ext: list[Any],
+    key: str,
+    chunk: Any,
+    inner: Any,
+    itemsize: int,
+) -> None:
     units = math.prod(c // i for c, i in zip(chunk, inner))
     isz = 16 * units
     istart = off + n - isz - 4
@@ -68,13 +82,14 @@ def _check_shard(fd: int, path: str, off: int, n: int, holes: list[Any], ext: li
         raise _refuse(key, path, "a shard index lies partly in a hole")
     raw = os.pread(fd, isz + 4, istart)
     if crc32c.crc32c(raw[:isz]) != int.from_bytes(raw[isz:], "little"):
-        return                  # the shard's own check reports it ([SP-READ-3])
+        return  # the shard's own check reports it ([SP-READ-3])
     index = np.frombuffer(raw[:isz], "<u8").reshape(units, 2)
     nb = math.prod(inner) * itemsize + 4
     for pos, size in index:
         if pos == 2**64 - 1 or size != nb or int(pos) + nb > n:
-            continue            # absent, or the shard's own checks report it
+            continue  # absent, or the shard's own checks report it
         a0 = off + int(pos)
-        if any(a < a0 + nb and b > a0 for a, b in holes) and \
-                crc_of_range(fd, a0, nb - 4, ext) != _stored(fd, a0 + nb - 4):
+        if any(a < a0 + nb and b > a0 for a, b in holes) and crc_of_range(
+            fd, a0, nb - 4, ext
+        ) != _stored(fd, a0 + nb - 4):
             raise _refuse(key, path, f"an inner chunk at {a0} fails its crc32c")

@@ -17,6 +17,7 @@ Example::
 
     check_before_planning("/ckpt/step_5", [("w", entry, True)])   # raises on a problem
 """
+
 from __future__ import annotations
 
 import math
@@ -69,9 +70,11 @@ def check_arrays_exist(root: str, reads: Iterable[Tuple[str, Any, bool]]) -> Non
     missing = first_missing_array(root, (e.array for _k, e, _w in reads))
     if missing:
         key = next(k for k, e, _w in reads if e.array == missing)
-        raise CorruptCheckpointError(f"tensor {key!r}: array {missing!r} has no zarr.json "
-                                     f"(no directory {missing!r} in {root!r})",
-                                     spec_id="SP-ARRAY-1")
+        raise CorruptCheckpointError(
+            f"tensor {key!r}: array {missing!r} has no zarr.json "
+            f"(no directory {missing!r} in {root!r})",
+            spec_id="SP-ARRAY-1",
+        )
 
 
 def check_large_grids(root: str, reads: Iterable[Tuple[str, Any, bool]]) -> None:
@@ -80,15 +83,24 @@ def check_large_grids(root: str, reads: Iterable[Tuple[str, Any, bool]]) -> None
     chunk files ([SP-READ-2]). Before a load plans anything per chunk."""
     from shardpoint_core.format.dtypes import from_name
     from shardpoint_core.arrays.opening import open_local_array_counted
+
     for key, e, whole in reads:
         grid = grid_size(e.shape, e.chunk_shape)
         if grid <= LARGE_GRID or getattr(e, "packed", None) is not None:
             continue
         _meta, (files, _stored) = open_local_array_counted(
-            root, e.array, tuple(e.shape), e.dtype, tuple(e.chunk_shape),
-            from_name(e.dtype).itemsize, key)
+            root,
+            e.array,
+            tuple(e.shape),
+            e.dtype,
+            tuple(e.chunk_shape),
+            from_name(e.dtype).itemsize,
+            key,
+        )
         if whole and files < grid:
             raise CorruptCheckpointError(
                 f"tensor {key!r}: array {e.array!r} holds {files} chunk files of the {grid} "
                 f"its chunk grid {list(e.chunk_shape)} over {list(e.shape)} needs: chunks "
-                "are missing", spec_id="SP-READ-2")
+                "are missing",
+                spec_id="SP-READ-2",
+            )

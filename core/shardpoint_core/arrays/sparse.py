@@ -15,6 +15,7 @@ Example::
 
     check_sparse_chunks(entries, meta, itemsize, "w")   # raises CorruptCheckpointError
 """
+
 from __future__ import annotations
 
 import bisect
@@ -31,8 +32,8 @@ from shardpoint_core.format.errors import CorruptCheckpointError
 #: Holes a file may have before the bytes storage holds are counted and checked (tiny files
 #: stored inline report no blocks; writers write every byte, padding included).
 SPARSE_SLACK = 64 << 10
-_PIECE = 16 << 20          # bytes read at a time while checking a sparse unit
-_POLY = 0x82F63B78         # CRC-32C, reflected
+_PIECE = 16 << 20  # bytes read at a time while checking a sparse unit
+_POLY = 0x82F63B78  # CRC-32C, reflected
 
 
 def _times(mat: List[int], vec: int) -> int:
@@ -51,10 +52,10 @@ def _square(mat: List[int]) -> List[int]:
 
 def _zero_operators() -> List[List[int]]:
     """The CRC register's update over 2^k zero bytes, k = 0..63 (GF(2) matrices as columns)."""
-    bit = [_POLY] + [1 << (i - 1) for i in range(1, 32)]   # one zero bit
+    bit = [_POLY] + [1 << (i - 1) for i in range(1, 32)]  # one zero bit
     op = bit
     for _ in range(3):
-        op = _square(op)                                     # 8 bits: one byte
+        op = _square(op)  # 8 bits: one byte
     ops = [op]
     for _ in range(63):
         ops.append(_square(ops[-1]))
@@ -95,7 +96,7 @@ def data_extents(fd: int, size: int) -> List[Tuple[int, int]]:
             try:
                 start = os.lseek(fd, pos, seek_data)
             except OSError as e:
-                if e.errno == errno.ENXIO:       # no data after pos
+                if e.errno == errno.ENXIO:  # no data after pos
                     break
                 raise
             end = min(size, os.lseek(fd, start, seek_hole))
@@ -147,15 +148,18 @@ def _refuse(key: str, path: str, held: int, size: int, what: str) -> CorruptChec
     return CorruptCheckpointError(
         f"tensor {key!r}: chunk file {path!r} is sparse (storage holds {held} of its {size} "
         f"bytes; the rest reads as zeros) and {what}: refused before allocating for it "
-        "([SP-SEC-6])", spec_id="SP-READ-3")
+        "([SP-SEC-6])",
+        spec_id="SP-READ-3",
+    )
 
 
 def _stored_crc(fd: int, pos: int) -> int:
     return int.from_bytes(os.pread(fd, 4, pos).ljust(4, b"\0"), "little")
 
 
-def check_sparse_file(path: str, size: int, blocks: int, key: str,
-                      n_inner: Optional[int] = None, inner_bytes: int = 0) -> None:
+def check_sparse_file(
+    path: str, size: int, blocks: int, key: str, n_inner: Optional[int] = None, inner_bytes: int = 0
+) -> None:
     """[SP-SEC-6] for one chunk file of ``size`` bytes and ``blocks`` 512-byte blocks: nothing
     when storage holds (nearly) all of it; else every checksummed unit reaching into a hole
     is checked now, from the bytes stored (a plain chunk: the file; a shard of ``n_inner``
@@ -164,10 +168,11 @@ def check_sparse_file(path: str, size: int, blocks: int, key: str,
     if blocks * 512 + SPARSE_SLACK >= size:
         return
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-                     | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(
+            path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        )
     except OSError:
-        return                  # the read that needs it reports it, by its rule
+        return  # the read that needs it reports it, by its rule
     try:
         ext = data_extents(fd, size)
         held = sum(b - a for a, b in ext)
@@ -182,9 +187,18 @@ def check_sparse_file(path: str, size: int, blocks: int, key: str,
         os.close(fd)
 
 
-def _check_sparse_shard(fd: int, path: str, size: int, ext: list[Any], held: int, key: str,
-                        n_inner: int, inner_bytes: int) -> None:
+def _check_sparse_shard(
+    fd: int,
+    path: str,
+    size: int,
+    ext: list[Any],
+    held: int,
+    key: str,
+    n_inner: int,
+    inner_bytes: int,
+) -> None:
     from shardpoint_core.arrays.checks import EMPTY_ENTRY, check_shard_index
+
     isz = 16 * n_inner
     istart = size - isz - 4
     holes = _holes(ext, size)
@@ -193,39 +207,44 @@ def _check_sparse_shard(fd: int, path: str, size: int, ext: list[Any], held: int
         raise _refuse(key, path, held, size, "its shard index lies partly in a hole")
     raw = os.pread(fd, isz + 4, istart)
     if len(raw) != isz + 4 or crc32c.crc32c(raw[:isz]) != int.from_bytes(raw[isz:], "little"):
-        return                  # the shard's own check reports the index ([SP-READ-3])
+        return  # the shard's own check reports the index ([SP-READ-3])
     index = np.frombuffer(raw[:isz], "<u8").reshape(n_inner, 2)
-    check_shard_index(index, istart, key, f"shard {path!r}")        # [SP-READ-7] first
+    check_shard_index(index, istart, key, f"shard {path!r}")  # [SP-READ-7] first
     present = index[index[:, 0] != EMPTY_ENTRY]
     if (present[:, 1] != inner_bytes).any():
-        return                  # [SP-READ-5], reported by the shard's own check
+        return  # [SP-READ-5], reported by the shard's own check
     off = np.sort(present[:, 0].astype(np.int64))
     ends = off + inner_bytes
     zero_crc = None
     for a, b in holes:
-        lo = int(np.searchsorted(ends, a, side="right"))    # first entry ending after a
-        hi = int(np.searchsorted(off, b, side="left"))      # entries starting before b
+        lo = int(np.searchsorted(ends, a, side="right"))  # first entry ending after a
+        hi = int(np.searchsorted(off, b, side="left"))  # entries starting before b
         if hi <= lo:
             continue
         edges = sorted({j for j in (lo, hi - 1) if off[j] < a or ends[j] > b})
-        for j in edges:                     # reaching into the hole from stored bytes
+        for j in edges:  # reaching into the hole from stored bytes
             o = int(off[j])
-            if crc_of_range(fd, o, inner_bytes - 4, ext) != \
-                    _stored_crc(fd, o + inner_bytes - 4):
-                raise _refuse(key, path, held, size,
-                              f"the inner chunk at offset {o} fails its crc32c")
-        if hi - lo > len(edges):            # wholly in the hole: zeros, crc32c 0 included
+            if crc_of_range(fd, o, inner_bytes - 4, ext) != _stored_crc(fd, o + inner_bytes - 4):
+                raise _refuse(
+                    key, path, held, size, f"the inner chunk at offset {o} fails its crc32c"
+                )
+        if hi - lo > len(edges):  # wholly in the hole: zeros, crc32c 0 included
             if zero_crc is None:
                 zero_crc = crc32c_zeros(0, inner_bytes - 4)
             if zero_crc != 0:
                 o = int(off[lo + 1 if lo in edges else lo])
-                raise _refuse(key, path, held, size,
-                              f"the inner chunk at offset {o} lies in a hole, where its "
-                              "crc32c reads as 0")
+                raise _refuse(
+                    key,
+                    path,
+                    held,
+                    size,
+                    f"the inner chunk at offset {o} lies in a hole, where its crc32c reads as 0",
+                )
 
 
-def check_sparse_chunks(entries: Iterable[os.DirEntry[str]], meta: dict[str, Any], itemsize: int,
-                        key: str) -> None:
+def check_sparse_chunks(
+    entries: Iterable[os.DirEntry[str]], meta: dict[str, Any], itemsize: int, key: str
+) -> None:
     """:func:`check_sparse_file` for each chunk file listed by ``scan_array`` (their
     ``lstat`` is cached in the entries: no system call for a file storage backs)."""
     codec = meta["codecs"][0]

@@ -9,6 +9,7 @@ functions runs (``pip install 'shardpoint[tensorstore]'``). Arrays are written w
 ``fill_missing_data_reads: false`` (a missing chunk is an error, never silent zeros); one
 ``ts.Context`` is shared by all arrays of a backend.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,12 @@ def _ts() -> Any:
         import tensorstore
     except ImportError as e:
         from shardpoint_core.format.errors import InvalidOptionError
-        raise InvalidOptionError("ZarrBackend(direct_reads=False / direct_writes="
-                                 "False) and big-endian hosts need TensorStore: pip install "
-                                 "'shardpoint[tensorstore]'") from e
+
+        raise InvalidOptionError(
+            "ZarrBackend(direct_reads=False / direct_writes="
+            "False) and big-endian hosts need TensorStore: pip install "
+            "'shardpoint[tensorstore]'"
+        ) from e
     return tensorstore
 
 
@@ -70,7 +74,7 @@ class TensorStoreCheck:
 
     def __init__(self, context: Optional[dict[str, Any]] = None) -> None:
         spec = dict(context or {})
-        spec.setdefault("file_io_sync", False)   # the backend's flush syncs everything at once
+        spec.setdefault("file_io_sync", False)  # the backend's flush syncs everything at once
         self.context_spec = spec
         self._context: Any = None
         self._lock = threading.Lock()
@@ -85,32 +89,41 @@ class TensorStoreCheck:
 
     @staticmethod
     def _spec(root: str, array_path: str) -> dict[str, Any]:
-        return {"driver": "zarr3",
-                "kvstore": {"driver": "file", "path": os.path.join(root, array_path) + "/"}}
+        return {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": os.path.join(root, array_path) + "/"},
+        }
 
     def open_for_write(self, root: str, array_path: str, meta: dict[str, Any]) -> Any:
         """Create (or open: another rank may have) the array of zarr.json ``meta``."""
         s = self._spec(root, array_path)
-        s.update({"metadata": meta, "create": True, "open": True,
-                  "store_data_equal_to_fill_value": True})
+        s.update(
+            {"metadata": meta, "create": True, "open": True, "store_data_equal_to_fill_value": True}
+        )
         try:
             return _ts().open(s, context=self.context).result()
         except ValueError as e:
-            raise SaveFailedError(f"cannot create array {array_path!r} under {root}: "
-                                  f"{e}") from e
+            raise SaveFailedError(f"cannot create array {array_path!r} under {root}: {e}") from e
 
     def open_for_read(self, root: str, array_path: str, spec: ArraySpec, key: str) -> Any:
         s = self._spec(root, array_path)
         # Revalidate cached metadata and data once, at open: a checkpoint replaced in place
         # (overwrite=True) must never be read through entries cached from the old one.
-        s.update({"open": True, "fill_missing_data_reads": False,
-                  "recheck_cached_data": "open", "recheck_cached_metadata": "open"})
-        tsm = _ts()          # a missing TensorStore is a missing dependency, not corruption
+        s.update(
+            {
+                "open": True,
+                "fill_missing_data_reads": False,
+                "recheck_cached_data": "open",
+                "recheck_cached_metadata": "open",
+            }
+        )
+        tsm = _ts()  # a missing TensorStore is a missing dependency, not corruption
         try:
             h = tsm.open(s, context=self.context).result()
         except ValueError as e:
-            raise CorruptCheckpointError(f"tensor {key!r}: cannot open its array "
-                                         f"{array_path!r}: {e}", spec_id="SP-ARRAY-1") from e
+            raise CorruptCheckpointError(
+                f"tensor {key!r}: cannot open its array {array_path!r}: {e}", spec_id="SP-ARRAY-1"
+            ) from e
         meta = h.spec(retain_context=False).to_json().get("metadata", {})
         check_metadata(h.domain.shape, meta, spec, key, array_path)
         return h
@@ -118,12 +131,12 @@ class TensorStoreCheck:
     @staticmethod
     def write(handle: Any, offset: Sequence[int], data: np.ndarray) -> Any:
         return region(handle, offset, data.shape).write(
-            data, can_reference_source_data_indefinitely=True)
+            data, can_reference_source_data_indefinitely=True
+        )
 
     @staticmethod
     def read_into(handle: TSHandle, offset: Sequence[int], out: np.ndarray) -> Any:
-        return _ts().array(out, copy=False, write=True).write(
-            region(handle.ts, offset, out.shape))
+        return _ts().array(out, copy=False, write=True).write(region(handle.ts, offset, out.shape))
 
     def verify(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
         """Every chunk read through TensorStore; one problem per damaged chunk."""
@@ -134,11 +147,21 @@ class TensorStoreCheck:
         problems = []
         meta = h.spec(retain_context=False).to_json().get("metadata", {})
         if meta.get("chunk_key_encoding", {}).get("name", "default") != "default":
-            problems.append(("SP-ARRAY-3", f"tensor {key!r}: chunk_key_encoding is "
-                             f"{meta['chunk_key_encoding']!r}, not 'default'"))
+            problems.append(
+                (
+                    "SP-ARRAY-3",
+                    f"tensor {key!r}: chunk_key_encoding is "
+                    f"{meta['chunk_key_encoding']!r}, not 'default'",
+                )
+            )
         if meta.get("fill_value") != fill_value(spec.dtype):
-            problems.append(("SP-ARRAY-3", f"tensor {key!r}: fill_value "
-                             f"{meta.get('fill_value')!r} is not {fill_value(spec.dtype)!r}"))
+            problems.append(
+                (
+                    "SP-ARRAY-3",
+                    f"tensor {key!r}: fill_value "
+                    f"{meta.get('fill_value')!r} is not {fill_value(spec.dtype)!r}",
+                )
+            )
         shape, chunk = tuple(spec.shape), tuple(spec.chunk_shape)
         grid = [math.ceil(n / c) if c else 0 for n, c in zip(shape, chunk)]
         for idx in np.ndindex(*grid) if shape else [()]:

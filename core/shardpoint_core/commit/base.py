@@ -25,6 +25,7 @@ The lock rule: whoever creates, replaces or deletes a location holds its lock me
 :class:`shardpoint_core.commit.posix.PosixCommitter` (``flock`` on the directory) and
 :class:`shardpoint_core.commit.object_store.ObjectStoreCommitter` (a lease the save renews).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Protocol, Union, runtime_checkable
@@ -47,7 +48,8 @@ def check_overwrite(overwrite: object) -> Overwrite:
     raise InvalidOptionError(
         f"overwrite={overwrite!r}: pass False (refuse anything at the path), True (replace a "
         "committed checkpoint or an empty directory) or 'any' (also a directory that is not a "
-        "checkpoint, deleting what it holds)")
+        "checkpoint, deleting what it holds)"
+    )
 
 
 @runtime_checkable

@@ -6,6 +6,7 @@ skips whatever a live save holds (its lock), or, where the file system cannot te
 was modified less than ``min_age_s`` ago: a manager built by an evaluation job beside the
 training job never deletes a save in progress.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,12 @@ log = logging.getLogger("shardpoint")
 DEFAULT_MIN_AGE_S = 900.0
 
 
-def clean_leftovers(committer: PosixCommitter, root: str, owns: Callable[[str], bool],
-                    min_age_s: float = DEFAULT_MIN_AGE_S) -> list[Any]:
+def clean_leftovers(
+    committer: PosixCommitter,
+    root: str,
+    owns: Callable[[str], bool],
+    min_age_s: float = DEFAULT_MIN_AGE_S,
+) -> list[Any]:
     """Remove the leftovers of crashed saves of names ``owns`` accepts in ``root`` and restore
     an ``-old-`` checkpoint whose replacement crashed midway; returns the paths acted on.
     A directory that merely has such a name and no manifest is not the protocol's (a commit
@@ -45,16 +50,18 @@ def clean_leftovers(committer: PosixCommitter, root: str, owns: Callable[[str], 
         if not owns(os.path.basename(lo.target)) or not idle(lo.in_use, lo.path):
             continue
         try:
-            if (lo.kind == "old" and lo.has_manifest
-                    and committer.state(lo.target) != "committed"):
+            if lo.kind == "old" and lo.has_manifest and committer.state(lo.target) != "committed":
                 if os.path.lexists(lo.target):
-                    continue    # not the protocol's (as recover decides): left for a person
+                    continue  # not the protocol's (as recover decides): left for a person
                 ok = committer.restore(lo.path, lo.target)
             else:
                 ok = committer.discard(lo.path)
         except OSError as e:
-            log.warning("shardpoint: cannot clean up %r (%s); left as it is", lo.path,
-                        getattr(e, "strerror", None) or e)
+            log.warning(
+                "shardpoint: cannot clean up %r (%s); left as it is",
+                lo.path,
+                getattr(e, "strerror", None) or e,
+            )
             continue
         if ok:
             done.append(lo.path)

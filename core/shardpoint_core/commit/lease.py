@@ -22,6 +22,7 @@ Example::
     state = stop_lease(store, "run/step_5/save-a1b2c3d4e5f6")   # before the marker's PUT
     assert not state.lost
 """
+
 from __future__ import annotations
 
 import atexit
@@ -41,15 +42,23 @@ DEFAULT_LEASE_S = 120.0
 _KIND = "shardpoint-save-lease"
 
 
-def encode_lease(token: str, lease_s: float, reclaimed: bool = False,
-                 nonce: Optional[bytes] = None) -> bytes:
+def encode_lease(
+    token: str, lease_s: float, reclaimed: bool = False, nonce: Optional[bytes] = None
+) -> bytes:
     """The lease object's bytes: what it is, the save's token, how long it holds, whether
     recovery reclaimed it (declared the save dead; the save can then never commit), and a
     random nonce, so that a writer that reads a lease back knows whether it is its own."""
-    data: bytes = msgpack.packb({"kind": _KIND, "version": 1, "token": token,
-                                 "lease_s": float(lease_s), "reclaimed": bool(reclaimed),
-                                 "nonce": os.urandom(8) if nonce is None else nonce},
-                                use_bin_type=True)
+    data: bytes = msgpack.packb(
+        {
+            "kind": _KIND,
+            "version": 1,
+            "token": token,
+            "lease_s": float(lease_s),
+            "reclaimed": bool(reclaimed),
+            "nonce": os.urandom(8) if nonce is None else nonce,
+        },
+        use_bin_type=True,
+    )
     return data
 
 
@@ -62,9 +71,13 @@ def decode_lease(data: bytes, token: str) -> Optional[tuple[Any, ...]]:
         m = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception:  # noqa: BLE001 - any undecodable bytes: not a lease
         return None
-    if (not isinstance(m, dict) or m.get("kind") != _KIND or m.get("token") != token
-            or not isinstance(m.get("lease_s"), (int, float))
-            or not isinstance(m.get("reclaimed", False), bool)):
+    if (
+        not isinstance(m, dict)
+        or m.get("kind") != _KIND
+        or m.get("token") != token
+        or not isinstance(m.get("lease_s"), (int, float))
+        or not isinstance(m.get("reclaimed", False), bool)
+    ):
         return None
     lease_s = float(m["lease_s"])
     return (lease_s, bool(m.get("reclaimed", False))) if 0 < lease_s < 1e7 else None
@@ -92,16 +105,18 @@ def _id(store: Any, staging: str) -> str:
     return f"{getattr(store, 'url', id(store))}|{staging}"
 
 
-def start_lease(store: Any, staging: str, token: str,
-                lease_s: float = DEFAULT_LEASE_S) -> LeaseState:
+def start_lease(
+    store: Any, staging: str, token: str, lease_s: float = DEFAULT_LEASE_S
+) -> LeaseState:
     """Write the lease of the save at ``staging`` (a fresh prefix: created only if absent
     where the store can) and start renewing it in one daemon thread."""
     data = encode_lease(token, lease_s)
     key = f"{staging}/{LEASE_NAME}"
     caps = store.capabilities
     try:
-        version = store.put(key, data, if_absent=True) if caps.conditional_put \
-            else store.put(key, data)
+        version = (
+            store.put(key, data, if_absent=True) if caps.conditional_put else store.put(key, data)
+        )
     except FileExistsError as e:
         # A lost reply: the PUT landed, the client's retry found it ([SP-COMMIT-17]); the
         # nonce tells our own lease from another save's.
@@ -111,13 +126,12 @@ def start_lease(store: Any, staging: str, token: str,
             mine = False
         if not mine:
             from shardpoint_core.format.errors import SaveFailedError
-            raise SaveFailedError(f"{key!r} exists already: the save token is not fresh") \
-                from e
+
+            raise SaveFailedError(f"{key!r} exists already: the save token is not fresh") from e
         info = store.head(key)
         version = info.version if info is not None else ""
     st = LeaseState(key, data, version or "", lease_s)
-    st.thread = threading.Thread(target=_renew, args=(store, st), daemon=True,
-                                 name="sp-lease")
+    st.thread = threading.Thread(target=_renew, args=(store, st), daemon=True, name="sp-lease")
     st.thread.start()
     with _LOCK:
         _LIVE[_id(store, staging)] = st
@@ -138,9 +152,11 @@ def _renew(store: Any, st: LeaseState) -> None:
                     raise FileExistsError(st.key)
                 st.version = store.put(st.key, st.data) or st.version
         except (FileExistsError, FileNotFoundError):
-            st.lost = True        # recovery reclaimed it: this save was taken for dead
-            log.warning("shardpoint: the lease %s was reclaimed by recovery; this save "
-                        "will not commit", st.key)
+            st.lost = True  # recovery reclaimed it: this save was taken for dead
+            log.warning(
+                "shardpoint: the lease %s was reclaimed by recovery; this save will not commit",
+                st.key,
+            )
             return
         except Exception as e:  # noqa: BLE001 - a slow or failing store: try again later
             log.debug("shardpoint: renewing lease %s failed (%s); retrying", st.key, e)
@@ -192,8 +208,9 @@ class LeaseInfo:
         return not self.reclaimed and self.age < self.lease_s
 
 
-def read_lease(store: Any, staging: str, token: str, now: Optional[float] = None
-               ) -> Optional[LeaseInfo]:
+def read_lease(
+    store: Any, staging: str, token: str, now: Optional[float] = None
+) -> Optional[LeaseInfo]:
     """The lease of the save prefix ``staging``, or None when it holds no lease of ``token``
     (not a prefix this protocol wrote, or one written before spec 1.3)."""
     key = f"{staging}/{LEASE_NAME}"

@@ -9,6 +9,7 @@ Example::
     n = leftover_name("step_00000042", "tmp", "a1b2c3")    # '.step_00000042.shardpoint-tmp-a1b2c3'
     assert parse_leftover(n) == ("step_00000042", "tmp", "a1b2c3")
 """
+
 from __future__ import annotations
 
 import re

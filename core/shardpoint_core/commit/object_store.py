@@ -35,6 +35,7 @@ Example::
     c.write_manifest(staging, manifest)       # a Manifest: encoded once, as the marker
     c.publish(staging, "step_5", overwrite=False)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,12 +50,24 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, Un
 import msgpack
 
 from shardpoint_core.commit.base import Overwrite, check_overwrite
-from shardpoint_core.commit.lease import (LEASE_NAME, LeaseState, read_lease, reclaim_lease,
-                                          start_lease, stop_lease)
+from shardpoint_core.commit.lease import (
+    LEASE_NAME,
+    LeaseState,
+    read_lease,
+    reclaim_lease,
+    start_lease,
+    stop_lease,
+)
 from shardpoint_core.commit.leftovers import Leftover
-from shardpoint_core.format.errors import (CheckpointExistsError, CheckpointNotFoundError,
-                                    CorruptCheckpointError, IncompleteCheckpointError,
-                                    InvalidOptionError, SaveFailedError, StoreNotFoundError)
+from shardpoint_core.format.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InvalidOptionError,
+    SaveFailedError,
+    StoreNotFoundError,
+)
 from shardpoint_core.format.manifest import Manifest, decode_manifest, encode_manifest
 from shardpoint_core.format.spec import MANIFEST_NAME
 from shardpoint_core.stores.base import ByteStore, replaceable
@@ -82,16 +95,19 @@ def _rewrite_array_paths(envelope: bytes, save_dir: str, where: str) -> bytes:
         m = msgpack.unpackb(body, raw=False, strict_map_key=False)
         for entry in m["tensors"].values():
             entry["array"] = f"{save_dir}/{entry['array']}"
-        packed = m.get("packed")        # (1.4) the data objects too ([SP-PACK-8])
+        packed = m.get("packed")  # (1.4) the data objects too ([SP-PACK-8])
         if isinstance(packed, dict):
             for obj in packed.get("objects", []) + packed.get("arrays", []):
                 obj[0] = f"{save_dir}/{obj[0]}"
     except (ValueError, KeyError, TypeError, msgpack.ExtraData) as e:
-        raise CorruptCheckpointError(f"staged manifest {where} is not a valid manifest ({e}); "
-                                     "nothing was committed", spec_id="SP-MAN-1") from e
+        raise CorruptCheckpointError(
+            f"staged manifest {where} is not a valid manifest ({e}); nothing was committed",
+            spec_id="SP-MAN-1",
+        ) from e
     new_body = msgpack.packb(m, use_bin_type=True)
-    out: bytes = msgpack.packb({"sha256": hashlib.sha256(new_body).digest(),
-                                "body": new_body}, use_bin_type=True)
+    out: bytes = msgpack.packb(
+        {"sha256": hashlib.sha256(new_body).digest(), "body": new_body}, use_bin_type=True
+    )
     return out
 
 
@@ -105,8 +121,9 @@ def encode_marker(m: Manifest, save_dir: str) -> bytes:
     once: the manifest ``m`` (array paths relative to the save prefix) with ``save_dir/`` in
     front of every array path ([SP-COMMIT-11]). The bytes are those the 1.2 path (encode the
     manifest, then rewrite its array paths) gives for the same manifest."""
-    tensors = {k: dataclasses.replace(e, array=f"{save_dir}/{e.array}")
-               for k, e in m.tensors.items()}
+    tensors = {
+        k: dataclasses.replace(e, array=f"{save_dir}/{e.array}") for k, e in m.tensors.items()
+    }
     return encode_manifest(dataclasses.replace(m, tensors=tensors))
 
 
@@ -124,9 +141,11 @@ class ObjectStoreCommitter:
 
     def __init__(self, store: ByteStore, *, lease_s: Optional[float] = None) -> None:
         from shardpoint_core.commit.lease import DEFAULT_LEASE_S
+
         self.store = store
-        self.lease_s = float(lease_s if lease_s is not None
-                             else getattr(store, "lease_s", DEFAULT_LEASE_S))
+        self.lease_s = float(
+            lease_s if lease_s is not None else getattr(store, "lease_s", DEFAULT_LEASE_S)
+        )
         self.conditional = bool(store.capabilities.conditional_put)
         self.replace_if_match = bool(getattr(store.capabilities, "conditional_replace", False))
         # staging key -> (bytes, True for a marker encoded once, False for a manifest whose
@@ -145,7 +164,7 @@ class ObjectStoreCommitter:
         if listing is None:
             listing = self.store.list(_join(target) + "/" if target else "")
         for info in listing:
-            rel = info.key[len(_join(target)) + 1:] if target else info.key
+            rel = info.key[len(_join(target)) + 1 :] if target else info.key
             if rel == MANIFEST_NAME or rel.startswith(SAVE_PREFIX):
                 continue
             out.append(info.key)
@@ -169,12 +188,14 @@ class ObjectStoreCommitter:
         with ThreadPoolExecutor(1, thread_name_prefix="sp-commit") as side:
             marker = side.submit(self.store.head, self._manifest_key(target))
             listing = iter(self.store.list(_join(target) + "/" if target else ""))
-            first = list(itertools.islice(listing, 1))      # fetches the first page
+            first = list(itertools.islice(listing, 1))  # fetches the first page
             committed = marker.result() is not None
         if committed and not overwrite:
             raise CheckpointExistsError(
                 f"{self._url(target)} holds a committed checkpoint; pass overwrite=True to "
-                "replace it, or save to another path", spec_id="SP-COMMIT-5")
+                "replace it, or save to another path",
+                spec_id="SP-COMMIT-5",
+            )
         if not committed:
             foreign = self._foreign(target, itertools.chain(first, listing))
             if foreign:
@@ -182,7 +203,8 @@ class ObjectStoreCommitter:
                     f"{self._url(target)} holds {len(foreign)} object(s) that are not a "
                     f"shardpoint checkpoint (first: {foreign[0]!r}); a save never replaces or "
                     "deletes them: choose another path or remove them yourself",
-                    spec_id="SP-COMMIT-13")
+                    spec_id="SP-COMMIT-13",
+                )
 
     def _url(self, key: str) -> str:
         return f"{self.store.url.rstrip('/')}/{key}"
@@ -197,8 +219,7 @@ class ObjectStoreCommitter:
         start_lease(self.store, staging, token, self.lease_s)
         return staging
 
-    def prepare_manifest(self, staging: str, data: Union[bytes, Manifest]
-                         ) -> Tuple[bytes, bool]:
+    def prepare_manifest(self, staging: str, data: Union[bytes, Manifest]) -> Tuple[bytes, bool]:
         """What :meth:`publish` PUTs for the manifest ``data`` of the save at ``staging``:
         a :class:`Manifest` is encoded once, as the marker (:func:`encode_marker`), and PUT
         unchanged; bytes (array paths relative to the save prefix) have their paths moved
@@ -212,8 +233,15 @@ class ObjectStoreCommitter:
         written below the save prefix (spec 1.3, [SP-COMMIT-11])."""
         self._pending[_join(staging)] = self.prepare_manifest(staging, data)
 
-    def publish(self, staging: str, target: str, *, overwrite: Overwrite,
-                manifest: Optional[bytes] = None, marker: Optional[bytes] = None) -> None:
+    def publish(
+        self,
+        staging: str,
+        target: str,
+        *,
+        overwrite: Overwrite,
+        manifest: Optional[bytes] = None,
+        marker: Optional[bytes] = None,
+    ) -> None:
         """Write the marker ``<target>/manifest.msgpack`` in one conditional PUT
         ([SP-COMMIT-12]), check that recovery did not take the save for dead meanwhile
         ([SP-COMMIT-16]), then delete what it replaced ([SP-COMMIT-14]). The marker is, in
@@ -227,7 +255,7 @@ class ObjectStoreCommitter:
         a retry that gets 412 for this save's own marker) is settled by reading the marker
         back ([SP-COMMIT-17]): this save's bytes there mean it committed."""
         overwrite = check_overwrite(overwrite)
-        save_dir = staging[len(_join(target)) + 1:] if target else staging
+        save_dir = staging[len(_join(target)) + 1 :] if target else staging
         if not save_dir.startswith(SAVE_PREFIX) or "/" in save_dir:
             raise InvalidOptionError(f"{staging!r} is not a save prefix of {target!r}")
         pending = self._pending.pop(_join(staging), None)
@@ -241,7 +269,7 @@ class ObjectStoreCommitter:
             raise self._reclaimed(staging)
         staged_key = _join(staging, MANIFEST_NAME)
         staged = manifest
-        from_store = staged is None and marker is None      # a 1.2 writer's staged copy
+        from_store = staged is None and marker is None  # a 1.2 writer's staged copy
         if from_store:
             try:
                 staged = self.store.get(staged_key)
@@ -250,7 +278,9 @@ class ObjectStoreCommitter:
                     raise self._reclaimed(staging) from e
                 raise IncompleteCheckpointError(
                     f"{self._url(staged_key)} is missing: the save wrote no manifest; nothing "
-                    "was committed", spec_id="SP-COMMIT-1") from e
+                    "was committed",
+                    spec_id="SP-COMMIT-1",
+                ) from e
         if marker is None:
             assert staged is not None
             marker = _rewrite_array_paths(staged, save_dir, self._url(staged_key))
@@ -262,14 +292,18 @@ class ObjectStoreCommitter:
             raise CheckpointExistsError(
                 f"{self._url(target)}: another save committed a checkpoint there while this one "
                 "ran; this save was not committed (pass overwrite=True to replace)",
-                spec_id="SP-COMMIT-12")
+                spec_id="SP-COMMIT-12",
+            )
         # The objects the replaced marker names are listed while the PUT is in flight (a
         # committed save prefix never changes); deleted only once the PUT succeeded and the
         # lease is found intact ([SP-COMMIT-14], [SP-COMMIT-16]).
         side = ThreadPoolExecutor(1, thread_name_prefix="sp-commit") if old else None
         try:
-            named = side.submit(self._named_objects, target, old[0], save_dir) \
-                if side is not None and old is not None else None
+            named = (
+                side.submit(self._named_objects, target, old[0], save_dir)
+                if side is not None and old is not None
+                else None
+            )
             version = self._commit_marker(key, marker, old, target)
             if lease is not None and not self._lease_intact(lease):
                 self._take_back(key, marker, version, old, target)
@@ -277,7 +311,8 @@ class ObjectStoreCommitter:
                     f"{self._url(staging)}: recovery removed this save's lease while it "
                     "committed (the save was paused or stalled for longer than its lease); "
                     "its marker was taken back and nothing was committed",
-                    spec_id="SP-COMMIT-16")
+                    spec_id="SP-COMMIT-16",
+                )
             try:
                 doomed = named.result() if named is not None else []
                 if from_store:
@@ -286,8 +321,12 @@ class ObjectStoreCommitter:
             except OSError as e:
                 # Committed: what is left is recovery's ([SP-COMMIT-15]). Raising would make
                 # the caller abort the save, deleting the checkpoint it just committed.
-                log.warning("shardpoint: committed %s, but could not delete what it "
-                            "replaced (%s); recovery removes it", self._url(target), e)
+                log.warning(
+                    "shardpoint: committed %s, but could not delete what it "
+                    "replaced (%s); recovery removes it",
+                    self._url(target),
+                    e,
+                )
         finally:
             if side is not None:
                 side.shutdown(wait=False)
@@ -297,21 +336,25 @@ class ObjectStoreCommitter:
         this save's objects ([SP-COMMIT-11]): one that named another prefix would make a
         later replacement delete that save's data."""
         m = decode_manifest(marker)
-        stray = [e.array for e in m.tensors.values()
-                 if not e.array.startswith(save_dir + "/")]
+        stray = [e.array for e in m.tensors.values() if not e.array.startswith(save_dir + "/")]
         if stray:
             raise CorruptCheckpointError(
                 f"{self._url(target)}: the marker of {save_dir} names array {stray[0]!r}, "
-                f"not below {save_dir}/; nothing was committed", spec_id="SP-COMMIT-11")
+                f"not below {save_dir}/; nothing was committed",
+                spec_id="SP-COMMIT-11",
+            )
 
     def _reclaimed(self, staging: str) -> SaveFailedError:
         return SaveFailedError(
             f"{self._url(staging)}: recovery reclaimed this save's lease (the save was paused "
             "or stalled for longer than it); nothing was committed, the previous checkpoint "
-            "is intact", spec_id="SP-COMMIT-16")
+            "is intact",
+            spec_id="SP-COMMIT-16",
+        )
 
-    def _commit_marker(self, key: str, marker: bytes, old: Optional[tuple[bytes, str]],
-                       target: str) -> Optional[str]:
+    def _commit_marker(
+        self, key: str, marker: bytes, old: Optional[tuple[bytes, str]], target: str
+    ) -> Optional[str]:
         """PUT the marker ([SP-COMMIT-12]) and return its version. Whatever the PUT answered,
         when it did not answer success the marker is read back: this save's own bytes mean
         the PUT (or a retry of it) landed ([SP-COMMIT-17]). A precondition that failed for a
@@ -327,42 +370,50 @@ class ObjectStoreCommitter:
                 failure = e
             try:
                 now = self._read_with_version(key)
-            except CheckpointExistsError:      # changing under our read: not settled
+            except CheckpointExistsError:  # changing under our read: not settled
                 now = (b"", "?")
             if now is not None and now[0] == marker:
-                log.info("shardpoint: the commit PUT of %s failed (%s) but the marker is "
-                         "this save's: committed", self._url(target), failure)
+                log.info(
+                    "shardpoint: the commit PUT of %s failed (%s) but the marker is "
+                    "this save's: committed",
+                    self._url(target),
+                    failure,
+                )
                 return now[1]
             unchanged = (now is None and old is None) or (
-                now is not None and old is not None and now[1] == old[1])
+                now is not None and old is not None and now[1] == old[1]
+            )
             if isinstance(failure, (FileExistsError, FileNotFoundError)) or not unchanged:
-                raise self._lost_race(target, failure)   # a precondition failed, not for us
+                raise self._lost_race(target, failure)  # a precondition failed, not for us
             if attempt + 1 < attempts:
                 time.sleep(0.2 * (attempt + 1))
         raise SaveFailedError(
             f"{self._url(target)}: the commit PUT failed {attempts} times ({failure}) and the "
-            "marker there is unchanged: nothing was committed", spec_id="SP-COMMIT-12") \
-            from failure
+            "marker there is unchanged: nothing was committed",
+            spec_id="SP-COMMIT-12",
+        ) from failure
 
     def _lost_race(self, target: str, e: BaseException) -> CheckpointExistsError:
         err = CheckpointExistsError(
             f"{self._url(target)}: another save committed or replaced the checkpoint there "
             "while this one ran (its conditional PUT won); this save was not committed",
-            spec_id="SP-COMMIT-12")
+            spec_id="SP-COMMIT-12",
+        )
         err.__cause__ = e
         return err
 
-    def _put_marker(self, key: str, marker: bytes,
-                    old: Optional[tuple[bytes, str]]) -> Optional[str]:
+    def _put_marker(
+        self, key: str, marker: bytes, old: Optional[tuple[bytes, str]]
+    ) -> Optional[str]:
         """The one PUT that commits ([SP-COMMIT-12]), conditional where the store can; the
         marker's new version (None where the store has none)."""
-        if not self.conditional:     # [SP-COMMIT-12]: the last PUT wins, never a mix
+        if not self.conditional:  # [SP-COMMIT-12]: the last PUT wins, never a mix
             return self.store.put(key, marker)
         if old is None:
             return self.store.put(key, marker, if_absent=True)
         if self.replace_if_match:
             return replaceable(self.store).put(key, marker, if_match=old[1])
-        return self.store.put(key, marker)   # no If-Match: a replacement race is the caller's
+        return self.store.put(key, marker)  # no If-Match: a replacement race is the caller's
 
     def _lease_intact(self, lease: LeaseState) -> bool:
         """The save's lease is where it wrote it last, unchanged: recovery has not begun to
@@ -372,8 +423,14 @@ class ObjectStoreCommitter:
         except FileNotFoundError:
             return False
 
-    def _take_back(self, key: str, marker: bytes, version: Optional[str],
-                   old: Optional[tuple[bytes, str]], target: str) -> None:
+    def _take_back(
+        self,
+        key: str,
+        marker: bytes,
+        version: Optional[str],
+        old: Optional[tuple[bytes, str]],
+        target: str,
+    ) -> None:
         """Undo this save's marker after its data was found removed: the replaced marker goes
         back (If-Match this save's marker), or, for a fresh target, the marker is deleted if
         it is still this save's."""
@@ -388,8 +445,12 @@ class ObjectStoreCommitter:
             if now is not None and now[0] == marker:
                 self.store.delete([key])
         except (OSError, CheckpointExistsError) as e:
-            log.error("shardpoint: could not take back the marker of %s (%s): it names "
-                      "objects recovery removed", self._url(target), e)
+            log.error(
+                "shardpoint: could not take back the marker of %s (%s): it names "
+                "objects recovery removed",
+                self._url(target),
+                e,
+            )
 
     def _read_with_version(self, key: str) -> Optional[tuple[bytes, str]]:
         """(bytes, version) of ``key``, or None; the version is the one the bytes are of:
@@ -397,27 +458,31 @@ class ObjectStoreCommitter:
         HEAD before and after the GET."""
         getv = getattr(self.store, "get_versioned", None)
         if getv is not None:
-            try:        # at most one byte over the cap, so a bigger one is seen
+            try:  # at most one byte over the cap, so a bigger one is seen
                 data, info = getv(key, _MAX_MANIFEST + 1)
             except StoreNotFoundError:
                 raise
             except FileNotFoundError:
                 return None
             if info.size > _MAX_MANIFEST or len(data) > _MAX_MANIFEST:
-                raise CorruptCheckpointError(f"{self._url(key)} is {info.size} bytes, over "
-                                             "1 GiB", spec_id="SP-SEC-2")
+                raise CorruptCheckpointError(
+                    f"{self._url(key)} is {info.size} bytes, over 1 GiB", spec_id="SP-SEC-2"
+                )
             return data, info.version
         info = self.store.head(key)
         if info is None:
             return None
         if info.size > _MAX_MANIFEST:
-            raise CorruptCheckpointError(f"{self._url(key)} is {info.size} bytes, over 1 GiB",
-                                         spec_id="SP-SEC-2")
+            raise CorruptCheckpointError(
+                f"{self._url(key)} is {info.size} bytes, over 1 GiB", spec_id="SP-SEC-2"
+            )
         data = self.store.get(key)
         again = self.store.head(key)
         if again is None or again.version != info.version:
-            raise CheckpointExistsError(f"{self._url(key)} changed while it was read: another "
-                                        "save is committing there", spec_id="SP-COMMIT-12")
+            raise CheckpointExistsError(
+                f"{self._url(key)} changed while it was read: another save is committing there",
+                spec_id="SP-COMMIT-12",
+            )
         return data, info.version
 
     def _delete_arrays(self, target: str, envelope: bytes, keep: str = "") -> None:
@@ -441,24 +506,26 @@ class ObjectStoreCommitter:
         Nothing else below a save prefix is ours to delete."""
         try:
             dirs, packed = _array_dirs(envelope)
-        except Exception:   # noqa: BLE001 - a damaged old marker: its objects stay, recover
-            return []       # finds unreferenced save prefixes; nothing else is ours to guess
+        except Exception:  # noqa: BLE001 - a damaged old marker: its objects stay, recover
+            return []  # finds unreferenced save prefixes; nothing else is ours to guess
         prefixes, saves = set(), set()
         for d in dirs:
             top, _, rest = d.partition("/")
             if top.startswith(SAVE_PREFIX) and top != keep:
                 saves.add(_join(target, top))
                 # one listing per save: its arrays all lie below tensors/ ([SP-LAYOUT-4])
-                prefixes.add(_join(target, top, "tensors") + "/" if rest.startswith(
-                    "tensors/") else _join(target, d) + "/")
+                prefixes.add(
+                    _join(target, top, "tensors") + "/"
+                    if rest.startswith("tensors/")
+                    else _join(target, d) + "/"
+                )
             elif not top.startswith(SAVE_PREFIX):
                 prefixes.add(_join(target, d) + "/")
         out = [i.key for p in sorted(prefixes) for i in self.store.list(p)]
-        for save in sorted(saves) if packed else ():   # (1.4) its data objects [SP-PACK-8]
+        for save in sorted(saves) if packed else ():  # (1.4) its data objects [SP-PACK-8]
             out += [i.key for i in self.store.list(_join(save, "packed") + "/")]
-        for save in sorted(saves):     # its root group [SP-LAYOUT-5], a 1.2 staged copy
-            out += [_join(save, "zarr.json"), _join(save, MANIFEST_NAME),
-                    _join(save, LEASE_NAME)]
+        for save in sorted(saves):  # its root group [SP-LAYOUT-5], a 1.2 staged copy
+            out += [_join(save, "zarr.json"), _join(save, MANIFEST_NAME), _join(save, LEASE_NAME)]
         return out
 
     def abort(self, staging: str) -> None:
@@ -470,8 +537,11 @@ class ObjectStoreCommitter:
         target, _, name = _join(staging).rpartition("/")
         refs = self._referenced(target) if name.startswith(SAVE_PREFIX) else set()
         if name in refs or "*" in refs:
-            log.warning("shardpoint: %s is named by the marker at %s; not removed",
-                        self._url(staging), self._url(target))
+            log.warning(
+                "shardpoint: %s is named by the marker at %s; not removed",
+                self._url(staging),
+                self._url(target),
+            )
             return
         self._delete_last_lease([i.key for i in self.store.list(_join(staging) + "/")])
 
@@ -491,8 +561,9 @@ class ObjectStoreCommitter:
                     f"{self._url(target)} is not a committed checkpoint (no {MANIFEST_NAME}; "
                     f"it holds {len(foreign)} other object(s), first {foreign[0]!r}); "
                     "retention removes checkpoints only: nothing removed",
-                    spec_id="SP-COMMIT-3")
-            return False            # gone already, or only a save's own prefix
+                    spec_id="SP-COMMIT-3",
+                )
+            return False  # gone already, or only a save's own prefix
         self.store.delete([key])
         self._delete_arrays(target, old[0])
         return True
@@ -509,8 +580,8 @@ class ObjectStoreCommitter:
         for info in self.store.list(prefix):
             parts = info.key.split("/")
             for i, part in enumerate(parts[:-1]):
-                if part.startswith(SAVE_PREFIX) and _TOKEN.match(part[len(SAVE_PREFIX):]):
-                    groups.setdefault("/".join(parts[:i + 1]), []).append(info)
+                if part.startswith(SAVE_PREFIX) and _TOKEN.match(part[len(SAVE_PREFIX) :]):
+                    groups.setdefault("/".join(parts[: i + 1]), []).append(info)
                     break
         out = []
         referenced: Dict[str, set[Any]] = {}
@@ -523,15 +594,23 @@ class ObjectStoreCommitter:
                 referenced[target] = self._referenced(target)
             if name in referenced[target] or "*" in referenced[target]:
                 continue
-            token = name[len(SAVE_PREFIX):]
+            token = name[len(SAVE_PREFIX) :]
             lease = read_lease(self.store, save, token, now)
             if lease is None:
                 continue
             newest = max(i.mtime for i in infos)
             has_manifest = any(i.key == f"{save}/{MANIFEST_NAME}" for i in infos)
-            out.append(Leftover(path=save, target=target, kind="tmp", token=token,
-                                has_manifest=has_manifest, newest_mtime=newest,
-                                in_use=lease.live))
+            out.append(
+                Leftover(
+                    path=save,
+                    target=target,
+                    kind="tmp",
+                    token=token,
+                    has_manifest=has_manifest,
+                    newest_mtime=newest,
+                    in_use=lease.live,
+                )
+            )
         return out
 
     def _referenced(self, target: str) -> set[Any]:
@@ -541,7 +620,7 @@ class ObjectStoreCommitter:
             return {d.split("/", 1)[0] for d in _array_dirs(data)[0]}
         except FileNotFoundError:
             return set()
-        except Exception:   # noqa: BLE001 - an unreadable marker: treat every prefix as named
+        except Exception:  # noqa: BLE001 - an unreadable marker: treat every prefix as named
             return {"*"}
 
     def restore(self, leftover: str, target: str) -> bool:
@@ -549,11 +628,16 @@ class ObjectStoreCommitter:
         moment the new one lands, and the previous one is never moved aside. As on every
         store, a committed ``target`` is never replaced (CheckpointExistsError)."""
         if self.state(target) == "committed":
-            raise CheckpointExistsError(f"cannot restore {self._url(leftover)}: "
-                                        f"{self._url(target)} holds a committed checkpoint; "
-                                        "nothing was moved", spec_id="SP-COMMIT-6")
-        raise InvalidOptionError(f"{leftover!r}: nothing to restore on an object store; a "
-                                 "save prefix that no marker names is removed by discard()")
+            raise CheckpointExistsError(
+                f"cannot restore {self._url(leftover)}: "
+                f"{self._url(target)} holds a committed checkpoint; "
+                "nothing was moved",
+                spec_id="SP-COMMIT-6",
+            )
+        raise InvalidOptionError(
+            f"{leftover!r}: nothing to restore on an object store; a "
+            "save prefix that no marker names is removed by discard()"
+        )
 
     def discard(self, leftover: str, *, now: Optional[float] = None) -> bool:
         """Delete a save prefix this protocol wrote that no marker names, once its save is
@@ -563,23 +647,28 @@ class ObjectStoreCommitter:
         live or was renewed meanwhile (a running save) or the prefix is not ours. ``now``:
         the time to judge the lease's age at (tests: a time past its expiry)."""
         target, _, name = _join(leftover).rpartition("/")
-        if not name.startswith(SAVE_PREFIX) or not _TOKEN.match(name[len(SAVE_PREFIX):]):
+        if not name.startswith(SAVE_PREFIX) or not _TOKEN.match(name[len(SAVE_PREFIX) :]):
             raise InvalidOptionError(f"{leftover!r} is not a save prefix")
-        token = name[len(SAVE_PREFIX):]
+        token = name[len(SAVE_PREFIX) :]
 
         def named() -> bool:
             refs = self._referenced(target)
             return name in refs or "*" in refs
 
         if named():
-            raise CheckpointExistsError(f"{self._url(leftover)} holds the data of the committed "
-                                        f"checkpoint {self._url(target)}; not removed",
-                                        spec_id="SP-COMMIT-15")
+            raise CheckpointExistsError(
+                f"{self._url(leftover)} holds the data of the committed "
+                f"checkpoint {self._url(target)}; not removed",
+                spec_id="SP-COMMIT-15",
+            )
         lease = read_lease(self.store, _join(leftover), token, now)
-        if lease is None or lease.live or not reclaim_lease(self.store, _join(leftover),
-                                                            token, lease):
+        if (
+            lease is None
+            or lease.live
+            or not reclaim_lease(self.store, _join(leftover), token, lease)
+        ):
             return False
-        if named():        # its save committed between our two reads: whole, and kept
+        if named():  # its save committed between our two reads: whole, and kept
             return False
         self._delete_last_lease([i.key for i in self.store.list(_join(leftover) + "/")])
         return True
@@ -592,4 +681,3 @@ if TYPE_CHECKING:
 
     def _is_committer_objectstorecommitter(x: ObjectStoreCommitter) -> Committer:
         return x
-

@@ -22,6 +22,7 @@ Example::
     c.write_manifest(staging, manifest_bytes)
     c.publish(staging, "/ckpt/step_10", overwrite=False)
 """
+
 from __future__ import annotations
 
 import errno
@@ -31,16 +32,28 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from shardpoint_core.commit.base import check_overwrite, Overwrite
-from shardpoint_core.stores.durable import (RENAME_NOREPLACE, DirLocks, dir_locked,
-                                            exchange_dirs, newest_mtime, renameat2)
+from shardpoint_core.stores.durable import (
+    RENAME_NOREPLACE,
+    DirLocks,
+    dir_locked,
+    exchange_dirs,
+    newest_mtime,
+    renameat2,
+)
 from shardpoint_core.commit.leftovers import Leftover, leftover_name, parse_leftover
-from shardpoint_core.format.errors import (CheckpointExistsError, CheckpointNotFoundError,
-                                           InvalidOptionError, SaveFailedError)
+from shardpoint_core.format.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidOptionError,
+    SaveFailedError,
+)
 from shardpoint_core.stores.fsutil import fsync_dir
 from shardpoint_core.format.hints import path_hint
 from shardpoint_core.format.manifest import Manifest, encode_manifest
 
 MANIFEST_NAME = "manifest.msgpack"
+
+
 def _within(inner: str, outer: str) -> bool:
     """True when path ``inner`` is ``outer`` or lies below it (links resolved)."""
     inner, outer = os.path.realpath(inner), os.path.realpath(outer)
@@ -54,7 +67,9 @@ def check_not_containing(target: str, protect: Sequence[str]) -> None:
         if _within(p, target):
             raise CheckpointExistsError(
                 f"{target!r} holds {p!r}, the input of this command; writing there would "
-                "delete it. Choose a destination outside the input", spec_id="SP-COMMIT-5")
+                "delete it. Choose a destination outside the input",
+                spec_id="SP-COMMIT-5",
+            )
 
 
 def _ignore(*_: object) -> None:
@@ -77,7 +92,7 @@ class PosixCommitter:
 
     def __init__(self, *, fsync: bool = True) -> None:
         self.fsync = fsync
-        self._locks = DirLocks()    # the directories this process is saving into or removing
+        self._locks = DirLocks()  # the directories this process is saving into or removing
 
     def __repr__(self) -> str:
         return f"PosixCommitter(fsync={self.fsync})"
@@ -100,11 +115,19 @@ class PosixCommitter:
             names = os.listdir(directory)
         except OSError:
             return []
-        return sorted(n for n in names if not n.startswith(".")
-                      and os.path.isfile(os.path.join(directory, n, MANIFEST_NAME)))
+        return sorted(
+            n
+            for n in names
+            if not n.startswith(".") and os.path.isfile(os.path.join(directory, n, MANIFEST_NAME))
+        )
 
-    def check_target(self, target: str, overwrite: Overwrite, protect: Sequence[str] = (),
-                     is_output: Optional[Callable[[str], bool]] = None) -> None:
+    def check_target(
+        self,
+        target: str,
+        overwrite: Overwrite,
+        protect: Sequence[str] = (),
+        is_output: Optional[Callable[[str], bool]] = None,
+    ) -> None:
         """Raise CheckpointExistsError where publishing to ``target`` is refused
         ([SP-COMMIT-5]). ``overwrite=False`` refuses anything but an empty directory;
         ``True`` also replaces a committed checkpoint; ``"any"`` also a directory that is not
@@ -116,29 +139,37 @@ class PosixCommitter:
         check_not_containing(target, protect)
         if not os.path.lexists(target):
             return
-        finished = (is_output(target) if is_output is not None
-                    else os.path.isdir(target) and self.state(target) == "committed")
+        finished = (
+            is_output(target)
+            if is_output is not None
+            else os.path.isdir(target) and self.state(target) == "committed"
+        )
         if finished:
             if overwrite is False:
                 what = "a checkpoint" if is_output is None else "an output of this kind"
-                raise CheckpointExistsError(f"{what} already exists at {target!r}; pass "
-                                            "overwrite=True to replace it",
-                                            spec_id="SP-COMMIT-5")
+                raise CheckpointExistsError(
+                    f"{what} already exists at {target!r}; pass overwrite=True to replace it",
+                    spec_id="SP-COMMIT-5",
+                )
             self._refuse_nested(target)
             return
         if os.path.islink(target) or not os.path.isdir(target):
             raise CheckpointExistsError(
                 f"{target!r} is a {'link' if os.path.islink(target) else 'file'}, not a "
                 "checkpoint; a save never replaces one. Choose another path, or delete it "
-                "yourself if it may go" + path_hint(target), spec_id="SP-COMMIT-5")
+                "yourself if it may go" + path_hint(target),
+                spec_id="SP-COMMIT-5",
+            )
         if not os.listdir(target):
-            return      # an empty directory: nothing is lost
+            return  # an empty directory: nothing is lost
         self._refuse_nested(target)
         if overwrite != "any":
             raise CheckpointExistsError(
                 f"{target!r} exists and is not a checkpoint (no {MANIFEST_NAME}); refusing to "
                 "delete what it holds. Choose another path, or pass overwrite='any' if "
-                "everything in it may be deleted" + path_hint(target), spec_id="SP-COMMIT-5")
+                "everything in it may be deleted" + path_hint(target),
+                spec_id="SP-COMMIT-5",
+            )
 
     def _refuse_nested(self, target: str) -> None:
         """A directory holding committed checkpoints (a manager's root, even one that is a
@@ -148,7 +179,9 @@ class PosixCommitter:
             raise CheckpointExistsError(
                 f"{target!r} is a directory of checkpoints ({len(inside)}, newest by name "
                 f"{inside[-1]!r}), such as a CheckpointManager's root; a save never replaces "
-                "it. Save to a path inside it, or choose another path", spec_id="SP-COMMIT-5")
+                "it. Save to a path inside it, or choose another path",
+                spec_id="SP-COMMIT-5",
+            )
 
     # ------------------------------------------------------------------ a save
     def staging_for(self, target: str, token: str) -> str:
@@ -175,25 +208,28 @@ class PosixCommitter:
                 os.mkdir(staging)
             except FileExistsError:
                 if attempt == 0:
-                    raise SaveFailedError(f"the staging directory {staging!r} exists already: "
-                                          "pass another token") from None
-            except OSError as e:   # a parent that is a file, no permission, a full disk
+                    raise SaveFailedError(
+                        f"the staging directory {staging!r} exists already: pass another token"
+                    ) from None
+            except OSError as e:  # a parent that is a file, no permission, a full disk
                 raise self._cannot_create(staging, e) from e
             if self._locks.take(staging):
                 if self._locks.holds(staging):
                     return
-                self._locks.release(staging)    # deleted under us before we locked it
+                self._locks.release(staging)  # deleted under us before we locked it
             elif os.path.isdir(staging) and dir_locked(staging) is None:
-                return                          # no flock on this file system: age guards it
-            time.sleep(0.005)   # a clean-up is deleting it: let it finish, then again
-        raise SaveFailedError(f"cannot hold the staging directory {staging!r}: another "
-                              "process kept deleting it")
+                return  # no flock on this file system: age guards it
+            time.sleep(0.005)  # a clean-up is deleting it: let it finish, then again
+        raise SaveFailedError(
+            f"cannot hold the staging directory {staging!r}: another process kept deleting it"
+        )
 
     @staticmethod
     def _cannot_create(staging: str, e: OSError) -> SaveFailedError:
         return SaveFailedError(
             f"cannot create the save's directory {staging!r}: {e.strerror} ({e.filename!r}); "
-            "every parent of the checkpoint path must be a writable directory")
+            "every parent of the checkpoint path must be a writable directory"
+        )
 
     def write_manifest(self, staging: str, data: Union[bytes, Manifest]) -> None:
         """Write the manifest (bytes, or a :class:`Manifest` encoded here) into ``staging``
@@ -216,9 +252,15 @@ class PosixCommitter:
         os.replace(tmp, os.path.join(staging, MANIFEST_NAME))
         self._sync_dir(staging)
 
-    def publish(self, staging: str, target: str, *, overwrite: Overwrite,
-                protect: Sequence[str] = (),
-                is_output: Optional[Callable[[str], bool]] = None) -> None:
+    def publish(
+        self,
+        staging: str,
+        target: str,
+        *,
+        overwrite: Overwrite,
+        protect: Sequence[str] = (),
+        is_output: Optional[Callable[[str], bool]] = None,
+    ) -> None:
         """Rename the durable ``staging`` to ``target`` in one atomic step: NOREPLACE for a
         fresh path, EXCHANGE to replace, else the old one moved aside first to ``-old-``
         ([SP-COMMIT-4]). Releases the save's lock; a bad ``overwrite`` is refused first,
@@ -229,11 +271,17 @@ class PosixCommitter:
         finally:
             self._locks.release(staging)
 
-    def _publish(self, staging: str, target: str, overwrite: Overwrite,
-                 protect: Sequence[str], is_output: Optional[Callable[[str], bool]]) -> None:
+    def _publish(
+        self,
+        staging: str,
+        target: str,
+        overwrite: Overwrite,
+        protect: Sequence[str],
+        is_output: Optional[Callable[[str], bool]],
+    ) -> None:
         parent = os.path.dirname(target)
         if os.path.lexists(target):
-            self.check_target(target, overwrite, protect, is_output)   # again: a race
+            self.check_target(target, overwrite, protect, is_output)  # again: a race
             # Lock the checkpoint being replaced, so no clean-up deletes or restores it from
             # under us while it sits under a hidden name (the lock moves with its inode).
             self._locks.take(target)
@@ -245,11 +293,10 @@ class PosixCommitter:
                     self._delete_tree(staging)
                     return
                 parsed = parse_leftover(os.path.basename(staging))
-                assert parsed is not None, staging    # begin() named it
+                assert parsed is not None, staging  # begin() named it
                 token = parsed[2]
-                old = os.path.join(parent, leftover_name(os.path.basename(target), "old",
-                                                         token))
-                os.rename(target, old)      # never deleted before the new one is in
+                old = os.path.join(parent, leftover_name(os.path.basename(target), "old", token))
+                os.rename(target, old)  # never deleted before the new one is in
                 os.rename(staging, target)
                 self._sync_dir(parent)
                 self._delete_tree(old)
@@ -260,10 +307,12 @@ class PosixCommitter:
         if rc is None:
             os.rename(staging, target)
         elif rc in (errno.EEXIST, errno.ENOTEMPTY):
-            raise CheckpointExistsError(f"another save committed {target!r} while this one was "
-                                        "writing; this save was discarded (save to another "
-                                        "path, or pass overwrite=True to replace it)",
-                                        spec_id="SP-COMMIT-5")
+            raise CheckpointExistsError(
+                f"another save committed {target!r} while this one was "
+                "writing; this save was discarded (save to another "
+                "path, or pass overwrite=True to replace it)",
+                spec_id="SP-COMMIT-5",
+            )
         elif rc != 0:
             raise OSError(rc, os.strerror(rc), target)
         self._sync_dir(parent)
@@ -274,7 +323,7 @@ class PosixCommitter:
         tree is removed, so look again (nothing re-creates the staging directory itself)."""
         try:
             if os.path.islink(staging) or os.path.isfile(staging):
-                os.remove(staging)          # a converter's staged single file
+                os.remove(staging)  # a converter's staged single file
             for _ in range(3):
                 shutil.rmtree(staging, ignore_errors=True)
                 if not os.path.lexists(staging):
@@ -292,10 +341,12 @@ class PosixCommitter:
         target = os.path.abspath(target)
         if self.state(target) != "committed":
             if os.path.lexists(target):
-                raise CheckpointNotFoundError(f"{target!r} is not a committed checkpoint (no "
-                                              f"{MANIFEST_NAME}); retention removes "
-                                              "checkpoints only: nothing removed",
-                                              spec_id="SP-COMMIT-3")
+                raise CheckpointNotFoundError(
+                    f"{target!r} is not a committed checkpoint (no "
+                    f"{MANIFEST_NAME}); retention removes "
+                    "checkpoints only: nothing removed",
+                    spec_id="SP-COMMIT-3",
+                )
             return False
         if not self._try_lock(target):
             return False
@@ -328,10 +379,16 @@ class PosixCommitter:
             if parsed is None or os.path.islink(p) or not os.path.isdir(p):
                 continue
             try:
-                lo = Leftover(p, os.path.join(directory, parsed[0]), parsed[1], parsed[2],
-                              os.path.isfile(os.path.join(p, MANIFEST_NAME)),
-                              newest_mtime(p), dir_locked(p))
-            except FileNotFoundError:   # removed while we looked: by its own save
+                lo = Leftover(
+                    p,
+                    os.path.join(directory, parsed[0]),
+                    parsed[1],
+                    parsed[2],
+                    os.path.isfile(os.path.join(p, MANIFEST_NAME)),
+                    newest_mtime(p),
+                    dir_locked(p),
+                )
+            except FileNotFoundError:  # removed while we looked: by its own save
                 continue
             out.append(lo)
         return out
@@ -350,8 +407,9 @@ class PosixCommitter:
                     os.rename(leftover, target)
                     rc = 0
             if rc in (errno.EEXIST, errno.ENOTEMPTY):
-                raise CheckpointExistsError(f"cannot restore {leftover!r}: {target!r} appeared "
-                                            "meanwhile; nothing was moved")
+                raise CheckpointExistsError(
+                    f"cannot restore {leftover!r}: {target!r} appeared meanwhile; nothing was moved"
+                )
             if rc != 0:
                 raise OSError(rc, os.strerror(rc), target)
             self._sync_dir(os.path.dirname(os.path.abspath(target)))
@@ -364,9 +422,11 @@ class PosixCommitter:
         InvalidOptionError, touching nothing, for a path whose name is not a leftover's
         (a checkpoint, a user's directory). ``now`` is not used (see :meth:`leftovers`)."""
         if parse_leftover(os.path.basename(os.path.abspath(leftover).rstrip(os.sep))) is None:
-            raise InvalidOptionError(f"{leftover!r} is not a leftover of a save (its name is "
-                                     "not .<name>.shardpoint-tmp-<token> or -old-<token>); "
-                                     "nothing removed")
+            raise InvalidOptionError(
+                f"{leftover!r} is not a leftover of a save (its name is "
+                "not .<name>.shardpoint-tmp-<token> or -old-<token>); "
+                "nothing removed"
+            )
         if not self._try_lock(leftover):
             return False
         try:
@@ -402,4 +462,3 @@ if TYPE_CHECKING:
 
     def _is_committer_posixcommitter(x: PosixCommitter) -> Committer:
         return x
-

@@ -2,6 +2,7 @@
 local path goes to the POSIX committer (atomic rename of a staging directory, format.md 9),
 a URL to the object-store committer of its bucket (a marker object, format.md 9.1). Both
 implement :class:`~shardpoint_core.commit.base.Committer`; these only route each call."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -49,14 +50,22 @@ class UrlCommitter:
         c, k = self._at(staging)
         self._pending[staging] = c.prepare_manifest(k, data)
 
-    def publish(self, staging: str, target: str, *, overwrite: Overwrite,
-                manifest: Optional[bytes] = None, marker: Optional[bytes] = None) -> None:
+    def publish(
+        self,
+        staging: str,
+        target: str,
+        *,
+        overwrite: Overwrite,
+        manifest: Optional[bytes] = None,
+        marker: Optional[bytes] = None,
+    ) -> None:
         pending = self._pending.pop(staging, None)
         if manifest is None and marker is None and pending is not None:
             marker, manifest = (pending[0], None) if pending[1] else (None, pending[0])
         c, k = self._at(target)
-        c.publish(self._locate(staging)[1], k, overwrite=overwrite, manifest=manifest,
-                  marker=marker)
+        c.publish(
+            self._locate(staging)[1], k, overwrite=overwrite, manifest=manifest, marker=marker
+        )
 
     def abort(self, staging: str) -> None:
         self._pending.pop(staging, None)
@@ -69,8 +78,10 @@ class UrlCommitter:
 
     def leftovers(self, directory: str, *, now: Optional[float] = None) -> list[Any]:
         c, k = self._at(directory)
-        return [replace(lo, path=url_of(directory, lo.path),
-                        target=url_of(directory, lo.target)) for lo in c.leftovers(k, now=now)]
+        return [
+            replace(lo, path=url_of(directory, lo.path), target=url_of(directory, lo.target))
+            for lo in c.leftovers(k, now=now)
+        ]
 
     def restore(self, leftover: str, target: str) -> bool:
         c, k = self._at(leftover)
@@ -158,4 +169,3 @@ if TYPE_CHECKING:
 
     def _is_committer_pathcommitter(x: PathCommitter) -> Committer:
         return x
-

@@ -27,6 +27,7 @@ Example::
         steps.remove(s)
     steps.clean_leftovers()
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,8 +57,14 @@ class StepRoot:
     serves both kinds of root; ``path``/``all_steps``/``remove``/``clean_leftovers`` are all a
     manager needs of its root besides saving and loading."""
 
-    def __init__(self, root: Any, *, backend: Any = None, local_committer: Any = None,
-                 call: str = "CheckpointManager") -> None:
+    def __init__(
+        self,
+        root: Any,
+        *,
+        backend: Any = None,
+        local_committer: Any = None,
+        call: str = "CheckpointManager",
+    ) -> None:
         self.local = is_local(root)
         if self.local:
             self.root = os.path.abspath(local_path(os.fspath(root), call))
@@ -66,38 +73,48 @@ class StepRoot:
                 committer = committer_of(backend)
             self._locate = None
         else:
-            check_path(root, call)       # a scheme nobody registered: refused here
+            check_path(root, call)  # a scheme nobody registered: refused here
             self.root = os.fspath(root).rstrip("/")
             if backend is None:
                 committer, self._locate = default_committer(), lambda p: locate(p, call).pair()
             elif not callable(getattr(backend, "locate", None)):
                 from shardpoint_core.format.errors import InvalidOptionError
+
                 raise InvalidOptionError(
                     f"{call}: {self.root!r} is on an object store, and backend="
                     f"{type(backend).__name__} works on local paths; drop backend= (the "
-                    "object-store backend is used) or pass an ZarrBackend")
+                    "object-store backend is used) or pass an ZarrBackend"
+                )
             else:
                 committer, self._locate = backend.committer, backend.locate
         self.committer = committer
         if committer.state(self.root) == "committed":
             from shardpoint_core.format.errors import InvalidOptionError
+
             raise InvalidOptionError(
                 f"{call}: {self.root!r} is a checkpoint itself (it has a manifest); a manager's "
                 "root is a directory of steps. Use a new directory (for example its parent "
                 "or a sibling); saving steps inside a checkpoint would let a replacement of "
-                "that checkpoint take them along")
+                "that checkpoint take them along"
+            )
 
     # -- reading (any process) ------------------------------------------------------------
     def path(self, step: int) -> str:
         """The path (or URL) of ``step``; it may not exist."""
-        return (os.path.join(self.root, step_name(step)) if self.local
-                else f"{self.root}/{step_name(step)}")
+        return (
+            os.path.join(self.root, step_name(step))
+            if self.local
+            else f"{self.root}/{step_name(step)}"
+        )
 
     def all_steps(self) -> List[int]:
         """Committed steps, oldest first: a step counts once its manifest is there, and only
         under the name a manager writes (``step_00000042``; ``step_42`` is someone else's)."""
-        return sorted(n for n in map(parse_step, self._committed(lambda name: parse_step(
-            name) is not None)) if n is not None)
+        return sorted(
+            n
+            for n in map(parse_step, self._committed(lambda name: parse_step(name) is not None))
+            if n is not None
+        )
 
     def strays(self) -> List[str]:
         """The committed checkpoints directly below the root under names no manager writes
@@ -111,14 +128,20 @@ class StepRoot:
         report only, never a failure of the save whose retention asked."""
         try:
             found = self.strays()
-        except OSError as e:          # ShardpointError included: a report only
-            log.warning("shardpoint: cannot list %s for checkpoints it did not write (%s)",
-                        self.root, e)
+        except OSError as e:  # ShardpointError included: a report only
+            log.warning(
+                "shardpoint: cannot list %s for checkpoints it did not write (%s)", self.root, e
+            )
             return known
         for name in sorted(set(found) - set(known)):
-            log.warning("shardpoint: %s/%s is a committed checkpoint this manager did not "
-                        "write (its steps are named like %s): not a step, never counted, "
-                        "kept or removed by retention", self.root, name, step_name(42))
+            log.warning(
+                "shardpoint: %s/%s is a committed checkpoint this manager did not "
+                "write (its steps are named like %s): not a step, never counted, "
+                "kept or removed by retention",
+                self.root,
+                name,
+                step_name(42),
+            )
         return found
 
     def _committed(self, wanted: Any) -> List[str]:
@@ -129,13 +152,21 @@ class StepRoot:
                 names = os.listdir(self.root)
             except (FileNotFoundError, NotADirectoryError):
                 return []
-            return [n for n in names if not n.startswith(".") and wanted(n)
-                    and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME))]
+            return [
+                n
+                for n in names
+                if not n.startswith(".")
+                and wanted(n)
+                and os.path.isfile(os.path.join(self.root, n, MANIFEST_NAME))
+            ]
         assert self._locate is not None
         store, key = self._locate(self.root)
         prefix = f"{key}/" if key else ""
-        return [n for n in dict.fromkeys(_children(store, prefix)) if wanted(n)
-                and store.head(f"{prefix}{n}/{MANIFEST_NAME}") is not None]
+        return [
+            n
+            for n in dict.fromkeys(_children(store, prefix))
+            if wanted(n) and store.head(f"{prefix}{n}/{MANIFEST_NAME}") is not None
+        ]
 
     # -- changing it (the coordinator of the job that owns the root) -----------------------
     def remove(self, step: int) -> bool:
@@ -153,6 +184,7 @@ class StepRoot:
         committed is never reported failed because of an older step."""
         from shardpoint_core.format.errors import ShardpointError
         from shardpoint_core.format.policy import retained
+
         warnings: List[str] = []
         unreadable: set[Any] = set()
 
@@ -162,8 +194,9 @@ class StepRoot:
             except (ShardpointError, OSError) as e:
                 if step not in unreadable:
                     unreadable.add(step)
-                    warnings.append(f"step {step}: its metrics cannot be read ({e}); kept "
-                                    "by retention")
+                    warnings.append(
+                        f"step {step}: its metrics cannot be read ({e}); kept by retention"
+                    )
                 return {}
 
         steps = self.all_steps()
@@ -174,12 +207,12 @@ class StepRoot:
             try:
                 self.remove(s)
             except (ShardpointError, OSError) as e:
-                warnings.append(f"step {s}: retention could not remove it ({e}); left as it "
-                                "is")
+                warnings.append(f"step {s}: retention could not remove it ({e}); left as it is")
         return warnings
 
-    def clean_leftovers(self, min_age_s: float = DEFAULT_MIN_AGE_S,
-                        now: Optional[float] = None) -> list[Any]:
+    def clean_leftovers(
+        self, min_age_s: float = DEFAULT_MIN_AGE_S, now: Optional[float] = None
+    ) -> list[Any]:
         """Remove what crashed saves of steps left below the root, never what a live save
         holds (module docstring); returns the paths (URLs) acted on."""
         owns = _owns_step
@@ -188,8 +221,11 @@ class StepRoot:
         now = time.time() if now is None else now
         done = []
         for lo in self.committer.leftovers(self.root, now=now):
-            if (not owns(lo.target.rpartition("/")[2]) or lo.in_use
-                    or now - lo.newest_mtime < min_age_s):
+            if (
+                not owns(lo.target.rpartition("/")[2])
+                or lo.in_use
+                or now - lo.newest_mtime < min_age_s
+            ):
                 continue
             if self.committer.discard(lo.path, now=now):
                 done.append(lo.path)
@@ -209,7 +245,7 @@ def _children(store: Any, prefix: str) -> List[str]:
         return list(fast(prefix))
     names: dict[str, Any] = {}
     for info in store.list(prefix):
-        head, sep, _ = info.key[len(prefix):].partition("/")
+        head, sep, _ = info.key[len(prefix) :].partition("/")
         if sep:
             names[head] = None
     return list(names)

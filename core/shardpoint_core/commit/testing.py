@@ -31,6 +31,7 @@ Locations are what the committer takes: paths for a file-system committer, keys 
 for :class:`~shardpoint_core.commit.object_store.ObjectStoreCommitter`, URLs for a router.
 Needs pytest (test extras).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,11 @@ from typing import Any, Callable, List, Optional, Protocol, Tuple
 import pytest
 
 from shardpoint_core.commit.base import Committer
-from shardpoint_core.format.errors import (CheckpointExistsError, CheckpointNotFoundError,
-                                           InvalidOptionError)
+from shardpoint_core.format.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidOptionError,
+)
 from shardpoint_core.format.manifest import Manifest, TensorEntry, decode_manifest, encode_manifest
 from shardpoint_core.format.spec import MANIFEST_NAME
 from shardpoint_core.stores.base import ByteStore
@@ -100,8 +104,9 @@ class StoreSite:
     """:class:`Site` of locations that ``locate`` turns into (store, key): keys of one store
     (``StoreSite.of(store)``) or URLs (``StoreSite(lambda u: locate(u).pair(), url=True)``)."""
 
-    def __init__(self, locate: Callable[[str], Tuple[ByteStore, str]], *,
-                 url: bool = False) -> None:
+    def __init__(
+        self, locate: Callable[[str], Tuple[ByteStore, str]], *, url: bool = False
+    ) -> None:
         self._locate, self._url = locate, url
 
     @classmethod
@@ -129,7 +134,7 @@ class StoreSite:
     def keys(self, location: str) -> List[str]:
         store, key = self._key(location)
         prefix = f"{key}/" if key else ""
-        return sorted(i.key[len(prefix):] for i in store.list(prefix))
+        return sorted(i.key[len(prefix) :] for i in store.list(prefix))
 
 
 TENSORS = ("a", "b")
@@ -168,8 +173,14 @@ class CommitterTests:
         return site.join(root, name)
 
     @staticmethod
-    def stage(committer: Any, site: Site, target: str, label: str,
-              token: Optional[str] = None, as_bytes: bool = False) -> str:
+    def stage(
+        committer: Any,
+        site: Site,
+        target: str,
+        label: str,
+        token: Optional[str] = None,
+        as_bytes: bool = False,
+    ) -> str:
         """Begin a save of ``target`` and write what a save job writes below its staging
         location (each object names ``label``), the manifest last (a :class:`Manifest`, or
         its bytes with ``as_bytes``); returns the staging location (not yet published)."""
@@ -178,9 +189,11 @@ class CommitterTests:
             site.put(staging, f"tensors/{k}/zarr.json", f'{{"label": "{label}"}}'.encode())
             for c in range(2):
                 site.put(staging, f"tensors/{k}/c/{c}", f"{label}:{k}:{c}".encode())
-        m = Manifest(wire_tree={"dict": [[k, {"tensor": k}] for k in TENSORS]},
-                     tensors={k: TensorEntry(k, f"tensors/{k}", (2,), "uint8", (1,))
-                              for k in TENSORS}, objects={})
+        m = Manifest(
+            wire_tree={"dict": [[k, {"tensor": k}] for k in TENSORS]},
+            tensors={k: TensorEntry(k, f"tensors/{k}", (2,), "uint8", (1,)) for k in TENSORS},
+            objects={},
+        )
         committer.write_manifest(staging, encode_manifest(m) if as_bytes else m)
         return staging
 
@@ -218,8 +231,15 @@ class CommitterTests:
     def later() -> float:
         return time.time() + LATER_S
 
-    def commit(self, committer: Any, site: Site, target: str, label: str,
-               overwrite: Any = False, as_bytes: bool = False) -> None:
+    def commit(
+        self,
+        committer: Any,
+        site: Site,
+        target: str,
+        label: str,
+        overwrite: Any = False,
+        as_bytes: bool = False,
+    ) -> None:
         staging = self.stage(committer, site, target, label, as_bytes=as_bytes)
         committer.publish(staging, target, overwrite=overwrite)
 
@@ -227,8 +247,9 @@ class CommitterTests:
     def test_is_a_committer(self, committer: Any) -> None:
         assert isinstance(committer, Committer)
 
-    def test_state_through_a_save_and_its_removal(self, committer: Any, root: str,
-                                                  site: Site) -> None:
+    def test_state_through_a_save_and_its_removal(
+        self, committer: Any, root: str, site: Site
+    ) -> None:
         t = self.target(site, root)
         assert committer.state(t) == "missing"
         staging = self.stage(committer, site, t, "A")
@@ -247,8 +268,9 @@ class CommitterTests:
         assert committer.state(t) == "incomplete"
 
     # -- check_target -------------------------------------------------------------------
-    def test_check_target_missing_accepts_every_overwrite(self, committer: Any, root: str,
-                                                          site: Site) -> None:
+    def test_check_target_missing_accepts_every_overwrite(
+        self, committer: Any, root: str, site: Site
+    ) -> None:
         t = self.target(site, root)
         for ow in (False, True, "any"):
             committer.check_target(t, ow)
@@ -290,16 +312,16 @@ class CommitterTests:
         assert self.read(site, t) == "A"
 
     # -- a save ---------------------------------------------------------------------------
-    def test_publish_fresh_leaves_nothing_else(self, committer: Any, root: str,
-                                               site: Site) -> None:
+    def test_publish_fresh_leaves_nothing_else(self, committer: Any, root: str, site: Site) -> None:
         t = self.target(site, root)
         committer.check_target(t, False)
         self.commit(committer, site, t, "A")
         assert self.read(site, t) == "A"
         assert committer.leftovers(root, now=self.later()) == []
 
-    def test_publish_without_overwrite_never_replaces(self, committer: Any, root: str,
-                                                      site: Site) -> None:
+    def test_publish_without_overwrite_never_replaces(
+        self, committer: Any, root: str, site: Site
+    ) -> None:
         t = self.target(site, root)
         a = self.stage(committer, site, t, "A")
         b = self.stage(committer, site, t, "B")
@@ -312,8 +334,9 @@ class CommitterTests:
         assert committer.leftovers(root, now=self.later()) == []
 
     @pytest.mark.parametrize("overwrite", [True, "any"])
-    def test_overwrite_replaces_and_deletes_the_old(self, committer: Any, root: str,
-                                                    site: Site, overwrite: Any) -> None:
+    def test_overwrite_replaces_and_deletes_the_old(
+        self, committer: Any, root: str, site: Site, overwrite: Any
+    ) -> None:
         t = self.target(site, root)
         self.commit(committer, site, t, "A")
         self.commit(committer, site, t, "B", overwrite=overwrite, as_bytes=True)
@@ -321,8 +344,9 @@ class CommitterTests:
         assert self.labels_below(site, root) == {"B"}
         assert committer.leftovers(root, now=self.later()) == []
 
-    def test_abort_removes_the_save_and_never_the_target(self, committer: Any, root: str,
-                                                        site: Site) -> None:
+    def test_abort_removes_the_save_and_never_the_target(
+        self, committer: Any, root: str, site: Site
+    ) -> None:
         t = self.target(site, root)
         self.commit(committer, site, t, "A")
         b = self.stage(committer, site, t, "B")
@@ -336,8 +360,9 @@ class CommitterTests:
     def test_remove_a_missing_target(self, committer: Any, root: str, site: Site) -> None:
         assert committer.remove(self.target(site, root)) is False
 
-    def test_remove_refuses_what_is_not_committed(self, committer: Any, root: str,
-                                                  site: Site) -> None:
+    def test_remove_refuses_what_is_not_committed(
+        self, committer: Any, root: str, site: Site
+    ) -> None:
         t = self.target(site, root)
         site.put(t, "notes.txt", b"user data")
         site.put(t, "tensors/x/c/0", b"user data")
@@ -345,8 +370,7 @@ class CommitterTests:
             committer.remove(t)
         assert site.keys(t) == ["notes.txt", "tensors/x/c/0"]
 
-    def test_remove_leaves_a_live_save_alone(self, committer: Any, root: str,
-                                            site: Site) -> None:
+    def test_remove_leaves_a_live_save_alone(self, committer: Any, root: str, site: Site) -> None:
         """Retention during a save of the same target: the save's data is not the
         checkpoint's, and it commits whole afterwards."""
         t = self.target(site, root)
@@ -354,14 +378,15 @@ class CommitterTests:
         b = self.stage(committer, site, t, "B")
         assert committer.remove(t) is True
         assert committer.state(t) != "committed"
-        assert committer.remove(t) is False        # only the live save is there now
+        assert committer.remove(t) is False  # only the live save is there now
         committer.publish(b, t, overwrite=True)
         assert self.read(site, t) == "B"
         assert self.labels_below(site, root) == {"B"}
 
     # -- leftovers ------------------------------------------------------------------------
-    def test_a_live_save_is_in_use_and_never_discarded(self, committer: Any, root: str,
-                                                      site: Site) -> None:
+    def test_a_live_save_is_in_use_and_never_discarded(
+        self, committer: Any, root: str, site: Site
+    ) -> None:
         t = self.target(site, root)
         b = self.stage(committer, site, t, "B")
         before = site.keys(b)
@@ -373,7 +398,8 @@ class CommitterTests:
         assert self.read(site, t) == "B"
 
     def test_an_abandoned_save_is_a_leftover_that_discard_removes(
-            self, committer: Any, root: str, site: Site) -> None:
+        self, committer: Any, root: str, site: Site
+    ) -> None:
         t = self.target(site, root)
         self.commit(committer, site, t, "A")
         b = self.stage(committer, site, t, "B")
@@ -387,8 +413,9 @@ class CommitterTests:
         assert self.read(site, t) == "A"
         assert self.labels_below(site, root) == {"A"}
 
-    def test_discard_refuses_what_is_not_a_leftover(self, committer: Any, root: str,
-                                                   site: Site) -> None:
+    def test_discard_refuses_what_is_not_a_leftover(
+        self, committer: Any, root: str, site: Site
+    ) -> None:
         t = self.target(site, root)
         self.commit(committer, site, t, "A")
         other = self.target(site, root, "exports")
@@ -399,23 +426,25 @@ class CommitterTests:
         assert self.read(site, t) == "A"
         assert site.get(other, "eval.json") == b"user data"
 
-    def test_user_names_are_never_leftovers(self, committer: Any, root: str,
-                                            site: Site) -> None:
+    def test_user_names_are_never_leftovers(self, committer: Any, root: str, site: Site) -> None:
         """Objects named like a save's (``save-20240101/``, ``step_00000001/save-<hex>/``)
         that the protocol did not write are not leftovers and survive every clean-up."""
         t = self.target(site, root)
         self.commit(committer, site, t, "A")
-        user = {("exports", "save-20240101/eval.json"),
-                ("exports", "save-0123456789ab/notes.txt"),
-                ("notes", "tmp-a1b2c3/x.txt")}
+        user = {
+            ("exports", "save-20240101/eval.json"),
+            ("exports", "save-0123456789ab/notes.txt"),
+            ("notes", "tmp-a1b2c3/x.txt"),
+        }
         for name, rel in user:
             site.put(self.target(site, root, name), rel, b"user data")
         assert committer.leftovers(root, now=self.later()) == []
         for name, rel in user:
             assert site.get(self.target(site, root, name), rel) == b"user data"
 
-    def test_restore_never_replaces_a_checkpoint(self, committer: Any, root: str,
-                                                 site: Site) -> None:
+    def test_restore_never_replaces_a_checkpoint(
+        self, committer: Any, root: str, site: Site
+    ) -> None:
         t = self.target(site, root)
         self.commit(committer, site, t, "A")
         b = self.stage(committer, site, t, "B")

@@ -4,6 +4,7 @@ Pure functions over boxes ``(offset, shape)``; no I/O, no process group. The che
 sub-quadratic in the common cases (regular grids, slab decompositions of flattened ranges)
 and fall back to a sort-and-sweep for irregular layouts. See [SP-COVER-1] .. [SP-COVER-3].
 """
+
 from __future__ import annotations
 
 import bisect
@@ -18,8 +19,9 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
 MAX_CELLS = 1 << 22
 
 
-def box_intersection(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int],
-                     b_shape: Sequence[int]) -> Optional[Box]:
+def box_intersection(
+    a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int], b_shape: Sequence[int]
+) -> Optional[Box]:
     """The common box of two boxes, or None when they share no element."""
     off: list[int] = []
     shp: list[int] = []
@@ -70,8 +72,9 @@ def regions_tile(shape: Sequence[int], regions: Sequence[tuple[Any, ...]]) -> bo
     return True
 
 
-def check_exact_cover(shape: Sequence[int], boxes: Sequence[Box],
-                      describe: Callable[[int], str], key: str) -> None:
+def check_exact_cover(
+    shape: Sequence[int], boxes: Sequence[Box], describe: Callable[[int], str], key: str
+) -> None:
     """Raise :class:`InvalidShardingError` unless the non-empty ``boxes`` tile ``shape`` once.
 
     ``describe(i)`` names who holds box ``i`` (ranks, replica ids) for the error message.
@@ -85,21 +88,27 @@ def check_exact_cover(shape: Sequence[int], boxes: Sequence[Box],
             return  # distinct cells of a regular grid, as many as the grid has
     if total == 0:
         if boxes:
-            raise InvalidShardingError(f"tensor {key!r} has no elements but {describe(0)} "
-                                       "claims a non-empty region", spec_id="SP-COVER-1")
+            raise InvalidShardingError(
+                f"tensor {key!r} has no elements but {describe(0)} claims a non-empty region",
+                spec_id="SP-COVER-1",
+            )
         return
     if not shape:  # 0-d: exactly one holder of the single element
         if len(boxes) != 1:
             _fail_count(key, len(boxes), describe)
         return
-    bounds = [sorted({0, n} | {o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes})
-              for d, n in enumerate(shape)]
+    bounds = [
+        sorted({0, n} | {o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes})
+        for d, n in enumerate(shape)
+    ]
     ncells = math.prod(len(b) - 1 for b in bounds)
     if ncells <= MAX_CELLS:
         count = np.zeros([len(b) - 1 for b in bounds], dtype=np.int32)
         for off, shp in boxes:
-            sl = tuple(slice(bisect.bisect_left(b, o), bisect.bisect_left(b, o + s))
-                       for b, o, s in zip(bounds, off, shp))
+            sl = tuple(
+                slice(bisect.bisect_left(b, o), bisect.bisect_left(b, o + s))
+                for b, o, s in zip(bounds, off, shp)
+            )
             count[sl] += 1
         over = np.argwhere(count > 1)
         if len(over):
@@ -112,37 +121,53 @@ def check_exact_cover(shape: Sequence[int], boxes: Sequence[Box],
             raise InvalidShardingError(
                 f"tensor {key!r} of shape {tuple(shape)}: no rank holds the region "
                 f"[{lo}, {hi}) (a gap; {total - vol} elements uncovered in all)",
-                spec_id="SP-COVER-2")
+                spec_id="SP-COVER-2",
+            )
         return
     _sweep(key, shape, boxes, describe)
     if vol != total:
-        raise InvalidShardingError(f"tensor {key!r} of shape {tuple(shape)}: the holdings "
-                                   f"cover {vol} of {total} elements (a gap)",
-                                   spec_id="SP-COVER-2")
+        raise InvalidShardingError(
+            f"tensor {key!r} of shape {tuple(shape)}: the holdings "
+            f"cover {vol} of {total} elements (a gap)",
+            spec_id="SP-COVER-2",
+        )
 
 
 def _fail_count(key: str, n: int, describe: Callable[[int], str]) -> NoReturn:
-    raise InvalidShardingError(f"tensor {key!r} is 0-d but {n} distinct holdings claim it "
-                               f"({', '.join(describe(i) for i in range(n))})",
-                               spec_id="SP-COVER-3")
+    raise InvalidShardingError(
+        f"tensor {key!r} is 0-d but {n} distinct holdings claim it "
+        f"({', '.join(describe(i) for i in range(n))})",
+        spec_id="SP-COVER-3",
+    )
 
 
-def _fail_overlap(key: str, shape: Sequence[int], boxes: Sequence[Box],
-                  bounds: Sequence[Sequence[int]], cell: tuple[int, ...],
-                  describe: Callable[[int], str]) -> NoReturn:
+def _fail_overlap(
+    key: str,
+    shape: Sequence[int],
+    boxes: Sequence[Box],
+    bounds: Sequence[Sequence[int]],
+    cell: tuple[int, ...],
+    describe: Callable[[int], str],
+) -> NoReturn:
     point = tuple(b[i] for b, i in zip(bounds, cell))
-    hits = [i for i, (o, s) in enumerate(boxes)
-            if all(oo <= p < oo + ss for oo, ss, p in zip(o, s, point))][:2]
+    hits = [
+        i
+        for i, (o, s) in enumerate(boxes)
+        if all(oo <= p < oo + ss for oo, ss, p in zip(o, s, point))
+    ][:2]
     a, b = hits
     raise InvalidShardingError(
         f"tensor {key!r} of shape {tuple(shape)}: regions overlap without being replicas: "
         f"{describe(a)} holds offset {boxes[a][0]} shape {boxes[a][1]}, {describe(b)} holds "
         f"offset {boxes[b][0]} shape {boxes[b][1]}; equal regions are replicas, partial "
-        "overlaps are not allowed", spec_id="SP-COVER-3")
+        "overlaps are not allowed",
+        spec_id="SP-COVER-3",
+    )
 
 
-def _sweep(key: str, shape: Sequence[int], boxes: Sequence[Box],
-           describe: Callable[[int], str]) -> None:
+def _sweep(
+    key: str, shape: Sequence[int], boxes: Sequence[Box], describe: Callable[[int], str]
+) -> None:
     order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
     active: list[int] = []
     for i in order:
@@ -152,5 +177,7 @@ def _sweep(key: str, shape: Sequence[int], boxes: Sequence[Box],
             if box_intersection(o, s, *boxes[j]) is not None:
                 raise InvalidShardingError(
                     f"tensor {key!r}: {describe(i)} (offset {o}, shape {s}) and {describe(j)} "
-                    f"(offset {boxes[j][0]}, shape {boxes[j][1]}) overlap", spec_id="SP-COVER-3")
+                    f"(offset {boxes[j][0]}, shape {boxes[j][1]}) overlap",
+                    spec_id="SP-COVER-3",
+                )
         active.append(i)

@@ -6,6 +6,7 @@ the requirement ID of ``spec/`` that the failure violates, when there is one, an
 ``category`` the spec's failure category (format.md section 10: ``corrupt``, ``incomplete``,
 ``unsupported``, ``layout-mismatch``, ``resource-limit``, ``caller-error``).
 """
+
 from __future__ import annotations
 
 

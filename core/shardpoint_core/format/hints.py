@@ -1,6 +1,7 @@
 """Hints for readers given a path that holds something else than a checkpoint (another
 format, with the command that converts it). Tools register what they can recognise; the
 core asks them on its error paths only, so a load of a sound checkpoint imports none."""
+
 from __future__ import annotations
 
 from typing import Callable

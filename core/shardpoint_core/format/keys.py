@@ -7,6 +7,7 @@ as an integer (``-?[0-9]+``) it gets a ``~`` prefix, which encoding never produc
 An ``int`` component is written in decimal. Empty strings, ``.`` and ``..`` are rejected.
 See spec/format.md, section "Keys" ([SP-KEY-1] .. [SP-KEY-5]).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -34,22 +35,28 @@ def encode_component(c: Component) -> str:
         )
     if isinstance(c, int):
         if not -(1 << 63) <= c < (1 << 64):
-            raise InvalidKeyError(f"integer key {c} is outside the 64-bit range the manifest "
-                                  "can store; use a str key", spec_id="SP-KEY-1")
+            raise InvalidKeyError(
+                f"integer key {c} is outside the 64-bit range the manifest "
+                "can store; use a str key",
+                spec_id="SP-KEY-1",
+            )
         return str(c)
     if c in ("", ".", ".."):
         raise InvalidKeyError(
             f"key component {c!r} is not allowed (empty, '.' and '..' could escape or alias "
-            "a directory); rename the dict key", spec_id="SP-KEY-2",
+            "a directory); rename the dict key",
+            spec_id="SP-KEY-2",
         )
-    if _PLAIN_RE.match(c):      # safe characters only: the text itself (or ~text)
+    if _PLAIN_RE.match(c):  # safe characters only: the text itself (or ~text)
         return "~" + c if _INT_RE.match(c) else c
     try:
         raw = c.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidKeyError(f"key component {c!r} is not valid Unicode text (it holds a lone "
-                              "surrogate) and has no UTF-8 form; rename the dict key",
-                              spec_id="SP-KEY-1") from None
+        raise InvalidKeyError(
+            f"key component {c!r} is not valid Unicode text (it holds a lone "
+            "surrogate) and has no UTF-8 form; rename the dict key",
+            spec_id="SP-KEY-1",
+        ) from None
     out = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
     return "~" + out if _INT_RE.match(out) else out
 
@@ -61,23 +68,26 @@ def decode_component(s: str) -> Component:
     ([SP-KEY-2]) and an integer must be canonical and within the msgpack range ([SP-KEY-3]).
     """
     if s in ("", ".", ".."):
-        raise InvalidKeyError(f"key component {s!r} is not allowed (empty, '.' and '..')",
-                              spec_id="SP-KEY-2")
-    if _INT_RE.match(s):   # a full match: the pattern ends with \Z
+        raise InvalidKeyError(
+            f"key component {s!r} is not allowed (empty, '.' and '..')", spec_id="SP-KEY-2"
+        )
+    if _INT_RE.match(s):  # a full match: the pattern ends with \Z
         if s != str(int(s)) or not -(1 << 63) <= int(s) < (1 << 64):
-            raise InvalidKeyError(f"integer component {s!r} is not canonical or is outside "
-                                  "-2^63 .. 2^64-1", spec_id="SP-KEY-3")
+            raise InvalidKeyError(
+                f"integer component {s!r} is not canonical or is outside -2^63 .. 2^64-1",
+                spec_id="SP-KEY-3",
+            )
         return int(s)
     body = s[1:] if s.startswith("~") else s
     if not _ENCODED_STR_RE.match(body) or (s.startswith("~") and not _INT_RE.match(body)):
         raise InvalidKeyError(f"malformed key component {s!r}", spec_id="SP-KEY-3")
-    if "%" not in body:     # safe characters only: the text itself, canonical as checked
+    if "%" not in body:  # safe characters only: the text itself, canonical as checked
         return body
     raw = bytearray()
     i = 0
     while i < len(body):
         if body[i] == "%":
-            raw.append(int(body[i + 1:i + 3], 16))
+            raw.append(int(body[i + 1 : i + 3], 16))
             i += 3
         else:
             raw.append(ord(body[i]))
@@ -94,12 +104,14 @@ def decode_component(s: str) -> Component:
 def encode_key(path: Sequence[Component]) -> str:
     """Encode a tree path; the root itself (an empty path) is not a valid key."""
     if len(path) == 0:
-        raise InvalidKeyError("the root of the tree cannot be a leaf; wrap it in a dict",
-                              spec_id="SP-KEY-2")
+        raise InvalidKeyError(
+            "the root of the tree cannot be a leaf; wrap it in a dict", spec_id="SP-KEY-2"
+        )
     key = "/".join(encode_component(c) for c in path)
     if len(key.encode()) > MAX_KEY_BYTES:
-        raise InvalidKeyError(f"key {key[:80]}... is longer than {MAX_KEY_BYTES} bytes",
-                              spec_id="SP-KEY-4")
+        raise InvalidKeyError(
+            f"key {key[:80]}... is longer than {MAX_KEY_BYTES} bytes", spec_id="SP-KEY-4"
+        )
     return key
 
 
@@ -109,12 +121,15 @@ def decode_key(key: str) -> tuple[Any, ...]:
         raise InvalidKeyError(f"key {key!r} is not a non-empty string", spec_id="SP-KEY-3")
     parts = key.split("/")
     bad = next((p for p in parts if p in ("", ".", "..")), None)
-    if bad is not None:   # [SP-ERR-2]: [SP-KEY-2] before [SP-KEY-3], whichever comes first
-        raise InvalidKeyError(f"key {key[:80]!r} has the component {bad!r} (empty, '.' and "
-                              "'..' are not allowed)", spec_id="SP-KEY-2")
+    if bad is not None:  # [SP-ERR-2]: [SP-KEY-2] before [SP-KEY-3], whichever comes first
+        raise InvalidKeyError(
+            f"key {key[:80]!r} has the component {bad!r} (empty, '.' and '..' are not allowed)",
+            spec_id="SP-KEY-2",
+        )
     if len(key.encode()) > MAX_KEY_BYTES:
-        raise InvalidKeyError(f"key {key[:80]}... is longer than {MAX_KEY_BYTES} bytes",
-                              spec_id="SP-KEY-4")
+        raise InvalidKeyError(
+            f"key {key[:80]}... is longer than {MAX_KEY_BYTES} bytes", spec_id="SP-KEY-4"
+        )
     return tuple(decode_component(p) for p in parts)
 
 

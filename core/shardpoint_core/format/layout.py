@@ -2,6 +2,7 @@
 ``bytes`` + ``crc32c`` chunks, or, above a size, shards of inner chunks that each carry their
 own checksum, so a reader can fetch part of a large chunk without reading all of it.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,7 +48,7 @@ def inner_chunk_shape(chunk: Sequence[int], itemsize: int, target: int) -> tuple
     until one inner chunk is at most ``target`` bytes (or every dimension is split to 1)."""
     inner = list(chunk)
     for d in range(len(inner)):
-        rest = math.prod(inner[d + 1:]) * itemsize
+        rest = math.prod(inner[d + 1 :]) * itemsize
         if rest * inner[d] <= target:
             break
         inner[d] = _largest_divisor_at_most(inner[d], max(1, target // max(rest, 1)))
@@ -60,7 +61,15 @@ def codecs_for(spec: ArraySpec, itemsize: int, shard_above: int, inner_target: i
     if spec.chunk_shape and nbytes > shard_above:
         inner = inner_chunk_shape(spec.chunk_shape, itemsize, inner_target)
         if inner != tuple(spec.chunk_shape):
-            return [{"name": "sharding_indexed", "configuration": {
-                "chunk_shape": list(inner), "codecs": BYTES_CRC,
-                "index_codecs": BYTES_CRC, "index_location": "end"}}]
+            return [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(inner),
+                        "codecs": BYTES_CRC,
+                        "index_codecs": BYTES_CRC,
+                        "index_location": "end",
+                    },
+                }
+            ]
     return BYTES_CRC

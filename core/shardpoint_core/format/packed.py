@@ -19,6 +19,7 @@ Example::
     again = decode_packed(field, {"tensors/w": entry})
     again.chunk("tensors/w", 0)    # -> (object path, offset, length, crc32c)
 """
+
 from __future__ import annotations
 
 import math
@@ -31,13 +32,21 @@ import numpy as np
 from shardpoint_core.format import dtypes
 from shardpoint_core.format.errors import CorruptCheckpointError
 
-FIELD = "packed"                     # the manifest's top-level field (1.4)
-FORMAT_VERSION_1_4 = (1, 4)          # what a writer of the packed layout writes ([SP-VER-1])
-RECORD = np.dtype([("array", "<u4"), ("object", "<u4"), ("chunk", "<u8"),
-                   ("offset", "<u8"), ("length", "<u8"), ("crc32c", "<u4")])
+FIELD = "packed"  # the manifest's top-level field (1.4)
+FORMAT_VERSION_1_4 = (1, 4)  # what a writer of the packed layout writes ([SP-VER-1])
+RECORD = np.dtype(
+    [
+        ("array", "<u4"),
+        ("object", "<u4"),
+        ("chunk", "<u8"),
+        ("offset", "<u8"),
+        ("length", "<u8"),
+        ("crc32c", "<u4"),
+    ]
+)
 RECORD_BYTES = 36
 MAX_OBJECTS = 2**32 - 1
-MAX_SIZE = 2**63                     # object sizes lie below it
+MAX_SIZE = 2**63  # object sizes lie below it
 _COMPONENT = re.compile(r"[A-Za-z0-9_.~%\-]+\Z")
 _WHERE = "manifest.msgpack: field 'packed'"
 assert RECORD.itemsize == RECORD_BYTES
@@ -87,8 +96,12 @@ class PackedArray:
     def chunk(self, number: int) -> Tuple[str, int, int, int]:
         """(object path, offset, length, crc32c) of chunk ``number``."""
         r = self.records[number]
-        return (self.objects[int(r["object"])][0], int(r["offset"]), int(r["length"]),
-                int(r["crc32c"]))
+        return (
+            self.objects[int(r["object"])][0],
+            int(r["offset"]),
+            int(r["length"]),
+            int(r["crc32c"]),
+        )
 
     def object_numbers(self) -> list[int]:
         """The objects this array's chunks lie in (each once)."""
@@ -123,17 +136,22 @@ def encode_packed(index: PackedIndex, arrays: Mapping[str, ArrayInfo]) -> dict[s
     against the tensor entries ``arrays`` (array name -> entry): a writer's bug fails the
     save instead of committing a checkpoint nobody reads."""
     rec = np.sort(np.asarray(index.records, RECORD), order=("array", "chunk"))
-    field = {"objects": [[p, int(s)] for p, s in index.objects],
-             "arrays": [[n, None if i is None else list(i)] for n, i in index.arrays],
-             "index": rec.tobytes()}
+    field = {
+        "objects": [[p, int(s)] for p, s in index.objects],
+        "arrays": [[n, None if i is None else list(i)] for n, i in index.arrays],
+        "index": rec.tobytes(),
+    }
     decode_packed(field, arrays)
     return field
 
 
 def _check_path(p: Any, what: str) -> str:
     """[SP-SEC-1] for an object path: relative, components of the safe set, no . or .."""
-    if not isinstance(p, str) or not p or any(
-            not _COMPONENT.match(c) or c in (".", "..") for c in p.split("/")):
+    if (
+        not isinstance(p, str)
+        or not p
+        or any(not _COMPONENT.match(c) or c in (".", "..") for c in p.split("/"))
+    ):
         raise _bad(f"{what} path {p!r} is not a safe relative path", "SP-SEC-1")
     return p
 
@@ -146,15 +164,22 @@ def _form(value: Any) -> Tuple[list[Any], list[Any], bytes]:
     if not (isinstance(objs, list) and isinstance(arrs, list) and isinstance(raw, bytes)):
         raise _bad("'objects' and 'arrays' must be lists, 'index' a bin", "SP-PACK-2")
     for o in objs:
-        if not (isinstance(o, list) and len(o) == 2 and isinstance(o[0], str)
-                and type(o[1]) is int and 0 <= o[1] < MAX_SIZE):
-            raise _bad(f"object entry {o!r} is not [path, size] with 0 <= size < 2^63",
-                       "SP-PACK-2")
+        if not (
+            isinstance(o, list)
+            and len(o) == 2
+            and isinstance(o[0], str)
+            and type(o[1]) is int
+            and 0 <= o[1] < MAX_SIZE
+        ):
+            raise _bad(f"object entry {o!r} is not [path, size] with 0 <= size < 2^63", "SP-PACK-2")
     for a in arrs:
-        if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
-                and (a[1] is None or isinstance(a[1], list))):
-            raise _bad(f"array entry {a!r} is not [name, inner chunk shape or nil]",
-                       "SP-PACK-2")
+        if not (
+            isinstance(a, list)
+            and len(a) == 2
+            and isinstance(a[0], str)
+            and (a[1] is None or isinstance(a[1], list))
+        ):
+            raise _bad(f"array entry {a!r} is not [name, inner chunk shape or nil]", "SP-PACK-2")
     return objs, arrs, raw
 
 
@@ -162,16 +187,17 @@ def _objects(objs: list[Any], names: Iterable[str]) -> None:
     """Object paths safe ([SP-SEC-1]), distinct, none inside another or an array name, none
     the manifest; at most 2^32-1 of them ([SP-PACK-2])."""
     if len(objs) > MAX_OBJECTS:
-        raise _bad(f"{len(objs)} objects, over the {MAX_OBJECTS} an index can name",
-                   "SP-PACK-2")
+        raise _bad(f"{len(objs)} objects, over the {MAX_OBJECTS} an index can name", "SP-PACK-2")
     paths = [_check_path(p, "object") for p, _s in objs]
     if "manifest.msgpack" in paths:
         raise _bad("an object path is manifest.msgpack", "SP-PACK-2")
     every = sorted([(p + "/", "object") for p in paths] + [(n + "/", "array") for n in names])
     for (a, ka), (b, kb) in zip(every, every[1:]):
         if b.startswith(a):
-            raise _bad(f"{ka} path {a[:-1]!r} and {kb} path {b[:-1]!r}: equal, or one inside "
-                       "the other", "SP-PACK-2")
+            raise _bad(
+                f"{ka} path {a[:-1]!r} and {kb} path {b[:-1]!r}: equal, or one inside the other",
+                "SP-PACK-2",
+            )
 
 
 def _arrays(arrs: list[Any], by_name: Mapping[str, ArrayInfo]) -> list[Any]:
@@ -182,22 +208,31 @@ def _arrays(arrs: list[Any], by_name: Mapping[str, ArrayInfo]) -> list[Any]:
     for name, inner in arrs:
         e = by_name.get(name)
         if e is None or name in seen:
-            raise _bad(f"array {name!r} " + ("is listed twice" if e is not None
-                                             else "names no tensor entry"), "SP-PACK-2")
+            raise _bad(
+                f"array {name!r} "
+                + ("is listed twice" if e is not None else "names no tensor entry"),
+                "SP-PACK-2",
+            )
         seen.add(name)
         chunk = tuple(e.chunk_shape)
         if inner is not None:
             ok = len(inner) == len(chunk) and all(
-                type(k) is int and k >= 1 and c % k == 0 for k, c in zip(inner, chunk))
+                type(k) is int and k >= 1 and c % k == 0 for k, c in zip(inner, chunk)
+            )
             if not ok:
-                raise _bad(f"tensor {e.key!r}: inner chunk shape {inner!r} does not divide "
-                           f"chunk shape {list(chunk)}", "SP-PACK-3")
+                raise _bad(
+                    f"tensor {e.key!r}: inner chunk shape {inner!r} does not divide "
+                    f"chunk shape {list(chunk)}",
+                    "SP-PACK-3",
+                )
             inner = tuple(inner) if chunk else None
         out.append((name, inner, e))
     if len(seen) != len(by_name):
         missing = sorted(set(by_name) - seen)[0]
-        raise _bad(f"tensor {by_name[missing].key!r} (array {missing!r}) has no entry in "
-                   "'arrays'", "SP-PACK-2")
+        raise _bad(
+            f"tensor {by_name[missing].key!r} (array {missing!r}) has no entry in 'arrays'",
+            "SP-PACK-2",
+        )
     return out
 
 
@@ -209,32 +244,45 @@ def decode_packed(value: Any, arrays: Mapping[str, ArrayInfo]) -> PackedIndex:
     _objects(objs, arrays)
     listed = _arrays(arrs, arrays)
     if len(raw) % RECORD_BYTES:
-        raise _bad(f"index of {len(raw)} bytes is not a whole number of {RECORD_BYTES}-byte "
-                   "records", "SP-PACK-4")
+        raise _bad(
+            f"index of {len(raw)} bytes is not a whole number of {RECORD_BYTES}-byte records",
+            "SP-PACK-4",
+        )
     counts = [chunk_count(e.shape, e.chunk_shape) for _n, _i, e in listed]
     rec = np.frombuffer(raw, RECORD)
-    if sum(counts) != len(rec):       # before any per-record work ([SP-SEC-2])
-        raise _bad(f"{len(rec)} records for the {sum(counts)} chunks of the arrays (every "
-                   "chunk of every array exactly once)", "SP-PACK-4")
+    if sum(counts) != len(rec):  # before any per-record work ([SP-SEC-2])
+        raise _bad(
+            f"{len(rec)} records for the {sum(counts)} chunks of the arrays (every "
+            "chunk of every array exactly once)",
+            "SP-PACK-4",
+        )
     if len(rec) == 0:
         return PackedIndex([(p, s) for p, s in objs], [(n, i) for n, i, _e in listed], rec)
     a, c = rec["array"], rec["chunk"]
     if np.any(a >= len(listed)):
-        raise _bad(f"record {int(np.argmax(a >= len(listed)))}: array number out of range",
-                   "SP-PACK-4")
+        raise _bad(
+            f"record {int(np.argmax(a >= len(listed)))}: array number out of range", "SP-PACK-4"
+        )
     up = (a[1:] > a[:-1]) | ((a[1:] == a[:-1]) & (c[1:] > c[:-1]))
     if not np.all(up):
-        raise _bad(f"record {int(np.argmin(up)) + 1} is not after the one before it in "
-                   "(array, chunk) order (a chunk twice, or out of order)", "SP-PACK-4")
+        raise _bad(
+            f"record {int(np.argmin(up)) + 1} is not after the one before it in "
+            "(array, chunk) order (a chunk twice, or out of order)",
+            "SP-PACK-4",
+        )
     cap = np.array([min(n, 2**64 - 1) for n in counts], np.uint64)
     if np.any(c >= cap[a]):
         i = int(np.argmax(c >= cap[a]))
-        raise _bad(f"record {i}: chunk {int(c[i])} outside the grid of tensor "
-                   f"{listed[int(a[i])][2].key!r}", "SP-PACK-4")
+        raise _bad(
+            f"record {i}: chunk {int(c[i])} outside the grid of tensor "
+            f"{listed[int(a[i])][2].key!r}",
+            "SP-PACK-4",
+        )
     o = rec["object"]
     if np.any(o >= len(objs)):
-        raise _bad(f"record {int(np.argmax(o >= len(objs)))}: object number out of range",
-                   "SP-PACK-4")
+        raise _bad(
+            f"record {int(np.argmax(o >= len(objs)))}: object number out of range", "SP-PACK-4"
+        )
     _check_lengths(rec, listed, objs)
     _check_overlaps(rec, objs)
     return PackedIndex([(p, s) for p, s in objs], [(n, i) for n, i, _e in listed], rec)
@@ -248,10 +296,12 @@ def _check_lengths(rec: np.ndarray, listed: list[Any], objs: list[Any]) -> None:
     out = (off > size) | (n > size - np.minimum(off, size))
     if np.any(out):
         i = int(np.argmax(out))
-        raise _bad(f"record {i} (tensor {listed[int(rec['array'][i])][2].key!r}, chunk "
-                   f"{int(rec['chunk'][i])}): bytes {int(off[i])}+{int(n[i])} beyond its "
-                   f"object {objs[int(rec['object'][i])][0]!r} of {int(size[i])} bytes",
-                   "SP-PACK-4")
+        raise _bad(
+            f"record {i} (tensor {listed[int(rec['array'][i])][2].key!r}, chunk "
+            f"{int(rec['chunk'][i])}): bytes {int(off[i])}+{int(n[i])} beyond its "
+            f"object {objs[int(rec['object'][i])][0]!r} of {int(size[i])} bytes",
+            "SP-PACK-4",
+        )
     exact, least = [], []
     for _name, inner, e in listed:
         item = dtypes.from_name(e.dtype).itemsize
@@ -270,9 +320,12 @@ def _check_lengths(rec: np.ndarray, listed: list[Any], objs: list[Any]) -> None:
         i = int(np.argmax(wrong))
         name, inner, e = listed[int(rec["array"][i])]
         need = f"exactly {int(want[i])}" if plain[i] else f"at least {int(low[i])}"
-        raise _bad(f"record {i} (tensor {e.key!r}, chunk {int(rec['chunk'][i])}): length "
-                   f"{int(n[i])}, a {'plain chunk' if plain[i] else 'shard'} of it is "
-                   f"{need} bytes", "SP-PACK-4")
+        raise _bad(
+            f"record {i} (tensor {e.key!r}, chunk {int(rec['chunk'][i])}): length "
+            f"{int(n[i])}, a {'plain chunk' if plain[i] else 'shard'} of it is "
+            f"{need} bytes",
+            "SP-PACK-4",
+        )
 
 
 def _check_overlaps(rec: np.ndarray, objs: list[Any]) -> None:
@@ -283,6 +336,8 @@ def _check_overlaps(rec: np.ndarray, objs: list[Any]) -> None:
     hit = same & (off[:-1] + n[:-1] > off[1:])
     if np.any(hit):
         j = int(np.argmax(hit))
-        raise _bad(f"records {int(order[j])} and {int(order[j + 1])} overlap in object "
-                   f"{objs[int(o[j])][0]!r} (bytes from {int(off[j])} and {int(off[j + 1])})",
-                   "SP-PACK-5")
+        raise _bad(
+            f"records {int(order[j])} and {int(order[j + 1])} overlap in object "
+            f"{objs[int(o[j])][0]!r} (bytes from {int(off[j])} and {int(off[j + 1])})",
+            "SP-PACK-5",
+        )

@@ -11,6 +11,7 @@ read and pruned alike. Retention policies are small frozen objects that compose:
 a metric never call it. :func:`retained` adds the rule every manager keeps on top of any
 policy: the newest committed step is never deleted.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,9 @@ def step_number(step: Any) -> int:
     except TypeError:
         n = -1
     if n < 0 or isinstance(step, bool):
-        raise InvalidKeyError(f"step {step!r} is not a step number: steps are ints >= 0 (the "
-                              "directory is step_%08d)")
+        raise InvalidKeyError(
+            f"step {step!r} is not a step number: steps are ints >= 0 (the directory is step_%08d)"
+        )
     return int(n)
 
 
@@ -60,8 +62,7 @@ def parse_step(name: str) -> Optional[int]:
 class Retention(Protocol):
     """Chooses the steps to keep among committed ``steps`` (pure: no I/O but metrics_of)."""
 
-    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set[Any]:
-        ...
+    def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set[Any]: ...
 
 
 def _positive(name: str, n: Any) -> int:
@@ -88,7 +89,7 @@ class LatestN:
         _positive("LatestN(n) / max_to_keep", self.n)
 
     def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set[Any]:
-        return set(sorted(steps)[-self.n:])
+        return set(sorted(steps)[-self.n :])
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class BestN:
         check_metric(self.metric, self.mode)
 
     def keep(self, steps: Sequence[int], metrics_of: MetricsOf) -> set[Any]:
-        return set(ranked(steps, metrics_of, self.metric, self.mode)[:self.n])
+        return set(ranked(steps, metrics_of, self.metric, self.mode)[: self.n])
 
 
 @dataclass(frozen=True)
@@ -165,24 +166,30 @@ def retained(policy: Retention, steps: Sequence[int], metrics_of: MetricsOf) -> 
     return policy.keep(steps, metrics_of) | {max(steps)}
 
 
-def policy_from_options(max_to_keep: Optional[int] = None, keep_every: Optional[int] = None,
-                        best_metric: Optional[str] = None, best_mode: str = "min",
-                        keep_best: Optional[int] = None) -> Retention:
+def policy_from_options(
+    max_to_keep: Optional[int] = None,
+    keep_every: Optional[int] = None,
+    best_metric: Optional[str] = None,
+    best_mode: str = "min",
+    keep_best: Optional[int] = None,
+) -> Retention:
     """The policy the managers' keyword options spell: the ``max_to_keep`` newest (None:
     all), every multiple of ``keep_every``, and the ``keep_best`` best by ``best_metric``.
     ``best_metric`` alone ranks steps for ``best_step()`` and keeps nothing extra: how many
     best steps to keep is ``keep_best``, never an implicit 1."""
-    for name, v in (("max_to_keep", max_to_keep), ("keep_every", keep_every),
-                    ("keep_best", keep_best)):
+    for name, v in (
+        ("max_to_keep", max_to_keep),
+        ("keep_every", keep_every),
+        ("keep_best", keep_best),
+    ):
         if v is not None and (type(v) is not int or v < 1):
             raise InvalidOptionError(f"{name} must be a positive int or None, got {v!r}")
     check_metric("" if best_metric is None else best_metric, best_mode)
     if keep_best is not None and best_metric is None:
-        raise InvalidOptionError("keep_best needs best_metric (the metric name to rank "
-                                 "steps by)")
+        raise InvalidOptionError("keep_best needs best_metric (the metric name to rank steps by)")
     parts: list[Any] = [KeepAll() if max_to_keep is None else LatestN(max_to_keep)]
     if keep_every is not None:
         parts.append(EveryNSteps(keep_every))
     if keep_best is not None:
-        parts.append(BestN(keep_best, best_metric, best_mode))   # type: ignore[arg-type]
+        parts.append(BestN(keep_best, best_metric, best_mode))  # type: ignore[arg-type]
     return parts[0] if len(parts) == 1 else AnyOf(*parts)

@@ -1,5 +1,6 @@
 """What the format says of one stored array and where the manifest lives: the vocabulary the
 array layer, the committers and the transactions share (format.md sections 5 and 7)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -13,6 +13,7 @@ trees) handle the encoding. Every front end walks its users' trees with the same
 walk (:func:`encode_tree` for a save, :func:`map_tree` for a load's ``like``), passing its
 own ``children`` where it knows more containers. Pure: no I/O; neither torch nor JAX.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class TensorLeaf:
     from ``shardpoint_jax``), ``"numpy"`` for a numpy array (a load without ``like`` hands it
     back as numpy), ``"torch"`` for a torch tensor saved by another framework."""
 
-    entry: EntryLike      # the manifest's TensorEntry
+    entry: EntryLike  # the manifest's TensorEntry
     origin: Optional[str] = None
     kind: ClassVar[str] = "tensor"
 
@@ -70,7 +71,7 @@ class ObjectLeaf:
     """A sharded object: one value per cell of its grid (``values`` in row-major order)."""
 
     key: str
-    values: Sequence[Any]      # the manifest's ObjectValues
+    values: Sequence[Any]  # the manifest's ObjectValues
     kind: ClassVar[str] = "object"
 
     @property
@@ -95,8 +96,12 @@ Leaf = Union[TensorLeaf, ObjectLeaf, ValueLeaf]
 LEAF_TYPES = (TensorLeaf, ObjectLeaf, ValueLeaf)
 
 
-def typed_tree(wire: dict[str, Any], tensors: dict[str, Any], objects: dict[str, Any],
-               path: tuple[Any, ...] = ()) -> Any:
+def typed_tree(
+    wire: dict[str, Any],
+    tensors: dict[str, Any],
+    objects: dict[str, Any],
+    path: tuple[Any, ...] = (),
+) -> Any:
     """The wire tree ``wire`` with typed leaves, ``tensors``/``objects`` being the manifest's
     tables (a decoded manifest was checked: every leaf names its own key, [SP-MAN-4])."""
     if "dict" in wire:
@@ -104,8 +109,9 @@ def typed_tree(wire: dict[str, Any], tensors: dict[str, Any], objects: dict[str,
     if "list" in wire:
         return [typed_tree(v, tensors, objects, path + (i,)) for i, v in enumerate(wire["list"])]
     if "tuple" in wire:
-        return tuple(typed_tree(v, tensors, objects, path + (i,))
-                     for i, v in enumerate(wire["tuple"]))
+        return tuple(
+            typed_tree(v, tensors, objects, path + (i,)) for i, v in enumerate(wire["tuple"])
+        )
     if "tensor" in wire:
         return TensorLeaf(tensors[wire["tensor"]], wire.get("origin"))
     if "object" in wire:
@@ -120,8 +126,11 @@ def wire_tree(tree: Any) -> dict[str, Any]:
 
 def _wire_leaf(path: tuple[Any, ...], key: str, leaf: Any) -> dict[str, Any]:
     if isinstance(leaf, TensorLeaf):
-        return ({"tensor": leaf.key, "origin": leaf.origin} if leaf.origin is not None
-                else {"tensor": leaf.key})
+        return (
+            {"tensor": leaf.key, "origin": leaf.origin}
+            if leaf.origin is not None
+            else {"tensor": leaf.key}
+        )
     if isinstance(leaf, ObjectLeaf):
         return {"object": leaf.key}
     return {"value": leaf.value}
@@ -154,7 +163,7 @@ def _rebuild_dict(cls: type, keys: list[Any], kids: list[Any]) -> dict[str, Any]
     if cls is dict:
         return out
     try:
-        rebuilt: dict[str, Any] = cls(out)     # a dict subclass (OrderedDict, ...)
+        rebuilt: dict[str, Any] = cls(out)  # a dict subclass (OrderedDict, ...)
         return rebuilt
     except TypeError:
         return out
@@ -170,8 +179,11 @@ def _rebuild_tuple(cls: type, kids: list[Any]) -> tuple[Any, ...]:
         return tuple(kids)
 
 
-def encode_tree(tree: Any, leaf: Callable[[tuple[Any, ...], str, Any], dict[str, Any]],
-                children: Optional[Children] = None) -> dict[str, Any]:
+def encode_tree(
+    tree: Any,
+    leaf: Callable[[tuple[Any, ...], str, Any], dict[str, Any]],
+    children: Optional[Children] = None,
+) -> dict[str, Any]:
     """The wire encoding ([SP-MAN-4]) of an in-memory tree: containers walked with
     ``children`` (:func:`plain_children` when None), dict keys checked as key components
     ([SP-KEY-1]), each leaf's node from ``leaf(path, key, value)``. What a save writes as the
@@ -179,8 +191,13 @@ def encode_tree(tree: Any, leaf: Callable[[tuple[Any, ...], str, Any], dict[str,
     return _encode(tree, leaf, children, (), "")
 
 
-def map_tree(tree: Any, leaf: Callable[[tuple[Any, ...], Optional[str], Any], Any],
-             children: Optional[Children] = None, *, keys: bool = True) -> Any:
+def map_tree(
+    tree: Any,
+    leaf: Callable[[tuple[Any, ...], Optional[str], Any], Any],
+    children: Optional[Children] = None,
+    *,
+    keys: bool = True,
+) -> Any:
     """``tree`` rebuilt with every leaf replaced by ``leaf(path, key, value)`` (containers as
     ``children`` builds them back): what a load returns in place of its ``like`` tree.
     ``keys=False``: ``key`` is None, for walks of a typed tree, whose leaves know theirs."""
@@ -190,6 +207,7 @@ def map_tree(tree: Any, leaf: Callable[[tuple[Any, ...], Optional[str], Any], An
 # Both walks encode each path component once, on the way down (a leaf's key is its
 # parent's plus one component), and walk plain containers without building their
 # ``children`` triple: a save walks every node of the user's tree.
+
 
 def _items(x: Any, children: Optional[Children]) -> Optional[tuple[Any, ...]]:
     if children is not None:
@@ -213,8 +231,9 @@ def _leaf_key(path: tuple[Any, ...], key: str) -> str:
     return encode_key(path) if not path or len(key) > MAX_KEY_BYTES else key
 
 
-def _encode(x: Any, leaf: Callable[..., Any], children: Optional[Children], path: tuple[Any, ...],
-            key: str) -> dict[str, Any]:
+def _encode(
+    x: Any, leaf: Callable[..., Any], children: Optional[Children], path: tuple[Any, ...], key: str
+) -> dict[str, Any]:
     kid = _items(x, children)
     if kid is None:
         encoded: dict[str, Any] = leaf(path, _leaf_key(path, key), x)
@@ -224,8 +243,13 @@ def _encode(x: Any, leaf: Callable[..., Any], children: Optional[Children], path
     return {"dict": nodes} if kind == "dict" else {kind: [n for _c, n in nodes]}
 
 
-def _map(x: Any, leaf: Callable[..., Any], children: Optional[Children], path: tuple[Any, ...],
-         key: Optional[str]) -> Any:
+def _map(
+    x: Any,
+    leaf: Callable[..., Any],
+    children: Optional[Children],
+    path: tuple[Any, ...],
+    key: Optional[str],
+) -> Any:
     kid = _items(x, children)
     if kid is None:
         return leaf(path, None if key is None else _leaf_key(path, key), x)
@@ -277,8 +301,12 @@ def node_at(tree: Any, path: Sequence[Any]) -> Optional[Any]:
     for c in path:
         if isinstance(node, dict):
             node = node.get(c)
-        elif (isinstance(node, (list, tuple)) and isinstance(c, int)
-              and not isinstance(c, bool) and 0 <= c < len(node)):
+        elif (
+            isinstance(node, (list, tuple))
+            and isinstance(c, int)
+            and not isinstance(c, bool)
+            and 0 <= c < len(node)
+        ):
             node = node[c]
         else:
             return None

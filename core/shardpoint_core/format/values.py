@@ -9,6 +9,7 @@ A front end registers its framework's array type (:func:`register_array_type`): 
 are stored with its origin and handed back as its arrays; without one, arrays of any origin
 come back as numpy arrays.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -22,14 +23,18 @@ from shardpoint_core.format import dtypes
 from shardpoint_core.format.errors import CorruptCheckpointError, UnsupportedValueError
 
 EXT_ARRAY = 1
-ORIGINS = ("torch", "numpy", "numpy-scalar")   # the spec's ext 1 origins
+ORIGINS = ("torch", "numpy", "numpy-scalar")  # the spec's ext 1 origins
 
 
 class _ArrayType:
-    def __init__(self, cls: type, origin: str, to_numpy: Any, from_numpy: Any,
-                 check: Any) -> None:
+    def __init__(self, cls: type, origin: str, to_numpy: Any, from_numpy: Any, check: Any) -> None:
         self.cls, self.origin, self.to_numpy, self.from_numpy, self.check = (
-            cls, origin, to_numpy, from_numpy, check)
+            cls,
+            origin,
+            to_numpy,
+            from_numpy,
+            check,
+        )
 
 
 _ARRAY_TYPES: list[Any] = []
@@ -39,8 +44,9 @@ _FROM_ORIGIN: dict[str, Any] = {}
 _NATIVE: ContextVar[Any] = ContextVar("shardpoint_native_values", default=True)
 
 
-def register_array_type(cls: type, origin: str, *, to_numpy: Any, check: Any,
-                        from_numpy: Any = None) -> None:
+def register_array_type(
+    cls: type, origin: str, *, to_numpy: Any, check: Any, from_numpy: Any = None
+) -> None:
     """Store values of ``cls`` as ext 1 arrays of ``origin`` (one of :data:`ORIGINS`):
     ``check(v, what)`` refuses an unsupported one, ``to_numpy(v)`` gives its C-contiguous
     host array, ``from_numpy(a)`` (optional) turns a decoded array of that origin back into
@@ -67,12 +73,18 @@ def _array_type(v: Any) -> Any:
             return t
     return None
 
+
 EXT_TUPLE = 2
 SCALARS = (type(None), bool, int, float, str, bytes)
 
 # Caps applied when unpacking untrusted bytes ([SP-SEC-2]).
-UNPACK_LIMITS = dict(max_bin_len=1 << 31, max_str_len=1 << 28, max_array_len=1 << 28,
-                     max_map_len=1 << 28, max_ext_len=1 << 31)
+UNPACK_LIMITS = dict(
+    max_bin_len=1 << 31,
+    max_str_len=1 << 28,
+    max_array_len=1 << 28,
+    max_map_len=1 << 28,
+    max_ext_len=1 << 31,
+)
 # Deepest nesting of maps, arrays and tuples in a manifest body, the body itself being level 1
 # ([SP-MAN-5]); every msgpack library can pack and unpack this, and a tree 80 dicts deep fits.
 MAX_DEPTH = 256
@@ -86,8 +98,10 @@ def strict_pairs(pairs: list[Any]) -> dict[str, Any]:
         d = None
     if d is None or any(type(k) is not str and type(k) is not int for k in d):
         bad = next(k for k, _ in pairs if type(k) is not str and type(k) is not int)
-        raise CorruptCheckpointError(f"msgpack map key {bad!r} ({type(bad).__name__}) is "
-                                     "neither str nor int", spec_id="SP-MAN-5")
+        raise CorruptCheckpointError(
+            f"msgpack map key {bad!r} ({type(bad).__name__}) is neither str nor int",
+            spec_id="SP-MAN-5",
+        )
     if len(d) != len(pairs):
         seen: set[Any] = set()
         dup = None
@@ -106,8 +120,9 @@ def strict_pairs(pairs: list[Any]) -> dict[str, Any]:
 def _timestamp() -> None:
     """msgpack's ext type -1 (a timestamp), which the decoder builds itself instead of calling
     the ext hook: an extension type the format does not define ([SP-VALUE-2], 1.3)."""
-    raise CorruptCheckpointError("unknown msgpack extension type -1 (a msgpack timestamp)",
-                                 spec_id="SP-VALUE-2")
+    raise CorruptCheckpointError(
+        "unknown msgpack extension type -1 (a msgpack timestamp)", spec_id="SP-VALUE-2"
+    )
 
 
 def strict_list(items: list[Any]) -> list[Any]:
@@ -121,7 +136,7 @@ def strict_list(items: list[Any]) -> list[Any]:
 def _max_depth(v: Any, stop: int) -> int:
     """Levels of maps/lists/tuples in ``v`` (``v`` itself is level 1), counting up to ``stop``."""
     if type(v) not in (dict, list, tuple):
-        return 1          # a scalar (a manifest body that is not a map)
+        return 1  # a scalar (a manifest body that is not a map)
     stack = [(v, 1)]
     pop, push = stack.pop, stack.append
     deepest = 0
@@ -131,7 +146,7 @@ def _max_depth(v: Any, stop: int) -> int:
             deepest = depth
             if depth >= stop:
                 break
-        for c in (x.values() if type(x) is dict else x):
+        for c in x.values() if type(x) is dict else x:
             t = type(c)
             if t is dict or t is list or t is tuple:
                 push((c, depth + 1))
@@ -147,10 +162,13 @@ def nesting_depth_error(v: Any, limit: int = MAX_DEPTH) -> str:
         return ""
     path: list[Any] = []
     x, need = v, limit + 1
-    while need > 1:   # follow a branch that still goes deep enough
+    while need > 1:  # follow a branch that still goes deep enough
         kids = x.items() if isinstance(x, dict) else enumerate(x)
-        k, x = next((k, c) for k, c in kids if isinstance(c, (dict, list, tuple))
-                    and _max_depth(c, need - 1) >= need - 1)
+        k, x = next(
+            (k, c)
+            for k, c in kids
+            if isinstance(c, (dict, list, tuple)) and _max_depth(c, need - 1) >= need - 1
+        )
         path.append(k)
         need -= 1
     return "".join(f"[{c!r}]" for c in path[:12]) + ("..." if len(path) > 12 else "")
@@ -159,16 +177,20 @@ def nesting_depth_error(v: Any, limit: int = MAX_DEPTH) -> str:
 def _hint(what: str, v: Any) -> str:
     t = type(v).__name__
     head = f"{what} holds a {t}, which the format cannot store without pickle; "
-    if callable(getattr(v, "state_dict", None)):   # a module, optimizer, scheduler, Stateful
-        return head + ("save its .state_dict() and pass what load returns to "
-                       "load_state_dict() (objects are not called for you, as DCP's Stateful "
-                       "are; for a model and optimizer see shardpoint.state)")
+    if callable(getattr(v, "state_dict", None)):  # a module, optimizer, scheduler, Stateful
+        return head + (
+            "save its .state_dict() and pass what load returns to "
+            "load_state_dict() (objects are not called for you, as DCP's Stateful "
+            "are; for a model and optimizer see shardpoint.state)"
+        )
     if callable(getattr(v, "get_state", None)) and callable(getattr(v, "set_state", None)):
         return head + "save its .get_state() (a tensor) and set_state() it back after the load"
     if type(v).__module__ == "torch" and t in ("device", "dtype", "layout"):
         return head + f"store str() of it (e.g. {str(v)!r})"
-    return head + ("convert it to plain data first (e.g. vars(ns) for an argparse.Namespace, "
-                   "dataclasses.asdict(x) for a dataclass, a tensor for array-like data)")
+    return head + (
+        "convert it to plain data first (e.g. vars(ns) for an argparse.Namespace, "
+        "dataclasses.asdict(x) for a dataclass, a tensor for array-like data)"
+    )
 
 
 def check_value(v: Any, what: str) -> None:
@@ -179,8 +201,11 @@ def check_value(v: Any, what: str) -> None:
         return
     if type(v) is int:
         if not -(1 << 63) <= v < (1 << 64):
-            raise UnsupportedValueError(f"{what} is the integer {v}, outside the 64-bit range "
-                                        "msgpack can store; store it as a str", spec_id="SP-VALUE-1")
+            raise UnsupportedValueError(
+                f"{what} is the integer {v}, outside the 64-bit range "
+                "msgpack can store; store it as a str",
+                spec_id="SP-VALUE-1",
+            )
         return
     if isinstance(v, (np.ndarray, np.generic)):
         dtypes.from_numpy(v.dtype, what)
@@ -192,8 +217,10 @@ def check_value(v: Any, what: str) -> None:
     if isinstance(v, dict):
         for k, x in v.items():
             if type(k) not in (str, int) or (type(k) is int and not -(1 << 63) <= k < (1 << 64)):
-                raise UnsupportedValueError(f"{what} has dict key {k!r}; only str keys and "
-                                            "64-bit int keys are supported", spec_id="SP-VALUE-1")
+                raise UnsupportedValueError(
+                    f"{what} has dict key {k!r}; only str keys and 64-bit int keys are supported",
+                    spec_id="SP-VALUE-1",
+                )
             check_value(x, f"{what}[{k!r}]")
         return
     t = _array_type(v)
@@ -209,21 +236,40 @@ def _default(v: Any) -> Any:
     if isinstance(v, list):
         return list(v)
     if isinstance(v, np.generic):
-        return msgpack.ExtType(EXT_ARRAY, msgpack.packb(
-            [dtypes.from_numpy(v.dtype).name, [], np.asarray(v).astype(v.dtype.newbyteorder("<")).tobytes(),
-             "numpy-scalar"]))
+        return msgpack.ExtType(
+            EXT_ARRAY,
+            msgpack.packb(
+                [
+                    dtypes.from_numpy(v.dtype).name,
+                    [],
+                    np.asarray(v).astype(v.dtype.newbyteorder("<")).tobytes(),
+                    "numpy-scalar",
+                ]
+            ),
+        )
     if isinstance(v, tuple):
         return msgpack.ExtType(EXT_TUPLE, pack(list(v)))
     t = _array_type(v)
     if t is not None:
         a = t.to_numpy(v)
         d = dtypes.from_numpy(a.dtype)
-        return msgpack.ExtType(EXT_ARRAY, msgpack.packb(
-            [d.name, list(a.shape), a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes(), t.origin]))
+        return msgpack.ExtType(
+            EXT_ARRAY,
+            msgpack.packb(
+                [
+                    d.name,
+                    list(a.shape),
+                    a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes(),
+                    t.origin,
+                ]
+            ),
+        )
     if isinstance(v, np.ndarray):
         d = dtypes.from_numpy(v.dtype)
         a = np.ascontiguousarray(v).astype(d.numpy.newbyteorder("<"), copy=False)
-        return msgpack.ExtType(EXT_ARRAY, msgpack.packb([d.name, list(v.shape), a.tobytes(), "numpy"]))
+        return msgpack.ExtType(
+            EXT_ARRAY, msgpack.packb([d.name, list(v.shape), a.tobytes(), "numpy"])
+        )
     raise UnsupportedValueError(_hint("value", v), spec_id="SP-VALUE-1")
 
 
@@ -252,13 +298,15 @@ def _ext_hook(code: int, data: bytes) -> Any:
         try:
             name, shape, raw, origin = msgpack.unpackb(data, raw=False, **UNPACK_LIMITS)
             d = dtypes.from_name(name)
-            if not (isinstance(raw, bytes) and isinstance(shape, list) and all(
-                    type(n) is int and 0 <= n < 1 << 63 for n in shape)    # [SP-SEC-2]
-                    and len(shape) <= MAX_RANK
-                    and len(raw) == _prod(shape) * d.itemsize):
+            if not (
+                isinstance(raw, bytes)
+                and isinstance(shape, list)
+                and all(type(n) is int and 0 <= n < 1 << 63 for n in shape)  # [SP-SEC-2]
+                and len(shape) <= MAX_RANK
+                and len(raw) == _prod(shape) * d.itemsize
+            ):
                 raise ValueError(f"shape {shape!r} does not match {len(raw)} data bytes")
-            if origin not in ORIGINS or (
-                    origin == "numpy-scalar" and shape != []):
+            if origin not in ORIGINS or (origin == "numpy-scalar" and shape != []):
                 raise ValueError(f"origin {origin!r} (numpy-scalar needs shape [])")
             a = np.frombuffer(raw, dtype=d.numpy.newbyteorder("<")).astype(d.numpy).reshape(shape)
             if name == "bool" and a.view(np.uint8).max(initial=0) > 1:
@@ -278,17 +326,19 @@ def _prod(shape: list[Any]) -> int:
     return n
 
 
-MAX_RANK = 64   # dimensions of a tensor or array value ([SP-SEC-2])
+MAX_RANK = 64  # dimensions of a tensor or array value ([SP-SEC-2])
 
 
 def _decode_one(data: bytes, hooked: bool, seen: Optional[list[Any]] = None) -> Any:
     """One msgpack object, its tuples left as :class:`_Tuple`; msgpack's own errors (its
     nesting limit raises a StackError with no text) become [SP-MAN-5]/[SP-MAN-1] errors."""
+
     def hook(code: int, payload: bytes) -> Any:
         v = _ext_hook(code, payload)
         if seen is not None and type(v) is _Tuple:
             seen.append(1)
         return v
+
     kw = dict(raw=False, strict_map_key=False, ext_hook=hook, **UNPACK_LIMITS)
     if hooked:
         kw["object_pairs_hook"] = strict_pairs
@@ -296,9 +346,10 @@ def _decode_one(data: bytes, hooked: bool, seen: Optional[list[Any]] = None) -> 
     try:
         return msgpack.unpackb(data, **kw)
     except (msgpack.StackError, RecursionError) as e:
-        raise CorruptCheckpointError(f"msgpack nests deeper than the decoder's limit (the "
-                                     f"format allows {MAX_DEPTH} levels)",
-                                     spec_id="SP-MAN-5") from e
+        raise CorruptCheckpointError(
+            f"msgpack nests deeper than the decoder's limit (the format allows {MAX_DEPTH} levels)",
+            spec_id="SP-MAN-5",
+        ) from e
 
 
 def _resolve(v: Any, hooked: bool) -> Any:
@@ -308,7 +359,8 @@ def _resolve(v: Any, hooked: bool) -> Any:
     holder = [v]
     # (container, its slots left, depth, the container holding it and its slot there)
     stack: list[tuple[Any, Iterator[int], int, Any, Any]] = [
-        (holder, iter(range(1)), 0, None, None)]
+        (holder, iter(range(1)), 0, None, None)
+    ]
     while stack:
         c, slots, depth, parent, slot = stack[-1]
         for k in slots:
@@ -316,8 +368,10 @@ def _resolve(v: Any, hooked: bool) -> Any:
             t = type(x)
             if t is _Tuple:
                 if depth + 1 > MAX_DEPTH:
-                    raise CorruptCheckpointError(f"values nest deeper than {MAX_DEPTH} levels "
-                                                 "(tuples inside tuples)", spec_id="SP-MAN-5")
+                    raise CorruptCheckpointError(
+                        f"values nest deeper than {MAX_DEPTH} levels (tuples inside tuples)",
+                        spec_id="SP-MAN-5",
+                    )
                 try:
                     items = _decode_one(x.data, hooked)
                 except CorruptCheckpointError:
@@ -325,18 +379,23 @@ def _resolve(v: Any, hooked: bool) -> Any:
                 except Exception as e:  # trailing bytes, truncation: the payload's fault
                     raise CorruptCheckpointError(
                         f"ext 2 (tuple) payload is not exactly one msgpack array "
-                        f"({type(e).__name__}: {e})", spec_id="SP-VALUE-2") from e
+                        f"({type(e).__name__}: {e})",
+                        spec_id="SP-VALUE-2",
+                    ) from e
                 if not isinstance(items, list):
-                    raise CorruptCheckpointError("ext 2 (tuple) payload is not a msgpack "
-                                                 "array", spec_id="SP-VALUE-2")
+                    raise CorruptCheckpointError(
+                        "ext 2 (tuple) payload is not a msgpack array", spec_id="SP-VALUE-2"
+                    )
                 stack.append((items, iter(range(len(items))), depth + 1, c, k))
                 break
             if t is list or t is dict:
                 if depth + 1 > MAX_DEPTH:
-                    raise CorruptCheckpointError(f"values nest deeper than {MAX_DEPTH} levels",
-                                                 spec_id="SP-MAN-5")
-                stack.append((x, iter(list(x) if t is dict else range(len(x))), depth + 1,
-                              None, None))
+                    raise CorruptCheckpointError(
+                        f"values nest deeper than {MAX_DEPTH} levels", spec_id="SP-MAN-5"
+                    )
+                stack.append(
+                    (x, iter(list(x) if t is dict else range(len(x))), depth + 1, None, None)
+                )
                 break
         else:
             stack.pop()

@@ -20,11 +20,23 @@ Example::
     assert store.get_range("a/b", 6, 5) == b"world"
     assert [i.key for i in store.list("a/")] == ["a/b"]
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Protocol, Sequence,
-                    Tuple, Union, cast, runtime_checkable)
+from typing import (
+    TYPE_CHECKING,
+    Callable,
+    Iterable,
+    Iterator,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    Union,
+    cast,
+    runtime_checkable,
+)
 
 if TYPE_CHECKING:
     # anything with the buffer protocol (PEP 688): bytes, bytearray, memoryview, contiguous
@@ -50,11 +62,11 @@ class StoreCapabilities:
     """What a store can do beyond the basic methods; the layers above choose their protocol
     from these (``supports_*`` in the house style), and tests skip with these as reasons."""
 
-    atomic_rename: bool = False      # directories rename atomically (POSIX): commit by rename
-    conditional_put: bool = False    # put(..., if_absent=True) is atomic on the server
-    ranged_get: bool = True          # get_range reads only the bytes asked for
-    local_path: bool = False         # keys are files below a local directory (fast paths)
-    durable_put: bool = False        # a put is durable when it returns (object stores)
+    atomic_rename: bool = False  # directories rename atomically (POSIX): commit by rename
+    conditional_put: bool = False  # put(..., if_absent=True) is atomic on the server
+    ranged_get: bool = True  # get_range reads only the bytes asked for
+    local_path: bool = False  # keys are files below a local directory (fast paths)
+    durable_put: bool = False  # a put is durable when it returns (object stores)
     conditional_replace: bool = False  # put(..., if_match=version) is atomic (S3 If-Match)
 
 
@@ -95,8 +107,7 @@ class ByteStore(Protocol):
         """Fill ``out`` with the bytes of ``key`` from ``start`` (exactly ``len(out)``;
         ``EOFError`` where the object is shorter): a load lands bytes in its own buffers."""
 
-    def put(self, key: str, data: PutData, *,
-            if_absent: bool = False) -> Optional[str]:
+    def put(self, key: str, data: PutData, *, if_absent: bool = False) -> Optional[str]:
         """Store ``data`` (one buffer, or several written as one object, in order) at ``key``.
         ``if_absent``: fail with ``FileExistsError`` where ``key`` exists (atomic where
         ``capabilities.conditional_put``). Buffers must not change until this returns.
@@ -123,8 +134,9 @@ class ReplaceableStore(ByteStore, Protocol):
     """A :class:`ByteStore` with ``capabilities.conditional_replace``: its ``put`` also takes
     ``if_match`` (replace only the object of that version). See :func:`replaceable`."""
 
-    def put(self, key: str, data: PutData, *,
-            if_absent: bool = False, if_match: Optional[str] = None) -> Optional[str]:
+    def put(
+        self, key: str, data: PutData, *, if_absent: bool = False, if_match: Optional[str] = None
+    ) -> Optional[str]:
         """:meth:`ByteStore.put`, and with ``if_match``: only over the object of that version
         (``FileExistsError`` otherwise)."""
 

@@ -3,6 +3,7 @@ in parallel, or one ``syncfs``), atomic renames (``renameat2`` NOREPLACE / EXCHA
 directory locks of the lock rule (:mod:`.posix`). Leftover names live in :mod:`.leftovers`.
 No TensorStore here: only ``os`` and, for the Linux-only calls, libc through ctypes.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,7 +26,7 @@ def newest_mtime(root: str) -> float:
         for n in dirs + files:
             try:
                 newest = max(newest, os.lstat(os.path.join(d, n)).st_mtime)
-            except FileNotFoundError:   # removed while we looked
+            except FileNotFoundError:  # removed while we looked
                 pass
     return newest
 
@@ -46,7 +47,7 @@ def libc_function(name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -
     try:
         if _LIBC is None:
             _LIBC = ctypes.CDLL(None, use_errno=True)
-        fn = _LIBC[name]        # a fresh function object: its argtypes are this caller's
+        fn = _LIBC[name]  # a fresh function object: its argtypes are this caller's
     except (OSError, AttributeError):
         fn = None
     if fn is not None:
@@ -58,8 +59,9 @@ def libc_function(name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -
 def renameat2(a: str, b: str, flags: int) -> Optional[int]:
     """Linux ``renameat2(a, b, flags)``: 0 on success, the errno on failure, None where the
     call does not exist (another OS, an old libc) or the file system does not support it."""
-    fn = libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
-                                     ctypes.c_char_p, ctypes.c_uint])
+    fn = libc_function(
+        "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    )
     if fn is None:
         return None
     at_fdcwd = -100
@@ -93,7 +95,7 @@ def fsync_path(path: str) -> None:
     """fsync one file or directory; one that vanished meanwhile is skipped."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:   # a peer's lock file renamed away meanwhile: not ours
+    except FileNotFoundError:  # a peer's lock file renamed away meanwhile: not ours
         return
     try:
         os.fsync(fd)
@@ -114,7 +116,7 @@ def fsync_trees(roots: Sequence[str], stop: str, threads: int = 16) -> int:
         while len(d) > len(stop) and d.startswith(stop):
             d = os.path.dirname(d)
             paths.add(d)
-    ordered = sorted(paths, key=lambda p: -p.count(os.sep))   # files before their parents
+    ordered = sorted(paths, key=lambda p: -p.count(os.sep))  # files before their parents
     with ThreadPoolExecutor(max(1, min(threads, len(ordered)))) as pool:
         list(pool.map(fsync_path, ordered))
     return len(ordered)
@@ -126,7 +128,7 @@ def will_need(files: Sequence[str]) -> None:
         try:
             fd = os.open(f, os.O_RDONLY)
         except OSError:
-            continue    # the read reports it
+            continue  # the read reports it
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         except OSError:
@@ -189,7 +191,7 @@ class DirLocks:
         return len(self._fds)
 
     def _forget_after_fork(self) -> None:
-        self._mutex = threading.Lock()    # another thread may have held it at the fork
+        self._mutex = threading.Lock()  # another thread may have held it at the fork
         for fd in self._fds.values():
             try:
                 os.close(fd)
@@ -200,9 +202,11 @@ class DirLocks:
 
 _EVERY: "weakref.WeakSet[DirLocks]" = weakref.WeakSet()
 if hasattr(os, "register_at_fork"):
+
     def _forget_all_after_fork() -> None:
         for d in list(_EVERY):
             d._forget_after_fork()
+
     os.register_at_fork(after_in_child=_forget_all_after_fork)
 
 
@@ -212,7 +216,7 @@ def dir_locked(path: str) -> Optional[bool]:
     be local to another host: then only the age of the files hints)."""
     fd, held = _flock_dir(path, exclusive=False)
     if fd is not None:
-        os.close(fd)   # closing drops our probe lock
+        os.close(fd)  # closing drops our probe lock
         return False
     return True if held else None
 
@@ -221,6 +225,7 @@ def _flock_dir(path: str, exclusive: bool) -> tuple[Optional[int], bool]:
     """``(descriptor holding a non-blocking flock on directory path, or None; whether
     another open file holds a conflicting lock)``."""
     import fcntl
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
@@ -253,5 +258,5 @@ def lower_thread_priority(priority: str) -> bool:
         elif os.getpriority(os.PRIO_PROCESS, tid) < 19:
             os.setpriority(os.PRIO_PROCESS, tid, 19)
         return True
-    except (AttributeError, OSError):   # a sandbox refusing it: normal priority
+    except (AttributeError, OSError):  # a sandbox refusing it: normal priority
         return False

@@ -12,6 +12,7 @@ are written below a staging directory that the committer publishes in one rename
 reader sees them half-written. Directories are made below the root, never the root itself: a
 writer thread outliving an aborted save fails instead of re-creating its staging directory.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,10 +30,11 @@ from shardpoint_core.stores.keys import check_key, check_prefix
 
 IOV_MAX = 1024
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)   # a link at a key could lead out of the root
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a link at a key could lead out of the root
 _SYNC_FILE_RANGE_WRITE = 2
 _SFR: Optional[Callable[..., Any]] = libc_function(
-    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
 
 
 def start_writeback(fd: int, pos: int, nbytes: int) -> None:
@@ -91,22 +93,31 @@ class FileStore:
     ``create``: make ``root`` (and its parents) now; otherwise it must exist when written.
     """
 
-    capabilities = StoreCapabilities(atomic_rename=True, conditional_put=True, ranged_get=True,
-                                     local_path=True)
+    capabilities = StoreCapabilities(
+        atomic_rename=True, conditional_put=True, ranged_get=True, local_path=True
+    )
 
-    def __init__(self, root: str, *, fsync: bool = True, sync_method: str = "auto",
-                 early_writeback: bool = True, create: bool = False) -> None:
+    def __init__(
+        self,
+        root: str,
+        *,
+        fsync: bool = True,
+        sync_method: str = "auto",
+        early_writeback: bool = True,
+        create: bool = False,
+    ) -> None:
         if sync_method not in ("auto", "syncfs", "fsync"):
-            raise ValueError(f"sync_method must be 'auto', 'syncfs' or 'fsync', not "
-                             f"{sync_method!r}")
+            raise ValueError(
+                f"sync_method must be 'auto', 'syncfs' or 'fsync', not {sync_method!r}"
+            )
         self.root = os.path.abspath(os.fspath(root))
         self.url = "file://" + self.root
         self.fsync, self.sync_method, self.early = fsync, sync_method, early_writeback
         if create:
             os.makedirs(self.root, exist_ok=True)
         self._lock = threading.Lock()
-        self._written: set[Any] = set()       # files put since the last make_durable
-        self._dirs: set[Any] = set()          # directories known to exist below root
+        self._written: set[Any] = set()  # files put since the last make_durable
+        self._dirs: set[Any] = set()  # directories known to exist below root
 
     def __repr__(self) -> str:
         return f"FileStore({self.root!r})"
@@ -175,8 +186,7 @@ class FileStore:
         finally:
             os.close(fd)
         if n != len(out):
-            raise EOFError(f"{self.path(key)}: {len(out)} bytes from {start} asked, "
-                           f"{n} there")
+            raise EOFError(f"{self.path(key)}: {len(out)} bytes from {start} asked, {n} there")
 
     def head(self, key: str) -> Optional[ObjectInfo]:
         try:
@@ -185,8 +195,9 @@ class FileStore:
             return None
         if not stat.S_ISREG(st.st_mode):
             return None
-        return ObjectInfo(key, st.st_size, st.st_mtime,
-                          f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}")
+        return ObjectInfo(
+            key, st.st_size, st.st_mtime, f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+        )
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         check_prefix(prefix)
@@ -204,16 +215,14 @@ class FileStore:
         with self._lock:
             self._dirs.add(parent)
 
-    def put(self, key: str, data: PutData, *,
-            if_absent: bool = False) -> None:
+    def put(self, key: str, data: PutData, *, if_absent: bool = False) -> None:
         p = self.path(key)
         bufs = _as_bufs(data)
-        flags = os.O_WRONLY | os.O_CREAT | _O_CLOEXEC | (os.O_EXCL if if_absent else
-                                                          os.O_TRUNC)
+        flags = os.O_WRONLY | os.O_CREAT | _O_CLOEXEC | (os.O_EXCL if if_absent else os.O_TRUNC)
         self._parent(p)
         try:
             fd = os.open(p, flags, 0o666)
-        except FileNotFoundError:       # a delete pruned the parent meanwhile: once more
+        except FileNotFoundError:  # a delete pruned the parent meanwhile: once more
             with self._lock:
                 self._dirs.discard(os.path.dirname(p))
             self._parent(p)
@@ -225,7 +234,7 @@ class FileStore:
                 raise OSError(errno.EIO, f"short write: {got} of {want} bytes", p)
             if self.early and want:
                 start_writeback(fd, 0, want)
-        except OSError as e:   # pwritev names no file: a full disk's error then names none
+        except OSError as e:  # pwritev names no file: a full disk's error then names none
             if e.filename is None and e.strerror is not None:
                 raise OSError(e.errno, e.strerror, p) from e
             raise
@@ -243,7 +252,7 @@ class FileStore:
                     os.unlink(p)
             except (FileNotFoundError, NotADirectoryError):
                 continue
-            with self._lock:                  # prune directories the delete left empty
+            with self._lock:  # prune directories the delete left empty
                 d = os.path.dirname(p)
                 while d != self.root and d.startswith(self.root):
                     try:
@@ -286,7 +295,7 @@ class FileStore:
             while d.startswith(self.root) and d not in todo:
                 todo.add(d)
                 d = os.path.dirname(d)
-        ordered = sorted(todo, key=lambda q: -q.count(os.sep))   # files before parents
+        ordered = sorted(todo, key=lambda q: -q.count(os.sep))  # files before parents
         with ThreadPoolExecutor(max(1, min(16, len(ordered)))) as pool:
             list(pool.map(fsync_path, ordered))
 
@@ -298,4 +307,3 @@ if TYPE_CHECKING:
 
     def _is_bytestore_filestore(x: FileStore) -> ByteStore:
         return x
-

@@ -2,25 +2,24 @@
 storage backends, the benchmarks): fsync a path, make directories below a root, and say what
 to do about the ``OSError`` a write got. Removing and renaming checkpoint paths is the
 committer's alone (:mod:`shardpoint_core.commit`)."""
+
 from __future__ import annotations
 
 import errno
 import os
 from typing import Optional
 
-_FIXES: dict[Optional[int], str] = {     # errno (None where the error has none) -> fix
+_FIXES: dict[Optional[int], str] = {  # errno (None where the error has none) -> fix
     errno.ENOSPC: "the file system is full: free space on it (delete old checkpoints; "
-                  "`shardpoint recover DIR` removes what crashed saves left) or save elsewhere",
+    "`shardpoint recover DIR` removes what crashed saves left) or save elsewhere",
     errno.EDQUOT: "the disk quota is used up: free space under the quota, raise it, or save "
-                  "elsewhere",
-    errno.EROFS: "the file system is mounted read-only: remount it read-write or save "
-                 "elsewhere",
-    errno.EACCES: "permission denied: make the directory writable for this user or save "
-                  "elsewhere",
+    "elsewhere",
+    errno.EROFS: "the file system is mounted read-only: remount it read-write or save elsewhere",
+    errno.EACCES: "permission denied: make the directory writable for this user or save elsewhere",
     errno.EPERM: "operation not permitted: make the directory writable for this user or save "
-                 "elsewhere",
+    "elsewhere",
     errno.EFBIG: "a file grew past the file system's or the process's size limit (ulimit -f): "
-                 "raise the limit or save elsewhere",
+    "raise the limit or save elsewhere",
     errno.EIO: "the device reported an I/O error: check the disk (dmesg) before saving again",
 }
 
@@ -43,7 +42,7 @@ def makedirs_below(root: str, path: str) -> None:
     rel = os.path.relpath(path, root)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for part in ([] if rel == os.curdir else rel.split(os.sep)):
+        for part in [] if rel == os.curdir else rel.split(os.sep):
             try:
                 os.mkdir(part, dir_fd=fd)
             except FileExistsError:
@@ -76,7 +75,10 @@ def keys_below(root: str, prefix: str) -> list[str]:
     for dirpath, dirs, files in os.walk(top):
         rel = os.path.relpath(dirpath, root)
         rel = "" if rel == os.curdir else rel.replace(os.sep, "/") + "/"
-        dirs[:] = [d for d in dirs if (rel + d + "/").startswith(prefix)
-                   or prefix.startswith(rel + d + "/")]
+        dirs[:] = [
+            d
+            for d in dirs
+            if (rel + d + "/").startswith(prefix) or prefix.startswith(rel + d + "/")
+        ]
         found.extend(rel + f for f in files if (rel + f).startswith(prefix))
     return sorted(found)

@@ -5,6 +5,7 @@ A key is a relative ``/``-separated path below a store's root: no leading ``/``,
 outside the checkpoint (``../other``) on a file system, so stores refuse it with
 :class:`~shardpoint_core.format.errors.InvalidKeyError` before any I/O.
 """
+
 from __future__ import annotations
 
 from shardpoint_core.format.errors import InvalidKeyError
@@ -19,9 +20,11 @@ def check_key(key: str) -> str:
         raise InvalidKeyError(f"store key {key!r} holds a NUL or a backslash")
     parts = key.split("/")
     if any(p in ("", ".", "..") for p in parts):
-        raise InvalidKeyError(f"store key {key!r} has an empty, '.' or '..' component (or "
-                              "starts or ends with '/'): it could name something outside the "
-                              "store's root")
+        raise InvalidKeyError(
+            f"store key {key!r} has an empty, '.' or '..' component (or "
+            "starts or ends with '/'): it could name something outside the "
+            "store's root"
+        )
     return key
 
 

@@ -11,6 +11,7 @@ Example::
     loc = locate("s3://bucket/run/step_5")
     loc.store.get_range(loc.child("manifest.msgpack"), 0, 16)
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,9 @@ class Location:
         return self.url
 
 
-def locate(path: Any, call: str = "open", *, fsync: bool = True,
-           sync_method: str = "auto") -> Location:
+def locate(
+    path: Any, call: str = "open", *, fsync: bool = True, sync_method: str = "auto"
+) -> Location:
     """The :class:`Location` of ``path``; ``call`` names the API call in a refusal
     (:class:`~shardpoint_core.format.errors.UnsupportedStoreError` for a scheme nobody
     registered). ``fsync``/``sync_method``: how a local store makes writes durable."""

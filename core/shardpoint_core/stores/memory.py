@@ -5,6 +5,7 @@ Objects are immutable ``bytes`` under a lock, so readers on many threads see who
 only. Named stores (``MemoryStore.named("x")``) live until :func:`MemoryStore.drop` or the
 process ends; an anonymous ``MemoryStore()`` is freed with its last reference.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, Iterator, Optional, Tuple
 from shardpoint_core.stores.base import ObjectInfo, PutData, StoreCapabilities
 from shardpoint_core.stores.keys import check_key, check_prefix
 
-_Entry = Tuple[bytes, float, int]        # data, mtime, version
+_Entry = Tuple[bytes, float, int]  # data, mtime, version
 
 
 class _Bucket:
@@ -33,8 +34,7 @@ _VERSIONS = itertools.count(1)
 
 def _join(data: PutData) -> bytes:
     if isinstance(data, (bytes, bytearray, memoryview)):
-        return bytes(memoryview(data).cast("B")) if isinstance(data, memoryview) \
-            else bytes(data)
+        return bytes(memoryview(data).cast("B")) if isinstance(data, memoryview) else bytes(data)
     return b"".join(memoryview(b).cast("B") for b in data)
 
 
@@ -45,16 +45,20 @@ class MemoryStore:
 
     capabilities = StoreCapabilities(conditional_put=True, ranged_get=True, durable_put=True)
 
-    def __init__(self, *, _bucket: Optional[_Bucket] = None, _name: str = "",
-                 prefix: str = "") -> None:
+    def __init__(
+        self, *, _bucket: Optional[_Bucket] = None, _name: str = "", prefix: str = ""
+    ) -> None:
         self._b = _bucket if _bucket is not None else _Bucket()
         self._name = _name
         if prefix:
             check_key(prefix.strip("/"))
             prefix = prefix.strip("/") + "/"
         self._prefix = prefix
-        self.url = (f"memory://{_name}/{prefix}".rstrip("/") if _name
-                    else f"memory://<anonymous {id(self._b):x}>/{prefix}".rstrip("/"))
+        self.url = (
+            f"memory://{_name}/{prefix}".rstrip("/")
+            if _name
+            else f"memory://<anonymous {id(self._b):x}>/{prefix}".rstrip("/")
+        )
 
     @classmethod
     def named(cls, name: str, prefix: str = "") -> "MemoryStore":
@@ -78,8 +82,9 @@ class MemoryStore:
     def child(self, prefix: str) -> "MemoryStore":
         """A view of the same objects rooted at ``prefix`` below this one."""
         check_key(prefix.strip("/"))
-        return MemoryStore(_bucket=self._b, _name=self._name,
-                           prefix=self._prefix + prefix.strip("/"))
+        return MemoryStore(
+            _bucket=self._b, _name=self._name, prefix=self._prefix + prefix.strip("/")
+        )
 
     def _entry(self, key: str) -> _Entry:
         full = self._prefix + check_key(key)
@@ -95,29 +100,30 @@ class MemoryStore:
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
             raise ValueError(f"bad range start={start} length={length}")
-        return self._entry(key)[0][start:start + length]
+        return self._entry(key)[0][start : start + length]
 
     def get_suffix(self, key: str, length: int) -> Tuple[bytes, int]:
         """(the last ``length`` bytes of ``key``, or all of it where shorter; its size)."""
         data = self._entry(key)[0]
-        return data[max(0, len(data) - length):], len(data)
+        return data[max(0, len(data) - length) :], len(data)
 
     def get_versioned(self, key: str, length: int) -> Tuple[bytes, ObjectInfo]:
         """(the first ``length`` bytes of ``key``; its :class:`ObjectInfo`), both of one
         version of the object (see :meth:`S3Store.get_versioned`)."""
         data, mtime, version = self._entry(key)
-        return data[:max(0, length)], ObjectInfo(key, len(data), mtime, str(version))
+        return data[: max(0, length)], ObjectInfo(key, len(data), mtime, str(version))
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
         data = self._entry(key)[0]
         if start < 0 or start + len(out) > len(data):
-            raise EOFError(f"{self.url}/{key}: {len(out)} bytes from {start} asked, the "
-                           f"object holds {len(data)}")
-        out[:] = memoryview(data)[start:start + len(out)]   # no chunk-sized copy
+            raise EOFError(
+                f"{self.url}/{key}: {len(out)} bytes from {start} asked, the "
+                f"object holds {len(data)}"
+            )
+        out[:] = memoryview(data)[start : start + len(out)]  # no chunk-sized copy
 
-    def put(self, key: str, data: PutData, *,
-            if_absent: bool = False) -> None:
+    def put(self, key: str, data: PutData, *, if_absent: bool = False) -> None:
         full = self._prefix + check_key(key)
         blob = _join(data)
         with self._b.lock:
@@ -159,4 +165,3 @@ if TYPE_CHECKING:
 
     def _is_bytestore_memorystore(x: MemoryStore) -> ByteStore:
         return x
-

@@ -21,6 +21,7 @@ Example::
     client = PeerClient(server.address, token="t0k3n")
     client.request({"op": "head", "key": "step_5/manifest.msgpack"})
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,7 +42,7 @@ from shardpoint_core.stores.base import Buffer
 log = logging.getLogger("shardpoint")
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 64 << 20
-_PIECE = 4 << 20            # a streamed payload goes through a buffer of this size
+_PIECE = 4 << 20  # a streamed payload goes through a buffer of this size
 Header = Dict[str, Any]
 
 
@@ -156,7 +157,7 @@ class _Conn(socketserver.BaseRequestHandler):
                 header, payload = recv_frame(sock)
             except (ConnectionError, OSError, ValueError, msgpack.ExtraData):
                 return
-            if server.closing:                 # closed: kept connections are dropped too
+            if server.closing:  # closed: kept connections are dropped too
                 return
             if header.get("token") != server.token:
                 send_frame(sock, {"status": "error", "msg": "wrong job token"})
@@ -178,13 +179,24 @@ class PeerServer:
     daemon threads, until :meth:`close`. ``address``: what other hosts connect to
     (``advertise`` host, the bound port)."""
 
-    def __init__(self, handler: Handler, token: str, *, bind: str = "0.0.0.0",
-                 port: int = 0, advertise: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        token: str,
+        *,
+        bind: str = "0.0.0.0",
+        port: int = 0,
+        advertise: str = "127.0.0.1",
+    ) -> None:
         self._srv = _Server((bind, port), _Conn)
         self._srv.handler, self._srv.token = handler, token
         self.address = f"{advertise}:{self._srv.server_address[1]}"
-        self._thread = threading.Thread(target=self._srv.serve_forever, name="sp-shm-peer",
-                                        kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread = threading.Thread(
+            target=self._srv.serve_forever,
+            name="sp-shm-peer",
+            kwargs={"poll_interval": 0.05},
+            daemon=True,
+        )
         self._thread.start()
 
     def close(self) -> None:
@@ -203,8 +215,9 @@ class PeerClient:
     connections (thread-safe). A peer that refuses, hangs up or times out (``timeout_s`` per
     frame) raises :class:`StoreUnavailableError` naming it; the connection is dropped."""
 
-    def __init__(self, address: str, token: str, *, timeout_s: float = 60.0,
-                 connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, address: str, token: str, *, timeout_s: float = 60.0, connect_timeout_s: float = 5.0
+    ) -> None:
         self.address, self._token = address, token
         host, _, port = address.rpartition(":")
         self._where = (host, int(port))
@@ -221,8 +234,9 @@ class PeerClient:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return s
 
-    def request(self, header: Header, body: Body = (),
-                receive: Callable[[Header, Payload], Any] = _read_all) -> Tuple[Header, Any]:
+    def request(
+        self, header: Header, body: Body = (), receive: Callable[[Header, Payload], Any] = _read_all
+    ) -> Tuple[Header, Any]:
         """Send one request; return (response header, ``receive(header, payload)``: by
         default the whole payload)."""
         try:
@@ -230,9 +244,11 @@ class PeerClient:
         except OSError as e:
             if isinstance(body, SendFile):
                 os.close(body.fd)
-            raise StoreUnavailableError(f"memory-tier peer {self.address} refuses "
-                                        f"{header.get('op')} ({e}): its host is down or its "
-                                        "job is gone") from e
+            raise StoreUnavailableError(
+                f"memory-tier peer {self.address} refuses "
+                f"{header.get('op')} ({e}): its host is down or its "
+                "job is gone"
+            ) from e
         try:
             send_frame(s, dict(header, token=self._token), body)
             resp, payload = recv_frame(s)
@@ -240,9 +256,11 @@ class PeerClient:
             payload.drain()
         except (OSError, ValueError, msgpack.ExtraData) as e:
             s.close()
-            raise StoreUnavailableError(f"memory-tier peer {self.address} failed during "
-                                        f"{header.get('op')} {header.get('key', '')!r} ({e}): "
-                                        "its host is down or unreachable") from e
+            raise StoreUnavailableError(
+                f"memory-tier peer {self.address} failed during "
+                f"{header.get('op')} {header.get('key', '')!r} ({e}): "
+                "its host is down or unreachable"
+            ) from e
         with self._lock:
             self._idle.append(s)
         return resp, got
@@ -267,7 +285,7 @@ def advertised_host() -> str:
     if master:
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, 9))           # no packet is sent: picks the route only
+                s.connect((master, 9))  # no packet is sent: picks the route only
                 return str(s.getsockname()[0])
         except OSError:
             pass
@@ -277,9 +295,12 @@ def advertised_host() -> str:
         return "127.0.0.1"
 
 
-def request_or_none(client: PeerClient, header: Header, body: Body = (),
-                    receive: Callable[[Header, Payload], Any] = _read_all
-                    ) -> Optional[Tuple[Header, Any]]:
+def request_or_none(
+    client: PeerClient,
+    header: Header,
+    body: Body = (),
+    receive: Callable[[Header, Payload], Any] = _read_all,
+) -> Optional[Tuple[Header, Any]]:
     """:meth:`PeerClient.request`, or None where the peer is unreachable (logged): reads and
     deletes go on with the hosts that answer."""
     try:

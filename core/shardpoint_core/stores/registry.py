@@ -17,6 +17,7 @@ Example::
     store = open_store("mystore://bucket/run/step_5")     # a MyStore rooted there
     local_path("file:///ckpt/step_5", "load")             # '/ckpt/step_5'
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,7 @@ from shardpoint_core.format.errors import InvalidOptionError, UnsupportedStoreEr
 from shardpoint_core.stores.base import ByteStore
 
 StoreFactory = Callable[[str], ByteStore]
-TENSORSTORE_SCHEMES = ("tensorstore+file", "tensorstore+memory", "tensorstore+s3",
-                       "tensorstore+gs")
+TENSORSTORE_SCHEMES = ("tensorstore+file", "tensorstore+memory", "tensorstore+s3", "tensorstore+gs")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _LOCK = threading.Lock()
 _FACTORIES: Dict[str, StoreFactory] = {}
@@ -44,7 +44,7 @@ def split_url(path: Any) -> Tuple[Optional[str], str]:
     m = _SCHEME.match(p)
     if m is None:
         return None, p
-    return m.group(1).lower(), p[m.end():]
+    return m.group(1).lower(), p[m.end() :]
 
 
 def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False) -> None:
@@ -53,14 +53,16 @@ def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False)
     one scheme should not go unnoticed)."""
     s = scheme.lower()
     if not re.fullmatch(r"[a-z][a-z0-9+.-]*", s):
-        raise ValueError(f"{scheme!r} is not a URL scheme (a letter, then letters, digits, "
-                         "'+', '-' or '.')")
+        raise ValueError(
+            f"{scheme!r} is not a URL scheme (a letter, then letters, digits, '+', '-' or '.')"
+        )
     if s == "file":
         raise ValueError("'file' is built in: plain paths and file:// are local files")
     with _LOCK:
         if s in _FACTORIES and not replace and _FACTORIES[s] is not factory:
-            raise ValueError(f"a store is already registered for {s}://; pass replace=True "
-                             "to replace it")
+            raise ValueError(
+                f"a store is already registered for {s}://; pass replace=True to replace it"
+            )
         _FACTORIES[s] = factory
 
 
@@ -78,10 +80,12 @@ def registered_schemes() -> List[str]:
 
 def _file_path(rest: str, url: str) -> str:
     if rest.startswith("localhost/"):
-        rest = rest[len("localhost"):]
+        rest = rest[len("localhost") :]
     if not rest.startswith("/"):
-        raise UnsupportedStoreError(f"{url!r}: a file:// URL names an absolute path "
-                                    "(file:///dir/ckpt); use a plain path for a relative one")
+        raise UnsupportedStoreError(
+            f"{url!r}: a file:// URL names an absolute path "
+            "(file:///dir/ckpt); use a plain path for a relative one"
+        )
     return rest
 
 
@@ -90,7 +94,8 @@ def _unknown(scheme: str, url: str, call: str) -> UnsupportedStoreError:
         f"{call}: {url!r} names the store scheme {scheme + '://'!r}, for which no store is "
         f"registered (registered: {', '.join(s + '://' for s in registered_schemes())}); a "
         "URL is never taken for a local path. Register one with shardpoint_core.stores."
-        "register_store, or give a local path")
+        "register_store, or give a local path"
+    )
 
 
 def open_store(url: Any, call: str = "open_store") -> ByteStore:
@@ -98,6 +103,7 @@ def open_store(url: Any, call: str = "open_store") -> ByteStore:
     scheme, rest = split_url(url)
     if scheme is None or scheme == "file":
         from shardpoint_core.stores.files import FileStore
+
         return FileStore(rest if scheme is None else _file_path(rest, os.fspath(url)))
     with _LOCK:
         factory = _FACTORIES.get(scheme)
@@ -111,8 +117,9 @@ def _no_nul(path: Any, call: str) -> None:
     InvalidOptionError, not the ValueError ``open`` would raise somewhere below."""
     text = os.fsdecode(path)
     if "\x00" in text:
-        raise InvalidOptionError(f"{call}: the path {text!r} contains a NUL byte; no file "
-                                 "system or store accepts one")
+        raise InvalidOptionError(
+            f"{call}: the path {text!r} contains a NUL byte; no file system or store accepts one"
+        )
 
 
 def check_path(path: Any, call: str) -> None:
@@ -140,7 +147,7 @@ def local_path(path: Any, call: str) -> str:
     (one nobody registered, or a registered one ``call`` does not support yet)."""
     if not isinstance(path, (str, bytes, os.PathLike)):
         # not a path at all: the caller's own check says so (returned as it came)
-        return path          # type: ignore[no-any-return]
+        return path  # type: ignore[no-any-return]
     _no_nul(path, call)
     scheme, rest = split_url(path)
     if scheme is None:
@@ -150,11 +157,13 @@ def local_path(path: Any, call: str) -> str:
     check_path(path, call)
     raise UnsupportedStoreError(
         f"{call}: {os.fspath(path)!r} is on the {scheme}:// store, and {call} works on local "
-        "files (plain paths, file://) only")
+        "files (plain paths, file://) only"
+    )
 
 
 def _memory_store(url: str) -> ByteStore:
     from shardpoint_core.stores.memory import MemoryStore
+
     _s, rest = split_url(url)
     name, _sep, prefix = rest.partition("/")
     if not name:
@@ -163,17 +172,20 @@ def _memory_store(url: str) -> ByteStore:
 
 
 def _s3_store(url: str) -> ByteStore:
-    from shardpoint_core.stores.s3 import S3Store     # boto3 is imported on first request
+    from shardpoint_core.stores.s3 import S3Store  # boto3 is imported on first request
+
     return S3Store.from_url(url)
 
 
 def _gcs_store(url: str) -> ByteStore:
-    from shardpoint_core.stores.gcs import GcsStore   # google-cloud-storage: on first request
+    from shardpoint_core.stores.gcs import GcsStore  # google-cloud-storage: on first request
+
     return GcsStore.from_url(url)
 
 
 def _tensorstore_store(url: str) -> ByteStore:
-    from shardpoint_core.stores.tensorstore import TensorStoreStore   # tensorstore: on first use
+    from shardpoint_core.stores.tensorstore import TensorStoreStore  # tensorstore: on first use
+
     return TensorStoreStore(url)
 
 
@@ -189,12 +201,22 @@ for _scheme in TENSORSTORE_SCHEMES:
 # The environment names the endpoint, credentials, timeouts and deadlines (s3.ENV_SETTINGS,
 # gcs.ENV_SETTINGS): a store opened under other settings is not reused (a job, or a test,
 # that points AWS_ENDPOINT_URL elsewhere or shortens a timeout gets a new one).
-_STORE_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_REGION",
-              "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS",
-              "SHARDPOINT_S3_CONNECT_TIMEOUT_S", "SHARDPOINT_S3_READ_TIMEOUT_S",
-              "SHARDPOINT_S3_DEADLINE_S", "SHARDPOINT_S3_MAX_ATTEMPTS",
-              "SHARDPOINT_GCS_CONDITIONAL_WRITES", "SHARDPOINT_GCS_READ_TIMEOUT_S",
-              "SHARDPOINT_GCS_CONNECT_TIMEOUT_S", "SHARDPOINT_GCS_DEADLINE_S")
+_STORE_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_PROFILE",
+    "AWS_REGION",
+    "STORAGE_EMULATOR_HOST",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "SHARDPOINT_S3_CONNECT_TIMEOUT_S",
+    "SHARDPOINT_S3_READ_TIMEOUT_S",
+    "SHARDPOINT_S3_DEADLINE_S",
+    "SHARDPOINT_S3_MAX_ATTEMPTS",
+    "SHARDPOINT_GCS_CONDITIONAL_WRITES",
+    "SHARDPOINT_GCS_READ_TIMEOUT_S",
+    "SHARDPOINT_GCS_CONNECT_TIMEOUT_S",
+    "SHARDPOINT_GCS_DEADLINE_S",
+)
 _BUCKETS: dict[tuple[Optional[str], ...], ByteStore] = {}
 
 
@@ -221,9 +243,9 @@ def url_of(url: str, key: str) -> str:
     return f"{scheme}://{rest.partition('/')[0]}/{key}"
 
 
-
 def _shm_store(url: str) -> ByteStore:
-    from shardpoint_core.stores.shm import ShmStore    # the memory tier's store of a job
+    from shardpoint_core.stores.shm import ShmStore  # the memory tier's store of a job
+
     _s, rest = split_url(url)
     job = rest.partition("/")[0]
     if not job:

@@ -30,6 +30,7 @@ Example::
     store.put("step_1/a", b"bytes")
     assert store.get("step_1/a") == b"bytes"
 """
+
 from __future__ import annotations
 
 import errno
@@ -37,17 +38,36 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence,
-                    Tuple, Union)
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import crc32c
 
-from shardpoint_core.format.errors import (InvalidOptionError, MemoryBudgetError,
-                                           StoreUnavailableError)
+from shardpoint_core.format.errors import (
+    InvalidOptionError,
+    MemoryBudgetError,
+    StoreUnavailableError,
+)
 from shardpoint_core.stores.base import Buffer, ObjectInfo, PutData, StoreCapabilities
 from shardpoint_core.stores.keys import check_key
-from shardpoint_core.stores.peers import (Body, Header, Payload, PeerClient, SendFile,
-                                          request_or_none)
+from shardpoint_core.stores.peers import (
+    Body,
+    Header,
+    Payload,
+    PeerClient,
+    SendFile,
+    request_or_none,
+)
 from shardpoint_core.stores.shm_host import SIDECAR, HostMemory, _Damaged, version_of
 
 __all__ = ["DEFAULT_DIR", "SIDECAR", "PeerHost", "ShmStore", "too_few_hosts", "version_of"]
@@ -57,8 +77,7 @@ _NAMED_LOCK = threading.Lock()
 
 
 def _views(data: PutData) -> List[memoryview]:
-    bufs: Sequence[Buffer] = [data] if isinstance(data, (bytes, bytearray, memoryview)) \
-        else data
+    bufs: Sequence[Buffer] = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
     return [memoryview(b).cast("B") for b in bufs]
 
 
@@ -69,13 +88,14 @@ def _crc(views: Iterable[Buffer]) -> int:
     return c
 
 
-
 def too_few_hosts(k: int, others: int) -> str:
     """The refusal of a memory save asking for more replicas than there are other hosts."""
-    return (f"memory tier: k={k} replicas on other hosts asked, the job has {others} other "
-            f"host(s); a memory save needs k <= the number of other hosts (replicas on the "
-            "same host do not survive its loss): restore, then save with a smaller k or on "
-            "more hosts")
+    return (
+        f"memory tier: k={k} replicas on other hosts asked, the job has {others} other "
+        f"host(s); a memory save needs k <= the number of other hosts (replicas on the "
+        "same host do not survive its loss): restore, then save with a smaller k or on "
+        "more hosts"
+    )
 
 
 @dataclass
@@ -87,7 +107,6 @@ class PeerHost:
     clients: List[PeerClient] = field(default_factory=list)
 
 
-
 class ShmStore(HostMemory):
     """A :class:`~shardpoint_core.stores.base.ByteStore` in this host's shared memory below
     ``root`` (:class:`~.shm_host.HostMemory`), replicated to peers once :meth:`set_peers`
@@ -95,11 +114,13 @@ class ShmStore(HostMemory):
 
     capabilities = StoreCapabilities(conditional_put=True, ranged_get=True, durable_put=True)
 
-    def __init__(self, root: str, *, name: str = "", budget_bytes: Optional[int] = None,
-                 host: str = "") -> None:
-        super().__init__(root, url=f"shm://{name}" if name else "", budget_bytes=budget_bytes,
-                         host=host)
-        self._others: List[PeerHost] = []     # the other hosts, ring order after this one
+    def __init__(
+        self, root: str, *, name: str = "", budget_bytes: Optional[int] = None, host: str = ""
+    ) -> None:
+        super().__init__(
+            root, url=f"shm://{name}" if name else "", budget_bytes=budget_bytes, host=host
+        )
+        self._others: List[PeerHost] = []  # the other hosts, ring order after this one
         self.k = 0
         # bytes this process moved over the side channel: replicas sent, objects fetched
         self.counters: Dict[str, int] = {"replica_bytes_sent": 0, "fetched_bytes": 0}
@@ -110,8 +131,7 @@ class ShmStore(HostMemory):
         or ``/dev/shm/shardpoint``): what ``shm://job/...`` paths open."""
         check_key(job)
         if "/" in job or job.startswith("."):
-            raise InvalidOptionError(f"memory-tier job name {job!r} holds a '/' or starts "
-                                     "with '.'")
+            raise InvalidOptionError(f"memory-tier job name {job!r} holds a '/' or starts with '.'")
         with _NAMED_LOCK:
             s = _NAMED.get(job)
             if s is None:
@@ -119,20 +139,26 @@ class ShmStore(HostMemory):
                 s = _NAMED[job] = cls(os.path.join(base, job), name=job)
         return s
 
-    def configure(self, *, shm_dir: Optional[str] = None, budget_bytes: Optional[int] = None,
-                  host: Optional[str] = None) -> None:
+    def configure(
+        self,
+        *,
+        shm_dir: Optional[str] = None,
+        budget_bytes: Optional[int] = None,
+        host: Optional[str] = None,
+    ) -> None:
         """Move the store's root to ``shm_dir/<job>`` and set its budget and host name (the
         tier does this when it starts, before any I/O of the job)."""
         with self._lock:
             if shm_dir is not None:
-                self.root = os.path.join(os.path.abspath(shm_dir),
-                                         os.path.basename(self.root))
+                self.root = os.path.join(os.path.abspath(shm_dir), os.path.basename(self.root))
                 self._used = None
                 self._verified.clear()
             if budget_bytes is not None:
                 if budget_bytes <= 0:
-                    raise InvalidOptionError(f"memory budget_bytes={budget_bytes}: give a "
-                                             "positive number of bytes per host")
+                    raise InvalidOptionError(
+                        f"memory budget_bytes={budget_bytes}: give a "
+                        "positive number of bytes per host"
+                    )
                 self.budget_bytes = budget_bytes
             if host is not None:
                 self.host = host
@@ -157,15 +183,19 @@ class ShmStore(HostMemory):
     def __repr__(self) -> str:
         return f"ShmStore({self.url!r}, root={self.root!r}, k={self.k})"
 
-
     # -- the side channel's server side -------------------------------------------------------
     def handle(self, req: Header, payload: Payload) -> Tuple[Header, Body]:
         """Answer one request of another host (:class:`~.peers.PeerServer`'s handler)."""
         op = req.get("op")
         if op == "put":
             try:
-                self.install(req["key"], payload.n, payload.copy_to, int(req["crc"]),
-                             if_absent=bool(req.get("if_absent")))
+                self.install(
+                    req["key"],
+                    payload.n,
+                    payload.copy_to,
+                    int(req["crc"]),
+                    if_absent=bool(req.get("if_absent")),
+                )
             except FileExistsError:
                 return {"status": "exists"}, ()
             except MemoryBudgetError as e:
@@ -183,11 +213,19 @@ class ShmStore(HostMemory):
             info = self.local_info(req["key"])
             if info is None:
                 return {"status": "missing"}, ()
-            return {"status": "ok", "size": info.size, "mtime": info.mtime,
-                    "version": info.version}, ()
+            return {
+                "status": "ok",
+                "size": info.size,
+                "mtime": info.mtime,
+                "version": info.version,
+            }, ()
         if op == "list":
-            return {"status": "ok", "items": [[i.key, i.size, i.mtime, i.version]
-                                              for i in self.local_list(req["prefix"])]}, ()
+            return {
+                "status": "ok",
+                "items": [
+                    [i.key, i.size, i.mtime, i.version] for i in self.local_list(req["prefix"])
+                ],
+            }, ()
         if op == "delete":
             self.local_delete(req["keys"])
             return {"status": "ok"}, ()
@@ -210,10 +248,11 @@ class ShmStore(HostMemory):
             local = self.local_get(key)
             if local is not None:
                 return local
-            got = self._fetch(key, keep=False)      # changed meanwhile: once more
+            got = self._fetch(key, keep=False)  # changed meanwhile: once more
         if got is None:
-            raise FileNotFoundError(errno.ENOENT, "no intact copy here after a fetch",
-                                    f"{self.url}/{key}")
+            raise FileNotFoundError(
+                errno.ENOENT, "no intact copy here after a fetch", f"{self.url}/{key}"
+            )
         return got
 
     def fetch_here(self, key: str) -> None:
@@ -223,8 +262,9 @@ class ShmStore(HostMemory):
         if self._fetch(key, keep=True, must_keep=True) is not None:
             raise AssertionError("unreachable: a kept copy returns None")
 
-    def _fetch(self, key: str, *, keep: bool,
-               must_keep: bool = False) -> Optional[Tuple[bytearray, int]]:
+    def _fetch(
+        self, key: str, *, keep: bool, must_keep: bool = False
+    ) -> Optional[Tuple[bytearray, int]]:
         """Fetch ``key`` from the first other host with an intact copy: streamed into this
         host's memory (``keep``; returns None) or, where the budget refuses it and not
         ``must_keep``, into a buffer (returned with its crc32c)."""
@@ -268,9 +308,12 @@ class ShmStore(HostMemory):
             if status == "budget":
                 raise value
             seen.append(f"{h.name}: {status}")
-        raise FileNotFoundError(errno.ENOENT, "no intact copy on this host or any reachable "
-                                f"one ({'; '.join(seen) or 'no other hosts'})",
-                                f"{self.url}/{key}")
+        raise FileNotFoundError(
+            errno.ENOENT,
+            "no intact copy on this host or any reachable "
+            f"one ({'; '.join(seen) or 'no other hosts'})",
+            f"{self.url}/{key}",
+        )
 
     def _whole(self, key: str) -> bytes:
         try:
@@ -290,7 +333,7 @@ class ShmStore(HostMemory):
         except _Damaged:
             got = None
         if got is None:
-            fetched = self._fetch(key, keep=True)        # None: kept here, checked
+            fetched = self._fetch(key, keep=True)  # None: kept here, checked
             if fetched is None:
                 try:
                     got = self._checked_fd(key)
@@ -298,9 +341,9 @@ class ShmStore(HostMemory):
                     got = None
         if got is None:
             data = memoryview(fetched[0] if fetched is not None else self.fetch(key)[0])
-            piece = data[start:start + length]
+            piece = data[start : start + length]
             if out is not None:
-                out[:len(piece)] = piece
+                out[: len(piece)] = piece
                 return b""
             return bytes(piece)
         fd, size, _crc = got
@@ -339,9 +382,9 @@ class ShmStore(HostMemory):
             got = None
         whole, crc = got if got is not None else self.fetch(key)
         info = self.local_info(key)
-        return bytes(whole[:max(0, length)]), ObjectInfo(
-            key, len(whole), info.mtime if info is not None else 0.0,
-            version_of(crc, len(whole)))
+        return bytes(whole[: max(0, length)]), ObjectInfo(
+            key, len(whole), info.mtime if info is not None else 0.0, version_of(crc, len(whole))
+        )
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
@@ -351,13 +394,15 @@ class ShmStore(HostMemory):
         if info is None:
             raise FileNotFoundError(errno.ENOENT, "no such object", f"{self.url}/{key}")
         if start + len(out) > info.size:
-            raise EOFError(f"{self.url}/{key}: {len(out)} bytes from {start} asked, the "
-                           f"object holds {info.size}")
+            raise EOFError(
+                f"{self.url}/{key}: {len(out)} bytes from {start} asked, the "
+                f"object holds {info.size}"
+            )
         self._ranged(key, start, len(out), out)
 
     def put(self, key: str, data: PutData, *, if_absent: bool = False) -> None:
         with self._lock:
-            targets, k = self._others[:self.k], self.k
+            targets, k = self._others[: self.k], self.k
         if len(targets) < k:
             raise InvalidOptionError(too_few_hosts(k, len(targets)))
         views = _views(data)
@@ -368,24 +413,29 @@ class ShmStore(HostMemory):
             if got is None:
                 raise StoreUnavailableError(
                     f"memory tier {self.url}: no rank of host {h.name} took the replica of "
-                    f"{key!r}; the memory checkpoint is not committed")
+                    f"{key!r}; the memory checkpoint is not committed"
+                )
             resp = got[0]
             if resp.get("status") == "ok":
                 self._count("replica_bytes_sent", sum(v.nbytes for v in views))
             if resp.get("status") == "budget":
                 raise MemoryBudgetError(str(resp.get("msg")))
             if resp.get("status") != "ok":
-                raise OSError(errno.EIO, f"replica of {key!r} refused by host {h.name}: "
-                              f"{resp.get('status')} {resp.get('msg', '')}",
-                              f"{self.url}/{key}")
+                raise OSError(
+                    errno.EIO,
+                    f"replica of {key!r} refused by host {h.name}: "
+                    f"{resp.get('status')} {resp.get('msg', '')}",
+                    f"{self.url}/{key}",
+                )
         return None
 
     def _count(self, what: str, n: int) -> None:
         with self._lock:
             self.counters[what] += n
 
-    def _send_put(self, h: PeerHost, key: str, views: Sequence[memoryview],
-                  crc: int) -> Optional[Tuple[Header, bytearray]]:
+    def _send_put(
+        self, h: PeerHost, key: str, views: Sequence[memoryview], crc: int
+    ) -> Optional[Tuple[Header, bytearray]]:
         for c in h.clients:
             got = request_or_none(c, {"op": "put", "key": key, "crc": crc}, views)
             if got is not None:
@@ -409,9 +459,10 @@ class ShmStore(HostMemory):
         found = {i.key: i for i in self.local_list(prefix)}
         with self._lock:
             others = list(self._others)
-        with ThreadPoolExecutor(max(1, min(16, len(others)))) as pool:    # hosts at once
-            answers = list(pool.map(lambda h: self._answer(h, {"op": "list",
-                                                               "prefix": prefix}), others))
+        with ThreadPoolExecutor(max(1, min(16, len(others)))) as pool:  # hosts at once
+            answers = list(
+                pool.map(lambda h: self._answer(h, {"op": "list", "prefix": prefix}), others)
+            )
         for got in answers:
             if got is None or got[0].get("status") != "ok":
                 continue
@@ -440,4 +491,3 @@ if TYPE_CHECKING:
 
     def _is_bytestore_shmstore(x: ShmStore) -> ByteStore:
         return x
-

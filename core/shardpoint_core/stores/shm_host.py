@@ -15,6 +15,7 @@ Example::
     mem.local_put("step_1/a", [memoryview(b"bytes")], crc32c.crc32c(b"bytes"))
     assert mem.verify_local("step_1/a")
 """
+
 from __future__ import annotations
 
 import errno
@@ -33,7 +34,7 @@ from shardpoint_core.stores.base import ObjectInfo
 from shardpoint_core.stores.fsutil import keys_below
 from shardpoint_core.stores.keys import check_key, check_prefix
 
-SIDECAR = struct.Struct("<IQ")       # crc32c, size: a copy's sidecar (see the module)
+SIDECAR = struct.Struct("<IQ")  # crc32c, size: a copy's sidecar (see the module)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _TMP_IDS = itertools.count()
@@ -43,12 +44,10 @@ class _Damaged(Exception):
     """This host's copy of an object fails its crc32c or has no trailer."""
 
 
-
 def version_of(crc: int, size: int) -> str:
     """An object's version: its crc32c and size, so every host's copy has the same one (a
     load's identity check sees no change when it reads another host's copy)."""
     return f"{crc:08x}.{size}"
-
 
 
 class HostMemory:
@@ -56,8 +55,9 @@ class HostMemory:
     errors; ``host`` names this host in them; ``budget_bytes``: the most this host's copies
     may hold (None: no cap)."""
 
-    def __init__(self, root: str, *, url: str = "", budget_bytes: Optional[int] = None,
-                 host: str = "") -> None:
+    def __init__(
+        self, root: str, *, url: str = "", budget_bytes: Optional[int] = None, host: str = ""
+    ) -> None:
         self.root = os.path.abspath(root)
         self.url = url or "shm://" + self.root
         self.budget_bytes, self.host = budget_bytes, host
@@ -68,7 +68,6 @@ class HostMemory:
     @property
     def _tmp(self) -> str:
         return os.path.join(os.path.dirname(self.root), ".tmp", os.path.basename(self.root))
-
 
     def path(self, key: str) -> str:
         """The file holding ``key``'s copy on this host."""
@@ -91,8 +90,12 @@ class HostMemory:
     def crc_path(self, key: str) -> str:
         """The sidecar of ``key``'s copy here: its crc32c and size (:data:`SIDECAR`), in a
         tree beside the objects' (so a step's directory holds the checkpoint's files only)."""
-        return os.path.join(os.path.dirname(self.root), ".crc", os.path.basename(self.root),
-                            *check_key(key).split("/"))
+        return os.path.join(
+            os.path.dirname(self.root),
+            ".crc",
+            os.path.basename(self.root),
+            *check_key(key).split("/"),
+        )
 
     def _sidecar(self, key: str) -> Optional[Tuple[int, int]]:
         """(crc32c, size) the sidecar of ``key`` records; None where there is none."""
@@ -121,7 +124,7 @@ class HostMemory:
                 continue
             try:
                 os.kill(int(pid), 0)
-                continue                       # alive (or another user's): not ours to judge
+                continue  # alive (or another user's): not ours to judge
             except ProcessLookupError:
                 pass
             except PermissionError:
@@ -218,11 +221,13 @@ class HostMemory:
             self._used = total
         return self._used
 
-    def local_put(self, key: str, views: Sequence[memoryview], crc: int, *,
-                  if_absent: bool = False) -> None:
+    def local_put(
+        self, key: str, views: Sequence[memoryview], crc: int, *, if_absent: bool = False
+    ) -> None:
         """Write ``views`` (whose crc32c is ``crc``) as this host's copy of ``key``, whole or
         not at all. :class:`MemoryBudgetError` before writing where the budget would be
         exceeded; ``FileExistsError`` for a lost conditional put."""
+
         def write(fd: int) -> Optional[int]:
             pos = 0
             for v in views:
@@ -230,10 +235,18 @@ class HostMemory:
                     n = os.pwrite(fd, v, pos)
                     pos, v = pos + n, v[n:]
             return None
+
         self.install(key, sum(v.nbytes for v in views), write, crc, if_absent=if_absent)
 
-    def install(self, key: str, size: int, write: Callable[[int], Optional[int]], crc: int,
-                *, if_absent: bool = False) -> None:
+    def install(
+        self,
+        key: str,
+        size: int,
+        write: Callable[[int], Optional[int]],
+        crc: int,
+        *,
+        if_absent: bool = False,
+    ) -> None:
         """Make this host's copy of ``key``: ``write(fd)`` writes its ``size`` bytes into a
         temporary file and returns their crc32c where it computed it (then checked against
         ``crc``: ``OSError`` where they differ, nothing installed; the copy counts as
@@ -244,16 +257,18 @@ class HostMemory:
         with self._lock:
             old = self.local_info(key)
             used = self._usage()
-            if self.budget_bytes is not None and \
-                    used - (old.size if old else 0) + size > self.budget_bytes:
+            if (
+                self.budget_bytes is not None
+                and used - (old.size if old else 0) + size > self.budget_bytes
+            ):
                 raise MemoryBudgetError(
                     f"memory tier {self.url} on host {self.host or '(this host)'}: putting "
                     f"{key!r} ({size} bytes) would hold {used + size} bytes, over the budget "
                     f"of {self.budget_bytes}; nothing of it was written. Raise budget_bytes "
-                    "or keep fewer memory steps")
-            self._used = used + size   # reserved now; given back below on failure
-        tmp = os.path.join(self._tmp, f"{os.getpid()}-{threading.get_ident()}-"
-                           f"{next(_TMP_IDS)}")
+                    "or keep fewer memory steps"
+                )
+            self._used = used + size  # reserved now; given back below on failure
+        tmp = os.path.join(self._tmp, f"{os.getpid()}-{threading.get_ident()}-{next(_TMP_IDS)}")
         side, side_tmp = self.crc_path(key), tmp + ".crc"
         done = False
         try:
@@ -265,10 +280,13 @@ class HostMemory:
             finally:
                 os.close(fd)
             if st.st_size != size or (got is not None and got != crc):
-                raise OSError(errno.EIO, f"copy of {key!r} damaged on its way here: "
-                              f"{st.st_size} bytes (of {size}), crc32c "
-                              f"{got if got is not None else crc:08x} (of {crc:08x})",
-                              f"{self.url}/{key}")
+                raise OSError(
+                    errno.EIO,
+                    f"copy of {key!r} damaged on its way here: "
+                    f"{st.st_size} bytes (of {size}), crc32c "
+                    f"{got if got is not None else crc:08x} (of {crc:08x})",
+                    f"{self.url}/{key}",
+                )
             with open(side_tmp, "xb") as f:
                 f.write(SIDECAR.pack(crc, size))
             os.makedirs(os.path.dirname(p), exist_ok=True)
@@ -280,19 +298,20 @@ class HostMemory:
                 try:
                     os.link(tmp, p)
                 except FileExistsError:
-                    raise FileExistsError(errno.EEXIST, "object exists",
-                                          f"{self.url}/{key}") from None
+                    raise FileExistsError(
+                        errno.EEXIST, "object exists", f"{self.url}/{key}"
+                    ) from None
                 os.rename(side_tmp, side)
                 os.unlink(tmp)
             else:
                 os.rename(side_tmp, side)
                 os.rename(tmp, p)
             done = True
-            if got is not None:           # its bytes were checked on their way in
+            if got is not None:  # its bytes were checked on their way in
                 with self._lock:
                     self._verified.add((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
         finally:
-            for t in ((tmp, side_tmp) if not done else (tmp,)):
+            for t in (tmp, side_tmp) if not done else (tmp,):
                 try:
                     os.unlink(t)
                 except FileNotFoundError:

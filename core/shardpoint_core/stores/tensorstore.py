@@ -35,6 +35,7 @@ Example::
     store.put("a/b", b"again", if_match=v)
     assert store.get_range("a/b", 0, 5) == b"again"
 """
+
 from __future__ import annotations
 
 import errno
@@ -47,16 +48,21 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
-from shardpoint_core.format.errors import (InvalidKeyError, InvalidOptionError, StoreAccessDeniedError,
-                                    StoreNotFoundError, StoreUnavailableError)
+from shardpoint_core.format.errors import (
+    InvalidKeyError,
+    InvalidOptionError,
+    StoreAccessDeniedError,
+    StoreNotFoundError,
+    StoreUnavailableError,
+)
 from shardpoint_core.stores.base import ObjectInfo, PutData, StoreCapabilities
 from shardpoint_core.stores.keys import check_key, check_prefix
 
-NO_VALUE = b"\x02"           # TensorStore's generation of a key without a value
-_PAST_END = 1 << 62          # a start no object reaches: the refusal names the size
+NO_VALUE = b"\x02"  # TensorStore's generation of a key without a value
+_PAST_END = 1 << 62  # a start no object reaches: the refusal names the size
 _SIZE = re.compile(r"value of size (\d+)|total size (\d+)|<ActualObjectSize>(\d+)<")
 _OS_ERRNO = re.compile(r"os_error_code='(\d+)'")
-_BATCH = 256                 # keys whose sizes are asked at once in a listing
+_BATCH = 256  # keys whose sizes are asked at once in a listing
 _NAMED: Dict[str, Any] = {}  # memory store name -> the TensorStore Context holding it
 _NAMED_LOCK = threading.Lock()
 _TRANSIENT = ("UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
@@ -68,26 +74,28 @@ class TensorStoreOptions:
     (``AWS_ENDPOINT_URL``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, AWS credentials;
     ``TENSORSTORE_GCS_HTTP_URL`` and Google credentials for ``gcs``)."""
 
-    endpoint_url: Optional[str] = None     # s3: an S3-compatible endpoint
-    region: Optional[str] = None           # s3
-    conditional_writes: bool = True        # s3: the server honours If-None-Match / If-Match
-    file_sync: bool = True                 # file: fsync every write before it returns
-    max_retries: int = 6                   # per request, on transient errors
-    concurrency: int = 32                  # requests in flight (s3, gcs)
-    timeout_s: float = 300.0               # the longest wait for one request's answer
+    endpoint_url: Optional[str] = None  # s3: an S3-compatible endpoint
+    region: Optional[str] = None  # s3
+    conditional_writes: bool = True  # s3: the server honours If-None-Match / If-Match
+    file_sync: bool = True  # file: fsync every write before it returns
+    max_retries: int = 6  # per request, on transient errors
+    concurrency: int = 32  # requests in flight (s3, gcs)
+    timeout_s: float = 300.0  # the longest wait for one request's answer
 
     def __post_init__(self) -> None:
         if self.max_retries < 1 or self.concurrency < 1 or not self.timeout_s > 0:
-            raise InvalidOptionError("TensorStoreOptions: max_retries and concurrency must be "
-                                     ">= 1 and timeout_s > 0")
+            raise InvalidOptionError(
+                "TensorStoreOptions: max_retries and concurrency must be >= 1 and timeout_s > 0"
+            )
 
 
 def _ts() -> Any:
     try:
         import tensorstore
-    except ImportError as e:     # an optional dependency: say which extra brings it
-        raise InvalidOptionError("TensorStoreStore needs the 'tensorstore' package "
-                                 "(pip install tensorstore)") from e
+    except ImportError as e:  # an optional dependency: say which extra brings it
+        raise InvalidOptionError(
+            "TensorStoreStore needs the 'tensorstore' package (pip install tensorstore)"
+        ) from e
     return tensorstore
 
 
@@ -101,24 +109,27 @@ def parse_url(url: str) -> Tuple[str, str, str]:
         return "file", os.path.abspath(p), ""
     scheme = m.group(1).lower()
     if scheme.startswith("tensorstore+"):
-        scheme = scheme[len("tensorstore+"):]
-    rest = p[m.end():]
+        scheme = scheme[len("tensorstore+") :]
+    rest = p[m.end() :]
     if scheme == "file":
         if rest.startswith("localhost/"):
-            rest = rest[len("localhost"):]
-        rest = rest or "/"               # the registry's root of tensorstore+file:///a/b
+            rest = rest[len("localhost") :]
+        rest = rest or "/"  # the registry's root of tensorstore+file:///a/b
         if not rest.startswith("/"):
             raise InvalidOptionError(f"{url!r}: a file:// URL names an absolute path")
         return "file", os.path.normpath(rest), ""
     driver = {"memory": "memory", "s3": "s3", "gs": "gcs"}.get(scheme)
     if driver is None:
-        raise InvalidOptionError(f"{url!r}: TensorStoreStore opens file://, memory://, s3:// "
-                                 "and gs:// URLs")
+        raise InvalidOptionError(
+            f"{url!r}: TensorStoreStore opens file://, memory://, s3:// and gs:// URLs"
+        )
     parts = urlsplit(f"x://{rest}")
     prefix = parts.path.strip("/")
     if not parts.netloc or (prefix and any(c in ("", ".", "..") for c in prefix.split("/"))):
-        raise InvalidOptionError(f"{url!r}: the URL is {scheme}://NAME/PREFIX, and the prefix "
-                                 "has no empty, '.' or '..' component")
+        raise InvalidOptionError(
+            f"{url!r}: the URL is {scheme}://NAME/PREFIX, and the prefix "
+            "has no empty, '.' or '..' component"
+        )
     return driver, parts.netloc, prefix
 
 
@@ -145,8 +156,11 @@ class TensorStoreStore:
             self.url = f"{scheme}://{self.bucket}/{self.prefix}".rstrip("/")
         cond = self.options.conditional_writes or self.driver != "s3"
         self.capabilities = StoreCapabilities(
-            conditional_put=cond, conditional_replace=cond, ranged_get=True,
-            durable_put=self.driver != "file" or self.options.file_sync)
+            conditional_put=cond,
+            conditional_replace=cond,
+            ranged_get=True,
+            durable_put=self.driver != "file" or self.options.file_sync,
+        )
         self._kv: Any = None
         self._lock = threading.Lock()
         self._written: set[Any] = set()
@@ -164,28 +178,44 @@ class TensorStoreStore:
         o = self.options
         retries = {"max_retries": o.max_retries, "initial_delay": "0.05s", "max_delay": "2s"}
         if self.driver == "file":
-            return ({"driver": "file", "path": self.root.rstrip("/") + "/"},
-                    {"file_io_sync": o.file_sync})
+            return (
+                {"driver": "file", "path": self.root.rstrip("/") + "/"},
+                {"file_io_sync": o.file_sync},
+            )
         if self.driver == "memory":
             return {"driver": "memory", "path": self._p}, {}
         if self.driver == "s3":
-            spec: dict[str, Any] = {"driver": "s3", "bucket": self.bucket, "path": self._p,
-                          "use_conditional_write": bool(o.conditional_writes)}
-            endpoint = o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or \
-                os.environ.get("AWS_ENDPOINT_URL")
+            spec: dict[str, Any] = {
+                "driver": "s3",
+                "bucket": self.bucket,
+                "path": self._p,
+                "use_conditional_write": bool(o.conditional_writes),
+            }
+            endpoint = (
+                o.endpoint_url
+                or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL")
+            )
             if endpoint:
                 spec["endpoint"] = endpoint
-            region = o.region or os.environ.get("AWS_REGION") or \
-                os.environ.get("AWS_DEFAULT_REGION") or ("us-east-1" if endpoint else None)
+            region = (
+                o.region
+                or os.environ.get("AWS_REGION")
+                or os.environ.get("AWS_DEFAULT_REGION")
+                or ("us-east-1" if endpoint else None)
+            )
             if region:
                 spec["aws_region"] = region
             if os.environ.get("AWS_ACCESS_KEY_ID") and not os.environ.get("AWS_PROFILE"):
                 spec["aws_credentials"] = {"type": "environment"}
-            return spec, {"s3_request_retries": retries,
-                          "s3_request_concurrency": {"limit": o.concurrency}}
-        return ({"driver": "gcs", "bucket": self.bucket, "path": self._p},
-                {"gcs_request_retries": retries,
-                 "gcs_request_concurrency": {"limit": o.concurrency}})
+            return spec, {
+                "s3_request_retries": retries,
+                "s3_request_concurrency": {"limit": o.concurrency},
+            }
+        return (
+            {"driver": "gcs", "bucket": self.bucket, "path": self._p},
+            {"gcs_request_retries": retries, "gcs_request_concurrency": {"limit": o.concurrency}},
+        )
 
     @property
     def kv(self) -> Any:
@@ -222,23 +252,32 @@ class TensorStoreStore:
         msg = str(exc)
         code = msg.split(":", 1)[0].strip() if ":" in msg else ""
         if isinstance(exc, TimeoutError):
-            return StoreUnavailableError(f"{what} of {where}: no answer within "
-                                         f"{self.options.timeout_s} s")
+            return StoreUnavailableError(
+                f"{what} of {where}: no answer within {self.options.timeout_s} s"
+            )
         if msg.startswith("Invalid key") or "Invalid S3 object name" in msg:
-            return InvalidKeyError(f"store key {key!r} is refused by TensorStore's "
-                                   f"{self.driver} driver ({msg[:200]})")
+            return InvalidKeyError(
+                f"store key {key!r} is refused by TensorStore's {self.driver} driver ({msg[:200]})"
+            )
         if what == "open" and code not in _TRANSIENT:
-            return InvalidOptionError(f"TensorStore cannot open {self.url} with the "
-                                      f"{self.driver} driver: {msg[:300]}")
+            return InvalidOptionError(
+                f"TensorStore cannot open {self.url} with the {self.driver} driver: {msg[:300]}"
+            )
         if "NoSuchBucket" in msg:
-            return StoreNotFoundError(f"bucket {self.bucket!r} does not exist ({what} of "
-                                      f"{where}); create it or fix the bucket in the URL")
+            return StoreNotFoundError(
+                f"bucket {self.bucket!r} does not exist ({what} of "
+                f"{where}); create it or fix the bucket in the URL"
+            )
         if code in ("PERMISSION_DENIED", "UNAUTHENTICATED"):
-            return StoreAccessDeniedError(f"{what} of {where} was refused ({msg[:300]}); check "
-                                          "the credentials and the bucket's policy")
+            return StoreAccessDeniedError(
+                f"{what} of {where} was refused ({msg[:300]}); check "
+                "the credentials and the bucket's policy"
+            )
         if code in _TRANSIENT:
-            return StoreUnavailableError(f"{what} of {where}: the store kept failing after "
-                                         f"{self.options.max_retries} attempts ({msg[:300]})")
+            return StoreUnavailableError(
+                f"{what} of {where}: the store kept failing after "
+                f"{self.options.max_retries} attempts ({msg[:300]})"
+            )
         if code == "NOT_FOUND":
             return FileNotFoundError(errno.ENOENT, f"no object {where}", where)
         m = _OS_ERRNO.search(msg)
@@ -253,8 +292,9 @@ class TensorStoreStore:
         try:
             return make().result(timeout=self.options.timeout_s)
         except (ValueError, RuntimeError, OSError, TimeoutError) as e:
-            if isinstance(e, (FileNotFoundError, FileExistsError)) or \
-                    type(e).__module__.startswith("shardpoint"):
+            if isinstance(e, (FileNotFoundError, FileExistsError)) or type(e).__module__.startswith(
+                "shardpoint"
+            ):
                 raise
             raise self._error(e, key, what) from e
 
@@ -272,8 +312,7 @@ class TensorStoreStore:
                 raise EOFError(str(e)) from e
             raise self._error(e, key, what) from e
         if r.state != "value":
-            raise FileNotFoundError(errno.ENOENT, f"no object {self._where(key)}",
-                                    self._where(key))
+            raise FileNotFoundError(errno.ENOENT, f"no object {self._where(key)}", self._where(key))
         return r
 
     def get(self, key: str) -> bytes:
@@ -305,8 +344,9 @@ class TensorStoreStore:
         try:
             data = self._read(key, "ranged read", slice(start, start + len(out))).value
         except EOFError as e:
-            raise EOFError(f"{self._where(key)}: {len(out)} bytes from {start} asked, past the "
-                           "object's end") from e
+            raise EOFError(
+                f"{self._where(key)}: {len(out)} bytes from {start} asked, past the object's end"
+            ) from e
         out[:] = data
 
     def _size(self, key: str) -> int:
@@ -316,8 +356,9 @@ class TensorStoreStore:
             try:
                 return os.stat(os.path.join(self.root, check_key(key))).st_size
             except (FileNotFoundError, NotADirectoryError):
-                raise FileNotFoundError(errno.ENOENT, f"no object {self._where(key)}",
-                                        self._where(key)) from None
+                raise FileNotFoundError(
+                    errno.ENOENT, f"no object {self._where(key)}", self._where(key)
+                ) from None
         try:
             r = self._read(key, "size", slice(_PAST_END, None))
         except EOFError as e:
@@ -325,19 +366,28 @@ class TensorStoreStore:
             if m is not None:
                 return int(next(g for g in m.groups() if g is not None))
             return len(self.get(key))
-        return _PAST_END + len(r.value)      # never: no object is that big
+        return _PAST_END + len(r.value)  # never: no object is that big
 
     def _info(self, key: str, stamp: Any, size: Optional[int] = None) -> ObjectInfo:
         if self.driver == "file":
             try:
                 st = os.stat(os.path.join(self.root, key))
             except (FileNotFoundError, NotADirectoryError):
-                raise FileNotFoundError(errno.ENOENT, f"no object {self._where(key)}",
-                                        self._where(key)) from None
-            return ObjectInfo(key, st.st_size if size is None else size, st.st_mtime,
-                              bytes(stamp.generation).hex())
-        return ObjectInfo(key, self._size(key) if size is None else size, float(stamp.time),
-                          bytes(stamp.generation).hex())
+                raise FileNotFoundError(
+                    errno.ENOENT, f"no object {self._where(key)}", self._where(key)
+                ) from None
+            return ObjectInfo(
+                key,
+                st.st_size if size is None else size,
+                st.st_mtime,
+                bytes(stamp.generation).hex(),
+            )
+        return ObjectInfo(
+            key,
+            self._size(key) if size is None else size,
+            float(stamp.time),
+            bytes(stamp.generation).hex(),
+        )
 
     def head(self, key: str) -> Optional[ObjectInfo]:
         """Size, time and version (the generation, in hex) of ``key``, or None."""
@@ -355,7 +405,7 @@ class TensorStoreStore:
         one read of at most ``length`` bytes (memory stays bounded by ``length``)."""
         length = max(1, length)
         size = self._size(key)
-        if size <= length:         # (replaced meanwhile by a longer one: cut, its size said)
+        if size <= length:  # (replaced meanwhile by a longer one: cut, its size said)
             r = self._read(key, "read")
             data = bytes(r.value)
             return data[:length], self._info(key, r.stamp, len(data))
@@ -371,7 +421,7 @@ class TensorStoreStore:
         kv = self.kv
         keys = sorted(k.decode() for k in self._wait(lambda: kv.list(rng), prefix, "list"))
         for i in range(0, len(keys), _BATCH):
-            batch = keys[i:i + _BATCH]
+            batch = keys[i : i + _BATCH]
             for _key, info in zip(batch, self._infos(batch)):
                 if info is not None:
                     yield info
@@ -393,11 +443,12 @@ class TensorStoreStore:
 
         def size_read(k: str) -> Callable[[], Any]:
             return lambda: _Ready(kv.read(k, byte_range=slice(_PAST_END, None)))
+
         futs = [self._wait(size_read(k), k, "size") for k in keys]
         for k, f in zip(keys, futs):
             try:
                 if f.result(timeout=self.options.timeout_s).state != "value":
-                    out.append(None)                 # deleted since the listing
+                    out.append(None)  # deleted since the listing
                     continue
                 size = None
             except (ValueError, RuntimeError, TimeoutError) as e:
@@ -410,16 +461,19 @@ class TensorStoreStore:
         return out
 
     # -- writes ---------------------------------------------------------------------------
-    def put(self, key: str, data: PutData, *,
-            if_absent: bool = False, if_match: Optional[str] = None) -> str:
+    def put(
+        self, key: str, data: PutData, *, if_absent: bool = False, if_match: Optional[str] = None
+    ) -> str:
         """Store ``data`` at ``key``; returns the new version. ``if_absent``: only where
         ``key`` has no value; ``if_match``: only over that version. A failed condition is
         ``FileExistsError`` (``FileNotFoundError`` where ``if_match`` finds no object)."""
         check_key(key)
         if (if_absent or if_match) and not self.capabilities.conditional_put:
-            raise InvalidOptionError(f"{self.url}: a conditional write was asked for but "
-                                     "TensorStoreOptions(conditional_writes=False) says the "
-                                     "server has none")
+            raise InvalidOptionError(
+                f"{self.url}: a conditional write was asked for but "
+                "TensorStoreOptions(conditional_writes=False) says the "
+                "server has none"
+            )
         cond: Optional[bytes] = None
         if if_absent:
             cond = NO_VALUE
@@ -427,21 +481,34 @@ class TensorStoreStore:
             try:
                 cond = bytes.fromhex(if_match)
             except ValueError:
-                raise FileExistsError(errno.EEXIST, f"conditional write of {self._where(key)}"
-                                      f" refused: {if_match!r} is no version of this store",
-                                      self._where(key)) from None
+                raise FileExistsError(
+                    errno.EEXIST,
+                    f"conditional write of {self._where(key)}"
+                    f" refused: {if_match!r} is no version of this store",
+                    self._where(key),
+                ) from None
         blob = _join(data)
         kv = self.kv
-        gen = bytes(self._wait(lambda: kv.write(key, blob) if cond is None else
-                               kv.write(key, blob, if_equal=cond), key, "write").generation)
+        gen = bytes(
+            self._wait(
+                lambda: kv.write(key, blob) if cond is None else kv.write(key, blob, if_equal=cond),
+                key,
+                "write",
+            ).generation
+        )
         if cond is not None and not gen:
             if if_match and not if_absent and self.head(key) is None:
-                raise FileNotFoundError(errno.ENOENT, f"conditional write of "
-                                        f"{self._where(key)}: no object to replace",
-                                        self._where(key))
-            raise FileExistsError(errno.EEXIST, f"conditional write of {self._where(key)} "
-                                  "refused: the object exists or changed meanwhile",
-                                  self._where(key))
+                raise FileNotFoundError(
+                    errno.ENOENT,
+                    f"conditional write of {self._where(key)}: no object to replace",
+                    self._where(key),
+                )
+            raise FileExistsError(
+                errno.EEXIST,
+                f"conditional write of {self._where(key)} "
+                "refused: the object exists or changed meanwhile",
+                self._where(key),
+            )
         if self.driver == "file" and not self.options.file_sync:
             with self._lock:
                 self._written.add(key)
@@ -452,13 +519,15 @@ class TensorStoreStore:
         error. On files, directories the delete left empty go too (as :class:`FileStore`)."""
         ks = [check_key(k) for k in keys]
         kv = self.kv
+
         def removal(k: str) -> Callable[[], Any]:
             return lambda: _Ready(kv.write(k, None))
 
         def done(f: Any) -> Callable[[], Any]:
             return lambda: f
+
         futs = [self._wait(removal(k), k, "delete") for k in ks]
-        for k, f in zip(ks, futs):                  # all in flight, then each awaited
+        for k, f in zip(ks, futs):  # all in flight, then each awaited
             self._wait(done(f), k, "delete")
         if self.driver == "file":
             for k in ks:
@@ -492,8 +561,8 @@ class TensorStoreStore:
         paths |= dirs
         files = sorted(p for p in paths if p not in dirs)
         with ThreadPoolExecutor(max(1, min(16, len(files)))) as pool:
-            list(pool.map(_fsync, files))            # the files, in parallel, then
-        for d in sorted(dirs, key=lambda q: -q.count(os.sep)):     # their directories
+            list(pool.map(_fsync, files))  # the files, in parallel, then
+        for d in sorted(dirs, key=lambda q: -q.count(os.sep)):  # their directories
             _fsync(d)
 
 
@@ -540,4 +609,3 @@ if TYPE_CHECKING:
 
     def _is_replaceablestore_tensorstorestore(x: TensorStoreStore) -> ReplaceableStore:
         return x
-

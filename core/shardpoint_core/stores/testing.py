@@ -18,6 +18,7 @@ The stateful machine drives random puts, deletes, conditional puts and reads aga
 two components, so no key is a directory of another: a file system cannot hold both ``a`` and
 ``a/b``, and the contract does not ask it to. Needs pytest and hypothesis (test extras).
 """
+
 from __future__ import annotations
 
 import threading
@@ -66,7 +67,7 @@ class StoreTests:
             store.read_into("nope", 0, memoryview(bytearray(1)))
         assert store.head("nope") is None
         store.put("dir/x", b"1")
-        with pytest.raises(FileNotFoundError):      # a prefix of keys is not an object
+        with pytest.raises(FileNotFoundError):  # a prefix of keys is not an object
             store.get("dir")
         assert store.head("dir") is None
 
@@ -98,7 +99,7 @@ class StoreTests:
         store.put("r", b"0123456789")
         assert store.get_range("r", 0, 3) == b"012"
         assert store.get_range("r", 7, 3) == b"789"
-        assert store.get_range("r", 8, 10) == b"89"      # fewer where the object ends
+        assert store.get_range("r", 8, 10) == b"89"  # fewer where the object ends
         assert store.get_range("r", 10, 4) == b""
         assert store.get_range("r", 4, 0) == b""
 
@@ -123,8 +124,9 @@ class StoreTests:
     def test_list_order_and_prefix(self, store: ByteStore) -> None:
         for k in ["b/2", "a/1", "a/10", "ab/x", "c", "a/2/deep/er"]:
             store.put(k, k.encode())
-        assert [i.key for i in store.list()] == sorted(["b/2", "a/1", "a/10", "ab/x", "c",
-                                                        "a/2/deep/er"])
+        assert [i.key for i in store.list()] == sorted(
+            ["b/2", "a/1", "a/10", "ab/x", "c", "a/2/deep/er"]
+        )
         assert [i.key for i in store.list("a/")] == ["a/1", "a/10", "a/2/deep/er"]
         assert [i.key for i in store.list("a")] == ["a/1", "a/10", "a/2/deep/er", "ab/x"]
         assert [i.key for i in store.list("a/1")] == ["a/1", "a/10"]
@@ -139,7 +141,7 @@ class StoreTests:
         assert [i.key for i in store.list("d/")] == ["d/2"]
         store.delete(["d/2"])
         assert list(store.list()) == []
-        store.put("d", b"now a key")          # the emptied prefix takes an object again
+        store.put("d", b"now a key")  # the emptied prefix takes an object again
         assert store.get("d") == b"now a key"
 
     def test_bad_keys_refused_before_io(self, store: ByteStore) -> None:
@@ -165,6 +167,7 @@ class StoreTests:
                     assert store.get(k) == k.encode() + bytes(i)
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
+
         ts = [threading.Thread(target=work, args=(t,)) for t in range(8)]
         for t in ts:
             t.start()
@@ -178,7 +181,7 @@ class StoreTests:
         store.put("m/b", b"2")
         store.make_durable(["m/a"])
         store.make_durable()
-        store.make_durable()              # nothing new: still fine
+        store.make_durable()  # nothing new: still fine
         assert store.get("m/a") + store.get("m/b") == b"12"
 
 
@@ -230,8 +233,10 @@ def _machine_base() -> Any:
         @rule(key=keys, start=st.integers(0, 70), length=st.integers(0, 70))
         def get_range(self, key: str, start: int, length: int) -> None:
             if key in self.model:
-                assert self.store.get_range(key, start, length) == \
-                    self.model[key][start:start + length]
+                assert (
+                    self.store.get_range(key, start, length)
+                    == self.model[key][start : start + length]
+                )
 
         @precondition(lambda self: bool(self.model))
         @rule(data=st.data())
@@ -242,7 +247,7 @@ def _machine_base() -> Any:
             n = data.draw(st.integers(0, len(blob) - start))
             out = bytearray(n)
             self.store.read_into(key, start, memoryview(out))
-            assert bytes(out) == blob[start:start + n]
+            assert bytes(out) == blob[start : start + n]
 
         @rule(ks=st.lists(keys, max_size=3))
         def delete(self, ks: list[Any]) -> None:

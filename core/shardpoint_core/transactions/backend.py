@@ -23,6 +23,7 @@ TensorStore is a cross-check only (:mod:`~shardpoint_core.arrays.ts_check`:
 only then; the byte store over TensorStore's kvstores is
 :class:`~shardpoint_core.stores.tensorstore.TensorStoreStore` (``tensorstore+file://`` ...).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,27 +36,47 @@ import numpy as np
 
 from shardpoint_core.stores.durable import will_need
 from shardpoint_core.commit.posix import PosixCommitter
-from shardpoint_core.format.errors import (CheckpointNotFoundError, CorruptCheckpointError,
-                                    IncompleteCheckpointError, InvalidOptionError,
-                                    SaveFailedError, ShardpointError, StoreNotFoundError)
+from shardpoint_core.format.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InvalidOptionError,
+    SaveFailedError,
+    ShardpointError,
+    StoreNotFoundError,
+)
 from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.format.spec import MANIFEST_NAME, ArraySpec
 from shardpoint_core.stores.files import FileStore
 from shardpoint_core.stores import location
 from shardpoint_core.stores.registry import is_local, url_of
 from shardpoint_core.arrays import local
-from shardpoint_core.arrays.array import (ArrayLayout, read_chunk, read_region,
-                                        write_array_meta, write_region)
+from shardpoint_core.arrays.array import (
+    ArrayLayout,
+    read_chunk,
+    read_region,
+    write_array_meta,
+    write_region,
+)
 from shardpoint_core.arrays.checks import check_metadata, check_shard_files, read_zarr_json
 from shardpoint_core.arrays.opening import open_local_array
 from shardpoint_core.commit.routing import PathCommitter, UrlCommitter
 from shardpoint_core.arrays.direct_read import DirectReader, parse_layout, whole_chunk_files
-from shardpoint_core.arrays.direct_write import (DirectWriter, WritePool, stored_codecs,
-                                               write_layout, zarr_json_bytes)
+from shardpoint_core.arrays.direct_write import (
+    DirectWriter,
+    WritePool,
+    stored_codecs,
+    write_layout,
+    zarr_json_bytes,
+)
 from shardpoint_core.arrays.groups import array_paths_of, start_groups, write_groups
 from shardpoint_core.arrays.identity import CrcSink, chunk_number, units_per_chunk
-from shardpoint_core.format.layout import (INNER_CHUNK_BYTES, SHARD_ABOVE_BYTES, codecs_for,
-                                           fill_value)
+from shardpoint_core.format.layout import (
+    INNER_CHUNK_BYTES,
+    SHARD_ABOVE_BYTES,
+    codecs_for,
+    fill_value,
+)
 from shardpoint_core.arrays.object_read import ObjectArray
 from shardpoint_core.arrays.packed_read import PackedView, open_packed, read_packed, verify_packed
 from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle
@@ -70,8 +91,15 @@ class _Array:
 
     __slots__ = ("store", "path", "layout", "key", "root", "sink")
 
-    def __init__(self, store: Any, path: str, layout: ArrayLayout, key: str,
-                 root: Optional[str] = None, sink: Any = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        path: str,
+        layout: ArrayLayout,
+        key: str,
+        root: Optional[str] = None,
+        sink: Any = None,
+    ) -> None:
         self.store, self.path, self.layout, self.key = store, path, layout, key
         self.root, self.sink = root, sink
 
@@ -88,8 +116,9 @@ class _WriteHandle(LazyTS):
 
     def write_part(self, offset: tuple[int, ...], data: np.ndarray) -> None:
         with self.partial:
-            write_region(self.arr.store, self.arr.path, self.arr.layout, offset, data,
-                         sink=self.arr.sink)
+            write_region(
+                self.arr.store, self.arr.path, self.arr.layout, offset, data, sink=self.arr.sink
+            )
 
 
 class _DirectHandle(LazyTS):
@@ -128,35 +157,47 @@ class ZarrBackend:
 
     name = "zarr3"
 
-    def __init__(self, *, context: Optional[dict[str, Any]] = None,
-                 shard_above_bytes: int = SHARD_ABOVE_BYTES,
-                 inner_chunk_bytes: int = INNER_CHUNK_BYTES,
-                 fsync: bool = True, sync_method: str = "auto", read_threads: int = 8,
-                 direct_reads: bool = True, direct_writes: bool = True, write_threads: int = 16,
-                 concurrency: int = 32) -> None:
+    def __init__(
+        self,
+        *,
+        context: Optional[dict[str, Any]] = None,
+        shard_above_bytes: int = SHARD_ABOVE_BYTES,
+        inner_chunk_bytes: int = INNER_CHUNK_BYTES,
+        fsync: bool = True,
+        sync_method: str = "auto",
+        read_threads: int = 8,
+        direct_reads: bool = True,
+        direct_writes: bool = True,
+        write_threads: int = 16,
+        concurrency: int = 32,
+    ) -> None:
         if sync_method not in ("auto", "syncfs", "fsync"):
-            raise ValueError(f"sync_method must be 'auto', 'syncfs' or 'fsync', not "
-                             f"{sync_method!r}")
+            raise ValueError(
+                f"sync_method must be 'auto', 'syncfs' or 'fsync', not {sync_method!r}"
+            )
         if concurrency < 1:
             raise InvalidOptionError("ZarrBackend: concurrency must be >= 1")
         self.shard_above_bytes = shard_above_bytes
         self.inner_chunk_bytes = inner_chunk_bytes
         self.fsync, self.sync_method = fsync, sync_method
-        self.read_threads, self.direct_reads, self.direct_writes = \
-            read_threads, direct_reads, direct_writes
+        self.read_threads, self.direct_reads, self.direct_writes = (
+            read_threads,
+            direct_reads,
+            direct_writes,
+        )
         self.concurrency = concurrency
         self.ts = TensorStoreCheck(context)
         self._lock = threading.Lock()
         self._written: Dict[str, Tuple[FileStore, set[Any]]] = {}  # local root -> arrays written
-        self._meta: Dict[str, list[Any]] = {}          # object-store root -> zarr.json PUTs
+        self._meta: Dict[str, list[Any]] = {}  # object-store root -> zarr.json PUTs
         self._reads = WritePool(read_threads, "shardpoint-read")
         self._write_pool = WritePool(write_threads, "shardpoint-write")
         self._remote = WritePool(concurrency, "sp-obj")
         # zarr.json reads of object-store arrays: never wait on anything, so a read task on
         # ``_remote`` may wait for one without a deadlock
         self._meta_reads = WritePool(concurrency, "sp-meta")
-        self._crcs: Dict[str, CrcSink] = {}      # staging -> units' crc32c written ([SP-MAN-7])
-        self._packed_ok: Dict[str, Any] = {}     # (1.4) data objects found sound, by path
+        self._crcs: Dict[str, CrcSink] = {}  # staging -> units' crc32c written ([SP-MAN-7])
+        self._packed_ok: Dict[str, Any] = {}  # (1.4) data objects found sound, by path
         self.committer = PathCommitter(PosixCommitter(fsync=fsync), UrlCommitter(self.locate))
         # root -> its Location, for the array opens of one save or load (a path becomes a
         # store and a key once per root, not once per array); dropped at flush, abort,
@@ -173,7 +214,7 @@ class ZarrBackend:
         return self.ts.context
 
     def supports_concurrent_writers(self) -> bool:
-        return True         # chunks have one writer each, zarr.json is created if absent
+        return True  # chunks have one writer each, zarr.json is created if absent
 
     # -- paths and stores -----------------------------------------------------------------
     def locate(self, path: str) -> Tuple[Any, str]:
@@ -190,7 +231,7 @@ class ZarrBackend:
             loc = self._locations.get(root)
             if loc is None:
                 loc = location.locate(root, fsync=self.fsync, sync_method=self.sync_method)
-                if len(self._locations) >= self._LOCATIONS_KEPT:      # one never released
+                if len(self._locations) >= self._LOCATIONS_KEPT:  # one never released
                     self._locations.pop(next(iter(self._locations)))
                 self._locations[root] = loc
             return loc.pair()
@@ -227,13 +268,20 @@ class ZarrBackend:
         """(zarr.json this backend writes for ``spec`` as TensorStore takes it, the same as
         stored, the codec chain, the itemsize)."""
         from shardpoint_core.format.dtypes import from_name
+
         itemsize = from_name(spec.dtype).itemsize
         codecs = codecs_for(spec, itemsize, self.shard_above_bytes, self.inner_chunk_bytes)
-        meta = {"shape": list(spec.shape), "data_type": spec.dtype,
-                "chunk_grid": {"name": "regular",
-                               "configuration": {"chunk_shape": list(spec.chunk_shape)}},
-                "chunk_key_encoding": {"name": "default"},
-                "fill_value": fill_value(spec.dtype), "codecs": codecs}
+        meta = {
+            "shape": list(spec.shape),
+            "data_type": spec.dtype,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": list(spec.chunk_shape)},
+            },
+            "chunk_key_encoding": {"name": "default"},
+            "fill_value": fill_value(spec.dtype),
+            "codecs": codecs,
+        }
         return meta, dict(meta, codecs=stored_codecs(codecs, itemsize)), codecs, itemsize
 
     def _guess(self, spec: ArraySpec) -> Optional[ArrayLayout]:
@@ -253,7 +301,7 @@ class ZarrBackend:
         sink = self._sink(root, array_path, lay)
         if not store.capabilities.local_path:
             arr = _Array(store, path, lay, array_path, root, sink)
-            if 0 in lay.shape:          # no chunk, so no writer of chunk 0: every opener
+            if 0 in lay.shape:  # no chunk, so no writer of chunk 0: every opener
                 self._write_meta(arr)
             return arr
         apath = store.path(path)
@@ -263,18 +311,22 @@ class ZarrBackend:
         def open_ts() -> Any:
             return self.ts.open_for_write(root, array_path, meta)
 
-        wlay = write_layout(apath, spec.shape, spec.chunk_shape, codecs, itemsize) \
-            if self.direct_writes else None
+        wlay = (
+            write_layout(apath, spec.shape, spec.chunk_shape, codecs, itemsize)
+            if self.direct_writes
+            else None
+        )
         if wlay is None:
             return open_ts()
         try:
             local.create_zarr_json(root, apath, zarr_json_bytes(stored))
         except OSError as e:
-            raise SaveFailedError(f"cannot create array {array_path!r} under {root}: "
-                                  f"{e}") from e
-        return _WriteHandle(DirectWriter(wlay, self._write_pool.submit, self.fsync, sink),
-                            open_ts, _Array(FileStore(root, fsync=False), path, lay,
-                                            array_path, sink=sink))
+            raise SaveFailedError(f"cannot create array {array_path!r} under {root}: {e}") from e
+        return _WriteHandle(
+            DirectWriter(wlay, self._write_pool.submit, self.fsync, sink),
+            open_ts,
+            _Array(FileStore(root, fsync=False), path, lay, array_path, sink=sink),
+        )
 
     def _sink(self, root: str, array_path: str, lay: ArrayLayout) -> Any:
         """``cidx -> slots`` recording the crc32c of the units this process writes into the
@@ -282,8 +334,7 @@ class ZarrBackend:
         with self._lock:
             sink = self._crcs.setdefault(root, CrcSink())
         units = units_per_chunk(lay.chunk, lay.inner)
-        return lambda cidx: sink.chunk(array_path, chunk_number(cidx, lay.shape, lay.chunk),
-                                       units)
+        return lambda cidx: sink.chunk(array_path, chunk_number(cidx, lay.shape, lay.chunk), units)
 
     def take_chunk_crc32c(self, root: str) -> dict[str, Any]:
         """What this process's writes under ``root`` recorded: array path -> chunk number ->
@@ -301,9 +352,16 @@ class ZarrBackend:
         if isinstance(handle, _Array):
             if handle.root is not None and not any(offset):
                 self._write_meta(handle)
-            return self._remote.submit(write_region, handle.store, handle.path,
-                                       handle.layout, tuple(offset), data, handle.key,
-                                       handle.sink)
+            return self._remote.submit(
+                write_region,
+                handle.store,
+                handle.path,
+                handle.layout,
+                tuple(offset),
+                data,
+                handle.key,
+                handle.sink,
+            )
         return self.ts.write(handle, offset, data)
 
     def _write_meta(self, arr: _Array) -> None:
@@ -317,7 +375,8 @@ class ZarrBackend:
             if root is None:
                 return
             self._meta.setdefault(root, []).append(
-                self._remote.submit(write_array_meta, arr.store, arr.path, arr.layout))
+                self._remote.submit(write_array_meta, arr.store, arr.path, arr.layout)
+            )
 
     def flush(self, root: str) -> None:
         """What this process wrote under ``root`` survives a crash once this returns: the
@@ -326,8 +385,7 @@ class ZarrBackend:
         acknowledged PUT is durable, [SP-COMMIT-10])."""
         with self._lock:
             pending = self._meta.pop(root, [])
-            written = self._written.pop(os.path.abspath(root), None) if is_local(root) \
-                else None
+            written = self._written.pop(os.path.abspath(root), None) if is_local(root) else None
         self.release(root)
         self.wait(pending)
         if written is None:
@@ -345,15 +403,21 @@ class ZarrBackend:
         :meth:`commit`, which PUTs it as the marker. A :class:`Manifest` is encoded once (on
         object stores straight into the marker's bytes); bytes are a writer's own encoding."""
         store, key = self.locate(root)
-        arrays = ([e.array for e in data.tensors.values()] if isinstance(data, Manifest)
-                  else array_paths_of(data))      # None: not a manifest, no groups to write
+        arrays = (
+            [e.array for e in data.tensors.values()]
+            if isinstance(data, Manifest)
+            else array_paths_of(data)
+        )  # None: not a manifest, no groups to write
         local_files = is_local(root)
         # An OSError names its file and goes to the caller as the manifest's own would (the
         # save reports it as a failed commit, with the fix for a full disk).
         if arrays is not None and local_files:
             write_groups(store, key, arrays, self._write_pool.submit)
-        groups = start_groups(store, key, arrays, self._remote.submit) \
-            if arrays is not None and not local_files else []
+        groups = (
+            start_groups(store, key, arrays, self._remote.submit)
+            if arrays is not None and not local_files
+            else []
+        )
         # Object stores: no staged copy below the save prefix (spec 1.3, [SP-COMMIT-11]): a
         # prefix holding a manifest looks like a checkpoint to anyone who opens it.
         for f in groups:
@@ -371,7 +435,7 @@ class ZarrBackend:
             if is_local(staging):
                 self._written.pop(os.path.abspath(staging), None)
         self.release(staging)
-        for f in pending:                    # let them land, then delete them too
+        for f in pending:  # let them land, then delete them too
             f.exception()
         self.committer.abort(staging)
 
@@ -398,7 +462,7 @@ class ZarrBackend:
         ident = None
         if identity and getv is None:
             ident = self.checkpoint_identity(path)
-        try:            # one request: at most one byte over the cap, so a bigger one is seen
+        try:  # one request: at most one byte over the cap, so a bigger one is seen
             if getv is not None:
                 data, info = getv(mkey, MAX_MANIFEST_BYTES + 1)
                 ident = [info.version, info.size]
@@ -411,12 +475,15 @@ class ZarrBackend:
                 raise IncompleteCheckpointError(
                     f"{path} has objects but no manifest.msgpack: not a checkpoint; an "
                     "unfinished save (crashed or still running) or an incomplete copy",
-                    spec_id="SP-COMMIT-3") from None
-            raise CheckpointNotFoundError(f"no checkpoint at {path} (no manifest.msgpack)",
-                                          spec_id="SP-COMMIT-3") from None
+                    spec_id="SP-COMMIT-3",
+                ) from None
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {path} (no manifest.msgpack)", spec_id="SP-COMMIT-3"
+            ) from None
         if len(data) > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"{path}/{MANIFEST_NAME} is over the 1 GiB cap",
-                                         spec_id="SP-SEC-2")
+            raise CorruptCheckpointError(
+                f"{path}/{MANIFEST_NAME} is over the 1 GiB cap", spec_id="SP-SEC-2"
+            )
         return data, ident
 
     def checkpoint_identity(self, path: str) -> Optional[list[Any]]:
@@ -430,34 +497,39 @@ class ZarrBackend:
         info = store.head(f"{key}/{MANIFEST_NAME}" if key else MANIFEST_NAME)
         return None if info is None else [info.version, info.size]
 
-    def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
-                            key: str) -> Any:
+    def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec, key: str) -> Any:
         """zarr.json read and checked here; on files in one pass over the array's directory
         with the file kinds, size caps, chunk sizes and bytes present ([SP-READ-6]) as well
         (:func:`~shardpoint_core.arrays.opening.open_local_array`). Chunks are read by ``read_into``."""
         store, prefix = self._location(root)
-        if spec.packed is not None:     # (1.4) a packed checkpoint: chunks by its index
+        if spec.packed is not None:  # (1.4) a packed checkpoint: chunks by its index
             return _Array(*open_packed(store, prefix, spec, key, self._packed_ok), key)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
             return ObjectArray(store, path, spec, key, self._guess(spec))
         from shardpoint_core.format.dtypes import DTYPES, from_name
-        meta = open_local_array(root, array_path, tuple(spec.shape), spec.dtype,
-                                tuple(spec.chunk_shape), from_name(spec.dtype).itemsize, key)
+
+        meta = open_local_array(
+            root,
+            array_path,
+            tuple(spec.shape),
+            spec.dtype,
+            tuple(spec.chunk_shape),
+            from_name(spec.dtype).itemsize,
+            key,
+        )
         if not (self.direct_reads and spec.dtype in DTYPES and sys.byteorder == "little"):
             return TSHandle(self.ts.open_for_read(root, array_path, spec, key), key)
         apath = os.path.join(root, array_path)
         lay = ArrayLayout.from_meta(meta).with_table(spec.chunk_crc32c, key, array_path)
         arr = _Array(store, path, lay, key)
         # bool goes to the Zarr layer, which refuses bytes other than 0/1 ([SP-READ-5]).
-        dlay = parse_layout(meta, apath, DTYPES[spec.dtype].numpy) \
-            if spec.dtype != "bool" else None
+        dlay = parse_layout(meta, apath, DTYPES[spec.dtype].numpy) if spec.dtype != "bool" else None
         if dlay is None:
             return arr
-        dlay = replace(dlay, crcs=lay.crcs)      # the chunk table too ([SP-READ-8])
+        dlay = replace(dlay, crcs=lay.crcs)  # the chunk table too ([SP-READ-8])
         check_metadata(dlay.shape, meta, spec, key, array_path)
-        return _DirectHandle(dlay, lambda: self.ts.open_for_read(root, array_path, spec, key),
-                             arr)
+        return _DirectHandle(dlay, lambda: self.ts.open_for_read(root, array_path, spec, key), arr)
 
     def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
         """A hint, nothing read here: start reading the chunk files a later ``read_into`` of
@@ -476,26 +548,45 @@ class ZarrBackend:
                 # A chunk the direct reader cannot prove intact: the layer raises the spec's
                 # error for it (a damaged bool chunk fails as SP-READ-3, [SP-READ-5]).
                 read_region(arr.store, arr.path, arr.layout, off, view, arr.key)
-            return _KeyedRead(DirectReader(handle.layout, self._reads.submit, fallback,
-                                           arr.key).read(tuple(offset), out), arr.key)
+
+            return _KeyedRead(
+                DirectReader(handle.layout, self._reads.submit, fallback, arr.key).read(
+                    tuple(offset), out
+                ),
+                arr.key,
+            )
         if isinstance(handle, ObjectArray):
-            return _KeyedRead(self._remote.submit(handle.read, tuple(offset), out,
-                                                  self._meta_reads.submit,
-                                                  self._remote.submit), handle.key)
+            return _KeyedRead(
+                self._remote.submit(
+                    handle.read, tuple(offset), out, self._meta_reads.submit, self._remote.submit
+                ),
+                handle.key,
+            )
         if isinstance(handle, _Array):
             pool = self._reads if handle.store.capabilities.local_path else self._remote
-            if isinstance(handle.store, PackedView):      # (1.4) packed
-                return _KeyedRead(pool.submit(read_packed, handle.store, tuple(offset), out,
-                                              pool.submit), handle.key)
-            return _KeyedRead(pool.submit(read_region, handle.store, handle.path,
-                                          handle.layout, tuple(offset), out, handle.key),
-                              handle.key)
+            if isinstance(handle.store, PackedView):  # (1.4) packed
+                return _KeyedRead(
+                    pool.submit(read_packed, handle.store, tuple(offset), out, pool.submit),
+                    handle.key,
+                )
+            return _KeyedRead(
+                pool.submit(
+                    read_region,
+                    handle.store,
+                    handle.path,
+                    handle.layout,
+                    tuple(offset),
+                    out,
+                    handle.key,
+                ),
+                handle.key,
+            )
         return _KeyedRead(self.ts.read_into(handle, offset, out), handle.key)
 
     def wait(self, ops: Sequence[Any]) -> None:
         """Wait for every op (each finishes before an error is raised); the first error is
         raised, a TensorStore one as the spec's error naming the tensor."""
-        first: Optional[tuple[Any, ...]] = None      # (error, key of the tensor read, or None)
+        first: Optional[tuple[Any, ...]] = None  # (error, key of the tensor read, or None)
         todo: List[tuple[Any, ...]] = [(op, None) for op in ops]
         while todo:
             op, key = todo.pop()
@@ -521,14 +612,14 @@ class ZarrBackend:
         raise CorruptCheckpointError(
             (f"tensor {first[1]!r}: " if first[1] is not None else "")
             + f"stored data {'is missing' if missing else 'failed its checks'}: {msg}",
-            spec_id="SP-READ-2" if missing else "SP-READ-3") from first[0]
+            spec_id="SP-READ-2" if missing else "SP-READ-3",
+        ) from first[0]
 
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
         """Every chunk read and checked; one ``(spec ID, message)`` per problem."""
-        if spec.packed is not None:     # (1.4) a packed checkpoint
+        if spec.packed is not None:  # (1.4) a packed checkpoint
             try:
-                return verify_packed(self.open_array_for_read(root, array_path, spec,
-                                                              key).store)
+                return verify_packed(self.open_array_for_read(root, array_path, spec, key).store)
             except ShardpointError as e:
                 return [(e.spec_id or "SP-READ-3", str(e))]
         try:
@@ -536,7 +627,7 @@ class ZarrBackend:
             if is_local(root):
                 check_shard_files(root, array_path, read_zarr_json(root, array_path, key), key)
             else:
-                _ = handle.layout       # zarr.json read and checked now
+                _ = handle.layout  # zarr.json read and checked now
         except ShardpointError as e:
             return [(e.spec_id or "SP-ARRAY-1", str(e))]
         if isinstance(handle, TSHandle):
@@ -562,8 +653,6 @@ class ZarrBackend:
         return self.committer.discard(leftover)
 
 
-
-
 if TYPE_CHECKING:
     # static checks that the class satisfies the protocol it claims (runtime_checkable
     # compares method names only); mypy fails here on a regression
@@ -571,4 +660,3 @@ if TYPE_CHECKING:
 
     def _is_storagebackend_zarrbackend(x: ZarrBackend) -> StorageBackend:
         return x
-

@@ -15,6 +15,7 @@ Example::
 
     copy_checkpoint("shm://run42/step_5", "/ckpt/step_00000005")
 """
+
 from __future__ import annotations
 
 import itertools
@@ -46,8 +47,10 @@ def _expected(entry: Any) -> List[str]:
     keys = [f"{entry.array}/zarr.json"]
     if any(n == 0 for n in counts):
         return keys
-    return keys + ["/".join([entry.array, "c", *map(str, idx)])
-                   for idx in itertools.product(*(range(n) for n in counts))]
+    return keys + [
+        "/".join([entry.array, "c", *map(str, idx)])
+        for idx in itertools.product(*(range(n) for n in counts))
+    ]
 
 
 def _objects(store: Any, root: str, arrays: List[str]) -> List[str]:
@@ -55,12 +58,18 @@ def _objects(store: Any, root: str, arrays: List[str]) -> List[str]:
     out: List[str] = []
     for a in arrays:
         prefix = f"{root}/{a}/" if root else f"{a}/"
-        out.extend(info.key[len(root) + 1 if root else 0:] for info in store.list(prefix))
+        out.extend(info.key[len(root) + 1 if root else 0 :] for info in store.list(prefix))
     return sorted(set(out))
 
 
-def copy_checkpoint(src: str, dst: str, *, backend: Optional[StorageBackend] = None,
-                    overwrite: Any = False, threads: int = 8) -> CopyResult:
+def copy_checkpoint(
+    src: str,
+    dst: str,
+    *,
+    backend: Optional[StorageBackend] = None,
+    overwrite: Any = False,
+    threads: int = 8,
+) -> CopyResult:
     """Copy the committed checkpoint at ``src`` to ``dst`` (any two stores); the manifest is
     committed last, so ``dst`` never shows a partial checkpoint. ``backend`` writes ``dst``
     (the default one of its kind when None); ``overwrite`` as in a save. Raises the error of
@@ -72,35 +81,36 @@ def copy_checkpoint(src: str, dst: str, *, backend: Optional[StorageBackend] = N
     s_store, s_root = locate(reader.path, "copy").pair()
     keys = _objects(s_store, s_root, arrays)
     have = set(keys)
-    lacking = [k for e in reader.manifest.tensors.values() for k in _expected(e)
-               if k not in have]
+    lacking = [k for e in reader.manifest.tensors.values() for k in _expected(e) if k not in have]
     if lacking:
         raise CorruptCheckpointError(
             f"copy of {src!r}: object {lacking[0]!r} of its manifest is missing "
-            f"({len(lacking)} missing); nothing was copied to {dst!r}")
-    with CheckpointWriter.begin(dst, backend=backend, overwrite=overwrite,
-                                call="copy") as w:
+            f"({len(lacking)} missing); nothing was copied to {dst!r}"
+        )
+    with CheckpointWriter.begin(dst, backend=backend, overwrite=overwrite, call="copy") as w:
         d_store, d_root = locate(w.staging, "copy").pair()
 
         def one(key: str) -> Tuple[str, int]:
             try:
                 data = s_store.get(f"{s_root}/{key}" if s_root else key)
-            except FileNotFoundError as e:     # gone, or no copy passed its crc32c
+            except FileNotFoundError as e:  # gone, or no copy passed its crc32c
                 raise CorruptCheckpointError(
                     f"copy of {src!r}: object {key!r} could not be read intact ({e}); "
-                    f"nothing was committed at {dst!r}") from e
+                    f"nothing was committed at {dst!r}"
+                ) from e
             target = f"{d_root}/{key}" if d_root else key
             try:
                 d_store.put(target, data)
             except OSError as e:
-                raise SaveFailedError(f"copy of {src!r} to {dst!r}: cannot write {key!r} "
-                                      f"({e}); nothing was committed") from e
+                raise SaveFailedError(
+                    f"copy of {src!r} to {dst!r}: cannot write {key!r} ({e}); nothing was committed"
+                ) from e
             return target, len(data)
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
             done = list(pool.map(one, keys))
         d_store.make_durable([t for t, _n in done])
-        reader.check_unchanged()          # the source was not replaced while it was read
-        w.commit(reader.manifest_bytes)   # the group metadata, the manifest, then visible
+        reader.check_unchanged()  # the source was not replaced while it was read
+        w.commit(reader.manifest_bytes)  # the group metadata, the manifest, then visible
     reader.close()
     return CopyResult(w.path, len(done), sum(n for _t, n in done))

@@ -18,6 +18,7 @@ Example::
     sp.save(state, "/ckpt/step_10", backend=PackedBackend())
     sp.load("/ckpt/step_10")                # any backend reads it
 """
+
 from __future__ import annotations
 
 import threading
@@ -48,15 +49,15 @@ class _Handle:
         self.partial = threading.Lock()
 
     def write(self, offset: Tuple[int, ...], data: np.ndarray) -> None:
-        whole = all(o % c == 0 and (s % c == 0 or o + s == n) for o, s, c, n in
-                    zip(offset, data.shape, self.layout.chunk, self.layout.shape))
+        whole = all(
+            o % c == 0 and (s % c == 0 or o + s == n)
+            for o, s, c, n in zip(offset, data.shape, self.layout.chunk, self.layout.shape)
+        )
         if whole:
-            write_region(self.view, self.name, self.layout, offset, data,
-                         self.name, self.sink)
+            write_region(self.view, self.name, self.layout, offset, data, self.name, self.sink)
             return
         with self.partial:
-            write_region(self.view, self.name, self.layout, offset, data,
-                         self.name, self.sink)
+            write_region(self.view, self.name, self.layout, offset, data, self.name, self.sink)
 
 
 class PackedBackend:
@@ -71,16 +72,22 @@ class PackedBackend:
 
     name = "packed"
 
-    def __init__(self, zarr: Optional[ZarrBackend] = None, *, cap: Optional[int] = None,
-                 fsync: bool = True, write_threads: int = 16,
-                 writer_id: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        zarr: Optional[ZarrBackend] = None,
+        *,
+        cap: Optional[int] = None,
+        fsync: bool = True,
+        write_threads: int = 16,
+        writer_id: Optional[str] = None,
+    ) -> None:
         self.zarr = zarr if zarr is not None else ZarrBackend(fsync=fsync)
         self.cap, self.fsync = cap, fsync if zarr is None else zarr.fsync
         self.writer_id = writer_id
         self._lock = threading.Lock()
         self._writers: Dict[str, PackedWriter] = {}
         self._crcs: Dict[str, CrcSink] = {}
-        self._own: Dict[str, Optional[bytes]] = {}     # coordinated saves -> own index part
+        self._own: Dict[str, Optional[bytes]] = {}  # coordinated saves -> own index part
         self._pool = WritePool(write_threads, "sp-packed")
         self._puts = WritePool(4, "sp-packed-put")
 
@@ -88,7 +95,7 @@ class PackedBackend:
         return f"PackedBackend(zarr={self.zarr!r})"
 
     def supports_concurrent_writers(self) -> bool:
-        return True            # each process writes objects of its own
+        return True  # each process writes objects of its own
 
     def locate(self, path: str) -> Tuple[Any, str]:
         """(the byte store holding ``path``, its key there): the Zarr backend's."""
@@ -117,17 +124,25 @@ class PackedBackend:
             w = self._writers.get(root)
             if w is None:
                 store, prefix = self.zarr.locate(root)
-                w = self._writers[root] = PackedWriter(store, prefix, cap=self.cap,
-                                                       fsync=self.fsync,
-                                                       submit=self._puts.submit,
-                                                       writer_id=self.writer_id)
+                w = self._writers[root] = PackedWriter(
+                    store,
+                    prefix,
+                    cap=self.cap,
+                    fsync=self.fsync,
+                    submit=self._puts.submit,
+                    writer_id=self.writer_id,
+                )
             return w
 
     def open_array_for_write(self, root: str, array_path: str, spec: ArraySpec) -> Any:
         """A handle whose writes append whole encoded chunks to this process's objects."""
-        lay = ArrayLayout.create(spec.shape, spec.dtype, spec.chunk_shape,
-                                 shard_above_bytes=self.zarr.shard_above_bytes,
-                                 inner_chunk_bytes=self.zarr.inner_chunk_bytes)
+        lay = ArrayLayout.create(
+            spec.shape,
+            spec.dtype,
+            spec.chunk_shape,
+            shard_above_bytes=self.zarr.shard_above_bytes,
+            inner_chunk_bytes=self.zarr.inner_chunk_bytes,
+        )
         view = ChunkWriteView(self._writer(root), array_path, lay)
         with self._lock:
             sink = self._crcs.setdefault(root, CrcSink())
@@ -135,6 +150,7 @@ class PackedBackend:
 
         def slots(cidx: Sequence[int]) -> bytearray:
             return sink.chunk(array_path, chunk_number(cidx, lay.shape, lay.chunk), units)
+
         return _Handle(view, array_path, lay, slots)
 
     def write(self, handle: Any, offset: Sequence[int], data: np.ndarray) -> Any:
@@ -162,8 +178,7 @@ class PackedBackend:
                 with self._lock:
                     self._own[root] = part
         except OSError as e:
-            raise SaveFailedError(f"cannot make the data objects under {root} durable: "
-                                  f"{e}") from e
+            raise SaveFailedError(f"cannot make the data objects under {root} durable: {e}") from e
 
     def write_manifest(self, root: str, data: Union[bytes, Manifest]) -> None:
         """Every writer's index part gathered into the manifest's ``packed`` field
@@ -173,15 +188,20 @@ class PackedBackend:
         m = data if isinstance(data, Manifest) else decode_manifest(data)
         with self._lock:
             own = self._own.pop(root, None)
-        objects, rows, inner, parts = gather_parts(store, prefix, own,
-                                                   others=m.save_world_size > 1 or own is None)
+        objects, rows, inner, parts = gather_parts(
+            store, prefix, own, others=m.save_world_size > 1 or own is None
+        )
         arrays: Dict[str, Any] = {}
         for e in m.tensors.values():
             got = inner.get(e.array)
-            if got is None and e.array not in inner:      # no chunk: the writer's choice
-                got = ArrayLayout.create(e.shape, e.dtype, e.chunk_shape,
-                                         shard_above_bytes=self.zarr.shard_above_bytes,
-                                         inner_chunk_bytes=self.zarr.inner_chunk_bytes).inner
+            if got is None and e.array not in inner:  # no chunk: the writer's choice
+                got = ArrayLayout.create(
+                    e.shape,
+                    e.dtype,
+                    e.chunk_shape,
+                    shard_above_bytes=self.zarr.shard_above_bytes,
+                    inner_chunk_bytes=self.zarr.inner_chunk_bytes,
+                ).inner
             arrays[e.array] = None if got is None else tuple(got)
         m.packed = build_index(objects, rows, arrays)
         m.format_version = FORMAT_VERSION_1_4
@@ -214,8 +234,7 @@ class PackedBackend:
     def checkpoint_identity(self, path: str) -> Optional[list[Any]]:
         return self.zarr.checkpoint_identity(path)
 
-    def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
-                            key: str) -> Any:
+    def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec, key: str) -> Any:
         return self.zarr.open_array_for_read(root, array_path, spec, key)
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
@@ -253,19 +272,21 @@ def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any
 
     zarr-python checks each chunk's crc32c; the index's own checks ran when the manifest was
     read here. Needs the ``zarr`` extra."""
-    from zarr.abc.store import (OffsetByteRequest, RangeByteRequest, Store,
-                                SuffixByteRequest)
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
     from zarr.core.buffer import default_buffer_prototype
 
     from shardpoint_core.arrays.identity import chunk_number as number_of
     from shardpoint_core.arrays.packed_read import layout_of
     from shardpoint_core.transactions.resolve import resolve
+
     path, be = resolve(checkpoint, backend, "open")
     be = be.zarr if isinstance(be, PackedBackend) else be
     m = decode_manifest(be.read_manifest(path))
     if m.packed is None:
-        raise ValueError(f"{checkpoint} is not a packed checkpoint: open its arrays at "
-                         "their paths (zarr_compat.zarr_path)")
+        raise ValueError(
+            f"{checkpoint} is not a packed checkpoint: open its arrays at "
+            "their paths (zarr_compat.zarr_path)"
+        )
     bstore, prefix = be.locate(path)
     meta: Dict[str, bytes] = {"zarr.json": b'{"zarr_format": 3, "node_type": "group"}'}
     arrays: Dict[str, Any] = {}
@@ -274,7 +295,7 @@ def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any
         meta[e.array + "/zarr.json"] = lay.zarr_json()
         arrays[e.array] = (e.packed, lay)
         parts = e.array.split("/")
-        for i in range(1, len(parts)):         # the groups on the way ([SP-LAYOUT-5])
+        for i in range(1, len(parts)):  # the groups on the way ([SP-LAYOUT-5])
             meta["/".join(parts[:i]) + "/zarr.json"] = meta["zarr.json"]
 
     def locate_chunk(key: str) -> Optional[Tuple[str, int, int]]:
@@ -291,8 +312,7 @@ def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any
             cidx = tuple(int(x) for x in rest.split("/")[1:])
         except ValueError:
             return None
-        if len(cidx) != len(lay.shape) or any(
-                not 0 <= i < g for i, g in zip(cidx, lay.grid())):
+        if len(cidx) != len(lay.shape) or any(not 0 <= i < g for i, g in zip(cidx, lay.grid())):
             return None
         obj, off, n, _crc = part.chunk(number_of(cidx, lay.shape, lay.chunk))
         return f"{prefix}/{obj}" if prefix else obj, off, n
@@ -332,8 +352,7 @@ def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any
         def __eq__(self, other: object) -> bool:
             return other is self
 
-        async def get(self, key: str, prototype: Any = None,
-                      byte_range: Any = None) -> Any:
+        async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
             raw = read(key, byte_range)
             if raw is None:
                 return None
@@ -365,7 +384,7 @@ def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any
             seen = set()
             for k in meta:
                 if k.startswith(base):
-                    head = k[len(base):].split("/", 1)[0]
+                    head = k[len(base) :].split("/", 1)[0]
                     if head not in seen:
                         seen.add(head)
                         yield head

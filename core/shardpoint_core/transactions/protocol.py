@@ -28,6 +28,7 @@ Example::
     b.wait([b.write(h, (0, 0), np.ones((2, 4), np.float32))]); b.flush(tmp)
     b.write_manifest(tmp, manifest_bytes); b.commit(tmp, "/ckpt/step_10", overwrite=False)
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol, Sequence, Union, runtime_checkable
@@ -37,6 +38,7 @@ import numpy as np
 from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.format.spec import ArraySpec
+
 
 @runtime_checkable
 class StorageBackend(Protocol):
@@ -68,8 +70,7 @@ class StorageBackend(Protocol):
         """Start writing ``data`` at ``offset``; returns an op for :meth:`wait`. ``data`` must
         stay unchanged until then (it may be written without a copy)."""
 
-    def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec,
-                            key: str) -> Any:
+    def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec, key: str) -> Any:
         """Open a stored array, checking its zarr.json against ``spec``. Reader ranks; called
         from several threads at once (a load opens its arrays ahead of its reads)."""
 

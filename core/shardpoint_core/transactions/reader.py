@@ -16,6 +16,7 @@ Example::
     r.check_unchanged()
     r.close()                    # or ``with CheckpointReader.open(...) as r:``
 """
+
 from __future__ import annotations
 
 from types import TracebackType
@@ -33,15 +34,21 @@ class CheckpointReader:
     """Reads the checkpoint at ``path`` through ``backend``; see the module docstring.
     ``manifest_bytes``/``identity``: what was read (or received) first."""
 
-    def __init__(self, path: str, backend: StorageBackend, manifest_bytes: bytes,
-                 identity: Optional[list[Any]]) -> None:
+    def __init__(
+        self,
+        path: str,
+        backend: StorageBackend,
+        manifest_bytes: bytes,
+        identity: Optional[list[Any]],
+    ) -> None:
         self.path, self.backend = path, backend
         self.manifest_bytes, self.identity = manifest_bytes, identity
         self._manifest: Optional[Manifest] = None
 
     @classmethod
-    def open(cls, path: Any, *, backend: Optional[StorageBackend] = None,
-             call: str = "load") -> "CheckpointReader":
+    def open(
+        cls, path: Any, *, backend: Optional[StorageBackend] = None, call: str = "load"
+    ) -> "CheckpointReader":
         """Read the manifest of ``path`` and the identity of its commit (one request where
         the store can), or raise the documented error (no checkpoint, an unfinished one...)."""
         p, be = resolve(path, backend, call)
@@ -49,9 +56,15 @@ class CheckpointReader:
         return cls(p, be, data, ident)
 
     @classmethod
-    def from_manifest(cls, path: Any, manifest_bytes: bytes, identity: Optional[list[Any]],
-                      *, backend: Optional[StorageBackend] = None,
-                      call: str = "load") -> "CheckpointReader":
+    def from_manifest(
+        cls,
+        path: Any,
+        manifest_bytes: bytes,
+        identity: Optional[list[Any]],
+        *,
+        backend: Optional[StorageBackend] = None,
+        call: str = "load",
+    ) -> "CheckpointReader":
         """A reader of ``path`` whose manifest another rank read and sent."""
         p, be = resolve(path, backend, call)
         return cls(p, be, manifest_bytes, identity)
@@ -85,7 +98,7 @@ class CheckpointReader:
 
     def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
         """A hint: start fetching what a later read of this box needs (where the backend can)."""
-        hint = getattr(self.backend, "prefetch", None)           # optional capability
+        hint = getattr(self.backend, "prefetch", None)  # optional capability
         if hint is not None:
             hint(handle, offset, shape)
 
@@ -127,29 +140,33 @@ class CheckpointReader:
         if now == self.identity:
             return
         what = "removed" if now is None else "replaced"
-        if cause is not None:       # the replacement is why a read failed: say so
+        if cause is not None:  # the replacement is why a read failed: say so
             raise LoadFailedError(
                 f"the checkpoint at {self.path!r} was {what} by another job while this load "
                 f"read it (retention or an overwrite), so its data went missing mid-read "
                 f"({cause}); nothing was returned. Load again (a manager's load() picks the "
-                "newest step)", spec_id="SP-COMMIT-14") from cause
+                "newest step)",
+                spec_id="SP-COMMIT-14",
+            ) from cause
         raise LoadFailedError(
             f"the checkpoint at {self.path!r} was replaced (or removed) by another save "
             "while it was read, so what was read may mix two checkpoints; nothing was "
             "returned. Read again, and do not save over a checkpoint (overwrite=True, a "
             "manager's force=True or retention) while another job reads it",
-            spec_id="SP-COMMIT-14")
+            spec_id="SP-COMMIT-14",
+        )
 
     def close(self) -> None:
         """The end of this load: the backend drops what it kept for reads of ``path`` (the
         location its array opens share); the reader may still be used, at that cost."""
-        release = getattr(self.backend, "release", None)         # optional capability
+        release = getattr(self.backend, "release", None)  # optional capability
         if release is not None:
             release(self.path)
 
     def __enter__(self) -> "CheckpointReader":
         return self
 
-    def __exit__(self, kind: Optional[type], exc: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> None:
+    def __exit__(
+        self, kind: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
         self.close()

@@ -8,6 +8,7 @@ Example::
     path, be = resolve("s3://bucket/run/step_5", None, "save")
     staging = be.staging_path(path, token="a1b2c3d4")
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,7 @@ from shardpoint_core.stores.registry import split_url
 from shardpoint_core.transactions.backend import ZarrBackend
 from shardpoint_core.transactions.protocol import StorageBackend
 
-__all__ = ["backend_for", "manifest_with_identity",
-           "get_backend", "read_metadata", "resolve"]
+__all__ = ["backend_for", "manifest_with_identity", "get_backend", "read_metadata", "resolve"]
 
 _DEFAULT: Optional[ZarrBackend] = None
 
@@ -43,11 +43,13 @@ def resolve(path: Any, backend: Any, call: str) -> Tuple[str, Any]:
     default backend, or the URL of a registered store with the object-store default; a
     scheme nobody registered is refused before any I/O (UnsupportedStoreError)."""
     from shardpoint_core.stores.registry import check_path, is_local, local_path
-    if not isinstance(path, (str, bytes, os.PathLike)):    # the caller's own check says so
+
+    if not isinstance(path, (str, bytes, os.PathLike)):  # the caller's own check says so
         return path, get_backend(backend)
     if is_local(path) or backend is not None:
-        return str(local_path(path, call)) if is_local(path) else str(path), \
-            backend_for(path, backend)
+        return str(local_path(path, call)) if is_local(path) else str(path), backend_for(
+            path, backend
+        )
     check_path(path, call)
     return str(path), backend_for(path)
 
@@ -57,7 +59,7 @@ def manifest_with_identity(be: Any, path: str) -> Tuple[bytes, Optional[list[Any
     checks the identity again after its last read (a checkpoint replaced meanwhile is seen):
     from one GET where the backend can (``read_manifest_with_identity``: object stores give
     the version with the bytes), else the identity first and the manifest after it."""
-    both = getattr(be, "read_manifest_with_identity", None)     # optional (storage.py)
+    both = getattr(be, "read_manifest_with_identity", None)  # optional (storage.py)
     if both is not None:
         got: Tuple[bytes, Optional[list[Any]]] = both(path)
         return got

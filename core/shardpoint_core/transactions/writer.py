@@ -19,6 +19,7 @@ Example (one process)::
         w.flush()
         w.commit(manifest)
 """
+
 from __future__ import annotations
 
 import secrets
@@ -39,16 +40,29 @@ class CheckpointWriter:
     """One process's part in one save of the checkpoint at ``path``; see the module docstring.
     ``staging``: where this save writes until it commits (send it to the other ranks)."""
 
-    def __init__(self, path: str, staging: str, backend: StorageBackend, *,
-                 overwrite: Overwrite = False, coordinator: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        staging: str,
+        backend: StorageBackend,
+        *,
+        overwrite: Overwrite = False,
+        coordinator: bool = True,
+    ) -> None:
         self.path, self.staging, self.backend = path, staging, backend
         self.overwrite, self.coordinator = overwrite, coordinator
-        self.state = "open"            # open -> committed | aborted
+        self.state = "open"  # open -> committed | aborted
 
     @classmethod
-    def begin(cls, path: Any, *, backend: Optional[StorageBackend] = None,
-              overwrite: Any = False, token: Optional[str] = None,
-              call: str = "save") -> "CheckpointWriter":
+    def begin(
+        cls,
+        path: Any,
+        *,
+        backend: Optional[StorageBackend] = None,
+        overwrite: Any = False,
+        token: Optional[str] = None,
+        call: str = "save",
+    ) -> "CheckpointWriter":
         """Coordinator: refuse a target the commit would refuse (before anything is written),
         then make the staging location. ``token``: the save's unique name (random when None)."""
         ow = check_overwrite(overwrite)
@@ -59,8 +73,14 @@ class CheckpointWriter:
         return cls(p, staging, be, overwrite=ow)
 
     @classmethod
-    def join(cls, path: Any, staging: str, *, backend: Optional[StorageBackend] = None,
-             call: str = "save") -> "CheckpointWriter":
+    def join(
+        cls,
+        path: Any,
+        staging: str,
+        *,
+        backend: Optional[StorageBackend] = None,
+        call: str = "save",
+    ) -> "CheckpointWriter":
         """Another rank of the save the coordinator began: it writes into ``staging``."""
         p, be = resolve(path, backend, call)
         return cls(p, staging, be, coordinator=False)
@@ -87,7 +107,7 @@ class CheckpointWriter:
     def take_chunk_crc32c(self) -> dict[str, Any]:
         """The crc32c the backend recorded for this process's writes (empty where it records
         none); taken once, so nothing of the save stays in the backend."""
-        take = getattr(self.backend, "take_chunk_crc32c", None)      # optional capability
+        take = getattr(self.backend, "take_chunk_crc32c", None)  # optional capability
         got: dict[str, Any] = take(self.staging) if take is not None else {}
         return got
 
@@ -116,13 +136,15 @@ class CheckpointWriter:
 
     def _coordinator(self, what: str) -> None:
         if not self.coordinator:
-            raise InvalidOptionError(f"{what}: only the coordinator of a save, which began it, "
-                                     "commits or aborts it")
+            raise InvalidOptionError(
+                f"{what}: only the coordinator of a save, which began it, commits or aborts it"
+            )
 
     def __enter__(self) -> "CheckpointWriter":
         return self
 
-    def __exit__(self, kind: Optional[type], exc: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> None:
+    def __exit__(
+        self, kind: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
         if self.coordinator and self.state == "open":
-            self.abort()            # an exception, or a block that never committed
+            self.abort()  # an exception, or a block that never committed

@@ -16,6 +16,7 @@ root group there ([SP-LAYOUT-5]). zarr-python is imported only by
     arr = zarr.open_array(zarr_path("s3://bucket/ckpt", "model/w"), mode="r")
     root = zarr.open_group(zarr_group_path("s3://bucket/ckpt"), mode="r")   # its groups
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -29,8 +30,10 @@ _registered: Dict[str, Any] = {}
 
 def _constant_property(n: int) -> property:
     """A read-only property whose value is ``n`` (a dtype class's ``item_size``)."""
+
     def get(self: Any) -> int:
         return n
+
     return property(get)
 
 
@@ -46,11 +49,19 @@ def register_zarr_dtypes() -> None:
         cls = _registered.get(name)
         if cls is None:
             np_dt = DTYPES[name].numpy
-            cls = dataclass(frozen=True, kw_only=True)(type(
-                f"ShardpointZarr_{name}", (BaseFloat,),
-                {"dtype_cls": type(np_dt), "_zarr_v3_name": name, "_zarr_v2_names": (),
-                 "item_size": _constant_property(np_dt.itemsize),
-                 "__doc__": f"The spec's {name} (spec/format.md section 5) for zarr-python."}))
+            cls = dataclass(frozen=True, kw_only=True)(
+                type(
+                    f"ShardpointZarr_{name}",
+                    (BaseFloat,),
+                    {
+                        "dtype_cls": type(np_dt),
+                        "_zarr_v3_name": name,
+                        "_zarr_v2_names": (),
+                        "item_size": _constant_property(np_dt.itemsize),
+                        "__doc__": f"The spec's {name} (spec/format.md section 5) for zarr-python.",
+                    },
+                )
+            )
             _registered[name] = cls
         data_type_registry.register(name, cls)
 
@@ -85,5 +96,6 @@ def zarr_path(checkpoint: str, key: str) -> str:
         raise KeyError(f"{checkpoint} holds no tensor {key!r}") from None
     if is_local(checkpoint):
         import os
+
         return os.path.join(checkpoint, *array.split("/"))
     return f"{checkpoint.rstrip('/')}/{array}"

@@ -6,6 +6,7 @@ over a process group (a world of one when torch.distributed is not initialized).
 pipelines (:class:`SaveJob`, :class:`LoadJob`) live in :mod:`.saving` and :mod:`.loading`;
 this module is the stable import path for users and the manager.
 """
+
 from __future__ import annotations
 
 from shardpoint.planning.load_planner import LoadOptions
@@ -15,6 +16,18 @@ from shardpoint.api.async_save import AsyncSave
 from shardpoint.api.saving import SaveJob, SaveOptions, SaveResult
 from shardpoint.api.checkpointer import Checkpointer, default_checkpointer
 
-__all__ = ["save", "load", "read_metadata", "SaveOptions", "SaveResult", "AsyncSave",
-           "LoadReport", "LoadResult", "LoadOptions", "Checkpointer", "default_checkpointer",
-           "SaveJob", "LoadJob"]
+__all__ = [
+    "save",
+    "load",
+    "read_metadata",
+    "SaveOptions",
+    "SaveResult",
+    "AsyncSave",
+    "LoadReport",
+    "LoadResult",
+    "LoadOptions",
+    "Checkpointer",
+    "default_checkpointer",
+    "SaveJob",
+    "LoadJob",
+]

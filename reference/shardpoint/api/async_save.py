@@ -13,10 +13,11 @@ taking cores from the trainer's (the trainer's steps wait runnable, not for the 
 run what it submits on threads of the same priority, apart from the threads sync saves and
 loads use.
 """
+
 from __future__ import annotations
 
 import atexit
-import concurrent.futures.thread   # noqa: F401 - its exit hook must be registered before ours
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import logging
 import threading
 from concurrent.futures import Future
@@ -42,7 +43,8 @@ def check_priority(priority: str) -> None:
     if priority not in PRIORITIES:
         raise errors.InvalidOptionError(
             f"SaveOptions.async_priority must be one of {', '.join(map(repr, PRIORITIES))}, "
-            f"not {priority!r}")
+            f"not {priority!r}"
+        )
 
 
 class AsyncSave:
@@ -72,8 +74,10 @@ class AsyncSave:
         try:
             out = self._future.result(timeout)
         except TimeoutError:
-            raise TimeoutError(f"the async save is still writing after {timeout} s; it keeps "
-                               "running: wait() again, or check done()") from None
+            raise TimeoutError(
+                f"the async save is still writing after {timeout} s; it keeps "
+                "running: wait() again, or check done()"
+            ) from None
         except BaseException:
             self._mark_seen()
             raise
@@ -82,7 +86,7 @@ class AsyncSave:
 
     def _mark_seen(self) -> None:
         self._seen = True
-        _RUNNING.discard(self)   # its error reached the caller: the exit hook need not wait
+        _RUNNING.discard(self)  # its error reached the caller: the exit hook need not wait
 
     def result(self) -> Any:
         """Same as :meth:`wait` with no timeout."""
@@ -118,8 +122,9 @@ class GroupSaves:
                 unseen = e
         agree(unseen)
 
-    def start(self, fn: Callable[[], Any], staging_bytes: int, path: str = "",
-              priority: str = "normal") -> AsyncSave:
+    def start(
+        self, fn: Callable[[], Any], staging_bytes: int, path: str = "", priority: str = "normal"
+    ) -> AsyncSave:
         """Run ``fn`` in a background thread at ``priority`` (see :data:`PRIORITIES`; it and
         the threads it starts); its result or error goes to the handle.
 
@@ -168,12 +173,16 @@ def _finish_pending() -> None:
             h._future.result()
         except BaseException as e:  # noqa: BLE001 - nobody left to raise to
             if not h._seen:
-                log.error("shardpoint: the async save to %r still running at exit failed; "
-                          "nothing was committed there: %s", h.path, e)
-    inflight.settle_at_exit()   # a collective that failed just now: see its module
+                log.error(
+                    "shardpoint: the async save to %r still running at exit failed; "
+                    "nothing was committed there: %s",
+                    h.path,
+                    e,
+                )
+    inflight.settle_at_exit()  # a collective that failed just now: see its module
 
 
-try:   # Python >= 3.9; the same hook list concurrent.futures uses for its pools
-    threading._register_atexit(_finish_pending)   # type: ignore[attr-defined] # private, no stub
-except (AttributeError, RuntimeError):   # pragma: no cover - another Python
+try:  # Python >= 3.9; the same hook list concurrent.futures uses for its pools
+    threading._register_atexit(_finish_pending)  # type: ignore[attr-defined] # private, no stub
+except (AttributeError, RuntimeError):  # pragma: no cover - another Python
     atexit.register(_finish_pending)

@@ -12,6 +12,7 @@ async queues do not interfere.
     res = ckpt.save(state, "/ckpt/step_10")          # SaveResult (timings, bytes, files)
     out = ckpt.load("/ckpt/step_10", like=state)     # LoadResult: out.tree, out.timings
 """
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -32,9 +33,9 @@ class GroupState:
     """What a checkpointer keeps for one process group between calls."""
 
     def __init__(self) -> None:
-        self.plan: Optional[tuple] = None   # (this rank's structure digest, coordinator's plan)
-        self.saves = GroupSaves()           # the pending async save and its host pool
-        self.side: Optional[Comm] = None    # gloo group for async saves' background part
+        self.plan: Optional[tuple] = None  # (this rank's structure digest, coordinator's plan)
+        self.saves = GroupSaves()  # the pending async save and its host pool
+        self.side: Optional[Comm] = None  # gloo group for async saves' background part
 
     def side_comm(self, comm: Comm) -> Comm:
         """The side group over ``comm``'s ranks, made collectively on first use, and again
@@ -52,9 +53,10 @@ def _registered(group: Any) -> bool:
     if group is None:
         return True
     import torch.distributed as dist
+
     try:
         dist.get_process_group_ranks(group)
-    except (ValueError, RuntimeError, KeyError):   # "Group ... is not registered"
+    except (ValueError, RuntimeError, KeyError):  # "Group ... is not registered"
         return False
     return True
 
@@ -64,9 +66,13 @@ class Checkpointer:
     docstring. Collective calls (``save``, ``load``) take the process ``group`` per call
     (the whole world by default) and keep their caches per group."""
 
-    def __init__(self, *, backend: Optional[StorageBackend] = None,
-                 save_options: Optional[SaveOptions] = None,
-                 load_options: Optional[LoadOptions] = None) -> None:
+    def __init__(
+        self,
+        *,
+        backend: Optional[StorageBackend] = None,
+        save_options: Optional[SaveOptions] = None,
+        load_options: Optional[LoadOptions] = None,
+    ) -> None:
         self._backend = backend
         self.save_options = save_options or SaveOptions()
         self.load_options = load_options or LoadOptions()
@@ -84,28 +90,56 @@ class Checkpointer:
             self._groups[key] = GroupState()
         return self._groups[key]
 
-    def save(self, state: Any, path: str, *, group: Any = None,
-             overwrite: "bool | str" = False,
-             options: Optional[SaveOptions] = None, async_save: bool = False,
-             backend: Optional[StorageBackend] = None) -> "SaveResult | AsyncSave":
+    def save(
+        self,
+        state: Any,
+        path: str,
+        *,
+        group: Any = None,
+        overwrite: "bool | str" = False,
+        options: Optional[SaveOptions] = None,
+        async_save: bool = False,
+        backend: Optional[StorageBackend] = None,
+    ) -> "SaveResult | AsyncSave":
         """Save ``state`` at ``path`` (see :func:`shardpoint.save`): a :class:`SaveResult`,
         or with ``async_save=True`` an :class:`AsyncSave` whose ``wait()`` gives it.
         ``backend`` overrides this checkpointer's store for this call."""
         comm = Comm(group)
-        return run_save(state, path, comm, backend or self._backend,
-                        options or self.save_options, overwrite, self._group(comm),
-                        async_save)
+        return run_save(
+            state,
+            path,
+            comm,
+            backend or self._backend,
+            options or self.save_options,
+            overwrite,
+            self._group(comm),
+            async_save,
+        )
 
-    def load(self, path: str, like: Any = None, *, group: Any = None, strict: bool = True,
-             options: Optional[LoadOptions] = None,
-             exchange_budget_bytes: Optional[int] = None,
-             backend: Optional[StorageBackend] = None) -> LoadResult:
+    def load(
+        self,
+        path: str,
+        like: Any = None,
+        *,
+        group: Any = None,
+        strict: bool = True,
+        options: Optional[LoadOptions] = None,
+        exchange_budget_bytes: Optional[int] = None,
+        backend: Optional[StorageBackend] = None,
+    ) -> LoadResult:
         """Load the checkpoint at ``path`` (see :func:`shardpoint.load`) and return a
         :class:`LoadResult`: the loaded ``tree``, missing and unexpected keys, bytes read and
         exchanged, the read strategy and ``timings``."""
         comm = Comm(group)
-        return run_load(path, like, comm, backend or self._backend, strict,
-                        options or self.load_options, exchange_budget_bytes)
+        return run_load(
+            path,
+            like,
+            comm,
+            backend or self._backend,
+            strict,
+            options or self.load_options,
+            exchange_budget_bytes,
+        )
 
     def read_metadata(self, path: str) -> Manifest:
         """The checkpoint's manifest (see :func:`shardpoint.read_metadata`)."""
@@ -114,6 +148,7 @@ class Checkpointer:
     def open(self, path: str) -> Any:
         """A lazy read-only handle on one checkpoint (see :func:`shardpoint.open`)."""
         from shardpoint.api.lazy import Checkpoint
+
         return Checkpoint(path, self._backend)
 
     def wait(self) -> None:
@@ -145,10 +180,15 @@ class Checkpointer:
         self.close()
 
     def __repr__(self) -> str:
-        pending = sum(1 for g in self._groups.values()
-                      if g.saves.pending is not None and not g.saves.pending.done())
-        return (f"Checkpointer(backend={type(self.backend).__name__}, groups="
-                f"{len(self._groups)}, pending_async_saves={pending})")
+        pending = sum(
+            1
+            for g in self._groups.values()
+            if g.saves.pending is not None and not g.saves.pending.done()
+        )
+        return (
+            f"Checkpointer(backend={type(self.backend).__name__}, groups="
+            f"{len(self._groups)}, pending_async_saves={pending})"
+        )
 
 
 _DEFAULT: Optional[Checkpointer] = None
@@ -164,26 +204,54 @@ def default_checkpointer() -> Checkpointer:
 
 # ------------------------------------------------------------------ the public functions
 @overload
-def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
-         backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
-         async_save: Literal[False] = False) -> SaveResult: ...
+def save(
+    state: Any,
+    path: str,
+    *,
+    group: Any = None,
+    overwrite: "bool | str" = False,
+    backend: Optional[StorageBackend] = None,
+    options: Optional[SaveOptions] = None,
+    async_save: Literal[False] = False,
+) -> SaveResult: ...
 
 
 @overload
-def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
-         backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
-         async_save: Literal[True]) -> AsyncSave: ...
+def save(
+    state: Any,
+    path: str,
+    *,
+    group: Any = None,
+    overwrite: "bool | str" = False,
+    backend: Optional[StorageBackend] = None,
+    options: Optional[SaveOptions] = None,
+    async_save: Literal[True],
+) -> AsyncSave: ...
 
 
 @overload
-def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
-         backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
-         async_save: bool = False) -> "SaveResult | AsyncSave": ...
+def save(
+    state: Any,
+    path: str,
+    *,
+    group: Any = None,
+    overwrite: "bool | str" = False,
+    backend: Optional[StorageBackend] = None,
+    options: Optional[SaveOptions] = None,
+    async_save: bool = False,
+) -> "SaveResult | AsyncSave": ...
 
 
-def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = False,
-         backend: Optional[StorageBackend] = None, options: Optional[SaveOptions] = None,
-         async_save: bool = False) -> "SaveResult | AsyncSave":
+def save(
+    state: Any,
+    path: str,
+    *,
+    group: Any = None,
+    overwrite: "bool | str" = False,
+    backend: Optional[StorageBackend] = None,
+    options: Optional[SaveOptions] = None,
+    async_save: bool = False,
+) -> "SaveResult | AsyncSave":
     """Save ``state`` (a nested dict/list/tuple) as a checkpoint at ``path``. Collective.
 
     Leaves: torch tensors and numpy arrays (replicas across ranks), :class:`ShardedTensor`,
@@ -205,15 +273,28 @@ def save(state: Any, path: str, *, group: Any = None, overwrite: "bool | str" = 
     A thin wrapper over the default :class:`~shardpoint.Checkpointer` (which keeps the plan
     cache, the pending async save and its host pool per process group).
     """
-    return default_checkpointer().save(state, path, group=group, overwrite=overwrite,
-                                       options=options, async_save=async_save,
-                                       backend=backend)
+    return default_checkpointer().save(
+        state,
+        path,
+        group=group,
+        overwrite=overwrite,
+        options=options,
+        async_save=async_save,
+        backend=backend,
+    )
 
 
-def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
-         backend: Optional[StorageBackend] = None, report: Optional[LoadResult] = None,
-         exchange_budget_bytes: Optional[int] = None,
-         options: Optional[LoadOptions] = None) -> Any:
+def load(
+    path: str,
+    like: Any = None,
+    *,
+    group: Any = None,
+    strict: bool = True,
+    backend: Optional[StorageBackend] = None,
+    report: Optional[LoadResult] = None,
+    exchange_budget_bytes: Optional[int] = None,
+    options: Optional[LoadOptions] = None,
+) -> Any:
     """Load a checkpoint and return its tree. Collective over ``group``.
 
     Without ``like``: the whole tree, tensors in full on CPU (numpy arrays come back as numpy;
@@ -230,9 +311,15 @@ def load(path: str, like: Any = None, *, group: Any = None, strict: bool = True,
     keys, bytes, strategy, timings). :meth:`shardpoint.Checkpointer.load` returns that
     result instead of the tree. This is a thin wrapper over the default checkpointer.
     """
-    res = default_checkpointer().load(path, like, group=group, strict=strict, options=options,
-                                      exchange_budget_bytes=exchange_budget_bytes,
-                                      backend=backend)
+    res = default_checkpointer().load(
+        path,
+        like,
+        group=group,
+        strict=strict,
+        options=options,
+        exchange_budget_bytes=exchange_budget_bytes,
+        backend=backend,
+    )
     if report is not None:
         for f in fields(LoadResult):
             setattr(report, f.name, getattr(res, f.name))

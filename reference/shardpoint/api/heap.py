@@ -8,6 +8,7 @@ process's resident memory grew with every save and load cycle although nothing w
 ``malloc_trim(0)`` returns every free page of every heap; elsewhere than glibc it is absent
 and nothing is done.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -27,7 +28,7 @@ def release_free_heap() -> None:
             fn = ctypes.CDLL(None).malloc_trim
             fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
             _TRIM = fn
-        except (AttributeError, OSError):   # not glibc
+        except (AttributeError, OSError):  # not glibc
             _TRIM = None
     if _TRIM is not None:
         _TRIM(0)

@@ -14,6 +14,7 @@ Example::
 list of values for a sharded object. Slicing takes ints, slices with positive steps and
 ``...``; a slice of a view is a view.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,13 @@ class TensorView:
     """A lazily read region of one stored tensor: per dimension a ``range`` of indices, and
     which dimensions an integer index removed."""
 
-    def __init__(self, ckpt: "Checkpoint", entry: TensorEntry,
-                 ranges: Optional[tuple] = None, dropped: Optional[tuple] = None) -> None:
+    def __init__(
+        self,
+        ckpt: "Checkpoint",
+        entry: TensorEntry,
+        ranges: Optional[tuple] = None,
+        dropped: Optional[tuple] = None,
+    ) -> None:
         self._ckpt, self.entry = ckpt, entry
         self._ranges = ranges if ranges is not None else tuple(range(n) for n in entry.shape)
         self._dropped = dropped if dropped is not None else (False,) * len(entry.shape)
@@ -68,8 +74,7 @@ class TensorView:
         return self.shape[0]
 
     def __repr__(self) -> str:
-        return (f"TensorView({self.key!r}, shape={self.shape}, "
-                f"dtype={self.entry.dtype})")
+        return f"TensorView({self.key!r}, shape={self.shape}, dtype={self.entry.dtype})"
 
     def __getitem__(self, idx: Any) -> "TensorView":
         if not isinstance(idx, tuple):
@@ -79,10 +84,11 @@ class TensorView:
         live = [d for d, dr in enumerate(self._dropped) if not dr]
         if Ellipsis in idx:
             e = idx.index(Ellipsis)
-            idx = idx[:e] + (slice(None),) * (len(live) - len(idx) + 1) + idx[e + 1:]
+            idx = idx[:e] + (slice(None),) * (len(live) - len(idx) + 1) + idx[e + 1 :]
         if len(idx) > len(live):
-            raise IndexError(f"too many indices for {self.key!r}: {len(idx)} for a "
-                             f"{len(live)}-d view")
+            raise IndexError(
+                f"too many indices for {self.key!r}: {len(idx)} for a {len(live)}-d view"
+            )
         ranges, dropped = list(self._ranges), list(self._dropped)
         for d, i in zip(live, idx):
             r = ranges[d]
@@ -92,13 +98,16 @@ class TensorView:
                 ranges[d] = r[i]
             elif isinstance(i, (int, np.integer)) and not isinstance(i, bool):
                 if not -len(r) <= int(i) < len(r):
-                    raise IndexError(f"index {int(i)} is out of bounds for dimension {d} of "
-                                     f"{self.key!r} (size {len(r)})")
+                    raise IndexError(
+                        f"index {int(i)} is out of bounds for dimension {d} of "
+                        f"{self.key!r} (size {len(r)})"
+                    )
                 j = r[int(i)]
                 ranges[d], dropped[d] = range(j, j + 1), True
             else:
-                raise TypeError(f"{self.key!r}: index with ints, slices and '...', not "
-                                f"{type(i).__name__}")
+                raise TypeError(
+                    f"{self.key!r}: index with ints, slices and '...', not {type(i).__name__}"
+                )
         return TensorView(self._ckpt, self.entry, tuple(ranges), tuple(dropped))
 
     def to_torch(self) -> torch.Tensor:
@@ -108,8 +117,9 @@ class TensorView:
         buf = torch.empty(box, dtype=self.dtype)
         if buf.numel():
             self._ckpt.read_box(self.entry, off, buf)
-        sel = tuple(0 if dr else slice(None, None, r.step)
-                    for r, dr in zip(self._ranges, self._dropped))
+        sel = tuple(
+            0 if dr else slice(None, None, r.step) for r, dr in zip(self._ranges, self._dropped)
+        )
         return (buf[sel] if sel else buf).contiguous()
 
     def to_numpy(self) -> np.ndarray:
@@ -130,7 +140,7 @@ class Checkpoint:
         self._reader = CheckpointReader.open(path, backend=backend, call="open")
         self.path = self._reader.path
         self.manifest: Manifest = self._reader.manifest
-        self.tree = self.manifest.tree   # nested dicts/lists/tuples, typed leaves
+        self.tree = self.manifest.tree  # nested dicts/lists/tuples, typed leaves
         self._leaves = {encode_key(p): leaf for p, leaf in iter_leaves(self.tree)}
         self._handles: dict = {}
 
@@ -160,10 +170,12 @@ class Checkpoint:
         if node is None:
             near = [x for x in self._leaves if x.startswith(k.rstrip("/") + "/")][:5]
             like = [] if near else similar_keys(k, self._leaves)
-            raise KeyError(f"{k!r} is not a key of {self.path!r}"
-                           + (f"; keys under it: {near}" if near else "")
-                           + (f"; similar keys: {like}" if like else ""))
-        if isinstance(node, TensorLeaf):    # its entry, as the manifest's table types it
+            raise KeyError(
+                f"{k!r} is not a key of {self.path!r}"
+                + (f"; keys under it: {near}" if near else "")
+                + (f"; similar keys: {like}" if like else "")
+            )
+        if isinstance(node, TensorLeaf):  # its entry, as the manifest's table types it
             return TensorView(self, self.manifest.tensors[node.entry.key])
         if isinstance(node, ObjectLeaf):
             return list(node.values)
@@ -189,7 +201,9 @@ class Checkpoint:
             raise LoadFailedError(
                 f"the checkpoint at {self.path!r} was replaced (or removed) by another save "
                 f"since it was opened, so {e.key!r} read now would not belong to the manifest "
-                "read then: open it again", spec_id="SP-COMMIT-14") from cause
+                "read then: open it again",
+                spec_id="SP-COMMIT-14",
+            ) from cause
 
     def close(self) -> None:
         """Drop the open arrays (and what the backend kept for them); reads still work,
@@ -204,8 +218,10 @@ class Checkpoint:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Checkpoint({self.path!r}: {len(self.manifest.tensors)} tensors, "
-                f"{len(self._leaves)} keys)")
+        return (
+            f"Checkpoint({self.path!r}: {len(self.manifest.tensors)} tensors, "
+            f"{len(self._leaves)} keys)"
+        )
 
 
 def open(path: str, *, backend: Optional[StorageBackend] = None) -> Checkpoint:  # noqa: A001

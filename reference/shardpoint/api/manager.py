@@ -58,6 +58,7 @@ and says in ``last_load`` what it took from where. Without ``memory=``, nothing 
             if step % 100 == 0:
                 mgr.save(step, state, metrics={"loss": loss})
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,8 +70,13 @@ from shardpoint import api
 from shardpoint_core.format import errors
 from shardpoint.exchange.comm import Comm, agree
 from shardpoint_core.commit.steps import StepRoot
-from shardpoint_core.format.policy import (Retention, check_metric, policy_from_options, ranked,
-                                           retained)
+from shardpoint_core.format.policy import (
+    Retention,
+    check_metric,
+    policy_from_options,
+    ranked,
+    retained,
+)
 from shardpoint_core.format.statetree import ValueLeaf, node_at
 from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint.api.manager_tiers import LoadInfo, Tiers
@@ -95,36 +101,51 @@ class CheckpointManager:
     (:class:`~shardpoint.api.manager_tiers.LoadInfo`) where the last load came from.
     """
 
-    def __init__(self, root: str, *, max_to_keep: Optional[int] = None,
-                 keep_every: Optional[int] = None, best_metric: Optional[str] = None,
-                 best_mode: str = "min", keep_best: Optional[int] = None,
-                 retention: Optional[Retention] = None, async_save: bool = False,
-                 group: Any = None, backend: Optional[StorageBackend] = None,
-                 save_options: Optional[Any] = None,
-                 load_options: Optional[Any] = None, memory: Any = None,
-                 memory_every: int = 1, memory_keep: int = 2,
-                 storage_every: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        root: str,
+        *,
+        max_to_keep: Optional[int] = None,
+        keep_every: Optional[int] = None,
+        best_metric: Optional[str] = None,
+        best_mode: str = "min",
+        keep_best: Optional[int] = None,
+        retention: Optional[Retention] = None,
+        async_save: bool = False,
+        group: Any = None,
+        backend: Optional[StorageBackend] = None,
+        save_options: Optional[Any] = None,
+        load_options: Optional[Any] = None,
+        memory: Any = None,
+        memory_every: int = 1,
+        memory_keep: int = 2,
+        storage_every: Optional[int] = None,
+    ) -> None:
         if retention is not None:
             if not isinstance(retention, Retention):
                 raise errors.InvalidOptionError(
                     f"retention must be a policy of shardpoint_core.format.policy (LatestN, "
-                    f"EveryNSteps, BestN, AnyOf), got {retention!r}")
+                    f"EveryNSteps, BestN, AnyOf), got {retention!r}"
+                )
             if (max_to_keep, keep_every, keep_best) != (None, None, None):
                 raise errors.InvalidOptionError(
                     "pass retention= or max_to_keep/keep_every/keep_best, not both (combine "
-                    "them with AnyOf(LatestN(n), EveryNSteps(k), BestN(b, metric)))")
-        self.retention = retention or policy_from_options(max_to_keep, keep_every,
-                                                          best_metric, best_mode, keep_best)
+                    "them with AnyOf(LatestN(n), EveryNSteps(k), BestN(b, metric)))"
+                )
+        self.retention = retention or policy_from_options(
+            max_to_keep, keep_every, best_metric, best_mode, keep_best
+        )
         if best_metric is not None:
             check_metric(best_metric, best_mode)
-        self._steps = StepRoot(root, backend=backend)   # local directory or s3://, gs://
+        self._steps = StepRoot(root, backend=backend)  # local directory or s3://, gs://
         self.root = self._steps.root
         self.max_to_keep, self.keep_every, self.keep_best = max_to_keep, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         if async_save and not hasattr(api, "AsyncSave"):
             raise errors.InvalidOptionError(
                 "async_save=True needs a shardpoint whose save() supports async_save "
-                "(sp.AsyncSave); this one saves synchronously only")
+                "(sp.AsyncSave); this one saves synchronously only"
+            )
         self.async_save, self.group = async_save, group
         #: the tier policy (None: every save goes to storage, as without a memory tier)
         self._tiers: Optional[Tiers] = None
@@ -132,22 +153,24 @@ class CheckpointManager:
             if async_save:
                 raise errors.InvalidOptionError(
                     "async_save=True with memory=: the memory save is the fast one, and the "
-                    "durable copy already runs in the background; drop async_save")
+                    "durable copy already runs in the background; drop async_save"
+                )
             self._tiers = Tiers(memory, memory_every, memory_keep, storage_every)
         elif storage_every is not None:
             raise errors.InvalidOptionError(
                 "storage_every= needs memory=sp.MemoryTier(...); without a memory tier every "
-                "save goes to storage: call save() every N steps")
+                "save goes to storage: call save() every N steps"
+            )
         #: what the tiers' background work reported (a failed durable copy), every rank
         self.tier_warnings: list = []
         #: where the last :meth:`load` took its state from (:class:`LoadInfo`)
         self.last_load: Optional[LoadInfo] = None
         self.backend, self.save_options, self.load_options = backend, save_options, load_options
         self._comm = Comm(group)
-        self._pending: Any = None          # the in-flight async save, if any
-        self._metrics: dict = {}           # step -> metrics dict (cache of the manifests)
+        self._pending: Any = None  # the in-flight async save, if any
+        self._metrics: dict = {}  # step -> metrics dict (cache of the manifests)
         self._committer = self._steps.committer
-        self.retention_warnings: list = []   # what the last retention could not do
+        self.retention_warnings: list = []  # what the last retention could not do
         #: committed checkpoints below the root under names this manager does not write
         #: (``step_7`` saved by hand), as the last retention found them: never counted,
         #: kept or removed; each is logged once
@@ -185,10 +208,14 @@ class CheckpointManager:
         """The metrics saved with ``step`` (empty when none were given), read through the
         manager's own backend (the default one of the root's kind when None)."""
         if step not in self._metrics:
-            node = node_at(api.read_metadata(self.path(step), backend=self.backend).tree,
-                           (METRICS_KEY,))
-            self._metrics[step] = {k: n.value for k, n in node.items()
-                                   if isinstance(n, ValueLeaf)} if isinstance(node, dict) else {}
+            node = node_at(
+                api.read_metadata(self.path(step), backend=self.backend).tree, (METRICS_KEY,)
+            )
+            self._metrics[step] = (
+                {k: n.value for k, n in node.items() if isinstance(n, ValueLeaf)}
+                if isinstance(node, dict)
+                else {}
+            )
         return dict(self._metrics[step])
 
     def best_step(self) -> Optional[int]:
@@ -203,8 +230,9 @@ class CheckpointManager:
         return ranked(steps, self.metrics, self.best_metric, self.best_mode)
 
     # ---------------------------------------------------------------- collective
-    def save(self, step: int, state: Any, *, metrics: Optional[dict] = None,
-             force: bool = False) -> Any:
+    def save(
+        self, step: int, state: Any, *, metrics: Optional[dict] = None, force: bool = False
+    ) -> Any:
         """Save ``state`` as ``step`` (collective); then apply retention.
 
         ``metrics`` (str -> number) are stored in the checkpoint itself. ``force=True``
@@ -215,28 +243,34 @@ class CheckpointManager:
         """
         if self._tiers is not None:
             return self._save_tiered(step, state, metrics, force)
-        self.wait()   # the previous save commits (or raises) before this one starts
+        self.wait()  # the previous save commits (or raises) before this one starts
         path, state = self._agreed(lambda: (self.path(step), self._with_metrics(state, metrics)))
         if self._comm.is_coordinator:
             # No makedirs here: save creates the root inside its collective plan step, so a
             # root it cannot create fails every rank instead of this one while the others wait.
             self._clean_leftovers()
         self._metrics.pop(step, None)
-        kw: dict = {"group": self.group, "overwrite": force, "backend": self.backend,
-                    "options": self.save_options}
+        kw: dict = {
+            "group": self.group,
+            "overwrite": force,
+            "backend": self.backend,
+            "options": self.save_options,
+        }
         if self.async_save:
             kw["async_save"] = True
         try:
             result = api.save(state, path, **kw)
-        except errors.CheckpointExistsError as e:   # raised on every rank alike
+        except errors.CheckpointExistsError as e:  # raised on every rank alike
             if not force and self._committer.state(path) == "committed":
                 raise errors.CheckpointExistsError(
-                    f"step {step} is already saved at {path!r}; pass force=True to "
-                    "replace it", spec_id=e.spec_id) from e
+                    f"step {step} is already saved at {path!r}; pass force=True to replace it",
+                    spec_id=e.spec_id,
+                ) from e
             # something that is no checkpoint of ours: force=True never replaces it either
             why = str(e).removeprefix(f"[{e.spec_id}] ")
-            raise errors.CheckpointExistsError(f"step {step} cannot be saved at {path!r}: "
-                                               f"{why}", spec_id=e.spec_id) from e
+            raise errors.CheckpointExistsError(
+                f"step {step} cannot be saved at {path!r}: {why}", spec_id=e.spec_id
+            ) from e
         if self.async_save:
             self._pending = result
         else:
@@ -251,7 +285,8 @@ class CheckpointManager:
             raise errors.CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint under {self.root!r} (nothing "
                 f"committed at {path!r}); committed steps: {self.all_steps()}",
-                spec_id="SP-COMMIT-3")
+                spec_id="SP-COMMIT-3",
+            )
 
     def _agreed(self, check: Any) -> Any:
         """``check()``'s result once every rank's check passed: one rank's bad step or metrics
@@ -273,15 +308,17 @@ class CheckpointManager:
             if not isinstance(metrics, dict):
                 raise errors.UnsupportedValueError(
                     f"metrics must be a dict of name -> number (e.g. {{'loss': 0.31}}), got a "
-                    f"{type(metrics).__name__}")
+                    f"{type(metrics).__name__}"
+                )
             if not isinstance(state, dict):
                 raise errors.UnsupportedValueError(
                     f"metrics need a dict state (they are stored under its {METRICS_KEY!r} "
-                    f"key), got a {type(state).__name__}; wrap it: {{'state': state}}")
+                    f"key), got a {type(state).__name__}; wrap it: {{'state': state}}"
+                )
             if METRICS_KEY in state:
                 raise errors.UnsupportedValueError(
-                    f"state key {METRICS_KEY!r} is reserved for the manager's metrics; "
-                    "rename it")
+                    f"state key {METRICS_KEY!r} is reserved for the manager's metrics; rename it"
+                )
             state = {**state, METRICS_KEY: dict(metrics)}
         return state
 
@@ -300,10 +337,11 @@ class CheckpointManager:
             got = self._comm.broadcast_bytes(b"" if latest is None else str(latest).encode())
             if not got:
                 raise errors.CheckpointNotFoundError(
-                    f"no committed checkpoint under {self.root!r} (nothing to resume from)")
+                    f"no committed checkpoint under {self.root!r} (nothing to resume from)"
+                )
             step = int(got)
         kw = {"backend": self.backend, "options": self.load_options, **load_options}
-        path = self._agreed(lambda: self.path(step))     # a bad step: every rank, first
+        path = self._agreed(lambda: self.path(step))  # a bad step: every rank, first
         if asked:
             self._agreed(lambda: self._check_committed(step, path))
         out = api.load(path, like=like, group=self.group, **kw)
@@ -334,8 +372,7 @@ class CheckpointManager:
             self._after_commit()
 
     # ---------------------------------------------------------------- tiers (collective)
-    def _save_tiered(self, step: int, state: Any, metrics: Optional[dict],
-                     force: bool) -> Any:
+    def _save_tiered(self, step: int, state: Any, metrics: Optional[dict], force: bool) -> Any:
         """``save`` with a memory tier: into memory when due (every rank, synchronously:
         a copy into host memory and to the peers); when due to storage, the coordinator
         starts the durable copy of that memory step in the background (after the previous
@@ -349,8 +386,7 @@ class CheckpointManager:
         to_memory, to_storage = tiers.due(step)
         result = None
         if to_memory:
-            result = tiers.memory.save(state, step, overwrite=True,
-                                       options=self.save_options)
+            result = tiers.memory.save(state, step, overwrite=True, options=self.save_options)
         self._report(block=to_storage, start=(step, path, force) if to_storage else None)
         return result
 
@@ -367,19 +403,24 @@ class CheckpointManager:
                 done = tiers.settle(block)
                 if any(not err for _s, _d, err in done):
                     self._retain()
-                failed = [f"step {s}: the durable copy of {tiers.memory.url(s)} to {d!r} "
-                          f"failed ({err}); training goes on, and that step is left to the "
-                          "next one due to storage" for s, d, err in done if err]
+                failed = [
+                    f"step {s}: the durable copy of {tiers.memory.url(s)} to {d!r} "
+                    f"failed ({err}); training goes on, and that step is left to the "
+                    "next one due to storage"
+                    for s, d, err in done
+                    if err
+                ]
                 if start is not None:
                     if tiers.copying is None:
                         self._clean_leftovers()
                     s, p, force = start
                     tiers.start_copy(s, p, self.backend, force)
                 tiers.evict()
-            except errors.ShardpointError as e:   # reported like a failed copy
+            except errors.ShardpointError as e:  # reported like a failed copy
                 failed.append(f"tier upkeep failed ({type(e).__name__}: {e})")
-        got = msgpack.unpackb(self._comm.broadcast_bytes(
-            msgpack.packb(failed) if self._comm.is_coordinator else None))
+        got = msgpack.unpackb(
+            self._comm.broadcast_bytes(msgpack.packb(failed) if self._comm.is_coordinator else None)
+        )
         for w in got:
             log.warning("shardpoint: %s", w)
         self.tier_warnings.extend(got)
@@ -399,24 +440,37 @@ class CheckpointManager:
             mem, sto = set(tiers.memory.steps()), set(self.all_steps())
             cands = [step] if step is not None else sorted(mem | sto, reverse=True)
             plan = [[s, s in mem, s in sto] for s in cands if s in mem or s in sto]
-        plan = msgpack.unpackb(self._comm.broadcast_bytes(
-            msgpack.packb(plan) if self._comm.is_coordinator else None))
+        plan = msgpack.unpackb(
+            self._comm.broadcast_bytes(msgpack.packb(plan) if self._comm.is_coordinator else None)
+        )
         skipped: list = []
         for s, in_mem, in_sto in plan:
             err: Optional[BaseException] = None
             tree, info = None, None
             try:
                 if in_mem:
-                    r = tiers.memory.restore(like, step=s, strict=opts.get("strict", True),
-                                             fallback=self.path(s) if in_sto else None)
+                    r = tiers.memory.restore(
+                        like,
+                        step=s,
+                        strict=opts.get("strict", True),
+                        fallback=self.path(s) if in_sto else None,
+                    )
                     kinds = set(r.sources.values()) or {"memory"}
                     tree = r.tree
-                    info = LoadInfo(s, "+".join(k for k in ("memory", "storage") if k in kinds),
-                                    r.memory_url or r.storage_url, dict(r.sources), r.reason)
+                    info = LoadInfo(
+                        s,
+                        "+".join(k for k in ("memory", "storage") if k in kinds),
+                        r.memory_url or r.storage_url,
+                        dict(r.sources),
+                        r.reason,
+                    )
                 else:
-                    tree = api.load(self.path(s), like=like, group=self.group,
-                                    **{"backend": self.backend,
-                                       "options": self.load_options, **opts})
+                    tree = api.load(
+                        self.path(s),
+                        like=like,
+                        group=self.group,
+                        **{"backend": self.backend, "options": self.load_options, **opts},
+                    )
                     info = LoadInfo(s, "storage", self.path(s))
             except errors.ShardpointError as e:
                 err = e
@@ -428,14 +482,17 @@ class CheckpointManager:
                     tree.pop(METRICS_KEY, None)
                 return tree
             where = "memory" if in_mem else "storage"
-            skipped.append(f"step {s} ({where}): " + (f"{type(err).__name__}: {err}" if err
-                                                      else "failed on another rank"))
+            skipped.append(
+                f"step {s} ({where}): "
+                + (f"{type(err).__name__}: {err}" if err else "failed on another rank")
+            )
             log.warning("shardpoint: passing over %s", skipped[-1])
         what = f"step {step}" if step is not None else "no step"
         raise errors.CheckpointNotFoundError(
             f"{what} could be loaded from memory ({tiers.memory.url(0).rsplit('/', 1)[0]}) or "
-            f"from storage ({self.root!r})" + (": " + "; ".join(skipped) if skipped else
-                                              ": nothing committed in either"))
+            f"from storage ({self.root!r})"
+            + (": " + "; ".join(skipped) if skipped else ": nothing committed in either")
+        )
 
     def close(self) -> None:
         """Wait for the last save (with ``memory=``, the last durable copy: every rank keeps
@@ -449,7 +506,7 @@ class CheckpointManager:
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
             self.close()
-        else:   # do not mask the original error; still try not to leave a save behind
+        else:  # do not mask the original error; still try not to leave a save behind
             try:
                 self.close()
             except Exception:  # noqa: BLE001 - the original exception wins

@@ -9,6 +9,7 @@ A failed copy never stops training: the manager reports it at its next ``save`` 
 next one due to storage. Memory retention keeps the newest ``memory_keep`` memory steps, and
 the one being copied; it removes only memory steps of the manager's tier.
 """
+
 from __future__ import annotations
 
 import threading
@@ -45,22 +46,25 @@ class Tiers:
     """The policy and the in-flight durable copy (see the module); the copy's thread runs on
     the coordinator only."""
 
-    def __init__(self, memory: Any, memory_every: int, memory_keep: int,
-                 storage_every: Optional[int]) -> None:
+    def __init__(
+        self, memory: Any, memory_every: int, memory_keep: int, storage_every: Optional[int]
+    ) -> None:
         if not all(hasattr(memory, a) for a in ("save", "restore", "steps", "url", "remove")):
             raise errors.InvalidOptionError(
-                f"memory= must be a shardpoint.MemoryTier, got {type(memory).__name__}")
+                f"memory= must be a shardpoint.MemoryTier, got {type(memory).__name__}"
+            )
         if storage_every is None:
             raise errors.InvalidOptionError(
                 "memory= needs storage_every=N (every N steps the memory step is copied to "
-                "storage); without it nothing would ever be durable")
+                "storage); without it nothing would ever be durable"
+            )
         self.memory = memory
         self.memory_every = _positive("memory_every", memory_every)
         self.memory_keep = _positive("memory_keep", memory_keep)
         self.storage_every = _positive("storage_every", storage_every)
         self._thread: Optional[threading.Thread] = None
         self._step: Optional[int] = None
-        self._outcome: Optional[Tuple[int, str, str]] = None     # step, dst, error ("": ok)
+        self._outcome: Optional[Tuple[int, str, str]] = None  # step, dst, error ("": ok)
 
     def due(self, step: int) -> Tuple[bool, bool]:
         """(to memory, to storage) for ``step``; a step due to storage goes to memory too
@@ -104,7 +108,7 @@ class Tiers:
         """Coordinator: remove all but the newest ``memory_keep`` memory steps (never the one
         being copied); the steps removed."""
         steps = self.memory.steps()
-        gone = [s for s in steps[:-self.memory_keep] if s != self.copying]
+        gone = [s for s in steps[: -self.memory_keep] if s != self.copying]
         for s in gone:
             self.memory.remove(s)
         return gone

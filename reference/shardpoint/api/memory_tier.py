@@ -24,6 +24,7 @@ Example (every rank)::
     restored = tier.restore(like=state, fallback="/ckpt/step_{step}")
     restored.sources                                  # {"model/w": "memory", ...}
 """
+
 from __future__ import annotations
 
 import itertools
@@ -69,7 +70,7 @@ class Restored:
     storage_url: str = ""
     missing_objects: List[str] = field(default_factory=list)
     reason: str = ""
-    timings: Dict[str, float] = field(default_factory=dict)   # seconds: decide, gather, load
+    timings: Dict[str, float] = field(default_factory=dict)  # seconds: decide, gather, load
 
 
 def _chunk_keys(base: str, shape: Tuple[int, ...], chunks: Tuple[int, ...]) -> List[str]:
@@ -144,22 +145,34 @@ class MemoryTier:
     :func:`host_identity`). ``advertise``: the address other hosts reach this one at.
     ``timeout_s``: how long a peer may take to answer one request."""
 
-    def __init__(self, job: str, *, k: int = 1, budget_bytes: Optional[int] = None,
-                 shm_dir: Optional[str] = None, host_id: Optional[str] = None,
-                 group: Any = None, advertise: Optional[str] = None,
-                 timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        job: str,
+        *,
+        k: int = 1,
+        budget_bytes: Optional[int] = None,
+        shm_dir: Optional[str] = None,
+        host_id: Optional[str] = None,
+        group: Any = None,
+        advertise: Optional[str] = None,
+        timeout_s: float = 60.0,
+    ) -> None:
         self.job, self.k, self.group = job, k, group
         self.comm = Comm(group)
         self.host = host_identity(host_id)
         self.store = ShmStore.named(job)
         self.store.configure(shm_dir=shm_dir, budget_bytes=budget_bytes, host=self.host)
-        self.store.clean_tmp()          # what this job's dead processes left half-written
-        token = self.comm.broadcast_bytes(secrets.token_hex(16).encode()
-                                          if self.comm.is_coordinator else None).decode()
-        self.server = PeerServer(self.store.handle, token,
-                                 advertise=advertise or advertised_host())
-        rows = [msgpack.unpackb(b, raw=False) for b in self.comm.all_gather_bytes(
-            msgpack.packb([self.host, self.server.address], use_bin_type=True))]
+        self.store.clean_tmp()  # what this job's dead processes left half-written
+        token = self.comm.broadcast_bytes(
+            secrets.token_hex(16).encode() if self.comm.is_coordinator else None
+        ).decode()
+        self.server = PeerServer(self.store.handle, token, advertise=advertise or advertised_host())
+        rows = [
+            msgpack.unpackb(b, raw=False)
+            for b in self.comm.all_gather_bytes(
+                msgpack.packb([self.host, self.server.address], use_bin_type=True)
+            )
+        ]
         self.rank_hosts = [h for h, _a in rows]
         hosts: List[str] = []
         for h in self.rank_hosts:
@@ -167,14 +180,12 @@ class MemoryTier:
                 hosts.append(h)
         self.hosts = hosts
         mine = hosts.index(self.host)
-        local_index = [r for r, (h, _a) in enumerate(rows) if h == self.host].index(
-            self.comm.rank)
+        local_index = [r for r, (h, _a) in enumerate(rows) if h == self.host].index(self.comm.rank)
         others = []
-        for h in hosts[mine + 1:] + hosts[:mine]:
+        for h in hosts[mine + 1 :] + hosts[:mine]:
             addrs = [a for hh, a in rows if hh == h]
-            addrs = addrs[local_index % len(addrs):] + addrs[:local_index % len(addrs)]
-            others.append(PeerHost(h, [PeerClient(a, token, timeout_s=timeout_s)
-                                       for a in addrs]))
+            addrs = addrs[local_index % len(addrs) :] + addrs[: local_index % len(addrs)]
+            others.append(PeerHost(h, [PeerClient(a, token, timeout_s=timeout_s) for a in addrs]))
         self.store.set_peers(others, k)
         self._hgroup: Any = None
 
@@ -190,8 +201,12 @@ class MemoryTier:
         budget = self.store.budget_bytes
         flat = flatten_state(state, replica=(self.comm.rank,))
         mine = sum(t.holding.nbytes for t in flat.tensors if not any(t.holding.replica))
-        rows = [msgpack.unpackb(b, raw=False) for b in self.comm.all_gather_bytes(
-            msgpack.packb([mine, self.store.usage()], use_bin_type=True))]
+        rows = [
+            msgpack.unpackb(b, raw=False)
+            for b in self.comm.all_gather_bytes(
+                msgpack.packb([mine, self.store.usage()], use_bin_type=True)
+            )
+        ]
         if budget is None:
             return
         adds = {h: 0 for h in self.hosts}
@@ -209,27 +224,37 @@ class MemoryTier:
                 f"memory tier shm://{self.job}: this save would put about {adds[h]} bytes on "
                 f"host {h}, which holds {used[h]}: over its budget of {budget} bytes "
                 f"({len(over)} host(s) over); nothing was written. Raise budget_bytes or keep "
-                "fewer memory steps")
+                "fewer memory steps"
+            )
 
-    def save(self, state: Any, step: int, *, keep: Optional[int] = None,
-             overwrite: bool = False, **kwargs: Any) -> Any:
+    def save(
+        self,
+        state: Any,
+        step: int,
+        *,
+        keep: Optional[int] = None,
+        overwrite: bool = False,
+        **kwargs: Any,
+    ) -> Any:
         """Save ``state`` as memory step ``step`` (collective; ``kwargs`` go to
         :func:`shardpoint.save`), committed once every object has its ``k`` replicas. Then,
         with ``keep``, delete all but the newest ``keep`` committed memory steps (the only
         eviction there is). Returns the :class:`~shardpoint.SaveResult`."""
         from shardpoint.api.checkpointer import save
+
         if self.k > len(self.hosts) - 1:
             raise errors.InvalidOptionError(too_few_hosts(self.k, len(self.hosts) - 1))
         self._check_budget(state)
         res = save(state, self.url(step), group=self.group, overwrite=overwrite, **kwargs)
         if keep is not None:
             if keep < 1:
-                raise errors.InvalidOptionError(f"keep={keep}: keep at least the step just "
-                                                "saved (keep >= 1)")
+                raise errors.InvalidOptionError(
+                    f"keep={keep}: keep at least the step just saved (keep >= 1)"
+                )
             if self.comm.is_coordinator:
                 for old in self.steps()[:-keep]:
                     self.remove(old)
-            self.comm.all_true(True)     # no rank leaves (and stops serving) before that
+            self.comm.all_true(True)  # no rank leaves (and stops serving) before that
         return res
 
     def steps(self) -> List[int]:
@@ -238,14 +263,15 @@ class MemoryTier:
         found = set()
         for info in self.store.list(""):
             head, _sep, rest = info.key.partition("/")
-            if rest == MANIFEST_NAME and head.startswith(_STEP) and head[len(_STEP):].isdigit():
-                found.add(int(head[len(_STEP):]))
+            if rest == MANIFEST_NAME and head.startswith(_STEP) and head[len(_STEP) :].isdigit():
+                found.add(int(head[len(_STEP) :]))
         return sorted(found)
 
     def remove(self, step: int) -> bool:
         """Delete memory step ``step`` on every reachable host through the committer (the
         marker first, so no reader takes it for committed meanwhile). Coordinator only."""
         from shardpoint_core.commit.routing import default_committer
+
         return default_committer().remove(self.url(step))
 
     # -- recovery -------------------------------------------------------------------------
@@ -264,20 +290,37 @@ class MemoryTier:
             present = {i.key for i in self.store.list(prefix + "/")}
             storage, missing = [], []
             for key, entry in m.tensors.items():
-                gone = [k for k in _chunk_keys(f"{prefix}/{entry.array}", tuple(entry.shape),
-                                               tuple(entry.chunk_shape)) if k not in present]
+                gone = [
+                    k
+                    for k in _chunk_keys(
+                        f"{prefix}/{entry.array}", tuple(entry.shape), tuple(entry.chunk_shape)
+                    )
+                    if k not in present
+                ]
                 if gone:
                     storage.append(key)
                     missing.extend(gone)
-            return {"step": s, "storage": storage, "missing": missing,
-                    "reason": "; ".join(reasons),
-                    "arrays": {k: [f"{prefix}/{e.array}", list(e.chunk_shape), e.nbytes,
-                                   list(e.shape)] for k, e in m.tensors.items()},
-                    "meta": sorted([f"{prefix}/{MANIFEST_NAME}"] + [
-                        k for k in present if k.endswith("/zarr.json")])}
-        return {"step": step, "storage": None, "missing": [], "arrays": {}, "meta": [],
-                "reason": "; ".join(reasons)
-                or "no committed memory checkpoint on any reachable host"}
+            return {
+                "step": s,
+                "storage": storage,
+                "missing": missing,
+                "reason": "; ".join(reasons),
+                "arrays": {
+                    k: [f"{prefix}/{e.array}", list(e.chunk_shape), e.nbytes, list(e.shape)]
+                    for k, e in m.tensors.items()
+                },
+                "meta": sorted(
+                    [f"{prefix}/{MANIFEST_NAME}"] + [k for k in present if k.endswith("/zarr.json")]
+                ),
+            }
+        return {
+            "step": step,
+            "storage": None,
+            "missing": [],
+            "arrays": {},
+            "meta": [],
+            "reason": "; ".join(reasons) or "no committed memory checkpoint on any reachable host",
+        }
 
     def _needed(self, like: Any, arrays: Dict[str, Any]) -> Dict[str, str]:
         """object key -> tensor key: the chunks this rank's part of ``like`` meets (the whole
@@ -293,8 +336,9 @@ class MemoryTier:
             if not chunk:
                 out[f"{base}/c"] = h.key
                 continue
-            ranges = [range(lo // c, (lo + n - 1) // c + 1)
-                      for lo, n, c in zip(h.offset, h.shape, chunk)]
+            ranges = [
+                range(lo // c, (lo + n - 1) // c + 1) for lo, n, c in zip(h.offset, h.shape, chunk)
+            ]
             for idx in itertools.product(*ranges):
                 out["/".join([base, "c", *map(str, idx)])] = h.key
         return out
@@ -303,16 +347,17 @@ class MemoryTier:
         """A gloo group of this host's ranks (made by them alone, on first use)."""
         if self._hgroup is None:
             import torch.distributed as dist
+
             if not (dist.is_available() and dist.is_initialized()):
                 return None
-            mine = [self.comm._global(r) for r, h in enumerate(self.rank_hosts)
-                    if h == self.host]
+            mine = [self.comm._global(r) for r, h in enumerate(self.rank_hosts) if h == self.host]
             self._hgroup = dist.new_group(mine, backend="gloo", use_local_synchronization=True)
         return self._hgroup
 
     def _materialize(self, keys: List[str]) -> List[str]:
         """Make sure this host holds an intact copy of each of ``keys`` (fetched from a peer
         where not, and checked); the keys that could not be had."""
+
         def one(key: str) -> bool:
             if self.store.verify_local(key):
                 return True
@@ -321,11 +366,18 @@ class MemoryTier:
             except (FileNotFoundError, errors.ShardpointError, OSError):
                 return False
             return self.store.verify_local(key)
+
         with ThreadPoolExecutor(8) as pool:
             return [k for k, ok in zip(keys, pool.map(one, keys)) if not ok]
 
-    def restore(self, like: Any = None, *, step: Optional[int] = None,
-                fallback: Fallback = None, strict: bool = True) -> Restored:
+    def restore(
+        self,
+        like: Any = None,
+        *,
+        step: Optional[int] = None,
+        fallback: Fallback = None,
+        strict: bool = True,
+    ) -> Restored:
         """Load the newest committed memory step (or ``step``) from the surviving hosts'
         memory, reading from ``fallback`` (the durable checkpoint of the same step: a path,
         a path with ``{step}``, or a function of the step) only the tensors no survivor holds
@@ -337,18 +389,29 @@ class MemoryTier:
         (from the peers that hold them), then each rank loads its part from this host's copy
         of the step (a plain checkpoint directory in shared memory: the fast local path)."""
         from shardpoint.api.checkpointer import load
+
         t0 = time.perf_counter()
-        d: Dict[str, Any] = msgpack.unpackb(self.comm.broadcast_bytes(
-            msgpack.packb(self._decide(step), use_bin_type=True)
-            if self.comm.is_coordinator else None), raw=False)
+        d: Dict[str, Any] = msgpack.unpackb(
+            self.comm.broadcast_bytes(
+                msgpack.packb(self._decide(step), use_bin_type=True)
+                if self.comm.is_coordinator
+                else None
+            ),
+            raw=False,
+        )
         s = d["step"]
         fb: Optional[str] = None
         if callable(fallback):
             fb = fallback(s) if s is not None else None
         elif isinstance(fallback, str) and not (s is None and "{step}" in fallback):
             fb = fallback.format(step=s) if "{step}" in fallback else fallback
-        out = Restored(None, s, memory_url=self.url(s) if d["storage"] is not None else "",
-                       missing_objects=list(d["missing"]), reason=d["reason"])
+        out = Restored(
+            None,
+            s,
+            memory_url=self.url(s) if d["storage"] is not None else "",
+            missing_objects=list(d["missing"]),
+            reason=d["reason"],
+        )
         nbytes = {k: v[2] for k, v in d["arrays"].items()}
         out.timings["decide"] = time.perf_counter() - t0
 
@@ -356,51 +419,74 @@ class MemoryTier:
             if not fb:
                 raise errors.IncompleteCheckpointError(
                     f"memory tier shm://{self.job}: {why}; no durable fallback was given "
-                    "(restore(..., fallback=PATH))")
+                    "(restore(..., fallback=PATH))"
+                )
             out.tree = load(fb, like, group=self.group, strict=strict)
             out.storage_url, out.reason = fb, why
-            out.sources = {k: "storage" for k in (_leaf_keys(like) if like is not None
-                                                  else sorted(nbytes))}
+            out.sources = {
+                k: "storage" for k in (_leaf_keys(like) if like is not None else sorted(nbytes))
+            }
             out.memory_bytes, out.storage_bytes = 0, sum(nbytes.values())
             return out
 
         if d["storage"] is None:
             return from_storage(d["reason"])
         storage = set(d["storage"])
-        why = (f"{len(d['missing'])} object(s) of {len(storage)} tensor(s) are on no "
-               f"surviving host (first: {d['missing'][0]})") if storage else ""
+        why = (
+            (
+                f"{len(d['missing'])} object(s) of {len(storage)} tensor(s) are on no "
+                f"surviving host (first: {d['missing'][0]})"
+            )
+            if storage
+            else ""
+        )
         if storage and (like is None or not fb):
             return from_storage(why)
         mem_like, sto_like = _split(like, storage) if storage else (like, None)
         # gather this host's part here, checked; a piece no host gives intact goes to storage
-        need = self._needed(mem_like, {k: v for k, v in d["arrays"].items()
-                                       if k not in storage})
-        if like is None:                                   # the whole of every tensor
-            need = {k: t for t, (base, chunk, _n, shape) in d["arrays"].items()
-                    for k in _chunk_keys(base, tuple(shape), tuple(chunk))[1:]}
+        need = self._needed(mem_like, {k: v for k, v in d["arrays"].items() if k not in storage})
+        if like is None:  # the whole of every tensor
+            need = {
+                k: t
+                for t, (base, chunk, _n, shape) in d["arrays"].items()
+                for k in _chunk_keys(base, tuple(shape), tuple(chunk))[1:]
+            }
         t0 = time.perf_counter()
         failed = self._materialize(list(d["meta"]) + sorted(need))
         out.timings["gather"] = time.perf_counter() - t0
         lost = sorted({need.get(k, "") for k in failed})
-        lost_all = sorted({t for b in self.comm.all_gather_bytes(
-            msgpack.packb(lost, use_bin_type=True)) for t in msgpack.unpackb(b, raw=False)})
+        lost_all = sorted(
+            {
+                t
+                for b in self.comm.all_gather_bytes(msgpack.packb(lost, use_bin_type=True))
+                for t in msgpack.unpackb(b, raw=False)
+            }
+        )
         if lost_all:
             if "" in lost_all or like is None or not fb:
-                return from_storage(f"{len(failed)} object(s) of step {s} could not be had "
-                                    f"intact from any host (first: {failed[0] if failed else '?'}"
-                                    " on some rank)")
+                return from_storage(
+                    f"{len(failed)} object(s) of step {s} could not be had "
+                    f"intact from any host (first: {failed[0] if failed else '?'}"
+                    " on some rank)"
+                )
             storage |= set(lost_all)
-            why = (why + "; " if why else "") + (f"{len(lost_all)} tensor(s) had no intact "
-                                                 "copy on any host")
+            why = (why + "; " if why else "") + (
+                f"{len(lost_all)} tensor(s) had no intact copy on any host"
+            )
             mem_like, sto_like = _split(like, storage)
         if mem_like is None:
             return from_storage(why)
         here = os.path.join(self.store.root, f"{_STEP}{s}")
         t0 = time.perf_counter()
-        try:       # each host from its own copy: the ranks of a host load together
-            tree = load(here, mem_like, group=self._host_group(), strict=strict,
-                        options=LoadOptions(strategy="direct", host_id=self.host))
-        except errors.ShardpointError as e:        # agreed: every rank takes this branch
+        try:  # each host from its own copy: the ranks of a host load together
+            tree = load(
+                here,
+                mem_like,
+                group=self._host_group(),
+                strict=strict,
+                options=LoadOptions(strategy="direct", host_id=self.host),
+            )
+        except errors.ShardpointError as e:  # agreed: every rank takes this branch
             if not fb:
                 raise
             return from_storage(f"the memory copy of step {s} failed to load ({e})")

@@ -6,6 +6,7 @@ another in the thread that submits the data I/O, they queue behind that data in 
 make the submitting thread the critical path: before this, a cold 1.2 GB load of 149 tensors
 finished submitting its reads at ~98% of its wall time.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,11 +21,13 @@ class OpenAhead:
 
     THREADS = 8
 
-    def __init__(self, open_fn: Callable[[str], Any], keys: Iterable[str],
-                 threads: Optional[int] = None) -> None:
+    def __init__(
+        self, open_fn: Callable[[str], Any], keys: Iterable[str], threads: Optional[int] = None
+    ) -> None:
         self._open = open_fn
-        self._pool = ThreadPoolExecutor(threads or self.THREADS,
-                                        thread_name_prefix="shardpoint-open")
+        self._pool = ThreadPoolExecutor(
+            threads or self.THREADS, thread_name_prefix="shardpoint-open"
+        )
         self._futs: dict = {}
         try:
             for key in keys:

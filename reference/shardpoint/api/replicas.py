@@ -7,6 +7,7 @@ one pass over the state's bytes per rank (crc32c, hardware-accelerated) and one 
 opt-in through ``SaveOptions(check_replicas=True)`` (``benchmarks/bench_replica_check.py``
 measures it against the save).
 """
+
 from __future__ import annotations
 
 
@@ -32,10 +33,20 @@ def holding_crc(data: torch.Tensor) -> int:
 def check_replicas(comm: Comm, tensors: list) -> None:
     """Collective: refuse replicas with different data (``tensors``: this rank's
     :class:`~shardpoint.tree.model.LocalTensor` list)."""
+
     def local() -> bytes:
-        return msgpack.packb([[lt.holding.key, list(lt.holding.offset), list(lt.holding.shape),
-                               list(lt.holding.flat) if lt.holding.flat else None,
-                               holding_crc(lt.data)] for lt in tensors])
+        return msgpack.packb(
+            [
+                [
+                    lt.holding.key,
+                    list(lt.holding.offset),
+                    list(lt.holding.shape),
+                    list(lt.holding.flat) if lt.holding.flat else None,
+                    holding_crc(lt.data),
+                ]
+                for lt in tensors
+            ]
+        )
 
     def decide(payloads: list) -> list:
         seen: dict = {}
@@ -45,13 +56,14 @@ def check_replicas(comm: Comm, tensors: list) -> None:
                 seen.setdefault(region, {}).setdefault(crc, []).append(rank)
         for (key, off, shape, flat), crcs in seen.items():
             if len(crcs) > 1:
-                groups = "; ".join(f"ranks {r[:4]} hold crc32c {c:08x}"
-                                   for c, r in crcs.items())
+                groups = "; ".join(f"ranks {r[:4]} hold crc32c {c:08x}" for c, r in crcs.items())
                 raise errors.InvalidShardingError(
                     f"tensor {key!r}: the replicas of region offset {list(off)} shape "
                     f"{list(shape)}{f' flat {list(flat)}' if flat else ''} differ ({groups}); "
                     "replicas must be equal: a diverged data-parallel rank, or a holding "
-                    "marked as a replica that is not one", spec_id="SP-REPL-1")
+                    "marked as a replica that is not one",
+                    spec_id="SP-REPL-1",
+                )
         return [b""] * len(payloads)
 
     run_collectively(comm, local, decide, errors.InvalidShardingError)

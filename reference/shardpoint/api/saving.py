@@ -4,6 +4,7 @@ Every rank calls it with its own tree; planning runs on the coordinator (rank 0 
 and each phase ends in an agreement step, so a failure on any rank raises the same error on
 every rank instead of leaving one waiting.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,18 +23,33 @@ from shardpoint.tree import values
 from shardpoint.api.async_save import AsyncSave, check_priority
 from shardpoint.api.heap import release_free_heap
 from shardpoint.api.replicas import check_replicas
-from shardpoint.exchange.comm import (AFTER_SAVE, Comm, after_commit, agree, exchange,
-                                      run_collectively)
+from shardpoint.exchange.comm import (
+    AFTER_SAVE,
+    Comm,
+    after_commit,
+    agree,
+    exchange,
+    run_collectively,
+)
 from shardpoint_core.stores.fsutil import os_error_text
-from shardpoint_core.format.manifest import (FORMAT_VERSION, FORMAT_VERSION_1_3, Manifest,
-                                             TensorEntry, array_path_for)
+from shardpoint_core.format.manifest import (
+    FORMAT_VERSION,
+    FORMAT_VERSION_1_3,
+    Manifest,
+    TensorEntry,
+    array_path_for,
+)
 from shardpoint_core.arrays.identity import join_tables
 from shardpoint.tree.flatten import flatten_state
 from shardpoint.api.open_ahead import OpenAhead
-from shardpoint.planning.save_global import (encode_save_global, layouts_of,
-                                             save_work_from_global)
-from shardpoint.planning.planner import (LocalPlan, PlanOptions, RankSaveWork, plan_objects,
-                                         plan_save)
+from shardpoint.planning.save_global import encode_save_global, layouts_of, save_work_from_global
+from shardpoint.planning.planner import (
+    LocalPlan,
+    PlanOptions,
+    RankSaveWork,
+    plan_objects,
+    plan_save,
+)
 from shardpoint_core.format.treemerge import check_values_agree
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.transactions.protocol import StorageBackend
@@ -51,8 +67,8 @@ class SaveOptions:
 
     plan: PlanOptions = field(default_factory=PlanOptions)
     exchange_budget_bytes: int = 256 << 20
-    cache_plan: bool = True   # reuse the last plan when no rank's structure changed
-    device_staging_bytes: int = 256 << 20   # pinned bytes in flight for CUDA tensors (sync)
+    cache_plan: bool = True  # reuse the last plan when no rank's structure changed
+    device_staging_bytes: int = 256 << 20  # pinned bytes in flight for CUDA tensors (sync)
     # crc32c every holding and refuse replicas whose data differ ([SP-REPL-1]); one pass over
     # the state and one gather per save (see shardpoint.api.replicas and its benchmark)
     check_replicas: bool = False
@@ -96,13 +112,20 @@ def _strip_values(tree: Any) -> Any:
 def _structure_digest(flat) -> bytes:
     """What the plan depends on: tree shape, holdings, object ids (not plain values)."""
     import hashlib
-    body = msgpack.packb([_strip_values(flat.tree), [t.holding.to_wire() for t in flat.tensors],
-                          [[o.key, o.index, o.count, list(o.replica)] for o in flat.objects]])
+
+    body = msgpack.packb(
+        [
+            _strip_values(flat.tree),
+            [t.holding.to_wire() for t in flat.tensors],
+            [[o.key, o.index, o.count, list(o.replica)] for o in flat.objects],
+        ]
+    )
     return hashlib.sha256(body).digest()
 
 
 def _value_leaves(tree: Any) -> list:
     from shardpoint.tree.model import iter_tree_leaves
+
     return [[list(p), n["value"]] for p, n in iter_tree_leaves(tree) if "value" in n]
 
 
@@ -128,8 +151,7 @@ def _replace_values(node: Any, path: tuple, new: dict) -> Any:
         return {"dict": [[k, _replace_values(v, path + (k,), new)] for k, v in node["dict"]]}
     for kind in ("list", "tuple"):
         if kind in node:
-            return {kind: [_replace_values(v, path + (i,), new)
-                           for i, v in enumerate(node[kind])]}
+            return {kind: [_replace_values(v, path + (i,), new) for i, v in enumerate(node[kind])]}
     return {"value": new[path]} if "value" in node else node
 
 
@@ -146,33 +168,41 @@ class SaveJob:
     ``commit`` in a background thread, on a gloo group of their own (``comm`` argument).
     """
 
-    def __init__(self, state: Any, path: str, comm: Comm, be: StorageBackend,
-                 opts: SaveOptions, overwrite: Overwrite, group: Any) -> None:
+    def __init__(
+        self,
+        state: Any,
+        path: str,
+        comm: Comm,
+        be: StorageBackend,
+        opts: SaveOptions,
+        overwrite: Overwrite,
+        group: Any,
+    ) -> None:
         self.state, self.path, self.comm, self.be = state, str(path), comm, be
         self.opts, self.overwrite = opts, overwrite
-        self.group = group      # the checkpointer's GroupState: plan cache, async saves
+        self.group = group  # the checkpointer's GroupState: plan cache, async saves
         self.async_save = False
         self.t0 = time.perf_counter()
         self.times: dict = {}
         self.flat: Any = None
         self.struct = b""
         self.plan_hit = False
-        self.global_plan: Any = None     # the SavePlan, on the coordinator only
+        self.global_plan: Any = None  # the SavePlan, on the coordinator only
         self.staging = ""
-        self.writer: Optional[CheckpointWriter] = None   # this rank's part of the save
+        self.writer: Optional[CheckpointWriter] = None  # this rank's part of the save
         self.work: Optional[RankSaveWork] = None
-        self._global_msg: Optional[bytes] = None   # the coordinator's plan message, to send
+        self._global_msg: Optional[bytes] = None  # the coordinator's plan message, to send
         self.layouts: dict = {}
         self.stats: dict = {}
-        self.sources: list = []          # per chunk write: the tensor to write (host or device)
-        self.sends: list = []            # [(dst rank, tensor)]
-        self.recvs: list = []            # [(src rank, destination view)]
+        self.sources: list = []  # per chunk write: the tensor to write (host or device)
+        self.sends: list = []  # [(dst rank, tensor)]
+        self.recvs: list = []  # [(src rank, destination view)]
         self.staging_bytes = 0
         self.written = 0
-        self.error: Optional[BaseException] = None   # a local failure, shared at commit
-        self.crcs: dict = {}             # what this rank's writes recorded for the chunk tables
+        self.error: Optional[BaseException] = None  # a local failure, shared at commit
+        self.crcs: dict = {}  # what this rank's writes recorded for the chunk tables
         self._handles: dict = {}
-        self._created = False            # the arrays this rank owns exist (and ranks agreed)
+        self._created = False  # the arrays this rank owns exist (and ranks agreed)
 
     def _planned_work(self) -> RankSaveWork:
         """This rank's work, which :meth:`plan` sets before any later phase runs."""
@@ -197,8 +227,9 @@ class SaveJob:
         # Plan cache: when no rank's structure (tree shape, holdings, object ids) changed
         # since the last save over this group, ranks send only their values and the
         # coordinator reuses the plan ([SP-GRID-1] holds: the layout depends on structure).
-        hit = (err0 is None and self.opts.cache_plan
-               and (self.group.plan or (None,))[0] == self.struct)
+        hit = (
+            err0 is None and self.opts.cache_plan and (self.group.plan or (None,))[0] == self.struct
+        )
         self.plan_hit = self.comm.all_true(bool(hit))
 
         def local() -> "bytes | list":
@@ -208,12 +239,18 @@ class SaveJob:
             objs = [(o.key, o.index, o.count, o.replica, o.value) for o in f.objects]
             if self.plan_hit:
                 return values.pack([_value_leaves(f.tree), [list(o) for o in objs]])
-            return LocalPlan(self.comm.rank, f.tree, [t.holding for t in f.tensors],
-                             objs).to_parts()
+            return LocalPlan(
+                self.comm.rank, f.tree, [t.holding for t in f.tensors], objs
+            ).to_parts()
 
         try:
-            msg = run_collectively(self.comm, local, self._decide, errors.InvalidShardingError,
-                                   same=self.collective_arguments())
+            msg = run_collectively(
+                self.comm,
+                local,
+                self._decide,
+                errors.InvalidShardingError,
+                same=self.collective_arguments(),
+            )
         except errors.ShardpointError:
             self.group.plan = None
             raise
@@ -222,11 +259,10 @@ class SaveJob:
         # the plan, one message for every rank (broadcast): each rank cuts its own work
         g = self.comm.broadcast_bytes(self._global_msg)
         self._global_msg = None
-        self.staging, self.layouts, self.stats, self.work = save_work_from_global(
-            g, self.comm.rank)
-        if self.writer is None:          # not the coordinator, which began the save
+        self.staging, self.layouts, self.stats, self.work = save_work_from_global(g, self.comm.rank)
+        if self.writer is None:  # not the coordinator, which began the save
             self.writer = CheckpointWriter.join(self.path, self.staging, backend=self.be)
-        if self.opts.check_replicas:    # after the plan: its errors (layout) come first
+        if self.opts.check_replicas:  # after the plan: its errors (layout) come first
             t = time.perf_counter()
             check_replicas(self.comm, self.flat.tensors)
             self.times["replica_check"] = time.perf_counter() - t
@@ -240,23 +276,26 @@ class SaveJob:
             plan = self.group.plan[1]
             got = [values.unpack(b) for b in payloads]
             plan.tree = _with_values(plan.tree, [v for v, _ in got])
-            plan.objects = plan_objects([LocalPlan(r, None, [], [tuple(o) for o in objs])
-                                         for r, (_, objs) in enumerate(got)])
+            plan.objects = plan_objects(
+                [
+                    LocalPlan(r, None, [], [tuple(o) for o in objs])
+                    for r, (_, objs) in enumerate(got)
+                ]
+            )
         else:
-            cache: dict = {}    # distinct holdings runs, decoded once
-            plan = plan_save([LocalPlan.from_parts(p, cache) for p in payloads],
-                             self.opts.plan)
+            cache: dict = {}  # distinct holdings runs, decoded once
+            plan = plan_save([LocalPlan.from_parts(p, cache) for p in payloads], self.opts.plan)
         self.times["plan"] = time.perf_counter() - t
         # the target checked before anything is written, then the staging location made;
         # known to :meth:`abandon` before the ranks hear of it
-        self.writer = CheckpointWriter.begin(self.path, backend=self.be,
-                                             overwrite=self.overwrite)
+        self.writer = CheckpointWriter.begin(self.path, backend=self.be, overwrite=self.overwrite)
         self.staging = staging = self.writer.staging
         self.global_plan = plan
         # one message for every rank, broadcast after the (empty) replies: per-rank replies
         # carry each transfer twice and the coordinator would encode one per rank
-        self._global_msg = encode_save_global(plan.columns, layouts_of(plan.tensors),
-                                              plan.stats, staging)
+        self._global_msg = encode_save_global(
+            plan.columns, layouts_of(plan.tensors), plan.stats, staging
+        )
         return [msgpack.packb(None)] * self.comm.size
 
     # ---------------------------------------------------------------------- phase 2: stage
@@ -284,8 +323,12 @@ class SaveJob:
     def _views(self) -> PieceViews:
         # resolve_conj/resolve_neg: a lazily conjugated or negated view has no numpy form;
         # they copy only tensors carrying those bits.
-        return PieceViews([(lt.holding, lt.data.detach().resolve_conj().resolve_neg())
-                           for lt in self.flat.tensors])
+        return PieceViews(
+            [
+                (lt.holding, lt.data.detach().resolve_conj().resolve_neg())
+                for lt in self.flat.tensors
+            ]
+        )
 
     def _chunk_dtype(self, key: str) -> torch.dtype:
         return dtypes.from_name(self.layouts[key][1]).torch
@@ -319,7 +362,7 @@ class SaveJob:
         bufs, alloc = pool.take(requests)
         self.times["staging_alloc"] = alloc
         self.staging_bytes = pool.nbytes
-        self.sources = bufs[:len(work.writes)]
+        self.sources = bufs[: len(work.writes)]
         pairs = []
         for cw, buf in zip(work.writes, self.sources):
             if cw.direct is not None:
@@ -328,16 +371,25 @@ class SaveJob:
             for hidx, pidx, bo, bs in cw.local:
                 v, off = src(hidx, pidx)
                 pairs.append((box_view(buf, cw.offset, bo, bs), box_view(v, off, bo, bs)))
-        pairs += list(zip(bufs[len(work.writes):], send_views))
+        pairs += list(zip(bufs[len(work.writes) :], send_views))
         copy_pairs(pairs)
-        self.sends = [(tr.dst, b) for tr, b in zip(work.sends, bufs[len(work.writes):])]
+        self.sends = [(tr.dst, b) for tr, b in zip(work.sends, bufs[len(work.writes) :])]
         self._name_recvs()
 
     def _name_recvs(self) -> None:
         w = self._planned_work()
-        self.recvs = [(tr.src, box_view(self.sources[tr.dst_ref[0]],
-                                        w.writes[tr.dst_ref[0]].offset, tr.box_offset,
-                                        tr.box_shape)) for tr in w.recvs]
+        self.recvs = [
+            (
+                tr.src,
+                box_view(
+                    self.sources[tr.dst_ref[0]],
+                    w.writes[tr.dst_ref[0]].offset,
+                    tr.box_offset,
+                    tr.box_shape,
+                ),
+            )
+            for tr in w.recvs
+        ]
 
     def _create_arrays(self) -> None:
         """Create the arrays this rank owns (their zarr.json, [SP-COMMIT-8]) from a few
@@ -356,7 +408,8 @@ class SaveJob:
         if key not in self._handles:
             shape, dt, chunk = self.layouts[key]
             self._handles[key] = self._planned_writer().open_array(
-                array_path_for(key), ArraySpec(tuple(shape), dt, tuple(chunk)))
+                array_path_for(key), ArraySpec(tuple(shape), dt, tuple(chunk))
+            )
         return self._handles[key]
 
     # ---------------------------------------------------------------------- phase 3: write
@@ -390,11 +443,13 @@ class SaveJob:
                     continue
                 ops.append((w.write(opened(cw.key), cw.offset, to_numpy(buf)), buf))
                 self.written += buf.numel() * buf.element_size()
-            if device:   # CUDA tensors (sync save): bounded pinned staging, overlapped
+            if device:  # CUDA tensors (sync save): bounded pinned staging, overlapped
                 ops += stream_device_writes(
-                    device, lambda host, cw: w.write(opened(cw.key), cw.offset,
-                                                     to_numpy(host)),
-                    lambda op: w.wait([op]), self.opts.device_staging_bytes)
+                    device,
+                    lambda host, cw: w.write(opened(cw.key), cw.offset, to_numpy(host)),
+                    lambda op: w.wait([op]),
+                    self.opts.device_staging_bytes,
+                )
                 self.written += sum(b.numel() * b.element_size() for b, _ in device)
             w.wait([op for op, _ in ops])
             self.times["write"] = time.perf_counter() - t
@@ -420,12 +475,14 @@ class SaveJob:
         """What every rank of a save must pass alike, agreed in the plan before any byte is
         written: a rank saving with another ``overwrite``, ``async_save`` or plan options
         than its peers would replace, or chunk, what the others do not expect."""
-        return [("checkpoint path", os.path.normpath(self.path)),
-                ("overwrite flag", bool(self.overwrite)),
-                ("async_save flag", bool(self.async_save)),
-                ("SaveOptions.plan", repr(self.opts.plan)),
-                ("SaveOptions.exchange_budget_bytes", int(self.opts.exchange_budget_bytes)),
-                ("SaveOptions.check_replicas", bool(self.opts.check_replicas))]
+        return [
+            ("checkpoint path", os.path.normpath(self.path)),
+            ("overwrite flag", bool(self.overwrite)),
+            ("async_save flag", bool(self.async_save)),
+            ("SaveOptions.plan", repr(self.opts.plan)),
+            ("SaveOptions.exchange_budget_bytes", int(self.opts.exchange_budget_bytes)),
+            ("SaveOptions.check_replicas", bool(self.opts.check_replicas)),
+        ]
 
     def write_error(self, e: BaseException) -> errors.ShardpointError:
         """``e``, raised while creating arrays or writing chunks, as the error to report: a
@@ -441,7 +498,8 @@ class SaveJob:
         return errors.SaveFailedError(
             f"cannot write checkpoint {self.path!r} (into its staging directory "
             f"{self.staging!r}): {os_error_text(e)}. Nothing was committed: a previous "
-            "checkpoint at that path is untouched, and the partial files are removed")
+            "checkpoint at that path is untouched, and the partial files are removed"
+        )
 
     # ---------------------------------------------------------------------- phase 4: commit
     def commit(self, comm: Comm) -> SaveResult:
@@ -458,11 +516,16 @@ class SaveJob:
         def report() -> bytes:
             e = self.error
             if e is not None:
-                raise e if isinstance(e, errors.ShardpointError) else errors.SaveFailedError(
-                    f"{type(e).__name__}: {e}")
+                raise (
+                    e
+                    if isinstance(e, errors.ShardpointError)
+                    else errors.SaveFailedError(f"{type(e).__name__}: {e}")
+                )
             # the crc32c of the units this rank wrote, for the chunk tables ([SP-MAN-7])
-            return msgpack.packb([[p, [[f, b] for f, b in d.items()]]
-                                  for p, d in self.crcs.items()], use_bin_type=True)
+            return msgpack.packb(
+                [[p, [[f, b] for f, b in d.items()]] for p, d in self.crcs.items()],
+                use_bin_type=True,
+            )
 
         comm.after_failure = after_commit(self.path)
         try:
@@ -479,15 +542,31 @@ class SaveJob:
         self.times["staging_bytes"] = self.staging_bytes
         st = self.stats
         if comm.is_coordinator:
-            log.info("shardpoint save %s: %d tensors, %.1f MiB unique, %.1f MiB exchanged, "
-                     "plan %.3fs%s, write %.3fs, commit %.3fs, total %.3fs", self.path,
-                     st["tensors"], st["unique_bytes"] / 2**20, st["exchange_bytes"] / 2**20,
-                     self.times["plan_total"], " (cached)" if self.plan_hit else "",
-                     self.times.get("write", 0.0), self.times["commit"], self.times["total"])
-        return SaveResult(self.path, comm.size, st["tensors"], st["unique_bytes"],
-                          st["exchange_bytes"], st["chunks"], self.written, self.times,
-                          files=st["chunks"] + st["tensors"] + 1 + st.get("groups", 0),
-                          rank_chunk_files=len(self._planned_work().writes))
+            log.info(
+                "shardpoint save %s: %d tensors, %.1f MiB unique, %.1f MiB exchanged, "
+                "plan %.3fs%s, write %.3fs, commit %.3fs, total %.3fs",
+                self.path,
+                st["tensors"],
+                st["unique_bytes"] / 2**20,
+                st["exchange_bytes"] / 2**20,
+                self.times["plan_total"],
+                " (cached)" if self.plan_hit else "",
+                self.times.get("write", 0.0),
+                self.times["commit"],
+                self.times["total"],
+            )
+        return SaveResult(
+            self.path,
+            comm.size,
+            st["tensors"],
+            st["unique_bytes"],
+            st["exchange_bytes"],
+            st["chunks"],
+            self.written,
+            self.times,
+            files=st["chunks"] + st["tensors"] + 1 + st.get("groups", 0),
+            rank_chunk_files=len(self._planned_work().writes),
+        )
 
     def abandon(self) -> None:
         """After an interrupt (KeyboardInterrupt, SystemExit, an exception a signal handler
@@ -502,20 +581,25 @@ class SaveJob:
         marker); on any failure the writer aborts, nothing of the save stays."""
         plan, w = self.global_plan, self._planned_writer()
         try:
-            m = Manifest(plan.tree, _entries(plan.tensors, payloads), plan.objects,
-                         save_world_size=self.comm.size)
+            m = Manifest(
+                plan.tree,
+                _entries(plan.tensors, payloads),
+                plan.objects,
+                save_world_size=self.comm.size,
+            )
             if any(e.chunk_crc32c is not None for e in m.tensors.values()):
-                m.format_version = FORMAT_VERSION_1_3      # the bytes hold a 1.3 construct
+                m.format_version = FORMAT_VERSION_1_3  # the bytes hold a 1.3 construct
             else:
                 m.format_version = FORMAT_VERSION
             w.commit(m)
         except BaseException as e:
-            w.abort()       # a no-op where the commit aborted already
+            w.abort()  # a no-op where the commit aborted already
             if isinstance(e, OSError) and not isinstance(e, errors.ShardpointError):
                 # the manifest's own write found the disk full
                 raise errors.SaveFailedError(
                     f"cannot commit checkpoint {self.path!r}: {os_error_text(e)}. Nothing "
-                    "was committed; the staged files are removed") from e
+                    "was committed; the staged files are removed"
+                ) from e
             raise
         return [b""] * self.comm.size
 
@@ -523,26 +607,39 @@ class SaveJob:
 def _entries(tensors: dict, payloads: list) -> dict:
     """The manifest's tensor entries, each with its chunk table ([SP-MAN-7]) where every
     chunk's writer recorded its units' crc32c (``payloads``: the ranks' commit reports)."""
-    merged: dict = {}      # array path -> chunk number -> its units' crc32c, every rank's
-    for p in payloads:     # one pass over what the ranks sent, not one per tensor and rank
-        for path, chunks in (msgpack.unpackb(p, raw=False) if p else ()):
+    merged: dict = {}  # array path -> chunk number -> its units' crc32c, every rank's
+    for p in payloads:  # one pass over what the ranks sent, not one per tensor and rank
+        for path, chunks in msgpack.unpackb(p, raw=False) if p else ():
             merged.setdefault(path, {}).update(chunks)
     out = {}
     for k, v in tensors.items():
         path = array_path_for(k)
-        out[k] = TensorEntry(k, path, v.shape, v.dtype, v.chunk_shape,
-                             join_tables([merged], path, v.shape, v.chunk_shape))
+        out[k] = TensorEntry(
+            k,
+            path,
+            v.shape,
+            v.dtype,
+            v.chunk_shape,
+            join_tables([merged], path, v.shape, v.chunk_shape),
+        )
     return out
 
 
 # -------------------------------------------------------------------------------- save
-def run_save(state: Any, path: str, comm: Comm, be: Optional[StorageBackend],
-             opts: SaveOptions, overwrite: "bool | str", group: Any, async_save: bool
-             ) -> "SaveResult | AsyncSave":
+def run_save(
+    state: Any,
+    path: str,
+    comm: Comm,
+    be: Optional[StorageBackend],
+    opts: SaveOptions,
+    overwrite: "bool | str",
+    group: Any,
+    async_save: bool,
+) -> "SaveResult | AsyncSave":
     """One save, phase by phase, with ``group`` (the checkpointer's state for ``comm``'s
     process group: plan cache, pending async save and its pool, side group). What
     :meth:`Checkpointer.save` runs."""
-    path, be = resolve(path, be, "save")   # s3://... is never a local directory 's3:'
+    path, be = resolve(path, be, "save")  # s3://... is never a local directory 's3:'
     ow = check_overwrite(overwrite)
     comm.after_failure = AFTER_SAVE
     saves = group.saves
@@ -555,11 +652,11 @@ def run_save(state: Any, path: str, comm: Comm, be: Optional[StorageBackend],
             job.stage()
             job.write(comm)
             res = job.commit(comm)
-            release_free_heap()     # flat memory over save cycles: see api/heap.py
+            release_free_heap()  # flat memory over save cycles: see api/heap.py
             return res
         job.stage(saves.pool)
         if job.error is not None:
-            job.commit(comm)      # raises the staging failure on every rank, removes staging
+            job.commit(comm)  # raises the staging failure on every rank, removes staging
         side = group.side_comm(comm)
     except BaseException:
         job.abandon()

@@ -2,6 +2,7 @@
 of device-to-host copies feeding writes (CUDA tensors in a sync save). No I/O of its own and
 no process group; callers pass the write function.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,20 +46,21 @@ class StagingPool:
     def take(self, requests: list) -> tuple:
         """Buffers for ``requests`` = [(shape, torch dtype)], in order, and the seconds spent
         allocating (and touching) a new arena; 0.0 when the old one was reused."""
-        sizes = [_aligned(math.prod(s) * torch.empty((), dtype=d).element_size())
-                 for s, d in requests]
+        sizes = [
+            _aligned(math.prod(s) * torch.empty((), dtype=d).element_size()) for s, d in requests
+        ]
         total, pinned, alloc = sum(sizes), cuda_staging(), 0.0
         if self.arena is None or self.arena.numel() < total or self.pinned != pinned:
             t = time.perf_counter()
-            self.arena = None   # free the old arena before the new one is allocated
+            self.arena = None  # free the old arena before the new one is allocated
             self.arena = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
             if not pinned:
-                self.arena.fill_(0)   # fault the pages in now: allocation is reported apart
+                self.arena.fill_(0)  # fault the pages in now: allocation is reported apart
             self.pinned, alloc = pinned, time.perf_counter() - t
         out, pos = [], 0
         for (shape, dt), n in zip(requests, sizes):
             nb = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-            out.append(self.arena[pos:pos + nb].view(dt).view(shape))
+            out.append(self.arena[pos : pos + nb].view(dt).view(shape))
             pos += n
         return out, alloc
 
@@ -89,8 +91,7 @@ def copy_pairs(pairs: list) -> None:
     stream.synchronize()
 
 
-def stream_device_writes(items: list, write: Callable, wait: Callable,
-                         budget_bytes: int) -> list:
+def stream_device_writes(items: list, write: Callable, wait: Callable, budget_bytes: int) -> list:
     """Write device tensors through pinned host buffers, at most ``budget_bytes`` of them in
     flight (or one item, if bigger): the copy of item k+1 runs while item k is written.
 
@@ -99,7 +100,7 @@ def stream_device_writes(items: list, write: Callable, wait: Callable,
     their host buffers stay referenced by the ops' closures until then).
     """
     stream = side_stream()
-    staged: deque = deque()      # (op, nbytes, host buffer) in flight, oldest first
+    staged: deque = deque()  # (op, nbytes, host buffer) in flight, oldest first
     in_flight = 0
     for src, ctx in items:
         n = src.numel() * src.element_size()

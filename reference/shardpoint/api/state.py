@@ -23,6 +23,7 @@ derives its data position from the consumed samples.
     saved = rank_value(sp.read_metadata(mgr.path(step)), ("rank",))
     if saved: set_rng_state(saved["rng"])
 """
+
 from __future__ import annotations
 
 import random
@@ -39,7 +40,7 @@ from shardpoint_core.format.statetree import TensorLeaf
 from shardpoint.tree.model import ShardedObject, ShardedTensor
 
 COMPILED_PREFIX = "_orig_mod."
-LOAD_BATCH_BYTES = 16 << 20     # bytes one load_model step reads at once
+LOAD_BATCH_BYTES = 16 << 20  # bytes one load_model step reads at once
 
 
 def _strip(sd: dict, prefix: Optional[str]) -> dict:
@@ -54,12 +55,14 @@ def model_state(model: torch.nn.Module, *, strip_prefix: Optional[str] = None) -
     """``{name: tensor}`` for ``model`` (DTensors for FSDP2/TP models), sharing its storage.
     ``strip_prefix="_orig_mod."`` drops the prefix ``torch.compile`` adds to names."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     return _strip(get_model_state_dict(model), strip_prefix)
 
 
 def set_model_state(model: torch.nn.Module, state: dict, *, strict: bool = True) -> None:
     """Copy a ``{name: tensor}`` tree (as loaded) into ``model``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
 
 
@@ -70,33 +73,46 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``, Adam's ``max_exp_avg_sq``...
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     return get_optimizer_state_dict(model, optimizer)
 
 
-def set_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        state: dict) -> None:
+def set_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
     """Restore what :func:`optimizer_state` gave (as loaded): moments and param groups."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
     set_optimizer_state_dict(model, optimizer, state)
 
 
-def flattened_shard(data: torch.Tensor, block_shape: Sequence[int], start: int, *,
-                    global_shape: Optional[Sequence[int]] = None,
-                    global_offset: Optional[Sequence[int]] = None,
-                    replica_id: Any = 0) -> ShardedTensor:
+def flattened_shard(
+    data: torch.Tensor,
+    block_shape: Sequence[int],
+    start: int,
+    *,
+    global_shape: Optional[Sequence[int]] = None,
+    global_offset: Optional[Sequence[int]] = None,
+    replica_id: Any = 0,
+) -> ShardedTensor:
     """A distributed optimizer's shard: ``data`` (1-D) holds elements ``start:start+len``
     of the row-major flattening of the block ``block_shape`` at ``global_offset`` (default:
     the whole tensor) of a tensor of ``global_shape`` (default: the block)."""
     shape = tuple(block_shape)
-    return ShardedTensor(data, tuple(global_shape or shape), tuple(global_offset or
-                                                                   (0,) * len(shape)),
-                         local_shape=shape, flattened_range=(start, start + data.numel()),
-                         replica_id=replica_id)
+    return ShardedTensor(
+        data,
+        tuple(global_shape or shape),
+        tuple(global_offset or (0,) * len(shape)),
+        local_shape=shape,
+        flattened_range=(start, start + data.numel()),
+        replica_id=replica_id,
+    )
 
 
 # ------------------------------------------------------------------- per-rank state
 def _rank_world(group: Any) -> tuple:
     import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
@@ -113,8 +129,9 @@ def rank_value(manifest: Manifest, path: Sequence[Any], *, group: Any = None) ->
     checkpoint was saved with another world size (see the module's world-size rule)."""
     key = encode_key(tuple(path))
     if key not in manifest.objects:
-        raise errors.LayoutMismatchError(f"sharded object {key!r} is not in the checkpoint",
-                                         spec_id="SP-LOAD-1")
+        raise errors.LayoutMismatchError(
+            f"sharded object {key!r} is not in the checkpoint", spec_id="SP-LOAD-1"
+        )
     vals = manifest.objects[key]
     rank, world = _rank_world(group)
     return vals[rank] if len(vals) == world else None
@@ -122,9 +139,12 @@ def rank_value(manifest: Manifest, path: Sequence[Any], *, group: Any = None) ->
 
 def rng_state() -> dict:
     """The RNG states of python, numpy, torch CPU and every CUDA device, as plain values."""
-    return {"python": random.getstate(), "numpy": tuple(np.random.get_state()),
-            "torch": torch.get_rng_state(),
-            "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else []}
+    return {
+        "python": random.getstate(),
+        "numpy": tuple(np.random.get_state()),
+        "torch": torch.get_rng_state(),
+        "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -139,9 +159,15 @@ def set_rng_state(state: dict) -> None:
 
 
 # ------------------------------------------------------------------- inference loads
-def load_model(path: str, model: torch.nn.Module, *, key: str = "model",
-               strip_prefix: Optional[str] = None, group: Any = None,
-               report: Optional[api.LoadReport] = None) -> torch.nn.Module:
+def load_model(
+    path: str,
+    model: torch.nn.Module,
+    *,
+    key: str = "model",
+    strip_prefix: Optional[str] = None,
+    group: Any = None,
+    report: Optional[api.LoadReport] = None,
+) -> torch.nn.Module:
     """Fill ``model`` from the ``key`` subtree of the checkpoint at ``path``; nothing else of
     the checkpoint (optimizer moments...) is read.
 
@@ -156,8 +182,11 @@ def load_model(path: str, model: torch.nn.Module, *, key: str = "model",
     m = api.read_metadata(path)
     tree = m.tree
     sub = tree.get(key) if isinstance(tree, dict) else None
-    stored = ({name: leaf.entry for name, leaf in sub.items() if isinstance(leaf, TensorLeaf)}
-              if isinstance(sub, dict) else {})
+    stored = (
+        {name: leaf.entry for name, leaf in sub.items() if isinstance(leaf, TensorLeaf)}
+        if isinstance(sub, dict)
+        else {}
+    )
     by_plain = {(_strip({k: 0}, strip_prefix).popitem()[0]): k for k in stored}
     report = report if report is not None else api.LoadReport()
     todo: list = []
@@ -168,7 +197,9 @@ def load_model(path: str, model: torch.nn.Module, *, key: str = "model",
             raise errors.LayoutMismatchError(
                 f"model tensor {name!r} is not in the checkpoint under {key!r} (checkpoint "
                 f"names look like {sorted(stored)[:3]}; compiled model? pass "
-                f"strip_prefix={COMPILED_PREFIX!r})", spec_id="SP-LOAD-1")
+                f"strip_prefix={COMPILED_PREFIX!r})",
+                spec_id="SP-LOAD-1",
+            )
         todo.append((ck, t))
     # In batches of bounded size: the reader's chunk buffers and the cast scratch stay small
     # next to the model, whatever its size.
@@ -178,13 +209,21 @@ def load_model(path: str, model: torch.nn.Module, *, key: str = "model",
         held += stored[ck].nbytes
         if held < LOAD_BATCH_BYTES and i + 1 < len(todo):
             continue
-        like = {key: {c: (x if str(x.dtype)[6:] == stored[c].dtype else torch.empty(
-            tuple(stored[c].shape), dtype=_torch_dtype(stored[c].dtype))) for c, x in batch}}
+        like = {
+            key: {
+                c: (
+                    x
+                    if str(x.dtype)[6:] == stored[c].dtype
+                    else torch.empty(tuple(stored[c].shape), dtype=_torch_dtype(stored[c].dtype))
+                )
+                for c, x in batch
+            }
+        }
         rep = api.LoadReport()
         out = api.load(path, like=like, group=group, report=rep)
         for c, x in batch:
             if out[key][c] is not x:
-                x.copy_(out[key][c])     # cast into the model's dtype
+                x.copy_(out[key][c])  # cast into the model's dtype
         total += rep.rank_bytes_read
         batch, held = [], 0
     report.rank_bytes_read = total
@@ -193,4 +232,5 @@ def load_model(path: str, model: torch.nn.Module, *, key: str = "model",
 
 def _torch_dtype(name: str) -> torch.dtype:
     from shardpoint.tree import dtypes
+
     return dtypes.from_name(name).torch

@@ -5,6 +5,7 @@ objects. Regions move with ``all_to_all_single`` over packed uint8 buffers, in r
 by a per-rank byte budget. Without an initialized process group everything degenerates to a
 world of one, so single-process use needs no setup.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,12 +35,16 @@ class Comm:
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
             backend = dist.get_backend(group)
-            self.device = (torch.device("cuda", torch.cuda.current_device())
-                           if "nccl" in str(backend).lower() else torch.device("cpu"))
+            self.device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if "nccl" in str(backend).lower()
+                else torch.device("cpu")
+            )
         else:
             if group is not None:
-                raise errors.ShardpointError("a process group was given but torch.distributed "
-                                             "is not initialized")
+                raise errors.ShardpointError(
+                    "a process group was given but torch.distributed is not initialized"
+                )
             self.rank, self.size, self.device = 0, 1, torch.device("cpu")
 
     @property
@@ -49,8 +54,15 @@ class Comm:
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
-    def _run(self, what: str, fn: Callable, *args: Any, _held: Sequence = (),
-             _peer: Optional[int] = None, **kwargs: Any) -> Any:
+    def _run(
+        self,
+        what: str,
+        fn: Callable,
+        *args: Any,
+        _held: Sequence = (),
+        _peer: Optional[int] = None,
+        **kwargs: Any,
+    ) -> Any:
         """``fn(*args, **kwargs)``, a torch.distributed collective; a failure of the group
         (gloo and NCCL raise a bare RuntimeError naming a socket, or a timeout) becomes
         :class:`~.errors.RankLostError` saying what happened and what to do (``_peer``: the
@@ -69,7 +81,7 @@ class Comm:
             # its frames hold the failed work, and through it the tensors: let them go
             e.__traceback__ = None
         held = _tensors_in((args, tuple(kwargs.values()), tuple(_held)))
-        fn = None   # type: ignore[assignment]   # a bound Work.wait holds its work
+        fn = None  # type: ignore[assignment]   # a bound Work.wait holds its work
         release_after_failure(held)
         raise lost from cause
 
@@ -77,20 +89,20 @@ class Comm:
         """Post point-to-point ``ops`` (``dist.P2POp``, to or from group ranks ``peers``) and
         wait for each; a failure names the rank waited on."""
         works = self._run(what, dist.batch_isend_irecv, ops, _held=ops)
-        one_each = len(works) == len(peers)   # a coalesced backend answers with one work
+        one_each = len(works) == len(peers)  # a coalesced backend answers with one work
         w = None
         try:
             for i, w in enumerate(works):
                 self._run(what, w.wait, _peer=peers[i] if one_each else None)
         except errors.RankLostError:
-            works = w = None     # the works not waited for hold the other ops' tensors
+            works = w = None  # the works not waited for hold the other ops' tensors
             release_after_failure(_tensors_in(ops))
             raise
 
     def _u8(self, b: bytes, n: int) -> torch.Tensor:
         t = torch.zeros(n, dtype=torch.uint8)
         if b:
-            t[:len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+            t[: len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
         return t.to(self.device)
 
     def _sizes(self, n: int) -> list:
@@ -125,16 +137,27 @@ class Comm:
         sizes = self._sizes(len(b))
         if not self.is_coordinator:
             if b:
-                self._run("send", dist.send, self._u8(b, len(b)), dst=self._global(0),
-                          group=self.group, _peer=0)
+                self._run(
+                    "send",
+                    dist.send,
+                    self._u8(b, len(b)),
+                    dst=self._global(0),
+                    group=self.group,
+                    _peer=0,
+                )
             return None
-        bufs = {r: torch.empty(n, dtype=torch.uint8, device=self.device)
-                for r, n in enumerate(sizes) if r and n}
+        bufs = {
+            r: torch.empty(n, dtype=torch.uint8, device=self.device)
+            for r, n in enumerate(sizes)
+            if r and n
+        }
         ops = [dist.P2POp(dist.irecv, t, self._global(r), self.group) for r, t in bufs.items()]
         if ops:
             self._p2p("recv", ops, list(bufs))
-        return [b if r == 0 else bytes(bufs[r].cpu().numpy()) if r in bufs else b""
-                for r in range(self.size)]
+        return [
+            b if r == 0 else bytes(bufs[r].cpu().numpy()) if r in bufs else b""
+            for r in range(self.size)
+        ]
 
     def gather_parts(self, parts: Sequence[bytes]) -> Optional[list]:
         """Every rank's ``[head, blob, ...]`` on the coordinator (None elsewhere), each
@@ -148,26 +171,29 @@ class Comm:
             return [list(parts)]
         msg, _ = dedup.offer(parts)
         got = self.gather_bytes(msg)
-        if got is None:     # not the coordinator: send the blobs it asks this rank for
+        if got is None:  # not the coordinator: send the blobs it asks this rank for
             idx = dedup.my_requests(self.broadcast_bytes(None), self.rank)
             n = sum(len(parts[1 + i]) for i in idx)
             if n:
                 t = self._u8(b"".join(parts[1 + i] for i in idx), n)
-                self._run("send", dist.send, t, dst=self._global(0), group=self.group,
-                          _peer=0)
+                self._run("send", dist.send, t, dst=self._global(0), group=self.group, _peer=0)
             return None
         offers = [dedup.read_offer(g) for g in got]
         want = dedup.requests(offers)
         self.broadcast_bytes(dedup.encode_requests(want))
         sizes = dedup.wanted_bytes(offers, want)
-        bufs = {r: torch.empty(n, dtype=torch.uint8, device=self.device)
-                for r, n in sizes.items() if n}
+        bufs = {
+            r: torch.empty(n, dtype=torch.uint8, device=self.device) for r, n in sizes.items() if n
+        }
         ops = [dist.P2POp(dist.irecv, t, self._global(r), self.group) for r, t in bufs.items()]
         if ops:
             self._p2p("recv", ops, list(bufs))
-        return dedup.assemble(offers, list(parts[1:]), want,
-                              {r: bufs[r].cpu().numpy().tobytes() if r in bufs else b""
-                               for r in sizes})
+        return dedup.assemble(
+            offers,
+            list(parts[1:]),
+            want,
+            {r: bufs[r].cpu().numpy().tobytes() if r in bufs else b"" for r in sizes},
+        )
 
     def broadcast_bytes(self, b: Optional[bytes]) -> bytes:
         """The coordinator's ``b`` on every rank (the other ranks pass None)."""
@@ -191,13 +217,11 @@ class Comm:
         # padding alone would be gigabytes sent by the coordinator)
         if not self.is_coordinator:
             sizes = torch.zeros(self.size, dtype=torch.int64, device=self.device)
-            self._run("broadcast", dist.broadcast, sizes, src=self._global(0),
-                      group=self.group)
+            self._run("broadcast", dist.broadcast, sizes, src=self._global(0), group=self.group)
             n = int(sizes[self.rank].item())
             out = torch.empty(n, dtype=torch.uint8, device=self.device)
             if n:
-                self._run("recv", dist.recv, out, src=self._global(0), group=self.group,
-                          _peer=0)
+                self._run("recv", dist.recv, out, src=self._global(0), group=self.group, _peer=0)
             return bytes(out.cpu().numpy())
         if parts is None:
             raise ValueError("the coordinator scatters one part per rank, not None")
@@ -206,8 +230,10 @@ class Comm:
         sizes = torch.tensor([len(p) for p in parts], dtype=torch.int64, device=self.device)
         self._run("broadcast", dist.broadcast, sizes, src=self._global(0), group=self.group)
         to = [r for r, p in enumerate(parts) if r and len(p)]
-        ops = [dist.P2POp(dist.isend, self._u8(parts[r], len(parts[r])), self._global(r),
-                          self.group) for r in to]
+        ops = [
+            dist.P2POp(dist.isend, self._u8(parts[r], len(parts[r])), self._global(r), self.group)
+            for r in to
+        ]
         if ops:
             self._p2p("send", ops, to)
         return parts[0]
@@ -220,9 +246,15 @@ class Comm:
         ins = [s.to(self.device) for s in send]
         inp = torch.cat(ins) if ins else torch.empty(0, dtype=torch.uint8, device=self.device)
         out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
-        self._run("all_to_all", dist.all_to_all_single, out, inp,
-                  output_split_sizes=list(recv_sizes),
-                  input_split_sizes=[int(s.numel()) for s in send], group=self.group)
+        self._run(
+            "all_to_all",
+            dist.all_to_all_single,
+            out,
+            inp,
+            output_split_sizes=list(recv_sizes),
+            input_split_sizes=[int(s.numel()) for s in send],
+            group=self.group,
+        )
         return list(torch.split(out, list(recv_sizes)))
 
 
@@ -230,8 +262,7 @@ def group_key(comm: Comm) -> tuple:
     """A key naming ``comm``'s group by its global ranks (stable across calls)."""
     if comm.size == 1:
         return ("single",)
-    return ("group", comm.size,
-            tuple(dist.get_process_group_ranks(comm.group or dist.group.WORLD)))
+    return ("group", comm.size, tuple(dist.get_process_group_ranks(comm.group or dist.group.WORLD)))
 
 
 def new_side_comm(comm: Comm) -> Comm:
@@ -245,14 +276,22 @@ def new_side_comm(comm: Comm) -> Comm:
     # A strict subgroup synchronizes only its members (the other ranks are not saving);
     # the whole world takes torch's ordinary path, where every rank calls new_group.
     sub = comm.size < dist.get_world_size()
-    return Comm(comm._run("new_group", dist.new_group, list(key[2]), backend="gloo",
-                          timeout=_timeout_of(comm.group), use_local_synchronization=sub))
+    return Comm(
+        comm._run(
+            "new_group",
+            dist.new_group,
+            list(key[2]),
+            backend="gloo",
+            timeout=_timeout_of(comm.group),
+            use_local_synchronization=sub,
+        )
+    )
 
 
 def _timeout_of(group: Any) -> Any:
     """The collective timeout of ``group`` (so a dead peer fails the background save as soon
     as it would fail the job's own collectives); None (torch's default) when unknown."""
-    try:   # torch keeps it only on the backend's options
+    try:  # torch keeps it only on the backend's options
         pg = group or dist.group.WORLD
         if pg is None:
             return None
@@ -261,39 +300,51 @@ def _timeout_of(group: Any) -> Any:
         return None
 
 
-AFTER_UNKNOWN = ("restart every rank; a save cut short before its commit commits nothing and "
-                 "committed checkpoints are left as they were")
-AFTER_SAVE = ("the save was cut short before its commit, so it commits nothing: restart every "
-              "rank and resume from the last committed checkpoint")
-AFTER_LOAD = ("the load returned nothing and changed nothing on storage: restart every rank "
-              "and load again")
+AFTER_UNKNOWN = (
+    "restart every rank; a save cut short before its commit commits nothing and "
+    "committed checkpoints are left as they were"
+)
+AFTER_SAVE = (
+    "the save was cut short before its commit, so it commits nothing: restart every "
+    "rank and resume from the last committed checkpoint"
+)
+AFTER_LOAD = (
+    "the load returned nothing and changed nothing on storage: restart every rank and load again"
+)
 
 
 def after_commit(path: str) -> str:
     """The advice for a failure while the ranks agree on a save's commit: the coordinator
     may already have renamed it into place."""
-    return (f"it failed while the ranks agreed on the commit, so the checkpoint {path!r} may "
-            f"or may not be committed (`shardpoint verify {path}` tells; a previous "
-            "checkpoint there is intact if it was not): restart every rank and resume from "
-            "the newest committed checkpoint")
+    return (
+        f"it failed while the ranks agreed on the commit, so the checkpoint {path!r} may "
+        f"or may not be committed (`shardpoint verify {path}` tells; a previous "
+        "checkpoint there is intact if it was not): restart every rank and resume from "
+        "the newest committed checkpoint"
+    )
 
 
-def rank_lost(comm: Comm, op: str, e: BaseException,
-              peer: Optional[int] = None) -> errors.RankLostError:
+def rank_lost(
+    comm: Comm, op: str, e: BaseException, peer: Optional[int] = None
+) -> errors.RankLostError:
     """The error for a collective that failed under ``comm``: the backend's own words without
     its source path and boilerplate, the rank waited on (``peer``, for point-to-point), the
     group's timeout, and what to do."""
     text = (str(e).strip().splitlines() or [type(e).__name__])[0]
     text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0].rstrip(".")
     timeout = _timeout_of(comm.group)
-    who = ("another rank of the group" if peer is None else
-           f"another rank (rank {peer}, which this rank "
-           f"{'sent to' if op == 'send' else 'waited on'})")
+    who = (
+        "another rank of the group"
+        if peer is None
+        else f"another rank (rank {peer}, which this rank "
+        f"{'sent to' if op == 'send' else 'waited on'})"
+    )
     return errors.RankLostError(
         f"rank {comm.rank} of {comm.size}: the {op} collective failed ({text}): {who} died, "
         "was killed or hung"
         + (f" past the group's timeout ({timeout.total_seconds():g} s)" if timeout else "")
-        + f"; its own log says why. {comm.after_failure[0].upper()}{comm.after_failure[1:]}")
+        + f"; its own log says why. {comm.after_failure[0].upper()}{comm.after_failure[1:]}"
+    )
 
 
 # ---------------------------------------------------------------------- errors across ranks
@@ -336,9 +387,13 @@ def agree(comm: Comm, err: Optional[BaseException], fallback: type) -> None:
         raise err
 
 
-def run_collectively(comm: Comm, local: Callable[[], Any],
-                     decide: Callable[[list], list], fallback: type,
-                     same: Any = None) -> bytes:
+def run_collectively(
+    comm: Comm,
+    local: Callable[[], Any],
+    decide: Callable[[list], list],
+    fallback: type,
+    same: Any = None,
+) -> bytes:
     """Gather each rank's ``local()`` to the coordinator, let it ``decide`` one answer per
     rank, scatter the answers. ``local()`` returns bytes, or ``[head, blob, ...]`` (a list of
     bytes, which ``decide`` then gets as such): either way identical blobs cross the network
@@ -353,8 +408,11 @@ def run_collectively(comm: Comm, local: Callable[[], Any],
     try:
         out = local()
         # bytes: one blob; a list: [head, blob, ...], the head kept apart from the blobs
-        mine = [msgpack.packb([0, None, mine_same]), out] if isinstance(out, bytes) else \
-            [msgpack.packb([0, out[0], mine_same]), *out[1:]]
+        mine = (
+            [msgpack.packb([0, None, mine_same]), out]
+            if isinstance(out, bytes)
+            else [msgpack.packb([0, out[0], mine_same]), *out[1:]]
+        )
     except Exception as e:  # noqa: BLE001 - forwarded to every rank
         mine = [msgpack.packb([1, error_record(e, comm.rank), mine_same])]
     # the coordinator decodes one message per rank and plans: ~10^5 small objects per
@@ -364,28 +422,39 @@ def run_collectively(comm: Comm, local: Callable[[], Any],
         return _gather_decide_scatter(comm, mine, pairs, mine_same, decide, fallback)
 
 
-def _gather_decide_scatter(comm: Comm, mine: list, pairs: list, mine_same: list,
-                           decide: Callable[[list], list], fallback: type) -> bytes:
+def _gather_decide_scatter(
+    comm: Comm,
+    mine: list,
+    pairs: list,
+    mine_same: list,
+    decide: Callable[[list], list],
+    fallback: type,
+) -> bytes:
     got = comm.gather_parts(mine)
     parts = None
-    if got is not None:     # the coordinator
+    if got is not None:  # the coordinator
         items = []
         for g in got:
             status, head, vs = msgpack.unpackb(g[0])
-            items.append((status, head if status else
-                          g[1] if head is None else [head, *g[1:]], vs))
+            items.append((status, head if status else g[1] if head is None else [head, *g[1:]], vs))
         failed = [rec for status, rec, _ in items if status]
-        mine_same = msgpack.unpackb(msgpack.packb(mine_same))   # compared as the others are
+        mine_same = msgpack.unpackb(msgpack.packb(mine_same))  # compared as the others are
         for i, (what, _v) in enumerate(pairs):
             differ = [(r, v[i]) for r, (_, _, v) in enumerate(items) if v[i] != mine_same[i]]
-            if differ:   # a mismatch is the cause of whatever else failed: report it alone
+            if differ:  # a mismatch is the cause of whatever else failed: report it alone
                 shown = ", ".join(f"rank {r}: {v!r}" for r, v in differ[:3])
-                failed = [error_record(errors.InvalidOptionError(
-                    f"the ranks were given different {what}s: rank {comm.rank}: "
-                    f"{mine_same[i]!r}, {shown}"
-                    + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-                    + f"; every rank of the group must pass the same {what} (a collective "
-                    "call's arguments are agreed before anything is written)"), comm.rank)]
+                failed = [
+                    error_record(
+                        errors.InvalidOptionError(
+                            f"the ranks were given different {what}s: rank {comm.rank}: "
+                            f"{mine_same[i]!r}, {shown}"
+                            + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+                            + f"; every rank of the group must pass the same {what} (a collective "
+                            "call's arguments are agreed before anything is written)"
+                        ),
+                        comm.rank,
+                    )
+                ]
                 break
         if failed:
             parts = [msgpack.packb([1, failed])] * comm.size
@@ -410,8 +479,8 @@ def pack_views(views: list) -> torch.Tensor:
         pos = 0
         for v in views:
             n = v.numel() * v.element_size()
-            if not copy_with_bytes(v, out[pos:pos + n], True):
-                out[pos:pos + n] = v.contiguous().reshape(-1).view(torch.uint8)
+            if not copy_with_bytes(v, out[pos : pos + n], True):
+                out[pos : pos + n] = v.contiguous().reshape(-1).view(torch.uint8)
             pos += n
         return out
     return torch.cat([v.contiguous().reshape(-1).view(torch.uint8) for v in views])
@@ -422,7 +491,7 @@ def unpack_into(buf: torch.Tensor, dsts: list) -> None:
     pos = 0
     for d in dsts:
         n = d.numel() * d.element_size()
-        raw = buf[pos:pos + n]
+        raw = buf[pos : pos + n]
         if copy_with_bytes(d, raw, False):
             pass
         elif (raw.storage_offset() * raw.element_size()) % d.element_size():
@@ -475,8 +544,11 @@ def exchange(comm: Comm, sends: list, recvs: list, budget: int) -> None:
         send_bufs, recv_sizes, recv_views = [], [], []
         for peer in range(comm.size):
             s = sp.get(peer, [])
-            send_bufs.append(pack_views([v for _, v in s[k]]) if k < len(s)
-                             else torch.empty(0, dtype=torch.uint8))
+            send_bufs.append(
+                pack_views([v for _, v in s[k]])
+                if k < len(s)
+                else torch.empty(0, dtype=torch.uint8)
+            )
             r = rp.get(peer, [])
             views = [v for _, v in r[k]] if k < len(r) else []
             recv_views.append(views)

@@ -9,6 +9,7 @@ every rank's list (:func:`assemble`), identical blobs as one bytes object. Pure:
 group here, so ``benchmarks/plan_scale.py`` runs the coordinator's side of the gather for
 65,536 simulated ranks in one process.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +17,7 @@ from typing import Sequence
 
 import msgpack
 
-DIGEST_BYTES = 16      # BLAKE2b-128: a collision would hand a rank another's plan
+DIGEST_BYTES = 16  # BLAKE2b-128: a collision would hand a rank another's plan
 
 
 def digest(b: bytes) -> bytes:
@@ -35,8 +36,7 @@ def read_offer(msg: bytes) -> tuple:
     head, joined, sizes = msgpack.unpackb(msg)
     if len(joined) != DIGEST_BYTES * len(sizes):
         raise ValueError("a gather offer's digests do not match its blob count")
-    return head, [joined[i:i + DIGEST_BYTES] for i in range(0, len(joined), DIGEST_BYTES)], \
-        sizes
+    return head, [joined[i : i + DIGEST_BYTES] for i in range(0, len(joined), DIGEST_BYTES)], sizes
 
 
 def requests(offers: Sequence[tuple]) -> dict:
@@ -76,7 +76,7 @@ def assemble(offers: Sequence[tuple], own: Sequence[bytes], want: dict, got: dic
         buf, pos = got[r], 0
         _h, digs, sizes = offers[r]
         for i in idx:
-            b = bytes(buf[pos:pos + sizes[i]])
+            b = bytes(buf[pos : pos + sizes[i]])
             pos += sizes[i]
             if digest(b) != digs[i]:
                 raise ValueError(f"rank {r}'s blob {i} does not match its digest")

@@ -32,6 +32,7 @@ Collective steps, all over the load's group (each wait bounded by the group's ti
 
 Segments hold raw tensor bytes and a msgpack table of where each region sits; no pickle.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -67,7 +68,7 @@ SHM_DIR = "/dev/shm"
 ROUND_BYTES = 8 << 20
 _NAME = re.compile(r"^shardpoint-[0-9]+-[0-9a-f]{32}$")
 _ALIGN = 64
-_BIG = 2**62     # stands for any slot offset when sizing the header
+_BIG = 2**62  # stands for any slot offset when sizing the header
 # Map every page at once (one call) instead of a fault per page at first touch, which
 # made the first rounds' copies several times slower than the later ones.
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -109,8 +110,9 @@ class Segment:
         self.name = f"shardpoint-{os.getpid()}-{secrets.token_hex(16)}"
         self.path = os.path.join(SHM_DIR, self.name)
         self.map: Optional[mmap.mmap] = None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, 0o600)
+        fd = os.open(
+            self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
         try:
             os.posix_fallocate(fd, 0, self.size)
             self.map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
@@ -120,14 +122,18 @@ class Segment:
         finally:
             os.close(fd)
         self.map[:8] = len(header).to_bytes(8, "little")
-        self.map[8:8 + len(header)] = header
+        self.map[8 : 8 + len(header)] = header
 
     def view(self, k: int, slot: int, nbytes: int) -> torch.Tensor:
         """The uint8 tensor over ``nbytes`` at ``slot`` of round ``k``'s half."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes,
-                                offset=self.data_start + (k % 2) * self.half + slot)
+        return torch.frombuffer(
+            self.map,
+            dtype=torch.uint8,
+            count=nbytes,
+            offset=self.data_start + (k % 2) * self.half + slot,
+        )
 
     def unlink(self) -> None:
         try:
@@ -142,24 +148,28 @@ class PeerSegment:
 
     def __init__(self, name: Any) -> None:
         if not isinstance(name, str) or not _NAME.match(name):
-            raise errors.LoadFailedError(f"peer shared-memory segment name {name!r} is not "
-                                         "one shardpoint creates")
+            raise errors.LoadFailedError(
+                f"peer shared-memory segment name {name!r} is not one shardpoint creates"
+            )
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             self.size = os.fstat(fd).st_size
             self.map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
             try:
                 self.map.madvise(_MADV_POPULATE_READ)
-            except (OSError, ValueError):   # a kernel before 5.14: pages fault in on use
+            except (OSError, ValueError):  # a kernel before 5.14: pages fault in on use
                 pass
         finally:
             os.close(fd)
         n = int.from_bytes(self.map[:8], "little")
         if n > self.size - 8:
-            raise errors.LoadFailedError(f"shared-memory segment {name}: header of {n} bytes "
-                                         f"in a {self.size}-byte segment")
-        self.table = {i: (k, s, tuple(o), tuple(sh)) for i, k, s, o, sh in
-                      msgpack.unpackb(self.map[8:8 + n], strict_map_key=False)}
+            raise errors.LoadFailedError(
+                f"shared-memory segment {name}: header of {n} bytes in a {self.size}-byte segment"
+            )
+        self.table = {
+            i: (k, s, tuple(o), tuple(sh))
+            for i, k, s, o, sh in msgpack.unpackb(self.map[8 : 8 + n], strict_map_key=False)
+        }
         self.data_start = _align(8 + n)
         self.half = (self.size - self.data_start) // 2
 
@@ -171,14 +181,20 @@ class PeerSegment:
         k, slot, off, shape = self.table[i]
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if slot + n > self.half:
-            raise errors.LoadFailedError(f"shared-memory region {i} ends at {slot + n}, past "
-                                         f"the segment's {self.half}-byte half")
+            raise errors.LoadFailedError(
+                f"shared-memory region {i} ends at {slot + n}, past "
+                f"the segment's {self.half}-byte half"
+            )
         if n == 0:
             return box_view(torch.empty(shape, dtype=dtype), off, box_off, box_shape)
-        with warnings.catch_warnings():   # read-only on purpose: it is only copied from
+        with warnings.catch_warnings():  # read-only on purpose: it is only copied from
             warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(self.map, dtype=torch.uint8, count=n,
-                                 offset=self.data_start + (k % 2) * self.half + slot)
+            t = torch.frombuffer(
+                self.map,
+                dtype=torch.uint8,
+                count=n,
+                offset=self.data_start + (k % 2) * self.half + slot,
+            )
         return box_view(t.view(dtype).view(shape), off, box_off, box_shape)
 
 
@@ -188,15 +204,22 @@ class HostExchange:
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.seg: Optional[Segment] = None
-        self.slots: dict = {}        # read index -> (round, slot)
+        self.slots: dict = {}  # read index -> (round, slot)
         self.rounds = 0
-        self.peers: dict = {}        # same-host rank I receive from -> PeerSegment
-        self.to_shm: set = set()     # ranks that copy from my segment
-        self.notes: list = []        # why shared memory was not used somewhere
+        self.peers: dict = {}  # same-host rank I receive from -> PeerSegment
+        self.to_shm: set = set()  # ranks that copy from my segment
+        self.notes: list = []  # why shared memory was not used somewhere
 
     @classmethod
-    def begin(cls, comm: Comm, host: str, regions: Sequence[tuple], recv_from: set,
-              use_shm: bool, round_bytes: int = ROUND_BYTES) -> "HostExchange":
+    def begin(
+        cls,
+        comm: Comm,
+        host: str,
+        regions: Sequence[tuple],
+        recv_from: set,
+        use_shm: bool,
+        round_bytes: int = ROUND_BYTES,
+    ) -> "HostExchange":
         """Collective. ``regions``: ``(read index, global offset, shape, nbytes)`` of each read
         this rank sends, in read order; ``recv_from``: the ranks it receives from."""
         hx = cls(comm)
@@ -207,16 +230,16 @@ class HostExchange:
             raise
         return hx
 
-    def _begin(self, host: str, regions: Sequence[tuple], recv_from: set, use_shm: bool,
-               round_bytes: int) -> None:
+    def _begin(
+        self, host: str, regions: Sequence[tuple], recv_from: set, use_shm: bool, round_bytes: int
+    ) -> None:
         comm = self.comm
         name, my_rounds = None, 0
         if use_shm and regions:
             half, where = plan_rounds([n for *_, n in regions], round_bytes)
             self.slots = {r[0]: w for r, w in zip(regions, where)}
             my_rounds = where[-1][0] + 1
-            table = [[i, k, s, list(o), list(sh)] for (i, o, sh, _n), (k, s) in
-                     zip(regions, where)]
+            table = [[i, k, s, list(o), list(sh)] for (i, o, sh, _n), (k, s) in zip(regions, where)]
             try:
                 self.seg = Segment(table, half)
                 name = self.seg.name
@@ -224,8 +247,10 @@ class HostExchange:
                 self.notes.append(f"cannot create a segment: {e}")
                 self.slots = {}
                 my_rounds = 0
-        got = [msgpack.unpackb(g) for g in comm.all_gather_bytes(
-            msgpack.packb([host, name, my_rounds]))]
+        got = [
+            msgpack.unpackb(g)
+            for g in comm.all_gather_bytes(msgpack.packb([host, name, my_rounds]))
+        ]
         self.rounds = max(r for _h, _n, r in got)
         failed = []
         for src in sorted(recv_from):
@@ -240,15 +265,18 @@ class HostExchange:
             except Exception as e:  # noqa: BLE001 - that pair goes through the group instead
                 failed.append(src)
                 self.notes.append(f"cannot map rank {src}'s segment: {e}")
-        if comm.all_true(not failed):   # the usual case: one flag, not a gather
+        if comm.all_true(not failed):  # the usual case: one flag, not a gather
             fails: list = [[]] * comm.size
         else:
             fails = [msgpack.unpackb(g) for g in comm.all_gather_bytes(msgpack.packb(failed))]
         # Nobody opens a segment after this step: the mappings keep the memory alive.
         if self.seg is not None:
             self.seg.unlink()
-        self.to_shm = {d for d, (h, _n, _r) in enumerate(got) if h == host and d != comm.rank
-                       and self.seg is not None and comm.rank not in fails[d]}
+        self.to_shm = {
+            d
+            for d, (h, _n, _r) in enumerate(got)
+            if h == host and d != comm.rank and self.seg is not None and comm.rank not in fails[d]
+        }
 
     def close(self) -> None:
         """Unlink this rank's segment if still linked, drop the mappings (idempotent)."""
@@ -257,17 +285,28 @@ class HostExchange:
         self.peers = {}
 
 
-def execute_dedup_load(comm: Comm, reader: CheckpointReader, work: Any, budget: int, timings: dict,
-                       dst_view: Callable, handle: Callable, dtype_of: Callable, host: str,
-                       use_shm: bool, round_bytes: int = ROUND_BYTES) -> tuple:
+def execute_dedup_load(
+    comm: Comm,
+    reader: CheckpointReader,
+    work: Any,
+    budget: int,
+    timings: dict,
+    dst_view: Callable,
+    handle: Callable,
+    dtype_of: Callable,
+    host: str,
+    use_shm: bool,
+    round_bytes: int = ROUND_BYTES,
+) -> tuple:
     """Collective: read this rank's share of a dedup load plan (``RankLoadWork``), copy its
     own parts, and exchange the rest (module docstring). Returns ``(bytes read, bytes
     sent)``; ``timings`` gains the phases and the bytes moved through shared memory. Every
     read goes through ``reader``, the load's checkpoint transaction."""
     t0 = time.perf_counter()
     reads = work.reads
-    size = [math.prod(op.shape) * torch.empty((), dtype=dtype_of(op.key)).element_size()
-            for op in reads]
+    size = [
+        math.prod(op.shape) * torch.empty((), dtype=dtype_of(op.key)).element_size() for op in reads
+    ]
     # The disk starts now, while the ranks set up the exchange: nothing below needs it.
     ahead = ReadAhead(reader, handle, reads, size, 2 * round_bytes)
     ahead.upto(-1)
@@ -275,12 +314,30 @@ def execute_dedup_load(comm: Comm, reader: CheckpointReader, work: Any, budget: 
     sent_to: dict = defaultdict(set)
     for t in work.sends:
         sent_to[t.src_ref[0]].add(t.dst)
-    hx = HostExchange.begin(comm, host, [(i, reads[i].offset, reads[i].shape, size[i])
-                                         for i in sorted(sent_to)],
-                            {t.src for t in work.recvs}, use_shm, round_bytes)
+    hx = HostExchange.begin(
+        comm,
+        host,
+        [(i, reads[i].offset, reads[i].shape, size[i]) for i in sorted(sent_to)],
+        {t.src for t in work.recvs},
+        use_shm,
+        round_bytes,
+    )
     try:
-        return _run(comm, reader, work, budget, timings, dst_view, handle, dtype_of, hx, size,
-                    sent_to, t0, ahead)
+        return _run(
+            comm,
+            reader,
+            work,
+            budget,
+            timings,
+            dst_view,
+            handle,
+            dtype_of,
+            hx,
+            size,
+            sent_to,
+            t0,
+            ahead,
+        )
     finally:
         hx.close()
 
@@ -292,14 +349,20 @@ class ReadAhead:
     everything at once: a disk that serves every rank's whole share interleaved would make
     the first round wait for nearly all of it, with the copies left for the end."""
 
-    def __init__(self, reader: CheckpointReader, handle: Callable, reads: Sequence,
-                 size: Sequence[int], window: int) -> None:
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        handle: Callable,
+        reads: Sequence,
+        size: Sequence[int],
+        window: int,
+    ) -> None:
         self.prefetch: Optional[Callable] = reader.prefetch if reader.can_prefetch else None
         self.handle, self.reads, self.window = handle, reads, window
-        self.end = list(itertools.accumulate(size))   # bytes up to and including read i
+        self.end = list(itertools.accumulate(size))  # bytes up to and including read i
         self.next = 0
         if self.prefetch is not None:
-            try:   # array metadata first: it would wait behind the data otherwise
+            try:  # array metadata first: it would wait behind the data otherwise
                 for op in reads:
                     handle(op.key)
             except Exception:  # noqa: BLE001 - raised again where that array is read
@@ -319,13 +382,25 @@ class ReadAhead:
             self.prefetch = None
 
 
-def _run(comm: Comm, reader: CheckpointReader, work: Any, budget: int, timings: dict, dst_view: Callable,
-         handle: Callable, dtype_of: Callable, hx: HostExchange, size: list, sent_to: dict,
-         t0: float, ahead: ReadAhead) -> tuple:
+def _run(
+    comm: Comm,
+    reader: CheckpointReader,
+    work: Any,
+    budget: int,
+    timings: dict,
+    dst_view: Callable,
+    handle: Callable,
+    dtype_of: Callable,
+    hx: HostExchange,
+    size: list,
+    sent_to: dict,
+    t0: float,
+    ahead: ReadAhead,
+) -> tuple:
     reads = work.reads
     t_begin = time.perf_counter()
-    staged: dict = defaultdict(list)    # round -> read indexes read into the segment
-    mixed: dict = defaultdict(list)     # round -> read indexes copied into it from private
+    staged: dict = defaultdict(list)  # round -> read indexes read into the segment
+    mixed: dict = defaultdict(list)  # round -> read indexes copied into it from private
     bufs: list = [None] * len(reads)
     err: Optional[BaseException] = None
     nread = 0
@@ -341,8 +416,7 @@ def _run(comm: Comm, reader: CheckpointReader, work: Any, budget: int, timings: 
         ops = []
         for i in staged.get(k, ()):
             r, s = hx.slots[i]
-            bufs[i] = seg.view(r, s, size[i]).view(dtype_of(reads[i].key)).view(
-                reads[i].shape)
+            bufs[i] = seg.view(r, s, size[i]).view(dtype_of(reads[i].key)).view(reads[i].shape)
             ops.append(reader.read_into(handle(reads[i].key), reads[i].offset, to_numpy(bufs[i])))
         ahead.upto(max(staged.get(k, [-1])))
         return ops
@@ -408,7 +482,7 @@ def _run(comm: Comm, reader: CheckpointReader, work: Any, budget: int, timings: 
     moved = t_read = t_copy = t_wait = 0.0
     for k in range(max(hx.rounds, 1)):
         t = time.perf_counter()
-        try:   # waited for even after an error: no read may still be filling the segment
+        try:  # waited for even after an error: no read may still be filling the segment
             reader.wait(pending)
         except Exception as e:  # noqa: BLE001
             err = err or e
@@ -425,7 +499,7 @@ def _run(comm: Comm, reader: CheckpointReader, work: Any, budget: int, timings: 
         pending = []
         t_read += time.perf_counter() - t
         t = time.perf_counter()
-        agree(comm, err, errors.LoadFailedError)   # every rank's round k is intact
+        agree(comm, err, errors.LoadFailedError)  # every rank's round k is intact
         t_wait += time.perf_counter() - t
         # Every peer finished copying round k - 1 before this agreement: its half is free.
         if k + 1 < hx.rounds and hx.seg is not None:
@@ -436,8 +510,12 @@ def _run(comm: Comm, reader: CheckpointReader, work: Any, budget: int, timings: 
         t = time.perf_counter()
         try:
             for tr, dst in shm_recv.get(k, ()):
-                copy_into(dst, hx.peers[tr.src].box(tr.src_ref[0], dtype_of(tr.key),
-                                                    tr.box_offset, tr.box_shape))
+                copy_into(
+                    dst,
+                    hx.peers[tr.src].box(
+                        tr.src_ref[0], dtype_of(tr.key), tr.box_offset, tr.box_shape
+                    ),
+                )
                 moved += dst.numel() * dst.element_size()
         except Exception as e:  # noqa: BLE001 - raised at the next agreement, or below
             err = e
@@ -445,19 +523,35 @@ def _run(comm: Comm, reader: CheckpointReader, work: Any, budget: int, timings: 
     t = time.perf_counter()
     # An error here can only come from the last round's copies (earlier ones were raised at
     # an agreement): the buffers are intact, so this rank still does its part of the exchange.
-    sends = [(t_.dst, box_view(bufs[t_.src_ref[0]], reads[t_.src_ref[0]].offset, t_.box_offset,
-                               t_.box_shape)) for t_ in work.sends if t_.dst not in hx.to_shm]
+    sends = [
+        (
+            t_.dst,
+            box_view(bufs[t_.src_ref[0]], reads[t_.src_ref[0]].offset, t_.box_offset, t_.box_shape),
+        )
+        for t_ in work.sends
+        if t_.dst not in hx.to_shm
+    ]
     exchange(comm, sends, group_recv, budget)
-    timings.update({"shm_rounds": hx.rounds, "shm_bytes": moved, "shm_read_s": t_read,
-                    "shm_wait_s": t_wait, "shm_copy_s": t_copy,
-                    "group_bytes": sum(v.numel() * v.element_size() for _, v in group_recv),
-                    "group_s": time.perf_counter() - t, "setup_s": t_begin - t0})
-    timings["exchange"] = t_copy + timings["group_s"]     # moving bytes, not waiting
+    timings.update(
+        {
+            "shm_rounds": hx.rounds,
+            "shm_bytes": moved,
+            "shm_read_s": t_read,
+            "shm_wait_s": t_wait,
+            "shm_copy_s": t_copy,
+            "group_bytes": sum(v.numel() * v.element_size() for _, v in group_recv),
+            "group_s": time.perf_counter() - t,
+            "setup_s": t_begin - t0,
+        }
+    )
+    timings["exchange"] = t_copy + timings["group_s"]  # moving bytes, not waiting
     if hx.notes:
         timings["shm_notes"] = "; ".join(hx.notes)
     if err is not None:
         raise err
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return nread, sum(math.prod(t_.box_shape) * torch.empty((), dtype=dtype_of(t_.key))
-                      .element_size() for t_ in work.sends)
+    return nread, sum(
+        math.prod(t_.box_shape) * torch.empty((), dtype=dtype_of(t_.key)).element_size()
+        for t_ in work.sends
+    )

@@ -10,6 +10,7 @@ error was printed. So the caller keeps the tensors until the workers are done wi
 short wait before the error is raised, and whatever is still held then is kept until exit,
 where a hook waits again before the interpreter is torn down.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -22,8 +23,8 @@ import torch
 
 # Tensors a worker still held when their collective's error was raised.
 _STRANDED: list = []
-WAIT_S = 2.0         # at the failure: the worker is usually done within milliseconds
-EXIT_WAIT_S = 10.0   # at exit, for what was still held
+WAIT_S = 2.0  # at the failure: the worker is usually done within milliseconds
+EXIT_WAIT_S = 10.0  # at exit, for what was still held
 
 
 def tensors_in(values: Any) -> list:
@@ -48,7 +49,7 @@ def _held_elsewhere(t: torch.Tensor) -> bool:
     """True while something besides its Python object holds ``t`` (a backend's work)."""
     try:
         # private, absent from torch's stubs; a torch without it lands in the except below
-        return t._use_count() > 1   # type: ignore[attr-defined]
+        return t._use_count() > 1  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - a torch without it: nothing to wait for
         return False
 
@@ -78,11 +79,11 @@ def settle_at_exit() -> None:
     left = _settle(_STRANDED, EXIT_WAIT_S)
     _STRANDED[:] = left
     if left:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_STRANDED))   # kept past finalization
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_STRANDED))  # kept past finalization
 
 
-try:   # Python >= 3.9: runs before interpreter teardown, while threads still run
+try:  # Python >= 3.9: runs before interpreter teardown, while threads still run
     # private and absent from typeshed; a Python without it raises AttributeError
-    threading._register_atexit(settle_at_exit)   # type: ignore[attr-defined]
-except (AttributeError, RuntimeError):   # pragma: no cover - another Python
+    threading._register_atexit(settle_at_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # pragma: no cover - another Python
     atexit.register(settle_at_exit)

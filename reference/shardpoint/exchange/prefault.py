@@ -5,6 +5,7 @@ machine each fault costs microseconds, and copying 24 MiB into a fresh tensor me
 here against 0.03 s after ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), which faults the
 whole range in at once. Elsewhere, or when the call fails, nothing happens: it is only a hint.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -15,7 +16,7 @@ import torch
 
 _MADV_POPULATE_WRITE = 23
 _PAGE = 4096
-_madvise: Optional[Callable[[int, int, int], int]] = None    # madvise(addr, length, advice)
+_madvise: Optional[Callable[[int, int, int], int]] = None  # madvise(addr, length, advice)
 _unavailable = not sys.platform.startswith("linux")
 
 

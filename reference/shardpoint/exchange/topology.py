@@ -6,6 +6,7 @@ rank names its host. Ranks of one host must give the same name, ranks of differe
 different names; a wrong "same" is safe (mapping a peer's segment fails and the group
 exchange takes over) but prices the load wrongly.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,9 @@ import socket
 from typing import Mapping, Optional
 
 
-def host_identity(explicit: Optional[str] = None,
-                  environ: Optional[Mapping[str, str]] = None) -> str:
+def host_identity(
+    explicit: Optional[str] = None, environ: Optional[Mapping[str, str]] = None
+) -> str:
     """This rank's host name, from the first of: ``explicit`` (``LoadOptions.host_id``); SLURM's
     ``SLURMD_NODENAME`` (the node ``srun`` placed the task on); the machine's hostname,
     qualified by torchrun's node rank (``GROUP_RANK``) when torchrun ran more than one node

@@ -45,6 +45,7 @@ every rank; the checkpoint is committed (complete, durable, then visible) before
 loads in one process. Pass ``group=`` when DCP is given a ``process_group`` other than the
 default one.
 """
+
 from __future__ import annotations
 
 import io
@@ -63,8 +64,12 @@ from shardpoint_core.transactions.resolve import get_backend
 from shardpoint.api.checkpointer import save
 from shardpoint.api.saving import SaveOptions, SaveResult
 from shardpoint.exchange.comm import Comm
-from shardpoint.integrations.dcp_common import (nest, planned_alone, solo_group,
-                                                supports_checkpoint_id)
+from shardpoint.integrations.dcp_common import (
+    nest,
+    planned_alone,
+    solo_group,
+    supports_checkpoint_id,
+)
 from shardpoint.integrations.dcp_reader import ShardpointReader, plan_dcp_entries
 from shardpoint.tree.model import ShardedPieces, ShardedTensor
 
@@ -79,13 +84,15 @@ def _check_options(extensions: Optional[Sequence[Any]], serialization_format: An
             f"ShardpointWriter(_extensions={[type(e).__name__ for e in extensions]}): DCP "
             "stream extensions transform DCP's own .distcp files; a shardpoint checkpoint "
             "has none (its chunks are Zarr arrays with a crc32c each), so they cannot be "
-            "applied. Drop _extensions, or keep DCP's FileSystemWriter for them")
+            "applied. Drop _extensions, or keep DCP's FileSystemWriter for them"
+        )
     fmt = getattr(serialization_format, "value", serialization_format)
     if fmt not in (None, "torch_save"):
         raise errors.InvalidOptionError(
             f"ShardpointWriter(serialization_format={serialization_format!r}): shardpoint "
             "writes its own format (Zarr v3 arrays, a msgpack manifest); for safetensors "
-            "files use DCP's writer or `shardpoint convert` to safetensors")
+            "files use DCP's writer or `shardpoint convert` to safetensors"
+        )
 
 
 class ShardpointWriter(StorageWriter, BlockingAsyncStager):
@@ -107,12 +114,21 @@ class ShardpointWriter(StorageWriter, BlockingAsyncStager):
       :class:`~shardpoint.InvalidOptionError` (they change DCP's file format).
     """
 
-    def __init__(self, path: "str | os.PathLike", single_file_per_rank: bool = True,
-                 sync_files: bool = True, thread_count: int = 1,
-                 per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
-                 overwrite: bool = True, _extensions: Optional[Sequence[Any]] = None,
-                 serialization_format: Any = None, *, group: Any = None,
-                 options: Optional[SaveOptions] = None) -> None:
+    def __init__(
+        self,
+        path: "str | os.PathLike",
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Optional[Sequence[Any]] = None,
+        serialization_format: Any = None,
+        *,
+        group: Any = None,
+        options: Optional[SaveOptions] = None,
+    ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         _check_options(_extensions, serialization_format)
@@ -154,7 +170,9 @@ class ShardpointWriter(StorageWriter, BlockingAsyncStager):
             raise errors.CheckpointExistsError(
                 f"Checkpoint already exists and self.overwrite=False: {self.path!r} holds a "
                 "committed shardpoint checkpoint; pass overwrite=True to replace it "
-                "(atomically)", spec_id="SP-COMMIT-5")
+                "(atomically)",
+                spec_id="SP-COMMIT-5",
+            )
         be.check_target(self.path, bool(self.overwrite))
         return plans
 
@@ -174,7 +192,8 @@ class ShardpointWriter(StorageWriter, BlockingAsyncStager):
             raise errors.UnsupportedValueError(
                 f"DCP item {item.index.fqn!r}: the planner {type(planner).__name__} only hands "
                 "out pickled bytes for non-tensor objects and shardpoint stores no pickles; use "
-                "DefaultSavePlanner (or a subclass) or make the object a tensor or plain value")
+                "DefaultSavePlanner (or a subclass) or make the object a tensor or plain value"
+            )
         obj = lookup(item.index)
         return obj.getvalue() if isinstance(obj, io.BytesIO) else obj
 
@@ -190,25 +209,37 @@ class ShardpointWriter(StorageWriter, BlockingAsyncStager):
                 continue
             data = planner.resolve_data(item)
             td = item.tensor_data
-            if td is None or not isinstance(data, torch.Tensor):     # not DCP's own planners
+            if td is None or not isinstance(data, torch.Tensor):  # not DCP's own planners
                 raise errors.SaveFailedError(
                     f"DCP save to {self.path}: plan item {fqn!r} is a tensor item whose "
-                    "planner gave no tensor (or no tensor metadata); nothing was written")
-            if item.type == WriteItemType.TENSOR and len(td.size) == data.dim() and \
-                    tuple(td.size) == tuple(data.shape):
+                    "planner gave no tensor (or no tensor metadata); nothing was written"
+                )
+            if (
+                item.type == WriteItemType.TENSOR
+                and len(td.size) == data.dim()
+                and tuple(td.size) == tuple(data.shape)
+            ):
                 piece: Any = data.detach()
             else:
                 piece = ShardedTensor(data.detach(), tuple(td.size), tuple(td.chunk.offsets))
             leaves.setdefault(path, []).append(piece)
         for path, v in leaves.items():
-            if isinstance(v, list) and v and all(isinstance(p, (torch.Tensor, ShardedTensor))
-                                                 for p in v):
+            if (
+                isinstance(v, list)
+                and v
+                and all(isinstance(p, (torch.Tensor, ShardedTensor)) for p in v)
+            ):
                 if len(v) == 1:
                     leaves[path] = v[0]
                 else:
-                    leaves[path] = ShardedPieces([p if isinstance(p, ShardedTensor) else
-                                                  ShardedTensor(p, tuple(p.shape),
-                                                                (0,) * p.dim()) for p in v])
+                    leaves[path] = ShardedPieces(
+                        [
+                            p
+                            if isinstance(p, ShardedTensor)
+                            else ShardedTensor(p, tuple(p.shape), (0,) * p.dim())
+                            for p in v
+                        ]
+                    )
         return nest(leaves, f"DCP save to {self.path}")
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
@@ -221,14 +252,20 @@ class ShardpointWriter(StorageWriter, BlockingAsyncStager):
         # Every rank learns of a rank that could not map its plan, instead of waiting for it
         # inside the collective save.
         if not Comm(group).all_true(err is None):
-            raise err if err is not None else errors.SaveFailedError(
-                f"DCP save to {self.path}: another rank could not map its DCP plan to a "
-                "shardpoint tree (its error names the item); nothing was written")
-        res = save(tree, self.path, group=group, overwrite=self.overwrite,
-                   options=self.options)
+            raise (
+                err
+                if err is not None
+                else errors.SaveFailedError(
+                    f"DCP save to {self.path}: another rank could not map its DCP plan to a "
+                    "shardpoint tree (its error names the item); nothing was written"
+                )
+            )
+        res = save(tree, self.path, group=group, overwrite=self.overwrite, options=self.options)
         self.last_result = res
-        out = [WriteResult(index=item.index, size_in_bytes=_nbytes(item), storage_data=None)
-               for item in plan.items]
+        out = [
+            WriteResult(index=item.index, size_in_bytes=_nbytes(item), storage_data=None)
+            for item in plan.items
+        ]
         fut: Future = Future()
         fut.set_result(out)
         return fut
@@ -247,5 +284,4 @@ def _nbytes(item: Any) -> int:
     return n * torch.tensor([], dtype=td.properties.dtype).element_size()
 
 
-__all__ = ["ShardpointReader", "ShardpointWriter", "plan_dcp_entries",
-           "supports_checkpoint_id"]
+__all__ = ["ShardpointReader", "ShardpointWriter", "plan_dcp_entries", "supports_checkpoint_id"]

@@ -15,6 +15,7 @@ failure that is not shardpoint's (DCP's own "Size mismatch", a planner error) is
 ``CheckpointException`` as before. A ``storage_writer``/``storage_reader`` given explicitly
 is used as it is (DCP's ``FileSystemWriter`` too).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -49,47 +50,82 @@ def _unwrapped(exc: BaseException) -> BaseException:
     return inner
 
 
-def save(state_dict: Any, *, checkpoint_id: "str | os.PathLike | None" = None,
-         storage_writer: Any = None, planner: Any = None, process_group: Any = None,
-         no_dist: bool = False, use_collectives: bool = True) -> Any:
+def save(
+    state_dict: Any,
+    *,
+    checkpoint_id: "str | os.PathLike | None" = None,
+    storage_writer: Any = None,
+    planner: Any = None,
+    process_group: Any = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+) -> Any:
     """``torch.distributed.checkpoint.save`` writing a shardpoint checkpoint at
     ``checkpoint_id`` (see the module docstring)."""
     if storage_writer is None and checkpoint_id is not None:
         storage_writer = ShardpointWriter(checkpoint_id, group=process_group)
     try:
-        return _dcp.save(state_dict, checkpoint_id=checkpoint_id,
-                         storage_writer=storage_writer, planner=planner,
-                         process_group=process_group, no_dist=no_dist,
-                         use_collectives=use_collectives)
+        return _dcp.save(
+            state_dict,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+            use_collectives=use_collectives,
+        )
     except CheckpointException as e:
         raise _unwrapped(e) from e
 
 
-def load(state_dict: dict, *, checkpoint_id: "str | os.PathLike | None" = None,
-         storage_reader: Any = None, planner: Any = None, process_group: Any = None,
-         no_dist: bool = False) -> None:
+def load(
+    state_dict: dict,
+    *,
+    checkpoint_id: "str | os.PathLike | None" = None,
+    storage_reader: Any = None,
+    planner: Any = None,
+    process_group: Any = None,
+    no_dist: bool = False,
+) -> None:
     """``torch.distributed.checkpoint.load`` reading the shardpoint checkpoint at
     ``checkpoint_id`` in place into ``state_dict``."""
     if storage_reader is None and checkpoint_id is not None:
         storage_reader = ShardpointReader(checkpoint_id, group=process_group)
     try:
-        _dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
-                  planner=planner, process_group=process_group, no_dist=no_dist)
+        _dcp.load(
+            state_dict,
+            checkpoint_id=checkpoint_id,
+            storage_reader=storage_reader,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+        )
     except CheckpointException as e:
         raise _unwrapped(e) from e
 
 
-def async_save(state_dict: Any, *, checkpoint_id: "str | os.PathLike | None" = None,
-               storage_writer: Any = None, planner: Any = None, process_group: Any = None,
-               **kwargs: Any) -> Any:
+def async_save(
+    state_dict: Any,
+    *,
+    checkpoint_id: "str | os.PathLike | None" = None,
+    storage_writer: Any = None,
+    planner: Any = None,
+    process_group: Any = None,
+    **kwargs: Any,
+) -> Any:
     """``torch.distributed.checkpoint.async_save`` writing a shardpoint checkpoint; the
     returned future's ``result()`` raises shardpoint's errors as they are too."""
     if storage_writer is None and checkpoint_id is not None:
         storage_writer = ShardpointWriter(checkpoint_id, group=process_group)
     try:
-        fut = _dcp.async_save(state_dict, checkpoint_id=checkpoint_id,
-                              storage_writer=storage_writer, planner=planner,
-                              process_group=process_group, **kwargs)
+        fut = _dcp.async_save(
+            state_dict,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            planner=planner,
+            process_group=process_group,
+            **kwargs,
+        )
     except CheckpointException as e:
         raise _unwrapped(e) from e
     if not isinstance(fut, concurrent.futures.Future):

@@ -1,5 +1,6 @@
 """What the DCP writer and reader share: which ``checkpoint_id`` values shardpoint takes, the
 group a ``no_dist`` call runs on, and the tree of a plan's items. Pure helpers over torch."""
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ def registered(group: Any) -> bool:
     was destroyed, even if one was made again since)."""
     try:
         dist.get_process_group_ranks(group)
-    except (ValueError, RuntimeError, KeyError):   # "Group ... is not registered"
+    except (ValueError, RuntimeError, KeyError):  # "Group ... is not registered"
         return False
     return True
 

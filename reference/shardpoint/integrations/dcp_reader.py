@@ -9,6 +9,7 @@ item each. So a value DCP's own storage pickles whole (``np.random.get_state()``
 array, ``(tensor, "y")``) is one bytes item here too, rebuilt from the shardpoint tree: its
 tensors and arrays are read from their arrays, never from a pickle.
 """
+
 from __future__ import annotations
 
 import io
@@ -18,9 +19,14 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch.futures import Future
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                   Metadata, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
@@ -29,8 +35,12 @@ from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.transactions.resolve import read_metadata
 from shardpoint_core.format.statetree import ObjectLeaf, TensorLeaf, ValueLeaf
 from shardpoint.api.checkpointer import load
-from shardpoint.integrations.dcp_common import (nest, planned_alone, solo_group,
-                                                supports_checkpoint_id)
+from shardpoint.integrations.dcp_common import (
+    nest,
+    planned_alone,
+    solo_group,
+    supports_checkpoint_id,
+)
 from shardpoint.tree.dtypes import from_name, torch_to_numpy
 from shardpoint.tree.model import ShardedPieces, ShardedTensor
 
@@ -85,7 +95,8 @@ def _dcp_add(out: dict, path: tuple, entry: tuple) -> None:
         raise errors.LayoutMismatchError(
             f"shardpoint keys {'/'.join(map(str, out[fqn][0]))!r} and "
             f"{'/'.join(map(str, path))!r} both read as DCP FQN {fqn!r}; load them with "
-            "shardpoint.load instead")
+            "shardpoint.load instead"
+        )
     out[fqn] = (path, entry)
 
 
@@ -151,8 +162,14 @@ class ShardpointReader(StorageReader):
     checkpoint names its own codecs; DCP's stream extensions are not needed to read it).
     """
 
-    def __init__(self, path: "str | os.PathLike", _extension_registry: Any = None, *,
-                 group: Any = None, thread_count: int = 1) -> None:
+    def __init__(
+        self,
+        path: "str | os.PathLike",
+        _extension_registry: Any = None,
+        *,
+        group: Any = None,
+        thread_count: int = 1,
+    ) -> None:
         super().__init__()
         self.path = str(path)
         self.group = group
@@ -186,7 +203,7 @@ class ShardpointReader(StorageReader):
             if "rank" not in kwargs:
                 raise
             self._error = e
-            return Metadata(state_dict_metadata=_Unreadable(e))   # type: ignore[arg-type]
+            return Metadata(state_dict_metadata=_Unreadable(e))  # type: ignore[arg-type]
         entries = plan_dcp_entries(m)
         md: dict = {}
         for fqn, (path, (kind, ref)) in entries.items():
@@ -196,25 +213,30 @@ class ShardpointReader(StorageReader):
             t = m.tensors[ref]
             shape = torch.Size(t.shape)
             md[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=from_name(t.dtype).torch), size=shape,
-                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)),
-                                             sizes=shape)])
+                properties=TensorProperties(dtype=from_name(t.dtype).torch),
+                size=shape,
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)],
+            )
             entries[fqn] = (path, (kind, ref, tuple(t.shape), t.dtype))
         self._entries = entries
-        return Metadata(state_dict_metadata=md,
-                        planner_data={f: p for f, (p, _e) in entries.items()},
-                        storage_data={f: e for f, (_p, e) in entries.items()},
-                        storage_meta=StorageMeta(checkpoint_id=self.path))
+        return Metadata(
+            state_dict_metadata=md,
+            planner_data={f: p for f, (p, _e) in entries.items()},
+            storage_data={f: e for f, (_p, e) in entries.items()},
+            storage_meta=StorageMeta(checkpoint_id=self.path),
+        )
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         if isinstance(metadata.state_dict_metadata, _Unreadable):
             raise metadata.state_dict_metadata.error
         self.use_collectives = kwargs.get("use_collectives", True)
         self._alone = False
         if isinstance(metadata.storage_data, dict):
-            self._entries = {f: (metadata.planner_data[f], e)
-                             for f, e in metadata.storage_data.items()}
+            self._entries = {
+                f: (metadata.planner_data[f], e) for f, e in metadata.storage_data.items()
+            }
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -228,9 +250,9 @@ class ShardpointReader(StorageReader):
             self.read_metadata()
         entries = self._entries
         assert entries is not None, "read_metadata() sets the entries"
-        targets: dict = {}     # path -> [ShardedTensor] or a whole array of a value
-        fills: list = []       # (item, target, buffer)
-        values: list = []      # (item, path, node) of bytes items
+        targets: dict = {}  # path -> [ShardedTensor] or a whole array of a value
+        fills: list = []  # (item, target, buffer)
+        values: list = []  # (item, path, node) of bytes items
         for item in plan.items:
             path, entry = entries[item.storage_index.fqn]
             if item.type == LoadItemType.BYTE_IO:
@@ -244,21 +266,31 @@ class ShardpointReader(StorageReader):
             offs = tuple(int(b) + int(o) for b, o in zip(base, item.storage_offsets))
             # Read the stored dtype; a target of another dtype gets it cast by copy_, as DCP's
             # FileSystemReader does (sp.load itself never converts).
-            buf = target if target.is_contiguous() and target.dtype == stored else torch.empty(
-                tuple(item.lengths), dtype=stored)
+            buf = (
+                target
+                if target.is_contiguous() and target.dtype == stored
+                else torch.empty(tuple(item.lengths), dtype=stored)
+            )
             targets.setdefault(path, []).append(ShardedTensor(buf, gshape, offs))
             fills.append((item, target, buf))
-        like = nest({p: v[0] if len(v) == 1 else ShardedPieces(v) for p, v in targets.items()},
-                    f"DCP load from {self.path}")
-        load(self.path, like=like, group=solo_group() if self._alone or
-             not self.use_collectives else self.group)
+        like = nest(
+            {p: v[0] if len(v) == 1 else ShardedPieces(v) for p, v in targets.items()},
+            f"DCP load from {self.path}",
+        )
+        load(
+            self.path,
+            like=like,
+            group=solo_group() if self._alone or not self.use_collectives else self.group,
+        )
         for item, target, buf in fills:
             if buf is not target:
                 target.copy_(buf)
             planner.commit_tensor(item, target)
         for item, path, node in values:
-            arrays = {p: (torch_to_numpy(targets[p][0]) if leaf.origin == "numpy"
-                          else targets[p][0]) for p, leaf in _arrays_in(node, path)}
+            arrays = {
+                p: (torch_to_numpy(targets[p][0]) if leaf.origin == "numpy" else targets[p][0])
+                for p, leaf in _arrays_in(node, path)
+            }
             self._load_value(item, planner, _rebuild(node, path, arrays))
         fut: Future = Future()
         fut.set_result(None)
@@ -269,7 +301,7 @@ class ShardpointReader(StorageReader):
         if isinstance(lookup, dict) and isinstance(lookup.get(item.dest_index.fqn), io.BytesIO):
             value = io.BytesIO(value)
         buf = io.BytesIO()
-        torch.save(value, buf)      # our own plain value, for DCP's load_bytes (torch.load)
+        torch.save(value, buf)  # our own plain value, for DCP's load_bytes (torch.load)
         buf.seek(0)
         planner.load_bytes(item, buf)
 

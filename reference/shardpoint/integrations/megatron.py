@@ -38,6 +38,7 @@ shardpoint reader finds a Megatron tensor at key ``sharded/<megatron key>``. Meg
 are recognised only when megatron-core is already imported (it must be, to have made them);
 this module never imports it.
 """
+
 from __future__ import annotations
 
 import io
@@ -71,8 +72,7 @@ def _megatron_classes() -> Optional[tuple]:
     m = sys.modules.get("megatron.core.dist_checkpointing.mapping")
     if m is None:
         return None
-    return (m.ShardedTensor, m.ShardedObject, m.LocalNonpersistentObject,
-            m.ShardedTensorFactory)
+    return (m.ShardedTensor, m.ShardedObject, m.LocalNonpersistentObject, m.ShardedTensorFactory)
 
 
 TAG = "__megatron__"
@@ -98,8 +98,7 @@ def encode_value(v: Any) -> Any:
 def decode_value(v: Any) -> Any:
     """The inverse of :func:`encode_value`."""
     if isinstance(v, dict):
-        if set(v) in ({TAG, "items"}, {TAG, "bytes"}) and v[TAG] in ("set", "frozenset",
-                                                                      "BytesIO"):
+        if set(v) in ({TAG, "items"}, {TAG, "bytes"}) and v[TAG] in ("set", "frozenset", "BytesIO"):
             if v[TAG] == "BytesIO":
                 return io.BytesIO(v["bytes"])
             items = [decode_value(x) for x in v["items"]]
@@ -119,9 +118,14 @@ def _both(cls: type, exc: type) -> type:
     both = _BOTH.get(cls)
     if both is None:
         name = f"Megatron{cls.__name__}"
-        both = type(name, (cls, exc), {"__module__": __name__, "__doc__":
-                                       f"{cls.__name__} that is also Megatron's "
-                                       "CheckpointingException."})
+        both = type(
+            name,
+            (cls, exc),
+            {
+                "__module__": __name__,
+                "__doc__": f"{cls.__name__} that is also Megatron's CheckpointingException.",
+            },
+        )
         both.__qualname__ = name
         globals()[name] = _BOTH[cls] = both
     return both
@@ -130,10 +134,11 @@ def _both(cls: type, exc: type) -> type:
 def __getattr__(name: str) -> Any:
     """``Megatron<Error>`` classes made on first use, so that one pickled in a process that
     made it unpickles in one that did not (megatron-core is imported for it then)."""
-    base = getattr(errors, name[len("Megatron"):], None) if name.startswith("Megatron") else None
+    base = getattr(errors, name[len("Megatron") :], None) if name.startswith("Megatron") else None
     if not (isinstance(base, type) and issubclass(base, errors.ShardpointError)):
         raise AttributeError(name)
     import importlib
+
     mapping = importlib.import_module("megatron.core.dist_checkpointing.mapping")
     return _both(base, mapping.CheckpointingException)
 
@@ -165,7 +170,9 @@ def _flat_range(st: Any) -> Optional[tuple]:
     if fr.step not in (None, 1):
         raise errors.InvalidShardingError(
             f"Megatron ShardedTensor {st.key!r}: flattened_range {fr} has a step; only "
-            "contiguous ranges exist in the format", spec_id="SP-HOLD-3")
+            "contiguous ranges exist in the format",
+            spec_id="SP-HOLD-3",
+        )
     return (int(fr.start or 0), int(fr.stop))
 
 
@@ -173,18 +180,25 @@ def _piece(st: Any, data: torch.Tensor) -> ShardedTensor:
     """shardpoint's view of one Megatron ShardedTensor (``data`` shares its storage)."""
     fr = _flat_range(st)
     if fr is None and st.prepend_axis_num:
-        data = data[(None,) * st.prepend_axis_num]       # a view: loads fill Megatron's data
-    return ShardedTensor(data, st.global_shape, st.global_offset, local_shape=_block(st),
-                         flattened_range=fr, replica_id=st.replica_id)
+        data = data[(None,) * st.prepend_axis_num]  # a view: loads fill Megatron's data
+    return ShardedTensor(
+        data,
+        st.global_shape,
+        st.global_offset,
+        local_shape=_block(st),
+        flattened_range=fr,
+        replica_id=st.replica_id,
+    )
 
 
 def _object(so: Any, value: Any) -> ShardedObject:
     value = encode_value(value)
     shape = tuple(int(x) for x in so.global_shape)
     offset = tuple(int(x) for x in so.global_offset)
-    if len(shape) <= 1:       # Megatron's 1-element grid (or a 0-d one: a single cell)
-        return ShardedObject(value, offset[0] if offset else 0, shape[0] if shape else 1,
-                             replica_id=so.replica_id)
+    if len(shape) <= 1:  # Megatron's 1-element grid (or a 0-d one: a single cell)
+        return ShardedObject(
+            value, offset[0] if offset else 0, shape[0] if shape else 1, replica_id=so.replica_id
+        )
     return ShardedObject(value, offset, shape, replica_id=so.replica_id)
 
 
@@ -197,11 +211,11 @@ class MegatronTree:
     source: Any
     tree: dict
     left_out: list = field(default_factory=list)
-    filled: dict = field(default_factory=dict)         # id(Megatron ShardedTensor) -> tensor
-    factories: dict = field(default_factory=dict)      # id(factory) -> its built sub-dict
-    overlaps: list = field(default_factory=list)       # (target view, region, buffer)
-    cells: dict = field(default_factory=dict)          # id(ShardedObject) -> (key, offset)
-    stored: Any = None                                 # StoredTensors, for those cells
+    filled: dict = field(default_factory=dict)  # id(Megatron ShardedTensor) -> tensor
+    factories: dict = field(default_factory=dict)  # id(factory) -> its built sub-dict
+    overlaps: list = field(default_factory=list)  # (target view, region, buffer)
+    cells: dict = field(default_factory=dict)  # id(ShardedObject) -> (key, offset)
+    stored: Any = None  # StoredTensors, for those cells
 
     def finish_overlaps(self) -> None:
         """After a load: targets read through a buffer get it copied in, cast to their dtype
@@ -220,18 +234,25 @@ class MegatronTree:
         """The state dict ``dist_checkpointing.load`` would return: ShardedTensors replaced by
         their (filled) tensors, ShardedObjects by their values, factories merged,
         nonpersistent objects unwrapped, common values as loaded."""
-        return self._build(self.source, loaded.get(COMMON), loaded.get(SHARDED, {}),
-                           _megatron_classes())
+        return self._build(
+            self.source, loaded.get(COMMON), loaded.get(SHARDED, {}), _megatron_classes()
+        )
 
     def _build(self, x: Any, c: Any, objects: dict, classes: Optional[tuple]) -> Any:
         # A method, not a closure calling itself: a recursive closure is a reference cycle
         # that would keep the loaded tensors alive until the next collection.
         if isinstance(x, dict):
-            return {k: self._build(v, c.get(k) if isinstance(c, dict) else None, objects,
-                                   classes) for k, v in x.items()}
+            return {
+                k: self._build(v, c.get(k) if isinstance(c, dict) else None, objects, classes)
+                for k, v in x.items()
+            }
         if isinstance(x, list):
-            return [self._build(v, c[i] if isinstance(c, list) and i < len(c) else None,
-                                objects, classes) for i, v in enumerate(x)]
+            return [
+                self._build(
+                    v, c[i] if isinstance(c, list) and i < len(c) else None, objects, classes
+                )
+                for i, v in enumerate(x)
+            ]
         if classes is not None:
             mst, mso, local, factory = classes
             if isinstance(x, mst):
@@ -251,19 +272,21 @@ class _Mapper:
     """The walk of :func:`megatron_tree`: a class rather than nested closures, because a
     closure that calls itself is a reference cycle holding every tensor it saw."""
 
-    def __init__(self, out: MegatronTree, for_load: bool, classes: Optional[tuple],
-                 stored: Any = None) -> None:
+    def __init__(
+        self, out: MegatronTree, for_load: bool, classes: Optional[tuple], stored: Any = None
+    ) -> None:
         self.out, self.for_load, self.classes = out, for_load, classes
-        self.stored = stored        # key -> stored global shape (or None), for mismatches
-        self.tensors: dict = {}     # key -> [shardpoint pieces]
-        self.objects: dict = {}     # key -> shardpoint ShardedObject
+        self.stored = stored  # key -> stored global shape (or None), for mismatches
+        self.tensors: dict = {}  # key -> [shardpoint pieces]
+        self.objects: dict = {}  # key -> shardpoint ShardedObject
 
     def add_tensor(self, st: Any, path: tuple) -> None:
         data = st.data
         if data is None:
             if not self.for_load:
                 raise errors.UnsupportedValueError(
-                    f"{_where(path)}: Megatron ShardedTensor {st.key!r} has no data to save")
+                    f"{_where(path)}: Megatron ShardedTensor {st.key!r} has no data to save"
+                )
             fr = _flat_range(st)
             n = (fr[1] - fr[0],) if fr else tuple(st.local_shape)
             data = torch.empty(n, dtype=st.dtype)
@@ -273,12 +296,13 @@ class _Mapper:
             shape, dtype = found
             if getattr(st, "allow_shape_mismatch", False) and shape != tuple(st.global_shape):
                 return self.add_overlap(st, data.detach(), shape, dtype)
-            if dtype != data.dtype:     # read the stored dtype, cast on the copy
+            if dtype != data.dtype:  # read the stored dtype, cast on the copy
                 buf = torch.empty(data.shape, dtype=dtype)
                 self.out.overlaps.append((data.detach(), None, buf))
                 data = buf
         self.tensors.setdefault(st.key, []).append(
-            _piece(st, data.detach() if self.for_load else data))
+            _piece(st, data.detach() if self.for_load else data)
+        )
 
     def add_overlap(self, st: Any, data: torch.Tensor, shape: tuple, dtype: Any) -> None:
         """A load target whose stored global shape differs (``allow_shape_mismatch``): read
@@ -287,11 +311,13 @@ class _Mapper:
             raise errors.LayoutMismatchError(
                 f"Megatron ShardedTensor {st.key!r}: allow_shape_mismatch with a "
                 "flattened_range cannot be trimmed or padded (Megatron refuses it too); the "
-                f"checkpoint holds global shape {shape}, this rank asks {st.global_shape}")
+                f"checkpoint holds global shape {shape}, this rank asks {st.global_shape}"
+            )
         if len(shape) != len(st.global_shape):
             raise errors.LayoutMismatchError(
                 f"Megatron ShardedTensor {st.key!r}: stored with {len(shape)} dimensions "
-                f"{shape}, asked with {len(st.global_shape)} {tuple(st.global_shape)}")
+                f"{shape}, asked with {len(st.global_shape)} {tuple(st.global_shape)}"
+            )
         view = data[(None,) * st.prepend_axis_num] if st.prepend_axis_num else data
         lo = tuple(int(o) for o in st.global_offset)
         hi = tuple(min(o + b, s) for o, b, s in zip(lo, view.shape, shape))
@@ -312,7 +338,8 @@ class _Mapper:
         if so.key in self.objects:
             raise errors.InvalidShardingError(
                 f"{_where(path)}: this rank holds Megatron ShardedObject {so.key!r} twice; "
-                "a rank holds one cell of an object's grid")
+                "a rank holds one cell of an object's grid"
+            )
         self.objects[so.key] = _object(so, None if self.for_load else so.data)
 
     def walk(self, x: Any, path: tuple) -> Any:
@@ -320,8 +347,10 @@ class _Mapper:
             kept = {k: self.walk(v, path + (k,)) for k, v in x.items()}
             return {k: v for k, v in kept.items() if v is not _DROP}
         if isinstance(x, list):
-            return [None if v is _DROP else v
-                    for v in (self.walk(v, path + (i,)) for i, v in enumerate(x))]
+            return [
+                None if v is _DROP else v
+                for v in (self.walk(v, path + (i,)) for i, v in enumerate(x))
+            ]
         if self.classes is None:
             return x
         mst, mso, local, factory = self.classes
@@ -364,9 +393,10 @@ class StoredTensors:
         if not isinstance(node, ObjectLeaf):
             raise errors.LayoutMismatchError(
                 f"Megatron ShardedObject {key!r} is not a sharded object of the checkpoint at "
-                f"{self.path!r}")
+                f"{self.path!r}"
+            )
         v = node.nested()
-        for i in (offset if len(node.grid) > 1 else offset[:1] or (0,)):
+        for i in offset if len(node.grid) > 1 else offset[:1] or (0,):
             v = v[i]
         return v
 
@@ -374,8 +404,9 @@ class StoredTensors:
 stored_tensors = StoredTensors
 
 
-def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False,
-                  stored: Any = None) -> MegatronTree:
+def megatron_tree(
+    sharded_state_dict: Any, *, for_load: bool = False, stored: Any = None
+) -> MegatronTree:
     """Map a megatron-core ``sharded_state_dict`` to a shardpoint state tree (see the module
     docstring). ``for_load=True`` makes load targets: ShardedTensors without data get a new
     tensor to fill; ``stored`` (:func:`stored_tensors`) gives the stored global shapes and
@@ -385,14 +416,16 @@ def megatron_tree(sharded_state_dict: Any, *, for_load: bool = False,
     the Megatron key when a key names both a tensor and an object or a rank saves one object
     key twice; pieces of one key that disagree or overlap are refused, by key, when saved or
     loaded."""
-    m = _Mapper(MegatronTree(sharded_state_dict, {}, stored=stored), for_load,
-                _megatron_classes(), stored)
+    m = _Mapper(
+        MegatronTree(sharded_state_dict, {}, stored=stored), for_load, _megatron_classes(), stored
+    )
     out, tensors, objects = m.out, m.tensors, m.objects
     common = m.walk(sharded_state_dict, ())
     both = sorted(set(tensors) & set(objects))
     if both:
-        raise errors.InvalidShardingError(f"Megatron key {both[0]!r} names both a "
-                                          "ShardedTensor and a ShardedObject; rename one")
+        raise errors.InvalidShardingError(
+            f"Megatron key {both[0]!r} names both a ShardedTensor and a ShardedObject; rename one"
+        )
     sharded: dict = {k: v[0] if len(v) == 1 else ShardedPieces(v) for k, v in tensors.items()}
     sharded.update(objects)
     common = None if common is _DROP else common if for_load else encode_value(common)
@@ -417,15 +450,24 @@ def save_megatron(sharded_state_dict: Any, path: str, **save_kwargs: Any) -> Meg
     try:
         t = megatron_tree(sharded_state_dict)
         if t.left_out:
-            log.info("shardpoint save_megatron: %d LocalNonpersistentObject leaf(s) not "
-                     "saved: %s", len(t.left_out), t.left_out[:10])
+            log.info(
+                "shardpoint save_megatron: %d LocalNonpersistentObject leaf(s) not saved: %s",
+                len(t.left_out),
+                t.left_out[:10],
+            )
         return MegatronSaveResult(save(t.tree, path, **save_kwargs), t.left_out)
     except errors.ShardpointError as e:
         raise as_megatron_error(e)
 
 
-def load_megatron(sharded_state_dict: Any, path: str, *, strict: bool = True,
-                  report: Optional[LoadReport] = None, **load_kwargs: Any) -> Any:
+def load_megatron(
+    sharded_state_dict: Any,
+    path: str,
+    *,
+    strict: bool = True,
+    report: Optional[LoadReport] = None,
+    **load_kwargs: Any,
+) -> Any:
     """Load a checkpoint into a megatron-core ``sharded_state_dict`` of any parallel layout.
     Collective. Every ShardedTensor's data is filled in place; returns the state dict
     ``dist_checkpointing.load`` would (tensors, object values, merged factories, unwrapped
@@ -446,8 +488,13 @@ def load_megatron(sharded_state_dict: Any, path: str, *, strict: bool = True,
             loaded = load(path, like=t.tree, strict=strict, report=report, **load_kwargs)
         else:
             t = megatron_tree(sharded_state_dict, for_load=True, stored=stored_tensors(mdir[0]))
-            loaded = load(mdir[0], like={SHARDED: t.tree[SHARDED]}, strict=strict,
-                          report=report, **load_kwargs)
+            loaded = load(
+                mdir[0],
+                like={SHARDED: t.tree[SHARDED]},
+                strict=strict,
+                report=report,
+                **load_kwargs,
+            )
             loaded[COMMON] = _megatron_common(mdir, t.tree[COMMON], load_kwargs)
         t.finish_overlaps()
         return t.assemble(loaded)
@@ -455,8 +502,9 @@ def load_megatron(sharded_state_dict: Any, path: str, *, strict: bool = True,
         raise as_megatron_error(e)
 
 
-def _load_flat(sharded_state_dict: Any, path: str, strict: bool, report: Any,
-               load_kwargs: dict) -> tuple:
+def _load_flat(
+    sharded_state_dict: Any, path: str, strict: bool, report: Any, load_kwargs: dict
+) -> tuple:
     """A shardpoint checkpoint written another way (the DCP plug-in, ``sp.save`` of a flat
     dict): tensors and objects by Megatron key at the top of its tree, as the load strategy
     reads them; the state dict's common values from the same top-level names where the
@@ -468,8 +516,7 @@ def _load_flat(sharded_state_dict: Any, path: str, strict: bool, report: Any,
     names = [k for k in common if k in top and k not in like]
     like.update((k, common[k]) for k in names)
     got = load(path, like=like, strict=strict, report=report, **load_kwargs)
-    return {SHARDED: {k: got[k] for k in t.tree[SHARDED]},
-            COMMON: {k: got[k] for k in names}}, t
+    return {SHARDED: {k: got[k] for k in t.tree[SHARDED]}, COMMON: {k: got[k] for k in names}}, t
 
 
 def _megatron_dir(d: str) -> Optional[tuple]:
@@ -487,24 +534,29 @@ def _megatron_dir(d: str) -> Optional[tuple]:
         raise errors.UnsupportedFormatError(
             f"{d!r} is a Megatron checkpoint of backend {backend!r}, not shardpoint's: load "
             "it with megatron's dist_checkpointing.load, or convert it with `shardpoint "
-            "convert`")
+            "convert`"
+        )
     common = os.path.join(d, "common")
-    return (os.path.join(d, "shardpoint"),
-            common if os.path.isfile(os.path.join(common, "manifest.msgpack")) else None)
+    return (
+        os.path.join(d, "shardpoint"),
+        common if os.path.isfile(os.path.join(common, "manifest.msgpack")) else None,
+    )
 
 
 def _megatron_common(mdir: tuple, wanted: Any, load_kwargs: dict) -> Any:
     """The common state of a Megatron directory (``<dir>/common``); an error naming the
     pickled ``common.pt`` when that is all there is and the state dict asks for values."""
     if mdir[1] is not None:
-        return decode_value(load(mdir[1], **{k: v for k, v in load_kwargs.items()
-                                             if k in ("group", "backend")}))
+        return decode_value(
+            load(mdir[1], **{k: v for k, v in load_kwargs.items() if k in ("group", "backend")})
+        )
     if _has_leaves(wanted):
         raise errors.UnsupportedFormatError(
             f"the common state of {os.path.dirname(mdir[0])!r} is Megatron's pickled "
             "common.pt, which shardpoint does not unpickle: load it with megatron's "
             "dist_checkpointing.load (after `import shardpoint.integrations."
-            "megatron_strategy`)")
+            "megatron_strategy`)"
+        )
     return None
 
 
@@ -516,6 +568,15 @@ def _has_leaves(x: Any) -> bool:
     return x is not None
 
 
-__all__: list = ["MegatronSaveResult", "MegatronTree", "as_megatron_error", "decode_value",
-                 "encode_value", "load_megatron", "megatron_tree", "save_megatron",
-                 "StoredTensors", "stored_tensors"]
+__all__: list = [
+    "MegatronSaveResult",
+    "MegatronTree",
+    "as_megatron_error",
+    "decode_value",
+    "encode_value",
+    "load_megatron",
+    "megatron_tree",
+    "save_megatron",
+    "StoredTensors",
+    "stored_tensors",
+]

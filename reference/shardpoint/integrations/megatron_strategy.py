@@ -57,6 +57,7 @@ same work.
   it reads ``common/`` when the checkpoint has one and otherwise defers to Megatron's
   ``common.pt`` loader, so other checkpoints load as before.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -67,17 +68,24 @@ from types import FrameType
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.mapping import (CheckpointingException, ShardedObject,
-                                                      ShardedTensor as MShardedTensor)
+from megatron.core.dist_checkpointing.mapping import (
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor as MShardedTensor,
+)
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-from megatron.core.dist_checkpointing.strategies.base import (AsyncSaveShardedStrategy,
-                                                              LoadCommonStrategy,
-                                                              LoadShardedStrategy,
-                                                              SaveCommonStrategy,
-                                                              StrategyAction,
-                                                              register_default_strategy)
-from megatron.core.dist_checkpointing.strategies.common import (TorchCommonLoadStrategy,
-                                                                TorchCommonSaveStrategy)
+from megatron.core.dist_checkpointing.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.common import (
+    TorchCommonLoadStrategy,
+    TorchCommonSaveStrategy,
+)
 
 from shardpoint_core.transactions.resolve import read_metadata
 from shardpoint_core.format.statetree import ObjectLeaf, TensorLeaf, iter_leaves
@@ -85,8 +93,14 @@ from shardpoint.api.checkpointer import load, save
 from shardpoint.api.saving import SaveOptions
 from shardpoint_core.format import errors
 from shardpoint_core.format.errors import ShardpointError
-from shardpoint.integrations.megatron import (SHARDED, as_megatron_error, decode_value,
-                                              encode_value, megatron_tree, stored_tensors)
+from shardpoint.integrations.megatron import (
+    SHARDED,
+    as_megatron_error,
+    decode_value,
+    encode_value,
+    megatron_tree,
+    stored_tensors,
+)
 from shardpoint.tree.dtypes import from_name
 
 BACKEND, VERSION = "shardpoint", 1
@@ -132,21 +146,39 @@ class ShardpointSaveStrategy(AsyncSaveShardedStrategy):
     ``thread_count`` (shardpoint sizes its own write parallelism) and a ``separation_hint``
     (a ``torch_dist`` file-layout feature)."""
 
-    def __init__(self, backend: str = BACKEND, version: int = VERSION,
-                 keep_only_main_replica: bool = True, thread_count: Optional[int] = None,
-                 cached_metadata: bool = False, separation_hint: Optional[str] = None, *,
-                 options: "SaveOptions | None" = None, group: Any = None) -> None:
-        for bad, why in ((not keep_only_main_replica, "keep_only_main_replica=False: a "
-                          "shardpoint checkpoint stores each region once (one replica "
-                          "writes it)"),
-                         (thread_count is not None, f"thread_count={thread_count!r}: "
-                          "shardpoint sizes its own write parallelism; drop the argument"),
-                         (separation_hint is not None, f"separation_hint="
-                          f"{separation_hint!r}: a torch_dist file-layout feature with no "
-                          "shardpoint counterpart")):
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = VERSION,
+        keep_only_main_replica: bool = True,
+        thread_count: Optional[int] = None,
+        cached_metadata: bool = False,
+        separation_hint: Optional[str] = None,
+        *,
+        options: "SaveOptions | None" = None,
+        group: Any = None,
+    ) -> None:
+        for bad, why in (
+            (
+                not keep_only_main_replica,
+                "keep_only_main_replica=False: a "
+                "shardpoint checkpoint stores each region once (one replica "
+                "writes it)",
+            ),
+            (
+                thread_count is not None,
+                f"thread_count={thread_count!r}: "
+                "shardpoint sizes its own write parallelism; drop the argument",
+            ),
+            (
+                separation_hint is not None,
+                f"separation_hint="
+                f"{separation_hint!r}: a torch_dist file-layout feature with no "
+                "shardpoint counterpart",
+            ),
+        ):
             if bad:
-                raise as_megatron_error(errors.InvalidOptionError(
-                    f"ShardpointSaveStrategy({why})"))
+                raise as_megatron_error(errors.InvalidOptionError(f"ShardpointSaveStrategy({why})"))
         super().__init__(backend, version)
         self.options, self.group = options, group
 
@@ -157,19 +189,27 @@ class ShardpointSaveStrategy(AsyncSaveShardedStrategy):
     def save(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> None:
         try:
             tree = megatron_tree(sharded_state_dict).tree
-            tree.pop("common", None)    # the sharded part only: common state is Megatron's
-            save(tree, os.path.join(str(checkpoint_dir), SHARDED_DIR), group=self.group,
-                 options=self.options)
+            tree.pop("common", None)  # the sharded part only: common state is Megatron's
+            save(
+                tree,
+                os.path.join(str(checkpoint_dir), SHARDED_DIR),
+                group=self.group,
+                options=self.options,
+            )
         except ShardpointError as e:
             raise as_megatron_error(e)
 
-    def async_save(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]
-                   ) -> AsyncRequest:
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> AsyncRequest:
         try:
             tree = megatron_tree(sharded_state_dict).tree
             tree.pop("common", None)
-            handle = save(tree, os.path.join(str(checkpoint_dir), SHARDED_DIR),
-                          group=self.group, options=self.options, async_save=True)
+            handle = save(
+                tree,
+                os.path.join(str(checkpoint_dir), SHARDED_DIR),
+                group=self.group,
+                options=self.options,
+                async_save=True,
+            )
         except ShardpointError as e:
             raise as_megatron_error(e)
         return AsyncRequest(None, (), [handle.result])
@@ -187,13 +227,15 @@ class ShardpointLoadStrategy(LoadShardedStrategy):
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != BACKEND:
-            raise CheckpointingException(f"the shardpoint strategy cannot load backend "
-                                         f"{loaded_backend!r} checkpoints")
+            raise CheckpointingException(
+                f"the shardpoint strategy cannot load backend {loaded_backend!r} checkpoints"
+            )
 
     def check_version_compatibility(self, loaded_version: int) -> None:
         if int(loaded_version) != VERSION:
-            raise CheckpointingException(f"shardpoint backend version {loaded_version} is not "
-                                         f"{VERSION}; upgrade shardpoint")
+            raise CheckpointingException(
+                f"shardpoint backend version {loaded_version} is not {VERSION}; upgrade shardpoint"
+            )
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> Any:
         """Fill ``sharded_state_dict`` from ``<dir>/shardpoint``, or from ``dir`` itself when
@@ -202,15 +244,13 @@ class ShardpointLoadStrategy(LoadShardedStrategy):
         path = sharded_path(checkpoint_dir)
         try:
             root = (SHARDED,) if SHARDED in read_metadata(path).tree else ()
-            t = megatron_tree(sharded_state_dict, for_load=True,
-                              stored=stored_tensors(path, root))
+            t = megatron_tree(sharded_state_dict, for_load=True, stored=stored_tensors(path, root))
             like = {SHARDED: t.tree[SHARDED]} if root else t.tree[SHARDED]
             loaded = load(path, like=like, group=self.group)
             t.finish_overlaps()
         except ShardpointError as e:
             raise as_megatron_error(e)
-        return t.assemble({SHARDED: loaded.get(SHARDED, {}) if root else loaded,
-                           "common": None})
+        return t.assemble({SHARDED: loaded.get(SHARDED, {}) if root else loaded, "common": None})
 
     def load_tensors_metadata(self, checkpoint_dir: Union[str, Path]) -> dict:
         """``{key: ShardedTensor}`` without data: each tensor's global shape and dtype."""
@@ -221,9 +261,14 @@ class ShardpointLoadStrategy(LoadShardedStrategy):
                 e = node.entry
                 n = len(e.shape)
                 out[path[1]] = MShardedTensor(
-                    key=path[1], data=None, dtype=from_name(e.dtype).torch,
-                    local_shape=tuple(e.shape), global_shape=tuple(e.shape),
-                    global_offset=(0,) * n, axis_fragmentations=(1,) * n)
+                    key=path[1],
+                    data=None,
+                    dtype=from_name(e.dtype).torch,
+                    local_shape=tuple(e.shape),
+                    global_shape=tuple(e.shape),
+                    global_offset=(0,) * n,
+                    axis_fragmentations=(1,) * n,
+                )
         return out
 
     def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> dict:
@@ -254,15 +299,20 @@ class ShardpointCommonSaveStrategy(SaveCommonStrategy):
     def save_common(self, common_state_dict: Any, checkpoint_dir: Union[str, Path]) -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
             try:
-                save(encode_value(common_state_dict),
-                     os.path.join(str(checkpoint_dir), COMMON_DIR), group=_solo())
+                save(
+                    encode_value(common_state_dict),
+                    os.path.join(str(checkpoint_dir), COMMON_DIR),
+                    group=_solo(),
+                )
             except ShardpointError as e:
                 raise as_megatron_error(e)
 
-    def save_sharded_objects(self, sharded_objects_state_dict: Any,
-                             checkpoint_dir: Union[str, Path]) -> None:
-        TorchCommonSaveStrategy("torch", 1).save_sharded_objects(sharded_objects_state_dict,
-                                                                 checkpoint_dir)
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: Any, checkpoint_dir: Union[str, Path]
+    ) -> None:
+        TorchCommonSaveStrategy("torch", 1).save_sharded_objects(
+            sharded_objects_state_dict, checkpoint_dir
+        )
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -279,7 +329,8 @@ def _saving_with_shardpoint() -> bool:
         if f is None:
             return False
         if f.f_code.co_name == "save" and f.f_globals.get("__name__", "").startswith(
-                "megatron.core.dist_checkpointing"):
+            "megatron.core.dist_checkpointing"
+        ):
             st = f.f_locals.get("sharded_strategy")
             st = getattr(st, "base_strategy", st)
             return isinstance(st, ShardpointSaveStrategy)
@@ -298,10 +349,12 @@ class DefaultCommonSaveStrategy(SaveCommonStrategy):
 
     def save_common(self, common_state_dict: Any, checkpoint_dir: Union[str, Path]) -> None:
         (self._shardpoint if _saving_with_shardpoint() else self._torch).save_common(
-            common_state_dict, checkpoint_dir)
+            common_state_dict, checkpoint_dir
+        )
 
-    def save_sharded_objects(self, sharded_objects_state_dict: Any,
-                             checkpoint_dir: Union[str, Path]) -> None:
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: Any, checkpoint_dir: Union[str, Path]
+    ) -> None:
         self._torch.save_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
 
     @property
@@ -323,13 +376,15 @@ class ShardpointCommonLoadStrategy(LoadCommonStrategy):
                 return decode_value(load(os.path.join(d, COMMON_DIR), group=_solo()))
             except ShardpointError as e:
                 raise as_megatron_error(e)
-        if not os.path.exists(os.path.join(d, "common.pt")) and \
-                os.path.isfile(os.path.join(sharded_path(d), MANIFEST)):
+        if not os.path.exists(os.path.join(d, "common.pt")) and os.path.isfile(
+            os.path.join(sharded_path(d), MANIFEST)
+        ):
             return {}
         return self._torch.load_common(Path(d))
 
-    def load_sharded_objects(self, sharded_objects_state_dict: Any,
-                             checkpoint_dir: Union[str, Path]) -> Any:
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: Any, checkpoint_dir: Union[str, Path]
+    ) -> Any:
         return self._torch.load_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
 
     def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> Any:
@@ -351,12 +406,15 @@ class ShardpointCommonLoadStrategy(LoadCommonStrategy):
 def register() -> None:
     """Register the ``shardpoint`` sharded strategies, the common loader and the default
     common saver (done on import; idempotent)."""
-    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION,
-                              ShardpointSaveStrategy())
-    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION,
-                              ShardpointLoadStrategy())
-    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1,
-                              ShardpointCommonLoadStrategy())
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED, BACKEND, VERSION, ShardpointSaveStrategy()
+    )
+    register_default_strategy(
+        StrategyAction.LOAD_SHARDED, BACKEND, VERSION, ShardpointLoadStrategy()
+    )
+    register_default_strategy(
+        StrategyAction.LOAD_COMMON, "torch", 1, ShardpointCommonLoadStrategy()
+    )
     use_shardpoint_common(None)
 
 
@@ -366,15 +424,27 @@ def use_shardpoint_common(enabled: Optional[bool] = True) -> None:
     the default (``common/`` for the shardpoint backend's saves, ``common.pt`` for the
     others'). Megatron's ``save`` takes no common strategy argument, so this replaces its
     default ``torch`` common saver."""
-    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1,
-                              DefaultCommonSaveStrategy() if enabled is None else
-                              ShardpointCommonSaveStrategy() if enabled else
-                              TorchCommonSaveStrategy("torch", 1))
+    register_default_strategy(
+        StrategyAction.SAVE_COMMON,
+        "torch",
+        1,
+        DefaultCommonSaveStrategy()
+        if enabled is None
+        else ShardpointCommonSaveStrategy()
+        if enabled
+        else TorchCommonSaveStrategy("torch", 1),
+    )
 
 
 register()
 
-__all__ = ["DefaultCommonSaveStrategy", "ShardpointCommonLoadStrategy",
-           "ShardpointCommonSaveStrategy",
-           "ShardpointLoadStrategy", "ShardpointSaveStrategy", "register", "sharded_path",
-           "use_shardpoint_common"]
+__all__ = [
+    "DefaultCommonSaveStrategy",
+    "ShardpointCommonLoadStrategy",
+    "ShardpointCommonSaveStrategy",
+    "ShardpointLoadStrategy",
+    "ShardpointSaveStrategy",
+    "register",
+    "sharded_path",
+    "use_shardpoint_common",
+]

@@ -6,6 +6,7 @@ Tensors of equal geometry share one pattern (their parts computed once by
 order (keys sorted, then chunks, then parts) and :func:`elect` picks per chunk the rank that
 writes (save) or reads (load) it. Python loops run per pattern, never per holder. Pure.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
@@ -58,8 +59,18 @@ def build_parts(order: Sequence[tuple], D: int, pattern: Callable) -> Parts:
         if j is None:
             pc, li, pi, lo, ext, cnt, coff, cshp = make()
             j = pats[pkey] = len(pat_list)
-            pat_list.append((pc, li, pi, pad_boxes(lo, D, 0), pad_boxes(ext, D, 1), cnt,
-                             pad_boxes(coff, D, 0), pad_boxes(cshp, D, 1)))
+            pat_list.append(
+                (
+                    pc,
+                    li,
+                    pi,
+                    pad_boxes(lo, D, 0),
+                    pad_boxes(ext, D, 1),
+                    cnt,
+                    pad_boxes(coff, D, 0),
+                    pad_boxes(cshp, D, 1),
+                )
+            )
             users[j] = []
         users[j].append((pos, k, gis))
         nchunks.append(len(pat_list[j][6]))
@@ -86,14 +97,29 @@ def build_parts(order: Sequence[tuple], D: int, pattern: Callable) -> Parts:
         c_key[ids] = np.repeat(np.array([u[1] for u in us], np.int64), C)
         c_pat[ids] = j
         c_idx[ids] = np.tile(np.arange(C), K)
-    cat = {n: (np.concatenate(v) if v else
-               np.zeros((0, D) if n in ("bo", "bs") else 0, np.int64)) for n, v in cols.items()}
+    cat = {
+        n: (np.concatenate(v) if v else np.zeros((0, D) if n in ("bo", "bs") else 0, np.int64))
+        for n, v in cols.items()
+    }
     o = np.argsort(cat["chunk"], kind="stable")
     p_chunk = cat["chunk"][o]
     nparts = np.bincount(p_chunk, minlength=NC).astype(np.int64)
-    return Parts(D, c_key, c_pat, c_idx, np.cumsum(nparts) - nparts, nparts, p_chunk,
-                 cat["gi"][o], cat["pi"][o], cat["bo"][o], cat["bs"][o], cat["cnt"][o],
-                 cat["src"][o], pat_list)
+    return Parts(
+        D,
+        c_key,
+        c_pat,
+        c_idx,
+        np.cumsum(nparts) - nparts,
+        nparts,
+        p_chunk,
+        cat["gi"][o],
+        cat["pi"][o],
+        cat["bo"][o],
+        cat["bs"][o],
+        cat["cnt"][o],
+        cat["src"][o],
+        pat_list,
+    )
 
 
 def expand(rows: np.ndarray, first: np.ndarray, count: np.ndarray) -> tuple:
@@ -133,7 +159,7 @@ def elect(t: Parts, regions: Regions, world: int, c_bytes: np.ndarray) -> tuple:
         cand = held == np.maximum.reduceat(held, cb)[gid]
         ci = cand.astype(np.int64)
         cs = np.cumsum(ci)
-        pos = cs - 1 - (cs - ci)[cb][gid]           # index among the chunk's candidates
+        pos = cs - 1 - (cs - ci)[cb][gid]  # index among the chunk's candidates
         pick = uc[cb] % np.add.reduceat(ci, cb)
         sel = cand & (pos == pick[gid])
         rank[uc[sel]] = ur[sel]
@@ -148,8 +174,11 @@ def elect(t: Parts, regions: Regions, world: int, c_bytes: np.ndarray) -> tuple:
     forced[ids1[solo]] = True
     busy = np.bincount(rank[forced], weights=c_bytes[forced], minlength=world)
     ids1, g1, n1 = ids1[~solo], g1[~solo], n1[~solo]
-    hsig = np.add.reduceat((hold_rank.astype(np.uint64) + np.uint64(1)) * _MIX, start[:-1]) \
-        if len(nh) else np.zeros(0, np.uint64)
+    hsig = (
+        np.add.reduceat((hold_rank.astype(np.uint64) + np.uint64(1)) * _MIX, start[:-1])
+        if len(nh)
+        else np.zeros(0, np.uint64)
+    )
     s1 = hsig[g1] ^ n1.astype(np.uint64)
     o1 = np.lexsort((ids1, -c_bytes[ids1], s1))
     ss = s1[o1]
@@ -158,14 +187,14 @@ def elect(t: Parts, regions: Regions, world: int, c_bytes: np.ndarray) -> tuple:
     seq = np.empty(len(o1), np.int64)
     seq[o1] = np.arange(len(o1)) - grp
     lap, at = np.divmod(seq, np.maximum(n1, 1))
-    at = np.where(lap % 2 == 1, n1 - 1 - at, at)     # snake order: every other lap reversed
+    at = np.where(lap % 2 == 1, n1 - 1 - at, at)  # snake order: every other lap reversed
     # per holder set, its positions ordered by how busy their rank is (ties: a rotation
     # derived from the set, so overlapping sets do not all start on one rank)
     turn = np.empty(len(ids1), np.int64)
     for a, b in zip(np.flatnonzero(brk).tolist(), np.flatnonzero(brk).tolist()[1:] + [len(o1)]):
         members = o1[a:b]
         g, n = int(g1[members[0]]), int(n1[members[0]])
-        ranks_g = hold_rank[start[g]:start[g] + n]
+        ranks_g = hold_rank[start[g] : start[g] + n]
         rot = (np.arange(n) - int(ss[a] % np.uint64(n))) % n
         perm = np.lexsort((rot, busy[ranks_g]))
         turn[members] = perm[at[members]]

@@ -6,6 +6,7 @@ thousands of regions. Keeping them as columns (one row per holding) lets the coo
 decode, check and group them with a handful of vectorised numpy passes, so planning costs
 grow with the distinct structure rather than with ranks x tensors. Pure: no I/O.
 """
+
 from __future__ import annotations
 
 import gc
@@ -23,8 +24,8 @@ from shardpoint_core.format.errors import InvalidShardingError
 from shardpoint.tree.model import Holding
 
 WIRE_TAG = "cols2"
-ZIP_TAG = "cols3"      # the same with the body compressed (jobs of COMPRESS_FROM_WORLD ranks)
-PARTS_TAG = "cols4"    # meta + blobs, for a gather that sends each distinct blob once
+ZIP_TAG = "cols3"  # the same with the body compressed (jobs of COMPRESS_FROM_WORLD ranks)
+PARTS_TAG = "cols4"  # meta + blobs, for a gather that sends each distinct blob once
 # zlib level of what a rank sends up (key tables, tree branches, compressed bodies): 9 makes
 # them ~25% smaller than 1 for ~1 ms more a rank, paid in parallel; inflating costs the same,
 # and tables and branches are inflated once per distinct content. Measured on the simulated
@@ -99,9 +100,16 @@ class HoldingColumns(Sequence):
 
     __slots__ = ("_table", "_cols", "_runs", "_run_main", "D", "R", "table_bytes")
 
-    def __init__(self, table: Optional[list], cols: Optional[list], D: int, R: int,
-                 table_bytes: Optional[list] = None, runs: Optional[list] = None,
-                 run_main: Optional[list] = None):
+    def __init__(
+        self,
+        table: Optional[list],
+        cols: Optional[list],
+        D: int,
+        R: int,
+        table_bytes: Optional[list] = None,
+        runs: Optional[list] = None,
+        run_main: Optional[list] = None,
+    ):
         """``cols``: the columns; or ``runs``, lists of columns for consecutive rows, joined
         on first use of :attr:`cols` (the coordinator's :class:`Gathered` joins every
         rank's runs in one pass instead). ``run_main``: per run, whether its replica ids are
@@ -110,7 +118,7 @@ class HoldingColumns(Sequence):
         if cols is None and not runs:
             raise ValueError("holding columns need their columns or at least one run")
         self._table, self._cols, self.D, self.R = table, cols, D, R
-        self._runs: list = [] if runs is None else runs    # read while _cols is None
+        self._runs: list = [] if runs is None else runs  # read while _cols is None
         self._run_main = run_main
         self.table_bytes = table_bytes
 
@@ -150,9 +158,15 @@ class HoldingColumns(Sequence):
         row = [int(c[i]) for c in self.cols]
         key, dtype, g = self.table[row[0]]
         nd, D = len(g), self.D
-        return Holding(key, dtype, g, tuple(row[4:4 + nd]), tuple(row[4 + D:4 + D + nd]),
-                       None if row[2] < 0 else (row[2], row[3]),
-                       tuple(row[4 + 2 * D:4 + 2 * D + row[1]]))
+        return Holding(
+            key,
+            dtype,
+            g,
+            tuple(row[4 : 4 + nd]),
+            tuple(row[4 + D : 4 + D + nd]),
+            None if row[2] < 0 else (row[2], row[3]),
+            tuple(row[4 + 2 * D : 4 + 2 * D + row[1]]),
+        )
 
     def __iter__(self) -> Iterator[Holding]:
         return (self[i] for i in range(len(self)))
@@ -177,8 +191,15 @@ class HoldingColumns(Sequence):
                 table.append(t)
             nd = len(h.offset)
             f = h.flat or (-1, -1)
-            rows.append((k, len(h.replica), f[0], f[1]) + tuple(h.offset) + pad_o[nd:] +
-                        tuple(h.shape) + pad_s[nd:] + tuple(h.replica) + pad_r[len(h.replica):])
+            rows.append(
+                (k, len(h.replica), f[0], f[1])
+                + tuple(h.offset)
+                + pad_o[nd:]
+                + tuple(h.shape)
+                + pad_s[nd:]
+                + tuple(h.replica)
+                + pad_r[len(h.replica) :]
+            )
         m = np.array(rows, np.int64).reshape(len(hs), 4 + 2 * D + R).T
         return HoldingColumns(table, list(m), D, R)
 
@@ -190,8 +211,17 @@ class HoldingColumns(Sequence):
         table = [zlib.compress(msgpack.packb(sg), PLAN_ZLIB_LEVEL) for sg in segs]
         kinds, body = _narrow(self.cols)
         if compress:
-            return msgpack.packb([ZIP_TAG, len(self), self.D, self.R, table, kinds,
-                                  zlib.compress(body, PLAN_ZLIB_LEVEL)])
+            return msgpack.packb(
+                [
+                    ZIP_TAG,
+                    len(self),
+                    self.D,
+                    self.R,
+                    table,
+                    kinds,
+                    zlib.compress(body, PLAN_ZLIB_LEVEL),
+                ]
+            )
         return msgpack.packb([WIRE_TAG, len(self), self.D, self.R, table, kinds, body])
 
     def to_parts(self) -> tuple:
@@ -222,16 +252,19 @@ class HoldingColumns(Sequence):
         return [PARTS_TAG, n, self.D, self.R, len(segs), runs], blobs
 
     @staticmethod
-    def from_parts(meta: list, blobs: Sequence[bytes],
-                   cache: Optional[dict] = None) -> "HoldingColumns":
+    def from_parts(
+        meta: list, blobs: Sequence[bytes], cache: Optional[dict] = None
+    ) -> "HoldingColumns":
         """Decode :meth:`to_parts`. ``cache`` (a dict shared across ranks): each distinct run
         blob is inflated once (the blobs a deduplicating gather delivers are one object per
         distinct content, so their hashes are computed once)."""
         tag, n, D, R, nt, runs = meta
         if tag != PARTS_TAG:
             raise ValueError(f"not a columnar holdings parts message (tag {tag!r})")
-        if len(blobs) != nt + sum(2 if c is None else 1 for _r, c in runs) or \
-                sum(r for r, _ in runs) != n:
+        if (
+            len(blobs) != nt + sum(2 if c is None else 1 for _r, c in runs)
+            or sum(r for r, _ in runs) != n
+        ):
             raise ValueError("holdings parts do not add up to the stated blobs and rows")
         cache = {} if cache is None else cache
         w, pos, pieces, run_main = 4 + 2 * D, nt, [], []
@@ -245,7 +278,7 @@ class HoldingColumns(Sequence):
             return got[1]
 
         def full(rows: int, v: int) -> np.ndarray:
-            a = cache.get((rows, v))     # one read-only array per (rows, value)
+            a = cache.get((rows, v))  # one read-only array per (rows, value)
             if a is None:
                 a = cache[(rows, v)] = np.full(rows, v, np.int64)
                 a.flags.writeable = False
@@ -264,10 +297,16 @@ class HoldingColumns(Sequence):
             pieces.append(main + rep)
             run_main.append(None if consts is None else not any(consts))
         if not pieces:
-            return HoldingColumns(None, [np.zeros(0, np.int64) for _ in range(w + R)], D, R,
-                                  table_bytes=list(blobs[:nt]))
-        return HoldingColumns(None, None, D, R, table_bytes=list(blobs[:nt]), runs=pieces,
-                              run_main=run_main)
+            return HoldingColumns(
+                None,
+                [np.zeros(0, np.int64) for _ in range(w + R)],
+                D,
+                R,
+                table_bytes=list(blobs[:nt]),
+            )
+        return HoldingColumns(
+            None, None, D, R, table_bytes=list(blobs[:nt]), runs=pieces, run_main=run_main
+        )
 
     @staticmethod
     def from_wire(b: bytes) -> "HoldingColumns":
@@ -306,8 +345,11 @@ def _narrow(cols: Sequence[np.ndarray]) -> tuple:
     kinds, body = [], []
     for c in cols:
         lo, hi = (int(c.min()), int(c.max())) if len(c) else (0, 0)
-        t = next(t for t in ("<i1", "<i2", "<i4", "<i8")
-                 if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max)
+        t = next(
+            t
+            for t in ("<i1", "<i2", "<i4", "<i8")
+            if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max
+        )
         kinds.append(t)
         body.append(np.ascontiguousarray(c, t).tobytes())
     return kinds, b"".join(body)
@@ -349,7 +391,9 @@ def as_columns(hs: Sequence[Holding]) -> HoldingColumns:
 def _disagree(e0: tuple, e: tuple, r0: int, r: int) -> None:
     raise InvalidShardingError(
         f"tensor {e[0]!r}: ranks disagree on global shape/dtype: rank {r0} has {e0[2]} "
-        f"{e0[1]}, rank {r} has {e[2]} {e[1]}", spec_id="SP-COVER-4")
+        f"{e0[1]}, rank {r} has {e[2]} {e[1]}",
+        spec_id="SP-COVER-4",
+    )
 
 
 class Gathered:
@@ -362,15 +406,19 @@ class Gathered:
     pass its own ``disagree(first entry, entry, first rank, rank)`` to raise another error.
     """
 
-    def __init__(self, ranks: Sequence[int], cols: Sequence[HoldingColumns],
-                 disagree: Optional[Callable] = None):
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        cols: Sequence[HoldingColumns],
+        disagree: Optional[Callable] = None,
+    ):
         disagree = disagree or _disagree
-        keys: list = []          # [(key, dtype, global shape)] by global id
-        raw: list = []           # the same entries in wire form, for cheap comparison
-        kid: dict[str, int] = {}     # key -> global id
+        keys: list = []  # [(key, dtype, global shape)] by global id
+        raw: list = []  # the same entries in wire form, for cheap comparison
+        kid: dict[str, int] = {}  # key -> global id
         first_rank: list = []
-        seg_cache: dict = {}     # table segment bytes -> global ids of its rows
-        table_cache: dict = {}   # a rank's segments -> global ids of its table's rows
+        seg_cache: dict = {}  # table segment bytes -> global ids of its rows
+        table_cache: dict = {}  # a rank's segments -> global ids of its table's rows
         seg_of_table: dict = {}  # id of a table's map -> its segments (see below)
         maps = []
 
@@ -387,7 +435,7 @@ class Gathered:
                     raw.append(e)
                     first_rank.append(r)
                 found[i] = k
-            ids = cast("list[int]", found)      # every None was filled just above
+            ids = cast("list[int]", found)  # every None was filled just above
             if list(map(raw.__getitem__, ids)) != entries:
                 i = next(i for i, k in enumerate(ids) if raw[k] != entries[i])
                 k0, e = keys[ids[i]], entries[i]
@@ -396,7 +444,7 @@ class Gathered:
 
         for r, c in zip(ranks, cols):
             tb = c.table_bytes
-            if tb is None:          # columns built in this process
+            if tb is None:  # columns built in this process
                 maps.append(ids_of(c.raw_table(), r))
                 continue
             tk = tuple(tb)
@@ -421,10 +469,10 @@ class Gathered:
         n = int(lens.sum())
         self.n = n
         self._ranks = ranks_a = np.asarray(list(ranks), np.int64)
-        self._row0 = row0 = np.cumsum(lens) - lens       # each rank's first row
+        self._row0 = row0 = np.cumsum(lens) - lens  # each rank's first row
         self._lens = lens
 
-        where: dict = {}     # id of a distinct map -> its base in ``allmaps``
+        where: dict = {}  # id of a distinct map -> its base in ``allmaps``
         distinct = []
         total = 0
         for m in maps:
@@ -437,17 +485,22 @@ class Gathered:
         same = all(c.D == D and c.R == R for c in cols)
         # every rank's runs of rows (a run: one array per column), listed once: a column is
         # then one C-speed pass over them rather than a Python call per rank and column
-        runs = [r for c in cols for r in (c._runs if c._cols is None else (c._cols,))] \
-            if same else []
+        runs = (
+            [r for c in cols for r in (c._runs if c._cols is None else (c._cols,))] if same else []
+        )
 
         def column(j: int, j_of, fill):
-            if same:     # every rank sent the same columns: one concatenation, no Python per rank
+            if same:  # every rank sent the same columns: one concatenation, no Python per rank
                 parts = list(map(itemgetter(j), runs))
             else:
-                parts = [c.cols[j_of(c)] if j_of(c) is not None else np.full(len(c), fill)
-                         for c in cols]
-            return np.concatenate(parts, dtype=np.int64, casting="safe") if parts else \
-                np.zeros(0, np.int64)
+                parts = [
+                    c.cols[j_of(c)] if j_of(c) is not None else np.full(len(c), fill) for c in cols
+                ]
+            return (
+                np.concatenate(parts, dtype=np.int64, casting="safe")
+                if parts
+                else np.zeros(0, np.int64)
+            )
 
         # the columns are joined on first use: the save's regions are found from the units
         # below (each distinct run once), and only the replica ids are read per row
@@ -457,18 +510,24 @@ class Gathered:
             "hidx": lambda: np.arange(n, dtype=np.int64) - np.repeat(row0, lens),
             # each row's rank position, narrow: rank and holding index of rows in any order
             # read from it and two small tables (a cache-friendly gather)
-            "_pos": lambda: np.repeat(np.arange(len(lens), dtype=np.int16 if len(lens) <
-                                                2 ** 15 else np.int32), lens),
+            "_pos": lambda: np.repeat(
+                np.arange(len(lens), dtype=np.int16 if len(lens) < 2**15 else np.int32), lens
+            ),
             "gk": lambda: allmaps[column(0, lambda c: 0, 0) + np.repeat(base, lens)],
             "fs": lambda: column(2, lambda c: 2, -1),
             "fe": lambda: column(3, lambda c: 3, -1),
-            "off": lambda: [column(4 + d, lambda c, d=d: 4 + d if d < c.D else None, 0)
-                            for d in range(D)],
-            "shp": lambda: [column(4 + D + d, lambda c, d=d: 4 + c.D + d if d < c.D else None,
-                                   1) for d in range(D)],
-            "rep": lambda: [column(4 + 2 * D + j,
-                                   lambda c, j=j: 4 + 2 * c.D + j if j < c.R else None, 0)
-                            for j in range(R)]}
+            "off": lambda: [
+                column(4 + d, lambda c, d=d: 4 + d if d < c.D else None, 0) for d in range(D)
+            ],
+            "shp": lambda: [
+                column(4 + D + d, lambda c, d=d: 4 + c.D + d if d < c.D else None, 1)
+                for d in range(D)
+            ],
+            "rep": lambda: [
+                column(4 + 2 * D + j, lambda c, j=j: 4 + 2 * c.D + j if j < c.R else None, 0)
+                for j in range(R)
+            ],
+        }
         self.D = D
         # (columns before the replica ids of every distinct run, each row's row in them)
         self.units: Optional[tuple[list[np.ndarray], np.ndarray]] = None
@@ -484,38 +543,55 @@ class Gathered:
                 rbase += [where[id(m)]] * len(rs)
                 segs = seg_of_table.get(id(m))
                 if segs is None:
-                    rseg += [(id(m), 0)] * len(rs)      # the rank's whole table
+                    rseg += [(id(m), 0)] * len(rs)  # the rank's whole table
                 elif len(segs[1]) == 1:
                     rseg += segs[1] * len(rs)
                 else:
                     ends, sids = segs
-                    rseg += [sids[bisect_right(ends, int(r[0][0]))] if len(r[0]) else
-                             (id(m), 0) for r in rs]
+                    rseg += [
+                        sids[bisect_right(ends, int(r[0][0]))] if len(r[0]) else (id(m), 0)
+                        for r in rs
+                    ]
             # a run's columns before the replica ids are one decoded blob (or one rank's
             # own arrays): its first and last column name it
             uid: dict = {}
-            run_unit = [uid.setdefault((id(r[0]), id(r[w - 1]), *sg), len(uid))
-                        for r, sg in zip(runs, rseg)]
+            run_unit = [
+                uid.setdefault((id(r[0]), id(r[w - 1]), *sg), len(uid)) for r, sg in zip(runs, rseg)
+            ]
             first: dict[int, int] = {}
             for i, u in enumerate(run_unit):
                 first.setdefault(u, i)
             ulist = [runs[i] for i in first.values()]
             ubases = [rbase[i] for i in first.values()]
             ulen = np.array([len(r[0]) for r in ulist], np.int64)
-            ucat = [np.concatenate([r[j] for r in ulist], dtype=np.int64, casting="safe")
-                    for j in range(w)]
+            ucat = [
+                np.concatenate([r[j] for r in ulist], dtype=np.int64, casting="safe")
+                for j in range(w)
+            ]
             ucat[0] = allmaps[ucat[0] + np.repeat(np.array(ubases, np.int64), ulen)]
             run_len = np.array([len(r[0]) for r in runs], np.int64)
             ustart = np.cumsum(ulen) - ulen
             rstart = np.cumsum(run_len) - run_len
             # full row -> its unit row
             urow = np.arange(n, dtype=np.int64) + np.repeat(
-                ustart[np.array(run_unit, np.int64)] - rstart, run_len)
+                ustart[np.array(run_unit, np.int64)] - rstart, run_len
+            )
             self.units = (ucat, urow)
-            self._main_runs = (runs, run_len, rstart, w, [
-                f for c in cols for f in (c._run_main if c._cols is None and
-                                          c._run_main is not None else
-                                          [None] * (len(c._runs) if c._cols is None else 1))])
+            self._main_runs = (
+                runs,
+                run_len,
+                rstart,
+                w,
+                [
+                    f
+                    for c in cols
+                    for f in (
+                        c._run_main
+                        if c._cols is None and c._run_main is not None
+                        else [None] * (len(c._runs) if c._cols is None else 1)
+                    )
+                ],
+            )
 
     def rank_hidx(self, rows: np.ndarray) -> tuple:
         """(rank, holding index on that rank) of the rows ``rows``."""
@@ -536,13 +612,15 @@ class Gathered:
         f = np.array([-1 if x is None else int(x) for x in flags], np.int8)
         main = np.repeat(f == 1, run_len)
         arr = np.flatnonzero(f < 0)
-        if len(arr):        # runs that sent their replica ids as columns: those rows only
+        if len(arr):  # runs that sent their replica ids as columns: those rows only
             al = run_len[arr]
             m = np.ones(int(al.sum()), bool)
             for j in range(len(runs[0]) - w):
                 m &= np.concatenate([runs[i][w + j] for i in arr.tolist()]) == 0
-            main[np.repeat(rstart[arr] - (np.cumsum(al) - al), al) +
-                 np.arange(len(m), dtype=np.int64)] = m
+            main[
+                np.repeat(rstart[arr] - (np.cumsum(al) - al), al)
+                + np.arange(len(m), dtype=np.int64)
+            ] = m
         return main
 
     def __getattr__(self, name: str):
@@ -577,8 +655,8 @@ class Regions:
             return c if sel is None else c[sel]
 
         self.start = starts
-        self._rank_l: Optional[list[int]] = None    # hold_rank and hold_hidx as lists,
-        self._hidx_l: Optional[list[int]] = None    # made on first use
+        self._rank_l: Optional[list[int]] = None  # hold_rank and hold_hidx as lists,
+        self._hidx_l: Optional[list[int]] = None  # made on first use
         self.start_l = starts.tolist()
         self.hold_rank, self.hold_hidx = g.rank_hidx(order if sel is None else sel[order])
         self._keys, self._D = g.keys, g.D
@@ -593,37 +671,50 @@ class Regions:
         sig = rows[canon, 1:].tobytes()
         w = (rows.shape[1] - 1) * rows.itemsize
         lo, hi = bounds[:-1], bounds[1:]
-        self.by_key = dict(zip(ks[lo].tolist() if len(canon) else [], zip(
-            map(canon_l.__getitem__, map(slice, lo, hi)),
-            map(sig.__getitem__, map(slice, [a * w for a in lo], [b * w for b in hi])))))
+        self.by_key = dict(
+            zip(
+                ks[lo].tolist() if len(canon) else [],
+                zip(
+                    map(canon_l.__getitem__, map(slice, lo, hi)),
+                    map(sig.__getitem__, map(slice, [a * w for a in lo], [b * w for b in hi])),
+                ),
+            )
+        )
         if not check_replicas:
             return
         main = pick(g.main_rows())
         main_sorted = main[order]
-        nmain = np.add.reduceat(main_sorted.astype(np.int64), starts[:-1]) if len(rows) else \
-            np.zeros(0, np.int64)
+        nmain = (
+            np.add.reduceat(main_sorted.astype(np.int64), starts[:-1])
+            if len(rows)
+            else np.zeros(0, np.int64)
+        )
         dup = np.flatnonzero(nmain > 1)
         if len(dup):
             gi = min(dup.tolist(), key=lambda i: (g.keys[rows[i, 0]][0], rows[i].tolist()))
-            rows = order[starts[gi]:starts[gi + 1]]
+            rows = order[starts[gi] : starts[gi + 1]]
             rows = rows[main[rows]]
             rep = [pick(c) for c in g.rep]
             mains = [(int(pick(g.rank)[j]), tuple(int(c[j]) for c in rep)) for j in rows]
             k, o, s, f = self.region(gi)
-            who = ", ".join(f"rank {r}" for r, _ in mains[:4]) + \
-                (f" and {len(mains) - 4} more" if len(mains) > 4 else "")
+            who = ", ".join(f"rank {r}" for r, _ in mains[:4]) + (
+                f" and {len(mains) - 4} more" if len(mains) > 4 else ""
+            )
             raise InvalidShardingError(
-                f"tensor {g.keys[k][0]!r}: {who} all hold region offset {o} shape {s}" +
-                (f" range {f}" if f else "") + " as the main replica (all-zero replica_id); "
+                f"tensor {g.keys[k][0]!r}: {who} all hold region offset {o} shape {s}"
+                + (f" range {f}" if f else "")
+                + " as the main replica (all-zero replica_id); "
                 "a region has at most one main replica: give the other holders a non-zero "
-                "replica_id (they may share one)", spec_id="SP-REPL-2")
+                "replica_id (they may share one)",
+                spec_id="SP-REPL-2",
+            )
 
     def region(self, gi: int) -> tuple:
         """Region ``gi`` as ``(key id, offset, shape, flat or None)``."""
         row, D = self._rows[gi].tolist(), self._D
         nd = len(self._keys[row[0]][2])
         f = None if row[1 + 2 * D] < 0 else (row[1 + 2 * D], row[2 + 2 * D])
-        return row[0], tuple(row[1:1 + nd]), tuple(row[1 + D:1 + D + nd]), f
+        return row[0], tuple(row[1 : 1 + nd]), tuple(row[1 + D : 1 + D + nd]), f
 
     def holders(self, gi: int) -> tuple:
         a, b = self.start[gi], self.start[gi + 1]
@@ -653,12 +744,14 @@ def _group_all(g: Gathered) -> tuple:
     def pick(c):
         return c if sel is None else c[sel]
 
-    cols = [pick(g.gk)] + [pick(c) for c in g.off] + [pick(c) for c in g.shp] + \
-        [pick(fs), pick(fe)]
+    cols = [pick(g.gk)] + [pick(c) for c in g.off] + [pick(c) for c in g.shp] + [pick(fs), pick(fe)]
     order, starts = group_rows(cols)
     first = order[starts[:-1]]
-    rows = np.column_stack([c[first] for c in cols]) if len(first) else \
-        np.zeros((0, len(cols)), np.int64)
+    rows = (
+        np.column_stack([c[first] for c in cols])
+        if len(first)
+        else np.zeros((0, len(cols)), np.int64)
+    )
     return sel, order, starts, rows
 
 
@@ -673,10 +766,10 @@ def _group_units(g: Gathered) -> tuple:
     D = g.D
     ufs, ufe = ucat[2], ucat[3]
     size = np.ones(len(ufs), np.int64)
-    for c in ucat[4 + D:4 + 2 * D]:
+    for c in ucat[4 + D : 4 + 2 * D]:
         size *= c
     une = np.where(ufs >= 0, ufe > ufs, size > 0)
-    ucols = [ucat[0]] + ucat[4:4 + 2 * D] + [ufs, ufe]
+    ucols = [ucat[0]] + ucat[4 : 4 + 2 * D] + [ufs, ufe]
     if une.all():
         sel, fr = None, urow
     else:
@@ -684,19 +777,23 @@ def _group_units(g: Gathered) -> tuple:
         fr = urow[sel]
     n = len(fr)
     if not n:
-        return sel, np.zeros(0, np.int64), np.zeros(1, np.int64), \
-            np.zeros((0, len(ucols)), np.int64)
-    live = np.flatnonzero(une)          # every non-empty unit row is some gathered row
+        return (
+            sel,
+            np.zeros(0, np.int64),
+            np.zeros(1, np.int64),
+            np.zeros((0, len(ucols)), np.int64),
+        )
+    live = np.flatnonzero(une)  # every non-empty unit row is some gathered row
     uo, us = group_rows([c[live] for c in ucols])
     G = len(us) - 1
     cg = np.empty(len(live), np.int64)
     cg[uo] = np.repeat(np.arange(G, dtype=np.int64), np.diff(us))
-    rep_rows = [c[live[uo[us[:-1]]]] for c in ucols]     # one row per distinct content
+    rep_rows = [c[live[uo[us[:-1]]]] for c in ucols]  # one row per distinct content
     b = max(1, (n - 1).bit_length())
     hb = _row_hash(rep_rows) >> np.uint64(b)
     if len(np.unique(hb)) == G:
-        gorder = np.argsort(hb)     # buckets of distinct hashes, ascending, as group_rows
-    else:                           # a collision: group_rows falls back to lexicographic
+        gorder = np.argsort(hb)  # buckets of distinct hashes, ascending, as group_rows
+    else:  # a collision: group_rows falls back to lexicographic
         gorder = np.lexsort(rep_rows[::-1])
     rid_of = np.empty(G, np.int64)
     rid_of[gorder] = np.arange(G, dtype=np.int64)
@@ -747,7 +844,7 @@ def group_rows(cols: list) -> tuple:
     starts = np.concatenate([[0], brk, [n]])
     # every row equal to its bucket's first row? (read from the small table of first rows,
     # which stays in cache, rather than gathering each column in sorted order)
-    gid = np.empty(n, np.int32 if len(starts) < 2 ** 31 else np.int64)
+    gid = np.empty(n, np.int32 if len(starts) < 2**31 else np.int64)
     gid[order] = np.repeat(np.arange(len(starts) - 1, dtype=gid.dtype), np.diff(starts))
     first = order[starts[:-1]]
     if not any((c != c[first][gid]).any() for c in cols):

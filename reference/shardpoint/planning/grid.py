@@ -4,6 +4,7 @@ The saving layout itself when it is a regular grid (no data moves), else the can
 that moves the fewest bytes. Also the chunk/piece overlap helpers both planners use; those
 work on arrays (:class:`PieceArrays`), for every distinct tensor geometry of a plan at once.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,7 +31,7 @@ def _split_large(shape: tuple, chunk: tuple, itemsize: int, max_bytes: int) -> t
         nbytes = math.prod(c) * itemsize
         if nbytes <= max_bytes:
             break
-        want = max(1, (max_bytes // max(1, math.prod(c[d + 1:]) * itemsize)))
+        want = max(1, (max_bytes // max(1, math.prod(c[d + 1 :]) * itemsize)))
         if c[d] >= shape[d]:
             c[d] = max(1, min(c[d], want))
         else:
@@ -73,8 +74,11 @@ def _regular_grid(shape: tuple, pa: "PieceArrays"):
     if len(origin) != 1:
         return None
     chunk = pa.shps[origin[0]]
-    if not chunk.all() or (pa.offs % chunk).any() or \
-            (pa.shps != np.minimum(chunk, np.array(shape, np.int64) - pa.offs)).any():
+    if (
+        not chunk.all()
+        or (pa.offs % chunk).any()
+        or (pa.shps != np.minimum(chunk, np.array(shape, np.int64) - pa.offs)).any()
+    ):
         return None
     return tuple(chunk.tolist())
 
@@ -170,10 +174,12 @@ class PieceArrays(NamedTuple):
     @staticmethod
     def of_lists(nd: int, piece_lists: list) -> "PieceArrays":
         flat = [(li, pi, p) for li, ps in enumerate(piece_lists) for pi, p in enumerate(ps)]
-        return PieceArrays(np.array([f[0] for f in flat], np.int64),
-                           np.array([f[1] for f in flat], np.int64),
-                           np.array([p.offset for _, _, p in flat], np.int64).reshape(-1, nd),
-                           np.array([p.shape for _, _, p in flat], np.int64).reshape(-1, nd))
+        return PieceArrays(
+            np.array([f[0] for f in flat], np.int64),
+            np.array([f[1] for f in flat], np.int64),
+            np.array([p.offset for _, _, p in flat], np.int64).reshape(-1, nd),
+            np.array([p.shape for _, _, p in flat], np.int64).reshape(-1, nd),
+        )
 
     @staticmethod
     def of_boxes(nd: int, regions: list) -> "PieceArrays":
@@ -181,10 +187,12 @@ class PieceArrays(NamedTuple):
         n = [len(bs) for bs, _ in regions]
         return PieceArrays(
             np.repeat(np.arange(len(regions), dtype=np.int64), n),
-            np.concatenate([np.arange(k, dtype=np.int64) for k in n]) if n else
-            np.zeros(0, np.int64),
+            np.concatenate([np.arange(k, dtype=np.int64) for k in n])
+            if n
+            else np.zeros(0, np.int64),
             np.array([o for bs, _ in regions for o, _ in bs], np.int64).reshape(-1, nd),
-            np.array([s for bs, _ in regions for _, s in bs], np.int64).reshape(-1, nd))
+            np.array([s for bs, _ in regions for _, s in bs], np.int64).reshape(-1, nd),
+        )
 
 
 def region_pieces(nd: int, regions: Sequence) -> PieceArrays:
@@ -200,8 +208,7 @@ def region_pieces(nd: int, regions: Sequence) -> PieceArrays:
     if nd == 0 or not R:
         keep = [i for i, f in enumerate(fl) if f is None or f[0] < f[1]]
         z = np.zeros((len(keep), nd), np.int64)
-        return PieceArrays(np.array(keep, np.int64), np.zeros(len(keep), np.int64), z,
-                           z + 1)
+        return PieceArrays(np.array(keep, np.int64), np.zeros(len(keep), np.int64), z, z + 1)
     off = np.array([r[0] for r in regions], np.int64).reshape(R, nd)
     shp = np.array([r[1] for r in regions], np.int64).reshape(R, nd)
     isflat = np.array([f is not None for f in fl])
@@ -226,7 +233,7 @@ def region_pieces(nd: int, regions: Sequence) -> PieceArrays:
         same = r0 == r1
         m0 = r0 + (c0 > 0)
         mid = ~same & (m0 < r1)
-        if mid.any():          # whole rows: one box, the later dimensions whole
+        if mid.any():  # whole rows: one box, the later dimensions whole
             o = pre[mid].copy()
             o[:, d] = m0[mid]
             e = shp[reg[mid]].copy()
@@ -271,20 +278,31 @@ def chunk_part_arrays(shape: tuple, chunk: tuple, piece_lists) -> tuple:
     last two arrays have one row per touched chunk. A 0-d tensor is one chunk.
     ``piece_lists``: a list of piece lists, or their :class:`PieceArrays`."""
     nd = len(shape)
-    pa = piece_lists if isinstance(piece_lists, PieceArrays) else \
-        PieceArrays.of_lists(nd, piece_lists)
+    pa = (
+        piece_lists
+        if isinstance(piece_lists, PieceArrays)
+        else PieceArrays.of_lists(nd, piece_lists)
+    )
     li_a, pi_a = pa.li, pa.pi
     if not shape or not len(li_a):
         n = len(li_a)
         nc = 1 if n and not shape else 0
         z = np.zeros((n, nd), np.int64)
-        return (np.zeros(n, np.int64), li_a, pi_a, z, z, np.ones(n, np.int64),
-                np.zeros((nc, nd), np.int64), np.zeros((nc, nd), np.int64))
+        return (
+            np.zeros(n, np.int64),
+            li_a,
+            pi_a,
+            z,
+            z,
+            np.ones(n, np.int64),
+            np.zeros((nc, nd), np.int64),
+            np.zeros((nc, nd), np.int64),
+        )
     offs = pa.offs
     ends = offs + pa.shps
     idx = np.arange(len(li_a))
     lin = np.zeros(len(li_a), np.int64)
-    los: list[np.ndarray] = []      # per dimension so far, each overlap's low and high end
+    los: list[np.ndarray] = []  # per dimension so far, each overlap's low and high end
     his: list[np.ndarray] = []
     for d, (n, c) in enumerate(zip(shape, chunk)):
         o, e = offs[:, d], ends[:, d]
@@ -380,8 +398,16 @@ def chunk_part_arrays_many(items: Sequence[tuple]) -> list:
         ccut = np.searchsorted(cpat, np.arange(P + 1)).tolist()
         for j, i in enumerate(ids):
             a, b, ca, cb = rcut[j], rcut[j + 1], ccut[j], ccut[j + 1]
-            out[i] = (part_chunk[a:b] - ca, li_s[a:b], pi_s[a:b], lo[a:b], ext[a:b],
-                      cnt[a:b], coff[ca:cb], cshp[ca:cb])
+            out[i] = (
+                part_chunk[a:b] - ca,
+                li_s[a:b],
+                pi_s[a:b],
+                lo[a:b],
+                ext[a:b],
+                cnt[a:b],
+                coff[ca:cb],
+                cshp[ca:cb],
+            )
     return out
 
 
@@ -391,19 +417,31 @@ def chunk_parts(shape: tuple, chunk: tuple, piece_lists: list) -> list:
     the chunk, in piece order. :func:`pieces_by_chunk` with numpy, for tensors of many
     pieces and chunks."""
     if not shape:
-        return [((), (), [(li, pi, (), (), 1) for li, ps in enumerate(piece_lists)
-                          for pi, _ in enumerate(ps)])]
+        return [
+            (
+                (),
+                (),
+                [
+                    (li, pi, (), (), 1)
+                    for li, ps in enumerate(piece_lists)
+                    for pi, _ in enumerate(ps)
+                ],
+            )
+        ]
     pc, li, pi, lo, ext, cnt, coff, cshp = chunk_part_arrays(shape, chunk, piece_lists)
-    out: list[tuple[tuple, tuple, list]] = [(tuple(o), tuple(s), []) for o, s in
-                                            zip(coff.tolist(), cshp.tolist())]
-    for c, a, b, o, s, n in zip(pc.tolist(), li.tolist(), pi.tolist(), lo.tolist(),
-                                ext.tolist(), cnt.tolist()):
+    out: list[tuple[tuple, tuple, list]] = [
+        (tuple(o), tuple(s), []) for o, s in zip(coff.tolist(), cshp.tolist())
+    ]
+    for c, a, b, o, s, n in zip(
+        pc.tolist(), li.tolist(), pi.tolist(), lo.tolist(), ext.tolist(), cnt.tolist()
+    ):
         out[c][2].append((a, b, tuple(o), tuple(s), n))
     return out
 
 
-def plan_chunk_grid(shape: tuple, itemsize: int, regions: "list | PieceArrays",
-                    blocks: list, opts: PlanOptions) -> tuple:
+def plan_chunk_grid(
+    shape: tuple, itemsize: int, regions: "list | PieceArrays", blocks: list, opts: PlanOptions
+) -> tuple:
     """Choose a regular chunk grid for a tensor ([SP-GRID-1]): the saving layout itself when
     it is one (no data moves), else the candidate that moves the fewest bytes, counting
     ``chunk_overhead_bytes`` per chunk. ``regions``: [(boxes, holder ranks)] per unique
@@ -413,8 +451,7 @@ def plan_chunk_grid(shape: tuple, itemsize: int, regions: "list | PieceArrays",
         return ()
     if math.prod(shape) == 0:
         return tuple(max(1, n) for n in shape)
-    pa = regions if isinstance(regions, PieceArrays) else \
-        PieceArrays.of_boxes(len(shape), regions)
+    pa = regions if isinstance(regions, PieceArrays) else PieceArrays.of_boxes(len(shape), regions)
     nboxes = len(pa.li)
     aligned = _regular_grid(shape, pa)
     total_bytes = math.prod(shape) * itemsize
@@ -440,10 +477,11 @@ def plan_chunk_grid(shape: tuple, itemsize: int, regions: "list | PieceArrays",
             cands.add(_split_large(shape, tuple(slab), itemsize, opts.max_chunk_bytes))
     # The cheapest candidate wins, the first in sorted order among equals; all candidates'
     # moved bytes are counted in one vectorised pass.
-    ranked = [c for c in sorted(cands)
-              if _grid_chunks(shape, c) <= 4 * nboxes + 64 or c == aligned]
+    ranked = [c for c in sorted(cands) if _grid_chunks(shape, c) <= 4 * nboxes + 64 or c == aligned]
     moved = _moved_many(shape, ranked, pa)
-    costs = [m * itemsize + _grid_chunks(shape, c) * opts.chunk_overhead_bytes
-             for m, c in zip(moved, ranked)]
+    costs = [
+        m * itemsize + _grid_chunks(shape, c) * opts.chunk_overhead_bytes
+        for m, c in zip(moved, ranked)
+    ]
     best = ranked[costs.index(min(costs))]
     return best

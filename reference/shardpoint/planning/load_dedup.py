@@ -7,6 +7,7 @@ the same few numbers. They are planned as arrays: one row per chunk read, per pa
 (tensors of equal shape, chunk grid and requested regions share it), never per transfer.
 Pure: no I/O.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -19,9 +20,10 @@ from shardpoint.planning.columns import Regions, gc_paused, pack_columns, unpack
 from shardpoint.planning.grid import chunk_part_arrays_many, region_pieces_many
 from shardpoint.planning.plans import RankLoadWork, encode_load_work, narrowest_int
 
+
 def _rank_dtype(world: int):
     # ranks as int16 when they fit: numpy's stable sort is a radix sort for 16-bit keys
-    return np.int16 if world < 2 ** 15 else np.int64
+    return np.int16 if world < 2**15 else np.int64
 
 
 def _stable_order(keys: np.ndarray, world: int) -> tuple:
@@ -40,7 +42,7 @@ class LoadWorks(Sequence):
     def __init__(self, world: int, keys: list, ndims: list, D: int, a: dict):
         self.world, self.keys, self.ndims, self.D, self.a = world, keys, ndims, D, a
         self._cache: dict = {}
-        self._pairs: Optional[tuple] = None     # made on first use (see the methods)
+        self._pairs: Optional[tuple] = None  # made on first use (see the methods)
         self._best: Optional[tuple] = None
         self.read_bytes = int(a["read_bytes"])
         self.recv_bytes = a["recv_bytes"].tolist()
@@ -80,15 +82,22 @@ class LoadWorks(Sequence):
         pos = {k: i for i, k in enumerate(sorted(layouts))}
         kmap = np.array([pos[k] for k in self.keys] or [0], np.int64)
         ch = a["read_order"]
-        reads = [kmap[a["c_key"][ch]], a["c_dq"][ch], a["c_dp"][ch], a["c_lo"][ch],
-                 a["c_shp"][ch]]
+        reads = [kmap[a["c_key"][ch]], a["c_dq"][ch], a["c_dp"][ch], a["c_lo"][ch], a["c_shp"][ch]]
         lsel = a["l_order"]
         lp = a["l_part"][lsel]
-        locs = [a["c_ridx"][a["p_chunk"][lp]], a["l_q"][lsel], a["p_pi"][lp], a["p_bo"][lp],
-                a["p_bs"][lp]]
-        tabs = [(reads, a["read_starts"]), (locs, a["l_starts"]),
-                (self._transfer_cols(a["s_order"], kmap), a["s_starts"]),
-                (self._transfer_cols(a["v_order"], kmap), a["v_starts"])]
+        locs = [
+            a["c_ridx"][a["p_chunk"][lp]],
+            a["l_q"][lsel],
+            a["p_pi"][lp],
+            a["p_bo"][lp],
+            a["p_bs"][lp],
+        ]
+        tabs = [
+            (reads, a["read_starts"]),
+            (locs, a["l_starts"]),
+            (self._transfer_cols(a["s_order"], kmap), a["s_starts"]),
+            (self._transfer_cols(a["v_order"], kmap), a["v_starts"]),
+        ]
         packed = []
         for cols, starts in tabs:
             lo = min((int(c.min()) for c in cols if c.size), default=0)
@@ -100,22 +109,31 @@ class LoadWorks(Sequence):
             j = 0
             for c in cols:
                 k = 1 if c.ndim == 1 else c.shape[1]
-                out[:, j:j + k] = c.reshape(n, k)
+                out[:, j : j + k] = c.reshape(n, k)
                 j += k
             buf = memoryview(out.reshape(-1).view(np.uint8))
             rb = w * out.itemsize
             st = (starts * rb).tolist()
             rows = np.diff(starts).tolist()
             packed.append([(t, m, w, buf[x:y]) for m, x, y in zip(rows, st[:-1], st[1:])])
-        return [encode_load_work(r, self.D, [list(p[r]) for p in packed])
-                for r in range(self.world)]
+        return [
+            encode_load_work(r, self.D, [list(p[r]) for p in packed]) for r in range(self.world)
+        ]
 
     def _transfer_cols(self, sel: np.ndarray, kmap: np.ndarray) -> list:
         a = self.a
         p = a["t_part"][sel]
         c = a["p_chunk"][p]
-        return [a["c_reader"][c], a["t_dst"][sel], kmap[a["c_key"][c]], a["c_ridx"][c],
-                a["t_q"][sel], a["p_pi"][p], a["p_bo"][p], a["p_bs"][p]]
+        return [
+            a["c_reader"][c],
+            a["t_dst"][sel],
+            kmap[a["c_key"][c]],
+            a["c_ridx"][c],
+            a["t_q"][sel],
+            a["p_pi"][p],
+            a["p_bo"][p],
+            a["p_bs"][p],
+        ]
 
     def direct_host_bytes(self, hosts: Sequence[str]) -> dict:
         """host -> bytes its ranks would read if every rank read for itself (the ``direct``
@@ -129,8 +147,11 @@ class LoadWorks(Sequence):
     def direct_rank_bytes(self) -> list:
         """Per rank, the stored bytes it would read, check and narrow under ``direct``."""
         rc, best = self._rank_chunk_best()
-        return np.bincount(rc % self.world, weights=best,
-                           minlength=self.world).astype(np.int64).tolist()
+        return (
+            np.bincount(rc % self.world, weights=best, minlength=self.world)
+            .astype(np.int64)
+            .tolist()
+        )
 
     def rank_traffic(self, hosts: Sequence[str], shm: bool) -> tuple:
         """Per rank under this (dedup) plan: bytes read from storage, bytes received from
@@ -140,7 +161,7 @@ class LoadWorks(Sequence):
         read = np.bincount(a["c_reader"], weights=a["c_bytes"], minlength=self.world)
         hid: dict = {}
         host_of = np.array([hid.setdefault(h, len(hid)) for h in hosts], np.int64)
-        src = a["t_src"]        # each transfer's sender: its chunk's reader
+        src = a["t_src"]  # each transfer's sender: its chunk's reader
         same = (host_of[src] == host_of[a["t_dst"]]) if shm else np.zeros(len(src), bool)
         tb = a["t_bytes"]
         cross = np.bincount(a["t_dst"][~same], weights=tb[~same], minlength=self.world)
@@ -161,8 +182,11 @@ class LoadWorks(Sequence):
             need = np.bincount(inv.ravel(), weights=rows).astype(np.int64)
             c, g = u // G, u % G
             full = a["c_full"][c]
-            per = np.ones(len(c), np.int64) if not self.D else \
-                np.minimum(need, full[:, 0]) * np.prod(full[:, 1:], axis=1)
+            per = (
+                np.ones(len(c), np.int64)
+                if not self.D
+                else np.minimum(need, full[:, 0]) * np.prod(full[:, 1:], axis=1)
+            )
             per = per * a["c_item"][c]
             start, nh = a["start"], np.diff(a["start"])
             e_grp, e_entry = expand(np.arange(len(c)), start[g], nh[g])
@@ -189,7 +213,7 @@ class LoadWorks(Sequence):
         if not len(rc):
             return np.zeros(n_groups, np.int64)
         key = (rc // self.world) * n_groups + group_of[rc % self.world]
-        if (key[1:] >= key[:-1]).all():      # each group's ranks contiguous: already grouped
+        if (key[1:] >= key[:-1]).all():  # each group's ranks contiguous: already grouped
             cut = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
             ks, gbest = key[cut], np.maximum.reduceat(best, cut)
         else:
@@ -198,21 +222,33 @@ class LoadWorks(Sequence):
 
     def _cut(self, r: int) -> RankLoadWork:
         a = self._orders()
-        ch = a["read_order"][a["read_starts"][r]:a["read_starts"][r + 1]]
-        reads = np.column_stack([a["c_key"][ch], a["c_dq"][ch], a["c_dp"][ch],
-                                 a["c_lo"][ch], a["c_shp"][ch]])
-        lp = a["l_part"][a["l_order"][a["l_starts"][r]:a["l_starts"][r + 1]]]
-        lq = a["l_q"][a["l_order"][a["l_starts"][r]:a["l_starts"][r + 1]]]
-        locs = np.column_stack([a["c_ridx"][a["p_chunk"][lp]], lq, a["p_pi"][lp],
-                                a["p_bo"][lp], a["p_bs"][lp]])
+        ch = a["read_order"][a["read_starts"][r] : a["read_starts"][r + 1]]
+        reads = np.column_stack(
+            [a["c_key"][ch], a["c_dq"][ch], a["c_dp"][ch], a["c_lo"][ch], a["c_shp"][ch]]
+        )
+        lp = a["l_part"][a["l_order"][a["l_starts"][r] : a["l_starts"][r + 1]]]
+        lq = a["l_q"][a["l_order"][a["l_starts"][r] : a["l_starts"][r + 1]]]
+        locs = np.column_stack(
+            [a["c_ridx"][a["p_chunk"][lp]], lq, a["p_pi"][lp], a["p_bo"][lp], a["p_bs"][lp]]
+        )
 
         def transfers(sel):
             p, c = a["t_part"][sel], a["p_chunk"][a["t_part"][sel]]
-            return np.column_stack([a["c_reader"][c], a["t_dst"][sel], a["c_key"][c],
-                                    a["c_ridx"][c], a["t_q"][sel], a["p_pi"][p],
-                                    a["p_bo"][p], a["p_bs"][p]])
-        sends = transfers(a["s_order"][a["s_starts"][r]:a["s_starts"][r + 1]])
-        recvs = transfers(a["v_order"][a["v_starts"][r]:a["v_starts"][r + 1]])
+            return np.column_stack(
+                [
+                    a["c_reader"][c],
+                    a["t_dst"][sel],
+                    a["c_key"][c],
+                    a["c_ridx"][c],
+                    a["t_q"][sel],
+                    a["p_pi"][p],
+                    a["p_bo"][p],
+                    a["p_bs"][p],
+                ]
+            )
+
+        sends = transfers(a["s_order"][a["s_starts"][r] : a["s_starts"][r + 1]])
+        recvs = transfers(a["v_order"][a["v_starts"][r] : a["v_starts"][r + 1]])
         return RankLoadWork(r, self.keys, self.ndims, self.D, reads, locs, sends, recvs)
 
 
@@ -233,8 +269,9 @@ def _group_max(key: np.ndarray, val: np.ndarray) -> tuple:
     return ks[cut], np.maximum.reduceat(val[o], cut)
 
 
-def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
-                     itemsizes: list) -> LoadWorks:
+def plan_load_arrays(
+    world: int, entries: list, regions: Regions, layouts: dict, itemsizes: list
+) -> LoadWorks:
     """The dedup plan of the requests grouped in ``regions`` (keys ``entries``).
 
     Per chunk one reader among the ranks that need most of it (:func:`~.chunk_table.elect`:
@@ -245,24 +282,42 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
     D = max((len(e[2]) for e in entries), default=0)
     keys = [e[0] for e in entries]
     ndims = [len(e[2]) for e in entries]
-    order = [(k, regions.by_key[k][0]) for k in sorted(range(len(entries)),
-                                                       key=lambda i: entries[i][0])
-             if k in regions.by_key]
+    order = [
+        (k, regions.by_key[k][0])
+        for k in sorted(range(len(entries)), key=lambda i: entries[i][0])
+        if k in regions.by_key
+    ]
 
     # chunk geometry of each distinct (shape, chunk grid, requested regions), all at once
-    pkey = {k: (entries[k][2], layouts[entries[k][0]].chunk_shape, regions.by_key[k][1])
-            for k, _ in order}
-    first_of: dict = {}     # geometry -> (key id, region ids) of its first tensor
+    pkey = {
+        k: (entries[k][2], layouts[entries[k][0]].chunk_shape, regions.by_key[k][1])
+        for k, _ in order
+    }
+    first_of: dict = {}  # geometry -> (key id, region ids) of its first tensor
     for k, gis in order:
         first_of.setdefault(pkey[k], (k, gis))
-    specs = [(len(entries[k][2]), [regions.region(gi)[1:] for gi in gis])
-             for k, gis in first_of.values()]
-    geo = dict(zip(first_of, chunk_part_arrays_many(
-        [(pk[0], pk[1], pa) for pk, pa in zip(first_of, region_pieces_many(specs))])))
+    specs = [
+        (len(entries[k][2]), [regions.region(gi)[1:] for gi in gis]) for k, gis in first_of.values()
+    ]
+    geo = dict(
+        zip(
+            first_of,
+            chunk_part_arrays_many(
+                [(pk[0], pk[1], pa) for pk, pa in zip(first_of, region_pieces_many(specs))]
+            ),
+        )
+    )
     t = build_parts(order, D, lambda k, _gis: (pkey[k], lambda: geo[pkey[k]]))
     NC, NP = len(t.c_key), len(t.p_chunk)
-    c_key, p_chunk, p_gi, p_pi, p_bo, p_bs, first = \
-        t.c_key, t.p_chunk, t.p_gi, t.p_pi, t.p_bo, t.p_bs, t.first
+    c_key, p_chunk, p_gi, p_pi, p_bo, p_bs, first = (
+        t.c_key,
+        t.p_chunk,
+        t.p_gi,
+        t.p_pi,
+        t.p_bo,
+        t.p_bs,
+        t.first,
+    )
     item = np.array(itemsizes, np.int64)
     # read boxes: the parts' bounding box (the part itself for a one-part chunk)
     if NC:
@@ -300,20 +355,49 @@ def plan_load_arrays(world: int, entries: list, regions: Regions, layouts: dict,
     x = ~loc
     t_part, t_dst, t_q, t_src = e_part[x], e_rank[x], hold_hidx[e_entry[x]], e_reader[x]
     # bytes per part, then per transfer (many transfers share a part: replicas)
-    t_bytes = (np.prod(p_bs, axis=1) * item[c_key[p_chunk]])[t_part] if NP else \
-        np.zeros(0, np.int64)
+    t_bytes = (
+        (np.prod(p_bs, axis=1) * item[c_key[p_chunk]])[t_part] if NP else np.zeros(0, np.int64)
+    )
     recv_bytes = np.bincount(t_dst, weights=t_bytes, minlength=world).astype(np.int64)
-    a = dict(c_key=c_key, c_lo=c_lo, c_shp=c_shp, c_dq=c_dq, c_dp=c_dp, c_reader=reader,
-             c_ridx=c_ridx, read_order=read_order, read_starts=read_starts,
-             p_chunk=p_chunk, p_pi=p_pi, p_bo=p_bo, p_bs=p_bs,
-             l_part=l_part, l_q=l_q, l_reader=e_reader[loc],
-             t_part=t_part, t_dst=t_dst, t_q=t_q, t_src=t_src, recv_bytes=recv_bytes,
-             p_gi=p_gi, start=start, hold_rank=hold_rank, hold_hidx=hold_hidx,
-             c_item=item[c_key],
-             c_full=(np.concatenate([p[7] for p in t.patterns])[
-                 np.cumsum([0] + [len(p[7]) for p in t.patterns[:-1]]).astype(np.int64)[t.c_pat]
-                 + t.c_idx] if NC else np.zeros((0, D), np.int64)),
-             read_bytes=int(c_bytes.sum()), c_bytes=c_bytes, t_bytes=t_bytes)
+    a = dict(
+        c_key=c_key,
+        c_lo=c_lo,
+        c_shp=c_shp,
+        c_dq=c_dq,
+        c_dp=c_dp,
+        c_reader=reader,
+        c_ridx=c_ridx,
+        read_order=read_order,
+        read_starts=read_starts,
+        p_chunk=p_chunk,
+        p_pi=p_pi,
+        p_bo=p_bo,
+        p_bs=p_bs,
+        l_part=l_part,
+        l_q=l_q,
+        l_reader=e_reader[loc],
+        t_part=t_part,
+        t_dst=t_dst,
+        t_q=t_q,
+        t_src=t_src,
+        recv_bytes=recv_bytes,
+        p_gi=p_gi,
+        start=start,
+        hold_rank=hold_rank,
+        hold_hidx=hold_hidx,
+        c_item=item[c_key],
+        c_full=(
+            np.concatenate([p[7] for p in t.patterns])[
+                np.cumsum([0] + [len(p[7]) for p in t.patterns[:-1]]).astype(np.int64)[t.c_pat]
+                + t.c_idx
+            ]
+            if NC
+            else np.zeros((0, D), np.int64)
+        ),
+        read_bytes=int(c_bytes.sum()),
+        c_bytes=c_bytes,
+        t_bytes=t_bytes,
+    )
     return LoadWorks(world, keys, ndims, D, a)
 
 
@@ -341,13 +425,21 @@ def encode_global(works: LoadWorks, layouts: dict) -> bytes:
     d_hr = np.diff(hr, prepend=0) if len(hr) else hr
     d_hr[f] = hr[f]
     p_chunk = a["p_chunk"]
-    tables = [[kmap[a["c_key"]], a["c_reader"], a["c_dq"], a["c_dp"], *a["c_lo"].T,
-               *a["c_shp"].T],
-              [np.diff(p_chunk, prepend=0) if len(p_chunk) else p_chunk, a["p_gi"], a["p_pi"],
-               *a["p_bo"].T, *a["p_bs"].T],
-              [nh], [d_hr, a["hold_hidx"]]]
-    return msgpack.packb([GLOBAL_TAG, works.world, works.D,
-                          [pack_columns(t, GLOBAL_ZLIB_LEVEL) for t in tables]])
+    tables = [
+        [kmap[a["c_key"]], a["c_reader"], a["c_dq"], a["c_dp"], *a["c_lo"].T, *a["c_shp"].T],
+        [
+            np.diff(p_chunk, prepend=0) if len(p_chunk) else p_chunk,
+            a["p_gi"],
+            a["p_pi"],
+            *a["p_bo"].T,
+            *a["p_bs"].T,
+        ],
+        [nh],
+        [d_hr, a["hold_hidx"]],
+    ]
+    return msgpack.packb(
+        [GLOBAL_TAG, works.world, works.D, [pack_columns(t, GLOBAL_ZLIB_LEVEL) for t in tables]]
+    )
 
 
 def work_from_global(msg: bytes, rank: int, layouts: dict) -> RankLoadWork:
@@ -397,8 +489,17 @@ def _work_from_global(msg: bytes, rank: int, layouts: dict) -> RankLoadWork:
     locs = np.column_stack([c_ridx[p_chunk[lp]], hq[e_entry[loc]], p_pi[lp], p_box[lp]])
     sp, se = e_part[~loc], e_entry[~loc]
     sc = p_chunk[sp]
-    sends = np.column_stack([np.full(len(sp), rank, np.int64), hr[se], c_key[sc], c_ridx[sc],
-                             hq[se], p_pi[sp], p_box[sp]])
+    sends = np.column_stack(
+        [
+            np.full(len(sp), rank, np.int64),
+            hr[se],
+            c_key[sc],
+            c_ridx[sc],
+            hq[se],
+            p_pi[sp],
+            p_box[sp],
+        ]
+    )
     # what this rank receives: the parts of the regions it requested, read by another rank
     mine = np.flatnonzero(hr == rank)
     g = np.searchsorted(start, mine, side="right") - 1
@@ -410,10 +511,20 @@ def _work_from_global(msg: bytes, rank: int, layouts: dict) -> RankLoadWork:
     rc = p_chunk[rp]
     keep = ~direct[rc] & (reader[rc] != rank)
     rp, rc, e_idx = rp[keep], rc[keep], e_idx[keep]
-    srt = np.lexsort((e_idx, rp))      # in plan order: by part, then by holder
+    srt = np.lexsort((e_idx, rp))  # in plan order: by part, then by holder
     rp, rc, e_idx = rp[srt], rc[srt], e_idx[srt]
-    recvs = np.column_stack([reader[rc], np.full(len(rp), rank, np.int64), c_key[rc],
-                             c_ridx[rc], hq[e_idx], p_pi[rp], p_box[rp]])
+    recvs = np.column_stack(
+        [
+            reader[rc],
+            np.full(len(rp), rank, np.int64),
+            c_key[rc],
+            c_ridx[rc],
+            hq[e_idx],
+            p_pi[rp],
+            p_box[rp],
+        ]
+    )
     keys = sorted(layouts)
-    return RankLoadWork(rank, keys, [len(layouts[k].shape) for k in keys], D, reads, locs,
-                        sends, recvs)
+    return RankLoadWork(
+        rank, keys, [len(layouts[k].shape) for k in keys], D, reads, locs, sends, recvs
+    )

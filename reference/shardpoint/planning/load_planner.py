@@ -12,6 +12,7 @@ Requests are grouped into distinct regions with vectorised passes (:mod:`.column
 tensors with the same shape, chunk grid and requested regions share their chunk geometry, so
 the dedup plan's cost grows with distinct structure.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,9 @@ def check_request(h: Holding, layout: TensorLayout) -> None:
     if h.global_shape != layout.shape or h.dtype != layout.dtype:
         raise LayoutMismatchError(
             f"key {h.key!r}: checkpoint has shape {layout.shape} dtype {layout.dtype}, the "
-            f"target expects shape {h.global_shape} dtype {h.dtype}", spec_id="SP-LOAD-1")
+            f"target expects shape {h.global_shape} dtype {h.dtype}",
+            spec_id="SP-LOAD-1",
+        )
 
 
 STRATEGIES = ("auto", "dedup", "direct")
@@ -53,26 +56,36 @@ class LoadOptions:
     storage_gbps: float = 2.0
     exchange_gbps: Optional[float] = None
     exchange_budget_bytes: int = 256 << 20
-    host_id: Optional[str] = None    # None: this machine's hostname
-    shm_exchange: bool = True        # dedup: same-host ranks share reads via /dev/shm
-    shm_round_bytes: int = 8 << 20   # ... staged in rounds of this many bytes per rank
-    memory_gbps: float = 2.0         # one rank's rate through memory: copy, crc32c, faults
+    host_id: Optional[str] = None  # None: this machine's hostname
+    shm_exchange: bool = True  # dedup: same-host ranks share reads via /dev/shm
+    shm_round_bytes: int = 8 << 20  # ... staged in rounds of this many bytes per rank
+    memory_gbps: float = 2.0  # one rank's rate through memory: copy, crc32c, faults
     host_cores: Optional[int] = None  # cores per host; None: the coordinator's usable cores
-    link_gbps: Optional[float] = None          # one host's link (inbound); None: no limit
+    link_gbps: Optional[float] = None  # one host's link (inbound); None: no limit
     storage_total_gbps: Optional[float] = None  # all hosts' reads together; None: no limit
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
-            raise InvalidOptionError(f"LoadOptions(strategy={self.strategy!r}): the strategy "
-                                     f"is one of {', '.join(STRATEGIES)}")
-        for name, optional in (("storage_gbps", False), ("memory_gbps", False),
-                               ("exchange_budget_bytes", False), ("shm_round_bytes", False),
-                               ("exchange_gbps", True), ("host_cores", True),
-                               ("link_gbps", True), ("storage_total_gbps", True)):
+            raise InvalidOptionError(
+                f"LoadOptions(strategy={self.strategy!r}): the strategy "
+                f"is one of {', '.join(STRATEGIES)}"
+            )
+        for name, optional in (
+            ("storage_gbps", False),
+            ("memory_gbps", False),
+            ("exchange_budget_bytes", False),
+            ("shm_round_bytes", False),
+            ("exchange_gbps", True),
+            ("host_cores", True),
+            ("link_gbps", True),
+            ("storage_total_gbps", True),
+        ):
             v = getattr(self, name)
             if not ((v is None and optional) or (isinstance(v, (int, float)) and v > 0)):
-                raise InvalidOptionError(f"LoadOptions({name}={v!r}): it must be a positive "
-                                         "number" + (" or None" if optional else ""))
+                raise InvalidOptionError(
+                    f"LoadOptions({name}={v!r}): it must be a positive "
+                    "number" + (" or None" if optional else "")
+                )
 
 
 @dataclass
@@ -80,23 +93,33 @@ class LoadCosts:
     """The cost model's inputs and estimates (seconds), kept in the load report."""
 
     hosts: int
-    dedup_read_bytes: int          # distinct needed bytes, read once in all
-    exchange_bytes_max: int        # the most one rank receives under dedup
-    direct_host_bytes_max: int     # the most one host reads from storage under direct
+    dedup_read_bytes: int  # distinct needed bytes, read once in all
+    exchange_bytes_max: int  # the most one rank receives under dedup
+    direct_host_bytes_max: int  # the most one host reads from storage under direct
     dedup_s: float
     direct_s: float
     strategy: str = "dedup"
     notes: dict = field(default_factory=dict)
-    shm_bytes_max: int = 0         # the most one rank copies from same-host peers under dedup
+    shm_bytes_max: int = 0  # the most one rank copies from same-host peers under dedup
 
 
-def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes: Sequence[int],
-                    direct_host_bytes: dict, storage_gbps: float, exchange_gbps: float,
-                    strategy: str = "auto", *, shm_bytes: Sequence[int] = (),
-                    dedup_rank_bytes: Sequence[int] = (), direct_rank_bytes: Sequence[int] = (),
-                    memory_gbps: float = 2.0, host_cores: int = 0,
-                    link_gbps: Optional[float] = None,
-                    storage_total_gbps: Optional[float] = None) -> LoadCosts:
+def choose_strategy(
+    hosts: Sequence[str],
+    dedup_read_bytes: int,
+    exchange_bytes: Sequence[int],
+    direct_host_bytes: dict,
+    storage_gbps: float,
+    exchange_gbps: float,
+    strategy: str = "auto",
+    *,
+    shm_bytes: Sequence[int] = (),
+    dedup_rank_bytes: Sequence[int] = (),
+    direct_rank_bytes: Sequence[int] = (),
+    memory_gbps: float = 2.0,
+    host_cores: int = 0,
+    link_gbps: Optional[float] = None,
+    storage_total_gbps: Optional[float] = None,
+) -> LoadCosts:
     """Pick dedup or direct for one load. Dedup reads every distinct byte once, spread over
     the hosts, then each rank waits for what it receives; direct lets every host read, once
     from storage (its page cache serves its other ranks), everything its ranks need, chunks
@@ -130,11 +153,15 @@ def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes:
     h_max = max(direct_host_bytes.values(), default=0)
     per_host = Counter(hosts)
     # seconds per byte of memory work of each rank: slower where ranks outnumber cores
-    mem = [max(1.0, per_host[h] / host_cores if host_cores > 0 else 1.0) / (memory_gbps * 1e9)
-           for h in hosts]
+    mem = [
+        max(1.0, per_host[h] / host_cores if host_cores > 0 else 1.0) / (memory_gbps * 1e9)
+        for h in hosts
+    ]
     shm = list(shm_bytes) or [0] * len(exchange_bytes)
-    wait = max((x / (exchange_gbps * 1e9) + m * s for x, m, s in zip(exchange_bytes, shm, mem)),
-               default=0.0)
+    wait = max(
+        (x / (exchange_gbps * 1e9) + m * s for x, m, s in zip(exchange_bytes, shm, mem)),
+        default=0.0,
+    )
     inf = float("inf")
     link = (link_gbps or inf) * 1e9
     total = (storage_total_gbps or inf) * 1e9
@@ -144,18 +171,36 @@ def choose_strategy(hosts: Sequence[str], dedup_read_bytes: int, exchange_bytes:
         for h, b in zip(hosts, per_rank):
             out[h] = out.get(h, 0) + b
         return out
+
     dedup_host_read = max(by_host(dedup_rank_bytes).values(), default=0)
     cross_in = max(by_host(exchange_bytes).values(), default=0)
     wait = max(wait, cross_in / link)
-    dedup_s = max(dedup_read_bytes / (n_hosts * storage_gbps * 1e9), dedup_read_bytes / total,
-                  dedup_host_read / link,
-                  max((b * s for b, s in zip(dedup_rank_bytes, mem)), default=0.0)) + wait
-    direct_s = max(h_max / (storage_gbps * 1e9), h_max / link,
-                   sum(direct_host_bytes.values()) / total,
-                   max((b * s for b, s in zip(direct_rank_bytes, mem)), default=0.0))
+    dedup_s = (
+        max(
+            dedup_read_bytes / (n_hosts * storage_gbps * 1e9),
+            dedup_read_bytes / total,
+            dedup_host_read / link,
+            max((b * s for b, s in zip(dedup_rank_bytes, mem)), default=0.0),
+        )
+        + wait
+    )
+    direct_s = max(
+        h_max / (storage_gbps * 1e9),
+        h_max / link,
+        sum(direct_host_bytes.values()) / total,
+        max((b * s for b, s in zip(direct_rank_bytes, mem)), default=0.0),
+    )
     pick = strategy if strategy != "auto" else ("direct" if direct_s <= dedup_s else "dedup")
-    return LoadCosts(n_hosts, dedup_read_bytes, x_max, h_max, dedup_s, direct_s, pick,
-                     shm_bytes_max=max(shm, default=0))
+    return LoadCosts(
+        n_hosts,
+        dedup_read_bytes,
+        x_max,
+        h_max,
+        dedup_s,
+        direct_s,
+        pick,
+        shm_bytes_max=max(shm, default=0),
+    )
 
 
 def usable_cores() -> int:
@@ -183,8 +228,15 @@ def plan_load_direct(requests: Sequence[Sequence[Holding]], layouts: dict) -> li
     return out
 
 
-def plan_load_auto(requests: Sequence[Sequence[Holding]], layouts: dict, hosts: Sequence[str],
-                   opts: LoadOptions, exchange_gbps: float, *, host_cache: bool = True) -> tuple:
+def plan_load_auto(
+    requests: Sequence[Sequence[Holding]],
+    layouts: dict,
+    hosts: Sequence[str],
+    opts: LoadOptions,
+    exchange_gbps: float,
+    *,
+    host_cache: bool = True,
+) -> tuple:
     """(per-rank work, LoadCosts): the dedup plan's exchange and the direct plan's per-host
     reads priced by :func:`choose_strategy`, the cheaper one returned. ``host_cache``: a
     host's page cache serves its ranks' repeated reads (local and parallel file systems);
@@ -199,17 +251,25 @@ def plan_load_auto(requests: Sequence[Sequence[Holding]], layouts: dict, hosts: 
     direct_rank = dedup.direct_rank_bytes()
     if host_cache:
         direct_host = dedup.direct_host_bytes(hosts)
-    else:           # no shared cache: a host reads what each of its ranks reads
+    else:  # no shared cache: a host reads what each of its ranks reads
         direct_host = {}
         for h, b in zip(hosts, direct_rank):
             direct_host[h] = direct_host.get(h, 0) + b
-    costs = choose_strategy(hosts, dedup.read_bytes, recv, direct_host,
-                            opts.storage_gbps, exchange_gbps, shm_bytes=shm,
-                            dedup_rank_bytes=read, direct_rank_bytes=direct_rank,
-                            memory_gbps=opts.memory_gbps,
-                            host_cores=opts.host_cores or usable_cores(),
-                            link_gbps=opts.link_gbps,
-                            storage_total_gbps=opts.storage_total_gbps)
+    costs = choose_strategy(
+        hosts,
+        dedup.read_bytes,
+        recv,
+        direct_host,
+        opts.storage_gbps,
+        exchange_gbps,
+        shm_bytes=shm,
+        dedup_rank_bytes=read,
+        direct_rank_bytes=direct_rank,
+        memory_gbps=opts.memory_gbps,
+        host_cores=opts.host_cores or usable_cores(),
+        link_gbps=opts.link_gbps,
+        storage_total_gbps=opts.storage_total_gbps,
+    )
     if costs.strategy == "direct":
         return plan_load_direct(requests, layouts), costs
     return dedup, costs

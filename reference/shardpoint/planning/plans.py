@@ -3,6 +3,7 @@
 ``LocalPlan`` goes up (metadata only), ``RankSaveWork`` / ``RankLoadWork`` come down; all of
 them encode to msgpack, never pickle. No logic beyond the wire forms lives here.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,12 @@ import numpy as np
 
 from shardpoint.tree import dtypes
 from shardpoint.tree import values
-from shardpoint.planning.columns import (COMPRESS_FROM_WORLD, PLAN_ZLIB_LEVEL, HoldingColumns,
-                                         as_columns)
+from shardpoint.planning.columns import (
+    COMPRESS_FROM_WORLD,
+    PLAN_ZLIB_LEVEL,
+    HoldingColumns,
+    as_columns,
+)
 from shardpoint.tree.model import Holding
 
 
@@ -24,7 +29,7 @@ from shardpoint.tree.model import Holding
 class PlanOptions:
     """Writer-side knobs. None of them changes what a reader must understand."""
 
-    max_chunk_bytes: int = 256 << 20     # a chunk (one writer's unit) is at most this big
+    max_chunk_bytes: int = 256 << 20  # a chunk (one writer's unit) is at most this big
     chunk_overhead_bytes: int = 256 << 10  # cost of one more chunk, in bytes moved instead
 
 
@@ -39,8 +44,10 @@ def pack_tree(tree: Any) -> Any:
     compressed alone, so the coordinator decodes each distinct branch once (every rank of a
     pipeline stage sends the same model branch; only the optimizer's differs)."""
     if isinstance(tree, dict) and len(tree) == 1 and len(tree.get("dict") or ()) > 1:
-        return [TREE_SPLIT, [[k, zlib.compress(values.pack(v), PLAN_ZLIB_LEVEL)]
-                           for k, v in tree["dict"]]]
+        return [
+            TREE_SPLIT,
+            [[k, zlib.compress(values.pack(v), PLAN_ZLIB_LEVEL)] for k, v in tree["dict"]],
+        ]
     return zlib.compress(values.pack(tree), PLAN_ZLIB_LEVEL)
 
 
@@ -79,9 +86,9 @@ class LocalPlan:
 
     rank: int
     tree: Any
-    holdings: Sequence[Holding]   # index = holding index on that rank (a list, or columns)
-    objects: list           # [(key, index, count, replica tuple, value)]
-    tree_bytes: Any = field(default=None, repr=False, compare=False)   # wire form of tree
+    holdings: Sequence[Holding]  # index = holding index on that rank (a list, or columns)
+    objects: list  # [(key, index, count, replica tuple, value)]
+    tree_bytes: Any = field(default=None, repr=False, compare=False)  # wire form of tree
 
     def to_bytes(self, world: int = 1) -> bytes:
         """The tree (compressed msgpack) and the holdings as columns
@@ -95,8 +102,13 @@ class LocalPlan:
     @staticmethod
     def from_bytes(b: bytes) -> "LocalPlan":
         rank, tb, hs, objs = values.unpack(b)
-        return LocalPlan(rank, None, HoldingColumns.from_wire(hs),
-                         [(k, i, c, tuple(r), v) for k, i, c, r, v in objs], tree_bytes=tb)
+        return LocalPlan(
+            rank,
+            None,
+            HoldingColumns.from_wire(hs),
+            [(k, i, c, tuple(r), v) for k, i, c, r, v in objs],
+            tree_bytes=tb,
+        )
 
     def to_parts(self) -> list:
         """The plan as ``[head, blob, ...]`` for a gather that sends each distinct blob once
@@ -107,13 +119,15 @@ class LocalPlan:
         msgpack(holdings meta), objects])``, small and per rank."""
         tw = self.tree_bytes if self.tree is None else pack_tree(self.tree)
         parts = tree_wire_parts(tw)
-        tkeys, tblobs = (None, [tw]) if parts is None else \
-            ([k for k, _ in parts], [b for _, b in parts])
+        tkeys, tblobs = (
+            (None, [tw]) if parts is None else ([k for k, _ in parts], [b for _, b in parts])
+        )
         meta, hblobs = as_columns(self.holdings).to_parts()
         # the holdings meta as plain msgpack inside the head: values' decoder walks what it
         # is given for its extension types, and the meta (numbers, lists) has none
-        head = values.pack([PLAN_PARTS_TAG, self.rank, tkeys, msgpack.packb(meta),
-                            [list(o) for o in self.objects]])
+        head = values.pack(
+            [PLAN_PARTS_TAG, self.rank, tkeys, msgpack.packb(meta), [list(o) for o in self.objects]]
+        )
         return [head, *tblobs, *hblobs]
 
     @staticmethod
@@ -124,11 +138,18 @@ class LocalPlan:
         if tag != PLAN_PARTS_TAG:
             raise ValueError(f"not a local plan parts message (tag {tag!r})")
         nt = 1 if tkeys is None else len(tkeys)
-        tb = parts[1] if tkeys is None else \
-            [TREE_SPLIT, [[k, b] for k, b in zip(tkeys, parts[1:1 + nt])]]
-        return LocalPlan(rank, None, HoldingColumns.from_parts(msgpack.unpackb(meta),
-                                                               parts[1 + nt:], cache),
-                         [(k, i, c, tuple(r), v) for k, i, c, r, v in objs], tree_bytes=tb)
+        tb = (
+            parts[1]
+            if tkeys is None
+            else [TREE_SPLIT, [[k, b] for k, b in zip(tkeys, parts[1 : 1 + nt])]]
+        )
+        return LocalPlan(
+            rank,
+            None,
+            HoldingColumns.from_parts(msgpack.unpackb(meta), parts[1 + nt :], cache),
+            [(k, i, c, tuple(r), v) for k, i, c, r, v in objs],
+            tree_bytes=tb,
+        )
 
     def decoded_tree(self) -> Any:
         if self.tree is None and self.tree_bytes is not None:
@@ -171,16 +192,16 @@ class Transfer(NamedTuple):
     key: str
     box_offset: tuple
     box_shape: tuple
-    src_ref: tuple   # save: (holding, piece); load: (read index,)
-    dst_ref: tuple   # save: (write index,);   load: (request index, piece)
+    src_ref: tuple  # save: (holding, piece); load: (read index,)
+    dst_ref: tuple  # save: (write index,);   load: (request index, piece)
 
 
 @dataclass
 class RankSaveWork:
-    writes: list = field(default_factory=list)     # [ChunkWrite]
-    sends: list = field(default_factory=list)      # [Transfer], in exchange order
-    recvs: list = field(default_factory=list)      # [Transfer], in exchange order
-    create: list = field(default_factory=list)     # keys whose array this rank creates only
+    writes: list = field(default_factory=list)  # [ChunkWrite]
+    sends: list = field(default_factory=list)  # [Transfer], in exchange order
+    recvs: list = field(default_factory=list)  # [Transfer], in exchange order
+    create: list = field(default_factory=list)  # keys whose array this rank creates only
 
     def to_bytes(self) -> bytes:
         # ChunkWrite and Transfer are named tuples whose fields are their wire rows, in
@@ -192,10 +213,20 @@ class RankSaveWork:
         ws, ss, rs, cr = msgpack.unpackb(b, strict_map_key=False)
         tup = _tuplify
         return RankSaveWork(
-            [ChunkWrite(k, tup(o), tup(s), tup(d) if d else None,
-                        [(h, p, tup(bo), tup(bs)) for h, p, bo, bs in loc])
-             for k, o, s, d, loc in ws],
-            [_t_unwire(t) for t in ss], [_t_unwire(t) for t in rs], list(cr))
+            [
+                ChunkWrite(
+                    k,
+                    tup(o),
+                    tup(s),
+                    tup(d) if d else None,
+                    [(h, p, tup(bo), tup(bs)) for h, p, bo, bs in loc],
+                )
+                for k, o, s, d, loc in ws
+            ],
+            [_t_unwire(t) for t in ss],
+            [_t_unwire(t) for t in rs],
+            list(cr),
+        )
 
 
 def _tuplify(x):
@@ -216,7 +247,7 @@ class ReadOp:
     offset: tuple
     shape: tuple
     direct: Optional[tuple] = None
-    local: list = field(default_factory=list)   # [(request, piece, box_offset, box_shape)]
+    local: list = field(default_factory=list)  # [(request, piece, box_offset, box_shape)]
 
 
 class RankLoadWork:
@@ -232,11 +263,29 @@ class RankLoadWork:
     src, request on dst, piece, box offset*D, box shape*D]``, in exchange order.
     """
 
-    __slots__ = ("rank", "keys", "ndims", "D", "read_rows", "local_rows", "send_rows",
-                 "recv_rows", "_ops")
+    __slots__ = (
+        "rank",
+        "keys",
+        "ndims",
+        "D",
+        "read_rows",
+        "local_rows",
+        "send_rows",
+        "recv_rows",
+        "_ops",
+    )
 
-    def __init__(self, rank: int = 0, keys: Sequence[str] = (), ndims: Sequence[int] = (),
-                 D: int = 0, read_rows=None, local_rows=None, send_rows=None, recv_rows=None):
+    def __init__(
+        self,
+        rank: int = 0,
+        keys: Sequence[str] = (),
+        ndims: Sequence[int] = (),
+        D: int = 0,
+        read_rows=None,
+        local_rows=None,
+        send_rows=None,
+        recv_rows=None,
+    ):
         self.rank, self.keys, self.ndims, self.D = rank, keys, ndims, D
         self.read_rows = _rows(read_rows, 3 + 2 * D)
         self.local_rows = _rows(local_rows, 3 + 2 * D)
@@ -246,13 +295,18 @@ class RankLoadWork:
         self._ops: Optional[tuple[list[ReadOp], list[Transfer], list[Transfer]]] = None
 
     @staticmethod
-    def from_ops(rank: int, reads: Sequence[ReadOp], sends: Sequence[Transfer] = (),
-                 recvs: Sequence[Transfer] = ()) -> "RankLoadWork":
+    def from_ops(
+        rank: int,
+        reads: Sequence[ReadOp],
+        sends: Sequence[Transfer] = (),
+        recvs: Sequence[Transfer] = (),
+    ) -> "RankLoadWork":
         """The tables of a rank's reads and transfers given as objects."""
         kid: dict = {}
         nds: list = []
-        for k, nd in [(op.key, len(op.offset)) for op in reads] + \
-                [(t.key, len(t.box_offset)) for t in (*sends, *recvs)]:
+        for k, nd in [(op.key, len(op.offset)) for op in reads] + [
+            (t.key, len(t.box_offset)) for t in (*sends, *recvs)
+        ]:
             if k not in kid:
                 kid[k] = len(nds)
                 nds.append(nd)
@@ -260,13 +314,23 @@ class RankLoadWork:
 
         def box(o, s):
             return [*o, *(0,) * (D - len(o)), *s, *(1,) * (D - len(s))]
-        rr = [[kid[op.key], *(op.direct or (-1, -1)), *box(op.offset, op.shape)]
-              for op in reads]
+
+        rr = [[kid[op.key], *(op.direct or (-1, -1)), *box(op.offset, op.shape)] for op in reads]
         lr = [[i, q, p, *box(bo, bs)] for i, op in enumerate(reads) for q, p, bo, bs in op.local]
 
         def trows(ts):
-            return [[t.src, t.dst, kid[t.key], t.src_ref[0], *t.dst_ref,
-                     *box(t.box_offset, t.box_shape)] for t in ts]
+            return [
+                [
+                    t.src,
+                    t.dst,
+                    kid[t.key],
+                    t.src_ref[0],
+                    *t.dst_ref,
+                    *box(t.box_offset, t.box_shape),
+                ]
+                for t in ts
+            ]
+
         return RankLoadWork(rank, list(kid), nds, D, rr, lr, trows(sends), trows(recvs))
 
     def _materialize(self) -> tuple:
@@ -275,19 +339,24 @@ class RankLoadWork:
             reads = []
             for k, dq, dp, *b in self.read_rows.tolist():
                 nd = nds[k]
-                reads.append(ReadOp(keys[k], tuple(b[:nd]), tuple(b[D:D + nd]),
-                                    None if dq < 0 else (dq, dp)))
+                reads.append(
+                    ReadOp(
+                        keys[k], tuple(b[:nd]), tuple(b[D : D + nd]), None if dq < 0 else (dq, dp)
+                    )
+                )
             for i, q, p, *b in self.local_rows.tolist():
                 nd = len(reads[i].offset)
-                reads[i].local.append((q, p, tuple(b[:nd]), tuple(b[D:D + nd])))
+                reads[i].local.append((q, p, tuple(b[:nd]), tuple(b[D : D + nd])))
 
             def transfers(rows):
                 out = []
                 for s, d, k, ri, q, p, *b in rows.tolist():
                     nd = nds[k]
-                    out.append(Transfer(s, d, keys[k], tuple(b[:nd]), tuple(b[D:D + nd]),
-                                        (ri,), (q, p)))
+                    out.append(
+                        Transfer(s, d, keys[k], tuple(b[:nd]), tuple(b[D : D + nd]), (ri,), (q, p))
+                    )
                 return out
+
             self._ops = (reads, transfers(self.send_rows), transfers(self.recv_rows))
         return self._ops
 
@@ -312,8 +381,12 @@ class RankLoadWork:
         pos = {k: i for i, k in enumerate(sorted(layouts))}
         kmap = np.array([pos[k] for k in self.keys] or [0], np.int64)
         tables = []
-        for t, j in ((self.read_rows, 0), (self.local_rows, None), (self.send_rows, 2),
-                     (self.recv_rows, 2)):
+        for t, j in (
+            (self.read_rows, 0),
+            (self.local_rows, None),
+            (self.send_rows, 2),
+            (self.recv_rows, 2),
+        ):
             if j is not None and len(t):
                 t = t.copy()
                 t[:, j] = kmap[t[:, j]]
@@ -328,8 +401,9 @@ class RankLoadWork:
         if tag != LOAD_WORK_TAG:
             raise ValueError(f"not a load work message (tag {tag!r})")
         keys = sorted(layouts)
-        return RankLoadWork(rank, keys, [len(layouts[k].shape) for k in keys], D,
-                            *[unpack_ints(t) for t in tables])
+        return RankLoadWork(
+            rank, keys, [len(layouts[k].shape) for k in keys], D, *[unpack_ints(t) for t in tables]
+        )
 
 
 def encode_load_work(rank: int, D: int, tables: list) -> bytes:
@@ -346,8 +420,9 @@ def _rows(a, width: int) -> np.ndarray:
     return np.asarray(a, np.int64).reshape(-1, width)
 
 
-_INT_RANGES = [(t, int(np.iinfo(t).min), int(np.iinfo(t).max))
-               for t in ("<i1", "<i2", "<i4", "<i8")]
+_INT_RANGES = [
+    (t, int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in ("<i1", "<i2", "<i4", "<i8")
+]
 
 
 def narrowest_int(lo: int, hi: int) -> str:

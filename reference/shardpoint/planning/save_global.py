@@ -5,6 +5,7 @@ Per-rank replies carry each transfer twice (its sender's and its receiver's) and
 coordinator encodes one per rank; this message is encoded once and broadcast, as the load's
 dedup plan is (:func:`~.load_dedup.encode_global`).
 """
+
 from __future__ import annotations
 
 import zlib
@@ -54,8 +55,7 @@ class SaveColumns:
     cr_key: np.ndarray
 
 
-_VEC = ("c_key", "c_dh", "c_dp", "l_hold", "l_piece", "t_hold", "t_piece", "cr_rank",
-        "cr_key")
+_VEC = ("c_key", "c_dh", "c_dp", "l_hold", "l_piece", "t_hold", "t_piece", "cr_rank", "cr_key")
 # sent as differences from the row before: non-decreasing (chunks), or stepping regularly
 # (writers and senders take turns among a region's holders)
 _DELTA = ("l_chunk", "t_chunk", "c_writer", "t_src")
@@ -101,14 +101,18 @@ def decode_save_global(msg: bytes) -> tuple:
     vals: dict = {}
     for n, w in zip(_VEC, rest):
         vals[n] = unpack_ints(w).reshape(-1)
-    rest = rest[len(_VEC):]
+    rest = rest[len(_VEC) :]
     for n, w in zip(_DELTA, rest):
         vals[n] = np.cumsum(unpack_ints(w).reshape(-1))
-    rest = rest[len(_DELTA):]
+    rest = rest[len(_DELTA) :]
     for n, w in zip(_BOX, rest):
-        vals[n] = np.ascontiguousarray(unpack_ints(w).T) if D else \
-            np.zeros((len(vals[{"c": "c_key", "l": "l_hold", "t": "t_src"}[n[0]]]), 0),
-                     np.int64)
+        vals[n] = (
+            np.ascontiguousarray(unpack_ints(w).T)
+            if D
+            else np.zeros(
+                (len(vals[{"c": "c_key", "l": "l_hold", "t": "t_src"}[n[0]]]), 0), np.int64
+            )
+        )
     vals["c_off"] = np.cumsum(vals["c_off"], axis=0)
     vals["l_bo"] = vals["l_bo"] + vals["c_off"][vals["l_chunk"]]
     vals["t_bo"] = vals["t_bo"] + vals["c_off"][vals["t_chunk"]]
@@ -134,24 +138,42 @@ def cut_save_work(cols: SaveColumns, rank: int, names: list, nds: list) -> RankS
     pos = np.full(len(writer), -1, np.int64)
     pos[mine] = np.arange(len(mine))
     # local copies of my chunks, grouped by chunk (l_chunk is non-decreasing)
-    lsel = np.flatnonzero(writer[cols.l_chunk] == rank) if len(cols.l_chunk) else \
-        np.zeros(0, np.int64)
+    lsel = (
+        np.flatnonzero(writer[cols.l_chunk] == rank) if len(cols.l_chunk) else np.zeros(0, np.int64)
+    )
     local: dict = {}
     if len(lsel):
         lc = cols.l_chunk[lsel].tolist()
         lk = cols.c_key[cols.l_chunk[lsel]].tolist()
-        for c, k, h, p, bo, bs in zip(lc, lk, cols.l_hold[lsel].tolist(),
-                                      cols.l_piece[lsel].tolist(), cols.l_bo[lsel].tolist(),
-                                      cols.l_bs[lsel].tolist()):
+        for c, k, h, p, bo, bs in zip(
+            lc,
+            lk,
+            cols.l_hold[lsel].tolist(),
+            cols.l_piece[lsel].tolist(),
+            cols.l_bo[lsel].tolist(),
+            cols.l_bs[lsel].tolist(),
+        ):
             nd = nds[k]
             local.setdefault(c, []).append((h, p, tuple(bo[:nd]), tuple(bs[:nd])))
     writes = []
-    for c, k, dh, dp, o, s in zip(mine.tolist(), cols.c_key[mine].tolist(),
-                                  cols.c_dh[mine].tolist(), cols.c_dp[mine].tolist(),
-                                  cols.c_off[mine].tolist(), cols.c_shp[mine].tolist()):
+    for c, k, dh, dp, o, s in zip(
+        mine.tolist(),
+        cols.c_key[mine].tolist(),
+        cols.c_dh[mine].tolist(),
+        cols.c_dp[mine].tolist(),
+        cols.c_off[mine].tolist(),
+        cols.c_shp[mine].tolist(),
+    ):
         nd = nds[k]
-        writes.append(ChunkWrite(names[k], tuple(o[:nd]), tuple(s[:nd]),
-                                 None if dh < 0 else (dh, dp), local.get(c, [])))
+        writes.append(
+            ChunkWrite(
+                names[k],
+                tuple(o[:nd]),
+                tuple(s[:nd]),
+                None if dh < 0 else (dh, dp),
+                local.get(c, []),
+            )
+        )
     tw = writer[cols.t_chunk] if len(cols.t_chunk) else np.zeros(0, np.int64)
     recv_i = np.flatnonzero(tw == rank)
     send_i = np.flatnonzero(cols.t_src == rank)
@@ -172,12 +194,19 @@ def cut_save_work(cols: SaveColumns, rank: int, names: list, nds: list) -> RankS
         ch = cols.t_chunk[ix]
         out = []
         for s, d, k, h, p, bo, bs, r in zip(
-                cols.t_src[ix].tolist(), writer[ch].tolist(), cols.c_key[ch].tolist(),
-                cols.t_hold[ix].tolist(), cols.t_piece[ix].tolist(), cols.t_bo[ix].tolist(),
-                cols.t_bs[ix].tolist(), dst_ref.tolist()):
+            cols.t_src[ix].tolist(),
+            writer[ch].tolist(),
+            cols.c_key[ch].tolist(),
+            cols.t_hold[ix].tolist(),
+            cols.t_piece[ix].tolist(),
+            cols.t_bo[ix].tolist(),
+            cols.t_bs[ix].tolist(),
+            dst_ref.tolist(),
+        ):
             nd = nds[k]
             out.append(Transfer(s, d, names[k], tuple(bo[:nd]), tuple(bs[:nd]), (h, p), (r,)))
         return out
+
     sends = transfers(send_i, dref)
     recvs = transfers(recv_i, pos[cols.t_chunk[recv_i]])
     create = [names[k] for k in cols.cr_key[cols.cr_rank == rank].tolist()]
@@ -187,7 +216,6 @@ def cut_save_work(cols: SaveColumns, rank: int, names: list, nds: list) -> RankS
 def layouts_of(tensors: dict) -> dict:
     """key -> ``[shape, dtype, chunk shape]`` (lists), the form the save's ranks use."""
     return {k: [list(v.shape), v.dtype, list(v.chunk_shape)] for k, v in tensors.items()}
-
 
 
 def ranks_from_columns(cols: SaveColumns, names: list, nds: list, world: int) -> list:
@@ -201,25 +229,48 @@ def ranks_from_columns(cols: SaveColumns, names: list, nds: list, world: int) ->
     widx = np.empty(NC, np.int64)
     widx[ow] = np.arange(NC) - np.repeat(np.cumsum(cnt) - cnt, cnt)
     local: dict = {}
-    for c, k, h, p, bo, bs in zip(cols.l_chunk.tolist(), cols.c_key[cols.l_chunk].tolist(),
-                                  cols.l_hold.tolist(), cols.l_piece.tolist(),
-                                  cols.l_bo.tolist(), cols.l_bs.tolist()):
+    for c, k, h, p, bo, bs in zip(
+        cols.l_chunk.tolist(),
+        cols.c_key[cols.l_chunk].tolist(),
+        cols.l_hold.tolist(),
+        cols.l_piece.tolist(),
+        cols.l_bo.tolist(),
+        cols.l_bs.tolist(),
+    ):
         nd = nds[k]
         local.setdefault(c, []).append((h, p, tuple(bo[:nd]), tuple(bs[:nd])))
     writes = []
-    for c, k, dh, dp, o, s in zip(ow.tolist(), cols.c_key[ow].tolist(), cols.c_dh[ow].tolist(),
-                                  cols.c_dp[ow].tolist(), cols.c_off[ow].tolist(),
-                                  cols.c_shp[ow].tolist()):
+    for c, k, dh, dp, o, s in zip(
+        ow.tolist(),
+        cols.c_key[ow].tolist(),
+        cols.c_dh[ow].tolist(),
+        cols.c_dp[ow].tolist(),
+        cols.c_off[ow].tolist(),
+        cols.c_shp[ow].tolist(),
+    ):
         nd = nds[k]
-        writes.append(ChunkWrite(names[k], tuple(o[:nd]), tuple(s[:nd]),
-                                 None if dh < 0 else (dh, dp), local.get(c, [])))
+        writes.append(
+            ChunkWrite(
+                names[k],
+                tuple(o[:nd]),
+                tuple(s[:nd]),
+                None if dh < 0 else (dh, dp),
+                local.get(c, []),
+            )
+        )
     ch = cols.t_chunk
     dst = writer[ch] if len(ch) else np.zeros(0, np.int64)
     trs = []
-    for s, d, k, h, p, bo, bs, r in zip(cols.t_src.tolist(), dst.tolist(),
-                                        cols.c_key[ch].tolist(), cols.t_hold.tolist(),
-                                        cols.t_piece.tolist(), cols.t_bo.tolist(),
-                                        cols.t_bs.tolist(), widx[ch].tolist()):
+    for s, d, k, h, p, bo, bs, r in zip(
+        cols.t_src.tolist(),
+        dst.tolist(),
+        cols.c_key[ch].tolist(),
+        cols.t_hold.tolist(),
+        cols.t_piece.tolist(),
+        cols.t_bo.tolist(),
+        cols.t_bs.tolist(),
+        widx[ch].tolist(),
+    ):
         nd = nds[k]
         trs.append(Transfer(s, d, names[k], tuple(bo[:nd]), tuple(bs[:nd]), (h, p), (r,)))
 
@@ -229,13 +280,16 @@ def ranks_from_columns(cols: SaveColumns, names: list, nds: list, world: int) ->
         srt = [items[i] for i in o]
         e = np.cumsum(np.bincount(of, minlength=world)).tolist()
         return [srt[a:b] for a, b in zip([0] + e[:-1], e)]
+
     ends = np.cumsum(cnt).tolist()
     per_w = [writes[a:b] for a, b in zip([0] + ends[:-1], ends)]
     creates: list = [[] for _ in range(world)]
     for r, k in zip(cols.cr_rank.tolist(), cols.cr_key.tolist()):
         creates[r].append(names[k])
-    return [RankSaveWork(w, sd, rv, cr) for w, sd, rv, cr in
-            zip(per_w, split(trs, cols.t_src), split(trs, dst), creates)]
+    return [
+        RankSaveWork(w, sd, rv, cr)
+        for w, sd, rv, cr in zip(per_w, split(trs, cols.t_src), split(trs, dst), creates)
+    ]
 
 
 class SavePlan:
@@ -245,8 +299,15 @@ class SavePlan:
 
     __slots__ = ("tree", "tensors", "objects", "stats", "columns", "_ranks")
 
-    def __init__(self, tree: Any, tensors: dict, objects: dict, ranks: Optional[list] = None,
-                 stats: Optional[dict] = None, columns: Any = None) -> None:
+    def __init__(
+        self,
+        tree: Any,
+        tensors: dict,
+        objects: dict,
+        ranks: Optional[list] = None,
+        stats: Optional[dict] = None,
+        columns: Any = None,
+    ) -> None:
         self.tree, self.tensors, self.objects = tree, tensors, objects
         self.stats = stats if stats is not None else {}
         self.columns = columns
@@ -257,7 +318,10 @@ class SavePlan:
         """[:class:`RankSaveWork`], one per rank (built from :attr:`columns` once)."""
         if self._ranks is None:
             names = sorted(self.tensors)
-            self._ranks = ranks_from_columns(self.columns, names,
-                                             [len(self.tensors[k].shape) for k in names],
-                                             self.stats["world_size"])
+            self._ranks = ranks_from_columns(
+                self.columns,
+                names,
+                [len(self.tensors[k].shape) for k in names],
+                self.stats["world_size"],
+            )
         return self._ranks

@@ -6,6 +6,7 @@ owns a flattened range of every local weight's AdamW moments (a distributed opti
 updates only that range, then the ranges are reassembled over DP. Checkpoints go through
 :class:`CheckpointManager` every ``every`` steps. Runs on gloo ranks or alone (world 1).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,7 +22,7 @@ from shardpoint.api import state as sps
 from shardpoint.api.manager import CheckpointManager
 from shardpoint.tree.model import ShardedTensor
 
-VOCAB, HIDDEN, HEADS, LAYERS, SEQ, BATCH = 32, 32, 2, 2, 16, 8   # BATCH: global sequences
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ, BATCH = 32, 32, 2, 2, 16, 8  # BATCH: global sequences
 LR, BETAS, EPS, WD, SEED = 3e-3, (0.9, 0.95), 1e-8, 0.01, 1234
 
 
@@ -29,12 +30,21 @@ def param_specs() -> list[tuple[str, tuple[int, ...], Optional[int]]]:
     """(name, global shape, TP-split dim or None) of every weight."""
     h = HIDDEN
     out: list[tuple[str, tuple[int, ...], Optional[int]]] = [
-        ("wte", (VOCAB, HIDDEN), None), ("wpe", (SEQ, HIDDEN), None)]
+        ("wte", (VOCAB, HIDDEN), None),
+        ("wpe", (SEQ, HIDDEN), None),
+    ]
     for i in range(LAYERS):
         p = f"layers.{i}."
-        out += [(p + "ln1", (h,), None), (p + "q", (h, h), 0), (p + "k", (h, h), 0),
-                (p + "v", (h, h), 0), (p + "proj", (h, h), 1), (p + "ln2", (h,), None),
-                (p + "fc1", (4 * h, h), 0), (p + "fc2", (h, 4 * h), 1)]
+        out += [
+            (p + "ln1", (h,), None),
+            (p + "q", (h, h), 0),
+            (p + "k", (h, h), 0),
+            (p + "v", (h, h), 0),
+            (p + "proj", (h, h), 1),
+            (p + "ln2", (h,), None),
+            (p + "fc1", (4 * h, h), 0),
+            (p + "fc2", (h, 4 * h), 1),
+        ]
     return out + [("lnf", (h,), None), ("head", (VOCAB, HIDDEN), None)]
 
 
@@ -51,8 +61,10 @@ def block(shape: tuple, dim: Optional[int], part: int, parts: int) -> tuple:
     if dim is None:
         return (0,) * len(shape), tuple(shape)
     lo, hi = part * shape[dim] // parts, (part + 1) * shape[dim] // parts
-    return (tuple(lo if i == dim else 0 for i in range(len(shape))),
-            tuple(hi - lo if i == dim else s for i, s in enumerate(shape)))
+    return (
+        tuple(lo if i == dim else 0 for i in range(len(shape))),
+        tuple(hi - lo if i == dim else s for i, s in enumerate(shape)),
+    )
 
 
 def batch(step: int) -> torch.Tensor:
@@ -93,6 +105,7 @@ def make_layout(rank: int, world: int, tp: int) -> Layout:
     if world == 1:
         return lay
     import torch.distributed as dist
+
     for d in range(world // tp):
         g = dist.new_group(list(range(d * tp, (d + 1) * tp)))
         if lay.d == d:
@@ -107,12 +120,14 @@ def make_layout(rank: int, world: int, tp: int) -> Layout:
 def _all_reduce(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     if size > 1:
         import torch.distributed as dist
+
         dist.all_reduce(x, group=group)
     return x
 
 
 def _tp_ops(lay: Layout) -> tuple:
     """Megatron's f (identity, all-reduce of the gradient) and g (all-reduce, identity)."""
+
     class Copy(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -140,8 +155,8 @@ class Trainer:
     def __init__(self, lay: Layout, root: str, every: int, async_save: bool) -> None:
         self.lay, self.every = lay, every
         self.specs = param_specs()
-        self.w: dict = {}          # name -> local weight (requires grad)
-        self.ranges: dict = {}     # name -> (a, b) of the local weight's flattening
+        self.w: dict = {}  # name -> local weight (requires grad)
+        self.ranges: dict = {}  # name -> (a, b) of the local weight's flattening
         self.m: dict = {}
         self.v: dict = {}
         for name, shape, dim in self.specs:
@@ -168,8 +183,9 @@ class Trainer:
         for i in range(LAYERS):
             p = f"layers.{i}."
             h = self.copy(self._ln(x, w[p + "ln1"]))
-            q, k, v = ((h @ w[p + n].T).view(B, T, heads, hd).transpose(1, 2)
-                       for n in ("q", "k", "v"))
+            q, k, v = (
+                (h @ w[p + n].T).view(B, T, heads, hd).transpose(1, 2) for n in ("q", "k", "v")
+            )
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.reduce(a.transpose(1, 2).reshape(B, T, heads * hd) @ w[p + "proj"].T)
             h = self.copy(self._ln(x, w[p + "ln2"]))
@@ -182,7 +198,7 @@ class Trainer:
         lay = self.lay
         self.iteration += 1
         per = BATCH // lay.dp
-        tokens = batch(self.iteration)[lay.d * per:(lay.d + 1) * per]
+        tokens = batch(self.iteration)[lay.d * per : (lay.d + 1) * per]
         for t in self.w.values():
             t.grad = None
         loss = self.loss(tokens)
@@ -212,14 +228,20 @@ class Trainer:
             off, shp = block(shape, dim, lay.t, lay.tp)
             model[name] = w if dim is None else ShardedTensor(w, shape, off, replica_id=lay.d)
             a, _b = self.ranges[name]
-            rep = lay.t if dim is None else 0        # replicated weights: moments on every TP
-            m[name] = sps.flattened_shard(self.m[name], shp, a, global_shape=shape,
-                                          global_offset=off, replica_id=rep)
-            v[name] = sps.flattened_shard(self.v[name], shp, a, global_shape=shape,
-                                          global_offset=off, replica_id=rep)
-        return {"model": model, "optim": {"exp_avg": m, "exp_avg_sq": v},
-                "iteration": self.iteration, "consumed_samples": self.iteration * BATCH,
-                "rank": sps.per_rank({"rng": sps.rng_state()})}
+            rep = lay.t if dim is None else 0  # replicated weights: moments on every TP
+            m[name] = sps.flattened_shard(
+                self.m[name], shp, a, global_shape=shape, global_offset=off, replica_id=rep
+            )
+            v[name] = sps.flattened_shard(
+                self.v[name], shp, a, global_shape=shape, global_offset=off, replica_id=rep
+            )
+        return {
+            "model": model,
+            "optim": {"exp_avg": m, "exp_avg_sq": v},
+            "iteration": self.iteration,
+            "consumed_samples": self.iteration * BATCH,
+            "rank": sps.per_rank({"rng": sps.rng_state()}),
+        }
 
     def maybe_save(self, loss: float) -> bool:
         if self.iteration % self.every:
@@ -237,9 +259,9 @@ class Trainer:
         out = self.mgr.load(step, like=like)
         self.iteration = out["iteration"]
         saved = sps.rank_value(api.read_metadata(self.mgr.path(step)), ("rank",))
-        if saved is not None:      # same world size: this rank's own RNG states
+        if saved is not None:  # same world size: this rank's own RNG states
             sps.set_rng_state(saved["rng"])
-        else:                      # another world size: re-seed from (seed, iteration, rank)
+        else:  # another world size: re-seed from (seed, iteration, rank)
             torch.manual_seed(SEED + 7919 * self.iteration + self.lay.rank)
         return step
 
@@ -263,14 +285,13 @@ class Trainer:
                 g = torch.zeros(shape)
                 g[region] += blk.view(shp)
                 parts.append(g)
-            for p in parts:           # x + 0.0 makes -0.0 into 0.0 in every layout alike
+            for p in parts:  # x + 0.0 makes -0.0 into 0.0 in every layout alike
                 h.update(_all_reduce(p, None, lay.world).numpy().tobytes())
         h.update(str(self.iteration).encode())
         return h.hexdigest()
 
 
-def run(lay: Layout, root: str, steps: int, every: int, async_save: bool,
-        report: Callable) -> dict:
+def run(lay: Layout, root: str, steps: int, every: int, async_save: bool, report: Callable) -> dict:
     """Train to ``steps`` (resuming if ``root`` has a checkpoint), calling ``report(kind,
     ...)`` on rank 0: ("resumed", step, digest), ("step", step, loss, saved), ("done",)."""
     tr = Trainer(lay, root, every, async_save)
@@ -288,5 +309,4 @@ def run(lay: Layout, root: str, steps: int, every: int, async_save: bool,
         if lay.rank == 0:
             report("step", tr.iteration, loss, saved)
     tr.mgr.close()
-    return {"start": start, "resume_digest": resume_digest, "losses": losses,
-            "digests": digests}
+    return {"start": start, "resume_digest": resume_digest, "losses": losses, "digests": digests}

@@ -17,6 +17,7 @@ Example::
     for t in rep.tensors:
         print(t.key, t.differing, t.first_index, t.max_abs_diff)
 """
+
 from __future__ import annotations
 
 import math
@@ -48,9 +49,13 @@ class TensorDiff:
 
     def to_dict(self) -> dict:
         m = self.max_abs_diff
-        return {"key": self.key, "elements": self.elements, "differing": self.differing,
-                "first_index": list(self.first_index),
-                "max_abs_diff": m if m is None or math.isfinite(m) else repr(m)}
+        return {
+            "key": self.key,
+            "elements": self.elements,
+            "differing": self.differing,
+            "first_index": list(self.first_index),
+            "max_abs_diff": m if m is None or math.isfinite(m) else repr(m),
+        }
 
 
 @dataclass
@@ -64,13 +69,13 @@ class DiffReport:
     rtol: float = 0.0
     only_a: list = field(default_factory=list)
     only_b: list = field(default_factory=list)
-    mismatched: list = field(default_factory=list)   # [(key, "shape (2, 3) vs (3, 2)")]
-    tensors: list = field(default_factory=list)      # [TensorDiff]
-    values: list = field(default_factory=list)       # [(key, repr a, repr b)]
+    mismatched: list = field(default_factory=list)  # [(key, "shape (2, 3) vs (3, 2)")]
+    tensors: list = field(default_factory=list)  # [TensorDiff]
+    values: list = field(default_factory=list)  # [(key, repr a, repr b)]
     compared_tensors: int = 0
     compared_bytes: int = 0
-    renamed: list = field(default_factory=list)      # [(key in A, key in B)] by flat name
-    not_comparable: list = field(default_factory=list)   # [(key, "only in A: why")]
+    renamed: list = field(default_factory=list)  # [(key in A, key in B)] by flat name
+    not_comparable: list = field(default_factory=list)  # [(key, "only in A: why")]
     tensors_a: int = 0
     tensors_b: int = 0
 
@@ -81,22 +86,36 @@ class DiffReport:
 
     @property
     def equal(self) -> bool:
-        return not (self.only_a or self.only_b or self.mismatched or self.tensors
-                    or self.values or self.nothing_compared)
+        return not (
+            self.only_a
+            or self.only_b
+            or self.mismatched
+            or self.tensors
+            or self.values
+            or self.nothing_compared
+        )
 
     def to_dict(self) -> dict:
-        return {"a": self.a, "b": self.b, "equal": self.equal, "exact": self.exact,
-                "atol": self.atol, "rtol": self.rtol, "only_a": self.only_a,
-                "only_b": self.only_b,
-                "mismatched": [{"key": k, "what": w} for k, w in self.mismatched],
-                "tensors": [t.to_dict() for t in self.tensors],
-                "values": [{"key": k, "a": x, "b": y} for k, x, y in self.values],
-                "compared_tensors": self.compared_tensors,
-                "compared_bytes": self.compared_bytes,
-                "tensors_a": self.tensors_a, "tensors_b": self.tensors_b,
-                "nothing_compared": self.nothing_compared,
-                "renamed": [{"a": x, "b": y} for x, y in self.renamed],
-                "not_comparable": [{"key": k, "why": w} for k, w in self.not_comparable]}
+        return {
+            "a": self.a,
+            "b": self.b,
+            "equal": self.equal,
+            "exact": self.exact,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "only_a": self.only_a,
+            "only_b": self.only_b,
+            "mismatched": [{"key": k, "what": w} for k, w in self.mismatched],
+            "tensors": [t.to_dict() for t in self.tensors],
+            "values": [{"key": k, "a": x, "b": y} for k, x, y in self.values],
+            "compared_tensors": self.compared_tensors,
+            "compared_bytes": self.compared_bytes,
+            "tensors_a": self.tensors_a,
+            "tensors_b": self.tensors_b,
+            "nothing_compared": self.nothing_compared,
+            "renamed": [{"a": x, "b": y} for x, y in self.renamed],
+            "not_comparable": [{"key": k, "why": w} for k, w in self.not_comparable],
+        }
 
 
 def _same_value(x: Any, y: Any) -> bool:
@@ -111,8 +130,9 @@ def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
     size = an.dtype.itemsize
     if size in _UINT:
         return an.view(_UINT[size]) != bn.view(_UINT[size])
-    return (an.view(np.uint64).reshape(-1, size // 8)
-            != bn.view(np.uint64).reshape(-1, size // 8)).any(axis=1)
+    return (
+        an.view(np.uint64).reshape(-1, size // 8) != bn.view(np.uint64).reshape(-1, size // 8)
+    ).any(axis=1)
 
 
 def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple:
@@ -125,9 +145,18 @@ def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple:
     return d, y.abs(), same
 
 
-def compare_tensor(sa: Source, ta: TensorInfo, sb: Source, tb: TensorInfo, *, exact: bool,
-                   atol: float, rtol: float, block_elems: int = 4 << 20,
-                   progress: Optional[Callable] = None) -> Optional[TensorDiff]:
+def compare_tensor(
+    sa: Source,
+    ta: TensorInfo,
+    sb: Source,
+    tb: TensorInfo,
+    *,
+    exact: bool,
+    atol: float,
+    rtol: float,
+    block_elems: int = 4 << 20,
+    progress: Optional[Callable] = None,
+) -> Optional[TensorDiff]:
     """Compare one tensor present in both, a block of rows at a time; None if equal."""
     shape = tuple(ta.shape)
     n = math.prod(shape)
@@ -159,7 +188,7 @@ def compare_tensor(sa: Source, ta: TensorInfo, sb: Source, tb: TensorInfo, *, ex
         if progress:
             progress(a.numel() * a.element_size())
         del a, b
-    if first is None:          # set with the first differing element: none differed
+    if first is None:  # set with the first differing element: none differed
         return None
     return TensorDiff(ta.key, n, differing, first, worst)
 
@@ -168,18 +197,25 @@ def match_flat_names(only_a: set, only_b: set) -> dict:
     """``{path in B: path in A}`` for unmatched paths whose flat names (components joined by
     '.') agree and name one path on each side (``("model", "weight")`` and
     ``("model.weight",)``); an ambiguous flat name matches nothing."""
+
     def by_name(paths: set) -> dict:
         out: dict = {}
         for p in paths:
             out.setdefault(flat_name(p), []).append(p)
         return {n: ps[0] for n, ps in out.items() if len(ps) == 1}
+
     na, nb = by_name(only_a), by_name(only_b)
     return {nb[n]: na[n] for n in na.keys() & nb.keys()}
 
 
-def diff_sources(sa: Source, sb: Source, *, atol: Optional[float] = None,
-                 rtol: Optional[float] = None,
-                 progress: Optional[Callable] = None) -> DiffReport:
+def diff_sources(
+    sa: Source,
+    sb: Source,
+    *,
+    atol: Optional[float] = None,
+    rtol: Optional[float] = None,
+    progress: Optional[Callable] = None,
+) -> DiffReport:
     """Compare two open sources (see :func:`diff_checkpoints`)."""
     exact = atol is None and rtol is None
     rep = DiffReport(sa.path, sb.path, exact, float(atol or 0.0), float(rtol or 0.0))
@@ -190,7 +226,7 @@ def diff_sources(sa: Source, sb: Source, *, atol: Optional[float] = None,
     vb = {**sb.values, **{p: list(v) for p, v in sb.objects.items()}}
     keys_a, keys_b = set(ta) | set(va), set(tb) | set(vb)
     ren = match_flat_names(keys_a - keys_b, keys_b - keys_a)
-    if ren:     # B's entries under A's paths (the report names A's keys)
+    if ren:  # B's entries under A's paths (the report names A's keys)
         rep.renamed = sorted((key_of(pa), key_of(pb)) for pb, pa in ren.items())
         tb = {ren.get(p, p): t for p, t in tb.items()}
         vb = {ren.get(p, p): v for p, v in vb.items()}
@@ -199,16 +235,18 @@ def diff_sources(sa: Source, sb: Source, *, atol: Optional[float] = None,
     rep.only_b = sorted(key_of(p) for p in keys_b - keys_a)
     for side, other, mine, only in (("A", sb, va, rep.only_a), ("B", sa, vb, rep.only_b)):
         why = TENSORS_ONLY.get(other.format)
-        if why:    # a value the other format cannot hold is no difference between them
+        if why:  # a value the other format cannot hold is no difference between them
             out = {key_of(p) for p in mine} & set(only)
-            rep.not_comparable += [(k, f"only in {side}: a value or object, and {why}")
-                                   for k in sorted(out)]
+            rep.not_comparable += [
+                (k, f"only in {side}: a value or object, and {why}") for k in sorted(out)
+            ]
             only[:] = [k for k in only if k not in out]
     for p in sorted(keys_a & keys_b, key=key_of):
         k = key_of(p)
         if (p in ta) != (p in tb):
-            rep.mismatched.append((k, "a tensor in " + ("A" if p in ta else "B")
-                                   + ", a value in the other"))
+            rep.mismatched.append(
+                (k, "a tensor in " + ("A" if p in ta else "B") + ", a value in the other")
+            )
             continue
         if p not in ta:
             if not _same_value(va[p], vb[p]):
@@ -225,27 +263,37 @@ def diff_sources(sa: Source, sb: Source, *, atol: Optional[float] = None,
             if progress:
                 progress(x.nbytes)
             continue
-        td = compare_tensor(sa, x, sb, y, exact=exact, atol=rep.atol, rtol=rep.rtol,
-                            progress=progress)
+        td = compare_tensor(
+            sa, x, sb, y, exact=exact, atol=rep.atol, rtol=rep.rtol, progress=progress
+        )
         rep.compared_tensors += 1
         rep.compared_bytes += x.nbytes
         if td is not None:
             rep.tensors.append(td)
-    sa.check_unchanged()      # a checkpoint replaced while it was read: no mixed report
+    sa.check_unchanged()  # a checkpoint replaced while it was read: no mixed report
     sb.check_unchanged()
     return rep
 
 
-def diff_checkpoints(a: str, b: str, *, atol: Optional[float] = None,
-                     rtol: Optional[float] = None, from_a: Optional[str] = None,
-                     from_b: Optional[str] = None, progress: Optional[Callable] = None,
-                     on_open: Optional[Callable] = None,
-                     trust_pickle: bool = False) -> DiffReport:
+def diff_checkpoints(
+    a: str,
+    b: str,
+    *,
+    atol: Optional[float] = None,
+    rtol: Optional[float] = None,
+    from_a: Optional[str] = None,
+    from_b: Optional[str] = None,
+    progress: Optional[Callable] = None,
+    on_open: Optional[Callable] = None,
+    trust_pickle: bool = False,
+) -> DiffReport:
     """Compare the checkpoints at ``a`` and ``b`` (shardpoint or any format ``convert``
     reads). ``on_open(sa, sb)`` is called once both are open. A DCP or Megatron side needs
     ``trust_pickle=True``: their metadata is read by unpickling it."""
-    with open_source(a, from_a, trust_pickle=trust_pickle) as sa, \
-            open_source(b, from_b, trust_pickle=trust_pickle) as sb:
+    with (
+        open_source(a, from_a, trust_pickle=trust_pickle) as sa,
+        open_source(b, from_b, trust_pickle=trust_pickle) as sb,
+    ):
         if on_open:
             on_open(sa, sb)
         return diff_sources(sa, sb, atol=atol, rtol=rtol, progress=progress)

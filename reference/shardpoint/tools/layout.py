@@ -12,6 +12,7 @@ Example::
     d = draw_load_plan(plan_load(requests, layouts), layouts["w"])
     print(d.plain)        # or rich.console.Console().print(d.text) for colours
 """
+
 from __future__ import annotations
 
 import itertools
@@ -22,16 +23,40 @@ from typing import Any, NamedTuple, Optional, Sequence
 from rich.text import Text
 
 # background colours by rank (or chunk), with a text colour that reads on each
-PALETTE = ["black on #7fb3d5", "black on #f5b7b1", "black on #a9dfbf", "black on #f9e79f",
-           "black on #d2b4de", "black on #f0b27a", "black on #aed6f1", "black on #d5dbdb",
-           "white on #2e86c1", "white on #c0392b", "white on #229954", "white on #7d3c98"]
+PALETTE = [
+    "black on #7fb3d5",
+    "black on #f5b7b1",
+    "black on #a9dfbf",
+    "black on #f9e79f",
+    "black on #d2b4de",
+    "black on #f0b27a",
+    "black on #aed6f1",
+    "black on #d5dbdb",
+    "white on #2e86c1",
+    "white on #c0392b",
+    "white on #229954",
+    "white on #7d3c98",
+]
 _UP, _DOWN, _LEFT, _RIGHT = 1, 2, 4, 8
-_JOIN = {_LEFT | _RIGHT: "─", _UP | _DOWN: "│", _DOWN | _RIGHT: "┌", _DOWN | _LEFT: "┐",
-         _UP | _RIGHT: "└", _UP | _LEFT: "┘", _UP | _DOWN | _RIGHT: "├",
-         _UP | _DOWN | _LEFT: "┤", _LEFT | _RIGHT | _DOWN: "┬", _LEFT | _RIGHT | _UP: "┴",
-         _UP | _DOWN | _LEFT | _RIGHT: "┼", _LEFT: "─", _RIGHT: "─", _UP: "│", _DOWN: "│"}
-MAX_ROWS, MAX_COLS = 16, 8   # chunk boxes drawn along each axis (finer grids are grouped)
-MAX_EDGES = 64               # a finer picture is not drawn (its boxes would be unreadable)
+_JOIN = {
+    _LEFT | _RIGHT: "─",
+    _UP | _DOWN: "│",
+    _DOWN | _RIGHT: "┌",
+    _DOWN | _LEFT: "┐",
+    _UP | _RIGHT: "└",
+    _UP | _LEFT: "┘",
+    _UP | _DOWN | _RIGHT: "├",
+    _UP | _DOWN | _LEFT: "┤",
+    _LEFT | _RIGHT | _DOWN: "┬",
+    _LEFT | _RIGHT | _UP: "┴",
+    _UP | _DOWN | _LEFT | _RIGHT: "┼",
+    _LEFT: "─",
+    _RIGHT: "─",
+    _UP: "│",
+    _DOWN: "│",
+}
+MAX_ROWS, MAX_COLS = 16, 8  # chunk boxes drawn along each axis (finer grids are grouped)
+MAX_EDGES = 64  # a finer picture is not drawn (its boxes would be unreadable)
 
 
 class Rect(NamedTuple):
@@ -98,8 +123,7 @@ def _merge(cells: list, nr: int, nc: int) -> list:
             while j1 < nc and not seen[i][j1] and cells[i][j1] == key:
                 j1 += 1
             i1 = i + 1
-            while i1 < nr and all(not seen[i1][c] and cells[i1][c] == key
-                                  for c in range(j, j1)):
+            while i1 < nr and all(not seen[i1][c] and cells[i1][c] == key for c in range(j, j1)):
                 i1 += 1
             for a in range(i, i1):
                 for b in range(j, j1):
@@ -114,11 +138,12 @@ def _label_lines(labels: tuple, width: int, height: int) -> list:
     if len(lines) > max(height, 1):
         keep = max(height, 1) - 1
         lines = lines[:keep] + [f"{lines[keep]} +{len(lines) - keep - 1}"]
-    return [ln if len(ln) <= width else ln[:max(width - 1, 0)] + "…" for ln in lines]
+    return [ln if len(ln) <= width else ln[: max(width - 1, 0)] + "…" for ln in lines]
 
 
-def draw(shape: Sequence[int], rects: Sequence[Rect], *, width: int = 72,
-         height: Optional[int] = None) -> Drawing:
+def draw(
+    shape: Sequence[int], rects: Sequence[Rect], *, width: int = 72, height: Optional[int] = None
+) -> Drawing:
     """Draw ``rects`` over a tensor of ``shape`` in about ``width`` columns (``height``
     lines inside the frame; default: by the tensor's aspect, 1 to 10). Cells covered by the
     same boxes are merged into one drawn box labelled with their labels; uncovered cells
@@ -126,8 +151,10 @@ def draw(shape: Sequence[int], rects: Sequence[Rect], *, width: int = 72,
     rows, cols = _as_2d(shape)
     notes = []
     if len(shape) > 2:
-        notes.append(f"drawn by dimensions 0 and 1 of {len(shape)} (shape "
-                     f"{'x'.join(map(str, shape))}); boxes along later dimensions share one")
+        notes.append(
+            f"drawn by dimensions 0 and 1 of {len(shape)} (shape "
+            f"{'x'.join(map(str, shape))}); boxes along later dimensions share one"
+        )
     flat = []
     for r in rects:
         lo, hi = _project(r.lo, r.hi)
@@ -137,8 +164,7 @@ def draw(shape: Sequence[int], rects: Sequence[Rect], *, width: int = 72,
     xs = sorted({0, cols} | {v for lo, hi, _, _ in flat for v in (lo[1], hi[1])})
     nr, nc = len(ys) - 1, len(xs) - 1
     if nr > MAX_EDGES or nc > MAX_EDGES:
-        return Drawing(Text(f"(not drawn: {nr} x {nc} boxes are too many to read)"), [],
-                       notes)
+        return Drawing(Text(f"(not drawn: {nr} x {nc} boxes are too many to read)"), [], notes)
     cells: list[list[tuple[str, ...]]] = [[() for _ in range(nc)] for _ in range(nr)]
     colors = [[-1] * nc for _ in range(nr)]
     yi = {v: i for i, v in enumerate(ys)}
@@ -152,7 +178,7 @@ def draw(shape: Sequence[int], rects: Sequence[Rect], *, width: int = 72,
                     colors[i][j] = color
     keyed = [[(cells[i][j], colors[i][j]) for j in range(nc)] for i in range(nr)]
     boxes = _merge(keyed, nr, nc)
-    if height is None:     # by the aspect (characters are about 2.5 times as tall as wide)
+    if height is None:  # by the aspect (characters are about 2.5 times as tall as wide)
         height = 1 if len(shape) < 2 else min(10, max(nr, round(width * rows / cols / 2.5)))
     least_w = 1 if nc > width // 3 else 3
     cw = _sizes(xs, max(width - nc - 1, nc), least_w)
@@ -215,8 +241,12 @@ def _grid(shape: Sequence[int], chunk: Sequence[int]) -> tuple:
     return tuple(-(-s // c) if c else 1 for s, c in zip(shape, chunk))
 
 
-def chunk_rects(shape: Sequence[int], chunk_shape: Sequence[int],
-                writers: Optional[dict] = None, max_cells: tuple = (MAX_ROWS, MAX_COLS)) -> tuple:
+def chunk_rects(
+    shape: Sequence[int],
+    chunk_shape: Sequence[int],
+    writers: Optional[dict] = None,
+    max_cells: tuple = (MAX_ROWS, MAX_COLS),
+) -> tuple:
     """(rects, notes): a box per chunk of the grid, labelled with its coordinates and, where
     ``writers`` (chunk coordinates -> rank) knows it, the rank that wrote it, coloured by
     that rank (else by chunk). Grids finer than ``max_cells`` (rows, columns of boxes) are
@@ -224,11 +254,13 @@ def chunk_rects(shape: Sequence[int], chunk_shape: Sequence[int],
     grid = _grid(shape, chunk_shape)
     notes = []
     drawn = list(grid[:2])
-    limits = max_cells[-len(drawn):] if drawn else ()
+    limits = max_cells[-len(drawn) :] if drawn else ()
     group = [max(1, -(-g // m)) for g, m in zip(drawn, limits)]
     if any(g > 1 for g in group):
-        notes.append(f"{'x'.join(map(str, grid))} chunks: each box is a block of up to "
-                     f"{'x'.join(map(str, group))} of them")
+        notes.append(
+            f"{'x'.join(map(str, grid))} chunks: each box is a block of up to "
+            f"{'x'.join(map(str, group))} of them"
+        )
     rects = []
     blocks = [range(0, g, k) for g, k in zip(drawn, group)]
     for n, start in enumerate(itertools.product(*blocks)):
@@ -236,14 +268,19 @@ def chunk_rects(shape: Sequence[int], chunk_shape: Sequence[int],
         lo = [s * c for s, c in zip(start, chunk_shape)]
         hi = [min(e * c, n) for e, c, n in zip(stop, chunk_shape, shape)]
         lo += [0] * (len(shape) - len(lo))
-        hi += list(shape[len(hi):])
+        hi += list(shape[len(hi) :])
         one = all(e - s == 1 for s, e in zip(start, stop))
-        name = chunk_name(start) if one else "c" + ",".join(
-            f"{s}" if e - s == 1 else f"{s}-{e - 1}" for s, e in zip(start, stop))
+        name = (
+            chunk_name(start)
+            if one
+            else "c"
+            + ",".join(f"{s}" if e - s == 1 else f"{s}-{e - 1}" for s, e in zip(start, stop))
+        )
         if len(grid) > 2 and math.prod(grid[2:]) > 1:
             name += ",*"
-        ranks = sorted({writers[ix] for ix in writers if _within(ix, start, stop)}) \
-            if writers else []
+        ranks = (
+            sorted({writers[ix] for ix in writers if _within(ix, start, stop)}) if writers else []
+        )
         label = name + ("" if not ranks else " r" + ",".join(map(str, ranks)))
         color = ranks[0] if ranks else n
         rects.append(Rect(tuple(lo), tuple(hi), label, color))
@@ -254,21 +291,33 @@ def _within(ix: tuple, start: Sequence[int], stop: Sequence[int]) -> bool:
     return all(s <= i < e for i, s, e in zip(ix, start, stop))
 
 
-def draw_chunks(key: str, shape: Sequence[int], dtype: str, chunk_shape: Sequence[int],
-                writers: Optional[dict] = None, *, width: int = 72,
-                save_world_size: Optional[int] = None) -> Drawing:
+def draw_chunks(
+    key: str,
+    shape: Sequence[int],
+    dtype: str,
+    chunk_shape: Sequence[int],
+    writers: Optional[dict] = None,
+    *,
+    width: int = 72,
+    save_world_size: Optional[int] = None,
+) -> Drawing:
     """The chunk grid of tensor ``key``, titled, each box a chunk (see :func:`chunk_rects`);
     without ``writers`` a note says the checkpoint does not record who wrote which chunk."""
-    rects, notes = chunk_rects(shape, chunk_shape, writers,
-                               (MAX_ROWS, max(1, min(MAX_COLS * 2, (width - 1) // 11))))
+    rects, notes = chunk_rects(
+        shape, chunk_shape, writers, (MAX_ROWS, max(1, min(MAX_COLS * 2, (width - 1) // 11)))
+    )
     d = draw(shape, rects, width=width)
     n = math.prod(_grid(shape, chunk_shape))
     by = f", saved by {save_world_size} rank(s)" if save_world_size else ""
-    title = (f"{key}: {dtype}[{'x'.join(map(str, shape)) or ''}], {n} chunk(s) of "
-             f"{'x'.join(map(str, chunk_shape)) or '()'}{by}")
+    title = (
+        f"{key}: {dtype}[{'x'.join(map(str, shape)) or ''}], {n} chunk(s) of "
+        f"{'x'.join(map(str, chunk_shape)) or '()'}{by}"
+    )
     if writers is None:
-        notes.append("the manifest does not record which rank wrote each chunk: boxes are "
-                     "chunks, labelled by grid coordinates")
+        notes.append(
+            "the manifest does not record which rank wrote each chunk: boxes are "
+            "chunks, labelled by grid coordinates"
+        )
     d.notes = notes + d.notes
     d.text = Text(title + "\n") + d.text
     return d
@@ -278,8 +327,12 @@ def save_writers(plan: Any, key: str) -> dict:
     """``{chunk coordinates: rank}`` of tensor ``key`` from a save plan
     (:func:`shardpoint.planning.planner.plan_save`)."""
     chunk = plan.tensors[key].chunk_shape
-    return {tuple(o // c for o, c in zip(w.offset, chunk)): r
-            for r, work in enumerate(plan.ranks) for w in work.writes if w.key == key}
+    return {
+        tuple(o // c for o, c in zip(w.offset, chunk)): r
+        for r, work in enumerate(plan.ranks)
+        for w in work.writes
+        if w.key == key
+    }
 
 
 class Piece(NamedTuple):
@@ -313,9 +366,15 @@ def plan_pieces(works: Sequence[Any], key: str, chunk_shape: Sequence[int]) -> l
                 out.append(Piece(d, d, c, tuple(bo), tuple(o + s for o, s in zip(bo, bs))))
         for t in w.recvs:
             if t.key == key:
-                out.append(Piece(d, t.src, _chunk_of(t.box_offset, chunk_shape),
-                                 tuple(t.box_offset),
-                                 tuple(o + s for o, s in zip(t.box_offset, t.box_shape))))
+                out.append(
+                    Piece(
+                        d,
+                        t.src,
+                        _chunk_of(t.box_offset, chunk_shape),
+                        tuple(t.box_offset),
+                        tuple(o + s for o, s in zip(t.box_offset, t.box_shape)),
+                    )
+                )
     return out
 
 
@@ -323,22 +382,33 @@ def _box(lo: Sequence[int], hi: Sequence[int]) -> str:
     return "[" + ", ".join(f"{a}:{b}" for a, b in zip(lo, hi)) + "]"
 
 
-def draw_load_plan(works: Sequence[Any], layout: Any, *, width: int = 72,
-                   writers: Optional[dict] = None) -> Drawing:
+def draw_load_plan(
+    works: Sequence[Any], layout: Any, *, width: int = 72, writers: Optional[dict] = None
+) -> Drawing:
     """The load plan of one tensor (``layout``: its key, shape, dtype, chunk_shape): a box
     per part a destination rank gets, labelled ``c1,0 r2→r1`` (chunk c1,0, read by rank 2,
     sent to rank 1; ``c0,0 r0``: rank 0 reads its own), coloured by destination; then a line
     per rank saying which chunks it reads and what it receives from whom."""
     key, shape, chunk = layout.key, tuple(layout.shape), tuple(layout.chunk_shape)
     pieces = plan_pieces(works, key, chunk)
-    rects = [Rect(p.lo, p.hi, chunk_name(p.chunk) + " " + (
-        f"r{p.dest}" if p.reader == p.dest else f"r{p.reader}→r{p.dest}"), p.dest)
-        for p in pieces]
+    rects = [
+        Rect(
+            p.lo,
+            p.hi,
+            chunk_name(p.chunk)
+            + " "
+            + (f"r{p.dest}" if p.reader == p.dest else f"r{p.reader}→r{p.dest}"),
+            p.dest,
+        )
+        for p in pieces
+    ]
     d = draw(shape, rects, width=width)
-    lines = [f"load of {key}: {layout.dtype}[{'x'.join(map(str, shape))}] in chunks of "
-             f"{'x'.join(map(str, chunk)) or '()'} into {len(works)} rank(s); a box per "
-             "part a rank gets: its chunk, then rN (rank N reads it itself) or rA→rB (rank A "
-             "reads it and sends it to rank B)"]
+    lines = [
+        f"load of {key}: {layout.dtype}[{'x'.join(map(str, shape))}] in chunks of "
+        f"{'x'.join(map(str, chunk)) or '()'} into {len(works)} rank(s); a box per "
+        "part a rank gets: its chunk, then rN (rank N reads it itself) or rA→rB (rank A "
+        "reads it and sends it to rank B)"
+    ]
     if writers:
         wr = ", ".join(f"{chunk_name(c)} by r{r}" for c, r in sorted(writers.items()))
         lines.append(f"saved: {wr}")
@@ -352,8 +422,9 @@ def draw_load_plan(works: Sequence[Any], layout: Any, *, width: int = 72,
         got = [p for p in pieces if p.dest == r]
         what = ("reads " + ", ".join(names)) if reads else "reads nothing"
         if recv:
-            what += "; receives " + ", ".join(f"{_box(p.lo, p.hi)} of {chunk_name(p.chunk)} "
-                                             f"from r{p.reader}" for p in recv[:4])
+            what += "; receives " + ", ".join(
+                f"{_box(p.lo, p.hi)} of {chunk_name(p.chunk)} from r{p.reader}" for p in recv[:4]
+            )
             what += f" and {len(recv) - 4} more part(s)" if len(recv) > 4 else ""
         need = sum(math.prod(b - a for a, b in zip(p.lo, p.hi)) for p in got)
         per.append(f"  rank {r}: {what} ({need} element(s) in all)")
@@ -365,6 +436,7 @@ def even_requests(key: str, dtype: str, shape: Sequence[int], ranks: int) -> lis
     """Per-rank requests for ``key`` split evenly along dimension 0 (the split of DDP's
     replicas' FSDP shards and most tensor-parallel rows): what ``--load-ranks N`` plans."""
     from shardpoint.tree.model import Holding
+
     shape = tuple(shape)
     out = []
     n = shape[0] if shape else 1
@@ -373,8 +445,19 @@ def even_requests(key: str, dtype: str, shape: Sequence[int], ranks: int) -> lis
         if not shape:
             out.append([Holding(key, dtype, shape, (), (), None, (r,))])
         elif b > a:
-            out.append([Holding(key, dtype, shape, (a,) + (0,) * (len(shape) - 1),
-                                (b - a,) + shape[1:], None, (0,))])
+            out.append(
+                [
+                    Holding(
+                        key,
+                        dtype,
+                        shape,
+                        (a,) + (0,) * (len(shape) - 1),
+                        (b - a,) + shape[1:],
+                        None,
+                        (0,),
+                    )
+                ]
+            )
         else:
             out.append([])
     return out

@@ -1,5 +1,6 @@
 """Progress bars for long commands: bytes done, rate and time left, on stderr, only when stderr
 is a terminal (never in logs, pipes or under ``--json``). Built on ``rich``."""
+
 from __future__ import annotations
 
 import sys
@@ -19,8 +20,7 @@ class Advance:
     """``advance(nbytes)`` moves the bar on; ``advance.set_total(n)`` changes its total. Without
     a bar (``progress`` None) both do nothing, so callers never branch on whether one is drawn."""
 
-    def __init__(self, progress: Optional[Progress] = None,
-                 task: Optional[TaskID] = None) -> None:
+    def __init__(self, progress: Optional[Progress] = None, task: Optional[TaskID] = None) -> None:
         self._progress = progress
         self._task = task
 
@@ -41,9 +41,21 @@ def bar(description: str, total: Optional[int], enabled: bool) -> Iterator[Advan
         yield Advance()
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                               TimeRemainingColumn, TransferSpeedColumn)
-    cols = [TextColumn("[progress.description]{task.description}"), BarColumn(bar_width=24),
-            DownloadColumn(binary_units=True), TransferSpeedColumn(), TimeRemainingColumn()]
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    cols = [
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(bar_width=24),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*cols, console=Console(stderr=True), transient=False) as p:
         yield Advance(p, p.add_task(description, total=total))

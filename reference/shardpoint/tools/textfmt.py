@@ -1,5 +1,6 @@
 """Text output helpers shared by the commands: byte sizes, and tables that fit the terminal
 (80 columns when the output is not a terminal)."""
+
 from __future__ import annotations
 
 import shutil
@@ -24,11 +25,16 @@ def _cut(s: str, w: int, keep_end: bool) -> str:
         return s
     if w <= 3:
         return s[:w]
-    return "..." + s[-(w - 3):] if keep_end else s[:w - 3] + "..."
+    return "..." + s[-(w - 3) :] if keep_end else s[: w - 3] + "..."
 
 
-def fit_table(rows: Sequence[Sequence[str]], total: int, shrink: Sequence[int],
-              keep_end: Sequence[int] = (), min_width: int = 10) -> list:
+def fit_table(
+    rows: Sequence[Sequence[str]],
+    total: int,
+    shrink: Sequence[int],
+    keep_end: Sequence[int] = (),
+    min_width: int = 10,
+) -> list:
     """Lines of a left-aligned table with a rule under the header row, shrinking the columns
     listed in ``shrink`` (in that order, cutting cells with '...') until it fits ``total``."""
     ncol = len(rows[0])

@@ -5,6 +5,7 @@ Names are the Zarr v3 ``data_type`` strings (TensorStore writes exactly these). 
 stored as its little-endian bytes; see spec/format.md "Data types" ([SP-DTYPE-1]).
 Conversions are views, never value casts, so NaN payloads and -0.0 survive bit for bit.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,27 +15,42 @@ import torch
 from shardpoint_core.format import dtypes as core
 
 
-TorchDType = torch.dtype       # the field below is named ``torch``
+TorchDType = torch.dtype  # the field below is named ``torch``
 
 
 @dataclass(frozen=True)
 class DType(core.DType):
     """A table entry with its torch dtype (``view_as``: the same-size torch dtype numpy
     understands, used to cross the boundary)."""
+
     torch: TorchDType
     view_as: TorchDType
 
 
-_TORCH = {"bool": torch.bool, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
-          "int64": torch.int64, "uint8": torch.uint8, "uint16": torch.uint16,
-          "uint32": torch.uint32, "uint64": torch.uint64, "float16": torch.float16,
-          "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
-          "complex64": torch.complex64, "complex128": torch.complex128,
-          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+_TORCH = {
+    "bool": torch.bool,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
 _VIEW_AS = {"bfloat16": torch.int16, "float8_e4m3fn": torch.uint8, "float8_e5m2": torch.uint8}
 DTYPES: dict[str, DType] = {
     n: DType(d.name, d.itemsize, d.numpy, _TORCH[n], _VIEW_AS.get(n, _TORCH[n]))
-    for n, d in core.DTYPES.items()}
+    for n, d in core.DTYPES.items()
+}
 _VIEW_NUMPY: dict[TorchDType, type] = {torch.int16: np.int16, torch.uint8: np.uint8}
 _BY_TORCH = {d.torch: d for d in DTYPES.values()}
 

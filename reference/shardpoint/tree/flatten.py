@@ -4,6 +4,7 @@ Containers (dict, list, tuple, namedtuple) are walked by the core's
 :func:`shardpoint_core.format.statetree.encode_tree`, as every front end walks them; every leaf goes
 to its handler (:mod:`.leaves`). Pure: no I/O, no process group.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -7,6 +7,7 @@ Flattening for save (:func:`shardpoint.tree.flatten.flatten_state`) and load tar
 its handler, so a new kind of leaf is one handler here and one :func:`register_leaf` call,
 not an ``isinstance`` branch in each walker. Pure: no I/O, no process group.
 """
+
 from __future__ import annotations
 
 from typing import Any, List, Optional
@@ -15,10 +16,21 @@ import numpy as np
 import torch
 
 from shardpoint.tree import dtypes, values
-from shardpoint.tree.model import (Holding, LocalObject, LocalTensor, ShardedObject,
-                                   ShardedPieces, ShardedTensor, _dtensor_leaf, _is_dtensor,
-                                   _np_tensor, check_tensor_data, object_grid, pieces_holdings,
-                                   sharded_holding)
+from shardpoint.tree.model import (
+    Holding,
+    LocalObject,
+    LocalTensor,
+    ShardedObject,
+    ShardedPieces,
+    ShardedTensor,
+    _dtensor_leaf,
+    _is_dtensor,
+    _np_tensor,
+    check_tensor_data,
+    object_grid,
+    pieces_holdings,
+    sharded_holding,
+)
 from shardpoint_core.format import errors
 
 
@@ -120,8 +132,7 @@ class TensorHandler(LeafHandler):
     def flatten(self, x: torch.Tensor, key: str, what: str, out: Any) -> dict:
         d = dtypes.from_torch(x.dtype, what)
         check_tensor_data(x, what)
-        out.tensors.append(LocalTensor(_plain_holding(key, d.name, tuple(x.shape),
-                                                      out.replica), x))
+        out.tensors.append(LocalTensor(_plain_holding(key, d.name, tuple(x.shape), out.replica), x))
         return {"tensor": key}
 
     def target(self, x: torch.Tensor, key: str, what: str, load: Any) -> Any:
@@ -143,8 +154,11 @@ class NdarrayHandler(LeafHandler):
 
     def flatten(self, x: np.ndarray, key: str, what: str, out: Any) -> dict:
         d = dtypes.from_numpy(x.dtype, what)
-        out.tensors.append(LocalTensor(_plain_holding(key, d.name, tuple(x.shape),
-                                                      out.replica), _np_tensor(x), "numpy"))
+        out.tensors.append(
+            LocalTensor(
+                _plain_holding(key, d.name, tuple(x.shape), out.replica), _np_tensor(x), "numpy"
+            )
+        )
         return {"tensor": key, "origin": "numpy"}
 
     def target(self, x: np.ndarray, key: str, what: str, load: Any) -> Any:
@@ -154,10 +168,13 @@ class NdarrayHandler(LeafHandler):
             raise errors.LayoutMismatchError(
                 f"{what}: numpy target has big-endian dtype {x.dtype.str}; it cannot be "
                 "filled in place (pass a native-endian array, e.g. "
-                "x.astype(x.dtype.newbyteorder('='))", spec_id="SP-LOAD-1")
+                "x.astype(x.dtype.newbyteorder('='))",
+                spec_id="SP-LOAD-1",
+            )
         d = dtypes.from_numpy(x.dtype, what)
-        load.tensor_target(key, _plain_holding(key, d.name, tuple(x.shape), (0,)),
-                           dtypes.numpy_to_torch(x))
+        load.tensor_target(
+            key, _plain_holding(key, d.name, tuple(x.shape), (0,)), dtypes.numpy_to_torch(x)
+        )
         return x
 
 
@@ -181,7 +198,8 @@ class ShardedObjectHandler(LeafHandler):
                 f"sharded object {key!r}: checkpoint has count (grid) {_grid_text(stored)}, "
                 f"the target asks for index {x.index} of count (grid) "
                 f"{_grid_text(x.grid_shape)}; load with the grid it was saved with",
-                spec_id="SP-OBJ-2")
+                spec_id="SP-OBJ-2",
+            )
         return vals[x.flat_index]
 
     def unfilled(self, x: ShardedObject) -> Any:
@@ -203,16 +221,21 @@ class ValueHandler(LeafHandler):
         return True
 
     def flatten(self, x: Any, key: str, what: str, out: Any) -> dict:
-        values.check_value(x, what)   # raises with a conversion hint for anything else
+        values.check_value(x, what)  # raises with a conversion hint for anything else
         return {"value": x}
 
     def target(self, x: Any, key: str, what: str, load: Any) -> Any:
         return load.stored_value(key)
 
 
-_HANDLERS: List[LeafHandler] = [ShardedTensorHandler(), ShardedPiecesHandler(),
-                                DTensorHandler(), TensorHandler(), NdarrayHandler(),
-                                ShardedObjectHandler()]
+_HANDLERS: List[LeafHandler] = [
+    ShardedTensorHandler(),
+    ShardedPiecesHandler(),
+    DTensorHandler(),
+    TensorHandler(),
+    NdarrayHandler(),
+    ShardedObjectHandler(),
+]
 _FALLBACK = ValueHandler()
 _BUILTIN = frozenset(h.name for h in _HANDLERS)
 
@@ -250,4 +273,3 @@ def leaf_kinds() -> List[str]:
 def is_container(x: Any) -> bool:
     """Whether the walkers descend into ``x`` (dicts, lists and tuples, namedtuples too)."""
     return isinstance(x, (dict, list, tuple))
-

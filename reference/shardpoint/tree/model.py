@@ -7,6 +7,7 @@ as ZeRO / distributed optimizers keep them). Holdings of the same region on seve
 the tensors themselves stay with :class:`LocalTensor` on the rank that owns them.
 This module does no I/O and never touches a process group.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,11 @@ import torch
 from shardpoint.tree import dtypes
 from shardpoint_core.format.manifest import ObjectValues, iter_tree_leaves, object_grid  # noqa: F401
 from shardpoint_core.format.coverage import box_intersection
-from shardpoint_core.format.errors import InvalidKeyError, InvalidShardingError, UnsupportedValueError
+from shardpoint_core.format.errors import (
+    InvalidKeyError,
+    InvalidShardingError,
+    UnsupportedValueError,
+)
 
 Shape = tuple  # tuple[int, ...]
 ReplicaId = Union[int, Sequence[int]]
@@ -33,8 +38,10 @@ def _norm_replica(r: ReplicaId) -> tuple:
     except TypeError:
         t = ()
     if not t or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in t):
-        raise InvalidShardingError(f"replica_id {r!r} must be a non-negative int or a non-empty "
-                                   "tuple of them", spec_id="SP-REPL-1")
+        raise InvalidShardingError(
+            f"replica_id {r!r} must be a non-negative int or a non-empty tuple of them",
+            spec_id="SP-REPL-1",
+        )
     return t
 
 
@@ -68,42 +75,56 @@ class ShardedTensor(_Replicated):
 
     __slots__ = ("data", "global_shape", "global_offset", "local_shape", "flattened_range")
 
-    def __init__(self, data: torch.Tensor, global_shape: Sequence[int],
-                 global_offset: Sequence[int], *, local_shape: Optional[Sequence[int]] = None,
-                 flattened_range: Optional[Union[slice, tuple]] = None,
-                 replica_id: ReplicaId = 0) -> None:
+    def __init__(
+        self,
+        data: torch.Tensor,
+        global_shape: Sequence[int],
+        global_offset: Sequence[int],
+        *,
+        local_shape: Optional[Sequence[int]] = None,
+        flattened_range: Optional[Union[slice, tuple]] = None,
+        replica_id: ReplicaId = 0,
+    ) -> None:
         self.data = data
         self.global_shape = tuple(int(x) for x in global_shape)
         self.global_offset = tuple(int(x) for x in global_offset)
         if flattened_range is not None and local_shape is None:
-            raise InvalidShardingError("a ShardedTensor with flattened_range needs local_shape "
-                                       "(the shape of the block the range is taken from)",
-                                       spec_id="SP-HOLD-3")
-        self.local_shape = tuple(int(x) for x in (local_shape if local_shape is not None
-                                                   else data.shape))
+            raise InvalidShardingError(
+                "a ShardedTensor with flattened_range needs local_shape "
+                "(the shape of the block the range is taken from)",
+                spec_id="SP-HOLD-3",
+            )
+        self.local_shape = tuple(
+            int(x) for x in (local_shape if local_shape is not None else data.shape)
+        )
         if isinstance(flattened_range, slice):
             if flattened_range.step not in (None, 1):
                 raise InvalidShardingError("flattened_range must have step 1", spec_id="SP-HOLD-3")
             flattened_range = (flattened_range.start or 0, flattened_range.stop)
-        self.flattened_range = (None if flattened_range is None
-                                else (int(flattened_range[0]), int(flattened_range[1])))
+        self.flattened_range = (
+            None if flattened_range is None else (int(flattened_range[0]), int(flattened_range[1]))
+        )
         self.replica_id = replica_id
 
     def __repr__(self) -> str:
         fr = f", flattened_range={self.flattened_range}" if self.flattened_range else ""
-        return (f"ShardedTensor(global_shape={self.global_shape}, global_offset="
-                f"{self.global_offset}, local_shape={self.local_shape}{fr}, "
-                f"replica_id={self.replica_id}, dtype={self.data.dtype})")
+        return (
+            f"ShardedTensor(global_shape={self.global_shape}, global_offset="
+            f"{self.global_offset}, local_shape={self.local_shape}{fr}, "
+            f"replica_id={self.replica_id}, dtype={self.data.dtype})"
+        )
 
 
 GridIndex = Union[int, Sequence[int]]
 
 
 def _norm_grid(x: GridIndex, what: str) -> tuple:
-    t: tuple = (x,) if isinstance(x, int) else tuple(x)   # a bool is refused just below
+    t: tuple = (x,) if isinstance(x, int) else tuple(x)  # a bool is refused just below
     if not t or any(isinstance(i, bool) or not isinstance(i, int) for i in t):
-        raise InvalidShardingError(f"ShardedObject {what} {x!r} must be an int or a non-empty "
-                                   "tuple of ints", spec_id="SP-OBJ-1")
+        raise InvalidShardingError(
+            f"ShardedObject {what} {x!r} must be an int or a non-empty tuple of ints",
+            spec_id="SP-OBJ-1",
+        )
     return t
 
 
@@ -120,8 +141,9 @@ class ShardedObject(_Replicated):
 
     __slots__ = ("value", "index", "count", "grid_index", "grid_shape")
 
-    def __init__(self, value: Any, index: GridIndex, count: GridIndex, *,
-                 replica_id: ReplicaId = 0) -> None:
+    def __init__(
+        self, value: Any, index: GridIndex, count: GridIndex, *, replica_id: ReplicaId = 0
+    ) -> None:
         self.value = value
         self.grid_index = _norm_grid(index, "index")
         self.grid_shape = _norm_grid(count, "count")
@@ -130,10 +152,14 @@ class ShardedObject(_Replicated):
         self.count = self.grid_shape[0] if isinstance(count, int) else self.grid_shape
         self.replica_id = replica_id
         if len(self.grid_index) != len(self.grid_shape) or not all(
-                0 <= i < n for i, n in zip(self.grid_index, self.grid_shape)):
-            raise InvalidShardingError(f"ShardedObject index {index} is outside the grid "
-                                       f"count={count} (same number of dimensions, 0 <= "
-                                       "index < count in each)", spec_id="SP-OBJ-1")
+            0 <= i < n for i, n in zip(self.grid_index, self.grid_shape)
+        ):
+            raise InvalidShardingError(
+                f"ShardedObject index {index} is outside the grid "
+                f"count={count} (same number of dimensions, 0 <= "
+                "index < count in each)",
+                spec_id="SP-OBJ-1",
+            )
 
     @property
     def flat_index(self) -> int:
@@ -159,9 +185,9 @@ class Holding(NamedTuple):
     key: str
     dtype: str
     global_shape: Shape
-    offset: Shape            # global offset of the block
-    shape: Shape             # shape of the block
-    flat: Optional[tuple]    # (start, stop) within the block's flattening, or None
+    offset: Shape  # global offset of the block
+    shape: Shape  # shape of the block
+    flat: Optional[tuple]  # (start, stop) within the block's flattening, or None
     replica: tuple
 
     @property
@@ -175,8 +201,15 @@ class Holding(NamedTuple):
         return n * dtypes.from_name(self.dtype).itemsize
 
     def to_wire(self) -> list:
-        return [self.key, self.dtype, list(self.global_shape), list(self.offset),
-                list(self.shape), list(self.flat) if self.flat else None, list(self.replica)]
+        return [
+            self.key,
+            self.dtype,
+            list(self.global_shape),
+            list(self.offset),
+            list(self.shape),
+            list(self.flat) if self.flat else None,
+            list(self.replica),
+        ]
 
     @staticmethod
     def from_wire(w: Sequence) -> "Holding":
@@ -190,7 +223,7 @@ class Piece:
 
     offset: Shape
     shape: Shape
-    start: Optional[int]     # None: rectangular holding, the box is the whole of ``data``
+    start: Optional[int]  # None: rectangular holding, the box is the whole of ``data``
 
 
 def _range_boxes(shape: Shape, start: int, stop: int) -> list:
@@ -220,7 +253,7 @@ def holding_pieces(h: Holding) -> list:
     if h.flat is None:
         return [Piece(h.offset, h.shape, None)] if math.prod(h.shape) else []
     start = h.flat[0]
-    strides = [math.prod(h.shape[i + 1:]) for i in range(len(h.shape))]
+    strides = [math.prod(h.shape[i + 1 :]) for i in range(len(h.shape))]
     out = []
     for o, s in _range_boxes(h.shape, h.flat[0], h.flat[1]):
         first = sum(a * b for a, b in zip(o, strides))
@@ -232,7 +265,7 @@ def piece_view(data: torch.Tensor, p: Piece) -> torch.Tensor:
     """The tensor view of ``data`` that piece ``p`` of its holding stands for."""
     if p.start is None:
         return data
-    return data[p.start:p.start + math.prod(p.shape)].view(p.shape)
+    return data[p.start : p.start + math.prod(p.shape)].view(p.shape)
 
 
 @dataclass
@@ -241,14 +274,14 @@ class LocalTensor:
 
     holding: Holding
     data: torch.Tensor
-    origin: str = "torch"    # "torch" or "numpy": what a full load hands back
+    origin: str = "torch"  # "torch" or "numpy": what a full load hands back
 
 
 @dataclass
 class LocalObject:
     key: str
-    index: tuple             # grid index
-    count: tuple             # grid shape
+    index: tuple  # grid index
+    count: tuple  # grid shape
     replica: tuple
     value: Any
 
@@ -258,8 +291,8 @@ class Flattened:
     """A state tree taken apart: its structure (msgpack-ready) and its leaves."""
 
     tree: Any
-    tensors: list   # [LocalTensor]
-    objects: list   # [LocalObject]
+    tensors: list  # [LocalTensor]
+    objects: list  # [LocalObject]
 
 
 def check_tensor_data(data: torch.Tensor, what: str, *, target: bool = False) -> None:
@@ -269,13 +302,17 @@ def check_tensor_data(data: torch.Tensor, what: str, *, target: bool = False) ->
     if data.layout is not torch.strided:
         raise UnsupportedValueError(
             f"{what} is a {str(data.layout).replace('torch.', '')} tensor; the format stores "
-            "dense tensors: pass t.to_dense() (or save its indices and values)")
+            "dense tensors: pass t.to_dense() (or save its indices and values)"
+        )
     if data.is_meta:
-        fix = ("nothing can be filled in place: pass a real tensor (torch.empty_like(t, "
-               "device='cpu')), or shardpoint.state.load_model(path, model), which "
-               "materializes a meta model" if target else
-               "it has no data to save: materialize it first (module.to_empty(device=...) and "
-               "initialize or load it)")
+        fix = (
+            "nothing can be filled in place: pass a real tensor (torch.empty_like(t, "
+            "device='cpu')), or shardpoint.state.load_model(path, model), which "
+            "materializes a meta model"
+            if target
+            else "it has no data to save: materialize it first (module.to_empty(device=...) and "
+            "initialize or load it)"
+        )
         raise UnsupportedValueError(f"{what} is on the meta device; {fix}")
 
 
@@ -283,26 +320,37 @@ def _check_holding(h: Holding, data: torch.Tensor, what: str) -> None:
     check_tensor_data(data, what)
     g, o, s = h.global_shape, h.offset, h.shape
     if not (len(g) == len(o) == len(s)):
-        raise InvalidShardingError(f"{what}: global_shape {g}, global_offset {o} and local "
-                                   f"shape {s} must have the same number of dimensions",
-                                   spec_id="SP-HOLD-1")
+        raise InvalidShardingError(
+            f"{what}: global_shape {g}, global_offset {o} and local "
+            f"shape {s} must have the same number of dimensions",
+            spec_id="SP-HOLD-1",
+        )
     for d, (gd, od, sd) in enumerate(zip(g, o, s)):
         if gd < 0 or od < 0 or sd < 0 or od + sd > gd:
-            raise InvalidShardingError(f"{what}: block offset {o} + shape {s} exceeds global "
-                                       f"shape {g} in dimension {d}", spec_id="SP-HOLD-1")
+            raise InvalidShardingError(
+                f"{what}: block offset {o} + shape {s} exceeds global shape {g} in dimension {d}",
+                spec_id="SP-HOLD-1",
+            )
     if h.flat is None:
         if tuple(data.shape) != s:
-            raise InvalidShardingError(f"{what}: data has shape {tuple(data.shape)} but "
-                                       f"local_shape is {s}", spec_id="SP-HOLD-2")
+            raise InvalidShardingError(
+                f"{what}: data has shape {tuple(data.shape)} but local_shape is {s}",
+                spec_id="SP-HOLD-2",
+            )
     else:
         a, b = h.flat
         if not 0 <= a <= b <= math.prod(s):
-            raise InvalidShardingError(f"{what}: flattened_range {h.flat} is outside the "
-                                       f"block of {math.prod(s)} elements", spec_id="SP-HOLD-3")
+            raise InvalidShardingError(
+                f"{what}: flattened_range {h.flat} is outside the block of {math.prod(s)} elements",
+                spec_id="SP-HOLD-3",
+            )
         if data.dim() != 1 or data.numel() != b - a:
-            raise InvalidShardingError(f"{what}: with flattened_range {h.flat} data must be "
-                                       f"1-D with {b - a} elements, got shape "
-                                       f"{tuple(data.shape)}", spec_id="SP-HOLD-3")
+            raise InvalidShardingError(
+                f"{what}: with flattened_range {h.flat} data must be "
+                f"1-D with {b - a} elements, got shape "
+                f"{tuple(data.shape)}",
+                spec_id="SP-HOLD-3",
+            )
 
 
 class ShardedPieces:
@@ -322,11 +370,15 @@ class ShardedPieces:
         self.pieces = list(pieces)
         bad = [i for i, p in enumerate(self.pieces) if not isinstance(p, ShardedTensor)]
         if bad:
-            raise InvalidShardingError(f"ShardedPieces takes ShardedTensor pieces; piece "
-                                       f"{bad[0]} is a {type(self.pieces[bad[0]]).__name__}")
+            raise InvalidShardingError(
+                f"ShardedPieces takes ShardedTensor pieces; piece "
+                f"{bad[0]} is a {type(self.pieces[bad[0]]).__name__}"
+            )
         if not self.pieces:
-            raise InvalidShardingError("ShardedPieces needs at least one piece (a rank that "
-                                       "holds none of a tensor leaves its key out)")
+            raise InvalidShardingError(
+                "ShardedPieces needs at least one piece (a rank that "
+                "holds none of a tensor leaves its key out)"
+            )
 
     def __iter__(self) -> Iterator[ShardedTensor]:
         return iter(self.pieces)
@@ -338,19 +390,26 @@ class ShardedPieces:
         return f"ShardedPieces({self.pieces!r})"
 
 
-def sharded_holding(x: ShardedTensor, key: str, what: str,
-                    replica: Optional[tuple] = None) -> Holding:
+def sharded_holding(
+    x: ShardedTensor, key: str, what: str, replica: Optional[tuple] = None
+) -> Holding:
     """The checked :class:`Holding` of a :class:`ShardedTensor` leaf (``replica`` overrides
     its ``replica_id``, as load targets do)."""
     d = dtypes.from_torch(x.data.dtype, what)
-    h = Holding(key, d.name, x.global_shape, x.global_offset, x.local_shape,
-                x.flattened_range, x.replica_id if replica is None else replica)
+    h = Holding(
+        key,
+        d.name,
+        x.global_shape,
+        x.global_offset,
+        x.local_shape,
+        x.flattened_range,
+        x.replica_id if replica is None else replica,
+    )
     _check_holding(h, x.data, what)
     return h
 
 
-def pieces_holdings(x: ShardedPieces, key: str, what: str,
-                    replica: Optional[tuple] = None) -> list:
+def pieces_holdings(x: ShardedPieces, key: str, what: str, replica: Optional[tuple] = None) -> list:
     """The checked holdings of a :class:`ShardedPieces` leaf, in piece order. Raises
     :class:`InvalidShardingError` naming the key when the pieces disagree on global shape or
     dtype ([SP-COVER-4]) or two of them overlap ([SP-COVER-3])."""
@@ -361,10 +420,12 @@ def pieces_holdings(x: ShardedPieces, key: str, what: str,
             raise InvalidShardingError(
                 f"{what} (key {key!r}): piece 0 has global shape {h0.global_shape} dtype "
                 f"{h0.dtype}, piece {i} has {h.global_shape} {h.dtype}; every piece of one "
-                "tensor must agree", spec_id="SP-COVER-4")
+                "tensor must agree",
+                spec_id="SP-COVER-4",
+            )
     boxes = [(p.offset, p.shape, i) for i, h in enumerate(hs) for p in holding_pieces(h)]
     boxes.sort(key=lambda b: b[0][:1])
-    active: list = []      # sweep along dimension 0: boxes still open at this offset
+    active: list = []  # sweep along dimension 0: boxes still open at this offset
     for off, shp, i in boxes:
         lo = off[0] if off else 0
         active = [b for b in active if (b[0][0] + b[1][0] if b[0] else 1) > lo]
@@ -375,7 +436,9 @@ def pieces_holdings(x: ShardedPieces, key: str, what: str,
                     f"{what} (key {key!r}): pieces {a} and {b} overlap (offset "
                     f"{hs[a].offset} shape {hs[a].shape}{_flat_text(hs[a])} and offset "
                     f"{hs[b].offset} shape {hs[b].shape}{_flat_text(hs[b])}); pieces of one "
-                    "tensor on one rank must be disjoint", spec_id="SP-COVER-3")
+                    "tensor on one rank must be disjoint",
+                    spec_id="SP-COVER-3",
+                )
         active.append((off, shp, i))
     return hs
 
@@ -387,14 +450,17 @@ def _flat_text(h: Holding) -> str:
 def _dtensor_leaf(t: Any, key: str, what: str) -> LocalTensor:
     from torch.distributed.tensor import Partial, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     if any(isinstance(p, Partial) for p in t.placements):
-        raise UnsupportedValueError(f"{what} is a DTensor with a Partial placement; reduce it "
-                                    "first (dtensor.redistribute(placements=[Replicate()...]))",
-                                    spec_id="SP-HOLD-4")
+        raise UnsupportedValueError(
+            f"{what} is a DTensor with a Partial placement; reduce it "
+            "first (dtensor.redistribute(placements=[Replicate()...]))",
+            spec_id="SP-HOLD-4",
+        )
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     coord = t.device_mesh.get_coordinate() or []
     rep = tuple(c for c, p in zip(coord, t.placements) if isinstance(p, Replicate)) or (0,)
-    local = t.to_local().detach()   # same storage; a DTensor Parameter fills in place too
+    local = t.to_local().detach()  # same storage; a DTensor Parameter fills in place too
     d = dtypes.from_torch(local.dtype, what)
     h = Holding(key, d.name, tuple(t.shape), tuple(offset), tuple(shape), None, rep)
     _check_holding(h, local, what)
@@ -413,9 +479,12 @@ def check_root(tree: Any, call: str) -> None:
     ``save(path, tree)``) gets an error saying the arguments look swapped, not only that the
     root of a tree cannot be a leaf."""
     if isinstance(tree, (str, os.PathLike)):
-        raise InvalidKeyError(f"the tree passed to {call} is a path ({str(tree)!r}), not a "
-                              f"tree; arguments swapped? {call} (shardpoint_jax puts the "
-                              "path first)", spec_id="SP-KEY-2")
+        raise InvalidKeyError(
+            f"the tree passed to {call} is a path ({str(tree)!r}), not a "
+            f"tree; arguments swapped? {call} (shardpoint_jax puts the "
+            "path first)",
+            spec_id="SP-KEY-2",
+        )
 
 
 def _np_tensor(a: np.ndarray) -> torch.Tensor:

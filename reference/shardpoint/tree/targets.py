@@ -3,6 +3,7 @@
 Produces the list of targets (a holding and the tensor to fill in place) and the tree that
 ``load`` returns once they are filled. Pure: no I/O, no process group.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from shardpoint_core.format.statetree import iter_leaves, map_tree, materialize,
 @dataclass
 class Target:
     holding: Holding
-    data: torch.Tensor      # tensor filled in place (full tensor, local piece or flat data)
+    data: torch.Tensor  # tensor filled in place (full tensor, local piece or flat data)
 
 
 def collect_targets(like: Any, m: Manifest, strict: bool, report: Any, rank: int):
@@ -51,37 +52,45 @@ class _Collector:
         if self.strict:
             raise errors.LayoutMismatchError(
                 f"{what} is not in the checkpoint{_missing_hint(self.m, path)} (pass strict=False "
-                "to skip it)", spec_id="SP-LOAD-1")
+                "to skip it)",
+                spec_id="SP-LOAD-1",
+            )
         self.report.missing_keys.append(what)
 
     def absent(self, what: str, path: tuple, want: str) -> None:
         """A target leaf the checkpoint has no ``want`` for: a leaf of another kind at its
         path fails in both modes ([SP-LOAD-3]); nothing there (or an inner node) is missing."""
-        kind = getattr(node_at(self.m.tree, path), "kind", want)   # a leaf's, else want
+        kind = getattr(node_at(self.m.tree, path), "kind", want)  # a leaf's, else want
         if kind != want:
             raise errors.LayoutMismatchError(
                 f"{what}: the checkpoint holds a {kind} at this key, the target asks for a "
-                f"{want}; ask for it as a {kind}", spec_id="SP-LOAD-1")
+                f"{want}; ask for it as a {kind}",
+                spec_id="SP-LOAD-1",
+            )
         self.missing(what, path)
 
     def tensor_target(self, key: str, h: Holding, data: torch.Tensor) -> None:
         _check_no_self_overlap(data, key)
         e = self.m.tensors[key]
         if h.global_shape != e.shape or h.dtype != e.dtype:
-            fix = ("like gives a tensor's global shape: a rank's piece as "
-                   "sp.ShardedTensor(piece, global_shape, global_offset)"
-                   if h.global_shape != e.shape else
-                   f"load into a {e.dtype} tensor and cast it (load bytes are never "
-                   "converted; shardpoint.state.load_model casts model weights)")
+            fix = (
+                "like gives a tensor's global shape: a rank's piece as "
+                "sp.ShardedTensor(piece, global_shape, global_offset)"
+                if h.global_shape != e.shape
+                else f"load into a {e.dtype} tensor and cast it (load bytes are never "
+                "converted; shardpoint.state.load_model casts model weights)"
+            )
             raise errors.LayoutMismatchError(
                 f"key {key!r}: checkpoint has shape {e.shape} dtype {e.dtype}, the target "
-                f"expects shape {h.global_shape} dtype {h.dtype}; {fix}", spec_id="SP-LOAD-1")
+                f"expects shape {h.global_shape} dtype {h.dtype}; {fix}",
+                spec_id="SP-LOAD-1",
+            )
         self.targets.append(Target(h, data))
 
     def leaf(self, path: tuple, key: Optional[str], x: Any) -> Any:
         # Containers are walked by the core's map_tree, exactly as save walks them
         # (encode_tree): a namedtuple is a tuple, a dict subclass is built back when it can be.
-        assert key is not None          # map_tree with keys=True names every leaf
+        assert key is not None  # map_tree with keys=True names every leaf
         h = handler_for(x)
         if not self.has(h.kind, key):
             self.absent(f"{_NOUN[h.kind]} {key!r}", path, h.kind)
@@ -123,7 +132,9 @@ def _check_no_self_overlap(data: torch.Tensor, key: str) -> None:
             f"key {key!r}: the target tensor has elements that share memory (shape "
             f"{tuple(data.shape)}, strides {tuple(data.stride())}: an expand()ed or "
             "as_strided view), so it cannot be filled in place; pass a tensor with its own "
-            "memory, e.g. t.contiguous() or torch.empty(shape)", spec_id="SP-LOAD-1")
+            "memory, e.g. t.contiguous() or torch.empty(shape)",
+            spec_id="SP-LOAD-1",
+        )
 
 
 def _missing_hint(m: Manifest, path: tuple) -> str:
@@ -132,10 +143,19 @@ def _missing_hint(m: Manifest, path: tuple) -> str:
     node = node_at(m.tree, path) if path else None
     if isinstance(node, (dict, list, tuple)):
         below = [k for k in m.tensors if k.startswith(encode_key(path) + "/")][:3]
-        return (f": the checkpoint has a subtree there (e.g. {', '.join(map(repr, below))}); "
-                "give like a tree for it") if below else ": the checkpoint has a subtree there"
-    near = similar_keys(encode_key(path), (encode_key(p) for p, _ in iter_leaves(m.tree))
-                        ) if path else []
+        return (
+            (
+                f": the checkpoint has a subtree there (e.g. {', '.join(map(repr, below))}); "
+                "give like a tree for it"
+            )
+            if below
+            else ": the checkpoint has a subtree there"
+        )
+    near = (
+        similar_keys(encode_key(path), (encode_key(p) for p, _ in iter_leaves(m.tree)))
+        if path
+        else []
+    )
     return f"; similar keys in it: {', '.join(map(repr, near))}" if near else ""
 
 
@@ -148,9 +168,11 @@ def full_targets(m: Manifest) -> tuple:
         except (RuntimeError, MemoryError) as err:
             raise errors.ResourceLimitError(
                 f"tensor {key!r} of shape {e.shape} ({e.nbytes} bytes) cannot be allocated "
-                f"here ({type(err).__name__}); load part of it with like=") from err
-        targets[key] = Target(Holding(key, e.dtype, e.shape, (0,) * len(e.shape), e.shape,
-                                       None, (0,)), t)
+                f"here ({type(err).__name__}); load part of it with like="
+            ) from err
+        targets[key] = Target(
+            Holding(key, e.dtype, e.shape, (0,) * len(e.shape), e.shape, None, (0,)), t
+        )
 
     return list(targets.values()), materialize(m.tree, _FullTensor(targets))
 

@@ -1,5 +1,6 @@
 """Tensor views shared by the save and load pipelines: the box of a piece inside a rank's
 tensor, and host copies. Pure torch; no I/O and no process group."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,7 +22,7 @@ class PieceViews:
     global offset; pieces are computed once per holding."""
 
     def __init__(self, items: list) -> None:
-        self.items = items          # [(Holding, tensor)]
+        self.items = items  # [(Holding, tensor)]
         self.pieces: dict = {}
 
     def __call__(self, i: int, p: int) -> tuple:
@@ -49,7 +50,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     a, b = to_numpy(dst), to_numpy(src)
     u = _UINT.get(a.itemsize)
-    if u is not None:   # bytes, not values: no dtype-specific (ml_dtypes) copy loop
+    if u is not None:  # bytes, not values: no dtype-specific (ml_dtypes) copy loop
         a, b = a.view(u), b.view(u)
     np.copyto(a, b)
 
@@ -62,7 +63,7 @@ def copy_with_bytes(t: torch.Tensor, raw: torch.Tensor, into_bytes: bool) -> boo
     u = _UINT.get(t.element_size())
     if u is None or t.device.type != "cpu" or raw.device.type != "cpu":
         return False
-    typed = raw.numpy().view(u).reshape(t.shape)   # numpy allows unaligned views
+    typed = raw.numpy().view(u).reshape(t.shape)  # numpy allows unaligned views
     a = to_numpy(t).view(u)
     if into_bytes:
         np.copyto(typed, a)

@@ -15,6 +15,7 @@ Example::
     for key, reason in rep.skipped:
         print(key, reason)
 """
+
 from __future__ import annotations
 
 import os
@@ -29,11 +30,19 @@ from shardpoint.tools.convert.base import Progress, Source, TensorInfo
 from shardpoint.tools.convert.dcp import write_dcp
 from shardpoint.tools.convert.hf_safetensors import write_safetensors
 from shardpoint.tools.convert.native import write_shardpoint
-from shardpoint.tools.convert.parallel import (WORKER_TIMEOUT_S, SourceSpec, start_workers_early,
-                                               write_safetensors_parallel,
-                                               write_shardpoint_parallel)
-from shardpoint.tools.convert.sources import (PICKLED_METADATA, detect_format,  # noqa: F401
-                                             foreign_format_hint, open_source)
+from shardpoint.tools.convert.parallel import (
+    WORKER_TIMEOUT_S,
+    SourceSpec,
+    start_workers_early,
+    write_safetensors_parallel,
+    write_shardpoint_parallel,
+)
+from shardpoint.tools.convert.sources import (  # noqa: F401 - re-exported
+    PICKLED_METADATA,
+    detect_format,
+    foreign_format_hint,
+    open_source,
+)
 from shardpoint.tools.formats import SOURCES, TARGETS  # noqa: E402
 
 
@@ -52,7 +61,7 @@ class ConvertReport:
     skipped: list = field(default_factory=list)
     seconds: float = 0.0
     procs: int = 1
-    worker_peak_bytes: list = field(default_factory=list)   # per worker, when procs > 1
+    worker_peak_bytes: list = field(default_factory=list)  # per worker, when procs > 1
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -67,25 +76,40 @@ def target_format(dst: str, src_format: str) -> str:
     if str(dst).endswith(".safetensors"):
         return "safetensors"
     if src_format == "shardpoint":
-        raise ConversionError("the source is already a shardpoint checkpoint; pass --to "
-                              f"({', '.join(TARGETS)})")
+        raise ConversionError(
+            f"the source is already a shardpoint checkpoint; pass --to ({', '.join(TARGETS)})"
+        )
     return "shardpoint"
 
 
-def write(src: Source, dst: str, fmt: str, *, overwrite: Overwrite = False,
-          max_shard_size: Any = None, progress: Progress = None, backend: Any = None,
-          procs: int = 1, max_chunk_bytes: int = 256 << 20,
-          worker_timeout: float = WORKER_TIMEOUT_S, skip_common: bool = False,
-          worker_peaks: Optional[list] = None, trust_pickle: bool = False) -> list:
+def write(
+    src: Source,
+    dst: str,
+    fmt: str,
+    *,
+    overwrite: Overwrite = False,
+    max_shard_size: Any = None,
+    progress: Progress = None,
+    backend: Any = None,
+    procs: int = 1,
+    max_chunk_bytes: int = 256 << 20,
+    worker_timeout: float = WORKER_TIMEOUT_S,
+    skip_common: bool = False,
+    worker_peaks: Optional[list] = None,
+    trust_pickle: bool = False,
+) -> list:
     """Write an open source as ``fmt``; returns ``[(key, reason)]`` not written. With
     ``procs`` > 1, that many worker processes each open the source again and write their
     share (shardpoint and safetensors targets; see :mod:`shardpoint.tools.convert.parallel`);
     ``worker_peaks`` then receives each worker's peak memory growth in bytes."""
     from shardpoint_core.stores.registry import is_local, local_path
+
     if not is_local(dst) and fmt != "shardpoint":
-        raise ConversionError(f"{str(dst)!r} is on an object store, which takes shardpoint "
-                              f"output only (a save through the object-store commit, format.md"
-                              f" 9.1); convert to {fmt} into a local path")
+        raise ConversionError(
+            f"{str(dst)!r} is on an object store, which takes shardpoint "
+            f"output only (a save through the object-store commit, format.md"
+            f" 9.1); convert to {fmt} into a local path"
+        )
     if fmt != "shardpoint":
         dst = local_path(dst, "convert")
     if max_shard_size is not None and fmt != "safetensors":
@@ -94,42 +118,84 @@ def write(src: Source, dst: str, fmt: str, *, overwrite: Overwrite = False,
         raise ConversionError(f"unknown target format {fmt!r}; one of {', '.join(TARGETS)}")
     if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
         raise ConversionError(f"procs (--procs) must be a whole number >= 1, not {procs!r}")
-    if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int) \
-            or max_chunk_bytes < 1:
-        raise ConversionError(f"max_chunk_bytes (--max-chunk-size) must be a positive number "
-                              f"of bytes, not {max_chunk_bytes!r}")
+    if (
+        isinstance(max_chunk_bytes, bool)
+        or not isinstance(max_chunk_bytes, int)
+        or max_chunk_bytes < 1
+    ):
+        raise ConversionError(
+            f"max_chunk_bytes (--max-chunk-size) must be a positive number "
+            f"of bytes, not {max_chunk_bytes!r}"
+        )
     if procs > 1:
         if fmt == "dcp":
-            raise ConversionError("procs (--procs) > 1 applies to shardpoint and safetensors "
-                                  "output; DCP output is written by one process (drop --procs)")
+            raise ConversionError(
+                "procs (--procs) > 1 applies to shardpoint and safetensors "
+                "output; DCP output is written by one process (drop --procs)"
+            )
         if backend is not None:
-            raise ConversionError("procs (--procs) > 1 writes with the default storage "
-                                  "backend in every worker; a backend= object cannot be "
-                                  "shared with worker processes (drop one of the two)")
+            raise ConversionError(
+                "procs (--procs) > 1 writes with the default storage "
+                "backend in every worker; a backend= object cannot be "
+                "shared with worker processes (drop one of the two)"
+            )
         spec = SourceSpec(src.path, src.format, skip_common, trust_pickle)
         if fmt == "shardpoint":
-            return write_shardpoint_parallel(src, dst, spec, procs=procs, overwrite=overwrite,
-                                             progress=progress, max_chunk_bytes=max_chunk_bytes,
-                                             timeout=worker_timeout, worker_peaks=worker_peaks)
-        return write_safetensors_parallel(src, dst, spec, procs=procs,
-                                          max_shard_size=max_shard_size, overwrite=overwrite,
-                                          progress=progress, timeout=worker_timeout,
-                                          worker_peaks=worker_peaks)
+            return write_shardpoint_parallel(
+                src,
+                dst,
+                spec,
+                procs=procs,
+                overwrite=overwrite,
+                progress=progress,
+                max_chunk_bytes=max_chunk_bytes,
+                timeout=worker_timeout,
+                worker_peaks=worker_peaks,
+            )
+        return write_safetensors_parallel(
+            src,
+            dst,
+            spec,
+            procs=procs,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            progress=progress,
+            timeout=worker_timeout,
+            worker_peaks=worker_peaks,
+        )
     if fmt == "shardpoint":
-        return write_shardpoint(src, dst, overwrite=overwrite, backend=backend,
-                                progress=progress, max_chunk_bytes=max_chunk_bytes)
+        return write_shardpoint(
+            src,
+            dst,
+            overwrite=overwrite,
+            backend=backend,
+            progress=progress,
+            max_chunk_bytes=max_chunk_bytes,
+        )
     if fmt == "dcp":
         return write_dcp(src, dst, overwrite=overwrite, progress=progress)
-    return write_safetensors(src, dst, max_shard_size=max_shard_size, overwrite=overwrite,
-                             progress=progress)
+    return write_safetensors(
+        src, dst, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress
+    )
 
 
-def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str] = None,
-            overwrite: Overwrite = False, max_shard_size: Any = None, skip_common: bool = False,
-            progress: Progress = None, on_open: Any = None, backend: Any = None,
-            procs: int = 1, max_chunk_bytes: int = 256 << 20,
-            worker_timeout: float = WORKER_TIMEOUT_S,
-            trust_pickle: bool = False) -> ConvertReport:
+def convert(
+    src: str,
+    dst: str,
+    *,
+    from_: Optional[str] = None,
+    to: Optional[str] = None,
+    overwrite: Overwrite = False,
+    max_shard_size: Any = None,
+    skip_common: bool = False,
+    progress: Progress = None,
+    on_open: Any = None,
+    backend: Any = None,
+    procs: int = 1,
+    max_chunk_bytes: int = 256 << 20,
+    worker_timeout: float = WORKER_TIMEOUT_S,
+    trust_pickle: bool = False,
+) -> ConvertReport:
     """Convert the checkpoint at ``src`` into ``dst``. ``on_open(source)`` is called once
     the source is open (the CLI sizes its progress bar there).
 
@@ -151,40 +217,72 @@ def convert(src: str, dst: str, *, from_: Optional[str] = None, to: Optional[str
     the source only."""
     t0 = time.perf_counter()
     from shardpoint_core.stores.registry import check_path, is_local, local_path
-    overwrite = check_overwrite(overwrite)   # one type on every target, before any I/O
+
+    overwrite = check_overwrite(overwrite)  # one type on every target, before any I/O
     if is_local(dst):
         dst = local_path(dst, "convert")
-    else:         # s3://...: shardpoint output through the object-store commit (write())
-        check_path(dst, "convert")     # a scheme nobody registered: refused, never a local dir
+    else:  # s3://...: shardpoint output through the object-store commit (write())
+        check_path(dst, "convert")  # a scheme nobody registered: refused, never a local dir
         dst = str(dst)
     if isinstance(procs, int) and procs > 1 and to != "dcp" and backend is None:
         start_workers_early()
-    with open_source(src, from_, skip_common=skip_common, backend=backend,
-                     trust_pickle=trust_pickle) as s:
+    with open_source(
+        src, from_, skip_common=skip_common, backend=backend, trust_pickle=trust_pickle
+    ) as s:
         fmt = to or target_format(dst, s.format)
         if os.path.abspath(str(src)) == os.path.abspath(str(dst)):
             raise ConversionError("source and destination are the same path")
         if on_open:
             on_open(s)
-        rep = ConvertReport(str(src), str(dst), s.format, fmt, len(s.tensors), s.total_bytes,
-                            len(s.values), len(s.objects), list(s.skipped), procs=procs)
+        rep = ConvertReport(
+            str(src),
+            str(dst),
+            s.format,
+            fmt,
+            len(s.tensors),
+            s.total_bytes,
+            len(s.values),
+            len(s.objects),
+            list(s.skipped),
+            procs=procs,
+        )
         try:
-            rep.skipped += write(s, dst, fmt, overwrite=overwrite,
-                                 max_shard_size=max_shard_size, progress=progress,
-                                 backend=backend if is_local(dst) else None,  # URL: its own
-                                 procs=procs, max_chunk_bytes=max_chunk_bytes,
-                                 worker_timeout=worker_timeout, skip_common=skip_common,
-                                 worker_peaks=rep.worker_peak_bytes,
-                                 trust_pickle=trust_pickle)
-        except OSError as e:   # a full disk, a read-only one; not our own (also OSError) errors
+            rep.skipped += write(
+                s,
+                dst,
+                fmt,
+                overwrite=overwrite,
+                max_shard_size=max_shard_size,
+                progress=progress,
+                backend=backend if is_local(dst) else None,  # URL: its own
+                procs=procs,
+                max_chunk_bytes=max_chunk_bytes,
+                worker_timeout=worker_timeout,
+                skip_common=skip_common,
+                worker_peaks=rep.worker_peak_bytes,
+                trust_pickle=trust_pickle,
+            )
+        except OSError as e:  # a full disk, a read-only one; not our own (also OSError) errors
             if isinstance(e, ShardpointError):
                 raise
-            raise ConversionError(f"converting {str(src)!r} to {str(dst)!r} failed: "
-                                  f"{os_error_text(e)}; nothing was written at "
-                                  f"{str(dst)!r}") from e
+            raise ConversionError(
+                f"converting {str(src)!r} to {str(dst)!r} failed: "
+                f"{os_error_text(e)}; nothing was written at "
+                f"{str(dst)!r}"
+            ) from e
     rep.seconds = time.perf_counter() - t0
     return rep
 
 
-__all__ = ["convert", "detect_format", "foreign_format_hint", "open_source", "write",
-           "ConvertReport", "Source", "TensorInfo", "SOURCES", "TARGETS"]
+__all__ = [
+    "convert",
+    "detect_format",
+    "foreign_format_hint",
+    "open_source",
+    "write",
+    "ConvertReport",
+    "Source",
+    "TensorInfo",
+    "SOURCES",
+    "TARGETS",
+]

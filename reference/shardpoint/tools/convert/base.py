@@ -6,6 +6,7 @@ are ``encode_key(path)``, flat formats (safetensors, Megatron) use one-component
 their names are kept as they are. Memory stays bounded because a sink asks for one tensor
 (or one block of rows) at a time and lets it go before the next.
 """
+
 from __future__ import annotations
 
 import math
@@ -68,10 +69,10 @@ class Source:
 
     path: str
     format: str = ""
-    tensors: list = field(default_factory=list)     # [TensorInfo], in the source's order
-    values: dict = field(default_factory=dict)      # path -> plain value
-    objects: dict = field(default_factory=dict)     # path -> [value per index]
-    skipped: list = field(default_factory=list)     # [(key, reason)] entries not convertible
+    tensors: list = field(default_factory=list)  # [TensorInfo], in the source's order
+    values: dict = field(default_factory=dict)  # path -> plain value
+    objects: dict = field(default_factory=dict)  # path -> [value per index]
+    skipped: list = field(default_factory=list)  # [(key, reason)] entries not convertible
 
     def read(self, t: TensorInfo) -> torch.Tensor:
         """The whole tensor, on CPU, contiguous, in its own dtype."""
@@ -123,9 +124,10 @@ def limit_heap_growth(threshold: int = 1 << 20) -> bool:
     and library users may. Returns False where it does not apply (not glibc)."""
     import ctypes
     import ctypes.util
+
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, int(threshold)))     # -3: M_MMAP_THRESHOLD
+        return bool(libc.mallopt(-3, int(threshold)))  # -3: M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return False
 
@@ -138,6 +140,7 @@ def die_with_parent() -> bool:
     import ctypes
     import signal
     import sys
+
     if sys.platform != "linux":
         return False
     parent = os.getppid()
@@ -145,7 +148,7 @@ def die_with_parent() -> bool:
         ok = ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return False
-    if ok and os.getppid() != parent:     # the parent died before the call took effect
+    if ok and os.getppid() != parent:  # the parent died before the call took effect
         os.kill(os.getpid(), signal.SIGKILL)
     return ok
 
@@ -166,9 +169,11 @@ def nest(items: Iterable[tuple], what: str = "tree") -> dict:
     for path, leaf in items:
         node = root
         for i in range(len(path) - 1):
-            if path[:i + 1] in leaves:
-                raise ConversionError(f"{what}: {key_of(path)!r} lies under "
-                                      f"{key_of(path[:i + 1])!r}, which is a leaf")
+            if path[: i + 1] in leaves:
+                raise ConversionError(
+                    f"{what}: {key_of(path)!r} lies under "
+                    f"{key_of(path[: i + 1])!r}, which is a leaf"
+                )
             node = node.setdefault(path[i], {})
         if path in leaves or path[-1] in node:
             raise ConversionError(f"{what}: two entries map to {key_of(path)!r}")
@@ -190,9 +195,14 @@ def with_cli_flag(e: CheckpointExistsError) -> CheckpointExistsError:
 
 
 @contextmanager
-def staged_output(dst: str, overwrite: Overwrite, *, is_dir: bool,
-                  is_output: Callable[[str], bool], protect: Sequence[str] = ()
-                  ) -> Iterator[str]:
+def staged_output(
+    dst: str,
+    overwrite: Overwrite,
+    *,
+    is_dir: bool,
+    is_output: Callable[[str], bool],
+    protect: Sequence[str] = (),
+) -> Iterator[str]:
     """A hidden sibling to write into, published at ``dst`` by the committer when the block
     succeeds (removed when it fails), so a half-written conversion is never at ``dst``.
     ``is_output(path)``: whether what is at ``dst`` is a finished output of this format, the
@@ -211,13 +221,15 @@ def staged_output(dst: str, overwrite: Overwrite, *, is_dir: bool,
         else:
             tmp = c.staging_for(dst, token)
             os.makedirs(os.path.dirname(dst), exist_ok=True)
-    except (OSError, SaveFailedError) as e:   # a parent that is a file, no permission
-        raise ConversionError(f"cannot write the conversion beside {dst!r}: {e}; every "
-                              "parent of the destination must be a writable directory") from e
+    except (OSError, SaveFailedError) as e:  # a parent that is a file, no permission
+        raise ConversionError(
+            f"cannot write the conversion beside {dst!r}: {e}; every "
+            "parent of the destination must be a writable directory"
+        ) from e
     try:
         yield tmp
         if is_dir:
-            fsync_dir(tmp)        # the entries of the files written into it
+            fsync_dir(tmp)  # the entries of the files written into it
         c.publish(tmp, dst, overwrite=overwrite, protect=protect, is_output=is_output)
     except BaseException:
         c.abort(tmp)

@@ -11,6 +11,7 @@ Writing uses ``dcp.save(..., no_dist=True)`` on a state dict of zero-stride plac
 (shape and dtype only, no memory) with a planner that reads each tensor from the source when
 DCP's writer asks for it, so one tensor is in memory at a time.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,15 @@ import torch
 from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.errors import ConversionError, ShardpointError
 from shardpoint_core.stores.fsutil import os_error_text
-from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, flat_name, key_of, nest,
-                                           staged_output)
+from shardpoint.tools.convert.base import (
+    Progress,
+    Source,
+    TensorInfo,
+    flat_name,
+    key_of,
+    nest,
+    staged_output,
+)
 
 FORMAT = "dcp"
 
@@ -34,8 +42,11 @@ FORMAT = "dcp"
 def is_dcp_output(path: str) -> bool:
     """Whether ``path`` is a DCP checkpoint directory (its ``.metadata`` file): the only
     thing ``overwrite=True`` replaces here."""
-    return (os.path.isdir(path) and not os.path.islink(path)
-            and os.path.isfile(os.path.join(path, ".metadata")))
+    return (
+        os.path.isdir(path)
+        and not os.path.islink(path)
+        and os.path.isfile(os.path.join(path, ".metadata"))
+    )
 
 
 def is_dcp(path: str) -> bool:
@@ -65,8 +76,10 @@ def _planner_classes() -> tuple:
                 v = torch.load(value, weights_only=True, map_location="cpu")
             except Exception as e:  # noqa: BLE001 - recorded as the entry's reason
                 msg = [ln.strip() for ln in str(e).splitlines() if "Unsupported global" in ln]
-                v = Unreadable("needs pickle beyond torch.load(weights_only=True): "
-                                + (msg[0] if msg else f"{type(e).__name__}: {e}"))
+                v = Unreadable(
+                    "needs pickle beyond torch.load(weights_only=True): "
+                    + (msg[0] if msg else f"{type(e).__name__}: {e}")
+                )
             self.original_state_dict[read_item.dest_index.fqn] = v
 
     class RowsLoadPlanner(SafeBytesLoadPlanner):
@@ -82,9 +95,8 @@ def _planner_classes() -> tuple:
             saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
             for fqn, rows in self.state_dict.items():
                 entry = saved.get(fqn)
-                if not isinstance(entry, TensorStorageMetadata):   # DCP set up no tensor here
-                    raise ConversionError(f"DCP's metadata has no tensor {fqn!r} to read rows "
-                                          "of")
+                if not isinstance(entry, TensorStorageMetadata):  # DCP set up no tensor here
+                    raise ConversionError(f"DCP's metadata has no tensor {fqn!r} to read rows of")
                 off = (self.starts[fqn],) + (0,) * (rows.dim() - 1)
                 chunk = ChunkStorageMetadata(offsets=torch.Size(off), sizes=rows.size())
                 reads += create_read_items_for_chunk_list(fqn, entry, [chunk])
@@ -92,7 +104,7 @@ def _planner_classes() -> tuple:
             return self.plan
 
         def lookup_tensor(self, index: Any) -> torch.Tensor:
-            return self.state_dict[index.fqn]      # the rows; read items carry offsets in it
+            return self.state_dict[index.fqn]  # the rows; read items carry offsets in it
 
     return SafeBytesLoadPlanner, RowsLoadPlanner
 
@@ -104,45 +116,56 @@ def _load_planner() -> Any:
 def dcp_load(path: str, state: dict, planner: Any = None) -> None:
     """``dcp.load`` of a flat ``{fqn: preallocated tensor or None}``, in this process only."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path),
-                     planner=planner or _load_planner(), no_dist=True)
+            dcp.load(
+                state,
+                storage_reader=dcp.FileSystemReader(path),
+                planner=planner or _load_planner(),
+                no_dist=True,
+            )
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - per-rank failures
-            if isinstance(e, CheckpointException):     # its str() is whole tracebacks
-                why = "; ".join(f"{type(x).__name__}: {x}".strip()
-                                for x, _ in e.failures.values())
+            if isinstance(e, CheckpointException):  # its str() is whole tracebacks
+                why = "; ".join(f"{type(x).__name__}: {x}".strip() for x, _ in e.failures.values())
             else:
                 why = str(e).strip()[:500]
-            raise ConversionError(f"dcp.load from {path!r} failed for keys "
-                                  f"{sorted(state)[:5]}: {why} (a missing, truncated or "
-                                  "unreadable .distcp file?)") from None
+            raise ConversionError(
+                f"dcp.load from {path!r} failed for keys "
+                f"{sorted(state)[:5]}: {why} (a missing, truncated or "
+                "unreadable .distcp file?)"
+            ) from None
 
 
 class DCPSource(Source):
     """A DCP checkpoint directory (``.metadata`` + ``*.distcp``), any saving world size."""
 
-    def __init__(self, path: str, *, batch_bytes: int = 64 << 20,
-                 read_bytes: bool = True) -> None:
+    def __init__(self, path: str, *, batch_bytes: int = 64 << 20, read_bytes: bool = True) -> None:
         super().__init__(str(path), FORMAT)
         from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import (BytesStorageMetadata,
-                                                           TensorStorageMetadata)
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            TensorStorageMetadata,
+        )
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
                 md = FileSystemReader(self.path).read_metadata()
             except Exception as e:  # noqa: BLE001
-                raise ConversionError(f"{self.path!r}: DCP cannot read its .metadata: "
-                                      f"{type(e).__name__}: {e}") from None
+                raise ConversionError(
+                    f"{self.path!r}: DCP cannot read its .metadata: {type(e).__name__}: {e}"
+                ) from None
         if not hasattr(md, "state_dict_metadata"):
-            raise ConversionError(f"{self.path!r}: its .metadata unpickles to a "
-                                  f"{type(md).__name__}, not DCP's Metadata")
+            raise ConversionError(
+                f"{self.path!r}: its .metadata unpickles to a "
+                f"{type(md).__name__}, not DCP's Metadata"
+            )
         pd = md.planner_data if isinstance(md.planner_data, dict) else {}
         self.batch_bytes = batch_bytes
-        self.windows: dict = {}      # path -> (start, stop): the only rows to read of it
+        self.windows: dict = {}  # path -> (start, stop): the only rows to read of it
         self._fqn: dict = {}
         self._cache: dict = {}
         byte_keys = []
@@ -201,17 +224,25 @@ class DCPSource(Source):
             dcp_load(self.path, {fqn: rows}, _planner_classes()[1]({fqn: win[0]}))
             last = self.__dict__["_last_read"] = ((t.path, win), rows)
         if not win[0] <= start <= stop <= win[1]:
-            raise ConversionError(f"tensor {t.key!r}: rows {start}:{stop} asked for outside "
-                                  f"the window {win[0]}:{win[1]} this process reads")
-        return last[1][start - win[0]:stop - win[0]]
+            raise ConversionError(
+                f"tensor {t.key!r}: rows {start}:{stop} asked for outside "
+                f"the window {win[0]}:{win[1]} this process reads"
+            )
+        return last[1][start - win[0] : stop - win[0]]
 
     def close(self) -> None:
         self._cache.clear()
         self.__dict__.pop("_last_read", None)
 
 
-def write_dcp(src: Source, dst: str, *, overwrite: Overwrite = False, progress: Progress = None,
-              thread_count: int = 1) -> list:
+def write_dcp(
+    src: Source,
+    dst: str,
+    *,
+    overwrite: Overwrite = False,
+    progress: Progress = None,
+    thread_count: int = 1,
+) -> list:
     """Write ``src`` as a DCP checkpoint (one rank's files) that ``dcp.load`` reads back into
     the same nested state dict. Values are stored as DCP bytes entries; sharded objects as the
     list of their values. Returns ``[(key, reason)]`` for what could not be written."""
@@ -225,8 +256,9 @@ def write_dcp(src: Source, dst: str, *, overwrite: Overwrite = False, progress: 
         leaves.append((t.path, torch.empty((), dtype=t.dtype).expand(t.shape)))
     leaves += list(src.values.items()) + [(p, list(v)) for p, v in src.objects.items()]
     if len({flat_name(p) for p, _ in leaves}) != len(leaves):
-        raise ConversionError(f"{src.path!r}: two keys have the same DCP name once joined by "
-                              "'.'; rename one")
+        raise ConversionError(
+            f"{src.path!r}: two keys have the same DCP name once joined by '.'; rename one"
+        )
     state = nest(leaves, f"converting {src.path!r} to DCP")
 
     class StreamingSavePlanner(DefaultSavePlanner):
@@ -236,40 +268,57 @@ def write_dcp(src: Source, dst: str, *, overwrite: Overwrite = False, progress: 
                 return super().lookup_object(index)
             data = src.read(t)
             if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
-                raise ConversionError(f"tensor {t.key!r}: the source read {data.dtype}"
-                                      f"{list(data.shape)}, its metadata says {t.dtype}"
-                                      f"{list(t.shape)}")
+                raise ConversionError(
+                    f"tensor {t.key!r}: the source read {data.dtype}"
+                    f"{list(data.shape)}, its metadata says {t.dtype}"
+                    f"{list(t.shape)}"
+                )
             if progress:
                 progress(t.nbytes)
             return data
 
-    from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
-    with staged_output(dst, overwrite, is_dir=True, is_output=is_dcp_output,
-                       protect=(src.path,)) as tmp:
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    with staged_output(
+        dst, overwrite, is_dir=True, is_output=is_dcp_output, protect=(src.path,)
+    ) as tmp:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # One file per tensor: DCP's writer keeps every tensor of a file alive until the
             # file is done (torch 2.13, filesystem.py tensor_dict), so one file per rank would
             # hold the whole checkpoint in memory.
             try:
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(
-                    tmp, thread_count=thread_count, single_file_per_rank=False),
-                    planner=StreamingSavePlanner(), no_dist=True)
-            except CheckpointException as e:   # its str() names only the failed ranks
+                dcp.save(
+                    state,
+                    storage_writer=dcp.FileSystemWriter(
+                        tmp, thread_count=thread_count, single_file_per_rank=False
+                    ),
+                    planner=StreamingSavePlanner(),
+                    no_dist=True,
+                )
+            except CheckpointException as e:  # its str() names only the failed ranks
                 causes = [x for x, _ in e.failures.values()]
                 if any(isinstance(x, ShardpointError) for x in causes):
                     raise next(x for x in causes if isinstance(x, ShardpointError)) from e
                 # DCP's writer turns a full disk into "unexpected pos" RuntimeErrors: the free
                 # space (the partial files are still there) tells what happened.
                 free = shutil.disk_usage(os.path.dirname(tmp)).free
-                full = (f"; the file system holding {dst!r} has {free} bytes free, under the "
+                full = (
+                    (
+                        f"; the file system holding {dst!r} has {free} bytes free, under the "
                         f"{src.total_bytes} the tensors need: free space on it or write "
-                        "elsewhere") if free < src.total_bytes else ""
+                        "elsewhere"
+                    )
+                    if free < src.total_bytes
+                    else ""
+                )
                 raise ConversionError(
                     f"writing DCP checkpoint {dst!r} failed: "
-                    + "; ".join(os_error_text(x) for x in causes) + full
-                    + f"; nothing was written at {dst!r}") from e
-        src.check_unchanged()       # nothing built from two checkpoints is published
+                    + "; ".join(os_error_text(x) for x in causes)
+                    + full
+                    + f"; nothing was written at {dst!r}"
+                ) from e
+        src.check_unchanged()  # nothing built from two checkpoints is published
     return []
 
 

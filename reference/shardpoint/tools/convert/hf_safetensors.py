@@ -7,6 +7,7 @@ each tensor's bytes are appended in turn, so a shard never has to be in memory a
 package's ``save_file`` needs the whole shard as a dict). Files, index and ``__metadata__``
 are laid out as Hugging Face's ``save_pretrained`` writes them.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,15 @@ import torch
 from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.errors import ConversionError
 from shardpoint.tree.views import to_numpy
-from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, flat_name, key_of,
-                                           row_blocks, staged_output)
+from shardpoint.tools.convert.base import (
+    Progress,
+    Source,
+    TensorInfo,
+    flat_name,
+    key_of,
+    row_blocks,
+    staged_output,
+)
 
 FORMAT = "safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -40,21 +48,37 @@ def is_safetensors_output(path: str) -> bool:
         return path.endswith(".safetensors")
     names = os.listdir(path) if os.path.isdir(path) else []
     return bool(names) and all(n.endswith(".safetensors") or n == INDEX_NAME for n in names)
+
+
 SINGLE_NAME = "model.safetensors"
 
 # safetensors dtype names <-> torch dtypes (the package's own table, restricted to the spec's)
-ST_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-             "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
-             "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16,
-             "F32": torch.float32, "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
-             "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64}
+ST_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
+}
 _ST_NAME = {v: k for k, v in ST_DTYPES.items()}
 
 
 def is_safetensors(path: str) -> bool:
     if os.path.isdir(path):
-        return any(n.endswith((".safetensors", ".safetensors.index.json"))
-                   for n in os.listdir(path))
+        return any(
+            n.endswith((".safetensors", ".safetensors.index.json")) for n in os.listdir(path)
+        )
     if not os.path.isfile(path):
         return False
     with open(path, "rb") as f:
@@ -70,22 +94,31 @@ def _files_of(path: str) -> tuple:
     if len(idx) > 1 and INDEX_NAME in idx:
         idx = [INDEX_NAME]
     if len(idx) > 1:
-        raise ConversionError(f"{path!r} has several safetensors indexes {idx}; convert one "
-                              "file or pass a directory with one index")
+        raise ConversionError(
+            f"{path!r} has several safetensors indexes {idx}; convert one "
+            "file or pass a directory with one index"
+        )
     if idx:
         try:
             with open(os.path.join(path, idx[0])) as f:
                 wm = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConversionError(f"{idx[0]} in {path!r} is not a safetensors index with a "
-                                  f"'weight_map': {e}") from None
+            raise ConversionError(
+                f"{idx[0]} in {path!r} is not a safetensors index with a 'weight_map': {e}"
+            ) from None
         if not isinstance(wm, dict):
             raise ConversionError(f"{idx[0]}: 'weight_map' is not a map")
         for name, fn in wm.items():
-            if (not isinstance(fn, str) or os.path.basename(fn) != fn or fn in (".", "..")
-                    or not os.path.isfile(os.path.join(path, fn))):
-                raise ConversionError(f"{idx[0]}: tensor {name!r} is mapped to {fn!r}, which "
-                                      "is not a file in the same directory")
+            if (
+                not isinstance(fn, str)
+                or os.path.basename(fn) != fn
+                or fn in (".", "..")
+                or not os.path.isfile(os.path.join(path, fn))
+            ):
+                raise ConversionError(
+                    f"{idx[0]}: tensor {name!r} is mapped to {fn!r}, which "
+                    "is not a file in the same directory"
+                )
         files = sorted(set(wm.values()))
         return [os.path.join(path, f) for f in files], wm
     files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
@@ -98,11 +131,13 @@ class SafetensorsSource(Source):
     """One safetensors file, or a directory of shards (with or without an index)."""
 
     def __init__(self, path: str) -> None:
-        try:   # an optional dependency: only reading safetensors needs it
+        try:  # an optional dependency: only reading safetensors needs it
             from safetensors import safe_open
         except ImportError:
-            raise ConversionError(f"reading {str(path)!r} needs the safetensors package: pip "
-                                  "install safetensors (or shardpoint[convert])") from None
+            raise ConversionError(
+                f"reading {str(path)!r} needs the safetensors package: pip "
+                "install safetensors (or shardpoint[convert])"
+            ) from None
         super().__init__(str(path), FORMAT)
         files, wm = _files_of(self.path)
         self._open: dict = {}
@@ -117,17 +152,23 @@ class SafetensorsSource(Source):
             self.metadata.update(h.metadata() or {})
             for name in h.keys():
                 if name in self._where:
-                    raise ConversionError(f"tensor {name!r} is in both "
-                                          f"{os.path.basename(self._where[name][0])} and "
-                                          f"{os.path.basename(fn)}")
+                    raise ConversionError(
+                        f"tensor {name!r} is in both "
+                        f"{os.path.basename(self._where[name][0])} and "
+                        f"{os.path.basename(fn)}"
+                    )
                 if wm is not None and wm.get(name) != os.path.basename(fn):
-                    raise ConversionError(f"tensor {name!r} is in {os.path.basename(fn)} but "
-                                          f"the index maps it to {wm.get(name)!r}")
+                    raise ConversionError(
+                        f"tensor {name!r} is in {os.path.basename(fn)} but "
+                        f"the index maps it to {wm.get(name)!r}"
+                    )
                 sl = h.get_slice(name)
                 dt = ST_DTYPES.get(sl.get_dtype())
                 if dt is None:
-                    raise ConversionError(f"tensor {name!r} has safetensors dtype "
-                                          f"{sl.get_dtype()}, which shardpoint does not define")
+                    raise ConversionError(
+                        f"tensor {name!r} has safetensors dtype "
+                        f"{sl.get_dtype()}, which shardpoint does not define"
+                    )
                 t = TensorInfo((name,), tuple(sl.get_shape()), dt)
                 self._where[name] = (fn, t)
                 self.tensors.append(t)
@@ -183,8 +224,11 @@ def file_layout(items: list) -> tuple:
     hdr: dict = {"__metadata__": {"format": "pt"}}
     off = 0
     for name, t in items:
-        hdr[name] = {"dtype": _ST_NAME[t.dtype], "shape": list(t.shape),
-                     "data_offsets": [off, off + t.nbytes]}
+        hdr[name] = {
+            "dtype": _ST_NAME[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [off, off + t.nbytes],
+        }
         off += t.nbytes
     raw = json.dumps(hdr, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -192,8 +236,16 @@ def file_layout(items: list) -> tuple:
     return raw, {name: len(raw) + hdr[name]["data_offsets"][0] for name, _ in items}
 
 
-def write_rows_at(f: Any, src: Source, name: str, t: TensorInfo, start: int, stop: int,
-                  offset: int, progress: Progress) -> None:
+def write_rows_at(
+    f: Any,
+    src: Source,
+    name: str,
+    t: TensorInfo,
+    start: int,
+    stop: int,
+    offset: int,
+    progress: Progress,
+) -> None:
     """Write rows ``start:stop`` of ``t`` into the open file ``f``, whose data for ``t``
     starts at ``offset``, a block of rows at a time."""
     row = math.prod(t.shape[1:]) * t.itemsize if t.shape else t.nbytes
@@ -205,9 +257,11 @@ def write_rows_at(f: Any, src: Source, name: str, t: TensorInfo, start: int, sto
         data = src.read_rows(t, lo, hi)
         want = ((hi - lo,) + tuple(t.shape[1:])) if t.shape else ()
         if tuple(data.shape) != want or data.dtype != t.dtype:
-            raise ConversionError(f"tensor {name!r}: the source read {data.dtype}"
-                                  f"{list(data.shape)} for rows {lo}:{hi}, its "
-                                  f"metadata says {t.dtype}{list(t.shape)}")
+            raise ConversionError(
+                f"tensor {name!r}: the source read {data.dtype}"
+                f"{list(data.shape)} for rows {lo}:{hi}, its "
+                f"metadata says {t.dtype}{list(t.shape)}"
+            )
         if data.numel():
             f.write(memoryview(to_numpy(data.contiguous()).reshape(-1).view(np.uint8)))
         if progress:
@@ -220,8 +274,7 @@ def _write_file(fn: str, src: Source, items: list, progress: Progress) -> None:
     with open(fn, "wb") as f:
         f.write(header)
         for name, t in items:
-            write_rows_at(f, src, name, t, 0, t.shape[0] if t.shape else 0, offsets[name],
-                          progress)
+            write_rows_at(f, src, name, t, 0, t.shape[0] if t.shape else 0, offsets[name], progress)
         f.flush()
         os.fsync(f.fileno())
 
@@ -244,23 +297,29 @@ def plan_files(src: Source, dst: str, max_shard_size: Any = None) -> FilesPlan:
     for t in src.tensors:
         name = flat_name(t.path)
         if name in names:
-            raise ConversionError(f"tensors {key_of(names[name].path)!r} and {t.key!r} would "
-                                  f"both be named {name!r} in safetensors")
+            raise ConversionError(
+                f"tensors {key_of(names[name].path)!r} and {t.key!r} would "
+                f"both be named {name!r} in safetensors"
+            )
         if t.dtype not in _ST_NAME:
-            raise ConversionError(f"tensor {t.key!r} has dtype {t.dtype}, which safetensors "
-                                  "cannot hold")
+            raise ConversionError(
+                f"tensor {t.key!r} has dtype {t.dtype}, which safetensors cannot hold"
+            )
         names[name] = t
     skipped = [(key_of(p), "a value: safetensors holds tensors only") for p in src.values]
-    skipped += [(key_of(p), "a sharded object: safetensors holds tensors only")
-                for p in src.objects]
+    skipped += [
+        (key_of(p), "a sharded object: safetensors holds tensors only") for p in src.objects
+    ]
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     items = list(names.items())
     shards = _shards([t for _, t in items], limit)
     by_t = {id(t): n for n, t in items}
     if str(dst).endswith(".safetensors"):
         if len(shards) > 1:
-            raise ConversionError(f"{len(shards)} shards of at most {max_shard_size} do not "
-                                  f"fit the single file {dst!r}; give a directory instead")
+            raise ConversionError(
+                f"{len(shards)} shards of at most {max_shard_size} do not "
+                f"fit the single file {dst!r}; give a directory instead"
+            )
         return FilesPlan([(None, items)], None, False, skipped)
     if len(shards) == 1:
         return FilesPlan([(SINGLE_NAME, items)], None, True, skipped)
@@ -271,8 +330,10 @@ def plan_files(src: Source, dst: str, max_shard_size: Any = None) -> FilesPlan:
         part = [(by_t[id(t)], t) for t in shard]
         files.append((fn, part))
         wm.update({name: fn for name, _ in part})
-    index = {"metadata": {"total_size": sum(t.nbytes for _, t in items)},
-             "weight_map": dict(sorted(wm.items()))}
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for _, t in items)},
+        "weight_map": dict(sorted(wm.items())),
+    }
     return FilesPlan(files, index, True, skipped)
 
 
@@ -284,18 +345,25 @@ def write_index(root: str, index: dict) -> None:
         os.fsync(f.fileno())
 
 
-def write_safetensors(src: Source, dst: str, *, max_shard_size: Any = None,
-                      overwrite: Overwrite = False, progress: Progress = None) -> list:
+def write_safetensors(
+    src: Source,
+    dst: str,
+    *,
+    max_shard_size: Any = None,
+    overwrite: Overwrite = False,
+    progress: Progress = None,
+) -> list:
     """Write ``src`` as one safetensors file (``dst`` ending in ``.safetensors``) or a
     Hugging Face directory (``model.safetensors``, or shards plus
     ``model.safetensors.index.json`` when ``max_shard_size`` splits it). Values and objects
     have no place in safetensors: they are returned as ``[(key, reason)]``."""
     plan = plan_files(src, dst, max_shard_size)
-    with staged_output(dst, overwrite, is_dir=plan.is_dir, is_output=is_safetensors_output,
-                       protect=(src.path,)) as tmp:
+    with staged_output(
+        dst, overwrite, is_dir=plan.is_dir, is_output=is_safetensors_output, protect=(src.path,)
+    ) as tmp:
         for fn, items in plan.files:
             _write_file(tmp if fn is None else os.path.join(tmp, fn), src, items, progress)
         if plan.index is not None:
             write_index(tmp, plan.index)
-        src.check_unchanged()       # nothing built from two checkpoints is published
+        src.check_unchanged()  # nothing built from two checkpoints is published
     return plan.skipped

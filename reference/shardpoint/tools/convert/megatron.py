@@ -9,6 +9,7 @@ grid position. ``common.pt`` is loaded with ``weights_only=True`` only: when it 
 (Megatron usually stores ``args`` as an ``argparse.Namespace``) it is refused with the reason,
 unless ``skip_common`` converts the sharded state without it.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,10 @@ class MegatronSource(DCPSource):
                 obj = load_weights_only(common, f"{common!r} (Megatron's common state)")
             except ConversionError as e:
                 if not skip_common:
-                    raise ConversionError(f"{e}; or pass skip_common=True (--skip-common) to "
-                                          "convert the sharded state without it") from None
+                    raise ConversionError(
+                        f"{e}; or pass skip_common=True (--skip-common) to "
+                        "convert the sharded state without it"
+                    ) from None
                 self.skipped.append(("common.pt", str(e)))
                 return
             if not isinstance(obj, dict):

@@ -7,6 +7,7 @@ array (chunk by chunk from one tensor at a time) into its staging location, then
 manifest with the store's own protocol: the converted checkpoint appears complete or not at
 all.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,13 +19,21 @@ import torch
 from shardpoint.tree import dtypes
 from shardpoint.tree import values
 from shardpoint_core.commit.base import Overwrite
-from shardpoint_core.format.errors import (CheckpointExistsError, ConversionError, InvalidKeyError,
-                                    UnsupportedValueError)
+from shardpoint_core.format.errors import (
+    CheckpointExistsError,
+    ConversionError,
+    InvalidKeyError,
+    UnsupportedValueError,
+)
 from shardpoint.planning.grid import plan_chunk_grid
 from shardpoint_core.format.keys import encode_key
 from shardpoint_core.arrays.identity import join_tables
-from shardpoint_core.format.manifest import (FORMAT_VERSION_1_3, Manifest, TensorEntry,
-                                             array_path_for)
+from shardpoint_core.format.manifest import (
+    FORMAT_VERSION_1_3,
+    Manifest,
+    TensorEntry,
+    array_path_for,
+)
 from shardpoint.planning.plans import PlanOptions
 from shardpoint_core.commit.posix import check_not_containing
 from shardpoint_core.stores.registry import is_local
@@ -34,8 +43,7 @@ from shardpoint_core.transactions.reader import CheckpointReader
 from shardpoint_core.transactions.writer import CheckpointWriter
 from shardpoint.tree.views import to_numpy
 from shardpoint_core.format.statetree import ValueLeaf, encode_tree, map_tree, plain_children
-from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, key_of, nest,
-                                           with_cli_flag)
+from shardpoint.tools.convert.base import Progress, Source, TensorInfo, key_of, nest, with_cli_flag
 
 FORMAT = "shardpoint"
 
@@ -103,7 +111,7 @@ def _leaves(node: Any, path: tuple):
         try:
             yield path, ValueLeaf(encode_key(path), map_tree(node, _only_value, keys=False))
             return
-        except KeyError:        # it holds a tensor or a sharded object
+        except KeyError:  # it holds a tensor or a sharded object
             pass
     for c, v in kid[1]:
         yield from _leaves(v, path + (c,))
@@ -133,7 +141,7 @@ def shardpoint_tree(src: Source) -> tuple:
     for p, v in src.values.items():
         try:
             values.check_value(v, f"value {key_of(p)!r}")
-            encode_tree([v], _node)        # its dict keys, checked as save checks them
+            encode_tree([v], _node)  # its dict keys, checked as save checks them
             leaves.append((p, v))
         except (UnsupportedValueError, InvalidKeyError) as e:
             skipped.append((key_of(p), str(e)))
@@ -160,8 +168,9 @@ def tensor_entry(t: TensorInfo, max_chunk_bytes: int) -> TensorEntry:
     name = dtypes.from_torch(t.dtype, f"tensor {t.key!r}").name
     shape = tuple(t.shape)
     whole = ((0,) * len(shape), shape)
-    chunk = plan_chunk_grid(shape, t.itemsize, [([whole], [0])], [whole],
-                            PlanOptions(max_chunk_bytes=max_chunk_bytes))
+    chunk = plan_chunk_grid(
+        shape, t.itemsize, [([whole], [0])], [whole], PlanOptions(max_chunk_bytes=max_chunk_bytes)
+    )
     return TensorEntry(t.key, array_path_for(t.key), shape, name, tuple(chunk))
 
 
@@ -170,31 +179,41 @@ def open_entry(w: CheckpointWriter, e: TensorEntry) -> Any:
     return w.open_array(e.array, ArraySpec(e.shape, e.dtype, e.chunk_shape))
 
 
-def begin_writer(dst: str, overwrite: Overwrite, protect: Sequence[str] = (),
-                 backend: Optional[StorageBackend] = None) -> CheckpointWriter:
+def begin_writer(
+    dst: str,
+    overwrite: Overwrite,
+    protect: Sequence[str] = (),
+    backend: Optional[StorageBackend] = None,
+) -> CheckpointWriter:
     """Begin the save of the converted checkpoint at ``dst``: refuse a ``dst`` holding one
     of ``protect`` (the source: replacing it would delete it) and what the commit would
     refuse there, before anything is written; then the writer's staging location."""
     try:
         if is_local(dst):
             check_not_containing(dst, protect)
-        else:                   # an object-store prefix: the source is it or lies below it
+        else:  # an object-store prefix: the source is it or lies below it
             d = str(dst).rstrip("/")
             for p in protect:
                 if str(p).rstrip("/") == d or str(p).startswith(d + "/"):
                     raise CheckpointExistsError(
                         f"{dst!r} holds {p!r}, the input of this command; writing there "
                         "would delete it. Choose a destination outside the input",
-                        spec_id="SP-COMMIT-5")
-        return CheckpointWriter.begin(dst, backend=backend, overwrite=overwrite,
-                                      call="convert")
+                        spec_id="SP-COMMIT-5",
+                    )
+        return CheckpointWriter.begin(dst, backend=backend, overwrite=overwrite, call="convert")
     except CheckpointExistsError as e:
         raise with_cli_flag(e) from e
 
 
-def write_shardpoint(src: Source, dst: str, *, overwrite: Overwrite = False,
-                     backend: Optional[StorageBackend] = None, progress: Progress = None,
-                     max_chunk_bytes: int = 256 << 20) -> list:
+def write_shardpoint(
+    src: Source,
+    dst: str,
+    *,
+    overwrite: Overwrite = False,
+    backend: Optional[StorageBackend] = None,
+    progress: Progress = None,
+    max_chunk_bytes: int = 256 << 20,
+) -> list:
     """Write ``src`` as a shardpoint checkpoint at ``dst``, one tensor in memory at a time.
     Returns ``[(key, reason)]`` for the values that could not be stored."""
     tree, objects, skipped = shardpoint_tree(src)
@@ -202,32 +221,41 @@ def write_shardpoint(src: Source, dst: str, *, overwrite: Overwrite = False,
         entries = {}
         for t in src.tensors:
             e = entries[t.key] = tensor_entry(t, max_chunk_bytes)
-            write_rows(w, open_entry(w, e), src, t, e, 0, t.shape[0] if t.shape else 0,
-                       progress)
+            write_rows(w, open_entry(w, e), src, t, e, 0, t.shape[0] if t.shape else 0, progress)
         crcs = w.flush()
-        src.check_unchanged()          # nothing built from two checkpoints is committed
+        src.check_unchanged()  # nothing built from two checkpoints is committed
         commit_shardpoint(w, tree, entries, objects, [crcs])
     return skipped
 
 
-def commit_shardpoint(w: CheckpointWriter, tree: dict, entries: dict, objects: dict,
-                      reports: Sequence[dict] = ()) -> None:
+def commit_shardpoint(
+    w: CheckpointWriter, tree: dict, entries: dict, objects: dict, reports: Sequence[dict] = ()
+) -> None:
     """Every array of the save is durable: the manifest last, then the commit. ``reports``:
     what each writer's :meth:`~CheckpointWriter.flush` recorded, for the chunk tables
     ([SP-MAN-7]: a tensor gets one where every chunk's crc32c was recorded; the manifest
     is then a 1.3 one, as ``sp.save`` writes it)."""
-    tables = {k: join_tables(reports, e.array, e.shape, e.chunk_shape)
-              for k, e in entries.items()}
-    entries = {k: TensorEntry(e.key, e.array, e.shape, e.dtype, e.chunk_shape, tables[k])
-               for k, e in entries.items()}
+    tables = {k: join_tables(reports, e.array, e.shape, e.chunk_shape) for k, e in entries.items()}
+    entries = {
+        k: TensorEntry(e.key, e.array, e.shape, e.dtype, e.chunk_shape, tables[k])
+        for k, e in entries.items()
+    }
     m = Manifest(tree, entries, objects, save_world_size=1)
     if any(t is not None for t in tables.values()):
-        m.format_version = FORMAT_VERSION_1_3      # the bytes hold a 1.3 construct
+        m.format_version = FORMAT_VERSION_1_3  # the bytes hold a 1.3 construct
     w.commit(m)
 
 
-def write_rows(w: CheckpointWriter, h: Any, src: Source, t: TensorInfo, e: TensorEntry,
-               start: int, stop: int, progress: Progress) -> None:
+def write_rows(
+    w: CheckpointWriter,
+    h: Any,
+    src: Source,
+    t: TensorInfo,
+    e: TensorEntry,
+    start: int,
+    stop: int,
+    progress: Progress,
+) -> None:
     """Write rows ``start:stop`` of ``t`` (whole bands of chunk rows, or up to the end) into
     the array ``h``, one band of chunk rows in memory at a time (a 0-d tensor: all of it)."""
     shape, chunk = tuple(t.shape), e.chunk_shape
@@ -245,8 +273,9 @@ def write_rows(w: CheckpointWriter, h: Any, src: Source, t: TensorInfo, e: Tenso
             ops = []
             for idx in np.ndindex(*grid):
                 off = tuple(i * c for i, c in zip(idx, chunk[1:]))
-                box = (slice(None),) + tuple(slice(o, min(o + c, n))
-                                             for o, c, n in zip(off, chunk[1:], shape[1:]))
+                box = (slice(None),) + tuple(
+                    slice(o, min(o + c, n)) for o, c, n in zip(off, chunk[1:], shape[1:])
+                )
                 ops.append(w.write(h, (lo,) + off, arr[box]))
             w.wait(ops)
             if progress:
@@ -259,11 +288,13 @@ def write_rows(w: CheckpointWriter, h: Any, src: Source, t: TensorInfo, e: Tenso
 
 def _check_read(t: TensorInfo, data: torch.Tensor, want: tuple) -> None:
     if tuple(data.shape) != tuple(want) or data.dtype != t.dtype:
-        raise ConversionError(f"tensor {t.key!r}: the source read {data.dtype}"
-                              f"{list(data.shape)}, expected {t.dtype}{list(want)}")
+        raise ConversionError(
+            f"tensor {t.key!r}: the source read {data.dtype}"
+            f"{list(data.shape)}, expected {t.dtype}{list(want)}"
+        )
 
 
 def is_shardpoint(path: str) -> bool:
     import os
-    return os.path.isfile(os.path.join(path, "manifest.msgpack"))
 
+    return os.path.isfile(os.path.join(path, "manifest.msgpack"))

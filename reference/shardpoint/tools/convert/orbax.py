@@ -23,6 +23,7 @@ cannot be told from data (measured: one flipped byte, converted without error).
 
 Orbax (and with it JAX) is imported only when an Orbax source is opened.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,10 +39,10 @@ from shardpoint_core.format.errors import ConversionError, UnsupportedValueError
 from shardpoint.tools.convert.base import Source, TensorInfo, key_of
 
 FORMAT = "orbax"
-TREE_FILE = "_METADATA"                  # a PyTree checkpoint's tree metadata
-STEP_FILE = "_CHECKPOINT_METADATA"       # a checkpoint's (or a manager step's) metadata
-LEGACY_AGGREGATE = "checkpoint"          # msgpack of leaves saved with aggregate=True
-TMP_MARK = ".orbax-checkpoint-tmp"       # in the name of a save not yet committed
+TREE_FILE = "_METADATA"  # a PyTree checkpoint's tree metadata
+STEP_FILE = "_CHECKPOINT_METADATA"  # a checkpoint's (or a manager step's) metadata
+LEGACY_AGGREGATE = "checkpoint"  # msgpack of leaves saved with aggregate=True
+TMP_MARK = ".orbax-checkpoint-tmp"  # in the name of a save not yet committed
 
 
 def _isfile(path: str, name: str) -> bool:
@@ -65,8 +66,13 @@ def _steps(path: str) -> list:
 def _json_files(d: str) -> list:
     """The data files of a JSON item directory (not Orbax's commit marker)."""
     try:
-        return sorted(n for n in os.listdir(d) if os.path.isfile(os.path.join(d, n))
-                      and n != "commit_success.txt" and not n.startswith((".", "_")))
+        return sorted(
+            n
+            for n in os.listdir(d)
+            if os.path.isfile(os.path.join(d, n))
+            and n != "commit_success.txt"
+            and not n.startswith((".", "_"))
+        )
     except OSError:
         return []
 
@@ -97,9 +103,11 @@ def _import_orbax() -> Any:
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:
-        raise ConversionError(f"reading an Orbax checkpoint needs the orbax-checkpoint "
-                              "package (and JAX): pip install orbax-checkpoint, or "
-                              f"shardpoint[orbax] ({e})") from None
+        raise ConversionError(
+            f"reading an Orbax checkpoint needs the orbax-checkpoint "
+            "package (and JAX): pip install orbax-checkpoint, or "
+            f"shardpoint[orbax] ({e})"
+        ) from None
     return ocp
 
 
@@ -123,25 +131,31 @@ class OrbaxSource(Source):
         super().__init__(str(path), FORMAT)
         layout = orbax_layout(self.path)
         if layout is None:
-            raise ConversionError(f"{self.path!r} is not an Orbax checkpoint (no {TREE_FILE}, "
-                                  f"{STEP_FILE} or manifest.ocdbt)")
+            raise ConversionError(
+                f"{self.path!r} is not an Orbax checkpoint (no {TREE_FILE}, "
+                f"{STEP_FILE} or manifest.ocdbt)"
+            )
         if TMP_MARK in os.path.basename(os.path.normpath(self.path)):
-            raise ConversionError(f"{self.path!r} is an Orbax save that did not finish (Orbax "
-                                  "renames it when the save commits); convert a committed "
-                                  "checkpoint")
+            raise ConversionError(
+                f"{self.path!r} is an Orbax save that did not finish (Orbax "
+                "renames it when the save commits); convert a committed "
+                "checkpoint"
+            )
         if layout == "root":
             steps = _steps(self.path)
             raise ConversionError(
                 f"{self.path!r} is an Orbax CheckpointManager directory of {len(steps)} steps "
                 f"(the last: {', '.join(n for _, n in steps[-5:])}); convert one step: "
-                f"`shardpoint convert {latest_step(self.path)} DST`")
+                f"`shardpoint convert {latest_step(self.path)} DST`"
+            )
         self._ocp = _import_orbax()
         from orbax.checkpoint import type_handlers
+
         self._th = type_handlers
         self._contexts: dict = {}
-        self._arrays: dict = {}        # path -> _Array
-        self._store: Any = None        # (path, TensorStore) of the tensor being read
-        self._band: Any = None         # (path, lo, hi, rows) last band of rows read
+        self._arrays: dict = {}  # path -> _Array
+        self._store: Any = None  # (path, TensorStore) of the tensor being read
+        self._band: Any = None  # (path, lo, hi, rows) last band of rows read
         if layout == "tree":
             self._add_tree((), self.path)
         else:
@@ -155,11 +169,15 @@ class OrbaxSource(Source):
             with open(os.path.join(self.path, STEP_FILE)) as f:
                 handlers = json.load(f).get("item_handlers")
         except (OSError, ValueError, AttributeError) as e:
-            raise ConversionError(f"{self.path!r}: Orbax's {STEP_FILE} is not readable JSON: "
-                                  f"{e}") from None
+            raise ConversionError(
+                f"{self.path!r}: Orbax's {STEP_FILE} is not readable JSON: {e}"
+            ) from None
         if not isinstance(handlers, dict):
-            handlers = {n: None for n in sorted(os.listdir(self.path))
-                        if os.path.isdir(os.path.join(self.path, n))}
+            handlers = {
+                n: None
+                for n in sorted(os.listdir(self.path))
+                if os.path.isdir(os.path.join(self.path, n))
+            }
         items = sorted(handlers)
         if not items:
             raise ConversionError(f"{self.path!r}: an Orbax step directory with no items")
@@ -172,18 +190,25 @@ class OrbaxSource(Source):
             elif "Json" in handler or (not handler and len(_json_files(d)) == 1):
                 self._add_json(prefix, d)
             else:
-                self.skipped.append((key_of((name,)), f"Orbax item {name!r} was saved by "
-                                     f"{handler or 'an unknown handler'}; shardpoint converts "
-                                     "PyTree/Standard and JSON items"))
+                self.skipped.append(
+                    (
+                        key_of((name,)),
+                        f"Orbax item {name!r} was saved by "
+                        f"{handler or 'an unknown handler'}; shardpoint converts "
+                        "PyTree/Standard and JSON items",
+                    )
+                )
 
     def _add_json(self, prefix: tuple, d: str) -> None:
         """A JSON item (``JsonSave``; the file is named ``metadata``, or after the item as
         the manager's ``metrics`` is), read by Orbax's ``JsonCheckpointHandler``."""
         from etils import epath
+
         files = _json_files(d)
         if len(files) != 1:
-            raise ConversionError(f"Orbax JSON item {d!r} holds {len(files)} data files "
-                                  f"{files[:5]}, not one")
+            raise ConversionError(
+                f"Orbax JSON item {d!r} holds {len(files)} data files {files[:5]}, not one"
+            )
         try:
             v = self._ocp.JsonCheckpointHandler(filename=files[0]).restore(epath.Path(d))
         except Exception as e:  # noqa: BLE001 - the handler's own errors, reported
@@ -192,32 +217,46 @@ class OrbaxSource(Source):
 
     def _add_tree(self, prefix: tuple, d: str) -> None:
         from etils import epath
+
         ocp = self._ocp
         item = epath.Path(os.path.abspath(d))
         try:
             md = ocp.PyTreeCheckpointHandler().metadata(item)
             ocdbt = bool(self._th.is_ocdbt_checkpoint(item))
         except Exception as e:  # noqa: BLE001 - Orbax's own parse errors
-            raise ConversionError(f"{d!r}: Orbax cannot read the checkpoint's metadata (the "
-                                  f"tree in {TREE_FILE}, each array's shape and dtype): "
-                                  f"{_why(e)}; damaged or incomplete?") from None
+            raise ConversionError(
+                f"{d!r}: Orbax cannot read the checkpoint's metadata (the "
+                f"tree in {TREE_FILE}, each array's shape and dtype): "
+                f"{_why(e)}; damaged or incomplete?"
+            ) from None
         if _isfile(d, LEGACY_AGGREGATE):
-            self.skipped.append((key_of(prefix) if prefix else "(root)",
-                                 f"{os.path.join(d, LEGACY_AGGREGATE)!r}: leaves saved with "
-                                 "Orbax's removed aggregate=True option (msgpack) are not "
-                                 "converted; restore the tree with Orbax and save it again"))
+            self.skipped.append(
+                (
+                    key_of(prefix) if prefix else "(root)",
+                    f"{os.path.join(d, LEGACY_AGGREGATE)!r}: leaves saved with "
+                    "Orbax's removed aggregate=True option (msgpack) are not "
+                    "converted; restore the tree with Orbax and save it again",
+                )
+            )
         zarr3 = bool(getattr(md, "use_zarr3", False))
-        strings: list[tuple[tuple, str]] = []     # (path, the string's name)
+        strings: list[tuple[tuple, str]] = []  # (path, the string's name)
         for path, leaf in _walk(md.tree, prefix):
             # a tree that is one leaf (``save(path, array)``): shardpoint's root is a dict
             self._add_leaf(path or ("array",), leaf, str(item), ocdbt, zarr3, strings)
         if strings:
             self._read_strings(item, strings)
 
-    def _add_leaf(self, path: tuple, leaf: Any, item: str, ocdbt: bool, zarr3: bool,
-                  strings: list[tuple[tuple, str]]) -> None:
+    def _add_leaf(
+        self,
+        path: tuple,
+        leaf: Any,
+        item: str,
+        ocdbt: bool,
+        zarr3: bool,
+        strings: list[tuple[tuple, str]],
+    ) -> None:
         value = self._ocp.metadata.value
-        if leaf is None or isinstance(leaf, (dict, list, tuple)):   # None, empty containers
+        if leaf is None or isinstance(leaf, (dict, list, tuple)):  # None, empty containers
             self.values[path] = leaf
         elif isinstance(leaf, value.StringMetadata):
             strings.append((path, leaf.name))
@@ -235,21 +274,30 @@ class OrbaxSource(Source):
             self.tensors.append(TensorInfo(path, tuple(leaf.shape), dt.torch))
             self._arrays[path] = a
         else:
-            self.skipped.append((key_of(path), f"Orbax leaf of kind {type(leaf).__name__}, "
-                                 "which shardpoint does not convert"))
+            self.skipped.append(
+                (
+                    key_of(path),
+                    f"Orbax leaf of kind {type(leaf).__name__}, which shardpoint does not convert",
+                )
+            )
 
     def _read_strings(self, item: Any, strings: list[tuple[tuple, str]]) -> None:
         """Strings through Orbax's ``StringHandler`` (``_strings.json``), in one call."""
         from orbax.checkpoint._src.asyncio_utils import run_sync
+
         ctx = self._context(False)
-        infos = [self._th.ParamInfo(name=name, parent_dir=item, keypath=path, ts_context=ctx)
-                 for path, name in strings]
+        infos = [
+            self._th.ParamInfo(name=name, parent_dir=item, keypath=path, ts_context=ctx)
+            for path, name in strings
+        ]
         try:
             got = run_sync(self._th.StringHandler().deserialize(infos))
         except Exception as e:  # noqa: BLE001
-            raise ConversionError(f"{str(item)!r}: Orbax cannot read its strings "
-                                  f"(_strings.json) {[key_of(p) for p, _ in strings[:5]]}: "
-                                  f"{_why(e)}") from None
+            raise ConversionError(
+                f"{str(item)!r}: Orbax cannot read its strings "
+                f"(_strings.json) {[key_of(p) for p, _ in strings[:5]]}: "
+                f"{_why(e)}"
+            ) from None
         for (path, _), v in zip(strings, got):
             self.values[path] = v
 
@@ -263,13 +311,18 @@ class OrbaxSource(Source):
         """The TensorStore of one Orbax array, opened with the spec Orbax's restore uses."""
         import tensorstore as ts
         from etils import epath
+
         if self._store is not None and self._store[0] == path:
             return self._store[1]
         self._store = None
-        info = self._th.ParamInfo(name=a.name, parent_dir=epath.Path(a.item),
-                                  is_ocdbt_checkpoint=a.ocdbt, use_zarr3=a.zarr3,
-                                  ts_context=self._context(a.ocdbt),
-                                  raise_array_data_missing_error=True)
+        info = self._th.ParamInfo(
+            name=a.name,
+            parent_dir=epath.Path(a.item),
+            is_ocdbt_checkpoint=a.ocdbt,
+            use_zarr3=a.zarr3,
+            ts_context=self._context(a.ocdbt),
+            raise_array_data_missing_error=True,
+        )
         try:
             spec = self._th.get_json_tspec_read(info, use_ocdbt=a.ocdbt)
             store = ts.open(spec, read=True, context=self._context(a.ocdbt)).result()
@@ -282,7 +335,8 @@ class OrbaxSource(Source):
         return ConversionError(
             f"Orbax array {key_of(path)!r} (Orbax name {a.name!r} in {a.item!r}) cannot be "
             f"read: {_why(e)}; the checkpoint is damaged or incomplete (a missing or truncated "
-            "file under d/ or ocdbt.process_*/?)")
+            "file under d/ or ocdbt.process_*/?)"
+        )
 
     def _read(self, path: tuple, a: _Array, dt: Any, box: tuple) -> torch.Tensor:
         store = self._open(path, a)
@@ -291,8 +345,9 @@ class OrbaxSource(Source):
         except Exception as e:  # noqa: BLE001
             raise self._damaged(path, a, e) from None
         if arr.dtype != dt.numpy:
-            raise ConversionError(f"Orbax array {key_of(path)!r}: stored as {arr.dtype}, its "
-                                  f"metadata says {dt.numpy}")
+            raise ConversionError(
+                f"Orbax array {key_of(path)!r}: stored as {arr.dtype}, its metadata says {dt.numpy}"
+            )
         return dtypes.numpy_to_torch(arr)
 
     def read_band(self, t: TensorInfo, lo: int, hi: int) -> torch.Tensor:
@@ -310,7 +365,7 @@ class OrbaxSource(Source):
             c = max(1, self._arrays[t.path].chunk[0] or 1)
             lo, hi = start // c * c, min(t.shape[0], math.ceil(stop / c) * c)
             b = self._band = (t.path, lo, hi, self.read_band(t, lo, hi))
-        return b[3][start - b[1]:stop - b[1]]
+        return b[3][start - b[1] : stop - b[1]]
 
     def read(self, t: TensorInfo) -> torch.Tensor:
         return self.read_rows(t, 0, t.shape[0] if t.shape else 0).contiguous()

@@ -18,6 +18,7 @@ the chunk tables; never checkpoint data). As with any
 multiprocessing start method but ``fork``, a script that converts with ``procs`` > 1 must
 guard its top level with ``if __name__ == "__main__":`` (workers import the main module).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -35,13 +36,30 @@ from shardpoint_core.format.errors import ConversionError
 from shardpoint_core.stores.fsutil import os_error_text
 from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.transactions.writer import CheckpointWriter
-from shardpoint.tools.convert.base import (Progress, Source, TensorInfo, die_with_parent, key_of,
-                                           limit_heap_growth, staged_output)
-from shardpoint.tools.convert.hf_safetensors import (file_layout, is_safetensors_output, plan_files,
-                                                     write_index,
-                                                     write_rows_at)
-from shardpoint.tools.convert.native import (begin_writer, commit_shardpoint, open_entry,
-                                             shardpoint_tree, tensor_entry, write_rows)
+from shardpoint.tools.convert.base import (
+    Progress,
+    Source,
+    TensorInfo,
+    die_with_parent,
+    key_of,
+    limit_heap_growth,
+    staged_output,
+)
+from shardpoint.tools.convert.hf_safetensors import (
+    file_layout,
+    is_safetensors_output,
+    plan_files,
+    write_index,
+    write_rows_at,
+)
+from shardpoint.tools.convert.native import (
+    begin_writer,
+    commit_shardpoint,
+    open_entry,
+    shardpoint_tree,
+    tensor_entry,
+    write_rows,
+)
 
 WORKER_TIMEOUT_S = 600.0
 """Default seconds a worker may stay silent (no band of rows written) before the conversion
@@ -100,13 +118,19 @@ class SourceSpec:
     path: str
     format: str
     skip_common: bool
-    trust_pickle: bool = False     # what the caller allowed when it opened the source
+    trust_pickle: bool = False  # what the caller allowed when it opened the source
 
 
 def _open_for_worker(spec: SourceSpec) -> Source:
     from shardpoint.tools.convert.sources import open_source
-    return open_source(spec.path, spec.format, skip_common=spec.skip_common, tensors_only=True,
-                       trust_pickle=spec.trust_pickle)
+
+    return open_source(
+        spec.path,
+        spec.format,
+        skip_common=spec.skip_common,
+        tensors_only=True,
+        trust_pickle=spec.trust_pickle,
+    )
 
 
 def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> None:
@@ -116,6 +140,7 @@ def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> N
     key = None
     try:
         import torch
+
         torch.set_num_threads(1)
         limit_heap_growth()
         with _open_for_worker(spec) as src:
@@ -124,16 +149,22 @@ def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> N
             missing = [i.path for i in items if i.path not in by_path]
             if missing:
                 key = key_of(missing[0])
-                raise ConversionError(f"tensor {key!r} is not in {spec.path!r} as this worker "
-                                      "opened it (did the source change during conversion?)")
-            whole = [i.path for i in items if not by_path[i.path].shape
-                     or (i.start, i.stop) == (0, by_path[i.path].shape[0])]
+                raise ConversionError(
+                    f"tensor {key!r} is not in {spec.path!r} as this worker "
+                    "opened it (did the source change during conversion?)"
+                )
+            whole = [
+                i.path
+                for i in items
+                if not by_path[i.path].shape or (i.start, i.stop) == (0, by_path[i.path].shape[0])
+            ]
             # The source lists (and batches reads of) this worker's whole tensors only.
             src.tensors = [by_path[p] for p in dict.fromkeys(whole)]
             sink = _SINKS[target[0]](*target[1:])
 
             def progress(n: int) -> None:
                 q.put(("bytes", wid, n))
+
             for it in items:
                 t = by_path[it.path]
                 key = t.key
@@ -150,11 +181,27 @@ def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> N
     except BaseException as e:  # noqa: BLE001 - reported to the coordinator, named by key
         if isinstance(e, OSError) and not isinstance(e, errors.ShardpointError):
             # A full or read-only disk: the cause and its fix, not a traceback.
-            q.put(("error", wid, key, "ConversionError", os_error_text(e) + "; nothing was "
-                   "written to the destination", ""))
+            q.put(
+                (
+                    "error",
+                    wid,
+                    key,
+                    "ConversionError",
+                    os_error_text(e) + "; nothing was written to the destination",
+                    "",
+                )
+            )
             return
-        q.put(("error", wid, key, type(e).__name__, str(e).strip()[:2000],
-               traceback.format_exc(limit=-3)))
+        q.put(
+            (
+                "error",
+                wid,
+                key,
+                type(e).__name__,
+                str(e).strip()[:2000],
+                traceback.format_exc(limit=-3),
+            )
+        )
 
 
 def _status_kib(field: str) -> int:
@@ -189,8 +236,7 @@ class _ShardpointSink:
         self.w = CheckpointWriter.join(dst, staging, call="convert")
         self.handles: dict = {}
 
-    def write(self, src: Source, t: TensorInfo, start: int, stop: int, progress: Progress
-              ) -> None:
+    def write(self, src: Source, t: TensorInfo, start: int, stop: int, progress: Progress) -> None:
         e = self.entries[t.key]
         if t.key not in self.handles:
             self.handles[t.key] = open_entry(self.w, e)
@@ -205,11 +251,10 @@ class _SafetensorsSink:
     """Writes bands of rows at their offsets in files the coordinator created."""
 
     def __init__(self, places: dict) -> None:
-        self.places = places       # key -> (file, name in the file, data offset)
+        self.places = places  # key -> (file, name in the file, data offset)
         self.files: dict = {}
 
-    def write(self, src: Source, t: TensorInfo, start: int, stop: int, progress: Progress
-              ) -> None:
+    def write(self, src: Source, t: TensorInfo, start: int, stop: int, progress: Progress) -> None:
         fn, name, offset = self.places[t.key]
         if fn not in self.files:
             self.files[fn] = open(fn, "r+b")
@@ -232,6 +277,7 @@ def start_workers_early() -> None:
     """Start the fork server now (it imports torch and the readers in the background), so
     that its start overlaps the coordinator opening the source and laying out the target."""
     import multiprocessing.forkserver
+
     worker_context()
     multiprocessing.forkserver.ensure_running()
 
@@ -242,8 +288,9 @@ def worker_context() -> Any:
     single-threaded process: no inherited threads or locks, and no import per worker (seconds
     each on a busy machine). Later conversions in the same process reuse the server."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__] + [m for m in _WORKER_MODULES
-                                             if importlib.util.find_spec(m.split(".")[0])])
+    ctx.set_forkserver_preload(
+        [__name__] + [m for m in _WORKER_MODULES if importlib.util.find_spec(m.split(".")[0])]
+    )
     return ctx
 
 
@@ -252,8 +299,9 @@ def worker_context() -> Any:
 _WORKER_MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "shardpoint_core.arrays")
 
 
-def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progress,
-                timeout: float) -> tuple:
+def run_workers(
+    spec: SourceSpec, target: tuple, shares: list, progress: Progress, timeout: float
+) -> tuple:
     """Run one worker per non-empty share and wait for all of them; the first failure, death
     or ``timeout`` seconds of silence from a worker (``STARTUP_TIMEOUT_S`` at least before its
     first report) stops them all and raises. Returns (each worker's peak memory growth while
@@ -264,8 +312,12 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
     procs = {}
     for wid, items in enumerate(shares):
         if items:
-            procs[wid] = ctx.Process(target=_worker, args=(wid, spec, target, items, q),
-                                     name=f"shardpoint-convert-{wid}", daemon=True)
+            procs[wid] = ctx.Process(
+                target=_worker,
+                args=(wid, spec, target, items, q),
+                name=f"shardpoint-convert-{wid}",
+                daemon=True,
+            )
     heard = {wid: time.monotonic() for wid in procs}
     current: dict = {}
     peaks: dict = {}
@@ -300,7 +352,8 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
                     raise ConversionError(
                         f"conversion worker {wid} exited with code {code} while converting "
                         f"{_what(current.get(wid))} without reporting why (killed for memory? "
-                        "try fewer --procs); nothing was written to the destination")
+                        "try fewer --procs); nothing was written to the destination"
+                    )
                 # Before its first report a worker may still be starting (forking, opening
                 # the source): it gets at least STARTUP_TIMEOUT_S for that.
                 limit = timeout if wid in current else max(timeout, STARTUP_TIMEOUT_S)
@@ -308,7 +361,8 @@ def run_workers(spec: SourceSpec, target: tuple, shares: list, progress: Progres
                     raise ConversionError(
                         f"conversion worker {wid} reported nothing for {limit:g}s while "
                         f"converting {_what(current.get(wid))}; stopped (raise timeout= for "
-                        "slow storage); nothing was written to the destination")
+                        "slow storage); nothing was written to the destination"
+                    )
     finally:
         for p in procs.values():
             if p.is_alive():
@@ -336,44 +390,60 @@ def _worker_error(wid: int, key: Optional[str], name: str, message: str, tb: str
 
 
 # ------------------------------------------------------------------------------ targets
-def write_shardpoint_parallel(src: Source, dst: str, spec: SourceSpec, *, procs: int,
-                              overwrite: Overwrite = False, progress: Progress = None,
-                              max_chunk_bytes: int = 256 << 20,
-                              timeout: float = WORKER_TIMEOUT_S,
-                              worker_peaks: Optional[list] = None) -> list:
+def write_shardpoint_parallel(
+    src: Source,
+    dst: str,
+    spec: SourceSpec,
+    *,
+    procs: int,
+    overwrite: Overwrite = False,
+    progress: Progress = None,
+    max_chunk_bytes: int = 256 << 20,
+    timeout: float = WORKER_TIMEOUT_S,
+    worker_peaks: Optional[list] = None,
+) -> list:
     """:func:`~shardpoint.tools.convert.native.write_shardpoint` with ``procs`` worker processes:
     the same checkpoint, committed once by this process (arrays durable, manifest last,
     rename). ``worker_peaks`` receives each worker's peak memory growth in bytes."""
     tree, objects, skipped = shardpoint_tree(src)
     entries = {t.key: tensor_entry(t, max_chunk_bytes) for t in src.tensors}
-    shares = plan_shares(src.tensors, procs,
-                         {t.path: entries[t.key].chunk_shape[0] for t in src.tensors
-                          if t.shape})
+    shares = plan_shares(
+        src.tensors, procs, {t.path: entries[t.key].chunk_shape[0] for t in src.tensors if t.shape}
+    )
     with begin_writer(dst, overwrite, (src.path,)) as w:
         for e in entries.values():
-            open_entry(w, e)                  # metadata once, before any worker opens it
+            open_entry(w, e)  # metadata once, before any worker opens it
         w.flush()
-        peaks, reports = run_workers(spec, ("shardpoint", w.path, w.staging, entries),
-                                     shares, progress, timeout)
-        src.check_unchanged()         # the workers read the source this process opened
+        peaks, reports = run_workers(
+            spec, ("shardpoint", w.path, w.staging, entries), shares, progress, timeout
+        )
+        src.check_unchanged()  # the workers read the source this process opened
         commit_shardpoint(w, tree, entries, objects, reports)
     if worker_peaks is not None:
         worker_peaks += peaks
     return skipped
 
 
-def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs: int,
-                               max_shard_size: Any = None, overwrite: Overwrite = False,
-                               progress: Progress = None,
-                               timeout: float = WORKER_TIMEOUT_S,
-                               worker_peaks: Optional[list] = None) -> list:
+def write_safetensors_parallel(
+    src: Source,
+    dst: str,
+    spec: SourceSpec,
+    *,
+    procs: int,
+    max_shard_size: Any = None,
+    overwrite: Overwrite = False,
+    progress: Progress = None,
+    timeout: float = WORKER_TIMEOUT_S,
+    worker_peaks: Optional[list] = None,
+) -> list:
     """:func:`~shardpoint.tools.convert.hf_safetensors.write_safetensors` with ``procs`` workers:
     this process writes each file's header and sizes it, workers fill their tensors' bytes at
     known offsets and fsync, then the index and the rename as with one process."""
     plan = plan_files(src, dst, max_shard_size)
-    places: dict = {}     # key -> (file, name in it, where its data starts)
-    with staged_output(dst, overwrite, is_dir=plan.is_dir, is_output=is_safetensors_output,
-                       protect=(src.path,)) as root:
+    places: dict = {}  # key -> (file, name in it, where its data starts)
+    with staged_output(
+        dst, overwrite, is_dir=plan.is_dir, is_output=is_safetensors_output, protect=(src.path,)
+    ) as root:
         for fn, items in plan.files:
             header, offsets = file_layout(items)
             path = root if fn is None else os.path.join(root, fn)
@@ -383,8 +453,9 @@ def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs
                 f.flush()
                 os.fsync(f.fileno())
             places.update({t.key: (path, name, offsets[name]) for name, t in items})
-        peaks, _ = run_workers(spec, ("safetensors", places),
-                               plan_shares(src.tensors, procs, {}), progress, timeout)
+        peaks, _ = run_workers(
+            spec, ("safetensors", places), plan_shares(src.tensors, procs, {}), progress, timeout
+        )
         src.check_unchanged()
         if plan.index is not None:
             write_index(root, plan.index)
@@ -393,6 +464,14 @@ def write_safetensors_parallel(src: Source, dst: str, spec: SourceSpec, *, procs
     return plan.skipped
 
 
-__all__ = ["plan_shares", "run_workers", "start_workers_early", "write_shardpoint_parallel",
-           "write_safetensors_parallel", "SourceSpec", "WorkItem", "WORKER_TIMEOUT_S",
-           "STARTUP_TIMEOUT_S"]
+__all__ = [
+    "plan_shares",
+    "run_workers",
+    "start_workers_early",
+    "write_shardpoint_parallel",
+    "write_safetensors_parallel",
+    "SourceSpec",
+    "WorkItem",
+    "WORKER_TIMEOUT_S",
+    "STARTUP_TIMEOUT_S",
+]

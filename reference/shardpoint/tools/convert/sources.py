@@ -1,6 +1,7 @@
 """Which format a path holds, and a :class:`~.base.Source` reading it: the converters'
 front door, used by :func:`shardpoint.tools.convert.convert`, by the conversion workers
 (:mod:`.parallel`) and by readers' error hints."""
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ def detect_format(path: str) -> str:
     """The source format of ``path`` (one of :data:`SOURCES`), or a clear error."""
     path = str(path)
     if "://" in path and not path.startswith("file://"):
-        return "shardpoint"         # object stores (s3://) hold shardpoint checkpoints only
+        return "shardpoint"  # object stores (s3://) hold shardpoint checkpoints only
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"no such file or directory: {path!r}")
     if os.path.isdir(path):
@@ -40,12 +41,12 @@ def detect_format(path: str) -> str:
             return "safetensors"
         if is_torch_save(path):
             return "torch"
-    raise ConversionError(f"cannot tell the format of {path!r}: not a shardpoint checkpoint "
-                          "(manifest.msgpack), DCP (.metadata), Megatron torch_dist "
-                          "(metadata.json), Orbax (_METADATA, _CHECKPOINT_METADATA), "
-                          "safetensors or torch.save file; pass --from")
-
-
+    raise ConversionError(
+        f"cannot tell the format of {path!r}: not a shardpoint checkpoint "
+        "(manifest.msgpack), DCP (.metadata), Megatron torch_dist "
+        "(metadata.json), Orbax (_METADATA, _CHECKPOINT_METADATA), "
+        "safetensors or torch.save file; pass --from"
+    )
 
 
 def foreign_format_hint(path: str) -> str:
@@ -59,25 +60,37 @@ def foreign_format_hint(path: str) -> str:
     if fmt == "shardpoint":
         return ""
     if fmt == "orbax" and orbax_layout(path) == "root":
-        return (f" (it is an Orbax CheckpointManager directory: convert one of its steps "
-                f"with `shardpoint convert {latest_step(path)} DST` or "
-                "shardpoint.convert.convert)")
+        return (
+            f" (it is an Orbax CheckpointManager directory: convert one of its steps "
+            f"with `shardpoint convert {latest_step(path)} DST` or "
+            "shardpoint.convert.convert)"
+        )
     name = _NAMES[fmt]
     article = "an" if name[0] in "AEIOU" else "a"
     if fmt in PICKLED_METADATA:
-        return (f" (it holds {article} {name} checkpoint: convert it with `shardpoint convert "
-                f"{path} DST --trust-pickle` if you trust where it came from: its .metadata "
-                "is a pickle, read by unpickling it)")
-    return (f" (it holds {article} {name} checkpoint: convert it with "
-            f"`shardpoint convert {path} DST` or shardpoint.convert.convert)")
+        return (
+            f" (it holds {article} {name} checkpoint: convert it with `shardpoint convert "
+            f"{path} DST --trust-pickle` if you trust where it came from: its .metadata "
+            "is a pickle, read by unpickling it)"
+        )
+    return (
+        f" (it holds {article} {name} checkpoint: convert it with "
+        f"`shardpoint convert {path} DST` or shardpoint.convert.convert)"
+    )
 
 
-PICKLED_METADATA = ("dcp", "megatron")   # formats whose metadata only unpickling reads
+PICKLED_METADATA = ("dcp", "megatron")  # formats whose metadata only unpickling reads
 
 
-def open_source(path: str, fmt: Optional[str] = None, *, skip_common: bool = False,
-                backend: Any = None, tensors_only: bool = False,
-                trust_pickle: bool = False) -> Source:
+def open_source(
+    path: str,
+    fmt: Optional[str] = None,
+    *,
+    skip_common: bool = False,
+    backend: Any = None,
+    tensors_only: bool = False,
+    trust_pickle: bool = False,
+) -> Source:
     """A :class:`Source` reading ``path`` as ``fmt`` (detected when None). ``tensors_only``
     skips decoding DCP bytes entries (a conversion worker needs the tensors only).
     DCP and Megatron sources, whose ``.metadata`` DCP reads by unpickling it (code in it
@@ -85,14 +98,15 @@ def open_source(path: str, fmt: Optional[str] = None, *, skip_common: bool = Fal
     opts in (``--trust-pickle``) for a checkpoint it trusts."""
     fmt = fmt or detect_format(path)
     if fmt == "shardpoint" and "://" in str(path):
-        return ShardpointSource(path, backend)     # s3://...: the reader says what is missing
+        return ShardpointSource(path, backend)  # s3://...: the reader says what is missing
     if not os.path.exists(str(path)):
         raise CheckpointNotFoundError(f"no such file or directory: {str(path)!r}")
     if fmt in PICKLED_METADATA and not trust_pickle:
         raise ConversionError(
             f"{str(path)!r} is a {fmt} checkpoint: its .metadata is a pickle, which DCP reads "
             "by unpickling it (code in it would run); nothing was read. Pass --trust-pickle "
-            "(trust_pickle=True) only if you trust where it came from")
+            "(trust_pickle=True) only if you trust where it came from"
+        )
     if fmt == "shardpoint":
         return ShardpointSource(path, backend)
     if fmt == "dcp":

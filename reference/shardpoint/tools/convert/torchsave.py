@@ -5,6 +5,7 @@ that needs anything beyond it (a module, an ``argparse.Namespace``, a custom cla
 arbitrary code, so it is refused with PyTorch's reason. The file is memory-mapped where its
 format allows, so tensors are paged in one at a time as they are converted.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,9 @@ from shardpoint.tools.convert.base import Source, TensorInfo, key_of
 
 
 def is_torch_save(path: str) -> bool:
-    return os.path.isfile(path) and (zipfile.is_zipfile(path)
-                                     or path.endswith((".pt", ".pth", ".bin", ".ckpt")))
+    return os.path.isfile(path) and (
+        zipfile.is_zipfile(path) or path.endswith((".pt", ".pth", ".bin", ".ckpt"))
+    )
 
 
 def load_weights_only(path: str, what: str) -> Any:
@@ -37,24 +39,32 @@ def load_weights_only(path: str, what: str) -> Any:
                     raise
                 return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - the unpickler's refusal, reported whole
-            reason = str(e).split("\n\n")[0] if "Weights only load failed" in str(e) else \
-                f"{type(e).__name__}: {e}"
+            reason = (
+                str(e).split("\n\n")[0]
+                if "Weights only load failed" in str(e)
+                else f"{type(e).__name__}: {e}"
+            )
             first = [ln for ln in str(e).splitlines() if "Unsupported global" in ln]
             if not first and not zipfile.is_zipfile(path) or "zip archive" in str(e):
                 # Not a refusal of some object: the bytes are not a torch.save file at all
                 # (torch.save writes a zip archive; random bytes reach the legacy unpickler).
                 parts = [ln.strip() for ln in str(e).split("\n\n") if ln.strip()]
-                detail = parts[1] if "WeightsUnpickler" in str(e) and len(parts) > 1 \
+                detail = (
+                    parts[1]
+                    if "WeightsUnpickler" in str(e) and len(parts) > 1
                     else str(e).split(". ")[0]
+                )
                 raise ConversionError(
                     f"{what} is not a readable torch.save file ({detail}): damaged, truncated "
                     "or another format; --from names the format when detection guessed it "
-                    "from the file name") from None
+                    "from the file name"
+                ) from None
             raise ConversionError(
                 f"{what} cannot be loaded with torch.load(weights_only=True), and loading it "
                 f"otherwise would execute pickled code: {(first or [reason])[0].strip()}; "
                 "re-save it with plain tensors, dicts, lists and scalars (e.g. vars(args) "
-                "instead of an argparse.Namespace)") from None
+                "instead of an argparse.Namespace)"
+            ) from None
 
 
 def walk_tree(obj: Any, path: tuple, src: Source, tensors: dict) -> None:
@@ -65,12 +75,14 @@ def walk_tree(obj: Any, path: tuple, src: Source, tensors: dict) -> None:
     if isinstance(obj, dict):
         for k, v in obj.items():
             if type(k) not in (str, int) or isinstance(k, bool):
-                src.skipped.append((key_of(path + (str(k),)), f"dict key {k!r} is not a str "
-                                    "or int"))
+                src.skipped.append(
+                    (key_of(path + (str(k),)), f"dict key {k!r} is not a str or int")
+                )
                 continue
             walk_tree(v, path + (k,), src, tensors)
-    elif isinstance(obj, (list, tuple)) and any(is_container(x) or handler_for(x).kind != "value"
-                                                for x in obj):
+    elif isinstance(obj, (list, tuple)) and any(
+        is_container(x) or handler_for(x).kind != "value" for x in obj
+    ):
         for i, v in enumerate(obj):
             walk_tree(v, path + (i,), src, tensors)
     else:
@@ -104,8 +116,13 @@ def _leaf(obj: Any, path: tuple, src: Source, tensors: dict) -> None:
     if out.objects:
         o = out.objects[0]
         if len(out.objects) != 1 or math.prod(o.count) != 1:
-            src.skipped.append((key, f"one cell of a sharded object of grid {o.count}; a "
-                                "single file holds no other cell"))
+            src.skipped.append(
+                (
+                    key,
+                    f"one cell of a sharded object of grid {o.count}; a "
+                    "single file holds no other cell",
+                )
+            )
             return
         src.objects[path] = [o.value]
         return
@@ -114,8 +131,13 @@ def _leaf(obj: Any, path: tuple, src: Source, tensors: dict) -> None:
         src.skipped.append((key, f"its leaf handler {h.name!r} gave no tensor"))
         return
     if len(hs) != 1 or hs[0].flat is not None or hs[0].shape != hs[0].global_shape:
-        src.skipped.append((key, f"a piece of a sharded tensor of global shape "
-                            f"{hs[0].global_shape}; a single file does not hold all of it"))
+        src.skipped.append(
+            (
+                key,
+                f"a piece of a sharded tensor of global shape "
+                f"{hs[0].global_shape}; a single file does not hold all of it",
+            )
+        )
         return
     tensors[path] = out.tensors[0].data
     src.tensors.append(TensorInfo(path, tuple(hs[0].global_shape), out.tensors[0].data.dtype))
@@ -130,8 +152,9 @@ class TorchSaveSource(Source):
         if isinstance(obj, torch.Tensor):
             obj = {"tensor": obj}
         if not isinstance(obj, (dict, list, tuple)):
-            raise ConversionError(f"{self.path!r} holds a {type(obj).__name__}, not a tree "
-                                  "of tensors")
+            raise ConversionError(
+                f"{self.path!r} holds a {type(obj).__name__}, not a tree of tensors"
+            )
         self._tensors: dict = {}
         walk_tree(obj, (), self, self._tensors)
 
