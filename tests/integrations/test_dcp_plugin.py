@@ -533,3 +533,14 @@ def test_load_into_another_dtype_casts_as_dcp_does(tmp_path):
     dcp.load(like, storage_reader=ShardpointReader(tmp_path / "c"), no_dist=True)
     assert like["w"].dtype == torch.bfloat16 and torch.equal(like["w"], w.to(torch.bfloat16))
     assert like["i"].dtype == torch.int64 and torch.equal(like["i"], torch.arange(5))
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_an_overwrite_that_is_not_one_of_the_three_values_is_refused_at_once(tmp_path, bad):
+    """The writer takes the committers' one overwrite type (False, True, "any"): anything
+    else is refused when the writer is made, never read as a truth value at commit."""
+    from shardpoint.dcp import ShardpointWriter
+    from shardpoint_core.format.errors import InvalidOptionError
+
+    with pytest.raises(InvalidOptionError, match="overwrite="):
+        ShardpointWriter(str(tmp_path / "ck"), overwrite=bad)

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
+from shardpoint_core.commit.base import check_overwrite
 from shardpoint_core.format import errors
 from shardpoint_core.transactions.resolve import get_backend
 from shardpoint.api.checkpointer import save
@@ -134,7 +135,7 @@ class ShardpointWriter(StorageWriter, BlockingAsyncStager):
         _check_options(_extensions, serialization_format)
         self.path = str(path)
         self.group = group
-        self.overwrite = overwrite
+        self.overwrite = check_overwrite(overwrite)  # one overwrite type, refused early
         self.options = options
         self.thread_count = thread_count
         self.use_collectives = True
@@ -173,7 +174,7 @@ class ShardpointWriter(StorageWriter, BlockingAsyncStager):
                 "(atomically)",
                 spec_id="SP-COMMIT-5",
             )
-        be.check_target(self.path, bool(self.overwrite))
+        be.check_target(self.path, self.overwrite)
         return plans
 
     def storage_meta(self) -> Optional[StorageMeta]:
