@@ -140,3 +140,18 @@ def test_a_save_encodes_its_manifest_once_no_second_codec(monkeypatch, tmp_path)
     assert len(calls) == 1
     back = sp.load(url)
     assert torch.equal(back["w"], torch.arange(6.0)) and back["step"] == 3
+
+
+def test_a_packed_marker_encoded_once_is_the_bytes_of_the_rewrite():
+    """(1.4) The packed layout's data objects and array names move below the save prefix
+    too: encoded once from the Manifest, the marker is the rewrite's bytes."""
+    import os
+
+    vec = os.path.join(os.path.dirname(__file__), "..", "..", "spec", "vectors", "valid")
+    with open(os.path.join(vec, "packed_basic", "checkpoint", "manifest.msgpack"), "rb") as f:
+        m = decode_manifest(f.read())
+    assert m.packed is not None
+    once = encode_marker(m, "save-0123456789ab")
+    assert once == _rewrite_array_paths(encode_manifest(m), "save-0123456789ab", "test")
+    back = decode_manifest(once)
+    assert all(p.startswith("save-0123456789ab/") for p, _ in back.packed.objects)

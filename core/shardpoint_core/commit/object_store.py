@@ -124,7 +124,14 @@ def encode_marker(m: Manifest, save_dir: str) -> bytes:
     tensors = {
         k: dataclasses.replace(e, array=f"{save_dir}/{e.array}") for k, e in m.tensors.items()
     }
-    return encode_manifest(dataclasses.replace(m, tensors=tensors))
+    packed = m.packed
+    if packed is not None:  # (1.4) its data objects and array names too ([SP-PACK-8])
+        packed = dataclasses.replace(
+            packed,
+            objects=[(f"{save_dir}/{p}", s) for p, s in packed.objects],
+            arrays=[(f"{save_dir}/{n}", i) for n, i in packed.arrays],
+        )
+    return encode_manifest(dataclasses.replace(m, tensors=tensors, packed=packed))
 
 
 def _array_dirs(envelope: bytes) -> Tuple[List[str], bool]:

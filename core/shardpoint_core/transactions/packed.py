@@ -32,7 +32,7 @@ from shardpoint_core.arrays.identity import CrcSink, chunk_number, units_per_chu
 from shardpoint_core.arrays.packed import ChunkWriteView, PackedWriter, build_index, gather_parts
 from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.errors import SaveFailedError
-from shardpoint_core.format.manifest import Manifest, decode_manifest, encode_manifest
+from shardpoint_core.format.manifest import Manifest, decode_manifest
 from shardpoint_core.format.packed import FORMAT_VERSION_1_4
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.transactions.backend import ZarrBackend
@@ -205,12 +205,12 @@ class PackedBackend:
             arrays[e.array] = None if got is None else tuple(got)
         m.packed = build_index(objects, rows, arrays)
         m.format_version = FORMAT_VERSION_1_4
-        new = encode_manifest(m)
+        # encoded once, by the committer (the index checked as a reader checks it): on files
+        # written durably (the rename follows); on object stores straight into the marker,
+        # its array and object names below the save prefix, PUT at commit()
+        self.zarr.committer.write_manifest(root, m)
         if parts:
             store.delete(parts)
-        # on files written durably (the rename follows); on object stores the committer keeps
-        # it for commit(), which moves its array and object names below the save prefix
-        self.zarr.committer.write_manifest(root, new)
 
     def commit(self, staging: str, path: str, *, overwrite: Overwrite) -> None:
         self.zarr.committer.publish(staging, path, overwrite=overwrite)
