@@ -191,7 +191,8 @@ def test_quick_jax_benchmark_runs_both_tools_and_checks_what_they_loaded(
     ratio = mixed["load: shardpoint_jax"]["ratios"]["x raw"]["per_round"]["median"]
     assert f"| load | shardpoint_jax | {mixed['load: shardpoint_jax']['median']:.3f} |" in out
     assert f"| {ratio:.2f}x |" in out.split("### mixed")[1].split("| load | shardpoint_jax |")[1]
-    assert "| load: orbax (no ocdbt) |" in md and md.count("<svg") == 2
+    # (a row may carry a mark after its label: " *" when its median is its family's best)
+    assert "| load: orbax (no ocdbt)" in md and md.count("<svg") == 2
     for state in ("### mixed", "### uniform"):
         table = out.split(state)[1].split("###")[0]
         for row in (
