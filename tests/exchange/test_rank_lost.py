@@ -95,14 +95,22 @@ def test_a_rank_that_never_saves_fails_the_others_cleanly_every_time(tmp_path, m
         check(run_ranks(tmp_path, 3, mode))
 
 
-def _failed_collective_lets_go(rank, world):
+def _stay_alive_until(flag: str) -> bool:
+    """Never join; stay alive (so that the others' failure is the group's 2 s timeout, not a
+    dropped connection) until ``flag`` exists: True if it came within 60 s."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not os.path.exists(flag):
+        time.sleep(0.05)
+    return os.path.exists(flag)
+
+
+def _failed_collective_lets_go(rank, world, root):
     import torch.distributed as dist
     from shardpoint.exchange.comm import Comm
     import shardpoint as sp
 
     if rank == 1:
-        time.sleep(6)  # never joins; the group's timeout is 2 s
-        return None
+        return _stay_alive_until(f"{root}/failed0")
     t = torch.ones(4)
     try:
         Comm()._run("all_reduce", dist.all_reduce, t)
@@ -110,30 +118,34 @@ def _failed_collective_lets_go(rank, world):
         # what the caller holds when the error reaches it: the tensor is no longer held by
         # the backend's work (which a worker thread might otherwise drop during exit)
         return type(e).__name__, t._use_count()
+    finally:
+        open(f"{root}/failed0", "w").close()
     return "no error", None
 
 
-def test_a_failed_collective_lets_go_of_its_tensors_before_raising():
-    got = run_world(2, _failed_collective_lets_go, timeout=60, pg_timeout=2)[0]
-    assert got == ("RankLostError", 1), got
+def test_a_failed_collective_lets_go_of_its_tensors_before_raising(tmp_path):
+    got = run_world(2, _failed_collective_lets_go, str(tmp_path), timeout=60, pg_timeout=2)
+    assert got == [("RankLostError", 1), True], got
 
 
-def _names_the_peer(rank, world):
+def _names_the_peer(rank, world, root):
     from shardpoint.exchange.comm import Comm
     import shardpoint as sp
 
     if rank == 2:  # offers its size, then never sends its bytes
         Comm()._sizes(10)
-        time.sleep(6)
-        return None
+        return _stay_alive_until(f"{root}/failed0")
     try:
         Comm().gather_bytes(b"x" * 10)  # rank 0 waits for each rank's bytes, point to point
     except sp.RankLostError as e:
         return str(e)
+    finally:
+        if rank == 0:
+            open(f"{root}/failed0", "w").close()
     return "no error"
 
 
 @pytest.mark.slow
-def test_a_point_to_point_wait_names_the_rank_it_waited_on():
-    got = run_world(3, _names_the_peer, timeout=60, pg_timeout=2)
+def test_a_point_to_point_wait_names_the_rank_it_waited_on(tmp_path):
+    got = run_world(3, _names_the_peer, str(tmp_path), timeout=60, pg_timeout=2)
     assert "rank 0 of 3" in got[0] and "rank 2, which this rank waited on" in got[0], got[0]
