@@ -1,7 +1,7 @@
 """The shipped committer contract (shardpoint_core.commit.testing.CommitterTests) on every
-committer of the project: rename on local files, the marker protocol on memory://, on the
-real local S3 server and on the GCS emulator (with --runslow), and the router (PathCommitter) on local paths
-and on URLs. Same situations, same behaviour, same error classes."""
+committer of the project: rename on local files, the marker protocol on memory://, over
+TensorStore's memory kvstore, on the real local S3 server and on the GCS emulator (with
+--runslow), and the router (PathCommitter) on local paths and on URLs. Same situations, same behaviour, same error classes."""
 
 import uuid
 
@@ -88,6 +88,32 @@ class TestObjectStoreCommitterGcs(_ObjectStoreContract):  # pure-Python emulator
         from shardpoint_core.stores.gcs import GcsStore
 
         return GcsStore.from_url(gcs_env.url(gcs_env.fresh_prefix("contract")))
+
+
+class TestObjectStoreCommitterTensorStoreMemory(_ObjectStoreContract):
+    """The marker committer over TensorStore's memory kvstore (its generations give the
+    conditional writes)."""
+
+    @pytest.fixture
+    def store(self):
+        pytest.importorskip("tensorstore", reason="the tensorstore extra")
+        from shardpoint_core.stores.tensorstore import TensorStoreStore
+
+        name = f"contract{uuid.uuid4().hex[:8]}"
+        yield TensorStoreStore(f"memory://{name}")
+        TensorStoreStore.drop(name)
+
+
+@pytest.mark.slow  # 5 s; the default run has it over TensorStore's memory kvstore
+class TestObjectStoreCommitterTensorStoreS3(_ObjectStoreContract):
+    """The marker committer over TensorStore's s3 kvstore, on the real local S3 server."""
+
+    @pytest.fixture
+    def store(self, s3_env):
+        pytest.importorskip("tensorstore", reason="the tensorstore extra")
+        from shardpoint_core.stores.tensorstore import TensorStoreStore
+
+        return TensorStoreStore(s3_env.url(s3_env.fresh_prefix("tscontract")))
 
 
 class _RouterContract(CommitterTests):
