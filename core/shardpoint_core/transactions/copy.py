@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from shardpoint_core.format.errors import CorruptCheckpointError, SaveFailedError
 from shardpoint_core.stores.location import locate
@@ -39,18 +39,22 @@ class CopyResult:
     nbytes: int
 
 
-def _expected(entry: Any) -> List[str]:
-    """The object keys an array of the manifest must have (relative to the checkpoint root):
-    its zarr.json and every chunk of its grid (writers store every chunk, fill-value ones
-    included)."""
-    counts = [-(-s // c) if c else 0 for s, c in zip(entry.shape, entry.chunk_shape)]
-    keys = [f"{entry.array}/zarr.json"]
+def chunk_keys(base: str, shape: Sequence[int], chunks: Sequence[int]) -> List[str]:
+    """Every object key of one saved array below ``base``: its zarr.json and every chunk of
+    its grid (writers store every chunk, fill-value ones included)."""
+    counts = [-(-s // c) if c else 0 for s, c in zip(shape, chunks)]
+    keys = [f"{base}/zarr.json"]
     if any(n == 0 for n in counts):
         return keys
     return keys + [
-        "/".join([entry.array, "c", *map(str, idx)])
+        "/".join([base, "c", *map(str, idx)])
         for idx in itertools.product(*(range(n) for n in counts))
     ]
+
+
+def _expected(entry: Any) -> List[str]:
+    """The object keys an array of the manifest must have (relative to the checkpoint root)."""
+    return chunk_keys(entry.array, entry.shape, entry.chunk_shape)
 
 
 def _objects(store: Any, root: str, arrays: List[str]) -> List[str]:
