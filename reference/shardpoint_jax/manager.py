@@ -266,7 +266,8 @@ class CheckpointManager:
         if self._tiers is not None:
             self._agreed("manager-save", n, err, lambda n: None)
             assert n is not None
-            return self._save_tiered(n, tree, force)
+            self._save_tiered(n, tree, force)
+            return None
         self._agreed("manager-save", n, err, lambda n: self._clean_leftovers())
         assert n is not None  # else _agreed raised err on every process
         path = self.path(n)

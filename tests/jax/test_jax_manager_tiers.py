@@ -204,3 +204,34 @@ def test_a_refused_durable_copy_is_retried_reported_and_never_half_visible(
             assert same_bits(got["w"], _state(4)["w"]) and got["step"] == 4
         finally:
             tier.close()
+
+
+def test_a_durable_copy_is_retried_only_where_the_failure_may_pass(tmp_path):
+    """Through the core's policy (shared by both managers), copying a real memory step: a
+    target taken by something else (CheckpointExistsError) is one try; a target that cannot
+    be written (its parent is a file) is every try; neither leaves anything visible."""
+    from shardpoint_core.transactions.tiers import Tiers
+
+    tier = _tier(tmp_path)
+    try:
+        tier.save(_state(1), 1)
+        t = Tiers(tier, 1, 1, 1, copy_attempts=3, copy_backoff_s=0)
+        taken = tmp_path / "taken"
+        (taken / "notes").mkdir(parents=True)
+        t.start_copy(1, str(taken), None, False)
+        (out,) = t.settle(block=True)
+        assert out.error.startswith("CheckpointExistsError") and len(out.failures) == 1
+        assert os.listdir(taken) == ["notes"]
+        blocker = tmp_path / "file"
+        blocker.write_bytes(b"not a directory")
+        t.start_copy(1, str(blocker / "step_1"), None, False)
+        (out,) = t.settle(block=True)
+        assert out.error.startswith("SaveFailedError") and out.attempts == len(out.failures) == 3
+        assert "after 3 tries" in (out.report(tier.url(1)) or "")
+        assert blocker.read_bytes() == b"not a directory"
+        t.start_copy(1, str(tmp_path / "ok"), None, False)
+        (out,) = t.settle(block=True)
+        assert (out.error, out.attempts, out.report(tier.url(1))) == ("", 1, None)
+        assert same_bits(spj.load(str(tmp_path / "ok"))["w"], _state(1)["w"])
+    finally:
+        tier.close()

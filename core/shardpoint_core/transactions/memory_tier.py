@@ -35,7 +35,7 @@ AllGather = Callable[[bytes], List[bytes]]
 
 
 def _pack(x: Any) -> bytes:
-    return msgpack.packb(x, use_bin_type=True)
+    return bytes(msgpack.packb(x, use_bin_type=True))
 
 
 def _unpack(b: bytes) -> Any:

@@ -232,7 +232,7 @@ class Tiers:
         return gone
 
 
-def tier_plan(step: Optional[int], memory: List[int], storage: List[int]) -> List[list]:
+def tier_plan(step: Optional[int], memory: List[int], storage: List[int]) -> List[List[Any]]:
     """What a tiered ``load`` tries, in order: ``[step, in memory, in storage]`` for ``step``
     where given, else for every step either tier holds, newest first."""
     mem, sto = set(memory), set(storage)
