@@ -96,8 +96,9 @@ class CheckpointManager:
     ``storage_every`` (steps between durable copies, required; such a step goes to memory
     too), ``memory_keep`` (memory steps kept, default 2, plus one being copied),
     ``copy_attempts`` and ``copy_backoff_s`` (a failed durable copy is tried again that many
-    times in all, after that many seconds, doubling); storage retention is the options
-    above. ``tier_warnings`` lists the failed (or retried) copies, ``last_load``
+    times in all, after that many seconds, doubling), ``parallel_copy`` (every process
+    copies the objects its host holds, process 0 commits once all are durable; default:
+    process 0 copies alone); storage retention is the options above. ``tier_warnings`` lists the failed (or retried) copies, ``last_load``
     (:class:`~shardpoint_core.transactions.tiers.LoadInfo`) where the last load came from.
     """
 
@@ -118,6 +119,7 @@ class CheckpointManager:
         storage_every: Optional[int] = None,
         copy_attempts: int = 3,
         copy_backoff_s: float = 1.0,
+        parallel_copy: bool = False,
     ) -> None:
         #: the tier policy (None: every save goes to storage, as without a memory tier)
         self._tiers: Optional[Tiers] = None
@@ -135,6 +137,7 @@ class CheckpointManager:
                     storage_every,
                     copy_attempts=copy_attempts,
                     copy_backoff_s=copy_backoff_s,
+                    parallel_copy=parallel_copy,
                     tier_class="shardpoint_jax.MemoryTier",
                 )
             elif storage_every is not None:

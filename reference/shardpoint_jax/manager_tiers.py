@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+import jax
+
 from shardpoint_core.format.errors import ShardpointError as CoreError
-from shardpoint_core.transactions.tiers import LoadInfo, Tiers, tier_plan
+from shardpoint_core.transactions.tiers import Exchange, LoadInfo, Tiers, tier_plan
 from shardpoint_jax import errors as E
-from shardpoint_jax.comm import Comm
 from shardpoint_jax.loading import load as spj_load
-from shardpoint_jax.memory_tier import all_true
-from shardpoint_jax.values import pack, unpack
+from shardpoint_jax.memory_tier import all_gather, all_true, broadcast
 
 log = logging.getLogger("shardpoint")
 METRICS_KEY = "__metrics__"
@@ -47,12 +47,10 @@ def report(mgr: Any, block: bool, start: Optional[tuple] = None) -> None:
     where given, and removes old memory steps; every process then hears what failed or was
     retried (``tier_warnings``, logged) and training goes on."""
     tiers: Tiers = mgr._tiers
-    comm = Comm("manager-tiers")
-    if comm.rank == 0:
-        said = tiers.upkeep(block, start, None, mgr._retain, mgr._clean_leftovers)
-        got = unpack(comm.broadcast("said", pack(said)))
-    else:
-        got = unpack(comm.broadcast("said"))
+    rank = jax.process_index()
+    ex = Exchange(rank, rank == 0, broadcast("manager-tiers"), all_gather("manager-tiers"))
+    got = tiers.report(ex, block, start, None, mgr._retain, mgr._clean_leftovers)
+    if rank != 0:
         mgr._metrics.clear()
     for w in got:
         log.warning("shardpoint: %s", w)

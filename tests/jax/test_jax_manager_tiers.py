@@ -44,7 +44,7 @@ def put(a, spec):
 tier = spj.MemoryTier("job", k=1, host_id=f"h{pid}", shm_dir=os.path.join(ROOT, "shm", f"h{pid}"),
                       advertise="127.0.0.1", timeout_s=20)
 mgr = spj.CheckpointManager(os.path.join(ROOT, "ckpt"), memory=tier, storage_every=2,
-                            memory_keep=2, max_to_keep=2)
+                            memory_keep=2, max_to_keep=2, parallel_copy=MODE == "train")
 res = {}
 if MODE == "train":
     for s in range(1, 6):
@@ -52,7 +52,8 @@ if MODE == "train":
                  metrics={"loss": 1.0 / s})
     mgr.close()  # the last durable copy lands (or is reported)
     res.update(memory=mgr.memory_steps(), storage=mgr.all_steps(),
-               warnings=mgr.tier_warnings, latest=mgr.latest_step())
+               warnings=mgr.tier_warnings, latest=mgr.latest_step(),
+               copied=mgr._tiers.part_objects)
 else:  # resume, into another sharding
     tgt = {"w": jax.ShapeDtypeStruct((8, 8), np.float32,
                                      sharding=NamedSharding(mesh, P("tp", None))),
@@ -82,11 +83,13 @@ def _job(root: str, mode: str) -> list:
 
 
 def test_two_processes_memory_every_step_storage_every_two_then_resume_across_tiers(tmp_path):
+    """Durable copies written by both processes (``parallel_copy``), one commit each."""
     root = str(tmp_path)
     for r in _job(root, "train"):
         assert r["memory"] == [4, 5]  # memory_keep=2
         assert r["storage"] == [2, 4]  # every 2nd step, copied from memory; max_to_keep=2
         assert r["warnings"] == [] and r["latest"] == 5
+        assert r["copied"] > 0  # parallel_copy: each process wrote part of each copy
     # the durable copies are whole checkpoints of their own, bitwise the state saved
     d4 = spj.load(os.path.join(root, "ckpt", "step_00000004"))
     want = (np.arange(64, dtype=np.float32).reshape(8, 8) + 1) * 4

@@ -149,6 +149,11 @@ class HostTier:
                 found.add(int(head[len(STEP) :]))
         return sorted(found)
 
+    def local_objects(self, step: int) -> List[List[Any]]:
+        """[key, bytes] of every object of memory step ``step`` this host holds (keys from
+        the job's store root; local: no collective, no peer asked)."""
+        return [[i.key, int(i.size)] for i in self.store.local_list(f"{STEP}{int(step)}/")]
+
     def remove(self, step: int) -> bool:
         """Delete memory step ``step`` on every reachable host through the committer (the
         marker first, so no reader takes it for committed meanwhile). Coordinator only."""

@@ -22,8 +22,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import msgpack
+
 from shardpoint_core.format import errors
-from shardpoint_core.transactions.copy import copy_checkpoint
+from shardpoint_core.transactions.copy import CopyTransaction, copy_checkpoint, copy_part
 
 #: the failures a retry cannot mend: the target is someone else's, the source is broken
 PERMANENT = (
@@ -85,6 +87,26 @@ class CopyOutcome:
         return None
 
 
+@dataclass
+class Exchange:
+    """A manager's process group as the collective upkeep needs it: this rank, whether it is
+    the coordinator, and two collectives (``broadcast``: the coordinator's bytes to every
+    rank, the others pass None; ``all_gather``: every rank's bytes to every rank)."""
+
+    rank: int
+    coordinator: bool
+    broadcast: Callable[[Optional[bytes]], bytes]
+    all_gather: Callable[[bytes], List[bytes]]
+
+
+def _pack(x: Any) -> bytes:
+    return bytes(msgpack.packb(x, use_bin_type=True))
+
+
+def _unpack(b: bytes) -> Any:
+    return msgpack.unpackb(b, raw=False)
+
+
 def _positive(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise errors.InvalidOptionError(f"{name} must be an int >= 1, got {v!r}")
@@ -105,6 +127,7 @@ class Tiers:
         *,
         copy_attempts: int = 3,
         copy_backoff_s: float = 1.0,
+        parallel_copy: bool = False,
         tier_class: str = "shardpoint.MemoryTier",
     ) -> None:
         if not all(hasattr(memory, a) for a in ("save", "restore", "steps", "url", "remove")):
@@ -129,12 +152,25 @@ class Tiers:
                 f"got {copy_backoff_s!r}"
             )
         self.copy_backoff_s = float(copy_backoff_s)
+        if parallel_copy and not hasattr(memory, "local_objects"):
+            raise errors.InvalidOptionError(
+                f"parallel_copy=True needs a {tier_class} (its local_objects), got "
+                f"{type(memory).__name__}"
+            )
+        self.parallel_copy = bool(parallel_copy)
         self._thread: Optional[threading.Thread] = None
         self._step: Optional[int] = None
         self._outcome: Optional[CopyOutcome] = None
         self._closing = threading.Event()  # set: no more tries (the manager is closing)
         #: called (from the copy's thread) after each failed try, with (step, try, error)
         self.on_failure: Optional[Callable[[int, int, str], None]] = None
+        # parallel copies: this rank's part (every rank), the transaction (coordinator)
+        self._part: Optional[threading.Thread] = None
+        self._part_result: Tuple[str, List[str]] = ("", [])
+        self._txn: Optional[CopyTransaction] = None
+        self._txn_step: Optional[int] = None
+        #: the objects this rank's parallel parts were given, in all (every rank)
+        self.part_objects = 0
 
     def due(self, step: int) -> Tuple[bool, bool]:
         """(to memory, to storage) for ``step``; a step due to storage goes to memory too
@@ -145,7 +181,32 @@ class Tiers:
     @property
     def copying(self) -> Optional[int]:
         """The step whose durable copy is in flight (coordinator), or None."""
+        if self._txn is not None:
+            return self._txn_step
         return self._step if self._thread is not None else None
+
+    def _retrying(self, step: int, attempt_once: Callable[[], Any]) -> Tuple[str, List[str]]:
+        """Run ``attempt_once`` until it succeeds, fails for good (:data:`PERMANENT`) or has
+        had ``copy_attempts`` tries, sleeping the backoff between tries; (the last error, or
+        ``""``; the failures of the tries)."""
+        failures: List[str] = []
+        delay = self.copy_backoff_s
+        for attempt in range(1, self.copy_attempts + 1):
+            try:
+                attempt_once()
+                return "", failures
+            except Exception as e:  # noqa: BLE001 - reported at the next save or wait
+                err = f"{type(e).__name__}: {e}"
+                failures.append(err)
+                hook = self.on_failure
+                if hook is not None:
+                    hook(step, attempt, err)
+                if isinstance(e, PERMANENT) or attempt == self.copy_attempts:
+                    return err, failures
+                if self._closing.wait(delay):
+                    return err, failures  # closing: no more tries
+                delay = min(MAX_BACKOFF_S, max(delay * 2, 0.01))
+        return "", failures  # unreachable: copy_attempts >= 1
 
     def start_copy(self, step: int, dst: str, backend: Any, overwrite: Any) -> None:
         """Coordinator: copy memory step ``step`` to ``dst`` in a background thread, tried
@@ -154,23 +215,9 @@ class Tiers:
         outcome = CopyOutcome(step, dst)
 
         def run() -> None:
-            delay = self.copy_backoff_s
-            for attempt in range(1, self.copy_attempts + 1):
-                try:
-                    copy_checkpoint(src, dst, backend=backend, overwrite=overwrite)
-                    outcome.error = ""
-                    break
-                except Exception as e:  # noqa: BLE001 - reported at the next save or wait
-                    outcome.error = f"{type(e).__name__}: {e}"
-                    outcome.failures.append(outcome.error)
-                    hook = self.on_failure
-                    if hook is not None:
-                        hook(step, attempt, outcome.error)
-                    if isinstance(e, PERMANENT) or attempt == self.copy_attempts:
-                        break
-                    if self._closing.wait(delay):
-                        break  # closing: no more tries
-                    delay = min(MAX_BACKOFF_S, max(delay * 2, 0.01))
+            outcome.error, outcome.failures = self._retrying(
+                step, lambda: copy_checkpoint(src, dst, backend=backend, overwrite=overwrite)
+            )
             self._outcome = outcome
 
         self._step, self._outcome = step, None
@@ -217,6 +264,155 @@ class Tiers:
             said.append(f"tier upkeep failed ({type(e).__name__}: {e})")
         return said
 
+    # -- the collective upkeep (every rank) ---------------------------------------------------
+    def report(
+        self,
+        ex: "Exchange",
+        block: bool,
+        start: Optional[Tuple[int, str, Any]],
+        backend: Any,
+        retain: Callable[[], None],
+        clean: Callable[[], None],
+    ) -> List[str]:
+        """Collective, at a manager's ``save`` or ``wait``: the upkeep (:meth:`upkeep`: the
+        finished copy collected, retention, the copy ``start`` begun, old memory steps
+        removed), and what every rank is to hear of it. With ``parallel_copy``, every rank
+        copies the objects its host holds (see :meth:`_report_parallel`)."""
+        if self.parallel_copy:
+            return self._report_parallel(ex, block, start, backend, retain, clean)
+        said = self.upkeep(block, start, backend, retain, clean) if ex.coordinator else []
+        return list(_unpack(ex.broadcast(_pack(said) if ex.coordinator else None)))
+
+    def _report_parallel(
+        self,
+        ex: "Exchange",
+        block: bool,
+        start: Optional[Tuple[int, str, Any]],
+        backend: Any,
+        retain: Callable[[], None],
+        clean: Callable[[], None],
+    ) -> List[str]:
+        """Parallel copies: every rank says how its part went (waiting for it with ``block``)
+        and, where a copy is to start, which objects of that memory step its host holds (one
+        all-gather); the coordinator commits the copy in flight once every part is durable
+        (or aborts it where one failed for good), begins the new one and gives each object
+        to one rank whose host holds it, the least loaded (one broadcast); every rank then
+        starts its part in the background. Only the parts run in the background; the commit
+        (the manifest, a few KiB) is written at the first upkeep after the last part."""
+        state = self._part_state(block)
+        listing = self.memory.local_objects(start[0]) if start is not None else []
+        rows = [_unpack(b) for b in ex.all_gather(_pack([state, listing]))]
+        said: List[str] = []
+        plan: Optional[Dict[str, Any]] = None
+        if ex.coordinator:
+            try:
+                said = self._settle_parts([r[0] for r in rows], retain)
+                if start is not None and self._txn is not None:
+                    said.append(
+                        f"step {start[0]}: not copied to storage (the copy of step "
+                        f"{self._txn_step} is still open); the next step due to storage will be"
+                    )
+                elif start is not None:
+                    try:
+                        clean()
+                        plan = self._begin_parts(start, backend, [r[1] for r in rows], ex.rank)
+                    except Exception as e:  # noqa: BLE001 - reported; training goes on
+                        err = f"{type(e).__name__}: {e}"
+                        w = CopyOutcome(start[0], start[1], err, [err])
+                        said.append(w.report(self.memory.url(start[0])) or err)
+                self.evict()
+            except Exception as e:  # noqa: BLE001 - reported like a failed copy
+                said.append(f"tier upkeep failed ({type(e).__name__}: {e})")
+        said, plan = _unpack(ex.broadcast(_pack([said, plan]) if ex.coordinator else None))
+        if plan is not None:
+            self._start_part(plan, plan["parts"][ex.rank], backend)
+        return list(said)
+
+    def _part_state(self, block: bool) -> List[Any]:
+        """This rank's part: ["none"], ["running"], or ["done", error, failures]."""
+        t = self._part
+        if t is None:
+            return ["none"]
+        if t.is_alive() and not block:
+            return ["running"]
+        t.join()
+        self._part = None
+        err, failures = self._part_result
+        return ["done", err, failures]
+
+    def _settle_parts(self, states: List[List[Any]], retain: Callable[[], None]) -> List[str]:
+        """Coordinator: where every part of the copy in flight is done, commit it (or abort
+        it where a part failed); the warnings to give."""
+        txn, step = self._txn, self._txn_step
+        if txn is None or step is None or any(st[0] == "running" for st in states):
+            return []
+        failures = [
+            f"rank {r}: {f}" for r, st in enumerate(states) if st[0] == "done" for f in st[2]
+        ]
+        errors_ = [f"rank {r}: {st[1]}" for r, st in enumerate(states) if st[0] == "done" and st[1]]
+        self._txn, self._txn_step = None, None
+        out = CopyOutcome(step, txn.path, "", failures)
+        if errors_:
+            out.error = errors_[0] + (f" (and {len(errors_) - 1} more)" if len(errors_) > 1 else "")
+            txn.abort()
+        else:
+            try:
+                txn.commit()
+            except Exception as e:  # noqa: BLE001 - reported; training goes on
+                out.error = f"{type(e).__name__}: {e}"
+                out.failures.append(out.error)
+        if not out.error:
+            retain()
+        w = out.report(self.memory.url(step))
+        return [w] if w else []
+
+    def _begin_parts(
+        self, start: Tuple[int, str, Any], backend: Any, listings: List[Any], me: int
+    ) -> Dict[str, Any]:
+        """Coordinator: begin the copy of memory step ``start[0]`` and share its objects out:
+        each to a rank whose host holds it (``listings``: every rank's [key, bytes] of that
+        step in its host's memory), the one with the fewest bytes so far; an object no host
+        lists goes to the coordinator (read from wherever it is)."""
+        step, dst, overwrite = start
+        txn = CopyTransaction.begin(
+            self.memory.url(step), dst, backend=backend, overwrite=overwrite
+        )
+        pre = f"{txn.source_root}/" if txn.source_root else ""
+        holders: Dict[str, List[int]] = {}
+        for r, rows in enumerate(listings):
+            for key, _size in rows:
+                if key.startswith(pre):
+                    holders.setdefault(key[len(pre) :], []).append(r)
+        load = [0] * len(listings)
+        parts: List[List[str]] = [[] for _ in listings]
+        for key in txn.keys:
+            r = min(holders.get(key) or [me], key=lambda c: (load[c], c))
+            parts[r].append(key)
+            load[r] += txn.sizes.get(key, 0)
+        self._txn, self._txn_step = txn, step
+        return {
+            "step": step,
+            "src": txn.source,
+            "dst": txn.path,
+            "staging": txn.staging,
+            "parts": parts,
+        }
+
+    def _start_part(self, plan: Dict[str, Any], keys: List[str], backend: Any) -> None:
+        """Every rank: copy ``keys`` of the plan's memory step into its staging location in a
+        background thread, tried again as a whole copy is."""
+        step, src, dst, staging = plan["step"], plan["src"], plan["dst"], plan["staging"]
+
+        def run() -> None:
+            self._part_result = self._retrying(
+                step, lambda: copy_part(src, dst, staging, keys, backend=backend)
+            )
+
+        self._part_result = ("", [])
+        self.part_objects += len(keys)
+        self._part = threading.Thread(target=run, name=f"shardpoint-part-{step}", daemon=True)
+        self._part.start()
+
     def close(self) -> None:
         """Stop retrying (the copy in flight ends after its current try); ``settle`` then
         reports it."""
@@ -240,4 +436,4 @@ def tier_plan(step: Optional[int], memory: List[int], storage: List[int]) -> Lis
     return [[s, s in mem, s in sto] for s in cands if s in mem or s in sto]
 
 
-__all__ = ["CopyOutcome", "LoadInfo", "PERMANENT", "Tiers", "tier_plan"]
+__all__ = ["CopyOutcome", "Exchange", "LoadInfo", "PERMANENT", "Tiers", "tier_plan"]

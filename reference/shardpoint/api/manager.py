@@ -79,7 +79,7 @@ from shardpoint_core.format.policy import (
 )
 from shardpoint_core.format.statetree import ValueLeaf, node_at
 from shardpoint_core.transactions.protocol import StorageBackend
-from shardpoint.api.manager_tiers import LoadInfo, Tiers, tier_plan
+from shardpoint.api.manager_tiers import Exchange, LoadInfo, Tiers, tier_plan
 
 METRICS_KEY = "__metrics__"
 
@@ -98,7 +98,9 @@ class CheckpointManager:
     ``storage_every`` (steps between durable copies, required; such a step goes to memory
     too), ``memory_keep`` (memory steps kept, default 2, plus one being copied),
     ``copy_attempts`` and ``copy_backoff_s`` (a failed durable copy is tried again that many
-    times in all, after that many seconds, doubling); storage retention is the options above. ``tier_warnings`` lists the failed copies, ``last_load``
+    times in all, after that many seconds, doubling), ``parallel_copy`` (every rank copies
+    the objects its host holds, the coordinator commits once all are durable; default: the
+    coordinator copies alone); storage retention is the options above. ``tier_warnings`` lists the failed copies, ``last_load``
     (:class:`~shardpoint.api.manager_tiers.LoadInfo`) where the last load came from.
     """
 
@@ -123,6 +125,7 @@ class CheckpointManager:
         storage_every: Optional[int] = None,
         copy_attempts: int = 3,
         copy_backoff_s: float = 1.0,
+        parallel_copy: bool = False,
     ) -> None:
         if retention is not None:
             if not isinstance(retention, Retention):
@@ -165,6 +168,7 @@ class CheckpointManager:
                 storage_every,
                 copy_attempts=copy_attempts,
                 copy_backoff_s=copy_backoff_s,
+                parallel_copy=parallel_copy,
             )
         elif storage_every is not None:
             raise errors.InvalidOptionError(
@@ -407,12 +411,13 @@ class CheckpointManager:
         then learns what failed (``tier_warnings``, logged), and training goes on."""
         tiers = self._tiers
         assert tiers is not None
-        failed: list = []
-        if self._comm.is_coordinator:
-            failed = tiers.upkeep(block, start, self.backend, self._retain, self._clean_leftovers)
-        got = msgpack.unpackb(
-            self._comm.broadcast_bytes(msgpack.packb(failed) if self._comm.is_coordinator else None)
+        ex = Exchange(
+            self._comm.rank,
+            self._comm.is_coordinator,
+            self._comm.broadcast_bytes,
+            self._comm.all_gather_bytes,
         )
+        got = tiers.report(ex, block, start, self.backend, self._retain, self._clean_leftovers)
         for w in got:
             log.warning("shardpoint: %s", w)
         self.tier_warnings.extend(got)
