@@ -149,6 +149,56 @@ def test_every_rank_copies_the_objects_its_host_holds_and_one_commit_publishes(t
     assert not [p for p in os.listdir(os.path.join(root, "ckpt")) if p.startswith(".")]
 
 
+def _train_s3(rank: int, world: int, root: str, url: str) -> dict:
+    h = HOSTS[rank]
+    tier = MemoryTier(
+        "job", host_id=h, shm_dir=os.path.join(root, "shm", h), advertise="127.0.0.1", timeout_s=20
+    )
+    mgr = sp.CheckpointManager(
+        url,
+        memory=tier,
+        save_options=OPTS,
+        storage_every=2,
+        parallel_copy=True,
+        copy_attempts=2,
+        copy_backoff_s=0.05,
+    )
+    for s in (1, 2, 3, 4):
+        mgr.save(s, _state(rank, world, s))  # never raises: training goes on
+    mgr.close()
+    out = {"storage": mgr.all_steps(), "warnings": list(mgr.tier_warnings)}
+    torch.distributed.barrier()
+    tier.close()
+    return out
+
+
+def test_a_parallel_copy_whose_parts_are_refused_is_aborted_whole(tmp_path, s3_env, monkeypatch):
+    """The real S3 server (behind a proxy) refuses every chunk PUT of step 2's durable copy:
+    both ranks' parts fail their tries, the coordinator aborts the copy, nothing of step 2 is
+    left in storage, and step 4's copy commits as usual."""
+    from shardpoint_testing.s3 import FaultProxy
+
+    def rule(method: str, path: str, n: int):
+        chunk = method == "PUT" and "/step_00000002/" in path and "/c/" in path
+        return 403 if chunk else None
+
+    prefix = s3_env.fresh_prefix("ptiers")
+    with FaultProxy(s3_env, rule) as proxy:
+        for k, v in proxy.env().items():
+            monkeypatch.setenv(k, v)
+        url = s3_env.url(prefix + "/ckpt")
+        got = run_world(2, _train_s3, str(tmp_path), url, timeout=120, pg_timeout=30)
+        assert proxy.injected >= 2
+        d = sp.load(url + "/step_00000004")
+        assert torch.equal(d["w"], _state(0, 1, 4)["w"].data)
+    for r in got:
+        assert r["storage"] == [4]
+        assert len(r["warnings"]) == 1
+        w = r["warnings"][0]
+        assert w.startswith("step 2:") and "failed (rank " in w and "was refused" in w
+    assert s3_env.objects(prefix + "/ckpt/step_00000002/") == {}  # aborted whole
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 def test_a_failed_durable_copy_is_reported_and_training_goes_on(tmp_path, parallel):
     root = str(tmp_path)

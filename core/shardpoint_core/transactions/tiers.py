@@ -14,6 +14,15 @@ training: the manager reports its outcome (the failure, or the tries it took) at
 ``save`` or ``wait``, and a step whose copy failed is left to the next one due to storage.
 Memory retention keeps the newest ``memory_keep`` memory steps, and the one being copied; it
 removes only memory steps of the manager's tier.
+
+With ``parallel_copy`` every rank writes part of each durable copy: the coordinator begins
+the copy (:class:`~shardpoint_core.transactions.copy.CopyTransaction`) and gives each object
+to a rank whose host holds it; every rank copies its share in the background
+(:func:`~shardpoint_core.transactions.copy.copy_part`, retried as above) and the coordinator
+commits once, at the first upkeep after every share is durable, or aborts the whole copy
+where a share failed for good. The managers' upkeep is collective (:meth:`Tiers.report`,
+through an :class:`Exchange` of the front end's process group); nothing collective runs in
+the background.
 """
 
 from __future__ import annotations
