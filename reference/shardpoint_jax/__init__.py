@@ -6,7 +6,9 @@ every process of a multi-process job calls both; a path is local (plain or ``fil
 URL of a registered store (``s3://bucket/run/step_5``, ``memory://name/...``).
 ``read_metadata(path).tree`` is the saved tree with typed leaves (``TensorLeaf``,
 ``ObjectLeaf``, ``ValueLeaf``; walk it with ``iter_leaves``). ``CheckpointManager(root, ...)``
-keeps numbered steps with retention and resume, in the PyTorch front end's layout.
+keeps numbered steps with retention and resume, in the PyTorch front end's layout;
+with ``memory=MemoryTier(job)`` every step to host memory replicated to peer hosts, every
+N steps a durable copy written from memory in the background.
 Imports neither torch nor the PyTorch front end (``shardpoint``)."""
 
 from shardpoint_jax.errors import (
@@ -32,6 +34,7 @@ from shardpoint_jax.errors import (
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.loading import load
 from shardpoint_jax.manager import CheckpointManager
+from shardpoint_jax.memory_tier import MemoryTier
 from shardpoint_jax.saving import save
 from shardpoint_jax.tree import ShardedObject
 from shardpoint_jax.storage import read_manifest as read_metadata
@@ -43,6 +46,7 @@ __all__ = [
     "load",
     "AsyncSave",
     "CheckpointManager",
+    "MemoryTier",
     "ShardedObject",
     "ShardpointError",
     "CheckpointExistsError",

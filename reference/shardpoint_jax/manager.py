@@ -24,6 +24,20 @@ latest step, a failed clean-up) reaches every process, which raise the same erro
 ``latest_step``, ``all_steps``, ``best_step`` and ``metrics`` only read, on any process or in
 an observer job; constructing a manager never touches the directory.
 
+Tiers (``memory=spj.MemoryTier(...)``, :mod:`shardpoint_jax.manager_tiers`), as in the torch
+manager: every ``memory_every`` steps to host memory, replicated to peer hosts; every
+``storage_every`` steps to storage, copied from that memory step in the background by
+process 0 (the objects, then the manifest last), tried again after a failure that may pass
+(``copy_attempts``, ``copy_backoff_s``); a failed copy is reported at the next ``save`` or
+``wait`` in ``tier_warnings`` and never stops training. ``load()`` takes the newest step
+across both tiers, checks every piece, passes over a step it cannot have whole (the same
+step in storage, then the next older step), and says in ``last_load`` what it took from
+where.
+
+    tier = spj.MemoryTier("run42", k=1)
+    mgr = spj.CheckpointManager("/ckpt", memory=tier, storage_every=100, max_to_keep=3)
+    mgr.save(step, state)            # every step: memory; every 100th: storage too
+
     with spj.CheckpointManager("/ckpt", max_to_keep=3, async_save=True) as mgr:
         start = mgr.latest_step() or 0
         if start:
@@ -59,6 +73,7 @@ from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.comm import Comm
 from shardpoint_jax.loading import load as spj_load
+from shardpoint_jax.manager_tiers import LoadInfo, Tiers, load_tiered, report, save_tiered
 from shardpoint_jax.saving import error_info, raise_info
 from shardpoint_jax.saving import save as spj_save
 from shardpoint_jax.storage import checkpoint_path, read_manifest
@@ -75,6 +90,16 @@ class CheckpointManager:
     ``async_save=True`` makes :meth:`save` return once ``spj.save(..., async_save=True)`` has
     (the writes and the commit run in the background); retention of older steps runs once
     that save has committed, at the next :meth:`save`, :meth:`wait` or :meth:`close`.
+
+    ``memory``: a :class:`~shardpoint_jax.MemoryTier` (made by every process, closed by the
+    caller after the manager); then ``memory_every`` (steps between memory saves, default 1),
+    ``storage_every`` (steps between durable copies, required; such a step goes to memory
+    too), ``memory_keep`` (memory steps kept, default 2, plus one being copied),
+    ``copy_attempts`` and ``copy_backoff_s`` (a failed durable copy is tried again that many
+    times in all, after that many seconds, doubling), ``parallel_copy`` (every process
+    copies the objects its host holds, process 0 commits once all are durable; default:
+    process 0 copies alone); storage retention is the options above. ``tier_warnings`` lists the failed (or retried) copies, ``last_load``
+    (:class:`~shardpoint_core.transactions.tiers.LoadInfo`) where the last load came from.
     """
 
     def __init__(
@@ -88,8 +113,38 @@ class CheckpointManager:
         keep_best: Optional[int] = None,
         retention: Optional[Retention] = None,
         async_save: bool = False,
+        memory: Any = None,
+        memory_every: int = 1,
+        memory_keep: int = 2,
+        storage_every: Optional[int] = None,
+        copy_attempts: int = 3,
+        copy_backoff_s: float = 1.0,
+        parallel_copy: bool = False,
     ) -> None:
+        #: the tier policy (None: every save goes to storage, as without a memory tier)
+        self._tiers: Optional[Tiers] = None
         try:
+            if memory is not None:
+                if async_save:
+                    raise E.InvalidOptionError(
+                        "async_save=True with memory=: the memory save is the fast one, and "
+                        "the durable copy already runs in the background; drop async_save"
+                    )
+                self._tiers = Tiers(
+                    memory,
+                    memory_every,
+                    memory_keep,
+                    storage_every,
+                    copy_attempts=copy_attempts,
+                    copy_backoff_s=copy_backoff_s,
+                    parallel_copy=parallel_copy,
+                    tier_class="shardpoint_jax.MemoryTier",
+                )
+            elif storage_every is not None:
+                raise E.InvalidOptionError(
+                    "storage_every= needs memory=spj.MemoryTier(...); without a memory tier "
+                    "every save goes to storage: call save() every N steps"
+                )
             if retention is not None:
                 if not isinstance(retention, Retention):
                     raise E.InvalidRequestError(
@@ -125,6 +180,11 @@ class CheckpointManager:
         self._steps = StepRoot(
             self.root, backend=backend_for(self.root), call="CheckpointManager(root)"
         )
+        #: what the tiers' background work reported (a failed or retried durable copy),
+        #: on every process
+        self.tier_warnings: list = []
+        #: where the last :meth:`load` took its state from (:class:`LoadInfo`)
+        self.last_load: Optional[LoadInfo] = None
 
     # Leftovers of crashed saves younger than this are left alone: on an object store nothing
     # tells a crashed save from a running one ([SP-COMMIT-15]); on files, where no lock says.
@@ -146,9 +206,17 @@ class CheckpointManager:
         return self._steps.all_steps()
 
     def latest_step(self) -> Optional[int]:
-        """The newest committed step, or None."""
+        """The newest committed step, or None; with a memory tier, the newest across tiers
+        (memory and storage)."""
         s = self.all_steps()
+        if self._tiers is not None:
+            s = sorted(set(s) | set(self.memory_steps()))
         return s[-1] if s else None
+
+    def memory_steps(self) -> list:
+        """The committed memory steps any reachable host holds, oldest first (empty without a
+        memory tier); ``all_steps`` are the storage ones."""
+        return self._tiers.memory.steps() if self._tiers is not None else []
 
     def metrics(self, step: int) -> dict:
         """The metrics saved with ``step`` (empty when none were given); reads the manifest
@@ -187,14 +255,22 @@ class CheckpointManager:
         ``metrics`` (str -> number or str) are stored in the checkpoint itself. ``force=True``
         replaces a committed checkpoint of the same step (else CheckpointExistsError on every
         process). Returns None, or the :class:`AsyncSave` handle with ``async_save=True``.
+        With ``memory=``: into memory when due, then the durable copy started when due (None
+        returned); a failed memory save raises here, a failed durable copy never does.
         """
-        self.wait()  # the previous save commits (and its retention runs) first
+        if self._tiers is None:
+            self.wait()  # the previous save commits (and its retention runs) first
         n, err = None, None
         try:
             n = _step_number(step)
             tree = with_metrics(tree, metrics)
         except E.ShardpointError as e:
             err = e
+        if self._tiers is not None:
+            self._agreed("manager-save", n, err, lambda n: None)
+            assert n is not None
+            self._save_tiered(n, tree, force)
+            return None
         self._agreed("manager-save", n, err, lambda n: self._clean_leftovers())
         assert n is not None  # else _agreed raised err on every process
         path = self.path(n)
@@ -222,6 +298,8 @@ class CheckpointManager:
             want = None if step is None else _step_number(step)
         except E.ShardpointError as e:
             err = e
+        if self._tiers is not None:
+            return self._load_tiered(want, err, target, strict)
 
         def decide(want: Optional[int]) -> int:
             self._clean_leftovers()
@@ -241,19 +319,38 @@ class CheckpointManager:
         out = spj_load(self.path(n), target, strict=strict)
         if target is None and isinstance(out, dict):
             out.pop(METRICS_KEY, None)
+        self.last_load = LoadInfo(n, "storage", self.path(n))
         return out
 
     def wait(self) -> None:
-        """Wait for an in-flight asynchronous save (raising its error), then apply retention.
-        Every process calls it."""
+        """Wait for an in-flight asynchronous save (raising its error), then apply retention;
+        with ``memory=``, for the durable copy in flight (reported in ``tier_warnings``, never
+        raised). Every process calls it."""
+        if self._tiers is not None:
+            self._report(block=True)
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()
             self._after_commit()
 
     def close(self) -> None:
-        """Wait for the last save; the manager may still be used for reading afterwards."""
+        """Wait for the last save (with ``memory=``, the last durable copy: every process
+        keeps serving its host's memory until then); the manager may still be used for
+        reading afterwards."""
         self.wait()
+
+    # ---------------------------------------------------------------- tiers (collective)
+    def _save_tiered(self, n: int, tree: Any, force: bool) -> None:
+        """``save`` with a memory tier (:mod:`shardpoint_jax.manager_tiers`)."""
+        return save_tiered(self, n, tree, force)
+
+    def _report(self, block: bool, start: Optional[tuple] = None) -> None:
+        report(self, block, start)
+
+    def _load_tiered(
+        self, want: Optional[int], err: Optional[BaseException], target: Any, strict: bool
+    ) -> Any:
+        return load_tiered(self, want, err, target, strict)
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -59,8 +59,12 @@ def _manager(rank: int, root: str, **kw):
     return tier, mgr
 
 
-def _train(rank: int, world: int, root: str, steps: list, every: int) -> dict:
-    tier, mgr = _manager(rank, root, storage_every=every, memory_keep=2, max_to_keep=2)
+def _train(
+    rank: int, world: int, root: str, steps: list, every: int, parallel: bool = False
+) -> dict:
+    tier, mgr = _manager(
+        rank, root, storage_every=every, memory_keep=2, max_to_keep=2, parallel_copy=parallel
+    )
     for s in steps:
         mgr.save(s, _state(rank, world, s), metrics={"loss": 1.0 / s})
     mgr.close()  # the last durable copy lands (or is reported)
@@ -69,6 +73,7 @@ def _train(rank: int, world: int, root: str, steps: list, every: int) -> dict:
         "storage": mgr.all_steps(),
         "warnings": list(mgr.tier_warnings),
         "latest": mgr.latest_step(),
+        "copied": mgr._tiers.part_objects,
     }
     torch.distributed.barrier()  # every rank listed before any stops serving
     tier.close()
@@ -126,13 +131,82 @@ def test_memory_every_step_storage_every_n_then_resume_across_tiers(tmp_path):
     assert got[0]["url"].endswith("step_00000006")
 
 
-def test_a_failed_durable_copy_is_reported_and_training_goes_on(tmp_path):
+def test_every_rank_copies_the_objects_its_host_holds_and_one_commit_publishes(tmp_path):
+    """parallel_copy: the durable copy of a memory step is written by both ranks (each the
+    objects its host holds, shared out by bytes), committed once by the coordinator."""
+    root = str(tmp_path)
+    got = run_world(2, _train, root, [1, 2, 3, 4], 2, True, timeout=120, pg_timeout=30)
+    for r in got:
+        assert r["storage"] == [2, 4] and r["memory"] == [3, 4] and r["warnings"] == []
+        assert r["copied"] > 0  # both ranks wrote part of each copy
+    # the objects of a step: w's 2 chunks and zarr.json, b's chunk and zarr.json: 5 a copy
+    assert sum(r["copied"] for r in got) == 2 * 5
+    for s in (2, 4):
+        d = sp.load(os.path.join(root, "ckpt", f"step_{s:08d}"))
+        want = _state(0, 1, s)
+        assert torch.equal(d["w"], want["w"].data) and d["step"] == s
+        assert torch.equal(d["b"].view(torch.int16), want["b"].view(torch.int16))
+    assert not [p for p in os.listdir(os.path.join(root, "ckpt")) if p.startswith(".")]
+
+
+def _train_s3(rank: int, world: int, root: str, url: str) -> dict:
+    h = HOSTS[rank]
+    tier = MemoryTier(
+        "job", host_id=h, shm_dir=os.path.join(root, "shm", h), advertise="127.0.0.1", timeout_s=20
+    )
+    mgr = sp.CheckpointManager(
+        url,
+        memory=tier,
+        save_options=OPTS,
+        storage_every=2,
+        parallel_copy=True,
+        copy_attempts=2,
+        copy_backoff_s=0.05,
+    )
+    for s in (1, 2, 3, 4):
+        mgr.save(s, _state(rank, world, s))  # never raises: training goes on
+    mgr.close()
+    out = {"storage": mgr.all_steps(), "warnings": list(mgr.tier_warnings)}
+    torch.distributed.barrier()
+    tier.close()
+    return out
+
+
+def test_a_parallel_copy_whose_parts_are_refused_is_aborted_whole(tmp_path, s3_env, monkeypatch):
+    """The real S3 server (behind a proxy) refuses every chunk PUT of step 2's durable copy:
+    both ranks' parts fail their tries, the coordinator aborts the copy, nothing of step 2 is
+    left in storage, and step 4's copy commits as usual."""
+    from shardpoint_testing.s3 import FaultProxy
+
+    def rule(method: str, path: str, n: int):
+        chunk = method == "PUT" and "/step_00000002/" in path and "/c/" in path
+        return 403 if chunk else None
+
+    prefix = s3_env.fresh_prefix("ptiers")
+    with FaultProxy(s3_env, rule) as proxy:
+        for k, v in proxy.env().items():
+            monkeypatch.setenv(k, v)
+        url = s3_env.url(prefix + "/ckpt")
+        got = run_world(2, _train_s3, str(tmp_path), url, timeout=120, pg_timeout=30)
+        assert proxy.injected >= 2
+        d = sp.load(url + "/step_00000004")
+        assert torch.equal(d["w"], _state(0, 1, 4)["w"].data)
+    for r in got:
+        assert r["storage"] == [4]
+        assert len(r["warnings"]) == 1
+        w = r["warnings"][0]
+        assert w.startswith("step 2:") and "failed (rank " in w and "was refused" in w
+    assert s3_env.objects(prefix + "/ckpt/step_00000002/") == {}  # aborted whole
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_failed_durable_copy_is_reported_and_training_goes_on(tmp_path, parallel):
     root = str(tmp_path)
     users = os.path.join(root, "ckpt", "step_00000002")  # not the manager's: in the way
     os.makedirs(users)
     with open(os.path.join(users, "notes.txt"), "w") as f:
         f.write("mine")
-    got = run_world(2, _train, root, [1, 2, 3, 4], 2, timeout=120, pg_timeout=30)
+    got = run_world(2, _train, root, [1, 2, 3, 4], 2, parallel, timeout=120, pg_timeout=30)
     for r in got:  # every rank was told, none was stopped
         assert len(r["warnings"]) == 1 and "step 2" in r["warnings"][0]
         assert "CheckpointExistsError" in r["warnings"][0]

@@ -14,7 +14,19 @@ import shlex
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KEYS = {"name", "after", "file", "needs", "ranks", "devices", "s3", "gcs", "by", "skip"}
+KEYS = {
+    "name",
+    "after",
+    "file",
+    "needs",
+    "ranks",
+    "devices",
+    "processes",
+    "s3",
+    "gcs",
+    "by",
+    "skip",
+}
 FENCE = re.compile(r"^([ \t]*)```(\w*)[^\n]*$")
 COMMENT = re.compile(r"^[ \t]*<!-- test: (.*) -->[ \t]*$")
 # import name -> the extra that brings it (for skip reasons)

@@ -77,8 +77,9 @@ def run_python(block: Block, code: str, cwd, env: dict | None = None) -> str:
     if "devices" in block.opts:
         from shardpoint_jax.launch import run_processes
 
+        n = int(block.opts.get("processes", 1))
         return run_processes(
-            code, 1, int(block.opts["devices"]), cwd=str(cwd), timeout=300, env=env
+            code, n, int(block.opts["devices"]), cwd=str(cwd), timeout=300, env=env
         )[0]
     if any(m.split(".")[0] in ("jax", "flax", "optax", "orbax") for m in block.needs):
         r = subprocess.run(

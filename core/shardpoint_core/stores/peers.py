@@ -31,7 +31,7 @@ import socketserver
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import crc32c
 import msgpack
@@ -293,6 +293,26 @@ def advertised_host() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def host_identity(
+    explicit: Optional[str] = None, environ: Optional[Mapping[str, str]] = None
+) -> str:
+    """This rank's host name, from the first of: ``explicit`` (``LoadOptions.host_id``, a memory tier's ``host_id``); SLURM's
+    ``SLURMD_NODENAME`` (the node ``srun`` placed the task on); the machine's hostname,
+    qualified by torchrun's node rank (``GROUP_RANK``) when torchrun ran more than one node
+    (``GROUP_WORLD_SIZE`` > 1), since containers on different nodes may share a hostname.
+    """
+    if explicit:
+        return explicit
+    env = os.environ if environ is None else environ
+    node = env.get("SLURMD_NODENAME")
+    if node:
+        return node
+    name = socket.gethostname()
+    if env.get("GROUP_RANK") is not None and int(env.get("GROUP_WORLD_SIZE", "1") or 1) > 1:
+        return f"{name}#node{env['GROUP_RANK']}"
+    return name
 
 
 def request_or_none(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from shardpoint_core.format.errors import CorruptCheckpointError, SaveFailedError
 from shardpoint_core.stores.location import locate
@@ -39,27 +39,159 @@ class CopyResult:
     nbytes: int
 
 
-def _expected(entry: Any) -> List[str]:
-    """The object keys an array of the manifest must have (relative to the checkpoint root):
-    its zarr.json and every chunk of its grid (writers store every chunk, fill-value ones
-    included)."""
-    counts = [-(-s // c) if c else 0 for s, c in zip(entry.shape, entry.chunk_shape)]
-    keys = [f"{entry.array}/zarr.json"]
+def chunk_keys(base: str, shape: Sequence[int], chunks: Sequence[int]) -> List[str]:
+    """Every object key of one saved array below ``base``: its zarr.json and every chunk of
+    its grid (writers store every chunk, fill-value ones included)."""
+    counts = [-(-s // c) if c else 0 for s, c in zip(shape, chunks)]
+    keys = [f"{base}/zarr.json"]
     if any(n == 0 for n in counts):
         return keys
     return keys + [
-        "/".join([entry.array, "c", *map(str, idx)])
+        "/".join([base, "c", *map(str, idx)])
         for idx in itertools.product(*(range(n) for n in counts))
     ]
 
 
-def _objects(store: Any, root: str, arrays: List[str]) -> List[str]:
-    """The object keys (relative to ``root``) of every array below ``root``."""
-    out: List[str] = []
+def _expected(entry: Any) -> List[str]:
+    """The object keys an array of the manifest must have (relative to the checkpoint root)."""
+    return chunk_keys(entry.array, entry.shape, entry.chunk_shape)
+
+
+def _objects(store: Any, root: str, arrays: List[str]) -> Dict[str, int]:
+    """The object keys (relative to ``root``) of every array below ``root``, with their
+    sizes."""
+    out: Dict[str, int] = {}
     for a in arrays:
         prefix = f"{root}/{a}/" if root else f"{a}/"
-        out.extend(info.key[len(root) + 1 if root else 0 :] for info in store.list(prefix))
-    return sorted(set(out))
+        for info in store.list(prefix):
+            out[info.key[len(root) + 1 if root else 0 :]] = int(info.size)
+    return out
+
+
+def copy_part(
+    src: str,
+    dst: str,
+    staging: str,
+    keys: List[str],
+    *,
+    backend: Optional[StorageBackend] = None,
+    threads: int = 8,
+) -> List[Tuple[str, int]]:
+    """Any process: copy the objects ``keys`` (relative to the checkpoint root) of the
+    committed checkpoint at ``src`` into the ``staging`` location of the copy to ``dst``
+    that a coordinator began (:meth:`CopyTransaction.begin`), and make them durable. Returns
+    (target key, bytes) of each. :class:`CorruptCheckpointError` where an object cannot be
+    read intact, :class:`SaveFailedError` where it cannot be written."""
+    s_store, s_root = locate(src, "copy").pair()
+    w = CheckpointWriter.join(dst, staging, backend=backend, call="copy")
+    d_store, d_root = locate(w.staging, "copy").pair()
+
+    def one(key: str) -> Tuple[str, int]:
+        try:
+            data = s_store.get(f"{s_root}/{key}" if s_root else key)
+        except FileNotFoundError as e:  # gone, or no copy passed its crc32c
+            raise CorruptCheckpointError(
+                f"copy of {src!r}: object {key!r} could not be read intact ({e}); "
+                f"nothing was committed at {dst!r}"
+            ) from e
+        target = f"{d_root}/{key}" if d_root else key
+        try:
+            d_store.put(target, data)
+        except OSError as e:
+            raise SaveFailedError(
+                f"copy of {src!r} to {dst!r}: cannot write {key!r} ({e}); nothing was committed"
+            ) from e
+        return target, len(data)
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        done = list(pool.map(one, keys))
+    d_store.make_durable([t for t, _n in done])
+    return done
+
+
+class CopyTransaction:
+    """A copy of one committed checkpoint that several processes write (the coordinator
+    begins and ends it; see the module): ``keys``, the objects to copy (relative to the
+    checkpoint root), ``sizes`` their bytes, ``staging`` where every process writes them
+    (:func:`copy_part`); then :meth:`commit` (the manifest last) or :meth:`abort`."""
+
+    def __init__(self, src: str, reader: CheckpointReader, writer: CheckpointWriter) -> None:
+        self.src, self.reader, self.writer = src, reader, writer
+        self.keys: List[str] = []
+        self.sizes: Dict[str, int] = {}
+
+    @classmethod
+    def begin(
+        cls,
+        src: str,
+        dst: str,
+        *,
+        backend: Optional[StorageBackend] = None,
+        overwrite: Any = False,
+    ) -> "CopyTransaction":
+        """Coordinator: read the source's manifest (with the identity of its commit), check
+        that every object of its arrays is there (:class:`CorruptCheckpointError` before
+        anything is written where one is missing), check the target and make the staging
+        location."""
+        reader = CheckpointReader.open(src, call="copy")
+        try:
+            arrays = sorted({e.array for e in reader.manifest.tensors.values()})
+            s_store, s_root = locate(reader.path, "copy").pair()
+            infos = _objects(s_store, s_root, arrays)
+            have = set(infos)
+            lacking = [
+                k for e in reader.manifest.tensors.values() for k in _expected(e) if k not in have
+            ]
+            if lacking:
+                raise CorruptCheckpointError(
+                    f"copy of {src!r}: object {lacking[0]!r} of its manifest is missing "
+                    f"({len(lacking)} missing); nothing was copied to {dst!r}"
+                )
+            w = CheckpointWriter.begin(dst, backend=backend, overwrite=overwrite, call="copy")
+        except BaseException:
+            reader.close()
+            raise
+        t = cls(src, reader, w)
+        t.keys, t.sizes = sorted(infos), dict(infos)
+        return t
+
+    @property
+    def staging(self) -> str:
+        return str(self.writer.staging)
+
+    @property
+    def source(self) -> str:
+        """The source checkpoint's location, as :func:`copy_part` takes it."""
+        return str(self.reader.path)
+
+    @property
+    def source_root(self) -> str:
+        """The key of the source checkpoint's root in its store (what ``keys`` are below)."""
+        return str(locate(self.reader.path, "copy").pair()[1])
+
+    @property
+    def path(self) -> str:
+        return str(self.writer.path)
+
+    def commit(self) -> None:
+        """Every part is durable: check that the source was not replaced meanwhile, then
+        commit the manifest (the target becomes visible at once). Any failure aborts."""
+        try:
+            try:
+                self.reader.check_unchanged()
+            except BaseException:
+                self.writer.abort()
+                raise
+            self.writer.commit(self.reader.manifest_bytes)
+        finally:
+            self.reader.close()
+
+    def abort(self) -> None:
+        """Remove what the copy staged (never the target); idempotent."""
+        try:
+            self.writer.abort()
+        finally:
+            self.reader.close()
 
 
 def copy_checkpoint(
@@ -76,41 +208,13 @@ def copy_checkpoint(
     the step that failed (the documented classes of :mod:`shardpoint_core.format.errors`);
     :class:`CorruptCheckpointError` where an object of the manifest's arrays is missing
     (checked before anything is written)."""
-    reader = CheckpointReader.open(src, call="copy")
-    arrays = sorted({e.array for e in reader.manifest.tensors.values()})
-    s_store, s_root = locate(reader.path, "copy").pair()
-    keys = _objects(s_store, s_root, arrays)
-    have = set(keys)
-    lacking = [k for e in reader.manifest.tensors.values() for k in _expected(e) if k not in have]
-    if lacking:
-        raise CorruptCheckpointError(
-            f"copy of {src!r}: object {lacking[0]!r} of its manifest is missing "
-            f"({len(lacking)} missing); nothing was copied to {dst!r}"
+    t = CopyTransaction.begin(src, dst, backend=backend, overwrite=overwrite)
+    try:
+        done = copy_part(
+            t.reader.path, t.path, t.staging, t.keys, backend=t.writer.backend, threads=threads
         )
-    with CheckpointWriter.begin(dst, backend=backend, overwrite=overwrite, call="copy") as w:
-        d_store, d_root = locate(w.staging, "copy").pair()
-
-        def one(key: str) -> Tuple[str, int]:
-            try:
-                data = s_store.get(f"{s_root}/{key}" if s_root else key)
-            except FileNotFoundError as e:  # gone, or no copy passed its crc32c
-                raise CorruptCheckpointError(
-                    f"copy of {src!r}: object {key!r} could not be read intact ({e}); "
-                    f"nothing was committed at {dst!r}"
-                ) from e
-            target = f"{d_root}/{key}" if d_root else key
-            try:
-                d_store.put(target, data)
-            except OSError as e:
-                raise SaveFailedError(
-                    f"copy of {src!r} to {dst!r}: cannot write {key!r} ({e}); nothing was committed"
-                ) from e
-            return target, len(data)
-
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            done = list(pool.map(one, keys))
-        d_store.make_durable([t for t, _n in done])
-        reader.check_unchanged()  # the source was not replaced while it was read
-        w.commit(reader.manifest_bytes)  # the group metadata, the manifest, then visible
-    reader.close()
-    return CopyResult(w.path, len(done), sum(n for _t, n in done))
+    except BaseException:
+        t.abort()
+        raise
+    t.commit()  # the group metadata, the manifest, then visible
+    return CopyResult(t.path, len(done), sum(n for _t, n in done))

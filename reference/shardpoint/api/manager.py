@@ -79,7 +79,7 @@ from shardpoint_core.format.policy import (
 )
 from shardpoint_core.format.statetree import ValueLeaf, node_at
 from shardpoint_core.transactions.protocol import StorageBackend
-from shardpoint.api.manager_tiers import LoadInfo, Tiers
+from shardpoint.api.manager_tiers import Exchange, LoadInfo, Tiers, tier_plan
 
 METRICS_KEY = "__metrics__"
 
@@ -96,8 +96,11 @@ class CheckpointManager:
     ``memory``: a :class:`~shardpoint.MemoryTier` (started by every rank, closed by the
     caller after the manager); then ``memory_every`` (steps between memory saves, default 1),
     ``storage_every`` (steps between durable copies, required; such a step goes to memory
-    too), ``memory_keep`` (memory steps kept, default 2, plus one being copied); storage
-    retention is the options above. ``tier_warnings`` lists the failed copies, ``last_load``
+    too), ``memory_keep`` (memory steps kept, default 2, plus one being copied),
+    ``copy_attempts`` and ``copy_backoff_s`` (a failed durable copy is tried again that many
+    times in all, after that many seconds, doubling), ``parallel_copy`` (every rank copies
+    the objects its host holds, the coordinator commits once all are durable; default: the
+    coordinator copies alone); storage retention is the options above. ``tier_warnings`` lists the failed copies, ``last_load``
     (:class:`~shardpoint.api.manager_tiers.LoadInfo`) where the last load came from.
     """
 
@@ -120,6 +123,9 @@ class CheckpointManager:
         memory_every: int = 1,
         memory_keep: int = 2,
         storage_every: Optional[int] = None,
+        copy_attempts: int = 3,
+        copy_backoff_s: float = 1.0,
+        parallel_copy: bool = False,
     ) -> None:
         if retention is not None:
             if not isinstance(retention, Retention):
@@ -155,7 +161,15 @@ class CheckpointManager:
                     "async_save=True with memory=: the memory save is the fast one, and the "
                     "durable copy already runs in the background; drop async_save"
                 )
-            self._tiers = Tiers(memory, memory_every, memory_keep, storage_every)
+            self._tiers = Tiers(
+                memory,
+                memory_every,
+                memory_keep,
+                storage_every,
+                copy_attempts=copy_attempts,
+                copy_backoff_s=copy_backoff_s,
+                parallel_copy=parallel_copy,
+            )
         elif storage_every is not None:
             raise errors.InvalidOptionError(
                 "storage_every= needs memory=sp.MemoryTier(...); without a memory tier every "
@@ -397,30 +411,13 @@ class CheckpointManager:
         then learns what failed (``tier_warnings``, logged), and training goes on."""
         tiers = self._tiers
         assert tiers is not None
-        failed: list = []
-        if self._comm.is_coordinator:
-            try:
-                done = tiers.settle(block)
-                if any(not err for _s, _d, err in done):
-                    self._retain()
-                failed = [
-                    f"step {s}: the durable copy of {tiers.memory.url(s)} to {d!r} "
-                    f"failed ({err}); training goes on, and that step is left to the "
-                    "next one due to storage"
-                    for s, d, err in done
-                    if err
-                ]
-                if start is not None:
-                    if tiers.copying is None:
-                        self._clean_leftovers()
-                    s, p, force = start
-                    tiers.start_copy(s, p, self.backend, force)
-                tiers.evict()
-            except errors.ShardpointError as e:  # reported like a failed copy
-                failed.append(f"tier upkeep failed ({type(e).__name__}: {e})")
-        got = msgpack.unpackb(
-            self._comm.broadcast_bytes(msgpack.packb(failed) if self._comm.is_coordinator else None)
+        ex = Exchange(
+            self._comm.rank,
+            self._comm.is_coordinator,
+            self._comm.broadcast_bytes,
+            self._comm.all_gather_bytes,
         )
+        got = tiers.report(ex, block, start, self.backend, self._retain, self._clean_leftovers)
         for w in got:
             log.warning("shardpoint: %s", w)
         self.tier_warnings.extend(got)
@@ -437,9 +434,7 @@ class CheckpointManager:
         plan: list = []
         if self._comm.is_coordinator:
             self._clean_leftovers()
-            mem, sto = set(tiers.memory.steps()), set(self.all_steps())
-            cands = [step] if step is not None else sorted(mem | sto, reverse=True)
-            plan = [[s, s in mem, s in sto] for s in cands if s in mem or s in sto]
+            plan = tier_plan(step, tiers.memory.steps(), self.all_steps())
         plan = msgpack.unpackb(
             self._comm.broadcast_bytes(msgpack.packb(plan) if self._comm.is_coordinator else None)
         )

@@ -28,70 +28,22 @@ Example (every rank)::
 from __future__ import annotations
 
 import itertools
-import math
 import os
-import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import msgpack
 
 from shardpoint.exchange.comm import Comm
-from shardpoint.exchange.topology import host_identity
 from shardpoint.planning.load_planner import LoadOptions
 from shardpoint.tree.flatten import flatten_state
 from shardpoint_core.format import errors
 from shardpoint_core.format.keys import encode_key
-from shardpoint_core.format.manifest import Manifest, decode_manifest
-from shardpoint_core.format.spec import MANIFEST_NAME
-from shardpoint_core.stores.peers import PeerClient, PeerServer, advertised_host
-from shardpoint_core.stores.shm import PeerHost, ShmStore, too_few_hosts
+from shardpoint_core.stores.peers import host_identity
+from shardpoint_core.transactions.memory_tier import STEP as _STEP
+from shardpoint_core.transactions.memory_tier import HostTier, Restored, every_chunk
 
 Fallback = Union[str, Callable[[int], Optional[str]], None]
-_STEP = "step_"
-
-
-@dataclass
-class Restored:
-    """What :meth:`MemoryTier.restore` did: the loaded ``tree``; the ``step``; for every
-    tensor key, where it came from (``"memory"`` or ``"storage"``); the bytes of the state
-    each source gave (global, from the manifest); the memory checkpoint's URL, the durable
-    one's (``""`` where none was read); the memory objects no surviving host held; and
-    ``reason``: why anything came from storage, in words (``""`` where nothing did)."""
-
-    tree: Any
-    step: Optional[int]
-    sources: Dict[str, str] = field(default_factory=dict)
-    memory_bytes: int = 0
-    storage_bytes: int = 0
-    memory_url: str = ""
-    storage_url: str = ""
-    missing_objects: List[str] = field(default_factory=list)
-    reason: str = ""
-    timings: Dict[str, float] = field(default_factory=dict)  # seconds: decide, gather, load
-
-
-def _chunk_keys(base: str, shape: Tuple[int, ...], chunks: Tuple[int, ...]) -> List[str]:
-    """Every object key of one saved array: its zarr.json and each chunk (writers store every
-    chunk, fill-value ones included)."""
-    counts = [math.ceil(s / c) if c else 0 for s, c in zip(shape, chunks)]
-    keys = [f"{base}/zarr.json"]
-    if any(n == 0 for n in counts):
-        return keys
-    idx = [0] * len(counts)
-    while True:
-        keys.append("/".join([base, "c", *map(str, idx)]))
-        d = len(idx) - 1
-        while d >= 0:
-            idx[d] += 1
-            if idx[d] < counts[d]:
-                break
-            idx[d] = 0
-            d -= 1
-        if d < 0:
-            return keys
 
 
 def _leaf_keys(tree: Any, path: Tuple[Any, ...] = ()) -> List[str]:
@@ -135,9 +87,11 @@ def _merge(a: Any, b: Any) -> Any:
     return a
 
 
-class MemoryTier:
+class MemoryTier(HostTier):
     """Checkpoints of job ``job`` in host memory, replicated to ``k`` other hosts (see the
-    module). Collective: every rank of ``group`` constructs it, saves and restores.
+    module; the host ring, budget, listing and removal are the core's
+    :class:`~shardpoint_core.transactions.memory_tier.HostTier`). Collective: every rank of
+    ``group`` constructs it, saves and restores.
 
     ``budget_bytes``: the shared memory a host may hold for this job (None: no cap).
     ``shm_dir``: where host memory is (default ``$SHARDPOINT_SHM_DIR`` or
@@ -157,75 +111,30 @@ class MemoryTier:
         advertise: Optional[str] = None,
         timeout_s: float = 60.0,
     ) -> None:
-        self.job, self.k, self.group = job, k, group
+        self.group = group
         self.comm = Comm(group)
-        self.host = host_identity(host_id)
-        self.store = ShmStore.named(job)
-        self.store.configure(shm_dir=shm_dir, budget_bytes=budget_bytes, host=self.host)
-        self.store.clean_tmp()  # what this job's dead processes left half-written
-        token = self.comm.broadcast_bytes(
-            secrets.token_hex(16).encode() if self.comm.is_coordinator else None
-        ).decode()
-        self.server = PeerServer(self.store.handle, token, advertise=advertise or advertised_host())
-        rows = [
-            msgpack.unpackb(b, raw=False)
-            for b in self.comm.all_gather_bytes(
-                msgpack.packb([self.host, self.server.address], use_bin_type=True)
-            )
-        ]
-        self.rank_hosts = [h for h, _a in rows]
-        hosts: List[str] = []
-        for h in self.rank_hosts:
-            if h not in hosts:
-                hosts.append(h)
-        self.hosts = hosts
-        mine = hosts.index(self.host)
-        local_index = [r for r, (h, _a) in enumerate(rows) if h == self.host].index(self.comm.rank)
-        others = []
-        for h in hosts[mine + 1 :] + hosts[:mine]:
-            addrs = [a for hh, a in rows if hh == h]
-            addrs = addrs[local_index % len(addrs) :] + addrs[: local_index % len(addrs)]
-            others.append(PeerHost(h, [PeerClient(a, token, timeout_s=timeout_s) for a in addrs]))
-        self.store.set_peers(others, k)
+        super().__init__(
+            job,
+            k=k,
+            budget_bytes=budget_bytes,
+            shm_dir=shm_dir,
+            host=host_identity(host_id),
+            rank=self.comm.rank,
+            coordinator=self.comm.is_coordinator,
+            broadcast=self.comm.broadcast_bytes,
+            all_gather=self.comm.all_gather_bytes,
+            advertise=advertise,
+            timeout_s=timeout_s,
+        )
         self._hgroup: Any = None
-
-    def url(self, step: int) -> str:
-        """The memory checkpoint of ``step``: ``shm://<job>/step_<step>``."""
-        return f"shm://{self.job}/{_STEP}{int(step)}"
 
     # -- saving ---------------------------------------------------------------------------
     def _check_budget(self, state: Any) -> None:
         """Refuse (:class:`MemoryBudgetError`, every rank) a save whose estimated bytes would
-        take a host past the budget, before anything is written. The estimate: the main
-        replica of every piece a rank holds, on its host and on the ``k`` hosts after it."""
-        budget = self.store.budget_bytes
+        take a host past the budget, before anything is written
+        (:meth:`~shardpoint_core.transactions.memory_tier.HostTier.check_budget`)."""
         flat = flatten_state(state, replica=(self.comm.rank,))
-        mine = sum(t.holding.nbytes for t in flat.tensors if not any(t.holding.replica))
-        rows = [
-            msgpack.unpackb(b, raw=False)
-            for b in self.comm.all_gather_bytes(
-                msgpack.packb([mine, self.store.usage()], use_bin_type=True)
-            )
-        ]
-        if budget is None:
-            return
-        adds = {h: 0 for h in self.hosts}
-        used = {h: 0 for h in self.hosts}
-        for r, (b, u) in enumerate(rows):
-            h = self.rank_hosts[r]
-            used[h] = max(used[h], u)
-            i = self.hosts.index(h)
-            for j in range(self.k + 1):
-                adds[self.hosts[(i + j) % len(self.hosts)]] += b
-        over = [h for h in self.hosts if used[h] + adds[h] > budget]
-        if over:
-            h = over[0]
-            raise errors.MemoryBudgetError(
-                f"memory tier shm://{self.job}: this save would put about {adds[h]} bytes on "
-                f"host {h}, which holds {used[h]}: over its budget of {budget} bytes "
-                f"({len(over)} host(s) over); nothing was written. Raise budget_bytes or keep "
-                "fewer memory steps"
-            )
+        self.check_budget(sum(t.holding.nbytes for t in flat.tensors if not any(t.holding.replica)))
 
     def save(
         self,
@@ -242,8 +151,7 @@ class MemoryTier:
         eviction there is). Returns the :class:`~shardpoint.SaveResult`."""
         from shardpoint.api.checkpointer import save
 
-        if self.k > len(self.hosts) - 1:
-            raise errors.InvalidOptionError(too_few_hosts(self.k, len(self.hosts) - 1))
+        self.check_saveable()
         self._check_budget(state)
         res = save(state, self.url(step), group=self.group, overwrite=overwrite, **kwargs)
         if keep is not None:
@@ -257,71 +165,7 @@ class MemoryTier:
             self.comm.all_true(True)  # no rank leaves (and stops serving) before that
         return res
 
-    def steps(self) -> List[int]:
-        """The committed memory steps any reachable host holds, oldest first (local: no
-        collective)."""
-        found = set()
-        for info in self.store.list(""):
-            head, _sep, rest = info.key.partition("/")
-            if rest == MANIFEST_NAME and head.startswith(_STEP) and head[len(_STEP) :].isdigit():
-                found.add(int(head[len(_STEP) :]))
-        return sorted(found)
-
-    def remove(self, step: int) -> bool:
-        """Delete memory step ``step`` on every reachable host through the committer (the
-        marker first, so no reader takes it for committed meanwhile). Coordinator only."""
-        from shardpoint_core.commit.routing import default_committer
-
-        return default_committer().remove(self.url(step))
-
     # -- recovery -------------------------------------------------------------------------
-    def _decide(self, step: Optional[int]) -> Dict[str, Any]:
-        """(rank 0) which step to restore, which tensors memory holds whole, and what every
-        rank needs to know of them (array paths, grids, sizes, the metadata objects)."""
-        candidates = [step] if step is not None else self.steps()[::-1]
-        reasons = []
-        for s in candidates:
-            prefix = f"{_STEP}{s}"
-            try:
-                m: Manifest = decode_manifest(self.store.get(f"{prefix}/{MANIFEST_NAME}"))
-            except (FileNotFoundError, errors.ShardpointError) as e:
-                reasons.append(f"step {s}: no intact manifest in memory ({e})")
-                continue
-            present = {i.key for i in self.store.list(prefix + "/")}
-            storage, missing = [], []
-            for key, entry in m.tensors.items():
-                gone = [
-                    k
-                    for k in _chunk_keys(
-                        f"{prefix}/{entry.array}", tuple(entry.shape), tuple(entry.chunk_shape)
-                    )
-                    if k not in present
-                ]
-                if gone:
-                    storage.append(key)
-                    missing.extend(gone)
-            return {
-                "step": s,
-                "storage": storage,
-                "missing": missing,
-                "reason": "; ".join(reasons),
-                "arrays": {
-                    k: [f"{prefix}/{e.array}", list(e.chunk_shape), e.nbytes, list(e.shape)]
-                    for k, e in m.tensors.items()
-                },
-                "meta": sorted(
-                    [f"{prefix}/{MANIFEST_NAME}"] + [k for k in present if k.endswith("/zarr.json")]
-                ),
-            }
-        return {
-            "step": step,
-            "storage": None,
-            "missing": [],
-            "arrays": {},
-            "meta": [],
-            "reason": "; ".join(reasons) or "no committed memory checkpoint on any reachable host",
-        }
-
     def _needed(self, like: Any, arrays: Dict[str, Any]) -> Dict[str, str]:
         """object key -> tensor key: the chunks this rank's part of ``like`` meets (the whole
         tensors without ``like``)."""
@@ -354,22 +198,6 @@ class MemoryTier:
             self._hgroup = dist.new_group(mine, backend="gloo", use_local_synchronization=True)
         return self._hgroup
 
-    def _materialize(self, keys: List[str]) -> List[str]:
-        """Make sure this host holds an intact copy of each of ``keys`` (fetched from a peer
-        where not, and checked); the keys that could not be had."""
-
-        def one(key: str) -> bool:
-            if self.store.verify_local(key):
-                return True
-            try:
-                self.store.fetch_here(key)
-            except (FileNotFoundError, errors.ShardpointError, OSError):
-                return False
-            return self.store.verify_local(key)
-
-        with ThreadPoolExecutor(8) as pool:
-            return [k for k, ok in zip(keys, pool.map(one, keys)) if not ok]
-
     def restore(
         self,
         like: Any = None,
@@ -393,7 +221,7 @@ class MemoryTier:
         t0 = time.perf_counter()
         d: Dict[str, Any] = msgpack.unpackb(
             self.comm.broadcast_bytes(
-                msgpack.packb(self._decide(step), use_bin_type=True)
+                msgpack.packb(self.decide(step), use_bin_type=True)
                 if self.comm.is_coordinator
                 else None
             ),
@@ -446,13 +274,9 @@ class MemoryTier:
         # gather this host's part here, checked; a piece no host gives intact goes to storage
         need = self._needed(mem_like, {k: v for k, v in d["arrays"].items() if k not in storage})
         if like is None:  # the whole of every tensor
-            need = {
-                k: t
-                for t, (base, chunk, _n, shape) in d["arrays"].items()
-                for k in _chunk_keys(base, tuple(shape), tuple(chunk))[1:]
-            }
+            need = every_chunk(d["arrays"])
         t0 = time.perf_counter()
-        failed = self._materialize(list(d["meta"]) + sorted(need))
+        failed = self.materialize(list(d["meta"]) + sorted(need))
         out.timings["gather"] = time.perf_counter() - t0
         lost = sorted({need.get(k, "") for k in failed})
         lost_all = sorted(
@@ -500,15 +324,3 @@ class MemoryTier:
         out.storage_bytes = sum(n for k, n in nbytes.items() if k in storage)
         out.memory_bytes = sum(nbytes.values()) - out.storage_bytes
         return out
-
-    def close(self) -> None:
-        """Stop serving this host's memory and forget the peers (local). The objects stay in
-        shared memory for the next incarnation of the job."""
-        self.server.close()
-        self.store.clear_peers()
-
-    def __enter__(self) -> "MemoryTier":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

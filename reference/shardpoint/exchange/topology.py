@@ -9,26 +9,7 @@ exchange takes over) but prices the load wrongly.
 
 from __future__ import annotations
 
-import os
-import socket
-from typing import Mapping, Optional
+# the core's (the memory tier's side channel names hosts too, for both front ends)
+from shardpoint_core.stores.peers import host_identity
 
-
-def host_identity(
-    explicit: Optional[str] = None, environ: Optional[Mapping[str, str]] = None
-) -> str:
-    """This rank's host name, from the first of: ``explicit`` (``LoadOptions.host_id``); SLURM's
-    ``SLURMD_NODENAME`` (the node ``srun`` placed the task on); the machine's hostname,
-    qualified by torchrun's node rank (``GROUP_RANK``) when torchrun ran more than one node
-    (``GROUP_WORLD_SIZE`` > 1), since containers on different nodes may share a hostname.
-    """
-    if explicit:
-        return explicit
-    env = os.environ if environ is None else environ
-    node = env.get("SLURMD_NODENAME")
-    if node:
-        return node
-    name = socket.gethostname()
-    if env.get("GROUP_RANK") is not None and int(env.get("GROUP_WORLD_SIZE", "1") or 1) > 1:
-        return f"{name}#node{env['GROUP_RANK']}"
-    return name
+__all__ = ["host_identity"]

@@ -1,0 +1,118 @@
+"""The tiered half of :class:`shardpoint_jax.CheckpointManager`: the policy and the durable
+copies are the core's, shared with the torch manager
+(:mod:`shardpoint_core.transactions.tiers`); here is how the JAX manager's processes agree
+on them (through :mod:`shardpoint_jax.comm`).
+
+- save: every process saves into memory when the step is due (synchronously: a copy into
+  host memory and to the peers); when it is due to storage, process 0 starts the durable
+  copy of that memory step in the background (after the previous copy finished). Then the
+  finished copy is reported on every process, storage retention applied, old memory steps
+  removed. A memory step of the same number is replaced (memory is the manager's scratch: a
+  resumed job saves its steps again); ``force`` applies to storage.
+- load: the newest step across memory and storage (or the one asked for), each checked
+  before use; a memory step with missing or damaged pieces gives way to the same step in
+  storage, then to the next older step; ``last_load`` says what came from where and what was
+  passed over.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import jax
+
+from shardpoint_core.format.errors import ShardpointError as CoreError
+from shardpoint_core.transactions.tiers import Exchange, LoadInfo, Tiers, tier_plan
+from shardpoint_jax import errors as E
+from shardpoint_jax.loading import load as spj_load
+from shardpoint_jax.memory_tier import all_gather, all_true, broadcast
+
+log = logging.getLogger("shardpoint")
+METRICS_KEY = "__metrics__"
+
+
+def save_tiered(mgr: Any, n: int, tree: Any, force: bool) -> None:
+    """``mgr.save`` with a memory tier, once every process agreed on step ``n``."""
+    tiers: Tiers = mgr._tiers
+    to_memory, to_storage = tiers.due(n)
+    if to_memory:
+        tiers.memory.save(tree, n, overwrite=True)
+    report(mgr, block=to_storage, start=(n, mgr.path(n), force) if to_storage else None)
+
+
+def report(mgr: Any, block: bool, start: Optional[tuple] = None) -> None:
+    """Collective: process 0 collects the finished durable copy (waiting for it with
+    ``block``), applies storage retention after a committed one, starts the copy ``start``
+    where given, and removes old memory steps; every process then hears what failed or was
+    retried (``tier_warnings``, logged) and training goes on."""
+    tiers: Tiers = mgr._tiers
+    rank = jax.process_index()
+    ex = Exchange(rank, rank == 0, broadcast("manager-tiers"), all_gather("manager-tiers"))
+    got = tiers.report(ex, block, start, None, mgr._retain, mgr._clean_leftovers)
+    if rank != 0:
+        mgr._metrics.clear()
+    for w in got:
+        log.warning("shardpoint: %s", w)
+    mgr.tier_warnings.extend(got)
+
+
+def load_tiered(
+    mgr: Any, want: Optional[int], err: Optional[BaseException], target: Any, strict: bool
+) -> Any:
+    """``mgr.load`` with a memory tier (see the module)."""
+    tiers: Tiers = mgr._tiers
+
+    def decide(want: Optional[int]) -> list:
+        mgr._clean_leftovers()
+        plan = tier_plan(want, tiers.memory.steps(), mgr.all_steps())
+        if not plan:
+            what = f"step {want} is" if want is not None else "no step is"
+            raise E.CheckpointNotFoundError(
+                f"{what} committed in memory ({tiers.memory.url(0).rsplit('/', 1)[0]}) or in "
+                f"storage ({mgr.root!r}): nothing to resume from"
+            )
+        return plan
+
+    plan = mgr._agreed("manager-load", want, err, decide)
+    skipped: list = []
+    for s, in_mem, in_sto in plan:
+        failed: Optional[BaseException] = None
+        tree, info = None, None
+        try:
+            if in_mem:
+                r = tiers.memory.restore(
+                    target, step=s, strict=strict, fallback=mgr.path(s) if in_sto else None
+                )
+                kinds = set(r.sources.values()) or {"memory"}
+                tree = r.tree
+                info = LoadInfo(
+                    s,
+                    "+".join(k for k in ("memory", "storage") if k in kinds),
+                    r.memory_url or r.storage_url,
+                    dict(r.sources),
+                    r.reason,
+                )
+            else:
+                tree = spj_load(mgr.path(s), target, strict=strict)
+                info = LoadInfo(s, "storage", mgr.path(s))
+        except (CoreError, OSError) as e:
+            failed = e
+        if all_true("manager-load-ok", failed is None):
+            assert info is not None
+            info.skipped = skipped
+            mgr.last_load = info
+            if target is None and isinstance(tree, dict):
+                tree.pop(METRICS_KEY, None)
+            return tree
+        where = "memory" if in_mem else "storage"
+        skipped.append(
+            f"step {s} ({where}): "
+            + (f"{type(failed).__name__}: {failed}" if failed else "failed on another process")
+        )
+        log.warning("shardpoint: passing over %s", skipped[-1])
+    what = f"step {want}" if want is not None else "no step"
+    raise E.CheckpointNotFoundError(
+        f"{what} could be loaded from memory ({tiers.memory.url(0).rsplit('/', 1)[0]}) or "
+        f"from storage ({mgr.root!r}): " + "; ".join(skipped)
+    )
