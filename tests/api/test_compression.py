@@ -79,9 +79,10 @@ def test_generic_zarr_readers_read_a_compressed_checkpoint(tmp_ckpt):
     register_zarr_dtypes()
     for key in ("float32", "bfloat16", "int64", "bool", "zeros"):
         where = zarr_path(tmp_ckpt, key)
-        assert json.load(open(os.path.join(where, "zarr.json")))["codecs"][1]["configuration"][
-            "level"
-        ] == 9
+        assert (
+            json.load(open(os.path.join(where, "zarr.json")))["codecs"][1]["configuration"]["level"]
+            == 9
+        )
         got_z = zarr.open_array(where, mode="r")[...]
         got_t = (
             ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": where}}, open=True)
@@ -175,7 +176,11 @@ def test_a_frame_declaring_another_size_is_refused_before_decoding(tmp_ckpt):
         (lambda f: f + b"\x00" * 8, "unused data|does not decode", "SP-READ-9"),  # trailing
         (lambda f: b"\x00" * len(f), "not a zstd frame", "SP-READ-9"),
         (lambda f: _rle_frame(60), "declares 60", "SP-READ-9"),  # 60 of 64 bytes
-        (lambda f: _rle_frame(60, content_size=False), "decodes to 60|does not decode", "SP-READ-9"),
+        (
+            lambda f: _rle_frame(60, content_size=False),
+            "decodes to 60|does not decode",
+            "SP-READ-9",
+        ),
         (lambda f: b"\x28\xb5\x2f\xfd", "not >= 14|bytes stored", "SP-READ-3"),  # below any frame
     ],
     ids=["trailing", "no_magic", "short_declared", "short_undeclared", "too_small"],

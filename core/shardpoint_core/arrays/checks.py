@@ -19,7 +19,6 @@ import numpy as np
 
 from shardpoint_core.format.errors import CorruptCheckpointError, UnsupportedFormatError
 from shardpoint_core.format.compression import (
-    MAX_RATIO,
     compression_of,
     stored_bounds,
     zstd_config_ok,

@@ -324,7 +324,9 @@ class ZarrBackend:
             local.create_zarr_json(root, apath, zarr_json_bytes(stored))
         except OSError as e:
             raise SaveFailedError(f"cannot create array {array_path!r} under {root}: {e}") from e
-        if wlay is None:  # (1.5) compressed chunks: encoded by the Zarr layer, made durable by flush
+        if (
+            wlay is None
+        ):  # (1.5) compressed chunks: encoded by the Zarr layer, made durable by flush
             return _Array(FileStore(root, fsync=False), path, lay, array_path, sink=sink)
         return _WriteHandle(
             DirectWriter(wlay, self._write_pool.submit, self.fsync, sink),
