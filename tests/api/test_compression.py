@@ -236,3 +236,30 @@ def test_a_zstd_codec_of_another_form_is_unsupported(tmp_ckpt):
     with pytest.raises(UnsupportedFormatError, match="zstd codec") as e:
         sp.load(tmp_ckpt)
     assert e.value.spec_id == "SP-ARRAY-1"
+
+
+def _two_ranks(rank, world, root):
+    import torch
+
+    full = torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6)
+    a, b = (0, 25) if rank == 0 else (25, 40)  # uneven rows: the plan's grid moves data
+    state = {"w": sp.ShardedTensor(full[a:b].clone(), (40, 6), (a, 0)), "step": 7}
+    sp.save(state, f"{root}/sync", compression="zstd", async_save=True).wait()
+    got = [sp.load(f"{root}/sync")["w"].tolist() == full.tolist()]
+    try:  # one rank compressing, the other not: refused before anything is written
+        sp.save(state, f"{root}/mixed", compression="zstd" if rank == 0 else None)
+        mixed = "saved"
+    except sp.ShardpointError as e:
+        mixed = type(e).__name__ + ("compression" in str(e)) * " names compression"
+    return got, mixed, os.path.exists(f"{root}/mixed")
+
+
+def test_two_ranks_save_compressed_async_and_must_agree_on_it(tmp_path):
+    from shardpoint_testing.launch import run_world
+
+    res = run_world(2, _two_ranks, str(tmp_path), timeout=180, pg_timeout=30)
+    for got, mixed, exists in res:
+        assert got == [True]
+        assert mixed.endswith("names compression") and not exists, mixed
+    meta = json.load(open(tmp_path / "sync" / "tensors" / "w" / "zarr.json"))
+    assert [c["name"] for c in meta["codecs"]] == ["bytes", "zstd", "crc32c"]
