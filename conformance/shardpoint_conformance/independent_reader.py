@@ -20,6 +20,11 @@ import msgpack
 import numpy as np
 
 from shardpoint_conformance.independent_packed import PackedError, check_field, export_tensor
+from shardpoint_conformance.independent_zstd import (
+    ZstdVectorError,
+    check_compressed,
+    is_zstd_chain,
+)
 
 
 class VectorError(Exception):
@@ -398,7 +403,9 @@ def _check_zarr(root: str, array: str, e: dict, key: str) -> dict:
         if json.dumps(meta.get(k), sort_keys=True) != json.dumps(v, sort_keys=True):
             raise VectorError("SP-ARRAY-2", f"{key}: zarr.json {k} is {meta.get(k)!r}, not {v!r}")
     codecs = meta.get("codecs")
-    if not _plain(codecs, dtype):
+    if is_zstd_chain(codecs, lambda c: _plain(c, dtype)):
+        pass  # (1.5) [SP-ARRAY-7]; any other zstd form is an unknown codec below
+    elif not _plain(codecs, dtype):
         names = (
             [c.get("name") for c in codecs if isinstance(c, dict)]
             if isinstance(codecs, list)
@@ -492,6 +499,25 @@ def _check_chunks(root: str, array: str, e: dict, meta: dict, key: str) -> None:
                 "chunk table records for this position",
             )
 
+    if is_zstd_chain(meta["codecs"], lambda c: _plain(c, e["dtype"])):  # (1.5)
+        try:
+            check_compressed(
+                grid,
+                chunk,
+                shape,
+                size,
+                is_bool,
+                key,
+                lambda name: _regular(root, f"{array}/{name}"),
+                lambda name, n: _read(root, f"{array}/{name}", n),
+                crc32c,
+                mine,
+            )
+        except FileNotFoundError:
+            raise VectorError("SP-READ-2", f"{key}: a chunk is missing") from None
+        except ZstdVectorError as err:
+            raise VectorError(err.spec_id, str(err).split("] ", 1)[1]) from err
+        return
     for idx in np.ndindex(*grid):  # [SP-READ-6] (1.2): bytes present, before any read
         name = "/".join(["c"] + [str(i) for i in idx])
         try:

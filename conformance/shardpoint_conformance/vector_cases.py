@@ -235,7 +235,38 @@ def cases() -> dict:
             None,
         ),
         "packed_basic": (packed, {"backend": packed_be, "options": ident_opts}, None, (1, 4), None),
+        "compressed_zstd": (None, {"write": write_compressed}, None, (1, 5), None),
     }
+
+
+def write_compressed(path: str) -> None:
+    """(1.5) A checkpoint whose arrays are all compressed ([SP-ARRAY-7]): chunks of one
+    frame each, an edge chunk, bool, bfloat16, a 0-d and an empty tensor, with chunk tables.
+    Its frames are :func:`~.vector_damage_15.simple_frame`'s (raw and RLE blocks) instead of
+    a zstd library's, so that the bytes reproduce whatever libzstd regenerates the vector:
+    the save's encoder is swapped for the time of this save."""
+    import shardpoint as sp
+    from shardpoint_core.arrays import array as zarr_layer
+    from shardpoint_conformance.vector_damage_15 import simple_frame
+
+    state = {
+        "zeros": np.zeros((32, 32), np.float32),  # one 4 KiB chunk, one RLE block
+        "rows": bits("float32", (30, 50), 900),  # two chunks, the second an edge chunk
+        "flags": bits("bool", (5, 3), 901),
+        "bf": bits("bfloat16", (7, 2), 902),
+        "scalar": np.array(-2.5),  # a 0-d tensor: its one chunk "c"
+        "empty": np.zeros((0, 4), np.int16),
+        "step": 12,
+    }
+    opts = sp.SaveOptions(
+        plan=sp.PlanOptions(max_chunk_bytes=4096, chunk_overhead_bytes=0), compression="zstd"
+    )
+    keep = zarr_layer.encode_zstd
+    zarr_layer.encode_zstd = lambda data, level: simple_frame(bytes(data))
+    try:
+        sp.save(state, path, options=opts)
+    finally:
+        zarr_layer.encode_zstd = keep
 
 
 # Keys whose array paths pin [SP-LAYOUT-4]: case marks counting letters outside %XX escapes

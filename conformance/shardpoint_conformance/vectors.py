@@ -38,10 +38,11 @@ from shardpoint_conformance.vector_damage import INVALID as INVALID_1_1
 from shardpoint_conformance.vector_damage_12 import INVALID_1_2
 from shardpoint_conformance.vector_damage_13 import INVALID_1_3
 from shardpoint_conformance.vector_damage_14 import INVALID_1_4
+from shardpoint_conformance.vector_damage_15 import INVALID_1_5
 
 # Every invalid vector: 1.0/1.1's, then each version's clarifications (their own modules,
 # built on vector_damage's helpers).
-INVALID = {**INVALID_1_1, **INVALID_1_2, **INVALID_1_3, **INVALID_1_4}
+INVALID = {**INVALID_1_1, **INVALID_1_2, **INVALID_1_3, **INVALID_1_4, **INVALID_1_5}
 
 __all__ = [
     "DTYPES",

@@ -245,6 +245,22 @@ class StoredArray:
             # The rule checked before this one, each object's size ([SP-READ-5] as
             # [SP-READ-3]), needs zarr.json: read now, on this failure's path only.
             lay = self.layout
+            if lay.zstd_level is not None:  # (1.5) compressed: up to MAX_RATIO x stored
+                from shardpoint_core.format.compression import MAX_RATIO, stored_bounds
+
+                least = stored_bounds(math.prod(lay.chunk) * self.itemsize)[0]
+                check_array_objects(None, path, self.key, (None, least), listed)
+                check_backed_bytes(
+                    self.key,
+                    self.array_path,
+                    tuple(self.shape),
+                    tuple(self.chunk),
+                    self.itemsize,
+                    (len(listed), sum(i.size for i in listed)),
+                    MAX_RATIO,
+                )
+                self._unbacked = None
+                return
             sizes = (
                 (math.prod(lay.chunk) * self.itemsize + 4, 0)
                 if not lay.inner

@@ -238,6 +238,13 @@ def _errors_and_dcp(rank, world, base):
         out["megatron_load"] = "loaded"
     except CheckpointingException as e:
         out["megatron_load"] = str(e)
+    # ... as it does for a checkpoint of DCP's own FileSystemWriter: the same refusal
+    dcp.save({"decoder.w": w, "step": 3}, storage_writer=dcp.FileSystemWriter(f"{base}/theirs"))
+    try:
+        dist_checkpointing.load(ssd, f"{base}/theirs")
+        out["megatron_load_theirs"] = "loaded"
+    except CheckpointingException as e:
+        out["megatron_load_theirs"] = str(e)
     return out
 
 
@@ -253,6 +260,9 @@ def test_errors_are_also_checkpointing_exceptions_and_dcp_checkpoints_load(tmp_p
     assert out["dcp"] is True
     assert out["load_megatron"] == ([[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]], 3), out
     assert "is not a distributed checkpoint" in out["megatron_load"], out
+    # DCP's own checkpoints get the same answer: parity, and why the DCP plug-in writes no
+    # Megatron metadata.json (docs/plugins-fidelity.md)
+    assert "is not a distributed checkpoint" in out["megatron_load_theirs"], out
 
 
 def _sharded_metadata_cells(rank, world, base):

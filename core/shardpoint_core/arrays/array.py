@@ -49,6 +49,10 @@ from shardpoint_core.arrays.direct_write import (
     zarr_json_bytes,
 )
 from shardpoint_core.arrays.identity import check_unit, table_of, unit_of
+
+# encode_zstd re-exported: the conformance vectors swap it for a reproducible encoder
+from shardpoint_core.arrays.compression import decode_zstd, encode_zstd as encode_zstd
+from shardpoint_core.format.compression import compression_of, stored_bounds
 from shardpoint_core.format.layout import (
     INNER_CHUNK_BYTES,
     SHARD_ABOVE_BYTES,
@@ -93,6 +97,19 @@ class ArrayLayout:
         return unit_of(origin, self.shape, self.chunk, self.inner)
 
     @property
+    def zstd_level(self) -> Optional[int]:
+        """(1.5) The zstd level of a compressed chain ([SP-ARRAY-7]), None for the others."""
+        if compression_of(self.codecs) is None:
+            return None
+        return int(self.codecs[1]["configuration"]["level"])
+
+    def stored_most(self) -> int:
+        """The most bytes a (plain-chain) chunk file of this layout may hold: its exact size
+        uncompressed, the bound of [SP-READ-9] compressed."""
+        n = math.prod(self.chunk) * self.itemsize
+        return n + 4 if self.zstd_level is None else stored_bounds(n)[1]
+
+    @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(DTYPES[self.dtype].numpy)
 
@@ -109,9 +126,10 @@ class ArrayLayout:
         *,
         shard_above_bytes: int = SHARD_ABOVE_BYTES,
         inner_chunk_bytes: int = INNER_CHUNK_BYTES,
+        compression: Optional[dict[str, Any]] = None,
     ) -> "ArrayLayout":
         """The layout a writer chooses (the backend's codec chain, :func:`codecs_for`)."""
-        spec = ArraySpec(tuple(shape), dtype, tuple(chunk))
+        spec = ArraySpec(tuple(shape), dtype, tuple(chunk), compression=compression)
         itemsize = DTYPES[dtype].itemsize
         codecs = codecs_for(spec, itemsize, shard_above_bytes, inner_chunk_bytes)
         return cls.from_meta(
@@ -206,8 +224,29 @@ def decode_chunk(
     unit: Optional[int] = None,
 ) -> np.ndarray:
     """The array of shape ``cshape`` stored in ``buf`` (data + 4 CRC bytes), checked; with
-    ``unit``, also against the manifest's chunk table ([SP-READ-8])."""
+    ``unit``, also against the manifest's chunk table ([SP-READ-8]). (1.5) A compressed
+    chunk's stored bytes (a zstd frame + 4 CRC bytes) are checked, then decoded into at most
+    the chunk's size ([SP-READ-9])."""
     n = math.prod(cshape) * layout.itemsize
+    if layout.zstd_level is not None:
+        least, most = stored_bounds(n)
+        if not least <= buf.nbytes <= most:
+            raise _bad(
+                key,
+                where,
+                f"{buf.nbytes} bytes stored, a compressed chunk of {list(cshape)} "
+                f"{layout.dtype} holds {least} to {most} with its checksum ([SP-READ-9])",
+                "SP-READ-3",
+            )
+        stored = int.from_bytes(buf[-4:].tobytes(), "little")
+        if crc32c.crc32c(buf[:-4]) != stored:
+            raise _bad(key, where, "crc32c mismatch", "SP-READ-3")
+        if unit is not None:
+            check_unit(layout.crcs, unit, stored, key, where)
+        raw = np.frombuffer(decode_zstd(buf[:-4].tobytes(), n, key, where), np.uint8)
+        if layout.dtype == "bool" and n and int(raw.max()) > 1:
+            raise _bad(key, where, "a bool byte other than 0 or 1 ([SP-READ-5])", "SP-READ-3")
+        return raw.view(layout.np_dtype).reshape(cshape)
     if buf.nbytes != n + 4:
         raise _bad(
             key,
@@ -380,6 +419,11 @@ def write_chunk(
     crcs = sink(cidx) if sink is not None else None
     if layout.inner is None:
         bufs = encode_chunk(data, layout.chunk, layout.itemsize)
+        level = layout.zstd_level
+        if level is not None:  # (1.5) the element bytes as one zstd frame, then its crc32c
+            frame = encode_zstd(b"".join(memoryview(b).cast("B") for b in bufs[:-1]), level)
+            bufs = [np.frombuffer(frame, np.uint8)]
+            bufs.append(np.frombuffer(crc32c.crc32c(frame).to_bytes(4, "little"), np.uint8))
         if crcs is not None:
             crcs[0:4] = bufs[-1].tobytes()
     else:
@@ -508,7 +552,7 @@ def _read_chunk_box(
     """The box [blo, bhi) of chunk ``ckey`` (at ``origin``) into ``dst``."""
     if layout.inner is not None:
         return _read_shard(store, ckey, layout, origin, blo, bhi, dst, key, submit)
-    n = math.prod(layout.chunk) * layout.itemsize + 4
+    n = layout.stored_most()
     try:
         raw = store.get_range(ckey, 0, n + 1)
     except FileNotFoundError as e:
@@ -588,7 +632,7 @@ def prime_region(
     request: tuple[Any, ...]
     call: Callable[[], Any]  # bytes, or (bytes, size) for a suffix read
     if layout.inner is None:
-        n = math.prod(layout.chunk) * layout.itemsize + 4
+        n = layout.stored_most()
         request, call = ("range", ckey, 0, n + 1), lambda: store.get_range(ckey, 0, n + 1)
     else:
         suffix: Optional[SuffixRead] = getattr(store, "get_suffix", None)  # optional

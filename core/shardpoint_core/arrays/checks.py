@@ -18,6 +18,11 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from shardpoint_core.format.errors import CorruptCheckpointError, UnsupportedFormatError
+from shardpoint_core.format.compression import (
+    compression_of,
+    stored_bounds,
+    zstd_config_ok,
+)
 from shardpoint_core.format.spec import ArraySpec
 
 MAX_ZARR_JSON_BYTES = 1 << 20
@@ -75,9 +80,12 @@ def check_regular_file(root: str, rel: str, key: str) -> int:
 
 
 def chunk_file_sizes(meta: dict[str, Any], itemsize: int) -> tuple[Any, ...]:
-    """(exact size of a plain-chain chunk file or None, least size of a shard file)."""
+    """(exact size of a plain-chain chunk file or None, least size of a shard file or, 1.5,
+    of a compressed chunk file)."""
     chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
     codec = meta["codecs"][0]
+    if compression_of(meta["codecs"]) is not None:  # (1.5) [SP-READ-9]
+        return None, stored_bounds(math.prod(chunk) * itemsize)[0]
     if codec.get("name") != "sharding_indexed":
         return math.prod(chunk) * itemsize + 4, 0
     inner = codec["configuration"]["chunk_shape"]
@@ -301,13 +309,16 @@ def check_backed_bytes(
     chunk: tuple[int, ...],
     itemsize: int,
     found: tuple[Any, ...],
+    ratio: int = 1,
 ) -> None:
     """A tensor may not declare more data than its chunk files hold ([SP-READ-6]): every
     element is stored once, in a whole chunk, so a valid array's chunk files hold at least
     ``prod(shape) * itemsize`` bytes. Checked before a reader allocates for the tensor, so a
     small checkpoint cannot make it allocate gigabytes. ``found`` is what
     :func:`check_chunk_sizes` returns; with fewer chunk files than the grid has, the missing
-    ones fail the reads that need them instead ([SP-READ-2])."""
+    ones fail the reads that need them instead ([SP-READ-2]). (1.5) ``ratio``: for a
+    compressed array :data:`~shardpoint_core.format.compression.MAX_RATIO` (no zstd frame
+    decodes to more than that many times its size, [SP-READ-9])."""
     files, stored = found
     declared = math.prod(shape) * itemsize
     expected = math.prod(-(-n // c) for n, c in zip(shape, chunk))
@@ -316,11 +327,13 @@ def check_backed_bytes(
         # read of present chunks may succeed); what is present is bounded per shard by
         # [SP-READ-7] and per plain chunk by its exact size.
         return
-    if declared > stored:
+    if declared > stored * ratio:
         raise _corrupt(
             key,
             f"declares {declared} bytes of data but the chunk files of "
-            f"{array_path!r} hold {stored} bytes in all; data cannot back it "
+            f"{array_path!r} hold {stored} bytes in all"
+            + (f" (at most {ratio}x that compressed)" if ratio > 1 else "")
+            + "; data cannot back it "
             "(truncated, or a hostile checkpoint)",
             "SP-READ-6",
         )
@@ -550,6 +563,27 @@ def _plain_chain(codecs: Any, dtype: str, index: bool = False) -> bool:
     return crc_ok and endian_ok
 
 
+def _zstd_chain(codecs: Any, dtype: str, key: str) -> bool:
+    """(1.5) ``codecs`` is ``[bytes, zstd, crc32c]`` ([SP-ARRAY-7]); a zstd codec whose
+    configuration is not the one 1.5 defines (a later option) is *unsupported*."""
+    if not (
+        isinstance(codecs, list)
+        and len(codecs) == 3
+        and isinstance(codecs[1], dict)
+        and codecs[1].get("name") == "zstd"
+    ):
+        return False
+    if not _plain_chain([codecs[0], codecs[2]], dtype):
+        return False
+    if not zstd_config_ok(codecs[1]):
+        raise UnsupportedFormatError(
+            f"tensor {key!r}: zstd codec {codecs[1]!r} is not of the form format 1.5 defines "
+            '({"name": "zstd", "configuration": {"level": <int>, "checksum": <bool>}})',
+            spec_id="SP-ARRAY-1",
+        )
+    return True
+
+
 def _is_zero(v: Any) -> bool:
     return type(v) in (int, float) and v == 0 and math.copysign(1.0, v) > 0
 
@@ -603,7 +637,9 @@ def check_zarr_json(
     if grid != want_grid or not _same_ints(grid["configuration"]["chunk_shape"], chunk):
         problems.append(f"chunk_grid {meta.get('chunk_grid')!r} != {want_grid}")
     codecs = meta.get("codecs")
-    if not _plain_chain(codecs, dtype):
+    if _zstd_chain(codecs, dtype, key):
+        pass  # (1.5) bytes, zstd, crc32c [SP-ARRAY-7]
+    elif not _plain_chain(codecs, dtype):
         sh = codecs[0] if isinstance(codecs, list) and len(codecs) == 1 else None
         conf = sh.get("configuration") if isinstance(sh, dict) else None
         if not (

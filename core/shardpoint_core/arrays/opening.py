@@ -14,6 +14,7 @@ from shardpoint_core.arrays.checks import (
     scan_array,
 )
 from shardpoint_core.arrays.sparse import check_sparse_chunks
+from shardpoint_core.format.compression import MAX_RATIO, compression_of
 
 
 def open_local_array(
@@ -47,6 +48,7 @@ def open_local_array_counted(
     meta = checked_zarr_json(raw, shape, dtype, chunk, key, f"{array_path}/zarr.json")
     check_chunk_places(entries, len(shape), key)
     found = check_chunk_sizes(entries, chunk_file_sizes(meta, itemsize), key)
-    check_backed_bytes(key, array_path, shape, chunk, itemsize, found)
+    ratio = MAX_RATIO if compression_of(meta["codecs"]) is not None else 1  # (1.5)
+    check_backed_bytes(key, array_path, shape, chunk, itemsize, found, ratio)
     check_sparse_chunks(entries, meta, itemsize, key)
     return meta, found

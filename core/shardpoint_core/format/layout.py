@@ -56,7 +56,11 @@ def inner_chunk_shape(chunk: Sequence[int], itemsize: int, target: int) -> tuple
 
 
 def codecs_for(spec: ArraySpec, itemsize: int, shard_above: int, inner_target: int) -> list[Any]:
-    """The codec chain the writer uses: bytes+crc32c, or sharding_indexed for large chunks."""
+    """The codec chain the writer uses: bytes+crc32c, or sharding_indexed for large chunks;
+    (1.5) bytes+zstd+crc32c whatever the chunk's size when ``spec.compression`` is set
+    (compressed arrays are not sharded, [SP-ARRAY-7])."""
+    if spec.compression is not None:
+        return [BYTES_CRC[0], dict(spec.compression), BYTES_CRC[1]]
     nbytes = math.prod(spec.chunk_shape) * itemsize
     if spec.chunk_shape and nbytes > shard_above:
         inner = inner_chunk_shape(spec.chunk_shape, itemsize, inner_target)

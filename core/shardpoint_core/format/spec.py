@@ -22,3 +22,7 @@ class ArraySpec:
     #: (1.4) where the chunks lie in a packed checkpoint (a
     #: :class:`~shardpoint_core.format.packed.PackedArray`), None in the per-array layout
     packed: Optional[Any] = field(default=None, compare=False, repr=False)
+    #: (1.5) for a writer: the ``zstd`` codec object its chunks are compressed with
+    #: (:func:`~shardpoint_core.format.compression.zstd_codec`), None for the plain chain. A
+    #: reader learns an array's chain from its zarr.json, never from here.
+    compression: Optional[dict[str, Any]] = field(default=None, compare=False, repr=False)

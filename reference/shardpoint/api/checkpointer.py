@@ -15,7 +15,7 @@ async queues do not interfere.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Literal, Optional, overload
 
 from shardpoint.api.async_save import AsyncSave, GroupSaves
@@ -100,17 +100,22 @@ class Checkpointer:
         options: Optional[SaveOptions] = None,
         async_save: bool = False,
         backend: Optional[StorageBackend] = None,
+        compression: Optional[str] = None,
     ) -> "SaveResult | AsyncSave":
         """Save ``state`` at ``path`` (see :func:`shardpoint.save`): a :class:`SaveResult`,
         or with ``async_save=True`` an :class:`AsyncSave` whose ``wait()`` gives it.
-        ``backend`` overrides this checkpointer's store for this call."""
+        ``backend`` overrides this checkpointer's store for this call; ``compression``
+        this call's ``SaveOptions.compression``."""
         comm = Comm(group)
+        opts = options or self.save_options
+        if compression is not None and compression != opts.compression:
+            opts = replace(opts, compression=compression)  # checked by SaveOptions
         return run_save(
             state,
             path,
             comm,
             backend or self._backend,
-            options or self.save_options,
+            opts,
             overwrite,
             self._group(comm),
             async_save,
@@ -213,6 +218,7 @@ def save(
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
     async_save: Literal[False] = False,
+    compression: Optional[str] = None,
 ) -> SaveResult: ...
 
 
@@ -226,6 +232,7 @@ def save(
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
     async_save: Literal[True],
+    compression: Optional[str] = None,
 ) -> AsyncSave: ...
 
 
@@ -239,6 +246,7 @@ def save(
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
     async_save: bool = False,
+    compression: Optional[str] = None,
 ) -> "SaveResult | AsyncSave": ...
 
 
@@ -251,6 +259,7 @@ def save(
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
     async_save: bool = False,
+    compression: Optional[str] = None,
 ) -> "SaveResult | AsyncSave":
     """Save ``state`` (a nested dict/list/tuple) as a checkpoint at ``path``. Collective.
 
@@ -270,6 +279,10 @@ def save(
     ``overwrite="any"`` also a directory that is not a checkpoint, deleting what it holds.
     Never replaced: a file, a directory of checkpoints (a CheckpointManager's root).
 
+    ``compression="zstd"`` (format 1.5) stores every chunk as one zstd frame (Zarr v3's
+    ``zstd`` codec: zarr-python and TensorStore read it); the same as
+    ``SaveOptions(compression="zstd")``, whose ``compression_level`` sets the level.
+
     A thin wrapper over the default :class:`~shardpoint.Checkpointer` (which keeps the plan
     cache, the pending async save and its host pool per process group).
     """
@@ -281,6 +294,7 @@ def save(
         options=options,
         async_save=async_save,
         backend=backend,
+        compression=compression,
     )
 
 

@@ -52,6 +52,8 @@ from shardpoint.planning.planner import (
 )
 from shardpoint_core.format.treemerge import check_values_agree
 from shardpoint_core.format.spec import ArraySpec
+from shardpoint_core.format.compression import FORMAT_VERSION_1_5, check_compression
+from shardpoint_core.arrays.compression import require_zstd
 from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.transactions.resolve import resolve
 from shardpoint_core.transactions.writer import CheckpointWriter
@@ -74,9 +76,18 @@ class SaveOptions:
     check_replicas: bool = False
     # CPU priority of an async save's background part: "low" (nice 19), "idle", "normal"
     async_priority: str = "low"
+    # (format 1.5) "zstd": every chunk one zstd frame (Zarr v3's zstd codec, which
+    # zarr-python and TensorStore read); None: uncompressed. compression_level: zstd's level
+    # (-7 to 22, default 3). Needs the zstandard package (the zstd extra) to write and read.
+    compression: Optional[str] = None
+    compression_level: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_priority(self.async_priority)
+        try:
+            check_compression(self.compression, self.compression_level)
+        except ValueError as e:
+            raise errors.InvalidOptionError(f"SaveOptions: {e}") from None
 
 
 @dataclass
@@ -180,6 +191,15 @@ class SaveJob:
     ) -> None:
         self.state, self.path, self.comm, self.be = state, str(path), comm, be
         self.opts, self.overwrite = opts, overwrite
+        self.codec = check_compression(opts.compression, opts.compression_level)
+        if self.codec is not None:  # (1.5) refused before anything is planned or written
+            if not getattr(be, "supports_compression", False):
+                raise errors.InvalidOptionError(
+                    f"SaveOptions(compression={opts.compression!r}): the storage backend "
+                    f"{type(be).__name__} does not write compressed arrays (the packed "
+                    "layout has no compressed chunks); save with the default backend"
+                )
+            require_zstd(f"SaveOptions(compression={opts.compression!r})")
         self.group = group  # the checkpointer's GroupState: plan cache, async saves
         self.async_save = False
         self.t0 = time.perf_counter()
@@ -408,7 +428,8 @@ class SaveJob:
         if key not in self._handles:
             shape, dt, chunk = self.layouts[key]
             self._handles[key] = self._planned_writer().open_array(
-                array_path_for(key), ArraySpec(tuple(shape), dt, tuple(chunk))
+                array_path_for(key),
+                ArraySpec(tuple(shape), dt, tuple(chunk), compression=self.codec),
             )
         return self._handles[key]
 
@@ -482,6 +503,7 @@ class SaveJob:
             ("SaveOptions.plan", repr(self.opts.plan)),
             ("SaveOptions.exchange_budget_bytes", int(self.opts.exchange_budget_bytes)),
             ("SaveOptions.check_replicas", bool(self.opts.check_replicas)),
+            ("SaveOptions.compression", repr(self.codec)),
         ]
 
     def write_error(self, e: BaseException) -> errors.ShardpointError:
@@ -587,7 +609,9 @@ class SaveJob:
                 plan.objects,
                 save_world_size=self.comm.size,
             )
-            if any(e.chunk_crc32c is not None for e in m.tensors.values()):
+            if self.codec is not None and m.tensors:
+                m.format_version = FORMAT_VERSION_1_5  # compressed arrays [SP-ARRAY-7]
+            elif any(e.chunk_crc32c is not None for e in m.tensors.values()):
                 m.format_version = FORMAT_VERSION_1_3  # the bytes hold a 1.3 construct
             else:
                 m.format_version = FORMAT_VERSION

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import io
 import os
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -75,17 +76,31 @@ from shardpoint.integrations.dcp_reader import ShardpointReader, plan_dcp_entrie
 from shardpoint.tree.model import ShardedPieces, ShardedTensor
 
 
-def _check_options(extensions: Optional[Sequence[Any]], serialization_format: Any) -> None:
-    """Refuse the ``FileSystemWriter`` options that change DCP's own file format, which a
-    shardpoint checkpoint does not have: stream transforms (``_extensions``: compression or
-    any user transform of DCP's ``.distcp`` streams) and another ``serialization_format``
-    (safetensors files)."""
-    if extensions:
+def _is_zstd(ext: Any) -> bool:
+    """DCP's ``ZStandard`` stream extension (registry name ``stream.zstd``), or a subclass."""
+    name = getattr(type(ext), "registry_name", None)
+    try:
+        return callable(name) and name() == "stream.zstd"
+    except Exception:  # noqa: BLE001 - a foreign extension class: not zstd
+        return False
+
+
+def _check_options(extensions: Optional[Sequence[Any]], serialization_format: Any) -> Optional[str]:
+    """The compression DCP's ``_extensions`` ask for (``"zstd"`` for ``[ZStandard()]``,
+    honoured as zstd-compressed chunks, format 1.5), None without; refuse the
+    ``FileSystemWriter`` options that change DCP's own file format in ways a shardpoint
+    checkpoint cannot follow: other stream transforms (any user transform of DCP's
+    ``.distcp`` streams, which no other reader could undo) and another
+    ``serialization_format`` (safetensors files)."""
+    exts = list(extensions or [])
+    other = [e for e in exts if not _is_zstd(e)]
+    if other:
         raise errors.InvalidOptionError(
-            f"ShardpointWriter(_extensions={[type(e).__name__ for e in extensions]}): DCP "
-            "stream extensions transform DCP's own .distcp files; a shardpoint checkpoint "
-            "has none (its chunks are Zarr arrays with a crc32c each), so they cannot be "
-            "applied. Drop _extensions, or keep DCP's FileSystemWriter for them"
+            f"ShardpointWriter(_extensions={[type(e).__name__ for e in exts]}): DCP stream "
+            f"extension(s) {[type(e).__name__ for e in other]} transform DCP's own .distcp "
+            "files; a shardpoint checkpoint has none (its chunks are Zarr arrays, whose "
+            "codecs every reader knows), so they cannot be applied. ZStandard() is honoured "
+            "(zstd-compressed chunks); drop the others, or keep DCP's FileSystemWriter for them"
         )
     fmt = getattr(serialization_format, "value", serialization_format)
     if fmt not in (None, "torch_save"):
@@ -94,6 +109,7 @@ def _check_options(extensions: Optional[Sequence[Any]], serialization_format: An
             "writes its own format (Zarr v3 arrays, a msgpack manifest); for safetensors "
             "files use DCP's writer or `shardpoint convert` to safetensors"
         )
+    return "zstd" if exts else None
 
 
 class ShardpointWriter(StorageWriter, BlockingAsyncStager):
@@ -111,8 +127,11 @@ class ShardpointWriter(StorageWriter, BlockingAsyncStager):
       are hints about how DCP lays out and flushes its own files; what they promise (a
       complete, durable checkpoint) is what every shardpoint save gives, with its own file
       layout and I/O parallelism, whatever their value;
-    - ``_extensions`` and a ``serialization_format`` other than DCP's default are refused with
-      :class:`~shardpoint.InvalidOptionError` (they change DCP's file format).
+    - ``_extensions=[ZStandard()]`` as DCP: the chunks are compressed with zstd (format 1.5,
+      Zarr v3's ``zstd`` codec, which zarr-python and TensorStore read), as
+      ``SaveOptions(compression="zstd")``; any other extension and a ``serialization_format``
+      other than DCP's default are refused with :class:`~shardpoint.InvalidOptionError`
+      (they change DCP's own file format in ways no other reader could undo).
     """
 
     def __init__(
@@ -132,10 +151,12 @@ class ShardpointWriter(StorageWriter, BlockingAsyncStager):
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
-        _check_options(_extensions, serialization_format)
+        compression = _check_options(_extensions, serialization_format)
         self.path = str(path)
         self.group = group
         self.overwrite = check_overwrite(overwrite)  # one overwrite type, refused early
+        if compression is not None and (options is None or options.compression is None):
+            options = replace(options or SaveOptions(), compression=compression)
         self.options = options
         self.thread_count = thread_count
         self.use_collectives = True
