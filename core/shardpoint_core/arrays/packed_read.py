@@ -42,6 +42,9 @@ from shardpoint_core.stores.base import ByteStore, ObjectInfo
 
 MAX_RUN = 64 << 20  # one ranged read merges chunks up to this size
 MERGE_BELOW = 16 << 20  # chunks this big or bigger are read by the layer's own reads
+# on files only boxes of chunks below this are merged: bigger ones are read straight into
+# the destination (:mod:`.packed_direct`, no copy), where a read per chunk costs nothing
+MERGE_BELOW_FILES = 1 << 20
 GAP_FILES = 64 << 10  # bytes no read needs that a run may span: on files
 GAP_OBJECTS = 1 << 20  # on object stores, where a request costs more than a MiB
 
@@ -87,7 +90,8 @@ class _Piece:
 class ReadBatch:
     """Reads of packed tensors gathered until a caller waits, then planned together
     ([SP-PACK-6]: adjacent ranges MAY be merged): the chunks below :data:`MERGE_BELOW` that
-    the boxes need, of every tensor, sorted by data object and offset and merged into runs
+    the boxes need (on files, boxes whose chunks are all below :data:`MERGE_BELOW_FILES`),
+    of every tensor, sorted by data object and offset and merged into runs
     (a gap of at most :data:`GAP_FILES` / :data:`GAP_OBJECTS` bytes between two chunks, at
     most :data:`MAX_RUN` bytes a run), each one ``read_into`` (a ``preadv`` on files, a
     ranged GET on object stores); nothing else of the objects is read. A load of many small
@@ -117,10 +121,8 @@ class ReadBatch:
             return
         try:
             caches = plan_runs([(v, off, out.shape) for v, off, out, _p, _g in items])
-        except BaseException as e:  # noqa: BLE001 - each read reports it
-            for *_x, g in items:
-                g.set_exception(e)
-            return
+        except Exception:  # noqa: BLE001 - a box the layer refuses: each read says why
+            caches = [{} for _ in items]
         for (view, offset, out, pool, g), cache in zip(items, caches):
             v = view.with_cache(cache) if cache else view
             try:
@@ -156,7 +158,10 @@ def plan_runs(
         if not cs:
             continue
         rec = view.part.records[cs]
-        small = rec["length"] < MERGE_BELOW
+        local = bool(view.store.capabilities.local_path)
+        small = rec["length"] < (MERGE_BELOW_FILES if local else MERGE_BELOW)
+        if local and not small.all():
+            continue  # on files: the layer's reads, or straight into the destination
         for c, r in zip(np.asarray(cs)[small], rec[small]):
             key = _join(view.prefix, view.part.objects[int(r["object"])][0])
             segs.append(
@@ -222,9 +227,12 @@ class PackedView:
         if piece is None:
             return None
         try:
-            return piece.take()
+            got = piece.take()
         except (EOFError, OSError):  # the chunk's own read reports it, naming the chunk
             return None
+        if self.part.inner is None:  # a plain chunk is read once: its run may go sooner
+            self.cache.pop(c, None)
+        return got
 
     def _fill(self, path: str, c: int, at: int, out: memoryview, n: int, off: int) -> None:
         try:
