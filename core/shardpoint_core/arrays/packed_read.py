@@ -163,7 +163,7 @@ def plan_runs(
         if local and not small.all():
             continue  # on files: the layer's reads, or straight into the destination
         for c, r in zip(np.asarray(cs)[small], rec[small]):
-            key = _join(view.prefix, view.part.objects[int(r["object"])][0])
+            key = view.object_key(view.part.objects[int(r["object"])][0])
             segs.append(
                 (view.store.url, key, int(r["offset"]), int(r["length"]), i, int(c), view.store)
             )
@@ -220,6 +220,10 @@ class PackedView:
         self._fill(path, c, off + start, memoryview(buf), n, off)
         return buf  # type: ignore[return-value]  # bytes-like
 
+    def object_key(self, path: str) -> str:
+        """The store key of the data object at ``path`` (the index's path)."""
+        return _join(self.prefix, path)
+
     def _cached(self, c: int) -> Optional[memoryview]:
         """Chunk ``c``'s bytes from its planned run (None: not planned, or the run came
         back short: the chunk's own read then names what is cut short)."""
@@ -236,7 +240,7 @@ class PackedView:
 
     def _fill(self, path: str, c: int, at: int, out: memoryview, n: int, off: int) -> None:
         try:
-            self.store.read_into(_join(self.prefix, path), at, out)
+            self.store.read_into(self.object_key(path), at, out)
         except EOFError as e:
             raise _bad(
                 self.key,

@@ -33,6 +33,7 @@ from shardpoint_core.stores.base import ByteStore
 
 SPEC_NAME = "kvstore.json"  # the export's TensorStore kvstore spec, beside manifest.ocdbt
 _DATA = "c/"  # the kvstack prefix that maps onto the checkpoint's root
+_BASES = "b/"  # b/<name>/: onto the root of base checkpoint <name>, the checkpoint's sibling
 
 
 def _ts_url(path: str) -> Tuple[str, Any]:
@@ -53,6 +54,19 @@ def _ts_url(path: str) -> Tuple[str, Any]:
     return url, spec
 
 
+def _data_key(path: str) -> str:
+    """The export's key of a data object: ``c/<path>`` below the checkpoint's root, or
+    ``b/<base>/<path>`` for an object of a base checkpoint (an incremental one names it
+    ``../<base>/<path>``, beside the checkpoint)."""
+    if path.startswith("../"):
+        return _BASES + path[3:]
+    return _DATA + path
+
+
+def _base_names(m: Any) -> List[str]:
+    return sorted({p[3:].split("/", 1)[0] for p, _s in m.packed.objects if p.startswith("../")})
+
+
 def _entries(m: Any) -> List[Tuple[bytes, Value]]:
     """Every key of the hierarchy: groups, arrays' zarr.json, chunks as references."""
     out: Dict[bytes, Value] = {b"zarr.json": GROUP_JSON}
@@ -64,7 +78,7 @@ def _entries(m: Any) -> List[Tuple[bytes, Value]]:
         out[e.array.encode() + b"/zarr.json"] = lay.zarr_json()
         rec = e.packed.records
         grid = lay.grid()
-        objects = [_DATA + p for p, _size in e.packed.objects]
+        objects = [_data_key(p) for p, _size in e.packed.objects]
         cidxs = np.ndindex(*grid) if lay.shape else iter([()])
         for c, cidx in enumerate(cidxs):
             r = rec[c]
@@ -116,13 +130,11 @@ def export_tensorstore(
         )
     node = "d/shardpoint"  # one name: an overwrite replaces it, never leaves an old one
     nodes, manifest = encode_tree(_entries(m), node, commit_time_ns=time.time_ns())
-    spec = {
-        "driver": "ocdbt",
-        "base": {
-            "driver": "kvstack",
-            "layers": [{"base": out_spec}, {"base": ckpt_spec, "prefix": _DATA}],
-        },
-    }
+    layers = [{"base": out_spec}, {"base": ckpt_spec, "prefix": _DATA}]
+    parent = path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else "."
+    for name in _base_names(m):
+        layers.append({"base": _ts_url(f"{parent}/{name}")[1], "prefix": f"{_BASES}{name}/"})
+    spec = {"driver": "ocdbt", "base": {"driver": "kvstack", "layers": layers}}
     store.put(at + node, nodes)
     store.put(at + SPEC_NAME, json.dumps(spec, indent=1, sort_keys=True).encode())
     store.put(at + "manifest.ocdbt", manifest)  # last: the export exists once it is there
