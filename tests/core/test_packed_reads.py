@@ -110,9 +110,10 @@ def test_a_partial_read_on_s3_reads_only_its_own_chunks(s3_env):
 
 
 def test_a_load_on_s3_reads_each_byte_once_in_one_get_per_object(s3_env):
-    """A whole load of small tensors and a shard on the S3 server: one ranged GET per data
-    object for all of them, covering exactly the object (before: 8 MiB blocks for the small
-    chunks and the shard's index, then the shard's inner chunks again: its bytes twice)."""
+    """A whole load of small tensors and a shard on the S3 server: one HEAD and one ranged
+    GET per data object for all of them, the GET covering exactly the object (before: 8 MiB
+    blocks for the small chunks and the shard's index, then the shard's inner chunks again:
+    its bytes twice; and a HEAD per object for each tensor opened at the same time)."""
     from shardpoint_testing.s3 import Requests
 
     url = s3_env.url(s3_env.fresh_prefix("packed-reads") + "/whole")
@@ -125,10 +126,12 @@ def test_a_load_on_s3_reads_each_byte_once_in_one_get_per_object(s3_env):
         got = sp.load(url)
         reads = log.take()
     _same(got, state)
+    objects = {f"save-*/{p.split('/', 1)[1]}": size for p, size in m.packed.objects}
     data = [(k, rng) for op, k, rng, *_ in reads if op == "GetObject" and "/packed/" in k]
-    assert sorted(data) == sorted(
-        (f"save-*/{p.split('/', 1)[1]}", f"bytes=0-{size - 1}") for p, size in m.packed.objects
-    ), data
+    assert sorted(data) == sorted((k, f"bytes=0-{n - 1}") for k, n in objects.items()), data
+    # [SP-PACK-7] once per object and load, however many tensors open at the same time
+    heads = [k for op, k, *_ in reads if op == "HeadObject" and "/packed/" in k]
+    assert sorted(heads) == sorted(objects), heads
 
 
 @pytest.mark.parametrize("where", ["files", "memory"])

@@ -309,6 +309,9 @@ class PackedView:
         return PackedView(self.store, self.prefix, self.part, self.layout, self.key, cache)
 
 
+_CHECKING = threading.Lock()  # guards the ``checked`` maps of check_objects
+
+
 def check_objects(
     store: ByteStore,
     prefix: str,
@@ -321,41 +324,76 @@ def check_objects(
     """Every object the array's records name exists, is a regular file below real
     directories on local files, and holds at least its declared size, before anything is
     allocated for the tensor ([SP-SEC-5], [SP-PACK-7]; missing: [SP-READ-2]). ``checked``:
-    objects found sound already (path -> True), so a load checks each once."""
-    if len(checked) > 4096:
-        checked.clear()
+    objects found sound already (key -> True) or being checked by another thread (key ->
+    its Future), so a load checks each once however many tensors open at the same time
+    (where that check fails, or finds a sparse object, each tensor checks for itself)."""
+    with _CHECKING:
+        if len(checked) > 4096:
+            checked.clear()
     for o in part.object_numbers():
         path, size = part.objects[o]
         full = _join(prefix, path)
         seen = f"{store.url}/{full}:{size}"
-        if checked.get(seen):
+        with _CHECKING:
+            got = checked.get(seen)
+            if got is None:
+                mine: Future[bool] = Future()
+                checked[seen] = mine
+        if got is True or (isinstance(got, Future) and got.result() is True):
             continue
-        if store.capabilities.local_path:
-            _lstat_walk(store, full, key, path)
-        info = store.head(full)
-        if info is None:
-            raise _bad(key, path, "the data object is missing", "SP-READ-2")
-        if info.size < size:
-            raise _bad(
-                key,
-                path,
-                f"the data object holds {info.size} bytes, the manifest "
-                f"declares {size} ([SP-PACK-7])",
-                "SP-READ-3",
-            )
-        sparse = False
-        if store.capabilities.local_path:  # [SP-SEC-6]: holes checked before allocating
-            from shardpoint_core.arrays.packed_sparse import check_sparse_object
+        if got is not None:  # the other check failed or found holes: this tensor's own
+            _check_object(store, full, path, size, part, o, key, chunk, itemsize)
+            continue
+        sound = False
+        try:
+            sound = _check_object(store, full, path, size, part, o, key, chunk, itemsize)
+        finally:
+            with _CHECKING:
+                if sound:
+                    checked[seen] = True
+                elif checked.get(seen) is mine:
+                    del checked[seen]
+            mine.set_result(sound)
 
-            sparse = check_sparse_object(
-                store.path(full),  # type: ignore[attr-defined]
-                part,
-                o,
-                key,
-                chunk,
-                itemsize,
-            )
-        checked[seen] = not sparse  # a sparse object: each tensor's records
+
+def _check_object(
+    store: ByteStore,
+    full: str,
+    path: str,
+    size: int,
+    part: PackedArray,
+    o: int,
+    key: str,
+    chunk: Sequence[int],
+    itemsize: int,
+) -> bool:
+    """One object's checks (see :func:`check_objects`); False where it is sparse (each
+    tensor then checks the holes of its own records)."""
+    if store.capabilities.local_path:
+        _lstat_walk(store, full, key, path)
+    info = store.head(full)
+    if info is None:
+        raise _bad(key, path, "the data object is missing", "SP-READ-2")
+    if info.size < size:
+        raise _bad(
+            key,
+            path,
+            f"the data object holds {info.size} bytes, the manifest declares {size} ([SP-PACK-7])",
+            "SP-READ-3",
+        )
+    if not store.capabilities.local_path:
+        return True
+    from shardpoint_core.arrays.packed_sparse import check_sparse_object
+
+    sparse = check_sparse_object(  # [SP-SEC-6]: holes checked before allocating
+        store.path(full),  # type: ignore[attr-defined]
+        part,
+        o,
+        key,
+        chunk,
+        itemsize,
+    )
+    return not sparse
 
 
 def _lstat_walk(store: ByteStore, full: str, key: str, path: str) -> None:
