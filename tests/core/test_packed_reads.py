@@ -12,10 +12,12 @@ import pytest
 
 import shardpoint as sp
 from shardpoint_core.arrays import packed_read
+from shardpoint_core.format.manifest import Manifest, TensorEntry, array_path_for
 from shardpoint_core.transactions.backend import ZarrBackend
 from shardpoint_core.transactions.packed import PackedBackend
 from shardpoint_core.transactions.reader import CheckpointReader
 from shardpoint_core.transactions.resolve import backend_for, read_metadata
+from shardpoint_core.transactions.writer import CheckpointWriter
 
 
 def _small(n: int = 40) -> dict:
@@ -74,9 +76,17 @@ def test_reads_merge_across_small_gaps_and_not_across_big_ones(tmp_ckpt, monkeyp
         "d": np.zeros(gap // 4 + 4096, np.float32),  # more than the gap limit: skipped
         "e": np.arange(300, dtype=np.float32) * 3,
     }
-    sp.save(state, tmp_ckpt, backend=PackedBackend())
+    entries = {
+        k: TensorEntry(k, array_path_for(k), v.shape, "float32", v.shape) for k, v in state.items()
+    }
+    with CheckpointWriter.begin(tmp_ckpt, backend=PackedBackend(write_threads=1)) as wr:
+        for k, v in state.items():  # one after the other: the object holds them in this order
+            wr.wait([wr.write(wr.open_array(entries[k].array, entries[k].spec), (0,), v)])
+        wr.flush()
+        wr.commit(Manifest({"dict": [[k, {"tensor": k}] for k in state]}, entries, {}))
     m = read_metadata(tmp_ckpt)
     at = {k: m.packed.array(f"tensors/{k}").chunk(0)[1:3] for k in state}  # (offset, length)
+    assert sorted(at, key=lambda k: at[k][0]) == list(state)
     r = CheckpointReader.open(tmp_ckpt, backend=PackedBackend())
     outs = {k: np.empty_like(state[k]) for k in ("a", "c", "e")}
     seen = _count_preadv(monkeypatch)
@@ -162,9 +172,6 @@ def test_a_big_box_holds_a_few_runs_at_a_time_not_the_whole_box(monkeypatch):
     object store (memory://) drops each run once its chunks are taken, so the traced peak
     is a few runs, not a second copy of the box (a view that kept its runs held it all)."""
     import tracemalloc
-
-    from shardpoint_core.format.manifest import Manifest, TensorEntry, array_path_for
-    from shardpoint_core.transactions.writer import CheckpointWriter
 
     monkeypatch.setattr(packed_read, "MAX_RUN", 2 << 20)
     w = np.arange(8 << 20, dtype=np.float32).reshape(512, -1)  # rows of 64 KiB
