@@ -296,3 +296,53 @@ def test_a_jax_load_of_a_packed_checkpoint_on_s3_reads_each_object_once(s3_env):
         + [("GetObject", k, f"bytes=0-{size - 1}") for k, size in objects.items()]
         + [("HeadObject", "manifest.msgpack", None)]
     ), reads
+
+
+PACKED_SHARDS = """
+import json
+import numpy as np, jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import shardpoint_jax as sj
+from shardpoint_core.transactions.resolve import backend_for
+from shardpoint_testing.s3 import Requests
+url = URL
+w = np.arange(4096 * 256, dtype=np.float32).reshape(4096, 256)
+mesh = Mesh(np.array(jax.devices()), ("x",))
+tgt = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P("x")))}
+with Requests(backend_for(url), url) as log:
+    got = sj.load(url, tgt)
+    reads = log.take()
+for s in got["w"].addressable_shards:
+    assert np.asarray(s.data).tobytes() == w[s.index].tobytes(), s.index
+print(json.dumps({"pid": jax.process_index(),
+                  "gets": sorted(r for op, k, r, *_ in reads if op == "GetObject" and "/packed/" in k)}))
+"""
+
+
+def test_each_jax_process_reads_only_the_chunks_of_its_shards_in_one_get(s3_env):
+    """Two JAX processes of two devices each load a packed tensor of four row chunks, split
+    by rows over the four devices: each process reads its two chunks, adjacent in the data
+    object, in one ranged GET and nothing of the other process's half."""
+    import json
+
+    from shardpoint_core.format.manifest import Manifest, TensorEntry, array_path_for
+    from shardpoint_core.transactions.packed import PackedBackend
+    from shardpoint_core.transactions.resolve import read_metadata
+    from shardpoint_core.transactions.writer import CheckpointWriter
+    from shardpoint_jax.launch import run_processes
+
+    url = s3_env.url(s3_env.fresh_prefix("jax-packed") + "/shards")
+    w = np.arange(4096 * 256, dtype=np.float32).reshape(4096, 256)
+    entry = TensorEntry("w", array_path_for("w"), w.shape, "float32", (1024, 256))
+    with CheckpointWriter.begin(url, backend=PackedBackend(write_threads=1)) as wr:
+        h = wr.open_array(entry.array, entry.spec)
+        wr.wait([wr.write(h, (0, 0), w)])
+        wr.flush()
+        wr.commit(Manifest({"dict": [["w", {"tensor": "w"}]]}, {"w": entry}, {}))
+    part = read_metadata(url).packed.array(read_metadata(url).tensors["w"].array)
+    chunks = [part.chunk(c) for c in range(4)]  # (object, offset, length, crc32c)
+    outs = run_processes(PACKED_SHARDS.replace("URL", repr(url)), 2, 2, timeout=300)
+    res = sorted((json.loads(o.strip().splitlines()[-1]) for o in outs), key=lambda r: r["pid"])
+    for pid, r in enumerate(res):
+        lo, hi = chunks[2 * pid], chunks[2 * pid + 1]
+        assert r["gets"] == [f"bytes={lo[1]}-{hi[1] + hi[2] - 1}"], (pid, r, chunks)
