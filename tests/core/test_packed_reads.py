@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import shardpoint as sp
-from shardpoint_core.arrays import packed_read
+from shardpoint_core.arrays import packed_runs
 from shardpoint_core.format.manifest import Manifest, TensorEntry, array_path_for
 from shardpoint_core.transactions.backend import ZarrBackend
 from shardpoint_core.transactions.packed import PackedBackend
@@ -68,7 +68,7 @@ def test_reads_merge_across_small_gaps_and_not_across_big_ones(tmp_ckpt, monkeyp
     """Boxes of three tensors read together: the two whose chunks lie a few KiB apart in
     one ``preadv``, the one beyond a tensor that is not read in another: the skipped
     tensor's bytes are never read."""
-    gap = packed_read.GAP_FILES
+    gap = packed_runs.GAP_FILES
     state = {
         "a": np.arange(1024, dtype=np.float32),  # 4 KiB
         "b": np.arange(512, dtype=np.float32),  # 2 KiB: skipped, under the gap limit
@@ -173,7 +173,7 @@ def test_a_big_box_holds_a_few_runs_at_a_time_not_the_whole_box(monkeypatch):
     is a few runs, not a second copy of the box (a view that kept its runs held it all)."""
     import tracemalloc
 
-    monkeypatch.setattr(packed_read, "MAX_RUN", 2 << 20)
+    monkeypatch.setattr(packed_runs, "MAX_RUN", 2 << 20)
     w = np.arange(8 << 20, dtype=np.float32).reshape(512, -1)  # rows of 64 KiB
     entry = TensorEntry("w", array_path_for("w"), w.shape, "float32", (8, w.shape[1]))
     url = "memory://packed-reads/flat"

@@ -30,70 +30,28 @@ from typing import (
 
 import numpy as np
 
-from shardpoint_core.arrays.array import ArrayLayout, _chunks_of, read_chunk, read_region
+from shardpoint_core.arrays.array import ArrayLayout, read_chunk, read_region
 from shardpoint_core.arrays.direct_write import stored_codecs
 from shardpoint_core.arrays.identity import chunk_number
 from shardpoint_core.arrays.packed import _bad, _cidx, _join
+from shardpoint_core.arrays.packed_runs import (
+    _Piece,
+    plan_runs,
+)
 from shardpoint_core.format.errors import CorruptCheckpointError
 from shardpoint_core.format.layout import BYTES_CRC
 from shardpoint_core.format.packed import PackedArray
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.stores.base import ByteStore, ObjectInfo
 
-MAX_RUN = 64 << 20  # one ranged read merges chunks up to this size
-MERGE_BELOW = 16 << 20  # chunks this big or bigger are read by the layer's own reads
-# on files only boxes of chunks below this are merged: bigger ones are read straight into
-# the destination (:mod:`.packed_direct`, no copy), where a read per chunk costs nothing
-MERGE_BELOW_FILES = 1 << 20
-GAP_FILES = 64 << 10  # bytes no read needs that a run may span: on files
-GAP_OBJECTS = 1 << 20  # on object stores, where a request costs more than a MiB
-
-
-class _Run:
-    """One ranged read serving chunks of one or several tensors: fetched by the first read
-    that needs it (the others wait for that one); its buffer lives as long as the views
-    whose chunks it holds (a read's views go when the read is done)."""
-
-    def __init__(self, store: ByteStore, key: str, lo: int, hi: int) -> None:
-        self.store, self.key, self.lo, self.hi = store, key, lo, hi
-        self._lock = threading.Lock()
-        self._got: Optional[Future[np.ndarray]] = None
-
-    def take(self, at: int, n: int) -> memoryview:
-        """Bytes ``at``..``at + n`` of the object (inside the run); EOFError where it is
-        shorter."""
-        with self._lock:
-            f = self._got
-            mine = f is None
-            if f is None:
-                f = self._got = Future()
-        if mine:
-            try:
-                buf = np.empty(self.hi - self.lo, np.uint8)
-                self.store.read_into(self.key, self.lo, memoryview(buf))
-                f.set_result(buf)
-            except BaseException as e:
-                f.set_exception(e)  # every chunk of the run falls back to its own read
-        return memoryview(f.result())[at - self.lo : at - self.lo + n]
-
-
-class _Piece:
-    """A chunk's bytes inside a :class:`_Run`."""
-
-    def __init__(self, run: _Run, at: int, n: int) -> None:
-        self.run, self.at, self.n = run, at, n
-
-    def take(self) -> memoryview:
-        return self.run.take(self.at, self.n)
-
 
 class ReadBatch:
     """Reads of packed tensors gathered until a caller waits, then planned together
-    ([SP-PACK-6]: adjacent ranges MAY be merged): the chunks below :data:`MERGE_BELOW` that
-    the boxes need (on files, boxes whose chunks are all below :data:`MERGE_BELOW_FILES`),
+    ([SP-PACK-6]: adjacent ranges MAY be merged): the chunks below :data:`~.packed_runs.MERGE_BELOW` that
+    the boxes need (on files, boxes whose chunks are all below :data:`~.packed_runs.MERGE_BELOW_FILES`),
     of every tensor, sorted by data object and offset and merged into runs
-    (a gap of at most :data:`GAP_FILES` / :data:`GAP_OBJECTS` bytes between two chunks, at
-    most :data:`MAX_RUN` bytes a run), each one ``read_into`` (a ``preadv`` on files, a
+    (a gap of at most :data:`~.packed_runs.GAP_FILES` / :data:`~.packed_runs.GAP_OBJECTS` bytes between two chunks, at
+    most :data:`~.packed_runs.MAX_RUN` bytes a run), each one ``read_into`` (a ``preadv`` on files, a
     ranged GET on object stores); nothing else of the objects is read. A load of many small
     tensors costs requests in proportion to its bytes, not to its tensors, and a partial
     read (one box) reads only its own chunks. Bigger chunks are read by the Zarr layer (a
@@ -141,55 +99,11 @@ def _pass_on(f: "Future[Any]", g: "Future[Any]") -> None:
         g.set_exception(e)
 
 
-def plan_runs(
-    boxes: Sequence[Tuple["PackedView", Sequence[int], Sequence[int]]],
-) -> List[Dict[int, "_Piece"]]:
-    """Per box ``(view, offset, shape)``, chunk number -> :class:`_Piece` for its chunks
-    below :data:`MERGE_BELOW`, the runs shared by every box (see :class:`ReadBatch`)."""
-    segs: List[Tuple[Any, ...]] = []  # (store url, object key, offset, length, box, chunk, store)
-    for i, (view, offset, shape) in enumerate(boxes):
-        lay = view.layout
-        cs = sorted(
-            {
-                chunk_number(cidx, lay.shape, lay.chunk)
-                for cidx, *_ in _chunks_of(lay, offset, shape)
-            }
-        )
-        if not cs:
-            continue
-        rec = view.part.records[cs]
-        local = bool(view.store.capabilities.local_path)
-        small = rec["length"] < (MERGE_BELOW_FILES if local else MERGE_BELOW)
-        if local and not small.all():
-            continue  # on files: the layer's reads, or straight into the destination
-        for c, r in zip(np.asarray(cs)[small], rec[small]):
-            key = view.object_key(view.part.objects[int(r["object"])][0])
-            segs.append(
-                (view.store.url, key, int(r["offset"]), int(r["length"]), i, int(c), view.store)
-            )
-    out: List[Dict[int, _Piece]] = [{} for _ in boxes]
-    segs.sort(key=lambda s: (s[0], s[1], s[2]))
-    run: Optional[_Run] = None
-    for url, key, off, n, i, c, store in segs:
-        gap = GAP_FILES if store.capabilities.local_path else GAP_OBJECTS
-        if (
-            run is None
-            or (run.store.url, run.key) != (url, key)
-            or off - run.hi > gap
-            or off < run.lo  # overlapping records are refused by the index; be safe
-            or max(run.hi, off + n) - run.lo > MAX_RUN
-        ):
-            run = _Run(store, key, off, off + n)
-        run.hi = max(run.hi, off + n)
-        out[i][c] = _Piece(run, off, n)
-    return out
-
-
 class PackedView:
     """The Zarr layer's store for one array of a packed checkpoint: chunk key -> the
     record's bytes in ``store`` below ``prefix``, the record's crc32c checked
     ([SP-PACK-6]). ``cache``: chunk number -> where a planned run holds its bytes
-    (:func:`plan_runs`)."""
+    (:func:`~.packed_runs.plan_runs`)."""
 
     def __init__(
         self,
