@@ -193,3 +193,21 @@ def test_a_big_box_holds_a_few_runs_at_a_time_not_the_whole_box(monkeypatch):
         tracemalloc.stop()
     assert out.tobytes() == w.tobytes()
     assert peak < w.nbytes // 2, peak
+
+
+def test_start_reads_starts_the_held_reads_before_any_wait(tmp_ckpt):
+    """Reads held back to be planned together start at ``start_reads`` (a caller that does
+    other work before it waits: the dedup exchange, JAX's read-ahead), not only at wait."""
+    from concurrent.futures import wait as wait_futures
+
+    state = _small(4)
+    sp.save(state, tmp_ckpt, backend=PackedBackend())
+    r = CheckpointReader.open(tmp_ckpt)
+    outs = {k: np.zeros_like(v) for k, v in state.items()}
+    ops = [r.read_into(r.array(k), (0, 0), out) for k, out in outs.items()]
+    assert not any(op.op.done() for op in ops)  # held: nothing read yet
+    r.start_reads()
+    done, _ = wait_futures([op.op for op in ops], timeout=120)
+    assert len(done) == len(ops)
+    r.wait(ops)
+    _same(outs, state)

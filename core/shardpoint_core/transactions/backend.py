@@ -583,6 +583,10 @@ class ZarrBackend:
             )
         return _KeyedRead(self.ts.read_into(handle, offset, out), handle.key)
 
+    def start_reads(self) -> None:
+        """Start the packed reads added so far (planned together, :class:`ReadBatch`)."""
+        self._packed_reads.dispatch()
+
     def wait(self, ops: Sequence[Any]) -> None:
         """Wait for every op (each finishes before an error is raised); the first error is
         raised, a TensorStore one as the spec's error naming the tensor."""
