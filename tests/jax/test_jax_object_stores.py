@@ -314,8 +314,8 @@ with Requests(backend_for(url), url) as log:
     reads = log.take()
 for s in got["w"].addressable_shards:
     assert np.asarray(s.data).tobytes() == w[s.index].tobytes(), s.index
-print(json.dumps({"pid": jax.process_index(),
-                  "gets": sorted(r for op, k, r, *_ in reads if op == "GetObject" and "/packed/" in k)}))
+gets = sorted(r for op, k, r, *_ in reads if op == "GetObject" and "/packed/" in k)
+print(json.dumps({"pid": jax.process_index(), "gets": gets}))
 """
 
 

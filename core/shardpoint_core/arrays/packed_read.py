@@ -34,10 +34,7 @@ from shardpoint_core.arrays.array import ArrayLayout, read_chunk, read_region
 from shardpoint_core.arrays.direct_write import stored_codecs
 from shardpoint_core.arrays.identity import chunk_number
 from shardpoint_core.arrays.packed import _bad, _cidx, _join
-from shardpoint_core.arrays.packed_runs import (
-    _Piece,
-    plan_runs,
-)
+from shardpoint_core.arrays.packed_runs import _Piece, plan_runs
 from shardpoint_core.format.errors import CorruptCheckpointError
 from shardpoint_core.format.layout import BYTES_CRC
 from shardpoint_core.format.packed import PackedArray
@@ -46,16 +43,16 @@ from shardpoint_core.stores.base import ByteStore, ObjectInfo
 
 
 class ReadBatch:
-    """Reads of packed tensors gathered until a caller waits, then planned together
-    ([SP-PACK-6]: adjacent ranges MAY be merged): the chunks below :data:`~.packed_runs.MERGE_BELOW` that
-    the boxes need (on files, boxes whose chunks are all below :data:`~.packed_runs.MERGE_BELOW_FILES`),
-    of every tensor, sorted by data object and offset and merged into runs
-    (a gap of at most :data:`~.packed_runs.GAP_FILES` / :data:`~.packed_runs.GAP_OBJECTS` bytes between two chunks, at
-    most :data:`~.packed_runs.MAX_RUN` bytes a run), each one ``read_into`` (a ``preadv`` on files, a
-    ranged GET on object stores); nothing else of the objects is read. A load of many small
-    tensors costs requests in proportion to its bytes, not to its tensors, and a partial
-    read (one box) reads only its own chunks. Bigger chunks are read by the Zarr layer (a
-    shard by its index and runs of inner chunks) or straight into the destination."""
+    """Reads of packed tensors held until the caller starts them (``start``: a wait, or
+    :meth:`~shardpoint_core.transactions.reader.CheckpointReader.start_reads`), then
+    planned together ([SP-PACK-6]: adjacent ranges MAY be merged): the small chunks that
+    the boxes need, of every tensor, merged into a few large ranged reads per data object
+    (:func:`~.packed_runs.plan_runs`: its size limits and gap limit), each one ``preadv``
+    on files or ranged GET on object stores; nothing else of the objects is read. A load of
+    many small tensors costs requests in proportion to its bytes, not to its tensors, and a
+    partial read (one box) reads only its own chunks. Bigger chunks are read by the Zarr
+    layer (a shard by its index and runs of inner chunks) or straight into the
+    destination."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
