@@ -122,6 +122,7 @@ class ReadAhead:
                 continue
             self.started[k] = pending
             self.inflight += pending.nbytes
+        self.ck.reader.start_reads()  # the reads started ahead run while JAX takes this one
 
     def drain(self) -> None:
         """Wait for every started read (a load that failed must not leave reads filling

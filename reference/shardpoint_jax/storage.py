@@ -212,7 +212,13 @@ class StoredArray:
         self.np_dtype = numpy_of(entry.dtype, key)
         self.itemsize = self.np_dtype.itemsize
         self.handle = reader.array(key)
-        self._unbacked = None if is_local(reader.path) else (listing or start_listing(reader.path))
+        # [SP-READ-6] by the listing on object stores; a packed tensor's objects were checked
+        # when it was opened ([SP-PACK-7]), and it has no chunk objects to list
+        self._unbacked = (
+            None
+            if is_local(reader.path) or entry.packed is not None
+            else (listing or start_listing(reader.path))
+        )
 
     @property
     def layout(self) -> ArrayLayout:

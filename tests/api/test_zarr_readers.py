@@ -13,6 +13,7 @@ import shardpoint as sp
 from shardpoint_core.format.dtypes import DTYPES
 from shardpoint_core.verify import verify_checkpoint
 from shardpoint_core.transactions.backend import ZarrBackend
+from shardpoint_core.transactions.resolve import read_metadata
 from shardpoint_core.arrays.groups import GROUP_JSON
 from shardpoint_core.transactions.zarr_compat import (
     register_zarr_dtypes,
@@ -163,3 +164,108 @@ def test_a_group_inside_a_checkpoint_is_named_as_such(tmp_ckpt):
         sp.load(os.path.join(tmp_ckpt, "tensors", "model"))
     with pytest.raises(sp.CheckpointNotFoundError, match="one tensor's Zarr array"):
         sp.load(os.path.join(tmp_ckpt, "tensors", "model", "w"))
+
+
+# ------------------------------------------------------------- the packed layout (1.4)
+def _packed(sharded: bool):
+    from shardpoint_core.transactions.packed import PackedBackend
+
+    zb = ZarrBackend(shard_above_bytes=16, inner_chunk_bytes=8) if sharded else ZarrBackend()
+    return PackedBackend(zb)
+
+
+def _open_ts(kv: dict, name: str) -> np.ndarray:
+    spec = {"driver": "zarr3", "kvstore": {**kv, "path": name + "/"}}
+    return ts.open(spec, open=True).result().read().result()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+def test_packed_every_dtype_reads_bit_for_bit_through_zarr_python_and_tensorstore(
+    tmp_path, sharded, monkeypatch
+):
+    """Issue 30 item 2: every tensor of a packed checkpoint (every dtype of the spec's table,
+    a shard's inner chunks, edge chunks) opens with zarr-python through ``zarr_store`` and with
+    TensorStore through the OCDBT export, bit for bit; the export is split into several
+    b-tree leaves under one interior node (a small leaf size) and copies no chunk."""
+    from shardpoint_core.arrays import ocdbt
+    from shardpoint_core.transactions.packed import zarr_store
+    from shardpoint_core.transactions.ts_export import SPEC_NAME, export_tensorstore
+
+    monkeypatch.setattr(ocdbt, "NODE_BYTES", 512)
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "ck.ts")
+    state = _state()
+    sp.save(state, ck, backend=_packed(sharded))
+    m = read_metadata(ck)
+    assert m.packed is not None
+    assert any(inner is not None for _n, inner in m.packed.arrays) == sharded
+    register_zarr_dtypes()
+    store = zarr_store(ck)
+    kv = export_tensorstore(ck, out)
+    assert json.load(open(os.path.join(out, SPEC_NAME))) == kv
+    tree = open(os.path.join(out, "d", "shardpoint"), "rb").read()
+    assert tree.count(ocdbt.BTREE_MAGIC.to_bytes(4, "big")) > 2  # leaves and their parent
+    for path, size in m.packed.objects:  # an index of the chunks, not a copy
+        raw = open(os.path.join(ck, path), "rb").read()
+        assert len(raw) == size and raw[:64] not in tree and raw[-64:] not in tree
+    for key, want in _leaves(state).items():
+        name = m.tensors[key].array
+        for got in (zarr.open_array(store, path=name, mode="r")[...], _open_ts(kv, name)):
+            assert got.dtype == want.dtype and got.shape == want.shape, key
+            assert np.ascontiguousarray(got).tobytes() == want.tobytes(), key
+
+
+def test_packed_tensorstore_export_checks_crc_and_refuses_what_it_cannot_do(tmp_path):
+    """TensorStore checks each chunk's crc32c through the export (a flipped byte in a data
+    object is an error, not wrong values); an export is replaced only when asked; a
+    per-array checkpoint needs none; the CLI writes the same export."""
+    from shardpoint.tools.cli import main
+    from shardpoint_core.transactions.ts_export import export_tensorstore
+
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "ck.ts")
+    w = np.arange(256, dtype=np.float32).reshape(16, 16)
+    sp.save({"w": w}, ck, backend=_packed(False))
+    assert main(["export-tensorstore", ck, out]) == 0
+    kv = json.load(open(os.path.join(out, "kvstore.json")))
+    assert _open_ts(kv, "tensors/w").tobytes() == w.tobytes()
+    assert main(["export-tensorstore", ck, out]) == 1  # there already
+    with pytest.raises(sp.CheckpointExistsError):
+        export_tensorstore(ck, out)
+    assert export_tensorstore(ck, out, overwrite=True) == kv
+    m = read_metadata(ck)
+    obj = os.path.join(ck, m.packed.objects[0][0])
+    _path, off, _n, _crc = m.packed.array("tensors/w").chunk(0)
+    with open(obj, "r+b") as f:
+        f.seek(off + 5)
+        b = f.read(1)
+        f.seek(off + 5)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ValueError, match="Digest mismatch"):  # the chunk's crc32c
+        _open_ts(kv, "tensors/w")
+    plain = str(tmp_path / "plain")
+    sp.save({"w": w}, plain)
+    with pytest.raises(sp.errors.InvalidOptionError, match="per-array layout"):
+        export_tensorstore(plain, str(tmp_path / "plain.ts"))
+    mem = "memory://ts-export-test/ck"
+    sp.save({"w": w}, mem, backend=_packed(False))
+    with pytest.raises(sp.errors.InvalidOptionError, match="memory"):
+        export_tensorstore(mem, str(tmp_path / "mem.ts"))
+
+
+def test_packed_on_s3_reads_through_zarr_python_and_a_tensorstore_export(s3_env):
+    """The same on the S3 server: zarr_store reads the chunks by ranged GETs below the save
+    prefix, and the export (written to S3 too) sends TensorStore's s3 driver to them."""
+    from shardpoint_core.transactions.packed import zarr_store
+    from shardpoint_core.transactions.ts_export import export_tensorstore
+
+    base = f"s3://{s3_env.bucket}/{s3_env.fresh_prefix()}"
+    state = _state()
+    sp.save(state, f"{base}/ck", backend=_packed(True))
+    m = read_metadata(f"{base}/ck")
+    register_zarr_dtypes()
+    store = zarr_store(f"{base}/ck")
+    kv = export_tensorstore(f"{base}/ck", f"{base}/ck.ts")
+    assert kv["base"]["layers"][1]["base"]["driver"] == "s3"
+    for key, want in _leaves(state).items():
+        name = m.tensors[key].array
+        for got in (zarr.open_array(store, path=name, mode="r")[...], _open_ts(kv, name)):
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), key

@@ -26,7 +26,7 @@ def _full(i):
     return counting(SHAPE, i)
 
 
-def _save_rows(rank, path):
+def _save_rows(rank, path, packed=False):
     a = rank * CHUNK_ROWS
     st = {
         f"t{i}": sp.ShardedTensor(_full(i)[a : a + CHUNK_ROWS].clone(), SHAPE, (a, 0))
@@ -35,7 +35,12 @@ def _save_rows(rank, path):
     st["b"] = sp.ShardedTensor(
         _full(9)[a : a + CHUNK_ROWS].to(torch.bfloat16).clone(), SHAPE, (a, 0)
     )
-    sp.save(st, path, overwrite=True)
+    if packed:  # format 1.4: one data object per rank, the index in the manifest
+        from shardpoint_core.transactions.packed import PackedBackend
+
+        sp.save(st, path, overwrite=True, backend=PackedBackend())
+    else:
+        sp.save(st, path, overwrite=True)
 
 
 def _cols(rank, world):
@@ -57,8 +62,8 @@ def _my_segments():
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"shardpoint-{os.getpid()}-")]
 
 
-def _load_cols(rank, world, path):
-    _save_rows(rank, path)
+def _load_cols(rank, world, path, packed=False):
+    _save_rows(rank, path, packed)
     out = []
     a, b = _cols(rank, world)
     want = {f"t{i}": _full(i)[:, a:b] for i in range(3)}
@@ -87,8 +92,9 @@ def _load_cols(rank, world, path):
 
 
 @pytest.mark.skipif(not shm_supported(), reason="no /dev/shm on this system")
-def test_column_load_through_shared_memory_is_exact_and_leaves_nothing(tmp_path):
-    res = run_world(3, _load_cols, str(tmp_path / "rows"), timeout=180)
+@pytest.mark.parametrize("packed", [False, True], ids=["per-array", "packed"])
+def test_column_load_through_shared_memory_is_exact_and_leaves_nothing(tmp_path, packed):
+    res = run_world(3, _load_cols, str(tmp_path / "rows"), packed, timeout=180)
     for rank, rows in enumerate(res):
         by = {r[0]: r[1:] for r in rows}
         for label, (strategy, exact, _shm_b, _group_b, left, _rounds) in by.items():

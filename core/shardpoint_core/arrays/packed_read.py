@@ -3,8 +3,10 @@ layer of :mod:`.array`: :func:`open_packed` checks the objects the array's recor
 (regular files, at least their declared size, no unchecked holes: [SP-SEC-5], [SP-SEC-6],
 [SP-PACK-7]) and returns a :class:`PackedView`, the store-like object answering the layer's
 chunk-key requests from the records' bytes, each checked against its record's crc32c
-([SP-PACK-6]); :func:`read_packed` reads a region (adjacent chunks in one ranged read, whole
-tensors on local files straight into the destination, :mod:`.packed_direct`).
+([SP-PACK-6]); :class:`ReadBatch` plans the reads of many boxes of many tensors together
+(the small chunks they need merged into large ranged reads across tensors) and
+:func:`read_packed` reads one box (whole tensors of big chunks on local files straight into
+the destination, :mod:`.packed_direct`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from collections import OrderedDict
 from concurrent.futures import Future
 from typing import (
     TYPE_CHECKING,
@@ -29,77 +30,77 @@ from typing import (
 
 import numpy as np
 
-from shardpoint_core.arrays.array import ArrayLayout, _chunks_of, read_chunk, read_region
+from shardpoint_core.arrays.array import ArrayLayout, read_chunk, read_region
 from shardpoint_core.arrays.direct_write import stored_codecs
 from shardpoint_core.arrays.identity import chunk_number
-from shardpoint_core.arrays.packed import ALIGN, _bad, _cidx, _join
+from shardpoint_core.arrays.packed import _bad, _cidx, _join
+from shardpoint_core.arrays.packed_runs import _Piece, plan_runs
 from shardpoint_core.format.errors import CorruptCheckpointError
 from shardpoint_core.format.layout import BYTES_CRC
 from shardpoint_core.format.packed import PackedArray
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.stores.base import ByteStore, ObjectInfo
 
-BLOCK = 8 << 20  # object stores: small chunks are read in aligned blocks this big
-BLOCKS_HELD = 16  # blocks kept per backend (128 MiB)
-MAX_RUN = 64 << 20  # one ranged read merges adjacent chunks up to this size
-MERGE_BELOW = 16 << 20  # chunks this big or bigger are read by the layer's own reads
 
-
-class BlockCache:
-    """Small reads of packed objects on object stores grouped into aligned blocks of
-    :data:`BLOCK` bytes: one ranged GET serves every chunk in its block, so a load of many
-    small tensors costs requests in proportion to bytes, not tensors (requests, not bytes,
-    are what object stores charge for). Concurrent readers of one block share its GET; at
-    most :data:`BLOCKS_HELD` blocks are kept. Keys hold the decoded index they belong to, so
-    another checkpoint's objects of the same name never read cached bytes."""
+class ReadBatch:
+    """Reads of packed tensors held until the caller starts them (``start``: a wait, or
+    :meth:`~shardpoint_core.transactions.reader.CheckpointReader.start_reads`), then
+    planned together ([SP-PACK-6]: adjacent ranges MAY be merged): the small chunks that
+    the boxes need, of every tensor, merged into a few large ranged reads per data object
+    (:func:`~.packed_runs.plan_runs`: its size limits and gap limit), each one ``preadv``
+    on files or ranged GET on object stores; nothing else of the objects is read. A load of
+    many small tensors costs requests in proportion to its bytes, not to its tensors, and a
+    partial read (one box) reads only its own chunks. Bigger chunks are read by the Zarr
+    layer (a shard by its index and runs of inner chunks) or straight into the
+    destination."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._blocks: "OrderedDict[Any, Tuple[Any, Future[bytes]]]" = OrderedDict()
+        self._items: List[Tuple[Any, ...]] = []
 
-    def read(
-        self, store: ByteStore, key: str, size: int, owner: Any, at: int, out: memoryview
-    ) -> None:
-        """Fill ``out`` from ``at`` of object ``key`` (declared ``size``); EOFError where the
-        object is shorter."""
-        end = at + len(out)
-        for b in range(at // BLOCK, (end - 1) // BLOCK + 1):
-            data = self._block(store, key, size, owner, b)
-            lo, hi = max(at, b * BLOCK), min(end, (b + 1) * BLOCK)
-            if len(data) < hi - b * BLOCK:
-                raise EOFError(
-                    f"{key}: {len(out)} bytes from {at} asked, the object ends "
-                    f"at {b * BLOCK + len(data)}"
-                )
-            out[lo - at : hi - at] = data[lo - b * BLOCK : hi - b * BLOCK]
-
-    def _block(self, store: ByteStore, key: str, size: int, owner: Any, b: int) -> bytes:
-        k = (id(owner), store.url, key, b)  # the value holds ``owner``: no id reuse
+    def add(
+        self, view: "PackedView", offset: Sequence[int], out: np.ndarray, pool: Any
+    ) -> "Future[Any]":
+        """A read of the box ``offset`` + ``out.shape`` into ``out``, started at
+        :meth:`dispatch`; its future's result: more futures, as ``read_packed`` returns."""
+        g: Future[Any] = Future()
         with self._lock:
-            got = self._blocks.get(k)
-            mine = got is None
-            if got is None:
-                f: Future[bytes] = Future()
-                self._blocks[k] = (owner, f)
-                while len(self._blocks) > BLOCKS_HELD:
-                    self._blocks.popitem(last=False)
-            else:
-                f = got[1]
-                self._blocks.move_to_end(k)
-        if mine:
+            self._items.append((view, tuple(offset), out, pool, g))
+        return g
+
+    def dispatch(self) -> None:
+        """Start every read added so far (their runs planned together)."""
+        with self._lock:
+            items, self._items = self._items, []
+        if not items:
+            return
+        try:
+            caches = plan_runs([(v, off, out.shape) for v, off, out, _p, _g in items])
+        except Exception:  # noqa: BLE001 - a box the layer refuses: each read says why
+            caches = [{} for _ in items]
+        for (view, offset, out, pool, g), cache in zip(items, caches):
+            v = view.with_cache(cache) if cache else view
             try:
-                f.set_result(store.get_range(key, b * BLOCK, max(0, min(BLOCK, size - b * BLOCK))))
-            except BaseException as e:
-                with self._lock:
-                    self._blocks.pop(k, None)
-                f.set_exception(e)
-        return f.result()
+                f = pool.submit(read_packed, v, offset, out, pool.submit)
+            except BaseException as e:  # noqa: BLE001 - a pool shut down: that read fails
+                g.set_exception(e)
+                continue
+            f.add_done_callback(lambda f, g=g: _pass_on(f, g))
+
+
+def _pass_on(f: "Future[Any]", g: "Future[Any]") -> None:
+    e = f.exception()
+    if e is None:
+        g.set_result(f.result())
+    else:
+        g.set_exception(e)
 
 
 class PackedView:
     """The Zarr layer's store for one array of a packed checkpoint: chunk key -> the
     record's bytes in ``store`` below ``prefix``, the record's crc32c checked
-    ([SP-PACK-6]). ``cache``: bytes already read for some chunks (:meth:`primed`)."""
+    ([SP-PACK-6]). ``cache``: chunk number -> where a planned run holds its bytes
+    (:func:`~.packed_runs.plan_runs`)."""
 
     def __init__(
         self,
@@ -108,11 +109,9 @@ class PackedView:
         part: PackedArray,
         layout: ArrayLayout,
         key: str,
-        cache: Optional[Dict[int, memoryview]] = None,
-        blocks: Optional[BlockCache] = None,
+        cache: Optional[Dict[int, _Piece]] = None,
     ) -> None:
         self.store, self.prefix, self.part, self.layout, self.key = store, prefix, part, layout, key
-        self.blocks = blocks
         self.capabilities = store.capabilities
         self.url = store.url
         self.cache = cache or {}
@@ -125,22 +124,34 @@ class PackedView:
     def _read(self, ckey: str, start: int, length: int) -> bytes:
         c, path, off, n, crc = self._rec(ckey)
         length = max(0, min(length, n - start))
-        hit = self.cache.get(c)
+        hit = self._cached(c)
         if hit is not None:
             return bytes(hit[start : start + length])
         buf = bytearray(length)  # read in place: no second copy of the bytes
         self._fill(path, c, off + start, memoryview(buf), n, off)
         return buf  # type: ignore[return-value]  # bytes-like
 
+    def object_key(self, path: str) -> str:
+        """The store key of the data object at ``path`` (the index's path)."""
+        return _join(self.prefix, path)
+
+    def _cached(self, c: int) -> Optional[memoryview]:
+        """Chunk ``c``'s bytes from its planned run (None: not planned, or the run came
+        back short: the chunk's own read then names what is cut short)."""
+        piece = self.cache.get(c)
+        if piece is None:
+            return None
+        try:
+            got = piece.take()
+        except (EOFError, OSError):  # the chunk's own read reports it, naming the chunk
+            return None
+        if self.part.inner is None:  # a plain chunk is read once: its run may go sooner
+            self.cache.pop(c, None)
+        return got
+
     def _fill(self, path: str, c: int, at: int, out: memoryview, n: int, off: int) -> None:
         try:
-            if self.blocks is not None and len(out) < BLOCK:
-                size = dict(self.part.objects)[path]
-                self.blocks.read(
-                    self.store, _join(self.prefix, path), size, self.part.records.base, at, out
-                )
-                return
-            self.store.read_into(_join(self.prefix, path), at, out)
+            self.store.read_into(self.object_key(path), at, out)
         except EOFError as e:
             raise _bad(
                 self.key,
@@ -178,7 +189,7 @@ class PackedView:
         c, path, off, n, _crc = self._rec(key)
         if start + len(out) > n:
             raise EOFError(f"{key}: {len(out)} bytes from {start} asked, the chunk has {n}")
-        hit = self.cache.get(c)
+        hit = self._cached(c)
         if hit is not None:
             out[:] = hit[start : start + len(out)]
         else:
@@ -204,60 +215,12 @@ class PackedView:
     def make_durable(self, keys: Optional[Iterable[str]] = None) -> None:
         return None
 
-    def primed(self, offset: Sequence[int], shape: Sequence[int]) -> "PackedView":
-        """This view with the chunks a read of the box already read: chunks that lie back
-        to back in one object (up to :data:`MAX_RUN` bytes) in one ranged read each. A
-        chunk of :data:`MERGE_BELOW` bytes or more is left to the layer, which reads a shard
-        by its index and runs of inner chunks (no copy of the whole chunk held at once)."""
-        lay = self.layout
-        chunks = sorted(
-            {
-                chunk_number(cidx, lay.shape, lay.chunk)
-                for cidx, *_ in _chunks_of(lay, offset, shape)
-            }
-        )
-        chunks = [c for c in chunks if int(self.part.records[c]["length"]) < MERGE_BELOW]
-        if len(chunks) < 2:
-            return self
-        recs = self.part.records[chunks]
-        order = np.lexsort((recs["offset"], recs["object"]))
-        cache: Dict[int, memoryview] = {}
-        run: List[int] = []
+    def with_cache(self, cache: Dict[int, _Piece]) -> "PackedView":
+        """This view with the chunks of ``cache`` read from their planned runs."""
+        return PackedView(self.store, self.prefix, self.part, self.layout, self.key, cache)
 
-        def flush() -> None:
-            if not run:
-                return
-            first, last = recs[run[0]], recs[run[-1]]
-            lo, hi = int(first["offset"]), int(last["offset"]) + int(last["length"])
-            path = self.part.objects[int(first["object"])][0]
-            buf = np.empty(hi - lo, np.uint8)
-            try:
-                self.store.read_into(_join(self.prefix, path), lo, memoryview(buf))
-            except EOFError:
-                return  # the per-chunk reads report which chunk is cut short
-            for j in run:
-                r = recs[j]
-                a = int(r["offset"]) - lo
-                cache[chunks[j]] = memoryview(buf)[a : a + int(r["length"])]
-            run.clear()
 
-        for j in order:
-            r = recs[j]
-            if run:
-                prev = recs[run[-1]]
-                end = int(prev["offset"]) + int(prev["length"])
-                gap = int(r["offset"]) - end
-                if (
-                    r["object"] != prev["object"]
-                    or not 0 <= gap < ALIGN
-                    or int(r["offset"]) + int(r["length"]) - int(recs[run[0]]["offset"]) > MAX_RUN
-                ):
-                    flush()
-            run.append(int(j))
-        flush()
-        return PackedView(
-            self.store, self.prefix, self.part, self.layout, self.key, cache, self.blocks
-        )
+_CHECKING = threading.Lock()  # guards the ``checked`` maps of check_objects
 
 
 def check_objects(
@@ -272,41 +235,76 @@ def check_objects(
     """Every object the array's records name exists, is a regular file below real
     directories on local files, and holds at least its declared size, before anything is
     allocated for the tensor ([SP-SEC-5], [SP-PACK-7]; missing: [SP-READ-2]). ``checked``:
-    objects found sound already (path -> True), so a load checks each once."""
-    if len(checked) > 4096:
-        checked.clear()
+    objects found sound already (key -> True) or being checked by another thread (key ->
+    its Future), so a load checks each once however many tensors open at the same time
+    (where that check fails, or finds a sparse object, each tensor checks for itself)."""
+    with _CHECKING:
+        if len(checked) > 4096:
+            checked.clear()
     for o in part.object_numbers():
         path, size = part.objects[o]
         full = _join(prefix, path)
         seen = f"{store.url}/{full}:{size}"
-        if checked.get(seen):
+        with _CHECKING:
+            got = checked.get(seen)
+            if got is None:
+                mine: Future[bool] = Future()
+                checked[seen] = mine
+        if got is True or (isinstance(got, Future) and got.result() is True):
             continue
-        if store.capabilities.local_path:
-            _lstat_walk(store, full, key, path)
-        info = store.head(full)
-        if info is None:
-            raise _bad(key, path, "the data object is missing", "SP-READ-2")
-        if info.size < size:
-            raise _bad(
-                key,
-                path,
-                f"the data object holds {info.size} bytes, the manifest "
-                f"declares {size} ([SP-PACK-7])",
-                "SP-READ-3",
-            )
-        sparse = False
-        if store.capabilities.local_path:  # [SP-SEC-6]: holes checked before allocating
-            from shardpoint_core.arrays.packed_sparse import check_sparse_object
+        if got is not None:  # the other check failed or found holes: this tensor's own
+            _check_object(store, full, path, size, part, o, key, chunk, itemsize)
+            continue
+        sound = False
+        try:
+            sound = _check_object(store, full, path, size, part, o, key, chunk, itemsize)
+        finally:
+            with _CHECKING:
+                if sound:
+                    checked[seen] = True
+                elif checked.get(seen) is mine:
+                    del checked[seen]
+            mine.set_result(sound)
 
-            sparse = check_sparse_object(
-                store.path(full),  # type: ignore[attr-defined]
-                part,
-                o,
-                key,
-                chunk,
-                itemsize,
-            )
-        checked[seen] = not sparse  # a sparse object: each tensor's records
+
+def _check_object(
+    store: ByteStore,
+    full: str,
+    path: str,
+    size: int,
+    part: PackedArray,
+    o: int,
+    key: str,
+    chunk: Sequence[int],
+    itemsize: int,
+) -> bool:
+    """One object's checks (see :func:`check_objects`); False where it is sparse (each
+    tensor then checks the holes of its own records)."""
+    if store.capabilities.local_path:
+        _lstat_walk(store, full, key, path)
+    info = store.head(full)
+    if info is None:
+        raise _bad(key, path, "the data object is missing", "SP-READ-2")
+    if info.size < size:
+        raise _bad(
+            key,
+            path,
+            f"the data object holds {info.size} bytes, the manifest declares {size} ([SP-PACK-7])",
+            "SP-READ-3",
+        )
+    if not store.capabilities.local_path:
+        return True
+    from shardpoint_core.arrays.packed_sparse import check_sparse_object
+
+    sparse = check_sparse_object(  # [SP-SEC-6]: holes checked before allocating
+        store.path(full),  # type: ignore[attr-defined]
+        part,
+        o,
+        key,
+        chunk,
+        itemsize,
+    )
+    return not sparse
 
 
 def _lstat_walk(store: ByteStore, full: str, key: str, path: str) -> None:
@@ -363,12 +361,7 @@ def open_packed(
     assert isinstance(part, PackedArray), "not a packed array"
     lay = layout_of(spec, part, key)
     check_objects(store, prefix, part, key, checked, lay.chunk, lay.itemsize)
-    blocks = None
-    if not store.capabilities.local_path:  # one per backend, kept in its ``checked`` map
-        blocks = checked.get("\0blocks")
-        if blocks is None:
-            blocks = checked["\0blocks"] = BlockCache()
-    return PackedView(store, prefix, part, lay, key, blocks=blocks), part.name, lay
+    return PackedView(store, prefix, part, lay, key), part.name, lay
 
 
 def read_packed(
@@ -377,19 +370,18 @@ def read_packed(
     out: np.ndarray,
     submit: Optional[Callable[..., Any]] = None,
 ) -> list[Any]:
-    """Fill ``out`` with the region at ``offset``: adjacent chunks in one read each
-    (:meth:`PackedView.primed`), then the Zarr layer's reads and checks; with ``submit``,
-    chunks and runs of inner chunks in parallel (their futures returned, as
-    :func:`~.array.read_region` does)."""
+    """Fill ``out`` with the region at ``offset``: the chunks ``view.cache`` holds from
+    their planned runs (:class:`ReadBatch`), the others by the Zarr layer's reads, every
+    check applied; with ``submit``, chunks and runs of inner chunks in parallel (their
+    futures returned, as :func:`~.array.read_region` does)."""
     from shardpoint_core.arrays import packed_direct
 
-    if packed_direct.applies(view, offset, out):  # straight into ``out`` (local files)
+    if not view.cache and packed_direct.applies(view, offset, out):  # straight into ``out``
         return packed_direct.read_whole(view, out, submit)
     try:
-        primed = view.primed(tuple(offset), out.shape)
-        return _locating(
-            view, read_region(primed, view.part.name, view.layout, offset, out, view.key, submit)
-        )
+        futures = read_region(view, view.part.name, view.layout, offset, out, view.key, submit)
+        # the callbacks keep a view without the runs: a run's bytes go once its reads are done
+        return _locating(view.with_cache({}) if view.cache else view, futures)
     except CorruptCheckpointError as e:
         raise located(view, e) from e
 

@@ -172,6 +172,11 @@ class TensorStoreStore:
         """The same root with changed :class:`TensorStoreOptions`."""
         return TensorStoreStore(self.url, replace(self.options, **changes))
 
+    def kvstore_spec(self) -> dict[str, Any]:
+        """The TensorStore kvstore spec of this store's root (what a third-party reader
+        passes to TensorStore to reach the same bytes)."""
+        return self._spec()[0]
+
     # -- the kvstore ----------------------------------------------------------------------
     def _spec(self) -> Tuple[dict[str, Any], dict[str, Any]]:
         """(kvstore spec, context spec) of this store."""

@@ -78,7 +78,7 @@ from shardpoint_core.format.layout import (
     fill_value,
 )
 from shardpoint_core.arrays.object_read import ObjectArray
-from shardpoint_core.arrays.packed_read import PackedView, open_packed, read_packed, verify_packed
+from shardpoint_core.arrays.packed_read import PackedView, ReadBatch, open_packed, verify_packed
 from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle
 
 MAX_MANIFEST_BYTES = local.MAX_MANIFEST_BYTES
@@ -200,6 +200,7 @@ class ZarrBackend:
         self._meta_reads = WritePool(concurrency, "sp-meta")
         self._crcs: Dict[str, CrcSink] = {}  # staging -> units' crc32c written ([SP-MAN-7])
         self._packed_ok: Dict[str, Any] = {}  # (1.4) data objects found sound, by path
+        self._packed_reads = ReadBatch()  # (1.4) reads gathered until a wait() plans them
         self.committer = PathCommitter(PosixCommitter(fsync=fsync), UrlCommitter(self.locate))
         # root -> its Location, for the array opens of one save or load (a path becomes a
         # store and a key once per root, not once per array); dropped at flush, abort,
@@ -570,10 +571,9 @@ class ZarrBackend:
             )
         if isinstance(handle, _Array):
             pool = self._reads if handle.store.capabilities.local_path else self._remote
-            if isinstance(handle.store, PackedView):  # (1.4) packed
+            if isinstance(handle.store, PackedView):  # (1.4) packed: planned at wait()
                 return _KeyedRead(
-                    pool.submit(read_packed, handle.store, tuple(offset), out, pool.submit),
-                    handle.key,
+                    self._packed_reads.add(handle.store, tuple(offset), out, pool), handle.key
                 )
             return _KeyedRead(
                 pool.submit(
@@ -589,9 +589,14 @@ class ZarrBackend:
             )
         return _KeyedRead(self.ts.read_into(handle, offset, out), handle.key)
 
+    def start_reads(self) -> None:
+        """Start the packed reads added so far (planned together, :class:`ReadBatch`)."""
+        self._packed_reads.dispatch()
+
     def wait(self, ops: Sequence[Any]) -> None:
         """Wait for every op (each finishes before an error is raised); the first error is
         raised, a TensorStore one as the spec's error naming the tensor."""
+        self._packed_reads.dispatch()  # packed reads added so far start now, planned together
         first: Optional[tuple[Any, ...]] = None  # (error, key of the tensor read, or None)
         todo: List[tuple[Any, ...]] = [(op, None) for op in ops]
         while todo:

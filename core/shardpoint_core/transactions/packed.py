@@ -243,6 +243,9 @@ class PackedBackend:
     def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
         self.zarr.prefetch(handle, offset, shape)
 
+    def start_reads(self) -> None:
+        self.zarr.start_reads()
+
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
         return self.zarr.verify_array(root, array_path, spec, key)
 

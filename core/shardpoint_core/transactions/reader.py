@@ -102,6 +102,15 @@ class CheckpointReader:
         if hint is not None:
             hint(handle, offset, shape)
 
+    def start_reads(self) -> None:
+        """Start the reads begun so far that the backend holds back to plan them together
+        (the packed layout's: :class:`~shardpoint_core.arrays.packed_read.ReadBatch`): a
+        caller that does other work before it waits calls this first, so the reads run
+        meanwhile. ``wait`` starts them too."""
+        start = getattr(self.backend, "start_reads", None)  # optional capability
+        if start is not None:
+            start()
+
     def wait(self, ops: Sequence[Any]) -> None:
         """Wait for every read; the first error is raised, as the spec's error naming its
         tensor, once every read finished (LoadFailedError where the checkpoint was replaced

@@ -418,6 +418,7 @@ def _run(
             r, s = hx.slots[i]
             bufs[i] = seg.view(r, s, size[i]).view(dtype_of(reads[i].key)).view(reads[i].shape)
             ops.append(reader.read_into(handle(reads[i].key), reads[i].offset, to_numpy(bufs[i])))
+        reader.start_reads()  # they run while this rank copies the round before
         ahead.upto(max(staged.get(k, [-1])))
         return ops
 
@@ -449,6 +450,7 @@ def _run(
             nread += size[i]
         if hx.seg is not None:
             pending = issue(0)
+        reader.start_reads()  # the private reads run while the pages are faulted in
     except Exception as e:  # noqa: BLE001 - shared with every rank at the next agreement
         err = e
 

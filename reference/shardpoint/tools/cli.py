@@ -208,6 +208,18 @@ def cmd_recover(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_export_tensorstore(a: argparse.Namespace) -> int:
+    from shardpoint_core.transactions.ts_export import SPEC_NAME, export_tensorstore
+
+    spec = export_tensorstore(a.src, a.dst, overwrite=a.overwrite)
+    if a.json:
+        print(json.dumps(spec, sort_keys=True))
+    else:
+        print(f"wrote an OCDBT index of {a.src} to {a.dst} (the checkpoint's bytes stay put)")
+        print(f"TensorStore kvstore spec: {a.dst.rstrip('/')}/{SPEC_NAME}")
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from shardpoint.tools.demo import run_demo
 
@@ -351,6 +363,21 @@ exit codes: 0 ok, 1 damaged or invalid checkpoint, 2 not found or usage error"""
     s.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     s.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     s.set_defaults(fn=cmd_demo)
+    s = cli_tools.add_command(
+        sub,
+        "export-tensorstore",
+        "write a small OCDBT index that lets TensorStore open every tensor of a packed "
+        "checkpoint as a Zarr v3 array, reading the chunks where they lie (no copy); "
+        "the kvstore spec to open it is written beside it as kvstore.json",
+        """
+        shardpoint export-tensorstore ckpt/step_100 ckpt/step_100.ts
+        shardpoint export-tensorstore s3://bucket/ckpt/step_100 s3://bucket/exports/step_100""",
+    )
+    s.add_argument("src", help="a packed checkpoint (a directory, s3:// or gs://)")
+    s.add_argument("dst", help="a directory of its own for the index (local, s3:// or gs://)")
+    s.add_argument("--overwrite", action="store_true", help="replace an export at dst")
+    s.add_argument("--json", action="store_true", help="print the kvstore spec as JSON")
+    s.set_defaults(fn=cmd_export_tensorstore)
     cli_tools.add_commands(sub)
     sub.add_parser(
         "conformance",
@@ -363,7 +390,7 @@ exit codes: 0 ok, 1 damaged or invalid checkpoint, 2 not found or usage error"""
 _PATH_ARGS = ("path", "src", "dst", "a", "b", "dir")
 # commands that take s3://... checkpoints too (convert: as its source, and as its destination
 # for shardpoint output, published by the object-store commit like sp.save)
-_URL_COMMANDS = ("inspect", "verify", "recover", "diff", "convert")
+_URL_COMMANDS = ("inspect", "verify", "recover", "diff", "convert", "export-tensorstore")
 
 
 def main(argv: Optional[list] = None) -> int:
