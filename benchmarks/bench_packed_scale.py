@@ -26,7 +26,7 @@ the coordinator's LIST pages, GET, batched DELETE). The commit's own few request
 marker, its checks) come on top of both layouts alike and are not counted.
 
 The 1- and 4-rank rows plan the mixed and uniform states of ``bench_states`` as ``sp.save``
-flattens them (4 ranks: the mixed state's 2-D tensors split by rows, the rest replicated);
+flattens them (4 ranks: 2-D tensors split by rows where the rows divide, the rest replicated);
 ``tests/tools/test_bench_packed_scale.py`` saves the same for real and checks these counts.
 
     python benchmarks/bench_packed_scale.py              # 1, 4 and 1,024 ranks
