@@ -81,3 +81,43 @@ def test_a_copy_failing_midway_leaves_nothing_at_the_target(tmp_path):
     with pytest.raises(sp.errors.CorruptCheckpointError, match="could not be read intact"):
         copy_checkpoint("shm://copytest/step_1", str(dst / "step_1"))
     assert os.listdir(dst) == []  # neither the step nor its staging
+
+
+def _keys(url: str) -> list:
+    """Every object key below the checkpoint at ``url`` (relative to it), with the save
+    prefix of an object store (``save-<token>/``, [SP-COMMIT-11]) written ``save-*``."""
+    from shardpoint_core.stores.location import locate
+
+    store, root = locate(url).pair()
+    out = []
+    for info in store.list(f"{root}/" if root else ""):
+        rel = info.key[len(root) + 1 if root else 0 :].split("/")
+        out.append("/".join("save-*" if p.startswith("save-") else p for p in rel))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("source", ["memory", "shm"])
+def test_a_copy_is_laid_out_as_a_save_made_there(tmp_path, source):
+    """A copy of an object-store checkpoint (its objects below its own ``save-<token>/``)
+    holds its objects below the copy's save prefix alone, not below both
+    (``save-NEW/save-OLD/tensors/...``): it lists as a checkpoint saved there directly,
+    and it loads bit for bit."""
+    from shardpoint_core.stores.shm import ShmStore
+
+    if source == "shm":
+        ShmStore.named("copylay").configure(shm_dir=str(tmp_path / "shm"))
+        src = "shm://copylay/step_1"
+    else:
+        src = "memory://copylay-src/run/step_1"
+    state = _state()
+    sp.save(state, src)
+    assert any(k.startswith("save-*/tensors/") for k in _keys(src))  # a save prefix
+    for dst in (f"memory://copylay-{source}/run/step_1", str(tmp_path / f"to-{source}" / "step_1")):
+        copy_checkpoint(src, dst)
+        direct = dst.replace("step_1", "step_2")
+        sp.save(state, direct)
+        assert _keys(dst) == _keys(direct), dst
+        assert not any(k.count("save-*") > 1 for k in _keys(dst))
+        got = sp.load(dst)
+        assert torch.equal(got["w"], state["w"]) and got["n"] == 3
+        assert torch.equal(got["b"].view(torch.int16), state["b"].view(torch.int16))

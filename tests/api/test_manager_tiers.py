@@ -146,6 +146,9 @@ def test_every_rank_copies_the_objects_its_host_holds_and_one_commit_publishes(t
         want = _state(0, 1, s)
         assert torch.equal(d["w"], want["w"].data) and d["step"] == s
         assert torch.equal(d["b"].view(torch.int16), want["b"].view(torch.int16))
+        # laid out as a save made there: no memory step's save prefix inside it
+        top = os.listdir(os.path.join(root, "ckpt", f"step_{s:08d}"))
+        assert "tensors" in top and not [p for p in top if p.startswith("save-")], top
     assert not [p for p in os.listdir(os.path.join(root, "ckpt")) if p.startswith(".")]
 
 

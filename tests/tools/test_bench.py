@@ -365,6 +365,7 @@ def test_benchmark_page_figures_all_come_from_files_the_scripts_wrote():
         "bench_packed_s3",
         "bench_s3_packed",
         "bench_s3_perarray_same_run",
+        "bench_packed_scale",
         "plan_scale",
         "plan_scale_cpu",
     ]

@@ -18,12 +18,15 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from shardpoint_core.commit.object_store import SAVE_PREFIX
 from shardpoint_core.format.errors import CorruptCheckpointError, SaveFailedError
+from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.stores.location import locate
 from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.transactions.reader import CheckpointReader
@@ -57,6 +60,41 @@ def _expected(entry: Any) -> List[str]:
     return chunk_keys(entry.array, entry.shape, entry.chunk_shape)
 
 
+def save_prefix_of(m: Manifest) -> str:
+    """The save prefix (``save-<token>``) that every array path of the committed manifest
+    ``m`` lies below, as an object store's commit puts them ([SP-COMMIT-11]); "" where they
+    share none (a checkpoint on files). A copy moves its objects from below it to below its
+    own, so the copy is laid out as a save made there."""
+    firsts = {e.array.partition("/")[0] for e in m.tensors.values() if "/" in e.array}
+    if len(firsts) != 1 or any("/" not in e.array for e in m.tensors.values()):
+        return ""
+    first = firsts.pop()
+    return first if first.startswith(SAVE_PREFIX) else ""
+
+
+def _strip(path: str, prefix: str) -> str:
+    return path[len(prefix) + 1 :] if prefix and path.startswith(prefix + "/") else path
+
+
+def relative_manifest(m: Manifest, prefix: str) -> Manifest:
+    """``m`` with ``prefix/`` taken off every array path (and, 1.4, every data object and
+    packed array name): the manifest as its save wrote it, before the commit put the save
+    prefix in front; the target's commit puts its own there (``encode_marker``)."""
+    if not prefix:
+        return m
+    tensors = {
+        k: dataclasses.replace(e, array=_strip(e.array, prefix)) for k, e in m.tensors.items()
+    }
+    packed = m.packed
+    if packed is not None:
+        packed = dataclasses.replace(
+            packed,
+            objects=[(_strip(p, prefix), s) for p, s in packed.objects],
+            arrays=[(_strip(n, prefix), i) for n, i in packed.arrays],
+        )
+    return dataclasses.replace(m, tensors=tensors, packed=packed)
+
+
 def _objects(store: Any, root: str, arrays: List[str]) -> Dict[str, int]:
     """The object keys (relative to ``root``) of every array below ``root``, with their
     sizes."""
@@ -76,10 +114,13 @@ def copy_part(
     *,
     backend: Optional[StorageBackend] = None,
     threads: int = 8,
+    source_prefix: str = "",
 ) -> List[Tuple[str, int]]:
     """Any process: copy the objects ``keys`` (relative to the checkpoint root) of the
     committed checkpoint at ``src`` into the ``staging`` location of the copy to ``dst``
-    that a coordinator began (:meth:`CopyTransaction.begin`), and make them durable. Returns
+    that a coordinator began (:meth:`CopyTransaction.begin`), and make them durable; each
+    lands at its key relative to ``source_prefix`` (the source's save prefix,
+    :attr:`CopyTransaction.source_prefix`), as the copy's manifest names it. Returns
     (target key, bytes) of each. :class:`CorruptCheckpointError` where an object cannot be
     read intact, :class:`SaveFailedError` where it cannot be written."""
     s_store, s_root = locate(src, "copy").pair()
@@ -94,7 +135,8 @@ def copy_part(
                 f"copy of {src!r}: object {key!r} could not be read intact ({e}); "
                 f"nothing was committed at {dst!r}"
             ) from e
-        target = f"{d_root}/{key}" if d_root else key
+        rel = _strip(key, source_prefix)
+        target = f"{d_root}/{rel}" if d_root else rel
         try:
             d_store.put(target, data)
         except OSError as e:
@@ -113,12 +155,17 @@ class CopyTransaction:
     """A copy of one committed checkpoint that several processes write (the coordinator
     begins and ends it; see the module): ``keys``, the objects to copy (relative to the
     checkpoint root), ``sizes`` their bytes, ``staging`` where every process writes them
-    (:func:`copy_part`); then :meth:`commit` (the manifest last) or :meth:`abort`."""
+    (:func:`copy_part`, passing :attr:`source_prefix`); then :meth:`commit` (the manifest
+    last) or :meth:`abort`. The copy is laid out as a save made at the target: what lay below
+    the source's save prefix lies below the target's own (on an object store) or at its root
+    (on files)."""
 
     def __init__(self, src: str, reader: CheckpointReader, writer: CheckpointWriter) -> None:
         self.src, self.reader, self.writer = src, reader, writer
         self.keys: List[str] = []
         self.sizes: Dict[str, int] = {}
+        #: the source's save prefix, taken off every key and array path of the copy
+        self.source_prefix = save_prefix_of(reader.manifest)
 
     @classmethod
     def begin(
@@ -182,7 +229,9 @@ class CopyTransaction:
             except BaseException:
                 self.writer.abort()
                 raise
-            self.writer.commit(self.reader.manifest_bytes)
+            # decoded and given back as a Manifest: the target's backend encodes it once,
+            # with its own save prefix in front on an object store (encode_marker)
+            self.writer.commit(relative_manifest(self.reader.manifest, self.source_prefix))
         finally:
             self.reader.close()
 
@@ -211,7 +260,13 @@ def copy_checkpoint(
     t = CopyTransaction.begin(src, dst, backend=backend, overwrite=overwrite)
     try:
         done = copy_part(
-            t.reader.path, t.path, t.staging, t.keys, backend=t.writer.backend, threads=threads
+            t.reader.path,
+            t.path,
+            t.staging,
+            t.keys,
+            backend=t.writer.backend,
+            threads=threads,
+            source_prefix=t.source_prefix,
         )
     except BaseException:
         t.abort()

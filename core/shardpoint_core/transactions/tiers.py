@@ -404,6 +404,7 @@ class Tiers:
             "src": txn.source,
             "dst": txn.path,
             "staging": txn.staging,
+            "prefix": txn.source_prefix,
             "parts": parts,
         }
 
@@ -414,7 +415,10 @@ class Tiers:
 
         def run() -> None:
             self._part_result = self._retrying(
-                step, lambda: copy_part(src, dst, staging, keys, backend=backend)
+                step,
+                lambda: copy_part(
+                    src, dst, staging, keys, backend=backend, source_prefix=plan["prefix"]
+                ),
             )
 
         self._part_result = ("", [])
