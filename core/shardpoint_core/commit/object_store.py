@@ -98,7 +98,8 @@ def _rewrite_array_paths(envelope: bytes, save_dir: str, where: str) -> bytes:
         packed = m.get("packed")  # (1.4) the data objects too ([SP-PACK-8])
         if isinstance(packed, dict):
             for obj in packed.get("objects", []) + packed.get("arrays", []):
-                obj[0] = f"{save_dir}/{obj[0]}"
+                if len(obj) == 2:  # [path, size, base]: a base's object stays ([SP-PACK-9])
+                    obj[0] = f"{save_dir}/{obj[0]}"
     except (ValueError, KeyError, TypeError, msgpack.ExtraData) as e:
         raise CorruptCheckpointError(
             f"staged manifest {where} is not a valid manifest ({e}); nothing was committed",
@@ -128,7 +129,10 @@ def encode_marker(m: Manifest, save_dir: str) -> bytes:
     if packed is not None:  # (1.4) its data objects and array names too ([SP-PACK-8])
         packed = dataclasses.replace(
             packed,
-            objects=[(f"{save_dir}/{p}", s) for p, s in packed.objects],
+            objects=[  # a base's objects stay where its own marker put them ([SP-PACK-9])
+                (p if packed.base_of(i) is not None else f"{save_dir}/{p}", s)
+                for i, (p, s) in enumerate(packed.objects)
+            ],
             arrays=[(f"{save_dir}/{n}", i) for n, i in packed.arrays],
         )
     return encode_manifest(dataclasses.replace(m, tensors=tensors, packed=packed))

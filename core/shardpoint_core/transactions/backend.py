@@ -78,6 +78,7 @@ from shardpoint_core.format.layout import (
     fill_value,
 )
 from shardpoint_core.arrays.object_read import ObjectArray
+from shardpoint_core.arrays.packed_base import based_store
 from shardpoint_core.arrays.packed_read import PackedView, open_packed, read_packed, verify_packed
 from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle
 
@@ -503,6 +504,8 @@ class ZarrBackend:
         (:func:`~shardpoint_core.arrays.opening.open_local_array`). Chunks are read by ``read_into``."""
         store, prefix = self._location(root)
         if spec.packed is not None:  # (1.4) a packed checkpoint: chunks by its index
+            if spec.packed.bases:  # incremental: its bases' objects too ([SP-PACK-9])
+                store = based_store(store, prefix, root, spec.packed, key, self._packed_ok)
             return _Array(*open_packed(store, prefix, spec, key, self._packed_ok), key)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
