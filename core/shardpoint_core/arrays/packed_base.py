@@ -76,7 +76,9 @@ def manifest_identity(path: str) -> Optional[bytes]:
 
 
 def _base_error(key: str, base: str, where: str, msg: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"tensor {key!r}: base {base!r} ({where}): {msg}", "SP-PACK-9")
+    return CorruptCheckpointError(
+        f"tensor {key!r}: base {base!r} ({where}): {msg}", spec_id="SP-PACK-9"
+    )
 
 
 # ------------------------------------------------------------------------------ writing

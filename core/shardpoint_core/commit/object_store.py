@@ -59,6 +59,7 @@ from shardpoint_core.commit.lease import (
     stop_lease,
 )
 from shardpoint_core.commit.leftovers import Leftover
+from shardpoint_core.commit.references import refuse_if_referenced, store_referrers
 from shardpoint_core.format.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -206,6 +207,12 @@ class ObjectStoreCommitter:
                 f"{self._url(target)} holds a committed checkpoint; pass overwrite=True to "
                 "replace it, or save to another path",
                 spec_id="SP-COMMIT-5",
+            )
+        if committed:  # [SP-PACK-11]: never replace a checkpoint others build on
+            refuse_if_referenced(
+                self._url(target),
+                "replacing the checkpoint",
+                store_referrers(self.store, target),
             )
         if not committed:
             foreign = self._foreign(target, itertools.chain(first, listing))
@@ -575,6 +582,9 @@ class ObjectStoreCommitter:
                     spec_id="SP-COMMIT-3",
                 )
             return False  # gone already, or only a save's own prefix
+        refuse_if_referenced(  # [SP-PACK-11]: never a checkpoint others build on
+            self._url(target), "removing the checkpoint", store_referrers(self.store, target)
+        )
         self.store.delete([key])
         self._delete_arrays(target, old[0])
         return True

@@ -120,15 +120,19 @@ class PackedBackend:
         extra = f", incremental={self.incremental!r}" if self.incremental is not None else ""
         return f"PackedBackend(zarr={self.zarr!r}{extra})"
 
-    def with_incremental(self, incremental: Union[bool, str]) -> "PackedBackend":
-        """A backend like this one whose saves build on ``incremental`` (see the class)."""
-        return PackedBackend(
+    def with_incremental(self, incremental: Union[None, bool, str]) -> "PackedBackend":
+        """A backend like this one (its threads shared) whose saves build on
+        ``incremental`` (see the class) and record hashes (False or None: hashes only)."""
+        other = PackedBackend(
             self.zarr,
             cap=self.cap,
-            write_threads=self._pool.threads,
             writer_id=self.writer_id,
             incremental=incremental,
+            hashes=True,
+            write_threads=0,
         )
+        other._pool, other._puts = self._pool, self._puts  # one set of threads per process
+        return other
 
     def save_target(self, staging: str, path: str) -> None:
         """Which checkpoint the save staged at ``staging`` makes: an incremental save loads

@@ -23,6 +23,7 @@ from shardpoint.api.loading import LoadResult, run_load
 from shardpoint.api.saving import SaveOptions, SaveResult, run_save
 from shardpoint.exchange.comm import Comm, group_key, new_side_comm
 from shardpoint.planning.load_planner import LoadOptions
+from shardpoint_core.format import errors
 from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.transactions.resolve import read_metadata
 from shardpoint_core.transactions.protocol import StorageBackend
@@ -100,6 +101,7 @@ class Checkpointer:
         options: Optional[SaveOptions] = None,
         async_save: bool = False,
         backend: Optional[StorageBackend] = None,
+        incremental: "bool | str | None" = None,
     ) -> "SaveResult | AsyncSave":
         """Save ``state`` at ``path`` (see :func:`shardpoint.save`): a :class:`SaveResult`,
         or with ``async_save=True`` an :class:`AsyncSave` whose ``wait()`` gives it.
@@ -109,7 +111,7 @@ class Checkpointer:
             state,
             path,
             comm,
-            backend or self._backend,
+            incremental_backend(backend or self._backend, incremental),
             options or self.save_options,
             overwrite,
             self._group(comm),
@@ -202,6 +204,24 @@ def default_checkpointer() -> Checkpointer:
     return _DEFAULT
 
 
+def incremental_backend(be: Optional[StorageBackend], incremental: Any) -> Any:
+    """The backend of a save with ``incremental`` (None or False: ``be`` unchanged): a
+    :class:`~shardpoint_core.transactions.packed.PackedBackend` building on the base."""
+    if incremental is None or incremental is False:
+        return be
+    from shardpoint_core.transactions.packed import PackedBackend
+
+    if be is None:
+        return PackedBackend(incremental=incremental)
+    if isinstance(be, PackedBackend):
+        return be.with_incremental(incremental)
+    raise errors.InvalidOptionError(
+        f"incremental={incremental!r} needs the packed layout: pass backend=PackedBackend() "
+        f"(or no backend), not {be!r}"
+    )
+
+
+
 # ------------------------------------------------------------------ the public functions
 @overload
 def save(
@@ -212,6 +232,7 @@ def save(
     overwrite: "bool | str" = False,
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
+    incremental: "bool | str | None" = None,
     async_save: Literal[False] = False,
 ) -> SaveResult: ...
 
@@ -225,6 +246,7 @@ def save(
     overwrite: "bool | str" = False,
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
+    incremental: "bool | str | None" = None,
     async_save: Literal[True],
 ) -> AsyncSave: ...
 
@@ -238,6 +260,7 @@ def save(
     overwrite: "bool | str" = False,
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
+    incremental: "bool | str | None" = None,
     async_save: bool = False,
 ) -> "SaveResult | AsyncSave": ...
 
@@ -250,6 +273,7 @@ def save(
     overwrite: "bool | str" = False,
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
+    incremental: "bool | str | None" = None,
     async_save: bool = False,
 ) -> "SaveResult | AsyncSave":
     """Save ``state`` (a nested dict/list/tuple) as a checkpoint at ``path``. Collective.
@@ -270,6 +294,14 @@ def save(
     ``overwrite="any"`` also a directory that is not a checkpoint, deleting what it holds.
     Never replaced: a file, a directory of checkpoints (a CheckpointManager's root).
 
+    ``incremental`` (packed layout, spec/format.md section 13): build on a committed
+    packed checkpoint beside ``path`` (its name or path; ``True``: the newest one beside
+    it on files): chunks whose bytes it holds (same length, crc32c and SHA-256) are not
+    written again, the new checkpoint refers to them. Every chunk's hash is recorded, so
+    the next save can build on this one. A checkpoint that others build on is never
+    deleted or replaced (``CheckpointReferencedError``); a manager's retention keeps it
+    until nothing kept refers to it.
+
     A thin wrapper over the default :class:`~shardpoint.Checkpointer` (which keeps the plan
     cache, the pending async save and its host pool per process group).
     """
@@ -281,6 +313,7 @@ def save(
         options=options,
         async_save=async_save,
         backend=backend,
+        incremental=incremental,
     )
 
 

@@ -120,7 +120,19 @@ class CheckpointManager:
         memory_every: int = 1,
         memory_keep: int = 2,
         storage_every: Optional[int] = None,
+        incremental: bool = False,
     ) -> None:
+        if incremental and backend is not None:
+            from shardpoint_core.transactions.packed import PackedBackend
+
+            if not isinstance(backend, PackedBackend):
+                raise errors.InvalidOptionError(
+                    f"incremental=True needs the packed layout: pass backend=PackedBackend() "
+                    f"(or no backend), not {backend!r}"
+                )
+        #: every save builds on the newest committed step ([SP-PACK-9]); retention keeps
+        #: the steps that kept ones build on ([SP-PACK-11])
+        self.incremental = bool(incremental)
         if retention is not None:
             if not isinstance(retention, Retention):
                 raise errors.InvalidOptionError(
@@ -167,6 +179,7 @@ class CheckpointManager:
         self.last_load: Optional[LoadInfo] = None
         self.backend, self.save_options, self.load_options = backend, save_options, load_options
         self._comm = Comm(group)
+        self._packed: Any = None  # (incremental) the packed backend, hashes recorded
         self._pending: Any = None  # the in-flight async save, if any
         self._metrics: dict = {}  # step -> metrics dict (cache of the manifests)
         self._committer = self._steps.committer
@@ -253,7 +266,7 @@ class CheckpointManager:
         kw: dict = {
             "group": self.group,
             "overwrite": force,
-            "backend": self.backend,
+            "backend": self._save_backend(step),
             "options": self.save_options,
         }
         if self.async_save:
@@ -276,6 +289,21 @@ class CheckpointManager:
         else:
             self._after_commit()
         return result
+
+    def _save_backend(self, step: int) -> Any:
+        """The backend of the save of ``step``: with ``incremental``, a packed backend that
+        records hashes and builds on the newest committed step before ``step`` (none: a full
+        save, whose hashes the next one compares against)."""
+        if not self.incremental:
+            return self.backend
+        from shardpoint_core.transactions.packed import PackedBackend
+
+        if self._packed is None:
+            self._packed = self.backend or PackedBackend(hashes=True)
+            if not self._packed.hashes:
+                self._packed = self._packed.with_incremental(False)
+        earlier = [s for s in self.all_steps() if s < step]
+        return self._packed.with_incremental(self.path(earlier[-1])) if earlier else self._packed
 
     def _check_committed(self, step: int, path: str) -> None:
         """On the coordinator, CheckpointNotFoundError where ``step`` is not committed, on

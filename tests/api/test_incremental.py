@@ -1,0 +1,173 @@
+"""Incremental packed checkpoints (issue 30 item 4; spec/format.md section 13, [SP-PACK-9]
+to [SP-PACK-11]): a save refers to a base's unchanged chunks instead of rewriting them;
+loads are bitwise; a base that is missing, replaced or elsewhere is refused by rule; and
+nothing deletes a checkpoint that a live one builds on (overwrite, remove, retention), while
+a crashed incremental save's leftovers go without touching its base."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import shardpoint as sp
+from shardpoint_core.format.errors import (
+    CheckpointReferencedError,
+    CorruptCheckpointError,
+    InvalidOptionError,
+)
+from shardpoint_core.format.manifest import decode_manifest
+from shardpoint_core.transactions.packed import PackedBackend
+from shardpoint_core.verify import verify_checkpoint
+
+
+def _state(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "frozen": {
+            "emb": np.random.default_rng(99).standard_normal((300, 200)).astype(np.float32),
+            "big": np.random.default_rng(98).standard_normal((1100, 600)).astype(np.float32),
+        },
+        "train": rng.standard_normal((40, 30)).astype(np.float32),
+        "flag": np.array([True, False]),
+        "step": seed,
+    }
+
+
+def _manifest(path: str):
+    with open(os.path.join(path, "manifest.msgpack"), "rb") as f:
+        return decode_manifest(f.read())
+
+
+def _own_bytes(path: str) -> int:
+    d = os.path.join(path, "packed")
+    return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+
+
+def _same(got: dict, want: dict) -> None:
+    for k in ("emb", "big"):
+        assert np.asarray(got["frozen"][k]).tobytes() == want["frozen"][k].tobytes()
+    assert np.asarray(got["train"]).tobytes() == want["train"].tobytes()
+    assert np.asarray(got["flag"]).tobytes() == want["flag"].tobytes()
+    assert got["step"] == want["step"]
+
+
+def test_incremental_save_writes_only_changed_chunks_and_loads_bitwise(tmp_path):
+    s1, s2 = _state(1), _state(2)
+    sp.save(s1, str(tmp_path / "a"), backend=PackedBackend(hashes=True))
+    sp.save(s2, str(tmp_path / "b"), incremental="a")
+    assert _own_bytes(str(tmp_path / "b")) * 20 < _own_bytes(str(tmp_path / "a"))
+    m = _manifest(str(tmp_path / "b"))
+    assert [n for n, _i in m.packed.bases] == ["a"]
+    shared = [i for i in range(len(m.packed.objects)) if m.packed.base_of(i) is not None]
+    assert shared and m.packed.hashes is not None
+    _same(sp.load(str(tmp_path / "b")), s2)
+    rep = verify_checkpoint(str(tmp_path / "b"))
+    assert rep.ok, rep.problems
+
+
+def test_chain_refers_to_the_owner_directly_and_survives_a_moved_parent(tmp_path):
+    root = tmp_path / "run"
+    sp.save(_state(1), str(root / "s1"), backend=PackedBackend(hashes=True))
+    sp.save(_state(2), str(root / "s2"), incremental=True)  # the newest beside it: s1
+    s3 = _state(3)
+    sp.save(s3, str(root / "s3"), incremental=str(root / "s2"))
+    # s2's own chunk (train) changed again: s3 refers to s1's bytes directly, not via s2
+    assert [n for n, _i in _manifest(str(root / "s3")).packed.bases] == ["s1"]
+    os.rename(root, tmp_path / "moved")
+    _same(sp.load(str(tmp_path / "moved" / "s3")), s3)
+
+
+def test_a_replaced_or_missing_base_is_refused_by_rule(tmp_path):
+    sp.save(_state(1), str(tmp_path / "a"), backend=PackedBackend(hashes=True))
+    sp.save(_state(2), str(tmp_path / "b"), incremental="a")
+    shutil.move(str(tmp_path / "a"), str(tmp_path / "a_old"))
+    with pytest.raises(CorruptCheckpointError, match=r"SP-PACK-9.*tensor '.*': base 'a'.*missing"):
+        sp.load(str(tmp_path / "b"))
+    # another save at the base's name, with the very same bytes: still not the base
+    sp.save(_state(1), str(tmp_path / "a"), backend=PackedBackend(hashes=True))
+    with pytest.raises(CorruptCheckpointError, match=r"SP-PACK-9.*replaced"):
+        sp.load(str(tmp_path / "b"))
+
+
+def test_a_base_must_lie_beside_and_not_be_the_target(tmp_path):
+    sp.save(_state(1), str(tmp_path / "x" / "a"), backend=PackedBackend(hashes=True))
+    with pytest.raises(InvalidOptionError, match="beside"):
+        sp.save(_state(2), str(tmp_path / "y" / "b"), incremental=str(tmp_path / "x" / "a"))
+    with pytest.raises(InvalidOptionError, match="replaces"):
+        sp.save(_state(2), str(tmp_path / "x" / "a"), incremental="a", overwrite=True)
+    sp.save(_state(1), str(tmp_path / "x" / "plain"))  # per-array layout
+    with pytest.raises(InvalidOptionError, match="packed layout"):
+        sp.save(_state(2), str(tmp_path / "x" / "b"), incremental="plain")
+    assert not os.path.exists(tmp_path / "y" / "b") and not os.path.exists(tmp_path / "x" / "b")
+
+
+def test_a_base_without_hashes_shares_nothing(tmp_path):
+    sp.save(_state(1), str(tmp_path / "a"), backend=PackedBackend())  # no hashes
+    sp.save(_state(2), str(tmp_path / "b"), incremental="a")
+    assert not _manifest(str(tmp_path / "b")).packed.bases
+    _same(sp.load(str(tmp_path / "b")), _state(2))
+
+
+def test_overwrite_and_remove_of_a_base_are_refused(tmp_path):
+    sp.save(_state(1), str(tmp_path / "a"), backend=PackedBackend(hashes=True))
+    sp.save(_state(2), str(tmp_path / "b"), incremental="a")
+    with pytest.raises(CheckpointReferencedError, match=r"SP-PACK-11.*\['b'\]"):
+        sp.save(_state(5), str(tmp_path / "a"), overwrite=True)
+    from shardpoint_core.commit.posix import PosixCommitter
+
+    with pytest.raises(CheckpointReferencedError):
+        PosixCommitter().remove(str(tmp_path / "a"))
+    _same(sp.load(str(tmp_path / "b")), _state(2))
+    # once nothing builds on it, it goes
+    assert PosixCommitter().remove(str(tmp_path / "b"))
+    assert PosixCommitter().remove(str(tmp_path / "a"))
+
+
+def test_manager_retention_keep_1_over_a_chain_keeps_the_bases(tmp_path):
+    mgr = sp.CheckpointManager(str(tmp_path / "run"), max_to_keep=1, incremental=True)
+    last = None
+    for step in range(1, 5):
+        last = _state(step)
+        mgr.save(step, last)
+    mgr.wait()
+    # step 1 holds the frozen bytes every later step refers to: kept; 2 and 3 are gone
+    assert mgr.all_steps() == [1, 4]
+    assert not mgr.retention_warnings
+    _same(sp.load(mgr.path(4)), last)
+    assert _own_bytes(mgr.path(4)) * 20 < _own_bytes(mgr.path(1))
+    assert verify_checkpoint(mgr.path(4)).ok
+
+
+_CRASH = """
+import os, sys, numpy as np
+from shardpoint_core.format.spec import ArraySpec
+from shardpoint_core.transactions.packed import PackedBackend
+from shardpoint_core.transactions.writer import CheckpointWriter
+be = PackedBackend(incremental="a")
+w = CheckpointWriter.begin(sys.argv[1], backend=be)
+x = np.ones((64, 64), np.float32)
+h = w.open_array("tensors/x", ArraySpec((64, 64), "float32", (64, 64)))
+w.wait([w.write(h, (0, 0), x)])
+w.flush()
+os._exit(0)  # a crash: staged objects, no manifest
+"""
+
+
+def test_a_crashed_incremental_saves_leftovers_go_without_touching_its_base(tmp_path):
+    s1 = _state(1)
+    sp.save(s1, str(tmp_path / "a"), backend=PackedBackend(hashes=True))
+    before = {f: os.path.getsize(tmp_path / "a" / "packed" / f) for f in os.listdir(tmp_path / "a" / "packed")}
+    subprocess.run(
+        [sys.executable, "-c", _CRASH, str(tmp_path / "b")], check=True, timeout=120
+    )
+    found = sp.recover(str(tmp_path), min_age_s=0)
+    assert found, "the crashed save's staging is a leftover"
+    assert sorted(os.listdir(tmp_path)) == ["a"]
+    after = {f: os.path.getsize(tmp_path / "a" / "packed" / f) for f in os.listdir(tmp_path / "a" / "packed")}
+    assert after == before
+    _same(sp.load(str(tmp_path / "a")), s1)
