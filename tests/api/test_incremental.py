@@ -171,3 +171,47 @@ def test_a_crashed_incremental_saves_leftovers_go_without_touching_its_base(tmp_
     after = {f: os.path.getsize(tmp_path / "a" / "packed" / f) for f in os.listdir(tmp_path / "a" / "packed")}
     assert after == before
     _same(sp.load(str(tmp_path / "a")), s1)
+
+
+def test_verify_finds_a_chunk_whose_hash_is_not_the_index_s_and_inspect_shows_sharing(
+    tmp_path, capsys
+):
+    from shardpoint.tools.cli import main
+    from shardpoint_conformance.vector_damage import rewrite_body
+
+    sp.save(_state(1), str(tmp_path / "a"), backend=PackedBackend(hashes=True))
+    sp.save(_state(2), str(tmp_path / "b"), incremental="a")
+    assert main(["inspect", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "shared with base 'a'" in out and "in its own objects" in out
+
+    def flip(body: dict) -> None:
+        h = bytearray(body["packed"]["hashes"])
+        h[0] ^= 1
+        body["packed"]["hashes"] = bytes(h)
+
+    rewrite_body(str(tmp_path / "b"), flip)
+    rep = verify_checkpoint(str(tmp_path / "b"))
+    assert not rep.ok and [p for p in rep.problems if "SP-PACK-10" in str(p)], rep.problems
+
+
+def test_incremental_on_s3_refers_to_the_base_objects_and_guards_them(s3_env):
+    from shardpoint_core.stores.location import locate
+
+    root = s3_env.url(s3_env.fresh_prefix("incr") + "/run")
+    s2 = _state(2)
+    sp.save(_state(1), f"{root}/a", backend=PackedBackend(hashes=True))
+    sp.save(s2, f"{root}/b", incremental=f"{root}/a")
+    store, key = locate(f"{root}/b").pair()
+    own = sum(i.size for i in store.list(key + "/") if "/packed/" in i.key)
+    store_a, key_a = locate(f"{root}/a").pair()
+    theirs = sum(i.size for i in store_a.list(key_a + "/") if "/packed/" in i.key)
+    assert own * 20 < theirs
+    _same(sp.load(f"{root}/b"), s2)
+    with pytest.raises(CheckpointReferencedError):
+        sp.save(_state(5), f"{root}/a", overwrite=True, backend=PackedBackend())
+    from shardpoint_core.commit.routing import default_committer
+
+    with pytest.raises(CheckpointReferencedError):
+        default_committer().remove(f"{root}/a")
+    _same(sp.load(f"{root}/b"), s2)

@@ -26,7 +26,13 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 import msgpack
 
 from shardpoint_core.format.errors import CorruptCheckpointError
-from shardpoint_core.format.packed import BASE_PREFIX, IDENTITY_BYTES, PackedArray, PackedIndex
+from shardpoint_core.format.packed import (
+    BASE_PREFIX,
+    IDENTITY_BYTES,
+    PackedArray,
+    PackedIndex,
+    chunk_hash,
+)
 from shardpoint_core.format.spec import MANIFEST_NAME
 from shardpoint_core.stores import location
 from shardpoint_core.stores.base import ByteStore, ObjectInfo
@@ -250,3 +256,30 @@ def based_store(
     if not part.bases:
         return store
     return BasedStore(store, prefix, root, part.bases, key, checked)
+
+
+def verify_hashes(view: Any) -> list[Any]:
+    """Every chunk of a packed array read again and its [SP-PACK-10] hash compared with the
+    index's (where the index holds hashes): ``(spec ID, message)`` per chunk whose bytes are
+    not those the writer hashed. Chunks that cannot be read are reported by the reader's
+    own checks, not here."""
+    part = view.part
+    if part.hashes is None:
+        return []
+    out = []
+    for c in range(len(part.records)):
+        path, off, n, _crc = part.chunk(c)
+        try:
+            raw = view.store.get_range(_join(view.prefix, path), off, n)
+        except (OSError, EOFError, CorruptCheckpointError):
+            continue
+        if len(raw) == n and chunk_hash([raw]) != part.hash(c):
+            out.append(
+                (
+                    "SP-PACK-10",
+                    f"tensor {view.key!r}: chunk {c}: bytes {off}..{off + n} of data object "
+                    f"{path}: their hash is not the index's (the bytes changed after they "
+                    "were written)",
+                )
+            )
+    return out

@@ -161,6 +161,33 @@ class PackedIndex:
         p = self.objects[number][0]
         return p if b is None else f"{BASE_PREFIX}{self.bases[b][0]}/{p}"
 
+    def sharing(self) -> dict[str, Any]:
+        """What this checkpoint stores itself and what it shares with its bases
+        ([SP-PACK-9]): ``{"own": {"chunks", "bytes"}, "bases": {name: {"chunks", "bytes",
+        "identity"}}, "hashes": bool}`` (bytes: the records' stored lengths)."""
+        owner = self.records["object"]
+        n = self.records["length"]
+        ob = np.array(
+            [-1 if self.base_of(i) is None else self.base_of(i) for i in range(len(self.objects))]
+            or [-1],
+            np.int64,
+        )
+        who = ob[owner] if len(owner) else np.zeros(0, np.int64)
+        own = who == -1
+        out: dict[str, Any] = {
+            "own": {"chunks": int(own.sum()), "bytes": int(n[own].sum())},
+            "bases": {},
+            "hashes": self.hashes is not None,
+        }
+        for b, (name, ident) in enumerate(self.bases):
+            sel = who == b
+            out["bases"][name] = {
+                "chunks": int(sel.sum()),
+                "bytes": int(n[sel].sum()),
+                "identity": ident.hex(),
+            }
+        return out
+
     def array(self, name: str) -> PackedArray:
         """The part of the index of the array named ``name`` (KeyError where none)."""
         starts = getattr(self, "_starts", None)

@@ -78,7 +78,7 @@ from shardpoint_core.format.layout import (
     fill_value,
 )
 from shardpoint_core.arrays.object_read import ObjectArray
-from shardpoint_core.arrays.packed_base import based_store
+from shardpoint_core.arrays.packed_base import based_store, verify_hashes
 from shardpoint_core.arrays.packed_read import PackedView, open_packed, read_packed, verify_packed
 from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle
 
@@ -622,7 +622,8 @@ class ZarrBackend:
         """Every chunk read and checked; one ``(spec ID, message)`` per problem."""
         if spec.packed is not None:  # (1.4) a packed checkpoint
             try:
-                return verify_packed(self.open_array_for_read(root, array_path, spec, key).store)
+                view = self.open_array_for_read(root, array_path, spec, key).store
+                return verify_packed(view) + verify_hashes(view)
             except ShardpointError as e:
                 return [(e.spec_id or "SP-READ-3", str(e))]
         try:
