@@ -1,0 +1,117 @@
+"""The incremental part of the packed index codec ([SP-PACK-9], [SP-PACK-10]): bases named
+by one safe path component with a 32-byte identity, objects of a base, per-record hashes
+kept with their records when the index is sorted, and every reader check on hostile
+fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from shardpoint_core.format.errors import CorruptCheckpointError
+from shardpoint_core.format.packed import (
+    HASH_BYTES,
+    PackedIndex,
+    chunk_hash,
+    decode_packed,
+    encode_packed,
+    records_of,
+)
+
+
+@dataclass
+class Entry:
+    key: str
+    shape: tuple
+    dtype: str
+    chunk_shape: tuple
+
+
+ARRAYS = {"tensors/w": Entry("w", (4,), "uint8", (2,))}  # two plain chunks of 6 bytes
+IDENT = bytes(range(32))
+
+
+def _field(**change) -> dict:
+    """A valid field: chunk 0 in the checkpoint's own object, chunk 1 in base 'step_1'
+    (whose object has the same path: another checkpoint's namespace)."""
+    index = PackedIndex(
+        [("packed/w0-0.bin", 6), ("packed/w0-0.bin", 6)],
+        [("tensors/w", None)],
+        records_of([(0, 1, 1, 0, 6, b"bbbb"), (0, 0, 0, 0, 6, b"aaaa")]),  # unsorted
+        [("step_1", IDENT)],
+        [None, 0],
+        b"A" * HASH_BYTES + b"B" * HASH_BYTES,  # hashes of the records as given
+    )
+    field = encode_packed(index, ARRAYS)
+    field.update(change)
+    return field
+
+
+def test_bases_objects_and_hashes_round_trip_sorted_together():
+    f = _field()
+    assert f["objects"] == [["packed/w0-0.bin", 6], ["packed/w0-0.bin", 6, 0]]
+    assert f["bases"] == [["step_1", IDENT]]
+    idx = decode_packed(f, ARRAYS)
+    part = idx.array("tensors/w")
+    assert part.hash(0) == b"B" * HASH_BYTES and part.hash(1) == b"A" * HASH_BYTES
+    assert part.chunk(0)[0] == "packed/w0-0.bin"
+    assert part.chunk(1)[0] == "../step_1/packed/w0-0.bin"  # a reader's view of the base
+    assert part.bases == (("step_1", IDENT),)
+    sh = idx.sharing()
+    assert sh["own"] == {"chunks": 1, "bytes": 6}
+    assert sh["bases"]["step_1"]["chunks"] == 1
+
+
+def test_a_full_field_is_unchanged_by_the_incremental_fields():
+    index = PackedIndex(
+        [("packed/w0-0.bin", 12)],
+        [("tensors/w", None)],
+        records_of([(0, 0, 0, 0, 6, b"aaaa"), (0, 0, 1, 6, 6, b"bbbb")]),
+    )
+    assert set(encode_packed(index, ARRAYS)) == {"objects", "arrays", "index"}
+
+
+@pytest.mark.parametrize(
+    "change, rule, words",
+    [
+        ({"bases": [["..", IDENT]]}, "SP-PACK-9", "one safe path component"),
+        ({"bases": [["a/b", IDENT]]}, "SP-PACK-9", "one safe path component"),
+        ({"bases": [["step_1", IDENT[:31]]]}, "SP-PACK-9", "32-byte identity"),
+        ({"bases": [["step_1", IDENT], ["step_1", IDENT]]}, "SP-PACK-9", "twice"),
+        ({"bases": [["step_1", IDENT], ["step_2", IDENT]]}, "SP-PACK-9", "named by no object"),
+        ({"bases": "step_1"}, "SP-PACK-9", "list"),
+        (
+            {"objects": [["packed/w0-0.bin", 6], ["packed/w0-0.bin", 6, 1]]},
+            "SP-PACK-9",
+            "out of range",
+        ),
+        (
+            {"objects": [["packed/w0-0.bin", 6], ["../x.bin", 6, 0]]},
+            "SP-SEC-1",
+            "safe relative path",
+        ),
+        ({"objects": [["packed/w0-0.bin", 6], ["packed/w0-0.bin", 6, "0"]]}, "SP-PACK-2", ""),
+        ({"hashes": b"x" * 31}, "SP-PACK-10", "16 bytes per record"),
+        ({"hashes": "x" * 32}, "SP-PACK-10", "16 bytes per record"),
+        ({"extra": 1}, "SP-PACK-2", "nothing else"),
+    ],
+)
+def test_hostile_incremental_fields_are_refused_by_rule(change, rule, words):
+    with pytest.raises(CorruptCheckpointError, match=rf"\[{rule}\].*{words}"):
+        decode_packed(_field(**change), ARRAYS)
+
+
+def test_two_objects_of_one_base_at_one_path_are_refused():
+    f = _field(objects=[["packed/w0-0.bin", 6, 0], ["packed/w0-0.bin", 6, 0]])
+    with pytest.raises(CorruptCheckpointError, match=r"SP-PACK-2.*equal"):
+        decode_packed(f, ARRAYS)
+
+
+def test_chunk_hash_is_sha256_cut_to_16_bytes_over_the_buffers_in_order():
+    import hashlib
+
+    want = hashlib.sha256(b"abcdef").digest()[:16]
+    assert chunk_hash([b"abc", memoryview(b"def")]) == want
+    assert chunk_hash([np.frombuffer(b"abcdef", np.uint8)]) == want
