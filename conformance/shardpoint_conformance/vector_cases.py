@@ -235,6 +235,8 @@ def cases() -> dict:
             None,
         ),
         "packed_basic": (packed, {"backend": packed_be, "options": ident_opts}, None, (1, 4), None),
+        # 1.4 incremental ([SP-PACK-9], [SP-PACK-10]): checkpoint/ builds on its sibling base/
+        "packed_incremental": (None, {"write": write_incremental}, None, (1, 4), None),
     }
 
 
@@ -355,3 +357,46 @@ def write_edge_chunks(path: str) -> None:
             ]
         }
         w.commit(Manifest(tree, tensors, {}, save_world_size=1))
+
+
+def _incremental_states() -> tuple:
+    """The base's state and the incremental one's: "frozen" (three plain chunks) and
+    "same" unchanged, "moved" with one chunk of three changed, "fresh" new."""
+    frozen = bits("float32", (12, 5), 900)
+    moved = bits("int16", (9, 4), 901)
+    base = {"frozen": frozen, "moved": moved, "same": bits("uint8", (5,), 902), "step": 1}
+    moved2 = moved.clone()
+    moved2[6:] += 1  # the last chunk (rows 6..8) only
+    step = {
+        "frozen": frozen,
+        "moved": moved2,
+        "same": base["same"],
+        "fresh": bits("bool", (4,), 903),
+        "step": 2,
+    }
+    return base, step
+
+
+def write_incremental(path: str) -> None:
+    """packed_incremental: ``base/`` (a packed save that records chunk hashes, its manifest
+    pinned as every vector's) and ``checkpoint/`` (a save building on it: it names base's
+    unchanged chunks instead of storing them), one writer and one thread each so that every
+    byte is reproducible."""
+    import shardpoint as sp
+    from shardpoint_core.transactions.backend import ZarrBackend
+    from shardpoint_core.transactions.packed import PackedBackend
+
+    from shardpoint_conformance.vectors import _pin_manifest
+
+    opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=80, chunk_overhead_bytes=0))
+    base_state, step_state = _incremental_states()
+    base = os.path.join(os.path.dirname(path), "base")
+
+    def backend(**kw):
+        return PackedBackend(ZarrBackend(), write_threads=1, **kw)
+
+    sp.save(base_state, base, backend=backend(writer_id="b0", hashes=True), options=opts)
+    _pin_manifest(base)
+    sp.save(
+        step_state, path, backend=backend(writer_id="w0", incremental="base"), options=opts
+    )

@@ -158,6 +158,9 @@ def _readme(root: Path) -> str:
         "Valid cases (`valid/<case>/checkpoint/` and `expected.json`, whose form is "
         "described in ../README.md): " + ", ".join(f"`{v}`" for v in valid) + ".",
         "",
+        "`packed_incremental` also holds `base/`, the checkpoint its `checkpoint/` builds on "
+        "([SP-PACK-9]); invalid cases starting from it hold a copy of both.",
+        "",
         "Invalid cases: each starts from a valid case, breaks one rule, and must be "
         "refused by a full read with the requirement ID below (category: the reference "
         "class, spec/format.md section 10).",
@@ -194,7 +197,9 @@ def generate(root: Optional[str] = None) -> list:
         d = top / "invalid" / name
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-        shutil.copytree(top / "valid" / dmg.base / "checkpoint", d / "checkpoint")
+        for sub in sorted((top / "valid" / dmg.base).iterdir()):  # checkpoint/, base/
+            if sub.is_dir():
+                shutil.copytree(sub, d / sub.name)
         dmg.apply(str(d / "checkpoint"))
         (d / "expected.json").write_text(
             json.dumps(
