@@ -9,12 +9,11 @@ each checked against its record's crc32c, [SP-PACK-6]) into a scratch directory,
 the reader's per-array checks and its TensorStore read run unchanged. Incremental
 checkpoints ([SP-PACK-9], [SP-PACK-10]): objects of a base are read beside the checkpoint,
 after the base's manifest envelope's sha256 was compared with the recorded identity; each
-chunk's SHA-256 is compared with the recorded hash where there is one.
+chunk's BLAKE3 digest (16 bytes) is compared with the recorded hash where there is one.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -216,6 +215,12 @@ def _root_of(path: str, field: dict, o: int) -> str:
     return root
 
 
+def _blake3_16(data: bytes) -> bytes:
+    import blake3
+
+    return blake3.blake3(data).digest(16)
+
+
 def _unpack_envelope(data: bytes):
     import msgpack
 
@@ -277,8 +282,8 @@ def export_tensor(path: str, field: dict, name: str, scratch: str) -> None:
             raise _err("SP-READ-3", f"{key}: chunk {c} cut short in {objects[o][0]}")
         if int.from_bytes(data[-4:], "little") != crc:  # [SP-PACK-6]
             raise _err("SP-READ-8", f"{key}: chunk {c}'s stored crc32c is not its record's")
-        if digest is not None and hashlib.sha256(data).digest()[:16] != digest:
-            raise _err("SP-PACK-10", f"{key}: chunk {c}'s SHA-256 is not its recorded hash")
+        if digest is not None and _blake3_16(data) != digest:
+            raise _err("SP-PACK-10", f"{key}: chunk {c}'s BLAKE3 is not its recorded hash")
         idx, rest = [], c
         for g in reversed(grid):
             idx.append(rest % g)

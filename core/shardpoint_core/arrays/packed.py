@@ -16,7 +16,7 @@ indexes, chunk tables and every reader check are the per-array layout's, byte fo
   at ``finish``.
   ``finish`` also writes the writer's index part ``packed/<writer>.idx`` (msgpack), which
   the coordinator gathers into the manifest (:func:`gather_parts`) and deletes.
-- Incremental saves ([SP-PACK-9], [SP-PACK-10]): with ``hashes`` each chunk's SHA-256/128 is
+- Incremental saves ([SP-PACK-9], [SP-PACK-10]): with ``hashes`` each chunk's BLAKE3/128 is
   computed in the writing thread; a chunk whose length, crc32c and hash equal the base's
   record for it (its *candidate*, :class:`ChunkWriteView`) is not written: the writer keeps
   a reference to the base's bytes (their owner, object, offset) instead.

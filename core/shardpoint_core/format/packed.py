@@ -5,7 +5,7 @@ every array lies in a checkpoint's data objects, as the manifest's top-level fie
 The field is ``{"objects": [[path, size], ...], "arrays": [[name, inner], ...],
 "index": <bin>}`` with, in an incremental checkpoint, ``"bases": [[name, identity], ...]``
 (the sibling checkpoints whose objects it names, [SP-PACK-9]; an object of a base is
-``[path, size, base]``) and ``"hashes"`` (16 bytes of SHA-256 per record, [SP-PACK-10]); the
+``[path, size, base]``) and ``"hashes"`` (16 bytes of BLAKE3 per record, [SP-PACK-10]); the
 index is a run of 36-byte little-endian records ``(array u32,
 object u32, chunk u64, offset u64, length u64, crc32c 4 bytes)`` in strictly increasing
 ``(array, chunk)`` order, one per chunk of every array ([SP-PACK-4]). :func:`decode_packed`
@@ -25,12 +25,12 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, Tuple
 
+import blake3
 import numpy as np
 
 from shardpoint_core.format import dtypes
@@ -51,7 +51,7 @@ RECORD = np.dtype(
 RECORD_BYTES = 36
 MAX_OBJECTS = 2**32 - 1
 MAX_SIZE = 2**63  # object sizes lie below it
-HASH_NAME = "sha256/128"  # the chunk hash of [SP-PACK-10]: SHA-256's first 16 bytes
+HASH_NAME = "blake3/128"  # the chunk hash of [SP-PACK-10]: BLAKE3's first 16 bytes
 HASH_BYTES = 16
 IDENTITY_BYTES = 32  # a base's identity: the sha256 of its manifest body ([SP-PACK-9])
 BASE_PREFIX = "../"  # how a reader's view names a base's object: ../<base>/<path>
@@ -83,13 +83,13 @@ def records_of(rows: Iterable[Tuple[int, int, int, int, int, bytes]]) -> np.ndar
 
 
 def chunk_hash(bufs: Iterable[Any]) -> bytes:
-    """The [SP-PACK-10] hash of a chunk's stored bytes (its buffers in order): the first 16
-    bytes of their SHA-256 (hashlib releases the GIL on large buffers, so the write pool's
+    """The [SP-PACK-10] hash of a chunk's stored bytes (its buffers in order): their BLAKE3
+    digest of 16 bytes (the binding releases the GIL on large buffers, so the write pool's
     threads hash in parallel)."""
-    h = hashlib.sha256()
+    h = blake3.blake3()
     for b in bufs:
         h.update(b)
-    return h.digest()[:HASH_BYTES]
+    return h.digest(HASH_BYTES)
 
 
 def chunk_count(shape: Sequence[int], chunk: Sequence[int]) -> int:

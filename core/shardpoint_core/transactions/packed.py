@@ -16,7 +16,7 @@ path, [SP-COMMIT-11]).
 Incremental saves ([SP-PACK-9] to [SP-PACK-11]): ``PackedBackend(incremental=...)`` names a
 *base*, a committed packed checkpoint beside the target (``True``: the newest one there, on
 files), and records every chunk's hash; a chunk whose bytes the base holds already (same
-length, crc32c and SHA-256/128) is not written, its record points at the base's bytes.
+length, crc32c and BLAKE3/128 hash) is not written, its record points at the base's bytes.
 
 Example::
 

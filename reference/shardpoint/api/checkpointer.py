@@ -296,7 +296,7 @@ def save(
 
     ``incremental`` (packed layout, spec/format.md section 13): build on a committed
     packed checkpoint beside ``path`` (its name or path; ``True``: the newest one beside
-    it on files): chunks whose bytes it holds (same length, crc32c and SHA-256) are not
+    it on files): chunks whose bytes it holds (same length, crc32c and 128-bit BLAKE3 hash) are not
     written again, the new checkpoint refers to them. Every chunk's hash is recorded, so
     the next save can build on this one. A checkpoint that others build on is never
     deleted or replaced (``CheckpointReferencedError``); a manager's retention keeps it
