@@ -67,7 +67,9 @@ def check_field(p, entries: list) -> dict:
     array name -> (key, entry, inner, [records in chunk order]) and the objects."""
     if not (
         isinstance(p, dict)
-        and {"objects", "arrays", "index"} <= set(p) <= {"objects", "arrays", "index", "bases", "hashes"}
+        and {"objects", "arrays", "index"}
+        <= set(p)
+        <= {"objects", "arrays", "index", "bases", "hashes"}
         and isinstance(p["objects"], list)
         and isinstance(p["arrays"], list)
         and isinstance(p["index"], bytes)
@@ -163,7 +165,9 @@ def check_field(p, entries: list) -> dict:
             and length < 16 * math.prod(ch // i for ch, i in zip(e["chunk_shape"], inner)) + 4
         ):
             raise _err("SP-PACK-4", f"{key}: shard record shorter than its index")
-        out[name][3].append(r + ((hashes[16 * i : 16 * i + 16],) if hashes is not None else (None,)))
+        out[name][3].append(
+            r + ((hashes[16 * i : 16 * i + 16],) if hashes is not None else (None,))
+        )
     spans = sorted((r[1], r[3], r[4]) for r in recs)
     for (o1, a1, n1), (o2, a2, _n2) in zip(spans, spans[1:]):
         if o1 == o2 and a1 + n1 > a2:

@@ -386,8 +386,6 @@ def write_incremental(path: str) -> None:
     from shardpoint_core.transactions.backend import ZarrBackend
     from shardpoint_core.transactions.packed import PackedBackend
 
-    from shardpoint_conformance.vectors import _pin_manifest
-
     opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=80, chunk_overhead_bytes=0))
     base_state, step_state = _incremental_states()
     base = os.path.join(os.path.dirname(path), "base")
@@ -396,7 +394,27 @@ def write_incremental(path: str) -> None:
         return PackedBackend(ZarrBackend(), write_threads=1, **kw)
 
     sp.save(base_state, base, backend=backend(writer_id="b0", hashes=True), options=opts)
-    _pin_manifest(base)
-    sp.save(
-        step_state, path, backend=backend(writer_id="w0", incremental="base"), options=opts
-    )
+    pin_manifest(base)
+    sp.save(step_state, path, backend=backend(writer_id="w0", incremental="base"), options=opts)
+
+
+PINNED_WRITER = "shardpoint-py/vectors"
+PINNED_TIME = 1_790_000_000.0
+
+
+def pin_manifest(path: str, edit=None, version=None) -> None:
+    """Make the manifest reproducible: rewrite it through shardpoint_core.format.manifest's own
+    decode/encode with ``writer`` and ``created_unix`` pinned (and ``edit`` applied)."""
+    from shardpoint_core.format.manifest import decode_manifest, encode_manifest
+
+    mpath = os.path.join(path, "manifest.msgpack")
+    m = decode_manifest(open(mpath, "rb").read())
+    m.writer, m.created_unix = PINNED_WRITER, PINNED_TIME
+    m.format_version = version or m.format_version
+    if tuple(m.format_version) < (1, 3):  # a 1.0/1.1 vector has no 1.3 chunk tables
+        for e in m.tensors.values():
+            e.chunk_crc32c = None
+    if edit is not None:
+        edit(m)
+    with open(mpath, "wb") as f:
+        f.write(encode_manifest(m))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from shardpoint_conformance.independent_reader import (
     read_independently,
 )
 from shardpoint_conformance.vector_cases import cases
+from shardpoint_conformance.vector_cases import pin_manifest as _pin_manifest
 from shardpoint_conformance.vector_damage import INVALID as INVALID_1_1
 from shardpoint_conformance.vector_damage_12 import INVALID_1_2
 from shardpoint_conformance.vector_damage_13 import INVALID_1_3
@@ -54,26 +54,6 @@ __all__ = [
 ]
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "spec" / "vectors"
-PINNED_WRITER = "shardpoint-py/vectors"
-PINNED_TIME = 1_790_000_000.0
-
-
-def _pin_manifest(path: str, edit=None, version=None) -> None:
-    """Make the manifest reproducible: rewrite it through shardpoint_core.format.manifest's own
-    decode/encode with ``writer`` and ``created_unix`` pinned (and ``edit`` applied)."""
-    from shardpoint_core.format.manifest import decode_manifest, encode_manifest
-
-    mpath = os.path.join(path, "manifest.msgpack")
-    m = decode_manifest(open(mpath, "rb").read())
-    m.writer, m.created_unix = PINNED_WRITER, PINNED_TIME
-    m.format_version = version or m.format_version
-    if tuple(m.format_version) < (1, 3):  # a 1.0/1.1 vector has no 1.3 chunk tables
-        for e in m.tensors.values():
-            e.chunk_crc32c = None
-    if edit is not None:
-        edit(m)
-    with open(mpath, "wb") as f:
-        f.write(encode_manifest(m))
 
 
 def _jsonable(v):

@@ -161,14 +161,18 @@ os._exit(0)  # a crash: staged objects, no manifest
 def test_a_crashed_incremental_saves_leftovers_go_without_touching_its_base(tmp_path):
     s1 = _state(1)
     sp.save(s1, str(tmp_path / "a"), backend=PackedBackend(hashes=True))
-    before = {f: os.path.getsize(tmp_path / "a" / "packed" / f) for f in os.listdir(tmp_path / "a" / "packed")}
-    subprocess.run(
-        [sys.executable, "-c", _CRASH, str(tmp_path / "b")], check=True, timeout=120
-    )
+    before = {
+        f: os.path.getsize(tmp_path / "a" / "packed" / f)
+        for f in os.listdir(tmp_path / "a" / "packed")
+    }
+    subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path / "b")], check=True, timeout=120)
     found = sp.recover(str(tmp_path), min_age_s=0)
     assert found, "the crashed save's staging is a leftover"
     assert sorted(os.listdir(tmp_path)) == ["a"]
-    after = {f: os.path.getsize(tmp_path / "a" / "packed" / f) for f in os.listdir(tmp_path / "a" / "packed")}
+    after = {
+        f: os.path.getsize(tmp_path / "a" / "packed" / f)
+        for f in os.listdir(tmp_path / "a" / "packed")
+    }
     assert after == before
     _same(sp.load(str(tmp_path / "a")), s1)
 
@@ -215,3 +219,45 @@ def test_incremental_on_s3_refers_to_the_base_objects_and_guards_them(s3_env):
     with pytest.raises(CheckpointReferencedError):
         default_committer().remove(f"{root}/a")
     _same(sp.load(f"{root}/b"), s2)
+
+
+def _two_rank_incremental(rank, world, root):
+    import torch
+
+    import shardpoint as sp2
+    from shardpoint_core.transactions.packed import PackedBackend as Packed
+
+    def state(step):
+        frozen = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+        mine = torch.full((4,), float(rank + 10 * step))
+        return {
+            "frozen": sp2.ShardedTensor(
+                frozen[rank * 32 : (rank + 1) * 32].clone(), (64, 8), (rank * 32, 0)
+            ),
+            "mine": sp2.ShardedTensor(mine, (8,), (rank * 4,)),
+            "step": step,
+        }
+
+    opts = sp2.SaveOptions(plan=sp2.PlanOptions(max_chunk_bytes=256, chunk_overhead_bytes=0))
+    sp2.save(state(1), f"{root}/s1", backend=Packed(hashes=True), options=opts)
+    sp2.save(state(2), f"{root}/s2", incremental="s1", options=opts)
+    return True
+
+
+def test_two_ranks_each_refer_to_the_base_chunks_they_own(tmp_path):
+    """Real gloo ranks: each writer compares the chunks it owns and refers to the base's;
+    the coordinator gathers both ranks' references into one index."""
+    from shardpoint_testing.launch import run_world
+
+    root = str(tmp_path)
+    assert run_world(2, _two_rank_incremental, root, timeout=120, pg_timeout=30) == [True, True]
+    m = _manifest(os.path.join(root, "s2"))
+    sh = m.packed.sharing()
+    assert sh["bases"]["s1"]["chunks"] >= 4 and sh["own"]["chunks"] == 2, sh
+    kinds = [m.packed.base_of(i) for i in range(len(m.packed.objects))]
+    assert kinds.count(0) == 2 and kinds.count(None) == 2  # both ranks' objects, both saves
+    got = sp.load(os.path.join(root, "s2"))
+    assert np.array_equal(
+        np.asarray(got["frozen"]), np.arange(512, dtype=np.float32).reshape(64, 8)
+    )
+    assert list(np.asarray(got["mine"])) == [20.0] * 4 + [21.0] * 4

@@ -136,7 +136,11 @@ class PackedWriter:
         self._objects.append([key, 0])
 
     def append(
-        self, name: str, chunk: int, bufs: Sequence[Any], candidate: Optional[Tuple[Any, ...]] = None
+        self,
+        name: str,
+        chunk: int,
+        bufs: Sequence[Any],
+        candidate: Optional[Tuple[Any, ...]] = None,
     ) -> None:
         """Store the encoded chunk ``chunk`` of array ``name`` (its buffers, in order), or,
         where ``candidate`` (a base's ``(owner, identity, object path, object size, offset,
@@ -449,9 +453,10 @@ def build_index(
     digests = None
     if hashes:
         got = [r[6] if len(r) > 6 else None for r in rows] + [r[9] for r in refs]
-        if any(not isinstance(h, bytes) or len(h) != HASH_BYTES for h in got):
+        good = [h for h in got if isinstance(h, bytes) and len(h) == HASH_BYTES]
+        if len(good) != len(got):
             raise SaveFailedError("packed save: a chunk without its hash (a writer without hashes)")
-        digests = b"".join(got)
+        digests = b"".join(good)
     return PackedIndex(all_objects, list(arrays.items()), rec, bases, owners, digests)
 
 

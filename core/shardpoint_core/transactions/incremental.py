@@ -53,6 +53,8 @@ def resolve_base(path: str, incremental: Union[bool, str], zarr: Any) -> Optiona
         name = newest_sibling(path)
         if name is None:
             return None
+    elif incremental is False:
+        return None
     else:
         given = os.fspath(incremental)
         name = base_name(given) if ("/" in given or "\\" in given) else given

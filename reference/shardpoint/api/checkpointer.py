@@ -221,7 +221,6 @@ def incremental_backend(be: Optional[StorageBackend], incremental: Any) -> Any:
     )
 
 
-
 # ------------------------------------------------------------------ the public functions
 @overload
 def save(
