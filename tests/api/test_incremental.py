@@ -261,3 +261,15 @@ def test_two_ranks_each_refer_to_the_base_chunks_they_own(tmp_path):
         np.asarray(got["frozen"]), np.arange(512, dtype=np.float32).reshape(64, 8)
     )
     assert list(np.asarray(got["mine"])) == [20.0] * 4 + [21.0] * 4
+
+
+def test_manager_on_s3_keeps_the_bases_of_what_it_keeps(s3_env):
+    root = s3_env.url(s3_env.fresh_prefix("incr-mgr") + "/run")
+    with pytest.raises(InvalidOptionError, match="name the base"):
+        sp.save(_state(1), f"{root}/x", incremental=True)
+    mgr = sp.CheckpointManager(root, max_to_keep=1, incremental=True)
+    for step in range(1, 4):
+        last = _state(step)
+        mgr.save(step, last)
+    assert mgr.all_steps() == [1, 3] and not mgr.retention_warnings
+    _same(sp.load(mgr.path(3)), last)

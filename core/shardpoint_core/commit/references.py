@@ -7,11 +7,15 @@ every base of what it keeps (:func:`bases_closure`), so no live checkpoint loses
 A base is always a sibling (one path component beside the checkpoint), so the checkpoints
 that may name ``<parent>/<name>`` are the committed checkpoints of ``<parent>``: their
 manifests are read (the envelope and body decoded, nothing else) and their bases listed.
+What a manifest names is kept per manifest version (its size, time and version tag: a
+committed manifest never changes in place), so a manager's retention, which asks again at
+every save, reads each manifest once and then only lists the parent.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Callable, Iterable, List, Optional, Set
 
 import msgpack
@@ -46,14 +50,41 @@ def _child(parent: str, name: str) -> str:
     return os.path.join(parent, name) if is_local(parent) else f"{parent}/{name}"
 
 
+_KEPT = 4096
+_lock = threading.Lock()
+_known: dict[Any, List[str]] = {}  # (where, size, mtime, version) -> the bases it names
+
+
+def _remembered(tag: Any, read: Callable[[], bytes]) -> List[str]:
+    """The bases of the manifest whose version is ``tag`` (``read()``: its bytes), read
+    once per version."""
+    with _lock:
+        got = _known.get(tag)
+    if got is not None:
+        return got
+    try:
+        got = bases_in(read())
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return []
+    with _lock:
+        if len(_known) >= _KEPT:
+            _known.pop(next(iter(_known)))
+        _known[tag] = got
+    return got
+
+
 def read_bases(path: str) -> List[str]:
     """The bases of the committed checkpoint at ``path`` (none where there is none)."""
     store, prefix = location.locate(path).pair()
+    key = f"{prefix}/{MANIFEST_NAME}" if prefix else MANIFEST_NAME
     try:
-        raw = store.get(f"{prefix}/{MANIFEST_NAME}" if prefix else MANIFEST_NAME)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        info = store.head(key)
+    except (FileNotFoundError, NotADirectoryError):
+        info = None
+    if info is None:
         return []
-    return bases_in(raw)
+    tag = (store.url, key, info.size, info.mtime, info.version)
+    return _remembered(tag, lambda: store.get(key))
 
 
 def siblings(path: str) -> List[str]:
@@ -92,18 +123,15 @@ def store_referrers(store: Any, key: str) -> List[str]:
     own store: its siblings are the prefixes one level below the parent holding a marker)."""
     parent, _s, me = key.strip("/").rpartition("/")
     base = f"{parent}/" if parent else ""
-    names = set()
+    found = {}
     for info in store.list(base):
         name, _s, tail = info.key[len(base) :].partition("/")
         if tail == MANIFEST_NAME and name != me:
-            names.add(name)
+            found[name] = info
     out = []
-    for n in sorted(names):
-        try:
-            raw = store.get(f"{base}{n}/{MANIFEST_NAME}")
-        except FileNotFoundError:
-            continue
-        if me in bases_in(raw):
+    for n, info in sorted(found.items()):
+        tag = (store.url, info.key, info.size, info.mtime, info.version)
+        if me in _remembered(tag, lambda k=info.key: store.get(k)):
             out.append(n)
     return out
 

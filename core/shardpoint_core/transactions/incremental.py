@@ -49,6 +49,11 @@ def resolve_base(path: str, incremental: Union[bool, str], zarr: Any) -> Optiona
     the save is a full one that records hashes). InvalidOptionError for a base elsewhere,
     the target itself, or one not in the packed layout; CheckpointNotFoundError where none
     is committed there."""
+    if incremental is True and not is_local(path):
+        raise InvalidOptionError(
+            f"incremental=True for {path!r}: on an object store name the base (its name "
+            "beside the target, or its URL); a CheckpointManager(incremental=True) does so"
+        )
     if incremental is True:
         name = newest_sibling(path)
         if name is None:
