@@ -131,9 +131,17 @@ def store_referrers(store: Any, key: str) -> List[str]:
     out = []
     for n, info in sorted(found.items()):
         tag = (store.url, info.key, info.size, info.mtime, info.version)
-        if me in _remembered(tag, lambda k=info.key: store.get(k)):
+        if me in _remembered(tag, _getter(store, info.key)):
             out.append(n)
     return out
+
+
+def _getter(store: Any, key: str) -> Callable[[], bytes]:
+    def get() -> bytes:
+        got: bytes = store.get(key)
+        return got
+
+    return get
 
 
 def refuse_if_referenced(path: str, what: str, users: Optional[List[str]] = None) -> None:
