@@ -36,7 +36,8 @@ from shardpoint_core.arrays.array import ArrayLayout, write_region
 from shardpoint_core.arrays.direct_write import WritePool
 from shardpoint_core.arrays.identity import CrcSink, chunk_number, units_per_chunk
 from shardpoint_core.arrays.packed import ChunkWriteView, PackedWriter, build_index, gather_parts
-from shardpoint_core.arrays.packed_base import Base, manifest_identity, sibling_path
+from shardpoint_core.arrays.packed import _join
+from shardpoint_core.arrays.packed_base import BasedStore, Base, manifest_identity, sibling_path
 from shardpoint_core.transactions.incremental import resolve_base
 from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.errors import InvalidOptionError, SaveFailedError
@@ -378,6 +379,8 @@ def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any
             "their paths (zarr_compat.zarr_path)"
         )
     bstore, prefix = be.locate(path)
+    if m.packed.bases:  # (incremental) chunks of its bases, read beside it ([SP-PACK-9])
+        bstore = BasedStore(bstore, prefix, path, m.packed.bases, "zarr_store", {})
     meta: Dict[str, bytes] = {"zarr.json": b'{"zarr_format": 3, "node_type": "group"}'}
     arrays: Dict[str, Any] = {}
     for e in m.tensors.values():
@@ -405,7 +408,7 @@ def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any
         if len(cidx) != len(lay.shape) or any(not 0 <= i < g for i, g in zip(cidx, lay.grid())):
             return None
         obj, off, n, _crc = part.chunk(number_of(cidx, lay.shape, lay.chunk))
-        return f"{prefix}/{obj}" if prefix else obj, off, n
+        return _join(prefix, obj), off, n
 
     def read(key: str, byte_range: Any) -> Optional[bytes]:
         where = None if key in meta else locate_chunk(key)
