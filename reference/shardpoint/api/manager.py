@@ -93,6 +93,12 @@ class CheckpointManager:
     commit run in the background, see ``sp.save(..., async_save=True)``); retention of older
     steps runs once that save has committed, and :meth:`wait` / :meth:`close` wait for it.
 
+    ``incremental=True``: every step is saved in the packed layout with chunk hashes and
+    builds on the newest committed step before it (spec/format.md [SP-PACK-9]): unchanged
+    chunks (frozen weights) are referred to, not written again. Retention keeps, beyond its
+    policy, every step that a kept step builds on, until nothing kept refers to it
+    ([SP-PACK-11]). Not with ``memory=`` (the durable copies are full saves).
+
     ``memory``: a :class:`~shardpoint.MemoryTier` (started by every rank, closed by the
     caller after the manager); then ``memory_every`` (steps between memory saves, default 1),
     ``storage_every`` (steps between durable copies, required; such a step goes to memory
@@ -166,6 +172,11 @@ class CheckpointManager:
                 raise errors.InvalidOptionError(
                     "async_save=True with memory=: the memory save is the fast one, and the "
                     "durable copy already runs in the background; drop async_save"
+                )
+            if incremental:
+                raise errors.InvalidOptionError(
+                    "incremental=True with memory=: the durable copies of the memory tier "
+                    "are full saves; drop one of them"
                 )
             self._tiers = Tiers(memory, memory_every, memory_keep, storage_every)
         elif storage_every is not None:
