@@ -68,6 +68,9 @@ def test_incremental_save_writes_only_changed_chunks_and_loads_bitwise(tmp_path)
     _same(sp.load(str(tmp_path / "b")), s2)
     rep = verify_checkpoint(str(tmp_path / "b"))
     assert rep.ok, rep.problems
+    own = m.packed.sharing()["own"]["chunks"]
+    assert rep.hashes and rep.shared["a"] == rep.chunks - own > 0
+    assert own == m.tensors["train"].packed.records.size  # only train changed
 
 
 def test_chain_refers_to_the_owner_directly_and_survives_a_moved_parent(tmp_path):

@@ -174,9 +174,13 @@ def cmd_verify(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
+        extra = [f"{n} in base {b!r}" for b, n in sorted(rep.shared.items())]  # (1.4)
+        extra += ["chunk hashes compared"] if rep.hashes else []
         what = (
             f"{rep.tensors} tensors ({_fmt_bytes(rep.bytes)}), {rep.chunks_checked} of "
-            f"{rep.chunks} chunks read and checksummed, {rep.objects} sharded objects"
+            f"{rep.chunks} chunks read and checksummed"
+            + (f" ({', '.join(extra)})" if extra else "")
+            + f", {rep.objects} sharded objects"
         )
         mode = " [strict]" if a.strict else ""
         if rep.ok:
