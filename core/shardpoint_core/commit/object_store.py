@@ -59,7 +59,7 @@ from shardpoint_core.commit.lease import (
     stop_lease,
 )
 from shardpoint_core.commit.leftovers import Leftover
-from shardpoint_core.commit.references import refuse_if_referenced, store_referrers
+from shardpoint_core.commit.references import may_be_base, refuse_if_referenced, store_referrers
 from shardpoint_core.format.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -208,12 +208,6 @@ class ObjectStoreCommitter:
                 "replace it, or save to another path",
                 spec_id="SP-COMMIT-5",
             )
-        if committed:  # [SP-PACK-11]: never replace a checkpoint others build on
-            refuse_if_referenced(
-                self._url(target),
-                "replacing the checkpoint",
-                store_referrers(self.store, target),
-            )
         if not committed:
             foreign = self._foreign(target, itertools.chain(first, listing))
             if foreign:
@@ -223,6 +217,14 @@ class ObjectStoreCommitter:
                     "deletes them: choose another path or remove them yourself",
                     spec_id="SP-COMMIT-13",
                 )
+
+    def _refuse_if_referenced(self, target: str, envelope: bytes, what: str) -> None:
+        """[SP-PACK-11]: CheckpointReferencedError, nothing touched, where a committed
+        sibling builds on the checkpoint at ``target`` (whose manifest is ``envelope``);
+        looked for only where it can be a base (one LIST of the parent, each sibling's
+        manifest read once per version)."""
+        if may_be_base(envelope):
+            refuse_if_referenced(self._url(target), what, store_referrers(self.store, target))
 
     def _url(self, key: str) -> str:
         return f"{self.store.url.rstrip('/')}/{key}"
@@ -312,6 +314,8 @@ class ObjectStoreCommitter:
                 "ran; this save was not committed (pass overwrite=True to replace)",
                 spec_id="SP-COMMIT-12",
             )
+        if old is not None:
+            self._refuse_if_referenced(target, old[0], "replacing the checkpoint")
         # The objects the replaced marker names are listed while the PUT is in flight (a
         # committed save prefix never changes); deleted only once the PUT succeeded and the
         # lease is found intact ([SP-COMMIT-14], [SP-COMMIT-16]).
@@ -582,9 +586,7 @@ class ObjectStoreCommitter:
                     spec_id="SP-COMMIT-3",
                 )
             return False  # gone already, or only a save's own prefix
-        refuse_if_referenced(  # [SP-PACK-11]: never a checkpoint others build on
-            self._url(target), "removing the checkpoint", store_referrers(self.store, target)
-        )
+        self._refuse_if_referenced(target, old[0], "removing the checkpoint")
         self.store.delete([key])
         self._delete_arrays(target, old[0])
         return True

@@ -38,6 +38,31 @@ def bases_in(envelope: bytes) -> List[str]:
         return []
 
 
+def may_be_base(envelope: bytes) -> bool:
+    """Whether the checkpoint of this manifest can be a base at all: writers name a base's
+    chunks only where its index holds their hashes ([SP-PACK-9], [SP-PACK-10]), so one
+    without (every checkpoint of the per-array layout, a packed one saved without hashes)
+    has no referrers and a deletion need not look for them. True where the bytes do not
+    decode (nothing is assumed of a damaged manifest)."""
+    try:
+        env = msgpack.unpackb(envelope, raw=False, strict_map_key=False)
+        body = msgpack.unpackb(env["body"], raw=False, strict_map_key=False)
+        packed = body.get("packed")
+        return isinstance(packed, dict) and "hashes" in packed
+    except (ValueError, KeyError, TypeError, AttributeError, msgpack.ExtraData):
+        return True
+
+
+def target_may_be_base(path: str) -> bool:
+    """:func:`may_be_base` of the committed checkpoint at ``path`` (False: none there)."""
+    store, prefix = location.locate(path).pair()
+    try:
+        raw = store.get(f"{prefix}/{MANIFEST_NAME}" if prefix else MANIFEST_NAME)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return False
+    return may_be_base(raw)
+
+
 def _split(path: str) -> tuple[str, str]:
     if is_local(path):
         p = os.path.abspath(os.fspath(path))
@@ -147,8 +172,10 @@ def _getter(store: Any, key: str) -> Callable[[], bytes]:
 def refuse_if_referenced(path: str, what: str, users: Optional[List[str]] = None) -> None:
     """CheckpointReferencedError [SP-PACK-11] where a committed sibling builds on ``path``
     (``what``: the deletion refused, for the message; ``users``: the referrers, found by
-    the caller); nothing is touched."""
-    users = referrers(path) if users is None else users
+    the caller); nothing is touched. A checkpoint that cannot be a base (:func:`may_be_base`)
+    is not looked for."""
+    if users is None:
+        users = referrers(path) if target_may_be_base(path) else []
     if users:
         raise CheckpointReferencedError(
             f"{what} {path!r}: refused, the committed checkpoint(s) {users[:5]} beside it "
@@ -188,6 +215,7 @@ __all__ = [
     "read_bases",
     "siblings",
     "referrers",
+    "may_be_base",
     "store_referrers",
     "refuse_if_referenced",
     "bases_closure",
