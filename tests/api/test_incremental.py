@@ -247,6 +247,7 @@ def _two_rank_incremental(rank, world, root):
     return True
 
 
+@pytest.mark.slow  # fast variant: test_packed_bases.py::test_two_writers_parts_with_...
 def test_two_ranks_each_refer_to_the_base_chunks_they_own(tmp_path):
     """Real gloo ranks: each writer compares the chunks it owns and refers to the base's;
     the coordinator gathers both ranks' references into one index."""

@@ -116,3 +116,35 @@ def test_chunk_hash_is_blake3_of_16_bytes_over_the_buffers_in_order():
     assert want.hex() == blake3.blake3(b"abcdef").hexdigest()[:32]  # a prefix of the XOF
     assert chunk_hash([b"abc", memoryview(b"def")]) == want
     assert chunk_hash([np.frombuffer(b"abcdef", np.uint8)]) == want
+
+
+def test_two_writers_parts_with_references_gather_into_one_index(tmp_path):
+    """The coordinator's gathering (fast variant of the two-rank test): writer a refers to
+    a base's chunk whose length, crc32c and hash match and writes the one that differs;
+    writer b writes its own; the index names the base once, its object after the save's."""
+    from shardpoint_core.arrays.packed import PackedWriter, build_index, gather_parts
+    from shardpoint_core.stores.files import FileStore
+
+    store = FileStore(str(tmp_path))
+    same = b"\x01" * 6 + b"crc0"
+    cand = ("step_1", IDENT, "packed/b0-0.bin", 100, 40, len(same), b"crc0", chunk_hash([same]))
+    a = PackedWriter(store, "", writer_id="a", hashes=True)
+    a.append("tensors/w", 0, [same], cand)  # referred to
+    a.append("tensors/w", 1, [b"\x02" * 6 + b"crc1"], cand[:6] + (b"crc1", b"x" * 16))
+    b = PackedWriter(store, "", writer_id="b", hashes=True)
+    b.append("tensors/v", 0, [b"\x03" * 6 + b"crc2"])
+    a.finish(), b.finish()
+    objects, rows, inner, parts, refs = gather_parts(store, "")
+    assert len(parts) == 2 and len(rows) == 2 and len(refs) == 1
+    arrays = {"tensors/v": None, "tensors/w": None}
+    idx = build_index(objects, rows, arrays, refs, hashes=True)
+    entries = {
+        "tensors/v": Entry("v", (6,), "uint8", (6,)),
+        "tensors/w": Entry("w", (12,), "uint8", (6,)),
+    }
+    back = decode_packed(encode_packed(idx, entries), entries)
+    assert back.bases == [("step_1", IDENT)]
+    w = back.array("tensors/w")
+    assert w.chunk(0) == ("../step_1/packed/b0-0.bin", 40, 10, int.from_bytes(b"crc0", "little"))
+    assert w.chunk(1)[0] == "packed/a-0.bin" and w.hash(0) == chunk_hash([same])
+    assert back.array("tensors/v").chunk(0)[0] == "packed/b-0.bin"
