@@ -204,6 +204,9 @@ def default_checkpointer() -> Checkpointer:
     return _DEFAULT
 
 
+_PACKED: Any = None  # the packed backend of sp.save(incremental=...) without backend=
+
+
 def incremental_backend(be: Optional[StorageBackend], incremental: Any) -> Any:
     """The backend of a save with ``incremental`` (None or False: ``be`` unchanged): a
     :class:`~shardpoint_core.transactions.packed.PackedBackend` building on the base."""
@@ -211,8 +214,11 @@ def incremental_backend(be: Optional[StorageBackend], incremental: Any) -> Any:
         return be
     from shardpoint_core.transactions.packed import PackedBackend
 
-    if be is None:
-        return PackedBackend(incremental=incremental)
+    global _PACKED
+    if be is None:  # one set of write threads per process, as the default backend's
+        if _PACKED is None:
+            _PACKED = PackedBackend()
+        be = _PACKED
     if isinstance(be, PackedBackend):
         return be.with_incremental(incremental)
     raise errors.InvalidOptionError(
