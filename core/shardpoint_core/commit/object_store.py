@@ -359,9 +359,15 @@ class ObjectStoreCommitter:
         later replacement delete that save's data."""
         m = decode_manifest(marker)
         stray = [e.array for e in m.tensors.values() if not e.array.startswith(save_dir + "/")]
+        if m.packed is not None:  # its own data objects too; a base's lie in the base
+            stray += [
+                p
+                for i, (p, _s) in enumerate(m.packed.objects)
+                if m.packed.base_of(i) is None and not p.startswith(save_dir + "/")
+            ]
         if stray:
             raise CorruptCheckpointError(
-                f"{self._url(target)}: the marker of {save_dir} names array {stray[0]!r}, "
+                f"{self._url(target)}: the marker of {save_dir} names {stray[0]!r}, "
                 f"not below {save_dir}/; nothing was committed",
                 spec_id="SP-COMMIT-11",
             )
