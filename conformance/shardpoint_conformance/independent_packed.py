@@ -6,7 +6,10 @@ manifest is read; :func:`export_tensor` then, per tensor read, checks its data o
 ([SP-SEC-5], [SP-PACK-7], [SP-READ-2]) and writes the array as section 7 stores it (the
 implied ``zarr.json`` of [SP-PACK-3] and one file per chunk holding the record's bytes,
 each checked against its record's crc32c, [SP-PACK-6]) into a scratch directory, where
-the reader's per-array checks and its TensorStore read run unchanged.
+the reader's per-array checks and its TensorStore read run unchanged. Incremental
+checkpoints ([SP-PACK-9], [SP-PACK-10]): objects of a base are read beside the checkpoint,
+after the base's manifest envelope's sha256 was compared with the recorded identity; each
+chunk's BLAKE3 digest (16 bytes) is compared with the recorded hash where there is one.
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ def check_field(p, entries: list) -> dict:
     array name -> (key, entry, inner, [records in chunk order]) and the objects."""
     if not (
         isinstance(p, dict)
-        and set(p) == {"objects", "arrays", "index"}
+        and {"objects", "arrays", "index"}
+        <= set(p)
+        <= {"objects", "arrays", "index", "bases", "hashes"}
         and isinstance(p["objects"], list)
         and isinstance(p["arrays"], list)
         and isinstance(p["index"], bytes)
@@ -74,21 +79,26 @@ def check_field(p, entries: list) -> dict:
     for o in objects:
         if not (
             isinstance(o, list)
-            and len(o) == 2
+            and len(o) in (2, 3)
             and isinstance(o[0], str)
             and type(o[1]) is int
             and 0 <= o[1] < 1 << 63
+            and (len(o) == 2 or type(o[2]) is int)
         ):
             raise _err("SP-PACK-2", f"object entry {o!r}")
-    for path, _size in objects:
-        if any(c in (".", "..") or not _COMPONENT.match(c) for c in path.split("/")):
-            raise _err("SP-SEC-1", f"unsafe object path {path!r}")
+    for o in objects:
+        if any(c in (".", "..") or not _COMPONENT.match(c) for c in o[0].split("/")):
+            raise _err("SP-SEC-1", f"unsafe object path {o[0]!r}")
     if len(objects) > 2**32 - 1 or "manifest.msgpack" in [o[0] for o in objects]:
         raise _err("SP-PACK-2", "too many objects, or one named manifest.msgpack")
     by_name = {e["array"]: (k, e) for k, e in entries}
-    names = sorted([o[0] + "/" for o in objects] + [n + "/" for n in by_name])
-    if any(b.startswith(a) for a, b in zip(names, names[1:])):
-        raise _err("SP-PACK-2", "two object paths or array names equal, or one inside another")
+    spaces: dict = {None: [n + "/" for n in by_name]}  # each base's objects apart
+    for o in objects:
+        spaces.setdefault(o[2] if len(o) == 3 else None, []).append(o[0] + "/")
+    for names in spaces.values():
+        names = sorted(names)
+        if any(b.startswith(a) for a, b in zip(names, names[1:])):
+            raise _err("SP-PACK-2", "two object paths or array names equal, or one inside another")
     arrays: list = []
     for a in p["arrays"]:
         if not (
@@ -121,8 +131,26 @@ def check_field(p, entries: list) -> dict:
     for prev, r in zip(recs, recs[1:]):
         if (r[0], r[2]) <= (prev[0], prev[2]):
             raise _err("SP-PACK-4", "records not in strictly increasing (array, chunk) order")
+    bases = p.get("bases", [])
+    if not isinstance(bases, list) or not all(
+        isinstance(b, list)
+        and len(b) == 2
+        and isinstance(b[0], str)
+        and _COMPONENT.match(b[0])
+        and b[0] not in (".", "..")
+        and isinstance(b[1], bytes)
+        and len(b[1]) == 32
+        for b in bases
+    ):
+        raise _err("SP-PACK-9", "a base is not [one safe path component, 32 bytes]")
+    used = {o[2] for o in objects if len(o) == 3}
+    if len({b[0] for b in bases}) != len(bases) or used != set(range(len(bases))):
+        raise _err("SP-PACK-9", "bases repeated, unused, or an object's base out of range")
+    hashes = p.get("hashes")
+    if hashes is not None and not (isinstance(hashes, bytes) and len(hashes) == 16 * len(recs)):
+        raise _err("SP-PACK-10", "hashes are not 16 bytes per record")
     out: dict = {n: (k, e, inner, []) for n, k, e, inner in arrays}
-    for r in recs:
+    for i, r in enumerate(recs):
         a, o, c, off, length, _crc = r
         if a >= len(arrays) or o >= len(objects):
             raise _err("SP-PACK-4", f"record {r}: array or object out of range")
@@ -137,12 +165,14 @@ def check_field(p, entries: list) -> dict:
             and length < 16 * math.prod(ch // i for ch, i in zip(e["chunk_shape"], inner)) + 4
         ):
             raise _err("SP-PACK-4", f"{key}: shard record shorter than its index")
-        out[name][3].append(r)
+        out[name][3].append(
+            r + ((hashes[16 * i : 16 * i + 16],) if hashes is not None else (None,))
+        )
     spans = sorted((r[1], r[3], r[4]) for r in recs)
     for (o1, a1, n1), (o2, a2, _n2) in zip(spans, spans[1:]):
         if o1 == o2 and a1 + n1 > a2:
             raise _err("SP-PACK-5", f"records overlap in object {objects[o1][0]!r}")
-    return {"arrays": out, "objects": objects}
+    return {"arrays": out, "objects": objects, "bases": bases}
 
 
 def _regular_file(root: str, rel: str) -> int:
@@ -171,15 +201,49 @@ def _fill(dtype: str):
     )
 
 
+def _root_of(path: str, field: dict, o: int) -> str:
+    """Where object ``o`` lies: the checkpoint, or its base beside it, whose manifest
+    envelope's sha256 must be the identity recorded ([SP-PACK-9])."""
+    obj = field["objects"][o]
+    if len(obj) == 2:
+        return path
+    name, ident = field["bases"][obj[2]]
+    root = os.path.join(os.path.dirname(os.path.abspath(path)), name)
+    try:
+        with open(os.path.join(root, "manifest.msgpack"), "rb") as f:
+            env = _unpack_envelope(f.read())
+    except FileNotFoundError:
+        raise _err("SP-PACK-9", f"base {name!r} is missing") from None
+    if not isinstance(env, dict) or env.get("sha256") != ident:
+        raise _err("SP-PACK-9", f"base {name!r} is not the checkpoint recorded (replaced)")
+    return root
+
+
+def _blake3_16(data: bytes) -> bytes:
+    import blake3
+
+    return blake3.blake3(data).digest(16)
+
+
+def _unpack_envelope(data: bytes):
+    import msgpack
+
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:  # noqa: BLE001 - any undecodable envelope is not the base
+        return None
+
+
 def export_tensor(path: str, field: dict, name: str, scratch: str) -> None:
     """Write array ``name`` of the packed checkpoint at ``path`` as a section 7 array below
     ``scratch`` (zarr.json and chunk files), after checking its objects and records."""
     key, e, inner, recs = field["arrays"][name]
     objects = field["objects"]
+    roots = {o: _root_of(path, field, o) for o in sorted({r[1] for r in recs})}
     for o in sorted({r[1] for r in recs}):  # [SP-PACK-7], before any chunk
-        rel, size = objects[o]
+        rel, size = objects[o][0], objects[o][1]
         try:
-            got = _regular_file(path, rel)
+            got = _regular_file(roots[o], rel)
         except FileNotFoundError:
             raise _err("SP-READ-2", f"{key}: data object {rel} is missing") from None
         if got < size:
@@ -214,14 +278,16 @@ def export_tensor(path: str, field: dict, name: str, scratch: str) -> None:
     with open(os.path.join(adir, "zarr.json"), "w") as f:
         json.dump(meta, f)
     grid = [-(-n // c) for n, c in zip(e["shape"], e["chunk_shape"])]
-    for _a, o, c, off, length, crc in recs:
-        with open(os.path.join(path, *objects[o][0].split("/")), "rb") as f:
+    for _a, o, c, off, length, crc, digest in recs:
+        with open(os.path.join(roots[o], *objects[o][0].split("/")), "rb") as f:
             f.seek(off)
             data = f.read(length)
         if len(data) != length:
             raise _err("SP-READ-3", f"{key}: chunk {c} cut short in {objects[o][0]}")
         if int.from_bytes(data[-4:], "little") != crc:  # [SP-PACK-6]
             raise _err("SP-READ-8", f"{key}: chunk {c}'s stored crc32c is not its record's")
+        if digest is not None and _blake3_16(data) != digest:
+            raise _err("SP-PACK-10", f"{key}: chunk {c}'s BLAKE3 is not its recorded hash")
         idx, rest = [], c
         for g in reversed(grid):
             idx.append(rest % g)

@@ -236,6 +236,8 @@ def cases() -> dict:
         ),
         "packed_basic": (packed, {"backend": packed_be, "options": ident_opts}, None, (1, 4), None),
         "compressed_zstd": (None, {"write": write_compressed}, None, (1, 5), None),
+        # 1.4 incremental ([SP-PACK-9], [SP-PACK-10]): checkpoint/ builds on its sibling base/
+        "packed_incremental": (None, {"write": write_incremental}, None, (1, 4), None),
     }
 
 
@@ -386,3 +388,64 @@ def write_edge_chunks(path: str) -> None:
             ]
         }
         w.commit(Manifest(tree, tensors, {}, save_world_size=1))
+
+
+def _incremental_states() -> tuple:
+    """The base's state and the incremental one's: "frozen" (three plain chunks) and
+    "same" unchanged, "moved" with one chunk of three changed, "fresh" new."""
+    frozen = bits("float32", (12, 5), 900)
+    moved = bits("int16", (9, 4), 901)
+    base = {"frozen": frozen, "moved": moved, "same": bits("uint8", (5,), 902), "step": 1}
+    moved2 = moved.clone()
+    moved2[6:] += 1  # the last chunk (rows 6..8) only
+    step = {
+        "frozen": frozen,
+        "moved": moved2,
+        "same": base["same"],
+        "fresh": bits("bool", (4,), 903),
+        "step": 2,
+    }
+    return base, step
+
+
+def write_incremental(path: str) -> None:
+    """packed_incremental: ``base/`` (a packed save that records chunk hashes, its manifest
+    pinned as every vector's) and ``checkpoint/`` (a save building on it: it names base's
+    unchanged chunks instead of storing them), one writer and one thread each so that every
+    byte is reproducible."""
+    import shardpoint as sp
+    from shardpoint_core.transactions.backend import ZarrBackend
+    from shardpoint_core.transactions.packed import PackedBackend
+
+    opts = sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=80, chunk_overhead_bytes=0))
+    base_state, step_state = _incremental_states()
+    base = os.path.join(os.path.dirname(path), "base")
+
+    def backend(**kw):
+        return PackedBackend(ZarrBackend(), write_threads=1, **kw)
+
+    sp.save(base_state, base, backend=backend(writer_id="b0", hashes=True), options=opts)
+    pin_manifest(base)
+    sp.save(step_state, path, backend=backend(writer_id="w0", incremental="base"), options=opts)
+
+
+PINNED_WRITER = "shardpoint-py/vectors"
+PINNED_TIME = 1_790_000_000.0
+
+
+def pin_manifest(path: str, edit=None, version=None) -> None:
+    """Make the manifest reproducible: rewrite it through shardpoint_core.format.manifest's own
+    decode/encode with ``writer`` and ``created_unix`` pinned (and ``edit`` applied)."""
+    from shardpoint_core.format.manifest import decode_manifest, encode_manifest
+
+    mpath = os.path.join(path, "manifest.msgpack")
+    m = decode_manifest(open(mpath, "rb").read())
+    m.writer, m.created_unix = PINNED_WRITER, PINNED_TIME
+    m.format_version = version or m.format_version
+    if tuple(m.format_version) < (1, 3):  # a 1.0/1.1 vector has no 1.3 chunk tables
+        for e in m.tensors.values():
+            e.chunk_crc32c = None
+    if edit is not None:
+        edit(m)
+    with open(mpath, "wb") as f:
+        f.write(encode_manifest(m))

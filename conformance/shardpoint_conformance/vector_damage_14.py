@@ -1,11 +1,13 @@
 """The invalid golden vectors of format 1.4 (spec/CHANGELOG.md): the packed layout's reader
-checks ([SP-PACK-2] to [SP-PACK-7]), each starting from the valid vector ``packed_basic``.
+checks ([SP-PACK-2] to [SP-PACK-7]), each starting from the valid vector ``packed_basic``,
+and those of incremental checkpoints ([SP-PACK-9], [SP-PACK-10]), from ``packed_incremental``.
 Merged into :data:`shardpoint_conformance.vectors.INVALID`; older vectors are unchanged.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 
 from shardpoint_conformance.vector_damage import Damage, rewrite_body
@@ -59,7 +61,50 @@ def _symlink(path: str) -> None:
     os.symlink(os.path.basename(p) + ".real", p)
 
 
+INCR = "packed_incremental"
+
+
+def _base_body(edit):
+    """A damage applying ``edit`` to the body of the sibling ``base/`` (re-sealed)."""
+    return lambda p: rewrite_body(os.path.join(os.path.dirname(p), "base"), edit)
+
+
+def _short_hashes(b: dict) -> None:
+    b["packed"]["hashes"] = b["packed"]["hashes"][:-1]
+
+
 INVALID_1_4 = {
+    "packed_base_missing": Damage(
+        INCR,
+        "CorruptCheckpointError",
+        "SP-PACK-9",
+        "(1.4 incremental) the base beside the checkpoint, base/, deleted",
+        lambda p: shutil.rmtree(os.path.join(os.path.dirname(p), "base")),
+    ),
+    "packed_base_replaced": Damage(
+        INCR,
+        "CorruptCheckpointError",
+        "SP-PACK-9",
+        "(1.4 incremental) base/'s manifest body gets created_unix + 1 (another save at the "
+        "base's name, every data byte the same): its identity is not the one recorded; "
+        "base's envelope re-sealed",
+        _base_body(lambda b: b.update(created_unix=b["created_unix"] + 1)),
+    ),
+    "packed_base_escape": Damage(
+        INCR,
+        "CorruptCheckpointError",
+        "SP-PACK-9",
+        '(1.4 incremental) the bases entry names ".." instead of "base" (a path outside the '
+        "checkpoint's parent); envelope re-sealed",
+        lambda p: rewrite_body(p, lambda b: b["packed"]["bases"][0].__setitem__(0, "..")),
+    ),
+    "packed_hashes_short": Damage(
+        INCR,
+        "CorruptCheckpointError",
+        "SP-PACK-10",
+        "(1.4 incremental) the hashes bin loses its last byte; envelope re-sealed",
+        lambda p: rewrite_body(p, _short_hashes),
+    ),
     "packed_field_malformed": Damage(
         BASE,
         "CorruptCheckpointError",

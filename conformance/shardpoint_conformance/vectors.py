@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from shardpoint_conformance.independent_reader import (
     read_independently,
 )
 from shardpoint_conformance.vector_cases import cases
+from shardpoint_conformance.vector_cases import pin_manifest as _pin_manifest
 from shardpoint_conformance.vector_damage import INVALID as INVALID_1_1
 from shardpoint_conformance.vector_damage_12 import INVALID_1_2
 from shardpoint_conformance.vector_damage_13 import INVALID_1_3
@@ -55,26 +55,6 @@ __all__ = [
 ]
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "spec" / "vectors"
-PINNED_WRITER = "shardpoint-py/vectors"
-PINNED_TIME = 1_790_000_000.0
-
-
-def _pin_manifest(path: str, edit=None, version=None) -> None:
-    """Make the manifest reproducible: rewrite it through shardpoint_core.format.manifest's own
-    decode/encode with ``writer`` and ``created_unix`` pinned (and ``edit`` applied)."""
-    from shardpoint_core.format.manifest import decode_manifest, encode_manifest
-
-    mpath = os.path.join(path, "manifest.msgpack")
-    m = decode_manifest(open(mpath, "rb").read())
-    m.writer, m.created_unix = PINNED_WRITER, PINNED_TIME
-    m.format_version = version or m.format_version
-    if tuple(m.format_version) < (1, 3):  # a 1.0/1.1 vector has no 1.3 chunk tables
-        for e in m.tensors.values():
-            e.chunk_crc32c = None
-    if edit is not None:
-        edit(m)
-    with open(mpath, "wb") as f:
-        f.write(encode_manifest(m))
 
 
 def _jsonable(v):
@@ -159,6 +139,9 @@ def _readme(root: Path) -> str:
         "Valid cases (`valid/<case>/checkpoint/` and `expected.json`, whose form is "
         "described in ../README.md): " + ", ".join(f"`{v}`" for v in valid) + ".",
         "",
+        "`packed_incremental` also holds `base/`, the checkpoint its `checkpoint/` builds on "
+        "([SP-PACK-9]); invalid cases starting from it hold a copy of both.",
+        "",
         "Invalid cases: each starts from a valid case, breaks one rule, and must be "
         "refused by a full read with the requirement ID below (category: the reference "
         "class, spec/format.md section 10).",
@@ -195,7 +178,9 @@ def generate(root: Optional[str] = None) -> list:
         d = top / "invalid" / name
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-        shutil.copytree(top / "valid" / dmg.base / "checkpoint", d / "checkpoint")
+        for sub in sorted((top / "valid" / dmg.base).iterdir()):  # checkpoint/, base/
+            if sub.is_dir():
+                shutil.copytree(sub, d / sub.name)
         dmg.apply(str(d / "checkpoint"))
         (d / "expected.json").write_text(
             json.dumps(

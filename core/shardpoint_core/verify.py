@@ -53,6 +53,10 @@ class VerifyReport:
     chunks_checked: int = 0  # chunks read with their checksums verified (or found damaged)
     strict: bool = False
     seconds: float = 0.0
+    #: (1.4 incremental) chunks read from each base beside the checkpoint ([SP-PACK-9]),
+    #: checked as its own; whether chunk hashes were compared too ([SP-PACK-10])
+    shared: dict[str, int] = field(default_factory=dict)
+    hashes: bool = False
 
     @property
     def ok(self) -> bool:
@@ -81,6 +85,8 @@ class VerifyReport:
             "objects": self.objects,
             "chunks": self.chunks,
             "chunks_checked": self.chunks_checked,
+            "shared": dict(self.shared),
+            "hashes": self.hashes,
             "seconds": round(self.seconds, 3),
             "spec_ids": self.spec_ids,
             "problems": [{"spec_id": s, "message": m} for s, m in self.problems],
@@ -135,6 +141,10 @@ def verify_checkpoint(
     else:
         rep.format_version = tuple(m.format_version)
         rep.tensors, rep.objects = len(m.tensors), len(m.objects)
+        if m.packed is not None:
+            sh = m.packed.sharing()
+            rep.shared = {n: b["chunks"] for n, b in sh["bases"].items()}
+            rep.hashes = bool(sh["hashes"])
         if progress is not None and hasattr(progress, "set_total"):
             progress.set_total(sum(e.nbytes for e in m.tensors.values()))
         for key, ent in sorted(m.tensors.items()):

@@ -25,6 +25,7 @@ from shardpoint_core import __version__ as __version__  # re-exported
 from shardpoint_core.format.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointReferencedError,
     ConversionError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -133,6 +134,7 @@ __all__ = [
     "ShardpointError",
     "CheckpointNotFoundError",
     "CheckpointExistsError",
+    "CheckpointReferencedError",
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
     "UnsupportedFormatError",

@@ -214,6 +214,26 @@ def test_packed_every_dtype_reads_bit_for_bit_through_zarr_python_and_tensorstor
             assert np.ascontiguousarray(got).tobytes() == want.tobytes(), key
 
 
+def test_incremental_packed_reads_through_zarr_python_and_a_tensorstore_export(tmp_path):
+    """An incremental checkpoint ([SP-PACK-9]): the chunks it takes from its base open through
+    both readers, the export layering the base beside it (it once named no base, and
+    TensorStore read past the end of the checkpoint's own data object)."""
+    from shardpoint_core.transactions.packed import PackedBackend, zarr_store
+    from shardpoint_core.transactions.ts_export import export_tensorstore
+
+    w, b = torch.randn(1000, 300), torch.randn(10)
+    run = tmp_path / "run"
+    sp.save({"w": w, "b": b}, str(run / "step_1"), backend=PackedBackend(hashes=True))
+    sp.save({"w": w, "b": b + 1}, str(run / "step_2"), incremental="step_1")
+    assert read_metadata(str(run / "step_2")).packed.sharing()["bases"]["step_1"]["chunks"]
+    kv = export_tensorstore(str(run / "step_2"), str(tmp_path / "step_2.ts"))
+    register_zarr_dtypes()
+    for name, want in (("w", w), ("b", b + 1)):
+        z = zarr.open_array(zarr_store(str(run / "step_2")), path=f"tensors/{name}", mode="r")
+        for got in (z[...], _open_ts(kv, f"tensors/{name}")):
+            assert got.tobytes() == want.numpy().tobytes(), name
+
+
 def test_packed_tensorstore_export_checks_crc_and_refuses_what_it_cannot_do(tmp_path):
     """TensorStore checks each chunk's crc32c through the export (a flipped byte in a data
     object is an error, not wrong values); an export is replaced only when asked; a

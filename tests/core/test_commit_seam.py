@@ -148,6 +148,11 @@ ALLOWED = {
         "conformance/shardpoint_conformance/vector_damage_13.py",
         "os.remove",
     ): "replaces a chunk file of a temporary copy of a vector by a directory (1.3 case)",
+    (
+        "conformance/shardpoint_conformance/vector_damage_14.py",
+        "shutil.rmtree",
+    ): "deletes the base/ of a temporary copy of the incremental vector (the missing-base "
+    "case, [SP-PACK-9])",
 }
 
 

@@ -16,6 +16,10 @@ indexes, chunk tables and every reader check are the per-array layout's, byte fo
   at ``finish``.
   ``finish`` also writes the writer's index part ``packed/<writer>.idx`` (msgpack), which
   the coordinator gathers into the manifest (:func:`gather_parts`) and deletes.
+- Incremental saves ([SP-PACK-9], [SP-PACK-10]): with ``hashes`` each chunk's BLAKE3/128 is
+  computed in the writing thread; a chunk whose length, crc32c and hash equal the base's
+  record for it (its *candidate*, :class:`ChunkWriteView`) is not written: the writer keeps
+  a reference to the base's bytes (their owner, object, offset) instead.
 - Reading: :mod:`.packed_read`.
 """
 
@@ -43,7 +47,13 @@ import msgpack
 from shardpoint_core.arrays.array import ArrayLayout
 from shardpoint_core.arrays.identity import chunk_number
 from shardpoint_core.format.errors import CorruptCheckpointError, SaveFailedError
-from shardpoint_core.format.packed import PackedIndex, records_of
+from shardpoint_core.format.packed import (
+    HASH_BYTES,
+    PackedArray,
+    PackedIndex,
+    chunk_hash,
+    records_of,
+)
 from shardpoint_core.stores.base import ByteStore, ObjectInfo, StoreCapabilities
 
 PACKED_DIR = "packed"
@@ -84,8 +94,16 @@ class PackedWriter:
         fsync: bool = True,
         submit: Optional[Callable[..., Future[Any]]] = None,
         writer_id: Optional[str] = None,
+        hashes: bool = False,
+        base_read: Optional[Callable[[str, str, int, int], bytes]] = None,
     ) -> None:
         self.store, self.prefix, self.fsync = store, prefix, fsync
+        self.hashes = hashes
+        #: (owner, object path, offset, length) -> bytes of a base's object: a chunk that
+        #: refers to a base and is written again in parts reads its bytes there
+        self.base_read = base_read
+        self._refs: Dict[Tuple[str, int], Tuple[Any, ...]] = {}
+        self._hashes: Dict[Tuple[str, int], bytes] = {}
         self.local = bool(store.capabilities.local_path)
         self.cap = cap or (FILE_CAP if self.local else OBJECT_CAP)
         self.id = writer_id or secrets.token_hex(8)
@@ -117,14 +135,31 @@ class PackedWriter:
             )
         self._objects.append([key, 0])
 
-    def append(self, name: str, chunk: int, bufs: Sequence[Any]) -> None:
-        """Store the encoded chunk ``chunk`` of array ``name`` (its buffers, in order)."""
+    def append(
+        self,
+        name: str,
+        chunk: int,
+        bufs: Sequence[Any],
+        candidate: Optional[Tuple[Any, ...]] = None,
+    ) -> None:
+        """Store the encoded chunk ``chunk`` of array ``name`` (its buffers, in order), or,
+        where ``candidate`` (a base's ``(owner, identity, object path, object size, offset,
+        length, crc32c bytes, hash)`` for this chunk) holds the same bytes by length, crc32c
+        and hash, refer to it instead ([SP-PACK-9])."""
         views = [memoryview(b).cast("B") for b in bufs]
         n = sum(len(v) for v in views)
         crc = bytes(views[-1][-4:]) if n >= 4 else b"\0\0\0\0"
+        h = chunk_hash(views) if self.hashes else None  # outside the lock: threads in parallel
         with self._lock:
             if self._failed is not None:
                 raise SaveFailedError(f"an earlier write of this save failed: {self._failed}")
+            if h is not None:
+                self._hashes[(name, chunk)] = h
+            if candidate is not None and (candidate[5], candidate[6], candidate[7]) == (n, crc, h):
+                self._records.pop((name, chunk), None)
+                self._refs[(name, chunk)] = candidate
+                return
+            self._refs.pop((name, chunk), None)
             if not self._objects:
                 self._new_object()
             size = self._objects[-1][1]
@@ -184,6 +219,13 @@ class PackedWriter:
     def read(self, name: str, chunk: int, start: int, length: int) -> bytes:
         """Bytes of a chunk this writer wrote (for a chunk written in parts)."""
         with self._lock:
+            ref = self._refs.get((name, chunk))
+            if ref is not None:
+                assert self.base_read is not None, "a reference without its base"
+                n = ref[5]
+                return self.base_read(
+                    ref[0], ref[2], ref[4] + start, max(0, min(length, n - start))
+                )
             obj, off, n, _crc = self._records[(name, chunk)]
             if not self.local and obj == len(self._objects) - 1:
                 return bytes(self._segment[off + start : off + min(n, start + length)])
@@ -193,7 +235,13 @@ class PackedWriter:
 
     def has(self, name: str, chunk: int) -> bool:
         with self._lock:
-            return (name, chunk) in self._records
+            return (name, chunk) in self._records or (name, chunk) in self._refs
+
+    def length(self, name: str, chunk: int) -> int:
+        """The stored length of a chunk this writer holds (written or referred to)."""
+        with self._lock:
+            ref = self._refs.get((name, chunk))
+            return int(ref[5]) if ref is not None else self._records[(name, chunk)][2]
 
     def finish(self, publish: bool = True) -> bytes:
         """Every object whole and durable, then this writer's index part written (durable
@@ -205,7 +253,12 @@ class PackedWriter:
             puts, self._puts = self._puts, []
             fds, self._fds = self._fds, []
             objects = [list(o) for o in self._objects]
-            records = [[n, c, *r] for (n, c), r in sorted(self._records.items())]
+            hashes = self._hashes
+            records = [
+                [n, c, *r] + ([hashes[(n, c)]] if self.hashes else [])
+                for (n, c), r in sorted(self._records.items())
+            ]
+            refs = [[n, c, *r] for (n, c), r in sorted(self._refs.items())]
             inner = dict(self.inner)
         try:
             for f in puts:
@@ -216,9 +269,10 @@ class PackedWriter:
         finally:
             for fd in fds:
                 os.close(fd)
-        part: bytes = msgpack.packb(
-            {"objects": objects, "records": records, "inner": inner}, use_bin_type=True
-        )
+        body: Dict[str, Any] = {"objects": objects, "records": records, "inner": inner}
+        if refs:
+            body["refs"] = refs
+        part: bytes = msgpack.packb(body, use_bin_type=True)
         key = _join(self.prefix, f"{PACKED_DIR}/{self.id}.idx")
         if publish:
             self.store.put(key, part)
@@ -254,8 +308,17 @@ class ChunkWriteView:
 
     capabilities = StoreCapabilities()
 
-    def __init__(self, writer: PackedWriter, name: str, layout: ArrayLayout) -> None:
+    def __init__(
+        self,
+        writer: PackedWriter,
+        name: str,
+        layout: ArrayLayout,
+        base: Optional[PackedArray] = None,
+        owners: Sequence[Tuple[str, bytes, str, int]] = (),
+    ) -> None:
         self.writer, self.name, self.layout = writer, name, layout
+        #: (incremental) the base's part for this array and its objects' owners
+        self.base, self.owners = base, owners
         with writer._lock:
             writer.inner[name] = None if layout.inner is None else list(layout.inner)
         self.url = f"{writer.store.url}#packed:{name}"
@@ -265,10 +328,29 @@ class ChunkWriteView:
 
     def put(self, key: str, data: Any, *, if_absent: bool = False) -> Optional[str]:
         if not key.endswith("/zarr.json"):  # the packed layout stores no zarr.json
+            c = self._chunk(key)
             self.writer.append(
-                self.name, self._chunk(key), data if isinstance(data, list) else [data]
+                self.name, c, data if isinstance(data, list) else [data], self._candidate(c)
             )
         return None
+
+    def _candidate(self, c: int) -> Optional[Tuple[Any, ...]]:
+        """The base's record of chunk ``c`` as a reference (owner, identity, object path,
+        object size, offset, length, crc32c bytes, hash), None without a base."""
+        if self.base is None or self.base.hashes is None:
+            return None
+        r = self.base.records[c]
+        owner, ident, path, size = self.owners[int(r["object"])]
+        return (
+            owner,
+            ident,
+            path,
+            size,
+            int(r["offset"]),
+            int(r["length"]),
+            int(r["crc32c"]).to_bytes(4, "little"),
+            bytes(self.base.hashes[c]),
+        )
 
     def get(self, key: str) -> bytes:
         return self.get_range(key, 0, 1 << 62)
@@ -295,7 +377,7 @@ class ChunkWriteView:
         c = self._chunk(key)
         if not self.writer.has(self.name, c):
             raise FileNotFoundError(2, "not written yet", key)
-        n = self.writer._records[(self.name, c)][2]
+        n = self.writer.length(self.name, c)
         return self.writer.read(self.name, c, max(0, n - length), length), n
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
@@ -307,13 +389,14 @@ class ChunkWriteView:
 
 def gather_parts(
     store: ByteStore, prefix: str, own: Optional[bytes] = None, others: bool = True
-) -> Tuple[List[Tuple[str, int]], List[Any], Dict[str, Any], List[str]]:
+) -> Tuple[List[Tuple[str, int]], List[Any], Dict[str, Any], List[str], List[Any]]:
     """The coordinator's view of every writer's index part below ``prefix``: (the objects,
     each ``(relative path, size)``, sorted; the records ``(array name, chunk, object number,
-    offset, length, crc32c)``; array name -> the inner chunk shape its writers used; the keys
-    of the parts, to delete once the manifest holds them). ``own``: the coordinator's own
-    part, kept in memory; ``others=False``: no other writer (a one-process save), no
-    listing."""
+    offset, length, crc32c[, hash])``; array name -> the inner chunk shape its writers used;
+    the keys of the parts, to delete once the manifest holds them; the references to bases,
+    ``(array name, chunk, owner, identity, object path, object size, offset, length, crc32c,
+    hash)``). ``own``: the coordinator's own part, kept in memory; ``others=False``: no
+    other writer (a one-process save), no listing."""
     base = _join(prefix, PACKED_DIR) + "/"
     keys = sorted(i.key for i in store.list(base) if i.key.endswith(".idx")) if others else []
     parts = [msgpack.unpackb(store.get(k), raw=False) for k in keys]
@@ -322,27 +405,59 @@ def gather_parts(
     objects: List[Tuple[str, int]] = sorted((o[0], int(o[1])) for p in parts for o in p["objects"])
     number = {o: i for i, (o, _s) in enumerate(objects)}
     rows = []
+    refs: List[Any] = []
     inner: Dict[str, Any] = {}
     for p in parts:
         inner.update(p["inner"])
         local = [number[o[0]] for o in p["objects"]]
-        rows += [(n, c, local[o], off, ln, crc) for n, c, o, off, ln, crc in p["records"]]
-    return objects, rows, inner, keys
+        rows += [(r[0], r[1], local[r[2]], *r[3:]) for r in p["records"]]
+        refs += [tuple(r) for r in p.get("refs", ())]
+    return objects, rows, inner, keys, refs
 
 
 def build_index(
-    objects: List[Tuple[str, int]], rows: List[Any], arrays: Dict[str, Optional[Tuple[int, ...]]]
+    objects: List[Tuple[str, int]],
+    rows: List[Any],
+    arrays: Dict[str, Optional[Tuple[int, ...]]],
+    refs: Sequence[Any] = (),
+    hashes: bool = False,
 ) -> PackedIndex:
     """The index of a save from the gathered records; ``arrays``: array name -> inner chunk
-    shape, in the order the index numbers them."""
+    shape, in the order the index numbers them. ``refs``: records of chunks left in bases
+    (:func:`gather_parts`): their owners become the index's bases and their objects follow
+    the save's own ([SP-PACK-9]). ``hashes``: every record carries its hash ([SP-PACK-10])."""
     number = {n: i for i, n in enumerate(arrays)}
-    unknown = [r[0] for r in rows if r[0] not in number]
+    unknown = [r[0] for r in list(rows) + list(refs) if r[0] not in number]
     if unknown:
         raise SaveFailedError(
             f"packed save: chunks of array {unknown[0]!r}, which the manifest does not name"
         )
-    rec = records_of((number[n], o, c, off, ln, crc) for n, c, o, off, ln, crc in rows)
-    return PackedIndex(list(objects), list(arrays.items()), rec)
+    idents: Dict[str, bytes] = {}
+    for r in refs:
+        if idents.setdefault(r[2], r[3]) != r[3]:
+            raise SaveFailedError(
+                f"packed save: base {r[2]!r} seen with two identities (a base replaced while "
+                "the save ran); nothing was committed"
+            )
+    bases = sorted(idents.items())
+    bnum = {n: i for i, (n, _i) in enumerate(bases)}
+    bobjs = sorted({(r[2], r[4], int(r[5])) for r in refs})
+    onum = {(o, p): len(objects) + i for i, (o, p, _s) in enumerate(bobjs)}
+    all_objects = list(objects) + [(p, s) for _o, p, s in bobjs]
+    owners: Optional[List[Optional[int]]] = None
+    if bases:
+        owners = [None] * len(objects) + [bnum[o] for o, _p, _s in bobjs]
+    own = [(number[r[0]], r[2], r[1], r[3], r[4], r[5]) for r in rows]
+    shared = [(number[r[0]], onum[(r[2], r[4])], r[1], r[6], r[7], r[8]) for r in refs]
+    rec = records_of(own + shared)
+    digests = None
+    if hashes:
+        got = [r[6] if len(r) > 6 else None for r in rows] + [r[9] for r in refs]
+        good = [h for h in got if isinstance(h, bytes) and len(h) == HASH_BYTES]
+        if len(good) != len(got):
+            raise SaveFailedError("packed save: a chunk without its hash (a writer without hashes)")
+        digests = b"".join(good)
+    return PackedIndex(all_objects, list(arrays.items()), rec, bases, owners, digests)
 
 
 if TYPE_CHECKING:

@@ -59,6 +59,7 @@ from shardpoint_core.commit.lease import (
     stop_lease,
 )
 from shardpoint_core.commit.leftovers import Leftover
+from shardpoint_core.commit.references import may_be_base, refuse_if_referenced, store_referrers
 from shardpoint_core.format.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -98,7 +99,8 @@ def _rewrite_array_paths(envelope: bytes, save_dir: str, where: str) -> bytes:
         packed = m.get("packed")  # (1.4) the data objects too ([SP-PACK-8])
         if isinstance(packed, dict):
             for obj in packed.get("objects", []) + packed.get("arrays", []):
-                obj[0] = f"{save_dir}/{obj[0]}"
+                if len(obj) == 2:  # [path, size, base]: a base's object stays ([SP-PACK-9])
+                    obj[0] = f"{save_dir}/{obj[0]}"
     except (ValueError, KeyError, TypeError, msgpack.ExtraData) as e:
         raise CorruptCheckpointError(
             f"staged manifest {where} is not a valid manifest ({e}); nothing was committed",
@@ -128,7 +130,10 @@ def encode_marker(m: Manifest, save_dir: str) -> bytes:
     if packed is not None:  # (1.4) its data objects and array names too ([SP-PACK-8])
         packed = dataclasses.replace(
             packed,
-            objects=[(f"{save_dir}/{p}", s) for p, s in packed.objects],
+            objects=[  # a base's objects stay where its own marker put them ([SP-PACK-9])
+                (p if packed.base_of(i) is not None else f"{save_dir}/{p}", s)
+                for i, (p, s) in enumerate(packed.objects)
+            ],
             arrays=[(f"{save_dir}/{n}", i) for n, i in packed.arrays],
         )
     return encode_manifest(dataclasses.replace(m, tensors=tensors, packed=packed))
@@ -212,6 +217,14 @@ class ObjectStoreCommitter:
                     "deletes them: choose another path or remove them yourself",
                     spec_id="SP-COMMIT-13",
                 )
+
+    def _refuse_if_referenced(self, target: str, envelope: bytes, what: str) -> None:
+        """[SP-PACK-11]: CheckpointReferencedError, nothing touched, where a committed
+        sibling builds on the checkpoint at ``target`` (whose manifest is ``envelope``);
+        looked for only where it can be a base (one LIST of the parent, each sibling's
+        manifest read once per version)."""
+        if may_be_base(envelope):
+            refuse_if_referenced(self._url(target), what, store_referrers(self.store, target))
 
     def _url(self, key: str) -> str:
         return f"{self.store.url.rstrip('/')}/{key}"
@@ -301,6 +314,8 @@ class ObjectStoreCommitter:
                 "ran; this save was not committed (pass overwrite=True to replace)",
                 spec_id="SP-COMMIT-12",
             )
+        if old is not None:
+            self._refuse_if_referenced(target, old[0], "replacing the checkpoint")
         # The objects the replaced marker names are listed while the PUT is in flight (a
         # committed save prefix never changes); deleted only once the PUT succeeded and the
         # lease is found intact ([SP-COMMIT-14], [SP-COMMIT-16]).
@@ -344,9 +359,15 @@ class ObjectStoreCommitter:
         later replacement delete that save's data."""
         m = decode_manifest(marker)
         stray = [e.array for e in m.tensors.values() if not e.array.startswith(save_dir + "/")]
+        if m.packed is not None:  # its own data objects too; a base's lie in the base
+            stray += [
+                p
+                for i, (p, _s) in enumerate(m.packed.objects)
+                if m.packed.base_of(i) is None and not p.startswith(save_dir + "/")
+            ]
         if stray:
             raise CorruptCheckpointError(
-                f"{self._url(target)}: the marker of {save_dir} names array {stray[0]!r}, "
+                f"{self._url(target)}: the marker of {save_dir} names {stray[0]!r}, "
                 f"not below {save_dir}/; nothing was committed",
                 spec_id="SP-COMMIT-11",
             )
@@ -571,6 +592,7 @@ class ObjectStoreCommitter:
                     spec_id="SP-COMMIT-3",
                 )
             return False  # gone already, or only a save's own prefix
+        self._refuse_if_referenced(target, old[0], "removing the checkpoint")
         self.store.delete([key])
         self._delete_arrays(target, old[0])
         return True

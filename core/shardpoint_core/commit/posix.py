@@ -31,6 +31,7 @@ import shutil
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
+from shardpoint_core.commit.references import refuse_if_referenced
 from shardpoint_core.commit.base import check_overwrite, Overwrite
 from shardpoint_core.stores.durable import (
     RENAME_NOREPLACE,
@@ -151,6 +152,8 @@ class PosixCommitter:
                     f"{what} already exists at {target!r}; pass overwrite=True to replace it",
                     spec_id="SP-COMMIT-5",
                 )
+            if is_output is None:  # [SP-PACK-11]: never replace a checkpoint others build on
+                refuse_if_referenced(target, "replacing the checkpoint")
             self._refuse_nested(target)
             return
         if os.path.islink(target) or not os.path.isdir(target):
@@ -348,6 +351,7 @@ class PosixCommitter:
                     spec_id="SP-COMMIT-3",
                 )
             return False
+        refuse_if_referenced(target, "removing the checkpoint")  # [SP-PACK-11]
         if not self._try_lock(target):
             return False
         hidden = self.staging_for(target, os.urandom(6).hex())

@@ -201,6 +201,7 @@ class StepRoot:
 
         steps = self.all_steps()
         keep = retained(policy, steps, metrics) | unreadable
+        keep |= self._bases_of(keep, steps)
         for s in steps:
             if s in keep:
                 continue
@@ -209,6 +210,16 @@ class StepRoot:
             except (ShardpointError, OSError) as e:
                 warnings.append(f"step {s}: retention could not remove it ({e}); left as it is")
         return warnings
+
+    def _bases_of(self, keep: Any, steps: List[int]) -> set[Any]:
+        """The steps that the kept steps build on ([SP-PACK-9]), directly or through their
+        bases: kept too, whatever the policy says, until nothing kept refers to them
+        ([SP-PACK-11])."""
+        from shardpoint_core.commit.references import bases_closure, name_of
+
+        names = {name_of(self.path(s)): s for s in steps}
+        kept = [name_of(self.path(s)) for s in keep if s in names.values()]
+        return {names[n] for n in bases_closure(self.root, [k for k in kept if k]) if n in names}
 
     def clean_leftovers(
         self, min_age_s: float = DEFAULT_MIN_AGE_S, now: Optional[float] = None

@@ -128,3 +128,9 @@ class UnsupportedStoreError(ShardpointError, ValueError):
     registered for (``register_store`` adds one), or a store the operation does not support.
     The message names the scheme and the registered ones. Raised before any I/O: a URL is
     never taken for a local path."""
+
+
+class CheckpointReferencedError(CheckpointExistsError):
+    """A checkpoint that another committed checkpoint builds on (names as a base,
+    [SP-PACK-11]) was to be deleted or replaced: refused, nothing deleted. Remove the
+    checkpoints that refer to it first (or let a manager's retention do so)."""

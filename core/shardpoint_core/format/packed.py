@@ -3,7 +3,10 @@ every array lies in a checkpoint's data objects, as the manifest's top-level fie
 ``"packed"`` holds it. Pure: values in, values out, no I/O.
 
 The field is ``{"objects": [[path, size], ...], "arrays": [[name, inner], ...],
-"index": <bin>}``; the index is a run of 36-byte little-endian records ``(array u32,
+"index": <bin>}`` with, in an incremental checkpoint, ``"bases": [[name, identity], ...]``
+(the sibling checkpoints whose objects it names, [SP-PACK-9]; an object of a base is
+``[path, size, base]``) and ``"hashes"`` (16 bytes of BLAKE3 per record, [SP-PACK-10]); the
+index is a run of 36-byte little-endian records ``(array u32,
 object u32, chunk u64, offset u64, length u64, crc32c 4 bytes)`` in strictly increasing
 ``(array, chunk)`` order, one per chunk of every array ([SP-PACK-4]). :func:`decode_packed`
 applies every reader check of [SP-PACK-2] to [SP-PACK-5] with whole-array operations (the
@@ -24,9 +27,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, Tuple
 
+import blake3
 import numpy as np
 
 from shardpoint_core.format import dtypes
@@ -47,6 +51,10 @@ RECORD = np.dtype(
 RECORD_BYTES = 36
 MAX_OBJECTS = 2**32 - 1
 MAX_SIZE = 2**63  # object sizes lie below it
+HASH_NAME = "blake3/128"  # the chunk hash of [SP-PACK-10]: BLAKE3's first 16 bytes
+HASH_BYTES = 16
+IDENTITY_BYTES = 32  # a base's identity: the sha256 of its manifest body ([SP-PACK-9])
+BASE_PREFIX = "../"  # how a reader's view names a base's object: ../<base>/<path>
 _COMPONENT = re.compile(r"[A-Za-z0-9_.~%\-]+\Z")
 _WHERE = "manifest.msgpack: field 'packed'"
 assert RECORD.itemsize == RECORD_BYTES
@@ -74,6 +82,16 @@ def records_of(rows: Iterable[Tuple[int, int, int, int, int, bytes]]) -> np.ndar
     return out
 
 
+def chunk_hash(bufs: Iterable[Any]) -> bytes:
+    """The [SP-PACK-10] hash of a chunk's stored bytes (its buffers in order): their BLAKE3
+    digest of 16 bytes (the binding releases the GIL on large buffers, so the write pool's
+    threads hash in parallel)."""
+    h = blake3.blake3()
+    for b in bufs:
+        h.update(b)
+    return h.digest(HASH_BYTES)
+
+
 def chunk_count(shape: Sequence[int], chunk: Sequence[int]) -> int:
     """Chunks of the regular grid (one for a 0-d array, none with a zero dimension)."""
     return math.prod(-(-n // c) for n, c in zip(shape, chunk))
@@ -92,6 +110,11 @@ class PackedArray:
     inner: Optional[Tuple[int, ...]]
     records: np.ndarray
     objects: Tuple[Tuple[str, int], ...]
+    #: (incremental, [SP-PACK-9]) the checkpoint's bases ``(name, identity)``; an object of
+    #: base ``name`` appears in ``objects`` as ``../<name>/<path>`` (:data:`BASE_PREFIX`)
+    bases: Tuple[Tuple[str, bytes], ...] = ()
+    #: ([SP-PACK-10]) the records' chunk hashes, ``(n, 16)`` uint8, or None
+    hashes: Optional[np.ndarray] = None
 
     def chunk(self, number: int) -> Tuple[str, int, int, int]:
         """(object path, offset, length, crc32c) of chunk ``number``."""
@@ -107,6 +130,10 @@ class PackedArray:
         """The objects this array's chunks lie in (each once)."""
         return [int(o) for o in np.unique(self.records["object"])]
 
+    def hash(self, number: int) -> Optional[bytes]:
+        """The [SP-PACK-10] hash of chunk ``number``, None where the index holds none."""
+        return None if self.hashes is None else bytes(self.hashes[number])
+
 
 @dataclass
 class PackedIndex:
@@ -116,6 +143,50 @@ class PackedIndex:
     objects: list[Tuple[str, int]]
     arrays: list[Tuple[str, Optional[Tuple[int, ...]]]]
     records: np.ndarray
+    #: ([SP-PACK-9]) the bases ``(name, identity)`` and, per object, its base's number
+    #: (None: an object of this checkpoint); ``object_bases`` None: every object its own
+    bases: list[Tuple[str, bytes]] = field(default_factory=list)
+    object_bases: Optional[list[Optional[int]]] = None
+    #: ([SP-PACK-10]) one 16-byte hash per record, in the order of ``records``; None: none
+    hashes: Optional[bytes] = None
+
+    def base_of(self, number: int) -> Optional[int]:
+        """The base whose object ``number`` is (None: this checkpoint's own)."""
+        return None if self.object_bases is None else self.object_bases[number]
+
+    def read_path(self, number: int) -> str:
+        """Object ``number``'s path as readers name it: its own path, or for an object of a
+        base ``../<base>/<path>`` (resolved against the checkpoint's parent location)."""
+        b = self.base_of(number)
+        p = self.objects[number][0]
+        return p if b is None else f"{BASE_PREFIX}{self.bases[b][0]}/{p}"
+
+    def sharing(self) -> dict[str, Any]:
+        """What this checkpoint stores itself and what it shares with its bases
+        ([SP-PACK-9]): ``{"own": {"chunks", "bytes"}, "bases": {name: {"chunks", "bytes",
+        "identity"}}, "hashes": bool}`` (bytes: the records' stored lengths)."""
+        owner = self.records["object"]
+        n = self.records["length"]
+        ob = np.array(
+            [-1 if self.base_of(i) is None else self.base_of(i) for i in range(len(self.objects))]
+            or [-1],
+            np.int64,
+        )
+        who = ob[owner] if len(owner) else np.zeros(0, np.int64)
+        own = who == -1
+        out: dict[str, Any] = {
+            "own": {"chunks": int(own.sum()), "bytes": int(n[own].sum())},
+            "bases": {},
+            "hashes": self.hashes is not None,
+        }
+        for b, (name, ident) in enumerate(self.bases):
+            sel = who == b
+            out["bases"][name] = {
+                "chunks": int(sel.sum()),
+                "bytes": int(n[sel].sum()),
+                "identity": ident.hex(),
+            }
+        return out
 
     def array(self, name: str) -> PackedArray:
         """The part of the index of the array named ``name`` (KeyError where none)."""
@@ -128,21 +199,39 @@ class PackedIndex:
                 starts[n] = (inner, int(lo), int(hi))
             self._starts = starts
         inner, lo, hi = starts[name]
-        return PackedArray(name, inner, self.records[lo:hi], tuple(self.objects))
+        objs = getattr(self, "_read_objects", None)
+        if objs is None:
+            objs = self._read_objects = tuple(
+                (self.read_path(i), s) for i, (_p, s) in enumerate(self.objects)
+            )
+        hashes = None
+        if self.hashes is not None:
+            hashes = np.frombuffer(self.hashes, np.uint8).reshape(-1, HASH_BYTES)[lo:hi]
+        return PackedArray(name, inner, self.records[lo:hi], objs, tuple(self.bases), hashes)
 
 
 def encode_packed(index: PackedIndex, arrays: Mapping[str, ArrayInfo]) -> dict[str, Any]:
     """The manifest field of ``index`` (records sorted here), checked as a reader checks it
     against the tensor entries ``arrays`` (array name -> entry): a writer's bug fails the
     save instead of committing a checkpoint nobody reads."""
-    rec = np.sort(np.asarray(index.records, RECORD), order=("array", "chunk"))
-    field = {
-        "objects": [[p, int(s)] for p, s in index.objects],
+    rec = np.asarray(index.records, RECORD)
+    order = np.argsort(rec, order=("array", "chunk"), kind="stable")
+    rec = rec[order]
+    out: dict[str, Any] = {
+        "objects": [
+            [p, int(s)] if index.base_of(i) is None else [p, int(s), index.base_of(i)]
+            for i, (p, s) in enumerate(index.objects)
+        ],
         "arrays": [[n, None if i is None else list(i)] for n, i in index.arrays],
         "index": rec.tobytes(),
     }
-    decode_packed(field, arrays)
-    return field
+    if index.bases:  # (incremental) only where used: a full save's field is unchanged
+        out["bases"] = [[n, bytes(i)] for n, i in index.bases]
+    if index.hashes is not None:
+        h = np.frombuffer(index.hashes, np.uint8).reshape(-1, HASH_BYTES)
+        out["hashes"] = h[order].tobytes() if len(h) == len(order) else bytes(index.hashes)
+    decode_packed(out, arrays)
+    return out
 
 
 def _check_path(p: Any, what: str) -> str:
@@ -156,22 +245,35 @@ def _check_path(p: Any, what: str) -> str:
     return p
 
 
+_KEYS = {"objects", "arrays", "index"}
+_OPTIONAL = {"bases", "hashes"}  # (incremental, [SP-PACK-9], [SP-PACK-10])
+
+
 def _form(value: Any) -> Tuple[list[Any], list[Any], bytes]:
     """The field's three entries, each of its form ([SP-PACK-2])."""
-    if not (isinstance(value, dict) and set(value) == {"objects", "arrays", "index"}):
-        raise _bad("must be a map of exactly 'objects', 'arrays' and 'index'", "SP-PACK-2")
+    if not (isinstance(value, dict) and _KEYS <= set(value) <= _KEYS | _OPTIONAL):
+        raise _bad(
+            "must be a map of 'objects', 'arrays' and 'index' (and, incremental, "
+            "'bases' and 'hashes'), nothing else",
+            "SP-PACK-2",
+        )
     objs, arrs, raw = value["objects"], value["arrays"], value["index"]
     if not (isinstance(objs, list) and isinstance(arrs, list) and isinstance(raw, bytes)):
         raise _bad("'objects' and 'arrays' must be lists, 'index' a bin", "SP-PACK-2")
     for o in objs:
         if not (
             isinstance(o, list)
-            and len(o) == 2
+            and len(o) in (2, 3)
             and isinstance(o[0], str)
             and type(o[1]) is int
             and 0 <= o[1] < MAX_SIZE
+            and (len(o) == 2 or type(o[2]) is int)
         ):
-            raise _bad(f"object entry {o!r} is not [path, size] with 0 <= size < 2^63", "SP-PACK-2")
+            raise _bad(
+                f"object entry {o!r} is not [path, size] or [path, size, base] with "
+                "0 <= size < 2^63",
+                "SP-PACK-2",
+            )
     for a in arrs:
         if not (
             isinstance(a, list)
@@ -185,19 +287,64 @@ def _form(value: Any) -> Tuple[list[Any], list[Any], bytes]:
 
 def _objects(objs: list[Any], names: Iterable[str]) -> None:
     """Object paths safe ([SP-SEC-1]), distinct, none inside another or an array name, none
-    the manifest; at most 2^32-1 of them ([SP-PACK-2])."""
+    the manifest; at most 2^32-1 of them ([SP-PACK-2]). The objects of each base
+    ([SP-PACK-9]) are compared among themselves: they lie in another checkpoint."""
     if len(objs) > MAX_OBJECTS:
         raise _bad(f"{len(objs)} objects, over the {MAX_OBJECTS} an index can name", "SP-PACK-2")
-    paths = [_check_path(p, "object") for p, _s in objs]
-    if "manifest.msgpack" in paths:
-        raise _bad("an object path is manifest.msgpack", "SP-PACK-2")
-    every = sorted([(p + "/", "object") for p in paths] + [(n + "/", "array") for n in names])
-    for (a, ka), (b, kb) in zip(every, every[1:]):
-        if b.startswith(a):
+    spaces: dict[Any, list[Tuple[str, str]]] = {None: [(n + "/", "array") for n in names]}
+    for o in objs:
+        p = _check_path(o[0], "object")
+        if p == "manifest.msgpack":
+            raise _bad("an object path is manifest.msgpack", "SP-PACK-2")
+        spaces.setdefault(o[2] if len(o) == 3 else None, []).append((p + "/", "object"))
+    for every in spaces.values():
+        every.sort()
+        for (a, ka), (b, kb) in zip(every, every[1:]):
+            if b.startswith(a):
+                raise _bad(
+                    f"{ka} path {a[:-1]!r} and {kb} path {b[:-1]!r}: equal, or one inside "
+                    "the other",
+                    "SP-PACK-2",
+                )
+
+
+def _bases(value: Any, objs: list[Any]) -> list[Tuple[str, bytes]]:
+    """The bases ([SP-PACK-9]): ``[name, identity]`` each, the name one safe path component
+    (a sibling of the checkpoint, never ``.`` or ``..``), distinct, the identity 32 bytes;
+    each object's base number in range, each base named by an object."""
+    bases = value.get("bases", [])
+    if not isinstance(bases, list):
+        raise _bad("'bases' must be a list of [name, identity]", "SP-PACK-9")
+    out: list[Tuple[str, bytes]] = []
+    for b in bases:
+        if not (
+            isinstance(b, list)
+            and len(b) == 2
+            and isinstance(b[0], str)
+            and isinstance(b[1], bytes)
+            and len(b[1]) == IDENTITY_BYTES
+        ):
+            raise _bad(f"base entry {b!r} is not [name, 32-byte identity]", "SP-PACK-9")
+        name = b[0]
+        if not _COMPONENT.match(name) or name in (".", ".."):
             raise _bad(
-                f"{ka} path {a[:-1]!r} and {kb} path {b[:-1]!r}: equal, or one inside the other",
-                "SP-PACK-2",
+                f"base name {name!r} is not one safe path component (a base is a sibling "
+                "of the checkpoint; nothing else is reachable)",
+                "SP-PACK-9",
             )
+        out.append((name, b[1]))
+    if len({n for n, _i in out}) != len(out):
+        raise _bad("a base is listed twice", "SP-PACK-9")
+    used = set()
+    for o in objs:
+        if len(o) == 3:
+            if not 0 <= o[2] < len(out):
+                raise _bad(f"object {o[0]!r}: base number {o[2]} out of range", "SP-PACK-9")
+            used.add(o[2])
+    if len(used) != len(out):
+        n = min(set(range(len(out))) - used)
+        raise _bad(f"base {out[n][0]!r} is named by no object", "SP-PACK-9")
+    return out
 
 
 def _arrays(arrs: list[Any], by_name: Mapping[str, ArrayInfo]) -> list[Any]:
@@ -243,6 +390,7 @@ def decode_packed(value: Any, arrays: Mapping[str, ArrayInfo]) -> PackedIndex:
     objs, arrs, raw = _form(value)
     _objects(objs, arrays)
     listed = _arrays(arrs, arrays)
+    bases = _bases(value, objs)
     if len(raw) % RECORD_BYTES:
         raise _bad(
             f"index of {len(raw)} bytes is not a whole number of {RECORD_BYTES}-byte records",
@@ -256,8 +404,28 @@ def decode_packed(value: Any, arrays: Mapping[str, ArrayInfo]) -> PackedIndex:
             "chunk of every array exactly once)",
             "SP-PACK-4",
         )
+    hashes = value.get("hashes")
+    if hashes is not None and not (
+        isinstance(hashes, bytes) and len(hashes) == HASH_BYTES * len(rec)
+    ):
+        raise _bad(
+            f"'hashes' must be a bin of {HASH_BYTES} bytes per record "
+            f"({HASH_BYTES * len(rec)} bytes)",
+            "SP-PACK-10",
+        )
+
+    def made() -> PackedIndex:
+        return PackedIndex(
+            [(o[0], o[1]) for o in objs],
+            [(n, i) for n, i, _e in listed],
+            rec,
+            bases,
+            [o[2] if len(o) == 3 else None for o in objs] if bases else None,
+            hashes,
+        )
+
     if len(rec) == 0:
-        return PackedIndex([(p, s) for p, s in objs], [(n, i) for n, i, _e in listed], rec)
+        return made()
     a, c = rec["array"], rec["chunk"]
     if np.any(a >= len(listed)):
         raise _bad(
@@ -285,13 +453,13 @@ def decode_packed(value: Any, arrays: Mapping[str, ArrayInfo]) -> PackedIndex:
         )
     _check_lengths(rec, listed, objs)
     _check_overlaps(rec, objs)
-    return PackedIndex([(p, s) for p, s in objs], [(n, i) for n, i, _e in listed], rec)
+    return made()
 
 
 def _check_lengths(rec: np.ndarray, listed: list[Any], objs: list[Any]) -> None:
     """Every record inside its object; a plain chunk's exact size, a shard at least its
     index ([SP-PACK-4])."""
-    size = np.array([s for _p, s in objs], np.uint64)[rec["object"]]
+    size = np.array([o[1] for o in objs], np.uint64)[rec["object"]]
     off, n = rec["offset"], rec["length"]
     out = (off > size) | (n > size - np.minimum(off, size))
     if np.any(out):

@@ -78,6 +78,7 @@ from shardpoint_core.format.layout import (
     fill_value,
 )
 from shardpoint_core.arrays.object_read import ObjectArray
+from shardpoint_core.arrays.packed_base import based_store, verify_hashes
 from shardpoint_core.arrays.packed_read import PackedView, ReadBatch, open_packed, verify_packed
 from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle
 
@@ -510,6 +511,8 @@ class ZarrBackend:
         (:func:`~shardpoint_core.arrays.opening.open_local_array`). Chunks are read by ``read_into``."""
         store, prefix = self._location(root)
         if spec.packed is not None:  # (1.4) a packed checkpoint: chunks by its index
+            if spec.packed.bases:  # incremental: its bases' objects too ([SP-PACK-9])
+                store = based_store(store, prefix, root, spec.packed, key, self._packed_ok)
             return _Array(*open_packed(store, prefix, spec, key, self._packed_ok), key)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
@@ -630,7 +633,8 @@ class ZarrBackend:
         """Every chunk read and checked; one ``(spec ID, message)`` per problem."""
         if spec.packed is not None:  # (1.4) a packed checkpoint
             try:
-                return verify_packed(self.open_array_for_read(root, array_path, spec, key).store)
+                view = self.open_array_for_read(root, array_path, spec, key).store
+                return verify_packed(view) + verify_hashes(view)
             except ShardpointError as e:
                 return [(e.spec_id or "SP-READ-3", str(e))]
         try:

@@ -13,10 +13,16 @@ writes the manifest as the Zarr backend would (on files durably before the renam
 object stores as the marker, whose commit puts the save prefix in front of every object
 path, [SP-COMMIT-11]).
 
+Incremental saves ([SP-PACK-9] to [SP-PACK-11]): ``PackedBackend(incremental=...)`` names a
+*base*, a committed packed checkpoint beside the target (``True``: the newest one there, on
+files), and records every chunk's hash; a chunk whose bytes the base holds already (same
+length, crc32c and BLAKE3/128 hash) is not written, its record points at the base's bytes.
+
 Example::
 
     sp.save(state, "/ckpt/step_10", backend=PackedBackend())
     sp.load("/ckpt/step_10")                # any backend reads it
+    sp.save(state, "/ckpt/step_20", backend=PackedBackend(incremental="step_10"))
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ from shardpoint_core.arrays.array import ArrayLayout, write_region
 from shardpoint_core.arrays.direct_write import WritePool
 from shardpoint_core.arrays.identity import CrcSink, chunk_number, units_per_chunk
 from shardpoint_core.arrays.packed import ChunkWriteView, PackedWriter, build_index, gather_parts
+from shardpoint_core.arrays.packed import _join
+from shardpoint_core.arrays.packed_base import BasedStore, Base, manifest_identity, sibling_path
+from shardpoint_core.transactions.incremental import resolve_base
 from shardpoint_core.commit.base import Overwrite
-from shardpoint_core.format.errors import SaveFailedError
+from shardpoint_core.format.errors import InvalidOptionError, SaveFailedError
 from shardpoint_core.format.manifest import Manifest, decode_manifest
 from shardpoint_core.format.packed import FORMAT_VERSION_1_4
 from shardpoint_core.format.spec import ArraySpec
@@ -68,7 +77,10 @@ class PackedBackend:
     ``write_threads``: chunks encoded and written at once per process. ``writer_id``: the
     name of this process's objects (``packed/<writer_id>-<n>.bin``; default random), fixed
     only for reproducible one-process saves (the golden vectors): two processes of one save
-    must not share it."""
+    must not share it. ``incremental``: build on a base ([SP-PACK-9]): a sibling's name or
+    path, or ``True`` (the newest committed checkpoint beside the target on files; none: a
+    full save that records hashes for the next); ``hashes``: record each chunk's hash
+    ([SP-PACK-10]; default: with ``incremental``), so a later save can build on this one."""
 
     name = "packed"
 
@@ -80,7 +92,21 @@ class PackedBackend:
         fsync: bool = True,
         write_threads: int = 16,
         writer_id: Optional[str] = None,
+        incremental: Union[None, bool, str] = None,
+        hashes: Optional[bool] = None,
     ) -> None:
+        if incremental is False:
+            incremental = None
+        if incremental is not None and not isinstance(incremental, (str, bool)):
+            incremental = str(incremental)  # a PathLike
+        if hashes is False and incremental is not None:
+            raise InvalidOptionError(
+                "hashes=False with incremental: an incremental save compares chunk hashes "
+                "([SP-PACK-10]); leave hashes at its default"
+            )
+        self.incremental = incremental
+        self.hashes = bool(hashes) or incremental is not None
+        self._bases: Dict[str, Tuple[str, Optional[Base]]] = {}  # staging -> target, base
         self.zarr = zarr if zarr is not None else ZarrBackend(fsync=fsync)
         self.cap, self.fsync = cap, fsync if zarr is None else zarr.fsync
         self.writer_id = writer_id
@@ -92,7 +118,37 @@ class PackedBackend:
         self._puts = WritePool(4, "sp-packed-put")
 
     def __repr__(self) -> str:
-        return f"PackedBackend(zarr={self.zarr!r})"
+        extra = f", incremental={self.incremental!r}" if self.incremental is not None else ""
+        return f"PackedBackend(zarr={self.zarr!r}{extra})"
+
+    def with_incremental(self, incremental: Union[None, bool, str]) -> "PackedBackend":
+        """A backend like this one (its threads shared) whose saves build on
+        ``incremental`` (see the class) and record hashes (False or None: hashes only)."""
+        other = PackedBackend(
+            self.zarr,
+            cap=self.cap,
+            writer_id=self.writer_id,
+            incremental=incremental,
+            hashes=True,
+            write_threads=0,
+        )
+        other._pool, other._puts = self._pool, self._puts  # one set of threads per process
+        return other
+
+    def save_target(self, staging: str, path: str) -> None:
+        """Which checkpoint the save staged at ``staging`` makes: an incremental save loads
+        its base beside it now, before anything is written (every rank does, the same)."""
+        base = None
+        if self.incremental is not None:
+            base = resolve_base(path, self.incremental, self.zarr)
+        with self._lock:
+            self._bases[staging] = (path, base)
+
+    def base_of(self, staging: str) -> Optional[Base]:
+        """The base of the save staged at ``staging`` (None: a full save)."""
+        with self._lock:
+            got = self._bases.get(staging)
+        return None if got is None else got[1]
 
     def supports_concurrent_writers(self) -> bool:
         return True  # each process writes objects of its own
@@ -124,6 +180,13 @@ class PackedBackend:
             w = self._writers.get(root)
             if w is None:
                 store, prefix = self.zarr.locate(root)
+                target = self._bases.get(root, (None, None))[0]
+
+                def base_read(owner: str, path: str, at: int, n: int) -> bytes:
+                    bstore, bprefix = self.zarr.locate(sibling_path(str(target), owner))
+                    got: bytes = bstore.get_range(f"{bprefix}/{path}" if bprefix else path, at, n)
+                    return got
+
                 w = self._writers[root] = PackedWriter(
                     store,
                     prefix,
@@ -131,6 +194,8 @@ class PackedBackend:
                     fsync=self.fsync,
                     submit=self._puts.submit,
                     writer_id=self.writer_id,
+                    hashes=self.hashes,
+                    base_read=base_read if target is not None else None,
                 )
             return w
 
@@ -143,7 +208,13 @@ class PackedBackend:
             shard_above_bytes=self.zarr.shard_above_bytes,
             inner_chunk_bytes=self.zarr.inner_chunk_bytes,
         )
-        view = ChunkWriteView(self._writer(root), array_path, lay)
+        base = self.base_of(root)
+        part = None
+        if base is not None:
+            part = base.candidates(array_path, spec.shape, spec.dtype, lay.chunk, lay.inner)
+        view = ChunkWriteView(
+            self._writer(root), array_path, lay, part, base.owners if base is not None else ()
+        )
         with self._lock:
             sink = self._crcs.setdefault(root, CrcSink())
         units = units_per_chunk(lay.chunk, lay.inner)
@@ -188,7 +259,7 @@ class PackedBackend:
         m = data if isinstance(data, Manifest) else decode_manifest(data)
         with self._lock:
             own = self._own.pop(root, None)
-        objects, rows, inner, parts = gather_parts(
+        objects, rows, inner, parts, refs = gather_parts(
             store, prefix, own, others=m.save_world_size > 1 or own is None
         )
         arrays: Dict[str, Any] = {}
@@ -203,8 +274,9 @@ class PackedBackend:
                     inner_chunk_bytes=self.zarr.inner_chunk_bytes,
                 ).inner
             arrays[e.array] = None if got is None else tuple(got)
-        m.packed = build_index(objects, rows, arrays)
+        m.packed = build_index(objects, rows, arrays, refs, hashes=self.hashes)
         m.format_version = FORMAT_VERSION_1_4
+        self._check_bases(root, m.packed.bases)
         # encoded once, by the committer (the index checked as a reader checks it): on files
         # written durably (the rename follows); on object stores straight into the marker,
         # its array and object names below the save prefix, PUT at commit()
@@ -212,14 +284,33 @@ class PackedBackend:
         if parts:
             store.delete(parts)
 
+    def _check_bases(self, root: str, bases: Sequence[Tuple[str, bytes]]) -> None:
+        """Every base the index names still there with the identity recorded (a base
+        deleted or replaced while the save ran fails the save, [SP-PACK-9])."""
+        with self._lock:
+            target = self._bases.get(root, (None, None))[0]
+        for name, ident in bases:
+            got = manifest_identity(sibling_path(str(target), name)) if target else None
+            if got != ident:
+                raise SaveFailedError(
+                    f"incremental save of {target}: its base {name!r} was "
+                    f"{'removed' if got is None else 'replaced'} while it ran; nothing was "
+                    "committed ([SP-PACK-9])"
+                )
+
     def commit(self, staging: str, path: str, *, overwrite: Overwrite) -> None:
-        self.zarr.committer.publish(staging, path, overwrite=overwrite)
+        try:
+            self.zarr.committer.publish(staging, path, overwrite=overwrite)
+        finally:
+            with self._lock:
+                self._bases.pop(staging, None)
 
     def abort(self, staging: str) -> None:
         with self._lock:
             w = self._writers.pop(staging, None)
             self._crcs.pop(staging, None)
             self._own.pop(staging, None)
+            self._bases.pop(staging, None)
         if w is not None:
             w.abandon()
         self.zarr.abort(staging)
@@ -291,6 +382,8 @@ def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any
             "their paths (zarr_compat.zarr_path)"
         )
     bstore, prefix = be.locate(path)
+    if m.packed.bases:  # (incremental) chunks of its bases, read beside it ([SP-PACK-9])
+        bstore = BasedStore(bstore, prefix, path, m.packed.bases, "zarr_store", {})
     meta: Dict[str, bytes] = {"zarr.json": b'{"zarr_format": 3, "node_type": "group"}'}
     arrays: Dict[str, Any] = {}
     for e in m.tensors.values():
@@ -318,7 +411,7 @@ def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any
         if len(cidx) != len(lay.shape) or any(not 0 <= i < g for i, g in zip(cidx, lay.grid())):
             return None
         obj, off, n, _crc = part.chunk(number_of(cidx, lay.shape, lay.chunk))
-        return f"{prefix}/{obj}" if prefix else obj, off, n
+        return _join(prefix, obj), off, n
 
     def read(key: str, byte_range: Any) -> Optional[bytes]:
         where = None if key in meta else locate_chunk(key)

@@ -64,7 +64,8 @@ def _data_key(path: str) -> str:
 
 
 def _base_names(m: Any) -> List[str]:
-    return sorted({p[3:].split("/", 1)[0] for p, _s in m.packed.objects if p.startswith("../")})
+    """The checkpoints this one builds on ([SP-PACK-9]), each a sibling by name."""
+    return sorted(name for name, _identity in m.packed.bases)
 
 
 def _entries(m: Any) -> List[Tuple[bytes, Value]]:

@@ -36,6 +36,14 @@ from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.transactions.resolve import resolve
 
 
+def _announce(be: Any, staging: str, path: str) -> None:
+    """Tell a backend that wants it (``save_target``) which target a staging location is
+    for: an incremental packed save finds its base beside the target, before any write."""
+    hook = getattr(be, "save_target", None)
+    if hook is not None:
+        hook(staging, path)
+
+
 class CheckpointWriter:
     """One process's part in one save of the checkpoint at ``path``; see the module docstring.
     ``staging``: where this save writes until it commits (send it to the other ranks)."""
@@ -69,6 +77,7 @@ class CheckpointWriter:
         p, be = resolve(path, backend, call)
         be.check_target(p, ow)
         staging = be.staging_path(p, token or secrets.token_hex(6))
+        _announce(be, staging, p)
         be.begin_save(staging)
         return cls(p, staging, be, overwrite=ow)
 
@@ -83,6 +92,7 @@ class CheckpointWriter:
     ) -> "CheckpointWriter":
         """Another rank of the save the coordinator began: it writes into ``staging``."""
         p, be = resolve(path, backend, call)
+        _announce(be, staging, p)
         return cls(p, staging, be, coordinator=False)
 
     # -- writing (every rank) -------------------------------------------------------------

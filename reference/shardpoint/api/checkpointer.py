@@ -23,6 +23,7 @@ from shardpoint.api.loading import LoadResult, run_load
 from shardpoint.api.saving import SaveOptions, SaveResult, run_save
 from shardpoint.exchange.comm import Comm, group_key, new_side_comm
 from shardpoint.planning.load_planner import LoadOptions
+from shardpoint_core.format import errors
 from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.transactions.resolve import read_metadata
 from shardpoint_core.transactions.protocol import StorageBackend
@@ -101,6 +102,7 @@ class Checkpointer:
         async_save: bool = False,
         backend: Optional[StorageBackend] = None,
         compression: Optional[str] = None,
+        incremental: "bool | str | None" = None,
     ) -> "SaveResult | AsyncSave":
         """Save ``state`` at ``path`` (see :func:`shardpoint.save`): a :class:`SaveResult`,
         or with ``async_save=True`` an :class:`AsyncSave` whose ``wait()`` gives it.
@@ -114,7 +116,7 @@ class Checkpointer:
             state,
             path,
             comm,
-            backend or self._backend,
+            incremental_backend(backend or self._backend, incremental),
             opts,
             overwrite,
             self._group(comm),
@@ -207,6 +209,29 @@ def default_checkpointer() -> Checkpointer:
     return _DEFAULT
 
 
+_PACKED: Any = None  # the packed backend of sp.save(incremental=...) without backend=
+
+
+def incremental_backend(be: Optional[StorageBackend], incremental: Any) -> Any:
+    """The backend of a save with ``incremental`` (None or False: ``be`` unchanged): a
+    :class:`~shardpoint_core.transactions.packed.PackedBackend` building on the base."""
+    if incremental is None or incremental is False:
+        return be
+    from shardpoint_core.transactions.packed import PackedBackend
+
+    global _PACKED
+    if be is None:  # one set of write threads per process, as the default backend's
+        if _PACKED is None:
+            _PACKED = PackedBackend()
+        be = _PACKED
+    if isinstance(be, PackedBackend):
+        return be.with_incremental(incremental)
+    raise errors.InvalidOptionError(
+        f"incremental={incremental!r} needs the packed layout: pass backend=PackedBackend() "
+        f"(or no backend), not {be!r}"
+    )
+
+
 # ------------------------------------------------------------------ the public functions
 @overload
 def save(
@@ -217,6 +242,7 @@ def save(
     overwrite: "bool | str" = False,
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
+    incremental: "bool | str | None" = None,
     async_save: Literal[False] = False,
     compression: Optional[str] = None,
 ) -> SaveResult: ...
@@ -231,6 +257,7 @@ def save(
     overwrite: "bool | str" = False,
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
+    incremental: "bool | str | None" = None,
     async_save: Literal[True],
     compression: Optional[str] = None,
 ) -> AsyncSave: ...
@@ -245,6 +272,7 @@ def save(
     overwrite: "bool | str" = False,
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
+    incremental: "bool | str | None" = None,
     async_save: bool = False,
     compression: Optional[str] = None,
 ) -> "SaveResult | AsyncSave": ...
@@ -258,6 +286,7 @@ def save(
     overwrite: "bool | str" = False,
     backend: Optional[StorageBackend] = None,
     options: Optional[SaveOptions] = None,
+    incremental: "bool | str | None" = None,
     async_save: bool = False,
     compression: Optional[str] = None,
 ) -> "SaveResult | AsyncSave":
@@ -283,6 +312,14 @@ def save(
     ``zstd`` codec: zarr-python and TensorStore read it); the same as
     ``SaveOptions(compression="zstd")``, whose ``compression_level`` sets the level.
 
+    ``incremental`` (packed layout, spec/format.md section 13): build on a committed
+    packed checkpoint beside ``path`` (its name or path; ``True``: the newest one beside
+    it on files): chunks whose bytes it holds (same length, crc32c and 128-bit BLAKE3 hash) are not
+    written again, the new checkpoint refers to them. Every chunk's hash is recorded, so
+    the next save can build on this one. A checkpoint that others build on is never
+    deleted or replaced (``CheckpointReferencedError``); a manager's retention keeps it
+    until nothing kept refers to it.
+
     A thin wrapper over the default :class:`~shardpoint.Checkpointer` (which keeps the plan
     cache, the pending async save and its host pool per process group).
     """
@@ -295,6 +332,7 @@ def save(
         async_save=async_save,
         backend=backend,
         compression=compression,
+        incremental=incremental,
     )
 
 

@@ -93,6 +93,12 @@ class CheckpointManager:
     commit run in the background, see ``sp.save(..., async_save=True)``); retention of older
     steps runs once that save has committed, and :meth:`wait` / :meth:`close` wait for it.
 
+    ``incremental=True``: every step is saved in the packed layout with chunk hashes and
+    builds on the newest committed step before it (spec/format.md [SP-PACK-9]): unchanged
+    chunks (frozen weights) are referred to, not written again. Retention keeps, beyond its
+    policy, every step that a kept step builds on, until nothing kept refers to it
+    ([SP-PACK-11]). Not with ``memory=`` (the durable copies are full saves).
+
     ``memory``: a :class:`~shardpoint.MemoryTier` (started by every rank, closed by the
     caller after the manager); then ``memory_every`` (steps between memory saves, default 1),
     ``storage_every`` (steps between durable copies, required; such a step goes to memory
@@ -126,7 +132,19 @@ class CheckpointManager:
         copy_attempts: int = 3,
         copy_backoff_s: float = 1.0,
         parallel_copy: bool = False,
+        incremental: bool = False,
     ) -> None:
+        if incremental and backend is not None:
+            from shardpoint_core.transactions.packed import PackedBackend
+
+            if not isinstance(backend, PackedBackend):
+                raise errors.InvalidOptionError(
+                    f"incremental=True needs the packed layout: pass backend=PackedBackend() "
+                    f"(or no backend), not {backend!r}"
+                )
+        #: every save builds on the newest committed step ([SP-PACK-9]); retention keeps
+        #: the steps that kept ones build on ([SP-PACK-11])
+        self.incremental = bool(incremental)
         if retention is not None:
             if not isinstance(retention, Retention):
                 raise errors.InvalidOptionError(
@@ -161,6 +179,11 @@ class CheckpointManager:
                     "async_save=True with memory=: the memory save is the fast one, and the "
                     "durable copy already runs in the background; drop async_save"
                 )
+            if incremental:
+                raise errors.InvalidOptionError(
+                    "incremental=True with memory=: the durable copies of the memory tier "
+                    "are full saves; drop one of them"
+                )
             self._tiers = Tiers(
                 memory,
                 memory_every,
@@ -181,6 +204,7 @@ class CheckpointManager:
         self.last_load: Optional[LoadInfo] = None
         self.backend, self.save_options, self.load_options = backend, save_options, load_options
         self._comm = Comm(group)
+        self._packed: Any = None  # (incremental) the packed backend, hashes recorded
         self._pending: Any = None  # the in-flight async save, if any
         self._metrics: dict = {}  # step -> metrics dict (cache of the manifests)
         self._committer = self._steps.committer
@@ -267,7 +291,7 @@ class CheckpointManager:
         kw: dict = {
             "group": self.group,
             "overwrite": force,
-            "backend": self.backend,
+            "backend": self._save_backend(step),
             "options": self.save_options,
         }
         if self.async_save:
@@ -290,6 +314,21 @@ class CheckpointManager:
         else:
             self._after_commit()
         return result
+
+    def _save_backend(self, step: int) -> Any:
+        """The backend of the save of ``step``: with ``incremental``, a packed backend that
+        records hashes and builds on the newest committed step before ``step`` (none: a full
+        save, whose hashes the next one compares against)."""
+        if not self.incremental:
+            return self.backend
+        from shardpoint_core.transactions.packed import PackedBackend
+
+        if self._packed is None:
+            self._packed = self.backend or PackedBackend(hashes=True)
+            if not self._packed.hashes:
+                self._packed = self._packed.with_incremental(False)
+        earlier = [s for s in self.all_steps() if s < step]
+        return self._packed.with_incremental(self.path(earlier[-1])) if earlier else self._packed
 
     def _check_committed(self, step: int, path: str) -> None:
         """On the coordinator, CheckpointNotFoundError where ``step`` is not committed, on

@@ -128,6 +128,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                 for k, e in m.tensors.items()
             },
             "objects": {k: {"count": len(v), "values": jsonable(v)} for k, v in m.objects.items()},
+            "packed": m.packed.sharing() if m.packed is not None else None,
             "values": {
                 v.key: jsonable(v.value) for _p, v in iter_leaves(m.tree) if v.kind == "value"
             },
@@ -151,6 +152,17 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         f"total: {len(m.tensors)} tensors, {_fmt_bytes(total)} in {chunks} chunks; "
         f"{len(m.objects)} sharded objects; {nvals} values"
     )
+    if m.packed is not None:  # (1.4) what it stores and what it shares ([SP-PACK-9])
+        sh = m.packed.sharing()
+        print(
+            f"packed: {sh['own']['chunks']} chunks ({_fmt_bytes(sh['own']['bytes'])}) in its "
+            f"own objects{'' if sh['hashes'] else ', no chunk hashes (nothing can build on it)'}"
+        )
+        for name, b in sh["bases"].items():
+            print(
+                f"  shared with base {name!r} (beside it, identity {b['identity'][:16]}...): "
+                f"{b['chunks']} chunks ({_fmt_bytes(b['bytes'])})"
+            )
     return 0
 
 
@@ -162,9 +174,13 @@ def cmd_verify(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
+        extra = [f"{n} in base {b!r}" for b, n in sorted(rep.shared.items())]  # (1.4)
+        extra += ["chunk hashes compared"] if rep.hashes else []
         what = (
             f"{rep.tensors} tensors ({_fmt_bytes(rep.bytes)}), {rep.chunks_checked} of "
-            f"{rep.chunks} chunks read and checksummed, {rep.objects} sharded objects"
+            f"{rep.chunks} chunks read and checksummed"
+            + (f" ({', '.join(extra)})" if extra else "")
+            + f", {rep.objects} sharded objects"
         )
         mode = " [strict]" if a.strict else ""
         if rep.ok:
