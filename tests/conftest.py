@@ -14,7 +14,7 @@ def pytest_addoption(parser):
 
 
 # The files whose tests take longest (real worlds, benchmarks' quick runs, clusters), run
-# first. `--dist worksteal` hands each worker a contiguous half of the collection and lets an
+# first. `--dist worksteal` hands each worker a contiguous share of the collection and lets an
 # idle worker take the tail of the other's queue: a long test there (tools/ sorts last) ran
 # while the other worker sat idle at the end of the run. A file missing here only runs later.
 FIRST = (
