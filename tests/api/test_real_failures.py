@@ -354,7 +354,9 @@ def test_signal_in_the_middle_of_a_save_leaves_no_staging_behind(big_disk, sig):
         assert p.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 60
         while not glob.glob(os.path.join(glob.escape(d.path), ".b.shardpoint-tmp-*/tensors")):
-            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()
+            if time.monotonic() > deadline or p.poll() is not None:
+                p.kill()  # its stderr ends only when it does: read it after
+                pytest.fail(f"no save was seen writing within 60 s: {p.communicate()[1]}")
             time.sleep(0.002)
         p.send_signal(getattr(signal, f"SIG{sig}"))
         _, err = p.communicate(timeout=120)
