@@ -66,6 +66,7 @@ _LAZY = {
     "shardpoint.api.memory_tier": ["MemoryTier", "Restored"],
     "shardpoint.tree.model": ["ShardedObject", "ShardedPieces", "ShardedTensor"],
     "shardpoint.planning.planner": ["PlanOptions"],
+    "shardpoint_core.transactions.packed": ["PackedBackend"],
     "shardpoint_core.format.statetree": [
         "TensorLeaf",
         "ObjectLeaf",
@@ -129,6 +130,7 @@ __all__ = [
     "LoadReport",
     "LoadOptions",
     "PlanOptions",
+    "PackedBackend",
     "Manifest",
     "FORMAT_VERSION",
     "ShardpointError",
