@@ -73,7 +73,8 @@ from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import AsyncSave
 from shardpoint_jax.comm import Comm
 from shardpoint_jax.loading import load as spj_load
-from shardpoint_jax.manager_tiers import LoadInfo, Tiers, load_tiered, report, save_tiered
+from shardpoint_core.transactions.tiers import LoadInfo
+from shardpoint_jax.manager_tiers import Tiers, load_tiered, report, save_tiered
 from shardpoint_jax.saving import error_info, raise_info
 from shardpoint_jax.saving import save as spj_save
 from shardpoint_jax.storage import checkpoint_path, read_manifest

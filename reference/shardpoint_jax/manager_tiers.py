@@ -23,7 +23,7 @@ from typing import Any, Optional
 import jax
 
 from shardpoint_core.format.errors import ShardpointError as CoreError
-from shardpoint_core.transactions.tiers import Exchange, LoadInfo, Tiers, tier_plan
+from shardpoint_core.transactions.tiers import Exchange, Tiers, load_across_tiers, tier_plan
 from shardpoint_jax import errors as E
 from shardpoint_jax.loading import load as spj_load
 from shardpoint_jax.memory_tier import all_gather, all_true, broadcast
@@ -75,44 +75,18 @@ def load_tiered(
         return plan
 
     plan = mgr._agreed("manager-load", want, err, decide)
-    skipped: list = []
-    for s, in_mem, in_sto in plan:
-        failed: Optional[BaseException] = None
-        tree, info = None, None
-        try:
-            if in_mem:
-                r = tiers.memory.restore(
-                    target, step=s, strict=strict, fallback=mgr.path(s) if in_sto else None
-                )
-                kinds = set(r.sources.values()) or {"memory"}
-                tree = r.tree
-                info = LoadInfo(
-                    s,
-                    "+".join(k for k in ("memory", "storage") if k in kinds),
-                    r.memory_url or r.storage_url,
-                    dict(r.sources),
-                    r.reason,
-                )
-            else:
-                tree = spj_load(mgr.path(s), target, strict=strict)
-                info = LoadInfo(s, "storage", mgr.path(s))
-        except (CoreError, OSError) as e:
-            failed = e
-        if all_true("manager-load-ok", failed is None):
-            assert info is not None
-            info.skipped = skipped
-            mgr.last_load = info
-            if target is None and isinstance(tree, dict):
-                tree.pop(METRICS_KEY, None)
-            return tree
-        where = "memory" if in_mem else "storage"
-        skipped.append(
-            f"step {s} ({where}): "
-            + (f"{type(failed).__name__}: {failed}" if failed else "failed on another process")
-        )
-        log.warning("shardpoint: passing over %s", skipped[-1])
-    what = f"step {want}" if want is not None else "no step"
-    raise E.CheckpointNotFoundError(
-        f"{what} could be loaded from memory ({tiers.memory.url(0).rsplit('/', 1)[0]}) or "
-        f"from storage ({mgr.root!r}): " + "; ".join(skipped)
+    tree, mgr.last_load = load_across_tiers(
+        plan,
+        lambda s, in_sto: tiers.memory.restore(
+            target, step=s, strict=strict, fallback=mgr.path(s) if in_sto else None
+        ),
+        lambda s: spj_load(mgr.path(s), target, strict=strict),
+        mgr.path,
+        lambda ok: all_true("manager-load-ok", ok),
+        (CoreError, OSError),
+        f"memory ({tiers.memory.url(0).rsplit('/', 1)[0]}) or from storage ({mgr.root!r})",
+        want,
     )
+    if target is None and isinstance(tree, dict):
+        tree.pop(METRICS_KEY, None)
+    return tree

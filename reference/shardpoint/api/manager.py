@@ -79,7 +79,7 @@ from shardpoint_core.format.policy import (
 )
 from shardpoint_core.format.statetree import ValueLeaf, node_at
 from shardpoint_core.transactions.protocol import StorageBackend
-from shardpoint.api.manager_tiers import Exchange, LoadInfo, Tiers, tier_plan
+from shardpoint.api.manager_tiers import Exchange, LoadInfo, Tiers, load_across_tiers, tier_plan
 
 METRICS_KEY = "__metrics__"
 
@@ -477,56 +477,29 @@ class CheckpointManager:
         plan = msgpack.unpackb(
             self._comm.broadcast_bytes(msgpack.packb(plan) if self._comm.is_coordinator else None)
         )
-        skipped: list = []
-        for s, in_mem, in_sto in plan:
-            err: Optional[BaseException] = None
-            tree, info = None, None
-            try:
-                if in_mem:
-                    r = tiers.memory.restore(
-                        like,
-                        step=s,
-                        strict=opts.get("strict", True),
-                        fallback=self.path(s) if in_sto else None,
-                    )
-                    kinds = set(r.sources.values()) or {"memory"}
-                    tree = r.tree
-                    info = LoadInfo(
-                        s,
-                        "+".join(k for k in ("memory", "storage") if k in kinds),
-                        r.memory_url or r.storage_url,
-                        dict(r.sources),
-                        r.reason,
-                    )
-                else:
-                    tree = api.load(
-                        self.path(s),
-                        like=like,
-                        group=self.group,
-                        **{"backend": self.backend, "options": self.load_options, **opts},
-                    )
-                    info = LoadInfo(s, "storage", self.path(s))
-            except errors.ShardpointError as e:
-                err = e
-            if self._comm.all_true(err is None):
-                assert info is not None
-                info.skipped = skipped
-                self.last_load = info
-                if like is None and isinstance(tree, dict):
-                    tree.pop(METRICS_KEY, None)
-                return tree
-            where = "memory" if in_mem else "storage"
-            skipped.append(
-                f"step {s} ({where}): "
-                + (f"{type(err).__name__}: {err}" if err else "failed on another rank")
-            )
-            log.warning("shardpoint: passing over %s", skipped[-1])
-        what = f"step {step}" if step is not None else "no step"
-        raise errors.CheckpointNotFoundError(
-            f"{what} could be loaded from memory ({tiers.memory.url(0).rsplit('/', 1)[0]}) or "
-            f"from storage ({self.root!r})"
-            + (": " + "; ".join(skipped) if skipped else ": nothing committed in either")
+        tree, self.last_load = load_across_tiers(
+            plan,
+            lambda s, in_sto: tiers.memory.restore(
+                like,
+                step=s,
+                strict=opts.get("strict", True),
+                fallback=self.path(s) if in_sto else None,
+            ),
+            lambda s: api.load(
+                self.path(s),
+                like=like,
+                group=self.group,
+                **{"backend": self.backend, "options": self.load_options, **opts},
+            ),
+            self.path,
+            self._comm.all_true,
+            (errors.ShardpointError,),
+            f"memory ({tiers.memory.url(0).rsplit('/', 1)[0]}) or from storage ({self.root!r})",
+            step,
         )
+        if like is None and isinstance(tree, dict):
+            tree.pop(METRICS_KEY, None)
+        return tree
 
     def close(self) -> None:
         """Wait for the last save (with ``memory=``, the last durable copy: every rank keeps

@@ -6,6 +6,13 @@ the next ``save`` or ``wait``, never stopping training)."""
 
 from __future__ import annotations
 
-from shardpoint_core.transactions.tiers import CopyOutcome, Exchange, LoadInfo, Tiers, tier_plan
+from shardpoint_core.transactions.tiers import (
+    CopyOutcome,
+    Exchange,
+    LoadInfo,
+    Tiers,
+    load_across_tiers,
+    tier_plan,
+)
 
-__all__ = ["CopyOutcome", "Exchange", "LoadInfo", "Tiers", "tier_plan"]
+__all__ = ["CopyOutcome", "Exchange", "LoadInfo", "Tiers", "load_across_tiers", "tier_plan"]
