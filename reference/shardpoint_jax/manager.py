@@ -310,13 +310,13 @@ class CheckpointManager:
             self._pending = handle
         return handle
 
-    def _before_save(self, step: int) -> Optional[str]:
+    def _before_save(self, step: Optional[int]) -> Optional[str]:
         """Process 0, before a save of ``step``: clean what crashed saves left; with
         ``incremental``, the base of the save, the newest committed step before ``step``
         (None: a full save that records the hashes the next one compares against), the
         same on every process."""
         self._clean_leftovers()
-        if not self.incremental:
+        if not self.incremental or step is None:
             return None
         earlier = [s for s in self.all_steps() if s < step]
         return self.path(earlier[-1]) if earlier else None

@@ -247,7 +247,13 @@ tgt = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(other, P
 got = sj.load(ROOT + "/b", {**tgt, "step": 0})
 ok = all(same_bits(s.data, W[s.index]) for s in got["w"].addressable_shards)
 ok = ok and all(same_bits(s.data, (M + 1)[s.index]) for s in got["m"].addressable_shards)
-print(json.dumps({"pid": pid, "ok": bool(ok), "step": got["step"]}))
+try:  # process 1 names a base that is not there: its join fails, every process raises
+    sj.save(ROOT + "/c", tree, incremental="a" if pid == 0 else "nosuch")
+    err = None
+except sj.ShardpointError as e:
+    err = f"{type(e).__name__}: {e}"
+print(json.dumps({"pid": pid, "ok": bool(ok), "step": got["step"], "err": err,
+                  "left": sorted(os.listdir(ROOT))}))
 """
 
 
@@ -255,7 +261,9 @@ def test_two_jax_processes_save_packed_and_incremental_and_reload_into_another_m
     """Two processes of two devices each: each writes its own data object (its replica-0
     shards), process 0 gathers both index parts; the async incremental save refers to
     ``a``'s chunks of the unchanged ``w`` and writes ``m`` again; loads into another mesh
-    (and the torch front end) are bitwise."""
+    (and the torch front end) are bitwise. A process that cannot join a save (its base is
+    not there) fails it on every process, nothing left, instead of leaving the others
+    waiting."""
     import shardpoint as sp
 
     root = str(tmp_path / "run")
@@ -263,6 +271,8 @@ def test_two_jax_processes_save_packed_and_incremental_and_reload_into_another_m
     res = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     assert sorted(r["pid"] for r in res) == [0, 1]
     assert all(r["ok"] and r["step"] == 2 for r in res), res
+    assert all("CheckpointNotFoundError" in r["err"] and "nosuch" in r["err"] for r in res), res
+    assert all(r["left"] == ["a", "b"] for r in res), res
     a, b = read_metadata(f"{root}/a"), read_metadata(f"{root}/b")
     assert len(a.packed.objects) == 2 and len(os.listdir(f"{root}/a/packed")) == 2
     assert a.save_world_size == 2
