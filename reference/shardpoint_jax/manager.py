@@ -171,8 +171,9 @@ class CheckpointManager:
             )
             if best_metric is not None:
                 check_metric(best_metric, best_mode)
-            if incremental:
-                step_backend(backend, None)  # a backend of another layout: refused now
+            saves_through = backend  # (the committer below: the one of this backend)
+            if incremental:  # a backend of another layout: refused now
+                saves_through = step_backend(backend, None)
         except CoreError as e:  # the core's InvalidOptionError, in this package's terms
             raise E.InvalidRequestError(str(e)) from None
         self.root = checkpoint_path(root, "CheckpointManager(root)")  # a path or a URL
@@ -195,7 +196,7 @@ class CheckpointManager:
         #: kept or removed; each is logged once
         self.stray: list = []
         self._steps = StepRoot(
-            self.root, backend=backend_for(self.root, backend), call="CheckpointManager(root)"
+            self.root, backend=backend_for(self.root, saves_through), call="CheckpointManager(root)"
         )
         #: what the tiers' background work reported (a failed or retried durable copy),
         #: on every process
