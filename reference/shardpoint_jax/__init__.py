@@ -1,7 +1,9 @@
 """shardpoint_jax: the JAX front end of shardpoint, on the framework-neutral core
 (``shardpoint_core``: errors, keys, dtypes, values, the manifest codec, coverage rules).
 
-``save(path, pytree, *, overwrite=False, async_save=False)`` and ``load(path, target=None)``;
+``save(path, pytree, *, overwrite=False, async_save=False, backend=None, incremental=None)``
+and ``load(path, target=None)``; ``backend=PackedBackend()`` (shardpoint_core.transactions.
+packed) saves in the packed layout, ``incremental=`` builds on an earlier packed checkpoint;
 every process of a multi-process job calls both; a path is local (plain or ``file://``) or the
 URL of a registered store (``s3://bucket/run/step_5``, ``memory://name/...``).
 ``read_metadata(path).tree`` is the saved tree with typed leaves (``TensorLeaf``,

@@ -68,6 +68,8 @@ from shardpoint_core.format.policy import (
     step_number,
 )
 from shardpoint_core.format.statetree import ValueLeaf, node_at
+from shardpoint_core.transactions.packed import step_backend
+from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.transactions.resolve import backend_for
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import AsyncSave
@@ -121,6 +123,8 @@ class CheckpointManager:
         copy_attempts: int = 3,
         copy_backoff_s: float = 1.0,
         parallel_copy: bool = False,
+        backend: Optional[StorageBackend] = None,
+        incremental: bool = False,
     ) -> None:
         #: the tier policy (None: every save goes to storage, as without a memory tier)
         self._tiers: Optional[Tiers] = None
@@ -141,6 +145,12 @@ class CheckpointManager:
                     parallel_copy=parallel_copy,
                     tier_class="shardpoint_jax.MemoryTier",
                 )
+                if incremental or backend is not None:
+                    raise E.InvalidOptionError(
+                        "incremental=True or backend= with memory=: the durable copies of "
+                        "the memory tier are copied from memory in the per-array layout; "
+                        "drop one of them"
+                    )
             elif storage_every is not None:
                 raise E.InvalidOptionError(
                     "storage_every= needs memory=spj.MemoryTier(...); without a memory tier "
@@ -162,6 +172,9 @@ class CheckpointManager:
             )
             if best_metric is not None:
                 check_metric(best_metric, best_mode)
+            saves_through = backend  # (the committer below: the one of this backend)
+            if incremental:  # a backend of another layout: refused now
+                saves_through = step_backend(backend, None)
         except CoreError as e:  # the core's InvalidOptionError, in this package's terms
             raise E.InvalidRequestError(str(e)) from None
         self.root = checkpoint_path(root, "CheckpointManager(root)")  # a path or a URL
@@ -171,6 +184,11 @@ class CheckpointManager:
         self.max_to_keep, self.keep_every, self.keep_best = max_to_keep, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = bool(async_save)
+        #: the backend of every save (None: the root's kind's default, the per-array layout)
+        self.backend = backend
+        #: every save builds on the newest committed step ([SP-PACK-9]); retention keeps
+        #: the steps that kept ones build on ([SP-PACK-11])
+        self.incremental = bool(incremental)
         self._pending: Optional[AsyncSave] = None
         self._metrics: dict = {}  # step -> metrics (a cache of the manifests)
         self.retention_warnings: list = []  # what the last retention could not do
@@ -179,7 +197,7 @@ class CheckpointManager:
         #: kept or removed; each is logged once
         self.stray: list = []
         self._steps = StepRoot(
-            self.root, backend=backend_for(self.root), call="CheckpointManager(root)"
+            self.root, backend=backend_for(self.root, saves_through), call="CheckpointManager(root)"
         )
         #: what the tiers' background work reported (a failed or retried durable copy),
         #: on every process
@@ -272,12 +290,17 @@ class CheckpointManager:
             assert n is not None
             self._save_tiered(n, tree, force)
             return None
-        self._agreed("manager-save", n, err, lambda n: self._clean_leftovers())
+        base = self._agreed("manager-save", n, err, self._before_save)
         assert n is not None  # else _agreed raised err on every process
         path = self.path(n)
         self._metrics.pop(n, None)
+        backend = self.backend
+        if self.incremental:  # (:func:`shardpoint_core.transactions.packed.step_backend`)
+            backend = step_backend(self.backend, base)
         try:
-            handle = spj_save(path, tree, overwrite=bool(force), async_save=self.async_save)
+            handle = spj_save(
+                path, tree, overwrite=bool(force), async_save=self.async_save, backend=backend
+            )
         except E.CheckpointExistsError as e:  # decided by process 0, raised everywhere
             raise E.CheckpointExistsError(
                 f"step {n} is already saved at {path!r}; pass force=True to replace it",
@@ -288,6 +311,17 @@ class CheckpointManager:
         else:
             self._pending = handle
         return handle
+
+    def _before_save(self, step: Optional[int]) -> Optional[str]:
+        """Process 0, before a save of ``step``: clean what crashed saves left; with
+        ``incremental``, the base of the save, the newest committed step before ``step``
+        (None: a full save that records the hashes the next one compares against), the
+        same on every process."""
+        self._clean_leftovers()
+        if not self.incremental or step is None:
+            return None
+        earlier = [s for s in self.all_steps() if s < step]
+        return self.path(earlier[-1]) if earlier else None
 
     def load(self, step: Optional[int] = None, target: Any = None, *, strict: bool = True) -> Any:
         """Load ``step`` (default: the latest committed one, as process 0 sees it) through

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import numpy as np
@@ -29,6 +29,8 @@ from shardpoint_core.format.manifest import (
 )
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.format.treemerge import merge_many
+from shardpoint_core.transactions.packed import incremental_backend
+from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.transactions.writer import CheckpointWriter
 from shardpoint_jax import errors as E
 from shardpoint_jax.async_save import POOL, AsyncSave, wait_for_previous
@@ -200,6 +202,8 @@ def save(
     overwrite: Overwrite = False,
     async_save: bool = False,
     extensions: Optional[dict] = None,
+    backend: Optional[StorageBackend] = None,
+    incremental: Union[None, bool, str] = None,
 ) -> Optional[AsyncSave]:
     """Save ``tree`` (a pytree of jax.Arrays, numpy arrays, ShardedObjects and values) at
     ``path``: a local path, or the URL of a registered store (``s3://bucket/run/step_5``,
@@ -215,8 +219,18 @@ def save(
 
     ``extensions``: the manifest's ``extensions`` map (versioning.md), process 0's, each entry
     a map with ``"must_understand": False`` that readers ignore; front ends keep what their
-    host keeps beside a checkpoint there (the Orbax handler: shardings, PRNG key kinds)."""
+    host keeps beside a checkpoint there (the Orbax handler: shardings, PRNG key kinds).
+
+    ``backend``: the storage backend of this save (default: the path's kind's, the
+    per-array layout); ``backend=PackedBackend()``
+    (:mod:`shardpoint_core.transactions.packed`) writes the packed layout, a few data
+    objects per process (spec/format.md section 13), each process with a backend object of
+    its own. ``incremental``: build on a committed packed checkpoint beside ``path`` (its
+    name or path; ``True``: the newest one beside it, on files), referring to its chunks
+    whose bytes are unchanged instead of writing them again ([SP-PACK-9]); the save is
+    packed and records chunk hashes, as the torch ``sp.save(..., incremental=...)``."""
     overwrite = check_overwrite(overwrite)  # InvalidOptionError (InvalidRequestError)
+    backend = incremental_backend(backend, incremental)
     for name, ext in (extensions or {}).items():
         if not (
             isinstance(name, str) and isinstance(ext, dict) and ext.get("must_understand") is False
@@ -228,26 +242,33 @@ def save(
     wait_for_previous()
     path = checkpoint_path(path, "save(path, tree)")
     comm = Comm("save")
-    plan, decision, writer = agree_plan(comm, path, tree, overwrite)
+    plan, decision, writer, err = agree_plan(comm, path, tree, overwrite, backend)
     decision["extensions"] = dict(extensions or {})  # process 0's go into the manifest
     regions: list = []
-    err: Optional[BaseException] = None
     try:
         regions = local_regions(decision, plan, comm.rank)
         if async_save:
             regions = POOL.stage(regions)
     except Exception as e:  # noqa: BLE001 - reported to every process at the write step
-        err = e
+        err = err or e
     if not async_save:
         write_and_commit(comm, writer, decision, regions, err)
         return None
     return AsyncSave(lambda: write_and_commit(comm, writer, decision, regions, err), path)
 
 
-def agree_plan(comm: Comm, path: str, tree: Any, overwrite: Overwrite) -> tuple:
+def agree_plan(
+    comm: Comm,
+    path: str,
+    tree: Any,
+    overwrite: Overwrite,
+    backend: Optional[StorageBackend] = None,
+) -> tuple:
     """Every process's plan to process 0, which checks and merges them, begins the save
-    (:func:`prepare`) and sends back its decision: ``(local plan, decision, writer)``, the
-    writer this process's part of the save (process 0's began it, the others join it)."""
+    (:func:`prepare`) and sends back its decision: ``(local plan, decision, writer, error)``,
+    the writer this process's part of the save (process 0's began it, the others join it),
+    each through its own ``backend`` (None: the path's default); ``error``: why this
+    process could not join (reported to every process at the write step), else None."""
     plan, err = None, None
     try:
         plan = LocalPlan(tree)
@@ -264,7 +285,7 @@ def agree_plan(comm: Comm, path: str, tree: Any, overwrite: Overwrite) -> tuple:
             if bad:
                 decision = {"error": bad[0]}
             else:
-                decision, writer = prepare(path, plan_global(plans, comm.world), overwrite)
+                decision, writer = prepare(path, plan_global(plans, comm.world), overwrite, backend)
                 decision["world"] = comm.world
             packed = pack(decision)
         except Exception as e:  # noqa: BLE001
@@ -277,17 +298,22 @@ def agree_plan(comm: Comm, path: str, tree: Any, overwrite: Overwrite) -> tuple:
     else:
         decision = unpack(comm.broadcast("decision"))
         if "error" not in decision:
-            writer = CheckpointWriter.join(path, decision["staging"], call=CALL)
+            try:
+                writer = CheckpointWriter.join(
+                    path, decision["staging"], backend=backend, call=CALL
+                )
+            except Exception as e:  # noqa: BLE001 - reported at the write step
+                err = err or e
     if "error" in decision:
         if err is not None:
             raise err
         raise_info(decision["error"], "plan")
-    return plan, decision, writer
+    return plan, decision, writer, err
 
 
 def write_and_commit(
     comm: Comm,
-    writer: CheckpointWriter,
+    writer: Optional[CheckpointWriter],
     decision: dict,
     regions: list,
     err: Optional[BaseException],
@@ -296,12 +322,12 @@ def write_and_commit(
     crc32c of what it wrote, or its error), which commits once every process succeeded and
     aborts otherwise. Raises what failed anywhere."""
     crcs: dict = {}
-    if err is None:
+    if err is None and writer is not None:
         try:
             crcs = write_regions(writer, regions, decision["tensors"], comm.rank == 0)
         except Exception as e:  # noqa: BLE001
             err = e
-    if err is not None:
+    if err is not None and writer is not None:
         writer.take_chunk_crc32c()  # nothing of this save stays in the backend
     status = pack(
         {"error": error_info(err)}
@@ -316,9 +342,11 @@ def write_and_commit(
             failed = [r["error"] for r in reports if "error" in r]
             if failed:
                 raise_info(failed[0], "write")
+            assert writer is not None  # process 0 began the save
             writer.commit(manifest_of(decision, [r["crc32c"] for r in reports]))
         except Exception as e:  # noqa: BLE001
-            writer.abort()  # idempotent: a failed commit aborted already
+            if writer is not None:
+                writer.abort()  # idempotent: a failed commit aborted already
             outcome = pack(error_info(e))
         comm.broadcast("commit", outcome)
     else:
@@ -332,10 +360,12 @@ def write_and_commit(
 CALL = "save(path, tree)"
 
 
-def prepare(path: str, plan: dict, overwrite: Overwrite) -> tuple:
+def prepare(
+    path: str, plan: dict, overwrite: Overwrite, backend: Optional[StorageBackend] = None
+) -> tuple:
     """Process 0: begin the save: a taken path refused [SP-COMMIT-5] [SP-COMMIT-13], the
     staging location created and locked [SP-COMMIT-6, 11]. Returns ``(decision, writer)``."""
-    writer = CheckpointWriter.begin(path, overwrite=overwrite, call=CALL)
+    writer = CheckpointWriter.begin(path, backend=backend, overwrite=overwrite, call=CALL)
     entries = {
         key: {
             "array": array_path_for(key),
@@ -343,7 +373,7 @@ def prepare(path: str, plan: dict, overwrite: Overwrite) -> tuple:
             "dtype": t["dtype"],
             "chunk_shape": t["chunk"],
         }
-        for key, t in plan["tensors"].items()
+        for key, t in sorted(plan["tensors"].items())  # keys sorted, as the torch planner
     }
     return {
         "staging": writer.staging,
@@ -391,9 +421,11 @@ class Writes:
 
 def local_regions(decision: dict, plan: LocalPlan, rank: int) -> list:
     """What this process writes, ``(key, array path, chunk shape, offset, data)``: replica-0 shards
-    of global arrays, local arrays it was elected for [SP-GRID-1] [SP-REPL-1]."""
+    of global arrays, local arrays it was elected for [SP-GRID-1] [SP-REPL-1]; keys sorted,
+    as the torch front end writes them (a packed save's data objects and index are then the
+    same for the same state)."""
     out = []
-    for key, a in plan.arrays.items():
+    for key, a in sorted(plan.arrays.items(), key=lambda kv: kv[0]):
         entry = decision["tensors"][key]
         if a.size == 0:
             continue

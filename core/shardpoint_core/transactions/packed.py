@@ -355,6 +355,48 @@ class PackedBackend:
         return self.zarr.committer
 
 
+# ---------------------------------------------------------- the front ends' incremental saves
+_SHARED: Optional[PackedBackend] = None  # of saves that ask for incremental but name no backend
+
+
+def _packed(be: Any, what: str) -> PackedBackend:
+    """``be`` as a packed backend (None: the process's shared one, so its write threads are
+    made once, as the default backend's); InvalidOptionError for another backend."""
+    global _SHARED
+    if be is None:
+        with _SHARED_LOCK:
+            if _SHARED is None:
+                _SHARED = PackedBackend()
+            return _SHARED
+    if isinstance(be, PackedBackend):
+        return be
+    raise InvalidOptionError(
+        f"{what} needs the packed layout: pass backend=PackedBackend() (or no backend), not {be!r}"
+    )
+
+
+_SHARED_LOCK = threading.Lock()
+
+
+def incremental_backend(be: Any, incremental: Union[None, bool, str]) -> Any:
+    """The backend of a save with ``incremental`` (``sp.save`` and ``shardpoint_jax.save``;
+    None or False: ``be`` unchanged): a :class:`PackedBackend` building on the base."""
+    if incremental is None or incremental is False:
+        return be
+    return _packed(be, f"incremental={incremental!r}").with_incremental(incremental)
+
+
+def step_backend(be: Any, base: Optional[str]) -> PackedBackend:
+    """The backend of a manager's incremental save (``CheckpointManager(incremental=True)``
+    of either front end): ``be`` (None: the shared one) recording chunk hashes, building on
+    ``base``, the newest committed step before this one (None: a full save whose hashes the
+    next one compares against)."""
+    packed = _packed(be, "incremental=True")
+    if base is not None:
+        return packed.with_incremental(base)
+    return packed if packed.hashes else packed.with_incremental(False)
+
+
 def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any:
     """A read-only zarr-python 3 store over a packed checkpoint (issue 30 item 2): every
     tensor opens as a Zarr v3 array at its array name, its ``zarr.json`` the one the index

@@ -23,7 +23,6 @@ from shardpoint.api.loading import LoadResult, run_load
 from shardpoint.api.saving import SaveOptions, SaveResult, run_save
 from shardpoint.exchange.comm import Comm, group_key, new_side_comm
 from shardpoint.planning.load_planner import LoadOptions
-from shardpoint_core.format import errors
 from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.transactions.resolve import read_metadata
 from shardpoint_core.transactions.protocol import StorageBackend
@@ -209,27 +208,13 @@ def default_checkpointer() -> Checkpointer:
     return _DEFAULT
 
 
-_PACKED: Any = None  # the packed backend of sp.save(incremental=...) without backend=
-
-
 def incremental_backend(be: Optional[StorageBackend], incremental: Any) -> Any:
-    """The backend of a save with ``incremental`` (None or False: ``be`` unchanged): a
-    :class:`~shardpoint_core.transactions.packed.PackedBackend` building on the base."""
-    if incremental is None or incremental is False:
-        return be
-    from shardpoint_core.transactions.packed import PackedBackend
+    """The backend of a save with ``incremental`` (None or False: ``be`` unchanged): the
+    core's, shared with shardpoint_jax
+    (:func:`shardpoint_core.transactions.packed.incremental_backend`)."""
+    from shardpoint_core.transactions.packed import incremental_backend as core_incremental
 
-    global _PACKED
-    if be is None:  # one set of write threads per process, as the default backend's
-        if _PACKED is None:
-            _PACKED = PackedBackend()
-        be = _PACKED
-    if isinstance(be, PackedBackend):
-        return be.with_incremental(incremental)
-    raise errors.InvalidOptionError(
-        f"incremental={incremental!r} needs the packed layout: pass backend=PackedBackend() "
-        f"(or no backend), not {be!r}"
-    )
+    return core_incremental(be, incremental)
 
 
 # ------------------------------------------------------------------ the public functions

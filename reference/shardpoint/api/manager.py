@@ -204,7 +204,6 @@ class CheckpointManager:
         self.last_load: Optional[LoadInfo] = None
         self.backend, self.save_options, self.load_options = backend, save_options, load_options
         self._comm = Comm(group)
-        self._packed: Any = None  # (incremental) the packed backend, hashes recorded
         self._pending: Any = None  # the in-flight async save, if any
         self._metrics: dict = {}  # step -> metrics dict (cache of the manifests)
         self._committer = self._steps.committer
@@ -321,14 +320,10 @@ class CheckpointManager:
         save, whose hashes the next one compares against)."""
         if not self.incremental:
             return self.backend
-        from shardpoint_core.transactions.packed import PackedBackend
+        from shardpoint_core.transactions.packed import step_backend
 
-        if self._packed is None:
-            self._packed = self.backend or PackedBackend(hashes=True)
-            if not self._packed.hashes:
-                self._packed = self._packed.with_incremental(False)
         earlier = [s for s in self.all_steps() if s < step]
-        return self._packed.with_incremental(self.path(earlier[-1])) if earlier else self._packed
+        return step_backend(self.backend, self.path(earlier[-1]) if earlier else None)
 
     def _check_committed(self, step: int, path: str) -> None:
         """On the coordinator, CheckpointNotFoundError where ``step`` is not committed, on
