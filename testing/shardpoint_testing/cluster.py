@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import secrets
@@ -61,7 +60,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
-from shardpoint_testing.launch import RankFailure
+from shardpoint_testing.launch import RankFailure, process_context
 
 SUBNET = "10.23.0"
 STORAGE_ADDR = f"{SUBNET}.250"
@@ -373,7 +372,7 @@ class Cluster:
         """Start ``fn(rank, world, *args)`` on every rank (a gloo group over the links), with
         ``env`` added to each rank's environment; returns the running job
         (:meth:`ClusterJob.wait`)."""
-        ctx = mp.get_context("spawn")
+        ctx = process_context()  # forked from the launcher's preloaded fork server
         q = ctx.Queue()
         procs = []
         for r in range(self.world):
@@ -383,7 +382,7 @@ class Cluster:
                 args=(
                     self.host_ns[h],
                     self.hostnames[h],
-                    {**self.rank_env(r), **(env or {})},
+                    {**os.environ, **self.rank_env(r), **(env or {})},
                     fn,
                     r,
                     self.world,
@@ -521,6 +520,7 @@ def enter_host(netns: str, hostname: str) -> None:
 def _entry(netns, hostname, env, fn, rank, world, args, q, pg_timeout):
     try:
         enter_host(netns, hostname)
+        os.environ.clear()  # the caller's environment at the call, not the fork server's
         os.environ.update(env)
         import torch
         import torch.distributed as dist
