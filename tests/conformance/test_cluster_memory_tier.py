@@ -9,9 +9,9 @@ the survivor's process too and restarts the job with a replacement host (a fresh
 under a new hostname, empty memory). The restored state is bit for bit the saved one, every
 key says it came from memory, the replacement host's link carried its part from the peer and
 the storage host's link carried nothing of it (its counters, which saw the durable save,
-stay at the network's own chatter). Two hosts lost with k=1 (the fallback to storage) is
-covered with simulated hosts in ``tests/api/test_memory_tier.py``. Skipped with the reason
-when not root.
+stay at the network's own chatter). And on 3 hosts with k=1, two hosts lost together: what
+no survivor holds comes from the storage host over its link, bit for bit, and the result says
+so. Everything the cluster made is gone afterwards. Skipped with the reason when not root.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 JOB, STEP = "train", 3
-ROWS, COLS = 512, 1024  # w: 2 MiB of float32, split by rows over the ranks
+ROWS, COLS = 768, 1024  # w: 3 MiB of float32, split by rows over 2 or 3 ranks
 
 
 def _full() -> dict:
@@ -73,8 +73,10 @@ def _save_then_train_on(rank: int, world: int, url: str, marks: str) -> None:
     tier = sp.MemoryTier(JOB, k=1, timeout_s=20)
     tier.save(state, STEP)
     sp.save(state, url)
-    with open(os.path.join(marks, f"saved.{rank}"), "w") as f:
+    mark = os.path.join(marks, f"saved.{rank}")
+    with open(mark + ".tmp", "w") as f:
         json.dump({"host": tier.host, "steps": tier.steps()}, f)
+    os.replace(mark + ".tmp", mark)  # the test sees it whole
     time.sleep(600)
 
 
@@ -108,47 +110,77 @@ def _wait_saved(job: cl.ClusterJob, marks: str, world: int, timeout: float = 120
         job.poll(0.1)
         assert not job.errors, job.errors
         assert time.monotonic() < deadline, "the save did not finish in time"
-    time.sleep(0.05)  # the marker's json is written whole before the next poll reads it
     return [json.load(open(p)) for p in paths]
+
+
+def _save_lose_restart(c: cl.Cluster, lost: list) -> dict:
+    """Save (memory and storage) on every host of ``c``; lose the hosts ``lost`` for real;
+    stop the survivors' processes and restart the job with replacements for the lost hosts;
+    restore. The restore's results and the bytes each link carried, storage's first."""
+    s3 = c.s3_server()
+    url, env = s3.url("durable/step_3"), s3.env()
+    storage0 = c.link_bytes(-1)
+    job = c.start(_save_then_train_on, url, c.shared_dir, env=env, pg_timeout=30)
+    saved = _wait_saved(job, c.shared_dir, c.world)
+    durable = c.link_bytes(-1) - storage0
+    assert all(s["steps"] == [STEP] for s in saved), saved
+    for h in lost:
+        memory = c.host_memory(h)
+        assert os.listdir(memory), f"host {h} held nothing in memory"
+        c.lose_host(h)  # the machine is gone: processes, namespace, link, memory
+        assert c.host_ns[h] not in _netns() and not os.path.exists(memory)
+        assert job.procs[h].exitcode == -9
+    for h in range(c.hosts):
+        if h not in lost:
+            assert job.procs[h].is_alive()
+            c.kill_host(h)  # the launcher stops the survivors' workers to restart the job
+    new = {h: c.replace_host(h) for h in lost}
+    links0 = [c.link_bytes(h) for h in range(-1, c.hosts)]
+    got = c.run(_restore, url, env=env, timeout=120, pg_timeout=30)
+    crossed = [c.link_bytes(h) - b for h, b in zip(range(-1, c.hosts), links0)]
+    hosts = [f"{new[h]}#node{h}" if h in lost else saved[h]["host"] for h in range(c.hosts)]
+    assert [g["host"] for g in got] == hosts, (saved, got)
+    for g in got:
+        assert g["equal"] and g["step"] == STEP, g
+        assert set(g["sources"]) == {"model/w", "model/b", "opt/e", "step"}, g["sources"]
+    return {"url": url, "got": got, "durable": durable, "crossed": crossed}
 
 
 def test_a_lost_host_is_replaced_and_the_state_comes_back_from_peer_memory():
     before = _netns()
-    w_share = ROWS // 2 * COLS * 4
+    share = ROWS // 2 * COLS * 4  # a rank's rows of w
     with cl.Cluster(2, 1, cl.Link(mbit=1000), host_memory=True) as c:
         memory = c.memory_dir
-        s3 = c.s3_server()
-        url, env = s3.url("durable/step_3"), s3.env()
-        storage0 = c.link_bytes(-1)
-        job = c.start(_save_then_train_on, url, c.shared_dir, env=env, pg_timeout=30)
-        saved = _wait_saved(job, c.shared_dir, c.world)
-        durable = c.link_bytes(-1) - storage0
-        assert [s["steps"] for s in saved] == [[STEP], [STEP]], saved
-        lost_memory = c.host_memory(1)
-        assert os.listdir(lost_memory), "host 1 held nothing in memory"
-
-        c.lose_host(1)  # the machine is gone: process, namespace, link, memory
-        assert c.host_ns[1] not in _netns() and not os.path.exists(lost_memory)
-        assert job.procs[1].exitcode == -9 and job.procs[0].is_alive()
-        c.kill_host(0)  # the launcher stops the survivor's workers to restart the job
-        new = c.replace_host(1)
-
-        links0 = [c.link_bytes(h) for h in (-1, 0, 1)]
-        got = c.run(_restore, url, env=env, timeout=120, pg_timeout=30)
-        crossed = [c.link_bytes(h) - b for h, b in zip((-1, 0, 1), links0)]
+        out = _save_lose_restart(c, lost=[1])
         ours = set(c.host_ns) | {c.switch, c.storage}
-
-    assert [g["host"] for g in got] == [saved[0]["host"], f"{new}#node1"], (saved, got)
+    got, crossed = out["got"], out["crossed"]
     for g in got:
-        assert g["equal"] and g["step"] == STEP, g
-        assert set(g["sources"]) == {"model/w", "model/b", "opt/e", "step"}, g["sources"]
         assert set(g["sources"].values()) == {"memory"}, g["sources"]
         assert g["storage_bytes"] == 0 and g["storage_url"] == "" and g["reason"] == "", g
-        assert g["memory_bytes"] >= 2 * w_share, g
+        assert g["memory_bytes"] >= 2 * share, g
     # the replacement's part came from host 0's memory over the links, none from storage
-    assert got[0]["fetched"] == 0 and got[1]["fetched"] >= w_share, got
-    assert crossed[1] >= w_share and crossed[2] >= w_share, crossed
-    assert durable >= 2 * w_share, durable  # these counters see what storage serves
-    assert crossed[0] < w_share // 64, crossed  # ARP and IPv6 chatter, no chunk
+    assert got[0]["fetched"] == 0 and got[1]["fetched"] >= share, got
+    assert crossed[1] >= share and crossed[2] >= share, crossed
+    assert out["durable"] >= 2 * share, out  # these counters see what storage serves
+    assert crossed[0] < share // 64, crossed  # ARP and IPv6 chatter, no chunk
     assert _netns() == before and not (ours & _netns())
     assert not os.path.exists(memory)
+
+
+def test_two_hosts_lost_with_k1_read_what_no_survivor_holds_from_storage_and_say_so():
+    """3 hosts, k=1: hosts 1 and 2 lost together take host 1's pieces (on host 1 and its
+    replica on host 2) with them; w and e come from the storage host, over its link, and
+    the result says so; b and the step value still come from memory."""
+    share = ROWS // 3 * COLS * 4
+    with cl.Cluster(3, 1, cl.Link(mbit=1000), host_memory=True) as c:
+        out = _save_lose_restart(c, lost=[1, 2])
+    for g in out["got"]:
+        assert g["sources"] == {
+            "model/w": "storage",
+            "opt/e": "storage",
+            "model/b": "memory",
+            "step": "memory",
+        }, g["sources"]
+        assert "on no surviving host" in g["reason"] and g["storage_url"] == out["url"], g
+        assert g["storage_bytes"] >= 3 * share and g["memory_bytes"] > 0, g
+    assert out["crossed"][0] >= 3 * share, out["crossed"]  # every rank's rows, from storage
