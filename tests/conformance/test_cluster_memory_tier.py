@@ -110,7 +110,11 @@ def _wait_saved(job: cl.ClusterJob, marks: str, world: int, timeout: float = 120
         job.poll(0.1)
         assert not job.errors, job.errors
         assert time.monotonic() < deadline, "the save did not finish in time"
-    return [json.load(open(p)) for p in paths]
+    out = []
+    for p in paths:
+        with open(p) as f:
+            out.append(json.load(f))
+    return out
 
 
 def _save_lose_restart(c: cl.Cluster, lost: list) -> dict:
