@@ -21,6 +21,7 @@ FIRST = (
     "tests/tools/test_bench.py",
     "tests/tools/test_demo.py",
     "tests/conformance/test_cluster.py",
+    "tests/conformance/test_cluster_memory_tier.py",
     "tests/jax/test_jax_flax.py",
     "tests/core/test_fuzz.py",
     "tests/jax/test_jax_interop.py",

@@ -15,7 +15,15 @@
 - a switch namespace holding a bridge; every host's link is a veth pair, shaped in both
   directions with ``tc tbf`` (rate; latency stays the veth's), so all of a host's traffic,
   exchange and storage, shares its link as it would share a NIC;
-- a shared directory (``shared_dir``) standing in for a parallel file system.
+- a shared directory (``shared_dir``) standing in for a parallel file system;
+- with ``host_memory=True``, each host's shared memory: a directory of its own below one the
+  cluster makes in ``/dev/shm`` (the namespaces share this machine's), handed to its ranks as
+  ``$SHARDPOINT_SHM_DIR`` (where the memory tier keeps its objects).
+
+A host can be lost for real and replaced (:meth:`Cluster.lose_host`: its processes SIGKILLed,
+its namespace and link deleted, its shared memory gone; :meth:`Cluster.replace_host`: a fresh
+namespace at the same address under a new hostname, empty memory), as a job restarted on a
+replacement machine sees it.
 
 What it models: per-host network bandwidth, hosts that cannot reach each other
 over loopback or shared memory by name, a host whose processes die or whose link is cut,
@@ -37,7 +45,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import secrets
@@ -53,7 +60,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
-from shardpoint_testing.launch import RankFailure
+from shardpoint_testing.launch import RankFailure, process_context
 
 SUBNET = "10.23.0"
 STORAGE_ADDR = f"{SUBNET}.250"
@@ -109,6 +116,7 @@ class Cluster:
         storage_link: Optional[Link] = None,
         shared_dir: Optional[str] = None,
         links: Optional[Sequence[Link]] = None,
+        host_memory: bool = False,
     ):
         why = unavailable_reason()
         if why:
@@ -129,6 +137,13 @@ class Cluster:
         self.hostnames = [f"node{h}-{self.tag}" for h in range(hosts)]
         self._made_dir = shared_dir is None
         self.shared_dir = shared_dir or tempfile.mkdtemp(prefix=f"{self.tag}-shared-")
+        #: the directory holding every host's shared memory (``host_memory=True``), else None
+        self.memory_dir: Optional[str] = None
+        if host_memory:
+            self.memory_dir = tempfile.mkdtemp(
+                prefix=f"{self.tag}-shm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+            )
+        self._replaced = 0
         self._created: list = []  # namespaces made, in order
         self._procs: dict = {}  # host index (-1: storage) -> [Popen or Process]
         self._closed = False
@@ -180,7 +195,7 @@ class Cluster:
     def _start_reaper(self) -> subprocess.Popen:
         """A watchdog process that tears the cluster down if this process dies without
         :meth:`close` (SIGKILL): it knows the namespace names (made with this cluster's own
-        random tag) and the shared directory it made, nothing else."""
+        random tag) and the directories it made, nothing else."""
         from shardpoint_testing.s3 import _child_env
 
         names = [self.switch, *self.host_ns, self.storage]
@@ -191,7 +206,7 @@ class Cluster:
                 "shardpoint_testing.cluster",
                 "reap",
                 str(os.getpid()),
-                self.shared_dir if self._made_dir else "",
+                os.pathsep.join(self._made_dirs()),
                 *names,
             ],
             stdin=subprocess.DEVNULL,
@@ -211,9 +226,14 @@ class Cluster:
         for procs in self._procs.values():
             for p in procs:
                 _kill(p)
-        _teardown(reversed(self._created), self.shared_dir if self._made_dir else None)
+        _teardown(reversed(self._created), self._made_dirs())
         if self in _LIVE:
             _LIVE.remove(self)
+
+    def _made_dirs(self) -> list:
+        """The directories this cluster made (and so removes)."""
+        made = [self.shared_dir] if self._made_dir else []
+        return made + ([self.memory_dir] if self.memory_dir else [])
 
     def __enter__(self) -> "Cluster":
         return self
@@ -252,6 +272,42 @@ class Cluster:
                 pass
         for p in procs:
             _kill(p)
+
+    def host_memory(self, host: int) -> str:
+        """``host``'s shared memory (``host_memory=True``): ``$SHARDPOINT_SHM_DIR`` of its
+        ranks; a replacement host gets a new, empty one."""
+        if self.memory_dir is None:
+            raise ValueError("the cluster was built without host_memory=True")
+        return os.path.join(self.memory_dir, self.hostnames[host])
+
+    def lose_host(self, host: int) -> None:
+        """``host`` is lost for good: every process on it SIGKILLed (:meth:`kill_host`),
+        its link and namespace deleted, its shared memory gone. :meth:`replace_host` brings
+        a replacement up at the same address."""
+        ns = self.host_ns[host]
+        if ns not in self._created:
+            raise ValueError(f"host {host} is already lost")
+        self.kill_host(host)
+        self._procs.pop(host, None)
+        _sh("ip", "-n", self.switch, "link", "del", f"{self.tag}h{host}b", check=False)
+        _teardown([ns], [])
+        self._created.remove(ns)
+        if self.memory_dir is not None:
+            shutil.rmtree(self.host_memory(host), ignore_errors=True)
+
+    def replace_host(self, host: int) -> str:
+        """A replacement for lost ``host``: a fresh namespace at the same address and
+        index (the launcher gives its ranks the lost host's ranks), under a new hostname,
+        with empty shared memory and a new link (its byte counters from zero). Returns the
+        new hostname."""
+        ns = self.host_ns[host]
+        if ns in self._created:
+            raise ValueError(f"host {host} is not lost: lose_host({host}) first")
+        self._replaced += 1
+        self.hostnames[host] = f"node{host}r{self._replaced}-{self.tag}"
+        self._ns(ns)
+        self._veth(ns, f"h{host}", self.addr(host), self.links[host])
+        return self.hostnames[host]
 
     def popen_host(self, host: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
         """Run ``argv`` on a host (its namespace and hostname); killed at close. ``host`` -1
@@ -306,6 +362,7 @@ class Cluster:
             "NODE_RANK": str(h),
             "GLOO_SOCKET_IFNAME": "eth0",
             "OMP_NUM_THREADS": "1",
+            **({"SHARDPOINT_SHM_DIR": self.host_memory(h)} if self.memory_dir else {}),
         }
 
     # ---------------------------------------------------------------------------- running
@@ -315,7 +372,7 @@ class Cluster:
         """Start ``fn(rank, world, *args)`` on every rank (a gloo group over the links), with
         ``env`` added to each rank's environment; returns the running job
         (:meth:`ClusterJob.wait`)."""
-        ctx = mp.get_context("spawn")
+        ctx = process_context()  # forked from the launcher's preloaded fork server
         q = ctx.Queue()
         procs = []
         for r in range(self.world):
@@ -325,7 +382,7 @@ class Cluster:
                 args=(
                     self.host_ns[h],
                     self.hostnames[h],
-                    {**self.rank_env(r), **(env or {})},
+                    {**os.environ, **self.rank_env(r), **(env or {})},
                     fn,
                     r,
                     self.world,
@@ -408,9 +465,9 @@ class ClusterJob:
         return [results[r] for r in range(len(self.procs))]
 
 
-def _teardown(namespaces: Any, made_dir: Optional[str]) -> None:
+def _teardown(namespaces: Any, made_dirs: Sequence[str]) -> None:
     """Delete ``namespaces`` (their links go with them) after ending the processes left in
-    them (ours: only this harness enters them), and the shared directory the cluster made."""
+    them (ours: only this harness enters them), and the directories the cluster made."""
     for ns in namespaces:
         out = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
         for pid in out:
@@ -419,16 +476,17 @@ def _teardown(namespaces: Any, made_dir: Optional[str]) -> None:
             except (ProcessLookupError, ValueError):
                 pass
         _sh("ip", "netns", "del", ns, check=False)
-    if made_dir:
-        shutil.rmtree(made_dir, ignore_errors=True)
+    for d in made_dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
-def _reap(parent: int, made_dir: str, namespaces: Sequence[str]) -> None:
+def _reap(parent: int, made_dirs: str, namespaces: Sequence[str]) -> None:
     """The reaper's body: wait until ``parent`` is gone, then tear its cluster down."""
     while os.getppid() == parent:
         time.sleep(0.2)
     existing = set(_sh("ip", "netns", "list", check=False).stdout.split())
-    _teardown([ns for ns in reversed(namespaces) if ns in existing], made_dir or None)
+    dirs = [d for d in made_dirs.split(os.pathsep) if d]
+    _teardown([ns for ns in reversed(namespaces) if ns in existing], dirs)
 
 
 def _kill(p: Any) -> None:
@@ -462,6 +520,7 @@ def enter_host(netns: str, hostname: str) -> None:
 def _entry(netns, hostname, env, fn, rank, world, args, q, pg_timeout):
     try:
         enter_host(netns, hostname)
+        os.environ.clear()  # the caller's environment at the call, not the fork server's
         os.environ.update(env)
         import torch
         import torch.distributed as dist
@@ -499,6 +558,6 @@ def _close_all() -> None:
         c.close()
 
 
-if __name__ == "__main__":  # python -m shardpoint_testing.cluster reap PID DIR NS...
+if __name__ == "__main__":  # python -m shardpoint_testing.cluster reap PID DIRS NS...
     if sys.argv[1:2] == ["reap"]:
         _reap(int(sys.argv[2]), sys.argv[3], sys.argv[4:])

@@ -411,31 +411,34 @@ def test_conformance_run_hosts_refuses_a_store_it_cannot_serve(capsys):
 
 def test_a_sigkilled_owner_leaves_no_namespace_or_directory_behind():
     """The process that built a cluster is SIGKILLed (no ``close``, no exit hook): its
-    reaper tears the cluster down, namespaces, links, the processes in them and the shared
-    directory, and nothing else."""
+    reaper tears the cluster down, namespaces, links, the processes in them, the shared
+    directory and the hosts' memory, and nothing else."""
     import signal
     import sys
 
     before = _netns()
     code = (
         "import sys; from shardpoint_testing.cluster import Cluster\n"
-        "c = Cluster(1, 1)\n"
+        "c = Cluster(1, 1, host_memory=True)\n"
         "p = c.popen_host(0, ['sleep', '600'])\n"
-        "print(c.shared_dir, p.pid, *c._created, flush=True); sys.stdin.read()\n"
+        "print(c.shared_dir, c.memory_dir, p.pid, *c._created, flush=True); sys.stdin.read()\n"
     )
     owner = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
-        shared, sleeper, *made = owner.stdout.readline().split()
+        shared, memory, sleeper, *made = owner.stdout.readline().split()
         assert made and set(made) <= _netns() and os.path.isdir(shared), made
+        assert os.path.isdir(memory), memory
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait(timeout=10)
         deadline = time.monotonic() + 15
-        while (set(made) & _netns() or os.path.exists(shared)) and time.monotonic() < deadline:
+        while (set(made) & _netns() or os.path.exists(shared) or os.path.exists(memory)) and (
+            time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         assert not set(made) & _netns(), "namespaces outlived their SIGKILLed owner"
-        assert not os.path.exists(shared)
+        assert not os.path.exists(shared) and not os.path.exists(memory)
         assert (
             not os.path.exists(f"/proc/{sleeper}/cmdline")
             or "sleep" not in open(f"/proc/{sleeper}/cmdline").read()
