@@ -55,6 +55,7 @@ from shardpoint_core.format.packed import (
     records_of,
 )
 from shardpoint_core.stores.base import ByteStore, ObjectInfo, StoreCapabilities
+from shardpoint_core.stores.files import start_writeback
 
 PACKED_DIR = "packed"
 ALIGN = 4096  # chunks of ALIGN_ABOVE bytes and more start on this boundary
@@ -186,6 +187,8 @@ class PackedWriter:
         pad = start - size  # written, not left a hole: a sound object is not sparse
         try:
             _pwritev_all(fd, ([memoryview(_ZEROS)[:pad]] if pad else []) + views, size)
+            if self.fsync:  # the disk starts on it now, not all at the final fsync
+                start_writeback(fd, size, start + n - size)
         except OSError as e:
             with self._lock:
                 self._failed = e
