@@ -66,7 +66,8 @@ def files_rounds(state: dict, like: dict, rounds: int, scratch: str) -> dict:
     bufs = [v for v in bt.flat(like).values() if hasattr(v, "numel")]
     tensors = {k: v for k, v in bt.flat(state).items() if hasattr(v, "numel")}
     for r in range(rounds):
-        for name in names:
+        # rotated: what a round runs first does not inherit another layout's writeback
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             path = os.path.join(scratch, f"{name}-{r}")
             if name == "raw disk":
                 os.makedirs(path)
