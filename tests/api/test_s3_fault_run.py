@@ -5,7 +5,7 @@ stalls. Afterwards every target loads the content of a save that reported succes
 later one that reported failure (old or new, never a mix, never missing data), user objects
 beside the checkpoints are all there, and recovery leaves exactly the named save prefixes.
 
-Fast by default (12 saves); ``--runslow`` runs the issue's 1,000."""
+Fast by default (8 saves); ``--runslow`` runs the issue's 1,000."""
 
 import json
 import os
@@ -43,7 +43,7 @@ SAVER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("saves", [12, pytest.param(1000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("saves", [8, pytest.param(1000, marks=pytest.mark.slow)])
 def test_saves_and_overwrites_under_lost_replies_and_stalls(s3_env, saves):
     root = s3_env.url(s3_env.fresh_prefix("faultrun"))
     store = S3Store.from_url(root)
