@@ -42,7 +42,7 @@ from shardpoint_core.transactions.incremental import resolve_base
 from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.errors import InvalidOptionError, SaveFailedError
 from shardpoint_core.format.manifest import Manifest, decode_manifest
-from shardpoint_core.format.packed import FORMAT_VERSION_1_4
+from shardpoint_core.format.packed import FORMAT_VERSION_1_4, PackedIndex
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.transactions.backend import ZarrBackend
 
@@ -397,6 +397,26 @@ def step_backend(be: Any, base: Optional[str]) -> PackedBackend:
     return packed if packed.hashes else packed.with_incremental(False)
 
 
+def packed_manifest(
+    checkpoint: str, backend: Optional[Any], what: str
+) -> Tuple[str, ZarrBackend, Manifest, PackedIndex]:
+    """The resolved path, the reading backend, the manifest and its index of packed checkpoint
+    ``checkpoint``, for the third-party readers' adapters (``what``: the caller, named in
+    errors); InvalidOptionError for a checkpoint in the per-array layout, whose arrays
+    third-party readers open where they lie (zarr_compat.zarr_path)."""
+    from shardpoint_core.transactions.resolve import resolve
+
+    path, be = resolve(checkpoint, backend, what)
+    be = be.zarr if isinstance(be, PackedBackend) else be
+    m = decode_manifest(be.read_manifest(path))
+    if m.packed is None:
+        raise InvalidOptionError(
+            f"{what}: {checkpoint} is in the per-array layout, not packed: third-party "
+            "readers open its arrays where they lie (zarr_compat.zarr_path)"
+        )
+    return path, be, m, m.packed
+
+
 def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any:
     """A read-only zarr-python 3 store over a packed checkpoint (issue 30 item 2): every
     tensor opens as a Zarr v3 array at its array name, its ``zarr.json`` the one the index
@@ -413,19 +433,11 @@ def zarr_store(checkpoint: str, *, backend: Optional[ZarrBackend] = None) -> Any
 
     from shardpoint_core.arrays.identity import chunk_number as number_of
     from shardpoint_core.arrays.packed_read import layout_of
-    from shardpoint_core.transactions.resolve import resolve
 
-    path, be = resolve(checkpoint, backend, "open")
-    be = be.zarr if isinstance(be, PackedBackend) else be
-    m = decode_manifest(be.read_manifest(path))
-    if m.packed is None:
-        raise ValueError(
-            f"{checkpoint} is not a packed checkpoint: open its arrays at "
-            "their paths (zarr_compat.zarr_path)"
-        )
+    path, be, m, index = packed_manifest(checkpoint, backend, "zarr_store")
     bstore, prefix = be.locate(path)
-    if m.packed.bases:  # (incremental) chunks of its bases, read beside it ([SP-PACK-9])
-        bstore = BasedStore(bstore, prefix, path, m.packed.bases, "zarr_store", {})
+    if index.bases:  # (incremental) chunks of its bases, read beside it ([SP-PACK-9])
+        bstore = BasedStore(bstore, prefix, path, index.bases, "zarr_store", {})
     meta: Dict[str, bytes] = {"zarr.json": b'{"zarr_format": 3, "node_type": "group"}'}
     arrays: Dict[str, Any] = {}
     for e in m.tensors.values():

@@ -28,7 +28,6 @@ from shardpoint_core.arrays.groups import GROUP_JSON
 from shardpoint_core.arrays.ocdbt import Ref, Value, encode_tree
 from shardpoint_core.arrays.packed_read import layout_of
 from shardpoint_core.format.errors import CheckpointExistsError, InvalidOptionError
-from shardpoint_core.format.manifest import decode_manifest
 from shardpoint_core.stores.base import ByteStore
 
 SPEC_NAME = "kvstore.json"  # the export's TensorStore kvstore spec, beside manifest.ocdbt
@@ -104,17 +103,9 @@ def export_tensorstore(
     arrays open as they are: InvalidOptionError)."""
     from shardpoint_core.stores.registry import bucket_store, is_local, local_path
     from shardpoint_core.stores.files import FileStore
-    from shardpoint_core.transactions.packed import PackedBackend
-    from shardpoint_core.transactions.resolve import resolve
+    from shardpoint_core.transactions.packed import packed_manifest
 
-    path, be = resolve(checkpoint, backend, "export_tensorstore")
-    be = be.zarr if isinstance(be, PackedBackend) else be
-    m = decode_manifest(be.read_manifest(path))
-    if m.packed is None:
-        raise InvalidOptionError(
-            f"{checkpoint} is in the per-array layout: TensorStore opens its arrays where "
-            "they lie (zarr_compat.zarr_path), no export needed"
-        )
+    path, _be, m, _index = packed_manifest(checkpoint, backend, "export_tensorstore")
     _url, ckpt_spec = _ts_url(path)
     _out_url, out_spec = _ts_url(out)
     store: ByteStore
