@@ -533,6 +533,10 @@ def _entry(netns, hostname, env, fn, rank, world, args, q, pg_timeout):
             world_size=world,
             timeout=timedelta(seconds=pg_timeout),
         )
+        # gloo's init returns on one rank while a peer may still be finishing its side of
+        # the mesh: a rank whose function ends at once would close its sockets under that
+        # peer ("Connection closed by peer" in connectFullMesh). One barrier: all connected.
+        dist.barrier()
         try:
             q.put((rank, True, fn(rank, world, *args)))
         finally:
