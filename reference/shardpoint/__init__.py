@@ -67,6 +67,8 @@ _LAZY = {
     "shardpoint.tree.model": ["ShardedObject", "ShardedPieces", "ShardedTensor"],
     "shardpoint.planning.planner": ["PlanOptions"],
     "shardpoint_core.transactions.packed": ["PackedBackend"],
+    "shardpoint_core.transactions.backend": ["ZarrBackend"],
+    "shardpoint_core.transactions.packed_zarr": ["zarr_store"],
     "shardpoint_core.format.statetree": [
         "TensorLeaf",
         "ObjectLeaf",
@@ -131,6 +133,8 @@ __all__ = [
     "LoadOptions",
     "PlanOptions",
     "PackedBackend",
+    "ZarrBackend",
+    "zarr_store",
     "Manifest",
     "FORMAT_VERSION",
     "ShardpointError",

@@ -281,7 +281,7 @@ def test_manager_on_s3_keeps_the_bases_of_what_it_keeps(s3_env):
 
 def test_zarr_python_reads_an_incremental_checkpoint_bit_for_bit(tmp_path):
     zarr = pytest.importorskip("zarr")
-    from shardpoint_core.transactions.packed import zarr_store
+    from shardpoint_core.transactions.packed_zarr import zarr_store
 
     s2 = _state(2)
     sp.save(_state(1), str(tmp_path / "a"), backend=PackedBackend(hashes=True))

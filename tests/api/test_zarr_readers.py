@@ -188,7 +188,7 @@ def test_packed_every_dtype_reads_bit_for_bit_through_zarr_python_and_tensorstor
     TensorStore through the OCDBT export, bit for bit; the export is split into several
     b-tree leaves under one interior node (a small leaf size) and copies no chunk."""
     from shardpoint_core.arrays import ocdbt
-    from shardpoint_core.transactions.packed import zarr_store
+    from shardpoint_core.transactions.packed_zarr import zarr_store
     from shardpoint_core.transactions.ts_export import SPEC_NAME, export_tensorstore
 
     monkeypatch.setattr(ocdbt, "NODE_BYTES", 512)
@@ -218,7 +218,8 @@ def test_incremental_packed_reads_through_zarr_python_and_a_tensorstore_export(t
     """An incremental checkpoint ([SP-PACK-9]): the chunks it takes from its base open through
     both readers, the export layering the base beside it (it once named no base, and
     TensorStore read past the end of the checkpoint's own data object)."""
-    from shardpoint_core.transactions.packed import PackedBackend, zarr_store
+    from shardpoint_core.transactions.packed import PackedBackend
+    from shardpoint_core.transactions.packed_zarr import zarr_store
     from shardpoint_core.transactions.ts_export import export_tensorstore
 
     w, b = torch.randn(1000, 300), torch.randn(10)
@@ -274,7 +275,7 @@ def test_packed_tensorstore_export_checks_crc_and_refuses_what_it_cannot_do(tmp_
 def test_packed_on_s3_reads_through_zarr_python_and_a_tensorstore_export(s3_env):
     """The same on the S3 server: zarr_store reads the chunks by ranged GETs below the save
     prefix, and the export (written to S3 too) sends TensorStore's s3 driver to them."""
-    from shardpoint_core.transactions.packed import zarr_store
+    from shardpoint_core.transactions.packed_zarr import zarr_store
     from shardpoint_core.transactions.ts_export import export_tensorstore
 
     base = f"s3://{s3_env.bucket}/{s3_env.fresh_prefix()}"

@@ -280,7 +280,7 @@ def test_every_tensor_opens_with_zarr_python_bit_for_bit(tmp_ckpt):
     zarr = pytest.importorskip("zarr")
     import torch
 
-    from shardpoint_core.transactions.packed import zarr_store
+    from shardpoint_core.transactions.packed_zarr import zarr_store
     from shardpoint_core.transactions.zarr_compat import register_zarr_dtypes
 
     state = {

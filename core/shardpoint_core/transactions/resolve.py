@@ -1,7 +1,9 @@
 """Which backend serves a path: the caller's when given, else a shared
-:class:`~shardpoint_core.transactions.backend.ZarrBackend` (one for local files,
-:func:`get_backend`; one for every registered URL scheme), and the refusal of a scheme no store
-is registered for; :func:`read_metadata`, the manifest of a checkpoint without its tensors.
+:class:`~shardpoint_core.transactions.packed.PackedBackend` (one for local files,
+:func:`get_backend`; one for every registered URL scheme): saves write the packed layout
+(format 1.4) unless a caller asks for the per-array one with ``ZarrBackend()``, and every
+backend reads both. Also the refusal of a scheme no store is registered for, and
+:func:`read_metadata`, the manifest of a checkpoint without its tensors.
 
 Example::
 
@@ -16,12 +18,12 @@ from typing import Any, Optional, Tuple
 
 from shardpoint_core.format.manifest import Manifest, decode_manifest
 from shardpoint_core.stores.registry import split_url
-from shardpoint_core.transactions.backend import ZarrBackend
+from shardpoint_core.transactions.packed import PackedBackend
 from shardpoint_core.transactions.protocol import StorageBackend
 
 __all__ = ["backend_for", "manifest_with_identity", "get_backend", "read_metadata", "resolve"]
 
-_DEFAULT: Optional[ZarrBackend] = None
+_DEFAULT: Optional[Any] = None
 
 
 def backend_for(path: Any, backend: Any = None) -> Any:
@@ -34,7 +36,7 @@ def backend_for(path: Any, backend: Any = None) -> Any:
         return get_backend()
     global _DEFAULT
     if _DEFAULT is None:
-        _DEFAULT = ZarrBackend()
+        _DEFAULT = PackedBackend()
     return _DEFAULT
 
 
@@ -77,7 +79,7 @@ def get_backend(backend: Optional[StorageBackend] = None) -> StorageBackend:
     if backend is not None:
         return backend
     if _DEFAULT_LOCAL is None:
-        _DEFAULT_LOCAL = ZarrBackend()
+        _DEFAULT_LOCAL = PackedBackend()
     return _DEFAULT_LOCAL
 
 

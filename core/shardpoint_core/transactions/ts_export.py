@@ -103,7 +103,7 @@ def export_tensorstore(
     arrays open as they are: InvalidOptionError)."""
     from shardpoint_core.stores.registry import bucket_store, is_local, local_path
     from shardpoint_core.stores.files import FileStore
-    from shardpoint_core.transactions.packed import packed_manifest
+    from shardpoint_core.transactions.packed_zarr import packed_manifest
 
     path, _be, m, _index = packed_manifest(checkpoint, backend, "export_tensorstore")
     _url, ckpt_spec = _ts_url(path)
