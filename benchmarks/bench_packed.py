@@ -7,12 +7,14 @@ server, rounds interleaved.
     python benchmarks/bench_packed.py --quick              # small state, 1 round (smoke)
     python benchmarks/bench_packed.py --no-s3 --rounds 5
     python benchmarks/bench_packed.py --json benchmarks/results/bench_packed.json
+    python benchmarks/bench_packed.py --no-s3 --cold      # loads from a dropped page cache
 
-Rows (one process, fsync on, the page cache warm: the figures compare layouts, not disks):
-- per-array: ``sp.save`` with the default backend (format 1.3: a directory, a zarr.json and
-  chunk files per tensor) and ``sp.load``;
-- packed: ``sp.save(..., backend=PackedBackend())`` (format 1.4: one data object per writer,
-  the index in the manifest) and ``sp.load`` with the default backend;
+Rows (one process, fsync on; loads from a warm page cache unless ``--cold``, which drops it
+before every load of every row, root only):
+- per-array: ``sp.save(..., backend=ZarrBackend())`` (format 1.3: a directory, a zarr.json
+  and chunk files per tensor) and ``sp.load``;
+- packed: ``sp.save`` with the default backend (``PackedBackend``, format 1.4: one data
+  object per writer, the index in the manifest) and ``sp.load``;
 - DCP (files only): ``dcp.save`` with ``FileSystemWriter(thread_count=8)`` and ``dcp.load``.
 On S3 the server is moto's in-memory server on loopback (shardpoint_testing.s3): what it
 measures is request count and the server's cost per request, not AWS; DCP through s3fs is
@@ -34,6 +36,7 @@ import bench_results as br  # noqa: E402
 import bench_tools as bt  # noqa: E402
 from bench_states import gpt2_adamw_state  # noqa: E402
 
+from shardpoint_core.transactions.backend import ZarrBackend  # noqa: E402
 from shardpoint_core.transactions.packed import PackedBackend  # noqa: E402
 
 
@@ -58,7 +61,7 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - t
 
 
-def files_rounds(state: dict, like: dict, rounds: int, scratch: str) -> dict:
+def files_rounds(state: dict, like: dict, rounds: int, scratch: str, cold: bool = False) -> dict:
     names = ("per-array", "packed", "DCP", "raw disk")
     out = {k: {"save": [], "load": [], "count": None} for k in names}
     # the raw disk: the same bytes into one file (8 threads of pwrite with early writeback,
@@ -74,13 +77,16 @@ def files_rounds(state: dict, like: dict, rounds: int, scratch: str) -> dict:
                 out[name]["save"].append(
                     _timed(bt.raw_write, tensors, os.path.join(path, "raw"), 8, True)
                 )
+                cold and bt.drop_caches()
                 out[name]["load"].append(_timed(bt.raw_read, bufs, os.path.join(path, "raw")))
             elif name == "DCP":
                 out[name]["save"].append(_timed(bt.dcp_save, state, path, 8))
+                cold and bt.drop_caches()
                 out[name]["load"].append(_timed(bt.dcp_load, like, path))
             else:
-                be = PackedBackend() if name == "packed" else None
+                be = ZarrBackend() if name == "per-array" else None  # None: the default
                 out[name]["save"].append(_timed(bt.sp_save, state, path, be))
+                cold and bt.drop_caches()
                 out[name]["load"].append(_timed(bt.sp_load, like, path))
             out[name]["count"] = _count(path)
             bt.rm(path)
@@ -105,7 +111,7 @@ def s3_rounds(state: dict, like: dict, rounds: int, cap=None) -> dict:
         for _round in range(rounds):
             for name in ("per-array", "packed"):
                 url = server.url(server.fresh_prefix(name) + "/ck")
-                be = PackedBackend(cap=cap) if name == "packed" else None
+                be = PackedBackend(cap=cap) if name == "packed" else ZarrBackend()
                 out[name]["save"].append(_timed(bt.sp_save, state, url, be))
                 out[name]["load"].append(_timed(bt.sp_load, like, url))
                 store, key = locate(url).pair()
@@ -165,6 +171,11 @@ def main(argv=None) -> None:
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--no-files", action="store_true")
     ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache before every load (files; needs root)",
+    )
+    ap.add_argument(
         "--s3-cap-mib",
         type=float,
         default=None,
@@ -185,20 +196,22 @@ def main(argv=None) -> None:
     nbytes = sum(
         v.numel() * v.element_size() for v in bt.flat(state).values() if hasattr(v, "numel")
     )
+    if a.cold and not bt.drop_caches():
+        sys.exit("--cold: writing /proc/sys/vm/drop_caches needs root")
     print(f"state: {n} tensors, {nbytes / 1e9:.2f} GB; {a.rounds} rounds, interleaved")
     rec = br.Record(
         "bench_packed.py",
         "Packed layout vs per-array vs DCP",
         argv,
-        {"tensors": n, "bytes": nbytes, "rounds": a.rounds, "scale": a.scale},
+        {"tensors": n, "bytes": nbytes, "rounds": a.rounds, "scale": a.scale, "cold": a.cold},
     )
     if not a.no_files:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as scratch:
             table(
                 rec,
                 "files",
-                "local files",
-                files_rounds(state, like, a.rounds, scratch),
+                "local files" + (", loads from a cold page cache" if a.cold else ""),
+                files_rounds(state, like, a.rounds, scratch, a.cold),
                 nbytes,
                 "files / dirs",
             )
