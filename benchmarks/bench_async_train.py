@@ -22,7 +22,8 @@ contention for the cores from contention for the GIL.
 Modes: ``none`` (no save), ``sp`` (``sp.save(async_save=True)`` with the default options),
 ``sp-normal`` / ``sp-low`` / ``sp-idle`` (``SaveOptions(async_priority=...)``: the writer at
 the trainer's priority, as before issue 31, at nice 19, at ``SCHED_IDLE``), any of them with
-``-wtK`` (a ``ZarrBackend(write_threads=K)``, 16 by default), ``sp-child[-nice]`` (an
+``-wtK`` (``write_threads=K``, 16 by default) and ``-pa`` (the per-array layout, a
+``ZarrBackend``; without it the default packed one, a ``PackedBackend``), ``sp-child[-nice]`` (an
 experiment: a child process at normal priority or nice 19 saves a copy of the state that the
 trainer puts in shared memory, the ceiling of a writer process), ``dcp-thread`` /
 ``dcp-process`` (``torch.distributed.checkpoint.async_save`` with ``FileSystemWriter(
@@ -108,18 +109,22 @@ def timed_step(tr: Trainer) -> dict:
 
 # ----------------------------------------------------------------------------- the savers
 class SpSaver:
-    """``sp-PRIORITY[-wtK]``: ``async_save=True`` with ``SaveOptions(async_priority=PRIORITY)``
-    through a fresh ``ZarrBackend(write_threads=K)`` (16 by default); ``sp``: the defaults."""
+    """``sp-PRIORITY[-wtK][-pa]``: ``async_save=True`` with
+    ``SaveOptions(async_priority=PRIORITY)`` through a fresh ``PackedBackend(write_threads=K)``
+    (the default layout; 16 threads by default), or with ``-pa`` a per-array
+    ``ZarrBackend(write_threads=K)``; ``sp``: the defaults."""
 
     def __init__(self, mode: str) -> None:
         from shardpoint.api.checkpointer import Checkpointer
         from shardpoint_core.transactions.backend import ZarrBackend
+        from shardpoint_core.transactions.packed import PackedBackend
 
         parts = mode.split("-")
         threads = next((int(p[2:]) for p in parts if p.startswith("wt")), 16)
-        prio = next((p for p in parts[1:] if not p.startswith("wt")), None)
+        prio = next((p for p in parts[1:] if not p.startswith("wt") and p != "pa"), None)
         opts = sp.SaveOptions() if prio is None else sp.SaveOptions(async_priority=prio)
-        self.cp = Checkpointer(backend=ZarrBackend(write_threads=threads), save_options=opts)
+        layout = ZarrBackend if "pa" in parts[1:] else PackedBackend
+        self.cp = Checkpointer(backend=layout(write_threads=threads), save_options=opts)
 
     def start(self, state: dict, path: str):
         return self.cp.save(state, path, overwrite=True, async_save=True).wait
