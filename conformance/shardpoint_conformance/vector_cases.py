@@ -282,9 +282,7 @@ def write_packed_compressed(path: str) -> None:
     from shardpoint_core.transactions.backend import ZarrBackend
     from shardpoint_core.transactions.packed import PackedBackend
 
-    write_compressed(
-        path, PackedBackend(ZarrBackend(), cap=1024, write_threads=1, writer_id="w0")
-    )
+    write_compressed(path, PackedBackend(ZarrBackend(), cap=1024, write_threads=1, writer_id="w0"))
 
 
 # Keys whose array paths pin [SP-LAYOUT-4]: case marks counting letters outside %XX escapes

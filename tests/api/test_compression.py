@@ -179,7 +179,7 @@ def _plant(tmp_ckpt: str, frame: bytes, layout: str) -> None:
 
     def edit(b: dict) -> None:
         packed = b["packed"]
-        (obj, _size), = packed["objects"]  # one writer, one tensor, one chunk
+        ((obj, _size),) = packed["objects"]  # one writer, one tensor, one chunk
         with open(os.path.join(tmp_ckpt, obj), "wb") as f:
             f.write(stored)
         packed["objects"][0][1] = len(stored)

@@ -24,9 +24,11 @@ OPTS = sp.SaveOptions(
 
 def _ramp(shape, dtype=np.float32, seed=0):
     rng = np.random.default_rng(seed)
-    return (np.arange(np.prod(shape)) % 97 + rng.integers(0, 3, np.prod(shape))).astype(
-        dtype
-    ).reshape(shape)
+    return (
+        (np.arange(np.prod(shape)) % 97 + rng.integers(0, 3, np.prod(shape)))
+        .astype(dtype)
+        .reshape(shape)
+    )
 
 
 def test_partial_reads_decode_only_the_chunks_they_meet(tmp_ckpt):

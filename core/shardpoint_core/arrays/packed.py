@@ -328,7 +328,9 @@ class ChunkWriteView:
             writer.inner[name] = (
                 dict(layout.codecs[1])
                 if layout.zstd_level is not None
-                else None if layout.inner is None else list(layout.inner)
+                else None
+                if layout.inner is None
+                else list(layout.inner)
             )
         self.url = f"{writer.store.url}#packed:{name}"
 

@@ -224,9 +224,7 @@ class PackedIndex:
         hashes = None
         if self.hashes is not None:
             hashes = np.frombuffer(self.hashes, np.uint8).reshape(-1, HASH_BYTES)[lo:hi]
-        return PackedArray(
-            name, inner, self.records[lo:hi], objs, tuple(self.bases), hashes, codec
-        )
+        return PackedArray(name, inner, self.records[lo:hi], objs, tuple(self.bases), hashes, codec)
 
 
 def encode_packed(index: PackedIndex, arrays: Mapping[str, ArrayInfo]) -> dict[str, Any]:
