@@ -5,7 +5,9 @@ every array lies in a checkpoint's data objects, as the manifest's top-level fie
 The field is ``{"objects": [[path, size], ...], "arrays": [[name, inner], ...],
 "index": <bin>}`` with, in an incremental checkpoint, ``"bases": [[name, identity], ...]``
 (the sibling checkpoints whose objects it names, [SP-PACK-9]; an object of a base is
-``[path, size, base]``) and ``"hashes"`` (16 bytes of BLAKE3 per record, [SP-PACK-10]); the
+``[path, size, base]``) and ``"hashes"`` (16 bytes of BLAKE3 per record, [SP-PACK-10]);
+(1.5) a compressed array's entry is ``[name, nil, codec]``, its records' lengths held to
+[SP-READ-9]'s bounds ([SP-PACK-12]); the
 index is a run of 36-byte little-endian records ``(array u32,
 object u32, chunk u64, offset u64, length u64, crc32c 4 bytes)`` in strictly increasing
 ``(array, chunk)`` order, one per chunk of every array ([SP-PACK-4]). :func:`decode_packed`
