@@ -13,6 +13,11 @@ writes the manifest as the Zarr backend would (on files durably before the renam
 object stores as the marker, whose commit puts the save prefix in front of every object
 path, [SP-COMMIT-11]).
 
+Compressed arrays (format 1.5, [SP-PACK-12]): an array spec with ``compression`` is
+encoded by the Zarr layer's compressed chain (one zstd frame and its crc32c per chunk, the
+bytes of a per-array chunk file) and named ``[name, nil, codec]`` in the index; the
+manifest then says ``[1, 5]``. Incremental saves compare those stored bytes.
+
 Incremental saves ([SP-PACK-9] to [SP-PACK-11]): ``PackedBackend(incremental=...)`` names a
 *base*, a committed packed checkpoint beside the target (``True``: the newest one there, on
 files), and records every chunk's hash; a chunk whose bytes the base holds already (same
