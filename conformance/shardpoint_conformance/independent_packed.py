@@ -1,8 +1,9 @@
 """The independent reader's part for the packed layout (format 1.4, spec/format.md section
 13), written from spec/ alone like :mod:`.independent_reader`, importing nothing of the core.
 
-:func:`check_field` applies the manifest-level rules ([SP-PACK-2] to [SP-PACK-5]) when the
-manifest is read; :func:`export_tensor` then, per tensor read, checks its data objects
+:func:`check_field` applies the manifest-level rules ([SP-PACK-2] to [SP-PACK-5]; 1.5: a
+compressed array's entry and its records' bounds, [SP-PACK-12]) when the manifest is read;
+:func:`export_tensor` then, per tensor read, checks its data objects
 ([SP-SEC-5], [SP-PACK-7], [SP-READ-2]) and writes the array as section 7 stores it (the
 implied ``zarr.json`` of [SP-PACK-3] and one file per chunk holding the record's bytes,
 each checked against its record's crc32c, [SP-PACK-6]) into a scratch directory, where
@@ -100,12 +101,14 @@ def check_field(p, entries: list) -> dict:
         if any(b.startswith(a) for a, b in zip(names, names[1:])):
             raise _err("SP-PACK-2", "two object paths or array names equal, or one inside another")
     arrays: list = []
+    codecs: dict = {}  # (1.5) array name -> the codec object of its compressed chain
     for a in p["arrays"]:
         if not (
             isinstance(a, list)
-            and len(a) == 2
+            and len(a) in (2, 3)
             and isinstance(a[0], str)
             and (a[1] is None or isinstance(a[1], list))
+            and (len(a) == 2 or (a[1] is None and isinstance(a[2], dict)))  # (1.5) [SP-PACK-12]
         ):
             raise _err("SP-PACK-2", f"array entry {a!r}")
         if a[0] not in by_name or a[0] in [x[0] for x in arrays]:
@@ -120,6 +123,8 @@ def check_field(p, entries: list) -> dict:
         ):
             raise _err("SP-PACK-3", f"{key}: inner chunk shape {inner!r}")
         arrays.append((a[0], key, e, inner or None))
+        if len(a) == 3:
+            codecs[a[0]] = a[2]
     if len(arrays) != len(by_name):
         raise _err("SP-PACK-2", "a tensor entry's array is not listed")
     raw = p["index"]
@@ -149,7 +154,7 @@ def check_field(p, entries: list) -> dict:
     hashes = p.get("hashes")
     if hashes is not None and not (isinstance(hashes, bytes) and len(hashes) == 16 * len(recs)):
         raise _err("SP-PACK-10", "hashes are not 16 bytes per record")
-    out: dict = {n: (k, e, inner, []) for n, k, e, inner in arrays}
+    out: dict = {n: (k, e, inner, [], codecs.get(n)) for n, k, e, inner in arrays}
     for i, r in enumerate(recs):
         a, o, c, off, length, _crc = r
         if a >= len(arrays) or o >= len(objects):
@@ -158,7 +163,13 @@ def check_field(p, entries: list) -> dict:
         if c >= _grid(e) or off + length > objects[o][1]:
             raise _err("SP-PACK-4", f"{key}: record {r} outside the grid or its object")
         size = _SIZES[e["dtype"]]
-        if inner is None and length != math.prod(e["chunk_shape"]) * size + 4:
+        codec = codecs.get(name)
+        if codec is not None:  # (1.5) [SP-PACK-12]: the bounds of [SP-READ-9]
+            n = math.prod(e["chunk_shape"]) * size
+            zstd = codec.get("name") == "zstd"  # another codec: unsupported when read
+            if zstd and not 10 + 4 * max(1, -(-n // (1 << 17))) <= length <= n + n // 128 + 4100:
+                raise _err("SP-PACK-4", f"{key}: compressed chunk record of {length} bytes")
+        elif inner is None and length != math.prod(e["chunk_shape"]) * size + 4:
             raise _err("SP-PACK-4", f"{key}: plain chunk record of {length} bytes")
         if (
             inner is not None
@@ -237,7 +248,7 @@ def _unpack_envelope(data: bytes):
 def export_tensor(path: str, field: dict, name: str, scratch: str) -> None:
     """Write array ``name`` of the packed checkpoint at ``path`` as a section 7 array below
     ``scratch`` (zarr.json and chunk files), after checking its objects and records."""
-    key, e, inner, recs = field["arrays"][name]
+    key, e, inner, recs, codec = field["arrays"][name]
     objects = field["objects"]
     roots = {o: _root_of(path, field, o) for o in sorted({r[1] for r in recs})}
     for o in sorted({r[1] for r in recs}):  # [SP-PACK-7], before any chunk
@@ -249,7 +260,9 @@ def export_tensor(path: str, field: dict, name: str, scratch: str) -> None:
         if got < size:
             raise _err("SP-READ-3", f"{key}: data object {rel} holds {got} of {size} bytes")
     codecs = (
-        _PLAIN
+        [_PLAIN[0], codec, _PLAIN[1]]  # (1.5) the compressed chain, [SP-PACK-12]
+        if codec is not None
+        else _PLAIN
         if inner is None
         else [
             {

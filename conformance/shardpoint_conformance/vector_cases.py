@@ -236,19 +236,23 @@ def cases() -> dict:
         ),
         "packed_basic": (packed, {"backend": packed_be, "options": ident_opts}, None, (1, 4), None),
         "compressed_zstd": (None, {"write": write_compressed}, None, (1, 5), None),
+        # 1.5 in the packed layout ([SP-PACK-12]): the same state, one writer
+        "packed_zstd": (None, {"write": write_packed_compressed}, None, (1, 5), None),
         # 1.4 incremental ([SP-PACK-9], [SP-PACK-10]): checkpoint/ builds on its sibling base/
         "packed_incremental": (None, {"write": write_incremental}, None, (1, 4), None),
     }
 
 
-def write_compressed(path: str) -> None:
+def write_compressed(path: str, backend=None) -> None:
     """(1.5) A checkpoint whose arrays are all compressed ([SP-ARRAY-7]): chunks of one
     frame each, an edge chunk, bool, bfloat16, a 0-d and an empty tensor, with chunk tables.
     Its frames are :func:`~.vector_damage_15.simple_frame`'s (raw and RLE blocks) instead of
     a zstd library's, so that the bytes reproduce whatever libzstd regenerates the vector:
-    the save's encoder is swapped for the time of this save."""
+    the save's encoder is swapped for the time of this save. ``backend``: the per-array
+    layout's unless given (:func:`write_packed_compressed`)."""
     import shardpoint as sp
     from shardpoint_core.arrays import array as zarr_layer
+    from shardpoint_core.transactions.backend import ZarrBackend
     from shardpoint_conformance.vector_damage_15 import simple_frame
 
     state = {
@@ -266,9 +270,19 @@ def write_compressed(path: str) -> None:
     keep = zarr_layer.encode_zstd
     zarr_layer.encode_zstd = lambda data, level: simple_frame(bytes(data))
     try:
-        sp.save(state, path, options=opts)
+        sp.save(state, path, options=opts, backend=backend or ZarrBackend())
     finally:
         zarr_layer.encode_zstd = keep
+
+
+def write_packed_compressed(path: str) -> None:
+    """(1.5) packed_zstd: :func:`write_compressed`'s state in the packed layout
+    ([SP-PACK-12]), one writer and one thread (every byte reproducible), its one data
+    object split at 1 KiB so that the vector holds several objects."""
+    from shardpoint_core.transactions.backend import ZarrBackend
+    from shardpoint_core.transactions.packed import PackedBackend
+
+    write_compressed(path, PackedBackend(ZarrBackend(), cap=1024, write_threads=1, writer_id="w0"))
 
 
 # Keys whose array paths pin [SP-LAYOUT-4]: case marks counting letters outside %XX escapes

@@ -112,7 +112,9 @@ class PackedWriter:
         self._lock = threading.Lock()
         self._objects: List[List[Any]] = []  # [relative key, size]
         self._records: Dict[Tuple[str, int], Tuple[int, int, int, bytes]] = {}
-        self.inner: Dict[str, Optional[List[int]]] = {}  # array name -> inner chunk shape
+        #: array name -> inner chunk shape (None: the plain chain; 1.5: a dict, the codec
+        #: object of the compressed chain)
+        self.inner: Dict[str, Any] = {}
         self._fds: List[int] = []
         self._segment = bytearray()  # object stores: the object being filled
         self._seg_len = 0
@@ -322,8 +324,14 @@ class ChunkWriteView:
         self.writer, self.name, self.layout = writer, name, layout
         #: (incremental) the base's part for this array and its objects' owners
         self.base, self.owners = base, owners
-        with writer._lock:
-            writer.inner[name] = None if layout.inner is None else list(layout.inner)
+        with writer._lock:  # (1.5) a compressed chain: its zstd codec object ([SP-PACK-12])
+            writer.inner[name] = (
+                dict(layout.codecs[1])
+                if layout.zstd_level is not None
+                else None
+                if layout.inner is None
+                else list(layout.inner)
+            )
         self.url = f"{writer.store.url}#packed:{name}"
 
     def _chunk(self, key: str) -> int:
@@ -421,12 +429,13 @@ def gather_parts(
 def build_index(
     objects: List[Tuple[str, int]],
     rows: List[Any],
-    arrays: Dict[str, Optional[Tuple[int, ...]]],
+    arrays: Dict[str, Any],
     refs: Sequence[Any] = (),
     hashes: bool = False,
 ) -> PackedIndex:
     """The index of a save from the gathered records; ``arrays``: array name -> inner chunk
-    shape, in the order the index numbers them. ``refs``: records of chunks left in bases
+    shape (None: the plain chain; 1.5: a dict, the codec object of the compressed chain,
+    [SP-PACK-12]), in the order the index numbers them. ``refs``: records of chunks left in bases
     (:func:`gather_parts`): their owners become the index's bases and their objects follow
     the save's own ([SP-PACK-9]). ``hashes``: every record carries its hash ([SP-PACK-10])."""
     number = {n: i for i, n in enumerate(arrays)}
@@ -460,7 +469,17 @@ def build_index(
         if len(good) != len(got):
             raise SaveFailedError("packed save: a chunk without its hash (a writer without hashes)")
         digests = b"".join(good)
-    return PackedIndex(all_objects, list(arrays.items()), rec, bases, owners, digests)
+    codecs = [dict(i) if isinstance(i, dict) else None for i in arrays.values()]
+    listed = [(n, None if isinstance(i, dict) else i) for n, i in arrays.items()]
+    return PackedIndex(
+        all_objects,
+        listed,
+        rec,
+        bases,
+        owners,
+        digests,
+        codecs if any(c is not None for c in codecs) else None,
+    )
 
 
 if TYPE_CHECKING:

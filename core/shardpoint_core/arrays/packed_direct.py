@@ -37,6 +37,7 @@ def applies(view: Any, offset: Any, out: np.ndarray) -> bool:
         and hasattr(view.store, "path")
         and sys.byteorder == "little"
         and lay.dtype != "bool"
+        and lay.zstd_level is None  # (1.5) compressed chunks are decoded by the Zarr layer
         and tuple(out.shape) == tuple(lay.shape)
         and not any(offset)
         and out.flags.c_contiguous

@@ -35,9 +35,9 @@ from shardpoint_core.arrays.direct_write import stored_codecs
 from shardpoint_core.arrays.identity import chunk_number
 from shardpoint_core.arrays.packed import _bad, _cidx, _join
 from shardpoint_core.arrays.packed_runs import _Piece, plan_runs
-from shardpoint_core.format.errors import CorruptCheckpointError
+from shardpoint_core.format.errors import CorruptCheckpointError, UnsupportedFormatError
 from shardpoint_core.format.layout import BYTES_CRC
-from shardpoint_core.format.packed import PackedArray
+from shardpoint_core.format.packed import PackedArray, is_zstd
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.stores.base import ByteStore, ObjectInfo
 
@@ -329,11 +329,20 @@ def _lstat_walk(store: ByteStore, full: str, key: str, path: str) -> None:
 
 
 def layout_of(spec: ArraySpec, part: PackedArray, key: str) -> ArrayLayout:
-    """The array's layout as its packed entry implies it ([SP-PACK-3]), with the chunk
+    """The array's layout as its packed entry implies it ([SP-PACK-3]; 1.5: the compressed
+    chain of [SP-PACK-12], a codec object of another form *unsupported*), with the chunk
     table of the manifest ([SP-MAN-7])."""
+    codec = part.codec
+    if codec is not None and not is_zstd(codec):
+        raise UnsupportedFormatError(
+            f"tensor {key!r}: array {part.name!r}: zstd codec {codec!r} of the packed index "
+            'is not of the form format 1.5 defines ({"name": "zstd", "configuration": '
+            '{"level": <int>, "checksum": <bool>}})',
+            spec_id="SP-ARRAY-1",
+        )
     lay = ArrayLayout.create(
-        spec.shape, spec.dtype, spec.chunk_shape, shard_above_bytes=1 << 62
-    )  # the plain chain
+        spec.shape, spec.dtype, spec.chunk_shape, shard_above_bytes=1 << 62, compression=codec
+    )  # the plain chain, or (1.5) the compressed one
     if part.inner is not None:
         codecs = [
             {

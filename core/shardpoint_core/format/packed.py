@@ -5,7 +5,9 @@ every array lies in a checkpoint's data objects, as the manifest's top-level fie
 The field is ``{"objects": [[path, size], ...], "arrays": [[name, inner], ...],
 "index": <bin>}`` with, in an incremental checkpoint, ``"bases": [[name, identity], ...]``
 (the sibling checkpoints whose objects it names, [SP-PACK-9]; an object of a base is
-``[path, size, base]``) and ``"hashes"`` (16 bytes of BLAKE3 per record, [SP-PACK-10]); the
+``[path, size, base]``) and ``"hashes"`` (16 bytes of BLAKE3 per record, [SP-PACK-10]);
+(1.5) a compressed array's entry is ``[name, nil, codec]``, its records' lengths held to
+[SP-READ-9]'s bounds ([SP-PACK-12]); the
 index is a run of 36-byte little-endian records ``(array u32,
 object u32, chunk u64, offset u64, length u64, crc32c 4 bytes)`` in strictly increasing
 ``(array, chunk)`` order, one per chunk of every array ([SP-PACK-4]). :func:`decode_packed`
@@ -34,6 +36,7 @@ import blake3
 import numpy as np
 
 from shardpoint_core.format import dtypes
+from shardpoint_core.format.compression import stored_bounds, zstd_config_ok
 from shardpoint_core.format.errors import CorruptCheckpointError
 
 FIELD = "packed"  # the manifest's top-level field (1.4)
@@ -67,6 +70,12 @@ class ArrayInfo(Protocol):
     shape: Tuple[int, ...]
     dtype: str
     chunk_shape: Tuple[int, ...]
+
+
+def is_zstd(codec: Any) -> bool:
+    """(1.5) A codec object of the index that is the ``zstd`` codec of [SP-ARRAY-7]'s form
+    (another map is a codec this reader does not know: the array is unsupported)."""
+    return isinstance(codec, dict) and codec.get("name") == "zstd" and zstd_config_ok(codec)
 
 
 def _bad(msg: str, sid: str) -> CorruptCheckpointError:
@@ -115,6 +124,9 @@ class PackedArray:
     bases: Tuple[Tuple[str, bytes], ...] = ()
     #: ([SP-PACK-10]) the records' chunk hashes, ``(n, 16)`` uint8, or None
     hashes: Optional[np.ndarray] = None
+    #: (1.5, [SP-PACK-12]) the codec object of a compressed chain (as the index holds it,
+    #: checked when the array is opened), None for the chains of ``inner``
+    codec: Optional[dict[str, Any]] = None
 
     def chunk(self, number: int) -> Tuple[str, int, int, int]:
         """(object path, offset, length, crc32c) of chunk ``number``."""
@@ -149,6 +161,13 @@ class PackedIndex:
     object_bases: Optional[list[Optional[int]]] = None
     #: ([SP-PACK-10]) one 16-byte hash per record, in the order of ``records``; None: none
     hashes: Optional[bytes] = None
+    #: (1.5, [SP-PACK-12]) per array (in the order of ``arrays``) the codec object of its
+    #: compressed chain, None for the others; None: no array compressed
+    codecs: Optional[list[Optional[dict[str, Any]]]] = None
+
+    def codec_of(self, number: int) -> Optional[dict[str, Any]]:
+        """The compressed chain's codec object of array ``number`` (None: not compressed)."""
+        return None if self.codecs is None else self.codecs[number]
 
     def base_of(self, number: int) -> Optional[int]:
         """The base whose object ``number`` is (None: this checkpoint's own)."""
@@ -196,9 +215,9 @@ class PackedIndex:
             starts = {}
             for i, (n, inner) in enumerate(self.arrays):
                 lo, hi = np.searchsorted(a, i, "left"), np.searchsorted(a, i, "right")
-                starts[n] = (inner, int(lo), int(hi))
+                starts[n] = (inner, int(lo), int(hi), self.codec_of(i))
             self._starts = starts
-        inner, lo, hi = starts[name]
+        inner, lo, hi, codec = starts[name]
         objs = getattr(self, "_read_objects", None)
         if objs is None:
             objs = self._read_objects = tuple(
@@ -207,7 +226,7 @@ class PackedIndex:
         hashes = None
         if self.hashes is not None:
             hashes = np.frombuffer(self.hashes, np.uint8).reshape(-1, HASH_BYTES)[lo:hi]
-        return PackedArray(name, inner, self.records[lo:hi], objs, tuple(self.bases), hashes)
+        return PackedArray(name, inner, self.records[lo:hi], objs, tuple(self.bases), hashes, codec)
 
 
 def encode_packed(index: PackedIndex, arrays: Mapping[str, ArrayInfo]) -> dict[str, Any]:
@@ -222,7 +241,11 @@ def encode_packed(index: PackedIndex, arrays: Mapping[str, ArrayInfo]) -> dict[s
             [p, int(s)] if index.base_of(i) is None else [p, int(s), index.base_of(i)]
             for i, (p, s) in enumerate(index.objects)
         ],
-        "arrays": [[n, None if i is None else list(i)] for n, i in index.arrays],
+        "arrays": [
+            [n, None if i is None else list(i)]
+            + ([dict(index.codec_of(k) or {})] if index.codec_of(k) is not None else [])
+            for k, (n, i) in enumerate(index.arrays)
+        ],
         "index": rec.tobytes(),
     }
     if index.bases:  # (incremental) only where used: a full save's field is unchanged
@@ -277,11 +300,16 @@ def _form(value: Any) -> Tuple[list[Any], list[Any], bytes]:
     for a in arrs:
         if not (
             isinstance(a, list)
-            and len(a) == 2
+            and len(a) in (2, 3)
             and isinstance(a[0], str)
             and (a[1] is None or isinstance(a[1], list))
+            and (len(a) == 2 or (a[1] is None and isinstance(a[2], dict)))
         ):
-            raise _bad(f"array entry {a!r} is not [name, inner chunk shape or nil]", "SP-PACK-2")
+            raise _bad(
+                f"array entry {a!r} is not [name, inner chunk shape or nil] or "
+                "[name, nil, codec object]",
+                "SP-PACK-2",
+            )
     return objs, arrs, raw
 
 
@@ -352,7 +380,7 @@ def _arrays(arrs: list[Any], by_name: Mapping[str, ArrayInfo]) -> list[Any]:
     [SP-PACK-3]); returns ``[(name, inner, entry)]``."""
     seen: set[str] = set()
     out = []
-    for name, inner in arrs:
+    for name, inner, *_codec in arrs:
         e = by_name.get(name)
         if e is None or name in seen:
             raise _bad(
@@ -414,6 +442,8 @@ def decode_packed(value: Any, arrays: Mapping[str, ArrayInfo]) -> PackedIndex:
             "SP-PACK-10",
         )
 
+    codecs = [a[2] if len(a) == 3 else None for a in arrs]
+
     def made() -> PackedIndex:
         return PackedIndex(
             [(o[0], o[1]) for o in objs],
@@ -422,6 +452,7 @@ def decode_packed(value: Any, arrays: Mapping[str, ArrayInfo]) -> PackedIndex:
             bases,
             [o[2] if len(o) == 3 else None for o in objs] if bases else None,
             hashes,
+            codecs if any(c is not None for c in codecs) else None,
         )
 
     if len(rec) == 0:
@@ -451,14 +482,17 @@ def decode_packed(value: Any, arrays: Mapping[str, ArrayInfo]) -> PackedIndex:
         raise _bad(
             f"record {int(np.argmax(o >= len(objs)))}: object number out of range", "SP-PACK-4"
         )
-    _check_lengths(rec, listed, objs)
+    _check_lengths(rec, listed, objs, codecs)
     _check_overlaps(rec, objs)
     return made()
 
 
-def _check_lengths(rec: np.ndarray, listed: list[Any], objs: list[Any]) -> None:
+def _check_lengths(
+    rec: np.ndarray, listed: list[Any], objs: list[Any], codecs: Sequence[Any] = ()
+) -> None:
     """Every record inside its object; a plain chunk's exact size, a shard at least its
-    index ([SP-PACK-4])."""
+    index, (1.5) a compressed chunk within the bounds of [SP-READ-9] ([SP-PACK-4],
+    [SP-PACK-12]): so no record stands for more than 32768 times its bytes."""
     size = np.array([o[1] for o in objs], np.uint64)[rec["object"]]
     off, n = rec["offset"], rec["length"]
     out = (off > size) | (n > size - np.minimum(off, size))
@@ -470,11 +504,18 @@ def _check_lengths(rec: np.ndarray, listed: list[Any], objs: list[Any]) -> None:
             f"object {objs[int(rec['object'][i])][0]!r} of {int(size[i])} bytes",
             "SP-PACK-4",
         )
-    exact, least = [], []
-    for _name, inner, e in listed:
+    exact, least, most = [], [], []
+    for k, (_name, inner, e) in enumerate(listed):
         item = dtypes.from_name(e.dtype).itemsize
         units = _inner_units(e.chunk_shape, inner)
-        if inner is None:
+        codec = codecs[k] if k < len(codecs) else None
+        most.append(2**64 - 1)
+        if codec is not None:  # (1.5) compressed; another codec: refused when opened
+            exact.append(-1)
+            lo, hi = stored_bounds(math.prod(e.chunk_shape) * item)
+            least.append(lo if is_zstd(codec) else 0)
+            most[-1] = min(hi, 2**64 - 1) if is_zstd(codec) else 2**64 - 1
+        elif inner is None:
             exact.append(math.prod(e.chunk_shape) * item + 4)
             least.append(0)
         else:
@@ -483,15 +524,22 @@ def _check_lengths(rec: np.ndarray, listed: list[Any], objs: list[Any]) -> None:
     want = np.array([min(x, 2**64 - 1) if x >= 0 else 0 for x in exact], np.uint64)[rec["array"]]
     plain = np.array([x >= 0 for x in exact], bool)[rec["array"]]
     low = np.array(least, np.uint64)[rec["array"]]
-    wrong = (plain & (n != want)) | (~plain & (n < low))
+    high = np.array(most, np.uint64)[rec["array"]]
+    wrong = (plain & (n != want)) | (~plain & ((n < low) | (n > high)))
     if np.any(wrong):
         i = int(np.argmax(wrong))
-        name, inner, e = listed[int(rec["array"][i])]
-        need = f"exactly {int(want[i])}" if plain[i] else f"at least {int(low[i])}"
+        a = int(rec["array"][i])
+        name, inner, e = listed[a]
+        squeezed = a < len(codecs) and codecs[a] is not None
+        if plain[i]:
+            need, what = f"exactly {int(want[i])}", "plain chunk"
+        elif squeezed:
+            need, what = f"{int(low[i])} to {int(high[i])} ([SP-READ-9])", "compressed chunk"
+        else:
+            need, what = f"at least {int(low[i])}", "shard"
         raise _bad(
             f"record {i} (tensor {e.key!r}, chunk {int(rec['chunk'][i])}): length "
-            f"{int(n[i])}, a {'plain chunk' if plain[i] else 'shard'} of it is "
-            f"{need} bytes",
+            f"{int(n[i])}, a {what} of it is {need} bytes",
             "SP-PACK-4",
         )
 

@@ -13,6 +13,11 @@ writes the manifest as the Zarr backend would (on files durably before the renam
 object stores as the marker, whose commit puts the save prefix in front of every object
 path, [SP-COMMIT-11]).
 
+Compressed arrays (format 1.5, [SP-PACK-12]): an array spec with ``compression`` is
+encoded by the Zarr layer's compressed chain (one zstd frame and its crc32c per chunk, the
+bytes of a per-array chunk file) and named ``[name, nil, codec]`` in the index; the
+manifest then says ``[1, 5]``. Incremental saves compare those stored bytes.
+
 Incremental saves ([SP-PACK-9] to [SP-PACK-11]): ``PackedBackend(incremental=...)`` names a
 *base*, a committed packed checkpoint beside the target (``True``: the newest one there, on
 files), and records every chunk's hash; a chunk whose bytes the base holds already (same
@@ -41,6 +46,7 @@ from shardpoint_core.transactions.incremental import resolve_base
 from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.errors import InvalidOptionError, SaveFailedError
 from shardpoint_core.format.manifest import Manifest, decode_manifest
+from shardpoint_core.format.compression import FORMAT_VERSION_1_5
 from shardpoint_core.format.packed import FORMAT_VERSION_1_4
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.transactions.backend import ZarrBackend
@@ -82,6 +88,8 @@ class PackedBackend:
     ([SP-PACK-10]; default: with ``incremental``), so a later save can build on this one."""
 
     name = "packed"
+    #: (1.5) writes compressed arrays ([SP-ARRAY-7] in the packed layout, [SP-PACK-12])
+    supports_compression = True
 
     def __init__(
         self,
@@ -206,6 +214,7 @@ class PackedBackend:
             spec.chunk_shape,
             shard_above_bytes=self.zarr.shard_above_bytes,
             inner_chunk_bytes=self.zarr.inner_chunk_bytes,
+            compression=spec.compression,  # (1.5) the compressed chain, [SP-PACK-12]
         )
         base = self.base_of(root)
         part = None
@@ -272,9 +281,10 @@ class PackedBackend:
                     shard_above_bytes=self.zarr.shard_above_bytes,
                     inner_chunk_bytes=self.zarr.inner_chunk_bytes,
                 ).inner
-            arrays[e.array] = None if got is None else tuple(got)
+            arrays[e.array] = got if got is None or isinstance(got, dict) else tuple(got)
         m.packed = build_index(objects, rows, arrays, refs, hashes=self.hashes)
-        m.format_version = FORMAT_VERSION_1_4
+        # (1.5) compressed arrays ([SP-PACK-12]) are a 1.5 construct, else 1.4 ([SP-VER-1])
+        m.format_version = FORMAT_VERSION_1_5 if m.packed.codecs else FORMAT_VERSION_1_4
         self._check_bases(root, m.packed.bases)
         # encoded once, by the committer (the index checked as a reader checks it): on files
         # written durably (the rename follows); on object stores straight into the marker,

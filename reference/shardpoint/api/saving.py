@@ -196,8 +196,8 @@ class SaveJob:
             if not getattr(be, "supports_compression", False):
                 raise errors.InvalidOptionError(
                     f"SaveOptions(compression={opts.compression!r}): the storage backend "
-                    f"{type(be).__name__} does not write compressed arrays (the packed "
-                    "layout has no compressed chunks); save with the default backend"
+                    f"{type(be).__name__} does not write compressed arrays; save with the "
+                    "default backend"
                 )
             require_zstd(f"SaveOptions(compression={opts.compression!r})")
         self.group = group  # the checkpointer's GroupState: plan cache, async saves
