@@ -93,7 +93,7 @@ def test_a_jax_load_of_a_packed_checkpoint_sends_no_list(s3_env):
     assert m.packed is not None
     objects = {f"save-*/{p.split('/', 1)[1]}": size for p, size in m.packed.objects}
     assert len(objects) == 1  # 10 MiB and a few small chunks: below the object size cap
-    (obj, size), = objects.items()
+    ((obj, size),) = objects.items()
     loaded = _load(url, state)
     assert len(loaded) == 4, loaded
     assert Requests.waves(loaded) == [
