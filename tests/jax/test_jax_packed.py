@@ -157,7 +157,7 @@ def test_incremental_jax_save_writes_only_the_changed_chunks(tmp_path):
 
 
 def test_incremental_refusals_leave_nothing(tmp_path):
-    sj.save(str(tmp_path / "plain"), _tree(1))  # the per-array layout
+    sj.save(str(tmp_path / "plain"), _tree(1), backend=ZarrBackend())  # the per-array layout
     with pytest.raises(sj.InvalidOptionError, match="packed layout"):
         sj.save(str(tmp_path / "x"), _tree(2), incremental="plain")
     with pytest.raises(sj.InvalidOptionError, match="packed layout"):

@@ -14,9 +14,9 @@ import shardpoint_jax as spj  # noqa: E402
 from shardpoint_jax.loading import Checkpoint  # noqa: E402
 
 
-def _saved(tmp_path, a):
+def _saved(tmp_path, a, backend=None):
     path = str(tmp_path / "ck")
-    spj.save(path, {"w": a})
+    spj.save(path, {"w": a}, backend=backend)
     return path, Checkpoint(path).manifest.tensors["w"].array
 
 
@@ -31,15 +31,26 @@ def test_cut_through_regions_match_numpy(tmp_path, shape):
         assert np.array_equal(got, a[off[0] : off[0] + sh[0], off[1] : off[1] + sh[1]])
 
 
-def test_damaged_and_missing_chunks(tmp_path):
+@pytest.mark.parametrize("layout", ["per-array", "packed"])
+def test_damaged_and_missing_chunks(tmp_path, layout):
+    """A flipped byte in the first chunk (per array: its file; packed: its record in the
+    data object), then that file removed (packed: the data object)."""
+    from shardpoint_core.transactions.backend import ZarrBackend
+
     a = np.arange(300 * 70, dtype=np.float32).reshape(300, 70)
-    path, array = _saved(tmp_path, a)
-    cdir = os.path.join(path, array, "c")
-    first = os.path.join(cdir, *sorted(os.listdir(cdir))[:1])
-    while os.path.isdir(first):
-        first = os.path.join(first, sorted(os.listdir(first))[0])
+    if layout == "per-array":
+        path, array = _saved(tmp_path, a, ZarrBackend())
+        cdir = os.path.join(path, array, "c")
+        first = os.path.join(cdir, *sorted(os.listdir(cdir))[:1])
+        while os.path.isdir(first):
+            first = os.path.join(first, sorted(os.listdir(first))[0])
+        at = 7
+    else:
+        path, array = _saved(tmp_path, a)  # the default: packed
+        obj, at, _n, _crc = Checkpoint(path).manifest.tensors["w"].packed.chunk(0)
+        first, at = os.path.join(path, obj), at + 7
     raw = bytearray(open(first, "rb").read())
-    raw[7] ^= 1
+    raw[at] ^= 1
     open(first, "wb").write(bytes(raw))
     with pytest.raises(spj.CorruptCheckpointError) as e:
         Checkpoint(path).array("w").read((1, 1), (5, 5))
