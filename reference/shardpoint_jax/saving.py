@@ -489,7 +489,10 @@ def write_regions(
     if writes.error is not None:
         key, failure = writes.error
         if isinstance(failure, E.ShardpointError):
-            raise failure
+            named = _naming(failure, key)
+            if named is failure:
+                raise failure
+            raise named from failure
         raise E.SaveFailedError(
             f"tensor {key!r}: writing its chunks under {staging!r} failed: {_short(failure)}"
         ) from None
@@ -499,6 +502,21 @@ def write_regions(
         raise E.SaveFailedError(
             f"making the chunks written under {staging!r} durable failed: {e}"
         ) from None
+
+
+def _naming(e: BaseException, key: str) -> BaseException:
+    """``e`` naming tensor ``key``, whose chunks were being written when it was raised,
+    where it names none (the packed layout's writer names the data object it could not
+    write, which holds the chunks of many tensors); the same class and rule."""
+    text = str(e)
+    if repr(key) in text:
+        return e
+    sid = getattr(e, "spec_id", None)
+    body = text.split("] ", 1)[1] if sid and text.startswith(f"[{sid}] ") else text
+    try:
+        return type(e)(f"tensor {key!r}: {body}", spec_id=sid)
+    except TypeError:  # a class built otherwise: as it is
+        return e
 
 
 def _short(e: BaseException) -> str:
