@@ -84,3 +84,25 @@ def test_jax_save_and_load_without_tensorstore(tmp_path):
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["loaded", "damaged"])
+def test_a_load_leaves_nothing_of_its_reads_in_the_backend(tmp_path, fails):
+    """A load closes its reader, whatever its outcome, as the torch load does: the shared
+    backend keeps nothing for the checkpoint's location (memory stays flat over loads)."""
+    from shardpoint_core.transactions.resolve import backend_for
+
+    path, _array = _saved(tmp_path, np.ones((4, 4), np.float32))
+    if fails:  # a damaged chunk: refused once its array was opened and read
+        obj, at, _n, _crc = Checkpoint(path).manifest.tensors["w"].packed.chunk(0)
+        with open(os.path.join(path, obj), "r+b") as f:
+            f.seek(at + 5)
+            b = f.read(1)
+            f.seek(at + 5)
+            f.write(bytes([b[0] ^ 1]))
+        with pytest.raises(spj.CorruptCheckpointError, match="'w'"):
+            spj.load(path)
+    else:
+        assert spj.load(path)["w"].tolist() == np.ones((4, 4)).tolist()
+    kept = backend_for(path).zarr._locations
+    assert path not in kept, list(kept)
