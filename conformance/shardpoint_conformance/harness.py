@@ -170,6 +170,23 @@ def chunk_files(where: str) -> list:
     return sorted(out, key=lambda p: (-os.path.getsize(p), p))
 
 
+def anchor_site(ckpt: str) -> tuple:
+    """(file, byte position) inside the stored bytes of tensor ``anchor`` (every reader reads
+    it in full): the middle of its largest chunk file in the per-array layout, of its largest
+    record in a packed checkpoint's data object (format 1.4, where no file is the anchor's
+    alone and bytes between records are not read)."""
+    files = chunk_files(os.path.join(ckpt, "tensors", "anchor"))
+    if files:
+        return files[0], None
+    from shardpoint_core.transactions.resolve import read_metadata
+
+    part = read_metadata(ckpt).tensors["anchor"].packed
+    obj, off, n, _crc = max(
+        (part.chunk(c) for c in range(len(part.records))), key=lambda r: (r[2], r[0], r[1])
+    )
+    return os.path.join(ckpt, obj), off + n // 2
+
+
 def flip_byte(path: str, pos: Optional[int] = None) -> None:
     with open(path, "r+b") as f:
         data = bytearray(f.read())
@@ -290,8 +307,8 @@ def run_matrix(
             )
             bad = f"{d}/corrupt-ckpt"
             shutil.copytree(ref_ckpt, bad)
-            files = chunk_files(os.path.join(bad, "tensors", "anchor"))  # read in full
-            flip_byte(files[0])
+            victim, pos = anchor_site(bad)  # read in full
+            flip_byte(victim, pos)
             os.makedirs(f"{d}/out-ca", exist_ok=True)
             r = adapter.read(bad, m["ref_json"], f"{d}/out-ca")
             cells["corrupt→adapter"] = (
@@ -300,7 +317,7 @@ def run_matrix(
                 else _cell(
                     "fail",
                     f"adapter read a checkpoint with a flipped byte in "
-                    f"{os.path.relpath(files[0], bad)} without an error",
+                    f"{os.path.relpath(victim, bad)} without an error",
                     ["SP-READ-3"],
                 )
             )

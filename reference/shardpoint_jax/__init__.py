@@ -2,8 +2,9 @@
 (``shardpoint_core``: errors, keys, dtypes, values, the manifest codec, coverage rules).
 
 ``save(path, pytree, *, overwrite=False, async_save=False, backend=None, incremental=None)``
-and ``load(path, target=None)``; ``backend=PackedBackend()`` (shardpoint_core.transactions.
-packed) saves in the packed layout, ``incremental=`` builds on an earlier packed checkpoint;
+and ``load(path, target=None)``; saves are in the packed layout by default, as the core's
+(format 1.4), ``backend=ZarrBackend()`` (shardpoint_core.transactions.backend) saves in the
+per-array layout, ``incremental=`` builds on an earlier packed checkpoint;
 every process of a multi-process job calls both; a path is local (plain or ``file://``) or the
 URL of a registered store (``s3://bucket/run/step_5``, ``memory://name/...``).
 ``read_metadata(path).tree`` is the saved tree with typed leaves (``TensorLeaf``,

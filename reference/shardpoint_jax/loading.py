@@ -37,9 +37,16 @@ class Checkpoint:
 
     def __init__(self, path: str) -> None:
         self.path = checkpoint_path(path, "load(path, target)")
-        self.listing = start_listing(self.path)  # in flight with the manifest's GET
         self.reader = open_reader(self.path)
         self.manifest: Manifest = manifest_of(self.reader)
+        # The layout known, only what it needs: the per-array layout's listing ([SP-READ-6]
+        # on object stores) starts now; a packed checkpoint's index is in the manifest and
+        # its data objects are checked when its arrays are opened ([SP-PACK-7]): no LIST.
+        self.listing = (
+            start_listing(self.path)
+            if self.manifest.packed is None and self.manifest.tensors
+            else None
+        )
         # key -> TensorLeaf / ObjectLeaf / ValueLeaf of the typed tree
         self.leaves: dict = {leaf.key: leaf for _p, leaf in iter_leaves(self.manifest.tree)}
         self._stores: dict = {}
@@ -215,6 +222,15 @@ def load(
     ``leaf_hook(checkpoint, key, leaf)``: for front ends on this one (the Orbax handler), a
     leaf's result, or ``NotImplemented`` for the standard read."""
     ck = Checkpoint(path)
+    try:
+        return _load(ck, target, strict, leaf_hook)
+    finally:
+        # the backend drops what it kept for this load (a packed checkpoint's checked data
+        # objects): the next load checks them again [SP-PACK-7], as the torch load does
+        ck.reader.close()
+
+
+def _load(ck: Checkpoint, target: Any, strict: bool, leaf_hook: Optional[Callable]) -> Any:
     ck.ahead = ReadAhead(ck, planned_regions(ck, target), READ_AHEAD_BYTES)
     try:
         if target is None:

@@ -221,14 +221,16 @@ def save(
     a map with ``"must_understand": False`` that readers ignore; front ends keep what their
     host keeps beside a checkpoint there (the Orbax handler: shardings, PRNG key kinds).
 
-    ``backend``: the storage backend of this save (default: the path's kind's, the
-    per-array layout); ``backend=PackedBackend()``
-    (:mod:`shardpoint_core.transactions.packed`) writes the packed layout, a few data
-    objects per process (spec/format.md section 13), each process with a backend object of
-    its own. ``incremental``: build on a committed packed checkpoint beside ``path`` (its
-    name or path; ``True``: the newest one beside it, on files), referring to its chunks
-    whose bytes are unchanged instead of writing them again ([SP-PACK-9]); the save is
-    packed and records chunk hashes, as the torch ``sp.save(..., incremental=...)``."""
+    ``backend``: the storage backend of this save (default: the core's default for the
+    path, :func:`~shardpoint_core.transactions.resolve.backend_for`: the packed layout, a few
+    data objects per process, spec/format.md section 13, on files and object stores alike);
+    ``backend=ZarrBackend()`` (:mod:`shardpoint_core.transactions.backend`) writes the
+    per-array layout of 1.0-1.3, a directory and chunk files per tensor; each process with a
+    backend object of its own. ``incremental``: build on a committed packed checkpoint
+    beside ``path`` (its name or path; ``True``: the newest one beside it, on files),
+    referring to its chunks whose bytes are unchanged instead of writing them again
+    ([SP-PACK-9]); the save is packed and records chunk hashes, as the torch
+    ``sp.save(..., incremental=...)``."""
     overwrite = check_overwrite(overwrite)  # InvalidOptionError (InvalidRequestError)
     backend = incremental_backend(backend, incremental)
     for name, ext in (extensions or {}).items():
@@ -489,7 +491,10 @@ def write_regions(
     if writes.error is not None:
         key, failure = writes.error
         if isinstance(failure, E.ShardpointError):
-            raise failure
+            named = _naming(failure, key)
+            if named is failure:
+                raise failure
+            raise named from failure
         raise E.SaveFailedError(
             f"tensor {key!r}: writing its chunks under {staging!r} failed: {_short(failure)}"
         ) from None
@@ -499,6 +504,21 @@ def write_regions(
         raise E.SaveFailedError(
             f"making the chunks written under {staging!r} durable failed: {e}"
         ) from None
+
+
+def _naming(e: E.ShardpointError, key: str) -> E.ShardpointError:
+    """``e`` naming tensor ``key``, whose chunks were being written when it was raised,
+    where it names none (the packed layout's writer names the data object it could not
+    write, which holds the chunks of many tensors); the same class and rule."""
+    text = str(e)
+    if repr(key) in text:
+        return e
+    sid = e.spec_id
+    body = text.split("] ", 1)[1] if sid and text.startswith(f"[{sid}] ") else text
+    try:
+        return type(e)(f"tensor {key!r}: {body}", spec_id=sid)
+    except TypeError:  # a class built otherwise: as it is
+        return e
 
 
 def _short(e: BaseException) -> str:

@@ -1,11 +1,11 @@
 """What shardpoint_jax adds to the core's checkpoint transactions (spec/format.md 3, 7, 9-11).
 
 Saves and loads go through :class:`~shardpoint_core.transactions.writer.CheckpointWriter` and
-:class:`~shardpoint_core.transactions.reader.CheckpointReader`, over the shared
-:class:`~shardpoint_core.transactions.backend.ZarrBackend` of the path's kind (the torch front
-end's): the chunk layout, zarr.json, the local fast paths (``pwritev``/``preadv``, one
-``syncfs``), the chunk tables and the committers are the core's, the same for both front
-ends. What is JAX's own is here:
+:class:`~shardpoint_core.transactions.reader.CheckpointReader`, over the core's default backend
+of the path (the torch front end's: the packed layout, or the per-array one where a save names
+``ZarrBackend()``; every backend reads both): the layouts, the local fast paths
+(``pwritev``/``preadv``, one ``syncfs``), the chunk tables and the committers are the core's,
+the same for both front ends. What is JAX's own is here:
 
 - :func:`checkpoint_path`: a location from what the JAX API takes, with its errors (a tree
   passed where the path goes: the PyTorch reference takes ``save(state, path)``);
@@ -14,9 +14,11 @@ ends. What is JAX's own is here:
 - :func:`chunk_pieces`: a region of a JAX shard cut into whole chunks (a backend writes one
   chunk per op, its fast path);
 - :class:`StoredArray`: regions of one tensor read into 64-byte aligned buffers that JAX
-  adopts without a copy; on object stores the declared size is backed by stored bytes
-  ([SP-READ-6]) from one listing of the checkpoint (:func:`start_listing`, in flight with
-  the manifest's GET) before a buffer is allocated.
+  adopts without a copy; on object stores the declared size of a per-array tensor is
+  backed by stored bytes ([SP-READ-6]) from one listing of the checkpoint
+  (:func:`start_listing`, started once the manifest says the layout is per-array) before a
+  buffer is allocated; a packed tensor's data objects are checked when it is opened
+  ([SP-PACK-7]), with no listing.
 """
 
 from __future__ import annotations
@@ -166,10 +168,10 @@ _LISTS: Optional[ThreadPoolExecutor] = None
 
 
 def start_listing(location: str) -> Optional[Future]:
-    """On an object store, the listing of a checkpoint's objects started now (one LIST per
-    1,000 objects, in flight with the manifest's GET): each array's chunk count and bytes
-    for [SP-READ-6] before its buffer is allocated; None for a local path (the core's open
-    counts the files)."""
+    """On an object store, the listing of a per-array checkpoint's objects started now (one
+    LIST per 1,000 objects, in flight with the first reads): each array's chunk count and
+    bytes for [SP-READ-6] before its buffer is allocated; None for a local path (the core's
+    open counts the files)."""
     global _LISTS
     if is_local(location):
         return None

@@ -1,8 +1,16 @@
 """shardpoint_jax writes local chunks straight to their files with the core's direct writer
-(``pwritev`` of the array's memory): every file must be byte for byte what the core's Zarr
-layer writes for the same tree on any other store (here ``memory://``): plain chunks, shards
-of inner chunks, 0-d arrays, bf16, blocks of a sharded array, and a last chunk clipped by the
-array's edge, its inner chunks past the edge left absent."""
+(``pwritev`` of the array's memory): in the per-array layout (``backend=ZarrBackend()``)
+every file must be byte for byte what the core's Zarr layer writes for the same tree on any
+other store (here ``memory://``): plain chunks, shards of inner chunks, 0-d arrays, bf16,
+blocks of a sharded array, and a last chunk clipped by the array's edge, its inner chunks
+past the edge left absent.
+
+The packed layout (the default) has the same invariant for its two writers, on files (each
+chunk a ``pwritev`` at an offset reserved in the process's data file, big chunks aligned,
+zeros between) and on object stores (chunks copied into segments that are PUT): every
+chunk's record holds the same bytes in both, and those are the per-array layout's chunk
+file, byte for byte; the indexes agree but for where the records lie, and a data file holds
+nothing but its records and zeros."""
 
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import shardpoint_jax as sj
     from shardpoint_core.stores.location import locate
+    from shardpoint_core.transactions.backend import ZarrBackend
     from shardpoint_jax import grid
     grid.LOCAL_CHUNK_BYTES = 43 * 200_000    # numpy arrays: chunks of 43 rows of 200 KB
     rng = np.random.default_rng(0)
@@ -35,8 +44,8 @@ SCRIPT = textwrap.dedent("""
             "s": jnp.asarray(2.5, jnp.float32), "np": np.arange(12, dtype=np.int16),
             "step": 3}
     local, mem = sys.argv[1], "memory://direct-write/ck"
-    sj.save(local, tree)
-    sj.save(mem, tree)
+    sj.save(local, tree, backend=ZarrBackend())
+    sj.save(mem, tree, backend=ZarrBackend())
     back = sj.load(local)
     assert np.asarray(back["sharded"]).tobytes() == full.tobytes()
     assert back["edge"].tobytes() == edge.tobytes()
@@ -53,7 +62,44 @@ SCRIPT = textwrap.dedent("""
                 files += 1
         objs = [i for i in store.list("/".join((key, mm.tensors[k].array)) + "/")]
         assert len(objs) == sum(len(fs) for _, _, fs in os.walk(base)), k
-    print(files)
+
+    # the packed layout (the default): files and memory://, against the chunk files above
+    plocal, pmem = sys.argv[2], "memory://direct-write/packed"
+    sj.save(plocal, tree)
+    sj.save(pmem, tree)
+    assert sj.load(plocal)["edge"].tobytes() == edge.tobytes()
+    pl, pm = sj.read_metadata(plocal), sj.read_metadata(pmem)
+    pstore, pkey = locate(pmem).pair()
+    assert pl.format_version == pm.format_version == (1, 4)
+    assert sorted(os.listdir(plocal)) == ["manifest.msgpack", "packed"]
+    same = ("array", "chunk", "length", "crc32c")
+    assert (pl.packed.records[list(same)] == pm.packed.records[list(same)]).all()
+    assert [i for _a, i in pl.packed.arrays] == [i for _a, i in pm.packed.arrays]
+    records = 0
+    spans = {}
+    for k, t in pl.tensors.items():
+        assert t.chunk_crc32c == pm.tensors[k].chunk_crc32c == lm.tensors[k].chunk_crc32c, k
+        grid_ = [-(-n // c) for n, c in zip(t.shape, t.chunk_shape)]
+        for c in range(len(t.packed.records)):
+            obj, off, n, crc = t.packed.chunk(c)
+            with open(os.path.join(plocal, obj), "rb") as f:
+                f.seek(off)
+                ours = f.read(n)
+            spans.setdefault(obj, []).append((off, n))
+            mobj, moff, mn, mcrc = pm.tensors[k].packed.chunk(c)
+            assert (mn, mcrc) == (n, crc), (k, c)
+            assert pstore.get_range(f"{pkey}/{mobj}", moff, mn) == ours, (k, c)
+            rel = "/".join(["c"] + [str(i) for i in np.unravel_index(c, grid_)]) if grid_ else "c"
+            with open(os.path.join(local, t.array, rel), "rb") as f:
+                assert f.read() == ours, (k, rel)  # the per-array layout's chunk file
+            records += 1
+    for obj, sp in spans.items():  # nothing but the records and the zeros between them
+        data = bytearray(open(os.path.join(plocal, obj), "rb").read())
+        for off, n in sp:
+            data[off : off + n] = bytes(n)
+        assert len(data) == max(o + n for o, n in sp) and not any(data), obj
+    assert records == files - len(lm.tensors)  # every chunk file once (less the zarr.json)
+    print(files, records)
 """)
 
 
@@ -63,14 +109,15 @@ def test_direct_chunk_files_are_byte_for_byte_the_zarr_layers(tmp_path):
     )
     path = tmp_path / "direct"
     r = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(path)],
+        [sys.executable, "-c", SCRIPT, str(path), str(tmp_path / "packed")],
         capture_output=True,
         text=True,
         timeout=180,
         env=env,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert int(r.stdout.split()[-1]) >= 10
+    files, records = (int(x) for x in r.stdout.split()[-2:])
+    assert files >= 10 and records >= 10
     files = {os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs}
     assert {"tensors/sharded/c/3/0", "tensors/edge/c/2/0", "tensors/s/c"} <= files
     import numpy as np

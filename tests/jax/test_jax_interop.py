@@ -7,6 +7,7 @@ ranks in a third layout. Every tensor is compared bit for bit at every stage."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from shardpoint_testing.launch import run_world  # noqa: E402
 from shardpoint_core.format.manifest import array_path_for  # noqa: E402
+from shardpoint_core.transactions.resolve import read_metadata  # noqa: E402
 from shardpoint_jax.launch import run_processes  # noqa: E402
 
 from .jax_interop_torch import full_state, torch_load, torch_save  # noqa: E402
@@ -96,6 +98,11 @@ def test_torch_to_jax_to_torch_bitwise(tmp_path):
         for k, (data, off, shape) in out.items():
             want = after[k][tuple(slice(o, o + s) for o, s in zip(off, shape))]
             assert data == np.ascontiguousarray(want).tobytes(), k
-    # The JAX writer used its own layout: the (2, 4) mesh blocks are the chunk grid.
-    zj = json.loads((tmp_path / "jax" / array_path_for("model/1.weight") / "zarr.json").read_text())
-    assert zj["chunk_grid"]["configuration"]["chunk_shape"] == [3, 2]
+    # The JAX writer used its own layout: the (2, 4) mesh blocks are the chunk grid (packed,
+    # the default: in the manifest; each block one record, written once by its process).
+    m = read_metadata(str(tmp_path / "jax"))
+    assert m.format_version == (1, 4)
+    entry = m.tensors["model/1.weight"]
+    assert entry.chunk_shape == (3, 2) and entry.array == array_path_for("model/1.weight")
+    assert len(entry.packed.records) == math.prod(-(-n // c) for n, c in zip(entry.shape, (3, 2)))
+    assert len(m.packed.objects) == 2  # one data object per JAX process

@@ -6,6 +6,7 @@ process failing the save everywhere while the previous checkpoint stays."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -43,7 +44,7 @@ tree = {"model": {"w": put(W, m22, ("dp", "tp")), "v": put(V, m22, ("tp",))},
         "np": np.arange(6, dtype=np.float16), "step": 11,
         "rng": sj.ShardedObject({"pid": pid}, pid, n),
         "grid": sj.ShardedObject(f"cell{pid}", (0, pid), (1, n))}
-sj.save(PATH, tree)
+sj.save(PATH, tree, backend=BACKEND)
 other = Mesh(devs[::-1].reshape(-1), ("x",))
 tgt = {"model": {"w": jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=NamedSharding(other, P(None, "x"))),
                  "v": jax.ShapeDtypeStruct(V.shape, V.dtype, sharding=NamedSharding(other, P()))},
@@ -60,23 +61,46 @@ print(json.dumps({"pid": pid, "shards": shards, "rng": got["rng"].value["pid"],
 )
 
 
-def _run(code, n, devices, path, **kw):
-    outs = run_processes(code.replace("PATH", repr(str(path))), n, devices, timeout=300, **kw)
+def _run(code, n, devices, path, backend="None", **kw):
+    """``backend``: the save's, as code (None: the default, packed)."""
+    code = code.replace("BACKEND", backend).replace("PATH", repr(str(path)))
+    if backend != "None":
+        code = "from shardpoint_core.transactions.backend import ZarrBackend\n" + code
+    outs = run_processes(code, n, devices, timeout=300, **kw)
     return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 
-@pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.slow), 4])
-def test_two_processes_save_and_reload_into_another_mesh(tmp_path, devices):
-    res = _run(SAVE_LOAD, 2, devices, tmp_path / "ck")
+@pytest.mark.parametrize(
+    "devices,layout",
+    [pytest.param(2, "per-array", marks=pytest.mark.slow), (4, "packed")],
+)
+def test_two_processes_save_and_reload_into_another_mesh(tmp_path, devices, layout):
+    per_array = layout == "per-array"
+    res = _run(SAVE_LOAD, 2, devices, tmp_path / "ck", "ZarrBackend()" if per_array else "None")
     assert [r["rng"] for r in res] == [1, 0]  # cell n-1-pid, held by the other one
     assert [r["grid"] for r in res] == ["cell0", "cell1"]
     assert all(r["shards"] == 3 * devices for r in res)
-    ck = tmp_path / "ck" / "tensors"
-    # The saving layout is the chunk grid: w split 2 x devices, one file per block.
-    zw = json.loads((ck / "model" / "w" / "zarr.json").read_text())
-    assert zw["chunk_grid"]["configuration"]["chunk_shape"] == [4, 24 // devices]
-    assert len(list((ck / "model" / "w" / "c").rglob("*"))) == 2 + 2 * devices
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    from shardpoint_core.transactions.resolve import read_metadata
+
+    m = read_metadata(str(tmp_path / "ck"))
+    # The saving layout is the chunk grid: w split 2 x devices, each block written once.
+    assert m.tensors["model/w"].chunk_shape == (4, 24 // devices)
+    if per_array:  # one file per block
+        ck = tmp_path / "ck" / "tensors"
+        zw = json.loads((ck / "model" / "w" / "zarr.json").read_text())
+        assert zw["chunk_grid"]["configuration"]["chunk_shape"] == [4, 24 // devices]
+        assert len(list((ck / "model" / "w" / "c").rglob("*"))) == 2 + 2 * devices
+        return
+    # packed: one data object per process, no per-tensor file; each process's blocks (a row
+    # of the dp x tp mesh: its own devices) in its own object, one record each
+    assert sorted(os.listdir(tmp_path / "ck")) == ["manifest.msgpack", "packed"]
+    assert len(os.listdir(tmp_path / "ck" / "packed")) == len(m.packed.objects) == 2
+    w = m.packed.array(m.tensors["model/w"].array)
+    assert len(w.records) == 2 * devices and w.inner is None
+    objects = [w.chunk(c)[0] for c in range(2 * devices)]
+    assert objects == [objects[0]] * devices + [objects[-1]] * devices
+    assert objects[0] != objects[-1]
 
 
 FAIL = (

@@ -79,25 +79,41 @@ def test_paths_no_store_serves_are_refused_before_any_io(tmp_path, monkeypatch):
         sj.load("memory://jax-objects/never/saved")
 
 
-def test_damaged_and_missing_objects_name_the_rule():
-    url = "memory://jax-objects/damage/ck"
+@pytest.mark.parametrize("layout", ["per-array", "packed"])
+def test_damaged_and_missing_objects_name_the_rule(layout):
+    """A flipped byte in a chunk (per array: its object; packed: inside its record of the
+    data object) and a missing object (per array: a chunk's; packed: the data object)."""
+    from shardpoint_core.transactions.backend import ZarrBackend
+    from shardpoint_core.transactions.resolve import read_metadata
+
+    url = f"memory://jax-objects/damage-{layout}/ck"
     sj.save(
         url,
         {
             "w": np.arange(300 * 70, dtype=np.float32).reshape(300, 70),
             "v": np.ones((5, 5), np.float32),
         },
+        backend=ZarrBackend() if layout == "per-array" else None,  # None: packed
     )
     store, key = locate(url).pair()
     names = _keys(url)
-    w = next(k for k in names if "/tensors/w/c/" in k)
-    v = next(k for k in names if "/tensors/v/c" in k)
+    if layout == "per-array":
+        w = next(k for k in names if "/tensors/w/c/" in k)
+        v = next(k for k in names if "/tensors/v/c" in k)
+        at = 3
+    else:
+        assert not [k for k in names if "/tensors/" in k]
+        m = read_metadata(url)
+        w, at, _n, _crc = m.packed.array(m.tensors["w"].array).chunk(0)
+        at += 3
+        v = m.packed.array(m.tensors["v"].array).chunk(0)[0]
+        assert v == w and v in names  # one data object holds both
     data = bytearray(store.get(f"{key}/{w}"))
-    data[3] ^= 0x40
+    data[at] ^= 0x40
     store.put(f"{key}/{w}", bytes(data))
     with pytest.raises(sj.CorruptCheckpointError) as e:
         sj.load(url, {"w": np.zeros((300, 70), np.float32)})
-    assert e.value.spec_id == "SP-READ-3" and "'w'" in str(e.value)
+    assert e.value.spec_id == "SP-READ-3" and "'w'" in str(e.value) and w in str(e.value)
     store.delete([f"{key}/{v}"])
     with pytest.raises(sj.CorruptCheckpointError) as e:
         sj.load(url, {"v": np.zeros((5, 5), np.float32)})
@@ -132,7 +148,8 @@ def test_s3_jax_save_read_by_torch_and_back(s3_env):
 def test_s3_compressed_checkpoint_reads_in_jax(s3_env):
     """(1.5) A zstd-compressed checkpoint on S3 (written by the PyTorch front end) loads in
     JAX: its chunk objects hold far fewer bytes than the tensor declares, which the bytes-
-    present rule allows up to 32768 to 1 for compressed arrays ([SP-READ-6], [SP-READ-9])."""
+    present rule allows up to 32768 to 1 for compressed arrays ([SP-READ-6], [SP-READ-9]).
+    Compression is the per-array layout's (the packed one has no compressed chunks)."""
     pytest.importorskip("torch")
     pytest.importorskip("zstandard")
     import shardpoint as sp
@@ -140,7 +157,7 @@ def test_s3_compressed_checkpoint_reads_in_jax(s3_env):
     url = s3_env.url(s3_env.fresh_prefix("jax") + "/zstd")
     zeros = np.zeros((256, 256), np.float32)
     ramp = np.arange(600, dtype=np.int64).reshape(20, 30)
-    sp.save({"z": zeros, "r": ramp}, url, compression="zstd")
+    sp.save({"z": zeros, "r": ramp}, url, compression="zstd", backend=sp.ZarrBackend())
     got = sj.load(url, {"z": np.ones((256, 256), np.float32), "r": np.zeros((20, 30), np.int64)})
     assert np.asarray(got["z"]).tobytes() == zeros.tobytes()
     assert np.asarray(got["r"]).tobytes() == ramp.tobytes()
@@ -189,11 +206,18 @@ VECTORS = os.path.join(
         "truncated_chunk",
         "zarr_json_repeated_name",
         "bad_zarr_json",
+        # the packed layout's (format 1.4)
+        "packed_object_missing",
+        "packed_object_truncated",
+        "packed_record_beyond_object",
+        "packed_records_swapped",
+        "packed_chunk_twice",
     ],
 )
 def test_invalid_vectors_on_an_object_store_fail_as_on_files(case):
     """The reader rules hold on a store without files too: the vector's objects uploaded to
-    ``memory://`` are refused with the class and rule of spec/vectors/invalid."""
+    ``memory://`` are refused with the class and rule of spec/vectors/invalid, in both
+    layouts."""
     url = f"memory://jax-vectors/{case}"
     exp = vector_on_store(os.path.join(VECTORS, case), url)
     with pytest.raises(sj.ShardpointError) as e:
@@ -210,13 +234,18 @@ def test_two_processes_save_and_reload_on_s3(s3_env):
     from .test_jax_multiprocess import SAVE_LOAD
 
     url = s3_env.url(s3_env.fresh_prefix("jaxmp") + "/step_1")
-    outs = run_processes(SAVE_LOAD.replace("PATH", repr(url)), 2, 2, timeout=300)
+    code = SAVE_LOAD.replace("BACKEND", "None").replace("PATH", repr(url))  # packed
+    outs = run_processes(code, 2, 2, timeout=300)
     res = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     assert [r["rng"] for r in res] == [1, 0] and [r["grid"] for r in res] == ["cell0", "cell1"]
     keys = _keys(url)
     assert keys.count("manifest.msgpack") == 1
     assert len({k.split("/")[0] for k in keys if k.startswith("save-")}) == 1
-    assert sum("/tensors/model/w/c/" in k for k in keys) == 4  # 2 x 2 blocks, once each
+    # the save's lease ([SP-COMMIT-16]) and one data object per process (their index parts
+    # gathered into the manifest and deleted): nothing per tensor
+    below = sorted(k.split("/", 1)[1] for k in keys if k != "manifest.msgpack")
+    assert below[0] == "lease.msgpack" and len(below) == 3, keys
+    assert all(k.startswith("packed/") and k.endswith("-0.bin") for k in below[1:]), keys
 
 
 def test_a_listing_is_grouped_by_array_once():
@@ -286,8 +315,8 @@ def test_packed_checkpoints_load_on_object_stores(where, request):
 
 
 def test_a_jax_load_of_a_packed_checkpoint_on_s3_reads_each_object_once(s3_env):
-    """The requests of that load on the S3 server: the manifest's GET beside the LIST the
-    JAX load starts before it knows the layout, one HEAD per data object ([SP-PACK-7]), one
+    """The requests of that load on the S3 server: the manifest's GET (the index is in it:
+    no LIST of the checkpoint), one HEAD per data object ([SP-PACK-7]), one
     ranged GET per object for every tensor's chunks (covering it exactly), the manifest's
     HEAD at the end ([SP-COMMIT-14]); no per-tensor request, no byte read twice."""
     import shardpoint as sp
@@ -308,7 +337,7 @@ def test_a_jax_load_of_a_packed_checkpoint_on_s3_reads_each_object_once(s3_env):
     objects = {f"save-*/{p.split('/', 1)[1]}": size for p, size in m.packed.objects}
     got_reads = sorted((op, k, r if k in objects else None) for op, k, r, *_ in reads)
     assert got_reads == sorted(
-        [("GetObject", "manifest.msgpack", None), ("ListObjectsV2", "", None)]
+        [("GetObject", "manifest.msgpack", None)]
         + [("HeadObject", k, None) for k in objects]
         + [("GetObject", k, f"bytes=0-{size - 1}") for k, size in objects.items()]
         + [("HeadObject", "manifest.msgpack", None)]

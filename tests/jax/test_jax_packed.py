@@ -100,6 +100,39 @@ def test_jax_writes_packed_that_jax_and_torch_load_bitwise_sync_and_async(tmp_pa
     _same(sj.load(str(tmp_path / "sync"), target), tree)
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("where", ["files", "memory"])
+def test_the_default_layout_is_packed_on_files_and_object_stores_sync_and_async(
+    tmp_path, where, asynchronous
+):
+    """With no backend named, shardpoint_jax.save follows the core's default (issue 30):
+    packed, format 1.4, on files and object stores alike, sync and async; nothing per
+    tensor is stored (no tensors/ directory, no zarr.json), one data object per process."""
+    tree = {
+        "w": jnp.asarray(random_array("w", (40, 24), "bfloat16")),
+        "n": random_array("n", (7, 5), np.int32),
+        "step": 3,
+    }
+    if where == "files":
+        url = str(tmp_path / "ck")
+    else:
+        url = f"memory://jax-default/{tmp_path.name}-{int(asynchronous)}/ck"
+    got = sj.save(url, tree, async_save=asynchronous)
+    if asynchronous:
+        got.wait()
+    m = read_metadata(url)
+    assert m.format_version == (1, 4) and m.writer.startswith("shardpoint-jax")
+    assert m.packed is not None and len(m.packed.objects) == 1
+    assert all(e.packed is not None for e in m.tensors.values())
+    if where == "files":
+        assert sorted(os.listdir(url)) == ["manifest.msgpack", "packed"]
+    else:
+        store, key = locate(url).pair()
+        keys = [i.key[len(key) + 1 :] for i in store.list(key + "/")]
+        assert not [k for k in keys if "/tensors/" in k or k.endswith("zarr.json")], keys
+    _same(sj.load(url), tree)
+
+
 def test_jax_and_torch_write_the_same_packed_index_and_bytes(tmp_path):
     """One process, the data object's name fixed and chunks written in order: the JAX and
     the torch front end plan the same chunks and write the same bytes and index."""
@@ -157,7 +190,7 @@ def test_incremental_jax_save_writes_only_the_changed_chunks(tmp_path):
 
 
 def test_incremental_refusals_leave_nothing(tmp_path):
-    sj.save(str(tmp_path / "plain"), _tree(1))  # the per-array layout
+    sj.save(str(tmp_path / "plain"), _tree(1), backend=ZarrBackend())  # the per-array layout
     with pytest.raises(sj.InvalidOptionError, match="packed layout"):
         sj.save(str(tmp_path / "x"), _tree(2), incremental="plain")
     with pytest.raises(sj.InvalidOptionError, match="packed layout"):

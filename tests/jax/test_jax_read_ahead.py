@@ -1,6 +1,9 @@
 """shardpoint_jax loads read regions ahead of their use, a window of bytes at a time: the
 result is the same whatever the window, numpy targets are still filled in place, and a
-damaged chunk read ahead is reported for its own tensor, with no read left running."""
+damaged chunk read ahead is reported for its own tensor, with no read left running (in
+both layouts). Local reads straight into the destination give the Zarr layer's bytes
+exactly and catch damage: the per-array layout's chunk files (``direct_read``) and the
+packed layout's whole-tensor reads (``packed_direct``)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import shardpoint_jax as sj  # noqa: E402
+from shardpoint_core.transactions.backend import ZarrBackend  # noqa: E402
+from shardpoint_core.transactions.resolve import read_metadata  # noqa: E402
 from shardpoint_jax import loading  # noqa: E402
 
 
@@ -50,16 +55,27 @@ def test_any_window_loads_the_same_bits_and_fills_numpy_in_place(tmp_path, monke
     assert all(np.asarray(whole[k]).tobytes() == np.asarray(v).tobytes() for k, v in t.items())
 
 
-def test_a_damaged_chunk_read_ahead_names_its_own_tensor(tmp_path, monkeypatch):
+def _flip(path: str, at: int) -> None:
+    """One byte of the file at ``path`` flipped, its size unchanged."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("layout", ["per-array", "packed"])
+def test_a_damaged_chunk_read_ahead_names_its_own_tensor(tmp_path, monkeypatch, layout):
     t = tree()
     p = str(tmp_path / "ck")
-    sj.save(p, t)
-    chunk = os.path.join(p, "tensors", "w4", "c", "0", "0")
-    with open(chunk, "r+b") as f:  # same size, one flipped byte
-        f.seek(100)
-        b = f.read(1)
-        f.seek(100)
-        f.write(bytes([b[0] ^ 0xFF]))
+    if layout == "per-array":
+        sj.save(p, t, backend=ZarrBackend())
+        _flip(os.path.join(p, "tensors", "w4", "c", "0", "0"), 100)
+    else:
+        sj.save(p, t)  # the default: packed
+        m = read_metadata(p)
+        obj, off, _n, _crc = m.packed.array(m.tensors["w4"].array).chunk(0)
+        _flip(os.path.join(p, obj), off + 100)  # inside w4's chunk in the data object
     started = []
     real = loading.ReadAhead._start
 
@@ -69,8 +85,9 @@ def test_a_damaged_chunk_read_ahead_names_its_own_tensor(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loading.ReadAhead, "_start", spy)
     monkeypatch.setattr(loading, "READ_AHEAD_BYTES", 1 << 40)
-    with pytest.raises(sj.CorruptCheckpointError, match="'w4'"):
+    with pytest.raises(sj.CorruptCheckpointError, match="'w4'") as e:
         sj.load(p, abstract(t))
+    assert e.value.spec_id == "SP-READ-3"
     assert any(("w4", (0, 0), (64, 32)) in s for s in started)  # w4 was read ahead
     drained = []
     real_drain = loading.ReadAhead.drain
@@ -85,7 +102,7 @@ def test_a_damaged_chunk_read_ahead_names_its_own_tensor(tmp_path, monkeypatch):
 
 
 def test_direct_reads_from_the_files_match_the_zarr_layer_and_catch_damage(tmp_path, monkeypatch):
-    """Local regions are read by the core's direct reader (preadv into the destination);
+    """Per-array layout: local regions are read by the core's direct reader (preadv into the destination);
     they must give the Zarr layer's bytes exactly: edge chunks padded in the file, shards of
     inner chunks, regions cutting inner chunks, 0-d arrays, bf16. An intact checkpoint never
     needs the Zarr layer; a damaged inner chunk goes to it, which names the rule."""
@@ -100,7 +117,7 @@ def test_direct_reads_from_the_files_match_the_zarr_layer_and_catch_damage(tmp_p
         "s": jnp.asarray(3.5, jnp.float32),
     }
     p = str(tmp_path / "ck")
-    sj.save(p, t)
+    sj.save(p, t, backend=ZarrBackend())  # the per-array layout: chunk files
     regions = [
         ("big", [0, 0], [700, 1000]),
         ("big", [35, 0], [70, 1000]),
@@ -152,3 +169,62 @@ def test_direct_reads_from_the_files_match_the_zarr_layer_and_catch_damage(tmp_p
     ) as e:
         Checkpoint(p).read("big", [rows, 0], [rows, 1000])
     assert e.value.spec_id == "SP-READ-3" and calls == [(True, [rows, 0])]
+
+
+def test_packed_whole_reads_into_the_destination_match_the_zarr_layer_and_catch_damage(
+    tmp_path, monkeypatch
+):
+    """Packed layout (the default): a tensor of big chunks read whole on local files goes
+    straight into the destination (``packed_direct``, one preadv per inner chunk); it must
+    give the Zarr layer's bytes over the data object exactly: a shard with an edge inner
+    chunk, a plain uint8 chunk of odd width, bf16; small tensors (a 0-d one) are read from
+    merged runs. A damaged inner chunk is caught on the direct path, naming the tensor, the
+    data object and the rule; a region that avoids it still reads."""
+    from shardpoint_core.arrays import packed_direct
+    from shardpoint_jax.loading import Checkpoint
+
+    rng = np.random.default_rng(5)
+    t = {
+        "big": rng.standard_normal((2201, 1000), np.float32),  # a shard, its last inner chunk cut
+        "odd": rng.integers(0, 255, (1100, 1001), np.uint8),
+        "bf": jnp.asarray(rng.standard_normal((700, 1000), np.float32)).astype(jnp.bfloat16),
+        "s": jnp.asarray(3.5, jnp.float32),
+    }
+    p = str(tmp_path / "ck")
+    sj.save(p, t)
+    m = read_metadata(p)
+    assert m.packed is not None and dict(m.packed.arrays)[m.tensors["big"].array]
+    direct = []
+    real = packed_direct.read_whole
+    monkeypatch.setattr(
+        packed_direct, "read_whole", lambda v, *a: (direct.append(v.key), real(v, *a))[1]
+    )
+    got = {}
+    for straight in (True, False):
+        if not straight:  # every read through the Zarr layer over the data object
+            monkeypatch.setattr(packed_direct, "applies", lambda *a: False)
+        ck = Checkpoint(p)
+        got[straight] = {
+            k: ck.read(k, [0] * np.ndim(v), np.shape(v)).tobytes() for k, v in t.items()
+        }
+    assert sorted(direct) == ["bf", "big", "odd"]  # only the first pass went straight
+    assert got[True] == got[False] == {k: np.asarray(v).tobytes() for k, v in t.items()}
+    monkeypatch.undo()
+
+    part = m.packed.array(m.tensors["big"].array)
+    obj, off, n, _crc = part.chunk(0)
+    rows = part.inner[0]
+    ninner = -(-2201 // rows)
+    with open(os.path.join(p, obj), "rb") as f:  # the shard's index, at the record's end
+        f.seek(off + n - (16 * ninner + 4))
+        index = np.frombuffer(f.read(16 * ninner), "<u8").reshape(ninner, 2)
+    _flip(os.path.join(p, obj), off + int(index[1, 0]) + 10)  # one byte of inner chunk 1
+    direct.clear()
+    monkeypatch.setattr(
+        packed_direct, "read_whole", lambda v, *a: (direct.append(v.key), real(v, *a))[1]
+    )
+    with pytest.raises(sj.CorruptCheckpointError, match=r"'big'.*inner chunk.*crc32c") as e:
+        Checkpoint(p).read("big", [0, 0], [2201, 1000])
+    assert e.value.spec_id == "SP-READ-3" and obj in str(e.value) and direct == ["big"]
+    later = Checkpoint(p).read("big", [2 * rows, 0], [rows, 1000])  # inner chunk 2 only
+    assert later.tobytes() == t["big"][2 * rows : 3 * rows].tobytes()

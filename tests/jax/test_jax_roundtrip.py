@@ -150,29 +150,55 @@ def test_namedtuple_and_registered_nodes_round_trip_through_a_target(tmp_path):
     assert type(got["opt"]) is State and int(got["opt"].count) == 3
 
 
-def test_big_chunks_become_shards_and_partial_reads_touch_inner_chunks(tmp_path):
+@pytest.mark.parametrize("layout", ["per-array", "packed"])
+def test_big_chunks_become_shards_and_partial_reads_touch_inner_chunks(tmp_path, layout):
+    """A chunk over the core's threshold is a shard of inner chunks (per array: its
+    zarr.json's sharding codec; packed: the index's inner chunk shape), read in part and
+    whole by both front ends, and the torch front end writes the same bytes for it."""
     import json
     from shardpoint_jax.loading import Checkpoint
     from shardpoint_core.format.layout import INNER_CHUNK_BYTES, SHARD_ABOVE_BYTES
+    from shardpoint_core.transactions.backend import ZarrBackend
+
+    per_array = layout == "per-array"
+
+    def backend():
+        return ZarrBackend() if per_array else None  # None: the default, packed
 
     a = random_array(0, (2560, 1024), BY_NAME["float32"])  # one 10 MiB chunk
     assert a.nbytes > SHARD_ABOVE_BYTES  # the core's threshold, the torch side's too
-    sj.save(tmp_path / "c", {"big": a})
-    meta = json.loads((tmp_path / "c" / "tensors" / "big" / "zarr.json").read_text())
-    codec = meta["codecs"][0]
-    assert codec["name"] == "sharding_indexed"
-    assert codec["configuration"]["chunk_shape"] == [INNER_CHUNK_BYTES // 4096, 1024]
+    sj.save(tmp_path / "c", {"big": a}, backend=backend())
+    inner = [INNER_CHUNK_BYTES // 4096, 1024]
+    m = sj.read_metadata(tmp_path / "c")
+    if per_array:
+        meta = json.loads((tmp_path / "c" / "tensors" / "big" / "zarr.json").read_text())
+        codec = meta["codecs"][0]
+        assert codec["name"] == "sharding_indexed"
+        assert codec["configuration"]["chunk_shape"] == inner
+    else:
+        assert m.format_version == (1, 4)
+        assert dict(m.packed.arrays)[m.tensors["big"].array] == tuple(inner)
     assert same_bits(sj.load(tmp_path / "c")["big"], a)
     ck = Checkpoint(tmp_path / "c")
     assert same_bits(ck.read("big", [130, 5], [3, 7]), a[130:133, 5:12])
     shardpoint = pytest.importorskip("shardpoint")  # the reference reads the shards too
     assert np.asarray(shardpoint.load(str(tmp_path / "c"))["big"]).tobytes() == a.tobytes()
-    # ... and writes the same files for the same state: one set of chunking choices
+    # ... and writes the same bytes for the same state: one set of chunking choices
     torch = pytest.importorskip("torch")
-    shardpoint.save({"big": torch.from_numpy(a)}, str(tmp_path / "t"))
-    for sub in ("zarr.json", "c/0/0"):
-        ours, theirs = (tmp_path / d / "tensors" / "big" / sub for d in ("c", "t"))
-        assert ours.read_bytes() == theirs.read_bytes(), sub
+    shardpoint.save({"big": torch.from_numpy(a)}, str(tmp_path / "t"), backend=backend())
+    if per_array:
+        for sub in ("zarr.json", "c/0/0"):
+            ours, theirs = (tmp_path / d / "tensors" / "big" / sub for d in ("c", "t"))
+            assert ours.read_bytes() == theirs.read_bytes(), sub
+    else:  # the shard's record: the same bytes (its data object's name is random)
+        shards = []
+        for d in ("c", "t"):
+            md = sj.read_metadata(tmp_path / d)
+            obj, off, n, crc = md.tensors["big"].packed.chunk(0)
+            with open(tmp_path / d / obj, "rb") as f:
+                f.seek(off)
+                shards.append((f.read(n), n, crc, md.packed.arrays))
+        assert shards[0] == shards[1]
     tables = [
         shardpoint.read_metadata(str(tmp_path / d)).tensors["big"].chunk_crc32c for d in ("c", "t")
     ]

@@ -14,9 +14,9 @@ import shardpoint_jax as spj  # noqa: E402
 from shardpoint_jax.loading import Checkpoint  # noqa: E402
 
 
-def _saved(tmp_path, a):
+def _saved(tmp_path, a, backend=None):
     path = str(tmp_path / "ck")
-    spj.save(path, {"w": a})
+    spj.save(path, {"w": a}, backend=backend)
     return path, Checkpoint(path).manifest.tensors["w"].array
 
 
@@ -31,15 +31,26 @@ def test_cut_through_regions_match_numpy(tmp_path, shape):
         assert np.array_equal(got, a[off[0] : off[0] + sh[0], off[1] : off[1] + sh[1]])
 
 
-def test_damaged_and_missing_chunks(tmp_path):
+@pytest.mark.parametrize("layout", ["per-array", "packed"])
+def test_damaged_and_missing_chunks(tmp_path, layout):
+    """A flipped byte in the first chunk (per array: its file; packed: its record in the
+    data object), then that file removed (packed: the data object)."""
+    from shardpoint_core.transactions.backend import ZarrBackend
+
     a = np.arange(300 * 70, dtype=np.float32).reshape(300, 70)
-    path, array = _saved(tmp_path, a)
-    cdir = os.path.join(path, array, "c")
-    first = os.path.join(cdir, *sorted(os.listdir(cdir))[:1])
-    while os.path.isdir(first):
-        first = os.path.join(first, sorted(os.listdir(first))[0])
+    if layout == "per-array":
+        path, array = _saved(tmp_path, a, ZarrBackend())
+        cdir = os.path.join(path, array, "c")
+        first = os.path.join(cdir, *sorted(os.listdir(cdir))[:1])
+        while os.path.isdir(first):
+            first = os.path.join(first, sorted(os.listdir(first))[0])
+        at = 7
+    else:
+        path, array = _saved(tmp_path, a)  # the default: packed
+        obj, at, _n, _crc = Checkpoint(path).manifest.tensors["w"].packed.chunk(0)
+        first, at = os.path.join(path, obj), at + 7
     raw = bytearray(open(first, "rb").read())
-    raw[7] ^= 1
+    raw[at] ^= 1
     open(first, "wb").write(bytes(raw))
     with pytest.raises(spj.CorruptCheckpointError) as e:
         Checkpoint(path).array("w").read((1, 1), (5, 5))
@@ -73,3 +84,25 @@ def test_jax_save_and_load_without_tensorstore(tmp_path):
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["loaded", "damaged"])
+def test_a_load_leaves_nothing_of_its_reads_in_the_backend(tmp_path, fails):
+    """A load closes its reader, whatever its outcome, as the torch load does: the shared
+    backend keeps nothing for the checkpoint's location (memory stays flat over loads)."""
+    from shardpoint_core.transactions.resolve import backend_for
+
+    path, _array = _saved(tmp_path, np.ones((4, 4), np.float32))
+    if fails:  # a damaged chunk: refused once its array was opened and read
+        obj, at, _n, _crc = Checkpoint(path).manifest.tensors["w"].packed.chunk(0)
+        with open(os.path.join(path, obj), "r+b") as f:
+            f.seek(at + 5)
+            b = f.read(1)
+            f.seek(at + 5)
+            f.write(bytes([b[0] ^ 1]))
+        with pytest.raises(spj.CorruptCheckpointError, match="'w'"):
+            spj.load(path)
+    else:
+        assert spj.load(path)["w"].tolist() == np.ones((4, 4)).tolist()
+    kept = backend_for(path).zarr._locations
+    assert path not in kept, list(kept)

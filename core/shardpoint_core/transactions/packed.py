@@ -346,6 +346,11 @@ class PackedBackend:
     def start_reads(self) -> None:
         self.zarr.start_reads()
 
+    def release(self, root: str) -> None:
+        """The end of a load (:meth:`~.reader.CheckpointReader.close`): the Zarr backend
+        drops what it kept for reads below ``root``."""
+        self.zarr.release(root)
+
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
         return self.zarr.verify_array(root, array_path, spec, key)
 
