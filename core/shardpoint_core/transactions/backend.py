@@ -243,9 +243,12 @@ class ZarrBackend:
     def release(self, root: str) -> None:
         """Drop what this backend keeps for the arrays opened below ``root`` (its location):
         the end of a load (:meth:`CheckpointReader.close`); a save's ``flush``, ``abort`` and
-        ``commit`` drop theirs."""
+        ``commit`` drop theirs. The (1.4) data objects found sound are forgotten too, so
+        the next load checks them again ([SP-PACK-7]): a file damaged between two loads is
+        refused by its own rule, not found later as a short chunk."""
         with self._loc_lock:
             self._locations.pop(root, None)
+            self._packed_ok.clear()
 
     def _url(self, url: str, key: str) -> str:
         return url_of(url, key)
