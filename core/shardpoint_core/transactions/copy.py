@@ -33,7 +33,7 @@ from shardpoint_core.arrays.packed_base import manifest_identity, sibling_path
 from shardpoint_core.commit.object_store import SAVE_PREFIX
 from shardpoint_core.format.errors import CorruptCheckpointError, SaveFailedError
 from shardpoint_core.format.manifest import Manifest
-from shardpoint_core.format.packed import HASH_BYTES, chunk_hash
+from shardpoint_core.format.packed import HASH_BYTES, PackedIndex, chunk_hash
 from shardpoint_core.stores.location import locate
 from shardpoint_core.stores.registry import is_local
 from shardpoint_core.transactions.packed import PackedBackend
@@ -149,7 +149,8 @@ def _flatten(
     there with the identity the index records."""
     from shardpoint_core.arrays.packed import OBJECT_CAP
 
-    packed = m.packed
+    assert m.packed is not None, "only a packed index has bases"
+    packed: PackedIndex = m.packed
     checks: Dict[str, bytes] = {}
     for name, ident in packed.bases:
         where = sibling_path(src, name)
@@ -189,6 +190,7 @@ def _flatten(
             flat[key] = []
         o = int(r["object"])
         b = packed.base_of(o)
+        assert b is not None  # (a record of an object of a base, by ``shared``)
         flat[key].append(
             (
                 sibling_path(src, packed.bases[b][0]),
@@ -207,10 +209,10 @@ def _flatten(
         objects.append((key, at))
     mine = np.flatnonzero(~is_base[packed.records["object"]]) if len(rec) else shared
     rec["object"][mine] = renum[packed.records["object"][mine]]
-    index = dataclasses.replace(
-        packed, objects=objects, records=rec, bases=[], object_bases=None
-    )
+    index = dataclasses.replace(packed, objects=objects, records=rec, bases=[], object_bases=None)
     return index, flat, checks
+
+
 def writing_backend(dst: str, backend: Optional[StorageBackend]) -> StorageBackend:
     """The backend that writes a copy to ``dst``: ``backend`` (the default one of ``dst``'s
     kind when None), or for a packed backend the Zarr backend it commits through: a copy
@@ -239,7 +241,7 @@ def _stream(
     """Copy object ``key`` of ``size`` bytes to the file of ``target`` (a local store) in
     pieces of :data:`PIECE` bytes: a data object of the packed layout may be a writer's
     whole state."""
-    path = d_store.path(target)
+    path = str(d_store.path(target))  # a local store: the key.s file
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
@@ -336,7 +338,7 @@ def copy_part(
             if key in flat:
                 pieces = [tuple(p) for p in flat[key]]
                 if local:  # one flat object per copy on files, written in place
-                    path = d_store.path(target)
+                    path = str(d_store.path(target))  # type: ignore[attr-defined]
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                     try:
@@ -417,9 +419,7 @@ class CopyTransaction:
             else:
                 p = m.packed
                 own = {
-                    path: size
-                    for i, (path, size) in enumerate(p.objects)
-                    if p.base_of(i) is None
+                    path: size for i, (path, size) in enumerate(p.objects) if p.base_of(i) is None
                 }
                 there = _listed(s_store, s_root, sorted(own))
                 lacking = [k for k in sorted(own) if k not in there]
