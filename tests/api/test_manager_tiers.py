@@ -139,16 +139,18 @@ def test_every_rank_copies_the_objects_its_host_holds_and_one_commit_publishes(t
     for r in got:
         assert r["storage"] == [2, 4] and r["memory"] == [3, 4] and r["warnings"] == []
         assert r["copied"] > 0  # both ranks wrote part of each copy
-    # the objects of a step: w's 2 chunks and zarr.json, b's chunk and zarr.json: 5 a copy
-    assert sum(r["copied"] for r in got) == 2 * 5
+    # the objects of a step (the packed layout, the default): one data object per writer
+    # (each rank writes its half of w, and b is written once): 2 a copy
+    assert sum(r["copied"] for r in got) == 2 * 2
     for s in (2, 4):
         d = sp.load(os.path.join(root, "ckpt", f"step_{s:08d}"))
         want = _state(0, 1, s)
         assert torch.equal(d["w"], want["w"].data) and d["step"] == s
         assert torch.equal(d["b"].view(torch.int16), want["b"].view(torch.int16))
         # laid out as a save made there: no memory step's save prefix inside it
-        top = os.listdir(os.path.join(root, "ckpt", f"step_{s:08d}"))
-        assert "tensors" in top and not [p for p in top if p.startswith("save-")], top
+        top = sorted(os.listdir(os.path.join(root, "ckpt", f"step_{s:08d}")))
+        assert top == ["manifest.msgpack", "packed"], top
+        assert len(os.listdir(os.path.join(root, "ckpt", f"step_{s:08d}", "packed"))) == 2
     assert not [p for p in os.listdir(os.path.join(root, "ckpt")) if p.startswith(".")]
 
 
@@ -176,13 +178,14 @@ def _train_s3(rank: int, world: int, root: str, url: str) -> dict:
 
 
 def test_a_parallel_copy_whose_parts_are_refused_is_aborted_whole(tmp_path, s3_env, monkeypatch):
-    """The real S3 server (behind a proxy) refuses every chunk PUT of step 2's durable copy:
+    """The real S3 server (behind a proxy) refuses every data PUT of step 2's durable copy:
     both ranks' parts fail their tries, the coordinator aborts the copy, nothing of step 2 is
     left in storage, and step 4's copy commits as usual."""
     from shardpoint_testing.s3 import FaultProxy
 
     def rule(method: str, path: str, n: int):
-        chunk = method == "PUT" and "/step_00000002/" in path and "/c/" in path
+        # the packed layout's data objects (packed/<writer>-<n>.bin)
+        chunk = method == "PUT" and "/step_00000002/" in path and "/packed/" in path
         return 403 if chunk else None
 
     prefix = s3_env.fresh_prefix("ptiers")
@@ -220,11 +223,12 @@ def test_a_failed_durable_copy_is_reported_and_training_goes_on(tmp_path, parall
 def test_a_damaged_memory_step_gives_way_to_the_next_older_step(tmp_path):
     root = str(tmp_path)
     run_world(2, _train, root, [1, 2, 3], 2, timeout=120, pg_timeout=30)
-    # step 3 is in memory only; damage its w chunk on both hosts (the copy and the replica)
+    # step 3 is in memory only; damage its data objects on both hosts (the copy and the
+    # replica; the packed layout, the default: one object per writer)
     chunks = glob.glob(
-        os.path.join(root, "shm", "h*", "job", "step_3", "**", "w", "c", "*", "*"), recursive=True
+        os.path.join(root, "shm", "h*", "job", "step_3", "**", "packed", "*.bin"), recursive=True
     )
-    assert len(chunks) == 4  # 2 chunks x 2 hosts
+    assert len(chunks) == 4  # 2 writers x 2 hosts
     for c in chunks:
         with open(c, "r+b") as f:
             b = f.read(1)

@@ -241,7 +241,7 @@ def _stream(
     """Copy object ``key`` of ``size`` bytes to the file of ``target`` (a local store) in
     pieces of :data:`PIECE` bytes: a data object of the packed layout may be a writer's
     whole state."""
-    path = str(d_store.path(target))  # a local store: the key.s file
+    path = str(d_store.path(target))  # a local store: the key's file
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
