@@ -99,9 +99,10 @@ def test_two_processes_memory_every_step_storage_every_two_then_resume_across_ti
     for r in _job(root, "resume"):
         assert r["same"] and r["step"] == 5 and r["tier"] == "memory" and r["skipped"] == []
     # step 5 damaged on every host (its copy, its replica): the next older step, from memory
-    pattern = os.path.join(root, "shm", "h*", "job", "step_5", "**", "w", "c", "*", "*")
+    # (the packed layout, the default: its data objects, one per writing process)
+    pattern = os.path.join(root, "shm", "h*", "job", "step_5", "**", "packed", "*.bin")
     chunks = glob.glob(pattern, recursive=True)
-    assert len(chunks) == 8  # 4 chunks x 2 hosts
+    assert len(chunks) == 4  # 2 processes' objects x 2 hosts
     for c in chunks:
         with open(c, "r+b") as f:
             b = f.read(1)
