@@ -162,12 +162,38 @@ def validate(ckpt: str) -> tuple:
 
 def chunk_files(where: str) -> list:
     """Stored chunk files under a checkpoint (or one array's folder): every file under
-    ``tensors/`` but zarr.json, largest first."""
+    ``tensors/`` but zarr.json, and the packed layout's data objects (``packed/*.bin``,
+    spec section 13), largest first."""
     out = []
     sub = os.path.join(where, "tensors")
     for d, _dirs, files in os.walk(sub if os.path.isdir(sub) else where):
         out += [os.path.join(d, f) for f in files if f != "zarr.json"]
+    packed = os.path.join(where, "packed")
+    if os.path.isdir(packed) and not os.path.isdir(sub):
+        out = [os.path.join(packed, f) for f in os.listdir(packed) if f.endswith(".bin")]
     return sorted(out, key=lambda p: (-os.path.getsize(p), p))
+
+
+def chunk_spots(ckpt: str, key: Optional[str] = None) -> list:
+    """(file, byte position) inside a stored chunk of the checkpoint ``ckpt`` (of tensor
+    ``key`` only, where given), largest chunk first: a chunk file and None (its middle) in
+    the per-array layout; in the packed one the data object and the middle of the chunk's
+    record ([SP-PACK-4]), never padding between chunks."""
+    from shardpoint_core.format.manifest import decode_manifest
+
+    with open(os.path.join(ckpt, "manifest.msgpack"), "rb") as f:
+        m = decode_manifest(f.read())
+    if m.packed is None:
+        where = ckpt if key is None else os.path.join(ckpt, m.tensors[key].array)
+        return [(p, None) for p in chunk_files(where)]
+    spots = []
+    for k, e in m.tensors.items():
+        if key is not None and k != key:
+            continue
+        for r in e.packed.records:
+            path = os.path.join(ckpt, e.packed.objects[int(r["object"])][0])
+            spots.append((int(r["length"]), path, int(r["offset"]) + int(r["length"]) // 2))
+    return [(p, pos) for _n, p, pos in sorted(spots, key=lambda t: (-t[0], t[1], t[2]))]
 
 
 def flip_byte(path: str, pos: Optional[int] = None) -> None:
@@ -290,8 +316,8 @@ def run_matrix(
             )
             bad = f"{d}/corrupt-ckpt"
             shutil.copytree(ref_ckpt, bad)
-            files = chunk_files(os.path.join(bad, "tensors", "anchor"))  # read in full
-            flip_byte(files[0])
+            victim, pos = chunk_spots(bad, "anchor")[0]  # read in full
+            flip_byte(victim, pos)
             os.makedirs(f"{d}/out-ca", exist_ok=True)
             r = adapter.read(bad, m["ref_json"], f"{d}/out-ca")
             cells["corrupt→adapter"] = (
@@ -300,7 +326,7 @@ def run_matrix(
                 else _cell(
                     "fail",
                     f"adapter read a checkpoint with a flipped byte in "
-                    f"{os.path.relpath(files[0], bad)} without an error",
+                    f"{os.path.relpath(victim, bad)} without an error",
                     ["SP-READ-3"],
                 )
             )
