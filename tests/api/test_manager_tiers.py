@@ -282,3 +282,65 @@ def test_which_tier_each_step_goes_to():
         (True, False),
         (True, True),
     ]
+
+
+FROZEN = torch.arange(4096, dtype=torch.float32)  # unchanged from step to step
+
+
+def _train_incremental(rank: int, world: int, root: str) -> dict:
+    tier, mgr = _manager(
+        rank,
+        root,
+        storage_every=2,
+        memory_keep=2,
+        max_to_keep=2,
+        parallel_copy=True,
+        incremental=True,
+    )
+    for s in (1, 2, 3, 4):
+        mgr.save(s, {**_state(rank, world, s), "frozen": FROZEN})
+    mgr.close()
+    out = {"memory": mgr.memory_steps(), "storage": mgr.all_steps(), "warnings": mgr.tier_warnings}
+    torch.distributed.barrier()
+    tier.close()
+    return out
+
+
+def _resume_incremental(rank: int, world: int, root: str) -> dict:
+    tier, mgr = _manager(rank, root, storage_every=2, max_to_keep=2, incremental=True)
+    tree = mgr.load(like={**_state(rank, world, 0, zeros=True), "frozen": torch.zeros(4096)})
+    out = {
+        "step": mgr.last_load.step,
+        "tier": mgr.last_load.tier,
+        "same": _same(rank, world, tree, 4) and torch.equal(tree["frozen"], FROZEN),
+    }
+    mgr.close()
+    torch.distributed.barrier()
+    tier.close()
+    return out
+
+
+def test_incremental_memory_steps_and_flattened_durable_copies(tmp_path):
+    """incremental=True with memory=: each memory step builds on the one before (the frozen
+    tensor is stored once, in step 1, which memory retention keeps while later steps build
+    on it); every durable copy (written by both ranks) is flattened, a whole checkpoint
+    naming no base, bit for bit; after a host loss the newest memory step comes back from
+    the peers' replicas, its base's chunks included."""
+    from shardpoint_core.format.manifest import decode_manifest
+
+    root = str(tmp_path)
+    got = run_world(2, _train_incremental, root, timeout=120, pg_timeout=30)
+    for r in got:
+        assert r["warnings"] == [] and r["storage"] == [2, 4]
+        assert r["memory"] == [1, 3, 4]  # 3 and 4 kept; 1 holds what they build on
+    with open(os.path.join(root, "shm", "h0", "job", "step_4", "manifest.msgpack"), "rb") as f:
+        m4 = decode_manifest(f.read())
+    assert [n for n, _i in m4.packed.bases] == ["step_1"]  # the frozen chunks, not rewritten
+    for s in (2, 4):
+        path = os.path.join(root, "ckpt", f"step_{s:08d}")
+        assert sp.read_metadata(path).packed.bases == []  # flattened
+        d = sp.load(path)
+        assert torch.equal(d["w"], _state(0, 1, s)["w"].data) and torch.equal(d["frozen"], FROZEN)
+    _lose_host_memory(root, "h1")
+    for r in run_world(2, _resume_incremental, root, timeout=120, pg_timeout=30):
+        assert r["same"] and r["step"] == 4 and r["tier"] == "memory"

@@ -167,8 +167,8 @@ class HostTier:
         """(coordinator) which memory step to restore (``step``, or the newest one with an
         intact manifest), which tensors it has on no surviving host (``storage``, their
         object keys in ``missing``; None where no step is there), and what every rank needs to
-        know of them (``arrays``: tensor key -> :func:`array_objects`; ``meta``: the manifest
-        and zarr.json objects)."""
+        know of them (``arrays``: tensor key -> :func:`array_objects`; ``meta``: the manifest,
+        its bases' manifests and the zarr.json objects)."""
         candidates = [step] if step is not None else self.steps()[::-1]
         reasons = []
         for s in candidates:
@@ -199,7 +199,9 @@ class HostTier:
                 "reason": "; ".join(reasons),
                 "arrays": arrays,
                 "meta": sorted(
-                    [f"{prefix}/{MANIFEST_NAME}"] + [k for k in present if k.endswith("/zarr.json")]
+                    [f"{prefix}/{MANIFEST_NAME}"]
+                    + [f"{name}/{MANIFEST_NAME}" for name, _i in bases]  # identities checked
+                    + [k for k in present if k.endswith("/zarr.json")]
                 ),
             }
         return {
@@ -245,7 +247,7 @@ def array_objects(prefix: str, entry: Any, m: Manifest) -> List[Any]:
     the job's store root) to find the objects its chunks lie in: ``[array path, chunk
     shape, bytes, shape]``, and in the packed layout ([SP-PACK-4]) also the keys of the
     data objects its chunks lie in (an object of a base, [SP-PACK-9]: the key of that base
-    step's object)."""
+    step's object, and the base's manifest, whose identity a reader checks first)."""
     out: List[Any] = [
         f"{prefix}/{entry.array}",
         list(entry.chunk_shape),
@@ -256,12 +258,14 @@ def array_objects(prefix: str, entry: Any, m: Manifest) -> List[Any]:
     if part is None or m.packed is None:
         return out
     used = np.unique(part.records["object"])
-    keys = []
+    keys, bases = [], set()
     for o in used.tolist():
         b = m.packed.base_of(o)
         path = m.packed.objects[o][0]
         keys.append(f"{prefix}/{path}" if b is None else f"{m.packed.bases[b][0]}/{path}")
-    return out + [keys]
+        if b is not None:
+            bases.add(f"{m.packed.bases[b][0]}/{MANIFEST_NAME}")
+    return out + [keys + sorted(bases)]
 
 
 def chunk_objects(info: List[Any], offset: Sequence[int], shape: Sequence[int]) -> List[str]:

@@ -300,6 +300,8 @@ class MemoryTier(HostTier):
             return from_storage(why)
         here = os.path.join(self.store.root, f"{_STEP}{s}")
         t0 = time.perf_counter()
+        err: Optional[errors.ShardpointError] = None
+        tree = None
         try:  # each host from its own copy: the ranks of a host load together
             tree = load(
                 here,
@@ -308,10 +310,20 @@ class MemoryTier(HostTier):
                 strict=strict,
                 options=LoadOptions(strategy="direct", host_id=self.host),
             )
-        except errors.ShardpointError as e:  # agreed: every rank takes this branch
+        except errors.ShardpointError as e:  # agreed within this host's group only
+            err = e
+        # agreed by every rank: a load failing on one host alone sends every rank to
+        # storage (or every rank raises), never one rank into a collective the others skip
+        if not self.comm.all_true(err is None):
+            why_failed = f"({err})" if err is not None else "on another host"
             if not fb:
-                raise
-            return from_storage(f"the memory copy of step {s} failed to load ({e})")
+                if err is not None:
+                    raise err
+                raise errors.IncompleteCheckpointError(
+                    f"memory tier shm://{self.job}: the memory copy of step {s} failed to "
+                    "load on another host; no durable fallback was given"
+                )
+            return from_storage(f"the memory copy of step {s} failed to load {why_failed}")
         out.timings["load"] = time.perf_counter() - t0
         if sto_like is not None:
             tree = _merge(tree, load(str(fb), sto_like, group=self.group, strict=strict))
