@@ -7,6 +7,13 @@ makes them durable, checks that the source was not replaced meanwhile, and only 
 the manifest: the target is either absent or the whole checkpoint, never part of one. Any
 failure aborts the save (what was staged is removed; an existing target is never touched).
 
+A packed checkpoint (format 1.4) is copied as its data objects (``packed/<writer>-<n>.bin``,
+each byte for byte; one larger than :data:`PIECE` is copied in pieces onto files); an
+incremental one ([SP-PACK-9]) is copied flattened (:mod:`.copy_flat`): the chunks it takes
+from bases land in objects of the copy's own, checked against their hashes, and the copy
+names no base. The copy is committed through the Zarr backend's commit, with the source's
+index (a packed backend's commit would gather its own writers' index parts).
+
 The memory tier's durable copies use it (``shm://job/step_5`` to ``/ckpt/step_00000005``):
 the bytes come from the copy in memory, not from the trainer's tensors, and every byte read
 from the memory tier is checked against its crc32c there.
@@ -21,21 +28,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
-from shardpoint_core.arrays.packed import PACKED_DIR
-from shardpoint_core.arrays.packed_base import manifest_identity, sibling_path
+from shardpoint_core.arrays.packed_base import manifest_identity
 from shardpoint_core.commit.object_store import SAVE_PREFIX
 from shardpoint_core.format.errors import CorruptCheckpointError, SaveFailedError
 from shardpoint_core.format.manifest import Manifest
-from shardpoint_core.format.packed import HASH_BYTES, PackedIndex, chunk_hash
 from shardpoint_core.stores.location import locate
 from shardpoint_core.stores.registry import is_local
+from shardpoint_core.transactions.copy_flat import FlatPiece, flat_bytes, flatten
 from shardpoint_core.transactions.packed import PackedBackend
 from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.transactions.reader import CheckpointReader
@@ -131,88 +134,6 @@ def _join(root: str, key: str) -> str:
     return f"{root}/{key}" if root else key
 
 
-#: (flattening) one chunk a flat object takes from a base: the base's location, the object's
-#: path there, offset and length in it, the record's crc32c and hash, its offset in the flat
-#: object
-FlatPiece = Tuple[str, str, int, int, int, Optional[bytes], int]
-
-
-def _flatten(
-    src: str, m: Manifest, target_local: bool
-) -> Tuple[Any, Dict[str, List[FlatPiece]], Dict[str, bytes]]:
-    """The packed index of the incremental checkpoint ``m`` (at ``src``) without its bases
-    ([SP-PACK-9]): every chunk a base holds moves into flat objects of the copy's own
-    (``packed/flat-<token>-<n>.bin``; one on files, split at the object-store cap
-    elsewhere), back to back; the records follow, the rest of the index (own objects, hashes,
-    crc32c) stays. Returns (the index, flat object key -> its pieces, base location ->
-    identity to check again before the commit). CorruptCheckpointError where a base is not
-    there with the identity the index records."""
-    from shardpoint_core.arrays.packed import OBJECT_CAP
-
-    assert m.packed is not None, "only a packed index has bases"
-    packed: PackedIndex = m.packed
-    checks: Dict[str, bytes] = {}
-    for name, ident in packed.bases:
-        where = sibling_path(src, name)
-        got = manifest_identity(where)
-        if got != ident:
-            raise CorruptCheckpointError(
-                f"copy of {src!r}: its base {name!r} at {where!r} is "
-                f"{'missing' if got is None else 'another checkpoint (identity differs)'}; "
-                "nothing was copied",
-                spec_id="SP-PACK-9",
-            )
-        checks[where] = ident
-    own = [i for i in range(len(packed.objects)) if packed.base_of(i) is None]
-    renum = np.full(len(packed.objects), -1, np.int64)
-    renum[own] = np.arange(len(own))
-    rec = np.array(packed.records, copy=True)
-    hashes = (
-        None
-        if packed.hashes is None
-        else np.frombuffer(packed.hashes, np.uint8).reshape(-1, HASH_BYTES)
-    )
-    is_base = np.array([packed.base_of(i) is not None for i in range(len(packed.objects))])
-    shared = np.flatnonzero(is_base[rec["object"]]) if len(rec) else np.zeros(0, np.int64)
-    order = shared[np.lexsort((rec["offset"][shared], rec["object"][shared]))]
-    token = secrets.token_hex(4)
-    cap = 0 if target_local else OBJECT_CAP
-    flat: Dict[str, List[FlatPiece]] = {}
-    objects = [packed.objects[i] for i in own]
-    key, at = "", 0
-    for j in order.tolist():
-        r = rec[j]
-        n = int(r["length"])
-        if not key or (cap and at and at + n > cap):
-            if key:
-                objects.append((key, at))
-            key, at = f"{PACKED_DIR}/flat-{token}-{len(flat)}.bin", 0
-            flat[key] = []
-        o = int(r["object"])
-        b = packed.base_of(o)
-        assert b is not None  # (a record of an object of a base, by ``shared``)
-        flat[key].append(
-            (
-                sibling_path(src, packed.bases[b][0]),
-                packed.objects[o][0],
-                int(r["offset"]),
-                n,
-                int(r["crc32c"]),
-                None if hashes is None else bytes(hashes[j]),
-                at,
-            )
-        )
-        rec["offset"][j] = at
-        rec["object"][j] = len(objects)  # the flat object's number once appended
-        at += n
-    if key:
-        objects.append((key, at))
-    mine = np.flatnonzero(~is_base[packed.records["object"]]) if len(rec) else shared
-    rec["object"][mine] = renum[packed.records["object"][mine]]
-    index = dataclasses.replace(packed, objects=objects, records=rec, bases=[], object_bases=None)
-    return index, flat, checks
-
-
 def writing_backend(dst: str, backend: Optional[StorageBackend]) -> StorageBackend:
     """The backend that writes a copy to ``dst``: ``backend`` (the default one of ``dst``'s
     kind when None), or for a packed backend the Zarr backend it commits through: a copy
@@ -223,6 +144,7 @@ def writing_backend(dst: str, backend: Optional[StorageBackend]) -> StorageBacke
 
 
 PIECE = 64 << 20  # bytes read and written at once of a larger object (memory stays flat)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def _read_whole(s_store: Any, s_root: str, key: str, src: str, dst: str) -> bytes:
@@ -243,7 +165,7 @@ def _stream(
     whole state."""
     path = str(d_store.path(target))  # a local store: the key's file
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
     try:
         for at in range(0, size, PIECE):
             n = min(PIECE, size - at)
@@ -265,41 +187,6 @@ def _stream(
                 view = view[os.pwrite(fd, view, at + n - len(view)) :]
     finally:
         os.close(fd)
-
-
-def _flat_bytes(pieces: List[Any], src: str, dst: str) -> Iterator[Tuple[Any, bytes]]:
-    """The chunks of one flat object (:func:`_flatten`), read from their bases and each
-    checked against its record (crc32c, and the [SP-PACK-10] hash), in order, one at a
-    time. A base object is read whole where it is small (a memory-tier object checks its
-    crc32c per read; the pieces come in object order), in ranges where it is large."""
-    cache: Tuple[str, bytes] = ("", b"")
-    for piece in pieces:
-        where, path, off, n, crc, h, _at = piece
-        store, root = locate(where, "copy").pair()
-        key = _join(root, path)
-        try:
-            if cache[0] != f"{where}/{path}":
-                info = store.head(key)
-                whole = info is not None and info.size <= PIECE
-                cache = (f"{where}/{path}", bytes(store.get(key)) if whole else b"")
-            data = cache[1][off : off + n] if cache[1] else store.get_range(key, off, n)
-        except FileNotFoundError as e:
-            raise CorruptCheckpointError(
-                f"copy of {src!r}: object {path!r} of its base {where!r} could not be read "
-                f"intact ({e}); nothing was committed at {dst!r}",
-                spec_id="SP-PACK-9",
-            ) from e
-        bad = len(data) != n or int.from_bytes(data[-4:], "little") != crc
-        if not bad and h is not None:
-            bad = chunk_hash([data]) != h
-        if bad:
-            raise CorruptCheckpointError(
-                f"copy of {src!r}: bytes {off}+{n} of object {path!r} of its base {where!r} "
-                "are not the chunk its index records (crc32c or hash); nothing was committed "
-                f"at {dst!r}",
-                spec_id="SP-PACK-10",
-            )
-        yield piece, data
 
 
 def copy_part(
@@ -340,10 +227,10 @@ def copy_part(
                 if local:  # one flat object per copy on files, written in place
                     path = str(d_store.path(target))  # type: ignore[attr-defined]
                     os.makedirs(os.path.dirname(path), exist_ok=True)
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
                     try:
                         n = 0
-                        for p, data in _flat_bytes(pieces, src, dst):
+                        for p, data in flat_bytes(pieces, src, dst):
                             view = memoryview(data)
                             while view:
                                 view = view[os.pwrite(fd, view, p[6] + len(data) - len(view)) :]
@@ -351,7 +238,7 @@ def copy_part(
                     finally:
                         os.close(fd)
                     return target, n
-                bufs = [data for _p, data in _flat_bytes(pieces, src, dst)]
+                bufs = [data for _p, data in flat_bytes(pieces, src, dst)]
                 d_store.put(target, bufs)
                 return target, sum(len(b) for b in bufs)
             if local and size > PIECE:
@@ -434,7 +321,7 @@ class CopyTransaction:
                 infos = own
                 if p.bases:
                     target_local = is_local(dst)
-                    index, flat, bases = _flatten(str(reader.path), m, target_local)
+                    index, flat, bases = flatten(str(reader.path), m, target_local)
             if lacking:
                 raise CorruptCheckpointError(
                     f"copy of {src!r}: object {lacking[0]!r} of its manifest is missing "
