@@ -2,8 +2,8 @@
 
     python -m shardpoint_conformance.broken_adapter MODE capabilities|write|read ...
 
-MODE ``delete-chunk`` removes one stored chunk ([SP-READ-2] for readers), ``flip-byte``
-flips a byte inside one (a crc32c mismatch, [SP-READ-3]), ``truncate-manifest`` cuts the
+MODE ``delete-chunk`` removes one stored chunk (the packed layout: a data object;
+[SP-READ-2] for readers), ``flip-byte`` flips a byte inside one (a crc32c mismatch, [SP-READ-3]), ``truncate-manifest`` cuts the
 manifest in half ([SP-MAN-1]). ``adapter-test`` must catch each with that requirement ID;
 the conformance tests use it to prove the harness is not blind.
 """
@@ -14,7 +14,7 @@ import os
 import sys
 
 from shardpoint_conformance import reference_adapter
-from shardpoint_conformance.harness import chunk_files, flip_byte
+from shardpoint_conformance.harness import chunk_files, chunk_spots, flip_byte
 
 MODES = ("delete-chunk", "flip-byte", "truncate-manifest")
 
@@ -34,11 +34,10 @@ def main(argv=None) -> int:
         with open(m, "r+b") as f:
             f.truncate(os.path.getsize(m) // 2)
         return 0
-    victim = chunk_files(ckpt)[0]
-    if mode == "delete-chunk":
-        os.remove(victim)
+    if mode == "delete-chunk":  # a chunk file, or a data object of the packed layout
+        os.remove(chunk_files(ckpt)[0])
     else:
-        flip_byte(victim)
+        flip_byte(*chunk_spots(ckpt)[0])  # inside a chunk's stored bytes
     return 0
 
 

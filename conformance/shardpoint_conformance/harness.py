@@ -162,29 +162,38 @@ def validate(ckpt: str) -> tuple:
 
 def chunk_files(where: str) -> list:
     """Stored chunk files under a checkpoint (or one array's folder): every file under
-    ``tensors/`` but zarr.json, largest first."""
+    ``tensors/`` but zarr.json, and the packed layout's data objects (``packed/*.bin``,
+    spec section 13), largest first."""
     out = []
     sub = os.path.join(where, "tensors")
     for d, _dirs, files in os.walk(sub if os.path.isdir(sub) else where):
         out += [os.path.join(d, f) for f in files if f != "zarr.json"]
+    packed = os.path.join(where, "packed")
+    if os.path.isdir(packed) and not os.path.isdir(sub):
+        out = [os.path.join(packed, f) for f in os.listdir(packed) if f.endswith(".bin")]
     return sorted(out, key=lambda p: (-os.path.getsize(p), p))
 
 
-def anchor_site(ckpt: str) -> tuple:
-    """(file, byte position) inside the stored bytes of tensor ``anchor`` (every reader reads
-    it in full): the middle of its largest chunk file in the per-array layout, of its largest
-    record in a packed checkpoint's data object (format 1.4, where no file is the anchor's
-    alone and bytes between records are not read)."""
-    files = chunk_files(os.path.join(ckpt, "tensors", "anchor"))
-    if files:
-        return files[0], None
-    from shardpoint_core.transactions.resolve import read_metadata
+def chunk_spots(ckpt: str, key: Optional[str] = None) -> list:
+    """(file, byte position) inside a stored chunk of the checkpoint ``ckpt`` (of tensor
+    ``key`` only, where given), largest chunk first: a chunk file and None (its middle) in
+    the per-array layout; in the packed one the data object and the middle of the chunk's
+    record ([SP-PACK-4]), never padding between chunks."""
+    from shardpoint_core.format.manifest import decode_manifest
 
-    part = read_metadata(ckpt).tensors["anchor"].packed
-    obj, off, n, _crc = max(
-        (part.chunk(c) for c in range(len(part.records))), key=lambda r: (r[2], r[0], r[1])
-    )
-    return os.path.join(ckpt, obj), off + n // 2
+    with open(os.path.join(ckpt, "manifest.msgpack"), "rb") as f:
+        m = decode_manifest(f.read())
+    if m.packed is None:
+        where = ckpt if key is None else os.path.join(ckpt, m.tensors[key].array)
+        return [(p, None) for p in chunk_files(where)]
+    spots = []
+    for k, e in m.tensors.items():
+        if key is not None and k != key:
+            continue
+        for r in e.packed.records:
+            path = os.path.join(ckpt, e.packed.objects[int(r["object"])][0])
+            spots.append((int(r["length"]), path, int(r["offset"]) + int(r["length"]) // 2))
+    return [(p, pos) for _n, p, pos in sorted(spots, key=lambda t: (-t[0], t[1], t[2]))]
 
 
 def flip_byte(path: str, pos: Optional[int] = None) -> None:
@@ -307,7 +316,7 @@ def run_matrix(
             )
             bad = f"{d}/corrupt-ckpt"
             shutil.copytree(ref_ckpt, bad)
-            victim, pos = anchor_site(bad)  # read in full
+            victim, pos = chunk_spots(bad, "anchor")[0]  # read in full
             flip_byte(victim, pos)
             os.makedirs(f"{d}/out-ca", exist_ok=True)
             r = adapter.read(bad, m["ref_json"], f"{d}/out-ca")

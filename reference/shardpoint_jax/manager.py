@@ -145,11 +145,11 @@ class CheckpointManager:
                     parallel_copy=parallel_copy,
                     tier_class="shardpoint_jax.MemoryTier",
                 )
-                if incremental or backend is not None:
+                if backend is not None:
                     raise E.InvalidOptionError(
-                        "incremental=True or backend= with memory=: the durable copies of "
-                        "the memory tier are copied from memory in the per-array layout; "
-                        "drop one of them"
+                        "backend= with memory=: the durable copies of the memory tier are "
+                        "copied from memory, in the layout the memory steps were saved in; "
+                        "drop backend="
                     )
             elif storage_every is not None:
                 raise E.InvalidOptionError(

@@ -4,7 +4,8 @@ copies are the core's, shared with the torch manager
 on them (through :mod:`shardpoint_jax.comm`).
 
 - save: every process saves into memory when the step is due (synchronously: a copy into
-  host memory and to the peers); when it is due to storage, process 0 starts the durable
+  host memory and to the peers; with ``incremental=True`` building on the newest memory step
+  before it, the durable copies then flattened); when it is due to storage, process 0 starts the durable
   copy of that memory step in the background (after the previous copy finished). Then the
   finished copy is reported on every process, storage retention applied, old memory steps
   removed. A memory step of the same number is replaced (memory is the manager's scratch: a
@@ -37,7 +38,14 @@ def save_tiered(mgr: Any, n: int, tree: Any, force: bool) -> None:
     tiers: Tiers = mgr._tiers
     to_memory, to_storage = tiers.due(n)
     if to_memory:
-        tiers.memory.save(tree, n, overwrite=True)
+        backend = None
+        if mgr.incremental:  # builds on the newest memory step before n (process 0's choice)
+            from shardpoint_core.transactions.packed import step_backend
+
+            mine = (tiers.memory_base(n) or "").encode() if jax.process_index() == 0 else None
+            base = broadcast("manager-tiers-base")(mine).decode()
+            backend = step_backend(None, base or None)
+        tiers.memory.save(tree, n, overwrite=True, backend=backend)
     report(mgr, block=to_storage, start=(n, mgr.path(n), force) if to_storage else None)
 
 

@@ -119,18 +119,25 @@ class MemoryTier(HostTier):
         )
 
     def save(
-        self, tree: Any, step: int, *, keep: Optional[int] = None, overwrite: bool = False
+        self,
+        tree: Any,
+        step: int,
+        *,
+        keep: Optional[int] = None,
+        overwrite: bool = False,
+        backend: Any = None,
     ) -> None:
         """Save ``tree`` as memory step ``step`` (collective), committed once every object has
         its ``k`` replicas. Then, with ``keep``, delete all but the newest ``keep`` committed
-        memory steps."""
+        memory steps. ``backend``: as :func:`shardpoint_jax.save`'s (None: the default, the
+        packed layout)."""
         if keep is not None and keep < 1:
             raise E.InvalidOptionError(
                 f"keep={keep}: keep at least the step just saved (keep >= 1)"
             )
         self.check_saveable()
         self.check_budget(written_bytes(tree))
-        spj_save(self.url(step), tree, overwrite=overwrite)
+        spj_save(self.url(step), tree, overwrite=overwrite, backend=backend)
         if keep is not None:
             if self.rank == 0:
                 for old in self.steps()[:-keep]:

@@ -204,9 +204,9 @@ def test_metrics_are_values_inside_the_checkpoint(tmp_path):
     assert m.tree[METRICS_KEY]["loss"].value == 1.5  # in the manifest, no side file
     assert sorted(os.listdir(os.path.join(tmp_path, "step_00000020"))) == [
         "manifest.msgpack",
-        "tensors",
-        "zarr.json",
-    ]  # zarr.json: its Zarr group metadata
+        "packed",
+    ]  # the packed layout (the default): its data objects, no side file
+    assert len(os.listdir(os.path.join(tmp_path, "step_00000020", "packed"))) == 1
     assert CheckpointManager(tmp_path, best_metric="loss").best_step() == 20
     assert CheckpointManager(tmp_path, best_metric="loss", best_mode="max").best_step() == 10
 

@@ -139,16 +139,18 @@ def test_every_rank_copies_the_objects_its_host_holds_and_one_commit_publishes(t
     for r in got:
         assert r["storage"] == [2, 4] and r["memory"] == [3, 4] and r["warnings"] == []
         assert r["copied"] > 0  # both ranks wrote part of each copy
-    # the objects of a step: w's 2 chunks and zarr.json, b's chunk and zarr.json: 5 a copy
-    assert sum(r["copied"] for r in got) == 2 * 5
+    # the objects of a step (the packed layout, the default): one data object per writer
+    # (each rank writes its half of w, and b is written once): 2 a copy
+    assert sum(r["copied"] for r in got) == 2 * 2
     for s in (2, 4):
         d = sp.load(os.path.join(root, "ckpt", f"step_{s:08d}"))
         want = _state(0, 1, s)
         assert torch.equal(d["w"], want["w"].data) and d["step"] == s
         assert torch.equal(d["b"].view(torch.int16), want["b"].view(torch.int16))
         # laid out as a save made there: no memory step's save prefix inside it
-        top = os.listdir(os.path.join(root, "ckpt", f"step_{s:08d}"))
-        assert "tensors" in top and not [p for p in top if p.startswith("save-")], top
+        top = sorted(os.listdir(os.path.join(root, "ckpt", f"step_{s:08d}")))
+        assert top == ["manifest.msgpack", "packed"], top
+        assert len(os.listdir(os.path.join(root, "ckpt", f"step_{s:08d}", "packed"))) == 2
     assert not [p for p in os.listdir(os.path.join(root, "ckpt")) if p.startswith(".")]
 
 
@@ -176,13 +178,14 @@ def _train_s3(rank: int, world: int, root: str, url: str) -> dict:
 
 
 def test_a_parallel_copy_whose_parts_are_refused_is_aborted_whole(tmp_path, s3_env, monkeypatch):
-    """The real S3 server (behind a proxy) refuses every chunk PUT of step 2's durable copy:
+    """The real S3 server (behind a proxy) refuses every data PUT of step 2's durable copy:
     both ranks' parts fail their tries, the coordinator aborts the copy, nothing of step 2 is
     left in storage, and step 4's copy commits as usual."""
     from shardpoint_testing.s3 import FaultProxy
 
     def rule(method: str, path: str, n: int):
-        chunk = method == "PUT" and "/step_00000002/" in path and "/c/" in path
+        # the packed layout's data objects (packed/<writer>-<n>.bin)
+        chunk = method == "PUT" and "/step_00000002/" in path and "/packed/" in path
         return 403 if chunk else None
 
     prefix = s3_env.fresh_prefix("ptiers")
@@ -220,11 +223,12 @@ def test_a_failed_durable_copy_is_reported_and_training_goes_on(tmp_path, parall
 def test_a_damaged_memory_step_gives_way_to_the_next_older_step(tmp_path):
     root = str(tmp_path)
     run_world(2, _train, root, [1, 2, 3], 2, timeout=120, pg_timeout=30)
-    # step 3 is in memory only; damage its w chunk on both hosts (the copy and the replica)
+    # step 3 is in memory only; damage its data objects on both hosts (the copy and the
+    # replica; the packed layout, the default: one object per writer)
     chunks = glob.glob(
-        os.path.join(root, "shm", "h*", "job", "step_3", "**", "w", "c", "*", "*"), recursive=True
+        os.path.join(root, "shm", "h*", "job", "step_3", "**", "packed", "*.bin"), recursive=True
     )
-    assert len(chunks) == 4  # 2 chunks x 2 hosts
+    assert len(chunks) == 4  # 2 writers x 2 hosts
     for c in chunks:
         with open(c, "r+b") as f:
             b = f.read(1)
@@ -278,3 +282,65 @@ def test_which_tier_each_step_goes_to():
         (True, False),
         (True, True),
     ]
+
+
+FROZEN = torch.arange(4096, dtype=torch.float32)  # unchanged from step to step
+
+
+def _train_incremental(rank: int, world: int, root: str) -> dict:
+    tier, mgr = _manager(
+        rank,
+        root,
+        storage_every=2,
+        memory_keep=2,
+        max_to_keep=2,
+        parallel_copy=True,
+        incremental=True,
+    )
+    for s in (1, 2, 3, 4):
+        mgr.save(s, {**_state(rank, world, s), "frozen": FROZEN})
+    mgr.close()
+    out = {"memory": mgr.memory_steps(), "storage": mgr.all_steps(), "warnings": mgr.tier_warnings}
+    torch.distributed.barrier()
+    tier.close()
+    return out
+
+
+def _resume_incremental(rank: int, world: int, root: str) -> dict:
+    tier, mgr = _manager(rank, root, storage_every=2, max_to_keep=2, incremental=True)
+    tree = mgr.load(like={**_state(rank, world, 0, zeros=True), "frozen": torch.zeros(4096)})
+    out = {
+        "step": mgr.last_load.step,
+        "tier": mgr.last_load.tier,
+        "same": _same(rank, world, tree, 4) and torch.equal(tree["frozen"], FROZEN),
+    }
+    mgr.close()
+    torch.distributed.barrier()
+    tier.close()
+    return out
+
+
+def test_incremental_memory_steps_and_flattened_durable_copies(tmp_path):
+    """incremental=True with memory=: each memory step builds on the one before (the frozen
+    tensor is stored once, in step 1, which memory retention keeps while later steps build
+    on it); every durable copy (written by both ranks) is flattened, a whole checkpoint
+    naming no base, bit for bit; after a host loss the newest memory step comes back from
+    the peers' replicas, its base's chunks included."""
+    from shardpoint_core.format.manifest import decode_manifest
+
+    root = str(tmp_path)
+    got = run_world(2, _train_incremental, root, timeout=120, pg_timeout=30)
+    for r in got:
+        assert r["warnings"] == [] and r["storage"] == [2, 4]
+        assert r["memory"] == [1, 3, 4]  # 3 and 4 kept; 1 holds what they build on
+    with open(os.path.join(root, "shm", "h0", "job", "step_4", "manifest.msgpack"), "rb") as f:
+        m4 = decode_manifest(f.read())
+    assert [n for n, _i in m4.packed.bases] == ["step_1"]  # the frozen chunks, not rewritten
+    for s in (2, 4):
+        path = os.path.join(root, "ckpt", f"step_{s:08d}")
+        assert sp.read_metadata(path).packed.bases == []  # flattened
+        d = sp.load(path)
+        assert torch.equal(d["w"], _state(0, 1, s)["w"].data) and torch.equal(d["frozen"], FROZEN)
+    _lose_host_memory(root, "h1")
+    for r in run_world(2, _resume_incremental, root, timeout=120, pg_timeout=30):
+        assert r["same"] and r["step"] == 4 and r["tier"] == "memory"

@@ -287,3 +287,41 @@ def test_a_step_whose_replicas_cannot_be_placed_is_not_committed(tmp_path):
     for err, steps in got:
         assert "took the replica" in err and "not committed" in err, err
         assert steps == [1]
+
+
+def _restore_says(rank: int, world: int, root: str, hosts: list, step: int, fallback) -> dict:
+    tier = _tier(rank, root, hosts)
+    got = tier.restore(_state(rank, world, step, zeros=True), fallback=fallback)
+    _check(rank, world, got.tree, step)
+    tier.close()
+    return {"sources": sorted(set(got.sources.values())), "reason": got.reason}
+
+
+def test_a_memory_load_failing_on_one_host_sends_every_rank_to_storage(tmp_path):
+    """h1's copy of a data object is wrong with a right sidecar (its bytes changed before
+    they were checksummed in memory): the shared-memory check passes, the load's own chunk
+    check fails on h1 alone. Every rank then reads storage and says why, instead of h1's
+    rank going to storage alone while h0's waits for it."""
+    import crc32c
+
+    from shardpoint_core.format.manifest import decode_manifest
+    from shardpoint_core.stores.shm_host import SIDECAR, HostMemory
+
+    root = str(tmp_path)
+    hosts = ["h0", "h1"]
+    run_world(2, _save, root, hosts, [1], True, timeout=120, pg_timeout=30)
+    mem = HostMemory(os.path.join(root, "h1", "job"))
+    with open(mem.path("step_1/manifest.msgpack"), "rb") as f:
+        p = decode_manifest(f.read()).tensors["model/b"].packed  # every rank reads b whole
+    r = p.records[0]
+    key = f"step_1/{p.objects[int(r['object'])][0]}"
+    data = bytearray(open(mem.path(key), "rb").read())
+    data[int(r["offset"])] ^= 0xFF  # inside a chunk: its crc32c no longer holds
+    with open(mem.path(key), "wb") as f:
+        f.write(data)
+    with open(mem.crc_path(key), "wb") as f:
+        f.write(SIDECAR.pack(crc32c.crc32c(bytes(data)), len(data)))
+    fb = os.path.join(root, "durable", "step_{step}")
+    got = run_world(2, _restore_says, root, hosts, 1, fb, timeout=120, pg_timeout=30)
+    for g in got:
+        assert g["sources"] == ["storage"] and "failed to load" in g["reason"]

@@ -196,6 +196,27 @@ def test_adapter_test_passes_with_the_reference_adapter(tmp_path, cases, monkeyp
         assert row["cells"]["corrupt→adapter"]["spec_ids"] == ["SP-READ-3"]
 
 
+def test_the_reference_adapter_writes_the_default_packed_layout(tmp_path):
+    """The reference adapter saves as ``sp.save`` does by default: the packed layout (format
+    1.4, spec section 13), its data objects below ``packed/``, no per-tensor directory, and
+    the reference reads it back bit for bit."""
+    from shardpoint_conformance import reference_adapter
+    from shardpoint_conformance.adapters import read_case_files, write_case_files
+    from shardpoint_core.transactions.resolve import read_metadata
+
+    case, arrays, _notes = harness.make_case(5, 0, reference_adapter.capabilities(), 1)
+    path = write_case_files(case, arrays, str(tmp_path / "case"))
+    ckpt = str(tmp_path / "ckpt")
+    reference_adapter.write_checkpoint(path, ckpt)
+    m = read_metadata(ckpt)
+    assert tuple(m.format_version) == (1, 4) and m.packed is not None
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["manifest.msgpack", "packed"]
+    assert [o.split("/")[0] for o, _n in m.packed.objects] == ["packed"]
+    reference_adapter.read_checkpoint(ckpt, path, str(tmp_path / "out"))
+    got_case, _arrays = read_case_files(path)
+    assert harness.compare_output(got_case, arrays, str(tmp_path / "out")) == []
+
+
 def _broken(mode: str) -> str:
     return f"{shlex.quote(sys.executable)} -m shardpoint_conformance.broken_adapter {mode}"
 

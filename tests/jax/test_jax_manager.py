@@ -276,9 +276,9 @@ def test_resume_latest_with_a_target_and_metrics_round_trip(tmp_path):
     # metrics live in the manifest, no side file
     assert _steps_on_disk(tmp_path / "step_00000020") == [
         "manifest.msgpack",
-        "tensors",
-        "zarr.json",
-    ]  # its Zarr group
+        "packed",
+    ]  # the packed layout (the default): its data objects
+    assert len(_steps_on_disk(tmp_path / "step_00000020" / "packed")) == 1
 
 
 def test_force_overwrites_and_refusal_keeps_the_step(tmp_path):

@@ -99,9 +99,10 @@ def test_two_processes_memory_every_step_storage_every_two_then_resume_across_ti
     for r in _job(root, "resume"):
         assert r["same"] and r["step"] == 5 and r["tier"] == "memory" and r["skipped"] == []
     # step 5 damaged on every host (its copy, its replica): the next older step, from memory
-    pattern = os.path.join(root, "shm", "h*", "job", "step_5", "**", "w", "c", "*", "*")
+    # (the packed layout, the default: its data objects, one per writing process)
+    pattern = os.path.join(root, "shm", "h*", "job", "step_5", "**", "packed", "*.bin")
     chunks = glob.glob(pattern, recursive=True)
-    assert len(chunks) == 8  # 4 chunks x 2 hosts
+    assert len(chunks) == 4  # 2 processes' objects x 2 hosts
     for c in chunks:
         with open(c, "r+b") as f:
             b = f.read(1)
@@ -149,6 +150,39 @@ def test_one_process_memory_gone_resumes_from_storage_and_options_are_checked(tm
         assert same_bits(got["w"], _state(3)["w"]) and got["step"] == 3
         with pytest.raises(spj.CheckpointNotFoundError):
             mgr.load(step=4)
+    finally:
+        tier.close()
+
+
+def test_incremental_memory_steps_with_flattened_durable_copies(tmp_path):
+    """incremental=True with memory=: each memory step builds on the one before (the frozen
+    array stored once, in step 1, kept by memory retention while step 4 builds on it); the
+    durable copies are whole checkpoints naming no base, bit for bit; a load from memory
+    reads the base's chunks."""
+    from shardpoint_core.transactions.backend import ZarrBackend
+    from shardpoint_core.transactions.resolve import read_metadata
+
+    tier = _tier(tmp_path)
+    root = str(tmp_path / "ckpt")
+    frozen = jnp.arange(2048, dtype=jnp.float32)
+    try:
+        with pytest.raises(spj.InvalidOptionError, match="backend= with memory="):
+            spj.CheckpointManager(root, memory=tier, storage_every=2, backend=ZarrBackend())
+        mgr = spj.CheckpointManager(
+            root, memory=tier, storage_every=2, memory_keep=1, incremental=True
+        )
+        for s in range(1, 5):
+            mgr.save(s, {**_state(s), "frozen": frozen})
+        mgr.close()
+        assert (mgr.memory_steps(), mgr.all_steps()) == ([1, 4], [2, 4])
+        assert [n for n, _i in read_metadata(tier.url(4)).packed.bases] == ["step_1"]
+        for s in (2, 4):
+            assert read_metadata(mgr.path(s)).packed.bases == []  # flattened
+            got = spj.load(mgr.path(s))
+            assert same_bits(got["w"], _state(s)["w"]) and same_bits(got["frozen"], frozen)
+        got = mgr.load()
+        assert (mgr.last_load.step, mgr.last_load.tier) == (4, "memory")
+        assert same_bits(got["frozen"], frozen) and same_bits(got["w"], _state(4)["w"])
     finally:
         tier.close()
 

@@ -212,6 +212,7 @@ def shardpoint_save_takes_orbax_arguments():
                                   custom_metadata={"epoch": 2}))
     md = h.metadata(p)
     assert md.tensors["w"].dtype == "bfloat16" and md.extensions["orbax"]["custom_metadata"] == {"epoch": 2}
+    assert tuple(md.format_version) == (1, 4) and md.packed is not None  # the default: packed
     r = h.restore(p)                       # no target: the saved sharding, keys as keys
     assert r["w"].dtype == jnp.bfloat16 and r["w"].sharding.is_equivalent_to(w.sharding, 2)
     assert r["name"] == "run-1" and r["m"] is None

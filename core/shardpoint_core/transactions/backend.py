@@ -419,6 +419,8 @@ class ZarrBackend:
             if isinstance(data, Manifest)
             else array_paths_of(data)
         )  # None: not a manifest, no groups to write
+        if isinstance(data, Manifest) and data.packed is not None:
+            arrays = None  # the packed layout has no zarr.json ([SP-PACK-1]): a copy's commit
         local_files = is_local(root)
         # An OSError names its file and goes to the caller as the manifest's own would (the
         # save reports it as a failed commit, with the fix for a full disk).

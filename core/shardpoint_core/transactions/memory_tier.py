@@ -15,12 +15,14 @@ any ``k`` consecutive hosts of the ring.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import msgpack
+import numpy as np
 
 from shardpoint_core.format import errors
 from shardpoint_core.format.manifest import Manifest, decode_manifest
@@ -165,8 +167,8 @@ class HostTier:
         """(coordinator) which memory step to restore (``step``, or the newest one with an
         intact manifest), which tensors it has on no surviving host (``storage``, their
         object keys in ``missing``; None where no step is there), and what every rank needs to
-        know of them (``arrays``: tensor key -> [array path, chunk shape, bytes, shape];
-        ``meta``: the manifest and zarr.json objects)."""
+        know of them (``arrays``: tensor key -> :func:`array_objects`; ``meta``: the manifest,
+        its bases' manifests and the zarr.json objects)."""
         candidates = [step] if step is not None else self.steps()[::-1]
         reasons = []
         for s in candidates:
@@ -177,27 +179,29 @@ class HostTier:
                 reasons.append(f"step {s}: no intact manifest in memory ({e})")
                 continue
             present = {i.key for i in self.store.list(prefix + "/")}
-            storage, missing = [], []
+            bases = m.packed.bases if m.packed is not None else []
+            for name, _ident in bases:  # (incremental) the base steps beside it
+                present |= {i.key for i in self.store.list(name + "/")}
+            arrays = {k: array_objects(prefix, e, m) for k, e in m.tensors.items()}
+            storage: List[str] = []
+            missing: Dict[str, None] = {}  # in order, each once (objects shared by tensors)
             for key, entry in m.tensors.items():
-                gone = [
-                    k
-                    for k in chunk_keys(f"{prefix}/{entry.array}", entry.shape, entry.chunk_shape)
-                    if k not in present
-                ]
+                a = arrays[key]
+                keys = a[4] if len(a) > 4 else chunk_keys(a[0], entry.shape, entry.chunk_shape)
+                gone = [k for k in keys if k not in present]
                 if gone:
                     storage.append(key)
-                    missing.extend(gone)
+                    missing.update(dict.fromkeys(gone))
             return {
                 "step": s,
                 "storage": storage,
-                "missing": missing,
+                "missing": list(missing),
                 "reason": "; ".join(reasons),
-                "arrays": {
-                    k: [f"{prefix}/{e.array}", list(e.chunk_shape), e.nbytes, list(e.shape)]
-                    for k, e in m.tensors.items()
-                },
+                "arrays": arrays,
                 "meta": sorted(
-                    [f"{prefix}/{MANIFEST_NAME}"] + [k for k in present if k.endswith("/zarr.json")]
+                    [f"{prefix}/{MANIFEST_NAME}"]
+                    + [f"{name}/{MANIFEST_NAME}" for name, _i in bases]  # identities checked
+                    + [k for k in present if k.endswith("/zarr.json")]
                 ),
             }
         return {
@@ -238,14 +242,61 @@ class HostTier:
         self.close()
 
 
+def array_objects(prefix: str, entry: Any, m: Manifest) -> List[Any]:
+    """What a rank needs to know of one tensor of the memory step at ``prefix`` (keys from
+    the job's store root) to find the objects its chunks lie in: ``[array path, chunk
+    shape, bytes, shape]``, and in the packed layout ([SP-PACK-4]) also the keys of the
+    data objects its chunks lie in (an object of a base, [SP-PACK-9]: the key of that base
+    step's object, and the base's manifest, whose identity a reader checks first)."""
+    out: List[Any] = [
+        f"{prefix}/{entry.array}",
+        list(entry.chunk_shape),
+        entry.nbytes,
+        list(entry.shape),
+    ]
+    part = entry.packed
+    if part is None or m.packed is None:
+        return out
+    used = np.unique(part.records["object"])
+    keys, bases = [], set()
+    for o in used.tolist():
+        b = m.packed.base_of(o)
+        path = m.packed.objects[o][0]
+        keys.append(f"{prefix}/{path}" if b is None else f"{m.packed.bases[b][0]}/{path}")
+        if b is not None:
+            bases.add(f"{m.packed.bases[b][0]}/{MANIFEST_NAME}")
+    return out + [keys + sorted(bases)]
+
+
+def chunk_objects(info: List[Any], offset: Sequence[int], shape: Sequence[int]) -> List[str]:
+    """The object keys that a load of a region (``offset``, ``shape``) of one tensor of
+    :meth:`HostTier.decide`'s ``arrays`` (``info``: :func:`array_objects`) needs: the chunk
+    files it meets in the per-array layout; in the packed one every data object holding a
+    chunk of the tensor, since a reader confirms them all before it reads ([SP-PACK-7])."""
+    base, chunk, _n, full = info[0], tuple(info[1]), info[2], tuple(info[3])
+    if any(n == 0 for n in shape) or any(n == 0 for n in full):
+        return []
+    if len(info) > 4:  # packed: every object of the tensor, as a reader checks them all
+        return list(info[4])  # before it reads any ([SP-PACK-7])
+    if not chunk:
+        return [f"{base}/c"]
+    idxs = itertools.product(
+        *(range(lo // c, (lo + n - 1) // c + 1) for lo, n, c in zip(offset, shape, chunk))
+    )
+    return ["/".join([base, "c", *map(str, i)]) for i in idxs]
+
+
 def every_chunk(arrays: Dict[str, Any]) -> Dict[str, str]:
-    """object key -> tensor key for every chunk of every array of :meth:`HostTier.decide`'s
-    ``arrays``."""
-    return {
-        k: t
-        for t, (base, chunk, _n, shape) in arrays.items()
-        for k in chunk_keys(base, tuple(shape), tuple(chunk))[1:]
-    }
+    """object key -> tensor key for every chunk (per-array) or data object (packed) of
+    every array of :meth:`HostTier.decide`'s ``arrays``."""
+    out: Dict[str, str] = {}
+    for t, info in arrays.items():
+        if len(info) > 4:
+            out.update({k: t for k in info[4]})
+        else:
+            base, chunk, _n, shape = info[:4]
+            out.update({k: t for k in chunk_keys(base, tuple(shape), tuple(chunk))[1:]})
+    return out
 
 
-__all__ = ["HostTier", "Restored", "STEP", "every_chunk"]
+__all__ = ["HostTier", "Restored", "STEP", "array_objects", "chunk_objects", "every_chunk"]

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import msgpack
 
+from shardpoint_core.commit.references import bases_closure, name_of, parent_of
 from shardpoint_core.format import errors
 from shardpoint_core.transactions.copy import CopyTransaction, copy_checkpoint, copy_part
 
@@ -384,7 +385,8 @@ class Tiers:
         """Coordinator: begin the copy of memory step ``start[0]`` and share its objects out:
         each to a rank whose host holds it (``listings``: every rank's [key, bytes] of that
         step in its host's memory), the one with the fewest bytes so far; an object no host
-        lists goes to the coordinator (read from wherever it is)."""
+        lists goes to the coordinator (read from wherever it is), as do the flat objects of
+        a flattened incremental source (their chunks lie in several steps)."""
         step, dst, overwrite = start
         txn = CopyTransaction.begin(
             self.memory.url(step), dst, backend=backend, overwrite=overwrite
@@ -409,6 +411,10 @@ class Tiers:
             "staging": txn.staging,
             "prefix": txn.source_prefix,
             "parts": parts,
+            # sizes (a large object is copied piecewise onto files) and, for a flattened
+            # incremental source, the chunks each flat object takes from the bases
+            "sizes": {k: txn.sizes[k] for k in txn.keys if k in txn.sizes},
+            "flat": {k: [list(p) for p in v] for k, v in txn.flat.items()},
         }
 
     def _start_part(self, plan: Dict[str, Any], keys: List[str], backend: Any) -> None:
@@ -420,7 +426,14 @@ class Tiers:
             self._part_result = self._retrying(
                 step,
                 lambda: copy_part(
-                    src, dst, staging, keys, backend=backend, source_prefix=plan["prefix"]
+                    src,
+                    dst,
+                    staging,
+                    keys,
+                    backend=backend,
+                    source_prefix=plan["prefix"],
+                    sizes=plan.get("sizes"),
+                    flat={k: v for k, v in (plan.get("flat") or {}).items() if k in keys},
                 ),
             )
 
@@ -436,12 +449,28 @@ class Tiers:
 
     def evict(self) -> List[int]:
         """Coordinator: remove all but the newest ``memory_keep`` memory steps (never the one
-        being copied); the steps removed."""
+        being copied, nor a step that one of those builds on: incremental memory steps,
+        [SP-PACK-11]); the steps removed, newest first (a referrer before its base)."""
         steps = self.memory.steps()
-        gone = [s for s in steps[: -self.memory_keep] if s != self.copying]
+        kept = set(steps[-self.memory_keep :]) | {self.copying} - {None}
+        held = bases_closure(
+            parent_of(self.memory.url(0)), [str(name_of(self.memory.url(s))) for s in kept]
+        )
+        gone = [
+            s
+            for s in steps[: -self.memory_keep][::-1]
+            if s not in kept and name_of(self.memory.url(s)) not in held
+        ]
         for s in gone:
             self.memory.remove(s)
         return gone
+
+    def memory_base(self, step: int) -> Optional[str]:
+        """Coordinator (a manager's ``incremental=True``): the memory step a memory save of
+        ``step`` builds on, the newest committed one before it (None: none, a full save whose
+        hashes the next one compares against)."""
+        earlier = [s for s in self.memory.steps() if s < step]
+        return str(self.memory.url(earlier[-1])) if earlier else None
 
 
 def tier_plan(step: Optional[int], memory: List[int], storage: List[int]) -> List[List[Any]]:

@@ -97,7 +97,9 @@ class CheckpointManager:
     builds on the newest committed step before it (spec/format.md [SP-PACK-9]): unchanged
     chunks (frozen weights) are referred to, not written again. Retention keeps, beyond its
     policy, every step that a kept step builds on, until nothing kept refers to it
-    ([SP-PACK-11]). Not with ``memory=`` (the durable copies are full saves).
+    ([SP-PACK-11]). With ``memory=`` the memory steps are the incremental ones (each
+    builds on the newest memory step before it; memory retention keeps what kept steps
+    build on) and each durable copy is flattened: a whole checkpoint that names no base.
 
     ``memory``: a :class:`~shardpoint.MemoryTier` (started by every rank, closed by the
     caller after the manager); then ``memory_every`` (steps between memory saves, default 1),
@@ -178,11 +180,6 @@ class CheckpointManager:
                 raise errors.InvalidOptionError(
                     "async_save=True with memory=: the memory save is the fast one, and the "
                     "durable copy already runs in the background; drop async_save"
-                )
-            if incremental:
-                raise errors.InvalidOptionError(
-                    "incremental=True with memory=: the durable copies of the memory tier "
-                    "are full saves; drop one of them"
                 )
             self._tiers = Tiers(
                 memory,
@@ -434,9 +431,22 @@ class CheckpointManager:
         to_memory, to_storage = tiers.due(step)
         result = None
         if to_memory:
-            result = tiers.memory.save(state, step, overwrite=True, options=self.save_options)
+            kw = {"backend": self._memory_backend(step)} if self.incremental else {}
+            result = tiers.memory.save(state, step, overwrite=True, options=self.save_options, **kw)
         self._report(block=to_storage, start=(step, path, force) if to_storage else None)
         return result
+
+    def _memory_backend(self, step: int) -> Any:
+        """(``incremental`` with ``memory=``) the backend of the memory save of ``step``: it
+        builds on the newest committed memory step before it (the coordinator's choice,
+        every rank told), so unchanged chunks are neither written nor replicated again."""
+        from shardpoint_core.transactions.packed import step_backend
+
+        tiers = self._tiers
+        assert tiers is not None
+        mine = (tiers.memory_base(step) or "").encode() if self._comm.is_coordinator else None
+        base = self._comm.broadcast_bytes(mine).decode()
+        return step_backend(None, base or None)
 
     def _report(self, block: bool, start: Optional[tuple] = None) -> None:
         """Collective: the coordinator collects the finished durable copy (waiting for it

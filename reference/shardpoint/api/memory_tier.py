@@ -27,7 +27,6 @@ Example (every rank)::
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
@@ -41,7 +40,12 @@ from shardpoint_core.format import errors
 from shardpoint_core.format.keys import encode_key
 from shardpoint_core.stores.peers import host_identity
 from shardpoint_core.transactions.memory_tier import STEP as _STEP
-from shardpoint_core.transactions.memory_tier import HostTier, Restored, every_chunk
+from shardpoint_core.transactions.memory_tier import (
+    HostTier,
+    Restored,
+    chunk_objects,
+    every_chunk,
+)
 
 Fallback = Union[str, Callable[[int], Optional[str]], None]
 
@@ -167,24 +171,18 @@ class MemoryTier(HostTier):
 
     # -- recovery -------------------------------------------------------------------------
     def _needed(self, like: Any, arrays: Dict[str, Any]) -> Dict[str, str]:
-        """object key -> tensor key: the chunks this rank's part of ``like`` meets (the whole
-        tensors without ``like``)."""
+        """object key -> tensor key: the objects this rank's part of ``like`` meets (its
+        chunks per-array, the data objects holding them packed; the whole tensors without
+        ``like``)."""
         out: Dict[str, str] = {}
         if like is None:
             return out
         for t in flatten_state(like, replica=(self.comm.rank,)).tensors:
             h = t.holding
-            if h.key not in arrays or (h.shape and 0 in h.shape):
+            if h.key not in arrays:
                 continue
-            base, chunk, _n, _shape = arrays[h.key]
-            if not chunk:
-                out[f"{base}/c"] = h.key
-                continue
-            ranges = [
-                range(lo // c, (lo + n - 1) // c + 1) for lo, n, c in zip(h.offset, h.shape, chunk)
-            ]
-            for idx in itertools.product(*ranges):
-                out["/".join([base, "c", *map(str, idx)])] = h.key
+            for k in chunk_objects(arrays[h.key], h.offset, h.shape):
+                out[k] = h.key
         return out
 
     def _host_group(self) -> Any:
@@ -302,6 +300,8 @@ class MemoryTier(HostTier):
             return from_storage(why)
         here = os.path.join(self.store.root, f"{_STEP}{s}")
         t0 = time.perf_counter()
+        err: Optional[errors.ShardpointError] = None
+        tree = None
         try:  # each host from its own copy: the ranks of a host load together
             tree = load(
                 here,
@@ -310,10 +310,20 @@ class MemoryTier(HostTier):
                 strict=strict,
                 options=LoadOptions(strategy="direct", host_id=self.host),
             )
-        except errors.ShardpointError as e:  # agreed: every rank takes this branch
+        except errors.ShardpointError as e:  # agreed within this host's group only
+            err = e
+        # agreed by every rank: a load failing on one host alone sends every rank to
+        # storage (or every rank raises), never one rank into a collective the others skip
+        if not self.comm.all_true(err is None):
+            why_failed = f"({err})" if err is not None else "on another host"
             if not fb:
-                raise
-            return from_storage(f"the memory copy of step {s} failed to load ({e})")
+                if err is not None:
+                    raise err
+                raise errors.IncompleteCheckpointError(
+                    f"memory tier shm://{self.job}: the memory copy of step {s} failed to "
+                    "load on another host; no durable fallback was given"
+                )
+            return from_storage(f"the memory copy of step {s} failed to load {why_failed}")
         out.timings["load"] = time.perf_counter() - t0
         if sto_like is not None:
             tree = _merge(tree, load(str(fb), sto_like, group=self.group, strict=strict))
