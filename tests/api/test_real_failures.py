@@ -9,6 +9,7 @@ blocks the next save, and the next save working.
 
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,20 +121,33 @@ def full_disk_message(msg: str, path: str) -> None:
     assert "free space" in msg, msg  # what to do about it
 
 
+# the file a full disk stopped a chunk at, by layout: the packed writer's data object, with
+# the tensor whose chunk it was; the per-array layout's chunk file (which names its tensor)
+CHUNK_FILE = {
+    "packed": r"tensor 't\d+'.*/packed/[0-9a-f]+-0\.bin",
+    "per-array": r"/tensors/t\d+/c/",
+}
+
+
+def backend_of(layout: str) -> dict:
+    return {"backend": sp.ZarrBackend()} if layout == "per-array" else {}
+
+
 # ---------------------------------------------------------------------- a full disk
-def test_full_disk_sync_save_names_file_and_fix_and_keeps_the_previous(small_disk):
-    """A save bigger than the file system: SaveFailedError naming the checkpoint, the chunk
-    file it could not write and the fix; the staging directory is gone (the space comes
+@pytest.mark.parametrize("layout", ["packed", "per-array"])
+def test_full_disk_sync_save_names_file_and_fix_and_keeps_the_previous(small_disk, layout):
+    """A save bigger than the file system: SaveFailedError naming the checkpoint, the tensor,
+    the file it could not write and the fix; the staging directory is gone (the space comes
     back), the previous checkpoint loads bit for bit and the next save works."""
     d = small_disk
     a = os.path.join(d.path, "a")
-    sp.save(small_state(), a)
+    sp.save(small_state(), a, **backend_of(layout))
     before = d.free()
     for target, kw in ((os.path.join(d.path, "b"), {}), (a, {"overwrite": True})):
         with pytest.raises(sp.SaveFailedError) as ei:
-            sp.save(big_state(), target, **kw)
+            sp.save(big_state(), target, **kw, **backend_of(layout))
         full_disk_message(str(ei.value), target)
-        assert "/tensors/t" in str(ei.value)  # the chunk file that did not fit
+        assert re.search(CHUNK_FILE[layout], str(ei.value)), str(ei.value)
         assert d.entries() == ["a"] and d.free() == before
     assert same(sp.load(a), small_state())
     sp.save(small_state(2.0), os.path.join(d.path, "c"))
@@ -144,13 +158,14 @@ def test_full_disk_while_creating_arrays_gets_the_same_message(tmpfs):
     """The disk may fill while the arrays' zarr.json files are created, before any chunk:
     sync and async saves give the same SaveFailedError (the checkpoint, the file, the fix)
     as a full disk at a chunk write; it was the backend's bare 'cannot create array' (seen
-    in CI, where timing moved the point at which a 32 MiB disk filled)."""
+    in CI, where timing moved the point at which a 32 MiB disk filled). Per-array layout:
+    the packed one writes no zarr.json (its index part and manifest: the test below)."""
     d = tmpfs("64k")
     many = {f"t{i}": torch.zeros(4) for i in range(200)}  # 200 zarr.json files
     target = os.path.join(d.path, "b")
     for kw in ({}, {"async_save": True}):
         with pytest.raises(sp.SaveFailedError) as ei:
-            h = sp.save(many, target, **kw)
+            h = sp.save(many, target, backend=sp.ZarrBackend(), **kw)
             if kw:
                 h.wait(timeout=60)
         full_disk_message(str(ei.value), target)
@@ -158,21 +173,23 @@ def test_full_disk_while_creating_arrays_gets_the_same_message(tmpfs):
         assert d.entries() == []
 
 
-def test_full_disk_at_the_manifest_is_a_save_failure_too(small_disk):
-    """Leave the disk a page or six short (a chunk, two Zarr group files and the manifest are
-    a page each): every chunk may fit and the manifest not. Each
-    outcome is the documented SaveFailedError (it was the base ShardpointError with a bare
-    'OSError: [Errno 28]' when the manifest's own write failed) or a complete checkpoint."""
+@pytest.mark.parametrize("layout", ["packed", "per-array"])
+def test_full_disk_at_the_manifest_is_a_save_failure_too(small_disk, layout):
+    """Leave the disk no page, or a page or six (a chunk, the manifest and, per-array, two
+    Zarr group files and the array's zarr.json are a page each): every chunk may fit and the
+    manifest not. Each outcome is the documented SaveFailedError (it was the base
+    ShardpointError with a bare 'OSError: [Errno 28]' when the manifest's own write failed)
+    or a complete checkpoint."""
     d = small_disk
     a = os.path.join(d.path, "a")
     old = {"w": torch.arange(1023, dtype=torch.float32)}  # one chunk of exactly one page
     stages = set()
-    for leave in range(1, 7):
-        sp.save(old, a, overwrite=True)
+    for leave in range(0, 7):
+        sp.save(old, a, overwrite=True, **backend_of(layout))
         d.fill(leave)
         new = {"w": old["w"] + leave}
         try:
-            sp.save(new, a, overwrite=True)
+            sp.save(new, a, overwrite=True, **backend_of(layout))
             assert same(sp.load(a), new)
             stages.add("saved")
         except sp.ShardpointError as e:
@@ -353,7 +370,7 @@ def test_signal_in_the_middle_of_a_save_leaves_no_staging_behind(big_disk, sig):
     try:
         assert p.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 60
-        while not glob.glob(os.path.join(glob.escape(d.path), ".b.shardpoint-tmp-*/tensors")):
+        while not glob.glob(os.path.join(glob.escape(d.path), ".b.shardpoint-tmp-*/packed")):
             if time.monotonic() > deadline or p.poll() is not None:
                 p.kill()  # its stderr ends only when it does: read it after
                 pytest.fail(f"no save was seen writing within 60 s: {p.communicate()[1]}")

@@ -47,6 +47,7 @@ import msgpack
 from shardpoint_core.arrays.array import ArrayLayout
 from shardpoint_core.arrays.identity import chunk_number
 from shardpoint_core.format.errors import CorruptCheckpointError, SaveFailedError
+from shardpoint_core.format.manifest import key_of_array_path
 from shardpoint_core.format.packed import (
     HASH_BYTES,
     PackedArray,
@@ -56,6 +57,7 @@ from shardpoint_core.format.packed import (
 )
 from shardpoint_core.stores.base import ByteStore, ObjectInfo, StoreCapabilities
 from shardpoint_core.stores.files import start_writeback
+from shardpoint_core.stores.fsutil import os_error_text
 
 PACKED_DIR = "packed"
 ALIGN = 4096  # chunks of ALIGN_ABOVE bytes and more start on this boundary
@@ -120,7 +122,7 @@ class PackedWriter:
         self._seg_len = 0
         self._puts: List[Future[Any]] = []
         self._slots = threading.Semaphore(max(2, IN_FLIGHT // self.cap))
-        self._failed: Optional[BaseException] = None
+        self._failed: Optional[SaveFailedError] = None  # the first failed write
 
     def _key(self, n: int) -> str:
         return f"{PACKED_DIR}/{self.id}-{n}.bin"
@@ -154,8 +156,8 @@ class PackedWriter:
         crc = bytes(views[-1][-4:]) if n >= 4 else b"\0\0\0\0"
         h = chunk_hash(views) if self.hashes else None  # outside the lock: threads in parallel
         with self._lock:
-            if self._failed is not None:
-                raise SaveFailedError(f"an earlier write of this save failed: {self._failed}")
+            if self._failed is not None:  # the first failure again: its tensor, file and fix
+                raise SaveFailedError(str(self._failed)) from self._failed.__cause__
             if h is not None:
                 self._hashes[(name, chunk)] = h
             if candidate is not None and (candidate[5], candidate[6], candidate[7]) == (n, crc, h):
@@ -192,11 +194,24 @@ class PackedWriter:
             if self.fsync:  # the disk starts on it now, not all at the final fsync
                 start_writeback(fd, size, start + n - size)
         except OSError as e:
+            err = self._write_failed(name, chunk, obj, e)
             with self._lock:
-                self._failed = e
-            raise SaveFailedError(
-                f"cannot write {self._key(obj)} below {self.store.url}/{self.prefix}: {e}"
-            ) from e
+                self._failed = self._failed or err
+            raise err from err.__cause__
+
+    def _write_failed(self, name: str, chunk: int, obj: int, e: OSError) -> SaveFailedError:
+        """A failed write of chunk ``chunk`` of array ``name`` as the documented error: the
+        tensor, the data object's file and the cause with its fix, as the per-array layout
+        names the chunk file it could not write (its ``__cause__``: ``e`` with that file)."""
+        path = self.store.path(_join(self.prefix, self._key(obj)))  # type: ignore[attr-defined]
+        cause = OSError(e.errno, e.strerror, path) if e.strerror else e
+        key = key_of_array_path(name)
+        what = f"tensor {key!r}" if key is not None else f"array {name!r}"
+        err = SaveFailedError(
+            f"{what}: cannot write chunk {chunk} of array {name!r}: {os_error_text(cause)}"
+        )
+        err.__cause__ = cause
+        return err
 
     def _roll(self) -> None:
         """Close the current object (lock held): on object stores its segment's PUT starts."""

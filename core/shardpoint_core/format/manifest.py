@@ -193,6 +193,16 @@ def array_path_for(key: str) -> str:
     return path
 
 
+def key_of_array_path(path: str) -> Optional[str]:
+    """The key whose array :func:`array_path_for` puts at ``path``, None where the path does
+    not say it (a hashed path, or one not under ``tensors/``). For messages about an array
+    being written, before any manifest names its key; readers follow the manifest."""
+    parts = path.split("/")
+    if len(parts) < 2 or parts[0] != TENSOR_DIR or parts[1] == "~h":
+        return None
+    return "/".join(re.sub(r"~[0-9a-f]+\Z", "", c) for c in parts[1:])
+
+
 def check_array_path(p: Any, key: str) -> None:
     """Reject array paths that could leave the checkpoint directory ([SP-SEC-1])."""
     parts = p.split("/") if isinstance(p, str) else None

@@ -511,16 +511,19 @@ class SaveJob:
         storage failure (the backend's own error carrying an ``OSError``, or the ``OSError``
         itself) becomes :meth:`write_failed`, whichever step a full disk happened to hit."""
         if isinstance(e, errors.SaveFailedError) and isinstance(e.__cause__, OSError):
-            return self.write_failed(e.__cause__)
+            return self.write_failed(e.__cause__, str(e))
         return e if isinstance(e, errors.ShardpointError) else self.write_failed(e)
 
-    def write_failed(self, e: BaseException) -> errors.SaveFailedError:
+    def write_failed(self, e: BaseException, said: str = "") -> errors.SaveFailedError:
         """A failed write as the documented error: the checkpoint, the cause (a full disk
-        names the file it could not write) and what to do about it."""
+        names the file it could not write) and what to do about it. ``said``: the backend's
+        message, kept where it already holds the cause and fix and names more (the packed
+        writer names the tensor whose chunk did not fit)."""
+        text = os_error_text(e)
         return errors.SaveFailedError(
             f"cannot write checkpoint {self.path!r} (into its staging directory "
-            f"{self.staging!r}): {os_error_text(e)}. Nothing was committed: a previous "
-            "checkpoint at that path is untouched, and the partial files are removed"
+            f"{self.staging!r}): {said if text in said else text}. Nothing was committed: a "
+            "previous checkpoint at that path is untouched, and the partial files are removed"
         )
 
     # ---------------------------------------------------------------------- phase 4: commit

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from shardpoint_core.commit.base import Overwrite, check_overwrite
-from shardpoint_core.format.errors import ConversionError, ShardpointError
+from shardpoint_core.format.errors import ConversionError, SaveFailedError, ShardpointError
 from shardpoint_core.stores.fsutil import os_error_text
 from shardpoint.tools.convert.base import Progress, Source, TensorInfo
 from shardpoint.tools.convert.dcp import write_dcp
@@ -262,12 +262,15 @@ def convert(
                 worker_peaks=rep.worker_peak_bytes,
                 trust_pickle=trust_pickle,
             )
-        except OSError as e:  # a full disk, a read-only one; not our own (also OSError) errors
-            if isinstance(e, ShardpointError):
-                raise
+        except (OSError, SaveFailedError) as e:  # a full disk, a read-only one
+            cause = e.__cause__ if isinstance(e, SaveFailedError) else e
+            if not isinstance(cause, OSError) or isinstance(cause, ShardpointError):
+                raise  # our own errors (some are OSErrors too) as they are
+            # the packed writer's message names the tensor and file besides the cause and fix
+            text = os_error_text(cause)
             raise ConversionError(
                 f"converting {str(src)!r} to {str(dst)!r} failed: "
-                f"{os_error_text(e)}; nothing was written at "
+                f"{str(e) if text in str(e) else text}; nothing was written at "
                 f"{str(dst)!r}"
             ) from e
     rep.seconds = time.perf_counter() - t0
