@@ -4,6 +4,7 @@ import argparse
 import glob
 import hashlib
 import json
+import math
 import os
 
 import msgpack
@@ -17,10 +18,17 @@ from shardpoint_core.format.manifest import decode_manifest
 from shardpoint_testing.probes import error_within
 
 STATE = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(3)}
+# the packed layout (the default since 1.4) and the per-array one (on request): damage to a
+# chunk is found in either
+LAYOUTS = ["packed", "per-array"]
 
 
-def saved(path):
-    sp.save(STATE, path)
+def backend_of(layout):
+    return {"backend": sp.ZarrBackend()} if layout == "per-array" else {}
+
+
+def saved(path, layout="packed", state=STATE):
+    sp.save(state, path, **backend_of(layout))
     return path
 
 
@@ -28,6 +36,17 @@ def chunk_files(path, key="w"):
     return sorted(
         f for f in glob.glob(f"{path}/tensors/{key}/c/**", recursive=True) if os.path.isfile(f)
     )
+
+
+def chunk_at(path, key="w"):
+    """(file, offset, length) of the first stored chunk of ``key``: per-array its chunk file,
+    packed its bytes in a data object (where the manifest's index says)."""
+    e = sp.read_metadata(path).tensors[key]
+    if e.packed is None:
+        f = chunk_files(path, key)[0]
+        return f, 0, os.path.getsize(f)
+    obj, off, n, _crc = e.packed.chunk(0)
+    return os.path.join(path, obj), off, n
 
 
 def rewrite_manifest(path, edit):
@@ -40,10 +59,11 @@ def rewrite_manifest(path, edit):
         f.write(msgpack.packb({"sha256": hashlib.sha256(raw).digest(), "body": raw}))
 
 
-def test_flipped_chunk_byte_is_detected(tmp_ckpt):
-    f = chunk_files(saved(tmp_ckpt))[0]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flipped_chunk_byte_is_detected(tmp_ckpt, layout):
+    f, off, _n = chunk_at(saved(tmp_ckpt, layout))
     data = bytearray(open(f, "rb").read())
-    data[5] ^= 0x01
+    data[off + 5] ^= 0x01
     open(f, "wb").write(bytes(data))
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.load(tmp_ckpt)
@@ -51,16 +71,18 @@ def test_flipped_chunk_byte_is_detected(tmp_ckpt):
     assert cli(["verify", tmp_ckpt]) == 1
 
 
-def test_missing_chunk_is_an_error_not_zeros(tmp_ckpt):
-    os.remove(chunk_files(saved(tmp_ckpt))[0])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_missing_chunk_is_an_error_not_zeros(tmp_ckpt, layout):
+    os.remove(chunk_at(saved(tmp_ckpt, layout))[0])  # packed: the data object holding it
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.load(tmp_ckpt)
     assert e.value.spec_id == "SP-READ-2"
 
 
-def test_truncated_chunk(tmp_ckpt):
-    f = chunk_files(saved(tmp_ckpt))[0]
-    open(f, "r+b").truncate(10)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_truncated_chunk(tmp_ckpt, layout):
+    f, off, _n = chunk_at(saved(tmp_ckpt, layout))
+    open(f, "r+b").truncate(off + 10)
     with pytest.raises(sp.CorruptCheckpointError):
         sp.load(tmp_ckpt)
 
@@ -113,7 +135,7 @@ def test_array_path_escaping_the_checkpoint_is_rejected(tmp_ckpt, bad):
 
 
 def test_zarr_json_disagreeing_with_manifest(tmp_ckpt):
-    z = f"{saved(tmp_ckpt)}/tensors/w/zarr.json"
+    z = f"{saved(tmp_ckpt, 'per-array')}/tensors/w/zarr.json"  # packed: no zarr.json
     meta = json.load(open(z))
     meta["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     json.dump(meta, open(z, "w"))
@@ -153,23 +175,26 @@ def test_manifest_decode_never_unpickles():
         decode_manifest(evil)
 
 
-def test_cli_verify_reports_spec_ids_and_inspect_json(tmp_ckpt, capsys):
-    saved(tmp_ckpt)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cli_verify_reports_spec_ids_and_inspect_json(tmp_ckpt, capsys, layout):
+    saved(tmp_ckpt, layout)
     assert cli(["inspect", "--json", tmp_ckpt]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tensors"]["w"]["shape"] == [8, 8]
     assert cli(["verify", "--strict", tmp_ckpt]) == 0
-    os.remove(chunk_files(tmp_ckpt)[0])
+    os.remove(chunk_at(tmp_ckpt)[0])  # packed: the one data object, w's and b's chunks
     capsys.readouterr()
     assert cli(["verify", "--json", tmp_ckpt]) == 1
     rep = json.loads(capsys.readouterr().out)
-    assert [p["spec_id"] for p in rep["problems"]] == ["SP-READ-2"]
+    hit = ["b", "w"] if layout == "packed" else ["w"]
+    assert [p["spec_id"] for p in rep["problems"]] == ["SP-READ-2"] * len(hit)
+    assert sorted(p["message"].split("'")[1] for p in rep["problems"]) == hit
 
 
 def test_verify_reports_writer_rules_by_id(tmp_ckpt):
     from shardpoint_core.verify import verify_checkpoint
 
-    z = f"{saved(tmp_ckpt)}/tensors/b/zarr.json"
+    z = f"{saved(tmp_ckpt, 'per-array')}/tensors/b/zarr.json"  # packed: no zarr.json
     meta = json.load(open(z))
     meta["fill_value"] = 1.0
     json.dump(meta, open(z, "w"))
@@ -299,11 +324,12 @@ def test_damage_inside_a_sharded_chunk(tmp_ckpt, damage):
         sp.load(tmp_ckpt, like={"w": sp.ShardedTensor(torch.empty(1, 16), (64, 16), (0, 0))})
 
 
-def test_deleted_chunk_of_an_all_zero_tensor_is_still_an_error(tmp_ckpt):
-    sp.save({"z": torch.zeros(4, 4)}, tmp_ckpt)
-    files = chunk_files(tmp_ckpt, "z")
-    assert files, "an all-zero chunk is stored, not left to the fill value"
-    os.remove(files[0])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_deleted_chunk_of_an_all_zero_tensor_is_still_an_error(tmp_ckpt, layout):
+    saved(tmp_ckpt, layout, {"z": torch.zeros(4, 4)})
+    f, off, n = chunk_at(tmp_ckpt, "z")
+    assert n == 4 * 16 + 4, "an all-zero chunk is stored (and its crc32c), not left to the fill"
+    os.remove(f)
     with pytest.raises(sp.CorruptCheckpointError):
         sp.load(tmp_ckpt)
 
@@ -383,9 +409,9 @@ def _load_in_thread(path):
     return error_within(lambda: sp.load(path), what="the load")
 
 
-def test_a_fifo_in_place_of_a_chunk_is_refused_without_blocking(tmp_ckpt):
-    sp.save({"w": torch.ones(4)}, tmp_ckpt)
-    chunk = glob.glob(f"{tmp_ckpt}/tensors/w/c/*")[0]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_fifo_in_place_of_a_chunk_is_refused_without_blocking(tmp_ckpt, layout):
+    chunk = chunk_at(saved(tmp_ckpt, layout, {"w": torch.ones(4)}))[0]  # or the data object
     os.remove(chunk)
     os.mkfifo(chunk)
     err = _load_in_thread(tmp_ckpt)
@@ -393,9 +419,9 @@ def test_a_fifo_in_place_of_a_chunk_is_refused_without_blocking(tmp_ckpt):
     assert "FIFO" in str(err) or "special" in str(err)
 
 
-def test_symlinks_inside_a_checkpoint_are_refused(tmp_ckpt, tmp_path):
-    sp.save({"w": torch.ones(4)}, tmp_ckpt)
-    chunk = glob.glob(f"{tmp_ckpt}/tensors/w/c/*")[0]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_symlinks_inside_a_checkpoint_are_refused(tmp_ckpt, tmp_path, layout):
+    chunk = chunk_at(saved(tmp_ckpt, layout, {"w": torch.ones(4)}))[0]  # or the data object
     outside = tmp_path / "outside"
     outside.write_bytes(open(chunk, "rb").read())
     os.remove(chunk)
@@ -417,7 +443,7 @@ def test_a_symlinked_checkpoint_root_is_fine(tmp_ckpt, tmp_path):
 
 
 def test_oversized_manifest_and_zarr_json_are_refused_before_reading(tmp_ckpt):
-    sp.save({"w": torch.ones(4)}, tmp_ckpt)
+    saved(tmp_ckpt, "per-array", {"w": torch.ones(4)})  # packed: no zarr.json
     z = f"{tmp_ckpt}/tensors/w/zarr.json"
     meta = json.load(open(z))
     meta["attributes"] = {"pad": "x" * (1 << 20)}
@@ -446,19 +472,36 @@ def test_writers_refuse_a_tree_deeper_than_the_format_allows(tmp_ckpt):
     assert sp.read_metadata(tmp_ckpt).tree
 
 
-def test_rank_limit_and_unallocatable_tensors(tmp_ckpt):
+def _claim(m, shape, chunk):
+    """Give tensor w of manifest ``m`` this shape and chunk shape; a packed one's index
+    record and data object claim the one chunk's size to match (as a hostile writer would,
+    so the index's own checks pass and the claim reaches the reader's limits)."""
+    import dataclasses
+
+    e = m.tensors["w"]
+    e.shape, e.chunk_shape = shape, chunk
+    if m.packed is not None:
+        n = 4 * math.prod(chunk) + 4  # float32, then the crc32c
+        rec = m.packed.records.copy()
+        rec["length"][0] = n
+        obj, size = m.packed.objects[0]
+        m.packed = dataclasses.replace(m.packed, records=rec, objects=[(obj, max(size, n))])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rank_limit_and_unallocatable_tensors(tmp_ckpt, layout):
     from shardpoint_core.format.manifest import decode_manifest, encode_manifest
 
-    sp.save({"w": torch.ones(4)}, tmp_ckpt)
+    saved(tmp_ckpt, layout, {"w": torch.ones(4)})
     mpath = f"{tmp_ckpt}/manifest.msgpack"
     m = decode_manifest(open(mpath, "rb").read())
-    e = m.tensors["w"]
-    e.shape, e.chunk_shape = (1,) * 65, (1,) * 65
+    _claim(m, (1,) * 65, (1,) * 65)
     open(mpath, "wb").write(encode_manifest(m))
     with pytest.raises(sp.CorruptCheckpointError) as err:
         sp.read_metadata(tmp_ckpt)
     assert err.value.spec_id == "SP-SEC-2"
-    e.shape, e.chunk_shape = (1 << 50, 1 << 10), (1, 1)
+    big = (1 << 50, 1 << 10)  # packed: as one chunk (an index of 2^60 records cannot be)
+    _claim(m, big, (1, 1) if m.packed is None else big)
     open(mpath, "wb").write(encode_manifest(m))
     with pytest.raises(sp.ResourceLimitError, match="'w'") as err:
         sp.load(tmp_ckpt)

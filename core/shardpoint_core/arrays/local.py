@@ -16,8 +16,10 @@ from shardpoint_core.format.errors import (
 )
 from shardpoint_core.stores.fsutil import makedirs_below
 from shardpoint_core.format.hints import path_hint
+from shardpoint_core.format.manifest import TENSOR_DIR
 from shardpoint_core.format.spec import MANIFEST_NAME
 from shardpoint_core.arrays.checks import check_regular_file
+from shardpoint_core.arrays.packed import PACKED_DIR
 
 MAX_MANIFEST_BYTES = 1 << 30
 
@@ -72,12 +74,14 @@ def not_a_checkpoint_hint(path: str) -> str:
 
 
 def refuse_non_checkpoint(path: str) -> None:
-    """A directory without a manifest that is not a save cut short (it has no ``tensors/``
-    and no array): a manager's root or another parent of checkpoints (say so, list the
-    newest), an empty directory, or any other directory (``/etc``). Raises
+    """A directory without a manifest that is not a save cut short (it has no ``tensors/``,
+    no ``packed/`` and no array): a manager's root or another parent of checkpoints (say so,
+    list the newest), an empty directory, or any other directory (``/etc``). Raises
     :class:`CheckpointNotFoundError` ("no checkpoint", exit 2 in the CLI); returns for a
-    directory that looks like an uncommitted save ([SP-COMMIT-3])."""
-    if not os.path.isdir(path) or os.path.isdir(os.path.join(path, "tensors")):
+    directory that looks like an uncommitted save ([SP-COMMIT-3]) of either layout."""
+    if not os.path.isdir(path) or any(
+        os.path.isdir(os.path.join(path, d)) for d in (TENSOR_DIR, PACKED_DIR)
+    ):
         return
     try:
         names = os.listdir(path)
