@@ -103,7 +103,7 @@ def test_a_base_must_lie_beside_and_not_be_the_target(tmp_path):
         sp.save(_state(2), str(tmp_path / "y" / "b"), incremental=str(tmp_path / "x" / "a"))
     with pytest.raises(InvalidOptionError, match="replaces"):
         sp.save(_state(2), str(tmp_path / "x" / "a"), incremental="a", overwrite=True)
-    sp.save(_state(1), str(tmp_path / "x" / "plain"))  # per-array layout
+    sp.save(_state(1), str(tmp_path / "x" / "plain"), backend=sp.ZarrBackend())  # per-array
     with pytest.raises(InvalidOptionError, match="packed layout"):
         sp.save(_state(2), str(tmp_path / "x" / "b"), incremental="plain")
     assert not os.path.exists(tmp_path / "y" / "b") and not os.path.exists(tmp_path / "x" / "b")

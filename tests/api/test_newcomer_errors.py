@@ -12,7 +12,7 @@ from shardpoint_core.verify import verify_checkpoint
 from shardpoint_testing.launch import run_world
 
 
-def small(path):
+def small(path, **kw):
     sp.save(
         {
             "model": {
@@ -22,8 +22,26 @@ def small(path):
             "step": 3,
         },
         path,
+        **kw,
     )
     return path
+
+
+def backend_of(layout):
+    """Save options for ``layout``: packed (the default since 1.4) or per-array."""
+    return {"backend": sp.ZarrBackend()} if layout == "per-array" else {}
+
+
+def chunk_at(path, key):
+    """(file, offset) of the first stored chunk of ``key``: per-array its chunk file, packed
+    its data object and the chunk's offset there (from the manifest's index)."""
+    e = sp.read_metadata(path).tensors[key]
+    if e.packed is not None:
+        obj, off, _n, _crc = e.packed.chunk(0)
+        return os.path.join(path, obj), off
+    return next(
+        os.path.join(d, f) for d, _, fs in os.walk(f"{path}/{e.array}") for f in fs if f != "zarr.json"
+    ), 0
 
 
 def run(capsys, *argv):
@@ -32,15 +50,11 @@ def run(capsys, *argv):
     return rc, out, err
 
 
-def test_verify_prints_each_requirement_id_once(tmp_path, capsys):
-    p = small(str(tmp_path / "ck"))
-    chunk = next(
-        os.path.join(d, f)
-        for d, _, fs in os.walk(f"{p}/tensors/model/layers.0.weight")
-        for f in fs
-        if f != "zarr.json"
-    )
-    os.truncate(chunk, 10)
+@pytest.mark.parametrize("layout", ["packed", "per-array"])
+def test_verify_prints_each_requirement_id_once(tmp_path, capsys, layout):
+    p = small(str(tmp_path / "ck"), **backend_of(layout))
+    chunk, off = chunk_at(p, "model/layers.0.weight")
+    os.truncate(chunk, off + 10)
     rc, out, _ = run(capsys, "verify", p)
     assert rc == 1 and "[SP-READ-3]" in out and "[SP-READ-3] [SP-READ-3]" not in out
     assert all(not m.startswith("[") for _, m in verify_checkpoint(p))
@@ -61,7 +75,7 @@ def test_another_format_is_named_with_the_convert_command(tmp_path, capsys):
         assert what in err and f"shardpoint convert {path} DST" in err, err
         with pytest.raises(sp.CheckpointNotFoundError, match="convert"):
             sp.load(path)
-    ck = small(str(tmp_path / "ck"))  # its manifest or one of its arrays
+    ck = small(str(tmp_path / "ck"), **backend_of("per-array"))  # its manifest, one array
     with pytest.raises(sp.CheckpointNotFoundError, match="the checkpoint is its directory"):
         sp.load(f"{ck}/manifest.msgpack")
     with pytest.raises(sp.CheckpointNotFoundError, match="one tensor's Zarr array"):
@@ -351,26 +365,25 @@ def test_a_bad_step_on_one_rank_fails_every_rank_not_a_wait(tmp_path):
     assert got == [["InvalidKeyError", "InvalidKeyError"]] * 2
 
 
+@pytest.mark.parametrize("layout", ["packed", "per-array"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool])  # direct reads; TensorStore's
-def test_a_damaged_or_missing_chunk_names_its_tensor(tmp_path, dtype):
+def test_a_damaged_or_missing_chunk_names_its_tensor(tmp_path, dtype, layout):
     """The chunk's file path alone (tensors/<encoded key>/c/...) left the user to decode the
-    key; the error now starts with it, for either read path."""
+    key; the error now starts with it, for either read path and either layout (packed: the
+    data object removed takes b's chunk with it, so either tensor may be the one named)."""
     p = str(tmp_path / "ck")
-    sp.save({"model": {"w": torch.ones(8, 8, dtype=dtype), "b": torch.ones(8)}}, p)
-    chunk = next(
-        os.path.join(d, f)
-        for d, _, fs in os.walk(f"{p}/tensors/model/w")
-        for f in fs
-        if f != "zarr.json"
-    )
+    state = {"model": {"w": torch.ones(8, 8, dtype=dtype), "b": torch.ones(8)}}
+    sp.save(state, p, **backend_of(layout))
+    chunk, off = chunk_at(p, "model/w")
     raw = bytearray(open(chunk, "rb").read())
-    raw[1] ^= 0x40
+    raw[off + 1] ^= 0x40
     open(chunk, "wb").write(raw)
     like = {"model": {"w": torch.zeros(8, 8, dtype=dtype), "b": torch.zeros(8)}}
     with pytest.raises(sp.CorruptCheckpointError, match=r"^\[SP-READ-3\] tensor 'model/w': "):
         sp.load(p, like=like)
     os.remove(chunk)
-    with pytest.raises(sp.CorruptCheckpointError, match=r"^\[SP-READ-2\] tensor 'model/w': "):
+    named = "model/w" if layout == "per-array" else "model/[wb]"
+    with pytest.raises(sp.CorruptCheckpointError, match=rf"^\[SP-READ-2\] tensor '{named}': "):
         sp.load(p, like=like)
 
 

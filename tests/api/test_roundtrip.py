@@ -192,8 +192,10 @@ def test_sharded_objects_and_values(tmp_ckpt):
 
 
 def test_plain_tensorstore_opens_saved_tensor(tmp_ckpt):
+    """The per-array layout's arrays open in place (packed ones through the TensorStore
+    export: tests/api/test_zarr_readers.py)."""
     w = torch.randn(33, 17).bfloat16()
-    sp.save({"layer": {"w": w}}, tmp_ckpt)
+    sp.save({"layer": {"w": w}}, tmp_ckpt, backend=sp.ZarrBackend())
     t = ts.open(
         {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{tmp_ckpt}/tensors/layer/w"}}
     ).result()

@@ -1,6 +1,8 @@
 """Generic Zarr readers on shardpoint checkpoints (issue 33, item 4): zarr-python and TensorStore
 read every dtype of the spec's table bit for bit, at the location ``zarr_path`` resolves through
-the manifest, and a checkpoint browses as a Zarr group ([SP-LAYOUT-5])."""
+the manifest, and a checkpoint browses as a Zarr group ([SP-LAYOUT-5]). The per-array layout
+(``backend=ZarrBackend()``) is read in place; the packed one (the default since 1.4) through
+``zarr_store`` and the TensorStore export (the second half)."""
 
 import json
 import os
@@ -61,7 +63,7 @@ def _ts_read(path: str) -> np.ndarray:
 @pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
 def test_every_dtype_reads_bit_for_bit_through_zarr_python_and_tensorstore(tmp_ckpt, sharded):
     state = _state()
-    be = ZarrBackend(shard_above_bytes=16, inner_chunk_bytes=8) if sharded else None
+    be = ZarrBackend(shard_above_bytes=16, inner_chunk_bytes=8) if sharded else ZarrBackend()
     sp.save(state, tmp_ckpt, backend=be)
     register_zarr_dtypes()
     register_zarr_dtypes()  # idempotent
@@ -86,10 +88,19 @@ def test_zarr_path_names_a_missing_key(tmp_ckpt):
         zarr_path(tmp_ckpt, "nope")
 
 
-def test_a_checkpoint_browses_as_a_zarr_group(tmp_ckpt):
-    sp.save(
-        {"model": {"Enc": [torch.arange(6).reshape(2, 3)], "b": torch.ones(2)}, "step": 3}, tmp_ckpt
-    )
+@pytest.mark.parametrize("layout", ["per-array", "packed"])
+def test_a_checkpoint_browses_as_a_zarr_group(tmp_ckpt, layout):
+    state = {"model": {"Enc": [torch.arange(6).reshape(2, 3)], "b": torch.ones(2)}, "step": 3}
+    if layout == "packed":  # no files of its own: the groups are zarr_store's ([SP-PACK-3])
+        sp.save(state, tmp_ckpt)
+        g = zarr.open_group(sp.zarr_store(tmp_ckpt), mode="r")
+        assert sorted(g["tensors/model"].group_keys()) == ["Enc~1"]
+        assert sorted(g["tensors/model"].array_keys()) == ["b"]
+        assert g["tensors/model/Enc~1/0"][...].tolist() == [[0, 1, 2], [3, 4, 5]]
+        assert not os.path.exists(os.path.join(tmp_ckpt, "zarr.json"))
+        assert verify_checkpoint(tmp_ckpt, strict=True).ok
+        return
+    sp.save(state, tmp_ckpt, backend=ZarrBackend())
     for d in ("", "tensors", "tensors/model", "tensors/model/Enc~1"):
         with open(os.path.join(tmp_ckpt, d, "zarr.json"), "rb") as f:
             assert f.read() == GROUP_JSON, d
@@ -109,7 +120,7 @@ def test_a_checkpoint_browses_as_a_zarr_group(tmp_ckpt):
 def test_object_store_arrays_and_groups_lie_below_the_save_prefix(s3_env):
     url = f"s3://{s3_env.bucket}/{s3_env.fresh_prefix()}/ck"
     state = _state()
-    sp.save(state, url)
+    sp.save(state, url, backend=ZarrBackend())  # packed: test_packed_on_s3_... below
     from shardpoint_core.stores.registry import bucket_store
 
     store, key = bucket_store(url, "test")
@@ -158,8 +169,9 @@ def test_object_store_arrays_and_groups_lie_below_the_save_prefix(s3_env):
 
 def test_a_group_inside_a_checkpoint_is_named_as_such(tmp_ckpt):
     """``tensors/`` (a group now, [SP-LAYOUT-5]) given for a checkpoint: the error says where
-    the checkpoint is, not that a save never committed there."""
-    sp.save({"model": {"w": torch.ones(2)}}, tmp_ckpt)
+    the checkpoint is, not that a save never committed there (the per-array layout's
+    directories: a packed checkpoint has none)."""
+    sp.save({"model": {"w": torch.ones(2)}}, tmp_ckpt, backend=ZarrBackend())
     with pytest.raises(sp.CheckpointNotFoundError, match="Zarr group inside a checkpoint"):
         sp.load(os.path.join(tmp_ckpt, "tensors", "model"))
     with pytest.raises(sp.CheckpointNotFoundError, match="one tensor's Zarr array"):
@@ -263,7 +275,7 @@ def test_packed_tensorstore_export_checks_crc_and_refuses_what_it_cannot_do(tmp_
     with pytest.raises(ValueError, match="Digest mismatch"):  # the chunk's crc32c
         _open_ts(kv, "tensors/w")
     plain = str(tmp_path / "plain")
-    sp.save({"w": w}, plain)
+    sp.save({"w": w}, plain, backend=ZarrBackend())
     with pytest.raises(sp.errors.InvalidOptionError, match="per-array layout"):
         export_tensorstore(plain, str(tmp_path / "plain.ts"))
     mem = "memory://ts-export-test/ck"
