@@ -40,7 +40,10 @@ def chunk_at(path, key):
         obj, off, _n, _crc = e.packed.chunk(0)
         return os.path.join(path, obj), off
     return next(
-        os.path.join(d, f) for d, _, fs in os.walk(f"{path}/{e.array}") for f in fs if f != "zarr.json"
+        os.path.join(d, f)
+        for d, _, fs in os.walk(f"{path}/{e.array}")
+        for f in fs
+        if f != "zarr.json"
     ), 0
 
 

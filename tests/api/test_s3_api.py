@@ -49,7 +49,7 @@ def _save_reshard_kill(rank, world, url):
     """Save on 2 ranks; load back with columns split (another sharding); then a second save
     over it where rank 1 is SIGKILLed after its first chunk write."""
     from shardpoint_conformance.faults import KillingBackend
-    from shardpoint_core.transactions.resolve import ZarrBackend
+    from shardpoint_core.transactions.packed import PackedBackend
 
     sp.save(saved_state(rank, world), url)
     a, b = split(SHAPE[1], world, rank)
@@ -66,7 +66,7 @@ def _save_reshard_kill(rank, world, url):
     ]
     if rank == 1:
         os.environ["SHARDPOINT_CONFORMANCE_KILL"] = "1:write:1"
-    be = KillingBackend(ZarrBackend())
+    be = KillingBackend(PackedBackend())  # the default layout
     try:
         sp.save(saved_state(rank, world, gen=1), url, overwrite=True, backend=be)
         return ok + ["saved"]
@@ -87,7 +87,7 @@ def test_two_ranks_save_reshard_load_and_a_rank_killed_mid_save(s3_env):
     assert out["obj"] == [{"rank": 0, "gen": 0}, {"rank": 1, "gen": 0}] and out["step"] == 0
     # the coordinator outlived rank 1, learnt of the failure and removed the save's prefix
     # (a dead coordinator leaves it to recovery: tests/core/test_s3_commit.py kills one)
-    from shardpoint_core.transactions.resolve import ZarrBackend
+    from shardpoint_core.transactions.backend import ZarrBackend
 
     assert ZarrBackend().list_leftovers(url) == []
     assert all(
@@ -129,28 +129,37 @@ def _store(url):
     return S3Store.from_url(url)
 
 
-def test_missing_and_damaged_objects_are_documented_errors(s3_env):
-    url = s3_env.url(s3_env.fresh_prefix("damage") + "/ck")
-    sp.save({"w": full("w"), "v": full("v")}, url)
+def _chunk_object(st, m, key):
+    """(object key, offset) of the first chunk of ``key`` below the save: per-array its chunk
+    object, packed the data object holding it and the chunk's offset there (the index)."""
+    e = m.tensors[key]
+    if e.packed is not None:
+        obj, off, _n, _crc = e.packed.chunk(0)
+        return obj, off
+    return next(k.key for k in st.list(f"{e.array}/c/")), 0
+
+
+@pytest.mark.parametrize("layout", ["packed", "per-array"])
+def test_missing_and_damaged_objects_are_documented_errors(s3_env, layout):
+    from shardpoint_core.format.manifest import decode_manifest
+    from shardpoint_core.transactions.backend import ZarrBackend
+
+    url, be = s3_env.url(s3_env.fresh_prefix("damage") + "/ck"), ZarrBackend()
+    sp.save({"w": full("w"), "v": full("v")}, url, backend=None if layout == "packed" else be)
     st = _store(url)
-    chunks = sorted(k.key for k in st.list() if "/c/" in k.key)
-    w_chunk = next(k for k in chunks if "/tensors/w/" in k)
-    v_chunk = next(k for k in chunks if "/tensors/v/" in k)
+    m = decode_manifest(be.read_manifest(url))
+    assert (m.packed is not None) == (layout == "packed")
+    w_chunk, off = _chunk_object(st, m, "w")
     data = bytearray(st.get(w_chunk))
-    data[3] ^= 0x40
+    data[off + 3] ^= 0x40
     st.put(w_chunk, bytes(data))
-    st.delete([v_chunk])
     with pytest.raises(sp.CorruptCheckpointError, match="SP-READ-3"):
         sp.load(url, like={"w": torch.empty(SHAPE)})
-    with pytest.raises(sp.CorruptCheckpointError, match="SP-READ-2"):
-        sp.load(url, like={"v": torch.empty(SHAPE)})
-    from shardpoint_core.transactions.resolve import ZarrBackend
-    from shardpoint_core.format.manifest import decode_manifest
-
-    be = ZarrBackend()
-    m = decode_manifest(be.read_manifest(url))
     problems = be.verify_array(url, m.tensors["w"].array, m.tensors["w"].spec, "w")
     assert [p[0] for p in problems] == ["SP-READ-3"]
+    st.delete([_chunk_object(st, m, "v")[0]])  # packed: the one data object, v's chunk in it
+    with pytest.raises(sp.CorruptCheckpointError, match="SP-READ-2"):
+        sp.load(url, like={"v": torch.empty(SHAPE)})
     st.delete(["manifest.msgpack"])
     with pytest.raises(sp.IncompleteCheckpointError, match="SP-COMMIT-3"):
         sp.load(url)
@@ -158,11 +167,13 @@ def test_missing_and_damaged_objects_are_documented_errors(s3_env):
         sp.load(s3_env.url(s3_env.fresh_prefix("nothing")))
 
 
-def test_save_and_load_through_throttling_and_5xx(s3_env, monkeypatch):
+@pytest.mark.parametrize("layout", ["packed", "per-array"])
+def test_save_and_load_through_throttling_and_5xx(s3_env, monkeypatch, layout):
     """Every third request answered 503 SlowDown or 500 by a proxy on loopback: the save
     and the load retry with backoff and the round trip is still bitwise."""
     from shardpoint_testing.s3 import FaultProxy
-    from shardpoint_core.transactions.resolve import ZarrBackend
+    from shardpoint_core.transactions.backend import ZarrBackend
+    from shardpoint_core.transactions.packed import PackedBackend
 
     def rule(method, path, n):
         return (503 if n % 6 == 0 else 500) if n % 3 == 0 else None
@@ -171,6 +182,7 @@ def test_save_and_load_through_throttling_and_5xx(s3_env, monkeypatch):
         for k, v in proxy.env().items():
             monkeypatch.setenv(k, v)
         be = ZarrBackend()  # a fresh client, through the proxy
+        be = PackedBackend(be) if layout == "packed" else be
         url = s3_env.url(s3_env.fresh_prefix("faults") + "/ck")
         state = {"w": full("w"), "b": full("b", torch.bfloat16), "step": 3}
         sp.save(state, url, backend=be)
