@@ -420,7 +420,6 @@ def test_zstandard_extension_is_honoured_as_zstd_compressed_chunks(tmp_path):
     compresses the chunks with Zarr v3's zstd codec (format 1.5) instead of being refused;
     the state loads back bit for bit through DCP, and other extensions beside it are still
     refused (issue 33)."""
-    import json
 
     pytest.importorskip("zstandard")
     import torch.distributed.checkpoint as dcp
