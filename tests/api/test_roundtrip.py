@@ -191,6 +191,25 @@ def test_sharded_objects_and_values(tmp_ckpt):
         sp.load(tmp_ckpt, like={"rng": sp.ShardedObject(None, 0, 2)})
 
 
+@pytest.mark.parametrize("layout", ["packed", "per-array"])
+def test_save_result_counts_the_files_the_checkpoint_holds(tmp_ckpt, layout):
+    """``SaveResult.files`` is what lies on disk: in the packed layout (the default) the
+    manifest and one data file, however many tensors; it counted the per-array layout's
+    chunk files and zarr.json files whatever the layout."""
+    import os
+
+    kw = {"backend": sp.ZarrBackend()} if layout == "per-array" else {}
+    state = {"model": {f"l{i}": torch.full((4, 3), float(i)) for i in range(5)}, "step": 1}
+    res = sp.save(state, tmp_ckpt, **kw)
+    on_disk = sorted(
+        os.path.relpath(os.path.join(d, f), tmp_ckpt) for d, _, fs in os.walk(tmp_ckpt) for f in fs
+    )
+    assert res.files == len(on_disk) and res.chunks == 5, (res, on_disk)
+    if layout == "packed":
+        assert len(on_disk) == 2 and on_disk[0] == "manifest.msgpack", on_disk
+        assert on_disk[1].startswith("packed/") and on_disk[1].endswith("-0.bin"), on_disk
+
+
 def test_plain_tensorstore_opens_saved_tensor(tmp_ckpt):
     """The per-array layout's arrays open in place (packed ones through the TensorStore
     export: tests/api/test_zarr_readers.py)."""

@@ -93,11 +93,10 @@ class SaveOptions:
 @dataclass
 class SaveResult:
     """What a save did, for logs and benchmarks (same on every rank except ``rank_*``).
-    ``chunks`` counts chunk files (a shard is one file); the checkpoint holds ``files`` files
-    in all (chunk files, a ``zarr.json`` per tensor and per Zarr group, [SP-LAYOUT-5], the
-    manifest); ``rank_chunk_files`` of
-    the chunk files are this rank's (each ``zarr.json`` comes from whichever rank creates
-    the array first)."""
+    ``chunks`` counts stored chunks (a shard is one); the checkpoint holds ``files`` files
+    (or objects) in all: in the packed layout its data objects and the manifest; in the
+    per-array one a file per chunk, a ``zarr.json`` per tensor and per Zarr group
+    ([SP-LAYOUT-5]) and the manifest. ``rank_chunk_files`` of the chunks are this rank's."""
 
     path: str
     world_size: int
@@ -554,7 +553,9 @@ class SaveJob:
 
         comm.after_failure = after_commit(self.path)
         try:
-            run_collectively(comm, report, self._publish, errors.SaveFailedError)
+            files = msgpack.unpackb(
+                run_collectively(comm, report, self._publish, errors.SaveFailedError)
+            )
         except errors.ShardpointError:
             self.group.plan = None
             if comm.is_coordinator and self.writer is not None:
@@ -589,7 +590,7 @@ class SaveJob:
             st["chunks"],
             self.written,
             self.times,
-            files=st["chunks"] + st["tensors"] + 1 + st.get("groups", 0),
+            files=files,
             rank_chunk_files=len(self._planned_work().writes),
         )
 
@@ -619,6 +620,12 @@ class SaveJob:
             else:
                 m.format_version = FORMAT_VERSION
             w.commit(m)
+            if m.packed is not None:  # its own data objects (not its bases') and the manifest
+                index = m.packed
+                files = 1 + sum(index.base_of(i) is None for i in range(len(index.objects)))
+            else:
+                st = self.stats
+                files = st["chunks"] + st["tensors"] + 1 + st.get("groups", 0)
         except BaseException as e:
             w.abort()  # a no-op where the commit aborted already
             if isinstance(e, OSError) and not isinstance(e, errors.ShardpointError):
@@ -628,7 +635,7 @@ class SaveJob:
                     "was committed; the staged files are removed"
                 ) from e
             raise
-        return [b""] * self.comm.size
+        return [msgpack.packb(files)] * self.comm.size
 
 
 def _entries(tensors: dict, payloads: list) -> dict:
