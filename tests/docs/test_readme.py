@@ -138,10 +138,11 @@ def test_errors_example_resumes_from_the_newest_sound_step(tmp_path, monkeypatch
     mgr = sp.CheckpointManager(str(tmp_path / "ckpt" / "loop"))
     for step in (1, 2):
         mgr.save(step, {"w": torch.full((64,), float(step)), "step": step})
-    chunk = tmp_path / "ckpt" / "loop" / "step_00000002" / "tensors" / "w" / "c" / "0"
-    data = bytearray(chunk.read_bytes())
-    data[3] ^= 0xFF
-    chunk.write_bytes(bytes(data))
+    step2 = tmp_path / "ckpt" / "loop" / "step_00000002"
+    obj, off, _n, _crc = sp.read_metadata(str(step2)).tensors["w"].packed.chunk(0)
+    data = bytearray((step2 / obj).read_bytes())  # the packed layout: w's chunk in a data file
+    data[off + 3] ^= 0xFF
+    (step2 / obj).write_bytes(bytes(data))
     block = find("docs/tutorials/manager.md", "except sp.CorruptCheckpointError").code
     monkeypatch.chdir(tmp_path)
     scope = {"__name__": "__main__"}
