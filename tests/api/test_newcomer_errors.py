@@ -83,6 +83,12 @@ def test_another_format_is_named_with_the_convert_command(tmp_path, capsys):
         sp.load(f"{ck}/manifest.msgpack")
     with pytest.raises(sp.CheckpointNotFoundError, match="one tensor's Zarr array"):
         sp.load(f"{ck}/tensors/model/layers.0.bias")
+    packed = small(str(tmp_path / "packed"))  # the default layout: its data directory, a file
+    data = os.path.join(packed, "packed", os.listdir(os.path.join(packed, "packed"))[0])
+    for path in (os.path.join(packed, "packed"), data):  # the file is no torch.save .bin
+        with pytest.raises(sp.CheckpointNotFoundError, match="of the packed checkpoint") as e:
+            sp.load(path)
+        assert repr(packed) in str(e.value) and "torch.save" not in str(e.value), e.value
     os.makedirs(tmp_path / "crashed" / "tensors")  # a save that never committed stays so
     with pytest.raises(sp.IncompleteCheckpointError):
         sp.load(str(tmp_path / "crashed"))

@@ -52,8 +52,17 @@ def create_zarr_json(root: str, apath: str, data: bytes) -> None:
 def not_a_checkpoint_hint(path: str) -> str:
     """What a path given for a checkpoint holds instead, for the error: another format (with
     the command converting it), a checkpoint's manifest or one of its arrays, or ``""``."""
-    if os.path.basename(os.path.normpath(path)) == MANIFEST_NAME:
+    norm = os.path.normpath(path)
+    if os.path.basename(norm) == MANIFEST_NAME:
         return f" (the checkpoint is its directory, {os.path.dirname(path) or '.'!r})"
+    # (1.4) a packed checkpoint's data directory or one of its data files (whose bytes a
+    # content sniffer could take for another format's)
+    top = os.path.dirname(norm)
+    what, ck = ("the data directory", top) if os.path.basename(norm) == PACKED_DIR else ("", "")
+    if not what and os.path.basename(top) == PACKED_DIR:
+        what, ck = "a data file", os.path.dirname(top)
+    if what and os.path.isfile(os.path.join(ck, MANIFEST_NAME)):
+        return f" (it is {what} of the packed checkpoint {ck or '.'!r}: load that directory)"
     if os.path.isfile(os.path.join(path, "zarr.json")):
         try:
             with open(os.path.join(path, "zarr.json"), "rb") as f:
