@@ -22,7 +22,7 @@ from shardpoint_core.format.errors import (  # noqa: E402
 from shardpoint_core.stores.location import locate  # noqa: E402
 from shardpoint_core.stores.memory import MemoryStore  # noqa: E402
 from shardpoint_core.stores.registry import is_local  # noqa: E402
-from shardpoint_core.transactions.resolve import ZarrBackend  # noqa: E402
+from shardpoint_core.transactions.backend import ZarrBackend  # noqa: E402
 from shardpoint_core.transactions.writer import CheckpointWriter  # noqa: E402
 
 USER = b"user data"

@@ -99,7 +99,7 @@ def test_an_observer_leaves_live_saves_and_named_prefixes_alone(s3_env):
 def test_a_step_removed_under_a_load_fails_it_cleanly(s3_env):
     """Retention removes the step between the load's manifest read and its chunk reads: the
     load raises a ShardpointError, never tensors of two steps."""
-    from shardpoint_core.transactions.resolve import ZarrBackend
+    from shardpoint_core.transactions.backend import ZarrBackend
 
     class RemovedAfterManifest(ZarrBackend):
         def read_manifest_with_identity(self, path):  # what a load reads the manifest by

@@ -156,7 +156,20 @@ class WritePool:
                             initargs=(prio,),
                         )
                     self._pools[prio] = pool
-        return pool.submit(fn, *args)
+        try:
+            return pool.submit(fn, *args)
+        except BaseException:
+            # A signal's exception (KeyboardInterrupt, a SIGTERM handler's SystemExit) can
+            # land inside submit() while it starts a worker thread, before the executor
+            # records it: nothing would wake that thread and the interpreter's exit would
+            # wait for it forever. Shutting the executor down wakes every thread of it once
+            # the work queued before runs (other saves' tasks are not cancelled); the next
+            # submit starts a fresh one.
+            with self._lock:
+                if self._pools.get(prio) is pool:
+                    del self._pools[prio]
+            pool.shutdown(wait=False)
+            raise
 
 
 def _contiguous_bytes(a: np.ndarray) -> np.ndarray:
