@@ -86,8 +86,11 @@ def test_every_file_kind_of_a_packed_checkpoint_is_checked_without_blocking(
     tmp_ckpt, tmp_path, what
 ):
     """The default (packed) layout: its directory and data objects are checked by kind
-    ([SP-SEC-5], [SP-PACK-6]) before a read, by load and by open, naming tensor and object."""
+    ([SP-SEC-5], [SP-PACK-6]) before a read, by load and by open, naming tensor and object;
+    each load checks them again ([SP-PACK-7]: a sound load before the damage made the next
+    one in the same process skip the checks, and block on a FIFO)."""
     sp.save({"w": torch.ones(4, 6)}, tmp_ckpt)
+    assert torch.equal(sp.load(tmp_ckpt)["w"], torch.ones(4, 6))  # sound before the damage
     PACKED_DAMAGE[what](tmp_ckpt, tmp_path)
 
     def open_read():

@@ -113,6 +113,7 @@ class PackedBackend:
         self._writers: Dict[str, PackedWriter] = {}
         self._crcs: Dict[str, CrcSink] = {}
         self._own: Dict[str, Optional[bytes]] = {}  # coordinated saves -> own index part
+        self._listed: set[str] = set()  # coordinated saves with a part of this process stored
         self._pool = WritePool(write_threads, "sp-packed")
         self._puts = WritePool(4, "sp-packed-put")
 
@@ -239,7 +240,11 @@ class PackedBackend:
         """This process's objects whole and durable, then its index part ([SP-PACK-8])."""
         with self._lock:
             w = self._writers.pop(root, None)
-            coordinating = root in self._own
+            # the coordinator's first part stays in memory; a later one (a second writer of
+            # the save in this process) is published, and write_manifest lists the parts
+            coordinating = root in self._own and self._own[root] is None
+            if root in self._own and not coordinating:
+                self._listed.add(root)
         if w is None:
             return
         try:
@@ -258,8 +263,10 @@ class PackedBackend:
         m = data if isinstance(data, Manifest) else decode_manifest(data)
         with self._lock:
             own = self._own.pop(root, None)
+            listed = root in self._listed
+            self._listed.discard(root)
         objects, rows, inner, parts, refs = gather_parts(
-            store, prefix, own, others=m.save_world_size > 1 or own is None
+            store, prefix, own, others=m.save_world_size > 1 or own is None or listed
         )
         arrays: Dict[str, Any] = {}
         for e in m.tensors.values():
@@ -309,6 +316,7 @@ class PackedBackend:
             w = self._writers.pop(staging, None)
             self._crcs.pop(staging, None)
             self._own.pop(staging, None)
+            self._listed.discard(staging)
             self._bases.pop(staging, None)
         if w is not None:
             w.abandon()
@@ -329,6 +337,10 @@ class PackedBackend:
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
         return self.zarr.read_into(handle, offset, out)
+
+    def release(self, root: str) -> None:
+        """The end (or start) of a load of ``root``: the Zarr backend's."""
+        self.zarr.release(root)
 
     def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
         self.zarr.prefetch(handle, offset, shape)
