@@ -197,7 +197,7 @@ def test_a_path_becomes_a_store_and_key_once_per_save_not_once_per_array(
     # default packed one's per-save state, and the locations of the Zarr one it reads with
     be = backend_for(base)
     assert isinstance(be, PackedBackend)
-    for kept in (be._writers, be._crcs, be._own, be._bases, be._listed, be.zarr._locations):
+    for kept in (be._writers, be._crcs, be._own, be._bases, be.zarr._locations):
         assert not [k for k in kept if k.startswith(base)], kept
 
 

@@ -41,7 +41,7 @@ from shardpoint_core.transactions.incremental import resolve_base
 from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.errors import InvalidOptionError, SaveFailedError
 from shardpoint_core.format.manifest import Manifest, decode_manifest
-from shardpoint_core.format.packed import FORMAT_VERSION_1_4
+from shardpoint_core.format.packed import FORMAT_VERSION_1_4, chunk_count
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.transactions.backend import ZarrBackend
 
@@ -113,7 +113,6 @@ class PackedBackend:
         self._writers: Dict[str, PackedWriter] = {}
         self._crcs: Dict[str, CrcSink] = {}
         self._own: Dict[str, Optional[bytes]] = {}  # coordinated saves -> own index part
-        self._listed: set[str] = set()  # coordinated saves with a part of this process stored
         self._pool = WritePool(write_threads, "sp-packed")
         self._puts = WritePool(4, "sp-packed-put")
 
@@ -243,8 +242,6 @@ class PackedBackend:
             # the coordinator's first part stays in memory; a later one (a second writer of
             # the save in this process) is published, and write_manifest lists the parts
             coordinating = root in self._own and self._own[root] is None
-            if root in self._own and not coordinating:
-                self._listed.add(root)
         if w is None:
             return
         try:
@@ -263,11 +260,12 @@ class PackedBackend:
         m = data if isinstance(data, Manifest) else decode_manifest(data)
         with self._lock:
             own = self._own.pop(root, None)
-            listed = root in self._listed
-            self._listed.discard(root)
-        objects, rows, inner, parts, refs = gather_parts(
-            store, prefix, own, others=m.save_world_size > 1 or own is None or listed
-        )
+        others = m.save_world_size > 1 or own is None
+        objects, rows, inner, parts, refs = gather_parts(store, prefix, own, others=others)
+        if not others and len(rows) + len(refs) < sum(
+            chunk_count(e.shape, e.chunk_shape) for e in m.tensors.values()
+        ):  # parts of other writers all the same (a converter's workers, a second writer here)
+            objects, rows, inner, parts, refs = gather_parts(store, prefix, own, others=True)
         arrays: Dict[str, Any] = {}
         for e in m.tensors.values():
             got = inner.get(e.array)
@@ -316,7 +314,6 @@ class PackedBackend:
             w = self._writers.pop(staging, None)
             self._crcs.pop(staging, None)
             self._own.pop(staging, None)
-            self._listed.discard(staging)
             self._bases.pop(staging, None)
         if w is not None:
             w.abandon()
