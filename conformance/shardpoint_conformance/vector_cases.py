@@ -265,8 +265,8 @@ def write_compressed(path: str) -> None:
     )
     keep = zarr_layer.encode_zstd
     zarr_layer.encode_zstd = lambda data, level: simple_frame(bytes(data))
-    try:
-        sp.save(state, path, options=opts)
+    try:  # compressed arrays are the per-array layout's ([SP-ARRAY-7]; packed has none)
+        sp.save(state, path, options=opts, backend=sp.ZarrBackend())
     finally:
         zarr_layer.encode_zstd = keep
 

@@ -167,8 +167,8 @@ def generate(root: Optional[str] = None) -> list:
         ck = str(d / "checkpoint")
         if state is None:
             kw["write"](ck)
-        else:
-            sp.save(state, ck, **kw)
+        else:  # the layout of 1.0-1.3 unless the case names its backend (1.4: packed)
+            sp.save(state, ck, **{"backend": sp.ZarrBackend(), **kw})
         _pin_manifest(ck, edit, version)
         if files is not None:
             files(ck)
