@@ -199,7 +199,7 @@ def _sparse_record(p: str, n: int = 1 << 30) -> str:
     body = hostile.read_body(p)
     body["tensors"]["w"].update(shape=[n], chunk_shape=[n])
     packed = body["packed"]
-    (path, size), = packed["objects"]
+    ((path, size),) = packed["objects"]
     rec = np.frombuffer(packed["index"], RECORD).copy()
     w = [i for i, (name, _inner) in enumerate(packed["arrays"]) if name == "tensors/w"][0]
     at = rec["array"] == w
@@ -402,9 +402,7 @@ def test_absent_arrays_are_found_before_planning(tmp_path, no_targets, layout, r
 
 
 @pytest.mark.parametrize("layout", ["per-array", "packed"])
-def test_chunk_shape_1_on_a_large_tensor_is_refused_before_planning(
-    tmp_path, no_planning, layout
-):
+def test_chunk_shape_1_on_a_large_tensor_is_refused_before_planning(tmp_path, no_planning, layout):
     """Before: 1.8 GiB and tens of seconds of per-chunk plans for 1M chunks, then
     SP-READ-3 for the one 4 MiB chunk file that should be 8 bytes. Packed: the index has
     one record for the 1M chunks, refused by its count when the manifest is decoded."""

@@ -51,7 +51,9 @@ def files_of(root):
                 path = index.objects[int(r["object"])][0]
                 name = index.arrays[int(r["array"])][0]
                 data = out[path][int(r["offset"]) : int(r["offset"]) + int(r["length"])]
-                assert len(data) == int(r["length"]) and data[-4:] == int(r["crc32c"]).to_bytes(4, "little")
+                assert len(data) == int(r["length"]) and data[-4:] == int(r["crc32c"]).to_bytes(
+                    4, "little"
+                )
                 out[f"{name}@{int(r['chunk'])}"] = data
             for path, _size in index.objects:
                 del out[path]
