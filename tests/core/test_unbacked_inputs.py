@@ -415,7 +415,8 @@ def test_chunk_shape_1_on_a_large_tensor_is_refused_before_planning(tmp_path, no
         assert e.value.spec_id == "SP-READ-3" and "tensors/v/c/0" in str(e.value)
     else:
         assert e.value.spec_id == "SP-PACK-4" and "1048577 chunks" in str(e.value)
-        assert "manifest.msgpack" in str(e.value)
+        assert "manifest.msgpack" in str(e.value)  # and the tensor whose records fall short
+        assert "tensor 'v' (array 'tensors/v') has 1 records for its 1048576" in str(e.value)
 
 
 def test_a_large_grid_missing_its_chunk_files_is_refused_before_planning(tmp_path, no_planning):
