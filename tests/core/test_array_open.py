@@ -103,6 +103,26 @@ def test_every_file_kind_of_a_packed_checkpoint_is_checked_without_blocking(
         assert "'w'" in str(err) and "packed/" in str(err) and "not a regular" in str(err)
 
 
+def test_verify_through_a_backend_a_load_used_checks_the_objects_again(tmp_ckpt):
+    """A load never closed (the JAX loader's) left the data objects it found sound in the
+    shared backend; verify through that backend checks them again ([SP-PACK-7]), so an
+    object since replaced by a FIFO is reported, not blocked on."""
+    from shardpoint_core.transactions.reader import CheckpointReader
+    from shardpoint_core.transactions.resolve import get_backend
+    from shardpoint_core.verify import verify_checkpoint
+
+    sp.save({"w": torch.ones(4, 6)}, tmp_ckpt)
+    CheckpointReader.open(tmp_ckpt).array("w")  # the objects checked, the reader not closed
+    _fifo(_object(tmp_ckpt))
+    box = {}
+
+    def verify():
+        box["rep"] = verify_checkpoint(tmp_ckpt, backend=get_backend())
+
+    assert error_within(verify, what="verify") is None
+    assert box["rep"].spec_ids == ["SP-SEC-5"] and "packed/" in box["rep"].problems[0][1]
+
+
 @pytest.mark.parametrize("rel", ["tensors/w", "tensors/w/zarr.json", "tensors"])
 def test_a_missing_array_or_zarr_json_is_sp_array_1(tmp_ckpt, rel):
     sp.save({"w": torch.ones(4, 6)}, tmp_ckpt, backend=ZARR)
