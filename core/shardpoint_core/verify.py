@@ -125,6 +125,9 @@ def verify_checkpoint(
         backend = ZarrBackend()
     be = get_backend(backend)
     path = str(path) if url else str(local_path(path, "verify"))
+    release = getattr(be, "release", None)  # optional: what a load of it kept (objects
+    if release is not None:  # found sound, [SP-PACK-7]) is checked again, not trusted
+        release(path)
     rep = VerifyReport(path, strict=strict)
     t0 = time.perf_counter()
     try:

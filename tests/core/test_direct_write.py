@@ -152,7 +152,28 @@ def test_edge_shards_equal_tensorstores_bytes(tmp_path, shape, chunk):
     assert mine == theirs
 
 
-def test_big_inner_chunks_start_on_4k_boundaries_and_every_reader_follows_the_index(tmp_path):
+def _shard(path: str, m, key: str):
+    """(the stored bytes of the first chunk of tensor ``key``, a shard; its inner chunk
+    shape): the chunk file of the per-array layout, or its record's bytes in a packed data
+    object (whose offset is then 4 KiB aligned too, [SP-PACK-5])."""
+    e = m.tensors[key]
+    if m.packed is None:
+        with open(os.path.join(path, e.array, "zarr.json")) as fh:
+            meta = json.load(fh)
+        assert meta["chunk_grid"]["configuration"]["chunk_shape"] == list(e.chunk_shape)
+        with open(os.path.join(path, e.array, "c", "0", "0"), "rb") as fh:
+            return fh.read(), meta["codecs"][0]["configuration"]["chunk_shape"]
+    obj, off, n, _crc = e.packed.chunk(0)
+    assert off % 4096 == 0, (key, off)
+    with open(os.path.join(path, obj), "rb") as fh:
+        fh.seek(off)
+        return fh.read(n), list(e.packed.inner)
+
+
+@pytest.mark.parametrize("layout", ["packed", "per-array"])
+def test_big_inner_chunks_start_on_4k_boundaries_and_every_reader_follows_the_index(
+    tmp_path, layout
+):
     """Inner chunks of 256 KiB and more are padded to 4 KiB boundaries (the spec allows gaps
     between inner chunks), so a read keeps the destination's alignment; the direct reader,
     TensorStore and the spec-only reader all read the padded shards bit for bit, whole and
@@ -164,15 +185,12 @@ def test_big_inner_chunks_start_on_4k_boundaries_and_every_reader_follows_the_in
         "h": random_bits("h", (4096, 1500), torch.bfloat16),
     }  # inner chunks not 4 KiB multiples
     path = str(tmp_path / "ck")
-    sp.save(st, path)
+    sp.save(st, path, backend=ZarrBackend() if layout == "per-array" else None)
     m = sp.read_metadata(path)
+    assert (m.packed is None) == (layout == "per-array")
     for key in st:
-        f = os.path.join(path, m.tensors[key].array, "c", "0", "0")
-        raw = open(f, "rb").read()
-        with open(os.path.join(path, m.tensors[key].array, "zarr.json")) as fh:
-            meta = json.load(fh)
-        inner = meta["codecs"][0]["configuration"]["chunk_shape"]
-        per = [c // i for c, i in zip(meta["chunk_grid"]["configuration"]["chunk_shape"], inner)]
+        raw, inner = _shard(path, m, key)
+        per = [c // i for c, i in zip(m.tensors[key].chunk_shape, inner)]
         count = int(np.prod(per))
         index = np.frombuffer(raw[-4 - 16 * count : -4], "<u8").reshape(count, 2)
         assert crc32c.crc32c(raw[-4 - 16 * count : -4]) == int.from_bytes(raw[-4:], "little")

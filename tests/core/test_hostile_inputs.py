@@ -85,7 +85,8 @@ def test_deep_envelope_gives_a_reason():
 
 
 def test_deep_zarr_json_is_refused_by_rule(tmp_ckpt):
-    sp.save({"w": torch.ones(3)}, tmp_ckpt)
+    # zarr.json is the per-array layout's (a packed checkpoint has none, [SP-PACK-1])
+    sp.save({"w": torch.ones(3)}, tmp_ckpt, backend=sp.ZarrBackend())
     hostile.deep_zarr_json(tmp_ckpt, "tensors/w", 100_000)
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.load(tmp_ckpt)
@@ -94,7 +95,7 @@ def test_deep_zarr_json_is_refused_by_rule(tmp_ckpt):
 
 
 def test_zarr_json_repeating_a_name_is_refused(tmp_ckpt):
-    sp.save({"w": torch.ones(3)}, tmp_ckpt)
+    sp.save({"w": torch.ones(3)}, tmp_ckpt, backend=sp.ZarrBackend())
     p = f"{tmp_ckpt}/tensors/w/zarr.json"
     text = open(p).read()
     open(p, "w").write(text[:-1] + ',"zarr_format":3}')

@@ -162,7 +162,10 @@ def test_decode_rejects_non_strings():
         decode_component("a/b")
 
 
-def test_keys_of_a_saved_tree_are_the_array_directories(tmp_ckpt):
+@pytest.mark.parametrize("layout", ["per-array", "packed"])
+def test_keys_of_a_saved_tree_are_the_array_directories(tmp_ckpt, layout):
+    """Encoded keys name the arrays: directories of the per-array layout, the names the
+    packed index lists (which name no file, [SP-PACK-1])."""
     import os
     import torch
 
@@ -172,11 +175,18 @@ def test_keys_of_a_saved_tree_are_the_array_directories(tmp_ckpt):
         7: [torch.ones(1)],
         "7": torch.ones(1),
     }
+    be = sp.ZarrBackend() if layout == "per-array" else None
     with pytest.raises(sp.InvalidKeyError):
-        sp.save(state, tmp_ckpt)
+        sp.save(state, tmp_ckpt, backend=be)
     del state[".."]
-    sp.save(state, tmp_ckpt)
-    assert sorted(sp.read_metadata(tmp_ckpt).tensors) == ["7/0", "a%2Fb", "~7"]
-    assert sorted(os.listdir(f"{tmp_ckpt}/tensors")) == ["7", "a%2Fb", "zarr.json", "~7"]
+    sp.save(state, tmp_ckpt, backend=be)
+    m = sp.read_metadata(tmp_ckpt)
+    assert sorted(m.tensors) == ["7/0", "a%2Fb", "~7"]
+    if layout == "per-array":
+        assert sorted(os.listdir(f"{tmp_ckpt}/tensors")) == ["7", "a%2Fb", "zarr.json", "~7"]
+    else:
+        names = sorted(name for name, _inner in m.packed.arrays)
+        assert names == ["tensors/7/0", "tensors/a%2Fb", "tensors/~7"]
+        assert sorted(os.listdir(tmp_ckpt)) == ["manifest.msgpack", "packed"]
     back = sp.load(tmp_ckpt)
     assert set(back) == {"a/b", 7, "7"} and isinstance(back[7], list)

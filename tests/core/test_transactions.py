@@ -16,6 +16,8 @@ from shardpoint_core.format.errors import (
 )
 from shardpoint_core.format.manifest import Manifest, TensorEntry, array_path_for
 from shardpoint_core.format.spec import ArraySpec
+from shardpoint_core.transactions.backend import ZarrBackend
+from shardpoint_core.transactions.packed import PackedBackend
 from shardpoint_core.transactions.reader import CheckpointReader
 from shardpoint_core.transactions.writer import CheckpointWriter
 
@@ -38,10 +40,11 @@ def _manifest(value: float) -> Manifest:
     return Manifest({"dict": [["w", {"tensor": "w"}]]}, {"w": entry}, {}, save_world_size=2)
 
 
-def _save(path: str, value: float, overwrite=False) -> None:
-    """Two writers, as two ranks would: the coordinator begins, the other joins."""
-    w0 = CheckpointWriter.begin(path, overwrite=overwrite)
-    w1 = CheckpointWriter.join(path, w0.staging)
+def _save(path: str, value: float, overwrite=False, backend=None) -> None:
+    """Two writers, as two ranks would: the coordinator begins, the other joins (here in one
+    process, sharing the backend: the packed one keeps each writer's index part)."""
+    w0 = CheckpointWriter.begin(path, overwrite=overwrite, backend=backend)
+    w1 = CheckpointWriter.join(path, w0.staging, backend=backend)
     with w0:
         for w, row in ((w0, 0), (w1, 2)):
             a = w.open_array(array_path_for("w"), SPEC)
@@ -93,14 +96,17 @@ def test_a_replacement_during_a_read_is_seen(where):
         r.check_unchanged()
 
 
-def test_a_read_failing_because_of_a_replacement_says_so(tmp_path):
-    """Reads that fail because another save replaced the checkpoint (its arrays gone under
-    the manifest read first) are LoadFailedError [SP-COMMIT-14], the failure as its cause,
-    not a damaged checkpoint: from opening an array and from waiting for a read. (Files:
-    on an object store a replaced save's objects stay readable under its own prefix, so
-    the reads succeed and :meth:`check_unchanged` tells.)"""
+@pytest.mark.parametrize("layout", ["packed", "per-array"])
+def test_a_read_failing_because_of_a_replacement_says_so(tmp_path, layout):
+    """Reads that fail because another save replaced the checkpoint (its arrays or data
+    objects gone under the manifest read first) are LoadFailedError [SP-COMMIT-14], the
+    failure as its cause, not a damaged checkpoint: from waiting for a read, and from
+    opening an array where that reads storage (per-array: its zarr.json; packed: the
+    manifest's index, so the read after it tells). (Files: on an object store a replaced
+    save's objects stay readable under its own prefix, so the reads succeed and
+    :meth:`check_unchanged` tells.)"""
     where = str(tmp_path / "ck")
-    _save(where, 1.0)
+    _save(where, 1.0, backend=None if layout == "packed" else ZarrBackend())
     r = CheckpointReader.open(where)
     a = r.array("w")
     _save_other(where)
@@ -108,8 +114,12 @@ def test_a_read_failing_because_of_a_replacement_says_so(tmp_path):
     with pytest.raises(LoadFailedError, match="replaced") as e:
         r.wait([r.read_into(a, (2, 0), out)])
     assert e.value.spec_id == "SP-COMMIT-14" and e.value.__cause__ is not None
-    with pytest.raises(LoadFailedError, match="replaced"):
-        r.array("w")
+    with pytest.raises(LoadFailedError, match="replaced") as e:
+        b = r.array("w")  # per-array: raises here
+        r.wait([r.read_into(b, (0, 0), out)])  # packed: here
+    assert e.value.spec_id == "SP-COMMIT-14"
+    if layout == "packed":
+        assert "'w'" in str(e.value.__cause__) and "packed/" in str(e.value.__cause__)
 
 
 def _save_other(path: str) -> None:
@@ -183,14 +193,16 @@ def test_a_path_becomes_a_store_and_key_once_per_save_not_once_per_array(
         _save_many(f"{base}/n{n}", n)
         counts.append(len(calls))
     assert counts[0] == counts[1], (counts, calls)
-    # nothing of either save or load stays in the backend (memory stays flat)
-    assert not [k for k in backend_for(base)._locations if k.startswith(base)]
+    # nothing of either save or load stays in the backend (memory stays flat): the
+    # default packed one's per-save state, and the locations of the Zarr one it reads with
+    be = backend_for(base)
+    assert isinstance(be, PackedBackend)
+    for kept in (be._writers, be._crcs, be._own, be._bases, be.zarr._locations):
+        assert not [k for k in kept if k.startswith(base)], kept
 
 
 def test_locations_never_released_stay_bounded(tmp_path):
     """A reader that is never closed leaves its root's location behind; at most a few."""
-    from shardpoint_core.transactions.backend import ZarrBackend
-
     be = ZarrBackend()
     _save_many(str(tmp_path / "c"), 1)
     e = CheckpointReader.open(str(tmp_path / "c"), backend=be).manifest.tensors["t0"]

@@ -6,11 +6,16 @@ in a documented error for every reader, within a bounded peak RSS, before alloca
 Each case runs every reader in a child process forked from the launcher's fork server
 (torch and shardpoint already imported), under a memory cgroup where one can be made; the
 child resets its peak RSS (``/proc/self/clear_refs``) before each reader and reports
-``VmHWM`` after it, so each reader's own peak is measured, not the imports'."""
+``VmHWM`` after it, so each reader's own peak is measured, not the imports'.
+
+The cases that edit a tensor's files (zarr.json, ``c/...``) save with ``ZarrBackend()``;
+the packed layout (the default) has its twins: a sparse data object, holes of zeros that
+load, and the manifest's per-array and per-chunk claims, refused when it is decoded."""
 
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,16 +125,21 @@ def run_readers(path: str, other: str, which=ALL, timeout: float = 240) -> dict:
     return out
 
 
-def _base(p: str) -> None:
-    sp.save({"w": torch.ones(1000), "v": torch.ones(1 << 20)}, p)
+ZARR = sp.ZarrBackend()  # the per-array layout, for the cases that edit its files
+
+
+def _base(p: str, backend=None) -> None:
+    sp.save({"w": torch.ones(1000), "v": torch.ones(1 << 20)}, p, backend=backend)
 
 
 def _edit_array(p: str, name: str, **changes) -> None:
     """Change tensor ``name``'s manifest entry and zarr.json alike (``shape``,
-    ``chunk_shape``), so only the rule under test can object."""
+    ``chunk_shape``), so only the rule under test can object (packed: the entry only)."""
     body = hostile.read_body(p)
     body["tensors"][name].update(changes)
     hostile.write_body(p, body)
+    if "packed" in body:
+        return
     zj = f"{p}/tensors/{name}/zarr.json"
     meta = json.load(open(zj))
     if "shape" in changes:
@@ -173,18 +183,49 @@ def _assert_refused(out: dict, spec_id: str, needle: str = "") -> None:
 def _sparse_chunk(p: str, n: int = 1 << 30) -> None:
     """Tensor ``w`` declares ``n`` float32 elements in one plain chunk whose file is sparse:
     the right size for every size rule, storage holding 4 KiB of it."""
-    _base(p)
+    _base(p, ZARR)
     _edit_array(p, "w", shape=[n], chunk_shape=[n])
     os.truncate(f"{p}/tensors/w/c/0", n * 4 + 4)
 
 
-def test_sparse_chunk_file_is_refused_by_every_reader_before_allocating(pair):
+def _sparse_record(p: str, n: int = 1 << 30) -> str:
+    """The packed twin: ``w`` declares ``n`` float32 elements in one plain chunk whose
+    record lies at the end of its data object, the object extended to hold it as a hole:
+    every rule of the index holds ([SP-PACK-4], [SP-PACK-5]), storage holds 4 MiB of it.
+    Returns the object's path."""
+    from shardpoint_core.format.packed import RECORD
+
+    _base(p)
+    body = hostile.read_body(p)
+    body["tensors"]["w"].update(shape=[n], chunk_shape=[n])
+    packed = body["packed"]
+    ((path, size),) = packed["objects"]
+    rec = np.frombuffer(packed["index"], RECORD).copy()
+    w = [i for i, (name, _inner) in enumerate(packed["arrays"]) if name == "tensors/w"][0]
+    at = rec["array"] == w
+    offset = -(-size // 4096) * 4096
+    rec["offset"][at], rec["length"][at] = offset, n * 4 + 4
+    packed["objects"] = [[path, offset + n * 4 + 4]]
+    packed["index"] = rec.tobytes()
+    hostile.write_body(p, body)
+    os.truncate(os.path.join(p, path), offset + n * 4 + 4)
+    return os.path.join(p, path)
+
+
+@pytest.mark.parametrize("layout", ["per-array", "packed"])
+def test_sparse_chunk_file_is_refused_by_every_reader_before_allocating(pair, layout):
     bad, good = pair
-    _sparse_chunk(bad)
-    assert os.path.getsize(f"{bad}/tensors/w/c/0") == (4 << 30) + 4
+    if layout == "per-array":
+        _sparse_chunk(bad)
+        assert os.path.getsize(f"{bad}/tensors/w/c/0") == (4 << 30) + 4
+    else:
+        assert os.path.getsize(_sparse_record(bad)) > 4 << 30
     assert _on_disk(bad) < 8 * MiB
     out = run_readers(bad, bad)
     _assert_refused(out, "SP-READ-3", "sparse")
+    if layout == "packed":  # the readers that raise name the object, not a chunk file
+        for name in set(out) & {"load", "open", "jax", "dcp"}:
+            assert "packed/" in out[name][1] and "'w'" in out[name][1], (name, out[name])
 
 
 # ----------------------------------------- a sparse 1 GiB manifest with trailing garbage
@@ -212,21 +253,29 @@ def test_manifest_bytes_with_trailing_garbage_are_refused_before_decoding():
         assert e.value.spec_id == "SP-MAN-1" and what in str(e.value)
 
 
-def test_sparse_but_sound_chunk_still_loads(tmp_path):
+@pytest.mark.parametrize("layout", ["per-array", "packed"])
+def test_sparse_but_sound_chunk_still_loads(tmp_path, layout):
     """Holes are not damage: zeros a file system keeps as holes (ZFS with compression,
-    ``rsync -S``) read back, their checksums checked from the bytes stored."""
+    ``rsync -S``) read back, their checksums checked from the bytes stored (packed: the
+    zeros of one chunk inside a data object, [SP-PACK-7])."""
     p = str(tmp_path / "ck")
     z = torch.zeros(1 << 20)  # 4 MiB of zeros, one plain chunk
-    sp.save({"z": z, "w": torch.arange(10.0)}, p)
-    f = f"{p}/tensors/z/c/0"
+    sp.save({"z": z, "w": torch.arange(10.0)}, p, backend=ZARR if layout == "per-array" else None)
+    if layout == "per-array":
+        f, lo, hi = f"{p}/tensors/z/c/0", 0, 4 * (1 << 20) + 4
+    else:
+        rec = sp.read_metadata(p).tensors["z"].packed.records[0]
+        (f,) = [os.path.join(p, o) for o, _s in sp.read_metadata(p).packed.objects]
+        lo, hi = int(rec["offset"]), int(rec["offset"]) + int(rec["length"])
     data = open(f, "rb").read()
     os.remove(f)
-    with open(f, "wb") as fh:  # the zeros as a hole, the crc32c stored
+    with open(f, "wb") as fh:  # the zeros as a hole, the crc32c and the rest stored
+        fh.write(data[:lo])
         fh.truncate(len(data))
-        fh.seek(len(data) - 4096)
-        fh.write(data[-4096:])
+        fh.seek(hi - 4096)
+        fh.write(data[hi - 4096 :])
     assert os.stat(f).st_blocks * 512 < len(data) // 2
-    assert torch.equal(sp.load(p)["z"], z)
+    assert torch.equal(sp.load(p)["z"], z) and torch.equal(sp.load(p)["w"], torch.arange(10.0))
     from shardpoint_core.verify import verify_checkpoint
 
     assert verify_checkpoint(p).ok
@@ -298,9 +347,9 @@ def test_crc_over_zeros_matches_the_library():
 
 
 # ------------------------------- per-array and per-chunk work that storage does not back
-def _absent_arrays(p: str, count: int) -> None:
+def _absent_arrays(p: str, count: int, backend=ZARR) -> None:
     """``count`` more tensors in the manifest, none of them stored."""
-    _base(p)
+    _base(p, backend)
     body = hostile.read_body(p)
     for i in range(count):
         k = f"layer{i}.weight"
@@ -334,34 +383,45 @@ def no_targets(monkeypatch, no_planning):
     monkeypatch.setattr(loading, "full_targets", _reached)
 
 
-def test_absent_arrays_are_found_before_planning(tmp_path, no_targets):
+@pytest.mark.parametrize("layout,rule", [("per-array", "SP-ARRAY-1"), ("packed", "SP-PACK-2")])
+def test_absent_arrays_are_found_before_planning(tmp_path, no_targets, layout, rule):
     """Before: 200k absent arrays cost load 1.9 GiB and 80 s of targets and planning before
-    the first open said SP-ARRAY-1. Now before the targets are allocated."""
+    the first open said SP-ARRAY-1. Now before the targets are allocated. Packed: tensor
+    entries the index does not list are refused when the manifest is decoded."""
     p = str(tmp_path / "ck")
-    _absent_arrays(p, 2000)
+    _absent_arrays(p, 2000, ZARR if layout == "per-array" else None)
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.load(p)
-    assert e.value.spec_id == "SP-ARRAY-1" and "tensors/layer0.weight" in str(e.value)
+    assert e.value.spec_id == rule and "tensors/layer0.weight" in str(e.value)
     w = torch.zeros(1000)
     with pytest.raises(sp.CorruptCheckpointError) as e:  # through like= as well
         sp.load(p, like={"w": torch.zeros(1000), "layer7.weight": w}, strict=False)
-    assert e.value.spec_id == "SP-ARRAY-1" and "layer7.weight" in str(e.value)
+    assert e.value.spec_id == rule and "layer" in str(e.value)
+    if layout == "per-array":
+        assert "layer7.weight" in str(e.value)
 
 
-def test_chunk_shape_1_on_a_large_tensor_is_refused_before_planning(tmp_path, no_planning):
+@pytest.mark.parametrize("layout", ["per-array", "packed"])
+def test_chunk_shape_1_on_a_large_tensor_is_refused_before_planning(tmp_path, no_planning, layout):
     """Before: 1.8 GiB and tens of seconds of per-chunk plans for 1M chunks, then
-    SP-READ-3 for the one 4 MiB chunk file that should be 8 bytes."""
+    SP-READ-3 for the one 4 MiB chunk file that should be 8 bytes. Packed: the index has
+    one record for the 1M chunks, refused by its count when the manifest is decoded."""
     p = str(tmp_path / "ck")
-    _base(p)
+    _base(p, ZARR if layout == "per-array" else None)
     _edit_array(p, "v", chunk_shape=[1])
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.load(p)
-    assert e.value.spec_id == "SP-READ-3" and "tensors/v/c/0" in str(e.value)
+    if layout == "per-array":
+        assert e.value.spec_id == "SP-READ-3" and "tensors/v/c/0" in str(e.value)
+    else:
+        assert e.value.spec_id == "SP-PACK-4" and "1048577 chunks" in str(e.value)
+        assert "manifest.msgpack" in str(e.value)  # and the tensor whose records fall short
+        assert "tensor 'v' (array 'tensors/v') has 1 records for its 1048576" in str(e.value)
 
 
 def test_a_large_grid_missing_its_chunk_files_is_refused_before_planning(tmp_path, no_planning):
     p = str(tmp_path / "ck")
-    _base(p)
+    _base(p, ZARR)
     _edit_array(p, "v", chunk_shape=[1])
     c = f"{p}/tensors/v/c/0"
     os.remove(c)
@@ -379,11 +439,11 @@ def test_a_large_grid_missing_its_chunk_files_is_refused_before_planning(tmp_pat
 def test_per_array_and_per_chunk_cases_stay_within_the_budget(pair, case):
     bad, good = pair
     if case == "absent_200k":
-        _absent_arrays(bad, 200_000)
+        _absent_arrays(bad, 200_000)  # per-array: packed refuses these when decoding
         assert os.path.getsize(f"{bad}/manifest.msgpack") > 20 * MiB
         sid = "SP-ARRAY-1"
     else:
-        _base(bad)
+        _base(bad, ZARR)
         _edit_array(bad, "v", shape=[3 << 20], chunk_shape=[1])
         sid = "SP-READ-3"
     # DCP is left out of the absent-arrays case: its caller allocates every target (the

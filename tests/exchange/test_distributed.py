@@ -156,11 +156,29 @@ def check_pieces(out, like, world, tag):
     return bad
 
 
-def save_job(rank, world, base):
+def save_job(rank, world, base, per_array=False):
     import shardpoint as sp
 
-    r = sp.save(save_layouts(rank, world), f"{base}/w{world}")
+    be = sp.ZarrBackend() if per_array else None  # None: the default, packed
+    r = sp.save(save_layouts(rank, world), f"{base}/w{world}", backend=be)
     return r.exchange_bytes, r.unique_bytes, r.files, r.rank_chunk_files
+
+
+def stored_chunk_bytes(path):
+    """The bytes of every stored chunk of the checkpoint at ``path``: its chunk files
+    (per-array), or the lengths its packed index records (padding between them not
+    counted)."""
+    import shardpoint as sp
+
+    m = sp.read_metadata(path)
+    if m.packed is not None:
+        return int(m.packed.records["length"].sum())
+    return sum(
+        os.path.getsize(os.path.join(d, f))
+        for d, _, fs in os.walk(os.path.join(path, "tensors"))
+        for f in fs
+        if f != "zarr.json"
+    )
 
 
 def load_job(rank, world, base, save_worlds):
@@ -220,21 +238,37 @@ def load_job(rank, world, base, save_worlds):
     return bad
 
 
+PER_ARRAY_WORLDS = (2, 3)  # saved per-array; 1 and 4 in the default, packed, layout
+
+
 def test_save_on_n_load_on_m(tmp_path):
+    """Saved by 1 to 4 ranks, in both layouts (each load below reads both), loaded by 1 to 4
+    ranks in other layouts."""
+    import shardpoint as sp
+
     base = str(tmp_path)
     for n in (1, 2, 3, 4):
-        res = run_world(n, save_job, base, timeout=240)
+        res = run_world(n, save_job, base, n in PER_ARRAY_WORLDS, timeout=240)
         exchanged, unique, files, _ = res[0]
-        names = [f for _, _, fs in os.walk(f"{base}/w{n}") for f in fs]
-        chunk_files = len(names) - names.count("zarr.json") - names.count("manifest.msgpack")
-        # the save reports the files there; each chunk file has one writing rank
-        assert files == len(names) and sum(r[3] for r in res) == chunk_files, (n, files, res)
-        sizes = sum(
-            os.path.getsize(os.path.join(d, f))
-            for d, _, fs in os.walk(f"{base}/w{n}/tensors")
+        names = [
+            os.path.relpath(os.path.join(d, f), f"{base}/w{n}")
+            for d, _, fs in os.walk(f"{base}/w{n}")
             for f in fs
-            if f != "zarr.json"
-        )
+        ]
+        if n in PER_ARRAY_WORLDS:
+            names = [os.path.basename(f) for f in names]
+            chunk_files = len(names) - names.count("zarr.json") - names.count("manifest.msgpack")
+            # the save reports the files there; each chunk file has one writing rank
+            assert files == len(names) and sum(r[3] for r in res) == chunk_files, (n, files, res)
+        else:
+            m = sp.read_metadata(f"{base}/w{n}")
+            objects = [o for o, _size in m.packed.objects]
+            # the manifest and one data object per rank that wrote chunks, nothing else;
+            # each chunk has one writing rank
+            assert sorted(names) == sorted(["manifest.msgpack"] + objects), (n, names)
+            assert len(objects) == sum(1 for r in res if r[3]), (n, objects, res)
+            assert sum(r[3] for r in res) == len(m.packed.records), (n, res)
+        sizes = stored_chunk_bytes(f"{base}/w{n}")
         # every byte once (replicas written once); chunk/shard indexes add a few percent
         assert unique <= sizes <= unique * 1.10 + 4096, (n, sizes, unique)
     for m in (1, 2, 3, 4):
@@ -479,12 +513,7 @@ def test_dtensor_2d_mesh_round_trip(tmp_path):
     back = sp.load(str(tmp_path / "mesh"))
     for k in ("ss", "rs", "sr"):
         assert same_bits(back[k], full(k)), k
-    sizes = sum(
-        os.path.getsize(os.path.join(d, f))
-        for d, _, fs in os.walk(tmp_path / "mesh" / "tensors")
-        for f in fs
-        if f != "zarr.json"
-    )
+    sizes = stored_chunk_bytes(str(tmp_path / "mesh"))
     unique = res[0][1]
     assert unique <= sizes <= unique * 1.10 + 4096  # replicated mesh dims written once
 

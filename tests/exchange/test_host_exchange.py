@@ -35,12 +35,8 @@ def _save_rows(rank, path, packed=False):
     st["b"] = sp.ShardedTensor(
         _full(9)[a : a + CHUNK_ROWS].to(torch.bfloat16).clone(), SHAPE, (a, 0)
     )
-    if packed:  # format 1.4: one data object per rank, the index in the manifest
-        from shardpoint_core.transactions.packed import PackedBackend
-
-        sp.save(st, path, overwrite=True, backend=PackedBackend())
-    else:
-        sp.save(st, path, overwrite=True)
+    # packed (the default, format 1.4): one data object per rank, the index in the manifest
+    sp.save(st, path, overwrite=True, backend=None if packed else sp.ZarrBackend())
 
 
 def _cols(rank, world):
@@ -113,20 +109,27 @@ def test_column_load_through_shared_memory_is_exact_and_leaves_nothing(tmp_path,
     assert sum(t[3] for t in two) > 0, two
 
 
-def _corrupt_then_load(rank, world, path):
+def _corrupt_then_load(rank, world, path, packed=False):
     import torch.distributed as dist
 
-    _save_rows(rank, path)
+    _save_rows(rank, path, packed)
     dist.barrier()
-    if rank == 0:  # flip one data byte of t1's first chunk file
+    if rank == 0:  # flip one data byte of t1's first chunk (its file, or its bytes in an object)
         import glob
 
-        f = sorted(glob.glob(os.path.join(path, "tensors", "t1", "c", "**", "*"), recursive=True))
-        f = [x for x in f if os.path.isfile(x)][0]
+        if packed:
+            obj, at, n, _crc = sp.read_metadata(path).tensors["t1"].packed.chunk(0)
+            f, at = os.path.join(path, obj), at + 40
+            assert n > 44
+        else:
+            f = sorted(
+                glob.glob(os.path.join(path, "tensors", "t1", "c", "**", "*"), recursive=True)
+            )
+            f, at = [x for x in f if os.path.isfile(x)][0], 40
         with open(f, "r+b") as fh:
-            fh.seek(40)
+            fh.seek(at)
             byte = fh.read(1)
-            fh.seek(40)
+            fh.seek(at)
             fh.write(bytes([byte[0] ^ 0x10]))
     dist.barrier()
     rep = sp.LoadReport()
@@ -138,10 +141,13 @@ def _corrupt_then_load(rank, world, path):
 
 
 @pytest.mark.skipif(not shm_supported(), reason="no /dev/shm on this system")
-def test_a_corrupt_chunk_fails_every_rank_and_cleans_up(tmp_path):
-    res = run_world(3, _corrupt_then_load, str(tmp_path / "rows"), timeout=180)
+@pytest.mark.parametrize("packed", [False, True], ids=["per-array", "packed"])
+def test_a_corrupt_chunk_fails_every_rank_and_cleans_up(tmp_path, packed):
+    res = run_world(3, _corrupt_then_load, str(tmp_path / "rows"), packed, timeout=180)
     assert [r[0] for r in res] == ["CorruptCheckpointError"] * 3, res
     assert all("t1" in r[1] and "SP-READ-3" in r[1] for r in res), res
+    if packed:  # the reading rank's error names the data object and the chunk's bytes
+        assert any("packed/" in r[1] and "of data object" in r[1] for r in res), res
     assert [r[2] for r in res] == [[], [], []], res
     # One rank read that chunk (its error names it, or it is rank 0 and unnamed); the other
     # two raised the same error from the agreement step, before copying anything out of the

@@ -84,11 +84,15 @@ def test_constructor_refuses_mismatched_grids():
         assert e.value.spec_id == "SP-OBJ-1"
 
 
-def test_manifest_stores_the_grid_only_when_it_is_not_one_dimensional(tmp_ckpt):
-    sp.save({"o": sp.ShardedObject(1, 0, 1), "g": sp.ShardedObject(2, (0, 0), (1, 1))}, tmp_ckpt)
+@pytest.mark.parametrize("layout", ["per-array", "packed"])
+def test_manifest_stores_the_grid_only_when_it_is_not_one_dimensional(tmp_ckpt, layout):
+    state = {"o": sp.ShardedObject(1, 0, 1), "g": sp.ShardedObject(2, (0, 0), (1, 1))}
+    sp.save(state, tmp_ckpt, backend=sp.ZarrBackend() if layout == "per-array" else None)
     raw = open(f"{tmp_ckpt}/manifest.msgpack", "rb").read()
     body = msgpack.unpackb(msgpack.unpackb(raw)["body"], strict_map_key=False)
-    assert body["format_version"] == [1, 1]
+    # the grid is a 1.1 construct; the packed layout (the default) says 1.4 ([SP-VER-1])
+    assert body["format_version"] == ([1, 1] if layout == "per-array" else [1, 4])
+    assert ("packed" in body) == (layout == "packed")
     assert body["objects"]["o"] == {"count": 1, "values": [1]}  # as in format 1.0
     assert body["objects"]["g"] == {"count": 1, "values": [2], "shape": [1, 1]}
     m = decode_manifest(raw)

@@ -1,15 +1,20 @@
 """Chunk identity (format 1.3, [SP-MAN-7], [SP-READ-8]): a save records every stored unit's
 crc32c per tensor, and chunks swapped between tensors or positions, which every crc32c
-still passes, are refused by ``sp.load``, ``verify`` and the independent reader."""
+still passes, are refused by ``sp.load``, ``verify`` and the independent reader. In both
+layouts: chunk files of the per-array one, chunk bytes inside the data objects of the packed
+one (the default, format 1.4), where the records' crc32c are swapped along, so only the
+chunk table can tell."""
 
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint_conformance import vectors
+from shardpoint_conformance import hostile, vectors
+from shardpoint_core.format.packed import RECORD
 from shardpoint_conformance.vector_damage import _reseal_index
 from shardpoint_core.format import errors
 from shardpoint_core.verify import verify_checkpoint
@@ -26,17 +31,74 @@ def _save(path, backend=None):
     return state
 
 
-def test_a_save_records_every_units_stored_crc32c(tmp_path):
-    ck = str(tmp_path / "ck")
-    _save(ck)
+LAYOUTS = {"per-array": ZarrBackend(), "packed": None}  # None: the default, packed
+
+
+def _number(e, cidx):
+    """The row-major number of chunk ``cidx`` of the 8x8 tensor entry ``e``."""
+    return cidx[0] * (8 // e.chunk_shape[1]) + cidx[1]
+
+
+def _where(ck, m, key, cidx):
+    """(file, offset, length) of the stored bytes of chunk ``cidx`` of tensor ``key``."""
+    e = m.tensors[key]
+    if m.packed is None:
+        f = os.path.join(ck, e.array, "c", *map(str, cidx))
+        return f, 0, os.path.getsize(f)
+    obj, off, n, _crc = e.packed.chunk(_number(e, cidx))
+    return os.path.join(ck, obj), off, n
+
+
+def _stored(ck, m, key, cidx):
+    f, off, n = _where(ck, m, key, cidx)
+    with open(f, "rb") as fh:
+        fh.seek(off)
+        return fh.read(n)
+
+
+def _swap_chunks(ck, one, other):
+    """Swap the stored bytes of chunks ``one`` and ``other`` (each ``(key, cidx)``): their
+    files (per-array), or their bytes in the data objects and the crc32c of their records
+    (packed), so that every check but the chunk table passes."""
     m = sp.read_metadata(ck)
-    assert tuple(m.format_version) == (1, 3)  # [SP-VER-1]
+    if m.packed is None:
+        _swap(_where(ck, m, *one)[0], _where(ck, m, *other)[0])
+        return
+    (fa, oa, na), (fb, ob, nb) = _where(ck, m, *one), _where(ck, m, *other)
+    assert na == nb, "swap chunks of one size"
+    da, db = _stored(ck, m, *one), _stored(ck, m, *other)
+    for f, off, data in ((fa, oa, db), (fb, ob, da)):
+        with open(f, "r+b") as fh:
+            fh.seek(off)
+            fh.write(data)
+    body = hostile.read_body(ck)
+    rec = np.frombuffer(body["packed"]["index"], RECORD).copy()
+    names = [name for name, _inner in body["packed"]["arrays"]]
+
+    def row(key, cidx):
+        e = m.tensors[key]
+        at = (rec["array"] == names.index(e.array)) & (rec["chunk"] == _number(e, cidx))
+        (i,) = np.nonzero(at)[0]
+        return i
+
+    i, j = row(*one), row(*other)
+    rec["crc32c"][[i, j]] = rec["crc32c"][[j, i]]
+    body["packed"]["index"] = rec.tobytes()
+    hostile.write_body(ck, body)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_save_records_every_units_stored_crc32c(tmp_path, layout):
+    ck = str(tmp_path / "ck")
+    _save(ck, LAYOUTS[layout])
+    m = sp.read_metadata(ck)
+    assert tuple(m.format_version) == ((1, 3) if layout == "per-array" else (1, 4))  # [SP-VER-1]
     for key, e in m.tensors.items():
         n_chunks = (8 // e.chunk_shape[0]) * (8 // e.chunk_shape[1])
         assert len(e.chunk_crc32c) == 4 * n_chunks, key
         for i in range(8 // e.chunk_shape[0]):
             for j in range(8 // e.chunk_shape[1]):
-                raw = (tmp_path / "ck" / e.array / "c" / str(i) / str(j)).read_bytes()
+                raw = _stored(ck, m, key, (i, j))
                 u = i * (8 // e.chunk_shape[1]) + j
                 assert e.chunk_crc32c[4 * u : 4 * u + 4] == raw[-4:], (key, i, j)
 
@@ -76,22 +138,19 @@ def _refused_everywhere(ck, backend=None):
             vectors.read_independently(ck)
 
 
-def test_chunks_swapped_between_tensors_are_refused(tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_chunks_swapped_between_tensors_are_refused(tmp_path, layout):
     ck = str(tmp_path / "ck")
-    _save(ck)
-    m = sp.read_metadata(ck)
-    _swap(
-        os.path.join(ck, m.tensors["a"].array, "c", "1", "0"),
-        os.path.join(ck, m.tensors["b"].array, "c", "1", "0"),
-    )
+    _save(ck, LAYOUTS[layout])
+    _swap_chunks(ck, ("a", (1, 0)), ("b", (1, 0)))
     _refused_everywhere(ck)
 
 
-def test_chunks_swapped_between_positions_are_refused(tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_chunks_swapped_between_positions_are_refused(tmp_path, layout):
     ck = str(tmp_path / "ck")
-    _save(ck)
-    arr = os.path.join(ck, sp.read_metadata(ck).tensors["a"].array, "c")
-    _swap(os.path.join(arr, "0", "0"), os.path.join(arr, "1", "0"))
+    _save(ck, LAYOUTS[layout])
+    _swap_chunks(ck, ("a", (0, 0)), ("a", (1, 0)))
     _refused_everywhere(ck)
 
 
@@ -162,16 +221,14 @@ def test_ranks_send_their_units_crc32c_with_their_commit_report(tmp_path):
     for name in ("sync",):
         ck = str(tmp_path / name)
         m = sp.read_metadata(ck)
-        assert tuple(m.format_version) == (1, 3)
+        assert tuple(m.format_version) == (1, 4)  # the default layout, packed
+        assert len(m.packed.objects) == 2  # one data object per rank
         for e in m.tensors.values():
             n = (8 // e.chunk_shape[0]) * (8 // e.chunk_shape[1])
             assert n >= 2 and e.chunk_crc32c is not None and len(e.chunk_crc32c) == 4 * n
         assert torch.equal(sp.load(ck)["u"], torch.arange(64.0).view(8, 8) + 100)
     ck = str(tmp_path / "sync")
     m = sp.read_metadata(ck)
-    last = [str((8 // c) - 1) for c in m.tensors["t"].chunk_shape]
-    _swap(
-        os.path.join(ck, m.tensors["t"].array, "c", *last),  # written by rank 1
-        os.path.join(ck, m.tensors["u"].array, "c", *last),
-    )
+    last = tuple((8 // c) - 1 for c in m.tensors["t"].chunk_shape)
+    _swap_chunks(ck, ("t", last), ("u", last))  # written by rank 1
     _refused_everywhere(ck)

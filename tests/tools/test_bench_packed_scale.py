@@ -14,6 +14,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint_core.stores.location import locate
+from shardpoint_core.transactions.backend import ZarrBackend
 from shardpoint_core.transactions.packed import PackedBackend
 from shardpoint_testing.launch import run_world
 
@@ -91,11 +92,14 @@ def test_one_process_saves_what_the_simulation_counts(tmp_path, name):
     sim = bps.checkpoint_counts(bps.local_plans(states), object_cap=cap)
     if name == "uniform":
         assert max(sim["packed object store"]["objects_per_writer"]) > 1
-    sp.save(states[0], str(tmp_path / "pa"))
+    sp.save(states[0], str(tmp_path / "pa"), backend=ZarrBackend())
     _check_files(str(tmp_path / "pa"), sim, "per-array")
     sp.save(states[0], str(tmp_path / "pk"), backend=PackedBackend())
     _check_files(str(tmp_path / "pk"), sim, "packed files")
-    for layout, be in (("per-array", None), ("packed object store", PackedBackend(cap=cap))):
+    for layout, be in (
+        ("per-array", ZarrBackend()),
+        ("packed object store", PackedBackend(cap=cap)),
+    ):
         url = f"memory://bps-{name}/{layout.replace(' ', '-')}"
         sp.save(states[0], url, backend=be)
         store, root = locate(url).pair()
@@ -111,7 +115,7 @@ def test_one_process_saves_what_the_simulation_counts(tmp_path, name):
 def _save4(rank: int, world: int, root: str) -> None:
     for name in ("mixed", "uniform"):
         state = bps.rank_states(name, world, SCALE)[rank]
-        sp.save(state, os.path.join(root, name, "pa"))
+        sp.save(state, os.path.join(root, name, "pa"), backend=ZarrBackend())
         sp.save(state, os.path.join(root, name, "pk"), backend=PackedBackend())
     # equal chunks per writer: the split count does not depend on the threads' order
     state = bps.rank_states("uniform", world, SCALE4)[rank]

@@ -306,15 +306,34 @@ def test_a_converted_checkpoint_has_chunk_tables(tmp_path):
     ck = str(tmp_path / "c")
     convert(str(tmp_path / "t.pt"), ck, max_chunk_bytes=256)  # 4 chunks of 16 rows
     m = sp.read_metadata(ck)
-    assert tuple(m.format_version) == (1, 3) and len(m.tensors["w"].chunk_crc32c) == 4 * 4
+    # the default layout, packed (1.4), with its chunk tables
+    assert tuple(m.format_version) == (1, 4) and len(m.tensors["w"].chunk_crc32c) == 4 * 4
     assert same_bits(sp.load(ck)["w"], w)
-    c0, c1 = tmp_path / "c/tensors/w/c/0/0", tmp_path / "c/tensors/w/c/1/0"
-    b0, b1 = c0.read_bytes(), c1.read_bytes()
-    c0.write_bytes(b1)
-    c1.write_bytes(b0)
+    # chunks 0 and 1 swapped in the data object, and their records' crc32c along: only the
+    # chunk table can tell
+    import numpy as np
+
+    from shardpoint_conformance import hostile
+    from shardpoint_core.format.packed import RECORD
+
+    (obj, o0, n, _c0), (_, o1, _n1, _c1) = (m.tensors["w"].packed.chunk(i) for i in (0, 1))
+    with open(os.path.join(ck, obj), "r+b") as f:
+        f.seek(o0)
+        b0 = f.read(n)
+        f.seek(o1)
+        b1 = f.read(n)
+        f.seek(o0)
+        f.write(b1)
+        f.seek(o1)
+        f.write(b0)
+    body = hostile.read_body(ck)
+    rec = np.frombuffer(body["packed"]["index"], RECORD).copy()
+    rec["crc32c"][[0, 1]] = rec["crc32c"][[1, 0]]  # one array: records 0, 1 are its chunks
+    body["packed"]["index"] = rec.tobytes()
+    hostile.write_body(ck, body)
     with pytest.raises(sp.CorruptCheckpointError) as e:
         sp.load(ck)
-    assert e.value.spec_id == "SP-READ-8"
+    assert e.value.spec_id == "SP-READ-8" and "chunk table" in str(e.value)
 
 
 @pytest.mark.parametrize(

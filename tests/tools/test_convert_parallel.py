@@ -28,7 +28,10 @@ SMALL_CHUNKS = 64  # bytes: tensors of a few hundred bytes get many chunk rows t
 
 def files_of(root):
     """{relative path: bytes} of every file under ``root``; the manifest decoded, without
-    its creation time (the only thing two conversions of one source may differ in)."""
+    its creation time (the only thing two conversions of one source may differ in). A
+    packed checkpoint (the default layout) is compared chunk by chunk: its data objects
+    (one or more per writer, named at random) become ``<array>@<chunk>: stored bytes``, and
+    its index the arrays' inner chunk shapes and each chunk's crc32c, not where chunks lie."""
     out = {}
     for d, _, names in os.walk(root):
         for n in names:
@@ -40,6 +43,20 @@ def files_of(root):
         m = msgpack.unpackb(out["manifest.msgpack"], raw=False, strict_map_key=False)
         body = msgpack.unpackb(m["body"], raw=False, strict_map_key=False)
         body.pop("created_unix")
+        packed = body.pop("packed", None)
+        if packed is not None:
+            index = sp.read_metadata(root).packed
+            body["packed arrays"] = packed["arrays"]
+            for r in index.records:
+                path = index.objects[int(r["object"])][0]
+                name = index.arrays[int(r["array"])][0]
+                data = out[path][int(r["offset"]) : int(r["offset"]) + int(r["length"])]
+                assert len(data) == int(r["length"]) and data[-4:] == int(r["crc32c"]).to_bytes(
+                    4, "little"
+                )
+                out[f"{name}@{int(r['chunk'])}"] = data
+            for path, _size in index.objects:
+                del out[path]
         out["manifest.msgpack"] = body
     return out
 

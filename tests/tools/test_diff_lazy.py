@@ -118,10 +118,12 @@ def test_diff_across_formats(tmp_path, capsys):
 
 
 @pytest.fixture
-def chunked(tmp_path):
-    """16x16 float32 in four row chunks of 4x16, plus bf16, 0-d, values and an object."""
+def chunked(tmp_path, request):
+    """16x16 float32 in four row chunks of 4x16, plus bf16, 0-d, values and an object; in
+    the default layout (packed) unless the test asks for ``per-array`` (indirect param)."""
     path = str(tmp_path / "ck")
     w = torch.arange(256, dtype=torch.float32).reshape(16, 16)
+    per_array = getattr(request, "param", "packed") == "per-array"
     sp.save(
         {
             "model": {"w": w, "b": torch.arange(6).bfloat16()},
@@ -131,17 +133,33 @@ def chunked(tmp_path):
         },
         path,
         options=sp.SaveOptions(plan=sp.PlanOptions(max_chunk_bytes=256)),
+        backend=sp.ZarrBackend() if per_array else None,
     )
     assert sp.read_metadata(path).tensors["model/w"].chunk_shape == (4, 16)
     return path, w
 
 
+@pytest.mark.parametrize("chunked", ["per-array", "packed"], indirect=True)
 def test_open_slices_read_only_the_chunks_they_need(chunked):
     path, w = chunked
-    for f in glob.glob(f"{path}/tensors/model/w/c/0/*") + glob.glob(
-        f"{path}/tensors/model/w/c/3/*"
-    ):
-        os.remove(f)  # rows 0-3 and 12-15 are gone
+    m = sp.read_metadata(path)
+    if m.packed is None:
+        files = glob.glob(f"{path}/tensors/model/w/c/0/*") + glob.glob(
+            f"{path}/tensors/model/w/c/3/*"
+        )
+        assert len(files) == 2
+        for f in files:
+            os.remove(f)  # rows 0-3 and 12-15 are gone
+        rule = "SP-READ-2"
+    else:  # packed: a byte of chunks 0 and 3 (rows 0-3 and 12-15) flipped in the object
+        for c in (0, 3):
+            obj, off, _n, _crc = m.tensors["model/w"].packed.chunk(c)
+            with open(os.path.join(path, obj), "r+b") as f:
+                f.seek(off + 8)
+                byte = f.read(1)
+                f.seek(off + 8)
+                f.write(bytes([byte[0] ^ 1]))
+        rule = "SP-READ-3"
     with sp.open(path) as ck:
         assert ck.keys() == ["model/w", "model/b", "s", "step", "rng"]
         v = ck["model/w"]
@@ -151,8 +169,10 @@ def test_open_slices_read_only_the_chunks_they_need(chunked):
         assert torch.equal(v[7].to_torch(), w[7]) and v[7, -1].to_torch().item() == 127
         assert torch.equal(v[4:12][2:4, ...][:, 3].to_torch(), w[6:8, 3])
         assert v[8:4].shape == (0, 16) and v[8:4].to_torch().shape == (0, 16)
-        with pytest.raises(sp.CorruptCheckpointError, match="SP-READ-2"):
-            v[2:6].to_torch()  # needs the deleted first chunk
+        with pytest.raises(sp.CorruptCheckpointError, match=rule):
+            v[2:6].to_torch()  # needs the damaged first chunk
+        with pytest.raises(sp.CorruptCheckpointError, match=rule):
+            v[12:].to_torch()  # and the last
         with pytest.raises(IndexError):
             v[16]
         with pytest.raises(IndexError):

@@ -426,10 +426,10 @@ def decode_packed(value: Any, arrays: Mapping[str, ArrayInfo]) -> PackedIndex:
         )
     counts = [chunk_count(e.shape, e.chunk_shape) for _n, _i, e in listed]
     rec = np.frombuffer(raw, RECORD)
-    if sum(counts) != len(rec):  # before any per-record work ([SP-SEC-2])
+    if sum(counts) != len(rec):  # before any per-declared-chunk work ([SP-SEC-2])
         raise _bad(
             f"{len(rec)} records for the {sum(counts)} chunks of the arrays (every "
-            "chunk of every array exactly once)",
+            f"chunk of every array exactly once){_first_miscounted(rec, listed, counts)}",
             "SP-PACK-4",
         )
     hashes = value.get("hashes")
@@ -485,6 +485,17 @@ def decode_packed(value: Any, arrays: Mapping[str, ArrayInfo]) -> PackedIndex:
     _check_lengths(rec, listed, objs, codecs)
     _check_overlaps(rec, objs)
     return made()
+
+
+def _first_miscounted(rec: np.ndarray, listed: list[Any], counts: list[int]) -> str:
+    """``: tensor 'k' ...``, the first tensor whose records are not its chunk count (work
+    and memory per stored record and listed array, never per declared chunk)."""
+    a = rec["array"]
+    have = np.bincount(a[a < len(listed)], minlength=len(listed))
+    for (name, _inner, e), n, want in zip(listed, have.tolist(), counts):
+        if n != want:
+            return f": tensor {e.key!r} (array {name!r}) has {n} records for its {want} chunks"
+    return ""
 
 
 def _check_lengths(

@@ -200,7 +200,9 @@ class ZarrBackend:
         # ``_remote`` may wait for one without a deadlock
         self._meta_reads = WritePool(concurrency, "sp-meta")
         self._crcs: Dict[str, CrcSink] = {}  # staging -> units' crc32c written ([SP-MAN-7])
-        self._packed_ok: Dict[str, Any] = {}  # (1.4) data objects found sound, by path
+        # (1.4) root -> the data objects found sound by this load of it ([SP-PACK-7]: checked
+        # once per object and load): dropped at release and when a reader of it opens
+        self._packed_ok: Dict[str, Dict[str, Any]] = {}
         self._packed_reads = ReadBatch()  # (1.4) reads gathered until a wait() plans them
         self.committer = PathCommitter(PosixCommitter(fsync=fsync), UrlCommitter(self.locate))
         # root -> its Location, for the array opens of one save or load (a path becomes a
@@ -240,15 +242,24 @@ class ZarrBackend:
                 self._locations[root] = loc
             return loc.pair()
 
+    def _checked(self, root: str) -> Dict[str, Any]:
+        """The data objects of ``root`` this load found sound (kept as its location is)."""
+        with self._loc_lock:
+            got = self._packed_ok.get(root)
+            if got is None:
+                if len(self._packed_ok) >= self._LOCATIONS_KEPT:  # one never released
+                    self._packed_ok.pop(next(iter(self._packed_ok)))
+                got = self._packed_ok[root] = {}
+            return got
+
     def release(self, root: str) -> None:
-        """Drop what this backend keeps for the arrays opened below ``root`` (its location):
-        the end of a load (:meth:`CheckpointReader.close`); a save's ``flush``, ``abort`` and
-        ``commit`` drop theirs. The (1.4) data objects found sound are forgotten too, so
-        the next load checks them again ([SP-PACK-7]): a file damaged between two loads is
-        refused by its own rule, not found later as a short chunk."""
+        """Drop what this backend keeps for the arrays opened below ``root`` (its location,
+        the data objects found sound): the end of a load (:meth:`CheckpointReader.close`)
+        and the start of the next, so each load checks the objects again ([SP-PACK-7]); a
+        save's ``flush``, ``abort`` and ``commit`` drop theirs."""
         with self._loc_lock:
             self._locations.pop(root, None)
-            self._packed_ok.clear()
+            self._packed_ok.pop(root, None)
 
     def _url(self, url: str, key: str) -> str:
         return url_of(url, key)
@@ -516,9 +527,10 @@ class ZarrBackend:
         (:func:`~shardpoint_core.arrays.opening.open_local_array`). Chunks are read by ``read_into``."""
         store, prefix = self._location(root)
         if spec.packed is not None:  # (1.4) a packed checkpoint: chunks by its index
+            checked = self._checked(root)
             if spec.packed.bases:  # incremental: its bases' objects too ([SP-PACK-9])
-                store = based_store(store, prefix, root, spec.packed, key, self._packed_ok)
-            return _Array(*open_packed(store, prefix, spec, key, self._packed_ok), key)
+                store = based_store(store, prefix, root, spec.packed, key, checked)
+            return _Array(*open_packed(store, prefix, spec, key, checked), key)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
             return ObjectArray(store, path, spec, key, self._guess(spec))

@@ -47,7 +47,7 @@ from shardpoint_core.commit.base import Overwrite
 from shardpoint_core.format.errors import InvalidOptionError, SaveFailedError
 from shardpoint_core.format.manifest import Manifest, decode_manifest
 from shardpoint_core.format.compression import FORMAT_VERSION_1_5
-from shardpoint_core.format.packed import FORMAT_VERSION_1_4
+from shardpoint_core.format.packed import FORMAT_VERSION_1_4, chunk_count
 from shardpoint_core.format.spec import ArraySpec
 from shardpoint_core.transactions.backend import ZarrBackend
 
@@ -248,7 +248,9 @@ class PackedBackend:
         """This process's objects whole and durable, then its index part ([SP-PACK-8])."""
         with self._lock:
             w = self._writers.pop(root, None)
-            coordinating = root in self._own
+            # the coordinator's first part stays in memory; a later one (a second writer of
+            # the save in this process) is published, and write_manifest lists the parts
+            coordinating = root in self._own and self._own[root] is None
         if w is None:
             return
         try:
@@ -267,9 +269,12 @@ class PackedBackend:
         m = data if isinstance(data, Manifest) else decode_manifest(data)
         with self._lock:
             own = self._own.pop(root, None)
-        objects, rows, inner, parts, refs = gather_parts(
-            store, prefix, own, others=m.save_world_size > 1 or own is None
-        )
+        others = m.save_world_size > 1 or own is None
+        objects, rows, inner, parts, refs = gather_parts(store, prefix, own, others=others)
+        if not others and len(rows) + len(refs) < sum(
+            chunk_count(e.shape, e.chunk_shape) for e in m.tensors.values()
+        ):  # parts of other writers all the same (a converter's workers, a second writer here)
+            objects, rows, inner, parts, refs = gather_parts(store, prefix, own, others=True)
         arrays: Dict[str, Any] = {}
         for e in m.tensors.values():
             got = inner.get(e.array)
@@ -340,16 +345,15 @@ class PackedBackend:
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
         return self.zarr.read_into(handle, offset, out)
 
+    def release(self, root: str) -> None:
+        """The end (or start) of a load of ``root``: the Zarr backend's."""
+        self.zarr.release(root)
+
     def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
         self.zarr.prefetch(handle, offset, shape)
 
     def start_reads(self) -> None:
         self.zarr.start_reads()
-
-    def release(self, root: str) -> None:
-        """The end of a load (:meth:`~.reader.CheckpointReader.close`): the Zarr backend
-        drops what it kept for reads below ``root``."""
-        self.zarr.release(root)
 
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
         return self.zarr.verify_array(root, array_path, spec, key)

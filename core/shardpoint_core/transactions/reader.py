@@ -44,6 +44,11 @@ class CheckpointReader:
         self.path, self.backend = path, backend
         self.manifest_bytes, self.identity = manifest_bytes, identity
         self._manifest: Optional[Manifest] = None
+        # a load starts with nothing kept from an earlier one, closed or not (the packed
+        # data objects are checked again: one may have been replaced by a FIFO since)
+        release = getattr(backend, "release", None)  # optional capability
+        if release is not None:
+            release(path)
 
     @classmethod
     def open(
