@@ -167,7 +167,9 @@ def test_missing_and_damaged_objects_are_documented_errors(s3_env, layout):
         sp.load(s3_env.url(s3_env.fresh_prefix("nothing")))
 
 
-@pytest.mark.parametrize("layout", ["packed", "per-array"])
+@pytest.mark.parametrize(
+    "layout", ["packed", pytest.param("per-array", marks=pytest.mark.slow)]
+)  # the retries are the store's, the same for both layouts: the default's in the short run
 def test_save_and_load_through_throttling_and_5xx(s3_env, monkeypatch, layout):
     """Every third request answered 503 SlowDown or 500 by a proxy on loopback: the save
     and the load retry with backoff and the round trip is still bitwise."""

@@ -170,7 +170,9 @@ def _shard(path: str, m, key: str):
         return fh.read(n), list(e.packed.inner)
 
 
-@pytest.mark.parametrize("layout", ["packed", "per-array"])
+@pytest.mark.parametrize(
+    "layout", ["packed", pytest.param("per-array", marks=pytest.mark.slow)]
+)  # per-array: the layout of section 3, on request; its shard padding is the same writer's
 def test_big_inner_chunks_start_on_4k_boundaries_and_every_reader_follows_the_index(
     tmp_path, layout
 ):
