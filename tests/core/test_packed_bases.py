@@ -5,7 +5,6 @@ fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -20,14 +19,7 @@ from shardpoint_core.format.packed import (
     records_of,
 )
 
-
-@dataclass
-class Entry:
-    key: str
-    shape: tuple
-    dtype: str
-    chunk_shape: tuple
-
+from .test_packed_format import Entry  # the manifest entry fields the index reads
 
 ARRAYS = {"tensors/w": Entry("w", (4,), "uint8", (2,))}  # two plain chunks of 6 bytes
 IDENT = bytes(range(32))

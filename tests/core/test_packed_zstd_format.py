@@ -5,7 +5,6 @@ no record stands for more than 32768 times its bytes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import pytest
 
@@ -13,14 +12,7 @@ from shardpoint_core.format.compression import MAX_RATIO, stored_bounds, zstd_co
 from shardpoint_core.format.errors import CorruptCheckpointError
 from shardpoint_core.format.packed import PackedIndex, decode_packed, encode_packed, records_of
 
-
-@dataclass
-class Entry:
-    key: str
-    shape: tuple
-    dtype: str
-    chunk_shape: tuple
-
+from .test_packed_format import Entry  # the manifest entry fields the index reads
 
 N = 64 * 64 * 4  # decoded bytes of one float32 [64, 64] chunk
 ARRAYS = {"tensors/w": Entry("w", (64, 128), "float32", (64, 64))}
