@@ -109,10 +109,14 @@ def test_a_base_must_lie_beside_and_not_be_the_target(tmp_path):
     assert not os.path.exists(tmp_path / "y" / "b") and not os.path.exists(tmp_path / "x" / "b")
 
 
-def test_a_base_without_hashes_shares_nothing(tmp_path):
+def test_a_base_without_hashes_shares_nothing_and_says_so(tmp_path, caplog):
     sp.save(_state(1), str(tmp_path / "a"), backend=PackedBackend())  # no hashes
-    sp.save(_state(2), str(tmp_path / "b"), incremental="a")
-    assert not _manifest(str(tmp_path / "b")).packed.bases
+    with caplog.at_level("WARNING", logger="shardpoint"):
+        sp.save(_state(2), str(tmp_path / "b"), incremental="a")
+    said = [r.getMessage() for r in caplog.records if "records no chunk hashes" in r.message]
+    assert len(said) == 1 and str(tmp_path / "a") in said[0], caplog.text
+    b = _manifest(str(tmp_path / "b")).packed
+    assert not b.bases and b.hashes is not None  # a full save, which the next can build on
     _same(sp.load(str(tmp_path / "b")), _state(2))
 
 

@@ -9,6 +9,7 @@ never the target itself (a save replacing its own base would delete what it refe
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional, Union
 
@@ -16,6 +17,8 @@ from shardpoint_core.arrays.packed_base import Base, base_name, load_base, sibli
 from shardpoint_core.format.errors import InvalidOptionError
 from shardpoint_core.format.spec import MANIFEST_NAME
 from shardpoint_core.stores.registry import is_local
+
+log = logging.getLogger("shardpoint")
 
 
 def newest_sibling(path: str) -> Optional[str]:
@@ -78,7 +81,16 @@ def resolve_base(path: str, incremental: Union[bool, str], zarr: Any) -> Optiona
     if base.index is None:
         raise InvalidOptionError(
             f"incremental base {sibling_path(path, name)!r} is not in the packed layout: only "
-            "packed checkpoints can be built on (save it with backend=PackedBackend())"
+            "packed checkpoints can be built on (it was saved with backend=ZarrBackend(); "
+            "the default backend saves packed)"
+        )
+    if not base.hashed:  # nothing to compare against: a full save, which records hashes
+        log.warning(
+            "incremental save of %s: its base %s records no chunk hashes ([SP-PACK-10]; it "
+            "was saved without incremental= or hashes=True), so every chunk is written again; "
+            "this save records them, so the next one can build on it",
+            path,
+            sibling_path(path, name),
         )
     return base
 
