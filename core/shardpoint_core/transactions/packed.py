@@ -269,6 +269,11 @@ class PackedBackend:
         m = data if isinstance(data, Manifest) else decode_manifest(data)
         with self._lock:
             own = self._own.pop(root, None)
+        if not m.tensors:  # no array, no chunk, no part: nothing packed. The layout of
+            # section 3, which every 1.x reader reads (a `packed` field would make readers
+            # of 1.3 refuse a state of values alone)
+            self.zarr.write_manifest(root, m)
+            return
         others = m.save_world_size > 1 or own is None
         objects, rows, inner, parts, refs = gather_parts(store, prefix, own, others=others)
         if not others and len(rows) + len(refs) < sum(
