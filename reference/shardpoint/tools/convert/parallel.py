@@ -133,8 +133,13 @@ def _open_for_worker(spec: SourceSpec) -> Source:
     )
 
 
-def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any) -> None:
-    """One worker: open the source, write each item of its share, make it durable, report."""
+def _worker(wid: int, spec: SourceSpec, target: tuple, items: list, q: Any, env: dict) -> None:
+    """One worker: open the source, write each item of its share, make it durable, report.
+    ``env``: the caller's environment at the call (a worker forks from the fork server,
+    whose environment is the one it started with: a store's credentials set since, as a
+    job's launcher or a test does, would be missing)."""
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     die_with_parent()
     key = None
@@ -314,7 +319,7 @@ def run_workers(
         if items:
             procs[wid] = ctx.Process(
                 target=_worker,
-                args=(wid, spec, target, items, q),
+                args=(wid, spec, target, items, q, dict(os.environ)),
                 name=f"shardpoint-convert-{wid}",
                 daemon=True,
             )
