@@ -130,11 +130,6 @@ class CheckpointManager:
         self._tiers: Optional[Tiers] = None
         try:
             if memory is not None:
-                if async_save:
-                    raise E.InvalidOptionError(
-                        "async_save=True with memory=: the memory save is the fast one, and "
-                        "the durable copy already runs in the background; drop async_save"
-                    )
                 self._tiers = Tiers(
                     memory,
                     memory_every,
@@ -144,6 +139,7 @@ class CheckpointManager:
                     copy_backoff_s=copy_backoff_s,
                     parallel_copy=parallel_copy,
                     tier_class="shardpoint_jax.MemoryTier",
+                    async_save=async_save,
                 )
                 if backend is not None:
                     raise E.InvalidOptionError(

@@ -142,7 +142,13 @@ class Tiers:
         copy_backoff_s: float = 1.0,
         parallel_copy: bool = False,
         tier_class: str = "shardpoint.MemoryTier",
+        async_save: bool = False,
     ) -> None:
+        if async_save:  # the manager's own option, refused alike by both front ends
+            raise errors.InvalidOptionError(
+                "async_save=True with memory=: the memory save is the fast one, and the "
+                "durable copy already runs in the background; drop async_save"
+            )
         if not all(hasattr(memory, a) for a in ("save", "restore", "steps", "url", "remove")):
             raise errors.InvalidOptionError(
                 f"memory= must be a {tier_class}, got {type(memory).__name__}"

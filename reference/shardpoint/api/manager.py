@@ -176,11 +176,6 @@ class CheckpointManager:
         #: the tier policy (None: every save goes to storage, as without a memory tier)
         self._tiers: Optional[Tiers] = None
         if memory is not None:
-            if async_save:
-                raise errors.InvalidOptionError(
-                    "async_save=True with memory=: the memory save is the fast one, and the "
-                    "durable copy already runs in the background; drop async_save"
-                )
             self._tiers = Tiers(
                 memory,
                 memory_every,
@@ -189,6 +184,7 @@ class CheckpointManager:
                 copy_attempts=copy_attempts,
                 copy_backoff_s=copy_backoff_s,
                 parallel_copy=parallel_copy,
+                async_save=async_save,
             )
         elif storage_every is not None:
             raise errors.InvalidOptionError(
