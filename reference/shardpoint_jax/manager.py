@@ -141,12 +141,6 @@ class CheckpointManager:
                     tier_class="shardpoint_jax.MemoryTier",
                     async_save=async_save,
                 )
-                if backend is not None:
-                    raise E.InvalidOptionError(
-                        "backend= with memory=: the durable copies of the memory tier are "
-                        "copied from memory, in the layout the memory steps were saved in; "
-                        "drop backend="
-                    )
             elif storage_every is not None:
                 raise E.InvalidOptionError(
                     "storage_every= needs memory=spj.MemoryTier(...); without a memory tier "
@@ -180,7 +174,7 @@ class CheckpointManager:
         self.max_to_keep, self.keep_every, self.keep_best = max_to_keep, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = bool(async_save)
-        #: the backend of every save (None: the root's kind's default, the per-array layout)
+        #: the backend of every save, in memory and in storage (None: the default, packed)
         self.backend = backend
         #: every save builds on the newest committed step ([SP-PACK-9]); retention keeps
         #: the steps that kept ones build on ([SP-PACK-11])

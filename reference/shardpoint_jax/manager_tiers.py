@@ -38,13 +38,13 @@ def save_tiered(mgr: Any, n: int, tree: Any, force: bool) -> None:
     tiers: Tiers = mgr._tiers
     to_memory, to_storage = tiers.due(n)
     if to_memory:
-        backend = None
+        backend = mgr.backend  # the layout of every step, in memory and in storage
         if mgr.incremental:  # builds on the newest memory step before n (process 0's choice)
             from shardpoint_core.transactions.packed import step_backend
 
             mine = (tiers.memory_base(n) or "").encode() if jax.process_index() == 0 else None
             base = broadcast("manager-tiers-base")(mine).decode()
-            backend = step_backend(None, base or None)
+            backend = step_backend(mgr.backend, base or None)
         tiers.memory.save(tree, n, overwrite=True, backend=backend)
     report(mgr, block=to_storage, start=(n, mgr.path(n), force) if to_storage else None)
 
@@ -57,7 +57,7 @@ def report(mgr: Any, block: bool, start: Optional[tuple] = None) -> None:
     tiers: Tiers = mgr._tiers
     rank = jax.process_index()
     ex = Exchange(rank, rank == 0, broadcast("manager-tiers"), all_gather("manager-tiers"))
-    got = tiers.report(ex, block, start, None, mgr._retain, mgr._clean_leftovers)
+    got = tiers.report(ex, block, start, mgr.backend, mgr._retain, mgr._clean_leftovers)
     if rank != 0:
         mgr._metrics.clear()
     for w in got:

@@ -344,3 +344,39 @@ def test_incremental_memory_steps_and_flattened_durable_copies(tmp_path):
     _lose_host_memory(root, "h1")
     for r in run_world(2, _resume_incremental, root, timeout=120, pg_timeout=30):
         assert r["same"] and r["step"] == 4 and r["tier"] == "memory"
+
+
+def _train_per_array(rank: int, world: int, root: str, parallel: bool) -> dict:
+    tier, mgr = _manager(
+        rank, root, storage_every=2, memory_keep=2, parallel_copy=parallel, backend=sp.ZarrBackend()
+    )
+    for s in (1, 2):
+        mgr.save(s, _state(rank, world, s))
+    mgr.close()
+    memory = sp.read_metadata(tier.url(2)).packed
+    tree = mgr.load(like=_state(rank, world, 0, zeros=True))
+    out = {
+        "memory_packed": memory is not None,
+        "storage": mgr.all_steps(),
+        "warnings": mgr.tier_warnings,
+        "same": _same(rank, world, tree, 2) and mgr.last_load.tier == "memory",
+    }
+    torch.distributed.barrier()
+    tier.close()
+    return out
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["coordinator", "parallel"])
+def test_backend_sets_the_layout_of_every_step_in_both_tiers(tmp_path, parallel):
+    """backend= with memory=: the memory steps are saved with it and the durable copies
+    committed through it (by the coordinator, or by every rank with ``parallel_copy``), so a
+    manager asking for the per-array layout gets it in both tiers (the memory saves used to
+    take the default, packed, whatever the manager's backend)."""
+    root = str(tmp_path)
+    for r in run_world(2, _train_per_array, root, parallel, timeout=120, pg_timeout=30):
+        assert r["warnings"] == [] and r["storage"] == [2] and r["same"]
+        assert not r["memory_packed"]
+    path = os.path.join(root, "ckpt", "step_00000002")
+    assert sp.read_metadata(path).packed is None  # per-array in storage too
+    d = sp.load(path)
+    assert torch.equal(d["w"], _state(0, 1, 2)["w"].data) and d["step"] == 2

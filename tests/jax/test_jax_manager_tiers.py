@@ -159,15 +159,12 @@ def test_incremental_memory_steps_with_flattened_durable_copies(tmp_path):
     array stored once, in step 1, kept by memory retention while step 4 builds on it); the
     durable copies are whole checkpoints naming no base, bit for bit; a load from memory
     reads the base's chunks."""
-    from shardpoint_core.transactions.backend import ZarrBackend
     from shardpoint_core.transactions.resolve import read_metadata
 
     tier = _tier(tmp_path)
     root = str(tmp_path / "ckpt")
     frozen = jnp.arange(2048, dtype=jnp.float32)
     try:
-        with pytest.raises(spj.InvalidOptionError, match="backend= with memory="):
-            spj.CheckpointManager(root, memory=tier, storage_every=2, backend=ZarrBackend())
         mgr = spj.CheckpointManager(
             root, memory=tier, storage_every=2, memory_keep=1, incremental=True
         )
@@ -270,5 +267,34 @@ def test_a_durable_copy_is_retried_only_where_the_failure_may_pass(tmp_path):
         (out,) = t.settle(block=True)
         assert (out.error, out.attempts, out.report(tier.url(1))) == ("", 1, None)
         assert same_bits(spj.load(str(tmp_path / "ok"))["w"], _state(1)["w"])
+    finally:
+        tier.close()
+
+
+def test_backend_sets_the_layout_of_every_step_in_both_tiers(tmp_path):
+    """backend= with memory=: the memory steps are saved with it and the durable copies
+    committed through it, so a manager asking for the per-array layout gets it in both tiers
+    (as the torch manager does); incremental=True still needs the packed layout."""
+    from shardpoint_core.transactions.backend import ZarrBackend
+    from shardpoint_core.transactions.resolve import read_metadata
+
+    tier = _tier(tmp_path)
+    root = str(tmp_path / "ckpt")
+    try:
+        with pytest.raises(spj.InvalidRequestError, match="packed"):
+            spj.CheckpointManager(
+                root, memory=tier, storage_every=2, incremental=True, backend=ZarrBackend()
+            )
+        mgr = spj.CheckpointManager(root, memory=tier, storage_every=2, backend=ZarrBackend())
+        for s in (1, 2):
+            mgr.save(s, _state(s))
+        mgr.close()
+        assert (mgr.memory_steps(), mgr.all_steps()) == ([1, 2], [2])
+        for url in (tier.url(2), mgr.path(2)):
+            assert read_metadata(url).packed is None, url  # per-array, in both tiers
+        got = spj.load(mgr.path(2))
+        assert same_bits(got["w"], _state(2)["w"]) and got["step"] == 2
+        got = mgr.load()
+        assert mgr.last_load.tier == "memory" and same_bits(got["w"], _state(2)["w"])
     finally:
         tier.close()

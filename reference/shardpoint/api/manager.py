@@ -27,7 +27,8 @@ only the coordinator creates, renames or deletes directories, and only inside ``
 any rank, or by an observer (an evaluation job) while training runs: constructing a manager
 never touches the directory, and the clean-up of its ``save``/``load`` skips whatever a live
 save holds (the committer's lock rule), so an observer cannot disturb a save in progress.
-``backend``, ``save_options`` and ``load_options`` go to every save and load.
+``backend``, ``save_options`` and ``load_options`` go to every save and load (with a memory
+tier, the memory saves too: ``backend`` sets the layout of every step, in both tiers).
 
 ``root`` may be an object-store prefix (``s3://bucket/run``, ``gs://bucket/run``): steps are
 ``<root>/step_00000042`` prefixes committed by their manifest (format.md 9.1); retention
@@ -427,8 +428,10 @@ class CheckpointManager:
         to_memory, to_storage = tiers.due(step)
         result = None
         if to_memory:
-            kw = {"backend": self._memory_backend(step)} if self.incremental else {}
-            result = tiers.memory.save(state, step, overwrite=True, options=self.save_options, **kw)
+            be = self._memory_backend(step) if self.incremental else self.backend
+            result = tiers.memory.save(
+                state, step, overwrite=True, options=self.save_options, backend=be
+            )
         self._report(block=to_storage, start=(step, path, force) if to_storage else None)
         return result
 
@@ -442,7 +445,7 @@ class CheckpointManager:
         assert tiers is not None
         mine = (tiers.memory_base(step) or "").encode() if self._comm.is_coordinator else None
         base = self._comm.broadcast_bytes(mine).decode()
-        return step_backend(None, base or None)
+        return step_backend(self.backend, base or None)
 
     def _report(self, block: bool, start: Optional[tuple] = None) -> None:
         """Collective: the coordinator collects the finished durable copy (waiting for it
