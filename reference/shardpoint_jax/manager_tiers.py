@@ -9,7 +9,9 @@ on them (through :mod:`shardpoint_jax.comm`).
   copy of that memory step in the background (after the previous copy finished). Then the
   finished copy is reported on every process, storage retention applied, old memory steps
   removed. A memory step of the same number is replaced (memory is the manager's scratch: a
-  resumed job saves its steps again); ``force`` applies to storage.
+  resumed job saves its steps again: with ``incremental``, later memory steps built on it
+  are removed first, :mod:`shardpoint_core.transactions.tier_rollback`); ``force`` applies
+  to storage.
 - load: the newest step across memory and storage (or the one asked for), each checked
   before use; a memory step with missing or damaged pieces gives way to the same step in
   storage, then to the next older step; ``last_load`` says what came from where and what was
@@ -39,7 +41,15 @@ def save_tiered(mgr: Any, n: int, tree: Any, force: bool) -> None:
     to_memory, to_storage = tiers.due(n)
     if to_memory:
         backend = mgr.backend  # the layout of every step, in memory and in storage
-        if mgr.incremental:  # builds on the newest memory step before n (process 0's choice)
+        if mgr.incremental:  # a rolled-back run: its later memory steps built on ``n``
+            from shardpoint_core.transactions.tier_rollback import drop_rolled_back
+
+            got = drop_rolled_back(tiers, _exchange(), n, lambda: report(mgr, block=True))
+            for w in got:
+                log.warning("shardpoint: %s", w)
+            mgr.tier_warnings.extend(
+                got
+            )  # builds on the newest memory step before n (process 0's choice)
             from shardpoint_core.transactions.packed import step_backend
 
             mine = (tiers.memory_base(n) or "").encode() if jax.process_index() == 0 else None
@@ -49,16 +59,19 @@ def save_tiered(mgr: Any, n: int, tree: Any, force: bool) -> None:
     report(mgr, block=to_storage, start=(n, mgr.path(n), force) if to_storage else None)
 
 
+def _exchange() -> Exchange:
+    rank = jax.process_index()
+    return Exchange(rank, rank == 0, broadcast("manager-tiers"), all_gather("manager-tiers"))
+
+
 def report(mgr: Any, block: bool, start: Optional[tuple] = None) -> None:
     """Collective: process 0 collects the finished durable copy (waiting for it with
     ``block``), applies storage retention after a committed one, starts the copy ``start``
     where given, and removes old memory steps; every process then hears what failed or was
     retried (``tier_warnings``, logged) and training goes on."""
     tiers: Tiers = mgr._tiers
-    rank = jax.process_index()
-    ex = Exchange(rank, rank == 0, broadcast("manager-tiers"), all_gather("manager-tiers"))
-    got = tiers.report(ex, block, start, mgr.backend, mgr._retain, mgr._clean_leftovers)
-    if rank != 0:
+    got = tiers.report(_exchange(), block, start, mgr.backend, mgr._retain, mgr._clean_leftovers)
+    if jax.process_index() != 0:
         mgr._metrics.clear()
     for w in got:
         log.warning("shardpoint: %s", w)

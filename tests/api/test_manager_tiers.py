@@ -380,3 +380,38 @@ def test_backend_sets_the_layout_of_every_step_in_both_tiers(tmp_path, parallel)
     assert sp.read_metadata(path).packed is None  # per-array in storage too
     d = sp.load(path)
     assert torch.equal(d["w"], _state(0, 1, 2)["w"].data) and d["step"] == 2
+
+
+def _roll_back(rank: int, world: int, root: str) -> dict:
+    tier, mgr = _manager(
+        rank, root, storage_every=2, memory_keep=2, parallel_copy=True, incremental=True
+    )
+    for s in (1, 2, 3, 4):
+        mgr.save(s, {**_state(rank, world, s), "frozen": FROZEN})
+    before = mgr.memory_steps()
+    mgr.save(1, {**_state(rank, world, 5), "frozen": FROZEN})  # back to step 1, new weights
+    mgr.close()
+    out = {
+        "before": before,
+        "memory": mgr.memory_steps(),
+        "storage": mgr.all_steps(),
+        "warnings": mgr.tier_warnings,
+    }
+    torch.distributed.barrier()
+    tier.close()
+    return out
+
+
+def test_a_rolled_back_run_saves_again_a_step_later_memory_steps_build_on(tmp_path):
+    """incremental=True with memory=: memory steps 3 and 4 build on step 1 (the frozen
+    tensor); the run goes back to step 1 and saves it again. The later memory steps of the
+    run it left are removed from memory first (replacing their base under them is refused,
+    [SP-PACK-11]), every rank says so, and their durable copy (step 4) stays, bit for bit."""
+    root = str(tmp_path)
+    for r in run_world(2, _roll_back, root, timeout=120, pg_timeout=30):
+        assert r["before"] == [1, 3, 4] and r["memory"] == [1] and r["storage"] == [2, 4]
+        assert len(r["warnings"]) == 1 and "memory steps [4, 3] built on it" in r["warnings"][0]
+    step1 = sp.load(os.path.join(root, "shm", "h0", "job", "step_1"))
+    assert torch.equal(step1["w"], _state(0, 1, 5)["w"].data) and step1["step"] == 5
+    d = sp.load(os.path.join(root, "ckpt", "step_00000004"))
+    assert torch.equal(d["w"], _state(0, 1, 4)["w"].data) and torch.equal(d["frozen"], FROZEN)

@@ -298,3 +298,32 @@ def test_backend_sets_the_layout_of_every_step_in_both_tiers(tmp_path):
         assert mgr.last_load.tier == "memory" and same_bits(got["w"], _state(2)["w"])
     finally:
         tier.close()
+
+
+def test_a_rolled_back_run_saves_again_a_step_later_memory_steps_build_on(tmp_path):
+    """incremental=True with memory=: memory steps 3 and 4 build on step 1 (the frozen array);
+    the run goes back to step 1 (a rollback after a loss spike) and saves it again. The later
+    memory steps of the run it left are removed from memory first (replacing their base under
+    them is refused, [SP-PACK-11]), and the manager says so; their durable copy (step 4) is
+    kept, bit for bit."""
+    tier = _tier(tmp_path)
+    root = str(tmp_path / "ckpt")
+    frozen = jnp.arange(2048, dtype=jnp.float32)
+    try:
+        mgr = spj.CheckpointManager(
+            root, memory=tier, storage_every=2, memory_keep=2, incremental=True
+        )
+        for s in range(1, 5):
+            mgr.save(s, {**_state(s), "frozen": frozen})
+        assert mgr.memory_steps() == [1, 3, 4]
+        again = {**_state(1), "w": _state(1)["w"] + 0.5, "frozen": frozen}
+        mgr.save(1, again)
+        mgr.close()
+        assert (mgr.memory_steps(), mgr.all_steps()) == ([1], [2, 4])
+        assert any("memory steps [4, 3] built on it" in w for w in mgr.tier_warnings)
+        got = spj.load(tier.url(1))
+        assert same_bits(got["w"], again["w"]) and same_bits(got["frozen"], frozen)
+        got = spj.load(mgr.path(4))
+        assert same_bits(got["w"], _state(4)["w"]) and same_bits(got["frozen"], frozen)
+    finally:
+        tier.close()

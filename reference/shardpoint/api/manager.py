@@ -420,7 +420,9 @@ class CheckpointManager:
         starts the durable copy of that memory step in the background (after the previous
         copy finished: one copy at a time). Then the finished copy is reported, storage
         retention applied, and old memory steps removed. A memory step of the same number
-        is replaced (memory is the manager's scratch: a resumed job saves its steps again);
+        is replaced (memory is the manager's scratch: a resumed job saves its steps again;
+        with ``incremental``, later memory steps built on it go first, see
+        :mod:`shardpoint_core.transactions.tier_rollback`);
         ``force`` applies to storage."""
         tiers = self._tiers
         assert tiers is not None
@@ -428,6 +430,8 @@ class CheckpointManager:
         to_memory, to_storage = tiers.due(step)
         result = None
         if to_memory:
+            if self.incremental:  # a rolled-back run: its later memory steps built on ``step``
+                self._drop_rolled_back(step)
             be = self._memory_backend(step) if self.incremental else self.backend
             result = tiers.memory.save(
                 state, step, overwrite=True, options=self.save_options, backend=be
@@ -447,6 +451,21 @@ class CheckpointManager:
         base = self._comm.broadcast_bytes(mine).decode()
         return step_backend(self.backend, base or None)
 
+    def _exchange(self) -> Any:
+        c = self._comm
+        return Exchange(c.rank, c.is_coordinator, c.broadcast_bytes, c.all_gather_bytes)
+
+    def _drop_rolled_back(self, step: int) -> None:
+        """Collective: remove the later memory steps that build on memory step ``step``,
+        about to be saved again (:mod:`shardpoint_core.transactions.tier_rollback`)."""
+        from shardpoint_core.transactions.tier_rollback import drop_rolled_back
+
+        assert self._tiers is not None
+        got = drop_rolled_back(self._tiers, self._exchange(), step, lambda: self._report(True))
+        for w in got:
+            log.warning("shardpoint: %s", w)
+        self.tier_warnings.extend(got)
+
     def _report(self, block: bool, start: Optional[tuple] = None) -> None:
         """Collective: the coordinator collects the finished durable copy (waiting for it
         with ``block``), applies storage retention after a committed one, starts the copy
@@ -454,12 +473,7 @@ class CheckpointManager:
         then learns what failed (``tier_warnings``, logged), and training goes on."""
         tiers = self._tiers
         assert tiers is not None
-        ex = Exchange(
-            self._comm.rank,
-            self._comm.is_coordinator,
-            self._comm.broadcast_bytes,
-            self._comm.all_gather_bytes,
-        )
+        ex = self._exchange()
         got = tiers.report(ex, block, start, self.backend, self._retain, self._clean_leftovers)
         for w in got:
             log.warning("shardpoint: %s", w)
