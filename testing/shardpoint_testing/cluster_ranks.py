@@ -13,10 +13,9 @@ import socket
 import subprocess
 import time
 import traceback
-from datetime import timedelta
 from typing import Any
 
-from shardpoint_testing.launch import RankFailure
+from shardpoint_testing.launch import RankFailure, init_gloo
 
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUTS = 0x04000000
@@ -102,21 +101,9 @@ def _entry(netns, hostname, env, fn, rank, world, args, q, pg_timeout):
         enter_host(netns, hostname)
         os.environ.clear()  # the caller's environment at the call, not the fork server's
         os.environ.update(env)
-        import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method="env://",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=pg_timeout),
-        )
-        # gloo's init returns on one rank while a peer may still be finishing its side of
-        # the mesh: a rank whose function ends at once would close its sockets under that
-        # peer ("Connection closed by peer" in connectFullMesh). One barrier: all connected.
-        dist.barrier()
+        init_gloo("env://", rank, world, pg_timeout)
         try:
             q.put((rank, True, fn(rank, world, *args)))
         finally:

@@ -64,6 +64,25 @@ def process_context() -> Any:
     return _context()
 
 
+def init_gloo(init_method: str, rank: int, world: int, pg_timeout: float) -> None:
+    """A rank's gloo process group, every rank connected on return (one thread for torch)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=pg_timeout),
+    )
+    # gloo's init returns on one rank while a peer may still be finishing its side of the
+    # mesh: a rank whose function ends at once would close its sockets under that peer
+    # ("Connection closed by peer" in connectFullMesh). One barrier: all connected.
+    dist.barrier()
+
+
 def _entry(fn, rank, world, rendezvous, args, q, pg_timeout, env):
     os.environ.clear()
     os.environ.update(env)
@@ -71,20 +90,7 @@ def _entry(fn, rank, world, rendezvous, args, q, pg_timeout, env):
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        import torch
-
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=rendezvous,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=pg_timeout),
-        )
-        # gloo's init returns on one rank while a peer may still be finishing its side of
-        # the mesh: a rank whose function ends at once would close its sockets under that
-        # peer ("Connection closed by peer" in connectFullMesh). One barrier: all connected.
-        dist.barrier()
+        init_gloo(rendezvous, rank, world, pg_timeout)
         try:
             q.put((rank, True, fn(rank, world, *args)))
         finally:
