@@ -49,9 +49,10 @@ def check_objects(
     with _CHECKING:
         if len(checked) > CHECKED_KEPT:
             checked.clear()
-    if submit is not None and not store.capabilities.local_path:
+    objects = part.object_numbers()
+    if submit is not None and len(objects) > 1 and not store.capabilities.local_path:
         start_checks(store, prefix, [part], checked, submit)
-    for o in part.object_numbers():
+    for o in objects:
         path, size = part.objects[o]
         full = _join(prefix, path)
         seen = _seen(store, full, size)
@@ -92,9 +93,9 @@ def start_checks(
     ``parts`` name and ``checked`` holds nothing for, each once and all at once through
     ``submit``; each is entered in ``checked`` as the Future its opens wait for (True: the
     object is sound; False, for any failure: each tensor's open checks it again itself and
-    raises the error naming the tensor). Nothing is allocated for a tensor here. At most
-    :data:`CHECKED_KEPT` objects in all (the opens check any beyond). Returns how many
-    were started."""
+    raises the error naming the tensor). Nothing is allocated for a tensor here, and
+    nothing raised but an interrupt. At most :data:`CHECKED_KEPT` objects in all (the opens
+    check any beyond). Returns how many were started."""
     if store.capabilities.local_path:  # files: the opens' lstat walk and sparse checks
         return 0
     todo: List[Tuple[str, int, str, "Future[bool]"]] = []
@@ -116,10 +117,12 @@ def start_checks(
     for i, (full, size, seen, mine) in enumerate(todo):
         try:
             submit(_head_check, store, full, size, checked, seen, mine)
-        except BaseException:  # a pool shut down: these opens check for themselves
+        except BaseException as e:  # a pool shut down: the opens check these themselves
             for _f, _s, seen2, mine2 in todo[i:]:
                 _settle(checked, seen2, mine2, False)
-            raise
+            if not isinstance(e, Exception):  # an interrupt
+                raise
+            return i
     return len(todo)
 
 
