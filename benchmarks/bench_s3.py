@@ -5,6 +5,7 @@ through fsspec/s3fs, same run, same server.
     python benchmarks/bench_s3.py --scale 1 --uniform 32x32 --repeat 5
     python benchmarks/bench_s3.py --endpoint http://host:9000 --bucket b   # a server of yours
     python benchmarks/bench_s3.py --latency-ms 20      # + 20 ms per request, every client
+    python benchmarks/bench_s3.py --packed --cap-mib 1 # packed, each state over many objects
     python benchmarks/bench_s3.py --json benchmarks/results/bench_s3.json   # + as data
 
 The server is moto's standalone S3 server on loopback, started here (or ``--endpoint``): an
@@ -215,6 +216,14 @@ def main(argv=None) -> None:
         "the raw rows then PUT/GET its objects (data objects + manifest)",
     )
     ap.add_argument(
+        "--cap-mib",
+        type=float,
+        default=None,
+        help="with --packed: the data object size cap in MiB (default: PackedBackend's, "
+        "16 MiB on object stores); a smaller one spreads a state over more objects, as a "
+        "bigger checkpoint is",
+    )
+    ap.add_argument(
         "--quick",
         action="store_true",
         help="tiny states (mixed at 1/64 with 2 layers, uniform 4 x 1 MiB), one "
@@ -243,7 +252,7 @@ def main(argv=None) -> None:
     if a.packed:
         from shardpoint_core.transactions.packed import PackedBackend
 
-        be = PackedBackend(be)
+        be = PackedBackend(be, cap=int(a.cap_mib * 2**20) if a.cap_mib else None)
     store, _ = be.locate(f"s3://{bucket}/x")
     counter = Counter(store.client)
     import boto3
@@ -357,7 +366,9 @@ def main(argv=None) -> None:
         server.stop()
 
     print(
-        f"\nS3 benchmark{' (packed layout)' if a.packed else ''}: moto {_moto_version()} "
+        f"\nS3 benchmark{' (packed layout)' if a.packed else ''}"
+        + (f" (object cap {a.cap_mib:g} MiB)" if a.packed and a.cap_mib else "")
+        + f": moto {_moto_version()} "
         f"on loopback, {os.cpu_count()} cores, "
         f"concurrency {a.concurrency}, {a.repeat} interleaved rounds; median (min-max)"
         + (f"; +{a.latency_ms:g} ms per request" if a.latency_ms else "")
@@ -427,6 +438,7 @@ def record(a, argv, results: dict, dcp_ok: bool, layers: int) -> "br.Record":
             "mixed_layers": layers,
             "uniform": a.uniform,
             "packed": a.packed,
+            "packed_cap_mib": a.cap_mib if a.packed else None,
             "dcp_threads": a.threads,
             "dcp": "run"
             if dcp_ok and any(r["dcp_save"] for r in results.values())

@@ -91,7 +91,9 @@ class ReadAhead:
         self.ck, self.regions, self.window = ck, regions, window
         # Every array opened before any data read (on files it would wait behind them; on an
         # object store an open sends nothing: zarr.json goes with the array's first read).
-        for key in dict.fromkeys(r[0] for r in regions):
+        keys = list(dict.fromkeys(r[0] for r in regions))
+        ck.reader.will_open(keys)  # packed on object stores: every data object's check at once
+        for key in keys:
             try:
                 ck.array(key)
             except Exception:  # noqa: BLE001 - raised again where that array is read

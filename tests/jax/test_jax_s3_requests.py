@@ -187,3 +187,22 @@ def test_a_region_of_a_shard_reads_its_inner_chunks_in_one_run(s3_env, layout):
     assert Requests.waves(reads) == waves, reads
     runs = sorted(r for op, k, r, *_ in reads if op == "GetObject" and k == obj)
     assert runs == sorted([idx, idx, _run(index, 0, 0), _run(index, 2, 3)]), runs
+
+
+def test_a_jax_load_checks_every_data_object_in_one_round_trip(s3_env):
+    """20 tensors in 20 data objects (a 4 KiB object cap): the JAX front end opens its arrays
+    one after another, but tells the reader first which it will read, so every object's
+    HEAD ([SP-PACK-7]) is in flight at once (before: one round trip per object)."""
+    url = s3_env.url(s3_env.fresh_prefix("jax-requests") + "/objects")
+    state = {f"t{i:02d}": np.full((1024,), float(i), np.float32) for i in range(20)}
+    sj.save(url, state, backend=PackedBackend(cap=4096))
+    m = read_metadata(url)
+    objects = Counter(f"save-*/{p.split('/', 1)[1]}" for p, _size in m.packed.objects)
+    assert len(objects) == 20
+    loaded = _load(url, state)
+    assert Requests.waves(loaded) == [
+        Counter({("GetObject", MARKER): 1}),
+        Counter({("HeadObject", o): 1 for o in objects}),
+        Counter({("GetObject", o): 1 for o in objects}),
+        Counter({("HeadObject", MARKER): 1}),
+    ], loaded

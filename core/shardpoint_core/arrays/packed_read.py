@@ -1,7 +1,7 @@
 """Reading a packed checkpoint (format 1.4, spec/format.md section 13) through the Zarr
 layer of :mod:`.array`: :func:`open_packed` checks the objects the array's records name
 (regular files, at least their declared size, no unchecked holes: [SP-SEC-5], [SP-SEC-6],
-[SP-PACK-7]) and returns a :class:`PackedView`, the store-like object answering the layer's
+[SP-PACK-7]; :mod:`.packed_checks`) and returns a :class:`PackedView`, the store-like object answering the layer's
 chunk-key requests from the records' bytes, each checked against its record's crc32c
 ([SP-PACK-6]); :class:`ReadBatch` plans the reads of many boxes of many tensors together
 (the small chunks they need merged into large ranged reads across tensors) and
@@ -11,8 +11,6 @@ the destination, :mod:`.packed_direct`).
 
 from __future__ import annotations
 
-import os
-import stat
 import threading
 from concurrent.futures import Future
 from typing import (
@@ -34,6 +32,7 @@ from shardpoint_core.arrays.array import ArrayLayout, read_chunk, read_region
 from shardpoint_core.arrays.direct_write import stored_codecs
 from shardpoint_core.arrays.identity import chunk_number
 from shardpoint_core.arrays.packed import _bad, _cidx, _join
+from shardpoint_core.arrays.packed_checks import check_objects
 from shardpoint_core.arrays.packed_runs import _Piece, plan_runs
 from shardpoint_core.format.errors import CorruptCheckpointError, UnsupportedFormatError
 from shardpoint_core.format.layout import BYTES_CRC
@@ -220,114 +219,6 @@ class PackedView:
         return PackedView(self.store, self.prefix, self.part, self.layout, self.key, cache)
 
 
-_CHECKING = threading.Lock()  # guards the ``checked`` maps of check_objects
-
-
-def check_objects(
-    store: ByteStore,
-    prefix: str,
-    part: PackedArray,
-    key: str,
-    checked: Dict[str, Any],
-    chunk: Sequence[int] = (),
-    itemsize: int = 1,
-) -> None:
-    """Every object the array's records name exists, is a regular file below real
-    directories on local files, and holds at least its declared size, before anything is
-    allocated for the tensor ([SP-SEC-5], [SP-PACK-7]; missing: [SP-READ-2]). ``checked``:
-    objects found sound already (key -> True) or being checked by another thread (key ->
-    its Future), so a load checks each once however many tensors open at the same time
-    (where that check fails, or finds a sparse object, each tensor checks for itself)."""
-    with _CHECKING:
-        if len(checked) > 4096:
-            checked.clear()
-    for o in part.object_numbers():
-        path, size = part.objects[o]
-        full = _join(prefix, path)
-        seen = f"{store.url}/{full}:{size}"
-        with _CHECKING:
-            got = checked.get(seen)
-            if got is None:
-                mine: Future[bool] = Future()
-                checked[seen] = mine
-        if got is True or (isinstance(got, Future) and got.result() is True):
-            continue
-        if got is not None:  # the other check failed or found holes: this tensor's own
-            _check_object(store, full, path, size, part, o, key, chunk, itemsize)
-            continue
-        sound = False
-        try:
-            sound = _check_object(store, full, path, size, part, o, key, chunk, itemsize)
-        finally:
-            with _CHECKING:
-                if sound:
-                    checked[seen] = True
-                elif checked.get(seen) is mine:
-                    del checked[seen]
-            mine.set_result(sound)
-
-
-def _check_object(
-    store: ByteStore,
-    full: str,
-    path: str,
-    size: int,
-    part: PackedArray,
-    o: int,
-    key: str,
-    chunk: Sequence[int],
-    itemsize: int,
-) -> bool:
-    """One object's checks (see :func:`check_objects`); False where it is sparse (each
-    tensor then checks the holes of its own records)."""
-    if store.capabilities.local_path:
-        _lstat_walk(store, full, key, path)
-    info = store.head(full)
-    if info is None:
-        raise _bad(key, path, "the data object is missing", "SP-READ-2")
-    if info.size < size:
-        raise _bad(
-            key,
-            path,
-            f"the data object holds {info.size} bytes, the manifest declares {size} ([SP-PACK-7])",
-            "SP-READ-3",
-        )
-    if not store.capabilities.local_path:
-        return True
-    from shardpoint_core.arrays.packed_sparse import check_sparse_object
-
-    sparse = check_sparse_object(  # [SP-SEC-6]: holes checked before allocating
-        store.path(full),  # type: ignore[attr-defined]
-        part,
-        o,
-        key,
-        chunk,
-        itemsize,
-    )
-    return not sparse
-
-
-def _lstat_walk(store: ByteStore, full: str, key: str, path: str) -> None:
-    """[SP-SEC-5]: each directory on the way a real one, the object a regular file."""
-    root = store.root  # type: ignore[attr-defined]
-    p = root
-    parts = full.split("/")
-    for i, comp in enumerate(parts):
-        p = os.path.join(p, comp)
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            return  # missing: head reports it as SP-READ-2
-        last = i == len(parts) - 1
-        if (last and not stat.S_ISREG(st.st_mode)) or (not last and not stat.S_ISDIR(st.st_mode)):
-            raise _bad(
-                key,
-                path,
-                f"{p} is not a regular {'file' if last else 'directory'} (a link or special file)",
-                "SP-SEC-5",
-            )
-
-
 def layout_of(spec: ArraySpec, part: PackedArray, key: str) -> ArrayLayout:
     """The array's layout as its packed entry implies it ([SP-PACK-3]; 1.5: the compressed
     chain of [SP-PACK-12], a codec object of another form *unsupported*), with the chunk
@@ -362,14 +253,20 @@ def layout_of(spec: ArraySpec, part: PackedArray, key: str) -> ArrayLayout:
 
 
 def open_packed(
-    store: ByteStore, prefix: str, spec: ArraySpec, key: str, checked: Dict[str, Any]
+    store: ByteStore,
+    prefix: str,
+    spec: ArraySpec,
+    key: str,
+    checked: Dict[str, Any],
+    submit: Optional[Callable[..., Any]] = None,
 ) -> Tuple[PackedView, str, ArrayLayout]:
     """(the chunk view, the array's name, its layout) of a tensor of a packed checkpoint
-    below ``prefix`` of ``store``, its objects checked first (:func:`check_objects`)."""
+    below ``prefix`` of ``store``, its objects checked first (:func:`check_objects`;
+    ``submit``: its HEADs at once on object stores)."""
     part = spec.packed
     assert isinstance(part, PackedArray), "not a packed array"
     lay = layout_of(spec, part, key)
-    check_objects(store, prefix, part, key, checked, lay.chunk, lay.itemsize)
+    check_objects(store, prefix, part, key, checked, lay.chunk, lay.itemsize, submit)
     return PackedView(store, prefix, part, lay, key), part.name, lay
 
 

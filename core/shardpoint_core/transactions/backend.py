@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -79,6 +79,7 @@ from shardpoint_core.format.layout import (
 )
 from shardpoint_core.arrays.object_read import ObjectArray
 from shardpoint_core.arrays.packed_base import based_store, verify_hashes
+from shardpoint_core.arrays.packed_checks import start_checks
 from shardpoint_core.arrays.packed_read import PackedView, ReadBatch, open_packed, verify_packed
 from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle
 
@@ -199,6 +200,9 @@ class ZarrBackend:
         # zarr.json reads of object-store arrays: never wait on anything, so a read task on
         # ``_remote`` may wait for one without a deadlock
         self._meta_reads = WritePool(concurrency, "sp-meta")
+        # (1.4) the HEADs of packed data objects ([SP-PACK-7]): tasks that wait on nothing,
+        # so an open may wait for them from any thread
+        self._checks = WritePool(concurrency, "sp-check")
         self._crcs: Dict[str, CrcSink] = {}  # staging -> units' crc32c written ([SP-MAN-7])
         # (1.4) root -> the data objects found sound by this load of it ([SP-PACK-7]: checked
         # once per object and load): dropped at release and when a reader of it opens
@@ -530,7 +534,11 @@ class ZarrBackend:
             checked = self._checked(root)
             if spec.packed.bases:  # incremental: its bases' objects too ([SP-PACK-9])
                 store = based_store(store, prefix, root, spec.packed, key, checked)
-            return _Array(*open_packed(store, prefix, spec, key, checked), key)
+                # one object after another: the first of a base reads its identity
+                return _Array(*open_packed(store, prefix, spec, key, checked), key)
+            # on object stores the objects not checked yet (by ``will_open``) at once
+            submit = None if store.capabilities.local_path else self._checks.submit
+            return _Array(*open_packed(store, prefix, spec, key, checked, submit), key)
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
             return ObjectArray(store, path, spec, key, self._guess(spec))
@@ -557,6 +565,21 @@ class ZarrBackend:
         dlay = replace(dlay, crcs=lay.crcs)  # the chunk table too ([SP-READ-8])
         check_metadata(dlay.shape, meta, spec, key, array_path)
         return _DirectHandle(dlay, lambda: self.ts.open_for_read(root, array_path, spec, key), arr)
+
+    def will_open(self, root: str, specs: Iterable[ArraySpec]) -> None:
+        """A hint before the arrays of ``specs`` below ``root`` are opened (a load's, or a
+        rank's share of it): on an object store, the [SP-PACK-7] check of every data object
+        their packed records name starts now, one HEAD per object not checked yet, all in
+        flight together (:func:`~shardpoint_core.arrays.packed_checks.start_checks`); each
+        open then waits for its objects' checks instead of sending its own, one open after
+        another. Nothing is allocated for a tensor; nothing on files, for arrays of the
+        per-array layout or for those built on a base (their opens check as before)."""
+        parts = [s.packed for s in specs if s.packed is not None and not s.packed.bases]
+        if not parts:
+            return
+        store, prefix = self._location(root)
+        if not store.capabilities.local_path:
+            start_checks(store, prefix, parts, self._checked(root), self._checks.submit)
 
     def prefetch(self, handle: Any, offset: Sequence[int], shape: Sequence[int]) -> None:
         """A hint, nothing read here: start reading the chunk files a later ``read_into`` of

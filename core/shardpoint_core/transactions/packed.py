@@ -33,7 +33,7 @@ Example::
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -346,6 +346,10 @@ class PackedBackend:
 
     def open_array_for_read(self, root: str, array_path: str, spec: ArraySpec, key: str) -> Any:
         return self.zarr.open_array_for_read(root, array_path, spec, key)
+
+    def will_open(self, root: str, specs: Iterable[ArraySpec]) -> None:
+        """A hint before arrays are opened: the Zarr backend's."""
+        self.zarr.will_open(root, specs)
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
         return self.zarr.read_into(handle, offset, out)

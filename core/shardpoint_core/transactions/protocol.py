@@ -18,6 +18,9 @@ fails instead of returning tensors of two checkpoints. Optional too:
 the identity of the commit whose manifest was read (on object stores from the same GET).
 And ``release(root)`` (R, at the end of a load: ``CheckpointReader.close``): drop what the
 backend kept for reads below ``root``, such as the store and key its array opens share.
+And ``will_open(root, specs)`` (R, before it opens the arrays it reads: a hint, nothing read
+or allocated for a tensor): start what those opens need, all at once (the packed layout's
+data-object checks on an object store, [SP-PACK-7]).
 
 Example::
 

@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -90,6 +90,16 @@ class CheckpointReader:
         except ShardpointError as err:
             self.check_unchanged(err)
             raise
+
+    def will_open(self, keys: Iterable[str]) -> None:
+        """A hint: the arrays of ``keys`` (those this load reads) are opened next. A backend
+        that can starts what their opens need, all at once (the packed layout's data-object
+        checks on an object store, [SP-PACK-7]); nothing is read or allocated for a
+        tensor. Keys the manifest does not name are left to their opens."""
+        hint = getattr(self.backend, "will_open", None)  # optional capability
+        if hint is not None:
+            tensors = self.manifest.tensors
+            hint(self.path, [tensors[k].spec for k in dict.fromkeys(keys) if k in tensors])
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
         """Start reading the region of ``out.shape`` at ``offset`` into ``out``."""

@@ -293,8 +293,10 @@ class LoadJob:
     def _execute(self, budget: int) -> tuple:
         reader, work = self._opened(), self._planned_work()
         dst_view = PieceViews([(tg.holding, tg.data) for tg in self.targets])
+        keys = [op.key for op in work.reads]
+        reader.will_open(keys)  # packed on object stores: every data object's check at once
         with OpenAhead(
-            reader.array, [op.key for op in work.reads], getattr(self.be, "open_concurrency", None)
+            reader.array, keys, getattr(self.be, "open_concurrency", None)
         ) as handle:  # object stores
             if self.costs["strategy"] == "dedup" and self.comm.size > 1:
                 # the same on every rank: the plan's strategy is global
