@@ -22,15 +22,24 @@ from shardpoint_testing.probes import garbage_of
 # allocations do not blur the figures. 48 MiB is above glibc's largest mmap threshold, so a
 # freed state goes back to the system and a kept one shows as one more state's worth.
 _RSS_SCRIPT = textwrap.dedent("""
-    import ctypes, gc, sys, tempfile, numpy as np, torch
+    import ctypes, gc, sys, tempfile, time, numpy as np, torch
     import shardpoint as sp
 
     trim = ctypes.CDLL("libc.so.6").malloc_trim
 
-    def rss_mib():
+    def rss_once():
         trim(0)                       # count live memory, not pages malloc keeps for reuse
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096 / 2**20
+
+    def rss_mib():
+        # what stays: a pool thread descheduled right after its task may hold the task's
+        # last buffer for a moment (freed when it runs again), so the least of a few reads
+        samples = []
+        for _ in range(5):
+            samples.append(rss_once())
+            time.sleep(0.02)
+        return min(samples)
 
     root = tempfile.mkdtemp(dir=sys.argv[1])
     n = 12 * 2**20
