@@ -152,16 +152,25 @@ def build_on(src: str, dst: str, m: Manifest, base: Base, target_local: bool) ->
         objects.append((key, at))
     names = [name for name, _i in packed.arrays]
     rows, refs = [], []
-    for j, r in enumerate(rec):
-        a, c, n = names[int(r["array"])], int(r["chunk"]), int(r["length"])
-        crc, h = int(r["crc32c"]).to_bytes(4, "little"), bytes(hashes[j])
-        if hit[j]:
-            owner, ident, path, size = base.owners[int(b_obj[j])]
-            refs.append((a, c, owner, ident, path, size, int(b_off[j]), n, crc, h))
-        elif j in place:
-            rows.append((a, c, place[j][0], place[j][1], n, crc, h))
+    cols = zip(
+        rec["array"].tolist(),
+        rec["chunk"].tolist(),
+        rec["object"].tolist(),
+        rec["offset"].tolist(),
+        rec["length"].tolist(),
+        rec["crc32c"].tolist(),
+        hit.tolist(),
+        b_obj.tolist(),
+        b_off.tolist(),
+    )
+    for j, (ai, c, o, off, n, crc32c, shared, bo, boff) in enumerate(cols):
+        a, crc, h = names[ai], crc32c.to_bytes(4, "little"), hashes[j].tobytes()
+        if shared:
+            owner, ident, path, size = base.owners[bo]
+            refs.append((a, c, owner, ident, path, size, boff, n, crc, h))
         else:
-            rows.append((a, c, number[int(r["object"])], int(r["offset"]), n, crc, h))
+            obj_n, at = place[j] if j in place else (number[o], off)
+            rows.append((a, c, obj_n, at, n, crc, h))
     arrays: Dict[str, Any] = {}
     for k, (name, inner) in enumerate(packed.arrays):
         codec = packed.codec_of(k)
