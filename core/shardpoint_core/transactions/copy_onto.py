@@ -9,10 +9,11 @@ as a regular incremental save records it: the base itself, or the base's own bas
 chain); every other chunk is copied. A data object of the source none of whose chunks is
 referred to is copied byte for byte as before; the chunks still needed of the others, and
 those the source takes from its own bases, land back to back in new objects of the copy's
-own (``packed/onto-<token>-<n>.bin``, one per source object, split at the object-store cap),
-each read and checked against its crc32c and hash (:func:`~.copy_flat.flat_bytes`). The
-index is built by the packed writer's own :func:`~shardpoint_core.arrays.packed.build_index`,
-so the bases and references are encoded exactly as a regular incremental save encodes them.
+own (``packed/onto-<token>-<n>.bin``: one per source object, one for the chunks of its
+bases; split at the object-store cap), each read and checked against its crc32c and hash
+(:func:`~.copy_flat.flat_bytes`). The index is built by the packed writer's own
+:func:`~shardpoint_core.arrays.packed.build_index`, so the bases and references are encoded
+exactly as a regular incremental save encodes them.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ class OntoPlan:
     commit): ``index``, the copy's packed index; ``whole``, the source's data objects copied
     byte for byte; ``flat``, the new objects and the chunks each takes (from the source or
     its bases); ``origin``, the source object each new object's chunks come from (none: its
-    bases'); ``checks``, the source's bases (location -> identity); ``shared``, the chunks
-    and bytes referred to in the base."""
+    bases'); ``checks``, the source's bases (location -> identity)."""
 
     index: PackedIndex
     base: Tuple[str, bytes]
@@ -50,7 +50,6 @@ class OntoPlan:
     flat: Dict[str, List[FlatPiece]] = field(default_factory=dict)
     origin: Dict[str, str] = field(default_factory=dict)
     checks: Dict[str, bytes] = field(default_factory=dict)
-    shared: Tuple[int, int] = (0, 0)
 
 
 def storage_base(dst: str, incremental: str, zarr: Any) -> Optional[Base]:
@@ -182,5 +181,4 @@ def build_on(src: str, dst: str, m: Manifest, base: Base, target_local: bool) ->
         flat,
         origin,
         checks,
-        (int(hit.sum()), int(rec["length"][hit].sum())),
     )
