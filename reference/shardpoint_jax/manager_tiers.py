@@ -5,10 +5,10 @@ on them (through :mod:`shardpoint_jax.comm`).
 
 - save: every process saves into memory when the step is due (synchronously: a copy into
   host memory and to the peers; with ``incremental=True`` building on the newest memory step
-  before it, the durable copies then flattened); when it is due to storage, process 0 starts the durable
-  copy of that memory step in the background (after the previous copy finished). Then the
-  finished copy is reported on every process, storage retention applied, old memory steps
-  removed. A memory step of the same number is replaced (memory is the manager's scratch: a
+  before it, each durable copy on the newest storage step before it); when it is due to
+  storage, process 0 starts the durable copy of that memory step in the background (after
+  the previous copy finished). Then the finished copy is reported on every process,
+  storage retention applied, old memory steps removed. A memory step of the same number is replaced (memory is the manager's scratch: a
   resumed job saves its steps again: with ``incremental``, later memory steps built on it
   are removed first, :mod:`shardpoint_core.transactions.tier_rollback`); ``force`` applies
   to storage.
@@ -70,12 +70,25 @@ def report(mgr: Any, block: bool, start: Optional[tuple] = None) -> None:
     where given, and removes old memory steps; every process then hears what failed or was
     retried (``tier_warnings``, logged) and training goes on."""
     tiers: Tiers = mgr._tiers
-    got = tiers.report(_exchange(), block, start, mgr.backend, mgr._retain, mgr._clean_leftovers)
+    base = _storage_base(mgr) if mgr.incremental else None  # what a durable copy builds on
+    got = tiers.report(
+        _exchange(), block, start, mgr.backend, mgr._retain, mgr._clean_leftovers, base=base
+    )
     if jax.process_index() != 0:
         mgr._metrics.clear()
     for w in got:
         log.warning("shardpoint: %s", w)
     mgr.tier_warnings.extend(got)
+
+
+def _storage_base(mgr: Any) -> Any:
+    """(process 0) step -> the newest committed storage step before it (None: none)."""
+
+    def base(step: int) -> Optional[str]:
+        earlier = [s for s in mgr.all_steps() if s < step]
+        return str(mgr.path(earlier[-1])) if earlier else None
+
+    return base
 
 
 def load_tiered(

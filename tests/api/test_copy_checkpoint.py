@@ -225,3 +225,87 @@ def test_a_large_data_object_is_copied_in_pieces(tmp_path, monkeypatch):
     (again,) = _data_files(dst)
     assert open(again, "rb").read() == open(obj, "rb").read()
     assert torch.equal(sp.load(dst)["w"], state["w"])
+
+
+FROZEN = torch.arange(4096, dtype=torch.float32)  # 16 KiB, the same in every state
+
+
+def _own_bytes(dst: str) -> int:
+    """The bytes of the data objects a packed checkpoint holds itself (not its bases')."""
+    p = sp.read_metadata(dst).packed
+    return sum(s for i, (_p, s) in enumerate(p.objects) if p.base_of(i) is None)
+
+
+def _frozen_states(tmp_path) -> list:
+    """Three states sharing ``frozen`` and ``b`` (``w`` changes) saved with hashes: ``src/a``
+    (full), ``src/b`` on ``a`` (its frozen chunks in ``a``), ``src/c`` full on its own."""
+    out = []
+    for name, k, base in (("a", 0, True), ("b", 1, "a"), ("c", 2, True)):
+        state = {**_state(), "frozen": FROZEN}
+        state["w"] = state["w"] + k
+        where = tmp_path / ("src" if name != "c" else "alone") / name
+        sp.save(state, str(where), incremental=base)
+        out.append((str(where), state))
+    assert [n for n, _i in sp.read_metadata(out[1][0]).packed.bases] == ["a"]
+    assert sp.read_metadata(out[2][0]).packed.bases == []
+    return out
+
+
+@pytest.mark.parametrize("target", ["files", "object store"])
+def test_a_copy_builds_on_a_checkpoint_beside_its_target(tmp_path, target):
+    """copy_checkpoint(incremental=<base>): the chunks the base holds (same array and number,
+    length, crc32c, hash) are referred to, not copied: a copy of an incremental source (its
+    frozen chunks in its own base) and one of a full source (its data object compacted)
+    hold only the changed bytes, name the base that owns the chunks (references never
+    chained: step_3 names step_1, not step_2), load bit for bit and verify (every referred
+    chunk read and checked)."""
+    (a, sa), (b, sb), (c, sc) = _frozen_states(tmp_path)
+    run = str(tmp_path / "ckpt") if target == "files" else "memory://copyonto/run"
+    res = copy_checkpoint(a, f"{run}/step_1", incremental=f"{run}/step_0")  # none: a full one
+    assert res.base is None and sp.read_metadata(f"{run}/step_1").packed.bases == []
+    for src, step, state in ((b, 2, sb), (c, 3, sc)):
+        dst = f"{run}/step_{step}"
+        res = copy_checkpoint(src, dst, incremental=f"step_{step - 1}")
+        m = sp.read_metadata(dst)
+        assert res.base == f"step_{step - 1}"
+        assert [n for n, _i in m.packed.bases] == ["step_1"]
+        assert _own_bytes(dst) < FROZEN.numel() * 4 < _own_bytes(f"{run}/step_1")
+        assert res.nbytes == _own_bytes(dst)
+        got = sp.load(dst)
+        assert torch.equal(got["w"], state["w"]) and torch.equal(got["frozen"], FROZEN)
+        assert torch.equal(got["b"].view(torch.int16), state["b"].view(torch.int16))
+        report = verify_checkpoint(dst, strict=True)
+        assert report.ok and report.shared["step_1"] >= 2  # frozen and b
+    if target == "files":  # a compacted object holds exactly the copied chunks
+        assert sorted(os.listdir(f"{run}/step_3/packed"))[0].startswith("onto-")
+
+
+def test_a_copy_whose_base_is_unusable_or_goes_meanwhile_is_a_full_one(tmp_path, monkeypatch):
+    """A base that is not there, or is removed and replaced while the copy runs (before its
+    commit), never fails the copy: it is a whole checkpoint naming no base, bit for bit,
+    and nothing else is left beside it."""
+    import shutil
+
+    from shardpoint_core.transactions import copy as copy_mod
+
+    (a, _sa), (b, sb), _c = _frozen_states(tmp_path)
+    run = tmp_path / "ckpt"
+    copy_checkpoint(a, str(run / "step_1"))
+    res = copy_checkpoint(b, str(run / "step_2"), incremental="step_9")
+    assert res.base is None and sp.read_metadata(str(run / "step_2")).packed.bases == []
+    real, calls = copy_mod.copy_part, []
+
+    def base_replaced_first(*args, **kw):
+        if not calls:  # the base goes while the first try copies: another checkpoint there
+            shutil.rmtree(run / "step_1")
+            sp.save(_state(), str(run / "step_1"), incremental=True)
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(copy_mod, "copy_part", base_replaced_first)
+    res = copy_checkpoint(b, str(run / "step_3"), incremental="step_1")
+    assert len(calls) == 2 and res.base is None
+    assert sp.read_metadata(str(run / "step_3")).packed.bases == []
+    got = sp.load(str(run / "step_3"))
+    assert torch.equal(got["w"], sb["w"]) and torch.equal(got["frozen"], FROZEN)
+    assert sorted(os.listdir(run)) == ["step_1", "step_2", "step_3"]

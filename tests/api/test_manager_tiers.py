@@ -320,13 +320,15 @@ def _resume_incremental(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def test_incremental_memory_steps_and_flattened_durable_copies(tmp_path):
+def test_incremental_memory_steps_and_durable_copies_building_on_storage(tmp_path):
     """incremental=True with memory=: each memory step builds on the one before (the frozen
     tensor is stored once, in step 1, which memory retention keeps while later steps build
-    on it); every durable copy (written by both ranks) is flattened, a whole checkpoint
-    naming no base, bit for bit; after a host loss the newest memory step comes back from
-    the peers' replicas, its base's chunks included."""
+    on it); each durable copy (written by both ranks) builds on the storage step before it:
+    step 4 names step 2 as its base and holds none of the frozen tensor's bytes itself,
+    loads bit for bit and verifies (every referred chunk checked); after a host loss the
+    newest memory step comes back from the peers' replicas, its base's chunks included."""
     from shardpoint_core.format.manifest import decode_manifest
+    from shardpoint_core.verify import verify_checkpoint
 
     root = str(tmp_path)
     got = run_world(2, _train_incremental, root, timeout=120, pg_timeout=30)
@@ -336,14 +338,68 @@ def test_incremental_memory_steps_and_flattened_durable_copies(tmp_path):
     with open(os.path.join(root, "shm", "h0", "job", "step_4", "manifest.msgpack"), "rb") as f:
         m4 = decode_manifest(f.read())
     assert [n for n, _i in m4.packed.bases] == ["step_1"]  # the frozen chunks, not rewritten
+    own = {}
     for s in (2, 4):
         path = os.path.join(root, "ckpt", f"step_{s:08d}")
-        assert sp.read_metadata(path).packed.bases == []  # flattened
+        p = sp.read_metadata(path).packed
+        own[s] = sum(n for i, (_p, n) in enumerate(p.objects) if p.base_of(i) is None)
         d = sp.load(path)
         assert torch.equal(d["w"], _state(0, 1, s)["w"].data) and torch.equal(d["frozen"], FROZEN)
+        assert verify_checkpoint(path, strict=True).ok
+    assert sp.read_metadata(os.path.join(root, "ckpt", "step_00000002")).packed.bases == []
+    m = sp.read_metadata(os.path.join(root, "ckpt", "step_00000004"))
+    assert [n for n, _i in m.packed.bases] == ["step_00000002"]
+    assert own[4] < FROZEN.numel() * 4 <= own[2]  # step 4 holds no frozen byte itself
     _lose_host_memory(root, "h1")
     for r in run_world(2, _resume_incremental, root, timeout=120, pg_timeout=30):
         assert r["same"] and r["step"] == 4 and r["tier"] == "memory"
+
+
+def _restart_incremental(rank: int, world: int, root: str) -> dict:
+    """Steps 1 and 2, then a restarted job (a fresh memory tier: its first memory step is a
+    full one) saves step 4; both durable copies written by both ranks."""
+    out: dict = {"copied": 0}
+    for job, steps in (("job", (1, 2)), ("again", (4,))):
+        h = HOSTS[rank]
+        tier = MemoryTier(
+            job, host_id=h, shm_dir=os.path.join(root, "shm", h), advertise="127.0.0.1"
+        )
+        mgr = sp.CheckpointManager(
+            os.path.join(root, "ckpt"),
+            memory=tier,
+            save_options=OPTS,
+            storage_every=2,
+            parallel_copy=True,
+            incremental=True,
+        )
+        for s in steps:
+            mgr.save(s, {**_state(rank, world, s), "frozen": FROZEN})
+        mgr.close()
+        out.update(storage=mgr.all_steps(), warnings=mgr.tier_warnings)
+        out["copied"] += mgr._tiers.part_objects
+        torch.distributed.barrier()
+        tier.close()
+    return out
+
+
+def test_a_restarted_jobs_full_memory_step_is_copied_onto_storage_by_every_rank(tmp_path):
+    """parallel_copy with incremental=True: the first memory step of a restarted job is a
+    full one, yet its durable copy builds on the storage step before it: the data objects
+    holding chunks step 2 has are compacted by the ranks holding them, so step 4 holds no
+    frozen byte itself, names step 2, loads bit for bit and verifies."""
+    from shardpoint_core.verify import verify_checkpoint
+
+    root = str(tmp_path)
+    for r in run_world(2, _restart_incremental, root, timeout=120, pg_timeout=30):
+        assert r["warnings"] == [] and r["storage"] == [2, 4] and r["copied"] > 0
+    path = os.path.join(root, "ckpt", "step_00000004")
+    p = sp.read_metadata(path).packed
+    assert [n for n, _i in p.bases] == ["step_00000002"]
+    assert sum(n for i, (_p, n) in enumerate(p.objects) if p.base_of(i) is None) < 4096 * 4
+    assert any(o.startswith("packed/onto-") for o, _n in p.objects)  # compacted
+    d = sp.load(path)
+    assert torch.equal(d["w"], _state(0, 1, 4)["w"].data) and torch.equal(d["frozen"], FROZEN)
+    assert d["step"] == 4 and verify_checkpoint(path, strict=True).ok
 
 
 def _train_per_array(rank: int, world: int, root: str, parallel: bool) -> dict:

@@ -154,32 +154,67 @@ def test_one_process_memory_gone_resumes_from_storage_and_options_are_checked(tm
         tier.close()
 
 
-def test_incremental_memory_steps_with_flattened_durable_copies(tmp_path):
-    """incremental=True with memory=: each memory step builds on the one before (the frozen
-    array stored once, in step 1, kept by memory retention while step 4 builds on it); the
-    durable copies are whole checkpoints naming no base, bit for bit; a load from memory
-    reads the base's chunks."""
+def _own_bytes(path: str) -> int:
+    """The bytes of the data objects a packed checkpoint holds itself (not its bases')."""
     from shardpoint_core.transactions.resolve import read_metadata
 
-    tier = _tier(tmp_path)
+    p = read_metadata(path).packed
+    return sum(s for i, (_p, s) in enumerate(p.objects) if p.base_of(i) is None)
+
+
+def test_incremental_durable_copies_build_on_the_storage_step_before(tmp_path):
+    """incremental=True with memory=: each memory step builds on the one before (the frozen
+    array stored once, in step 1, kept by memory retention while step 4 builds on it), and
+    each durable copy on the storage step before it: step 4 names step 2 as its base and
+    holds none of the frozen array's bytes itself; it loads bit for bit and verifies (every
+    referred chunk read and checked). Retention (max_to_keep=1) keeps step 2 while a kept
+    step builds on it. A restarted job (a fresh memory tier: its first memory step is a
+    full one) builds its first durable copy on the storage step before it all the same."""
+    from shardpoint_core.transactions.resolve import read_metadata
+    from shardpoint_core.verify import verify_checkpoint
+
     root = str(tmp_path / "ckpt")
-    frozen = jnp.arange(2048, dtype=jnp.float32)
+    frozen = jnp.arange(2048, dtype=jnp.float32)  # 8 KiB, one chunk
+    tier = _tier(tmp_path)
     try:
         mgr = spj.CheckpointManager(
-            root, memory=tier, storage_every=2, memory_keep=1, incremental=True
+            root, memory=tier, storage_every=2, memory_keep=1, max_to_keep=1, incremental=True
         )
         for s in range(1, 5):
             mgr.save(s, {**_state(s), "frozen": frozen})
-        mgr.close()
+        mgr.wait()
         assert (mgr.memory_steps(), mgr.all_steps()) == ([1, 4], [2, 4])
         assert [n for n, _i in read_metadata(tier.url(4)).packed.bases] == ["step_1"]
-        for s in (2, 4):
-            assert read_metadata(mgr.path(s)).packed.bases == []  # flattened
+        assert [n for n, _i in read_metadata(mgr.path(4)).packed.bases] == ["step_00000002"]
+        assert _own_bytes(mgr.path(4)) < frozen.nbytes <= _own_bytes(mgr.path(2))
+        report = verify_checkpoint(mgr.path(4), strict=True)
+        assert report.ok and report.shared == {"step_00000002": 1}
+        for s in (5, 6):
+            mgr.save(s, {**_state(s), "frozen": frozen})
+        mgr.close()
+        assert mgr.all_steps() == [2, 6]  # 6 kept, and 2, which it builds on; not 4
+        assert [n for n, _i in read_metadata(mgr.path(6)).packed.bases] == ["step_00000002"]
+        got = mgr.load()
+        assert (mgr.last_load.step, mgr.last_load.tier) == (6, "memory")
+        assert same_bits(got["frozen"], frozen) and same_bits(got["w"], _state(6)["w"])
+    finally:
+        tier.close()
+    tier = _tier(tmp_path)  # the job restarted: memory holds nothing of it
+    try:
+        mgr = spj.CheckpointManager(
+            root, memory=tier, storage_every=2, memory_keep=1, max_to_keep=1, incremental=True
+        )
+        mgr.save(8, {**_state(8), "frozen": frozen})
+        mgr.close()
+        assert read_metadata(tier.url(8)).packed.bases == []  # a full memory step
+        assert mgr.all_steps() == [2, 8]
+        assert [n for n, _i in read_metadata(mgr.path(8)).packed.bases] == ["step_00000002"]
+        assert _own_bytes(mgr.path(8)) < frozen.nbytes
+        for s in (2, 8):
             got = spj.load(mgr.path(s))
             assert same_bits(got["w"], _state(s)["w"]) and same_bits(got["frozen"], frozen)
-        got = mgr.load()
-        assert (mgr.last_load.step, mgr.last_load.tier) == (4, "memory")
-        assert same_bits(got["frozen"], frozen) and same_bits(got["w"], _state(4)["w"])
+            assert got["step"] == s
+        assert verify_checkpoint(mgr.path(8), strict=True).ok
     finally:
         tier.close()
 

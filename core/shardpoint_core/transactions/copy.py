@@ -14,6 +14,11 @@ from bases land in objects of the copy's own, checked against their hashes, and 
 names no base. The copy is committed through the Zarr backend's commit, with the source's
 index (a packed backend's commit would gather its own writers' index parts).
 
+With ``incremental=<a checkpoint beside the target>`` the copy builds on that checkpoint
+(:mod:`.copy_onto`): the chunks it holds already (same length, crc32c and hash) are referred
+to, not copied, and the copy is an incremental checkpoint naming it as its base. Where that
+base is unusable or gone (before the copy, or before its commit), the copy is a full one.
+
 The memory tier's durable copies use it (``shm://job/step_5`` to ``/ckpt/step_00000005``):
 the bytes come from the copy in memory, not from the trainer's tensors, and every byte read
 from the memory tier is checked against its crc32c there.
@@ -32,13 +37,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from shardpoint_core.arrays.packed_base import manifest_identity
+from shardpoint_core.arrays.packed_base import base_name, manifest_identity
 from shardpoint_core.commit.object_store import SAVE_PREFIX
 from shardpoint_core.format.errors import CorruptCheckpointError, SaveFailedError
 from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.stores.location import locate
 from shardpoint_core.stores.registry import is_local
 from shardpoint_core.transactions.copy_flat import FlatPiece, flat_bytes, flatten
+from shardpoint_core.transactions.copy_onto import OntoPlan, build_on, storage_base
 from shardpoint_core.transactions.packed import PackedBackend
 from shardpoint_core.transactions.protocol import StorageBackend
 from shardpoint_core.transactions.reader import CheckpointReader
@@ -53,6 +59,8 @@ class CopyResult:
     path: str
     objects: int
     nbytes: int
+    #: the base the copy builds on (its name beside ``path``), None: a whole checkpoint
+    base: Optional[str] = None
 
 
 def chunk_keys(base: str, shape: Sequence[int], chunks: Sequence[int]) -> List[str]:
@@ -99,10 +107,13 @@ def relative_manifest(m: Manifest, prefix: str) -> Manifest:
         k: dataclasses.replace(e, array=_strip(e.array, prefix)) for k, e in m.tensors.items()
     }
     packed = m.packed
-    if packed is not None:
+    if packed is not None:  # a base's objects stay where its own commit put them
         packed = dataclasses.replace(
             packed,
-            objects=[(_strip(p, prefix), s) for p, s in packed.objects],
+            objects=[
+                (p if packed.base_of(i) is not None else _strip(p, prefix), s)
+                for i, (p, s) in enumerate(packed.objects)
+            ],
             arrays=[(_strip(n, prefix), i) for n, i in packed.arrays],
         )
     return dataclasses.replace(m, tensors=tensors, packed=packed)
@@ -276,6 +287,10 @@ class CopyTransaction:
         self.flat: Dict[str, List[FlatPiece]] = {}
         #: the source's save prefix, taken off every key and array path of the copy
         self.source_prefix = save_prefix_of(reader.manifest)
+        #: (a flat object built on a base) the source object its chunks come from
+        self.origin: Dict[str, str] = {}
+        #: the base the copy builds on (location, identity), None: a whole checkpoint
+        self.built_on: Optional[Tuple[str, bytes]] = None
         self._manifest: Manifest = reader.manifest
         self._bases: Dict[str, bytes] = {}  # base location -> identity, checked at commit
 
@@ -287,18 +302,22 @@ class CopyTransaction:
         *,
         backend: Optional[StorageBackend] = None,
         overwrite: Any = False,
+        incremental: Optional[str] = None,
     ) -> "CopyTransaction":
         """Coordinator: read the source's manifest (with the identity of its commit), check
         that every object it names is there (:class:`CorruptCheckpointError` before anything
         is written where one is missing or short), check the target and make the staging
         location. A packed source's objects are its data objects; an incremental one's
-        chunks in bases are flattened into objects of the copy's own (:func:`_flatten`)."""
+        chunks in bases are flattened into objects of the copy's own (:func:`flatten`).
+        ``incremental``: a checkpoint beside ``dst`` to build on (:mod:`.copy_onto`; a full
+        copy where it is unusable)."""
         reader = CheckpointReader.open(src, call="copy")
         try:
             m = reader.manifest
             s_store, s_root = locate(reader.path, "copy").pair()
             flat: Dict[str, List[FlatPiece]] = {}
             index = None
+            onto: Optional[OntoPlan] = None
             if m.packed is None:
                 arrays = sorted({e.array for e in m.tensors.values()})
                 infos = _objects(s_store, s_root, arrays)
@@ -319,9 +338,15 @@ class CopyTransaction:
                         spec_id="SP-READ-3",
                     )
                 infos = own
-                if p.bases:
-                    target_local = is_local(dst)
-                    index, flat, bases = flatten(str(reader.path), m, target_local)
+                if incremental is not None and p.hashes is not None:
+                    base = storage_base(dst, incremental, writing_backend(dst, backend))
+                    if base is not None:
+                        onto = build_on(str(reader.path), dst, m, base, is_local(dst))
+                if onto is not None:
+                    index, flat, bases = onto.index, onto.flat, onto.checks
+                    infos = {k: own[k] for k in onto.whole}
+                elif p.bases:
+                    index, flat, bases = flatten(str(reader.path), m, is_local(dst))
             if lacking:
                 raise CorruptCheckpointError(
                     f"copy of {src!r}: object {lacking[0]!r} of its manifest is missing "
@@ -336,8 +361,12 @@ class CopyTransaction:
         t = cls(src, reader, w)
         t.keys, t.sizes = sorted(infos) + sorted(flat), dict(infos)
         if index is not None:
-            t.flat, t._bases = flat, bases
+            t.flat, t._bases = flat, dict(bases)
             t._manifest = dataclasses.replace(m, packed=index)
+        if onto is not None:
+            t.origin, t.built_on = onto.origin, onto.base
+            t._bases[onto.base[0]] = onto.base[1]
+            t.sizes.update({k: sum(p[3] for p in v) for k, v in flat.items()})
         return t
 
     @property
@@ -357,6 +386,10 @@ class CopyTransaction:
     @property
     def path(self) -> str:
         return str(self.writer.path)
+
+    def base_intact(self) -> bool:
+        """Whether the base the copy builds on (if any) is still there, the same checkpoint."""
+        return self.built_on is None or manifest_identity(self.built_on[0]) == self.built_on[1]
 
     def commit(self) -> None:
         """Every part is durable: check that the source (and each base a flattened copy
@@ -396,16 +429,22 @@ def copy_checkpoint(
     backend: Optional[StorageBackend] = None,
     overwrite: Any = False,
     threads: int = 8,
+    incremental: Optional[str] = None,
 ) -> CopyResult:
     """Copy the committed checkpoint at ``src`` to ``dst`` (any two stores, either layout);
     the manifest is committed last, so ``dst`` never shows a partial checkpoint. ``backend``
     writes ``dst`` (the default one of its kind when None); ``overwrite`` as in a save. An
     incremental packed source ([SP-PACK-9]) is copied flattened: the target holds every
-    chunk itself and names no base. Raises the error of the step that failed (the
-    documented classes of :mod:`shardpoint_core.format.errors`);
+    chunk itself and names no base. ``incremental``: a committed packed checkpoint beside
+    ``dst`` (its name or path) that the copy builds on, referring to the chunks it holds
+    already instead of copying them (:mod:`.copy_onto`); where it is unusable, or removed or
+    replaced before the commit, the copy is a full one. Raises the error of the step that
+    failed (the documented classes of :mod:`shardpoint_core.format.errors`);
     :class:`CorruptCheckpointError` where an object of the manifest is missing (checked
     before anything is written)."""
-    t = CopyTransaction.begin(src, dst, backend=backend, overwrite=overwrite)
+    t = CopyTransaction.begin(
+        src, dst, backend=backend, overwrite=overwrite, incremental=incremental
+    )
     try:
         done = copy_part(
             t.reader.path,
@@ -421,5 +460,16 @@ def copy_checkpoint(
     except BaseException:
         t.abort()
         raise
-    t.commit()  # the group metadata, the manifest, then visible
-    return CopyResult(t.path, len(done), sum(n for _t, n in done))
+    if t.base_intact():
+        try:
+            t.commit()  # the group metadata, the manifest, then visible
+        except CorruptCheckpointError:
+            if t.base_intact():
+                raise
+        else:
+            base = None if t.built_on is None else base_name(t.built_on[0])
+            return CopyResult(t.path, len(done), sum(n for _t, n in done), base)
+    else:
+        t.abort()
+    # the base was removed or replaced while the copy ran: a full copy instead
+    return copy_checkpoint(src, dst, backend=backend, overwrite=overwrite, threads=threads)

@@ -37,18 +37,10 @@ def _join(root: str, key: str) -> str:
 FlatPiece = Tuple[str, str, int, int, int, Optional[bytes], int]
 
 
-def flatten(
-    src: str, m: Manifest, target_local: bool
-) -> Tuple[Any, Dict[str, List[FlatPiece]], Dict[str, bytes]]:
-    """The packed index of the incremental checkpoint ``m`` (at ``src``) without its bases
-    ([SP-PACK-9]): every chunk a base holds moves into flat objects of the copy's own
-    (``packed/flat-<token>-<n>.bin``; one on files, split at the object-store cap
-    elsewhere), back to back; the records follow, the rest of the index (own objects, hashes,
-    crc32c) stays. Returns (the index, flat object key -> its pieces, base location ->
-    identity to check again before the commit). CorruptCheckpointError where a base is not
-    there with the identity the index records."""
-    assert m.packed is not None, "only a packed index has bases"
-    packed: PackedIndex = m.packed
+def base_checks(src: str, packed: PackedIndex) -> Dict[str, bytes]:
+    """Base location -> identity of every base of ``packed`` (the index of the checkpoint at
+    ``src``), each checked now and again before the copy's commit. CorruptCheckpointError
+    where one is not there with the identity the index records ([SP-PACK-9])."""
     checks: Dict[str, bytes] = {}
     for name, ident in packed.bases:
         where = sibling_path(src, name)
@@ -61,6 +53,22 @@ def flatten(
                 spec_id="SP-PACK-9",
             )
         checks[where] = ident
+    return checks
+
+
+def flatten(
+    src: str, m: Manifest, target_local: bool
+) -> Tuple[Any, Dict[str, List[FlatPiece]], Dict[str, bytes]]:
+    """The packed index of the incremental checkpoint ``m`` (at ``src``) without its bases
+    ([SP-PACK-9]): every chunk a base holds moves into flat objects of the copy's own
+    (``packed/flat-<token>-<n>.bin``; one on files, split at the object-store cap
+    elsewhere), back to back; the records follow, the rest of the index (own objects, hashes,
+    crc32c) stays. Returns (the index, flat object key -> its pieces, base location ->
+    identity to check again before the commit). CorruptCheckpointError where a base is not
+    there with the identity the index records."""
+    assert m.packed is not None, "only a packed index has bases"
+    packed: PackedIndex = m.packed
+    checks = base_checks(src, packed)
     own = [i for i in range(len(packed.objects)) if packed.base_of(i) is None]
     renum = np.full(len(packed.objects), -1, np.int64)
     renum[own] = np.arange(len(own))

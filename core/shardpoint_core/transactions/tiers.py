@@ -227,15 +227,21 @@ class Tiers:
                 delay = min(MAX_BACKOFF_S, max(delay * 2, 0.01))
         return "", failures  # unreachable: copy_attempts >= 1
 
-    def start_copy(self, step: int, dst: str, backend: Any, overwrite: Any) -> None:
+    def start_copy(
+        self, step: int, dst: str, backend: Any, overwrite: Any, base: Optional[str] = None
+    ) -> None:
         """Coordinator: copy memory step ``step`` to ``dst`` in a background thread, tried
-        again after a failure that may pass (see the module)."""
+        again after a failure that may pass (see the module); ``base``: the storage step the
+        copy builds on (a manager's ``incremental=True``; a full copy where it is unusable)."""
         src = self.memory.url(step)
         outcome = CopyOutcome(step, dst)
 
         def run() -> None:
             outcome.error, outcome.failures = self._retrying(
-                step, lambda: copy_checkpoint(src, dst, backend=backend, overwrite=overwrite)
+                step,
+                lambda: copy_checkpoint(
+                    src, dst, backend=backend, overwrite=overwrite, incremental=base
+                ),
             )
             self._outcome = outcome
 
@@ -261,12 +267,14 @@ class Tiers:
         backend: Any,
         retain: Callable[[], None],
         clean: Callable[[], None],
+        base: Optional[Callable[[int], Optional[str]]] = None,
     ) -> List[str]:
         """Coordinator, at a manager's ``save`` or ``wait``: collect the finished copy
         (waiting for it with ``block``), apply storage retention (``retain``) after a
         committed one, start the copy ``start`` = (step, dst, overwrite) where given (after
-        ``clean``, the storage clean-up, where no copy runs), and remove old memory steps.
-        Returns the warnings every rank is to hear; never raises a store's error."""
+        ``clean``, the storage clean-up, where no copy runs; building on ``base(step)``,
+        see :func:`copy_base`), and remove old memory steps. Returns the warnings every rank
+        is to hear; never raises a store's error."""
         said: List[str] = []
         try:
             done = self.settle(block)
@@ -277,7 +285,7 @@ class Tiers:
                 if self.copying is None:
                     clean()
                 s, dst, overwrite = start
-                self.start_copy(s, dst, backend, overwrite)
+                self.start_copy(s, dst, backend, overwrite, copy_base(base, s))
             self.evict()
         except Exception as e:  # noqa: BLE001 - reported like a failed copy; training goes on
             said.append(f"tier upkeep failed ({type(e).__name__}: {e})")
@@ -292,14 +300,17 @@ class Tiers:
         backend: Any,
         retain: Callable[[], None],
         clean: Callable[[], None],
+        base: Optional[Callable[[int], Optional[str]]] = None,
     ) -> List[str]:
         """Collective, at a manager's ``save`` or ``wait``: the upkeep (:meth:`upkeep`: the
         finished copy collected, retention, the copy ``start`` begun, old memory steps
         removed), and what every rank is to hear of it. With ``parallel_copy``, every rank
-        copies the objects its host holds (see :meth:`_report_parallel`)."""
+        copies the objects its host holds (see :meth:`_report_parallel`). ``base``
+        (coordinator; a manager's ``incremental=True``): the storage step a durable copy of
+        a step builds on, the newest committed one before it (:func:`copy_base`)."""
         if self.parallel_copy:
-            return self._report_parallel(ex, block, start, backend, retain, clean)
-        said = self.upkeep(block, start, backend, retain, clean) if ex.coordinator else []
+            return self._report_parallel(ex, block, start, backend, retain, clean, base)
+        said = self.upkeep(block, start, backend, retain, clean, base) if ex.coordinator else []
         return list(_unpack(ex.broadcast(_pack(said) if ex.coordinator else None)))
 
     def _report_parallel(
@@ -310,6 +321,7 @@ class Tiers:
         backend: Any,
         retain: Callable[[], None],
         clean: Callable[[], None],
+        base: Optional[Callable[[int], Optional[str]]] = None,
     ) -> List[str]:
         """Parallel copies: every rank says how its part went (waiting for it with ``block``)
         and, where a copy is to start, which objects of that memory step its host holds (one
@@ -334,7 +346,9 @@ class Tiers:
                 elif start is not None:
                     try:
                         clean()
-                        plan = self._begin_parts(start, backend, [r[1] for r in rows], ex.rank)
+                        plan = self._begin_parts(
+                            start, backend, [r[1] for r in rows], ex.rank, copy_base(base, start[0])
+                        )
                     except Exception as e:  # noqa: BLE001 - reported; training goes on
                         err = f"{type(e).__name__}: {e}"
                         w = CopyOutcome(start[0], start[1], err, [err])
@@ -386,16 +400,23 @@ class Tiers:
         return [w] if w else []
 
     def _begin_parts(
-        self, start: Tuple[int, str, Any], backend: Any, listings: List[Any], me: int
+        self,
+        start: Tuple[int, str, Any],
+        backend: Any,
+        listings: List[Any],
+        me: int,
+        base: Optional[str] = None,
     ) -> Dict[str, Any]:
-        """Coordinator: begin the copy of memory step ``start[0]`` and share its objects out:
-        each to a rank whose host holds it (``listings``: every rank's [key, bytes] of that
-        step in its host's memory), the one with the fewest bytes so far; an object no host
-        lists goes to the coordinator (read from wherever it is), as do the flat objects of
-        a flattened incremental source (their chunks lie in several steps)."""
+        """Coordinator: begin the copy of memory step ``start[0]`` (building on ``base``) and
+        share its objects out: each to a rank whose host holds it (``listings``: every rank's
+        [key, bytes] of that step in its host's memory; a new object of a copy built on a
+        base, to a holder of the object its chunks come from), the one with the fewest bytes
+        so far; an object no host lists goes to the coordinator (read from wherever it is),
+        as do the flat objects of a flattened incremental source (their chunks lie in
+        several steps)."""
         step, dst, overwrite = start
         txn = CopyTransaction.begin(
-            self.memory.url(step), dst, backend=backend, overwrite=overwrite
+            self.memory.url(step), dst, backend=backend, overwrite=overwrite, incremental=base
         )
         pre = f"{txn.source_root}/" if txn.source_root else ""
         holders: Dict[str, List[int]] = {}
@@ -406,7 +427,7 @@ class Tiers:
         load = [0] * len(listings)
         parts: List[List[str]] = [[] for _ in listings]
         for key in txn.keys:
-            r = min(holders.get(key) or [me], key=lambda c: (load[c], c))
+            r = min(holders.get(txn.origin.get(key, key)) or [me], key=lambda c: (load[c], c))
             parts[r].append(key)
             load[r] += txn.sizes.get(key, 0)
         self._txn, self._txn_step = txn, step
@@ -479,6 +500,18 @@ class Tiers:
         return str(self.memory.url(earlier[-1])) if earlier else None
 
 
+def copy_base(base: Optional[Callable[[int], Optional[str]]], step: int) -> Optional[str]:
+    """Coordinator: the storage step a durable copy of ``step`` builds on, ``base(step)``
+    (None: no ``base``, or it failed: a full copy, never a failed one for that)."""
+    if base is None:
+        return None
+    try:
+        return base(step)
+    except Exception as e:  # noqa: BLE001 - the copy is made whole instead
+        log.info("shardpoint: no storage step found to build step %s's copy on (%s)", step, e)
+        return None
+
+
 def tier_plan(step: Optional[int], memory: List[int], storage: List[int]) -> List[List[Any]]:
     """What a tiered ``load`` tries, in order: ``[step, in memory, in storage]`` for ``step``
     where given, else for every step either tier holds, newest first."""
@@ -547,6 +580,7 @@ __all__ = [
     "LoadInfo",
     "PERMANENT",
     "Tiers",
+    "copy_base",
     "load_across_tiers",
     "tier_plan",
 ]

@@ -98,9 +98,9 @@ class CheckpointManager:
     builds on the newest committed step before it (spec/format.md [SP-PACK-9]): unchanged
     chunks (frozen weights) are referred to, not written again. Retention keeps, beyond its
     policy, every step that a kept step builds on, until nothing kept refers to it
-    ([SP-PACK-11]). With ``memory=`` the memory steps are the incremental ones (each
+    ([SP-PACK-11]). With ``memory=`` the memory steps are incremental too (each
     builds on the newest memory step before it; memory retention keeps what kept steps
-    build on) and each durable copy is flattened: a whole checkpoint that names no base.
+    build on), and each durable copy builds on the newest storage step before it.
 
     ``memory``: a :class:`~shardpoint.MemoryTier` (started by every rank, closed by the
     caller after the manager); then ``memory_every`` (steps between memory saves, default 1),
@@ -316,8 +316,13 @@ class CheckpointManager:
             return self.backend
         from shardpoint_core.transactions.packed import step_backend
 
+        return step_backend(self.backend, self._storage_base(step))
+
+    def _storage_base(self, step: int) -> Optional[str]:
+        """(``incremental``, coordinator) what a save or durable copy of ``step`` builds on:
+        the newest committed step before it (None: none)."""
         earlier = [s for s in self.all_steps() if s < step]
-        return step_backend(self.backend, self.path(earlier[-1]) if earlier else None)
+        return self.path(earlier[-1]) if earlier else None
 
     def _check_committed(self, step: int, path: str) -> None:
         """On the coordinator, CheckpointNotFoundError where ``step`` is not committed, on
@@ -474,7 +479,10 @@ class CheckpointManager:
         tiers = self._tiers
         assert tiers is not None
         ex = self._exchange()
-        got = tiers.report(ex, block, start, self.backend, self._retain, self._clean_leftovers)
+        base = self._storage_base if self.incremental else None  # what a durable copy builds on
+        got = tiers.report(
+            ex, block, start, self.backend, self._retain, self._clean_leftovers, base=base
+        )
         for w in got:
             log.warning("shardpoint: %s", w)
         self.tier_warnings.extend(got)
