@@ -341,6 +341,25 @@ def test_quick_plan_scale_writes_what_it_printed(capsys, tmp_path):
     assert "| save: received by the coordinator |" in md and "<svg" in md
 
 
+def test_tier_copy_benchmark_checks_what_it_copied(capsys, tmp_path):
+    """benchmarks/bench_tier_copy.py, tiny: both durable copies of each round are loaded bit
+    for bit and verified, and the one on the storage step before writes the trained part
+    alone (the frozen 95% are references)."""
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_tier_copy
+
+        rc = bench_tier_copy.main(["--mib", "16", "--rounds", "1", "--dir", str(tmp_path)])
+    finally:
+        sys.path.remove(BENCH)
+    out = capsys.readouterr().out
+    assert rc == 0 and "every copy loaded bitwise and verified: True" in out
+    rows = {ln[:28].strip(): ln[28:].split() for ln in out.splitlines()[2:4]}
+    flat, onto = float(rows["flattened"][0]), float(rows["on the storage step before"][0])
+    assert flat > 12 and onto < 0.1 * flat  # 3 frozen tensors of 4 MiB, 0.8 MiB trained
+    assert os.listdir(tmp_path) == []  # the benchmark removes what it wrote
+
+
 def test_benchmark_page_figures_all_come_from_files_the_scripts_wrote():
     """docs/benchmarks.md holds no measured figure of its own (no "1.52x", no "0.68 s"): its
     tables come from benchmarks/results/*.json, each written by a script's --json (schema,
