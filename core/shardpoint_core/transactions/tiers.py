@@ -22,7 +22,7 @@ to a rank whose host holds it; every rank copies its share in the background
 commits once, at the first upkeep after every share is durable, or aborts the whole copy
 where a share failed for good. The managers' upkeep is collective (:meth:`Tiers.report`,
 through an :class:`Exchange` of the front end's process group); nothing collective runs in
-the background.
+the background. The load side (which step from which tier) is :mod:`.tiers_load`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import msgpack
 from shardpoint_core.commit.references import bases_closure, name_of, parent_of
 from shardpoint_core.format import errors
 from shardpoint_core.transactions.copy import CopyTransaction, copy_checkpoint, copy_part
+from shardpoint_core.transactions.tiers_load import LoadInfo, load_across_tiers, tier_plan
 
 log = logging.getLogger("shardpoint")
 
@@ -50,22 +51,6 @@ PERMANENT = (
     errors.UnsupportedStoreError,
 )
 MAX_BACKOFF_S = 60.0
-
-
-@dataclass
-class LoadInfo:
-    """Where a manager's ``load`` took the state from: the ``step``; the ``tier``
-    (``"memory"``, ``"storage"``, or ``"memory+storage"`` where memory lacked some tensors);
-    the checkpoint's ``url`` (the memory one where any tensor came from memory); for every
-    tensor key its source; ``reason``: why anything came from storage; ``skipped``: the newer
-    steps passed over, each with why (missing or damaged pieces, a failed load)."""
-
-    step: int
-    tier: str
-    url: str
-    sources: Dict[str, str] = field(default_factory=dict)
-    reason: str = ""
-    skipped: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -510,68 +495,6 @@ def copy_base(base: Optional[Callable[[int], Optional[str]]], step: int) -> Opti
     except Exception as e:  # noqa: BLE001 - the copy is made whole instead
         log.info("shardpoint: no storage step found to build step %s's copy on (%s)", step, e)
         return None
-
-
-def tier_plan(step: Optional[int], memory: List[int], storage: List[int]) -> List[List[Any]]:
-    """What a tiered ``load`` tries, in order: ``[step, in memory, in storage]`` for ``step``
-    where given, else for every step either tier holds, newest first."""
-    mem, sto = set(memory), set(storage)
-    cands = [step] if step is not None else sorted(mem | sto, reverse=True)
-    return [[s, s in mem, s in sto] for s in cands if s in mem or s in sto]
-
-
-def load_across_tiers(
-    plan: List[List[Any]],
-    restore: Callable[[int, bool], Any],
-    load_storage: Callable[[int], Any],
-    path: Callable[[int], str],
-    all_ok: Callable[[bool], bool],
-    catch: Tuple[type[BaseException], ...],
-    where: str,
-    step: Optional[int],
-) -> Tuple[Any, LoadInfo]:
-    """A tiered ``load``'s walk over ``plan`` (:func:`tier_plan`), the same on every rank or
-    process: each step from memory (``restore(step, in storage)``: a :class:`Restored`,
-    pieces no survivor holds taken from storage) or from storage (``load_storage(step)``);
-    the first that every rank loaded (``all_ok``, collective) is returned with its
-    :class:`LoadInfo`, and one that failed anywhere (an error of ``catch`` here, or on
-    another rank) gives way to the next older one, logged and listed in ``skipped``.
-    CheckpointNotFoundError naming ``where`` (the tiers' locations) when none loads."""
-    skipped: List[str] = []
-    for s, in_mem, in_sto in plan:
-        err: Optional[BaseException] = None
-        tree, info = None, None
-        try:
-            if in_mem:
-                r = restore(s, in_sto)
-                kinds = set(r.sources.values()) or {"memory"}
-                tree = r.tree
-                info = LoadInfo(
-                    s,
-                    "+".join(k for k in ("memory", "storage") if k in kinds),
-                    r.memory_url or r.storage_url,
-                    dict(r.sources),
-                    r.reason,
-                )
-            else:
-                tree = load_storage(s)
-                info = LoadInfo(s, "storage", path(s))
-        except catch as e:
-            err = e
-        if all_ok(err is None):
-            assert info is not None
-            info.skipped = skipped
-            return tree, info
-        skipped.append(
-            f"step {s} ({'memory' if in_mem else 'storage'}): "
-            + (f"{type(err).__name__}: {err}" if err else "failed on another rank")
-        )
-        log.warning("shardpoint: passing over %s", skipped[-1])
-    what = f"step {step}" if step is not None else "no step"
-    raise errors.CheckpointNotFoundError(
-        f"{what} could be loaded from {where}"
-        + (": " + "; ".join(skipped) if skipped else ": nothing committed in either")
-    )
 
 
 __all__ = [
