@@ -296,7 +296,7 @@ def main(argv=None) -> None:
         t1 = clock()
         build_s += t1 - t
         nh += len(p.holdings)
-        # what each rank sends (saving.py's local()): [head, blob, ...]
+        # what each rank sends (save_job.py's local()): [head, blob, ...]
         save_parts.append(p.to_parts())
         t = clock()
         enc_s += t - t1
@@ -348,7 +348,7 @@ def main(argv=None) -> None:
             t1 = clock()
             plan = plan_save(decoded)
             t2 = clock()
-            # saving.py's decide() then encodes the plan once (the writes and transfers as
+            # save_job.py's decide() then encodes the plan once (the writes and transfers as
             # columns, every layout, the stats, the staging path) for its broadcast
             gsave = encode_save_global(plan.columns, layouts_of(plan.tensors), plan.stats, STAGING)
             t3 = clock()
