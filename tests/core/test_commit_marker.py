@@ -119,7 +119,7 @@ def test_a_save_encodes_its_manifest_once_no_second_codec(monkeypatch, tmp_path)
     import torch
 
     import shardpoint as sp
-    from shardpoint_core.commit import object_store
+    from shardpoint_core.commit import object_marker, object_store
     from shardpoint_core.format import manifest as codec
 
     def second_codec(*a, **k):
@@ -132,8 +132,10 @@ def test_a_save_encodes_its_manifest_once_no_second_codec(monkeypatch, tmp_path)
         calls.append(1)
         return real(m)
 
+    # each patched where the committer looks it up: publish in object_store, encode_marker
+    # in object_marker
     monkeypatch.setattr(object_store, "_rewrite_array_paths", second_codec)
-    monkeypatch.setattr(object_store, "encode_manifest", counting)
+    monkeypatch.setattr(object_marker, "encode_manifest", counting)
     monkeypatch.setattr(codec, "encode_manifest", counting)
     url = "memory://marker-once/run/ck"
     sp.save({"w": torch.arange(6.0), "step": 3}, url)

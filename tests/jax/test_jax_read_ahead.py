@@ -127,12 +127,13 @@ def test_direct_reads_from_the_files_match_the_zarr_layer_and_catch_damage(tmp_p
         ("bf", [0, 0], [5, 3]),
         ("s", [], []),
     ]
-    from shardpoint_core.transactions import backend
+    from shardpoint_core.transactions import backend, backend_handles
 
     calls = []
-    real = backend.read_region  # what the core's direct reader falls back to
+    # what the core's direct reader falls back to, looked up where ZarrBackend's reads start
+    real = backend_handles.read_region
     monkeypatch.setattr(
-        backend,
+        backend_handles,
         "read_region",
         lambda store, path, lay, off, view, *a: (
             calls.append((direct, list(off))),

@@ -25,8 +25,10 @@ wins), a replacement with ``If-Match`` on the manifest the save checked (a save 
 another replacement loses instead of orphaning it). The replaced checkpoint's objects are
 deleted after the new marker is in place.
 
-Call order and ranks as in :mod:`shardpoint_core.commit.base`. Targets, staging locations
-and leftovers are keys (``/``-separated, no leading ``/``) of the committer's store.
+The marker's bytes are :mod:`.object_marker`'s, the PUT that commits and the settling of its
+outcome :mod:`.object_put`'s, what a replacement deletes :mod:`.object_delete`'s. Call order
+and ranks as in :mod:`shardpoint_core.commit.base`. Targets, staging locations and leftovers
+are keys (``/``-separated, no leading ``/``) of the committer's store.
 
 Example::
 
@@ -38,8 +40,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import itertools
 import logging
 import re
@@ -47,12 +47,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, Union
 
-import msgpack
-
 from shardpoint_core.commit.base import Overwrite, check_overwrite
 from shardpoint_core.commit.lease import (
     LEASE_NAME,
-    LeaseState,
     read_lease,
     reclaim_lease,
     start_lease,
@@ -63,88 +60,42 @@ from shardpoint_core.commit.references import may_be_base, refuse_if_referenced,
 from shardpoint_core.format.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
     IncompleteCheckpointError,
     InvalidOptionError,
     SaveFailedError,
-    StoreNotFoundError,
 )
-from shardpoint_core.format.manifest import Manifest, decode_manifest, encode_manifest
+from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.format.spec import MANIFEST_NAME
-from shardpoint_core.stores.base import ByteStore, replaceable
+from shardpoint_core.stores.base import ByteStore
+from shardpoint_core.commit.object_delete import _delete_arrays, _delete_last_lease, _named_objects
+from shardpoint_core.commit.object_marker import (
+    SAVE_PREFIX,
+    _array_dirs,
+    _check_marker,
+    _join,
+    _rewrite_array_paths,
+    encode_marker,
+    save_dir_of,
+)
+from shardpoint_core.commit.object_put import (
+    _commit_marker,
+    _lease_intact,
+    _read_with_version,
+    _take_back,
+)
+
+# the committer's own names, and the marker's (:mod:`.object_marker`), importable from here
+# as before the split
+__all__ = [
+    "SAVE_PREFIX",
+    "ObjectStoreCommitter",
+    "_rewrite_array_paths",
+    "encode_marker",
+    "save_dir_of",
+]
 
 log = logging.getLogger("shardpoint")
-SAVE_PREFIX = "save-"
 _TOKEN = re.compile(r"[0-9a-f]{8,64}\Z")
-_MAX_MANIFEST = 1 << 30
-
-
-def _join(*parts: str) -> str:
-    return "/".join(p.strip("/") for p in parts if p.strip("/"))
-
-
-def _rewrite_array_paths(envelope: bytes, save_dir: str, where: str) -> bytes:
-    """The staged manifest with every array path moved below ``save_dir`` ([SP-COMMIT-11]).
-
-    Works on the msgpack map itself, not on a decoded :class:`Manifest`, so that fields this
-    implementation does not know (ignorable ones, extensions) travel unchanged."""
-    try:
-        env = msgpack.unpackb(envelope, raw=False, strict_map_key=False)
-        body = env["body"]
-        if hashlib.sha256(body).digest() != env["sha256"]:
-            raise ValueError("sha256 mismatch")
-        m = msgpack.unpackb(body, raw=False, strict_map_key=False)
-        for entry in m["tensors"].values():
-            entry["array"] = f"{save_dir}/{entry['array']}"
-        packed = m.get("packed")  # (1.4) the data objects too ([SP-PACK-8])
-        if isinstance(packed, dict):
-            for obj in packed.get("objects", []) + packed.get("arrays", []):
-                if len(obj) == 2:  # [path, size, base]: a base's object stays ([SP-PACK-9])
-                    obj[0] = f"{save_dir}/{obj[0]}"
-    except (ValueError, KeyError, TypeError, msgpack.ExtraData) as e:
-        raise CorruptCheckpointError(
-            f"staged manifest {where} is not a valid manifest ({e}); nothing was committed",
-            spec_id="SP-MAN-1",
-        ) from e
-    new_body = msgpack.packb(m, use_bin_type=True)
-    out: bytes = msgpack.packb(
-        {"sha256": hashlib.sha256(new_body).digest(), "body": new_body}, use_bin_type=True
-    )
-    return out
-
-
-def save_dir_of(staging: str) -> str:
-    """The save prefix's own name (``save-<token>``) of the staging key ``staging``."""
-    return _join(staging).rpartition("/")[2]
-
-
-def encode_marker(m: Manifest, save_dir: str) -> bytes:
-    """The commit marker of a save whose prefix is ``save_dir`` (``save-<token>``), encoded
-    once: the manifest ``m`` (array paths relative to the save prefix) with ``save_dir/`` in
-    front of every array path ([SP-COMMIT-11]). The bytes are those the 1.2 path (encode the
-    manifest, then rewrite its array paths) gives for the same manifest."""
-    tensors = {
-        k: dataclasses.replace(e, array=f"{save_dir}/{e.array}") for k, e in m.tensors.items()
-    }
-    packed = m.packed
-    if packed is not None:  # (1.4) its data objects and array names too ([SP-PACK-8])
-        packed = dataclasses.replace(
-            packed,
-            objects=[  # a base's objects stay where its own marker put them ([SP-PACK-9])
-                (p if packed.base_of(i) is not None else f"{save_dir}/{p}", s)
-                for i, (p, s) in enumerate(packed.objects)
-            ],
-            arrays=[(f"{save_dir}/{n}", i) for n, i in packed.arrays],
-        )
-    return encode_manifest(dataclasses.replace(m, tensors=tensors, packed=packed))
-
-
-def _array_dirs(envelope: bytes) -> Tuple[List[str], bool]:
-    """The array paths a committed manifest names (what removing it must delete), and
-    whether it is packed (1.4: its data objects lie below ``packed/`` of its save prefix)."""
-    env = msgpack.unpackb(envelope, raw=False, strict_map_key=False)
-    m = msgpack.unpackb(env["body"], raw=False, strict_map_key=False)
-    return [e["array"] for e in m.get("tensors", {}).values()], "packed" in m
 
 
 class ObjectStoreCommitter:
@@ -294,7 +245,7 @@ class ObjectStoreCommitter:
             try:
                 staged = self.store.get(staged_key)
             except FileNotFoundError as e:
-                if lease is not None and not self._lease_intact(lease):
+                if lease is not None and not _lease_intact(self.store, lease):
                     raise self._reclaimed(staging) from e
                 raise IncompleteCheckpointError(
                     f"{self._url(staged_key)} is missing: the save wrote no manifest; nothing "
@@ -304,10 +255,10 @@ class ObjectStoreCommitter:
         if marker is None:
             assert staged is not None
             marker = _rewrite_array_paths(staged, save_dir, self._url(staged_key))
-        self._check_marker(marker, save_dir, target)
+        _check_marker(marker, save_dir, self._url(target))
         key = self._manifest_key(target)
         # A fresh commit on a conditional store: If-None-Match refuses any marker there.
-        old = None if self.conditional and not overwrite else self._read_with_version(key)
+        old = None if self.conditional and not overwrite else _read_with_version(self.store, key)
         if old is not None and not overwrite:
             raise CheckpointExistsError(
                 f"{self._url(target)}: another save committed a checkpoint there while this one "
@@ -322,13 +273,15 @@ class ObjectStoreCommitter:
         side = ThreadPoolExecutor(1, thread_name_prefix="sp-commit") if old else None
         try:
             named = (
-                side.submit(self._named_objects, target, old[0], save_dir)
+                side.submit(_named_objects, self.store, target, old[0], save_dir)
                 if side is not None and old is not None
                 else None
             )
-            version = self._commit_marker(key, marker, old, target)
-            if lease is not None and not self._lease_intact(lease):
-                self._take_back(key, marker, version, old, target)
+            version = _commit_marker(
+                self.store, key, marker, old, target, self.conditional, self.replace_if_match
+            )
+            if lease is not None and not _lease_intact(self.store, lease):
+                _take_back(self.store, key, marker, version, old, target, self.replace_if_match)
                 raise SaveFailedError(
                     f"{self._url(staging)}: recovery removed this save's lease while it "
                     "committed (the save was paused or stalled for longer than its lease); "
@@ -339,7 +292,7 @@ class ObjectStoreCommitter:
                 doomed = named.result() if named is not None else []
                 if from_store:
                     doomed.append(staged_key)
-                self._delete_last_lease(doomed)
+                _delete_last_lease(self.store, doomed)
             except OSError as e:
                 # Committed: what is left is recovery's ([SP-COMMIT-15]). Raising would make
                 # the caller abort the save, deleting the checkpoint it just committed.
@@ -353,25 +306,6 @@ class ObjectStoreCommitter:
             if side is not None:
                 side.shutdown(wait=False)
 
-    def _check_marker(self, marker: bytes, save_dir: str, target: str) -> None:
-        """Every reader check passes before anything is visible, and the marker names only
-        this save's objects ([SP-COMMIT-11]): one that named another prefix would make a
-        later replacement delete that save's data."""
-        m = decode_manifest(marker)
-        stray = [e.array for e in m.tensors.values() if not e.array.startswith(save_dir + "/")]
-        if m.packed is not None:  # its own data objects too; a base's lie in the base
-            stray += [
-                p
-                for i, (p, _s) in enumerate(m.packed.objects)
-                if m.packed.base_of(i) is None and not p.startswith(save_dir + "/")
-            ]
-        if stray:
-            raise CorruptCheckpointError(
-                f"{self._url(target)}: the marker of {save_dir} names {stray[0]!r}, "
-                f"not below {save_dir}/; nothing was committed",
-                spec_id="SP-COMMIT-11",
-            )
-
     def _reclaimed(self, staging: str) -> SaveFailedError:
         return SaveFailedError(
             f"{self._url(staging)}: recovery reclaimed this save's lease (the save was paused "
@@ -379,182 +313,6 @@ class ObjectStoreCommitter:
             "is intact",
             spec_id="SP-COMMIT-16",
         )
-
-    def _commit_marker(
-        self, key: str, marker: bytes, old: Optional[tuple[bytes, str]], target: str
-    ) -> Optional[str]:
-        """PUT the marker ([SP-COMMIT-12]) and return its version. Whatever the PUT answered,
-        when it did not answer success the marker is read back: this save's own bytes mean
-        the PUT (or a retry of it) landed ([SP-COMMIT-17]). A precondition that failed for a
-        marker that is not ours is another save's win; a transport failure with the marker
-        unchanged is retried with the same condition (never without it)."""
-        attempts = 3
-        for attempt in range(attempts):
-            try:
-                return self._put_marker(key, marker, old)
-            except (FileExistsError, FileNotFoundError, OSError) as e:
-                if isinstance(e, StoreNotFoundError):
-                    raise
-                failure = e
-            try:
-                now = self._read_with_version(key)
-            except CheckpointExistsError:  # changing under our read: not settled
-                now = (b"", "?")
-            if now is not None and now[0] == marker:
-                log.info(
-                    "shardpoint: the commit PUT of %s failed (%s) but the marker is "
-                    "this save's: committed",
-                    self._url(target),
-                    failure,
-                )
-                return now[1]
-            unchanged = (now is None and old is None) or (
-                now is not None and old is not None and now[1] == old[1]
-            )
-            if isinstance(failure, (FileExistsError, FileNotFoundError)) or not unchanged:
-                raise self._lost_race(target, failure)  # a precondition failed, not for us
-            if attempt + 1 < attempts:
-                time.sleep(0.2 * (attempt + 1))
-        raise SaveFailedError(
-            f"{self._url(target)}: the commit PUT failed {attempts} times ({failure}) and the "
-            "marker there is unchanged: nothing was committed",
-            spec_id="SP-COMMIT-12",
-        ) from failure
-
-    def _lost_race(self, target: str, e: BaseException) -> CheckpointExistsError:
-        err = CheckpointExistsError(
-            f"{self._url(target)}: another save committed or replaced the checkpoint there "
-            "while this one ran (its conditional PUT won); this save was not committed",
-            spec_id="SP-COMMIT-12",
-        )
-        err.__cause__ = e
-        return err
-
-    def _put_marker(
-        self, key: str, marker: bytes, old: Optional[tuple[bytes, str]]
-    ) -> Optional[str]:
-        """The one PUT that commits ([SP-COMMIT-12]), conditional where the store can; the
-        marker's new version (None where the store has none)."""
-        if not self.conditional:  # [SP-COMMIT-12]: the last PUT wins, never a mix
-            return self.store.put(key, marker)
-        if old is None:
-            return self.store.put(key, marker, if_absent=True)
-        if self.replace_if_match:
-            return replaceable(self.store).put(key, marker, if_match=old[1])
-        return self.store.put(key, marker)  # no If-Match: a replacement race is the caller's
-
-    def _lease_intact(self, lease: LeaseState) -> bool:
-        """The save's lease is where it wrote it last, unchanged: recovery has not begun to
-        remove the save's prefix ([SP-COMMIT-16])."""
-        try:
-            return self.store.get(lease.key) == lease.data
-        except FileNotFoundError:
-            return False
-
-    def _take_back(
-        self,
-        key: str,
-        marker: bytes,
-        version: Optional[str],
-        old: Optional[tuple[bytes, str]],
-        target: str,
-    ) -> None:
-        """Undo this save's marker after its data was found removed: the replaced marker goes
-        back (If-Match this save's marker), or, for a fresh target, the marker is deleted if
-        it is still this save's."""
-        try:
-            if old is not None:
-                if self.replace_if_match and version:
-                    replaceable(self.store).put(key, old[0], if_match=version)
-                else:
-                    self.store.put(key, old[0])
-                return
-            now = self._read_with_version(key)
-            if now is not None and now[0] == marker:
-                self.store.delete([key])
-        except (OSError, CheckpointExistsError) as e:
-            log.error(
-                "shardpoint: could not take back the marker of %s (%s): it names "
-                "objects recovery removed",
-                self._url(target),
-                e,
-            )
-
-    def _read_with_version(self, key: str) -> Optional[tuple[bytes, str]]:
-        """(bytes, version) of ``key``, or None; the version is the one the bytes are of:
-        one GET where the store gives the version with the bytes (``get_versioned``), else a
-        HEAD before and after the GET."""
-        getv = getattr(self.store, "get_versioned", None)
-        if getv is not None:
-            try:  # at most one byte over the cap, so a bigger one is seen
-                data, info = getv(key, _MAX_MANIFEST + 1)
-            except StoreNotFoundError:
-                raise
-            except FileNotFoundError:
-                return None
-            if info.size > _MAX_MANIFEST or len(data) > _MAX_MANIFEST:
-                raise CorruptCheckpointError(
-                    f"{self._url(key)} is {info.size} bytes, over 1 GiB", spec_id="SP-SEC-2"
-                )
-            return data, info.version
-        info = self.store.head(key)
-        if info is None:
-            return None
-        if info.size > _MAX_MANIFEST:
-            raise CorruptCheckpointError(
-                f"{self._url(key)} is {info.size} bytes, over 1 GiB", spec_id="SP-SEC-2"
-            )
-        data = self.store.get(key)
-        again = self.store.head(key)
-        if again is None or again.version != info.version:
-            raise CheckpointExistsError(
-                f"{self._url(key)} changed while it was read: another save is committing there",
-                spec_id="SP-COMMIT-12",
-            )
-        return data, info.version
-
-    def _delete_arrays(self, target: str, envelope: bytes, keep: str = "") -> None:
-        """Delete the objects a replaced or removed manifest named ([SP-COMMIT-14])."""
-        self._delete_last_lease(self._named_objects(target, envelope, keep))
-
-    def _delete_last_lease(self, keys: List[str]) -> None:
-        """Delete ``keys``, leases last: a deletion cut short leaves a prefix that recovery
-        still recognises as this protocol's ([SP-COMMIT-16])."""
-        leases = [k for k in keys if k.endswith("/" + LEASE_NAME)]
-        rest = [k for k in keys if not k.endswith("/" + LEASE_NAME)]
-        if rest:
-            self.store.delete(rest)
-        if leases:
-            self.store.delete(leases)
-
-    def _named_objects(self, target: str, envelope: bytes, keep: str = "") -> List[str]:
-        """What the protocol wrote for the arrays a manifest names, ``keep`` excepted: below
-        each save prefix its ``tensors/``, its root group, its lease and a staged manifest
-        copy (writers before 1.3); below each plain array path (section 3), all of it.
-        Nothing else below a save prefix is ours to delete."""
-        try:
-            dirs, packed = _array_dirs(envelope)
-        except Exception:  # noqa: BLE001 - a damaged old marker: its objects stay, recover
-            return []  # finds unreferenced save prefixes; nothing else is ours to guess
-        prefixes, saves = set(), set()
-        for d in dirs:
-            top, _, rest = d.partition("/")
-            if top.startswith(SAVE_PREFIX) and top != keep:
-                saves.add(_join(target, top))
-                # one listing per save: its arrays all lie below tensors/ ([SP-LAYOUT-4])
-                prefixes.add(
-                    _join(target, top, "tensors") + "/"
-                    if rest.startswith("tensors/")
-                    else _join(target, d) + "/"
-                )
-            elif not top.startswith(SAVE_PREFIX):
-                prefixes.add(_join(target, d) + "/")
-        out = [i.key for p in sorted(prefixes) for i in self.store.list(p)]
-        for save in sorted(saves) if packed else ():  # (1.4) its data objects [SP-PACK-8]
-            out += [i.key for i in self.store.list(_join(save, "packed") + "/")]
-        for save in sorted(saves):  # its root group [SP-LAYOUT-5], a 1.2 staged copy
-            out += [_join(save, "zarr.json"), _join(save, MANIFEST_NAME), _join(save, LEASE_NAME)]
-        return out
 
     def abort(self, staging: str) -> None:
         """Delete everything below this save's own prefix (its lease last), unless a marker
@@ -571,7 +329,7 @@ class ObjectStoreCommitter:
                 self._url(target),
             )
             return
-        self._delete_last_lease([i.key for i in self.store.list(_join(staging) + "/")])
+        _delete_last_lease(self.store, [i.key for i in self.store.list(_join(staging) + "/")])
 
     # -- retention and recovery -----------------------------------------------------------
     def remove(self, target: str) -> bool:
@@ -581,7 +339,7 @@ class ObjectStoreCommitter:
         are there (as on files, where a save stages beside its target), and
         CheckpointNotFoundError, deleting nothing, where other objects are."""
         key = self._manifest_key(target)
-        old = self._read_with_version(key)
+        old = _read_with_version(self.store, key)
         if old is None:
             foreign = self._foreign(target)
             if foreign:
@@ -594,7 +352,7 @@ class ObjectStoreCommitter:
             return False  # gone already, or only a save's own prefix
         self._refuse_if_referenced(target, old[0], "removing the checkpoint")
         self.store.delete([key])
-        self._delete_arrays(target, old[0])
+        _delete_arrays(self.store, target, old[0])
         return True
 
     def leftovers(self, directory: str, *, now: Optional[float] = None) -> list[Any]:
@@ -699,7 +457,7 @@ class ObjectStoreCommitter:
             return False
         if named():  # its save committed between our two reads: whole, and kept
             return False
-        self._delete_last_lease([i.key for i in self.store.list(_join(leftover) + "/")])
+        _delete_last_lease(self.store, [i.key for i in self.store.list(_join(leftover) + "/")])
         return True
 
 

@@ -5,6 +5,8 @@ A checkpoint path picks its store (:meth:`ZarrBackend.locate`): a local path is 
 registered scheme) the shared store of its bucket. Arrays are read and written by the Zarr
 layer (:mod:`.array`: zarr.json, chunk keys, crc32c, shard indexes, the spec's reader checks)
 over that store, and the committer of the path's kind publishes ([SP-COMMIT-*]).
+Which writer or reader serves an array is :mod:`.backend_handles`'s, the manifest's
+requests are :mod:`.backend_manifest`'s.
 
 What a store can do beyond bytes decides the fast paths, never the format: where keys are
 local files (``capabilities.local_path``), whole chunks are written and read by the
@@ -27,116 +29,59 @@ only then; the byte store over TensorStore's kvstores is
 from __future__ import annotations
 
 import os
-import sys
 import threading
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from shardpoint_core.stores.durable import will_need
 from shardpoint_core.commit.posix import PosixCommitter
-from shardpoint_core.format.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    InvalidOptionError,
-    SaveFailedError,
-    ShardpointError,
-    StoreNotFoundError,
-)
+from shardpoint_core.format.errors import InvalidOptionError, SaveFailedError
 from shardpoint_core.format.manifest import Manifest
 from shardpoint_core.format.spec import MANIFEST_NAME, ArraySpec
 from shardpoint_core.stores.files import FileStore
 from shardpoint_core.stores import location
 from shardpoint_core.stores.registry import is_local, url_of
 from shardpoint_core.arrays import local
-from shardpoint_core.arrays.array import (
-    ArrayLayout,
-    read_chunk,
-    read_region,
-    write_array_meta,
-    write_region,
-)
-from shardpoint_core.arrays.checks import check_metadata, check_shard_files, read_zarr_json
-from shardpoint_core.arrays.opening import open_local_array
+from shardpoint_core.arrays.array import ArrayLayout, write_array_meta, write_region
 from shardpoint_core.commit.routing import PathCommitter, UrlCommitter
-from shardpoint_core.arrays.direct_read import DirectReader, parse_layout, whole_chunk_files
-from shardpoint_core.arrays.direct_write import (
-    DirectWriter,
-    WritePool,
-    stored_codecs,
-    write_layout,
-    zarr_json_bytes,
-)
-from shardpoint_core.arrays.groups import array_paths_of, start_groups, write_groups
+from shardpoint_core.arrays.direct_read import whole_chunk_files
+from shardpoint_core.arrays.direct_write import WritePool
 from shardpoint_core.arrays.identity import CrcSink, chunk_number, units_per_chunk
-from shardpoint_core.format.layout import (
-    INNER_CHUNK_BYTES,
-    SHARD_ABOVE_BYTES,
-    codecs_for,
-    fill_value,
-)
+from shardpoint_core.format.layout import INNER_CHUNK_BYTES, SHARD_ABOVE_BYTES
 from shardpoint_core.arrays.object_read import ObjectArray
-from shardpoint_core.arrays.packed_base import based_store, verify_hashes
+from shardpoint_core.arrays.packed_base import based_store
 from shardpoint_core.arrays.packed_checks import start_checks
-from shardpoint_core.arrays.packed_read import PackedView, ReadBatch, open_packed, verify_packed
-from shardpoint_core.arrays.ts_check import LazyTS, TensorStoreCheck, TSHandle
+from shardpoint_core.arrays.packed_read import ReadBatch, open_packed
+from shardpoint_core.arrays.ts_check import TensorStoreCheck
+from shardpoint_core.transactions.backend_handles import (
+    _Array,
+    _DirectHandle,
+    _KeyedRead,
+    _WriteHandle,
+    array_metas,
+    open_local_for_read,
+    open_local_for_write,
+    start_read,
+    verify_array,
+    wait_reads,
+)
+from shardpoint_core.transactions.backend_manifest import (
+    MAX_MANIFEST_BYTES,
+    read_remote_manifest,
+    write_manifest_groups,
+)
 
-MAX_MANIFEST_BYTES = local.MAX_MANIFEST_BYTES
-
-
-class _Array:
-    """An array the Zarr layer reads or writes: its store, key below the store's root,
-    layout, and the tensor's key (for errors). ``root``: the save it is written in, while
-    its zarr.json is still to be written by this process."""
-
-    __slots__ = ("store", "path", "layout", "key", "root", "sink")
-
-    def __init__(
-        self,
-        store: Any,
-        path: str,
-        layout: ArrayLayout,
-        key: str,
-        root: Optional[str] = None,
-        sink: Any = None,
-    ) -> None:
-        self.store, self.path, self.layout, self.key = store, path, layout, key
-        self.root, self.sink = root, sink
-
-
-class _WriteHandle(LazyTS):
-    """An array on local files written by direct whole-chunk writes; a write of anything but
-    one whole chunk goes through the Zarr layer (``arr``), one at a time per array: two parts
-    of one chunk written at once must not lose each other's bytes."""
-
-    def __init__(self, writer: DirectWriter, open_ts: Any, arr: _Array) -> None:
-        super().__init__(open_ts)
-        self.writer, self.arr = writer, arr
-        self.partial = threading.Lock()
-
-    def write_part(self, offset: tuple[int, ...], data: np.ndarray) -> None:
-        with self.partial:
-            write_region(
-                self.arr.store, self.arr.path, self.arr.layout, offset, data, sink=self.arr.sink
-            )
-
-
-class _DirectHandle(LazyTS):
-    """An array on local files read by direct chunk reads; a chunk they cannot prove intact
-    is read again by the Zarr layer (``arr``), which raises the spec's error."""
-
-    def __init__(self, layout: Any, open_ts: Any, arr: _Array) -> None:
-        super().__init__(open_ts)
-        self.layout, self.arr, self.key = layout, arr, arr.key
-
-
-class _KeyedRead:
-    """A read in flight and the tensor it reads, so :meth:`ZarrBackend.wait` names the key."""
-
-    def __init__(self, op: Any, key: Optional[str]) -> None:
-        self.op, self.key = op, key
+# ZarrBackend's own names, and those of its handles and their helpers
+# (:mod:`.backend_handles`), importable from here as before the split
+__all__ = [
+    "MAX_MANIFEST_BYTES",
+    "ZarrBackend",
+    "_Array",
+    "_DirectHandle",
+    "_KeyedRead",
+    "_WriteHandle",
+]
 
 
 class ZarrBackend:
@@ -289,22 +234,7 @@ class ZarrBackend:
     def _metas(self, spec: ArraySpec) -> Tuple[dict[str, Any], dict[str, Any], list[Any], int]:
         """(zarr.json this backend writes for ``spec`` as TensorStore takes it, the same as
         stored, the codec chain, the itemsize)."""
-        from shardpoint_core.format.dtypes import from_name
-
-        itemsize = from_name(spec.dtype).itemsize
-        codecs = codecs_for(spec, itemsize, self.shard_above_bytes, self.inner_chunk_bytes)
-        meta = {
-            "shape": list(spec.shape),
-            "data_type": spec.dtype,
-            "chunk_grid": {
-                "name": "regular",
-                "configuration": {"chunk_shape": list(spec.chunk_shape)},
-            },
-            "chunk_key_encoding": {"name": "default"},
-            "fill_value": fill_value(spec.dtype),
-            "codecs": codecs,
-        }
-        return meta, dict(meta, codecs=stored_codecs(codecs, itemsize)), codecs, itemsize
+        return array_metas(spec, self.shard_above_bytes, self.inner_chunk_bytes)
 
     def _guess(self, spec: ArraySpec) -> Optional[ArrayLayout]:
         """The layout this backend would write for ``spec`` (None where it cannot say)."""
@@ -329,29 +259,19 @@ class ZarrBackend:
         apath = store.path(path)
         with self._lock:
             self._written.setdefault(store.root, (store, set()))[1].add(path)
-
-        def open_ts() -> Any:
-            return self.ts.open_for_write(root, array_path, meta)
-
-        wlay = (
-            write_layout(apath, spec.shape, spec.chunk_shape, codecs, itemsize)
-            if self.direct_writes
-            else None
-        )
-        if wlay is None and (lay.zstd_level is None or not self.direct_writes):
-            return open_ts()
-        try:
-            local.create_zarr_json(root, apath, zarr_json_bytes(stored))
-        except OSError as e:
-            raise SaveFailedError(f"cannot create array {array_path!r} under {root}: {e}") from e
-        if (
-            wlay is None
-        ):  # (1.5) compressed chunks: encoded by the Zarr layer, made durable by flush
-            return _Array(FileStore(root, fsync=False), path, lay, array_path, sink=sink)
-        return _WriteHandle(
-            DirectWriter(wlay, self._write_pool.submit, self.fsync, sink),
-            open_ts,
-            _Array(FileStore(root, fsync=False), path, lay, array_path, sink=sink),
+        return open_local_for_write(
+            root,
+            array_path,
+            spec,
+            path,
+            apath,
+            (meta, stored, codecs, itemsize),
+            lay,
+            sink,
+            self.ts,
+            self.direct_writes,
+            self.fsync,
+            self._write_pool.submit,
         )
 
     def _sink(self, root: str, array_path: str, lay: ArrayLayout) -> Any:
@@ -429,27 +349,7 @@ class ZarrBackend:
         :meth:`commit`, which PUTs it as the marker. A :class:`Manifest` is encoded once (on
         object stores straight into the marker's bytes); bytes are a writer's own encoding."""
         store, key = self.locate(root)
-        arrays = (
-            [e.array for e in data.tensors.values()]
-            if isinstance(data, Manifest)
-            else array_paths_of(data)
-        )  # None: not a manifest, no groups to write
-        if isinstance(data, Manifest) and data.packed is not None:
-            arrays = None  # the packed layout has no zarr.json ([SP-PACK-1]): a copy's commit
-        local_files = is_local(root)
-        # An OSError names its file and goes to the caller as the manifest's own would (the
-        # save reports it as a failed commit, with the fix for a full disk).
-        if arrays is not None and local_files:
-            write_groups(store, key, arrays, self._write_pool.submit)
-        groups = (
-            start_groups(store, key, arrays, self._remote.submit)
-            if arrays is not None and not local_files
-            else []
-        )
-        # Object stores: no staged copy below the save prefix (spec 1.3, [SP-COMMIT-11]): a
-        # prefix holding a manifest looks like a checkpoint to anyone who opens it.
-        for f in groups:
-            f.result()
+        write_manifest_groups(store, key, root, data, self._write_pool.submit, self._remote.submit)
         self.committer.write_manifest(root, data)
 
     def commit(self, staging: str, path: str, *, overwrite: Any) -> None:
@@ -485,34 +385,14 @@ class ZarrBackend:
 
     def _read_remote_manifest(self, path: str, identity: bool) -> Tuple[bytes, Optional[list[Any]]]:
         store, key = self.locate(path)
-        mkey = f"{key}/{MANIFEST_NAME}" if key else MANIFEST_NAME
-        getv = getattr(store, "get_versioned", None) if identity else None
-        ident = None
-        if identity and getv is None:
-            ident = self.checkpoint_identity(path)
-        try:  # one request: at most one byte over the cap, so a bigger one is seen
-            if getv is not None:
-                data, info = getv(mkey, MAX_MANIFEST_BYTES + 1)
-                ident = [info.version, info.size]
-            else:
-                data = store.get_range(mkey, 0, MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError as e:
-            if isinstance(e, StoreNotFoundError):
-                raise
-            if self.committer.urls.state(path) == "incomplete":
-                raise IncompleteCheckpointError(
-                    f"{path} has objects but no manifest.msgpack: not a checkpoint; an "
-                    "unfinished save (crashed or still running) or an incomplete copy",
-                    spec_id="SP-COMMIT-3",
-                ) from None
-            raise CheckpointNotFoundError(
-                f"no checkpoint at {path} (no manifest.msgpack)", spec_id="SP-COMMIT-3"
-            ) from None
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(
-                f"{path}/{MANIFEST_NAME} is over the 1 GiB cap", spec_id="SP-SEC-2"
-            )
-        return data, ident
+        return read_remote_manifest(
+            store,
+            key,
+            path,
+            identity,
+            self.checkpoint_identity,
+            lambda p: self.committer.urls.state(p),
+        )
 
     def checkpoint_identity(self, path: str) -> Optional[list[Any]]:
         """Which commit of ``path`` is there now; None when there is none. ``load`` compares
@@ -542,29 +422,9 @@ class ZarrBackend:
         path = f"{prefix}/{array_path}" if prefix else array_path
         if not store.capabilities.local_path:
             return ObjectArray(store, path, spec, key, self._guess(spec))
-        from shardpoint_core.format.dtypes import DTYPES, from_name
-
-        meta = open_local_array(
-            root,
-            array_path,
-            tuple(spec.shape),
-            spec.dtype,
-            tuple(spec.chunk_shape),
-            from_name(spec.dtype).itemsize,
-            key,
+        return open_local_for_read(
+            store, root, array_path, path, spec, key, self.direct_reads, self.ts
         )
-        if not (self.direct_reads and spec.dtype in DTYPES and sys.byteorder == "little"):
-            return TSHandle(self.ts.open_for_read(root, array_path, spec, key), key)
-        apath = os.path.join(root, array_path)
-        lay = ArrayLayout.from_meta(meta).with_table(spec.chunk_crc32c, key, array_path)
-        arr = _Array(store, path, lay, key)
-        # bool goes to the Zarr layer, which refuses bytes other than 0/1 ([SP-READ-5]).
-        dlay = parse_layout(meta, apath, DTYPES[spec.dtype].numpy) if spec.dtype != "bool" else None
-        if dlay is None:
-            return arr
-        dlay = replace(dlay, crcs=lay.crcs)  # the chunk table too ([SP-READ-8])
-        check_metadata(dlay.shape, meta, spec, key, array_path)
-        return _DirectHandle(dlay, lambda: self.ts.open_for_read(root, array_path, spec, key), arr)
 
     def will_open(self, root: str, specs: Iterable[ArraySpec]) -> None:
         """A hint before the arrays of ``specs`` below ``root`` are opened (a load's, or a
@@ -591,46 +451,16 @@ class ZarrBackend:
         self._reads.submit(will_need, whole_chunk_files(handle.layout, offset, shape))
 
     def read_into(self, handle: Any, offset: Sequence[int], out: np.ndarray) -> Any:
-        if isinstance(handle, _DirectHandle):
-            arr = handle.arr
-
-            def fallback(off: Sequence[int], view: np.ndarray) -> None:
-                # A chunk the direct reader cannot prove intact: the layer raises the spec's
-                # error for it (a damaged bool chunk fails as SP-READ-3, [SP-READ-5]).
-                read_region(arr.store, arr.path, arr.layout, off, view, arr.key)
-
-            return _KeyedRead(
-                DirectReader(handle.layout, self._reads.submit, fallback, arr.key).read(
-                    tuple(offset), out
-                ),
-                arr.key,
-            )
-        if isinstance(handle, ObjectArray):
-            return _KeyedRead(
-                self._remote.submit(
-                    handle.read, tuple(offset), out, self._meta_reads.submit, self._remote.submit
-                ),
-                handle.key,
-            )
-        if isinstance(handle, _Array):
-            pool = self._reads if handle.store.capabilities.local_path else self._remote
-            if isinstance(handle.store, PackedView):  # (1.4) packed: planned at wait()
-                return _KeyedRead(
-                    self._packed_reads.add(handle.store, tuple(offset), out, pool), handle.key
-                )
-            return _KeyedRead(
-                pool.submit(
-                    read_region,
-                    handle.store,
-                    handle.path,
-                    handle.layout,
-                    tuple(offset),
-                    out,
-                    handle.key,
-                ),
-                handle.key,
-            )
-        return _KeyedRead(self.ts.read_into(handle, offset, out), handle.key)
+        return start_read(
+            handle,
+            offset,
+            out,
+            self._reads,
+            self._remote,
+            self._meta_reads,
+            self._packed_reads,
+            self.ts,
+        )
 
     def start_reads(self) -> None:
         """Start the packed reads added so far (planned together, :class:`ReadBatch`)."""
@@ -640,62 +470,11 @@ class ZarrBackend:
         """Wait for every op (each finishes before an error is raised); the first error is
         raised, a TensorStore one as the spec's error naming the tensor."""
         self._packed_reads.dispatch()  # packed reads added so far start now, planned together
-        first: Optional[tuple[Any, ...]] = None  # (error, key of the tensor read, or None)
-        todo: List[tuple[Any, ...]] = [(op, None) for op in ops]
-        while todo:
-            op, key = todo.pop()
-            if isinstance(op, _KeyedRead):
-                todo.append((op.op, op.key))
-                continue
-            if isinstance(op, list):
-                todo.extend((o, key) for o in op)
-                continue
-            try:
-                more = op.result()
-            except Exception as e:  # noqa: BLE001 - every op is waited for before raising
-                first = first or (e, key)
-                continue
-            if isinstance(more, list):
-                todo.extend((m, key) for m in more)
-        if first is None:
-            return
-        if not isinstance(first[0], ValueError):
-            raise first[0]
-        msg = str(first[0]).split("[tensorstore_spec")[0].strip()
-        missing = "NOT_FOUND" in msg
-        raise CorruptCheckpointError(
-            (f"tensor {first[1]!r}: " if first[1] is not None else "")
-            + f"stored data {'is missing' if missing else 'failed its checks'}: {msg}",
-            spec_id="SP-READ-2" if missing else "SP-READ-3",
-        ) from first[0]
+        wait_reads(ops)
 
     def verify_array(self, root: str, array_path: str, spec: ArraySpec, key: str) -> list[Any]:
         """Every chunk read and checked; one ``(spec ID, message)`` per problem."""
-        if spec.packed is not None:  # (1.4) a packed checkpoint
-            try:
-                view = self.open_array_for_read(root, array_path, spec, key).store
-                return verify_packed(view) + verify_hashes(view)
-            except ShardpointError as e:
-                return [(e.spec_id or "SP-READ-3", str(e))]
-        try:
-            handle = self.open_array_for_read(root, array_path, spec, key)
-            if is_local(root):
-                check_shard_files(root, array_path, read_zarr_json(root, array_path, key), key)
-            else:
-                _ = handle.layout  # zarr.json read and checked now
-        except ShardpointError as e:
-            return [(e.spec_id or "SP-ARRAY-1", str(e))]
-        if isinstance(handle, TSHandle):
-            return self.ts.verify(root, array_path, spec, key)
-        arr = handle.arr if isinstance(handle, _DirectHandle) else handle
-        problems = []
-        lay = arr.layout
-        for cidx in np.ndindex(*lay.grid()) if lay.shape else [()]:
-            try:
-                read_chunk(arr.store, arr.path, lay, cidx, key)
-            except CorruptCheckpointError as e:
-                problems.append((e.spec_id or "SP-READ-3", f"chunk {list(cidx)}: {e}"))
-        return problems
+        return verify_array(self.open_array_for_read, self.ts, root, array_path, spec, key)
 
     # -- leftovers of crashed saves ([SP-COMMIT-6]): the committer's ---------------------
     def list_leftovers(self, directory: str) -> list[Any]:
