@@ -9,11 +9,12 @@ before its tensors are opened, in one round trip).
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from shardpoint_core.arrays.checks import check_regular_file
 from shardpoint_core.arrays.packed import _bad, _join
 from shardpoint_core.format.packed import PackedArray
 from shardpoint_core.stores.base import ByteStore
@@ -153,7 +154,7 @@ def _check_object(
     """One object's checks (see :func:`check_objects`); False where it is sparse (each
     tensor then checks the holes of its own records)."""
     if store.capabilities.local_path:
-        _lstat_walk(store, full, key)
+        _lstat_walk(store, full, key, path)
     info = store.head(full)
     if info is None:
         raise _bad(key, path, "the data object is missing", "SP-READ-2")
@@ -179,10 +180,22 @@ def _check_object(
     return not sparse
 
 
-def _lstat_walk(store: ByteStore, full: str, key: str) -> None:
-    """[SP-SEC-5]: each directory on the way a real one, the object a regular file (the
-    per-array layout's check of its files, :func:`~.checks.check_regular_file`)."""
-    try:
-        check_regular_file(store.root, full, key)  # type: ignore[attr-defined]
-    except FileNotFoundError:
-        return  # missing: head reports it as SP-READ-2
+def _lstat_walk(store: ByteStore, full: str, key: str, path: str) -> None:
+    """[SP-SEC-5]: each directory on the way a real one, the object a regular file."""
+    root = store.root  # type: ignore[attr-defined]
+    p = root
+    parts = full.split("/")
+    for i, comp in enumerate(parts):
+        p = os.path.join(p, comp)
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            return  # missing: head reports it as SP-READ-2
+        last = i == len(parts) - 1
+        if (last and not stat.S_ISREG(st.st_mode)) or (not last and not stat.S_ISDIR(st.st_mode)):
+            raise _bad(
+                key,
+                path,
+                f"{p} is not a regular {'file' if last else 'directory'} (a link or special file)",
+                "SP-SEC-5",
+            )
