@@ -310,6 +310,11 @@ class CheckpointManager:
         self._clean_leftovers()
         if not self.incremental or step is None:
             return None
+        return self._storage_base(step)
+
+    def _storage_base(self, step: int) -> Optional[str]:
+        """(``incremental``, process 0) what a save or durable copy of ``step`` builds on:
+        the newest committed step before it (None: none)."""
         earlier = [s for s in self.all_steps() if s < step]
         return self.path(earlier[-1]) if earlier else None
 

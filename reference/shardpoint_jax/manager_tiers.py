@@ -8,10 +8,10 @@ on them (through :mod:`shardpoint_jax.comm`).
   before it, each durable copy on the newest storage step before it); when it is due to
   storage, process 0 starts the durable copy of that memory step in the background (after
   the previous copy finished). Then the finished copy is reported on every process,
-  storage retention applied, old memory steps removed. A memory step of the same number is replaced (memory is the manager's scratch: a
-  resumed job saves its steps again: with ``incremental``, later memory steps built on it
-  are removed first, :mod:`shardpoint_core.transactions.tier_rollback`); ``force`` applies
-  to storage.
+  storage retention applied, old memory steps removed. A memory step of the same number is
+  replaced (memory is the manager's scratch: a resumed job saves its steps again: with
+  ``incremental``, later memory steps built on it are removed first,
+  :mod:`shardpoint_core.transactions.tier_rollback`); ``force`` applies to storage.
 - load: the newest step across memory and storage (or the one asked for), each checked
   before use; a memory step with missing or damaged pieces gives way to the same step in
   storage, then to the next older step; ``last_load`` says what came from where and what was
@@ -41,17 +41,13 @@ def save_tiered(mgr: Any, n: int, tree: Any, force: bool) -> None:
     to_memory, to_storage = tiers.due(n)
     if to_memory:
         backend = mgr.backend  # the layout of every step, in memory and in storage
-        if mgr.incremental:  # a rolled-back run: its later memory steps built on ``n``
+        if mgr.incremental:
+            from shardpoint_core.transactions.packed import step_backend
             from shardpoint_core.transactions.tier_rollback import drop_rolled_back
 
-            got = drop_rolled_back(tiers, _exchange(), n, lambda: report(mgr, block=True))
-            for w in got:
-                log.warning("shardpoint: %s", w)
-            mgr.tier_warnings.extend(
-                got
-            )  # builds on the newest memory step before n (process 0's choice)
-            from shardpoint_core.transactions.packed import step_backend
-
+            # a rolled-back run: its later memory steps built on ``n`` go first
+            _tell(mgr, drop_rolled_back(tiers, _exchange(), n, lambda: report(mgr, True)))
+            # then it builds on the newest memory step before n (process 0's choice)
             mine = (tiers.memory_base(n) or "").encode() if jax.process_index() == 0 else None
             base = broadcast("manager-tiers-base")(mine).decode()
             backend = step_backend(mgr.backend, base or None)
@@ -70,25 +66,20 @@ def report(mgr: Any, block: bool, start: Optional[tuple] = None) -> None:
     where given, and removes old memory steps; every process then hears what failed or was
     retried (``tier_warnings``, logged) and training goes on."""
     tiers: Tiers = mgr._tiers
-    base = _storage_base(mgr) if mgr.incremental else None  # what a durable copy builds on
+    base = mgr._storage_base if mgr.incremental else None  # what a durable copy builds on
     got = tiers.report(
         _exchange(), block, start, mgr.backend, mgr._retain, mgr._clean_leftovers, base=base
     )
     if jax.process_index() != 0:
         mgr._metrics.clear()
-    for w in got:
+    _tell(mgr, got)
+
+
+def _tell(mgr: Any, warnings: list) -> None:
+    """What the tiers' upkeep reported, logged and kept in ``tier_warnings``."""
+    for w in warnings:
         log.warning("shardpoint: %s", w)
-    mgr.tier_warnings.extend(got)
-
-
-def _storage_base(mgr: Any) -> Any:
-    """(process 0) step -> the newest committed storage step before it (None: none)."""
-
-    def base(step: int) -> Optional[str]:
-        earlier = [s for s in mgr.all_steps() if s < step]
-        return str(mgr.path(earlier[-1])) if earlier else None
-
-    return base
+    mgr.tier_warnings.extend(warnings)
 
 
 def load_tiered(

@@ -466,10 +466,9 @@ class CheckpointManager:
         from shardpoint_core.transactions.tier_rollback import drop_rolled_back
 
         assert self._tiers is not None
-        got = drop_rolled_back(self._tiers, self._exchange(), step, lambda: self._report(True))
-        for w in got:
-            log.warning("shardpoint: %s", w)
-        self.tier_warnings.extend(got)
+        self._tell(
+            drop_rolled_back(self._tiers, self._exchange(), step, lambda: self._report(True))
+        )
 
     def _report(self, block: bool, start: Optional[tuple] = None) -> None:
         """Collective: the coordinator collects the finished durable copy (waiting for it
@@ -480,12 +479,15 @@ class CheckpointManager:
         assert tiers is not None
         ex = self._exchange()
         base = self._storage_base if self.incremental else None  # what a durable copy builds on
-        got = tiers.report(
-            ex, block, start, self.backend, self._retain, self._clean_leftovers, base=base
+        self._tell(
+            tiers.report(ex, block, start, self.backend, self._retain, self._clean_leftovers, base)
         )
-        for w in got:
+
+    def _tell(self, warnings: list) -> None:
+        """What the tiers' upkeep reported, logged and kept in ``tier_warnings``."""
+        for w in warnings:
             log.warning("shardpoint: %s", w)
-        self.tier_warnings.extend(got)
+        self.tier_warnings.extend(warnings)
 
     def _load_tiered(self, step: Optional[int], like: Any, opts: dict) -> Any:
         """``load`` with a memory tier: the newest step across memory and storage (or
