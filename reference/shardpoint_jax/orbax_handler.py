@@ -118,7 +118,7 @@ class ShardpointHandler(ocp.AsyncCheckpointHandler):
         """Nothing: the shardpoint checkpoint is committed before the save's future is done."""
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the handler keeps no pool or handle between calls."""
 
 
 @ocp.args.register_with_handler(ShardpointHandler, for_save=True)

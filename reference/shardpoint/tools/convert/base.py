@@ -93,7 +93,7 @@ class Source:
         them is published. A format that cannot tell checks nothing."""
 
     def close(self) -> None:
-        pass
+        """Release what the source holds open; a source holding nothing open has nothing to do."""
 
     def __enter__(self) -> "Source":
         return self
